@@ -1,0 +1,63 @@
+import { Schema } from "effect"
+
+/** What a stage loads: a contiguous block range of one GGUF file. */
+export interface StageLoadSpec {
+  readonly path: string
+  readonly layerStart: number
+  readonly layerEndExclusive: number
+  /** Stage 0: also loads token_embd and takes token ids as input. */
+  readonly isFirst: boolean
+  /** Last stage: also loads output_norm + output (or tied embedding) and returns logits. */
+  readonly isLast: boolean
+  /** "cpu" (default) or "cuda" when a CUDA GPU and node-llama-cpp's CUDA package are present. */
+  readonly backend?: "cpu" | "cuda" | "auto"
+}
+
+export interface LoadProgress {
+  readonly loadedBytes: number
+  readonly totalBytes: number
+}
+
+/** Facts about a loaded stage that the runtime needs. */
+export interface StageInfo {
+  readonly arch: string
+  readonly layerStart: number
+  readonly layerEndExclusive: number
+  readonly numLayers: number
+  readonly isFirst: boolean
+  readonly isLast: boolean
+  readonly hiddenDim: number
+  readonly vocabSize: number
+  readonly contextLength: number
+  readonly eosTokenId: number
+  readonly bosTokenId: number | undefined
+  /** Sum of the byte sizes (from the GGUF table) of the tensors this stage holds. */
+  readonly weightBytes: number
+  readonly backend: string
+}
+
+export type StageInput =
+  | { readonly _tag: "Tokens"; readonly tokens: Int32Array }
+  | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
+
+export type StageOutput =
+  | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
+  /** Logits of the last input position (length = vocabSize). */
+  | { readonly _tag: "Logits"; readonly logits: Float32Array }
+
+export class ContextOverflow extends Schema.TaggedError<ContextOverflow>()("ContextOverflow", {
+  position: Schema.Number,
+  nTokens: Schema.Number,
+  contextLength: Schema.Number
+}) {}
+
+export class EngineError extends Schema.TaggedError<EngineError>()("EngineError", {
+  message: Schema.String
+}) {}
+
+/** Input that does not fit the stage (wrong kind, wrong length, out-of-range token id). */
+export class InvalidStageInput extends Schema.TaggedError<InvalidStageInput>()("InvalidStageInput", {
+  message: Schema.String
+}) {}
+
+export type ForwardError = ContextOverflow | EngineError | InvalidStageInput
