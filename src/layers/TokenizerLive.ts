@@ -1,0 +1,91 @@
+import { Effect, Layer, Scope } from "effect"
+import {
+  makeIncrementalDecoder,
+  type ModelTokenizer,
+  Tokenizer,
+  TokenizerError,
+  type TokenizerService
+} from "../services/Tokenizer.js"
+
+type NodeLlamaCpp = typeof import("node-llama-cpp")
+type Llama = Awaited<ReturnType<NodeLlamaCpp["getLlama"]>>
+type LlamaModel = Awaited<ReturnType<Llama["loadModel"]>>
+
+const fromModel = (model: LlamaModel): ModelTokenizer => {
+  const bos = model.tokens.bos ?? undefined
+  const eos = model.tokens.eos ?? undefined
+  const addsBos = bos !== undefined && model.tokens.shouldPrependBosToken
+  const detokenize = (tokens: ReadonlyArray<number>, context?: ReadonlyArray<number>) =>
+    model.detokenize(tokens as Array<never>, false, context as Array<never> | undefined)
+  let vocabSize = 0
+  for (const _ of model.iterateAllTokens()) vocabSize++
+  return {
+    vocabSize,
+    bosTokenId: bos as number | undefined,
+    eosTokenId: eos as number | undefined,
+    addsBos,
+    tokenize: (text) => {
+      const tokens = model.tokenize(text) as ReadonlyArray<number>
+      return addsBos ? [bos as number, ...tokens] : [...tokens]
+    },
+    detokenize,
+    isEndOfGeneration: (token) => model.isEogToken(token as never),
+    decoder: (context) => makeIncrementalDecoder(detokenize, context)
+  }
+}
+
+/** Vocabulary-only loads through node-llama-cpp's prebuilt CPU binary (never compiles, no GPU). */
+export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
+  Tokenizer,
+  Effect.gen(function*() {
+    const layerScope = yield* Effect.scope
+    const llama = yield* Effect.cached(
+      Effect.acquireRelease(
+        Effect.promise(async () => {
+          const lib = await import("node-llama-cpp")
+          return lib.getLlama({ gpu: false, build: "never", logLevel: lib.LlamaLogLevel.error })
+        }),
+        (llama) => Effect.promise(() => llama.dispose())
+      ).pipe(Scope.extend(layerScope))
+    )
+    const service: TokenizerService = {
+      open: (modelPath) =>
+        Effect.gen(function*() {
+          const instance = yield* llama
+          const model = yield* Effect.acquireRelease(
+            Effect.tryPromise({
+              try: () => instance.loadModel({ modelPath, vocabOnly: true }),
+              catch: (cause) =>
+                new TokenizerError({ path: modelPath, message: cause instanceof Error ? cause.message : String(cause) })
+            }),
+            (model) => Effect.promise(() => model.dispose())
+          )
+          return fromModel(model)
+        }).pipe(Effect.withSpan("Tokenizer.open", { attributes: { modelPath } }))
+    }
+    return service
+  })
+)
+
+/**
+ * A deterministic stand-in: token 1 = BOS, 2 = EOS, 3 + byte for every UTF-8 byte of the text.
+ * Multi-byte characters span several tokens, which exercises incremental decoding.
+ */
+export const layerTest: Layer.Layer<Tokenizer> = Layer.succeed(Tokenizer, {
+  open: (_modelPath) => Effect.succeed(byteTokenizer)
+})
+
+const decoder = new TextDecoder("utf-8")
+const encoder = new TextEncoder()
+
+export const byteTokenizer: ModelTokenizer = {
+  vocabSize: 259,
+  bosTokenId: 1,
+  eosTokenId: 2,
+  addsBos: true,
+  tokenize: (text) => [1, ...Array.from(encoder.encode(text), (byte) => byte + 3)],
+  detokenize: (tokens) => decoder.decode(Uint8Array.from(tokens.filter((token) => token >= 3), (token) => token - 3)),
+  isEndOfGeneration: (token) => token === 2,
+  decoder: (context) =>
+    makeIncrementalDecoder((tokens) => byteTokenizer.detokenize(tokens), context)
+}
