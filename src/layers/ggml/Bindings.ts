@@ -1,0 +1,556 @@
+/**
+ * ggml through koffi, over the shared libraries that the pinned node-llama-cpp ships.
+ *
+ * The handle is created lazily on first use (`getGgml()`), checks the library version and the
+ * `ggml_tensor` layout the bindings were written for, and refuses with a clear message otherwise.
+ * ggml asserts abort the process: callers validate shapes and types in TypeScript first.
+ */
+import koffi, { type LibraryHandle } from "koffi"
+import { join } from "node:path"
+import { type GgmlLibraryDir, locateGgmlLibraries } from "./Platform.js"
+
+/** The node-llama-cpp build these bindings were written against (node-llama-cpp 3.21.1). */
+export const expectedBuild = {
+  ggmlVersion: "0.23.0",
+  ggmlCommit: "5b4ebc5",
+  release: "v0.4.0"
+} as const
+
+/** Byte layout of `struct ggml_tensor` on 64-bit targets (ggml.h of the pinned build). */
+export const TensorLayout = {
+  type: 0,
+  buffer: 8,
+  ne: 16,
+  nb: 48,
+  op: 80,
+  opParams: 84,
+  flags: 148,
+  src: 152,
+  viewSrc: 232,
+  viewOffs: 240,
+  data: 248,
+  name: 256,
+  extra: 320,
+  size: 336,
+  /** ggml_tensor_overhead() = sizeof(ggml_object) + sizeof(ggml_tensor) */
+  overhead: 368
+} as const
+
+export const GgmlType = {
+  F32: 0,
+  F16: 1,
+  Q4_0: 2,
+  Q4_1: 3,
+  Q5_0: 6,
+  Q5_1: 7,
+  Q8_0: 8,
+  Q8_1: 9,
+  Q2_K: 10,
+  Q3_K: 11,
+  Q4_K: 12,
+  Q5_K: 13,
+  Q6_K: 14,
+  Q8_K: 15,
+  I8: 24,
+  I16: 25,
+  I32: 26,
+  I64: 27,
+  F64: 28,
+  BF16: 30
+} as const
+
+export const GgmlBackendDevType = { CPU: 0, GPU: 1, IGPU: 2, ACCEL: 3 } as const
+
+/** Thrown by `getGgml` when the libraries cannot be found, loaded, or do not match. */
+export class GgmlBindingError extends Error {
+  override readonly name = "GgmlBindingError"
+}
+
+/** A koffi function with its `.async` form. */
+interface AsyncFn {
+  (...args: Array<unknown>): unknown
+  async: (...args: Array<unknown>) => void
+}
+
+/** An opaque native pointer as koffi hands it out. */
+export type Ptr = unknown
+
+const declareTypes = () => {
+  const initParams = koffi.struct("swactor_ggml_init_params", {
+    mem_size: "size_t",
+    mem_buffer: "void *",
+    no_alloc: "bool"
+  })
+  return { initParams }
+}
+
+const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) => {
+  const f = (decl: string) => lib.func(decl)
+  return {
+    ggml_version: f("const char * ggml_version()"),
+    ggml_commit: f("const char * ggml_commit()"),
+    ggml_type_size: f("size_t ggml_type_size(int type)") as (type: number) => number,
+    ggml_blck_size: f("int64_t ggml_blck_size(int type)") as (type: number) => number,
+    ggml_row_size: f("size_t ggml_row_size(int type, int64_t ne)") as (type: number, ne: number) => number,
+    ggml_type_name: f("const char * ggml_type_name(int type)") as (type: number) => string | null,
+    ggml_tensor_overhead: f("size_t ggml_tensor_overhead()") as () => number,
+    ggml_graph_overhead_custom: f("size_t ggml_graph_overhead_custom(size_t size, bool grads)") as (
+      size: number,
+      grads: boolean
+    ) => number,
+    ggml_quantize_init: f("void ggml_quantize_init(int type)") as (type: number) => void,
+    ggml_quantize_requires_imatrix: f("bool ggml_quantize_requires_imatrix(int type)") as (type: number) => boolean,
+    ggml_quantize_chunk: f(
+      "size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row, const float * imatrix)"
+    ) as (
+      type: number,
+      src: Float32Array,
+      dst: Uint8Array,
+      start: number,
+      nrows: number,
+      nPerRow: number,
+      imatrix: null
+    ) => number,
+    ggml_init: lib.func("ggml_init", "void *", [types.initParams]) as (params: {
+      mem_size: number
+      mem_buffer: Ptr | null
+      no_alloc: boolean
+    }) => Ptr,
+    ggml_free: f("void ggml_free(void * ctx)") as (ctx: Ptr) => void,
+    ggml_new_tensor_1d: f("void * ggml_new_tensor_1d(void * ctx, int type, int64_t ne0)") as (
+      ctx: Ptr,
+      type: number,
+      ne0: number
+    ) => Ptr,
+    ggml_new_tensor_2d: f("void * ggml_new_tensor_2d(void * ctx, int type, int64_t ne0, int64_t ne1)") as (
+      ctx: Ptr,
+      type: number,
+      ne0: number,
+      ne1: number
+    ) => Ptr,
+    ggml_new_tensor_3d: f("void * ggml_new_tensor_3d(void * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2)") as (
+      ctx: Ptr,
+      type: number,
+      ne0: number,
+      ne1: number,
+      ne2: number
+    ) => Ptr,
+    ggml_set_name: f("void * ggml_set_name(void * tensor, const char * name)") as (t: Ptr, name: string) => Ptr,
+    ggml_set_input: f("void ggml_set_input(void * tensor)") as (t: Ptr) => void,
+    ggml_set_output: f("void ggml_set_output(void * tensor)") as (t: Ptr) => void,
+    ggml_nbytes: f("size_t ggml_nbytes(void * tensor)") as (t: Ptr) => number,
+    ggml_get_rows: f("void * ggml_get_rows(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
+    ggml_rms_norm: f("void * ggml_rms_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
+    ggml_mul: f("void * ggml_mul(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
+    ggml_add: f("void * ggml_add(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
+    ggml_scale: f("void * ggml_scale(void * ctx, void * a, float s)") as (ctx: Ptr, a: Ptr, s: number) => Ptr,
+    ggml_mul_mat: f("void * ggml_mul_mat(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
+    ggml_cpy: f("void * ggml_cpy(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
+    ggml_cast: f("void * ggml_cast(void * ctx, void * a, int type)") as (ctx: Ptr, a: Ptr, type: number) => Ptr,
+    ggml_cont: f("void * ggml_cont(void * ctx, void * a)") as (ctx: Ptr, a: Ptr) => Ptr,
+    ggml_reshape_2d: f("void * ggml_reshape_2d(void * ctx, void * a, int64_t ne0, int64_t ne1)") as (
+      ctx: Ptr,
+      a: Ptr,
+      ne0: number,
+      ne1: number
+    ) => Ptr,
+    ggml_reshape_3d: f("void * ggml_reshape_3d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2)") as (
+      ctx: Ptr,
+      a: Ptr,
+      ne0: number,
+      ne1: number,
+      ne2: number
+    ) => Ptr,
+    ggml_view_1d: f("void * ggml_view_1d(void * ctx, void * a, int64_t ne0, size_t offset)") as (
+      ctx: Ptr,
+      a: Ptr,
+      ne0: number,
+      offset: number
+    ) => Ptr,
+    ggml_view_2d: f("void * ggml_view_2d(void * ctx, void * a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset)") as (
+      ctx: Ptr,
+      a: Ptr,
+      ne0: number,
+      ne1: number,
+      nb1: number,
+      offset: number
+    ) => Ptr,
+    ggml_view_3d: f(
+      "void * ggml_view_3d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, size_t nb1, size_t nb2, size_t offset)"
+    ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, nb1: number, nb2: number, offset: number) => Ptr,
+    ggml_permute: f("void * ggml_permute(void * ctx, void * a, int a0, int a1, int a2, int a3)") as (
+      ctx: Ptr,
+      a: Ptr,
+      a0: number,
+      a1: number,
+      a2: number,
+      a3: number
+    ) => Ptr,
+    ggml_rope_ext: f(
+      "void * ggml_rope_ext(void * ctx, void * a, void * b, void * c, int n_dims, int mode, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow)"
+    ) as (
+      ctx: Ptr,
+      a: Ptr,
+      pos: Ptr,
+      freqFactors: Ptr | null,
+      nDims: number,
+      mode: number,
+      nCtxOrig: number,
+      freqBase: number,
+      freqScale: number,
+      extFactor: number,
+      attnFactor: number,
+      betaFast: number,
+      betaSlow: number
+    ) => Ptr,
+    ggml_set_rows: f("void * ggml_set_rows(void * ctx, void * a, void * b, void * c)") as (
+      ctx: Ptr,
+      dst: Ptr,
+      src: Ptr,
+      rows: Ptr
+    ) => Ptr,
+    ggml_flash_attn_ext: f(
+      "void * ggml_flash_attn_ext(void * ctx, void * q, void * k, void * v, void * mask, float scale, float max_bias, float logit_softcap)"
+    ) as (ctx: Ptr, q: Ptr, k: Ptr, v: Ptr, mask: Ptr | null, scale: number, maxBias: number, softcap: number) => Ptr,
+    ggml_flash_attn_ext_set_prec: f("void ggml_flash_attn_ext_set_prec(void * a, int prec)") as (
+      a: Ptr,
+      prec: number
+    ) => void,
+    ggml_soft_max_ext: f("void * ggml_soft_max_ext(void * ctx, void * a, void * mask, float scale, float max_bias)") as (
+      ctx: Ptr,
+      a: Ptr,
+      mask: Ptr | null,
+      scale: number,
+      maxBias: number
+    ) => Ptr,
+    ggml_swiglu_split: f("void * ggml_swiglu_split(void * ctx, void * a, void * b)") as (
+      ctx: Ptr,
+      a: Ptr,
+      b: Ptr
+    ) => Ptr,
+    ggml_new_graph_custom: f("void * ggml_new_graph_custom(void * ctx, size_t size, bool grads)") as (
+      ctx: Ptr,
+      size: number,
+      grads: boolean
+    ) => Ptr,
+    ggml_build_forward_expand: f("void ggml_build_forward_expand(void * graph, void * tensor)") as (
+      graph: Ptr,
+      t: Ptr
+    ) => void,
+    ggml_graph_n_nodes: f("int ggml_graph_n_nodes(void * graph)") as (graph: Ptr) => number,
+    ggml_get_first_tensor: f("void * ggml_get_first_tensor(void * ctx)") as (ctx: Ptr) => Ptr | null,
+    ggml_get_next_tensor: f("void * ggml_get_next_tensor(void * ctx, void * t)") as (ctx: Ptr, t: Ptr) => Ptr | null,
+    // ggml-alloc / ggml-backend (also in ggml-base)
+    ggml_backend_alloc_ctx_tensors_from_buft: f(
+      "void * ggml_backend_alloc_ctx_tensors_from_buft(void * ctx, void * buft)"
+    ) as (ctx: Ptr, buft: Ptr) => Ptr | null,
+    ggml_backend_buft_name: f("const char * ggml_backend_buft_name(void * buft)") as (buft: Ptr) => string,
+    ggml_backend_buft_get_alloc_size: f("size_t ggml_backend_buft_get_alloc_size(void * buft, void * tensor)") as (
+      buft: Ptr,
+      t: Ptr
+    ) => number,
+    ggml_backend_buffer_free: f("void ggml_backend_buffer_free(void * buffer)") as (buffer: Ptr) => void,
+    ggml_backend_buffer_get_size: f("size_t ggml_backend_buffer_get_size(void * buffer)") as (buffer: Ptr) => number,
+    ggml_backend_buffer_clear: f("void ggml_backend_buffer_clear(void * buffer, uint8_t value)") as (
+      buffer: Ptr,
+      value: number
+    ) => void,
+    ggml_backend_buffer_set_usage: f("void ggml_backend_buffer_set_usage(void * buffer, int usage)") as (
+      buffer: Ptr,
+      usage: number
+    ) => void,
+    ggml_backend_tensor_set: f("void ggml_backend_tensor_set(void * tensor, const void * data, size_t offset, size_t size)") as (
+      t: Ptr,
+      data: ArrayBufferView,
+      offset: number,
+      size: number
+    ) => void,
+    ggml_backend_tensor_get: f("void ggml_backend_tensor_get(void * tensor, void * data, size_t offset, size_t size)") as (
+      t: Ptr,
+      data: ArrayBufferView,
+      offset: number,
+      size: number
+    ) => void,
+    ggml_gallocr_new: f("void * ggml_gallocr_new(void * buft)") as (buft: Ptr) => Ptr,
+    ggml_gallocr_free: f("void ggml_gallocr_free(void * galloc)") as (galloc: Ptr) => void,
+    ggml_gallocr_reserve: f("bool ggml_gallocr_reserve(void * galloc, void * graph)") as (
+      galloc: Ptr,
+      graph: Ptr
+    ) => boolean,
+    ggml_gallocr_alloc_graph: f("bool ggml_gallocr_alloc_graph(void * galloc, void * graph)") as (
+      galloc: Ptr,
+      graph: Ptr
+    ) => boolean,
+    ggml_gallocr_get_buffer_size: f("size_t ggml_gallocr_get_buffer_size(void * galloc, int id)") as (
+      galloc: Ptr,
+      id: number
+    ) => number
+  }
+}
+
+const bindMain = (lib: LibraryHandle) => {
+  const f = (decl: string) => lib.func(decl)
+  return {
+    ggml_backend_load_all_from_path: f("void ggml_backend_load_all_from_path(const char * dir)") as (dir: string) => void,
+    ggml_backend_reg_by_name: f("void * ggml_backend_reg_by_name(const char * name)") as (name: string) => Ptr | null,
+    ggml_backend_reg_get_proc_address: f("void * ggml_backend_reg_get_proc_address(void * reg, const char * name)") as (
+      reg: Ptr,
+      name: string
+    ) => Ptr | null,
+    ggml_backend_reg_dev_count: f("size_t ggml_backend_reg_dev_count(void * reg)") as (reg: Ptr) => number,
+    ggml_backend_reg_dev_get: f("void * ggml_backend_reg_dev_get(void * reg, size_t index)") as (
+      reg: Ptr,
+      index: number
+    ) => Ptr | null,
+    ggml_backend_dev_by_type: f("void * ggml_backend_dev_by_type(int type)") as (type: number) => Ptr | null,
+    ggml_backend_dev_name: f("const char * ggml_backend_dev_name(void * dev)") as (dev: Ptr) => string,
+    ggml_backend_dev_description: f("const char * ggml_backend_dev_description(void * dev)") as (dev: Ptr) => string,
+    ggml_backend_dev_buffer_type: f("void * ggml_backend_dev_buffer_type(void * dev)") as (dev: Ptr) => Ptr,
+    ggml_backend_dev_init: f("void * ggml_backend_dev_init(void * dev, const char * params)") as (
+      dev: Ptr,
+      params: string | null
+    ) => Ptr | null,
+    ggml_backend_dev_supports_op: f("bool ggml_backend_dev_supports_op(void * dev, void * op)") as (
+      dev: Ptr,
+      op: Ptr
+    ) => boolean,
+    ggml_backend_dev_supports_buft: f("bool ggml_backend_dev_supports_buft(void * dev, void * buft)") as (
+      dev: Ptr,
+      buft: Ptr
+    ) => boolean,
+    ggml_backend_free: f("void ggml_backend_free(void * backend)") as (backend: Ptr) => void,
+    ggml_backend_name: f("const char * ggml_backend_name(void * backend)") as (backend: Ptr) => string,
+    ggml_backend_get_default_buffer_type: f("void * ggml_backend_get_default_buffer_type(void * backend)") as (
+      backend: Ptr
+    ) => Ptr,
+    ggml_backend_graph_compute: f("int ggml_backend_graph_compute(void * backend, void * graph)") as AsyncFn,
+    ggml_backend_synchronize: f("void ggml_backend_synchronize(void * backend)") as (backend: Ptr) => void
+  }
+}
+
+export type GgmlRaw = ReturnType<typeof bindBase> & ReturnType<typeof bindMain>
+
+export interface Ggml {
+  readonly library: GgmlLibraryDir
+  readonly version: string
+  readonly commit: string
+  readonly raw: GgmlRaw
+  readonly ggml_type_size: (type: number) => number
+  readonly ggml_blck_size: (type: number) => number
+  readonly ggml_row_size: (type: number, ne: number) => number
+  /**
+   * Quantizes (or converts, for F32/F16/BF16) `nrows` rows of `nPerRow` floats to `type`.
+   * `nPerRow` must be a multiple of the type's block size; the result has
+   * `nrows * ggml_row_size(type, nPerRow)` bytes.
+   */
+  readonly quantizeChunk: (type: number, src: Float32Array, nrows: number, nPerRow: number) => Uint8Array
+  /** Reads `ne[0..3]` and `nb[0..3]` of a tensor. */
+  readonly tensorShape: (t: Ptr) => { readonly type: number; readonly ne: Array<number>; readonly nb: Array<number> }
+  /** ggml_backend_set_n_threads through the CPU registry's proc address. */
+  readonly setThreads: (backend: Ptr, threads: number) => void
+  /** Repacked "extra" buffer types of the CPU device (llama.cpp's CPU_REPACK etc.). */
+  readonly cpuExtraBufferTypes: () => ReadonlyArray<Ptr>
+  readonly cpuDevice: () => Ptr
+  /** Runs the graph on a koffi worker thread (the event loop keeps running). */
+  readonly computeAsync: (backend: Ptr, graph: Ptr) => Promise<number>
+}
+
+let cached: Ggml | undefined
+let cachedError: GgmlBindingError | undefined
+
+const ptrView = (p: Ptr, len: number) => new DataView(koffi.view(p, len))
+
+const checkLayout = (raw: GgmlRaw): void => {
+  const overhead = raw.ggml_tensor_overhead()
+  if (overhead !== TensorLayout.overhead) {
+    throw new GgmlBindingError(
+      `ggml_tensor layout mismatch: ggml_tensor_overhead() is ${overhead}, the bindings were written for ${TensorLayout.overhead}`
+    )
+  }
+  const ctx = raw.ggml_init({ mem_size: overhead * 4 + 1024, mem_buffer: null, no_alloc: true })
+  if (ctx === null) throw new GgmlBindingError("ggml_init failed during the layout check")
+  try {
+    const t = raw.ggml_new_tensor_3d(ctx, GgmlType.F16, 6, 5, 3)
+    raw.ggml_set_name(t, "swactor-layout")
+    raw.ggml_set_input(t)
+    const v = ptrView(t, TensorLayout.size)
+    const ne = [0, 1, 2, 3].map((i) => Number(v.getBigInt64(TensorLayout.ne + 8 * i, true)))
+    const nb = [0, 1, 2, 3].map((i) => Number(v.getBigUint64(TensorLayout.nb + 8 * i, true)))
+    const type = v.getInt32(TensorLayout.type, true)
+    const flags = v.getInt32(TensorLayout.flags, true)
+    const nameBytes = new Uint8Array(v.buffer, v.byteOffset + TensorLayout.name, 14)
+    const name = Buffer.from(nameBytes).toString("latin1")
+    const expectNe = [6, 5, 3, 1]
+    const expectNb = [2, 12, 60, 180]
+    const ok = type === GgmlType.F16 &&
+      ne.every((x, i) => x === expectNe[i]) &&
+      nb.every((x, i) => x === expectNb[i]) &&
+      (flags & 1) === 1 &&
+      name === "swactor-layout" &&
+      raw.ggml_nbytes(t) === 180
+    if (!ok) {
+      throw new GgmlBindingError(
+        `ggml_tensor layout mismatch: read type=${type} ne=[${ne}] nb=[${nb}] flags=${flags} name=${
+          JSON.stringify(name)
+        }, expected type=1 ne=[${expectNe}] nb=[${expectNb}] input flag and name "swactor-layout"`
+      )
+    }
+  } finally {
+    raw.ggml_free(ctx)
+  }
+}
+
+const init = (): Ggml => {
+  if (process.arch !== "x64" && process.arch !== "arm64") {
+    throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
+  }
+  const located = locateGgmlLibraries()
+  if ("tried" in located) {
+    throw new GgmlBindingError(
+      `node-llama-cpp's ggml libraries were not found for ${process.platform}-${process.arch}; looked in: ${
+        located.tried.join(", ")
+      }`
+    )
+  }
+  if (located.release !== undefined && located.release !== expectedBuild.release) {
+    throw new GgmlBindingError(
+      `${located.packageName} was built from llama.cpp release ${located.release}, swactor's ggml bindings were written for ${expectedBuild.release} (node-llama-cpp 3.21.1); install node-llama-cpp 3.21.1`
+    )
+  }
+  let baseLib: LibraryHandle
+  let mainLib: LibraryHandle
+  try {
+    baseLib = koffi.load(join(located.dir, located.baseLib))
+    mainLib = koffi.load(join(located.dir, located.mainLib))
+  } catch (e) {
+    throw new GgmlBindingError(`cannot load ggml from ${located.dir}: ${String(e)}`)
+  }
+  const types = declareTypes()
+  let raw: GgmlRaw
+  try {
+    const version = baseLib.func("const char * ggml_version()")() as string
+    const commit = baseLib.func("const char * ggml_commit()")() as string
+    if (version !== expectedBuild.ggmlVersion || commit !== expectedBuild.ggmlCommit) {
+      throw new GgmlBindingError(
+        `ggml in ${located.dir} is version ${version} (commit ${commit}); swactor's bindings were written for ${expectedBuild.ggmlVersion} (commit ${expectedBuild.ggmlCommit}, node-llama-cpp 3.21.1)`
+      )
+    }
+    raw = { ...bindBase(baseLib, types), ...bindMain(mainLib) }
+  } catch (e) {
+    if (e instanceof GgmlBindingError) throw e
+    throw new GgmlBindingError(`ggml in ${located.dir} lacks a function the bindings need: ${String(e)}`)
+  }
+  checkLayout(raw)
+
+  let cpuReady = false
+  let setThreadsPtr: Ptr | null = null
+  let extraBufts: ReadonlyArray<Ptr> = []
+  let cpuDev: Ptr | null = null
+  const setThreadsProto = koffi.proto("void swactor_set_n_threads(void * backend, int n)")
+  const extraBuftsProto = koffi.proto("void * swactor_get_extra_bufts(void * dev)")
+  const ensureCpu = () => {
+    if (cpuReady) return
+    // node-llama-cpp may already have loaded the backends into this process (same libraries).
+    if (raw.ggml_backend_reg_by_name("CPU") === null) raw.ggml_backend_load_all_from_path(located.dir)
+    const reg = raw.ggml_backend_reg_by_name("CPU")
+    if (reg === null) throw new GgmlBindingError(`no ggml CPU backend could be loaded from ${located.dir}`)
+    setThreadsPtr = raw.ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
+    cpuDev = raw.ggml_backend_dev_by_type(GgmlBackendDevType.CPU)
+    if (cpuDev === null) throw new GgmlBindingError("the ggml CPU backend has no device")
+    const getExtra = raw.ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts")
+    if (getExtra !== null) {
+      const list = koffi.call(getExtra, extraBuftsProto, cpuDev) as Ptr | null
+      const out: Array<Ptr> = []
+      if (list !== null) {
+        for (let i = 0; i < 16; i++) {
+          const p = koffi.decode(list, i * 8, "void *") as Ptr | null
+          if (p === null) break
+          out.push(p)
+        }
+      }
+      extraBufts = out
+    }
+    cpuReady = true
+  }
+
+  const quantizeChunk = (type: number, src: Float32Array, nrows: number, nPerRow: number): Uint8Array => {
+    const blck = raw.ggml_blck_size(type)
+    if (!Number.isInteger(nrows) || !Number.isInteger(nPerRow) || nrows < 0 || nPerRow <= 0) {
+      throw new RangeError(`quantizeChunk: bad shape nrows=${nrows} nPerRow=${nPerRow}`)
+    }
+    if (blck <= 0 || raw.ggml_type_size(type) === 0) throw new RangeError(`quantizeChunk: unknown ggml type ${type}`)
+    if (nPerRow % blck !== 0) {
+      throw new RangeError(`quantizeChunk: nPerRow ${nPerRow} is not a multiple of block size ${blck} of type ${type}`)
+    }
+    if (src.length < nrows * nPerRow) {
+      throw new RangeError(`quantizeChunk: src has ${src.length} floats, need ${nrows * nPerRow}`)
+    }
+    if (raw.ggml_quantize_requires_imatrix(type)) {
+      throw new RangeError(`quantizeChunk: type ${type} needs an importance matrix`)
+    }
+    const rowBytes = raw.ggml_row_size(type, nPerRow)
+    const dst = new Uint8Array(rowBytes * nrows)
+    if (nrows === 0) return dst
+    raw.ggml_quantize_init(type)
+    const written = raw.ggml_quantize_chunk(type, src, dst, 0, nrows, nPerRow, null)
+    if (written !== dst.length) {
+      throw new Error(`ggml_quantize_chunk wrote ${written} bytes, expected ${dst.length}`)
+    }
+    return dst
+  }
+
+  return {
+    library: located,
+    version: expectedBuild.ggmlVersion,
+    commit: expectedBuild.ggmlCommit,
+    raw,
+    ggml_type_size: raw.ggml_type_size,
+    ggml_blck_size: raw.ggml_blck_size,
+    ggml_row_size: raw.ggml_row_size,
+    quantizeChunk,
+    tensorShape: (t) => {
+      const v = ptrView(t, TensorLayout.size)
+      return {
+        type: v.getInt32(TensorLayout.type, true),
+        ne: [0, 1, 2, 3].map((i) => Number(v.getBigInt64(TensorLayout.ne + 8 * i, true))),
+        nb: [0, 1, 2, 3].map((i) => Number(v.getBigUint64(TensorLayout.nb + 8 * i, true)))
+      }
+    },
+    setThreads: (backend, threads) => {
+      ensureCpu()
+      if (setThreadsPtr !== null) koffi.call(setThreadsPtr, setThreadsProto, backend, threads)
+    },
+    cpuExtraBufferTypes: () => {
+      ensureCpu()
+      return extraBufts
+    },
+    cpuDevice: () => {
+      ensureCpu()
+      return cpuDev
+    },
+    computeAsync: (backend, graph) =>
+      new Promise<number>((resolve, reject) => {
+        raw.ggml_backend_graph_compute.async(backend, graph, (err: unknown, status: number) => {
+          if (err) reject(err instanceof Error ? err : new Error(String(err)))
+          else resolve(status)
+        })
+      })
+  }
+}
+
+/** The ggml handle (loaded on first call). Throws GgmlBindingError with a clear message on mismatch. */
+export const getGgml = (): Ggml => {
+  if (cached !== undefined) return cached
+  if (cachedError !== undefined) throw cachedError
+  try {
+    cached = init()
+    return cached
+  } catch (e) {
+    cachedError = e instanceof GgmlBindingError ? e : new GgmlBindingError(String(e))
+    throw cachedError
+  }
+}
+
+/** Convenience: `getGgml().quantizeChunk(...)`. */
+export const quantizeChunk = (type: number, src: Float32Array, nrows: number, nPerRow: number): Uint8Array =>
+  getGgml().quantizeChunk(type, src, nrows, nPerRow)
