@@ -1,0 +1,79 @@
+import { Context, type Duration, type Effect, Schema, type Scope } from "effect"
+import { NodeId } from "../domain/ids.js"
+
+/** A node agent the orchestrator may use: its id in plans and its control address (host:port). */
+export class NodeEndpoint extends Schema.Class<NodeEndpoint>("NodeEndpoint")({
+  nodeId: NodeId,
+  address: Schema.String
+}) {}
+
+/** What a node agent reports about itself in answer to a heartbeat. */
+export class NodeCapacity extends Schema.Class<NodeCapacity>("NodeCapacity")({
+  freeMemoryBytes: Schema.Number,
+  totalMemoryBytes: Schema.Number,
+  threads: Schema.Number,
+  backend: Schema.String,
+  hostname: Schema.String,
+  /** Stages this agent hosts right now (all runs). */
+  activeStages: Schema.Number
+}) {}
+
+/** One heartbeat could not be answered (connection refused, closed, bad token, …). */
+export class NodeUnreachable extends Schema.TaggedError<NodeUnreachable>()("NodeUnreachable", {
+  nodeId: NodeId,
+  address: Schema.String,
+  message: Schema.String
+}) {}
+
+/** The nodes a plan needs did not all answer before the deadline. */
+export class PoolNotReady extends Schema.TaggedError<PoolNotReady>()("PoolNotReady", {
+  missing: Schema.Array(NodeEndpoint),
+  waitedMillis: Schema.Number,
+  lastError: Schema.String
+}) {}
+
+/** A node stopped answering heartbeats past the deadline (or its control connection dropped). */
+export class NodeLost extends Schema.TaggedClass<NodeLost>()("NodeLost", {
+  node: NodeEndpoint,
+  lastSeenMillis: Schema.NullOr(Schema.Number),
+  reason: Schema.String
+}) {}
+
+export type NodeStatus =
+  | { readonly _tag: "Unknown"; readonly lastError: string }
+  | { readonly _tag: "Up"; readonly capacity: NodeCapacity; readonly lastSeenMillis: number }
+  | { readonly _tag: "Lost"; readonly lost: NodeLost }
+
+/** Answers one heartbeat of one node (the transport: control-plane RPC live, in-memory in tests). */
+export interface NodeProbeService {
+  readonly probe: (node: NodeEndpoint) => Effect.Effect<NodeCapacity, NodeUnreachable>
+}
+export class NodeProbe extends Context.Tag("swactor/NodeProbe")<NodeProbe, NodeProbeService>() {}
+
+export interface HeartbeatOptions {
+  /** Time between heartbeats to one node. */
+  readonly interval: Duration.DurationInput
+  /** A node that has not answered for this long is lost. */
+  readonly deadline: Duration.DurationInput
+}
+
+/** A watched pool of nodes: heartbeats run while the scope is open. */
+export interface Pool {
+  readonly nodes: ReadonlyArray<NodeEndpoint>
+  readonly status: Effect.Effect<ReadonlyMap<NodeId, NodeStatus>>
+  /** Waits until every `needed` node has answered; fails with PoolNotReady after `timeout`. */
+  readonly awaitReady: (
+    needed: ReadonlyArray<NodeId>,
+    timeout: Duration.DurationInput
+  ) => Effect.Effect<ReadonlyMap<NodeId, NodeCapacity>, PoolNotReady>
+  /** Completes with the first node lost (never, while all answer). */
+  readonly firstLost: Effect.Effect<NodeLost>
+  /** Declares a node lost now (e.g. its control connection closed); the first reason sticks. */
+  readonly markLost: (nodeId: NodeId, reason: string) => Effect.Effect<void>
+}
+
+export interface MembershipService {
+  readonly watch: (nodes: ReadonlyArray<NodeEndpoint>, options: HeartbeatOptions) => Effect.Effect<Pool, never, Scope.Scope>
+}
+
+export class Membership extends Context.Tag("swactor/Membership")<Membership, MembershipService>() {}
