@@ -16,7 +16,7 @@ export const TokenizerSource = Schema.Union(
 )
 export type TokenizerSource = typeof TokenizerSource.Type
 
-export class ModelFacts extends Schema.Class<ModelFacts>("ModelFacts")({
+export const ModelFacts = Schema.Struct({
   modelId: Schema.String,
   ggufSource: GgufSource,
   numLayers: Schema.Number,
@@ -26,18 +26,21 @@ export class ModelFacts extends Schema.Class<ModelFacts>("ModelFacts")({
   maxSeqLen: Schema.Number,
   eosTokenId: Schema.Number,
   tokenizer: TokenizerSource
-}) {}
+}).annotations({ identifier: "ModelFacts" })
+export type ModelFacts = typeof ModelFacts.Type
 
-export class SamplingPolicy extends Schema.Class<SamplingPolicy>("SamplingPolicy")({
+export const SamplingPolicy = Schema.Struct({
   temperatureMillis: Schema.Number,
   topK: Schema.Number,
   seed: Schema.optional(Schema.Number)
-}) {}
+}).annotations({ identifier: "SamplingPolicy" })
+export type SamplingPolicy = typeof SamplingPolicy.Type
 
-export class RuntimeConfig extends Schema.Class<RuntimeConfig>("RuntimeConfig")({
+export const RuntimeConfig = Schema.Struct({
   maxTokens: Schema.Number,
   sampling: SamplingPolicy
-}) {}
+}).annotations({ identifier: "RuntimeConfig" })
+export type RuntimeConfig = typeof RuntimeConfig.Type
 
 export const RingDirection = Schema.Literal("Egress", "Ingress")
 export type RingDirection = typeof RingDirection.Type
@@ -47,25 +50,27 @@ export const WakeCoalescing = Schema.Literal("PendingBit", "EveryFrame")
 export type WakeCoalescing = typeof WakeCoalescing.Type
 
 /** Flow-control and framing contract of one edge: capacity = window in bytes, alignment = frame alignment. */
-export class RingSpec extends Schema.Class<RingSpec>("RingSpec")({
+export const RingSpec = Schema.Struct({
   dataCapacity: Schema.Number,
   alignment: Schema.Number,
   direction: RingDirection,
   hostPinning: HostPinning,
   wakeCoalescing: WakeCoalescing
-}) {}
+}).annotations({ identifier: "RingSpec" })
+export type RingSpec = typeof RingSpec.Type
 
-export class StagePlacement extends Schema.Class<StagePlacement>("StagePlacement")({
+export const StagePlacement = Schema.Struct({
   stageIndex: Schema.Number,
   nodeId: NodeId
-}) {}
+}).annotations({ identifier: "StagePlacement" })
+export type StagePlacement = typeof StagePlacement.Type
 
 export const PlacementInput = Schema.Union(
   Schema.TaggedStruct("FixedLinear", { stages: Schema.Array(StagePlacement) })
 )
 export type PlacementInput = typeof PlacementInput.Type
 
-export class PlannerInput extends Schema.Class<PlannerInput>("PlannerInput")({
+export const PlannerInput = Schema.Struct({
   runId: RunId,
   orchestratorNodeId: NodeId,
   model: ModelFacts,
@@ -75,7 +80,8 @@ export class PlannerInput extends Schema.Class<PlannerInput>("PlannerInput")({
   placement: PlacementInput,
   activationRing: RingSpec,
   tokenRing: RingSpec
-}) {}
+}).annotations({ identifier: "PlannerInput" })
+export type PlannerInput = typeof PlannerInput.Type
 
 export const EdgeKind = Schema.Literal("TokenIn", "Activation", "TokenOut")
 export type EdgeKind = typeof EdgeKind.Type
@@ -86,16 +92,17 @@ export const EdgeEndpoint = Schema.Union(
 )
 export type EdgeEndpoint = typeof EdgeEndpoint.Type
 
-export class Edge extends Schema.Class<Edge>("Edge")({
+export const Edge = Schema.Struct({
   runId: RunId,
   edgeId: EdgeId,
   kind: EdgeKind,
   producer: EdgeEndpoint,
   consumer: EdgeEndpoint,
   ring: RingSpec
-}) {}
+}).annotations({ identifier: "Edge" })
+export type Edge = typeof Edge.Type
 
-export class StagePlan extends Schema.Class<StagePlan>("StagePlan")({
+export const StagePlan = Schema.Struct({
   runId: RunId,
   stageIndex: Schema.Number,
   stageCount: Schema.Number,
@@ -105,7 +112,8 @@ export class StagePlan extends Schema.Class<StagePlan>("StagePlan")({
   ggufSource: GgufSource,
   inboundEdge: EdgeId,
   outboundEdge: EdgeId
-}) {}
+}).annotations({ identifier: "StagePlan" })
+export type StagePlan = typeof StagePlan.Type
 
 export class RunPlan extends Schema.Class<RunPlan>("RunPlan")({
   runId: RunId,
@@ -117,19 +125,21 @@ export class RunPlan extends Schema.Class<RunPlan>("RunPlan")({
   edges: Schema.Array(Edge)
 }) {}
 
-export class EdgeProvision extends Schema.Class<EdgeProvision>("EdgeProvision")({
+export const EdgeProvision = Schema.Struct({
   edgeId: EdgeId,
   kind: EdgeKind,
   peer: EdgeEndpoint,
   ring: RingSpec
-}) {}
+}).annotations({ identifier: "EdgeProvision" })
+export type EdgeProvision = typeof EdgeProvision.Type
 
-export class StageRuntime extends Schema.Class<StageRuntime>("StageRuntime")({
+export const StageRuntime = Schema.Struct({
   roleId: RoleId,
   inputPort: PortId,
   outputPort: PortId,
   sampling: Schema.NullOr(SamplingPolicy)
-}) {}
+}).annotations({ identifier: "StageRuntime" })
+export type StageRuntime = typeof StageRuntime.Type
 
 /** The message that tells one node to host one stage of one run. */
 export class ProvisionStage extends Schema.Class<ProvisionStage>("ProvisionStage")({

@@ -1,0 +1,150 @@
+import { Schema } from "effect"
+import { NodeId } from "./ids.js"
+
+/** Which of the planner input's two ring specs a rejection is about. */
+export const RingName = Schema.Literal("activation", "token")
+export type RingName = typeof RingName.Type
+
+/** A placement entry names a node that is not in the orchestrator's candidate pool. */
+export class UnknownNode extends Schema.TaggedError<UnknownNode>()("UnknownNode", {
+  stageIndex: Schema.Number,
+  nodeId: NodeId
+}) {
+  override get message() {
+    return `stage ${this.stageIndex} is placed on node ${this.nodeId}, which is not in the candidate pool`
+  }
+}
+
+/** Two placement entries claim the same stage index. */
+export class DuplicateStageAssignment extends Schema.TaggedError<DuplicateStageAssignment>()(
+  "DuplicateStageAssignment",
+  { stageIndex: Schema.Number, firstNodeId: NodeId, secondNodeId: NodeId }
+) {
+  override get message() {
+    return `stage ${this.stageIndex} is assigned twice (to node ${this.firstNodeId} and to node ${this.secondNodeId})`
+  }
+}
+
+/** A stage index inside `0..stageCount` has no placement entry. */
+export class MissingStage extends Schema.TaggedError<MissingStage>()("MissingStage", {
+  stageIndex: Schema.Number,
+  stageCount: Schema.Number
+}) {
+  override get message() {
+    return `stage ${this.stageIndex} of ${this.stageCount} has no placement entry`
+  }
+}
+
+/** The stage count is not a positive integer. */
+export class InvalidStageCount extends Schema.TaggedError<InvalidStageCount>()("InvalidStageCount", {
+  stageCount: Schema.Number
+}) {
+  override get message() {
+    return `stage count ${this.stageCount} is invalid: a pipeline needs a whole number of stages, at least 1`
+  }
+}
+
+/** The model has fewer layers than there are stages, so some stage would get an empty block range. */
+export class ModelStageLayoutMismatch extends Schema.TaggedError<ModelStageLayoutMismatch>()(
+  "ModelStageLayoutMismatch",
+  { numLayers: Schema.Number, stageCount: Schema.Number }
+) {
+  override get message() {
+    return `a model with ${this.numLayers} layers cannot be split into ${this.stageCount} non-empty stages`
+  }
+}
+
+/** A placement entry names a stage index outside `0..stageCount`. */
+export class StageIndexOutOfRange extends Schema.TaggedError<StageIndexOutOfRange>()("StageIndexOutOfRange", {
+  stageIndex: Schema.Number,
+  stageCount: Schema.Number
+}) {
+  override get message() {
+    return `placement names stage index ${this.stageIndex}, outside 0..${this.stageCount}`
+  }
+}
+
+/** A ring spec with zero (or non-integer) capacity or an alignment that is not a power of two. */
+export class InvalidRingSpec extends Schema.TaggedError<InvalidRingSpec>()("InvalidRingSpec", {
+  ring: RingName,
+  field: Schema.Literal("dataCapacity", "alignment"),
+  value: Schema.Number
+}) {
+  override get message() {
+    return this.field === "dataCapacity"
+      ? `${this.ring} ring data capacity ${this.value} is invalid: it must be a positive whole number of bytes`
+      : `${this.ring} ring alignment ${this.value} is invalid: it must be a power of two`
+  }
+}
+
+/** The activation ring cannot hold one frame of one token's hidden state. */
+export class ActivationRingTooSmall extends Schema.TaggedError<ActivationRingTooSmall>()("ActivationRingTooSmall", {
+  dataCapacity: Schema.Number,
+  requiredBytes: Schema.Number,
+  hiddenDim: Schema.Number,
+  dtypeWidthBytes: Schema.Number,
+  alignment: Schema.Number
+}) {
+  override get message() {
+    return `activation ring capacity ${this.dataCapacity} bytes cannot hold one token's hidden state: ` +
+      `${this.hiddenDim} x ${this.dtypeWidthBytes} bytes aligned to ${this.alignment} = ${this.requiredBytes} bytes`
+  }
+}
+
+/** `maxTokens` is 0, not a whole number, or beyond the model's `maxSeqLen`. */
+export class InvalidMaxTokens extends Schema.TaggedError<InvalidMaxTokens>()("InvalidMaxTokens", {
+  maxTokens: Schema.Number,
+  maxSeqLen: Schema.Number
+}) {
+  override get message() {
+    return `max tokens ${this.maxTokens} is invalid: it must be between 1 and the model's max sequence length ${this.maxSeqLen}`
+  }
+}
+
+/** The candidate pool lists the same node twice. */
+export class DuplicateCandidateNode extends Schema.TaggedError<DuplicateCandidateNode>()("DuplicateCandidateNode", {
+  nodeId: NodeId
+}) {
+  override get message() {
+    return `node ${this.nodeId} appears more than once in the candidate pool`
+  }
+}
+
+/** A model fact the plan relies on is not a positive whole number. */
+export class InvalidModelFacts extends Schema.TaggedError<InvalidModelFacts>()("InvalidModelFacts", {
+  field: Schema.Literal("numLayers", "hiddenDim", "dtypeWidthBytes", "maxSeqLen"),
+  value: Schema.Number
+}) {
+  override get message() {
+    return `model ${this.field} ${this.value} is invalid: it must be a positive whole number`
+  }
+}
+
+/** Every way planning can refuse an input. No rejection ever comes with a partial plan. */
+export const PlanRejection = Schema.Union(
+  UnknownNode,
+  DuplicateStageAssignment,
+  MissingStage,
+  InvalidStageCount,
+  ModelStageLayoutMismatch,
+  StageIndexOutOfRange,
+  InvalidRingSpec,
+  ActivationRingTooSmall,
+  InvalidMaxTokens,
+  DuplicateCandidateNode,
+  InvalidModelFacts
+)
+export type PlanRejection = typeof PlanRejection.Type
+
+/** Projection of a stage that the plan does not contain. */
+export class StageNotInPlan extends Schema.TaggedError<StageNotInPlan>()("StageNotInPlan", {
+  stageIndex: Schema.Number,
+  stageCount: Schema.Number
+}) {
+  override get message() {
+    return `stage index ${this.stageIndex} is not in the plan (it has stages 0..${this.stageCount})`
+  }
+}
+
+export const ProjectionRejection = StageNotInPlan
+export type ProjectionRejection = StageNotInPlan
