@@ -1,0 +1,397 @@
+/**
+ * Synthetic GGUF models: any shape of the llama, qwen2 or qwen3 architecture, weights from a seeded generator, tensor
+ * names, shapes and metadata as llama.cpp's loader expects them, and a small SPM ("llama") vocabulary that
+ * node-llama-cpp accepts. They make equivalence tests and benchmarks at real model shapes possible without downloads.
+ *
+ * Weights: every tensor has its own generator seeded from (seed, tensor name), so the same seed and shape give the same
+ * F32 values whatever the storage type; an F32 file and a Q8_0 file of one seed hold the same model up to rounding.
+ * - projections (attn_q/k/v/output, ffn_gate/up/down, output): N(0, 1/sqrt(fan_in))
+ * - token_embd: N(0, 0.02) (small beside the block outputs, so a tied output head does not just echo the input)
+ * - norm weights: 1 + N(0, 0.1); qwen2 q/k/v biases: N(0, 0.02)
+ *
+ * Storage types: 1-D tensors (norms, biases) are always F32. 2-D matrices use the requested type when their ne0 is a
+ * multiple of its block size (32 for q8_0/q4_0, 256 for q4_k/q6_k) and F16 otherwise (listed in `fallbacks`).
+ * Quantization runs through ggml's own ggml_quantize_chunk (src/layers/ggml/Bindings.ts); F16/BF16 are converted
+ * in TypeScript with round-to-nearest-even.
+ */
+import { Data, Effect } from "effect"
+import { GgmlType, ggmlTypeInfo, ggmlTypeName } from "../../domain/ggmlTypes.js"
+import { GgufValueType } from "../../domain/gguf.js"
+import { quantizeChunk } from "../ggml/Bindings.js"
+import { toBf16Bytes, toF16Bytes } from "./Float16.js"
+import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
+
+export type SyntheticArch = "llama" | "qwen2" | "qwen3"
+export type SyntheticType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | "q4_k" | "q6_k"
+
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3"]
+export const syntheticTypes: ReadonlyArray<SyntheticType> = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
+
+export interface SyntheticModelOptions {
+  readonly path: string
+  readonly arch: SyntheticArch
+  readonly layers: number
+  readonly hidden: number
+  readonly ffn: number
+  readonly heads: number
+  readonly kvHeads: number
+  /** Per-head dimension; default hidden / heads. Written as attention.key_length / value_length when set or qwen3. */
+  readonly headDim?: number
+  /** At least 259 (3 specials + 256 byte tokens). */
+  readonly vocab: number
+  readonly contextLength: number
+  readonly type: SyntheticType
+  readonly seed: number
+  /** No output.weight: llama.cpp reuses token_embd as the output head. Default false. */
+  readonly tiedOutput?: boolean
+  /** Default 10000 (llama) or 1000000 (qwen2, qwen3). */
+  readonly ropeFreqBase?: number
+  /** Default 1e-5 (llama) or 1e-6 (qwen2, qwen3). */
+  readonly normEps?: number
+}
+
+export interface SyntheticModelSummary {
+  readonly path: string
+  readonly bytes: number
+  readonly tensors: number
+  /** Tensor count per ggml type name. */
+  readonly tensorTypes: Readonly<Record<string, number>>
+  /** 2-D tensors stored as F16 because their ne0 is not a multiple of the requested type's block size. */
+  readonly fallbacks: ReadonlyArray<string>
+  readonly seconds: number
+}
+
+export class SyntheticModelError extends Data.TaggedError("SyntheticModelError")<{
+  readonly message: string
+}> {}
+
+const typeIds: Record<SyntheticType, number> = {
+  f32: GgmlType.F32,
+  f16: GgmlType.F16,
+  bf16: GgmlType.BF16,
+  q8_0: GgmlType.Q8_0,
+  q4_0: GgmlType.Q4_0,
+  q4_k: GgmlType.Q4_K,
+  q6_k: GgmlType.Q6_K
+}
+
+/** llama_ftype of a file whose matrices are mostly this type. */
+const fileTypes: Record<SyntheticType, number> = {
+  f32: 0,
+  f16: 1,
+  bf16: 32,
+  q8_0: 7,
+  q4_0: 2,
+  q4_k: 15,
+  q6_k: 18
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Seeded generator: sfc32 seeded by splitmix32 from (seed, name).
+
+const splitmix32 = (state: number): () => number => {
+  let s = state >>> 0
+  return () => {
+    s = (s + 0x9e3779b9) >>> 0
+    let z = s
+    z = Math.imul(z ^ (z >>> 16), 0x85ebca6b) >>> 0
+    z = Math.imul(z ^ (z >>> 13), 0xc2b2ae35) >>> 0
+    return (z ^ (z >>> 16)) >>> 0
+  }
+}
+
+const fnv1a = (s: string, h0: number): number => {
+  let h = h0 >>> 0
+  for (let i = 0; i < s.length; i++) {
+    h ^= s.charCodeAt(i)
+    h = Math.imul(h, 0x01000193) >>> 0
+  }
+  return h
+}
+
+/** Uniform [0, 1) generator for one tensor. */
+export const tensorRandom = (seed: number, name: string): () => number => {
+  const sm = splitmix32(fnv1a(name, 0x811c9dc5 ^ Math.imul(seed | 0, 0x9e3779b1)))
+  let a = sm()
+  let b = sm()
+  let c = sm()
+  let d = sm()
+  const next = (): number => {
+    const t = (((a + b) | 0) + d) | 0
+    d = (d + 1) | 0
+    a = b ^ (b >>> 9)
+    b = (c + (c << 3)) | 0
+    c = (c << 21) | (c >>> 11)
+    c = (c + t) | 0
+    return (t >>> 0) / 4294967296
+  }
+  for (let i = 0; i < 12; i++) next()
+  return next
+}
+
+/** `n` samples of mean + std * N(0, 1) (Box-Muller) for one named tensor. */
+export const syntheticValues = (seed: number, name: string, n: number, mean: number, std: number): Float32Array => {
+  const rnd = tensorRandom(seed, name)
+  const out = new Float32Array(n)
+  for (let i = 0; i < n; i += 2) {
+    const u1 = 1 - rnd()
+    const u2 = rnd()
+    const r = Math.sqrt(-2 * Math.log(u1)) * std
+    const th = 2 * Math.PI * u2
+    out[i] = mean + r * Math.cos(th)
+    if (i + 1 < n) out[i + 1] = mean + r * Math.sin(th)
+  }
+  return out
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vocabulary
+
+const WORDS = (
+  "the a and to was he she it of in is that her his with for on they you said day one little time upon once there " +
+  "big girl boy dog cat happy play saw had were very Lily Tom named loved friend park tree sun home mom went not " +
+  "but so all be at as up do we my me can will out what see like ball red blue bird fun sad help look came new " +
+  "toy run car box book water sky good nice wanted asked wanted smiled started together"
+).split(" ")
+
+const BIGRAMS = (
+  "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le ve co me de hi ri ro " +
+  "ic ne ea ra ce li ch ll be ma si om ur"
+).split(" ")
+
+const LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+/** Vocabulary pieces after the 259 specials and byte tokens, `count` of them, unique. */
+const vocabPieces = (count: number): Array<string> => {
+  const out: Array<string> = []
+  const seen = new Set<string>()
+  const add = (p: string) => {
+    if (out.length < count && !seen.has(p)) {
+      seen.add(p)
+      out.push(p)
+    }
+  }
+  add("▁")
+  for (const ch of LETTERS) add(ch)
+  for (const ch of LETTERS) add(`▁${ch}`)
+  for (const p of [".", ",", "!", "?", "\"", "'", "'s", "▁\""]) add(p)
+  for (const w of WORDS) add(`▁${w}`)
+  for (const b of BIGRAMS) add(b)
+  for (const ch of LETTERS.toUpperCase()) add(`▁${ch}`)
+  for (const ch of "0123456789") add(ch)
+  outer: for (let len = 2; ; len++) {
+    // "▁" + every word of `len` letters, in order, until enough.
+    const idx = new Array<number>(len).fill(0)
+    for (;;) {
+      if (out.length >= count) break outer
+      add("▁" + idx.map((i) => LETTERS[i]).join(""))
+      let k = len - 1
+      while (k >= 0 && idx[k] === LETTERS.length - 1) idx[k--] = 0
+      if (k < 0) break
+      idx[k] = idx[k]! + 1
+    }
+  }
+  return out
+}
+
+/** SPM tokenizer metadata: <unk>, <s>, </s>, <0x00>..<0xFF>, then pieces with descending scores. */
+export const syntheticVocab = (vocab: number): ReadonlyArray<readonly [string, GgufTypedValue]> => {
+  const tokens: Array<string> = ["<unk>", "<s>", "</s>"]
+  const scores: Array<number> = [0, 0, 0]
+  const types: Array<number> = [2, 3, 3]
+  for (let b = 0; b < 256; b++) {
+    tokens.push(`<0x${b.toString(16).toUpperCase().padStart(2, "0")}>`)
+    scores.push(0)
+    types.push(6)
+  }
+  vocabPieces(vocab - tokens.length).forEach((p, i) => {
+    tokens.push(p)
+    scores.push(-i)
+    types.push(1)
+  })
+  return [
+    ["tokenizer.ggml.model", GgufValues.string("llama")],
+    ["tokenizer.ggml.tokens", GgufValues.array(GgufValueType.STRING, tokens)],
+    ["tokenizer.ggml.scores", GgufValues.array(GgufValueType.FLOAT32, scores)],
+    ["tokenizer.ggml.token_type", GgufValues.array(GgufValueType.INT32, types)],
+    ["tokenizer.ggml.unknown_token_id", GgufValues.u32(0)],
+    ["tokenizer.ggml.bos_token_id", GgufValues.u32(1)],
+    ["tokenizer.ggml.eos_token_id", GgufValues.u32(2)],
+    ["tokenizer.ggml.add_bos_token", GgufValues.bool(true)],
+    ["tokenizer.ggml.add_eos_token", GgufValues.bool(false)]
+  ]
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Model layout
+
+const positiveInt = (name: string, v: number | undefined): string | undefined =>
+  v === undefined || (Number.isSafeInteger(v) && v > 0) ? undefined : `${name} must be a positive integer, got ${v}`
+
+const validate = (o: SyntheticModelOptions): string | undefined => {
+  if (!syntheticArchs.includes(o.arch)) return `arch must be one of ${syntheticArchs.join(", ")}, got ${o.arch}`
+  if (!syntheticTypes.includes(o.type)) return `type must be one of ${syntheticTypes.join(", ")}, got ${o.type}`
+  for (const [k, v] of [
+    ["layers", o.layers],
+    ["hidden", o.hidden],
+    ["ffn", o.ffn],
+    ["heads", o.heads],
+    ["kvHeads", o.kvHeads],
+    ["headDim", o.headDim],
+    ["vocab", o.vocab],
+    ["contextLength", o.contextLength]
+  ] as const) {
+    const e = positiveInt(k, v)
+    if (e !== undefined) return e
+  }
+  if (o.vocab < 259) return `vocab must be at least 259 (3 specials + 256 byte tokens), got ${o.vocab}`
+  if (o.heads % o.kvHeads !== 0) return `heads (${o.heads}) must be a multiple of kvHeads (${o.kvHeads})`
+  if (o.headDim === undefined && o.hidden % o.heads !== 0) {
+    return `hidden (${o.hidden}) must be a multiple of heads (${o.heads}) unless headDim is given`
+  }
+  const hd = o.headDim ?? o.hidden / o.heads
+  if (hd % 2 !== 0) return `head dimension ${hd} must be even (RoPE rotates pairs)`
+  if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
+  if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
+  if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
+  return undefined
+}
+
+interface PlannedTensor {
+  readonly name: string
+  readonly dims: ReadonlyArray<number>
+  readonly mean: number
+  readonly std: number
+}
+
+const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
+  const hd = o.headDim ?? o.hidden / o.heads
+  const q = hd * o.heads
+  const kv = hd * o.kvHeads
+  const out: Array<PlannedTensor> = []
+  const w = (name: string, ne0: number, ne1: number) =>
+    out.push({ name, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
+  const norm = (name: string, n: number) => out.push({ name, dims: [n], mean: 1, std: 0.1 })
+  const bias = (name: string, n: number) => out.push({ name, dims: [n], mean: 0, std: 0.02 })
+  out.push({ name: "token_embd.weight", dims: [o.hidden, o.vocab], mean: 0, std: 0.02 })
+  norm("output_norm.weight", o.hidden)
+  if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
+  for (let i = 0; i < o.layers; i++) {
+    const b = `blk.${i}`
+    norm(`${b}.attn_norm.weight`, o.hidden)
+    w(`${b}.attn_q.weight`, o.hidden, q)
+    w(`${b}.attn_k.weight`, o.hidden, kv)
+    w(`${b}.attn_v.weight`, o.hidden, kv)
+    if (o.arch === "qwen2") {
+      bias(`${b}.attn_q.bias`, q)
+      bias(`${b}.attn_k.bias`, kv)
+      bias(`${b}.attn_v.bias`, kv)
+    }
+    if (o.arch === "qwen3") {
+      norm(`${b}.attn_q_norm.weight`, hd)
+      norm(`${b}.attn_k_norm.weight`, hd)
+    }
+    w(`${b}.attn_output.weight`, q, o.hidden)
+    norm(`${b}.ffn_norm.weight`, o.hidden)
+    w(`${b}.ffn_gate.weight`, o.hidden, o.ffn)
+    w(`${b}.ffn_up.weight`, o.hidden, o.ffn)
+    w(`${b}.ffn_down.weight`, o.ffn, o.hidden)
+  }
+  return out
+}
+
+/** The ggml type a tensor of this shape gets in a file of `type`. */
+export const syntheticTensorType = (type: SyntheticType, dims: ReadonlyArray<number>): number => {
+  if (dims.length < 2) return GgmlType.F32
+  const id = typeIds[type]
+  const info = ggmlTypeInfo(id)!
+  return dims[0]! % info.blockSize === 0 ? id : GgmlType.F16
+}
+
+const encode = (type: number, values: Float32Array, dims: ReadonlyArray<number>): Uint8Array => {
+  switch (type) {
+    case GgmlType.F32:
+      return new Uint8Array(values.buffer, values.byteOffset, values.byteLength)
+    case GgmlType.F16:
+      return toF16Bytes(values)
+    case GgmlType.BF16:
+      return toBf16Bytes(values)
+    default: {
+      const nPerRow = dims[0]!
+      return quantizeChunk(type, values, values.length / nPerRow, nPerRow)
+    }
+  }
+}
+
+const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufTypedValue]> => {
+  const a = o.arch
+  const hd = o.headDim ?? o.hidden / o.heads
+  const isQwen = a !== "llama"
+  const md: Array<readonly [string, GgufTypedValue]> = [
+    ["general.architecture", GgufValues.string(a)],
+    ["general.name", GgufValues.string(`swactor synthetic ${a} ${o.layers}x${o.hidden} ${o.type} seed ${o.seed}`)],
+    ["general.file_type", GgufValues.u32(fileTypes[o.type])],
+    [`${a}.block_count`, GgufValues.u32(o.layers)],
+    [`${a}.context_length`, GgufValues.u32(o.contextLength)],
+    [`${a}.embedding_length`, GgufValues.u32(o.hidden)],
+    [`${a}.feed_forward_length`, GgufValues.u32(o.ffn)],
+    [`${a}.attention.head_count`, GgufValues.u32(o.heads)],
+    [`${a}.attention.head_count_kv`, GgufValues.u32(o.kvHeads)],
+    [`${a}.attention.layer_norm_rms_epsilon`, GgufValues.f32(o.normEps ?? (isQwen ? 1e-6 : 1e-5))],
+    [`${a}.rope.freq_base`, GgufValues.f32(o.ropeFreqBase ?? (isQwen ? 1_000_000 : 10_000))],
+    [`${a}.rope.dimension_count`, GgufValues.u32(hd)]
+  ]
+  if (a === "qwen3" || o.headDim !== undefined) {
+    md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
+    md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
+  }
+  return [...md, ...syntheticVocab(o.vocab)]
+}
+
+/** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */
+export const syntheticModelSpec = (o: SyntheticModelOptions): {
+  readonly metadata: ReadonlyArray<readonly [string, GgufTypedValue]>
+  readonly tensors: ReadonlyArray<GgufTensorSpec>
+  readonly fallbacks: ReadonlyArray<string>
+} => {
+  const fallbacks: Array<string> = []
+  const tensors = planTensors(o).map((t): GgufTensorSpec => {
+    const type = syntheticTensorType(o.type, t.dims)
+    if (t.dims.length >= 2 && type !== typeIds[o.type]) fallbacks.push(t.name)
+    const n = t.dims.reduce((x, y) => x * y, 1)
+    return {
+      name: t.name,
+      type,
+      dims: t.dims,
+      data: () => encode(type, syntheticValues(o.seed, t.name, n, t.mean, t.std), t.dims)
+    }
+  })
+  return { metadata: metadataFor(o), tensors, fallbacks }
+}
+
+/** Writes a synthetic model file. */
+export const writeSyntheticModel = (
+  options: SyntheticModelOptions
+): Effect.Effect<SyntheticModelSummary, SyntheticModelError> =>
+  Effect.gen(function*() {
+    const invalid = validate(options)
+    if (invalid !== undefined) return yield* Effect.fail(new SyntheticModelError({ message: invalid }))
+    const started = performance.now()
+    const spec = syntheticModelSpec(options)
+    const written = yield* writeGgufFile(options.path, { metadata: spec.metadata, tensors: spec.tensors }).pipe(
+      Effect.mapError((e) => new SyntheticModelError({ message: `writing ${e.path}: ${e.message}` }))
+    )
+    const tensorTypes: Record<string, number> = {}
+    for (const t of spec.tensors) {
+      const n = ggmlTypeName(t.type)
+      tensorTypes[n] = (tensorTypes[n] ?? 0) + 1
+    }
+    return {
+      path: written.path,
+      bytes: written.bytes,
+      tensors: written.tensors,
+      tensorTypes,
+      fallbacks: spec.fallbacks,
+      seconds: (performance.now() - started) / 1000
+    }
+  })
