@@ -135,6 +135,9 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       ne1: number,
       ne2: number
     ) => Ptr,
+    ggml_new_tensor_4d: f(
+      "void * ggml_new_tensor_4d(void * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"
+    ) as (ctx: Ptr, type: number, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr,
     ggml_set_name: f("void * ggml_set_name(void * tensor, const char * name)") as (t: Ptr, name: string) => Ptr,
     ggml_set_input: f("void ggml_set_input(void * tensor)") as (t: Ptr) => void,
     ggml_set_output: f("void ggml_set_output(void * tensor)") as (t: Ptr) => void,
@@ -244,6 +247,10 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
     ggml_backend_alloc_ctx_tensors_from_buft: f(
       "void * ggml_backend_alloc_ctx_tensors_from_buft(void * ctx, void * buft)"
     ) as (ctx: Ptr, buft: Ptr) => Ptr | null,
+    ggml_backend_buft_alloc_buffer: f("void * ggml_backend_buft_alloc_buffer(void * buft, size_t size)") as (
+      buft: Ptr,
+      size: number
+    ) => Ptr | null,
     ggml_backend_buft_name: f("const char * ggml_backend_buft_name(void * buft)") as (buft: Ptr) => string,
     ggml_backend_buft_get_alloc_size: f("size_t ggml_backend_buft_get_alloc_size(void * buft, void * tensor)") as (
       buft: Ptr,
@@ -351,6 +358,8 @@ export interface Ggml {
   /** Repacked "extra" buffer types of the CPU device (llama.cpp's CPU_REPACK etc.). */
   readonly cpuExtraBufferTypes: () => ReadonlyArray<Ptr>
   readonly cpuDevice: () => Ptr
+  /** Points `tensor->buffer` at `buffer` (or null): llama.cpp's trick to ask supports_op about a buffer type. */
+  readonly setTensorBuffer: (t: Ptr, buffer: Ptr | null) => void
   /** Runs the graph on a koffi worker thread (the event loop keeps running). */
   readonly computeAsync: (backend: Ptr, graph: Ptr) => Promise<number>
 }
@@ -527,6 +536,9 @@ const init = (): Ggml => {
     cpuDevice: () => {
       ensureCpu()
       return cpuDev
+    },
+    setTensorBuffer: (t, buffer) => {
+      koffi.encode(t, TensorLayout.buffer, "void *", buffer)
     },
     computeAsync: (backend, graph) =>
       new Promise<number>((resolve, reject) => {

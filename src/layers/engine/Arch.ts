@@ -1,0 +1,18 @@
+import type { Ptr } from "../ggml/Bindings.js"
+import type { HParams } from "./HParams.js"
+import type { BlockWeights, TensorSpec, Toolkit } from "./Toolkit.js"
+
+/** One architecture: its RoPE mode, the tensors of a block, and how a block is computed. */
+export interface ArchModule {
+  readonly name: string
+  /** ggml RoPE mode (0 = NORM, 2 = NEOX). */
+  readonly ropeMode: number
+  /** Tensors of one block, short names (`attn_q.weight`). */
+  readonly blockTensors: (hp: HParams) => ReadonlyArray<TensorSpec>
+  /** Optional model-wide tensors that blocks use (full names, e.g. `rope_freqs.weight`). */
+  readonly sharedTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
+  /** Optional tensors of the output head besides output_norm / output (full names, e.g. `output.bias`). */
+  readonly outputTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
+  /** One block: residual stream in, residual stream out (t.layer is the block's index in the model). */
+  readonly buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => Ptr
+}

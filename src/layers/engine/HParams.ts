@@ -1,0 +1,161 @@
+/**
+ * Hyperparameters of a llama-family model, read from GGUF metadata and checked before ggml sees any of them.
+ */
+import { Effect } from "effect"
+import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
+import {
+  getArchitecture,
+  getF32,
+  getNumberArray,
+  getOptional,
+  getString,
+  getStringArray,
+  getU32
+} from "../gguf/GgufReader.js"
+
+export const RopeMode = { NORM: 0, NEOX: 2 } as const
+
+export interface HParams {
+  readonly arch: string
+  readonly nLayer: number
+  readonly nEmbd: number
+  readonly nFf: number
+  readonly nHead: number
+  readonly nHeadKv: number
+  /** Per-head size of Q and K (`attention.key_length`, default nEmbd / nHead). */
+  readonly headDimK: number
+  /** Per-head size of V (`attention.value_length`, default headDimK). */
+  readonly headDimV: number
+  readonly nRot: number
+  readonly nVocab: number
+  readonly nCtxTrain: number
+  readonly rmsEps: number
+  readonly ropeMode: number
+  readonly ropeFreqBase: number
+  readonly ropeFreqScale: number
+  /** n_ctx_orig passed to ggml_rope_ext. */
+  readonly nCtxOrig: number
+  readonly kqScale: number
+  readonly eosTokenId: number
+  readonly bosTokenId: number | undefined
+}
+
+const invalid = (file: GgufFile, message: string) =>
+  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
+
+const positive = (file: GgufFile, key: string, n: number) =>
+  Number.isSafeInteger(n) && n > 0 ? Effect.succeed(n) : Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
+
+/** A per-model integer that may also be stored as one value per layer (then all must be equal). */
+const uniformInt = (file: GgufFile, key: string) =>
+  Effect.gen(function*() {
+    const v = file.metadata.get(key)
+    if (Array.isArray(v)) {
+      const arr = yield* getNumberArray(file, key)
+      const first = arr[0]
+      if (first === undefined || arr.some((x) => x !== first)) {
+        return yield* Effect.fail(invalid(file, `metadata "${key}" varies per layer, which swactor does not support`))
+      }
+      return yield* positive(file, key, first)
+    }
+    return yield* positive(file, key, yield* getU32(file, key))
+  })
+
+/**
+ * Reads the llama-family hyperparameters. `ropeMode` comes from the architecture table, the vocabulary size
+ * from the token list (checked against `token_embd` when the table has it).
+ */
+export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HParams, ModelLoadError> =>
+  Effect.gen(function*() {
+    const arch = yield* getArchitecture(file)
+    const k = (s: string) => `${arch}.${s}`
+    const nLayer = yield* positive(file, k("block_count"), yield* getU32(file, k("block_count")))
+    const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
+    const nFf = yield* uniformInt(file, k("feed_forward_length"))
+    const nHead = yield* uniformInt(file, k("attention.head_count"))
+    const nHeadKv = file.metadata.has(k("attention.head_count_kv"))
+      ? yield* uniformInt(file, k("attention.head_count_kv"))
+      : nHead
+    if (nHead % nHeadKv !== 0) {
+      return yield* Effect.fail(invalid(file, `attention.head_count ${nHead} is not a multiple of head_count_kv ${nHeadKv}`))
+    }
+    const keyLength = yield* getOptional(file, k("attention.key_length"), getU32)
+    if (keyLength === undefined && nEmbd % nHead !== 0) {
+      return yield* Effect.fail(invalid(file, `embedding_length ${nEmbd} is not a multiple of head_count ${nHead}`))
+    }
+    const headDimK = yield* positive(file, k("attention.key_length"), keyLength ?? nEmbd / nHead)
+    const headDimV = yield* positive(
+      file,
+      k("attention.value_length"),
+      (yield* getOptional(file, k("attention.value_length"), getU32)) ?? headDimK
+    )
+    if (headDimV !== headDimK) {
+      return yield* Effect.fail(invalid(file, `key_length ${headDimK} != value_length ${headDimV} is not supported`))
+    }
+    const nRot = (yield* getOptional(file, k("rope.dimension_count"), getU32)) ?? headDimK
+    if (nRot !== headDimK) {
+      return yield* Effect.fail(
+        invalid(file, `rope.dimension_count ${nRot} must equal the head size ${headDimK} for ${arch}`)
+      )
+    }
+    if (headDimK % 2 !== 0) return yield* Effect.fail(invalid(file, `head size ${headDimK} must be even`))
+    const rmsEps = yield* getF32(file, k("attention.layer_norm_rms_epsilon"))
+    if (!(rmsEps > 0 && rmsEps < 1)) {
+      return yield* Effect.fail(invalid(file, `attention.layer_norm_rms_epsilon ${rmsEps} is out of range`))
+    }
+    const nCtxTrain = yield* positive(file, k("context_length"), yield* getU32(file, k("context_length")))
+    const ropeFreqBase = (yield* getOptional(file, k("rope.freq_base"), getF32)) ?? 10000
+    if (!(ropeFreqBase > 0 && Number.isFinite(ropeFreqBase))) {
+      return yield* Effect.fail(invalid(file, `rope.freq_base ${ropeFreqBase} must be > 0`))
+    }
+    const scalingType = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
+    let ropeFreqScale = 1
+    if (scalingType === "linear") {
+      const factor = (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ??
+        (yield* getOptional(file, k("rope.scale_linear"), getF32)) ?? 1
+      if (!(factor > 0)) return yield* Effect.fail(invalid(file, `rope.scaling.factor ${factor} must be > 0`))
+      ropeFreqScale = 1 / factor
+    } else if (scalingType !== "none") {
+      return yield* Effect.fail(
+        invalid(file, `rope.scaling.type "${scalingType}" is not supported (supported: none, linear)`)
+      )
+    } else {
+      const linear = yield* getOptional(file, k("rope.scale_linear"), getF32)
+      if (linear !== undefined && linear > 0) ropeFreqScale = 1 / linear
+    }
+    const nCtxOrig = (yield* getOptional(file, k("rope.scaling.original_context_length"), getU32)) ?? nCtxTrain
+    const attnScale = (yield* getOptional(file, k("attention.scale"), getF32)) ?? 0
+    const kqScale = attnScale === 0 ? 1 / Math.sqrt(headDimK) : attnScale
+
+    let nVocab: number | undefined
+    if (file.metadata.has("tokenizer.ggml.tokens")) nVocab = (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
+    else if (file.metadata.has(k("vocab_size"))) nVocab = yield* getU32(file, k("vocab_size"))
+    const embd = file.tensorsByName.get("token_embd.weight")
+    if (nVocab === undefined) nVocab = embd?.dims[1]
+    if (nVocab === undefined || nVocab <= 0) {
+      return yield* Effect.fail(invalid(file, "the vocabulary size is unknown (no tokenizer.ggml.tokens)"))
+    }
+    const eos = (yield* getOptional(file, "tokenizer.ggml.eos_token_id", getU32)) ?? -1
+    const bos = yield* getOptional(file, "tokenizer.ggml.bos_token_id", getU32)
+    return {
+      arch,
+      nLayer,
+      nEmbd,
+      nFf,
+      nHead,
+      nHeadKv,
+      headDimK,
+      headDimV,
+      nRot,
+      nVocab,
+      nCtxTrain,
+      rmsEps,
+      ropeMode,
+      ropeFreqBase,
+      ropeFreqScale,
+      nCtxOrig,
+      kqScale,
+      eosTokenId: eos >= nVocab ? -1 : eos,
+      bosTokenId: bos !== undefined && bos < nVocab ? bos : undefined
+    }
+  })

@@ -1,0 +1,376 @@
+/**
+ * The native side of a stage: weights in backend buffers, a KV cache per session, one ggml graph per call.
+ * Everything here assumes a validated StagePlan (Plan.ts); inputs are checked again before ggml sees them.
+ */
+import { open } from "node:fs/promises"
+import type { LoadProgress, StageInput } from "../../domain/engine.js"
+import { type Ggml, getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
+import type { StagePlan } from "./Plan.js"
+import { type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
+
+const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
+const READ_CHUNK = 16 * 1024 * 1024
+const F16_NEG_INF = 0xfc00
+
+/** Padded KV cache length, as llama.cpp pads n_ctx. */
+export const kvCacheSize = (contextLength: number) => Math.ceil(contextLength / 256) * 256
+
+/** Cells attended to: llama.cpp's n_kv = min(size, max(256, pad(used, 256))). */
+export const attendedCells = (kvSize: number, used: number) =>
+  Math.min(kvSize, Math.max(256, Math.ceil(used / 256) * 256))
+
+/** Serializes native work on one backend (its CPU work buffer is not shared safely). */
+class Lock {
+  private tail: Promise<void> = Promise.resolve()
+  run<A>(f: () => Promise<A>): Promise<A> {
+    const result = this.tail.then(f)
+    this.tail = result.then(() => undefined, () => undefined)
+    return result
+  }
+}
+
+export interface TensorPlacement {
+  readonly name: string
+  readonly bufferType: string
+  readonly bytes: number
+}
+
+export class NativeWeights {
+  readonly lock = new Lock()
+  private freed = false
+
+  constructor(
+    readonly ggml: Ggml,
+    readonly plan: StagePlan,
+    readonly backend: Ptr,
+    private readonly contexts: ReadonlyArray<Ptr>,
+    private readonly buffers: ReadonlyArray<Ptr>,
+    readonly tensors: ReadonlyMap<string, Ptr>,
+    readonly placements: ReadonlyArray<TensorPlacement>,
+    /** Bytes of the backend buffers that hold the weights. */
+    readonly bufferBytes: number
+  ) {}
+
+  get(name: string): Ptr {
+    const t = this.tensors.get(name)
+    if (t === undefined) throw new Error(`internal: tensor ${name} is not loaded`)
+    return t
+  }
+
+  free(): void {
+    if (this.freed) return
+    this.freed = true
+    const raw = this.ggml.raw
+    for (const b of this.buffers) raw.ggml_backend_buffer_free(b)
+    for (const c of this.contexts) raw.ggml_free(c)
+    raw.ggml_backend_free(this.backend)
+  }
+}
+
+/** llama.cpp's weight_buft_supported: would `buft` serve this weight in a mul_mat? */
+const supportsMulMat = (g: Ggml, buft: Ptr, type: number, ne0: number, ne1: number): boolean => {
+  const raw = g.raw
+  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 8, mem_buffer: null, no_alloc: true })
+  try {
+    const w = raw.ggml_new_tensor_2d(ctx, type, ne0, ne1)
+    const b = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, 512)
+    const op = raw.ggml_mul_mat(ctx, w, b)
+    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
+    if (buf === null) return false
+    g.setTensorBuffer(w, buf)
+    try {
+      return raw.ggml_backend_dev_supports_op(g.cpuDevice(), op)
+    } finally {
+      g.setTensorBuffer(w, null)
+      raw.ggml_backend_buffer_free(buf)
+    }
+  } finally {
+    raw.ggml_free(ctx)
+  }
+}
+
+/** Allocates and reads the planned tensors. Throws on native or I/O failure (after freeing what it made). */
+export const loadWeights = async (
+  plan: StagePlan,
+  options: { readonly repack?: boolean; readonly onProgress?: (p: LoadProgress) => void } = {}
+): Promise<NativeWeights> => {
+  const g = getGgml()
+  const raw = g.raw
+  const dev = g.cpuDevice()
+  const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
+  const extra = options.repack === false ? [] : g.cpuExtraBufferTypes()
+
+  // group tensors by buffer type, one no-alloc context each
+  const groups = new Map<Ptr, Array<{ name: string; index: number }>>()
+  const bufts: Array<Ptr> = []
+  plan.tensors.forEach((t, index) => {
+    let buft = cpuBuft
+    if (t.use === "mul_mat") {
+      const found = extra.find((b) => supportsMulMat(g, b, t.info.type, t.info.dims[0]!, t.info.dims[1] ?? 1))
+      if (found !== undefined) buft = found
+    }
+    if (!groups.has(buft)) {
+      groups.set(buft, [])
+      bufts.push(buft)
+    }
+    groups.get(buft)!.push({ name: t.name, index })
+  })
+
+  const contexts: Array<Ptr> = []
+  const buffers: Array<Ptr> = []
+  const tensors = new Map<string, Ptr>()
+  const placements: Array<TensorPlacement> = []
+  const tensorBuft = new Map<string, Ptr>()
+  let backend: Ptr | null = null
+  try {
+    for (const buft of bufts) {
+      const members = groups.get(buft)!
+      const ctx = raw.ggml_init({
+        mem_size: raw.ggml_tensor_overhead() * (members.length + 1),
+        mem_buffer: null,
+        no_alloc: true
+      })
+      if (ctx === null) throw new Error("ggml_init failed for the weights context")
+      contexts.push(ctx)
+      for (const m of members) {
+        const t = plan.tensors[m.index]!
+        const d = t.info.dims
+        const p = d.length <= 1
+          ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
+          : d.length === 2
+          ? raw.ggml_new_tensor_2d(ctx, t.info.type, d[0]!, d[1]!)
+          : raw.ggml_new_tensor_3d(ctx, t.info.type, d[0]!, d[1]!, d[2] ?? 1)
+        raw.ggml_set_name(p, t.name.slice(0, 63))
+        const nbytes = raw.ggml_nbytes(p)
+        if (nbytes !== t.info.byteSize) {
+          throw new Error(`tensor ${t.name}: ggml says ${nbytes} bytes, the GGUF table ${t.info.byteSize}`)
+        }
+        tensors.set(t.name, p)
+        tensorBuft.set(t.name, buft)
+        placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
+      }
+      const buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+      if (buffer === null) {
+        throw new Error(`could not allocate ${raw.ggml_backend_buft_name(buft)} memory for the stage's weights`)
+      }
+      raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+      buffers.push(buffer)
+    }
+
+    const total = plan.weightBytes
+    let loaded = 0
+    options.onProgress?.({ loadedBytes: 0, totalBytes: total })
+    const fh = await open(plan.file.path, "r")
+    try {
+      const order = [...plan.tensors].sort((a, b) => a.info.offset - b.info.offset)
+      let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
+      for (const t of order) {
+        const p = tensors.get(t.name)!
+        const whole = tensorBuft.get(t.name) !== cpuBuft
+        const size = t.info.byteSize
+        if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
+        const step = whole ? size : chunk.length
+        for (let off = 0; off < size; off += step) {
+          const n = Math.min(step, size - off)
+          let got = 0
+          while (got < n) {
+            const r = await fh.read(chunk, got, n - got, t.info.offset + off + got)
+            if (r.bytesRead === 0) throw new Error(`unexpected end of file reading ${t.name}`)
+            got += r.bytesRead
+          }
+          raw.ggml_backend_tensor_set(p, chunk.subarray(0, n), off, n)
+          loaded += n
+          options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
+        }
+      }
+    } finally {
+      await fh.close()
+    }
+    backend = raw.ggml_backend_dev_init(dev, null)
+    if (backend === null) throw new Error("could not start the ggml CPU backend")
+    const bufferBytes = buffers.reduce<number>((s, b) => s + raw.ggml_backend_buffer_get_size(b), 0)
+    return new NativeWeights(g, plan, backend as Ptr, contexts, buffers, tensors, placements, bufferBytes)
+  } catch (e) {
+    for (const b of buffers) raw.ggml_backend_buffer_free(b)
+    for (const c of contexts) raw.ggml_free(c)
+    if (backend !== null) raw.ggml_backend_free(backend)
+    throw e
+  }
+}
+
+export type NativeOutput =
+  | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
+  | { readonly _tag: "Logits"; readonly logits: Float32Array }
+
+/** One sequence's KV cache over loaded weights. */
+export class NativeSession {
+  private readonly kvCtx: Ptr
+  private readonly kvBuffer: Ptr
+  private readonly kv: Map<number, KvLayer> = new Map()
+  private readonly galloc: Ptr
+  private freed = false
+  /** Cells 0..filled-1 hold this sequence's K/V. */
+  filled = 0
+
+  constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
+    const g = weights.ggml
+    const raw = g.raw
+    const { hp, spec } = weights.plan
+    const kvSize = kvCacheSize(contextLength)
+    const nLayers = spec.layerEndExclusive - spec.layerStart
+    this.kvCtx = raw.ggml_init({
+      mem_size: raw.ggml_tensor_overhead() * (2 * nLayers + 1),
+      mem_buffer: null,
+      no_alloc: true
+    })
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, hp.headDimK * hp.nHeadKv, kvSize)
+      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, hp.headDimV * hp.nHeadKv, kvSize)
+      raw.ggml_set_name(k, `cache_k_l${il}`)
+      raw.ggml_set_name(v, `cache_v_l${il}`)
+      this.kv.set(il, { k, v })
+    }
+    const cpuBuft = raw.ggml_backend_dev_buffer_type(g.cpuDevice())
+    const buf = raw.ggml_backend_alloc_ctx_tensors_from_buft(this.kvCtx, cpuBuft)
+    if (buf === null) {
+      raw.ggml_free(this.kvCtx)
+      throw new Error(`could not allocate the KV cache (${kvSize} cells x ${nLayers} blocks)`)
+    }
+    this.kvBuffer = buf
+    // zeroed: NaN garbage in masked cells would still poison softmax(QK)·V
+    raw.ggml_backend_buffer_clear(buf, 0)
+    this.galloc = raw.ggml_gallocr_new(cpuBuft)
+  }
+
+  get kvSize(): number {
+    return kvCacheSize(this.contextLength)
+  }
+
+  reset(): void {
+    this.filled = 0
+    if (!this.freed) this.weights.ggml.raw.ggml_backend_buffer_clear(this.kvBuffer, 0)
+  }
+
+  free(): void {
+    if (this.freed) return
+    this.freed = true
+    const raw = this.weights.ggml.raw
+    raw.ggml_gallocr_free(this.galloc)
+    raw.ggml_backend_buffer_free(this.kvBuffer)
+    raw.ggml_free(this.kvCtx)
+  }
+
+  /**
+   * Runs positions startPos..startPos+n-1. The caller has validated: 0 <= startPos <= filled,
+   * startPos + n <= contextLength, the input kind and size, token ids in range.
+   */
+  forward(startPos: number, input: StageInput): Promise<NativeOutput> {
+    return this.weights.lock.run(() => this.forwardLocked(startPos, input))
+  }
+
+  private async forwardLocked(startPos: number, input: StageInput): Promise<NativeOutput> {
+    if (this.freed) throw new Error("session already freed")
+    const w = this.weights
+    const g = w.ggml
+    const raw = g.raw
+    const { arch, hp, spec } = w.plan
+    const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+    const used = startPos + n
+    const nKv = attendedCells(this.kvSize, used)
+    const nLayers = spec.layerEndExclusive - spec.layerStart
+    const maxNodes = Math.max(2048, 96 * nLayers + 256)
+    const ctx = raw.ggml_init({
+      mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
+      mem_buffer: null,
+      no_alloc: true
+    })
+    if (ctx === null) throw new Error("ggml_init failed for the compute graph")
+    try {
+      const graph = raw.ggml_new_graph_custom(ctx, maxNodes, false)
+      const input1d = (type: number, len: number, name: string) => {
+        const t = raw.ggml_new_tensor_1d(ctx, type, len)
+        raw.ggml_set_name(t, name)
+        raw.ggml_set_input(t)
+        return t
+      }
+      const pos = input1d(GgmlType.I32, n, "inp_pos")
+      const kvIdx = input1d(GgmlType.I64, n, "inp_kv_idx")
+      const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, n)
+      raw.ggml_set_name(mask, "inp_kq_mask")
+      raw.ggml_set_input(mask)
+      const outIds = spec.isLast ? input1d(GgmlType.I32, 1, "inp_out_ids") : null
+      const inputs: GraphInputs = { pos, kvIdx, mask, outIds }
+
+      let x: Ptr
+      let tokens: Ptr | null = null
+      if (input._tag === "Tokens") {
+        tokens = input1d(GgmlType.I32, n, "inp_tokens")
+        x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
+      } else {
+        x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
+        raw.ggml_set_name(x, "inp_hidden")
+        raw.ggml_set_input(x)
+      }
+      const hiddenIn = input._tag === "Hidden" ? x : null
+
+      const t = new Toolkit(raw, ctx, graph, hp, n, nKv, inputs, (il) => this.kv.get(il)!)
+      for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+        t.layer = il
+        const prefix = `blk.${il}.`
+        const bw: BlockWeights = {
+          get: (name) => w.get(prefix + name),
+          opt: (name) => w.tensors.get(prefix + name) ?? null,
+          global: (name) => w.tensors.get(name) ?? null
+        }
+        x = arch.buildBlock(t, bw, x)
+      }
+      if (spec.isLast) {
+        x = t.rmsNorm(x, w.get("output_norm.weight"))
+        x = t.linear(w.get("output.weight"), x, w.tensors.get("output.bias") ?? null)
+      }
+      raw.ggml_set_output(x)
+      raw.ggml_build_forward_expand(graph, x)
+
+      if (!raw.ggml_gallocr_alloc_graph(this.galloc, graph)) throw new Error("could not allocate the compute graph")
+
+      const posArr = new Int32Array(n)
+      const idxArr = new BigInt64Array(n)
+      for (let i = 0; i < n; i++) {
+        posArr[i] = startPos + i
+        idxArr[i] = BigInt(startPos + i)
+      }
+      raw.ggml_backend_tensor_set(pos, posArr, 0, n * 4)
+      raw.ggml_backend_tensor_set(kvIdx, idxArr, 0, n * 8)
+      const maskArr = new Uint16Array(nKv * n)
+      for (let i = 0; i < n; i++) {
+        const p = startPos + i
+        const row = maskArr.subarray(i * nKv, (i + 1) * nKv)
+        if (p + 1 < nKv) row.fill(F16_NEG_INF, p + 1)
+      }
+      raw.ggml_backend_tensor_set(mask, maskArr, 0, maskArr.byteLength)
+      if (outIds !== null) raw.ggml_backend_tensor_set(outIds, Int32Array.of(n - 1), 0, 4)
+      if (tokens !== null && input._tag === "Tokens") {
+        raw.ggml_backend_tensor_set(tokens, input.tokens, 0, n * 4)
+      }
+      if (hiddenIn !== null && input._tag === "Hidden") {
+        raw.ggml_backend_tensor_set(hiddenIn, input.hidden, 0, hp.nEmbd * n * 4)
+      }
+
+      g.setThreads(w.backend, this.threads)
+      const status = await g.computeAsync(w.backend, graph)
+      if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
+      this.filled = used
+
+      if (spec.isLast) {
+        const logits = new Float32Array(hp.nVocab)
+        raw.ggml_backend_tensor_get(x, logits, 0, logits.byteLength)
+        return { _tag: "Logits", logits }
+      }
+      const hidden = new Float32Array(hp.nEmbd * n)
+      raw.ggml_backend_tensor_get(x, hidden, 0, hidden.byteLength)
+      return { _tag: "Hidden", hidden, nTokens: n }
+    } finally {
+      raw.ggml_free(ctx)
+    }
+  }
+}

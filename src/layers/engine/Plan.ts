@@ -1,0 +1,206 @@
+/**
+ * What a stage loads, decided and checked in TypeScript before any native call: the architecture, its
+ * hyperparameters, and every tensor of the block range (name, shape, type, bytes) against the GGUF table.
+ */
+import { Effect } from "effect"
+import type { StageLoadSpec } from "../../domain/engine.js"
+import { GgmlType, ggmlTypeInfo, ggmlTypeName } from "../../domain/ggmlTypes.js"
+import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
+import { getArchitecture } from "../gguf/GgufReader.js"
+import type { ArchModule } from "./Arch.js"
+import { type HParams, readHParams } from "./HParams.js"
+import { architectures, supportedArchitectures } from "./Registry.js"
+import type { TensorSpec } from "./Toolkit.js"
+
+/** How a weight is used in the graph (decides its buffer type, as llama.cpp does). */
+export type WeightUse = "get_rows" | "mul_mat" | "vector"
+
+export interface PlannedTensor {
+  /** Name of the tensor in the stage (usually the GGUF name; `output.weight` for a tied output). */
+  readonly name: string
+  readonly info: GgufTensorInfo
+  readonly use: WeightUse
+}
+
+export interface StagePlan {
+  readonly file: GgufFile
+  readonly arch: ArchModule
+  readonly hp: HParams
+  readonly spec: StageLoadSpec
+  readonly tensors: ReadonlyArray<PlannedTensor>
+  /** Sum of the GGUF byte sizes of `tensors`. */
+  readonly weightBytes: number
+  /** The output projection reuses token_embd (no `output.weight` in the file). */
+  readonly tiedOutput: boolean
+}
+
+/** Tensor types a matrix may have: those ggml's CPU backend multiplies and gathers directly. */
+const matrixTypes: ReadonlySet<number> = new Set([
+  GgmlType.F32,
+  GgmlType.F16,
+  GgmlType.BF16,
+  GgmlType.Q4_0,
+  GgmlType.Q4_1,
+  GgmlType.Q5_0,
+  GgmlType.Q5_1,
+  GgmlType.Q8_0,
+  GgmlType.Q2_K,
+  GgmlType.Q3_K,
+  GgmlType.Q4_K,
+  GgmlType.Q5_K,
+  GgmlType.Q6_K,
+  GgmlType.IQ2_XXS,
+  GgmlType.IQ2_XS,
+  GgmlType.IQ3_XXS,
+  GgmlType.IQ1_S,
+  GgmlType.IQ4_NL,
+  GgmlType.IQ3_S,
+  GgmlType.IQ2_S,
+  GgmlType.IQ4_XS,
+  GgmlType.IQ1_M,
+  GgmlType.TQ1_0,
+  GgmlType.TQ2_0,
+  GgmlType.MXFP4
+])
+
+const fail = (file: GgufFile, reason: ModelLoadError["reason"], message: string) =>
+  Effect.fail(new ModelLoadError({ path: file.path, reason, message }))
+
+const sameDims = (a: ReadonlyArray<number>, b: ReadonlyArray<number>) => {
+  const strip = (d: ReadonlyArray<number>) => {
+    const out = [...d]
+    while (out.length > 1 && out[out.length - 1] === 1) out.pop()
+    return out
+  }
+  const x = strip(a)
+  const y = strip(b)
+  return x.length === y.length && x.every((v, i) => v === y[i])
+}
+
+/** Checks one tensor against its spec; undefined when an optional tensor is absent. */
+const checkTensor = (
+  file: GgufFile,
+  fullName: string,
+  spec: TensorSpec
+): Effect.Effect<GgufTensorInfo | undefined, ModelLoadError> => {
+  const info = file.tensorsByName.get(fullName)
+  if (info === undefined) {
+    return spec.required
+      ? fail(file, "MissingTensor", `tensor "${fullName}" is missing (expected [${spec.dims.join(", ")}])`)
+      : Effect.succeed(undefined)
+  }
+  if (!sameDims(info.dims, spec.dims)) {
+    return fail(
+      file,
+      "TensorShapeMismatch",
+      `tensor "${fullName}" has shape [${info.dims.join(", ")}], expected [${spec.dims.join(", ")}]`
+    )
+  }
+  const t = ggmlTypeInfo(info.type)
+  if (t === undefined) {
+    return fail(file, "UnsupportedTensorType", `tensor "${fullName}" has unknown ggml type ${info.type}`)
+  }
+  if (spec.kind === "vector" && info.type !== GgmlType.F32) {
+    return fail(file, "TensorTypeMismatch", `tensor "${fullName}" is ${t.name}, expected f32`)
+  }
+  if (spec.kind === "matrix") {
+    if (!matrixTypes.has(info.type)) {
+      return fail(file, "UnsupportedTensorType", `tensor "${fullName}" has type ${t.name}, which swactor cannot multiply`)
+    }
+    if ((info.dims[0] ?? 0) % t.blockSize !== 0) {
+      return fail(
+        file,
+        "TensorShapeMismatch",
+        `tensor "${fullName}" row length ${info.dims[0]} is not a multiple of ${t.name}'s block size ${t.blockSize}`
+      )
+    }
+  }
+  return Effect.succeed(info)
+}
+
+/** The architecture module of a file, or UnsupportedArchitecture listing the supported ones. */
+export const archOf = (file: GgufFile): Effect.Effect<ArchModule, ModelLoadError> =>
+  Effect.flatMap(getArchitecture(file), (name) => {
+    const arch = architectures.get(name)
+    return arch === undefined
+      ? fail(
+        file,
+        "UnsupportedArchitecture",
+        `architecture "${name}" is not supported; supported: ${supportedArchitectures().join(", ")}`
+      )
+      : Effect.succeed(arch)
+  })
+
+/** Plans (and fully validates) the load of one stage. */
+export const planStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StagePlan, ModelLoadError> =>
+  Effect.gen(function*() {
+    const arch = yield* archOf(file)
+    const hp = yield* readHParams(file, arch.ropeMode)
+    const { layerEndExclusive: end, layerStart: start } = spec
+    if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > hp.nLayer || start >= end) {
+      return yield* fail(
+        file,
+        "InvalidLayerRange",
+        `block range [${start}, ${end}) is not a non-empty range inside the model's ${hp.nLayer} blocks`
+      )
+    }
+    if (spec.isFirst !== (start === 0)) {
+      return yield* fail(file, "InvalidLayerRange", `isFirst=${spec.isFirst} but the range starts at block ${start}`)
+    }
+    if (spec.isLast !== (end === hp.nLayer)) {
+      return yield* fail(
+        file,
+        "InvalidLayerRange",
+        `isLast=${spec.isLast} but the range ends at block ${end} of ${hp.nLayer}`
+      )
+    }
+    const out: Array<PlannedTensor> = []
+    const embdSpec: TensorSpec = { name: "token_embd.weight", dims: [hp.nEmbd, hp.nVocab], kind: "matrix", required: true }
+    if (spec.isFirst) {
+      const info = yield* checkTensor(file, "token_embd.weight", embdSpec)
+      if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows" })
+    }
+    for (const s of arch.sharedTensors?.(hp) ?? []) {
+      const info = yield* checkTensor(file, s.name, s)
+      if (info !== undefined) out.push({ name: s.name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
+    }
+    const blockSpecs = arch.blockTensors(hp)
+    for (let il = start; il < end; il++) {
+      for (const s of blockSpecs) {
+        const name = `blk.${il}.${s.name}`
+        const info = yield* checkTensor(file, name, s)
+        if (info !== undefined) out.push({ name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
+      }
+    }
+    let tiedOutput = false
+    if (spec.isLast) {
+      const norm = yield* checkTensor(file, "output_norm.weight", {
+        name: "output_norm.weight",
+        dims: [hp.nEmbd],
+        kind: "vector",
+        required: true
+      })
+      if (norm !== undefined) out.push({ name: "output_norm.weight", info: norm, use: "vector" })
+      const output = yield* checkTensor(file, "output.weight", { ...embdSpec, name: "output.weight", required: false })
+      if (output !== undefined) {
+        out.push({ name: "output.weight", info: output, use: "mul_mat" })
+      } else {
+        tiedOutput = true
+        const embd = yield* checkTensor(file, "token_embd.weight", embdSpec)
+        if (embd !== undefined) out.push({ name: "output.weight", info: embd, use: "mul_mat" })
+      }
+      for (const s of arch.outputTensors?.(hp) ?? []) {
+        const info = yield* checkTensor(file, s.name, s)
+        if (info !== undefined) out.push({ name: s.name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
+      }
+    }
+    for (const t of out) {
+      if (t.info.offset + t.info.byteSize > file.fileSize) {
+        return yield* fail(file, "OffsetOutOfBounds", `tensor "${t.info.name}" data ends past the end of the file`)
+      }
+    }
+    const weightBytes = out.reduce((s, t) => s + t.info.byteSize, 0)
+    return { file, arch, hp, spec, tensors: out, weightBytes, tiedOutput }
+  })
+
+export { ggmlTypeName }

@@ -1,0 +1,13 @@
+/** The supported architectures: adding one is a module under archs/ and one entry here. */
+import type { ArchModule } from "./Arch.js"
+import { llama } from "./archs/llama.js"
+import { qwen2 } from "./archs/qwen2.js"
+import { qwen3 } from "./archs/qwen3.js"
+
+export const architectures: ReadonlyMap<string, ArchModule> = new Map([
+  ["llama", llama],
+  ["qwen2", qwen2],
+  ["qwen3", qwen3]
+])
+
+export const supportedArchitectures = (): ReadonlyArray<string> => [...architectures.keys()]

@@ -1,0 +1,203 @@
+/**
+ * The shared graph toolkit: norm, projections, RoPE, attention over the stage's KV cache, SwiGLU feed-forward.
+ * It mirrors llama.cpp's llm_graph_context (llama-graph.cpp) op for op, so that a stage computes what
+ * llama.cpp computes: flash attention with an F16 mask over an F16 KV cache, F32 precision.
+ */
+import { GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
+import type { HParams } from "./HParams.js"
+
+export const GGML_PREC_F32 = 10
+
+/** A tensor the architecture needs: short name (`attn_q.weight`), ggml dims, and what it is used for. */
+export interface TensorSpec {
+  readonly name: string
+  readonly dims: ReadonlyArray<number>
+  /** matrix: any type mul_mat/get_rows accept; vector (norms, biases, rope factors): F32 only */
+  readonly kind: "matrix" | "vector"
+  readonly required: boolean
+}
+
+/** The loaded weights of one block, by short name. */
+export interface BlockWeights {
+  readonly get: (name: string) => Ptr
+  readonly opt: (name: string) => Ptr | null
+  /** A model-wide tensor (e.g. `rope_freqs.weight`). */
+  readonly global: (name: string) => Ptr | null
+}
+
+export interface KvLayer {
+  /** [headDimK * nHeadKv, kvSize] F16 */
+  readonly k: Ptr
+  /** [headDimV * nHeadKv, kvSize] F16 */
+  readonly v: Ptr
+}
+
+export interface GraphInputs {
+  /** I32 [nTokens] positions */
+  readonly pos: Ptr
+  /** I64 [nTokens] KV cell of each token */
+  readonly kvIdx: Ptr
+  /** F16 [nKv, nTokens] 0 / -inf */
+  readonly mask: Ptr
+  /** I32 [nOutputs] rows kept after the model's last block (last stage only) */
+  readonly outIds: Ptr | null
+}
+
+export class Toolkit {
+  /** Index (in the whole model) of the block being built. */
+  layer = 0
+
+  constructor(
+    readonly g: GgmlRaw,
+    readonly ctx: Ptr,
+    readonly graph: Ptr,
+    readonly hp: HParams,
+    readonly nTokens: number,
+    readonly nKv: number,
+    readonly inputs: GraphInputs,
+    private readonly kvLayer: (il: number) => KvLayer
+  ) {}
+
+  add(a: Ptr, b: Ptr): Ptr {
+    return this.g.ggml_add(this.ctx, a, b)
+  }
+
+  /** RMS norm then scale by the weight (LLM_NORM_RMS). */
+  rmsNorm(x: Ptr, w: Ptr): Ptr {
+    return this.g.ggml_mul(this.ctx, this.g.ggml_rms_norm(this.ctx, x, this.hp.rmsEps), w)
+  }
+
+  linear(w: Ptr, x: Ptr, b: Ptr | null = null): Ptr {
+    const y = this.g.ggml_mul_mat(this.ctx, w, x)
+    return b === null ? y : this.g.ggml_add(this.ctx, y, b)
+  }
+
+  /** Separate Q/K/V projections (+ optional biases), reshaped to [headDim, heads, nTokens]. */
+  qkv(w: BlockWeights, x: Ptr): { q: Ptr; k: Ptr; v: Ptr } {
+    const { headDimK, headDimV, nHead, nHeadKv } = this.hp
+    const q = this.linear(w.get("attn_q.weight"), x, w.opt("attn_q.bias"))
+    const k = this.linear(w.get("attn_k.weight"), x, w.opt("attn_k.bias"))
+    const v = this.linear(w.get("attn_v.weight"), x, w.opt("attn_v.bias"))
+    return {
+      q: this.g.ggml_reshape_3d(this.ctx, q, headDimK, nHead, this.nTokens),
+      k: this.g.ggml_reshape_3d(this.ctx, k, headDimK, nHeadKv, this.nTokens),
+      v: this.g.ggml_reshape_3d(this.ctx, v, headDimV, nHeadKv, this.nTokens)
+    }
+  }
+
+  rope(x: Ptr, freqFactors: Ptr | null = null): Ptr {
+    const hp = this.hp
+    return this.g.ggml_rope_ext(
+      this.ctx,
+      x,
+      this.inputs.pos,
+      freqFactors,
+      hp.nRot,
+      hp.ropeMode,
+      hp.nCtxOrig,
+      hp.ropeFreqBase,
+      hp.ropeFreqScale,
+      0,
+      1,
+      32,
+      1
+    )
+  }
+
+  /**
+   * Stores K and V of this batch in the layer's cache, attends over the first nKv cells (flash attention,
+   * causal F16 mask), projects with wo. q: [headDimK, nHead, n], k: [headDimK, nHeadKv, n], v likewise.
+   */
+  attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null): Ptr {
+    const g = this.g
+    const ctx = this.ctx
+    const { headDimK, headDimV, nHead, nHeadKv } = this.hp
+    const n = this.nTokens
+    const cache = this.kvLayer(this.layer)
+    const nEmbdK = headDimK * nHeadKv
+    const nEmbdV = headDimV * nHeadKv
+    // same expansion order as llama.cpp: q, v, k, then the cache writes
+    g.ggml_build_forward_expand(this.graph, q)
+    g.ggml_build_forward_expand(this.graph, v)
+    g.ggml_build_forward_expand(this.graph, k)
+    const k2 = g.ggml_view_2d(ctx, k, nEmbdK, n, g.ggml_row_size(GgmlType.F32, nEmbdK), 0)
+    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.k, k2, this.inputs.kvIdx))
+    const v2 = g.ggml_view_2d(ctx, v, nEmbdV, n, g.ggml_row_size(GgmlType.F32, nEmbdV), 0)
+    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.v, v2, this.inputs.kvIdx))
+
+    const kView = g.ggml_view_3d(
+      ctx,
+      cache.k,
+      headDimK,
+      nHeadKv,
+      this.nKv,
+      g.ggml_row_size(GgmlType.F16, headDimK),
+      g.ggml_row_size(GgmlType.F16, nEmbdK),
+      0
+    )
+    const vView = g.ggml_view_3d(
+      ctx,
+      cache.v,
+      headDimV,
+      nHeadKv,
+      this.nKv,
+      g.ggml_row_size(GgmlType.F16, headDimV),
+      g.ggml_row_size(GgmlType.F16, nEmbdV),
+      0
+    )
+    const qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)
+    const kp = g.ggml_permute(ctx, kView, 0, 2, 1, 3)
+    const vp = g.ggml_permute(ctx, vView, 0, 2, 1, 3)
+    const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, this.inputs.mask, this.hp.kqScale, 0, 0)
+    g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
+    const cur = g.ggml_reshape_2d(ctx, fa, headDimV * nHead, n)
+    return this.linear(wo, cur, woBias)
+  }
+
+  /** On the model's last block of the last stage: keep only the output rows (llama.cpp's inp_out_ids). */
+  outputRows(x: Ptr): Ptr {
+    if (this.inputs.outIds === null || this.layer !== this.hp.nLayer - 1) return x
+    return this.g.ggml_get_rows(this.ctx, x, this.inputs.outIds)
+  }
+
+  /** SwiGLU feed-forward (LLM_FFN_SILU, LLM_FFN_PAR): down(silu(gate x) * up x). */
+  ffnSwiglu(x: Ptr, w: BlockWeights): Ptr {
+    const up = this.linear(w.get("ffn_up.weight"), x, w.opt("ffn_up.bias"))
+    const gate = this.linear(w.get("ffn_gate.weight"), x, w.opt("ffn_gate.bias"))
+    const act = this.g.ggml_swiglu_split(this.ctx, gate, up)
+    return this.linear(w.get("ffn_down.weight"), act, w.opt("ffn_down.bias"))
+  }
+}
+
+/** Tensor specs shared by the llama family (short names, per block). */
+export const llamaBlockSpecs = (
+  hp: HParams,
+  extra: ReadonlyArray<TensorSpec> = [],
+  options: { readonly qkvBias?: boolean } = {}
+): ReadonlyArray<TensorSpec> => {
+  const qDim = hp.headDimK * hp.nHead
+  const kDim = hp.headDimK * hp.nHeadKv
+  const vDim = hp.headDimV * hp.nHeadKv
+  const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
+  const vec = (name: string, n: number, required = true): TensorSpec => ({ name, dims: [n], kind: "vector", required })
+  const biasRequired = options.qkvBias ?? false
+  return [
+    vec("attn_norm.weight", hp.nEmbd),
+    m("attn_q.weight", [hp.nEmbd, qDim]),
+    m("attn_k.weight", [hp.nEmbd, kDim]),
+    m("attn_v.weight", [hp.nEmbd, vDim]),
+    vec("attn_q.bias", qDim, biasRequired),
+    vec("attn_k.bias", kDim, biasRequired),
+    vec("attn_v.bias", vDim, biasRequired),
+    m("attn_output.weight", [hp.headDimV * hp.nHead, hp.nEmbd]),
+    vec("attn_output.bias", hp.nEmbd, false),
+    vec("ffn_norm.weight", hp.nEmbd),
+    m("ffn_gate.weight", [hp.nEmbd, hp.nFf]),
+    m("ffn_up.weight", [hp.nEmbd, hp.nFf]),
+    m("ffn_down.weight", [hp.nFf, hp.nEmbd]),
+    vec("ffn_gate.bias", hp.nFf, false),
+    vec("ffn_up.bias", hp.nFf, false),
+    vec("ffn_down.bias", hp.nEmbd, false),
+    ...extra
+  ]
+}
