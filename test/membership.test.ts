@@ -1,8 +1,8 @@
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Exit, Fiber, Layer, Option, TestClock } from "effect"
+import { Effect, Exit, Fiber, Option, TestClock } from "effect"
 import { NodeId } from "../src/domain/ids.js"
 import * as MembershipLive from "../src/layers/MembershipLive.js"
-import { Membership, NodeCapacity, NodeEndpoint, NodeProbe } from "../src/services/Membership.js"
+import { Membership, NodeCapacity, NodeEndpoint } from "../src/services/Membership.js"
 
 const node = (id: number) => new NodeEndpoint({ nodeId: NodeId.make(id), address: `10.0.0.${id}:7000` })
 const capacity = new NodeCapacity({
@@ -20,11 +20,8 @@ const heartbeat = { interval: "1 second", deadline: "5 seconds" } as const
 const world = (behaviours: ReadonlyArray<readonly [number, MembershipLive.TestNodeBehaviour]>) =>
   Effect.gen(function*() {
     const nodes = yield* MembershipLive.makeTestNodes(new Map(behaviours.map(([id, b]) => [NodeId.make(id), b])))
-    const membership = yield* Effect.provide(
-      Membership,
-      MembershipLive.layer.pipe(Layer.provide(Layer.succeed(NodeProbe, nodes.probe)))
-    )
-    const pool = yield* membership.watch([node(1), node(2), node(3)], heartbeat)
+    const membership = yield* Effect.provide(Membership, MembershipLive.layer)
+    const pool = yield* membership.watch([node(1), node(2), node(3)], nodes.probe, heartbeat)
     return { nodes, pool }
   })
 

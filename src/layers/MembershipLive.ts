@@ -6,7 +6,6 @@ import {
   type NodeCapacity,
   type NodeEndpoint,
   NodeLost,
-  NodeProbe,
   type NodeProbeService,
   NodeUnreachable,
   PoolNotReady,
@@ -25,9 +24,8 @@ const errorText = (status: NodeStatus | undefined) =>
   status === undefined ? "never probed" : status._tag === "Unknown" ? status.lastError : status._tag === "Lost" ? status.lost.reason : "up"
 
 /** Heartbeats every node of a pool through `NodeProbe`, on Effect's Clock (so TestClock drives it in tests). */
-export const make = Effect.gen(function*() {
-  const prober = yield* NodeProbe
-  const watch: MembershipService["watch"] = (nodes, options) =>
+export const make = (): MembershipService => {
+  const watch: MembershipService["watch"] = (nodes, prober, options) =>
     Effect.gen(function*() {
       const interval = Duration.decode(options.interval)
       const deadline = Duration.decode(options.deadline)
@@ -144,10 +142,10 @@ export const make = Effect.gen(function*() {
       }
     })
   return Membership.of({ watch })
-})
+}
 
-/** Membership over whichever `NodeProbe` is provided (control-plane RPC live, in-memory in tests). */
-export const layer: Layer.Layer<Membership, never, NodeProbe> = Layer.effect(Membership, make)
+/** Membership over the probe each `watch` is given (control-plane heartbeats live, in-memory in tests). */
+export const layer: Layer.Layer<Membership> = Layer.sync(Membership, make)
 
 /** An in-memory world of nodes for tests: each node answers, hangs, or refuses. */
 export interface TestNodes {

@@ -48,7 +48,6 @@ export type NodeStatus =
 export interface NodeProbeService {
   readonly probe: (node: NodeEndpoint) => Effect.Effect<NodeCapacity, NodeUnreachable>
 }
-export class NodeProbe extends Context.Tag("swactor/NodeProbe")<NodeProbe, NodeProbeService>() {}
 
 export interface HeartbeatOptions {
   /** Time between heartbeats to one node. */
@@ -73,7 +72,12 @@ export interface Pool {
 }
 
 export interface MembershipService {
-  readonly watch: (nodes: ReadonlyArray<NodeEndpoint>, options: HeartbeatOptions) => Effect.Effect<Pool, never, Scope.Scope>
+  /** Heartbeats `nodes` through `probe` while the scope is open. */
+  readonly watch: (
+    nodes: ReadonlyArray<NodeEndpoint>,
+    probe: NodeProbeService,
+    options: HeartbeatOptions
+  ) => Effect.Effect<Pool, never, Scope.Scope>
 }
 
 export class Membership extends Context.Tag("swactor/Membership")<Membership, MembershipService>() {}
