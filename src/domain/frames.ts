@@ -1,0 +1,219 @@
+/**
+ * Frames: the data that flows over a run's edges, as values.
+ *
+ * - `TokenFrame` carries tokens: the orchestrator's `Prompt` / `Decode` into stage 0 (TokenIn) and
+ *   the last stage's `Sampled` token back (TokenOut).
+ * - `ActivationFrame` carries f32 hidden states between stages: `nTokens` rows of `hiddenDim`
+ *   floats, for positions `[startPos, startPos + nTokens)`.
+ * - `sequence` is the logical message number on one edge (0, 1, 2, ... — the decode step); a
+ *   message larger than the edge's window travels as `chunkCount` chunks that share its sequence
+ *   (`chunkIndex` 0 .. chunkCount-1). A receiver that reassembles delivers whole messages
+ *   (`chunkIndex` 0, `chunkCount` 1).
+ * - Control frames (`AttachFrame`, `AttachedFrame`, `CreditFrame`, `FaultFrame`) are the data
+ *   plane's own: binding a connection to an edge, window credits, telling the peer why it faulted.
+ * - `EdgeFault` is the typed reason an edge (or a connection) stops: every malformed, truncated,
+ *   oversized, out-of-order or foreign frame ends in one of these, never in a throw.
+ * - `TransportAddress` is where a data-plane or control-plane listener can be reached.
+ *
+ * The binary encoding lives in `src/layers/transport/Framing.ts`.
+ */
+import { Schema } from "effect"
+import { EdgeId, RunId } from "./ids.js"
+import { WakeCoalescing } from "./plan.js"
+
+const U32 = Schema.Number.pipe(Schema.int(), Schema.between(0, 0xffff_ffff))
+const U16 = Schema.Number.pipe(Schema.int(), Schema.between(0, 0xffff))
+
+/** Sequence number of a message on one edge (u32 on the wire). */
+export const Sequence = U32
+export type Sequence = typeof Sequence.Type
+
+/** A vocabulary token id (u32 on the wire). */
+export const TokenId = U32
+export type TokenId = typeof TokenId.Type
+
+export const Prompt = Schema.TaggedStruct("Prompt", { tokens: Schema.Array(TokenId) })
+export const Decode = Schema.TaggedStruct("Decode", { tokenId: TokenId })
+export const Sampled = Schema.TaggedStruct("Sampled", { tokenId: TokenId, eos: Schema.Boolean })
+export const TokenPayload = Schema.Union(Prompt, Decode, Sampled)
+export type TokenPayload = typeof TokenPayload.Type
+
+const chunkFields = {
+  chunkIndex: Schema.optionalWith(U16, { default: () => 0 }),
+  chunkCount: Schema.optionalWith(U16.pipe(Schema.positive()), { default: () => 1 })
+}
+
+/** Tokens on a TokenIn / TokenOut edge. Only a `Prompt` may be split into chunks. */
+export class TokenFrame extends Schema.TaggedClass<TokenFrame>()("TokenFrame", {
+  runId: RunId,
+  edgeId: EdgeId,
+  sequence: Sequence,
+  ...chunkFields,
+  payload: TokenPayload
+}) {}
+
+/** A `Float32Array` over any buffer (a subarray of a larger one is fine). */
+export const Float32ArraySchema = Schema.declare(
+  (u: unknown): u is Float32Array => u instanceof Float32Array,
+  { identifier: "Float32Array" }
+)
+
+export const ActivationDType = Schema.Literal("f32")
+export type ActivationDType = typeof ActivationDType.Type
+
+/** Hidden states on an Activation edge: `payload.length === nTokens * hiddenDim`, row-major. */
+export class ActivationFrame extends Schema.TaggedClass<ActivationFrame>()("ActivationFrame", {
+  runId: RunId,
+  edgeId: EdgeId,
+  sequence: Sequence,
+  ...chunkFields,
+  startPos: U32,
+  nTokens: U32.pipe(Schema.positive()),
+  hiddenDim: U32.pipe(Schema.positive()),
+  dtype: Schema.optionalWith(ActivationDType, { default: () => "f32" as const }),
+  payload: Float32ArraySchema
+}) {}
+
+/** A frame the user of an edge sends and receives. */
+export type DataFrame = TokenFrame | ActivationFrame
+
+/** Sender → receiver, first frame on a connection: bind it to one edge, stating the sender's ring. */
+export class AttachFrame extends Schema.TaggedClass<AttachFrame>()("AttachFrame", {
+  runId: RunId,
+  edgeId: EdgeId,
+  dataCapacity: U32,
+  alignment: U32,
+  wakeCoalescing: WakeCoalescing
+}) {}
+
+/** Receiver → sender: the connection is bound to the edge; data frames may flow. */
+export class AttachedFrame extends Schema.TaggedClass<AttachedFrame>()("AttachedFrame", {
+  runId: RunId,
+  edgeId: EdgeId
+}) {}
+
+/** Receiver → sender: `bytes` more of the window are free (the consumer took frames that long). */
+export class CreditFrame extends Schema.TaggedClass<CreditFrame>()("CreditFrame", {
+  runId: RunId,
+  edgeId: EdgeId,
+  sequence: Sequence,
+  bytes: U32
+}) {}
+
+/** Either side → the other, just before closing: why this side faulted the edge. */
+export class FaultFrame extends Schema.TaggedClass<FaultFrame>()("FaultFrame", {
+  runId: RunId,
+  edgeId: EdgeId,
+  reason: Schema.String,
+  detail: Schema.String
+}) {}
+
+/** Any frame on the wire. */
+export type WireFrame = DataFrame | AttachFrame | AttachedFrame | CreditFrame | FaultFrame
+
+/** Where a listener can be reached: TCP (host defaults to 127.0.0.1 when listening) or a Unix socket. */
+export const TransportAddress = Schema.Union(
+  Schema.TaggedStruct("Tcp", { host: Schema.String, port: Schema.Number.pipe(Schema.int(), Schema.between(0, 65535)) }),
+  Schema.TaggedStruct("Unix", { path: Schema.String })
+)
+export type TransportAddress = typeof TransportAddress.Type
+
+export const tcpAddress = (port: number, host = "127.0.0.1"): TransportAddress => ({ _tag: "Tcp", host, port })
+export const unixAddress = (path: string): TransportAddress => ({ _tag: "Unix", path })
+
+// ---------------------------------------------------------------------------------------------
+// Edge faults
+// ---------------------------------------------------------------------------------------------
+
+/** Bytes that do not form a valid frame (bad magic, version, type, field, padding, alignment). */
+export class Malformed extends Schema.TaggedError<Malformed>()("Malformed", { detail: Schema.String }) {}
+
+/** A frame cut short: fewer bytes than its header announces. */
+export class Truncated extends Schema.TaggedError<Truncated>()("Truncated", {
+  needed: Schema.Number,
+  available: Schema.Number
+}) {}
+
+/** A frame larger than the edge allows (its window), or a message that cannot be chunked to fit. */
+export class Oversized extends Schema.TaggedError<Oversized>()("Oversized", {
+  size: Schema.Number,
+  limit: Schema.Number
+}) {}
+
+/** A frame whose (sequence, chunk) is not the next one expected on the edge. */
+export class OutOfOrder extends Schema.TaggedError<OutOfOrder>()("OutOfOrder", {
+  expectedSequence: Schema.Number,
+  expectedChunk: Schema.Number,
+  sequence: Schema.Number,
+  chunkIndex: Schema.Number
+}) {}
+
+/** The sender put more unacknowledged bytes on the wire than the window allows. */
+export class WindowExceeded extends Schema.TaggedError<WindowExceeded>()("WindowExceeded", {
+  outstanding: Schema.Number,
+  capacity: Schema.Number
+}) {}
+
+/** A frame or attach for a run that has no edge registered here. */
+export class UnknownRun extends Schema.TaggedError<UnknownRun>()("UnknownRun", { runId: Schema.Number }) {}
+
+/** A frame or attach for an edge that is not registered here (or not the one the connection is bound to). */
+export class UnknownEdge extends Schema.TaggedError<UnknownEdge>()("UnknownEdge", {
+  runId: Schema.Number,
+  edgeId: Schema.Number
+}) {}
+
+/** The two ends of an edge disagree on its `RingSpec`. */
+export class RingMismatch extends Schema.TaggedError<RingMismatch>()("RingMismatch", { detail: Schema.String }) {}
+
+/** A second connection tried to attach to an edge that already has a sender. */
+export class EdgeBusy extends Schema.TaggedError<EdgeBusy>()("EdgeBusy", {
+  runId: Schema.Number,
+  edgeId: Schema.Number
+}) {}
+
+/** The peer did not prove knowledge of the cluster token (or we refused its proof, or it timed out). */
+export class AuthFailed extends Schema.TaggedError<AuthFailed>()("AuthFailed", { detail: Schema.String }) {}
+
+/** The connection could not be opened. */
+export class ConnectFailed extends Schema.TaggedError<ConnectFailed>()("ConnectFailed", { detail: Schema.String }) {}
+
+/** The peer closed the connection (possibly mid-frame) or the socket errored. */
+export class PeerClosed extends Schema.TaggedError<PeerClosed>()("PeerClosed", { detail: Schema.String }) {}
+
+/** The peer faulted the edge and said why (a `FaultFrame`). */
+export class PeerFaulted extends Schema.TaggedError<PeerFaulted>()("PeerFaulted", {
+  reason: Schema.String,
+  detail: Schema.String
+}) {}
+
+/** This side closed the edge (scope closed / unregistered). */
+export class EdgeClosed extends Schema.TaggedError<EdgeClosed>()("EdgeClosed", {}) {}
+
+export const EdgeFault = Schema.Union(
+  Malformed,
+  Truncated,
+  Oversized,
+  OutOfOrder,
+  WindowExceeded,
+  UnknownRun,
+  UnknownEdge,
+  RingMismatch,
+  EdgeBusy,
+  AuthFailed,
+  ConnectFailed,
+  PeerClosed,
+  PeerFaulted,
+  EdgeClosed
+)
+export type EdgeFault = typeof EdgeFault.Type
+
+/** Faults the wire decoder produces. */
+export type DecodeFault = Malformed | Truncated | Oversized
+
+/** One-line description of a fault, for logs and `FaultFrame.detail`. */
+export const describeFault = (fault: EdgeFault): string => {
+  const { _tag, ...rest } = fault
+  const fields = Object.entries(rest).filter(([k]) => k !== "stack" && k !== "message")
+  return `${_tag}(${fields.map(([k, v]) => `${k}=${String(v)}`).join(", ")})`
+}

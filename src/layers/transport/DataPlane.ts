@@ -1,0 +1,824 @@
+/**
+ * The data plane: token and activation frames over authenticated stream sockets (TCP across
+ * machines, a Unix domain socket on one machine — the same code with a different address).
+ *
+ * Topology. Every node runs one `DataPlaneListener`. The consumer of an edge registers an
+ * `EdgeReceiver` for `(runId, edgeId)` on its listener; the producer opens an `EdgeSender` to that
+ * listener. One connection carries one edge:
+ *
+ * ```
+ * sender                                   listener / receiver
+ *   ── TCP/Unix connect ─────────────────▶
+ *   ◀── mutual HMAC handshake (Auth.ts) ─▶   (nothing else is read before it succeeds)
+ *   ── AttachFrame(run, edge, ring) ─────▶   unknown run / edge, ring mismatch, busy edge →
+ *   ◀── AttachedFrame ────────────────────    FaultFrame + close, logged (Effect.logWarning)
+ *   ── Token/ActivationFrame ... ─────────▶   frames must carry the attached (run, edge)
+ *   ◀── CreditFrame(bytes) ───────────────    when the consumer takes frames
+ * ```
+ *
+ * `RingSpec` on every transport:
+ * - `dataCapacity` is the flow-control window: the sender counts the encoded bytes of frames not
+ *   yet credited and waits while one more frame would exceed the window. The receiver credits a
+ *   message's bytes when its consumer takes it (and a chunk's bytes as soon as it is copied into
+ *   the reassembly buffer, so a message larger than the window can flow). A sender that overruns
+ *   the window faults the edge (`WindowExceeded`). A frame never exceeds the window: a larger
+ *   activation / prompt is split into chunks that fit (`Framing.chunk`) and reassembled on arrival.
+ * - `alignment`: every frame is padded to a multiple of `max(8, alignment)` and an activation's
+ *   payload starts aligned inside its frame (see Framing.ts).
+ * - `wakeCoalescing`: `PendingBit` — the receiver rings its consumer only when the pending bit goes
+ *   from clear to set, and `receive` hands over every message ready (one wake, one credit frame per
+ *   burst); `EveryFrame` — one signal per message and `receive` hands over exactly one.
+ *   `stats.signals` / `stats.wakes` / `stats.creditFrames` count them.
+ * - `direction` and `hostPinning` do not change socket transports (pinning matters to GPU staging).
+ *
+ * Faults. Anything wrong on the wire — malformed, truncated (peer closed mid-frame), oversized,
+ * out-of-order, foreign run/edge, window overrun — faults the edge with a typed `EdgeFault`: the
+ * receiver's `receive` fails with it (after handing over the messages that were complete), the
+ * peer gets a `FaultFrame` (the sender's `send` then fails with `PeerFaulted`), the connection
+ * closes. The receiving process never throws and never delivers a bad frame.
+ *
+ * Each side has one consumer: do not call `receive` (or `send`) from two fibers at once.
+ */
+import * as Net from "node:net"
+import { Data, Deferred, Duration, Effect, Either, Exit, FiberId, Runtime, Scope } from "effect"
+import {
+  AttachedFrame,
+  AttachFrame,
+  ConnectFailed,
+  CreditFrame,
+  type DataFrame,
+  describeFault,
+  EdgeBusy,
+  EdgeClosed,
+  type EdgeFault,
+  FaultFrame,
+  Malformed,
+  Oversized,
+  PeerClosed,
+  PeerFaulted,
+  RingMismatch,
+  type TransportAddress,
+  UnknownEdge,
+  UnknownRun,
+  WindowExceeded,
+  type WireFrame
+} from "../../domain/frames.js"
+import type { EdgeId, RunId } from "../../domain/ids.js"
+import type { RingSpec } from "../../domain/plan.js"
+import { type ClusterToken, clientHandshake, serverHandshake } from "./Auth.js"
+import * as Framing from "./Framing.js"
+
+/** The listener could not be opened. */
+export class ListenFailed extends Data.TaggedError("ListenFailed")<{
+  readonly address: TransportAddress
+  readonly detail: string
+}> {}
+
+/** Counters of a receiving edge. */
+export interface ReceiverStats {
+  /** Complete messages handed to the sequencer (chunked messages count once). */
+  readonly messages: number
+  /** Frames decoded (chunks count one each). */
+  readonly frames: number
+  readonly bytes: number
+  /** Doorbell rings: pending-bit transitions (PendingBit) or messages (EveryFrame). */
+  readonly signals: number
+  /** Consumer wake-ups: `receive` calls that returned messages. */
+  readonly wakes: number
+  readonly creditFrames: number
+  /** Bytes received and not yet credited back. */
+  readonly unconsumedBytes: number
+}
+
+/** Counters of a sending edge. */
+export interface SenderStats {
+  readonly frames: number
+  readonly bytes: number
+  /** Bytes sent and not yet credited (never above `ring.dataCapacity`). */
+  readonly outstandingBytes: number
+  /** Highest `outstandingBytes` seen. */
+  readonly maxOutstandingBytes: number
+  /** Times `send` had to wait for credit. */
+  readonly windowWaits: number
+  readonly creditFrames: number
+}
+
+/** The consuming end of one edge. */
+export interface EdgeReceiver {
+  readonly runId: RunId
+  readonly edgeId: EdgeId
+  readonly ring: RingSpec
+  /**
+   * Wait for messages and take them, per `ring.wakeCoalescing`: `PendingBit` → every message
+   * ready (at least one), `EveryFrame` → exactly one. Credits the taken bytes back to the sender.
+   * Fails with the edge's fault once no message is left.
+   */
+  readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault>
+  /** Wait for and take exactly one message. */
+  readonly take: Effect.Effect<DataFrame, EdgeFault>
+  /** Succeeds once a sender has attached; fails if the edge faults first. */
+  readonly attached: Effect.Effect<void, EdgeFault>
+  /** Waits until the edge faults or closes, and returns why. */
+  readonly fault: Effect.Effect<EdgeFault>
+  readonly stats: Effect.Effect<ReceiverStats>
+  /** Unregister and close the connection (also done when the registering scope closes). */
+  readonly close: Effect.Effect<void>
+}
+
+/** The producing end of one edge. */
+export interface EdgeSender {
+  readonly runId: RunId
+  readonly edgeId: EdgeId
+  readonly ring: RingSpec
+  /**
+   * Send one message: split into chunks when larger than the window, each chunk waiting while
+   * the window is full. Fails with `UnknownEdge` if the frame names another edge, with
+   * `Oversized` / `Malformed` if it can't be encoded (neither faults the edge), or with the
+   * edge's fault.
+   */
+  readonly send: (frame: DataFrame) => Effect.Effect<void, EdgeFault>
+  /** Send several messages in one socket write where the window allows (one receiver wake). */
+  readonly sendAll: (frames: Iterable<DataFrame>) => Effect.Effect<void, EdgeFault>
+  readonly fault: Effect.Effect<EdgeFault>
+  readonly stats: Effect.Effect<SenderStats>
+  /** End the stream gracefully (also done when the connecting scope closes). */
+  readonly close: Effect.Effect<void>
+}
+
+export interface RegisterOptions {
+  readonly runId: RunId
+  readonly edgeId: EdgeId
+  readonly ring: RingSpec
+  /** Sequence number of the first message (default 0). */
+  readonly initialSequence?: number | undefined
+  /** Join chunks into whole messages before delivery (default true). */
+  readonly reassemble?: boolean | undefined
+}
+
+/** A node's data-plane listener, routing authenticated connections to registered edges. */
+export interface DataPlaneListener {
+  /** The bound address (with the real port when listening on port 0). */
+  readonly address: TransportAddress
+  /** Register the receiving end of an edge; unregistered when the scope closes. */
+  readonly register: (options: RegisterOptions) => Effect.Effect<EdgeReceiver, EdgeBusy | RingMismatch, Scope.Scope>
+  /** Currently registered edges. */
+  readonly edges: Effect.Effect<ReadonlyArray<{ readonly runId: RunId; readonly edgeId: EdgeId }>>
+}
+
+export interface ListenOptions {
+  /** Default: TCP on 127.0.0.1, an ephemeral port. Bind other interfaces only when told to. */
+  readonly address?: TransportAddress | undefined
+  readonly token: ClusterToken
+  readonly handshakeTimeout?: Duration.DurationInput | undefined
+  /** How long a connection may stay authenticated but unattached (default 5 s). */
+  readonly attachTimeout?: Duration.DurationInput | undefined
+}
+
+export interface ConnectOptions {
+  readonly address: TransportAddress
+  readonly token: ClusterToken
+  readonly runId: RunId
+  readonly edgeId: EdgeId
+  readonly ring: RingSpec
+  /** Bounds connect + handshake + attach (default 10 s). */
+  readonly timeout?: Duration.DurationInput | undefined
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared: a framed connection over an authenticated socket
+// ---------------------------------------------------------------------------------------------
+
+interface ConnHandlers {
+  /** One decoded frame. May call `conn.fail`. */
+  onFrame(frame: WireFrame, length: number): void
+  /** End of one batch of bytes from the socket (a burst). */
+  onBurstEnd(): void
+  /** The connection is gone, with the reason. Called once. */
+  onClose(fault: EdgeFault): void
+}
+
+/** Frame-level view of a socket: decodes each `data` event completely, then `onBurstEnd`. */
+class FrameConn {
+  readonly decoder = new Framing.StreamDecoder()
+  closed = false
+
+  constructor(
+    readonly socket: Net.Socket,
+    public limits: Framing.Limits,
+    public handlers: ConnHandlers,
+    private readonly ids: { runId: number; edgeId: number },
+    private readonly log: (message: string) => void
+  ) {}
+
+  start(): void {
+    this.socket.on("data", this.onData)
+    this.socket.on("end", this.onEnd)
+    this.socket.on("error", this.onError)
+    this.socket.on("close", this.onSocketClose)
+    this.socket.resume()
+  }
+
+  bind(runId: number, edgeId: number): void {
+    this.ids.runId = runId
+    this.ids.edgeId = edgeId
+  }
+
+  write(bytes: Uint8Array): void {
+    if (!this.closed) this.socket.write(bytes)
+  }
+
+  /** Fault this connection: tell the peer why (best effort), close, report. */
+  fail(fault: EdgeFault): void {
+    if (this.closed) return
+    this.log(`edge run=${this.ids.runId} edge=${this.ids.edgeId} faulted: ${describeFault(fault)}`)
+    const frame = new FaultFrame({
+      runId: this.ids.runId as RunId,
+      edgeId: this.ids.edgeId as EdgeId,
+      reason: fault._tag,
+      detail: describeFault(fault)
+    }, true)
+    this.socket.write(Framing.unsafeEncode(frame, this.limits.alignment))
+    this.socket.end()
+    setTimeout(() => this.socket.destroy(), 1000).unref()
+    this.closeWith(fault)
+  }
+
+  /** Close without a fault frame (local close). */
+  end(fault: EdgeFault): void {
+    if (this.closed) return
+    this.socket.end()
+    setTimeout(() => this.socket.destroy(), 1000).unref()
+    this.closeWith(fault)
+  }
+
+  private closeWith(fault: EdgeFault): void {
+    if (this.closed) return
+    this.closed = true
+    this.handlers.onClose(fault)
+  }
+
+  private onData = (chunk: Buffer): void => {
+    if (this.closed) return
+    this.decoder.push(chunk)
+    for (;;) {
+      const step = this.decoder.next(this.limits)
+      if (step._tag === "NeedMore") break
+      if (step._tag === "Fault") return this.fail(step.fault)
+      this.handlers.onFrame(step.frame, step.length)
+      if (this.closed) return
+    }
+    this.handlers.onBurstEnd()
+  }
+
+  private onEnd = (): void => {
+    const truncated = this.decoder.finish()
+    this.closeWith(truncated ?? new PeerClosed({ detail: "peer ended the stream" }))
+    this.socket.end()
+  }
+
+  private onError = (err: Error): void => {
+    this.closeWith(new PeerClosed({ detail: `socket error: ${err.message}` }))
+  }
+
+  private onSocketClose = (): void => {
+    const truncated = this.decoder.finish()
+    this.closeWith(truncated ?? new PeerClosed({ detail: "connection closed" }))
+  }
+}
+
+const netOptions = (address: TransportAddress): Net.NetConnectOpts =>
+  address._tag === "Tcp" ? { host: address.host, port: address.port } : { path: address.path }
+
+const validateRing = (ring: RingSpec): RingMismatch | undefined => {
+  if (!Framing.isValidAlignment(ring.alignment)) {
+    return new RingMismatch({ detail: `alignment ${ring.alignment} is not a power of two in 1..4096` })
+  }
+  const minimum = Framing.alignUp(Framing.HEADER_BYTES + 16, Framing.effectiveAlignment(ring.alignment)) * 2
+  if (!Number.isInteger(ring.dataCapacity) || ring.dataCapacity < minimum || ring.dataCapacity > 0xffff_ffff) {
+    return new RingMismatch({ detail: `dataCapacity ${ring.dataCapacity} must be an integer ≥ ${minimum}` })
+  }
+  return undefined
+}
+
+/** Decoder limits on a bound connection: data frames up to the window, control frames up to 2 KiB. */
+const boundLimits = (ring: RingSpec): Framing.Limits => ({
+  alignment: ring.alignment,
+  maxFrameBytes: Math.max(ring.dataCapacity, 2048)
+})
+
+const makeLogger = (runtime: Runtime.Runtime<never>) => (message: string) =>
+  Runtime.runFork(runtime)(Effect.logWarning(message).pipe(Effect.annotateLogs("module", "DataPlane")))
+
+// ---------------------------------------------------------------------------------------------
+// Receiving side
+// ---------------------------------------------------------------------------------------------
+
+class Inbound implements ConnHandlers {
+  conn: FrameConn | undefined
+  private readonly sequencer: Framing.Sequencer
+  private ready: Array<DataFrame> = []
+  private readyBytes: Array<number> = []
+  private unconsumed = 0
+  private creditNow = 0
+  private creditSequence = 0
+  private pending = false
+  private signalPending = false
+  private waiter: (() => void) | undefined
+  failure: EdgeFault | undefined
+  readonly faulted = Deferred.unsafeMake<EdgeFault>(FiberId.none)
+  readonly attachedDeferred = Deferred.unsafeMake<void, EdgeFault>(FiberId.none)
+  private counters = { messages: 0, frames: 0, bytes: 0, signals: 0, wakes: 0, creditFrames: 0 }
+
+  constructor(readonly options: RegisterOptions) {
+    this.sequencer = new Framing.Sequencer(options.initialSequence ?? 0, options.reassemble ?? true)
+  }
+
+  attach(conn: FrameConn): void {
+    this.conn = conn
+    Deferred.unsafeDone(this.attachedDeferred, Exit.void)
+  }
+
+  onFrame(frame: WireFrame, length: number): void {
+    const { edgeId, ring, runId } = this.options
+    const conn = this.conn!
+    if (frame._tag === "FaultFrame") {
+      return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
+    }
+    if (frame._tag !== "TokenFrame" && frame._tag !== "ActivationFrame") {
+      return conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a sender` }))
+    }
+    if (frame.runId !== runId) return conn.fail(new UnknownRun({ runId: frame.runId }))
+    if (frame.edgeId !== edgeId) return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+    if (length > ring.dataCapacity) return conn.fail(new Oversized({ size: length, limit: ring.dataCapacity }))
+    this.unconsumed += length
+    if (this.unconsumed > ring.dataCapacity) {
+      return conn.fail(new WindowExceeded({ outstanding: this.unconsumed, capacity: ring.dataCapacity }))
+    }
+    this.counters.frames++
+    this.counters.bytes += length
+    const step = this.sequencer.accept(frame)
+    switch (step._tag) {
+      case "Fault":
+        return conn.fail(step.fault)
+      case "Partial":
+        this.creditNow += length
+        return
+      case "Complete":
+        this.counters.messages++
+        this.ready.push(step.frame)
+        this.readyBytes.push(length)
+        if (ring.wakeCoalescing === "EveryFrame" || !this.pending) {
+          this.pending = true
+          this.counters.signals++
+          this.signalPending = true
+        }
+    }
+  }
+
+  onBurstEnd(): void {
+    if (this.creditNow > 0) {
+      const bytes = this.creditNow
+      this.creditNow = 0
+      this.credit(bytes)
+    }
+    if (this.signalPending) {
+      this.signalPending = false
+      this.waiter?.()
+    }
+  }
+
+  onClose(fault: EdgeFault): void {
+    this.setFault(fault)
+  }
+
+  setFault(fault: EdgeFault): void {
+    if (this.failure !== undefined) return
+    this.failure = fault
+    Deferred.unsafeDone(this.faulted, Exit.succeed(fault))
+    Deferred.unsafeDone(this.attachedDeferred, Exit.fail(fault))
+    if (this.conn !== undefined && !this.conn.closed) this.conn.fail(fault)
+    this.waiter?.()
+  }
+
+  private credit(bytes: number): void {
+    this.unconsumed -= bytes
+    const conn = this.conn
+    if (conn === undefined || conn.closed) return
+    this.counters.creditFrames++
+    const frame = new CreditFrame({
+      runId: this.options.runId,
+      edgeId: this.options.edgeId,
+      sequence: this.creditSequence,
+      bytes
+    }, true)
+    this.creditSequence = (this.creditSequence + 1) >>> 0
+    conn.write(Framing.unsafeEncode(frame, this.options.ring.alignment))
+  }
+
+  private takeReady(max: number): Array<DataFrame> {
+    const n = Math.min(max, this.ready.length)
+    const frames = this.ready.splice(0, n)
+    const bytes = this.readyBytes.splice(0, n).reduce((a, b) => a + b, 0)
+    if (this.ready.length === 0) this.pending = false
+    this.counters.wakes++
+    this.credit(bytes)
+    return frames
+  }
+
+  private wait<A>(max: number, f: (frames: Array<DataFrame>) => A): Effect.Effect<A, EdgeFault> {
+    return Effect.async<A, EdgeFault>((resume) => {
+      const attempt = (): boolean => {
+        if (this.ready.length > 0) {
+          resume(Effect.succeed(f(this.takeReady(max))))
+          return true
+        }
+        if (this.failure !== undefined) {
+          resume(Effect.fail(this.failure))
+          return true
+        }
+        return false
+      }
+      if (attempt()) return
+      this.waiter = () => {
+        if (attempt()) this.waiter = undefined
+      }
+      return Effect.sync(() => {
+        this.waiter = undefined
+      })
+    })
+  }
+
+  readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault> = Effect.suspend(() =>
+    this.wait(this.options.ring.wakeCoalescing === "PendingBit" ? Number.MAX_SAFE_INTEGER : 1, (frames) => frames)
+  )
+
+  readonly take: Effect.Effect<DataFrame, EdgeFault> = Effect.suspend(() => this.wait(1, (frames) => frames[0]!))
+
+  readonly stats: Effect.Effect<ReceiverStats> = Effect.sync(() => ({
+    ...this.counters,
+    unconsumedBytes: this.unconsumed
+  }))
+}
+
+/**
+ * Listen for data-plane connections. Every connection must pass the HMAC handshake, then attach to
+ * an edge registered here; everything else is refused and logged. Closed with the scope.
+ */
+export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener, ListenFailed, Scope.Scope> =>
+  Effect.gen(function*() {
+    const runtime = yield* Effect.runtime<never>()
+    const log = makeLogger(runtime)
+    const requested = options.address ?? { _tag: "Tcp", host: "127.0.0.1", port: 0 }
+    const runs = new Map<number, Map<number, Inbound>>()
+    const sockets = new Set<Net.Socket>()
+    const attachTimeout = Duration.toMillis(options.attachTimeout ?? "5 seconds")
+
+    const onAttach = (conn: FrameConn, frame: AttachFrame): void => {
+      const edges = runs.get(frame.runId)
+      const inbound = edges?.get(frame.edgeId)
+      conn.bind(frame.runId, frame.edgeId)
+      if (edges === undefined) return conn.fail(new UnknownRun({ runId: frame.runId }))
+      if (inbound === undefined) return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+      if (inbound.conn !== undefined || inbound.failure !== undefined) {
+        return conn.fail(new EdgeBusy({ runId: frame.runId, edgeId: frame.edgeId }))
+      }
+      const ring = inbound.options.ring
+      if (
+        frame.dataCapacity !== ring.dataCapacity || frame.alignment !== ring.alignment ||
+        frame.wakeCoalescing !== ring.wakeCoalescing
+      ) {
+        return conn.fail(
+          new RingMismatch({
+            detail: `sender ring (${frame.dataCapacity} B, align ${frame.alignment}, ${frame.wakeCoalescing}) ≠ ` +
+              `receiver ring (${ring.dataCapacity} B, align ${ring.alignment}, ${ring.wakeCoalescing})`
+          })
+        )
+      }
+      conn.write(Framing.unsafeEncode(new AttachedFrame({ runId: frame.runId, edgeId: frame.edgeId }, true), 8))
+      conn.limits = boundLimits(ring)
+      conn.handlers = inbound
+      inbound.attach(conn)
+    }
+
+    const onConnection = (socket: Net.Socket): void => {
+      sockets.add(socket)
+      socket.on("close", () => sockets.delete(socket))
+      socket.on("error", () => {})
+      if (requested._tag === "Tcp") socket.setNoDelay(true)
+      Runtime.runCallback(runtime)(serverHandshake(socket, { token: options.token, timeout: options.handshakeTimeout }), {
+        onExit: (exit) => {
+          if (Exit.isFailure(exit)) {
+            log(`data-plane connection from ${socket.remoteAddress ?? "unix socket"} refused: authentication failed`)
+            socket.destroy()
+            return
+          }
+          const timer = setTimeout(() => conn.fail(new Malformed({ detail: "no AttachFrame in time" })), attachTimeout)
+          timer.unref()
+          const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
+            onFrame: (frame) => {
+              clearTimeout(timer)
+              if (frame._tag === "AttachFrame") return onAttach(conn, frame)
+              conn.bind(frame.runId, frame.edgeId)
+              if (!runs.has(frame.runId)) return conn.fail(new UnknownRun({ runId: frame.runId }))
+              if (!runs.get(frame.runId)!.has(frame.edgeId)) {
+                return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+              }
+              conn.fail(new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
+            },
+            onBurstEnd: () => {},
+            onClose: () => clearTimeout(timer)
+          }, { runId: 0, edgeId: 0 }, log)
+          conn.start()
+        }
+      })
+    }
+
+    const server = yield* Effect.acquireRelease(
+      Effect.async<Net.Server, ListenFailed>((resume) => {
+        const server = Net.createServer({ pauseOnConnect: true }, onConnection)
+        const onError = (err: Error) =>
+          resume(Effect.fail(new ListenFailed({ address: requested, detail: err.message })))
+        server.once("error", onError)
+        server.listen(netOptions(requested), () => {
+          server.off("error", onError)
+          server.on("error", (err) => log(`data-plane listener error: ${err.message}`))
+          resume(Effect.succeed(server))
+        })
+      }),
+      (server) =>
+        Effect.async<void>((resume) => {
+          for (const socket of sockets) socket.destroy()
+          server.close(() => resume(Effect.void))
+        })
+    )
+
+    const bound = server.address()
+    const address: TransportAddress = typeof bound === "string"
+      ? { _tag: "Unix", path: bound }
+      : bound === null
+      ? requested
+      : { _tag: "Tcp", host: bound.address, port: bound.port }
+
+    const unregister = (inbound: Inbound) =>
+      Effect.sync(() => {
+        const { edgeId, runId } = inbound.options
+        const edges = runs.get(runId)
+        if (edges?.get(edgeId) === inbound) {
+          edges.delete(edgeId)
+          if (edges.size === 0) runs.delete(runId)
+        }
+        if (inbound.conn !== undefined) inbound.conn.end(new EdgeClosed())
+        inbound.setFault(new EdgeClosed())
+      })
+
+    const register = (reg: RegisterOptions): Effect.Effect<EdgeReceiver, EdgeBusy | RingMismatch, Scope.Scope> =>
+      Effect.gen(function*() {
+        const invalid = validateRing(reg.ring)
+        if (invalid !== undefined) return yield* invalid
+        const edges = runs.get(reg.runId) ?? new Map<number, Inbound>()
+        if (edges.has(reg.edgeId)) return yield* new EdgeBusy({ runId: reg.runId, edgeId: reg.edgeId })
+        const inbound = new Inbound(reg)
+        edges.set(reg.edgeId, inbound)
+        runs.set(reg.runId, edges)
+        yield* Effect.addFinalizer(() => unregister(inbound))
+        const receiver: EdgeReceiver = {
+          runId: reg.runId,
+          edgeId: reg.edgeId,
+          ring: reg.ring,
+          receive: inbound.receive,
+          take: inbound.take,
+          attached: Deferred.await(inbound.attachedDeferred),
+          fault: Deferred.await(inbound.faulted),
+          stats: inbound.stats,
+          close: unregister(inbound)
+        }
+        return receiver
+      })
+
+    const listener: DataPlaneListener = {
+      address,
+      register,
+      edges: Effect.sync(() =>
+        [...runs.entries()].flatMap(([runId, edges]) =>
+          [...edges.keys()].map((edgeId) => ({ runId: runId as RunId, edgeId: edgeId as EdgeId }))
+        )
+      )
+    }
+    return listener
+  })
+
+// ---------------------------------------------------------------------------------------------
+// Sending side
+// ---------------------------------------------------------------------------------------------
+
+class Outbound implements ConnHandlers {
+  private outstanding = 0
+  private windowWaiter: (() => void) | undefined
+  failure: EdgeFault | undefined
+  readonly faulted = Deferred.unsafeMake<EdgeFault>(FiberId.none)
+  private counters = { frames: 0, bytes: 0, maxOutstandingBytes: 0, windowWaits: 0, creditFrames: 0 }
+
+  constructor(readonly conn: FrameConn, readonly options: ConnectOptions) {}
+
+  onFrame(frame: WireFrame): void {
+    if (frame._tag === "FaultFrame") return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
+    if (frame._tag !== "CreditFrame") {
+      return this.conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a receiver` }))
+    }
+    if (frame.runId !== this.options.runId || frame.edgeId !== this.options.edgeId) {
+      return this.conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+    }
+    if (frame.bytes > this.outstanding) {
+      return this.conn.fail(new Malformed({ detail: `credit of ${frame.bytes} B exceeds ${this.outstanding} B outstanding` }))
+    }
+    this.counters.creditFrames++
+    this.outstanding -= frame.bytes
+  }
+
+  onBurstEnd(): void {
+    this.windowWaiter?.()
+  }
+
+  onClose(fault: EdgeFault): void {
+    this.setFault(fault)
+  }
+
+  setFault(fault: EdgeFault): void {
+    if (this.failure !== undefined) return
+    this.failure = fault
+    Deferred.unsafeDone(this.faulted, Exit.succeed(fault))
+    if (!this.conn.closed) this.conn.fail(fault)
+    this.windowWaiter?.()
+  }
+
+  private fits(length: number): boolean {
+    return this.outstanding + length <= this.options.ring.dataCapacity
+  }
+
+  private put(bytes: Uint8Array): void {
+    this.outstanding += bytes.length
+    if (this.outstanding > this.counters.maxOutstandingBytes) this.counters.maxOutstandingBytes = this.outstanding
+    this.counters.frames++
+    this.counters.bytes += bytes.length
+    this.conn.write(bytes)
+  }
+
+  /** Wait until `length` more bytes fit the window (or the edge faults). */
+  private awaitWindow(length: number): Effect.Effect<void, EdgeFault> {
+    return Effect.async<void, EdgeFault>((resume) => {
+      this.counters.windowWaits++
+      const attempt = (): boolean => {
+        if (this.failure !== undefined) {
+          resume(Effect.fail(this.failure))
+          return true
+        }
+        if (this.fits(length)) {
+          resume(Effect.void)
+          return true
+        }
+        return false
+      }
+      if (attempt()) return
+      this.windowWaiter = () => {
+        if (attempt()) this.windowWaiter = undefined
+      }
+      return Effect.sync(() => {
+        this.windowWaiter = undefined
+      })
+    })
+  }
+
+  private encodeAll(frame: DataFrame): Either.Either<ReadonlyArray<Uint8Array>, EdgeFault> {
+    const { alignment, dataCapacity } = this.options.ring
+    if (frame.runId !== this.options.runId || frame.edgeId !== this.options.edgeId) {
+      return Either.left(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+    }
+    return Either.map(Framing.chunk(frame, dataCapacity, alignment), (chunks) =>
+      chunks.map((c) => Framing.unsafeEncode(c, alignment)))
+  }
+
+  private sendEncoded(encoded: ReadonlyArray<Uint8Array>): Effect.Effect<void, EdgeFault> {
+    let i = 0
+    const loop: Effect.Effect<void, EdgeFault> = Effect.suspend(() => {
+      for (; i < encoded.length; i++) {
+        if (this.failure !== undefined) return Effect.fail(this.failure)
+        const bytes = encoded[i]!
+        if (!this.fits(bytes.length)) {
+          this.conn.socket.uncork()
+          return Effect.zipRight(this.awaitWindow(bytes.length), loop)
+        }
+        this.put(bytes)
+      }
+      return Effect.void
+    })
+    return loop
+  }
+
+  readonly send = (frame: DataFrame): Effect.Effect<void, EdgeFault> =>
+    Effect.suspend(() => {
+      if (this.failure !== undefined) return Effect.fail(this.failure)
+      const encoded = this.encodeAll(frame)
+      if (Either.isLeft(encoded)) return Effect.fail(encoded.left)
+      return this.sendEncoded(encoded.right)
+    })
+
+  readonly sendAll = (frames: Iterable<DataFrame>): Effect.Effect<void, EdgeFault> =>
+    Effect.suspend(() => {
+      if (this.failure !== undefined) return Effect.fail(this.failure)
+      const encoded: Array<Uint8Array> = []
+      for (const frame of frames) {
+        const e = this.encodeAll(frame)
+        if (Either.isLeft(e)) return Effect.fail(e.left)
+        encoded.push(...e.right)
+      }
+      this.conn.socket.cork()
+      return Effect.ensuring(this.sendEncoded(encoded), Effect.sync(() => this.conn.socket.uncork()))
+    })
+
+  readonly stats: Effect.Effect<SenderStats> = Effect.sync(() => ({
+    ...this.counters,
+    outstandingBytes: this.outstanding
+  }))
+}
+
+/**
+ * Open the sending end of an edge: connect, authenticate (mutual HMAC), attach to the receiver
+ * registered for `(runId, edgeId)` at `address`. Fails with `ConnectFailed`, `AuthFailed`, or the
+ * receiver's refusal as `PeerFaulted` (reason `UnknownRun`, `UnknownEdge`, `RingMismatch`,
+ * `EdgeBusy`). The stream is ended gracefully when the scope closes.
+ */
+export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, EdgeFault, Scope.Scope> =>
+  Effect.gen(function*() {
+    const invalid = validateRing(options.ring)
+    if (invalid !== undefined) return yield* invalid
+    const runtime = yield* Effect.runtime<never>()
+    const log = makeLogger(runtime)
+    const socket = yield* Effect.acquireRelease(
+      Effect.async<Net.Socket, ConnectFailed>((resume) => {
+        const socket = Net.createConnection(netOptions(options.address))
+        const onError = (err: Error) => resume(Effect.fail(new ConnectFailed({ detail: err.message })))
+        socket.once("error", onError)
+        socket.once("connect", () => {
+          socket.off("error", onError)
+          socket.on("error", () => {})
+          if (options.address._tag === "Tcp") socket.setNoDelay(true)
+          resume(Effect.succeed(socket))
+        })
+        return Effect.sync(() => socket.destroy())
+      }),
+      (socket) =>
+        Effect.sync(() => {
+          socket.end()
+          setTimeout(() => socket.destroy(), 1000).unref()
+        })
+    )
+    const outbound = yield* Effect.gen(function*() {
+      yield* clientHandshake(socket, { token: options.token })
+      return yield* Effect.async<Outbound, EdgeFault>((resume) => {
+        const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
+        const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
+          onFrame: (frame) => {
+            if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
+              const outbound = new Outbound(conn, options)
+              conn.limits = boundLimits(options.ring)
+              conn.handlers = outbound
+              return resume(Effect.succeed(outbound))
+            }
+            if (frame._tag === "FaultFrame") {
+              const fault = new PeerFaulted({ reason: frame.reason, detail: frame.detail })
+              conn.end(fault)
+              return
+            }
+            conn.fail(new Malformed({ detail: `expected AttachedFrame, got ${frame._tag}` }))
+          },
+          onBurstEnd: () => {},
+          onClose: (fault) => resume(Effect.fail(fault))
+        }, ids, log)
+        conn.start()
+        const { alignment, dataCapacity, wakeCoalescing } = options.ring
+        conn.write(Framing.unsafeEncode(
+          new AttachFrame({ runId: options.runId, edgeId: options.edgeId, dataCapacity, alignment, wakeCoalescing }, true),
+          8
+        ))
+      })
+    }).pipe(
+      Effect.timeoutFail({
+        duration: options.timeout ?? "10 seconds",
+        onTimeout: () => new ConnectFailed({ detail: "timed out connecting the edge" })
+      }),
+      Effect.tapError(() => Effect.sync(() => socket.destroy()))
+    )
+    const close = Effect.sync(() => outbound.conn.end(new EdgeClosed()))
+    yield* Effect.addFinalizer(() => close)
+    const sender: EdgeSender = {
+      runId: options.runId,
+      edgeId: options.edgeId,
+      ring: options.ring,
+      send: outbound.send,
+      sendAll: outbound.sendAll,
+      fault: Deferred.await(outbound.faulted),
+      stats: outbound.stats,
+      close
+    }
+    return sender
+  })

@@ -1,0 +1,713 @@
+/**
+ * Binary framing of the data plane: pure encode / decode, chunking, and the incremental decoder
+ * used on stream sockets.
+ *
+ * Every frame starts with a 32-byte header (all integers little-endian):
+ *
+ * | off | size | field                                                              |
+ * |-----|------|--------------------------------------------------------------------|
+ * |   0 | u32  | magic `0x46415753` ("SWAF")                                        |
+ * |   4 | u8   | version (1)                                                        |
+ * |   5 | u8   | type: 1 Token, 2 Activation, 3 Credit, 4 Attach, 5 Attached, 6 Fault |
+ * |   6 | u16  | flags (0)                                                          |
+ * |   8 | u32  | frameLength: header + body + zero padding, a multiple of the alignment |
+ * |  12 | u32  | bodyLength: meaningful bytes after the header                      |
+ * |  16 | u32  | runId                                                              |
+ * |  20 | u32  | edgeId                                                             |
+ * |  24 | u32  | sequence                                                           |
+ * |  28 | u16  | chunkIndex                                                         |
+ * |  30 | u16  | chunkCount                                                         |
+ *
+ * Bodies: Token `u8 kind (0 Prompt, 1 Decode, 2 Sampled), u8 eos, u16 0, u32 count, u32 tokens[count]`;
+ * Activation `u8 dtype (0 f32), 3×u8 0, u32 startPos, u32 nTokens, u32 hiddenDim, u32 payloadOffset,
+ * u32 payloadLength`, zero padding up to `payloadOffset` (aligned, from the frame start), then
+ * `nTokens*hiddenDim` f32; Credit `u32 bytes, u32 0`; Attach `u32 dataCapacity, u32 alignment,
+ * u8 wake (0 PendingBit, 1 EveryFrame), 3×u8 0`; Attached empty; Fault `u16 reasonLen, u16 detailLen`
+ * + UTF-8 reason + detail.
+ *
+ * Alignment: frames are padded so that `frameLength` is a multiple of `max(8, RingSpec.alignment)`,
+ * so every frame starts aligned in the stream, and an activation payload starts aligned inside its
+ * frame. Decoding is strict: exact lengths, zero padding and reserved fields, so any mutation of a
+ * header is caught. Decoding is total: any byte sequence yields a frame, "need more bytes", or a
+ * typed `DecodeFault` (`Malformed` / `Truncated` / `Oversized`) — never a throw.
+ *
+ * Ids and sequence numbers are u32 on the wire; encoding a frame whose fields do not fit fails with
+ * `Malformed`. Host byte order is assumed little-endian (x86-64, arm64) for the f32 payload.
+ */
+import { Either } from "effect"
+import {
+  ActivationFrame,
+  AttachedFrame,
+  AttachFrame,
+  CreditFrame,
+  type DataFrame,
+  type DecodeFault,
+  FaultFrame,
+  Malformed,
+  OutOfOrder,
+  Oversized,
+  TokenFrame,
+  type TokenPayload,
+  Truncated,
+  type WireFrame
+} from "../../domain/frames.js"
+import type { EdgeId, RunId } from "../../domain/ids.js"
+
+export const MAGIC = 0x46415753
+export const VERSION = 1
+export const HEADER_BYTES = 32
+export const ACTIVATION_BODY_HEADER_BYTES = 24
+export const TOKEN_BODY_HEADER_BYTES = 8
+
+export const FrameType = {
+  Token: 1,
+  Activation: 2,
+  Credit: 3,
+  Attach: 4,
+  Attached: 5,
+  Fault: 6
+} as const
+
+const MAX_FAULT_TEXT = 1024
+const MAX_ALIGNMENT = 4096
+
+/** What the decoder accepts: the edge's alignment and its largest frame (the window). */
+export interface Limits {
+  readonly alignment: number
+  readonly maxFrameBytes: number
+}
+
+/** Limits for a connection not yet bound to an edge: only small control frames. */
+export const preAttachLimits: Limits = { alignment: 8, maxFrameBytes: 256 }
+
+/** `max(8, alignment)`: the alignment frames are actually padded to. */
+export const effectiveAlignment = (alignment: number): number => Math.max(8, alignment)
+
+export const alignUp = (n: number, alignment: number): number => Math.ceil(n / alignment) * alignment
+
+/** Is `alignment` usable as a ring alignment (a power of two, 1 ..= 4096)? */
+export const isValidAlignment = (alignment: number): boolean =>
+  Number.isInteger(alignment) && alignment >= 1 && alignment <= MAX_ALIGNMENT && (alignment & (alignment - 1)) === 0
+
+const isU32 = (n: number) => Number.isInteger(n) && n >= 0 && n <= 0xffff_ffff
+const isU16 = (n: number) => Number.isInteger(n) && n >= 0 && n <= 0xffff
+
+const textEncoder = new TextEncoder()
+const textDecoder = new TextDecoder("utf-8", { fatal: false })
+
+// ---------------------------------------------------------------------------------------------
+// Encode
+// ---------------------------------------------------------------------------------------------
+
+/** Byte offset of the f32 payload inside an activation frame. */
+export const activationPayloadOffset = (alignment: number): number =>
+  alignUp(HEADER_BYTES + ACTIVATION_BODY_HEADER_BYTES, effectiveAlignment(alignment))
+
+/** Encoded size of a frame (without encoding it). */
+export const encodedLength = (frame: WireFrame, alignment: number): number => {
+  const a = effectiveAlignment(alignment)
+  switch (frame._tag) {
+    case "ActivationFrame":
+      return alignUp(activationPayloadOffset(alignment) + frame.payload.length * 4, a)
+    case "TokenFrame":
+      return alignUp(HEADER_BYTES + TOKEN_BODY_HEADER_BYTES + 4 * tokenCount(frame.payload), a)
+    case "CreditFrame":
+      return alignUp(HEADER_BYTES + 8, a)
+    case "AttachFrame":
+      return alignUp(HEADER_BYTES + 12, a)
+    case "AttachedFrame":
+      return alignUp(HEADER_BYTES, a)
+    case "FaultFrame": {
+      const { detail, reason } = faultText(frame)
+      return alignUp(HEADER_BYTES + 4 + reason.length + detail.length, a)
+    }
+  }
+}
+
+const tokenCount = (payload: TokenPayload): number => payload._tag === "Prompt" ? payload.tokens.length : 1
+
+const faultText = (frame: FaultFrame) => ({
+  reason: textEncoder.encode(frame.reason.slice(0, 64)).subarray(0, 64),
+  detail: textEncoder.encode(frame.detail.slice(0, MAX_FAULT_TEXT)).subarray(0, MAX_FAULT_TEXT)
+})
+
+const typeOf = (frame: WireFrame): number => {
+  switch (frame._tag) {
+    case "TokenFrame":
+      return FrameType.Token
+    case "ActivationFrame":
+      return FrameType.Activation
+    case "CreditFrame":
+      return FrameType.Credit
+    case "AttachFrame":
+      return FrameType.Attach
+    case "AttachedFrame":
+      return FrameType.Attached
+    case "FaultFrame":
+      return FrameType.Fault
+  }
+}
+
+const checkEncodable = (frame: WireFrame, alignment: number): string | undefined => {
+  if (!isValidAlignment(alignment)) return `alignment ${alignment} is not a power of two in 1..${MAX_ALIGNMENT}`
+  if (!isU32(frame.runId) || !isU32(frame.edgeId)) return "runId / edgeId must fit in u32"
+  switch (frame._tag) {
+    case "TokenFrame":
+    case "ActivationFrame": {
+      if (!isU32(frame.sequence)) return "sequence must fit in u32"
+      if (!isU16(frame.chunkIndex) || !isU16(frame.chunkCount) || frame.chunkCount < 1) return "bad chunk fields"
+      if (frame.chunkIndex >= frame.chunkCount) return "chunkIndex >= chunkCount"
+      if (frame._tag === "ActivationFrame") {
+        if (!isU32(frame.startPos) || !isU32(frame.nTokens) || !isU32(frame.hiddenDim)) return "bad activation shape"
+        if (frame.nTokens < 1 || frame.hiddenDim < 1) return "empty activation"
+        if (frame.payload.length !== frame.nTokens * frame.hiddenDim) {
+          return `payload has ${frame.payload.length} floats, expected nTokens*hiddenDim = ${
+            frame.nTokens * frame.hiddenDim
+          }`
+        }
+      } else {
+        const p = frame.payload
+        if (p._tag === "Prompt") {
+          if (p.tokens.length < 1) return "empty prompt"
+          if (!p.tokens.every(isU32)) return "token ids must fit in u32"
+        } else {
+          if (!isU32(p.tokenId)) return "token id must fit in u32"
+          if (frame.chunkCount !== 1) return "only a Prompt may be chunked"
+        }
+      }
+      return undefined
+    }
+    case "CreditFrame":
+      return isU32(frame.bytes) && isU32(frame.sequence) ? undefined : "bad credit"
+    case "AttachFrame":
+      return isU32(frame.dataCapacity) && isU32(frame.alignment) ? undefined : "bad attach"
+    case "AttachedFrame":
+    case "FaultFrame":
+      return undefined
+  }
+}
+
+/**
+ * Encode one frame, padded to `alignment`. Fails with `Malformed` when a field does not fit the
+ * wire format (the frame could never be decoded).
+ */
+export const encode = (frame: WireFrame, alignment: number): Either.Either<Uint8Array, Malformed> => {
+  const problem = checkEncodable(frame, alignment)
+  if (problem !== undefined) return Either.left(new Malformed({ detail: `cannot encode ${frame._tag}: ${problem}` }))
+  return Either.right(unsafeEncode(frame, alignment))
+}
+
+/** `encode` without validation, for frames already known to be encodable. */
+export const unsafeEncode = (frame: WireFrame, alignment: number): Uint8Array => {
+  const frameLength = encodedLength(frame, alignment)
+  const buf = new Uint8Array(frameLength)
+  const view = new DataView(buf.buffer)
+  let bodyLength = 0
+  let sequence = 0
+  let chunkIndex = 0
+  let chunkCount = 1
+  switch (frame._tag) {
+    case "TokenFrame": {
+      sequence = frame.sequence
+      chunkIndex = frame.chunkIndex
+      chunkCount = frame.chunkCount
+      const p = frame.payload
+      const o = HEADER_BYTES
+      view.setUint8(o, p._tag === "Prompt" ? 0 : p._tag === "Decode" ? 1 : 2)
+      view.setUint8(o + 1, p._tag === "Sampled" && p.eos ? 1 : 0)
+      const tokens = p._tag === "Prompt" ? p.tokens : [p.tokenId]
+      view.setUint32(o + 4, tokens.length, true)
+      for (let i = 0; i < tokens.length; i++) view.setUint32(o + 8 + 4 * i, tokens[i]!, true)
+      bodyLength = TOKEN_BODY_HEADER_BYTES + 4 * tokens.length
+      break
+    }
+    case "ActivationFrame": {
+      sequence = frame.sequence
+      chunkIndex = frame.chunkIndex
+      chunkCount = frame.chunkCount
+      const o = HEADER_BYTES
+      const payloadOffset = activationPayloadOffset(alignment)
+      const payloadLength = frame.payload.length * 4
+      view.setUint8(o, 0)
+      view.setUint32(o + 4, frame.startPos, true)
+      view.setUint32(o + 8, frame.nTokens, true)
+      view.setUint32(o + 12, frame.hiddenDim, true)
+      view.setUint32(o + 16, payloadOffset, true)
+      view.setUint32(o + 20, payloadLength, true)
+      buf.set(new Uint8Array(frame.payload.buffer, frame.payload.byteOffset, payloadLength), payloadOffset)
+      bodyLength = payloadOffset - HEADER_BYTES + payloadLength
+      break
+    }
+    case "CreditFrame":
+      sequence = frame.sequence
+      view.setUint32(HEADER_BYTES, frame.bytes, true)
+      bodyLength = 8
+      break
+    case "AttachFrame":
+      view.setUint32(HEADER_BYTES, frame.dataCapacity, true)
+      view.setUint32(HEADER_BYTES + 4, frame.alignment, true)
+      view.setUint8(HEADER_BYTES + 8, frame.wakeCoalescing === "PendingBit" ? 0 : 1)
+      bodyLength = 12
+      break
+    case "AttachedFrame":
+      bodyLength = 0
+      break
+    case "FaultFrame": {
+      const { detail, reason } = faultText(frame)
+      view.setUint16(HEADER_BYTES, reason.length, true)
+      view.setUint16(HEADER_BYTES + 2, detail.length, true)
+      buf.set(reason, HEADER_BYTES + 4)
+      buf.set(detail, HEADER_BYTES + 4 + reason.length)
+      bodyLength = 4 + reason.length + detail.length
+      break
+    }
+  }
+  view.setUint32(0, MAGIC, true)
+  view.setUint8(4, VERSION)
+  view.setUint8(5, typeOf(frame))
+  view.setUint16(6, 0, true)
+  view.setUint32(8, frameLength, true)
+  view.setUint32(12, bodyLength, true)
+  view.setUint32(16, frame.runId, true)
+  view.setUint32(20, frame.edgeId, true)
+  view.setUint32(24, sequence, true)
+  view.setUint16(28, chunkIndex, true)
+  view.setUint16(30, chunkCount, true)
+  return buf
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+// ---------------------------------------------------------------------------------------------
+
+/** Result of decoding at one position of a buffer. */
+export type DecodeStep =
+  | { readonly _tag: "Frame"; readonly frame: WireFrame; readonly length: number }
+  | { readonly _tag: "NeedMore"; readonly needed: number }
+  | { readonly _tag: "Fault"; readonly fault: DecodeFault }
+
+const needMore = (needed: number): DecodeStep => ({ _tag: "NeedMore", needed })
+const malformed = (detail: string): DecodeStep => ({ _tag: "Fault", fault: new Malformed({ detail }) })
+
+/** The fixed header fields, once validated. */
+export interface Header {
+  readonly type: number
+  readonly frameLength: number
+  readonly bodyLength: number
+  readonly runId: number
+  readonly edgeId: number
+  readonly sequence: number
+  readonly chunkIndex: number
+  readonly chunkCount: number
+}
+
+/**
+ * Decode the frame starting at `offset` of `bytes`. Never throws: returns the frame and its length,
+ * `NeedMore` when `bytes` ends inside the frame (after validating as much of the header as is
+ * present — an oversized announced length faults at once), or a typed fault.
+ */
+export const decodeAt = (bytes: Uint8Array, offset: number, limits: Limits): DecodeStep => {
+  try {
+    return decodeAtUnsafe(bytes, offset, limits)
+  } catch (cause) {
+    return malformed(`decoder error: ${String(cause)}`)
+  }
+}
+
+const decodeAtUnsafe = (bytes: Uint8Array, offset: number, limits: Limits): DecodeStep => {
+  const available = bytes.length - offset
+  const view = new DataView(bytes.buffer, bytes.byteOffset + offset, available)
+  // Check the magic as soon as it is there, so garbage faults without waiting for more bytes.
+  if (available >= 4 && view.getUint32(0, true) !== MAGIC) return malformed("bad magic")
+  if (available < 16) {
+    if (available >= 5 && view.getUint8(4) !== VERSION) return malformed(`unsupported version ${view.getUint8(4)}`)
+    return needMore(HEADER_BYTES)
+  }
+  const alignment = effectiveAlignment(limits.alignment)
+  const version = view.getUint8(4)
+  const type = view.getUint8(5)
+  const flags = view.getUint16(6, true)
+  const frameLength = view.getUint32(8, true)
+  const bodyLength = view.getUint32(12, true)
+  if (version !== VERSION) return malformed(`unsupported version ${version}`)
+  if (type < FrameType.Token || type > FrameType.Fault) return malformed(`unknown frame type ${type}`)
+  if (flags !== 0) return malformed(`unknown flags ${flags}`)
+  if (frameLength > limits.maxFrameBytes) {
+    return { _tag: "Fault", fault: new Oversized({ size: frameLength, limit: limits.maxFrameBytes }) }
+  }
+  if (frameLength < HEADER_BYTES || frameLength % alignment !== 0) {
+    return malformed(`frame length ${frameLength} is not a multiple of the alignment ${alignment}`)
+  }
+  if (frameLength !== alignUp(HEADER_BYTES + bodyLength, alignment)) {
+    return malformed(`frame length ${frameLength} does not match body length ${bodyLength}`)
+  }
+  if (available < HEADER_BYTES) return needMore(HEADER_BYTES)
+  const header: Header = {
+    type,
+    frameLength,
+    bodyLength,
+    runId: view.getUint32(16, true),
+    edgeId: view.getUint32(20, true),
+    sequence: view.getUint32(24, true),
+    chunkIndex: view.getUint16(28, true),
+    chunkCount: view.getUint16(30, true)
+  }
+  const isData = type === FrameType.Token || type === FrameType.Activation
+  if (header.chunkCount < 1 || header.chunkIndex >= header.chunkCount) {
+    return malformed(`bad chunk ${header.chunkIndex}/${header.chunkCount}`)
+  }
+  if (!isData && (header.chunkCount !== 1 || (type !== FrameType.Credit && header.sequence !== 0))) {
+    return malformed("control frame with data fields")
+  }
+  if (available < frameLength) return needMore(frameLength)
+  for (let i = HEADER_BYTES + bodyLength; i < frameLength; i++) {
+    if (view.getUint8(i) !== 0) return malformed("non-zero padding")
+  }
+  const body = decodeBody(view, header, limits.alignment)
+  if (typeof body === "string") return malformed(body)
+  return { _tag: "Frame", frame: body, length: frameLength }
+}
+
+const runIdOf = (n: number) => n as RunId
+const edgeIdOf = (n: number) => n as EdgeId
+
+const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | string => {
+  const o = HEADER_BYTES
+  const runId = runIdOf(h.runId)
+  const edgeId = edgeIdOf(h.edgeId)
+  switch (h.type) {
+    case FrameType.Token: {
+      if (h.bodyLength < TOKEN_BODY_HEADER_BYTES) return "token body too short"
+      const kind = view.getUint8(o)
+      const eos = view.getUint8(o + 1)
+      if (view.getUint16(o + 2, true) !== 0) return "token reserved field not zero"
+      const count = view.getUint32(o + 4, true)
+      if (h.bodyLength !== TOKEN_BODY_HEADER_BYTES + 4 * count) return "token count does not match body length"
+      if (count < 1) return "empty token frame"
+      if (kind > 2) return `unknown token kind ${kind}`
+      if (eos > 1 || (eos === 1 && kind !== 2)) return "bad eos flag"
+      if (kind !== 0 && (count !== 1 || h.chunkCount !== 1)) return "Decode/Sampled carries exactly one token"
+      let payload: TokenPayload
+      if (kind === 0) {
+        const tokens = new Array<number>(count)
+        for (let i = 0; i < count; i++) tokens[i] = view.getUint32(o + 8 + 4 * i, true)
+        payload = { _tag: "Prompt", tokens }
+      } else {
+        const tokenId = view.getUint32(o + 8, true)
+        payload = kind === 1 ? { _tag: "Decode", tokenId } : { _tag: "Sampled", tokenId, eos: eos === 1 }
+      }
+      return new TokenFrame({
+        runId,
+        edgeId,
+        sequence: h.sequence,
+        chunkIndex: h.chunkIndex,
+        chunkCount: h.chunkCount,
+        payload
+      }, true)
+    }
+    case FrameType.Activation: {
+      if (h.bodyLength < ACTIVATION_BODY_HEADER_BYTES) return "activation body too short"
+      const dtype = view.getUint8(o)
+      if (dtype !== 0) return `unsupported dtype ${dtype}`
+      if (view.getUint8(o + 1) !== 0 || view.getUint16(o + 2, true) !== 0) return "activation reserved field not zero"
+      const startPos = view.getUint32(o + 4, true)
+      const nTokens = view.getUint32(o + 8, true)
+      const hiddenDim = view.getUint32(o + 12, true)
+      const payloadOffset = view.getUint32(o + 16, true)
+      const payloadLength = view.getUint32(o + 20, true)
+      if (nTokens < 1 || hiddenDim < 1) return "empty activation"
+      if (payloadOffset !== activationPayloadOffset(alignment)) return `payload offset ${payloadOffset} is not aligned`
+      if (payloadLength !== nTokens * hiddenDim * 4) return "payload length does not match nTokens*hiddenDim*4"
+      if (h.bodyLength !== payloadOffset - HEADER_BYTES + payloadLength) return "payload does not end the body"
+      for (let i = o + ACTIVATION_BODY_HEADER_BYTES; i < payloadOffset; i++) {
+        if (view.getUint8(i) !== 0) return "non-zero payload padding"
+      }
+      const payload = new Float32Array(nTokens * hiddenDim)
+      new Uint8Array(payload.buffer).set(new Uint8Array(view.buffer, view.byteOffset + payloadOffset, payloadLength))
+      return new ActivationFrame({
+        runId,
+        edgeId,
+        sequence: h.sequence,
+        chunkIndex: h.chunkIndex,
+        chunkCount: h.chunkCount,
+        startPos,
+        nTokens,
+        hiddenDim,
+        dtype: "f32",
+        payload
+      }, true)
+    }
+    case FrameType.Credit: {
+      if (h.bodyLength !== 8) return "bad credit body length"
+      if (view.getUint32(o + 4, true) !== 0) return "credit reserved field not zero"
+      return new CreditFrame({ runId, edgeId, sequence: h.sequence, bytes: view.getUint32(o, true) }, true)
+    }
+    case FrameType.Attach: {
+      if (h.bodyLength !== 12) return "bad attach body length"
+      const wake = view.getUint8(o + 8)
+      if (wake > 1) return "bad wake coalescing"
+      if (view.getUint8(o + 9) !== 0 || view.getUint16(o + 10, true) !== 0) return "attach reserved field not zero"
+      return new AttachFrame({
+        runId,
+        edgeId,
+        dataCapacity: view.getUint32(o, true),
+        alignment: view.getUint32(o + 4, true),
+        wakeCoalescing: wake === 0 ? "PendingBit" : "EveryFrame"
+      }, true)
+    }
+    case FrameType.Attached:
+      if (h.bodyLength !== 0) return "bad attached body length"
+      return new AttachedFrame({ runId, edgeId }, true)
+    case FrameType.Fault: {
+      if (h.bodyLength < 4) return "fault body too short"
+      const reasonLen = view.getUint16(o, true)
+      const detailLen = view.getUint16(o + 2, true)
+      if (reasonLen > 64 || detailLen > MAX_FAULT_TEXT) return "fault text too long"
+      if (h.bodyLength !== 4 + reasonLen + detailLen) return "fault lengths do not match body length"
+      const text = (start: number, len: number) =>
+        textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + start, len))
+      return new FaultFrame({
+        runId,
+        edgeId,
+        reason: text(o + 4, reasonLen),
+        detail: text(o + 4 + reasonLen, detailLen)
+      }, true)
+    }
+    default:
+      return `unknown frame type ${h.type}`
+  }
+}
+
+/**
+ * Decode a buffer that must hold exactly one frame. Total: a short buffer is `Truncated`, trailing
+ * bytes are `Malformed`.
+ */
+export const decode = (bytes: Uint8Array, limits: Limits): Either.Either<WireFrame, DecodeFault> => {
+  const step = decodeAt(bytes, 0, limits)
+  switch (step._tag) {
+    case "Frame":
+      return step.length === bytes.length
+        ? Either.right(step.frame)
+        : Either.left(new Malformed({ detail: `${bytes.length - step.length} trailing bytes` }))
+    case "NeedMore":
+      return Either.left(new Truncated({ needed: step.needed, available: bytes.length }))
+    case "Fault":
+      return Either.left(step.fault)
+  }
+}
+
+/**
+ * Incremental decoder for a byte stream: `push` chunks as they arrive, then call `next` until it
+ * answers `NeedMore`. Buffers at most one partial frame (bounded by `limits.maxFrameBytes`, since
+ * an oversized announced length faults as soon as the header is in).
+ */
+export class StreamDecoder {
+  private buf: Uint8Array = new Uint8Array(0)
+  private off = 0
+
+  /** Bytes received but not yet decoded. */
+  get buffered(): number {
+    return this.buf.length - this.off
+  }
+
+  push(chunk: Uint8Array): void {
+    if (this.off >= this.buf.length) {
+      this.buf = chunk
+      this.off = 0
+    } else {
+      const rest = this.buf.subarray(this.off)
+      const merged = new Uint8Array(rest.length + chunk.length)
+      merged.set(rest, 0)
+      merged.set(chunk, rest.length)
+      this.buf = merged
+      this.off = 0
+    }
+  }
+
+  next(limits: Limits): DecodeStep {
+    const step = decodeAt(this.buf, this.off, limits)
+    if (step._tag === "Frame") this.off += step.length
+    return step
+  }
+
+  /** Called when the stream ends: `Truncated` when a partial frame is left. */
+  finish(): Truncated | undefined {
+    const left = this.buffered
+    if (left === 0) return undefined
+    const step = decodeAt(this.buf, this.off, { alignment: 8, maxFrameBytes: 0xffff_ffff })
+    return new Truncated({ needed: step._tag === "NeedMore" ? step.needed : left + 1, available: left })
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunking and reassembly
+// ---------------------------------------------------------------------------------------------
+
+/**
+ * Split a data frame into chunks whose encoding fits `maxFrameBytes` (the window). A frame that
+ * fits is returned as is. Activations split by token rows, prompts by tokens; a Decode / Sampled
+ * token or a single activation row that does not fit is `Oversized`.
+ */
+export const chunk = (
+  frame: DataFrame,
+  maxFrameBytes: number,
+  alignment: number
+): Either.Either<ReadonlyArray<DataFrame>, Oversized | Malformed> => {
+  const problem = checkEncodable(frame, alignment)
+  if (problem !== undefined) return Either.left(new Malformed({ detail: `cannot encode ${frame._tag}: ${problem}` }))
+  const size = encodedLength(frame, alignment)
+  if (size <= maxFrameBytes) return Either.right([frame])
+  if (frame.chunkCount !== 1) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
+  const usable = Math.floor(maxFrameBytes / effectiveAlignment(alignment)) * effectiveAlignment(alignment)
+  if (frame._tag === "ActivationFrame") {
+    const rowBytes = frame.hiddenDim * 4
+    const perChunk = Math.floor((usable - activationPayloadOffset(alignment)) / rowBytes)
+    if (perChunk < 1) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
+    const count = Math.ceil(frame.nTokens / perChunk)
+    if (count > 0xffff) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
+    const chunks: Array<DataFrame> = []
+    for (let i = 0; i < count; i++) {
+      const first = i * perChunk
+      const n = Math.min(perChunk, frame.nTokens - first)
+      chunks.push(
+        new ActivationFrame({
+          runId: frame.runId,
+          edgeId: frame.edgeId,
+          sequence: frame.sequence,
+          chunkIndex: i,
+          chunkCount: count,
+          startPos: frame.startPos + first,
+          nTokens: n,
+          hiddenDim: frame.hiddenDim,
+          dtype: frame.dtype,
+          payload: frame.payload.subarray(first * frame.hiddenDim, (first + n) * frame.hiddenDim)
+        }, true)
+      )
+    }
+    return Either.right(chunks)
+  }
+  const p = frame.payload
+  if (p._tag !== "Prompt") return Either.left(new Oversized({ size, limit: maxFrameBytes }))
+  const perChunk = Math.floor((usable - HEADER_BYTES - TOKEN_BODY_HEADER_BYTES) / 4)
+  if (perChunk < 1) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
+  const count = Math.ceil(p.tokens.length / perChunk)
+  if (count > 0xffff) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
+  const chunks: Array<DataFrame> = []
+  for (let i = 0; i < count; i++) {
+    chunks.push(
+      new TokenFrame({
+        runId: frame.runId,
+        edgeId: frame.edgeId,
+        sequence: frame.sequence,
+        chunkIndex: i,
+        chunkCount: count,
+        payload: { _tag: "Prompt", tokens: p.tokens.slice(i * perChunk, (i + 1) * perChunk) }
+      }, true)
+    )
+  }
+  return Either.right(chunks)
+}
+
+/** Result of feeding one data frame to a `Sequencer`. */
+export type SequenceStep =
+  | { readonly _tag: "Complete"; readonly frame: DataFrame }
+  | { readonly _tag: "Partial" }
+  | { readonly _tag: "Fault"; readonly fault: OutOfOrder | Malformed }
+
+/**
+ * Enforces the order of data frames on one edge — sequence numbers consecutive from
+ * `initialSequence`, chunks of a message consecutive from 0 with one `chunkCount` and one kind —
+ * and (when `reassemble`) joins chunks into one frame.
+ */
+export class Sequencer {
+  private nextSequence: number
+  private parts: Array<DataFrame> = []
+
+  constructor(initialSequence = 0, private readonly reassemble = true) {
+    this.nextSequence = initialSequence
+  }
+
+  get expected(): { readonly sequence: number; readonly chunkIndex: number } {
+    return { sequence: this.nextSequence, chunkIndex: this.parts.length }
+  }
+
+  accept(frame: DataFrame): SequenceStep {
+    const expectedChunk = this.parts.length
+    if (frame.sequence !== this.nextSequence || frame.chunkIndex !== expectedChunk) {
+      return {
+        _tag: "Fault",
+        fault: new OutOfOrder({
+          expectedSequence: this.nextSequence,
+          expectedChunk,
+          sequence: frame.sequence,
+          chunkIndex: frame.chunkIndex
+        })
+      }
+    }
+    const first = this.parts[0]
+    if (first !== undefined) {
+      const consistent = first._tag === frame._tag && first.chunkCount === frame.chunkCount &&
+        (frame._tag !== "ActivationFrame" ||
+          (first._tag === "ActivationFrame" && first.hiddenDim === frame.hiddenDim &&
+            frame.startPos === first.startPos + this.parts.reduce((n, f) => n + (f as ActivationFrame).nTokens, 0)))
+      if (!consistent) return { _tag: "Fault", fault: new Malformed({ detail: "chunk inconsistent with its message" }) }
+    }
+    if (frame.chunkCount === 1) {
+      this.nextSequence = (this.nextSequence + 1) >>> 0
+      return { _tag: "Complete", frame }
+    }
+    if (!this.reassemble) {
+      if (frame.chunkIndex + 1 === frame.chunkCount) {
+        this.parts = []
+        this.nextSequence = (this.nextSequence + 1) >>> 0
+      } else {
+        this.parts.push(frame)
+      }
+      return { _tag: "Complete", frame }
+    }
+    this.parts.push(frame)
+    if (this.parts.length < frame.chunkCount) return { _tag: "Partial" }
+    const parts = this.parts
+    this.parts = []
+    this.nextSequence = (this.nextSequence + 1) >>> 0
+    return { _tag: "Complete", frame: join(parts) }
+  }
+}
+
+const join = (parts: ReadonlyArray<DataFrame>): DataFrame => {
+  const first = parts[0]!
+  if (first._tag === "ActivationFrame") {
+    const acts = parts as ReadonlyArray<ActivationFrame>
+    const nTokens = acts.reduce((n, f) => n + f.nTokens, 0)
+    const payload = new Float32Array(nTokens * first.hiddenDim)
+    let at = 0
+    for (const f of acts) {
+      payload.set(f.payload, at)
+      at += f.payload.length
+    }
+    return new ActivationFrame({
+      runId: first.runId,
+      edgeId: first.edgeId,
+      sequence: first.sequence,
+      chunkIndex: 0,
+      chunkCount: 1,
+      startPos: first.startPos,
+      nTokens,
+      hiddenDim: first.hiddenDim,
+      dtype: first.dtype,
+      payload
+    }, true)
+  }
+  const tokens: Array<number> = []
+  for (const f of parts as ReadonlyArray<TokenFrame>) {
+    if (f.payload._tag === "Prompt") for (const t of f.payload.tokens) tokens.push(t)
+  }
+  return new TokenFrame({
+    runId: first.runId,
+    edgeId: first.edgeId,
+    sequence: first.sequence,
+    chunkIndex: 0,
+    chunkCount: 1,
+    payload: { _tag: "Prompt", tokens }
+  }, true)
+}

@@ -1,0 +1,279 @@
+import { assert, describe, it } from "@effect/vitest"
+import { Either, FastCheck as fc } from "effect"
+import {
+  ActivationFrame,
+  AttachedFrame,
+  AttachFrame,
+  CreditFrame,
+  type DataFrame,
+  FaultFrame,
+  TokenFrame,
+  type WireFrame
+} from "../src/domain/frames.js"
+import type { EdgeId, RunId } from "../src/domain/ids.js"
+import * as Framing from "../src/layers/transport/Framing.js"
+
+const runId = 7 as RunId
+const edgeId = 3 as EdgeId
+const limits = (alignment: number): Framing.Limits => ({ alignment, maxFrameBytes: 1 << 20 })
+
+const activation = (sequence: number, nTokens: number, hiddenDim: number, startPos = 0) =>
+  new ActivationFrame({
+    runId,
+    edgeId,
+    sequence,
+    startPos,
+    nTokens,
+    hiddenDim,
+    payload: Float32Array.from({ length: nTokens * hiddenDim }, (_, i) => i * 0.5 - 3)
+  })
+
+const roundTrip = (frame: WireFrame, alignment: number) => {
+  const bytes = Either.getOrThrow(Framing.encode(frame, alignment))
+  return { bytes, decoded: Framing.decode(bytes, limits(alignment)) }
+}
+
+// Arbitraries for every frame kind.
+const u32 = fc.integer({ min: 0, max: 0xffff_ffff })
+const alignmentArb = fc.constantFrom(1, 2, 4, 8, 16, 64, 256)
+const ids = { runId: u32.map((n) => n as RunId), edgeId: u32.map((n) => n as EdgeId) }
+const tokenFrameArb = fc.record({
+  ...ids,
+  sequence: u32,
+  payload: fc.oneof(
+    fc.array(u32, { minLength: 1, maxLength: 40 }).map((tokens) => ({ _tag: "Prompt" as const, tokens })),
+    u32.map((tokenId) => ({ _tag: "Decode" as const, tokenId })),
+    fc.record({ tokenId: u32, eos: fc.boolean() }).map((p) => ({ _tag: "Sampled" as const, ...p }))
+  )
+}).map((f) => new TokenFrame(f))
+const activationArb = fc.record({
+  ...ids,
+  sequence: u32,
+  chunk: fc.integer({ min: 1, max: 5 }).chain((count) =>
+    fc.record({ count: fc.constant(count), index: fc.integer({ min: 0, max: count - 1 }) })
+  ),
+  startPos: u32,
+  nTokens: fc.integer({ min: 1, max: 4 }),
+  hiddenDim: fc.integer({ min: 1, max: 24 })
+}).chain((f) =>
+  fc.float32Array({ minLength: f.nTokens * f.hiddenDim, maxLength: f.nTokens * f.hiddenDim }).map((payload) =>
+    new ActivationFrame({
+      runId: f.runId,
+      edgeId: f.edgeId,
+      sequence: f.sequence,
+      chunkIndex: f.chunk.index,
+      chunkCount: f.chunk.count,
+      startPos: f.startPos,
+      nTokens: f.nTokens,
+      hiddenDim: f.hiddenDim,
+      payload
+    })
+  )
+)
+const controlArb = fc.oneof(
+  fc.record({ ...ids, sequence: u32, bytes: u32 }).map((f) => new CreditFrame(f)),
+  fc.record({ ...ids, dataCapacity: u32, alignment: u32, wakeCoalescing: fc.constantFrom("PendingBit", "EveryFrame") })
+    .map((f) => new AttachFrame(f as ConstructorParameters<typeof AttachFrame>[0])),
+  fc.record(ids).map((f) => new AttachedFrame(f)),
+  fc.record({ ...ids, reason: fc.string({ maxLength: 20 }), detail: fc.string({ maxLength: 200 }) })
+    .map((f) => new FaultFrame(f))
+)
+const frameArb: fc.Arbitrary<WireFrame> = fc.oneof(tokenFrameArb, activationArb, controlArb)
+
+const sameFrame = (a: WireFrame, b: WireFrame) => {
+  if (a._tag === "ActivationFrame" && b._tag === "ActivationFrame") {
+    const { payload: pa, ...ra } = a
+    const { payload: pb, ...rb } = b
+    assert.deepStrictEqual({ ...ra }, { ...rb })
+    // Compare bit patterns so NaN payloads round-trip too.
+    assert.deepStrictEqual(new Uint32Array(pa.buffer, pa.byteOffset, pa.length), new Uint32Array(pb.buffer, pb.byteOffset, pb.length))
+  } else {
+    assert.deepStrictEqual({ ...a }, { ...b })
+  }
+}
+
+describe("Framing", () => {
+  // Every frame kind encodes and decodes back to an equal frame, at every alignment.
+  it("round-trips arbitrary frames at arbitrary alignments", () => {
+    fc.assert(
+      fc.property(frameArb, alignmentArb, (frame, alignment) => {
+        const { bytes, decoded } = roundTrip(frame, alignment)
+        assert.strictEqual(bytes.length % Framing.effectiveAlignment(alignment), 0)
+        assert.isTrue(Either.isRight(decoded))
+        sameFrame(frame, Either.getOrThrow(decoded))
+      }),
+      { numRuns: 400 }
+    )
+  })
+
+  // A frame is padded to the ring alignment, and an activation payload starts aligned inside it.
+  it("honours the alignment for frame length and payload offset", () => {
+    const frame = activation(0, 3, 5)
+    for (const alignment of [8, 64, 256]) {
+      const bytes = Either.getOrThrow(Framing.encode(frame, alignment))
+      assert.strictEqual(bytes.length % alignment, 0)
+      const payloadOffset = new DataView(bytes.buffer).getUint32(Framing.HEADER_BYTES + 16, true)
+      assert.strictEqual(payloadOffset % alignment, 0)
+    }
+  })
+
+  // Decoding is total: random bytes give a typed fault (or, vanishingly rarely, a valid frame), never a throw.
+  it("decodes random bytes to a typed fault, never a throw", () => {
+    fc.assert(
+      fc.property(fc.uint8Array({ maxLength: 300 }), alignmentArb, (bytes, alignment) => {
+        const result = Framing.decode(bytes, limits(alignment))
+        if (Either.isLeft(result)) assert.include(["Malformed", "Truncated", "Oversized"], result.left._tag)
+      }),
+      { numRuns: 2000 }
+    )
+  })
+
+  // Random bytes behind a valid header still never throw.
+  it("decodes a valid header followed by garbage to a typed fault", () => {
+    fc.assert(
+      fc.property(frameArb, fc.uint8Array({ minLength: 1, maxLength: 200 }), (frame, garbage) => {
+        const bytes = Either.getOrThrow(Framing.encode(frame, 8))
+        const mixed = new Uint8Array(bytes.length)
+        mixed.set(bytes.subarray(0, Framing.HEADER_BYTES))
+        mixed.set(garbage.subarray(0, bytes.length - Framing.HEADER_BYTES), Framing.HEADER_BYTES)
+        const result = Framing.decode(mixed, limits(8))
+        if (Either.isLeft(result)) assert.include(["Malformed", "Truncated", "Oversized"], result.left._tag)
+      }),
+      { numRuns: 500 }
+    )
+  })
+
+  // Every strict prefix of a valid frame is Truncated.
+  it("reports every truncation of a valid frame as Truncated", () => {
+    fc.assert(
+      fc.property(frameArb, alignmentArb, (frame, alignment) => {
+        const bytes = Either.getOrThrow(Framing.encode(frame, alignment))
+        for (let cut = 0; cut < bytes.length; cut += Math.max(1, Math.floor(bytes.length / 17))) {
+          const result = Framing.decode(bytes.subarray(0, cut), limits(alignment))
+          assert.isTrue(Either.isLeft(result))
+          if (Either.isLeft(result)) assert.include(["Truncated", "Malformed"], result.left._tag)
+          if (cut >= 4 && Either.isLeft(result)) assert.strictEqual(result.left._tag, "Truncated")
+        }
+      }),
+      { numRuns: 200 }
+    )
+  })
+
+  // Flipping any header or body-header byte is caught (a typed fault) or yields a different, still valid frame.
+  it("turns single-byte mutations into typed faults, never throws", () => {
+    fc.assert(
+      fc.property(frameArb, fc.nat(), fc.integer({ min: 1, max: 255 }), (frame, at, xor) => {
+        const bytes = Either.getOrThrow(Framing.encode(frame, 8)).slice()
+        const i = at % bytes.length
+        bytes[i] = bytes[i]! ^ xor
+        const result = Framing.decode(bytes, limits(8))
+        if (Either.isLeft(result)) assert.include(["Malformed", "Truncated", "Oversized"], result.left._tag)
+        // Structural bytes (magic, version, type, flags, lengths, padding) must never slip through.
+        if (i < 16 && Either.isRight(result)) assert.fail(`mutation of header byte ${i} decoded`)
+      }),
+      { numRuns: 2000 }
+    )
+  })
+
+  it("refuses a frame whose announced length exceeds the limit before its body arrives", () => {
+    const bytes = Either.getOrThrow(Framing.encode(activation(0, 64, 64), 8))
+    const result = Framing.decode(bytes.subarray(0, Framing.HEADER_BYTES), { alignment: 8, maxFrameBytes: 4096 })
+    assert.isTrue(Either.isLeft(result) && result.left._tag === "Oversized")
+  })
+
+  it("refuses a frame not padded to the edge's alignment", () => {
+    const bytes = Either.getOrThrow(Framing.encode(activation(0, 1, 3), 8))
+    const result = Framing.decode(bytes, limits(64))
+    assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
+  })
+
+  it("refuses trailing bytes after a whole frame", () => {
+    const bytes = Either.getOrThrow(Framing.encode(new AttachedFrame({ runId, edgeId }), 8))
+    const result = Framing.decode(new Uint8Array([...bytes, 0]), limits(8))
+    assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
+  })
+
+  it("refuses to encode fields that do not fit the wire format", () => {
+    const tooBig = new TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 1 } })
+    const result = Framing.encode({ ...tooBig, runId: 2 ** 33 as RunId } as TokenFrame, 8)
+    assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
+  })
+
+  // The stream decoder yields the same frames whatever the chunk boundaries of the byte stream.
+  it("decodes a stream split at arbitrary points", () => {
+    fc.assert(
+      fc.property(fc.array(frameArb, { minLength: 1, maxLength: 8 }), fc.array(fc.nat(), { maxLength: 10 }), (frames, cuts) => {
+        const encoded = frames.map((f) => Either.getOrThrow(Framing.encode(f, 64)))
+        const all = new Uint8Array(encoded.reduce((n, b) => n + b.length, 0))
+        let at = 0
+        for (const b of encoded) {
+          all.set(b, at)
+          at += b.length
+        }
+        const points = [...new Set(cuts.map((c) => c % (all.length + 1)))].sort((a, b) => a - b)
+        const decoder = new Framing.StreamDecoder()
+        const out: Array<WireFrame> = []
+        let prev = 0
+        for (const p of [...points, all.length]) {
+          decoder.push(all.slice(prev, p))
+          prev = p
+          for (;;) {
+            const step = decoder.next(limits(64))
+            if (step._tag === "Fault") assert.fail(step.fault._tag)
+            if (step._tag === "NeedMore") break
+            out.push(step.frame)
+          }
+        }
+        assert.strictEqual(out.length, frames.length)
+        frames.forEach((f, i) => sameFrame(f, out[i]!))
+        assert.isUndefined(decoder.finish())
+      }),
+      { numRuns: 200 }
+    )
+  })
+
+  // A message larger than the window is split into chunks that fit, and the sequencer joins them back.
+  it("chunks a large activation to fit the window and reassembles it", () => {
+    const frame = activation(0, 37, 100, 5)
+    const chunks = Either.getOrThrow(Framing.chunk(frame, 4096, 64))
+    assert.isAbove(chunks.length, 1)
+    for (const c of chunks) assert.isAtMost(Framing.encodedLength(c, 64), 4096)
+    const sequencer = new Framing.Sequencer()
+    let whole: DataFrame | undefined
+    for (const c of chunks) {
+      const step = sequencer.accept(Either.getOrThrow(Framing.decode(Framing.unsafeEncode(c, 64), limits(64))) as DataFrame)
+      if (step._tag === "Fault") assert.fail(step.fault._tag)
+      if (step._tag === "Complete") whole = step.frame
+    }
+    assert.isDefined(whole)
+    sameFrame(whole!, frame)
+  })
+
+  it("chunks a long prompt and reassembles it", () => {
+    const tokens = Array.from({ length: 5000 }, (_, i) => i)
+    const frame = new TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens } })
+    const chunks = Either.getOrThrow(Framing.chunk(frame, 1024, 8))
+    assert.isAbove(chunks.length, 1)
+    const sequencer = new Framing.Sequencer()
+    const steps = chunks.map((c) => sequencer.accept(c))
+    const last = steps[steps.length - 1]!
+    assert.strictEqual(last._tag, "Complete")
+    if (last._tag === "Complete") sameFrame(last.frame, frame)
+  })
+
+  it("refuses to chunk a single token row wider than the window", () => {
+    const result = Framing.chunk(activation(0, 2, 2048), 4096, 8)
+    assert.isTrue(Either.isLeft(result) && result.left._tag === "Oversized")
+  })
+
+  it("faults a skipped sequence number or chunk as OutOfOrder", () => {
+    const sequencer = new Framing.Sequencer()
+    assert.strictEqual(sequencer.accept(activation(0, 1, 2))._tag, "Complete")
+    const skipped = sequencer.accept(activation(2, 1, 2))
+    assert.isTrue(skipped._tag === "Fault" && skipped.fault._tag === "OutOfOrder")
+    const chunked = new Framing.Sequencer()
+    const c1 = new ActivationFrame({ ...activation(0, 1, 2), chunkIndex: 1, chunkCount: 2 })
+    const step = chunked.accept(c1)
+    assert.isTrue(step._tag === "Fault" && step.fault._tag === "OutOfOrder")
+  })
+})
