@@ -1,0 +1,12 @@
+/** swactor's public library API. Each module appends its exports here. */
+
+// Domain vocabulary
+export * from "./domain/ids.js"
+export * from "./domain/plan.js"
+export * from "./domain/planErrors.js"
+export * from "./domain/runFsm.js"
+
+// Planning and the run state machine
+export * from "./services/Planner.js"
+export * from "./services/RunFsm.js"
+export * from "./services/OrchestratorHarness.js"

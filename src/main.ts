@@ -1,0 +1,21 @@
+/**
+ * The `swactor` command: a thin registry of subcommands. To add one, import it from its src/cli/*Command.ts file and
+ * add it to the list below.
+ */
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
+import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
+import { Effect } from "effect"
+import { planCommand } from "./cli/PlanCommand.js"
+
+const swactor = Command.make("swactor").pipe(
+  Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
+  Command.withSubcommands([
+    planCommand
+  ])
+)
+
+const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
+
+// Subcommands print their own errors in words; a failure only sets the exit code.
+cli(process.argv).pipe(Effect.provide(NodeContext.layer), NodeRuntime.runMain({ disableErrorReporting: true }))
