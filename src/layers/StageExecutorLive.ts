@@ -1,0 +1,202 @@
+/**
+ * StageExecutor over ggml (node-llama-cpp's libraries through koffi): loads only a stage's tensors, keeps a
+ * KV cache per session, and computes on a koffi worker thread so the event loop keeps running.
+ */
+import { Effect, Layer } from "effect"
+import { availableParallelism } from "node:os"
+import {
+  ContextOverflow,
+  EngineError,
+  type ForwardError,
+  InvalidStageInput,
+  type StageInfo,
+  type StageInput,
+  type StageLoadSpec,
+  type StageOutput
+} from "../domain/engine.js"
+import { ModelLoadError } from "../domain/gguf.js"
+import {
+  type LoadedStage,
+  type SessionOptions,
+  StageExecutor,
+  type StageExecutorService,
+  type StageSession
+} from "../services/StageExecutor.js"
+import { NativeSession, type NativeWeights, loadWeights, type TensorPlacement } from "./engine/Native.js"
+import { planStage } from "./engine/Plan.js"
+import { getGgml } from "./ggml/Bindings.js"
+import { readGgufFile } from "./gguf/GgufReader.js"
+
+/** A loaded stage of the live executor (also exposes where each tensor lives, for tests and the CLI). */
+export class LiveLoadedStage implements LoadedStage {
+  constructor(readonly info: StageInfo, readonly weights: NativeWeights) {}
+  get placements(): ReadonlyArray<TensorPlacement> {
+    return this.weights.placements
+  }
+  /** Bytes of the backend buffers that hold the weights (>= info.weightBytes by alignment padding). */
+  get bufferBytes(): number {
+    return this.weights.bufferBytes
+  }
+}
+
+export interface LiveOptions {
+  /** Use llama.cpp's repacked CPU buffer types for quantized weights where it would (default true). */
+  readonly repack?: boolean
+  /** KV cache length when a session does not say (default min(model context, 4096)). */
+  readonly defaultContextLength?: number
+}
+
+const load = (options: LiveOptions) =>
+(
+  spec: StageLoadSpec,
+  onProgress?: (progress: { loadedBytes: number; totalBytes: number }) => void
+) =>
+  Effect.gen(function*() {
+    const file = yield* readGgufFile(spec.path)
+    const plan = yield* planStage(file, spec)
+    if (spec.backend === "cuda") {
+      return yield* Effect.fail(
+        new ModelLoadError({
+          path: spec.path,
+          reason: "BackendUnavailable",
+          message: "the CUDA backend is not implemented by this stage engine yet; use backend \"cpu\" or \"auto\""
+        })
+      )
+    }
+    yield* Effect.try({
+      try: () => getGgml(),
+      catch: (e) =>
+        new ModelLoadError({
+          path: spec.path,
+          reason: "BackendUnavailable",
+          message: e instanceof Error ? e.message : String(e)
+        })
+    })
+    const weights = yield* Effect.acquireRelease(
+      Effect.tryPromise({
+        try: () => loadWeights(plan, { repack: options.repack ?? true, ...(onProgress ? { onProgress } : {}) }),
+        catch: (e) =>
+          new ModelLoadError({
+            path: spec.path,
+            reason: "Io",
+            message: `loading blocks [${spec.layerStart}, ${spec.layerEndExclusive}): ${
+              e instanceof Error ? e.message : String(e)
+            }`
+          })
+      }),
+      (w) => Effect.promise(() => w.lock.run(async () => w.free()))
+    )
+    const hp = plan.hp
+    const info: StageInfo = {
+      arch: hp.arch,
+      layerStart: spec.layerStart,
+      layerEndExclusive: spec.layerEndExclusive,
+      numLayers: hp.nLayer,
+      isFirst: spec.isFirst,
+      isLast: spec.isLast,
+      hiddenDim: hp.nEmbd,
+      vocabSize: hp.nVocab,
+      contextLength: hp.nCtxTrain,
+      eosTokenId: hp.eosTokenId,
+      bosTokenId: hp.bosTokenId,
+      weightBytes: plan.weightBytes,
+      backend: "cpu"
+    }
+    return new LiveLoadedStage(info, weights) as LoadedStage
+  }).pipe(Effect.withSpan("StageExecutor.load"))
+
+/** Checks a forward call against the stage and the session before any native call. */
+export const validateForward = (
+  info: StageInfo,
+  contextLength: number,
+  filled: number,
+  startPos: number,
+  input: StageInput
+): ForwardError | undefined => {
+  const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+  if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
+    return new InvalidStageInput({
+      message: `start position ${startPos} must be an integer in [0, ${filled}] (the cache holds ${filled} positions)`
+    })
+  }
+  if (!Number.isSafeInteger(n) || n < 1) return new InvalidStageInput({ message: `a batch needs at least one token` })
+  if (startPos + n > contextLength) {
+    return new ContextOverflow({ position: startPos, nTokens: n, contextLength })
+  }
+  if (info.isFirst) {
+    if (input._tag !== "Tokens") {
+      return new InvalidStageInput({ message: "the first stage takes token ids, not hidden states" })
+    }
+    for (let i = 0; i < n; i++) {
+      const t = input.tokens[i]!
+      if (t < 0 || t >= info.vocabSize) {
+        return new InvalidStageInput({ message: `token id ${t} at index ${i} is outside [0, ${info.vocabSize})` })
+      }
+    }
+  } else {
+    if (input._tag !== "Hidden") {
+      return new InvalidStageInput({ message: "a stage after the first takes hidden states, not token ids" })
+    }
+    if (input.hidden.length !== n * info.hiddenDim) {
+      return new InvalidStageInput({
+        message: `hidden states have ${input.hidden.length} floats, expected ${n} x ${info.hiddenDim}`
+      })
+    }
+  }
+  return undefined
+}
+
+const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: SessionOptions = {}) =>
+  Effect.gen(function*() {
+    if (!(stage instanceof LiveLoadedStage)) {
+      return yield* Effect.dieMessage("StageExecutorLive.session: the stage was not loaded by this executor")
+    }
+    const info = stage.info
+    const contextLength = sessionOptions.contextLength ??
+      options.defaultContextLength ?? Math.min(info.contextLength, 4096)
+    const threads = sessionOptions.threads ?? availableParallelism()
+    if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
+      return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
+    }
+    if (!Number.isSafeInteger(threads) || threads < 1 || threads > 512) {
+      return yield* Effect.dieMessage(`threads ${threads} must be an integer in [1, 512]`)
+    }
+    const native = yield* Effect.acquireRelease(
+      Effect.try({
+        try: () => new NativeSession(stage.weights, contextLength, threads),
+        catch: (e) =>
+          new ModelLoadError({
+            path: stage.weights.plan.file.path,
+            reason: "BackendUnavailable",
+            message: e instanceof Error ? e.message : String(e)
+          })
+      }),
+      (s) => Effect.promise(() => stage.weights.lock.run(async () => s.free()))
+    )
+    const forward = (startPos: number, input: StageInput): Effect.Effect<StageOutput, ForwardError> =>
+      Effect.suspend(() => {
+        const invalid = validateForward(info, contextLength, native.filled, startPos, input)
+        if (invalid !== undefined) return Effect.fail(invalid)
+        return Effect.tryPromise({
+          try: () => native.forward(startPos, input),
+          catch: (e) => new EngineError({ message: e instanceof Error ? e.message : String(e) })
+        })
+      }).pipe(Effect.withSpan("StageExecutor.forward"))
+    const result: StageSession = {
+      info,
+      forward,
+      reset: Effect.promise(() => stage.weights.lock.run(async () => native.reset()))
+    }
+    return result
+  })
+
+export const make = (options: LiveOptions = {}): StageExecutorService => ({
+  load: load(options),
+  session: session(options)
+})
+
+/** The live stage executor (CPU ggml). */
+export const StageExecutorLive: Layer.Layer<StageExecutor> = Layer.succeed(StageExecutor, make())
+
+/** The live executor with options (e.g. `repack: false`). */
+export const layerWith = (options: LiveOptions): Layer.Layer<StageExecutor> => Layer.succeed(StageExecutor, make(options))

@@ -1,0 +1,36 @@
+import { assert, describe, it } from "@effect/vitest"
+import { Effect } from "effect"
+import { logSoftmax } from "../src/services/Sampler.js"
+import { allSplits, greedyRun, maxLogProbDiff, referenceRun, type ReferenceRun } from "./support/engine.js"
+import { requireModel } from "./support/models.js"
+
+const N_TOKENS = 32
+const options = { threads: 1, contextLength: 512 } as const
+
+describe("stories260K: every split matches node-llama-cpp", () => {
+  const path = requireModel("stories260K.gguf")
+  let reference: ReferenceRun | undefined
+  const ref = () =>
+    Effect.promise(async () => reference ??= await referenceRun(path, "Once upon a time", N_TOKENS, options))
+
+  // The reference stream is itself meaningful: not empty, not one token repeated.
+  it.live("node-llama-cpp's greedy stream is non-trivial", () =>
+    Effect.gen(function*() {
+      const r = yield* ref()
+      assert.strictEqual(r.tokens.length, N_TOKENS)
+      assert.isAtLeast(new Set(r.tokens).size, 8)
+    }))
+
+  for (const split of allSplits(5, 4)) {
+    // A stage split changes where blocks run, never what the model says.
+    it.live(`split ${JSON.stringify(split)}: ${N_TOKENS} greedy tokens equal node-llama-cpp's, log-probs within 1e-4`, () =>
+      Effect.gen(function*() {
+        const r = yield* ref()
+        const ours = yield* greedyRun(path, split, r.prompt, N_TOKENS, options)
+        assert.deepStrictEqual(ours.tokens, r.tokens)
+        const diff = maxLogProbDiff(logSoftmax(ours.logits[0]!), r.firstProbabilities)
+        console.log(`stories260K split ${JSON.stringify(split)}: first-position log-prob max diff ${diff.toExponential(2)} over ${r.firstProbabilities.size} tokens`)
+        assert.isBelow(diff, 1e-4, `first-position log-prob max diff ${diff}`)
+      }))
+  }
+})
