@@ -467,6 +467,18 @@ const parse = (src: ByteSource): Parsed => {
     tensorsByName.set(r.name, info)
   }
 
+  // Writers end the file at the (padded) end of the last tensor. More bytes than one alignment's padding mean the
+  // table does not describe the file (e.g. a tensor count one short, which would shift every tensor's data).
+  const described = nTensors > 0 ? dataOffset + expected : tableEnd
+  const slack = Math.max(alignment, GGUF_DEFAULT_ALIGNMENT)
+  if (src.size - described >= slack) {
+    fail(
+      "OffsetOutOfBounds",
+      `file has ${src.size - described} bytes after the end of the tensor data at offset ${described}: the tensor ` +
+        `table (${nTensors} tensors) does not describe the file`
+    )
+  }
+
   return { version, alignment, dataOffset, metadata, metadataTypes, tensors, tensorsByName }
 }
 
