@@ -1,7 +1,7 @@
 /** Shared fixtures of the engine tests: splits, a pipelined greedy run of our engine, node-llama-cpp's reference. */
 import { Effect, Layer, type Scope } from "effect"
 import { getLlama, type Llama, type LlamaModel, LlamaLogLevel, type Token } from "node-llama-cpp"
-import type { StageInput } from "../../src/domain/engine.js"
+import type { StageInput, StageOutput } from "../../src/domain/engine.js"
 import type { ModelLoadError } from "../../src/domain/gguf.js"
 import { StageExecutorLive } from "../../src/layers/StageExecutorLive.js"
 import { greedy } from "../../src/services/Sampler.js"
@@ -61,7 +61,7 @@ export const openPipeline = (
       Effect.gen(function*() {
         let input: StageInput = { _tag: "Tokens", tokens }
         for (const s of sessions) {
-          const out = yield* s.forward(pos, input)
+          const out: StageOutput = yield* s.forward(pos, input)
           if (out._tag === "Logits") return out.logits
           input = { _tag: "Hidden", hidden: out.hidden, nTokens: out.nTokens }
         }
@@ -104,7 +104,6 @@ export interface ReferenceRun {
   readonly tokens: ReadonlyArray<number>
   /** Probabilities of the first generated position, by token id (only those node-llama-cpp reports). */
   readonly firstProbabilities: ReadonlyMap<number, number>
-  readonly vocabSize: number
 }
 
 /**
@@ -143,7 +142,7 @@ export const referenceRun = async (
       ])
       const probs = res[res.length - 1]?.next?.probabilities
       if (probs === undefined) throw new Error("node-llama-cpp returned no probabilities")
-      return { prompt, tokens, firstProbabilities: new Map(probs), vocabSize: model.fileInsights.tensorInfo?.length ?? 0 }
+      return { prompt, tokens, firstProbabilities: new Map(probs) }
     } finally {
       await ctx.dispose()
     }

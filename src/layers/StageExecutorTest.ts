@@ -1,0 +1,193 @@
+/**
+ * A deterministic StageExecutor double: a tiny pure-TypeScript "model" with a KV cache per block, so that
+ * orchestration tests get reproducible tokens, splits, resets and context overflows without ggml or files.
+ *
+ * Hidden state of a position (hiddenDim >= 4 floats): [token, position, history, blocksRun, 0...].
+ * Every block stores its input token in its KV cache, sets `history` to the sum of the tokens cached at
+ * positions <= this one, and adds (block + 1) to `blocksRun`. The last stage picks
+ *   next = (31 * token + 17 * position + 13 * history + blocksRun + 7) mod vocabSize
+ * (see `testModelNextToken`), with logits peaked on it. A broken KV cache, a skipped or repeated block, or a
+ * wrong position changes the tokens.
+ */
+import { Effect, Layer } from "effect"
+import {
+  ContextOverflow,
+  type ForwardError,
+  InvalidStageInput,
+  type StageInfo,
+  type StageInput,
+  type StageLoadSpec,
+  type StageOutput
+} from "../domain/engine.js"
+import { ModelLoadError } from "../domain/gguf.js"
+import {
+  type LoadedStage,
+  type SessionOptions,
+  StageExecutor,
+  type StageExecutorService,
+  type StageSession
+} from "../services/StageExecutor.js"
+
+export interface TestModel {
+  readonly numLayers: number
+  readonly hiddenDim: number
+  readonly vocabSize: number
+  readonly contextLength: number
+  readonly eosTokenId: number
+  readonly bosTokenId?: number
+  /** Paths whose load fails with ModelLoadError "Io" (to test load failures). */
+  readonly missingPaths?: ReadonlyArray<string>
+}
+
+export const defaultTestModel: TestModel = {
+  numLayers: 6,
+  hiddenDim: 8,
+  vocabSize: 64,
+  contextLength: 256,
+  eosTokenId: 2,
+  bosTokenId: 1
+}
+
+/** The token the test model predicts after `tokens` (the whole sequence so far, prompt included). */
+export const testModelNextToken = (model: TestModel, tokens: ReadonlyArray<number>): number => {
+  const n = tokens.length
+  const last = tokens[n - 1] ?? 0
+  const history = tokens.reduce((s, t) => s + t, 0)
+  const blocksRun = (model.numLayers * (model.numLayers + 1)) / 2
+  return (31 * last + 17 * (n - 1) + 13 * history + blocksRun + 7) % model.vocabSize
+}
+
+/** The greedy stream of the test model: `maxTokens` tokens, stopping after EOS. */
+export const testModelGreedy = (model: TestModel, prompt: ReadonlyArray<number>, maxTokens: number): Array<number> => {
+  const seq = [...prompt]
+  const out: Array<number> = []
+  while (out.length < maxTokens) {
+    const t = testModelNextToken(model, seq)
+    out.push(t)
+    seq.push(t)
+    if (t === model.eosTokenId) break
+  }
+  return out
+}
+
+class TestLoadedStage implements LoadedStage {
+  constructor(readonly info: StageInfo, readonly model: TestModel) {}
+}
+
+const weightBytesOf = (model: TestModel, spec: StageLoadSpec) =>
+  (spec.layerEndExclusive - spec.layerStart) * model.hiddenDim * model.hiddenDim * 4 +
+  (spec.isFirst ? model.vocabSize * model.hiddenDim * 4 : 0) +
+  (spec.isLast ? (model.vocabSize + 1) * model.hiddenDim * 4 : 0)
+
+export const make = (model: TestModel = defaultTestModel): StageExecutorService => ({
+  load: (spec, onProgress) =>
+    Effect.gen(function*() {
+      const fail = (reason: ModelLoadError["reason"], message: string) =>
+        Effect.fail(new ModelLoadError({ path: spec.path, reason, message }))
+      if (model.missingPaths?.includes(spec.path)) return yield* fail("Io", `no such file: ${spec.path}`)
+      const { layerEndExclusive: end, layerStart: start } = spec
+      if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > model.numLayers || start >= end) {
+        return yield* fail("InvalidLayerRange", `block range [${start}, ${end}) is outside the ${model.numLayers} blocks`)
+      }
+      if (spec.isFirst !== (start === 0) || spec.isLast !== (end === model.numLayers)) {
+        return yield* fail("InvalidLayerRange", `isFirst/isLast do not match the range [${start}, ${end})`)
+      }
+      const weightBytes = weightBytesOf(model, spec)
+      onProgress?.({ loadedBytes: 0, totalBytes: weightBytes })
+      onProgress?.({ loadedBytes: weightBytes, totalBytes: weightBytes })
+      const info: StageInfo = {
+        arch: "test",
+        layerStart: start,
+        layerEndExclusive: end,
+        numLayers: model.numLayers,
+        isFirst: spec.isFirst,
+        isLast: spec.isLast,
+        hiddenDim: model.hiddenDim,
+        vocabSize: model.vocabSize,
+        contextLength: model.contextLength,
+        eosTokenId: model.eosTokenId,
+        bosTokenId: model.bosTokenId,
+        weightBytes,
+        backend: "test"
+      }
+      return new TestLoadedStage(info, model) as LoadedStage
+    }),
+  session: (stage: LoadedStage, options: SessionOptions = {}) =>
+    Effect.gen(function*() {
+      if (!(stage instanceof TestLoadedStage)) {
+        return yield* Effect.dieMessage("StageExecutorTest.session: the stage was not loaded by this executor")
+      }
+      const info = stage.info
+      const contextLength = options.contextLength ?? info.contextLength
+      const d = info.hiddenDim
+      const kv = new Map<number, Float64Array>()
+      for (let l = info.layerStart; l < info.layerEndExclusive; l++) kv.set(l, new Float64Array(contextLength))
+      let filled = 0
+
+      const forward = (startPos: number, input: StageInput): Effect.Effect<StageOutput, ForwardError> =>
+        Effect.suspend((): Effect.Effect<StageOutput, ForwardError> => {
+          const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+          if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
+            return Effect.fail(new InvalidStageInput({ message: `start position ${startPos} outside [0, ${filled}]` }))
+          }
+          if (!Number.isSafeInteger(n) || n < 1) return Effect.fail(new InvalidStageInput({ message: "empty batch" }))
+          if (startPos + n > contextLength) {
+            return Effect.fail(new ContextOverflow({ position: startPos, nTokens: n, contextLength }))
+          }
+          let h: Float32Array
+          if (info.isFirst) {
+            if (input._tag !== "Tokens") {
+              return Effect.fail(new InvalidStageInput({ message: "the first stage takes token ids" }))
+            }
+            h = new Float32Array(n * d)
+            for (let i = 0; i < n; i++) {
+              const t = input.tokens[i]!
+              if (t < 0 || t >= info.vocabSize) {
+                return Effect.fail(new InvalidStageInput({ message: `token id ${t} outside [0, ${info.vocabSize})` }))
+              }
+              h[i * d] = t
+              h[i * d + 1] = startPos + i
+            }
+          } else {
+            if (input._tag !== "Hidden" || input.hidden.length !== n * d) {
+              return Effect.fail(new InvalidStageInput({ message: `expected ${n} x ${d} hidden states` }))
+            }
+            h = Float32Array.from(input.hidden)
+          }
+          for (let l = info.layerStart; l < info.layerEndExclusive; l++) {
+            const cache = kv.get(l)!
+            for (let i = 0; i < n; i++) cache[startPos + i] = h[i * d]!
+            for (let i = 0; i < n; i++) {
+              let history = 0
+              for (let p = 0; p <= startPos + i; p++) history += cache[p]!
+              h[i * d + 2] = history
+              h[i * d + 3] = h[i * d + 3]! + l + 1
+            }
+          }
+          filled = startPos + n
+          if (!info.isLast) return Effect.succeed<StageOutput>({ _tag: "Hidden", hidden: h, nTokens: n })
+          const i = n - 1
+          const [token, position, history, blocksRun] = [h[i * d]!, h[i * d + 1]!, h[i * d + 2]!, h[i * d + 3]!]
+          const next = (31 * token + 17 * position + 13 * history + blocksRun + 7) % info.vocabSize
+          const logits = new Float32Array(info.vocabSize)
+          for (let v = 0; v < info.vocabSize; v++) logits[v] = v === next ? 10 : -((v * 7 + position) % 11) / 11
+          return Effect.succeed<StageOutput>({ _tag: "Logits", logits })
+        })
+
+      const session: StageSession = {
+        info,
+        forward,
+        reset: Effect.sync(() => {
+          filled = 0
+          for (const c of kv.values()) c.fill(0)
+        })
+      }
+      return session
+    })
+})
+
+/** The deterministic double with the default test model. */
+export const StageExecutorTest: Layer.Layer<StageExecutor> = Layer.succeed(StageExecutor, make())
+
+/** The double over a given test model. */
+export const layerTest = (model: TestModel): Layer.Layer<StageExecutor> => Layer.succeed(StageExecutor, make(model))
