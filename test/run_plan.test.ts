@@ -2,16 +2,18 @@
 // They know only the public planning surface (`planRun`, `deriveStageProvision`) and assert the guarantees in
 // specs/BEHAVIOR_GUARANTEES.md (G1–G10).
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Either } from "effect"
+import { Effect, Either, Schema } from "effect"
 import { type NodeId, PortId, RoleId, RunId } from "../src/domain/ids.js"
 import {
   type EdgeEndpoint,
   type PlacementInput,
   type PlannerInput,
+  ProvisionStage,
   type RingSpec,
+  RunPlan,
   type StagePlacement
 } from "../src/domain/plan.js"
-import type { PlanRejection } from "../src/domain/planErrors.js"
+import { PlanRejection } from "../src/domain/planErrors.js"
 import { deriveStageProvision, planRun } from "../src/services/Planner.js"
 
 // Keep test node ids small and readable.
@@ -360,5 +362,24 @@ describe("planner rejections beyond the seed", () => {
       const error = yield* Effect.flip(deriveStageProvision(plan, 3))
       assert.strictEqual(error._tag, "StageNotInPlan")
       assert.include(error.message, "3")
+    }))
+})
+
+describe("plan messages cross process boundaries", () => {
+  it.effect("RunPlan, ProvisionStage and every rejection survive a Schema encode/decode round trip", () =>
+    Effect.gen(function*() {
+      const plan = yield* planRun(validInput(3, 36))
+      const planJson = JSON.parse(JSON.stringify(yield* Schema.encode(RunPlan)(plan)))
+      assert.deepStrictEqual(yield* Schema.decodeUnknown(RunPlan)(planJson), plan)
+
+      const provision = yield* deriveStageProvision(plan, 2)
+      const provisionJson = JSON.parse(JSON.stringify(yield* Schema.encode(ProvisionStage)(provision)))
+      assert.deepStrictEqual(yield* Schema.decodeUnknown(ProvisionStage)(provisionJson), provision)
+
+      const rejection = yield* Effect.flip(planRun(invalidUnknownNode()))
+      const rejectionJson = JSON.parse(JSON.stringify(yield* Schema.encode(PlanRejection)(rejection)))
+      const decoded = yield* Schema.decodeUnknown(PlanRejection)(rejectionJson)
+      assert.strictEqual(decoded._tag, "UnknownNode")
+      assert.strictEqual(decoded.message, rejection.message)
     }))
 })

@@ -3,7 +3,7 @@
  * into one complete, validated `RunPlan`, or a typed `PlanRejection`. Pure and deterministic.
  */
 import { Effect, Either } from "effect"
-import { EdgeId, type NodeId, PortId, RoleId, type RunId } from "../domain/ids.js"
+import { type EdgeId, type NodeId, PortId, RoleId, type RunId } from "../domain/ids.js"
 import {
   type Edge,
   type EdgeEndpoint,
@@ -32,6 +32,9 @@ import {
   StageNotInPlan,
   UnknownNode
 } from "../domain/planErrors.js"
+
+// Edge ids are minted here from validated indices; a cast avoids re-validating each brand.
+const asEdgeId = (n: number) => n as EdgeId
 
 /** Port names every stage exposes. */
 export const INPUT_PORT = PortId.make("input")
@@ -143,7 +146,7 @@ const build = (input: PlannerInput, nodes: ReadonlyArray<NodeId>): RunPlan => {
   // i and writes edge i + 1.
   const edge = (edgeId: number, kind: Edge["kind"], producer: EdgeEndpoint, consumer: EdgeEndpoint): Edge => ({
     runId,
-    edgeId: EdgeId.make(edgeId),
+    edgeId: asEdgeId(edgeId),
     kind,
     producer,
     consumer,
@@ -162,9 +165,10 @@ const build = (input: PlannerInput, nodes: ReadonlyArray<NodeId>): RunPlan => {
     layerStart,
     layerEndExclusive,
     ggufSource: model.ggufSource,
-    inboundEdge: EdgeId.make(stageIndex),
-    outboundEdge: EdgeId.make(stageIndex + 1)
+    inboundEdge: asEdgeId(stageIndex),
+    outboundEdge: asEdgeId(stageIndex + 1)
   }))
+  // Every field was validated above; skipping the constructor's re-validation keeps 512-stage plans cheap.
   return new RunPlan({
     runId,
     orchestratorNodeId: input.orchestratorNodeId,
@@ -173,7 +177,7 @@ const build = (input: PlannerInput, nodes: ReadonlyArray<NodeId>): RunPlan => {
     maxTokens: input.runtime.maxTokens,
     stages,
     edges
-  })
+  }, { disableValidation: true })
 }
 
 /** `planRun` as a plain `Either`, for pure callers (the run FSM, tests). */

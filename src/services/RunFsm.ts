@@ -266,26 +266,37 @@ const terminalEvent = (runId: RunState["config"]["runId"], outcome: RunOutcome):
 
 const fault = (em: Emitter, now: number, reason: RunFaultReason) => terminate(em, now, { _tag: "Faulted", reason })
 
-const applyExpiry = (em: Emitter, now: number) => {
-  const { deadline } = em.state
-  if (deadline === undefined || now < deadline.at) return
+const fireDeadline = (em: Emitter, deadline: Deadline) => {
   const s = em.state
+  const at = deadline.at
   switch (deadline._tag) {
     case "Readiness": {
       const missingStages = s.provisioned.map((p) => p.stageIndex).filter((i) => !s.readyStages.includes(i))
       const missingEndpoints: Array<EndpointKind> = []
       if (!s.tokenInReady) missingEndpoints.push("TokenIn")
       if (!s.tokenOutReady) missingEndpoints.push("TokenOut")
-      return fault(em, now, RunFaultReasons.ReadinessTimeout({ missingStages, missingEndpoints }))
+      return fault(em, at, RunFaultReasons.ReadinessTimeout({ missingStages, missingEndpoints }))
     }
     case "Token":
-      return fault(em, now, RunFaultReasons.TokenTimeout({ sequence: deadline.sequence }))
+      return fault(em, at, RunFaultReasons.TokenTimeout({ sequence: deadline.sequence }))
     case "Teardown":
       return maybeTornDown(em, true)
   }
 }
 
-/** Applies a deadline that has passed at `now`, if any. Pure. */
+// Fires every deadline at or before `now`, each at its own time (a readiness fault at t starts the teardown deadline
+// at t, not at `now`), exactly as the actor, which sleeps until each deadline, does.
+const applyExpiry = (em: Emitter, now: number) => {
+  let deadline = em.state.deadline
+  while (deadline !== undefined && deadline.at <= now) {
+    fireDeadline(em, deadline)
+    const next = em.state.deadline
+    if (next === deadline) break
+    deadline = next
+  }
+}
+
+/** Applies every deadline that has passed at `now`, each at its own time. Pure. */
 export const expire = (state: RunState, now: number): Step => {
   const em = new Emitter(state)
   applyExpiry(em, now)
