@@ -10,3 +10,11 @@ export * from "./domain/runFsm.js"
 export * from "./services/Planner.js"
 export * from "./services/RunFsm.js"
 export * from "./services/OrchestratorHarness.js"
+
+// GGUF format layer: ggml types, validating reader, writer, synthetic models
+export * from "./domain/gguf.js"
+export * from "./domain/ggmlTypes.js"
+export * from "./layers/gguf/GgufReader.js"
+export * from "./layers/gguf/GgufWriter.js"
+export * from "./layers/gguf/Synthetic.js"
+export * from "./layers/gguf/Float16.js"

@@ -7,11 +7,13 @@ import * as NodeContext from "@effect/platform-node/NodeContext"
 import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
 import { Effect } from "effect"
 import { planCommand } from "./cli/PlanCommand.js"
+import { synthCommand } from "./cli/SynthCommand.js"
 
 const swactor = Command.make("swactor").pipe(
   Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
   Command.withSubcommands([
-    planCommand
+    planCommand,
+    synthCommand
   ])
 )
 

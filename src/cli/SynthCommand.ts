@@ -1,0 +1,114 @@
+/**
+ * `swactor synth`: writes a synthetic GGUF model (llama, qwen2 or qwen3, any shape, any of the supported storage types,
+ * weights from a seeded generator) and prints what it wrote.
+ */
+import * as Command from "@effect/cli/Command"
+import * as Options from "@effect/cli/Options"
+import { Console, Effect, Option } from "effect"
+import {
+  type SyntheticArch,
+  syntheticArchs,
+  type SyntheticModelOptions,
+  type SyntheticModelSummary,
+  type SyntheticType,
+  syntheticTypes,
+  writeSyntheticModel
+} from "../layers/gguf/Synthetic.js"
+
+export interface SynthArgs {
+  readonly arch: SyntheticArch
+  readonly layers: number
+  readonly hidden: number
+  readonly ffn: number
+  readonly heads: number
+  readonly kvHeads: number
+  readonly headDim: Option.Option<number>
+  readonly vocab: number
+  readonly contextLength: number
+  readonly type: SyntheticType
+  readonly seed: number
+  readonly tiedOutput: boolean
+  readonly ropeFreqBase: Option.Option<number>
+  readonly normEps: Option.Option<number>
+  readonly output: string
+}
+
+export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => ({
+  path: args.output,
+  arch: args.arch,
+  layers: args.layers,
+  hidden: args.hidden,
+  ffn: args.ffn,
+  heads: args.heads,
+  kvHeads: args.kvHeads,
+  vocab: args.vocab,
+  contextLength: args.contextLength,
+  type: args.type,
+  seed: args.seed,
+  tiedOutput: args.tiedOutput,
+  ...(Option.isSome(args.headDim) ? { headDim: args.headDim.value } : {}),
+  ...(Option.isSome(args.ropeFreqBase) ? { ropeFreqBase: args.ropeFreqBase.value } : {}),
+  ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {})
+})
+
+const mib = (bytes: number) => (bytes / (1024 * 1024)).toFixed(1)
+
+/** What was written, in words. */
+export const renderSynthSummary = (options: SyntheticModelOptions, s: SyntheticModelSummary): string => {
+  const types = Object.entries(s.tensorTypes).map(([t, n]) => `${t} ${n}`).join(", ")
+  const lines = [
+    `wrote ${s.path}: ${options.arch}, ${options.layers} layers, hidden ${options.hidden}, ffn ${options.ffn}, ` +
+    `heads ${options.heads}/${options.kvHeads}, vocab ${options.vocab}, ${options.type}, seed ${options.seed}`,
+    `  ${s.bytes} bytes (${mib(s.bytes)} MiB), ${s.tensors} tensors (${types}), ${s.seconds.toFixed(2)} s`
+  ]
+  if (s.fallbacks.length > 0) {
+    const shown = s.fallbacks.slice(0, 4).join(", ")
+    lines.push(
+      `  ${s.fallbacks.length} matrices stored as f16 (rows not a multiple of ${options.type}'s block size): ${shown}` +
+        (s.fallbacks.length > 4 ? ", ..." : "")
+    )
+  }
+  return lines.join("\n")
+}
+
+export const runSynthCommand = (args: SynthArgs) => {
+  const options = synthOptionsFromArgs(args)
+  return writeSyntheticModel(options).pipe(
+    Effect.matchEffect({
+      onSuccess: (summary) => Console.log(renderSynthSummary(options, summary)),
+      onFailure: (error) => Effect.zipRight(Console.error(`swactor synth: ${error.message}`), Effect.fail(error))
+    })
+  )
+}
+
+const int = (name: string, description: string) => Options.integer(name).pipe(Options.withDescription(description))
+
+export const synthCommand = Command.make(
+  "synth",
+  {
+    arch: Options.choice("arch", syntheticArchs).pipe(
+      Options.withDescription("architecture"),
+      Options.withDefault("llama" as const)
+    ),
+    layers: int("layers", "transformer blocks"),
+    hidden: int("hidden", "embedding length"),
+    ffn: int("ffn", "feed-forward length"),
+    heads: int("heads", "attention heads"),
+    kvHeads: int("kv-heads", "key/value heads (divides --heads)"),
+    headDim: int("head-dim", "per-head dimension (default hidden / heads)").pipe(Options.optional),
+    vocab: int("vocab", "vocabulary size, at least 259").pipe(Options.withDefault(32000)),
+    contextLength: int("context-length", "context length").pipe(Options.withDefault(2048)),
+    type: Options.choice("type", syntheticTypes).pipe(
+      Options.withDescription("storage type of the weight matrices"),
+      Options.withDefault("f32" as const)
+    ),
+    seed: int("seed", "generator seed").pipe(Options.withDefault(1)),
+    tiedOutput: Options.boolean("tied-output").pipe(
+      Options.withDescription("no output.weight: the token embedding is the output head")
+    ),
+    ropeFreqBase: Options.float("rope-freq-base").pipe(Options.withDescription("RoPE base frequency"), Options.optional),
+    normEps: Options.float("norm-eps").pipe(Options.withDescription("RMS norm epsilon"), Options.optional),
+    output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
+  },
+  runSynthCommand
+).pipe(Command.withDescription("Write a synthetic GGUF model of any shape with seeded weights"))
