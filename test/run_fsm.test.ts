@@ -3,14 +3,14 @@
 // OrchestratorHarness, which drives the real RunActor fiber. They assert the guarantees in
 // specs/BEHAVIOR_GUARANTEES.md (G11–G18).
 import { assert, describe, it } from "@effect/vitest"
-import { Effect } from "effect"
+import { Effect, Schema } from "effect"
 import { isDeepStrictEqual } from "node:util"
 import { type NodeId, RunId } from "../src/domain/ids.js"
 import type { RunPlan } from "../src/domain/plan.js"
 import {
-  type LifecycleEvent,
+  LifecycleEvent,
   LifecycleEvents,
-  type RunCommand,
+  RunCommand,
   type RunEvent,
   RunEvents,
   RunFaultReasons,
@@ -18,6 +18,7 @@ import {
 } from "../src/domain/runFsm.js"
 import { OrchestratorHarness } from "../src/services/OrchestratorHarness.js"
 import { stageNodes, testLinearPlan } from "../src/services/Planner.js"
+import { RunActor } from "../src/services/RunFsm.js"
 
 const runId = RunId.make(7)
 const nodeId = (n: number) => n as NodeId
@@ -273,5 +274,129 @@ describe("run_fsm", () => {
         LifecycleEvents.RunTornDown({ runId, unconfirmedStages: [], endpointsConfirmed: true })
       )
       assert.isBelow(faultPos, tornDownPos)
+    }))
+})
+
+// Behaviour beyond the seed's tests (G14, G16, G22, G23 in specs/BEHAVIOR_GUARANTEES.md).
+describe("run FSM beyond the seed", () => {
+  const rejections = (events: ReadonlyArray<LifecycleEvent>) =>
+    events.flatMap((event) => event._tag === "EventRejected" ? [event.reason] : [])
+
+  it.scoped("events for another run are rejected without changing state, and recorded", () =>
+    Effect.gen(function*() {
+      const plan = committedPlan()
+      const harness = yield* startedRun(plan)
+      const before = yield* harness.state
+      const other = RunId.make(8)
+      yield* harness.observe(RunEvents.StageFault({ runId: other, stageIndex: 0, reason: StageFaultReasons.WorkerCrashed() }))
+      yield* harness.observe(RunEvents.OperatorStop({ runId: other }))
+      yield* harness.observe(RunEvents.PlanAvailable({ plan: testLinearPlan(other, [{ stageIndex: 0, nodeId: nodeId(10) }]) }))
+      assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 3 })
+      assert.deepStrictEqual(rejections(yield* harness.events), ["ForeignRun", "ForeignRun", "ForeignRun"])
+      assert.isUndefined(yield* harness.outcome)
+    }))
+
+  it.scoped("a token for a sequence not in flight is rejected without changing state", () =>
+    Effect.gen(function*() {
+      const harness = yield* startedRun(committedPlan())
+      const before = yield* harness.state
+      yield* harness.observe(RunEvents.TokenReceived({ sequence: 1, tokenId: 5, eos: false }))
+      assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 1 })
+      assert.deepStrictEqual(rejections(yield* harness.events), ["SequenceNotInFlight"])
+      assert.deepStrictEqual(yield* harness.injectedSequences, [0])
+    }))
+
+  it.scoped("the run completes at maxTokens with every generated token, streamed as TokenAccepted", () =>
+    Effect.gen(function*() {
+      const harness = yield* startedRun(committedPlan())
+      for (const [sequence, tokenId] of [[0, 201], [1, 202], [2, 203], [3, 204]] as const) {
+        yield* harness.observe(RunEvents.TokenReceived({ sequence, tokenId, eos: false }))
+      }
+      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1, 2, 3])
+      const events = yield* harness.events
+      assert.deepStrictEqual(
+        events.flatMap((e) => e._tag === "TokenAccepted" ? [[e.sequence, e.tokenId]] : []),
+        [[0, 201], [1, 202], [2, 203], [3, 204]]
+      )
+      assert.deepStrictEqual(
+        events.find((e) => e._tag === "RunCompleted"),
+        LifecycleEvents.RunCompleted({ runId, reason: "MaxTokens", tokens: [201, 202, 203, 204] })
+      )
+    }))
+
+  it.scoped("a token equal to the configured EOS id ends the run like eos: true, and is not a generated token", () =>
+    Effect.gen(function*() {
+      const plan = committedPlan()
+      const harness = yield* OrchestratorHarness.make({ runId, maxTokens: 4, prompt: [101], eosTokenId: 2 })
+      yield* harness.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
+      yield* harness.observe(RunEvents.PlanAvailable({ plan }))
+      yield* harness.observe(RunEvents.TokenInEndpointReady())
+      yield* harness.observe(RunEvents.TokenOutEndpointReady())
+      for (const event of stageReadyEvents(plan)) yield* harness.observe(event)
+      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 300, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ sequence: 1, tokenId: 2, eos: false }))
+      assert.deepStrictEqual(yield* harness.outcome, { _tag: "Completed", reason: "Eos", tokens: [300] })
+      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+    }))
+
+  it.scoped("a pool that does not cover the plan's nodes does not provision", () =>
+    Effect.gen(function*() {
+      const plan = committedPlan()
+      const harness = yield* newRun()
+      yield* harness.observe(RunEvents.PlanAvailable({ plan }))
+      yield* harness.observe(RunEvents.PoolReady({ nodes: [nodeId(10), nodeId(11)] }))
+      assert.deepStrictEqual(yield* harness.commands, [])
+      // PoolReady accumulates: the missing node arriving later completes the pool.
+      yield* harness.observe(RunEvents.PoolReady({ nodes: [nodeId(12)] }))
+      assert.strictEqual((yield* harness.commands).filter((c) => c._tag === "ProvisionStage").length, 3)
+    }))
+
+  it.scoped("a run stopped before provisioning is torn down at once, with nothing to stop", () =>
+    Effect.gen(function*() {
+      const harness = yield* newRun()
+      yield* harness.observe(RunEvents.OperatorStop({ runId }))
+      assert.deepStrictEqual(yield* harness.events, [
+        LifecycleEvents.RunOperatorStopped({ runId }),
+        LifecycleEvents.RunTornDown({ runId, unconfirmedStages: [], endpointsConfirmed: true })
+      ])
+      assert.deepStrictEqual(yield* harness.commands, [])
+      yield* harness.observe(RunEvents.PoolReady({ nodes: [nodeId(10)] }))
+      assert.deepStrictEqual(rejections(yield* harness.events), ["TornDown"])
+    }))
+
+  it.scoped("a stage that stops on its own while the run executes faults the run", () =>
+    Effect.gen(function*() {
+      const harness = yield* startedRun(committedPlan())
+      yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 2 }))
+      assert.deepStrictEqual(yield* harness.outcome, {
+        _tag: "Faulted",
+        reason: RunFaultReasons.StageFault({ stageIndex: 2, reason: StageFaultReasons.StoppedUnexpectedly() })
+      })
+      // Its stop already counts for teardown.
+      yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 0 }))
+      yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 1 }))
+      yield* harness.observe(RunEvents.TokenEndpointsStopped())
+      assert.strictEqual((yield* harness.state).phase, "TornDown")
+    }))
+
+  it.effect("a config with maxTokens 0 or an empty prompt is refused", () =>
+    Effect.gen(function*() {
+      const zero = yield* Effect.flip(Effect.scoped(RunActor.make({ runId, maxTokens: 0, prompt: [1] })))
+      assert.include(zero.message, "maxTokens 0")
+      const empty = yield* Effect.flip(Effect.scoped(RunActor.make({ runId, maxTokens: 1, prompt: [] })))
+      assert.include(empty.message, "prompt")
+    }))
+
+  it.scoped("commands and lifecycle events survive a Schema encode/decode round trip", () =>
+    Effect.gen(function*() {
+      const harness = yield* startedRun(committedPlan())
+      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 7, eos: true }))
+      const commands = yield* harness.commands
+      const events = yield* harness.events
+      const roundTrip = <A, I>(schema: Schema.Schema<A, I>, value: A) =>
+        Schema.decodeUnknownSync(schema)(JSON.parse(JSON.stringify(Schema.encodeSync(schema)(value))))
+      for (const command of commands) assert.deepStrictEqual(roundTrip(RunCommand, command), command)
+      for (const event of events) assert.deepStrictEqual(roundTrip(LifecycleEvent, event), event)
+      assert.isAbove(commands.length, 6)
     }))
 })
