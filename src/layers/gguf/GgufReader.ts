@@ -31,8 +31,15 @@ export const GgufLimits = {
   /** Most elements of one metadata array. */
   maxArrayLength: 16 * 1024 * 1024,
   /** Largest general.alignment accepted. */
-  maxAlignment: 1024 * 1024
+  maxAlignment: 1024 * 1024,
+  /**
+   * Most bytes of header, metadata and tensor table together. Real models need tens of MiB (a 256k-token vocabulary
+   * with merges); the cap bounds what a lying count can make the parser read and keep from a multi-GB file.
+   */
+  maxHeaderBytes: 256 * 1024 * 1024
 } as const
+
+export type GgufLimitSettings = { readonly [K in keyof typeof GgufLimits]: number }
 
 /** Random-access bytes of a file (or of a buffer, for tests). `read` may return fewer bytes only at the end. */
 export interface ByteSource {
@@ -92,7 +99,7 @@ class Cursor {
   private view: DataView = new DataView(this.buf.buffer)
   private bufStart = 0
 
-  constructor(private readonly src: ByteSource) {}
+  constructor(private readonly src: ByteSource, readonly limits: GgufLimitSettings) {}
 
   get remaining(): number {
     return this.src.size - this.pos
@@ -100,6 +107,13 @@ class Cursor {
 
   /** Makes [pos, pos + n) available in the window and returns its offset there. */
   private ensure(n: number, what: string): number {
+    if (this.pos + n > this.limits.maxHeaderBytes) {
+      fail(
+        "InvalidMetadata",
+        `header, metadata and tensor table run past the ${this.limits.maxHeaderBytes}-byte limit while reading ${what} ` +
+          `at offset ${this.pos}`
+      )
+    }
     if (n > this.remaining) {
       fail(
         "Truncated",
@@ -202,11 +216,11 @@ interface Parsed {
 const readString = (c: Cursor, what: string, strict: boolean): string => {
   const at = c.pos
   const len = c.u64(`length of ${what}`)
-  if (len > BigInt(GgufLimits.maxStringBytes)) {
+  if (len > BigInt(c.limits.maxStringBytes)) {
     if (len > BigInt(c.remaining)) {
       fail("Truncated", `${what} at offset ${at} declares length ${len}, beyond the ${c.remaining} bytes left in the file`)
     }
-    fail("InvalidMetadata", `${what} at offset ${at} declares length ${len}, over the ${GgufLimits.maxStringBytes}-byte limit`)
+    fail("InvalidMetadata", `${what} at offset ${at} declares length ${len}, over the ${c.limits.maxStringBytes}-byte limit`)
   }
   const n = Number(len)
   if (n > c.remaining) {
@@ -261,8 +275,8 @@ const typeName = (t: number): string => {
   return `unknown(${t})`
 }
 
-const parse = (src: ByteSource): Parsed => {
-  const c = new Cursor(src)
+const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
+  const c = new Cursor(src, limits)
   if (src.size < 4) fail("NotGguf", `file is ${src.size} bytes, too short for the GGUF magic`)
   const magic = c.u32("magic")
   if (magic !== GGUF_MAGIC) {
@@ -327,9 +341,9 @@ const parse = (src: ByteSource): Parsed => {
       }
       const len = boundedCount(
         lenRaw,
-        GgufLimits.maxArrayLength,
+        limits.maxArrayLength,
         "InvalidMetadata",
-        (v) => `array "${key}" at offset ${lenAt} declares ${v} items, over the ${GgufLimits.maxArrayLength} limit`
+        (v) => `array "${key}" at offset ${lenAt} declares ${v} items, over the ${limits.maxArrayLength} limit`
       )
       const items: Array<GgufValue> = new Array(len)
       for (let j = 0; j < len; j++) items[j] = readScalar(c, itemType, `item ${j} of array "${key}"`)
@@ -354,8 +368,8 @@ const parse = (src: ByteSource): Parsed => {
     if (alignment === 0 || (alignment & (alignment - 1)) !== 0) {
       fail("InvalidMetadata", `general.alignment ${alignment} is not a power of two`)
     }
-    if (alignment > GgufLimits.maxAlignment) {
-      fail("InvalidMetadata", `general.alignment ${alignment} is over the ${GgufLimits.maxAlignment} limit`)
+    if (alignment > limits.maxAlignment) {
+      fail("InvalidMetadata", `general.alignment ${alignment} is over the ${limits.maxAlignment} limit`)
     }
   }
 
@@ -494,10 +508,14 @@ const toFile = (path: string, size: number, p: Parsed): GgufFile => ({
   tensorsByName: p.tensorsByName
 })
 
-const run = (path: string, src: ByteSource): Effect.Effect<GgufFile, ModelLoadError> =>
+const run = (
+  path: string,
+  src: ByteSource,
+  limits: Partial<GgufLimitSettings> = {}
+): Effect.Effect<GgufFile, ModelLoadError> =>
   Effect.suspend(() => {
     try {
-      return Effect.succeed(toFile(path, src.size, parse(src)))
+      return Effect.succeed(toFile(path, src.size, parse(src, { ...GgufLimits, ...limits })))
     } catch (e) {
       if (e instanceof ParseFailure) return Effect.fail(new ModelLoadError({ path, reason: e.reason, message: e.message }))
       if (e instanceof IoFailure) {
@@ -507,16 +525,23 @@ const run = (path: string, src: ByteSource): Effect.Effect<GgufFile, ModelLoadEr
     }
   })
 
-/** Parses GGUF bytes held in memory (tests, fuzzing). `path` only labels errors. */
-export const parseGgufBytes = (bytes: Uint8Array, path = "<memory>"): Effect.Effect<GgufFile, ModelLoadError> =>
+/** Parses GGUF bytes held in memory (tests, fuzzing). `path` only labels errors; `limits` override GgufLimits. */
+export const parseGgufBytes = (
+  bytes: Uint8Array,
+  path = "<memory>",
+  limits: Partial<GgufLimitSettings> = {}
+): Effect.Effect<GgufFile, ModelLoadError> =>
   run(path, {
     size: bytes.length,
     read: (position, length) => bytes.subarray(position, Math.min(bytes.length, position + length))
-  })
+  }, limits)
 
 /** Parses any ByteSource. */
-export const parseGgufSource = (source: ByteSource, path: string): Effect.Effect<GgufFile, ModelLoadError> =>
-  run(path, source)
+export const parseGgufSource = (
+  source: ByteSource,
+  path: string,
+  limits: Partial<GgufLimitSettings> = {}
+): Effect.Effect<GgufFile, ModelLoadError> => run(path, source, limits)
 
 const fdSource = (fd: number, size: number): ByteSource => ({
   size,
