@@ -588,7 +588,7 @@ export const readGgufFile = (path: string): Effect.Effect<GgufFile, ModelLoadErr
     }),
     ({ fd, size }) => run(path, fdSource(fd, size)),
     ({ fd }) => Effect.sync(() => Fs.closeSync(fd))
-  )
+  ).pipe(Effect.withSpan("GgufReader.readGgufFile", { attributes: { path } }))
 
 // ---------------------------------------------------------------------------------------------------------------
 // Typed metadata accessors

@@ -394,4 +394,4 @@ export const writeSyntheticModel = (
       fallbacks: spec.fallbacks,
       seconds: (performance.now() - started) / 1000
     }
-  })
+  }).pipe(Effect.withSpan("Synthetic.writeSyntheticModel", { attributes: { path: options.path } }))
