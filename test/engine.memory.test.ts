@@ -1,7 +1,12 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
 import type { LoadProgress, StageLoadSpec } from "../src/domain/engine.js"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { afterAll } from "vitest"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { LiveLoadedStage, StageExecutorLive } from "../src/layers/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
@@ -49,6 +54,71 @@ describe("a stage's memory holds only its tensors", () => {
         assert.deepStrictEqual(last, { loadedBytes: tableBytes, totalBytes: tableBytes })
         assert.isTrue(progress.every((p, i) => i === 0 || p.loadedBytes >= progress[i - 1]!.loadedBytes))
         assert.isBelow(tableBytes, file.fileSize / 2)
+      }).pipe(Effect.provide(StageExecutorLive))))
+  }
+})
+
+describe("quantized stages: repacked weights still hold exactly the stage's tensors", () => {
+  const dir = mkdtempSync(join(tmpdir(), "swactor-engine-mem-"))
+  afterAll(() => rmSync(dir, { recursive: true, force: true }))
+  const path = join(dir, "qwen3-q4_k.gguf")
+  const layers = 4
+  const qwen3Block = (il: number) =>
+    [
+      "attn_norm",
+      "attn_q",
+      "attn_k",
+      "attn_v",
+      "attn_q_norm",
+      "attn_k_norm",
+      "attn_output",
+      "ffn_norm",
+      "ffn_gate",
+      "ffn_up",
+      "ffn_down"
+    ].map((n) => `blk.${il}.${n}.weight`)
+  const stages: ReadonlyArray<readonly [string, StageLoadSpec]> = [
+    ["first", { path, layerStart: 0, layerEndExclusive: 1, isFirst: true, isLast: false }],
+    ["middle", { path, layerStart: 1, layerEndExclusive: 3, isFirst: false, isLast: false }],
+    ["last", { path, layerStart: 3, layerEndExclusive: 4, isFirst: false, isLast: true }]
+  ]
+  for (const [role, spec] of stages) {
+    // Q4_K matrices go to llama.cpp's CPU_REPACK buffers; the embedding (gathered by row) and norms stay plain.
+    it.live(`${role} stage of a Q4_K model: bytes = table sizes, matrices repacked`, () =>
+      Effect.scoped(Effect.gen(function*() {
+        if (role === "first") {
+          yield* writeSyntheticModel({
+            path,
+            arch: "qwen3",
+            layers,
+            hidden: 256,
+            ffn: 512,
+            heads: 4,
+            kvHeads: 2,
+            vocab: 400,
+            contextLength: 256,
+            type: "q4_k",
+            seed: 5
+          })
+        }
+        const file = yield* readGgufFile(path)
+        const names: Array<string> = []
+        if (spec.isFirst) names.push("token_embd.weight")
+        for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) names.push(...qwen3Block(il))
+        if (spec.isLast) names.push("output_norm.weight", "output.weight")
+        const tableBytes = names.reduce((s, n) => s + file.tensorsByName.get(n)!.byteSize, 0)
+        const executor = yield* StageExecutor
+        const stage = (yield* executor.load(spec)) as LiveLoadedStage
+        assert.strictEqual(stage.info.weightBytes, tableBytes)
+        assert.deepStrictEqual(stage.placements.map((p) => p.name).sort(), names.sort())
+        assert.isAtLeast(stage.bufferBytes, tableBytes)
+        assert.isAtMost(stage.bufferBytes, tableBytes + 64 * names.length + 8192)
+        // (CPU_REPACK needs AVX2 or NEON; on a CPU without them every tensor stays in plain CPU memory)
+        const isMatrix = (n: string) => /attn_(q|k|v|output)\.weight|ffn_(gate|up|down)\.weight|^output\.weight/.test(n)
+        const matrixBufts = new Set(stage.placements.filter((p) => isMatrix(p.name)).map((p) => p.bufferType))
+        assert.strictEqual(matrixBufts.size, 1)
+        assert.include(["CPU_REPACK", "CPU"], [...matrixBufts][0])
+        for (const p of stage.placements.filter((p) => !isMatrix(p.name))) assert.strictEqual(p.bufferType, "CPU", p.name)
       }).pipe(Effect.provide(StageExecutorLive))))
   }
 })

@@ -1,0 +1,239 @@
+/**
+ * Engine benchmark (not a test): node-llama-cpp vs swactor's stage engine at 1, 2 and 4 stages in one process,
+ * on synthetic llama models at a real shape, same thread count on both sides. Prints decode and prefill tok/s,
+ * ratios ours / node-llama-cpp, and the peak RSS of each stage (run alone in a child process) vs its weights.
+ *
+ *   npm run bench:engine
+ *
+ * Settings (environment): BENCH_THREADS (2), BENCH_TYPES (q8_0,q4_k), BENCH_LAYERS (16), BENCH_HIDDEN (2048),
+ * BENCH_FFN (8192), BENCH_HEADS (32), BENCH_KV_HEADS (8), BENCH_VOCAB (32000), BENCH_PROMPT (512),
+ * BENCH_DECODE (64), BENCH_STAGES (1,2,4), BENCH_DIR (.cache/bench: generated models are kept there).
+ */
+import { Effect } from "effect"
+import { execFileSync } from "node:child_process"
+import { existsSync, mkdirSync } from "node:fs"
+import { dirname, join, resolve } from "node:path"
+import { fileURLToPath } from "node:url"
+import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
+import type { StageInput, StageOutput } from "../src/domain/engine.js"
+import { getGgml } from "../src/layers/ggml/Bindings.js"
+import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { StageExecutorLive } from "../src/layers/StageExecutorLive.js"
+import { greedy, makeRng } from "../src/services/Sampler.js"
+import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
+
+const env = (k: string, d: string) => process.env[k] ?? d
+const num = (k: string, d: number) => Number(env(k, String(d)))
+const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
+
+const cfg = {
+  threads: num("BENCH_THREADS", 2),
+  types: env("BENCH_TYPES", "q8_0,q4_k").split(",") as Array<SyntheticType>,
+  layers: num("BENCH_LAYERS", 16),
+  hidden: num("BENCH_HIDDEN", 2048),
+  ffn: num("BENCH_FFN", 8192),
+  heads: num("BENCH_HEADS", 32),
+  kvHeads: num("BENCH_KV_HEADS", 8),
+  vocab: num("BENCH_VOCAB", 32000),
+  prompt: num("BENCH_PROMPT", 512),
+  decode: num("BENCH_DECODE", 64),
+  stages: env("BENCH_STAGES", "1,2,4").split(",").map(Number),
+  dir: resolve(root, env("BENCH_DIR", ".cache/bench"))
+}
+const contextLength = Math.ceil((cfg.prompt + cfg.decode + 64) / 256) * 256
+
+const modelPath = (type: SyntheticType) =>
+  join(cfg.dir, `llama-${cfg.layers}x${cfg.hidden}-ffn${cfg.ffn}-v${cfg.vocab}-${type}.gguf`)
+
+const ensureModel = async (type: SyntheticType) => {
+  const path = modelPath(type)
+  if (existsSync(path)) return path
+  mkdirSync(cfg.dir, { recursive: true })
+  process.stdout.write(`writing ${path} ... `)
+  const s = await Effect.runPromise(writeSyntheticModel({
+    path,
+    arch: "llama",
+    layers: cfg.layers,
+    hidden: cfg.hidden,
+    ffn: cfg.ffn,
+    heads: cfg.heads,
+    kvHeads: cfg.kvHeads,
+    vocab: cfg.vocab,
+    contextLength: 4096,
+    type,
+    seed: 1
+  }))
+  console.log(`${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
+  return path
+}
+
+const promptTokens = (n: number) => {
+  const r = makeRng(2024)
+  return Array.from({ length: n }, () => 3 + Math.floor(r() * (cfg.vocab - 3)))
+}
+
+const splitOf = (stages: number): Array<number> =>
+  Array.from({ length: stages + 1 }, (_, i) => Math.round((i * cfg.layers) / stages))
+
+interface Figures {
+  readonly decode: number
+  readonly prefill: number
+}
+
+const benchNodeLlamaCpp = async (path: string): Promise<Figures> => {
+  const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
+  const model = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
+  const ctx = await model.createContext({
+    contextSize: contextLength,
+    threads: cfg.threads,
+    flashAttention: true,
+    batchSize: cfg.prompt,
+    sequences: 1
+  })
+  try {
+    const seq = ctx.getSequence()
+    const prompt = promptTokens(cfg.prompt) as Array<Token>
+    // warm-up
+    await seq.evaluateWithoutGeneratingNewTokens(prompt.slice(0, 32))
+    await seq.clearHistory()
+    let t0 = performance.now()
+    await seq.evaluateWithoutGeneratingNewTokens(prompt)
+    const prefill = cfg.prompt / ((performance.now() - t0) / 1000)
+    await seq.clearHistory()
+    let n = 0
+    t0 = 0
+    for await (const _ of seq.evaluate(prompt.slice(0, 16), { temperature: 0 })) {
+      if (n === 0) t0 = performance.now()
+      if (++n > cfg.decode) break
+    }
+    const decode = cfg.decode / ((performance.now() - t0) / 1000)
+    return { decode, prefill }
+  } finally {
+    await ctx.dispose()
+    await model.dispose()
+  }
+}
+
+const benchOurs = (path: string, stages: number): Promise<Figures> =>
+  Effect.runPromise(Effect.scoped(Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const split = splitOf(stages)
+    const sessions: Array<StageSession> = []
+    for (let i = 0; i < stages; i++) {
+      const stage = yield* executor.load({
+        path,
+        layerStart: split[i]!,
+        layerEndExclusive: split[i + 1]!,
+        isFirst: i === 0,
+        isLast: i === stages - 1
+      })
+      sessions.push(yield* executor.session(stage, { threads: cfg.threads, contextLength }))
+    }
+    const run = (pos: number, tokens: ReadonlyArray<number>) =>
+      Effect.gen(function*() {
+        let input: StageInput = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
+        for (const s of sessions) {
+          const out: StageOutput = yield* s.forward(pos, input)
+          if (out._tag === "Logits") return out.logits
+          input = out
+        }
+        return yield* Effect.dieMessage("no logits")
+      })
+    const resetAll = Effect.forEach(sessions, (s) => s.reset, { discard: true })
+    const prompt = promptTokens(cfg.prompt)
+    yield* run(0, prompt.slice(0, 32))
+    yield* resetAll
+    let t0 = performance.now()
+    yield* run(0, prompt)
+    const prefill = cfg.prompt / ((performance.now() - t0) / 1000)
+    yield* resetAll
+    let logits = yield* run(0, prompt.slice(0, 16))
+    let pos = 16
+    t0 = performance.now()
+    for (let i = 0; i < cfg.decode; i++) logits = yield* run(pos++, [greedy(logits)])
+    const decode = cfg.decode / ((performance.now() - t0) / 1000)
+    return { decode, prefill }
+  })).pipe(Effect.provide(StageExecutorLive)))
+
+/** Child-process mode: load one stage, run a prefill and a few decode steps, report peak RSS. */
+const stageRss = async (args: ReadonlyArray<string>) => {
+  const [path, start, end, stagesTotal] = args
+  const s = Number(start)
+  const e = Number(end)
+  if (path === "baseline") {
+    getGgml().cpuDevice()
+    console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: 0 }))
+    return
+  }
+  const result = await Effect.runPromise(Effect.scoped(Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const stage = yield* executor.load({
+      path: path!,
+      layerStart: s,
+      layerEndExclusive: e,
+      isFirst: s === 0,
+      isLast: e === Number(stagesTotal)
+    })
+    const session = yield* executor.session(stage, { threads: cfg.threads, contextLength })
+    const input = (n: number): StageInput =>
+      stage.info.isFirst
+        ? { _tag: "Tokens", tokens: new Int32Array(n).fill(5) }
+        : { _tag: "Hidden", hidden: new Float32Array(n * stage.info.hiddenDim).fill(0.01), nTokens: n }
+    yield* session.forward(0, input(cfg.prompt))
+    for (let i = 0; i < 4; i++) yield* session.forward(cfg.prompt + i, input(1))
+    return { weightBytes: stage.info.weightBytes }
+  })).pipe(Effect.provide(StageExecutorLive)))
+  console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: result.weightBytes }))
+}
+
+const childRss = (args: ReadonlyArray<string>): { maxRss: number; weightBytes: number } => {
+  const out = execFileSync(
+    process.execPath,
+    [...process.execArgv, fileURLToPath(import.meta.url), "--stage-rss", ...args],
+    { encoding: "utf8", stdio: ["ignore", "pipe", "ignore"], env: process.env }
+  )
+  const line = out.trim().split("\n").filter((l) => l.startsWith("{")).pop()!
+  return JSON.parse(line)
+}
+
+const mib = (b: number) => `${(b / 2 ** 20).toFixed(0)} MiB`
+const pad = (s: string, n: number) => s.padEnd(n)
+
+const main = async () => {
+  console.log(
+    `swactor engine benchmark: llama ${cfg.layers} blocks, hidden ${cfg.hidden}, ffn ${cfg.ffn}, heads ${cfg.heads}/${cfg.kvHeads}, vocab ${cfg.vocab}; ` +
+      `threads ${cfg.threads} on both sides; prompt ${cfg.prompt}, decode ${cfg.decode} tokens; context ${contextLength}`
+  )
+  console.log(`(the machine's CPUs may be shared with other work; figures are indicative)`)
+  for (const type of cfg.types) {
+    const path = await ensureModel(type)
+    const ref = await benchNodeLlamaCpp(path)
+    console.log(`\n${type}: node-llama-cpp decode ${ref.decode.toFixed(1)} tok/s, prefill ${ref.prefill.toFixed(1)} tok/s`)
+    console.log(`${pad("stages", 8)}${pad("decode tok/s", 14)}${pad("ratio", 8)}${pad("prefill tok/s", 15)}ratio`)
+    for (const stages of cfg.stages) {
+      const ours = await benchOurs(path, stages)
+      console.log(
+        `${pad(String(stages), 8)}${pad(ours.decode.toFixed(1), 14)}${pad((ours.decode / ref.decode).toFixed(3), 8)}${
+          pad(ours.prefill.toFixed(1), 15)
+        }${(ours.prefill / ref.prefill).toFixed(3)}`
+      )
+    }
+    const maxStages = Math.max(...cfg.stages)
+    const split = splitOf(maxStages)
+    const base = childRss(["baseline"])
+    console.log(`peak RSS per stage (${maxStages} stages, each alone in a process; bare process ${mib(base.maxRss)}):`)
+    for (let i = 0; i < maxStages; i++) {
+      const r = childRss([path, String(split[i]), String(split[i + 1]), String(cfg.layers)])
+      console.log(
+        `  stage ${i} blocks [${split[i]}, ${split[i + 1]}): peak RSS ${mib(r.maxRss)}, weights ${mib(r.weightBytes)}, ` +
+          `RSS - bare process ${mib(r.maxRss - base.maxRss)} = ${((r.maxRss - base.maxRss) / r.weightBytes).toFixed(2)}x its weights`
+      )
+    }
+  }
+}
+
+if (process.argv[2] === "--stage-rss") {
+  await stageRss(process.argv.slice(3))
+} else {
+  await main()
+}
