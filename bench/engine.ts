@@ -5,7 +5,7 @@
  *
  *   npm run bench:engine
  *
- * Settings (environment): BENCH_THREADS (2), BENCH_TYPES (q8_0,q4_k), BENCH_LAYERS (16), BENCH_HIDDEN (2048),
+ * Settings (environment): BENCH_THREADS (1: a shared 2-core machine collapses with 2), BENCH_TYPES (q8_0,q4_k), BENCH_LAYERS (16), BENCH_HIDDEN (2048),
  * BENCH_FFN (8192), BENCH_HEADS (32), BENCH_KV_HEADS (8), BENCH_VOCAB (32000), BENCH_PROMPT (512),
  * BENCH_DECODE (64), BENCH_STAGES (1,2,4), BENCH_DIR (.cache/bench: generated models are kept there).
  */
@@ -27,7 +27,7 @@ const num = (k: string, d: number) => Number(env(k, String(d)))
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 
 const cfg = {
-  threads: num("BENCH_THREADS", 2),
+  threads: num("BENCH_THREADS", 1),
   types: env("BENCH_TYPES", "q8_0,q4_k").split(",") as Array<SyntheticType>,
   layers: num("BENCH_LAYERS", 16),
   hidden: num("BENCH_HIDDEN", 2048),
