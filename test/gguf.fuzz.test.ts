@@ -1,10 +1,15 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Cause, Effect, Exit, Option } from "effect"
+import koffi from "koffi"
+import { join } from "node:path"
 import { GgmlType, ggmlTypeInfo, tensorBytes } from "../src/domain/ggmlTypes.js"
 import { type GgufFile, GgufValueType, ModelLoadReason } from "../src/domain/gguf.js"
 import { parseGgufBytes } from "../src/layers/gguf/GgufReader.js"
 import { encodeGguf, GgufValues } from "../src/layers/gguf/GgufWriter.js"
 import { syntheticModelSpec } from "../src/layers/gguf/Synthetic.js"
+import { locateGgmlLibraries } from "../src/layers/ggml/Platform.js"
+import { readFileSync } from "node:fs"
+import { requireModel } from "./support/models.js"
 import { type Field, fieldLayout, type Layout, readInt, withInt } from "./gguf.fields.js"
 
 /** Seeded generator (mulberry32): the same seed replays the same cases. */
@@ -114,6 +119,48 @@ const mutate = (r: Rng, base: Uint8Array, layout: Layout): { bytes: Uint8Array; 
   return { bytes, what: what.join(", ") }
 }
 
+/** ggml's own GGUF parser (gguf_init_from_buffer, no tensor data), to confirm it accepts what we accept. */
+const ggmlGguf = (() => {
+  const located = locateGgmlLibraries()
+  if ("tried" in located) throw new Error(`ggml libraries not found (tried ${located.tried.join(", ")})`)
+  const lib = koffi.load(join(located.dir, located.baseLib))
+  const Params = koffi.struct("swactor_fuzz_gguf_init_params", { no_alloc: "bool", ctx: "void *" })
+  const init = lib.func("gguf_init_from_buffer", "void *", ["void *", "size_t", Params])
+  const free = lib.func("gguf_free", "void", ["void *"])
+  const nTensors = lib.func("gguf_get_n_tensors", "int64_t", ["void *"])
+  const dataOffset = lib.func("gguf_get_data_offset", "size_t", ["void *"])
+  const tensorOffset = lib.func("gguf_get_tensor_offset", "size_t", ["void *", "int64_t"])
+  const tensorType = lib.func("gguf_get_tensor_type", "int", ["void *", "int64_t"])
+  const tensorSize = lib.func("gguf_get_tensor_size", "size_t", ["void *", "int64_t"])
+  return (bytes: Uint8Array) => {
+    const ctx = init(bytes, bytes.length, { no_alloc: true, ctx: null })
+    if (ctx === null) return undefined
+    try {
+      const n = Number(nTensors(ctx))
+      const base = Number(dataOffset(ctx))
+      const tensors = Array.from({ length: n }, (_, i) => ({
+        offset: base + Number(tensorOffset(ctx, i)),
+        type: Number(tensorType(ctx, i)),
+        size: Number(tensorSize(ctx, i))
+      }))
+      return { dataOffset: base, tensors }
+    } finally {
+      free(ctx)
+    }
+  }
+})()
+
+/** ggml parses the file to the same table (when it has tensors; its data offset is unpadded otherwise). */
+const checkGgmlAgrees = (file: GgufFile, bytes: Uint8Array, what: string) => {
+  const theirs = ggmlGguf(bytes)
+  if (theirs === undefined) return assert.fail(`${what}: ggml's gguf parser rejects a file the reader accepted`)
+  assert.strictEqual(theirs.tensors.length, file.tensors.length, what)
+  if (file.tensors.length > 0) assert.strictEqual(theirs.dataOffset, file.dataOffset, what)
+  file.tensors.forEach((t, i) => {
+    assert.deepStrictEqual(theirs.tensors[i], { offset: t.offset, type: t.type, size: t.byteSize }, what)
+  })
+}
+
 /** What an accepted file must satisfy: nothing ggml could trip over. */
 const checkAccepted = (file: GgufFile, size: number, what: string) => {
   let end = file.dataOffset
@@ -132,8 +179,14 @@ const checkAccepted = (file: GgufFile, size: number, what: string) => {
 }
 
 describe("GGUF reader fuzz", () => {
+  // ggml's own parser reads the unmutated files to the same tensor table.
+  it("ggml's gguf parser agrees on the base files", () => {
+    const stories = new Uint8Array(readFileSync(requireModel("stories260K.gguf")))
+    for (const bytes of [tinyModel, mixed, stories]) checkGgmlAgrees(Effect.runSync(parseGgufBytes(bytes)), bytes, "base")
+  })
+
   // Seeded random corruption of valid files: every case is parsed or rejected as a typed ModelLoadError,
-  // never a thrown defect, and whatever is accepted is internally consistent.
+  // never a thrown defect, and whatever is accepted is internally consistent and parsed identically by ggml.
   // SWACTOR_FUZZ_SEED / SWACTOR_FUZZ_CASES run a longer or different campaign locally.
   const seed = Number(process.env["SWACTOR_FUZZ_SEED"] ?? 20261129)
   const cases = Number(process.env["SWACTOR_FUZZ_CASES"] ?? 1200)
@@ -154,6 +207,7 @@ describe("GGUF reader fuzz", () => {
       if (Exit.isSuccess(exit)) {
         accepted++
         checkAccepted(exit.value, bytes.length, label)
+        checkGgmlAgrees(exit.value, bytes, label)
         continue
       }
       const failure = Cause.failureOption(exit.cause)
