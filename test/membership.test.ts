@@ -4,8 +4,8 @@ import { NodeId } from "../src/domain/ids.js"
 import * as MembershipLive from "../src/layers/MembershipLive.js"
 import { Membership, NodeCapacity, NodeEndpoint } from "../src/services/Membership.js"
 
-const node = (id: number) => new NodeEndpoint({ nodeId: NodeId.make(id), address: `10.0.0.${id}:7000` })
-const capacity = new NodeCapacity({
+const node = (id: number) => NodeEndpoint.make({ nodeId: NodeId.make(id), address: `10.0.0.${id}:7000` })
+const capacity = NodeCapacity.make({
   freeMemoryBytes: 8e9,
   totalMemoryBytes: 16e9,
   threads: 4,

@@ -2,13 +2,14 @@ import { Context, type Duration, type Effect, Schema, type Scope } from "effect"
 import { NodeId } from "../domain/ids.js"
 
 /** A node agent the orchestrator may use: its id in plans and its control address (host:port). */
-export class NodeEndpoint extends Schema.Class<NodeEndpoint>("NodeEndpoint")({
+export const NodeEndpoint = Schema.Struct({
   nodeId: NodeId,
   address: Schema.String
-}) {}
+}).annotations({ identifier: "NodeEndpoint" })
+export type NodeEndpoint = typeof NodeEndpoint.Type
 
 /** What a node agent reports about itself in answer to a heartbeat. */
-export class NodeCapacity extends Schema.Class<NodeCapacity>("NodeCapacity")({
+export const NodeCapacity = Schema.Struct({
   freeMemoryBytes: Schema.Number,
   totalMemoryBytes: Schema.Number,
   threads: Schema.Number,
@@ -16,7 +17,8 @@ export class NodeCapacity extends Schema.Class<NodeCapacity>("NodeCapacity")({
   hostname: Schema.String,
   /** Stages this agent hosts right now (all runs). */
   activeStages: Schema.Number
-}) {}
+}).annotations({ identifier: "NodeCapacity" })
+export type NodeCapacity = typeof NodeCapacity.Type
 
 /** One heartbeat could not be answered (connection refused, closed, bad token, …). */
 export class NodeUnreachable extends Schema.TaggedError<NodeUnreachable>()("NodeUnreachable", {

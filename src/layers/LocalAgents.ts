@@ -1,0 +1,228 @@
+import { type ChildProcess, spawn } from "node:child_process"
+import { randomBytes } from "node:crypto"
+import { dirname, join } from "node:path"
+import { fileURLToPath, pathToFileURL } from "node:url"
+import { createRequire } from "node:module"
+import { Deferred, Duration, Effect, Schema, type Scope } from "effect"
+
+/** The line a node agent prints on stdout once it listens: `swactor-node-ready {"host":…,"port":…,"pid":…}`. */
+export const readyLinePrefix = "swactor-node-ready "
+/** Environment variable that carries the cluster token to an agent (never argv: argv is world-readable). */
+export const clusterTokenEnv = "SWACTOR_CLUSTER_TOKEN"
+/** When "stdin", the agent exits as soon as its stdin closes (its parent died). */
+export const parentWatchEnv = "SWACTOR_PARENT_WATCH"
+
+export class AgentSpawnError extends Schema.TaggedError<AgentSpawnError>()("AgentSpawnError", {
+  index: Schema.Number,
+  message: Schema.String
+}) {}
+
+export interface AgentExit {
+  readonly code: number | null
+  readonly signal: string | null
+}
+
+/** One node agent running as a child process of this one. */
+export interface LocalAgent {
+  readonly index: number
+  readonly pid: number
+  readonly host: string
+  readonly port: number
+  /** host:port of its control plane. */
+  readonly address: string
+  /** Completes when the process has exited. */
+  readonly exited: Effect.Effect<AgentExit>
+  /** The last lines it wrote to stderr (for fault messages). */
+  readonly stderrTail: () => string
+}
+
+export interface LocalAgentsOptions {
+  readonly count: number
+  readonly token: string
+  readonly host?: string
+  readonly threads?: number
+  /** Stage engine for the agents ("live" ggml by default; "test" for the deterministic double). */
+  readonly engine?: "live" | "test"
+  /** Extra arguments after `node` (e.g. fault-injection flags in tests). */
+  readonly extraArgs?: (index: number) => ReadonlyArray<string>
+  readonly env?: Readonly<Record<string, string>>
+  /** How long an agent may take to print its ready line. */
+  readonly startTimeout?: Duration.DurationInput
+  /** Copy agents' stderr to ours (SWACTOR_DEBUG=1 does the same). */
+  readonly inheritStderr?: boolean
+}
+
+/** A fresh random cluster token (hex, 256 bits). */
+export const generateToken = (): string => randomBytes(32).toString("hex")
+
+const here = dirname(fileURLToPath(import.meta.url))
+
+/** argv that runs `swactor <args>` in a fresh Node process: through tsx when running from sources. */
+export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => {
+  const compiled = import.meta.url.endsWith(".js")
+  const main = join(here, "..", compiled ? "main.js" : "main.ts")
+  if (compiled) return { command: process.execPath, args: [main, ...args] }
+  const tsx = pathToFileURL(createRequire(import.meta.url).resolve("tsx")).href
+  return { command: process.execPath, args: ["--import", tsx, main, ...args] }
+}
+
+/** Every agent child still alive, killed synchronously if this process exits without closing its scopes. */
+const liveChildren = new Set<ChildProcess>()
+let exitHookInstalled = false
+const installExitHook = () => {
+  if (exitHookInstalled) return
+  exitHookInstalled = true
+  process.on("exit", () => {
+    for (const child of liveChildren) child.kill("SIGKILL")
+  })
+}
+
+const tailBuffer = (limit: number) => {
+  let text = ""
+  return {
+    push: (chunk: string) => {
+      text = (text + chunk).slice(-limit)
+    },
+    get: () => text
+  }
+}
+
+const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<LocalAgent, AgentSpawnError, Scope.Scope> =>
+  Effect.gen(function*() {
+    const host = options.host ?? "127.0.0.1"
+    const args = [
+      "node",
+      "--listen",
+      `${host}:0`,
+      ...(options.threads === undefined ? [] : ["--threads", String(options.threads)]),
+      ...(options.engine === "test" ? ["--engine", "test"] : []),
+      ...(options.extraArgs?.(index) ?? [])
+    ]
+    const { command, args: argv } = swactorCommand(args)
+    const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"
+    const exited = yield* Deferred.make<AgentExit>()
+    const ready = yield* Deferred.make<{ host: string; port: number }, AgentSpawnError>()
+    const stderr = tailBuffer(8192)
+
+    const child = yield* Effect.acquireRelease(
+      Effect.try({
+        try: () => {
+          installExitHook()
+          const child = spawn(command, argv, {
+            stdio: ["pipe", "pipe", "pipe"],
+            env: { ...process.env, ...options.env, [clusterTokenEnv]: options.token, [parentWatchEnv]: "stdin" }
+          })
+          liveChildren.add(child)
+          return child
+        },
+        catch: (cause) => new AgentSpawnError({ index, message: `cannot start agent: ${String(cause)}` })
+      }),
+      (child) => stop(child, exited)
+    )
+    child.on("error", (error) => {
+      Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: error.message })))
+    })
+    child.on("exit", (code, signal) => {
+      liveChildren.delete(child)
+      Deferred.unsafeDone(exited, Effect.succeed({ code, signal }))
+      Deferred.unsafeDone(
+        ready,
+        Effect.fail(
+          new AgentSpawnError({
+            index,
+            message: `agent exited before it was ready (code ${code}, signal ${signal})\n${stderr.get()}`
+          })
+        )
+      )
+    })
+    child.stderr?.setEncoding("utf8")
+    child.stderr?.on("data", (chunk: string) => {
+      stderr.push(chunk)
+      if (inherit) process.stderr.write(`[agent ${index}] ${chunk}`)
+    })
+    let stdoutBuffer = ""
+    child.stdout?.setEncoding("utf8")
+    child.stdout?.on("data", (chunk: string) => {
+      stdoutBuffer += chunk
+      let newline = stdoutBuffer.indexOf("\n")
+      while (newline >= 0) {
+        const line = stdoutBuffer.slice(0, newline)
+        stdoutBuffer = stdoutBuffer.slice(newline + 1)
+        if (line.startsWith(readyLinePrefix)) {
+          try {
+            const announced = JSON.parse(line.slice(readyLinePrefix.length)) as { host: string; port: number }
+            Deferred.unsafeDone(ready, Effect.succeed({ host: announced.host, port: announced.port }))
+          } catch {
+            Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: `bad ready line: ${line}` })))
+          }
+        } else if (inherit) {
+          process.stderr.write(`[agent ${index}] ${line}\n`)
+        }
+        newline = stdoutBuffer.indexOf("\n")
+      }
+    })
+    // The agent watches this pipe: when we die (even by SIGKILL) the kernel closes it and the agent exits.
+    child.stdin?.on("error", () => {})
+
+    const announced = yield* Deferred.await(ready).pipe(
+      Effect.timeoutFail({
+        duration: options.startTimeout ?? "60 seconds",
+        onTimeout: () =>
+          new AgentSpawnError({ index, message: `agent did not announce its address in time\n${stderr.get()}` })
+      })
+    )
+    return {
+      index,
+      pid: child.pid ?? -1,
+      host: announced.host,
+      port: announced.port,
+      address: `${announced.host}:${announced.port}`,
+      exited: Deferred.await(exited),
+      stderrTail: stderr.get
+    } satisfies LocalAgent
+  })
+
+/** SIGTERM, then SIGKILL after a grace period; waits for the exit either way. */
+const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
+  Effect.gen(function*() {
+    if (child.exitCode !== null || child.signalCode !== null) return
+    child.kill("SIGTERM")
+    const graceful = yield* Deferred.await(exited).pipe(Effect.timeout("2 seconds"), Effect.option)
+    if (graceful._tag === "None") {
+      child.kill("SIGKILL")
+      yield* Deferred.await(exited).pipe(Effect.timeout("5 seconds"), Effect.ignore)
+    }
+    child.stdin?.destroy()
+  }).pipe(Effect.uninterruptible)
+
+/**
+ * Starts `count` node agents (`swactor node`) as child processes on this machine, each on an
+ * ephemeral port it announces on stdout. All are killed when the scope closes (also on Ctrl-C,
+ * which interrupts the main fiber), and each exits on its own if this process dies.
+ */
+export const spawnLocalAgents = (
+  options: LocalAgentsOptions
+): Effect.Effect<ReadonlyArray<LocalAgent>, AgentSpawnError, Scope.Scope> =>
+  Effect.forEach(Array.from({ length: options.count }, (_, index) => index), (index) => spawnOne(index, options), {
+    concurrency: "unbounded"
+  }).pipe(Effect.withSpan("LocalAgents.spawn", { attributes: { count: options.count } }))
+
+/**
+ * Agent side of the orphan guard: exit when the parent's pipe on stdin closes. Call once at
+ * agent start-up when `SWACTOR_PARENT_WATCH=stdin`.
+ */
+export const watchParentPipe = (onParentGone: () => void): void => {
+  if (process.env[parentWatchEnv] !== "stdin") return
+  process.stdin.on("data", () => {})
+  process.stdin.on("end", onParentGone)
+  process.stdin.on("close", onParentGone)
+  process.stdin.on("error", onParentGone)
+  process.stdin.resume()
+}
+
+/** Agent side: announce the bound address to the parent. */
+export const announceReady = (host: string, port: number): void => {
+  process.stdout.write(`${readyLinePrefix}${JSON.stringify({ host, port, pid: process.pid })}\n`)
+}
+
+export const defaultStartTimeout = Duration.seconds(60)

@@ -1,0 +1,306 @@
+/**
+ * The node agent's business logic: hosts stages of any number of runs on one machine.
+ *
+ * - Weights are shared through a model cache keyed by file + block range (+ first/last role): a
+ *   second run on the same range does not reload; an idle range is released after a while.
+ * - Every hosted stage has its own KV cache (an engine session), its own inbound edge registered
+ *   on the agent's data listener and its own outbound connection.
+ * - A stage reports StageLoading → StageReady, then StageFault (with a kind and words) or, once
+ *   stopped, StageStopped with its counters; its report stream ends there.
+ */
+import * as Os from "node:os"
+import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Schedule, type Scope, Stream } from "effect"
+import type { StageInput, StageOutput } from "../domain/engine.js"
+import { ActivationFrame, type DataFrame, describeFault, type EdgeFault, TokenFrame } from "../domain/frames.js"
+import type { RunId } from "../domain/ids.js"
+import type { SamplingPolicy } from "../domain/plan.js"
+import {
+  type DataListener,
+  DataPlane,
+  type EdgeSender,
+  isNotYetRegistered,
+  type ProvisionRequest,
+  type StageFaultKind,
+  type StageReport,
+  StageStats
+} from "../services/AgentLinks.js"
+import { NodeCapacity } from "../services/Membership.js"
+import { type LoadedStage, StageExecutor } from "../services/StageExecutor.js"
+import { makeSampler } from "../services/Sampler.js"
+
+export interface StageHostOptions {
+  /** The cluster token (data connections to the next stage prove it). */
+  readonly token: string
+  /** Default engine threads per stage. */
+  readonly threads: number
+  readonly backend: "cpu" | "cuda" | "auto"
+  /** How long unused weights stay loaded. */
+  readonly modelIdleTimeToLive?: Duration.DurationInput
+  /** How long a stage keeps retrying to reach its outbound peer. */
+  readonly connectTimeout?: Duration.DurationInput
+}
+
+export interface StageHost {
+  readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport>
+  readonly stop: (runId: RunId, stageIndex: number) => Effect.Effect<void>
+  readonly capacity: Effect.Effect<NodeCapacity>
+  /** Weight sets currently cached (for tests and capacity reports). */
+  readonly cachedRanges: Effect.Effect<ReadonlyArray<string>>
+}
+
+class StageFailure extends Data.TaggedError("StageFailure")<{ readonly kind: StageFaultKind; readonly detail: string }> {}
+
+const cacheKey = (request: ProvisionRequest, backend: string) => {
+  const p = request.provision
+  const path = p.ggufSource.path
+  return JSON.stringify([path, p.layerStart, p.layerEndExclusive, p.stageIndex === 0, p.stageIndex === p.stageCount - 1, backend])
+}
+
+const errorWords = (error: unknown): string => {
+  if (typeof error !== "object" || error === null) return String(error)
+  const message = "message" in error && typeof error.message === "string" ? error.message : ""
+  if (message !== "" && !message.startsWith("{")) return message
+  return Object.entries(error)
+    .filter(([key]) => key !== "_tag" && key !== "message" && key !== "stack")
+    .map(([key, value]) => `${key} ${String(value)}`)
+    .join(", ")
+}
+
+export const makeStageHost = (
+  listener: DataListener,
+  options: StageHostOptions
+): Effect.Effect<StageHost, never, Scope.Scope | StageExecutor | DataPlane> =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const dataPlane = yield* DataPlane
+    const hostScope = yield* Effect.scope
+    const progressSinks = new Map<string, (loaded: number, total: number) => void>()
+    const models = yield* RcMap.make({
+      lookup: (key: string) => {
+        const [path, layerStart, layerEndExclusive, isFirst, isLast, backend] = JSON.parse(key) as [
+          string,
+          number,
+          number,
+          boolean,
+          boolean,
+          "cpu" | "cuda" | "auto"
+        ]
+        return executor.load(
+          { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
+          (progress) => progressSinks.get(key)?.(progress.loadedBytes, progress.totalBytes)
+        )
+      },
+      idleTimeToLive: options.modelIdleTimeToLive ?? "10 minutes"
+    })
+    const active = new Map<string, Deferred.Deferred<void>>()
+    const stageKey = (runId: number, stageIndex: number) => `${runId}/${stageIndex}`
+
+    const connectOutbound = (request: ProvisionRequest) => {
+      const p = request.provision
+      return dataPlane.connect(request.outboundAddress, {
+        runId: p.runId,
+        edgeId: p.outbound.edgeId,
+        ring: p.outbound.ring
+      }, options.token).pipe(
+        // The consumer may not have registered the edge yet: retry until the connect deadline.
+        Effect.retry({
+          schedule: Schedule.spaced("25 millis"),
+          while: isNotYetRegistered
+        }),
+        Effect.timeoutFail({
+          duration: options.connectTimeout ?? "30 seconds",
+          onTimeout: () => new StageFailure({ kind: "TransportError", detail: "timed out connecting to the next stage" })
+        }),
+        Effect.mapError((fault) =>
+          fault instanceof StageFailure
+            ? fault
+            : new StageFailure({ kind: "TransportError", detail: `cannot reach the next stage: ${describeFault(fault)}` })
+        )
+      )
+    }
+
+    const runStage = (request: ProvisionRequest, reports: Mailbox.Mailbox<StageReport>, stop: Deferred.Deferred<void>) =>
+      Effect.gen(function*() {
+        const p = request.provision
+        const runId = p.runId
+        const stageIndex = p.stageIndex
+        const isFirst = stageIndex === 0
+        const isLast = stageIndex === p.stageCount - 1
+        const key = cacheKey(request, options.backend)
+        const stats = {
+          frames: 0,
+          tokens: 0,
+          loadMillis: 0,
+          cachedWeights: false,
+          prefillComputeMillis: 0,
+          decodeFrames: 0,
+          decodeComputeMillis: 0
+        }
+
+        const body = Effect.gen(function*() {
+          const started = performance.now()
+          stats.cachedWeights = (yield* RcMap.keys(models)).includes(key)
+          progressSinks.set(key, (loadedBytes, totalBytes) => {
+            reports.unsafeOffer({ _tag: "StageLoading", runId, stageIndex, loadedBytes, totalBytes })
+          })
+          const loaded: LoadedStage = yield* RcMap.get(models, key).pipe(
+            Effect.mapError((error) => new StageFailure({ kind: "LoadError", detail: `${error.reason}: ${error.message}` }))
+          )
+          progressSinks.delete(key)
+          const session = yield* executor.session(loaded, {
+            contextLength: Math.min(request.contextLength, loaded.info.contextLength),
+            threads: request.threads ?? options.threads
+          }).pipe(Effect.mapError((error) => new StageFailure({ kind: "LoadError", detail: `${error.reason}: ${error.message}` })))
+          const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
+            Effect.mapError((fault) => new StageFailure({ kind: "TransportError", detail: `cannot open the inbound edge: ${describeFault(fault)}` }))
+          )
+          const outbound: EdgeSender = yield* connectOutbound(request)
+          stats.loadMillis = performance.now() - started
+          yield* reports.offer({
+            _tag: "StageReady",
+            runId,
+            stageIndex,
+            loadMillis: stats.loadMillis,
+            cachedWeights: stats.cachedWeights
+          })
+
+          const sample = isLast ? makeSampler(p.runtime.sampling ?? greedy) : undefined
+          const eosTokenId = p.model.eosTokenId
+          let position = 0
+          const transport = (fault: EdgeFault) => new StageFailure({ kind: "TransportError", detail: describeFault(fault) })
+
+          const step = (frame: DataFrame) =>
+            Effect.gen(function*() {
+              let input: StageInput
+              let startPos: number
+              if (isFirst) {
+                if (frame._tag !== "TokenFrame" || frame.payload._tag === "Sampled") {
+                  return yield* new StageFailure({ kind: "ProtocolError", detail: `stage 0 expects token frames, got ${frame._tag}` })
+                }
+                const tokens = frame.payload._tag === "Prompt" ? frame.payload.tokens : [frame.payload.tokenId]
+                input = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
+                startPos = position
+              } else {
+                if (frame._tag !== "ActivationFrame") {
+                  return yield* new StageFailure({ kind: "ProtocolError", detail: `stage ${stageIndex} expects activations, got ${frame._tag}` })
+                }
+                input = { _tag: "Hidden", hidden: frame.payload, nTokens: frame.nTokens }
+                startPos = frame.startPos
+              }
+              const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+              const t0 = performance.now()
+              const output: StageOutput = yield* session.forward(startPos, input).pipe(
+                Effect.mapError((error) => new StageFailure({ kind: "EngineError", detail: `${error._tag}: ${errorWords(error)}` }))
+              )
+              const elapsed = performance.now() - t0
+              stats.frames++
+              stats.tokens += nTokens
+              if (frame.sequence === 0) stats.prefillComputeMillis += elapsed
+              else {
+                stats.decodeFrames++
+                stats.decodeComputeMillis += elapsed
+              }
+              position = startPos + nTokens
+              if (output._tag === "Hidden") {
+                if (isLast) return yield* new StageFailure({ kind: "ProtocolError", detail: "the last stage produced hidden states" })
+                yield* outbound.send(
+                  new ActivationFrame({
+                    runId,
+                    edgeId: p.outbound.edgeId,
+                    sequence: frame.sequence,
+                    chunkIndex: 0,
+                    chunkCount: 1,
+                    startPos,
+                    nTokens: output.nTokens,
+                    hiddenDim: output.hidden.length / output.nTokens,
+                    dtype: "f32",
+                    payload: output.hidden as Float32Array<ArrayBuffer>
+                  })
+                ).pipe(Effect.mapError(transport))
+              } else {
+                if (sample === undefined) return yield* new StageFailure({ kind: "ProtocolError", detail: "a middle stage produced logits" })
+                const tokenId = sample(output.logits)
+                yield* outbound.send(
+                  new TokenFrame({
+                    runId,
+                    edgeId: p.outbound.edgeId,
+                    sequence: frame.sequence,
+                    chunkIndex: 0,
+                    chunkCount: 1,
+                    payload: { _tag: "Sampled", tokenId, eos: tokenId === eosTokenId }
+                  })
+                ).pipe(Effect.mapError(transport))
+              }
+            })
+
+          yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
+        }).pipe(Effect.scoped)
+
+        const exit = yield* body.pipe(
+          Effect.raceFirst(Deferred.await(stop)),
+          Effect.exit
+        )
+        progressSinks.delete(key)
+        if (Exit.isFailure(exit)) {
+          const failure = Cause.failureOption(exit.cause)
+          const fault = Option.isSome(failure) && failure.value instanceof StageFailure
+            ? failure.value
+            : new StageFailure({ kind: "WorkerCrashed", detail: Cause.pretty(exit.cause) })
+          if (!Cause.isInterruptedOnly(exit.cause)) {
+            yield* reports.offer({ _tag: "StageFault", runId, stageIndex, kind: fault.kind, detail: fault.detail })
+          }
+        }
+        yield* reports.offer({ _tag: "StageStopped", runId, stageIndex, stats: new StageStats(stats) })
+      })
+
+    const provision = (request: ProvisionRequest): Stream.Stream<StageReport> =>
+      Stream.unwrapScoped(
+        Effect.gen(function*() {
+          const p = request.provision
+          const reports = yield* Mailbox.make<StageReport>()
+          const key = stageKey(p.runId, p.stageIndex)
+          if (active.has(key)) {
+            yield* reports.offer({
+              _tag: "StageFault",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              kind: "Rejected",
+              detail: `stage ${p.stageIndex} of run ${p.runId} is already hosted here`
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
+          const stop = yield* Deferred.make<void>()
+          active.set(key, stop)
+          // The stage lives in the host's scope; closing the report stream (the orchestrator went away) stops it.
+          yield* runStage(request, reports, stop).pipe(
+            Effect.ensuring(Effect.sync(() => active.delete(key))),
+            Effect.ensuring(reports.end),
+            Effect.forkIn(hostScope)
+          )
+          yield* Effect.addFinalizer(() => Deferred.succeed(stop, undefined))
+          return Mailbox.toStream(reports)
+        })
+      )
+
+    const stop = (runId: RunId, stageIndex: number) =>
+      Effect.suspend(() => {
+        const deferred = active.get(stageKey(runId, stageIndex))
+        return deferred === undefined ? Effect.void : Deferred.succeed(deferred, undefined).pipe(Effect.asVoid)
+      })
+
+    const capacity = Effect.sync(() =>
+      NodeCapacity.make({
+        freeMemoryBytes: Os.freemem(),
+        totalMemoryBytes: Os.totalmem(),
+        threads: options.threads,
+        backend: options.backend,
+        hostname: Os.hostname(),
+        activeStages: active.size
+      })
+    )
+
+    return { provision, stop, capacity, cachedRanges: RcMap.keys(models) } satisfies StageHost
+  })
+
+const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }

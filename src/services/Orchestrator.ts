@@ -1,0 +1,141 @@
+/**
+ * The orchestrator: plans a run over a pool of node agents, drives the run FSM actor, executes
+ * its commands through the agent links and the data plane, and streams what the run produces.
+ */
+import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
+import type { ModelLoadError } from "../domain/gguf.js"
+import type { PlanRejection } from "../domain/planErrors.js"
+import { RunFaultReason } from "../domain/runFsm.js"
+import { RunId } from "../domain/ids.js"
+import type { AgentSpawnError } from "../layers/LocalAgents.js"
+import type { AgentUnavailable } from "./AgentLinks.js"
+import type { NodeEndpoint, PoolNotReady } from "./Membership.js"
+import type { TokenizerError } from "./Tokenizer.js"
+
+export interface SamplingOptions {
+  /** 0 (default) is greedy. */
+  readonly temperature?: number
+  /** 0 = no limit (default 40 when temperature > 0). */
+  readonly topK?: number
+  /** Same seed, same model, same prompt → same text (random when omitted). */
+  readonly seed?: number
+}
+
+export interface GenerateRequest {
+  /** GGUF file (for remote agents: a path valid on every node). */
+  readonly model: string
+  readonly prompt: string
+  /** Stages to split the model into (local agents: one agent each; remote: stage i on node i mod n). */
+  readonly stages?: number
+  readonly sampling?: SamplingOptions
+  /** Default 128. */
+  readonly maxTokens?: number
+  /** Engine threads per stage (default: the agent's). */
+  readonly threads?: number
+  /** Stages and endpoints must be ready this long after provisioning starts (default 120 s). */
+  readonly readinessTimeout?: Duration.DurationInput
+  /** Each token must come back within this (default 60 s). */
+  readonly tokenTimeout?: Duration.DurationInput
+  readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
+}
+
+export interface TokenTimings {
+  /** Since the prompt was injected. */
+  readonly sinceStartMillis: number
+  /** From injecting the input of this step to receiving its token. */
+  readonly latencyMillis: number
+}
+
+/** One generated token. `text` is what it adds to the output ("" while a multi-byte character is incomplete). */
+export interface GeneratedToken {
+  readonly tokenId: number
+  readonly text: string
+  readonly sequence: number
+  readonly timings: TokenTimings
+}
+
+export interface StageSummary {
+  readonly stageIndex: number
+  readonly address: string
+  readonly layers: readonly [start: number, endExclusive: number]
+  readonly loadMillis: number
+  readonly cachedWeights: boolean
+  readonly prefillComputeMillis: number
+  /** Mean engine time per decoded token on this stage. */
+  readonly computeMillisPerToken: number
+}
+
+export interface RunSummary {
+  readonly runId: number
+  readonly outcome: "Eos" | "MaxTokens"
+  readonly promptTokens: number
+  readonly generatedTokens: number
+  readonly text: string
+  /** From the start of the request to the first token (agents, load, prefill). */
+  readonly timeToFirstTokenMillis: number
+  /** From the prompt injection to the first token (prefill through the pipeline). */
+  readonly prefillMillis: number
+  readonly decodeTokensPerSecond: number
+  /** Mean time per decoded token, end to end. */
+  readonly decodeMillisPerToken: number
+  readonly stages: ReadonlyArray<StageSummary>
+  /** Per decoded token: end-to-end time minus every stage's compute (transfers, framing, scheduling). */
+  readonly transferMillisPerToken: number
+}
+
+/** What a run produces, in order: start-up progress, tokens, then one summary. */
+export type RunUpdate =
+  | { readonly _tag: "AgentsStarted"; readonly nodes: ReadonlyArray<NodeEndpoint> }
+  | { readonly _tag: "PoolReady"; readonly nodes: ReadonlyArray<NodeEndpoint> }
+  | { readonly _tag: "Planned"; readonly runId: number; readonly stages: ReadonlyArray<{ readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }> }
+  | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
+  | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
+  | { readonly _tag: "Token"; readonly token: GeneratedToken }
+  | { readonly _tag: "Finished"; readonly summary: RunSummary }
+
+/** The run ended Faulted; `reason` is the first fault the run FSM recorded, `message` says it in words. */
+export class RunFaulted extends Schema.TaggedError<RunFaulted>()("RunFaulted", {
+  runId: RunId,
+  reason: RunFaultReason,
+  message: Schema.String
+}) {}
+
+/** A request the orchestrator cannot run (empty prompt, bad numbers, no nodes). */
+export class InvalidRequest extends Schema.TaggedError<InvalidRequest>()("InvalidRequest", {
+  message: Schema.String
+}) {}
+
+export type GenerateError =
+  | InvalidRequest
+  | ModelLoadError
+  | TokenizerError
+  | PlanRejection
+  | AgentSpawnError
+  | AgentUnavailable
+  | PoolNotReady
+  | RunFaulted
+
+/** The agents a run may use, and the token that proves the orchestrator may use them. */
+export interface AgentSet {
+  readonly nodes: ReadonlyArray<NodeEndpoint>
+  readonly token: string
+  /** Where the orchestrator's own data listener binds (reachable from the agents). */
+  readonly listenHost: string
+  /** Completes when an agent process is seen to exit (local agents only; never for remote ones). */
+  readonly exited: Effect.Effect<{ readonly node: NodeEndpoint; readonly reason: string }>
+}
+
+export interface AgentPoolService {
+  /** Agents for a run of `stages` stages (local: started now, stopped with the scope; remote: the configured nodes). */
+  readonly acquire: (stages: number | undefined) => Effect.Effect<AgentSet, AgentSpawnError | InvalidRequest, Scope.Scope>
+}
+
+/** Where a run's agents come from: local child processes or remote nodes (see OrchestratorLive). */
+export class AgentPool extends Context.Tag("swactor/AgentPool")<AgentPool, AgentPoolService>() {}
+
+export interface OrchestratorService {
+  /** Runs one generation; interrupting the stream is an operator stop (with the full teardown). */
+  readonly run: (request: GenerateRequest) => Stream.Stream<RunUpdate, GenerateError>
+}
+
+export class Orchestrator extends Context.Tag("swactor/Orchestrator")<Orchestrator, OrchestratorService>() {}

@@ -1,0 +1,130 @@
+import { assert, describe, it } from "@effect/vitest"
+import { Chunk, Effect, Exit, Fiber, Layer, Stream } from "effect"
+import * as MembershipLive from "../src/layers/MembershipLive.js"
+import * as OrchestratorLive from "../src/layers/OrchestratorLive.js"
+import * as StageExecutorTest from "../src/layers/StageExecutorTest.js"
+import * as TokenizerLive from "../src/layers/TokenizerLive.js"
+import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
+import { makeMemoryWorld } from "./support/memoryLinks.js"
+import { requireModel } from "./support/models.js"
+
+// The test engine mirrors stories260K's facts (read from the real file): 5 blocks, hidden 64, EOS 2.
+const testModel: StageExecutorTest.TestModel = {
+  numLayers: 5,
+  hiddenDim: 64,
+  vocabSize: 512,
+  contextLength: 2048,
+  eosTokenId: 2,
+  bosTokenId: 1
+}
+
+const world = (agents: number) =>
+  Effect.gen(function*() {
+    const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerTest(testModel)))
+    const orchestrator = yield* Effect.provide(
+      Orchestrator,
+      OrchestratorLive.layer.pipe(
+        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer))
+      )
+    )
+    return { memory, orchestrator }
+  })
+
+const request = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
+  model: requireModel("stories260K.gguf"),
+  prompt: "Once upon a time",
+  maxTokens: 12,
+  ...patch
+})
+
+const tokensOf = (updates: ReadonlyArray<RunUpdate>) =>
+  updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+
+// The byte-level test tokenizer: BOS then byte + 3.
+const promptTokens = (text: string) => [1, ...Array.from(new TextEncoder().encode(text), (b) => b + 3)]
+
+describe("Orchestrator (in-memory agents, deterministic engine)", () => {
+  // A split run produces exactly the tokens of the unsplit model, for every stage count.
+  it.live("1..4 stages generate the test model's greedy tokens, then a summary", () =>
+    Effect.gen(function*() {
+      const expected = StageExecutorTest.testModelGreedy(testModel, promptTokens("Once upon a time"), 12)
+        .filter((t) => t !== 2)
+      for (const stages of [1, 2, 3, 4]) {
+        const { orchestrator } = yield* world(stages)
+        const updates = Chunk.toReadonlyArray(yield* Stream.runCollect(orchestrator.run(request({ stages }))))
+        assert.deepStrictEqual(tokensOf(updates), expected, `stages=${stages}`)
+        const finished = updates.at(-1)
+        assert.strictEqual(finished?._tag, "Finished")
+        if (finished?._tag === "Finished") {
+          assert.strictEqual(finished.summary.stages.length, stages)
+          assert.strictEqual(finished.summary.generatedTokens, expected.length)
+        }
+      }
+    }).pipe(Effect.scoped))
+
+  // A stage whose engine fails faults the run with that stage's reason, in words.
+  it.live("an engine failure on a stage faults the run with the stage's reason", () =>
+    Effect.gen(function*() {
+      const { orchestrator } = yield* world(3)
+      // Prompt longer than the session's context (maxTokens pushes the session past the test context).
+      const error = yield* Effect.flip(Stream.runCollect(
+        orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 }))
+      ))
+      assert.strictEqual(error._tag, "RunFaulted")
+      if (error._tag === "RunFaulted") {
+        assert.strictEqual(error.reason._tag, "StageFault")
+        assert.include(error.message, "stage 0")
+        assert.include(error.message, "ContextOverflow")
+      }
+    }).pipe(Effect.scoped))
+
+  // A dead agent (its links fail) faults the run; every stage still stops and the stream fails.
+  it.live("killing an agent mid-generation faults the run and stops every stage", () =>
+    Effect.gen(function*() {
+      const { memory, orchestrator } = yield* world(3)
+      const fiber = yield* orchestrator.run(request({ stages: 3, maxTokens: 2000, prompt: "a" })).pipe(
+        Stream.filter((u) => u._tag === "Token"),
+        Stream.take(3),
+        Stream.runDrain,
+        Effect.zipRight(memory.agents[1]!.kill),
+        Effect.fork
+      )
+      yield* Fiber.join(fiber)
+      const failing = yield* world(3)
+      const run = failing.orchestrator.run(request({ stages: 3, maxTokens: 2000, prompt: "a" }))
+      const error = yield* run.pipe(
+        Stream.tap((u) => (u._tag === "Token" && u.token.sequence === 3 ? failing.memory.agents[1]!.kill : Effect.void)),
+        Stream.runDrain,
+        Effect.flip
+      )
+      assert.strictEqual(error._tag, "RunFaulted")
+      if (error._tag === "RunFaulted") {
+        assert.include(["StageFault", "MembershipLost"], error.reason._tag)
+      }
+      for (const agent of failing.memory.agents) assert.strictEqual((yield* agent.host.capacity).activeStages, 0)
+    }).pipe(Effect.scoped))
+
+  // Interrupting the consumer is an operator stop with the full teardown: no stage stays hosted.
+  it.live("stopping the stream early stops every stage", () =>
+    Effect.gen(function*() {
+      const { memory, orchestrator } = yield* world(2)
+      const updates = yield* orchestrator.run(request({ stages: 2, maxTokens: 1000, prompt: "b" })).pipe(
+        Stream.filter((u) => u._tag === "Token"),
+        Stream.take(2),
+        Stream.runCollect
+      )
+      assert.strictEqual(Chunk.size(updates), 2)
+      for (const agent of memory.agents) assert.strictEqual((yield* agent.host.capacity).activeStages, 0)
+    }).pipe(Effect.scoped))
+
+  // A second run on the same agents reuses the cached weights (no reload).
+  it.live("a second run on the same agents reuses cached weights", () =>
+    Effect.gen(function*() {
+      const { orchestrator } = yield* world(2)
+      yield* Stream.runDrain(orchestrator.run(request({ stages: 2, maxTokens: 2 })))
+      const updates = Chunk.toReadonlyArray(yield* Stream.runCollect(orchestrator.run(request({ stages: 2, maxTokens: 2 }))))
+      const ready = updates.filter((u) => u._tag === "StageReady")
+      assert.strictEqual(ready.length, 2)
+      assert.isTrue(ready.every((u) => u._tag === "StageReady" && u.cachedWeights))
+    }).pipe(Effect.scoped))
+})
