@@ -57,18 +57,20 @@ describe("swactor plan", () => {
 
   it.live("prints each typed rejection in words and fails", () =>
     Effect.gen(function*() {
-      const cases: ReadonlyArray<readonly [Array<string>, string]> = [
-        [["--layers", "2", "--stages", "3", "--nodes", "10,11,12"], "plan rejected (ModelStageLayoutMismatch): a model with 2 layers"],
-        [["--layers", "36", "--stages", "3", "--nodes", "10,11,12", "--pool", "10,11"], "(UnknownNode): stage 2 is placed on node 12"],
-        [["--layers", "36", "--stages", "3", "--nodes", "10,11"], "(MissingStage): stage 2 of 3"],
-        [["--layers", "36", "--stages", "0", "--nodes", "10"], "(InvalidStageCount): stage count 0"],
-        [["--layers", "36", "--stages", "2", "--nodes", "1,2", "--max-tokens", "5000"], "(InvalidMaxTokens): max tokens 5000"],
-        [["--layers", "36", "--stages", "2", "--nodes", "1,2", "--ring-alignment", "48"], "(InvalidRingSpec)"],
-        [["--layers", "36", "--stages", "2", "--nodes", "1,2", "--activation-ring-bytes", "100"], "(ActivationRingTooSmall)"],
-        [["--layers", "36", "--stages", "2", "--nodes", "1,x"], "--nodes: \"x\" is not a node id"],
-        [["--stages", "2", "--nodes", "1,2"], "give the layer count with --layers N or a GGUF file with --model PATH"]
+      const base = ["--layers", "36", "--stages", "2", "--nodes", "1,2"]
+      const cases: ReadonlyArray<readonly [string, string]> = [
+        ["--layers 2 --stages 3 --nodes 10,11,12", "plan rejected (ModelStageLayoutMismatch): a model with 2 layers"],
+        ["--layers 36 --stages 3 --nodes 10,11,12 --pool 10,11", "(UnknownNode): stage 2 is placed on node 12"],
+        ["--layers 36 --stages 3 --nodes 10,11", "(MissingStage): stage 2 of 3"],
+        ["--layers 36 --stages 0 --nodes 10", "(InvalidStageCount): stage count 0"],
+        [[...base, "--max-tokens", "5000"].join(" "), "(InvalidMaxTokens): max tokens 5000"],
+        [[...base, "--ring-alignment", "48"].join(" "), "(InvalidRingSpec)"],
+        [[...base, "--activation-ring-bytes", "100"].join(" "), "(ActivationRingTooSmall)"],
+        ["--layers 36 --stages 2 --nodes 1,x", "--nodes: \"x\" is not a node id"],
+        ["--stages 2 --nodes 1,2", "give the layer count with --layers N or a GGUF file with --model PATH"]
       ]
-      for (const [args, expected] of cases) {
+      for (const [line, expected] of cases) {
+        const args = line.split(" ")
         const { exit, stderr, stdout } = yield* runPlan(...args)
         assert.isTrue(Exit.isFailure(exit), args.join(" "))
         assert.include(stderr, expected)
@@ -98,7 +100,10 @@ describe("swactor plan", () => {
     assert.strictEqual(ok.code, 0, ok.stderr)
     assert.match(ok.stdout, /^2\s+12\s+\[24, 36\)/m)
     assert.notStrictEqual(bad.code, 0)
-    assert.include(bad.stderr, "plan rejected (UnknownNode): stage 2 is placed on node 12, which is not in the candidate pool")
+    assert.include(
+      bad.stderr,
+      "plan rejected (UnknownNode): stage 2 is placed on node 12, which is not in the candidate pool"
+    )
     assert.strictEqual(bad.stdout, "")
   })
 })

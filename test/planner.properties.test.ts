@@ -14,7 +14,11 @@ const ring = (dataCapacity: number, alignment: number): RingSpec => ({
   wakeCoalescing: "PendingBit"
 })
 
-const input = (numLayers: number, placement: ReadonlyArray<StagePlacement>, pool: ReadonlyArray<NodeId>): PlannerInput => ({
+const input = (
+  numLayers: number,
+  placement: ReadonlyArray<StagePlacement>,
+  pool: ReadonlyArray<NodeId>
+): PlannerInput => ({
   runId: RunId.make(1),
   orchestratorNodeId: 0 as NodeId,
   model: {
@@ -56,7 +60,9 @@ const placementOf = (nodes: ReadonlyArray<number>, order: ReadonlyArray<number>)
 const pool = Array.from({ length: 8 }, (_, i) => (i + 1) as NodeId)
 
 describe("planner properties", () => {
-  it("any 1 <= stages <= layers <= 512 gives a contiguous, balanced, covering partition and the linear edge graph", () =>
+  const partitionTitle =
+    "any 1 <= stages <= layers <= 512 gives a contiguous, balanced, covering partition and the linear edge graph"
+  it(partitionTitle, () =>
     fc.assert(
       fc.property(validCase, ({ nodes, numLayers, order }) => {
         const placement = placementOf(nodes, order)
@@ -93,8 +99,9 @@ describe("planner properties", () => {
         for (const stage of stages) {
           const inbound = byId.get(stage.inboundEdge)!
           const outbound = byId.get(stage.outboundEdge)!
-          assert.deepStrictEqual(inbound.consumer, { _tag: "Stage", nodeId: stage.nodeId, stageIndex: stage.stageIndex })
-          assert.deepStrictEqual(outbound.producer, { _tag: "Stage", nodeId: stage.nodeId, stageIndex: stage.stageIndex })
+          const self = { _tag: "Stage" as const, nodeId: stage.nodeId, stageIndex: stage.stageIndex }
+          assert.deepStrictEqual(inbound.consumer, self)
+          assert.deepStrictEqual(outbound.producer, self)
           assert.strictEqual(inbound.kind, stage.stageIndex === 0 ? "TokenIn" : "Activation")
           assert.strictEqual(outbound.kind, stage.stageIndex === stageCount - 1 ? "TokenOut" : "Activation")
           if (stage.stageIndex > 0) assert.strictEqual(stage.inboundEdge, stages[stage.stageIndex - 1]!.outboundEdge)

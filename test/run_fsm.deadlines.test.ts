@@ -1,4 +1,5 @@
-// Deadlines of the run FSM (G19–G21 in specs/BEHAVIOR_GUARANTEES.md), on the real RunActor fiber and Effect's TestClock.
+// Deadlines of the run FSM (G19–G21 in specs/BEHAVIOR_GUARANTEES.md), on the real RunActor fiber and Effect's
+// TestClock.
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Fiber, TestClock } from "effect"
 import { type NodeId, RunId } from "../src/domain/ids.js"
@@ -9,7 +10,10 @@ import { stageNodes, testLinearPlan } from "../src/services/Planner.js"
 import { RunActor } from "../src/services/RunFsm.js"
 
 const runId = RunId.make(7)
-const plan: RunPlan = testLinearPlan(runId, [0, 1, 2].map((stageIndex) => ({ stageIndex, nodeId: (10 + stageIndex) as NodeId })))
+const plan: RunPlan = testLinearPlan(
+  runId,
+  [0, 1, 2].map((stageIndex) => ({ stageIndex, nodeId: (10 + stageIndex) as NodeId }))
+)
 const config: RunConfig = { runId, maxTokens: 4, prompt: [101, 102, 103] }
 
 const provisioned = (overrides: Partial<RunConfig> = {}) =>
@@ -25,7 +29,9 @@ const started = (overrides: Partial<RunConfig> = {}) =>
     const harness = yield* provisioned(overrides)
     yield* harness.observe(RunEvents.TokenInEndpointReady())
     yield* harness.observe(RunEvents.TokenOutEndpointReady())
-    for (const stage of plan.stages) yield* harness.observe(RunEvents.StageReady({ runId, stageIndex: stage.stageIndex }))
+    for (const stage of plan.stages) {
+      yield* harness.observe(RunEvents.StageReady({ runId, stageIndex: stage.stageIndex }))
+    }
     return harness
   })
 
@@ -139,7 +145,10 @@ describe("run FSM deadlines", () => {
       yield* TestClock.adjust("31 seconds")
       assert.deepStrictEqual(yield* Fiber.join(outcome), {
         _tag: "Faulted",
-        reason: RunFaultReasons.ReadinessTimeout({ missingStages: [0, 1, 2], missingEndpoints: ["TokenIn", "TokenOut"] })
+        reason: RunFaultReasons.ReadinessTimeout({
+          missingStages: [0, 1, 2],
+          missingEndpoints: ["TokenIn", "TokenOut"]
+        })
       })
       yield* TestClock.adjust("2 seconds")
       const done = yield* Fiber.join(tornDown)

@@ -3,7 +3,6 @@
 // is replayed through the real RunActor (OrchestratorHarness, TestClock) and must produce the same transcript.
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Either, FastCheck as fc, TestContext } from "effect"
-import { isDeepStrictEqual } from "node:util"
 import { type NodeId, RunId } from "../src/domain/ids.js"
 import {
   isTerminalEvent,
@@ -36,7 +35,10 @@ const stageIndexArb = fc.integer({ min: 0, max: 3 })
 
 const opArb: fc.Arbitrary<Op> = fc.oneof(
   { weight: 3, arbitrary: fc.constant(ev(RunEvents.PoolReady({ nodes: stageNodes(plan) }))) },
-  { weight: 1, arbitrary: fc.constantFrom(ev(RunEvents.PoolReady({ nodes: [node(10)] })), ev(RunEvents.PoolReady({ nodes: [node(13)] }))) },
+  {
+    weight: 1,
+    arbitrary: fc.constantFrom(node(10), node(13)).map((n) => ev(RunEvents.PoolReady({ nodes: [n] })))
+  },
   { weight: 3, arbitrary: fc.constant(ev(RunEvents.PlanAvailable({ plan }))) },
   { weight: 1, arbitrary: fc.constant(ev(RunEvents.PlanAvailable({ plan: foreignPlan }))) },
   { weight: 6, arbitrary: stageIndexArb.map((stageIndex) => ev(RunEvents.StageReady({ runId, stageIndex }))) },
@@ -69,7 +71,10 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
       ev(RunEvents.EndpointFault({ runId, endpoint }))
     )
   },
-  { weight: 1, arbitrary: fc.integer({ min: 10, max: 13 }).map((n) => ev(RunEvents.MembershipLost({ runId, nodeId: node(n) }))) },
+  {
+    weight: 1,
+    arbitrary: fc.integer({ min: 10, max: 13 }).map((n) => ev(RunEvents.MembershipLost({ runId, nodeId: node(n) })))
+  },
   { weight: 1, arbitrary: fc.constantFrom(runId, foreignRunId).map((id) => ev(RunEvents.OperatorStop({ runId: id }))) },
   { weight: 4, arbitrary: stageIndexArb.map((stageIndex) => ev(RunEvents.StageStopped({ runId, stageIndex }))) },
   { weight: 2, arbitrary: fc.constant(ev(RunEvents.TokenEndpointsStopped())) },
@@ -125,7 +130,9 @@ const fold = (config: RunConfig, ops: ReadonlyArray<Op>) => {
   return entries
 }
 
-type Output = { readonly kind: "command"; readonly value: RunCommand } | { readonly kind: "event"; readonly value: LifecycleEvent }
+type Output =
+  | { readonly kind: "command"; readonly value: RunCommand }
+  | { readonly kind: "event"; readonly value: LifecycleEvent }
 
 const outputsOf = (step: Step): Array<Output> => [
   ...step.commands.map((value) => ({ kind: "command" as const, value })),
@@ -278,13 +285,23 @@ describe("run FSM properties", () => {
         for (const entry of fold(config, ops)) {
           for (const e of entry.step.events) {
             if (isTerminalEvent(e)) seen.add(e._tag === "RunCompleted" ? `RunCompleted:${e.reason}` : e._tag)
-            if (e._tag === "RunTornDown") seen.add(e.unconfirmedStages.length === 0 ? "TornDown:clean" : "TornDown:deadline")
+            if (e._tag === "RunTornDown") {
+              seen.add(e.unconfirmedStages.length === 0 ? "TornDown:clean" : "TornDown:deadline")
+            }
           }
         }
       }),
       { numRuns: 400, seed: 42 }
     )
-    for (const kind of ["RunCompleted:Eos", "RunCompleted:MaxTokens", "RunFaulted", "RunOperatorStopped", "TornDown:clean", "TornDown:deadline"]) {
+    const kinds = [
+      "RunCompleted:Eos",
+      "RunCompleted:MaxTokens",
+      "RunFaulted",
+      "RunOperatorStopped",
+      "TornDown:clean",
+      "TornDown:deadline"
+    ]
+    for (const kind of kinds) {
       assert.isTrue(seen.has(kind), `no generated sequence reached ${kind}`)
     }
   })
@@ -300,8 +317,8 @@ describe("run FSM properties", () => {
               if (entry.op._tag === "Advance") yield* harness.advanceTimeMs(entry.op.ms)
               else yield* harness.observe(entry.event!)
             }
-            assert.isTrue(isDeepStrictEqual(yield* harness.commands, entries.flatMap((e) => e.step.commands)))
-            assert.isTrue(isDeepStrictEqual(yield* harness.events, entries.flatMap((e) => e.step.events)))
+            assert.deepStrictEqual(yield* harness.commands, entries.flatMap((e) => e.step.commands))
+            assert.deepStrictEqual(yield* harness.events, entries.flatMap((e) => e.step.events))
             assert.deepStrictEqual(yield* harness.state, entries.at(-1)?.step.state ?? (yield* harness.state))
           }).pipe(Effect.scoped, Effect.provide(TestContext.TestContext))
         )

@@ -222,7 +222,9 @@ describe("run_fsm", () => {
 
       // Teardown commands are emitted for every provisioned stage and the local endpoints.
       const commands = yield* harness.commands
-      const stoppedStages = new Set(commands.flatMap((command) => command._tag === "StopRun" ? [command.stageIndex] : []))
+      const stoppedStages = new Set(
+        commands.flatMap((command) => command._tag === "StopRun" ? [command.stageIndex] : [])
+      )
       assert.deepStrictEqual(stoppedStages, new Set(plan.stages.map((stage) => stage.stageIndex)))
       assert.isTrue(commands.some((command) => command._tag === "TearDownTokenEndpoints"))
 
@@ -288,9 +290,11 @@ describe("run FSM beyond the seed", () => {
       const harness = yield* startedRun(plan)
       const before = yield* harness.state
       const other = RunId.make(8)
-      yield* harness.observe(RunEvents.StageFault({ runId: other, stageIndex: 0, reason: StageFaultReasons.WorkerCrashed() }))
+      const crashed = StageFaultReasons.WorkerCrashed()
+      yield* harness.observe(RunEvents.StageFault({ runId: other, stageIndex: 0, reason: crashed }))
       yield* harness.observe(RunEvents.OperatorStop({ runId: other }))
-      yield* harness.observe(RunEvents.PlanAvailable({ plan: testLinearPlan(other, [{ stageIndex: 0, nodeId: nodeId(10) }]) }))
+      const otherPlan = testLinearPlan(other, [{ stageIndex: 0, nodeId: nodeId(10) }])
+      yield* harness.observe(RunEvents.PlanAvailable({ plan: otherPlan }))
       assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 3 })
       assert.deepStrictEqual(rejections(yield* harness.events), ["ForeignRun", "ForeignRun", "ForeignRun"])
       assert.isUndefined(yield* harness.outcome)

@@ -348,7 +348,8 @@ describe("planner rejections beyond the seed", () => {
   it.effect("FixedLinear placement is balanced and deterministic", () =>
     Effect.gen(function*() {
       const plan = yield* planRun(validInput(4, 10))
-      assert.deepStrictEqual(plan.stages.map((s) => [s.layerStart, s.layerEndExclusive]), [[0, 3], [3, 6], [6, 8], [8, 10]])
+      const ranges = plan.stages.map((s) => [s.layerStart, s.layerEndExclusive])
+      assert.deepStrictEqual(ranges, [[0, 3], [3, 6], [6, 8], [8, 10]])
       assert.deepStrictEqual(yield* planRun(validInput(4, 10)), plan)
     }))
 

@@ -96,7 +96,9 @@ export const plannerInputFromArgs = (args: PlanArgs): Effect.Effect<PlannerInput
         tokenizer: { _tag: "EmbeddedInGguf" }
       }
     } else {
-      return yield* new PlanUsageError({ message: "give the layer count with --layers N or a GGUF file with --model PATH" })
+      return yield* new PlanUsageError({
+        message: "give the layer count with --layers N or a GGUF file with --model PATH"
+      })
     }
     const ring = (dataCapacity: number): RingSpec => ({
       dataCapacity,
@@ -173,7 +175,8 @@ export const renderPlan = (plan: RunPlan): string => {
 }
 
 /** A rejection in words: its kind and its message (which names the offending value). */
-export const renderRejection = (rejection: PlanRejection): string => `plan rejected (${rejection._tag}): ${rejection.message}`
+export const renderRejection = (rejection: PlanRejection): string =>
+  `plan rejected (${rejection._tag}): ${rejection.message}`
 
 /** Plans from parsed arguments and prints the result; fails (non-zero exit) after printing why. */
 export const runPlanCommand = (args: PlanArgs) =>

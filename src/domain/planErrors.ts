@@ -97,7 +97,8 @@ export class InvalidMaxTokens extends Schema.TaggedError<InvalidMaxTokens>()("In
   maxSeqLen: Schema.Number
 }) {
   override get message() {
-    return `max tokens ${this.maxTokens} is invalid: it must be between 1 and the model's max sequence length ${this.maxSeqLen}`
+    return `max tokens ${this.maxTokens} is invalid: ` +
+      `it must be between 1 and the model's max sequence length ${this.maxSeqLen}`
   }
 }
 

@@ -40,7 +40,14 @@ export const StageFaultReason = Schema.Union(
   Schema.TaggedStruct("StoppedUnexpectedly", {})
 )
 export type StageFaultReason = typeof StageFaultReason.Type
-export const StageFaultReasons = constructors<StageFaultReason>({ WorkerCrashed: true, ProvisionFailed: true, ModelLoadFailed: true, ExecutionFailed: true, TransportFailed: true, StoppedUnexpectedly: true })
+export const StageFaultReasons = constructors<StageFaultReason>({
+  WorkerCrashed: true,
+  ProvisionFailed: true,
+  ModelLoadFailed: true,
+  ExecutionFailed: true,
+  TransportFailed: true,
+  StoppedUnexpectedly: true
+})
 
 /** Why a run faulted. The first one observed is the run's reason; later ones never replace it. */
 export const RunFaultReason = Schema.Union(
@@ -58,7 +65,14 @@ export const RunFaultReason = Schema.Union(
   Schema.TaggedStruct("EndpointsStoppedUnexpectedly", {})
 )
 export type RunFaultReason = typeof RunFaultReason.Type
-export const RunFaultReasons = constructors<RunFaultReason>({ StageFault: true, EndpointFault: true, MembershipLost: true, ReadinessTimeout: true, TokenTimeout: true, EndpointsStoppedUnexpectedly: true })
+export const RunFaultReasons = constructors<RunFaultReason>({
+  StageFault: true,
+  EndpointFault: true,
+  MembershipLost: true,
+  ReadinessTimeout: true,
+  TokenTimeout: true,
+  EndpointsStoppedUnexpectedly: true
+})
 
 // ---------------------------------------------------------------------------------------------------------------
 // Token objects
@@ -74,7 +88,10 @@ export const TokenObjectPayload = Schema.Union(
   Schema.TaggedStruct("Decode", { tokenId: Schema.Number, sampling: SamplingData })
 )
 export type TokenObjectPayload = typeof TokenObjectPayload.Type
-export const TokenObjectPayloads = constructors<TokenObjectPayload>({ Prompt: true, Decode: true })
+export const TokenObjectPayloads = constructors<TokenObjectPayload>({
+  Prompt: true,
+  Decode: true
+})
 
 /** One object the orchestrator writes to the TokenIn edge. */
 export const TokenObjectInjection = Schema.Struct({ sequence: NonNegativeInt, payload: TokenObjectPayload })
@@ -101,7 +118,20 @@ export const RunEvent = Schema.Union(
   Schema.TaggedStruct("TokenEndpointsStopped", {})
 )
 export type RunEvent = typeof RunEvent.Type
-export const RunEvents = constructors<RunEvent>({ PoolReady: true, PlanAvailable: true, StageReady: true, TokenInEndpointReady: true, TokenOutEndpointReady: true, TokenReceived: true, StageFault: true, EndpointFault: true, MembershipLost: true, OperatorStop: true, StageStopped: true, TokenEndpointsStopped: true })
+export const RunEvents = constructors<RunEvent>({
+  PoolReady: true,
+  PlanAvailable: true,
+  StageReady: true,
+  TokenInEndpointReady: true,
+  TokenOutEndpointReady: true,
+  TokenReceived: true,
+  StageFault: true,
+  EndpointFault: true,
+  MembershipLost: true,
+  OperatorStop: true,
+  StageStopped: true,
+  TokenEndpointsStopped: true
+})
 
 // ---------------------------------------------------------------------------------------------------------------
 // Commands out
@@ -118,7 +148,14 @@ export const RunCommand = Schema.Union(
   Schema.TaggedStruct("TearDownTokenEndpoints", { runId: RunId })
 )
 export type RunCommand = typeof RunCommand.Type
-export const RunCommands = constructors<RunCommand>({ ProvisionStage: true, CreateTokenInEndpoint: true, CreateTokenOutEndpoint: true, InjectTokenObject: true, StopRun: true, TearDownTokenEndpoints: true })
+export const RunCommands = constructors<RunCommand>({
+  ProvisionStage: true,
+  CreateTokenInEndpoint: true,
+  CreateTokenOutEndpoint: true,
+  InjectTokenObject: true,
+  StopRun: true,
+  TearDownTokenEndpoints: true
+})
 
 // ---------------------------------------------------------------------------------------------------------------
 // Lifecycle events out
@@ -175,7 +212,16 @@ export const LifecycleEvent = Schema.Union(
   Schema.TaggedStruct("EventRejected", { runId: RunId, event: RunEvent, reason: RejectionReason })
 )
 export type LifecycleEvent = typeof LifecycleEvent.Type
-export const LifecycleEvents = constructors<LifecycleEvent>({ RunProvisioning: true, RunStarted: true, TokenAccepted: true, RunCompleted: true, RunFaulted: true, RunOperatorStopped: true, RunTornDown: true, EventRejected: true })
+export const LifecycleEvents = constructors<LifecycleEvent>({
+  RunProvisioning: true,
+  RunStarted: true,
+  TokenAccepted: true,
+  RunCompleted: true,
+  RunFaulted: true,
+  RunOperatorStopped: true,
+  RunTornDown: true,
+  EventRejected: true
+})
 
 /** The terminal lifecycle events: exactly one per run. */
 export type TerminalEvent = Extract<LifecycleEvent, { _tag: "RunCompleted" | "RunFaulted" | "RunOperatorStopped" }>

@@ -34,7 +34,10 @@ const make = (config: RunConfig): Effect.Effect<OrchestratorHarness, never, Scop
 
     // Everything the actor published before the last `send`/`sync` returned is already in the subscriptions.
     const drain = <A>(queue: Queue.Dequeue<A>, log: Ref.Ref<ReadonlyArray<A>>) =>
-      Effect.flatMap(Queue.takeAll(queue), (chunk) => Ref.updateAndGet(log, (xs) => [...xs, ...Chunk.toReadonlyArray(chunk)]))
+      Effect.flatMap(
+        Queue.takeAll(queue),
+        (chunk) => Ref.updateAndGet(log, (xs) => [...xs, ...Chunk.toReadonlyArray(chunk)])
+      )
     const commands = drain(commandQueue, commandLog)
     const events = drain(eventQueue, eventLog)
 

@@ -231,7 +231,8 @@ export const deriveStageProvisionEither = (
 export const deriveStageProvision = (
   plan: RunPlan,
   stageIndex: number
-): Effect.Effect<ProvisionStage, ProjectionRejection> => Effect.suspend(() => deriveStageProvisionEither(plan, stageIndex))
+): Effect.Effect<ProvisionStage, ProjectionRejection> =>
+  Effect.suspend(() => deriveStageProvisionEither(plan, stageIndex))
 
 /** The nodes hosting a plan's stages, in stage order. */
 export const stageNodes = (plan: RunPlan): ReadonlyArray<NodeId> =>
@@ -274,7 +275,13 @@ export const testLinearPlan = (runId: RunId, stages: ReadonlyArray<StageRef>): R
         hostPinning: "Pageable",
         wakeCoalescing: "PendingBit"
       },
-      tokenRing: { dataCapacity: 4096, alignment: 8, direction: "Egress", hostPinning: "Pageable", wakeCoalescing: "PendingBit" }
+      tokenRing: {
+        dataCapacity: 4096,
+        alignment: 8,
+        direction: "Egress",
+        hostPinning: "Pageable",
+        wakeCoalescing: "PendingBit"
+      }
     }),
     (rejection) => new Error(`testLinearPlan: ${rejection.message}`)
   )

@@ -183,7 +183,8 @@ const eventRunId = (event: RunEvent): number | undefined => {
 const planHasStage = (plan: RunPlan | undefined, stageIndex: number) =>
   plan !== undefined && plan.stages.some((s) => s.stageIndex === stageIndex)
 
-const isProvisioned = (state: RunState, stageIndex: number) => state.provisioned.some((s) => s.stageIndex === stageIndex)
+const isProvisioned = (state: RunState, stageIndex: number) =>
+  state.provisioned.some((s) => s.stageIndex === stageIndex)
 
 const maybeProvision = (em: Emitter, now: number) => {
   const { plan, pool, phase, config } = em.state
@@ -345,7 +346,9 @@ const applyEvent = (em: Emitter, event: RunEvent, now: number) => {
       if (isEos) return terminate(em, now, { _tag: "Completed", reason: "Eos", tokens: s.tokens })
       const tokens = [...s.tokens, event.tokenId]
       em.set({ tokens, inFlight: undefined })
-      em.events.push(LifecycleEvents.TokenAccepted({ runId: s.config.runId, sequence: event.sequence, tokenId: event.tokenId }))
+      em.events.push(
+        LifecycleEvents.TokenAccepted({ runId: s.config.runId, sequence: event.sequence, tokenId: event.tokenId })
+      )
       if (tokens.length >= s.config.maxTokens) {
         return terminate(em, now, { _tag: "Completed", reason: "MaxTokens", tokens })
       }
