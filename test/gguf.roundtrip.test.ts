@@ -124,6 +124,16 @@ describe("GgufWriter → GgufReader round trip", () => {
         tensors: [{ name: "x", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(3) }]
       }))
       assert.include(size.message, "x")
+      const chunks = yield* encodeGguf({
+        metadata: [],
+        tensors: [{ name: "y", type: GgmlType.F32, dims: [4], data: () => [new Uint8Array(8), new Uint8Array(8)] }]
+      })
+      assert.strictEqual(chunks.length, (yield* encodeGguf({ metadata: [], tensors: [tensor("y", GgmlType.F32, [4], 0)] })).length)
+      const over = yield* Effect.flip(encodeGguf({
+        metadata: [],
+        tensors: [{ name: "z", type: GgmlType.F32, dims: [4], data: () => [new Uint8Array(12), new Uint8Array(8)] }]
+      }))
+      assert.include(over.message, "z")
       const align = yield* Effect.flip(encodeGguf({ ...spec, alignment: 48 }))
       assert.include(align.message, "48")
     }))

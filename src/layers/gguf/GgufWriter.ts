@@ -45,8 +45,11 @@ export interface GgufTensorSpec {
   readonly type: number
   /** ggml order: dims[0] = ne0. */
   readonly dims: ReadonlyArray<number>
-  /** The tensor's bytes (exactly tensorBytes(type, dims)); called once, when the tensor is written. */
-  readonly data: () => Uint8Array
+  /**
+   * The tensor's bytes (exactly tensorBytes(type, dims) in all), whole or as consecutive chunks; called once, when the
+   * tensor is written. Each array must stay unmodified after it is handed over (it may be written later).
+   */
+  readonly data: () => Uint8Array | Iterable<Uint8Array>
 }
 
 export interface GgufWriteSpec {
@@ -301,10 +304,15 @@ const emit = (l: Layout, sink: (bytes: Uint8Array) => void): void => {
   for (const t of l.tensors) {
     if (t.rel > pos) sink(new Uint8Array(t.rel - pos))
     const data = t.spec.data()
-    if (data.length !== t.size) {
-      bad(`tensor "${t.spec.name}" data is ${data.length} bytes, its type and shape need ${t.size}`)
+    let written = 0
+    for (const chunk of data instanceof Uint8Array ? [data] : data) {
+      written += chunk.length
+      if (written > t.size) break
+      sink(chunk)
     }
-    sink(data)
+    if (written !== t.size) {
+      bad(`tensor "${t.spec.name}" data is ${written > t.size ? "over" : written} bytes, its type and shape need ${t.size}`)
+    }
     pos = t.rel + t.size
   }
 }

@@ -129,20 +129,41 @@ export const tensorRandom = (seed: number, name: string): () => number => {
   return next
 }
 
-/** `n` samples of mean + std * N(0, 1) (Box-Muller) for one named tensor. */
-export const syntheticValues = (seed: number, name: string, n: number, mean: number, std: number): Float32Array => {
+/**
+ * The endless stream of mean + std * N(0, 1) samples (Box-Muller pairs) of one named tensor; `fill` continues where the
+ * previous call stopped, so a tensor generated in chunks equals the tensor generated at once.
+ */
+export const gaussianStream = (seed: number, name: string, mean: number, std: number) => {
   const rnd = tensorRandom(seed, name)
-  const out = new Float32Array(n)
-  for (let i = 0; i < n; i += 2) {
-    const u1 = 1 - rnd()
-    const u2 = rnd()
-    const r = Math.sqrt(-2 * Math.log(u1)) * std
-    const th = 2 * Math.PI * u2
-    out[i] = mean + r * Math.cos(th)
-    if (i + 1 < n) out[i + 1] = mean + r * Math.sin(th)
+  let spare: number | undefined
+  return {
+    fill: (out: Float32Array): Float32Array => {
+      const n = out.length
+      let i = 0
+      if (spare !== undefined && n > 0) {
+        out[i++] = spare
+        spare = undefined
+      }
+      for (; i + 1 < n; i += 2) {
+        const r = Math.sqrt(-2 * Math.log(1 - rnd())) * std
+        const th = 2 * Math.PI * rnd()
+        out[i] = mean + r * Math.cos(th)
+        out[i + 1] = mean + r * Math.sin(th)
+      }
+      if (i < n) {
+        const r = Math.sqrt(-2 * Math.log(1 - rnd())) * std
+        const th = 2 * Math.PI * rnd()
+        out[i] = mean + r * Math.cos(th)
+        spare = mean + r * Math.sin(th)
+      }
+      return out
+    }
   }
-  return out
 }
+
+/** `n` samples of mean + std * N(0, 1) for one named tensor (the start of its gaussianStream). */
+export const syntheticValues = (seed: number, name: string, n: number, mean: number, std: number): Float32Array =>
+  gaussianStream(seed, name, mean, std).fill(new Float32Array(n))
 
 // ---------------------------------------------------------------------------------------------------------------
 // Vocabulary
@@ -323,6 +344,23 @@ const encode = (type: number, values: Float32Array, dims: ReadonlyArray<number>)
   }
 }
 
+/** Rows are generated and encoded this many elements at a time (whole rows), so no tensor is held whole in memory. */
+const DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+function* chunks(
+  type: number,
+  stream: ReturnType<typeof gaussianStream>,
+  n: number,
+  ne0: number,
+  chunkElements: number
+): Generator<Uint8Array> {
+  const rowsPerChunk = Math.max(1, Math.floor(chunkElements / ne0))
+  for (let done = 0; done < n; done += rowsPerChunk * ne0) {
+    const len = Math.min(rowsPerChunk * ne0, n - done)
+    yield encode(type, stream.fill(new Float32Array(len)), [ne0])
+  }
+}
+
 const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufTypedValue]> => {
   const a = o.arch
   const hd = o.headDim ?? o.hidden / o.heads
@@ -349,7 +387,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
 }
 
 /** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */
-export const syntheticModelSpec = (o: SyntheticModelOptions): {
+export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEFAULT_CHUNK_ELEMENTS): {
   readonly metadata: ReadonlyArray<readonly [string, GgufTypedValue]>
   readonly tensors: ReadonlyArray<GgufTensorSpec>
   readonly fallbacks: ReadonlyArray<string>
@@ -363,7 +401,7 @@ export const syntheticModelSpec = (o: SyntheticModelOptions): {
       name: t.name,
       type,
       dims: t.dims,
-      data: () => encode(type, syntheticValues(o.seed, t.name, n, t.mean, t.std), t.dims)
+      data: () => chunks(type, gaussianStream(o.seed, t.name, t.mean, t.std), n, t.dims[0]!, chunkElements)
     }
   })
   return { metadata: metadataFor(o), tensors, fallbacks }
