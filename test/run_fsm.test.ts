@@ -6,7 +6,7 @@ import { assert, describe, it } from "@effect/vitest"
 import { Effect, Schema } from "effect"
 import { isDeepStrictEqual } from "node:util"
 import { type NodeId, RunId } from "../src/domain/ids.js"
-import type { RunPlan } from "../src/domain/plan.js"
+import { RunPlan } from "../src/domain/plan.js"
 import {
   LifecycleEvent,
   LifecycleEvents,
@@ -381,6 +381,23 @@ describe("run FSM beyond the seed", () => {
       yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 1 }))
       yield* harness.observe(RunEvents.TokenEndpointsStopped())
       assert.strictEqual((yield* harness.state).phase, "TornDown")
+    }))
+
+  it.scoped("a plan that is not a coherent pipeline is rejected and never provisioned", () =>
+    Effect.gen(function*() {
+      const plan = committedPlan()
+      const truncated = new RunPlan({ ...plan, stages: plan.stages.slice(0, 2) })
+      const edgeless = new RunPlan({ ...plan, edges: plan.edges.filter((edge) => edge.kind !== "TokenOut") })
+      for (const bad of [truncated, edgeless]) {
+        const harness = yield* newRun()
+        yield* harness.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
+        yield* harness.observe(RunEvents.PlanAvailable({ plan: bad }))
+        assert.deepStrictEqual(rejections(yield* harness.events), ["InvalidPlan"])
+        assert.deepStrictEqual(yield* harness.commands, [])
+        // The committed plan is still accepted afterwards.
+        yield* harness.observe(RunEvents.PlanAvailable({ plan }))
+        assert.strictEqual((yield* harness.commands).filter((c) => c._tag === "ProvisionStage").length, 3)
+      }
     }))
 
   it.effect("a config with maxTokens 0 or an empty prompt is refused", () =>

@@ -182,7 +182,9 @@ export const RejectionReason = Schema.Literal(
   /** A token for a sequence that is not the one in flight. */
   "SequenceNotInFlight",
   /** A second plan after one was committed. */
-  "PlanAlreadyCommitted"
+  "PlanAlreadyCommitted",
+  /** A plan that is not a coherent linear pipeline (no stages, stage indices not 0..n-1, an edge missing). */
+  "InvalidPlan"
 )
 export type RejectionReason = typeof RejectionReason.Type
 

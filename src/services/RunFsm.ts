@@ -7,7 +7,7 @@
  * - `RunActor.make(config)` wraps it in a fiber that takes events from a `Queue`, reads time from `Clock`, sleeps
  *   until the next deadline, and publishes commands and lifecycle events on two `PubSub`s.
  */
-import { Clock, Data, Deferred, Duration, Effect, Either, PubSub, Queue, Ref, type Scope } from "effect"
+import { Clock, Data, Deferred, Duration, Effect, Either, Option, PubSub, Queue, Ref, type Scope } from "effect"
 import type { NodeId } from "../domain/ids.js"
 import type { RunPlan } from "../domain/plan.js"
 import {
@@ -183,6 +183,14 @@ const eventRunId = (event: RunEvent): number | undefined => {
 const planHasStage = (plan: RunPlan | undefined, stageIndex: number) =>
   plan !== undefined && plan.stages.some((s) => s.stageIndex === stageIndex)
 
+/** At least one stage, stage indices 0..n-1 each once, each knowing n, and every stage projects (its edges exist). */
+const isCoherentPlan = (plan: RunPlan) => {
+  const n = plan.stages.length
+  const indices = plan.stages.map((s) => s.stageIndex).sort((a, b) => a - b)
+  return n > 0 && indices.every((index, i) => index === i) && plan.stages.every((s) => s.stageCount === n) &&
+    plan.stages.every((s) => Either.isRight(deriveStageProvisionEither(plan, s.stageIndex)))
+}
+
 const isProvisioned = (state: RunState, stageIndex: number) =>
   state.provisioned.some((s) => s.stageIndex === stageIndex)
 
@@ -190,12 +198,11 @@ const maybeProvision = (em: Emitter, now: number) => {
   const { plan, pool, phase, config } = em.state
   if (phase !== "Waiting" || plan === undefined) return
   if (!plan.stages.every((s) => pool.includes(s.nodeId))) return
-  const stages = [...plan.stages].sort((a, b) => a.stageIndex - b.stageIndex)
-  for (const stage of stages) {
-    const provision = deriveStageProvisionEither(plan, stage.stageIndex)
-    // A planner-made plan always projects; Left would mean a hand-made inconsistent plan, and is skipped.
-    if (Either.isRight(provision)) em.commands.push(RunCommands.ProvisionStage({ provision: provision.right }))
-  }
+  // PlanAvailable only accepts plans whose every stage projects, so this drops nothing.
+  const provisions = [...plan.stages]
+    .sort((a, b) => a.stageIndex - b.stageIndex)
+    .flatMap((stage) => Either.getRight(deriveStageProvisionEither(plan, stage.stageIndex)).pipe(Option.toArray))
+  for (const provision of provisions) em.commands.push(RunCommands.ProvisionStage({ provision }))
   const tokenIn = plan.edges.find((e) => e.kind === "TokenIn")
   const tokenOut = plan.edges.find((e) => e.kind === "TokenOut")
   if (tokenIn !== undefined) em.commands.push(RunCommands.CreateTokenInEndpoint({ runId: config.runId, edge: tokenIn }))
@@ -204,11 +211,11 @@ const maybeProvision = (em: Emitter, now: number) => {
   }
   em.set({
     phase: "Provisioning",
-    provisioned: stages.map((s) => ({ stageIndex: s.stageIndex, nodeId: s.nodeId })),
+    provisioned: provisions.map((p) => ({ stageIndex: p.stageIndex, nodeId: p.nodeId })),
     endpointsCreated: true,
     deadline: { _tag: "Readiness", at: now + config.readinessTimeoutMs }
   })
-  em.events.push(LifecycleEvents.RunProvisioning({ runId: config.runId, stageCount: stages.length }))
+  em.events.push(LifecycleEvents.RunProvisioning({ runId: config.runId, stageCount: plan.stages.length }))
 }
 
 const inject = (em: Emitter, now: number, sequence: number, payload: TokenObjectPayload) => {
@@ -319,6 +326,7 @@ const applyEvent = (em: Emitter, event: RunEvent, now: number) => {
     case "PlanAvailable": {
       if (terminal) return reject(em, event, "AlreadyTerminal")
       if (s.plan !== undefined) return reject(em, event, "PlanAlreadyCommitted")
+      if (!isCoherentPlan(event.plan)) return reject(em, event, "InvalidPlan")
       em.set({ plan: event.plan })
       return maybeProvision(em, now)
     }
