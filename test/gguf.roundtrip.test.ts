@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
-import { mkdtempSync, readFileSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
@@ -108,6 +108,23 @@ describe("GgufWriter → GgufReader round trip", () => {
       const v2 = yield* parseGgufBytes(yield* encodeGguf({ ...spec, version: 2 }))
       assert.strictEqual(v2.version, 2)
       assert.strictEqual(v2.tensors.length, 5)
+    }))
+
+  // A write that fails half-way leaves neither the target nor its temporary file behind.
+  it.effect("a failed write leaves nothing behind", () =>
+    Effect.gen(function*() {
+      const path = join(dir, "half.gguf")
+      const err = yield* Effect.flip(writeGgufFile(path, {
+        metadata: [],
+        tensors: [
+          tensor("ok", GgmlType.F32, [4], 0),
+          { name: "boom", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(15) }
+        ]
+      }))
+      assert.strictEqual(err._tag, "GgufWriteError")
+      assert.include(err.message, "boom")
+      assert.isFalse(existsSync(path))
+      assert.deepStrictEqual(readdirSync(dir).filter((f) => f.startsWith("half.gguf")), [])
     }))
 
   // The writer refuses what the reader would refuse.

@@ -4,7 +4,7 @@
  * lazily, one tensor at a time, so files larger than memory can be written.
  */
 import * as Fs from "node:fs"
-import { Data, Effect } from "effect"
+import { Data, Effect, Exit } from "effect"
 import { ggmlTypeName, GgmlShapeError, tensorBytes } from "../../domain/ggmlTypes.js"
 import { type GgufValue, GgufValueType } from "../../domain/gguf.js"
 import { GGML_MAX_NAME, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC } from "./GgufReader.js"
@@ -297,25 +297,37 @@ const layout = (spec: GgufWriteSpec): Layout => {
   return { header: out.result(), dataOffset, alignment, tensors, totalBytes }
 }
 
-/** Streams the file through `sink`; tensor data after the last tensor is not padded. */
-const emit = (l: Layout, sink: (bytes: Uint8Array) => void): void => {
-  sink(l.header)
+type Sink = (bytes: Uint8Array) => void
+
+/** The file as consecutive parts (header+table, then each tensor with the padding before it); no padding at the end. */
+const parts = (l: Layout): ReadonlyArray<(sink: Sink) => void> => {
+  const out: Array<(sink: Sink) => void> = [(sink) => sink(l.header)]
   let pos = 0
   for (const t of l.tensors) {
-    if (t.rel > pos) sink(new Uint8Array(t.rel - pos))
-    const data = t.spec.data()
-    let written = 0
-    for (const chunk of data instanceof Uint8Array ? [data] : data) {
-      written += chunk.length
-      if (written > t.size) break
-      sink(chunk)
-    }
-    if (written !== t.size) {
-      bad(`tensor "${t.spec.name}" data is ${written > t.size ? "over" : written} bytes, its type and shape need ${t.size}`)
-    }
+    const gap = t.rel - pos
+    out.push((sink) => {
+      if (gap > 0) sink(new Uint8Array(gap))
+      const data = t.spec.data()
+      let written = 0
+      for (const chunk of data instanceof Uint8Array ? [data] : data) {
+        written += chunk.length
+        if (written > t.size) break
+        sink(chunk)
+      }
+      if (written !== t.size) {
+        bad(`tensor "${t.spec.name}" data is ${written > t.size ? "over" : written} bytes, its type and shape need ${t.size}`)
+      }
+    })
     pos = t.rel + t.size
   }
+  return out
 }
+
+const writeError = (path: string) => (e: unknown) =>
+  new GgufWriteError({
+    path,
+    message: e instanceof SpecError ? e.message : e instanceof Error ? e.message : String(e)
+  })
 
 /** Encodes a whole GGUF file in memory (small files: tests, corpora). */
 export const encodeGguf = (spec: GgufWriteSpec): Effect.Effect<Uint8Array, GgufWriteError> =>
@@ -324,51 +336,57 @@ export const encodeGguf = (spec: GgufWriteSpec): Effect.Effect<Uint8Array, GgufW
       const l = layout(spec)
       const out = new Uint8Array(l.totalBytes)
       let at = 0
-      emit(l, (b) => {
-        out.set(b, at)
-        at += b.length
-      })
+      for (const part of parts(l)) {
+        part((b) => {
+          out.set(b, at)
+          at += b.length
+        })
+      }
       return out
     },
-    catch: (e) => new GgufWriteError({ path: "<memory>", message: e instanceof SpecError ? e.message : String(e) })
+    catch: writeError("<memory>")
   })
 
-/** Writes a GGUF file, replacing `path` (written to `path.tmp-*` first, then renamed). */
+/**
+ * Writes a GGUF file, replacing `path`: written to `path.tmp-<pid>` first, renamed when complete, removed on failure or
+ * interruption. Yields between tensors, so a long write can be interrupted.
+ */
 export const writeGgufFile = (path: string, spec: GgufWriteSpec): Effect.Effect<GgufWriteSummary, GgufWriteError> =>
-  Effect.try({
-    try: () => {
-      const l = layout(spec)
-      const tmp = `${path}.tmp-${process.pid}`
-      const fd = Fs.openSync(tmp, "w")
-      try {
-        const pending: Array<Uint8Array> = []
-        let pendingBytes = 0
-        const flush = () => {
-          if (pendingBytes === 0) return
-          const chunk = pending.length === 1 ? pending[0]! : Buffer.concat(pending)
-          let off = 0
-          while (off < chunk.length) off += Fs.writeSync(fd, chunk, off, chunk.length - off)
-          pending.length = 0
-          pendingBytes = 0
-        }
-        emit(l, (b) => {
-          pending.push(b)
-          pendingBytes += b.length
-          if (pendingBytes >= 1 << 22) flush()
+  Effect.gen(function*() {
+    const catchError = writeError(path)
+    const l = yield* Effect.try({ try: () => layout(spec), catch: catchError })
+    const tmp = `${path}.tmp-${process.pid}`
+    yield* Effect.acquireUseRelease(
+      Effect.try({ try: () => Fs.openSync(tmp, "w"), catch: catchError }),
+      (fd) =>
+        Effect.gen(function*() {
+          const pending: Array<Uint8Array> = []
+          let pendingBytes = 0
+          const flush = () => {
+            if (pendingBytes === 0) return
+            const chunk = pending.length === 1 ? pending[0]! : Buffer.concat(pending)
+            let off = 0
+            while (off < chunk.length) off += Fs.writeSync(fd, chunk, off, chunk.length - off)
+            pending.length = 0
+            pendingBytes = 0
+          }
+          const sink: Sink = (b) => {
+            pending.push(b)
+            pendingBytes += b.length
+            if (pendingBytes >= 1 << 22) flush()
+          }
+          for (const part of parts(l)) {
+            yield* Effect.try({ try: () => part(sink), catch: catchError })
+            yield* Effect.yieldNow()
+          }
+          yield* Effect.try({ try: flush, catch: catchError })
+        }),
+      (fd, exit) =>
+        Effect.sync(() => {
+          Fs.closeSync(fd)
+          if (Exit.isFailure(exit)) Fs.rmSync(tmp, { force: true })
         })
-        flush()
-      } catch (e) {
-        Fs.closeSync(fd)
-        Fs.rmSync(tmp, { force: true })
-        throw e
-      }
-      Fs.closeSync(fd)
-      Fs.renameSync(tmp, path)
-      return { path, bytes: l.totalBytes, tensors: l.tensors.length, dataOffset: l.dataOffset }
-    },
-    catch: (e) =>
-      new GgufWriteError({
-        path,
-        message: e instanceof SpecError ? e.message : e instanceof Error ? e.message : String(e)
-      })
-  })
+    )
+    yield* Effect.try({ try: () => Fs.renameSync(tmp, path), catch: catchError })
+    return { path, bytes: l.totalBytes, tensors: l.tensors.length, dataOffset: l.dataOffset }
+  }).pipe(Effect.withSpan("GgufWriter.writeGgufFile", { attributes: { path } }))
