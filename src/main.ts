@@ -8,12 +8,16 @@ import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
 import { Effect } from "effect"
 import { planCommand } from "./cli/PlanCommand.js"
 import { synthCommand } from "./cli/SynthCommand.js"
+import { nodeCommand } from "./cli/NodeCommand.js"
+import { runCommand } from "./cli/RunCommand.js"
 
 const swactor = Command.make("swactor").pipe(
   Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
   Command.withSubcommands([
     planCommand,
-    synthCommand
+    synthCommand,
+    nodeCommand,
+    runCommand
   ])
 )
 

@@ -3,7 +3,10 @@ import { randomBytes } from "node:crypto"
 import { dirname, join } from "node:path"
 import { fileURLToPath, pathToFileURL } from "node:url"
 import { createRequire } from "node:module"
-import { Deferred, Duration, Effect, Schema, type Scope } from "effect"
+import * as Dgram from "node:dgram"
+import { Deferred, Duration, Effect, Layer, Schema, type Scope } from "effect"
+import { NodeId } from "../domain/ids.js"
+import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
 
 /** The line a node agent prints on stdout once it listens: `swactor-node-ready {"host":…,"port":…,"pid":…}`. */
 export const readyLinePrefix = "swactor-node-ready "
@@ -28,6 +31,8 @@ export interface LocalAgent {
   readonly pid: number
   readonly host: string
   readonly port: number
+  /** Port of its data-plane listener. */
+  readonly dataPort: number
   /** host:port of its control plane. */
   readonly address: string
   /** Completes when the process has exited. */
@@ -101,7 +106,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
     const { command, args: argv } = swactorCommand(args)
     const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"
     const exited = yield* Deferred.make<AgentExit>()
-    const ready = yield* Deferred.make<{ host: string; port: number }, AgentSpawnError>()
+    const ready = yield* Deferred.make<{ host: string; port: number; dataPort: number }, AgentSpawnError>()
     const stderr = tailBuffer(8192)
 
     const child = yield* Effect.acquireRelease(
@@ -150,8 +155,8 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
         stdoutBuffer = stdoutBuffer.slice(newline + 1)
         if (line.startsWith(readyLinePrefix)) {
           try {
-            const announced = JSON.parse(line.slice(readyLinePrefix.length)) as { host: string; port: number }
-            Deferred.unsafeDone(ready, Effect.succeed({ host: announced.host, port: announced.port }))
+            const announced = JSON.parse(line.slice(readyLinePrefix.length)) as { host: string; port: number; dataPort: number }
+            Deferred.unsafeDone(ready, Effect.succeed(announced))
           } catch {
             Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: `bad ready line: ${line}` })))
           }
@@ -176,6 +181,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       pid: child.pid ?? -1,
       host: announced.host,
       port: announced.port,
+      dataPort: announced.dataPort,
       address: `${announced.host}:${announced.port}`,
       exited: Deferred.await(exited),
       stderrTail: stderr.get
@@ -221,8 +227,105 @@ export const watchParentPipe = (onParentGone: () => void): void => {
 }
 
 /** Agent side: announce the bound address to the parent. */
-export const announceReady = (host: string, port: number): void => {
-  process.stdout.write(`${readyLinePrefix}${JSON.stringify({ host, port, pid: process.pid })}\n`)
+export const announceReady = (host: string, port: number, dataPort: number): void => {
+  process.stdout.write(`${readyLinePrefix}${JSON.stringify({ host, port, dataPort, pid: process.pid })}\n`)
 }
 
 export const defaultStartTimeout = Duration.seconds(60)
+
+// ---------------------------------------------------------------------------------------------
+// AgentPool layers: local child processes, or remote nodes
+// ---------------------------------------------------------------------------------------------
+
+export interface LocalPoolOptions {
+  /** Default engine threads of each agent (a run may override per stage). */
+  readonly threads?: number
+  readonly engine?: "live" | "test"
+  /** Agents when a request does not say how many stages (default 1). */
+  readonly defaultStages?: number
+  readonly extraArgs?: (index: number) => ReadonlyArray<string>
+  readonly env?: Readonly<Record<string, string>>
+  readonly inheritStderr?: boolean
+  /** Called with the agents once they are up (tests use it to find pids). */
+  readonly onStarted?: (agents: ReadonlyArray<LocalAgent>) => void
+}
+
+/** Every run starts its own agents on this machine (one per stage) with a fresh cluster token. */
+export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> =>
+  Layer.succeed(
+    AgentPool,
+    AgentPool.of({
+      acquire: (stages) =>
+        Effect.gen(function*() {
+          const count = stages ?? options.defaultStages ?? 1
+          if (!Number.isSafeInteger(count) || count < 1) {
+            return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` })
+          }
+          const token = generateToken()
+          const agents = yield* spawnLocalAgents({
+            count,
+            token,
+            ...(options.threads === undefined ? {} : { threads: options.threads }),
+            ...(options.engine === undefined ? {} : { engine: options.engine }),
+            ...(options.extraArgs === undefined ? {} : { extraArgs: options.extraArgs }),
+            ...(options.env === undefined ? {} : { env: options.env }),
+            ...(options.inheritStderr === undefined ? {} : { inheritStderr: options.inheritStderr })
+          })
+          options.onStarted?.(agents)
+          const nodes = agents.map((agent) => ({ nodeId: NodeId.make(agent.index + 1), address: agent.address }))
+          const exited = Effect.raceAll(
+            agents.map((agent, index) =>
+              Effect.map(agent.exited, (exit) => ({
+                node: nodes[index]!,
+                reason: `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
+                  (agent.stderrTail().trim() === "" ? "" : `: ${agent.stderrTail().trim().split("\n").slice(-3).join(" | ")}`)
+              }))
+            )
+          )
+          return { nodes, token, listenHost: "127.0.0.1", exited } satisfies AgentSet
+        })
+    })
+  )
+
+/** The local address this machine uses to reach `host` (so remote agents can connect back). */
+export const routeHostFor = (host: string): Effect.Effect<string> =>
+  Effect.async<string>((resume) => {
+    const socket = Dgram.createSocket(host.includes(":") ? "udp6" : "udp4")
+    socket.on("error", () => {
+      socket.close()
+      resume(Effect.succeed("0.0.0.0"))
+    })
+    socket.connect(9, host, () => {
+      const local = socket.address().address
+      socket.close()
+      resume(Effect.succeed(local))
+    })
+  })
+
+export interface RemotePoolOptions {
+  /** host:port of each agent's control plane. */
+  readonly nodes: ReadonlyArray<string>
+  readonly token: string
+  /** Where the orchestrator's data listener binds (default: the local address that routes to the first node). */
+  readonly listenHost?: string
+}
+
+/** Runs use the given remote agents; a run of more stages than nodes places stage i on node i mod n. */
+export const remoteAgentPool = (options: RemotePoolOptions): Layer.Layer<AgentPool> =>
+  Layer.succeed(
+    AgentPool,
+    AgentPool.of({
+      acquire: () =>
+        Effect.gen(function*() {
+          if (options.nodes.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
+          const first = options.nodes[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
+          const listenHost = options.listenHost ?? (yield* routeHostFor(first))
+          return {
+            nodes: options.nodes.map((address, index) => ({ nodeId: NodeId.make(index + 1), address })),
+            token: options.token,
+            listenHost,
+            exited: Effect.never
+          } satisfies AgentSet
+        })
+    })
+  )

@@ -11,10 +11,19 @@
 import * as Os from "node:os"
 import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Schedule, type Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../domain/engine.js"
-import { ActivationFrame, type DataFrame, describeFault, type EdgeFault, TokenFrame } from "../domain/frames.js"
+import {
+  ActivationFrame,
+  type DataFrame,
+  describeFault,
+  type EdgeFault,
+  TokenFrame,
+  type TransportAddress
+} from "../domain/frames.js"
 import type { RunId } from "../domain/ids.js"
 import type { SamplingPolicy } from "../domain/plan.js"
 import {
+  AgentHello,
+  type AgentUnavailable,
   type DataListener,
   DataPlane,
   type EdgeSender,
@@ -27,6 +36,7 @@ import {
 import { NodeCapacity } from "../services/Membership.js"
 import { type LoadedStage, StageExecutor } from "../services/StageExecutor.js"
 import { makeSampler } from "../services/Sampler.js"
+import { serveControl } from "./AgentControlLive.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -304,3 +314,51 @@ export const makeStageHost = (
   })
 
 const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }
+
+// ---------------------------------------------------------------------------------------------
+// The agent process
+// ---------------------------------------------------------------------------------------------
+
+export interface NodeAgentOptions {
+  /** Control-plane address (host:port). */
+  readonly listen: TransportAddress
+  /** Data-plane address (default: the control host, an ephemeral port). */
+  readonly dataListen?: TransportAddress
+  /** Data address to tell orchestrators (default: the bound one; the connection's local address for wildcard binds). */
+  readonly dataAdvertise?: TransportAddress
+  readonly token: string
+  readonly threads: number
+  readonly backend: "cpu" | "cuda" | "auto"
+}
+
+export interface RunningAgent {
+  readonly control: TransportAddress
+  readonly data: TransportAddress
+}
+
+const isWildcard = (host: string) => host === "0.0.0.0" || host === "::" || host === ""
+
+/** Serves stages until the scope closes: data listener, stage host, authenticated control link. */
+export const startNodeAgent = (
+  options: NodeAgentOptions
+): Effect.Effect<RunningAgent, AgentUnavailable | EdgeFault, Scope.Scope | StageExecutor | DataPlane> =>
+  Effect.gen(function*() {
+    const dataPlane = yield* DataPlane
+    const controlHost = options.listen._tag === "Tcp" ? options.listen.host : "127.0.0.1"
+    const listener = yield* dataPlane.listen(options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 }, options.token)
+    const host = yield* makeStageHost(listener, { token: options.token, threads: options.threads, backend: options.backend })
+    const advertised = options.dataAdvertise ?? listener.address
+    const control = yield* serveControl({
+      address: options.listen,
+      token: options.token,
+      host,
+      hello: (localAddress) =>
+        new AgentHello({
+          dataAddress: advertised._tag === "Tcp" && isWildcard(advertised.host) && localAddress !== undefined
+            ? { ...advertised, host: localAddress.replace(/^::ffff:/, "") }
+            : advertised,
+          pid: process.pid
+        })
+    })
+    return { control, data: listener.address }
+  })

@@ -1,0 +1,106 @@
+/**
+ * swactor's pipeline API.
+ *
+ * Effect: `generate(request)` is a `Stream` of generated tokens whose failure channel is the typed
+ * union `GenerateError` (plan rejections, model load errors, pool/agent errors, run faults);
+ * `run(request)` also streams start-up progress and ends with a summary. Both need an
+ * `Orchestrator`: `layerLocal()` starts one agent process per stage on this machine,
+ * `layerRemote({ nodes, token })` uses agents already running elsewhere (`swactor node`).
+ *
+ * Promise / AsyncIterable: `createClient(options)` wraps the same thing for non-Effect callers.
+ */
+import { Effect, Layer, ManagedRuntime, Option, Stream } from "effect"
+import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
+import * as AgentControlLive from "../layers/AgentControlLive.js"
+import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/LocalAgents.js"
+import * as MembershipLive from "../layers/MembershipLive.js"
+import * as OrchestratorLive from "../layers/OrchestratorLive.js"
+import * as TokenizerLive from "../layers/TokenizerLive.js"
+import {
+  type GeneratedToken,
+  type GenerateError,
+  type GenerateRequest,
+  Orchestrator,
+  type RunSummary,
+  type RunUpdate
+} from "../services/Orchestrator.js"
+
+export type { GeneratedToken, GenerateError, GenerateRequest, RunSummary, RunUpdate }
+
+/** Every update of one run: progress, tokens, then the summary. Interrupting it stops the run. */
+export const run = (request: GenerateRequest): Stream.Stream<RunUpdate, GenerateError, Orchestrator> =>
+  Stream.unwrap(Effect.map(Orchestrator, (orchestrator) => orchestrator.run(request)))
+
+/** The generated tokens of one run, as they come back from the last stage. */
+export const generate = (request: GenerateRequest): Stream.Stream<GeneratedToken, GenerateError, Orchestrator> =>
+  run(request).pipe(Stream.filterMap((update) => (update._tag === "Token" ? Option.some(update.token) : Option.none())))
+
+/** The whole text and the summary of one run. */
+export const complete = (
+  request: GenerateRequest
+): Effect.Effect<{ readonly text: string; readonly summary: RunSummary }, GenerateError, Orchestrator> =>
+  run(request).pipe(
+    Stream.runFold({ text: "", summary: undefined as RunSummary | undefined }, (acc, update) =>
+      update._tag === "Token"
+        ? { ...acc, text: acc.text + update.token.text }
+        : update._tag === "Finished"
+        ? { ...acc, summary: update.summary }
+        : acc),
+    Effect.map(({ summary, text }) => ({ text, summary: summary! }))
+  )
+
+const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlLive.layer, dataPlaneLayer)
+
+/** Orchestrator whose runs each start their own agents on this machine (one child process per stage). */
+export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<Orchestrator> =>
+  OrchestratorLive.layer.pipe(Layer.provide(Layer.merge(services, localAgentPool(options))))
+
+/** Orchestrator over agents already running (`swactor node`) at `nodes`, which share `token`. */
+export const layerRemote = (options: RemotePoolOptions): Layer.Layer<Orchestrator> =>
+  OrchestratorLive.layer.pipe(Layer.provide(Layer.merge(services, remoteAgentPool(options))))
+
+// ---------------------------------------------------------------------------------------------
+// Promise / AsyncIterable facade
+// ---------------------------------------------------------------------------------------------
+
+export interface ClientOptions {
+  /** Remote agents (host:port); omit to start local agents per run. */
+  readonly nodes?: ReadonlyArray<string>
+  /** Cluster token of the remote agents (default: SWACTOR_CLUSTER_TOKEN). */
+  readonly token?: string
+  /** Default engine threads of local agents. */
+  readonly threads?: number
+}
+
+export interface Client {
+  /** Tokens as they are generated; `break` out of the loop to stop the run (it is torn down). */
+  readonly stream: (request: GenerateRequest) => AsyncIterable<GeneratedToken>
+  /** Progress, tokens and the summary. */
+  readonly updates: (request: GenerateRequest) => AsyncIterable<RunUpdate>
+  /** The whole text and the run's summary; rejects with the typed error (`error._tag`, `error.message`). */
+  readonly complete: (request: GenerateRequest) => Promise<{ readonly text: string; readonly summary: RunSummary }>
+  readonly close: () => Promise<void>
+}
+
+export const createClient = (options: ClientOptions = {}): Client => {
+  const layer = options.nodes !== undefined && options.nodes.length > 0
+    ? layerRemote({ nodes: options.nodes, token: options.token ?? process.env["SWACTOR_CLUSTER_TOKEN"] ?? "" })
+    : layerLocal(options.threads === undefined ? {} : { threads: options.threads })
+  const runtime = ManagedRuntime.make(layer)
+  const iterate = <A>(stream: Stream.Stream<A, GenerateError, Orchestrator>): AsyncIterable<A> => ({
+    [Symbol.asyncIterator]: () => {
+      let inner: AsyncIterator<A> | undefined
+      const start = async () => (inner ??= Stream.toAsyncIterableRuntime(stream, await runtime.runtime())[Symbol.asyncIterator]())
+      return {
+        next: async () => (await start()).next(),
+        return: async (value?: unknown) => (await start()).return?.(value) ?? { done: true, value: undefined }
+      }
+    }
+  })
+  return {
+    stream: (request) => iterate(generate(request)),
+    updates: (request) => iterate(run(request)),
+    complete: (request) => runtime.runPromise(complete(request)),
+    close: () => runtime.dispose()
+  }
+}

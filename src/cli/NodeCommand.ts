@@ -1,0 +1,118 @@
+/**
+ * `swactor node`: a node agent. Hosts stages for any orchestrator that proves the cluster token
+ * (SWACTOR_CLUSTER_TOKEN or --token-file), binds 127.0.0.1 unless told otherwise, and prints
+ * `swactor-node-ready {...}` on stdout once it listens.
+ */
+import * as Command from "@effect/cli/Command"
+import * as Options from "@effect/cli/Options"
+import { readFileSync } from "node:fs"
+import * as Os from "node:os"
+import { Console, Data, Effect, Layer, Option } from "effect"
+import type { TransportAddress } from "../domain/frames.js"
+import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
+import { formatAddress, parseAddress } from "../layers/AgentControlLive.js"
+import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/LocalAgents.js"
+import { startNodeAgent } from "../layers/NodeAgent.js"
+import * as StageExecutorLive from "../layers/StageExecutorLive.js"
+import * as StageExecutorTest from "../layers/StageExecutorTest.js"
+import { StageExecutor } from "../services/StageExecutor.js"
+
+export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
+
+/** Test hook: SWACTOR_TEST_FAULT=stall-load makes every stage load hang (an agent that never becomes ready). */
+const faultHook = process.env["SWACTOR_TEST_FAULT"]
+
+const stallingExecutor = Layer.effect(
+  StageExecutor,
+  Effect.map(StageExecutor, (executor) => ({ ...executor, load: () => Effect.never }))
+)
+
+const address = (text: string, flag: string): Effect.Effect<TransportAddress, NodeUsageError> => {
+  const parsed = parseAddress(text)
+  return parsed === undefined
+    ? Effect.fail(new NodeUsageError({ message: `--${flag}: "${text}" is not host:port` }))
+    : Effect.succeed(parsed)
+}
+
+export interface NodeArgs {
+  readonly listen: string
+  readonly dataListen: Option.Option<string>
+  readonly dataAdvertise: Option.Option<string>
+  readonly threads: Option.Option<number>
+  readonly backend: "cpu" | "cuda" | "auto"
+  readonly engine: "live" | "test"
+  readonly tokenFile: Option.Option<string>
+}
+
+export const runNodeCommand = (args: NodeArgs) =>
+  Effect.gen(function*() {
+    const token = Option.isSome(args.tokenFile)
+      ? readFileSync(args.tokenFile.value, "utf8").trim()
+      : process.env[clusterTokenEnv] ?? ""
+    if (token.length < 16) {
+      return yield* new NodeUsageError({
+        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least 16 characters)`
+      })
+    }
+    const listen = yield* address(args.listen, "listen")
+    const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
+    const dataAdvertise = Option.isSome(args.dataAdvertise)
+      ? yield* address(args.dataAdvertise.value, "data-advertise")
+      : undefined
+    const threads = Option.getOrElse(args.threads, () => Math.max(1, Os.availableParallelism()))
+    const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
+    const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
+
+    yield* Effect.gen(function*() {
+      const agent = yield* startNodeAgent({
+        listen,
+        ...(dataListen === undefined ? {} : { dataListen }),
+        ...(dataAdvertise === undefined ? {} : { dataAdvertise }),
+        token,
+        threads,
+        backend: args.backend
+      })
+      watchParentPipe(() => process.exit(0))
+      if (agent.control._tag === "Tcp" && agent.data._tag === "Tcp") {
+        announceReady(agent.control.host, agent.control.port, agent.data.port)
+      }
+      yield* Console.error(
+        `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
+          `${threads} threads, ${args.backend} backend, ${args.engine} engine (pid ${process.pid})`
+      )
+      return yield* Effect.never
+    }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, dataPlaneLayer)))
+  }).pipe(
+    Effect.tapError((error) =>
+      Console.error(`swactor node: ${"message" in error && error.message !== "" ? error.message : String(error)}`)
+    )
+  )
+
+export const nodeCommand = Command.make(
+  "node",
+  {
+    listen: Options.text("listen").pipe(
+      Options.withDescription("control address host:port (default 127.0.0.1:7070; use 0.0.0.0:PORT to serve other machines)"),
+      Options.withDefault("127.0.0.1:7070")
+    ),
+    dataListen: Options.text("data-listen").pipe(
+      Options.withDescription("data-plane address host:port (default: the control host, any port)"),
+      Options.optional
+    ),
+    dataAdvertise: Options.text("data-advertise").pipe(
+      Options.withDescription("data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"),
+      Options.optional
+    ),
+    threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
+    backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(Options.withDefault("cpu" as const)),
+    engine: Options.choice("engine", ["live", "test"]).pipe(
+      Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
+      Options.withDefault("live" as const)
+    ),
+    tokenFile: Options.text("token-file").pipe(
+      Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
+      Options.optional
+    )
+  },
+  runNodeCommand
+).pipe(Command.withDescription("Run a node agent that hosts pipeline stages for orchestrators with the cluster token"))
