@@ -490,7 +490,16 @@ export const make = Effect.gen(function*() {
             })
           }
         } else if (event._tag === "RunTornDown") {
-          if (process.env["SWACTOR_DEBUG"] === "1") console.error("torn down", JSON.stringify(event))
+          yield* updates.offer({
+            _tag: "TornDown",
+            outcome: terminal?._tag === "RunCompleted"
+              ? "Completed"
+              : terminal?._tag === "RunFaulted"
+              ? "Faulted"
+              : "OperatorStopped",
+            unconfirmedStages: event.unconfirmedStages,
+            endpointsConfirmed: event.endpointsConfirmed
+          })
           break
         }
       }

@@ -91,6 +91,13 @@ export type RunUpdate =
   | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
   | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
   | { readonly _tag: "Token"; readonly token: GeneratedToken }
+  /** Exactly once per planned run, after its terminal outcome, when every stage and endpoint confirmed its stop. */
+  | {
+    readonly _tag: "TornDown"
+    readonly outcome: "Completed" | "Faulted" | "OperatorStopped"
+    readonly unconfirmedStages: ReadonlyArray<number>
+    readonly endpointsConfirmed: boolean
+  }
   | { readonly _tag: "Finished"; readonly summary: RunSummary }
 
 /** The run ended Faulted; `reason` is the first fault the run FSM recorded, `message` says it in words. */

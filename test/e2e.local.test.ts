@@ -1,0 +1,127 @@
+import { assert, describe, it } from "@effect/vitest"
+import { spawn } from "node:child_process"
+import { Chunk, Effect, Stream } from "effect"
+import { createClient, generate, run } from "../src/api/generate.js"
+import type { GeneratedToken } from "../src/services/Orchestrator.js"
+import { childPids, isAlive, startAgents } from "./support/e2e.js"
+import { referenceRun } from "./support/engine.js"
+import { repoRoot, requireModel } from "./support/models.js"
+import { swactorCommand } from "../src/layers/LocalAgents.js"
+
+const prompt = "Once upon a time"
+const maxTokens = 32
+
+const idsOf = (tokens: Chunk.Chunk<GeneratedToken>) =>
+  Chunk.toReadonlyArray(tokens).filter((t) => t.tokenId >= 0).map((t) => t.tokenId)
+const textOf = (tokens: Chunk.Chunk<GeneratedToken>) => Chunk.toReadonlyArray(tokens).map((t) => t.text).join("")
+
+describe("end to end: real agent processes on loopback, stories260K", () => {
+  // The reference: node-llama-cpp in one process, greedy, one thread.
+  const reference = Effect.promise(() =>
+    referenceRun(requireModel("stories260K.gguf"), prompt, maxTokens, { threads: 1, contextLength: 256 })
+  )
+
+  // A model split 1..4 ways across agent processes generates exactly node-llama-cpp's greedy tokens.
+  it.live("1..4 stages over 4 agents give node-llama-cpp's 32 greedy tokens", () =>
+    Effect.gen(function*() {
+      const expected = (yield* reference).tokens
+      const { layer } = yield* startAgents(4)
+      for (const stages of [1, 2, 3, 4]) {
+        const tokens = yield* Stream.runCollect(
+          generate({ model: requireModel("stories260K.gguf"), prompt, stages, maxTokens, threads: 1 })
+        ).pipe(Effect.provide(layer))
+        assert.deepStrictEqual(idsOf(tokens), expected, `stages=${stages}`)
+        assert.strictEqual(
+          textOf(tokens),
+          ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw",
+          `stages=${stages}`
+        )
+      }
+    }).pipe(Effect.scoped), 180_000)
+
+  // Sampling happens on the last stage from a seeded generator: the same seed reproduces the text,
+  // whatever the split; runs in flight at the same time on the same agents do not disturb each other.
+  it.live("seeded sampling reproduces, also with two runs in flight through the same agents", () =>
+    Effect.gen(function*() {
+      const { agents, layer } = yield* startAgents(3)
+      const sampled = (stages: number, seed: number) =>
+        Stream.runCollect(generate({
+          model: requireModel("stories260K.gguf"),
+          prompt,
+          stages,
+          maxTokens,
+          threads: 1,
+          sampling: { temperature: 0.9, topK: 40, seed }
+        })).pipe(Effect.map(idsOf), Effect.provide(layer))
+      const [a, b] = yield* Effect.all([sampled(3, 42), sampled(3, 42)], { concurrency: 2 })
+      const c = yield* sampled(2, 42)
+      const d = yield* sampled(3, 7)
+      assert.deepStrictEqual(a, b)
+      assert.deepStrictEqual(a, c)
+      assert.notDeepEqual(a, d)
+      const expected = (yield* reference).tokens
+      assert.notDeepEqual(a, expected)
+      for (const agent of agents) assert.isTrue(isAlive(agent.pid))
+    }).pipe(Effect.scoped), 180_000)
+
+  // The second run on the same agents finds the weights of its block ranges already loaded.
+  it.live("a second run on the same agents reuses the cached weights; the summary reports the split", () =>
+    Effect.gen(function*() {
+      const { layer } = yield* startAgents(2)
+      const once = () =>
+        Stream.runCollect(run({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens: 8, threads: 1 })).pipe(
+          Effect.map(Chunk.toReadonlyArray),
+          Effect.provide(layer)
+        )
+      yield* once()
+      const updates = yield* once()
+      const ready = updates.filter((u) => u._tag === "StageReady")
+      assert.isTrue(ready.length === 2 && ready.every((u) => u._tag === "StageReady" && u.cachedWeights))
+      const finished = updates.find((u) => u._tag === "Finished")
+      assert.isTrue(finished?._tag === "Finished" && finished.summary.stages.length === 2)
+      const tornDown = updates.filter((u) => u._tag === "TornDown")
+      assert.deepStrictEqual(tornDown.map((u) => u._tag === "TornDown" && u.outcome), ["Completed"])
+    }).pipe(Effect.scoped), 120_000)
+
+  // The Promise facade runs the same pipeline.
+  it.live("the Promise client completes the same text", () =>
+    Effect.gen(function*() {
+      const { agents, token } = yield* startAgents(2)
+      const client = createClient({ nodes: agents.map((a) => a.address), token })
+      const result = yield* Effect.promise(() =>
+        client.complete({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 })
+      ).pipe(Effect.ensuring(Effect.promise(() => client.close())))
+      assert.strictEqual(result.text, ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw")
+      assert.strictEqual(result.summary.generatedTokens, maxTokens)
+    }).pipe(Effect.scoped), 120_000)
+
+  // `swactor run` with no --nodes starts its own agents, streams the text, and leaves no process behind.
+  it.live("swactor run (local default) prints the text and leaves no agent running", () =>
+    Effect.gen(function*() {
+      const { args, command } = swactorCommand([
+        "run", "--model", requireModel("stories260K.gguf"), "--prompt", prompt, "--stages", "2",
+        "--max-tokens", String(maxTokens), "--threads", "1", "--quiet"
+      ])
+      let agentPids: ReadonlyArray<number> = []
+      const result = yield* Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
+        const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] })
+        let stdout = ""
+        let stderr = ""
+        child.stdout.on("data", (chunk) => {
+          // Text flows only once the agents are up: this is when they are the CLI's children.
+          if (stdout === "") agentPids = childPids(child.pid!)
+          stdout += chunk
+        })
+        child.stderr.on("data", (chunk) => (stderr += chunk))
+        child.on("exit", (code) => resume(Effect.succeed({ code, stdout, stderr })))
+      })
+      assert.strictEqual(result.code, 0, result.stderr)
+      assert.strictEqual(
+        result.stdout.trim(),
+        "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw"
+      )
+      assert.strictEqual(agentPids.length, 2)
+      assert.deepStrictEqual(agentPids.filter(isAlive), [])
+    }), 120_000)
+})
+
