@@ -18,3 +18,11 @@ export * from "./layers/gguf/GgufReader.js"
 export * from "./layers/gguf/GgufWriter.js"
 export * from "./layers/gguf/Synthetic.js"
 export * from "./layers/gguf/Float16.js"
+
+// Transport: frames, control RPC, framing, auth, data plane, control plane
+export * from "./domain/frames.js"
+export * from "./domain/controlRpc.js"
+export * as Framing from "./layers/transport/Framing.js"
+export * as Auth from "./layers/transport/Auth.js"
+export * as DataPlane from "./layers/transport/DataPlane.js"
+export * as ControlPlane from "./layers/transport/ControlPlane.js"

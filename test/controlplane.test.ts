@@ -84,7 +84,8 @@ const fakeHandlers = ControlRpcs.toLayer({
       new StageFault({
         runId,
         stageIndex: 0,
-        reason: { _tag: "EdgeFaulted", edgeId: 2 as EdgeId, fault: new PeerClosed({ detail: "peer ended the stream" }) }
+        reason: { _tag: "TransportFailed", message: "outbound edge closed" },
+        edgeFault: { edgeId: 2 as EdgeId, fault: new PeerClosed({ detail: "peer ended the stream" }) }
       }),
       new StageStopped({ runId, stageIndex: 0 })
     )
@@ -119,7 +120,7 @@ describe("ControlPlane", () => {
       const events = Chunk.toReadonlyArray(yield* Stream.runCollect(client.Events({ runId })))
       assert.deepStrictEqual(events.map((e) => e._tag), ["StageReady", "StageFault", "StageStopped"])
       const fault = events[1]!
-      assert.isTrue(fault._tag === "StageFault" && fault.reason._tag === "EdgeFaulted" && fault.reason.fault._tag === "PeerClosed")
+      assert.isTrue(fault._tag === "StageFault" && fault.reason._tag === "TransportFailed" && fault.edgeFault?.fault._tag === "PeerClosed")
     }))
 
   it.scopedLive("works over a Unix socket", () =>

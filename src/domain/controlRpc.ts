@@ -9,7 +9,7 @@
  * - `StopRun` — stop one stage of a run (idempotent for a stage already stopped: `StageStopped`),
  *   fails with `UnknownStage` when the node never hosted it.
  * - `Heartbeat` — liveness + capacity (`NodeCapacity`).
- * - `Events` — a stream of `StageEvent`s for one run (`StageReady`, `StageFault{reason}`,
+ * - `Events` — a stream of `StageEvent`s for one run (`StageReady`, `StageFault{reason, edgeFault?}`,
  *   `StageStopped`), so the orchestrator learns about asynchronous faults.
  *
  * Data-plane wiring: each agent runs one data-plane listener (`NodeCapacity.dataPlane`). A stage
@@ -21,6 +21,7 @@ import { Schema } from "effect"
 import { EdgeFault, TransportAddress } from "./frames.js"
 import { EdgeId, NodeId, RunId } from "./ids.js"
 import { ProvisionStage } from "./plan.js"
+import { StageFaultReason } from "./runFsm.js"
 import { Rpc, RpcGroup } from "@effect/rpc"
 
 /** Where a provisioned stage's edges meet the data plane. */
@@ -39,19 +40,16 @@ export class StageReady extends Schema.TaggedClass<StageReady>()("StageReady", {
   inbound: TransportAddress
 }) {}
 
-/** Why a running stage faulted. */
-export const StageFaultReason = Schema.Union(
-  Schema.TaggedStruct("EdgeFaulted", { edgeId: EdgeId, fault: EdgeFault }),
-  Schema.TaggedStruct("ExecutionFailed", { detail: Schema.String }),
-  Schema.TaggedStruct("ModelLoadFailed", { detail: Schema.String }),
-  Schema.TaggedStruct("ProcessExited", { code: Schema.NullOr(Schema.Number), signal: Schema.NullOr(Schema.String) })
-)
-export type StageFaultReason = typeof StageFaultReason.Type
-
+/**
+ * A running stage faulted. `reason` is the run FSM's own `StageFaultReason` (so the orchestrator
+ * feeds it to the FSM as is); a fault that came from the data plane also carries the edge and its
+ * typed `EdgeFault` (with reason `TransportFailed`).
+ */
 export class StageFault extends Schema.TaggedClass<StageFault>()("StageFault", {
   runId: RunId,
   stageIndex: Schema.Number,
-  reason: StageFaultReason
+  reason: StageFaultReason,
+  edgeFault: Schema.optional(Schema.Struct({ edgeId: EdgeId, fault: EdgeFault }))
 }) {}
 
 export class StageStopped extends Schema.TaggedClass<StageStopped>()("StageStopped", {
