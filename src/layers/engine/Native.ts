@@ -37,7 +37,7 @@ export interface TensorPlacement {
 
 export class NativeWeights {
   readonly lock = new Lock()
-  private freed = false
+  freed = false
 
   constructor(
     readonly ggml: Ggml,
@@ -270,6 +270,7 @@ export class NativeSession {
 
   private async forwardLocked(startPos: number, input: StageInput): Promise<NativeOutput> {
     if (this.freed) throw new Error("session already freed")
+    if (this.weights.freed) throw new Error("the stage's weights were freed before this session")
     const w = this.weights
     const g = w.ggml
     const raw = g.raw
@@ -356,6 +357,8 @@ export class NativeSession {
         raw.ggml_backend_tensor_set(hiddenIn, input.hidden, 0, hp.nEmbd * n * 4)
       }
 
+      // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
+      this.filled = Math.min(this.filled, startPos)
       g.setThreads(w.backend, this.threads)
       const status = await g.computeAsync(w.backend, graph)
       if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)

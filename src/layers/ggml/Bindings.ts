@@ -413,7 +413,10 @@ const init = (): Ggml => {
   if (process.arch !== "x64" && process.arch !== "arm64") {
     throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
   }
-  const located = locateGgmlLibraries()
+  // SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda" or "auto" (the CUDA package when an NVIDIA driver is visible).
+  // The stage engine computes on the CPU device of whichever package is loaded.
+  const wanted = process.env["SWACTOR_GGML_PACKAGE"]
+  const located = locateGgmlLibraries({ backend: wanted === "cuda" || wanted === "auto" ? wanted : "cpu" })
   if ("tried" in located) {
     throw new GgmlBindingError(
       `node-llama-cpp's ggml libraries were not found for ${process.platform}-${process.arch}; looked in: ${
