@@ -34,3 +34,20 @@ describe("stories260K: every split matches node-llama-cpp", () => {
       }))
   }
 })
+
+describe("stories260K: a long prompt whose generation crosses the 256-cell attention window", () => {
+  const path = requireModel("stories260K.gguf")
+  const text = "Once upon a time, there was a little cat who liked to nap in the sun. ".repeat(10)
+  // n_kv grows from 256 to 512 cells mid-generation; the mask and cache views must follow llama.cpp's.
+  it.live("1 and 3 stages match node-llama-cpp's 32 greedy tokens after a ~250-token prompt", () =>
+    Effect.gen(function*() {
+      const r = yield* Effect.promise(() => referenceRun(path, text, N_TOKENS, options))
+      assert.isAtLeast(r.prompt.length, 230)
+      assert.isAtMost(r.prompt.length, 255)
+      for (const split of [[0, 5], [0, 1, 3, 5]]) {
+        const ours = yield* greedyRun(path, split, r.prompt, N_TOKENS, options)
+        assert.deepStrictEqual(ours.tokens, r.tokens)
+        assert.isBelow(maxLogProbDiff(logSoftmax(ours.logits[0]!), r.firstProbabilities), 1e-4)
+      }
+    }))
+})
