@@ -42,6 +42,8 @@ export class LiveLoadedStage implements LoadedStage {
 export interface LiveOptions {
   /** Use llama.cpp's repacked CPU buffer types for quantized weights where it would (default true). */
   readonly repack?: boolean
+  /** CPU threads when a session does not say (default: SWACTOR_THREADS, else every core). */
+  readonly defaultThreads?: number
   /** KV cache length when a session does not say (default min(model context, 4096)). */
   readonly defaultContextLength?: number
 }
@@ -154,7 +156,9 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
     const info = stage.info
     const contextLength = sessionOptions.contextLength ??
       options.defaultContextLength ?? Math.min(info.contextLength, 4096)
-    const threads = sessionOptions.threads ?? availableParallelism()
+    const envThreads = Number(process.env["SWACTOR_THREADS"] ?? "")
+    const threads = sessionOptions.threads ?? options.defaultThreads ??
+      (Number.isSafeInteger(envThreads) && envThreads > 0 ? envThreads : availableParallelism())
     if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
       return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
     }

@@ -247,6 +247,7 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
     ggml_backend_alloc_ctx_tensors_from_buft: f(
       "void * ggml_backend_alloc_ctx_tensors_from_buft(void * ctx, void * buft)"
     ) as (ctx: Ptr, buft: Ptr) => Ptr | null,
+    ggml_log_set: f("void ggml_log_set(void * callback, void * user_data)") as (callback: unknown, userData: null) => void,
     ggml_backend_buft_alloc_buffer: f("void * ggml_backend_buft_alloc_buffer(void * buft, size_t size)") as (
       buft: Ptr,
       size: number
@@ -409,6 +410,24 @@ const checkLayout = (raw: GgmlRaw): void => {
   }
 }
 
+let logCallback: unknown
+
+/**
+ * ggml's default logger prints every level (a repacked weight logs one debug line each). Keep warnings and
+ * errors on stderr, drop debug/info unless SWACTOR_GGML_LOG=debug. Done once, before any backend is loaded.
+ */
+const installLogFilter = (raw: GgmlRaw) => {
+  if (process.env["SWACTOR_GGML_LOG"] === "debug" || logCallback !== undefined) return
+  const proto = koffi.proto("void swactor_ggml_log(int level, const char * text, void * user_data)")
+  let last = 0
+  logCallback = koffi.register((level: number, text: string | null) => {
+    const effective = level === 5 ? last : level
+    if (level !== 5) last = level
+    if (effective >= 3 && text !== null) process.stderr.write(text)
+  }, koffi.pointer(proto))
+  raw.ggml_log_set(logCallback, null)
+}
+
 const init = (): Ggml => {
   if (process.arch !== "x64" && process.arch !== "arm64") {
     throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
@@ -453,6 +472,7 @@ const init = (): Ggml => {
     throw new GgmlBindingError(`ggml in ${located.dir} lacks a function the bindings need: ${String(e)}`)
   }
   checkLayout(raw)
+  installLogFilter(raw)
 
   let cpuReady = false
   let setThreadsPtr: Ptr | null = null
