@@ -172,3 +172,18 @@ describe("a session refuses what does not fit, and computes off the event loop",
       assert.isAtLeast(ticks, Math.min(10, Math.floor(ms / 4)), `${ticks} timer ticks during a ${ms.toFixed(0)} ms call`)
     }).pipe(Effect.provide(StageExecutorLive))))
 })
+
+describe("backend choice", () => {
+  const path = requireModel("stories260K.gguf")
+  // With node-llama-cpp's CPU package there is no GPU: "cuda" is refused in words, "auto" runs on the CPU.
+  it.live("backend cuda without a GPU is BackendUnavailable; auto falls back to the CPU", () =>
+    Effect.scoped(Effect.gen(function*() {
+      const executor = yield* StageExecutor
+      const spec = { path, layerStart: 0, layerEndExclusive: 5, isFirst: true, isLast: true } as const
+      const refused = yield* Effect.flip(executor.load({ ...spec, backend: "cuda" }))
+      assert.strictEqual(refused.reason, "BackendUnavailable")
+      assert.include(refused.message, "SWACTOR_GGML_PACKAGE")
+      const auto = yield* executor.load({ ...spec, backend: "auto" })
+      assert.strictEqual(auto.info.backend, "cpu")
+    }).pipe(Effect.provide(StageExecutorLive))))
+})

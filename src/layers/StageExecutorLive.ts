@@ -56,16 +56,7 @@ const load = (options: LiveOptions) =>
   Effect.gen(function*() {
     const file = yield* readGgufFile(spec.path)
     const plan = yield* planStage(file, spec)
-    if (spec.backend === "cuda") {
-      return yield* Effect.fail(
-        new ModelLoadError({
-          path: spec.path,
-          reason: "BackendUnavailable",
-          message: "the CUDA backend is not implemented by this stage engine yet; use backend \"cpu\" or \"auto\""
-        })
-      )
-    }
-    yield* Effect.try({
+    const ggml = yield* Effect.try({
       try: () => getGgml(),
       catch: (e) =>
         new ModelLoadError({
@@ -74,9 +65,22 @@ const load = (options: LiveOptions) =>
           message: e instanceof Error ? e.message : String(e)
         })
     })
+    // "cuda": the GPU of node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda|auto); "auto": it when present
+    const gpu = spec.backend === "cuda" || spec.backend === "auto" ? ggml.gpuDevice() : null
+    if (spec.backend === "cuda" && gpu === null) {
+      return yield* Effect.fail(
+        new ModelLoadError({
+          path: spec.path,
+          reason: "BackendUnavailable",
+          message: `no CUDA device in ${ggml.library.packageName} (set SWACTOR_GGML_PACKAGE=cuda on a machine with ` +
+            "an NVIDIA GPU and @node-llama-cpp/linux-x64-cuda installed)"
+        })
+      )
+    }
+    const device = gpu === null ? "cpu" as const : "gpu" as const
     const weights = yield* Effect.acquireRelease(
       Effect.tryPromise({
-        try: () => loadWeights(plan, { repack: options.repack ?? true, ...(onProgress ? { onProgress } : {}) }),
+        try: () => loadWeights(plan, { repack: options.repack ?? true, device, ...(onProgress ? { onProgress } : {}) }),
         catch: (e) =>
           new ModelLoadError({
             path: spec.path,
@@ -102,7 +106,7 @@ const load = (options: LiveOptions) =>
       eosTokenId: hp.eosTokenId,
       bosTokenId: hp.bosTokenId,
       weightBytes: plan.weightBytes,
-      backend: "cpu"
+      backend: device === "gpu" ? "cuda" : "cpu"
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))

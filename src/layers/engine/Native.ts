@@ -35,6 +35,8 @@ export interface TensorPlacement {
   readonly bytes: number
 }
 
+export type DeviceKind = "cpu" | "gpu"
+
 export class NativeWeights {
   readonly lock = new Lock()
   freed = false
@@ -42,6 +44,9 @@ export class NativeWeights {
   constructor(
     readonly ggml: Ggml,
     readonly plan: StagePlan,
+    readonly device: DeviceKind,
+    /** ggml_backend_dev_t the stage computes on */
+    readonly dev: Ptr,
     readonly backend: Ptr,
     private readonly contexts: ReadonlyArray<Ptr>,
     private readonly buffers: ReadonlyArray<Ptr>,
@@ -92,13 +97,20 @@ const supportsMulMat = (g: Ggml, buft: Ptr, type: number, ne0: number, ne1: numb
 /** Allocates and reads the planned tensors. Throws on native or I/O failure (after freeing what it made). */
 export const loadWeights = async (
   plan: StagePlan,
-  options: { readonly repack?: boolean; readonly onProgress?: (p: LoadProgress) => void } = {}
+  options: {
+    readonly repack?: boolean
+    readonly device?: DeviceKind
+    readonly onProgress?: (p: LoadProgress) => void
+  } = {}
 ): Promise<NativeWeights> => {
   const g = getGgml()
   const raw = g.raw
-  const dev = g.cpuDevice()
+  const device = options.device ?? "cpu"
+  const dev = device === "gpu" ? g.gpuDevice() : g.cpuDevice()
+  if (dev === null) throw new Error("no GPU device: load node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda)")
+  // on a GPU every weight lives in device memory; on the CPU quantized matrices may be repacked
   const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
-  const extra = options.repack === false ? [] : g.cpuExtraBufferTypes()
+  const extra = options.repack === false || device === "gpu" ? [] : g.cpuExtraBufferTypes()
 
   // group tensors by buffer type, one no-alloc context each
   const groups = new Map<Ptr, Array<{ name: string; index: number }>>()
@@ -187,9 +199,9 @@ export const loadWeights = async (
       await fh.close()
     }
     backend = raw.ggml_backend_dev_init(dev, null)
-    if (backend === null) throw new Error("could not start the ggml CPU backend")
+    if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
     const bufferBytes = buffers.reduce<number>((s, b) => s + raw.ggml_backend_buffer_get_size(b), 0)
-    return new NativeWeights(g, plan, backend as Ptr, contexts, buffers, tensors, placements, bufferBytes)
+    return new NativeWeights(g, plan, device, dev, backend as Ptr, contexts, buffers, tensors, placements, bufferBytes)
   } catch (e) {
     for (const b of buffers) raw.ggml_backend_buffer_free(b)
     for (const c of contexts) raw.ggml_free(c)
@@ -230,8 +242,8 @@ export class NativeSession {
       raw.ggml_set_name(v, `cache_v_l${il}`)
       this.kv.set(il, { k, v })
     }
-    const cpuBuft = raw.ggml_backend_dev_buffer_type(g.cpuDevice())
-    const buf = raw.ggml_backend_alloc_ctx_tensors_from_buft(this.kvCtx, cpuBuft)
+    const devBuft = raw.ggml_backend_dev_buffer_type(weights.dev)
+    const buf = raw.ggml_backend_alloc_ctx_tensors_from_buft(this.kvCtx, devBuft)
     if (buf === null) {
       raw.ggml_free(this.kvCtx)
       throw new Error(`could not allocate the KV cache (${kvSize} cells x ${nLayers} blocks)`)
@@ -239,7 +251,7 @@ export class NativeSession {
     this.kvBuffer = buf
     // zeroed: NaN garbage in masked cells would still poison softmax(QK)·V
     raw.ggml_backend_buffer_clear(buf, 0)
-    this.galloc = raw.ggml_gallocr_new(cpuBuft)
+    this.galloc = raw.ggml_gallocr_new(devBuft)
   }
 
   get kvSize(): number {
@@ -332,6 +344,16 @@ export class NativeSession {
       raw.ggml_set_output(x)
       raw.ggml_build_forward_expand(graph, x)
 
+      if (w.device === "gpu") {
+        // one backend, no scheduler: every op must run on the device
+        const nodes = raw.ggml_graph_n_nodes(graph)
+        for (let i = 0; i < nodes; i++) {
+          const node = raw.ggml_graph_node(graph, i)
+          if (!raw.ggml_backend_supports_op(w.backend, node)) {
+            throw new Error(`the ${raw.ggml_backend_name(w.backend)} backend cannot run ${raw.ggml_op_desc(node)} here`)
+          }
+        }
+      }
       if (!raw.ggml_gallocr_alloc_graph(this.galloc, graph)) throw new Error("could not allocate the compute graph")
 
       const posArr = new Int32Array(n)
@@ -359,7 +381,7 @@ export class NativeSession {
 
       // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
       this.filled = Math.min(this.filled, startPos)
-      g.setThreads(w.backend, this.threads)
+      if (w.device === "cpu") g.setThreads(w.backend, this.threads)
       const status = await g.computeAsync(w.backend, graph)
       if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
       this.filled = used

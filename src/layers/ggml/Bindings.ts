@@ -241,6 +241,8 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       t: Ptr
     ) => void,
     ggml_graph_n_nodes: f("int ggml_graph_n_nodes(void * graph)") as (graph: Ptr) => number,
+    ggml_graph_node: f("void * ggml_graph_node(void * graph, int i)") as (graph: Ptr, i: number) => Ptr,
+    ggml_op_desc: f("const char * ggml_op_desc(void * t)") as (t: Ptr) => string,
     ggml_get_first_tensor: f("void * ggml_get_first_tensor(void * ctx)") as (ctx: Ptr) => Ptr | null,
     ggml_get_next_tensor: f("void * ggml_get_next_tensor(void * ctx, void * t)") as (ctx: Ptr, t: Ptr) => Ptr | null,
     // ggml-alloc / ggml-backend (also in ggml-base)
@@ -327,6 +329,10 @@ const bindMain = (lib: LibraryHandle) => {
       buft: Ptr
     ) => boolean,
     ggml_backend_free: f("void ggml_backend_free(void * backend)") as (backend: Ptr) => void,
+    ggml_backend_supports_op: f("bool ggml_backend_supports_op(void * backend, void * op)") as (
+      backend: Ptr,
+      op: Ptr
+    ) => boolean,
     ggml_backend_name: f("const char * ggml_backend_name(void * backend)") as (backend: Ptr) => string,
     ggml_backend_get_default_buffer_type: f("void * ggml_backend_get_default_buffer_type(void * backend)") as (
       backend: Ptr
@@ -359,6 +365,8 @@ export interface Ggml {
   /** Repacked "extra" buffer types of the CPU device (llama.cpp's CPU_REPACK etc.). */
   readonly cpuExtraBufferTypes: () => ReadonlyArray<Ptr>
   readonly cpuDevice: () => Ptr
+  /** The first GPU device of the loaded package (null with the CPU-only package or no GPU). */
+  readonly gpuDevice: () => Ptr | null
   /** Points `tensor->buffer` at `buffer` (or null): llama.cpp's trick to ask supports_op about a buffer type. */
   readonly setTensorBuffer: (t: Ptr, buffer: Ptr | null) => void
   /** Runs the graph on a koffi worker thread (the event loop keeps running). */
@@ -559,6 +567,10 @@ const init = (): Ggml => {
     cpuDevice: () => {
       ensureCpu()
       return cpuDev
+    },
+    gpuDevice: () => {
+      ensureCpu()
+      return raw.ggml_backend_dev_by_type(GgmlBackendDevType.GPU)
     },
     setTensorBuffer: (t, buffer) => {
       koffi.encode(t, TensorLayout.buffer, "void *", buffer)
