@@ -38,7 +38,7 @@ const transports: ReadonlyArray<{ name: string; address: () => TransportAddress 
 ]
 
 const activation = (sequence: number, nTokens: number, hiddenDim: number, startPos = 0) =>
-  new ActivationFrame({
+  ActivationFrame({
     runId,
     edgeId,
     sequence,
@@ -49,7 +49,7 @@ const activation = (sequence: number, nTokens: number, hiddenDim: number, startP
   })
 
 const decode = (sequence: number, tokenId: number) =>
-  new TokenFrame({ runId, edgeId, sequence, payload: { _tag: "Decode", tokenId } })
+  TokenFrame({ runId, edgeId, sequence, payload: { _tag: "Decode", tokenId } })
 
 const sleep = (ms: number) => Effect.promise(() => new Promise((r) => setTimeout(r, ms)))
 
@@ -90,7 +90,7 @@ const rawSender = (address: TransportAddress, ring: RingSpec) =>
     socket.on("data", (c) => received.push(c))
     socket.resume()
     socket.write(Framing.unsafeEncode(
-      new AttachFrame({ runId, edgeId, dataCapacity: ring.dataCapacity, alignment: ring.alignment, wakeCoalescing: ring.wakeCoalescing }),
+      AttachFrame({ runId, edgeId, dataCapacity: ring.dataCapacity, alignment: ring.alignment, wakeCoalescing: ring.wakeCoalescing }),
       8
     ))
     yield* eventually(Effect.sync(() => Buffer.concat(received).length), (n) => n >= Framing.HEADER_BYTES)
@@ -119,8 +119,8 @@ for (const transport of transports) {
         while (got.length < sent.length) got.push(...(yield* receiver.receive))
         sent.forEach((f, i) => sameActivation(got[i]!, f))
         const { receiver: r2, sender: s2 } = yield* edge(transport.address(), ringOf(4096))
-        yield* s2.send(new TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens: [1, 2, 3] } }))
-        yield* s2.send(new TokenFrame({ runId, edgeId, sequence: 1, payload: { _tag: "Sampled", tokenId: 9, eos: true } }))
+        yield* s2.send(TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens: [1, 2, 3] } }))
+        yield* s2.send(TokenFrame({ runId, edgeId, sequence: 1, payload: { _tag: "Sampled", tokenId: 9, eos: true } }))
         const a = yield* r2.take
         const b = yield* r2.take
         assert.deepStrictEqual(a._tag === "TokenFrame" && a.payload, { _tag: "Prompt", tokens: [1, 2, 3] })
@@ -275,7 +275,7 @@ for (const transport of transports) {
           // The same listener still serves a fresh edge.
           const fresh = yield* listener.register({ runId, edgeId: 77 as EdgeId, ring })
           const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId: 77 as EdgeId, ring })
-          yield* sender.send(new TokenFrame({ runId, edgeId: 77 as EdgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 3 } }))
+          yield* sender.send(TokenFrame({ runId, edgeId: 77 as EdgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 3 } }))
           assert.strictEqual((yield* fresh.take)._tag, "TokenFrame")
         }))
     }

@@ -18,7 +18,7 @@ const edgeId = 3 as EdgeId
 const limits = (alignment: number): Framing.Limits => ({ alignment, maxFrameBytes: 1 << 20 })
 
 const activation = (sequence: number, nTokens: number, hiddenDim: number, startPos = 0) =>
-  new ActivationFrame({
+  ActivationFrame({
     runId,
     edgeId,
     sequence,
@@ -45,7 +45,7 @@ const tokenFrameArb = fc.record({
     u32.map((tokenId) => ({ _tag: "Decode" as const, tokenId })),
     fc.record({ tokenId: u32, eos: fc.boolean() }).map((p) => ({ _tag: "Sampled" as const, ...p }))
   )
-}).map((f) => new TokenFrame(f))
+}).map((f) => TokenFrame(f))
 const activationArb = fc.record({
   ...ids,
   sequence: u32,
@@ -57,7 +57,7 @@ const activationArb = fc.record({
   hiddenDim: fc.integer({ min: 1, max: 24 })
 }).chain((f) =>
   fc.float32Array({ minLength: f.nTokens * f.hiddenDim, maxLength: f.nTokens * f.hiddenDim }).map((payload) =>
-    new ActivationFrame({
+    ActivationFrame({
       runId: f.runId,
       edgeId: f.edgeId,
       sequence: f.sequence,
@@ -71,12 +71,12 @@ const activationArb = fc.record({
   )
 )
 const controlArb = fc.oneof(
-  fc.record({ ...ids, sequence: u32, bytes: u32 }).map((f) => new CreditFrame(f)),
+  fc.record({ ...ids, sequence: u32, bytes: u32 }).map((f) => CreditFrame(f)),
   fc.record({ ...ids, dataCapacity: u32, alignment: u32, wakeCoalescing: fc.constantFrom("PendingBit", "EveryFrame") })
-    .map((f) => new AttachFrame(f as ConstructorParameters<typeof AttachFrame>[0])),
-  fc.record(ids).map((f) => new AttachedFrame(f)),
+    .map((f) => AttachFrame(f as Omit<AttachFrame, "_tag">)),
+  fc.record(ids).map((f) => AttachedFrame(f)),
   fc.record({ ...ids, reason: fc.string({ maxLength: 20 }), detail: fc.string({ maxLength: 200 }) })
-    .map((f) => new FaultFrame(f))
+    .map((f) => FaultFrame(f))
 )
 const frameArb: fc.Arbitrary<WireFrame> = fc.oneof(tokenFrameArb, activationArb, controlArb)
 
@@ -188,13 +188,13 @@ describe("Framing", () => {
   })
 
   it("refuses trailing bytes after a whole frame", () => {
-    const bytes = Either.getOrThrow(Framing.encode(new AttachedFrame({ runId, edgeId }), 8))
+    const bytes = Either.getOrThrow(Framing.encode(AttachedFrame({ runId, edgeId }), 8))
     const result = Framing.decode(new Uint8Array([...bytes, 0]), limits(8))
     assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
   })
 
   it("refuses to encode fields that do not fit the wire format", () => {
-    const tooBig = new TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 1 } })
+    const tooBig = TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 1 } })
     const result = Framing.encode({ ...tooBig, runId: 2 ** 33 as RunId } as TokenFrame, 8)
     assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
   })
@@ -251,7 +251,7 @@ describe("Framing", () => {
 
   it("chunks a long prompt and reassembles it", () => {
     const tokens = Array.from({ length: 5000 }, (_, i) => i)
-    const frame = new TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens } })
+    const frame = TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens } })
     const chunks = Either.getOrThrow(Framing.chunk(frame, 1024, 8))
     assert.isAbove(chunks.length, 1)
     const sequencer = new Framing.Sequencer()
@@ -272,7 +272,7 @@ describe("Framing", () => {
     const skipped = sequencer.accept(activation(2, 1, 2))
     assert.isTrue(skipped._tag === "Fault" && skipped.fault._tag === "OutOfOrder")
     const chunked = new Framing.Sequencer()
-    const c1 = new ActivationFrame({ ...activation(0, 1, 2), chunkIndex: 1, chunkCount: 2 })
+    const c1 = ActivationFrame({ ...activation(0, 1, 2), chunkIndex: 1, chunkCount: 2 })
     const step = chunked.accept(c1)
     assert.isTrue(step._tag === "Fault" && step.fault._tag === "OutOfOrder")
   })

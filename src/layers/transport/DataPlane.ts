@@ -231,12 +231,12 @@ class FrameConn {
   fail(fault: EdgeFault): void {
     if (this.closed) return
     this.log(`edge run=${this.ids.runId} edge=${this.ids.edgeId} faulted: ${describeFault(fault)}`)
-    const frame = new FaultFrame({
+    const frame = FaultFrame({
       runId: this.ids.runId as RunId,
       edgeId: this.ids.edgeId as EdgeId,
       reason: fault._tag,
       detail: describeFault(fault)
-    }, true)
+    })
     this.socket.write(Framing.unsafeEncode(frame, this.limits.alignment))
     this.socket.end()
     setTimeout(() => this.socket.destroy(), 1000).unref()
@@ -405,12 +405,12 @@ class Inbound implements ConnHandlers {
     const conn = this.conn
     if (conn === undefined || conn.closed) return
     this.counters.creditFrames++
-    const frame = new CreditFrame({
+    const frame = CreditFrame({
       runId: this.options.runId,
       edgeId: this.options.edgeId,
       sequence: this.creditSequence,
       bytes
-    }, true)
+    })
     this.creditSequence = (this.creditSequence + 1) >>> 0
     conn.write(Framing.unsafeEncode(frame, this.options.ring.alignment))
   }
@@ -494,7 +494,7 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
           })
         )
       }
-      conn.write(Framing.unsafeEncode(new AttachedFrame({ runId: frame.runId, edgeId: frame.edgeId }, true), 8))
+      conn.write(Framing.unsafeEncode(AttachedFrame({ runId: frame.runId, edgeId: frame.edgeId }), 8))
       conn.limits = boundLimits(ring)
       conn.handlers = inbound
       inbound.attach(conn)
@@ -797,7 +797,7 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
         conn.start()
         const { alignment, dataCapacity, wakeCoalescing } = options.ring
         conn.write(Framing.unsafeEncode(
-          new AttachFrame({ runId: options.runId, edgeId: options.edgeId, dataCapacity, alignment, wakeCoalescing }, true),
+          AttachFrame({ runId: options.runId, edgeId: options.edgeId, dataCapacity, alignment, wakeCoalescing }),
           8
         ))
       })

@@ -396,14 +396,14 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
         const tokenId = view.getUint32(o + 8, true)
         payload = kind === 1 ? { _tag: "Decode", tokenId } : { _tag: "Sampled", tokenId, eos: eos === 1 }
       }
-      return new TokenFrame({
+      return TokenFrame({
         runId,
         edgeId,
         sequence: h.sequence,
         chunkIndex: h.chunkIndex,
         chunkCount: h.chunkCount,
         payload
-      }, true)
+      })
     }
     case FrameType.Activation: {
       if (h.bodyLength < ACTIVATION_BODY_HEADER_BYTES) return "activation body too short"
@@ -424,7 +424,7 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
       }
       const payload = new Float32Array(nTokens * hiddenDim)
       new Uint8Array(payload.buffer).set(new Uint8Array(view.buffer, view.byteOffset + payloadOffset, payloadLength))
-      return new ActivationFrame({
+      return ActivationFrame({
         runId,
         edgeId,
         sequence: h.sequence,
@@ -435,29 +435,29 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
         hiddenDim,
         dtype: "f32",
         payload
-      }, true)
+      })
     }
     case FrameType.Credit: {
       if (h.bodyLength !== 8) return "bad credit body length"
       if (view.getUint32(o + 4, true) !== 0) return "credit reserved field not zero"
-      return new CreditFrame({ runId, edgeId, sequence: h.sequence, bytes: view.getUint32(o, true) }, true)
+      return CreditFrame({ runId, edgeId, sequence: h.sequence, bytes: view.getUint32(o, true) })
     }
     case FrameType.Attach: {
       if (h.bodyLength !== 12) return "bad attach body length"
       const wake = view.getUint8(o + 8)
       if (wake > 1) return "bad wake coalescing"
       if (view.getUint8(o + 9) !== 0 || view.getUint16(o + 10, true) !== 0) return "attach reserved field not zero"
-      return new AttachFrame({
+      return AttachFrame({
         runId,
         edgeId,
         dataCapacity: view.getUint32(o, true),
         alignment: view.getUint32(o + 4, true),
         wakeCoalescing: wake === 0 ? "PendingBit" : "EveryFrame"
-      }, true)
+      })
     }
     case FrameType.Attached:
       if (h.bodyLength !== 0) return "bad attached body length"
-      return new AttachedFrame({ runId, edgeId }, true)
+      return AttachedFrame({ runId, edgeId })
     case FrameType.Fault: {
       if (h.bodyLength < 4) return "fault body too short"
       const reasonLen = view.getUint16(o, true)
@@ -466,12 +466,12 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
       if (h.bodyLength !== 4 + reasonLen + detailLen) return "fault lengths do not match body length"
       const text = (start: number, len: number) =>
         textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + start, len))
-      return new FaultFrame({
+      return FaultFrame({
         runId,
         edgeId,
         reason: text(o + 4, reasonLen),
         detail: text(o + 4 + reasonLen, detailLen)
-      }, true)
+      })
     }
     default:
       return `unknown frame type ${h.type}`
@@ -570,7 +570,7 @@ export const chunk = (
       const first = i * perChunk
       const n = Math.min(perChunk, frame.nTokens - first)
       chunks.push(
-        new ActivationFrame({
+        ActivationFrame({
           runId: frame.runId,
           edgeId: frame.edgeId,
           sequence: frame.sequence,
@@ -581,7 +581,7 @@ export const chunk = (
           hiddenDim: frame.hiddenDim,
           dtype: frame.dtype,
           payload: frame.payload.subarray(first * frame.hiddenDim, (first + n) * frame.hiddenDim)
-        }, true)
+        })
       )
     }
     return Either.right(chunks)
@@ -595,14 +595,14 @@ export const chunk = (
   const chunks: Array<DataFrame> = []
   for (let i = 0; i < count; i++) {
     chunks.push(
-      new TokenFrame({
+      TokenFrame({
         runId: frame.runId,
         edgeId: frame.edgeId,
         sequence: frame.sequence,
         chunkIndex: i,
         chunkCount: count,
         payload: { _tag: "Prompt", tokens: p.tokens.slice(i * perChunk, (i + 1) * perChunk) }
-      }, true)
+      })
     )
   }
   return Either.right(chunks)
@@ -685,7 +685,7 @@ const join = (parts: ReadonlyArray<DataFrame>): DataFrame => {
       payload.set(f.payload, at)
       at += f.payload.length
     }
-    return new ActivationFrame({
+    return ActivationFrame({
       runId: first.runId,
       edgeId: first.edgeId,
       sequence: first.sequence,
@@ -696,18 +696,18 @@ const join = (parts: ReadonlyArray<DataFrame>): DataFrame => {
       hiddenDim: first.hiddenDim,
       dtype: first.dtype,
       payload
-    }, true)
+    })
   }
   const tokens: Array<number> = []
   for (const f of parts as ReadonlyArray<TokenFrame>) {
     if (f.payload._tag === "Prompt") for (const t of f.payload.tokens) tokens.push(t)
   }
-  return new TokenFrame({
+  return TokenFrame({
     runId: first.runId,
     edgeId: first.edgeId,
     sequence: first.sequence,
     chunkIndex: 0,
     chunkCount: 1,
     payload: { _tag: "Prompt", tokens }
-  }, true)
+  })
 }
