@@ -1,0 +1,123 @@
+/**
+ * Activation hop latency over the real data plane (framing + auth + window + transports).
+ *
+ * Two OS processes, as in a real pipeline: this process and a forked echo stage. Each iteration
+ * sends one activation frame (1 token × hidden 2048 f32 = 8 KiB payload) on edge A→B; the echo
+ * stage receives it and sends it back on edge B→A. hop = round trip / 2, so each hop includes
+ * encode, socket write, wake-up, decode, sequence check and credit on both sides.
+ *
+ * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048]
+ */
+import { fork } from "node:child_process"
+import * as Os from "node:os"
+import * as Path from "node:path"
+import { Effect, Redacted } from "effect"
+import { ActivationFrame, type TransportAddress } from "../src/domain/frames.js"
+import type { EdgeId, RunId } from "../src/domain/ids.js"
+import type { RingSpec } from "../src/domain/plan.js"
+import * as DataPlane from "../src/layers/transport/DataPlane.js"
+
+const arg = (name: string, fallback: number) => {
+  const i = process.argv.indexOf(`--${name}`)
+  return i >= 0 ? Number(process.argv[i + 1]) : fallback
+}
+const iterations = arg("iterations", 5000)
+const warmup = arg("warmup", 500)
+const hidden = arg("hidden", 2048)
+const runId = 1 as RunId
+const forward = 1 as EdgeId
+const back = 2 as EdgeId
+const ring: RingSpec = {
+  dataCapacity: 256 * 1024,
+  alignment: 64,
+  direction: "Egress",
+  hostPinning: "Pageable",
+  wakeCoalescing: "PendingBit"
+}
+
+interface Setup {
+  readonly token: string
+  readonly transport: "Tcp" | "Unix"
+  readonly home: TransportAddress
+}
+
+const listenAddress = (transport: "Tcp" | "Unix", tag: string): TransportAddress =>
+  transport === "Tcp"
+    ? { _tag: "Tcp", host: "127.0.0.1", port: 0 }
+    : { _tag: "Unix", path: Path.join(Os.tmpdir(), `swactor-hop-${process.pid}-${tag}.sock`) }
+
+/** The echo stage: receives on `forward`, sends the same activation back on `back`. */
+const echo = (setup: Setup) =>
+  Effect.scoped(Effect.gen(function*() {
+    const token = Redacted.make(setup.token)
+    const listener = yield* DataPlane.listen({ address: listenAddress(setup.transport, "echo"), token })
+    const inbound = yield* listener.register({ runId, edgeId: forward, ring })
+    process.send!({ address: listener.address })
+    yield* inbound.attached
+    const sender = yield* DataPlane.connect({ address: setup.home, token, runId, edgeId: back, ring })
+    for (;;) {
+      const frames = yield* inbound.receive
+      for (const f of frames) yield* sender.send(ActivationFrame({ ...(f as ActivationFrame), edgeId: back }))
+    }
+  }))
+
+const percentile = (sorted: ReadonlyArray<number>, p: number) => sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]!
+
+const measure = (transport: "Tcp" | "Unix") =>
+  Effect.scoped(Effect.gen(function*() {
+    const tokenText = "bench-token"
+    const token = Redacted.make(tokenText)
+    const listener = yield* DataPlane.listen({ address: listenAddress(transport, "home"), token })
+    const inbound = yield* listener.register({ runId, edgeId: back, ring })
+    const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit" })
+    yield* Effect.addFinalizer(() => Effect.sync(() => child.kill()))
+    child.send({ token: tokenText, transport, home: listener.address } satisfies Setup)
+    const echoAddress = yield* Effect.async<TransportAddress>((resume) => {
+      child.once("message", (m) => resume(Effect.succeed((m as { address: TransportAddress }).address)))
+    })
+    const sender = yield* DataPlane.connect({ address: echoAddress, token, runId, edgeId: forward, ring })
+    const payload = Float32Array.from({ length: hidden }, (_, i) => Math.cos(i))
+    const rtts: Array<number> = []
+    for (let i = 0; i < warmup + iterations; i++) {
+      const t0 = process.hrtime.bigint()
+      yield* sender.send(ActivationFrame({ runId, edgeId: forward, sequence: i, startPos: i, nTokens: 1, hiddenDim: hidden, payload }))
+      const got = yield* inbound.take
+      const t1 = process.hrtime.bigint()
+      if (got.sequence !== i) throw new Error(`echo out of order: ${got.sequence} != ${i}`)
+      if (i >= warmup) rtts.push(Number(t1 - t0) / 1000)
+    }
+    const sorted = [...rtts].sort((a, b) => a - b)
+    return {
+      transport,
+      hopP50: percentile(sorted, 0.5) / 2,
+      hopP99: percentile(sorted, 0.99) / 2,
+      rttP50: percentile(sorted, 0.5),
+      rttP99: percentile(sorted, 0.99)
+    }
+  }))
+
+if (process.argv.includes("--echo")) {
+  process.once("message", (setup) => {
+    Effect.runPromise(echo(setup as Setup)).catch(() => process.exit(0))
+  })
+  process.on("disconnect", () => process.exit(0))
+} else {
+  const main = Effect.gen(function*() {
+    console.log(
+      `activation hop latency: hidden ${hidden} f32 (${hidden * 4} B payload), ${iterations} round trips after ${warmup} warm-up, ` +
+        `two processes, ${Os.cpus().length} CPUs, node ${process.version}`
+    )
+    for (const transport of ["Tcp", "Unix"] as const) {
+      const r = yield* measure(transport)
+      console.log(
+        `${transport === "Tcp" ? "loopback TCP" : "Unix socket "}  hop p50 ${r.hopP50.toFixed(1)} µs  p99 ${r.hopP99.toFixed(1)} µs` +
+          `   (round trip p50 ${r.rttP50.toFixed(1)} µs, p99 ${r.rttP99.toFixed(1)} µs)`
+      )
+    }
+    console.log("shared memory: not built (see DataPlane.ts)")
+  })
+  Effect.runPromise(main).then(() => process.exit(0), (e) => {
+    console.error(e)
+    process.exit(1)
+  })
+}
