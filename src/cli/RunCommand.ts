@@ -137,8 +137,32 @@ const describeError = (error: GenerateError): string => {
   return message !== "" ? `${error._tag}: ${message}` : `${error._tag}: ${JSON.stringify(error)}`
 }
 
+/**
+ * Keeps a SIGINT/SIGTERM listener registered while a run is in flight: the Effect runtime interrupts the
+ * run on the first signal (operator stop, then the full teardown), and a loader that exits the process when
+ * no listener is left (tsx) must not cut that teardown short. A second signal exits at once.
+ */
+const holdSignals = Effect.acquireRelease(
+  Effect.sync(() => {
+    let signals = 0
+    const onSignal = () => {
+      signals++
+      if (signals > 1) process.exit(130)
+    }
+    process.on("SIGINT", onSignal)
+    process.on("SIGTERM", onSignal)
+    return onSignal
+  }),
+  (onSignal) =>
+    Effect.sync(() => {
+      process.off("SIGINT", onSignal)
+      process.off("SIGTERM", onSignal)
+    })
+)
+
 export const runRunCommand = (args: RunArgs) =>
   Effect.gen(function*() {
+    yield* holdSignals
     const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
     const nodes = Option.isSome(args.nodes)
       ? args.nodes.value.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
@@ -200,6 +224,7 @@ export const runRunCommand = (args: RunArgs) =>
       )
     )
   }).pipe(
+    Effect.scoped,
     Effect.tapError((error) => (typeof error === "string" ? Console.error(`swactor run: ${error}`) : Effect.void))
   )
 

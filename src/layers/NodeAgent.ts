@@ -12,11 +12,9 @@ import * as Os from "node:os"
 import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Schedule, type Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../domain/engine.js"
 import {
-  ActivationFrame,
   type DataFrame,
   describeFault,
   type EdgeFault,
-  TokenFrame,
   type TransportAddress
 } from "../domain/frames.js"
 import type { RunId } from "../domain/ids.js"
@@ -25,6 +23,7 @@ import {
   AgentHello,
   type AgentUnavailable,
   type DataListener,
+  dataFrame,
   DataPlane,
   type EdgeSender,
   isNotYetRegistered,
@@ -214,7 +213,8 @@ export const makeStageHost = (
               if (output._tag === "Hidden") {
                 if (isLast) return yield* new StageFailure({ kind: "ProtocolError", detail: "the last stage produced hidden states" })
                 yield* outbound.send(
-                  new ActivationFrame({
+                  dataFrame({
+                    _tag: "ActivationFrame",
                     runId,
                     edgeId: p.outbound.edgeId,
                     sequence: frame.sequence,
@@ -231,7 +231,8 @@ export const makeStageHost = (
                 if (sample === undefined) return yield* new StageFailure({ kind: "ProtocolError", detail: "a middle stage produced logits" })
                 const tokenId = sample(output.logits)
                 yield* outbound.send(
-                  new TokenFrame({
+                  dataFrame({
+              _tag: "TokenFrame",
                     runId,
                     edgeId: p.outbound.edgeId,
                     sequence: frame.sequence,

@@ -8,7 +8,8 @@
  * interruption completes.
  */
 import { Deferred, Effect, ExecutionStrategy, Exit, Fiber, Layer, Mailbox, Option, Queue, Schedule, Scope, Stream } from "effect"
-import { type EdgeFault, type TransportAddress, TokenFrame } from "../domain/frames.js"
+import type { EdgeFault, TransportAddress } from "../domain/frames.js"
+import { dataFrame } from "../services/AgentLinks.js"
 import { NodeId, RunId } from "../domain/ids.js"
 import type { Edge, ProvisionStage, RingSpec, RunPlan } from "../domain/plan.js"
 import {
@@ -377,7 +378,8 @@ export const make = Effect.gen(function*() {
           injectedAt.set(sequence, performance.now())
           const edge = tokenEdge("TokenIn")
           return sender.send(
-            new TokenFrame({
+            dataFrame({
+              _tag: "TokenFrame",
               runId,
               edgeId: edge.edgeId,
               sequence,

@@ -1,5 +1,6 @@
 /** Helpers for end-to-end tests with real agent processes. */
 import { execFileSync } from "node:child_process"
+import * as Net from "node:net"
 import { Effect, type Scope } from "effect"
 import { layerRemote } from "../../src/api/generate.js"
 import { generateToken, type LocalAgent, type LocalAgentsOptions, spawnLocalAgents } from "../../src/layers/LocalAgents.js"
@@ -46,3 +47,45 @@ export const eventually = (check: () => boolean, timeoutMs: number) =>
     }
     return check()
   })
+
+/**
+ * A TCP proxy in front of a data listener that cuts the producer → consumer direction after
+ * `cutAfterBytes` bytes (in the middle of a frame unless the count falls on a boundary).
+ */
+export const cuttingProxy = (cutAfterBytes: number) =>
+  Effect.acquireRelease(
+    Effect.async<{ readonly port: number; readonly setTarget: (port: number) => void; readonly cut: () => boolean; readonly server: Net.Server }>(
+      (resume) => {
+        let target = 0
+        let cut = false
+        const server = Net.createServer((client) => {
+          const upstream = Net.createConnection({ host: "127.0.0.1", port: target })
+          let forwarded = 0
+          client.on("data", (chunk: Buffer) => {
+            if (cut) return
+            const room = cutAfterBytes - forwarded
+            if (chunk.length < room) {
+              forwarded += chunk.length
+              upstream.write(chunk)
+              return
+            }
+            cut = true
+            upstream.write(chunk.subarray(0, room), () => {
+              upstream.destroy()
+              client.destroy()
+            })
+          })
+          upstream.on("data", (chunk: Buffer) => client.write(chunk))
+          client.on("error", () => upstream.destroy())
+          upstream.on("error", () => client.destroy())
+          client.on("close", () => upstream.destroy())
+          upstream.on("close", () => client.destroy())
+        })
+        server.listen(0, "127.0.0.1", () => {
+          const address = server.address() as Net.AddressInfo
+          resume(Effect.succeed({ port: address.port, setTarget: (port) => (target = port), cut: () => cut, server }))
+        })
+      }
+    ),
+    ({ server }) => Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
+  )

@@ -1,0 +1,176 @@
+import { assert, describe, it } from "@effect/vitest"
+import { spawn } from "node:child_process"
+import { Effect, Either, Stream } from "effect"
+import { run } from "../src/api/generate.js"
+import * as AgentControlLive from "../src/layers/AgentControlLive.js"
+import { type LocalAgent, swactorCommand } from "../src/layers/LocalAgents.js"
+import { NodeId } from "../src/domain/ids.js"
+import { AgentControl } from "../src/services/AgentLinks.js"
+import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
+import { childPids, cuttingProxy, eventually, isAlive, startAgents } from "./support/e2e.js"
+import { repoRoot, requireModel } from "./support/models.js"
+
+const longRun = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
+  model: requireModel("stories260K.gguf"),
+  prompt: "Once upon a time",
+  maxTokens: 1500,
+  threads: 1,
+  ...patch
+})
+
+/** Stages each agent hosts right now, asked over its control link. */
+const activeStages = (agents: ReadonlyArray<LocalAgent>, token: string) =>
+  Effect.gen(function*() {
+    const control = yield* AgentControl
+    return yield* Effect.forEach(agents, (agent) =>
+      Effect.scoped(
+        Effect.flatMap(
+          control.connect({ nodeId: NodeId.make(agent.index + 1), address: agent.address }, token),
+          (link) => link.capacity
+        )
+      ).pipe(Effect.map((capacity) => capacity.activeStages)))
+  }).pipe(Effect.provide(AgentControlLive.layer))
+
+/** Runs to the end, collecting updates; `onToken` may act mid-generation. */
+const collect = (stream: Stream.Stream<RunUpdate, unknown>, onToken: (sequence: number) => Effect.Effect<void> = () => Effect.void) =>
+  Effect.gen(function*() {
+    const updates: Array<RunUpdate> = []
+    const result = yield* stream.pipe(
+      Stream.runForEach((update) =>
+        Effect.zipRight(
+          Effect.sync(() => updates.push(update)),
+          update._tag === "Token" ? onToken(update.token.sequence) : Effect.void
+        )
+      ),
+      Effect.either
+    )
+    return { updates, result, endedAt: Date.now() }
+  })
+
+describe("end to end faults: real agent processes", () => {
+  // A stage agent killed with SIGKILL mid-generation: the run ends Faulted with that stage's crash as the
+  // first reason within 2 s, every other stage is stopped, the run is torn down once, and no agent
+  // process is left once the orchestrator's scope closes.
+  it.live("kill -9 of a stage agent mid-generation faults the run within 2 s and tears everything down", () =>
+    Effect.gen(function*() {
+      let pids: ReadonlyArray<number> = []
+      yield* Effect.gen(function*() {
+        const { agents, layer, token } = yield* startAgents(3)
+        pids = agents.map((a) => a.pid)
+        let killedAt = 0
+        const { endedAt, result, updates } = yield* collect(
+          run(longRun({ stages: 3 })).pipe(Stream.provideLayer(layer)),
+          (sequence) =>
+            sequence === 5
+              ? Effect.sync(() => {
+                killedAt = Date.now()
+                process.kill(agents[1]!.pid, "SIGKILL")
+              })
+              : Effect.void
+        )
+        assert.isTrue(killedAt > 0)
+        assert.isBelow(endedAt - killedAt, 2000)
+        assert.isTrue(Either.isLeft(result))
+        const error = (result as Either.Left<{ _tag: string; reason?: unknown; message?: string }, void>).left
+        assert.strictEqual(error._tag, "RunFaulted")
+        assert.deepStrictEqual(error.reason, {
+          _tag: "StageFault",
+          stageIndex: 1,
+          reason: { _tag: "WorkerCrashed" }
+        })
+        assert.include(error.message, "stage 1")
+        const tornDown = updates.filter((u) => u._tag === "TornDown")
+        assert.strictEqual(tornDown.length, 1)
+        assert.deepStrictEqual(tornDown[0], {
+          _tag: "TornDown",
+          outcome: "Faulted",
+          unconfirmedStages: [],
+          endpointsConfirmed: true
+        })
+        // The surviving agents host nothing any more.
+        assert.deepStrictEqual(yield* activeStages([agents[0]!, agents[2]!], token), [0, 0])
+      }).pipe(Effect.scoped)
+      assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid)), 5000))
+      assert.deepStrictEqual(childPids(process.pid).filter((pid) => pids.includes(pid)), [])
+    }), 120_000)
+
+  // The data connection into a stage is cut in the middle of a frame: the run faults with a typed
+  // transport fault of a stage (not a hang, not a crash).
+  it.live("a stage socket stopped mid-frame gives a typed transport fault", () =>
+    Effect.gen(function*() {
+      const proxy = yield* cuttingProxy(2500)
+      const { agents, layer } = yield* startAgents(2, {
+        extraArgs: (index) => (index === 1 ? ["--data-advertise", `127.0.0.1:${proxy.port}`] : [])
+      })
+      proxy.setTarget(agents[1]!.dataPort)
+      const { result, updates } = yield* collect(run(longRun({ stages: 2 })).pipe(Stream.provideLayer(layer)))
+      assert.isTrue(proxy.cut())
+      assert.isTrue(Either.isLeft(result))
+      const error = (result as Either.Left<{ _tag: string; reason?: any; message?: string }, void>).left
+      assert.strictEqual(error._tag, "RunFaulted")
+      assert.strictEqual(error.reason._tag, "StageFault")
+      assert.strictEqual(error.reason.reason._tag, "TransportFailed")
+      assert.match(error.reason.reason.message, /Truncated|PeerClosed|Malformed/)
+      assert.strictEqual(updates.filter((u) => u._tag === "TornDown").length, 1)
+    }).pipe(Effect.scoped), 120_000)
+
+  // Agents whose stages never finish loading: the run faults at the readiness deadline, naming them.
+  it.live("an agent that never becomes ready faults the run at the readiness deadline", () =>
+    Effect.gen(function*() {
+      const { layer } = yield* startAgents(2, { env: { SWACTOR_TEST_FAULT: "stall-load" } })
+      const started = Date.now()
+      const { result, updates } = yield* collect(
+        run(longRun({ stages: 2, readinessTimeout: "3 seconds" })).pipe(Stream.provideLayer(layer))
+      )
+      assert.isTrue(Either.isLeft(result))
+      const error = (result as Either.Left<{ _tag: string; reason?: unknown; message?: string }, void>).left
+      assert.deepStrictEqual(error.reason, { _tag: "ReadinessTimeout", missingStages: [0, 1], missingEndpoints: ["TokenIn"] })
+      assert.include(error.message, "readiness deadline")
+      assert.isAtLeast(Date.now() - started, 3000)
+      assert.strictEqual(updates.filter((u) => u._tag === "TornDown").length, 1)
+    }).pipe(Effect.scoped), 60_000)
+
+  // Closing the stream early is an operator stop: the stream's finalizer waits for the full teardown,
+  // so right after it no agent hosts any stage.
+  it.live("interrupting the stream stops the run and tears every stage down", () =>
+    Effect.gen(function*() {
+      const { agents, layer, token } = yield* startAgents(2)
+      const taken = yield* run(longRun({ stages: 2 })).pipe(
+        Stream.filter((u) => u._tag === "Token"),
+        Stream.take(5),
+        Stream.runCollect,
+        Effect.provide(layer)
+      )
+      assert.strictEqual(taken.length, 5)
+      assert.deepStrictEqual(yield* activeStages(agents, token), [0, 0])
+    }).pipe(Effect.scoped), 60_000)
+
+  // Ctrl-C on `swactor run`: the run is stopped, every stage torn down, and every agent process exits.
+  it.live("SIGINT to swactor run stops the run and leaves no agent process", () =>
+    Effect.gen(function*() {
+      const { args, command } = swactorCommand([
+        "run", "--model", requireModel("stories260K.gguf"), "--stages", "2", "--max-tokens", "1900", "--threads", "1"
+      ])
+      let agentPids: ReadonlyArray<number> = []
+      const result = yield* Effect.async<{ code: number | null; signal: string | null; stderr: string; waitedMs: number }>(
+        (resume) => {
+          const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] })
+          let stderr = ""
+          let signalledAt = 0
+          child.stderr.on("data", (chunk) => (stderr += chunk))
+          child.stdout.on("data", () => {
+            if (signalledAt !== 0) return
+            agentPids = childPids(child.pid!)
+            signalledAt = Date.now()
+            child.kill("SIGINT")
+          })
+          child.on("exit", (code, signal) =>
+            resume(Effect.succeed({ code, signal, stderr, waitedMs: Date.now() - signalledAt })))
+        }
+      )
+      assert.strictEqual(agentPids.length, 2)
+      assert.include(result.stderr, "stopped by the operator")
+      assert.isBelow(result.waitedMs, 10_000)
+      assert.isTrue(yield* eventually(() => agentPids.every((pid) => !isAlive(pid)), 5000))
+    }), 60_000)
+})
