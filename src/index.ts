@@ -26,3 +26,24 @@ export * as Framing from "./layers/transport/Framing.js"
 export * as Auth from "./layers/transport/Auth.js"
 export * as DataPlane from "./layers/transport/DataPlane.js"
 export * as ControlPlane from "./layers/transport/ControlPlane.js"
+
+// Pipeline API: generate / run / complete, local or remote agents, Promise facade
+export * from "./api/generate.js"
+export { readModelFacts } from "./api/modelFacts.js"
+export * from "./services/Orchestrator.js"
+export * from "./services/Tokenizer.js"
+export {
+  type HeartbeatOptions,
+  Membership,
+  NodeCapacity as AgentCapacity,
+  NodeEndpoint,
+  NodeLost,
+  type NodeProbeService,
+  NodeUnreachable,
+  type Pool,
+  PoolNotReady
+} from "./services/Membership.js"
+export * from "./services/AgentLinks.js"
+export { localAgentPool, remoteAgentPool, spawnLocalAgents, generateToken } from "./layers/LocalAgents.js"
+export type { LocalAgent, LocalPoolOptions, RemotePoolOptions } from "./layers/LocalAgents.js"
+export { makeStageHost, startNodeAgent } from "./layers/NodeAgent.js"
