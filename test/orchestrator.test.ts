@@ -62,6 +62,14 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
       }
     }).pipe(Effect.scoped))
 
+  // Planning rejections reach the caller as the planner's typed errors.
+  it.live("more stages than the model has blocks is the planner's typed rejection", () =>
+    Effect.gen(function*() {
+      const { orchestrator } = yield* world(2)
+      const error = yield* Effect.flip(Stream.runDrain(orchestrator.run(request({ stages: 9 }))))
+      assert.strictEqual(error._tag, "ModelStageLayoutMismatch")
+    }).pipe(Effect.scoped))
+
   // A stage whose engine fails faults the run with that stage's reason, in words.
   it.live("an engine failure on a stage faults the run with the stage's reason", () =>
     Effect.gen(function*() {

@@ -159,6 +159,35 @@ export const make = Effect.gen(function*() {
       const vocabulary = yield* tokenizer.open(request.model)
       const prompt = vocabulary.tokenize(request.prompt)
 
+      const activationBytes = activationFrameBytes(facts, 64)
+      const plannerInput = (
+        runId: RunId,
+        candidatePool: ReadonlyArray<NodeId>,
+        placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
+      ) => ({
+        runId,
+        orchestratorNodeId: ORCHESTRATOR_NODE,
+        model: facts,
+        runtime: {
+          maxTokens,
+          sampling: {
+            temperatureMillis: Math.round((request.sampling?.temperature ?? 0) * 1000),
+            topK: request.sampling?.topK ?? ((request.sampling?.temperature ?? 0) > 0 ? 40 : 1),
+            ...(request.sampling?.seed === undefined ? {} : { seed: request.sampling.seed })
+          }
+        },
+        candidatePool,
+        stageCount: placement.length,
+        placement: { _tag: "FixedLinear" as const, stages: placement },
+        activationRing: ring(Math.max(4 << 20, alignUp(activationBytes * 64, 64)), "Egress"),
+        tokenRing: ring(64 << 10, "Egress")
+      })
+      // Reject what no placement can fix (too many stages, bad max tokens, ...) before starting any agent.
+      if (request.stages !== undefined) {
+        const ids = Array.from({ length: request.stages }, (_, i) => NodeId.make(i + 1))
+        yield* planRun(plannerInput(RunId.make(1), ids, ids.map((nodeId, stageIndex) => ({ stageIndex, nodeId }))))
+      }
+
       const agents = yield* agentPool.acquire(request.stages)
       const stageCount = request.stages ?? agents.nodes.length
       yield* updates.offer({ _tag: "AgentsStarted", nodes: agents.nodes })
@@ -189,25 +218,7 @@ export const make = Effect.gen(function*() {
       yield* updates.offer({ _tag: "PoolReady", nodes: agents.nodes })
 
       const runId = randomRunId()
-      const activationBytes = activationFrameBytes(facts, 64)
-      const plan: RunPlan = yield* planRun({
-        runId,
-        orchestratorNodeId: ORCHESTRATOR_NODE,
-        model: facts,
-        runtime: {
-          maxTokens,
-          sampling: {
-            temperatureMillis: Math.round((request.sampling?.temperature ?? 0) * 1000),
-            topK: request.sampling?.topK ?? ((request.sampling?.temperature ?? 0) > 0 ? 40 : 1),
-            ...(request.sampling?.seed === undefined ? {} : { seed: request.sampling.seed })
-          }
-        },
-        candidatePool: agents.nodes.map((n) => n.nodeId),
-        stageCount,
-        placement: { _tag: "FixedLinear", stages: placement },
-        activationRing: ring(Math.max(4 << 20, alignUp(activationBytes * 64, 64)), "Egress"),
-        tokenRing: ring(64 << 10, "Egress")
-      })
+      const plan: RunPlan = yield* planRun(plannerInput(runId, agents.nodes.map((n) => n.nodeId), placement))
       const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
       yield* updates.offer({
         _tag: "Planned",
