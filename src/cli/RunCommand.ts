@@ -26,6 +26,7 @@ export interface RunArgs {
   readonly nodes: Option.Option<string>
   readonly tokenFile: Option.Option<string>
   readonly quiet: boolean
+  readonly dryRun: boolean
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -132,6 +133,32 @@ export const renderSummary = (summary: RunSummary): string => {
   return lines.join("\n")
 }
 
+const gib = (bytes: number) => `${(bytes / 2 ** 30).toFixed(1)} GiB`
+
+/** `--dry-run`: the nodes' reported capacity, then the placement the planner made. */
+const renderPreview = (update: RunUpdate): string => {
+  switch (update._tag) {
+    case "PoolReady":
+      return [
+        "nodes (as reported in their heartbeat):",
+        ...update.capacity.map(({ capacity, node }) =>
+          `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
+          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted`
+        )
+      ].join("\n")
+    case "Planned":
+      return [
+        `placement (run ${update.runId}):`,
+        ...update.stages.map((s) => `  stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`),
+        "dry run: nothing was provisioned"
+      ].join("\n")
+    case "AgentsStarted":
+      return `agents: ${update.nodes.map((n) => n.address).join(", ")}`
+    default:
+      return ""
+  }
+}
+
 const describeError = (error: GenerateError): string => {
   const message = "message" in error && typeof error.message === "string" && error.message !== "" ? error.message : ""
   return message !== "" ? `${error._tag}: ${message}` : `${error._tag}: ${JSON.stringify(error)}`
@@ -184,7 +211,17 @@ export const runRunCommand = (args: RunArgs) =>
         ...(Option.isSome(args.seed) ? { seed: args.seed.value } : {})
       },
       ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
-      ...(threads === undefined ? {} : { threads })
+      ...(threads === undefined ? {} : { threads }),
+      ...(args.dryRun ? { dryRun: true } : {})
+    }
+    if (args.dryRun) {
+      return yield* run(request).pipe(
+        Stream.map(renderPreview),
+        Stream.filter((text) => text !== ""),
+        Stream.runForEach((text) => Console.log(text)),
+        Effect.provide(nodes.length > 0 ? layerRemote({ nodes, token }) : layerLocal(threads === undefined ? {} : { threads })),
+        Effect.tapError((error) => Console.error(`swactor run --dry-run failed: ${describeError(error)}`))
+      )
     }
     const progress = makeProgress(args.quiet)
     let wroteText = false
@@ -250,7 +287,10 @@ export const runCommand = Command.make(
       Options.optional
     ),
     tokenFile: Options.text("token-file").pipe(Options.optional),
-    quiet: Options.boolean("quiet").pipe(Options.withDescription("only the text: no progress, no summary"))
+    quiet: Options.boolean("quiet").pipe(Options.withDescription("only the text: no progress, no summary")),
+    dryRun: Options.boolean("dry-run").pipe(
+      Options.withDescription("ask the nodes for their capacity, print the placement, provision nothing")
+    )
   },
   runRunCommand
 ).pipe(Command.withDescription("Generate text across a pipeline of node agents (local child processes by default)"))

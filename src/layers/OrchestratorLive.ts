@@ -214,8 +214,15 @@ export const make = Effect.gen(function*() {
       }))
       const neededNodes = [...new Set(placement.map((p) => p.nodeId))]
       const readinessTimeout = request.readinessTimeout ?? "120 seconds"
-      yield* pool.awaitReady(neededNodes, readinessTimeout)
-      yield* updates.offer({ _tag: "PoolReady", nodes: agents.nodes })
+      const capacity = yield* pool.awaitReady(neededNodes, readinessTimeout)
+      yield* updates.offer({
+        _tag: "PoolReady",
+        nodes: agents.nodes,
+        capacity: agents.nodes.flatMap((node) => {
+          const reported = capacity.get(node.nodeId)
+          return reported === undefined ? [] : [{ node, capacity: reported }]
+        })
+      })
 
       const runId = randomRunId()
       const plan: RunPlan = yield* planRun(plannerInput(runId, agents.nodes.map((n) => n.nodeId), placement))
@@ -229,6 +236,8 @@ export const make = Effect.gen(function*() {
           layers: [s.layerStart, s.layerEndExclusive] as const
         }))
       })
+
+      if (request.dryRun === true) return
 
       // Local data endpoint: the last stage sends sampled tokens here.
       const listener = yield* dataPlane.listen({ _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(

@@ -9,7 +9,7 @@ import { RunFaultReason } from "../domain/runFsm.js"
 import { RunId } from "../domain/ids.js"
 import type { AgentSpawnError } from "../layers/LocalAgents.js"
 import type { AgentUnavailable } from "./AgentLinks.js"
-import type { NodeEndpoint, PoolNotReady } from "./Membership.js"
+import type { NodeCapacity, NodeEndpoint, PoolNotReady } from "./Membership.js"
 import type { TokenizerError } from "./Tokenizer.js"
 
 export interface SamplingOptions {
@@ -37,6 +37,8 @@ export interface GenerateRequest {
   /** Each token must come back within this (default 60 s). */
   readonly tokenTimeout?: Duration.DurationInput
   readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
+  /** Stop after planning: report the nodes' capacity and the placement, provision nothing. */
+  readonly dryRun?: boolean
 }
 
 export interface TokenTimings {
@@ -86,8 +88,19 @@ export interface RunSummary {
 /** What a run produces, in order: start-up progress, tokens, then one summary. */
 export type RunUpdate =
   | { readonly _tag: "AgentsStarted"; readonly nodes: ReadonlyArray<NodeEndpoint> }
-  | { readonly _tag: "PoolReady"; readonly nodes: ReadonlyArray<NodeEndpoint> }
-  | { readonly _tag: "Planned"; readonly runId: number; readonly stages: ReadonlyArray<{ readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }> }
+  | {
+    readonly _tag: "PoolReady"
+    readonly nodes: ReadonlyArray<NodeEndpoint>
+    /** What each needed node reported in its last heartbeat. */
+    readonly capacity: ReadonlyArray<{ readonly node: NodeEndpoint; readonly capacity: NodeCapacity }>
+  }
+  | {
+    readonly _tag: "Planned"
+    readonly runId: number
+    readonly stages: ReadonlyArray<
+      { readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }
+    >
+  }
   | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
   | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
   | { readonly _tag: "Token"; readonly token: GeneratedToken }
