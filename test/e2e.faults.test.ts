@@ -2,7 +2,7 @@ import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
 import { Effect, Either, Stream } from "effect"
 import { run } from "../src/api/generate.js"
-import * as AgentControlLive from "../src/layers/AgentControlLive.js"
+import * as AgentControlRpc from "../src/layers/AgentControlRpc.js"
 import { type LocalAgent, swactorCommand } from "../src/layers/LocalAgents.js"
 import { NodeId } from "../src/domain/ids.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
@@ -29,7 +29,7 @@ const activeStages = (agents: ReadonlyArray<LocalAgent>, token: string) =>
           (link) => link.capacity
         )
       ).pipe(Effect.map((capacity) => capacity.activeStages)))
-  }).pipe(Effect.provide(AgentControlLive.layer))
+  }).pipe(Effect.provide(AgentControlRpc.layer))
 
 /** Runs to the end, collecting updates; `onToken` may act mid-generation. */
 const collect = (stream: Stream.Stream<RunUpdate, unknown>, onToken: (sequence: number) => Effect.Effect<void> = () => Effect.void) =>
@@ -143,6 +143,35 @@ describe("end to end faults: real agent processes", () => {
       )
       assert.strictEqual(taken.length, 5)
       assert.deepStrictEqual(yield* activeStages(agents, token), [0, 0])
+    }).pipe(Effect.scoped), 60_000)
+
+  // An orchestrator killed with SIGKILL mid-generation: its agents notice the dropped control connection
+  // and stop every stage they hosted for it (they keep running, ready for the next orchestrator).
+  it.live("agents stop the stages of an orchestrator that died", () =>
+    Effect.gen(function*() {
+      const { agents, token } = yield* startAgents(2)
+      const { args, command } = swactorCommand([
+        "run", "--model", requireModel("stories260K.gguf"), "--max-tokens", "1900", "--threads", "1",
+        "--nodes", agents.map((a) => a.address).join(",")
+      ])
+      yield* Effect.async<void>((resume) => {
+        const child = spawn(command, args, {
+          cwd: repoRoot,
+          stdio: ["ignore", "pipe", "ignore"],
+          env: { ...process.env, SWACTOR_CLUSTER_TOKEN: token }
+        })
+        child.stdout.once("data", () => child.kill("SIGKILL"))
+        child.on("exit", () => resume(Effect.void))
+      })
+      let hosted: ReadonlyArray<number> = []
+      const until = Date.now() + 5000
+      do {
+        hosted = yield* activeStages(agents, token)
+        if (hosted.every((n) => n === 0)) break
+        yield* Effect.sleep("100 millis")
+      } while (Date.now() < until)
+      assert.deepStrictEqual(hosted, [0, 0])
+      for (const agent of agents) assert.isTrue(isAlive(agent.pid))
     }).pipe(Effect.scoped), 60_000)
 
   // Ctrl-C on `swactor run`: the run is stopped, every stage torn down, and every agent process exits.

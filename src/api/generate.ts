@@ -11,7 +11,7 @@
  */
 import { Effect, Layer, ManagedRuntime, Option, Stream } from "effect"
 import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
-import * as AgentControlLive from "../layers/AgentControlLive.js"
+import * as AgentControlRpc from "../layers/AgentControlRpc.js"
 import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/LocalAgents.js"
 import * as MembershipLive from "../layers/MembershipLive.js"
 import * as OrchestratorLive from "../layers/OrchestratorLive.js"
@@ -49,7 +49,7 @@ export const complete = (
     Effect.map(({ summary, text }) => ({ text, summary: summary! }))
   )
 
-const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlLive.layer, dataPlaneLayer)
+const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlRpc.layer, dataPlaneLayer)
 
 /** Orchestrator whose runs each start their own agents on this machine (one child process per stage). */
 export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<Orchestrator> =>

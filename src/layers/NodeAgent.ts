@@ -35,7 +35,7 @@ import {
 import { NodeCapacity } from "../services/Membership.js"
 import { type LoadedStage, StageExecutor } from "../services/StageExecutor.js"
 import { makeSampler } from "../services/Sampler.js"
-import { serveControl } from "./AgentControlLive.js"
+import { serveControlRpc } from "./AgentControlRpc.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -337,8 +337,6 @@ export interface RunningAgent {
   readonly data: TransportAddress
 }
 
-const isWildcard = (host: string) => host === "0.0.0.0" || host === "::" || host === ""
-
 /** Serves stages until the scope closes: data listener, stage host, authenticated control link. */
 export const startNodeAgent = (
   options: NodeAgentOptions
@@ -349,17 +347,11 @@ export const startNodeAgent = (
     const listener = yield* dataPlane.listen(options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 }, options.token)
     const host = yield* makeStageHost(listener, { token: options.token, threads: options.threads, backend: options.backend })
     const advertised = options.dataAdvertise ?? listener.address
-    const control = yield* serveControl({
+    const control = yield* serveControlRpc({
       address: options.listen,
       token: options.token,
       host,
-      hello: (localAddress) =>
-        new AgentHello({
-          dataAddress: advertised._tag === "Tcp" && isWildcard(advertised.host) && localAddress !== undefined
-            ? { ...advertised, host: localAddress.replace(/^::ffff:/, "") }
-            : advertised,
-          pid: process.pid
-        })
+      hello: new AgentHello({ dataAddress: advertised, pid: process.pid })
     })
     return { control, data: listener.address }
   })

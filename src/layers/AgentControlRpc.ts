@@ -1,0 +1,193 @@
+/**
+ * The orchestrator ↔ agent control link as an @effect/rpc group over the transport's authenticated
+ * socket server (`makeSocketServer` of src/layers/transport/ControlPlane.ts: mutual HMAC handshake,
+ * then ndjson RPC).
+ *
+ * Why a group of its own next to the transport's `ControlRpcs`: the orchestrator needs, per stage,
+ * load progress (for the progress bar) and the stage's compute counters when it stops (for the
+ * summary), and per run the KV length and engine threads; `ControlRpcs` carries none of these. This
+ * group is `AgentLink` one to one:
+ *
+ * - `Hello` → the agent's data-plane address; `Capacity` → its heartbeat answer.
+ * - `Provision` → a stream of StageReports (loading, ready, then fault or stopped). The stream ends
+ *   after StageStopped; a dropped connection fails it at once (a crashed agent is a fault, never a
+ *   hang), and the agent interrupts the handlers of a client that went away (its stages stop).
+ * - `Stop` → asks a stage to stop (idempotent).
+ */
+import * as Net from "node:net"
+import * as NodeSocket from "@effect/platform-node/NodeSocket"
+import * as Socket from "@effect/platform/Socket"
+import * as SocketServer from "@effect/platform/SocketServer"
+import { Rpc, RpcClient, RpcGroup, RpcSerialization, RpcServer } from "@effect/rpc"
+import { type Duration, Effect, Layer, Redacted, Schema, Scope, Stream } from "effect"
+import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
+import { RunId } from "../domain/ids.js"
+import {
+  AgentControl,
+  AgentHello,
+  type AgentLink,
+  AgentUnavailable,
+  ProvisionRequest,
+  StageReport
+} from "../services/AgentLinks.js"
+import { NodeCapacity, type NodeEndpoint } from "../services/Membership.js"
+import type { StageHost } from "./NodeAgent.js"
+import { clientHandshake } from "./transport/Auth.js"
+import { makeSocketServer } from "./transport/ControlPlane.js"
+
+export class AgentRpcs extends RpcGroup.make(
+  Rpc.make("Hello", { success: AgentHello }),
+  Rpc.make("Capacity", { success: NodeCapacity }),
+  Rpc.make("Provision", { payload: { request: ProvisionRequest }, success: StageReport, stream: true }),
+  Rpc.make("Stop", { payload: { runId: RunId, stageIndex: Schema.Number } })
+) {}
+
+/** Parses `host:port` (IPv6 in brackets) into a TCP address. */
+export const parseAddress = (text: string): TransportAddress | undefined => {
+  const match = /^\[?([^\]]*?)\]?:(\d+)$/.exec(text.trim())
+  if (match === null) return undefined
+  const port = Number(match[2])
+  if (!Number.isInteger(port) || port < 0 || port > 65535) return undefined
+  return Schema.decodeUnknownSync(TransportAddressSchema)({ _tag: "Tcp", host: match[1] === "" ? "127.0.0.1" : match[1], port })
+}
+
+export const formatAddress = (address: TransportAddress): string =>
+  address._tag === "Tcp" ? (address.host.includes(":") ? `[${address.host}]:${address.port}` : `${address.host}:${address.port}`) : address.path
+
+const isWildcard = (host: string) => host === "0.0.0.0" || host === "::" || host === ""
+
+// ---------------------------------------------------------------------------------------------
+// Agent side
+// ---------------------------------------------------------------------------------------------
+
+export interface RpcServerOptions {
+  readonly address: TransportAddress
+  readonly token: string
+  readonly host: StageHost
+  readonly hello: AgentHello
+}
+
+/** Serves the control group for a stage host until the scope closes; returns the bound address. */
+export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<TransportAddress, AgentUnavailable, Scope.Scope> =>
+  Effect.gen(function*() {
+    const socketServer = yield* makeSocketServer({ token: Redacted.make(options.token), address: options.address }).pipe(
+      Effect.mapError((error) =>
+        new AgentUnavailable({ address: formatAddress(options.address), message: `cannot listen: ${String(error.cause)}` })
+      )
+    )
+    const handlers = AgentRpcs.toLayer({
+      Hello: () => Effect.succeed(options.hello),
+      Capacity: () => options.host.capacity,
+      Provision: ({ request }) => options.host.provision(request),
+      Stop: ({ runId, stageIndex }) => options.host.stop(runId, stageIndex)
+    })
+    yield* Layer.build(
+      RpcServer.layer(AgentRpcs).pipe(
+        Layer.provide(handlers),
+        Layer.provide(RpcServer.layerProtocolSocketServer),
+        Layer.provide(RpcSerialization.layerNdjson),
+        Layer.provide(Layer.succeed(SocketServer.SocketServer, socketServer))
+      )
+    )
+    const bound = socketServer.address
+    return bound._tag === "UnixAddress"
+      ? { _tag: "Unix", path: bound.path } satisfies TransportAddress
+      : { _tag: "Tcp", host: options.address._tag === "Tcp" ? options.address.host : bound.hostname, port: bound.port } satisfies TransportAddress
+  })
+
+// ---------------------------------------------------------------------------------------------
+// Orchestrator side
+// ---------------------------------------------------------------------------------------------
+
+const netOptions = (address: TransportAddress): Net.NetConnectOpts =>
+  address._tag === "Tcp" ? { host: address.host, port: address.port } : { path: address.path }
+
+/** One authenticated connection, paused until the RPC protocol attaches its reader. */
+const openAuthenticated = (address: TransportAddress, token: string, timeout: Duration.DurationInput) =>
+  Effect.acquireRelease(
+    Effect.async<Net.Socket, Socket.SocketError>((resume) => {
+      const conn = Net.createConnection(netOptions(address))
+      const onError = (cause: Error) => resume(Effect.fail(new Socket.SocketGenericError({ reason: "Open", cause })))
+      conn.once("error", onError)
+      conn.once("connect", () => {
+        conn.off("error", onError)
+        conn.on("error", () => {})
+        if (address._tag === "Tcp") conn.setNoDelay(true)
+        resume(Effect.succeed(conn))
+      })
+      return Effect.sync(() => conn.destroy())
+    }),
+    (conn) => Effect.sync(() => conn.destroy())
+  ).pipe(
+    Effect.tap((conn) =>
+      clientHandshake(conn, { token: Redacted.make(token), timeout }).pipe(
+        Effect.mapError((failed) => new Socket.SocketGenericError({ reason: "Open", cause: new Error(failed.detail) }))
+      )
+    ),
+    Effect.timeoutFail({
+      duration: timeout,
+      onTimeout: () => new Socket.SocketGenericError({ reason: "OpenTimeout", cause: new Error("timed out") })
+    })
+  )
+
+/** A platform Socket over authenticated connections; the first one is opened eagerly by `connect`. */
+const authenticatedSocket = (open: Effect.Effect<Net.Socket, Socket.SocketError, Scope.Scope>) => {
+  let current: Net.Socket | undefined
+  return NodeSocket.fromDuplex(Effect.tap(open, (conn) => Effect.sync(() => (current = conn)))).pipe(
+    Effect.map((socket) => {
+      const resumeFirst = (onOpen: Effect.Effect<void> | undefined) =>
+        Effect.zipRight(Effect.sync(() => current?.resume()), onOpen ?? Effect.void)
+      return Socket.Socket.of({
+        ...socket,
+        run: (handler, options) => socket.run(handler, { onOpen: resumeFirst(options?.onOpen) }),
+        runRaw: (handler, options) => socket.runRaw(handler, { onOpen: resumeFirst(options?.onOpen) })
+      })
+    })
+  )
+}
+
+const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, AgentUnavailable, Scope.Scope> =>
+  Effect.gen(function*() {
+    const address = parseAddress(node.address)
+    const unavailable = (message: string) => new AgentUnavailable({ address: node.address, message })
+    if (address === undefined) return yield* Effect.fail(unavailable(`not a host:port address: ${node.address}`))
+    const scope = yield* Effect.scope
+    const timeout = "10 seconds"
+    let first: Net.Socket | undefined = yield* openAuthenticated(address, token, timeout).pipe(
+      Effect.mapError((error) => unavailable(`cannot connect: ${String(error.cause ?? error.message)}`))
+    )
+    const open = Effect.suspend(() => {
+      if (first === undefined) return openAuthenticated(address, token, timeout)
+      const conn = first
+      first = undefined
+      return Effect.succeed(conn)
+    })
+    const socket = yield* authenticatedSocket(open)
+    const protocol = yield* RpcClient.makeProtocolSocket().pipe(
+      Effect.provideService(Socket.Socket, socket),
+      Effect.provide(RpcSerialization.layerNdjson),
+      Scope.extend(scope)
+    )
+    const client = yield* RpcClient.make(AgentRpcs).pipe(Effect.provideService(RpcClient.Protocol, protocol))
+    const lost = (error: { readonly message: string }) =>
+      unavailable(`the control connection to the agent failed (it exited or crashed): ${error.message}`)
+    const said = yield* client.Hello().pipe(
+      Effect.mapError(lost),
+      Effect.timeoutFail({ duration: timeout, onTimeout: () => unavailable("no answer to hello") })
+    )
+    // An agent bound to a wildcard address is reached on the host we reached its control plane on.
+    const hello = said.dataAddress._tag === "Tcp" && isWildcard(said.dataAddress.host) && address._tag === "Tcp"
+      ? new AgentHello({ ...said, dataAddress: { ...said.dataAddress, host: address.host } })
+      : said
+    const link: AgentLink = {
+      node,
+      hello,
+      capacity: client.Capacity().pipe(Effect.mapError(lost)),
+      provision: (request) => client.Provision({ request }).pipe(Stream.mapError(lost)),
+      stop: (runId, stageIndex) => client.Stop({ runId, stageIndex }).pipe(Effect.mapError(lost))
+    }
+    return link
+  })
+
+/** AgentControl over the @effect/rpc control group. */
+export const layer: Layer.Layer<AgentControl> = Layer.succeed(AgentControl, AgentControl.of({ connect }))
