@@ -6,6 +6,7 @@ import { Effect, Either, Fiber, Redacted } from "effect"
 import {
   ActivationFrame,
   AttachFrame,
+  DoorbellFrame,
   type DataFrame,
   type TransportAddress,
   TokenFrame
@@ -15,6 +16,7 @@ import type { RingSpec } from "../src/domain/plan.js"
 import * as Auth from "../src/layers/transport/Auth.js"
 import * as DataPlane from "../src/layers/transport/DataPlane.js"
 import * as Framing from "../src/layers/transport/Framing.js"
+import * as ShmRing from "../src/layers/transport/ShmRing.js"
 
 const token = Redacted.make("dataplane-test-token")
 const runId = 11 as RunId
@@ -29,12 +31,14 @@ const ringOf = (dataCapacity: number, alignment = 64, wakeCoalescing: RingSpec["
 })
 
 let socketCounter = 0
-const transports: ReadonlyArray<{ name: string; address: () => TransportAddress }> = [
-  { name: "TCP", address: () => ({ _tag: "Tcp", host: "127.0.0.1", port: 0 }) },
-  {
-    name: "Unix",
-    address: () => ({ _tag: "Unix", path: Path.join(Os.tmpdir(), `swactor-dp-${process.pid}-${socketCounter++}.sock`) })
-  }
+const unixAddress = (): TransportAddress => ({
+  _tag: "Unix",
+  path: Path.join(Os.tmpdir(), `swactor-dp-${process.pid}-${socketCounter++}.sock`)
+})
+const transports: ReadonlyArray<{ name: string; address: () => TransportAddress; sharedMemory: boolean }> = [
+  { name: "TCP", address: () => ({ _tag: "Tcp", host: "127.0.0.1", port: 0 }), sharedMemory: false },
+  { name: "Unix", address: unixAddress, sharedMemory: false },
+  ...(ShmRing.isSupported() ? [{ name: "shared memory", address: unixAddress, sharedMemory: true }] : [])
 ]
 
 const activation = (sequence: number, nTokens: number, hiddenDim: number, startPos = 0) =>
@@ -65,18 +69,28 @@ const eventually = <A>(get: Effect.Effect<A>, f: (a: A) => boolean) =>
   })
 
 /** Set up a listener with one registered edge, and a connected sender. */
-const edge = (address: TransportAddress, ring: RingSpec, register: Partial<DataPlane.RegisterOptions> = {}) =>
+const edge = (address: TransportAddress, ring: RingSpec, sharedMemory = false) =>
   Effect.gen(function*() {
     const listener = yield* DataPlane.listen({ address, token })
-    const receiver = yield* listener.register({ runId, edgeId, ring, ...register })
-    const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring })
+    const receiver = yield* listener.register({ runId, edgeId, ring })
+    const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring, sharedMemory })
     yield* receiver.attached
     return { listener, receiver, sender }
   })
 
-/** An authenticated, attached raw socket, for writing hand-made bytes at a receiver. */
-const rawSender = (address: TransportAddress, ring: RingSpec) =>
+/**
+ * An authenticated, attached raw sender, for writing hand-made bytes at a receiver: on the socket,
+ * or into a shared-memory ring followed by a doorbell.
+ */
+const rawSender = (address: TransportAddress, ring: RingSpec, sharedMemory = false) =>
   Effect.gen(function*() {
+    const shm = sharedMemory
+      ? yield* Effect.acquireRelease(Effect.sync(() => ShmRing.ShmRing.create(ring.dataCapacity)), (r) =>
+        Effect.sync(() => {
+          r.unlink()
+          r.close()
+        }))
+      : undefined
     const socket = yield* Effect.acquireRelease(
       Effect.async<Net.Socket>((resume) => {
         const s = Net.createConnection(address._tag === "Tcp" ? { port: address.port, host: address.host } : { path: address.path })
@@ -90,11 +104,26 @@ const rawSender = (address: TransportAddress, ring: RingSpec) =>
     socket.on("data", (c) => received.push(c))
     socket.resume()
     socket.write(Framing.unsafeEncode(
-      AttachFrame({ runId, edgeId, dataCapacity: ring.dataCapacity, alignment: ring.alignment, wakeCoalescing: ring.wakeCoalescing }),
+      AttachFrame({
+        runId,
+        edgeId,
+        dataCapacity: ring.dataCapacity,
+        alignment: ring.alignment,
+        wakeCoalescing: ring.wakeCoalescing,
+        sharedMemory: shm?.path ?? ""
+      }),
       8
     ))
     yield* eventually(Effect.sync(() => Buffer.concat(received).length), (n) => n >= Framing.HEADER_BYTES)
-    return socket
+    const doorbell = Framing.unsafeEncode(DoorbellFrame({ runId, edgeId }), ring.alignment)
+    return {
+      write: (bytes: Uint8Array) => {
+        if (shm === undefined) return void socket.write(bytes)
+        shm.write(bytes)
+        socket.write(doorbell)
+      },
+      end: () => socket.end()
+    }
   })
 
 const sameActivation = (a: DataFrame, b: ActivationFrame) => {
@@ -112,13 +141,13 @@ for (const transport of transports) {
   describe(`DataPlane over ${transport.name}`, () => {
     it.scopedLive("delivers token and activation frames in order", () =>
       Effect.gen(function*() {
-        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024))
+        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024), transport.sharedMemory)
         const sent = [activation(0, 3, 16, 0), activation(1, 1, 16, 3), activation(2, 1, 16, 4)]
         for (const f of sent) yield* sender.send(f)
         const got: Array<DataFrame> = []
         while (got.length < sent.length) got.push(...(yield* receiver.receive))
         sent.forEach((f, i) => sameActivation(got[i]!, f))
-        const { receiver: r2, sender: s2 } = yield* edge(transport.address(), ringOf(4096))
+        const { receiver: r2, sender: s2 } = yield* edge(transport.address(), ringOf(4096), transport.sharedMemory)
         yield* s2.send(TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens: [1, 2, 3] } }))
         yield* s2.send(TokenFrame({ runId, edgeId, sequence: 1, payload: { _tag: "Sampled", tokenId: 9, eos: true } }))
         const a = yield* r2.take
@@ -131,7 +160,7 @@ for (const transport of transports) {
     it.scopedLive("blocks the producer when the consumer is a full window behind", () =>
       Effect.gen(function*() {
         const ring = ringOf(16 * 1024)
-        const { receiver, sender } = yield* edge(transport.address(), ring)
+        const { receiver, sender } = yield* edge(transport.address(), ring, transport.sharedMemory)
         const frames = Array.from({ length: 10 }, (_, i) => activation(i, 1, 1000, i))
         const frameBytes = Framing.encodedLength(frames[0]!, ring.alignment)
         assert.strictEqual(frameBytes, 4096)
@@ -160,7 +189,7 @@ for (const transport of transports) {
     it.scopedLive("sends a prefill larger than the window in chunks and delivers it intact", () =>
       Effect.gen(function*() {
         const ring = ringOf(64 * 1024)
-        const { receiver, sender } = yield* edge(transport.address(), ring)
+        const { receiver, sender } = yield* edge(transport.address(), ring, transport.sharedMemory)
         const prefill = activation(0, 100, 2048, 0)
         const consumer = yield* Effect.fork(receiver.take)
         yield* sender.send(prefill)
@@ -177,7 +206,7 @@ for (const transport of transports) {
     // PendingBit: a burst of N frames costs the consumer one wake and the sender one credit frame.
     it.scopedLive("PendingBit coalesces a burst into one wake", () =>
       Effect.gen(function*() {
-        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024, 64, "PendingBit"))
+        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024, 64, "PendingBit"), transport.sharedMemory)
         const burst = Array.from({ length: 16 }, (_, i) => decode(i, 100 + i))
         yield* sender.sendAll(burst)
         yield* eventually(receiver.stats, (s) => s.messages === 16)
@@ -193,7 +222,7 @@ for (const transport of transports) {
     // EveryFrame: the same burst costs one wake and one credit per frame.
     it.scopedLive("EveryFrame wakes once per frame", () =>
       Effect.gen(function*() {
-        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024, 64, "EveryFrame"))
+        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024, 64, "EveryFrame"), transport.sharedMemory)
         yield* sender.sendAll(Array.from({ length: 16 }, (_, i) => decode(i, i)))
         yield* eventually(receiver.stats, (s) => s.messages === 16)
         for (let i = 0; i < 16; i++) assert.strictEqual((yield* receiver.receive).length, 1)
@@ -206,7 +235,7 @@ for (const transport of transports) {
     // Faults are typed, reach both ends, and leave the listener serving other edges.
     it.scopedLive("faults the edge on an out-of-order frame and tells the sender", () =>
       Effect.gen(function*() {
-        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024))
+        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024), transport.sharedMemory)
         yield* sender.send(decode(0, 1))
         yield* sender.send(decode(2, 1))
         assert.strictEqual((yield* receiver.take)._tag, "TokenFrame")
@@ -232,7 +261,8 @@ for (const transport of transports) {
       {
         name: "an oversized frame",
         tag: "Oversized",
-        bytes: (ring) => Framing.unsafeEncode(activation(0, 10, 2048), ring.alignment)
+        // Only the header: the announced length alone must fault, before any body is buffered.
+        bytes: (ring) => Framing.unsafeEncode(activation(0, 10, 2048), ring.alignment).subarray(0, 64)
       },
       {
         name: "an out-of-order frame",
@@ -254,15 +284,16 @@ for (const transport of transports) {
         }
       }
     ]
-    for (const h of hostile) {
+    // A shared-memory ring physically holds at most one window, so it cannot be overrun.
+    for (const h of hostile.filter((h) => !(transport.sharedMemory && h.tag === "WindowExceeded"))) {
       it.scopedLive(`faults the edge with ${h.tag} on ${h.name}, and the receiver survives`, () =>
         Effect.gen(function*() {
           const ring = ringOf(16 * 1024)
           const listener = yield* DataPlane.listen({ address: transport.address(), token })
           const receiver = yield* listener.register({ runId, edgeId, ring })
-          const socket = yield* rawSender(listener.address, ring)
-          socket.write(h.bytes(ring))
-          if (h.end === true) socket.end()
+          const raw = yield* rawSender(listener.address, ring, transport.sharedMemory)
+          raw.write(h.bytes(ring))
+          if (h.end === true) raw.end()
           // Messages that were complete and in order before the bad frame are still handed over.
           let delivered = 0
           const fault = yield* receiver.receive.pipe(
@@ -274,7 +305,14 @@ for (const transport of transports) {
           assert.strictEqual(delivered, h.tag === "WindowExceeded" ? 4 : 0)
           // The same listener still serves a fresh edge.
           const fresh = yield* listener.register({ runId, edgeId: 77 as EdgeId, ring })
-          const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId: 77 as EdgeId, ring })
+          const sender = yield* DataPlane.connect({
+            address: listener.address,
+            token,
+            runId,
+            edgeId: 77 as EdgeId,
+            ring,
+            sharedMemory: transport.sharedMemory
+          })
           yield* sender.send(TokenFrame({ runId, edgeId: 77 as EdgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 3 } }))
           assert.strictEqual((yield* fresh.take)._tag, "TokenFrame")
         }))
@@ -283,7 +321,7 @@ for (const transport of transports) {
     // A sender that closes gracefully: complete frames are still delivered, then PeerClosed.
     it.scopedLive("delivers complete frames before reporting a closed peer", () =>
       Effect.gen(function*() {
-        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024))
+        const { receiver, sender } = yield* edge(transport.address(), ringOf(64 * 1024), transport.sharedMemory)
         yield* sender.sendAll([decode(0, 1), decode(1, 2)])
         yield* eventually(receiver.stats, (s) => s.messages === 2)
         yield* sender.close

@@ -115,16 +115,34 @@ export const ActivationFrame = (
 /** A frame the user of an edge sends and receives. */
 export type DataFrame = TokenFrame | ActivationFrame
 
-/** Sender → receiver, first frame on a connection: bind it to one edge, stating the sender's ring. */
+/**
+ * Sender → receiver, first frame on a connection: bind it to one edge, stating the sender's ring.
+ * `sharedMemory` names the /dev/shm ring file the sender writes data frames into ("" = frames
+ * travel on the socket).
+ */
 export const AttachFrameSchema = Schema.TaggedStruct("AttachFrame", {
   runId: RunId,
   edgeId: EdgeId,
   dataCapacity: U32,
   alignment: U32,
-  wakeCoalescing: WakeCoalescing
+  wakeCoalescing: WakeCoalescing,
+  sharedMemory: Schema.optionalWith(Schema.String, { default: () => "" })
 })
 export type AttachFrame = typeof AttachFrameSchema.Type
-export const AttachFrame = (props: Omit<AttachFrame, "_tag">): AttachFrame => ({ _tag: "AttachFrame", ...props })
+export const AttachFrame = (props: Defaulted<AttachFrame, "sharedMemory">): AttachFrame => ({
+  _tag: "AttachFrame",
+  runId: props.runId,
+  edgeId: props.edgeId,
+  dataCapacity: props.dataCapacity,
+  alignment: props.alignment,
+  wakeCoalescing: props.wakeCoalescing,
+  sharedMemory: props.sharedMemory ?? ""
+})
+
+/** Sender → receiver on a shared-memory edge: new frames are in the ring (the pending bit was clear). */
+export const DoorbellFrameSchema = Schema.TaggedStruct("DoorbellFrame", { runId: RunId, edgeId: EdgeId })
+export type DoorbellFrame = typeof DoorbellFrameSchema.Type
+export const DoorbellFrame = (props: Omit<DoorbellFrame, "_tag">): DoorbellFrame => ({ _tag: "DoorbellFrame", ...props })
 
 /** Receiver → sender: the connection is bound to the edge; data frames may flow. */
 export const AttachedFrameSchema = Schema.TaggedStruct("AttachedFrame", {
@@ -155,8 +173,9 @@ export type FaultFrame = typeof FaultFrameSchema.Type
 export const FaultFrame = (props: Omit<FaultFrame, "_tag">): FaultFrame => ({ _tag: "FaultFrame", ...props })
 
 /** Any frame on the wire. */
-export type WireFrame = DataFrame | AttachFrame | AttachedFrame | CreditFrame | FaultFrame
+export type WireFrame = DataFrame | AttachFrame | AttachedFrame | CreditFrame | FaultFrame | DoorbellFrame
 export const WireFrameSchema = Schema.Union(
+  DoorbellFrameSchema,
   TokenFrameSchema,
   ActivationFrameSchema,
   AttachFrameSchema,

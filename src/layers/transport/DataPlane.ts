@@ -48,6 +48,7 @@ import {
   CreditFrame,
   type DataFrame,
   describeFault,
+  DoorbellFrame,
   EdgeBusy,
   EdgeClosed,
   type EdgeFault,
@@ -67,6 +68,7 @@ import type { EdgeId, RunId } from "../../domain/ids.js"
 import type { RingSpec } from "../../domain/plan.js"
 import { type ClusterToken, clientHandshake, serverHandshake } from "./Auth.js"
 import * as Framing from "./Framing.js"
+import { ShmRing } from "./ShmRing.js"
 
 /** The listener could not be opened. */
 export class ListenFailed extends Data.TaggedError("ListenFailed")<{
@@ -182,6 +184,11 @@ export interface ConnectOptions {
   readonly ring: RingSpec
   /** Bounds connect + handshake + attach (default 10 s). */
   readonly timeout?: Duration.DurationInput | undefined
+  /**
+   * Same-host edges only (a Unix-socket `address`): carry data frames through a shared-memory ring
+   * (ShmRing.ts) and use the socket only for doorbells, credits and faults. Default false.
+   */
+  readonly sharedMemory?: boolean | undefined
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -333,20 +340,51 @@ class Inbound implements ConnHandlers {
     this.sequencer = new Framing.Sequencer(options.initialSequence ?? 0, options.reassemble ?? true)
   }
 
-  attach(conn: FrameConn): void {
+  private shm: ShmRing | undefined
+  private readonly shmDecoder = new Framing.StreamDecoder()
+
+  attach(conn: FrameConn, shm: ShmRing | undefined): void {
     this.conn = conn
+    this.shm = shm
     Deferred.unsafeDone(this.attachedDeferred, Exit.void)
   }
 
   onFrame(frame: WireFrame, length: number): void {
-    const { edgeId, ring, runId } = this.options
     const conn = this.conn!
     if (frame._tag === "FaultFrame") {
       return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
     }
+    if (frame._tag === "DoorbellFrame" && this.shm !== undefined) return this.drainShm(conn, this.shm)
     if (frame._tag !== "TokenFrame" && frame._tag !== "ActivationFrame") {
       return conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a sender` }))
     }
+    if (this.shm !== undefined) {
+      return conn.fail(new Malformed({ detail: "data frame on the socket of a shared-memory edge" }))
+    }
+    this.onData(frame, length)
+  }
+
+  /** Doorbell: decode every frame in the ring through the same checks as socket frames. */
+  private drainShm(conn: FrameConn, shm: ShmRing): void {
+    const bytes = shm.drain()
+    if (bytes === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
+    if (bytes === undefined) return
+    this.shmDecoder.push(bytes)
+    for (;;) {
+      const step = this.shmDecoder.next(conn.limits)
+      if (step._tag === "NeedMore") return
+      if (step._tag === "Fault") return conn.fail(step.fault)
+      if (step.frame._tag !== "TokenFrame" && step.frame._tag !== "ActivationFrame") {
+        return conn.fail(new Malformed({ detail: `unexpected ${step.frame._tag} in the shared-memory ring` }))
+      }
+      this.onData(step.frame, step.length)
+      if (conn.closed) return
+    }
+  }
+
+  private onData(frame: DataFrame, length: number): void {
+    const { edgeId, ring, runId } = this.options
+    const conn = this.conn!
     if (frame.runId !== runId) return conn.fail(new UnknownRun({ runId: frame.runId }))
     if (frame.edgeId !== edgeId) return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
     if (length > ring.dataCapacity) return conn.fail(new Oversized({ size: length, limit: ring.dataCapacity }))
@@ -388,7 +426,9 @@ class Inbound implements ConnHandlers {
   }
 
   onClose(fault: EdgeFault): void {
-    this.setFault(fault)
+    // A shared-memory peer that closed mid-frame left a partial frame in the ring, not the socket.
+    const truncated = fault._tag === "PeerClosed" && this.shm !== undefined ? this.shmDecoder.finish() : undefined
+    this.setFault(truncated ?? fault)
   }
 
   setFault(fault: EdgeFault): void {
@@ -397,6 +437,7 @@ class Inbound implements ConnHandlers {
     Deferred.unsafeDone(this.faulted, Exit.succeed(fault))
     Deferred.unsafeDone(this.attachedDeferred, Exit.fail(fault))
     if (this.conn !== undefined && !this.conn.closed) this.conn.fail(fault)
+    this.shm?.close()
     this.waiter?.()
   }
 
@@ -494,10 +535,21 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
           })
         )
       }
+      let shm: ShmRing | undefined
+      if (frame.sharedMemory !== "") {
+        if (requested._tag !== "Unix") {
+          return conn.fail(new RingMismatch({ detail: "shared memory is offered only on a Unix-socket listener" }))
+        }
+        try {
+          shm = ShmRing.open(frame.sharedMemory, ring.dataCapacity)
+        } catch (e) {
+          return conn.fail(new RingMismatch({ detail: `cannot map the sender's ring: ${String(e)}` }))
+        }
+      }
       conn.write(Framing.unsafeEncode(AttachedFrame({ runId: frame.runId, edgeId: frame.edgeId }), 8))
       conn.limits = boundLimits(ring)
       conn.handlers = inbound
-      inbound.attach(conn)
+      inbound.attach(conn, shm)
     }
 
     const onConnection = (socket: Net.Socket): void => {
@@ -618,7 +670,11 @@ class Outbound implements ConnHandlers {
   readonly faulted = Deferred.unsafeMake<EdgeFault>(FiberId.none)
   private counters = { frames: 0, bytes: 0, maxOutstandingBytes: 0, windowWaits: 0, creditFrames: 0 }
 
-  constructor(readonly conn: FrameConn, readonly options: ConnectOptions) {}
+  private readonly doorbell: Uint8Array
+
+  constructor(readonly conn: FrameConn, readonly options: ConnectOptions, readonly shm: ShmRing | undefined) {
+    this.doorbell = Framing.unsafeEncode(DoorbellFrame({ runId: options.runId, edgeId: options.edgeId }), options.ring.alignment)
+  }
 
   onFrame(frame: WireFrame): void {
     if (frame._tag === "FaultFrame") return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
@@ -648,6 +704,7 @@ class Outbound implements ConnHandlers {
     this.failure = fault
     Deferred.unsafeDone(this.faulted, Exit.succeed(fault))
     if (!this.conn.closed) this.conn.fail(fault)
+    this.shm?.close()
     this.windowWaiter?.()
   }
 
@@ -660,7 +717,12 @@ class Outbound implements ConnHandlers {
     if (this.outstanding > this.counters.maxOutstandingBytes) this.counters.maxOutstandingBytes = this.outstanding
     this.counters.frames++
     this.counters.bytes += bytes.length
-    this.conn.write(bytes)
+    const shm = this.shm
+    if (shm === undefined) return this.conn.write(bytes)
+    if (!shm.write(bytes)) {
+      return this.conn.fail(new WindowExceeded({ outstanding: shm.used + bytes.length, capacity: shm.capacity }))
+    }
+    if (shm.raisePending() || this.options.ring.wakeCoalescing === "EveryFrame") this.conn.write(this.doorbell)
   }
 
   /** Wait until `length` more bytes fit the window (or the edge faults). */
@@ -753,6 +815,23 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
     if (invalid !== undefined) return yield* invalid
     const runtime = yield* Effect.runtime<never>()
     const log = makeLogger(runtime)
+    let shm: ShmRing | undefined
+    if (options.sharedMemory === true) {
+      if (options.address._tag !== "Unix") {
+        return yield* new ConnectFailed({ detail: "shared memory needs a Unix-socket address (same host)" })
+      }
+      shm = yield* Effect.acquireRelease(
+        Effect.try({
+          try: () => ShmRing.create(options.ring.dataCapacity),
+          catch: (e) => new ConnectFailed({ detail: `cannot create a shared-memory ring: ${String(e)}` })
+        }),
+        (ring) =>
+          Effect.sync(() => {
+            ring.unlink()
+            ring.close()
+          })
+      )
+    }
     const socket = yield* Effect.acquireRelease(
       Effect.async<Net.Socket, ConnectFailed>((resume) => {
         const socket = Net.createConnection(netOptions(options.address))
@@ -779,7 +858,8 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
         const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
           onFrame: (frame) => {
             if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
-              const outbound = new Outbound(conn, options)
+              shm?.unlink()
+              const outbound = new Outbound(conn, options, shm)
               conn.limits = boundLimits(options.ring)
               conn.handlers = outbound
               return resume(Effect.succeed(outbound))
@@ -797,7 +877,14 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
         conn.start()
         const { alignment, dataCapacity, wakeCoalescing } = options.ring
         conn.write(Framing.unsafeEncode(
-          AttachFrame({ runId: options.runId, edgeId: options.edgeId, dataCapacity, alignment, wakeCoalescing }),
+          AttachFrame({
+            runId: options.runId,
+            edgeId: options.edgeId,
+            dataCapacity,
+            alignment,
+            wakeCoalescing,
+            sharedMemory: shm?.path ?? ""
+          }),
           8
         ))
       })

@@ -8,7 +8,7 @@
  * |-----|------|--------------------------------------------------------------------|
  * |   0 | u32  | magic `0x46415753` ("SWAF")                                        |
  * |   4 | u8   | version (1)                                                        |
- * |   5 | u8   | type: 1 Token, 2 Activation, 3 Credit, 4 Attach, 5 Attached, 6 Fault |
+ * |   5 | u8   | type: 1 Token, 2 Activation, 3 Credit, 4 Attach, 5 Attached, 6 Fault, 7 Doorbell |
  * |   6 | u16  | flags (0)                                                          |
  * |   8 | u32  | frameLength: header + body + zero padding, a multiple of the alignment |
  * |  12 | u32  | bodyLength: meaningful bytes after the header                      |
@@ -22,8 +22,8 @@
  * Activation `u8 dtype (0 f32), 3×u8 0, u32 startPos, u32 nTokens, u32 hiddenDim, u32 payloadOffset,
  * u32 payloadLength`, zero padding up to `payloadOffset` (aligned, from the frame start), then
  * `nTokens*hiddenDim` f32; Credit `u32 bytes, u32 0`; Attach `u32 dataCapacity, u32 alignment,
- * u8 wake (0 PendingBit, 1 EveryFrame), 3×u8 0`; Attached empty; Fault `u16 reasonLen, u16 detailLen`
- * + UTF-8 reason + detail.
+ * u8 wake (0 PendingBit, 1 EveryFrame), u8 0, u16 shmPathLength` + UTF-8 shared-memory path;
+ * Attached and Doorbell empty; Fault `u16 reasonLen, u16 detailLen` + UTF-8 reason + detail.
  *
  * Alignment: frames are padded so that `frameLength` is a multiple of `max(8, RingSpec.alignment)`,
  * so every frame starts aligned in the stream, and an activation payload starts aligned inside its
@@ -42,6 +42,7 @@ import {
   CreditFrame,
   type DataFrame,
   type DecodeFault,
+  DoorbellFrame,
   FaultFrame,
   Malformed,
   OutOfOrder,
@@ -65,10 +66,12 @@ export const FrameType = {
   Credit: 3,
   Attach: 4,
   Attached: 5,
-  Fault: 6
+  Fault: 6,
+  Doorbell: 7
 } as const
 
 const MAX_FAULT_TEXT = 1024
+const MAX_SHM_PATH = 255
 const MAX_ALIGNMENT = 4096
 
 /** What the decoder accepts: the edge's alignment and its largest frame (the window). */
@@ -78,7 +81,7 @@ export interface Limits {
 }
 
 /** Limits for a connection not yet bound to an edge: only small control frames. */
-export const preAttachLimits: Limits = { alignment: 8, maxFrameBytes: 256 }
+export const preAttachLimits: Limits = { alignment: 8, maxFrameBytes: 2048 }
 
 /** `max(8, alignment)`: the alignment frames are actually padded to. */
 export const effectiveAlignment = (alignment: number): number => Math.max(8, alignment)
@@ -114,8 +117,9 @@ export const encodedLength = (frame: WireFrame, alignment: number): number => {
     case "CreditFrame":
       return alignUp(HEADER_BYTES + 8, a)
     case "AttachFrame":
-      return alignUp(HEADER_BYTES + 12, a)
+      return alignUp(HEADER_BYTES + 12 + textEncoder.encode(frame.sharedMemory).length, a)
     case "AttachedFrame":
+    case "DoorbellFrame":
       return alignUp(HEADER_BYTES, a)
     case "FaultFrame": {
       const { detail, reason } = faultText(frame)
@@ -145,6 +149,8 @@ const typeOf = (frame: WireFrame): number => {
       return FrameType.Attached
     case "FaultFrame":
       return FrameType.Fault
+    case "DoorbellFrame":
+      return FrameType.Doorbell
   }
 }
 
@@ -180,9 +186,13 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
     case "CreditFrame":
       return isU32(frame.bytes) && isU32(frame.sequence) ? undefined : "bad credit"
     case "AttachFrame":
-      return isU32(frame.dataCapacity) && isU32(frame.alignment) ? undefined : "bad attach"
+      return isU32(frame.dataCapacity) && isU32(frame.alignment) &&
+          textEncoder.encode(frame.sharedMemory).length <= MAX_SHM_PATH
+        ? undefined
+        : "bad attach"
     case "AttachedFrame":
     case "FaultFrame":
+    case "DoorbellFrame":
       return undefined
   }
 }
@@ -243,13 +253,18 @@ export const unsafeEncode = (frame: WireFrame, alignment: number): Uint8Array =>
       view.setUint32(HEADER_BYTES, frame.bytes, true)
       bodyLength = 8
       break
-    case "AttachFrame":
+    case "AttachFrame": {
+      const path = textEncoder.encode(frame.sharedMemory)
       view.setUint32(HEADER_BYTES, frame.dataCapacity, true)
       view.setUint32(HEADER_BYTES + 4, frame.alignment, true)
       view.setUint8(HEADER_BYTES + 8, frame.wakeCoalescing === "PendingBit" ? 0 : 1)
-      bodyLength = 12
+      view.setUint16(HEADER_BYTES + 10, path.length, true)
+      buf.set(path, HEADER_BYTES + 12)
+      bodyLength = 12 + path.length
       break
+    }
     case "AttachedFrame":
+    case "DoorbellFrame":
       bodyLength = 0
       break
     case "FaultFrame": {
@@ -330,7 +345,7 @@ const decodeAtUnsafe = (bytes: Uint8Array, offset: number, limits: Limits): Deco
   const frameLength = view.getUint32(8, true)
   const bodyLength = view.getUint32(12, true)
   if (version !== VERSION) return malformed(`unsupported version ${version}`)
-  if (type < FrameType.Token || type > FrameType.Fault) return malformed(`unknown frame type ${type}`)
+  if (type < FrameType.Token || type > FrameType.Doorbell) return malformed(`unknown frame type ${type}`)
   if (flags !== 0) return malformed(`unknown flags ${flags}`)
   if (frameLength > limits.maxFrameBytes) {
     return { _tag: "Fault", fault: new Oversized({ size: frameLength, limit: limits.maxFrameBytes }) }
@@ -443,21 +458,27 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
       return CreditFrame({ runId, edgeId, sequence: h.sequence, bytes: view.getUint32(o, true) })
     }
     case FrameType.Attach: {
-      if (h.bodyLength !== 12) return "bad attach body length"
+      if (h.bodyLength < 12) return "bad attach body length"
       const wake = view.getUint8(o + 8)
       if (wake > 1) return "bad wake coalescing"
-      if (view.getUint8(o + 9) !== 0 || view.getUint16(o + 10, true) !== 0) return "attach reserved field not zero"
+      if (view.getUint8(o + 9) !== 0) return "attach reserved field not zero"
+      const pathLength = view.getUint16(o + 10, true)
+      if (pathLength > MAX_SHM_PATH || h.bodyLength !== 12 + pathLength) return "bad shared-memory path length"
       return AttachFrame({
         runId,
         edgeId,
         dataCapacity: view.getUint32(o, true),
         alignment: view.getUint32(o + 4, true),
-        wakeCoalescing: wake === 0 ? "PendingBit" : "EveryFrame"
+        wakeCoalescing: wake === 0 ? "PendingBit" : "EveryFrame",
+        sharedMemory: textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + o + 12, pathLength))
       })
     }
     case FrameType.Attached:
       if (h.bodyLength !== 0) return "bad attached body length"
       return AttachedFrame({ runId, edgeId })
+    case FrameType.Doorbell:
+      if (h.bodyLength !== 0) return "bad doorbell body length"
+      return DoorbellFrame({ runId, edgeId })
     case FrameType.Fault: {
       if (h.bodyLength < 4) return "fault body too short"
       const reasonLen = view.getUint16(o, true)

@@ -1,0 +1,189 @@
+/**
+ * A single-producer / single-consumer byte ring in shared memory, for same-host edges.
+ *
+ * Node has no shared-memory API, so the ring is a file under /dev/shm mapped with libc `mmap`
+ * through koffi, viewed as an `ArrayBuffer` (`koffi.view`). Layout:
+ *
+ * | byte | field                                                                    |
+ * |------|--------------------------------------------------------------------------|
+ * |    0 | i32 head: bytes written, mod 2^32 (producer stores, consumer loads)       |
+ * |   64 | i32 tail: bytes drained, mod 2^32 (consumer stores, producer loads)       |
+ * |  128 | i32 pending bit: 1 while a doorbell is outstanding                        |
+ * |  256 | data: `capacity` bytes, frames written back to back, wrapping             |
+ *
+ * Cursors and the pending bit are accessed with `Atomics` (sequentially consistent), so a head
+ * published after the bytes it covers is never seen before them. The ring carries the same
+ * encoded frames as the socket transports and is drained into the same stream decoder, so framing,
+ * ordering, window and fault rules are identical; only the bytes skip the kernel. Wake-ups keep
+ * PendingBit semantics: the producer rings the doorbell (a `DoorbellFrame` on the edge's Unix
+ * socket) only when it flips the pending bit from 0 to 1; the consumer clears the bit before it
+ * drains, so no wake-up is lost and a burst costs one doorbell.
+ *
+ * Space: the producer never has more than `capacity` unacknowledged bytes (the edge's window), and
+ * the consumer drains bytes before it credits them, so a write always fits.
+ *
+ * The producer creates the file (mode 0600) and unlinks it once the consumer has attached; the
+ * mapping lives until both sides `close`. Linux only (x86-64 / arm64 libc).
+ */
+import { randomBytes } from "node:crypto"
+import * as Fs from "node:fs"
+import koffi from "koffi"
+
+export const CONTROL_BYTES = 256
+const HEAD = 0
+const TAIL = 16
+const PENDING = 32
+export const SHM_PREFIX = "/dev/shm/swactor-"
+
+interface Libc {
+  readonly open: (path: string, flags: number, mode: number) => number
+  readonly ftruncate: (fd: number, length: number) => number
+  readonly mmap: (addr: null, length: number, prot: number, flags: number, fd: number, offset: number) => unknown
+  readonly munmap: (addr: unknown, length: number) => number
+  readonly close: (fd: number) => number
+}
+
+let libc: Libc | undefined
+const loadLibc = (): Libc => {
+  if (libc !== undefined) return libc
+  const lib = koffi.load("libc.so.6")
+  libc = {
+    open: lib.func("int open(const char *path, int flags, int mode)"),
+    ftruncate: lib.func("int ftruncate(int fd, int64_t length)"),
+    mmap: lib.func("void *mmap(void *addr, size_t length, int prot, int flags, int fd, int64_t offset)"),
+    munmap: lib.func("int munmap(void *addr, size_t length)"),
+    close: lib.func("int close(int fd)")
+  }
+  return libc
+}
+
+const O_RDWR = 2
+const O_CREAT = 64
+const O_EXCL = 128
+const PROT_READ_WRITE = 3
+const MAP_SHARED = 1
+
+/** Is shared memory usable here (Linux with /dev/shm and libc)? */
+export const isSupported = (): boolean => {
+  try {
+    if (process.platform !== "linux" || !Fs.existsSync("/dev/shm")) return false
+    loadLibc()
+    return true
+  } catch {
+    return false
+  }
+}
+
+/** A path the consumer accepts: under /dev/shm, named by us, no traversal. */
+export const isRingPath = (path: string): boolean =>
+  path.startsWith(SHM_PREFIX) && /^[A-Za-z0-9_.-]+$/.test(path.slice(SHM_PREFIX.length)) && !path.includes("..")
+
+export class ShmRing {
+  private readonly control: Int32Array
+  private readonly data: Uint8Array
+  private closed = false
+
+  private constructor(
+    readonly path: string,
+    readonly capacity: number,
+    private readonly pointer: unknown,
+    private readonly length: number
+  ) {
+    const buffer = koffi.view(pointer, length)
+    this.control = new Int32Array(buffer, 0, CONTROL_BYTES / 4)
+    this.data = new Uint8Array(buffer, CONTROL_BYTES, capacity)
+  }
+
+  private static map(path: string, capacity: number, create: boolean): ShmRing {
+    const c = loadLibc()
+    const length = CONTROL_BYTES + capacity
+    const fd = c.open(path, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0o600)
+    if (fd < 0) throw new Error(`cannot open ${path}`)
+    try {
+      if (create) {
+        if (c.ftruncate(fd, length) !== 0) throw new Error(`cannot size ${path}`)
+      } else if (Fs.fstatSync(fd).size !== length) {
+        throw new Error(`${path} is not a ring of ${capacity} bytes`)
+      }
+      const pointer = c.mmap(null, length, PROT_READ_WRITE, MAP_SHARED, fd, 0)
+      if (pointer === null || koffi.address(pointer) === BigInt("0xffffffffffffffff")) throw new Error(`cannot map ${path}`)
+      return new ShmRing(path, capacity, pointer, length)
+    } finally {
+      c.close(fd)
+    }
+  }
+
+  /** Producer: create a fresh ring file. Throws when shared memory is unavailable. */
+  static create(capacity: number): ShmRing {
+    const path = `${SHM_PREFIX}${process.pid}-${randomBytes(8).toString("hex")}.ring`
+    try {
+      return ShmRing.map(path, capacity, true)
+    } catch (e) {
+      Fs.rmSync(path, { force: true })
+      throw e
+    }
+  }
+
+  /** Consumer: map the ring the producer named. Throws on a bad path or size. */
+  static open(path: string, capacity: number): ShmRing {
+    if (!isRingPath(path)) throw new Error(`refusing shared-memory path ${JSON.stringify(path)}`)
+    return ShmRing.map(path, capacity, false)
+  }
+
+  /** Remove the file name (the mapping stays valid). */
+  unlink(): void {
+    Fs.rmSync(this.path, { force: true })
+  }
+
+  /** Bytes written and not yet drained. */
+  get used(): number {
+    if (this.closed) return 0
+    return (Atomics.load(this.control, HEAD) - Atomics.load(this.control, TAIL)) >>> 0
+  }
+
+  /** Producer: append `bytes`; false (nothing written) when they do not fit. */
+  write(bytes: Uint8Array): boolean {
+    if (this.closed) return false
+    const head = Atomics.load(this.control, HEAD) >>> 0
+    const tail = Atomics.load(this.control, TAIL) >>> 0
+    if (((head - tail) >>> 0) + bytes.length > this.capacity) return false
+    const at = head % this.capacity
+    const first = Math.min(bytes.length, this.capacity - at)
+    this.data.set(bytes.subarray(0, first), at)
+    if (first < bytes.length) this.data.set(bytes.subarray(first), 0)
+    Atomics.store(this.control, HEAD, (head + bytes.length) | 0)
+    return true
+  }
+
+  /** Producer: set the pending bit; true when it was clear, i.e. the consumer must be woken. */
+  raisePending(): boolean {
+    return !this.closed && Atomics.exchange(this.control, PENDING, 1) === 0
+  }
+
+  /**
+   * Consumer: clear the pending bit, then take every byte written so far (a copy); undefined when
+   * there is none, "corrupt" when the cursors are impossible.
+   */
+  drain(): Uint8Array | undefined | "corrupt" {
+    if (this.closed) return undefined
+    Atomics.store(this.control, PENDING, 0)
+    const head = Atomics.load(this.control, HEAD) >>> 0
+    const tail = Atomics.load(this.control, TAIL) >>> 0
+    const n = (head - tail) >>> 0
+    if (n === 0) return undefined
+    if (n > this.capacity) return "corrupt"
+    const out = new Uint8Array(n)
+    const at = tail % this.capacity
+    const first = Math.min(n, this.capacity - at)
+    out.set(this.data.subarray(at, at + first), 0)
+    if (first < n) out.set(this.data.subarray(0, n - first), first)
+    Atomics.store(this.control, TAIL, head | 0)
+    return out
+  }
+
+  close(): void {
+    if (this.closed) return
+    this.closed = true
+    loadLibc().munmap(this.pointer, this.length)
+  }
+}
