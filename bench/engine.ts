@@ -80,6 +80,19 @@ const splitOf = (stages: number): Array<number> =>
 interface Figures {
   readonly decode: number
   readonly prefill: number
+  /** tokens per CPU-second of this process (all threads): steadier than wall time on a shared machine */
+  readonly decodeCpu: number
+  readonly prefillCpu: number
+}
+
+/** Wall and CPU (user + system, all threads of this process) seconds since `start()`. */
+const stopwatch = () => {
+  const w = performance.now()
+  const c = process.cpuUsage()
+  return () => {
+    const d = process.cpuUsage(c)
+    return { wall: (performance.now() - w) / 1000, cpu: (d.user + d.system) / 1e6 }
+  }
 }
 
 const benchNodeLlamaCpp = async (path: string): Promise<Figures> => {
@@ -98,18 +111,23 @@ const benchNodeLlamaCpp = async (path: string): Promise<Figures> => {
     // warm-up
     await seq.evaluateWithoutGeneratingNewTokens(prompt.slice(0, 32))
     await seq.clearHistory()
-    let t0 = performance.now()
+    const pw = stopwatch()
     await seq.evaluateWithoutGeneratingNewTokens(prompt)
-    const prefill = cfg.prompt / ((performance.now() - t0) / 1000)
+    const p = pw()
     await seq.clearHistory()
     let n = 0
-    t0 = 0
+    let dw = stopwatch()
     for await (const _ of seq.evaluate(prompt.slice(0, 16), { temperature: 0 })) {
-      if (n === 0) t0 = performance.now()
+      if (n === 0) dw = stopwatch()
       if (++n > cfg.decode) break
     }
-    const decode = cfg.decode / ((performance.now() - t0) / 1000)
-    return { decode, prefill }
+    const d = dw()
+    return {
+      decode: cfg.decode / d.wall,
+      prefill: cfg.prompt / p.wall,
+      decodeCpu: cfg.decode / d.cpu,
+      prefillCpu: cfg.prompt / p.cpu
+    }
   } finally {
     await ctx.dispose()
     await model.dispose()
@@ -145,16 +163,21 @@ const benchOurs = (path: string, stages: number): Promise<Figures> =>
     const prompt = promptTokens(cfg.prompt)
     yield* run(0, prompt.slice(0, 32))
     yield* resetAll
-    let t0 = performance.now()
+    const pw = stopwatch()
     yield* run(0, prompt)
-    const prefill = cfg.prompt / ((performance.now() - t0) / 1000)
+    const p = pw()
     yield* resetAll
     let logits = yield* run(0, prompt.slice(0, 16))
     let pos = 16
-    t0 = performance.now()
+    const dw = stopwatch()
     for (let i = 0; i < cfg.decode; i++) logits = yield* run(pos++, [greedy(logits)])
-    const decode = cfg.decode / ((performance.now() - t0) / 1000)
-    return { decode, prefill }
+    const d = dw()
+    return {
+      decode: cfg.decode / d.wall,
+      prefill: cfg.prompt / p.wall,
+      decodeCpu: cfg.decode / d.cpu,
+      prefillCpu: cfg.prompt / p.cpu
+    }
   })).pipe(Effect.provide(StageExecutorLive)))
 
 /** Child-process mode: load one stage, run a prefill and a few decode steps, report peak RSS. */
@@ -210,7 +233,12 @@ const main = async () => {
   for (const type of cfg.types) {
     const path = await ensureModel(type)
     const best = (a: Figures | undefined, b: Figures): Figures =>
-      a === undefined ? b : { decode: Math.max(a.decode, b.decode), prefill: Math.max(a.prefill, b.prefill) }
+      a === undefined ? b : {
+        decode: Math.max(a.decode, b.decode),
+        prefill: Math.max(a.prefill, b.prefill),
+        decodeCpu: Math.max(a.decodeCpu, b.decodeCpu),
+        prefillCpu: Math.max(a.prefillCpu, b.prefillCpu)
+      }
     let ref: Figures | undefined
     const ours = new Map<number, Figures>()
     for (let round = 0; round < cfg.rounds; round++) {
@@ -218,14 +246,21 @@ const main = async () => {
       for (const stages of cfg.stages) ours.set(stages, best(ours.get(stages), await benchOurs(path, stages)))
     }
     const r = ref!
-    console.log(`\n${type}: node-llama-cpp decode ${r.decode.toFixed(2)} tok/s, prefill ${r.prefill.toFixed(2)} tok/s (best of ${cfg.rounds})`)
-    console.log(`${pad("stages", 8)}${pad("decode tok/s", 14)}${pad("ours/nlc", 10)}${pad("prefill tok/s", 15)}ours/nlc`)
+    const f = (x: number) => x.toFixed(2)
+    console.log(
+      `\n${type}: node-llama-cpp decode ${f(r.decode)} tok/s (${f(r.decodeCpu)} tok/cpu-s), ` +
+        `prefill ${f(r.prefill)} tok/s (${f(r.prefillCpu)} tok/cpu-s), best of ${cfg.rounds}`
+    )
+    console.log(
+      `${pad("stages", 8)}${pad("decode tok/s", 14)}${pad("ours/nlc", 10)}${pad("per cpu-s", 11)}` +
+        `${pad("prefill tok/s", 15)}${pad("ours/nlc", 10)}per cpu-s`
+    )
     for (const stages of cfg.stages) {
       const o = ours.get(stages)!
       console.log(
-        `${pad(String(stages), 8)}${pad(o.decode.toFixed(2), 14)}${pad((o.decode / r.decode).toFixed(3), 10)}${
-          pad(o.prefill.toFixed(2), 15)
-        }${(o.prefill / r.prefill).toFixed(3)}`
+        `${pad(String(stages), 8)}${pad(f(o.decode), 14)}${pad((o.decode / r.decode).toFixed(3), 10)}` +
+          `${pad((o.decodeCpu / r.decodeCpu).toFixed(3), 11)}${pad(f(o.prefill), 15)}` +
+          `${pad((o.prefill / r.prefill).toFixed(3), 10)}${(o.prefillCpu / r.prefillCpu).toFixed(3)}`
       )
     }
     const maxStages = Math.max(...cfg.stages)

@@ -23,13 +23,17 @@ describe("stories260K: every split matches node-llama-cpp", () => {
 
   for (const split of allSplits(5, 4)) {
     // A stage split changes where blocks run, never what the model says.
-    it.live(`split ${JSON.stringify(split)}: ${N_TOKENS} greedy tokens equal node-llama-cpp's, log-probs within 1e-4`, () =>
+    const name = `split ${JSON.stringify(split)}: ${N_TOKENS} greedy tokens equal node-llama-cpp's, log-probs within 1e-4`
+    it.live(name, () =>
       Effect.gen(function*() {
         const r = yield* ref()
         const ours = yield* greedyRun(path, split, r.prompt, N_TOKENS, options)
         assert.deepStrictEqual(ours.tokens, r.tokens)
         const diff = maxLogProbDiff(logSoftmax(ours.logits[0]!), r.firstProbabilities)
-        console.log(`stories260K split ${JSON.stringify(split)}: first-position log-prob max diff ${diff.toExponential(2)} over ${r.firstProbabilities.size} tokens`)
+        console.log(
+          `stories260K split ${JSON.stringify(split)}: first-position log-prob max diff ${diff.toExponential(2)} ` +
+            `over ${r.firstProbabilities.size} tokens`
+        )
         assert.isBelow(diff, 1e-4, `first-position log-prob max diff ${diff}`)
       }))
   }

@@ -18,7 +18,14 @@ const sameBits = (a: Float32Array, b: Float32Array) => {
 describe("stories260K: splits are bit-identical to one stage", () => {
   const path = requireModel("stories260K.gguf")
   let single: EngineRun | undefined
-  const one = () => Effect.suspend(() => single ? Effect.succeed(single) : greedyRun(path, [0, 5], PROMPT, N_TOKENS, options).pipe(Effect.tap((r) => { single = r })))
+  const one = () =>
+    Effect.suspend(() =>
+      single !== undefined
+        ? Effect.succeed(single)
+        : greedyRun(path, [0, 5], PROMPT, N_TOKENS, options).pipe(Effect.tap((r) => {
+          single = r
+        }))
+    )
 
   for (const split of allSplits(5, 4).filter((s) => s.length > 2)) {
     // f32 hidden states between stages: a split run computes exactly what the one-stage run computes.

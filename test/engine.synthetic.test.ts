@@ -55,7 +55,10 @@ const checkModel = (label: string, path: string, exact: boolean) =>
       if (single === undefined) single = run
       else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
     }
-    console.log(`${label}: ${allSplits(LAYERS, 4).length} splits x ${N_TOKENS} tokens equal node-llama-cpp; first-position log-prob max diff ${maxDiff.toExponential(2)}`)
+    console.log(
+      `${label}: ${allSplits(LAYERS, 4).length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
+        `first-position log-prob max diff ${maxDiff.toExponential(2)}`
+    )
     if (exact) assert.isBelow(maxDiff, 1e-4)
   })
 
@@ -66,7 +69,9 @@ describe("synthetic models: every split of every architecture and type matches n
     for (const type of types) {
       const exact = type === "f32" || type === "f16"
       // Same tokens for all 8 splits of 4 blocks; splits bit-identical to one stage; f32/f16 log-probs within 1e-4.
-      it.live(`${arch} ${type}: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's${exact ? ", log-probs within 1e-4" : ""}`, () =>
+      const name = `${arch} ${type}: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's` +
+        (exact ? ", log-probs within 1e-4" : "")
+      it.live(name, () =>
         Effect.gen(function*() {
           const o = shape(arch, type)
           yield* writeSyntheticModel(o)

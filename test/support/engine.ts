@@ -39,7 +39,10 @@ export const openPipeline = (
   boundaries: ReadonlyArray<number>,
   options: RunOptions
 ): Effect.Effect<
-  { readonly sessions: ReadonlyArray<StageSession>; readonly run: (pos: number, tokens: Int32Array) => Effect.Effect<Float32Array, unknown> },
+  {
+    readonly sessions: ReadonlyArray<StageSession>
+    readonly run: (pos: number, tokens: Int32Array) => Effect.Effect<Float32Array, unknown>
+  },
   ModelLoadError,
   StageExecutor | Scope.Scope
 > =>
