@@ -1,5 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
+import { join } from "node:path"
 import { Effect, Either, Stream } from "effect"
 import { run } from "../src/api/generate.js"
 import * as AgentControlRpc from "../src/layers/AgentControlRpc.js"
@@ -173,6 +174,25 @@ describe("end to end faults: real agent processes", () => {
       assert.deepStrictEqual(hosted, [0, 0])
       for (const agent of agents) assert.isTrue(isAlive(agent.pid))
     }).pipe(Effect.scoped), 60_000)
+
+  // The orphan guard: agents watch a pipe from their parent and exit when it closes, so even a parent
+  // killed with SIGKILL (no finalizers run) leaves no agent behind.
+  it.live("agents exit when their parent is killed with SIGKILL", () =>
+    Effect.gen(function*() {
+      const { args, command } = swactorCommand([])
+      const script = join(repoRoot, "test", "support", "agentsParent.ts")
+      const pids = yield* Effect.async<ReadonlyArray<number>>((resume) => {
+        // argv of swactorCommand minus main.ts and its (empty) arguments: node --import tsx <script>
+        const child = spawn(command, [...args.slice(0, -1), script], { cwd: repoRoot, stdio: ["ignore", "pipe", "inherit"] })
+        child.stdout.once("data", (chunk) => {
+          const started = JSON.parse(String(chunk)) as ReadonlyArray<number>
+          child.kill("SIGKILL")
+          resume(Effect.succeed(started))
+        })
+      })
+      assert.strictEqual(pids.length, 2)
+      assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid)), 5000))
+    }), 60_000)
 
   // Ctrl-C on `swactor run`: the run is stopped, every stage torn down, and every agent process exits.
   it.live("SIGINT to swactor run stops the run and leaves no agent process", () =>

@@ -117,7 +117,7 @@ export const makeStageHost = (
           while: isNotYetRegistered
         }),
         Effect.timeoutFail({
-          duration: options.connectTimeout ?? "30 seconds",
+          duration: options.connectTimeout ?? "10 minutes",
           onTimeout: () => new StageFailure({ kind: "TransportError", detail: "timed out connecting to the next stage" })
         }),
         Effect.mapError((fault) =>

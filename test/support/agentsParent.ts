@@ -1,0 +1,16 @@
+/**
+ * A parent process for the orphan test: starts two agents, prints their pids as JSON, then waits
+ * forever (the test kills it with SIGKILL).
+ */
+import { Effect } from "effect"
+import { generateToken, spawnLocalAgents } from "../../src/layers/LocalAgents.js"
+
+Effect.runFork(
+  Effect.scoped(
+    Effect.gen(function*() {
+      const agents = yield* spawnLocalAgents({ count: 2, token: generateToken(), threads: 1 })
+      process.stdout.write(`${JSON.stringify(agents.map((a) => a.pid))}\n`)
+      return yield* Effect.never
+    })
+  )
+)
