@@ -144,6 +144,9 @@ describe("end to end faults: real agent processes", () => {
       )
       assert.strictEqual(taken.length, 5)
       assert.deepStrictEqual(yield* activeStages(agents, token), [0, 0])
+      // And an orchestrator without the cluster token gets nothing out of these agents.
+      const refused = yield* Effect.flip(activeStages(agents, "not-the-cluster-token-0000"))
+      assert.strictEqual(refused._tag, "AgentUnavailable")
     }).pipe(Effect.scoped), 60_000)
 
   // An orchestrator killed with SIGKILL mid-generation: its agents notice the dropped control connection

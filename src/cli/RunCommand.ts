@@ -5,7 +5,7 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
-import { existsSync, mkdirSync, readFileSync } from "node:fs"
+import { existsSync, mkdirSync, readFileSync, renameSync } from "node:fs"
 import * as Os from "node:os"
 import { join } from "node:path"
 import { Console, Effect, Option, Stream } from "effect"
@@ -41,8 +41,10 @@ export const defaultSyntheticModel = Effect.gen(function*() {
   }
   mkdirSync(dir, { recursive: true })
   yield* Console.error(`swactor run: no --model given; writing a small synthetic llama model (random weights) to ${path} ...`)
+  // Written under a temporary name and renamed, so an interrupted write never looks cached.
+  const partial = `${path}.partial-${process.pid}`
   yield* writeSyntheticModel({
-    path,
+    path: partial,
     arch: "llama",
     layers: 4,
     hidden: 256,
@@ -54,6 +56,7 @@ export const defaultSyntheticModel = Effect.gen(function*() {
     type: "q8_0",
     seed: 1
   })
+  renameSync(partial, path)
   return path
 })
 
