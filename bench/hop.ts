@@ -6,7 +6,11 @@
  * stage receives it and sends it back on edge B→A. hop = round trip / 2, so each hop includes
  * encode, socket write, wake-up, decode, sequence check and credit on both sides.
  *
- * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048]
+ * Transports: loopback TCP, a Unix socket, and shared memory (a /dev/shm ring with PendingBit
+ * doorbells over the Unix socket; ShmRing.ts).
+ *
+ * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048 --spin 0]
+ * (`--spin N`: shared-memory receivers busy-poll N µs before sleeping — only useful with idle cores.)
  */
 import { fork } from "node:child_process"
 import * as Os from "node:os"
@@ -35,13 +39,19 @@ const ring: RingSpec = {
   wakeCoalescing: "PendingBit"
 }
 
+type Transport = "Tcp" | "Unix" | "Shm"
+
 interface Setup {
   readonly token: string
-  readonly transport: "Tcp" | "Unix"
+  readonly transport: Transport
   readonly home: TransportAddress
 }
 
-const listenAddress = (transport: "Tcp" | "Unix", tag: string): TransportAddress =>
+/** Shared memory: busy-poll this long before sleeping on the doorbell (default 0: doorbells only). */
+const spin = arg("spin", 0)
+const spinFor = (transport: Transport) => transport === "Shm" ? spin : 0
+
+const listenAddress = (transport: Transport, tag: string): TransportAddress =>
   transport === "Tcp"
     ? { _tag: "Tcp", host: "127.0.0.1", port: 0 }
     : { _tag: "Unix", path: Path.join(Os.tmpdir(), `swactor-hop-${process.pid}-${tag}.sock`) }
@@ -51,10 +61,17 @@ const echo = (setup: Setup) =>
   Effect.scoped(Effect.gen(function*() {
     const token = Redacted.make(setup.token)
     const listener = yield* DataPlane.listen({ address: listenAddress(setup.transport, "echo"), token })
-    const inbound = yield* listener.register({ runId, edgeId: forward, ring })
+    const inbound = yield* listener.register({ runId, edgeId: forward, ring, spinMicros: spinFor(setup.transport) })
     process.send!({ address: listener.address })
     yield* inbound.attached
-    const sender = yield* DataPlane.connect({ address: setup.home, token, runId, edgeId: back, ring })
+    const sender = yield* DataPlane.connect({
+      address: setup.home,
+      token,
+      runId,
+      edgeId: back,
+      ring,
+      sharedMemory: setup.transport === "Shm"
+    })
     for (;;) {
       const frames = yield* inbound.receive
       for (const f of frames) yield* sender.send(ActivationFrame({ ...(f as ActivationFrame), edgeId: back }))
@@ -63,19 +80,26 @@ const echo = (setup: Setup) =>
 
 const percentile = (sorted: ReadonlyArray<number>, p: number) => sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]!
 
-const measure = (transport: "Tcp" | "Unix") =>
+const measure = (transport: Transport) =>
   Effect.scoped(Effect.gen(function*() {
     const tokenText = "bench-token"
     const token = Redacted.make(tokenText)
     const listener = yield* DataPlane.listen({ address: listenAddress(transport, "home"), token })
-    const inbound = yield* listener.register({ runId, edgeId: back, ring })
+    const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
     const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit" })
     yield* Effect.addFinalizer(() => Effect.sync(() => child.kill()))
     child.send({ token: tokenText, transport, home: listener.address } satisfies Setup)
     const echoAddress = yield* Effect.async<TransportAddress>((resume) => {
       child.once("message", (m) => resume(Effect.succeed((m as { address: TransportAddress }).address)))
     })
-    const sender = yield* DataPlane.connect({ address: echoAddress, token, runId, edgeId: forward, ring })
+    const sender = yield* DataPlane.connect({
+      address: echoAddress,
+      token,
+      runId,
+      edgeId: forward,
+      ring,
+      sharedMemory: transport === "Shm"
+    })
     const payload = Float32Array.from({ length: hidden }, (_, i) => Math.cos(i))
     const rtts: Array<number> = []
     for (let i = 0; i < warmup + iterations; i++) {
@@ -86,6 +110,8 @@ const measure = (transport: "Tcp" | "Unix") =>
       if (got.sequence !== i) throw new Error(`echo out of order: ${got.sequence} != ${i}`)
       if (i >= warmup) rtts.push(Number(t1 - t0) / 1000)
     }
+    const received = yield* inbound.stats
+    if (received.spins > 0) console.log(`  (echo receiver busy-polls: ${received.spins}, found a frame: ${received.spinHits})`)
     const sorted = [...rtts].sort((a, b) => a - b)
     return {
       transport,
@@ -107,14 +133,14 @@ if (process.argv.includes("--echo")) {
       `activation hop latency: hidden ${hidden} f32 (${hidden * 4} B payload), ${iterations} round trips after ${warmup} warm-up, ` +
         `two processes, ${Os.cpus().length} CPUs, node ${process.version}`
     )
-    for (const transport of ["Tcp", "Unix"] as const) {
+    const names = { Tcp: "loopback TCP ", Unix: "Unix socket  ", Shm: `shared memory (spin ${spin} µs)` } as const
+    for (const transport of ["Tcp", "Unix", "Shm"] as const) {
       const r = yield* measure(transport)
       console.log(
-        `${transport === "Tcp" ? "loopback TCP" : "Unix socket "}  hop p50 ${r.hopP50.toFixed(1)} µs  p99 ${r.hopP99.toFixed(1)} µs` +
+        `${names[transport]}  hop p50 ${r.hopP50.toFixed(1)} µs  p99 ${r.hopP99.toFixed(1)} µs` +
           `   (round trip p50 ${r.rttP50.toFixed(1)} µs, p99 ${r.rttP99.toFixed(1)} µs)`
       )
     }
-    console.log("shared memory: not built (see DataPlane.ts)")
   })
   Effect.runPromise(main).then(() => process.exit(0), (e) => {
     console.error(e)

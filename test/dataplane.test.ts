@@ -333,6 +333,28 @@ for (const transport of transports) {
   })
 }
 
+describe.skipIf(!ShmRing.isSupported())("DataPlane over shared memory, busy-polling", () => {
+  // A receiver that busy-polls the ring and then sleeps must never miss a frame written around the switch.
+  it.scopedLive("delivers every frame whether it is caught by polling or by the doorbell", () =>
+    Effect.gen(function*() {
+      const ring = ringOf(16 * 1024)
+      const listener = yield* DataPlane.listen({ address: unixAddress(), token })
+      const receiver = yield* listener.register({ runId, edgeId, ring, spinMicros: 200 })
+      const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring, sharedMemory: true })
+      const producer = yield* Effect.fork(Effect.forEach(
+        Array.from({ length: 50 }, (_, i) => activation(i, 1, 700, i)),
+        (f, i) => Effect.zipRight(i % 7 === 0 ? sleep(1) : Effect.void, sender.send(f)),
+        { discard: true }
+      ))
+      const got: Array<DataFrame> = []
+      while (got.length < 50) got.push(...(yield* receiver.receive))
+      yield* Fiber.join(producer)
+      got.forEach((f, i) => sameActivation(f, activation(i, 1, 700, i)))
+      assert.isAbove((yield* receiver.stats).spins, 0)
+      assert.isAtMost((yield* sender.stats).maxOutstandingBytes, ring.dataCapacity)
+    }))
+})
+
 describe("DataPlane alignment on the wire", () => {
   // Every frame a sender writes is a multiple of the ring alignment, with the payload aligned inside.
   it.scopedLive("pads every frame to the ring alignment", () =>

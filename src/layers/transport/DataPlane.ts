@@ -90,6 +90,9 @@ export interface ReceiverStats {
   readonly creditFrames: number
   /** Bytes received and not yet credited back. */
   readonly unconsumedBytes: number
+  /** Shared memory with `spinMicros`: busy-polls started, and those that found a message. */
+  readonly spins: number
+  readonly spinHits: number
 }
 
 /** Counters of a sending edge. */
@@ -155,6 +158,11 @@ export interface RegisterOptions {
   readonly initialSequence?: number | undefined
   /** Join chunks into whole messages before delivery (default true). */
   readonly reassemble?: boolean | undefined
+  /**
+   * Shared-memory edges only: when `receive` finds nothing ready, busy-poll the ring this many
+   * microseconds before sleeping on the doorbell. Trades CPU for latency; default 0 (no polling).
+   */
+  readonly spinMicros?: number | undefined
 }
 
 /** A node's data-plane listener, routing authenticated connections to registered edges. */
@@ -334,7 +342,7 @@ class Inbound implements ConnHandlers {
   failure: EdgeFault | undefined
   readonly faulted = Deferred.unsafeMake<EdgeFault>(FiberId.none)
   readonly attachedDeferred = Deferred.unsafeMake<void, EdgeFault>(FiberId.none)
-  private counters = { messages: 0, frames: 0, bytes: 0, signals: 0, wakes: 0, creditFrames: 0 }
+  private counters = { messages: 0, frames: 0, bytes: 0, signals: 0, wakes: 0, creditFrames: 0, spins: 0, spinHits: 0 }
 
   constructor(readonly options: RegisterOptions) {
     this.sequencer = new Framing.Sequencer(options.initialSequence ?? 0, options.reassemble ?? true)
@@ -365,8 +373,8 @@ class Inbound implements ConnHandlers {
   }
 
   /** Doorbell: decode every frame in the ring through the same checks as socket frames. */
-  private drainShm(conn: FrameConn, shm: ShmRing): void {
-    const bytes = shm.drain()
+  private drainShm(conn: FrameConn, shm: ShmRing, stayAwake = false): void {
+    const bytes = shm.drain(stayAwake)
     if (bytes === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
     if (bytes === undefined) return
     this.shmDecoder.push(bytes)
@@ -446,6 +454,15 @@ class Inbound implements ConnHandlers {
     const conn = this.conn
     if (conn === undefined || conn.closed) return
     this.counters.creditFrames++
+    if (this.shm !== undefined) {
+      if (this.shm.addCredit(bytes)) {
+        conn.write(Framing.unsafeEncode(
+          DoorbellFrame({ runId: this.options.runId, edgeId: this.options.edgeId }),
+          this.options.ring.alignment
+        ))
+      }
+      return
+    }
     const frame = CreditFrame({
       runId: this.options.runId,
       edgeId: this.options.edgeId,
@@ -480,6 +497,7 @@ class Inbound implements ConnHandlers {
         return false
       }
       if (attempt()) return
+      if (this.spinShm() && attempt()) return
       this.waiter = () => {
         if (attempt()) this.waiter = undefined
       }
@@ -487,6 +505,40 @@ class Inbound implements ConnHandlers {
         this.waiter = undefined
       })
     })
+  }
+
+  /**
+   * Shared memory with `spinMicros`: poll the ring (staying awake, so the producer skips the
+   * doorbell) until a message is ready or the time is up; then clear the pending bit and drain once
+   * more, so nothing written before sleeping is missed. True when messages became ready.
+   */
+  private spinShm(): boolean {
+    const shm = this.shm
+    const conn = this.conn
+    const spin = this.options.spinMicros ?? 0
+    if (shm === undefined || conn === undefined || conn.closed || spin <= 0 || this.failure !== undefined) return false
+    shm.claimAwake()
+    this.counters.spins++
+    const deadline = performance.now() + spin / 1000
+    while (this.ready.length === 0 && !conn.closed && performance.now() < deadline) {
+      if (shm.used > 0) {
+        this.drainShm(conn, shm, true)
+        this.flushPartialCredit()
+      }
+    }
+    if (this.ready.length > 0) this.counters.spinHits++
+    if (!conn.closed) this.drainShm(conn, shm, false)
+    this.signalPending = false
+    this.flushPartialCredit()
+    return this.ready.length > 0 || this.failure !== undefined
+  }
+
+  private flushPartialCredit(): void {
+    if (this.creditNow > 0) {
+      const bytes = this.creditNow
+      this.creditNow = 0
+      this.credit(bytes)
+    }
   }
 
   readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault> = Effect.suspend(() =>
@@ -678,6 +730,7 @@ class Outbound implements ConnHandlers {
 
   onFrame(frame: WireFrame): void {
     if (frame._tag === "FaultFrame") return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
+    if (frame._tag === "DoorbellFrame" && this.shm !== undefined) return // credits are in the ring: onBurstEnd re-checks
     if (frame._tag !== "CreditFrame") {
       return this.conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a receiver` }))
     }
@@ -708,7 +761,30 @@ class Outbound implements ConnHandlers {
     this.windowWaiter?.()
   }
 
+  private lastCredited = 0
+
+  /** Shared memory: take the credits the consumer published in the ring. */
+  private refreshCredits(): void {
+    const shm = this.shm
+    if (shm === undefined) return
+    const credited = shm.credited
+    const delta = (credited - this.lastCredited) >>> 0
+    if (delta === 0) return
+    if (delta > this.outstanding) {
+      return this.conn.fail(new Malformed({ detail: `credit of ${delta} B exceeds ${this.outstanding} B outstanding` }))
+    }
+    this.lastCredited = credited
+    this.outstanding -= delta
+    this.counters.creditFrames++
+  }
+
   private fits(length: number): boolean {
+    this.refreshCredits()
+    if (this.outstanding + length <= this.options.ring.dataCapacity) return true
+    if (this.shm === undefined) return false
+    // Say we wait, then look again: the consumer either sees the flag or we see its credit.
+    this.shm.setProducerWaiting()
+    this.refreshCredits()
     return this.outstanding + length <= this.options.ring.dataCapacity
   }
 
@@ -797,10 +873,10 @@ class Outbound implements ConnHandlers {
       return Effect.ensuring(this.sendEncoded(encoded), Effect.sync(() => this.conn.socket.uncork()))
     })
 
-  readonly stats: Effect.Effect<SenderStats> = Effect.sync(() => ({
-    ...this.counters,
-    outstandingBytes: this.outstanding
-  }))
+  readonly stats: Effect.Effect<SenderStats> = Effect.sync(() => {
+    this.refreshCredits()
+    return { ...this.counters, outstandingBytes: this.outstanding }
+  })
 }
 
 /**

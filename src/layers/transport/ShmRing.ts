@@ -8,7 +8,9 @@
  * |------|--------------------------------------------------------------------------|
  * |    0 | i32 head: bytes written, mod 2^32 (producer stores, consumer loads)       |
  * |   64 | i32 tail: bytes drained, mod 2^32 (consumer stores, producer loads)       |
- * |  128 | i32 pending bit: 1 while a doorbell is outstanding                        |
+ * |  128 | i32 pending bit: 1 while a doorbell is outstanding or the consumer is awake |
+ * |  192 | i32 credited: window bytes the consumer has freed, mod 2^32 (consumer adds)|
+ * |  208 | i32 producer waiting: 1 while the producer waits for window                |
  * |  256 | data: `capacity` bytes, frames written back to back, wrapping             |
  *
  * Cursors and the pending bit are accessed with `Atomics` (sequentially consistent), so a head
@@ -19,8 +21,13 @@
  * socket) only when it flips the pending bit from 0 to 1; the consumer clears the bit before it
  * drains, so no wake-up is lost and a burst costs one doorbell.
  *
- * Space: the producer never has more than `capacity` unacknowledged bytes (the edge's window), and
- * the consumer drains bytes before it credits them, so a write always fits.
+ * A consumer that busy-polls (`spinMicros`) keeps the pending bit set while it is awake, so the
+ * producer skips the doorbell; it clears the bit and drains once more before it sleeps.
+ *
+ * Window credits also go through the ring (`credited`); the consumer sends a doorbell back on the
+ * socket only when the producer has said it is waiting. The producer never has more than
+ * `capacity` uncredited bytes (the edge's window), and the consumer drains bytes before it credits
+ * them, so a write always fits.
  *
  * The producer creates the file (mode 0600) and unlinks it once the consumer has attached; the
  * mapping lives until both sides `close`. Linux only (x86-64 / arm64 libc).
@@ -33,6 +40,8 @@ export const CONTROL_BYTES = 256
 const HEAD = 0
 const TAIL = 16
 const PENDING = 32
+const CREDITED = 48
+const WAITING = 52
 export const SHM_PREFIX = "/dev/shm/swactor-"
 
 interface Libc {
@@ -160,13 +169,35 @@ export class ShmRing {
     return !this.closed && Atomics.exchange(this.control, PENDING, 1) === 0
   }
 
+  /** Consumer: mark itself awake (the producer need not ring). */
+  claimAwake(): void {
+    if (!this.closed) Atomics.store(this.control, PENDING, 1)
+  }
+
+  /** Consumer: free `bytes` of window; true when the producer is waiting and must be woken. */
+  addCredit(bytes: number): boolean {
+    if (this.closed) return false
+    Atomics.add(this.control, CREDITED, bytes | 0)
+    return Atomics.exchange(this.control, WAITING, 0) === 1
+  }
+
+  /** Producer: total bytes credited so far, mod 2^32. */
+  get credited(): number {
+    return this.closed ? 0 : Atomics.load(this.control, CREDITED) >>> 0
+  }
+
+  /** Producer: announce that it waits for window (then re-check `credited`). */
+  setProducerWaiting(): void {
+    if (!this.closed) Atomics.store(this.control, WAITING, 1)
+  }
+
   /**
-   * Consumer: clear the pending bit, then take every byte written so far (a copy); undefined when
-   * there is none, "corrupt" when the cursors are impossible.
+   * Consumer: clear the pending bit (unless `stayAwake`), then take every byte written so far (a
+   * copy); undefined when there is none, "corrupt" when the cursors are impossible.
    */
-  drain(): Uint8Array | undefined | "corrupt" {
+  drain(stayAwake = false): Uint8Array | undefined | "corrupt" {
     if (this.closed) return undefined
-    Atomics.store(this.control, PENDING, 0)
+    if (!stayAwake) Atomics.store(this.control, PENDING, 0)
     const head = Atomics.load(this.control, HEAD) >>> 0
     const tail = Atomics.load(this.control, TAIL) >>> 0
     const n = (head - tail) >>> 0
