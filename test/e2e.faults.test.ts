@@ -220,8 +220,8 @@ describe("end to end faults: real agent processes", () => {
             resume(Effect.succeed({ code, signal, stderr, waitedMs: Date.now() - signalledAt })))
         }
       )
-      assert.strictEqual(agentPids.length, 2)
-      assert.include(result.stderr, "stopped by the operator")
+      assert.strictEqual(agentPids.length, 2, `children at the first token: ${agentPids.join(", ")}`)
+      assert.include(result.stderr, "stopped by the operator", `exit ${result.code} ${result.signal}: ${result.stderr}`)
       assert.isBelow(result.waitedMs, 10_000)
       assert.isTrue(yield* eventually(() => agentPids.every((pid) => !isAlive(pid)), 5000))
     }), 60_000)
