@@ -2,7 +2,7 @@ import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Either, Fiber, Redacted } from "effect"
+import { Effect, Either, Fiber, Option, Redacted } from "effect"
 import {
   ActivationFrame,
   AttachFrame,
@@ -353,6 +353,41 @@ describe.skipIf(!ShmRing.isSupported())("DataPlane over shared memory, busy-poll
       assert.isAbove((yield* receiver.stats).spins, 0)
       assert.isAtMost((yield* sender.stats).maxOutstandingBytes, ring.dataCapacity)
     }))
+})
+
+describe("DataPlane shared-memory attach", () => {
+  // A sender cannot make the receiver map an arbitrary file: only /dev/shm/swactor-* names are accepted.
+  for (const path of ["/etc/passwd", "/dev/shm/swactor-../../etc/passwd", "/dev/shm/other.ring"]) {
+    it.scopedLive(`refuses to map ${path}`, () =>
+      Effect.gen(function*() {
+        const ring = ringOf(16 * 1024)
+        const listener = yield* DataPlane.listen({ address: unixAddress(), token })
+        const receiver = yield* listener.register({ runId, edgeId, ring })
+        const address = listener.address as { path: string }
+        const socket = yield* Effect.acquireRelease(
+          Effect.async<Net.Socket>((resume) => {
+            const s = Net.createConnection({ path: address.path })
+            s.on("error", () => {})
+            s.once("connect", () => resume(Effect.succeed(s)))
+          }),
+          (s) => Effect.sync(() => s.destroy())
+        )
+        yield* Auth.clientHandshake(socket, { token })
+        const received: Array<Buffer> = []
+        socket.on("data", (c) => received.push(c))
+        const closed = new Promise<void>((r) => socket.on("close", () => r()))
+        socket.resume()
+        socket.write(Framing.unsafeEncode(
+          AttachFrame({ runId, edgeId, dataCapacity: ring.dataCapacity, alignment: ring.alignment, wakeCoalescing: ring.wakeCoalescing, sharedMemory: path }),
+          8
+        ))
+        yield* Effect.promise(() => closed)
+        const reply = Framing.decode(Buffer.concat(received), Framing.preAttachLimits)
+        assert.isTrue(Either.isRight(reply) && reply.right._tag === "FaultFrame" && reply.right.reason === "RingMismatch")
+        // The registered edge stays unattached.
+        assert.isTrue(Option.isNone(yield* Effect.option(Effect.timeout(receiver.attached, "20 millis"))))
+      }))
+  }
 })
 
 describe("DataPlane alignment on the wire", () => {

@@ -6,6 +6,7 @@ import {
   AttachFrame,
   CreditFrame,
   type DataFrame,
+  DoorbellFrame,
   FaultFrame,
   TokenFrame,
   type WireFrame
@@ -72,8 +73,14 @@ const activationArb = fc.record({
 )
 const controlArb = fc.oneof(
   fc.record({ ...ids, sequence: u32, bytes: u32 }).map((f) => CreditFrame(f)),
-  fc.record({ ...ids, dataCapacity: u32, alignment: u32, wakeCoalescing: fc.constantFrom("PendingBit", "EveryFrame") })
-    .map((f) => AttachFrame(f as Omit<AttachFrame, "_tag">)),
+  fc.record({
+    ...ids,
+    dataCapacity: u32,
+    alignment: u32,
+    wakeCoalescing: fc.constantFrom("PendingBit" as const, "EveryFrame" as const),
+    sharedMemory: fc.constantFrom("", "/dev/shm/swactor-1-abc.ring")
+  }).map((f) => AttachFrame(f)),
+  fc.record(ids).map((f) => DoorbellFrame(f)),
   fc.record(ids).map((f) => AttachedFrame(f)),
   fc.record({ ...ids, reason: fc.string({ maxLength: 20 }), detail: fc.string({ maxLength: 200 }) })
     .map((f) => FaultFrame(f))

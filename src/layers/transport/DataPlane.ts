@@ -1,6 +1,9 @@
 /**
  * The data plane: token and activation frames over authenticated stream sockets (TCP across
- * machines, a Unix domain socket on one machine — the same code with a different address).
+ * machines, a Unix domain socket on one machine — the same code with a different address), or,
+ * for same-host edges, through a shared-memory ring (`connect({ sharedMemory: true })` to a Unix
+ * listener; see ShmRing.ts): the sender names its /dev/shm ring in the AttachFrame, data frames
+ * go into the ring, and the socket carries only doorbells (PendingBit), faults and the attach.
  *
  * Topology. Every node runs one `DataPlaneListener`. The consumer of an edge registers an
  * `EdgeReceiver` for `(runId, edgeId)` on its listener; the producer opens an `EdgeSender` to that
@@ -29,7 +32,10 @@
  *   from clear to set, and `receive` hands over every message ready (one wake, one credit frame per
  *   burst); `EveryFrame` — one signal per message and `receive` hands over exactly one.
  *   `stats.signals` / `stats.wakes` / `stats.creditFrames` count them.
- * - `direction` and `hostPinning` do not change socket transports (pinning matters to GPU staging).
+ * - `direction` and `hostPinning` do not change these transports (pinning matters to GPU staging).
+ *
+ * Same rules on every transport: shared-memory frames are drained into the same stream decoder and
+ * pass the same checks; credits go through the ring instead of CreditFrames.
  *
  * Faults. Anything wrong on the wire — malformed, truncated (peer closed mid-frame), oversized,
  * out-of-order, foreign run/edge, window overrun — faults the edge with a typed `EdgeFault`: the
