@@ -201,7 +201,8 @@ export const make = Effect.gen(function*() {
       const addressOf = (nodeId: number) =>
         nodeId === ORCHESTRATOR_NODE ? "orchestrator" : agents.nodes.find((n) => n.nodeId === nodeId)?.address ?? `node ${nodeId}`
 
-      const heartbeat = request.heartbeat ?? { interval: "500 millis", deadline: "3 seconds" }
+      // A dropped control connection is noticed at once; the deadline covers a node that hangs (or a long load that blocks it).
+      const heartbeat = request.heartbeat ?? { interval: "1 second", deadline: "10 seconds" }
       const pool = yield* membership.watch(agents.nodes, {
         probe: (node) =>
           linkOf(node.nodeId).capacity.pipe(
