@@ -26,6 +26,7 @@ export * as Framing from "./layers/transport/Framing.js"
 export * as Auth from "./layers/transport/Auth.js"
 export * as DataPlane from "./layers/transport/DataPlane.js"
 export * as ControlPlane from "./layers/transport/ControlPlane.js"
+export * as ShmRing from "./layers/transport/ShmRing.js"
 
 // Pipeline API: generate / run / complete, local or remote agents, Promise facade
 export * from "./api/generate.js"

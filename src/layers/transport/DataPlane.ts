@@ -175,7 +175,12 @@ export interface RegisterOptions {
 export interface DataPlaneListener {
   /** The bound address (with the real port when listening on port 0). */
   readonly address: TransportAddress
-  /** Register the receiving end of an edge; unregistered when the scope closes. */
+  /**
+   * Register the receiving end of an edge; unregistered when the scope closes (or on `close`).
+   * One sender may attach, once: after the edge faults or its sender leaves, `close` it and
+   * register again for a fresh edge (a reconnect cannot resume a half-delivered sequence).
+   * Register before the producer connects: an attach for an unregistered edge is refused.
+   */
   readonly register: (options: RegisterOptions) => Effect.Effect<EdgeReceiver, EdgeBusy | RingMismatch, Scope.Scope>
   /** Currently registered edges. */
   readonly edges: Effect.Effect<ReadonlyArray<{ readonly runId: RunId; readonly edgeId: EdgeId }>>
