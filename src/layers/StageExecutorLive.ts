@@ -207,4 +207,5 @@ export const make = (options: LiveOptions = {}): StageExecutorService => ({
 export const StageExecutorLive: Layer.Layer<StageExecutor> = Layer.succeed(StageExecutor, make())
 
 /** The live executor with options (e.g. `repack: false`). */
-export const layerWith = (options: LiveOptions): Layer.Layer<StageExecutor> => Layer.succeed(StageExecutor, make(options))
+export const layerWith = (options: LiveOptions): Layer.Layer<StageExecutor> =>
+  Layer.succeed(StageExecutor, make(options))

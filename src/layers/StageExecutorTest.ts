@@ -87,7 +87,10 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
       if (model.missingPaths?.includes(spec.path)) return yield* fail("Io", `no such file: ${spec.path}`)
       const { layerEndExclusive: end, layerStart: start } = spec
       if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > model.numLayers || start >= end) {
-        return yield* fail("InvalidLayerRange", `block range [${start}, ${end}) is outside the ${model.numLayers} blocks`)
+        return yield* fail(
+          "InvalidLayerRange",
+          `block range [${start}, ${end}) is outside the ${model.numLayers} blocks`
+        )
       }
       if (spec.isFirst !== (start === 0) || spec.isLast !== (end === model.numLayers)) {
         return yield* fail("InvalidLayerRange", `isFirst/isLast do not match the range [${start}, ${end})`)

@@ -44,7 +44,9 @@ const invalid = (file: GgufFile, message: string) =>
   new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
 
 const positive = (file: GgufFile, key: string, n: number) =>
-  Number.isSafeInteger(n) && n > 0 ? Effect.succeed(n) : Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
+  Number.isSafeInteger(n) && n > 0
+    ? Effect.succeed(n)
+    : Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
 
 /** A per-model integer that may also be stored as one value per layer (then all must be equal). */
 const uniformInt = (file: GgufFile, key: string) =>
@@ -77,7 +79,9 @@ export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HPa
       ? yield* uniformInt(file, k("attention.head_count_kv"))
       : nHead
     if (nHead % nHeadKv !== 0) {
-      return yield* Effect.fail(invalid(file, `attention.head_count ${nHead} is not a multiple of head_count_kv ${nHeadKv}`))
+      return yield* Effect.fail(
+        invalid(file, `attention.head_count ${nHead} is not a multiple of head_count_kv ${nHeadKv}`)
+      )
     }
     const keyLength = yield* getOptional(file, k("attention.key_length"), getU32)
     if (keyLength === undefined && nEmbd % nHead !== 0) {
@@ -128,7 +132,9 @@ export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HPa
     const kqScale = attnScale === 0 ? 1 / Math.sqrt(headDimK) : attnScale
 
     let nVocab: number | undefined
-    if (file.metadata.has("tokenizer.ggml.tokens")) nVocab = (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
+    if (file.metadata.has("tokenizer.ggml.tokens")) {
+      nVocab = (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
+    }
     else if (file.metadata.has(k("vocab_size"))) nVocab = yield* getU32(file, k("vocab_size"))
     const embd = file.tensorsByName.get("token_embd.weight")
     if (nVocab === undefined) nVocab = embd?.dims[1]

@@ -105,7 +105,11 @@ const checkTensor = (
   }
   if (spec.kind === "matrix") {
     if (!matrixTypes.has(info.type)) {
-      return fail(file, "UnsupportedTensorType", `tensor "${fullName}" has type ${t.name}, which swactor cannot multiply`)
+      return fail(
+        file,
+        "UnsupportedTensorType",
+        `tensor "${fullName}" has type ${t.name}, which swactor cannot multiply`
+      )
     }
     if ((info.dims[0] ?? 0) % t.blockSize !== 0) {
       return fail(
@@ -155,7 +159,12 @@ export const planStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<St
       )
     }
     const out: Array<PlannedTensor> = []
-    const embdSpec: TensorSpec = { name: "token_embd.weight", dims: [hp.nEmbd, hp.nVocab], kind: "matrix", required: true }
+    const embdSpec: TensorSpec = {
+      name: "token_embd.weight",
+      dims: [hp.nEmbd, hp.nVocab],
+      kind: "matrix",
+      required: true
+    }
     if (spec.isFirst) {
       const info = yield* checkTensor(file, "token_embd.weight", embdSpec)
       if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows" })

@@ -101,7 +101,8 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
     ggml_quantize_init: f("void ggml_quantize_init(int type)") as (type: number) => void,
     ggml_quantize_requires_imatrix: f("bool ggml_quantize_requires_imatrix(int type)") as (type: number) => boolean,
     ggml_quantize_chunk: f(
-      "size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row, const float * imatrix)"
+      "size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, " +
+        "int64_t n_per_row, const float * imatrix)"
     ) as (
       type: number,
       src: Float32Array,
@@ -190,7 +191,8 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       a3: number
     ) => Ptr,
     ggml_rope_ext: f(
-      "void * ggml_rope_ext(void * ctx, void * a, void * b, void * c, int n_dims, int mode, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow)"
+      "void * ggml_rope_ext(void * ctx, void * a, void * b, void * c, int n_dims, int mode, int n_ctx_orig, " +
+        "float freq_base, float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow)"
     ) as (
       ctx: Ptr,
       a: Ptr,
@@ -213,7 +215,8 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       rows: Ptr
     ) => Ptr,
     ggml_flash_attn_ext: f(
-      "void * ggml_flash_attn_ext(void * ctx, void * q, void * k, void * v, void * mask, float scale, float max_bias, float logit_softcap)"
+      "void * ggml_flash_attn_ext(void * ctx, void * q, void * k, void * v, void * mask, float scale, " +
+        "float max_bias, float logit_softcap)"
     ) as (ctx: Ptr, q: Ptr, k: Ptr, v: Ptr, mask: Ptr | null, scale: number, maxBias: number, softcap: number) => Ptr,
     ggml_flash_attn_ext_set_prec: f("void ggml_flash_attn_ext_set_prec(void * a, int prec)") as (
       a: Ptr,
@@ -453,7 +456,8 @@ const init = (): Ggml => {
   }
   if (located.release !== undefined && located.release !== expectedBuild.release) {
     throw new GgmlBindingError(
-      `${located.packageName} was built from llama.cpp release ${located.release}, swactor's ggml bindings were written for ${expectedBuild.release} (node-llama-cpp 3.21.1); install node-llama-cpp 3.21.1`
+      `${located.packageName} was built from llama.cpp release ${located.release}, swactor's ggml bindings ` +
+        `were written for ${expectedBuild.release} (node-llama-cpp 3.21.1); install node-llama-cpp 3.21.1`
     )
   }
   let baseLib: LibraryHandle
@@ -471,7 +475,8 @@ const init = (): Ggml => {
     const commit = baseLib.func("const char * ggml_commit()")() as string
     if (version !== expectedBuild.ggmlVersion || commit !== expectedBuild.ggmlCommit) {
       throw new GgmlBindingError(
-        `ggml in ${located.dir} is version ${version} (commit ${commit}); swactor's bindings were written for ${expectedBuild.ggmlVersion} (commit ${expectedBuild.ggmlCommit}, node-llama-cpp 3.21.1)`
+        `ggml in ${located.dir} is version ${version} (commit ${commit}); swactor's bindings were written for ` +
+          `${expectedBuild.ggmlVersion} (commit ${expectedBuild.ggmlCommit}, node-llama-cpp 3.21.1)`
       )
     }
     raw = { ...bindBase(baseLib, types), ...bindMain(mainLib) }

@@ -129,7 +129,11 @@ export const locateGgmlLibraries = (
     } catch {
       release = undefined
     }
-    const gpu = c.packageName.includes("cuda") ? "cuda" as const : c.packageName.includes("metal") ? "metal" as const : false
+    const gpu = c.packageName.includes("cuda")
+      ? "cuda" as const
+      : c.packageName.includes("metal")
+      ? "metal" as const
+      : false
     return { packageName: c.packageName, dir: c.dir, gpu, baseLib, mainLib, release }
   }
   return { tried }

@@ -13,7 +13,8 @@ export const llama: ArchModule = {
     const freqs = w.global("rope_freqs.weight")
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
     const { k, q, v } = t.qkv(w, h)
-    const att = t.attention(t.rope(q, freqs), t.rope(k, freqs), v, w.get("attn_output.weight"), w.opt("attn_output.bias"))
+    const wo = w.get("attn_output.weight")
+    const att = t.attention(t.rope(q, freqs), t.rope(k, freqs), v, wo, w.opt("attn_output.bias"))
     const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
     return t.add(t.ffnSwiglu(t.rmsNorm(ffnIn, w.get("ffn_norm.weight")), w), ffnIn)
   }
