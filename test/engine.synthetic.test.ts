@@ -80,6 +80,16 @@ describe("synthetic models: every split of every architecture and type matches n
     }
   }
 
+  // Other types the engine multiplies: bf16, and q4_0 / q6_k (q4_0 is repacked on AVX2 CPUs, q6_k is not).
+  for (const type of ["bf16", "q4_0", "q6_k"] as const) {
+    it.live(`llama ${type}: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's`, () =>
+      Effect.gen(function*() {
+        const o = shape("llama", type)
+        yield* writeSyntheticModel(o)
+        yield* checkModel(`llama ${type}`, o.path, false)
+      }))
+  }
+
   // llama 3 features: rope frequency factors (rope_freqs.weight) and an output head tied to token_embd.
   it.live("llama f16 with rope freq factors and tied output matches node-llama-cpp", () =>
     Effect.gen(function*() {
