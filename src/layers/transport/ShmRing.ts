@@ -34,7 +34,12 @@
  */
 import { randomBytes } from "node:crypto"
 import * as Fs from "node:fs"
-import koffi from "koffi"
+import { createRequire } from "node:module"
+
+type Koffi = typeof import("koffi")
+let koffiModule: Koffi | undefined
+/** koffi is loaded on first use, so importing the data plane costs nothing when shm is unused. */
+const koffi = (): Koffi => koffiModule ??= createRequire(import.meta.url)("koffi") as Koffi
 
 export const CONTROL_BYTES = 256
 const HEAD = 0
@@ -55,7 +60,7 @@ interface Libc {
 let libc: Libc | undefined
 const loadLibc = (): Libc => {
   if (libc !== undefined) return libc
-  const lib = koffi.load("libc.so.6")
+  const lib = koffi().load("libc.so.6")
   libc = {
     open: lib.func("int open(const char *path, int flags, int mode)"),
     ftruncate: lib.func("int ftruncate(int fd, int64_t length)"),
@@ -98,7 +103,7 @@ export class ShmRing {
     private readonly pointer: unknown,
     private readonly length: number
   ) {
-    const buffer = koffi.view(pointer, length)
+    const buffer = koffi().view(pointer, length)
     this.control = new Int32Array(buffer, 0, CONTROL_BYTES / 4)
     this.data = new Uint8Array(buffer, CONTROL_BYTES, capacity)
   }
@@ -115,7 +120,7 @@ export class ShmRing {
         throw new Error(`${path} is not a ring of ${capacity} bytes`)
       }
       const pointer = c.mmap(null, length, PROT_READ_WRITE, MAP_SHARED, fd, 0)
-      if (pointer === null || koffi.address(pointer) === BigInt("0xffffffffffffffff")) throw new Error(`cannot map ${path}`)
+      if (pointer === null || koffi().address(pointer) === BigInt("0xffffffffffffffff")) throw new Error(`cannot map ${path}`)
       return new ShmRing(path, capacity, pointer, length)
     } finally {
       c.close(fd)
