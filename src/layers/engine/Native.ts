@@ -9,7 +9,7 @@ import type { StagePlan } from "./Plan.js"
 import { type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
 
 const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
-const READ_CHUNK = 16 * 1024 * 1024
+const READ_CHUNK = 4 * 1024 * 1024
 const F16_NEG_INF = 0xfc00
 
 /** Padded KV cache length, as llama.cpp pads n_ctx. */
