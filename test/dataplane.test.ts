@@ -355,6 +355,18 @@ describe.skipIf(!ShmRing.isSupported())("DataPlane over shared memory, busy-poll
     }))
 })
 
+describe("DataPlane.layer", () => {
+  it.scopedLive("provides this node's listener as a service", () =>
+    Effect.gen(function*() {
+      const listener = yield* DataPlane.DataPlaneNode
+      const receiver = yield* listener.register({ runId, edgeId, ring: ringOf(4096) })
+      const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring: ringOf(4096) })
+      yield* sender.send(decode(0, 42))
+      const got = yield* receiver.take
+      assert.deepStrictEqual(got._tag === "TokenFrame" && got.payload, { _tag: "Decode", tokenId: 42 })
+    }).pipe(Effect.provide(DataPlane.layer({ token }))))
+})
+
 describe("DataPlane shared-memory attach", () => {
   // A sender cannot make the receiver map an arbitrary file: only /dev/shm/swactor-* names are accepted.
   for (const path of ["/etc/passwd", "/dev/shm/swactor-../../etc/passwd", "/dev/shm/other.ring"]) {

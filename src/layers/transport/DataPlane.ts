@@ -46,7 +46,7 @@
  * Each side has one consumer: do not call `receive` (or `send`) from two fibers at once.
  */
 import * as Net from "node:net"
-import { Data, Deferred, Duration, Effect, Either, Exit, FiberId, Runtime, Scope } from "effect"
+import { Context, Data, Deferred, Duration, Effect, Either, Exit, FiberId, Layer, Runtime, Scope } from "effect"
 import {
   AttachedFrame,
   AttachFrame,
@@ -721,6 +721,13 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
     }
     return listener
   })
+
+/** This node's data-plane listener, as a service. */
+export class DataPlaneNode extends Context.Tag("swactor/DataPlaneNode")<DataPlaneNode, DataPlaneListener>() {}
+
+/** `listen` as a layer: the listener lives as long as the layer. */
+export const layer = (options: ListenOptions): Layer.Layer<DataPlaneNode, ListenFailed> =>
+  Layer.scoped(DataPlaneNode, listen(options))
 
 // ---------------------------------------------------------------------------------------------
 // Sending side
