@@ -85,7 +85,7 @@ const edge = (address: TransportAddress, ring: RingSpec, sharedMemory = false) =
 const rawSender = (address: TransportAddress, ring: RingSpec, sharedMemory = false) =>
   Effect.gen(function*() {
     const shm = sharedMemory
-      ? yield* Effect.acquireRelease(Effect.sync(() => ShmRing.ShmRing.create(ring.dataCapacity)), (r) =>
+      ? yield* Effect.acquireRelease(Effect.sync(() => ShmRing.ShmRing.create(ring.dataCapacity, ring.alignment)), (r) =>
         Effect.sync(() => {
           r.unlink()
           r.close()
@@ -365,6 +365,34 @@ describe("DataPlane.layer", () => {
       const got = yield* receiver.take
       assert.deepStrictEqual(got._tag === "TokenFrame" && got.payload, { _tag: "Decode", tokenId: 42 })
     }).pipe(Effect.provide(DataPlane.layer({ token }))))
+})
+
+describe.skipIf(!ShmRing.isSupported())("ShmRing", () => {
+  // Bytes survive the ring's end and the cursor modulus wrapping, at any window size.
+  it("round-trips bytes across the ring end and the cursor wrap", () => {
+    for (const window of [1000, 4096, 12_345]) {
+      const producer = ShmRing.ShmRing.create(window, 64)
+      const consumer = ShmRing.ShmRing.open(producer.path, window, 64)
+      try {
+        assert.strictEqual(producer.capacity % 64, 0)
+        producer.unsafeSetCursors(-100)
+        let next = 0
+        for (let round = 0; round < 50; round++) {
+          const chunk = Uint8Array.from({ length: 1 + ((round * 37) % 700) }, (_, i) => (next + i) & 0xff)
+          assert.isTrue(producer.write(chunk))
+          const out = consumer.drain()
+          assert.isTrue(out instanceof Uint8Array)
+          assert.deepStrictEqual(Array.from(out as Uint8Array), Array.from(chunk))
+          next += chunk.length
+        }
+        assert.isFalse(producer.write(new Uint8Array(producer.capacity + 1)))
+      } finally {
+        producer.unlink()
+        producer.close()
+        consumer.close()
+      }
+    }
+  })
 })
 
 describe("DataPlane shared-memory attach", () => {

@@ -604,7 +604,7 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
           return conn.fail(new RingMismatch({ detail: "shared memory is offered only on a Unix-socket listener" }))
         }
         try {
-          shm = ShmRing.open(frame.sharedMemory, ring.dataCapacity)
+          shm = ShmRing.open(frame.sharedMemory, ring.dataCapacity, ring.alignment)
         } catch (e) {
           return conn.fail(new RingMismatch({ detail: `cannot map the sender's ring: ${String(e)}` }))
         }
@@ -916,7 +916,7 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
       }
       shm = yield* Effect.acquireRelease(
         Effect.try({
-          try: () => ShmRing.create(options.ring.dataCapacity),
+          try: () => ShmRing.create(options.ring.dataCapacity, options.ring.alignment),
           catch: (e) => new ConnectFailed({ detail: `cannot create a shared-memory ring: ${String(e)}` })
         }),
         (ring) =>

@@ -6,12 +6,17 @@
  *
  * | byte | field                                                                    |
  * |------|--------------------------------------------------------------------------|
- * |    0 | i32 head: bytes written, mod 2^32 (producer stores, consumer loads)       |
- * |   64 | i32 tail: bytes drained, mod 2^32 (consumer stores, producer loads)       |
+ * |    0 | i32 head: write cursor, mod M (producer stores, consumer loads)           |
+ * |   64 | i32 tail: read cursor, mod M (consumer stores, producer loads)            |
  * |  128 | i32 pending bit: 1 while a doorbell is outstanding or the consumer is awake |
  * |  192 | i32 credited: window bytes the consumer has freed, mod 2^32 (consumer adds)|
  * |  208 | i32 producer waiting: 1 while the producer waits for window                |
- * |  256 | data: `capacity` bytes, frames written back to back, wrapping             |
+ * |  D   | data: `capacity` bytes, frames written back to back, wrapping             |
+ *
+ * Alignment: `capacity` is the window rounded up to the frame alignment A = max(8, alignment) and
+ * the data starts at D = max(256, A), so every frame (a multiple of A long) starts A-aligned in the
+ * mapping. Cursors run modulo M, the largest multiple of `capacity` below 2^31, so positions stay
+ * exact however many bytes flow.
  *
  * Cursors and the pending bit are accessed with `Atomics` (sequentially consistent), so a head
  * published after the bytes it covers is never seen before them. The ring carries the same
@@ -97,20 +102,28 @@ export class ShmRing {
   private readonly data: Uint8Array
   private closed = false
 
+  /** Cursor modulus: a multiple of `capacity`, below 2^31. */
+  private readonly modulus: number
+
   private constructor(
     readonly path: string,
     readonly capacity: number,
+    dataOffset: number,
     private readonly pointer: unknown,
     private readonly length: number
   ) {
     const buffer = koffi().view(pointer, length)
     this.control = new Int32Array(buffer, 0, CONTROL_BYTES / 4)
-    this.data = new Uint8Array(buffer, CONTROL_BYTES, capacity)
+    this.data = new Uint8Array(buffer, dataOffset, capacity)
+    this.modulus = Math.floor(0x7fff_ffff / capacity) * capacity
   }
 
-  private static map(path: string, capacity: number, create: boolean): ShmRing {
+  private static map(path: string, window: number, alignment: number, create: boolean): ShmRing {
     const c = loadLibc()
-    const length = CONTROL_BYTES + capacity
+    const a = Math.max(8, alignment)
+    const capacity = Math.ceil(window / a) * a
+    const dataOffset = Math.max(CONTROL_BYTES, a)
+    const length = dataOffset + capacity
     const fd = c.open(path, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0o600)
     if (fd < 0) throw new Error(`cannot open ${path}`)
     try {
@@ -121,17 +134,17 @@ export class ShmRing {
       }
       const pointer = c.mmap(null, length, PROT_READ_WRITE, MAP_SHARED, fd, 0)
       if (pointer === null || koffi().address(pointer) === BigInt("0xffffffffffffffff")) throw new Error(`cannot map ${path}`)
-      return new ShmRing(path, capacity, pointer, length)
+      return new ShmRing(path, capacity, dataOffset, pointer, length)
     } finally {
       c.close(fd)
     }
   }
 
-  /** Producer: create a fresh ring file. Throws when shared memory is unavailable. */
-  static create(capacity: number): ShmRing {
+  /** Producer: create a fresh ring file for an edge's window. Throws when shared memory is unavailable. */
+  static create(window: number, alignment: number): ShmRing {
     const path = `${SHM_PREFIX}${process.pid}-${randomBytes(8).toString("hex")}.ring`
     try {
-      return ShmRing.map(path, capacity, true)
+      return ShmRing.map(path, window, alignment, true)
     } catch (e) {
       Fs.rmSync(path, { force: true })
       throw e
@@ -139,9 +152,13 @@ export class ShmRing {
   }
 
   /** Consumer: map the ring the producer named. Throws on a bad path or size. */
-  static open(path: string, capacity: number): ShmRing {
+  static open(path: string, window: number, alignment: number): ShmRing {
     if (!isRingPath(path)) throw new Error(`refusing shared-memory path ${JSON.stringify(path)}`)
-    return ShmRing.map(path, capacity, false)
+    return ShmRing.map(path, window, alignment, false)
+  }
+
+  private distance(from: number, to: number): number {
+    return (to - from + this.modulus) % this.modulus
   }
 
   /** Remove the file name (the mapping stays valid). */
@@ -152,20 +169,20 @@ export class ShmRing {
   /** Bytes written and not yet drained. */
   get used(): number {
     if (this.closed) return 0
-    return (Atomics.load(this.control, HEAD) - Atomics.load(this.control, TAIL)) >>> 0
+    return this.distance(Atomics.load(this.control, TAIL), Atomics.load(this.control, HEAD))
   }
 
   /** Producer: append `bytes`; false (nothing written) when they do not fit. */
   write(bytes: Uint8Array): boolean {
     if (this.closed) return false
-    const head = Atomics.load(this.control, HEAD) >>> 0
-    const tail = Atomics.load(this.control, TAIL) >>> 0
-    if (((head - tail) >>> 0) + bytes.length > this.capacity) return false
+    const head = Atomics.load(this.control, HEAD)
+    const tail = Atomics.load(this.control, TAIL)
+    if (this.distance(tail, head) + bytes.length > this.capacity) return false
     const at = head % this.capacity
     const first = Math.min(bytes.length, this.capacity - at)
     this.data.set(bytes.subarray(0, first), at)
     if (first < bytes.length) this.data.set(bytes.subarray(first), 0)
-    Atomics.store(this.control, HEAD, (head + bytes.length) | 0)
+    Atomics.store(this.control, HEAD, (head + bytes.length) % this.modulus)
     return true
   }
 
@@ -203,9 +220,10 @@ export class ShmRing {
   drain(stayAwake = false): Uint8Array | undefined | "corrupt" {
     if (this.closed) return undefined
     if (!stayAwake) Atomics.store(this.control, PENDING, 0)
-    const head = Atomics.load(this.control, HEAD) >>> 0
-    const tail = Atomics.load(this.control, TAIL) >>> 0
-    const n = (head - tail) >>> 0
+    const head = Atomics.load(this.control, HEAD)
+    const tail = Atomics.load(this.control, TAIL)
+    if (head < 0 || head >= this.modulus || tail < 0 || tail >= this.modulus) return "corrupt"
+    const n = this.distance(tail, head)
     if (n === 0) return undefined
     if (n > this.capacity) return "corrupt"
     const out = new Uint8Array(n)
@@ -213,8 +231,15 @@ export class ShmRing {
     const first = Math.min(n, this.capacity - at)
     out.set(this.data.subarray(at, at + first), 0)
     if (first < n) out.set(this.data.subarray(0, n - first), first)
-    Atomics.store(this.control, TAIL, head | 0)
+    Atomics.store(this.control, TAIL, head)
     return out
+  }
+
+  /** Tests only: place both cursors at `position` (mod M), e.g. just before the modulus wraps. */
+  unsafeSetCursors(position: number): void {
+    const p = ((position % this.modulus) + this.modulus) % this.modulus
+    Atomics.store(this.control, HEAD, p)
+    Atomics.store(this.control, TAIL, p)
   }
 
   close(): void {
