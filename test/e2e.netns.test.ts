@@ -28,6 +28,14 @@ const unavailable = (): string | undefined => {
   } catch (error) {
     return `cannot create a network namespace here: ${String(error).split("\n")[0]}`
   }
+  try {
+    sh(["ip", "link", "add", `${prefix}pb`, "type", "bridge"])
+    sh(["ip", "link", "del", `${prefix}pb`])
+    sh(["ip", "link", "add", `${prefix}pv`, "type", "veth", "peer", "name", `${prefix}pw`])
+    sh(["ip", "link", "del", `${prefix}pv`])
+  } catch (error) {
+    return `cannot create bridge / veth links here: ${String(error).split("\n")[0]}`
+  }
   return undefined
 }
 
