@@ -123,5 +123,23 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
       assert.strictEqual(agentPids.length, 2)
       assert.deepStrictEqual(agentPids.filter(isAlive), [])
     }), 120_000)
-})
 
+  // `swactor run --dry-run` asks the agents for their capacity and previews the placement, provisioning nothing.
+  it.live("swactor run --dry-run prints the nodes' capacity and the placement", () =>
+    Effect.gen(function*() {
+      const { args, command } = swactorCommand([
+        "run", "--model", requireModel("stories260K.gguf"), "--stages", "2", "--threads", "1", "--dry-run"
+      ])
+      const result = yield* Effect.async<{ code: number | null; stdout: string }>((resume) => {
+        const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "pipe", "ignore"] })
+        let stdout = ""
+        child.stdout.on("data", (chunk) => (stdout += chunk))
+        child.on("exit", (code) => resume(Effect.succeed({ code, stdout })))
+      })
+      assert.strictEqual(result.code, 0)
+      assert.match(result.stdout, /node 1 127\.0\.0\.1:\d+: .*cpu, 1 threads, .* GiB free of .* GiB, 0 stages hosted/)
+      assert.match(result.stdout, /stage 0: blocks \[0, 3\) on 127\.0\.0\.1:\d+/)
+      assert.match(result.stdout, /stage 1: blocks \[3, 5\) on 127\.0\.0\.1:\d+/)
+      assert.include(result.stdout, "nothing was provisioned")
+    }), 60_000)
+})
