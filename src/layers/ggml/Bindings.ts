@@ -8,6 +8,7 @@
 import koffi, { type LibraryHandle } from "koffi"
 import { join } from "node:path"
 import { type GgmlLibraryDir, locateGgmlLibraries } from "./Platform.js"
+import { GgmlType } from "../../domain/ggmlTypes.js"
 
 /** The node-llama-cpp build these bindings were written against (node-llama-cpp 3.21.1). */
 export const expectedBuild = {
@@ -36,28 +37,8 @@ export const TensorLayout = {
   overhead: 368
 } as const
 
-export const GgmlType = {
-  F32: 0,
-  F16: 1,
-  Q4_0: 2,
-  Q4_1: 3,
-  Q5_0: 6,
-  Q5_1: 7,
-  Q8_0: 8,
-  Q8_1: 9,
-  Q2_K: 10,
-  Q3_K: 11,
-  Q4_K: 12,
-  Q5_K: 13,
-  Q6_K: 14,
-  Q8_K: 15,
-  I8: 24,
-  I16: 25,
-  I32: 26,
-  I64: 27,
-  F64: 28,
-  BF16: 30
-} as const
+/** ggml type ids: the one table in src/domain/ggmlTypes.ts. */
+export { GgmlType }
 
 export const GgmlBackendDevType = { CPU: 0, GPU: 1, IGPU: 2, ACCEL: 3 } as const
 
