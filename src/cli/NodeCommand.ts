@@ -30,7 +30,7 @@ const stallingExecutor = Layer.effect(
 const address = (text: string, flag: string): Effect.Effect<TransportAddress, NodeUsageError> => {
   const parsed = parseAddress(text)
   return parsed === undefined
-    ? Effect.fail(new NodeUsageError({ message: `--${flag}: "${text}" is not host:port` }))
+    ? Effect.fail(new NodeUsageError({ message: `--${flag}: "${text}" is not host:port or a socket path` }))
     : Effect.succeed(parsed)
 }
 

@@ -1,118 +1,103 @@
 /**
- * The agent control plane as an @effect/rpc group: what the orchestrator asks a node agent, and
- * what the agent reports back. Messages are Schema-encoded; the transport (an authenticated
- * socket) is `src/layers/transport/ControlPlane.ts`.
+ * The orchestrator ↔ node agent control plane: one @effect/rpc group and the Schema messages that
+ * cross the process boundary with it. The transport (an authenticated socket: mutual HMAC
+ * handshake, then ndjson RPC) is `makeSocketServer` of src/layers/transport/ControlPlane.ts; the
+ * agent's handlers and the orchestrator's client are src/layers/AgentControlRpc.ts.
  *
- * - `Provision` — host one stage of one run: the `ProvisionStage` from the planner plus the
- *   data-plane addresses (`StageDataPlane`). Answers `StageReady` once the stage's model slice is
- *   loaded and its inbound edge is registered, or fails with `ProvisionRejected`.
- * - `StopRun` — stop one stage of a run (idempotent for a stage already stopped: `StageStopped`),
- *   fails with `UnknownStage` when the node never hosted it.
- * - `Heartbeat` — liveness + capacity (`NodeCapacity`).
- * - `Events` — a stream of `StageEvent`s for one run (`StageReady`, `StageFault{reason, edgeFault?}`,
- *   `StageStopped`), so the orchestrator learns about asynchronous faults.
+ * The group is the `AgentLink` of src/services/AgentLinks.ts one to one:
  *
- * Data-plane wiring: each agent runs one data-plane listener (`NodeCapacity.dataPlane`). A stage
- * registers its inbound edge there and connects its outbound edge to `dataPlane.outbound`, the
- * listener of the outbound edge's consumer (the next stage's agent, or the orchestrator for
- * TokenOut). Provisioning from the last stage to the first lets every stage connect at once.
+ * - `Hello` → the agent's data-plane address and pid (`AgentHello`).
+ * - `Capacity` → its heartbeat answer (`NodeCapacity`).
+ * - `Provision` → a stream of `StageReport`s for one stage (loading progress, ready, then fault or
+ *   stopped with the stage's compute counters). The stream ends after `StageStopped`; a dropped
+ *   connection fails it at once (a crashed agent is a fault, never a hang), and the agent
+ *   interrupts the handlers of a client that went away (its stages stop).
+ * - `Stop` → asks a stage to stop (idempotent).
  */
-import { Schema } from "effect"
-import { EdgeFault, TransportAddress } from "./frames.js"
-import { EdgeId, NodeId, RunId } from "./ids.js"
-import { ProvisionStage } from "./plan.js"
-import { StageFaultReason } from "./runFsm.js"
 import { Rpc, RpcGroup } from "@effect/rpc"
+import { Schema } from "effect"
+import { TransportAddress } from "./frames.js"
+import { RunId } from "./ids.js"
+import { ProvisionStage } from "./plan.js"
 
-/** Where a provisioned stage's edges meet the data plane. */
-export class StageDataPlane extends Schema.Class<StageDataPlane>("StageDataPlane")({
-  /** The listener this stage's inbound edge is registered on (its own agent's). */
-  inbound: TransportAddress,
-  /** The listener of the consumer of this stage's outbound edge, to connect to. */
-  outbound: TransportAddress
+/** Why a stage faulted, in words the orchestrator can act on. */
+export const StageFaultKind = Schema.Literal(
+  "LoadError",
+  "WorkerCrashed",
+  "TransportError",
+  "EngineError",
+  "ProtocolError",
+  "Rejected"
+)
+export type StageFaultKind = typeof StageFaultKind.Type
+
+/** Per-stage counters, reported when the stage stops. */
+export class StageStats extends Schema.Class<StageStats>("StageStats")({
+  frames: Schema.Number,
+  tokens: Schema.Number,
+  loadMillis: Schema.Number,
+  cachedWeights: Schema.Boolean,
+  prefillComputeMillis: Schema.Number,
+  decodeFrames: Schema.Number,
+  decodeComputeMillis: Schema.Number
 }) {}
 
-/** The stage is loaded, its inbound edge registered at `inbound`, its outbound edge connected. */
-export class StageReady extends Schema.TaggedClass<StageReady>()("StageReady", {
-  runId: RunId,
-  stageIndex: Schema.Number,
-  nodeId: NodeId,
-  inbound: TransportAddress
+export const StageReport = Schema.Union(
+  Schema.TaggedStruct("StageLoading", {
+    runId: RunId,
+    stageIndex: Schema.Number,
+    loadedBytes: Schema.Number,
+    totalBytes: Schema.Number
+  }),
+  Schema.TaggedStruct("StageReady", {
+    runId: RunId,
+    stageIndex: Schema.Number,
+    loadMillis: Schema.Number,
+    cachedWeights: Schema.Boolean
+  }),
+  Schema.TaggedStruct("StageFault", {
+    runId: RunId,
+    stageIndex: Schema.Number,
+    kind: StageFaultKind,
+    detail: Schema.String
+  }),
+  Schema.TaggedStruct("StageStopped", { runId: RunId, stageIndex: Schema.Number, stats: StageStats })
+)
+export type StageReport = typeof StageReport.Type
+
+/** Everything an agent needs to host one stage: the plan's message plus where its output goes. */
+export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionRequest")({
+  provision: ProvisionStage,
+  /** The data listener of the next stage's agent (or the orchestrator's, for the last stage). */
+  outboundAddress: TransportAddress,
+  /** Engine threads for this stage (default: the agent's). */
+  threads: Schema.NullOr(Schema.Number),
+  /** KV cache length for this stage's session. */
+  contextLength: Schema.Number
 }) {}
 
-/**
- * A running stage faulted. `reason` is the run FSM's own `StageFaultReason` (so the orchestrator
- * feeds it to the FSM as is); a fault that came from the data plane also carries the edge and its
- * typed `EdgeFault` (with reason `TransportFailed`).
- */
-export class StageFault extends Schema.TaggedClass<StageFault>()("StageFault", {
-  runId: RunId,
-  stageIndex: Schema.Number,
-  reason: StageFaultReason,
-  edgeFault: Schema.optional(Schema.Struct({ edgeId: EdgeId, fault: EdgeFault }))
+/** What an agent says about itself when the orchestrator connects. */
+export class AgentHello extends Schema.Class<AgentHello>("AgentHello")({
+  dataAddress: TransportAddress,
+  pid: Schema.Number
 }) {}
 
-export class StageStopped extends Schema.TaggedClass<StageStopped>()("StageStopped", {
-  runId: RunId,
-  stageIndex: Schema.Number
-}) {}
-
-export const StageEvent = Schema.Union(StageReady, StageFault, StageStopped)
-export type StageEvent = typeof StageEvent.Type
-
-/** A node refused or failed to provision a stage. */
-export class ProvisionRejected extends Schema.TaggedError<ProvisionRejected>()("ProvisionRejected", {
-  runId: RunId,
-  stageIndex: Schema.Number,
-  reason: Schema.Literal("AlreadyHosted", "InsufficientResources", "ModelLoadFailed", "EdgeSetupFailed", "Invalid"),
-  detail: Schema.String
-}) {}
-
-/** The node does not host (and never hosted) that stage. */
-export class UnknownStage extends Schema.TaggedError<UnknownStage>()("UnknownStage", {
-  runId: RunId,
-  stageIndex: Schema.Number
-}) {}
-
-export class HostedStage extends Schema.Class<HostedStage>("HostedStage")({
-  runId: RunId,
-  stageIndex: Schema.Number
-}) {}
-
-/** What a node can take on, and what it hosts now. */
-export class NodeCapacity extends Schema.Class<NodeCapacity>("NodeCapacity")({
-  nodeId: NodeId,
+/** What a node agent reports about itself in answer to a heartbeat. */
+export const NodeCapacity = Schema.Struct({
   freeMemoryBytes: Schema.Number,
   totalMemoryBytes: Schema.Number,
   threads: Schema.Number,
-  /** Compute backend the agent runs stages on, e.g. "cpu", "cuda". */
   backend: Schema.String,
-  /** The agent's data-plane listener. */
-  dataPlane: TransportAddress,
-  hostedRuns: Schema.Array(HostedStage)
-}) {}
+  hostname: Schema.String,
+  /** Stages this agent hosts right now (all runs). */
+  activeStages: Schema.Number
+}).annotations({ identifier: "NodeCapacity" })
+export type NodeCapacity = typeof NodeCapacity.Type
 
-export const Provision = Rpc.make("Provision", {
-  payload: { stage: ProvisionStage, dataPlane: StageDataPlane },
-  success: StageReady,
-  error: ProvisionRejected
-})
-
-export const StopRun = Rpc.make("StopRun", {
-  payload: { runId: RunId, stageIndex: Schema.Number },
-  success: StageStopped,
-  error: UnknownStage
-})
-
-export const Heartbeat = Rpc.make("Heartbeat", {
-  success: NodeCapacity
-})
-
-export const Events = Rpc.make("Events", {
-  payload: { runId: RunId },
-  success: StageEvent,
-  stream: true
-})
-
-/** The agent control plane. Handlers: `ControlRpcs.toLayer({ Provision, StopRun, Heartbeat, Events })`. */
-export class ControlRpcs extends RpcGroup.make(Provision, StopRun, Heartbeat, Events) {}
+/** The agent control plane. Handlers: `AgentRpcs.toLayer({ Hello, Capacity, Provision, Stop })`. */
+export class AgentRpcs extends RpcGroup.make(
+  Rpc.make("Hello", { success: AgentHello }),
+  Rpc.make("Capacity", { success: NodeCapacity }),
+  Rpc.make("Provision", { payload: { request: ProvisionRequest }, success: StageReport, stream: true }),
+  Rpc.make("Stop", { payload: { runId: RunId, stageIndex: Schema.Number } })
+) {}

@@ -1,49 +1,27 @@
 /**
- * The orchestrator ↔ agent control link as an @effect/rpc group over the transport's authenticated
- * socket server (`makeSocketServer` of src/layers/transport/ControlPlane.ts: mutual HMAC handshake,
- * then ndjson RPC).
- *
- * Why a group of its own next to the transport's `ControlRpcs`: the orchestrator needs, per stage,
- * load progress (for the progress bar) and the stage's compute counters when it stops (for the
- * summary), and per run the KV length and engine threads; `ControlRpcs` carries none of these. This
- * group is `AgentLink` one to one:
- *
- * - `Hello` → the agent's data-plane address; `Capacity` → its heartbeat answer.
- * - `Provision` → a stream of StageReports (loading, ready, then fault or stopped). The stream ends
- *   after StageStopped; a dropped connection fails it at once (a crashed agent is a fault, never a
- *   hang), and the agent interrupts the handlers of a client that went away (its stages stop).
- * - `Stop` → asks a stage to stop (idempotent).
+ * The control plane's two ends: the agent serves the `AgentRpcs` group (src/domain/controlRpc.ts)
+ * for its StageHost, and the orchestrator's `AgentControl` layer connects to it, both over the
+ * transport's authenticated sockets (src/layers/transport/ControlPlane.ts: mutual HMAC handshake,
+ * then ndjson RPC). A dropped connection fails the orchestrator's calls and provision streams at
+ * once (a crashed agent is a fault, never a hang); the agent interrupts the handlers of a client
+ * that went away (its stages stop).
  */
 import * as Net from "node:net"
-import * as NodeSocket from "@effect/platform-node/NodeSocket"
 import * as Socket from "@effect/platform/Socket"
 import * as SocketServer from "@effect/platform/SocketServer"
-import { Rpc, RpcClient, RpcGroup, RpcSerialization, RpcServer } from "@effect/rpc"
+import { RpcClient, RpcSerialization, RpcServer } from "@effect/rpc"
 import { type Duration, Effect, Layer, Redacted, Schema, Scope, Stream } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
-import { RunId } from "../domain/ids.js"
-import {
-  AgentControl,
-  AgentHello,
-  type AgentLink,
-  AgentUnavailable,
-  ProvisionRequest,
-  StageReport
-} from "../services/AgentLinks.js"
-import { NodeCapacity, type NodeEndpoint } from "../services/Membership.js"
+import { AgentHello, AgentRpcs } from "../domain/controlRpc.js"
+import { AgentControl, type AgentLink, AgentUnavailable } from "../services/AgentLinks.js"
+import type { NodeEndpoint } from "../services/Membership.js"
 import type { StageHost } from "./NodeAgent.js"
 import { clientHandshake } from "./transport/Auth.js"
-import { makeSocketServer } from "./transport/ControlPlane.js"
+import { authenticatedSocket, makeSocketServer, netOptions } from "./transport/ControlPlane.js"
 
-export class AgentRpcs extends RpcGroup.make(
-  Rpc.make("Hello", { success: AgentHello }),
-  Rpc.make("Capacity", { success: NodeCapacity }),
-  Rpc.make("Provision", { payload: { request: ProvisionRequest }, success: StageReport, stream: true }),
-  Rpc.make("Stop", { payload: { runId: RunId, stageIndex: Schema.Number } })
-) {}
-
-/** Parses `host:port` (IPv6 in brackets) into a TCP address. */
+/** Parses `host:port` (IPv6 in brackets) into a TCP address, or an absolute path into a Unix socket address. */
 export const parseAddress = (text: string): TransportAddress | undefined => {
+  if (text.trim().startsWith("/")) return Schema.decodeUnknownSync(TransportAddressSchema)({ _tag: "Unix", path: text.trim() })
   const match = /^\[?([^\]]*?)\]?:(\d+)$/.exec(text.trim())
   if (match === null) return undefined
   const port = Number(match[2])
@@ -99,9 +77,6 @@ export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<Transp
 // Orchestrator side
 // ---------------------------------------------------------------------------------------------
 
-const netOptions = (address: TransportAddress): Net.NetConnectOpts =>
-  address._tag === "Tcp" ? { host: address.host, port: address.port } : { path: address.path }
-
 /** One authenticated connection, paused until the RPC protocol attaches its reader. */
 const openAuthenticated = (address: TransportAddress, token: string, timeout: Duration.DurationInput) =>
   Effect.acquireRelease(
@@ -130,27 +105,11 @@ const openAuthenticated = (address: TransportAddress, token: string, timeout: Du
     })
   )
 
-/** A platform Socket over authenticated connections; the first one is opened eagerly by `connect`. */
-const authenticatedSocket = (open: Effect.Effect<Net.Socket, Socket.SocketError, Scope.Scope>) => {
-  let current: Net.Socket | undefined
-  return NodeSocket.fromDuplex(Effect.tap(open, (conn) => Effect.sync(() => (current = conn)))).pipe(
-    Effect.map((socket) => {
-      const resumeFirst = (onOpen: Effect.Effect<void> | undefined) =>
-        Effect.zipRight(Effect.sync(() => current?.resume()), onOpen ?? Effect.void)
-      return Socket.Socket.of({
-        ...socket,
-        run: (handler, options) => socket.run(handler, { onOpen: resumeFirst(options?.onOpen) }),
-        runRaw: (handler, options) => socket.runRaw(handler, { onOpen: resumeFirst(options?.onOpen) })
-      })
-    })
-  )
-}
-
 const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, AgentUnavailable, Scope.Scope> =>
   Effect.gen(function*() {
     const address = parseAddress(node.address)
     const unavailable = (message: string) => new AgentUnavailable({ address: node.address, message })
-    if (address === undefined) return yield* Effect.fail(unavailable(`not a host:port address: ${node.address}`))
+    if (address === undefined) return yield* Effect.fail(unavailable(`not a host:port or socket path: ${node.address}`))
     const scope = yield* Effect.scope
     const timeout = "10 seconds"
     let first: Net.Socket | undefined = yield* openAuthenticated(address, token, timeout).pipe(

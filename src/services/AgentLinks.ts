@@ -7,14 +7,15 @@
  *   stage's reports (loading progress, ready, then fault or stopped) that ends when the stage is
  *   stopped, and fails when the agent becomes unreachable.
  *
- * Live layers sit over the binary framing, authenticated sockets and the control-plane RPC group
- * (src/layers/transport); the in-memory layers here make the whole distributed path testable in
- * one process.
+ * Live layers sit over the binary framing, authenticated sockets (src/layers/transport) and the
+ * control-plane RPC group (src/domain/controlRpc.ts); the in-memory layers here make the whole
+ * distributed path testable in one process.
  */
 import { Context, type Effect, Schema, type Scope, type Stream } from "effect"
-import { type DataFrame, type EdgeFault, TransportAddress } from "../domain/frames.js"
-import { EdgeId, RunId } from "../domain/ids.js"
-import { ProvisionStage, type RingSpec } from "../domain/plan.js"
+import type { AgentHello, ProvisionRequest, StageReport } from "../domain/controlRpc.js"
+import type { DataFrame, EdgeFault, TransportAddress } from "../domain/frames.js"
+import type { EdgeId, RunId } from "../domain/ids.js"
+import type { RingSpec } from "../domain/plan.js"
 import type { NodeCapacity, NodeEndpoint } from "./Membership.js"
 
 /** The identity of one edge of one run, and its ring. */
@@ -54,72 +55,13 @@ export interface DataPlaneService {
 
 export class DataPlane extends Context.Tag("swactor/DataPlane")<DataPlane, DataPlaneService>() {}
 
-/** Why a stage faulted, in words the orchestrator can act on. */
-export const StageFaultKind = Schema.Literal(
-  "LoadError",
-  "WorkerCrashed",
-  "TransportError",
-  "EngineError",
-  "ProtocolError",
-  "Rejected"
-)
-export type StageFaultKind = typeof StageFaultKind.Type
-
-/** Per-stage counters, reported when the stage stops. */
-export class StageStats extends Schema.Class<StageStats>("StageStats")({
-  frames: Schema.Number,
-  tokens: Schema.Number,
-  loadMillis: Schema.Number,
-  cachedWeights: Schema.Boolean,
-  prefillComputeMillis: Schema.Number,
-  decodeFrames: Schema.Number,
-  decodeComputeMillis: Schema.Number
-}) {}
-
-export const StageReport = Schema.Union(
-  Schema.TaggedStruct("StageLoading", {
-    runId: RunId,
-    stageIndex: Schema.Number,
-    loadedBytes: Schema.Number,
-    totalBytes: Schema.Number
-  }),
-  Schema.TaggedStruct("StageReady", {
-    runId: RunId,
-    stageIndex: Schema.Number,
-    loadMillis: Schema.Number,
-    cachedWeights: Schema.Boolean
-  }),
-  Schema.TaggedStruct("StageFault", {
-    runId: RunId,
-    stageIndex: Schema.Number,
-    kind: StageFaultKind,
-    detail: Schema.String
-  }),
-  Schema.TaggedStruct("StageStopped", { runId: RunId, stageIndex: Schema.Number, stats: StageStats })
-)
-export type StageReport = typeof StageReport.Type
-
-/** Everything an agent needs to host one stage: the plan's message plus where its output goes. */
-export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionRequest")({
-  provision: ProvisionStage,
-  /** The data listener of the next stage's agent (or the orchestrator's, for the last stage). */
-  outboundAddress: TransportAddress,
-  /** Engine threads for this stage (default: the agent's). */
-  threads: Schema.NullOr(Schema.Number),
-  /** KV cache length for this stage's session. */
-  contextLength: Schema.Number
-}) {}
+// The messages that cross the control link live with its RPC group in the domain.
+export { AgentHello, ProvisionRequest, StageFaultKind, StageReport, StageStats } from "../domain/controlRpc.js"
 
 /** The control link to an agent broke (connection refused or closed, bad token, RPC failure). */
 export class AgentUnavailable extends Schema.TaggedError<AgentUnavailable>()("AgentUnavailable", {
   address: Schema.String,
   message: Schema.String
-}) {}
-
-/** What an agent says about itself when the orchestrator connects. */
-export class AgentHello extends Schema.Class<AgentHello>("AgentHello")({
-  dataAddress: TransportAddress,
-  pid: Schema.Number
 }) {}
 
 export interface AgentLink {

@@ -1,24 +1,16 @@
 import { Context, type Duration, type Effect, Schema, type Scope } from "effect"
+import type { NodeCapacity } from "../domain/controlRpc.js"
 import { NodeId } from "../domain/ids.js"
 
-/** A node agent the orchestrator may use: its id in plans and its control address (host:port). */
+/** A node agent the orchestrator may use: its id in plans and its control address (host:port, or a Unix socket path). */
 export const NodeEndpoint = Schema.Struct({
   nodeId: NodeId,
   address: Schema.String
 }).annotations({ identifier: "NodeEndpoint" })
 export type NodeEndpoint = typeof NodeEndpoint.Type
 
-/** What a node agent reports about itself in answer to a heartbeat. */
-export const NodeCapacity = Schema.Struct({
-  freeMemoryBytes: Schema.Number,
-  totalMemoryBytes: Schema.Number,
-  threads: Schema.Number,
-  backend: Schema.String,
-  hostname: Schema.String,
-  /** Stages this agent hosts right now (all runs). */
-  activeStages: Schema.Number
-}).annotations({ identifier: "NodeCapacity" })
-export type NodeCapacity = typeof NodeCapacity.Type
+/** What a node agent reports about itself in answer to a heartbeat (a control-plane message). */
+export { NodeCapacity } from "../domain/controlRpc.js"
 
 /** One heartbeat could not be answered (connection refused, closed, bad token, …). */
 export class NodeUnreachable extends Schema.TaggedError<NodeUnreachable>()("NodeUnreachable", {

@@ -1,34 +1,19 @@
 /**
- * The agent control plane over an authenticated socket: @effect/rpc's socket protocol (ndjson
- * serialization) on a TCP or Unix socket that first passes the mutual HMAC handshake of Auth.ts.
- * Nothing is read as RPC before the handshake succeeds; a connection that fails it is logged
- * (Effect.logWarning) and closed.
- *
- * Server (the node agent):
- *
- * ```ts
- * const handlers = ControlRpcs.toLayer({ Provision: ..., StopRun: ..., Heartbeat: ..., Events: ... })
- * const server = ControlPlane.layer({ token, address }).pipe(Layer.provide(handlers))
- * // ControlPlaneServer (in the layer's output) tells the bound address.
- * ```
- *
- * Client (the orchestrator): `ControlPlane.connect(address, token)` — connects and authenticates
- * eagerly (so a wrong token or a dead address fails `connect` with `AuthFailed` / `ConnectFailed`),
- * then returns the typed RPC client. If the connection drops later, in-flight calls fail with an
- * `RpcClientError` and the client reconnects (re-authenticating) in the background.
+ * The control plane's transport: a socket server (TCP or Unix) whose connections must first pass
+ * the mutual HMAC handshake of Auth.ts. Nothing is read as RPC before the handshake succeeds; a
+ * connection that fails it is logged (Effect.logWarning) and closed. The RPC group it carries is
+ * `AgentRpcs` (src/domain/controlRpc.ts); src/layers/AgentControlRpc.ts serves it on
+ * `makeSocketServer` (ndjson serialization) and connects to it with `authenticatedSocket`.
  *
  * Like the data plane, the listener binds 127.0.0.1 unless given another address.
  */
 import * as Net from "node:net"
-import { RpcClient, RpcSerialization, RpcServer } from "@effect/rpc"
-import type { Rpc, RpcClientError, RpcGroup } from "@effect/rpc"
 import * as NodeSocket from "@effect/platform-node/NodeSocket"
 import * as Socket from "@effect/platform/Socket"
 import * as SocketServer from "@effect/platform/SocketServer"
-import { Context, Duration, Effect, Exit, FiberSet, Layer, Scope } from "effect"
-import { ControlRpcs } from "../../domain/controlRpc.js"
-import { AuthFailed, ConnectFailed, type TransportAddress } from "../../domain/frames.js"
-import { type ClusterToken, clientHandshake, serverHandshake } from "./Auth.js"
+import { type Duration, Effect, Exit, FiberSet, Scope } from "effect"
+import type { TransportAddress } from "../../domain/frames.js"
+import { type ClusterToken, serverHandshake } from "./Auth.js"
 
 export interface ServerOptions {
   readonly token: ClusterToken
@@ -37,23 +22,16 @@ export interface ServerOptions {
   readonly handshakeTimeout?: Duration.DurationInput | undefined
 }
 
-/** The running control-plane server. */
-export class ControlPlaneServer extends Context.Tag("swactor/ControlPlaneServer")<ControlPlaneServer, {
-  readonly address: TransportAddress
-}>() {}
-
-/** The typed client of the control plane. */
-export type ControlClient = RpcClient.FromGroup<typeof ControlRpcs, RpcClientError.RpcClientError>
-
-const netOptions = (address: TransportAddress): Net.NetConnectOpts =>
+/** Node `net` options for a transport address. */
+export const netOptions = (address: TransportAddress): Net.NetConnectOpts =>
   address._tag === "Tcp" ? { host: address.host, port: address.port } : { path: address.path }
 
 /**
- * A platform `Socket` over an authenticated, paused `net.Socket`: the RPC protocol's `data`
- * listener is attached first, then the socket resumes (so bytes that followed the handshake are
- * not lost).
+ * A platform `Socket` over authenticated, paused `net.Socket`s (`open` runs again on each
+ * reconnect): the RPC protocol's `data` listener is attached first, then the socket resumes (so
+ * bytes that followed the handshake are not lost).
  */
-const authenticatedSocket = (
+export const authenticatedSocket = (
   open: Effect.Effect<Net.Socket, Socket.SocketError, Scope.Scope>
 ): Effect.Effect<Socket.Socket> => {
   let current: Net.Socket | undefined
@@ -144,91 +122,4 @@ export const makeSocketServer = (
       }) as Effect.Effect<never, SocketServer.SocketServerError, R>
 
     return SocketServer.SocketServer.of({ address, run })
-  })
-
-const toTransportAddress = (address: SocketServer.Address): TransportAddress =>
-  address._tag === "UnixAddress"
-    ? { _tag: "Unix", path: address.path }
-    : { _tag: "Tcp", host: address.hostname, port: address.port }
-
-/**
- * The control-plane server. Needs the handlers (`ControlRpcs.toLayer({...})`); provides
- * `ControlPlaneServer` (the bound address). Closed with the layer's scope.
- */
-export const layer = (
-  options: ServerOptions
-): Layer.Layer<ControlPlaneServer, SocketServer.SocketServerError, Rpc.ToHandler<RpcGroup.Rpcs<typeof ControlRpcs>>> => {
-  const socketServer = Layer.scoped(SocketServer.SocketServer, makeSocketServer(options))
-  const address = Layer.effect(
-    ControlPlaneServer,
-    Effect.map(SocketServer.SocketServer, (s) => ({ address: toTransportAddress(s.address) }))
-  )
-  return RpcServer.layer(ControlRpcs).pipe(
-    Layer.provide(RpcServer.layerProtocolSocketServer),
-    Layer.provide(RpcSerialization.layerNdjson),
-    Layer.merge(address),
-    Layer.provide(socketServer)
-  )
-}
-
-/** Open and authenticate one control connection. */
-const openAuthenticated = (
-  address: TransportAddress,
-  token: ClusterToken,
-  timeout: Duration.DurationInput
-): Effect.Effect<Net.Socket, AuthFailed | ConnectFailed, Scope.Scope> =>
-  Effect.acquireRelease(
-    Effect.async<Net.Socket, ConnectFailed>((resume) => {
-      const conn = Net.createConnection(netOptions(address))
-      const onError = (err: Error) => resume(Effect.fail(new ConnectFailed({ detail: err.message })))
-      conn.once("error", onError)
-      conn.once("connect", () => {
-        conn.off("error", onError)
-        conn.on("error", () => {})
-        if (address._tag === "Tcp") conn.setNoDelay(true)
-        resume(Effect.succeed(conn))
-      })
-      return Effect.sync(() => conn.destroy())
-    }),
-    (conn) => Effect.sync(() => conn.destroySoon())
-  ).pipe(
-    Effect.tap((conn) => clientHandshake(conn, { token, timeout })),
-    Effect.timeoutFail({ duration: timeout, onTimeout: () => new ConnectFailed({ detail: "timed out" }) })
-  )
-
-export interface ConnectOptions {
-  /** Bounds connect + handshake (default 10 s). */
-  readonly timeout?: Duration.DurationInput | undefined
-}
-
-/**
- * Connect to an agent's control plane. Fails with `ConnectFailed` or `AuthFailed`; the connection
- * closes with the scope.
- */
-export const connect = (
-  address: TransportAddress,
-  token: ClusterToken,
-  options: ConnectOptions = {}
-): Effect.Effect<ControlClient, AuthFailed | ConnectFailed, Scope.Scope> =>
-  Effect.gen(function*() {
-    const timeout = options.timeout ?? "10 seconds"
-    const scope = yield* Effect.scope
-    let first: Net.Socket | undefined = yield* openAuthenticated(address, token, timeout)
-    const open = Effect.suspend((): Effect.Effect<Net.Socket, Socket.SocketError, Scope.Scope> => {
-      if (first !== undefined) {
-        const conn = first
-        first = undefined
-        return Effect.succeed(conn)
-      }
-      return openAuthenticated(address, token, timeout).pipe(
-        Effect.mapError((cause) => new Socket.SocketGenericError({ reason: "Open", cause }))
-      )
-    })
-    const socket = yield* authenticatedSocket(open)
-    const protocol = yield* RpcClient.makeProtocolSocket().pipe(
-      Effect.provideService(Socket.Socket, socket),
-      Effect.provide(RpcSerialization.layerNdjson),
-      Scope.extend(scope)
-    )
-    return yield* RpcClient.make(ControlRpcs).pipe(Effect.provideService(RpcClient.Protocol, protocol))
   })
