@@ -1,12 +1,14 @@
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
+import { existsSync } from "node:fs"
+import { dirname, join } from "node:path"
 import { Chunk, Effect, Stream } from "effect"
-import { createClient, generate, run } from "../src/api/generate.js"
-import type { GeneratedToken } from "../src/services/Orchestrator.js"
+import { createClient, generate, layerLocal, run } from "../src/api/generate.js"
+import type { GeneratedToken, RunUpdate } from "../src/services/Orchestrator.js"
 import { childPids, isAlive, startAgents } from "./support/e2e.js"
 import { referenceRun } from "./support/engine.js"
 import { repoRoot, requireModel } from "./support/models.js"
-import { swactorCommand } from "../src/layers/LocalAgents.js"
+import { type LocalAgent, swactorCommand } from "../src/layers/LocalAgents.js"
 
 const prompt = "Once upon a time"
 const maxTokens = 32
@@ -94,6 +96,30 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
       assert.strictEqual(result.text, ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw")
       assert.strictEqual(result.summary.generatedTokens, maxTokens)
     }).pipe(Effect.scoped), 120_000)
+
+  // A local run (no --nodes) keeps every data edge on this machine's Unix sockets, in a private
+  // directory that is gone once the run ends; the summary names each stage's data listener.
+  it.live("a local run's data plane uses Unix sockets in a private directory, removed after the run", () =>
+    Effect.gen(function*() {
+      let started: ReadonlyArray<LocalAgent> = []
+      const updates = yield* Stream.runCollect(
+        run({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 })
+      ).pipe(
+        Effect.map(Chunk.toReadonlyArray),
+        Effect.provide(layerLocal({ threads: 1, onStarted: (agents) => (started = agents) }))
+      )
+      const finished = updates.find((u) => u._tag === "Finished")
+      assert.isTrue(finished?._tag === "Finished")
+      const summary = (finished as Extract<RunUpdate, { _tag: "Finished" }>).summary
+      assert.strictEqual(summary.text, ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw")
+      const paths = summary.stages.map((s) => (s.dataAddress._tag === "Unix" ? s.dataAddress.path : ""))
+      assert.deepStrictEqual(started.map((a) => a.dataAddress), summary.stages.map((s) => s.dataAddress))
+      assert.strictEqual(paths.length, 2)
+      const dir = dirname(paths[0]!)
+      assert.match(dir, /swactor-/)
+      assert.deepStrictEqual(paths, [join(dir, "agent-0.sock"), join(dir, "agent-1.sock")])
+      assert.isFalse(existsSync(dir))
+    }), 120_000)
 
   // `swactor run` with no --nodes starts its own agents, streams the text, and leaves no process behind.
   it.live("swactor run (local default) prints the text and leaves no agent running", () =>

@@ -73,9 +73,7 @@ export const runNodeCommand = (args: NodeArgs) =>
         backend: args.backend
       })
       watchParentPipe(() => process.exit(0))
-      if (agent.control._tag === "Tcp" && agent.data._tag === "Tcp") {
-        announceReady(agent.control.host, agent.control.port, agent.data.port)
-      }
+      if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
       yield* Console.error(
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
           `${threads} threads, ${args.backend} backend, ${args.engine} engine (pid ${process.pid})`
@@ -96,7 +94,7 @@ export const nodeCommand = Command.make(
       Options.withDefault("127.0.0.1:7070")
     ),
     dataListen: Options.text("data-listen").pipe(
-      Options.withDescription("data-plane address host:port (default: the control host, any port)"),
+      Options.withDescription("data-plane address host:port or a Unix socket path (default: the control host, any port)"),
       Options.optional
     ),
     dataAdvertise: Options.text("data-advertise").pipe(

@@ -10,6 +10,7 @@ import * as Os from "node:os"
 import { join } from "node:path"
 import { Console, Effect, Option, Stream } from "effect"
 import { layerLocal, layerRemote, run } from "../api/generate.js"
+import { formatAddress } from "../layers/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
 import { clusterTokenEnv } from "../layers/LocalAgents.js"
 import type { GenerateError, GenerateRequest, RunSummary, RunUpdate } from "../services/Orchestrator.js"
@@ -129,7 +130,7 @@ export const renderSummary = (summary: RunSummary): string => {
   ]
   for (const s of summary.stages) {
     lines.push(
-      `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}: ` +
+      `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
         `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}`
     )
   }

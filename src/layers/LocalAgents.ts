@@ -1,14 +1,20 @@
 import { type ChildProcess, spawn } from "node:child_process"
 import { randomBytes } from "node:crypto"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
 import { dirname, join } from "node:path"
 import { fileURLToPath, pathToFileURL } from "node:url"
 import { createRequire } from "node:module"
 import * as Dgram from "node:dgram"
 import { Deferred, Duration, Effect, Layer, Schema, type Scope } from "effect"
+import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
 import { NodeId } from "../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
 
-/** The line a node agent prints on stdout once it listens: `swactor-node-ready {"host":…,"port":…,"pid":…}`. */
+/**
+ * The line a node agent prints on stdout once it listens:
+ * `swactor-node-ready {"host":…,"port":…,"data":{"_tag":"Tcp"|"Unix",…},"pid":…}`.
+ */
 export const readyLinePrefix = "swactor-node-ready "
 /** Environment variable that carries the cluster token to an agent (never argv: argv is world-readable). */
 export const clusterTokenEnv = "SWACTOR_CLUSTER_TOKEN"
@@ -31,7 +37,9 @@ export interface LocalAgent {
   readonly pid: number
   readonly host: string
   readonly port: number
-  /** Port of its data-plane listener. */
+  /** Its data-plane listener (a Unix socket when started with `dataDir`). */
+  readonly dataAddress: TransportAddress
+  /** Port of its data-plane listener (0 for a Unix socket). */
   readonly dataPort: number
   /** host:port of its control plane. */
   readonly address: string
@@ -55,6 +63,11 @@ export interface LocalAgentsOptions {
   readonly startTimeout?: Duration.DurationInput
   /** Copy agents' stderr to ours (SWACTOR_DEBUG=1 does the same). */
   readonly inheritStderr?: boolean
+  /**
+   * Same-host data planes: each agent's data listener is the Unix socket `<dataDir>/agent-<index>.sock`
+   * (see `privateSocketDir`). Default: TCP on the control host, an ephemeral port.
+   */
+  readonly dataDir?: string
 }
 
 /** A fresh random cluster token (hex, 256 bits). */
@@ -79,6 +92,7 @@ const installExitHook = () => {
   exitHookInstalled = true
   process.on("exit", () => {
     for (const child of liveChildren) child.kill("SIGKILL")
+    for (const dir of liveDirs) rmSync(dir, { recursive: true, force: true })
   })
 }
 
@@ -99,6 +113,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       "node",
       "--listen",
       `${host}:0`,
+      ...(options.dataDir === undefined ? [] : ["--data-listen", join(options.dataDir, `agent-${index}.sock`)]),
       ...(options.threads === undefined ? [] : ["--threads", String(options.threads)]),
       ...(options.engine === "test" ? ["--engine", "test"] : []),
       ...(options.extraArgs?.(index) ?? [])
@@ -106,7 +121,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
     const { command, args: argv } = swactorCommand(args)
     const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"
     const exited = yield* Deferred.make<AgentExit>()
-    const ready = yield* Deferred.make<{ host: string; port: number; dataPort: number }, AgentSpawnError>()
+    const ready = yield* Deferred.make<Announced, AgentSpawnError>()
     const stderr = tailBuffer(8192)
 
     const child = yield* Effect.acquireRelease(
@@ -155,7 +170,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
         stdoutBuffer = stdoutBuffer.slice(newline + 1)
         if (line.startsWith(readyLinePrefix)) {
           try {
-            const announced = JSON.parse(line.slice(readyLinePrefix.length)) as { host: string; port: number; dataPort: number }
+            const announced = decodeAnnounced(JSON.parse(line.slice(readyLinePrefix.length)))
             Deferred.unsafeDone(ready, Effect.succeed(announced))
           } catch {
             Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: `bad ready line: ${line}` })))
@@ -181,7 +196,8 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       pid: child.pid ?? -1,
       host: announced.host,
       port: announced.port,
-      dataPort: announced.dataPort,
+      dataAddress: announced.data,
+      dataPort: announced.data._tag === "Tcp" ? announced.data.port : 0,
       address: `${announced.host}:${announced.port}`,
       exited: Deferred.await(exited),
       stderrTail: stderr.get
@@ -203,7 +219,7 @@ const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
 
 /**
  * Starts `count` node agents (`swactor node`) as child processes on this machine, each on an
- * ephemeral port it announces on stdout. All are killed when the scope closes (also on Ctrl-C,
+ * ephemeral port it announces on stdout (its data plane there too, or on a Unix socket in `dataDir`). All are killed when the scope closes (also on Ctrl-C,
  * which interrupts the main fiber), and each exits on its own if this process dies.
  */
 export const spawnLocalAgents = (
@@ -226,10 +242,40 @@ export const watchParentPipe = (onParentGone: () => void): void => {
   process.stdin.resume()
 }
 
-/** Agent side: announce the bound address to the parent. */
-export const announceReady = (host: string, port: number, dataPort: number): void => {
-  process.stdout.write(`${readyLinePrefix}${JSON.stringify({ host, port, dataPort, pid: process.pid })}\n`)
+const Announced = Schema.Struct({ host: Schema.String, port: Schema.Number, data: TransportAddressSchema })
+type Announced = typeof Announced.Type
+const decodeAnnounced = Schema.decodeUnknownSync(Announced)
+
+/** Agent side: announce the bound addresses to the parent. */
+export const announceReady = (host: string, port: number, data: TransportAddress): void => {
+  process.stdout.write(`${readyLinePrefix}${JSON.stringify({ host, port, data, pid: process.pid })}\n`)
 }
+
+/** Private socket directories still present, removed synchronously if this process exits without closing its scopes. */
+const liveDirs = new Set<string>()
+
+/**
+ * A fresh directory only this user can enter (mkdtemp: mode 0700) for same-host Unix sockets, removed
+ * with everything in it when the scope closes (or when this process exits). Under /tmp when the
+ * temp dir's path would leave no room in a socket path (about 107 bytes).
+ */
+export const privateSocketDir: Effect.Effect<string, AgentSpawnError, Scope.Scope> = Effect.acquireRelease(
+  Effect.try({
+    try: () => {
+      installExitHook()
+      const base = tmpdir().length > 60 ? "/tmp" : tmpdir()
+      const dir = mkdtempSync(join(base, "swactor-"))
+      liveDirs.add(dir)
+      return dir
+    },
+    catch: (cause) => new AgentSpawnError({ index: -1, message: `cannot create a socket directory: ${String(cause)}` })
+  }),
+  (dir) =>
+    Effect.sync(() => {
+      liveDirs.delete(dir)
+      rmSync(dir, { recursive: true, force: true })
+    })
+)
 
 export const defaultStartTimeout = Duration.seconds(60)
 
@@ -262,9 +308,12 @@ export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<Agen
             return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` })
           }
           const token = generateToken()
+          // Every data edge of a local run stays on this machine: Unix sockets in a private directory.
+          const dataDir = yield* privateSocketDir
           const agents = yield* spawnLocalAgents({
             count,
             token,
+            dataDir,
             ...(options.threads === undefined ? {} : { threads: options.threads }),
             ...(options.engine === undefined ? {} : { engine: options.engine }),
             ...(options.extraArgs === undefined ? {} : { extraArgs: options.extraArgs }),
@@ -282,7 +331,13 @@ export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<Agen
               }))
             )
           )
-          return { nodes, token, listenHost: "127.0.0.1", exited } satisfies AgentSet
+          return {
+            nodes,
+            token,
+            listenHost: "127.0.0.1",
+            dataListen: { _tag: "Unix", path: join(dataDir, "orchestrator.sock") },
+            exited
+          } satisfies AgentSet
         })
     })
   )

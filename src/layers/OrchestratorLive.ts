@@ -241,7 +241,7 @@ export const make = Effect.gen(function*() {
       if (request.dryRun === true) return
 
       // Local data endpoint: the last stage sends sampled tokens here.
-      const listener = yield* dataPlane.listen({ _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(
+      const listener = yield* dataPlane.listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(
         Effect.mapError((fault) => new InvalidRequest({ message: `cannot open the orchestrator's data listener: ${faultWords(fault)}` }))
       )
 
@@ -554,6 +554,7 @@ export const make = Effect.gen(function*() {
             stageIndex: s.stageIndex,
             address: addressOf(s.nodeId),
             layers: [s.layerStart, s.layerEndExclusive] as const,
+            dataAddress: dataAddressOf(s.nodeId),
             loadMillis: ready?.loadMillis ?? 0,
             cachedWeights: ready?.cachedWeights ?? false,
             prefillComputeMillis: stats?.prefillComputeMillis ?? 0,

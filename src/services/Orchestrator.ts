@@ -6,6 +6,7 @@ import { Context, type Duration, type Effect, Schema, type Scope, type Stream } 
 import type { ModelLoadError } from "../domain/gguf.js"
 import type { PlanRejection } from "../domain/planErrors.js"
 import { RunFaultReason } from "../domain/runFsm.js"
+import type { TransportAddress } from "../domain/frames.js"
 import { RunId } from "../domain/ids.js"
 import type { AgentSpawnError } from "../layers/LocalAgents.js"
 import type { AgentUnavailable } from "./AgentLinks.js"
@@ -60,6 +61,8 @@ export interface StageSummary {
   readonly stageIndex: number
   readonly address: string
   readonly layers: readonly [start: number, endExclusive: number]
+  /** The data listener of the stage's inbound edge: TCP, or a Unix socket for agents on this machine. */
+  readonly dataAddress: TransportAddress
   readonly loadMillis: number
   readonly cachedWeights: boolean
   readonly prefillComputeMillis: number
@@ -141,6 +144,8 @@ export interface AgentSet {
   readonly token: string
   /** Where the orchestrator's own data listener binds (reachable from the agents). */
   readonly listenHost: string
+  /** The listener's address when not TCP on `listenHost` (local agents: a Unix socket). */
+  readonly dataListen?: TransportAddress
   /** Completes when an agent process is seen to exit (local agents only; never for remote ones). */
   readonly exited: Effect.Effect<{ readonly node: NodeEndpoint; readonly reason: string }>
 }
