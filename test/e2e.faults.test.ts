@@ -1,8 +1,9 @@
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
-import { join } from "node:path"
+import { existsSync, readdirSync } from "node:fs"
+import { dirname, join } from "node:path"
 import { Effect, Either, Stream } from "effect"
-import { run } from "../src/api/generate.js"
+import { layerLocal, run } from "../src/api/generate.js"
 import * as AgentControlRpc from "../src/layers/AgentControlRpc.js"
 import { type LocalAgent, swactorCommand } from "../src/layers/LocalAgents.js"
 import { NodeId } from "../src/domain/ids.js"
@@ -93,6 +94,37 @@ describe("end to end faults: real agent processes", () => {
       }).pipe(Effect.scoped)
       assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid)), 5000))
       assert.deepStrictEqual(childPids(process.pid).filter((pid) => pids.includes(pid)), [])
+    }), 120_000)
+
+  // The same crash in a local run, whose edges are Unix sockets carrying shared-memory rings: the run
+  // faults within 2 s with the stage's crash, and neither a ring in /dev/shm nor the socket directory
+  // outlives the run.
+  it.live("kill -9 of a local agent (Unix socket + shared-memory edges) faults the run within 2 s, leaving nothing behind", () =>
+    Effect.gen(function*() {
+      let agents: ReadonlyArray<LocalAgent> = []
+      let killedAt = 0
+      const { endedAt, result, updates } = yield* collect(
+        run(longRun({ stages: 3 })).pipe(
+          Stream.provideLayer(layerLocal({ threads: 1, onStarted: (started) => (agents = started) }))
+        ),
+        (sequence) =>
+          sequence === 5
+            ? Effect.sync(() => {
+              killedAt = Date.now()
+              process.kill(agents[1]!.pid, "SIGKILL")
+            })
+            : Effect.void
+      )
+      assert.isTrue(killedAt > 0)
+      assert.isBelow(endedAt - killedAt, 2000)
+      const error = (result as Either.Left<{ _tag: string; reason?: unknown; message?: string }, void>).left
+      assert.strictEqual(error._tag, "RunFaulted")
+      assert.deepStrictEqual(error.reason, { _tag: "StageFault", stageIndex: 1, reason: { _tag: "WorkerCrashed" } })
+      assert.strictEqual(updates.filter((u) => u._tag === "TornDown").length, 1)
+      const dataAddress = agents[0]!.dataAddress
+      assert.strictEqual(dataAddress._tag, "Unix")
+      assert.isFalse(existsSync(dirname(dataAddress._tag === "Unix" ? dataAddress.path : "/")))
+      assert.deepStrictEqual(readdirSync("/dev/shm").filter((name) => name.startsWith("swactor-")), [])
     }), 120_000)
 
   // The data connection into a stage is cut in the middle of a frame: the run faults with a typed

@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
-import { existsSync } from "node:fs"
+import { existsSync, readFileSync } from "node:fs"
 import { dirname, join } from "node:path"
 import { Chunk, Effect, Stream } from "effect"
 import { createClient, generate, layerLocal, run } from "../src/api/generate.js"
@@ -9,6 +9,16 @@ import { childPids, isAlive, startAgents } from "./support/e2e.js"
 import { referenceRun } from "./support/engine.js"
 import { repoRoot, requireModel } from "./support/models.js"
 import { type LocalAgent, swactorCommand } from "../src/layers/LocalAgents.js"
+import * as ShmRing from "../src/layers/transport/ShmRing.js"
+
+/** Distinct shared-memory rings a process has mapped now. */
+const shmRingsMappedBy = (pid: number): number =>
+  new Set(
+    readFileSync(`/proc/${pid}/maps`, "utf8").split("\n").flatMap((line) => {
+      const at = line.indexOf(ShmRing.SHM_PREFIX)
+      return at < 0 ? [] : [line.slice(at).replace(/ \(deleted\)$/, "")]
+    })
+  ).size
 
 const prompt = "Once upon a time"
 const maxTokens = 32
@@ -97,15 +107,24 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
       assert.strictEqual(result.summary.generatedTokens, maxTokens)
     }).pipe(Effect.scoped), 120_000)
 
-  // A local run (no --nodes) keeps every data edge on this machine's Unix sockets, in a private
-  // directory that is gone once the run ends; the summary names each stage's data listener.
-  it.live("a local run's data plane uses Unix sockets in a private directory, removed after the run", () =>
+  // A local run (no --nodes) keeps every data edge on this machine: Unix sockets in a private
+  // directory that is gone once the run ends, with the frames in shared-memory rings where /dev/shm
+  // works (seen mid-run in the orchestrator's and each agent's memory maps). The summary names each
+  // stage's data listener.
+  it.live("a local run's data plane uses Unix sockets (and shared memory) in a private directory, removed after", () =>
     Effect.gen(function*() {
       let started: ReadonlyArray<LocalAgent> = []
-      const updates = yield* Stream.runCollect(
-        run({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 })
-      ).pipe(
-        Effect.map(Chunk.toReadonlyArray),
+      let ringsMapped: ReadonlyArray<number> | undefined
+      const updates: Array<RunUpdate> = []
+      yield* run({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 }).pipe(
+        Stream.runForEach((update) =>
+          Effect.sync(() => {
+            if (update._tag === "Token" && ringsMapped === undefined) {
+              ringsMapped = [process.pid, ...started.map((a) => a.pid)].map(shmRingsMappedBy)
+            }
+            updates.push(update)
+          })
+        ),
         Effect.provide(layerLocal({ threads: 1, onStarted: (agents) => (started = agents) }))
       )
       const finished = updates.find((u) => u._tag === "Finished")
@@ -119,6 +138,8 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
       assert.match(dir, /swactor-/)
       assert.deepStrictEqual(paths, [join(dir, "agent-0.sock"), join(dir, "agent-1.sock")])
       assert.isFalse(existsSync(dir))
+      // Orchestrator: TokenIn (its ring) and TokenOut (stage 1's); each agent: its inbound and outbound edges.
+      if (ShmRing.isSupported()) assert.deepStrictEqual(ringsMapped, [2, 2, 2])
     }), 120_000)
 
   // `swactor run` with no --nodes starts its own agents, streams the text, and leaves no process behind.

@@ -308,7 +308,8 @@ export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<Agen
             return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` })
           }
           const token = generateToken()
-          // Every data edge of a local run stays on this machine: Unix sockets in a private directory.
+          // Every data edge of a local run stays on this machine: Unix sockets in a private directory
+          // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).
           const dataDir = yield* privateSocketDir
           const agents = yield* spawnLocalAgents({
             count,
