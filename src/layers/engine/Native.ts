@@ -2,6 +2,7 @@
  * The native side of a stage: weights in backend buffers, a KV cache per session, one ggml graph per call.
  * Everything here assumes a validated StagePlan (Plan.ts); inputs are checked again before ggml sees them.
  */
+import koffi from "koffi"
 import { open } from "node:fs/promises"
 import type { LoadProgress, StageInput } from "../../domain/engine.js"
 import { type Ggml, getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
@@ -70,6 +71,31 @@ export class NativeWeights {
     for (const c of this.contexts) raw.ggml_free(c)
     raw.ggml_backend_free(this.backend)
   }
+}
+
+let madvise: ((addr: bigint, len: number, advice: number) => number) | null | undefined
+const MADV_HUGEPAGE = 14
+const HUGE_PAGE = 2n * 1024n * 1024n
+
+/**
+ * Asks Linux for transparent huge pages over the whole 2 MiB pages inside a weight buffer, before it is written:
+ * decode streams every weight once per token, and with 4 KiB pages the page walks vary with where the pages land.
+ * Best effort: no-op off Linux or when libc cannot be loaded.
+ */
+const adviseHugePages = (base: Ptr, size: number) => {
+  if (process.platform !== "linux" || base === null) return
+  if (madvise === undefined) {
+    try {
+      madvise = koffi.load("libc.so.6").func("int madvise(uintptr_t addr, size_t len, int advice)") as never
+    } catch {
+      madvise = null
+    }
+  }
+  if (madvise === null) return
+  const a = koffi.address(base)
+  const start = (a + HUGE_PAGE - 1n) / HUGE_PAGE * HUGE_PAGE
+  const end = (a + BigInt(size)) / HUGE_PAGE * HUGE_PAGE
+  if (end > start) madvise(start, Number(end - start), MADV_HUGEPAGE)
 }
 
 /** llama.cpp's weight_buft_supported: would `buft` serve this weight in a mul_mat? */
@@ -166,6 +192,9 @@ export const loadWeights = async (
         throw new Error(`could not allocate ${raw.ggml_backend_buft_name(buft)} memory for the stage's weights`)
       }
       raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+      if (device === "cpu" && process.env["SWACTOR_THP"] !== "0") {
+        adviseHugePages(raw.ggml_backend_buffer_get_base(buffer), raw.ggml_backend_buffer_get_size(buffer))
+      }
       buffers.push(buffer)
     }
 
@@ -214,12 +243,27 @@ export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
   | { readonly _tag: "Logits"; readonly logits: Float32Array }
 
+/** A built and allocated graph of one call shape. */
+interface CachedGraph {
+  readonly n: number
+  readonly nKv: number
+  readonly kind: StageInput["_tag"]
+  readonly ctx: Ptr
+  readonly graph: Ptr
+  readonly inputs: GraphInputs
+  readonly tokens: Ptr | null
+  readonly hidden: Ptr | null
+  readonly out: Ptr
+}
+
 /** One sequence's KV cache over loaded weights. */
 export class NativeSession {
   private readonly kvCtx: Ptr
   private readonly kvBuffer: Ptr
   private readonly kv: Map<number, KvLayer> = new Map()
   private readonly galloc: Ptr
+  /** The graph of the last call, still allocated in `galloc` (freed when a call of another shape comes). */
+  private cached: CachedGraph | null = null
   private freed = false
   /** Cells 0..filled-1 hold this sequence's K/V. */
   filled = 0
@@ -267,6 +311,8 @@ export class NativeSession {
     if (this.freed) return
     this.freed = true
     const raw = this.weights.ggml.raw
+    if (this.cached !== null) raw.ggml_free(this.cached.ctx)
+    this.cached = null
     raw.ggml_gallocr_free(this.galloc)
     raw.ggml_backend_buffer_free(this.kvBuffer)
     raw.ggml_free(this.kvCtx)
@@ -280,16 +326,11 @@ export class NativeSession {
     return this.weights.lock.run(() => this.forwardLocked(startPos, input))
   }
 
-  private async forwardLocked(startPos: number, input: StageInput): Promise<NativeOutput> {
-    if (this.freed) throw new Error("session already freed")
-    if (this.weights.freed) throw new Error("the stage's weights were freed before this session")
+  /** Builds (and allocates) the graph of one call shape. Frees its context on failure. */
+  private buildGraph(n: number, nKv: number, kind: StageInput["_tag"]): CachedGraph {
     const w = this.weights
-    const g = w.ggml
-    const raw = g.raw
+    const raw = w.ggml.raw
     const { arch, hp, spec } = w.plan
-    const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-    const used = startPos + n
-    const nKv = attendedCells(this.kvSize, used)
     const nLayers = spec.layerEndExclusive - spec.layerStart
     const maxNodes = Math.max(2048, 96 * nLayers + 256)
     const ctx = raw.ggml_init({
@@ -316,15 +357,16 @@ export class NativeSession {
 
       let x: Ptr
       let tokens: Ptr | null = null
-      if (input._tag === "Tokens") {
+      let hidden: Ptr | null = null
+      if (kind === "Tokens") {
         tokens = input1d(GgmlType.I32, n, "inp_tokens")
         x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
       } else {
         x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
         raw.ggml_set_name(x, "inp_hidden")
         raw.ggml_set_input(x)
+        hidden = x
       }
-      const hiddenIn = input._tag === "Hidden" ? x : null
 
       const t = new Toolkit(raw, ctx, graph, hp, n, nKv, inputs, (il) => this.kv.get(il)!)
       for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
@@ -355,47 +397,75 @@ export class NativeSession {
         }
       }
       if (!raw.ggml_gallocr_alloc_graph(this.galloc, graph)) throw new Error("could not allocate the compute graph")
-
-      const posArr = new Int32Array(n)
-      const idxArr = new BigInt64Array(n)
-      for (let i = 0; i < n; i++) {
-        posArr[i] = startPos + i
-        idxArr[i] = BigInt(startPos + i)
-      }
-      raw.ggml_backend_tensor_set(pos, posArr, 0, n * 4)
-      raw.ggml_backend_tensor_set(kvIdx, idxArr, 0, n * 8)
-      const maskArr = new Uint16Array(nKv * n)
-      for (let i = 0; i < n; i++) {
-        const p = startPos + i
-        const row = maskArr.subarray(i * nKv, (i + 1) * nKv)
-        if (p + 1 < nKv) row.fill(F16_NEG_INF, p + 1)
-      }
-      raw.ggml_backend_tensor_set(mask, maskArr, 0, maskArr.byteLength)
-      if (outIds !== null) raw.ggml_backend_tensor_set(outIds, Int32Array.of(n - 1), 0, 4)
-      if (tokens !== null && input._tag === "Tokens") {
-        raw.ggml_backend_tensor_set(tokens, input.tokens, 0, n * 4)
-      }
-      if (hiddenIn !== null && input._tag === "Hidden") {
-        raw.ggml_backend_tensor_set(hiddenIn, input.hidden, 0, hp.nEmbd * n * 4)
-      }
-
-      // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
-      this.filled = Math.min(this.filled, startPos)
-      if (w.device === "cpu") g.setThreads(w.backend, this.threads)
-      const status = await g.computeAsync(w.backend, graph)
-      if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
-      this.filled = used
-
-      if (spec.isLast) {
-        const logits = new Float32Array(hp.nVocab)
-        raw.ggml_backend_tensor_get(x, logits, 0, logits.byteLength)
-        return { _tag: "Logits", logits }
-      }
-      const hidden = new Float32Array(hp.nEmbd * n)
-      raw.ggml_backend_tensor_get(x, hidden, 0, hidden.byteLength)
-      return { _tag: "Hidden", hidden, nTokens: n }
-    } finally {
+      return { n, nKv, kind, ctx, graph, inputs, tokens, hidden, out: x }
+    } catch (e) {
       raw.ggml_free(ctx)
+      throw e
     }
+  }
+
+  private async forwardLocked(startPos: number, input: StageInput): Promise<NativeOutput> {
+    if (this.freed) throw new Error("session already freed")
+    if (this.weights.freed) throw new Error("the stage's weights were freed before this session")
+    const w = this.weights
+    const g = w.ggml
+    const raw = g.raw
+    const { hp, spec } = w.plan
+    const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+    const used = startPos + n
+    const nKv = attendedCells(this.kvSize, used)
+
+    // A graph depends only on (n, nKv, input kind): positions, KV cells and the mask are inputs. The last graph
+    // stays built and allocated (it was the last one this session's allocator placed), so a decode step of the
+    // same shape skips graph construction (hundreds of native calls) and allocation.
+    let c = this.cached
+    if (c === null || c.n !== n || c.nKv !== nKv || c.kind !== input._tag) {
+      if (c !== null) {
+        this.cached = null
+        raw.ggml_free(c.ctx)
+      }
+      c = this.buildGraph(n, nKv, input._tag)
+      this.cached = c
+    }
+    const { pos, kvIdx, mask, outIds } = c.inputs
+
+    const posArr = new Int32Array(n)
+    const idxArr = new BigInt64Array(n)
+    for (let i = 0; i < n; i++) {
+      posArr[i] = startPos + i
+      idxArr[i] = BigInt(startPos + i)
+    }
+    raw.ggml_backend_tensor_set(pos, posArr, 0, n * 4)
+    raw.ggml_backend_tensor_set(kvIdx, idxArr, 0, n * 8)
+    const maskArr = new Uint16Array(nKv * n)
+    for (let i = 0; i < n; i++) {
+      const p = startPos + i
+      const row = maskArr.subarray(i * nKv, (i + 1) * nKv)
+      if (p + 1 < nKv) row.fill(F16_NEG_INF, p + 1)
+    }
+    raw.ggml_backend_tensor_set(mask, maskArr, 0, maskArr.byteLength)
+    if (outIds !== null) raw.ggml_backend_tensor_set(outIds, Int32Array.of(n - 1), 0, 4)
+    if (c.tokens !== null && input._tag === "Tokens") {
+      raw.ggml_backend_tensor_set(c.tokens, input.tokens, 0, n * 4)
+    }
+    if (c.hidden !== null && input._tag === "Hidden") {
+      raw.ggml_backend_tensor_set(c.hidden, input.hidden, 0, hp.nEmbd * n * 4)
+    }
+
+    // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
+    this.filled = Math.min(this.filled, startPos)
+    if (w.device === "cpu") g.setThreads(w.backend, this.threads)
+    const status = await g.computeAsync(w.backend, c.graph)
+    if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
+    this.filled = used
+
+    if (spec.isLast) {
+      const logits = new Float32Array(hp.nVocab)
+      raw.ggml_backend_tensor_get(c.out, logits, 0, logits.byteLength)
+      return { _tag: "Logits", logits }
+    }
+    const hidden = new Float32Array(hp.nEmbd * n)
+    raw.ggml_backend_tensor_get(c.out, hidden, 0, hidden.byteLength)
+    return { _tag: "Hidden", hidden, nTokens: n }
   }
 }

@@ -244,6 +244,7 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       t: Ptr
     ) => number,
     ggml_backend_buffer_free: f("void ggml_backend_buffer_free(void * buffer)") as (buffer: Ptr) => void,
+    ggml_backend_buffer_get_base: f("void * ggml_backend_buffer_get_base(void * buffer)") as (buffer: Ptr) => Ptr,
     ggml_backend_buffer_get_size: f("size_t ggml_backend_buffer_get_size(void * buffer)") as (buffer: Ptr) => number,
     ggml_backend_buffer_clear: f("void ggml_backend_buffer_clear(void * buffer, uint8_t value)") as (
       buffer: Ptr,
