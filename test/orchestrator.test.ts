@@ -5,7 +5,7 @@ import * as OrchestratorLive from "../src/layers/OrchestratorLive.js"
 import * as StageExecutorTest from "../src/layers/StageExecutorTest.js"
 import * as TokenizerLive from "../src/layers/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
-import { makeMemoryWorld } from "./support/memoryLinks.js"
+import { makeMemoryWorld } from "../src/layers/AgentLinksTest.js"
 import { requireModel } from "./support/models.js"
 
 // The test engine mirrors stories260K's facts (read from the real file): 5 blocks, hidden 64, EOS 2.

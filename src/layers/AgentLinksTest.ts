@@ -1,20 +1,20 @@
 /**
- * An in-memory world for orchestrator tests: a DataPlane over queues and an AgentControl whose
- * agents are StageHosts in this process. Agents can be "killed" (their links fail) to test faults.
+ * Test layer of the agent links (DataPlane, AgentControl) and AgentPool: an in-memory world for orchestrator
+ * tests, a DataPlane over queues and an AgentControl whose agents are StageHosts in this process. Agents can be "killed" (their links fail) to test faults.
  */
 import { Deferred, Effect, Either, Layer, Queue, Ref, Scope, Stream } from "effect"
-import { type DataFrame, type EdgeFault, EdgeClosed, PeerClosed, PeerFaulted, type TransportAddress } from "../../src/domain/frames.js"
-import * as NodeAgent from "../../src/layers/NodeAgent.js"
+import { type DataFrame, type EdgeFault, EdgeClosed, PeerClosed, PeerFaulted, type TransportAddress } from "../domain/frames.js"
+import * as NodeAgent from "./NodeAgent.js"
 import {
   AgentControl,
   AgentHello,
   AgentUnavailable,
   DataPlane,
   type DataPlaneService
-} from "../../src/services/AgentLinks.js"
-import type { NodeEndpoint } from "../../src/services/Membership.js"
-import { AgentPool, type AgentSet } from "../../src/services/Orchestrator.js"
-import type { StageExecutor } from "../../src/services/StageExecutor.js"
+} from "../services/AgentLinks.js"
+import type { NodeEndpoint } from "../services/Membership.js"
+import { AgentPool, type AgentSet } from "../services/Orchestrator.js"
+import type { StageExecutor } from "../services/StageExecutor.js"
 
 type Slot = Queue.Queue<Either.Either<DataFrame, EdgeFault>>
 
