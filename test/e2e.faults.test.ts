@@ -254,6 +254,8 @@ describe("end to end faults: real agent processes", () => {
       )
       assert.strictEqual(agentPids.length, 2, `children at the first token: ${agentPids.join(", ")}`)
       assert.include(result.stderr, "stopped by the operator", `exit ${result.code} ${result.signal}: ${result.stderr}`)
+      // 128 + SIGINT, as a shell expects of a program stopped by Ctrl-C
+      assert.strictEqual(result.code, 130, `exit ${result.code} ${result.signal}: ${result.stderr}`)
       assert.isBelow(result.waitedMs, 10_000)
       assert.isTrue(yield* eventually(() => agentPids.every((pid) => !isAlive(pid)), 5000))
     }), 60_000)
