@@ -16,12 +16,13 @@ import { existsSync, mkdirSync } from "node:fs"
 import { dirname, join, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
-import type { StageInput, StageOutput } from "../src/domain/engine.js"
+import type { StageInput } from "../src/domain/engine.js"
 import { getGgml } from "../src/layers/ggml/Bindings.js"
 import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { StageExecutorLive } from "../src/layers/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
-import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
+import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
 
 const env = (k: string, d: string) => process.env[k] ?? d
 const num = (k: string, d: number) => Number(env(k, String(d)))
@@ -136,30 +137,10 @@ const benchNodeLlamaCpp = async (path: string): Promise<Figures> => {
 
 const benchOurs = (path: string, stages: number): Promise<Figures> =>
   Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const executor = yield* StageExecutor
-    const split = splitOf(stages)
-    const sessions: Array<StageSession> = []
-    for (let i = 0; i < stages; i++) {
-      const stage = yield* executor.load({
-        path,
-        layerStart: split[i]!,
-        layerEndExclusive: split[i + 1]!,
-        isFirst: i === 0,
-        isLast: i === stages - 1
-      })
-      sessions.push(yield* executor.session(stage, { threads: cfg.threads, contextLength }))
-    }
-    const run = (pos: number, tokens: ReadonlyArray<number>) =>
-      Effect.gen(function*() {
-        let input: StageInput = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
-        for (const s of sessions) {
-          const out: StageOutput = yield* s.forward(pos, input)
-          if (out._tag === "Logits") return out.logits
-          input = out
-        }
-        return yield* Effect.dieMessage("no logits")
-      })
-    const resetAll = Effect.forEach(sessions, (s) => s.reset, { discard: true })
+    const { reset: resetAll, run } = yield* openInProcessPipeline(path, splitOf(stages), {
+      threads: cfg.threads,
+      contextLength
+    })
     const prompt = promptTokens(cfg.prompt)
     yield* run(0, prompt.slice(0, 32))
     yield* resetAll

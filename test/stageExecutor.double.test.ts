@@ -1,40 +1,13 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import { defaultTestModel, StageExecutorTest, testModelGreedy } from "../src/layers/StageExecutorTest.js"
 import { greedy } from "../src/services/Sampler.js"
-import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
+import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
 
 const model = defaultTestModel
 const path = "test-model.gguf"
 
-const pipeline = (boundaries: ReadonlyArray<number>) =>
-  Effect.gen(function*() {
-    const executor = yield* StageExecutor
-    const sessions: Array<StageSession> = []
-    const n = boundaries.length - 1
-    for (let i = 0; i < n; i++) {
-      const stage = yield* executor.load({
-        path,
-        layerStart: boundaries[i]!,
-        layerEndExclusive: boundaries[i + 1]!,
-        isFirst: i === 0,
-        isLast: i === n - 1
-      })
-      sessions.push(yield* executor.session(stage))
-    }
-    const run = (pos: number, tokens: ReadonlyArray<number>) =>
-      Effect.gen(function*() {
-        let input: StageInput = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
-        for (const s of sessions) {
-          const out: StageOutput = yield* s.forward(pos, input)
-          if (out._tag === "Logits") return out.logits
-          input = out
-        }
-        return yield* Effect.dieMessage("no logits")
-      })
-    return { sessions, run }
-  })
+const pipeline = (boundaries: ReadonlyArray<number>) => openInProcessPipeline(path, boundaries)
 
 const generate = (boundaries: ReadonlyArray<number>, prompt: ReadonlyArray<number>, max: number) =>
   Effect.gen(function*() {

@@ -1,11 +1,10 @@
 /** Shared fixtures of the engine tests: splits, a pipelined greedy run of our engine, node-llama-cpp's reference. */
-import { Effect, Layer, type Scope } from "effect"
+import { Effect, Layer } from "effect"
 import { getLlama, type Llama, type LlamaModel, LlamaLogLevel, type Token } from "node-llama-cpp"
-import type { StageInput, StageOutput } from "../../src/domain/engine.js"
-import type { ModelLoadError } from "../../src/domain/gguf.js"
 import { StageExecutorLive } from "../../src/layers/StageExecutorLive.js"
 import { greedy } from "../../src/services/Sampler.js"
-import { StageExecutor, type StageSession } from "../../src/services/StageExecutor.js"
+import { openInProcessPipeline } from "../../src/services/InProcessPipeline.js"
+import type { StageExecutor } from "../../src/services/StageExecutor.js"
 
 /** Every split of `layers` blocks into 1..min(layers, maxStages) contiguous non-empty stages, as boundaries. */
 export const allSplits = (layers: number, maxStages = 4): ReadonlyArray<ReadonlyArray<number>> => {
@@ -33,45 +32,9 @@ export interface RunOptions {
   readonly contextLength: number
 }
 
-/** Loads the split's stages and sessions (scoped), returning a function that runs positions through all of them. */
-export const openPipeline = (
-  path: string,
-  boundaries: ReadonlyArray<number>,
-  options: RunOptions
-): Effect.Effect<
-  {
-    readonly sessions: ReadonlyArray<StageSession>
-    readonly run: (pos: number, tokens: Int32Array) => Effect.Effect<Float32Array, unknown>
-  },
-  ModelLoadError,
-  StageExecutor | Scope.Scope
-> =>
-  Effect.gen(function*() {
-    const executor = yield* StageExecutor
-    const sessions: Array<StageSession> = []
-    const nStages = boundaries.length - 1
-    for (let i = 0; i < nStages; i++) {
-      const stage = yield* executor.load({
-        path,
-        layerStart: boundaries[i]!,
-        layerEndExclusive: boundaries[i + 1]!,
-        isFirst: i === 0,
-        isLast: i === nStages - 1
-      })
-      sessions.push(yield* executor.session(stage, { threads: options.threads, contextLength: options.contextLength }))
-    }
-    const run = (pos: number, tokens: Int32Array) =>
-      Effect.gen(function*() {
-        let input: StageInput = { _tag: "Tokens", tokens }
-        for (const s of sessions) {
-          const out: StageOutput = yield* s.forward(pos, input)
-          if (out._tag === "Logits") return out.logits
-          input = { _tag: "Hidden", hidden: out.hidden, nTokens: out.nTokens }
-        }
-        return yield* Effect.dieMessage("the last stage returned no logits")
-      })
-    return { sessions, run }
-  })
+/** Loads the split's stages and sessions (scoped): the in-process pipeline of src/services/InProcessPipeline.ts. */
+export const openPipeline = (path: string, boundaries: ReadonlyArray<number>, options: RunOptions) =>
+  openInProcessPipeline(path, boundaries, { threads: options.threads, contextLength: options.contextLength })
 
 /** Greedy generation through a split: prefill the prompt in one batch, then decode token by token. */
 export const greedyRun = (
