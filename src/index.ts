@@ -48,3 +48,17 @@ export * from "./services/AgentLinks.js"
 export { localAgentPool, remoteAgentPool, spawnLocalAgents, generateToken } from "./layers/LocalAgents.js"
 export type { LocalAgent, LocalPoolOptions, RemotePoolOptions } from "./layers/LocalAgents.js"
 export { makeStageHost, startNodeAgent } from "./layers/NodeAgent.js"
+export * from "./domain/engine.js"
+export * from "./services/StageExecutor.js"
+export * from "./services/InProcessPipeline.js"
+export * from "./services/Sampler.js"
+export { layerWith as stageExecutorLayerWith, LiveLoadedStage, StageExecutorLive } from "./layers/StageExecutorLive.js"
+export type { LiveOptions as StageExecutorLiveOptions } from "./layers/StageExecutorLive.js"
+export {
+  defaultTestModel,
+  layerTest as stageExecutorLayerTest,
+  StageExecutorTest,
+  testModelGreedy,
+  testModelNextToken
+} from "./layers/StageExecutorTest.js"
+export type { TestModel } from "./layers/StageExecutorTest.js"
