@@ -182,12 +182,22 @@ const holdSignals = Effect.acquireRelease(
     }
     process.on("SIGINT", onSignal)
     process.on("SIGTERM", onSignal)
-    return onSignal
+    // A reader that went away (`swactor run ... | head`) is a closed stream: an operator stop, as Ctrl-C is,
+    // instead of an EPIPE crash.
+    let stdoutClosed = false
+    const onStdoutError = (error: NodeJS.ErrnoException) => {
+      if (error.code !== "EPIPE" || stdoutClosed) return
+      stdoutClosed = true
+      process.kill(process.pid, "SIGINT")
+    }
+    process.stdout.on("error", onStdoutError)
+    return { onSignal, onStdoutError }
   }),
-  (onSignal) =>
+  ({ onSignal, onStdoutError }) =>
     Effect.sync(() => {
       process.off("SIGINT", onSignal)
       process.off("SIGTERM", onSignal)
+      process.stdout.off("error", onStdoutError)
     })
 )
 
