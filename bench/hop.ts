@@ -13,6 +13,7 @@
  * (`--spin N`: shared-memory receivers busy-poll N µs before sleeping — only useful with idle cores.)
  */
 import { fork } from "node:child_process"
+import { rmSync } from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { Effect, Redacted } from "effect"
@@ -87,7 +88,13 @@ const measure = (transport: Transport) =>
     const listener = yield* DataPlane.listen({ address: listenAddress(transport, "home"), token })
     const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
     const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit" })
-    yield* Effect.addFinalizer(() => Effect.sync(() => child.kill()))
+    yield* Effect.addFinalizer(() =>
+      Effect.sync(() => {
+        child.kill()
+        // the killed echo process cannot remove its own Unix socket file
+        if (transport !== "Tcp") rmSync(Path.join(Os.tmpdir(), `swactor-hop-${child.pid}-echo.sock`), { force: true })
+      })
+    )
     child.send({ token: tokenText, transport, home: listener.address } satisfies Setup)
     const echoAddress = yield* Effect.async<TransportAddress>((resume) => {
       child.once("message", (m) => resume(Effect.succeed((m as { address: TransportAddress }).address)))
