@@ -34,6 +34,11 @@ export interface StageInfo {
   /** Sum of the byte sizes (from the GGUF table) of the tensors this stage holds. */
   readonly weightBytes: number
   readonly backend: string
+  /**
+   * KV cache bytes per cached position of one session on this stage (K and V, F16, every block of the range).
+   * A session of context length c allocates ceil(c / 256) * 256 positions, so it holds that many times this.
+   */
+  readonly kvBytesPerToken: number
 }
 
 export type StageInput =
@@ -61,3 +66,30 @@ export class InvalidStageInput extends Schema.TaggedError<InvalidStageInput>()("
 }) {}
 
 export type ForwardError = ContextOverflow | EngineError | InvalidStageInput
+
+/** A batch that cannot run as a whole: empty, sessions of different loaded stages, one session twice. */
+export class InvalidBatch extends Schema.TaggedError<InvalidBatch>()("InvalidBatch", {
+  message: Schema.String
+}) {}
+
+/** One item of a batch does not fit its session (nothing of the batch ran); `index` is its place in the batch. */
+export class BatchItemRejected extends Schema.TaggedError<BatchItemRejected>()("BatchItemRejected", {
+  index: Schema.Number,
+  error: Schema.Union(ContextOverflow, InvalidStageInput)
+}) {}
+
+/** Why a batched forward failed: the batch as a whole, one item (by index), or the native computation. */
+export type ForwardBatchError = InvalidBatch | BatchItemRejected | EngineError
+
+/** One line of words for a forward error (for faults and logs). */
+export const describeForwardError = (error: ForwardError | ForwardBatchError): string => {
+  switch (error._tag) {
+    case "ContextOverflow":
+      return `positions ${error.position}..${error.position + error.nTokens - 1} do not fit the context length ` +
+        `${error.contextLength}`
+    case "BatchItemRejected":
+      return `batch item ${error.index}: ${describeForwardError(error.error)}`
+    default:
+      return error.message
+  }
+}

@@ -5,9 +5,12 @@
 import { Effect, Layer } from "effect"
 import { availableParallelism } from "node:os"
 import {
+  BatchItemRejected,
   ContextOverflow,
   EngineError,
+  type ForwardBatchError,
   type ForwardError,
+  InvalidBatch,
   InvalidStageInput,
   type StageInfo,
   type StageInput,
@@ -16,13 +19,21 @@ import {
 } from "../domain/engine.js"
 import { ModelLoadError } from "../domain/gguf.js"
 import {
+  type BatchItem,
   type LoadedStage,
   type SessionOptions,
   StageExecutor,
   type StageExecutorService,
   type StageSession
 } from "../services/StageExecutor.js"
-import { NativeSession, type NativeWeights, loadWeights, type TensorPlacement } from "./engine/Native.js"
+import {
+  type NativeItem,
+  NativeSession,
+  type NativeWeights,
+  loadWeights,
+  runBatch,
+  type TensorPlacement
+} from "./engine/Native.js"
 import { planStage } from "./engine/Plan.js"
 import { getGgml } from "./ggml/Bindings.js"
 import { readGgufFile } from "./gguf/GgufReader.js"
@@ -106,7 +117,8 @@ const load = (options: LiveOptions) =>
       eosTokenId: hp.eosTokenId,
       bosTokenId: hp.bosTokenId,
       weightBytes: plan.weightBytes,
-      backend: device === "gpu" ? "cuda" : "cpu"
+      backend: device === "gpu" ? "cuda" : "cpu",
+      kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) * (hp.headDimK + hp.headDimV) * hp.nHeadKv * 2
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))
@@ -118,7 +130,7 @@ export const validateForward = (
   filled: number,
   startPos: number,
   input: StageInput
-): ForwardError | undefined => {
+): ContextOverflow | InvalidStageInput | undefined => {
   const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
   if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
     return new InvalidStageInput({
@@ -152,6 +164,75 @@ export const validateForward = (
   return undefined
 }
 
+/** A session of the live executor: one NativeSession (KV cache) over a LiveLoadedStage. */
+class LiveStageSession implements StageSession {
+  constructor(
+    readonly stage: LiveLoadedStage,
+    readonly native: NativeSession,
+    readonly contextLength: number
+  ) {}
+  get info(): StageInfo {
+    return this.stage.info
+  }
+  check(startPos: number, input: StageInput): ContextOverflow | InvalidStageInput | undefined {
+    if (this.native.freed) return new InvalidStageInput({ message: "the session is closed" })
+    return validateForward(this.stage.info, this.contextLength, this.native.filled, startPos, input)
+  }
+  forward(startPos: number, input: StageInput): Effect.Effect<StageOutput, ForwardError> {
+    return Effect.suspend((): Effect.Effect<StageOutput, ForwardError> => {
+      const invalid = this.check(startPos, input)
+      if (invalid !== undefined) return Effect.fail(invalid)
+      return Effect.tryPromise({
+        try: () => this.native.forward(startPos, input),
+        catch: (e) => new EngineError({ message: e instanceof Error ? e.message : String(e) })
+      })
+    }).pipe(Effect.withSpan("StageExecutor.forward"))
+  }
+  get reset(): Effect.Effect<void> {
+    return Effect.promise(() => this.stage.weights.lock.run(async () => this.native.reset()))
+  }
+}
+
+/** Checks a whole batch in TypeScript (nothing native runs before every item passed), then runs it as one graph. */
+const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> =>
+  Effect.suspend((): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> => {
+    if (items.length === 0) return Effect.fail(new InvalidBatch({ message: "a batch needs at least one item" }))
+    const natives: Array<NativeItem> = []
+    const seen = new Map<LiveStageSession, number>()
+    let weights: NativeWeights | undefined
+    for (let i = 0; i < items.length; i++) {
+      const { input, session, startPos } = items[i]!
+      if (!(session instanceof LiveStageSession)) {
+        return Effect.fail(new InvalidBatch({ message: `item ${i}: the session was not opened by the live executor` }))
+      }
+      const info = session.stage.info
+      if (weights === undefined) weights = session.stage.weights
+      else if (session.stage.weights !== weights) {
+        const first = items[0]!.session.info
+        return Effect.fail(
+          new InvalidBatch({
+            message: `item ${i}: its session is on blocks [${info.layerStart}, ${info.layerEndExclusive}) of another ` +
+              `loaded stage than item 0's [${first.layerStart}, ${first.layerEndExclusive}); a batch runs one loaded stage`
+          })
+        )
+      }
+      const earlier = seen.get(session)
+      if (earlier !== undefined) {
+        return Effect.fail(
+          new InvalidBatch({ message: `item ${i}: its session is already item ${earlier} of the batch (one step per session)` })
+        )
+      }
+      seen.set(session, i)
+      const invalid = session.check(startPos, input)
+      if (invalid !== undefined) return Effect.fail(new BatchItemRejected({ index: i, error: invalid }))
+      natives.push({ session: session.native, startPos, input })
+    }
+    return Effect.tryPromise({
+      try: () => runBatch(weights!, natives),
+      catch: (e) => new EngineError({ message: e instanceof Error ? e.message : String(e) })
+    })
+  }).pipe(Effect.withSpan("StageExecutor.forwardBatch", { attributes: { items: items.length } }))
+
 const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: SessionOptions = {}) =>
   Effect.gen(function*() {
     if (!(stage instanceof LiveLoadedStage)) {
@@ -181,26 +262,13 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
       }),
       (s) => Effect.promise(() => stage.weights.lock.run(async () => s.free()))
     )
-    const forward = (startPos: number, input: StageInput): Effect.Effect<StageOutput, ForwardError> =>
-      Effect.suspend(() => {
-        const invalid = validateForward(info, contextLength, native.filled, startPos, input)
-        if (invalid !== undefined) return Effect.fail(invalid)
-        return Effect.tryPromise({
-          try: () => native.forward(startPos, input),
-          catch: (e) => new EngineError({ message: e instanceof Error ? e.message : String(e) })
-        })
-      }).pipe(Effect.withSpan("StageExecutor.forward"))
-    const result: StageSession = {
-      info,
-      forward,
-      reset: Effect.promise(() => stage.weights.lock.run(async () => native.reset()))
-    }
-    return result
+    return new LiveStageSession(stage, native, contextLength) as StageSession
   })
 
 export const make = (options: LiveOptions = {}): StageExecutorService => ({
   load: load(options),
-  session: session(options)
+  session: session(options),
+  forwardBatch
 })
 
 /** The live stage executor (CPU ggml). */

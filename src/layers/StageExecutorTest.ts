@@ -11,8 +11,11 @@
  */
 import { Effect, Layer } from "effect"
 import {
+  BatchItemRejected,
   ContextOverflow,
+  type ForwardBatchError,
   type ForwardError,
+  InvalidBatch,
   InvalidStageInput,
   type StageInfo,
   type StageInput,
@@ -21,6 +24,7 @@ import {
 } from "../domain/engine.js"
 import { ModelLoadError } from "../domain/gguf.js"
 import {
+  type BatchItem,
   type LoadedStage,
   type SessionOptions,
   StageExecutor,
@@ -74,6 +78,41 @@ class TestLoadedStage implements LoadedStage {
   constructor(readonly info: StageInfo, readonly model: TestModel) {}
 }
 
+interface TestStageSession extends StageSession {
+  readonly stage: TestLoadedStage
+  readonly check: (startPos: number, input: StageInput) => ContextOverflow | InvalidStageInput | undefined
+  readonly apply: (startPos: number, input: StageInput) => StageOutput
+}
+
+const testSessions = new WeakSet<StageSession>()
+
+/** The double's batch: the live executor's checks (all before anything runs), then each item in order. */
+const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> =>
+  Effect.suspend((): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> => {
+    if (items.length === 0) return Effect.fail(new InvalidBatch({ message: "a batch needs at least one item" }))
+    const seen = new Map<StageSession, number>()
+    const sessions: Array<TestStageSession> = []
+    for (let i = 0; i < items.length; i++) {
+      const { input, session, startPos } = items[i]!
+      if (!testSessions.has(session)) {
+        return Effect.fail(new InvalidBatch({ message: `item ${i}: the session was not opened by the test executor` }))
+      }
+      const s = session as TestStageSession
+      if (s.stage !== sessions[0]?.stage && sessions.length > 0) {
+        return Effect.fail(new InvalidBatch({ message: `item ${i}: its session is on another loaded stage than item 0's` }))
+      }
+      const earlier = seen.get(session)
+      if (earlier !== undefined) {
+        return Effect.fail(new InvalidBatch({ message: `item ${i}: its session is already item ${earlier} of the batch` }))
+      }
+      seen.set(session, i)
+      const invalid = s.check(startPos, input)
+      if (invalid !== undefined) return Effect.fail(new BatchItemRejected({ index: i, error: invalid }))
+      sessions.push(s)
+    }
+    return Effect.succeed(items.map((it, i) => sessions[i]!.apply(it.startPos, it.input)))
+  })
+
 const weightBytesOf = (model: TestModel, spec: StageLoadSpec) =>
   (spec.layerEndExclusive - spec.layerStart) * model.hiddenDim * model.hiddenDim * 4 +
   (spec.isFirst ? model.vocabSize * model.hiddenDim * 4 : 0) +
@@ -111,7 +150,8 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
         eosTokenId: model.eosTokenId,
         bosTokenId: model.bosTokenId,
         weightBytes,
-        backend: "test"
+        backend: "test",
+        kvBytesPerToken: (end - start) * 8
       }
       return new TestLoadedStage(info, model) as LoadedStage
     }),
@@ -126,67 +166,85 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
       const kv = new Map<number, Float64Array>()
       for (let l = info.layerStart; l < info.layerEndExclusive; l++) kv.set(l, new Float64Array(contextLength))
       let filled = 0
+      let closed = false
+      yield* Effect.addFinalizer(() => Effect.sync(() => (closed = true)))
+
+      const check = (startPos: number, input: StageInput): ContextOverflow | InvalidStageInput | undefined => {
+        const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+        if (closed) return new InvalidStageInput({ message: "the session is closed" })
+        if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
+          return new InvalidStageInput({ message: `start position ${startPos} outside [0, ${filled}]` })
+        }
+        if (!Number.isSafeInteger(n) || n < 1) return new InvalidStageInput({ message: "empty batch" })
+        if (startPos + n > contextLength) return new ContextOverflow({ position: startPos, nTokens: n, contextLength })
+        if (info.isFirst) {
+          if (input._tag !== "Tokens") return new InvalidStageInput({ message: "the first stage takes token ids" })
+          for (let i = 0; i < n; i++) {
+            const t = input.tokens[i]!
+            if (t < 0 || t >= info.vocabSize) {
+              return new InvalidStageInput({ message: `token id ${t} outside [0, ${info.vocabSize})` })
+            }
+          }
+        } else if (input._tag !== "Hidden" || input.hidden.length !== n * d) {
+          return new InvalidStageInput({ message: `expected ${n} x ${d} hidden states` })
+        }
+        return undefined
+      }
+
+      /** Runs a checked input. */
+      const apply = (startPos: number, input: StageInput): StageOutput => {
+        const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+        let h: Float32Array
+        if (input._tag === "Tokens") {
+          h = new Float32Array(n * d)
+          for (let i = 0; i < n; i++) {
+            h[i * d] = input.tokens[i]!
+            h[i * d + 1] = startPos + i
+          }
+        } else {
+          h = Float32Array.from(input.hidden)
+        }
+        for (let l = info.layerStart; l < info.layerEndExclusive; l++) {
+          const cache = kv.get(l)!
+          for (let i = 0; i < n; i++) cache[startPos + i] = h[i * d]!
+          for (let i = 0; i < n; i++) {
+            let history = 0
+            for (let p = 0; p <= startPos + i; p++) history += cache[p]!
+            h[i * d + 2] = history
+            h[i * d + 3] = h[i * d + 3]! + l + 1
+          }
+        }
+        filled = startPos + n
+        if (!info.isLast) return { _tag: "Hidden", hidden: h, nTokens: n }
+        const i = n - 1
+        const [token, position, history, blocksRun] = [h[i * d]!, h[i * d + 1]!, h[i * d + 2]!, h[i * d + 3]!]
+        const next = (31 * token + 17 * position + 13 * history + blocksRun + 7) % info.vocabSize
+        const logits = new Float32Array(info.vocabSize)
+        for (let v = 0; v < info.vocabSize; v++) logits[v] = v === next ? 10 : -((v * 7 + position) % 11) / 11
+        return { _tag: "Logits", logits }
+      }
 
       const forward = (startPos: number, input: StageInput): Effect.Effect<StageOutput, ForwardError> =>
         Effect.suspend((): Effect.Effect<StageOutput, ForwardError> => {
-          const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-          if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
-            return Effect.fail(new InvalidStageInput({ message: `start position ${startPos} outside [0, ${filled}]` }))
-          }
-          if (!Number.isSafeInteger(n) || n < 1) return Effect.fail(new InvalidStageInput({ message: "empty batch" }))
-          if (startPos + n > contextLength) {
-            return Effect.fail(new ContextOverflow({ position: startPos, nTokens: n, contextLength }))
-          }
-          let h: Float32Array
-          if (info.isFirst) {
-            if (input._tag !== "Tokens") {
-              return Effect.fail(new InvalidStageInput({ message: "the first stage takes token ids" }))
-            }
-            h = new Float32Array(n * d)
-            for (let i = 0; i < n; i++) {
-              const t = input.tokens[i]!
-              if (t < 0 || t >= info.vocabSize) {
-                return Effect.fail(new InvalidStageInput({ message: `token id ${t} outside [0, ${info.vocabSize})` }))
-              }
-              h[i * d] = t
-              h[i * d + 1] = startPos + i
-            }
-          } else {
-            if (input._tag !== "Hidden" || input.hidden.length !== n * d) {
-              return Effect.fail(new InvalidStageInput({ message: `expected ${n} x ${d} hidden states` }))
-            }
-            h = Float32Array.from(input.hidden)
-          }
-          for (let l = info.layerStart; l < info.layerEndExclusive; l++) {
-            const cache = kv.get(l)!
-            for (let i = 0; i < n; i++) cache[startPos + i] = h[i * d]!
-            for (let i = 0; i < n; i++) {
-              let history = 0
-              for (let p = 0; p <= startPos + i; p++) history += cache[p]!
-              h[i * d + 2] = history
-              h[i * d + 3] = h[i * d + 3]! + l + 1
-            }
-          }
-          filled = startPos + n
-          if (!info.isLast) return Effect.succeed<StageOutput>({ _tag: "Hidden", hidden: h, nTokens: n })
-          const i = n - 1
-          const [token, position, history, blocksRun] = [h[i * d]!, h[i * d + 1]!, h[i * d + 2]!, h[i * d + 3]!]
-          const next = (31 * token + 17 * position + 13 * history + blocksRun + 7) % info.vocabSize
-          const logits = new Float32Array(info.vocabSize)
-          for (let v = 0; v < info.vocabSize; v++) logits[v] = v === next ? 10 : -((v * 7 + position) % 11) / 11
-          return Effect.succeed<StageOutput>({ _tag: "Logits", logits })
+          const invalid = check(startPos, input)
+          return invalid !== undefined ? Effect.fail(invalid) : Effect.succeed(apply(startPos, input))
         })
 
-      const session: StageSession = {
+      const session: TestStageSession = {
         info,
+        stage,
+        check,
+        apply,
         forward,
         reset: Effect.sync(() => {
           filled = 0
           for (const c of kv.values()) c.fill(0)
         })
       }
-      return session
-    })
+      testSessions.add(session)
+      return session as StageSession
+    }),
+  forwardBatch
 })
 
 /** The deterministic double with the default test model. */

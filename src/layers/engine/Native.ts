@@ -5,9 +5,9 @@
 import koffi from "koffi"
 import { open } from "node:fs/promises"
 import type { LoadProgress, StageInput } from "../../domain/engine.js"
-import { type Ggml, getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
+import { type Ggml, getGgml, type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import type { StagePlan } from "./Plan.js"
-import { type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
+import { type AttentionSegment, type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
 
 const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
 const READ_CHUNK = 4 * 1024 * 1024
@@ -63,10 +63,24 @@ export class NativeWeights {
     return t
   }
 
+  /** Graphs of calls over several sessions (created on the first such call). */
+  private batch: GraphSlot | null = null
+
+  batchSlot(): GraphSlot {
+    return this.batch ??= new GraphSlot(this.ggml.raw, this.ggml.raw.ggml_backend_dev_buffer_type(this.dev))
+  }
+
+  /** A session is being freed: no cached graph may keep pointing at its KV cache. */
+  forgetSession(sessionId: number): void {
+    this.batch?.forget(sessionId)
+  }
+
   free(): void {
     if (this.freed) return
     this.freed = true
     const raw = this.ggml.raw
+    this.batch?.free()
+    this.batch = null
     for (const b of this.buffers) raw.ggml_backend_buffer_free(b)
     for (const c of this.contexts) raw.ggml_free(c)
     raw.ggml_backend_free(this.backend)
@@ -243,28 +257,73 @@ export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
   | { readonly _tag: "Logits"; readonly logits: Float32Array }
 
+/** One sequence's part of a native call (validated by the caller, see `runBatch`). */
+export interface NativeItem {
+  readonly session: NativeSession
+  readonly startPos: number
+  readonly input: StageInput
+}
+
 /** A built and allocated graph of one call shape. */
 interface CachedGraph {
-  readonly n: number
-  readonly nKv: number
-  readonly kind: StageInput["_tag"]
+  /** (input kind, then session id, n, nKv of each sequence): the graph depends on nothing else */
+  readonly key: string
+  /** Ids of the sessions whose KV cache tensors the graph writes and reads. */
+  readonly sessions: ReadonlyArray<number>
   readonly ctx: Ptr
   readonly graph: Ptr
   readonly inputs: GraphInputs
+  /** I64 [n] all sequences' KV cells, in row order */
+  readonly kvIdx: Ptr
+  /** I64 [n] 0..n-1 (several sequences only) */
+  readonly rowIdx: Ptr | null
   readonly tokens: Ptr | null
   readonly hidden: Ptr | null
   readonly out: Ptr
 }
 
+/**
+ * A graph allocator and the last graph it placed. A decode step of the same shape as the last call skips graph
+ * construction (hundreds of native calls) and allocation; a call of another shape frees the cached graph.
+ */
+class GraphSlot {
+  cached: CachedGraph | null = null
+  private freed = false
+  readonly galloc: Ptr
+
+  constructor(readonly raw: GgmlRaw, buft: Ptr) {
+    this.galloc = raw.ggml_gallocr_new(buft)
+  }
+
+  drop(): void {
+    if (this.cached !== null) this.raw.ggml_free(this.cached.ctx)
+    this.cached = null
+  }
+
+  /** Forgets the cached graph when it uses this session's KV cache (the session is going away). */
+  forget(sessionId: number): void {
+    if (this.cached?.sessions.includes(sessionId)) this.drop()
+  }
+
+  free(): void {
+    if (this.freed) return
+    this.freed = true
+    this.drop()
+    this.raw.ggml_gallocr_free(this.galloc)
+  }
+}
+
+let nextSessionId = 1
+
 /** One sequence's KV cache over loaded weights. */
 export class NativeSession {
+  readonly id = nextSessionId++
   private readonly kvCtx: Ptr
   private readonly kvBuffer: Ptr
-  private readonly kv: Map<number, KvLayer> = new Map()
-  private readonly galloc: Ptr
-  /** The graph of the last call, still allocated in `galloc` (freed when a call of another shape comes). */
-  private cached: CachedGraph | null = null
-  private freed = false
+  readonly kv: Map<number, KvLayer> = new Map()
+  /** Graphs of calls on this session alone (a lone session keeps its decode graph between steps). */
+  readonly slot: GraphSlot
+  freed = false
   /** Cells 0..filled-1 hold this sequence's K/V. */
   filled = 0
 
@@ -295,7 +354,7 @@ export class NativeSession {
     this.kvBuffer = buf
     // zeroed: NaN garbage in masked cells would still poison softmax(QK)·V
     raw.ggml_backend_buffer_clear(buf, 0)
-    this.galloc = raw.ggml_gallocr_new(devBuft)
+    this.slot = new GraphSlot(raw, devBuft)
   }
 
   get kvSize(): number {
@@ -311,9 +370,8 @@ export class NativeSession {
     if (this.freed) return
     this.freed = true
     const raw = this.weights.ggml.raw
-    if (this.cached !== null) raw.ggml_free(this.cached.ctx)
-    this.cached = null
-    raw.ggml_gallocr_free(this.galloc)
+    this.weights.forgetSession(this.id)
+    this.slot.free()
     raw.ggml_backend_buffer_free(this.kvBuffer)
     raw.ggml_free(this.kvCtx)
   }
@@ -322,150 +380,228 @@ export class NativeSession {
    * Runs positions startPos..startPos+n-1. The caller has validated: 0 <= startPos <= filled,
    * startPos + n <= contextLength, the input kind and size, token ids in range.
    */
-  forward(startPos: number, input: StageInput): Promise<NativeOutput> {
-    return this.weights.lock.run(() => this.forwardLocked(startPos, input))
+  async forward(startPos: number, input: StageInput): Promise<NativeOutput> {
+    const [out] = await runBatch(this.weights, [{ session: this, startPos, input }])
+    return out!
   }
+}
 
-  /** Builds (and allocates) the graph of one call shape. Frees its context on failure. */
-  private buildGraph(n: number, nKv: number, kind: StageInput["_tag"]): CachedGraph {
-    const w = this.weights
-    const raw = w.ggml.raw
-    const { arch, hp, spec } = w.plan
-    const nLayers = spec.layerEndExclusive - spec.layerStart
-    const maxNodes = Math.max(2048, 96 * nLayers + 256)
-    const ctx = raw.ggml_init({
-      mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
-      mem_buffer: null,
-      no_alloc: true
-    })
-    if (ctx === null) throw new Error("ggml_init failed for the compute graph")
-    try {
-      const graph = raw.ggml_new_graph_custom(ctx, maxNodes, false)
-      const input1d = (type: number, len: number, name: string) => {
-        const t = raw.ggml_new_tensor_1d(ctx, type, len)
-        raw.ggml_set_name(t, name)
-        raw.ggml_set_input(t)
-        return t
-      }
-      const pos = input1d(GgmlType.I32, n, "inp_pos")
-      const kvIdx = input1d(GgmlType.I64, n, "inp_kv_idx")
-      const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, n)
-      raw.ggml_set_name(mask, "inp_kq_mask")
-      raw.ggml_set_input(mask)
-      const outIds = spec.isLast ? input1d(GgmlType.I32, 1, "inp_out_ids") : null
-      const inputs: GraphInputs = { pos, kvIdx, mask, outIds }
+const inputLength = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
 
-      let x: Ptr
-      let tokens: Ptr | null = null
-      let hidden: Ptr | null = null
-      if (kind === "Tokens") {
-        tokens = input1d(GgmlType.I32, n, "inp_tokens")
-        x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
-      } else {
-        x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
-        raw.ggml_set_name(x, "inp_hidden")
-        raw.ggml_set_input(x)
-        hidden = x
-      }
+/**
+ * Runs several sequences of one loaded stage in one graph: all rows through every matrix product together, each
+ * sequence's attention over its own KV cache. One output per item (its hidden rows, or the logits of its last
+ * position on the last stage). The caller has validated every item as for `forward`, that all sessions are of
+ * `weights`, that no session appears twice, and that all inputs are of one kind. A single item runs on its
+ * session's own graph slot (its decode graph survives other sessions' calls); several on the stage's batch slot.
+ */
+export const runBatch = (weights: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> =>
+  weights.lock.run(() => runBatchLocked(weights, items))
 
-      const t = new Toolkit(raw, ctx, graph, hp, n, nKv, inputs, (il) => this.kv.get(il)!)
-      for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
-        t.layer = il
-        const prefix = `blk.${il}.`
-        const bw: BlockWeights = {
-          get: (name) => w.get(prefix + name),
-          opt: (name) => w.tensors.get(prefix + name) ?? null,
-          global: (name) => w.tensors.get(name) ?? null
-        }
-        x = arch.buildBlock(t, bw, x)
-      }
-      if (spec.isLast) {
-        x = t.rmsNorm(x, w.get("output_norm.weight"))
-        x = t.linear(w.get("output.weight"), x, w.tensors.get("output.bias") ?? null)
-      }
-      raw.ggml_set_output(x)
-      raw.ggml_build_forward_expand(graph, x)
+const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
+  if (w.freed) throw new Error("the stage's weights were freed before this session")
+  if (items.length === 0) return []
+  for (const it of items) {
+    if (it.session.freed) throw new Error(`session ${it.session.id} already freed`)
+  }
+  const g = w.ggml
+  const raw = g.raw
+  const { hp, spec } = w.plan
+  const kind = items[0]!.input._tag
+  const shapes = items.map((it) => {
+    const n = inputLength(it.input)
+    return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n) }
+  })
+  const nTotal = shapes.reduce((s, x) => s + x.n, 0)
+  const key = kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}`).join("")
+  const slot = items.length === 1 ? items[0]!.session.slot : w.batchSlot()
 
-      if (w.device === "gpu") {
-        // one backend, no scheduler: every op must run on the device
-        const nodes = raw.ggml_graph_n_nodes(graph)
-        for (let i = 0; i < nodes; i++) {
-          const node = raw.ggml_graph_node(graph, i)
-          if (!raw.ggml_backend_supports_op(w.backend, node)) {
-            throw new Error(`the ${raw.ggml_backend_name(w.backend)} backend cannot run ${raw.ggml_op_desc(node)} here`)
-          }
-        }
-      }
-      if (!raw.ggml_gallocr_alloc_graph(this.galloc, graph)) throw new Error("could not allocate the compute graph")
-      return { n, nKv, kind, ctx, graph, inputs, tokens, hidden, out: x }
-    } catch (e) {
-      raw.ggml_free(ctx)
-      throw e
+  let c = slot.cached
+  if (c === null || c.key !== key) {
+    slot.drop()
+    c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind)
+    slot.cached = c
+  }
+  const { outIds, pos, segments } = c.inputs
+
+  // inputs: positions, KV cells, row indices, one causal mask per sequence
+  const posArr = new Int32Array(nTotal)
+  const idxArr = new BigInt64Array(nTotal)
+  let row = 0
+  for (let s = 0; s < items.length; s++) {
+    const startPos = items[s]!.startPos
+    for (let i = 0; i < shapes[s]!.n; i++, row++) {
+      posArr[row] = startPos + i
+      idxArr[row] = BigInt(startPos + i)
     }
   }
-
-  private async forwardLocked(startPos: number, input: StageInput): Promise<NativeOutput> {
-    if (this.freed) throw new Error("session already freed")
-    if (this.weights.freed) throw new Error("the stage's weights were freed before this session")
-    const w = this.weights
-    const g = w.ggml
-    const raw = g.raw
-    const { hp, spec } = w.plan
-    const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-    const used = startPos + n
-    const nKv = attendedCells(this.kvSize, used)
-
-    // A graph depends only on (n, nKv, input kind): positions, KV cells and the mask are inputs. The last graph
-    // stays built and allocated (it was the last one this session's allocator placed), so a decode step of the
-    // same shape skips graph construction (hundreds of native calls) and allocation.
-    let c = this.cached
-    if (c === null || c.n !== n || c.nKv !== nKv || c.kind !== input._tag) {
-      if (c !== null) {
-        this.cached = null
-        raw.ggml_free(c.ctx)
-      }
-      c = this.buildGraph(n, nKv, input._tag)
-      this.cached = c
-    }
-    const { pos, kvIdx, mask, outIds } = c.inputs
-
-    const posArr = new Int32Array(n)
-    const idxArr = new BigInt64Array(n)
-    for (let i = 0; i < n; i++) {
-      posArr[i] = startPos + i
-      idxArr[i] = BigInt(startPos + i)
-    }
-    raw.ggml_backend_tensor_set(pos, posArr, 0, n * 4)
-    raw.ggml_backend_tensor_set(kvIdx, idxArr, 0, n * 8)
+  raw.ggml_backend_tensor_set(pos, posArr, 0, nTotal * 4)
+  raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
+  if (c.rowIdx !== null) {
+    const rows = new BigInt64Array(nTotal)
+    for (let i = 0; i < nTotal; i++) rows[i] = BigInt(i)
+    raw.ggml_backend_tensor_set(c.rowIdx, rows, 0, nTotal * 8)
+  }
+  for (let s = 0; s < items.length; s++) {
+    const { n, nKv } = shapes[s]!
+    const startPos = items[s]!.startPos
     const maskArr = new Uint16Array(nKv * n)
     for (let i = 0; i < n; i++) {
       const p = startPos + i
-      const row = maskArr.subarray(i * nKv, (i + 1) * nKv)
-      if (p + 1 < nKv) row.fill(F16_NEG_INF, p + 1)
+      if (p + 1 < nKv) maskArr.subarray(i * nKv, (i + 1) * nKv).fill(F16_NEG_INF, p + 1)
     }
-    raw.ggml_backend_tensor_set(mask, maskArr, 0, maskArr.byteLength)
-    if (outIds !== null) raw.ggml_backend_tensor_set(outIds, Int32Array.of(n - 1), 0, 4)
+    raw.ggml_backend_tensor_set(segments[s]!.mask, maskArr, 0, maskArr.byteLength)
+  }
+  if (outIds !== null) {
+    raw.ggml_backend_tensor_set(outIds, Int32Array.from(segments, (seg) => seg.offset + seg.n - 1), 0, items.length * 4)
+  }
+  for (let s = 0; s < items.length; s++) {
+    const input = items[s]!.input
+    const offset = segments[s]!.offset
     if (c.tokens !== null && input._tag === "Tokens") {
-      raw.ggml_backend_tensor_set(c.tokens, input.tokens, 0, n * 4)
+      raw.ggml_backend_tensor_set(c.tokens, input.tokens, offset * 4, input.tokens.length * 4)
     }
     if (c.hidden !== null && input._tag === "Hidden") {
-      raw.ggml_backend_tensor_set(c.hidden, input.hidden, 0, hp.nEmbd * n * 4)
+      raw.ggml_backend_tensor_set(c.hidden, input.hidden, offset * hp.nEmbd * 4, hp.nEmbd * input.nTokens * 4)
+    }
+  }
+
+  // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
+  for (const it of items) it.session.filled = Math.min(it.session.filled, it.startPos)
+  if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))
+  const status = await g.computeAsync(w.backend, c.graph)
+  if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
+  items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
+
+  if (spec.isLast) {
+    const all = new Float32Array(hp.nVocab * items.length)
+    raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
+    return items.map((_, s) => ({ _tag: "Logits", logits: all.slice(s * hp.nVocab, (s + 1) * hp.nVocab) }))
+  }
+  const all = new Float32Array(hp.nEmbd * nTotal)
+  raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
+  if (items.length === 1) return [{ _tag: "Hidden", hidden: all, nTokens: nTotal }]
+  return items.map((_, s) => {
+    const seg = segments[s]!
+    return {
+      _tag: "Hidden",
+      hidden: all.slice(seg.offset * hp.nEmbd, (seg.offset + seg.n) * hp.nEmbd),
+      nTokens: seg.n
+    }
+  })
+}
+
+/** Builds (and allocates in `slot`) the graph of one call shape. Frees its context on failure. */
+const buildGraph = (
+  w: NativeWeights,
+  slot: GraphSlot,
+  key: string,
+  items: ReadonlyArray<NativeItem>,
+  nKvs: ReadonlyArray<number>,
+  kind: StageInput["_tag"]
+): CachedGraph => {
+  const raw = w.ggml.raw
+  const { arch, hp, spec } = w.plan
+  const nLayers = spec.layerEndExclusive - spec.layerStart
+  const nSeq = items.length
+  const n = items.reduce((s, it) => s + inputLength(it.input), 0)
+  const maxNodes = Math.max(2048, (96 + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
+  const ctx = raw.ggml_init({
+    mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
+    mem_buffer: null,
+    no_alloc: true
+  })
+  if (ctx === null) throw new Error("ggml_init failed for the compute graph")
+  try {
+    const graph = raw.ggml_new_graph_custom(ctx, maxNodes, false)
+    const input1d = (type: number, len: number, name: string) => {
+      const t = raw.ggml_new_tensor_1d(ctx, type, len)
+      raw.ggml_set_name(t, name)
+      raw.ggml_set_input(t)
+      return t
+    }
+    const pos = input1d(GgmlType.I32, n, "inp_pos")
+    const kvIdx = input1d(GgmlType.I64, n, "inp_kv_idx")
+    const rowIdx = nSeq > 1 ? input1d(GgmlType.I64, n, "inp_rows") : null
+    const segments: Array<AttentionSegment> = []
+    let offset = 0
+    items.forEach((it, s) => {
+      const len = inputLength(it.input)
+      const nKv = nKvs[s]!
+      const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
+      raw.ggml_set_name(mask, nSeq > 1 ? `inp_kq_mask_${s}` : "inp_kq_mask")
+      raw.ggml_set_input(mask)
+      const session = it.session
+      segments.push({
+        offset,
+        n: len,
+        nKv,
+        kv: (il) => session.kv.get(il)!,
+        kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
+        mask,
+        rows: rowIdx === null ? null : raw.ggml_view_1d(ctx, rowIdx, len, offset * 8)
+      })
+      offset += len
+    })
+    const outIds = spec.isLast ? input1d(GgmlType.I32, nSeq, "inp_out_ids") : null
+    const inputs: GraphInputs = { pos, outIds, segments }
+
+    let x: Ptr
+    let tokens: Ptr | null = null
+    let hidden: Ptr | null = null
+    if (kind === "Tokens") {
+      tokens = input1d(GgmlType.I32, n, "inp_tokens")
+      x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
+    } else {
+      x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
+      raw.ggml_set_name(x, "inp_hidden")
+      raw.ggml_set_input(x)
+      hidden = x
     }
 
-    // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
-    this.filled = Math.min(this.filled, startPos)
-    if (w.device === "cpu") g.setThreads(w.backend, this.threads)
-    const status = await g.computeAsync(w.backend, c.graph)
-    if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
-    this.filled = used
-
+    const t = new Toolkit(raw, ctx, graph, hp, n, inputs)
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      t.layer = il
+      const prefix = `blk.${il}.`
+      const bw: BlockWeights = {
+        get: (name) => w.get(prefix + name),
+        opt: (name) => w.tensors.get(prefix + name) ?? null,
+        global: (name) => w.tensors.get(name) ?? null
+      }
+      x = arch.buildBlock(t, bw, x)
+    }
     if (spec.isLast) {
-      const logits = new Float32Array(hp.nVocab)
-      raw.ggml_backend_tensor_get(c.out, logits, 0, logits.byteLength)
-      return { _tag: "Logits", logits }
+      x = t.rmsNorm(x, w.get("output_norm.weight"))
+      x = t.linear(w.get("output.weight"), x, w.tensors.get("output.bias") ?? null)
     }
-    const hidden = new Float32Array(hp.nEmbd * n)
-    raw.ggml_backend_tensor_get(c.out, hidden, 0, hidden.byteLength)
-    return { _tag: "Hidden", hidden, nTokens: n }
+    raw.ggml_set_output(x)
+    raw.ggml_build_forward_expand(graph, x)
+
+    if (w.device === "gpu") {
+      // one backend, no scheduler: every op must run on the device
+      const nodes = raw.ggml_graph_n_nodes(graph)
+      for (let i = 0; i < nodes; i++) {
+        const node = raw.ggml_graph_node(graph, i)
+        if (!raw.ggml_backend_supports_op(w.backend, node)) {
+          throw new Error(`the ${raw.ggml_backend_name(w.backend)} backend cannot run ${raw.ggml_op_desc(node)} here`)
+        }
+      }
+    }
+    if (!raw.ggml_gallocr_alloc_graph(slot.galloc, graph)) throw new Error("could not allocate the compute graph")
+    return {
+      key,
+      sessions: items.map((it) => it.session.id),
+      ctx,
+      graph,
+      inputs,
+      kvIdx,
+      rowIdx,
+      tokens,
+      hidden,
+      out: x
+    }
+  } catch (e) {
+    raw.ggml_free(ctx)
+    throw e
   }
 }

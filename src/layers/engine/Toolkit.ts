@@ -32,15 +32,31 @@ export interface KvLayer {
   readonly v: Ptr
 }
 
-export interface GraphInputs {
-  /** I32 [nTokens] positions */
-  readonly pos: Ptr
-  /** I64 [nTokens] KV cell of each token */
+/**
+ * One sequence of a batch: rows offset..offset+n-1 of the batch are its tokens; it attends over the first nKv
+ * cells of its own KV cache.
+ */
+export interface AttentionSegment {
+  readonly offset: number
+  readonly n: number
+  readonly nKv: number
+  /** The KV cache of a block (index in the whole model) of this sequence. */
+  readonly kv: (il: number) => KvLayer
+  /** I64 [n] KV cell of each of its tokens */
   readonly kvIdx: Ptr
-  /** F16 [nKv, nTokens] 0 / -inf */
+  /** F16 [nKv, n] 0 / -inf, contiguous (flash attention needs it so) */
   readonly mask: Ptr
-  /** I32 [nOutputs] rows kept after the model's last block (last stage only) */
+  /** I64 [n] its rows in the batch (where its attention output goes); null when it is the whole batch */
+  readonly rows: Ptr | null
+}
+
+export interface GraphInputs {
+  /** I32 [nTokens] positions (each sequence's own) */
+  readonly pos: Ptr
+  /** I32 [nOutputs] rows kept after the model's last block (last stage only): each sequence's last row */
   readonly outIds: Ptr | null
+  /** The sequences of the batch, in row order, covering every row. */
+  readonly segments: ReadonlyArray<AttentionSegment>
 }
 
 export class Toolkit {
@@ -53,10 +69,11 @@ export class Toolkit {
     readonly graph: Ptr,
     readonly hp: HParams,
     readonly nTokens: number,
-    readonly nKv: number,
-    readonly inputs: GraphInputs,
-    private readonly kvLayer: (il: number) => KvLayer
+    readonly inputs: GraphInputs
   ) {}
+
+  /** The batch's attention output rows before wo (several sequences only): one buffer all blocks reuse. */
+  private attnRows: Ptr | null = null
 
   add(a: Ptr, b: Ptr): Ptr {
     return this.g.ggml_add(this.ctx, a, b)
@@ -105,32 +122,61 @@ export class Toolkit {
   }
 
   /**
-   * Stores K and V of this batch in the layer's cache, attends over the first nKv cells (flash attention,
-   * causal F16 mask), projects with wo. q: [headDimK, nHead, n], k: [headDimK, nHeadKv, n], v likewise.
+   * Stores each sequence's K and V in its own cache, attends per sequence over the first nKv cells of that cache
+   * (flash attention, causal F16 mask), projects all rows together with wo.
+   * q: [headDimK, nHead, n], k: [headDimK, nHeadKv, n], v: [headDimV, nHeadKv, n] (contiguous, all sequences' rows).
    */
   attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null): Ptr {
     const g = this.g
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
     const n = this.nTokens
-    const cache = this.kvLayer(this.layer)
     const nEmbdK = headDimK * nHeadKv
     const nEmbdV = headDimV * nHeadKv
+    const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
     // same expansion order as llama.cpp: q, v, k, then the cache writes
     g.ggml_build_forward_expand(this.graph, q)
     g.ggml_build_forward_expand(this.graph, v)
     g.ggml_build_forward_expand(this.graph, k)
-    const k2 = g.ggml_view_2d(ctx, k, nEmbdK, n, g.ggml_row_size(GgmlType.F32, nEmbdK), 0)
-    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.k, k2, this.inputs.kvIdx))
-    const v2 = g.ggml_view_2d(ctx, v, nEmbdV, n, g.ggml_row_size(GgmlType.F32, nEmbdV), 0)
-    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.v, v2, this.inputs.kvIdx))
+    const segments = this.inputs.segments
+    if (segments.length === 1) {
+      const cur = this.attendSegment(segments[0]!, q, k, v)
+      return this.linear(wo, cur, woBias)
+    }
+    // Several sequences: each one's output rows are written in place into one [headDimV * nHead, n] buffer. It is
+    // a graph leaf shared by all blocks: block l + 1 writes it only after reading block l's output, on which its
+    // own q/k/v depend, so the data dependencies order the reuse.
+    if (this.attnRows === null) this.attnRows = g.ggml_new_tensor_2d(ctx, GgmlType.F32, headDimV * nHead, n)
+    let cur = this.attnRows
+    for (const seg of segments) {
+      const qs = g.ggml_view_3d(ctx, q, headDimK, nHead, seg.n, f32(headDimK), f32(headDimK * nHead), seg.offset * f32(headDimK * nHead))
+      const ks = g.ggml_view_3d(ctx, k, headDimK, nHeadKv, seg.n, f32(headDimK), f32(nEmbdK), seg.offset * f32(nEmbdK))
+      const vs = g.ggml_view_3d(ctx, v, headDimV, nHeadKv, seg.n, f32(headDimV), f32(nEmbdV), seg.offset * f32(nEmbdV))
+      const out = this.attendSegment(seg, qs, ks, vs)
+      cur = g.ggml_set_rows(ctx, cur, out, seg.rows!)
+    }
+    return this.linear(wo, cur, woBias)
+  }
+
+  /** One sequence: cache writes, flash attention over its cells; [headDimV * nHead, seg.n]. */
+  private attendSegment(seg: AttentionSegment, q: Ptr, k: Ptr, v: Ptr): Ptr {
+    const g = this.g
+    const ctx = this.ctx
+    const { headDimK, headDimV, nHead, nHeadKv } = this.hp
+    const cache = seg.kv(this.layer)
+    const nEmbdK = headDimK * nHeadKv
+    const nEmbdV = headDimV * nHeadKv
+    const k2 = g.ggml_view_2d(ctx, k, nEmbdK, seg.n, g.ggml_row_size(GgmlType.F32, nEmbdK), 0)
+    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.k, k2, seg.kvIdx))
+    const v2 = g.ggml_view_2d(ctx, v, nEmbdV, seg.n, g.ggml_row_size(GgmlType.F32, nEmbdV), 0)
+    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.v, v2, seg.kvIdx))
 
     const kView = g.ggml_view_3d(
       ctx,
       cache.k,
       headDimK,
       nHeadKv,
-      this.nKv,
+      seg.nKv,
       g.ggml_row_size(GgmlType.F16, headDimK),
       g.ggml_row_size(GgmlType.F16, nEmbdK),
       0
@@ -140,7 +186,7 @@ export class Toolkit {
       cache.v,
       headDimV,
       nHeadKv,
-      this.nKv,
+      seg.nKv,
       g.ggml_row_size(GgmlType.F16, headDimV),
       g.ggml_row_size(GgmlType.F16, nEmbdV),
       0
@@ -148,10 +194,9 @@ export class Toolkit {
     const qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)
     const kp = g.ggml_permute(ctx, kView, 0, 2, 1, 3)
     const vp = g.ggml_permute(ctx, vView, 0, 2, 1, 3)
-    const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, this.inputs.mask, this.hp.kqScale, 0, 0)
+    const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, seg.mask, this.hp.kqScale, 0, 0)
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
-    const cur = g.ggml_reshape_2d(ctx, fa, headDimV * nHead, n)
-    return this.linear(wo, cur, woBias)
+    return g.ggml_reshape_2d(ctx, fa, headDimV * nHead, seg.n)
   }
 
   /** On the model's last block of the last stage: keep only the output rows (llama.cpp's inp_out_ids). */
