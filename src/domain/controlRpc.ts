@@ -39,7 +39,15 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
   cachedWeights: Schema.Boolean,
   prefillComputeMillis: Schema.Number,
   decodeFrames: Schema.Number,
-  decodeComputeMillis: Schema.Number
+  decodeComputeMillis: Schema.Number,
+  /** Micro-batches of the agent's stage batcher that carried this stage's work (see layers/StageBatcher.ts). */
+  microBatches: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /** Rows (tokens of all sequences) of those micro-batches. */
+  batchRows: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /** Most sequences in one of those micro-batches (> 1: this stage shared a computation with other runs). */
+  maxBatchSequences: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /** Prompt chunks this stage ran. */
+  prefillChunks: Schema.optionalWith(Schema.Number, { default: () => 0 })
 }) {}
 
 export const StageReport = Schema.Union(

@@ -36,6 +36,7 @@ import { NodeCapacity } from "../services/Membership.js"
 import { type LoadedStage, StageExecutor } from "../services/StageExecutor.js"
 import { makeSampler } from "../services/Sampler.js"
 import { serveControlRpc } from "./AgentControlRpc.js"
+import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -47,6 +48,8 @@ export interface StageHostOptions {
   readonly modelIdleTimeToLive?: Duration.DurationInput
   /** How long a stage keeps retrying to reach its outbound peer. */
   readonly connectTimeout?: Duration.DurationInput
+  /** Micro-batch size and prompt chunk of the per-weights stage batcher. */
+  readonly batch?: BatcherSettings
 }
 
 export interface StageHost {
@@ -55,6 +58,11 @@ export interface StageHost {
   readonly capacity: Effect.Effect<NodeCapacity>
   /** Weight sets currently cached (for tests and capacity reports). */
   readonly cachedRanges: Effect.Effect<ReadonlyArray<string>>
+}
+
+interface CachedModel {
+  readonly loaded: LoadedStage
+  readonly batcher: StageBatcher
 }
 
 class StageFailure extends Data.TaggedError("StageFailure")<{ readonly kind: StageFaultKind; readonly detail: string }> {}
@@ -94,10 +102,15 @@ export const makeStageHost = (
           boolean,
           "cpu" | "cuda" | "auto"
         ]
-        return executor.load(
-          { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
-          (progress) => progressSinks.get(key)?.(progress.loadedBytes, progress.totalBytes)
-        )
+        // the weights, and one batcher that runs every hosted stage on them (any run) as micro-batches
+        return Effect.gen(function*() {
+          const loaded = yield* executor.load(
+            { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
+            (progress) => progressSinks.get(key)?.(progress.loadedBytes, progress.totalBytes)
+          )
+          const batcher = yield* makeStageBatcher(options.batch).pipe(Effect.provideService(StageExecutor, executor))
+          return { loaded, batcher } satisfies CachedModel
+        })
       },
       idleTimeToLive: options.modelIdleTimeToLive ?? "10 minutes"
     })
@@ -143,7 +156,8 @@ export const makeStageHost = (
           cachedWeights: false,
           prefillComputeMillis: 0,
           decodeFrames: 0,
-          decodeComputeMillis: 0
+          decodeComputeMillis: 0,
+          ...emptyBatchCounters()
         }
 
         const body = Effect.gen(function*() {
@@ -152,7 +166,7 @@ export const makeStageHost = (
           progressSinks.set(key, (loadedBytes, totalBytes) => {
             reports.unsafeOffer({ _tag: "StageLoading", runId, stageIndex, loadedBytes, totalBytes })
           })
-          const loaded: LoadedStage = yield* RcMap.get(models, key).pipe(
+          const { batcher, loaded } = yield* RcMap.get(models, key).pipe(
             Effect.mapError((error) => new StageFailure({ kind: "LoadError", detail: `${error.reason}: ${error.message}` }))
           )
           progressSinks.delete(key)
@@ -198,7 +212,7 @@ export const makeStageHost = (
               }
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
               const t0 = performance.now()
-              const output: StageOutput = yield* session.forward(startPos, input).pipe(
+              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats).pipe(
                 Effect.mapError((error) => new StageFailure({ kind: "EngineError", detail: `${error._tag}: ${errorWords(error)}` }))
               )
               const elapsed = performance.now() - t0
@@ -330,6 +344,22 @@ export interface NodeAgentOptions {
   readonly token: string
   readonly threads: number
   readonly backend: "cpu" | "cuda" | "auto"
+  /**
+   * Stage batcher settings (default: SWACTOR_BATCH_MAX_ROWS rows per micro-batch, else 256; SWACTOR_PREFILL_CHUNK
+   * tokens per prompt chunk, else 128).
+   */
+  readonly batch?: BatcherSettings
+}
+
+const positiveEnv = (name: string): number | undefined => {
+  const n = Number(process.env[name] ?? "")
+  return Number.isSafeInteger(n) && n > 0 ? n : undefined
+}
+
+const batchFromEnv = (): BatcherSettings => {
+  const maxRows = positiveEnv("SWACTOR_BATCH_MAX_ROWS")
+  const prefillChunk = positiveEnv("SWACTOR_PREFILL_CHUNK")
+  return { ...(maxRows !== undefined ? { maxRows } : {}), ...(prefillChunk !== undefined ? { prefillChunk } : {}) }
 }
 
 export interface RunningAgent {
@@ -345,7 +375,12 @@ export const startNodeAgent = (
     const dataPlane = yield* DataPlane
     const controlHost = options.listen._tag === "Tcp" ? options.listen.host : "127.0.0.1"
     const listener = yield* dataPlane.listen(options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 }, options.token)
-    const host = yield* makeStageHost(listener, { token: options.token, threads: options.threads, backend: options.backend })
+    const host = yield* makeStageHost(listener, {
+      token: options.token,
+      threads: options.threads,
+      backend: options.backend,
+      batch: options.batch ?? batchFromEnv()
+    })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({
       address: options.listen,

@@ -560,7 +560,10 @@ export const make = Effect.gen(function*() {
             prefillComputeMillis: stats?.prefillComputeMillis ?? 0,
             computeMillisPerToken: stats !== undefined && stats.decodeFrames > 0
               ? stats.decodeComputeMillis / stats.decodeFrames
-              : 0
+              : 0,
+            microBatches: stats?.microBatches ?? 0,
+            batchRows: stats?.batchRows ?? 0,
+            maxBatchSequences: stats?.maxBatchSequences ?? 0
           }
         })
       const computePerToken = stages.reduce((sum, s) => sum + s.computeMillisPerToken, 0)

@@ -68,6 +68,10 @@ export interface StageSummary {
   readonly prefillComputeMillis: number
   /** Mean engine time per decoded token on this stage. */
   readonly computeMillisPerToken: number
+  /** The agent's stage batcher: micro-batches that carried this stage's work, their rows, most sequences in one. */
+  readonly microBatches: number
+  readonly batchRows: number
+  readonly maxBatchSequences: number
 }
 
 export interface RunSummary {

@@ -1,0 +1,220 @@
+/**
+ * One batcher per loaded weights on an agent: every hosted stage on those weights (any run) submits its forward
+ * work here and awaits its result; one fiber takes everything pending and runs it as ONE forwardBatch (the
+ * weights are read once for all sequences), then completes each submitter.
+ *
+ * - Micro-batch: every pending decode step (one row each) first, then prompt chunks, up to `maxRows` rows.
+ * - A prompt longer than `prefillChunk` tokens is prefilled in fixed chunks [0, C), [C, 2C), ... one per
+ *   micro-batch, interleaved with other sequences' decode steps, so a big prompt does not stall everyone's next
+ *   token. Chunk boundaries depend only on the prompt (never on what else is pending): a chunk that does not fit
+ *   the rows left waits for the next micro-batch, so a sequence's numerics do not depend on timing. The caller gets
+ *   its output once every chunk ran (all hidden rows, or the logits of the last position).
+ * - Faults stay per sequence: an item the engine rejects (BatchItemRejected) fails only its submitter and the rest
+ *   run again without it; when a whole batched computation fails, every item is retried alone, so only the
+ *   culprit fails.
+ * - A submitter that is interrupted (its run stopped) is dropped before its next chunk runs.
+ */
+import { Cause, Deferred, Effect, Queue, type Scope } from "effect"
+import { EngineError, type ForwardError, type StageInput, type StageOutput } from "../domain/engine.js"
+import { type BatchItem, StageExecutor, type StageSession } from "../services/StageExecutor.js"
+
+export interface BatcherSettings {
+  /** Most rows (tokens of all sequences) in one micro-batch (default 256). */
+  readonly maxRows?: number
+  /** Prompt chunk length (default 128; at most maxRows). */
+  readonly prefillChunk?: number
+}
+
+/** Counters of the micro-batches that carried one submitter's work (a stage of one run). */
+export interface BatchCounters {
+  /** Micro-batches this stage's work took part in. */
+  microBatches: number
+  /** Rows of those micro-batches, all sequences together. */
+  batchRows: number
+  /** Most sequences in one of those micro-batches. */
+  maxBatchSequences: number
+  /** Prompt chunks this stage ran (a prompt of n tokens takes ceil(n / prefillChunk)). */
+  prefillChunks: number
+}
+
+export const emptyBatchCounters = (): BatchCounters => ({
+  microBatches: 0,
+  batchRows: 0,
+  maxBatchSequences: 0,
+  prefillChunks: 0
+})
+
+export interface StageBatcher {
+  /** Runs `input` at startPos.. of `session` in the next micro-batch(es); counts into `counters`. */
+  readonly submit: (
+    session: StageSession,
+    startPos: number,
+    input: StageInput,
+    counters: BatchCounters
+  ) => Effect.Effect<StageOutput, ForwardError>
+}
+
+interface Job {
+  readonly session: StageSession
+  readonly startPos: number
+  readonly input: StageInput
+  readonly total: number
+  /** Tokens already run. */
+  done: number
+  readonly hidden: Array<Float32Array>
+  readonly counters: BatchCounters
+  readonly result: Deferred.Deferred<StageOutput, ForwardError>
+  cancelled: boolean
+}
+
+const lengthOf = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
+
+/** The tokens [from, from + n) of an input. */
+const slice = (input: StageInput, from: number, n: number, dim: number): StageInput =>
+  input._tag === "Tokens"
+    ? { _tag: "Tokens", tokens: input.tokens.subarray(from, from + n) }
+    : { _tag: "Hidden", hidden: input.hidden.subarray(from * dim, (from + n) * dim), nTokens: n }
+
+const concat = (parts: ReadonlyArray<Float32Array>): Float32Array => {
+  if (parts.length === 1) return parts[0]!
+  const out = new Float32Array(parts.reduce((s, p) => s + p.length, 0))
+  let off = 0
+  for (const p of parts) {
+    out.set(p, off)
+    off += p.length
+  }
+  return out
+}
+
+/** Starts the batcher fiber in the current scope (it stops when the scope closes). */
+export const makeStageBatcher = (
+  settings: BatcherSettings = {}
+): Effect.Effect<StageBatcher, never, StageExecutor | Scope.Scope> =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
+    const chunk = Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128)))
+    const inbox = yield* Queue.unbounded<Job>()
+    const pending: Array<Job> = []
+
+    const drop = (job: Job) => {
+      const i = pending.indexOf(job)
+      if (i >= 0) pending.splice(i, 1)
+    }
+
+    /** The next micro-batch: decode steps first, then whole chunks while rows are left. */
+    const pick = (): Array<{ job: Job; n: number }> => {
+      const chosen: Array<{ job: Job; n: number }> = []
+      let rows = 0
+      for (const pass of ["decode", "prefill"] as const) {
+        for (const job of pending) {
+          if ((job.total === 1) !== (pass === "decode")) continue
+          const n = Math.min(chunk, job.total - job.done)
+          if (rows + n > maxRows) continue
+          chosen.push({ job, n })
+          rows += n
+        }
+      }
+      return chosen
+    }
+
+    /** Completes the jobs of a micro-batch that ran, with their outputs in order. */
+    const advance = (chosen: ReadonlyArray<{ job: Job; n: number }>, outputs: ReadonlyArray<StageOutput>, rows: number) =>
+      Effect.forEach(chosen, ({ job, n }, i) => {
+        const out = outputs[i]!
+        job.done += n
+        job.counters.microBatches++
+        job.counters.batchRows += rows
+        job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
+        if (job.total > 1) job.counters.prefillChunks++
+        if (out._tag === "Hidden") job.hidden.push(out.hidden)
+        if (job.done < job.total) return Effect.void
+        drop(job)
+        const result: StageOutput = out._tag === "Logits"
+          ? out
+          : { _tag: "Hidden", hidden: concat(job.hidden), nTokens: job.total }
+        return Deferred.succeed(job.result, result)
+      }, { discard: true })
+
+    const failJob = (job: Job, error: ForwardError) => {
+      drop(job)
+      return Deferred.fail(job.result, error)
+    }
+
+    const itemOf = (job: Job, n: number): BatchItem => ({
+      session: job.session,
+      startPos: job.startPos + job.done,
+      input: slice(job.input, job.done, n, job.session.info.hiddenDim)
+    })
+
+    const asEngineError = (error: { readonly _tag: string; readonly message: string }) =>
+      new EngineError({ message: `${error._tag}: ${error.message}` })
+
+    /** Runs one micro-batch; never fails (every outcome lands in the jobs' results). */
+    const runOnce = (chosen: ReadonlyArray<{ job: Job; n: number }>): Effect.Effect<void> => {
+      const rows = chosen.reduce((s, c) => s + c.n, 0)
+      return executor.forwardBatch(chosen.map(({ job, n }) => itemOf(job, n))).pipe(
+        Effect.matchEffect({
+          onSuccess: (outputs) => advance(chosen, outputs, rows),
+          onFailure: (error) => {
+            switch (error._tag) {
+              case "BatchItemRejected": {
+                // nothing ran: only that item fails; the others are still pending for the next micro-batch
+                const culprit = chosen[error.index]
+                return culprit === undefined
+                  ? Effect.forEach(chosen, ({ job }) => failJob(job, asEngineError(error)), { discard: true })
+                  : failJob(culprit.job, error.error)
+              }
+              case "EngineError":
+                // find the culprit: every item alone (a failed computation leaves each session as before it)
+                return chosen.length === 1
+                  ? failJob(chosen[0]!.job, error)
+                  : Effect.forEach(chosen, (c) => runOnce([c]), { discard: true })
+              case "InvalidBatch":
+                return Effect.forEach(chosen, ({ job }) => failJob(job, asEngineError(error)), { discard: true })
+            }
+          }
+        }),
+        Effect.catchAllCause((cause) =>
+          Effect.forEach(
+            chosen,
+            ({ job }) => failJob(job, new EngineError({ message: `the batched forward crashed: ${Cause.pretty(cause)}` })),
+            { discard: true }
+          )
+        )
+      )
+    }
+
+    const loop = Effect.gen(function*() {
+      if (pending.length === 0) pending.push(yield* Queue.take(inbox))
+      pending.push(...(yield* Queue.takeAll(inbox)))
+      for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
+      if (pending.length === 0) return
+      yield* runOnce(pick())
+    })
+    yield* Effect.forkScoped(Effect.forever(loop))
+
+    const submit = (session: StageSession, startPos: number, input: StageInput, counters: BatchCounters) =>
+      Effect.gen(function*() {
+        const result = yield* Deferred.make<StageOutput, ForwardError>()
+        const job: Job = {
+          session,
+          startPos,
+          input,
+          total: lengthOf(input),
+          done: 0,
+          hidden: [],
+          counters,
+          result,
+          cancelled: false
+        }
+        if (!(job.total >= 1)) {
+          // let the engine word the rejection (an empty input never reaches a micro-batch)
+          return yield* session.forward(startPos, input)
+        }
+        yield* Queue.offer(inbox, job)
+        return yield* Deferred.await(result).pipe(Effect.onInterrupt(() => Effect.sync(() => (job.cancelled = true))))
+      })
+
+    return { submit }
+  })
