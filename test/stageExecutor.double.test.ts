@@ -3,6 +3,7 @@ import { Effect, Exit } from "effect"
 import { defaultTestModel, StageExecutorTest, testModelGreedy } from "../src/layers/StageExecutorTest.js"
 import { greedy } from "../src/services/Sampler.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
 
 const model = defaultTestModel
 const path = "test-model.gguf"
@@ -50,5 +51,32 @@ describe("StageExecutorTest (deterministic double)", () => {
         sessions[0]!.forward(2, { _tag: "Tokens", tokens: new Int32Array(model.contextLength) })
       )
       assert.isTrue(Exit.isFailure(over) && JSON.stringify(over).includes("ContextOverflow"))
+    }).pipe(Effect.provide(StageExecutorTest)))
+
+  // The double's forwardBatch checks like the live one (whole batch, then each item with its index) and otherwise
+  // gives each item what a lone forward gives.
+  it.scoped("forwardBatch: lone outputs per item; empty, duplicate, two stages and a bad item are typed errors", () =>
+    Effect.gen(function*() {
+      const executor = yield* StageExecutor
+      const load = (end: number) => executor.load({ path, layerStart: 0, layerEndExclusive: end, isFirst: true, isLast: end === 6 })
+      const whole = yield* load(6)
+      const [a, b, twinA, twinB] = yield* Effect.forEach([0, 1, 2, 3], () => executor.session(whole))
+      const other = yield* executor.session(yield* load(3))
+      const tokens = (...t: Array<number>) => ({ _tag: "Tokens", tokens: Int32Array.from(t) }) as const
+      const outs = yield* executor.forwardBatch([{ session: a!, startPos: 0, input: tokens(1, 5) }, { session: b!, startPos: 0, input: tokens(9) }])
+      assert.deepStrictEqual(outs, [yield* twinA!.forward(0, tokens(1, 5)), yield* twinB!.forward(0, tokens(9))])
+      const tagOf = (exit: Exit.Exit<unknown, { readonly _tag: string }>) =>
+        Exit.isFailure(exit) && exit.cause._tag === "Fail" ? exit.cause.error._tag : "no failure"
+      const item = { session: a!, startPos: 2, input: tokens(3) }
+      assert.strictEqual(tagOf(yield* Effect.exit(executor.forwardBatch([]))), "InvalidBatch")
+      assert.strictEqual(tagOf(yield* Effect.exit(executor.forwardBatch([item, item]))), "InvalidBatch")
+      assert.strictEqual(
+        tagOf(yield* Effect.exit(executor.forwardBatch([item, { session: other, startPos: 0, input: tokens(3) }]))),
+        "InvalidBatch"
+      )
+      const bad = yield* Effect.exit(executor.forwardBatch([item, { session: b!, startPos: 1, input: tokens(model.vocabSize) }]))
+      assert.isTrue(Exit.isFailure(bad) && JSON.stringify(bad).includes('"index":1'))
+      // nothing ran: a continues at position 2 as its twin does
+      assert.deepStrictEqual(yield* executor.forwardBatch([item]), [yield* twinA!.forward(2, tokens(3))])
     }).pipe(Effect.provide(StageExecutorTest)))
 })

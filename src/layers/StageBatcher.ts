@@ -187,6 +187,8 @@ export const makeStageBatcher = (
 
     const loop = Effect.gen(function*() {
       if (pending.length === 0) pending.push(yield* Queue.take(inbox))
+      // let callers whose results just completed submit their next step into this micro-batch
+      yield* Effect.yieldNow()
       pending.push(...(yield* Queue.takeAll(inbox)))
       for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
       if (pending.length === 0) return

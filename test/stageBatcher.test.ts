@@ -1,0 +1,195 @@
+/**
+ * The agent's stage batcher (layers/StageBatcher.ts) over the deterministic StageExecutor double, with a recording
+ * wrapper that can hold the first micro-batch at a gate so that the following ones are built deterministically.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Deferred, Effect, Exit, Fiber, Layer } from "effect"
+import { EngineError, type StageInput, type StageOutput } from "../src/domain/engine.js"
+import { emptyBatchCounters, makeStageBatcher } from "../src/layers/StageBatcher.js"
+import { make as makeDouble } from "../src/layers/StageExecutorTest.js"
+import { StageExecutor, type StageExecutorService, type StageSession } from "../src/services/StageExecutor.js"
+
+interface Recorded {
+  readonly sessions: ReadonlyArray<StageSession>
+  readonly startPos: ReadonlyArray<number>
+  readonly lengths: ReadonlyArray<number>
+}
+
+const lengthOf = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
+
+/** The double, recording every forwardBatch; the first call waits for `gate`; batches with a poisoned session fail. */
+const recordingExecutor = (gate: Deferred.Deferred<void>, poisoned: Set<StageSession> = new Set()) => {
+  const base = makeDouble()
+  const calls: Array<Recorded> = []
+  const service: StageExecutorService = {
+    ...base,
+    forwardBatch: (items) =>
+      Effect.gen(function*() {
+        const first = calls.length === 0
+        calls.push({
+          sessions: items.map((i) => i.session),
+          startPos: items.map((i) => i.startPos),
+          lengths: items.map((i) => lengthOf(i.input))
+        })
+        if (first) yield* Deferred.await(gate)
+        if (items.some((i) => poisoned.has(i.session))) {
+          return yield* new EngineError({ message: "injected: native computation failed" })
+        }
+        return yield* base.forwardBatch(items)
+      })
+  }
+  return { calls, layer: Layer.succeed(StageExecutor, service) }
+}
+
+const tokens = (...t: Array<number>): StageInput => ({ _tag: "Tokens", tokens: Int32Array.from(t) })
+
+/** A stage of the double and `n` sessions on it, plus `n` lone twin sessions for reference outputs. */
+const setup = (n: number, isLast: boolean) =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const stage = yield* executor.load({ path: "m", layerStart: 0, layerEndExclusive: isLast ? 6 : 3, isFirst: true, isLast })
+    const open = () => executor.session(stage)
+    const sessions = yield* Effect.forEach(Array.from({ length: n }), open)
+    const twins = yield* Effect.forEach(Array.from({ length: n }), open)
+    return { sessions, twins }
+  })
+
+describe("stage batcher", () => {
+  // Work submitted while a micro-batch runs goes into the next one together; each caller gets its lone output.
+  it.scoped("pending work of several sequences runs as one forwardBatch; outputs equal lone forwards", () =>
+    Effect.gen(function*() {
+      const gate = yield* Deferred.make<void>()
+      const { calls, layer } = recordingExecutor(gate)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ maxRows: 64, prefillChunk: 16 })
+        const { sessions, twins } = yield* setup(4, true)
+        const counters = sessions.map(() => emptyBatchCounters())
+        // sequence 0 holds the gate; 1..3 queue behind it
+        const first = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1, 2, 3), counters[0]!))
+        while (calls.length === 0) yield* Effect.yieldNow()
+        const inputs = [tokens(1, 5), tokens(2, 5, 9), tokens(3, 5, 9, 11)]
+        const rest = yield* Effect.forEach([1, 2, 3], (i) =>
+          Effect.fork(batcher.submit(sessions[i]!, 0, inputs[i - 1]!, counters[i]!)))
+        yield* Effect.yieldNow()
+        yield* Deferred.succeed(gate, undefined)
+        const outs: Array<StageOutput> = [yield* Fiber.join(first), ...(yield* Effect.forEach(rest, Fiber.join))]
+        assert.strictEqual(calls.length, 2)
+        assert.deepStrictEqual(calls[1]!.sessions, sessions.slice(1))
+        assert.deepStrictEqual(calls[1]!.lengths, [2, 3, 4])
+        const expected = [
+          yield* twins[0]!.forward(0, tokens(1, 2, 3)),
+          ...(yield* Effect.forEach([1, 2, 3], (i) => twins[i]!.forward(0, inputs[i - 1]!)))
+        ]
+        assert.deepStrictEqual(outs, expected)
+        assert.deepStrictEqual(counters.map((c) => c.maxBatchSequences), [1, 3, 3, 3])
+        assert.deepStrictEqual(counters.map((c) => c.batchRows), [3, 9, 9, 9])
+      }).pipe(Effect.provide(layer))
+    }))
+
+  // A prompt of 10 tokens with chunks of 4 runs as [0,4) [4,8) [8,10), one chunk per micro-batch; a decode step
+  // submitted with it runs in the first micro-batch and returns before the prompt is done. The caller gets all 10
+  // hidden rows, equal to the prompt run alone in one call.
+  it.scoped("a long prompt is prefilled in fixed chunks; a decode step submitted beside it does not wait for it", () =>
+    Effect.gen(function*() {
+      const gate = yield* Deferred.make<void>()
+      const { calls, layer } = recordingExecutor(gate)
+      yield* Effect.gen(function*() {
+        // maxRows 5: a decode row and a 4-token chunk fit together, never two chunks
+        const batcher = yield* makeStageBatcher({ maxRows: 5, prefillChunk: 4 })
+        const { sessions, twins } = yield* setup(3, false)
+        const [a, b, c] = sessions as [StageSession, StageSession, StageSession]
+        const counters = [emptyBatchCounters(), emptyBatchCounters(), emptyBatchCounters()]
+        const prompt = tokens(3, 1, 4, 1, 5, 9, 2, 6, 5, 3)
+        const done: Array<string> = []
+        const held = yield* Effect.fork(batcher.submit(a, 0, tokens(7), counters[0]!))
+        while (calls.length === 0) yield* Effect.yieldNow()
+        const long = yield* Effect.fork(batcher.submit(b, 0, prompt, counters[1]!).pipe(Effect.tap(() => done.push("b"))))
+        const decode = yield* Effect.fork(batcher.submit(c, 0, tokens(8), counters[2]!).pipe(Effect.tap(() => done.push("c"))))
+        yield* Effect.yieldNow()
+        yield* Deferred.succeed(gate, undefined)
+        yield* Fiber.join(held)
+        const out = yield* Fiber.join(long)
+        yield* Fiber.join(decode)
+        const bCalls = calls.filter((r) => r.sessions.includes(b))
+        assert.deepStrictEqual(bCalls.map((r) => r.startPos[r.sessions.indexOf(b)]), [0, 4, 8])
+        assert.deepStrictEqual(bCalls.map((r) => r.lengths[r.sessions.indexOf(b)]), [4, 4, 2])
+        assert.deepStrictEqual(bCalls[0]!.sessions, [c, b], "the decode step rides with the first chunk")
+        assert.deepStrictEqual(done, ["c", "b"])
+        for (const r of calls) assert.isAtMost(r.lengths.reduce((sum, n) => sum + n, 0), 5)
+        assert.deepStrictEqual(out, yield* twins[1]!.forward(0, prompt))
+        assert.strictEqual(counters[1]!.prefillChunks, 3)
+      }).pipe(Effect.provide(layer))
+    }))
+
+  // One run's bad input fails that run only: nothing of the batch ran, the others run in the next micro-batch.
+  it.scoped("faults stay per sequence: a rejected item fails only its caller", () =>
+    Effect.gen(function*() {
+      const gate = yield* Deferred.make<void>()
+      const { calls, layer } = recordingExecutor(gate)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({})
+        const { sessions, twins } = yield* setup(3, true)
+        const held = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1), emptyBatchCounters()))
+        while (calls.length === 0) yield* Effect.yieldNow()
+        const fibers = yield* Effect.forEach([
+          batcher.submit(sessions[1]!, 0, tokens(2, 3), emptyBatchCounters()),
+          batcher.submit(sessions[2]!, 0, tokens(9999), emptyBatchCounters()) // outside the vocabulary
+        ], (e) => Effect.fork(Effect.exit(e)))
+        yield* Effect.yieldNow()
+        yield* Deferred.succeed(gate, undefined)
+        yield* Fiber.join(held)
+        const [ok, rejected] = yield* Effect.forEach(fibers, Fiber.join)
+        assert.deepStrictEqual(ok, Exit.succeed(yield* twins[1]!.forward(0, tokens(2, 3))))
+        assert.isTrue(rejected !== undefined && Exit.isFailure(rejected) && JSON.stringify(rejected).includes("InvalidStageInput"))
+        assert.deepStrictEqual(calls.slice(1).map((r) => r.sessions), [[sessions[2]!, sessions[1]!], [sessions[1]!]])
+      }).pipe(Effect.provide(layer))
+    }))
+
+  // When a batched computation fails, every item is retried alone: only the culprit fails.
+  it.scoped("faults stay per sequence: a failing batched computation is retried item by item", () =>
+    Effect.gen(function*() {
+      const gate = yield* Deferred.make<void>()
+      const poisoned = new Set<StageSession>()
+      const { calls, layer } = recordingExecutor(gate, poisoned)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({})
+        const { sessions, twins } = yield* setup(3, true)
+        poisoned.add(sessions[2]!)
+        const held = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1), emptyBatchCounters()))
+        while (calls.length === 0) yield* Effect.yieldNow()
+        const fibers = yield* Effect.forEach([
+          batcher.submit(sessions[1]!, 0, tokens(2, 3), emptyBatchCounters()),
+          batcher.submit(sessions[2]!, 0, tokens(4), emptyBatchCounters())
+        ], (e) => Effect.fork(Effect.exit(e)))
+        yield* Effect.yieldNow()
+        yield* Deferred.succeed(gate, undefined)
+        yield* Fiber.join(held)
+        const [ok, failed] = yield* Effect.forEach(fibers, Fiber.join)
+        assert.deepStrictEqual(ok, Exit.succeed(yield* twins[1]!.forward(0, tokens(2, 3))))
+        assert.isTrue(failed !== undefined && Exit.isFailure(failed) && JSON.stringify(failed).includes("injected"))
+        assert.deepStrictEqual(calls.slice(1).map((r) => r.sessions.length), [2, 1, 1])
+      }).pipe(Effect.provide(layer))
+    }))
+
+  // A caller interrupted while its work waits (its run stopped) is dropped before it runs.
+  it.scoped("an interrupted caller's pending work never runs", () =>
+    Effect.gen(function*() {
+      const gate = yield* Deferred.make<void>()
+      const { calls, layer } = recordingExecutor(gate)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({})
+        const { sessions } = yield* setup(3, true)
+        const held = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1), emptyBatchCounters()))
+        while (calls.length === 0) yield* Effect.yieldNow()
+        const gone = yield* Effect.fork(batcher.submit(sessions[1]!, 0, tokens(2), emptyBatchCounters()))
+        const kept = yield* Effect.fork(batcher.submit(sessions[2]!, 0, tokens(3), emptyBatchCounters()))
+        yield* Effect.yieldNow()
+        yield* Fiber.interrupt(gone)
+        yield* Deferred.succeed(gate, undefined)
+        yield* Fiber.join(held)
+        yield* Fiber.join(kept)
+        assert.isFalse(calls.some((r) => r.sessions.includes(sessions[1]!)))
+        assert.isTrue(calls.some((r) => r.sessions.includes(sessions[2]!)))
+      }).pipe(Effect.provide(layer))
+    }))
+})
