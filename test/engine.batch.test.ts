@@ -272,7 +272,9 @@ describe("forwardBatch: a bad batch is a typed error before anything runs", () =
         "BatchItemRejected 0 InvalidStageInput"
       )
 
-      // nothing ran: a and b are still empty, so a batch on them gives the bits of the same batch on fresh sessions
+      // nothing ran: a still holds no position (position 3 would be a gap), and a batch on a and b gives the bits
+      // of the same batch on fresh sessions
+      assert.strictEqual(errorOf(yield* run([{ session: a!, startPos: 3, input: tokens(4) }])), "BatchItemRejected 0 InvalidStageInput")
       const [c, d] = yield* Effect.forEach([0, 1], () => executor.session(whole!, { threads: 1, contextLength: 64 }))
       const pair = (x: StageSession, y: StageSession) =>
         executor.forwardBatch([{ session: x, startPos: 0, input: tokens(1, 5, 9) }, { session: y, startPos: 0, input: tokens(7) }])

@@ -76,7 +76,11 @@ describe("StageExecutorTest (deterministic double)", () => {
       )
       const bad = yield* Effect.exit(executor.forwardBatch([item, { session: b!, startPos: 1, input: tokens(model.vocabSize) }]))
       assert.isTrue(Exit.isFailure(bad) && JSON.stringify(bad).includes('"index":1'))
-      // nothing ran: a continues at position 2 as its twin does
+      // nothing ran: a still holds 2 positions (3 would be a gap) and continues at 2 as its twin does
+      assert.strictEqual(
+        tagOf(yield* Effect.exit(executor.forwardBatch([{ session: a!, startPos: 3, input: tokens(3) }]))),
+        "BatchItemRejected"
+      )
       assert.deepStrictEqual(yield* executor.forwardBatch([item]), [yield* twinA!.forward(2, tokens(3))])
     }).pipe(Effect.provide(StageExecutorTest)))
 })
