@@ -233,6 +233,30 @@ const errorOf = <A>(exit: Exit.Exit<A, ForwardBatchError>) => {
   return e._tag === "BatchItemRejected" ? `BatchItemRejected ${e.index} ${e.error._tag}` : e._tag
 }
 
+describe("forwardBatch: a decode step of a few sequences", () => {
+  // Up to 7 rows (SWACTOR_GEMV_MAX_ROWS) the CPU matrix products run ggml's one-row kernel on each row, so every
+  // sequence of a small decode batch gets exactly the logits of its lone step (f32 weights: tinyBLAS would differ).
+  it.live("stories260K: 2..7 sequences decoding in one batch get the bits of their lone decode steps", () =>
+    Effect.gen(function*() {
+      const executor = yield* StageExecutor
+      const [whole] = yield* loadSplit(requireModel("stories260K.gguf"), [0, 5])
+      const open = () => executor.session(whole!, { threads: 1, contextLength: 64 })
+      const r = makeRng(5)
+      for (const n of [2, 3, 7]) {
+        const batched = yield* Effect.forEach(Array.from({ length: n }), open)
+        const lone = yield* Effect.forEach(Array.from({ length: n }), open)
+        const prompts = Array.from({ length: n }, (_, i) => Int32Array.from({ length: 2 + i }, () => 3 + Math.floor(r() * 500)))
+        for (let i = 0; i < n; i++) {
+          yield* batched[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
+          yield* lone[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
+        }
+        const step = (i: number): StageInput => ({ _tag: "Tokens", tokens: Int32Array.of(10 + i) })
+        const outs = yield* executor.forwardBatch(batched.map((session, i) => ({ session, startPos: 2 + i, input: step(i) })))
+        for (let i = 0; i < n; i++) assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(2 + i, step(i)), `${n} sequences, #${i}`)
+      }
+    }).pipe(Effect.scoped, Effect.provide(StageExecutorLive)))
+})
+
 describe("forwardBatch: a bad batch is a typed error before anything runs", () => {
   const tokens = (...t: Array<number>): StageInput => ({ _tag: "Tokens", tokens: Int32Array.from(t) })
 
