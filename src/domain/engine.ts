@@ -80,16 +80,3 @@ export class BatchItemRejected extends Schema.TaggedError<BatchItemRejected>()("
 
 /** Why a batched forward failed: the batch as a whole, one item (by index), or the native computation. */
 export type ForwardBatchError = InvalidBatch | BatchItemRejected | EngineError
-
-/** One line of words for a forward error (for faults and logs). */
-export const describeForwardError = (error: ForwardError | ForwardBatchError): string => {
-  switch (error._tag) {
-    case "ContextOverflow":
-      return `positions ${error.position}..${error.position + error.nTokens - 1} do not fit the context length ` +
-        `${error.contextLength}`
-    case "BatchItemRejected":
-      return `batch item ${error.index}: ${describeForwardError(error.error)}`
-    default:
-      return error.message
-  }
-}
