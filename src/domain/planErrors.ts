@@ -172,5 +172,5 @@ export class StageNotInPlan extends Schema.TaggedError<StageNotInPlan>()("StageN
   }
 }
 
-export const ProjectionRejection = StageNotInPlan
+/** Every way projecting a stage can fail (one way today). */
 export type ProjectionRejection = StageNotInPlan

@@ -156,5 +156,3 @@ export const makeMemoryWorld = (count: number) =>
       )
     }
   })
-
-export type { StageExecutor }
