@@ -5,6 +5,7 @@ import {
   AttachedFrame,
   AttachFrame,
   CreditFrame,
+  dataFrame,
   type DataFrame,
   DoorbellFrame,
   FaultFrame,
@@ -322,5 +323,29 @@ describe("Framing", () => {
     const c1 = ActivationFrame({ ...activation(0, 1, 2), chunkIndex: 1, chunkCount: 2 })
     const step = chunked.accept(c1)
     assert.isTrue(step._tag === "Fault" && step.fault._tag === "OutOfOrder")
+  })
+})
+
+describe("dataFrame", () => {
+  // Frames are built only through the domain's builders: `dataFrame` picks the builder by `_tag` and fills defaults.
+  it("builds either kind through its builder, with the chunk fields and dtype defaulted", () => {
+    const payload = Float32Array.of(1, 2, 3, 4)
+    assert.deepStrictEqual(
+      dataFrame({ _tag: "ActivationFrame", runId, edgeId, sequence: 4, startPos: 2, nTokens: 2, hiddenDim: 2, payload }),
+      ActivationFrame({ runId, edgeId, sequence: 4, startPos: 2, nTokens: 2, hiddenDim: 2, payload })
+    )
+    const token = dataFrame({ _tag: "TokenFrame", runId, edgeId, sequence: 1, payload: { _tag: "Decode", tokenId: 9 } })
+    assert.deepStrictEqual(token, {
+      _tag: "TokenFrame",
+      runId,
+      edgeId,
+      sequence: 1,
+      chunkIndex: 0,
+      chunkCount: 1,
+      payload: { _tag: "Decode", tokenId: 9 }
+    })
+    // Only the frame's own fields: nothing extra a caller passed rides along onto the wire value.
+    const extra = { _tag: "TokenFrame" as const, runId, edgeId, sequence: 1, payload: { _tag: "Decode" as const, tokenId: 9 }, note: "x" }
+    assert.notProperty(dataFrame(extra), "note")
   })
 })

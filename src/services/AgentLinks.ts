@@ -107,11 +107,5 @@ export const isNotYetRegistered = (fault: EdgeFault): boolean =>
   fault._tag === "ConnectFailed" ||
   (fault._tag === "PeerFaulted" && (fault.reason === "UnknownRun" || fault.reason === "UnknownEdge"))
 
-/**
- * A data frame as plain data with every field given (the wire encoder validates): works whether the
- * transport's frame types are Schema classes or plain structs.
- */
-export const dataFrame = (frame: DistributiveOmitTag<DataFrame> & { readonly _tag: DataFrame["_tag"] }): DataFrame =>
-  frame as unknown as DataFrame
-
-type DistributiveOmitTag<A> = A extends unknown ? { readonly [K in keyof A]: A[K] } : never
+/** Frames are built with the domain's builders; re-exported here for the stage and orchestrator loops. */
+export { dataFrame } from "../domain/frames.js"
