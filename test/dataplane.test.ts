@@ -393,6 +393,36 @@ describe.skipIf(!ShmRing.isSupported())("ShmRing", () => {
       }
     }
   })
+  // writeWith fills the slot in place (or a temporary when the slot wraps the ring's end): the consumer drains
+  // exactly the bytes written, over garbage left in the ring by earlier rounds.
+  it("writeWith writes in place, across the ring end too", () => {
+    for (const window of [1000, 4096]) {
+      const producer = ShmRing.ShmRing.create(window, 64)
+      const consumer = ShmRing.ShmRing.open(producer.path, window, 64)
+      try {
+        producer.unsafeSetCursors(-100)
+        let wrapped = 0
+        for (let round = 0; round < 40; round++) {
+          const length = 1 + ((round * 53) % 600)
+          const expected = Uint8Array.from({ length }, (_, i) => (round * 7 + i) & 0xff)
+          assert.isTrue(producer.writeWith(length, (slot) => {
+            assert.strictEqual(slot.length, length)
+            if (slot.buffer.byteLength === length) wrapped++
+            slot.set(expected)
+          }))
+          assert.deepStrictEqual(Array.from(consumer.drain() as Uint8Array), Array.from(expected))
+        }
+        assert.isAbove(wrapped, 0, "no slot wrapped the ring's end")
+        let called = false
+        assert.isFalse(producer.writeWith(producer.capacity + 1, () => void (called = true)))
+        assert.isFalse(called)
+      } finally {
+        producer.unlink()
+        producer.close()
+        consumer.close()
+      }
+    }
+  })
 })
 
 describe("DataPlane shared-memory attach", () => {

@@ -349,3 +349,46 @@ describe("dataFrame", () => {
     assert.notProperty(dataFrame(extra), "note")
   })
 })
+
+describe("Framing without extra copies", () => {
+  // A frame encoded into a dirty slot (a ring's memory) is byte for byte the frame encoded into fresh zeros.
+  it("encodeInto a dirty buffer gives exactly the bytes of unsafeEncode", () => {
+    fc.assert(
+      fc.property(frameArb, alignmentArb, fc.integer({ min: 1, max: 255 }), (frame, alignment, dirt) => {
+        const expected = Framing.unsafeEncode(frame, alignment)
+        const slot = new Uint8Array(expected.length).fill(dirt)
+        Framing.encodeInto(frame, alignment, slot)
+        assert.deepStrictEqual(slot, expected)
+      }),
+      { numRuns: 300, seed: 0x5eed41 }
+    )
+  })
+
+  // The stream decoder used on sockets and drained rings hands over activation payloads as views of the pushed
+  // bytes (no copy), falling back to a copy when the payload would not be 4-byte aligned in memory.
+  it("an aliasing stream decoder returns payload views, and copies when misaligned", () => {
+    const frame = activation(0, 2, 6)
+    const bytes = Either.getOrThrow(Framing.encode(frame, 64))
+    const decoder = new Framing.StreamDecoder(true)
+    decoder.push(bytes)
+    const step = decoder.next(limits(64))
+    assert.isTrue(step._tag === "Frame" && step.frame._tag === "ActivationFrame")
+    if (step._tag !== "Frame" || step.frame._tag !== "ActivationFrame") return
+    assert.strictEqual(step.frame.payload.buffer, bytes.buffer)
+    sameFrame(step.frame, frame)
+    // The same bytes one byte into a buffer: the payload is copied, and still equal.
+    const shifted = new Uint8Array(bytes.length + 1).subarray(1)
+    shifted.set(bytes)
+    const copying = new Framing.StreamDecoder(true)
+    copying.push(shifted)
+    const copied = copying.next(limits(64))
+    assert.isTrue(copied._tag === "Frame" && copied.frame._tag === "ActivationFrame")
+    if (copied._tag !== "Frame" || copied.frame._tag !== "ActivationFrame") return
+    assert.notStrictEqual(copied.frame.payload.buffer, shifted.buffer)
+    sameFrame(copied.frame, frame)
+    // The default decoder always copies.
+    const plain = Either.getOrThrow(Framing.decode(bytes, limits(64)))
+    assert.isTrue(plain._tag === "ActivationFrame" && plain.payload.buffer !== bytes.buffer)
+  })
+})
+

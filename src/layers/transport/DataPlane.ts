@@ -225,7 +225,8 @@ interface ConnHandlers {
 
 /** Frame-level view of a socket: decodes each `data` event completely, then `onBurstEnd`. */
 class FrameConn {
-  readonly decoder = new Framing.StreamDecoder()
+  // A socket's data chunks are never written again, so activation payloads may be views of them.
+  readonly decoder = new Framing.StreamDecoder(true)
   closed = false
 
   constructor(
@@ -360,7 +361,8 @@ class Inbound implements ConnHandlers {
   }
 
   private shm: ShmRing | undefined
-  private readonly shmDecoder = new Framing.StreamDecoder()
+  // `drain` hands over a fresh copy of the ring's bytes: payloads may be views of it.
+  private readonly shmDecoder = new Framing.StreamDecoder(true)
 
   attach(conn: FrameConn, shm: ShmRing | undefined): void {
     this.conn = conn
@@ -733,6 +735,12 @@ export const layer = (options: ListenOptions): Layer.Layer<DataPlaneNode, Listen
 // Sending side
 // ---------------------------------------------------------------------------------------------
 
+/** A chunk checked for the wire, with its encoded length (encoding waits until it has window). */
+interface EncodedChunk {
+  readonly frame: DataFrame
+  readonly length: number
+}
+
 class Outbound implements ConnHandlers {
   private outstanding = 0
   private windowWaiter: (() => void) | undefined
@@ -806,15 +814,18 @@ class Outbound implements ConnHandlers {
     return this.outstanding + length <= this.options.ring.dataCapacity
   }
 
-  private put(bytes: Uint8Array): void {
-    this.outstanding += bytes.length
+  private put(chunk: EncodedChunk): void {
+    const length = chunk.length
+    this.outstanding += length
     if (this.outstanding > this.counters.maxOutstandingBytes) this.counters.maxOutstandingBytes = this.outstanding
     this.counters.frames++
-    this.counters.bytes += bytes.length
+    this.counters.bytes += length
     const shm = this.shm
-    if (shm === undefined) return this.conn.write(bytes)
-    if (!shm.write(bytes)) {
-      return this.conn.fail(new WindowExceeded({ outstanding: shm.used + bytes.length, capacity: shm.capacity }))
+    const alignment = this.options.ring.alignment
+    if (shm === undefined) return this.conn.write(Framing.unsafeEncode(chunk.frame, alignment))
+    // Encoded straight into the ring: the payload is copied once on this side.
+    if (!shm.writeWith(length, (slot) => Framing.encodeInto(chunk.frame, alignment, slot))) {
+      return this.conn.fail(new WindowExceeded({ outstanding: shm.used + length, capacity: shm.capacity }))
     }
     if (shm.raisePending() || this.options.ring.wakeCoalescing === "EveryFrame") this.conn.write(this.doorbell)
   }
@@ -844,26 +855,27 @@ class Outbound implements ConnHandlers {
     })
   }
 
-  private encodeAll(frame: DataFrame): Either.Either<ReadonlyArray<Uint8Array>, EdgeFault> {
+  /** Checks the frame and splits it into chunks that fit the window; each is encoded when it is put. */
+  private encodeAll(frame: DataFrame): Either.Either<ReadonlyArray<EncodedChunk>, EdgeFault> {
     const { alignment, dataCapacity } = this.options.ring
     if (frame.runId !== this.options.runId || frame.edgeId !== this.options.edgeId) {
       return Either.left(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
     }
     return Either.map(Framing.chunk(frame, dataCapacity, alignment), (chunks) =>
-      chunks.map((c) => Framing.unsafeEncode(c, alignment)))
+      chunks.map((c) => ({ frame: c, length: Framing.encodedLength(c, alignment) })))
   }
 
-  private sendEncoded(encoded: ReadonlyArray<Uint8Array>): Effect.Effect<void, EdgeFault> {
+  private sendEncoded(encoded: ReadonlyArray<EncodedChunk>): Effect.Effect<void, EdgeFault> {
     let i = 0
     const loop: Effect.Effect<void, EdgeFault> = Effect.suspend(() => {
       for (; i < encoded.length; i++) {
         if (this.failure !== undefined) return Effect.fail(this.failure)
-        const bytes = encoded[i]!
-        if (!this.fits(bytes.length)) {
+        const chunk = encoded[i]!
+        if (!this.fits(chunk.length)) {
           this.conn.socket.uncork()
-          return Effect.zipRight(this.awaitWindow(bytes.length), loop)
+          return Effect.zipRight(this.awaitWindow(chunk.length), loop)
         }
-        this.put(bytes)
+        this.put(chunk)
       }
       return Effect.void
     })
@@ -881,7 +893,7 @@ class Outbound implements ConnHandlers {
   readonly sendAll = (frames: Iterable<DataFrame>): Effect.Effect<void, EdgeFault> =>
     Effect.suspend(() => {
       if (this.failure !== undefined) return Effect.fail(this.failure)
-      const encoded: Array<Uint8Array> = []
+      const encoded: Array<EncodedChunk> = []
       for (const frame of frames) {
         const e = this.encodeAll(frame)
         if (Either.isLeft(e)) return Effect.fail(e.left)
