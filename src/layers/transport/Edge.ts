@@ -1,6 +1,6 @@
 /**
- * The data plane's public shapes: the two ends of an edge (`EdgeReceiver`, `EdgeSender`), their counters, the
- * listener that edges register on, and the options of `listen` / `connect` (DataPlane.ts tells the protocol).
+ * The data plane's public shapes: the two ends of an edge (`InboundEdge`, `OutboundEdge`), their counters, the
+ * listener that edges register on, and the options of `listen` / `connect` (EdgeTransport.ts tells the protocol).
  */
 import { Data, type Duration, type Effect, type Scope } from "effect"
 import type { DataFrame, EdgeBusy, EdgeFault, RingMismatch, TransportAddress } from "../../domain/frames.js"
@@ -47,7 +47,7 @@ export interface SenderStats {
 }
 
 /** The consuming end of one edge. */
-export interface EdgeReceiver {
+export interface InboundEdge {
   readonly runId: RunId
   readonly edgeId: EdgeId
   readonly ring: RingSpec
@@ -69,7 +69,7 @@ export interface EdgeReceiver {
 }
 
 /** The producing end of one edge. */
-export interface EdgeSender {
+export interface OutboundEdge {
   readonly runId: RunId
   readonly edgeId: EdgeId
   readonly ring: RingSpec
@@ -104,7 +104,7 @@ export interface RegisterOptions {
 }
 
 /** A node's data-plane listener, routing authenticated connections to registered edges. */
-export interface DataPlaneListener {
+export interface EdgeListener {
   /** The bound address (with the real port when listening on port 0). */
   readonly address: TransportAddress
   /**
@@ -113,7 +113,7 @@ export interface DataPlaneListener {
    * register again for a fresh edge (a reconnect cannot resume a half-delivered sequence).
    * Register before the producer connects: an attach for an unregistered edge is refused.
    */
-  readonly register: (options: RegisterOptions) => Effect.Effect<EdgeReceiver, EdgeBusy | RingMismatch, Scope.Scope>
+  readonly register: (options: RegisterOptions) => Effect.Effect<InboundEdge, EdgeBusy | RingMismatch, Scope.Scope>
   /** Currently registered edges. */
   readonly edges: Effect.Effect<ReadonlyArray<{ readonly runId: RunId; readonly edgeId: EdgeId }>>
 }

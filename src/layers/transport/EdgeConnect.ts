@@ -3,11 +3,11 @@ import * as Net from "node:net"
 import { Deferred, Effect, type Scope } from "effect"
 import { AttachFrame, ConnectFailed, EdgeClosed, type EdgeFault, Malformed, PeerFaulted } from "../../domain/frames.js"
 import { clientHandshake } from "./Auth.js"
-import type { ConnectOptions, EdgeSender } from "./Edge.js"
+import type { ConnectOptions, OutboundEdge } from "./Edge.js"
 import { boundLimits, FrameConn, makeLogger, validateRing } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
 import { netOptions } from "./Net.js"
-import { Outbound } from "./OutboundEdge.js"
+import { OutboundCore } from "./OutboundCore.js"
 import { ShmRing } from "./ShmRing.js"
 
 /**
@@ -16,7 +16,7 @@ import { ShmRing } from "./ShmRing.js"
  * receiver's refusal as `PeerFaulted` (reason `UnknownRun`, `UnknownEdge`, `RingMismatch`,
  * `EdgeBusy`). The stream is ended gracefully when the scope closes.
  */
-export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, EdgeFault, Scope.Scope> =>
+export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, EdgeFault, Scope.Scope> =>
   Effect.gen(function*() {
     const invalid = validateRing(options.ring)
     if (invalid !== undefined) return yield* invalid
@@ -60,13 +60,13 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
     )
     const outbound = yield* Effect.gen(function*() {
       yield* clientHandshake(socket, { token: options.token })
-      return yield* Effect.async<Outbound, EdgeFault>((resume) => {
+      return yield* Effect.async<OutboundCore, EdgeFault>((resume) => {
         const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
         const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
           onFrame: (frame) => {
             if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
               shm?.unlink()
-              const outbound = new Outbound(conn, options, shm)
+              const outbound = new OutboundCore(conn, options, shm)
               conn.limits = boundLimits(options.ring)
               conn.handlers = outbound
               return resume(Effect.succeed(outbound))
@@ -104,7 +104,7 @@ export const connect = (options: ConnectOptions): Effect.Effect<EdgeSender, Edge
     )
     const close = Effect.sync(() => outbound.conn.end(new EdgeClosed()))
     yield* Effect.addFinalizer(() => close)
-    const sender: EdgeSender = {
+    const sender: OutboundEdge = {
       runId: options.runId,
       edgeId: options.edgeId,
       ring: options.ring,

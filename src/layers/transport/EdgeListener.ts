@@ -17,10 +17,10 @@ import {
 } from "../../domain/frames.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
 import { serverHandshake } from "./Auth.js"
-import { type DataPlaneListener, type EdgeReceiver, ListenFailed, type ListenOptions, type RegisterOptions } from "./Edge.js"
+import { type EdgeListener, type InboundEdge, ListenFailed, type ListenOptions, type RegisterOptions } from "./Edge.js"
 import { boundLimits, FrameConn, makeLogger, validateRing } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
-import { Inbound } from "./InboundEdge.js"
+import { InboundCore } from "./InboundCore.js"
 import { defaultListenAddress, serveSockets } from "./Net.js"
 import { ShmRing } from "./ShmRing.js"
 
@@ -28,12 +28,12 @@ import { ShmRing } from "./ShmRing.js"
  * Listen for data-plane connections. Every connection must pass the HMAC handshake, then attach to
  * an edge registered here; everything else is refused and logged. Closed with the scope.
  */
-export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener, ListenFailed, Scope.Scope> =>
+export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, ListenFailed, Scope.Scope> =>
   Effect.gen(function*() {
     const runtime = yield* Effect.runtime<never>()
     const log = makeLogger(runtime)
     const requested = options.address ?? defaultListenAddress
-    const runs = new Map<number, Map<number, Inbound>>()
+    const runs = new Map<number, Map<number, InboundCore>>()
     const attachTimeout = Duration.toMillis(options.attachTimeout ?? "5 seconds")
 
     const onAttach = (conn: FrameConn, frame: AttachFrame): void => {
@@ -108,7 +108,7 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
       onError: (err) => log(`data-plane listener error: ${err.message}`)
     })
 
-    const unregister = (inbound: Inbound) =>
+    const unregister = (inbound: InboundCore) =>
       Effect.sync(() => {
         const { edgeId, runId } = inbound.options
         const edges = runs.get(runId)
@@ -120,17 +120,17 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
         inbound.setFault(new EdgeClosed())
       })
 
-    const register = (reg: RegisterOptions): Effect.Effect<EdgeReceiver, EdgeBusy | RingMismatch, Scope.Scope> =>
+    const register = (reg: RegisterOptions): Effect.Effect<InboundEdge, EdgeBusy | RingMismatch, Scope.Scope> =>
       Effect.gen(function*() {
         const invalid = validateRing(reg.ring)
         if (invalid !== undefined) return yield* invalid
-        const edges = runs.get(reg.runId) ?? new Map<number, Inbound>()
+        const edges = runs.get(reg.runId) ?? new Map<number, InboundCore>()
         if (edges.has(reg.edgeId)) return yield* new EdgeBusy({ runId: reg.runId, edgeId: reg.edgeId })
-        const inbound = new Inbound(reg)
+        const inbound = new InboundCore(reg)
         edges.set(reg.edgeId, inbound)
         runs.set(reg.runId, edges)
         yield* Effect.addFinalizer(() => unregister(inbound))
-        const receiver: EdgeReceiver = {
+        const receiver: InboundEdge = {
           runId: reg.runId,
           edgeId: reg.edgeId,
           ring: reg.ring,
@@ -144,7 +144,7 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
         return receiver
       })
 
-    const listener: DataPlaneListener = {
+    const listener: EdgeListener = {
       address,
       register,
       edges: Effect.sync(() =>
@@ -157,7 +157,7 @@ export const listen = (options: ListenOptions): Effect.Effect<DataPlaneListener,
   })
 
 /** This node's data-plane listener, as a service. */
-export class DataPlaneNode extends Context.Tag("swactor/DataPlaneNode")<DataPlaneNode, DataPlaneListener>() {}
+export class DataPlaneNode extends Context.Tag("swactor/DataPlaneNode")<DataPlaneNode, EdgeListener>() {}
 
 /** `listen` as a layer: the listener lives as long as the layer. */
 export const layer = (options: ListenOptions): Layer.Layer<DataPlaneNode, ListenFailed> =>

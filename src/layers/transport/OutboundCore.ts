@@ -25,7 +25,7 @@ interface EncodedChunk {
   readonly length: number
 }
 
-export class Outbound implements ConnHandlers {
+export class OutboundCore implements ConnHandlers {
   private outstanding = 0
   private windowWaiter: (() => void) | undefined
   failure: EdgeFault | undefined

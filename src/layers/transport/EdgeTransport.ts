@@ -5,8 +5,8 @@
  * listener; see ShmRing.ts): the sender names its /dev/shm ring in the AttachFrame, data frames
  * go into the ring, and the socket carries only doorbells (PendingBit), faults and the attach.
  *
- * Topology. Every node runs one `DataPlaneListener`. The consumer of an edge registers an
- * `EdgeReceiver` for `(runId, edgeId)` on its listener; the producer opens an `EdgeSender` to that
+ * Topology. Every node runs one `EdgeListener`. The consumer of an edge registers an
+ * `InboundEdge` for `(runId, edgeId)` on its listener; the producer opens an `OutboundEdge` to that
  * listener. One connection carries one edge:
  *
  * ```
@@ -46,7 +46,7 @@
  * Each side has one consumer: do not call `receive` (or `send`) from two fibers at once.
  *
  * Modules: Edge.ts (the public shapes), EdgeListener.ts (the listener and its edge registry), EdgeConnect.ts (the
- * sending end's connect), InboundEdge.ts / OutboundEdge.ts (each end's window, credits and sequencing),
+ * sending end's connect), InboundCore.ts / OutboundCore.ts (each end's window, credits and sequencing),
  * FramedSocket.ts (the socket carrier), ShmRing.ts (the shared-memory carrier), Net.ts (socket plumbing shared with
  * the control plane). This module is their public face.
  */

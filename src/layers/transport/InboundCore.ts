@@ -22,7 +22,7 @@ import type { ConnHandlers, FrameConn } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
 import type { ShmRing } from "./ShmRing.js"
 
-export class Inbound implements ConnHandlers {
+export class InboundCore implements ConnHandlers {
   conn: FrameConn | undefined
   private readonly sequencer: Framing.Sequencer
   private ready: Array<DataFrame> = []
