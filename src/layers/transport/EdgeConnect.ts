@@ -8,6 +8,7 @@ import { boundLimits, FrameConn, makeLogger, validateRing } from "./FramedSocket
 import * as Framing from "./Framing.js"
 import { netOptions } from "./Net.js"
 import { OutboundCore } from "./OutboundCore.js"
+import { sharedMemorySendCarrier, socketSendCarrier } from "./SendCarrier.js"
 import { ShmRing } from "./ShmRing.js"
 
 /**
@@ -66,7 +67,10 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
           onFrame: (frame) => {
             if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
               shm?.unlink()
-              const outbound = new OutboundCore(conn, options, shm)
+              const carrier = shm === undefined
+                ? socketSendCarrier(conn, options.ring.alignment)
+                : sharedMemorySendCarrier(conn, shm, options)
+              const outbound = new OutboundCore(conn, options, carrier)
               conn.limits = boundLimits(options.ring)
               conn.handlers = outbound
               return resume(Effect.succeed(outbound))

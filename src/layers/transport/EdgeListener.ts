@@ -22,6 +22,7 @@ import { boundLimits, FrameConn, makeLogger, validateRing } from "./FramedSocket
 import * as Framing from "./Framing.js"
 import { InboundCore } from "./InboundCore.js"
 import { defaultListenAddress, serveSockets } from "./Net.js"
+import { sharedMemoryReceiveCarrier, socketReceiveCarrier } from "./ReceiveCarrier.js"
 import { ShmRing } from "./ShmRing.js"
 
 /**
@@ -71,7 +72,11 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       conn.write(Framing.unsafeEncode(AttachedFrame({ runId: frame.runId, edgeId: frame.edgeId }), 8))
       conn.limits = boundLimits(ring)
       conn.handlers = inbound
-      inbound.attach(conn, shm)
+      inbound.attach(
+        conn,
+        shm === undefined ? socketReceiveCarrier(conn, inbound.options)
+        : sharedMemoryReceiveCarrier(conn, shm, inbound.options, inbound)
+      )
     }
 
     const onConnection = (socket: Net.Socket): void => {

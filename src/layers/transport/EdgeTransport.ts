@@ -45,9 +45,10 @@
  *
  * Each side has one consumer: do not call `receive` (or `send`) from two fibers at once.
  *
- * Modules: Edge.ts (the public shapes), EdgeListener.ts (the listener and its edge registry), EdgeConnect.ts (the
- * sending end's connect), InboundCore.ts / OutboundCore.ts (each end's window, credits and sequencing),
- * FramedSocket.ts (the socket carrier), ShmRing.ts (the shared-memory carrier), Net.ts (socket plumbing shared with
+ * Modules: Edge.ts (the public shapes), EdgeListener.ts (the listener and its edge registry),
+ * EdgeConnect.ts (the sending end's connect), InboundCore.ts / OutboundCore.ts (the edge cores: window,
+ * credits, sequencing), SendCarrier.ts / ReceiveCarrier.ts (the socket and shared-memory carriers under the
+ * cores), FramedSocket.ts (frames over a socket), ShmRing.ts (the ring), Net.ts (socket plumbing shared with
  * the control plane). This module is their public face.
  */
 export * from "./Edge.js"

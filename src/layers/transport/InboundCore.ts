@@ -5,9 +5,7 @@
  */
 import { Deferred, Effect, Exit, FiberId } from "effect"
 import {
-  CreditFrame,
   type DataFrame,
-  DoorbellFrame,
   type EdgeFault,
   Malformed,
   Oversized,
@@ -20,7 +18,7 @@ import {
 import type { ReceiverStats, RegisterOptions } from "./Edge.js"
 import type { ConnHandlers, FrameConn } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
-import type { ShmRing } from "./ShmRing.js"
+import type { ReceiveCarrier } from "./ReceiveCarrier.js"
 
 export class InboundCore implements ConnHandlers {
   conn: FrameConn | undefined
@@ -29,7 +27,6 @@ export class InboundCore implements ConnHandlers {
   private readyBytes: Array<number> = []
   private unconsumed = 0
   private creditNow = 0
-  private creditSequence = 0
   private pending = false
   private signalPending = false
   private waiter: (() => void) | undefined
@@ -42,13 +39,11 @@ export class InboundCore implements ConnHandlers {
     this.sequencer = new Framing.Sequencer(options.initialSequence ?? 0, options.reassemble ?? true)
   }
 
-  private shm: ShmRing | undefined
-  // `drain` hands over a fresh copy of the ring's bytes: payloads may be views of it.
-  private readonly shmDecoder = new Framing.StreamDecoder(true)
+  private carrier: ReceiveCarrier | undefined
 
-  attach(conn: FrameConn, shm: ShmRing | undefined): void {
+  attach(conn: FrameConn, carrier: ReceiveCarrier): void {
     this.conn = conn
-    this.shm = shm
+    this.carrier = carrier
     Deferred.unsafeDone(this.attachedDeferred, Exit.void)
   }
 
@@ -57,35 +52,17 @@ export class InboundCore implements ConnHandlers {
     if (frame._tag === "FaultFrame") {
       return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
     }
-    if (frame._tag === "DoorbellFrame" && this.shm !== undefined) return this.drainShm(conn, this.shm)
+    if (frame._tag === "DoorbellFrame" && this.carrier?.expectsDoorbells === true) return this.carrier.drain(false)
     if (frame._tag !== "TokenFrame" && frame._tag !== "ActivationFrame") {
       return conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a sender` }))
     }
-    if (this.shm !== undefined) {
+    if (this.carrier?.dataOnSocket === false) {
       return conn.fail(new Malformed({ detail: "data frame on the socket of a shared-memory edge" }))
     }
     this.onData(frame, length)
   }
 
-  /** Doorbell: decode every frame in the ring through the same checks as socket frames. */
-  private drainShm(conn: FrameConn, shm: ShmRing, stayAwake = false): void {
-    const bytes = shm.drain(stayAwake)
-    if (bytes === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
-    if (bytes === undefined) return
-    this.shmDecoder.push(bytes)
-    for (;;) {
-      const step = this.shmDecoder.next(conn.limits)
-      if (step._tag === "NeedMore") return
-      if (step._tag === "Fault") return conn.fail(step.fault)
-      if (step.frame._tag !== "TokenFrame" && step.frame._tag !== "ActivationFrame") {
-        return conn.fail(new Malformed({ detail: `unexpected ${step.frame._tag} in the shared-memory ring` }))
-      }
-      this.onData(step.frame, step.length)
-      if (conn.closed) return
-    }
-  }
-
-  private onData(frame: DataFrame, length: number): void {
+  readonly onData = (frame: DataFrame, length: number): void => {
     const { edgeId, ring, runId } = this.options
     const conn = this.conn!
     if (frame.runId !== runId) return conn.fail(new UnknownRun({ runId: frame.runId }))
@@ -130,7 +107,7 @@ export class InboundCore implements ConnHandlers {
 
   onClose(fault: EdgeFault): void {
     // A shared-memory peer that closed mid-frame left a partial frame in the ring, not the socket.
-    const truncated = fault._tag === "PeerClosed" && this.shm !== undefined ? this.shmDecoder.finish() : undefined
+    const truncated = fault._tag === "PeerClosed" ? this.carrier?.finish() : undefined
     this.setFault(truncated ?? fault)
   }
 
@@ -140,32 +117,16 @@ export class InboundCore implements ConnHandlers {
     Deferred.unsafeDone(this.faulted, Exit.succeed(fault))
     Deferred.unsafeDone(this.attachedDeferred, Exit.fail(fault))
     if (this.conn !== undefined && !this.conn.closed) this.conn.fail(fault)
-    this.shm?.close()
+    this.carrier?.close()
     this.waiter?.()
   }
 
   private credit(bytes: number): void {
     this.unconsumed -= bytes
     const conn = this.conn
-    if (conn === undefined || conn.closed) return
+    if (conn === undefined || conn.closed || this.carrier === undefined) return
     this.counters.creditFrames++
-    if (this.shm !== undefined) {
-      if (this.shm.addCredit(bytes)) {
-        conn.write(Framing.unsafeEncode(
-          DoorbellFrame({ runId: this.options.runId, edgeId: this.options.edgeId }),
-          this.options.ring.alignment
-        ))
-      }
-      return
-    }
-    const frame = CreditFrame({
-      runId: this.options.runId,
-      edgeId: this.options.edgeId,
-      sequence: this.creditSequence,
-      bytes
-    })
-    this.creditSequence = (this.creditSequence + 1) >>> 0
-    conn.write(Framing.unsafeEncode(frame, this.options.ring.alignment))
+    this.carrier.credit(bytes)
   }
 
   private takeReady(max: number): Array<DataFrame> {
@@ -208,21 +169,15 @@ export class InboundCore implements ConnHandlers {
    * more, so nothing written before sleeping is missed. True when messages became ready.
    */
   private spinShm(): boolean {
-    const shm = this.shm
+    const carrier = this.carrier
     const conn = this.conn
     const spin = this.options.spinMicros ?? 0
-    if (shm === undefined || conn === undefined || conn.closed || spin <= 0 || this.failure !== undefined) return false
-    shm.claimAwake()
+    if (carrier === undefined || !carrier.canSpin || conn === undefined || conn.closed || spin <= 0) return false
+    if (this.failure !== undefined) return false
     this.counters.spins++
-    const deadline = performance.now() + spin / 1000
-    while (this.ready.length === 0 && !conn.closed && performance.now() < deadline) {
-      if (shm.used > 0) {
-        this.drainShm(conn, shm, true)
-        this.flushPartialCredit()
-      }
-    }
+    carrier.spin(spin, () => this.ready.length > 0, () => this.flushPartialCredit())
     if (this.ready.length > 0) this.counters.spinHits++
-    if (!conn.closed) this.drainShm(conn, shm, false)
+    if (!conn.closed) carrier.drain(false)
     this.signalPending = false
     this.flushPartialCredit()
     return this.ready.length > 0 || this.failure !== undefined

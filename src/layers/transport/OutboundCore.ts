@@ -6,18 +6,16 @@
 import { Deferred, Effect, Either, Exit, FiberId } from "effect"
 import {
   type DataFrame,
-  DoorbellFrame,
   type EdgeFault,
   Malformed,
   PeerFaulted,
   UnknownEdge,
-  WindowExceeded,
   type WireFrame
 } from "../../domain/frames.js"
 import type { ConnectOptions, SenderStats } from "./Edge.js"
 import type { ConnHandlers, FrameConn } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
-import type { ShmRing } from "./ShmRing.js"
+import type { SendCarrier } from "./SendCarrier.js"
 
 /** A chunk checked for the wire, with its encoded length (encoding waits until it has window). */
 interface EncodedChunk {
@@ -32,15 +30,11 @@ export class OutboundCore implements ConnHandlers {
   readonly faulted = Deferred.unsafeMake<EdgeFault>(FiberId.none)
   private counters = { frames: 0, bytes: 0, maxOutstandingBytes: 0, windowWaits: 0, creditFrames: 0 }
 
-  private readonly doorbell: Uint8Array
-
-  constructor(readonly conn: FrameConn, readonly options: ConnectOptions, readonly shm: ShmRing | undefined) {
-    this.doorbell = Framing.unsafeEncode(DoorbellFrame({ runId: options.runId, edgeId: options.edgeId }), options.ring.alignment)
-  }
+  constructor(readonly conn: FrameConn, readonly options: ConnectOptions, readonly carrier: SendCarrier) {}
 
   onFrame(frame: WireFrame): void {
     if (frame._tag === "FaultFrame") return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
-    if (frame._tag === "DoorbellFrame" && this.shm !== undefined) return // credits are in the ring: onBurstEnd re-checks
+    if (frame._tag === "DoorbellFrame" && this.carrier.expectsDoorbells) return // credits are in the carrier: onBurstEnd re-checks
     if (frame._tag !== "CreditFrame") {
       return this.conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a receiver` }))
     }
@@ -67,23 +61,17 @@ export class OutboundCore implements ConnHandlers {
     this.failure = fault
     Deferred.unsafeDone(this.faulted, Exit.succeed(fault))
     if (!this.conn.closed) this.conn.fail(fault)
-    this.shm?.close()
+    this.carrier.close()
     this.windowWaiter?.()
   }
 
-  private lastCredited = 0
-
-  /** Shared memory: take the credits the consumer published in the ring. */
+  /** Take the credits that came through the carrier (shared memory publishes them in the ring). */
   private refreshCredits(): void {
-    const shm = this.shm
-    if (shm === undefined) return
-    const credited = shm.credited
-    const delta = (credited - this.lastCredited) >>> 0
+    const delta = this.carrier.takeCredits()
     if (delta === 0) return
     if (delta > this.outstanding) {
       return this.conn.fail(new Malformed({ detail: `credit of ${delta} B exceeds ${this.outstanding} B outstanding` }))
     }
-    this.lastCredited = credited
     this.outstanding -= delta
     this.counters.creditFrames++
   }
@@ -91,9 +79,7 @@ export class OutboundCore implements ConnHandlers {
   private fits(length: number): boolean {
     this.refreshCredits()
     if (this.outstanding + length <= this.options.ring.dataCapacity) return true
-    if (this.shm === undefined) return false
-    // Say we wait, then look again: the consumer either sees the flag or we see its credit.
-    this.shm.setProducerWaiting()
+    if (!this.carrier.announceWaiting()) return false
     this.refreshCredits()
     return this.outstanding + length <= this.options.ring.dataCapacity
   }
@@ -104,14 +90,8 @@ export class OutboundCore implements ConnHandlers {
     if (this.outstanding > this.counters.maxOutstandingBytes) this.counters.maxOutstandingBytes = this.outstanding
     this.counters.frames++
     this.counters.bytes += length
-    const shm = this.shm
-    const alignment = this.options.ring.alignment
-    if (shm === undefined) return this.conn.write(Framing.unsafeEncode(chunk.frame, alignment))
-    // Encoded straight into the ring: the payload is copied once on this side.
-    if (!shm.writeWith(length, (slot) => Framing.encodeInto(chunk.frame, alignment, slot))) {
-      return this.conn.fail(new WindowExceeded({ outstanding: shm.used + length, capacity: shm.capacity }))
-    }
-    if (shm.raisePending() || this.options.ring.wakeCoalescing === "EveryFrame") this.conn.write(this.doorbell)
+    const fault = this.carrier.put(chunk.frame, length)
+    if (fault !== undefined) this.conn.fail(fault)
   }
 
   /** Wait until `length` more bytes fit the window (or the edge faults). */
