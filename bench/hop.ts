@@ -20,7 +20,7 @@ import { Effect, Redacted } from "effect"
 import { ActivationFrame, type TransportAddress } from "../src/domain/frames.js"
 import type { EdgeId, RunId } from "../src/domain/ids.js"
 import type { RingSpec } from "../src/domain/plan.js"
-import * as DataPlane from "../src/layers/transport/DataPlane.js"
+import * as EdgeTransport from "../src/layers/transport/EdgeTransport.js"
 
 const arg = (name: string, fallback: number) => {
   const i = process.argv.indexOf(`--${name}`)
@@ -61,11 +61,11 @@ const listenAddress = (transport: Transport, tag: string): TransportAddress =>
 const echo = (setup: Setup) =>
   Effect.scoped(Effect.gen(function*() {
     const token = Redacted.make(setup.token)
-    const listener = yield* DataPlane.listen({ address: listenAddress(setup.transport, "echo"), token })
+    const listener = yield* EdgeTransport.listen({ address: listenAddress(setup.transport, "echo"), token })
     const inbound = yield* listener.register({ runId, edgeId: forward, ring, spinMicros: spinFor(setup.transport) })
     process.send!({ address: listener.address })
     yield* inbound.attached
-    const sender = yield* DataPlane.connect({
+    const sender = yield* EdgeTransport.connect({
       address: setup.home,
       token,
       runId,
@@ -85,7 +85,7 @@ const measure = (transport: Transport) =>
   Effect.scoped(Effect.gen(function*() {
     const tokenText = "bench-token"
     const token = Redacted.make(tokenText)
-    const listener = yield* DataPlane.listen({ address: listenAddress(transport, "home"), token })
+    const listener = yield* EdgeTransport.listen({ address: listenAddress(transport, "home"), token })
     const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
     const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit" })
     yield* Effect.addFinalizer(() =>
@@ -99,7 +99,7 @@ const measure = (transport: Transport) =>
     const echoAddress = yield* Effect.async<TransportAddress>((resume) => {
       child.once("message", (m) => resume(Effect.succeed((m as { address: TransportAddress }).address)))
     })
-    const sender = yield* DataPlane.connect({
+    const sender = yield* EdgeTransport.connect({
       address: echoAddress,
       token,
       runId,

@@ -24,7 +24,7 @@ export * from "./domain/frames.js"
 export * from "./domain/controlRpc.js"
 export * as Framing from "./layers/transport/Framing.js"
 export * as Auth from "./layers/transport/Auth.js"
-export * as DataPlane from "./layers/transport/DataPlane.js"
+export * as EdgeTransport from "./layers/transport/EdgeTransport.js"
 export * as ControlPlane from "./layers/transport/ControlPlane.js"
 export * as ShmRing from "./layers/transport/ShmRing.js"
 

@@ -5,7 +5,7 @@ import { ActivationFrame, AttachFrame, tcpAddress } from "../src/domain/frames.j
 import type { EdgeId, RunId } from "../src/domain/ids.js"
 import type { RingSpec } from "../src/domain/plan.js"
 import * as Auth from "../src/layers/transport/Auth.js"
-import * as DataPlane from "../src/layers/transport/DataPlane.js"
+import * as EdgeTransport from "../src/layers/transport/EdgeTransport.js"
 import * as Framing from "../src/layers/transport/Framing.js"
 
 const TOKEN_TEXT = "correct-horse-battery-staple-0123456789"
@@ -212,12 +212,12 @@ describe("Auth handshake", () => {
 })
 
 describe("Data-plane listener security", () => {
-  const listen = DataPlane.listen({ address: tcpAddress(0), token, handshakeTimeout: "500 millis" })
+  const listen = EdgeTransport.listen({ address: tcpAddress(0), token, handshakeTimeout: "500 millis" })
 
   // The listener binds loopback unless told otherwise.
   it.scopedLive("binds 127.0.0.1 by default", () =>
     Effect.gen(function*() {
-      const listener = yield* DataPlane.listen({ token })
+      const listener = yield* EdgeTransport.listen({ token })
       assert.deepStrictEqual(listener.address._tag === "Tcp" && listener.address.host, "127.0.0.1")
     }))
 
@@ -225,7 +225,7 @@ describe("Data-plane listener security", () => {
     Effect.gen(function*() {
       const listener = yield* listen
       yield* listener.register({ runId, edgeId, ring })
-      const result = yield* Effect.either(DataPlane.connect({ address: listener.address, token: wrongToken, runId, edgeId, ring }))
+      const result = yield* Effect.either(EdgeTransport.connect({ address: listener.address, token: wrongToken, runId, edgeId, ring }))
       assert.isTrue(Either.isLeft(result) && result.left._tag === "AuthFailed")
     }))
 
@@ -235,11 +235,11 @@ describe("Data-plane listener security", () => {
       const listener = yield* listen
       yield* listener.register({ runId, edgeId, ring })
       const unknownRun = yield* Effect.either(
-        DataPlane.connect({ address: listener.address, token, runId: 99 as RunId, edgeId, ring })
+        EdgeTransport.connect({ address: listener.address, token, runId: 99 as RunId, edgeId, ring })
       )
       assert.isTrue(Either.isLeft(unknownRun) && unknownRun.left._tag === "PeerFaulted" && unknownRun.left.reason === "UnknownRun")
       const unknownEdge = yield* Effect.either(
-        DataPlane.connect({ address: listener.address, token, runId, edgeId: 42 as EdgeId, ring })
+        EdgeTransport.connect({ address: listener.address, token, runId, edgeId: 42 as EdgeId, ring })
       )
       assert.isTrue(
         Either.isLeft(unknownEdge) && unknownEdge.left._tag === "PeerFaulted" && unknownEdge.left.reason === "UnknownEdge"

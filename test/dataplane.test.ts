@@ -14,7 +14,7 @@ import {
 import type { EdgeId, RunId } from "../src/domain/ids.js"
 import type { RingSpec } from "../src/domain/plan.js"
 import * as Auth from "../src/layers/transport/Auth.js"
-import * as DataPlane from "../src/layers/transport/DataPlane.js"
+import * as EdgeTransport from "../src/layers/transport/EdgeTransport.js"
 import * as Framing from "../src/layers/transport/Framing.js"
 import * as ShmRing from "../src/layers/transport/ShmRing.js"
 
@@ -71,9 +71,9 @@ const eventually = <A>(get: Effect.Effect<A>, f: (a: A) => boolean) =>
 /** Set up a listener with one registered edge, and a connected sender. */
 const edge = (address: TransportAddress, ring: RingSpec, sharedMemory = false) =>
   Effect.gen(function*() {
-    const listener = yield* DataPlane.listen({ address, token })
+    const listener = yield* EdgeTransport.listen({ address, token })
     const receiver = yield* listener.register({ runId, edgeId, ring })
-    const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring, sharedMemory })
+    const sender = yield* EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring, sharedMemory })
     yield* receiver.attached
     return { listener, receiver, sender }
   })
@@ -289,7 +289,7 @@ for (const transport of transports) {
       it.scopedLive(`faults the edge with ${h.tag} on ${h.name}, and the receiver survives`, () =>
         Effect.gen(function*() {
           const ring = ringOf(16 * 1024)
-          const listener = yield* DataPlane.listen({ address: transport.address(), token })
+          const listener = yield* EdgeTransport.listen({ address: transport.address(), token })
           const receiver = yield* listener.register({ runId, edgeId, ring })
           const raw = yield* rawSender(listener.address, ring, transport.sharedMemory)
           raw.write(h.bytes(ring))
@@ -305,7 +305,7 @@ for (const transport of transports) {
           assert.strictEqual(delivered, h.tag === "WindowExceeded" ? 4 : 0)
           // The same listener still serves a fresh edge.
           const fresh = yield* listener.register({ runId, edgeId: 77 as EdgeId, ring })
-          const sender = yield* DataPlane.connect({
+          const sender = yield* EdgeTransport.connect({
             address: listener.address,
             token,
             runId,
@@ -338,9 +338,9 @@ describe.skipIf(!ShmRing.isSupported())("DataPlane over shared memory, busy-poll
   it.scopedLive("delivers every frame whether it is caught by polling or by the doorbell", () =>
     Effect.gen(function*() {
       const ring = ringOf(16 * 1024)
-      const listener = yield* DataPlane.listen({ address: unixAddress(), token })
+      const listener = yield* EdgeTransport.listen({ address: unixAddress(), token })
       const receiver = yield* listener.register({ runId, edgeId, ring, spinMicros: 200 })
-      const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring, sharedMemory: true })
+      const sender = yield* EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring, sharedMemory: true })
       const producer = yield* Effect.fork(Effect.forEach(
         Array.from({ length: 50 }, (_, i) => activation(i, 1, 700, i)),
         (f, i) => Effect.zipRight(i % 7 === 0 ? sleep(1) : Effect.void, sender.send(f)),
@@ -355,16 +355,16 @@ describe.skipIf(!ShmRing.isSupported())("DataPlane over shared memory, busy-poll
     }))
 })
 
-describe("DataPlane.layer", () => {
+describe("EdgeTransport.layer", () => {
   it.scopedLive("provides this node's listener as a service", () =>
     Effect.gen(function*() {
-      const listener = yield* DataPlane.DataPlaneNode
+      const listener = yield* EdgeTransport.DataPlaneNode
       const receiver = yield* listener.register({ runId, edgeId, ring: ringOf(4096) })
-      const sender = yield* DataPlane.connect({ address: listener.address, token, runId, edgeId, ring: ringOf(4096) })
+      const sender = yield* EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring: ringOf(4096) })
       yield* sender.send(decode(0, 42))
       const got = yield* receiver.take
       assert.deepStrictEqual(got._tag === "TokenFrame" && got.payload, { _tag: "Decode", tokenId: 42 })
-    }).pipe(Effect.provide(DataPlane.layer({ token }))))
+    }).pipe(Effect.provide(EdgeTransport.layer({ token }))))
 })
 
 describe.skipIf(!ShmRing.isSupported())("ShmRing", () => {
@@ -393,6 +393,36 @@ describe.skipIf(!ShmRing.isSupported())("ShmRing", () => {
       }
     }
   })
+  // writeWith fills the slot in place (or a temporary when the slot wraps the ring's end): the consumer drains
+  // exactly the bytes written, over garbage left in the ring by earlier rounds.
+  it("writeWith writes in place, across the ring end too", () => {
+    for (const window of [1000, 4096]) {
+      const producer = ShmRing.ShmRing.create(window, 64)
+      const consumer = ShmRing.ShmRing.open(producer.path, window, 64)
+      try {
+        producer.unsafeSetCursors(-100)
+        let wrapped = 0
+        for (let round = 0; round < 40; round++) {
+          const length = 1 + ((round * 53) % 600)
+          const expected = Uint8Array.from({ length }, (_, i) => (round * 7 + i) & 0xff)
+          assert.isTrue(producer.writeWith(length, (slot) => {
+            assert.strictEqual(slot.length, length)
+            if (slot.buffer.byteLength === length) wrapped++
+            slot.set(expected)
+          }))
+          assert.deepStrictEqual(Array.from(consumer.drain() as Uint8Array), Array.from(expected))
+        }
+        assert.isAbove(wrapped, 0, "no slot wrapped the ring's end")
+        let called = false
+        assert.isFalse(producer.writeWith(producer.capacity + 1, () => void (called = true)))
+        assert.isFalse(called)
+      } finally {
+        producer.unlink()
+        producer.close()
+        consumer.close()
+      }
+    }
+  })
 })
 
 describe("DataPlane shared-memory attach", () => {
@@ -401,7 +431,7 @@ describe("DataPlane shared-memory attach", () => {
     it.scopedLive(`refuses to map ${path}`, () =>
       Effect.gen(function*() {
         const ring = ringOf(16 * 1024)
-        const listener = yield* DataPlane.listen({ address: unixAddress(), token })
+        const listener = yield* EdgeTransport.listen({ address: unixAddress(), token })
         const receiver = yield* listener.register({ runId, edgeId, ring })
         const address = listener.address as { path: string }
         const socket = yield* Effect.acquireRelease(
@@ -435,7 +465,7 @@ describe("DataPlane alignment on the wire", () => {
   it.scopedLive("pads every frame to the ring alignment", () =>
     Effect.gen(function*() {
       const ring = ringOf(64 * 1024, 256)
-      const listener = yield* DataPlane.listen({ token })
+      const listener = yield* EdgeTransport.listen({ token })
       const receiver = yield* listener.register({ runId, edgeId, ring })
       const target = listener.address as { port: number }
       const captured: Array<Buffer> = []
@@ -456,7 +486,7 @@ describe("DataPlane alignment on the wire", () => {
         }),
         (server) => Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
       )
-      const sender = yield* DataPlane.connect({
+      const sender = yield* EdgeTransport.connect({
         address: { _tag: "Tcp", host: "127.0.0.1", port: (proxy.address() as Net.AddressInfo).port },
         token,
         runId,

@@ -181,6 +181,14 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   }
   assert.isAtMost(expectedSequence, resolved.maxTokens)
 
+  // The barrier passes in the very step that completes it: no state waits in Provisioning with everything ready.
+  for (const entry of entries) {
+    const s = entry.step.state
+    const allReady = s.provisioned.length > 0 && s.provisioned.every((p) => s.readyStages.includes(p.stageIndex)) &&
+      s.tokenInReady && s.tokenOutReady
+    assert.isFalse(s.phase === "Provisioning" && allReady, "every stage and both endpoints ready, prompt not injected")
+  }
+
   // Provisioning: one ProvisionStage per planned stage, only to plan nodes, only after PoolReady and the plan.
   const provisions = commands.flatMap((c) => c._tag === "ProvisionStage" ? [c.provision] : [])
   assert.include([0, 3], provisions.length)
@@ -258,6 +266,14 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   }
 }
 
+// The five readiness facts, given in any order and any subset by the third branch below, so that the barrier is
+// reached with TokenOut missing and with stage 0 the last to be ready (a plain random walk almost never gets there).
+const readinessOps: ReadonlyArray<Op> = [
+  ev(RunEvents.TokenInEndpointReady()),
+  ev(RunEvents.TokenOutEndpointReady()),
+  ...refs.map((r) => ev(RunEvents.StageReady({ runId, stageIndex: r.stageIndex })))
+]
+
 // Sequences that reach execution often: a valid start, then random ops.
 const opsArb = fc.oneof(
   fc.array(opArb, { maxLength: 40 }),
@@ -268,16 +284,39 @@ const opsArb = fc.oneof(
     ev(RunEvents.TokenOutEndpointReady()),
     ...refs.map((r) => ev(RunEvents.StageReady({ runId, stageIndex: r.stageIndex }))),
     ...tail
+  ]),
+  fc.tuple(fc.shuffledSubarray([...readinessOps]), fc.array(opArb, { maxLength: 20 })).map(([readies, tail]) => [
+    ev(RunEvents.PoolReady({ nodes: stageNodes(plan) })),
+    ev(RunEvents.PlanAvailable({ plan })),
+    ...readies,
+    ...tail
   ])
 )
+
+/** Readiness states the barrier must handle; the generator is checked to reach each of them. */
+const barrierStates = (entries: ReadonlyArray<Entry>): Array<string> => {
+  const seen: Array<string> = []
+  for (const entry of entries) {
+    const s = entry.step.state
+    const allStagesReady = s.provisioned.length === 3 && s.provisioned.every((p) => s.readyStages.includes(p.stageIndex))
+    if (s.phase === "Provisioning" && allStagesReady && s.tokenInReady && !s.tokenOutReady) {
+      seen.push("all stages and TokenIn ready, TokenOut not")
+    }
+    const startedBy = entry.step.events.some((e) => e._tag === "RunStarted") ? entry.event : undefined
+    if (startedBy?._tag === "StageReady" && startedBy.stageIndex === 0) seen.push("stage 0 the last ready")
+    if (startedBy?._tag === "TokenOutEndpointReady") seen.push("TokenOut the last ready")
+  }
+  return seen
+}
 
 describe("run FSM properties", () => {
   it("for any event sequence: one terminal outcome at most, ordered injections, teardown after every stop", () =>
     fc.assert(fc.property(configArb, opsArb, (config, ops) => checkInvariants(config, fold(config, ops))), {
-      numRuns: 400
+      numRuns: 400,
+      seed: 0x5eed01
     }))
 
-  it("the sequences reach every terminal kind and both ways of tearing down", () => {
+  it("the sequences reach every terminal kind, both ways of tearing down and the barrier's edge cases", () => {
     // Guards the generator: the invariants above are only as good as the states the sequences reach.
     const seen = new Set<string>()
     fc.assert(
@@ -290,6 +329,7 @@ describe("run FSM properties", () => {
             }
           }
         }
+        for (const state of barrierStates(fold(config, ops))) seen.add(state)
       }),
       { numRuns: 400, seed: 42 }
     )
@@ -299,7 +339,10 @@ describe("run FSM properties", () => {
       "RunFaulted",
       "RunOperatorStopped",
       "TornDown:clean",
-      "TornDown:deadline"
+      "TornDown:deadline",
+      "all stages and TokenIn ready, TokenOut not",
+      "stage 0 the last ready",
+      "TokenOut the last ready"
     ]
     for (const kind of kinds) {
       assert.isTrue(seen.has(kind), `no generated sequence reached ${kind}`)
@@ -323,6 +366,6 @@ describe("run FSM properties", () => {
           }).pipe(Effect.scoped, Effect.provide(TestContext.TestContext))
         )
       ),
-      { numRuns: 40 }
+      { numRuns: 40, seed: 0x5eed02 }
     ))
 })

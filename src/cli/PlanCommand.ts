@@ -4,13 +4,13 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
-import { basename } from "node:path"
 import { Console, Data, Effect, Option } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
 import { type NodeId, RunId } from "../domain/ids.js"
 import type { DTypeFamily, Edge, EdgeEndpoint, ModelFacts, PlannerInput, RingSpec, RunPlan } from "../domain/plan.js"
 import type { PlanRejection } from "../domain/planErrors.js"
-import * as Gguf from "../layers/gguf/GgufReader.js"
+import * as ModelCatalogLive from "../layers/ModelCatalogLive.js"
+import { ModelCatalog } from "../services/ModelCatalog.js"
 import { planRun } from "../services/Planner.js"
 
 /** Bad command-line input (before planning). */
@@ -50,27 +50,20 @@ export const parseNodeList = (text: string, flag: string): Effect.Effect<Readonl
   return Effect.succeed(parts.map((p) => Number(p) as NodeId))
 }
 
-const modelFactsFromGguf = (path: string, dtype: PlanArgs["dtype"]): Effect.Effect<ModelFacts, ModelLoadError> =>
+const modelFactsFromGguf = (
+  path: string,
+  dtype: PlanArgs["dtype"]
+): Effect.Effect<ModelFacts, ModelLoadError, ModelCatalog> =>
   Effect.gen(function*() {
-    const file = yield* Gguf.readGgufFile(path)
-    const arch = yield* Gguf.getArchitecture(file)
-    const eos = yield* Gguf.getOptional(file, "tokenizer.ggml.eos_token_id", Gguf.getU32)
+    const facts = yield* (yield* ModelCatalog).facts(path)
     const [dtypeFamily, dtypeWidthBytes] = DTYPES[dtype]
-    return {
-      modelId: basename(path),
-      ggufSource: { _tag: "LocalPath", path },
-      numLayers: yield* Gguf.getU32(file, `${arch}.block_count`),
-      hiddenDim: yield* Gguf.getU32(file, `${arch}.embedding_length`),
-      dtypeFamily,
-      dtypeWidthBytes,
-      maxSeqLen: yield* Gguf.getU32(file, `${arch}.context_length`),
-      eosTokenId: eos ?? 2,
-      tokenizer: { _tag: "EmbeddedInGguf" }
-    }
+    return { ...facts, dtypeFamily, dtypeWidthBytes }
   })
 
 /** Builds the planner input the command line describes. */
-export const plannerInputFromArgs = (args: PlanArgs): Effect.Effect<PlannerInput, PlanUsageError | ModelLoadError> =>
+export const plannerInputFromArgs = (
+  args: PlanArgs
+): Effect.Effect<PlannerInput, PlanUsageError | ModelLoadError, ModelCatalog> =>
   Effect.gen(function*() {
     const nodes = yield* parseNodeList(args.nodes, "nodes")
     const pool = Option.isSome(args.pool) ? yield* parseNodeList(args.pool.value, "pool") : [...new Set(nodes)]
@@ -193,7 +186,8 @@ export const runPlanCommand = (args: PlanArgs) =>
           ),
           Effect.fail(error)
         )
-    })
+    }),
+    Effect.provide(ModelCatalogLive.layer)
   )
 
 const positiveInt = (name: string, description: string) =>

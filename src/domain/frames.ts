@@ -115,6 +115,15 @@ export const ActivationFrame = (
 /** A frame the user of an edge sends and receives. */
 export type DataFrame = TokenFrame | ActivationFrame
 
+/** The fields of either data frame kind, `_tag` saying which; the chunk fields and dtype may be left out. */
+export type DataFrameFields =
+  | (Defaulted<TokenFrame, "chunkIndex" | "chunkCount"> & { readonly _tag: "TokenFrame" })
+  | (Defaulted<ActivationFrame, "chunkIndex" | "chunkCount" | "dtype"> & { readonly _tag: "ActivationFrame" })
+
+/** Build a data frame of the kind `_tag` names, through that kind's builder (plain data, no validation). */
+export const dataFrame = (fields: DataFrameFields): DataFrame =>
+  fields._tag === "ActivationFrame" ? ActivationFrame(fields) : TokenFrame(fields)
+
 /**
  * Sender → receiver, first frame on a connection: bind it to one edge, stating the sender's ring.
  * `sharedMemory` names the /dev/shm ring file the sender writes data frames into ("" = frames

@@ -1,5 +1,18 @@
 import { Schema } from "effect"
-import { NodeId } from "./ids.js"
+
+/**
+ * A number exactly as the planner was given it. Rejections carry the offending value, which may be NaN or infinite;
+ * JSON has no such numbers, so these encode as the strings "NaN", "Infinity" and "-Infinity" and decode back.
+ */
+export const InputNumber = Schema.transform(
+  Schema.Union(Schema.Number, Schema.Literal("NaN", "Infinity", "-Infinity")),
+  Schema.Number,
+  {
+    strict: true,
+    decode: (encoded) => typeof encoded === "string" ? Number(encoded) : encoded,
+    encode: (n) => Number.isFinite(n) ? n : n > 0 ? "Infinity" as const : n < 0 ? "-Infinity" as const : "NaN" as const
+  }
+).annotations({ identifier: "InputNumber" })
 
 /** Which of the planner input's two ring specs a rejection is about. */
 export const RingName = Schema.Literal("activation", "token")
@@ -7,8 +20,8 @@ export type RingName = typeof RingName.Type
 
 /** A placement entry names a node that is not in the orchestrator's candidate pool. */
 export class UnknownNode extends Schema.TaggedError<UnknownNode>()("UnknownNode", {
-  stageIndex: Schema.Number,
-  nodeId: NodeId
+  stageIndex: InputNumber,
+  nodeId: InputNumber
 }) {
   override get message() {
     return `stage ${this.stageIndex} is placed on node ${this.nodeId}, which is not in the candidate pool`
@@ -18,7 +31,7 @@ export class UnknownNode extends Schema.TaggedError<UnknownNode>()("UnknownNode"
 /** Two placement entries claim the same stage index. */
 export class DuplicateStageAssignment extends Schema.TaggedError<DuplicateStageAssignment>()(
   "DuplicateStageAssignment",
-  { stageIndex: Schema.Number, firstNodeId: NodeId, secondNodeId: NodeId }
+  { stageIndex: InputNumber, firstNodeId: InputNumber, secondNodeId: InputNumber }
 ) {
   override get message() {
     return `stage ${this.stageIndex} is assigned twice (to node ${this.firstNodeId} and to node ${this.secondNodeId})`
@@ -27,8 +40,8 @@ export class DuplicateStageAssignment extends Schema.TaggedError<DuplicateStageA
 
 /** A stage index inside `0..stageCount` has no placement entry. */
 export class MissingStage extends Schema.TaggedError<MissingStage>()("MissingStage", {
-  stageIndex: Schema.Number,
-  stageCount: Schema.Number
+  stageIndex: InputNumber,
+  stageCount: InputNumber
 }) {
   override get message() {
     return `stage ${this.stageIndex} of ${this.stageCount} has no placement entry`
@@ -37,7 +50,7 @@ export class MissingStage extends Schema.TaggedError<MissingStage>()("MissingSta
 
 /** The stage count is not a positive integer. */
 export class InvalidStageCount extends Schema.TaggedError<InvalidStageCount>()("InvalidStageCount", {
-  stageCount: Schema.Number
+  stageCount: InputNumber
 }) {
   override get message() {
     return `stage count ${this.stageCount} is invalid: a pipeline needs a whole number of stages, at least 1`
@@ -47,7 +60,7 @@ export class InvalidStageCount extends Schema.TaggedError<InvalidStageCount>()("
 /** The model has fewer layers than there are stages, so some stage would get an empty block range. */
 export class ModelStageLayoutMismatch extends Schema.TaggedError<ModelStageLayoutMismatch>()(
   "ModelStageLayoutMismatch",
-  { numLayers: Schema.Number, stageCount: Schema.Number }
+  { numLayers: InputNumber, stageCount: InputNumber }
 ) {
   override get message() {
     return `a model with ${this.numLayers} layers cannot be split into ${this.stageCount} non-empty stages`
@@ -56,8 +69,8 @@ export class ModelStageLayoutMismatch extends Schema.TaggedError<ModelStageLayou
 
 /** A placement entry names a stage index outside `0..stageCount`. */
 export class StageIndexOutOfRange extends Schema.TaggedError<StageIndexOutOfRange>()("StageIndexOutOfRange", {
-  stageIndex: Schema.Number,
-  stageCount: Schema.Number
+  stageIndex: InputNumber,
+  stageCount: InputNumber
 }) {
   override get message() {
     return `placement names stage index ${this.stageIndex}, outside 0..${this.stageCount}`
@@ -68,7 +81,7 @@ export class StageIndexOutOfRange extends Schema.TaggedError<StageIndexOutOfRang
 export class InvalidRingSpec extends Schema.TaggedError<InvalidRingSpec>()("InvalidRingSpec", {
   ring: RingName,
   field: Schema.Literal("dataCapacity", "alignment"),
-  value: Schema.Number
+  value: InputNumber
 }) {
   override get message() {
     return this.field === "dataCapacity"
@@ -79,11 +92,11 @@ export class InvalidRingSpec extends Schema.TaggedError<InvalidRingSpec>()("Inva
 
 /** The activation ring cannot hold one frame of one token's hidden state. */
 export class ActivationRingTooSmall extends Schema.TaggedError<ActivationRingTooSmall>()("ActivationRingTooSmall", {
-  dataCapacity: Schema.Number,
-  requiredBytes: Schema.Number,
-  hiddenDim: Schema.Number,
-  dtypeWidthBytes: Schema.Number,
-  alignment: Schema.Number
+  dataCapacity: InputNumber,
+  requiredBytes: InputNumber,
+  hiddenDim: InputNumber,
+  dtypeWidthBytes: InputNumber,
+  alignment: InputNumber
 }) {
   override get message() {
     return `activation ring capacity ${this.dataCapacity} bytes cannot hold one token's hidden state: ` +
@@ -93,8 +106,8 @@ export class ActivationRingTooSmall extends Schema.TaggedError<ActivationRingToo
 
 /** `maxTokens` is 0, not a whole number, or beyond the model's `maxSeqLen`. */
 export class InvalidMaxTokens extends Schema.TaggedError<InvalidMaxTokens>()("InvalidMaxTokens", {
-  maxTokens: Schema.Number,
-  maxSeqLen: Schema.Number
+  maxTokens: InputNumber,
+  maxSeqLen: InputNumber
 }) {
   override get message() {
     return `max tokens ${this.maxTokens} is invalid: ` +
@@ -104,17 +117,28 @@ export class InvalidMaxTokens extends Schema.TaggedError<InvalidMaxTokens>()("In
 
 /** The candidate pool lists the same node twice. */
 export class DuplicateCandidateNode extends Schema.TaggedError<DuplicateCandidateNode>()("DuplicateCandidateNode", {
-  nodeId: NodeId
+  nodeId: InputNumber
 }) {
   override get message() {
     return `node ${this.nodeId} appears more than once in the candidate pool`
   }
 }
 
+/** A node id in the candidate pool, or the orchestrator's node id, is not a whole number >= 0. */
+export class InvalidNodeId extends Schema.TaggedError<InvalidNodeId>()("InvalidNodeId", {
+  role: Schema.Literal("orchestrator", "candidate"),
+  value: InputNumber
+}) {
+  override get message() {
+    return `${this.role === "orchestrator" ? "orchestrator" : "candidate pool"} node id ${this.value} is invalid: ` +
+      "it must be a whole number >= 0"
+  }
+}
+
 /** A model fact the plan relies on is not a positive whole number. */
 export class InvalidModelFacts extends Schema.TaggedError<InvalidModelFacts>()("InvalidModelFacts", {
   field: Schema.Literal("numLayers", "hiddenDim", "dtypeWidthBytes", "maxSeqLen"),
-  value: Schema.Number
+  value: InputNumber
 }) {
   override get message() {
     return `model ${this.field} ${this.value} is invalid: it must be a positive whole number`
@@ -133,19 +157,20 @@ export const PlanRejection = Schema.Union(
   ActivationRingTooSmall,
   InvalidMaxTokens,
   DuplicateCandidateNode,
-  InvalidModelFacts
+  InvalidModelFacts,
+  InvalidNodeId
 )
 export type PlanRejection = typeof PlanRejection.Type
 
 /** Projection of a stage that the plan does not contain. */
 export class StageNotInPlan extends Schema.TaggedError<StageNotInPlan>()("StageNotInPlan", {
-  stageIndex: Schema.Number,
-  stageCount: Schema.Number
+  stageIndex: InputNumber,
+  stageCount: InputNumber
 }) {
   override get message() {
     return `stage index ${this.stageIndex} is not in the plan (it has stages 0..${this.stageCount})`
   }
 }
 
-export const ProjectionRejection = StageNotInPlan
+/** Every way projecting a stage can fail (one way today). */
 export type ProjectionRejection = StageNotInPlan

@@ -1,6 +1,6 @@
 /**
  * Live `DataPlane` over the transport layer's authenticated TCP/Unix data plane
- * (src/layers/transport/DataPlane.ts): one listener per process, one connection per edge.
+ * (src/layers/transport/EdgeTransport.ts): one listener per process, one connection per edge.
  *
  * An edge to a Unix-socket listener is on this machine, so its frames go through a shared-memory
  * ring (ShmRing.ts) when /dev/shm can hold it; the socket then carries only the attach, doorbells
@@ -10,8 +10,8 @@ import { statfsSync } from "node:fs"
 import { Effect, ExecutionStrategy, Exit, Layer, Redacted, Scope } from "effect"
 import { ConnectFailed, type TransportAddress } from "../domain/frames.js"
 import { DataPlane, type DataPlaneService } from "../services/AgentLinks.js"
-import * as Transport from "../layers/transport/DataPlane.js"
-import * as ShmRing from "../layers/transport/ShmRing.js"
+import * as Transport from "./transport/EdgeTransport.js"
+import * as ShmRing from "./transport/ShmRing.js"
 
 let shmSupported: boolean | undefined
 

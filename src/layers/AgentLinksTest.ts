@@ -14,7 +14,6 @@ import {
 } from "../services/AgentLinks.js"
 import type { NodeEndpoint } from "../services/Membership.js"
 import { AgentPool, type AgentSet } from "../services/Orchestrator.js"
-import type { StageExecutor } from "../services/StageExecutor.js"
 
 type Slot = Queue.Queue<Either.Either<DataFrame, EdgeFault>>
 
@@ -156,5 +155,3 @@ export const makeMemoryWorld = (count: number) =>
       )
     }
   })
-
-export type { StageExecutor }

@@ -10,6 +10,7 @@ import { Deferred, Duration, Effect, Layer, Schema, type Scope } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
 import { NodeId } from "../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
+import { AgentSpawnError } from "../services/AgentLinks.js"
 
 /**
  * The line a node agent prints on stdout once it listens:
@@ -21,10 +22,8 @@ export const clusterTokenEnv = "SWACTOR_CLUSTER_TOKEN"
 /** When "stdin", the agent exits as soon as its stdin closes (its parent died). */
 export const parentWatchEnv = "SWACTOR_PARENT_WATCH"
 
-export class AgentSpawnError extends Schema.TaggedError<AgentSpawnError>()("AgentSpawnError", {
-  index: Schema.Number,
-  message: Schema.String
-}) {}
+// The error is a contract of the agent pool (src/services/AgentLinks.ts); re-exported for existing imports.
+export { AgentSpawnError }
 
 export interface AgentExit {
   readonly code: number | null

@@ -29,6 +29,7 @@ import {
   isNotYetRegistered,
   type ProvisionRequest,
   type StageFaultKind,
+  type StageHost,
   type StageReport,
   StageStats
 } from "../services/AgentLinks.js"
@@ -52,13 +53,8 @@ export interface StageHostOptions {
   readonly batch?: BatcherSettings
 }
 
-export interface StageHost {
-  readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport>
-  readonly stop: (runId: RunId, stageIndex: number) => Effect.Effect<void>
-  readonly capacity: Effect.Effect<NodeCapacity>
-  /** Weight sets currently cached (for tests and capacity reports). */
-  readonly cachedRanges: Effect.Effect<ReadonlyArray<string>>
-}
+// The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
+export type { StageHost }
 
 interface CachedModel {
   readonly loaded: LoadedStage

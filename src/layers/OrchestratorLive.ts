@@ -21,7 +21,7 @@ import {
   type StageFaultReason,
   StageFaultReasons
 } from "../domain/runFsm.js"
-import { readModelFacts } from "../api/modelFacts.js"
+import { readModelFacts } from "./ModelCatalogLive.js"
 import {
   type AgentLink,
   AgentControl,

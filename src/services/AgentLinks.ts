@@ -64,6 +64,25 @@ export class AgentUnavailable extends Schema.TaggedError<AgentUnavailable>()("Ag
   message: Schema.String
 }) {}
 
+/** A node agent process could not be started, or did not announce itself ready. */
+export class AgentSpawnError extends Schema.TaggedError<AgentSpawnError>()("AgentSpawnError", {
+  index: Schema.Number,
+  message: Schema.String
+}) {}
+
+/**
+ * What a node agent offers the control plane: host a stage (a stream of its reports that ends after
+ * StageStopped), stop it, and report capacity. `makeStageHost` (src/layers/NodeAgent.ts) builds one; the control
+ * RPC server (src/layers/AgentControlRpc.ts) serves one.
+ */
+export interface StageHost {
+  readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport>
+  readonly stop: (runId: RunId, stageIndex: number) => Effect.Effect<void>
+  readonly capacity: Effect.Effect<NodeCapacity>
+  /** Weight sets currently cached (for tests and capacity reports). */
+  readonly cachedRanges: Effect.Effect<ReadonlyArray<string>>
+}
+
 export interface AgentLink {
   readonly node: NodeEndpoint
   readonly hello: AgentHello
@@ -88,11 +107,5 @@ export const isNotYetRegistered = (fault: EdgeFault): boolean =>
   fault._tag === "ConnectFailed" ||
   (fault._tag === "PeerFaulted" && (fault.reason === "UnknownRun" || fault.reason === "UnknownEdge"))
 
-/**
- * A data frame as plain data with every field given (the wire encoder validates): works whether the
- * transport's frame types are Schema classes or plain structs.
- */
-export const dataFrame = (frame: DistributiveOmitTag<DataFrame> & { readonly _tag: DataFrame["_tag"] }): DataFrame =>
-  frame as unknown as DataFrame
-
-type DistributiveOmitTag<A> = A extends unknown ? { readonly [K in keyof A]: A[K] } : never
+/** Frames are built with the domain's builders; re-exported here for the stage and orchestrator loops. */
+export { dataFrame } from "../domain/frames.js"

@@ -21,6 +21,7 @@ import {
   DuplicateStageAssignment,
   InvalidMaxTokens,
   InvalidModelFacts,
+  InvalidNodeId,
   InvalidRingSpec,
   InvalidStageCount,
   MissingStage,
@@ -41,6 +42,7 @@ export const INPUT_PORT = PortId.make("input")
 export const OUTPUT_PORT = PortId.make("output")
 
 const isPositiveInt = (n: number) => Number.isSafeInteger(n) && n > 0
+const isNodeId = (n: number) => Number.isSafeInteger(n) && n >= 0
 const isPowerOfTwo = (n: number) => isPositiveInt(n) && 2 ** Math.round(Math.log2(n)) === n
 
 /** Rounds `n` up to a multiple of `alignment` (a power of two). */
@@ -105,18 +107,27 @@ const validate = (input: PlannerInput): PlanRejection | ReadonlyArray<NodeId> =>
       alignment: input.activationRing.alignment
     })
   }
+  if (!isNodeId(input.orchestratorNodeId)) {
+    return new InvalidNodeId({ role: "orchestrator", value: input.orchestratorNodeId })
+  }
+  const invalidNode = input.candidatePool.find((nodeId) => !isNodeId(nodeId))
+  if (invalidNode !== undefined) return new InvalidNodeId({ role: "candidate", value: invalidNode })
   const pool = new Set<number>()
   for (const nodeId of input.candidatePool) {
     if (pool.has(nodeId)) return new DuplicateCandidateNode({ nodeId })
     pool.add(nodeId)
   }
+  // The placement is checked one rule at a time over all its entries, in the order of the table in G5, so an
+  // input with several faults is refused for the first rule it breaks, whatever the order of its entries.
+  const entries = input.placement.stages
+  const outOfRange = entries.find(({ stageIndex }) =>
+    !Number.isSafeInteger(stageIndex) || stageIndex < 0 || stageIndex >= stageCount
+  )
+  if (outOfRange !== undefined) return new StageIndexOutOfRange({ stageIndex: outOfRange.stageIndex, stageCount })
+  const unknown = entries.find(({ nodeId }) => !pool.has(nodeId))
+  if (unknown !== undefined) return new UnknownNode({ stageIndex: unknown.stageIndex, nodeId: unknown.nodeId })
   const assigned = new Map<number, NodeId>()
-  for (const entry of input.placement.stages) {
-    const { nodeId, stageIndex } = entry
-    if (!Number.isSafeInteger(stageIndex) || stageIndex < 0 || stageIndex >= stageCount) {
-      return new StageIndexOutOfRange({ stageIndex, stageCount })
-    }
-    if (!pool.has(nodeId)) return new UnknownNode({ stageIndex, nodeId })
+  for (const { nodeId, stageIndex } of entries) {
     const first = assigned.get(stageIndex)
     if (first !== undefined) {
       return new DuplicateStageAssignment({ stageIndex, firstNodeId: first, secondNodeId: nodeId })

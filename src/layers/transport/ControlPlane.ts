@@ -7,13 +7,14 @@
  *
  * Like the data plane, the listener binds 127.0.0.1 unless given another address.
  */
-import * as Net from "node:net"
+import type * as Net from "node:net"
 import * as NodeSocket from "@effect/platform-node/NodeSocket"
 import * as Socket from "@effect/platform/Socket"
 import * as SocketServer from "@effect/platform/SocketServer"
 import { type Duration, Effect, Exit, FiberSet, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { type ClusterToken, serverHandshake } from "./Auth.js"
+import { defaultListenAddress, netOptions, serveSockets } from "./Net.js"
 
 export interface ServerOptions {
   readonly token: ClusterToken
@@ -22,9 +23,8 @@ export interface ServerOptions {
   readonly handshakeTimeout?: Duration.DurationInput | undefined
 }
 
-/** Node `net` options for a transport address. */
-export const netOptions = (address: TransportAddress): Net.NetConnectOpts =>
-  address._tag === "Tcp" ? { host: address.host, port: address.port } : { path: address.path }
+// Shared with the data plane; re-exported for the control link's client.
+export { netOptions }
 
 /**
  * A platform `Socket` over authenticated, paused `net.Socket`s (`open` runs again on each
@@ -58,40 +58,15 @@ export const makeSocketServer = (
   options: ServerOptions
 ): Effect.Effect<SocketServer.SocketServer["Type"], SocketServer.SocketServerError, Scope.Scope> =>
   Effect.gen(function*() {
-    const requested: TransportAddress = options.address ?? { _tag: "Tcp", host: "127.0.0.1", port: 0 }
+    const requested: TransportAddress = options.address ?? defaultListenAddress
     const pending: Array<Net.Socket> = []
     let onConnection: (conn: Net.Socket) => void = (conn) => pending.push(conn)
-    const sockets = new Set<Net.Socket>()
-    const server = yield* Effect.acquireRelease(
-      Effect.async<Net.Server, SocketServer.SocketServerError>((resume) => {
-        const server = Net.createServer({ pauseOnConnect: true }, (conn) => {
-          sockets.add(conn)
-          conn.on("close", () => sockets.delete(conn))
-          conn.on("error", () => {})
-          if (requested._tag === "Tcp") conn.setNoDelay(true)
-          onConnection(conn)
-        })
-        const onError = (cause: Error) => resume(Effect.fail(new SocketServer.SocketServerError({ reason: "Open", cause })))
-        server.once("error", onError)
-        server.listen(netOptions(requested), () => {
-          server.off("error", onError)
-          resume(Effect.succeed(server))
-        })
-      }),
-      (server) =>
-        Effect.async<void>((resume) => {
-          for (const s of sockets) s.destroy()
-          server.close(() => resume(Effect.void))
-        })
-    )
-    const bound = server.address()
-    const address: SocketServer.Address = typeof bound === "string"
-      ? { _tag: "UnixAddress", path: bound }
-      : bound === null
-      ? (requested._tag === "Unix"
-        ? { _tag: "UnixAddress", path: requested.path }
-        : { _tag: "TcpAddress", hostname: requested.host, port: requested.port })
-      : { _tag: "TcpAddress", hostname: bound.address, port: bound.port }
+    const bound = yield* serveSockets(requested, (conn) => onConnection(conn), {
+      onOpenError: (cause) => new SocketServer.SocketServerError({ reason: "Open", cause })
+    })
+    const address: SocketServer.Address = bound._tag === "Unix"
+      ? { _tag: "UnixAddress", path: bound.path }
+      : { _tag: "TcpAddress", hostname: bound.host, port: bound.port }
 
     const run = <R, E, _>(handler: (socket: Socket.Socket) => Effect.Effect<_, E, R>) =>
       Effect.gen(function*() {

@@ -209,9 +209,29 @@ export const encode = (frame: WireFrame, alignment: number): Either.Either<Uint8
 
 /** `encode` without validation, for frames already known to be encodable. */
 export const unsafeEncode = (frame: WireFrame, alignment: number): Uint8Array => {
-  const frameLength = encodedLength(frame, alignment)
-  const buf = new Uint8Array(frameLength)
-  const view = new DataView(buf.buffer)
+  const buf = new Uint8Array(encodedLength(frame, alignment))
+  encodeInto(frame, alignment, buf, true)
+  return buf
+}
+
+/**
+ * Encode a frame known to be encodable straight into `buf`, which must be exactly
+ * `encodedLength(frame, alignment)` bytes (a slot of a shared-memory ring, say, so the payload is copied
+ * once). Reserved fields and padding are zeroed unless `zeroed` says `buf` is all zeros already.
+ */
+export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array, zeroed = false): void => {
+  const frameLength = buf.length
+  const view = new DataView(buf.buffer, buf.byteOffset, frameLength)
+  if (!zeroed) {
+    // Everything but an activation's payload is rewritten below or must be zero: clear it.
+    if (frame._tag === "ActivationFrame") {
+      const payloadOffset = activationPayloadOffset(alignment)
+      buf.fill(0, 0, payloadOffset)
+      buf.fill(0, payloadOffset + frame.payload.length * 4)
+    } else {
+      buf.fill(0)
+    }
+  }
   let bodyLength = 0
   let sequence = 0
   let chunkIndex = 0
@@ -288,7 +308,6 @@ export const unsafeEncode = (frame: WireFrame, alignment: number): Uint8Array =>
   view.setUint32(24, sequence, true)
   view.setUint16(28, chunkIndex, true)
   view.setUint16(30, chunkCount, true)
-  return buf
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -321,15 +340,15 @@ export interface Header {
  * `NeedMore` when `bytes` ends inside the frame (after validating as much of the header as is
  * present — an oversized announced length faults at once), or a typed fault.
  */
-export const decodeAt = (bytes: Uint8Array, offset: number, limits: Limits): DecodeStep => {
+export const decodeAt = (bytes: Uint8Array, offset: number, limits: Limits, aliasPayload = false): DecodeStep => {
   try {
-    return decodeAtUnsafe(bytes, offset, limits)
+    return decodeAtUnguarded(bytes, offset, limits, aliasPayload)
   } catch (cause) {
     return malformed(`decoder error: ${String(cause)}`)
   }
 }
 
-const decodeAtUnsafe = (bytes: Uint8Array, offset: number, limits: Limits): DecodeStep => {
+const decodeAtUnguarded = (bytes: Uint8Array, offset: number, limits: Limits, aliasPayload = false): DecodeStep => {
   const available = bytes.length - offset
   const view = new DataView(bytes.buffer, bytes.byteOffset + offset, available)
   // Check the magic as soon as it is there, so garbage faults without waiting for more bytes.
@@ -378,7 +397,7 @@ const decodeAtUnsafe = (bytes: Uint8Array, offset: number, limits: Limits): Deco
   for (let i = HEADER_BYTES + bodyLength; i < frameLength; i++) {
     if (view.getUint8(i) !== 0) return malformed("non-zero padding")
   }
-  const body = decodeBody(view, header, limits.alignment)
+  const body = decodeBody(view, header, limits.alignment, aliasPayload)
   if (typeof body === "string") return malformed(body)
   return { _tag: "Frame", frame: body, length: frameLength }
 }
@@ -386,7 +405,7 @@ const decodeAtUnsafe = (bytes: Uint8Array, offset: number, limits: Limits): Deco
 const runIdOf = (n: number) => n as RunId
 const edgeIdOf = (n: number) => n as EdgeId
 
-const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | string => {
+const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: boolean): WireFrame | string => {
   const o = HEADER_BYTES
   const runId = runIdOf(h.runId)
   const edgeId = edgeIdOf(h.edgeId)
@@ -437,8 +456,14 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
       for (let i = o + ACTIVATION_BODY_HEADER_BYTES; i < payloadOffset; i++) {
         if (view.getUint8(i) !== 0) return "non-zero payload padding"
       }
-      const payload = new Float32Array(nTokens * hiddenDim)
-      new Uint8Array(payload.buffer).set(new Uint8Array(view.buffer, view.byteOffset + payloadOffset, payloadLength))
+      const at = view.byteOffset + payloadOffset
+      let payload: Float32Array
+      if (aliasPayload && at % 4 === 0) {
+        payload = new Float32Array(view.buffer, at, nTokens * hiddenDim)
+      } else {
+        payload = new Float32Array(nTokens * hiddenDim)
+        new Uint8Array(payload.buffer).set(new Uint8Array(view.buffer, at, payloadLength))
+      }
       return ActivationFrame({
         runId,
         edgeId,
@@ -499,12 +524,10 @@ const decodeBody = (view: DataView, h: Header, alignment: number): WireFrame | s
   }
 }
 
-/**
- * Decode a buffer that must hold exactly one frame. Total: a short buffer is `Truncated`, trailing
- * bytes are `Malformed`.
- */
-export const decode = (bytes: Uint8Array, limits: Limits): Either.Either<WireFrame, DecodeFault> => {
-  const step = decodeAt(bytes, 0, limits)
+const decodeWith = (
+  step: DecodeStep,
+  bytes: Uint8Array
+): Either.Either<WireFrame, DecodeFault> => {
   switch (step._tag) {
     case "Frame":
       return step.length === bytes.length
@@ -518,6 +541,20 @@ export const decode = (bytes: Uint8Array, limits: Limits): Either.Either<WireFra
 }
 
 /**
+ * Decode a buffer that must hold exactly one frame. Total: a short buffer is `Truncated`, trailing
+ * bytes are `Malformed`.
+ */
+export const decode = (bytes: Uint8Array, limits: Limits): Either.Either<WireFrame, DecodeFault> =>
+  decodeWith(decodeAt(bytes, 0, limits), bytes)
+
+/**
+ * `decode` without the safety net that turns an exception into `Malformed`: the fuzz tests use it, so that a
+ * decoder that throws (a bug: every fault must be found by a check) fails them instead of passing as `Malformed`.
+ */
+export const decodeUnguarded = (bytes: Uint8Array, limits: Limits): Either.Either<WireFrame, DecodeFault> =>
+  decodeWith(decodeAtUnguarded(bytes, 0, limits), bytes)
+
+/**
  * Incremental decoder for a byte stream: `push` chunks as they arrive, then call `next` until it
  * answers `NeedMore`. Buffers at most one partial frame (bounded by `limits.maxFrameBytes`, since
  * an oversized announced length faults as soon as the header is in).
@@ -525,6 +562,12 @@ export const decode = (bytes: Uint8Array, limits: Limits): Either.Either<WireFra
 export class StreamDecoder {
   private buf: Uint8Array = new Uint8Array(0)
   private off = 0
+
+  /**
+   * `aliasPayload`: an activation's payload is a view of the pushed bytes instead of a copy. Only for
+   * chunks nobody writes to after `push` (a socket's data events, a drained ring's copy).
+   */
+  constructor(private readonly aliasPayload = false) {}
 
   /** Bytes received but not yet decoded. */
   get buffered(): number {
@@ -546,7 +589,7 @@ export class StreamDecoder {
   }
 
   next(limits: Limits): DecodeStep {
-    const step = decodeAt(this.buf, this.off, limits)
+    const step = decodeAt(this.buf, this.off, limits, this.aliasPayload)
     if (step._tag === "Frame") this.off += step.length
     return step
   }

@@ -186,6 +186,30 @@ export class ShmRing {
     return true
   }
 
+  /**
+   * Producer: append `length` bytes that `fill` writes in place, so a frame is encoded straight into the ring
+   * (one copy of its payload instead of two). When the free space wraps around the end of the ring, `fill` writes
+   * a temporary buffer that is then copied in. False (nothing written, `fill` not called) when they do not fit.
+   */
+  writeWith(length: number, fill: (slot: Uint8Array) => void): boolean {
+    if (this.closed) return false
+    const head = Atomics.load(this.control, HEAD)
+    const tail = Atomics.load(this.control, TAIL)
+    if (this.distance(tail, head) + length > this.capacity) return false
+    const at = head % this.capacity
+    if (at + length <= this.capacity) {
+      fill(this.data.subarray(at, at + length))
+    } else {
+      const slot = new Uint8Array(length)
+      fill(slot)
+      const first = this.capacity - at
+      this.data.set(slot.subarray(0, first), at)
+      this.data.set(slot.subarray(first), 0)
+    }
+    Atomics.store(this.control, HEAD, (head + length) % this.modulus)
+    return true
+  }
+
   /** Producer: set the pending bit; true when it was clear, i.e. the consumer must be woken. */
   raisePending(): boolean {
     return !this.closed && Atomics.exchange(this.control, PENDING, 1) === 0

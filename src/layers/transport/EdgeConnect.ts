@@ -1,0 +1,122 @@
+/** Opening the sending end of an edge: connect, authenticate, attach, then hand the connection to its core. */
+import * as Net from "node:net"
+import { Deferred, Effect, type Scope } from "effect"
+import { AttachFrame, ConnectFailed, EdgeClosed, type EdgeFault, Malformed, PeerFaulted } from "../../domain/frames.js"
+import { clientHandshake } from "./Auth.js"
+import type { ConnectOptions, OutboundEdge } from "./Edge.js"
+import { boundLimits, FrameConn, makeLogger, validateRing } from "./FramedSocket.js"
+import * as Framing from "./Framing.js"
+import { netOptions } from "./Net.js"
+import { OutboundCore } from "./OutboundCore.js"
+import { sharedMemorySendCarrier, socketSendCarrier } from "./SendCarrier.js"
+import { ShmRing } from "./ShmRing.js"
+
+/**
+ * Open the sending end of an edge: connect, authenticate (mutual HMAC), attach to the receiver
+ * registered for `(runId, edgeId)` at `address`. Fails with `ConnectFailed`, `AuthFailed`, or the
+ * receiver's refusal as `PeerFaulted` (reason `UnknownRun`, `UnknownEdge`, `RingMismatch`,
+ * `EdgeBusy`). The stream is ended gracefully when the scope closes.
+ */
+export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, EdgeFault, Scope.Scope> =>
+  Effect.gen(function*() {
+    const invalid = validateRing(options.ring)
+    if (invalid !== undefined) return yield* invalid
+    const runtime = yield* Effect.runtime<never>()
+    const log = makeLogger(runtime)
+    let shm: ShmRing | undefined
+    if (options.sharedMemory === true) {
+      if (options.address._tag !== "Unix") {
+        return yield* new ConnectFailed({ detail: "shared memory needs a Unix-socket address (same host)" })
+      }
+      shm = yield* Effect.acquireRelease(
+        Effect.try({
+          try: () => ShmRing.create(options.ring.dataCapacity, options.ring.alignment),
+          catch: (e) => new ConnectFailed({ detail: `cannot create a shared-memory ring: ${String(e)}` })
+        }),
+        (ring) =>
+          Effect.sync(() => {
+            ring.unlink()
+            ring.close()
+          })
+      )
+    }
+    const socket = yield* Effect.acquireRelease(
+      Effect.async<Net.Socket, ConnectFailed>((resume) => {
+        const socket = Net.createConnection(netOptions(options.address))
+        const onError = (err: Error) => resume(Effect.fail(new ConnectFailed({ detail: err.message })))
+        socket.once("error", onError)
+        socket.once("connect", () => {
+          socket.off("error", onError)
+          socket.on("error", () => {})
+          if (options.address._tag === "Tcp") socket.setNoDelay(true)
+          resume(Effect.succeed(socket))
+        })
+        return Effect.sync(() => socket.destroy())
+      }),
+      (socket) =>
+        Effect.sync(() => {
+          socket.end()
+          setTimeout(() => socket.destroy(), 1000).unref()
+        })
+    )
+    const outbound = yield* Effect.gen(function*() {
+      yield* clientHandshake(socket, { token: options.token })
+      return yield* Effect.async<OutboundCore, EdgeFault>((resume) => {
+        const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
+        const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
+          onFrame: (frame) => {
+            if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
+              shm?.unlink()
+              const carrier = shm === undefined
+                ? socketSendCarrier(conn, options.ring.alignment)
+                : sharedMemorySendCarrier(conn, shm, options)
+              const outbound = new OutboundCore(conn, options, carrier)
+              conn.limits = boundLimits(options.ring)
+              conn.handlers = outbound
+              return resume(Effect.succeed(outbound))
+            }
+            if (frame._tag === "FaultFrame") {
+              const fault = new PeerFaulted({ reason: frame.reason, detail: frame.detail })
+              conn.end(fault)
+              return
+            }
+            conn.fail(new Malformed({ detail: `expected AttachedFrame, got ${frame._tag}` }))
+          },
+          onBurstEnd: () => {},
+          onClose: (fault) => resume(Effect.fail(fault))
+        }, ids, log)
+        conn.start()
+        const { alignment, dataCapacity, wakeCoalescing } = options.ring
+        conn.write(Framing.unsafeEncode(
+          AttachFrame({
+            runId: options.runId,
+            edgeId: options.edgeId,
+            dataCapacity,
+            alignment,
+            wakeCoalescing,
+            sharedMemory: shm?.path ?? ""
+          }),
+          8
+        ))
+      })
+    }).pipe(
+      Effect.timeoutFail({
+        duration: options.timeout ?? "10 seconds",
+        onTimeout: () => new ConnectFailed({ detail: "timed out connecting the edge" })
+      }),
+      Effect.tapError(() => Effect.sync(() => socket.destroy()))
+    )
+    const close = Effect.sync(() => outbound.conn.end(new EdgeClosed()))
+    yield* Effect.addFinalizer(() => close)
+    const sender: OutboundEdge = {
+      runId: options.runId,
+      edgeId: options.edgeId,
+      ring: options.ring,
+      send: outbound.send,
+      sendAll: outbound.sendAll,
+      fault: Deferred.await(outbound.faulted),
+      stats: outbound.stats,
+      close
+    }
+    return sender
+  })

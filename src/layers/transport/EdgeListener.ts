@@ -1,0 +1,169 @@
+/**
+ * A node's data-plane listener and its registry of receiving edges: authenticates each connection, routes its
+ * AttachFrame to the edge registered for `(runId, edgeId)` (or refuses it with a FaultFrame), and maps the sender's
+ * shared-memory ring when it offers one.
+ */
+import type * as Net from "node:net"
+import { Context, Deferred, Duration, Effect, Exit, Layer, Runtime, type Scope } from "effect"
+import {
+  AttachedFrame,
+  type AttachFrame,
+  EdgeBusy,
+  EdgeClosed,
+  Malformed,
+  RingMismatch,
+  UnknownEdge,
+  UnknownRun
+} from "../../domain/frames.js"
+import type { EdgeId, RunId } from "../../domain/ids.js"
+import { serverHandshake } from "./Auth.js"
+import { type EdgeListener, type InboundEdge, ListenFailed, type ListenOptions, type RegisterOptions } from "./Edge.js"
+import { boundLimits, FrameConn, makeLogger, validateRing } from "./FramedSocket.js"
+import * as Framing from "./Framing.js"
+import { InboundCore } from "./InboundCore.js"
+import { defaultListenAddress, serveSockets } from "./Net.js"
+import { sharedMemoryReceiveCarrier, socketReceiveCarrier } from "./ReceiveCarrier.js"
+import { ShmRing } from "./ShmRing.js"
+
+/**
+ * Listen for data-plane connections. Every connection must pass the HMAC handshake, then attach to
+ * an edge registered here; everything else is refused and logged. Closed with the scope.
+ */
+export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, ListenFailed, Scope.Scope> =>
+  Effect.gen(function*() {
+    const runtime = yield* Effect.runtime<never>()
+    const log = makeLogger(runtime)
+    const requested = options.address ?? defaultListenAddress
+    const runs = new Map<number, Map<number, InboundCore>>()
+    const attachTimeout = Duration.toMillis(options.attachTimeout ?? "5 seconds")
+
+    const onAttach = (conn: FrameConn, frame: AttachFrame): void => {
+      const edges = runs.get(frame.runId)
+      const inbound = edges?.get(frame.edgeId)
+      conn.bind(frame.runId, frame.edgeId)
+      if (edges === undefined) return conn.fail(new UnknownRun({ runId: frame.runId }))
+      if (inbound === undefined) return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+      if (inbound.conn !== undefined || inbound.failure !== undefined) {
+        return conn.fail(new EdgeBusy({ runId: frame.runId, edgeId: frame.edgeId }))
+      }
+      const ring = inbound.options.ring
+      if (
+        frame.dataCapacity !== ring.dataCapacity || frame.alignment !== ring.alignment ||
+        frame.wakeCoalescing !== ring.wakeCoalescing
+      ) {
+        return conn.fail(
+          new RingMismatch({
+            detail: `sender ring (${frame.dataCapacity} B, align ${frame.alignment}, ${frame.wakeCoalescing}) ≠ ` +
+              `receiver ring (${ring.dataCapacity} B, align ${ring.alignment}, ${ring.wakeCoalescing})`
+          })
+        )
+      }
+      let shm: ShmRing | undefined
+      if (frame.sharedMemory !== "") {
+        if (requested._tag !== "Unix") {
+          return conn.fail(new RingMismatch({ detail: "shared memory is offered only on a Unix-socket listener" }))
+        }
+        try {
+          shm = ShmRing.open(frame.sharedMemory, ring.dataCapacity, ring.alignment)
+        } catch (e) {
+          return conn.fail(new RingMismatch({ detail: `cannot map the sender's ring: ${String(e)}` }))
+        }
+      }
+      conn.write(Framing.unsafeEncode(AttachedFrame({ runId: frame.runId, edgeId: frame.edgeId }), 8))
+      conn.limits = boundLimits(ring)
+      conn.handlers = inbound
+      inbound.attach(
+        conn,
+        shm === undefined ? socketReceiveCarrier(conn, inbound.options)
+        : sharedMemoryReceiveCarrier(conn, shm, inbound.options, inbound)
+      )
+    }
+
+    const onConnection = (socket: Net.Socket): void => {
+      Runtime.runCallback(runtime)(serverHandshake(socket, { token: options.token, timeout: options.handshakeTimeout }), {
+        onExit: (exit) => {
+          if (Exit.isFailure(exit)) {
+            log(`data-plane connection from ${socket.remoteAddress ?? "unix socket"} refused: authentication failed`)
+            socket.destroy()
+            return
+          }
+          const timer = setTimeout(() => conn.fail(new Malformed({ detail: "no AttachFrame in time" })), attachTimeout)
+          timer.unref()
+          const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
+            onFrame: (frame) => {
+              clearTimeout(timer)
+              if (frame._tag === "AttachFrame") return onAttach(conn, frame)
+              conn.bind(frame.runId, frame.edgeId)
+              if (!runs.has(frame.runId)) return conn.fail(new UnknownRun({ runId: frame.runId }))
+              if (!runs.get(frame.runId)!.has(frame.edgeId)) {
+                return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+              }
+              conn.fail(new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
+            },
+            onBurstEnd: () => {},
+            onClose: () => clearTimeout(timer)
+          }, { runId: 0, edgeId: 0 }, log)
+          conn.start()
+        }
+      })
+    }
+
+    const address = yield* serveSockets(requested, onConnection, {
+      onOpenError: (err) => new ListenFailed({ address: requested, detail: err.message }),
+      onError: (err) => log(`data-plane listener error: ${err.message}`)
+    })
+
+    const unregister = (inbound: InboundCore) =>
+      Effect.sync(() => {
+        const { edgeId, runId } = inbound.options
+        const edges = runs.get(runId)
+        if (edges?.get(edgeId) === inbound) {
+          edges.delete(edgeId)
+          if (edges.size === 0) runs.delete(runId)
+        }
+        if (inbound.conn !== undefined) inbound.conn.end(new EdgeClosed())
+        inbound.setFault(new EdgeClosed())
+      })
+
+    const register = (reg: RegisterOptions): Effect.Effect<InboundEdge, EdgeBusy | RingMismatch, Scope.Scope> =>
+      Effect.gen(function*() {
+        const invalid = validateRing(reg.ring)
+        if (invalid !== undefined) return yield* invalid
+        const edges = runs.get(reg.runId) ?? new Map<number, InboundCore>()
+        if (edges.has(reg.edgeId)) return yield* new EdgeBusy({ runId: reg.runId, edgeId: reg.edgeId })
+        const inbound = new InboundCore(reg)
+        edges.set(reg.edgeId, inbound)
+        runs.set(reg.runId, edges)
+        yield* Effect.addFinalizer(() => unregister(inbound))
+        const receiver: InboundEdge = {
+          runId: reg.runId,
+          edgeId: reg.edgeId,
+          ring: reg.ring,
+          receive: inbound.receive,
+          take: inbound.take,
+          attached: Deferred.await(inbound.attachedDeferred),
+          fault: Deferred.await(inbound.faulted),
+          stats: inbound.stats,
+          close: unregister(inbound)
+        }
+        return receiver
+      })
+
+    const listener: EdgeListener = {
+      address,
+      register,
+      edges: Effect.sync(() =>
+        [...runs.entries()].flatMap(([runId, edges]) =>
+          [...edges.keys()].map((edgeId) => ({ runId: runId as RunId, edgeId: edgeId as EdgeId }))
+        )
+      )
+    }
+    return listener
+  })
+
+/** This node's data-plane listener, as a service. */
+export class DataPlaneNode extends Context.Tag("swactor/DataPlaneNode")<DataPlaneNode, EdgeListener>() {}
+
+/** `listen` as a layer: the listener lives as long as the layer. */
+export const layer = (options: ListenOptions): Layer.Layer<DataPlaneNode, ListenFailed> =>
+  Layer.scoped(DataPlaneNode, listen(options))

@@ -1,0 +1,111 @@
+/**
+ * How data frames reach a receiving edge core, and how its credits go back. The core owns the checks, the window,
+ * the order and the hand-over; a carrier only brings frames in and takes credits out:
+ * - `socketReceiveCarrier`: frames come on the authenticated socket (FramedSocket.ts decodes them); credits go back
+ *   as CreditFrames.
+ * - `sharedMemoryReceiveCarrier`: a doorbell on the socket says frames are in the /dev/shm ring (ShmRing.ts); they
+ *   are drained through the same stream decoder and checks; credits are a counter in the ring, with a doorbell when
+ *   the producer waits for them. It can also busy-poll the ring instead of sleeping on the doorbell.
+ */
+import { CreditFrame, type DataFrame, DoorbellFrame, Malformed, type Truncated } from "../../domain/frames.js"
+import type { EdgeId, RunId } from "../../domain/ids.js"
+import type { RingSpec } from "../../domain/plan.js"
+import type { FrameConn } from "./FramedSocket.js"
+import * as Framing from "./Framing.js"
+import type { ShmRing } from "./ShmRing.js"
+
+/** What a carrier hands frames to: the core's checks, window and sequencing. */
+export interface ReceiveSink {
+  readonly onData: (frame: DataFrame, length: number) => void
+}
+
+export interface ReceiveCarrier {
+  /** Whether data frames may come on the socket itself (not on a shared-memory edge). */
+  readonly dataOnSocket: boolean
+  /** Whether a DoorbellFrame is expected: it means frames wait in the carrier. */
+  readonly expectsDoorbells: boolean
+  /** Hand every frame waiting in the carrier to the sink; `stayAwake` keeps the producer from ringing. */
+  readonly drain: (stayAwake: boolean) => void
+  /** Whether `spin` can poll this carrier. */
+  readonly canSpin: boolean
+  /** Poll the carrier for `micros` µs or until `done()`, calling `afterDrain` after each drain that found bytes. */
+  readonly spin: (micros: number, done: () => boolean, afterDrain: () => void) => void
+  /** Give `bytes` of window back to the sender. */
+  readonly credit: (bytes: number) => void
+  /** The peer closed: the partial frame left inside the carrier, if any. */
+  readonly finish: () => Truncated | undefined
+  readonly close: () => void
+}
+
+interface EdgeIds {
+  readonly runId: RunId
+  readonly edgeId: EdgeId
+  readonly ring: RingSpec
+}
+
+export const socketReceiveCarrier = (conn: FrameConn, edge: EdgeIds): ReceiveCarrier => {
+  let creditSequence = 0
+  return {
+    dataOnSocket: true,
+    expectsDoorbells: false,
+    drain: () => {},
+    canSpin: false,
+    spin: () => {},
+    credit: (bytes) => {
+      const frame = CreditFrame({ runId: edge.runId, edgeId: edge.edgeId, sequence: creditSequence, bytes })
+      creditSequence = (creditSequence + 1) >>> 0
+      conn.write(Framing.unsafeEncode(frame, edge.ring.alignment))
+    },
+    finish: () => undefined,
+    close: () => {}
+  }
+}
+
+export const sharedMemoryReceiveCarrier = (
+  conn: FrameConn,
+  shm: ShmRing,
+  edge: EdgeIds,
+  sink: ReceiveSink
+): ReceiveCarrier => {
+  // `drain` hands over a fresh copy of the ring's bytes: payloads may be views of it.
+  const decoder = new Framing.StreamDecoder(true)
+  const drain = (stayAwake: boolean): void => {
+    const bytes = shm.drain(stayAwake)
+    if (bytes === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
+    if (bytes === undefined) return
+    decoder.push(bytes)
+    for (;;) {
+      const step = decoder.next(conn.limits)
+      if (step._tag === "NeedMore") return
+      if (step._tag === "Fault") return conn.fail(step.fault)
+      if (step.frame._tag !== "TokenFrame" && step.frame._tag !== "ActivationFrame") {
+        return conn.fail(new Malformed({ detail: `unexpected ${step.frame._tag} in the shared-memory ring` }))
+      }
+      sink.onData(step.frame, step.length)
+      if (conn.closed) return
+    }
+  }
+  return {
+    dataOnSocket: false,
+    expectsDoorbells: true,
+    drain,
+    canSpin: true,
+    spin: (micros, done, afterDrain) => {
+      shm.claimAwake()
+      const deadline = performance.now() + micros / 1000
+      while (!done() && !conn.closed && performance.now() < deadline) {
+        if (shm.used > 0) {
+          drain(true)
+          afterDrain()
+        }
+      }
+    },
+    credit: (bytes) => {
+      if (shm.addCredit(bytes)) {
+        conn.write(Framing.unsafeEncode(DoorbellFrame({ runId: edge.runId, edgeId: edge.edgeId }), edge.ring.alignment))
+      }
+    },
+    finish: () => decoder.finish(),
+    close: () => shm.close()
+  }
+}
