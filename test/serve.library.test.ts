@@ -97,7 +97,8 @@ describe("Server (library, in-memory agents)", () => {
       assert.isTrue(refused._tag === "ServerBusy" && refused.retryAfterSeconds >= 1)
       yield* Fiber.join(first)
       const events = Chunk.toReadonlyArray(yield* Fiber.join(second))
-      const admitted = events[0]
+      assert.strictEqual(events[0]?._tag, "Queued")
+      const admitted = events[1]
       assert.isTrue(admitted?._tag === "Admitted" && admitted.queuedMillis > 50)
       assert.strictEqual((yield* server.metrics).requests.refused, 1)
     }).pipe(Effect.scoped))

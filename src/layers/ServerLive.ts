@@ -65,7 +65,10 @@ const makeAdmission = (budget: number, parallel: number, limit: number) => {
   }
   return {
     state: () => ({ used, running, queued: queue.length }),
-    /** Admitted for the rest of the scope (waits in the queue first when needed). */
+    /**
+     * Admitted (or queued) for the rest of the scope: refused at once when the queue is full; otherwise `wait`
+     * completes on admission. `ahead` is how many wait before it (0 when admitted at once).
+     */
     enter: (bytes: number) =>
       Effect.gen(function*() {
         const ticket: Ticket = { bytes, ready: yield* Deferred.make<void, ServeError>(), admitted: false }
@@ -89,7 +92,7 @@ const makeAdmission = (budget: number, parallel: number, limit: number) => {
             pump()
           })
         )
-        yield* Deferred.await(ticket.ready)
+        return { ahead: ticket.admitted ? 0 : queue.length, admitted: ticket.admitted, wait: Deferred.await(ticket.ready) }
       }),
     /** Fails every waiting request (the pipeline faulted). */
     failAll: (error: ServeError) =>
@@ -229,7 +232,21 @@ export const make = (options: ServeOptions) =>
             })
           }
           const queuedAt = performance.now()
-          yield* admission!.enter(bytes).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
+          const ticket = yield* admission!.enter(bytes).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
+          const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
+          return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, runAdmitted(prompt, maxTokens, request, queuedAt))))
+        })
+      )
+
+    const runAdmitted = (
+      prompt: ReadonlyArray<number>,
+      maxTokens: number,
+      request: ServeRequest,
+      queuedAt: number
+    ): Stream.Stream<ServeEvent, ServeError> =>
+      Stream.unwrapScoped(
+        Effect.gen(function*() {
+          const { pipeline } = yield* current
           metrics.inFlight++
           lastRunAt = performance.now()
           let outcome: "completed" | "cancelled" | "failed" = "cancelled"

@@ -32,6 +32,8 @@ export interface ServeRequest {
 export type FinishReason = "stop" | "length"
 
 export type ServeEvent =
+  /** The request waits in the admission queue (`ahead` requests before it); Admitted follows. */
+  | { readonly _tag: "Queued"; readonly ahead: number }
   /** The request was admitted (after `queuedMillis` in the queue); its run starts. */
   | { readonly _tag: "Admitted"; readonly promptTokens: number; readonly queuedMillis: number }
   /** More text; `completionTokens` so far. */
@@ -103,7 +105,10 @@ export interface ServerService {
   readonly status: Effect.Effect<ServerStatus>
   /** Waits until the pipeline is ready (fails if setting it up failed). */
   readonly ready: Effect.Effect<ServerInfo, PipelineFaulted>
-  /** One request: Admitted, Text…, Done. Interrupting the stream cancels the run. */
+  /**
+   * One request: [Queued,] Admitted, Text…, Done. Refusals (loading, busy, bad request) fail before the first
+   * event. Interrupting the stream cancels the run.
+   */
   readonly generate: (request: ServeRequest) => Stream.Stream<ServeEvent, ServeError>
   /** Chat messages through the model's chat template. */
   readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.Effect<FormattedChat, ServerLoading | PipelineFaulted>
