@@ -22,7 +22,7 @@ import * as HttpServer from "@effect/platform/HttpServer"
 import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import * as NodeHttpServer from "@effect/platform-node/NodeHttpServer"
-import { Effect, Exit, Layer, Option, ParseResult, Schema, Scope, Sink, Stream } from "effect"
+import { Chunk, Effect, Exit, Layer, Option, ParseResult, Schema, Scope, Stream } from "effect"
 import {
   type FinishReason,
   Server,
@@ -100,6 +100,8 @@ const fromServeError = (error: ServeError): HttpFailure => {
       return new HttpFailure(503, "server_error", error.message, "loading", 5)
     case "PipelineFaulted":
       return new HttpFailure(500, "server_error", `the pipeline faulted: ${error.message}`, "pipeline_faulted")
+    default:
+      return new HttpFailure(500, "server_error", String((error as { message?: unknown }).message ?? error))
   }
 }
 
@@ -232,12 +234,12 @@ const respond = (server: Server["Type"], shape: Shape, request: ServeRequest, st
     }
     // Refusals come before the first event: answer them with a status. Once accepted, the response is SSE.
     const scope = yield* Scope.make()
-    const peeled = yield* Stream.peel(events, Sink.head()).pipe(
-      Scope.extend(scope),
+    const pull = yield* Stream.toPull(events).pipe(Scope.extend(scope))
+    const first = yield* pull.pipe(
+      Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<ServeEvent>()) : Effect.fail(end.value))),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
     )
-    const [first, rest] = peeled
-    const all = Stream.concat(Stream.fromIterable(Option.toArray(first)), rest)
+    const all = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull))
     let roleSent = false
     const body = all.pipe(
       Stream.mapConcat((event): ReadonlyArray<Uint8Array> => {
