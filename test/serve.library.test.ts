@@ -7,6 +7,7 @@ import * as StageExecutorTest from "../src/layers/StageExecutorTest.js"
 import * as TokenizerLive from "../src/layers/TokenizerLive.js"
 import { makeMemoryWorld } from "../src/layers/AgentLinksTest.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
+import { Orchestrator } from "../src/services/Orchestrator.js"
 import { Server, type ServeEvent, type ServeOptions } from "../src/services/Server.js"
 import { makeStopMatcher } from "../src/services/StopText.js"
 import { requireModel } from "./support/models.js"
@@ -146,6 +147,33 @@ describe("Server (library, in-memory agents)", () => {
       const later = yield* Effect.flip(Stream.runDrain(server.generate({ prompt: "Once", maxTokens: 2 })))
       assert.strictEqual(later._tag, "PipelineFaulted")
       assert.match(later.message, /mem-agent-1/)
+    }).pipe(Effect.scoped))
+})
+
+describe("Orchestrator.pipeline (warm pipeline)", () => {
+  // Setup outlives runs: each run has its own RunId and provisions its stages on the same agents, whose
+  // cached weights it reuses.
+  it.live("runs on one warm pipeline reuse its agents and their cached weights, each with its own RunId", () =>
+    Effect.gen(function*() {
+      const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(slowExecutor(0)))
+      const orchestrator = yield* Layer.build(
+        OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer)))
+      ).pipe(Effect.map(Context.get(Orchestrator)))
+      const progress: Array<string> = []
+      const pipeline = yield* orchestrator.pipeline({ model: requireModel("stories260K.gguf"), stages: 2 }, (u) =>
+        Effect.sync(() => progress.push(u._tag)))
+      assert.deepStrictEqual(progress, ["AgentsStarted", "PoolReady"])
+      const runs = []
+      for (let i = 0; i < 3; i++) {
+        runs.push(Chunk.toReadonlyArray(yield* Stream.runCollect(pipeline.run({ prompt: "Once upon a time", maxTokens: 6 }))))
+      }
+      const runIds = runs.map((updates) => updates.find((u) => u._tag === "Planned")).map((u) => (u?._tag === "Planned" ? u.runId : -1))
+      assert.strictEqual(new Set(runIds).size, 3)
+      const cached = runs.map((updates) => updates.flatMap((u) => (u._tag === "StageReady" ? [u.cachedWeights] : [])))
+      assert.deepStrictEqual(cached, [[false, false], [true, true], [true, true]])
+      const texts = runs.map((updates) => updates.flatMap((u) => (u._tag === "Token" ? [u.token.tokenId] : [])))
+      assert.deepStrictEqual(texts[1], texts[0])
+      assert.deepStrictEqual(texts[0]!.filter((t) => t >= 0), expected("Once upon a time", 6))
     }).pipe(Effect.scoped))
 })
 
