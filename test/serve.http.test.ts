@@ -2,6 +2,10 @@ import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
 import OpenAI from "openai"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import * as TokenizerLive from "../src/layers/TokenizerLive.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
 import { isAlive } from "./support/e2e.js"
@@ -225,10 +229,50 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
   })
 })
 
+describe("swactor serve on a synthetic model (random weights, 4 x 256, Q8_0)", () => {
+  let server: ServeProcess
+  let dir: string
+  beforeAll(async () => {
+    dir = mkdtempSync(join(tmpdir(), "swactor-serve-test-"))
+    const path = join(dir, "synthetic.gguf")
+    await Effect.runPromise(writeSyntheticModel({
+      path,
+      arch: "llama",
+      layers: 4,
+      hidden: 256,
+      ffn: 768,
+      heads: 4,
+      kvHeads: 2,
+      vocab: 512,
+      contextLength: 1024,
+      type: "q8_0",
+      seed: 7
+    }))
+    server = await startServe(["--model", path, "--stages", "2", "--threads", "1", "--parallel", "8"])
+  }, 180_000)
+  afterAll(async () => {
+    server?.child.kill("SIGTERM")
+    await server?.exited
+    rmSync(dir, { recursive: true, force: true })
+  })
+
+  // Batched = unbatched on another shape (grouped-query attention, quantized weights).
+  it("8 concurrent greedy requests each equal the same request served alone", async () => {
+    const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0 })
+    const greedy = (prompt: string) =>
+      client.completions.create({ model: "m", prompt, max_tokens: 24, temperature: 0 }).then((r) => r.choices[0]!.text)
+    const prompts = ["a", "bb", "ccc", "dd d", "e", "ff", "g g", "hh"]
+    const alone: Array<string> = []
+    for (const prompt of prompts) alone.push(await greedy(prompt))
+    assert.deepStrictEqual(await Promise.all(prompts.map(greedy)), alone)
+    assert.isAbove(new Set(alone).size, 1)
+  })
+})
+
 describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
   let server: ServeProcess
   beforeAll(async () => {
-    server = await startServe(["--model", model, "--stages", "2", "--threads", "1", "--parallel", "1", "--queue", "1"])
+    server = await startServe(["--model", model, "--stages", "2", "--threads", "1", "--parallel", "1", "--queue", "1", "--keep-alive-ms", "200"])
   }, 180_000)
   afterAll(async () => {
     if (server?.child.exitCode === null) server.child.kill("SIGKILL")
@@ -251,8 +295,12 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     while (runningEvents.length < 2) await sleep(10)
     const queued = await streamRequest(8)
     assert.strictEqual(queued.status, 200)
-    const queuedDone = readSse(queued)
+    const comments: Array<string> = []
+    const queuedDone = readSse(queued, undefined, (line) => comments.push(line))
     assert.strictEqual(await metricOf(server.url, "swactor_requests_queued"), 1)
+    // While it waits in the queue, the open stream gets keep-alive comments.
+    for (const until = Date.now() + 3000; comments.length < 2 && Date.now() < until;) await sleep(20)
+    assert.strictEqual(comments[0], ": keep-alive")
 
     const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0 })
     const refused = await client.completions.create({ model: "m", prompt: "Hi", max_tokens: 2 }).then(() => undefined, (e: unknown) => e)

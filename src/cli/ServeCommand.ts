@@ -23,6 +23,7 @@ export interface ServeArgs {
   readonly parallel: number
   readonly queue: number
   readonly kvBudgetMib: Option.Option<number>
+  readonly keepAliveMs: number
 }
 
 /**
@@ -73,6 +74,7 @@ export const runServeCommand = (args: ServeArgs) =>
     const http = HttpServe.layer({
       host: args.host,
       port: args.port,
+      keepAliveMillis: args.keepAliveMs,
       onListening: ({ host, port }) => process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)\n`)
     }, args.model)
     const announceReady = Layer.effectDiscard(
@@ -125,6 +127,10 @@ export const serveCommand = Command.make(
     kvBudgetMib: Options.integer("kv-budget-mib").pipe(
       Options.withDescription("KV cache MiB per stage shared by running requests (default: --parallel sequences of 4,096 tokens)"),
       Options.optional
+    ),
+    keepAliveMs: Options.integer("keep-alive-ms").pipe(
+      Options.withDescription("SSE keep-alive comment interval while a stream waits"),
+      Options.withDefault(5000)
     )
   },
   runServeCommand

@@ -63,7 +63,7 @@ export const metricOf = async (url: string, name: string): Promise<number> => {
 }
 
 /** Raw SSE over fetch: every `data:` payload in order (comments skipped), and when each came. */
-export const readSse = async (response: Response, onData?: (data: string) => void) => {
+export const readSse = async (response: Response, onData?: (data: string) => void, onComment?: (line: string) => void) => {
   const events: Array<{ data: string; at: number }> = []
   const reader = response.body!.getReader()
   const decoder = new TextDecoder()
@@ -80,7 +80,7 @@ export const readSse = async (response: Response, onData?: (data: string) => voi
         if (line.startsWith("data: ")) {
           events.push({ data: line.slice(6), at: Date.now() })
           onData?.(line.slice(6))
-        }
+        } else if (line.startsWith(":")) onComment?.(line)
       }
       end = buffer.indexOf("\n\n")
     }
