@@ -1,18 +1,21 @@
 import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
-import { Effect } from "effect"
+import { Effect, Exit, Scope } from "effect"
 import OpenAI from "openai"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import * as TokenizerLive from "../src/layers/TokenizerLive.js"
+import { clusterTokenEnv, generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/LocalAgents.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
 import { isAlive } from "./support/e2e.js"
 import { requireModel } from "./support/models.js"
 import { agentsOf, metricOf, readSse, type ServeProcess, startServe } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
+/** The greedy 24-token completion of "Once upon a time" from the local server (the remote one must match it). */
+let localGreedy: string | undefined
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
 
 const promptTokenCount = (text: string) =>
@@ -33,7 +36,7 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0, timeout: 60_000 })
   }, 180_000)
   afterAll(async () => {
-    server?.child.kill("SIGTERM")
+    if (server?.child.exitCode === null) server.child.kill("SIGTERM")
     await server?.exited
   })
 
@@ -51,6 +54,7 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
   it("completions: text, finish reason and usage", async () => {
     const prompt = "Once upon a time"
     const result = await greedy(prompt, 24)
+    localGreedy = result.choices[0]!.text
     assert.strictEqual(result.object, "text_completion")
     assert.strictEqual(result.choices[0]!.finish_reason, "length")
     assert.isAbove(result.choices[0]!.text.length, 20)
@@ -218,7 +222,7 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     const started = Date.now()
     while (Date.now() - started < 3000) {
       const agents = await agentsOf(server.url)
-      if (agents.every((a) => a.activeStages === 0)) break
+      if (agents.every((a) => a.activeStages === 0) && (await metricOf(server.url, "swactor_requests_in_flight")) === 0) break
       await sleep(20)
     }
     assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.activeStages), [0, 0])
@@ -226,6 +230,58 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 0)
     assert.strictEqual(await metricOf(server.url, "swactor_kv_reserved_bytes"), 0)
     assert.strictEqual(await metricOf(server.url, 'swactor_requests_total{outcome="cancelled"}'), cancelledBefore + 1)
+  })
+
+  // SIGTERM with a stream open: the stream ends, every stage and agent is torn down, exit code 130 as for `swactor run`.
+  it("SIGTERM with a stream open tears everything down and exits 130", async () => {
+    const agents = await agentsOf(server.url)
+    const response = await fetch(`${server.url}/v1/completions`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ prompt: "Once upon a time", max_tokens: 1800, temperature: 0, stream: true })
+    })
+    const seen: Array<string> = []
+    const ended = readSse(response, (data) => seen.push(data)).catch(() => "cut")
+    while (seen.length < 2) await sleep(10)
+    const stoppedAt = Date.now()
+    server.child.kill("SIGTERM")
+    const exit = await server.exited
+    await ended
+    assert.strictEqual(exit.code, 130)
+    assert.isBelow(Date.now() - stoppedAt, 10_000)
+    for (const agent of agents) assert.isFalse(isAlive(agent.pid))
+    assert.match(server.stderr(), /stopped by the operator/)
+  })
+})
+
+describe("swactor serve --nodes (remote agents)", () => {
+  let server: ServeProcess
+  let scope: Scope.CloseableScope
+  let agents: ReadonlyArray<LocalAgent>
+  beforeAll(async () => {
+    scope = Effect.runSync(Scope.make())
+    const token = generateToken()
+    agents = await Effect.runPromise(spawnLocalAgents({ count: 2, token, threads: 1 }).pipe(Scope.extend(scope)))
+    server = await startServe(["--model", model, "--nodes", agents.map((a) => a.address).join(",")], {
+      [clusterTokenEnv]: token
+    })
+  }, 180_000)
+  afterAll(async () => {
+    server?.child.kill("SIGTERM")
+    await server?.exited
+    await Effect.runPromise(Scope.close(scope, Exit.void))
+  })
+
+  // The same server over agents started elsewhere: one stage per node, the same greedy text as local agents.
+  it("serves through remote agents, one stage per node", async () => {
+    const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0 })
+    const result = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 24, temperature: 0 })
+    if (localGreedy !== undefined) assert.strictEqual(result.choices[0]!.text, localGreedy)
+    assert.strictEqual(result.usage?.completion_tokens, 24)
+    const listed = await agentsOf(server.url)
+    assert.deepStrictEqual(listed.map((a) => a.address), agents.map((a) => a.address))
+    assert.deepStrictEqual(listed.map((a) => a.pid), agents.map((a) => a.pid))
+    assert.deepStrictEqual(listed.map((a) => a.activeStages), [0, 0])
   })
 })
 

@@ -14,9 +14,13 @@ export interface ServeProcess {
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
 
 /** Starts `swactor serve` on a free port and waits until /health says 200 (polling it from the start). */
-export const startServe = async (args: ReadonlyArray<string>, readyTimeoutMs = 120_000): Promise<ServeProcess> => {
+export const startServe = async (
+  args: ReadonlyArray<string>,
+  env: Readonly<Record<string, string>> = {},
+  readyTimeoutMs = 120_000
+): Promise<ServeProcess> => {
   const { args: argv, command } = swactorCommand(["serve", "--port", "0", ...args])
-  const child = spawn(command, argv, { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"] })
+  const child = spawn(command, argv, { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"], env: { ...process.env, ...env } })
   let stderr = ""
   const exited = new Promise<{ code: number | null; signal: string | null }>((resolve) =>
     child.on("exit", (code, signal) => resolve({ code, signal }))
