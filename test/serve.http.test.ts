@@ -10,7 +10,9 @@ import * as TokenizerLive from "../src/layers/TokenizerLive.js"
 import { clusterTokenEnv, generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/LocalAgents.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
 import { isAlive } from "./support/e2e.js"
-import { requireModel } from "./support/models.js"
+import { repoRoot, requireModel } from "./support/models.js"
+import { spawn } from "node:child_process"
+import { swactorCommand } from "../src/layers/LocalAgents.js"
 import { agentsOf, metricOf, readSse, type ServeProcess, startServe } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
@@ -282,6 +284,21 @@ describe("swactor serve --nodes (remote agents)", () => {
     assert.deepStrictEqual(listed.map((a) => a.address), agents.map((a) => a.address))
     assert.deepStrictEqual(listed.map((a) => a.pid), agents.map((a) => a.pid))
     assert.deepStrictEqual(listed.map((a) => a.activeStages), [0, 0])
+  })
+})
+
+describe("swactor serve start-up failures", () => {
+  // A model that cannot be read: /health says 503 with the reason, then the command exits 1 with it in words.
+  it("a file that is no GGUF model ends the command with exit code 1 and the reason", async () => {
+    const notAModel = join(repoRoot, "package.json")
+    const { args, command } = swactorCommand(["serve", "--model", notAModel, "--port", "0"])
+    const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"] })
+    let stderr = ""
+    child.stderr!.setEncoding("utf8")
+    child.stderr!.on("data", (chunk: string) => (stderr += chunk))
+    const code = await new Promise<number | null>((resolve) => child.on("exit", (c) => resolve(c)))
+    assert.strictEqual(code, 1)
+    assert.match(stderr, /setting up the pipeline for .*package\.json failed: bad magic/)
   })
 })
 

@@ -6,7 +6,7 @@
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
-import { Effect, Layer, Option } from "effect"
+import { Context, Effect, Layer, Option } from "effect"
 import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/HttpServe.js"
 import { clusterTokenEnv } from "../layers/LocalAgents.js"
@@ -77,20 +77,15 @@ export const runServeCommand = (args: ServeArgs) =>
       keepAliveMillis: args.keepAliveMs,
       onListening: ({ host, port }) => process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)\n`)
     }, args.model)
-    const announceReady = Layer.effectDiscard(
-      Effect.flatMap(Server, (s) =>
-        s.ready.pipe(
-          Effect.matchEffect({
-            onSuccess: (info) =>
-              Effect.sync(() =>
-                process.stderr.write(`swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`)
-              ),
-            onFailure: (fault) => Effect.sync(() => process.stderr.write(`swactor serve: ${fault.message}\n`))
-          }),
-          Effect.forkDaemon
-        ))
-    )
-    yield* Layer.launch(Layer.mergeAll(http, announceReady).pipe(Layer.provide(server))).pipe(
+    // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),
+    // one that faults later keeps serving /health and errors honestly.
+    yield* Effect.gen(function*() {
+      const context = yield* Layer.build(http.pipe(Layer.provideMerge(server)))
+      const info = yield* Context.get(context, Server).ready.pipe(Effect.mapError((fault) => fault.message))
+      process.stderr.write(`swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`)
+      return yield* Effect.never
+    }).pipe(
+      Effect.scoped,
       Effect.onInterrupt(() =>
         Effect.sync(() => {
           process.exitCode = 130

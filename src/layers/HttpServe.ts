@@ -374,8 +374,11 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
             content: typeof m.content === "string" ? m.content : m.content.map((part) => part.text).join("")
           })))
           const ready = yield* server.ready
+          // Without a limit: up to a window of 4,096 tokens (or the model's context, when smaller), so the KV a chat
+          // reserves does not grow with the model's maximum context.
+          const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
           const maxTokens = orUndefined(request.max_completion_tokens) ?? orUndefined(request.max_tokens) ??
-            Math.max(1, ready.model.maxSeqLen - chat.tokens.length - 1)
+            Math.max(1, window - chat.tokens.length - 1)
           const serve = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop)
           return yield* respond(server, shape(true), serve, request.stream === true, request.stream_options?.include_usage === true, keepAliveMillis)
         }))

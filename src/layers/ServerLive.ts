@@ -175,7 +175,7 @@ export const make = (options: ServeOptions) =>
         Cause.isInterruptedOnly(cause)
           ? Effect.void
           : fault(
-            `setting up the pipeline failed: ${
+            `setting up the pipeline for ${options.model} failed: ${
               Option.match(Cause.failureOption(cause), {
                 onNone: () => Cause.pretty(cause),
                 onSome: (error) => errorWords(error as { _tag: string })
