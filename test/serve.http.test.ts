@@ -348,7 +348,9 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     server = await startServe(["--model", model, "--stages", "2", "--threads", "1", "--parallel", "1", "--queue", "1", "--keep-alive-ms", "200"])
   }, 180_000)
   afterAll(async () => {
-    if (server?.child.exitCode === null) server.child.kill("SIGKILL")
+    // A failed test leaves it running: SIGTERM, so it still removes its agents and socket directory.
+    if (server?.child.exitCode === null) server.child.kill("SIGTERM")
+    await server?.exited
   })
 
   const streamRequest = (maxTokens: number) =>
