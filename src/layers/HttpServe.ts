@@ -199,7 +199,14 @@ export interface HttpServeOptions {
   readonly modelName?: string
 }
 
-const respond = (server: Server["Type"], shape: Shape, request: ServeRequest, stream: boolean, includeUsage: boolean, keepAliveMillis: number) =>
+const respond = (
+  server: Server["Type"],
+  shape: Shape,
+  request: ServeRequest,
+  stream: boolean,
+  includeUsage: boolean,
+  keepAliveMillis: number
+) =>
   Effect.gen(function*() {
     const events = server.generate(request)
     if (!stream) {
@@ -256,7 +263,14 @@ const respond = (server: Server["Type"], shape: Shape, request: ServeRequest, st
             return [
               sse(chunk(shape, { finish: event.finishReason })),
               ...(includeUsage
-                ? [sse({ id: shape.id, object: shape.chat ? "chat.completion.chunk" : "text_completion", created: shape.created, model: shape.model, choices: [], usage: usageOf(event) })]
+                ? [sse({
+                  id: shape.id,
+                  object: shape.chat ? "chat.completion.chunk" : "text_completion",
+                  created: shape.created,
+                  model: shape.model,
+                  choices: [],
+                  usage: usageOf(event)
+                })]
                 : [])
             ]
         }
@@ -293,10 +307,22 @@ const renderMetrics = (m: ServerMetrics, status: string): string => {
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
   metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [["", m.kvReservedBytes]])
   metric("swactor_kv_budget_bytes", "gauge", "KV bytes per stage admission may reserve", [["", m.kvBudgetBytes]])
-  metric("swactor_stage_compute_seconds_total", "counter", "Engine time per stage (completed requests)", m.stages.map((s) => [`{stage="${s.stageIndex}"}`, s.computeSeconds]))
-  metric("swactor_stage_transfer_seconds_total", "counter", "Decode time outside the engines, shared per stage (completed requests)", m.stages.map((s) => [`{stage="${s.stageIndex}"}`, s.transferSeconds]))
-  metric("swactor_stage_decode_tokens_total", "counter", "Decode steps per stage (completed requests)", m.stages.map((s) => [`{stage="${s.stageIndex}"}`, s.decodeTokens]))
-  metric("swactor_agent_active_stages", "gauge", "Stages each agent hosts now (-1: no answer)", m.agents.map((a) => [`{address="${a.address}",pid="${a.pid}"}`, a.activeStages]))
+  const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
+    m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
+  metric("swactor_stage_compute_seconds_total", "counter", "Engine time per stage (completed requests)", perStage((s) => s.computeSeconds))
+  metric(
+    "swactor_stage_transfer_seconds_total",
+    "counter",
+    "Decode time outside the engines, shared per stage (completed requests)",
+    perStage((s) => s.transferSeconds)
+  )
+  metric("swactor_stage_decode_tokens_total", "counter", "Decode steps per stage (completed requests)", perStage((s) => s.decodeTokens))
+  metric(
+    "swactor_agent_active_stages",
+    "gauge",
+    "Stages each agent hosts now (-1: no answer)",
+    m.agents.map((a) => [`{address="${a.address}",pid="${a.pid}"}`, a.activeStages])
+  )
   return `${lines.join("\n")}\n`
 }
 
