@@ -104,6 +104,28 @@ describe("Server (library, in-memory agents)", () => {
       assert.strictEqual((yield* server.metrics).requests.refused, 1)
     }).pipe(Effect.scoped))
 
+  // The KV budget, not only `parallel`, decides how many run: with room for two sequences' KV, a third waits.
+  it.live("admission by KV bytes: a budget of two sequences runs two and queues the third", () =>
+    Effect.gen(function*() {
+      const request = { prompt: "Once", maxTokens: 60 }
+      const probe = yield* world({ delayMillis: 5 })
+      const first = yield* Stream.runDrain(probe.server.generate(request)).pipe(Effect.fork)
+      yield* Effect.sleep("100 millis")
+      const perSequence = (yield* probe.server.metrics).kvReservedBytes
+      assert.isAbove(perSequence, 0)
+      yield* Fiber.interrupt(first)
+
+      const { server } = yield* world({ delayMillis: 5, parallel: 8, kvBudgetBytes: 2 * perSequence })
+      const fibers = yield* Effect.forEach([1, 2, 3], () => Stream.runDrain(server.generate(request)).pipe(Effect.fork))
+      yield* Effect.sleep("100 millis")
+      const metrics = yield* server.metrics
+      assert.strictEqual(metrics.inFlight, 2)
+      assert.strictEqual(metrics.queued, 1)
+      assert.strictEqual(metrics.kvReservedBytes, 2 * perSequence)
+      yield* Effect.forEach(fibers, Fiber.join)
+      assert.strictEqual((yield* server.metrics).requests.completed, 3)
+    }).pipe(Effect.scoped))
+
   // A request larger than the whole KV budget, or than the model's context, is a bad request (not queued forever).
   it.live("context too long and bad values are BadServeRequest", () =>
     Effect.gen(function*() {
