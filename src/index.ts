@@ -33,6 +33,11 @@ export * from "./api/generate.js"
 export { readModelFacts } from "./api/modelFacts.js"
 export * from "./services/Orchestrator.js"
 export * from "./services/Tokenizer.js"
+// Serving: a warm pipeline with admission from code (serve, completion, Server), and its OpenAI-compatible HTTP front
+export { completion, serve, type ServeLayerOptions } from "./api/serve.js"
+export * from "./services/Server.js"
+export * from "./services/StopText.js"
+export * as HttpServe from "./layers/HttpServe.js"
 export {
   type HeartbeatOptions,
   Membership,

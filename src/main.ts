@@ -10,6 +10,7 @@ import { planCommand } from "./cli/PlanCommand.js"
 import { synthCommand } from "./cli/SynthCommand.js"
 import { nodeCommand } from "./cli/NodeCommand.js"
 import { runCommand } from "./cli/RunCommand.js"
+import { serveCommand } from "./cli/ServeCommand.js"
 
 const swactor = Command.make("swactor").pipe(
   Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
@@ -17,7 +18,8 @@ const swactor = Command.make("swactor").pipe(
     planCommand,
     synthCommand,
     nodeCommand,
-    runCommand
+    runCommand,
+    serveCommand
   ])
 )
 

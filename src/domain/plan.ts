@@ -32,6 +32,10 @@ export type ModelFacts = typeof ModelFacts.Type
 export const SamplingPolicy = Schema.Struct({
   temperatureMillis: Schema.Number,
   topK: Schema.Number,
+  /** Nucleus sampling threshold (absent or ≥ 1: off). */
+  topP: Schema.optional(Schema.Number),
+  /** Minimum probability relative to the most likely token (absent or 0: off). */
+  minP: Schema.optional(Schema.Number),
   seed: Schema.optional(Schema.Number)
 }).annotations({ identifier: "SamplingPolicy" })
 export type SamplingPolicy = typeof SamplingPolicy.Type

@@ -1,5 +1,7 @@
 import { Effect, Layer, Scope } from "effect"
 import {
+  type ChatMessage,
+  type FormattedChat,
   makeIncrementalDecoder,
   type ModelTokenizer,
   Tokenizer,
@@ -11,7 +13,38 @@ type NodeLlamaCpp = typeof import("node-llama-cpp")
 type Llama = Awaited<ReturnType<NodeLlamaCpp["getLlama"]>>
 type LlamaModel = Awaited<ReturnType<Llama["loadModel"]>>
 
-const fromModel = (model: LlamaModel): ModelTokenizer => {
+type ChatHistoryItem = import("node-llama-cpp").ChatHistoryItem
+
+/**
+ * The model's chat template through node-llama-cpp: the GGUF's own template (a known wrapper, or its Jinja
+ * template), else the wrapper node-llama-cpp picks for the architecture, else its general wrapper.
+ */
+const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
+  let wrapper: NonNullable<ReturnType<NodeLlamaCpp["resolveChatWrapper"]>> | undefined
+  const resolve = () => (wrapper ??= lib.resolveChatWrapper(model) ?? new lib.GeneralChatWrapper())
+  return (messages: ReadonlyArray<ChatMessage>): FormattedChat => {
+    const chat = resolve()
+    const history: Array<ChatHistoryItem> = messages.map((m): ChatHistoryItem =>
+      m.role === "system"
+        ? { type: "system", text: m.content }
+        : m.role === "user"
+        ? { type: "user", text: m.content }
+        : { type: "model", response: [m.content] }
+    )
+    history.push({ type: "model", response: [] })
+    const state = chat.generateContextState({ chatHistory: history })
+    const stop = state.stopGenerationTriggers.flatMap((trigger) =>
+      trigger.values.every((v) => typeof v === "string") ? [trigger.values.join("")] : []
+    ).filter((text) => text !== "")
+    return {
+      tokens: [...state.contextText.tokenize(model.tokenizer)] as Array<number>,
+      stop,
+      template: chat.wrapperName
+    }
+  }
+}
+
+const fromModel = (model: LlamaModel, lib: NodeLlamaCpp): ModelTokenizer => {
   const bos = model.tokens.bos ?? undefined
   const eos = model.tokens.eos ?? undefined
   const addsBos = bos !== undefined && model.tokens.shouldPrependBosToken
@@ -30,7 +63,8 @@ const fromModel = (model: LlamaModel): ModelTokenizer => {
     },
     detokenize,
     isEndOfGeneration: (token) => model.isEogToken(token as never),
-    decoder: (context) => makeIncrementalDecoder(detokenize, context)
+    decoder: (context) => makeIncrementalDecoder(detokenize, context),
+    formatChat: chatFormatter(lib, model)
   }
 }
 
@@ -43,15 +77,15 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
       Effect.acquireRelease(
         Effect.promise(async () => {
           const lib = await import("node-llama-cpp")
-          return lib.getLlama({ gpu: false, build: "never", logLevel: lib.LlamaLogLevel.error })
+          return { lib, llama: await lib.getLlama({ gpu: false, build: "never", logLevel: lib.LlamaLogLevel.error }) }
         }),
-        (llama) => Effect.promise(() => llama.dispose())
+        ({ llama }) => Effect.promise(() => llama.dispose())
       ).pipe(Scope.extend(layerScope))
     )
     const service: TokenizerService = {
       open: (modelPath) =>
         Effect.gen(function*() {
-          const instance = yield* llama
+          const { lib, llama: instance } = yield* llama
           const model = yield* Effect.acquireRelease(
             Effect.tryPromise({
               try: () => instance.loadModel({ modelPath, vocabOnly: true }),
@@ -60,7 +94,7 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
             }),
             (model) => Effect.promise(() => model.dispose())
           )
-          return fromModel(model)
+          return fromModel(model, lib)
         }).pipe(Effect.withSpan("Tokenizer.open", { attributes: { modelPath } }))
     }
     return service
@@ -86,6 +120,11 @@ export const byteTokenizer: ModelTokenizer = {
   tokenize: (text) => [1, ...Array.from(encoder.encode(text), (byte) => byte + 3)],
   detokenize: (tokens) => decoder.decode(Uint8Array.from(tokens.filter((token) => token >= 3), (token) => token - 3)),
   isEndOfGeneration: (token) => token === 2,
-  decoder: (context) =>
-    makeIncrementalDecoder((tokens) => byteTokenizer.detokenize(tokens), context)
+  decoder: (context) => makeIncrementalDecoder((tokens) => byteTokenizer.detokenize(tokens), context),
+  // The test double's own plain rendering (no model template to follow).
+  formatChat: (messages) => ({
+    tokens: byteTokenizer.tokenize(`${messages.map((m) => `${m.role}: ${m.content}\n`).join("")}assistant:`),
+    stop: ["\nuser:"],
+    template: "test"
+  })
 }

@@ -4,20 +4,25 @@
  */
 import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
+import type { ModelFacts } from "../domain/plan.js"
 import type { PlanRejection } from "../domain/planErrors.js"
 import { RunFaultReason } from "../domain/runFsm.js"
 import type { TransportAddress } from "../domain/frames.js"
 import { RunId } from "../domain/ids.js"
 import type { AgentSpawnError } from "./AgentLinks.js"
 import type { AgentUnavailable } from "./AgentLinks.js"
-import type { NodeCapacity, NodeEndpoint, PoolNotReady } from "./Membership.js"
-import type { TokenizerError } from "./Tokenizer.js"
+import type { NodeCapacity, NodeEndpoint, NodeLost, PoolNotReady } from "./Membership.js"
+import type { ModelTokenizer, TokenizerError } from "./Tokenizer.js"
 
 export interface SamplingOptions {
   /** 0 (default) is greedy. */
   readonly temperature?: number
   /** 0 = no limit (default 40 when temperature > 0). */
   readonly topK?: number
+  /** Nucleus sampling: keep the most likely tokens whose probabilities add up to this (1 = off, the default). */
+  readonly topP?: number
+  /** Drop tokens less likely than this fraction of the most likely one (0 = off, the default). */
+  readonly minP?: number
   /** Same seed, same model, same prompt → same text (random when omitted). */
   readonly seed?: number
 }
@@ -162,9 +167,75 @@ export interface AgentPoolService {
 /** Where a run's agents come from: local child processes or remote nodes (see OrchestratorLive). */
 export class AgentPool extends Context.Tag("swactor/AgentPool")<AgentPool, AgentPoolService>() {}
 
+/** What a warm pipeline is set up for: the model, the agents, how many stages. */
+export interface PipelineOptions {
+  /** GGUF file (for remote agents: a path valid on every node). */
+  readonly model: string
+  /** Stages (local agents: one agent each; remote: stage i on node i mod n). */
+  readonly stages?: number
+  /** Default engine threads per stage. */
+  readonly threads?: number
+  /** The node pool must answer this long after the agents start (default 120 s). */
+  readonly readinessTimeout?: Duration.DurationInput
+  readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
+  /** Checked with the planner before any agent starts (default 1). */
+  readonly maxTokens?: number
+}
+
+/** One run on a warm pipeline. */
+export interface RunRequest {
+  /** Text (tokenized with BOS as the model wants) or token ids as they are. */
+  readonly prompt: string | ReadonlyArray<number>
+  readonly sampling?: SamplingOptions
+  /** Default 128. */
+  readonly maxTokens?: number
+  /** Engine threads per stage (default: the pipeline's). */
+  readonly threads?: number
+  /** Stages must be ready this long after provisioning starts (default 120 s). */
+  readonly readinessTimeout?: Duration.DurationInput
+  /** Each token must come back within this (default 60 s). */
+  readonly tokenTimeout?: Duration.DurationInput
+  /** Stop after planning. */
+  readonly dryRun?: boolean
+}
+
+/** One agent of a warm pipeline. */
+export interface PipelineAgent {
+  readonly node: NodeEndpoint
+  /** Its process id, as it said in its hello. */
+  readonly pid: number
+  readonly dataAddress: TransportAddress
+  /** What it reports now (fails when it cannot be reached). */
+  readonly capacity: Effect.Effect<NodeCapacity, AgentUnavailable>
+}
+
+/**
+ * A pipeline set up once (model facts, tokenizer, agents, control links, membership pool, data listener) on which
+ * any number of runs go, each its own run of the contract (own RunId, planner, run FSM, teardown). Weights stay
+ * in the agents' model caches between runs. Closed with its scope (agents stopped).
+ */
+export interface Pipeline {
+  readonly model: ModelFacts
+  readonly vocabulary: ModelTokenizer
+  readonly agents: ReadonlyArray<PipelineAgent>
+  readonly stageCount: number
+  /** One run; interrupting the stream is an operator stop (with the full teardown). */
+  readonly run: (request: RunRequest) => Stream.Stream<RunUpdate, GenerateError>
+  /** Completes with the first node lost: from then on every run faults. */
+  readonly lost: Effect.Effect<NodeLost>
+}
+
 export interface OrchestratorService {
-  /** Runs one generation; interrupting the stream is an operator stop (with the full teardown). */
+  /** Runs one generation on a pipeline of its own; interrupting the stream is an operator stop (with the full teardown). */
   readonly run: (request: GenerateRequest) => Stream.Stream<RunUpdate, GenerateError>
+  /**
+   * Sets up a warm pipeline that outlives its runs (closed with the scope). `progress` sees AgentsStarted and
+   * PoolReady.
+   */
+  readonly pipeline: (
+    options: PipelineOptions,
+    progress?: (update: RunUpdate) => Effect.Effect<void>
+  ) => Effect.Effect<Pipeline, GenerateError, Scope.Scope>
 }
 
 export class Orchestrator extends Context.Tag("swactor/Orchestrator")<Orchestrator, OrchestratorService>() {}

@@ -1,12 +1,18 @@
 /**
  * Token sampling on the last stage, pure and reproducible: greedy at temperature 0, otherwise
- * temperature (temperatureMillis / 1000) then top-k, drawn from a generator seeded once per sequence.
+ * temperature (temperatureMillis / 1000), then top-k, top-p and min-p, one draw per position from a
+ * generator seeded by (seed, position): the n-th token of a generation depends only on the seed, n and
+ * its logits, so a generation resumed at position n draws what it would have drawn.
  */
 
 export interface SamplingParams {
   readonly temperatureMillis: number
   /** Keep the k most likely tokens; 0 or less keeps all. */
   readonly topK: number
+  /** Keep the most likely tokens whose probabilities add up to at least this (1 or more, or absent: off). */
+  readonly topP?: number | undefined
+  /** Drop tokens whose probability is below this fraction of the most likely one's (0 or absent: off). */
+  readonly minP?: number | undefined
   readonly seed?: number | undefined
 }
 
@@ -26,10 +32,16 @@ const splitmix32 = (seed: number) => {
  * xoshiro128** seeded through splitmix32 from any finite number (its integer part, mixed with the
  * high bits so seeds above 2^32 differ). Returns floats in [0, 1).
  */
-export const makeRng = (seed: number): () => number => {
+export const makeRng = (seed: number): () => number => xoshiro(splitmix32(seed32(seed)))
+
+/** A finite number's integer part folded to 32 bits (high bits mixed in, so seeds above 2^32 differ). */
+const seed32 = (seed: number): number => {
   const whole = Number.isFinite(seed) ? Math.trunc(seed) : 0
   const hi = Math.floor(whole / 4294967296) >>> 0
-  const sm = splitmix32((whole >>> 0) ^ Math.imul(hi, 0x27d4eb2d))
+  return ((whole >>> 0) ^ Math.imul(hi, 0x27d4eb2d)) >>> 0
+}
+
+const xoshiro = (sm: () => number): () => number => {
   let a = sm()
   let b = sm()
   let c = sm()
@@ -81,7 +93,7 @@ export const logSoftmax = (logits: Float32Array): Float64Array => {
   return out
 }
 
-/** One draw: temperature, then top-k, then the softmax over what is left. */
+/** One draw: temperature, then top-k, top-p and min-p, then the softmax over what is left. */
 export const sampleToken = (logits: Float32Array, params: SamplingParams, random: () => number): number => {
   const temperature = params.temperatureMillis / 1000
   if (!(temperature > 0) || params.topK === 1 || logits.length <= 1) return greedy(logits)
@@ -89,11 +101,29 @@ export const sampleToken = (logits: Float32Array, params: SamplingParams, random
   const k = params.topK > 0 ? Math.min(Math.floor(params.topK), n) : n
   const order = Array.from({ length: n }, (_, i) => i)
   order.sort((x, y) => value(logits, y) - value(logits, x) || x - y)
-  const top = order.slice(0, k)
-  const scaled = top.map((i) => value(logits, i) / temperature)
+  let top = order.slice(0, k)
+  let scaled = top.map((i) => value(logits, i) / temperature)
   const max = scaled[0]!
   if (max === -Infinity) return top[0]!
-  const weights = scaled.map((s) => Math.exp(s - max))
+  let weights = scaled.map((s) => Math.exp(s - max))
+  const minP = params.minP ?? 0
+  if (minP > 0) {
+    // weights[0] = 1 is the most likely token's: keep those at least minP of it (the first always).
+    const keep = Math.max(1, weights.findIndex((w) => w < minP) === -1 ? weights.length : weights.findIndex((w) => w < minP))
+    top = top.slice(0, keep)
+    scaled = scaled.slice(0, keep)
+    weights = weights.slice(0, keep)
+  }
+  const topP = params.topP ?? 1
+  if (topP < 1) {
+    const sum = weights.reduce((s, w) => s + w, 0)
+    let mass = 0
+    let keep = 0
+    while (keep < weights.length && mass < topP * sum) mass += weights[keep++]!
+    keep = Math.max(1, keep)
+    top = top.slice(0, keep)
+    weights = weights.slice(0, keep)
+  }
   const total = weights.reduce((s, w) => s + w, 0)
   let r = random() * total
   for (let j = 0; j < top.length; j++) {
@@ -103,15 +133,23 @@ export const sampleToken = (logits: Float32Array, params: SamplingParams, random
   return top[top.length - 1]!
 }
 
+/** The generator of the draw at `position` of a generation seeded with `seed`. */
+export const positionRng = (seed: number, position: number): () => number => {
+  const base = splitmix32(seed32(seed))()
+  return xoshiro(splitmix32((base ^ Math.imul((position >>> 0) + 1, 0x85ebca6b)) >>> 0))
+}
+
 /**
- * A sampler for one sequence: same params and seed give the same tokens for the same logits.
- * Without a seed, one is drawn from Math.random (the run is then not reproducible).
+ * A sampler for one sequence: same params and seed give the same tokens for the same logits. Draw n uses
+ * the generator of (seed, startPosition + n). Without a seed, one is drawn from Math.random (the run is then
+ * not reproducible).
  */
-export const makeSampler = (params: SamplingParams): (logits: Float32Array) => number => {
+export const makeSampler = (params: SamplingParams, startPosition = 0): (logits: Float32Array) => number => {
   const temperature = params.temperatureMillis / 1000
   if (!(temperature > 0) || params.topK === 1) return greedy
-  const random = makeRng(params.seed ?? Math.floor(Math.random() * 2 ** 32))
-  return (logits) => sampleToken(logits, params, random)
+  const seed = params.seed ?? Math.floor(Math.random() * 2 ** 32)
+  let position = startPosition
+  return (logits) => sampleToken(logits, params, positionRng(seed, position++))
 }
 
 /** Whether a sampled token ends generation. */

@@ -14,6 +14,21 @@ export interface IncrementalDecoder {
   readonly flush: () => string
 }
 
+/** One message of a chat. */
+export interface ChatMessage {
+  readonly role: "system" | "user" | "assistant"
+  readonly content: string
+}
+
+/** A chat rendered for the assistant's next turn. */
+export interface FormattedChat {
+  readonly tokens: ReadonlyArray<number>
+  /** Texts that end the assistant's turn (besides end-of-generation tokens). */
+  readonly stop: ReadonlyArray<string>
+  /** Which template rendered it (e.g. the chat wrapper's name). */
+  readonly template: string
+}
+
 /** The vocabulary of one model. */
 export interface ModelTokenizer {
   readonly vocabSize: number
@@ -27,6 +42,8 @@ export interface ModelTokenizer {
   readonly isEndOfGeneration: (token: number) => boolean
   /** A decoder for a generation that continues `context` (usually the prompt tokens). */
   readonly decoder: (context: ReadonlyArray<number>) => IncrementalDecoder
+  /** Messages through the model's own chat template, ready for the assistant's turn. */
+  readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => FormattedChat
 }
 
 export interface TokenizerService {

@@ -1,0 +1,223 @@
+/**
+ * bench:serve — N concurrent streaming requests to one warm swactor pipeline (the `Server` service that
+ * `swactor serve` puts behind HTTP: admission, one run per request) vs node-llama-cpp serving the same N
+ * streams from one process (one context, N sequences, which it batches), greedy, `tokens` tokens each.
+ * Prints per N: aggregate decode tok/s (tokens after each stream's first / time from the first first token
+ * to the last token), TTFT p50/p99, inter-token latency p50/p99, and whether every stream equals its lone
+ * reference.
+ *
+ * Default model: the synthetic 16×2048 Q8_0 llama of bench:pipeline (written once under .cache/bench).
+ * Flags (or env): --model FILE, --stages 2 (BENCH_STAGES), --threads 1 per stage (BENCH_THREADS),
+ * --ref-threads 2 for node-llama-cpp (BENCH_REF_THREADS), --clients 1,2,4,8 (BENCH_CLIENTS),
+ * --tokens 64 (BENCH_TOKENS), --skip-ref.
+ */
+import { existsSync, mkdirSync } from "node:fs"
+import { dirname, join, resolve } from "node:path"
+import { fileURLToPath } from "node:url"
+import { Effect, Layer, ManagedRuntime, Stream } from "effect"
+import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
+import { serve, Server } from "../src/api/serve.js"
+import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+
+const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
+const flag = (name: string): string | undefined => {
+  const at = process.argv.indexOf(`--${name}`)
+  return at >= 0 ? process.argv[at + 1] : undefined
+}
+const setting = (name: string, env: string, fallback: string) => flag(name) ?? process.env[env] ?? fallback
+
+const cfg = {
+  stages: Number(setting("stages", "BENCH_STAGES", "2")),
+  threads: Number(setting("threads", "BENCH_THREADS", "1")),
+  refThreads: Number(setting("ref-threads", "BENCH_REF_THREADS", "2")),
+  clients: setting("clients", "BENCH_CLIENTS", "1,2,4,8").split(",").map(Number),
+  tokens: Number(setting("tokens", "BENCH_TOKENS", "64")),
+  skipRef: process.argv.includes("--skip-ref"),
+  dir: resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
+}
+const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
+
+// Same file as bench:pipeline and bench:engine.
+const syntheticPath = join(cfg.dir, "llama-16x2048-ffn8192-v32000-q8_0.gguf")
+const ensureModel = async (): Promise<string> => {
+  const given = flag("model")
+  if (given !== undefined) return resolve(given)
+  if (existsSync(syntheticPath)) return syntheticPath
+  mkdirSync(cfg.dir, { recursive: true })
+  process.stdout.write(`writing ${syntheticPath} ... `)
+  await Effect.runPromise(writeSyntheticModel({
+    path: syntheticPath,
+    arch: "llama",
+    layers: 16,
+    hidden: 2048,
+    ffn: 8192,
+    heads: 32,
+    kvHeads: 8,
+    vocab: 32000,
+    contextLength: 4096,
+    type: "q8_0",
+    seed: 1
+  }))
+  console.log("done")
+  return syntheticPath
+}
+
+/** When each token of one stream arrived (ms), from the request's start. */
+interface StreamTimes {
+  readonly start: number
+  readonly arrivals: ReadonlyArray<number>
+  readonly text: string
+}
+
+interface Figures {
+  readonly aggregate: number
+  readonly ttft: readonly [number, number]
+  readonly itl: readonly [number, number]
+}
+
+const percentile = (values: ReadonlyArray<number>, p: number) => {
+  if (values.length === 0) return Number.NaN
+  const sorted = [...values].sort((a, b) => a - b)
+  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))]!
+}
+
+const figures = (streams: ReadonlyArray<StreamTimes>): Figures => {
+  const firsts = streams.map((s) => s.arrivals[0] ?? Number.NaN)
+  const lasts = streams.map((s) => s.arrivals.at(-1) ?? Number.NaN)
+  const decoded = streams.reduce((n, s) => n + Math.max(0, s.arrivals.length - 1), 0)
+  const span = (Math.max(...lasts) - Math.min(...firsts)) / 1000
+  const gaps = streams.flatMap((s) => s.arrivals.slice(1).map((t, i) => t - s.arrivals[i]!))
+  const ttfts = streams.map((s, i) => firsts[i]! - s.start)
+  return {
+    aggregate: span > 0 ? decoded / span : Number.NaN,
+    ttft: [percentile(ttfts, 50), percentile(ttfts, 99)],
+    itl: [percentile(gaps, 50), percentile(gaps, 99)]
+  }
+}
+
+const swactorRound = (runtime: ManagedRuntime.ManagedRuntime<Server, never>, n: number) =>
+  runtime.runPromise(
+    Effect.flatMap(Server, (server) =>
+      Effect.forEach(Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!), (prompt) =>
+        Effect.suspend(() => {
+          const start = performance.now()
+          const arrivals: Array<number> = []
+          let text = ""
+          return server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
+            Stream.runForEach((event) =>
+              Effect.sync(() => {
+                if (event._tag === "Text") {
+                  text += event.text
+                  // One arrival per generated token (a piece may be held back for a multi-byte character).
+                  while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
+                }
+              })
+            ),
+            Effect.map((): StreamTimes => ({ start, arrivals, text }))
+          )
+        }), { concurrency: "unbounded" })
+    )
+  )
+
+const referenceRounds = async (modelPath: string) => {
+  const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
+  const model = await llama.loadModel({ modelPath, gpuLayers: 0 })
+  const results = new Map<number, ReadonlyArray<StreamTimes>>()
+  try {
+    for (const n of cfg.clients) {
+      const context = await model.createContext({
+        contextSize: Math.max(512, n * 256),
+        sequences: n,
+        threads: cfg.refThreads,
+        flashAttention: true
+      })
+      try {
+        const streams = await Promise.all(Array.from({ length: n }, async (_, i) => {
+          const sequence = context.getSequence()
+          const bos = model.tokens.bos
+          const input: Array<Token> = [...(bos !== null ? [bos] : []), ...model.tokenize(prompts[i % prompts.length]!)]
+          const start = performance.now()
+          const arrivals: Array<number> = []
+          const tokens: Array<Token> = []
+          for await (const token of sequence.evaluate(input, { temperature: 0 })) {
+            arrivals.push(performance.now())
+            tokens.push(token)
+            if (tokens.length >= cfg.tokens || model.isEogToken(token)) break
+          }
+          return { start, arrivals, text: model.detokenize(tokens) }
+        }))
+        results.set(n, streams)
+      } finally {
+        await context.dispose()
+      }
+    }
+  } finally {
+    await model.dispose()
+    await llama.dispose()
+  }
+  return results
+}
+
+const fmt = (x: number, digits = 1) => (Number.isFinite(x) ? x.toFixed(digits) : "-")
+
+const main = async () => {
+  const modelPath = await ensureModel()
+  const maxClients = Math.max(...cfg.clients)
+  console.log(
+    `bench:serve ${modelPath}\n  swactor: ${cfg.stages} local stages x ${cfg.threads} thread(s), parallel ${maxClients}; ` +
+      `node-llama-cpp: one process, ${cfg.refThreads} thread(s), one context with N sequences; ${cfg.tokens} tokens per stream, greedy`
+  )
+  const layer = serve({ model: modelPath, stages: cfg.stages, threads: cfg.threads, parallel: maxClients })
+  const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
+  const loadStart = performance.now()
+  await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
+  console.log(`  pipeline ready in ${((performance.now() - loadStart) / 1000).toFixed(1)} s`)
+  const ours = new Map<number, ReadonlyArray<StreamTimes>>()
+  const lone = new Map<string, string>()
+  try {
+    for (const prompt of prompts.slice(0, maxClients)) {
+      const [result] = await runtime.runPromise(
+        Effect.flatMap(Server, (server) =>
+          server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
+            Stream.runFold("", (text, e) => (e._tag === "Text" ? text + e.text : text)),
+            Effect.map((text) => [text])
+          ))
+      )
+      lone.set(prompt, result!)
+    }
+    for (const n of cfg.clients) ours.set(n, await swactorRound(runtime, n))
+  } finally {
+    await runtime.dispose()
+  }
+  const reference = cfg.skipRef ? new Map<number, ReadonlyArray<StreamTimes>>() : await referenceRounds(modelPath)
+
+  console.log("\n| N | swactor agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms | = alone | node-llama-cpp agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms |")
+  console.log("|---|---|---|---|---|---|---|---|")
+  const one = figures(ours.get(cfg.clients[0]!)!)
+  for (const n of cfg.clients) {
+    const o = figures(ours.get(n)!)
+    const same = ours.get(n)!.every((s, i) => s.text === lone.get(prompts[i % prompts.length]!))
+    const refStreams = reference.get(n)
+    const r = refStreams === undefined ? undefined : figures(refStreams)
+    console.log(
+      `| ${n} | ${fmt(o.aggregate)} | ${fmt(o.ttft[0])} / ${fmt(o.ttft[1])} | ${fmt(o.itl[0], 2)} / ${fmt(o.itl[1], 2)} | ${same ? "yes" : "NO"} | ` +
+        `${r === undefined ? "-" : fmt(r.aggregate)} | ${r === undefined ? "-" : `${fmt(r.ttft[0])} / ${fmt(r.ttft[1])}`} | ` +
+        `${r === undefined ? "-" : `${fmt(r.itl[0], 2)} / ${fmt(r.itl[1], 2)}`} |`
+    )
+  }
+  const four = ours.get(4)
+  if (four !== undefined && cfg.clients[0] === 1) {
+    const f = figures(four)
+    const ref4 = reference.get(4)
+    console.log(
+      `\ntargets at N=4: aggregate ${fmt(f.aggregate / one.aggregate, 2)}x N=1 (>= 2.2)` +
+        (ref4 === undefined ? "" : `, ${fmt(f.aggregate / figures(ref4).aggregate, 2)}x node-llama-cpp (>= 1.2)`) +
+        `, inter-token p99 ${fmt(f.itl[1] / one.itl[0], 2)}x the N=1 median (<= 2)`
+    )
+  }
+}
+
+main().then(() => process.exit(0), (error: unknown) => {
+  console.error(error)
+  process.exit(1)
+})

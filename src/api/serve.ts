@@ -1,0 +1,60 @@
+/**
+ * Serving from code: `serve(options)` is a layer holding one warm pipeline (local agents, or remote nodes with
+ * `nodes` + `token`); `Server.generate(request)` is a Stream of events per request (Admitted, Text…, Done),
+ * many at once, admitted by the KV budget. `completion(request)` collects one into text and counts.
+ * The HTTP front (`swactor serve`) is src/layers/HttpServe.ts over the same service.
+ */
+import { Effect, Layer, Stream } from "effect"
+import * as ServerLive from "../layers/ServerLive.js"
+import type { LocalPoolOptions } from "../layers/LocalAgents.js"
+import {
+  type FinishReason,
+  Server,
+  type ServeError,
+  type ServeEvent,
+  type ServeOptions,
+  type ServeRequest
+} from "../services/Server.js"
+import { layerLocal, layerRemote } from "./generate.js"
+
+export type { ServeError, ServeEvent, ServeOptions, ServeRequest }
+export { Server }
+
+export interface ServeLayerOptions extends ServeOptions {
+  /** Remote agents (host:port); omit to start `stages` local agent processes. */
+  readonly nodes?: ReadonlyArray<string>
+  /** Cluster token of the remote agents. */
+  readonly token?: string
+  /** Local agents: how they are started (threads, extra arguments, a callback with their pids). */
+  readonly local?: LocalPoolOptions
+}
+
+/** A Server with its own warm pipeline, set up in the background when the layer is built. */
+export const serve = (options: ServeLayerOptions): Layer.Layer<Server> => {
+  const { local, nodes, token, ...serveOptions } = options
+  const orchestrator = nodes !== undefined && nodes.length > 0
+    ? layerRemote({ nodes, token: token ?? "" })
+    : layerLocal({ ...(options.threads === undefined ? {} : { threads: options.threads }), ...local })
+  return ServerLive.layer(serveOptions).pipe(Layer.provide(orchestrator))
+}
+
+/** One request to the end: its text, why it ended, and the token counts. */
+export const completion = (
+  request: ServeRequest
+): Effect.Effect<
+  { readonly text: string; readonly finishReason: FinishReason; readonly promptTokens: number; readonly completionTokens: number },
+  ServeError,
+  Server
+> =>
+  Effect.flatMap(Server, (server) =>
+    server.generate(request).pipe(
+      Stream.runFold(
+        { text: "", finishReason: "length" as FinishReason, promptTokens: 0, completionTokens: 0 },
+        (acc, event) =>
+          event._tag === "Text"
+            ? { ...acc, text: acc.text + event.text }
+            : event._tag === "Done"
+            ? { ...acc, finishReason: event.finishReason, promptTokens: event.promptTokens, completionTokens: event.completionTokens }
+            : acc
+      )
+    ))

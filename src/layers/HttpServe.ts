@@ -1,0 +1,443 @@
+/**
+ * The OpenAI-compatible HTTP front of a Server (@effect/platform HttpRouter on Node's HTTP server):
+ *
+ * | route | answer |
+ * |---|---|
+ * | GET /health | 200 `{"status":"ok"}` when ready; 503 while loading, and 503 with the fault once the pipeline faulted |
+ * | GET /v1/models | the one model served |
+ * | POST /v1/completions | text completion (`stream: true`: SSE `text_completion` chunks, then `data: [DONE]`) |
+ * | POST /v1/chat/completions | chat through the model's chat template (SSE `chat.completion.chunk`) |
+ * | GET /metrics | Prometheus text |
+ *
+ * Errors are OpenAI's `{"error":{"message","type","param","code"}}`: 400 bad body, 429 + Retry-After when the
+ * admission queue is full, 503 + Retry-After while loading, 500 with the fault in words. A stream that fails
+ * after it started ends with an `error` event and `data: [DONE]`. A client that goes away interrupts its
+ * handler, which cancels the run (its stages stop, its KV is freed).
+ */
+import { createServer, type Server as NodeServer } from "node:http"
+import { basename } from "node:path"
+import { randomBytes } from "node:crypto"
+import * as HttpRouter from "@effect/platform/HttpRouter"
+import * as HttpServer from "@effect/platform/HttpServer"
+import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
+import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
+import * as NodeHttpServer from "@effect/platform-node/NodeHttpServer"
+import { Chunk, Effect, Exit, Layer, Option, ParseResult, Schema, Scope, Stream } from "effect"
+import {
+  type FinishReason,
+  Server,
+  type ServeError,
+  type ServeEvent,
+  type ServeRequest,
+  type ServerMetrics
+} from "../services/Server.js"
+
+// --- bodies ---
+
+const Num = Schema.optional(Schema.NullOr(Schema.Number))
+const SamplingFields = {
+  model: Schema.optional(Schema.String),
+  max_tokens: Num,
+  temperature: Num,
+  top_p: Num,
+  top_k: Num,
+  min_p: Num,
+  seed: Num,
+  n: Num,
+  stop: Schema.optional(Schema.NullOr(Schema.Union(Schema.String, Schema.Array(Schema.String)))),
+  stream: Schema.optional(Schema.NullOr(Schema.Boolean)),
+  stream_options: Schema.optional(Schema.NullOr(Schema.Struct({ include_usage: Schema.optional(Schema.NullOr(Schema.Boolean)) })))
+}
+
+export const CompletionBody = Schema.Struct({
+  ...SamplingFields,
+  prompt: Schema.Union(Schema.String, Schema.Array(Schema.String), Schema.Array(Schema.Number))
+})
+export type CompletionBody = typeof CompletionBody.Type
+
+const TextPart = Schema.Struct({ type: Schema.Literal("text"), text: Schema.String })
+export const ChatBody = Schema.Struct({
+  ...SamplingFields,
+  max_completion_tokens: Num,
+  messages: Schema.NonEmptyArray(
+    Schema.Struct({
+      role: Schema.Literal("system", "developer", "user", "assistant"),
+      content: Schema.Union(Schema.String, Schema.Array(TextPart))
+    })
+  )
+})
+export type ChatBody = typeof ChatBody.Type
+
+// --- errors ---
+
+class HttpFailure {
+  constructor(
+    readonly status: number,
+    readonly type: string,
+    readonly message: string,
+    readonly code: string | null = null,
+    readonly retryAfter?: number
+  ) {}
+}
+
+const errorJson = (failure: HttpFailure) => ({
+  error: { message: failure.message, type: failure.type, param: null, code: failure.code }
+})
+
+const errorResponse = (failure: HttpFailure) =>
+  HttpServerResponse.unsafeJson(errorJson(failure), {
+    status: failure.status,
+    ...(failure.retryAfter === undefined ? {} : { headers: { "retry-after": String(failure.retryAfter) } })
+  })
+
+const fromServeError = (error: ServeError): HttpFailure => {
+  switch (error._tag) {
+    case "BadServeRequest":
+      return new HttpFailure(400, "invalid_request_error", error.message)
+    case "ServerBusy":
+      return new HttpFailure(429, "rate_limit_error", error.message, "queue_full", error.retryAfterSeconds)
+    case "ServerLoading":
+      return new HttpFailure(503, "server_error", error.message, "loading", 5)
+    case "PipelineFaulted":
+      return new HttpFailure(500, "server_error", `the pipeline faulted: ${error.message}`, "pipeline_faulted")
+    default:
+      return new HttpFailure(500, "server_error", String((error as { message?: unknown }).message ?? error))
+  }
+}
+
+const badBody = (error: unknown) =>
+  new HttpFailure(
+    400,
+    "invalid_request_error",
+    ParseResult.isParseError(error)
+      ? `bad request body: ${
+        ParseResult.ArrayFormatter.formatErrorSync(error)
+          .map((issue) => `${issue.path.length > 0 ? `${issue.path.join(".")}: ` : ""}${issue.message}`)
+          .join("; ")
+      }`
+      : `bad request body: ${"message" in (error as object) ? (error as { message: string }).message : String(error)}`
+  )
+
+// --- requests ---
+
+const orUndefined = <A>(value: A | null | undefined): A | undefined => (value === null ? undefined : value)
+
+const serveRequest = (body: CompletionBody | ChatBody, prompt: ServeRequest["prompt"], maxTokens: number | undefined, extraStop: ReadonlyArray<string> = []) =>
+  Effect.gen(function*() {
+    const n = orUndefined(body.n)
+    if (n !== undefined && n !== 1) return yield* Effect.fail(new HttpFailure(400, "invalid_request_error", `n must be 1, got ${n}`))
+    const stop = body.stop === undefined || body.stop === null ? [] : typeof body.stop === "string" ? [body.stop] : body.stop
+    const temperature = orUndefined(body.temperature) ?? 1
+    const topP = orUndefined(body.top_p)
+    const topK = orUndefined(body.top_k)
+    const minP = orUndefined(body.min_p)
+    const seed = orUndefined(body.seed)
+    return {
+      prompt,
+      ...(maxTokens === undefined ? {} : { maxTokens }),
+      sampling: {
+        temperature,
+        ...(topK === undefined ? {} : { topK }),
+        ...(topP === undefined ? {} : { topP }),
+        ...(minP === undefined ? {} : { minP }),
+        ...(seed === undefined ? {} : { seed })
+      },
+      stop: [...stop, ...extraStop]
+    } satisfies ServeRequest
+  })
+
+// --- responses ---
+
+const encoder = new TextEncoder()
+const sse = (data: unknown) => encoder.encode(`data: ${typeof data === "string" ? data : JSON.stringify(data)}\n\n`)
+
+interface Shape {
+  readonly id: string
+  readonly created: number
+  readonly model: string
+  readonly chat: boolean
+}
+
+const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: FinishReason | null }) =>
+  shape.chat
+    ? {
+      id: shape.id,
+      object: "chat.completion.chunk",
+      created: shape.created,
+      model: shape.model,
+      choices: [{
+        index: 0,
+        delta: choice.finish !== null
+          ? {}
+          : { ...(choice.role === true ? { role: "assistant" } : {}), content: choice.text ?? "" },
+        logprobs: null,
+        finish_reason: choice.finish
+      }]
+    }
+    : {
+      id: shape.id,
+      object: "text_completion",
+      created: shape.created,
+      model: shape.model,
+      choices: [{ index: 0, text: choice.text ?? "", logprobs: null, finish_reason: choice.finish }]
+    }
+
+const usageOf = (done: Extract<ServeEvent, { _tag: "Done" }>) => ({
+  prompt_tokens: done.promptTokens,
+  completion_tokens: done.completionTokens,
+  total_tokens: done.promptTokens + done.completionTokens
+})
+
+export interface HttpServeOptions {
+  readonly host?: string
+  readonly port?: number
+  /** Comment lines on an open SSE stream while no event comes (default 5 s). */
+  readonly keepAliveMillis?: number
+  /** Called with the bound address once listening. */
+  readonly onListening?: (address: { readonly host: string; readonly port: number }) => void
+  /** The model's name in responses (default: the file's name). */
+  readonly modelName?: string
+}
+
+const respond = (
+  server: Server["Type"],
+  shape: Shape,
+  request: ServeRequest,
+  stream: boolean,
+  includeUsage: boolean,
+  keepAliveMillis: number
+) =>
+  Effect.gen(function*() {
+    const events = server.generate(request)
+    if (!stream) {
+      const all = yield* Stream.runCollect(events)
+      let text = ""
+      let done: Extract<ServeEvent, { _tag: "Done" }> | undefined
+      for (const event of all) {
+        if (event._tag === "Text") text += event.text
+        if (event._tag === "Done") done = event
+      }
+      const finish = done?.finishReason ?? "length"
+      const usage = done === undefined ? { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 } : usageOf(done)
+      return HttpServerResponse.unsafeJson(
+        shape.chat
+          ? {
+            id: shape.id,
+            object: "chat.completion",
+            created: shape.created,
+            model: shape.model,
+            choices: [{ index: 0, message: { role: "assistant", content: text }, logprobs: null, finish_reason: finish }],
+            usage
+          }
+          : {
+            id: shape.id,
+            object: "text_completion",
+            created: shape.created,
+            model: shape.model,
+            choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
+            usage
+          }
+      )
+    }
+    // Refusals come before the first event: answer them with a status. Once accepted, the response is SSE.
+    const scope = yield* Scope.make()
+    const pull = yield* Stream.toPull(events).pipe(Scope.extend(scope))
+    const first = yield* pull.pipe(
+      Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<ServeEvent>()) : Effect.fail(end.value))),
+      Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
+    )
+    const all = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull))
+    let roleSent = false
+    const body = all.pipe(
+      Stream.mapConcat((event): ReadonlyArray<Uint8Array> => {
+        switch (event._tag) {
+          case "Queued":
+            return []
+          case "Admitted":
+            if (!shape.chat) return []
+            roleSent = true
+            return [sse(chunk(shape, { text: "", role: true, finish: null }))]
+          case "Text":
+            return [sse(chunk(shape, { text: event.text, role: !roleSent, finish: null }))]
+          case "Done":
+            return [
+              sse(chunk(shape, { finish: event.finishReason })),
+              ...(includeUsage
+                ? [sse({
+                  id: shape.id,
+                  object: shape.chat ? "chat.completion.chunk" : "text_completion",
+                  created: shape.created,
+                  model: shape.model,
+                  choices: [],
+                  usage: usageOf(event)
+                })]
+                : [])
+            ]
+        }
+      }),
+      Stream.concat(Stream.make(sse("[DONE]"))),
+      Stream.catchAll((error) => Stream.make(sse(errorJson(fromServeError(error))), sse("[DONE]"))),
+      Stream.merge(Stream.tick(`${keepAliveMillis} millis`).pipe(Stream.drop(1), Stream.as(encoder.encode(": keep-alive\n\n"))), {
+        haltStrategy: "left"
+      }),
+      Stream.ensuring(Scope.close(scope, Exit.void))
+    )
+    return HttpServerResponse.stream(body, {
+      contentType: "text/event-stream",
+      headers: { "cache-control": "no-cache", connection: "keep-alive", "x-accel-buffering": "no" }
+    })
+  })
+
+const renderMetrics = (m: ServerMetrics, status: string): string => {
+  const lines: Array<string> = []
+  const metric = (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => {
+    lines.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`)
+    for (const [labels, value] of samples) lines.push(`${name}${labels} ${value}`)
+  }
+  metric("swactor_up", "gauge", "1 when the pipeline is ready", [[`{status="${status}"}`, status === "ready" ? 1 : 0]])
+  metric("swactor_requests_total", "counter", "Requests by outcome", [
+    ['{outcome="completed"}', m.requests.completed],
+    ['{outcome="cancelled"}', m.requests.cancelled],
+    ['{outcome="failed"}', m.requests.failed],
+    ['{outcome="refused"}', m.requests.refused]
+  ])
+  metric("swactor_prompt_tokens_total", "counter", "Prompt tokens of admitted requests", [["", m.promptTokens]])
+  metric("swactor_completion_tokens_total", "counter", "Generated tokens", [["", m.completionTokens]])
+  metric("swactor_requests_in_flight", "gauge", "Requests running", [["", m.inFlight]])
+  metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
+  metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [["", m.kvReservedBytes]])
+  metric("swactor_kv_budget_bytes", "gauge", "KV bytes per stage admission may reserve", [["", m.kvBudgetBytes]])
+  const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
+    m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
+  metric("swactor_stage_compute_seconds_total", "counter", "Engine time per stage (completed requests)", perStage((s) => s.computeSeconds))
+  metric(
+    "swactor_stage_transfer_seconds_total",
+    "counter",
+    "Decode time outside the engines, shared per stage (completed requests)",
+    perStage((s) => s.transferSeconds)
+  )
+  metric("swactor_stage_decode_tokens_total", "counter", "Decode steps per stage (completed requests)", perStage((s) => s.decodeTokens))
+  metric(
+    "swactor_agent_active_stages",
+    "gauge",
+    "Stages each agent hosts now (-1: no answer)",
+    m.agents.map((a) => [`{address="${a.address}",pid="${a.pid}"}`, a.activeStages])
+  )
+  return `${lines.join("\n")}\n`
+}
+
+/** The HTTP routes over the Server in context. */
+export const router = (options: HttpServeOptions, modelPath: string) =>
+  Effect.gen(function*() {
+    const server = yield* Server
+    const modelName = options.modelName ?? basename(modelPath)
+    const keepAliveMillis = options.keepAliveMillis ?? 5000
+    const shape = (chat: boolean): Shape => ({
+      id: `${chat ? "chatcmpl" : "cmpl"}-${randomBytes(12).toString("hex")}`,
+      created: Math.floor(Date.now() / 1000),
+      model: modelName,
+      chat
+    })
+    const handle = (effect: Effect.Effect<HttpServerResponse.HttpServerResponse, HttpFailure | ServeError, HttpServerRequest.HttpServerRequest>) =>
+      effect.pipe(
+        Effect.catchAll((failure) => Effect.succeed(errorResponse(failure instanceof HttpFailure ? failure : fromServeError(failure))))
+      )
+    const body = <A, I>(schema: Schema.Schema<A, I>) => HttpServerRequest.schemaBodyJson(schema).pipe(Effect.mapError(badBody))
+
+    return HttpRouter.empty.pipe(
+      HttpRouter.get(
+        "/health",
+        Effect.gen(function*() {
+          const status = yield* server.status
+          switch (status._tag) {
+            case "Ready":
+              return HttpServerResponse.unsafeJson({ status: "ok" })
+            case "Loading":
+              return HttpServerResponse.unsafeJson({ status: "loading" }, { status: 503, headers: { "retry-after": "5" } })
+            case "Faulted":
+              return HttpServerResponse.unsafeJson({ status: "error", error: status.message }, { status: 503 })
+          }
+        })
+      ),
+      HttpRouter.get(
+        "/v1/models",
+        Effect.succeed(HttpServerResponse.unsafeJson({
+          object: "list",
+          data: [{ id: modelName, object: "model", created: Math.floor(Date.now() / 1000), owned_by: "swactor" }]
+        }))
+      ),
+      HttpRouter.get(
+        "/metrics",
+        Effect.gen(function*() {
+          const status = yield* server.status
+          const metrics = yield* server.metrics
+          return HttpServerResponse.text(renderMetrics(metrics, status._tag.toLowerCase()), {
+            contentType: "text/plain; version=0.0.4"
+          })
+        })
+      ),
+      HttpRouter.post(
+        "/v1/completions",
+        handle(Effect.gen(function*() {
+          const request = yield* body(CompletionBody)
+          const prompt = typeof request.prompt === "string"
+            ? request.prompt
+            : request.prompt.length === 1 && typeof request.prompt[0] === "string"
+            ? request.prompt[0]
+            : request.prompt.every((p) => typeof p === "number")
+            ? request.prompt as ReadonlyArray<number>
+            : yield* Effect.fail(new HttpFailure(400, "invalid_request_error", "prompt must be one string or an array of token ids"))
+          const serve = yield* serveRequest(request, prompt, orUndefined(request.max_tokens) ?? 16)
+          return yield* respond(server, shape(false), serve, request.stream === true, request.stream_options?.include_usage === true, keepAliveMillis)
+        }))
+      ),
+      HttpRouter.post(
+        "/v1/chat/completions",
+        handle(Effect.gen(function*() {
+          const request = yield* body(ChatBody)
+          const chat = yield* server.formatChat(request.messages.map((m) => ({
+            role: m.role === "developer" ? "system" : m.role,
+            content: typeof m.content === "string" ? m.content : m.content.map((part) => part.text).join("")
+          })))
+          const ready = yield* server.ready
+          // Without a limit: up to a window of 4,096 tokens (or the model's context, when smaller), so the KV a chat
+          // reserves does not grow with the model's maximum context.
+          const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
+          const maxTokens = orUndefined(request.max_completion_tokens) ?? orUndefined(request.max_tokens) ??
+            Math.max(1, window - chat.tokens.length - 1)
+          const serve = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop)
+          return yield* respond(server, shape(true), serve, request.stream === true, request.stream_options?.include_usage === true, keepAliveMillis)
+        }))
+      ),
+      Effect.succeed
+    )
+  }).pipe(Effect.flatten)
+
+/**
+ * Serves the routes on Node's HTTP server until the scope closes; open connections are cut on close (their
+ * runs are cancelled), so shutting down never waits on a client.
+ */
+export const layer = (options: HttpServeOptions, modelPath: string): Layer.Layer<never, never, Server> => {
+  let nodeServer: NodeServer | undefined
+  const evaluate = () => (nodeServer = createServer())
+  const app = Layer.unwrapEffect(Effect.map(router(options, modelPath), (routes) =>
+    HttpServer.serve(
+      routes.pipe(
+        Effect.catchTag("RouteNotFound", () =>
+          Effect.succeed(errorResponse(new HttpFailure(404, "invalid_request_error", "no such route")))
+        )
+      )
+    )))
+  const announce = Layer.scopedDiscard(
+    Effect.gen(function*() {
+      const server = yield* HttpServer.HttpServer
+      yield* Effect.addFinalizer(() => Effect.sync(() => nodeServer?.closeAllConnections()))
+      if (server.address._tag === "TcpAddress") options.onListening?.({ host: server.address.hostname, port: server.address.port })
+    })
+  )
+  return Layer.mergeAll(app, announce).pipe(
+    Layer.provide(NodeHttpServer.layer(evaluate, { port: options.port ?? 8080, host: options.host ?? "127.0.0.1" })),
+    Layer.orDie
+  )
+}
+

@@ -1,0 +1,359 @@
+/**
+ * The Server over the Orchestrator: one warm pipeline set up in the background (status Loading → Ready, or
+ * Faulted with the reason in words), a warm-up run so the first request does not pay the load, admission by
+ * KV bytes per stage, and each request its own run on the pipeline.
+ */
+import { Cause, Deferred, Duration, Effect, Exit, Layer, Option, Ref, Schedule, Stream } from "effect"
+import * as Gguf from "./gguf/GgufReader.js"
+import { Orchestrator, type Pipeline, type RunUpdate } from "../services/Orchestrator.js"
+import {
+  BadServeRequest,
+  PipelineFaulted,
+  Server,
+  ServerBusy,
+  type ServeError,
+  type ServeEvent,
+  type ServeOptions,
+  type ServeRequest,
+  type ServerInfo,
+  ServerLoading,
+  type ServerMetrics,
+  type ServerStatus
+} from "../services/Server.js"
+import { makeStopMatcher } from "../services/StopText.js"
+import { runContextLength } from "./orchestrator/RunWorld.js"
+
+/** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (F16 K and V, cells padded to 256 as the engine does). */
+export const kvBytesPerSequence = (
+  shape: { readonly layersPerStage: number; readonly kvWidth: number },
+  contextLength: number
+): number => Math.ceil(contextLength / 256) * 256 * shape.layersPerStage * shape.kvWidth * 2
+
+/** K + V row width per token per block, from the GGUF's attention facts. */
+const readKvWidth = (path: string) =>
+  Effect.gen(function*() {
+    const file = yield* Gguf.readGgufFile(path)
+    const arch = yield* Gguf.getArchitecture(file)
+    const hidden = yield* Gguf.getU32(file, `${arch}.embedding_length`)
+    const heads = yield* Gguf.getU32(file, `${arch}.attention.head_count`)
+    const kvHeads = (yield* Gguf.getOptional(file, `${arch}.attention.head_count_kv`, Gguf.getU32)) ?? heads
+    const keyLength = (yield* Gguf.getOptional(file, `${arch}.attention.key_length`, Gguf.getU32)) ?? Math.floor(hidden / heads)
+    const valueLength = (yield* Gguf.getOptional(file, `${arch}.attention.value_length`, Gguf.getU32)) ?? keyLength
+    return (keyLength + valueLength) * kvHeads
+  })
+
+interface Ticket {
+  readonly bytes: number
+  readonly ready: Deferred.Deferred<void, ServeError>
+  admitted: boolean
+}
+
+/** FIFO admission: a request runs when it fits the KV budget and the parallel limit; at most `limit` wait. */
+const makeAdmission = (budget: number, parallel: number, limit: number) => {
+  let used = 0
+  let running = 0
+  const queue: Array<Ticket> = []
+  const fits = (bytes: number) => running < parallel && used + bytes <= budget
+  const admit = (ticket: Ticket) => {
+    ticket.admitted = true
+    used += ticket.bytes
+    running++
+    Deferred.unsafeDone(ticket.ready, Exit.void)
+  }
+  const pump = () => {
+    while (queue.length > 0 && fits(queue[0]!.bytes)) admit(queue.shift()!)
+  }
+  return {
+    state: () => ({ used, running, queued: queue.length }),
+    /**
+     * Admitted (or queued) for the rest of the scope: refused at once when the queue is full; otherwise `wait`
+     * completes on admission. `ahead` is how many wait before it (0 when admitted at once).
+     */
+    enter: (bytes: number) =>
+      Effect.gen(function*() {
+        const ticket: Ticket = { bytes, ready: yield* Deferred.make<void, ServeError>(), admitted: false }
+        if (queue.length === 0 && fits(bytes)) admit(ticket)
+        else if (queue.length >= limit) {
+          return yield* new ServerBusy({
+            queued: queue.length,
+            retryAfterSeconds: 1 + Math.floor(queue.length / parallel),
+            message: `the server is busy: ${running} requests running and ${queue.length} queued (the queue holds ${limit})`
+          })
+        } else queue.push(ticket)
+        yield* Effect.addFinalizer(() =>
+          Effect.sync(() => {
+            if (ticket.admitted) {
+              used -= ticket.bytes
+              running--
+            } else {
+              const at = queue.indexOf(ticket)
+              if (at >= 0) queue.splice(at, 1)
+            }
+            pump()
+          })
+        )
+        return { ahead: ticket.admitted ? 0 : queue.length, admitted: ticket.admitted, wait: Deferred.await(ticket.ready) }
+      }),
+    /** Fails every waiting request (the pipeline faulted). */
+    failAll: (error: ServeError) =>
+      Effect.sync(() => {
+        for (const ticket of queue.splice(0)) Deferred.unsafeDone(ticket.ready, Exit.fail(error))
+      })
+  }
+}
+
+const errorWords = (error: { readonly _tag: string }): string => {
+  const message = "message" in error && typeof error.message === "string" ? error.message : ""
+  return message !== "" ? message : `${error._tag}: ${JSON.stringify(error)}`
+}
+
+export const make = (options: ServeOptions) =>
+  Effect.gen(function*() {
+    const orchestrator = yield* Orchestrator
+    const parallel = options.parallel ?? 4
+    const queueLimit = options.queueLimit ?? 64
+    if (!Number.isSafeInteger(parallel) || parallel < 1) return yield* Effect.dieMessage(`parallel must be a positive whole number, got ${parallel}`)
+
+    const status = yield* Ref.make<ServerStatus>({ _tag: "Loading" })
+    const started = yield* Deferred.make<{ pipeline: Pipeline; info: ServerInfo; budget: number; kvWidth: number }, PipelineFaulted>()
+    const metrics = {
+      completed: 0,
+      cancelled: 0,
+      failed: 0,
+      refused: 0,
+      promptTokens: 0,
+      completionTokens: 0,
+      inFlight: 0,
+      stages: new Map<number, { computeSeconds: number; transferSeconds: number; decodeTokens: number }>()
+    }
+    let admission: ReturnType<typeof makeAdmission> | undefined
+    let lastRunAt = performance.now()
+
+    const fault = (message: string) =>
+      Effect.gen(function*() {
+        const current = yield* Ref.get(status)
+        if (current._tag === "Faulted") return
+        yield* Ref.set(status, { _tag: "Faulted", message })
+        yield* Deferred.fail(started, new PipelineFaulted({ message }))
+        if (admission !== undefined) yield* admission.failAll(new PipelineFaulted({ message }))
+      })
+
+    const warmUp = (pipeline: Pipeline) =>
+      pipeline.run({ prompt: [pipeline.vocabulary.bosTokenId ?? 1], maxTokens: 1 }).pipe(Stream.runDrain)
+
+    // --- setup, in the background: /health answers Loading meanwhile ---
+    yield* Effect.gen(function*() {
+      const pipeline = yield* orchestrator.pipeline(options)
+      const kvWidth = yield* readKvWidth(options.model)
+      const layersPerStage = Math.ceil(pipeline.model.numLayers / pipeline.stageCount)
+      const budget = options.kvBudgetBytes ??
+        parallel * kvBytesPerSequence({ layersPerStage, kvWidth }, Math.min(pipeline.model.maxSeqLen, 4096))
+      admission = makeAdmission(budget, parallel, queueLimit)
+      yield* pipeline.lost.pipe(
+        Effect.flatMap((lost) => fault(`lost agent ${lost.node.address}: ${lost.reason}`)),
+        Effect.forkScoped
+      )
+      // Loads every stage's weights now, so the first request starts on a warm pipeline.
+      yield* warmUp(pipeline)
+      // While idle, keep the agents' weights from expiring out of their model caches.
+      const keepWarm = Duration.decode(options.keepWarmEvery ?? "4 minutes")
+      yield* Effect.suspend(() =>
+        metrics.inFlight === 0 && performance.now() - lastRunAt >= Duration.toMillis(keepWarm) / 2
+          ? warmUp(pipeline).pipe(Effect.tap(() => Effect.sync(() => (lastRunAt = performance.now()))), Effect.ignore)
+          : Effect.void
+      ).pipe(Effect.repeat(Schedule.spaced(Duration.toMillis(keepWarm) / 2)), Effect.forkScoped)
+      yield* Ref.update(status, (s): ServerStatus => (s._tag === "Loading" ? { _tag: "Ready" } : s))
+      yield* Deferred.succeed(started, {
+        pipeline,
+        budget,
+        kvWidth,
+        info: { modelId: pipeline.model.modelId, model: pipeline.model, stageCount: pipeline.stageCount, parallel }
+      })
+      yield* Effect.never
+    }).pipe(
+      Effect.catchAllCause((cause) =>
+        Cause.isInterruptedOnly(cause)
+          ? Effect.void
+          : fault(
+            `setting up the pipeline for ${options.model} failed: ${
+              Option.match(Cause.failureOption(cause), {
+                onNone: () => Cause.pretty(cause),
+                onSome: (error) => errorWords(error as { _tag: string })
+              })
+            }`
+          )
+      ),
+      Effect.scoped,
+      Effect.forkScoped
+    )
+
+    const current = Effect.gen(function*() {
+      const s = yield* Ref.get(status)
+      if (s._tag === "Loading") return yield* new ServerLoading({ message: "the model is still loading" })
+      if (s._tag === "Faulted") return yield* new PipelineFaulted({ message: s.message })
+      return yield* Deferred.await(started)
+    })
+
+    const validate = (request: ServeRequest, maxSeqLen: number, promptTokens: number) => {
+      const s = request.sampling ?? {}
+      const maxTokens = request.maxTokens ?? 128
+      const bad = (message: string) => Effect.fail(new BadServeRequest({ message }))
+      if (promptTokens === 0) return bad("the prompt is empty")
+      if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) return bad(`max_tokens must be a positive whole number, got ${maxTokens}`)
+      if (promptTokens + maxTokens + 1 > maxSeqLen) {
+        return bad(
+          `context too long: ${promptTokens} prompt tokens + ${maxTokens} max tokens exceed the model's context of ${maxSeqLen} tokens`
+        )
+      }
+      if (s.temperature !== undefined && !(Number.isFinite(s.temperature) && s.temperature >= 0 && s.temperature <= 100)) {
+        return bad(`temperature must be between 0 and 100, got ${s.temperature}`)
+      }
+      if (s.topK !== undefined && !(Number.isSafeInteger(s.topK) && s.topK >= 0)) return bad(`top_k must be a whole number ≥ 0, got ${s.topK}`)
+      if (s.topP !== undefined && !(s.topP > 0 && s.topP <= 1)) return bad(`top_p must be in (0, 1], got ${s.topP}`)
+      if (s.minP !== undefined && !(s.minP >= 0 && s.minP <= 1)) return bad(`min_p must be in [0, 1], got ${s.minP}`)
+      if (s.seed !== undefined && !Number.isSafeInteger(s.seed)) return bad(`seed must be a whole number, got ${s.seed}`)
+      return Effect.succeed(maxTokens)
+    }
+
+    const generate = (request: ServeRequest): Stream.Stream<ServeEvent, ServeError> =>
+      Stream.unwrapScoped(
+        Effect.gen(function*() {
+          const { budget, kvWidth, pipeline } = yield* current
+          const prompt = typeof request.prompt === "string" ? pipeline.vocabulary.tokenize(request.prompt) : request.prompt
+          const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt.length)
+          const contextLength = runContextLength(pipeline.model.maxSeqLen, prompt.length, maxTokens)
+          const bytes = kvBytesPerSequence(
+            { layersPerStage: Math.ceil(pipeline.model.numLayers / pipeline.stageCount), kvWidth },
+            contextLength
+          )
+          if (bytes > budget) {
+            return yield* new BadServeRequest({
+              message: `context too long: ${contextLength} tokens need ${bytes} bytes of KV cache per stage, the budget is ${budget}`
+            })
+          }
+          const queuedAt = performance.now()
+          const ticket = yield* admission!.enter(bytes).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
+          const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
+          return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, runAdmitted(prompt, maxTokens, request, queuedAt))))
+        })
+      )
+
+    const runAdmitted = (
+      prompt: ReadonlyArray<number>,
+      maxTokens: number,
+      request: ServeRequest,
+      queuedAt: number
+    ): Stream.Stream<ServeEvent, ServeError> =>
+      Stream.unwrapScoped(
+        Effect.gen(function*() {
+          const { pipeline } = yield* current
+          metrics.inFlight++
+          lastRunAt = performance.now()
+          let outcome: "completed" | "cancelled" | "failed" = "cancelled"
+          yield* Effect.addFinalizer(() =>
+            Effect.sync(() => {
+              metrics.inFlight--
+              metrics[outcome]++
+              lastRunAt = performance.now()
+            })
+          )
+          metrics.promptTokens += prompt.length
+          const stop = makeStopMatcher(request.stop ?? [])
+          let completionTokens = 0
+          let finished = false
+          const done = (finishReason: "stop" | "length"): ServeEvent => {
+            finished = true
+            outcome = "completed"
+            return { _tag: "Done", finishReason, promptTokens: prompt.length, completionTokens }
+          }
+          const onUpdate = (update: RunUpdate): ReadonlyArray<ServeEvent> => {
+            if (finished) return []
+            if (update._tag === "Token") {
+              if (update.token.tokenId >= 0) {
+                completionTokens++
+                metrics.completionTokens++
+                if (pipeline.vocabulary.isEndOfGeneration(update.token.tokenId)) {
+                  const rest = stop.flush()
+                  return [...(rest === "" ? [] : [text(rest)]), done("stop")]
+                }
+              }
+              const match = stop.push(update.token.text)
+              const out = match.text === "" ? [] : [text(match.text)]
+              return match.stopped ? [...out, done("stop")] : out
+            }
+            if (update._tag === "Finished") {
+              recordStages(update)
+              const rest = stop.flush()
+              return [...(rest === "" ? [] : [text(rest)]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
+            }
+            return []
+          }
+          const text = (piece: string): ServeEvent => ({ _tag: "Text", text: piece, completionTokens })
+          const admitted: ServeEvent = { _tag: "Admitted", promptTokens: prompt.length, queuedMillis: performance.now() - queuedAt }
+          return Stream.concat(
+            Stream.make(admitted),
+            pipeline.run({
+              prompt,
+              maxTokens,
+              ...(request.sampling === undefined ? {} : { sampling: request.sampling })
+            }).pipe(
+              Stream.mapError((error): ServeError =>
+                error._tag === "InvalidRequest"
+                  ? new BadServeRequest({ message: error.message })
+                  : new PipelineFaulted({ message: errorWords(error) })
+              ),
+              Stream.tapError(() => Effect.sync(() => (outcome = "failed"))),
+              Stream.mapConcat(onUpdate),
+              Stream.takeUntil((event) => event._tag === "Done")
+            )
+          )
+        })
+      )
+
+    const recordStages = (update: Extract<RunUpdate, { _tag: "Finished" }>) => {
+      const decodeSteps = Math.max(0, update.summary.generatedTokens - 1)
+      for (const stage of update.summary.stages) {
+        const m = metrics.stages.get(stage.stageIndex) ?? { computeSeconds: 0, transferSeconds: 0, decodeTokens: 0 }
+        m.computeSeconds += (stage.prefillComputeMillis + stage.computeMillisPerToken * decodeSteps) / 1000
+        m.transferSeconds += (update.summary.transferMillisPerToken * decodeSteps) / 1000 / update.summary.stages.length
+        m.decodeTokens += decodeSteps
+        metrics.stages.set(stage.stageIndex, m)
+      }
+    }
+
+    const snapshot: Effect.Effect<ServerMetrics> = Effect.gen(function*() {
+      const state = admission?.state() ?? { used: 0, running: 0, queued: 0 }
+      const ready = yield* Deferred.poll(started)
+      const up = ready._tag === "Some" ? yield* Effect.option(ready.value) : Option.none()
+      const agents = Option.isSome(up)
+        ? yield* Effect.forEach(up.value.pipeline.agents, (agent) =>
+          agent.capacity.pipe(
+            Effect.timeout("1 second"),
+            Effect.map((c) => ({ address: agent.node.address, pid: agent.pid, activeStages: c.activeStages })),
+            Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
+          ), { concurrency: "unbounded" })
+        : []
+      return {
+        requests: { completed: metrics.completed, cancelled: metrics.cancelled, failed: metrics.failed, refused: metrics.refused },
+        promptTokens: metrics.promptTokens,
+        completionTokens: metrics.completionTokens,
+        inFlight: metrics.inFlight,
+        queued: state.queued,
+        kvReservedBytes: state.used,
+        kvBudgetBytes: Option.isSome(up) ? up.value.budget : 0,
+        stages: [...metrics.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
+        agents
+      }
+    })
+
+    return Server.of({
+      status: Ref.get(status),
+      ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
+      generate,
+      formatChat: (messages) => Effect.map(current, ({ pipeline }) => pipeline.vocabulary.formatChat(messages)),
+      metrics: snapshot
+    })
+  })
+
+/** A Server over the Orchestrator in context: its pipeline lives as long as the layer. */
+export const layer = (options: ServeOptions): Layer.Layer<Server, never, Orchestrator> => Layer.scoped(Server, make(options))

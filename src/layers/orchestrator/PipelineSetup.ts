@@ -1,0 +1,179 @@
+/**
+ * Setting a pipeline up, once for any number of runs: validate → model facts → tokenizer → agents →
+ * control links → membership pool → the orchestrator's data listener. What it returns (`WarmPipeline`)
+ * lives as long as the scope it was opened in; the runs on it (RunWorld) come and go.
+ */
+import { Effect } from "effect"
+import type { TransportAddress } from "../../domain/frames.js"
+import { NodeId, RunId } from "../../domain/ids.js"
+import type { ModelFacts, RingSpec } from "../../domain/plan.js"
+import { readModelFacts } from "../ModelCatalogLive.js"
+import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
+import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
+import {
+  AgentPool,
+  type AgentSet,
+  type GenerateError,
+  InvalidRequest,
+  type PipelineOptions,
+  type RunUpdate,
+  type SamplingOptions
+} from "../../services/Orchestrator.js"
+import { activationFrameBytes, alignUp, planRun } from "../../services/Planner.js"
+import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
+import { faultWords } from "./RunReport.js"
+
+export const ORCHESTRATOR_NODE = NodeId.make(0)
+
+const ring = (dataCapacity: number, direction: RingSpec["direction"]): RingSpec => ({
+  dataCapacity,
+  alignment: 64,
+  direction,
+  hostPinning: "Pageable",
+  wakeCoalescing: "PendingBit"
+})
+
+/** The run-time settings the planner checks, from a request's numbers. */
+export const samplingPolicy = (sampling: SamplingOptions | undefined) => {
+  const temperature = sampling?.temperature ?? 0
+  return {
+    temperatureMillis: Math.round(temperature * 1000),
+    topK: sampling?.topK ?? (temperature > 0 ? 40 : 1),
+    ...(sampling?.topP === undefined ? {} : { topP: sampling.topP }),
+    ...(sampling?.minP === undefined ? {} : { minP: sampling.minP }),
+    ...(sampling?.seed === undefined ? {} : { seed: sampling.seed })
+  }
+}
+
+/** The planner's input for one run over `placement`. */
+export const plannerInput = (
+  facts: ModelFacts,
+  runId: RunId,
+  candidatePool: ReadonlyArray<NodeId>,
+  placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>,
+  runtime: { readonly maxTokens: number; readonly sampling: SamplingOptions | undefined }
+) => {
+  const activationBytes = activationFrameBytes(facts, 64)
+  return {
+    runId,
+    orchestratorNodeId: ORCHESTRATOR_NODE,
+    model: facts,
+    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling) },
+    candidatePool,
+    stageCount: placement.length,
+    placement: { _tag: "FixedLinear" as const, stages: placement },
+    activationRing: ring(Math.max(4 << 20, alignUp(activationBytes * 64, 64)), "Egress"),
+    tokenRing: ring(64 << 10, "Egress")
+  }
+}
+
+/** A pipeline ready for runs (see `openPipeline`). */
+export interface WarmPipeline {
+  readonly options: PipelineOptions
+  readonly facts: ModelFacts
+  readonly vocabulary: ModelTokenizer
+  readonly agents: AgentSet
+  readonly stageCount: number
+  readonly placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
+  readonly linkOf: (nodeId: number) => AgentLink
+  readonly addressOf: (nodeId: number) => string
+  readonly dataAddressOf: (nodeId: number) => TransportAddress
+  readonly pool: Pool
+  /** What each needed node reported when the pool became ready. */
+  readonly capacity: ReadonlyArray<{ readonly node: NodeEndpoint; readonly capacity: NodeCapacity }>
+  /** Where the last stage of every run sends its sampled tokens. */
+  readonly listener: DataListener
+}
+
+/** Sets the pipeline up; its agents, links, heartbeats and listener live until the scope closes. */
+export const openPipeline = (
+  options: PipelineOptions,
+  progress: (update: RunUpdate) => Effect.Effect<void>
+) =>
+  Effect.gen(function*() {
+    const tokenizer = yield* Tokenizer
+    const membership = yield* Membership
+    const control = yield* AgentControl
+    const dataPlane = yield* DataPlane
+    const agentPool = yield* AgentPool
+
+    const maxTokens = options.maxTokens ?? 1
+    if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
+      return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
+    }
+    if (options.stages !== undefined && (!Number.isSafeInteger(options.stages) || options.stages < 1)) {
+      return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${options.stages}` })
+    }
+    const facts = yield* readModelFacts(options.model)
+    const vocabulary = yield* tokenizer.open(options.model)
+
+    // Reject what no placement can fix (too many stages, bad max tokens, ...) before starting any agent.
+    if (options.stages !== undefined) {
+      const ids = Array.from({ length: options.stages }, (_, i) => NodeId.make(i + 1))
+      yield* planRun(
+        plannerInput(facts, RunId.make(1), ids, ids.map((nodeId, stageIndex) => ({ stageIndex, nodeId })), {
+          maxTokens,
+          sampling: undefined
+        })
+      )
+    }
+
+    const agents = yield* agentPool.acquire(options.stages)
+    const stageCount = options.stages ?? agents.nodes.length
+    yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
+    const links = new Map<number, AgentLink>()
+    yield* Effect.forEach(agents.nodes, (node) =>
+      control.connect(node, agents.token).pipe(Effect.tap((link) => Effect.sync(() => links.set(node.nodeId, link)))), {
+      concurrency: "unbounded",
+      discard: true
+    })
+    const linkOf = (nodeId: number) => links.get(nodeId)!
+    const addressOf = (nodeId: number) =>
+      nodeId === ORCHESTRATOR_NODE ? "orchestrator" : agents.nodes.find((n) => n.nodeId === nodeId)?.address ?? `node ${nodeId}`
+
+    // A dropped control connection is noticed at once; the deadline covers a node that hangs (or a long load that blocks it).
+    const heartbeat = options.heartbeat ?? { interval: "1 second", deadline: "10 seconds" }
+    const pool = yield* membership.watch(agents.nodes, {
+      probe: (node) =>
+        linkOf(node.nodeId).capacity.pipe(
+          Effect.mapError((e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message }))
+        )
+    }, heartbeat)
+    // An agent process seen to exit is lost at once (local agents), whatever run is going on.
+    yield* agents.exited.pipe(
+      Effect.flatMap(({ node, reason }) => pool.markLost(node.nodeId, reason)),
+      Effect.forkScoped
+    )
+    const placement = Array.from({ length: stageCount }, (_, stageIndex) => ({
+      stageIndex,
+      nodeId: agents.nodes[stageIndex % agents.nodes.length]!.nodeId
+    }))
+    const neededNodes = [...new Set(placement.map((p) => p.nodeId))]
+    const reported = yield* pool.awaitReady(neededNodes, options.readinessTimeout ?? "120 seconds")
+    const capacity = agents.nodes.flatMap((node) => {
+      const c = reported.get(node.nodeId)
+      return c === undefined ? [] : [{ node, capacity: c }]
+    })
+    yield* progress({ _tag: "PoolReady", nodes: agents.nodes, capacity })
+
+    // Local data endpoint: the last stage of every run sends sampled tokens here.
+    const listener = yield* dataPlane.listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(
+      Effect.mapError((fault) => new InvalidRequest({ message: `cannot open the orchestrator's data listener: ${faultWords(fault)}` }))
+    )
+    return {
+      options,
+      facts,
+      vocabulary,
+      agents,
+      stageCount,
+      placement,
+      linkOf,
+      addressOf,
+      dataAddressOf: (nodeId: number) => linkOf(nodeId).hello.dataAddress,
+      pool,
+      capacity,
+      listener
+    } satisfies WarmPipeline
+  })
+
+export type OpenPipelineError = GenerateError

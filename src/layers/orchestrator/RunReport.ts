@@ -1,0 +1,176 @@
+/**
+ * The orchestrator's report, all pure: a stage's fault report in the FSM's vocabulary, a run's fault in
+ * words, how a lifecycle turns into updates for the caller, and the summary of a completed run.
+ */
+import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
+import type { LifecycleEvent, RunFaultReason, StageFaultReason } from "../../domain/runFsm.js"
+import { StageFaultReasons } from "../../domain/runFsm.js"
+import type { StageReport, StageStats } from "../../services/AgentLinks.js"
+import type { RunSummary, RunUpdate, StageSummary } from "../../services/Orchestrator.js"
+
+/** A stage's fault report (the agent's kind and words) as the run FSM's stage fault reason. */
+export const stageFaultReason = (report: Extract<StageReport, { _tag: "StageFault" }>): StageFaultReason => {
+  switch (report.kind) {
+    case "LoadError":
+      return StageFaultReasons.ModelLoadFailed({ message: report.detail })
+    case "WorkerCrashed":
+      return StageFaultReasons.WorkerCrashed()
+    case "TransportError":
+      return StageFaultReasons.TransportFailed({ message: report.detail })
+    case "EngineError":
+    case "ProtocolError":
+      return StageFaultReasons.ExecutionFailed({ message: report.detail })
+    case "Rejected":
+      return StageFaultReasons.ProvisionFailed({ message: report.detail })
+  }
+}
+
+const describeStageReason = (reason: StageFaultReason): string => {
+  switch (reason._tag) {
+    case "WorkerCrashed":
+      return "its agent crashed or became unreachable"
+    case "ProvisionFailed":
+      return `provisioning failed: ${reason.message}`
+    case "ModelLoadFailed":
+      return `loading the model failed: ${reason.message}`
+    case "ExecutionFailed":
+      return `execution failed: ${reason.message}`
+    case "TransportFailed":
+      return `transport failed: ${reason.message}`
+    case "StoppedUnexpectedly":
+      return "it stopped unexpectedly"
+  }
+}
+
+/** What the words about a fault may refer to: node addresses, the stage placement, the first detail seen per key. */
+export interface FaultContext {
+  readonly addressOf: (nodeId: number) => string
+  readonly stageNode: (stageIndex: number) => number
+  readonly detail: (key: string) => string | undefined
+}
+
+/** The run's fault in words, with whatever detail the orchestrator saw first for it. */
+export const describeRunFault = (reason: RunFaultReason, context: FaultContext): string => {
+  switch (reason._tag) {
+    case "StageFault": {
+      const node = context.addressOf(context.stageNode(reason.stageIndex))
+      // Reasons with a message already carry the stage's words.
+      const extra = "message" in reason.reason ? undefined : context.detail(`stage:${reason.stageIndex}`)
+      return `stage ${reason.stageIndex} (agent ${node}) faulted: ${describeStageReason(reason.reason)}${extra === undefined ? "" : ` (${extra})`}`
+    }
+    case "EndpointFault": {
+      const extra = context.detail(`endpoint:${reason.endpoint}`)
+      return `the orchestrator's ${reason.endpoint} endpoint faulted${extra === undefined ? "" : `: ${extra}`}`
+    }
+    case "MembershipLost": {
+      const extra = context.detail(`node:${reason.nodeId}`)
+      return `lost node ${context.addressOf(reason.nodeId)}${extra === undefined ? "" : `: ${extra}`}`
+    }
+    case "ReadinessTimeout":
+      return `not ready before the readiness deadline: ${[
+        ...reason.missingStages.map((s) => `stage ${s} (agent ${context.addressOf(context.stageNode(s))})`),
+        ...reason.missingEndpoints.map((e) => `${e} endpoint`)
+      ].join(", ")}`
+    case "TokenTimeout":
+      return `no token came back for sequence ${reason.sequence} before the token deadline`
+    case "EndpointsStoppedUnexpectedly":
+      return "the token endpoints stopped unexpectedly"
+  }
+}
+
+/** A transport fault in one line: its tag and fields. */
+export const faultWords = (fault: EdgeFault): string => {
+  const { _tag, ...rest } = fault
+  const fields = Object.entries(rest).filter(([k]) => k !== "stack" && k !== "message")
+  return `${_tag}${fields.length > 0 ? `(${fields.map(([k, v]) => `${k}=${String(v)}`).join(", ")})` : ""}`
+}
+
+/** The TornDown update for a run's RunTornDown event, given its terminal event. */
+export const tornDownUpdate = (
+  terminal: LifecycleEvent | undefined,
+  event: Extract<LifecycleEvent, { _tag: "RunTornDown" }>
+): RunUpdate => ({
+  _tag: "TornDown",
+  outcome: terminal?._tag === "RunCompleted" ? "Completed" : terminal?._tag === "RunFaulted" ? "Faulted" : "OperatorStopped",
+  unconfirmedStages: event.unconfirmedStages,
+  endpointsConfirmed: event.endpointsConfirmed
+})
+
+/** A Token update for a generated token (times in ms from performance.now()). */
+export const tokenUpdate = (
+  token: { readonly tokenId: number; readonly text: string; readonly sequence: number },
+  at: { readonly received: number; readonly promptInjected: number; readonly injected: number }
+): RunUpdate => ({
+  _tag: "Token",
+  token: {
+    ...token,
+    timings: { sinceStartMillis: at.received - at.promptInjected, latencyMillis: at.received - at.injected }
+  }
+})
+
+/** What a completed run saw, for its summary. */
+export interface RunRecord {
+  readonly runId: number
+  readonly outcome: RunSummary["outcome"]
+  readonly promptTokens: number
+  readonly generated: number
+  readonly text: string
+  readonly requestStart: number
+  readonly promptInjectedAt: number
+  readonly firstTokenAt: number
+  /** Send and receive times per sequence (sequence 0 is the prefill). */
+  readonly injectedAt: ReadonlyMap<number, number>
+  readonly receivedAt: ReadonlyMap<number, number>
+  readonly stages: ReadonlyArray<{
+    readonly stageIndex: number
+    readonly address: string
+    readonly layers: readonly [number, number]
+    readonly dataAddress: TransportAddress
+    readonly ready: { readonly loadMillis: number; readonly cachedWeights: boolean } | undefined
+    readonly stats: StageStats | undefined
+  }>
+}
+
+/** The summary of a completed run: time to first token, decode rate, per-stage compute vs transfer. */
+export const summarize = (record: RunRecord): RunSummary => {
+  // Decode steps: sequences 1..n-1 (sequence 0 is the prefill).
+  const decodeLatencies: Array<number> = []
+  for (let sequence = 1; sequence < record.generated + 1; sequence++) {
+    const sent = record.injectedAt.get(sequence)
+    const got = record.receivedAt.get(sequence)
+    if (sent !== undefined && got !== undefined) decodeLatencies.push(got - sent)
+  }
+  const decodeMillis = decodeLatencies.reduce((a, b) => a + b, 0)
+  const decodeMillisPerToken = decodeLatencies.length > 0 ? decodeMillis / decodeLatencies.length : 0
+  const stages: Array<StageSummary> = [...record.stages]
+    .sort((a, b) => a.stageIndex - b.stageIndex)
+    .map((s) => ({
+      stageIndex: s.stageIndex,
+      address: s.address,
+      layers: s.layers,
+      dataAddress: s.dataAddress,
+      loadMillis: s.ready?.loadMillis ?? 0,
+      cachedWeights: s.ready?.cachedWeights ?? false,
+      prefillComputeMillis: s.stats?.prefillComputeMillis ?? 0,
+      computeMillisPerToken: s.stats !== undefined && s.stats.decodeFrames > 0
+        ? s.stats.decodeComputeMillis / s.stats.decodeFrames
+        : 0,
+      microBatches: s.stats?.microBatches ?? 0,
+      batchRows: s.stats?.batchRows ?? 0,
+      maxBatchSequences: s.stats?.maxBatchSequences ?? 0
+    }))
+  const computePerToken = stages.reduce((sum, s) => sum + s.computeMillisPerToken, 0)
+  return {
+    runId: record.runId,
+    outcome: record.outcome,
+    promptTokens: record.promptTokens,
+    generatedTokens: record.generated,
+    text: record.text,
+    timeToFirstTokenMillis: record.firstTokenAt - record.requestStart,
+    prefillMillis: record.firstTokenAt - record.promptInjectedAt,
+    decodeTokensPerSecond: decodeMillis > 0 ? (decodeLatencies.length * 1000) / decodeMillis : 0,
+    decodeMillisPerToken,
+    stages,
+    transferMillisPerToken: Math.max(0, decodeMillisPerToken - computePerToken)
+  }
+}

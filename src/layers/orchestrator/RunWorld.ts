@@ -1,0 +1,380 @@
+/**
+ * The world of one run on a warm pipeline: plans it (its own RunId), starts its run FSM actor, executes
+ * every command the actor emits (provision a stage through its agent's control link, open the token
+ * endpoints, inject token objects, stop stages, tear the endpoints down), feeds back the events the world
+ * produces, and turns the lifecycle into updates (RunReport). First fault sticky, teardown exactly once:
+ * the FSM's job; this module only executes.
+ */
+import { Deferred, Effect, ExecutionStrategy, Exit, type Mailbox, Queue, Schedule, Scope, Stream } from "effect"
+import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
+import { RunId } from "../../domain/ids.js"
+import type { Edge, ProvisionStage, RunPlan } from "../../domain/plan.js"
+import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, StageFaultReasons } from "../../domain/runFsm.js"
+import {
+  dataFrame,
+  DataPlane,
+  type EdgeSender,
+  isNotYetRegistered,
+  ProvisionRequest,
+  type StageStats
+} from "../../services/AgentLinks.js"
+import {
+  type GenerateError,
+  InvalidRequest,
+  RunFaulted,
+  type RunRequest,
+  type RunUpdate
+} from "../../services/Orchestrator.js"
+import { alignUp, planRun } from "../../services/Planner.js"
+import { RunActor } from "../../services/RunFsm.js"
+import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
+import { describeRunFault, faultWords, stageFaultReason, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
+
+const consequenceGrace = "300 millis"
+
+const randomRunId = () => RunId.make(1 + Math.floor(Math.random() * 0x7ffffffe))
+
+/** The KV context a run's sessions allocate: prompt + generated tokens + one, in steps of 256, at most the model's. */
+export const runContextLength = (maxSeqLen: number, promptTokens: number, maxTokens: number): number =>
+  Math.min(maxSeqLen, alignUp(promptTokens + maxTokens + 1, 256))
+
+/**
+ * Runs one request on `warm` to its end, offering updates as they happen. Completing `stopRequested` is an
+ * operator stop. Succeeds after a completed run's Finished update; fails with RunFaulted (after the teardown).
+ */
+export const driveRun = (
+  warm: WarmPipeline,
+  request: RunRequest,
+  updates: Mailbox.Mailbox<RunUpdate, GenerateError>,
+  stopRequested: Deferred.Deferred<void>,
+  requestStart: number = performance.now()
+) =>
+  Effect.gen(function*() {
+    const dataPlane = yield* DataPlane
+    const { facts, linkOf, addressOf, dataAddressOf, listener, pool } = warm
+    const maxTokens = request.maxTokens ?? 128
+    if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
+      return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
+    }
+    const prompt = typeof request.prompt === "string" ? warm.vocabulary.tokenize(request.prompt) : request.prompt
+    if (prompt.length === 0) return yield* new InvalidRequest({ message: "the prompt is empty" })
+
+    const runId = randomRunId()
+    const plan: RunPlan = yield* planRun(
+      plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), warm.placement, {
+        maxTokens,
+        sampling: request.sampling
+      })
+    )
+    const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
+    yield* updates.offer({
+      _tag: "Planned",
+      runId,
+      stages: plan.stages.map((s) => ({
+        stageIndex: s.stageIndex,
+        address: addressOf(s.nodeId),
+        layers: [s.layerStart, s.layerEndExclusive] as const
+      }))
+    })
+    if (request.dryRun === true) return
+
+    const contextLength = runContextLength(facts.maxSeqLen, prompt.length, maxTokens)
+    const actor = yield* RunActor.make({
+      runId,
+      maxTokens,
+      prompt,
+      eosTokenId: facts.eosTokenId,
+      readinessTimeout: request.readinessTimeout ?? warm.options.readinessTimeout ?? "120 seconds",
+      tokenTimeout: request.tokenTimeout ?? "60 seconds",
+      teardownTimeout: "10 seconds"
+    }).pipe(Effect.mapError((e) => new InvalidRequest({ message: e.message })))
+    const commands = yield* actor.subscribeCommands
+    const lifecycle = yield* actor.subscribeLifecycle
+
+    // What the run saw, for the summary and for fault messages.
+    const details = new Map<string, string>()
+    const noteDetail = (key: string, text: string) => {
+      if (!details.has(key)) details.set(key, text)
+    }
+    const stageStats = new Map<number, StageStats>()
+    const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
+    const injectedAt = new Map<number, number>()
+    const receivedAt = new Map<number, number>()
+    let tornDown = false
+    const offer = (event: RunEvent) => actor.offer(event)
+    // A broken connection is usually the echo of a fault elsewhere (the peer crashed or stopped): report it
+    // after a short grace period, so the run's first reason is the root cause when that arrives in time.
+    const offerConsequence = (event: RunEvent) => Effect.sleep(consequenceGrace).pipe(Effect.zipRight(offer(event)))
+    const isEcho = (fault: EdgeFault) =>
+      fault._tag === "PeerClosed" || fault._tag === "PeerFaulted" || fault._tag === "EdgeClosed"
+
+    const endpointScope = yield* Scope.fork(yield* Effect.scope, ExecutionStrategy.sequential)
+    let tokenIn: EdgeSender | undefined
+    const tokenEdge = (kind: "TokenIn" | "TokenOut"): Edge => plan.edges.find((e) => e.kind === kind)!
+
+    const outboundAddress = (provision: ProvisionStage): TransportAddress =>
+      provision.stageIndex === provision.stageCount - 1
+        ? listener.address
+        : dataAddressOf(stageNode(provision.stageIndex + 1))
+
+    // --- commands ---
+
+    const hostStage = (provision: ProvisionStage) => {
+      const stageIndex = provision.stageIndex
+      let stopped = false
+      const stopReport = Effect.suspend(() => {
+        if (stopped) return Effect.void
+        stopped = true
+        return offer(RunEvents.StageStopped({ runId, stageIndex }))
+      })
+      const threads = request.threads ?? warm.options.threads
+      return linkOf(provision.nodeId).provision(
+        new ProvisionRequest({
+          provision,
+          outboundAddress: outboundAddress(provision),
+          threads: threads ?? null,
+          contextLength
+        })
+      ).pipe(
+        Stream.runForEach((report) => {
+          switch (report._tag) {
+            case "StageLoading":
+              return updates.offer({ _tag: "StageLoading", stageIndex, loadedBytes: report.loadedBytes, totalBytes: report.totalBytes })
+            case "StageReady":
+              stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+              return Effect.zipRight(
+                updates.offer({ _tag: "StageReady", stageIndex, loadMillis: report.loadMillis, cachedWeights: report.cachedWeights }),
+                offer(RunEvents.StageReady({ runId, stageIndex }))
+              )
+            case "StageFault":
+              noteDetail(`stage:${stageIndex}`, report.detail)
+              return (report.kind === "TransportError" ? offerConsequence : offer)(
+                RunEvents.StageFault({ runId, stageIndex, reason: stageFaultReason(report) })
+              )
+            case "StageStopped":
+              stageStats.set(stageIndex, report.stats)
+              return stopReport
+          }
+        }),
+        Effect.catchAll((unavailable) =>
+          Effect.gen(function*() {
+            noteDetail(`stage:${stageIndex}`, unavailable.message)
+            yield* pool.markLost(provision.nodeId, unavailable.message)
+            yield* offer(RunEvents.StageFault({ runId, stageIndex, reason: StageFaultReasons.WorkerCrashed() }))
+          })
+        ),
+        // The stage is gone either way once its report stream has ended.
+        Effect.zipRight(stopReport)
+      )
+    }
+
+    const createTokenIn = (edge: Edge) =>
+      dataPlane.connect(dataAddressOf(stageNode(0)), { runId, edgeId: edge.edgeId, ring: edge.ring }, warm.agents.token).pipe(
+        Effect.retry({
+          schedule: Schedule.spaced("20 millis"),
+          while: isNotYetRegistered
+        }),
+        Scope.extend(endpointScope),
+        Effect.matchEffect({
+          onFailure: (fault) =>
+            Effect.zipRight(
+              Effect.sync(() => noteDetail("endpoint:TokenIn", faultWords(fault))),
+              offer(RunEvents.EndpointFault({ runId, endpoint: "TokenIn" }))
+            ),
+          onSuccess: (sender) => Effect.zipRight(Effect.sync(() => (tokenIn = sender)), offer(RunEvents.TokenInEndpointReady()))
+        })
+      )
+
+    const createTokenOut = (edge: Edge) =>
+      Effect.gen(function*() {
+        const receiver = yield* listener.accept({ runId, edgeId: edge.edgeId, ring: edge.ring }).pipe(
+          Scope.extend(endpointScope)
+        )
+        yield* offer(RunEvents.TokenOutEndpointReady())
+        const receiveLoop = Effect.gen(function*() {
+          while (true) {
+            const frame = yield* receiver.receive
+            if (frame._tag !== "TokenFrame" || frame.payload._tag !== "Sampled") {
+              noteDetail("endpoint:TokenOut", `unexpected ${frame._tag} on the token-out edge`)
+              return yield* offer(RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }))
+            }
+            receivedAt.set(frame.sequence, performance.now())
+            yield* offer(RunEvents.TokenReceived({ sequence: frame.sequence, tokenId: frame.payload.tokenId, eos: frame.payload.eos }))
+          }
+        })
+        yield* receiveLoop.pipe(
+          Effect.catchAll((fault) =>
+            tornDown
+              ? Effect.void
+              : Effect.zipRight(
+                Effect.sync(() => noteDetail("endpoint:TokenOut", faultWords(fault))),
+                (isEcho(fault) ? offerConsequence : offer)(RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }))
+              )
+          ),
+          Effect.forkIn(endpointScope)
+        )
+      }).pipe(
+        Effect.catchAll((fault) =>
+          Effect.zipRight(
+            Effect.sync(() => noteDetail("endpoint:TokenOut", faultWords(fault))),
+            offer(RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }))
+          )
+        )
+      )
+
+    const inject = (command: Extract<RunCommand, { _tag: "InjectTokenObject" }>) =>
+      Effect.suspend(() => {
+        const { payload, sequence } = command.object
+        const sender = tokenIn
+        if (sender === undefined) {
+          noteDetail("endpoint:TokenIn", "inject before the endpoint was ready")
+          return offer(RunEvents.EndpointFault({ runId, endpoint: "TokenIn" }))
+        }
+        injectedAt.set(sequence, performance.now())
+        const edge = tokenEdge("TokenIn")
+        return sender.send(
+          dataFrame({
+            _tag: "TokenFrame",
+            runId,
+            edgeId: edge.edgeId,
+            sequence,
+            chunkIndex: 0,
+            chunkCount: 1,
+            payload: payload._tag === "Prompt"
+              ? { _tag: "Prompt", tokens: payload.tokens }
+              : { _tag: "Decode", tokenId: payload.tokenId }
+          })
+        ).pipe(
+          Effect.catchAll((fault) =>
+            Effect.zipRight(
+              Effect.sync(() => noteDetail("endpoint:TokenIn", faultWords(fault))),
+              (isEcho(fault) ? offerConsequence : offer)(RunEvents.EndpointFault({ runId, endpoint: "TokenIn" }))
+            )
+          )
+        )
+      })
+
+    const execute = (command: RunCommand): Effect.Effect<void> => {
+      switch (command._tag) {
+        case "ProvisionStage":
+          return hostStage(command.provision)
+        case "CreateTokenInEndpoint":
+          return createTokenIn(command.edge)
+        case "CreateTokenOutEndpoint":
+          return createTokenOut(command.edge)
+        case "InjectTokenObject":
+          return inject(command)
+        case "StopRun":
+          return linkOf(command.nodeId).stop(runId, command.stageIndex).pipe(
+            // An agent we cannot reach hosts nothing any more.
+            Effect.catchAll(() => offer(RunEvents.StageStopped({ runId, stageIndex: command.stageIndex })))
+          )
+        case "TearDownTokenEndpoints":
+          return Effect.gen(function*() {
+            tornDown = true
+            yield* Scope.close(endpointScope, Exit.void).pipe(Effect.exit)
+            yield* offer(RunEvents.TokenEndpointsStopped())
+          })
+      }
+    }
+
+    // --- event sources ---
+
+    const workers = yield* Effect.scope
+    // Commands run concurrently (a stage's provisioning waits for its load); the FSM orders what must be ordered.
+    yield* Queue.take(commands).pipe(
+      Effect.flatMap((command) => Effect.forkIn(execute(command), workers)),
+      Effect.forever,
+      Effect.forkScoped
+    )
+    yield* pool.firstLost.pipe(
+      Effect.flatMap((lost) =>
+        Effect.zipRight(
+          Effect.sync(() => noteDetail(`node:${lost.node.nodeId}`, lost.reason)),
+          offer(RunEvents.MembershipLost({ runId, nodeId: lost.node.nodeId }))
+        )
+      ),
+      Effect.forkScoped
+    )
+    yield* Deferred.await(stopRequested).pipe(
+      Effect.zipRight(offer(RunEvents.OperatorStop({ runId }))),
+      Effect.forkScoped
+    )
+
+    // --- lifecycle → updates ---
+
+    const decoder = warm.vocabulary.decoder(prompt)
+    const generated: Array<number> = []
+    let text = ""
+    let firstTokenAt: number | undefined
+    const promptInjectedAt = () => injectedAt.get(0) ?? requestStart
+
+    yield* offer(RunEvents.PoolReady({ nodes: [...new Set(warm.placement.map((p) => p.nodeId))] }))
+    yield* offer(RunEvents.PlanAvailable({ plan }))
+
+    let terminal: LifecycleEvent | undefined
+    while (true) {
+      const event = yield* Queue.take(lifecycle)
+      if (event._tag === "TokenAccepted") {
+        const now = receivedAt.get(event.sequence) ?? performance.now()
+        firstTokenAt ??= now
+        generated.push(event.tokenId)
+        const piece = decoder.push(event.tokenId)
+        text += piece
+        yield* updates.offer(
+          tokenUpdate({ tokenId: event.tokenId, text: piece, sequence: event.sequence }, {
+            received: now,
+            promptInjected: promptInjectedAt(),
+            injected: injectedAt.get(event.sequence) ?? now
+          })
+        )
+      } else if (event._tag === "RunCompleted" || event._tag === "RunFaulted" || event._tag === "RunOperatorStopped") {
+        terminal = event
+        const rest = decoder.flush()
+        if (rest !== "") {
+          text += rest
+          yield* updates.offer({
+            _tag: "Token",
+            token: { tokenId: -1, text: rest, sequence: generated.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
+          })
+        }
+      } else if (event._tag === "RunTornDown") {
+        yield* updates.offer(tornDownUpdate(terminal, event))
+        break
+      }
+    }
+
+    if (terminal?._tag === "RunFaulted") {
+      return yield* new RunFaulted({
+        runId,
+        reason: terminal.reason,
+        message: describeRunFault(terminal.reason, { addressOf, stageNode, detail: (key) => details.get(key) })
+      })
+    }
+    if (terminal?._tag !== "RunCompleted") return
+
+    const end = performance.now()
+    yield* updates.offer({
+      _tag: "Finished",
+      summary: summarize({
+        runId,
+        outcome: terminal.reason,
+        promptTokens: prompt.length,
+        generated: generated.length,
+        text,
+        requestStart,
+        promptInjectedAt: promptInjectedAt(),
+        firstTokenAt: firstTokenAt ?? end,
+        injectedAt,
+        receivedAt,
+        stages: plan.stages.map((s) => ({
+          stageIndex: s.stageIndex,
+          address: addressOf(s.nodeId),
+          layers: [s.layerStart, s.layerEndExclusive] as const,
+          dataAddress: dataAddressOf(s.nodeId),
+          ready: stageReady.get(s.stageIndex),
+          stats: stageStats.get(s.stageIndex)
+        }))
+      })
+    })
+  }).pipe(Effect.scoped)

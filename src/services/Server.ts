@@ -1,0 +1,118 @@
+/**
+ * A warm pipeline serving many requests: each request is its own run on it; admission by a KV memory
+ * budget per stage (and at most `parallel` sequences), a bounded queue beyond it, refusal beyond the queue.
+ * `generate` is a Stream per request; interrupting it cancels the run (its KV freed on every stage).
+ */
+import { Context, type Duration, type Effect, Schema, type Stream } from "effect"
+import type { ModelFacts } from "../domain/plan.js"
+import type { PipelineOptions, SamplingOptions } from "./Orchestrator.js"
+import type { ChatMessage, FormattedChat } from "./Tokenizer.js"
+
+export interface ServeOptions extends PipelineOptions {
+  /** Sequences running at once at most (default 4). */
+  readonly parallel?: number
+  /** KV cache bytes per stage shared by the running sequences (default: `parallel` sequences of up to 4,096 tokens). */
+  readonly kvBudgetBytes?: number
+  /** Requests waiting for admission at most (default 64); more are refused with ServerBusy. */
+  readonly queueLimit?: number
+  /** While idle, a one-token run this often keeps the agents' weights loaded (default 4 minutes). */
+  readonly keepWarmEvery?: Duration.DurationInput
+}
+
+export interface ServeRequest {
+  /** Text (tokenized, BOS as the model wants) or token ids as they are (e.g. a formatted chat). */
+  readonly prompt: string | ReadonlyArray<number>
+  /** Default 128. */
+  readonly maxTokens?: number
+  readonly sampling?: SamplingOptions
+  /** The text ends before the first of these (also when one spans several tokens). */
+  readonly stop?: ReadonlyArray<string>
+}
+
+export type FinishReason = "stop" | "length"
+
+export type ServeEvent =
+  /** The request waits in the admission queue (`ahead` requests before it); Admitted follows. */
+  | { readonly _tag: "Queued"; readonly ahead: number }
+  /** The request was admitted (after `queuedMillis` in the queue); its run starts. */
+  | { readonly _tag: "Admitted"; readonly promptTokens: number; readonly queuedMillis: number }
+  /** More text; `completionTokens` so far. */
+  | { readonly _tag: "Text"; readonly text: string; readonly completionTokens: number }
+  | {
+    readonly _tag: "Done"
+    readonly finishReason: FinishReason
+    readonly promptTokens: number
+    readonly completionTokens: number
+  }
+
+export type ServerStatus =
+  | { readonly _tag: "Loading" }
+  | { readonly _tag: "Ready" }
+  | { readonly _tag: "Faulted"; readonly message: string }
+
+/** The pipeline is still being set up (agents starting, weights loading). */
+export class ServerLoading extends Schema.TaggedError<ServerLoading>()("ServerLoading", {
+  message: Schema.String
+}) {}
+
+/** The admission queue is full; try again after `retryAfterSeconds`. */
+export class ServerBusy extends Schema.TaggedError<ServerBusy>()("ServerBusy", {
+  queued: Schema.Number,
+  retryAfterSeconds: Schema.Number,
+  message: Schema.String
+}) {}
+
+/** The request cannot be served as asked (bad values, context too long). */
+export class BadServeRequest extends Schema.TaggedError<BadServeRequest>()("BadServeRequest", {
+  message: Schema.String
+}) {}
+
+/** The pipeline faulted (an agent was lost, a run faulted); `message` says it in words. */
+export class PipelineFaulted extends Schema.TaggedError<PipelineFaulted>()("PipelineFaulted", {
+  message: Schema.String
+}) {}
+
+export type ServeError = ServerLoading | ServerBusy | BadServeRequest | PipelineFaulted
+
+export interface StageMetrics {
+  readonly stageIndex: number
+  readonly computeSeconds: number
+  readonly transferSeconds: number
+  readonly decodeTokens: number
+}
+
+export interface ServerMetrics {
+  readonly requests: { readonly completed: number; readonly cancelled: number; readonly failed: number; readonly refused: number }
+  readonly promptTokens: number
+  readonly completionTokens: number
+  readonly inFlight: number
+  readonly queued: number
+  readonly kvReservedBytes: number
+  readonly kvBudgetBytes: number
+  readonly stages: ReadonlyArray<StageMetrics>
+  /** Each agent: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
+  readonly agents: ReadonlyArray<{ readonly address: string; readonly pid: number; readonly activeStages: number }>
+}
+
+export interface ServerInfo {
+  readonly modelId: string
+  readonly model: ModelFacts
+  readonly stageCount: number
+  readonly parallel: number
+}
+
+export interface ServerService {
+  readonly status: Effect.Effect<ServerStatus>
+  /** Waits until the pipeline is ready (fails if setting it up failed). */
+  readonly ready: Effect.Effect<ServerInfo, PipelineFaulted>
+  /**
+   * One request: [Queued,] Admitted, Text…, Done. Refusals (loading, busy, bad request) fail before the first
+   * event. Interrupting the stream cancels the run.
+   */
+  readonly generate: (request: ServeRequest) => Stream.Stream<ServeEvent, ServeError>
+  /** Chat messages through the model's chat template. */
+  readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.Effect<FormattedChat, ServerLoading | PipelineFaulted>
+  readonly metrics: Effect.Effect<ServerMetrics>
+}
+
+export class Server extends Context.Tag("swactor/Server")<Server, ServerService>() {}
