@@ -202,6 +202,15 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     for (const prompt of prompts) alone.push((await greedy(prompt, 24)).choices[0]!.text)
     const together = await Promise.all(prompts.map((prompt) => greedy(prompt, 24).then((r) => r.choices[0]!.text)))
     assert.deepStrictEqual(together, alone)
+    // They ran batched: the agents' stage batchers put several sequences into one micro-batch on each stage.
+    for (const stage of [0, 1]) {
+      assert.isAbove(await metricOf(server.url, `swactor_stage_max_batch_sequences{stage="${stage}"}`), 1, `stage ${stage}`)
+      assert.isAbove(
+        await metricOf(server.url, `swactor_stage_batch_rows_total{stage="${stage}"}`),
+        await metricOf(server.url, `swactor_stage_micro_batches_total{stage="${stage}"}`),
+        `stage ${stage}: rows per micro-batch above 1`
+      )
+    }
   })
 
   // A client that goes away cancels its run at once: every stage stops hosting it, its KV reservation is returned.

@@ -318,6 +318,14 @@ const renderMetrics = (m: ServerMetrics, status: string): string => {
   )
   metric("swactor_stage_decode_tokens_total", "counter", "Decode steps per stage (completed requests)", perStage((s) => s.decodeTokens))
   metric(
+    "swactor_stage_micro_batches_total",
+    "counter",
+    "Micro-batches that carried a completed request's work, summed over requests (rows / this = mean batch rows)",
+    perStage((s) => s.microBatches)
+  )
+  metric("swactor_stage_batch_rows_total", "counter", "Rows of those micro-batches, summed over requests", perStage((s) => s.batchRows))
+  metric("swactor_stage_max_batch_sequences", "gauge", "Most sequences seen in one micro-batch", perStage((s) => s.maxBatchSequences))
+  metric(
     "swactor_agent_active_stages",
     "gauge",
     "Stages each agent hosts now (-1: no answer)",

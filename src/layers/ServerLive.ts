@@ -18,6 +18,7 @@ import {
   type ServerInfo,
   ServerLoading,
   type ServerMetrics,
+  type StageMetrics,
   type ServerStatus
 } from "../services/Server.js"
 import { makeStopMatcher } from "../services/StopText.js"
@@ -124,7 +125,7 @@ export const make = (options: ServeOptions) =>
       promptTokens: 0,
       completionTokens: 0,
       inFlight: 0,
-      stages: new Map<number, { computeSeconds: number; transferSeconds: number; decodeTokens: number }>()
+      stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
     }
     let admission: ReturnType<typeof makeAdmission> | undefined
     let lastRunAt = performance.now()
@@ -313,10 +314,14 @@ export const make = (options: ServeOptions) =>
     const recordStages = (update: Extract<RunUpdate, { _tag: "Finished" }>) => {
       const decodeSteps = Math.max(0, update.summary.generatedTokens - 1)
       for (const stage of update.summary.stages) {
-        const m = metrics.stages.get(stage.stageIndex) ?? { computeSeconds: 0, transferSeconds: 0, decodeTokens: 0 }
+        const m = metrics.stages.get(stage.stageIndex) ??
+          { computeSeconds: 0, transferSeconds: 0, decodeTokens: 0, microBatches: 0, batchRows: 0, maxBatchSequences: 0 }
         m.computeSeconds += (stage.prefillComputeMillis + stage.computeMillisPerToken * decodeSteps) / 1000
         m.transferSeconds += (update.summary.transferMillisPerToken * decodeSteps) / 1000 / update.summary.stages.length
         m.decodeTokens += decodeSteps
+        m.microBatches += stage.microBatches
+        m.batchRows += stage.batchRows
+        m.maxBatchSequences = Math.max(m.maxBatchSequences, stage.maxBatchSequences)
         metrics.stages.set(stage.stageIndex, m)
       }
     }

@@ -79,6 +79,11 @@ export interface StageMetrics {
   readonly computeSeconds: number
   readonly transferSeconds: number
   readonly decodeTokens: number
+  /** Per completed request: the agent's micro-batches that carried its work on this stage, and their rows (summed). */
+  readonly microBatches: number
+  readonly batchRows: number
+  /** The most sequences seen in one micro-batch on this stage. */
+  readonly maxBatchSequences: number
 }
 
 export interface ServerMetrics {
