@@ -11,13 +11,12 @@
  * --ref-threads 2 for node-llama-cpp (BENCH_REF_THREADS), --clients 1,2,4,8 (BENCH_CLIENTS),
  * --tokens 64 (BENCH_TOKENS), --skip-ref.
  */
-import { existsSync, mkdirSync } from "node:fs"
-import { dirname, join, resolve } from "node:path"
+import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { serve, Server } from "../src/api/serve.js"
-import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 const flag = (name: string): string | undefined => {
@@ -38,28 +37,9 @@ const cfg = {
 const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
 
 // Same file as bench:pipeline and bench:engine.
-const syntheticPath = join(cfg.dir, "llama-16x2048-ffn8192-v32000-q8_0.gguf")
 const ensureModel = async (): Promise<string> => {
   const given = flag("model")
-  if (given !== undefined) return resolve(given)
-  if (existsSync(syntheticPath)) return syntheticPath
-  mkdirSync(cfg.dir, { recursive: true })
-  process.stdout.write(`writing ${syntheticPath} ... `)
-  await Effect.runPromise(writeSyntheticModel({
-    path: syntheticPath,
-    arch: "llama",
-    layers: 16,
-    hidden: 2048,
-    ffn: 8192,
-    heads: 32,
-    kvHeads: 8,
-    vocab: 32000,
-    contextLength: 4096,
-    type: "q8_0",
-    seed: 1
-  }))
-  console.log("done")
-  return syntheticPath
+  return given !== undefined ? resolve(given) : ensureBenchModel(cfg.dir, defaultBenchShape)
 }
 
 /** When each token of one stream arrived (ms), from the request's start. */
