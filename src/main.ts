@@ -1,3 +1,4 @@
+#!/usr/bin/env node
 /**
  * The `swactor` command: a thin registry of subcommands. To add one, import it from its src/cli/*Command.ts file and
  * add it to the list below.

@@ -1,10 +1,9 @@
 import { type ChildProcess, spawn } from "node:child_process"
 import { randomBytes } from "node:crypto"
-import { mkdtempSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { dirname, join } from "node:path"
-import { fileURLToPath, pathToFileURL } from "node:url"
-import { createRequire } from "node:module"
+import { fileURLToPath } from "node:url"
 import * as Dgram from "node:dgram"
 import { Deferred, Duration, Effect, Layer, Schema, type Scope } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
@@ -75,14 +74,18 @@ export const generateToken = (): string => randomBytes(32).toString("hex")
 
 const here = dirname(fileURLToPath(import.meta.url))
 
-/** argv that runs `swactor <args>` in a fresh Node process: through tsx when running from sources. */
-export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => {
-  const compiled = import.meta.url.endsWith(".js")
-  const main = join(here, "..", compiled ? "main.js" : "main.ts")
-  if (compiled) return { command: process.execPath, args: [main, ...args] }
-  const tsx = pathToFileURL(createRequire(import.meta.url).resolve("tsx")).href
-  return { command: process.execPath, args: ["--import", tsx, main, ...args] }
-}
+/**
+ * The compiled CLI entry (`dist/main.js`): this module's sibling when running compiled, the package's `dist/` when
+ * running from sources (tests, development: the build runs first, `npm test` and `npm run swactor` do it).
+ */
+export const swactorMain = (): string =>
+  import.meta.url.endsWith(".js") ? join(here, "..", "main.js") : join(here, "..", "..", "dist", "main.js")
+
+/** argv that runs `swactor <args>` in a fresh Node process: plain `node dist/main.js`, no loader, no wrapper. */
+export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => ({
+  command: process.execPath,
+  args: [swactorMain(), ...args]
+})
 
 /** Every agent child still alive, killed synchronously if this process exits without closing its scopes. */
 const liveChildren = new Set<ChildProcess>()
@@ -119,6 +122,9 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       ...(options.extraArgs?.(index) ?? [])
     ]
     const { command, args: argv } = swactorCommand(args)
+    if (!existsSync(argv[0]!)) {
+      return yield* new AgentSpawnError({ index, message: `${argv[0]} is missing: build the package first (npm run build)` })
+    }
     const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"
     const exited = yield* Deferred.make<AgentExit>()
     const ready = yield* Deferred.make<Announced, AgentSpawnError>()
