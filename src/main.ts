@@ -5,7 +5,6 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
-import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
 import { Cause, Effect, Exit } from "effect"
 import { planCommand } from "./cli/PlanCommand.js"
 import { synthCommand } from "./cli/SynthCommand.js"
@@ -24,13 +23,14 @@ const swactor = Command.make("swactor").pipe(
 
 const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
 
-// Subcommands print their own errors in words; a failure only sets the exit code. The default teardown exits 0
-// when the program was interrupted (Ctrl-C); a command that set process.exitCode (130 after an operator stop)
-// keeps it.
-const teardown = <E, A>(exit: Exit.Exit<E, A>, onExit: (code: number) => void) => {
+// Subcommands print their own errors in words; a failure only sets the exit code. Long-running commands handle
+// SIGINT/SIGTERM/SIGHUP themselves (cli/Signals.ts: teardown, then process.exitCode = 128 + the signal), so this
+// runner installs no signal listener: once the main fiber has ended (every scope closed), it exits with the code.
+const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
+const main = Effect.runFork(cli(process.argv).pipe(Effect.provide(NodeContext.layer)))
+main.addObserver((exit) => {
+  clearInterval(keepAlive)
   const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
   const requested = typeof process.exitCode === "number" ? process.exitCode : 0
-  onExit(failed ? Math.max(1, requested) : requested)
-}
-
-cli(process.argv).pipe(Effect.provide(NodeContext.layer), NodeRuntime.runMain({ disableErrorReporting: true, teardown }))
+  process.exit(failed ? Math.max(1, requested) : requested)
+})

@@ -16,6 +16,7 @@ import { startNodeAgent } from "../layers/NodeAgent.js"
 import * as StageExecutorLive from "../layers/StageExecutorLive.js"
 import * as StageExecutorTest from "../layers/StageExecutorTest.js"
 import { StageExecutor } from "../services/StageExecutor.js"
+import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
 
@@ -44,7 +45,15 @@ export interface NodeArgs {
   readonly tokenFile: Option.Option<string>
 }
 
+/** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
 export const runNodeCommand = (args: NodeArgs) =>
+  untilOperatorStop(runNode(args), {
+    stdoutClosedStops: false,
+    onStop: (stop) =>
+      stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void
+  })
+
+const runNode = (args: NodeArgs) =>
   Effect.gen(function*() {
     const token = Option.isSome(args.tokenFile)
       ? readFileSync(args.tokenFile.value, "utf8").trim()

@@ -13,6 +13,7 @@ import { layerLocal, layerRemote, run } from "../api/generate.js"
 import { formatAddress } from "../layers/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
 import { clusterTokenEnv } from "../layers/LocalAgents.js"
+import { untilOperatorStop } from "./Signals.js"
 import type { GenerateError, GenerateRequest, RunSummary, RunUpdate } from "../services/Orchestrator.js"
 
 export interface RunArgs {
@@ -168,42 +169,19 @@ const describeError = (error: GenerateError): string => {
   return message !== "" ? `${error._tag}: ${message}` : `${error._tag}: ${JSON.stringify(error)}`
 }
 
-/**
- * Keeps a SIGINT/SIGTERM listener registered while a run is in flight: the Effect runtime interrupts the
- * run on the first signal (operator stop, then the full teardown), and a loader that exits the process when
- * no listener is left (tsx) must not cut that teardown short. A second signal exits at once.
- */
-const holdSignals = Effect.acquireRelease(
-  Effect.sync(() => {
-    let signals = 0
-    const onSignal = () => {
-      signals++
-      if (signals > 1) process.exit(130)
-    }
-    process.on("SIGINT", onSignal)
-    process.on("SIGTERM", onSignal)
-    // A reader that went away (`swactor run ... | head`) is a closed stream: an operator stop, as Ctrl-C is,
-    // instead of an EPIPE crash.
-    let stdoutClosed = false
-    const onStdoutError = (error: NodeJS.ErrnoException) => {
-      if (error.code !== "EPIPE" || stdoutClosed) return
-      stdoutClosed = true
-      process.kill(process.pid, "SIGINT")
-    }
-    process.stdout.on("error", onStdoutError)
-    return { onSignal, onStdoutError }
-  }),
-  ({ onSignal, onStdoutError }) =>
-    Effect.sync(() => {
-      process.off("SIGINT", onSignal)
-      process.off("SIGTERM", onSignal)
-      process.stdout.off("error", onStdoutError)
-    })
-)
-
+/** `swactor run` with its operator stops (signals, closed stdout): see cli/Signals.ts. */
 export const runRunCommand = (args: RunArgs) =>
+  untilOperatorStop(runRun(args), {
+    onStop: (stop) =>
+      stop._tag === "OutputClosed"
+        ? Effect.void
+        : Effect.sync(() =>
+          process.stderr.write(`\nswactor run: stopped by the operator (${stop.signal}); every stage was stopped\n`)
+        )
+  })
+
+const runRun = (args: RunArgs) =>
   Effect.gen(function*() {
-    yield* holdSignals
     const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
     const nodes = Option.isSome(args.nodes)
       ? args.nodes.value.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
@@ -256,12 +234,6 @@ export const runRunCommand = (args: RunArgs) =>
         }
         return progress.update(update)
       }),
-      Effect.onInterrupt(() =>
-        Effect.sync(() => {
-          process.exitCode = 130
-          process.stderr.write("\nswactor run: stopped by the operator; every stage was stopped\n")
-        })
-      ),
       Effect.provide(
         nodes.length > 0
           ? layerRemote({ nodes, token })
