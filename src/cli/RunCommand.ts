@@ -129,11 +129,56 @@ const makeProgress = (quiet: boolean) => {
             return
         }
       }),
-    done: Effect.sync(done)
+    done: Effect.sync(done),
+    allReady: () => stageCount > 0 && ready.size === stageCount
   }
 }
 
 const ms = (value: number) => (value >= 100 ? value.toFixed(0) : value.toFixed(2))
+
+/**
+ * Start-up phases of one `swactor run`, in milliseconds, as the command saw them (each from the end of the one before):
+ * `process` launch to the command's start (Node and module loading), `checks` (flags, model metadata and vocabulary for
+ * the context check), `spawn` (the orchestrator reads the model facts and tokenizer, starts or reaches the agents),
+ * `pool` (control connections and the first heartbeats), `load` (plan, then every stage loaded and ready), `prefill`
+ * (the prompt through the pipeline to the first token); `firstToken` is launch to first token.
+ */
+export interface StartupPhases {
+  process: number
+  checks: number
+  spawn: number
+  pool: number
+  load: number
+  prefill: number
+  firstToken: number
+}
+
+/** Records when each phase ended; `performance.now()` counts from the process launch. */
+export const makePhaseClock = () => {
+  const marks: Partial<Record<"start" | "checked" | "spawned" | "pooled" | "ready" | "firstToken", number>> = {}
+  const mark = (name: keyof typeof marks) => {
+    marks[name] ??= performance.now()
+  }
+  const phases = (): StartupPhases | undefined => {
+    const { checked, firstToken, pooled, ready, spawned, start } = marks
+    if ([checked, firstToken, pooled, ready, spawned, start].some((m) => m === undefined)) return undefined
+    const round = (x: number) => Math.round(x * 10) / 10
+    return {
+      process: round(start!),
+      checks: round(checked! - start!),
+      spawn: round(spawned! - checked!),
+      pool: round(pooled! - spawned!),
+      load: round(ready! - pooled!),
+      prefill: round(firstToken! - ready!),
+      firstToken: round(firstToken!)
+    }
+  }
+  return { mark, phases }
+}
+
+export const renderPhases = (p: StartupPhases): string =>
+  `start-up ${ms(p.firstToken)} ms to the first token: process ${ms(p.process)}, checks ${ms(p.checks)}, ` +
+  `spawn ${ms(p.spawn)}, pool ${ms(p.pool)}, load ${ms(p.load)}, prefill ${ms(p.prefill)} ms`
 
 export const renderSummary = (summary: RunSummary): string => {
   const lines = [
@@ -215,6 +260,9 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
 const checkContextFit = (model: string, prompt: string, maxTokens: number) =>
   Effect.gen(function*() {
     const facts = yield* readModelFacts(model)
+    // Every prompt token covers at least one byte of the text, plus BOS and a leading-space token at most: when that
+    // bound fits, the (slow: node-llama-cpp) vocabulary load is left to the run itself.
+    if (Buffer.byteLength(prompt, "utf8") + 4 + maxTokens <= facts.maxSeqLen) return
     const tokenizer = yield* Effect.flatMap(Tokenizer, (t) => t.open(model))
     const promptTokens = tokenizer.tokenize(prompt).length
     if (promptTokens + maxTokens > facts.maxSeqLen) {
@@ -254,16 +302,20 @@ interface JsonReport {
   text: string
   tokens: Array<{ readonly id: number; readonly text: string }>
   summary?: RunSummary
+  phases?: StartupPhases
   fault?: { readonly _tag: string; readonly message: string; readonly reason?: unknown }
   stopped?: string
 }
 
 const runRun = (args: RunArgs, json: JsonReport) =>
   Effect.gen(function*() {
+    const clock = makePhaseClock()
+    clock.mark("start")
     const flags = yield* validate(args)
     const { maxTokens, nodes, prompt, threads, token } = flags
     const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
     yield* checkContextFit(model, prompt, maxTokens)
+    clock.mark("checked")
     const request: GenerateRequest = {
       model,
       prompt,
@@ -293,8 +345,12 @@ const runRun = (args: RunArgs, json: JsonReport) =>
     let wroteText = false
     yield* run(request).pipe(
       Stream.runForEach((update) => {
+        if (update._tag === "AgentsStarted") clock.mark("spawned")
+        if (update._tag === "PoolReady") clock.mark("pooled")
         if (update._tag === "Token") {
           return Effect.sync(() => {
+            clock.mark("ready") // a single-stage run: every stage was ready before its token
+            clock.mark("firstToken")
             json.tokens.push({ id: update.token.tokenId, text: update.token.text })
             json.text += update.token.text
             if (args.json) return
@@ -307,12 +363,20 @@ const runRun = (args: RunArgs, json: JsonReport) =>
           return Effect.sync(() => {
             json.ok = true
             json.summary = update.summary
+            const phases = clock.phases()
+            if (phases !== undefined) json.phases = phases
             if (args.json) return
             process.stdout.write("\n")
-            if (!quiet) process.stderr.write(`${renderSummary(update.summary)}\n`)
+            if (!quiet) {
+              process.stderr.write(`${renderSummary(update.summary)}\n${phases === undefined ? "" : `${renderPhases(phases)}\n`}`)
+            }
           })
         }
-        return progress.update(update)
+        return progress.update(update).pipe(
+          Effect.tap(() => {
+            if (update._tag === "StageReady" && progress.allReady()) clock.mark("ready")
+          })
+        )
       }),
       Effect.provide(layer),
       Effect.tapError(() => Effect.sync(() => wroteText && process.stdout.write("\n")))
