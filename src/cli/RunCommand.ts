@@ -331,7 +331,11 @@ const runRun = (args: RunArgs, json: JsonReport) =>
     }
     const layer = nodes.length > 0
       ? layerRemote({ nodes, token })
-      : layerLocal(Option.isSome(threads) ? { threads: threads.value } : {})
+      : layerLocal({
+        // The agents boot while the orchestrator reads the model's facts and vocabulary.
+        prestart: request.stages ?? 2,
+        ...(Option.isSome(threads) ? { threads: threads.value } : {})
+      })
     if (args.dryRun) {
       return yield* run(request).pipe(
         Stream.map(renderPreview),

@@ -5,7 +5,7 @@ import { tmpdir } from "node:os"
 import { dirname, join } from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Dgram from "node:dgram"
-import { Deferred, Duration, Effect, Layer, Schema, type Scope } from "effect"
+import { Deferred, Duration, Effect, Fiber, Layer, Schema, type Scope } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
 import { NodeId } from "../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
@@ -298,56 +298,92 @@ export interface LocalPoolOptions {
   readonly extraArgs?: (index: number) => ReadonlyArray<string>
   readonly env?: Readonly<Record<string, string>>
   readonly inheritStderr?: boolean
+  /** Start this many agents when the layer is built, for the first run of that many stages (see localAgentPool). */
+  readonly prestart?: number
   /** Called with the agents once they are up (tests use it to find pids). */
   readonly onStarted?: (agents: ReadonlyArray<LocalAgent>) => void
 }
 
-/** Every run starts its own agents on this machine (one per stage) with a fresh cluster token. */
-export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> =>
-  Layer.succeed(
+/** A fresh private socket folder, token and `count` agents, as one run of a local pool uses them. */
+const startLocalSet = (count: number, options: LocalPoolOptions) =>
+  Effect.gen(function*() {
+    const token = generateToken()
+    // Every data edge of a local run stays on this machine: Unix sockets in a private directory
+    // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).
+    const dataDir = yield* privateSocketDir
+    const agents = yield* spawnLocalAgents({
+      count,
+      token,
+      dataDir,
+      ...(options.threads === undefined ? {} : { threads: options.threads }),
+      ...(options.engine === undefined ? {} : { engine: options.engine }),
+      ...(options.extraArgs === undefined ? {} : { extraArgs: options.extraArgs }),
+      ...(options.env === undefined ? {} : { env: options.env }),
+      ...(options.inheritStderr === undefined ? {} : { inheritStderr: options.inheritStderr })
+    })
+    return { token, dataDir, agents }
+  })
+
+const agentSetOf = (
+  { agents, dataDir, token }: Effect.Effect.Success<ReturnType<typeof startLocalSet>>,
+  options: LocalPoolOptions
+): AgentSet => {
+  options.onStarted?.(agents)
+  const nodes = agents.map((agent) => ({ nodeId: NodeId.make(agent.index + 1), address: agent.address }))
+  const exited = Effect.raceAll(
+    agents.map((agent, index) =>
+      Effect.map(agent.exited, (exit) => ({
+        node: nodes[index]!,
+        reason: `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
+          (agent.stderrTail().trim() === "" ? "" : `: ${agent.stderrTail().trim().split("\n").slice(-3).join(" | ")}`)
+      }))
+    )
+  )
+  return {
+    nodes,
+    token,
+    listenHost: "127.0.0.1",
+    dataListen: { _tag: "Unix", path: join(dataDir, "orchestrator.sock") },
+    exited
+  }
+}
+
+const checkedCount = (count: number) =>
+  Number.isSafeInteger(count) && count >= 1
+    ? Effect.succeed(count)
+    : Effect.fail(new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` }))
+
+/**
+ * Every run starts its own agents on this machine (one per stage) with a fresh cluster token.
+ *
+ * With `prestart: n` the pool starts `n` agents as soon as the layer is built, so that they boot while the
+ * orchestrator reads the model's facts and vocabulary; the first run that asks for `n` stages takes them (any other
+ * run starts its own). Pre-started agents live as long as the layer (one-shot programs: `swactor run`).
+ */
+export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> => {
+  const fresh = (stages: number | undefined) =>
+    Effect.gen(function*() {
+      const count = yield* checkedCount(stages ?? options.defaultStages ?? 1)
+      return agentSetOf(yield* startLocalSet(count, options), options)
+    })
+  if (options.prestart === undefined) return Layer.succeed(AgentPool, AgentPool.of({ acquire: fresh }))
+  const prestart = options.prestart
+  return Layer.scoped(
     AgentPool,
-    AgentPool.of({
-      acquire: (stages) =>
-        Effect.gen(function*() {
+    Effect.gen(function*() {
+      const early = yield* Effect.forkScoped(startLocalSet(prestart, options))
+      let taken = false
+      return AgentPool.of({
+        acquire: (stages) => {
           const count = stages ?? options.defaultStages ?? 1
-          if (!Number.isSafeInteger(count) || count < 1) {
-            return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` })
-          }
-          const token = generateToken()
-          // Every data edge of a local run stays on this machine: Unix sockets in a private directory
-          // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).
-          const dataDir = yield* privateSocketDir
-          const agents = yield* spawnLocalAgents({
-            count,
-            token,
-            dataDir,
-            ...(options.threads === undefined ? {} : { threads: options.threads }),
-            ...(options.engine === undefined ? {} : { engine: options.engine }),
-            ...(options.extraArgs === undefined ? {} : { extraArgs: options.extraArgs }),
-            ...(options.env === undefined ? {} : { env: options.env }),
-            ...(options.inheritStderr === undefined ? {} : { inheritStderr: options.inheritStderr })
-          })
-          options.onStarted?.(agents)
-          const nodes = agents.map((agent) => ({ nodeId: NodeId.make(agent.index + 1), address: agent.address }))
-          const exited = Effect.raceAll(
-            agents.map((agent, index) =>
-              Effect.map(agent.exited, (exit) => ({
-                node: nodes[index]!,
-                reason: `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
-                  (agent.stderrTail().trim() === "" ? "" : `: ${agent.stderrTail().trim().split("\n").slice(-3).join(" | ")}`)
-              }))
-            )
-          )
-          return {
-            nodes,
-            token,
-            listenHost: "127.0.0.1",
-            dataListen: { _tag: "Unix", path: join(dataDir, "orchestrator.sock") },
-            exited
-          } satisfies AgentSet
-        })
+          if (taken || count !== prestart) return fresh(stages)
+          taken = true
+          return Effect.map(Fiber.join(early), (set) => agentSetOf(set, options))
+        }
+      })
     })
   )
+}
 
 /** The local address this machine uses to reach `host` (so remote agents can connect back). */
 export const routeHostFor = (host: string): Effect.Effect<string> =>
