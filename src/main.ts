@@ -1,11 +1,11 @@
+#!/usr/bin/env node
 /**
  * The `swactor` command: a thin registry of subcommands. To add one, import it from its src/cli/*Command.ts file and
  * add it to the list below.
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
-import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
-import { Cause, Effect, Exit } from "effect"
+import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
 import { planCommand } from "./cli/PlanCommand.js"
 import { synthCommand } from "./cli/SynthCommand.js"
 import { nodeCommand } from "./cli/NodeCommand.js"
@@ -25,13 +25,33 @@ const swactor = Command.make("swactor").pipe(
 
 const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
 
-// Subcommands print their own errors in words; a failure only sets the exit code. The default teardown exits 0
-// when the program was interrupted (Ctrl-C); a command that set process.exitCode (130 after an operator stop)
-// keeps it.
-const teardown = <E, A>(exit: Exit.Exit<E, A>, onExit: (code: number) => void) => {
+// Subcommands print their own errors in words; a failure only sets the exit code. Long-running commands handle
+// SIGINT/SIGTERM/SIGHUP themselves (cli/Signals.ts: teardown, then process.exitCode = 128 + the signal), so this
+// runner installs no signal listener: once the main fiber has ended (every scope closed), it exits with the code.
+// Logs (warnings of a node agent, for one) go to stderr: stdout carries only a command's output. Colour and
+// terminal codes (@effect/cli's help and errors) only reach a terminal: `NO_COLOR`, a pipe or a file get plain text.
+const ansi = /\x1b\[[0-9;?]*[A-Za-z]/g
+const plainUnlessTerminal = (console: Console.Console, stream: NodeJS.WriteStream): Console.Console["log"] =>
+  stream.isTTY === true && process.env["NO_COLOR"] === undefined
+    ? console.log
+    : (...args) => console.log(...args.map((arg) => (typeof arg === "string" ? arg.replace(ansi, "") : arg)))
+const withPlainConsole = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+  Effect.consoleWith((console) => {
+    const log = plainUnlessTerminal(console, process.stdout)
+    const toStderr = plainUnlessTerminal({ ...console, log: console.error }, process.stderr)
+    return Effect.withConsole(effect, { ...console, log, info: log, error: toStderr, warn: toStderr })
+  })
+
+const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
+const main = Effect.runFork(
+  cli(process.argv).pipe(
+    withPlainConsole,
+    Effect.provide(Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))))
+  )
+)
+main.addObserver((exit) => {
+  clearInterval(keepAlive)
   const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
   const requested = typeof process.exitCode === "number" ? process.exitCode : 0
-  onExit(failed ? Math.max(1, requested) : requested)
-}
-
-cli(process.argv).pipe(Effect.provide(NodeContext.layer), NodeRuntime.runMain({ disableErrorReporting: true, teardown }))
+  process.exit(failed ? Math.max(1, requested) : requested)
+})

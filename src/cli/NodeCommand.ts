@@ -5,7 +5,6 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
-import { readFileSync } from "node:fs"
 import * as Os from "node:os"
 import { Console, Data, Effect, Layer, Option } from "effect"
 import type { TransportAddress } from "../domain/frames.js"
@@ -16,6 +15,8 @@ import { startNodeAgent } from "../layers/NodeAgent.js"
 import * as StageExecutorLive from "../layers/StageExecutorLive.js"
 import * as StageExecutorTest from "../layers/StageExecutorTest.js"
 import { StageExecutor } from "../services/StageExecutor.js"
+import { clusterToken, minTokenLength, optionalWholeNumber, withShownDefault } from "./Flags.js"
+import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
 
@@ -44,22 +45,29 @@ export interface NodeArgs {
   readonly tokenFile: Option.Option<string>
 }
 
+/** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
 export const runNodeCommand = (args: NodeArgs) =>
+  untilOperatorStop(runNode(args), {
+    stdoutClosedStops: false,
+    onStop: (stop) =>
+      stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void
+  })
+
+const runNode = (args: NodeArgs) =>
   Effect.gen(function*() {
-    const token = Option.isSome(args.tokenFile)
-      ? readFileSync(args.tokenFile.value, "utf8").trim()
-      : process.env[clusterTokenEnv] ?? ""
-    if (token.length < 16) {
+    const token = yield* clusterToken(args.tokenFile)
+    if (token === "") {
       return yield* new NodeUsageError({
-        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least 16 characters)`
+        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least ${minTokenLength} characters)`
       })
     }
+    const threadsFlag = yield* optionalWholeNumber("threads", args.threads, 1)
     const listen = yield* address(args.listen, "listen")
     const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
     const dataAdvertise = Option.isSome(args.dataAdvertise)
       ? yield* address(args.dataAdvertise.value, "data-advertise")
       : undefined
-    const threads = Option.getOrElse(args.threads, () => Math.max(1, Os.availableParallelism()))
+    const threads = Option.getOrElse(threadsFlag, () => Math.max(1, Os.availableParallelism()))
     const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
     const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
 
@@ -90,8 +98,8 @@ export const nodeCommand = Command.make(
   "node",
   {
     listen: Options.text("listen").pipe(
-      Options.withDescription("control address host:port (default 127.0.0.1:7070; use 0.0.0.0:PORT to serve other machines)"),
-      Options.withDefault("127.0.0.1:7070")
+      Options.withDescription("control address host:port (use 0.0.0.0:PORT to serve other machines)"),
+      withShownDefault("127.0.0.1:7070")
     ),
     dataListen: Options.text("data-listen").pipe(
       Options.withDescription("data-plane address host:port or a Unix socket path (default: the control host, any port)"),
@@ -101,11 +109,17 @@ export const nodeCommand = Command.make(
       Options.withDescription("data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"),
       Options.optional
     ),
-    threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
-    backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(Options.withDefault("cpu" as const)),
+    threads: Options.integer("threads").pipe(
+      Options.withDescription("engine threads per stage (default: every core)"),
+      Options.optional
+    ),
+    backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
+      Options.withDescription("ggml backend: cpu, cuda (node-llama-cpp's CUDA package) or auto"),
+      withShownDefault("cpu" as const)
+    ),
     engine: Options.choice("engine", ["live", "test"]).pipe(
       Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
-      Options.withDefault("live" as const)
+      withShownDefault("live" as const)
     ),
     tokenFile: Options.text("token-file").pipe(
       Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
