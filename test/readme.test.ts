@@ -116,6 +116,34 @@ describe("README", () => {
           covered.push(line)
           continue
         }
+        if (real[0] === "serve") {
+          // A server runs until stopped: it must become ready, answer a completion, and stop on SIGTERM (exit 143).
+          // Its port is made ephemeral so the test never collides with a real server on 8080.
+          const port = real.indexOf("--port")
+          if (port >= 0) real[port + 1] = "0"
+          const child = spawn(process.execPath, [swactorMain(), ...real], { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"] })
+          let stderr = ""
+          const url = await new Promise<string | undefined>((resolve) => {
+            child.stderr.on("data", (chunk) => {
+              stderr += chunk
+              const at = /listening on (http:\/\/\S+)/.exec(stderr)
+              if (at !== null && stderr.includes("ready:")) resolve(at[1])
+            })
+            child.on("exit", () => resolve(undefined))
+          })
+          expect(url, `${line}\n${stderr}`).toBeDefined()
+          const completion = await fetch(`${url}/v1/completions`, {
+            method: "POST",
+            headers: { "content-type": "application/json" },
+            body: JSON.stringify({ prompt: "Once upon a time", max_tokens: 8 })
+          }).then((r) => r.json() as Promise<{ usage?: { completion_tokens: number } }>)
+          expect(completion.usage?.completion_tokens, line).toBe(8)
+          const exited = new Promise<number | null>((resolve) => child.on("exit", (code) => resolve(code)))
+          child.kill("SIGTERM")
+          expect(await exited, `${line}\n${stderr}`).toBe(143)
+          covered.push(line)
+          continue
+        }
         const ran = await swactor(real, { SWACTOR_CLUSTER_TOKEN: token, XDG_CACHE_HOME: dir }, dir)
         expect(ran.code, `${line}\n${ran.stderr}`).toBe(0)
         if (real[0] === "run" && !real.includes("--dry-run")) expect(ran.stdout, line).toMatch(/\S/)
