@@ -1,26 +1,32 @@
 #!/usr/bin/env node
 /**
- * The `swactor` command: a thin registry of subcommands. To add one, import it from its src/cli/*Command.ts file and
- * add it to the list below.
+ * The `swactor` command: a thin registry of subcommands. To add one, add a loader for its src/cli/*Command.ts file
+ * to `subcommands` below.
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
-import { planCommand } from "./cli/PlanCommand.js"
-import { synthCommand } from "./cli/SynthCommand.js"
-import { nodeCommand } from "./cli/NodeCommand.js"
-import { runCommand } from "./cli/RunCommand.js"
-import { serveCommand } from "./cli/ServeCommand.js"
+
+// Each subcommand's module is imported only when it is the one asked for (an agent never loads the HTTP server,
+// the tokenizer or the synthetic-model writer: start-up time is paid by every local agent); `--help` or an unknown
+// word loads them all, so the help and the error list every command.
+const subcommands = {
+  plan: () => import("./cli/PlanCommand.js").then((m) => m.planCommand),
+  synth: () => import("./cli/SynthCommand.js").then((m) => m.synthCommand),
+  node: () => import("./cli/NodeCommand.js").then((m) => m.nodeCommand),
+  run: () => import("./cli/RunCommand.js").then((m) => m.runCommand),
+  serve: () => import("./cli/ServeCommand.js").then((m) => m.serveCommand)
+} as const
+const asked = process.argv[2]
+const [first, ...rest] = await Promise.all(
+  asked !== undefined && Object.hasOwn(subcommands, asked)
+    ? [subcommands[asked as keyof typeof subcommands]()]
+    : Object.values(subcommands).map((load) => load())
+)
 
 const swactor = Command.make("swactor").pipe(
   Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
-  Command.withSubcommands([
-    planCommand,
-    synthCommand,
-    nodeCommand,
-    runCommand,
-    serveCommand
-  ])
+  Command.withSubcommands([first!, ...rest])
 )
 
 const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
