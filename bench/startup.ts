@@ -15,8 +15,7 @@ import { spawn } from "node:child_process"
 import { existsSync, mkdirSync, writeFileSync } from "node:fs"
 import { dirname, join, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
-import { Effect } from "effect"
-import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { benchModelPath, defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 
 const env = (k: string, d: string) => process.env[k] ?? d
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
@@ -28,27 +27,9 @@ const modelsDir = resolve(root, env("SWACTOR_MODELS_DIR", "../shared/models"))
 const main = join(root, "dist", "main.js")
 const prompt = "Once upon a time"
 
-// Same file name and shape as bench:engine / bench:pipeline, so the cached model is shared.
-const syntheticPath = join(benchDir, "llama-16x2048-ffn8192-v32000-q8_0.gguf")
-const ensureSynthetic = async () => {
-  if (existsSync(syntheticPath)) return
-  mkdirSync(benchDir, { recursive: true })
-  process.stdout.write(`writing ${syntheticPath} ... `)
-  const s = await Effect.runPromise(writeSyntheticModel({
-    path: syntheticPath,
-    arch: "llama",
-    layers: 16,
-    hidden: 2048,
-    ffn: 8192,
-    heads: 32,
-    kvHeads: 8,
-    vocab: 32000,
-    contextLength: 4096,
-    type: "q8_0",
-    seed: 1
-  }))
-  console.log(`${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
-}
+// Same file and shape as bench:engine / bench:pipeline, so the cached model is shared.
+const syntheticPath = benchModelPath(benchDir, defaultBenchShape)
+const ensureSynthetic = () => ensureBenchModel(benchDir, defaultBenchShape)
 
 interface Measured {
   readonly firstTokenMs: number
