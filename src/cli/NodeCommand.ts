@@ -42,6 +42,8 @@ export interface NodeArgs {
   readonly backend: "cpu" | "cuda" | "auto"
   readonly engine: "live" | "test"
   readonly tokenFile: Option.Option<string>
+  readonly memoryLimit?: Option.Option<number>
+  readonly speed?: Option.Option<number>
 }
 
 export const runNodeCommand = (args: NodeArgs) =>
@@ -59,6 +61,14 @@ export const runNodeCommand = (args: NodeArgs) =>
     const dataAdvertise = Option.isSome(args.dataAdvertise)
       ? yield* address(args.dataAdvertise.value, "data-advertise")
       : undefined
+    const memoryLimitBytes = Option.getOrUndefined(args.memoryLimit ?? Option.none())
+    const speedBytesPerSecond = Option.getOrUndefined(args.speed ?? Option.none())
+    if (memoryLimitBytes !== undefined && !(memoryLimitBytes > 0)) {
+      return yield* new NodeUsageError({ message: `--memory-limit: ${memoryLimitBytes} is not a positive number of bytes` })
+    }
+    if (speedBytesPerSecond !== undefined && !(speedBytesPerSecond > 0 && Number.isFinite(speedBytesPerSecond))) {
+      return yield* new NodeUsageError({ message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure` })
+    }
     const threads = Option.getOrElse(args.threads, () => Math.max(1, Os.availableParallelism()))
     const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
     const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
@@ -70,7 +80,9 @@ export const runNodeCommand = (args: NodeArgs) =>
         ...(dataAdvertise === undefined ? {} : { dataAdvertise }),
         token,
         threads,
-        backend: args.backend
+        backend: args.backend,
+        ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
+        ...(speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond })
       })
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
@@ -103,6 +115,14 @@ export const nodeCommand = Command.make(
     ),
     threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
     backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(Options.withDefault("cpu" as const)),
+    memoryLimit: Options.integer("memory-limit").pipe(
+      Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
+      Options.optional
+    ),
+    speed: Options.float("speed").pipe(
+      Options.withDescription("declared engine speed in weight bytes per second (placement; default unknown = 1e9)"),
+      Options.optional
+    ),
     engine: Options.choice("engine", ["live", "test"]).pipe(
       Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
       Options.withDefault("live" as const)

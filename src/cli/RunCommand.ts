@@ -13,7 +13,15 @@ import { layerLocal, layerRemote, run } from "../api/generate.js"
 import { formatAddress } from "../layers/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
 import { clusterTokenEnv } from "../layers/LocalAgents.js"
-import type { GenerateError, GenerateRequest, RunSummary, RunUpdate } from "../services/Orchestrator.js"
+import type {
+  GenerateError,
+  GenerateRequest,
+  PlacementExplanation,
+  PlacementRequest,
+  RunSummary,
+  RunUpdate
+} from "../services/Orchestrator.js"
+import { parseLayerSpec } from "../services/Placement.js"
 
 export interface RunArgs {
   readonly model: Option.Option<string>
@@ -28,6 +36,8 @@ export interface RunArgs {
   readonly tokenFile: Option.Option<string>
   readonly quiet: boolean
   readonly dryRun: boolean
+  readonly placement?: "balanced" | "capacity" | "fixed" | undefined
+  readonly layers?: Option.Option<string>
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -154,6 +164,7 @@ const renderPreview = (update: RunUpdate): string => {
       return [
         `placement (run ${update.runId}):`,
         ...update.stages.map((s) => `  stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`),
+        ...(update.placement === undefined ? [] : explainPlacement(update.placement)),
         "dry run: nothing was provisioned"
       ].join("\n")
     case "AgentsStarted":
@@ -161,6 +172,45 @@ const renderPreview = (update: RunUpdate): string => {
     default:
       return ""
   }
+}
+
+const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+
+/** Why this placement: per stage its node's free memory and speed, its blocks, bytes and expected ms per token. */
+export const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [
+  `${choice.intent.toLowerCase()} placement, in the planner's cost model:`,
+  ...choice.stages.map((s) => {
+    const node = pool.find((n) => n.nodeId === s.nodeId)
+    const free = node === undefined ? "unknown" : mib(node.freeMemoryBytes)
+    const speed = node === undefined ? "unknown" : `${(node.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
+    return `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
+      `${s.layerEndExclusive - s.layerStart} blocks [${s.layerStart}, ${s.layerEndExclusive}), ` +
+      `${mib(s.weightBytes)} weights, ${mib(s.memoryBytes)} with KV and buffers, ${s.expectedMillis.toFixed(2)} ms/token`
+  }),
+  `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
+  `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
+  ...(choice.stages.length < pool.length
+    ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
+    : [])
+]
+
+/** The placement a command line asks for (`--placement`, `--layers`), or a usage message. */
+export const placementFromArgs = (
+  args: Pick<RunArgs, "placement" | "layers">
+): Effect.Effect<PlacementRequest | undefined, string> => {
+  const layers = args.layers !== undefined && Option.isSome(args.layers) ? args.layers.value : undefined
+  if (layers !== undefined) {
+    if (args.placement !== undefined && args.placement !== "fixed") {
+      return Effect.fail(`--layers sets a fixed placement; it cannot be combined with --placement ${args.placement}`)
+    }
+    const parsed = parseLayerSpec(layers)
+    return parsed._tag === "Left"
+      ? Effect.fail(parsed.left.message)
+      : Effect.succeed({ _tag: "Fixed", ranges: parsed.right })
+  }
+  if (args.placement === "fixed") return Effect.fail("--placement fixed needs --layers, e.g. --layers 0-9,10-15")
+  if (args.placement === "capacity") return Effect.succeed({ _tag: "Capacity" })
+  return Effect.succeed(args.placement === "balanced" ? { _tag: "Balanced" } : undefined)
 }
 
 const describeError = (error: GenerateError): string => {
@@ -215,6 +265,9 @@ export const runRunCommand = (args: RunArgs) =>
       return yield* Effect.fail(`--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file`)
     }
     const threads = Option.getOrUndefined(args.threads)
+    const placement = yield* placementFromArgs(args)
+    // A fixed placement run locally starts one agent per range.
+    const localStages = placement?._tag === "Fixed" ? placement.ranges.length : 2
     const request: GenerateRequest = {
       model,
       prompt: args.prompt,
@@ -224,7 +277,8 @@ export const runRunCommand = (args: RunArgs) =>
         topK: args.topK,
         ...(Option.isSome(args.seed) ? { seed: args.seed.value } : {})
       },
-      ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
+      ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: localStages }),
+      ...(placement === undefined ? {} : { placement }),
       ...(threads === undefined ? {} : { threads }),
       ...(args.dryRun ? { dryRun: true } : {})
     }
@@ -304,6 +358,15 @@ export const runCommand = Command.make(
     quiet: Options.boolean("quiet").pipe(Options.withDescription("only the text: no progress, no summary")),
     dryRun: Options.boolean("dry-run").pipe(
       Options.withDescription("ask the nodes for their capacity, print the placement, provision nothing")
+    ),
+    placement: Options.choice("placement", ["balanced", "capacity", "fixed"]).pipe(
+      Options.withDescription("balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"),
+      Options.optional,
+      Options.map(Option.getOrUndefined)
+    ),
+    layers: Options.text("layers").pipe(
+      Options.withDescription("fixed block ranges per stage, inclusive, e.g. 0-9,10-15"),
+      Options.optional
     )
   },
   runRunCommand

@@ -51,6 +51,10 @@ export interface StageHostOptions {
   readonly connectTimeout?: Duration.DurationInput
   /** Micro-batch size and prompt chunk of the per-weights stage batcher. */
   readonly batch?: BatcherSettings
+  /** Cap on the free memory this agent reports (`--memory-limit`): placement never gives it more. */
+  readonly memoryLimitBytes?: number
+  /** Weight bytes per second this agent declares (`--speed`), reported to placement. */
+  readonly speedBytesPerSecond?: number
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -312,12 +316,16 @@ export const makeStageHost = (
 
     const capacity = Effect.sync(() =>
       NodeCapacity.make({
-        freeMemoryBytes: Os.freemem(),
+        freeMemoryBytes: Math.min(Os.freemem(), options.memoryLimitBytes ?? Number.POSITIVE_INFINITY),
         totalMemoryBytes: Os.totalmem(),
         threads: options.threads,
         backend: options.backend,
         hostname: Os.hostname(),
-        activeStages: active.size
+        activeStages: active.size,
+        ...(options.speedBytesPerSecond === undefined
+          ? {}
+          : { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: "declared" as const }),
+        ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
       })
     )
 
@@ -345,6 +353,10 @@ export interface NodeAgentOptions {
    * tokens per prompt chunk, else 128).
    */
   readonly batch?: BatcherSettings
+  /** Cap on the free memory reported to orchestrators (bytes). */
+  readonly memoryLimitBytes?: number
+  /** Declared engine speed, weight bytes per second. */
+  readonly speedBytesPerSecond?: number
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -375,7 +387,9 @@ export const startNodeAgent = (
       token: options.token,
       threads: options.threads,
       backend: options.backend,
-      batch: options.batch ?? batchFromEnv()
+      batch: options.batch ?? batchFromEnv(),
+      ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes }),
+      ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({

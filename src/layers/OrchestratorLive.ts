@@ -22,6 +22,7 @@ import {
   StageFaultReasons
 } from "../domain/runFsm.js"
 import { readModelFacts } from "./ModelCatalogLive.js"
+import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
 import {
   type AgentLink,
   AgentControl,
@@ -163,7 +164,8 @@ export const make = Effect.gen(function*() {
       const plannerInput = (
         runId: RunId,
         candidatePool: ReadonlyArray<NodeId>,
-        placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
+        placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>,
+        layerRanges?: ReadonlyArray<readonly [number, number]>
       ) => ({
         runId,
         orchestratorNodeId: ORCHESTRATOR_NODE,
@@ -179,6 +181,7 @@ export const make = Effect.gen(function*() {
         candidatePool,
         stageCount: placement.length,
         placement: { _tag: "FixedLinear" as const, stages: placement },
+        ...(layerRanges === undefined ? {} : { layerRanges }),
         activationRing: ring(Math.max(4 << 20, alignUp(activationBytes * 64, 64)), "Egress"),
         tokenRing: ring(64 << 10, "Egress")
       })
@@ -189,7 +192,7 @@ export const make = Effect.gen(function*() {
       }
 
       const agents = yield* agentPool.acquire(request.stages)
-      const stageCount = request.stages ?? agents.nodes.length
+      const stageCount = requestedStageCount(request.placement, request.stages ?? agents.nodes.length)
       yield* updates.offer({ _tag: "AgentsStarted", nodes: agents.nodes })
       const links = new Map<number, AgentLink>()
       yield* Effect.forEach(agents.nodes, (node) =>
@@ -209,11 +212,7 @@ export const make = Effect.gen(function*() {
             Effect.mapError((e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message }))
           )
       }, heartbeat)
-      const placement = Array.from({ length: stageCount }, (_, stageIndex) => ({
-        stageIndex,
-        nodeId: agents.nodes[stageIndex % agents.nodes.length]!.nodeId
-      }))
-      const neededNodes = [...new Set(placement.map((p) => p.nodeId))]
+      const neededNodes = nodesToAwait(request.placement, agents.nodes, stageCount)
       const readinessTimeout = request.readinessTimeout ?? "120 seconds"
       const capacity = yield* pool.awaitReady(neededNodes, readinessTimeout)
       yield* updates.offer({
@@ -225,8 +224,18 @@ export const make = Effect.gen(function*() {
         })
       })
 
+      const placed = yield* placementFor({
+        request: request.placement,
+        modelPath: request.model,
+        nodes: agents.nodes,
+        capacity,
+        stageCount,
+        contextTokens: Math.min(facts.maxSeqLen, alignUp(prompt.length + maxTokens + 1, 256))
+      })
       const runId = randomRunId()
-      const plan: RunPlan = yield* planRun(plannerInput(runId, agents.nodes.map((n) => n.nodeId), placement))
+      const plan: RunPlan = yield* planRun(
+        plannerInput(runId, agents.nodes.map((n) => n.nodeId), placed.stages, placed.layerRanges)
+      )
       const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
       yield* updates.offer({
         _tag: "Planned",
@@ -235,7 +244,8 @@ export const make = Effect.gen(function*() {
           stageIndex: s.stageIndex,
           address: addressOf(s.nodeId),
           layers: [s.layerStart, s.layerEndExclusive] as const
-        }))
+        })),
+        placement: placed.explanation
       })
 
       if (request.dryRun === true) return
