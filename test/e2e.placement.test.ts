@@ -33,7 +33,8 @@ describe("end to end: placement from the agents' declared memory (stories260K)",
       // Less than one more block: [3, 5) does not fit.
       const smallLimit = lastStage + Math.floor(layout.blockBytes[3]! / 2)
       const { layer } = yield* startAgents(2, {
-        extraArgs: (i) => ["--memory-limit", String(i === 0 ? 2 ** 30 : smallLimit)]
+        // Equal declared speeds keep the split about memory (measured speeds vary with the machine's load).
+        extraArgs: (i) => ["--memory-limit", String(i === 0 ? 2 ** 30 : smallLimit), "--speed", "1e9"]
       })
       const request = { model, prompt, stages: 2, maxTokens: 8, threads: 1 }
       const capacity = yield* Stream.runCollect(run({ ...request, placement: { _tag: "Capacity" } })).pipe(
@@ -43,8 +44,8 @@ describe("end to end: placement from the agents' declared memory (stories260K)",
       assert.deepStrictEqual(layersOf(capacity), [[0, 4], [4, 5]])
       const pool = capacity.find((u) => u._tag === "PoolReady")
       assert.deepStrictEqual(
-        pool?._tag === "PoolReady" ? pool.capacity.map((c) => c.capacity.memoryLimitBytes) : [],
-        [2 ** 30, smallLimit]
+        pool?._tag === "PoolReady" ? pool.capacity.map((c) => [c.capacity.memoryLimitBytes, c.capacity.speedSource]) : [],
+        [[2 ** 30, "declared"], [smallLimit, "declared"]]
       )
       const finished = capacity.find((u) => u._tag === "Finished")
       assert.isTrue(finished?._tag === "Finished")
@@ -85,9 +86,11 @@ describe("end to end: placement from the agents' declared memory (stories260K)",
       assert.match(fixed.stdout, /stage 0: blocks \[0, 1\) on 127\.0\.0\.1:\d+/)
       assert.match(fixed.stdout, /stage 1: blocks \[1, 5\) on 127\.0\.0\.1:\d+/)
       assert.include(fixed.stdout, "fixed placement, in the planner's cost model:")
+      // The agents measured their speed at start (a timed ggml matrix product).
+      assert.match(fixed.stdout, /node 2 127\.0\.0\.1:\d+: .* stages hosted, \d+\.\d\d GB\/s measured/)
       assert.match(
         fixed.stdout,
-        /stage 1 on node 2 \(\d+\.\d MiB free, 1\.00 GB\/s\): 4 blocks \[1, 5\), \d+\.\d MiB weights, \d+\.\d MiB with KV and buffers, \d+\.\d\d ms\/token/
+        /stage 1 on node 2 \(\d+\.\d MiB free, \d+\.\d\d GB\/s\): 4 blocks \[1, 5\), \d+\.\d MiB weights, \d+\.\d MiB with KV and buffers, \d+\.\d\d ms\/token/
       )
       assert.match(fixed.stdout, /expected: \d+\.\d\d ms per token for one sequence/)
       const bad = yield* cli(["--layers", "0-2,4-4"])

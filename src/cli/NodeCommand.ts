@@ -12,6 +12,7 @@ import type { TransportAddress } from "../domain/frames.js"
 import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/AgentControlRpc.js"
 import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/LocalAgents.js"
+import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { startNodeAgent } from "../layers/NodeAgent.js"
 import * as StageExecutorLive from "../layers/StageExecutorLive.js"
 import * as StageExecutorTest from "../layers/StageExecutorTest.js"
@@ -70,6 +71,18 @@ export const runNodeCommand = (args: NodeArgs) =>
       return yield* new NodeUsageError({ message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure` })
     }
     const threads = Option.getOrElse(args.threads, () => Math.max(1, Os.availableParallelism()))
+    // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
+    const speed = speedBytesPerSecond !== undefined
+      ? { speedBytesPerSecond, speedSource: "declared" as const }
+      : args.engine === "live"
+      ? yield* Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+        Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
+        Effect.catchAll((error) =>
+          Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
+            .pipe(Effect.as(undefined))
+        )
+      )
+      : undefined
     const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
     const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
 
@@ -82,13 +95,15 @@ export const runNodeCommand = (args: NodeArgs) =>
         threads,
         backend: args.backend,
         ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
-        ...(speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond })
+        ...(speed === undefined ? {} : speed)
       })
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
       yield* Console.error(
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
-          `${threads} threads, ${args.backend} backend, ${args.engine} engine (pid ${process.pid})`
+          `${threads} threads, ${args.backend} backend, ${args.engine} engine` +
+          (speed === undefined ? "" : `, ${(speed.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${speed.speedSource}`) +
+          ` (pid ${process.pid})`
       )
       return yield* Effect.never
     }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, dataPlaneLayer)))

@@ -157,7 +157,10 @@ const renderPreview = (update: RunUpdate): string => {
         "nodes (as reported in their heartbeat):",
         ...update.capacity.map(({ capacity, node }) =>
           `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
-          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted`
+          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
+          (capacity.speedBytesPerSecond === undefined
+            ? ""
+            : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
         )
       ].join("\n")
     case "Planned":

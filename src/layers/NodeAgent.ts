@@ -53,8 +53,9 @@ export interface StageHostOptions {
   readonly batch?: BatcherSettings
   /** Cap on the free memory this agent reports (`--memory-limit`): placement never gives it more. */
   readonly memoryLimitBytes?: number
-  /** Weight bytes per second this agent declares (`--speed`), reported to placement. */
+  /** Weight bytes per second of this agent's engine (`--speed`, or measured at start), reported to placement. */
   readonly speedBytesPerSecond?: number
+  readonly speedSource?: "declared" | "measured"
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -324,7 +325,7 @@ export const makeStageHost = (
         activeStages: active.size,
         ...(options.speedBytesPerSecond === undefined
           ? {}
-          : { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: "declared" as const }),
+          : { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }),
         ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
       })
     )
@@ -355,8 +356,9 @@ export interface NodeAgentOptions {
   readonly batch?: BatcherSettings
   /** Cap on the free memory reported to orchestrators (bytes). */
   readonly memoryLimitBytes?: number
-  /** Declared engine speed, weight bytes per second. */
+  /** Engine speed, weight bytes per second: declared (`--speed`) or measured at start. */
   readonly speedBytesPerSecond?: number
+  readonly speedSource?: "declared" | "measured"
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -389,7 +391,8 @@ export const startNodeAgent = (
       backend: options.backend,
       batch: options.batch ?? batchFromEnv(),
       ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes }),
-      ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond })
+      ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond }),
+      ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({
