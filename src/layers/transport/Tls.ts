@@ -16,7 +16,9 @@ import type * as Net from "node:net"
 import * as Tls from "node:tls"
 import { type Duration, Effect, Redacted } from "effect"
 import { AuthFailed } from "../../domain/frames.js"
-import type { ClusterToken } from "./Auth.js"
+
+/** The cluster token (Auth.ts's `ClusterToken`; not imported from there, which imports this module). */
+type ClusterToken = Redacted.Redacted<string>
 
 export type TlsMode = "auto" | "always" | "off"
 
