@@ -11,6 +11,7 @@ import type { TransportAddress } from "../domain/frames.js"
 import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/AgentControlRpc.js"
 import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/LocalAgents.js"
+import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { startNodeAgent } from "../layers/NodeAgent.js"
 import * as StageExecutorLive from "../layers/StageExecutorLive.js"
 import * as StageExecutorTest from "../layers/StageExecutorTest.js"
@@ -43,6 +44,8 @@ export interface NodeArgs {
   readonly backend: "cpu" | "cuda" | "auto"
   readonly engine: "live" | "test"
   readonly tokenFile: Option.Option<string>
+  readonly memoryLimit?: Option.Option<number>
+  readonly speed?: Option.Option<number>
 }
 
 /** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
@@ -67,7 +70,27 @@ const runNode = (args: NodeArgs) =>
     const dataAdvertise = Option.isSome(args.dataAdvertise)
       ? yield* address(args.dataAdvertise.value, "data-advertise")
       : undefined
+    const memoryLimitBytes = Option.getOrUndefined(args.memoryLimit ?? Option.none())
+    const speedBytesPerSecond = Option.getOrUndefined(args.speed ?? Option.none())
+    if (memoryLimitBytes !== undefined && !(memoryLimitBytes > 0)) {
+      return yield* new NodeUsageError({ message: `--memory-limit: ${memoryLimitBytes} is not a positive number of bytes` })
+    }
+    if (speedBytesPerSecond !== undefined && !(speedBytesPerSecond > 0 && Number.isFinite(speedBytesPerSecond))) {
+      return yield* new NodeUsageError({ message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure` })
+    }
     const threads = Option.getOrElse(threadsFlag, () => Math.max(1, Os.availableParallelism()))
+    // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
+    const speed = speedBytesPerSecond !== undefined
+      ? { speedBytesPerSecond, speedSource: "declared" as const }
+      : args.engine === "live"
+      ? yield* Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+        Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
+        Effect.catchAll((error) =>
+          Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
+            .pipe(Effect.as(undefined))
+        )
+      )
+      : undefined
     const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
     const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
 
@@ -78,13 +101,17 @@ const runNode = (args: NodeArgs) =>
         ...(dataAdvertise === undefined ? {} : { dataAdvertise }),
         token,
         threads,
-        backend: args.backend
+        backend: args.backend,
+        ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
+        ...(speed === undefined ? {} : speed)
       })
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
       yield* Console.error(
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
-          `${threads} threads, ${args.backend} backend, ${args.engine} engine (pid ${process.pid})`
+          `${threads} threads, ${args.backend} backend, ${args.engine} engine` +
+          (speed === undefined ? "" : `, ${(speed.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${speed.speedSource}`) +
+          ` (pid ${process.pid})`
       )
       return yield* Effect.never
     }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, dataPlaneLayer)))
@@ -116,6 +143,14 @@ export const nodeCommand = Command.make(
     backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
       Options.withDescription("ggml backend: cpu, cuda (node-llama-cpp's CUDA package) or auto"),
       withShownDefault("cpu" as const)
+    ),
+    memoryLimit: Options.integer("memory-limit").pipe(
+      Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
+      Options.optional
+    ),
+    speed: Options.float("speed").pipe(
+      Options.withDescription("declared engine speed in weight bytes per second (placement; default: measured at start)"),
+      Options.optional
     ),
     engine: Options.choice("engine", ["live", "test"]).pipe(
       Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),

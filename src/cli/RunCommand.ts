@@ -26,7 +26,14 @@ import {
   withShownDefault
 } from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
-import type { GenerateRequest, RunSummary, RunUpdate } from "../services/Orchestrator.js"
+import type {
+  GenerateRequest,
+  PlacementExplanation,
+  PlacementRequest,
+  RunSummary,
+  RunUpdate
+} from "../services/Orchestrator.js"
+import { parseLayerSpec } from "../services/Placement.js"
 
 export interface RunArgs {
   readonly model: Option.Option<string>
@@ -43,6 +50,8 @@ export interface RunArgs {
   readonly quiet: boolean
   readonly json: boolean
   readonly dryRun: boolean
+  readonly placement?: "balanced" | "capacity" | "fixed" | undefined
+  readonly layers?: Option.Option<string>
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -207,13 +216,17 @@ const renderPreview = (update: RunUpdate): string => {
         "nodes (as reported in their heartbeat):",
         ...update.capacity.map(({ capacity, node }) =>
           `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
-          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted`
+          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
+          (capacity.speedBytesPerSecond === undefined
+            ? ""
+            : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
         )
       ].join("\n")
     case "Planned":
       return [
         `placement (run ${update.runId}):`,
         ...update.stages.map((s) => `  stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`),
+        ...(update.placement === undefined ? [] : explainPlacement(update.placement)),
         "dry run: nothing was provisioned"
       ].join("\n")
     case "AgentsStarted":
@@ -221,6 +234,45 @@ const renderPreview = (update: RunUpdate): string => {
     default:
       return ""
   }
+}
+
+const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+
+/** Why this placement: per stage its node's free memory and speed, its blocks, bytes and expected ms per token. */
+export const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [
+  `${choice.intent.toLowerCase()} placement, in the planner's cost model:`,
+  ...choice.stages.map((s) => {
+    const node = pool.find((n) => n.nodeId === s.nodeId)
+    const free = node === undefined ? "unknown" : mib(node.freeMemoryBytes)
+    const speed = node === undefined ? "unknown" : `${(node.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
+    return `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
+      `${s.layerEndExclusive - s.layerStart} blocks [${s.layerStart}, ${s.layerEndExclusive}), ` +
+      `${mib(s.weightBytes)} weights, ${mib(s.memoryBytes)} with KV and buffers, ${s.expectedMillis.toFixed(2)} ms/token`
+  }),
+  `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
+  `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
+  ...(choice.stages.length < pool.length
+    ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
+    : [])
+]
+
+/** The placement a command line asks for (`--placement`, `--layers`), or a usage message. */
+export const placementFromArgs = (
+  args: Pick<RunArgs, "placement" | "layers">
+): Effect.Effect<PlacementRequest | undefined, string> => {
+  const layers = args.layers !== undefined && Option.isSome(args.layers) ? args.layers.value : undefined
+  if (layers !== undefined) {
+    if (args.placement !== undefined && args.placement !== "fixed") {
+      return Effect.fail(`--layers sets a fixed placement; it cannot be combined with --placement ${args.placement}`)
+    }
+    const parsed = parseLayerSpec(layers)
+    return parsed._tag === "Left"
+      ? Effect.fail(parsed.left.message)
+      : Effect.succeed({ _tag: "Fixed", ranges: parsed.right })
+  }
+  if (args.placement === "fixed") return Effect.fail("--placement fixed needs --layers, e.g. --layers 0-9,10-15")
+  if (args.placement === "capacity") return Effect.succeed({ _tag: "Capacity" })
+  return Effect.succeed(args.placement === "balanced" ? { _tag: "Balanced" } : undefined)
 }
 
 const describeError = (error: { readonly _tag: string }): string => {
@@ -292,8 +344,11 @@ const validate = (args: RunArgs) =>
       })
     }
     if (args.json && args.dryRun) return yield* new UsageError({ message: "--json and --dry-run: give one of them" })
+    const placement = yield* placementFromArgs(args).pipe(Effect.mapError((message) => new UsageError({ message })))
+    // A fixed placement run locally starts one agent per range.
+    const localStages = placement?._tag === "Fixed" ? placement.ranges.length : 2
     const prompt = yield* promptText(args)
-    return { stages, maxTokens, temperature, topK, seed, threads, nodes, token, prompt }
+    return { stages, maxTokens, temperature, topK, seed, threads, nodes, token, prompt, placement, localStages }
   })
 
 /** What `--json` prints: one JSON document on stdout when the run ends (tokens, text, summary or fault). */
@@ -325,7 +380,8 @@ const runRun = (args: RunArgs, json: JsonReport) =>
         topK: flags.topK,
         ...(Option.isSome(flags.seed) ? { seed: flags.seed.value } : {})
       },
-      ...(Option.isSome(flags.stages) ? { stages: flags.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
+      ...(Option.isSome(flags.stages) ? { stages: flags.stages.value } : nodes.length > 0 ? {} : { stages: flags.localStages }),
+      ...(flags.placement === undefined ? {} : { placement: flags.placement }),
       ...(Option.isSome(threads) ? { threads: threads.value } : {}),
       ...(args.dryRun ? { dryRun: true } : {})
     }
@@ -462,6 +518,15 @@ export const runCommand = Command.make(
     ),
     dryRun: Options.boolean("dry-run").pipe(
       Options.withDescription("ask the nodes for their capacity, print the placement, provision nothing")
+    ),
+    placement: Options.choice("placement", ["balanced", "capacity", "fixed"]).pipe(
+      Options.withDescription("balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"),
+      Options.optional,
+      Options.map(Option.getOrUndefined)
+    ),
+    layers: Options.text("layers").pipe(
+      Options.withDescription("fixed block ranges per stage, inclusive, e.g. 0-9,10-15"),
+      Options.optional
     )
   },
   runRunCommand

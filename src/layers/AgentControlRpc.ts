@@ -93,7 +93,8 @@ const openAuthenticated = (address: TransportAddress, token: string, timeout: Du
     }),
     (conn) => Effect.sync(() => conn.destroy())
   ).pipe(
-    Effect.tap((conn) =>
+    // The socket to speak on: TLS over the connection across hosts, the connection itself on loopback.
+    Effect.flatMap((conn) =>
       clientHandshake(conn, { token: Redacted.make(token), timeout }).pipe(
         Effect.mapError((failed) => new Socket.SocketGenericError({ reason: "Open", cause: new Error(failed.detail) }))
       )

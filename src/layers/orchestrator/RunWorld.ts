@@ -64,7 +64,7 @@ export const driveRun = (
       plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), warm.placement, {
         maxTokens,
         sampling: request.sampling
-      })
+      }, warm.layerRanges)
     )
     const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
     yield* updates.offer({
@@ -74,7 +74,8 @@ export const driveRun = (
         stageIndex: s.stageIndex,
         address: addressOf(s.nodeId),
         layers: [s.layerStart, s.layerEndExclusive] as const
-      }))
+      })),
+      placement: warm.placementExplanation
     })
     if (request.dryRun === true) return
 
