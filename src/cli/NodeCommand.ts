@@ -46,6 +46,8 @@ export interface NodeArgs {
   readonly tokenFile: Option.Option<string>
   readonly memoryLimit?: Option.Option<number>
   readonly speed?: Option.Option<number>
+  readonly cacheDir?: Option.Option<string>
+  readonly slicesOnly?: boolean
 }
 
 /** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
@@ -102,6 +104,8 @@ const runNode = (args: NodeArgs) =>
         token,
         threads,
         backend: args.backend,
+        ...(args.cacheDir !== undefined && Option.isSome(args.cacheDir) ? { cacheDir: args.cacheDir.value } : {}),
+        ...(args.slicesOnly === true ? { slicesOnly: true } : {}),
         ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
         ...(speed === undefined ? {} : speed)
       })
@@ -159,6 +163,13 @@ export const nodeCommand = Command.make(
     tokenFile: Options.text("token-file").pipe(
       Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
       Options.optional
+    ),
+    cacheDir: Options.text("cache-dir").pipe(
+      Options.withDescription("where weight slices delivered by orchestrators are kept (default: $XDG_CACHE_HOME/swactor/slices)"),
+      Options.optional
+    ),
+    slicesOnly: Options.boolean("slices-only").pipe(
+      Options.withDescription("never read the orchestrator's model paths here: load only the slices it delivers")
     )
   },
   runNodeCommand

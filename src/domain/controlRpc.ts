@@ -13,6 +13,10 @@
  *   connection fails it at once (a crashed agent is a fault, never a hang), and the agent
  *   interrupts the handlers of a client that went away (its stages stop).
  * - `Stop` → asks a stage to stop (idempotent).
+ * - `WeightsCheck` / `SliceChunk` / `SliceFinish` → weight delivery: whether the agent holds a stage's tensors (the
+ *   model path with the same tensor hash, or a verified slice in its slice cache), the slice's bytes at an offset
+ *   (a resumed transfer starts where the agent's partial file ends), and the hash-checked finish. A held or finished
+ *   slice is then what the agent loads when a provision names that model path and block range.
  */
 import { Rpc, RpcGroup } from "@effect/rpc"
 import { Schema } from "effect"
@@ -108,10 +112,40 @@ export const NodeCapacity = Schema.Struct({
 }).annotations({ identifier: "NodeCapacity" })
 export type NodeCapacity = typeof NodeCapacity.Type
 
-/** The agent control plane. Handlers: `AgentRpcs.toLayer({ Hello, Capacity, Provision, Stop })`. */
+/** A stage's weights, named by the orchestrator's model path, the block range and the tensors' content hash. */
+export class StageWeights extends Schema.Class<StageWeights>("StageWeights")({
+  modelPath: Schema.String,
+  layerStart: Schema.Number,
+  layerEndExclusive: Schema.Number,
+  numLayers: Schema.Number,
+  /** SHA-256 (hex) over the stage's tensors (src/layers/gguf/GgufSlice.ts `sliceHash`). */
+  hash: Schema.String
+}) {}
+
+/** What an agent holds of a stage's weights: the tensors (at `path`), or `have` bytes of a partial slice. */
+export const WeightsHeld = Schema.Union(
+  Schema.TaggedStruct("Held", { via: Schema.Literal("ModelFile", "Slice"), path: Schema.String }),
+  Schema.TaggedStruct("Missing", { have: Schema.Number })
+)
+export type WeightsHeld = typeof WeightsHeld.Type
+
+/** Why an agent could not take a slice (bad hash, out-of-order chunk, a corrupt result, its disk). */
+export class WeightDeliveryError extends Schema.TaggedError<WeightDeliveryError>()("WeightDeliveryError", {
+  reason: Schema.Literal("BadHash", "OutOfOrder", "Corrupt", "Io"),
+  message: Schema.String
+}) {}
+
+/** The agent control plane. Handlers: `AgentRpcs.toLayer({ Hello, Capacity, Provision, Stop, WeightsCheck, SliceChunk, SliceFinish })`. */
 export class AgentRpcs extends RpcGroup.make(
   Rpc.make("Hello", { success: AgentHello }),
   Rpc.make("Capacity", { success: NodeCapacity }),
   Rpc.make("Provision", { payload: { request: ProvisionRequest }, success: StageReport, stream: true }),
-  Rpc.make("Stop", { payload: { runId: RunId, stageIndex: Schema.Number } })
+  Rpc.make("Stop", { payload: { runId: RunId, stageIndex: Schema.Number } }),
+  Rpc.make("WeightsCheck", { payload: { weights: StageWeights }, success: WeightsHeld, error: WeightDeliveryError }),
+  Rpc.make("SliceChunk", {
+    payload: { hash: Schema.String, offset: Schema.Number, bytes: Schema.Uint8ArrayFromBase64 },
+    success: Schema.Number,
+    error: WeightDeliveryError
+  }),
+  Rpc.make("SliceFinish", { payload: { weights: StageWeights }, success: Schema.String, error: WeightDeliveryError })
 ) {}

@@ -12,9 +12,10 @@ import * as SocketServer from "@effect/platform/SocketServer"
 import { RpcClient, RpcSerialization, RpcServer } from "@effect/rpc"
 import { type Duration, Effect, Layer, Redacted, Schema, Scope, Stream } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
-import { AgentHello, AgentRpcs } from "../domain/controlRpc.js"
+import { AgentHello, AgentRpcs, WeightDeliveryError } from "../domain/controlRpc.js"
 import { AgentControl, type AgentLink, AgentUnavailable, type StageHost } from "../services/AgentLinks.js"
 import type { NodeEndpoint } from "../services/Membership.js"
+import type { WeightStore } from "./gguf/SliceStore.js"
 import { clientHandshake } from "./transport/Auth.js"
 import { authenticatedSocket, makeSocketServer, netOptions } from "./transport/ControlPlane.js"
 
@@ -42,6 +43,8 @@ export interface RpcServerOptions {
   readonly token: string
   readonly host: StageHost
   readonly hello: AgentHello
+  /** The agent's received slices (weight delivery); without it the agent refuses deliveries. */
+  readonly weights?: WeightStore
 }
 
 /** Serves the control group for a stage host until the scope closes; returns the bound address. */
@@ -52,11 +55,17 @@ export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<Transp
         new AgentUnavailable({ address: formatAddress(options.address), message: `cannot listen: ${String(error.cause)}` })
       )
     )
+    const store: Effect.Effect<WeightStore, WeightDeliveryError> = options.weights === undefined
+      ? Effect.fail(new WeightDeliveryError({ reason: "Io", message: "this agent takes no weight deliveries" }))
+      : Effect.succeed(options.weights)
     const handlers = AgentRpcs.toLayer({
       Hello: () => Effect.succeed(options.hello),
       Capacity: () => options.host.capacity,
       Provision: ({ request }) => options.host.provision(request),
-      Stop: ({ runId, stageIndex }) => options.host.stop(runId, stageIndex)
+      Stop: ({ runId, stageIndex }) => options.host.stop(runId, stageIndex),
+      WeightsCheck: ({ weights }) => store.pipe(Effect.flatMap((s) => s.check(weights))),
+      SliceChunk: ({ bytes, hash, offset }) => store.pipe(Effect.flatMap((s) => s.chunk(hash, offset, bytes))),
+      SliceFinish: ({ weights }) => store.pipe(Effect.flatMap((s) => s.finish(weights)))
     })
     yield* Layer.build(
       RpcServer.layer(AgentRpcs).pipe(
@@ -159,7 +168,13 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
       hello,
       capacity: client.Capacity().pipe(Effect.mapError(lost)),
       provision: (request) => client.Provision({ request }).pipe(Stream.mapError(lost)),
-      stop: (runId, stageIndex) => client.Stop({ runId, stageIndex }).pipe(Effect.mapError(lost))
+      stop: (runId, stageIndex) => client.Stop({ runId, stageIndex }).pipe(Effect.mapError(lost)),
+      weights: {
+        check: (weights) => client.WeightsCheck({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
+        chunk: (hash, offset, bytes) =>
+          client.SliceChunk({ hash, offset, bytes }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
+        finish: (weights) => client.SliceFinish({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e))))
+      }
     }
     return link
   })

@@ -37,6 +37,7 @@ import { NodeCapacity } from "../services/Membership.js"
 import { type LoadedStage, StageExecutor } from "../services/StageExecutor.js"
 import { makeSampler } from "../services/Sampler.js"
 import { serveControlRpc } from "./AgentControlRpc.js"
+import { defaultSliceCacheDir, makeWeightStore, type WeightStore } from "./gguf/SliceStore.js"
 import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 
 export interface StageHostOptions {
@@ -56,6 +57,8 @@ export interface StageHostOptions {
   /** Weight bytes per second of this agent's engine (`--speed`, or measured at start), reported to placement. */
   readonly speedBytesPerSecond?: number
   readonly speedSource?: "declared" | "measured"
+  /** Delivered slices: a stage loads the held or received file for its model path and blocks (weight delivery). */
+  readonly weights?: WeightStore
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -68,9 +71,8 @@ interface CachedModel {
 
 class StageFailure extends Data.TaggedError("StageFailure")<{ readonly kind: StageFaultKind; readonly detail: string }> {}
 
-const cacheKey = (request: ProvisionRequest, backend: string) => {
+const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
   const p = request.provision
-  const path = p.ggufSource.path
   return JSON.stringify([path, p.layerStart, p.layerEndExclusive, p.stageIndex === 0, p.stageIndex === p.stageCount - 1, backend])
 }
 
@@ -142,14 +144,19 @@ export const makeStageHost = (
       )
     }
 
-    const runStage = (request: ProvisionRequest, reports: Mailbox.Mailbox<StageReport>, stop: Deferred.Deferred<void>) =>
+    const runStage = (
+      request: ProvisionRequest,
+      path: string,
+      reports: Mailbox.Mailbox<StageReport>,
+      stop: Deferred.Deferred<void>
+    ) =>
       Effect.gen(function*() {
         const p = request.provision
         const runId = p.runId
         const stageIndex = p.stageIndex
         const isFirst = stageIndex === 0
         const isLast = stageIndex === p.stageCount - 1
-        const key = cacheKey(request, options.backend)
+        const key = cacheKey(request, options.backend, path)
         const stats = {
           frames: 0,
           tokens: 0,
@@ -296,10 +303,26 @@ export const makeStageHost = (
             yield* reports.end
             return Mailbox.toStream(reports)
           }
+          // The file to load: the model path, or the slice delivered for it (weight delivery).
+          const path = options.weights === undefined
+            ? p.ggufSource.path
+            : options.weights.resolve(p.ggufSource.path, p.layerStart, p.layerEndExclusive)
+          if (path === undefined) {
+            yield* reports.offer({
+              _tag: "StageFault",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              kind: "LoadError",
+              detail: `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered to this ` +
+                "node, and it does not read model paths (--slices-only)"
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
           const stop = yield* Deferred.make<void>()
           active.set(key, stop)
           // The stage lives in the host's scope; closing the report stream (the orchestrator went away) stops it.
-          yield* runStage(request, reports, stop).pipe(
+          yield* runStage(request, path, reports, stop).pipe(
             Effect.ensuring(Effect.sync(() => active.delete(key))),
             Effect.ensuring(reports.end),
             Effect.forkIn(hostScope)
@@ -359,6 +382,10 @@ export interface NodeAgentOptions {
   /** Engine speed, weight bytes per second: declared (`--speed`) or measured at start. */
   readonly speedBytesPerSecond?: number
   readonly speedSource?: "declared" | "measured"
+  /** Where delivered slices live (default `$XDG_CACHE_HOME/swactor/slices`). */
+  readonly cacheDir?: string
+  /** Never read the orchestrator's model paths: load delivered slices only. */
+  readonly slicesOnly?: boolean
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -385,7 +412,12 @@ export const startNodeAgent = (
     const dataPlane = yield* DataPlane
     const controlHost = options.listen._tag === "Tcp" ? options.listen.host : "127.0.0.1"
     const listener = yield* dataPlane.listen(options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 }, options.token)
+    const weights = makeWeightStore({
+      cacheDir: options.cacheDir ?? defaultSliceCacheDir(),
+      ...(options.slicesOnly === undefined ? {} : { slicesOnly: options.slicesOnly })
+    })
     const host = yield* makeStageHost(listener, {
+      weights,
       token: options.token,
       threads: options.threads,
       backend: options.backend,
@@ -399,6 +431,7 @@ export const startNodeAgent = (
       address: options.listen,
       token: options.token,
       host,
+      weights,
       hello: new AgentHello({ dataAddress: advertised, pid: process.pid })
     })
     return { control, data: listener.address }

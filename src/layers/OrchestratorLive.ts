@@ -100,6 +100,7 @@ export const make = Effect.gen(function*() {
           ...(request.readinessTimeout === undefined ? {} : { readinessTimeout: request.readinessTimeout }),
           ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat }),
           ...(request.placement === undefined ? {} : { placement: request.placement }),
+          ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
           // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
           contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
         }, (update) => updates.offer(update).pipe(Effect.asVoid))

@@ -12,7 +12,14 @@
  * distributed path testable in one process.
  */
 import { Context, type Effect, Schema, type Scope, type Stream } from "effect"
-import type { AgentHello, ProvisionRequest, StageReport } from "../domain/controlRpc.js"
+import type {
+  AgentHello,
+  ProvisionRequest,
+  StageReport,
+  StageWeights,
+  WeightDeliveryError,
+  WeightsHeld
+} from "../domain/controlRpc.js"
 import type { DataFrame, EdgeFault, TransportAddress } from "../domain/frames.js"
 import type { EdgeId, RunId } from "../domain/ids.js"
 import type { RingSpec } from "../domain/plan.js"
@@ -91,6 +98,15 @@ export interface AgentLink {
   readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport, AgentUnavailable>
   /** Asks the stage to stop (its provision stream then reports StageStopped). Idempotent. */
   readonly stop: (runId: RunId, stageIndex: number) => Effect.Effect<void, AgentUnavailable>
+  /** Weight delivery (src/layers/WeightDelivery.ts); absent on links that cannot take slices. */
+  readonly weights?: WeightLink
+}
+
+/** The control plane's weight delivery calls (see src/domain/controlRpc.ts). */
+export interface WeightLink {
+  readonly check: (weights: StageWeights) => Effect.Effect<WeightsHeld, AgentUnavailable | WeightDeliveryError>
+  readonly chunk: (hash: string, offset: number, bytes: Uint8Array) => Effect.Effect<number, AgentUnavailable | WeightDeliveryError>
+  readonly finish: (weights: StageWeights) => Effect.Effect<string, AgentUnavailable | WeightDeliveryError>
 }
 
 export interface AgentControlService {

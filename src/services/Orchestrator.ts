@@ -50,6 +50,8 @@ export interface GenerateRequest {
    * node's speed within its memory, maybe on fewer nodes; `Fixed`: these ranges, stage i on the i-th node.
    */
   readonly placement?: PlacementRequest
+  /** Deliver each stage's weights to agents that lack them (see `PipelineOptions.deliverWeights`). */
+  readonly deliverWeights?: PipelineOptions["deliverWeights"]
 }
 
 export interface TokenTimings {
@@ -132,6 +134,14 @@ export type RunUpdate =
     /** Why: each stage's node, bytes, memory and expected ms per token, and each node's memory and speed. */
     readonly placement?: PlacementExplanation
   }
+  /** Weight delivery (`deliverWeights`): slice bytes of a stage received by its agent so far. */
+  | {
+    readonly _tag: "WeightsDelivery"
+    readonly stageIndex: number
+    readonly address: string
+    readonly sentBytes: number
+    readonly totalBytes: number
+  }
   | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
   | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
   | { readonly _tag: "Token"; readonly token: GeneratedToken }
@@ -204,6 +214,11 @@ export interface PipelineOptions {
   readonly placement?: PlacementRequest
   /** Context per sequence that placement budgets KV memory for (default: max tokens + 1, padded to 256). */
   readonly contextTokens?: number
+  /**
+   * Send each stage's weights (a GGUF slice) to agents that lack them, once per pipeline after placement
+   * (src/layers/WeightDelivery.ts). Off: agents read `model` at its path.
+   */
+  readonly deliverWeights?: boolean | { readonly outgoingDir?: string; readonly chunkBytes?: number }
 }
 
 /** One run on a warm pipeline. */

@@ -23,6 +23,7 @@ import {
 import { activationFrameBytes, alignUp, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
 import { nodesToAwait, placementFor, requestedStageCount } from "../RunPlacement.js"
+import { deliverWeights } from "../WeightDelivery.js"
 import { faultWords } from "./RunReport.js"
 
 export const ORCHESTRATOR_NODE = NodeId.make(0)
@@ -168,6 +169,12 @@ export const openPipeline = (
       stageCount,
       contextTokens: Math.min(facts.maxSeqLen, options.contextTokens ?? alignUp((options.maxTokens ?? 1) + 1, 256))
     })
+
+    // Agents that lack their stages' tensors receive them as GGUF slices (when asked: local agents share the file).
+    if (options.deliverWeights !== undefined && options.deliverWeights !== false) {
+      const settings = options.deliverWeights === true ? {} : options.deliverWeights
+      yield* deliverWeights({ ...settings, modelPath: options.model, placement: placed.stages, layerRanges: placed.layerRanges, linkOf }, progress)
+    }
 
     // Local data endpoint: the last stage of every run sends sampled tokens here.
     const listener = yield* dataPlane.listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(

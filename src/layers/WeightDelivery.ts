@@ -1,0 +1,128 @@
+/**
+ * Weight delivery, the orchestrator's side (issue 10): once per warm pipeline, after placement, each stage's agent is
+ * asked whether it holds that stage's tensors (its own file at the model path with the same stage-tensor hash, or a
+ * verified slice in its cache). If not, the orchestrator writes the stage's GGUF slice once into its outgoing folder
+ * and streams it to the agent in chunks from where the agent's partial file ends (an interrupted transfer resumes),
+ * then asks the agent to verify it by hash; a slice that fails the check is discarded by the agent and sent again
+ * once. The agent then loads that file whenever a provision names the model path and block range.
+ */
+import * as Fs from "node:fs"
+import * as Path from "node:path"
+import { Effect } from "effect"
+import { StageWeights } from "../domain/controlRpc.js"
+import type { LayerRange } from "../domain/plan.js"
+import { type AgentLink, AgentUnavailable } from "../services/AgentLinks.js"
+import type { RunUpdate } from "../services/Orchestrator.js"
+import { readGgufFile } from "./gguf/GgufReader.js"
+import { sliceHash, type SliceRange, writeGgufSlice } from "./gguf/GgufSlice.js"
+import { defaultSliceCacheDir } from "./gguf/SliceStore.js"
+
+export interface DeliveryInput {
+  readonly modelPath: string
+  readonly placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: number }>
+  readonly layerRanges: ReadonlyArray<LayerRange>
+  readonly linkOf: (nodeId: number) => AgentLink
+  /** Where the orchestrator keeps the slices it sends (default: `outgoing` beside the default slice cache). */
+  readonly outgoingDir?: string
+  /** Bytes per chunk (default 4 MiB). */
+  readonly chunkBytes?: number
+}
+
+/** What happened for one stage: the agent held the weights (its model file or a cached slice), or they were sent. */
+export interface StageDelivery {
+  readonly stageIndex: number
+  readonly nodeId: number
+  readonly via: "ModelFile" | "Slice" | "Sent"
+  readonly hash: string
+  /** Slice bytes sent now (0 when held). */
+  readonly sentBytes: number
+  /** Where the transfer started (> 0: a partial slice was resumed). */
+  readonly resumedFrom: number
+  readonly totalBytes: number
+}
+
+const DEFAULT_CHUNK = 4 << 20
+
+export const defaultOutgoingDir = (): string => Path.join(Path.dirname(defaultSliceCacheDir()), "outgoing")
+
+const failed = (link: AgentLink, message: string) => new AgentUnavailable({ address: link.node.address, message })
+
+/** Delivers every stage's weights its agent lacks; reports `WeightsDelivery` updates as bytes go. */
+export const deliverWeights = (
+  input: DeliveryInput,
+  progress: (update: RunUpdate) => Effect.Effect<void>
+): Effect.Effect<ReadonlyArray<StageDelivery>, AgentUnavailable> =>
+  Effect.gen(function*() {
+    const file = yield* readGgufFile(input.modelPath).pipe(
+      Effect.mapError((e) => new AgentUnavailable({ address: "orchestrator", message: `cannot read ${input.modelPath}: ${e.message}` }))
+    )
+    const numLayers = file.tensors.reduce((n, t) => {
+      const m = /^blk\.(\d+)\./.exec(t.name)
+      return m === null ? n : Math.max(n, Number(m[1]) + 1)
+    }, 0)
+    const outgoingDir = input.outgoingDir ?? defaultOutgoingDir()
+    const chunkBytes = input.chunkBytes ?? DEFAULT_CHUNK
+
+    const one = (stageIndex: number, nodeId: number, [layerStart, layerEndExclusive]: LayerRange) =>
+      Effect.gen(function*() {
+        const link = input.linkOf(nodeId)
+        const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
+        const hash = yield* sliceHash(file, range).pipe(Effect.mapError((e) => failed(link, `cannot hash the model: ${e.message}`)))
+        const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
+        if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
+        const rpc = link.weights
+        const words = (e: { readonly message: string }) => failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)
+
+        const held = yield* rpc.check(weights).pipe(Effect.mapError(words))
+        if (held._tag === "Held") {
+          return { stageIndex, nodeId, via: held.via, hash, sentBytes: 0, resumedFrom: 0, totalBytes: 0 } satisfies StageDelivery
+        }
+        // The slice to send, written once per content hash (the writer is deterministic, so offsets stay valid).
+        const slicePath = Path.join(outgoingDir, `${hash}.gguf`)
+        if (!Fs.existsSync(slicePath)) {
+          yield* Effect.try({ try: () => Fs.mkdirSync(outgoingDir, { recursive: true }), catch: (e) => failed(link, String(e)) })
+          yield* writeGgufSlice(file, range, slicePath).pipe(Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`)))
+        }
+        const send = (from: number) =>
+          Effect.acquireUseRelease(
+            Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
+            (fd) =>
+              Effect.gen(function*() {
+                const totalBytes = Fs.fstatSync(fd).size
+                let offset = Math.min(from, totalBytes)
+                const buffer = Buffer.allocUnsafe(chunkBytes)
+                while (offset < totalBytes) {
+                  const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
+                  offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n)).pipe(Effect.mapError(words))
+                  yield* progress({ _tag: "WeightsDelivery", stageIndex, address: link.node.address, sentBytes: offset, totalBytes })
+                }
+                return totalBytes
+              }),
+            (fd) => Effect.sync(() => Fs.closeSync(fd))
+          )
+        const totalBytes = yield* send(held.have)
+        const finished = yield* rpc.finish(weights).pipe(Effect.either)
+        if (finished._tag === "Left") {
+          // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
+          if (finished.left._tag !== "WeightDeliveryError" || finished.left.reason !== "Corrupt") return yield* words(finished.left)
+          yield* send(0)
+          yield* rpc.finish(weights).pipe(Effect.mapError(words))
+          return { stageIndex, nodeId, via: "Sent", hash, sentBytes: totalBytes, resumedFrom: 0, totalBytes } satisfies StageDelivery
+        }
+        return {
+          stageIndex,
+          nodeId,
+          via: "Sent",
+          hash,
+          sentBytes: totalBytes - Math.min(held.have, totalBytes),
+          resumedFrom: held.have,
+          totalBytes
+        } satisfies StageDelivery
+      })
+
+    return yield* Effect.forEach(
+      input.placement,
+      ({ nodeId, stageIndex }) => one(stageIndex, nodeId, input.layerRanges[stageIndex]!),
+      { concurrency: "unbounded" }
+    )
+  })

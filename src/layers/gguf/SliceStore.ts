@@ -1,0 +1,104 @@
+/**
+ * A node agent's weight store (weight delivery, receiving side; issue 10): answers the control plane's
+ * `WeightsCheck` / `SliceChunk` / `SliceFinish` over its slice cache (SliceCache.ts), and tells provisioning which
+ * file to load for a model path and block range: the model path itself when the agent holds that file with the
+ * same stage-tensor hash, else the verified slice it received. With `slicesOnly` the agent never reads the
+ * orchestrator's model path (a node without the shared file): a stage whose weights were not delivered is refused.
+ */
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import * as Path from "node:path"
+import { Effect } from "effect"
+import { type StageWeights, WeightDeliveryError, type WeightsHeld } from "../../domain/controlRpc.js"
+import { readGgufFile } from "./GgufReader.js"
+import { sliceHash } from "./GgufSlice.js"
+import { makeSliceCache, type SliceCacheError } from "./SliceCache.js"
+
+export interface WeightStoreOptions {
+  /** Where received slices live (`swactor node --cache-dir`). */
+  readonly cacheDir: string
+  /** Never read the orchestrator's model path: only delivered slices (`swactor node --slices-only`). */
+  readonly slicesOnly?: boolean
+}
+
+/** `$XDG_CACHE_HOME/swactor/slices` (default `~/.cache/swactor/slices`). */
+export const defaultSliceCacheDir = (): string =>
+  Path.join(process.env["XDG_CACHE_HOME"] || Path.join(Os.homedir(), ".cache"), "swactor", "slices")
+
+export interface WeightStore {
+  readonly check: (weights: StageWeights) => Effect.Effect<WeightsHeld, WeightDeliveryError>
+  readonly chunk: (hash: string, offset: number, bytes: Uint8Array) => Effect.Effect<number, WeightDeliveryError>
+  readonly finish: (weights: StageWeights) => Effect.Effect<string, WeightDeliveryError>
+  /**
+   * The file to load for `modelPath`'s blocks [layerStart, layerEndExclusive): a held or delivered one, else the
+   * model path itself (undefined with `slicesOnly`: nothing was delivered for it).
+   */
+  readonly resolve: (modelPath: string, layerStart: number, layerEndExclusive: number) => string | undefined
+  /** Slices received complete since the agent started (tests and logs). */
+  readonly received: () => number
+}
+
+const deliveryError = (error: SliceCacheError) => new WeightDeliveryError({ reason: error.reason, message: error.message })
+
+export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
+  const cache = makeSliceCache(options.cacheDir)
+  const resolved = new Map<string, string>()
+  const key = (modelPath: string, layerStart: number, layerEndExclusive: number) =>
+    JSON.stringify([modelPath, layerStart, layerEndExclusive])
+  // Hashing a whole model is not free: remember it per file identity (size, mtime) and range.
+  const modelHashes = new Map<string, string>()
+  let received = 0
+  const range = (w: StageWeights) => ({ layerStart: w.layerStart, layerEndExclusive: w.layerEndExclusive, numLayers: w.numLayers })
+  const remember = (w: StageWeights, path: string) =>
+    Effect.sync(() => void resolved.set(key(w.modelPath, w.layerStart, w.layerEndExclusive), path))
+
+  /** The stage-tensor hash of the agent's own file at the model path (undefined: none, unreadable, or slicesOnly). */
+  const localHash = (w: StageWeights) =>
+    Effect.suspend(() => {
+      if (options.slicesOnly === true) return Effect.succeed(undefined)
+      let stat: Fs.Stats
+      try {
+        stat = Fs.statSync(w.modelPath)
+      } catch {
+        return Effect.succeed(undefined)
+      }
+      const id = JSON.stringify([w.modelPath, stat.size, stat.mtimeMs, w.layerStart, w.layerEndExclusive, w.numLayers])
+      const known = modelHashes.get(id)
+      if (known !== undefined) return Effect.succeed(known)
+      return readGgufFile(w.modelPath).pipe(
+        Effect.flatMap((file) => sliceHash(file, range(w))),
+        Effect.tap((hash) => Effect.sync(() => modelHashes.set(id, hash))),
+        Effect.orElseSucceed(() => undefined)
+      )
+    })
+
+  const check = (w: StageWeights) =>
+    Effect.gen(function*() {
+      if ((yield* localHash(w)) === w.hash) {
+        yield* remember(w, w.modelPath)
+        return { _tag: "Held", via: "ModelFile", path: w.modelPath } as const
+      }
+      const status = yield* cache.status(w.hash, range(w)).pipe(Effect.mapError(deliveryError))
+      if (status._tag === "Complete") {
+        yield* remember(w, status.path)
+        return { _tag: "Held", via: "Slice", path: status.path } as const
+      }
+      return { _tag: "Missing", have: status.have } as const
+    })
+
+  const finish = (w: StageWeights) =>
+    cache.finish(w.hash, range(w)).pipe(
+      Effect.mapError(deliveryError),
+      Effect.tap((path) => remember(w, path)),
+      Effect.tap(() => Effect.sync(() => void received++))
+    )
+
+  return {
+    check,
+    chunk: (hash, offset, bytes) => cache.append(hash, offset, bytes).pipe(Effect.mapError(deliveryError)),
+    finish,
+    resolve: (modelPath, layerStart, layerEndExclusive) =>
+      resolved.get(key(modelPath, layerStart, layerEndExclusive)) ?? (options.slicesOnly === true ? undefined : modelPath),
+    received: () => received
+  }
+}

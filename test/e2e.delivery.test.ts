@@ -1,0 +1,130 @@
+// Weight delivery end to end (issue 10): agents that do not read the orchestrator's model path (`--slices-only`,
+// an empty `--cache-dir`) receive their stages' GGUF slices over the control plane and generate node-llama-cpp's
+// greedy text; a later run sends nothing; a corrupted slice is detected and sent again; an interrupted transfer
+// resumes where it stopped. stories260K over real agent processes on loopback.
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import * as Path from "node:path"
+import { assert, describe, it } from "@effect/vitest"
+import { Chunk, Effect, Stream } from "effect"
+import { run } from "../src/api/generate.js"
+import { NodeId } from "../src/domain/ids.js"
+import * as AgentControlRpc from "../src/layers/AgentControlRpc.js"
+import { deliverWeights } from "../src/layers/WeightDelivery.js"
+import { AgentControl, type AgentLink, AgentUnavailable } from "../src/services/AgentLinks.js"
+import type { RunUpdate } from "../src/services/Orchestrator.js"
+import { startAgents } from "./support/e2e.js"
+import { referenceRun } from "./support/engine.js"
+import { requireModel } from "./support/models.js"
+
+const prompt = "Once upon a time"
+const maxTokens = 16
+const CHUNK = 64 << 10
+
+const tempDir = (name: string) =>
+  Effect.acquireRelease(
+    Effect.sync(() => Fs.mkdtempSync(Path.join(Os.tmpdir(), `swactor-${name}-`))),
+    (dir) => Effect.sync(() => Fs.rmSync(dir, { recursive: true, force: true }))
+  )
+
+/** Agents with their own empty slice caches that never read model paths. */
+const slicesOnlyAgents = (count: number) =>
+  Effect.gen(function*() {
+    const root = yield* tempDir("delivery")
+    const caches = Array.from({ length: count }, (_, i) => Path.join(root, `node-${i}`))
+    const started = yield* startAgents(count, { extraArgs: (i) => ["--cache-dir", caches[i]!, "--slices-only"] })
+    return { ...started, caches, outgoingDir: Path.join(root, "outgoing") }
+  })
+
+const slicesIn = (dir: string) => (Fs.existsSync(dir) ? Fs.readdirSync(dir).filter((f) => f.endsWith(".gguf")) : [])
+const deliveries = (updates: ReadonlyArray<RunUpdate>) => updates.flatMap((u) => (u._tag === "WeightsDelivery" ? [u] : []))
+const tokensOf = (updates: ReadonlyArray<RunUpdate>) => updates.flatMap((u) => (u._tag === "Token" ? [u.token.tokenId] : []))
+
+describe("end to end: weight delivery to agents without the model file (stories260K)", () => {
+  it.live("agents with empty caches receive their slices, generate node-llama-cpp's text, reuse them, re-fetch a corrupted one", () =>
+    Effect.gen(function*() {
+      const model = requireModel("stories260K.gguf")
+      const expected = (yield* Effect.promise(() =>
+        referenceRun(model, prompt, maxTokens, { threads: 1, contextLength: 256 })
+      )).tokens
+      const { caches, layer, outgoingDir } = yield* slicesOnlyAgents(2)
+      const request = { model, prompt, stages: 2, maxTokens, threads: 1 }
+      const collect = (deliver: boolean) =>
+        Stream.runCollect(run({ ...request, ...(deliver ? { deliverWeights: { outgoingDir, chunkBytes: CHUNK } } : {}) }))
+          .pipe(Effect.map(Chunk.toReadonlyArray), Effect.provide(layer))
+
+      // Without delivery the agents have nothing to load: they do not read the orchestrator's path.
+      const refused = yield* Effect.flip(collect(false))
+      assert.match(refused.message, /were not delivered to this node/)
+
+      const first = yield* collect(true)
+      assert.deepStrictEqual(tokensOf(first), expected)
+      const sent = deliveries(first)
+      for (const stage of [0, 1]) {
+        const last = sent.filter((d) => d.stageIndex === stage).at(-1)
+        assert.isTrue(last !== undefined && last.sentBytes === last.totalBytes && last.totalBytes > CHUNK, `stage ${stage}`)
+      }
+      const sliceFiles = caches.map(slicesIn)
+      assert.deepStrictEqual(sliceFiles.map((f) => f.length), [1, 1])
+      // Each node holds only its stage's tensors: together less than twice the model, each less than the model.
+      const sizes = caches.map((dir, i) => Fs.statSync(Path.join(dir, sliceFiles[i]![0]!)).size)
+      for (const size of sizes) assert.isBelow(size, Fs.statSync(model).size)
+
+      // A later run finds the verified slices: nothing is sent.
+      const second = yield* collect(true)
+      assert.deepStrictEqual(deliveries(second), [])
+      assert.deepStrictEqual(tokensOf(second), expected)
+
+      // A slice corrupted on disk is found out by its hash, dropped, and sent again (that stage only).
+      const corrupted = Path.join(caches[1]!, sliceFiles[1]![0]!)
+      const bytes = Fs.readFileSync(corrupted)
+      bytes[bytes.length - 100] = bytes[bytes.length - 100]! ^ 0xff
+      Fs.writeFileSync(corrupted, bytes)
+      const third = yield* collect(true)
+      assert.deepStrictEqual([...new Set(deliveries(third).map((d) => d.stageIndex))], [1])
+      assert.deepStrictEqual(tokensOf(third), expected)
+      assert.deepStrictEqual(Fs.readFileSync(corrupted).length, sizes[1])
+      assert.notDeepEqual(Fs.readFileSync(corrupted), bytes)
+    }).pipe(Effect.scoped), 240_000)
+
+  it.live("an interrupted transfer resumes from the agent's partial slice", () =>
+    Effect.gen(function*() {
+      const model = requireModel("stories260K.gguf")
+      const { agents, caches, outgoingDir, token } = yield* slicesOnlyAgents(1)
+      const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
+      const link = yield* control.connect({ nodeId: NodeId.make(1), address: agents[0]!.address }, token)
+      // The connection "drops" after three chunks (the agent keeps what it received).
+      let chunks = 0
+      const cutting: AgentLink = {
+        ...link,
+        weights: {
+          ...link.weights!,
+          chunk: (hash, offset, bytes) =>
+            ++chunks > 3
+              ? Effect.fail(new AgentUnavailable({ address: link.node.address, message: "connection cut by the test" }))
+              : link.weights!.chunk(hash, offset, bytes)
+        }
+      }
+      const input = {
+        modelPath: model,
+        placement: [{ stageIndex: 0, nodeId: 1 }],
+        layerRanges: [[0, 5] as const],
+        outgoingDir,
+        chunkBytes: CHUNK
+      }
+      const cut = yield* Effect.flip(deliverWeights({ ...input, linkOf: () => cutting }, () => Effect.void))
+      assert.match(cut.message, /connection cut by the test/)
+      const partial = Fs.readdirSync(caches[0]!).filter((f) => f.endsWith(".partial"))
+      assert.strictEqual(partial.length, 1)
+      assert.strictEqual(Fs.statSync(Path.join(caches[0]!, partial[0]!)).size, 3 * CHUNK)
+
+      const [resumed] = yield* deliverWeights({ ...input, linkOf: () => link }, () => Effect.void)
+      assert.strictEqual(resumed!.via, "Sent")
+      assert.strictEqual(resumed!.resumedFrom, 3 * CHUNK)
+      assert.strictEqual(resumed!.sentBytes, resumed!.totalBytes - 3 * CHUNK)
+      assert.deepStrictEqual(slicesIn(caches[0]!).length, 1)
+      // The whole model as one stage's slice: its tensors hash the same, so the agent now holds it.
+      const [again] = yield* deliverWeights({ ...input, linkOf: () => link }, () => Effect.void)
+      assert.strictEqual(again!.via, "Slice")
+    }).pipe(Effect.scoped), 120_000)
+})
