@@ -47,7 +47,12 @@ describe("end to end: weight delivery to agents without the model file (stories2
       const expected = (yield* Effect.promise(() =>
         referenceRun(model, prompt, maxTokens, { threads: 1, contextLength: 256 })
       )).tokens
-      const { caches, layer, outgoingDir } = yield* slicesOnlyAgents(2)
+      const { agents, caches, layer, outgoingDir } = yield* slicesOnlyAgents(2)
+      const count = (text: string, pattern: RegExp) => text.split("\n").filter((line) => pattern.test(line)).length
+      const received = (i: number) => count(agents[i]!.stderrTail(), /received the slice/)
+      /** Weight loads agent `i` made from its own slice cache, as its log says. */
+      const loadsFromCache = (i: number) =>
+        count(agents[i]!.stderrTail(), new RegExp(`load from ${caches[i]!.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}/[0-9a-f]{64}\\.gguf$`))
       const request = { model, prompt, stages: 2, maxTokens, threads: 1 }
       const collect = (deliver: boolean) =>
         Stream.runCollect(run({ ...request, ...(deliver ? { deliverWeights: { outgoingDir, chunkBytes: CHUNK } } : {}) }))
@@ -64,6 +69,9 @@ describe("end to end: weight delivery to agents without the model file (stories2
         const last = sent.filter((d) => d.stageIndex === stage).at(-1)
         assert.isTrue(last !== undefined && last.sentBytes === last.totalBytes && last.totalBytes > CHUNK, `stage ${stage}`)
       }
+      // The agents say they received one slice each and loaded their stage from it (not from the model path).
+      assert.deepStrictEqual([received(0), received(1)], [1, 1])
+      assert.deepStrictEqual([loadsFromCache(0), loadsFromCache(1)], [1, 1])
       const sliceFiles = caches.map(slicesIn)
       assert.deepStrictEqual(sliceFiles.map((f) => f.length), [1, 1])
       // Each node holds only its stage's tensors: together less than twice the model, each less than the model.
@@ -74,6 +82,9 @@ describe("end to end: weight delivery to agents without the model file (stories2
       const second = yield* collect(true)
       assert.deepStrictEqual(deliveries(second), [])
       assert.deepStrictEqual(tokensOf(second), expected)
+      assert.deepStrictEqual([received(0), received(1)], [1, 1])
+      // (the agents kept the weights loaded: no second load)
+      assert.deepStrictEqual([loadsFromCache(0), loadsFromCache(1)], [1, 1])
 
       // A slice corrupted on disk is found out by its hash, dropped, and sent again (that stage only).
       const corrupted = Path.join(caches[1]!, sliceFiles[1]![0]!)
@@ -83,6 +94,7 @@ describe("end to end: weight delivery to agents without the model file (stories2
       const third = yield* collect(true)
       assert.deepStrictEqual([...new Set(deliveries(third).map((d) => d.stageIndex))], [1])
       assert.deepStrictEqual(tokensOf(third), expected)
+      assert.deepStrictEqual([received(0), received(1)], [1, 2])
       assert.deepStrictEqual(Fs.readFileSync(corrupted).length, sizes[1])
       assert.notDeepEqual(Fs.readFileSync(corrupted), bytes)
     }).pipe(Effect.scoped), 240_000)

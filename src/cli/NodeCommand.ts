@@ -106,6 +106,7 @@ const runNode = (args: NodeArgs) =>
         backend: args.backend,
         ...(args.cacheDir !== undefined && Option.isSome(args.cacheDir) ? { cacheDir: args.cacheDir.value } : {}),
         ...(args.slicesOnly === true ? { slicesOnly: true } : {}),
+        log: (line: string) => void process.stderr.write(`swactor node: ${line}\n`),
         ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
         ...(speed === undefined ? {} : speed)
       })

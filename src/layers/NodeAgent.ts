@@ -59,6 +59,8 @@ export interface StageHostOptions {
   readonly speedSource?: "declared" | "measured"
   /** Delivered slices: a stage loads the held or received file for its model path and blocks (weight delivery). */
   readonly weights?: WeightStore
+  /** Operator-facing lines (which file a stage's weights load from). */
+  readonly log?: (line: string) => void
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -107,6 +109,7 @@ export const makeStageHost = (
         ]
         // the weights, and one batcher that runs every hosted stage on them (any run) as micro-batches
         return Effect.gen(function*() {
+          options.log?.(`blocks [${layerStart}, ${layerEndExclusive}) load from ${path}`)
           const loaded = yield* executor.load(
             { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
             (progress) => progressSinks.get(key)?.(progress.loadedBytes, progress.totalBytes)
@@ -386,6 +389,8 @@ export interface NodeAgentOptions {
   readonly cacheDir?: string
   /** Never read the orchestrator's model paths: load delivered slices only. */
   readonly slicesOnly?: boolean
+  /** Operator-facing lines (received slices, which file a stage loads). */
+  readonly log?: (line: string) => void
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -414,10 +419,12 @@ export const startNodeAgent = (
     const listener = yield* dataPlane.listen(options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 }, options.token)
     const weights = makeWeightStore({
       cacheDir: options.cacheDir ?? defaultSliceCacheDir(),
-      ...(options.slicesOnly === undefined ? {} : { slicesOnly: options.slicesOnly })
+      ...(options.slicesOnly === undefined ? {} : { slicesOnly: options.slicesOnly }),
+      ...(options.log === undefined ? {} : { log: options.log })
     })
     const host = yield* makeStageHost(listener, {
       weights,
+      ...(options.log === undefined ? {} : { log: options.log }),
       token: options.token,
       threads: options.threads,
       backend: options.backend,

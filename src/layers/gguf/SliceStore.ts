@@ -19,6 +19,8 @@ export interface WeightStoreOptions {
   readonly cacheDir: string
   /** Never read the orchestrator's model path: only delivered slices (`swactor node --slices-only`). */
   readonly slicesOnly?: boolean
+  /** Where the store says what it received and what a stage loads (the agent's stderr). */
+  readonly log?: (line: string) => void
 }
 
 /** `$XDG_CACHE_HOME/swactor/slices` (default `~/.cache/swactor/slices`). */
@@ -90,7 +92,12 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
     cache.finish(w.hash, range(w)).pipe(
       Effect.mapError(deliveryError),
       Effect.tap((path) => remember(w, path)),
-      Effect.tap(() => Effect.sync(() => void received++))
+      Effect.tap((path) =>
+        Effect.sync(() => {
+          received++
+          options.log?.(`received the slice for blocks [${w.layerStart}, ${w.layerEndExclusive}) of ${w.modelPath}: ${path}`)
+        })
+      )
     )
 
   return {
