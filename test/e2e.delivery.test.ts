@@ -2,6 +2,7 @@
 // an empty `--cache-dir`) receive their stages' GGUF slices over the control plane and generate node-llama-cpp's
 // greedy text; a later run sends nothing; a corrupted slice is detected and sent again; an interrupted transfer
 // resumes where it stopped. stories260K over real agent processes on loopback.
+import { spawn } from "node:child_process"
 import * as Fs from "node:fs"
 import * as Os from "node:os"
 import * as Path from "node:path"
@@ -10,12 +11,13 @@ import { Chunk, Effect, Stream } from "effect"
 import { run } from "../src/api/generate.js"
 import { NodeId } from "../src/domain/ids.js"
 import * as AgentControlRpc from "../src/layers/AgentControlRpc.js"
+import { swactorCommand } from "../src/layers/LocalAgents.js"
 import { deliverWeights } from "../src/layers/WeightDelivery.js"
 import { AgentControl, type AgentLink, AgentUnavailable } from "../src/services/AgentLinks.js"
 import type { RunUpdate } from "../src/services/Orchestrator.js"
 import { startAgents } from "./support/e2e.js"
 import { referenceRun } from "./support/engine.js"
-import { requireModel } from "./support/models.js"
+import { repoRoot, requireModel } from "./support/models.js"
 
 const prompt = "Once upon a time"
 const maxTokens = 16
@@ -139,4 +141,36 @@ describe("end to end: weight delivery to agents without the model file (stories2
       const [again] = yield* deliverWeights({ ...input, linkOf: () => link }, () => Effect.void)
       assert.strictEqual(again!.via, "Slice")
     }).pipe(Effect.scoped), 120_000)
+
+  // `swactor run --nodes` delivers by default (auto); `--deliver-weights never` leaves agents without the file stuck.
+  it.live("swactor run --nodes delivers slices to nodes without the model file", () =>
+    Effect.gen(function*() {
+      const { agents, caches, token } = yield* slicesOnlyAgents(2)
+      const xdg = yield* tempDir("delivery-xdg")
+      const cli = (extra: ReadonlyArray<string>) =>
+        Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
+          const { args, command } = swactorCommand([
+            "run", "--model", requireModel("stories260K.gguf"), "--prompt", prompt, "--max-tokens", "16", "--threads", "1",
+            "--nodes", agents.map((a) => a.address).join(","), ...extra
+          ])
+          const child = spawn(command, args, {
+            cwd: repoRoot,
+            stdio: ["ignore", "pipe", "pipe"],
+            env: { ...process.env, SWACTOR_CLUSTER_TOKEN: token, XDG_CACHE_HOME: xdg }
+          })
+          let stdout = ""
+          let stderr = ""
+          child.stdout.on("data", (chunk) => (stdout += chunk))
+          child.stderr.on("data", (chunk) => (stderr += chunk))
+          child.on("exit", (code) => resume(Effect.succeed({ code, stdout, stderr })))
+        })
+      const never = yield* cli(["--deliver-weights", "never"])
+      assert.notStrictEqual(never.code, 0)
+      assert.match(never.stderr, /were not delivered to this node/)
+      const auto = yield* cli([])
+      assert.strictEqual(auto.code, 0, auto.stderr)
+      assert.include(auto.stdout, ", there was a little girl named Lily.")
+      assert.match(auto.stderr, /weights for stage 1 to \S+ .* MiB/)
+      assert.deepStrictEqual(caches.map((dir) => slicesIn(dir).length), [1, 1])
+    }).pipe(Effect.scoped), 180_000)
 })

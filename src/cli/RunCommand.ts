@@ -52,6 +52,8 @@ export interface RunArgs {
   readonly dryRun: boolean
   readonly placement?: "balanced" | "capacity" | "fixed" | undefined
   readonly layers?: Option.Option<string>
+  /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
+  readonly deliverWeights?: "auto" | "always" | "never"
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -126,6 +128,13 @@ const makeProgress = (quiet: boolean) => {
               for (const s of update.stages) line(`stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`)
             }
             return line(render())
+          case "WeightsDelivery": {
+            const text = `weights for stage ${update.stageIndex} to ${update.address} ` +
+              `${bar(update.totalBytes > 0 ? update.sentBytes / update.totalBytes : 1)} ` +
+              `${(update.sentBytes / 2 ** 20).toFixed(1)}/${(update.totalBytes / 2 ** 20).toFixed(1)} MiB`
+            if (tty) return line(text)
+            return update.sentBytes === update.totalBytes ? line(text) : undefined
+          }
           case "StageLoading":
             loading.set(update.stageIndex, update.totalBytes > 0 ? update.loadedBytes / update.totalBytes : 0)
             return tty ? line(render()) : undefined
@@ -382,6 +391,10 @@ const runRun = (args: RunArgs, json: JsonReport) =>
       },
       ...(Option.isSome(flags.stages) ? { stages: flags.stages.value } : nodes.length > 0 ? {} : { stages: flags.localStages }),
       ...(flags.placement === undefined ? {} : { placement: flags.placement }),
+      // Nodes that lack the model file receive their stages' slices (remote nodes by default; never for a dry run).
+      ...(!args.dryRun && (args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0))
+        ? { deliverWeights: true }
+        : {}),
       ...(Option.isSome(threads) ? { threads: threads.value } : {}),
       ...(args.dryRun ? { dryRun: true } : {})
     }
@@ -527,6 +540,12 @@ export const runCommand = Command.make(
     layers: Options.text("layers").pipe(
       Options.withDescription("fixed block ranges per stage, inclusive, e.g. 0-9,10-15"),
       Options.optional
+    ),
+    deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(
+      Options.withDescription(
+        "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --nodes), always, never"
+      ),
+      withShownDefault("auto" as const)
     )
   },
   runRunCommand
