@@ -17,6 +17,8 @@ const longRun = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
   prompt: "Once upon a time",
   maxTokens: 1500,
   threads: 1,
+  // The contract of one run: its first fault is the end (recovery is test/e2e.recovery.test.ts's).
+  recovery: { maxAttempts: 0 },
   ...patch
 })
 

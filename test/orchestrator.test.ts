@@ -34,6 +34,8 @@ const request = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
   model: requireModel("stories260K.gguf"),
   prompt: "Once upon a time",
   maxTokens: 12,
+  // The contract of one run: its first fault is the end.
+  recovery: { maxAttempts: 0 },
   ...patch
 })
 

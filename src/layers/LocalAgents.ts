@@ -300,12 +300,17 @@ export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<Agen
   Layer.succeed(
     AgentPool,
     AgentPool.of({
-      acquire: (stages) =>
+      acquire: (stages, spares = 0) =>
         Effect.gen(function*() {
-          const count = stages ?? options.defaultStages ?? 1
-          if (!Number.isSafeInteger(count) || count < 1) {
-            return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` })
+          const wanted = stages ?? options.defaultStages ?? 1
+          if (!Number.isSafeInteger(wanted) || wanted < 1) {
+            return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${wanted}` })
           }
+          if (!Number.isSafeInteger(spares) || spares < 0) {
+            return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
+          }
+          // Spares: agents that host nothing until a recovery needs them.
+          const count = wanted + spares
           const token = generateToken()
           // Every data edge of a local run stays on this machine: Unix sockets in a private directory
           // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).

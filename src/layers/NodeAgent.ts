@@ -183,7 +183,8 @@ export const makeStageHost = (
             cachedWeights: stats.cachedWeights
           })
 
-          const sample = isLast ? makeSampler(p.runtime.sampling ?? greedy) : undefined
+          const sampling = p.runtime.sampling ?? greedy
+          const sample = isLast ? makeSampler(sampling, sampling.startPosition ?? 0) : undefined
           const eosTokenId = p.model.eosTokenId
           let position = 0
           const transport = (fault: EdgeFault) => new StageFailure({ kind: "TransportError", detail: describeFault(fault) })

@@ -27,7 +27,7 @@ import {
 } from "../services/Orchestrator.js"
 import { Tokenizer } from "../services/Tokenizer.js"
 import { openPipeline, type WarmPipeline } from "./orchestrator/PipelineSetup.js"
-import { driveRun } from "./orchestrator/RunWorld.js"
+import { generate } from "./orchestrator/Recovery.js"
 
 export { describeRunFault } from "./orchestrator/RunReport.js"
 
@@ -69,7 +69,7 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
     return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
   }),
   run: (request: RunRequest) =>
-    runStream((updates, stop) => driveRun(warm, request, updates, stop).pipe(Effect.provide(context))),
+    runStream((updates, stop) => generate(warm, request, updates, stop).pipe(Effect.provide(context))),
   lost: warm.pool.firstLost
 })
 
@@ -97,14 +97,16 @@ export const make = Effect.gen(function*() {
           ...(request.stages === undefined ? {} : { stages: request.stages }),
           ...(request.threads === undefined ? {} : { threads: request.threads }),
           ...(request.readinessTimeout === undefined ? {} : { readinessTimeout: request.readinessTimeout }),
-          ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat })
+          ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat }),
+          ...(request.spares === undefined ? {} : { spares: request.spares })
         }, (update) => updates.offer(update).pipe(Effect.asVoid))
-        yield* driveRun(warm, {
+        yield* generate(warm, {
           prompt: request.prompt,
           maxTokens,
           ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
           ...(request.tokenTimeout === undefined ? {} : { tokenTimeout: request.tokenTimeout }),
-          ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun })
+          ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
+          ...(request.recovery === undefined ? {} : { recovery: request.recovery })
         }, updates, stop, requestStart)
       }).pipe(Effect.scoped, Effect.provide(context))
     )

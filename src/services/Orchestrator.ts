@@ -45,6 +45,35 @@ export interface GenerateRequest {
   readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
   /** Stop after planning: report the nodes' capacity and the placement, provision nothing. */
   readonly dryRun?: boolean
+  /** Local agents: this many extra agents that host nothing until a recovery needs them (default 0). */
+  readonly spares?: number
+  readonly recovery?: RecoveryOptions
+}
+
+/** How a generation continues after its run faults for a recoverable reason (a node or stage worker lost, transport failed). */
+export interface RecoveryOptions {
+  /** Recovery attempts before the generation faults (default 3; 0 turns recovery off). */
+  readonly maxAttempts?: number
+  /** From the first fault, recoveries must have brought the generation back within this (default 60 s). */
+  readonly budget?: Duration.DurationInput
+}
+
+/** One recovery of a generation: why, onto which placement, how long from the fault to the next token. */
+export interface RecoveryRecord {
+  readonly attempt: number
+  readonly reason: string
+  /** Tokens already produced when the run faulted (replayed with the prompt). */
+  readonly resumedAt: number
+  readonly stages: ReadonlyArray<{ readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }>
+  /** From the fault being reported to the next token. */
+  readonly millis: number
+}
+
+/** A decoded token that took much longer than the recent median (a slow stage or node). */
+export interface Straggler {
+  readonly sequence: number
+  readonly latencyMillis: number
+  readonly medianMillis: number
 }
 
 export interface TokenTimings {
@@ -95,6 +124,10 @@ export interface RunSummary {
   readonly stages: ReadonlyArray<StageSummary>
   /** Per decoded token: end-to-end time minus every stage's compute (transfers, framing, scheduling). */
   readonly transferMillisPerToken: number
+  /** The recoveries this generation went through (the stages above are the last run's). */
+  readonly recoveries: ReadonlyArray<RecoveryRecord>
+  /** Decoded tokens slower than 4× the median of the 16 before them (and by at least 5 ms). */
+  readonly stragglers: ReadonlyArray<Straggler>
 }
 
 /** What a run produces, in order: start-up progress, tokens, then one summary. */
@@ -123,6 +156,10 @@ export type RunUpdate =
     readonly unconfirmedStages: ReadonlyArray<number>
     readonly endpointsConfirmed: boolean
   }
+  /** The run faulted for a recoverable reason: a new run on the nodes still alive (plus spares) continues the generation. */
+  | { readonly _tag: "Recovering"; readonly attempt: number; readonly reason: string; readonly resumedAt: number }
+  /** The generation continues: the first token after the recovery came back. */
+  | { readonly _tag: "Recovered"; readonly recovery: RecoveryRecord }
   | { readonly _tag: "Finished"; readonly summary: RunSummary }
 
 /** The run ended Faulted; `reason` is the first fault the run FSM recorded, `message` says it in words. */
@@ -161,7 +198,10 @@ export interface AgentSet {
 
 export interface AgentPoolService {
   /** Agents for a run of `stages` stages (local: started now, stopped with the scope; remote: the configured nodes). */
-  readonly acquire: (stages: number | undefined) => Effect.Effect<AgentSet, AgentSpawnError | InvalidRequest, Scope.Scope>
+  readonly acquire: (
+    stages: number | undefined,
+    spares?: number
+  ) => Effect.Effect<AgentSet, AgentSpawnError | InvalidRequest, Scope.Scope>
 }
 
 /** Where a run's agents come from: local child processes or remote nodes (see OrchestratorLive). */
@@ -180,6 +220,10 @@ export interface PipelineOptions {
   readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
   /** Checked with the planner before any agent starts (default 1). */
   readonly maxTokens?: number
+  /** Local agents: extra agents that host nothing until a recovery needs them (default 0). */
+  readonly spares?: number
+  /** Default recovery of the runs on this pipeline. */
+  readonly recovery?: RecoveryOptions
 }
 
 /** One run on a warm pipeline. */
@@ -197,6 +241,7 @@ export interface RunRequest {
   readonly tokenTimeout?: Duration.DurationInput
   /** Stop after planning. */
   readonly dryRun?: boolean
+  readonly recovery?: RecoveryOptions
 }
 
 /** One agent of a warm pipeline. */

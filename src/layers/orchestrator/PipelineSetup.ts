@@ -34,14 +34,15 @@ const ring = (dataCapacity: number, direction: RingSpec["direction"]): RingSpec 
 })
 
 /** The run-time settings the planner checks, from a request's numbers. */
-export const samplingPolicy = (sampling: SamplingOptions | undefined) => {
+export const samplingPolicy = (sampling: SamplingOptions | undefined, startPosition = 0) => {
   const temperature = sampling?.temperature ?? 0
   return {
     temperatureMillis: Math.round(temperature * 1000),
     topK: sampling?.topK ?? (temperature > 0 ? 40 : 1),
     ...(sampling?.topP === undefined ? {} : { topP: sampling.topP }),
     ...(sampling?.minP === undefined ? {} : { minP: sampling.minP }),
-    ...(sampling?.seed === undefined ? {} : { seed: sampling.seed })
+    ...(sampling?.seed === undefined ? {} : { seed: sampling.seed }),
+    ...(startPosition === 0 ? {} : { startPosition })
   }
 }
 
@@ -51,14 +52,19 @@ export const plannerInput = (
   runId: RunId,
   candidatePool: ReadonlyArray<NodeId>,
   placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>,
-  runtime: { readonly maxTokens: number; readonly sampling: SamplingOptions | undefined }
+  runtime: {
+    readonly maxTokens: number
+    readonly sampling: SamplingOptions | undefined
+    /** Tokens a resumed generation already produced: the sampler's first draw position. */
+    readonly startPosition?: number
+  }
 ) => {
   const activationBytes = activationFrameBytes(facts, 64)
   return {
     runId,
     orchestratorNodeId: ORCHESTRATOR_NODE,
     model: facts,
-    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling) },
+    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0) },
     candidatePool,
     stageCount: placement.length,
     placement: { _tag: "FixedLinear" as const, stages: placement },
@@ -118,8 +124,12 @@ export const openPipeline = (
       )
     }
 
-    const agents = yield* agentPool.acquire(options.stages)
-    const stageCount = options.stages ?? agents.nodes.length
+    const spares = options.spares ?? 0
+    if (!Number.isSafeInteger(spares) || spares < 0) {
+      return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
+    }
+    const agents = yield* agentPool.acquire(options.stages, spares)
+    const stageCount = options.stages ?? Math.max(1, agents.nodes.length - spares)
     yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
     const links = new Map<number, AgentLink>()
     yield* Effect.forEach(agents.nodes, (node) =>
