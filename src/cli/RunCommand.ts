@@ -28,6 +28,7 @@ export interface RunArgs {
   readonly tokenFile: Option.Option<string>
   readonly quiet: boolean
   readonly dryRun: boolean
+  readonly spares: number
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -110,6 +111,22 @@ const makeProgress = (quiet: boolean) => {
             line(render())
             if (ready.size === stageCount) done()
             return
+          case "Recovering":
+            done()
+            ready.clear()
+            loading.clear()
+            process.stderr.write(
+              `\nswactor run: recovering (attempt ${update.attempt}) after ${update.resumedAt} tokens: ${update.reason}\n`
+            )
+            return
+          case "Recovered":
+            done()
+            process.stderr.write(
+              `swactor run: recovered in ${ms(update.recovery.millis)} ms on ${
+                update.recovery.stages.map((s) => `stage ${s.stageIndex} [${s.layers[0]}, ${s.layers[1]}) ${s.address}`).join(", ")
+              }\n`
+            )
+            return
           default:
             return
         }
@@ -132,6 +149,19 @@ export const renderSummary = (summary: RunSummary): string => {
     lines.push(
       `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
         `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}`
+    )
+  }
+  if (summary.recoveries.length > 0) {
+    lines.push(`recoveries: ${summary.recoveries.length}`)
+    for (const r of summary.recoveries) {
+      lines.push(`  attempt ${r.attempt} after ${r.resumedAt} tokens, ${ms(r.millis)} ms: ${r.reason}`)
+    }
+  }
+  if (summary.stragglers.length > 0) {
+    lines.push(
+      `stragglers: ${summary.stragglers.length} slow tokens (${
+        summary.stragglers.slice(0, 5).map((s) => `#${s.sequence} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`).join(", ")
+      }${summary.stragglers.length > 5 ? ", ..." : ""})`
     )
   }
   return lines.join("\n")
@@ -226,7 +256,8 @@ export const runRunCommand = (args: RunArgs) =>
       },
       ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
       ...(threads === undefined ? {} : { threads }),
-      ...(args.dryRun ? { dryRun: true } : {})
+      ...(args.dryRun ? { dryRun: true } : {}),
+      ...(args.spares > 0 ? { spares: args.spares } : {})
     }
     if (args.dryRun) {
       return yield* run(request).pipe(
@@ -304,6 +335,10 @@ export const runCommand = Command.make(
     quiet: Options.boolean("quiet").pipe(Options.withDescription("only the text: no progress, no summary")),
     dryRun: Options.boolean("dry-run").pipe(
       Options.withDescription("ask the nodes for their capacity, print the placement, provision nothing")
+    ),
+    spares: Options.integer("spares").pipe(
+      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
+      Options.withDefault(0)
     )
   },
   runRunCommand

@@ -194,7 +194,9 @@ export const generate = (
             generatedTokens: produced.length,
             text,
             timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
-            recoveries
+            recoveries,
+            // The last run's sequences, as the generation's.
+            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base }))
           }
         })
         return
