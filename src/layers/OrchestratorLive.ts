@@ -60,18 +60,22 @@ const runStream = (
     })
   )
 
-const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pipeline => ({
+const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pipeline => {
+  const agents = warm.agents.nodes.map((node) => {
+    const link = warm.linkOf(node.nodeId)
+    return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
+  })
+  return {
   model: warm.facts,
   vocabulary: warm.vocabulary,
   stageCount: warm.stageCount,
-  agents: warm.agents.nodes.map((node) => {
-    const link = warm.linkOf(node.nodeId)
-    return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
-  }),
+  agents,
+  alive: Effect.map(warm.pool.status, (status) => agents.filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
   run: (request: RunRequest) =>
     runStream((updates, stop) => generate(warm, request, updates, stop).pipe(Effect.provide(context))),
   lost: warm.pool.firstLost
-})
+  }
+}
 
 export const make = Effect.gen(function*() {
   const context = yield* Effect.context<Services>()

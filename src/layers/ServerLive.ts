@@ -124,6 +124,8 @@ export const make = (options: ServeOptions) =>
       refused: 0,
       promptTokens: 0,
       completionTokens: 0,
+      recoveries: 0,
+      stragglers: 0,
       inFlight: 0,
       stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
     }
@@ -150,8 +152,14 @@ export const make = (options: ServeOptions) =>
       const budget = options.kvBudgetBytes ??
         parallel * kvBytesPerSequence({ layersPerStage, kvWidth }, Math.min(pipeline.model.maxSeqLen, 4096))
       admission = makeAdmission(budget, parallel, queueLimit)
+      // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server faults.
       yield* pipeline.lost.pipe(
-        Effect.flatMap((lost) => fault(`lost agent ${lost.node.address}: ${lost.reason}`)),
+        Effect.zipRight(
+          pipeline.alive.pipe(
+            Effect.repeat({ schedule: Schedule.spaced("250 millis"), until: (alive) => alive.length === 0 })
+          )
+        ),
+        Effect.flatMap(() => fault("every agent of the pipeline was lost")),
         Effect.forkScoped
       )
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
@@ -282,7 +290,9 @@ export const make = (options: ServeOptions) =>
               const out = match.text === "" ? [] : [text(match.text)]
               return match.stopped ? [...out, done("stop")] : out
             }
+            if (update._tag === "Recovered") metrics.recoveries++
             if (update._tag === "Finished") {
+              metrics.stragglers += update.summary.stragglers.length
               recordStages(update)
               const rest = stop.flush()
               return [...(rest === "" ? [] : [text(rest)]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
@@ -331,7 +341,7 @@ export const make = (options: ServeOptions) =>
       const ready = yield* Deferred.poll(started)
       const up = ready._tag === "Some" ? yield* Effect.option(ready.value) : Option.none()
       const agents = Option.isSome(up)
-        ? yield* Effect.forEach(up.value.pipeline.agents, (agent) =>
+        ? yield* Effect.forEach(yield* up.value.pipeline.alive, (agent) =>
           agent.capacity.pipe(
             Effect.timeout("1 second"),
             Effect.map((c) => ({ address: agent.node.address, pid: agent.pid, activeStages: c.activeStages })),
@@ -342,6 +352,8 @@ export const make = (options: ServeOptions) =>
         requests: { completed: metrics.completed, cancelled: metrics.cancelled, failed: metrics.failed, refused: metrics.refused },
         promptTokens: metrics.promptTokens,
         completionTokens: metrics.completionTokens,
+        recoveries: metrics.recoveries,
+        stragglers: metrics.stragglers,
         inFlight: metrics.inFlight,
         queued: state.queued,
         kvReservedBytes: state.used,

@@ -266,8 +266,10 @@ export interface Pipeline {
   readonly stageCount: number
   /** One run; interrupting the stream is an operator stop (with the full teardown). */
   readonly run: (request: RunRequest) => Stream.Stream<RunUpdate, GenerateError>
-  /** Completes with the first node lost: from then on every run faults. */
+  /** Completes with the first node lost (runs then go on without it: see `alive`). */
   readonly lost: Effect.Effect<NodeLost>
+  /** The agents not lost (heartbeats answered, no exit seen): the ones the next run may use. */
+  readonly alive: Effect.Effect<ReadonlyArray<PipelineAgent>>
 }
 
 export interface OrchestratorService {

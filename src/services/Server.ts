@@ -95,7 +95,11 @@ export interface ServerMetrics {
   readonly kvReservedBytes: number
   readonly kvBudgetBytes: number
   readonly stages: ReadonlyArray<StageMetrics>
-  /** Each agent: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
+  /** Generations resumed after a fault of their run (a lost agent, a broken transport). */
+  readonly recoveries: number
+  /** Decoded tokens of completed requests that took over 4× the recent median. */
+  readonly stragglers: number
+  /** Each agent not lost: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
   readonly agents: ReadonlyArray<{ readonly address: string; readonly pid: number; readonly activeStages: number }>
 }
 
