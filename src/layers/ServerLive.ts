@@ -153,15 +153,17 @@ export const make = (options: ServeOptions) =>
         parallel * kvBytesPerSequence({ layersPerStage, kvWidth }, Math.min(pipeline.model.maxSeqLen, 4096))
       admission = makeAdmission(budget, parallel, queueLimit)
       // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server faults.
-      yield* pipeline.lost.pipe(
-        Effect.zipRight(
-          pipeline.alive.pipe(
-            Effect.repeat({ schedule: Schedule.spaced("250 millis"), until: (alive) => alive.length === 0 })
-          )
-        ),
-        Effect.flatMap(() => fault("every agent of the pipeline was lost")),
-        Effect.forkScoped
-      )
+      // Without recovery, the first lost agent faults it.
+      yield* (options.recovery?.maxAttempts === 0
+        ? pipeline.lost.pipe(Effect.flatMap((lost) => fault(`lost agent ${lost.node.address}: ${lost.reason}`)))
+        : pipeline.lost.pipe(
+          Effect.zipRight(
+            pipeline.alive.pipe(
+              Effect.repeat({ schedule: Schedule.spaced("250 millis"), until: (alive) => alive.length === 0 })
+            )
+          ),
+          Effect.flatMap(() => fault("every agent of the pipeline was lost"))
+        )).pipe(Effect.forkScoped)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
       yield* warmUp(pipeline)
       // While idle, keep the agents' weights from expiring out of their model caches.
