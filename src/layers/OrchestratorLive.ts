@@ -61,16 +61,18 @@ const runStream = (
   )
 
 const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pipeline => {
-  const agents = warm.agents.nodes.map((node) => {
-    const link = warm.linkOf(node.nodeId)
-    return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
-  })
+  // Through the current link: a node that rejoined has a new one (new pid).
+  const agentsNow = () =>
+    warm.agents.nodes.map((node) => {
+      const link = warm.linkOf(node.nodeId)
+      return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
+    })
   return {
   model: warm.facts,
   vocabulary: warm.vocabulary,
   stageCount: warm.stageCount,
-  agents,
-  alive: Effect.map(warm.pool.status, (status) => agents.filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
+  agents: agentsNow(),
+  alive: Effect.map(warm.pool.status, (status) => agentsNow().filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
   run: (request: RunRequest) =>
     runStream((updates, stop) => generate(warm, request, updates, stop).pipe(Effect.provide(context))),
   lost: warm.pool.firstLost

@@ -3,7 +3,7 @@
  * control links → membership pool → the orchestrator's data listener. What it returns (`WarmPipeline`)
  * lives as long as the scope it was opened in; the runs on it (RunWorld) come and go.
  */
-import { Effect } from "effect"
+import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
 import type { ModelFacts, RingSpec } from "../../domain/plan.js"
@@ -149,6 +149,27 @@ export const openPipeline = (
           Effect.mapError((e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message }))
         )
     }, heartbeat)
+    // A lost node that answers again at its address (restarted there) rejoins: a new control link, heartbeats
+    // resume, and the next run may plan on it.
+    const pipelineScope = yield* Effect.scope
+    yield* Effect.gen(function*() {
+      const status = yield* pool.status
+      for (const node of agents.nodes) {
+        if (status.get(node.nodeId)?._tag !== "Lost") continue
+        const attempt = yield* Scope.fork(pipelineScope, ExecutionStrategy.sequential)
+        const link = yield* control.connect(node, agents.token).pipe(
+          Scope.extend(attempt),
+          Effect.timeout("2 seconds"),
+          Effect.option
+        )
+        if (Option.isNone(link)) {
+          yield* Scope.close(attempt, Exit.void)
+          continue
+        }
+        links.set(node.nodeId, link.value)
+        yield* pool.rejoin(node.nodeId)
+      }
+    }).pipe(Effect.repeat(Schedule.spaced(heartbeat.interval)), Effect.forkScoped)
     // An agent process seen to exit is lost at once (local agents), whatever run is going on.
     yield* agents.exited.pipe(
       Effect.flatMap(({ node, reason }) => pool.markLost(node.nodeId, reason)),
