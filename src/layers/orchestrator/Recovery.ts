@@ -248,6 +248,8 @@ export const generate = (
       // A fault while replaying keeps the clock of the recovery it interrupted.
       pending = { attempt: attempt + 1, reason: error.message, resumedAt: produced.length, since: pending?.since ?? now }
       yield* awaitSomeLost(warm, placement.map((p) => p.nodeId), 1500)
+      // An operator stop while recovering ends the generation as a stopped run would (no new run).
+      if (yield* stopRequestedDone(stopRequested)) return
       const alive = yield* aliveNodes(warm)
       placement = replan(placement, alive)
       if (placement.length === 0) {
