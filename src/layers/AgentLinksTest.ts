@@ -124,6 +124,8 @@ export const makeMemoryWorld = (count: number) =>
           const agent = agents.find((a) => a.node.address === node.address)
           if (agent === undefined) return yield* Effect.fail(unavailable(node))
           const gone = dead.get(node.address)!
+          // A killed agent accepts no new connection either.
+          if (yield* Deferred.isDone(gone)) return yield* Effect.fail(unavailable(node))
           const guard = <A, E>(effect: Effect.Effect<A, E>) =>
             Effect.raceFirst(effect, Effect.zipRight(Deferred.await(gone), Effect.fail(unavailable(node))))
           return {
