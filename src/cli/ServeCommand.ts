@@ -24,6 +24,7 @@ export interface ServeArgs {
   readonly queue: number
   readonly kvBudgetMib: Option.Option<number>
   readonly keepAliveMs: number
+  readonly spares: number
 }
 
 /**
@@ -69,7 +70,8 @@ export const runServeCommand = (args: ServeArgs) =>
       ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
       ...(threads === undefined ? {} : { threads }),
       ...(Option.isSome(args.kvBudgetMib) ? { kvBudgetBytes: args.kvBudgetMib.value * 2 ** 20 } : {}),
-      ...(nodes.length > 0 ? { nodes, token } : {})
+      ...(nodes.length > 0 ? { nodes, token } : {}),
+      ...(args.spares > 0 ? { spares: args.spares } : {})
     })
     const http = HttpServe.layer({
       host: args.host,
@@ -126,6 +128,10 @@ export const serveCommand = Command.make(
     keepAliveMs: Options.integer("keep-alive-ms").pipe(
       Options.withDescription("SSE keep-alive comment interval while a stream waits"),
       Options.withDefault(5000)
+    ),
+    spares: Options.integer("spares").pipe(
+      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
+      Options.withDefault(0)
     )
   },
   runServeCommand
