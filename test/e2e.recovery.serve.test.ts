@@ -82,7 +82,7 @@ describe("serve: in-flight requests survive a lost agent", () => {
       const metrics = yield* server.metrics
       assert.strictEqual(metrics.recoveries, 2)
       assert.deepStrictEqual(metrics.agents.map((a) => a.address), ["mem-agent-0:7000", "mem-agent-2:7000"])
-      assert.strictEqual((yield* server.status)._tag, "Ready")
+      assert.deepStrictEqual(yield* server.status, { _tag: "Ready", lostAgents: ["mem-agent-1:7000"] })
       // A new request runs on the recovered placement (no fault, same text).
       const again = Chunk.toReadonlyArray(yield* Stream.runCollect(server.generate({ prompt: prompts[1]!, maxTokens: 80 })))
       assert.strictEqual(textOf(again), textOf(alone[1]!))

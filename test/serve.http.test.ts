@@ -404,7 +404,9 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
       assert.notInclude(events.at(-2)!.data, '"error"')
     }
     assert.isAtLeast(await metricOf(server.url, "swactor_recoveries_total"), 1)
-    assert.strictEqual((await fetch(`${server.url}/health`)).status, 200)
+    const degraded = await fetch(`${server.url}/health`)
+    assert.strictEqual(degraded.status, 200)
+    assert.deepStrictEqual(await degraded.json(), { status: "ok", lostAgents: [agents[1]!.address] })
     assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.pid), [agents[0]!.pid])
 
     // The last agent killed mid-stream: nothing can host the model; the stream ends with an error event and

@@ -361,7 +361,10 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
           const status = yield* server.status
           switch (status._tag) {
             case "Ready":
-              return HttpServerResponse.unsafeJson({ status: "ok" })
+              return HttpServerResponse.unsafeJson({
+                status: "ok",
+                ...(status.lostAgents === undefined ? {} : { lostAgents: status.lostAgents })
+              })
             case "Loading":
               return HttpServerResponse.unsafeJson({ status: "loading" }, { status: 503, headers: { "retry-after": "5" } })
             case "Faulted":

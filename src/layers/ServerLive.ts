@@ -365,8 +365,20 @@ export const make = (options: ServeOptions) =>
       }
     })
 
+    // Ready, with the agents lost so far (the pipeline goes on without them).
+    const currentStatus = Effect.gen(function*() {
+      const s = yield* Ref.get(status)
+      const ready = yield* Deferred.poll(started)
+      if (s._tag !== "Ready" || ready._tag === "None") return s
+      const up = yield* Effect.option(ready.value)
+      if (Option.isNone(up)) return s
+      const alive = new Set((yield* up.value.pipeline.alive).map((a) => a.node.address))
+      const lost = up.value.pipeline.agents.map((a) => a.node.address).filter((address) => !alive.has(address))
+      return lost.length === 0 ? s : { _tag: "Ready" as const, lostAgents: lost }
+    })
+
     return Server.of({
-      status: Ref.get(status),
+      status: currentStatus,
       ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
       generate,
       formatChat: (messages) => Effect.map(current, ({ pipeline }) => pipeline.vocabulary.formatChat(messages)),

@@ -47,7 +47,8 @@ export type ServeEvent =
 
 export type ServerStatus =
   | { readonly _tag: "Loading" }
-  | { readonly _tag: "Ready" }
+  /** `lostAgents`: agents the pipeline lost and runs without (absent when none). */
+  | { readonly _tag: "Ready"; readonly lostAgents?: ReadonlyArray<string> }
   | { readonly _tag: "Faulted"; readonly message: string }
 
 /** The pipeline is still being set up (agents starting, weights loading). */
