@@ -136,6 +136,25 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
       yield* assertNothingLeft(outcome)
     }), 180_000)
 
+  // A kill while the stages load (as soon as the run is planned): the spare takes the stage before any token.
+  it.live("kill -9 of a stage agent while loading: recovered before the first token, same output", () =>
+    Effect.gen(function*() {
+      const reference = yield* generate(request({ stages: 3 }))
+      let killed = false
+      const outcome = yield* generate(request({ stages: 3, spares: 1 }), (update, agents) => {
+        if (!killed && update._tag === "Planned") {
+          killed = true
+          process.kill(agents[2]!.pid, "SIGKILL")
+        }
+      })
+      assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
+      assert.deepStrictEqual(outcome.tokens, reference.tokens)
+      assertOneStream(outcome)
+      assert.strictEqual(outcome.summary!.recoveries.length, 1)
+      assert.strictEqual(outcome.summary!.recoveries[0]!.resumedAt, 0)
+      yield* assertNothingLeft(outcome)
+    }), 180_000)
+
   // One stage, no spare: nothing can host the model after the kill; the typed fault names the attempt.
   it.live("kill -9 of the only agent: a typed fault naming the attempts, quickly", () =>
     Effect.gen(function*() {
