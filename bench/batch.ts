@@ -13,11 +13,11 @@
  * BENCH_ROUNDS (2: configurations interleaved, the best round counts), BENCH_DIR (.cache/bench).
  */
 import { Effect } from "effect"
-import { existsSync, mkdirSync } from "node:fs"
-import { dirname, join, resolve } from "node:path"
+import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
-import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
+import { ensureBenchModel } from "./benchModel.js"
 import { StageExecutorLive } from "../src/layers/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
@@ -46,28 +46,8 @@ const cfg = {
 const contextLength = Math.ceil((cfg.prompt + cfg.decode + 1) / 256) * 256
 const maxSeqs = Math.max(...cfg.seqs)
 
-/** The same file name as bench:engine, so one written model serves both. */
-const ensureModel = async () => {
-  const path = join(cfg.dir, `llama-${cfg.layers}x${cfg.hidden}-ffn${cfg.ffn}-v${cfg.vocab}-${cfg.type}.gguf`)
-  if (existsSync(path)) return path
-  mkdirSync(cfg.dir, { recursive: true })
-  process.stdout.write(`writing ${path} (once; it is kept) ... `)
-  const s = await Effect.runPromise(writeSyntheticModel({
-    path,
-    arch: "llama",
-    layers: cfg.layers,
-    hidden: cfg.hidden,
-    ffn: cfg.ffn,
-    heads: cfg.heads,
-    kvHeads: cfg.kvHeads,
-    vocab: cfg.vocab,
-    contextLength: 4096,
-    type: cfg.type,
-    seed: 1
-  }))
-  console.log(`${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
-  return path
-}
+/** The same file as bench:engine, so one written model serves both. */
+const ensureModel = () => ensureBenchModel(cfg.dir, cfg)
 
 const prompts = (() => {
   const r = makeRng(99)

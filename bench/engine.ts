@@ -12,13 +12,13 @@
  */
 import { Effect } from "effect"
 import { execFileSync } from "node:child_process"
-import { existsSync, mkdirSync } from "node:fs"
-import { dirname, join, resolve } from "node:path"
+import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import type { StageInput } from "../src/domain/engine.js"
 import { getGgml } from "../src/layers/ggml/Bindings.js"
-import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
+import { ensureBenchModel } from "./benchModel.js"
 import { StageExecutorLive } from "../src/layers/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
@@ -45,30 +45,7 @@ const cfg = {
 }
 const contextLength = Math.ceil((cfg.prompt + cfg.decode + 64) / 256) * 256
 
-const modelPath = (type: SyntheticType) =>
-  join(cfg.dir, `llama-${cfg.layers}x${cfg.hidden}-ffn${cfg.ffn}-v${cfg.vocab}-${type}.gguf`)
-
-const ensureModel = async (type: SyntheticType) => {
-  const path = modelPath(type)
-  if (existsSync(path)) return path
-  mkdirSync(cfg.dir, { recursive: true })
-  process.stdout.write(`writing ${path} ... `)
-  const s = await Effect.runPromise(writeSyntheticModel({
-    path,
-    arch: "llama",
-    layers: cfg.layers,
-    hidden: cfg.hidden,
-    ffn: cfg.ffn,
-    heads: cfg.heads,
-    kvHeads: cfg.kvHeads,
-    vocab: cfg.vocab,
-    contextLength: 4096,
-    type,
-    seed: 1
-  }))
-  console.log(`${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
-  return path
-}
+const ensureModel = (type: SyntheticType) => ensureBenchModel(cfg.dir, { ...cfg, type })
 
 const promptTokens = (n: number) => {
   const r = makeRng(2024)

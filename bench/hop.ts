@@ -6,10 +6,11 @@
  * stage receives it and sends it back on edge B→A. hop = round trip / 2, so each hop includes
  * encode, socket write, wake-up, decode, sequence check and credit on both sides.
  *
- * Transports: loopback TCP, a Unix socket, and shared memory (a /dev/shm ring with PendingBit
- * doorbells over the Unix socket; ShmRing.ts).
+ * Transports: loopback TCP, loopback TCP in TLS 1.3 (SWACTOR_TLS=always on both ends: what a link
+ * between hosts pays), a Unix socket, and shared memory (a /dev/shm ring with PendingBit doorbells
+ * over the Unix socket; ShmRing.ts).
  *
- * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048 --spin 0]
+ * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048 --spin 0 --only Tcp,TlsTcp]
  * (`--spin N`: shared-memory receivers busy-poll N µs before sleeping — only useful with idle cores.)
  */
 import { fork } from "node:child_process"
@@ -40,7 +41,7 @@ const ring: RingSpec = {
   wakeCoalescing: "PendingBit"
 }
 
-type Transport = "Tcp" | "Unix" | "Shm"
+type Transport = "Tcp" | "TlsTcp" | "Unix" | "Shm"
 
 interface Setup {
   readonly token: string
@@ -53,7 +54,7 @@ const spin = arg("spin", 0)
 const spinFor = (transport: Transport) => transport === "Shm" ? spin : 0
 
 const listenAddress = (transport: Transport, tag: string): TransportAddress =>
-  transport === "Tcp"
+  transport === "Tcp" || transport === "TlsTcp"
     ? { _tag: "Tcp", host: "127.0.0.1", port: 0 }
     : { _tag: "Unix", path: Path.join(Os.tmpdir(), `swactor-hop-${process.pid}-${tag}.sock`) }
 
@@ -85,14 +86,17 @@ const measure = (transport: Transport) =>
   Effect.scoped(Effect.gen(function*() {
     const tokenText = "bench-token"
     const token = Redacted.make(tokenText)
+    // Both processes: TLS on every TCP link for TlsTcp, plain otherwise.
+    const tls = transport === "TlsTcp" ? "always" : "off"
+    process.env["SWACTOR_TLS"] = tls
     const listener = yield* EdgeTransport.listen({ address: listenAddress(transport, "home"), token })
     const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
-    const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit" })
+    const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit", env: { ...process.env, SWACTOR_TLS: tls } })
     yield* Effect.addFinalizer(() =>
       Effect.sync(() => {
         child.kill()
         // the killed echo process cannot remove its own Unix socket file
-        if (transport !== "Tcp") rmSync(Path.join(Os.tmpdir(), `swactor-hop-${child.pid}-echo.sock`), { force: true })
+        if (transport === "Unix" || transport === "Shm") rmSync(Path.join(Os.tmpdir(), `swactor-hop-${child.pid}-echo.sock`), { force: true })
       })
     )
     child.send({ token: tokenText, transport, home: listener.address } satisfies Setup)
@@ -140,13 +144,28 @@ if (process.argv.includes("--echo")) {
       `activation hop latency: hidden ${hidden} f32 (${hidden * 4} B payload), ${iterations} round trips after ${warmup} warm-up, ` +
         `two processes, ${Os.cpus().length} CPUs, node ${process.version}`
     )
-    const names = { Tcp: "loopback TCP ", Unix: "Unix socket  ", Shm: `shared memory (spin ${spin} µs)` } as const
-    for (const transport of ["Tcp", "Unix", "Shm"] as const) {
+    const names = {
+      Tcp: "loopback TCP ",
+      TlsTcp: "TCP in TLS1.3",
+      Unix: "Unix socket  ",
+      Shm: `shared memory (spin ${spin} µs)`
+    } as const
+    const onlyAt = process.argv.indexOf("--only")
+    const only = onlyAt >= 0 ? (process.argv[onlyAt + 1] ?? "").split(",") : undefined
+    const p50 = new Map<Transport, number>()
+    for (const transport of ["Tcp", "TlsTcp", "Unix", "Shm"] as const) {
+      if (only !== undefined && !only.includes(transport)) continue
       const r = yield* measure(transport)
+      p50.set(transport, r.hopP50)
       console.log(
         `${names[transport]}  hop p50 ${r.hopP50.toFixed(1)} µs  p99 ${r.hopP99.toFixed(1)} µs` +
           `   (round trip p50 ${r.rttP50.toFixed(1)} µs, p99 ${r.rttP99.toFixed(1)} µs)`
       )
+    }
+    const plain = p50.get("Tcp")
+    const tls = p50.get("TlsTcp")
+    if (plain !== undefined && tls !== undefined) {
+      console.log(`TLS hop p50 / plain TCP hop p50 = ${(tls / plain).toFixed(2)}x (target <= 1.3x)`)
     }
   })
   Effect.runPromise(main).then(() => process.exit(0), (e) => {

@@ -11,13 +11,13 @@
  * BENCH_AGENTS (1,2,4), BENCH_ROUNDS (2: configurations interleaved, best round counts),
  * BENCH_DIR (.cache/bench, shared with bench:engine).
  */
-import { existsSync, mkdirSync } from "node:fs"
-import { dirname, join, resolve } from "node:path"
+import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Stream } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { layerLocal, run } from "../src/api/generate.js"
-import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
+import { benchModelPath, ensureBenchModel } from "./benchModel.js"
 import type { RunSummary } from "../src/services/Orchestrator.js"
 
 const env = (k: string, d: string) => process.env[k] ?? d
@@ -40,28 +40,9 @@ const cfg = {
 }
 const prompt = "Once upon a time"
 
-// Same file name as bench:engine, so the two share the cached model.
-const modelPath = join(cfg.dir, `llama-${cfg.layers}x${cfg.hidden}-ffn${cfg.ffn}-v${cfg.vocab}-${cfg.type}.gguf`)
-
-const ensureModel = async () => {
-  if (existsSync(modelPath)) return
-  mkdirSync(cfg.dir, { recursive: true })
-  process.stdout.write(`writing ${modelPath} ... `)
-  const s = await Effect.runPromise(writeSyntheticModel({
-    path: modelPath,
-    arch: "llama",
-    layers: cfg.layers,
-    hidden: cfg.hidden,
-    ffn: cfg.ffn,
-    heads: cfg.heads,
-    kvHeads: cfg.kvHeads,
-    vocab: cfg.vocab,
-    contextLength: 4096,
-    type: cfg.type,
-    seed: 1
-  }))
-  console.log(`${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
-}
+// Same file as bench:engine, so the two share the cached model.
+const modelPath = benchModelPath(cfg.dir, cfg)
+const ensureModel = () => ensureBenchModel(cfg.dir, cfg)
 
 interface Result {
   readonly decode: number

@@ -9,15 +9,17 @@
  * Default model: the synthetic 16×2048 Q8_0 llama of bench:pipeline (written once under .cache/bench).
  * Flags (or env): --model FILE, --stages 2 (BENCH_STAGES), --threads 1 per stage (BENCH_THREADS),
  * --ref-threads 2 for node-llama-cpp (BENCH_REF_THREADS), --clients 1,2,4,8 (BENCH_CLIENTS),
- * --tokens 64 (BENCH_TOKENS), --skip-ref.
+ * --tokens 64 (BENCH_TOKENS), --skip-ref, --llama-server PATH (BENCH_LLAMA_SERVER): also llama.cpp's own server
+ * (`-t ref-threads -np maxN`, flash attention on, F16 KV) under the same client load over HTTP (its `/completion`,
+ * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  */
-import { existsSync, mkdirSync } from "node:fs"
-import { dirname, join, resolve } from "node:path"
+import { spawn } from "node:child_process"
+import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { serve, Server } from "../src/api/serve.js"
-import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 const flag = (name: string): string | undefined => {
@@ -33,33 +35,15 @@ const cfg = {
   clients: setting("clients", "BENCH_CLIENTS", "1,2,4,8").split(",").map(Number),
   tokens: Number(setting("tokens", "BENCH_TOKENS", "64")),
   skipRef: process.argv.includes("--skip-ref"),
+  llamaServer: flag("llama-server") ?? process.env["BENCH_LLAMA_SERVER"],
   dir: resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
 const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
 
 // Same file as bench:pipeline and bench:engine.
-const syntheticPath = join(cfg.dir, "llama-16x2048-ffn8192-v32000-q8_0.gguf")
 const ensureModel = async (): Promise<string> => {
   const given = flag("model")
-  if (given !== undefined) return resolve(given)
-  if (existsSync(syntheticPath)) return syntheticPath
-  mkdirSync(cfg.dir, { recursive: true })
-  process.stdout.write(`writing ${syntheticPath} ... `)
-  await Effect.runPromise(writeSyntheticModel({
-    path: syntheticPath,
-    arch: "llama",
-    layers: 16,
-    hidden: 2048,
-    ffn: 8192,
-    heads: 32,
-    kvHeads: 8,
-    vocab: 32000,
-    contextLength: 4096,
-    type: "q8_0",
-    seed: 1
-  }))
-  console.log("done")
-  return syntheticPath
+  return given !== undefined ? resolve(given) : ensureBenchModel(cfg.dir, defaultBenchShape)
 }
 
 /** When each token of one stream arrived (ms), from the request's start. */
@@ -158,6 +142,62 @@ const referenceRounds = async (modelPath: string) => {
   return results
 }
 
+/** llama.cpp's llama-server on the same model: N concurrent streamed `/completion` requests per round. */
+const llamaServerRounds = async (binary: string, modelPath: string) => {
+  const maxClients = Math.max(...cfg.clients)
+  const port = 18000 + Math.floor(Math.random() * 2000)
+  const child = spawn(binary, [
+    "-m", modelPath, "-t", String(cfg.refThreads), "-tb", String(cfg.refThreads), "-np", String(maxClients),
+    "-c", String(maxClients * 512), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui"
+  ], { stdio: ["ignore", "ignore", "ignore"] })
+  const url = `http://127.0.0.1:${port}`
+  const results = new Map<number, ReadonlyArray<StreamTimes>>()
+  try {
+    for (let i = 0; ; i++) {
+      const ok = await fetch(`${url}/health`).then((r) => r.ok, () => false)
+      if (ok) break
+      if (i > 1200 || child.exitCode !== null) throw new Error(`llama-server did not become ready (exit ${child.exitCode})`)
+      await new Promise((r) => setTimeout(r, 100))
+    }
+    const logitBias = Array.from({ length: 256 }, (_, i) => [i + 3, false])
+    const one = async (prompt: string): Promise<StreamTimes> => {
+      const start = performance.now()
+      const response = await fetch(`${url}/completion`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
+      })
+      const arrivals: Array<number> = []
+      let text = ""
+      let buffer = ""
+      const decoder = new TextDecoder()
+      const reader = response.body!.getReader()
+      while (true) {
+        const { done, value } = await reader.read()
+        if (done) break
+        buffer += decoder.decode(value, { stream: true })
+        let at: number
+        while ((at = buffer.indexOf("\n\n")) >= 0) {
+          const event = buffer.slice(0, at)
+          buffer = buffer.slice(at + 2)
+          if (!event.startsWith("data: ")) continue
+          const data = JSON.parse(event.slice(6)) as { content?: string; stop?: boolean }
+          if (data.stop === true) continue
+          arrivals.push(performance.now())
+          text += data.content ?? ""
+        }
+      }
+      return { start, arrivals, text }
+    }
+    for (const n of cfg.clients) {
+      results.set(n, await Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!))))
+    }
+  } finally {
+    child.kill("SIGTERM")
+  }
+  return results
+}
+
 const fmt = (x: number, digits = 1) => (Number.isFinite(x) ? x.toFixed(digits) : "-")
 
 const main = async () => {
@@ -190,6 +230,7 @@ const main = async () => {
     await runtime.dispose()
   }
   const reference = cfg.skipRef ? new Map<number, ReadonlyArray<StreamTimes>>() : await referenceRounds(modelPath)
+  const server = cfg.llamaServer === undefined ? undefined : await llamaServerRounds(cfg.llamaServer, modelPath)
 
   console.log("\n| N | swactor agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms | = alone | node-llama-cpp agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms |")
   console.log("|---|---|---|---|---|---|---|---|")
@@ -205,6 +246,14 @@ const main = async () => {
         `${r === undefined ? "-" : `${fmt(r.itl[0], 2)} / ${fmt(r.itl[1], 2)}`} |`
     )
   }
+  if (server !== undefined) {
+    console.log(`\nllama-server (-t ${cfg.refThreads} -np ${maxClients}, flash attention, /completion streamed, same client load):`)
+    console.log("| N | agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms |\n|---|---|---|---|")
+    for (const n of cfg.clients) {
+      const f = figures(server.get(n)!)
+      console.log(`| ${n} | ${fmt(f.aggregate)} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`)
+    }
+  }
   const four = ours.get(4)
   if (four !== undefined && cfg.clients[0] === 1) {
     const f = figures(four)
@@ -212,6 +261,7 @@ const main = async () => {
     console.log(
       `\ntargets at N=4: aggregate ${fmt(f.aggregate / one.aggregate, 2)}x N=1 (>= 2.2)` +
         (ref4 === undefined ? "" : `, ${fmt(f.aggregate / figures(ref4).aggregate, 2)}x node-llama-cpp (>= 1.2)`) +
+        (server?.get(4) === undefined ? "" : `, ${fmt(f.aggregate / figures(server.get(4)!).aggregate, 2)}x llama-server`) +
         `, inter-token p99 ${fmt(f.itl[1] / one.itl[0], 2)}x the N=1 median (<= 2)`
     )
   }

@@ -1,37 +1,63 @@
+#!/usr/bin/env node
 /**
- * The `swactor` command: a thin registry of subcommands. To add one, import it from its src/cli/*Command.ts file and
- * add it to the list below.
+ * The `swactor` command: a thin registry of subcommands. To add one, add a loader for its src/cli/*Command.ts file
+ * to `subcommands` below.
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
-import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
-import { Cause, Effect, Exit } from "effect"
-import { planCommand } from "./cli/PlanCommand.js"
-import { synthCommand } from "./cli/SynthCommand.js"
-import { nodeCommand } from "./cli/NodeCommand.js"
-import { runCommand } from "./cli/RunCommand.js"
-import { serveCommand } from "./cli/ServeCommand.js"
+import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
+
+// Each subcommand's module is imported only when it is the one asked for (an agent never loads the HTTP server,
+// the tokenizer or the synthetic-model writer: start-up time is paid by every local agent); `--help` or an unknown
+// word loads them all, so the help and the error list every command.
+const subcommands = {
+  plan: () => import("./cli/PlanCommand.js").then((m) => m.planCommand),
+  synth: () => import("./cli/SynthCommand.js").then((m) => m.synthCommand),
+  node: () => import("./cli/NodeCommand.js").then((m) => m.nodeCommand),
+  run: () => import("./cli/RunCommand.js").then((m) => m.runCommand),
+  serve: () => import("./cli/ServeCommand.js").then((m) => m.serveCommand)
+} as const
+const asked = process.argv[2]
+const [first, ...rest] = await Promise.all(
+  asked !== undefined && Object.hasOwn(subcommands, asked)
+    ? [subcommands[asked as keyof typeof subcommands]()]
+    : Object.values(subcommands).map((load) => load())
+)
 
 const swactor = Command.make("swactor").pipe(
   Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
-  Command.withSubcommands([
-    planCommand,
-    synthCommand,
-    nodeCommand,
-    runCommand,
-    serveCommand
-  ])
+  Command.withSubcommands([first!, ...rest])
 )
 
 const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
 
-// Subcommands print their own errors in words; a failure only sets the exit code. The default teardown exits 0
-// when the program was interrupted (Ctrl-C); a command that set process.exitCode (130 after an operator stop)
-// keeps it.
-const teardown = <E, A>(exit: Exit.Exit<E, A>, onExit: (code: number) => void) => {
+// Subcommands print their own errors in words; a failure only sets the exit code. Long-running commands handle
+// SIGINT/SIGTERM/SIGHUP themselves (cli/Signals.ts: teardown, then process.exitCode = 128 + the signal), so this
+// runner installs no signal listener: once the main fiber has ended (every scope closed), it exits with the code.
+// Logs (warnings of a node agent, for one) go to stderr: stdout carries only a command's output. Colour and
+// terminal codes (@effect/cli's help and errors) only reach a terminal: `NO_COLOR`, a pipe or a file get plain text.
+const ansi = /\x1b\[[0-9;?]*[A-Za-z]/g
+const plainUnlessTerminal = (console: Console.Console, stream: NodeJS.WriteStream): Console.Console["log"] =>
+  stream.isTTY === true && process.env["NO_COLOR"] === undefined
+    ? console.log
+    : (...args) => console.log(...args.map((arg) => (typeof arg === "string" ? arg.replace(ansi, "") : arg)))
+const withPlainConsole = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+  Effect.consoleWith((console) => {
+    const log = plainUnlessTerminal(console, process.stdout)
+    const toStderr = plainUnlessTerminal({ ...console, log: console.error }, process.stderr)
+    return Effect.withConsole(effect, { ...console, log, info: log, error: toStderr, warn: toStderr })
+  })
+
+const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
+const main = Effect.runFork(
+  cli(process.argv).pipe(
+    withPlainConsole,
+    Effect.provide(Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))))
+  )
+)
+main.addObserver((exit) => {
+  clearInterval(keepAlive)
   const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
   const requested = typeof process.exitCode === "number" ? process.exitCode : 0
-  onExit(failed ? Math.max(1, requested) : requested)
-}
-
-cli(process.argv).pipe(Effect.provide(NodeContext.layer), NodeRuntime.runMain({ disableErrorReporting: true, teardown }))
+  process.exit(failed ? Math.max(1, requested) : requested)
+})

@@ -27,7 +27,7 @@ const handshakeServer = Effect.acquireRelease(
     const outcomes: Array<Exit.Exit<void, unknown>> = []
     const server = Net.createServer((socket) => {
       socket.on("error", () => {})
-      Effect.runCallback(Auth.serverHandshake(socket, { token, timeout: "500 millis" }), {
+      Effect.runCallback(Effect.asVoid(Auth.serverHandshake(socket, { token, timeout: "500 millis" })), {
         onExit: (exit) => {
           outcomes.push(exit)
           socket.destroy()

@@ -216,11 +216,9 @@ describe("end to end faults: real agent processes", () => {
   // killed with SIGKILL (no finalizers run) leaves no agent behind.
   it.live("agents exit when their parent is killed with SIGKILL", () =>
     Effect.gen(function*() {
-      const { args, command } = swactorCommand([])
-      const script = join(repoRoot, "test", "support", "agentsParent.ts")
+      const script = join(repoRoot, "test", "support", "agentsParent.mjs")
       const pids = yield* Effect.async<ReadonlyArray<number>>((resume) => {
-        // argv of swactorCommand minus main.ts and its (empty) arguments: node --import tsx <script>
-        const child = spawn(command, [...args.slice(0, -1), script], { cwd: repoRoot, stdio: ["ignore", "pipe", "inherit"] })
+        const child = spawn(process.execPath, [script], { cwd: repoRoot, stdio: ["ignore", "pipe", "inherit"] })
         child.stdout.once("data", (chunk) => {
           const started = JSON.parse(String(chunk)) as ReadonlyArray<number>
           child.kill("SIGKILL")

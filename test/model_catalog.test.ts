@@ -6,6 +6,7 @@ import type { ModelFacts } from "../src/domain/plan.js"
 import { plannerInputFromArgs, type PlanArgs } from "../src/cli/PlanCommand.js"
 import * as ModelCatalogLive from "../src/layers/ModelCatalogLive.js"
 import { ModelCatalog } from "../src/services/ModelCatalog.js"
+import * as Gguf from "../src/layers/gguf/GgufReader.js"
 import { requireModel } from "./support/models.js"
 
 const facts: ModelFacts = {
@@ -47,6 +48,23 @@ describe("ModelCatalog", () => {
       assert.deepStrictEqual(read.ggufSource, { _tag: "LocalPath", path })
       const missing = yield* Effect.flip((yield* ModelCatalog).facts("/nonexistent/model.gguf"))
       assert.strictEqual(missing._tag, "ModelLoadError")
+    }).pipe(Effect.provide(ModelCatalogLive.layer)))
+
+  it.effect("the layout counts every tensor's bytes once: per block, the input embedding and the output head", () =>
+    Effect.gen(function*() {
+      const path = requireModel("stories260K.gguf")
+      const layout = yield* (yield* ModelCatalog).layout(path)
+      const file = yield* Gguf.readGgufFile(path)
+      const total = file.tensors.reduce((sum, t) => sum + t.byteSize, 0)
+      const tied = !file.tensorsByName.has("output.weight")
+      const counted = layout.blockBytes.reduce((a, b) => a + b, 0) + layout.inputBytes + layout.outputBytes -
+        (tied ? layout.inputBytes : 0)
+      assert.strictEqual(layout.blockBytes.length, 5)
+      assert.strictEqual(counted, total)
+      assert.isTrue(layout.blockBytes.every((b) => b > 0 && b === layout.blockBytes[0]))
+      // K and V widths: 4 KV heads x 8 dims each, F16.
+      const k = file.tensorsByName.get("blk.0.attn_k.weight")!.dims[1]!
+      assert.deepStrictEqual(layout.kvBytesPerToken, Array(5).fill(2 * 2 * k))
     }).pipe(Effect.provide(ModelCatalogLive.layer)))
 
   it.effect("swactor plan --model takes its facts from the catalog, with the dtype from the command line", () =>

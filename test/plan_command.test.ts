@@ -1,13 +1,13 @@
 // `swactor plan` (G24 in specs/BEHAVIOR_GUARANTEES.md): the plan as a table, or the typed rejection in words with a
-// non-zero exit. In-process through @effect/cli for the cases, plus the real program (src/main.ts under tsx, as
-// bin/swactor.mjs runs it) once each way for the exit status.
+// non-zero exit. In-process through @effect/cli for the cases, plus the real program (dist/main.js under plain node, as
+// the package's bin runs it) once each way for the exit status.
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { afterEach, assert, describe, it, vi } from "@effect/vitest"
 import { Effect, Exit } from "effect"
 import { execFile } from "node:child_process"
-import { join } from "node:path"
 import { planCommand } from "../src/cli/PlanCommand.js"
+import { swactorMain } from "../src/layers/LocalAgents.js"
 import { repoRoot, requireModel } from "./support/models.js"
 
 /** Runs `swactor plan <args>` in-process; returns its exit and what it printed. */
@@ -25,8 +25,7 @@ const runPlan = (...args: Array<string>) =>
 
 const runBin = (args: ReadonlyArray<string>) =>
   new Promise<{ code: number | null; stdout: string; stderr: string }>((resolve) => {
-    const main = join(repoRoot, "src", "main.ts")
-    execFile(process.execPath, ["--import", "tsx", main, ...args], { cwd: repoRoot }, (error, stdout, stderr) =>
+    execFile(process.execPath, [swactorMain(), ...args], { cwd: repoRoot }, (error, stdout, stderr) =>
       resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr }))
   })
 

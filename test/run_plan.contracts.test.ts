@@ -138,7 +138,8 @@ const oneOfEach: ReadonlyArray<readonly [PlanRejection["_tag"], PlannerInput]> =
   ["StageIndexOutOfRange", withStages([...placement(3), { stageIndex: 7, nodeId: node(10) }])],
   ["UnknownNode", withStages([...placement(2), { stageIndex: 2, nodeId: node(404) }])],
   ["DuplicateStageAssignment", withStages([{ stageIndex: 0, nodeId: node(13) }, ...placement(3)])],
-  ["MissingStage", withStages(placement(2))]
+  ["MissingStage", withStages(placement(2))],
+  ["InvalidLayerRanges", { ...valid(), layerRanges: [[0, 1]] }]
 ]
 
 describe("every rejection across a process boundary (G1)", () => {
@@ -174,7 +175,8 @@ describe("the order of the checks (G5)", () => {
     ["MissingStage", (i) => withPlacement(i, stagesOf(i).filter((e) => e.stageIndex !== 2))],
     ["DuplicateStageAssignment", (i) => withPlacement(i, [{ stageIndex: 0, nodeId: node(12) }, ...stagesOf(i)])],
     ["UnknownNode", (i) => withPlacement(i, stagesOf(i).map((e) => e.stageIndex === 1 ? { ...e, nodeId: node(404) } : e))],
-    ["StageIndexOutOfRange", (i) => withPlacement(i, [...stagesOf(i), { stageIndex: 9, nodeId: node(10) }])]
+    ["StageIndexOutOfRange", (i) => withPlacement(i, [...stagesOf(i), { stageIndex: 9, nodeId: node(10) }])],
+    ["InvalidLayerRanges", (i) => ({ ...i, layerRanges: [[0, 2], [3, 4]] })]
   ]
   const table: ReadonlyArray<PlanRejection["_tag"]> = oneOfEach.map(([tag]) => tag)
   const stagesOf = (i: PlannerInput) => i.placement.stages

@@ -2,7 +2,7 @@ import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit, Scope } from "effect"
 import OpenAI from "openai"
-import { mkdtempSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
@@ -13,7 +13,7 @@ import { isAlive } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 import { spawn } from "node:child_process"
 import { swactorCommand } from "../src/layers/LocalAgents.js"
-import { agentsOf, metricOf, readSse, type ServeProcess, startServe } from "./support/serve.js"
+import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 /** The greedy 24-token completion of "Once upon a time" from the local server (the remote one must match it). */
@@ -243,9 +243,11 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     assert.strictEqual(await metricOf(server.url, 'swactor_requests_total{outcome="cancelled"}'), cancelledBefore + 1)
   })
 
-  // SIGTERM with a stream open: the stream ends, every stage and agent is torn down, exit code 130 as for `swactor run`.
-  it("SIGTERM with a stream open tears everything down and exits 130", async () => {
+  // SIGTERM with a stream open: the stream ends, every stage and agent is torn down, exit 143 (128 + SIGTERM) within
+  // 2 s as for `swactor run`, and no socket folder or shared-memory ring file is left.
+  it("SIGTERM with a stream open tears everything down and exits 143", async () => {
     const agents = await agentsOf(server.url)
+    const socketDirs = agents.map((a) => socketDirOf(a.pid))
     const response = await fetch(`${server.url}/v1/completions`, {
       method: "POST",
       headers: { "content-type": "application/json" },
@@ -258,10 +260,13 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     server.child.kill("SIGTERM")
     const exit = await server.exited
     await ended
-    assert.strictEqual(exit.code, 130)
-    assert.isBelow(Date.now() - stoppedAt, 10_000)
+    assert.strictEqual(exit.code, 143, server.stderr())
+    assert.isBelow(Date.now() - stoppedAt, 2000)
     for (const agent of agents) assert.isFalse(isAlive(agent.pid))
-    assert.match(server.stderr(), /stopped by the operator/)
+    assert.match(server.stderr(), /stopped by SIGTERM/)
+    assert.isAbove(socketDirs.filter((d) => d !== undefined).length, 0, "agents listen in a private socket folder")
+    for (const dir of socketDirs) if (dir !== undefined) assert.isFalse(existsSync(dir), dir)
+    assert.deepStrictEqual(shmFilesOf([server.child.pid!, ...agents.map((a) => a.pid)]), [])
   })
 })
 
@@ -372,7 +377,7 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
   // One runs, one waits in the queue; the next is refused with 429 and Retry-After (the openai client sees RateLimitError).
   // Then kill -9 of a stage agent mid-stream: both streams are recovered on the other agent; killing that one too ends
   // the next stream with an error and [DONE] within 2 s, /health says 503 with the fault, new requests get 500, and
-  // SIGTERM leaves no process behind (exit 130).
+  // SIGHUP leaves no process behind (exit 129).
   it("queue full is 429 + Retry-After; a killed agent's streams recover; with every agent killed they end with an error", async () => {
     const running = await streamRequest(1800)
     const runningEvents: Array<string> = []
@@ -432,9 +437,9 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     assert.instanceOf(after, OpenAI.InternalServerError)
     assert.match((after as InstanceType<typeof OpenAI.InternalServerError>).message, /every agent/)
 
-    server.child.kill("SIGTERM")
+    server.child.kill("SIGHUP")
     const exit = await server.exited
-    assert.strictEqual(exit.code, 130)
+    assert.strictEqual(exit.code, 129, server.stderr())
     assert.isFalse(isAlive(agents[0]!.pid))
     assert.isFalse(isAlive(agents[1]!.pid))
   })

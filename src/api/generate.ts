@@ -9,7 +9,7 @@
  *
  * Promise / AsyncIterable: `createClient(options)` wraps the same thing for non-Effect callers.
  */
-import { Effect, Layer, ManagedRuntime, Option, Stream } from "effect"
+import { Cause, Effect, Layer, ManagedRuntime, Option, Runtime, Stream } from "effect"
 import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
 import * as AgentControlRpc from "../layers/AgentControlRpc.js"
 import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/LocalAgents.js"
@@ -82,6 +82,14 @@ export interface Client {
   readonly close: () => Promise<void>
 }
 
+/**
+ * Promise callers get the typed error itself (`error._tag`, `error.message`, `instanceof Error`), not the runtime's
+ * FiberFailure wrapper.
+ */
+const rethrowTyped = (error: unknown): never => {
+  throw Runtime.isFiberFailure(error) ? Cause.squash(error[Runtime.FiberFailureCauseId]) : error
+}
+
 export const createClient = (options: ClientOptions = {}): Client => {
   const layer = options.nodes !== undefined && options.nodes.length > 0
     ? layerRemote({ nodes: options.nodes, token: options.token ?? process.env["SWACTOR_CLUSTER_TOKEN"] ?? "" })
@@ -92,7 +100,7 @@ export const createClient = (options: ClientOptions = {}): Client => {
       let inner: AsyncIterator<A> | undefined
       const start = async () => (inner ??= Stream.toAsyncIterableRuntime(stream, await runtime.runtime())[Symbol.asyncIterator]())
       return {
-        next: async () => (await start()).next(),
+        next: async () => (await start()).next().catch(rethrowTyped),
         return: async (value?: unknown) => (await start()).return?.(value) ?? { done: true, value: undefined }
       }
     }
@@ -100,7 +108,7 @@ export const createClient = (options: ClientOptions = {}): Client => {
   return {
     stream: (request) => iterate(generate(request)),
     updates: (request) => iterate(run(request)),
-    complete: (request) => runtime.runPromise(complete(request)),
+    complete: (request) => runtime.runPromise(complete(request)).catch(rethrowTyped),
     close: () => runtime.dispose()
   }
 }

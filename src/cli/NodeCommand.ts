@@ -5,17 +5,19 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
-import { readFileSync } from "node:fs"
 import * as Os from "node:os"
 import { Console, Data, Effect, Layer, Option } from "effect"
 import type { TransportAddress } from "../domain/frames.js"
 import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/AgentControlRpc.js"
 import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/LocalAgents.js"
+import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { startNodeAgent } from "../layers/NodeAgent.js"
 import * as StageExecutorLive from "../layers/StageExecutorLive.js"
 import * as StageExecutorTest from "../layers/StageExecutorTest.js"
 import { StageExecutor } from "../services/StageExecutor.js"
+import { clusterToken, minTokenLength, optionalWholeNumber, withShownDefault } from "./Flags.js"
+import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
 
@@ -42,24 +44,53 @@ export interface NodeArgs {
   readonly backend: "cpu" | "cuda" | "auto"
   readonly engine: "live" | "test"
   readonly tokenFile: Option.Option<string>
+  readonly memoryLimit?: Option.Option<number>
+  readonly speed?: Option.Option<number>
 }
 
+/** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
 export const runNodeCommand = (args: NodeArgs) =>
+  untilOperatorStop(runNode(args), {
+    stdoutClosedStops: false,
+    onStop: (stop) =>
+      stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void
+  })
+
+const runNode = (args: NodeArgs) =>
   Effect.gen(function*() {
-    const token = Option.isSome(args.tokenFile)
-      ? readFileSync(args.tokenFile.value, "utf8").trim()
-      : process.env[clusterTokenEnv] ?? ""
-    if (token.length < 16) {
+    const token = yield* clusterToken(args.tokenFile)
+    if (token === "") {
       return yield* new NodeUsageError({
-        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least 16 characters)`
+        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least ${minTokenLength} characters)`
       })
     }
+    const threadsFlag = yield* optionalWholeNumber("threads", args.threads, 1)
     const listen = yield* address(args.listen, "listen")
     const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
     const dataAdvertise = Option.isSome(args.dataAdvertise)
       ? yield* address(args.dataAdvertise.value, "data-advertise")
       : undefined
-    const threads = Option.getOrElse(args.threads, () => Math.max(1, Os.availableParallelism()))
+    const memoryLimitBytes = Option.getOrUndefined(args.memoryLimit ?? Option.none())
+    const speedBytesPerSecond = Option.getOrUndefined(args.speed ?? Option.none())
+    if (memoryLimitBytes !== undefined && !(memoryLimitBytes > 0)) {
+      return yield* new NodeUsageError({ message: `--memory-limit: ${memoryLimitBytes} is not a positive number of bytes` })
+    }
+    if (speedBytesPerSecond !== undefined && !(speedBytesPerSecond > 0 && Number.isFinite(speedBytesPerSecond))) {
+      return yield* new NodeUsageError({ message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure` })
+    }
+    const threads = Option.getOrElse(threadsFlag, () => Math.max(1, Os.availableParallelism()))
+    // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
+    const speed = speedBytesPerSecond !== undefined
+      ? { speedBytesPerSecond, speedSource: "declared" as const }
+      : args.engine === "live"
+      ? yield* Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+        Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
+        Effect.catchAll((error) =>
+          Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
+            .pipe(Effect.as(undefined))
+        )
+      )
+      : undefined
     const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
     const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
 
@@ -70,13 +101,17 @@ export const runNodeCommand = (args: NodeArgs) =>
         ...(dataAdvertise === undefined ? {} : { dataAdvertise }),
         token,
         threads,
-        backend: args.backend
+        backend: args.backend,
+        ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
+        ...(speed === undefined ? {} : speed)
       })
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
       yield* Console.error(
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
-          `${threads} threads, ${args.backend} backend, ${args.engine} engine (pid ${process.pid})`
+          `${threads} threads, ${args.backend} backend, ${args.engine} engine` +
+          (speed === undefined ? "" : `, ${(speed.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${speed.speedSource}`) +
+          ` (pid ${process.pid})`
       )
       return yield* Effect.never
     }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, dataPlaneLayer)))
@@ -90,8 +125,8 @@ export const nodeCommand = Command.make(
   "node",
   {
     listen: Options.text("listen").pipe(
-      Options.withDescription("control address host:port (default 127.0.0.1:7070; use 0.0.0.0:PORT to serve other machines)"),
-      Options.withDefault("127.0.0.1:7070")
+      Options.withDescription("control address host:port (use 0.0.0.0:PORT to serve other machines)"),
+      withShownDefault("127.0.0.1:7070")
     ),
     dataListen: Options.text("data-listen").pipe(
       Options.withDescription("data-plane address host:port or a Unix socket path (default: the control host, any port)"),
@@ -101,11 +136,25 @@ export const nodeCommand = Command.make(
       Options.withDescription("data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"),
       Options.optional
     ),
-    threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
-    backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(Options.withDefault("cpu" as const)),
+    threads: Options.integer("threads").pipe(
+      Options.withDescription("engine threads per stage (default: every core)"),
+      Options.optional
+    ),
+    backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
+      Options.withDescription("ggml backend: cpu, cuda (node-llama-cpp's CUDA package) or auto"),
+      withShownDefault("cpu" as const)
+    ),
+    memoryLimit: Options.integer("memory-limit").pipe(
+      Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
+      Options.optional
+    ),
+    speed: Options.float("speed").pipe(
+      Options.withDescription("declared engine speed in weight bytes per second (placement; default: measured at start)"),
+      Options.optional
+    ),
     engine: Options.choice("engine", ["live", "test"]).pipe(
       Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
-      Options.withDefault("live" as const)
+      withShownDefault("live" as const)
     ),
     tokenFile: Options.text("token-file").pipe(
       Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),

@@ -10,14 +10,35 @@ import * as Os from "node:os"
 import { join } from "node:path"
 import { Console, Effect, Option, Stream } from "effect"
 import { layerLocal, layerRemote, run } from "../api/generate.js"
+import { readModelFacts } from "../api/modelFacts.js"
+import * as TokenizerLive from "../layers/TokenizerLive.js"
+import { Tokenizer } from "../services/Tokenizer.js"
 import { formatAddress } from "../layers/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
 import { clusterTokenEnv } from "../layers/LocalAgents.js"
-import type { GenerateError, GenerateRequest, RunSummary, RunUpdate } from "../services/Orchestrator.js"
+import {
+  atLeast,
+  clusterToken,
+  nodeList,
+  optionalWholeNumber,
+  UsageError,
+  wholeNumber,
+  withShownDefault
+} from "./Flags.js"
+import { untilOperatorStop } from "./Signals.js"
+import type {
+  GenerateRequest,
+  PlacementExplanation,
+  PlacementRequest,
+  RunSummary,
+  RunUpdate
+} from "../services/Orchestrator.js"
+import { parseLayerSpec } from "../services/Placement.js"
 
 export interface RunArgs {
   readonly model: Option.Option<string>
-  readonly prompt: string
+  readonly prompt: Option.Option<string>
+  readonly promptFile: Option.Option<string>
   readonly stages: Option.Option<number>
   readonly maxTokens: number
   readonly temperature: number
@@ -27,8 +48,11 @@ export interface RunArgs {
   readonly nodes: Option.Option<string>
   readonly tokenFile: Option.Option<string>
   readonly quiet: boolean
+  readonly json: boolean
   readonly dryRun: boolean
-  readonly spares: number
+  readonly placement?: "balanced" | "capacity" | "fixed" | undefined
+  readonly layers?: Option.Option<string>
+  readonly spares?: number
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -131,11 +155,56 @@ const makeProgress = (quiet: boolean) => {
             return
         }
       }),
-    done: Effect.sync(done)
+    done: Effect.sync(done),
+    allReady: () => stageCount > 0 && ready.size === stageCount
   }
 }
 
 const ms = (value: number) => (value >= 100 ? value.toFixed(0) : value.toFixed(2))
+
+/**
+ * Start-up phases of one `swactor run`, in milliseconds, as the command saw them (each from the end of the one before):
+ * `process` launch to the command's start (Node and module loading), `checks` (flags, model metadata and vocabulary for
+ * the context check), `spawn` (the orchestrator reads the model facts and tokenizer, starts or reaches the agents),
+ * `pool` (control connections and the first heartbeats), `load` (plan, then every stage loaded and ready), `prefill`
+ * (the prompt through the pipeline to the first token); `firstToken` is launch to first token.
+ */
+export interface StartupPhases {
+  process: number
+  checks: number
+  spawn: number
+  pool: number
+  load: number
+  prefill: number
+  firstToken: number
+}
+
+/** Records when each phase ended; `performance.now()` counts from the process launch. */
+export const makePhaseClock = () => {
+  const marks: Partial<Record<"start" | "checked" | "spawned" | "pooled" | "ready" | "firstToken", number>> = {}
+  const mark = (name: keyof typeof marks) => {
+    marks[name] ??= performance.now()
+  }
+  const phases = (): StartupPhases | undefined => {
+    const { checked, firstToken, pooled, ready, spawned, start } = marks
+    if ([checked, firstToken, pooled, ready, spawned, start].some((m) => m === undefined)) return undefined
+    const round = (x: number) => Math.round(x * 10) / 10
+    return {
+      process: round(start!),
+      checks: round(checked! - start!),
+      spawn: round(spawned! - checked!),
+      pool: round(pooled! - spawned!),
+      load: round(ready! - pooled!),
+      prefill: round(firstToken! - ready!),
+      firstToken: round(firstToken!)
+    }
+  }
+  return { mark, phases }
+}
+
+export const renderPhases = (p: StartupPhases): string =>
+  `start-up ${ms(p.firstToken)} ms to the first token: process ${ms(p.process)}, checks ${ms(p.checks)}, ` +
+  `spawn ${ms(p.spawn)}, pool ${ms(p.pool)}, load ${ms(p.load)}, prefill ${ms(p.prefill)} ms`
 
 export const renderSummary = (summary: RunSummary): string => {
   const lines = [
@@ -177,13 +246,17 @@ const renderPreview = (update: RunUpdate): string => {
         "nodes (as reported in their heartbeat):",
         ...update.capacity.map(({ capacity, node }) =>
           `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
-          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted`
+          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
+          (capacity.speedBytesPerSecond === undefined
+            ? ""
+            : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
         )
       ].join("\n")
     case "Planned":
       return [
         `placement (run ${update.runId}):`,
         ...update.stages.map((s) => `  stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`),
+        ...(update.placement === undefined ? [] : explainPlacement(update.placement)),
         "dry run: nothing was provisioned"
       ].join("\n")
     case "AgentsStarted":
@@ -193,122 +266,248 @@ const renderPreview = (update: RunUpdate): string => {
   }
 }
 
-const describeError = (error: GenerateError): string => {
+const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+
+/** Why this placement: per stage its node's free memory and speed, its blocks, bytes and expected ms per token. */
+export const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [
+  `${choice.intent.toLowerCase()} placement, in the planner's cost model:`,
+  ...choice.stages.map((s) => {
+    const node = pool.find((n) => n.nodeId === s.nodeId)
+    const free = node === undefined ? "unknown" : mib(node.freeMemoryBytes)
+    const speed = node === undefined ? "unknown" : `${(node.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
+    return `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
+      `${s.layerEndExclusive - s.layerStart} blocks [${s.layerStart}, ${s.layerEndExclusive}), ` +
+      `${mib(s.weightBytes)} weights, ${mib(s.memoryBytes)} with KV and buffers, ${s.expectedMillis.toFixed(2)} ms/token`
+  }),
+  `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
+  `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
+  ...(choice.stages.length < pool.length
+    ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
+    : [])
+]
+
+/** The placement a command line asks for (`--placement`, `--layers`), or a usage message. */
+export const placementFromArgs = (
+  args: Pick<RunArgs, "placement" | "layers">
+): Effect.Effect<PlacementRequest | undefined, string> => {
+  const layers = args.layers !== undefined && Option.isSome(args.layers) ? args.layers.value : undefined
+  if (layers !== undefined) {
+    if (args.placement !== undefined && args.placement !== "fixed") {
+      return Effect.fail(`--layers sets a fixed placement; it cannot be combined with --placement ${args.placement}`)
+    }
+    const parsed = parseLayerSpec(layers)
+    return parsed._tag === "Left"
+      ? Effect.fail(parsed.left.message)
+      : Effect.succeed({ _tag: "Fixed", ranges: parsed.right })
+  }
+  if (args.placement === "fixed") return Effect.fail("--placement fixed needs --layers, e.g. --layers 0-9,10-15")
+  if (args.placement === "capacity") return Effect.succeed({ _tag: "Capacity" })
+  return Effect.succeed(args.placement === "balanced" ? { _tag: "Balanced" } : undefined)
+}
+
+const describeError = (error: { readonly _tag: string }): string => {
   const message = "message" in error && typeof error.message === "string" && error.message !== "" ? error.message : ""
   return message !== "" ? `${error._tag}: ${message}` : `${error._tag}: ${JSON.stringify(error)}`
 }
 
-/**
- * Keeps a SIGINT/SIGTERM listener registered while a run is in flight: the Effect runtime interrupts the
- * run on the first signal (operator stop, then the full teardown), and a loader that exits the process when
- * no listener is left (tsx) must not cut that teardown short. A second signal exits at once.
- */
-const holdSignals = Effect.acquireRelease(
-  Effect.sync(() => {
-    let signals = 0
-    const onSignal = () => {
-      signals++
-      if (signals > 1) process.exit(130)
-    }
-    process.on("SIGINT", onSignal)
-    process.on("SIGTERM", onSignal)
-    // A reader that went away (`swactor run ... | head`) is a closed stream: an operator stop, as Ctrl-C is,
-    // instead of an EPIPE crash.
-    let stdoutClosed = false
-    const onStdoutError = (error: NodeJS.ErrnoException) => {
-      if (error.code !== "EPIPE" || stdoutClosed) return
-      stdoutClosed = true
-      process.kill(process.pid, "SIGINT")
-    }
-    process.stdout.on("error", onStdoutError)
-    return { onSignal, onStdoutError }
-  }),
-  ({ onSignal, onStdoutError }) =>
-    Effect.sync(() => {
-      process.off("SIGINT", onSignal)
-      process.off("SIGTERM", onSignal)
-      process.stdout.off("error", onStdoutError)
-    })
-)
-
-export const runRunCommand = (args: RunArgs) =>
+/** The prompt: `--prompt TEXT`, `--prompt -` (stdin), or `--prompt-file PATH` (one trailing newline dropped). */
+const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
   Effect.gen(function*() {
-    yield* holdSignals
-    const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
-    const nodes = Option.isSome(args.nodes)
-      ? args.nodes.value.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
-      : []
-    const token = Option.isSome(args.tokenFile)
-      ? readFileSync(args.tokenFile.value, "utf8").trim()
-      : process.env[clusterTokenEnv] ?? ""
-    if (nodes.length > 0 && token === "") {
-      return yield* Effect.fail(`--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file`)
+    if (Option.isSome(args.promptFile) && Option.isSome(args.prompt)) {
+      return yield* new UsageError({ message: "--prompt and --prompt-file: give one of them" })
     }
-    const threads = Option.getOrUndefined(args.threads)
+    const read = (flag: string, path: string | 0) =>
+      Effect.try({
+        try: () => readFileSync(path, "utf8").replace(/\r?\n$/, ""),
+        catch: (cause) =>
+          new UsageError({ message: `${flag}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})` })
+      })
+    const text = Option.isSome(args.promptFile)
+      ? yield* read(`--prompt-file ${args.promptFile.value}`, args.promptFile.value)
+      : Option.isSome(args.prompt) && args.prompt.value === "-"
+      ? yield* read("--prompt - (standard input)", 0)
+      : Option.getOrElse(args.prompt, () => defaultPrompt)
+    if (text.trim() === "") {
+      return yield* new UsageError({
+        message: `${Option.isSome(args.promptFile) ? "--prompt-file" : "--prompt"}: the prompt is empty`
+      })
+    }
+    return text
+  })
+
+/**
+ * Prompt + max tokens must fit the model's context: checked before any agent starts, from the model's metadata and
+ * vocabulary (no weights), instead of a ContextOverflow fault at the end of a long generation.
+ */
+const checkContextFit = (model: string, prompt: string, maxTokens: number) =>
+  Effect.gen(function*() {
+    const facts = yield* readModelFacts(model)
+    // Every prompt token covers at least one byte of the text, plus BOS and a leading-space token at most: when that
+    // bound fits, the (slow: node-llama-cpp) vocabulary load is left to the run itself.
+    if (Buffer.byteLength(prompt, "utf8") + 4 + maxTokens <= facts.maxSeqLen) return
+    const tokenizer = yield* Effect.flatMap(Tokenizer, (t) => t.open(model))
+    const promptTokens = tokenizer.tokenize(prompt).length
+    if (promptTokens + maxTokens > facts.maxSeqLen) {
+      const room = facts.maxSeqLen - promptTokens
+      return yield* new UsageError({
+        message: `--max-tokens ${maxTokens}: the prompt (${promptTokens} tokens) and ${maxTokens} new tokens do not fit ` +
+          `the model's context of ${facts.maxSeqLen} tokens` +
+          (room > 0 ? `; at most --max-tokens ${room}` : "; the prompt alone fills it")
+      })
+    }
+  }).pipe(Effect.scoped, Effect.provide(TokenizerLive.layer))
+
+/** Every flag of `swactor run`, checked before anything starts. */
+const validate = (args: RunArgs) =>
+  Effect.gen(function*() {
+    const stages = yield* optionalWholeNumber("stages", args.stages, 1)
+    const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
+    const temperature = yield* atLeast("temperature", args.temperature, 0)
+    const topK = yield* wholeNumber("top-k", args.topK, 0)
+    if (args.spares !== undefined) yield* wholeNumber("spares", args.spares, 0)
+    const seed = yield* optionalWholeNumber("seed", args.seed, 0)
+    const threads = yield* optionalWholeNumber("threads", args.threads, 1)
+    const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
+    const token = yield* clusterToken(args.tokenFile)
+    if (nodes.length > 0 && token === "") {
+      return yield* new UsageError({
+        message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
+      })
+    }
+    if (args.json && args.dryRun) return yield* new UsageError({ message: "--json and --dry-run: give one of them" })
+    const placement = yield* placementFromArgs(args).pipe(Effect.mapError((message) => new UsageError({ message })))
+    // A fixed placement run locally starts one agent per range.
+    const localStages = placement?._tag === "Fixed" ? placement.ranges.length : 2
+    const prompt = yield* promptText(args)
+    return { stages, maxTokens, temperature, topK, seed, threads, nodes, token, prompt, placement, localStages }
+  })
+
+/** What `--json` prints: one JSON document on stdout when the run ends (tokens, text, summary or fault). */
+interface JsonReport {
+  ok: boolean
+  text: string
+  tokens: Array<{ readonly id: number; readonly text: string }>
+  summary?: RunSummary
+  phases?: StartupPhases
+  fault?: { readonly _tag: string; readonly message: string; readonly reason?: unknown }
+  stopped?: string
+}
+
+const runRun = (args: RunArgs, json: JsonReport) =>
+  Effect.gen(function*() {
+    const clock = makePhaseClock()
+    clock.mark("start")
+    const flags = yield* validate(args)
+    const { maxTokens, nodes, prompt, threads, token } = flags
+    const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
+    yield* checkContextFit(model, prompt, maxTokens)
+    clock.mark("checked")
     const request: GenerateRequest = {
       model,
-      prompt: args.prompt,
-      maxTokens: args.maxTokens,
+      prompt,
+      maxTokens,
       sampling: {
-        temperature: args.temperature,
-        topK: args.topK,
-        ...(Option.isSome(args.seed) ? { seed: args.seed.value } : {})
+        temperature: flags.temperature,
+        topK: flags.topK,
+        ...(Option.isSome(flags.seed) ? { seed: flags.seed.value } : {})
       },
-      ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
-      ...(threads === undefined ? {} : { threads }),
+      ...(Option.isSome(flags.stages) ? { stages: flags.stages.value } : nodes.length > 0 ? {} : { stages: flags.localStages }),
+      ...(flags.placement === undefined ? {} : { placement: flags.placement }),
+      ...(Option.isSome(threads) ? { threads: threads.value } : {}),
       ...(args.dryRun ? { dryRun: true } : {}),
-      ...(args.spares > 0 ? { spares: args.spares } : {})
+      ...((args.spares ?? 0) !== 0 ? { spares: args.spares! } : {})
     }
+    const layer = nodes.length > 0
+      ? layerRemote({ nodes, token })
+      : layerLocal({
+        // The agents boot while the orchestrator reads the model's facts and vocabulary.
+        prestart: (request.stages ?? 2) + (request.spares ?? 0),
+        ...(Option.isSome(threads) ? { threads: threads.value } : {})
+      })
     if (args.dryRun) {
       return yield* run(request).pipe(
         Stream.map(renderPreview),
         Stream.filter((text) => text !== ""),
         Stream.runForEach((text) => Console.log(text)),
-        Effect.provide(nodes.length > 0 ? layerRemote({ nodes, token }) : layerLocal(threads === undefined ? {} : { threads })),
-        Effect.tapError((error) => Console.error(`swactor run --dry-run failed: ${describeError(error)}`))
+        Effect.provide(layer)
       )
     }
-    const progress = makeProgress(args.quiet)
+    const quiet = args.quiet || args.json
+    const progress = makeProgress(quiet)
     let wroteText = false
     yield* run(request).pipe(
       Stream.runForEach((update) => {
+        if (update._tag === "AgentsStarted") clock.mark("spawned")
+        if (update._tag === "PoolReady") clock.mark("pooled")
         if (update._tag === "Token") {
           return Effect.sync(() => {
-            if (!wroteText) process.stdout.write(args.prompt)
+            clock.mark("ready") // a single-stage run: every stage was ready before its token
+            clock.mark("firstToken")
+            json.tokens.push({ id: update.token.tokenId, text: update.token.text })
+            json.text += update.token.text
+            if (args.json) return
+            if (!wroteText) process.stdout.write(prompt)
             wroteText = true
             process.stdout.write(update.token.text)
           })
         }
         if (update._tag === "Finished") {
           return Effect.sync(() => {
+            json.ok = true
+            json.summary = update.summary
+            const phases = clock.phases()
+            if (phases !== undefined) json.phases = phases
+            if (args.json) return
             process.stdout.write("\n")
-            if (!args.quiet) process.stderr.write(`${renderSummary(update.summary)}\n`)
+            if (!quiet) {
+              process.stderr.write(`${renderSummary(update.summary)}\n${phases === undefined ? "" : `${renderPhases(phases)}\n`}`)
+            }
           })
         }
-        return progress.update(update)
+        return progress.update(update).pipe(
+          Effect.tap(() => {
+            if (update._tag === "StageReady" && progress.allReady()) clock.mark("ready")
+          })
+        )
       }),
-      Effect.onInterrupt(() =>
-        Effect.sync(() => {
-          process.exitCode = 130
-          process.stderr.write("\nswactor run: stopped by the operator; every stage was stopped\n")
-        })
-      ),
-      Effect.provide(
-        nodes.length > 0
-          ? layerRemote({ nodes, token })
-          : layerLocal(threads === undefined ? {} : { threads })
-      ),
-      Effect.tapError((error) =>
-        Effect.sync(() => {
-          if (wroteText) process.stdout.write("\n")
-          process.stderr.write(`swactor run failed: ${describeError(error)}\n`)
-        })
-      )
+      Effect.provide(layer),
+      Effect.tapError(() => Effect.sync(() => wroteText && process.stdout.write("\n")))
     )
+  })
+
+const describeFailure = (error: { readonly _tag: string; readonly message?: unknown }): string =>
+  error._tag === "UsageError" ? String(error.message) : `failed: ${describeError(error)}`
+
+/** `swactor run` with its operator stops (signals, closed stdout): see cli/Signals.ts. */
+export const runRunCommand = (args: RunArgs) => {
+  const json: JsonReport = { ok: false, text: "", tokens: [] }
+  const printJson = Effect.sync(() => {
+    if (args.json) process.stdout.write(`${JSON.stringify(json)}\n`)
+  })
+  return untilOperatorStop(runRun(args, json), {
+    onStop: (stop) =>
+      stop._tag === "OutputClosed"
+        ? Effect.void
+        : Effect.sync(() => {
+          json.stopped = stop.signal
+          process.stderr.write(`\nswactor run: stopped by the operator (${stop.signal}); every stage was stopped\n`)
+        }).pipe(Effect.zipRight(printJson))
   }).pipe(
-    Effect.scoped,
-    Effect.tapError((error) => (typeof error === "string" ? Console.error(`swactor run: ${error}`) : Effect.void))
+    Effect.tap((result) => (Option.isSome(result) ? printJson : Effect.void)),
+    Effect.tapError((error) =>
+      Effect.sync(() => {
+        json.fault = {
+          _tag: error._tag,
+          message: "message" in error && typeof error.message === "string" ? error.message : describeError(error),
+          ...("reason" in error ? { reason: error.reason } : {})
+        }
+        process.stderr.write(`swactor run${error._tag === "UsageError" ? ":" : ""} ${describeFailure(error)}\n`)
+      }).pipe(Effect.zipRight(printJson))
+    )
   )
+}
+
+const defaultPrompt = "Once upon a time"
 
 export const runCommand = Command.make(
   "run",
@@ -317,28 +516,53 @@ export const runCommand = Command.make(
       Options.withDescription("GGUF model (default: a small synthetic model, written once to ~/.cache/swactor)"),
       Options.optional
     ),
-    prompt: Options.text("prompt").pipe(Options.withDefault("Once upon a time")),
-    stages: Options.integer("stages").pipe(
-      Options.withDescription("pipeline stages (local default 2; with --nodes, one per node)"),
+    prompt: Options.text("prompt").pipe(
+      Options.withDescription(`prompt text, or - to read it from standard input (default: "${defaultPrompt}")`),
       Options.optional
     ),
-    maxTokens: Options.integer("max-tokens").pipe(Options.withDefault(128)),
-    temperature: Options.float("temperature").pipe(Options.withDescription("0 = greedy"), Options.withDefault(0)),
-    topK: Options.integer("top-k").pipe(Options.withDefault(40)),
+    promptFile: Options.file("prompt-file").pipe(Options.withDescription("read the prompt from this file"), Options.optional),
+    stages: Options.integer("stages").pipe(
+      Options.withDescription("pipeline stages (default: 2 local agents; with --nodes, one per node)"),
+      Options.optional
+    ),
+    maxTokens: Options.integer("max-tokens").pipe(
+      Options.withDescription("tokens to generate (prompt + max tokens must fit the model's context)"),
+      withShownDefault(128)
+    ),
+    temperature: Options.float("temperature").pipe(Options.withDescription("0 = greedy"), withShownDefault(0)),
+    topK: Options.integer("top-k").pipe(Options.withDescription("sample among the k likeliest (0 = all)"), withShownDefault(40)),
     seed: Options.integer("seed").pipe(Options.withDescription("sampling seed (same seed, same text)"), Options.optional),
-    threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
+    threads: Options.integer("threads").pipe(
+      Options.withDescription("engine threads per stage (default: every core of the node)"),
+      Options.optional
+    ),
     nodes: Options.text("nodes").pipe(
       Options.withDescription(`remote agents host:port,... (token from ${clusterTokenEnv} or --token-file)`),
       Options.optional
     ),
-    tokenFile: Options.text("token-file").pipe(Options.optional),
+    tokenFile: Options.text("token-file").pipe(
+      Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
+      Options.optional
+    ),
     quiet: Options.boolean("quiet").pipe(Options.withDescription("only the text: no progress, no summary")),
+    json: Options.boolean("json").pipe(
+      Options.withDescription("print one JSON document when the run ends: ok, text, tokens, summary or fault")
+    ),
     dryRun: Options.boolean("dry-run").pipe(
       Options.withDescription("ask the nodes for their capacity, print the placement, provision nothing")
     ),
+    placement: Options.choice("placement", ["balanced", "capacity", "fixed"]).pipe(
+      Options.withDescription("balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"),
+      Options.optional,
+      Options.map(Option.getOrUndefined)
+    ),
+    layers: Options.text("layers").pipe(
+      Options.withDescription("fixed block ranges per stage, inclusive, e.g. 0-9,10-15"),
+      Options.optional
+    ),
     spares: Options.integer("spares").pipe(
       Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
-      Options.withDefault(0)
+      withShownDefault(0)
     )
   },
   runRunCommand

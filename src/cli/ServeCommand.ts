@@ -1,16 +1,17 @@
 /**
  * `swactor serve`: keeps one pipeline loaded (local agents, or remote nodes) and serves an OpenAI-compatible
- * HTTP API over it until stopped (SIGINT/SIGTERM: full teardown, exit code 130 as for `swactor run`).
+ * HTTP API over it until stopped (SIGINT/SIGTERM/SIGHUP: full teardown, exit 130/143/129 as for `swactor run`).
  * stderr says `listening on http://HOST:PORT` at once and `ready` once the weights are loaded.
  */
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
-import { readFileSync } from "node:fs"
 import { Context, Effect, Layer, Option } from "effect"
 import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/HttpServe.js"
 import { clusterTokenEnv } from "../layers/LocalAgents.js"
 import { Server } from "../services/Server.js"
+import { clusterToken, nodeList, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
+import { untilOperatorStop } from "./Signals.js"
 
 export interface ServeArgs {
   readonly model: string
@@ -27,49 +28,30 @@ export interface ServeArgs {
   readonly spares: number
 }
 
-/**
- * Keeps a SIGINT/SIGTERM listener while serving, so a loader that exits when none is left (tsx) does not cut
- * the teardown short; a second signal exits at once. (Same behaviour as `swactor run`'s; to be replaced by the
- * shared CLI signal helper.)
- */
-const holdSignals = Effect.acquireRelease(
-  Effect.sync(() => {
-    let signals = 0
-    const onSignal = () => {
-      signals++
-      if (signals > 1) process.exit(130)
-    }
-    process.on("SIGINT", onSignal)
-    process.on("SIGTERM", onSignal)
-    return onSignal
-  }),
-  (onSignal) =>
-    Effect.sync(() => {
-      process.off("SIGINT", onSignal)
-      process.off("SIGTERM", onSignal)
-    })
-)
-
-export const runServeCommand = (args: ServeArgs) =>
+const runServe = (args: ServeArgs) =>
   Effect.gen(function*() {
-    yield* holdSignals
-    const nodes = Option.isSome(args.nodes)
-      ? args.nodes.value.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
-      : []
-    const token = Option.isSome(args.tokenFile)
-      ? readFileSync(args.tokenFile.value, "utf8").trim()
-      : process.env[clusterTokenEnv] ?? ""
+    // Every flag checked before anything starts, each refusal one line naming the flag.
+    const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
+    const token = yield* clusterToken(args.tokenFile)
     if (nodes.length > 0 && token === "") {
-      return yield* Effect.fail(`--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file`)
+      return yield* new UsageError({ message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
     }
-    const threads = Option.getOrUndefined(args.threads)
+    const stages = yield* optionalWholeNumber("stages", args.stages, 1)
+    const threads = Option.getOrUndefined(yield* optionalWholeNumber("threads", args.threads, 1))
+    const kvBudgetMib = yield* optionalWholeNumber("kv-budget-mib", args.kvBudgetMib, 1)
+    yield* wholeNumber("port", args.port, 0)
+    if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
+    yield* wholeNumber("parallel", args.parallel, 1)
+    yield* wholeNumber("queue", args.queue, 0)
+    yield* wholeNumber("spares", args.spares, 0)
+    yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
     const server = serve({
       model: args.model,
       parallel: args.parallel,
       queueLimit: args.queue,
-      ...(Option.isSome(args.stages) ? { stages: args.stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
+      ...(Option.isSome(stages) ? { stages: stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
       ...(threads === undefined ? {} : { threads }),
-      ...(Option.isSome(args.kvBudgetMib) ? { kvBudgetBytes: args.kvBudgetMib.value * 2 ** 20 } : {}),
+      ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
       ...(nodes.length > 0 ? { nodes, token } : {}),
       ...(args.spares > 0 ? { spares: args.spares } : {})
     })
@@ -81,23 +63,29 @@ export const runServeCommand = (args: ServeArgs) =>
     }, args.model)
     // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),
     // one that faults later keeps serving /health and errors honestly.
-    yield* Effect.gen(function*() {
-      const context = yield* Layer.build(http.pipe(Layer.provideMerge(server)))
-      const info = yield* Context.get(context, Server).ready.pipe(Effect.mapError((fault) => fault.message))
-      process.stderr.write(`swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`)
-      return yield* Effect.never
-    }).pipe(
-      Effect.scoped,
-      Effect.onInterrupt(() =>
-        Effect.sync(() => {
-          process.exitCode = 130
-          process.stderr.write("swactor serve: stopped by the operator; every stage was stopped\n")
-        })
-      )
-    )
+    const context = yield* Layer.build(http.pipe(Layer.provideMerge(server)))
+    const info = yield* Context.get(context, Server).ready.pipe(Effect.mapError((fault) => fault.message))
+    process.stderr.write(`swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`)
+    return yield* Effect.never
+  }).pipe(Effect.scoped)
+
+/** `swactor serve` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every stage stopped, then exit 128+n). */
+export const runServeCommand = (args: ServeArgs) =>
+  untilOperatorStop(runServe(args), {
+    stdoutClosedStops: false,
+    onStop: (stop) =>
+      Effect.sync(() => {
+        if (stop._tag === "Signal") {
+          process.stderr.write(`swactor serve: stopped by ${stop.signal}; every stage was stopped\n`)
+        }
+      })
   }).pipe(
-    Effect.scoped,
-    Effect.tapError((error) => Effect.sync(() => process.stderr.write(`swactor serve: ${error}\n`)))
+    Effect.tapError((error) =>
+      Effect.sync(() => {
+        process.exitCode = 1
+        process.stderr.write(`swactor serve: ${typeof error === "string" ? error : error.message}\n`)
+      })
+    )
   )
 
 export const serveCommand = Command.make(
@@ -113,13 +101,13 @@ export const serveCommand = Command.make(
       Options.optional
     ),
     tokenFile: Options.text("token-file").pipe(Options.optional),
-    host: Options.text("host").pipe(Options.withDefault("127.0.0.1")),
-    port: Options.integer("port").pipe(Options.withDescription("0 = any free port"), Options.withDefault(8080)),
+    host: Options.text("host").pipe(withShownDefault("127.0.0.1")),
+    port: Options.integer("port").pipe(Options.withDescription("0 = any free port"), withShownDefault(8080)),
     threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
-    parallel: Options.integer("parallel").pipe(Options.withDescription("sequences running at once"), Options.withDefault(4)),
+    parallel: Options.integer("parallel").pipe(Options.withDescription("sequences running at once"), withShownDefault(4)),
     queue: Options.integer("queue").pipe(
       Options.withDescription("requests waiting for admission at most; more get 429"),
-      Options.withDefault(64)
+      withShownDefault(64)
     ),
     kvBudgetMib: Options.integer("kv-budget-mib").pipe(
       Options.withDescription("KV cache MiB per stage shared by running requests (default: --parallel sequences of 4,096 tokens)"),
@@ -127,11 +115,11 @@ export const serveCommand = Command.make(
     ),
     keepAliveMs: Options.integer("keep-alive-ms").pipe(
       Options.withDescription("SSE keep-alive comment interval while a stream waits"),
-      Options.withDefault(5000)
+      withShownDefault(5000)
     ),
     spares: Options.integer("spares").pipe(
       Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
-      Options.withDefault(0)
+      withShownDefault(0)
     )
   },
   runServeCommand

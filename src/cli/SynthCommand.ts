@@ -14,14 +14,15 @@ import {
   syntheticTypes,
   writeSyntheticModel
 } from "../layers/gguf/Synthetic.js"
+import { withShownDefault } from "./Flags.js"
 
 export interface SynthArgs {
   readonly arch: SyntheticArch
   readonly layers: number
   readonly hidden: number
   readonly ffn: number
-  readonly heads: number
-  readonly kvHeads: number
+  readonly heads: Option.Option<number>
+  readonly kvHeads: Option.Option<number>
   readonly headDim: Option.Option<number>
   readonly vocab: number
   readonly contextLength: number
@@ -33,14 +34,23 @@ export interface SynthArgs {
   readonly output: string
 }
 
-export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => ({
+/**
+ * Attention heads when `--heads` is not given: a head dimension of 128 (the usual one from 2048 up), else 64, else
+ * one head.
+ */
+export const defaultHeads = (hidden: number): number =>
+  hidden >= 2048 && hidden % 128 === 0 ? hidden / 128 : hidden % 64 === 0 && hidden >= 64 ? hidden / 64 : 1
+
+export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => {
+  const heads = Option.getOrElse(args.heads, () => defaultHeads(args.hidden))
+  return {
   path: args.output,
   arch: args.arch,
   layers: args.layers,
   hidden: args.hidden,
   ffn: args.ffn,
-  heads: args.heads,
-  kvHeads: args.kvHeads,
+  heads,
+  kvHeads: Option.getOrElse(args.kvHeads, () => heads),
   vocab: args.vocab,
   contextLength: args.contextLength,
   type: args.type,
@@ -49,7 +59,8 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.headDim) ? { headDim: args.headDim.value } : {}),
   ...(Option.isSome(args.ropeFreqBase) ? { ropeFreqBase: args.ropeFreqBase.value } : {}),
   ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {})
-})
+}
+}
 
 const mib = (bytes: number) => (bytes / (1024 * 1024)).toFixed(1)
 
@@ -88,21 +99,21 @@ export const synthCommand = Command.make(
   {
     arch: Options.choice("arch", syntheticArchs).pipe(
       Options.withDescription("architecture"),
-      Options.withDefault("llama" as const)
+      withShownDefault("llama" as const)
     ),
     layers: int("layers", "transformer blocks"),
     hidden: int("hidden", "embedding length"),
     ffn: int("ffn", "feed-forward length"),
-    heads: int("heads", "attention heads"),
-    kvHeads: int("kv-heads", "key/value heads (divides --heads)"),
+    heads: int("heads", "attention heads (default: hidden / 128 from 2048 up, else hidden / 64)").pipe(Options.optional),
+    kvHeads: int("kv-heads", "key/value heads, divides --heads (default: --heads)").pipe(Options.optional),
     headDim: int("head-dim", "per-head dimension (default hidden / heads)").pipe(Options.optional),
-    vocab: int("vocab", "vocabulary size, at least 259").pipe(Options.withDefault(32000)),
-    contextLength: int("context-length", "context length").pipe(Options.withDefault(2048)),
+    vocab: int("vocab", "vocabulary size, at least 259").pipe(withShownDefault(32000)),
+    contextLength: int("context-length", "context length").pipe(withShownDefault(2048)),
     type: Options.choice("type", syntheticTypes).pipe(
       Options.withDescription("storage type of the weight matrices"),
-      Options.withDefault("f32" as const)
+      withShownDefault("f32" as const)
     ),
-    seed: int("seed", "generator seed").pipe(Options.withDefault(1)),
+    seed: int("seed", "generator seed").pipe(withShownDefault(1)),
     tiedOutput: Options.boolean("tied-output").pipe(
       Options.withDescription("no output.weight: the token embedding is the output head")
     ),

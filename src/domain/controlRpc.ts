@@ -98,7 +98,13 @@ export const NodeCapacity = Schema.Struct({
   backend: Schema.String,
   hostname: Schema.String,
   /** Stages this agent hosts right now (all runs). */
-  activeStages: Schema.Number
+  activeStages: Schema.Number,
+  /** Weight bytes the agent's engine processes per second (placement's speed); absent: unknown. */
+  speedBytesPerSecond: Schema.optional(Schema.Number),
+  /** Where the speed comes from: declared by the operator (`--speed`) or measured. */
+  speedSource: Schema.optional(Schema.Literal("declared", "measured")),
+  /** The operator's memory cap (`--memory-limit`); `freeMemoryBytes` never exceeds it. */
+  memoryLimitBytes: Schema.optional(Schema.Number)
 }).annotations({ identifier: "NodeCapacity" })
 export type NodeCapacity = typeof NodeCapacity.Type
 

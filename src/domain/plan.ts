@@ -76,6 +76,10 @@ export const PlacementInput = Schema.Union(
 )
 export type PlacementInput = typeof PlacementInput.Type
 
+/** A stage's block range `[start, endExclusive)`. */
+export const LayerRange = Schema.Tuple(Schema.Number, Schema.Number)
+export type LayerRange = typeof LayerRange.Type
+
 export const PlannerInput = Schema.Struct({
   runId: RunId,
   orchestratorNodeId: NodeId,
@@ -84,6 +88,11 @@ export const PlannerInput = Schema.Struct({
   candidatePool: Schema.Array(NodeId),
   stageCount: Schema.Number,
   placement: PlacementInput,
+  /**
+   * Each stage's block range, in stage order (from a placement intent: `capacity` or `fixed`). Absent: the balanced
+   * split (`partitionLayers`). Present: must be non-empty, contiguous from 0 and complete, one range per stage.
+   */
+  layerRanges: Schema.optional(Schema.Array(LayerRange)),
   activationRing: RingSpec,
   tokenRing: RingSpec
 }).annotations({ identifier: "PlannerInput" })
@@ -162,3 +171,62 @@ export class ProvisionStage extends Schema.Class<ProvisionStage>("ProvisionStage
   inbound: EdgeProvision,
   outbound: EdgeProvision
 }) {}
+
+/**
+ * What placement needs to know about a model's memory and work, per block, from its GGUF tensor table: weight bytes
+ * of each block, the input embedding (stage 0) and the output head (last stage: `output_norm` + `output`, or the
+ * tied `token_embd`), and KV-cache bytes per token of context for each block (F16 K and V).
+ */
+export const ModelLayout = Schema.Struct({
+  blockBytes: Schema.Array(Schema.Number),
+  kvBytesPerToken: Schema.Array(Schema.Number),
+  inputBytes: Schema.Number,
+  outputBytes: Schema.Number,
+  hiddenDim: Schema.Number
+}).annotations({ identifier: "ModelLayout" })
+export type ModelLayout = typeof ModelLayout.Type
+
+/**
+ * How blocks are assigned to nodes. `Balanced`: today's equal split over `stageCount` stages on the pool in order.
+ * `Capacity`: blocks in proportion to measured speed within each node's memory, possibly on fewer nodes. `Fixed`: the
+ * user's ranges (`--layers 0-9,10-15`), stage i on the i-th node of the pool (cycling).
+ */
+export const PlacementIntent = Schema.Union(
+  Schema.TaggedStruct("Balanced", { stageCount: Schema.Number }),
+  Schema.TaggedStruct("Capacity", {}),
+  Schema.TaggedStruct("Fixed", { ranges: Schema.Array(LayerRange) })
+)
+export type PlacementIntent = typeof PlacementIntent.Type
+
+/** One candidate node as placement sees it: free memory for this run and weight bytes it processes per second. */
+export const PoolNode = Schema.Struct({
+  nodeId: NodeId,
+  freeMemoryBytes: Schema.Number,
+  speedBytesPerSecond: Schema.Number
+}).annotations({ identifier: "PoolNode" })
+export type PoolNode = typeof PoolNode.Type
+
+/** One stage of a chosen placement, with the figures that explain it. */
+export const PlacedStage = Schema.Struct({
+  stageIndex: Schema.Number,
+  nodeId: NodeId,
+  layerStart: Schema.Number,
+  layerEndExclusive: Schema.Number,
+  /** Weight bytes this stage loads (blocks, plus embeddings / output head where its role needs them). */
+  weightBytes: Schema.Number,
+  /** Weights + KV cache + compute buffers. */
+  memoryBytes: Schema.Number,
+  /** Expected milliseconds per token in the planner's cost model (weights read / speed + one hop). */
+  expectedMillis: Schema.Number
+}).annotations({ identifier: "PlacedStage" })
+export type PlacedStage = typeof PlacedStage.Type
+
+export const PlacementChoice = Schema.Struct({
+  intent: Schema.Literal("Balanced", "Capacity", "Fixed"),
+  stages: Schema.Array(PlacedStage),
+  /** The slowest stage's ms per token: the pipeline's throughput limit when every stage is kept busy. */
+  bottleneckMillis: Schema.Number,
+  /** Sum of the stages' ms: one token's trip through the pipeline (a single sequence's decode time). */
+  latencyMillis: Schema.Number
+}).annotations({ identifier: "PlacementChoice" })
+export type PlacementChoice = typeof PlacementChoice.Type

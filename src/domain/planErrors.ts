@@ -145,6 +145,16 @@ export class InvalidModelFacts extends Schema.TaggedError<InvalidModelFacts>()("
   }
 }
 
+/** Explicit layer ranges that are not one non-empty, contiguous, complete range per stage. */
+export class InvalidLayerRanges extends Schema.TaggedError<InvalidLayerRanges>()("InvalidLayerRanges", {
+  ranges: Schema.String,
+  reason: Schema.String
+}) {
+  override get message() {
+    return `layer ranges ${this.ranges} are invalid: ${this.reason}`
+  }
+}
+
 /** Every way planning can refuse an input. No rejection ever comes with a partial plan. */
 export const PlanRejection = Schema.Union(
   UnknownNode,
@@ -158,7 +168,8 @@ export const PlanRejection = Schema.Union(
   InvalidMaxTokens,
   DuplicateCandidateNode,
   InvalidModelFacts,
-  InvalidNodeId
+  InvalidNodeId,
+  InvalidLayerRanges
 )
 export type PlanRejection = typeof PlanRejection.Type
 
@@ -174,3 +185,63 @@ export class StageNotInPlan extends Schema.TaggedError<StageNotInPlan>()("StageN
 
 /** Every way projecting a stage can fail (one way today). */
 export type ProjectionRejection = StageNotInPlan
+
+/** A `--layers` text that is not a list of block ranges such as `0-9,10-15` (inclusive ends). */
+export class InvalidLayerSpec extends Schema.TaggedError<InvalidLayerSpec>()("InvalidLayerSpec", {
+  text: Schema.String,
+  reason: Schema.String
+}) {
+  override get message() {
+    return `--layers "${this.text}" is invalid: ${this.reason} (expected ranges like 0-9,10-15)`
+  }
+}
+
+/** No split of the model over the pool keeps every node within its free memory. */
+export class PoolMemoryTooSmall extends Schema.TaggedError<PoolMemoryTooSmall>()("PoolMemoryTooSmall", {
+  /** Weights + KV + compute of the whole model on one stage. */
+  requiredBytes: InputNumber,
+  poolFreeBytes: InputNumber,
+  largestNodeFreeBytes: InputNumber,
+  nodes: InputNumber
+}) {
+  override get message() {
+    const mib = (n: number) => `${(n / 2 ** 20).toFixed(1)} MiB`
+    return `the model does not fit in the pool's memory: it needs about ${mib(this.requiredBytes)} ` +
+      `(weights + KV cache + compute buffers), the pool's ${this.nodes} node(s) have ${mib(this.poolFreeBytes)} free ` +
+      `(largest ${mib(this.largestNodeFreeBytes)}), and no contiguous split fits every node`
+  }
+}
+
+/** A balanced or fixed placement puts more on one node than its free memory. */
+export class StageOverMemory extends Schema.TaggedError<StageOverMemory>()("StageOverMemory", {
+  nodeId: InputNumber,
+  stageIndices: Schema.Array(InputNumber),
+  requiredBytes: InputNumber,
+  freeBytes: InputNumber
+}) {
+  override get message() {
+    const mib = (n: number) => `${(n / 2 ** 20).toFixed(1)} MiB`
+    return `stage(s) ${this.stageIndices.join(", ")} on node ${this.nodeId} need about ${mib(this.requiredBytes)} ` +
+      `(weights + KV cache + compute buffers) but the node has ${mib(this.freeBytes)} free; ` +
+      "try --placement capacity or fewer blocks there"
+  }
+}
+
+/** The pool is empty, or a placement intent is malformed (stage count, ranges). */
+export class InvalidPlacement extends Schema.TaggedError<InvalidPlacement>()("InvalidPlacement", {
+  reason: Schema.String
+}) {
+  override get message() {
+    return `invalid placement: ${this.reason}`
+  }
+}
+
+/** Every way choosing a placement can fail. */
+export const PlacementRejection = Schema.Union(
+  InvalidLayerSpec,
+  PoolMemoryTooSmall,
+  StageOverMemory,
+  InvalidPlacement,
+  InvalidLayerRanges
+)
+export type PlacementRejection = typeof PlacementRejection.Type

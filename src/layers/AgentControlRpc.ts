@@ -93,7 +93,8 @@ const openAuthenticated = (address: TransportAddress, token: string, timeout: Du
     }),
     (conn) => Effect.sync(() => conn.destroy())
   ).pipe(
-    Effect.tap((conn) =>
+    // The socket to speak on: TLS over the connection across hosts, the connection itself on loopback.
+    Effect.flatMap((conn) =>
       clientHandshake(conn, { token: Redacted.make(token), timeout }).pipe(
         Effect.mapError((failed) => new Socket.SocketGenericError({ reason: "Open", cause: new Error(failed.detail) }))
       )
@@ -104,6 +105,22 @@ const openAuthenticated = (address: TransportAddress, token: string, timeout: Du
     })
   )
 
+/** Why a control connection could not be opened, in words: a peer that is not a swactor node is named as such. */
+const connectFailure = (address: string, error: Socket.SocketError): string => {
+  const detail = error.cause instanceof Error ? error.cause.message : String(error.cause ?? error.message)
+  const prefix = `cannot connect to ${address}`
+  if (/^expected |unsupported auth version/.test(detail)) {
+    return `${prefix}: not a swactor node (it answered, but not with a swactor handshake: ${detail})`
+  }
+  if (error.reason === "OpenTimeout" || detail === "handshake timed out") {
+    return `${prefix}: no swactor handshake within the connect timeout (is a swactor node listening there?)`
+  }
+  if (/does not match the cluster token/.test(detail)) {
+    return `${prefix}: the cluster token does not match (${detail}); use the same token on every node`
+  }
+  return `${prefix}: ${detail}`
+}
+
 const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, AgentUnavailable, Scope.Scope> =>
   Effect.gen(function*() {
     const address = parseAddress(node.address)
@@ -112,7 +129,7 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
     const scope = yield* Effect.scope
     const timeout = "10 seconds"
     let first: Net.Socket | undefined = yield* openAuthenticated(address, token, timeout).pipe(
-      Effect.mapError((error) => unavailable(`cannot connect: ${String(error.cause ?? error.message)}`))
+      Effect.mapError((error) => unavailable(connectFailure(node.address, error)))
     )
     const open = Effect.suspend(() => {
       if (first === undefined) return openAuthenticated(address, token, timeout)

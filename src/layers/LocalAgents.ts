@@ -1,12 +1,11 @@
 import { type ChildProcess, spawn } from "node:child_process"
 import { randomBytes } from "node:crypto"
-import { mkdtempSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { dirname, join } from "node:path"
-import { fileURLToPath, pathToFileURL } from "node:url"
-import { createRequire } from "node:module"
+import { fileURLToPath } from "node:url"
 import * as Dgram from "node:dgram"
-import { Deferred, Duration, Effect, Layer, Schema, type Scope } from "effect"
+import { Deferred, Duration, Effect, Fiber, Layer, Schema, type Scope } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
 import { NodeId } from "../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
@@ -74,14 +73,18 @@ export const generateToken = (): string => randomBytes(32).toString("hex")
 
 const here = dirname(fileURLToPath(import.meta.url))
 
-/** argv that runs `swactor <args>` in a fresh Node process: through tsx when running from sources. */
-export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => {
-  const compiled = import.meta.url.endsWith(".js")
-  const main = join(here, "..", compiled ? "main.js" : "main.ts")
-  if (compiled) return { command: process.execPath, args: [main, ...args] }
-  const tsx = pathToFileURL(createRequire(import.meta.url).resolve("tsx")).href
-  return { command: process.execPath, args: ["--import", tsx, main, ...args] }
-}
+/**
+ * The compiled CLI entry (`dist/main.js`): this module's sibling when running compiled, the package's `dist/` when
+ * running from sources (tests, development: the build runs first, `npm test` and `npm run swactor` do it).
+ */
+export const swactorMain = (): string =>
+  import.meta.url.endsWith(".js") ? join(here, "..", "main.js") : join(here, "..", "..", "dist", "main.js")
+
+/** argv that runs `swactor <args>` in a fresh Node process: plain `node dist/main.js`, no loader, no wrapper. */
+export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => ({
+  command: process.execPath,
+  args: [swactorMain(), ...args]
+})
 
 /** Every agent child still alive, killed synchronously if this process exits without closing its scopes. */
 const liveChildren = new Set<ChildProcess>()
@@ -118,6 +121,9 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       ...(options.extraArgs?.(index) ?? [])
     ]
     const { command, args: argv } = swactorCommand(args)
+    if (!existsSync(argv[0]!)) {
+      return yield* new AgentSpawnError({ index, message: `${argv[0]} is missing: build the package first (npm run build)` })
+    }
     const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"
     const exited = yield* Deferred.make<AgentExit>()
     const ready = yield* Deferred.make<Announced, AgentSpawnError>()
@@ -291,61 +297,96 @@ export interface LocalPoolOptions {
   readonly extraArgs?: (index: number) => ReadonlyArray<string>
   readonly env?: Readonly<Record<string, string>>
   readonly inheritStderr?: boolean
+  /** Start this many agents when the layer is built, for the first run of that many stages (see localAgentPool). */
+  readonly prestart?: number
   /** Called with the agents once they are up (tests use it to find pids). */
   readonly onStarted?: (agents: ReadonlyArray<LocalAgent>) => void
 }
 
-/** Every run starts its own agents on this machine (one per stage) with a fresh cluster token. */
-export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> =>
-  Layer.succeed(
+/** A fresh private socket folder, token and `count` agents, as one run of a local pool uses them. */
+const startLocalSet = (count: number, options: LocalPoolOptions) =>
+  Effect.gen(function*() {
+    const token = generateToken()
+    // Every data edge of a local run stays on this machine: Unix sockets in a private directory
+    // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).
+    const dataDir = yield* privateSocketDir
+    const agents = yield* spawnLocalAgents({
+      count,
+      token,
+      dataDir,
+      ...(options.threads === undefined ? {} : { threads: options.threads }),
+      ...(options.engine === undefined ? {} : { engine: options.engine }),
+      ...(options.extraArgs === undefined ? {} : { extraArgs: options.extraArgs }),
+      ...(options.env === undefined ? {} : { env: options.env }),
+      ...(options.inheritStderr === undefined ? {} : { inheritStderr: options.inheritStderr })
+    })
+    return { token, dataDir, agents }
+  })
+
+const agentSetOf = (
+  { agents, dataDir, token }: Effect.Effect.Success<ReturnType<typeof startLocalSet>>,
+  options: LocalPoolOptions
+): AgentSet => {
+  options.onStarted?.(agents)
+  const nodes = agents.map((agent) => ({ nodeId: NodeId.make(agent.index + 1), address: agent.address }))
+  const exited = Effect.raceAll(
+    agents.map((agent, index) =>
+      Effect.map(agent.exited, (exit) => ({
+        node: nodes[index]!,
+        reason: `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
+          (agent.stderrTail().trim() === "" ? "" : `: ${agent.stderrTail().trim().split("\n").slice(-3).join(" | ")}`)
+      }))
+    )
+  )
+  return {
+    nodes,
+    token,
+    listenHost: "127.0.0.1",
+    dataListen: { _tag: "Unix", path: join(dataDir, "orchestrator.sock") },
+    exited
+  }
+}
+
+const checkedCount = (count: number) =>
+  Number.isSafeInteger(count) && count >= 1
+    ? Effect.succeed(count)
+    : Effect.fail(new InvalidRequest({ message: `stages must be a positive whole number, got ${count}` }))
+
+/**
+ * Every run starts its own agents on this machine (one per stage) with a fresh cluster token.
+ *
+ * With `prestart: n` the pool starts `n` agents as soon as the layer is built, so that they boot while the
+ * orchestrator reads the model's facts and vocabulary; the first run that asks for `n` stages takes them (any other
+ * run starts its own). Pre-started agents live as long as the layer (one-shot programs: `swactor run`).
+ */
+export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> => {
+  // Spares: agents that host nothing until a recovery needs them.
+  const fresh = (stages: number | undefined, spares = 0) =>
+    Effect.gen(function*() {
+      const count = yield* checkedCount(stages ?? options.defaultStages ?? 1)
+      if (!Number.isSafeInteger(spares) || spares < 0) {
+        return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
+      }
+      return agentSetOf(yield* startLocalSet(count + spares, options), options)
+    })
+  if (options.prestart === undefined) return Layer.succeed(AgentPool, AgentPool.of({ acquire: fresh }))
+  const prestart = options.prestart
+  return Layer.scoped(
     AgentPool,
-    AgentPool.of({
-      acquire: (stages, spares = 0) =>
-        Effect.gen(function*() {
-          const wanted = stages ?? options.defaultStages ?? 1
-          if (!Number.isSafeInteger(wanted) || wanted < 1) {
-            return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${wanted}` })
-          }
-          if (!Number.isSafeInteger(spares) || spares < 0) {
-            return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
-          }
-          // Spares: agents that host nothing until a recovery needs them.
-          const count = wanted + spares
-          const token = generateToken()
-          // Every data edge of a local run stays on this machine: Unix sockets in a private directory
-          // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).
-          const dataDir = yield* privateSocketDir
-          const agents = yield* spawnLocalAgents({
-            count,
-            token,
-            dataDir,
-            ...(options.threads === undefined ? {} : { threads: options.threads }),
-            ...(options.engine === undefined ? {} : { engine: options.engine }),
-            ...(options.extraArgs === undefined ? {} : { extraArgs: options.extraArgs }),
-            ...(options.env === undefined ? {} : { env: options.env }),
-            ...(options.inheritStderr === undefined ? {} : { inheritStderr: options.inheritStderr })
-          })
-          options.onStarted?.(agents)
-          const nodes = agents.map((agent) => ({ nodeId: NodeId.make(agent.index + 1), address: agent.address }))
-          const exited = Effect.raceAll(
-            agents.map((agent, index) =>
-              Effect.map(agent.exited, (exit) => ({
-                node: nodes[index]!,
-                reason: `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
-                  (agent.stderrTail().trim() === "" ? "" : `: ${agent.stderrTail().trim().split("\n").slice(-3).join(" | ")}`)
-              }))
-            )
-          )
-          return {
-            nodes,
-            token,
-            listenHost: "127.0.0.1",
-            dataListen: { _tag: "Unix", path: join(dataDir, "orchestrator.sock") },
-            exited
-          } satisfies AgentSet
-        })
+    Effect.gen(function*() {
+      const early = yield* Effect.forkScoped(startLocalSet(prestart, options))
+      let taken = false
+      return AgentPool.of({
+        acquire: (stages, spares = 0) => {
+          const count = (stages ?? options.defaultStages ?? 1) + spares
+          if (taken || count !== prestart) return fresh(stages, spares)
+          taken = true
+          return Effect.map(Fiber.join(early), (set) => agentSetOf(set, options))
+        }
+      })
     })
   )
+}
 
 /** The local address this machine uses to reach `host` (so remote agents can connect back). */
 export const routeHostFor = (host: string): Effect.Effect<string> =>

@@ -5,7 +5,8 @@
 import { basename } from "node:path"
 import { Effect, Layer } from "effect"
 import { ModelLoadError } from "../domain/gguf.js"
-import type { ModelFacts } from "../domain/plan.js"
+import type { GgufFile } from "../domain/gguf.js"
+import type { ModelFacts, ModelLayout } from "../domain/plan.js"
 import { ModelCatalog, type ModelCatalogService } from "../services/ModelCatalog.js"
 import * as Gguf from "./gguf/GgufReader.js"
 
@@ -34,18 +35,64 @@ export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoa
     } satisfies ModelFacts
   })
 
-export const make: ModelCatalogService = { facts: readModelFacts }
+/**
+ * Per-block sizes from the tensor table: every `blk.N.*` tensor's bytes count for block N; `token_embd` is the input;
+ * `output_norm` + `output` (or `token_embd` again when the output is tied to it) the output head. KV per token and
+ * block: the K and V projections' output widths, in F16 (the engine's cache type).
+ */
+export const layoutOfFile = (file: GgufFile, numLayers: number, hiddenDim: number): ModelLayout => {
+  const blockBytes = Array<number>(numLayers).fill(0)
+  for (const tensor of file.tensors) {
+    const match = /^blk\.(\d+)\./.exec(tensor.name)
+    if (match === null) continue
+    const block = Number(match[1])
+    if (block < numLayers) blockBytes[block]! += tensor.byteSize
+  }
+  const bytes = (name: string) => file.tensorsByName.get(name)?.byteSize ?? 0
+  const width = (name: string) => file.tensorsByName.get(name)?.dims[1]
+  const kvBytesPerToken = blockBytes.map((_, i) => {
+    const k = width(`blk.${i}.attn_k.weight`) ?? hiddenDim
+    const v = width(`blk.${i}.attn_v.weight`) ?? hiddenDim
+    return 2 * (k + v)
+  })
+  const output = file.tensorsByName.has("output.weight") ? bytes("output.weight") : bytes("token_embd.weight")
+  return {
+    blockBytes,
+    kvBytesPerToken,
+    inputBytes: bytes("token_embd.weight"),
+    outputBytes: bytes("output_norm.weight") + output,
+    hiddenDim
+  }
+}
+
+export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelLoadError> =>
+  Effect.gen(function*() {
+    const file = yield* Gguf.readGgufFile(path)
+    const facts = yield* readModelFacts(path)
+    return layoutOfFile(file, facts.numLayers, facts.hiddenDim)
+  })
+
+export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout }
 
 /** Reads GGUF metadata from the file system. */
 export const layer: Layer.Layer<ModelCatalog> = Layer.succeed(ModelCatalog, make)
 
 /** Answers from `models` (path → facts); any other path is a `ModelLoadError` (Io). */
-export const layerTest = (models: ReadonlyMap<string, ModelFacts>): Layer.Layer<ModelCatalog> =>
+export const layerTest = (
+  models: ReadonlyMap<string, ModelFacts>,
+  layouts: ReadonlyMap<string, ModelLayout> = new Map()
+): Layer.Layer<ModelCatalog> =>
   Layer.succeed(ModelCatalog, {
     facts: (path) => {
       const facts = models.get(path)
       return facts !== undefined
         ? Effect.succeed(facts)
         : Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no model at ${path}` }))
+    },
+    layout: (path) => {
+      const layout = layouts.get(path)
+      return layout !== undefined
+        ? Effect.succeed(layout)
+        : Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no model layout for ${path}` }))
     }
   })

@@ -51,6 +51,11 @@ export interface StageHostOptions {
   readonly connectTimeout?: Duration.DurationInput
   /** Micro-batch size and prompt chunk of the per-weights stage batcher. */
   readonly batch?: BatcherSettings
+  /** Cap on the free memory this agent reports (`--memory-limit`): placement never gives it more. */
+  readonly memoryLimitBytes?: number
+  /** Weight bytes per second of this agent's engine (`--speed`, or measured at start), reported to placement. */
+  readonly speedBytesPerSecond?: number
+  readonly speedSource?: "declared" | "measured"
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -313,12 +318,16 @@ export const makeStageHost = (
 
     const capacity = Effect.sync(() =>
       NodeCapacity.make({
-        freeMemoryBytes: Os.freemem(),
+        freeMemoryBytes: Math.min(Os.freemem(), options.memoryLimitBytes ?? Number.POSITIVE_INFINITY),
         totalMemoryBytes: Os.totalmem(),
         threads: options.threads,
         backend: options.backend,
         hostname: Os.hostname(),
-        activeStages: active.size
+        activeStages: active.size,
+        ...(options.speedBytesPerSecond === undefined
+          ? {}
+          : { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }),
+        ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
       })
     )
 
@@ -346,6 +355,11 @@ export interface NodeAgentOptions {
    * tokens per prompt chunk, else 128).
    */
   readonly batch?: BatcherSettings
+  /** Cap on the free memory reported to orchestrators (bytes). */
+  readonly memoryLimitBytes?: number
+  /** Engine speed, weight bytes per second: declared (`--speed`) or measured at start. */
+  readonly speedBytesPerSecond?: number
+  readonly speedSource?: "declared" | "measured"
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -376,7 +390,10 @@ export const startNodeAgent = (
       token: options.token,
       threads: options.threads,
       backend: options.backend,
-      batch: options.batch ?? batchFromEnv()
+      batch: options.batch ?? batchFromEnv(),
+      ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes }),
+      ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond }),
+      ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({

@@ -25,6 +25,7 @@ import {
   type RunRequest,
   type RunUpdate
 } from "../services/Orchestrator.js"
+import { alignUp } from "../services/Planner.js"
 import { Tokenizer } from "../services/Tokenizer.js"
 import { openPipeline, type WarmPipeline } from "./orchestrator/PipelineSetup.js"
 import { generate } from "./orchestrator/Recovery.js"
@@ -104,7 +105,10 @@ export const make = Effect.gen(function*() {
           ...(request.threads === undefined ? {} : { threads: request.threads }),
           ...(request.readinessTimeout === undefined ? {} : { readinessTimeout: request.readinessTimeout }),
           ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat }),
-          ...(request.spares === undefined ? {} : { spares: request.spares })
+          ...(request.spares === undefined ? {} : { spares: request.spares }),
+          ...(request.placement === undefined ? {} : { placement: request.placement }),
+          // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
+          contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
         }, (update) => updates.offer(update).pipe(Effect.asVoid))
         yield* generate(warm, {
           prompt: request.prompt,

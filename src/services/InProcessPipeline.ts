@@ -20,7 +20,9 @@ export interface InProcessPipeline {
 export const openInProcessPipeline = (
   path: string,
   boundaries: ReadonlyArray<number>,
-  options?: SessionOptions
+  options?: SessionOptions,
+  /** Where stage i loads from (a stage's GGUF slice); default `path` for every stage. */
+  stagePath?: (stageIndex: number) => string
 ): Effect.Effect<InProcessPipeline, ModelLoadError, StageExecutor | Scope.Scope> =>
   Effect.gen(function*() {
     const executor = yield* StageExecutor
@@ -28,7 +30,7 @@ export const openInProcessPipeline = (
     const nStages = boundaries.length - 1
     for (let i = 0; i < nStages; i++) {
       const stage = yield* executor.load({
-        path,
+        path: stagePath?.(i) ?? path,
         layerStart: boundaries[i]!,
         layerEndExclusive: boundaries[i + 1]!,
         isFirst: i === 0,

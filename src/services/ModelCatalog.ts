@@ -6,11 +6,13 @@
  */
 import { Context, type Effect } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
-import type { ModelFacts } from "../domain/plan.js"
+import type { ModelFacts, ModelLayout } from "../domain/plan.js"
 
 export interface ModelCatalogService {
   /** The facts of the GGUF file at `path`; a file that is not a readable GGUF model is a `ModelLoadError`. */
   readonly facts: (path: string) => Effect.Effect<ModelFacts, ModelLoadError>
+  /** Bytes per block, embeddings, output head and KV per token, from the file's tensor table (placement). */
+  readonly layout: (path: string) => Effect.Effect<ModelLayout, ModelLoadError>
 }
 
 export class ModelCatalog extends Context.Tag("swactor/ModelCatalog")<ModelCatalog, ModelCatalogService>() {}

@@ -4,8 +4,8 @@
  */
 import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
-import type { ModelFacts } from "../domain/plan.js"
-import type { PlanRejection } from "../domain/planErrors.js"
+import type { LayerRange, ModelFacts, PlacementChoice, PoolNode } from "../domain/plan.js"
+import type { PlacementRejection, PlanRejection } from "../domain/planErrors.js"
 import { RunFaultReason } from "../domain/runFsm.js"
 import type { TransportAddress } from "../domain/frames.js"
 import { RunId } from "../domain/ids.js"
@@ -45,6 +45,11 @@ export interface GenerateRequest {
   readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
   /** Stop after planning: report the nodes' capacity and the placement, provision nothing. */
   readonly dryRun?: boolean
+  /**
+   * How blocks are placed on nodes (default balanced: equal ranges over `stages`). `Capacity`: in proportion to each
+   * node's speed within its memory, maybe on fewer nodes; `Fixed`: these ranges, stage i on the i-th node.
+   */
+  readonly placement?: PlacementRequest
   /** Local agents: this many extra agents that host nothing until a recovery needs them (default 0). */
   readonly spares?: number
   readonly recovery?: RecoveryOptions
@@ -130,6 +135,18 @@ export interface RunSummary {
   readonly stragglers: ReadonlyArray<Straggler>
 }
 
+/** A placement and the pool it was chosen from, for `--dry-run`. */
+export interface PlacementExplanation {
+  readonly choice: PlacementChoice
+  readonly pool: ReadonlyArray<PoolNode>
+}
+
+/** A run's placement intent (see `src/services/Placement.ts`). */
+export type PlacementRequest =
+  | { readonly _tag: "Balanced" }
+  | { readonly _tag: "Capacity" }
+  | { readonly _tag: "Fixed"; readonly ranges: ReadonlyArray<LayerRange> }
+
 /** What a run produces, in order: start-up progress, tokens, then one summary. */
 export type RunUpdate =
   | { readonly _tag: "AgentsStarted"; readonly nodes: ReadonlyArray<NodeEndpoint> }
@@ -145,6 +162,8 @@ export type RunUpdate =
     readonly stages: ReadonlyArray<
       { readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }
     >
+    /** Why: each stage's node, bytes, memory and expected ms per token, and each node's memory and speed. */
+    readonly placement?: PlacementExplanation
   }
   | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
   | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
@@ -179,6 +198,7 @@ export type GenerateError =
   | ModelLoadError
   | TokenizerError
   | PlanRejection
+  | PlacementRejection
   | AgentSpawnError
   | AgentUnavailable
   | PoolNotReady
@@ -224,6 +244,10 @@ export interface PipelineOptions {
   readonly spares?: number
   /** Default recovery of the runs on this pipeline. */
   readonly recovery?: RecoveryOptions
+  /** Which node hosts which blocks (default: balanced, stage i on node i mod n). Decided once for the pipeline. */
+  readonly placement?: PlacementRequest
+  /** Context per sequence that placement budgets KV memory for (default: max tokens + 1, padded to 256). */
+  readonly contextTokens?: number
 }
 
 /** One run on a warm pipeline. */

@@ -7,6 +7,7 @@ import { type EdgeId, type NodeId, PortId, RoleId, type RunId } from "../domain/
 import {
   type Edge,
   type EdgeEndpoint,
+  type LayerRange,
   type ModelFacts,
   type PlannerInput,
   ProvisionStage,
@@ -20,6 +21,7 @@ import {
   DuplicateCandidateNode,
   DuplicateStageAssignment,
   InvalidMaxTokens,
+  InvalidLayerRanges,
   InvalidModelFacts,
   InvalidNodeId,
   InvalidRingSpec,
@@ -70,6 +72,39 @@ export const partitionLayers = (
     start = end
   }
   return ranges
+}
+
+/** `[0,5) [5,9)` for messages. */
+export const formatLayerRanges = (ranges: ReadonlyArray<LayerRange>): string =>
+  ranges.map(([start, end]) => `[${start}, ${end})`).join(" ")
+
+/**
+ * Why explicit layer ranges are not a valid split of `numLayers` blocks into `stageCount` stages (one non-empty
+ * range per stage, contiguous from 0, complete), or undefined when they are.
+ */
+export const layerRangesProblem = (
+  ranges: ReadonlyArray<LayerRange>,
+  numLayers: number,
+  stageCount: number
+): string | undefined => {
+  if (ranges.length !== stageCount) return `${ranges.length} ranges for ${stageCount} stages`
+  let expectedStart = 0
+  for (const [start, end] of ranges) {
+    if (!Number.isSafeInteger(start) || !Number.isSafeInteger(end)) return `range [${start}, ${end}) is not whole blocks`
+    if (start !== expectedStart) {
+      return start > expectedStart
+        ? `blocks ${expectedStart}..${start - 1} are in no range`
+        : `block ${start} is in two ranges`
+    }
+    if (end <= start) return `range [${start}, ${end}) is empty`
+    expectedStart = end
+  }
+  if (expectedStart !== numLayers) {
+    return expectedStart < numLayers
+      ? `blocks ${expectedStart}..${numLayers - 1} are in no range`
+      : `the ranges end at block ${expectedStart - 1} but the model has ${numLayers} blocks`
+  }
+  return undefined
 }
 
 const checkRing = (ring: RingSpec, name: RingName): InvalidRingSpec | undefined => {
@@ -140,13 +175,19 @@ const validate = (input: PlannerInput): PlanRejection | ReadonlyArray<NodeId> =>
     if (nodeId === undefined) return new MissingStage({ stageIndex, stageCount })
     nodes.push(nodeId)
   }
+  if (input.layerRanges !== undefined) {
+    const problem = layerRangesProblem(input.layerRanges, model.numLayers, stageCount)
+    if (problem !== undefined) {
+      return new InvalidLayerRanges({ ranges: formatLayerRanges(input.layerRanges), reason: problem })
+    }
+  }
   return nodes
 }
 
 const build = (input: PlannerInput, nodes: ReadonlyArray<NodeId>): RunPlan => {
   const { runId, stageCount } = input
   const model = input.model
-  const ranges = partitionLayers(model.numLayers, stageCount)
+  const ranges = input.layerRanges ?? partitionLayers(model.numLayers, stageCount)
   const orchestrator: EdgeEndpoint = { _tag: "Orchestrator", nodeId: input.orchestratorNodeId }
   const stageEndpoint = (stageIndex: number): EdgeEndpoint => ({
     _tag: "Stage",

@@ -1,4 +1,5 @@
 import { type ChildProcess, spawn } from "node:child_process"
+import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { swactorCommand } from "../../src/layers/LocalAgents.js"
 import { repoRoot } from "./models.js"
 
@@ -91,3 +92,19 @@ export const readSse = async (response: Response, onData?: (data: string) => voi
   }
   return events
 }
+
+/** A local agent's private socket folder (from its `--data-listen DIR/agent-N.sock` argument), if it has one. */
+export const socketDirOf = (pid: number): string | undefined => {
+  try {
+    const args = readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0")
+    const at = args.indexOf("--data-listen")
+    const value = at >= 0 ? args[at + 1] : undefined
+    return value === undefined ? undefined : /^(.*)\/agent-\d+\.sock$/.exec(value)?.[1]
+  } catch {
+    return undefined
+  }
+}
+
+/** Shared-memory ring files in /dev/shm that belong to any of these processes. */
+export const shmFilesOf = (pids: ReadonlyArray<number>): ReadonlyArray<string> =>
+  existsSync("/dev/shm") ? readdirSync("/dev/shm").filter((name) => pids.some((pid) => name.startsWith(`swactor-${pid}-`))) : []

@@ -6,7 +6,7 @@
 import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
-import type { ModelFacts, RingSpec } from "../../domain/plan.js"
+import type { LayerRange, ModelFacts, RingSpec } from "../../domain/plan.js"
 import { readModelFacts } from "../ModelCatalogLive.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
 import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
@@ -16,11 +16,13 @@ import {
   type GenerateError,
   InvalidRequest,
   type PipelineOptions,
+  type PlacementExplanation,
   type RunUpdate,
   type SamplingOptions
 } from "../../services/Orchestrator.js"
 import { activationFrameBytes, alignUp, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
+import { nodesToAwait, placementFor, requestedStageCount } from "../RunPlacement.js"
 import { faultWords } from "./RunReport.js"
 
 export const ORCHESTRATOR_NODE = NodeId.make(0)
@@ -57,7 +59,8 @@ export const plannerInput = (
     readonly sampling: SamplingOptions | undefined
     /** Tokens a resumed generation already produced: the sampler's first draw position. */
     readonly startPosition?: number
-  }
+  },
+  layerRanges?: ReadonlyArray<LayerRange>
 ) => {
   const activationBytes = activationFrameBytes(facts, 64)
   return {
@@ -68,6 +71,7 @@ export const plannerInput = (
     candidatePool,
     stageCount: placement.length,
     placement: { _tag: "FixedLinear" as const, stages: placement },
+    ...(layerRanges === undefined ? {} : { layerRanges }),
     activationRing: ring(Math.max(4 << 20, alignUp(activationBytes * 64, 64)), "Egress"),
     tokenRing: ring(64 << 10, "Egress")
   }
@@ -81,6 +85,10 @@ export interface WarmPipeline {
   readonly agents: AgentSet
   readonly stageCount: number
   readonly placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
+  /** Each stage's block range, chosen once (the agents' cached weights are these ranges). */
+  readonly layerRanges: ReadonlyArray<LayerRange>
+  /** Why this placement (for `--dry-run` and the Planned update). */
+  readonly placementExplanation: PlacementExplanation
   readonly linkOf: (nodeId: number) => AgentLink
   readonly addressOf: (nodeId: number) => string
   readonly dataAddressOf: (nodeId: number) => TransportAddress
@@ -129,7 +137,7 @@ export const openPipeline = (
       return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
     }
     const agents = yield* agentPool.acquire(options.stages, spares)
-    const stageCount = options.stages ?? Math.max(1, agents.nodes.length - spares)
+    const stageCount = requestedStageCount(options.placement, options.stages ?? Math.max(1, agents.nodes.length - spares))
     yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
     const links = new Map<number, AgentLink>()
     yield* Effect.forEach(agents.nodes, (node) =>
@@ -175,17 +183,22 @@ export const openPipeline = (
       Effect.flatMap(({ node, reason }) => pool.markLost(node.nodeId, reason)),
       Effect.forkScoped
     )
-    const placement = Array.from({ length: stageCount }, (_, stageIndex) => ({
-      stageIndex,
-      nodeId: agents.nodes[stageIndex % agents.nodes.length]!.nodeId
-    }))
-    const neededNodes = [...new Set(placement.map((p) => p.nodeId))]
+    const neededNodes = nodesToAwait(options.placement, agents.nodes, stageCount)
     const reported = yield* pool.awaitReady(neededNodes, options.readinessTimeout ?? "120 seconds")
     const capacity = agents.nodes.flatMap((node) => {
       const c = reported.get(node.nodeId)
       return c === undefined ? [] : [{ node, capacity: c }]
     })
     yield* progress({ _tag: "PoolReady", nodes: agents.nodes, capacity })
+    // Which node hosts which blocks, by the request's intent within each node's reported memory.
+    const placed = yield* placementFor({
+      request: options.placement,
+      modelPath: options.model,
+      nodes: agents.nodes,
+      capacity: reported,
+      stageCount,
+      contextTokens: Math.min(facts.maxSeqLen, options.contextTokens ?? alignUp((options.maxTokens ?? 1) + 1, 256))
+    })
 
     // Local data endpoint: the last stage of every run sends sampled tokens here.
     const listener = yield* dataPlane.listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(
@@ -196,8 +209,10 @@ export const openPipeline = (
       facts,
       vocabulary,
       agents,
-      stageCount,
-      placement,
+      stageCount: placed.stages.length,
+      placement: placed.stages,
+      layerRanges: placed.layerRanges,
+      placementExplanation: placed.explanation,
       linkOf,
       addressOf,
       dataAddressOf: (nodeId: number) => linkOf(nodeId).hello.dataAddress,

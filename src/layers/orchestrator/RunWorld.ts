@@ -75,12 +75,15 @@ export const driveRun = (
 
     const runId = randomRunId()
     const placement = attempt.placement ?? warm.placement
+    // The pipeline's block ranges while its stage count holds (a spare took a stage); fewer stages after a
+    // recovery: the planner splits the blocks again.
+    const layerRanges = placement.length === warm.placement.length ? warm.layerRanges : undefined
     const plan: RunPlan = yield* planRun(
       plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), placement, {
         maxTokens,
         sampling: request.sampling,
         ...(attempt.startPosition === undefined ? {} : { startPosition: attempt.startPosition })
-      })
+      }, layerRanges)
     )
     const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
     yield* updates.offer({
@@ -90,7 +93,8 @@ export const driveRun = (
         stageIndex: s.stageIndex,
         address: addressOf(s.nodeId),
         layers: [s.layerStart, s.layerEndExclusive] as const
-      }))
+      })),
+      placement: warm.placementExplanation
     })
     if (request.dryRun === true) return
 

@@ -16,17 +16,20 @@
  * proof cannot be reflected back. Proofs are compared in constant time (`timingSafeEqual`). The
  * token never crosses the wire. The whole handshake is bounded by a timeout (default 5 s).
  *
- * Scope: this authenticates the peer; it does not encrypt or MAC the traffic that follows. Run
- * across untrusted networks inside a VPN / WireGuard / SSH tunnel.
+ * Encryption: on a TCP connection that leaves the host (or always, with SWACTOR_TLS=always) both
+ * functions first run TLS 1.3 keyed from the token (Tls.ts) and then this handshake inside the tunnel;
+ * loopback TCP and Unix sockets stay plain.
  *
- * Both functions take a connected `net.Socket` and, on success, leave it paused with no listeners of
- * their own and any bytes that arrived after the handshake back in its read buffer: the next
- * protocol attaches its `data` listener and calls `resume()`. On failure the socket is destroyed.
+ * Both functions take a connected `net.Socket` and, on success, return the socket to speak on (the
+ * TLS socket over it, or itself), paused with no listeners of their own and any bytes that arrived
+ * after the handshake back in its read buffer: the next protocol attaches its `data` listener and
+ * calls `resume()`. On failure the socket is destroyed.
  */
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto"
 import type * as Net from "node:net"
 import { Duration, Effect, Redacted } from "effect"
 import { AuthFailed } from "../../domain/frames.js"
+import { secure, type TlsMode } from "./Tls.js"
 
 /** The shared secret of a cluster. Build with `Redacted.make("...")`; never logged. */
 export type ClusterToken = Redacted.Redacted<string>
@@ -138,6 +141,8 @@ const expectTag = (msg: Buffer, tag: Buffer, what: string): Effect.Effect<void, 
 export interface HandshakeOptions {
   readonly token: ClusterToken
   readonly timeout?: Duration.DurationInput | undefined
+  /** Default: SWACTOR_TLS (auto). */
+  readonly tls?: TlsMode | undefined
 }
 
 const withReader = (
@@ -158,7 +163,19 @@ const withReader = (
   ).pipe(Effect.tapError(() => Effect.sync(() => socket.destroy())))
 
 /** Server side: the peer must prove the token; we prove it back. On failure the socket is destroyed. */
-export const serverHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
+export const serverHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<Net.Socket, AuthFailed> =>
+  secured(socket, "server", options, (socket) => serverProtocol(socket, options))
+
+const secured = (
+  socket: Net.Socket,
+  side: "server" | "client",
+  options: HandshakeOptions,
+  protocol: (socket: Net.Socket) => Effect.Effect<void, AuthFailed>
+): Effect.Effect<Net.Socket, AuthFailed> =>
+  secure(socket, side, { token: options.token, mode: options.tls, timeout: options.timeout ?? DEFAULT_HANDSHAKE_TIMEOUT })
+    .pipe(Effect.flatMap((link) => protocol(link).pipe(Effect.as(link))))
+
+const serverProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
   withReader(socket, options, (reader) =>
     Effect.gen(function*() {
       const hello = yield* reader.read(HELLO_BYTES)
@@ -182,7 +199,10 @@ export const serverHandshake = (socket: Net.Socket, options: HandshakeOptions): 
     }))
 
 /** Client side: the server must prove the token first; then we prove it. On failure the socket is destroyed. */
-export const clientHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
+export const clientHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<Net.Socket, AuthFailed> =>
+  secured(socket, "client", options, (socket) => clientProtocol(socket, options))
+
+const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
   withReader(socket, options, (reader) =>
     Effect.gen(function*() {
       const clientNonce = randomBytes(NONCE_BYTES)

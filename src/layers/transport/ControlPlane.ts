@@ -81,10 +81,10 @@ export const makeSocketServer = (
                   Effect.annotateLogs("module", "ControlPlane"),
                   Effect.zipRight(Effect.sync(() => conn.destroy()))
                 ),
-              onSuccess: () =>
+              onSuccess: (link) =>
                 authenticatedSocket(
                   Effect.acquireRelease(
-                    Effect.succeed(conn),
+                    Effect.succeed(link),
                     (c) => Effect.sync(() => c.destroySoon())
                   )
                 ).pipe(Effect.flatMap(handler))

@@ -40,7 +40,7 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
           })
       )
     }
-    const socket = yield* Effect.acquireRelease(
+    const raw = yield* Effect.acquireRelease(
       Effect.async<Net.Socket, ConnectFailed>((resume) => {
         const socket = Net.createConnection(netOptions(options.address))
         const onError = (err: Error) => resume(Effect.fail(new ConnectFailed({ detail: err.message })))
@@ -60,7 +60,8 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
         })
     )
     const outbound = yield* Effect.gen(function*() {
-      yield* clientHandshake(socket, { token: options.token })
+      // TLS over `raw` across hosts; `raw` itself on loopback and Unix sockets.
+      const socket = yield* clientHandshake(raw, { token: options.token })
       return yield* Effect.async<OutboundCore, EdgeFault>((resume) => {
         const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
         const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
@@ -104,7 +105,7 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
         duration: options.timeout ?? "10 seconds",
         onTimeout: () => new ConnectFailed({ detail: "timed out connecting the edge" })
       }),
-      Effect.tapError(() => Effect.sync(() => socket.destroy()))
+      Effect.tapError(() => Effect.sync(() => raw.destroy()))
     )
     const close = Effect.sync(() => outbound.conn.end(new EdgeClosed()))
     yield* Effect.addFinalizer(() => close)

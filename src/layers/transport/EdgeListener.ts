@@ -79,14 +79,16 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       )
     }
 
-    const onConnection = (socket: Net.Socket): void => {
-      Runtime.runCallback(runtime)(serverHandshake(socket, { token: options.token, timeout: options.handshakeTimeout }), {
+    const onConnection = (raw: Net.Socket): void => {
+      Runtime.runCallback(runtime)(serverHandshake(raw, { token: options.token, timeout: options.handshakeTimeout }), {
         onExit: (exit) => {
           if (Exit.isFailure(exit)) {
-            log(`data-plane connection from ${socket.remoteAddress ?? "unix socket"} refused: authentication failed`)
-            socket.destroy()
+            log(`data-plane connection from ${raw.remoteAddress ?? "unix socket"} refused: authentication failed`)
+            raw.destroy()
             return
           }
+          // The socket to speak on: TLS over `raw` across hosts, `raw` itself on loopback and Unix sockets.
+          const socket = exit.value
           const timer = setTimeout(() => conn.fail(new Malformed({ detail: "no AttachFrame in time" })), attachTimeout)
           timer.unref()
           const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {

@@ -1,9 +1,9 @@
 /**
  * A parent process for the orphan test: starts two agents, prints their pids as JSON, then waits
- * forever (the test kills it with SIGKILL).
+ * forever (the test kills it with SIGKILL). Plain Node over the compiled package (dist/), as a user's program runs it.
  */
 import { Effect } from "effect"
-import { generateToken, spawnLocalAgents } from "../../src/layers/LocalAgents.js"
+import { generateToken, spawnLocalAgents } from "../../dist/index.js"
 
 Effect.runFork(
   Effect.scoped(

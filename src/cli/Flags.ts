@@ -1,0 +1,83 @@
+/**
+ * Flag checks shared by the commands: each bad value is a `UsageError` whose message is one line naming the flag,
+ * found before anything starts (no agent spawned, no model read).
+ */
+import * as Options from "@effect/cli/Options"
+import { readFileSync } from "node:fs"
+import { Data, Effect, Option } from "effect"
+import { parseAddress } from "../layers/AgentControlRpc.js"
+import { clusterTokenEnv } from "../layers/LocalAgents.js"
+
+/** A flag with a value the command cannot use; `message` names the flag. */
+export class UsageError extends Data.TaggedError("UsageError")<{ readonly message: string }> {}
+
+const fail = (message: string) => Effect.fail(new UsageError({ message }))
+
+/** A whole number of at least `min` (`--threads 0` is refused, not passed on to crash an agent). */
+export const wholeNumber = (flag: string, value: number, min: number): Effect.Effect<number, UsageError> =>
+  Number.isSafeInteger(value) && value >= min
+    ? Effect.succeed(value)
+    : fail(`--${flag} must be a whole number of at least ${min}, got ${value}`)
+
+/** A finite number of at least `min`. */
+export const atLeast = (flag: string, value: number, min: number): Effect.Effect<number, UsageError> =>
+  Number.isFinite(value) && value >= min ? Effect.succeed(value) : fail(`--${flag} must be at least ${min}, got ${value}`)
+
+/** The same, for an optional flag. */
+export const optionalWholeNumber = (flag: string, value: Option.Option<number>, min: number) =>
+  Option.isSome(value) ? Effect.asSome(wholeNumber(flag, value.value, min)) : Effect.succeedNone
+
+/** The shortest cluster token a node accepts. */
+export const minTokenLength = 16
+
+/**
+ * The cluster token: the file named by `--token-file` (trimmed), else SWACTOR_CLUSTER_TOKEN, else "" (none). A file
+ * that cannot be read or a token shorter than 16 characters is a UsageError naming where it came from.
+ */
+export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<string, UsageError> =>
+  Effect.gen(function*() {
+    let token: string
+    let source: string
+    if (Option.isSome(tokenFile)) {
+      source = `--token-file ${tokenFile.value}`
+      token = yield* Effect.try({
+        try: () => readFileSync(tokenFile.value, "utf8").trim(),
+        catch: (cause) =>
+          new UsageError({
+            message: `--token-file ${tokenFile.value}: cannot read it (${
+              (cause as NodeJS.ErrnoException).code ?? String(cause)
+            })`
+          })
+      })
+      if (token === "") return yield* fail(`--token-file ${tokenFile.value}: the file is empty`)
+    } else {
+      source = clusterTokenEnv
+      token = process.env[clusterTokenEnv]?.trim() ?? ""
+      if (token === "") return ""
+    }
+    if (token.length < minTokenLength) {
+      return yield* fail(
+        `the cluster token from ${source} is too short: ${token.length} characters, at least ${minTokenLength}`
+      )
+    }
+    return token
+  })
+
+/** `--nodes host:port,host:port`: at least one, each host:port. */
+export const nodeList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  Effect.gen(function*() {
+    const nodes = text.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
+    if (nodes.length === 0) return yield* fail(`--nodes "${text}" names no node: give host:port,host:port,...`)
+    for (const node of nodes) {
+      const address = parseAddress(node)
+      if (address === undefined || address._tag !== "Tcp") {
+        return yield* fail(`--nodes: "${node}" is not host:port`)
+      }
+    }
+    return nodes
+  })
+
+/** `Options.withDefault` that also says the default in `--help`. */
+export const withShownDefault = <B>(value: B, shown: string = String(value)) =>
+<A>(self: Options.Options<A>): Options.Options<A | B> =>
+  self.pipe(Options.withDescription(`(default: ${shown})`), Options.withDefault(value))

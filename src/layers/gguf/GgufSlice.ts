@@ -1,0 +1,104 @@
+/**
+ * A stage's slice of a GGUF model: a valid GGUF file with the source's metadata and only the tensors one stage needs
+ * (its blocks, plus `token_embd` on the first stage and the output head on the last; `token_embd` also when the last
+ * stage's output is tied to it). Tensor names keep their block numbers, so a stage loads its range from the slice
+ * exactly as from the whole file. The slice's identity is a SHA-256 over the needed tensors (name, type, shape,
+ * bytes): the same for the whole file and for its slice, so a node can tell whether what it holds is what the
+ * orchestrator's file has. First piece of weight delivery (issue 10); the transfer itself is not built yet.
+ */
+import { createHash } from "node:crypto"
+import * as Fs from "node:fs"
+import { Effect } from "effect"
+import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
+import { type GgufTypedValue, type GgufWriteError, type GgufWriteSummary, writeGgufFile } from "./GgufWriter.js"
+
+export interface SliceRange {
+  readonly layerStart: number
+  readonly layerEndExclusive: number
+  /** The model's block count (the last stage carries the output head). */
+  readonly numLayers: number
+}
+
+/** The tensors a stage of `range` needs, in the source's order. */
+export const sliceTensors = (file: GgufFile, range: SliceRange): ReadonlyArray<GgufTensorInfo> => {
+  const first = range.layerStart === 0
+  const last = range.layerEndExclusive === range.numLayers
+  const tied = !file.tensorsByName.has("output.weight")
+  return file.tensors.filter((t) => {
+    const block = /^blk\.(\d+)\./.exec(t.name)
+    if (block !== null) {
+      const i = Number(block[1])
+      return i >= range.layerStart && i < range.layerEndExclusive
+    }
+    if (t.name === "token_embd.weight") return first || (last && tied)
+    if (t.name.startsWith("output")) return last
+    return first || last
+  })
+}
+
+const READ_CHUNK = 16 << 20
+
+/** The bytes of one tensor, read from `fd` in chunks. */
+function* tensorChunks(fd: number, tensor: GgufTensorInfo): Generator<Uint8Array> {
+  for (let off = 0; off < tensor.byteSize; off += READ_CHUNK) {
+    const n = Math.min(READ_CHUNK, tensor.byteSize - off)
+    const chunk = Buffer.allocUnsafe(n)
+    let got = 0
+    while (got < n) {
+      const r = Fs.readSync(fd, chunk, got, n - got, tensor.offset + off + got)
+      if (r === 0) throw new Error(`unexpected end of file reading ${tensor.name}`)
+      got += r
+    }
+    yield chunk
+  }
+}
+
+const withFd = <A, E>(path: string, use: (fd: number) => Effect.Effect<A, E>) =>
+  Effect.acquireUseRelease(
+    Effect.try({
+      try: () => Fs.openSync(path, "r"),
+      catch: (e) => new ModelLoadError({ path, reason: "Io", message: `cannot open ${path}: ${String(e)}` })
+    }),
+    use,
+    (fd) => Effect.sync(() => Fs.closeSync(fd))
+  )
+
+/** SHA-256 (hex) over the stage's tensors of `file`: name, type, shape and bytes of each, in order. */
+export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<string, ModelLoadError> =>
+  withFd(file.path, (fd) =>
+    Effect.try({
+      try: () => {
+        const hash = createHash("sha256")
+        for (const t of sliceTensors(file, range)) {
+          hash.update(`${t.name}\0${t.type}\0${t.dims.join(",")}\0`)
+          for (const chunk of tensorChunks(fd, t)) hash.update(chunk)
+        }
+        return hash.digest("hex")
+      },
+      catch: (e) => new ModelLoadError({ path: file.path, reason: "Io", message: `cannot hash ${file.path}: ${String(e)}` })
+    }))
+
+/** Writes the stage's slice of `file` to `path` (atomically: a temporary file renamed when complete). */
+export const writeGgufSlice = (
+  file: GgufFile,
+  range: SliceRange,
+  path: string
+): Effect.Effect<GgufWriteSummary, ModelLoadError | GgufWriteError> =>
+  withFd(file.path, (fd) => {
+    const metadata: Array<readonly [string, GgufTypedValue]> = []
+    for (const [key, kind] of file.metadataTypes) {
+      const value = file.metadata.get(key)!
+      metadata.push([key, kind.itemType === undefined ? { type: kind.type, value } : { ...kind, value }])
+    }
+    return writeGgufFile(path, {
+      metadata,
+      alignment: file.alignment,
+      version: file.version === 2 ? 2 : 3,
+      tensors: sliceTensors(file, range).map((t) => ({
+        name: t.name,
+        type: t.type,
+        dims: t.dims,
+        data: () => tensorChunks(fd, t)
+      }))
+    })
+  })

@@ -1,0 +1,93 @@
+/**
+ * A node's cache of received GGUF slices (weight delivery, receiving side), one file per content hash
+ * (`GgufSlice.sliceHash`): `<dir>/<hash>.gguf` once complete and verified, `<dir>/<hash>.gguf.partial` while bytes
+ * arrive. Appends must continue exactly where the partial file ends, so an interrupted transfer resumes from
+ * `status().have`; `finish` parses the file and checks its stage-tensor hash before it becomes the slice, and a
+ * complete slice is checked again before reuse, so a corrupted one is reported missing (and fetched again).
+ * The control-plane transfer that feeds it is not built yet.
+ */
+import * as Fs from "node:fs"
+import * as Path from "node:path"
+import { Data, Effect } from "effect"
+import { readGgufFile } from "./GgufReader.js"
+import { sliceHash, type SliceRange } from "./GgufSlice.js"
+
+export class SliceCacheError extends Data.TaggedError("SliceCacheError")<{
+  readonly hash: string
+  readonly reason: "BadHash" | "OutOfOrder" | "Corrupt" | "Io"
+  readonly message: string
+}> {}
+
+export type SliceStatus =
+  | { readonly _tag: "Complete"; readonly path: string }
+  | { readonly _tag: "Partial"; readonly have: number }
+
+const HASH = /^[0-9a-f]{64}$/
+
+export const makeSliceCache = (dir: string) => {
+  const complete = (hash: string) => Path.join(dir, `${hash}.gguf`)
+  const partial = (hash: string) => `${complete(hash)}.partial`
+  const checkHash = (hash: string) =>
+    HASH.test(hash)
+      ? Effect.void
+      : Effect.fail(new SliceCacheError({ hash, reason: "BadHash", message: `"${hash}" is not a SHA-256 hex digest` }))
+  const io = (hash: string) => (e: unknown) => new SliceCacheError({ hash, reason: "Io", message: String(e) })
+
+  /** Whether the slice's tensors hash to `hash` (a file that does not parse does not). */
+  const verified = (path: string, hash: string, range: SliceRange) =>
+    readGgufFile(path).pipe(
+      Effect.flatMap((file) => sliceHash(file, range)),
+      Effect.map((actual) => actual === hash),
+      Effect.orElseSucceed(() => false)
+    )
+
+  /** What the cache holds for `hash`: a verified slice, or how many bytes of a partial one (0: none). */
+  const status = (hash: string, range: SliceRange): Effect.Effect<SliceStatus, SliceCacheError> =>
+    Effect.gen(function*() {
+      yield* checkHash(hash)
+      if (Fs.existsSync(complete(hash))) {
+        if (yield* verified(complete(hash), hash, range)) return { _tag: "Complete", path: complete(hash) } as const
+        // Corrupted since it was verified: drop it, so it is fetched again.
+        yield* Effect.try({ try: () => Fs.rmSync(complete(hash), { force: true }), catch: io(hash) })
+      }
+      const have = yield* Effect.try({
+        try: () => (Fs.existsSync(partial(hash)) ? Fs.statSync(partial(hash)).size : 0),
+        catch: io(hash)
+      })
+      return { _tag: "Partial", have } as const
+    })
+
+  /** Appends `bytes` at `offset`, which must be where the partial file ends (a resumed transfer continues there). */
+  const append = (hash: string, offset: number, bytes: Uint8Array): Effect.Effect<number, SliceCacheError> =>
+    Effect.gen(function*() {
+      yield* checkHash(hash)
+      return yield* Effect.try({
+        try: () => {
+          Fs.mkdirSync(dir, { recursive: true })
+          const have = Fs.existsSync(partial(hash)) ? Fs.statSync(partial(hash)).size : 0
+          if (offset !== have) return new SliceCacheError({ hash, reason: "OutOfOrder", message: `chunk at ${offset}, the partial slice has ${have} bytes` })
+          Fs.appendFileSync(partial(hash), bytes)
+          return have + bytes.length
+        },
+        catch: io(hash)
+      }).pipe(Effect.flatMap((r) => (typeof r === "number" ? Effect.succeed(r) : Effect.fail(r))))
+    })
+
+  /** Verifies the partial slice and makes it the slice; a mismatch deletes it and fails `Corrupt`. */
+  const finish = (hash: string, range: SliceRange): Effect.Effect<string, SliceCacheError> =>
+    Effect.gen(function*() {
+      yield* checkHash(hash)
+      if (!(yield* verified(partial(hash), hash, range))) {
+        yield* Effect.try({ try: () => Fs.rmSync(partial(hash), { force: true }), catch: io(hash) })
+        return yield* new SliceCacheError({
+          hash,
+          reason: "Corrupt",
+          message: "the received slice does not parse or its tensors do not match the hash; it was discarded"
+        })
+      }
+      yield* Effect.try({ try: () => Fs.renameSync(partial(hash), complete(hash)), catch: io(hash) })
+      return complete(hash)
+    })
+
+  return { status, append, finish, dir }
+}

@@ -1,0 +1,107 @@
+/**
+ * Encrypted links: TLS 1.3 with a pre-shared key derived from the cluster token, on every TCP connection that leaves
+ * the host (control and data plane alike). Loopback TCP, Unix sockets and shared memory stay plain.
+ *
+ * Key: HKDF-SHA256(token, salt "swactor-tls-psk-v1", info "psk", 32 bytes); identity "swactor-v1"; cipher
+ * TLS_AES_128_GCM_SHA256 (the PSK's hash). No certificates: a peer without the token cannot finish the handshake
+ * (the PSK binder does not verify), and an observer sees only ciphertext. The HMAC challenge of Auth.ts still runs
+ * inside the tunnel.
+ *
+ * When: `SWACTOR_TLS` = `auto` (default: encrypt when the connection's peer address is not loopback, decided the same
+ * way on both ends from the connected socket), `always` (every TCP connection, loopback too: tests and benches) or
+ * `off` (never). Both ends must agree; a mismatch fails the handshake, never falls back to plain.
+ */
+import { hkdfSync } from "node:crypto"
+import type * as Net from "node:net"
+import * as Tls from "node:tls"
+import { type Duration, Effect, Redacted } from "effect"
+import { AuthFailed } from "../../domain/frames.js"
+
+/** The cluster token (Auth.ts's `ClusterToken`; not imported from there, which imports this module). */
+type ClusterToken = Redacted.Redacted<string>
+
+export type TlsMode = "auto" | "always" | "off"
+
+export const TLS_ENV = "SWACTOR_TLS"
+const IDENTITY = "swactor-v1"
+const CIPHER = "TLS_AES_128_GCM_SHA256"
+
+/** The mode from `SWACTOR_TLS` (unset or unknown: `auto`). */
+export const tlsModeFromEnv = (): TlsMode => {
+  const value = process.env[TLS_ENV]
+  return value === "always" || value === "off" ? value : "auto"
+}
+
+/** 127.0.0.0/8, ::1 and their IPv4-mapped forms. */
+export const isLoopback = (ip: string): boolean => {
+  const v4 = ip.startsWith("::ffff:") ? ip.slice(7) : ip
+  return v4.startsWith("127.") || ip === "::1"
+}
+
+/** Whether a connected socket should be wrapped: TCP (it has a peer address), not already TLS, per the mode. */
+export const wantsTls = (socket: Net.Socket, mode: TlsMode): boolean => {
+  const peer = socket.remoteAddress
+  if (peer === undefined || socket instanceof Tls.TLSSocket || mode === "off") return false
+  return mode === "always" || !isLoopback(peer)
+}
+
+/** The 32-byte PSK of a cluster token. */
+export const pskOf = (token: ClusterToken): Buffer =>
+  Buffer.from(hkdfSync("sha256", Redacted.value(token), "swactor-tls-psk-v1", "psk", 32))
+
+const versions = { minVersion: "TLSv1.3", maxVersion: "TLSv1.3", ciphers: CIPHER } as const
+
+const handshake = (
+  socket: Net.Socket,
+  side: "server" | "client",
+  token: ClusterToken,
+  timeout: Duration.DurationInput
+): Effect.Effect<Net.Socket, AuthFailed> =>
+  Effect.async<Net.Socket, AuthFailed>((resume) => {
+    const psk = pskOf(token)
+    const secured = side === "server"
+      ? new Tls.TLSSocket(socket, {
+        isServer: true,
+        ...versions,
+        secureContext: Tls.createSecureContext(versions),
+        // Honoured by Node 20's TLSSocket (as by tls.createServer) but missing from @types/node's TLSSocketOptions.
+        pskCallback: (_socket: Tls.TLSSocket, identity: string) => (identity === IDENTITY ? psk : null)
+      } as Tls.TLSSocketOptions)
+      : Tls.connect({
+        socket,
+        ...versions,
+        checkServerIdentity: () => undefined,
+        pskCallback: () => ({ psk, identity: IDENTITY })
+      })
+    const onError = (err: Error) => {
+      secured.destroy()
+      socket.destroy()
+      resume(Effect.fail(new AuthFailed({ detail: `TLS handshake failed (wrong cluster token?): ${err.message}` })))
+    }
+    secured.once("error", onError)
+    secured.once(side === "server" ? "secure" : "secureConnect", () => {
+      secured.off("error", onError)
+      // Owners watch `close`, as for plain sockets.
+      secured.on("error", () => {})
+      resume(Effect.succeed(secured))
+    })
+    return Effect.sync(() => {
+      secured.destroy()
+      socket.destroy()
+    })
+  }).pipe(
+    Effect.timeoutFail({ duration: timeout, onTimeout: () => new AuthFailed({ detail: "TLS handshake timed out" }) })
+  )
+
+/**
+ * The socket to speak on: `socket` itself when it stays plain, else a TLS socket over it once the handshake with the
+ * token's PSK succeeded. A failed handshake destroys the socket.
+ */
+export const secure = (
+  socket: Net.Socket,
+  side: "server" | "client",
+  options: { readonly token: ClusterToken; readonly mode?: TlsMode | undefined; readonly timeout: Duration.DurationInput }
+): Effect.Effect<Net.Socket, AuthFailed> =>
+  wantsTls(socket, options.mode ?? tlsModeFromEnv())
+    ? handshake(socket, side, options.token, options.timeout)
+    : Effect.succeed(socket)
