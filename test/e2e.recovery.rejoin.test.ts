@@ -1,7 +1,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
 import { Chunk, Context, Effect, Layer, Stream } from "effect"
-import { clusterTokenEnv, parentWatchEnv, readyLinePrefix, swactorCommand } from "../src/layers/LocalAgents.js"
+import { clusterTokenEnv, parentWatchEnv, readyLinePrefix, swactorCommand } from "../src/layers/agent/LocalAgents.js"
 import { Orchestrator, type Pipeline, type RunUpdate } from "../src/services/Orchestrator.js"
 import { eventually, isAlive, startAgents } from "./support/e2e.js"
 import { requireModel } from "./support/models.js"

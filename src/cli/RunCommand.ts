@@ -11,11 +11,11 @@ import { join } from "node:path"
 import { Console, Effect, Option, Stream } from "effect"
 import { layerLocal, layerRemote, run } from "../api/generate.js"
 import { readModelFacts } from "../api/modelFacts.js"
-import * as TokenizerLive from "../layers/TokenizerLive.js"
+import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
 import { Tokenizer } from "../services/Tokenizer.js"
-import { formatAddress } from "../layers/AgentControlRpc.js"
+import { formatAddress } from "../layers/agent/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
-import { clusterTokenEnv } from "../layers/LocalAgents.js"
+import { clusterTokenEnv } from "../layers/agent/LocalAgents.js"
 import {
   atLeast,
   clusterToken,

@@ -7,7 +7,7 @@ import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
 import type { LayerRange, ModelFacts, RingSpec } from "../../domain/plan.js"
-import { readModelFacts } from "../ModelCatalogLive.js"
+import { readModelFacts } from "../gguf/ModelCatalogLive.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
 import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
 import {
@@ -22,7 +22,7 @@ import {
 } from "../../services/Orchestrator.js"
 import { activationFrameBytes, alignUp, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
-import { nodesToAwait, placementFor, requestedStageCount } from "../RunPlacement.js"
+import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
 import { faultWords } from "./RunReport.js"
 
 export const ORCHESTRATOR_NODE = NodeId.make(0)

@@ -4,8 +4,8 @@
  * KV bytes per stage, and each request its own run on the pipeline.
  */
 import { Cause, Deferred, Duration, Effect, Exit, Layer, Option, Ref, Schedule, Stream } from "effect"
-import * as Gguf from "./gguf/GgufReader.js"
-import { Orchestrator, type Pipeline, type RunUpdate } from "../services/Orchestrator.js"
+import * as Gguf from "../gguf/GgufReader.js"
+import { Orchestrator, type Pipeline, type RunUpdate } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
   PipelineFaulted,
@@ -20,9 +20,9 @@ import {
   type ServerMetrics,
   type StageMetrics,
   type ServerStatus
-} from "../services/Server.js"
-import { makeStopMatcher } from "../services/StopText.js"
-import { runContextLength } from "./orchestrator/RunWorld.js"
+} from "../../services/Server.js"
+import { makeStopMatcher } from "../../services/StopText.js"
+import { runContextLength } from "../orchestrator/RunWorld.js"
 
 /** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (F16 K and V, cells padded to 256 as the engine does). */
 export const kvBytesPerSequence = (

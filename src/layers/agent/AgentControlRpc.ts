@@ -11,12 +11,12 @@ import * as Socket from "@effect/platform/Socket"
 import * as SocketServer from "@effect/platform/SocketServer"
 import { RpcClient, RpcSerialization, RpcServer } from "@effect/rpc"
 import { type Duration, Effect, Layer, Redacted, Schema, Scope, Stream } from "effect"
-import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
-import { AgentHello, AgentRpcs } from "../domain/controlRpc.js"
-import { AgentControl, type AgentLink, AgentUnavailable, type StageHost } from "../services/AgentLinks.js"
-import type { NodeEndpoint } from "../services/Membership.js"
-import { clientHandshake } from "./transport/Auth.js"
-import { authenticatedSocket, makeSocketServer, netOptions } from "./transport/ControlPlane.js"
+import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../../domain/frames.js"
+import { AgentHello, AgentRpcs } from "../../domain/controlRpc.js"
+import { AgentControl, type AgentLink, AgentUnavailable, type StageHost } from "../../services/AgentLinks.js"
+import type { NodeEndpoint } from "../../services/Membership.js"
+import { clientHandshake } from "../transport/Auth.js"
+import { authenticatedSocket, makeSocketServer, netOptions } from "../transport/ControlPlane.js"
 
 /** Parses `host:port` (IPv6 in brackets) into a TCP address, or an absolute path into a Unix socket address. */
 export const parseAddress = (text: string): TransportAddress | undefined => {

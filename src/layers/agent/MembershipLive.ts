@@ -1,5 +1,5 @@
 import { Clock, Deferred, Duration, Effect, Layer, Option, Ref, Stream, SubscriptionRef } from "effect"
-import type { NodeId } from "../domain/ids.js"
+import type { NodeId } from "../../domain/ids.js"
 import {
   Membership,
   type MembershipService,
@@ -10,7 +10,7 @@ import {
   NodeUnreachable,
   PoolNotReady,
   type NodeStatus
-} from "../services/Membership.js"
+} from "../../services/Membership.js"
 
 type StatusMap = ReadonlyMap<NodeId, NodeStatus>
 

@@ -6,10 +6,10 @@ import { dirname, join } from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Dgram from "node:dgram"
 import { Deferred, Duration, Effect, Fiber, Layer, Schema, type Scope } from "effect"
-import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
-import { NodeId } from "../domain/ids.js"
-import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
-import { AgentSpawnError } from "../services/AgentLinks.js"
+import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../../domain/frames.js"
+import { NodeId } from "../../domain/ids.js"
+import { AgentPool, type AgentSet, InvalidRequest } from "../../services/Orchestrator.js"
+import { AgentSpawnError } from "../../services/AgentLinks.js"
 
 /**
  * The line a node agent prints on stdout once it listens:

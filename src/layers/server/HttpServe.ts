@@ -30,7 +30,7 @@ import {
   type ServeEvent,
   type ServeRequest,
   type ServerMetrics
-} from "../services/Server.js"
+} from "../../services/Server.js"
 
 // --- bodies ---
 

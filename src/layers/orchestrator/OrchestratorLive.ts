@@ -12,8 +12,8 @@
  * the run is stopped and fully torn down before the interruption completes.
  */
 import { Context, Deferred, Effect, Fiber, Layer, Mailbox, Option, Stream } from "effect"
-import { AgentControl, DataPlane } from "../services/AgentLinks.js"
-import { Membership } from "../services/Membership.js"
+import { AgentControl, DataPlane } from "../../services/AgentLinks.js"
+import { Membership } from "../../services/Membership.js"
 import {
   AgentPool,
   type GenerateError,
@@ -24,13 +24,13 @@ import {
   type PipelineOptions,
   type RunRequest,
   type RunUpdate
-} from "../services/Orchestrator.js"
-import { alignUp } from "../services/Planner.js"
-import { Tokenizer } from "../services/Tokenizer.js"
-import { openPipeline, type WarmPipeline } from "./orchestrator/PipelineSetup.js"
-import { generate } from "./orchestrator/Recovery.js"
+} from "../../services/Orchestrator.js"
+import { alignUp } from "../../services/Planner.js"
+import { Tokenizer } from "../../services/Tokenizer.js"
+import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
+import { generate } from "./Recovery.js"
 
-export { describeRunFault } from "./orchestrator/RunReport.js"
+export { describeRunFault } from "./RunReport.js"
 
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool
 
