@@ -11,13 +11,12 @@ import {
   type FinishReason,
   Server,
   type ServeError,
-  type ServeEvent,
   type ServeOptions,
   type ServeRequest
 } from "../services/Server.js"
 import { layerLocal, layerRemote } from "./generate.js"
 
-export type { ServeError, ServeEvent, ServeOptions, ServeRequest }
+export type { ServeOptions }
 export { Server }
 
 export interface ServeLayerOptions extends ServeOptions {

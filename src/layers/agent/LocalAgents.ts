@@ -282,8 +282,6 @@ export const privateSocketDir: Effect.Effect<string, AgentSpawnError, Scope.Scop
     })
 )
 
-export const defaultStartTimeout = Duration.seconds(60)
-
 // ---------------------------------------------------------------------------------------------
 // AgentPool layers: local child processes, or remote nodes
 // ---------------------------------------------------------------------------------------------

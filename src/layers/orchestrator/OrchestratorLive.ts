@@ -30,7 +30,6 @@ import { Tokenizer } from "../../services/Tokenizer.js"
 import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
 import { generate } from "./Recovery.js"
 
-export { describeRunFault } from "./RunReport.js"
 
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool
 

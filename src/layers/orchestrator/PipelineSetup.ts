@@ -13,7 +13,6 @@ import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type
 import {
   AgentPool,
   type AgentSet,
-  type GenerateError,
   InvalidRequest,
   type PipelineOptions,
   type PlacementExplanation,
@@ -222,4 +221,3 @@ export const openPipeline = (
     } satisfies WarmPipeline
   })
 
-export type OpenPipelineError = GenerateError
