@@ -18,7 +18,7 @@ import { fileURLToPath } from "node:url"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
-import { StageExecutorLive } from "../src/layers/StageExecutorLive.js"
+import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
 

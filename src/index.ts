@@ -37,7 +37,7 @@ export * from "./services/Tokenizer.js"
 export { completion, serve, type ServeLayerOptions } from "./api/serve.js"
 export * from "./services/Server.js"
 export * from "./services/StopText.js"
-export * as HttpServe from "./layers/HttpServe.js"
+export * as HttpServe from "./layers/server/HttpServe.js"
 export {
   type HeartbeatOptions,
   Membership,
@@ -50,20 +50,20 @@ export {
   PoolNotReady
 } from "./services/Membership.js"
 export * from "./services/AgentLinks.js"
-export { localAgentPool, remoteAgentPool, spawnLocalAgents, generateToken } from "./layers/LocalAgents.js"
-export type { LocalAgent, LocalPoolOptions, RemotePoolOptions } from "./layers/LocalAgents.js"
-export { makeStageHost, startNodeAgent } from "./layers/NodeAgent.js"
+export { localAgentPool, remoteAgentPool, spawnLocalAgents, generateToken } from "./layers/agent/LocalAgents.js"
+export type { LocalAgent, LocalPoolOptions, RemotePoolOptions } from "./layers/agent/LocalAgents.js"
+export { makeStageHost, startNodeAgent } from "./layers/agent/NodeAgent.js"
 export * from "./domain/engine.js"
 export * from "./services/StageExecutor.js"
 export * from "./services/InProcessPipeline.js"
 export * from "./services/Sampler.js"
-export { layerWith as stageExecutorLayerWith, LiveLoadedStage, StageExecutorLive } from "./layers/StageExecutorLive.js"
-export type { LiveOptions as StageExecutorLiveOptions } from "./layers/StageExecutorLive.js"
+export { layerWith as stageExecutorLayerWith, LiveLoadedStage, StageExecutorLive } from "./layers/engine/StageExecutorLive.js"
+export type { LiveOptions as StageExecutorLiveOptions } from "./layers/engine/StageExecutorLive.js"
 export {
   defaultTestModel,
   layerTest as stageExecutorLayerTest,
   StageExecutorTest,
   testModelGreedy,
   testModelNextToken
-} from "./layers/StageExecutorTest.js"
-export type { TestModel } from "./layers/StageExecutorTest.js"
+} from "./layers/engine/StageExecutorTest.js"
+export type { TestModel } from "./layers/engine/StageExecutorTest.js"

@@ -4,8 +4,8 @@ import { existsSync, readdirSync } from "node:fs"
 import { dirname, join } from "node:path"
 import { Effect, Either, Stream } from "effect"
 import { layerLocal, run } from "../src/api/generate.js"
-import * as AgentControlRpc from "../src/layers/AgentControlRpc.js"
-import { type LocalAgent, swactorCommand } from "../src/layers/LocalAgents.js"
+import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
+import { type LocalAgent, swactorCommand } from "../src/layers/agent/LocalAgents.js"
 import { NodeId } from "../src/domain/ids.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
 import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
@@ -17,6 +17,8 @@ const longRun = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
   prompt: "Once upon a time",
   maxTokens: 1500,
   threads: 1,
+  // The contract of one run: its first fault is the end (recovery is test/e2e.recovery.test.ts's).
+  recovery: { maxAttempts: 0 },
   ...patch
 })
 

@@ -9,7 +9,7 @@ import { GgmlType } from "../src/domain/ggmlTypes.js"
 import type { ModelLoadError } from "../src/domain/gguf.js"
 import { GgufValues, type GgufTensorSpec, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { syntheticModelSpec, type SyntheticModelOptions } from "../src/layers/gguf/Synthetic.js"
-import { StageExecutorLive } from "../src/layers/StageExecutorLive.js"
+import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 

@@ -7,7 +7,7 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { LiveLoadedStage, StageExecutorLive } from "../src/layers/StageExecutorLive.js"
+import { LiveLoadedStage, StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 

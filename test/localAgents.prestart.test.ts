@@ -3,7 +3,7 @@
 // closing the layer stops them.
 import { assert, describe, it } from "@effect/vitest"
 import { Context, Effect, Exit, Layer, Scope } from "effect"
-import { localAgentPool, type LocalAgent } from "../src/layers/LocalAgents.js"
+import { localAgentPool, type LocalAgent } from "../src/layers/agent/LocalAgents.js"
 import { AgentPool } from "../src/services/Orchestrator.js"
 import { childPids, eventually, isAlive } from "./support/e2e.js"
 

@@ -1,7 +1,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit, Fiber, Option, TestClock } from "effect"
 import { NodeId } from "../src/domain/ids.js"
-import * as MembershipLive from "../src/layers/MembershipLive.js"
+import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import { Membership, NodeCapacity, NodeEndpoint } from "../src/services/Membership.js"
 
 const node = (id: number) => NodeEndpoint.make({ nodeId: NodeId.make(id), address: `10.0.0.${id}:7000` })

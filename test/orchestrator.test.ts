@@ -1,11 +1,11 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Chunk, Effect, Exit, Fiber, Layer, Stream } from "effect"
-import * as MembershipLive from "../src/layers/MembershipLive.js"
-import * as OrchestratorLive from "../src/layers/OrchestratorLive.js"
-import * as StageExecutorTest from "../src/layers/StageExecutorTest.js"
-import * as TokenizerLive from "../src/layers/TokenizerLive.js"
+import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
+import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
+import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
-import { makeMemoryWorld } from "../src/layers/AgentLinksTest.js"
+import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import { requireModel } from "./support/models.js"
 
 // The test engine mirrors stories260K's facts (read from the real file): 5 blocks, hidden 64, EOS 2.
@@ -34,6 +34,8 @@ const request = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
   model: requireModel("stories260K.gguf"),
   prompt: "Once upon a time",
   maxTokens: 12,
+  // The contract of one run: its first fault is the end.
+  recovery: { maxAttempts: 0 },
   ...patch
 })
 

@@ -6,13 +6,13 @@ import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import * as TokenizerLive from "../src/layers/TokenizerLive.js"
-import { clusterTokenEnv, generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/LocalAgents.js"
+import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
+import { clusterTokenEnv, generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/agent/LocalAgents.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
 import { isAlive } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 import { spawn } from "node:child_process"
-import { swactorCommand } from "../src/layers/LocalAgents.js"
+import { swactorCommand } from "../src/layers/agent/LocalAgents.js"
 import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
@@ -375,9 +375,10 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     })
 
   // One runs, one waits in the queue; the next is refused with 429 and Retry-After (the openai client sees RateLimitError).
-  // Then kill -9 of a stage agent mid-stream: both streams end with an error event and [DONE] within 2 s, /health says
-  // 503 with the fault, new requests get 500 with the fault in words, and SIGHUP leaves no process behind (exit 129).
-  it("queue full is 429 + Retry-After; a killed agent ends every stream with an error and [DONE] within 2 s", async () => {
+  // Then kill -9 of a stage agent mid-stream: both streams are recovered on the other agent; killing that one too ends
+  // the next stream with an error and [DONE] within 2 s, /health says 503 with the fault, new requests get 500, and
+  // SIGHUP leaves no process behind (exit 129).
+  it("queue full is 429 + Retry-After; a killed agent's streams recover; with every agent killed they end with an error", async () => {
     const running = await streamRequest(1800)
     const runningEvents: Array<string> = []
     const runningDone = readSse(running, (data) => runningEvents.push(data))
@@ -399,21 +400,42 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
 
     const agents = await agentsOf(server.url)
     assert.strictEqual(agents.length, 2)
-    const killedAt = Date.now()
+    // kill -9 of a stage agent mid-stream: both requests are recovered on the surviving agent (replay, then the
+    // rest of the stream): no error event, [DONE] at the end, /health stays ok, /metrics counts the recoveries.
     process.kill(agents[1]!.pid, "SIGKILL")
     const [runningAll, queuedAll] = await Promise.all([runningDone, queuedDone])
     for (const events of [runningAll, queuedAll]) {
       assert.strictEqual(events.at(-1)!.data, "[DONE]")
-      const error = JSON.parse(events.at(-2)!.data) as { error?: { message: string } }
-      assert.match(error.error?.message ?? "", /pipeline faulted/)
-      assert.isBelow(events.at(-1)!.at - killedAt, 2000)
+      assert.notInclude(events.at(-2)!.data, '"error"')
+    }
+    assert.isAtLeast(await metricOf(server.url, "swactor_recoveries_total"), 1)
+    const degraded = await fetch(`${server.url}/health`)
+    assert.strictEqual(degraded.status, 200)
+    assert.deepStrictEqual(await degraded.json(), { status: "ok", lostAgents: [agents[1]!.address] })
+    assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.pid), [agents[0]!.pid])
+
+    // The last agent killed mid-stream: nothing can host the model; the stream ends with an error event and
+    // [DONE] within 2 s, /health says 503 with the fault, new requests get 500 with the fault in words.
+    const last = await streamRequest(1800)
+    const lastEvents: Array<string> = []
+    const lastDone = readSse(last, (data) => lastEvents.push(data))
+    while (lastEvents.length < 2) await sleep(10)
+    const killedAt = Date.now()
+    process.kill(agents[0]!.pid, "SIGKILL")
+    const lastAll = await lastDone
+    assert.strictEqual(lastAll.at(-1)!.data, "[DONE]")
+    const error = JSON.parse(lastAll.at(-2)!.data) as { error?: { message: string } }
+    assert.match(error.error?.message ?? "", /no node left to host the model/)
+    assert.isBelow(lastAll.at(-1)!.at - killedAt, 2000)
+    for (const until = Date.now() + 3000; Date.now() < until && (await fetch(`${server.url}/health`)).status !== 503;) {
+      await sleep(50)
     }
     const health = await fetch(`${server.url}/health`)
     assert.strictEqual(health.status, 503)
-    assert.match(((await health.json()) as { error: string }).error, new RegExp(`lost agent ${agents[1]!.address}`))
+    assert.match(((await health.json()) as { error: string }).error, /every agent of the pipeline was lost/)
     const after = await client.completions.create({ model: "m", prompt: "Hi", max_tokens: 2 }).then(() => undefined, (e: unknown) => e)
     assert.instanceOf(after, OpenAI.InternalServerError)
-    assert.match((after as InstanceType<typeof OpenAI.InternalServerError>).message, /lost agent/)
+    assert.match((after as InstanceType<typeof OpenAI.InternalServerError>).message, /every agent/)
 
     server.child.kill("SIGHUP")
     const exit = await server.exited

@@ -1,11 +1,11 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Chunk, Context, Effect, Fiber, Layer, Stream } from "effect"
-import * as MembershipLive from "../src/layers/MembershipLive.js"
-import * as OrchestratorLive from "../src/layers/OrchestratorLive.js"
-import * as ServerLive from "../src/layers/ServerLive.js"
-import * as StageExecutorTest from "../src/layers/StageExecutorTest.js"
-import * as TokenizerLive from "../src/layers/TokenizerLive.js"
-import { makeMemoryWorld } from "../src/layers/AgentLinksTest.js"
+import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
+import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
+import * as ServerLive from "../src/layers/server/ServerLive.js"
+import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
+import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { Orchestrator } from "../src/services/Orchestrator.js"
 import { Server, type ServeEvent, type ServeOptions } from "../src/services/Server.js"
@@ -152,10 +152,11 @@ describe("Server (library, in-memory agents)", () => {
       assert.strictEqual(metrics.kvReservedBytes, 0)
     }).pipe(Effect.scoped))
 
-  // Losing an agent fails the requests in flight and the ones after with the fault in words; status says so.
-  it.live("a lost agent faults in-flight requests and the server's status", () =>
+  // Without recovery, losing an agent fails the requests in flight and the ones after with the fault in words;
+  // status says so. (With recovery, the default: test/e2e.recovery.serve.test.ts.)
+  it.live("without recovery, a lost agent faults in-flight requests and the server's status", () =>
     Effect.gen(function*() {
-      const { memory, server } = yield* world({ delayMillis: 5 })
+      const { memory, server } = yield* world({ delayMillis: 5, recovery: { maxAttempts: 0 } })
       const fiber = yield* Stream.runDrain(server.generate({ prompt: "Once", maxTokens: 200 })).pipe(Effect.fork)
       yield* Effect.sleep("100 millis")
       yield* memory.agents[1]!.kill

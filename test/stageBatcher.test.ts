@@ -1,12 +1,12 @@
 /**
- * The agent's stage batcher (layers/StageBatcher.ts) over the deterministic StageExecutor double, with a recording
+ * The agent's stage batcher (layers/agent/StageBatcher.ts) over the deterministic StageExecutor double, with a recording
  * wrapper that can hold the first micro-batch at a gate so that the following ones are built deterministically.
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Deferred, Effect, Exit, Fiber, Layer } from "effect"
 import { EngineError, type StageInput, type StageOutput } from "../src/domain/engine.js"
-import { emptyBatchCounters, makeStageBatcher } from "../src/layers/StageBatcher.js"
-import { make as makeDouble } from "../src/layers/StageExecutorTest.js"
+import { emptyBatchCounters, makeStageBatcher } from "../src/layers/agent/StageBatcher.js"
+import { make as makeDouble } from "../src/layers/engine/StageExecutorTest.js"
 import { StageExecutor, type StageExecutorService, type StageSession } from "../src/services/StageExecutor.js"
 
 interface Recorded {

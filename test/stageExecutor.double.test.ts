@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { defaultTestModel, StageExecutorTest, testModelGreedy } from "../src/layers/StageExecutorTest.js"
+import { defaultTestModel, StageExecutorTest, testModelGreedy } from "../src/layers/engine/StageExecutorTest.js"
 import { greedy } from "../src/services/Sampler.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"

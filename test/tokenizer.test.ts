@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
-import * as TokenizerLive from "../src/layers/TokenizerLive.js"
+import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
 import { requireModel } from "./support/models.js"
 

@@ -10,12 +10,12 @@
  * Promise / AsyncIterable: `createClient(options)` wraps the same thing for non-Effect callers.
  */
 import { Cause, Effect, Layer, ManagedRuntime, Option, Runtime, Stream } from "effect"
-import { dataPlaneLayer } from "../layers/AgentLinksLive.js"
-import * as AgentControlRpc from "../layers/AgentControlRpc.js"
-import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/LocalAgents.js"
-import * as MembershipLive from "../layers/MembershipLive.js"
-import * as OrchestratorLive from "../layers/OrchestratorLive.js"
-import * as TokenizerLive from "../layers/TokenizerLive.js"
+import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
+import * as AgentControlRpc from "../layers/agent/AgentControlRpc.js"
+import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/agent/LocalAgents.js"
+import * as MembershipLive from "../layers/agent/MembershipLive.js"
+import * as OrchestratorLive from "../layers/orchestrator/OrchestratorLive.js"
+import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
 import {
   type GeneratedToken,
   type GenerateError,

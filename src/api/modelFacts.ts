@@ -1,2 +1,2 @@
 /** What the planner needs to know about a GGUF file, read from its metadata (see the `ModelCatalog` service). */
-export { readModelFacts } from "../layers/ModelCatalogLive.js"
+export { readModelFacts } from "../layers/gguf/ModelCatalogLive.js"

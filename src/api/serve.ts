@@ -2,22 +2,21 @@
  * Serving from code: `serve(options)` is a layer holding one warm pipeline (local agents, or remote nodes with
  * `nodes` + `token`); `Server.generate(request)` is a Stream of events per request (Admitted, Text…, Done),
  * many at once, admitted by the KV budget. `completion(request)` collects one into text and counts.
- * The HTTP front (`swactor serve`) is src/layers/HttpServe.ts over the same service.
+ * The HTTP front (`swactor serve`) is src/layers/server/HttpServe.ts over the same service.
  */
 import { Effect, Layer, Stream } from "effect"
-import * as ServerLive from "../layers/ServerLive.js"
-import type { LocalPoolOptions } from "../layers/LocalAgents.js"
+import * as ServerLive from "../layers/server/ServerLive.js"
+import type { LocalPoolOptions } from "../layers/agent/LocalAgents.js"
 import {
   type FinishReason,
   Server,
   type ServeError,
-  type ServeEvent,
   type ServeOptions,
   type ServeRequest
 } from "../services/Server.js"
 import { layerLocal, layerRemote } from "./generate.js"
 
-export type { ServeError, ServeEvent, ServeOptions, ServeRequest }
+export type { ServeOptions }
 export { Server }
 
 export interface ServeLayerOptions extends ServeOptions {

@@ -9,7 +9,7 @@ import type { ModelLoadError } from "../domain/gguf.js"
 import { type NodeId, RunId } from "../domain/ids.js"
 import type { DTypeFamily, Edge, EdgeEndpoint, ModelFacts, PlannerInput, RingSpec, RunPlan } from "../domain/plan.js"
 import type { PlanRejection } from "../domain/planErrors.js"
-import * as ModelCatalogLive from "../layers/ModelCatalogLive.js"
+import * as ModelCatalogLive from "../layers/gguf/ModelCatalogLive.js"
 import { ModelCatalog } from "../services/ModelCatalog.js"
 import { planRun } from "../services/Planner.js"
 

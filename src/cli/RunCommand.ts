@@ -11,11 +11,11 @@ import { join } from "node:path"
 import { Console, Effect, Option, Stream } from "effect"
 import { layerLocal, layerRemote, run } from "../api/generate.js"
 import { readModelFacts } from "../api/modelFacts.js"
-import * as TokenizerLive from "../layers/TokenizerLive.js"
+import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
 import { Tokenizer } from "../services/Tokenizer.js"
-import { formatAddress } from "../layers/AgentControlRpc.js"
+import { formatAddress } from "../layers/agent/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
-import { clusterTokenEnv } from "../layers/LocalAgents.js"
+import { clusterTokenEnv } from "../layers/agent/LocalAgents.js"
 import {
   atLeast,
   clusterToken,
@@ -54,6 +54,7 @@ export interface RunArgs {
   readonly layers?: Option.Option<string>
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
+  readonly spares?: number
 }
 
 const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
@@ -143,6 +144,22 @@ const makeProgress = (quiet: boolean) => {
             line(render())
             if (ready.size === stageCount) done()
             return
+          case "Recovering":
+            done()
+            ready.clear()
+            loading.clear()
+            process.stderr.write(
+              `\nswactor run: recovering (attempt ${update.attempt}) after ${update.resumedAt} tokens: ${update.reason}\n`
+            )
+            return
+          case "Recovered":
+            done()
+            process.stderr.write(
+              `swactor run: recovered in ${ms(update.recovery.millis)} ms on ${
+                update.recovery.stages.map((s) => `stage ${s.stageIndex} [${s.layers[0]}, ${s.layers[1]}) ${s.address}`).join(", ")
+              }\n`
+            )
+            return
           default:
             return
         }
@@ -210,6 +227,19 @@ export const renderSummary = (summary: RunSummary): string => {
     lines.push(
       `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
         `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}`
+    )
+  }
+  if (summary.recoveries.length > 0) {
+    lines.push(`recoveries: ${summary.recoveries.length}`)
+    for (const r of summary.recoveries) {
+      lines.push(`  attempt ${r.attempt} after ${r.resumedAt} tokens, ${ms(r.millis)} ms: ${r.reason}`)
+    }
+  }
+  if (summary.stragglers.length > 0) {
+    lines.push(
+      `stragglers: ${summary.stragglers.length} slow tokens (${
+        summary.stragglers.slice(0, 5).map((s) => `#${s.sequence} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`).join(", ")
+      }${summary.stragglers.length > 5 ? ", ..." : ""})`
     )
   }
   return lines.join("\n")
@@ -343,6 +373,7 @@ const validate = (args: RunArgs) =>
     const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
     const temperature = yield* atLeast("temperature", args.temperature, 0)
     const topK = yield* wholeNumber("top-k", args.topK, 0)
+    if (args.spares !== undefined) yield* wholeNumber("spares", args.spares, 0)
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
     const threads = yield* optionalWholeNumber("threads", args.threads, 1)
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
@@ -396,13 +427,14 @@ const runRun = (args: RunArgs, json: JsonReport) =>
         ? { deliverWeights: true }
         : {}),
       ...(Option.isSome(threads) ? { threads: threads.value } : {}),
-      ...(args.dryRun ? { dryRun: true } : {})
+      ...(args.dryRun ? { dryRun: true } : {}),
+      ...((args.spares ?? 0) !== 0 ? { spares: args.spares! } : {})
     }
     const layer = nodes.length > 0
       ? layerRemote({ nodes, token })
       : layerLocal({
         // The agents boot while the orchestrator reads the model's facts and vocabulary.
-        prestart: request.stages ?? 2,
+        prestart: (request.stages ?? 2) + (request.spares ?? 0),
         ...(Option.isSome(threads) ? { threads: threads.value } : {})
       })
     if (args.dryRun) {
@@ -546,6 +578,10 @@ export const runCommand = Command.make(
         "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --nodes), always, never"
       ),
       withShownDefault("auto" as const)
+    ),
+    spares: Options.integer("spares").pipe(
+      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
+      withShownDefault(0)
     )
   },
   runRunCommand

@@ -7,8 +7,8 @@ import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
 import { Context, Effect, Layer, Option } from "effect"
 import { serve } from "../api/serve.js"
-import * as HttpServe from "../layers/HttpServe.js"
-import { clusterTokenEnv } from "../layers/LocalAgents.js"
+import * as HttpServe from "../layers/server/HttpServe.js"
+import { clusterTokenEnv } from "../layers/agent/LocalAgents.js"
 import { Server } from "../services/Server.js"
 import { clusterToken, nodeList, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
@@ -25,6 +25,7 @@ export interface ServeArgs {
   readonly queue: number
   readonly kvBudgetMib: Option.Option<number>
   readonly keepAliveMs: number
+  readonly spares: number
 }
 
 const runServe = (args: ServeArgs) =>
@@ -42,6 +43,7 @@ const runServe = (args: ServeArgs) =>
     if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
     yield* wholeNumber("parallel", args.parallel, 1)
     yield* wholeNumber("queue", args.queue, 0)
+    yield* wholeNumber("spares", args.spares, 0)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
     const server = serve({
       model: args.model,
@@ -50,7 +52,8 @@ const runServe = (args: ServeArgs) =>
       ...(Option.isSome(stages) ? { stages: stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
       ...(threads === undefined ? {} : { threads }),
       ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
-      ...(nodes.length > 0 ? { nodes, token } : {})
+      ...(nodes.length > 0 ? { nodes, token } : {}),
+      ...(args.spares > 0 ? { spares: args.spares } : {})
     })
     const http = HttpServe.layer({
       host: args.host,
@@ -113,6 +116,10 @@ export const serveCommand = Command.make(
     keepAliveMs: Options.integer("keep-alive-ms").pipe(
       Options.withDescription("SSE keep-alive comment interval while a stream waits"),
       withShownDefault(5000)
+    ),
+    spares: Options.integer("spares").pipe(
+      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
+      withShownDefault(0)
     )
   },
   runServeCommand

@@ -95,6 +95,3 @@ export const untilOperatorStop = <A, E, R>(
         return Option.some(yield* exit)
       }), () => uninstall)
   })
-
-/** Whether stdout was closed by its reader during this process (writes to it are dropped). */
-export const stdoutWasClosed = (): boolean => stdoutClosed

@@ -2,7 +2,7 @@
  * The orchestrator ↔ node agent control plane: one @effect/rpc group and the Schema messages that
  * cross the process boundary with it. The transport (an authenticated socket: mutual HMAC
  * handshake, then ndjson RPC) is `makeSocketServer` of src/layers/transport/ControlPlane.ts; the
- * agent's handlers and the orchestrator's client are src/layers/AgentControlRpc.ts.
+ * agent's handlers and the orchestrator's client are src/layers/agent/AgentControlRpc.ts.
  *
  * The group is the `AgentLink` of src/services/AgentLinks.ts one to one:
  *
@@ -44,7 +44,7 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
   prefillComputeMillis: Schema.Number,
   decodeFrames: Schema.Number,
   decodeComputeMillis: Schema.Number,
-  /** Micro-batches of the agent's stage batcher that carried this stage's work (see layers/StageBatcher.ts). */
+  /** Micro-batches of the agent's stage batcher that carried this stage's work (see layers/agent/StageBatcher.ts). */
   microBatches: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   /** Rows (tokens of all sequences) of those micro-batches. */
   batchRows: Schema.optionalWith(Schema.Number, { default: () => 0 }),

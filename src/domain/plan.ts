@@ -36,7 +36,9 @@ export const SamplingPolicy = Schema.Struct({
   topP: Schema.optional(Schema.Number),
   /** Minimum probability relative to the most likely token (absent or 0: off). */
   minP: Schema.optional(Schema.Number),
-  seed: Schema.optional(Schema.Number)
+  seed: Schema.optional(Schema.Number),
+  /** The position of the first draw (a generation resumed after n tokens draws from n on; absent: 0). */
+  startPosition: Schema.optional(Schema.Number)
 }).annotations({ identifier: "SamplingPolicy" })
 export type SamplingPolicy = typeof SamplingPolicy.Type
 

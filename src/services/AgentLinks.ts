@@ -79,8 +79,8 @@ export class AgentSpawnError extends Schema.TaggedError<AgentSpawnError>()("Agen
 
 /**
  * What a node agent offers the control plane: host a stage (a stream of its reports that ends after
- * StageStopped), stop it, and report capacity. `makeStageHost` (src/layers/NodeAgent.ts) builds one; the control
- * RPC server (src/layers/AgentControlRpc.ts) serves one.
+ * StageStopped), stop it, and report capacity. `makeStageHost` (src/layers/agent/NodeAgent.ts) builds one; the control
+ * RPC server (src/layers/agent/AgentControlRpc.ts) serves one.
  */
 export interface StageHost {
   readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport>

@@ -63,6 +63,11 @@ export interface Pool {
   readonly firstLost: Effect.Effect<NodeLost>
   /** Declares a node lost now (e.g. its control connection closed); the first reason sticks. */
   readonly markLost: (nodeId: NodeId, reason: string) => Effect.Effect<void>
+  /**
+   * A lost node is back (e.g. restarted at the same address and reconnected): its heartbeats resume and it is
+   * Unknown until it answers (then Up). Nothing for a node not lost.
+   */
+  readonly rejoin: (nodeId: NodeId) => Effect.Effect<void>
 }
 
 export interface MembershipService {

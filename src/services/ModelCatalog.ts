@@ -1,7 +1,7 @@
 /**
  * Model facts: what planning needs to know about a GGUF model (layer count, hidden size, context length, EOS id),
  * read from its metadata only, never its tensor data. One service so the orchestrator, `swactor plan` and anything
- * else read the same facts the same way. The live layer reads the GGUF header (src/layers/ModelCatalogLive.ts); the
+ * else read the same facts the same way. The live layer reads the GGUF header (src/layers/gguf/ModelCatalogLive.ts); the
  * test layer answers from a table.
  */
 import { Context, type Effect } from "effect"

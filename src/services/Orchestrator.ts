@@ -52,6 +52,35 @@ export interface GenerateRequest {
   readonly placement?: PlacementRequest
   /** Deliver each stage's weights to agents that lack them (see `PipelineOptions.deliverWeights`). */
   readonly deliverWeights?: PipelineOptions["deliverWeights"]
+  /** Local agents: this many extra agents that host nothing until a recovery needs them (default 0). */
+  readonly spares?: number
+  readonly recovery?: RecoveryOptions
+}
+
+/** How a generation continues after its run faults for a recoverable reason (a node or stage worker lost, transport failed). */
+export interface RecoveryOptions {
+  /** Recovery attempts before the generation faults (default 3; 0 turns recovery off). */
+  readonly maxAttempts?: number
+  /** From the first fault, recoveries must have brought the generation back within this (default 60 s). */
+  readonly budget?: Duration.DurationInput
+}
+
+/** One recovery of a generation: why, onto which placement, how long from the fault to the next token. */
+export interface RecoveryRecord {
+  readonly attempt: number
+  readonly reason: string
+  /** Tokens already produced when the run faulted (replayed with the prompt). */
+  readonly resumedAt: number
+  readonly stages: ReadonlyArray<{ readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }>
+  /** From the fault being reported to the next token. */
+  readonly millis: number
+}
+
+/** A decoded token that took much longer than the recent median (a slow stage or node). */
+export interface Straggler {
+  readonly sequence: number
+  readonly latencyMillis: number
+  readonly medianMillis: number
 }
 
 export interface TokenTimings {
@@ -102,6 +131,10 @@ export interface RunSummary {
   readonly stages: ReadonlyArray<StageSummary>
   /** Per decoded token: end-to-end time minus every stage's compute (transfers, framing, scheduling). */
   readonly transferMillisPerToken: number
+  /** The recoveries this generation went through (the stages above are the last run's). */
+  readonly recoveries: ReadonlyArray<RecoveryRecord>
+  /** Decoded tokens slower than 4× the median of the 16 before them (and by at least 5 ms). */
+  readonly stragglers: ReadonlyArray<Straggler>
 }
 
 /** A placement and the pool it was chosen from, for `--dry-run`. */
@@ -152,6 +185,10 @@ export type RunUpdate =
     readonly unconfirmedStages: ReadonlyArray<number>
     readonly endpointsConfirmed: boolean
   }
+  /** The run faulted for a recoverable reason: a new run on the nodes still alive (plus spares) continues the generation. */
+  | { readonly _tag: "Recovering"; readonly attempt: number; readonly reason: string; readonly resumedAt: number }
+  /** The generation continues: the first token after the recovery came back. */
+  | { readonly _tag: "Recovered"; readonly recovery: RecoveryRecord }
   | { readonly _tag: "Finished"; readonly summary: RunSummary }
 
 /** The run ended Faulted; `reason` is the first fault the run FSM recorded, `message` says it in words. */
@@ -191,7 +228,10 @@ export interface AgentSet {
 
 export interface AgentPoolService {
   /** Agents for a run of `stages` stages (local: started now, stopped with the scope; remote: the configured nodes). */
-  readonly acquire: (stages: number | undefined) => Effect.Effect<AgentSet, AgentSpawnError | InvalidRequest, Scope.Scope>
+  readonly acquire: (
+    stages: number | undefined,
+    spares?: number
+  ) => Effect.Effect<AgentSet, AgentSpawnError | InvalidRequest, Scope.Scope>
 }
 
 /** Where a run's agents come from: local child processes or remote nodes (see OrchestratorLive). */
@@ -210,6 +250,10 @@ export interface PipelineOptions {
   readonly heartbeat?: { readonly interval: Duration.DurationInput; readonly deadline: Duration.DurationInput }
   /** Checked with the planner before any agent starts (default 1). */
   readonly maxTokens?: number
+  /** Local agents: extra agents that host nothing until a recovery needs them (default 0). */
+  readonly spares?: number
+  /** Default recovery of the runs on this pipeline. */
+  readonly recovery?: RecoveryOptions
   /** Which node hosts which blocks (default: balanced, stage i on node i mod n). Decided once for the pipeline. */
   readonly placement?: PlacementRequest
   /** Context per sequence that placement budgets KV memory for (default: max tokens + 1, padded to 256). */
@@ -236,6 +280,7 @@ export interface RunRequest {
   readonly tokenTimeout?: Duration.DurationInput
   /** Stop after planning. */
   readonly dryRun?: boolean
+  readonly recovery?: RecoveryOptions
 }
 
 /** One agent of a warm pipeline. */
@@ -260,8 +305,10 @@ export interface Pipeline {
   readonly stageCount: number
   /** One run; interrupting the stream is an operator stop (with the full teardown). */
   readonly run: (request: RunRequest) => Stream.Stream<RunUpdate, GenerateError>
-  /** Completes with the first node lost: from then on every run faults. */
+  /** Completes with the first node lost (runs then go on without it: see `alive`). */
   readonly lost: Effect.Effect<NodeLost>
+  /** The agents not lost (heartbeats answered, no exit seen): the ones the next run may use. */
+  readonly alive: Effect.Effect<ReadonlyArray<PipelineAgent>>
 }
 
 export interface OrchestratorService {

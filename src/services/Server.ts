@@ -47,7 +47,8 @@ export type ServeEvent =
 
 export type ServerStatus =
   | { readonly _tag: "Loading" }
-  | { readonly _tag: "Ready" }
+  /** `lostAgents`: agents the pipeline lost and runs without (absent when none). */
+  | { readonly _tag: "Ready"; readonly lostAgents?: ReadonlyArray<string> }
   | { readonly _tag: "Faulted"; readonly message: string }
 
 /** The pipeline is still being set up (agents starting, weights loading). */
@@ -95,7 +96,11 @@ export interface ServerMetrics {
   readonly kvReservedBytes: number
   readonly kvBudgetBytes: number
   readonly stages: ReadonlyArray<StageMetrics>
-  /** Each agent: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
+  /** Generations resumed after a fault of their run (a lost agent, a broken transport). */
+  readonly recoveries: number
+  /** Decoded tokens of completed requests that took over 4× the recent median. */
+  readonly stragglers: number
+  /** Each agent not lost: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
   readonly agents: ReadonlyArray<{ readonly address: string; readonly pid: number; readonly activeStages: number }>
 }
 

@@ -1,7 +1,7 @@
 /** Shared fixtures of the engine tests: splits, a pipelined greedy run of our engine, node-llama-cpp's reference. */
 import { Effect, Layer } from "effect"
 import { getLlama, type Llama, type LlamaModel, LlamaLogLevel, type Token } from "node-llama-cpp"
-import { StageExecutorLive } from "../../src/layers/StageExecutorLive.js"
+import { StageExecutorLive } from "../../src/layers/engine/StageExecutorLive.js"
 import { greedy } from "../../src/services/Sampler.js"
 import { openInProcessPipeline } from "../../src/services/InProcessPipeline.js"
 import type { StageExecutor } from "../../src/services/StageExecutor.js"

@@ -4,7 +4,7 @@
  */
 import { Effect } from "effect"
 import type { StageLoadSpec } from "../../domain/engine.js"
-import { GgmlType, ggmlTypeInfo, ggmlTypeName } from "../../domain/ggmlTypes.js"
+import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
 import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
 import { getArchitecture } from "../gguf/GgufReader.js"
 import type { ArchModule } from "./Arch.js"
@@ -212,4 +212,3 @@ export const planStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<St
     return { file, arch, hp, spec, tensors: out, weightBytes, tiedOutput }
   })
 
-export { ggmlTypeName }

@@ -3,17 +3,16 @@
  * control links → membership pool → the orchestrator's data listener. What it returns (`WarmPipeline`)
  * lives as long as the scope it was opened in; the runs on it (RunWorld) come and go.
  */
-import { Effect } from "effect"
+import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
 import type { LayerRange, ModelFacts, RingSpec } from "../../domain/plan.js"
-import { readModelFacts } from "../ModelCatalogLive.js"
+import { readModelFacts } from "../gguf/ModelCatalogLive.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
 import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
 import {
   AgentPool,
   type AgentSet,
-  type GenerateError,
   InvalidRequest,
   type PipelineOptions,
   type PlacementExplanation,
@@ -22,8 +21,8 @@ import {
 } from "../../services/Orchestrator.js"
 import { activationFrameBytes, alignUp, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
-import { nodesToAwait, placementFor, requestedStageCount } from "../RunPlacement.js"
-import { deliverWeights } from "../WeightDelivery.js"
+import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
+import { deliverWeights } from "./WeightDelivery.js"
 import { faultWords } from "./RunReport.js"
 
 export const ORCHESTRATOR_NODE = NodeId.make(0)
@@ -37,14 +36,15 @@ const ring = (dataCapacity: number, direction: RingSpec["direction"]): RingSpec 
 })
 
 /** The run-time settings the planner checks, from a request's numbers. */
-export const samplingPolicy = (sampling: SamplingOptions | undefined) => {
+export const samplingPolicy = (sampling: SamplingOptions | undefined, startPosition = 0) => {
   const temperature = sampling?.temperature ?? 0
   return {
     temperatureMillis: Math.round(temperature * 1000),
     topK: sampling?.topK ?? (temperature > 0 ? 40 : 1),
     ...(sampling?.topP === undefined ? {} : { topP: sampling.topP }),
     ...(sampling?.minP === undefined ? {} : { minP: sampling.minP }),
-    ...(sampling?.seed === undefined ? {} : { seed: sampling.seed })
+    ...(sampling?.seed === undefined ? {} : { seed: sampling.seed }),
+    ...(startPosition === 0 ? {} : { startPosition })
   }
 }
 
@@ -54,7 +54,12 @@ export const plannerInput = (
   runId: RunId,
   candidatePool: ReadonlyArray<NodeId>,
   placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>,
-  runtime: { readonly maxTokens: number; readonly sampling: SamplingOptions | undefined },
+  runtime: {
+    readonly maxTokens: number
+    readonly sampling: SamplingOptions | undefined
+    /** Tokens a resumed generation already produced: the sampler's first draw position. */
+    readonly startPosition?: number
+  },
   layerRanges?: ReadonlyArray<LayerRange>
 ) => {
   const activationBytes = activationFrameBytes(facts, 64)
@@ -62,7 +67,7 @@ export const plannerInput = (
     runId,
     orchestratorNodeId: ORCHESTRATOR_NODE,
     model: facts,
-    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling) },
+    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0) },
     candidatePool,
     stageCount: placement.length,
     placement: { _tag: "FixedLinear" as const, stages: placement },
@@ -127,8 +132,12 @@ export const openPipeline = (
       )
     }
 
-    const agents = yield* agentPool.acquire(options.stages)
-    const stageCount = requestedStageCount(options.placement, options.stages ?? agents.nodes.length)
+    const spares = options.spares ?? 0
+    if (!Number.isSafeInteger(spares) || spares < 0) {
+      return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
+    }
+    const agents = yield* agentPool.acquire(options.stages, spares)
+    const stageCount = requestedStageCount(options.placement, options.stages ?? Math.max(1, agents.nodes.length - spares))
     yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
     const links = new Map<number, AgentLink>()
     yield* Effect.forEach(agents.nodes, (node) =>
@@ -148,6 +157,27 @@ export const openPipeline = (
           Effect.mapError((e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message }))
         )
     }, heartbeat)
+    // A lost node that answers again at its address (restarted there) rejoins: a new control link, heartbeats
+    // resume, and the next run may plan on it.
+    const pipelineScope = yield* Effect.scope
+    yield* Effect.gen(function*() {
+      const status = yield* pool.status
+      for (const node of agents.nodes) {
+        if (status.get(node.nodeId)?._tag !== "Lost") continue
+        const attempt = yield* Scope.fork(pipelineScope, ExecutionStrategy.sequential)
+        const link = yield* control.connect(node, agents.token).pipe(
+          Scope.extend(attempt),
+          Effect.timeout("2 seconds"),
+          Effect.option
+        )
+        if (Option.isNone(link)) {
+          yield* Scope.close(attempt, Exit.void)
+          continue
+        }
+        links.set(node.nodeId, link.value)
+        yield* pool.rejoin(node.nodeId)
+      }
+    }).pipe(Effect.repeat(Schedule.spaced(heartbeat.interval)), Effect.forkScoped)
     // An agent process seen to exit is lost at once (local agents), whatever run is going on.
     yield* agents.exited.pipe(
       Effect.flatMap(({ node, reason }) => pool.markLost(node.nodeId, reason)),
@@ -198,4 +228,3 @@ export const openPipeline = (
     } satisfies WarmPipeline
   })
 
-export type OpenPipelineError = GenerateError

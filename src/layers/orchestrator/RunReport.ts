@@ -6,7 +6,7 @@ import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import type { LifecycleEvent, RunFaultReason, StageFaultReason } from "../../domain/runFsm.js"
 import { StageFaultReasons } from "../../domain/runFsm.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
-import type { RunSummary, RunUpdate, StageSummary } from "../../services/Orchestrator.js"
+import type { RunSummary, RunUpdate, StageSummary, Straggler } from "../../services/Orchestrator.js"
 
 /** A stage's fault report (the agent's kind and words) as the run FSM's stage fault reason. */
 export const stageFaultReason = (report: Extract<StageReport, { _tag: "StageFault" }>): StageFaultReason => {
@@ -131,14 +131,44 @@ export interface RunRecord {
   }>
 }
 
+const median = (values: ReadonlyArray<number>): number => {
+  const sorted = [...values].sort((a, b) => a - b)
+  const mid = sorted.length >> 1
+  return sorted.length % 2 === 1 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2
+}
+
+/**
+ * Decoded tokens slower than `factor` × the median of the `window` before them (and slower by at least
+ * `minExcessMillis`): the straggling steps of a run, in order.
+ */
+export const findStragglers = (
+  latencies: ReadonlyArray<{ readonly sequence: number; readonly latencyMillis: number }>,
+  factor = 4,
+  window = 16,
+  minExcessMillis = 5
+): ReadonlyArray<Straggler> => {
+  const out: Array<Straggler> = []
+  for (let i = 4; i < latencies.length; i++) {
+    const recent = latencies.slice(Math.max(0, i - window), i).map((l) => l.latencyMillis)
+    const m = median(recent)
+    const { latencyMillis, sequence } = latencies[i]!
+    if (latencyMillis > factor * m && latencyMillis - m >= minExcessMillis) out.push({ sequence, latencyMillis, medianMillis: m })
+  }
+  return out
+}
+
 /** The summary of a completed run: time to first token, decode rate, per-stage compute vs transfer. */
 export const summarize = (record: RunRecord): RunSummary => {
   // Decode steps: sequences 1..n-1 (sequence 0 is the prefill).
   const decodeLatencies: Array<number> = []
+  const timed: Array<{ sequence: number; latencyMillis: number }> = []
   for (let sequence = 1; sequence < record.generated + 1; sequence++) {
     const sent = record.injectedAt.get(sequence)
     const got = record.receivedAt.get(sequence)
-    if (sent !== undefined && got !== undefined) decodeLatencies.push(got - sent)
+    if (sent !== undefined && got !== undefined) {
+      decodeLatencies.push(got - sent)
+      timed.push({ sequence, latencyMillis: got - sent })
+    }
   }
   const decodeMillis = decodeLatencies.reduce((a, b) => a + b, 0)
   const decodeMillisPerToken = decodeLatencies.length > 0 ? decodeMillis / decodeLatencies.length : 0
@@ -171,6 +201,8 @@ export const summarize = (record: RunRecord): RunSummary => {
     decodeTokensPerSecond: decodeMillis > 0 ? (decodeLatencies.length * 1000) / decodeMillis : 0,
     decodeMillisPerToken,
     stages,
-    transferMillisPerToken: Math.max(0, decodeMillisPerToken - computePerToken)
+    transferMillisPerToken: Math.max(0, decodeMillisPerToken - computePerToken),
+    recoveries: [],
+    stragglers: findStragglers(timed)
   }
 }

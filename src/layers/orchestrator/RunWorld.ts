@@ -5,9 +5,9 @@
  * produces, and turns the lifecycle into updates (RunReport). First fault sticky, teardown exactly once:
  * the FSM's job; this module only executes.
  */
-import { Deferred, Effect, ExecutionStrategy, Exit, type Mailbox, Queue, Schedule, Scope, Stream } from "effect"
+import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stream } from "effect"
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
-import { RunId } from "../../domain/ids.js"
+import { type NodeId, RunId } from "../../domain/ids.js"
 import type { Edge, ProvisionStage, RunPlan } from "../../domain/plan.js"
 import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, StageFaultReasons } from "../../domain/runFsm.js"
 import {
@@ -38,6 +38,19 @@ const randomRunId = () => RunId.make(1 + Math.floor(Math.random() * 0x7ffffffe))
 export const runContextLength = (maxSeqLen: number, promptTokens: number, maxTokens: number): number =>
   Math.min(maxSeqLen, alignUp(promptTokens + maxTokens + 1, 256))
 
+/** Where a run's updates go (a mailbox, or a recovering generation's filter). */
+export interface UpdateSink {
+  readonly offer: (update: RunUpdate) => Effect.Effect<unknown>
+}
+
+/** One run of a generation that may be resumed: its placement and where its sampler starts drawing. */
+export interface RunAttempt {
+  /** Stage → node (default: the pipeline's). */
+  readonly placement?: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
+  /** Tokens the generation produced before this run (the prompt ends with them): the first draw's position. */
+  readonly startPosition?: number
+}
+
 /**
  * Runs one request on `warm` to its end, offering updates as they happen. Completing `stopRequested` is an
  * operator stop. Succeeds after a completed run's Finished update; fails with RunFaulted (after the teardown).
@@ -45,9 +58,10 @@ export const runContextLength = (maxSeqLen: number, promptTokens: number, maxTok
 export const driveRun = (
   warm: WarmPipeline,
   request: RunRequest,
-  updates: Mailbox.Mailbox<RunUpdate, GenerateError>,
+  updates: UpdateSink,
   stopRequested: Deferred.Deferred<void>,
-  requestStart: number = performance.now()
+  requestStart: number = performance.now(),
+  attempt: RunAttempt = {}
 ) =>
   Effect.gen(function*() {
     const dataPlane = yield* DataPlane
@@ -60,11 +74,16 @@ export const driveRun = (
     if (prompt.length === 0) return yield* new InvalidRequest({ message: "the prompt is empty" })
 
     const runId = randomRunId()
+    const placement = attempt.placement ?? warm.placement
+    // The pipeline's block ranges while its stage count holds (a spare took a stage); fewer stages after a
+    // recovery: the planner splits the blocks again.
+    const layerRanges = placement.length === warm.placement.length ? warm.layerRanges : undefined
     const plan: RunPlan = yield* planRun(
-      plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), warm.placement, {
+      plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), placement, {
         maxTokens,
-        sampling: request.sampling
-      }, warm.layerRanges)
+        sampling: request.sampling,
+        ...(attempt.startPosition === undefined ? {} : { startPosition: attempt.startPosition })
+      }, layerRanges)
     )
     const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
     yield* updates.offer({
@@ -288,7 +307,16 @@ export const driveRun = (
       Effect.forever,
       Effect.forkScoped
     )
-    yield* pool.firstLost.pipe(
+    // A node of this run lost (other nodes of the pool may come and go: spares, nodes lost before this run).
+    const planNodes = new Set<number>(plan.stages.map((s) => s.nodeId))
+    yield* pool.status.pipe(
+      Effect.flatMap((status) => {
+        for (const [nodeId, s] of status) {
+          if (s._tag === "Lost" && planNodes.has(nodeId)) return Effect.succeed(s.lost)
+        }
+        return Effect.fail(undefined)
+      }),
+      Effect.retry(Schedule.spaced("50 millis")),
       Effect.flatMap((lost) =>
         Effect.zipRight(
           Effect.sync(() => noteDetail(`node:${lost.node.nodeId}`, lost.reason)),
@@ -310,7 +338,7 @@ export const driveRun = (
     let firstTokenAt: number | undefined
     const promptInjectedAt = () => injectedAt.get(0) ?? requestStart
 
-    yield* offer(RunEvents.PoolReady({ nodes: [...new Set(warm.placement.map((p) => p.nodeId))] }))
+    yield* offer(RunEvents.PoolReady({ nodes: [...new Set(placement.map((p) => p.nodeId))] }))
     yield* offer(RunEvents.PlanAvailable({ plan }))
 
     let terminal: LifecycleEvent | undefined

@@ -2,7 +2,7 @@
  * The control plane's transport: a socket server (TCP or Unix) whose connections must first pass
  * the mutual HMAC handshake of Auth.ts. Nothing is read as RPC before the handshake succeeds; a
  * connection that fails it is logged (Effect.logWarning) and closed. The RPC group it carries is
- * `AgentRpcs` (src/domain/controlRpc.ts); src/layers/AgentControlRpc.ts serves it on
+ * `AgentRpcs` (src/domain/controlRpc.ts); src/layers/agent/AgentControlRpc.ts serves it on
  * `makeSocketServer` (ndjson serialization) and connects to it with `authenticatedSocket`.
  *
  * Like the data plane, the listener binds 127.0.0.1 unless given another address.

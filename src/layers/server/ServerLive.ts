@@ -4,8 +4,8 @@
  * KV bytes per stage, and each request its own run on the pipeline.
  */
 import { Cause, Deferred, Duration, Effect, Exit, Layer, Option, Ref, Schedule, Stream } from "effect"
-import * as Gguf from "./gguf/GgufReader.js"
-import { Orchestrator, type Pipeline, type RunUpdate } from "../services/Orchestrator.js"
+import * as Gguf from "../gguf/GgufReader.js"
+import { Orchestrator, type Pipeline, type RunUpdate } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
   PipelineFaulted,
@@ -20,9 +20,9 @@ import {
   type ServerMetrics,
   type StageMetrics,
   type ServerStatus
-} from "../services/Server.js"
-import { makeStopMatcher } from "../services/StopText.js"
-import { runContextLength } from "./orchestrator/RunWorld.js"
+} from "../../services/Server.js"
+import { makeStopMatcher } from "../../services/StopText.js"
+import { runContextLength } from "../orchestrator/RunWorld.js"
 
 /** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (F16 K and V, cells padded to 256 as the engine does). */
 export const kvBytesPerSequence = (
@@ -124,6 +124,8 @@ export const make = (options: ServeOptions) =>
       refused: 0,
       promptTokens: 0,
       completionTokens: 0,
+      recoveries: 0,
+      stragglers: 0,
       inFlight: 0,
       stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
     }
@@ -150,10 +152,18 @@ export const make = (options: ServeOptions) =>
       const budget = options.kvBudgetBytes ??
         parallel * kvBytesPerSequence({ layersPerStage, kvWidth }, Math.min(pipeline.model.maxSeqLen, 4096))
       admission = makeAdmission(budget, parallel, queueLimit)
-      yield* pipeline.lost.pipe(
-        Effect.flatMap((lost) => fault(`lost agent ${lost.node.address}: ${lost.reason}`)),
-        Effect.forkScoped
-      )
+      // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server faults.
+      // Without recovery, the first lost agent faults it.
+      yield* (options.recovery?.maxAttempts === 0
+        ? pipeline.lost.pipe(Effect.flatMap((lost) => fault(`lost agent ${lost.node.address}: ${lost.reason}`)))
+        : pipeline.lost.pipe(
+          Effect.zipRight(
+            pipeline.alive.pipe(
+              Effect.repeat({ schedule: Schedule.spaced("250 millis"), until: (alive) => alive.length === 0 })
+            )
+          ),
+          Effect.flatMap(() => fault("every agent of the pipeline was lost"))
+        )).pipe(Effect.forkScoped)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
       yield* warmUp(pipeline)
       // While idle, keep the agents' weights from expiring out of their model caches.
@@ -282,7 +292,9 @@ export const make = (options: ServeOptions) =>
               const out = match.text === "" ? [] : [text(match.text)]
               return match.stopped ? [...out, done("stop")] : out
             }
+            if (update._tag === "Recovered") metrics.recoveries++
             if (update._tag === "Finished") {
+              metrics.stragglers += update.summary.stragglers.length
               recordStages(update)
               const rest = stop.flush()
               return [...(rest === "" ? [] : [text(rest)]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
@@ -331,7 +343,7 @@ export const make = (options: ServeOptions) =>
       const ready = yield* Deferred.poll(started)
       const up = ready._tag === "Some" ? yield* Effect.option(ready.value) : Option.none()
       const agents = Option.isSome(up)
-        ? yield* Effect.forEach(up.value.pipeline.agents, (agent) =>
+        ? yield* Effect.forEach(yield* up.value.pipeline.alive, (agent) =>
           agent.capacity.pipe(
             Effect.timeout("1 second"),
             Effect.map((c) => ({ address: agent.node.address, pid: agent.pid, activeStages: c.activeStages })),
@@ -342,6 +354,8 @@ export const make = (options: ServeOptions) =>
         requests: { completed: metrics.completed, cancelled: metrics.cancelled, failed: metrics.failed, refused: metrics.refused },
         promptTokens: metrics.promptTokens,
         completionTokens: metrics.completionTokens,
+        recoveries: metrics.recoveries,
+        stragglers: metrics.stragglers,
         inFlight: metrics.inFlight,
         queued: state.queued,
         kvReservedBytes: state.used,
@@ -351,8 +365,20 @@ export const make = (options: ServeOptions) =>
       }
     })
 
+    // Ready, with the agents lost so far (the pipeline goes on without them).
+    const currentStatus = Effect.gen(function*() {
+      const s = yield* Ref.get(status)
+      const ready = yield* Deferred.poll(started)
+      if (s._tag !== "Ready" || ready._tag === "None") return s
+      const up = yield* Effect.option(ready.value)
+      if (Option.isNone(up)) return s
+      const alive = new Set((yield* up.value.pipeline.alive).map((a) => a.node.address))
+      const lost = up.value.pipeline.agents.map((a) => a.node.address).filter((address) => !alive.has(address))
+      return lost.length === 0 ? s : { _tag: "Ready" as const, lostAgents: lost }
+    })
+
     return Server.of({
-      status: Ref.get(status),
+      status: currentStatus,
       ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
       generate,
       formatChat: (messages) => Effect.map(current, ({ pipeline }) => pipeline.vocabulary.formatChat(messages)),

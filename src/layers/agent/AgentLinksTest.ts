@@ -3,7 +3,7 @@
  * tests, a DataPlane over queues and an AgentControl whose agents are StageHosts in this process. Agents can be "killed" (their links fail) to test faults.
  */
 import { Deferred, Effect, Either, Layer, Queue, Ref, Scope, Stream } from "effect"
-import { type DataFrame, type EdgeFault, EdgeClosed, PeerClosed, PeerFaulted, type TransportAddress } from "../domain/frames.js"
+import { type DataFrame, type EdgeFault, EdgeClosed, PeerClosed, PeerFaulted, type TransportAddress } from "../../domain/frames.js"
 import * as NodeAgent from "./NodeAgent.js"
 import {
   AgentControl,
@@ -11,9 +11,9 @@ import {
   AgentUnavailable,
   DataPlane,
   type DataPlaneService
-} from "../services/AgentLinks.js"
-import type { NodeEndpoint } from "../services/Membership.js"
-import { AgentPool, type AgentSet } from "../services/Orchestrator.js"
+} from "../../services/AgentLinks.js"
+import type { NodeEndpoint } from "../../services/Membership.js"
+import { AgentPool, type AgentSet } from "../../services/Orchestrator.js"
 
 type Slot = Queue.Queue<Either.Either<DataFrame, EdgeFault>>
 
@@ -124,6 +124,8 @@ export const makeMemoryWorld = (count: number) =>
           const agent = agents.find((a) => a.node.address === node.address)
           if (agent === undefined) return yield* Effect.fail(unavailable(node))
           const gone = dead.get(node.address)!
+          // A killed agent accepts no new connection either.
+          if (yield* Deferred.isDone(gone)) return yield* Effect.fail(unavailable(node))
           const guard = <A, E>(effect: Effect.Effect<A, E>) =>
             Effect.raceFirst(effect, Effect.zipRight(Deferred.await(gone), Effect.fail(unavailable(node))))
           return {

@@ -16,8 +16,8 @@ import {
   type StageInput,
   type StageLoadSpec,
   type StageOutput
-} from "../domain/engine.js"
-import { ModelLoadError } from "../domain/gguf.js"
+} from "../../domain/engine.js"
+import { ModelLoadError } from "../../domain/gguf.js"
 import {
   type BatchItem,
   type LoadedStage,
@@ -25,7 +25,7 @@ import {
   StageExecutor,
   type StageExecutorService,
   type StageSession
-} from "../services/StageExecutor.js"
+} from "../../services/StageExecutor.js"
 import {
   type NativeItem,
   NativeSession,
@@ -33,10 +33,10 @@ import {
   loadWeights,
   runBatch,
   type TensorPlacement
-} from "./engine/Native.js"
-import { planStage } from "./engine/Plan.js"
-import { getGgml } from "./ggml/Bindings.js"
-import { readGgufFile } from "./gguf/GgufReader.js"
+} from "./Native.js"
+import { planStage } from "./Plan.js"
+import { getGgml } from "../ggml/Bindings.js"
+import { readGgufFile } from "../gguf/GgufReader.js"
 
 /** A loaded stage of the live executor (also exposes where each tensor lives, for tests and the CLI). */
 export class LiveLoadedStage implements LoadedStage {

@@ -1,5 +1,5 @@
 import { Clock, Deferred, Duration, Effect, Layer, Option, Ref, Stream, SubscriptionRef } from "effect"
-import type { NodeId } from "../domain/ids.js"
+import type { NodeId } from "../../domain/ids.js"
 import {
   Membership,
   type MembershipService,
@@ -10,7 +10,7 @@ import {
   NodeUnreachable,
   PoolNotReady,
   type NodeStatus
-} from "../services/Membership.js"
+} from "../../services/Membership.js"
 
 type StatusMap = ReadonlyMap<NodeId, NodeStatus>
 
@@ -93,6 +93,7 @@ export const make = (): MembershipService => {
         })
 
       yield* Effect.forkScoped(Effect.forEach(nodes, heartbeat, { concurrency: "unbounded", discard: true }))
+      const watchScope = yield* Effect.scope
 
       const awaitReady = (needed: ReadonlyArray<NodeId>, timeout: Duration.DurationInput) =>
         state.changes.pipe(
@@ -138,6 +139,15 @@ export const make = (): MembershipService => {
         markLost: (nodeId: NodeId, reason: string) => {
           const node = nodes.find((candidate) => candidate.nodeId === nodeId)
           return node === undefined ? Effect.void : markLost(node, reason)
+        },
+        rejoin: (nodeId: NodeId) => {
+          const node = nodes.find((candidate) => candidate.nodeId === nodeId)
+          if (node === undefined) return Effect.void
+          return SubscriptionRef.modify(state, (map) =>
+            map.get(nodeId)?._tag === "Lost"
+              ? [true, setStatus(map, nodeId, { _tag: "Unknown", lastError: "rejoined, no answer yet" })] as const
+              : [false, map] as const
+          ).pipe(Effect.flatMap((revived) => (revived ? Effect.forkIn(heartbeat(node), watchScope) : Effect.void)), Effect.asVoid)
         }
       }
     })

@@ -7,7 +7,7 @@ import {
   Tokenizer,
   TokenizerError,
   type TokenizerService
-} from "../services/Tokenizer.js"
+} from "../../services/Tokenizer.js"
 
 type NodeLlamaCpp = typeof import("node-llama-cpp")
 type Llama = Awaited<ReturnType<NodeLlamaCpp["getLlama"]>>

@@ -8,10 +8,10 @@
  */
 import { statfsSync } from "node:fs"
 import { Effect, ExecutionStrategy, Exit, Layer, Redacted, Scope } from "effect"
-import { ConnectFailed, type TransportAddress } from "../domain/frames.js"
-import { DataPlane, type DataPlaneService } from "../services/AgentLinks.js"
-import * as Transport from "./transport/EdgeTransport.js"
-import * as ShmRing from "./transport/ShmRing.js"
+import { ConnectFailed, type TransportAddress } from "../../domain/frames.js"
+import { DataPlane, type DataPlaneService } from "../../services/AgentLinks.js"
+import * as Transport from "../transport/EdgeTransport.js"
+import * as ShmRing from "../transport/ShmRing.js"
 
 let shmSupported: boolean | undefined
 

@@ -10,15 +10,15 @@
  */
 import * as Os from "node:os"
 import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Schedule, type Scope, Stream } from "effect"
-import type { StageInput, StageOutput } from "../domain/engine.js"
+import type { StageInput, StageOutput } from "../../domain/engine.js"
 import {
   type DataFrame,
   describeFault,
   type EdgeFault,
   type TransportAddress
-} from "../domain/frames.js"
-import type { RunId } from "../domain/ids.js"
-import type { SamplingPolicy } from "../domain/plan.js"
+} from "../../domain/frames.js"
+import type { RunId } from "../../domain/ids.js"
+import type { SamplingPolicy } from "../../domain/plan.js"
 import {
   AgentHello,
   type AgentUnavailable,
@@ -32,12 +32,12 @@ import {
   type StageHost,
   type StageReport,
   StageStats
-} from "../services/AgentLinks.js"
-import { NodeCapacity } from "../services/Membership.js"
-import { type LoadedStage, StageExecutor } from "../services/StageExecutor.js"
-import { makeSampler } from "../services/Sampler.js"
+} from "../../services/AgentLinks.js"
+import { NodeCapacity } from "../../services/Membership.js"
+import { type LoadedStage, StageExecutor } from "../../services/StageExecutor.js"
+import { makeSampler } from "../../services/Sampler.js"
 import { serveControlRpc } from "./AgentControlRpc.js"
-import { defaultSliceCacheDir, makeWeightStore, type WeightStore } from "./gguf/SliceStore.js"
+import { defaultSliceCacheDir, makeWeightStore, type WeightStore } from "../gguf/SliceStore.js"
 import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 
 export interface StageHostOptions {
@@ -198,7 +198,8 @@ export const makeStageHost = (
             cachedWeights: stats.cachedWeights
           })
 
-          const sample = isLast ? makeSampler(p.runtime.sampling ?? greedy) : undefined
+          const sampling = p.runtime.sampling ?? greedy
+          const sample = isLast ? makeSampler(sampling, sampling.startPosition ?? 0) : undefined
           const eosTokenId = p.model.eosTokenId
           let position = 0
           const transport = (fault: EdgeFault) => new StageFailure({ kind: "TransportError", detail: describeFault(fault) })

@@ -4,14 +4,14 @@
  * and `nodesToAwait` before, to know whose capacity it needs.
  */
 import { Effect, Either } from "effect"
-import type { NodeId } from "../domain/ids.js"
-import type { LayerRange, PlacementIntent, PoolNode, StagePlacement } from "../domain/plan.js"
-import type { PlacementRejection } from "../domain/planErrors.js"
-import type { ModelLoadError } from "../domain/gguf.js"
-import type { NodeCapacity, NodeEndpoint } from "../services/Membership.js"
-import type { PlacementExplanation, PlacementRequest } from "../services/Orchestrator.js"
-import { choosePlacement, DEFAULT_SPEED_BYTES_PER_SECOND, plannerPlacement } from "../services/Placement.js"
-import { readModelLayout } from "./ModelCatalogLive.js"
+import type { NodeId } from "../../domain/ids.js"
+import type { LayerRange, PlacementIntent, PoolNode, StagePlacement } from "../../domain/plan.js"
+import type { PlacementRejection } from "../../domain/planErrors.js"
+import type { ModelLoadError } from "../../domain/gguf.js"
+import type { NodeCapacity, NodeEndpoint } from "../../services/Membership.js"
+import type { PlacementExplanation, PlacementRequest } from "../../services/Orchestrator.js"
+import { choosePlacement, DEFAULT_SPEED_BYTES_PER_SECOND, plannerPlacement } from "../../services/Placement.js"
+import { readModelLayout } from "../gguf/ModelCatalogLive.js"
 
 export interface PlacementFor {
   readonly stages: ReadonlyArray<StagePlacement>

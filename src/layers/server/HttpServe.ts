@@ -30,7 +30,7 @@ import {
   type ServeEvent,
   type ServeRequest,
   type ServerMetrics
-} from "../services/Server.js"
+} from "../../services/Server.js"
 
 // --- bodies ---
 
@@ -303,6 +303,8 @@ const renderMetrics = (m: ServerMetrics, status: string): string => {
   ])
   metric("swactor_prompt_tokens_total", "counter", "Prompt tokens of admitted requests", [["", m.promptTokens]])
   metric("swactor_completion_tokens_total", "counter", "Generated tokens", [["", m.completionTokens]])
+  metric("swactor_recoveries_total", "counter", "Generations resumed after their run faulted", [["", m.recoveries]])
+  metric("swactor_straggler_tokens_total", "counter", "Decoded tokens over 4x the recent median", [["", m.stragglers]])
   metric("swactor_requests_in_flight", "gauge", "Requests running", [["", m.inFlight]])
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
   metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [["", m.kvReservedBytes]])
@@ -359,7 +361,10 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
           const status = yield* server.status
           switch (status._tag) {
             case "Ready":
-              return HttpServerResponse.unsafeJson({ status: "ok" })
+              return HttpServerResponse.unsafeJson({
+                status: "ok",
+                ...(status.lostAgents === undefined ? {} : { lostAgents: status.lostAgents })
+              })
             case "Loading":
               return HttpServerResponse.unsafeJson({ status: "loading" }, { status: 503, headers: { "retry-after": "5" } })
             case "Faulted":

@@ -6,10 +6,10 @@ import { dirname, join } from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Dgram from "node:dgram"
 import { Deferred, Duration, Effect, Fiber, Layer, Schema, type Scope } from "effect"
-import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../domain/frames.js"
-import { NodeId } from "../domain/ids.js"
-import { AgentPool, type AgentSet, InvalidRequest } from "../services/Orchestrator.js"
-import { AgentSpawnError } from "../services/AgentLinks.js"
+import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../../domain/frames.js"
+import { NodeId } from "../../domain/ids.js"
+import { AgentPool, type AgentSet, InvalidRequest } from "../../services/Orchestrator.js"
+import { AgentSpawnError } from "../../services/AgentLinks.js"
 
 /**
  * The line a node agent prints on stdout once it listens:
@@ -282,8 +282,6 @@ export const privateSocketDir: Effect.Effect<string, AgentSpawnError, Scope.Scop
     })
 )
 
-export const defaultStartTimeout = Duration.seconds(60)
-
 // ---------------------------------------------------------------------------------------------
 // AgentPool layers: local child processes, or remote nodes
 // ---------------------------------------------------------------------------------------------
@@ -360,10 +358,14 @@ const checkedCount = (count: number) =>
  * run starts its own). Pre-started agents live as long as the layer (one-shot programs: `swactor run`).
  */
 export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> => {
-  const fresh = (stages: number | undefined) =>
+  // Spares: agents that host nothing until a recovery needs them.
+  const fresh = (stages: number | undefined, spares = 0) =>
     Effect.gen(function*() {
       const count = yield* checkedCount(stages ?? options.defaultStages ?? 1)
-      return agentSetOf(yield* startLocalSet(count, options), options)
+      if (!Number.isSafeInteger(spares) || spares < 0) {
+        return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
+      }
+      return agentSetOf(yield* startLocalSet(count + spares, options), options)
     })
   if (options.prestart === undefined) return Layer.succeed(AgentPool, AgentPool.of({ acquire: fresh }))
   const prestart = options.prestart
@@ -373,9 +375,9 @@ export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<Agen
       const early = yield* Effect.forkScoped(startLocalSet(prestart, options))
       let taken = false
       return AgentPool.of({
-        acquire: (stages) => {
-          const count = stages ?? options.defaultStages ?? 1
-          if (taken || count !== prestart) return fresh(stages)
+        acquire: (stages, spares = 0) => {
+          const count = (stages ?? options.defaultStages ?? 1) + spares
+          if (taken || count !== prestart) return fresh(stages, spares)
           taken = true
           return Effect.map(Fiber.join(early), (set) => agentSetOf(set, options))
         }

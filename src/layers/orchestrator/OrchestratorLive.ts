@@ -12,8 +12,8 @@
  * the run is stopped and fully torn down before the interruption completes.
  */
 import { Context, Deferred, Effect, Fiber, Layer, Mailbox, Option, Stream } from "effect"
-import { AgentControl, DataPlane } from "../services/AgentLinks.js"
-import { Membership } from "../services/Membership.js"
+import { AgentControl, DataPlane } from "../../services/AgentLinks.js"
+import { Membership } from "../../services/Membership.js"
 import {
   AgentPool,
   type GenerateError,
@@ -24,13 +24,12 @@ import {
   type PipelineOptions,
   type RunRequest,
   type RunUpdate
-} from "../services/Orchestrator.js"
-import { alignUp } from "../services/Planner.js"
-import { Tokenizer } from "../services/Tokenizer.js"
-import { openPipeline, type WarmPipeline } from "./orchestrator/PipelineSetup.js"
-import { driveRun } from "./orchestrator/RunWorld.js"
+} from "../../services/Orchestrator.js"
+import { alignUp } from "../../services/Planner.js"
+import { Tokenizer } from "../../services/Tokenizer.js"
+import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
+import { generate } from "./Recovery.js"
 
-export { describeRunFault } from "./orchestrator/RunReport.js"
 
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool
 
@@ -61,18 +60,24 @@ const runStream = (
     })
   )
 
-const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pipeline => ({
+const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pipeline => {
+  // Through the current link: a node that rejoined has a new one (new pid).
+  const agentsNow = () =>
+    warm.agents.nodes.map((node) => {
+      const link = warm.linkOf(node.nodeId)
+      return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
+    })
+  return {
   model: warm.facts,
   vocabulary: warm.vocabulary,
   stageCount: warm.stageCount,
-  agents: warm.agents.nodes.map((node) => {
-    const link = warm.linkOf(node.nodeId)
-    return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
-  }),
+  agents: agentsNow(),
+  alive: Effect.map(warm.pool.status, (status) => agentsNow().filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
   run: (request: RunRequest) =>
-    runStream((updates, stop) => driveRun(warm, request, updates, stop).pipe(Effect.provide(context))),
+    runStream((updates, stop) => generate(warm, request, updates, stop).pipe(Effect.provide(context))),
   lost: warm.pool.firstLost
-})
+  }
+}
 
 export const make = Effect.gen(function*() {
   const context = yield* Effect.context<Services>()
@@ -99,17 +104,19 @@ export const make = Effect.gen(function*() {
           ...(request.threads === undefined ? {} : { threads: request.threads }),
           ...(request.readinessTimeout === undefined ? {} : { readinessTimeout: request.readinessTimeout }),
           ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat }),
+          ...(request.spares === undefined ? {} : { spares: request.spares }),
           ...(request.placement === undefined ? {} : { placement: request.placement }),
           ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
           // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
           contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
         }, (update) => updates.offer(update).pipe(Effect.asVoid))
-        yield* driveRun(warm, {
+        yield* generate(warm, {
           prompt: request.prompt,
           maxTokens,
           ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
           ...(request.tokenTimeout === undefined ? {} : { tokenTimeout: request.tokenTimeout }),
-          ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun })
+          ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
+          ...(request.recovery === undefined ? {} : { recovery: request.recovery })
         }, updates, stop, requestStart)
       }).pipe(Effect.scoped, Effect.provide(context))
     )

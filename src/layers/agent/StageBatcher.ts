@@ -15,8 +15,8 @@
  * - A submitter that is interrupted (its run stopped) is dropped before its next chunk runs.
  */
 import { Cause, Deferred, Effect, Queue, type Scope } from "effect"
-import { EngineError, type ForwardError, type StageInput, type StageOutput } from "../domain/engine.js"
-import { type BatchItem, StageExecutor, type StageSession } from "../services/StageExecutor.js"
+import { EngineError, type ForwardError, type StageInput, type StageOutput } from "../../domain/engine.js"
+import { type BatchItem, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
 
 export interface BatcherSettings {
   /** Most rows (tokens of all sequences) in one micro-batch (default 256). */

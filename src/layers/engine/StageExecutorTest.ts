@@ -21,8 +21,8 @@ import {
   type StageInput,
   type StageLoadSpec,
   type StageOutput
-} from "../domain/engine.js"
-import { ModelLoadError } from "../domain/gguf.js"
+} from "../../domain/engine.js"
+import { ModelLoadError } from "../../domain/gguf.js"
 import {
   type BatchItem,
   type LoadedStage,
@@ -30,7 +30,7 @@ import {
   StageExecutor,
   type StageExecutorService,
   type StageSession
-} from "../services/StageExecutor.js"
+} from "../../services/StageExecutor.js"
 
 export interface TestModel {
   readonly numLayers: number

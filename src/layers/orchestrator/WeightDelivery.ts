@@ -9,13 +9,13 @@
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Effect } from "effect"
-import { StageWeights } from "../domain/controlRpc.js"
-import type { LayerRange } from "../domain/plan.js"
-import { type AgentLink, AgentUnavailable } from "../services/AgentLinks.js"
-import type { RunUpdate } from "../services/Orchestrator.js"
-import { readGgufFile } from "./gguf/GgufReader.js"
-import { sliceHash, type SliceRange, writeGgufSlice } from "./gguf/GgufSlice.js"
-import { defaultSliceCacheDir } from "./gguf/SliceStore.js"
+import { StageWeights } from "../../domain/controlRpc.js"
+import type { LayerRange } from "../../domain/plan.js"
+import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
+import type { RunUpdate } from "../../services/Orchestrator.js"
+import { readGgufFile } from "../gguf/GgufReader.js"
+import { sliceHash, type SliceRange, writeGgufSlice } from "../gguf/GgufSlice.js"
+import { defaultSliceCacheDir } from "../gguf/SliceStore.js"
 
 export interface DeliveryInput {
   readonly modelPath: string

@@ -4,11 +4,11 @@
  */
 import { basename } from "node:path"
 import { Effect, Layer } from "effect"
-import { ModelLoadError } from "../domain/gguf.js"
-import type { GgufFile } from "../domain/gguf.js"
-import type { ModelFacts, ModelLayout } from "../domain/plan.js"
-import { ModelCatalog, type ModelCatalogService } from "../services/ModelCatalog.js"
-import * as Gguf from "./gguf/GgufReader.js"
+import { ModelLoadError } from "../../domain/gguf.js"
+import type { GgufFile } from "../../domain/gguf.js"
+import type { ModelFacts, ModelLayout } from "../../domain/plan.js"
+import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
+import * as Gguf from "./GgufReader.js"
 
 /**
  * The facts planning needs, from a GGUF file's metadata: `block_count`, `embedding_length` and `context_length` of

@@ -1,0 +1,280 @@
+/**
+ * Recovery above the run contract: a generation is one or more runs. Each run keeps the contract (own RunId,
+ * first fault sticky, teardown exactly once); when one faults for a recoverable reason (a stage worker crashed,
+ * a node lost, a transport or endpoint broke), the generation re-plans on the nodes still alive (spares take a
+ * lost node's stages; without a spare the survivors absorb its layers in fewer stages), replays the prompt plus
+ * every token already produced as one prefill, and continues: the sampler of the new run draws from the
+ * position the generation reached, so greedy and seeded output equal an uninterrupted run's. The caller sees
+ * one stream (sequences and text continue), `Recovering` / `Recovered` updates, and the recoveries in the
+ * summary. At most `maxAttempts` recoveries within `budget`; then the typed fault, naming every attempt.
+ */
+import { Cause, Deferred, Duration, Effect, Exit, Option } from "effect"
+import type { NodeId } from "../../domain/ids.js"
+import type { RunFaultReason } from "../../domain/runFsm.js"
+import {
+  type GenerateError,
+  InvalidRequest,
+  RunFaulted,
+  type RecoveryRecord,
+  type RunRequest,
+  type RunSummary,
+  type RunUpdate
+} from "../../services/Orchestrator.js"
+import type { WarmPipeline } from "./PipelineSetup.js"
+import { driveRun, type UpdateSink } from "./RunWorld.js"
+
+type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
+
+/** Faults a new run on other nodes may cure: lost nodes and workers, broken transports. Not a bad model or request. */
+export const isRecoverable = (reason: RunFaultReason): boolean => {
+  switch (reason._tag) {
+    case "StageFault":
+      return reason.reason._tag === "WorkerCrashed" || reason.reason._tag === "TransportFailed" ||
+        reason.reason._tag === "StoppedUnexpectedly"
+    case "EndpointFault":
+    case "MembershipLost":
+    case "EndpointsStoppedUnexpectedly":
+      return true
+    case "ReadinessTimeout":
+    case "TokenTimeout":
+      return false
+  }
+}
+
+/**
+ * The placement of the next run: stages whose node is alive stay; a lost node's stage moves to a spare (an
+ * alive node hosting nothing); with no spare left it is dropped and the survivors share the layers in fewer
+ * stages (the planner splits them again). Empty when no node is alive.
+ */
+export const replan = (
+  current: Placement,
+  alive: ReadonlyArray<NodeId>
+): Placement => {
+  const aliveSet = new Set<number>(alive)
+  const used = new Set<number>(current.filter((p) => aliveSet.has(p.nodeId)).map((p) => p.nodeId))
+  const spares = alive.filter((n) => !used.has(n))
+  const nodes: Array<NodeId> = []
+  for (const p of [...current].sort((a, b) => a.stageIndex - b.stageIndex)) {
+    if (aliveSet.has(p.nodeId)) nodes.push(p.nodeId)
+    else {
+      const spare = spares.shift()
+      if (spare !== undefined) nodes.push(spare)
+    }
+  }
+  return nodes.map((nodeId, stageIndex) => ({ stageIndex, nodeId }))
+}
+
+/** The pool's nodes that are not lost, in pool order. */
+const aliveNodes = (warm: WarmPipeline) =>
+  warm.pool.status.pipe(
+    Effect.map((status) => warm.agents.nodes.map((n) => n.nodeId).filter((id) => status.get(id)?._tag !== "Lost"))
+  )
+
+/** Waits (at most `millis`) until one of `nodes` is seen lost: a killed node's loss may trail the run's fault. */
+const awaitSomeLost = (warm: WarmPipeline, nodes: ReadonlyArray<NodeId>, millis: number) =>
+  Effect.gen(function*() {
+    const until = performance.now() + millis
+    while (performance.now() < until) {
+      const status = yield* warm.pool.status
+      if (nodes.some((n) => status.get(n)?._tag === "Lost")) return
+      yield* Effect.sleep("50 millis")
+    }
+  })
+
+/**
+ * One generation on `warm`: runs it, and resumes it in a new run after each recoverable fault (see above).
+ * Updates go to `updates`; the stream's tokens continue across runs.
+ */
+export const generate = (
+  warm: WarmPipeline,
+  request: RunRequest,
+  updates: UpdateSink,
+  stopRequested: Deferred.Deferred<void>,
+  requestStart: number = performance.now()
+) =>
+  Effect.gen(function*() {
+    const recovery = request.recovery ?? warm.options.recovery ?? {}
+    const maxAttempts = recovery.maxAttempts ?? 3
+    const budgetMillis = Duration.toMillis(Duration.decode(recovery.budget ?? "60 seconds"))
+    if (!Number.isSafeInteger(maxAttempts) || maxAttempts < 0) {
+      return yield* new InvalidRequest({ message: `recovery attempts must be a whole number, got ${maxAttempts}` })
+    }
+    const maxTokens = request.maxTokens ?? 128
+    if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
+      return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
+    }
+    const prompt = typeof request.prompt === "string" ? warm.vocabulary.tokenize(request.prompt) : request.prompt
+    if (prompt.length === 0) return yield* new InvalidRequest({ message: "the prompt is empty" })
+    if (maxAttempts === 0) return yield* driveRun(warm, request, updates, stopRequested, requestStart)
+
+    const decoder = warm.vocabulary.decoder(prompt)
+    const produced: Array<number> = []
+    const recoveries: Array<RecoveryRecord> = []
+    const faults: Array<string> = []
+    let text = ""
+    let firstTokenAt: number | undefined
+    let firstFaultAt: number | undefined
+    let finished: RunSummary | undefined
+    let lastPlanned: RecoveryRecord["stages"] = []
+    // A recovery waiting for its first token.
+    let pending: { attempt: number; reason: string; resumedAt: number; since: number } | undefined
+
+    // Placement: the pipeline's, minus nodes lost before this generation began.
+    let placement: Placement = warm.placement
+    {
+      const alive = yield* aliveNodes(warm)
+      if (placement.some((p) => !alive.includes(p.nodeId))) placement = replan(placement, alive)
+    }
+
+    for (let attempt = 0;; attempt++) {
+      const base = produced.length
+      const sink: UpdateSink = {
+        offer: (update: RunUpdate) =>
+          Effect.suspend((): Effect.Effect<unknown> => {
+            switch (update._tag) {
+              case "Token": {
+                // The run's own flush of an incomplete character is not the generation's: one decoder spans all runs.
+                if (update.token.tokenId < 0) return Effect.void
+                const now = performance.now()
+                firstTokenAt ??= now
+                const recovered = pending === undefined ? undefined : {
+                  attempt: pending.attempt,
+                  reason: pending.reason,
+                  resumedAt: pending.resumedAt,
+                  stages: lastPlanned,
+                  millis: now - pending.since
+                }
+                pending = undefined
+                produced.push(update.token.tokenId)
+                const piece = decoder.push(update.token.tokenId)
+                text += piece
+                const token: RunUpdate = {
+                  _tag: "Token",
+                  token: { ...update.token, text: piece, sequence: base + update.token.sequence }
+                }
+                if (recovered === undefined) return updates.offer(token)
+                recoveries.push(recovered)
+                return Effect.zipRight(updates.offer({ _tag: "Recovered", recovery: recovered }), updates.offer(token))
+              }
+              case "Planned":
+                lastPlanned = update.stages
+                return updates.offer(update)
+              case "Finished":
+                finished = update.summary
+                return Effect.void
+              default:
+                return updates.offer(update)
+            }
+          })
+      }
+      const exit = yield* driveRun(
+        warm,
+        { ...request, prompt: [...prompt, ...produced], maxTokens: maxTokens - base },
+        sink,
+        stopRequested,
+        requestStart,
+        { placement, startPosition: base }
+      ).pipe(Effect.exit)
+
+      if (Exit.isSuccess(exit)) {
+        if (finished === undefined) return // a dry run
+        const rest = decoder.flush()
+        if (rest !== "") {
+          text += rest
+          yield* updates.offer({
+            _tag: "Token",
+            token: { tokenId: -1, text: rest, sequence: produced.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
+          })
+        }
+        yield* updates.offer({
+          _tag: "Finished",
+          summary: {
+            ...finished,
+            promptTokens: prompt.length,
+            generatedTokens: produced.length,
+            text,
+            timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
+            recoveries,
+            // The last run's sequences, as the generation's.
+            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base }))
+          }
+        })
+        return
+      }
+
+      const failure = Cause.failureOption(exit.cause)
+      if (Option.isNone(failure)) return yield* Effect.failCause(exit.cause)
+      const error: GenerateError = failure.value
+      const stopped = yield* stopRequestedDone(stopRequested)
+      if (error._tag !== "RunFaulted" || !isRecoverable(error.reason) || stopped) {
+        return yield* failWith(error, faults)
+      }
+      const now = performance.now()
+      firstFaultAt ??= now
+      faults.push(error.message)
+      if (attempt >= maxAttempts || now - firstFaultAt > budgetMillis) {
+        return yield* new RunFaulted({
+          runId: error.runId,
+          reason: error.reason,
+          message: `gave up after ${attempt} recovery attempt${attempt === 1 ? "" : "s"}${
+            attempt >= maxAttempts ? "" : ` (the ${Duration.format(Duration.millis(budgetMillis))} budget ran out)`
+          }: ${faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")}`
+        })
+      }
+      if (produced.length >= maxTokens || (produced.length > 0 && warm.vocabulary.isEndOfGeneration(produced.at(-1)!))) {
+        // Everything was produced before the fault: nothing to resume.
+        yield* updates.offer({
+          _tag: "Finished",
+          summary: {
+            runId: error.runId,
+            outcome: produced.length >= maxTokens ? "MaxTokens" : "Eos",
+            promptTokens: prompt.length,
+            generatedTokens: produced.length,
+            text: text + decoder.flush(),
+            timeToFirstTokenMillis: (firstTokenAt ?? now) - requestStart,
+            prefillMillis: 0,
+            decodeTokensPerSecond: 0,
+            decodeMillisPerToken: 0,
+            stages: [],
+            transferMillisPerToken: 0,
+            recoveries,
+            stragglers: []
+          }
+        })
+        return
+      }
+
+      yield* updates.offer({ _tag: "Recovering", attempt: attempt + 1, reason: error.message, resumedAt: produced.length })
+      // A fault while replaying keeps the clock of the recovery it interrupted.
+      pending = { attempt: attempt + 1, reason: error.message, resumedAt: produced.length, since: pending?.since ?? now }
+      yield* awaitSomeLost(warm, placement.map((p) => p.nodeId), 1500)
+      // An operator stop while recovering ends the generation as a stopped run would (no new run).
+      if (yield* stopRequestedDone(stopRequested)) return
+      const alive = yield* aliveNodes(warm)
+      placement = replan(placement, alive)
+      if (placement.length === 0) {
+        return yield* new RunFaulted({
+          runId: error.runId,
+          reason: error.reason,
+          message: `no node left to host the model after ${attempt + 1} recovery attempt${attempt === 0 ? "" : "s"}: ${
+            faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")
+          }`
+        })
+      }
+    }
+  })
+
+const stopRequestedDone = (stop: Deferred.Deferred<void>) => Deferred.isDone(stop)
+
+const failWith = (error: GenerateError, faults: ReadonlyArray<string>): Effect.Effect<never, GenerateError> =>
+  error._tag === "RunFaulted" && faults.length > 0
+    ? Effect.fail(
+      new RunFaulted({
+        runId: error.runId,
+        reason: error.reason,
+        message: `${error.message} (after ${faults.length} recovery attempt${faults.length === 1 ? "" : "s"}: ${
+          faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")
+        })`
+      })
+    )
+    : Effect.fail(error)
