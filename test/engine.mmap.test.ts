@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync, truncateSync } from "node:fs"
+import { mkdtempSync, readFileSync, rmSync, truncateSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
@@ -94,6 +94,34 @@ describe("weights mapped from the file compute what copied weights compute", () 
     Effect.gen(function*() {
       const path = yield* synthetic("q4_k", false)
       yield* checkSame(path, [[0, 4], [0, 2, 4]])
+    }))
+})
+
+describe("mapping lifetime", () => {
+  it.live("the stage's mappings exist while it is loaded and are gone when its scope closes", () =>
+    Effect.gen(function*() {
+      const path = join(dir, "lifetime.gguf")
+      yield* writeSyntheticModel({
+        path,
+        arch: "llama",
+        layers: 2,
+        hidden: 256,
+        ffn: 512,
+        heads: 4,
+        kvHeads: 2,
+        vocab: 400,
+        contextLength: 256,
+        type: "q8_0",
+        seed: 6
+      })
+      const mappings = () => readFileSync("/proc/self/maps", "utf8").split("\n").filter((l) => l.endsWith(path)).length
+      const during = yield* Effect.scoped(Effect.gen(function*() {
+        const executor = yield* StageExecutor
+        yield* executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+        return mappings()
+      })).pipe(Effect.provide(layerWith({ mmap: true })))
+      assert.isAtLeast(during, 1)
+      assert.strictEqual(mappings(), 0)
     }))
 })
 
