@@ -56,6 +56,8 @@ export interface StageHostOptions {
   /** Weight bytes per second of this agent's engine (`--speed`, or measured at start), reported to placement. */
   readonly speedBytesPerSecond?: number
   readonly speedSource?: "declared" | "measured"
+  /** A speed measured after start (`--speed-probe after-ready`): reported once set, when none is declared. */
+  readonly laterSpeed?: { current: number | undefined }
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -324,9 +326,11 @@ export const makeStageHost = (
         backend: options.backend,
         hostname: Os.hostname(),
         activeStages: active.size,
-        ...(options.speedBytesPerSecond === undefined
-          ? {}
-          : { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }),
+        ...(options.speedBytesPerSecond !== undefined
+          ? { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }
+          : options.laterSpeed?.current !== undefined
+          ? { speedBytesPerSecond: options.laterSpeed.current, speedSource: "measured" as const }
+          : {}),
         ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
       })
     )
@@ -360,6 +364,8 @@ export interface NodeAgentOptions {
   /** Engine speed, weight bytes per second: declared (`--speed`) or measured at start. */
   readonly speedBytesPerSecond?: number
   readonly speedSource?: "declared" | "measured"
+  /** Set once a speed measured after start is known (capacity reports none until then). */
+  readonly laterSpeed?: { current: number | undefined }
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -393,7 +399,8 @@ export const startNodeAgent = (
       batch: options.batch ?? batchFromEnv(),
       ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes }),
       ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond }),
-      ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource })
+      ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource }),
+      ...(options.laterSpeed === undefined ? {} : { laterSpeed: options.laterSpeed })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({
