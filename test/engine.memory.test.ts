@@ -7,7 +7,8 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { LiveLoadedStage, StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import { MAPPED_BUFFER_TYPE } from "../src/layers/engine/Native.js"
+import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 
@@ -32,9 +33,10 @@ describe("a stage's memory holds only its tensors", () => {
     ["middle", { path, layerStart: 2, layerEndExclusive: 3, isFirst: false, isLast: false }],
     ["last", { path, layerStart: 3, layerEndExclusive: 5, isFirst: false, isLast: true }]
   ]
-  for (const [role, spec] of stages) {
-    // weightBytes is the GGUF table's size of exactly the stage's tensors, and that is what was allocated and read.
-    it.live(`${role} stage [${spec.layerStart}, ${spec.layerEndExclusive}): reported bytes = sum of its tensors' sizes`, () =>
+  for (const [role, spec] of stages) for (const mmap of [true, false]) {
+    // weightBytes is the GGUF table's size of exactly the stage's tensors, and that is what was mapped or
+    // allocated and read.
+    it.live(`${role} stage [${spec.layerStart}, ${spec.layerEndExclusive}) ${mmap ? "mapped" : "copied"}: bytes = sum of its tensors' sizes`, () =>
       Effect.scoped(Effect.gen(function*() {
         const file = yield* readGgufFile(path)
         const names = expectedNames(spec)
@@ -47,14 +49,19 @@ describe("a stage's memory holds only its tensors", () => {
         const live = stage as LiveLoadedStage
         assert.deepStrictEqual(live.placements.map((p) => p.name).sort(), names)
         assert.strictEqual(live.placements.reduce((s, p) => s + p.bytes, 0), tableBytes)
-        // backend buffers: the tensors plus alignment padding only
-        assert.isAtLeast(live.bufferBytes, tableBytes)
-        assert.isAtMost(live.bufferBytes, tableBytes + 64 * names.length + 4096)
+        // F32 weights: mapped, every one is used in place and nothing is allocated; copied, nothing is mapped
+        const inPlace = live.placements.filter((p) => p.bufferType === MAPPED_BUFFER_TYPE)
+        assert.strictEqual(inPlace.length, mmap ? names.length : 0)
+        assert.strictEqual(live.mappedBytes, mmap ? tableBytes : 0)
+        // allocated backend buffers: the copied tensors plus alignment padding only
+        const copied = tableBytes - live.mappedBytes
+        assert.isAtLeast(live.bufferBytes, copied)
+        assert.isAtMost(live.bufferBytes, copied === 0 ? 0 : copied + 64 * names.length + 4096)
         const last = progress[progress.length - 1]!
         assert.deepStrictEqual(last, { loadedBytes: tableBytes, totalBytes: tableBytes })
         assert.isTrue(progress.every((p, i) => i === 0 || p.loadedBytes >= progress[i - 1]!.loadedBytes))
         assert.isBelow(tableBytes, file.fileSize / 2)
-      }).pipe(Effect.provide(StageExecutorLive))))
+      }).pipe(Effect.provide(layerWith({ mmap })))))
   }
 })
 
@@ -111,14 +118,21 @@ describe("quantized stages: repacked weights still hold exactly the stage's tens
         const stage = (yield* executor.load(spec)) as LiveLoadedStage
         assert.strictEqual(stage.info.weightBytes, tableBytes)
         assert.deepStrictEqual(stage.placements.map((p) => p.name).sort(), names.sort())
-        assert.isAtLeast(stage.bufferBytes, tableBytes)
-        assert.isAtMost(stage.bufferBytes, tableBytes + 64 * names.length + 8192)
+        // mapped in place: exactly the placements marked so; allocated: the rest plus alignment padding
+        const inPlaceBytes = stage.placements.filter((p) => p.bufferType === MAPPED_BUFFER_TYPE)
+          .reduce((s, p) => s + p.bytes, 0)
+        assert.strictEqual(stage.mappedBytes, inPlaceBytes)
+        assert.isAtLeast(stage.bufferBytes, tableBytes - inPlaceBytes)
+        assert.isAtMost(stage.bufferBytes, tableBytes - inPlaceBytes + 64 * names.length + 8192)
         // (CPU_REPACK needs AVX2 or NEON; on a CPU without them every tensor stays in plain CPU memory)
         const isMatrix = (n: string) => /attn_(q|k|v|output)\.weight|ffn_(gate|up|down)\.weight|^output\.weight/.test(n)
         const matrixBufts = new Set(stage.placements.filter((p) => isMatrix(p.name)).map((p) => p.bufferType))
         assert.strictEqual(matrixBufts.size, 1)
-        assert.include(["CPU_REPACK", "CPU"], [...matrixBufts][0])
-        for (const p of stage.placements.filter((p) => !isMatrix(p.name))) assert.strictEqual(p.bufferType, "CPU", p.name)
-      }).pipe(Effect.provide(StageExecutorLive))))
+        assert.include(["CPU_REPACK", MAPPED_BUFFER_TYPE], [...matrixBufts][0])
+        // the rest is plain: used in place from the mapping (GGUF data is 32-byte aligned, as ggml needs)
+        for (const p of stage.placements.filter((p) => !isMatrix(p.name))) {
+          assert.strictEqual(p.bufferType, MAPPED_BUFFER_TYPE, p.name)
+        }
+      }).pipe(Effect.provide(layerWith({})))))
   }
 })

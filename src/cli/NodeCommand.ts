@@ -48,6 +48,8 @@ export interface NodeArgs {
   readonly speed?: Option.Option<number>
   readonly cacheDir?: Option.Option<string>
   readonly slicesOnly?: boolean
+  /** When to measure the engine's speed: before announcing ready (default) or after (off the start-up path). */
+  readonly speedProbe?: "start" | "after-ready"
 }
 
 /** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
@@ -82,9 +84,13 @@ const runNode = (args: NodeArgs) =>
     }
     const threads = Option.getOrElse(threadsFlag, () => Math.max(1, Os.availableParallelism()))
     // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
+    // after-ready (local agents of `swactor run`): the agent announces itself first and reports no speed (placement's
+    // default) until the probe has run, so the probe is not on the run's start-up path.
+    const probeLater = speedBytesPerSecond === undefined && args.engine === "live" && args.speedProbe === "after-ready"
+    const laterSpeed: { current: number | undefined } = { current: undefined }
     const speed = speedBytesPerSecond !== undefined
       ? { speedBytesPerSecond, speedSource: "declared" as const }
-      : args.engine === "live"
+      : args.engine === "live" && !probeLater
       ? yield* Effect.tryPromise(() => measureSpeed({ threads })).pipe(
         Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
         Effect.catchAll((error) =>
@@ -108,10 +114,21 @@ const runNode = (args: NodeArgs) =>
         ...(args.slicesOnly === true ? { slicesOnly: true } : {}),
         log: (line: string) => void process.stderr.write(`swactor node: ${line}\n`),
         ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
-        ...(speed === undefined ? {} : speed)
+        ...(speed === undefined ? {} : speed),
+        ...(probeLater ? { laterSpeed } : {})
       })
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
+      if (probeLater) {
+        yield* Effect.forkScoped(
+          Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+            Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured))),
+            Effect.catchAll((error) =>
+              Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
+            )
+          )
+        )
+      }
       yield* Console.error(
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
           `${threads} threads, ${args.backend} backend, ${args.engine} engine` +
@@ -156,6 +173,12 @@ export const nodeCommand = Command.make(
     speed: Options.float("speed").pipe(
       Options.withDescription("declared engine speed in weight bytes per second (placement; default: measured at start)"),
       Options.optional
+    ),
+    speedProbe: Options.choice("speed-probe", ["start", "after-ready"]).pipe(
+      Options.withDescription(
+        "measure the engine's speed before announcing ready (start) or after (after-ready: none reported until then)"
+      ),
+      withShownDefault("start" as const)
     ),
     engine: Options.choice("engine", ["live", "test"]).pipe(
       Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),

@@ -435,6 +435,9 @@ const runRun = (args: RunArgs, json: JsonReport) =>
       : layerLocal({
         // The agents boot while the orchestrator reads the model's facts and vocabulary.
         prestart: (request.stages ?? 2) + (request.spares ?? 0),
+        // Local agents are alike (one machine, same threads): their speed probe runs after they are ready, off the
+        // start-up path. A dry run explains placement with measured speeds, so there they measure first.
+        ...(args.dryRun ? {} : { extraArgs: () => ["--speed-probe", "after-ready"] }),
         ...(Option.isSome(threads) ? { threads: threads.value } : {})
       })
     if (args.dryRun) {

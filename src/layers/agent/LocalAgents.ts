@@ -74,11 +74,12 @@ export const generateToken = (): string => randomBytes(32).toString("hex")
 const here = dirname(fileURLToPath(import.meta.url))
 
 /**
- * The compiled CLI entry (`dist/main.js`): this module's sibling when running compiled, the package's `dist/` when
- * running from sources (tests, development: the build runs first, `npm test` and `npm run swactor` do it).
+ * The compiled CLI entry (`dist/main.js`): two folders up from this module (dist/layers/agent/) when running
+ * compiled, the package's `dist/` when running from sources (tests, development: the build runs first, `npm test`
+ * and `npm run swactor` do it).
  */
 export const swactorMain = (): string =>
-  import.meta.url.endsWith(".js") ? join(here, "..", "main.js") : join(here, "..", "..", "dist", "main.js")
+  import.meta.url.endsWith(".js") ? join(here, "..", "..", "main.js") : join(here, "..", "..", "..", "dist", "main.js")
 
 /** argv that runs `swactor <args>` in a fresh Node process: plain `node dist/main.js`, no loader, no wrapper. */
 export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => ({

@@ -61,6 +61,8 @@ export interface StageHostOptions {
   readonly weights?: WeightStore
   /** Operator-facing lines (which file a stage's weights load from). */
   readonly log?: (line: string) => void
+  /** A speed measured after start (`--speed-probe after-ready`): reported once set, when none is declared. */
+  readonly laterSpeed?: { current: number | undefined }
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -350,9 +352,11 @@ export const makeStageHost = (
         backend: options.backend,
         hostname: Os.hostname(),
         activeStages: active.size,
-        ...(options.speedBytesPerSecond === undefined
-          ? {}
-          : { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }),
+        ...(options.speedBytesPerSecond !== undefined
+          ? { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }
+          : options.laterSpeed?.current !== undefined
+          ? { speedBytesPerSecond: options.laterSpeed.current, speedSource: "measured" as const }
+          : {}),
         ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
       })
     )
@@ -392,6 +396,8 @@ export interface NodeAgentOptions {
   readonly slicesOnly?: boolean
   /** Operator-facing lines (received slices, which file a stage loads). */
   readonly log?: (line: string) => void
+  /** Set once a speed measured after start is known (capacity reports none until then). */
+  readonly laterSpeed?: { current: number | undefined }
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -432,7 +438,8 @@ export const startNodeAgent = (
       batch: options.batch ?? batchFromEnv(),
       ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes }),
       ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond }),
-      ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource })
+      ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource }),
+      ...(options.laterSpeed === undefined ? {} : { laterSpeed: options.laterSpeed })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({

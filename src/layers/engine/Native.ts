@@ -6,6 +6,7 @@ import koffi from "koffi"
 import { open } from "node:fs/promises"
 import type { LoadProgress, StageInput } from "../../domain/engine.js"
 import { type Ggml, getGgml, type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
+import { canMap, type FileRegion, locate, mapRanges, unmapAll } from "./FileMap.js"
 import type { StagePlan } from "./Plan.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
 
@@ -38,6 +39,9 @@ export interface TensorPlacement {
 
 export type DeviceKind = "cpu" | "gpu"
 
+/** The buffer type name of weights used in place from the file mapping. */
+export const MAPPED_BUFFER_TYPE = "CPU_Mapped"
+
 export class NativeWeights {
   readonly lock = new Lock()
   freed = false
@@ -53,8 +57,11 @@ export class NativeWeights {
     private readonly buffers: ReadonlyArray<Ptr>,
     readonly tensors: ReadonlyMap<string, Ptr>,
     readonly placements: ReadonlyArray<TensorPlacement>,
-    /** Bytes of the backend buffers that hold the weights. */
-    readonly bufferBytes: number
+    /** Bytes of the allocated backend buffers that hold (copies of) weights. */
+    readonly bufferBytes: number,
+    /** Bytes of the weights used in place in file mappings (not allocated; shared page cache). */
+    readonly mappedBytes: number = 0,
+    private readonly regions: ReadonlyArray<FileRegion> = []
   ) {}
 
   get(name: string): Ptr {
@@ -84,6 +91,8 @@ export class NativeWeights {
     for (const b of this.buffers) raw.ggml_backend_buffer_free(b)
     for (const c of this.contexts) raw.ggml_free(c)
     raw.ggml_backend_free(this.backend)
+    // after the buffers: nothing points into the mappings any more
+    unmapAll(this.regions)
   }
 }
 
@@ -134,12 +143,26 @@ const supportsMulMat = (g: Ggml, buft: Ptr, type: number, ne0: number, ne1: numb
   }
 }
 
-/** Allocates and reads the planned tensors. Throws on native or I/O failure (after freeing what it made). */
+/** ggml's TENSOR_ALIGNMENT: what a CPU buffer over foreign memory promises (and what kernels may assume). */
+const MAPPED_ALIGNMENT = 32
+
+/** Is weight mapping wanted (SWACTOR_MMAP=0 turns it off; CPU stages on Linux only)? */
+export const mmapWanted = (option: boolean | undefined, device: DeviceKind): boolean =>
+  device === "cpu" && option !== false && process.env["SWACTOR_MMAP"] !== "0" && canMap()
+
+/**
+ * Allocates and reads the planned tensors. Throws on native or I/O failure (after freeing what it made).
+ *
+ * On the CPU (unless `mmap: false` or SWACTOR_MMAP=0) the stage's byte ranges of the file are mapped read-only:
+ * plain weights (and their page cache) are used in place, repacked ones are repacked from the mapping. When
+ * mapping fails the weights are read into allocated buffers as before.
+ */
 export const loadWeights = async (
   plan: StagePlan,
   options: {
     readonly repack?: boolean
     readonly device?: DeviceKind
+    readonly mmap?: boolean
     readonly onProgress?: (p: LoadProgress) => void
   } = {}
 ): Promise<NativeWeights> => {
@@ -152,31 +175,56 @@ export const loadWeights = async (
   const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
   const extra = options.repack === false || device === "gpu" ? [] : g.cpuExtraBufferTypes()
 
-  // group tensors by buffer type, one no-alloc context each
-  const groups = new Map<Ptr, Array<{ name: string; index: number }>>()
-  const bufts: Array<Ptr> = []
+  let regions: ReadonlyArray<FileRegion> = []
+  if (mmapWanted(options.mmap, device)) {
+    try {
+      regions = await mapRanges(plan.file.path, plan.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })))
+    } catch (e) {
+      // a file now shorter than its table must not be read either; any other mapping failure: copy instead
+      if (e instanceof Error && e.message.startsWith("the file is")) throw e
+      regions = []
+    }
+  }
+
+  // group tensors by where they live: a buffer type (allocated, filled by copies) or a file region (in place)
+  const groups = new Map<Ptr | FileRegion, Array<{ name: string; index: number; addr?: bigint }>>()
+  const keys: Array<Ptr | FileRegion> = []
   plan.tensors.forEach((t, index) => {
     let buft = cpuBuft
     if (t.use === "mul_mat") {
       const found = extra.find((b) => supportsMulMat(g, b, t.info.type, t.info.dims[0]!, t.info.dims[1] ?? 1))
       if (found !== undefined) buft = found
     }
-    if (!groups.has(buft)) {
-      groups.set(buft, [])
-      bufts.push(buft)
+    let key: Ptr | FileRegion = buft
+    let addr: bigint | undefined
+    if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
+      const at = locate(regions, t.info.offset, t.info.byteSize)
+      if (at !== undefined) {
+        key = at.region
+        addr = at.addr
+      }
     }
-    groups.get(buft)!.push({ name: t.name, index })
+    if (!groups.has(key)) {
+      groups.set(key, [])
+      keys.push(key)
+    }
+    groups.get(key)!.push(addr === undefined ? { name: t.name, index } : { name: t.name, index, addr })
   })
 
   const contexts: Array<Ptr> = []
   const buffers: Array<Ptr> = []
   const tensors = new Map<string, Ptr>()
   const placements: Array<TensorPlacement> = []
-  const tensorBuft = new Map<string, Ptr>()
+  const mapped = new Set<string>()
+  /** tensors in an extra (repacked) buffer type: set whole, repacking needs every row at once */
+  const repacked = new Set<string>()
   let backend: Ptr | null = null
+  let bufferBytes = 0
+  let mappedBytes = 0
   try {
-    for (const buft of bufts) {
-      const members = groups.get(buft)!
+    for (const key of keys) {
+      const members = groups.get(key)!
+      const inPlace = regions.includes(key as FileRegion)
       const ctx = raw.ggml_init({
         mem_size: raw.ggml_tensor_overhead() * (members.length + 1),
         mem_buffer: null,
@@ -184,6 +232,7 @@ export const loadWeights = async (
       })
       if (ctx === null) throw new Error("ggml_init failed for the weights context")
       contexts.push(ctx)
+      const made: Array<{ p: Ptr; addr?: bigint }> = []
       for (const m of members) {
         const t = plan.tensors[m.index]!
         const d = t.info.dims
@@ -198,8 +247,34 @@ export const loadWeights = async (
           throw new Error(`tensor ${t.name}: ggml says ${nbytes} bytes, the GGUF table ${t.info.byteSize}`)
         }
         tensors.set(t.name, p)
-        tensorBuft.set(t.name, buft)
+        made.push(m.addr === undefined ? { p } : { p, addr: m.addr })
+      }
+      if (inPlace) {
+        const region = key as FileRegion
+        const buffer = raw.ggml_backend_cpu_buffer_from_ptr(region.base, region.length)
+        if (buffer === null) throw new Error("could not make a CPU buffer over the mapped weights")
+        buffers.push(buffer)
+        raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        const align = raw.ggml_backend_buffer_get_alignment(buffer)
+        for (const [i, m] of made.entries()) {
+          const t = plan.tensors[members[i]!.index]!
+          if (align <= 0 || m.addr! % BigInt(align) !== 0n) {
+            throw new Error(`tensor ${t.name}: mapped address is not aligned to ${align} bytes`)
+          }
+          if (raw.ggml_backend_tensor_alloc(buffer, m.p, m.addr!) !== 0) {
+            throw new Error(`tensor ${t.name}: could not place it in the mapped weights`)
+          }
+          mapped.add(t.name)
+          mappedBytes += t.info.byteSize
+          placements.push({ name: t.name, bufferType: MAPPED_BUFFER_TYPE, bytes: t.info.byteSize })
+        }
+        continue
+      }
+      const buft = key as Ptr
+      for (const m of members) {
+        const t = plan.tensors[m.index]!
         placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
+        if (buft !== cpuBuft) repacked.add(t.name)
       }
       const buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
       if (buffer === null) {
@@ -210,45 +285,72 @@ export const loadWeights = async (
         adviseHugePages(raw.ggml_backend_buffer_get_base(buffer), raw.ggml_backend_buffer_get_size(buffer))
       }
       buffers.push(buffer)
+      bufferBytes += raw.ggml_backend_buffer_get_size(buffer)
     }
 
     const total = plan.weightBytes
     let loaded = 0
     options.onProgress?.({ loadedBytes: 0, totalBytes: total })
-    const fh = await open(plan.file.path, "r")
-    try {
-      const order = [...plan.tensors].sort((a, b) => a.info.offset - b.info.offset)
-      let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
+    const order = [...plan.tensors].sort((a, b) => a.info.offset - b.info.offset)
+    if (regions.length > 0) {
+      // in place: nothing to copy; the rest (repacked or unaligned) is set from the mapping, whole
       for (const t of order) {
-        const p = tensors.get(t.name)!
-        const whole = tensorBuft.get(t.name) !== cpuBuft
-        const size = t.info.byteSize
-        if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
-        const step = whole ? size : chunk.length
-        for (let off = 0; off < size; off += step) {
-          const n = Math.min(step, size - off)
-          let got = 0
-          while (got < n) {
-            const r = await fh.read(chunk, got, n - got, t.info.offset + off + got)
-            if (r.bytesRead === 0) throw new Error(`unexpected end of file reading ${t.name}`)
-            got += r.bytesRead
-          }
-          raw.ggml_backend_tensor_set(p, chunk.subarray(0, n), off, n)
-          loaded += n
-          options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
+        if (!mapped.has(t.name) && t.info.byteSize > 0) {
+          const at = locate(regions, t.info.offset, t.info.byteSize)
+          if (at === undefined) throw new Error(`internal: tensor ${t.name} is outside the mapped ranges`)
+          raw.ggml_backend_tensor_set_from(tensors.get(t.name)!, at.addr, 0, t.info.byteSize)
         }
+        loaded += t.info.byteSize
+        options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
       }
-    } finally {
-      await fh.close()
+    } else {
+      const fh = await open(plan.file.path, "r")
+      try {
+        let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
+        for (const t of order) {
+          const p = tensors.get(t.name)!
+          const whole = repacked.has(t.name)
+          const size = t.info.byteSize
+          if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
+          const step = whole ? size : chunk.length
+          for (let off = 0; off < size; off += step) {
+            const n = Math.min(step, size - off)
+            let got = 0
+            while (got < n) {
+              const r = await fh.read(chunk, got, n - got, t.info.offset + off + got)
+              if (r.bytesRead === 0) throw new Error(`unexpected end of file reading ${t.name}`)
+              got += r.bytesRead
+            }
+            raw.ggml_backend_tensor_set(p, chunk.subarray(0, n), off, n)
+            loaded += n
+            options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
+          }
+        }
+      } finally {
+        await fh.close()
+      }
     }
     backend = raw.ggml_backend_dev_init(dev, null)
     if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
-    const bufferBytes = buffers.reduce<number>((s, b) => s + raw.ggml_backend_buffer_get_size(b), 0)
-    return new NativeWeights(g, plan, device, dev, backend as Ptr, contexts, buffers, tensors, placements, bufferBytes)
+    return new NativeWeights(
+      g,
+      plan,
+      device,
+      dev,
+      backend as Ptr,
+      contexts,
+      buffers,
+      tensors,
+      placements,
+      bufferBytes,
+      mappedBytes,
+      regions
+    )
   } catch (e) {
     for (const b of buffers) raw.ggml_backend_buffer_free(b)
     for (const c of contexts) raw.ggml_free(c)
     if (backend !== null) raw.ggml_backend_free(backend)
+    unmapAll(regions)
     throw e
   }
 }

@@ -44,15 +44,24 @@ export class LiveLoadedStage implements LoadedStage {
   get placements(): ReadonlyArray<TensorPlacement> {
     return this.weights.placements
   }
-  /** Bytes of the backend buffers that hold the weights (>= info.weightBytes by alignment padding). */
+  /** Bytes of the allocated backend buffers that hold copied weights (their tensors plus alignment padding). */
   get bufferBytes(): number {
     return this.weights.bufferBytes
+  }
+  /** Bytes of the weights used in place from the file mapping (no allocation; the page cache is shared). */
+  get mappedBytes(): number {
+    return this.weights.mappedBytes
   }
 }
 
 export interface LiveOptions {
   /** Use llama.cpp's repacked CPU buffer types for quantized weights where it would (default true). */
   readonly repack?: boolean
+  /**
+   * Use plain CPU weights in place from a read-only mapping of the file (default true; SWACTOR_MMAP=0 turns it
+   * off). Repacked weights are repacked from the mapping; GPU stages always copy.
+   */
+  readonly mmap?: boolean
   /** CPU threads when a session does not say (default: SWACTOR_THREADS, else every core). */
   readonly defaultThreads?: number
   /** KV cache length when a session does not say (default min(model context, 4096)). */
@@ -91,7 +100,13 @@ const load = (options: LiveOptions) =>
     const device = gpu === null ? "cpu" as const : "gpu" as const
     const weights = yield* Effect.acquireRelease(
       Effect.tryPromise({
-        try: () => loadWeights(plan, { repack: options.repack ?? true, device, ...(onProgress ? { onProgress } : {}) }),
+        try: () =>
+          loadWeights(plan, {
+            repack: options.repack ?? true,
+            device,
+            ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
+            ...(onProgress ? { onProgress } : {})
+          }),
         catch: (e) =>
           new ModelLoadError({
             path: spec.path,

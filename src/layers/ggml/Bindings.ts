@@ -260,6 +260,26 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       offset: number,
       size: number
     ) => void,
+    // weights mapped from the file (Native.ts): a CPU buffer over foreign memory, tensors placed at addresses in it
+    ggml_backend_cpu_buffer_from_ptr: f("void * ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size)") as (
+      ptr: unknown,
+      size: number
+    ) => Ptr | null,
+    ggml_backend_buffer_get_alignment: f("size_t ggml_backend_buffer_get_alignment(void * buffer)") as (
+      buffer: Ptr
+    ) => number,
+    ggml_backend_tensor_alloc: lib.func("ggml_backend_tensor_alloc", "int", ["void *", "void *", "uintptr_t"]) as (
+      buffer: Ptr,
+      t: Ptr,
+      addr: bigint
+    ) => number,
+    /** ggml_backend_tensor_set from an address (e.g. inside a file mapping) instead of a JS buffer. */
+    ggml_backend_tensor_set_from: lib.func("ggml_backend_tensor_set", "void", [
+      "void *",
+      "uintptr_t",
+      "size_t",
+      "size_t"
+    ]) as (t: Ptr, data: bigint, offset: number, size: number) => void,
     ggml_backend_tensor_get: f("void ggml_backend_tensor_get(void * tensor, void * data, size_t offset, size_t size)") as (
       t: Ptr,
       data: ArrayBufferView,

@@ -1,0 +1,128 @@
+/**
+ * Read-only file mappings for a stage's weights (libc mmap through koffi). The page cache behind a mapping is
+ * shared by every process mapping the same file, so stages of one model on one machine hold its bytes once.
+ * A mapped range is checked against the file's size right before mapping: touching a page past the end of a
+ * file raises SIGBUS, which no JS code could catch.
+ */
+import koffi from "koffi"
+import * as Fs from "node:fs"
+
+export interface FileRegion {
+  /** File offset of the first mapped byte (a multiple of MAP_GRANULE). */
+  readonly fileStart: number
+  readonly length: number
+  /** The mapping's address (koffi pointer) and its numeric value. */
+  readonly base: unknown
+  readonly addr: bigint
+}
+
+interface Libc {
+  readonly mmap: {
+    async: (
+      addr: null,
+      length: number,
+      prot: number,
+      flags: number,
+      fd: number,
+      offset: number,
+      cb: (err: unknown, res: unknown) => void
+    ) => void
+  }
+  readonly munmap: (addr: unknown, length: number) => number
+}
+
+let libc: Libc | null | undefined
+const loadLibc = (): Libc | null => {
+  if (libc !== undefined) return libc
+  try {
+    const lib = koffi.load("libc.so.6")
+    libc = {
+      mmap: lib.func("void *mmap(void *addr, size_t length, int prot, int flags, int fd, int64_t offset)") as never,
+      munmap: lib.func("int munmap(void *addr, size_t length)") as never
+    }
+  } catch {
+    libc = null
+  }
+  return libc
+}
+
+/** Mapping offsets are rounded down to 64 KiB: a multiple of every Linux page size (4, 16, 64 KiB). */
+export const MAP_GRANULE = 64 * 1024
+/** Tensors closer than this share one mapping. */
+const MERGE_GAP = 1024 * 1024
+const PROT_READ = 1
+const MAP_SHARED = 1
+const MAP_POPULATE = 0x8000
+const MAP_FAILED = 0xffffffffffffffffn
+
+/** Can this process map files (Linux, libc loadable)? */
+export const canMap = (): boolean => process.platform === "linux" && loadLibc() !== null
+
+/** Byte ranges [start, end) merged into runs (gaps below MERGE_GAP joined), starts rounded down to MAP_GRANULE. */
+export const mappingRuns = (ranges: ReadonlyArray<{ readonly offset: number; readonly size: number }>) => {
+  const sorted = [...ranges].filter((r) => r.size > 0).sort((a, b) => a.offset - b.offset)
+  const runs: Array<{ start: number; end: number }> = []
+  for (const r of sorted) {
+    const last = runs[runs.length - 1]
+    if (last !== undefined && r.offset <= last.end + MERGE_GAP) last.end = Math.max(last.end, r.offset + r.size)
+    else runs.push({ start: r.offset, end: r.offset + r.size })
+  }
+  return runs.map((r) => ({ fileStart: Math.floor(r.start / MAP_GRANULE) * MAP_GRANULE, end: r.end }))
+}
+
+export const unmapAll = (regions: ReadonlyArray<FileRegion>) => {
+  const c = loadLibc()
+  if (c === null) return
+  for (const r of regions) c.munmap(r.base, r.length)
+}
+
+/**
+ * Maps the runs of `ranges` of the file read-only (prefaulted with MAP_POPULATE, off the event loop).
+ * Rejects, with nothing left mapped, when the file is now shorter than a range or a mapping fails.
+ */
+export const mapRanges = async (
+  path: string,
+  ranges: ReadonlyArray<{ readonly offset: number; readonly size: number }>
+): Promise<ReadonlyArray<FileRegion>> => {
+  const c = loadLibc()
+  if (c === null || process.platform !== "linux") throw new Error("file mapping is not available here")
+  const runs = mappingRuns(ranges)
+  const fd = Fs.openSync(path, "r")
+  const regions: Array<FileRegion> = []
+  try {
+    const size = Fs.fstatSync(fd).size
+    for (const r of runs) {
+      if (r.end > size) throw new Error(`the file is ${size} bytes now, the stage's tensors end at ${r.end}`)
+    }
+    for (const r of runs) {
+      const length = r.end - r.fileStart
+      const base = await new Promise<unknown>((resolve, reject) =>
+        c.mmap.async(null, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, r.fileStart, (err, res) => {
+          if (err) reject(err instanceof Error ? err : new Error(String(err)))
+          else resolve(res)
+        })
+      )
+      const addr = base === null ? 0n : koffi.address(base)
+      if (addr === 0n || addr === MAP_FAILED) {
+        throw new Error(`mmap of ${length} bytes at offset ${r.fileStart} failed`)
+      }
+      regions.push({ fileStart: r.fileStart, length, base, addr })
+    }
+    return regions
+  } catch (e) {
+    unmapAll(regions)
+    throw e
+  } finally {
+    Fs.closeSync(fd)
+  }
+}
+
+/** The region holding [offset, offset + size) and the address of `offset` in it. */
+export const locate = (regions: ReadonlyArray<FileRegion>, offset: number, size: number) => {
+  for (const r of regions) {
+    if (offset >= r.fileStart && offset + size <= r.fileStart + r.length) {
+      return { region: r, addr: r.addr + BigInt(offset - r.fileStart) }
+    }
+  }
+  return undefined
+}

@@ -1,0 +1,164 @@
+import { assert, describe, it } from "@effect/vitest"
+import { Effect, Exit } from "effect"
+import { mkdtempSync, readFileSync, rmSync, truncateSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { afterAll } from "vitest"
+import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { MAPPED_BUFFER_TYPE } from "../src/layers/engine/Native.js"
+import { loadWeights } from "../src/layers/engine/Native.js"
+import { planStage } from "../src/layers/engine/Plan.js"
+import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
+import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
+import { requireModel } from "./support/models.js"
+
+const dir = mkdtempSync(join(tmpdir(), "swactor-mmap-"))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+const sameBits = (a: Float32Array, b: Float32Array) =>
+  a.length === b.length && new Uint32Array(a.buffer).every((x, i) => x === new Uint32Array(b.buffer)[i])
+
+const argmax = (l: Float32Array) => l.reduce((best, x, i) => (x > l[best]! ? i : best), 0)
+
+/** Logits of a prompt then 6 greedy steps through a split, with weights mapped or copied. */
+const run = (path: string, boundaries: ReadonlyArray<number>, mmap: boolean) =>
+  Effect.scoped(Effect.gen(function*() {
+    const pipeline = yield* openInProcessPipeline(path, boundaries, { threads: 1, contextLength: 256 })
+    const logits: Array<Float32Array> = []
+    let last = yield* pipeline.run(0, Int32Array.of(1, 5, 9, 13, 17))
+    for (let pos = 5; pos < 11; pos++) {
+      logits.push(last)
+      last = yield* pipeline.run(pos, Int32Array.of(argmax(last)))
+    }
+    logits.push(last)
+    return logits
+  })).pipe(Effect.provide(layerWith({ mmap })))
+
+const mappedPlacements = (path: string, layers: number) =>
+  Effect.scoped(Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const stage = (yield* executor.load({ path, layerStart: 0, layerEndExclusive: layers, isFirst: true, isLast: true })) as
+      LiveLoadedStage
+    return stage.placements.filter((p) => p.bufferType === MAPPED_BUFFER_TYPE).length
+  })).pipe(Effect.provide(layerWith({ mmap: true })))
+
+const checkSame = (path: string, splits: ReadonlyArray<ReadonlyArray<number>>) =>
+  Effect.gen(function*() {
+    for (const split of splits) {
+      const mapped = yield* run(path, split, true)
+      const copied = yield* run(path, split, false)
+      assert.strictEqual(mapped.length, copied.length)
+      mapped.forEach((l, i) => assert.isTrue(sameBits(l, copied[i]!), `split ${JSON.stringify(split)} step ${i}`))
+    }
+  })
+
+describe("weights mapped from the file compute what copied weights compute", () => {
+  it.live("stories260K (F32): bit-identical logits mapped and copied, 1 and 3 stages", () =>
+    Effect.gen(function*() {
+      const path = requireModel("stories260K.gguf")
+      // every tensor is used in place (the check would be vacuous if mapping silently fell back to copies)
+      assert.isAtLeast(yield* mappedPlacements(path, 5), 20)
+      yield* checkSame(path, [[0, 5], [0, 2, 3, 5]])
+    }))
+
+  const synthetic = (type: SyntheticType, tiedOutput: boolean) =>
+    Effect.gen(function*() {
+      const path = join(dir, `llama-${type}${tiedOutput ? "-tied" : ""}.gguf`)
+      yield* writeSyntheticModel({
+        path,
+        arch: "llama",
+        layers: 4,
+        hidden: 256,
+        ffn: 512,
+        heads: 4,
+        kvHeads: 2,
+        vocab: 400,
+        contextLength: 256,
+        type,
+        seed: 3,
+        tiedOutput
+      })
+      return path
+    })
+
+  it.live("synthetic Q8_0 (tied output: the last stage maps the embedding too): bit-identical logits", () =>
+    Effect.gen(function*() {
+      const path = yield* synthetic("q8_0", true)
+      assert.isAtLeast(yield* mappedPlacements(path, 4), 1)
+      yield* checkSame(path, [[0, 4], [0, 1, 3, 4]])
+    }))
+
+  it.live("synthetic Q4_K (matrices repacked from the mapping): bit-identical logits", () =>
+    Effect.gen(function*() {
+      const path = yield* synthetic("q4_k", false)
+      yield* checkSame(path, [[0, 4], [0, 2, 4]])
+    }))
+})
+
+describe("mapping lifetime", () => {
+  it.live("the stage's mappings exist while it is loaded and are gone when its scope closes", () =>
+    Effect.gen(function*() {
+      const path = join(dir, "lifetime.gguf")
+      yield* writeSyntheticModel({
+        path,
+        arch: "llama",
+        layers: 2,
+        hidden: 256,
+        ffn: 512,
+        heads: 4,
+        kvHeads: 2,
+        vocab: 400,
+        contextLength: 256,
+        type: "q8_0",
+        seed: 6
+      })
+      const mappings = () => readFileSync("/proc/self/maps", "utf8").split("\n").filter((l) => l.endsWith(path)).length
+      const during = yield* Effect.scoped(Effect.gen(function*() {
+        const executor = yield* StageExecutor
+        yield* executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+        return mappings()
+      })).pipe(Effect.provide(layerWith({ mmap: true })))
+      assert.isAtLeast(during, 1)
+      assert.strictEqual(mappings(), 0)
+    }))
+})
+
+describe("a file that shrinks before it is mapped", () => {
+  it.live("is refused before any page is touched (an Error, no SIGBUS), and through the executor a ModelLoadError", () =>
+    Effect.gen(function*() {
+      const path = join(dir, "shrinks.gguf")
+      yield* writeSyntheticModel({
+        path,
+        arch: "llama",
+        layers: 2,
+        hidden: 256,
+        ffn: 512,
+        heads: 4,
+        kvHeads: 2,
+        vocab: 400,
+        contextLength: 256,
+        type: "q8_0",
+        seed: 4
+      })
+      const file = yield* readGgufFile(path)
+      const plan = yield* planStage(file, { path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+      // planned against the full file, then the file loses its tail
+      truncateSync(path, file.fileSize - 4096)
+      const error = yield* Effect.flip(Effect.tryPromise(() => loadWeights(plan, { mmap: true })))
+      assert.match(String(error.cause), /the file is \d+ bytes now/)
+      // the executor re-reads the table: a typed error naming the cause
+      const exit = yield* Effect.exit(
+        Effect.scoped(Effect.flatMap(StageExecutor, (e) =>
+          e.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true }))).pipe(
+            Effect.provide(layerWith({ mmap: true }))
+          )
+      )
+      assert.isTrue(Exit.isFailure(exit))
+      if (Exit.isFailure(exit)) {
+        const failure = exit.cause._tag === "Fail" ? exit.cause.error : undefined
+        assert.strictEqual((failure as { _tag?: string } | undefined)?._tag, "ModelLoadError")
+      }
+    }))
+})
