@@ -98,7 +98,7 @@ export interface AgentLink {
   readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport, AgentUnavailable>
   /** Asks the stage to stop (its provision stream then reports StageStopped). Idempotent. */
   readonly stop: (runId: RunId, stageIndex: number) => Effect.Effect<void, AgentUnavailable>
-  /** Weight delivery (src/layers/WeightDelivery.ts); absent on links that cannot take slices. */
+  /** Weight delivery (src/layers/orchestrator/WeightDelivery.ts); absent on links that cannot take slices. */
   readonly weights?: WeightLink
 }
 

@@ -260,7 +260,7 @@ export interface PipelineOptions {
   readonly contextTokens?: number
   /**
    * Send each stage's weights (a GGUF slice) to agents that lack them, once per pipeline after placement
-   * (src/layers/WeightDelivery.ts). Off: agents read `model` at its path.
+   * (src/layers/orchestrator/WeightDelivery.ts). Off: agents read `model` at its path.
    */
   readonly deliverWeights?: boolean | { readonly outgoingDir?: string; readonly chunkBytes?: number }
 }
