@@ -24,7 +24,8 @@ import {
   type SessionOptions,
   StageExecutor,
   type StageExecutorService,
-  type StageSession
+  type StageSession,
+  validateForward
 } from "../../services/StageExecutor.js"
 import {
   type NativeItem,
@@ -137,47 +138,6 @@ const load = (options: LiveOptions) =>
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))
-
-/** Checks a forward call against the stage and the session before any native call. */
-export const validateForward = (
-  info: StageInfo,
-  contextLength: number,
-  filled: number,
-  startPos: number,
-  input: StageInput
-): ContextOverflow | InvalidStageInput | undefined => {
-  const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-  if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
-    return new InvalidStageInput({
-      message: `start position ${startPos} must be an integer in [0, ${filled}] (the cache holds ${filled} positions)`
-    })
-  }
-  if (!Number.isSafeInteger(n) || n < 1) return new InvalidStageInput({ message: `a batch needs at least one token` })
-  if (startPos + n > contextLength) {
-    return new ContextOverflow({ position: startPos, nTokens: n, contextLength })
-  }
-  if (info.isFirst) {
-    if (input._tag !== "Tokens") {
-      return new InvalidStageInput({ message: "the first stage takes token ids, not hidden states" })
-    }
-    for (let i = 0; i < n; i++) {
-      const t = input.tokens[i]!
-      if (t < 0 || t >= info.vocabSize) {
-        return new InvalidStageInput({ message: `token id ${t} at index ${i} is outside [0, ${info.vocabSize})` })
-      }
-    }
-  } else {
-    if (input._tag !== "Hidden") {
-      return new InvalidStageInput({ message: "a stage after the first takes hidden states, not token ids" })
-    }
-    if (input.hidden.length !== n * info.hiddenDim) {
-      return new InvalidStageInput({
-        message: `hidden states have ${input.hidden.length} floats, expected ${n} x ${info.hiddenDim}`
-      })
-    }
-  }
-  return undefined
-}
 
 /** A session of the live executor: one NativeSession (KV cache) over a LiveLoadedStage. */
 class LiveStageSession implements StageSession {

@@ -29,7 +29,8 @@ import {
   type SessionOptions,
   StageExecutor,
   type StageExecutorService,
-  type StageSession
+  type StageSession,
+  validateForward
 } from "../../services/StageExecutor.js"
 
 export interface TestModel {
@@ -169,27 +170,10 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
       let closed = false
       yield* Effect.addFinalizer(() => Effect.sync(() => (closed = true)))
 
-      const check = (startPos: number, input: StageInput): ContextOverflow | InvalidStageInput | undefined => {
-        const n = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-        if (closed) return new InvalidStageInput({ message: "the session is closed" })
-        if (!Number.isSafeInteger(startPos) || startPos < 0 || startPos > filled) {
-          return new InvalidStageInput({ message: `start position ${startPos} outside [0, ${filled}]` })
-        }
-        if (!Number.isSafeInteger(n) || n < 1) return new InvalidStageInput({ message: "empty batch" })
-        if (startPos + n > contextLength) return new ContextOverflow({ position: startPos, nTokens: n, contextLength })
-        if (info.isFirst) {
-          if (input._tag !== "Tokens") return new InvalidStageInput({ message: "the first stage takes token ids" })
-          for (let i = 0; i < n; i++) {
-            const t = input.tokens[i]!
-            if (t < 0 || t >= info.vocabSize) {
-              return new InvalidStageInput({ message: `token id ${t} outside [0, ${info.vocabSize})` })
-            }
-          }
-        } else if (input._tag !== "Hidden" || input.hidden.length !== n * d) {
-          return new InvalidStageInput({ message: `expected ${n} x ${d} hidden states` })
-        }
-        return undefined
-      }
+      const check = (startPos: number, input: StageInput): ContextOverflow | InvalidStageInput | undefined =>
+        closed
+          ? new InvalidStageInput({ message: "the session is closed" })
+          : validateForward(info, contextLength, filled, startPos, input)
 
       /** Runs a checked input. */
       const apply = (startPos: number, input: StageInput): StageOutput => {
