@@ -226,7 +226,7 @@ export const makeStageHost = (
               }
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
               const t0 = performance.now()
-              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats).pipe(
+              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount).pipe(
                 Effect.mapError((error) => new StageFailure({ kind: "EngineError", detail: `${error._tag}: ${errorWords(error)}` }))
               )
               const elapsed = performance.now() - t0
