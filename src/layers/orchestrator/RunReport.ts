@@ -3,8 +3,8 @@
  * words, how a lifecycle turns into updates for the caller, and the summary of a completed run.
  */
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
-import type { LifecycleEvent, RunFaultReason, StageFaultReason } from "../../domain/runFsm.js"
-import { StageFaultReasons } from "../../domain/runFsm.js"
+import type { LifecycleEvent, RunFaultReason, StageFaultReason } from "../../domain/runEvents.js"
+import { StageFaultReasons } from "../../domain/runEvents.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
 import type { RunSummary, RunUpdate, StageSummary, Straggler } from "../../services/Orchestrator.js"
 
