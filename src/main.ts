@@ -3,9 +3,15 @@
  * The `swactor` command: a thin registry of subcommands. To add one, add a loader for its src/cli/*Command.ts file
  * to `subcommands` below.
  */
+import { fileURLToPath } from "node:url"
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
+import { setCliEntry } from "./layers/agent/CliEntry.js"
+
+// Built, this file is the bundle (dist/main.js, scripts/build.mjs): local agents run it too. (Run from its source
+// through a loader, agents run the built bundle.)
+if (import.meta.url.endsWith(".js")) setCliEntry(fileURLToPath(import.meta.url))
 
 // Each subcommand's module is imported only when it is the one asked for (an agent never loads the HTTP server,
 // the tokenizer or the synthetic-model writer: start-up time is paid by every local agent); `--help` or an unknown
