@@ -3,15 +3,9 @@
  * The `swactor` command: a thin registry of subcommands. To add one, add a loader for its src/cli/*Command.ts file
  * to `subcommands` below.
  */
-import { fileURLToPath } from "node:url"
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
-import { setCliEntry } from "./layers/agent/CliEntry.js"
-
-// Built, this file is the bundle (dist/main.js, scripts/build.mjs): local agents run it too. (Run from its source
-// through a loader, agents run the built bundle.)
-if (import.meta.url.endsWith(".js")) setCliEntry(fileURLToPath(import.meta.url))
 
 // Each subcommand's module is imported only when it is the one asked for (an agent never loads the HTTP server,
 // the tokenizer or the synthetic-model writer: start-up time is paid by every local agent); `--help` or an unknown
@@ -23,20 +17,6 @@ const subcommands = {
   run: () => import("./cli/RunCommand.js").then((m) => m.runCommand),
   serve: () => import("./cli/ServeCommand.js").then((m) => m.serveCommand)
 } as const
-const asked = process.argv[2]
-const [first, ...rest] = await Promise.all(
-  asked !== undefined && Object.hasOwn(subcommands, asked)
-    ? [subcommands[asked as keyof typeof subcommands]()]
-    : Object.values(subcommands).map((load) => load())
-)
-
-const swactor = Command.make("swactor").pipe(
-  Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
-  Command.withSubcommands([first!, ...rest])
-)
-
-const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
-
 // Subcommands print their own errors in words; a failure only sets the exit code. Long-running commands handle
 // SIGINT/SIGTERM/SIGHUP themselves (cli/Signals.ts: teardown, then process.exitCode = 128 + the signal), so this
 // runner installs no signal listener: once the main fiber has ended (every scope closed), it exits with the code.
@@ -54,16 +34,33 @@ const withPlainConsole = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
     return Effect.withConsole(effect, { ...console, log, info: log, error: toStderr, warn: toStderr })
   })
 
-const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
-const main = Effect.runFork(
-  cli(process.argv).pipe(
-    withPlainConsole,
-    Effect.provide(Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))))
+// No top-level await: the build bundles this file as CommonJS (scripts/build.mjs: a V8 code cache needs a vm.Script).
+const main = async () => {
+  const asked = process.argv[2]
+  const [first, ...rest] = await Promise.all(
+    asked !== undefined && Object.hasOwn(subcommands, asked)
+      ? [subcommands[asked as keyof typeof subcommands]()]
+      : Object.values(subcommands).map((load) => load())
   )
-)
-main.addObserver((exit) => {
-  clearInterval(keepAlive)
-  const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
-  const requested = typeof process.exitCode === "number" ? process.exitCode : 0
-  process.exit(failed ? Math.max(1, requested) : requested)
-})
+  const swactor = Command.make("swactor").pipe(
+    Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
+    Command.withSubcommands([first!, ...rest])
+  )
+  const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
+  const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
+  const fiber = Effect.runFork(
+    cli(process.argv).pipe(
+      withPlainConsole,
+      Effect.provide(
+        Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger)))
+      )
+    )
+  )
+  fiber.addObserver((exit) => {
+    clearInterval(keepAlive)
+    const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
+    const requested = typeof process.exitCode === "number" ? process.exitCode : 0
+    process.exit(failed ? Math.max(1, requested) : requested)
+  })
+}
+void main()

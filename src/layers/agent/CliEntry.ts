@@ -1,14 +1,12 @@
 /**
- * Which file a fresh `swactor` process runs (local agents, tests). The CLI bundle (dist/main.js, built by
- * scripts/build.mjs) names itself here before anything else: its code lives in dist/chunks/, not where the compiled
- * library's modules are, so LocalAgents cannot find it relative to its own file. No imports: main.ts loads this first.
+ * Which file a fresh `swactor` process runs (local agents, tests), when this process is the built command: the
+ * command's loader (dist/main.js, written by scripts/build.mjs) records its own path under this global symbol before
+ * it runs the bundle (dist/swactor.cjs), whose code does not sit where the compiled library's modules are.
  */
-let bundledEntry: string | undefined
+const entryKey = Symbol.for("swactor.cliEntry")
 
-/** Called once by the CLI bundle's entry with its own path. */
-export const setCliEntry = (path: string): void => {
-  bundledEntry = path
+/** The command's entry (dist/main.js) when this process was started through it. */
+export const cliEntry = (): string | undefined => {
+  const entry = (globalThis as Record<symbol, unknown>)[entryKey]
+  return typeof entry === "string" ? entry : undefined
 }
-
-/** The CLI entry this process was started from, when it is the bundle. */
-export const cliEntry = (): string | undefined => bundledEntry

@@ -75,8 +75,8 @@ export const generateToken = (): string => randomBytes(32).toString("hex")
 const here = dirname(fileURLToPath(import.meta.url))
 
 /**
- * The CLI bundle (`dist/main.js`, scripts/build.mjs): this very file when this process is the bundle (it says so
- * through CliEntry); else two folders up from this module (dist/layers/agent/) when running as the compiled library,
+ * The command's entry (`dist/main.js`, scripts/build.mjs): the one this process was started through (CliEntry); else
+ * two folders up from this module (dist/layers/agent/) when running as the compiled library,
  * the package's `dist/` when running from sources (tests, development: the build runs first, `npm test` and
  * `npm run swactor` do it).
  */
