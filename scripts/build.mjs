@@ -98,8 +98,12 @@ if (process.env.SWACTOR_CODE_CACHE === "check") {
 }
 if (process.env.SWACTOR_CODE_CACHE === "write") {
   process.on("exit", () => {
-    writeFileSync(\`\${cachePath}.\${process.pid}\`, script.createCachedData())
-    renameSync(\`\${cachePath}.\${process.pid}\`, cachePath)
+    try {
+      writeFileSync(\`\${cachePath}.\${process.pid}\`, script.createCachedData())
+      renameSync(\`\${cachePath}.\${process.pid}\`, cachePath)
+    } catch (error) {
+      process.stderr.write(\`swactor: could not write the code cache: \${error.message}\\n\`)
+    }
   })
 }
 // Local agents run this file too (src/layers/agent/CliEntry.ts).
