@@ -1,6 +1,6 @@
 /**
  * Start-up benchmark (not a test): launch → first token of `swactor run` as a user starts it (a fresh
- * `node dist/main.js run` process, local agents), beside node-llama-cpp's launch → load → first token in one fresh
+ * `node dist/main.js run` process (the bin: the bundle with its code cache), local agents), beside node-llama-cpp's launch → load → first token in one fresh
  * process, on the same file. Configurations: stories260K with 1 and 3 stages, and the synthetic 16×2048 Q8_0 llama
  * (cached under .cache/bench with bench:engine / bench:pipeline) with 1 and 4 stages.
  *
@@ -13,6 +13,7 @@
  */
 import { spawn } from "node:child_process"
 import { existsSync, mkdirSync, writeFileSync } from "node:fs"
+import { availableParallelism, loadavg } from "node:os"
 import { dirname, join, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { benchModelPath, defaultBenchShape, ensureBenchModel } from "./benchModel.js"
@@ -116,7 +117,12 @@ const keep = (key: string, m: Measured) => {
 
 if (!existsSync(main)) throw new Error(`${main} is missing: npm run build first`)
 if (configs.some((c) => c.name !== "stories260K")) await ensureSynthetic()
-console.log(`start-up: launch → first token, best of ${rounds} rounds, ${threads} thread(s) per stage`)
+// The figures are only as quiet as the machine: its load average is printed beside them.
+const load = () => loadavg().map((l) => l.toFixed(2)).join(" ")
+console.log(
+  `start-up: launch → first token, best of ${rounds} rounds, ${threads} thread(s) per stage; ` +
+    `${availableParallelism()} cores, load average ${load()} before`
+)
 for (let round = 0; round < rounds; round++) {
   for (const config of configs) {
     keep(`${config.name} node-llama-cpp`, await reference(config.model()))
@@ -135,3 +141,4 @@ for (const config of configs) {
     )
   }
 }
+console.log(`\nload average ${load()} after`)

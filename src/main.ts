@@ -17,20 +17,6 @@ const subcommands = {
   run: () => import("./cli/RunCommand.js").then((m) => m.runCommand),
   serve: () => import("./cli/ServeCommand.js").then((m) => m.serveCommand)
 } as const
-const asked = process.argv[2]
-const [first, ...rest] = await Promise.all(
-  asked !== undefined && Object.hasOwn(subcommands, asked)
-    ? [subcommands[asked as keyof typeof subcommands]()]
-    : Object.values(subcommands).map((load) => load())
-)
-
-const swactor = Command.make("swactor").pipe(
-  Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
-  Command.withSubcommands([first!, ...rest])
-)
-
-const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
-
 // Subcommands print their own errors in words; a failure only sets the exit code. Long-running commands handle
 // SIGINT/SIGTERM/SIGHUP themselves (cli/Signals.ts: teardown, then process.exitCode = 128 + the signal), so this
 // runner installs no signal listener: once the main fiber has ended (every scope closed), it exits with the code.
@@ -48,16 +34,33 @@ const withPlainConsole = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
     return Effect.withConsole(effect, { ...console, log, info: log, error: toStderr, warn: toStderr })
   })
 
-const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
-const main = Effect.runFork(
-  cli(process.argv).pipe(
-    withPlainConsole,
-    Effect.provide(Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))))
+// No top-level await: the build bundles this file as CommonJS (scripts/build.mjs: a V8 code cache needs a vm.Script).
+const main = async () => {
+  const asked = process.argv[2]
+  const [first, ...rest] = await Promise.all(
+    asked !== undefined && Object.hasOwn(subcommands, asked)
+      ? [subcommands[asked as keyof typeof subcommands]()]
+      : Object.values(subcommands).map((load) => load())
   )
-)
-main.addObserver((exit) => {
-  clearInterval(keepAlive)
-  const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
-  const requested = typeof process.exitCode === "number" ? process.exitCode : 0
-  process.exit(failed ? Math.max(1, requested) : requested)
-})
+  const swactor = Command.make("swactor").pipe(
+    Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
+    Command.withSubcommands([first!, ...rest])
+  )
+  const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
+  const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
+  const fiber = Effect.runFork(
+    cli(process.argv).pipe(
+      withPlainConsole,
+      Effect.provide(
+        Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger)))
+      )
+    )
+  )
+  fiber.addObserver((exit) => {
+    clearInterval(keepAlive)
+    const failed = Exit.isFailure(exit) && !Cause.isInterruptedOnly(exit.cause)
+    const requested = typeof process.exitCode === "number" ? process.exitCode : 0
+    process.exit(failed ? Math.max(1, requested) : requested)
+  })
+}
+void main()

@@ -21,6 +21,9 @@ import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
 
+/** How long after its ready line an agent started with `--speed-probe after-ready` measures its speed. */
+const laterProbeDelay = "2 seconds"
+
 /** Test hook: SWACTOR_TEST_FAULT=stall-load makes every stage load hang (an agent that never becomes ready). */
 const faultHook = process.env["SWACTOR_TEST_FAULT"]
 
@@ -120,8 +123,11 @@ const runNode = (args: NodeArgs) =>
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
       if (probeLater) {
+        // Not at once: right after the ready line come the stage's load and the prompt's prefill, and on a machine
+        // with few cores a probe then (~0.1 s of every core it is given) would delay the run's first token.
         yield* Effect.forkScoped(
           Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+            Effect.delay(laterProbeDelay),
             Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured))),
             Effect.catchAll((error) =>
               Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
@@ -176,7 +182,7 @@ export const nodeCommand = Command.make(
     ),
     speedProbe: Options.choice("speed-probe", ["start", "after-ready"]).pipe(
       Options.withDescription(
-        "measure the engine's speed before announcing ready (start) or after (after-ready: none reported until then)"
+        "measure the engine's speed before announcing ready (start) or 2 s after (after-ready: none reported until then)"
       ),
       withShownDefault("start" as const)
     ),

@@ -42,8 +42,11 @@ export interface ModelTokenizer {
   readonly isEndOfGeneration: (token: number) => boolean
   /** A decoder for a generation that continues `context` (usually the prompt tokens). */
   readonly decoder: (context: ReadonlyArray<number>) => IncrementalDecoder
-  /** Messages through the model's own chat template, ready for the assistant's turn. */
-  readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => FormattedChat
+  /**
+   * Messages through the model's own chat template, ready for the assistant's turn (an effect: the live tokenizer
+   * loads the template machinery, node-llama-cpp, on the first chat only).
+   */
+  readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.Effect<FormattedChat, TokenizerError>
 }
 
 export interface TokenizerService {

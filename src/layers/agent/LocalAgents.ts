@@ -10,6 +10,7 @@ import { type TransportAddress, TransportAddress as TransportAddressSchema } fro
 import { NodeId } from "../../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../../services/Orchestrator.js"
 import { AgentSpawnError } from "../../services/AgentLinks.js"
+import { cliEntry } from "./CliEntry.js"
 
 /**
  * The line a node agent prints on stdout once it listens:
@@ -74,12 +75,14 @@ export const generateToken = (): string => randomBytes(32).toString("hex")
 const here = dirname(fileURLToPath(import.meta.url))
 
 /**
- * The compiled CLI entry (`dist/main.js`): two folders up from this module (dist/layers/agent/) when running
- * compiled, the package's `dist/` when running from sources (tests, development: the build runs first, `npm test`
- * and `npm run swactor` do it).
+ * The command's entry (`dist/main.js`, scripts/build.mjs): the one this process was started through (CliEntry); else
+ * two folders up from this module (dist/layers/agent/) when running as the compiled library,
+ * the package's `dist/` when running from sources (tests, development: the build runs first, `npm test` and
+ * `npm run swactor` do it).
  */
 export const swactorMain = (): string =>
-  import.meta.url.endsWith(".js") ? join(here, "..", "..", "main.js") : join(here, "..", "..", "..", "dist", "main.js")
+  cliEntry() ??
+    (import.meta.url.endsWith(".js") ? join(here, "..", "..", "main.js") : join(here, "..", "..", "..", "dist", "main.js"))
 
 /** argv that runs `swactor <args>` in a fresh Node process: plain `node dist/main.js`, no loader, no wrapper. */
 export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => ({

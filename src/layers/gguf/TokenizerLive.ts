@@ -1,4 +1,6 @@
-import { Effect, Layer, Scope } from "effect"
+import { Effect, Layer, Option, Scope } from "effect"
+import { readGgufFile } from "./GgufReader.js"
+import { makeSpmTokenizer, type SpmVocabulary, spmVocabulary } from "./SpmTokenizer.js"
 import {
   type ChatMessage,
   type FormattedChat,
@@ -44,7 +46,10 @@ const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
   }
 }
 
-const fromModel = (model: LlamaModel, lib: NodeLlamaCpp): ModelTokenizer => {
+const fromModel = (
+  model: LlamaModel,
+  lib: NodeLlamaCpp
+): Omit<ModelTokenizer, "formatChat"> & { readonly chat: ReturnType<typeof chatFormatter> } => {
   const bos = model.tokens.bos ?? undefined
   const eos = model.tokens.eos ?? undefined
   const addsBos = bos !== undefined && model.tokens.shouldPrependBosToken
@@ -64,11 +69,33 @@ const fromModel = (model: LlamaModel, lib: NodeLlamaCpp): ModelTokenizer => {
     detokenize,
     isEndOfGeneration: (token) => model.isEogToken(token as never),
     decoder: (context) => makeIncrementalDecoder(detokenize, context),
-    formatChat: chatFormatter(lib, model)
+    chat: chatFormatter(lib, model)
   }
 }
 
-/** Vocabulary-only loads through node-llama-cpp's prebuilt CPU binary (never compiles, no GPU). */
+/** The TypeScript SPM tokenizer (SpmTokenizer.ts) for what a run needs; the chat template still from node-llama-cpp. */
+const fromSpm = (
+  vocab: SpmVocabulary,
+  chat: Effect.Effect<ReturnType<typeof chatFormatter>, TokenizerError>
+): ModelTokenizer => {
+  const spm = makeSpmTokenizer(vocab)
+  return {
+    vocabSize: spm.vocabSize,
+    bosTokenId: vocab.bos,
+    eosTokenId: vocab.eos,
+    addsBos: vocab.addBos,
+    tokenize: (text) => (vocab.addBos ? [vocab.bos, ...spm.tokenize(text)] : spm.tokenize(text)),
+    detokenize: spm.detokenize,
+    isEndOfGeneration: (token) => token === vocab.eos,
+    decoder: (context) => makeIncrementalDecoder(spm.detokenize, context),
+    formatChat: (messages) => Effect.map(chat, (format) => format(messages))
+  }
+}
+
+/**
+ * SPM vocabularies in TypeScript (SpmTokenizer.ts); the others, and chat templates, through vocabulary-only loads with
+ * node-llama-cpp's prebuilt CPU binary (never compiles, no GPU).
+ */
 export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
   Tokenizer,
   Effect.gen(function*() {
@@ -82,19 +109,36 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
         ({ llama }) => Effect.promise(() => llama.dispose())
       ).pipe(Scope.extend(layerScope))
     )
+    const loadModel = (modelPath: string) =>
+      Effect.gen(function*() {
+        const { lib, llama: instance } = yield* llama
+        const model = yield* Effect.acquireRelease(
+          Effect.tryPromise({
+            try: () => instance.loadModel({ modelPath, vocabOnly: true }),
+            catch: (cause) =>
+              new TokenizerError({ path: modelPath, message: cause instanceof Error ? cause.message : String(cause) })
+          }),
+          (model) => Effect.promise(() => model.dispose())
+        )
+        return fromModel(model, lib)
+      })
     const service: TokenizerService = {
       open: (modelPath) =>
         Effect.gen(function*() {
-          const { lib, llama: instance } = yield* llama
-          const model = yield* Effect.acquireRelease(
-            Effect.tryPromise({
-              try: () => instance.loadModel({ modelPath, vocabOnly: true }),
-              catch: (cause) =>
-                new TokenizerError({ path: modelPath, message: cause instanceof Error ? cause.message : String(cause) })
-            }),
-            (model) => Effect.promise(() => model.dispose())
-          )
-          return fromModel(model, lib)
+          // An SPM vocabulary this package tokenizes exactly as llama.cpp (SpmTokenizer.ts): node-llama-cpp, ~0.7 s of
+          // CPU to import and check its binary, is then loaded only for a chat template. Any other: node-llama-cpp.
+          const file = yield* Effect.option(readGgufFile(modelPath))
+          const vocab = Option.isSome(file) ? spmVocabulary(file.value) : undefined
+          if (vocab !== undefined) {
+            const openScope = yield* Effect.scope
+            const chat = yield* Effect.cached(Effect.map(loadModel(modelPath).pipe(Scope.extend(openScope)), (m) => m.chat))
+            return fromSpm(vocab, chat)
+          }
+          const { chat, ...tokenizer } = yield* loadModel(modelPath)
+          return {
+            ...tokenizer,
+            formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.sync(() => chat(messages))
+          } satisfies ModelTokenizer
         }).pipe(Effect.withSpan("Tokenizer.open", { attributes: { modelPath } }))
     }
     return service
@@ -122,9 +166,10 @@ export const byteTokenizer: ModelTokenizer = {
   isEndOfGeneration: (token) => token === 2,
   decoder: (context) => makeIncrementalDecoder((tokens) => byteTokenizer.detokenize(tokens), context),
   // The test double's own plain rendering (no model template to follow).
-  formatChat: (messages) => ({
-    tokens: byteTokenizer.tokenize(`${messages.map((m) => `${m.role}: ${m.content}\n`).join("")}assistant:`),
-    stop: ["\nuser:"],
-    template: "test"
-  })
+  formatChat: (messages) =>
+    Effect.succeed({
+      tokens: byteTokenizer.tokenize(`${messages.map((m) => `${m.role}: ${m.content}\n`).join("")}assistant:`),
+      stop: ["\nuser:"],
+      template: "test"
+    })
 }

@@ -381,7 +381,8 @@ export const make = (options: ServeOptions) =>
       status: currentStatus,
       ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
       generate,
-      formatChat: (messages) => Effect.map(current, ({ pipeline }) => pipeline.vocabulary.formatChat(messages)),
+      formatChat: (messages) =>
+        Effect.flatMap(current, ({ pipeline }) => Effect.orDie(pipeline.vocabulary.formatChat(messages))),
       metrics: snapshot
     })
   })
