@@ -159,6 +159,11 @@ export const generate = (
               case "Planned":
                 lastPlanned = update.stages
                 return updates.offer(update)
+              case "StageStraggler":
+                return updates.offer({
+                  _tag: "StageStraggler",
+                  straggler: { ...update.straggler, sequence: base + update.straggler.sequence }
+                })
               case "Finished":
                 finished = update.summary
                 return Effect.void
@@ -196,7 +201,8 @@ export const generate = (
             timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
             recoveries,
             // The last run's sequences, as the generation's.
-            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base }))
+            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base })),
+            stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstSequence: s.worstSequence + base }))
           }
         })
         return
@@ -238,7 +244,8 @@ export const generate = (
             stages: [],
             transferMillisPerToken: 0,
             recoveries,
-            stragglers: []
+            stragglers: [],
+            stageStragglers: []
           }
         })
         return

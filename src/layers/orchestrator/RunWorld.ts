@@ -27,6 +27,7 @@ import {
 } from "../../services/Orchestrator.js"
 import { alignUp, planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
+import { makeStageStragglerDetector, stepsOf } from "../../services/StageStragglers.js"
 import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
 import { describeRunFault, faultWords, stageFaultReason, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
 
@@ -117,6 +118,7 @@ export const driveRun = (
       if (!details.has(key)) details.set(key, text)
     }
     const stageStats = new Map<number, StageStats>()
+    const stragglerDetector = makeStageStragglerDetector(request.stragglers ?? warm.options.stragglers)
     const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
     const injectedAt = new Map<number, number>()
     const receivedAt = new Map<number, number>()
@@ -174,6 +176,12 @@ export const driveRun = (
             case "StageStopped":
               stageStats.set(stageIndex, report.stats)
               return stopReport
+            case "StageTimings":
+              return Effect.forEach(
+                stragglerDetector.add(stageIndex, addressOf(provision.nodeId), stepsOf(report)),
+                (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
+                { discard: true }
+              )
           }
         }),
         Effect.catchAll((unavailable) =>
@@ -403,7 +411,9 @@ export const driveRun = (
           dataAddress: dataAddressOf(s.nodeId),
           ready: stageReady.get(s.stageIndex),
           stats: stageStats.get(s.stageIndex)
-        }))
+        })),
+        stageSteps: stragglerDetector.stages(),
+        stageStragglers: stragglerDetector.stragglers()
       })
     })
   }).pipe(Effect.scoped)

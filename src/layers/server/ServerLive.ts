@@ -293,6 +293,7 @@ export const make = (options: ServeOptions) =>
               return match.stopped ? [...out, done("stop")] : out
             }
             if (update._tag === "Recovered") metrics.recoveries++
+            if (update._tag === "StageStraggler") stageMetrics(update.straggler.stageIndex).stragglerTokens++
             if (update._tag === "Finished") {
               metrics.stragglers += update.summary.stragglers.length
               recordStages(update)
@@ -323,18 +324,30 @@ export const make = (options: ServeOptions) =>
         })
       )
 
+    const stageMetrics = (stageIndex: number) => {
+      const m = metrics.stages.get(stageIndex) ?? {
+        computeSeconds: 0,
+        transferSeconds: 0,
+        decodeTokens: 0,
+        microBatches: 0,
+        batchRows: 0,
+        maxBatchSequences: 0,
+        stragglerTokens: 0
+      }
+      metrics.stages.set(stageIndex, m)
+      return m
+    }
+
     const recordStages = (update: Extract<RunUpdate, { _tag: "Finished" }>) => {
       const decodeSteps = Math.max(0, update.summary.generatedTokens - 1)
       for (const stage of update.summary.stages) {
-        const m = metrics.stages.get(stage.stageIndex) ??
-          { computeSeconds: 0, transferSeconds: 0, decodeTokens: 0, microBatches: 0, batchRows: 0, maxBatchSequences: 0 }
+        const m = stageMetrics(stage.stageIndex)
         m.computeSeconds += (stage.prefillComputeMillis + stage.computeMillisPerToken * decodeSteps) / 1000
         m.transferSeconds += (update.summary.transferMillisPerToken * decodeSteps) / 1000 / update.summary.stages.length
         m.decodeTokens += decodeSteps
         m.microBatches += stage.microBatches
         m.batchRows += stage.batchRows
         m.maxBatchSequences = Math.max(m.maxBatchSequences, stage.maxBatchSequences)
-        metrics.stages.set(stage.stageIndex, m)
       }
     }
 
