@@ -246,6 +246,26 @@ export class RunFaulted extends Schema.TaggedError<RunFaulted>()("RunFaulted", {
   message: Schema.String
 }) {}
 
+/**
+ * A recovery found no placement on the nodes left: the survivors lack the memory (as they reported it) for the blocks
+ * they would have to take. Raised before any new run is tried; `message` names the numbers and every run's fault.
+ */
+export class RecoveryOverMemory extends Schema.TaggedError<RecoveryOverMemory>()("RecoveryOverMemory", {
+  runId: RunId,
+  /** The even split over the survivors: each one's blocks, what they need (weights + KV + compute) and its free memory. */
+  survivors: Schema.Array(Schema.Struct({
+    nodeId: Schema.Number,
+    address: Schema.String,
+    layers: Schema.Tuple(Schema.Number, Schema.Number),
+    requiredBytes: Schema.Number,
+    freeBytes: Schema.Number
+  })),
+  /** The whole model on one stage; no contiguous split over the survivors fits either. */
+  modelBytes: Schema.Number,
+  survivorsFreeBytes: Schema.Number,
+  message: Schema.String
+}) {}
+
 /** A request the orchestrator cannot run (empty prompt, bad numbers, no nodes). */
 export class InvalidRequest extends Schema.TaggedError<InvalidRequest>()("InvalidRequest", {
   message: Schema.String
@@ -261,6 +281,7 @@ export type GenerateError =
   | AgentUnavailable
   | PoolNotReady
   | RunFaulted
+  | RecoveryOverMemory
 
 /** The agents a run may use, and the token that proves the orchestrator may use them. */
 export interface AgentSet {

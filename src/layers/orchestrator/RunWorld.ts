@@ -8,7 +8,7 @@
 import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stream } from "effect"
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type NodeId, RunId } from "../../domain/ids.js"
-import type { Edge, ProvisionStage, RunPlan } from "../../domain/plan.js"
+import type { Edge, LayerRange, ProvisionStage, RunPlan } from "../../domain/plan.js"
 import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, StageFaultReasons } from "../../domain/runFsm.js"
 import {
   dataFrame,
@@ -50,6 +50,8 @@ export interface RunAttempt {
   readonly placement?: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
   /** Tokens the generation produced before this run (the prompt ends with them): the first draw's position. */
   readonly startPosition?: number
+  /** Each stage's blocks (default: the pipeline's while the stage count holds, else an even split). */
+  readonly layerRanges?: ReadonlyArray<LayerRange>
 }
 
 /**
@@ -78,7 +80,11 @@ export const driveRun = (
     const placement = attempt.placement ?? warm.placement
     // The pipeline's block ranges while its stage count holds (a spare took a stage); fewer stages after a
     // recovery: the planner splits the blocks again.
-    const layerRanges = placement.length === warm.placement.length ? warm.layerRanges : undefined
+    const layerRanges = attempt.layerRanges !== undefined && attempt.layerRanges.length === placement.length
+      ? attempt.layerRanges
+      : placement.length === warm.placement.length
+      ? warm.layerRanges
+      : undefined
     const plan: RunPlan = yield* planRun(
       plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), placement, {
         maxTokens,
