@@ -189,6 +189,32 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
       assert.isBelow(Date.now() - started, 30_000)
     }).pipe(Effect.scoped), 120_000)
 
+  // A spare whose declared memory cannot hold the lost stage is not given it: the survivors absorb the blocks
+  // (their memory holds them) and the generation goes on to the uninterrupted run's output.
+  it.live("kill -9 with a spare too small for the lost stage: the survivors absorb it instead, same output", () =>
+    Effect.gen(function*() {
+      const reference = yield* generate(request({ stages: 3, maxTokens: 60 }))
+      const { agents, layer } = yield* startAgents(4, { extraArgs: (i) => (i === 3 ? ["--memory-limit", String(2 ** 20)] : []) })
+      const orchestrator = yield* Layer.build(layer).pipe(Effect.map(Context.get(Orchestrator)))
+      const updates: Array<RunUpdate> = []
+      const kill = killAt(20, 1)
+      const result = yield* orchestrator.run(request({ stages: 3, maxTokens: 60 })).pipe(
+        Stream.runForEach((update) => Effect.sync(() => {
+          updates.push(update)
+          kill(update, agents)
+        })),
+        Effect.either
+      )
+      assert.isTrue(Either.isRight(result), JSON.stringify(result))
+      const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+      assert.deepStrictEqual(tokens, reference.tokens)
+      const recovered = updates.find((u) => u._tag === "Recovered")
+      assert.deepStrictEqual(
+        recovered?._tag === "Recovered" ? recovered.recovery.stages.map((s) => s.address) : [],
+        [agents[0]!.address, agents[2]!.address]
+      )
+    }).pipe(Effect.scoped), 120_000)
+
   // A kill while the stages load (as soon as the run is planned): the spare takes the stage before any token.
   it.live("kill -9 of a stage agent while loading: recovered before the first token, same output", () =>
     Effect.gen(function*() {

@@ -36,6 +36,16 @@ describe("recovery, pure parts", () => {
   it("replan: a spare takes the lost node's stage", () => {
     assert.deepStrictEqual(replan(placement, [n(1), n(3), n(4)]).map((p) => p.nodeId), [n(1), n(4), n(3)])
   })
+  // A spare without the memory for the lost stage's blocks is passed over: another spare that has it takes the
+  // stage, and with none the survivors absorb it.
+  it("replan: only a spare that can host the lost stage takes it", () => {
+    assert.deepStrictEqual(replan(placement, [n(1), n(3), n(4), n(5)], (node) => node !== n(4)).map((p) => p.nodeId), [
+      n(1),
+      n(5),
+      n(3)
+    ])
+    assert.deepStrictEqual(replan(placement, [n(1), n(3), n(4)], (node) => node !== n(4)).map((p) => p.nodeId), [n(1), n(3)])
+  })
   // Without a spare the survivors absorb the layers in fewer stages; with nobody alive nothing is planned.
   it("replan: without a spare the survivors absorb the stage; nobody alive: empty", () => {
     assert.deepStrictEqual(replan(placement, [n(1), n(3)]), [{ stageIndex: 0, nodeId: n(1) }, { stageIndex: 1, nodeId: n(3) }])

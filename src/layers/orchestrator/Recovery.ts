@@ -1,8 +1,9 @@
 /**
  * Recovery above the run contract: a generation is one or more runs. Each run keeps the contract (own RunId,
  * first fault sticky, teardown exactly once); when one faults for a recoverable reason (a stage worker crashed,
- * a node lost, a transport or endpoint broke), the generation re-plans on the nodes still alive (spares take a
- * lost node's stages; without a spare the survivors absorb its layers in fewer stages), replays the prompt plus
+ * a node lost, a transport or endpoint broke), the generation re-plans on the nodes still alive (spares with the
+ * memory for it take a lost node's stages; without one the survivors absorb its layers in fewer stages when their
+ * reported memory holds them, else RecoveryOverMemory before any run is tried), replays the prompt plus
  * every token already produced as one prefill, and continues: the sampler of the new run draws from the
  * position the generation reached, so greedy and seeded output equal an uninterrupted run's. The caller sees
  * one stream (sequences and text continue), `Recovering` / `Recovered` updates, and the recoveries in the
@@ -22,7 +23,12 @@ import {
   type RunSummary,
   type RunUpdate
 } from "../../services/Orchestrator.js"
-import { choosePlacement, DEFAULT_SPEED_BYTES_PER_SECOND, plannerPlacement } from "../../services/Placement.js"
+import {
+  choosePlacement,
+  DEFAULT_SPEED_BYTES_PER_SECOND,
+  plannerPlacement,
+  stageMemoryBytes
+} from "../../services/Placement.js"
 import type { WarmPipeline } from "./PipelineSetup.js"
 import { poolNodeOf } from "./RunPlacement.js"
 import { driveRun, type UpdateSink } from "./RunWorld.js"
@@ -47,12 +53,13 @@ export const isRecoverable = (reason: RunFaultReason): boolean => {
 
 /**
  * The placement of the next run: stages whose node is alive stay; a lost node's stage moves to a spare (an
- * alive node hosting nothing); with no spare left it is dropped and the survivors share the layers in fewer
- * stages (the planner splits them again). Empty when no node is alive.
+ * alive node hosting nothing) that `canHost` its blocks (has the memory for them); with no such spare left it is
+ * dropped and the survivors share the layers in fewer stages (see `absorbPlacement`). Empty when no node is alive.
  */
 export const replan = (
   current: Placement,
-  alive: ReadonlyArray<NodeId>
+  alive: ReadonlyArray<NodeId>,
+  canHost: (nodeId: NodeId, stageIndex: number) => boolean = () => true
 ): Placement => {
   const aliveSet = new Set<number>(alive)
   const used = new Set<number>(current.filter((p) => aliveSet.has(p.nodeId)).map((p) => p.nodeId))
@@ -61,8 +68,8 @@ export const replan = (
   for (const p of [...current].sort((a, b) => a.stageIndex - b.stageIndex)) {
     if (aliveSet.has(p.nodeId)) nodes.push(p.nodeId)
     else {
-      const spare = spares.shift()
-      if (spare !== undefined) nodes.push(spare)
+      const at = spares.findIndex((spare) => canHost(spare, p.stageIndex))
+      if (at >= 0) nodes.push(spares.splice(at, 1)[0]!)
     }
   }
   return nodes.map((nodeId, stageIndex) => ({ stageIndex, nodeId }))
@@ -199,21 +206,28 @@ export const generate = (
     // survivors absorb its blocks when their reported memory holds them, else the typed fault with the numbers.
     const placeOn = (alive: ReadonlyArray<NodeId>, runId: RunId, faults: ReadonlyArray<string>) =>
       Effect.gen(function*() {
-        const next = replan(placement, alive)
+        const status = yield* warm.pool.status
+        // A node as placement sees it: its last heartbeat's free memory (unknown: no limit).
+        const reported = (nodeId: NodeId): Survivor => {
+          const s = status.get(nodeId)
+          return {
+            ...(s?._tag === "Up"
+              ? poolNodeOf(nodeId, s.capacity)
+              : { nodeId, freeMemoryBytes: Number.MAX_SAFE_INTEGER, speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND }),
+            address: warm.addressOf(nodeId)
+          }
+        }
+        const next = replan(placement, alive, (nodeId, stageIndex) => {
+          const [start, end] = layerRanges[stageIndex] ?? [0, 0]
+          return stageMemoryBytes(warm.layout, start, end, { contextTokens: warm.contextTokens }) <=
+            reported(nodeId).freeMemoryBytes
+        })
         if (next.length === 0 || next.length === placement.length) {
           // Stage i keeps its blocks (a spare in a lost node's place).
           placement = next
           return
         }
-        const status = yield* warm.pool.status
-        const survivors = next.map((p): Survivor => {
-          const s = status.get(p.nodeId)
-          const reported = s?._tag === "Up" ? poolNodeOf(p.nodeId, s.capacity) : undefined
-          return {
-            ...(reported ?? { nodeId: p.nodeId, freeMemoryBytes: Number.MAX_SAFE_INTEGER, speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND }),
-            address: warm.addressOf(p.nodeId)
-          }
-        })
+        const survivors = next.map((p) => reported(p.nodeId))
         const absorbed = absorbPlacement(warm.layout, survivors, warm.contextTokens)
         if (Either.isLeft(absorbed)) {
           return yield* new RecoveryOverMemory({
