@@ -18,7 +18,14 @@ interface Report {
   ok: boolean
   text: string
   tokens: Array<{ id: number; text: string }>
-  summary?: { generatedTokens: number; promptTokens: number; text: string; outcome: string }
+  summary?: {
+    generatedTokens: number
+    promptTokens: number
+    text: string
+    outcome: string
+    stages: Array<{ medianTokenMillis: number }>
+    stageStragglers: Array<{ stageIndex: number }>
+  }
   fault?: { _tag: string; message: string }
 }
 
@@ -35,6 +42,9 @@ describe("swactor run --json", () => {
     expect(report.text).toBe(report.tokens.map((t) => t.text).join(""))
     expect(report.summary?.generatedTokens).toBe(8)
     expect(report.summary?.promptTokens).toBe(5)
+    // The stage agent reported its decode steps' times over the control link (per-stage straggler detection).
+    expect(report.summary?.stages[0]?.medianTokenMillis).toBeGreaterThan(0)
+    expect(Array.isArray(report.summary?.stageStragglers)).toBe(true)
     expect(fromStdin.stderr).toBe("")
     const dir = mkdtempSync(join(tmpdir(), "swactor-json-test-"))
     try {

@@ -1,10 +1,13 @@
 import { assert, describe, it } from "@effect/vitest"
 import { readdirSync } from "node:fs"
-import { Effect, Either, Stream } from "effect"
+import { Context, Effect, Either, Layer, Stream } from "effect"
 import { layerLocal, run } from "../src/api/generate.js"
 import type { LocalAgent } from "../src/layers/agent/LocalAgents.js"
-import type { GenerateRequest, RunSummary, RunUpdate } from "../src/services/Orchestrator.js"
-import { childPids, eventually, isAlive } from "./support/e2e.js"
+import { type GenerateRequest, Orchestrator, type RunSummary, type RunUpdate } from "../src/services/Orchestrator.js"
+import { choosePlacement } from "../src/services/Placement.js"
+import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
+import { absorbPlacement } from "../src/layers/orchestrator/Recovery.js"
+import { childPids, eventually, isAlive, startAgents } from "./support/e2e.js"
 import { requireModel } from "./support/models.js"
 
 const request = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
@@ -135,6 +138,82 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
       assert.strictEqual(outcome.summary!.stages.length, 2)
       yield* assertNothingLeft(outcome)
     }), 180_000)
+
+  // No spare, and the survivors' declared memory (`--memory-limit`) holds their own third of the model but not the
+  // lost one's blocks on top: the generation faults at once with RecoveryOverMemory naming the memory figures and
+  // the run's fault; no new run is planned (nothing is tried that could not load).
+  it.live("kill -9 without a spare, survivors too small for the lost blocks: a typed fault naming the memory, no attempt", () =>
+    Effect.gen(function*() {
+      const model = requireModel("stories260K.gguf")
+      const layout = yield* readModelLayout(model)
+      // `swactor run` budgets KV for prompt + max tokens, padded to 256: 256 cells here.
+      const unlimited = [1, 2, 3].map((id) => ({ nodeId: id, freeMemoryBytes: Number.MAX_SAFE_INTEGER, speedBytesPerSecond: 1e9 }))
+      const three = choosePlacement({ _tag: "Balanced", stageCount: 3 }, layout, unlimited as never, { contextTokens: 256 })
+      assert.isTrue(Either.isRight(three))
+      const limit = Math.max(...Either.getOrThrow(three).stages.map((s) => s.memoryBytes)) + 1024
+      // Precondition: two nodes with this limit cannot hold the model.
+      const two = unlimited.slice(0, 2).map((n) => ({ ...n, freeMemoryBytes: limit, address: "x" }))
+      assert.isTrue(Either.isLeft(absorbPlacement(layout, two as never, 256)))
+
+      const { agents, layer } = yield* startAgents(3, { extraArgs: () => ["--memory-limit", String(limit)] })
+      const orchestrator = yield* Layer.build(layer).pipe(Effect.map(Context.get(Orchestrator)))
+      const updates: Array<RunUpdate> = []
+      let killed = false
+      const started = Date.now()
+      const result = yield* orchestrator.run(request({ model, stages: 3 })).pipe(
+        Stream.runForEach((update) =>
+          Effect.sync(() => {
+            updates.push(update)
+            if (!killed && update._tag === "Token" && update.token.sequence === 30) {
+              killed = true
+              process.kill(agents[1]!.pid, "SIGKILL")
+            }
+          })
+        ),
+        Effect.either
+      )
+      assert.isTrue(Either.isLeft(result), "the generation must fault")
+      const error = (result as Either.Left<{ _tag: string; message: string }, void>).left
+      assert.strictEqual(error._tag, "RecoveryOverMemory", error.message)
+      assert.match(error.message, /^cannot recover: the 2 node\(s\) left lack the memory for the lost blocks: blocks \[0, 3\) on /)
+      assert.match(error.message, /need \d+\.\d MiB \(weights \+ KV cache \+ compute buffers\) and it has \d+\.\d MiB free/)
+      assert.match(error.message, /\(after run 1: /)
+      const fault = error as unknown as { survivors: ReadonlyArray<{ address: string; requiredBytes: number; freeBytes: number }> }
+      assert.deepStrictEqual(fault.survivors.map((s) => s.address), [agents[0]!.address, agents[2]!.address])
+      assert.isTrue(fault.survivors.some((s) => s.requiredBytes > s.freeBytes))
+      assert.isTrue(fault.survivors.every((s) => s.freeBytes === limit))
+      // One recovery considered, no run planned after it.
+      const tags = updates.map((u) => u._tag)
+      assert.strictEqual(tags.filter((t) => t === "Recovering").length, 1)
+      assert.strictEqual(tags.filter((t) => t === "Planned").length, 1)
+      assert.isBelow(Date.now() - started, 30_000)
+    }).pipe(Effect.scoped), 120_000)
+
+  // A spare whose declared memory cannot hold the lost stage is not given it: the survivors absorb the blocks
+  // (their memory holds them) and the generation goes on to the uninterrupted run's output.
+  it.live("kill -9 with a spare too small for the lost stage: the survivors absorb it instead, same output", () =>
+    Effect.gen(function*() {
+      const reference = yield* generate(request({ stages: 3, maxTokens: 60 }))
+      const { agents, layer } = yield* startAgents(4, { extraArgs: (i) => (i === 3 ? ["--memory-limit", String(2 ** 20)] : []) })
+      const orchestrator = yield* Layer.build(layer).pipe(Effect.map(Context.get(Orchestrator)))
+      const updates: Array<RunUpdate> = []
+      const kill = killAt(20, 1)
+      const result = yield* orchestrator.run(request({ stages: 3, maxTokens: 60 })).pipe(
+        Stream.runForEach((update) => Effect.sync(() => {
+          updates.push(update)
+          kill(update, agents)
+        })),
+        Effect.either
+      )
+      assert.isTrue(Either.isRight(result), JSON.stringify(result))
+      const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+      assert.deepStrictEqual(tokens, reference.tokens)
+      const recovered = updates.find((u) => u._tag === "Recovered")
+      assert.deepStrictEqual(
+        recovered?._tag === "Recovered" ? recovered.recovery.stages.map((s) => s.address) : [],
+        [agents[0]!.address, agents[2]!.address]
+      )
+    }).pipe(Effect.scoped), 120_000)
 
   // A kill while the stages load (as soon as the run is planned): the spare takes the stage before any token.
   it.live("kill -9 of a stage agent while loading: recovered before the first token, same output", () =>

@@ -242,6 +242,12 @@ export const renderSummary = (summary: RunSummary): string => {
       }${summary.stragglers.length > 5 ? ", ..." : ""})`
     )
   }
+  for (const s of summary.stageStragglers) {
+    lines.push(
+      `straggling stage ${s.stageIndex} on ${s.address}: ${s.tokens} slow token${s.tokens === 1 ? "" : "s"} ` +
+        `(median ${ms(s.medianMillis)} ms, worst ${ms(s.worstMillis)} ms at #${s.worstSequence})`
+    )
+  }
   return lines.join("\n")
 }
 

@@ -8,8 +8,8 @@
  *
  * - `Hello` → the agent's data-plane address and pid (`AgentHello`).
  * - `Capacity` → its heartbeat answer (`NodeCapacity`).
- * - `Provision` → a stream of `StageReport`s for one stage (loading progress, ready, then fault or
- *   stopped with the stage's compute counters). The stream ends after `StageStopped`; a dropped
+ * - `Provision` → a stream of `StageReport`s for one stage (loading progress, ready, per-step timings while it
+ *   runs, then fault or stopped with the stage's compute counters). The stream ends after `StageStopped`; a dropped
  *   connection fails it at once (a crashed agent is a fault, never a hang), and the agent
  *   interrupts the handlers of a client that went away (its stages stop).
  * - `Stop` → asks a stage to stop (idempotent).
@@ -73,7 +73,19 @@ export const StageReport = Schema.Union(
     kind: StageFaultKind,
     detail: Schema.String
   }),
-  Schema.TaggedStruct("StageStopped", { runId: RunId, stageIndex: Schema.Number, stats: StageStats })
+  Schema.TaggedStruct("StageStopped", { runId: RunId, stageIndex: Schema.Number, stats: StageStats }),
+  /**
+   * The stage's decode steps since its last such report (sent every 16 steps or 250 ms, and before StageStopped),
+   * one entry per step in the three arrays: the frame's sequence, the engine's time on it and the time to hand its
+   * output to the next stage (ms). The orchestrator finds straggling stages from them while the run goes on.
+   */
+  Schema.TaggedStruct("StageTimings", {
+    runId: RunId,
+    stageIndex: Schema.Number,
+    sequences: Schema.Array(Schema.Number),
+    computeMillis: Schema.Array(Schema.Number),
+    sendMillis: Schema.Array(Schema.Number)
+  })
 )
 export type StageReport = typeof StageReport.Type
 

@@ -55,6 +55,20 @@ export interface GenerateRequest {
   /** Local agents: this many extra agents that host nothing until a recovery needs them (default 0). */
   readonly spares?: number
   readonly recovery?: RecoveryOptions
+  /** When a stage's step counts as a straggler (see StragglerRule). */
+  readonly stragglers?: Partial<StragglerRule>
+}
+
+/** When a stage's decode step is a straggler: over `factor` × the median of its `window` steps before, by `minExcessMillis`. */
+export interface StragglerRule {
+  /** Default 4. */
+  readonly factor: number
+  /** Steps the median is taken over (default 16). */
+  readonly window: number
+  /** Steps a stage must have run before any is judged (default 8). */
+  readonly minSamples: number
+  /** A step must also be this much slower than the median (default 5 ms: scheduling noise is not a straggler). */
+  readonly minExcessMillis: number
 }
 
 /** How a generation continues after its run faults for a recoverable reason (a node or stage worker lost, transport failed). */
@@ -81,6 +95,29 @@ export interface Straggler {
   readonly sequence: number
   readonly latencyMillis: number
   readonly medianMillis: number
+}
+
+/** A decode step on which one stage took over 4× its own recent median (engine time plus the hand-off to the next stage). */
+export interface StageStragglerToken {
+  readonly stageIndex: number
+  /** The agent hosting the stage. */
+  readonly address: string
+  readonly sequence: number
+  readonly millis: number
+  /** That stage's median over its steps before this one (at most 16). */
+  readonly medianMillis: number
+}
+
+/** A stage that straggled in a run: how many of its decode steps, its median step time and its worst. */
+export interface StageStragglers {
+  readonly stageIndex: number
+  readonly address: string
+  /** Straggling steps (see StageStragglerToken). */
+  readonly tokens: number
+  /** Median over all the stage's decode steps in the run. */
+  readonly medianMillis: number
+  readonly worstMillis: number
+  readonly worstSequence: number
 }
 
 export interface TokenTimings {
@@ -113,6 +150,10 @@ export interface StageSummary {
   readonly microBatches: number
   readonly batchRows: number
   readonly maxBatchSequences: number
+  /** Median of the stage's decode steps (engine time plus hand-off to the next stage), from its timing reports. */
+  readonly medianTokenMillis: number
+  /** Mean time the stage took to hand a decode step's output to the next stage (send, window credit included). */
+  readonly sendMillisPerToken: number
 }
 
 export interface RunSummary {
@@ -135,6 +176,11 @@ export interface RunSummary {
   readonly recoveries: ReadonlyArray<RecoveryRecord>
   /** Decoded tokens slower than 4× the median of the 16 before them (and by at least 5 ms). */
   readonly stragglers: ReadonlyArray<Straggler>
+  /**
+   * Stages with steps slower than 4× their own recent median (after 8 steps, and by at least 5 ms): the stage that
+   * made those tokens slow (the last run's stages; `StageStraggler` updates report every run's as they happen).
+   */
+  readonly stageStragglers: ReadonlyArray<StageStragglers>
 }
 
 /** A placement and the pool it was chosen from, for `--dry-run`. */
@@ -187,6 +233,8 @@ export type RunUpdate =
   }
   /** The run faulted for a recoverable reason: a new run on the nodes still alive (plus spares) continues the generation. */
   | { readonly _tag: "Recovering"; readonly attempt: number; readonly reason: string; readonly resumedAt: number }
+  /** A stage took over 4× its recent median on a decode step (see RunSummary.stageStragglers). */
+  | { readonly _tag: "StageStraggler"; readonly straggler: StageStragglerToken }
   /** The generation continues: the first token after the recovery came back. */
   | { readonly _tag: "Recovered"; readonly recovery: RecoveryRecord }
   | { readonly _tag: "Finished"; readonly summary: RunSummary }
@@ -195,6 +243,26 @@ export type RunUpdate =
 export class RunFaulted extends Schema.TaggedError<RunFaulted>()("RunFaulted", {
   runId: RunId,
   reason: RunFaultReason,
+  message: Schema.String
+}) {}
+
+/**
+ * A recovery found no placement on the nodes left: the survivors lack the memory (as they reported it) for the blocks
+ * they would have to take. Raised before any new run is tried; `message` names the numbers and every run's fault.
+ */
+export class RecoveryOverMemory extends Schema.TaggedError<RecoveryOverMemory>()("RecoveryOverMemory", {
+  runId: RunId,
+  /** The even split over the survivors: each one's blocks, what they need (weights + KV + compute) and its free memory. */
+  survivors: Schema.Array(Schema.Struct({
+    nodeId: Schema.Number,
+    address: Schema.String,
+    layers: Schema.Tuple(Schema.Number, Schema.Number),
+    requiredBytes: Schema.Number,
+    freeBytes: Schema.Number
+  })),
+  /** The whole model on one stage; no contiguous split over the survivors fits either. */
+  modelBytes: Schema.Number,
+  survivorsFreeBytes: Schema.Number,
   message: Schema.String
 }) {}
 
@@ -213,6 +281,7 @@ export type GenerateError =
   | AgentUnavailable
   | PoolNotReady
   | RunFaulted
+  | RecoveryOverMemory
 
 /** The agents a run may use, and the token that proves the orchestrator may use them. */
 export interface AgentSet {
@@ -254,6 +323,8 @@ export interface PipelineOptions {
   readonly spares?: number
   /** Default recovery of the runs on this pipeline. */
   readonly recovery?: RecoveryOptions
+  /** Default straggler rule of the runs on this pipeline (see StragglerRule). */
+  readonly stragglers?: Partial<StragglerRule>
   /** Which node hosts which blocks (default: balanced, stage i on node i mod n). Decided once for the pipeline. */
   readonly placement?: PlacementRequest
   /** Context per sequence that placement budgets KV memory for (default: max tokens + 1, padded to 256). */
@@ -281,6 +352,8 @@ export interface RunRequest {
   /** Stop after planning. */
   readonly dryRun?: boolean
   readonly recovery?: RecoveryOptions
+  /** When a stage's step counts as a straggler (see StragglerRule). */
+  readonly stragglers?: Partial<StragglerRule>
 }
 
 /** One agent of a warm pipeline. */

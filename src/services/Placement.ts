@@ -95,6 +95,10 @@ const weightBytesOf = (c: Costing, start: number, end: number) => {
 const memoryBytesOf = (c: Costing, start: number, end: number) =>
   weightBytesOf(c, start, end) + (c.kvPrefix[end]! - c.kvPrefix[start]!) * c.contextTokens + c.computeBytes
 
+/** What a stage of blocks [start, end) needs: weights (with its role's embeddings / output head) + KV cache + compute. */
+export const stageMemoryBytes = (layout: ModelLayout, start: number, end: number, options: PlacementOptions): number =>
+  memoryBytesOf(costing(layout, options), start, end)
+
 const millisOf = (c: Costing, node: PoolNode, start: number, end: number) => {
   // The embedding lookup reads one row per token; the output head is a full matrix product.
   const read = c.weightPrefix[end]! - c.weightPrefix[start]! + (end === c.numLayers ? c.layout.outputBytes : 0)

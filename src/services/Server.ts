@@ -85,6 +85,8 @@ export interface StageMetrics {
   readonly batchRows: number
   /** The most sequences seen in one micro-batch on this stage. */
   readonly maxBatchSequences: number
+  /** Decode steps on which this stage took over 4× its own recent median (counted as they happen, every request). */
+  readonly stragglerTokens: number
 }
 
 export interface ServerMetrics {

@@ -172,6 +172,8 @@ export const makeStageHost = (
           decodeComputeMillis: 0,
           ...emptyBatchCounters()
         }
+        // Decode steps not reported yet go out before the stage's last report.
+        let flushTimings = () => {}
 
         const body = Effect.gen(function*() {
           const started = performance.now()
@@ -205,6 +207,8 @@ export const makeStageHost = (
           const eosTokenId = p.model.eosTokenId
           let position = 0
           const transport = (fault: EdgeFault) => new StageFailure({ kind: "TransportError", detail: describeFault(fault) })
+          const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
+          flushTimings = timings.flush
 
           const step = (frame: DataFrame) =>
             Effect.gen(function*() {
@@ -229,7 +233,8 @@ export const makeStageHost = (
               const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount).pipe(
                 Effect.mapError((error) => new StageFailure({ kind: "EngineError", detail: `${error._tag}: ${errorWords(error)}` }))
               )
-              const elapsed = performance.now() - t0
+              const t1 = performance.now()
+              const elapsed = t1 - t0
               stats.frames++
               stats.tokens += nTokens
               if (frame.sequence === 0) stats.prefillComputeMillis += elapsed
@@ -238,6 +243,7 @@ export const makeStageHost = (
                 stats.decodeComputeMillis += elapsed
               }
               position = startPos + nTokens
+              let handOffStart = t1
               if (output._tag === "Hidden") {
                 if (isLast) return yield* new StageFailure({ kind: "ProtocolError", detail: "the last stage produced hidden states" })
                 yield* outbound.send(
@@ -258,6 +264,7 @@ export const makeStageHost = (
               } else {
                 if (sample === undefined) return yield* new StageFailure({ kind: "ProtocolError", detail: "a middle stage produced logits" })
                 const tokenId = sample(output.logits)
+                handOffStart = performance.now()
                 yield* outbound.send(
                   dataFrame({
               _tag: "TokenFrame",
@@ -270,6 +277,8 @@ export const makeStageHost = (
                   })
                 ).pipe(Effect.mapError(transport))
               }
+              // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
+              if (frame.sequence !== 0) timings.add(frame.sequence, handOffStart - t0, performance.now() - handOffStart)
             })
 
           yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
@@ -280,6 +289,7 @@ export const makeStageHost = (
           Effect.exit
         )
         progressSinks.delete(key)
+        flushTimings()
         if (Exit.isFailure(exit)) {
           const failure = Cause.failureOption(exit.cause)
           const fault = Option.isSome(failure) && failure.value instanceof StageFailure
@@ -365,6 +375,37 @@ export const makeStageHost = (
   })
 
 const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }
+
+/** Steps per StageTimings report, and the longest a step waits to be reported while the stage runs. */
+const TIMINGS_BATCH = 16
+const TIMINGS_EVERY_MILLIS = 250
+
+const roundMicros = (millis: number) => Math.round(millis * 1000) / 1000
+
+/** A stage's decode-step timings, sent as one StageTimings report per TIMINGS_BATCH steps or TIMINGS_EVERY_MILLIS. */
+const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report: StageReport) => void) => {
+  let sequences: Array<number> = []
+  let computeMillis: Array<number> = []
+  let sendMillis: Array<number> = []
+  let lastSent = performance.now()
+  const flush = () => {
+    lastSent = performance.now()
+    if (sequences.length === 0) return
+    send({ _tag: "StageTimings", runId, stageIndex, sequences, computeMillis, sendMillis })
+    sequences = []
+    computeMillis = []
+    sendMillis = []
+  }
+  return {
+    add: (sequence: number, compute: number, handOff: number) => {
+      sequences.push(sequence)
+      computeMillis.push(roundMicros(compute))
+      sendMillis.push(roundMicros(handOff))
+      if (sequences.length >= TIMINGS_BATCH || performance.now() - lastSent >= TIMINGS_EVERY_MILLIS) flush()
+    },
+    flush
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The agent process

@@ -116,7 +116,8 @@ export const make = Effect.gen(function*() {
           ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
           ...(request.tokenTimeout === undefined ? {} : { tokenTimeout: request.tokenTimeout }),
           ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
-          ...(request.recovery === undefined ? {} : { recovery: request.recovery })
+          ...(request.recovery === undefined ? {} : { recovery: request.recovery }),
+          ...(request.stragglers === undefined ? {} : { stragglers: request.stragglers })
         }, updates, stop, requestStart)
       }).pipe(Effect.scoped, Effect.provide(context))
     )

@@ -6,7 +6,7 @@
 import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
-import type { LayerRange, ModelFacts, RingSpec } from "../../domain/plan.js"
+import type { LayerRange, ModelFacts, ModelLayout, RingSpec } from "../../domain/plan.js"
 import { readModelFacts } from "../gguf/ModelCatalogLive.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
 import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
@@ -88,6 +88,10 @@ export interface WarmPipeline {
   readonly placement: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
   /** Each stage's block range, chosen once (the agents' cached weights are these ranges). */
   readonly layerRanges: ReadonlyArray<LayerRange>
+  /** The model's per-block bytes (placement's costs; recovery checks survivors' memory with them). */
+  readonly layout: ModelLayout
+  /** KV cells per block placement budgeted for. */
+  readonly contextTokens: number
   /** Why this placement (for `--dry-run` and the Planned update). */
   readonly placementExplanation: PlacementExplanation
   readonly linkOf: (nodeId: number) => AgentLink
@@ -192,13 +196,14 @@ export const openPipeline = (
     })
     yield* progress({ _tag: "PoolReady", nodes: agents.nodes, capacity })
     // Which node hosts which blocks, by the request's intent within each node's reported memory.
+    const contextTokens = Math.min(facts.maxSeqLen, options.contextTokens ?? alignUp((options.maxTokens ?? 1) + 1, 256))
     const placed = yield* placementFor({
       request: options.placement,
       modelPath: options.model,
       nodes: agents.nodes,
       capacity: reported,
       stageCount,
-      contextTokens: Math.min(facts.maxSeqLen, options.contextTokens ?? alignUp((options.maxTokens ?? 1) + 1, 256))
+      contextTokens
     })
 
     // Agents that lack their stages' tensors receive them as GGUF slices (when asked: local agents share the file).
@@ -219,6 +224,8 @@ export const openPipeline = (
       stageCount: placed.stages.length,
       placement: placed.stages,
       layerRanges: placed.layerRanges,
+      layout: placed.layout,
+      contextTokens,
       placementExplanation: placed.explanation,
       linkOf,
       addressOf,

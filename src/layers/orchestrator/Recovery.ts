@@ -1,26 +1,36 @@
 /**
  * Recovery above the run contract: a generation is one or more runs. Each run keeps the contract (own RunId,
  * first fault sticky, teardown exactly once); when one faults for a recoverable reason (a stage worker crashed,
- * a node lost, a transport or endpoint broke), the generation re-plans on the nodes still alive (spares take a
- * lost node's stages; without a spare the survivors absorb its layers in fewer stages), replays the prompt plus
+ * a node lost, a transport or endpoint broke), the generation re-plans on the nodes still alive (spares with the
+ * memory for it take a lost node's stages; without one the survivors absorb its layers in fewer stages when their
+ * reported memory holds them, else RecoveryOverMemory before any run is tried), replays the prompt plus
  * every token already produced as one prefill, and continues: the sampler of the new run draws from the
  * position the generation reached, so greedy and seeded output equal an uninterrupted run's. The caller sees
  * one stream (sequences and text continue), `Recovering` / `Recovered` updates, and the recoveries in the
  * summary. At most `maxAttempts` recoveries within `budget`; then the typed fault, naming every attempt.
  */
-import { Cause, Deferred, Duration, Effect, Exit, Option } from "effect"
-import type { NodeId } from "../../domain/ids.js"
+import { Cause, Deferred, Duration, Effect, Either, Exit, Option } from "effect"
+import { type NodeId, RunId } from "../../domain/ids.js"
+import type { LayerRange, ModelLayout, PlacementChoice, PoolNode } from "../../domain/plan.js"
 import type { RunFaultReason } from "../../domain/runEvents.js"
 import {
   type GenerateError,
   InvalidRequest,
+  RecoveryOverMemory,
   RunFaulted,
   type RecoveryRecord,
   type RunRequest,
   type RunSummary,
   type RunUpdate
 } from "../../services/Orchestrator.js"
+import {
+  choosePlacement,
+  DEFAULT_SPEED_BYTES_PER_SECOND,
+  plannerPlacement,
+  stageMemoryBytes
+} from "../../services/Placement.js"
 import type { WarmPipeline } from "./PipelineSetup.js"
+import { poolNodeOf } from "./RunPlacement.js"
 import { driveRun, type UpdateSink } from "./RunWorld.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
@@ -43,12 +53,13 @@ export const isRecoverable = (reason: RunFaultReason): boolean => {
 
 /**
  * The placement of the next run: stages whose node is alive stay; a lost node's stage moves to a spare (an
- * alive node hosting nothing); with no spare left it is dropped and the survivors share the layers in fewer
- * stages (the planner splits them again). Empty when no node is alive.
+ * alive node hosting nothing) that `canHost` its blocks (has the memory for them); with no such spare left it is
+ * dropped and the survivors share the layers in fewer stages (see `absorbPlacement`). Empty when no node is alive.
  */
 export const replan = (
   current: Placement,
-  alive: ReadonlyArray<NodeId>
+  alive: ReadonlyArray<NodeId>,
+  canHost: (nodeId: NodeId, stageIndex: number) => boolean = () => true
 ): Placement => {
   const aliveSet = new Set<number>(alive)
   const used = new Set<number>(current.filter((p) => aliveSet.has(p.nodeId)).map((p) => p.nodeId))
@@ -57,12 +68,81 @@ export const replan = (
   for (const p of [...current].sort((a, b) => a.stageIndex - b.stageIndex)) {
     if (aliveSet.has(p.nodeId)) nodes.push(p.nodeId)
     else {
-      const spare = spares.shift()
-      if (spare !== undefined) nodes.push(spare)
+      const at = spares.findIndex((spare) => canHost(spare, p.stageIndex))
+      if (at >= 0) nodes.push(spares.splice(at, 1)[0]!)
     }
   }
   return nodes.map((nodeId, stageIndex) => ({ stageIndex, nodeId }))
 }
+
+/** Where the next run's stages go and which blocks each takes. */
+export interface NextPlacement {
+  readonly placement: Placement
+  readonly layerRanges: ReadonlyArray<LayerRange>
+}
+
+/** A survivor as the memory check sees it: placement's pool node and its address (for the words). */
+export interface Survivor extends PoolNode {
+  readonly address: string
+}
+
+/** RecoveryOverMemory's figures. */
+export type OverMemoryFigures = Omit<ConstructorParameters<typeof RecoveryOverMemory>[0], "runId" | "message">
+
+const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+
+/**
+ * When the survivors must absorb a lost node's blocks (fewer stages than before): the even split over them (what the
+ * planner did before this check) if every survivor has the memory for its share by its reported capacity, else the
+ * fastest contiguous split that fits (placement's `Capacity`, maybe on fewer of them); when none fits, the numbers of
+ * the even split and of the whole model, for a typed fault instead of a run that would not load.
+ */
+export const absorbPlacement = (
+  layout: ModelLayout,
+  survivors: ReadonlyArray<Survivor>,
+  contextTokens: number
+): Either.Either<NextPlacement, OverMemoryFigures> => {
+  const options = { contextTokens }
+  const next = (choice: PlacementChoice): Either.Either<NextPlacement, OverMemoryFigures> => {
+    const planned = plannerPlacement(choice)
+    return Either.right({ placement: planned.placement.stages, layerRanges: planned.layerRanges })
+  }
+  const balanced = choosePlacement({ _tag: "Balanced", stageCount: survivors.length }, layout, survivors, options)
+  if (Either.isRight(balanced)) return next(balanced.right)
+  const capacity = choosePlacement({ _tag: "Capacity" }, layout, survivors, options)
+  if (Either.isRight(capacity)) return next(capacity.right)
+  // The even split's figures, whatever memory the survivors have.
+  const unlimited = survivors.map((s) => ({ ...s, freeMemoryBytes: Number.MAX_SAFE_INTEGER }))
+  const even = choosePlacement({ _tag: "Balanced", stageCount: survivors.length }, layout, unlimited, options)
+  const whole = choosePlacement({ _tag: "Balanced", stageCount: 1 }, layout, unlimited.slice(0, 1), options)
+  return Either.left({
+    survivors: Either.isRight(even)
+      ? even.right.stages.map((stage) => {
+        const node = survivors.find((s) => s.nodeId === stage.nodeId)!
+        return {
+          nodeId: node.nodeId,
+          address: node.address,
+          layers: [stage.layerStart, stage.layerEndExclusive] as const,
+          requiredBytes: stage.memoryBytes,
+          freeBytes: node.freeMemoryBytes
+        }
+      })
+      : [],
+    modelBytes: Either.isRight(whole) ? whole.right.stages[0]!.memoryBytes : 0,
+    survivorsFreeBytes: survivors.reduce((sum, s) => sum + Math.min(s.freeMemoryBytes, Number.MAX_SAFE_INTEGER), 0)
+  })
+}
+
+/** The over-memory figures in words. */
+const overMemoryWords = (figures: OverMemoryFigures) =>
+  `the ${figures.survivors.length} node(s) left lack the memory for the lost blocks: ${
+    figures.survivors.map((s) =>
+      `blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} need ${mib(s.requiredBytes)} (weights + KV cache + ` +
+      `compute buffers) and it has ${mib(s.freeBytes)} free`
+    ).join("; ")
+  }; no other contiguous split fits either (the whole model needs ${mib(figures.modelBytes)}, the nodes left have ${
+    mib(figures.survivorsFreeBytes)
+  } free in all)`
 
 /** The pool's nodes that are not lost, in pool order. */
 const aliveNodes = (warm: WarmPipeline) =>
@@ -121,9 +201,49 @@ export const generateRecovering = (
 
     // Placement: the pipeline's, minus nodes lost before this generation began.
     let placement: Placement = warm.placement
+    let layerRanges: ReadonlyArray<LayerRange> = warm.layerRanges
+    // The next placement on the nodes alive: a spare takes a lost node's stage (same blocks); without one the
+    // survivors absorb its blocks when their reported memory holds them, else the typed fault with the numbers.
+    const placeOn = (alive: ReadonlyArray<NodeId>, runId: RunId, faults: ReadonlyArray<string>) =>
+      Effect.gen(function*() {
+        const status = yield* warm.pool.status
+        // A node as placement sees it: its last heartbeat's free memory (unknown: no limit).
+        const reported = (nodeId: NodeId): Survivor => {
+          const s = status.get(nodeId)
+          return {
+            ...(s?._tag === "Up"
+              ? poolNodeOf(nodeId, s.capacity)
+              : { nodeId, freeMemoryBytes: Number.MAX_SAFE_INTEGER, speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND }),
+            address: warm.addressOf(nodeId)
+          }
+        }
+        const next = replan(placement, alive, (nodeId, stageIndex) => {
+          const [start, end] = layerRanges[stageIndex] ?? [0, 0]
+          return stageMemoryBytes(warm.layout, start, end, { contextTokens: warm.contextTokens }) <=
+            reported(nodeId).freeMemoryBytes
+        })
+        if (next.length === 0 || next.length === placement.length) {
+          // Stage i keeps its blocks (a spare in a lost node's place).
+          placement = next
+          return
+        }
+        const survivors = next.map((p) => reported(p.nodeId))
+        const absorbed = absorbPlacement(warm.layout, survivors, warm.contextTokens)
+        if (Either.isLeft(absorbed)) {
+          return yield* new RecoveryOverMemory({
+            runId,
+            ...absorbed.left,
+            message: `cannot recover: ${overMemoryWords(absorbed.left)}${
+              faults.length === 0 ? "" : ` (after ${faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")})`
+            }`
+          })
+        }
+        placement = absorbed.right.placement
+        layerRanges = absorbed.right.layerRanges
+      })
     {
       const alive = yield* aliveNodes(warm)
-      if (placement.some((p) => !alive.includes(p.nodeId))) placement = replan(placement, alive)
+      if (placement.some((p) => !alive.includes(p.nodeId))) yield* placeOn(alive, RunId.make(0), [])
     }
 
     for (let attempt = 0;; attempt++) {
@@ -159,6 +279,11 @@ export const generateRecovering = (
               case "Planned":
                 lastPlanned = update.stages
                 return updates.offer(update)
+              case "StageStraggler":
+                return updates.offer({
+                  _tag: "StageStraggler",
+                  straggler: { ...update.straggler, sequence: base + update.straggler.sequence }
+                })
               case "Finished":
                 finished = update.summary
                 return Effect.void
@@ -173,7 +298,7 @@ export const generateRecovering = (
         sink,
         stopRequested,
         requestStart,
-        { placement, startPosition: base }
+        { placement, layerRanges, startPosition: base }
       ).pipe(Effect.exit)
 
       if (Exit.isSuccess(exit)) {
@@ -196,7 +321,8 @@ export const generateRecovering = (
             timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
             recoveries,
             // The last run's sequences, as the generation's.
-            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base }))
+            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base })),
+            stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstSequence: s.worstSequence + base }))
           }
         })
         return
@@ -238,7 +364,8 @@ export const generateRecovering = (
             stages: [],
             transferMillisPerToken: 0,
             recoveries,
-            stragglers: []
+            stragglers: [],
+            stageStragglers: []
           }
         })
         return
@@ -251,7 +378,7 @@ export const generateRecovering = (
       // An operator stop while recovering ends the generation as a stopped run would (no new run).
       if (yield* stopRequestedDone(stopRequested)) return
       const alive = yield* aliveNodes(warm)
-      placement = replan(placement, alive)
+      yield* placeOn(alive, error.runId, faults)
       if (placement.length === 0) {
         return yield* new RunFaulted({
           runId: error.runId,

@@ -5,7 +5,7 @@
  */
 import { Effect, Either } from "effect"
 import type { NodeId } from "../../domain/ids.js"
-import type { LayerRange, PlacementIntent, PoolNode, StagePlacement } from "../../domain/plan.js"
+import type { LayerRange, ModelLayout, PlacementIntent, PoolNode, StagePlacement } from "../../domain/plan.js"
 import type { PlacementRejection } from "../../domain/planErrors.js"
 import type { ModelLoadError } from "../../domain/gguf.js"
 import type { NodeCapacity, NodeEndpoint } from "../../services/Membership.js"
@@ -17,6 +17,8 @@ export interface PlacementFor {
   readonly stages: ReadonlyArray<StagePlacement>
   readonly layerRanges: ReadonlyArray<LayerRange>
   readonly explanation: PlacementExplanation
+  /** The model's per-block bytes it was costed with (recovery re-plans with them). */
+  readonly layout: ModelLayout
 }
 
 /** The stage count a request's placement implies before any node answered (capacity decides later). */
@@ -74,5 +76,5 @@ export const placementFor = (args: {
       onRight: Effect.succeed
     })
     const { layerRanges, placement } = plannerPlacement(choice)
-    return { stages: placement.stages, layerRanges, explanation: { choice, pool } }
+    return { stages: placement.stages, layerRanges, explanation: { choice, pool }, layout }
   })

@@ -6,7 +6,8 @@ import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import type { LifecycleEvent, RunFaultReason, StageFaultReason } from "../../domain/runEvents.js"
 import { StageFaultReasons } from "../../domain/runEvents.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
-import type { RunSummary, RunUpdate, StageSummary, Straggler } from "../../services/Orchestrator.js"
+import type { RunSummary, RunUpdate, StageStragglers, StageSummary, Straggler } from "../../services/Orchestrator.js"
+import type { StageStepSummary } from "../../services/StageStragglers.js"
 
 /** A stage's fault report (the agent's kind and words) as the run FSM's stage fault reason. */
 export const stageFaultReason = (report: Extract<StageReport, { _tag: "StageFault" }>): StageFaultReason => {
@@ -129,6 +130,9 @@ export interface RunRecord {
     readonly ready: { readonly loadMillis: number; readonly cachedWeights: boolean } | undefined
     readonly stats: StageStats | undefined
   }>
+  /** Per-stage decode steps and straggling stages, from the stages' timing reports (see services/StageStragglers.ts). */
+  readonly stageSteps?: ReadonlyArray<StageStepSummary>
+  readonly stageStragglers?: ReadonlyArray<StageStragglers>
 }
 
 const median = (values: ReadonlyArray<number>): number => {
@@ -187,7 +191,9 @@ export const summarize = (record: RunRecord): RunSummary => {
         : 0,
       microBatches: s.stats?.microBatches ?? 0,
       batchRows: s.stats?.batchRows ?? 0,
-      maxBatchSequences: s.stats?.maxBatchSequences ?? 0
+      maxBatchSequences: s.stats?.maxBatchSequences ?? 0,
+      medianTokenMillis: record.stageSteps?.find((t) => t.stageIndex === s.stageIndex)?.medianMillis ?? 0,
+      sendMillisPerToken: record.stageSteps?.find((t) => t.stageIndex === s.stageIndex)?.sendMillisPerStep ?? 0
     }))
   const computePerToken = stages.reduce((sum, s) => sum + s.computeMillisPerToken, 0)
   return {
@@ -203,6 +209,7 @@ export const summarize = (record: RunRecord): RunSummary => {
     stages,
     transferMillisPerToken: Math.max(0, decodeMillisPerToken - computePerToken),
     recoveries: [],
-    stragglers: findStragglers(timed)
+    stragglers: findStragglers(timed),
+    stageStragglers: record.stageStragglers ?? []
   }
 }

@@ -8,7 +8,7 @@
 import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stream } from "effect"
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type NodeId, RunId } from "../../domain/ids.js"
-import type { Edge, ProvisionStage, RunPlan } from "../../domain/plan.js"
+import type { Edge, LayerRange, ProvisionStage, RunPlan } from "../../domain/plan.js"
 import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, StageFaultReasons } from "../../domain/runEvents.js"
 import {
   dataFrame,
@@ -28,6 +28,7 @@ import {
 import { alignUp } from "../../domain/plan.js"
 import { planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
+import { makeStageStragglerDetector, stepsOf } from "../../services/StageStragglers.js"
 import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
 import { describeRunFault, faultWords, stageFaultReason, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
 
@@ -50,6 +51,8 @@ export interface RunAttempt {
   readonly placement?: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
   /** Tokens the generation produced before this run (the prompt ends with them): the first draw's position. */
   readonly startPosition?: number
+  /** Each stage's blocks (default: the pipeline's while the stage count holds, else an even split). */
+  readonly layerRanges?: ReadonlyArray<LayerRange>
 }
 
 /**
@@ -78,7 +81,11 @@ export const driveRun = (
     const placement = attempt.placement ?? warm.placement
     // The pipeline's block ranges while its stage count holds (a spare took a stage); fewer stages after a
     // recovery: the planner splits the blocks again.
-    const layerRanges = placement.length === warm.placement.length ? warm.layerRanges : undefined
+    const layerRanges = attempt.layerRanges !== undefined && attempt.layerRanges.length === placement.length
+      ? attempt.layerRanges
+      : placement.length === warm.placement.length
+      ? warm.layerRanges
+      : undefined
     const plan: RunPlan = yield* planRun(
       plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), placement, {
         maxTokens,
@@ -118,6 +125,7 @@ export const driveRun = (
       if (!details.has(key)) details.set(key, text)
     }
     const stageStats = new Map<number, StageStats>()
+    const stragglerDetector = makeStageStragglerDetector(request.stragglers ?? warm.options.stragglers)
     const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
     const injectedAt = new Map<number, number>()
     const receivedAt = new Map<number, number>()
@@ -175,6 +183,12 @@ export const driveRun = (
             case "StageStopped":
               stageStats.set(stageIndex, report.stats)
               return stopReport
+            case "StageTimings":
+              return Effect.forEach(
+                stragglerDetector.add(stageIndex, addressOf(provision.nodeId), stepsOf(report)),
+                (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
+                { discard: true }
+              )
           }
         }),
         Effect.catchAll((unavailable) =>
@@ -404,7 +418,9 @@ export const driveRun = (
           dataAddress: dataAddressOf(s.nodeId),
           ready: stageReady.get(s.stageIndex),
           stats: stageStats.get(s.stageIndex)
-        }))
+        })),
+        stageSteps: stragglerDetector.stages(),
+        stageStragglers: stragglerDetector.stragglers()
       })
     })
   }).pipe(Effect.scoped)

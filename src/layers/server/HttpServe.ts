@@ -288,7 +288,8 @@ const respond = (
     })
   })
 
-const renderMetrics = (m: ServerMetrics, status: string): string => {
+/** The Prometheus text of a metrics snapshot. */
+export const renderMetrics = (m: ServerMetrics, status: string): string => {
   const lines: Array<string> = []
   const metric = (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => {
     lines.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`)
@@ -327,6 +328,12 @@ const renderMetrics = (m: ServerMetrics, status: string): string => {
   )
   metric("swactor_stage_batch_rows_total", "counter", "Rows of those micro-batches, summed over requests", perStage((s) => s.batchRows))
   metric("swactor_stage_max_batch_sequences", "gauge", "Most sequences seen in one micro-batch", perStage((s) => s.maxBatchSequences))
+  metric(
+    "swactor_stage_straggler_tokens_total",
+    "counter",
+    "Decode steps on which the stage took over 4x its own recent median",
+    perStage((s) => s.stragglerTokens)
+  )
   metric(
     "swactor_agent_active_stages",
     "gauge",

@@ -44,49 +44,61 @@ const readKvWidth = (path: string) =>
   })
 
 interface Ticket {
-  readonly bytes: number
+  /** The request's KV context (its bytes per stage follow the pipeline's current shape). */
+  readonly contextLength: number
   readonly ready: Deferred.Deferred<void, ServeError>
   admitted: boolean
 }
 
-/** FIFO admission: a request runs when it fits the KV budget and the parallel limit; at most `limit` wait. */
-const makeAdmission = (budget: number, parallel: number, limit: number) => {
-  let used = 0
-  let running = 0
+/** The KV budget per stage and what a context of n tokens takes on the heaviest stage, as the pipeline is now. */
+export interface KvSizing {
+  readonly budget: () => number
+  readonly bytes: (contextLength: number) => number
+}
+
+/**
+ * FIFO admission: a request runs when it fits the KV budget and the parallel limit; at most `limit` wait. Sizes are
+ * read from `sizing` each time, so a pipeline that changed shape (fewer stages after a recovery) re-weighs every
+ * reservation at once (`reshaped`).
+ */
+const makeAdmission = (sizing: KvSizing, parallel: number, limit: number) => {
+  const admitted = new Set<Ticket>()
   const queue: Array<Ticket> = []
-  const fits = (bytes: number) => running < parallel && used + bytes <= budget
+  const used = () => {
+    let sum = 0
+    for (const ticket of admitted) sum += sizing.bytes(ticket.contextLength)
+    return sum
+  }
+  const fits = (contextLength: number) => admitted.size < parallel && used() + sizing.bytes(contextLength) <= sizing.budget()
   const admit = (ticket: Ticket) => {
     ticket.admitted = true
-    used += ticket.bytes
-    running++
+    admitted.add(ticket)
     Deferred.unsafeDone(ticket.ready, Exit.void)
   }
   const pump = () => {
-    while (queue.length > 0 && fits(queue[0]!.bytes)) admit(queue.shift()!)
+    while (queue.length > 0 && fits(queue[0]!.contextLength)) admit(queue.shift()!)
   }
   return {
-    state: () => ({ used, running, queued: queue.length }),
+    state: () => ({ used: used(), running: admitted.size, queued: queue.length }),
     /**
      * Admitted (or queued) for the rest of the scope: refused at once when the queue is full; otherwise `wait`
      * completes on admission. `ahead` is how many wait before it (0 when admitted at once).
      */
-    enter: (bytes: number) =>
+    enter: (contextLength: number) =>
       Effect.gen(function*() {
-        const ticket: Ticket = { bytes, ready: yield* Deferred.make<void, ServeError>(), admitted: false }
-        if (queue.length === 0 && fits(bytes)) admit(ticket)
+        const ticket: Ticket = { contextLength, ready: yield* Deferred.make<void, ServeError>(), admitted: false }
+        if (queue.length === 0 && fits(contextLength)) admit(ticket)
         else if (queue.length >= limit) {
           return yield* new ServerBusy({
             queued: queue.length,
             retryAfterSeconds: 1 + Math.floor(queue.length / parallel),
-            message: `the server is busy: ${running} requests running and ${queue.length} queued (the queue holds ${limit})`
+            message: `the server is busy: ${admitted.size} requests running and ${queue.length} queued (the queue holds ${limit})`
           })
         } else queue.push(ticket)
         yield* Effect.addFinalizer(() =>
           Effect.sync(() => {
-            if (ticket.admitted) {
-              used -= ticket.bytes
-              running--
-            } else {
+            if (ticket.admitted) admitted.delete(ticket)
+            else {
               const at = queue.indexOf(ticket)
               if (at >= 0) queue.splice(at, 1)
             }
@@ -94,6 +106,16 @@ const makeAdmission = (budget: number, parallel: number, limit: number) => {
           })
         )
         return { ahead: ticket.admitted ? 0 : queue.length, admitted: ticket.admitted, wait: Deferred.await(ticket.ready) }
+      }),
+    /** The sizes changed: waiting requests that can never fit now are refused, the others admitted as room allows. */
+    reshaped: (tooLong: (contextLength: number) => ServeError) =>
+      Effect.sync(() => {
+        for (const ticket of [...queue]) {
+          if (sizing.bytes(ticket.contextLength) <= sizing.budget()) continue
+          queue.splice(queue.indexOf(ticket), 1)
+          Deferred.unsafeDone(ticket.ready, Exit.fail(tooLong(ticket.contextLength)))
+        }
+        pump()
       }),
     /** Fails every waiting request (the pipeline faulted). */
     failAll: (error: ServeError) =>
@@ -116,7 +138,7 @@ export const make = (options: ServeOptions) =>
     if (!Number.isSafeInteger(parallel) || parallel < 1) return yield* Effect.dieMessage(`parallel must be a positive whole number, got ${parallel}`)
 
     const status = yield* Ref.make<ServerStatus>({ _tag: "Loading" })
-    const started = yield* Deferred.make<{ pipeline: Pipeline; info: ServerInfo; budget: number; kvWidth: number }, PipelineFaulted>()
+    const started = yield* Deferred.make<{ pipeline: Pipeline; info: ServerInfo }, PipelineFaulted>()
     const metrics = {
       completed: 0,
       cancelled: 0,
@@ -130,6 +152,29 @@ export const make = (options: ServeOptions) =>
       stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
     }
     let admission: ReturnType<typeof makeAdmission> | undefined
+    // The pipeline's shape as its runs were last planned: the most blocks on one stage (more after a recovery onto
+    // fewer stages, fewer again when a node rejoins). KV bytes per request and the default budget follow it.
+    const shape = { layersPerStage: 0, kvWidth: 0, maxSeqLen: 0 }
+    const sizing: KvSizing = {
+      budget: () =>
+        options.kvBudgetBytes ??
+          parallel * kvBytesPerSequence(shape, Math.min(shape.maxSeqLen, 4096)),
+      bytes: (contextLength) => kvBytesPerSequence(shape, contextLength)
+    }
+    const tooLong = (contextLength: number) =>
+      new BadServeRequest({
+        message: `context too long: ${contextLength} tokens need ${sizing.bytes(contextLength)} bytes of KV cache per stage, ` +
+          `the budget is ${sizing.budget()}`
+      })
+    /** A run was planned: when its heaviest stage holds a different number of blocks, the sizes change. */
+    const observePlan = (update: RunUpdate) =>
+      Effect.suspend(() => {
+        if (update._tag !== "Planned" || update.stages.length === 0) return Effect.void
+        const layers = Math.max(...update.stages.map((s) => s.layers[1] - s.layers[0]))
+        if (layers === shape.layersPerStage) return Effect.void
+        shape.layersPerStage = layers
+        return admission === undefined ? Effect.void : admission.reshaped(tooLong)
+      })
     let lastRunAt = performance.now()
 
     const fault = (message: string) =>
@@ -142,16 +187,15 @@ export const make = (options: ServeOptions) =>
       })
 
     const warmUp = (pipeline: Pipeline) =>
-      pipeline.run({ prompt: [pipeline.vocabulary.bosTokenId ?? 1], maxTokens: 1 }).pipe(Stream.runDrain)
+      pipeline.run({ prompt: [pipeline.vocabulary.bosTokenId ?? 1], maxTokens: 1 }).pipe(Stream.runForEach(observePlan))
 
     // --- setup, in the background: /health answers Loading meanwhile ---
     yield* Effect.gen(function*() {
       const pipeline = yield* orchestrator.pipeline(options)
-      const kvWidth = yield* readKvWidth(options.model)
-      const layersPerStage = Math.ceil(pipeline.model.numLayers / pipeline.stageCount)
-      const budget = options.kvBudgetBytes ??
-        parallel * kvBytesPerSequence({ layersPerStage, kvWidth }, Math.min(pipeline.model.maxSeqLen, 4096))
-      admission = makeAdmission(budget, parallel, queueLimit)
+      shape.kvWidth = yield* readKvWidth(options.model)
+      shape.maxSeqLen = pipeline.model.maxSeqLen
+      shape.layersPerStage = Math.ceil(pipeline.model.numLayers / pipeline.stageCount)
+      admission = makeAdmission(sizing, parallel, queueLimit)
       // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server faults.
       // Without recovery, the first lost agent faults it.
       yield* (options.recovery?.maxAttempts === 0
@@ -176,8 +220,6 @@ export const make = (options: ServeOptions) =>
       yield* Ref.update(status, (s): ServerStatus => (s._tag === "Loading" ? { _tag: "Ready" } : s))
       yield* Deferred.succeed(started, {
         pipeline,
-        budget,
-        kvWidth,
         info: { modelId: pipeline.model.modelId, model: pipeline.model, stageCount: pipeline.stageCount, parallel }
       })
       yield* Effect.never
@@ -229,21 +271,13 @@ export const make = (options: ServeOptions) =>
     const generate = (request: ServeRequest): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
-          const { budget, kvWidth, pipeline } = yield* current
+          const { pipeline } = yield* current
           const prompt = typeof request.prompt === "string" ? pipeline.vocabulary.tokenize(request.prompt) : request.prompt
           const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt.length)
           const contextLength = runContextLength(pipeline.model.maxSeqLen, prompt.length, maxTokens)
-          const bytes = kvBytesPerSequence(
-            { layersPerStage: Math.ceil(pipeline.model.numLayers / pipeline.stageCount), kvWidth },
-            contextLength
-          )
-          if (bytes > budget) {
-            return yield* new BadServeRequest({
-              message: `context too long: ${contextLength} tokens need ${bytes} bytes of KV cache per stage, the budget is ${budget}`
-            })
-          }
+          if (sizing.bytes(contextLength) > sizing.budget()) return yield* tooLong(contextLength)
           const queuedAt = performance.now()
-          const ticket = yield* admission!.enter(bytes).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
+          const ticket = yield* admission!.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
           return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, runAdmitted(prompt, maxTokens, request, queuedAt))))
         })
@@ -293,6 +327,7 @@ export const make = (options: ServeOptions) =>
               return match.stopped ? [...out, done("stop")] : out
             }
             if (update._tag === "Recovered") metrics.recoveries++
+            if (update._tag === "StageStraggler") stageMetrics(update.straggler.stageIndex).stragglerTokens++
             if (update._tag === "Finished") {
               metrics.stragglers += update.summary.stragglers.length
               recordStages(update)
@@ -316,6 +351,7 @@ export const make = (options: ServeOptions) =>
                   : new PipelineFaulted({ message: errorWords(error) })
               ),
               Stream.tapError(() => Effect.sync(() => (outcome = "failed"))),
+              Stream.tap(observePlan),
               Stream.mapConcat(onUpdate),
               Stream.takeUntil((event) => event._tag === "Done")
             )
@@ -323,18 +359,30 @@ export const make = (options: ServeOptions) =>
         })
       )
 
+    const stageMetrics = (stageIndex: number) => {
+      const m = metrics.stages.get(stageIndex) ?? {
+        computeSeconds: 0,
+        transferSeconds: 0,
+        decodeTokens: 0,
+        microBatches: 0,
+        batchRows: 0,
+        maxBatchSequences: 0,
+        stragglerTokens: 0
+      }
+      metrics.stages.set(stageIndex, m)
+      return m
+    }
+
     const recordStages = (update: Extract<RunUpdate, { _tag: "Finished" }>) => {
       const decodeSteps = Math.max(0, update.summary.generatedTokens - 1)
       for (const stage of update.summary.stages) {
-        const m = metrics.stages.get(stage.stageIndex) ??
-          { computeSeconds: 0, transferSeconds: 0, decodeTokens: 0, microBatches: 0, batchRows: 0, maxBatchSequences: 0 }
+        const m = stageMetrics(stage.stageIndex)
         m.computeSeconds += (stage.prefillComputeMillis + stage.computeMillisPerToken * decodeSteps) / 1000
         m.transferSeconds += (update.summary.transferMillisPerToken * decodeSteps) / 1000 / update.summary.stages.length
         m.decodeTokens += decodeSteps
         m.microBatches += stage.microBatches
         m.batchRows += stage.batchRows
         m.maxBatchSequences = Math.max(m.maxBatchSequences, stage.maxBatchSequences)
-        metrics.stages.set(stage.stageIndex, m)
       }
     }
 
@@ -359,7 +407,7 @@ export const make = (options: ServeOptions) =>
         inFlight: metrics.inFlight,
         queued: state.queued,
         kvReservedBytes: state.used,
-        kvBudgetBytes: Option.isSome(up) ? up.value.budget : 0,
+        kvBudgetBytes: Option.isSome(up) ? sizing.budget() : 0,
         stages: [...metrics.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
         agents
       }
