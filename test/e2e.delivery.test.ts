@@ -101,18 +101,23 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.notDeepEqual(Fs.readFileSync(corrupted), bytes)
     }).pipe(Effect.scoped), 240_000)
 
-  it.live("an interrupted transfer resumes from the agent's partial slice", () =>
+  // Links without a byte stream send control RPC chunks (the byte stream's own cut and resume: test/slice_stream.test.ts).
+  it.live("an interrupted transfer by control RPC chunks resumes from the agent's partial slice", () =>
     Effect.gen(function*() {
       const model = requireModel("stories260K.gguf")
       const { agents, caches, outgoingDir, token } = yield* slicesOnlyAgents(1)
       const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
       const link = yield* control.connect({ nodeId: NodeId.make(1), address: agents[0]!.address }, token)
-      // The connection "drops" after three chunks (the agent keeps what it received).
+      // A link that only takes chunks, whose connection "drops" after three (the agent keeps what it received).
+      const chunksOnly: AgentLink = {
+        ...link,
+        weights: { check: link.weights!.check, chunk: link.weights!.chunk, finish: link.weights!.finish }
+      }
       let chunks = 0
       const cutting: AgentLink = {
-        ...link,
+        ...chunksOnly,
         weights: {
-          ...link.weights!,
+          ...chunksOnly.weights!,
           chunk: (hash, offset, bytes) =>
             ++chunks > 3
               ? Effect.fail(new AgentUnavailable({ address: link.node.address, message: "connection cut by the test" }))
@@ -132,7 +137,7 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.strictEqual(partial.length, 1)
       assert.strictEqual(Fs.statSync(Path.join(caches[0]!, partial[0]!)).size, 3 * CHUNK)
 
-      const [resumed] = yield* deliverWeights({ ...input, linkOf: () => link }, () => Effect.void)
+      const [resumed] = yield* deliverWeights({ ...input, linkOf: () => chunksOnly }, () => Effect.void)
       assert.strictEqual(resumed!.via, "Sent")
       assert.strictEqual(resumed!.resumedFrom, 3 * CHUNK)
       assert.strictEqual(resumed!.sentBytes, resumed!.totalBytes - 3 * CHUNK)

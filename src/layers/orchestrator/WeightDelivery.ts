@@ -2,14 +2,16 @@
  * Weight delivery, the orchestrator's side (issue 10): once per warm pipeline, after placement, each stage's agent is
  * asked whether it holds that stage's tensors (its own file at the model path with the same stage-tensor hash, or a
  * verified slice in its cache). If not, the orchestrator writes the stage's GGUF slice once into its outgoing folder
- * and streams it to the agent in chunks from where the agent's partial file ends (an interrupted transfer resumes),
- * then asks the agent to verify it by hash; a slice that fails the check is discarded by the agent and sent again
- * once. The agent then loads that file whenever a provision names the model path and block range.
+ * and pipes it to the agent from where the agent's partial file ends (an interrupted transfer resumes) on a byte stream
+ * of its own (src/layers/gguf/SliceStream.ts: the agent checks the file's SHA-256 as bytes arrive; links without one
+ * take control RPC chunks and a tensor-hash check at the end); a slice that fails the check is discarded by the agent
+ * and sent again once. The agent then loads that file whenever a provision names the model path and block range.
  */
+import { createHash } from "node:crypto"
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Effect } from "effect"
-import { StageWeights } from "../../domain/controlRpc.js"
+import { StageWeights, type WeightDeliveryError } from "../../domain/controlRpc.js"
 import type { LayerRange } from "../../domain/plan.js"
 import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
 import type { RunUpdate } from "../../services/Orchestrator.js"
@@ -24,7 +26,7 @@ export interface DeliveryInput {
   readonly linkOf: (nodeId: number) => AgentLink
   /** Where the orchestrator keeps the slices it sends (default: `outgoing` beside the default slice cache). */
   readonly outgoingDir?: string
-  /** Bytes per chunk (default 4 MiB). */
+  /** Bytes per chunk: per control RPC message, or per read of the byte stream (default 4 MiB). */
   readonly chunkBytes?: number
 }
 
@@ -42,6 +44,26 @@ export interface StageDelivery {
 }
 
 const DEFAULT_CHUNK = 4 << 20
+
+/**
+ * Hex SHA-256 of a slice file, kept beside it in `<slice>.sha256` (the writer is deterministic, so it stays valid):
+ * the byte stream's end-to-end check.
+ */
+const fileSha256 = (path: string): Effect.Effect<string, unknown> =>
+  Effect.tryPromise(async () => {
+    const sidecar = `${path}.sha256`
+    if (Fs.existsSync(sidecar)) {
+      const known = Fs.readFileSync(sidecar, "utf8").trim()
+      if (/^[0-9a-f]{64}$/.test(known)) return known
+    }
+    const hash = createHash("sha256")
+    for await (const chunk of Fs.createReadStream(path, { highWaterMark: 4 << 20 })) hash.update(chunk as Buffer)
+    const digest = hash.digest("hex")
+    const temporary = `${sidecar}.${process.pid}.tmp`
+    Fs.writeFileSync(temporary, digest)
+    Fs.renameSync(temporary, sidecar)
+    return digest
+  })
 
 export const defaultOutgoingDir = (): string => Path.join(Path.dirname(defaultSliceCacheDir()), "outgoing")
 
@@ -83,30 +105,47 @@ export const deliverWeights = (
           yield* Effect.try({ try: () => Fs.mkdirSync(outgoingDir, { recursive: true }), catch: (e) => failed(link, String(e)) })
           yield* writeGgufSlice(file, range, slicePath).pipe(Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`)))
         }
-        const send = (from: number) =>
-          Effect.acquireUseRelease(
-            Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
-            (fd) =>
-              Effect.gen(function*() {
-                const totalBytes = Fs.fstatSync(fd).size
-                let offset = Math.min(from, totalBytes)
-                const buffer = Buffer.allocUnsafe(chunkBytes)
-                while (offset < totalBytes) {
-                  const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
-                  offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n)).pipe(Effect.mapError(words))
-                  yield* progress({ _tag: "WeightsDelivery", stageIndex, address: link.node.address, sentBytes: offset, totalBytes })
-                }
-                return totalBytes
-              }),
-            (fd) => Effect.sync(() => Fs.closeSync(fd))
-          )
-        const totalBytes = yield* send(held.have)
-        const finished = yield* rpc.finish(weights).pipe(Effect.either)
-        if (finished._tag === "Left") {
+        const totalBytes = yield* Effect.try({ try: () => Fs.statSync(slicePath).size, catch: (e) => failed(link, String(e)) })
+        let reached = held.have
+        let reported = -1
+        const report = Effect.suspend(() => {
+          if (reached === reported) return Effect.void
+          reported = reached
+          return progress({ _tag: "WeightsDelivery", stageIndex, address: link.node.address, sentBytes: reached, totalBytes })
+        })
+        // The bytes from `from`: a byte stream of their own when the link has one (progress read off it every
+        // 100 ms), else control RPC chunks one at a time.
+        const stream = rpc.stream
+        const transfer = (from: number): Effect.Effect<void, AgentUnavailable | WeightDeliveryError> =>
+          stream !== undefined
+            ? Effect.gen(function*() {
+              const sha256 = yield* fileSha256(slicePath).pipe(Effect.mapError((e) => failed(link, `cannot hash the slice: ${String(e)}`)))
+              reached = from
+              const piped = stream({ hash, path: slicePath, offset: from, sha256, chunkBytes, onBytes: (offset) => (reached = offset) })
+              yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
+              yield* report
+            })
+            : Effect.acquireUseRelease(
+              Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
+              (fd) =>
+                Effect.gen(function*() {
+                  let offset = Math.min(from, totalBytes)
+                  const buffer = Buffer.allocUnsafe(chunkBytes)
+                  while (offset < totalBytes) {
+                    const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
+                    offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n))
+                    reached = offset
+                    yield* report
+                  }
+                }),
+              (fd) => Effect.sync(() => Fs.closeSync(fd))
+            )
+        const attempt = (from: number) => transfer(from).pipe(Effect.zipRight(rpc.finish(weights)))
+        const first = yield* attempt(held.have).pipe(Effect.either)
+        if (first._tag === "Left") {
           // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
-          if (finished.left._tag !== "WeightDeliveryError" || finished.left.reason !== "Corrupt") return yield* words(finished.left)
-          yield* send(0)
-          yield* rpc.finish(weights).pipe(Effect.mapError(words))
+          if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt") return yield* words(first.left)
+          yield* attempt(0).pipe(Effect.mapError(words))
           return { stageIndex, nodeId, via: "Sent", hash, sentBytes: totalBytes, resumedFrom: 0, totalBytes } satisfies StageDelivery
         }
         return {
