@@ -3,6 +3,7 @@
 // cut, a partial file that is not a prefix of the slice is found out and replaced, and across hosts (TLS) an
 // observer sees none of its bytes. In process: the agent's control server with a weight store, the orchestrator's
 // control link, stories260K as one stage.
+import { createHash } from "node:crypto"
 import * as Fs from "node:fs"
 import * as Net from "node:net"
 import * as Os from "node:os"
@@ -82,7 +83,15 @@ const world = (via?: (port: number) => Effect.Effect<number, never, Scope.Scope>
       deliverWeights({ ...input, linkOf: () => l }, (u) => Effect.sync(() => void updates.push(u))).pipe(
         Effect.map((r) => r[0]!)
       )
-    return { store, link, cacheDir, weights, deliver, partial: Path.join(cacheDir, `${hash}.gguf.partial`) }
+    return {
+      store,
+      link,
+      cacheDir,
+      weights,
+      deliver,
+      outgoingDir: input.outgoingDir,
+      partial: Path.join(cacheDir, `${hash}.gguf.partial`)
+    }
   })
 
 /** The link with its chunk RPC refused: a delivery that still succeeds went by the byte stream. */
@@ -132,7 +141,7 @@ describe("weight delivery's byte stream", () => {
   // W4: the slice goes by the byte stream (no chunk RPC), is verified and held; progress rises to the total.
   it.scopedLive("delivers a slice over the byte stream with progress, and the agent then holds it", () =>
     Effect.gen(function*() {
-      const { cacheDir, deliver, link, store, weights } = yield* world()
+      const { cacheDir, deliver, link, outgoingDir, store, weights } = yield* world()
       const updates: Array<RunUpdate> = []
       const sent = yield* deliver(streamOnly(link), updates)
       assert.strictEqual(sent.via, "Sent")
@@ -147,6 +156,12 @@ describe("weight delivery's byte stream", () => {
       // The agent's check (a full tensor-hash verification) accepts what it received.
       assert.deepStrictEqual(yield* link.weights!.check(weights), { _tag: "Held", via: "Slice", path: slice })
       assert.strictEqual((yield* deliver(link)).via, "Slice")
+      // The orchestrator keeps the slice's SHA-256 beside it and the model's stage hash for later runs.
+      const outgoing = Path.join(outgoingDir, `${sent.hash}.gguf`)
+      const digest = createHash("sha256").update(Fs.readFileSync(outgoing)).digest("hex")
+      assert.strictEqual(Fs.readFileSync(`${outgoing}.sha256`, "utf8"), digest)
+      const memos = Fs.readdirSync(Path.join(outgoingDir, "hashes"))
+      assert.deepStrictEqual(memos.map((m) => Fs.readFileSync(Path.join(outgoingDir, "hashes", m), "utf8")), [sent.hash])
     }), 60_000)
 
   // W5: a cut transfer leaves the agent a partial file; the next one resumes from its end and only sends the rest.

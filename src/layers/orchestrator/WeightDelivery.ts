@@ -12,6 +12,7 @@ import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Effect } from "effect"
 import { StageWeights, type WeightDeliveryError } from "../../domain/controlRpc.js"
+import type { GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import type { LayerRange } from "../../domain/plan.js"
 import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
 import type { RunUpdate } from "../../services/Orchestrator.js"
@@ -69,6 +70,50 @@ export const defaultOutgoingDir = (): string => Path.join(Path.dirname(defaultSl
 
 const failed = (link: AgentLink, message: string) => new AgentUnavailable({ address: link.node.address, message })
 
+/**
+ * The stage-tensor hash of `file`'s `range`, remembered per file identity (path, size, mtime) and range in
+ * `<outgoingDir>/hashes/` (and in this process), so later runs skip a pass over the model.
+ */
+const stageHash = (file: GgufFile, range: SliceRange, outgoingDir: string): Effect.Effect<string, ModelLoadError> =>
+  Effect.suspend(() => {
+    let key: string
+    try {
+      const stat = Fs.statSync(file.path)
+      key = createHash("sha256")
+        .update(JSON.stringify([Path.resolve(file.path), stat.size, stat.mtimeMs, range.layerStart, range.layerEndExclusive, range.numLayers]))
+        .digest("hex")
+    } catch {
+      return sliceHash(file, range)
+    }
+    const known = knownHashes.get(key)
+    if (known !== undefined) return Effect.succeed(known)
+    const memo = Path.join(outgoingDir, "hashes", key)
+    try {
+      const text = Fs.readFileSync(memo, "utf8").trim()
+      if (/^[0-9a-f]{64}$/.test(text)) {
+        knownHashes.set(key, text)
+        return Effect.succeed(text)
+      }
+    } catch {
+      // not remembered yet
+    }
+    return sliceHash(file, range).pipe(
+      Effect.tap((hash) =>
+        Effect.sync(() => {
+          knownHashes.set(key, hash)
+          try {
+            Fs.mkdirSync(Path.dirname(memo), { recursive: true })
+            Fs.writeFileSync(`${memo}.${process.pid}.tmp`, hash)
+            Fs.renameSync(`${memo}.${process.pid}.tmp`, memo)
+          } catch {
+            // an unwritable folder only costs the next run a hash
+          }
+        })
+      )
+    )
+  })
+const knownHashes = new Map<string, string>()
+
 /** Delivers every stage's weights its agent lacks; reports `WeightsDelivery` updates as bytes go. */
 export const deliverWeights = (
   input: DeliveryInput,
@@ -89,7 +134,9 @@ export const deliverWeights = (
       Effect.gen(function*() {
         const link = input.linkOf(nodeId)
         const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
-        const hash = yield* sliceHash(file, range).pipe(Effect.mapError((e) => failed(link, `cannot hash the model: ${e.message}`)))
+        const hash = yield* stageHash(file, range, outgoingDir).pipe(
+          Effect.mapError((e) => failed(link, `cannot hash the model: ${e.message}`))
+        )
         const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
         if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
         const rpc = link.weights
