@@ -197,6 +197,25 @@ describe("weight delivery's byte stream", () => {
       assert.deepStrictEqual((yield* link.weights!.check(weights))._tag, "Held")
     }), 60_000)
 
+  // W6: the orchestrator's own outgoing slice corrupted on its disk is not passed on: the agent refuses bytes that do
+  // not match the SHA-256 it was promised, and the orchestrator checks the slice's tensors, writes it again and resends.
+  it.scopedLive("an outgoing slice corrupted on the orchestrator's disk is written again, not passed on", () =>
+    Effect.gen(function*() {
+      const { cacheDir, deliver, link, outgoingDir, weights } = yield* world()
+      const sent = yield* deliver(streamOnly(link))
+      const outgoing = Path.join(outgoingDir, `${sent.hash}.gguf`)
+      const good = Fs.readFileSync(outgoing)
+      const bad = Buffer.from(good)
+      bad[bad.length - 200] = bad[bad.length - 200]! ^ 0xff
+      Fs.writeFileSync(outgoing, bad)
+      Fs.rmSync(cacheDir, { recursive: true, force: true })
+      const again = yield* deliver(streamOnly(link))
+      assert.strictEqual(again.sentBytes, again.totalBytes)
+      assert.deepStrictEqual(Fs.readFileSync(outgoing), good)
+      // The agent's full tensor-hash check accepts what it now holds.
+      assert.strictEqual((yield* link.weights!.check(weights))._tag, "Held")
+    }), 60_000)
+
   // W7: across hosts (TLS) an observer of the link sees no slice bytes and no stream header; the same capture with
   // TLS off shows both (so the check can see plaintext).
   it.live("an observer of the byte stream sees no slice bytes under TLS", () =>

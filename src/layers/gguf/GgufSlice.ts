@@ -4,7 +4,7 @@
  * stage's output is tied to it). Tensor names keep their block numbers, so a stage loads its range from the slice
  * exactly as from the whole file. The slice's identity is a SHA-256 over the needed tensors (name, type, shape,
  * bytes): the same for the whole file and for its slice, so a node can tell whether what it holds is what the
- * orchestrator's file has. First piece of weight delivery (issue 10); the transfer itself is not built yet.
+ * orchestrator's file has. Weight delivery (issue 10) sends slices: src/layers/orchestrator/WeightDelivery.ts.
  */
 import { createHash } from "node:crypto"
 import * as Fs from "node:fs"

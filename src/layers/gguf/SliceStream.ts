@@ -29,6 +29,7 @@ import type { SliceTransfer } from "../../services/AgentLinks.js"
 export const SLICE_STREAM_MAGIC = Buffer.from("SWSL", "ascii")
 const VERSION = 1
 const MAX_MESSAGE = 1 << 16
+const IDLE_TIMEOUT_MS = 120_000
 
 const Request = Schema.Struct({
   v: Schema.Literal(VERSION),
@@ -224,6 +225,8 @@ export const receiveSlice = (socket: Net.Socket, sink: SliceSink): Effect.Effect
   Effect.promise(async () => {
     const wire = new Wire(socket)
     const answer = (value: unknown) => send(socket, frame(value))
+    // An orchestrator that went silent (a half-open link across hosts) does not hold the slice forever.
+    socket.setTimeout(IDLE_TIMEOUT_MS, () => socket.destroy())
     let fd: number | undefined
     let release: (() => void) | undefined
     try {

@@ -46,20 +46,35 @@ export interface StageDelivery {
 
 const DEFAULT_CHUNK = 4 << 20
 
-/**
- * Hex SHA-256 of a slice file, kept beside it in `<slice>.sha256` (the writer is deterministic, so it stays valid):
- * the byte stream's end-to-end check.
- */
-const fileSha256 = (path: string): Effect.Effect<string, unknown> =>
+/** Hex SHA-256 of a file's bytes. */
+const fileDigest = (path: string): Effect.Effect<string, unknown> =>
   Effect.tryPromise(async () => {
-    const sidecar = `${path}.sha256`
-    if (Fs.existsSync(sidecar)) {
-      const known = Fs.readFileSync(sidecar, "utf8").trim()
-      if (/^[0-9a-f]{64}$/.test(known)) return known
-    }
     const hash = createHash("sha256")
     for await (const chunk of Fs.createReadStream(path, { highWaterMark: 4 << 20 })) hash.update(chunk as Buffer)
-    const digest = hash.digest("hex")
+    return hash.digest("hex")
+  })
+
+/**
+ * The outgoing slice's SHA-256 (the byte stream's end-to-end check), kept beside it in `<slice>.sha256`. Computed
+ * once, after the slice's own tensors were checked against `hash` (a slice that fails is written again from the
+ * model): a file whose bytes match it holds the stage's tensors, so the agent need not hash them again.
+ */
+const certifiedSha256 = (file: GgufFile, range: SliceRange, hash: string, slicePath: string): Effect.Effect<string, unknown> =>
+  Effect.gen(function*() {
+    const sidecar = `${slicePath}.sha256`
+    const known = Fs.existsSync(sidecar) ? Fs.readFileSync(sidecar, "utf8").trim() : ""
+    if (/^[0-9a-f]{64}$/.test(known)) return known
+    const sound = Fs.existsSync(slicePath) &&
+      (yield* readGgufFile(slicePath).pipe(
+        Effect.flatMap((slice) => sliceHash(slice, range)),
+        Effect.map((actual) => actual === hash),
+        Effect.orElseSucceed(() => false)
+      ))
+    if (!sound) {
+      Fs.rmSync(slicePath, { force: true })
+      yield* writeGgufSlice(file, range, slicePath)
+    }
+    const digest = yield* fileDigest(slicePath)
     const temporary = `${sidecar}.${process.pid}.tmp`
     Fs.writeFileSync(temporary, digest)
     Fs.renameSync(temporary, sidecar)
@@ -148,8 +163,15 @@ export const deliverWeights = (
         }
         // The slice to send, written once per content hash (the writer is deterministic, so offsets stay valid).
         const slicePath = Path.join(outgoingDir, `${hash}.gguf`)
+        const sidecar = `${slicePath}.sha256`
         if (!Fs.existsSync(slicePath)) {
-          yield* Effect.try({ try: () => Fs.mkdirSync(outgoingDir, { recursive: true }), catch: (e) => failed(link, String(e)) })
+          yield* Effect.try({
+            try: () => {
+              Fs.mkdirSync(outgoingDir, { recursive: true })
+              Fs.rmSync(sidecar, { force: true })
+            },
+            catch: (e) => failed(link, String(e))
+          })
           yield* writeGgufSlice(file, range, slicePath).pipe(Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`)))
         }
         const totalBytes = yield* Effect.try({ try: () => Fs.statSync(slicePath).size, catch: (e) => failed(link, String(e)) })
@@ -166,7 +188,9 @@ export const deliverWeights = (
         const transfer = (from: number): Effect.Effect<void, AgentUnavailable | WeightDeliveryError> =>
           stream !== undefined
             ? Effect.gen(function*() {
-              const sha256 = yield* fileSha256(slicePath).pipe(Effect.mapError((e) => failed(link, `cannot hash the slice: ${String(e)}`)))
+              const sha256 = yield* certifiedSha256(file, range, hash, slicePath).pipe(
+                Effect.mapError((e) => failed(link, `cannot prepare the slice: ${e instanceof Error ? e.message : String(e)}`))
+              )
               reached = from
               const piped = stream({ hash, path: slicePath, offset: from, sha256, chunkBytes, onBytes: (offset) => (reached = offset) })
               yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
@@ -191,7 +215,9 @@ export const deliverWeights = (
         const first = yield* attempt(held.have).pipe(Effect.either)
         if (first._tag === "Left") {
           // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
+          // (Or the orchestrator's own slice changed on disk: its SHA-256 is computed again after a tensor check.)
           if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt") return yield* words(first.left)
+          yield* Effect.sync(() => Fs.rmSync(sidecar, { force: true }))
           yield* attempt(0).pipe(Effect.mapError(words))
           return { stageIndex, nodeId, via: "Sent", hash, sentBytes: totalBytes, resumedFrom: 0, totalBytes } satisfies StageDelivery
         }
