@@ -6,11 +6,13 @@
  *    the agent's running SHA-256, finish), against copying the same bytes over a raw TCP socket into a file in another
  *    process (what `nc` would do), side by side, `--repeat` times each (median). The orchestrator's one-time work
  *    (stage hash, writing the outgoing slice and its SHA-256; remembered for later runs) is printed apart. Target ≥ 0.8×.
- * 2. Placement: decode tok/s with three local agents, one throttled (`--threads 1`, the others `--threads N`),
- *    `balanced` vs `capacity` placement (capacity uses the speeds the agents measured at start).
+ * 2. Placement: decode tok/s with three local agents of `--threads` each (default a third of the cores, so they do
+ *    not starve one another), one throttled `--slowdown` times (default 3; SWACTOR_BENCH_SLOWDOWN: each forward sleeps
+ *    (k − 1) × its compute time, and the agent's measured speed is divided by k), `balanced` vs `capacity` placement
+ *    (capacity uses the speeds the agents measured at start).
  * 3. TLS hop p50 vs plain TCP: runs bench/hop.ts `--only Tcp,TlsTcp`.
  *
- * Usage: npm run bench:cluster [-- --parts delivery,placement,hop --model PATH --tokens 32 --threads 2 --repeat 3
+ * Usage: npm run bench:cluster [-- --parts delivery,placement,hop --model PATH --tokens 32 --threads 2 --slowdown 3 --repeat 3
  *        --hop-iterations 5000 --skip placement]
  * Environment: SWACTOR_BENCH_PARTS, SWACTOR_BENCH_MODEL (a path, or a file name in SWACTOR_MODELS_DIR), SWACTOR_BENCH_CACHE
  * (where the default model is written once; default .cache/bench). Default model: the 16×2048 Q8_0 bench model.
@@ -37,7 +39,8 @@ const arg = (name: string): string | undefined => {
   return i >= 0 ? process.argv[i + 1] : undefined
 }
 const tokens = Number(arg("tokens") ?? 32)
-const threads = Number(arg("threads") ?? Math.max(2, Math.floor(Os.availableParallelism() / 3)))
+const threads = Number(arg("threads") ?? Math.max(1, Math.floor(Os.availableParallelism() / 3)))
+const slowdown = Number(arg("slowdown") ?? 3)
 const hopIterations = arg("hop-iterations") ?? "5000"
 const repeat = Math.max(1, Number(arg("repeat") ?? 3))
 const list = (text: string | undefined) => (text ?? "").split(",").map((s) => s.trim()).filter((s) => s !== "")
@@ -143,8 +146,8 @@ const delivery = (model: string, dir: string) =>
 const placement = (model: string) =>
   Effect.gen(function*() {
     const token = generateToken()
-    // Agent 0 is throttled: one thread; the others `threads` each. Each measures its speed at start.
-    const throttled = yield* spawnLocalAgents({ count: 1, token, threads: 1 })
+    // Agent 0 is throttled (`slowdown` times slower); each measures its speed at start (the throttled one's divided).
+    const throttled = yield* spawnLocalAgents({ count: 1, token, threads, env: { SWACTOR_BENCH_SLOWDOWN: String(slowdown) } })
     const agents = [...throttled, ...(yield* spawnLocalAgents({ count: 2, token, threads }))]
     const layer = layerRemote({ nodes: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
     const decode = (request: PlacementRequest) =>
@@ -154,8 +157,22 @@ const placement = (model: string) =>
         Effect.map((updates: ReadonlyArray<RunUpdate>) => {
           const planned = updates.find((u) => u._tag === "Planned")
           const finished = updates.find((u) => u._tag === "Finished")
+          const pool = updates.find((u) => u._tag === "PoolReady")
+          // Agents by index, the throttled one starred.
+          const name = (address: string) => {
+            const i = agents.findIndex((a) => a.address === address)
+            return `A${i}${i === 0 ? "*" : ""}`
+          }
+          const speeds = pool?._tag === "PoolReady"
+            ? pool.capacity.map(({ capacity, node }) =>
+              `${name(node.address)} ${capacity.speedBytesPerSecond === undefined ? "?" : (capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
+            ).join(", ")
+            : "?"
           return {
-            layers: planned?._tag === "Planned" ? planned.stages.map((s) => `[${s.layers[0]},${s.layers[1]})`).join(" ") : "?",
+            speeds,
+            layers: planned?._tag === "Planned"
+              ? planned.stages.map((s) => `${name(s.address)}[${s.layers[0]},${s.layers[1]})`).join(" ")
+              : "?",
             tps: finished?._tag === "Finished" ? finished.summary.decodeTokensPerSecond : Number.NaN
           }
         })
@@ -164,9 +181,9 @@ const placement = (model: string) =>
     for (const [name, request] of [["balanced", { _tag: "Balanced" }], ["capacity", { _tag: "Capacity" }]] as const) {
       // One warm-up run loads the weights; the second is measured.
       yield* decode(request)
-      const { layers, tps } = yield* decode(request)
+      const { layers, speeds, tps } = yield* decode(request)
       rates.push(tps)
-      console.log(`placement ${name}: ${tps.toFixed(1)} tok/s decode, blocks ${layers} (agent 0 throttled to 1 thread)`)
+      console.log(`placement ${name}: ${tps.toFixed(1)} tok/s decode, blocks ${layers} (speeds ${speeds}; A0 throttled ${slowdown}×)`)
     }
     console.log(`placement capacity / balanced = ${(rates[1]! / rates[0]!).toFixed(2)}× decode tok/s`)
   }).pipe(Effect.scoped)
