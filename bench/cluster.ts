@@ -97,15 +97,26 @@ const delivery = (model: string, dir: string) =>
   Effect.gen(function*() {
     const token = generateToken()
     const cache = Path.join(dir, "agent-cache")
+    const tlsCache = Path.join(dir, "agent-cache-tls")
     const outgoingDir = Path.join(dir, "outgoing")
-    const [agent] = yield* spawnLocalAgents({
-      count: 1,
-      token,
-      threads: 1,
-      extraArgs: () => ["--cache-dir", cache, "--slices-only", "--speed", "1e9"]
-    })
     const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
-    const link = yield* control.connect({ nodeId: NodeId.make(1), address: agent!.address }, token)
+    /** An agent with an empty cache that cannot read the model, and the control link to it. */
+    const agentAt = (cacheDir: string, tls: boolean) =>
+      Effect.gen(function*() {
+        // SWACTOR_TLS=always on both ends encrypts loopback too: the byte stream as it runs between hosts.
+        process.env["SWACTOR_TLS"] = tls ? "always" : "auto"
+        const [agent] = yield* spawnLocalAgents({
+          count: 1,
+          token,
+          threads: 1,
+          extraArgs: () => ["--cache-dir", cacheDir, "--slices-only", "--speed", "1e9"],
+          env: { SWACTOR_TLS: tls ? "always" : "auto" }
+        })
+        return yield* control.connect({ nodeId: NodeId.make(1), address: agent!.address }, token)
+      })
+    const link = yield* agentAt(cache, false)
+    const tlsLink = yield* agentAt(tlsCache, true)
+    process.env["SWACTOR_TLS"] = "auto"
     const numLayers = (yield* readGgufFile(model)).tensors.reduce((n, t) => {
       const m = /^blk\.(\d+)\./.exec(t.name)
       return m === null ? n : Math.max(n, Number(m[1]) + 1)
@@ -120,24 +131,37 @@ const delivery = (model: string, dir: string) =>
     const slice = Path.join(outgoingDir, `${cold!.hash}.gguf`)
     const bytes = Fs.statSync(slice).size
     const deliveries: Array<number> = []
+    const encrypted: Array<number> = []
     const raws: Array<number> = []
+    /** Seconds to deliver the slice to the agent with an emptied cache (it holds nothing; every byte crosses). */
+    const deliverOnce = (tls: boolean) =>
+      Effect.gen(function*() {
+        process.env["SWACTOR_TLS"] = tls ? "always" : "auto"
+        Fs.rmSync(tls ? tlsCache : cache, { recursive: true, force: true })
+        const started = performance.now()
+        const [sent] = yield* deliverWeights({ ...input, linkOf: () => (tls ? tlsLink : link) }, () => Effect.void)
+        const seconds = (performance.now() - started) / 1000
+        if (sent!.via !== "Sent" || sent!.sentBytes !== bytes) throw new Error(`delivery sent ${sent!.sentBytes} of ${bytes} bytes`)
+        return seconds
+      })
     for (let i = 0; i < repeat; i++) {
-      // The agent's cache emptied: it holds nothing; everything crosses the link again.
-      Fs.rmSync(cache, { recursive: true, force: true })
-      const started = performance.now()
-      const [sent] = yield* deliverWeights({ ...input, linkOf: () => link }, () => Effect.void)
-      deliveries.push((performance.now() - started) / 1000)
-      if (sent!.via !== "Sent" || sent!.sentBytes !== bytes) throw new Error(`delivery sent ${sent!.sentBytes} of ${bytes} bytes`)
+      deliveries.push(yield* deliverOnce(false))
       raws.push(yield* Effect.promise(() => rawCopySeconds(slice, dir)))
       Fs.rmSync(Path.join(dir, "raw-copy"), { force: true })
+      encrypted.push(yield* deliverOnce(true))
     }
     const seconds = median(deliveries)
     const raw = median(raws)
+    const tlsSeconds = median(encrypted)
     const rate = (s: number) => `${(mib(bytes) / s).toFixed(0)} MiB/s`
     console.log(`delivery: ${mib(bytes).toFixed(1)} MiB slice, median of ${repeat} (each: ${deliveries.map((s) => s.toFixed(2)).join(", ")} s vs raw ${raws.map((s) => s.toFixed(2)).join(", ")} s)`)
     console.log(`  to an empty node (check, byte stream with the agent's SHA-256, finish): ${seconds.toFixed(2)} s, ${rate(seconds)}`)
     console.log(`  raw socket copy of the same bytes into a file:                        ${raw.toFixed(2)} s, ${rate(raw)}`)
     console.log(`  ratio ${(raw / seconds).toFixed(2)}× of raw (target ≥ 0.8×)`)
+    console.log(
+      `  the same delivery in TLS 1.3 (as between hosts; SWACTOR_TLS=always): ${tlsSeconds.toFixed(2)} s, ${rate(tlsSeconds)}, ` +
+        `${(raw / tlsSeconds).toFixed(2)}× of the raw plain copy (each: ${encrypted.map((s) => s.toFixed(2)).join(", ")} s)`
+    )
     console.log(
       `  first delivery with the orchestrator's one-time work (stage hash, outgoing slice, its SHA-256): ${coldSeconds.toFixed(2)} s`
     )
