@@ -135,6 +135,12 @@ export const sendSlice = (socket: Net.Socket, options: SendSliceOptions): Effect
       const stop = () => socket.destroy()
       interrupted.addEventListener("abort", stop)
       options.signal?.addEventListener("abort", stop)
+      // An agent that never answers (or a link gone silent) ends the transfer instead of hanging it.
+      let silent = false
+      socket.setTimeout(IDLE_TIMEOUT_MS / 2, () => {
+        silent = true
+        socket.destroy()
+      })
       try {
         const total = Fs.statSync(options.path).size
         const wire = new Wire(socket)
@@ -159,6 +165,8 @@ export const sendSlice = (socket: Net.Socket, options: SendSliceOptions): Effect
         const verdict = refusal(await wire.message())
         if (verdict !== undefined) throw verdict
         return total
+      } catch (e) {
+        throw silent ? new SliceStreamBroken(`no answer from the agent for ${IDLE_TIMEOUT_MS / 2000} s`) : e
       } finally {
         interrupted.removeEventListener("abort", stop)
         options.signal?.removeEventListener("abort", stop)
