@@ -46,6 +46,9 @@ export interface StageDelivery {
 
 const DEFAULT_CHUNK = 4 << 20
 
+/** Outgoing slices written by this process whose SHA-256 is not computed yet. */
+const freshlyWritten = new Set<string>()
+
 /** Hex SHA-256 of a file's bytes. */
 const fileDigest = (path: string): Effect.Effect<string, unknown> =>
   Effect.tryPromise(async () => {
@@ -64,12 +67,14 @@ const certifiedSha256 = (file: GgufFile, range: SliceRange, hash: string, sliceP
     const sidecar = `${slicePath}.sha256`
     const known = Fs.existsSync(sidecar) ? Fs.readFileSync(sidecar, "utf8").trim() : ""
     if (/^[0-9a-f]{64}$/.test(known)) return known
-    const sound = Fs.existsSync(slicePath) &&
-      (yield* readGgufFile(slicePath).pipe(
+    // A slice this process just wrote from the model needs no tensor check.
+    const sound = freshlyWritten.has(slicePath) ||
+      Fs.existsSync(slicePath) && (yield* readGgufFile(slicePath).pipe(
         Effect.flatMap((slice) => sliceHash(slice, range)),
         Effect.map((actual) => actual === hash),
         Effect.orElseSucceed(() => false)
       ))
+    freshlyWritten.delete(slicePath)
     if (!sound) {
       Fs.rmSync(slicePath, { force: true })
       yield* writeGgufSlice(file, range, slicePath)
@@ -173,6 +178,7 @@ export const deliverWeights = (
             catch: (e) => failed(link, String(e))
           })
           yield* writeGgufSlice(file, range, slicePath).pipe(Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`)))
+          freshlyWritten.add(slicePath)
         }
         const totalBytes = yield* Effect.try({ try: () => Fs.statSync(slicePath).size, catch: (e) => failed(link, String(e)) })
         let reached = held.have
