@@ -195,6 +195,15 @@ describe("weight delivery's byte stream", () => {
       assert.strictEqual(again.resumedFrom, 0)
       assert.strictEqual(again.sentBytes, again.totalBytes)
       assert.deepStrictEqual((yield* link.weights!.check(weights))._tag, "Held")
+      // A partial file longer than the slice cannot be a prefix of it either.
+      const longer = yield* world()
+      Fs.mkdirSync(Path.dirname(longer.partial), { recursive: true })
+      Fs.writeFileSync(longer.partial, Buffer.alloc(8 << 20, 7))
+      const whole = yield* longer.deliver(streamOnly(longer.link))
+      assert.isBelow(whole.totalBytes, 8 << 20)
+      assert.strictEqual(whole.resumedFrom, 0)
+      assert.strictEqual(whole.sentBytes, whole.totalBytes)
+      assert.deepStrictEqual((yield* longer.link.weights!.check(longer.weights))._tag, "Held")
     }), 60_000)
 
   // W6: the orchestrator's own outgoing slice corrupted on its disk is not passed on: the agent refuses bytes that do

@@ -190,15 +190,16 @@ export interface SliceSink {
   readonly verified: (hash: string, size: number) => void
 }
 
-/** Hashes `n` bytes of `fd` from the start (the partial prefix a resumed transfer continues). */
-const hashPrefix = (hash: Hash, fd: number, n: number) => {
-  const buffer = Buffer.allocUnsafe(Math.min(n, 4 << 20))
-  for (let at = 0; at < n;) {
-    const got = Fs.readSync(fd, buffer, 0, Math.min(buffer.length, n - at), at)
-    if (got === 0) throw new Error("the partial slice shrank while it was read")
-    hash.update(buffer.subarray(0, got))
-    at += got
+/** Hashes `n` bytes of `fd` from the start (the partial prefix a resumed transfer continues), off the event loop. */
+const hashPrefix = async (hash: Hash, fd: number, n: number): Promise<void> => {
+  if (n === 0) return
+  let got = 0
+  const prefix = Fs.createReadStream("", { fd, start: 0, end: n - 1, autoClose: false, highWaterMark: 4 << 20 })
+  for await (const chunk of prefix as AsyncIterable<Buffer>) {
+    hash.update(chunk)
+    got += chunk.length
   }
+  if (got !== n) throw new Error("the partial slice shrank while it was read")
 }
 
 /** Appends to `fd` from a queue of chunks in the background; `write` waits only when a few MiB are in flight. */
@@ -250,7 +251,14 @@ export const receiveSlice = (socket: Net.Socket, sink: SliceSink): Effect.Effect
       Fs.mkdirSync(Path.dirname(path), { recursive: true })
       fd = Fs.openSync(path, "a+")
       const have = Fs.fstatSync(fd).size
-      if (request.offset !== have || request.offset > request.total) {
+      if (have > request.total) {
+        // Longer than the slice: not a prefix of it. Dropped; the orchestrator sends the slice whole.
+        Fs.closeSync(fd)
+        fd = undefined
+        Fs.rmSync(path, { force: true })
+        return await answer({ ok: false, reason: "Corrupt", message: `the partial slice (${have} bytes) is longer than the slice; it was discarded` })
+      }
+      if (request.offset !== have) {
         return await answer({
           ok: false,
           reason: "OutOfOrder",
@@ -258,7 +266,7 @@ export const receiveSlice = (socket: Net.Socket, sink: SliceSink): Effect.Effect
         })
       }
       const hash = createHash("sha256")
-      hashPrefix(hash, fd, have)
+      await hashPrefix(hash, fd, have)
       await answer({ ok: true })
       const out = appender(fd)
       try {
