@@ -17,6 +17,7 @@ import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { sliceHash } from "../src/layers/gguf/GgufSlice.js"
 import { makeWeightStore } from "../src/layers/gguf/SliceStore.js"
+import { sendSlice } from "../src/layers/gguf/SliceStream.js"
 import { deliverWeights } from "../src/layers/orchestrator/WeightDelivery.js"
 import * as Tls from "../src/layers/transport/Tls.js"
 import { AgentControl, type AgentLink, type StageHost } from "../src/services/AgentLinks.js"
@@ -224,6 +225,30 @@ describe("weight delivery's byte stream", () => {
       // The agent's full tensor-hash check accepts what it now holds.
       assert.strictEqual((yield* link.weights!.check(weights))._tag, "Held")
     }), 60_000)
+
+  // W5: an agent that never answers the stream's request (one that does not know it, a link gone silent) fails the
+  // transfer after the silence limit instead of hanging it.
+  it.scopedLive("a byte stream that gets no answer fails after the silence limit", () =>
+    Effect.gen(function*() {
+      const mute = yield* Effect.acquireRelease(
+        Effect.async<Net.Server>((resume) => {
+          const server = Net.createServer((socket) => socket.on("error", () => {}))
+          server.listen(0, "127.0.0.1", () => resume(Effect.succeed(server)))
+        }),
+        (server) => Effect.sync(() => server.close())
+      )
+      const socket = yield* Effect.async<Net.Socket>((resume) => {
+        const s = Net.createConnection({ host: "127.0.0.1", port: (mute.address() as Net.AddressInfo).port }, () =>
+          resume(Effect.succeed(s)))
+      })
+      const model = requireModel("stories260K.gguf")
+      const started = performance.now()
+      const broken = yield* Effect.flip(
+        sendSlice(socket, { hash: "0".repeat(64), path: model, offset: 0, sha256: "0".repeat(64), silenceMillis: 300 })
+      )
+      assert.match(broken.message, /no answer from the agent for 0.3 s/)
+      assert.isBelow(performance.now() - started, 5_000)
+    }), 20_000)
 
   // W7: across hosts (TLS) an observer of the link sees no slice bytes and no stream header; the same capture with
   // TLS off shows both (so the check can see plaintext).

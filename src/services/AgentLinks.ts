@@ -129,6 +129,8 @@ export interface SliceTransfer {
   readonly onBytes?: ((offset: number) => void) | undefined
   /** Aborting it stops the transfer mid-way (the agent keeps what arrived). */
   readonly signal?: AbortSignal | undefined
+  /** The transfer fails after this long without a word or a drained write (default 60 s). */
+  readonly silenceMillis?: number | undefined
 }
 
 export interface AgentControlService {

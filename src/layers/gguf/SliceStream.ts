@@ -137,7 +137,8 @@ export const sendSlice = (socket: Net.Socket, options: SendSliceOptions): Effect
       options.signal?.addEventListener("abort", stop)
       // An agent that never answers (or a link gone silent) ends the transfer instead of hanging it.
       let silent = false
-      socket.setTimeout(IDLE_TIMEOUT_MS / 2, () => {
+      const silence = options.silenceMillis ?? IDLE_TIMEOUT_MS / 2
+      socket.setTimeout(silence, () => {
         silent = true
         socket.destroy()
       })
@@ -166,7 +167,7 @@ export const sendSlice = (socket: Net.Socket, options: SendSliceOptions): Effect
         if (verdict !== undefined) throw verdict
         return total
       } catch (e) {
-        throw silent ? new SliceStreamBroken(`no answer from the agent for ${IDLE_TIMEOUT_MS / 2000} s`) : e
+        throw silent ? new SliceStreamBroken(`no answer from the agent for ${silence / 1000} s`) : e
       } finally {
         interrupted.removeEventListener("abort", stop)
         options.signal?.removeEventListener("abort", stop)
