@@ -58,23 +58,24 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
   const busy = new Map<string, Promise<void>>()
   const streamed = new Map<string, number>()
   const idle = (hash: string) => Effect.promise(() => busy.get(hash) ?? Promise.resolve())
+  /** Holds `hash` for one transfer (waiting while another holds it); the function releases it. */
+  const hold = (hash: string): Effect.Effect<() => void> =>
+    Effect.suspend(() => {
+      const running = busy.get(hash)
+      if (running !== undefined) return Effect.promise(() => running).pipe(Effect.zipRight(hold(hash)))
+      let done = () => {}
+      busy.set(hash, new Promise<void>((resolve) => (done = resolve)))
+      streamed.delete(hash)
+      return Effect.succeed(() => {
+        busy.delete(hash)
+        done()
+      })
+    })
   const sink: SliceSink = {
     open: (hash) =>
       cache.partialPath(hash).pipe(
         Effect.mapError(deliveryError),
-        Effect.tap(() => idle(hash)),
-        Effect.map((path) => {
-          let release = () => {}
-          busy.set(hash, new Promise<void>((resolve) => (release = resolve)))
-          streamed.delete(hash)
-          return {
-            path,
-            release: () => {
-              busy.delete(hash)
-              release()
-            }
-          }
-        })
+        Effect.flatMap((path) => Effect.map(hold(hash), (release) => ({ path, release })))
       ),
     verified: (hash, size) => void streamed.set(hash, size)
   }
