@@ -101,18 +101,23 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.notDeepEqual(Fs.readFileSync(corrupted), bytes)
     }).pipe(Effect.scoped), 240_000)
 
-  it.live("an interrupted transfer resumes from the agent's partial slice", () =>
+  // Links without a byte stream send control RPC chunks (the byte stream's own cut and resume: test/slice_stream.test.ts).
+  it.live("an interrupted transfer by control RPC chunks resumes from the agent's partial slice", () =>
     Effect.gen(function*() {
       const model = requireModel("stories260K.gguf")
       const { agents, caches, outgoingDir, token } = yield* slicesOnlyAgents(1)
       const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
       const link = yield* control.connect({ nodeId: NodeId.make(1), address: agents[0]!.address }, token)
-      // The connection "drops" after three chunks (the agent keeps what it received).
+      // A link that only takes chunks, whose connection "drops" after three (the agent keeps what it received).
+      const chunksOnly: AgentLink = {
+        ...link,
+        weights: { check: link.weights!.check, chunk: link.weights!.chunk, finish: link.weights!.finish }
+      }
       let chunks = 0
       const cutting: AgentLink = {
-        ...link,
+        ...chunksOnly,
         weights: {
-          ...link.weights!,
+          ...chunksOnly.weights!,
           chunk: (hash, offset, bytes) =>
             ++chunks > 3
               ? Effect.fail(new AgentUnavailable({ address: link.node.address, message: "connection cut by the test" }))
@@ -132,7 +137,7 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.strictEqual(partial.length, 1)
       assert.strictEqual(Fs.statSync(Path.join(caches[0]!, partial[0]!)).size, 3 * CHUNK)
 
-      const [resumed] = yield* deliverWeights({ ...input, linkOf: () => link }, () => Effect.void)
+      const [resumed] = yield* deliverWeights({ ...input, linkOf: () => chunksOnly }, () => Effect.void)
       assert.strictEqual(resumed!.via, "Sent")
       assert.strictEqual(resumed!.resumedFrom, 3 * CHUNK)
       assert.strictEqual(resumed!.sentBytes, resumed!.totalBytes - 3 * CHUNK)
@@ -172,5 +177,58 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.include(auto.stdout, ", there was a little girl named Lily.")
       assert.match(auto.stderr, /weights for stage 1 to \S+ .* MiB/)
       assert.deepStrictEqual(caches.map((dir) => slicesIn(dir).length), [1, 1])
+    }).pipe(Effect.scoped), 180_000)
+
+  // `swactor serve --nodes` delivers by default too, and serves the same greedy text; `--deliver-weights never` leaves
+  // agents without the file unable to load: the command ends with exit code 1 and the reason.
+  it.live("swactor serve --nodes delivers slices to nodes without the model file", () =>
+    Effect.gen(function*() {
+      const { agents, caches, token } = yield* slicesOnlyAgents(2)
+      const xdg = yield* tempDir("delivery-serve-xdg")
+      /** Starts `swactor serve`; ends at `ready` (with the URL) or at its exit. */
+      const serve = (extra: ReadonlyArray<string>) =>
+        Effect.acquireRelease(
+          Effect.async<{ child: ReturnType<typeof spawn>; url?: string; code?: number | null; stderr: () => string }>((resume) => {
+            const { args, command } = swactorCommand([
+              "serve", "--model", requireModel("stories260K.gguf"), "--port", "0", "--threads", "1",
+              "--nodes", agents.map((a) => a.address).join(","), ...extra
+            ])
+            const child = spawn(command, args, {
+              cwd: repoRoot,
+              stdio: ["ignore", "ignore", "pipe"],
+              env: { ...process.env, SWACTOR_CLUSTER_TOKEN: token, XDG_CACHE_HOME: xdg }
+            })
+            let stderr = ""
+            let url: string | undefined
+            child.stderr!.on("data", (chunk) => {
+              stderr += chunk
+              url ??= /listening on (http:\/\/\S+)/.exec(stderr)?.[1]
+              if (url !== undefined && /swactor serve: ready/.test(stderr)) resume(Effect.succeed({ child, url, stderr: () => stderr }))
+            })
+            child.on("exit", (code) => resume(Effect.succeed({ child, code, stderr: () => stderr })))
+          }),
+          ({ child }) =>
+            Effect.async<void>((resume) => {
+              if (child.exitCode !== null || child.signalCode !== null) return resume(Effect.void)
+              child.once("exit", () => resume(Effect.void))
+              child.kill("SIGTERM")
+            })
+        )
+      const never = yield* serve(["--deliver-weights", "never"])
+      assert.strictEqual(never.code, 1, never.stderr())
+      assert.match(never.stderr(), /were not delivered to this node/)
+      assert.deepStrictEqual(caches.map((dir) => slicesIn(dir).length), [0, 0])
+
+      const auto = yield* serve([])
+      assert.isDefined(auto.url, auto.stderr())
+      assert.deepStrictEqual(caches.map((dir) => slicesIn(dir).length), [1, 1])
+      const answer = yield* Effect.promise(() =>
+        fetch(`${auto.url}/v1/completions`, {
+          method: "POST",
+          headers: { "content-type": "application/json" },
+          body: JSON.stringify({ model: "m", prompt, max_tokens: 16, temperature: 0 })
+        }).then((r) => r.json() as Promise<{ choices: Array<{ text: string }> }>)
+      )
+      assert.include(answer.choices[0]!.text, ", there was a little girl named Lily.")
     }).pipe(Effect.scoped), 180_000)
 })

@@ -12,6 +12,7 @@ import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/agent/LocalAgents.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
+import { layerSlowed, slowdownFromEnv } from "../layers/engine/StageExecutorSlowed.js"
 import { startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
@@ -26,6 +27,9 @@ const laterProbeDelay = "2 seconds"
 
 /** Test hook: SWACTOR_TEST_FAULT=stall-load makes every stage load hang (an agent that never becomes ready). */
 const faultHook = process.env["SWACTOR_TEST_FAULT"]
+
+/** Bench hook: SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine k times slower (StageExecutorSlowed.ts). */
+const slowdown = slowdownFromEnv()
 
 const stallingExecutor = Layer.effect(
   StageExecutor,
@@ -94,7 +98,7 @@ const runNode = (args: NodeArgs) =>
     const speed = speedBytesPerSecond !== undefined
       ? { speedBytesPerSecond, speedSource: "declared" as const }
       : args.engine === "live" && !probeLater
-      ? yield* Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+      ? yield* Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
         Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
         Effect.catchAll((error) =>
           Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
@@ -103,7 +107,8 @@ const runNode = (args: NodeArgs) =>
       )
       : undefined
     const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
-    const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(engine)) : engine
+    const slowed = slowdown > 1 ? layerSlowed(slowdown).pipe(Layer.provide(engine)) : engine
+    const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(slowed)) : slowed
 
     yield* Effect.gen(function*() {
       const agent = yield* startNodeAgent({
@@ -126,7 +131,7 @@ const runNode = (args: NodeArgs) =>
         // Not at once: right after the ready line come the stage's load and the prompt's prefill, and on a machine
         // with few cores a probe then (~0.1 s of every core it is given) would delay the run's first token.
         yield* Effect.forkScoped(
-          Effect.tryPromise(() => measureSpeed({ threads })).pipe(
+          Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
             Effect.delay(laterProbeDelay),
             Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured))),
             Effect.catchAll((error) =>

@@ -26,6 +26,8 @@ export interface ServeArgs {
   readonly kvBudgetMib: Option.Option<number>
   readonly keepAliveMs: number
   readonly spares: number
+  /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
+  readonly deliverWeights?: "auto" | "always" | "never"
 }
 
 const runServe = (args: ServeArgs) =>
@@ -53,7 +55,11 @@ const runServe = (args: ServeArgs) =>
       ...(threads === undefined ? {} : { threads }),
       ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
       ...(nodes.length > 0 ? { nodes, token } : {}),
-      ...(args.spares > 0 ? { spares: args.spares } : {})
+      ...(args.spares > 0 ? { spares: args.spares } : {}),
+      // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
+      ...(args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0)
+        ? { deliverWeights: true }
+        : {})
     })
     const http = HttpServe.layer({
       host: args.host,
@@ -91,7 +97,9 @@ export const runServeCommand = (args: ServeArgs) =>
 export const serveCommand = Command.make(
   "serve",
   {
-    model: Options.file("model").pipe(Options.withDescription("GGUF model (for --nodes: a path valid on every node)")),
+    model: Options.file("model").pipe(
+      Options.withDescription("GGUF model (with --nodes, nodes without it receive their stages' slices: --deliver-weights)")
+    ),
     stages: Options.integer("stages").pipe(
       Options.withDescription("pipeline stages (local default 2; with --nodes, one per node)"),
       Options.optional
@@ -120,6 +128,12 @@ export const serveCommand = Command.make(
     spares: Options.integer("spares").pipe(
       Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
       withShownDefault(0)
+    ),
+    deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(
+      Options.withDescription(
+        "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --nodes), always, never"
+      ),
+      withShownDefault("auto" as const)
     )
   },
   runServeCommand

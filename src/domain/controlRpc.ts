@@ -15,7 +15,9 @@
  * - `Stop` → asks a stage to stop (idempotent).
  * - `WeightsCheck` / `SliceChunk` / `SliceFinish` → weight delivery: whether the agent holds a stage's tensors (the
  *   model path with the same tensor hash, or a verified slice in its slice cache), the slice's bytes at an offset
- *   (a resumed transfer starts where the agent's partial file ends), and the hash-checked finish. A held or finished
+ *   (a resumed transfer starts where the agent's partial file ends), and the hash-checked finish. The bytes normally
+ *   travel on a connection of their own to the same address instead of in `SliceChunk` messages
+ *   (src/layers/gguf/SliceStream.ts); `SliceChunk` serves links without it. A held or finished
  *   slice is then what the agent loads when a provision names that model path and block range.
  */
 import { Rpc, RpcGroup } from "@effect/rpc"

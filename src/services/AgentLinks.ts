@@ -107,6 +107,30 @@ export interface WeightLink {
   readonly check: (weights: StageWeights) => Effect.Effect<WeightsHeld, AgentUnavailable | WeightDeliveryError>
   readonly chunk: (hash: string, offset: number, bytes: Uint8Array) => Effect.Effect<number, AgentUnavailable | WeightDeliveryError>
   readonly finish: (weights: StageWeights) => Effect.Effect<string, AgentUnavailable | WeightDeliveryError>
+  /**
+   * Pipes a slice file on a connection of its own (src/layers/gguf/SliceStream.ts) instead of `chunk` messages;
+   * succeeds with the slice's size once the agent checked its SHA-256. Absent: the link only takes chunks.
+   */
+  readonly stream?: (transfer: SliceTransfer) => Effect.Effect<number, AgentUnavailable | WeightDeliveryError>
+}
+
+/** One slice transfer by byte stream. */
+export interface SliceTransfer {
+  readonly hash: string
+  /** The slice file. */
+  readonly path: string
+  /** Where the agent's partial file ends. */
+  readonly offset: number
+  /** Hex SHA-256 of the whole slice file. */
+  readonly sha256: string
+  /** Read size (default 1 MiB). */
+  readonly chunkBytes?: number | undefined
+  /** Told the offset reached after each chunk is handed to the socket. */
+  readonly onBytes?: ((offset: number) => void) | undefined
+  /** Aborting it stops the transfer mid-way (the agent keeps what arrived). */
+  readonly signal?: AbortSignal | undefined
+  /** The transfer fails after this long without a word or a drained write (default 60 s). */
+  readonly silenceMillis?: number | undefined
 }
 
 export interface AgentControlService {

@@ -16,6 +16,7 @@ import { AgentHello, AgentRpcs, WeightDeliveryError } from "../../domain/control
 import { AgentControl, type AgentLink, AgentUnavailable, type StageHost } from "../../services/AgentLinks.js"
 import type { NodeEndpoint } from "../../services/Membership.js"
 import type { WeightStore } from "../gguf/SliceStore.js"
+import { receiveSlice, sendSlice, SLICE_STREAM_MAGIC, SliceStreamBroken } from "../gguf/SliceStream.js"
 import { clientHandshake } from "../transport/Auth.js"
 import { authenticatedSocket, makeSocketServer, netOptions } from "../transport/ControlPlane.js"
 
@@ -50,7 +51,13 @@ export interface RpcServerOptions {
 /** Serves the control group for a stage host until the scope closes; returns the bound address. */
 export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<TransportAddress, AgentUnavailable, Scope.Scope> =>
   Effect.gen(function*() {
-    const socketServer = yield* makeSocketServer({ token: Redacted.make(options.token), address: options.address }).pipe(
+    const weights = options.weights
+    const socketServer = yield* makeSocketServer({
+      token: Redacted.make(options.token),
+      address: options.address,
+      // Weight delivery's byte streams arrive on the same port, after the same handshake.
+      divert: weights === undefined ? undefined : { magic: SLICE_STREAM_MAGIC, handle: (socket) => receiveSlice(socket, weights.sink) }
+    }).pipe(
       Effect.mapError((error) =>
         new AgentUnavailable({ address: formatAddress(options.address), message: `cannot listen: ${String(error.cause)}` })
       )
@@ -173,7 +180,16 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
         check: (weights) => client.WeightsCheck({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
         chunk: (hash, offset, bytes) =>
           client.SliceChunk({ hash, offset, bytes }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
-        finish: (weights) => client.SliceFinish({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e))))
+        finish: (weights) => client.SliceFinish({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
+        stream: (transfer) =>
+          openAuthenticated(address, token, timeout).pipe(
+            Effect.mapError((error) => unavailable(connectFailure(node.address, error))),
+            Effect.flatMap((socket) => sendSlice(socket, transfer)),
+            Effect.mapError((e) =>
+              e instanceof SliceStreamBroken ? unavailable(`the slice stream to the agent broke: ${e.message}`) : e
+            ),
+            Effect.scoped
+          )
       }
     }
     return link

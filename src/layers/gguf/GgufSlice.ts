@@ -4,7 +4,7 @@
  * stage's output is tied to it). Tensor names keep their block numbers, so a stage loads its range from the slice
  * exactly as from the whole file. The slice's identity is a SHA-256 over the needed tensors (name, type, shape,
  * bytes): the same for the whole file and for its slice, so a node can tell whether what it holds is what the
- * orchestrator's file has. First piece of weight delivery (issue 10); the transfer itself is not built yet.
+ * orchestrator's file has. Weight delivery (issue 10) sends slices: src/layers/orchestrator/WeightDelivery.ts.
  */
 import { createHash } from "node:crypto"
 import * as Fs from "node:fs"
@@ -69,9 +69,16 @@ export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<stri
     Effect.try({
       try: () => {
         const hash = createHash("sha256")
+        // One buffer for every read (hashing consumes each chunk before the next read).
+        const buffer = Buffer.allocUnsafe(READ_CHUNK)
         for (const t of sliceTensors(file, range)) {
           hash.update(`${t.name}\0${t.type}\0${t.dims.join(",")}\0`)
-          for (const chunk of tensorChunks(fd, t)) hash.update(chunk)
+          for (let off = 0; off < t.byteSize;) {
+            const got = Fs.readSync(fd, buffer, 0, Math.min(READ_CHUNK, t.byteSize - off), t.offset + off)
+            if (got === 0) throw new Error(`unexpected end of file reading ${t.name}`)
+            hash.update(buffer.subarray(0, got))
+            off += got
+          }
         }
         return hash.digest("hex")
       },

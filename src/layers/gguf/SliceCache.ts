@@ -4,7 +4,8 @@
  * arrive. Appends must continue exactly where the partial file ends, so an interrupted transfer resumes from
  * `status().have`; `finish` parses the file and checks its stage-tensor hash before it becomes the slice, and a
  * complete slice is checked again before reuse, so a corrupted one is reported missing (and fetched again).
- * The control-plane transfer that feeds it is not built yet.
+ * Bytes arrive by `append` (control RPC chunks) or straight into `partialPath` (the byte stream of SliceStream.ts, which
+ * checks the whole file's SHA-256 as it goes; `promote` then makes it the slice without hashing it again).
  */
 import * as Fs from "node:fs"
 import * as Path from "node:path"
@@ -89,5 +90,19 @@ export const makeSliceCache = (dir: string) => {
       return complete(hash)
     })
 
-  return { status, append, finish, dir }
+  /** The partial file of `hash` (a `BadHash` failure for a malformed hash). */
+  const partialPath = (hash: string): Effect.Effect<string, SliceCacheError> => checkHash(hash).pipe(Effect.as(partial(hash)))
+
+  /** Makes the partial slice the slice as it is (its bytes were verified on arrival); `Corrupt` when none is there. */
+  const promote = (hash: string): Effect.Effect<string, SliceCacheError> =>
+    Effect.gen(function*() {
+      yield* checkHash(hash)
+      if (!Fs.existsSync(partial(hash))) {
+        return yield* new SliceCacheError({ hash, reason: "Corrupt", message: "no received slice to finish" })
+      }
+      yield* Effect.try({ try: () => Fs.renameSync(partial(hash), complete(hash)), catch: io(hash) })
+      return complete(hash)
+    })
+
+  return { status, append, finish, partialPath, promote, dir }
 }

@@ -13,6 +13,7 @@ import { type StageWeights, WeightDeliveryError, type WeightsHeld } from "../../
 import { readGgufFile } from "./GgufReader.js"
 import { sliceHash } from "./GgufSlice.js"
 import { makeSliceCache, type SliceCacheError } from "./SliceCache.js"
+import type { SliceSink } from "./SliceStream.js"
 
 export interface WeightStoreOptions {
   /** Where received slices live (`swactor node --cache-dir`). */
@@ -38,6 +39,8 @@ export interface WeightStore {
   readonly resolve: (modelPath: string, layerStart: number, layerEndExclusive: number) => string | undefined
   /** Slices received complete since the agent started (tests and logs). */
   readonly received: () => number
+  /** Where slice byte streams (SliceStream.ts `receiveSlice`) write. */
+  readonly sink: SliceSink
 }
 
 const deliveryError = (error: SliceCacheError) => new WeightDeliveryError({ reason: error.reason, message: error.message })
@@ -50,6 +53,37 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
   // Hashing a whole model is not free: remember it per file identity (size, mtime) and range.
   const modelHashes = new Map<string, string>()
   let received = 0
+  // Transfers running now (one at a time per hash; a check waits for the one running), and the sizes of partial
+  // files whose SHA-256 a byte stream verified.
+  const busy = new Map<string, Promise<void>>()
+  const streamed = new Map<string, number>()
+  const idle = (hash: string) => Effect.promise(() => busy.get(hash) ?? Promise.resolve())
+  /** Holds `hash` for one transfer (waiting while another holds it); the function releases it. */
+  const hold = (hash: string): Effect.Effect<() => void> =>
+    Effect.suspend(() => {
+      const running = busy.get(hash)
+      if (running !== undefined) return Effect.promise(() => running).pipe(Effect.zipRight(hold(hash)))
+      let done = () => {}
+      busy.set(hash, new Promise<void>((resolve) => (done = resolve)))
+      streamed.delete(hash)
+      return Effect.succeed(() => {
+        busy.delete(hash)
+        done()
+      })
+    })
+  const sink: SliceSink = {
+    open: (hash) =>
+      cache.partialPath(hash).pipe(
+        Effect.mapError(deliveryError),
+        Effect.flatMap((path) => Effect.map(hold(hash), (release) => ({ path, release })))
+      ),
+    verified: (hash, size) => void streamed.set(hash, size)
+  }
+  const partialSize = (hash: string) =>
+    cache.partialPath(hash).pipe(
+      Effect.map((path) => (Fs.existsSync(path) ? Fs.statSync(path).size : -1)),
+      Effect.orElseSucceed(() => -1)
+    )
   const range = (w: StageWeights) => ({ layerStart: w.layerStart, layerEndExclusive: w.layerEndExclusive, numLayers: w.numLayers })
   const remember = (w: StageWeights, path: string) =>
     Effect.sync(() => void resolved.set(key(w.modelPath, w.layerStart, w.layerEndExclusive), path))
@@ -76,6 +110,7 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
 
   const check = (w: StageWeights) =>
     Effect.gen(function*() {
+      yield* idle(w.hash)
       if ((yield* localHash(w)) === w.hash) {
         yield* remember(w, w.modelPath)
         return { _tag: "Held", via: "ModelFile", path: w.modelPath } as const
@@ -89,7 +124,15 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
     })
 
   const finish = (w: StageWeights) =>
-    cache.finish(w.hash, range(w)).pipe(
+    Effect.gen(function*() {
+      yield* idle(w.hash)
+      // A byte stream checked the file's SHA-256 on arrival: no second pass over it. Else parse and hash its tensors.
+      const verifiedSize = streamed.get(w.hash)
+      streamed.delete(w.hash)
+      return verifiedSize !== undefined && verifiedSize === (yield* partialSize(w.hash))
+        ? yield* cache.promote(w.hash)
+        : yield* cache.finish(w.hash, range(w))
+    }).pipe(
       Effect.mapError(deliveryError),
       Effect.tap((path) => remember(w, path)),
       Effect.tap((path) =>
@@ -102,10 +145,16 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
 
   return {
     check,
-    chunk: (hash, offset, bytes) => cache.append(hash, offset, bytes).pipe(Effect.mapError(deliveryError)),
+    chunk: (hash, offset, bytes) =>
+      idle(hash).pipe(
+        Effect.tap(() => streamed.delete(hash)),
+        Effect.zipRight(cache.append(hash, offset, bytes)),
+        Effect.mapError(deliveryError)
+      ),
     finish,
     resolve: (modelPath, layerStart, layerEndExclusive) =>
       resolved.get(key(modelPath, layerStart, layerEndExclusive)) ?? (options.slicesOnly === true ? undefined : modelPath),
-    received: () => received
+    received: () => received,
+    sink
   }
 }

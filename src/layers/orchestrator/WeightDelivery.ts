@@ -2,14 +2,17 @@
  * Weight delivery, the orchestrator's side (issue 10): once per warm pipeline, after placement, each stage's agent is
  * asked whether it holds that stage's tensors (its own file at the model path with the same stage-tensor hash, or a
  * verified slice in its cache). If not, the orchestrator writes the stage's GGUF slice once into its outgoing folder
- * and streams it to the agent in chunks from where the agent's partial file ends (an interrupted transfer resumes),
- * then asks the agent to verify it by hash; a slice that fails the check is discarded by the agent and sent again
- * once. The agent then loads that file whenever a provision names the model path and block range.
+ * and pipes it to the agent from where the agent's partial file ends (an interrupted transfer resumes) on a byte stream
+ * of its own (src/layers/gguf/SliceStream.ts: the agent checks the file's SHA-256 as bytes arrive; links without one
+ * take control RPC chunks and a tensor-hash check at the end); a slice that fails the check is discarded by the agent
+ * and sent again once. The agent then loads that file whenever a provision names the model path and block range.
  */
+import { createHash } from "node:crypto"
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Effect } from "effect"
-import { StageWeights } from "../../domain/controlRpc.js"
+import { StageWeights, type WeightDeliveryError } from "../../domain/controlRpc.js"
+import type { GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import type { LayerRange } from "../../domain/plan.js"
 import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
 import type { RunUpdate } from "../../services/Orchestrator.js"
@@ -24,7 +27,7 @@ export interface DeliveryInput {
   readonly linkOf: (nodeId: number) => AgentLink
   /** Where the orchestrator keeps the slices it sends (default: `outgoing` beside the default slice cache). */
   readonly outgoingDir?: string
-  /** Bytes per chunk (default 4 MiB). */
+  /** Bytes per chunk: per control RPC message, or per read of the byte stream (default 4 MiB). */
   readonly chunkBytes?: number
 }
 
@@ -43,9 +46,93 @@ export interface StageDelivery {
 
 const DEFAULT_CHUNK = 4 << 20
 
+/** Outgoing slices written by this process whose SHA-256 is not computed yet. */
+const freshlyWritten = new Set<string>()
+
+/** Hex SHA-256 of a file's bytes. */
+const fileDigest = (path: string): Effect.Effect<string, unknown> =>
+  Effect.tryPromise(async () => {
+    const hash = createHash("sha256")
+    for await (const chunk of Fs.createReadStream(path, { highWaterMark: 4 << 20 })) hash.update(chunk as Buffer)
+    return hash.digest("hex")
+  })
+
+/**
+ * The outgoing slice's SHA-256 (the byte stream's end-to-end check), kept beside it in `<slice>.sha256`. Computed
+ * once, after the slice's own tensors were checked against `hash` (a slice that fails is written again from the
+ * model): a file whose bytes match it holds the stage's tensors, so the agent need not hash them again.
+ */
+const certifiedSha256 = (file: GgufFile, range: SliceRange, hash: string, slicePath: string): Effect.Effect<string, unknown> =>
+  Effect.gen(function*() {
+    const sidecar = `${slicePath}.sha256`
+    const known = Fs.existsSync(sidecar) ? Fs.readFileSync(sidecar, "utf8").trim() : ""
+    if (/^[0-9a-f]{64}$/.test(known)) return known
+    // A slice this process just wrote from the model needs no tensor check.
+    const sound = freshlyWritten.has(slicePath) ||
+      Fs.existsSync(slicePath) && (yield* readGgufFile(slicePath).pipe(
+        Effect.flatMap((slice) => sliceHash(slice, range)),
+        Effect.map((actual) => actual === hash),
+        Effect.orElseSucceed(() => false)
+      ))
+    freshlyWritten.delete(slicePath)
+    if (!sound) {
+      Fs.rmSync(slicePath, { force: true })
+      yield* writeGgufSlice(file, range, slicePath)
+    }
+    const digest = yield* fileDigest(slicePath)
+    const temporary = `${sidecar}.${process.pid}.tmp`
+    Fs.writeFileSync(temporary, digest)
+    Fs.renameSync(temporary, sidecar)
+    return digest
+  })
+
 export const defaultOutgoingDir = (): string => Path.join(Path.dirname(defaultSliceCacheDir()), "outgoing")
 
 const failed = (link: AgentLink, message: string) => new AgentUnavailable({ address: link.node.address, message })
+
+/**
+ * The stage-tensor hash of `file`'s `range`, remembered per file identity (path, size, mtime) and range in
+ * `<outgoingDir>/hashes/` (and in this process), so later runs skip a pass over the model.
+ */
+const stageHash = (file: GgufFile, range: SliceRange, outgoingDir: string): Effect.Effect<string, ModelLoadError> =>
+  Effect.suspend(() => {
+    let key: string
+    try {
+      const stat = Fs.statSync(file.path)
+      key = createHash("sha256")
+        .update(JSON.stringify([Path.resolve(file.path), stat.size, stat.mtimeMs, range.layerStart, range.layerEndExclusive, range.numLayers]))
+        .digest("hex")
+    } catch {
+      return sliceHash(file, range)
+    }
+    const known = knownHashes.get(key)
+    if (known !== undefined) return Effect.succeed(known)
+    const memo = Path.join(outgoingDir, "hashes", key)
+    try {
+      const text = Fs.readFileSync(memo, "utf8").trim()
+      if (/^[0-9a-f]{64}$/.test(text)) {
+        knownHashes.set(key, text)
+        return Effect.succeed(text)
+      }
+    } catch {
+      // not remembered yet
+    }
+    return sliceHash(file, range).pipe(
+      Effect.tap((hash) =>
+        Effect.sync(() => {
+          knownHashes.set(key, hash)
+          try {
+            Fs.mkdirSync(Path.dirname(memo), { recursive: true })
+            Fs.writeFileSync(`${memo}.${process.pid}.tmp`, hash)
+            Fs.renameSync(`${memo}.${process.pid}.tmp`, memo)
+          } catch {
+            // an unwritable folder only costs the next run a hash
+          }
+        })
+      )
+    )
+  })
+const knownHashes = new Map<string, string>()
 
 /** Delivers every stage's weights its agent lacks; reports `WeightsDelivery` updates as bytes go. */
 export const deliverWeights = (
@@ -67,7 +154,9 @@ export const deliverWeights = (
       Effect.gen(function*() {
         const link = input.linkOf(nodeId)
         const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
-        const hash = yield* sliceHash(file, range).pipe(Effect.mapError((e) => failed(link, `cannot hash the model: ${e.message}`)))
+        const hash = yield* stageHash(file, range, outgoingDir).pipe(
+          Effect.mapError((e) => failed(link, `cannot hash the model: ${e.message}`))
+        )
         const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
         if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
         const rpc = link.weights
@@ -79,34 +168,63 @@ export const deliverWeights = (
         }
         // The slice to send, written once per content hash (the writer is deterministic, so offsets stay valid).
         const slicePath = Path.join(outgoingDir, `${hash}.gguf`)
+        const sidecar = `${slicePath}.sha256`
         if (!Fs.existsSync(slicePath)) {
-          yield* Effect.try({ try: () => Fs.mkdirSync(outgoingDir, { recursive: true }), catch: (e) => failed(link, String(e)) })
+          yield* Effect.try({
+            try: () => {
+              Fs.mkdirSync(outgoingDir, { recursive: true })
+              Fs.rmSync(sidecar, { force: true })
+            },
+            catch: (e) => failed(link, String(e))
+          })
           yield* writeGgufSlice(file, range, slicePath).pipe(Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`)))
+          freshlyWritten.add(slicePath)
         }
-        const send = (from: number) =>
-          Effect.acquireUseRelease(
-            Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
-            (fd) =>
-              Effect.gen(function*() {
-                const totalBytes = Fs.fstatSync(fd).size
-                let offset = Math.min(from, totalBytes)
-                const buffer = Buffer.allocUnsafe(chunkBytes)
-                while (offset < totalBytes) {
-                  const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
-                  offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n)).pipe(Effect.mapError(words))
-                  yield* progress({ _tag: "WeightsDelivery", stageIndex, address: link.node.address, sentBytes: offset, totalBytes })
-                }
-                return totalBytes
-              }),
-            (fd) => Effect.sync(() => Fs.closeSync(fd))
-          )
-        const totalBytes = yield* send(held.have)
-        const finished = yield* rpc.finish(weights).pipe(Effect.either)
-        if (finished._tag === "Left") {
+        const totalBytes = yield* Effect.try({ try: () => Fs.statSync(slicePath).size, catch: (e) => failed(link, String(e)) })
+        let reached = held.have
+        let reported = -1
+        const report = Effect.suspend(() => {
+          if (reached === reported) return Effect.void
+          reported = reached
+          return progress({ _tag: "WeightsDelivery", stageIndex, address: link.node.address, sentBytes: reached, totalBytes })
+        })
+        // The bytes from `from`: a byte stream of their own when the link has one (progress read off it every
+        // 100 ms), else control RPC chunks one at a time.
+        const stream = rpc.stream
+        const transfer = (from: number): Effect.Effect<void, AgentUnavailable | WeightDeliveryError> =>
+          stream !== undefined
+            ? Effect.gen(function*() {
+              const sha256 = yield* certifiedSha256(file, range, hash, slicePath).pipe(
+                Effect.mapError((e) => failed(link, `cannot prepare the slice: ${e instanceof Error ? e.message : String(e)}`))
+              )
+              reached = from
+              const piped = stream({ hash, path: slicePath, offset: from, sha256, chunkBytes, onBytes: (offset) => (reached = offset) })
+              yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
+              yield* report
+            })
+            : Effect.acquireUseRelease(
+              Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
+              (fd) =>
+                Effect.gen(function*() {
+                  let offset = Math.min(from, totalBytes)
+                  const buffer = Buffer.allocUnsafe(chunkBytes)
+                  while (offset < totalBytes) {
+                    const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
+                    offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n))
+                    reached = offset
+                    yield* report
+                  }
+                }),
+              (fd) => Effect.sync(() => Fs.closeSync(fd))
+            )
+        const attempt = (from: number) => transfer(from).pipe(Effect.zipRight(rpc.finish(weights)))
+        const first = yield* attempt(held.have).pipe(Effect.either)
+        if (first._tag === "Left") {
           // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
-          if (finished.left._tag !== "WeightDeliveryError" || finished.left.reason !== "Corrupt") return yield* words(finished.left)
-          yield* send(0)
-          yield* rpc.finish(weights).pipe(Effect.mapError(words))
+          // (Or the orchestrator's own slice changed on disk: its SHA-256 is computed again after a tensor check.)
+          if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt") return yield* words(first.left)
+          yield* Effect.sync(() => Fs.rmSync(sidecar, { force: true }))
+          yield* attempt(0).pipe(Effect.mapError(words))
           return { stageIndex, nodeId, via: "Sent", hash, sentBytes: totalBytes, resumedFrom: 0, totalBytes } satisfies StageDelivery
         }
         return {

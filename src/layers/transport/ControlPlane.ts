@@ -6,6 +6,9 @@
  * `makeSocketServer` (ndjson serialization) and connects to it with `authenticatedSocket`.
  *
  * Like the data plane, the listener binds 127.0.0.1 unless given another address.
+ *
+ * `divert`: a connection whose first bytes after the handshake are the given magic is handed to another protocol
+ * instead (weight delivery's byte stream, src/layers/gguf/SliceStream.ts), so one port and one handshake serve both.
  */
 import type * as Net from "node:net"
 import * as NodeSocket from "@effect/platform-node/NodeSocket"
@@ -21,7 +24,43 @@ export interface ServerOptions {
   /** Default: TCP 127.0.0.1, an ephemeral port. */
   readonly address?: TransportAddress | undefined
   readonly handshakeTimeout?: Duration.DurationInput | undefined
+  /** Authenticated connections that start with `magic` go to `handle` (it owns the socket) instead of the RPC. */
+  readonly divert?: {
+    readonly magic: Uint8Array
+    readonly handle: (socket: Net.Socket) => Effect.Effect<void>
+  } | undefined
 }
+
+/**
+ * The first `n` bytes a paused socket receives (undefined: it closed before), left unread: the socket is paused
+ * again with them back in its buffer.
+ */
+const peek = (socket: Net.Socket, n: number): Effect.Effect<Buffer | undefined> =>
+  Effect.async<Buffer | undefined>((resume) => {
+    const got: Array<Buffer> = []
+    let size = 0
+    const detach = () => {
+      socket.pause()
+      socket.off("data", onData)
+      socket.off("close", onClose)
+      const all = Buffer.concat(got, size)
+      if (all.length > 0 && !socket.destroyed) socket.unshift(all)
+      return all
+    }
+    const onData = (chunk: Buffer) => {
+      got.push(chunk)
+      size += chunk.length
+      if (size >= n) resume(Effect.succeed(detach().subarray(0, n)))
+    }
+    const onClose = () => {
+      detach()
+      resume(Effect.succeed(undefined))
+    }
+    socket.on("data", onData)
+    socket.once("close", onClose)
+    socket.resume()
+    return Effect.sync(detach)
+  })
 
 // Shared with the data plane; re-exported for the control link's client.
 export { netOptions }
@@ -81,13 +120,25 @@ export const makeSocketServer = (
                   Effect.annotateLogs("module", "ControlPlane"),
                   Effect.zipRight(Effect.sync(() => conn.destroy()))
                 ),
-              onSuccess: (link) =>
-                authenticatedSocket(
+              onSuccess: (link) => {
+                const rpc = authenticatedSocket(
                   Effect.acquireRelease(
                     Effect.succeed(link),
                     (c) => Effect.sync(() => c.destroySoon())
                   )
                 ).pipe(Effect.flatMap(handler))
+                const divert = options.divert
+                if (divert === undefined) return rpc
+                return peek(link, divert.magic.length).pipe(
+                  Effect.flatMap((first) =>
+                    first === undefined
+                      ? Effect.sync(() => link.destroy())
+                      : first.equals(divert.magic)
+                      ? divert.handle(link).pipe(Effect.ensuring(Effect.sync(() => link.destroySoon())))
+                      : rpc
+                  )
+                )
+              }
             }),
             Effect.catchAllCause((cause) => Effect.logDebug("control-plane connection ended", cause))
           )
