@@ -7,6 +7,13 @@ import { plannerInputFromArgs, type PlanArgs } from "../src/cli/PlanCommand.js"
 import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import { ModelCatalog } from "../src/services/ModelCatalog.js"
 import * as Gguf from "../src/layers/gguf/GgufReader.js"
+import { copyFileSync, mkdtempSync, rmSync, truncateSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { Layer } from "effect"
+import { ModelLoadError } from "../src/domain/gguf.js"
+import { layerWithCatalog } from "../src/layers/engine/StageExecutorLive.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 
 const facts: ModelFacts = {
@@ -74,4 +81,43 @@ describe("ModelCatalog", () => {
       const unknown = yield* Effect.flip(plannerInputFromArgs(args("/models/other.gguf")))
       assert.strictEqual(unknown._tag, "ModelLoadError")
     }).pipe(Effect.provide(table)))
+
+  // One parse per file version: the facts, the layout and the engine share it; a rewritten file is read again.
+  it.effect("the live catalog parses a file's header once per version; a changed file is parsed again", () =>
+    Effect.gen(function*() {
+      const dir = mkdtempSync(join(tmpdir(), "swactor-catalog-"))
+      try {
+        const path = join(dir, "m.gguf")
+        copyFileSync(requireModel("stories260K.gguf"), path)
+        const catalog = yield* ModelCatalog
+        const first = yield* catalog.header(path)
+        yield* catalog.facts(path)
+        yield* catalog.layout(path)
+        assert.strictEqual(yield* catalog.header(path), first, "the same parse, not a second one")
+        truncateSync(path, 64) // another version of the file: read again, and now refused
+        const refused = yield* Effect.flip(catalog.header(path))
+        assert.strictEqual(refused._tag, "ModelLoadError")
+      } finally {
+        rmSync(dir, { recursive: true, force: true })
+      }
+    }).pipe(Effect.provide(ModelCatalogLive.layer)))
+
+  // The engine decides what a stage loads from the header the catalog gives it.
+  it.effect("the live engine reads a model's header through the ModelCatalog service", () =>
+    Effect.gen(function*() {
+      const asked: Array<string> = []
+      const catalog = Layer.succeed(ModelCatalog, {
+        ...ModelCatalogLive.make,
+        header: (path) =>
+          Effect.sync(() => asked.push(path)).pipe(
+            Effect.zipRight(Effect.fail(new ModelLoadError({ path, reason: "Io", message: "the test catalog has no header" })))
+          )
+      })
+      const path = requireModel("stories260K.gguf")
+      const error = yield* Effect.flip(Effect.scoped(Effect.flatMap(StageExecutor, (executor) =>
+        executor.load({ path, layerStart: 0, layerEndExclusive: 5, isFirst: true, isLast: true })
+      )).pipe(Effect.provide(layerWithCatalog().pipe(Layer.provide(catalog)))))
+      assert.deepStrictEqual(asked, [path])
+      assert.include(error.message, "the test catalog has no header")
+    }))
 })

@@ -5,7 +5,7 @@
  * test layer answers from a table.
  */
 import { Context, type Effect } from "effect"
-import type { ModelLoadError } from "../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../domain/gguf.js"
 import type { ModelFacts, ModelLayout } from "../domain/plan.js"
 
 export interface ModelCatalogService {
@@ -13,6 +13,8 @@ export interface ModelCatalogService {
   readonly facts: (path: string) => Effect.Effect<ModelFacts, ModelLoadError>
   /** Bytes per block, embeddings, output head and KV per token, from the file's tensor table (placement). */
   readonly layout: (path: string) => Effect.Effect<ModelLayout, ModelLoadError>
+  /** The file's header, metadata and tensor table (no tensor data): what a stage loads is decided from it. */
+  readonly header: (path: string) => Effect.Effect<GgufFile, ModelLoadError>
 }
 
 export class ModelCatalog extends Context.Tag("swactor/ModelCatalog")<ModelCatalog, ModelCatalogService>() {}

@@ -37,7 +37,8 @@ import {
 } from "./Native.js"
 import { layoutStage } from "./StageLayout.js"
 import { getGgml } from "../ggml/Bindings.js"
-import { readGgufFile } from "../gguf/GgufReader.js"
+import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
+import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 
 /** A loaded stage of the live executor (also exposes where each tensor lives, for tests and the CLI). */
 export class LiveLoadedStage implements LoadedStage {
@@ -69,13 +70,14 @@ export interface LiveOptions {
   readonly defaultContextLength?: number
 }
 
-const load = (options: LiveOptions) =>
+const load = (options: LiveOptions, catalog: ModelCatalogService) =>
 (
   spec: StageLoadSpec,
   onProgress?: (progress: { loadedBytes: number; totalBytes: number }) => void
 ) =>
   Effect.gen(function*() {
-    const file = yield* readGgufFile(spec.path)
+    // the header through the model catalog: one parse per file version, shared with the facts and the layout
+    const file = yield* catalog.header(spec.path)
     const layout = yield* layoutStage(file, spec)
     const ggml = yield* Effect.try({
       try: () => getGgml(),
@@ -240,15 +242,19 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
     return new LiveStageSession(stage, native, contextLength) as StageSession
   })
 
-export const make = (options: LiveOptions = {}): StageExecutorService => ({
-  load: load(options),
+export const make = (options: LiveOptions = {}, catalog: ModelCatalogService = ModelCatalogLive.make): StageExecutorService => ({
+  load: load(options, catalog),
   session: session(options),
   forwardBatch
 })
 
-/** The live stage executor (CPU ggml). */
-export const StageExecutorLive: Layer.Layer<StageExecutor> = Layer.succeed(StageExecutor, make())
+/** The live executor over whichever model catalog is provided (it reads each file's GGUF header from it). */
+export const layerWithCatalog = (options: LiveOptions = {}): Layer.Layer<StageExecutor, never, ModelCatalog> =>
+  Layer.effect(StageExecutor, Effect.map(ModelCatalog, (catalog) => make(options, catalog)))
 
-/** The live executor with options (e.g. `repack: false`). */
+/** The live executor with options (e.g. `repack: false`), over the live model catalog. */
 export const layerWith = (options: LiveOptions): Layer.Layer<StageExecutor> =>
-  Layer.succeed(StageExecutor, make(options))
+  layerWithCatalog(options).pipe(Layer.provide(ModelCatalogLive.layer))
+
+/** The live stage executor (CPU ggml), over the live model catalog. */
+export const StageExecutorLive: Layer.Layer<StageExecutor> = layerWith({})

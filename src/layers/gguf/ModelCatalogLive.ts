@@ -2,6 +2,7 @@
  * The `ModelCatalog` service's implementations: `layer` reads each model's GGUF metadata (no tensor data);
  * `layerTest` answers from a table, for tests that plan without a model file.
  */
+import { statSync } from "node:fs"
 import { basename } from "node:path"
 import { Effect, Layer } from "effect"
 import { ModelLoadError } from "../../domain/gguf.js"
@@ -10,13 +11,48 @@ import type { ModelFacts, ModelLayout } from "../../domain/plan.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 import * as Gguf from "./GgufReader.js"
 
+/** Parsed headers by path, with the file version (device, inode, size, mtime and ctime in ns) they were read from. */
+const headers = new Map<string, { readonly version: string; readonly file: GgufFile }>()
+const HEADER_CACHE_LIMIT = 16
+
+const versionOf = (path: string): string | undefined => {
+  try {
+    const st = statSync(path, { bigint: true })
+    return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}:${st.ctimeNs}`
+  } catch {
+    return undefined
+  }
+}
+
+/**
+ * A GGUF file's header, metadata and tensor table (no tensor data), parsed once per file version in this process:
+ * the orchestrator's facts and layout, `swactor plan` and every stage an agent loads from one file share one parse.
+ * A file rewritten since (another size, inode or time) is parsed again.
+ */
+export const readHeader = (path: string): Effect.Effect<GgufFile, ModelLoadError> =>
+  Effect.suspend(() => {
+    const version = versionOf(path)
+    const hit = headers.get(path)
+    if (version !== undefined && hit !== undefined && hit.version === version) return Effect.succeed(hit.file)
+    return Gguf.readGgufFile(path).pipe(
+      Effect.tap((file) =>
+        Effect.sync(() => {
+          if (version === undefined || versionOf(path) !== version) return // changed while read: keep no copy
+          headers.delete(path)
+          if (headers.size >= HEADER_CACHE_LIMIT) headers.delete(headers.keys().next().value!)
+          headers.set(path, { version, file })
+        })
+      )
+    )
+  })
+
 /**
  * The facts planning needs, from a GGUF file's metadata: `block_count`, `embedding_length` and `context_length` of
  * its architecture, and the EOS token (2 when absent). Activations travel as f32, so the dtype is Float, 4 bytes.
  */
 export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoadError> =>
   Effect.gen(function*() {
-    const file = yield* Gguf.readGgufFile(path)
+    const file = yield* readHeader(path)
     const arch = yield* Gguf.getArchitecture(file)
     const numLayers = yield* Gguf.getU32(file, `${arch}.block_count`)
     const hiddenDim = yield* Gguf.getU32(file, `${arch}.embedding_length`)
@@ -67,12 +103,12 @@ export const layoutOfFile = (file: GgufFile, numLayers: number, hiddenDim: numbe
 
 export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelLoadError> =>
   Effect.gen(function*() {
-    const file = yield* Gguf.readGgufFile(path)
+    const file = yield* readHeader(path)
     const facts = yield* readModelFacts(path)
     return layoutOfFile(file, facts.numLayers, facts.hiddenDim)
   })
 
-export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout }
+export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout, header: readHeader }
 
 /** Reads GGUF metadata from the file system. */
 export const layer: Layer.Layer<ModelCatalog> = Layer.succeed(ModelCatalog, make)
@@ -94,5 +130,6 @@ export const layerTest = (
       return layout !== undefined
         ? Effect.succeed(layout)
         : Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no model layout for ${path}` }))
-    }
+    },
+    header: (path) => Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no GGUF header in the test catalog: ${path}` }))
   })
