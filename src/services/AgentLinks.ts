@@ -63,7 +63,7 @@ export interface DataPlaneService {
 export class DataPlane extends Context.Tag("swactor/DataPlane")<DataPlane, DataPlaneService>() {}
 
 // The messages that cross the control link live with its RPC group in the domain.
-export { AgentHello, ProvisionRequest, StageFaultKind, StageReport, StageStats } from "../domain/controlRpc.js"
+export { AgentHello, ProvisionRequest, StageReport, StageStats } from "../domain/controlRpc.js"
 
 /** The control link to an agent broke (connection refused or closed, bad token, RPC failure). */
 export class AgentUnavailable extends Schema.TaggedError<AgentUnavailable>()("AgentUnavailable", {

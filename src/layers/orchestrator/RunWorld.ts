@@ -9,7 +9,7 @@ import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stre
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type NodeId, RunId } from "../../domain/ids.js"
 import type { Edge, ProvisionStage, RunPlan } from "../../domain/plan.js"
-import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, StageFaultReasons } from "../../domain/runFsm.js"
+import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runFsm.js"
 import {
   dataFrame,
   DataPlane,
@@ -28,7 +28,7 @@ import {
 import { alignUp, planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
 import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
-import { describeRunFault, faultWords, stageFaultReason, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
+import { describeRunFault, faultWords, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
 
 const consequenceGrace = "300 millis"
 
@@ -116,6 +116,9 @@ export const driveRun = (
     const noteDetail = (key: string, text: string) => {
       if (!details.has(key)) details.set(key, text)
     }
+    const noteStageWords = (stageIndex: number, words: string | undefined) => {
+      if (words !== undefined) noteDetail(`stage:${stageIndex}`, words)
+    }
     const stageStats = new Map<number, StageStats>()
     const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
     const injectedAt = new Map<number, number>()
@@ -167,9 +170,10 @@ export const driveRun = (
                 offer(RunEvents.StageReady({ runId, stageIndex }))
               )
             case "StageFault":
-              noteDetail(`stage:${stageIndex}`, report.detail)
-              return (report.kind === "TransportError" ? offerConsequence : offer)(
-                RunEvents.StageFault({ runId, stageIndex, reason: stageFaultReason(report) })
+              // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
+              noteStageWords(stageIndex, stageFaultMessage(report.reason))
+              return (report.reason._tag === "TransportFailed" ? offerConsequence : offer)(
+                RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
               )
             case "StageStopped":
               stageStats.set(stageIndex, report.stats)
