@@ -11,7 +11,7 @@
  * control-plane RPC group (src/domain/controlRpc.ts); the in-memory layers here make the whole
  * distributed path testable in one process.
  */
-import { Context, type Effect, Schema, type Scope, type Stream } from "effect"
+import { Context, type Effect, Schedule, Schema, type Scope, type Stream } from "effect"
 import type {
   AgentHello,
   ProvisionRequest,
@@ -122,6 +122,13 @@ export const isNotYetRegistered = (fault: EdgeFault): boolean =>
   fault._tag === "UnknownRun" ||
   fault._tag === "ConnectFailed" ||
   (fault._tag === "PeerFaulted" && (fault.reason === "UnknownRun" || fault.reason === "UnknownEdge"))
+
+/**
+ * How a producer retries a connect the consumer refused as not yet registered (`isNotYetRegistered`): quickly at
+ * first, then every 250 ms at most. Every refused attempt costs both ends a connection, a handshake and a log line,
+ * and the consumer may load its weights for minutes.
+ */
+export const notYetRegisteredRetry = Schedule.exponential("10 millis").pipe(Schedule.either(Schedule.spaced("250 millis")))
 
 /** Frames are built with the domain's builders; re-exported here for the stage and orchestrator loops. */
 export { dataFrame } from "../domain/frames.js"

@@ -9,7 +9,7 @@
  *   stopped, StageStopped with its counters; its report stream ends there.
  */
 import * as Os from "node:os"
-import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Schedule, type Scope, Stream } from "effect"
+import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, type Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../../domain/engine.js"
 import {
   type DataFrame,
@@ -28,6 +28,7 @@ import {
   DataPlane,
   type EdgeSender,
   isNotYetRegistered,
+  notYetRegisteredRetry,
   type ProvisionRequest,
   type StageHost,
   type StageReport,
@@ -136,11 +137,8 @@ export const makeStageHost = (
         edgeId: p.outbound.edgeId,
         ring: p.outbound.ring
       }, options.token).pipe(
-        // The consumer may not have registered the edge yet: retry until the connect deadline.
-        Effect.retry({
-          schedule: Schedule.spaced("25 millis"),
-          while: isNotYetRegistered
-        }),
+        // The consumer may not have registered the edge yet (it may still be loading): retry until the connect deadline.
+        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
         Effect.timeoutFail({
           duration: options.connectTimeout ?? "10 minutes",
           onTimeout: () => transportFailed("timed out connecting to the next stage")

@@ -15,6 +15,7 @@ import {
   DataPlane,
   type EdgeSender,
   isNotYetRegistered,
+  notYetRegisteredRetry,
   ProvisionRequest,
   type StageStats
 } from "../../services/AgentLinks.js"
@@ -121,6 +122,8 @@ export const driveRun = (
     }
     const stageStats = new Map<number, StageStats>()
     const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
+    // Stage 0 registers its inbound (token-in) edge before it reports ready: the orchestrator connects after that.
+    const firstStageReady = yield* Deferred.make<void>()
     const injectedAt = new Map<number, number>()
     const receivedAt = new Map<number, number>()
     let tornDown = false
@@ -165,6 +168,7 @@ export const driveRun = (
               return updates.offer({ _tag: "StageLoading", stageIndex, loadedBytes: report.loadedBytes, totalBytes: report.totalBytes })
             case "StageReady":
               stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+              if (stageIndex === 0) Deferred.unsafeDone(firstStageReady, Effect.void)
               return Effect.zipRight(
                 updates.offer({ _tag: "StageReady", stageIndex, loadMillis: report.loadMillis, cachedWeights: report.cachedWeights }),
                 offer(RunEvents.StageReady({ runId, stageIndex }))
@@ -192,12 +196,14 @@ export const driveRun = (
       )
     }
 
+    // Not before stage 0 is ready (its edge is registered then): a stage that loads for minutes, or never, is not
+    // polled with connections meanwhile. The retry only covers a registration that is not visible yet.
     const createTokenIn = (edge: Edge) =>
-      dataPlane.connect(dataAddressOf(stageNode(0)), { runId, edgeId: edge.edgeId, ring: edge.ring }, warm.agents.token).pipe(
-        Effect.retry({
-          schedule: Schedule.spaced("20 millis"),
-          while: isNotYetRegistered
-        }),
+      Deferred.await(firstStageReady).pipe(
+        Effect.zipRight(
+          dataPlane.connect(dataAddressOf(stageNode(0)), { runId, edgeId: edge.edgeId, ring: edge.ring }, warm.agents.token)
+        ),
+        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
         Scope.extend(endpointScope),
         Effect.matchEffect({
           onFailure: (fault) =>
