@@ -33,7 +33,10 @@ export interface EdgeRef {
 }
 
 export interface EdgeReceiver {
-  /** The next whole frame, in order. */
+  /**
+   * The next whole frame, in order. An activation's payload may be a view of the edge's shared-memory ring, valid
+   * until the next `receive`: read it (or copy it) before asking for the next frame.
+   */
   readonly receive: Effect.Effect<DataFrame, EdgeFault>
 }
 
