@@ -4,7 +4,7 @@
 export * from "./domain/ids.js"
 export * from "./domain/plan.js"
 export * from "./domain/planErrors.js"
-export * from "./domain/runFsm.js"
+export * from "./domain/runEvents.js"
 
 // Planning and the run state machine
 export * from "./services/Planner.js"

@@ -8,7 +8,7 @@ import { AgentHello, type NodeCapacity, ProvisionRequest, StageReport, StageStat
 import { tcpAddress, type TransportAddress } from "../src/domain/frames.js"
 import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../src/domain/ids.js"
 import { ProvisionStage, type RingSpec } from "../src/domain/plan.js"
-import { type StageFaultReason, StageFaultReasons } from "../src/domain/runFsm.js"
+import { type StageFaultReason, StageFaultReasons } from "../src/domain/runEvents.js"
 import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
 import type { StageHost } from "../src/layers/agent/NodeAgent.js"
 import { AgentControl } from "../src/services/AgentLinks.js"

@@ -1,7 +1,7 @@
 // Pure parts of recovery (no processes): the next placement, which faults are recoverable, stragglers.
 import { assert, describe, it } from "@effect/vitest"
 import { NodeId } from "../src/domain/ids.js"
-import { type StageFaultReason, StageFaultReasons } from "../src/domain/runFsm.js"
+import { type StageFaultReason, StageFaultReasons } from "../src/domain/runEvents.js"
 import { isRecoverable, replan } from "../src/layers/orchestrator/Recovery.js"
 import { findStragglers } from "../src/layers/orchestrator/RunReport.js"
 

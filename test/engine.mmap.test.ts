@@ -8,7 +8,7 @@ import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { MAPPED_BUFFER_TYPE } from "../src/layers/engine/Native.js"
 import { loadWeights } from "../src/layers/engine/Native.js"
-import { planStage } from "../src/layers/engine/Plan.js"
+import { layoutStage } from "../src/layers/engine/StageLayout.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
@@ -143,7 +143,7 @@ describe("a file that shrinks before it is mapped", () => {
         seed: 4
       })
       const file = yield* readGgufFile(path)
-      const plan = yield* planStage(file, { path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+      const plan = yield* layoutStage(file, { path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
       // planned against the full file, then the file loses its tail
       truncateSync(path, file.fileSize - 4096)
       const error = yield* Effect.flip(Effect.tryPromise(() => loadWeights(plan, { mmap: true })))

@@ -15,7 +15,7 @@ import {
   RunEvents,
   RunFaultReasons,
   StageFaultReasons
-} from "../src/domain/runFsm.js"
+} from "../src/domain/runEvents.js"
 import { OrchestratorHarness } from "../src/services/OrchestratorHarness.js"
 import { stageNodes, testLinearPlan } from "../src/services/Planner.js"
 import { RunActor } from "../src/services/RunFsm.js"

@@ -192,4 +192,31 @@ describe("stage batcher", () => {
         assert.isTrue(calls.some((r) => r.sessions.includes(sessions[2]!)))
       }).pipe(Effect.provide(layer))
     }))
+
+  // Four sequences decoding through a 2-stage pipeline: micro-batches of ceil(4 / 2) = 2 decode steps, so that
+  // while one group is on this stage the other can be on the next. Alone in a 1-stage pipeline they travel as one.
+  for (const [stages, expected] of [[2, [[1, 2], [3]]], [1, [[1, 2, 3]]]] as const) {
+    it.scoped(`${stages} pipeline stage(s): at most ceil(decoding / stages) decode steps per micro-batch`, () =>
+      Effect.gen(function*() {
+        const gate = yield* Deferred.make<void>()
+        const { calls, layer } = recordingExecutor(gate)
+        yield* Effect.gen(function*() {
+          const batcher = yield* makeStageBatcher({ maxRows: 64 })
+          const { sessions, twins } = yield* setup(4, true)
+          const held = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1), emptyBatchCounters(), stages))
+          while (calls.length === 0) yield* Effect.yieldNow()
+          const rest = yield* Effect.forEach([1, 2, 3], (i) =>
+            Effect.fork(batcher.submit(sessions[i]!, 0, tokens(i + 1), emptyBatchCounters(), stages)))
+          yield* Effect.yieldNow()
+          yield* Deferred.succeed(gate, undefined)
+          yield* Fiber.join(held)
+          const outs = yield* Effect.forEach(rest, Fiber.join)
+          assert.deepStrictEqual(
+            calls.slice(1).map((r) => r.sessions.map((s) => sessions.indexOf(s))),
+            expected.map((g) => [...g])
+          )
+          assert.deepStrictEqual(outs, yield* Effect.forEach([1, 2, 3], (i) => twins[i]!.forward(0, tokens(i + 1))))
+        }).pipe(Effect.provide(layer))
+      }))
+  }
 })

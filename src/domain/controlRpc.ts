@@ -9,7 +9,7 @@
  * - `Hello` → the agent's data-plane address and pid (`AgentHello`).
  * - `Capacity` → its heartbeat answer (`NodeCapacity`).
  * - `Provision` → a stream of `StageReport`s for one stage (loading progress, ready, then fault with a
- *   `StageFaultReason` of src/domain/runFsm.ts, or stopped with the stage's compute counters). The stream
+ *   `StageFaultReason` of src/domain/runEvents.ts, or stopped with the stage's compute counters). The stream
  *   ends after `StageStopped`; a dropped connection fails it at once (a crashed agent is a fault, never a
  *   hang), and the agent interrupts the handlers of a client that went away (its stages stop).
  * - `Stop` → asks a stage to stop (idempotent).
@@ -23,7 +23,7 @@ import { Schema } from "effect"
 import { TransportAddress } from "./frames.js"
 import { RunId } from "./ids.js"
 import { ProvisionStage } from "./plan.js"
-import { StageFaultReason } from "./runFsm.js"
+import { StageFaultReason } from "./runEvents.js"
 
 /** Per-stage counters, reported when the stage stops. */
 export class StageStats extends Schema.Class<StageStats>("StageStats")({

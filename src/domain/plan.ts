@@ -2,6 +2,9 @@ import { Schema } from "effect"
 import { EdgeId, NodeId, PortId, RoleId, RunId } from "./ids.js"
 
 /** Numeric family of the model's activations. */
+/** Rounds `n` up to a multiple of `alignment` (a power of two). */
+export const alignUp = (n: number, alignment: number): number => Math.ceil(n / alignment) * alignment
+
 export const DTypeFamily = Schema.Literal("Float", "Half", "BFloat")
 export type DTypeFamily = typeof DTypeFamily.Type
 

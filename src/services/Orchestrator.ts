@@ -6,7 +6,7 @@ import { Context, type Duration, type Effect, Schema, type Scope, type Stream } 
 import type { ModelLoadError } from "../domain/gguf.js"
 import type { LayerRange, ModelFacts, PlacementChoice, PoolNode } from "../domain/plan.js"
 import type { PlacementRejection, PlanRejection } from "../domain/planErrors.js"
-import { RunFaultReason } from "../domain/runFsm.js"
+import { RunFaultReason } from "../domain/runEvents.js"
 import type { TransportAddress } from "../domain/frames.js"
 import { RunId } from "../domain/ids.js"
 import type { AgentSpawnError } from "./AgentLinks.js"

@@ -4,7 +4,7 @@
  * `it.effect` / `it.scoped`).
  */
 import { Chunk, Effect, Queue, Ref, type Scope, TestClock } from "effect"
-import type { LifecycleEvent, RunCommand, RunConfig, RunEvent } from "../domain/runFsm.js"
+import type { LifecycleEvent, RunCommand, RunConfig, RunEvent } from "../domain/runEvents.js"
 import { RunActor, type RunOutcome, type RunState } from "./RunFsm.js"
 
 export interface OrchestratorHarness {

@@ -5,6 +5,7 @@
 import { Effect, Either } from "effect"
 import { type EdgeId, type NodeId, PortId, RoleId, type RunId } from "../domain/ids.js"
 import {
+  alignUp,
   type Edge,
   type EdgeEndpoint,
   type LayerRange,
@@ -46,9 +47,6 @@ export const OUTPUT_PORT = PortId.make("output")
 const isPositiveInt = (n: number) => Number.isSafeInteger(n) && n > 0
 const isNodeId = (n: number) => Number.isSafeInteger(n) && n >= 0
 const isPowerOfTwo = (n: number) => isPositiveInt(n) && 2 ** Math.round(Math.log2(n)) === n
-
-/** Rounds `n` up to a multiple of `alignment` (a power of two). */
-export const alignUp = (n: number, alignment: number): number => Math.ceil(n / alignment) * alignment
 
 /** Bytes of one frame holding one token's hidden state: hiddenDim x dtype width, rounded up to the alignment. */
 export const activationFrameBytes = (model: Pick<ModelFacts, "hiddenDim" | "dtypeWidthBytes">, alignment: number) =>

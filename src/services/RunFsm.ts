@@ -30,7 +30,7 @@ import {
   StageFaultReasons,
   type TerminalEvent,
   type TokenObjectPayload
-} from "../domain/runFsm.js"
+} from "../domain/runEvents.js"
 import { deriveStageProvisionEither } from "./Planner.js"
 
 // ---------------------------------------------------------------------------------------------------------------

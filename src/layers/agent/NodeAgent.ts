@@ -18,7 +18,7 @@ import {
   type TransportAddress
 } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
-import { type StageFaultReason, StageFaultReasons } from "../../domain/runFsm.js"
+import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
 import type { SamplingPolicy } from "../../domain/plan.js"
 import {
   AgentHello,
@@ -228,8 +228,10 @@ export const makeStageHost = (
               }
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
               const t0 = performance.now()
-              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats).pipe(
-                Effect.mapError((error) => new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) }))
+              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount).pipe(
+                Effect.mapError((error) =>
+                  new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) })
+                )
               )
               const elapsed = performance.now() - t0
               stats.frames++

@@ -3,7 +3,12 @@
  * work here and awaits its result; one fiber takes everything pending and runs it as ONE forwardBatch (the
  * weights are read once for all sequences), then completes each submitter.
  *
- * - Micro-batch: every pending decode step (one row each) first, then prompt chunks, up to `maxRows` rows.
+ * - Micro-batch: pending decode steps (one row each) first, then prompt chunks, up to `maxRows` rows.
+ * - Keep every stage busy: a pipeline of S stages needs S micro-batches in flight, so with L sequences decoding on
+ *   these weights a micro-batch takes at most ceil(L / S) decode steps (the rest run in the next one, at once).
+ *   Without that cap all L sequences travel as one group and S - 1 stages wait while one works. L counts the
+ *   sessions that submitted a decode step within the last `activeWindowMillis` (they are somewhere in the
+ *   pipeline); S comes from the submitter (its run's stage count).
  * - A prompt longer than `prefillChunk` tokens is prefilled in fixed chunks [0, C), [C, 2C), ... one per
  *   micro-batch, interleaved with other sequences' decode steps, so a big prompt does not stall everyone's next
  *   token. Chunk boundaries depend only on the prompt (never on what else is pending): a chunk that does not fit
@@ -23,6 +28,8 @@ export interface BatcherSettings {
   readonly maxRows?: number
   /** Prompt chunk length (default 128; at most maxRows). */
   readonly prefillChunk?: number
+  /** A session counts as decoding for this long after its last decode step (default 2000 ms). */
+  readonly activeWindowMillis?: number
 }
 
 /** Counters of the micro-batches that carried one submitter's work (a stage of one run). */
@@ -50,7 +57,9 @@ export interface StageBatcher {
     session: StageSession,
     startPos: number,
     input: StageInput,
-    counters: BatchCounters
+    counters: BatchCounters,
+    /** Stages in the submitter's pipeline (default 1: no cap on decode steps per micro-batch). */
+    pipelineStages?: number
   ) => Effect.Effect<StageOutput, ForwardError>
 }
 
@@ -63,6 +72,7 @@ interface Job {
   done: number
   readonly hidden: Array<Float32Array>
   readonly counters: BatchCounters
+  readonly pipelineStages: number
   readonly result: Deferred.Deferred<StageOutput, ForwardError>
   cancelled: boolean
 }
@@ -94,8 +104,20 @@ export const makeStageBatcher = (
     const executor = yield* StageExecutor
     const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
     const chunk = Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128)))
+    const activeWindow = Math.max(0, settings.activeWindowMillis ?? 2000)
     const inbox = yield* Queue.unbounded<Job>()
     const pending: Array<Job> = []
+    /** Sessions decoding on these weights: when each last submitted a decode step. */
+    const decoders = new Map<StageSession, number>()
+
+    /** Most decode steps in one micro-batch: ceil(L / S) (at least 1). */
+    const decodeCap = (): number => {
+      const now = performance.now()
+      for (const [session, seen] of decoders) if (now - seen > activeWindow) decoders.delete(session)
+      let stages = 1
+      for (const job of pending) if (job.total === 1) stages = Math.max(stages, job.pipelineStages)
+      return Math.max(1, Math.ceil(decoders.size / stages))
+    }
 
     const drop = (job: Job) => {
       const i = pending.indexOf(job)
@@ -106,11 +128,13 @@ export const makeStageBatcher = (
     const pick = (): Array<{ job: Job; n: number }> => {
       const chosen: Array<{ job: Job; n: number }> = []
       let rows = 0
+      let decodeLeft = decodeCap()
       for (const pass of ["decode", "prefill"] as const) {
         for (const job of pending) {
           if ((job.total === 1) !== (pass === "decode")) continue
           const n = Math.min(chunk, job.total - job.done)
           if (rows + n > maxRows) continue
+          if (pass === "decode" && decodeLeft-- <= 0) break
           chosen.push({ job, n })
           rows += n
         }
@@ -196,7 +220,13 @@ export const makeStageBatcher = (
     })
     yield* Effect.forkScoped(Effect.forever(loop))
 
-    const submit = (session: StageSession, startPos: number, input: StageInput, counters: BatchCounters) =>
+    const submit = (
+      session: StageSession,
+      startPos: number,
+      input: StageInput,
+      counters: BatchCounters,
+      pipelineStages = 1
+    ) =>
       Effect.gen(function*() {
         const result = yield* Deferred.make<StageOutput, ForwardError>()
         const job: Job = {
@@ -207,15 +237,22 @@ export const makeStageBatcher = (
           done: 0,
           hidden: [],
           counters,
+          pipelineStages: Number.isSafeInteger(pipelineStages) && pipelineStages >= 1 ? pipelineStages : 1,
           result,
           cancelled: false
         }
+        if (job.total === 1) decoders.set(session, performance.now())
         if (!(job.total >= 1)) {
           // let the engine word the rejection (an empty input never reaches a micro-batch)
           return yield* session.forward(startPos, input)
         }
         yield* Queue.offer(inbox, job)
-        return yield* Deferred.await(result).pipe(Effect.onInterrupt(() => Effect.sync(() => (job.cancelled = true))))
+        return yield* Deferred.await(result).pipe(Effect.onInterrupt(() =>
+          Effect.sync(() => {
+            job.cancelled = true
+            decoders.delete(session)
+          })
+        ))
       })
 
     return { submit }

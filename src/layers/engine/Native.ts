@@ -1,13 +1,13 @@
 /**
  * The native side of a stage: weights in backend buffers, a KV cache per session, one ggml graph per call.
- * Everything here assumes a validated StagePlan (Plan.ts); inputs are checked again before ggml sees them.
+ * Everything here assumes a validated StageLayout (StageLayout.ts); inputs are checked again before ggml sees them.
  */
 import koffi from "koffi"
 import { open } from "node:fs/promises"
 import type { LoadProgress, StageInput } from "../../domain/engine.js"
 import { type Ggml, getGgml, type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import { canMap, type FileRegion, locate, mapRanges, unmapAll } from "./FileMap.js"
-import type { StagePlan } from "./Plan.js"
+import type { StageLayout } from "./StageLayout.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
 
 const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
@@ -48,7 +48,7 @@ export class NativeWeights {
 
   constructor(
     readonly ggml: Ggml,
-    readonly plan: StagePlan,
+    readonly layout: StageLayout,
     readonly device: DeviceKind,
     /** ggml_backend_dev_t the stage computes on */
     readonly dev: Ptr,
@@ -151,14 +151,14 @@ export const mmapWanted = (option: boolean | undefined, device: DeviceKind): boo
   device === "cpu" && option !== false && process.env["SWACTOR_MMAP"] !== "0" && canMap()
 
 /**
- * Allocates and reads the planned tensors. Throws on native or I/O failure (after freeing what it made).
+ * Allocates and reads the tensors of the stage layout. Throws on native or I/O failure (after freeing what it made).
  *
  * On the CPU (unless `mmap: false` or SWACTOR_MMAP=0) the stage's byte ranges of the file are mapped read-only:
  * plain weights (and their page cache) are used in place, repacked ones are repacked from the mapping. When
  * mapping fails the weights are read into allocated buffers as before.
  */
 export const loadWeights = async (
-  plan: StagePlan,
+  layout: StageLayout,
   options: {
     readonly repack?: boolean
     readonly device?: DeviceKind
@@ -178,7 +178,7 @@ export const loadWeights = async (
   let regions: ReadonlyArray<FileRegion> = []
   if (mmapWanted(options.mmap, device)) {
     try {
-      regions = await mapRanges(plan.file.path, plan.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })))
+      regions = await mapRanges(layout.file.path, layout.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })))
     } catch (e) {
       // a file now shorter than its table must not be read either; any other mapping failure: copy instead
       if (e instanceof Error && e.message.startsWith("the file is")) throw e
@@ -189,7 +189,7 @@ export const loadWeights = async (
   // group tensors by where they live: a buffer type (allocated, filled by copies) or a file region (in place)
   const groups = new Map<Ptr | FileRegion, Array<{ name: string; index: number; addr?: bigint }>>()
   const keys: Array<Ptr | FileRegion> = []
-  plan.tensors.forEach((t, index) => {
+  layout.tensors.forEach((t, index) => {
     let buft = cpuBuft
     if (t.use === "mul_mat") {
       const found = extra.find((b) => supportsMulMat(g, b, t.info.type, t.info.dims[0]!, t.info.dims[1] ?? 1))
@@ -234,7 +234,7 @@ export const loadWeights = async (
       contexts.push(ctx)
       const made: Array<{ p: Ptr; addr?: bigint }> = []
       for (const m of members) {
-        const t = plan.tensors[m.index]!
+        const t = layout.tensors[m.index]!
         const d = t.info.dims
         const p = d.length <= 1
           ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
@@ -257,7 +257,7 @@ export const loadWeights = async (
         raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         const align = raw.ggml_backend_buffer_get_alignment(buffer)
         for (const [i, m] of made.entries()) {
-          const t = plan.tensors[members[i]!.index]!
+          const t = layout.tensors[members[i]!.index]!
           if (align <= 0 || m.addr! % BigInt(align) !== 0n) {
             throw new Error(`tensor ${t.name}: mapped address is not aligned to ${align} bytes`)
           }
@@ -272,7 +272,7 @@ export const loadWeights = async (
       }
       const buft = key as Ptr
       for (const m of members) {
-        const t = plan.tensors[m.index]!
+        const t = layout.tensors[m.index]!
         placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
         if (buft !== cpuBuft) repacked.add(t.name)
       }
@@ -288,10 +288,10 @@ export const loadWeights = async (
       bufferBytes += raw.ggml_backend_buffer_get_size(buffer)
     }
 
-    const total = plan.weightBytes
+    const total = layout.weightBytes
     let loaded = 0
     options.onProgress?.({ loadedBytes: 0, totalBytes: total })
-    const order = [...plan.tensors].sort((a, b) => a.info.offset - b.info.offset)
+    const order = [...layout.tensors].sort((a, b) => a.info.offset - b.info.offset)
     if (regions.length > 0) {
       // in place: nothing to copy; the rest (repacked or unaligned) is set from the mapping, whole
       for (const t of order) {
@@ -304,7 +304,7 @@ export const loadWeights = async (
         options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
       }
     } else {
-      const fh = await open(plan.file.path, "r")
+      const fh = await open(layout.file.path, "r")
       try {
         let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
         for (const t of order) {
@@ -334,7 +334,7 @@ export const loadWeights = async (
     if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
     return new NativeWeights(
       g,
-      plan,
+      layout,
       device,
       dev,
       backend as Ptr,
@@ -432,7 +432,7 @@ export class NativeSession {
   constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
     const g = weights.ggml
     const raw = g.raw
-    const { hp, spec } = weights.plan
+    const { hp, spec } = weights.layout
     const kvSize = kvCacheSize(contextLength)
     const nLayers = spec.layerEndExclusive - spec.layerStart
     this.kvCtx = raw.ggml_init({
@@ -508,7 +508,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   }
   const g = w.ggml
   const raw = g.raw
-  const { hp, spec } = w.plan
+  const { hp, spec } = w.layout
   const kind = items[0]!.input._tag
   const shapes = items.map((it) => {
     const n = inputLength(it.input)
@@ -615,7 +615,7 @@ const buildGraph = (
   kind: StageInput["_tag"]
 ): CachedGraph => {
   const raw = w.ggml.raw
-  const { arch, hp, spec } = w.plan
+  const { arch, hp, spec } = w.layout
   const nLayers = spec.layerEndExclusive - spec.layerStart
   const nSeq = items.length
   const n = items.reduce((s, it) => s + inputLength(it.input), 0)

@@ -35,7 +35,7 @@ import {
   runBatch,
   type TensorPlacement
 } from "./Native.js"
-import { planStage } from "./Plan.js"
+import { layoutStage } from "./StageLayout.js"
 import { getGgml } from "../ggml/Bindings.js"
 import { readGgufFile } from "../gguf/GgufReader.js"
 
@@ -76,7 +76,7 @@ const load = (options: LiveOptions) =>
 ) =>
   Effect.gen(function*() {
     const file = yield* readGgufFile(spec.path)
-    const plan = yield* planStage(file, spec)
+    const layout = yield* layoutStage(file, spec)
     const ggml = yield* Effect.try({
       try: () => getGgml(),
       catch: (e) =>
@@ -102,7 +102,7 @@ const load = (options: LiveOptions) =>
     const weights = yield* Effect.acquireRelease(
       Effect.tryPromise({
         try: () =>
-          loadWeights(plan, {
+          loadWeights(layout, {
             repack: options.repack ?? true,
             device,
             ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
@@ -119,7 +119,7 @@ const load = (options: LiveOptions) =>
       }),
       (w) => Effect.promise(() => w.lock.run(async () => w.free()))
     )
-    const hp = plan.hp
+    const hp = layout.hp
     const info: StageInfo = {
       arch: hp.arch,
       layerStart: spec.layerStart,
@@ -132,7 +132,7 @@ const load = (options: LiveOptions) =>
       contextLength: hp.nCtxTrain,
       eosTokenId: hp.eosTokenId,
       bosTokenId: hp.bosTokenId,
-      weightBytes: plan.weightBytes,
+      weightBytes: layout.weightBytes,
       backend: device === "gpu" ? "cuda" : "cpu",
       kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) * (hp.headDimK + hp.headDimV) * hp.nHeadKv * 2
     }
@@ -230,7 +230,7 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
         try: () => new NativeSession(stage.weights, contextLength, threads),
         catch: (e) =>
           new ModelLoadError({
-            path: stage.weights.plan.file.path,
+            path: stage.weights.layout.file.path,
             reason: "BackendUnavailable",
             message: e instanceof Error ? e.message : String(e)
           })

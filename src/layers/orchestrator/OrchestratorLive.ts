@@ -25,10 +25,10 @@ import {
   type RunRequest,
   type RunUpdate
 } from "../../services/Orchestrator.js"
-import { alignUp } from "../../services/Planner.js"
+import { alignUp } from "../../domain/plan.js"
 import { Tokenizer } from "../../services/Tokenizer.js"
 import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
-import { generate } from "./Recovery.js"
+import { generateRecovering } from "./Recovery.js"
 
 
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool
@@ -74,7 +74,7 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
   agents: agentsNow(),
   alive: Effect.map(warm.pool.status, (status) => agentsNow().filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
   run: (request: RunRequest) =>
-    runStream((updates, stop) => generate(warm, request, updates, stop).pipe(Effect.provide(context))),
+    runStream((updates, stop) => generateRecovering(warm, request, updates, stop).pipe(Effect.provide(context))),
   lost: warm.pool.firstLost
   }
 }
@@ -110,7 +110,7 @@ export const make = Effect.gen(function*() {
           // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
           contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
         }, (update) => updates.offer(update).pipe(Effect.asVoid))
-        yield* generate(warm, {
+        yield* generateRecovering(warm, {
           prompt: request.prompt,
           maxTokens,
           ...(request.sampling === undefined ? {} : { sampling: request.sampling }),

@@ -19,7 +19,8 @@ import {
   type RunUpdate,
   type SamplingOptions
 } from "../../services/Orchestrator.js"
-import { activationFrameBytes, alignUp, planRun } from "../../services/Planner.js"
+import { alignUp } from "../../domain/plan.js"
+import { activationFrameBytes, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
 import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
 import { deliverWeights } from "./WeightDelivery.js"

@@ -10,7 +10,7 @@
  */
 import { Cause, Deferred, Duration, Effect, Exit, Option } from "effect"
 import type { NodeId } from "../../domain/ids.js"
-import type { RunFaultReason } from "../../domain/runFsm.js"
+import type { RunFaultReason } from "../../domain/runEvents.js"
 import {
   type GenerateError,
   InvalidRequest,
@@ -85,7 +85,7 @@ const awaitSomeLost = (warm: WarmPipeline, nodes: ReadonlyArray<NodeId>, millis:
  * One generation on `warm`: runs it, and resumes it in a new run after each recoverable fault (see above).
  * Updates go to `updates`; the stream's tokens continue across runs.
  */
-export const generate = (
+export const generateRecovering = (
   warm: WarmPipeline,
   request: RunRequest,
   updates: UpdateSink,

@@ -3,7 +3,7 @@
  * caller, and the summary of a completed run.
  */
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
-import { type LifecycleEvent, type RunFaultReason, type StageFaultReason, stageFaultMessage } from "../../domain/runFsm.js"
+import { type LifecycleEvent, type RunFaultReason, type StageFaultReason, stageFaultMessage } from "../../domain/runEvents.js"
 import type { StageStats } from "../../services/AgentLinks.js"
 import type { RunSummary, RunUpdate, StageSummary, Straggler } from "../../services/Orchestrator.js"
 

@@ -9,7 +9,7 @@ import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stre
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type NodeId, RunId } from "../../domain/ids.js"
 import type { Edge, ProvisionStage, RunPlan } from "../../domain/plan.js"
-import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runFsm.js"
+import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
 import {
   dataFrame,
   DataPlane,
@@ -26,7 +26,8 @@ import {
   type RunRequest,
   type RunUpdate
 } from "../../services/Orchestrator.js"
-import { alignUp, planRun } from "../../services/Planner.js"
+import { alignUp } from "../../domain/plan.js"
+import { planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
 import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
 import { describeRunFault, faultWords, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"

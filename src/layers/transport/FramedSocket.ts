@@ -5,6 +5,7 @@
  */
 import type * as Net from "node:net"
 import { Effect, Runtime } from "effect"
+import { alignUp } from "../../domain/plan.js"
 import { describeFault, type EdgeFault, FaultFrame, PeerClosed, RingMismatch, type WireFrame } from "../../domain/frames.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
 import type { RingSpec } from "../../domain/plan.js"
@@ -114,7 +115,7 @@ export const validateRing = (ring: RingSpec): RingMismatch | undefined => {
   if (!Framing.isValidAlignment(ring.alignment)) {
     return new RingMismatch({ detail: `alignment ${ring.alignment} is not a power of two in 1..4096` })
   }
-  const minimum = Framing.alignUp(Framing.HEADER_BYTES + 16, Framing.effectiveAlignment(ring.alignment)) * 2
+  const minimum = alignUp(Framing.HEADER_BYTES + 16, Framing.effectiveAlignment(ring.alignment)) * 2
   if (!Number.isInteger(ring.dataCapacity) || ring.dataCapacity < minimum || ring.dataCapacity > 0xffff_ffff) {
     return new RingMismatch({ detail: `dataCapacity ${ring.dataCapacity} must be an integer ≥ ${minimum}` })
   }

@@ -52,6 +52,7 @@ import {
   Truncated,
   type WireFrame
 } from "../../domain/frames.js"
+import { alignUp } from "../../domain/plan.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
 
 export const MAGIC = 0x46415753
@@ -85,8 +86,6 @@ export const preAttachLimits: Limits = { alignment: 8, maxFrameBytes: 2048 }
 
 /** `max(8, alignment)`: the alignment frames are actually padded to. */
 export const effectiveAlignment = (alignment: number): number => Math.max(8, alignment)
-
-export const alignUp = (n: number, alignment: number): number => Math.ceil(n / alignment) * alignment
 
 /** Is `alignment` usable as a ring alignment (a power of two, 1 ..= 4096)? */
 export const isValidAlignment = (alignment: number): boolean =>

@@ -22,7 +22,7 @@ export interface PlannedTensor {
   readonly use: WeightUse
 }
 
-export interface StagePlan {
+export interface StageLayout {
   readonly file: GgufFile
   readonly arch: ArchModule
   readonly hp: HParams
@@ -136,7 +136,7 @@ export const archOf = (file: GgufFile): Effect.Effect<ArchModule, ModelLoadError
   })
 
 /** Plans (and fully validates) the load of one stage. */
-export const planStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StagePlan, ModelLoadError> =>
+export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
   Effect.gen(function*() {
     const arch = yield* archOf(file)
     const hp = yield* readHParams(file, arch.ropeMode)
