@@ -8,6 +8,7 @@ import { AgentHello, type NodeCapacity, ProvisionRequest, StageReport, StageStat
 import { tcpAddress, type TransportAddress } from "../src/domain/frames.js"
 import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../src/domain/ids.js"
 import { ProvisionStage, type RingSpec } from "../src/domain/plan.js"
+import { type StageFaultReason, StageFaultReasons } from "../src/domain/runEvents.js"
 import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
 import type { StageHost } from "../src/layers/agent/NodeAgent.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
@@ -75,6 +76,18 @@ const capacity: NodeCapacity = {
 
 const hello = new AgentHello({ dataAddress: tcpAddress(7001), pid: 4242 })
 
+/** Every stage fault reason, with and without the optional words; stage 20 + i of the fake host reports the i-th. */
+const everyReason: ReadonlyArray<StageFaultReason> = [
+  StageFaultReasons.WorkerCrashed(),
+  StageFaultReasons.WorkerCrashed({ message: "Error: boom\n    at stage" }),
+  StageFaultReasons.ProvisionFailed({ message: "already hosted" }),
+  StageFaultReasons.ModelLoadFailed({ message: "no memory" }),
+  StageFaultReasons.ExecutionFailed({ message: "ContextOverflow: 300 > 256" }),
+  StageFaultReasons.TransportFailed({ message: "PeerClosed: gone" }),
+  StageFaultReasons.ProtocolViolated({ message: "a middle stage produced logits" }),
+  StageFaultReasons.StoppedUnexpectedly()
+]
+
 /**
  * A fake agent's stage host: stage 0 loads, gets ready and stops with its counters; stage 1 faults
  * while loading; stage 9 loads and then hangs (to watch a dropped connection). `stops` records Stop calls.
@@ -84,10 +97,15 @@ const fakeHost = (stops: Ref.Ref<ReadonlyArray<number>>): StageHost => ({
     const { stageIndex } = req.provision
     const loading = StageReport.members[0].make({ runId, stageIndex, loadedBytes: 10, totalBytes: 20 })
     if (stageIndex === 9) return Stream.concat(Stream.make(loading), Stream.never)
+    if (stageIndex >= 20) return Stream.make(StageReport.members[2].make({ runId, stageIndex, reason: everyReason[stageIndex - 20]! }))
     if (stageIndex === 1) {
       return Stream.make(
         loading,
-        StageReport.members[2].make({ runId, stageIndex, kind: "LoadError", detail: `no memory for ${req.contextLength}` })
+        StageReport.members[2].make({
+          runId,
+          stageIndex,
+          reason: StageFaultReasons.ModelLoadFailed({ message: `no memory for ${req.contextLength}` })
+        })
       )
     }
     return Stream.make(
@@ -156,6 +174,18 @@ const tempDir = Effect.acquireRelease(
 )
 
 describe("control plane (AgentRpcs over the authenticated socket)", () => {
+  // A stage's fault reason is the run FSM's own vocabulary on the wire: every reason (an optional message
+  // present or absent) reaches the orchestrator's side of the link exactly as the agent reported it.
+  it.scopedLive("every stage fault reason crosses the control link unchanged", () =>
+    Effect.gen(function*() {
+      const { bound } = yield* serve()
+      const link = yield* connect(AgentControlRpc.formatAddress(bound))
+      for (const [i, reason] of everyReason.entries()) {
+        const reports = Chunk.toReadonlyArray(yield* Stream.runCollect(link.provision(request(20 + i))))
+        assert.deepStrictEqual(reports, [StageReport.members[2].make({ runId, stageIndex: 20 + i, reason })])
+      }
+    }))
+
   // Every RPC of the group round-trips through a real authenticated TCP socket: Hello, Capacity, the
   // Provision report stream (ending after StageStopped, a fault report included) and Stop.
   it.scopedLive("round-trips Hello, Capacity, Provision and Stop over a real socket", () =>
@@ -173,7 +203,14 @@ describe("control plane (AgentRpcs over the authenticated socket)", () => {
       assert.isTrue(stopped._tag === "StageStopped" && stopped.stats.decodeComputeMillis === 7)
 
       const faulted = Chunk.toReadonlyArray(yield* Stream.runCollect(link.provision(request(1))))
-      assert.deepStrictEqual(faulted[1], StageReport.members[2].make({ runId, stageIndex: 1, kind: "LoadError", detail: "no memory for 256" }))
+      assert.deepStrictEqual(
+        faulted[1],
+        StageReport.members[2].make({
+          runId,
+          stageIndex: 1,
+          reason: StageFaultReasons.ModelLoadFailed({ message: "no memory for 256" })
+        })
+      )
 
       yield* link.stop(runId, 0)
       yield* link.stop(runId, 0)

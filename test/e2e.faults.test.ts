@@ -10,7 +10,12 @@ import { NodeId } from "../src/domain/ids.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
 import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
 import { childPids, cuttingProxy, eventually, isAlive, startAgents } from "./support/e2e.js"
+import { agentEntry } from "./support/agentEntry.js"
 import { repoRoot, requireModel } from "./support/models.js"
+
+/** Data connections an agent refused because their run or edge was not registered there (from its log). */
+const refusedAttaches = (agent: LocalAgent) =>
+  agent.stderrTail().split("\n").filter((line) => /faulted: Unknown(Run|Edge)/.test(line))
 
 const longRun = (patch: Partial<GenerateRequest> = {}): GenerateRequest => ({
   model: requireModel("stories260K.gguf"),
@@ -149,10 +154,12 @@ describe("end to end faults: real agent processes", () => {
       assert.strictEqual(updates.filter((u) => u._tag === "TornDown").length, 1)
     }).pipe(Effect.scoped), 120_000)
 
-  // Agents whose stages never finish loading: the run faults at the readiness deadline, naming them.
+  // Agents whose stages never finish loading: the run faults at the readiness deadline, naming them. Meanwhile
+  // the orchestrator does not poll stage 0 with token-in connections (it connects once stage 0 is ready), so the
+  // agent logs no refused connection.
   it.live("an agent that never becomes ready faults the run at the readiness deadline", () =>
     Effect.gen(function*() {
-      const { layer } = yield* startAgents(2, { env: { SWACTOR_TEST_FAULT: "stall-load" } })
+      const { agents, layer } = yield* startAgents(2, { entry: agentEntry, extraArgs: () => ["--stall-load"] })
       const started = Date.now()
       const { result, updates } = yield* collect(
         run(longRun({ stages: 2, readinessTimeout: "3 seconds" })).pipe(Stream.provideLayer(layer))
@@ -163,6 +170,26 @@ describe("end to end faults: real agent processes", () => {
       assert.include(error.message, "readiness deadline")
       assert.isAtLeast(Date.now() - started, 3000)
       assert.strictEqual(updates.filter((u) => u._tag === "TornDown").length, 1)
+      for (const agent of agents) assert.deepStrictEqual(refusedAttaches(agent), [])
+    }).pipe(Effect.scoped), 60_000)
+
+  // A stage whose next stage is still loading retries its outbound connect with a capped backoff: over a 3 s
+  // readiness window the loading agent refuses a handful of attaches (the schedule allows ~17), not one per
+  // 25 ms (~120). Equal declared speeds keep the placement in node order: stage 1 on the stalled agent 1.
+  it.live("a stage waiting for a loading next stage retries its connect with a capped backoff", () =>
+    Effect.gen(function*() {
+      const { agents, layer } = yield* startAgents(2, {
+        entry: agentEntry,
+        extraArgs: (index) => ["--speed", "1e9", ...(index === 1 ? ["--stall-load"] : [])]
+      })
+      const { result } = yield* collect(
+        run(longRun({ stages: 2, readinessTimeout: "3 seconds" })).pipe(Stream.provideLayer(layer))
+      )
+      const error = (result as Either.Left<{ _tag: string; reason?: unknown }, void>).left
+      assert.deepStrictEqual(error.reason, { _tag: "ReadinessTimeout", missingStages: [0, 1], missingEndpoints: ["TokenIn"] })
+      const refused = refusedAttaches(agents[1]!)
+      assert.isAtLeast(refused.length, 3, "stage 0 never tried to reach stage 1")
+      assert.isAtMost(refused.length, 30, `${refused.length} refused attaches in 3 s`)
     }).pipe(Effect.scoped), 60_000)
 
   // Closing the stream early is an operator stop: the stream's finalizer waits for the full teardown,

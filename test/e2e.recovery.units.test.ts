@@ -1,7 +1,7 @@
 // Pure parts of recovery (no processes): the next placement, which faults are recoverable, stragglers.
 import { assert, describe, it } from "@effect/vitest"
 import { NodeId } from "../src/domain/ids.js"
-import { StageFaultReasons } from "../src/domain/runEvents.js"
+import { type StageFaultReason, StageFaultReasons } from "../src/domain/runEvents.js"
 import { Either } from "effect"
 import { absorbPlacement, isRecoverable, replan, type Survivor } from "../src/layers/orchestrator/Recovery.js"
 import { findStragglers } from "../src/layers/orchestrator/RunReport.js"
@@ -72,12 +72,16 @@ describe("recovery, pure parts", () => {
   })
   // A lost node or worker, a broken transport: recoverable. A bad model or execution error: not.
   it("isRecoverable: node and transport faults yes, model and execution faults no", () => {
-    const stage = (reason: ReturnType<typeof StageFaultReasons.WorkerCrashed> | ReturnType<typeof StageFaultReasons.ModelLoadFailed> | ReturnType<typeof StageFaultReasons.ExecutionFailed>) =>
-      ({ _tag: "StageFault", stageIndex: 1, reason }) as const
+    const stage = (reason: StageFaultReason) => ({ _tag: "StageFault", stageIndex: 1, reason }) as const
     assert.isTrue(isRecoverable(stage(StageFaultReasons.WorkerCrashed())))
+    // a stage that failed unexpectedly on its agent (the agent says why) is a crashed worker too
+    assert.isTrue(isRecoverable(stage(StageFaultReasons.WorkerCrashed({ message: "Error: boom" }))))
+    assert.isTrue(isRecoverable(stage(StageFaultReasons.TransportFailed({ message: "PeerClosed" }))))
     assert.isTrue(isRecoverable({ _tag: "MembershipLost", nodeId: n(2) } as never))
     assert.isFalse(isRecoverable(stage(StageFaultReasons.ModelLoadFailed({ message: "bad file" }))))
     assert.isFalse(isRecoverable(stage(StageFaultReasons.ExecutionFailed({ message: "engine" }))))
+    assert.isFalse(isRecoverable(stage(StageFaultReasons.ProtocolViolated({ message: "a middle stage produced logits" }))))
+    assert.isFalse(isRecoverable(stage(StageFaultReasons.ProvisionFailed({ message: "already hosted" }))))
   })
   // A token over 4× the median of the 16 before it (and 5 ms slower) is a straggler; steady ones are not.
   it("findStragglers: reports a slow token against the recent median", () => {

@@ -6,6 +6,7 @@ import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
+import { AgentControl, type StageReport } from "../src/services/AgentLinks.js"
 import { requireModel } from "./support/models.js"
 
 // The test engine mirrors stories260K's facts (read from the real file): 5 blocks, hidden 64, EOS 2.
@@ -18,13 +19,25 @@ const testModel: StageExecutorTest.TestModel = {
   bosTokenId: 1
 }
 
-const world = (agents: number) =>
+/** In-memory agents and an orchestrator over them; `onReport` sees every stage report the orchestrator receives. */
+const world = (agents: number, onReport?: (report: StageReport) => void) =>
   Effect.gen(function*() {
     const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerTest(testModel)))
+    const links = onReport === undefined ? memory.layer : Layer.effect(
+      AgentControl,
+      Effect.map(AgentControl, (control) =>
+        AgentControl.of({
+          connect: (node, token) =>
+            Effect.map(control.connect(node, token), (link) => ({
+              ...link,
+              provision: (request) => link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
+            }))
+        }))
+    ).pipe(Layer.provideMerge(memory.layer))
     const orchestrator = yield* Effect.provide(
       Orchestrator,
       OrchestratorLive.layer.pipe(
-        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer))
+        Layer.provide(Layer.mergeAll(links, TokenizerLive.layerTest, MembershipLive.layer))
       )
     )
     return { memory, orchestrator }
@@ -85,6 +98,27 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
         assert.strictEqual(error.reason._tag, "StageFault")
         assert.include(error.message, "stage 0")
         assert.include(error.message, "ContextOverflow")
+      }
+    }).pipe(Effect.scoped))
+
+  // One fault vocabulary: the reason a stage's agent reports is the run's fault reason, unchanged (no mapping
+  // that drops or rewords it on the way).
+  it.live("a stage's fault reason arrives unchanged as the run's fault", () =>
+    Effect.gen(function*() {
+      const faults: Array<Extract<StageReport, { _tag: "StageFault" }>> = []
+      const { orchestrator } = yield* world(3, (report) => {
+        if (report._tag === "StageFault") faults.push(report)
+      })
+      const error = yield* Effect.flip(Stream.runCollect(
+        orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 }))
+      ))
+      // The root cause first (stage 0's engine); the others' broken edges are its echoes.
+      const reported = faults[0]!
+      assert.strictEqual(reported.stageIndex, 0)
+      assert.strictEqual(reported.reason._tag, "ExecutionFailed")
+      assert.strictEqual(error._tag, "RunFaulted")
+      if (error._tag === "RunFaulted") {
+        assert.deepStrictEqual(error.reason, { _tag: "StageFault", stageIndex: reported.stageIndex, reason: reported.reason })
       }
     }).pipe(Effect.scoped))
 

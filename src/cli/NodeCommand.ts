@@ -12,11 +12,11 @@ import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/agent/LocalAgents.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
-import { layerSlowed, slowdownFromEnv } from "../layers/engine/StageExecutorSlowed.js"
 import { startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
+import { layerSlowed, slowdownFromEnv } from "../layers/engine/StageExecutorSlowed.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
-import { StageExecutor } from "../services/StageExecutor.js"
+import type { StageExecutor } from "../services/StageExecutor.js"
 import { clusterToken, minTokenLength, optionalWholeNumber, withShownDefault } from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
 
@@ -25,16 +25,18 @@ export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonl
 /** How long after its ready line an agent started with `--speed-probe after-ready` measures its speed. */
 const laterProbeDelay = "2 seconds"
 
-/** Test hook: SWACTOR_TEST_FAULT=stall-load makes every stage load hang (an agent that never becomes ready). */
-const faultHook = process.env["SWACTOR_TEST_FAULT"]
-
-/** Bench hook: SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine k times slower (StageExecutorSlowed.ts). */
+/**
+ * Bench knob: SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine k times slower and divides its measured speed by k
+ * (StageExecutorSlowed.ts; bench:cluster's throttled node). Unset: no effect.
+ */
 const slowdown = slowdownFromEnv()
 
-const stallingExecutor = Layer.effect(
-  StageExecutor,
-  Effect.map(StageExecutor, (executor) => ({ ...executor, load: () => Effect.never }))
-)
+/** The stage executor an agent runs stages with, per `--engine`. */
+export type StageExecutorFor = (engine: NodeArgs["engine"]) => Layer.Layer<StageExecutor>
+
+/** ggml (`live`), or the deterministic double (`test`). */
+export const stageExecutorFor: StageExecutorFor = (engine) =>
+  engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
 
 const address = (text: string, flag: string): Effect.Effect<TransportAddress, NodeUsageError> => {
   const parsed = parseAddress(text)
@@ -60,14 +62,14 @@ export interface NodeArgs {
 }
 
 /** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
-export const runNodeCommand = (args: NodeArgs) =>
-  untilOperatorStop(runNode(args), {
+export const runNodeCommand = (args: NodeArgs, executorFor: StageExecutorFor = stageExecutorFor) =>
+  untilOperatorStop(runNode(args, executorFor), {
     stdoutClosedStops: false,
     onStop: (stop) =>
       stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void
   })
 
-const runNode = (args: NodeArgs) =>
+const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
   Effect.gen(function*() {
     const token = yield* clusterToken(args.tokenFile)
     if (token === "") {
@@ -106,9 +108,8 @@ const runNode = (args: NodeArgs) =>
         )
       )
       : undefined
-    const engine = args.engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
-    const slowed = slowdown > 1 ? layerSlowed(slowdown).pipe(Layer.provide(engine)) : engine
-    const executor = faultHook === "stall-load" ? stallingExecutor.pipe(Layer.provide(slowed)) : slowed
+    const engine = executorFor(args.engine)
+    const executor = slowdown > 1 ? layerSlowed(slowdown).pipe(Layer.provide(engine)) : engine
 
     yield* Effect.gen(function*() {
       const agent = yield* startNodeAgent({
@@ -154,58 +155,62 @@ const runNode = (args: NodeArgs) =>
     )
   )
 
-export const nodeCommand = Command.make(
-  "node",
-  {
-    listen: Options.text("listen").pipe(
-      Options.withDescription("control address host:port (use 0.0.0.0:PORT to serve other machines)"),
-      withShownDefault("127.0.0.1:7070")
-    ),
-    dataListen: Options.text("data-listen").pipe(
-      Options.withDescription("data-plane address host:port or a Unix socket path (default: the control host, any port)"),
-      Options.optional
-    ),
-    dataAdvertise: Options.text("data-advertise").pipe(
-      Options.withDescription("data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"),
-      Options.optional
-    ),
-    threads: Options.integer("threads").pipe(
-      Options.withDescription("engine threads per stage (default: every core)"),
-      Options.optional
-    ),
-    backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
-      Options.withDescription("ggml backend: cpu, cuda (node-llama-cpp's CUDA package) or auto"),
-      withShownDefault("cpu" as const)
-    ),
-    memoryLimit: Options.integer("memory-limit").pipe(
-      Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
-      Options.optional
-    ),
-    speed: Options.float("speed").pipe(
-      Options.withDescription("declared engine speed in weight bytes per second (placement; default: measured at start)"),
-      Options.optional
-    ),
-    speedProbe: Options.choice("speed-probe", ["start", "after-ready"]).pipe(
-      Options.withDescription(
-        "measure the engine's speed before announcing ready (start) or 2 s after (after-ready: none reported until then)"
+/** `swactor node` over the given stage executors (tests start agents with doubles: test/support/agentEntry.ts). */
+export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor) =>
+  Command.make(
+    "node",
+    {
+      listen: Options.text("listen").pipe(
+        Options.withDescription("control address host:port (use 0.0.0.0:PORT to serve other machines)"),
+        withShownDefault("127.0.0.1:7070")
       ),
-      withShownDefault("start" as const)
-    ),
-    engine: Options.choice("engine", ["live", "test"]).pipe(
-      Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
-      withShownDefault("live" as const)
-    ),
-    tokenFile: Options.text("token-file").pipe(
-      Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
-      Options.optional
-    ),
-    cacheDir: Options.text("cache-dir").pipe(
-      Options.withDescription("where weight slices delivered by orchestrators are kept (default: $XDG_CACHE_HOME/swactor/slices)"),
-      Options.optional
-    ),
-    slicesOnly: Options.boolean("slices-only").pipe(
-      Options.withDescription("never read the orchestrator's model paths here: load only the slices it delivers")
-    )
-  },
-  runNodeCommand
-).pipe(Command.withDescription("Run a node agent that hosts pipeline stages for orchestrators with the cluster token"))
+      dataListen: Options.text("data-listen").pipe(
+        Options.withDescription("data-plane address host:port or a Unix socket path (default: the control host, any port)"),
+        Options.optional
+      ),
+      dataAdvertise: Options.text("data-advertise").pipe(
+        Options.withDescription("data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"),
+        Options.optional
+      ),
+      threads: Options.integer("threads").pipe(
+        Options.withDescription("engine threads per stage (default: every core)"),
+        Options.optional
+      ),
+      backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
+        Options.withDescription("ggml backend: cpu, cuda (node-llama-cpp's CUDA package) or auto"),
+        withShownDefault("cpu" as const)
+      ),
+      memoryLimit: Options.integer("memory-limit").pipe(
+        Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
+        Options.optional
+      ),
+      speed: Options.float("speed").pipe(
+        Options.withDescription("declared engine speed in weight bytes per second (placement; default: measured at start)"),
+        Options.optional
+      ),
+      speedProbe: Options.choice("speed-probe", ["start", "after-ready"]).pipe(
+        Options.withDescription(
+          "measure the engine's speed before announcing ready (start) or 2 s after (after-ready: none reported until then)"
+        ),
+        withShownDefault("start" as const)
+      ),
+      engine: Options.choice("engine", ["live", "test"]).pipe(
+        Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
+        withShownDefault("live" as const)
+      ),
+      tokenFile: Options.text("token-file").pipe(
+        Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
+        Options.optional
+      ),
+      cacheDir: Options.text("cache-dir").pipe(
+        Options.withDescription("where weight slices delivered by orchestrators are kept (default: $XDG_CACHE_HOME/swactor/slices)"),
+        Options.optional
+      ),
+      slicesOnly: Options.boolean("slices-only").pipe(
+        Options.withDescription("never read the orchestrator's model paths here: load only the slices it delivers")
+      )
+    },
+    (args) => runNodeCommand(args, executorFor)
+  ).pipe(Command.withDescription("Run a node agent that hosts pipeline stages for orchestrators with the cluster token"))
+
+export const nodeCommand = makeNodeCommand()

@@ -9,9 +9,9 @@
  * - `Hello` → the agent's data-plane address and pid (`AgentHello`).
  * - `Capacity` → its heartbeat answer (`NodeCapacity`).
  * - `Provision` → a stream of `StageReport`s for one stage (loading progress, ready, per-step timings while it
- *   runs, then fault or stopped with the stage's compute counters). The stream ends after `StageStopped`; a dropped
- *   connection fails it at once (a crashed agent is a fault, never a hang), and the agent
- *   interrupts the handlers of a client that went away (its stages stop).
+ *   runs, then fault with a `StageFaultReason` of src/domain/runEvents.ts, or stopped with the stage's compute
+ *   counters). The stream ends after `StageStopped`; a dropped connection fails it at once (a crashed agent is a
+ *   fault, never a hang), and the agent interrupts the handlers of a client that went away (its stages stop).
  * - `Stop` → asks a stage to stop (idempotent).
  * - `WeightsCheck` / `SliceChunk` / `SliceFinish` → weight delivery: whether the agent holds a stage's tensors (the
  *   model path with the same tensor hash, or a verified slice in its slice cache), the slice's bytes at an offset
@@ -25,17 +25,7 @@ import { Schema } from "effect"
 import { TransportAddress } from "./frames.js"
 import { RunId } from "./ids.js"
 import { ProvisionStage } from "./plan.js"
-
-/** Why a stage faulted, in words the orchestrator can act on. */
-export const StageFaultKind = Schema.Literal(
-  "LoadError",
-  "WorkerCrashed",
-  "TransportError",
-  "EngineError",
-  "ProtocolError",
-  "Rejected"
-)
-export type StageFaultKind = typeof StageFaultKind.Type
+import { StageFaultReason } from "./runEvents.js"
 
 /** Per-stage counters, reported when the stage stops. */
 export class StageStats extends Schema.Class<StageStats>("StageStats")({
@@ -69,12 +59,8 @@ export const StageReport = Schema.Union(
     loadMillis: Schema.Number,
     cachedWeights: Schema.Boolean
   }),
-  Schema.TaggedStruct("StageFault", {
-    runId: RunId,
-    stageIndex: Schema.Number,
-    kind: StageFaultKind,
-    detail: Schema.String
-  }),
+  /** Why the stage failed, in the run FSM's own vocabulary: the orchestrator passes it on unchanged. */
+  Schema.TaggedStruct("StageFault", { runId: RunId, stageIndex: Schema.Number, reason: StageFaultReason }),
   Schema.TaggedStruct("StageStopped", { runId: RunId, stageIndex: Schema.Number, stats: StageStats }),
   /**
    * The stage's decode steps since its last such report (sent every 16 steps or 250 ms, and before StageStopped),

@@ -12,6 +12,8 @@ import { Edge, ProvisionStage, RunPlan } from "./plan.js"
 type Tagged = { readonly _tag: string }
 type Constructors<A extends Tagged> = {
   readonly [K in A["_tag"]]: keyof Omit<Extract<A, { _tag: K }>, "_tag"> extends never ? () => Extract<A, { _tag: K }>
+    // only optional fields: the argument may be left out
+    : {} extends Omit<Extract<A, { _tag: K }>, "_tag"> ? (args?: Omit<Extract<A, { _tag: K }>, "_tag">) => Extract<A, { _tag: K }>
     : (args: Omit<Extract<A, { _tag: K }>, "_tag">) => Extract<A, { _tag: K }>
 }
 /** Builds plain-object constructors for every tag of a union; the record makes the compiler check it lists all. */
@@ -29,13 +31,24 @@ const NonNegativeInt = Schema.Number.pipe(Schema.int(), Schema.nonNegative())
 export const EndpointKind = Schema.Literal("TokenIn", "TokenOut")
 export type EndpointKind = typeof EndpointKind.Type
 
-/** Why a stage failed, as reported by its node agent (or inferred by the orchestrator). */
+/**
+ * Why a stage failed: the one vocabulary from the node agent (its `StageFault` report carries it over the control
+ * link, src/domain/controlRpc.ts) through the run FSM to the caller's `RunFaulted`. The orchestrator infers some
+ * itself (a link that broke: `WorkerCrashed` without a message; `StoppedUnexpectedly`).
+ */
 export const StageFaultReason = Schema.Union(
-  Schema.TaggedStruct("WorkerCrashed", {}),
+  /** The stage's worker died: its agent went away (no message), or the stage itself failed unexpectedly (its cause). */
+  Schema.TaggedStruct("WorkerCrashed", { message: Schema.optional(Schema.String) }),
+  /** The agent refused the stage (e.g. it already hosts that stage of that run). */
   Schema.TaggedStruct("ProvisionFailed", { message: Schema.String }),
+  /** The stage's weights or its engine session could not be loaded. */
   Schema.TaggedStruct("ModelLoadFailed", { message: Schema.String }),
+  /** The engine failed on a frame (e.g. the context overflowed). */
   Schema.TaggedStruct("ExecutionFailed", { message: Schema.String }),
+  /** An edge of the stage broke (the next stage unreachable, a peer closed or faulted, a malformed frame). */
   Schema.TaggedStruct("TransportFailed", { message: Schema.String }),
+  /** A frame or an output the stage's place in the pipeline does not allow (a peer broke the data protocol). */
+  Schema.TaggedStruct("ProtocolViolated", { message: Schema.String }),
   /** The stage reported StageStopped before the run reached a terminal outcome. */
   Schema.TaggedStruct("StoppedUnexpectedly", {})
 )
@@ -46,8 +59,12 @@ export const StageFaultReasons = constructors<StageFaultReason>({
   ModelLoadFailed: true,
   ExecutionFailed: true,
   TransportFailed: true,
+  ProtocolViolated: true,
   StoppedUnexpectedly: true
 })
+/** The words a stage fault reason carries, if any (the orchestrator's own inferences may have none). */
+export const stageFaultMessage = (reason: StageFaultReason): string | undefined =>
+  "message" in reason ? reason.message : undefined
 
 /** Why a run faulted. The first one observed is the run's reason; later ones never replace it. */
 export const RunFaultReason = Schema.Union(

@@ -11,7 +11,7 @@
  * control-plane RPC group (src/domain/controlRpc.ts); the in-memory layers here make the whole
  * distributed path testable in one process.
  */
-import { Context, type Effect, Schema, type Scope, type Stream } from "effect"
+import { Context, type Effect, Schedule, Schema, type Scope, type Stream } from "effect"
 import type {
   AgentHello,
   ProvisionRequest,
@@ -33,7 +33,10 @@ export interface EdgeRef {
 }
 
 export interface EdgeReceiver {
-  /** The next whole frame, in order. */
+  /**
+   * The next whole frame, in order. An activation's payload may be a view of the edge's shared-memory ring, valid
+   * until the next `receive`: read it (or copy it) before asking for the next frame.
+   */
   readonly receive: Effect.Effect<DataFrame, EdgeFault>
 }
 
@@ -63,7 +66,7 @@ export interface DataPlaneService {
 export class DataPlane extends Context.Tag("swactor/DataPlane")<DataPlane, DataPlaneService>() {}
 
 // The messages that cross the control link live with its RPC group in the domain.
-export { AgentHello, ProvisionRequest, StageFaultKind, StageReport, StageStats } from "../domain/controlRpc.js"
+export { AgentHello, ProvisionRequest, StageReport, StageStats } from "../domain/controlRpc.js"
 
 /** The control link to an agent broke (connection refused or closed, bad token, RPC failure). */
 export class AgentUnavailable extends Schema.TaggedError<AgentUnavailable>()("AgentUnavailable", {
@@ -146,6 +149,13 @@ export const isNotYetRegistered = (fault: EdgeFault): boolean =>
   fault._tag === "UnknownRun" ||
   fault._tag === "ConnectFailed" ||
   (fault._tag === "PeerFaulted" && (fault.reason === "UnknownRun" || fault.reason === "UnknownEdge"))
+
+/**
+ * How a producer retries a connect the consumer refused as not yet registered (`isNotYetRegistered`): quickly at
+ * first, then every 250 ms at most. Every refused attempt costs both ends a connection, a handshake and a log line,
+ * and the consumer may load its weights for minutes.
+ */
+export const notYetRegisteredRetry = Schedule.exponential("10 millis").pipe(Schedule.either(Schedule.spaced("250 millis")))
 
 /** Frames are built with the domain's builders; re-exported here for the stage and orchestrator loops. */
 export { dataFrame } from "../domain/frames.js"

@@ -55,6 +55,11 @@ export interface LocalAgentsOptions {
   readonly threads?: number
   /** Stage engine for the agents ("live" ggml by default; "test" for the deterministic double). */
   readonly engine?: "live" | "test"
+  /**
+   * Node arguments that run the `swactor` program instead of dist/main.js (tests start agents from a fixture entry
+   * with other stage executors: test/support/agentEntry.ts).
+   */
+  readonly entry?: ReadonlyArray<string>
   /** Extra arguments after `node` (e.g. fault-injection flags in tests). */
   readonly extraArgs?: (index: number) => ReadonlyArray<string>
   readonly env?: Readonly<Record<string, string>>
@@ -124,8 +129,10 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       ...(options.engine === "test" ? ["--engine", "test"] : []),
       ...(options.extraArgs?.(index) ?? [])
     ]
-    const { command, args: argv } = swactorCommand(args)
-    if (!existsSync(argv[0]!)) {
+    const { command, args: argv } = options.entry === undefined
+      ? swactorCommand(args)
+      : { command: process.execPath, args: [...options.entry, ...args] }
+    if (options.entry === undefined && !existsSync(argv[0]!)) {
       return yield* new AgentSpawnError({ index, message: `${argv[0]} is missing: build the package first (npm run build)` })
     }
     const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"

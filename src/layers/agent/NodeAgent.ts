@@ -5,11 +5,11 @@
  *   second run on the same range does not reload; an idle range is released after a while.
  * - Every hosted stage has its own KV cache (an engine session), its own inbound edge registered
  *   on the agent's data listener and its own outbound connection.
- * - A stage reports StageLoading → StageReady, then StageFault (with a kind and words) or, once
+ * - A stage reports StageLoading → StageReady, then StageFault (with its StageFaultReason) or, once
  *   stopped, StageStopped with its counters; its report stream ends there.
  */
 import * as Os from "node:os"
-import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Schedule, type Scope, Stream } from "effect"
+import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, type Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../../domain/engine.js"
 import {
   type DataFrame,
@@ -18,6 +18,7 @@ import {
   type TransportAddress
 } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
+import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
 import type { SamplingPolicy } from "../../domain/plan.js"
 import {
   AgentHello,
@@ -27,8 +28,8 @@ import {
   DataPlane,
   type EdgeSender,
   isNotYetRegistered,
+  notYetRegisteredRetry,
   type ProvisionRequest,
-  type StageFaultKind,
   type StageHost,
   type StageReport,
   StageStats
@@ -73,7 +74,11 @@ interface CachedModel {
   readonly batcher: StageBatcher
 }
 
-class StageFailure extends Data.TaggedError("StageFailure")<{ readonly kind: StageFaultKind; readonly detail: string }> {}
+/** A stage's failure, already in the words of its `StageFault` report. */
+class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
+const loadFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.ModelLoadFailed({ message }) })
+const transportFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.TransportFailed({ message }) })
+const protocolViolated = (message: string) => new StageFailure({ reason: StageFaultReasons.ProtocolViolated({ message }) })
 
 const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
   const p = request.provision
@@ -132,19 +137,16 @@ export const makeStageHost = (
         edgeId: p.outbound.edgeId,
         ring: p.outbound.ring
       }, options.token).pipe(
-        // The consumer may not have registered the edge yet: retry until the connect deadline.
-        Effect.retry({
-          schedule: Schedule.spaced("25 millis"),
-          while: isNotYetRegistered
-        }),
+        // The consumer may not have registered the edge yet (it may still be loading): retry until the connect deadline.
+        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
         Effect.timeoutFail({
           duration: options.connectTimeout ?? "10 minutes",
-          onTimeout: () => new StageFailure({ kind: "TransportError", detail: "timed out connecting to the next stage" })
+          onTimeout: () => transportFailed("timed out connecting to the next stage")
         }),
         Effect.mapError((fault) =>
           fault instanceof StageFailure
             ? fault
-            : new StageFailure({ kind: "TransportError", detail: `cannot reach the next stage: ${describeFault(fault)}` })
+            : transportFailed(`cannot reach the next stage: ${describeFault(fault)}`)
         )
       )
     }
@@ -182,15 +184,15 @@ export const makeStageHost = (
             reports.unsafeOffer({ _tag: "StageLoading", runId, stageIndex, loadedBytes, totalBytes })
           })
           const { batcher, loaded } = yield* RcMap.get(models, key).pipe(
-            Effect.mapError((error) => new StageFailure({ kind: "LoadError", detail: `${error.reason}: ${error.message}` }))
+            Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`))
           )
           progressSinks.delete(key)
           const session = yield* executor.session(loaded, {
             contextLength: Math.min(request.contextLength, loaded.info.contextLength),
             threads: request.threads ?? options.threads
-          }).pipe(Effect.mapError((error) => new StageFailure({ kind: "LoadError", detail: `${error.reason}: ${error.message}` })))
+          }).pipe(Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
           const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
-            Effect.mapError((fault) => new StageFailure({ kind: "TransportError", detail: `cannot open the inbound edge: ${describeFault(fault)}` }))
+            Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`))
           )
           const outbound: EdgeSender = yield* connectOutbound(request)
           stats.loadMillis = performance.now() - started
@@ -206,7 +208,7 @@ export const makeStageHost = (
           const sample = isLast ? makeSampler(sampling, sampling.startPosition ?? 0) : undefined
           const eosTokenId = p.model.eosTokenId
           let position = 0
-          const transport = (fault: EdgeFault) => new StageFailure({ kind: "TransportError", detail: describeFault(fault) })
+          const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
           const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
           flushTimings = timings.flush
 
@@ -216,14 +218,14 @@ export const makeStageHost = (
               let startPos: number
               if (isFirst) {
                 if (frame._tag !== "TokenFrame" || frame.payload._tag === "Sampled") {
-                  return yield* new StageFailure({ kind: "ProtocolError", detail: `stage 0 expects token frames, got ${frame._tag}` })
+                  return yield* protocolViolated(`stage 0 expects token frames, got ${frame._tag}`)
                 }
                 const tokens = frame.payload._tag === "Prompt" ? frame.payload.tokens : [frame.payload.tokenId]
                 input = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
                 startPos = position
               } else {
                 if (frame._tag !== "ActivationFrame") {
-                  return yield* new StageFailure({ kind: "ProtocolError", detail: `stage ${stageIndex} expects activations, got ${frame._tag}` })
+                  return yield* protocolViolated(`stage ${stageIndex} expects activations, got ${frame._tag}`)
                 }
                 input = { _tag: "Hidden", hidden: frame.payload, nTokens: frame.nTokens }
                 startPos = frame.startPos
@@ -231,7 +233,9 @@ export const makeStageHost = (
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
               const t0 = performance.now()
               const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount).pipe(
-                Effect.mapError((error) => new StageFailure({ kind: "EngineError", detail: `${error._tag}: ${errorWords(error)}` }))
+                Effect.mapError((error) =>
+                  new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) })
+                )
               )
               const t1 = performance.now()
               const elapsed = t1 - t0
@@ -245,7 +249,7 @@ export const makeStageHost = (
               position = startPos + nTokens
               let handOffStart = t1
               if (output._tag === "Hidden") {
-                if (isLast) return yield* new StageFailure({ kind: "ProtocolError", detail: "the last stage produced hidden states" })
+                if (isLast) return yield* protocolViolated("the last stage produced hidden states")
                 yield* outbound.send(
                   dataFrame({
                     _tag: "ActivationFrame",
@@ -262,7 +266,7 @@ export const makeStageHost = (
                   })
                 ).pipe(Effect.mapError(transport))
               } else {
-                if (sample === undefined) return yield* new StageFailure({ kind: "ProtocolError", detail: "a middle stage produced logits" })
+                if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
                 const tokenId = sample(output.logits)
                 handOffStart = performance.now()
                 yield* outbound.send(
@@ -294,9 +298,9 @@ export const makeStageHost = (
           const failure = Cause.failureOption(exit.cause)
           const fault = Option.isSome(failure) && failure.value instanceof StageFailure
             ? failure.value
-            : new StageFailure({ kind: "WorkerCrashed", detail: Cause.pretty(exit.cause) })
+            : new StageFailure({ reason: StageFaultReasons.WorkerCrashed({ message: Cause.pretty(exit.cause) }) })
           if (!Cause.isInterruptedOnly(exit.cause)) {
-            yield* reports.offer({ _tag: "StageFault", runId, stageIndex, kind: fault.kind, detail: fault.detail })
+            yield* reports.offer({ _tag: "StageFault", runId, stageIndex, reason: fault.reason })
           }
         }
         yield* reports.offer({ _tag: "StageStopped", runId, stageIndex, stats: new StageStats(stats) })
@@ -313,8 +317,9 @@ export const makeStageHost = (
               _tag: "StageFault",
               runId: p.runId,
               stageIndex: p.stageIndex,
-              kind: "Rejected",
-              detail: `stage ${p.stageIndex} of run ${p.runId} is already hosted here`
+              reason: StageFaultReasons.ProvisionFailed({
+                message: `stage ${p.stageIndex} of run ${p.runId} is already hosted here`
+              })
             })
             yield* reports.end
             return Mailbox.toStream(reports)
@@ -328,9 +333,10 @@ export const makeStageHost = (
               _tag: "StageFault",
               runId: p.runId,
               stageIndex: p.stageIndex,
-              kind: "LoadError",
-              detail: `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered to this ` +
-                "node, and it does not read model paths (--slices-only)"
+              reason: StageFaultReasons.ModelLoadFailed({
+                message: `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered ` +
+                  "to this node, and it does not read model paths (--slices-only)"
+              })
             })
             yield* reports.end
             return Mailbox.toStream(reports)

@@ -578,7 +578,8 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   if (spec.isLast) {
     const all = new Float32Array(hp.nVocab * items.length)
     raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
-    return items.map((_, s) => ({ _tag: "Logits", logits: all.slice(s * hp.nVocab, (s + 1) * hp.nVocab) }))
+    // Views of the one read-back (fresh per call): no second copy per sequence.
+    return items.map((_, s) => ({ _tag: "Logits", logits: all.subarray(s * hp.nVocab, (s + 1) * hp.nVocab) }))
   }
   const all = new Float32Array(hp.nEmbd * nTotal)
   raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
@@ -587,7 +588,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     const seg = segments[s]!
     return {
       _tag: "Hidden",
-      hidden: all.slice(seg.offset * hp.nEmbd, (seg.offset + seg.n) * hp.nEmbd),
+      hidden: all.subarray(seg.offset * hp.nEmbd, (seg.offset + seg.n) * hp.nEmbd),
       nTokens: seg.n
     }
   })

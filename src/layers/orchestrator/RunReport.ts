@@ -1,35 +1,19 @@
 /**
- * The orchestrator's report, all pure: a stage's fault report in the FSM's vocabulary, a run's fault in
- * words, how a lifecycle turns into updates for the caller, and the summary of a completed run.
+ * The orchestrator's report, all pure: a run's fault in words, how a lifecycle turns into updates for the
+ * caller, and the summary of a completed run.
  */
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
-import type { LifecycleEvent, RunFaultReason, StageFaultReason } from "../../domain/runEvents.js"
-import { StageFaultReasons } from "../../domain/runEvents.js"
+import { type LifecycleEvent, type RunFaultReason, type StageFaultReason, stageFaultMessage } from "../../domain/runEvents.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
 import type { RunSummary, RunUpdate, StageStragglers, StageSummary, Straggler } from "../../services/Orchestrator.js"
 import type { StageStepSummary } from "../../services/StageStragglers.js"
 
-/** A stage's fault report (the agent's kind and words) as the run FSM's stage fault reason. */
-export const stageFaultReason = (report: Extract<StageReport, { _tag: "StageFault" }>): StageFaultReason => {
-  switch (report.kind) {
-    case "LoadError":
-      return StageFaultReasons.ModelLoadFailed({ message: report.detail })
-    case "WorkerCrashed":
-      return StageFaultReasons.WorkerCrashed()
-    case "TransportError":
-      return StageFaultReasons.TransportFailed({ message: report.detail })
-    case "EngineError":
-    case "ProtocolError":
-      return StageFaultReasons.ExecutionFailed({ message: report.detail })
-    case "Rejected":
-      return StageFaultReasons.ProvisionFailed({ message: report.detail })
-  }
-}
-
 const describeStageReason = (reason: StageFaultReason): string => {
   switch (reason._tag) {
     case "WorkerCrashed":
-      return "its agent crashed or became unreachable"
+      return reason.message === undefined
+        ? "its agent crashed or became unreachable"
+        : `its worker crashed: ${reason.message}`
     case "ProvisionFailed":
       return `provisioning failed: ${reason.message}`
     case "ModelLoadFailed":
@@ -38,6 +22,8 @@ const describeStageReason = (reason: StageFaultReason): string => {
       return `execution failed: ${reason.message}`
     case "TransportFailed":
       return `transport failed: ${reason.message}`
+    case "ProtocolViolated":
+      return `data protocol violated: ${reason.message}`
     case "StoppedUnexpectedly":
       return "it stopped unexpectedly"
   }
@@ -56,7 +42,7 @@ export const describeRunFault = (reason: RunFaultReason, context: FaultContext):
     case "StageFault": {
       const node = context.addressOf(context.stageNode(reason.stageIndex))
       // Reasons with a message already carry the stage's words.
-      const extra = "message" in reason.reason ? undefined : context.detail(`stage:${reason.stageIndex}`)
+      const extra = stageFaultMessage(reason.reason) === undefined ? context.detail(`stage:${reason.stageIndex}`) : undefined
       return `stage ${reason.stageIndex} (agent ${node}) faulted: ${describeStageReason(reason.reason)}${extra === undefined ? "" : ` (${extra})`}`
     }
     case "EndpointFault": {

@@ -9,12 +9,13 @@ import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stre
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type NodeId, RunId } from "../../domain/ids.js"
 import type { Edge, LayerRange, ProvisionStage, RunPlan } from "../../domain/plan.js"
-import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, StageFaultReasons } from "../../domain/runEvents.js"
+import { type LifecycleEvent, type RunCommand, type RunEvent, RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
 import {
   dataFrame,
   DataPlane,
   type EdgeSender,
   isNotYetRegistered,
+  notYetRegisteredRetry,
   ProvisionRequest,
   type StageStats
 } from "../../services/AgentLinks.js"
@@ -30,7 +31,7 @@ import { planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
 import { makeStageStragglerDetector, stepsOf } from "../../services/StageStragglers.js"
 import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
-import { describeRunFault, faultWords, stageFaultReason, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
+import { describeRunFault, faultWords, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
 
 const consequenceGrace = "300 millis"
 
@@ -124,9 +125,14 @@ export const driveRun = (
     const noteDetail = (key: string, text: string) => {
       if (!details.has(key)) details.set(key, text)
     }
+    const noteStageWords = (stageIndex: number, words: string | undefined) => {
+      if (words !== undefined) noteDetail(`stage:${stageIndex}`, words)
+    }
     const stageStats = new Map<number, StageStats>()
     const stragglerDetector = makeStageStragglerDetector(request.stragglers ?? warm.options.stragglers)
     const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
+    // Stage 0 registers its inbound (token-in) edge before it reports ready: the orchestrator connects after that.
+    const firstStageReady = yield* Deferred.make<void>()
     const injectedAt = new Map<number, number>()
     const receivedAt = new Map<number, number>()
     let tornDown = false
@@ -171,14 +177,16 @@ export const driveRun = (
               return updates.offer({ _tag: "StageLoading", stageIndex, loadedBytes: report.loadedBytes, totalBytes: report.totalBytes })
             case "StageReady":
               stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+              if (stageIndex === 0) Deferred.unsafeDone(firstStageReady, Effect.void)
               return Effect.zipRight(
                 updates.offer({ _tag: "StageReady", stageIndex, loadMillis: report.loadMillis, cachedWeights: report.cachedWeights }),
                 offer(RunEvents.StageReady({ runId, stageIndex }))
               )
             case "StageFault":
-              noteDetail(`stage:${stageIndex}`, report.detail)
-              return (report.kind === "TransportError" ? offerConsequence : offer)(
-                RunEvents.StageFault({ runId, stageIndex, reason: stageFaultReason(report) })
+              // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
+              noteStageWords(stageIndex, stageFaultMessage(report.reason))
+              return (report.reason._tag === "TransportFailed" ? offerConsequence : offer)(
+                RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
               )
             case "StageStopped":
               stageStats.set(stageIndex, report.stats)
@@ -203,12 +211,14 @@ export const driveRun = (
       )
     }
 
+    // Not before stage 0 is ready (its edge is registered then): a stage that loads for minutes, or never, is not
+    // polled with connections meanwhile. The retry only covers a registration that is not visible yet.
     const createTokenIn = (edge: Edge) =>
-      dataPlane.connect(dataAddressOf(stageNode(0)), { runId, edgeId: edge.edgeId, ring: edge.ring }, warm.agents.token).pipe(
-        Effect.retry({
-          schedule: Schedule.spaced("20 millis"),
-          while: isNotYetRegistered
-        }),
+      Deferred.await(firstStageReady).pipe(
+        Effect.zipRight(
+          dataPlane.connect(dataAddressOf(stageNode(0)), { runId, edgeId: edge.edgeId, ring: edge.ring }, warm.agents.token)
+        ),
+        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
         Scope.extend(endpointScope),
         Effect.matchEffect({
           onFailure: (fault) =>

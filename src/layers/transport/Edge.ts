@@ -53,7 +53,9 @@ export interface InboundEdge {
   readonly ring: RingSpec
   /**
    * Wait for messages and take them, per `ring.wakeCoalescing`: `PendingBit` → every message
-   * ready (at least one), `EveryFrame` → exactly one. Credits the taken bytes back to the sender.
+   * ready (at least one), `EveryFrame` → exactly one. Credits the taken bytes back to the sender (on a
+   * shared-memory edge only at the next `receive`/`take`: until then an activation's payload is a view of the ring,
+   * to be read, not kept; copy what must outlive it).
    * Fails with the edge's fault once no message is left.
    */
   readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault>

@@ -2,6 +2,10 @@
  * The receiving core of one edge: checks every data frame against the attached run and edge, the window
  * (`dataCapacity`) and the order (`Framing.Sequencer`), reassembles chunks, hands messages over per the ring's
  * wake coalescing, and credits consumed bytes back, as CreditFrames on a socket or through the shared-memory ring.
+ *
+ * A carrier that lends payloads (shared memory: views of the ring) has a frame's bytes credited back only when its
+ * consumer asks for the next frame (`receive` / `take`): a frame's payload is valid until then. Chunks of a message
+ * that is reassembled here are copied as they come, since they are credited before the message is complete.
  */
 import { Deferred, Effect, Exit, FiberId } from "effect"
 import {
@@ -27,6 +31,8 @@ export class InboundCore implements ConnHandlers {
   private readyBytes: Array<number> = []
   private unconsumed = 0
   private creditNow = 0
+  /** Bytes of frames handed to the consumer whose payloads may still be in use (lending carriers only). */
+  private lent = 0
   private pending = false
   private signalPending = false
   private waiter: (() => void) | undefined
@@ -74,7 +80,11 @@ export class InboundCore implements ConnHandlers {
     }
     this.counters.frames++
     this.counters.bytes += length
-    const step = this.sequencer.accept(frame)
+    const owned = this.carrier?.lendsPayload === true && frame.chunkCount > 1 && frame._tag === "ActivationFrame" &&
+        (this.options.reassemble ?? true)
+      ? { ...frame, payload: frame.payload.slice() }
+      : frame
+    const step = this.sequencer.accept(owned)
     switch (step._tag) {
       case "Fault":
         return conn.fail(step.fault)
@@ -135,8 +145,18 @@ export class InboundCore implements ConnHandlers {
     const bytes = this.readyBytes.splice(0, n).reduce((a, b) => a + b, 0)
     if (this.ready.length === 0) this.pending = false
     this.counters.wakes++
-    this.credit(bytes)
+    if (this.carrier?.lendsPayload === true) this.lent += bytes
+    else this.credit(bytes)
     return frames
+  }
+
+  /** The consumer asks for more: what it was lent before is free again. */
+  private returnLent(): void {
+    if (this.lent > 0) {
+      const bytes = this.lent
+      this.lent = 0
+      this.credit(bytes)
+    }
   }
 
   private wait<A>(max: number, f: (frames: Array<DataFrame>) => A): Effect.Effect<A, EdgeFault> {
@@ -191,11 +211,15 @@ export class InboundCore implements ConnHandlers {
     }
   }
 
-  readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault> = Effect.suspend(() =>
-    this.wait(this.options.ring.wakeCoalescing === "PendingBit" ? Number.MAX_SAFE_INTEGER : 1, (frames) => frames)
-  )
+  readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault> = Effect.suspend(() => {
+    this.returnLent()
+    return this.wait(this.options.ring.wakeCoalescing === "PendingBit" ? Number.MAX_SAFE_INTEGER : 1, (frames) => frames)
+  })
 
-  readonly take: Effect.Effect<DataFrame, EdgeFault> = Effect.suspend(() => this.wait(1, (frames) => frames[0]!))
+  readonly take: Effect.Effect<DataFrame, EdgeFault> = Effect.suspend(() => {
+    this.returnLent()
+    return this.wait(1, (frames) => frames[0]!)
+  })
 
   readonly stats: Effect.Effect<ReceiverStats> = Effect.sync(() => ({
     ...this.counters,

@@ -4,8 +4,9 @@
  * - `socketReceiveCarrier`: frames come on the authenticated socket (FramedSocket.ts decodes them); credits go back
  *   as CreditFrames.
  * - `sharedMemoryReceiveCarrier`: a doorbell on the socket says frames are in the /dev/shm ring (ShmRing.ts); they
- *   are drained through the same stream decoder and checks; credits are a counter in the ring, with a doorbell when
- *   the producer waits for them. It can also busy-poll the ring instead of sleeping on the doorbell.
+ *   are decoded in place (an activation's payload is a view of the ring: no copy on this side) through the same
+ *   stream decoder and checks; credits are a counter in the ring, with a doorbell when the producer waits for them.
+ *   It can also busy-poll the ring instead of sleeping on the doorbell.
  */
 import { CreditFrame, type DataFrame, DoorbellFrame, Malformed, type Truncated } from "../../domain/frames.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
@@ -22,6 +23,11 @@ export interface ReceiveSink {
 export interface ReceiveCarrier {
   /** Whether data frames may come on the socket itself (not on a shared-memory edge). */
   readonly dataOnSocket: boolean
+  /**
+   * Whether payloads are lent: views of the carrier's memory that stay intact only until their bytes are credited
+   * back (the core credits a frame when its consumer asks for the next one).
+   */
+  readonly lendsPayload: boolean
   /** Whether a DoorbellFrame is expected: it means frames wait in the carrier. */
   readonly expectsDoorbells: boolean
   /** Hand every frame waiting in the carrier to the sink; `stayAwake` keeps the producer from ringing. */
@@ -47,6 +53,7 @@ export const socketReceiveCarrier = (conn: FrameConn, edge: EdgeIds): ReceiveCar
   let creditSequence = 0
   return {
     dataOnSocket: true,
+    lendsPayload: false,
     expectsDoorbells: false,
     drain: () => {},
     canSpin: false,
@@ -67,26 +74,30 @@ export const sharedMemoryReceiveCarrier = (
   edge: EdgeIds,
   sink: ReceiveSink
 ): ReceiveCarrier => {
-  // `drain` hands over a fresh copy of the ring's bytes: payloads may be views of it.
+  // The ring's bytes are decoded in place: payloads are views of the ring, intact until credited back (a frame
+  // that wraps around the ring's end is joined into a copy by the decoder).
   const decoder = new Framing.StreamDecoder(true)
   const drain = (stayAwake: boolean): void => {
-    const bytes = shm.drain(stayAwake)
-    if (bytes === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
-    if (bytes === undefined) return
-    decoder.push(bytes)
-    for (;;) {
-      const step = decoder.next(conn.limits)
-      if (step._tag === "NeedMore") return
-      if (step._tag === "Fault") return conn.fail(step.fault)
-      if (step.frame._tag !== "TokenFrame" && step.frame._tag !== "ActivationFrame") {
-        return conn.fail(new Malformed({ detail: `unexpected ${step.frame._tag} in the shared-memory ring` }))
+    const views = shm.drainViews(stayAwake)
+    if (views === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
+    if (views === undefined) return
+    for (const bytes of views) {
+      decoder.push(bytes)
+      for (;;) {
+        const step = decoder.next(conn.limits)
+        if (step._tag === "NeedMore") break
+        if (step._tag === "Fault") return conn.fail(step.fault)
+        if (step.frame._tag !== "TokenFrame" && step.frame._tag !== "ActivationFrame") {
+          return conn.fail(new Malformed({ detail: `unexpected ${step.frame._tag} in the shared-memory ring` }))
+        }
+        sink.onData(step.frame, step.length)
+        if (conn.closed) return
       }
-      sink.onData(step.frame, step.length)
-      if (conn.closed) return
     }
   }
   return {
     dataOnSocket: false,
+    lendsPayload: true,
     expectsDoorbells: true,
     drain,
     canSpin: true,

@@ -57,7 +57,7 @@ export const SHM_PREFIX = "/dev/shm/swactor-"
 interface Libc {
   readonly open: (path: string, flags: number, mode: number) => number
   readonly ftruncate: (fd: number, length: number) => number
-  readonly mmap: (addr: null, length: number, prot: number, flags: number, fd: number, offset: number) => unknown
+  readonly mmap: (addr: unknown, length: number, prot: number, flags: number, fd: number, offset: number) => unknown
   readonly munmap: (addr: unknown, length: number) => number
   readonly close: (fd: number) => number
 }
@@ -81,6 +81,9 @@ const O_CREAT = 64
 const O_EXCL = 128
 const PROT_READ_WRITE = 3
 const MAP_SHARED = 1
+const MAP_PRIVATE = 2
+const MAP_FIXED = 0x10
+const MAP_ANONYMOUS = 0x20
 
 /** Is shared memory usable here (Linux with /dev/shm and libc)? */
 export const isSupported = (): boolean => {
@@ -97,10 +100,20 @@ export const isSupported = (): boolean => {
 export const isRingPath = (path: string): boolean =>
   path.startsWith(SHM_PREFIX) && /^[A-Za-z0-9_.-]+$/.test(path.slice(SHM_PREFIX.length)) && !path.includes("..")
 
+/**
+ * Unmaps a ring whose bytes were lent out as views (`drainViews`) once no view of it is left: a view read after
+ * `munmap` would crash the process. Until then the range holds fresh anonymous pages (see `close`).
+ */
+const unmapWhenUnreachable = new FinalizationRegistry<{ readonly pointer: unknown; readonly length: number }>(
+  (mapping) => void loadLibc().munmap(mapping.pointer, mapping.length)
+)
+
 export class ShmRing {
+  private readonly buffer: ArrayBuffer
   private readonly control: Int32Array
   private readonly data: Uint8Array
   private closed = false
+  private lent = false
 
   /** Cursor modulus: a multiple of `capacity`, below 2^31. */
   private readonly modulus: number
@@ -113,6 +126,7 @@ export class ShmRing {
     private readonly length: number
   ) {
     const buffer = koffi().view(pointer, length)
+    this.buffer = buffer
     this.control = new Int32Array(buffer, 0, CONTROL_BYTES / 4)
     this.data = new Uint8Array(buffer, dataOffset, capacity)
     this.modulus = Math.floor(0x7fff_ffff / capacity) * capacity
@@ -259,6 +273,29 @@ export class ShmRing {
     return out
   }
 
+  /**
+   * Consumer: like `drain`, but the bytes are views of the ring itself (one, or two when they wrap around its end),
+   * not a copy. They stay intact while the producer keeps to the window: it never has more than `capacity`
+   * uncredited bytes, so bytes not credited back yet are never written again.
+   */
+  drainViews(stayAwake = false): ReadonlyArray<Uint8Array> | undefined | "corrupt" {
+    if (this.closed) return undefined
+    if (!stayAwake) Atomics.store(this.control, PENDING, 0)
+    const head = Atomics.load(this.control, HEAD)
+    const tail = Atomics.load(this.control, TAIL)
+    if (head < 0 || head >= this.modulus || tail < 0 || tail >= this.modulus) return "corrupt"
+    const n = this.distance(tail, head)
+    if (n === 0) return undefined
+    if (n > this.capacity) return "corrupt"
+    this.lent = true
+    const at = tail % this.capacity
+    const first = Math.min(n, this.capacity - at)
+    const views = [this.data.subarray(at, at + first)]
+    if (first < n) views.push(this.data.subarray(0, n - first))
+    Atomics.store(this.control, TAIL, head)
+    return views
+  }
+
   /** Tests only: place both cursors at `position` (mod M), e.g. just before the modulus wraps. */
   unsafeSetCursors(position: number): void {
     const p = ((position % this.modulus) + this.modulus) % this.modulus
@@ -269,6 +306,12 @@ export class ShmRing {
   close(): void {
     if (this.closed) return
     this.closed = true
-    loadLibc().munmap(this.pointer, this.length)
+    if (this.lent) {
+      // Views of it may still exist: give the shared pages back now by mapping fresh anonymous (zero, untouched)
+      // pages over the range, and unmap the range once the last view is gone.
+      const c = loadLibc()
+      c.mmap(this.pointer, this.length, PROT_READ_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+      unmapWhenUnreachable.register(this.buffer, { pointer: this.pointer, length: this.length })
+    } else loadLibc().munmap(this.pointer, this.length)
   }
 }
