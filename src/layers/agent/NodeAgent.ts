@@ -75,6 +75,18 @@ interface CachedModel {
 }
 
 /** A stage's failure, already in the words of its `StageFault` report. */
+/** A stage's counters before it ran anything. */
+const freshStats = () => ({
+  frames: 0,
+  tokens: 0,
+  loadMillis: 0,
+  cachedWeights: false,
+  prefillComputeMillis: 0,
+  decodeFrames: 0,
+  decodeComputeMillis: 0,
+  ...emptyBatchCounters()
+})
+
 class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
 const loadFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.ModelLoadFailed({ message }) })
 const transportFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.TransportFailed({ message }) })
@@ -129,6 +141,18 @@ export const makeStageHost = (
     })
     const active = new Map<string, Deferred.Deferred<void>>()
     const stageKey = (runId: number, stageIndex: number) => `${runId}/${stageIndex}`
+    /**
+     * Stops that came before their stage's Provision (the orchestrator's commands run concurrently, so a run torn
+     * down while it provisions may send Stop first): that Provision then stops at once instead of running until the
+     * orchestrator's teardown deadline. Kept 5 minutes, at most 4096.
+     */
+    const stoppedEarly = new Map<string, number>()
+    const STOPPED_EARLY_MS = 5 * 60_000
+    const rememberStop = (key: string) => {
+      const now = performance.now()
+      for (const [k, at] of stoppedEarly) if (now - at > STOPPED_EARLY_MS || stoppedEarly.size >= 4096) stoppedEarly.delete(k)
+      stoppedEarly.set(key, now)
+    }
 
     const connectOutbound = (request: ProvisionRequest) => {
       const p = request.provision
@@ -164,16 +188,7 @@ export const makeStageHost = (
         const isFirst = stageIndex === 0
         const isLast = stageIndex === p.stageCount - 1
         const key = cacheKey(request, options.backend, path)
-        const stats = {
-          frames: 0,
-          tokens: 0,
-          loadMillis: 0,
-          cachedWeights: false,
-          prefillComputeMillis: 0,
-          decodeFrames: 0,
-          decodeComputeMillis: 0,
-          ...emptyBatchCounters()
-        }
+        const stats = freshStats()
         // Decode steps not reported yet go out before the stage's last report.
         let flushTimings = () => {}
 
@@ -312,6 +327,17 @@ export const makeStageHost = (
           const p = request.provision
           const reports = yield* Mailbox.make<StageReport>()
           const key = stageKey(p.runId, p.stageIndex)
+          if (stoppedEarly.delete(key)) {
+            // stopped before it started: nothing loaded, nothing to report but the stop
+            yield* reports.offer({
+              _tag: "StageStopped",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              stats: new StageStats(freshStats())
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
           if (active.has(key)) {
             yield* reports.offer({
               _tag: "StageFault",
@@ -356,8 +382,10 @@ export const makeStageHost = (
 
     const stop = (runId: RunId, stageIndex: number) =>
       Effect.suspend(() => {
-        const deferred = active.get(stageKey(runId, stageIndex))
-        return deferred === undefined ? Effect.void : Deferred.succeed(deferred, undefined).pipe(Effect.asVoid)
+        const key = stageKey(runId, stageIndex)
+        const deferred = active.get(key)
+        if (deferred === undefined) return Effect.sync(() => rememberStop(key))
+        return Deferred.succeed(deferred, undefined).pipe(Effect.asVoid)
       })
 
     const capacity = Effect.sync(() =>
