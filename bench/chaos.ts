@@ -15,7 +15,7 @@ import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Either, Stream } from "effect"
 import { layerLocal, run } from "../src/api/generate.js"
-import type { LocalAgent } from "../src/layers/agent/LocalAgents.js"
+import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import type { GenerateRequest, RunUpdate, SamplingOptions } from "../src/services/Orchestrator.js"
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")

@@ -50,8 +50,10 @@ export {
   PoolNotReady
 } from "./services/Membership.js"
 export * from "./services/AgentLinks.js"
-export { localAgentPool, remoteAgentPool, spawnLocalAgents, generateToken } from "./layers/agent/LocalAgents.js"
-export type { LocalAgent, LocalPoolOptions, RemotePoolOptions } from "./layers/agent/LocalAgents.js"
+export { localAgentPool, remoteAgentPool } from "./layers/agent/AgentPools.js"
+export { spawnLocalAgents, generateToken } from "./layers/agent/AgentProcesses.js"
+export type { LocalAgent } from "./layers/agent/AgentProcesses.js"
+export type { LocalPoolOptions, RemotePoolOptions } from "./layers/agent/AgentPools.js"
 export { makeStageHost, startNodeAgent } from "./layers/agent/NodeAgent.js"
 export * from "./domain/engine.js"
 export * from "./services/StageExecutor.js"

@@ -9,7 +9,7 @@ import * as Net from "node:net"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { createClient } from "../src/api/generate.js"
-import { generateToken, swactorMain } from "../src/layers/agent/LocalAgents.js"
+import { generateToken, swactorMain } from "../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "./support/models.js"
 
 interface Ran {

@@ -4,7 +4,7 @@ import { execFile } from "node:child_process"
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { swactorMain } from "../src/layers/agent/LocalAgents.js"
+import { swactorMain } from "../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "./support/models.js"
 
 const swactor = (args: ReadonlyArray<string>, input?: string) =>

@@ -8,7 +8,8 @@
 import { describe, expect, it } from "vitest"
 import { type ChildProcess, execFile, spawn, spawnSync } from "node:child_process"
 import { randomBytes } from "node:crypto"
-import { clusterTokenEnv, parentWatchEnv, readyLinePrefix, swactorCommand, swactorMain } from "../src/layers/agent/LocalAgents.js"
+import { clusterTokenEnv, parentWatchEnv, readyLinePrefix } from "../src/layers/agent/ReadyLine.js"
+import { swactorCommand, swactorMain } from "../src/layers/agent/AgentProcesses.js"
 import { referenceRun } from "./support/engine.js"
 import { repoRoot, requireModel } from "./support/models.js"
 

@@ -8,7 +8,7 @@ import type { GeneratedToken, RunUpdate } from "../src/services/Orchestrator.js"
 import { childPids, isAlive, startAgents } from "./support/e2e.js"
 import { referenceRun } from "./support/engine.js"
 import { repoRoot, requireModel } from "./support/models.js"
-import { type LocalAgent, swactorCommand } from "../src/layers/agent/LocalAgents.js"
+import { type LocalAgent, swactorCommand } from "../src/layers/agent/AgentProcesses.js"
 import * as ShmRing from "../src/layers/transport/ShmRing.js"
 
 /** Distinct shared-memory rings a process has mapped now. */

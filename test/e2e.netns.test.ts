@@ -1,7 +1,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import { type ChildProcess, execFileSync, spawn } from "node:child_process"
 import { Effect } from "effect"
-import { generateToken, swactorCommand } from "../src/layers/agent/LocalAgents.js"
+import { generateToken, swactorCommand } from "../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "./support/models.js"
 
 // Agents in two network namespaces, the orchestrator in a third, joined by veth pairs on a bridge:

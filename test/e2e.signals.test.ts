@@ -8,7 +8,7 @@ import { spawn } from "node:child_process"
 import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { join } from "node:path"
 import { Effect } from "effect"
-import { generateToken } from "../src/layers/agent/LocalAgents.js"
+import { generateToken } from "../src/layers/agent/AgentProcesses.js"
 import { childPids, eventually, isAlive } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 

@@ -3,7 +3,8 @@
 // closing the layer stops them.
 import { assert, describe, it } from "@effect/vitest"
 import { Context, Effect, Exit, Layer, Scope } from "effect"
-import { localAgentPool, type LocalAgent } from "../src/layers/agent/LocalAgents.js"
+import { localAgentPool } from "../src/layers/agent/AgentPools.js"
+import { type LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { AgentPool } from "../src/services/Orchestrator.js"
 import { childPids, eventually, isAlive } from "./support/e2e.js"
 

@@ -7,7 +7,7 @@ import { afterEach, assert, describe, it, vi } from "@effect/vitest"
 import { Effect, Exit } from "effect"
 import { execFile } from "node:child_process"
 import { planCommand } from "../src/cli/PlanCommand.js"
-import { swactorMain } from "../src/layers/agent/LocalAgents.js"
+import { swactorMain } from "../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "./support/models.js"
 
 /** Runs `swactor plan <args>` in-process; returns its exit and what it printed. */

@@ -11,7 +11,7 @@ import { createRequire } from "node:module"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { pathToFileURL } from "node:url"
-import { generateToken, swactorMain } from "../src/layers/agent/LocalAgents.js"
+import { generateToken, swactorMain } from "../src/layers/agent/AgentProcesses.js"
 import { modelsDir, repoRoot, requireModel } from "./support/models.js"
 
 const readme = readFileSync(join(repoRoot, "README.md"), "utf8")

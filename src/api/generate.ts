@@ -12,7 +12,7 @@
 import { Cause, Effect, Layer, ManagedRuntime, Option, Runtime, Stream } from "effect"
 import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
 import * as AgentControlRpc from "../layers/agent/AgentControlRpc.js"
-import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/agent/LocalAgents.js"
+import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/agent/AgentPools.js"
 import * as MembershipLive from "../layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../layers/orchestrator/OrchestratorLive.js"
 import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"

@@ -6,7 +6,7 @@
  */
 import { Effect, Layer, Stream } from "effect"
 import * as ServerLive from "../layers/server/ServerLive.js"
-import type { LocalPoolOptions } from "../layers/agent/LocalAgents.js"
+import type { LocalPoolOptions } from "../layers/agent/AgentPools.js"
 import {
   type FinishReason,
   Server,

@@ -6,7 +6,7 @@ import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Data, Effect, Option } from "effect"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
-import { clusterTokenEnv } from "../layers/agent/LocalAgents.js"
+import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 
 /** A flag with a value the command cannot use; `message` names the flag. */
 export class UsageError extends Data.TaggedError("UsageError")<{ readonly message: string }> {}

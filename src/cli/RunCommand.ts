@@ -15,7 +15,7 @@ import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
 import { Tokenizer } from "../services/Tokenizer.js"
 import { formatAddress } from "../layers/agent/AgentControlRpc.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
-import { clusterTokenEnv } from "../layers/agent/LocalAgents.js"
+import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import {
   atLeast,
   clusterToken,

@@ -3,7 +3,7 @@ import { execFileSync } from "node:child_process"
 import * as Net from "node:net"
 import { Effect, type Scope } from "effect"
 import { layerRemote } from "../../src/api/generate.js"
-import { generateToken, type LocalAgent, type LocalAgentsOptions, spawnLocalAgents } from "../../src/layers/agent/LocalAgents.js"
+import { generateToken, type LocalAgent, type LocalAgentsOptions, spawnLocalAgents } from "../../src/layers/agent/AgentProcesses.js"
 
 /** Starts `count` real agents (`swactor node` child processes) and an orchestrator layer over them. */
 export const startAgents = (count: number, options: Partial<LocalAgentsOptions> = {}) =>

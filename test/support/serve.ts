@@ -1,6 +1,6 @@
 import { type ChildProcess, spawn } from "node:child_process"
 import { existsSync, readdirSync, readFileSync } from "node:fs"
-import { swactorCommand } from "../../src/layers/agent/LocalAgents.js"
+import { swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
 import { repoRoot } from "./models.js"
 
 export interface ServeProcess {
