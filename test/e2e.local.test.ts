@@ -51,6 +51,28 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
       }
     }).pipe(Effect.scoped), 180_000)
 
+  // A long-lived stage settles: mapped weights move to huge-page memory after the first token (SWACTOR_MMAP_MOVE=1
+  // here, as from 1024 tokens of context by default); a short run's agents keep the fast-start mapping.
+  it.live("agents move mapped weights out of the file mapping for long sessions only; the text is the same", () =>
+    Effect.gen(function*() {
+      const expected = (yield* reference).tokens
+      const settled = (text: string) => /settled: weights moved out of the file mapping/.test(text)
+      for (const [env, moves] of [[{ SWACTOR_MMAP_MOVE: "1" }, true], [{}, false]] as const) {
+        const { agents, layer } = yield* startAgents(2, { env })
+        const tokens = yield* Stream.runCollect(
+          generate({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 })
+        ).pipe(Effect.provide(layer))
+        assert.deepStrictEqual(idsOf(tokens), expected)
+        yield* Effect.sleep("2500 millis")
+        assert.deepStrictEqual(agents.map((a) => settled(a.stderrTail())), [moves, moves], JSON.stringify(env))
+        // a run after the move computes the same tokens from the moved weights
+        const again = yield* Stream.runCollect(
+          generate({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 })
+        ).pipe(Effect.provide(layer))
+        assert.deepStrictEqual(idsOf(again), expected)
+      }
+    }).pipe(Effect.scoped), 180_000)
+
   // Sampling happens on the last stage from a seeded generator: the same seed reproduces the text,
   // whatever the split; runs in flight at the same time on the same agents do not disturb each other.
   it.live("seeded sampling reproduces, also with two runs in flight through the same agents", () =>

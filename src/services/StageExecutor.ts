@@ -15,6 +15,12 @@ import type { ModelLoadError } from "../domain/gguf.js"
 /** Weights of one block range, loaded once and shared by every session on them. */
 export interface LoadedStage {
   readonly info: StageInfo
+  /**
+   * Where the engine can trade a one-time cost for faster steps (the live CPU engine: weights used in place from a
+   * file mapping moved to huge-page memory), do it in the background, between steps; true once done. Worth it for
+   * long-lived stages (a server, long generations), not for a short run. Absent: nothing to do.
+   */
+  readonly settle?: () => Effect.Effect<boolean>
 }
 
 /** One sequence's KV cache over a loaded stage. */

@@ -75,6 +75,17 @@ interface CachedModel {
 }
 
 /** A stage's failure, already in the words of its `StageFault` report. */
+/**
+ * Whether a stage with this KV length asks its engine to settle (LoadedStage.settle): SWACTOR_MMAP_MOVE=1 always,
+ * =0 never, else from 1024 tokens of context on (serve's sessions, long generations; a short `swactor run` keeps the
+ * fast-start mapping: the move costs more than it saves in a few dozen tokens).
+ */
+const settles = (contextLength: number): boolean => {
+  const setting = process.env["SWACTOR_MMAP_MOVE"]
+  return setting === "1" || (setting !== "0" && contextLength >= 1024)
+}
+const settleDelay = "1500 millis"
+
 /** A stage's counters before it ran anything. */
 const freshStats = () => ({
   frames: 0,
@@ -218,6 +229,19 @@ export const makeStageHost = (
             loadMillis: stats.loadMillis,
             cachedWeights: stats.cachedWeights
           })
+          if (loaded.settle !== undefined && settles(request.contextLength)) {
+            // a long session (a server's, a long generation): after the first token, let the engine trade a one-time
+            // cost for faster steps (mapped weights to huge pages); the weights outlive this stage, so does the move
+            yield* Effect.sleep(settleDelay).pipe(
+              Effect.zipRight(loaded.settle()),
+              Effect.tap((done) =>
+                Effect.sync(() => {
+                  if (done) options.log?.(`blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`)
+                })
+              ),
+              Effect.forkIn(hostScope)
+            )
+          }
 
           const sampling = p.runtime.sampling ?? greedy
           const sample = isLast ? makeSampler(sampling, sampling.startPosition ?? 0) : undefined

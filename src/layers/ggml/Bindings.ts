@@ -234,6 +234,7 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       "void * ggml_backend_alloc_ctx_tensors_from_buft(void * ctx, void * buft)"
     ) as (ctx: Ptr, buft: Ptr) => Ptr | null,
     ggml_log_set: f("void ggml_log_set(void * callback, void * user_data)") as (callback: unknown, userData: null) => void,
+    ggml_backend_buft_get_alignment: f("size_t ggml_backend_buft_get_alignment(void * buft)") as (buft: Ptr) => number,
     ggml_backend_buft_alloc_buffer: f("void * ggml_backend_buft_alloc_buffer(void * buft, size_t size)") as (
       buft: Ptr,
       size: number
