@@ -168,6 +168,39 @@ export class NativeWeights {
   }
 }
 
+/** Bytes of hidden states copied into graph inputs (tests count copies per hop with it). */
+export const inputCopies = { bytes: 0 }
+
+let addressOfFn: ((a: unknown, b: unknown, n: number) => bigint) | null | undefined
+/** The address of a typed array's bytes (libc memmove with n = 0 returns its destination), or null. */
+const addressOf = (data: Float32Array): bigint | null => {
+  if (addressOfFn === undefined) {
+    try {
+      addressOfFn = koffi.load("libc.so.6").func("uintptr_t memmove(void *dst, void *src, size_t n)") as never
+    } catch {
+      addressOfFn = null
+    }
+  }
+  return addressOfFn === null ? null : BigInt(addressOfFn(data, data, 0))
+}
+
+/**
+ * Points a lone call's hidden input tensor at the caller's rows instead of copying them in (CPU; rows 64-byte aligned,
+ * as an inbound ring's payload is; off the V8 heap, so they do not move; SWACTOR_ZERO_COPY=0 turns it off). Returns the
+ * tensor's own data address, to put back after the computation, or null when the rows were not borrowed. The tensor is
+ * a graph output too, so the graph never computes in place over it.
+ */
+const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint | null => {
+  if (input._tag !== "Hidden" || w.device !== "cpu" || process.env["SWACTOR_ZERO_COPY"] === "0") return null
+  const bytes = w.layout.hp.nEmbd * input.nTokens * 4
+  if (input.hidden.byteLength !== bytes || bytes < 256) return null
+  const at = addressOf(input.hidden)
+  if (at === null || at === 0n || at % 64n !== 0n) return null
+  const own = BigInt(koffi.decode(tensor, TensorLayout.data, "uintptr_t") as bigint | number)
+  koffi.encode(tensor, TensorLayout.data, "uintptr_t", at)
+  return own
+}
+
 let madvise: ((addr: bigint, len: number, advice: number) => number) | null | undefined
 const MADV_HUGEPAGE = 14
 const HUGE_PAGE = 2n * 1024n * 1024n
@@ -632,21 +665,30 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   if (outIds !== null) {
     raw.ggml_backend_tensor_set(outIds, Int32Array.from(segments, (seg) => seg.offset + seg.n - 1), 0, items.length * 4)
   }
+  // A lone call's hidden rows are read where they are (a view of the inbound ring): no copy into the graph.
+  const borrowed = c.hidden !== null && items.length === 1 ? borrowHidden(w, c.hidden, items[0]!.input) : null
   for (let s = 0; s < items.length; s++) {
     const input = items[s]!.input
     const offset = segments[s]!.offset
     if (c.tokens !== null && input._tag === "Tokens") {
       raw.ggml_backend_tensor_set(c.tokens, input.tokens, offset * 4, input.tokens.length * 4)
     }
-    if (c.hidden !== null && input._tag === "Hidden") {
+    if (c.hidden !== null && input._tag === "Hidden" && borrowed === null) {
       raw.ggml_backend_tensor_set(c.hidden, input.hidden, offset * hp.nEmbd * 4, hp.nEmbd * input.nTokens * 4)
+      inputCopies.bytes += hp.nEmbd * input.nTokens * 4
     }
   }
 
   // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
   for (const it of items) it.session.filled = Math.min(it.session.filled, it.startPos)
   if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))
-  const status = await g.computeAsync(w.backend, c.graph)
+  let status: number
+  try {
+    status = await g.computeAsync(w.backend, c.graph)
+  } finally {
+    // the graph's own memory again, whatever happened
+    if (borrowed !== null) koffi.encode(c.hidden!, TensorLayout.data, "uintptr_t", borrowed)
+  }
   if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
   items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
 
@@ -745,6 +787,8 @@ const buildGraph = (
       x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
       raw.ggml_set_name(x, "inp_hidden")
       raw.ggml_set_input(x)
+      // never reused in place by the graph: a lone call may point it at the caller's memory (zeroCopyHidden)
+      raw.ggml_set_output(x)
       hidden = x
     }
 
