@@ -5,6 +5,7 @@ import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Server, type ServeEvent } from "../src/services/Server.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
@@ -41,7 +42,7 @@ const world = Effect.gen(function*() {
       heartbeat: { interval: "100 millis", deadline: "1 second" }
     }).pipe(
       Layer.provide(OrchestratorLive.layer),
-      Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer))
+      Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
     )
   ).pipe(Effect.map(Context.get(Server)))
   yield* server.ready

@@ -3,6 +3,8 @@ import { Chunk, Effect, Exit, Fiber, Layer, Stream } from "effect"
 import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
+import type { ModelCatalog } from "../src/services/ModelCatalog.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
@@ -20,7 +22,11 @@ const testModel: StageExecutorTest.TestModel = {
 }
 
 /** In-memory agents and an orchestrator over them; `onReport` sees every stage report the orchestrator receives. */
-const world = (agents: number, onReport?: (report: StageReport) => void) =>
+const world = (
+  agents: number,
+  onReport?: (report: StageReport) => void,
+  catalog: Layer.Layer<ModelCatalog> = ModelCatalogLive.layer
+) =>
   Effect.gen(function*() {
     const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerTest(testModel)))
     const links = onReport === undefined ? memory.layer : Layer.effect(
@@ -37,7 +43,7 @@ const world = (agents: number, onReport?: (report: StageReport) => void) =>
     const orchestrator = yield* Effect.provide(
       Orchestrator,
       OrchestratorLive.layer.pipe(
-        Layer.provide(Layer.mergeAll(links, TokenizerLive.layerTest, MembershipLive.layer))
+        Layer.provide(Layer.mergeAll(links, TokenizerLive.layerTest, MembershipLive.layer, catalog))
       )
     )
     return { memory, orchestrator }
@@ -59,6 +65,26 @@ const tokensOf = (updates: ReadonlyArray<RunUpdate>) =>
 const promptTokens = (text: string) => [1, ...Array.from(new TextEncoder().encode(text), (b) => b + 3)]
 
 describe("Orchestrator (in-memory agents, deterministic engine)", () => {
+  // The orchestrator learns a model's facts and layout from the ModelCatalog service: with a catalog that knows a
+  // path no file is at, the run plans and generates as for the real file; the live catalog refuses that path.
+  it.live("model facts and layout come from the ModelCatalog service", () =>
+    Effect.gen(function*() {
+      const real = requireModel("stories260K.gguf")
+      const elsewhere = "/models/only-in-the-catalog.gguf"
+      const facts = yield* ModelCatalogLive.make.facts(real)
+      const layout = yield* ModelCatalogLive.make.layout(real)
+      const table = ModelCatalogLive.layerTest(
+        new Map([[elsewhere, { ...facts, ggufSource: { _tag: "LocalPath" as const, path: elsewhere } }]]),
+        new Map([[elsewhere, layout]])
+      )
+      const expected = tokensOf(Chunk.toReadonlyArray(yield* Stream.runCollect((yield* world(2)).orchestrator.run(request({ stages: 2 })))))
+      const viaTable = yield* Stream.runCollect((yield* world(2, undefined, table)).orchestrator.run(request({ stages: 2, model: elsewhere })))
+      assert.deepStrictEqual(tokensOf(Chunk.toReadonlyArray(viaTable)), expected)
+      assert.isAbove(expected.length, 0)
+      const refused = yield* Effect.either(Stream.runCollect((yield* world(2)).orchestrator.run(request({ stages: 2, model: elsewhere }))))
+      assert.isTrue(refused._tag === "Left" && refused.left._tag === "ModelLoadError")
+    }).pipe(Effect.scoped))
+
   // A split run produces exactly the tokens of the unsplit model, for every stage count.
   it.live("1..4 stages generate the test model's greedy tokens, then a summary", () =>
     Effect.gen(function*() {

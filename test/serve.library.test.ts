@@ -4,6 +4,7 @@ import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
@@ -38,7 +39,7 @@ const world = (options: Partial<ServeOptions> & { readonly delayMillis?: number 
     const server = yield* Layer.build(
       ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, ...options }).pipe(
         Layer.provide(OrchestratorLive.layer),
-        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer))
+        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
       )
     ).pipe(Effect.map(Context.get(Server)))
     yield* server.ready
@@ -177,7 +178,7 @@ describe("Orchestrator.pipeline (warm pipeline)", () => {
     Effect.gen(function*() {
       const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(slowExecutor(0)))
       const orchestrator = yield* Layer.build(
-        OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer)))
+        OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)))
       ).pipe(Effect.map(Context.get(Orchestrator)))
       const progress: Array<string> = []
       const pipeline = yield* orchestrator.pipeline({ model: requireModel("stories260K.gguf"), stages: 2 }, (u) =>

@@ -5,6 +5,7 @@ import { Chunk, Context, Effect, Fiber, Layer, Stream } from "effect"
 import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
@@ -38,7 +39,7 @@ const world = (options: Partial<ServeOptions> = {}) =>
     const server = yield* Layer.build(
       ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, ...options }).pipe(
         Layer.provide(OrchestratorLive.layer),
-        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer))
+        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
       )
     ).pipe(Effect.map(Context.get(Server)))
     yield* server.ready

@@ -6,6 +6,7 @@ import { renderSummary } from "../src/cli/RunCommand.js"
 import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as HttpServe from "../src/layers/server/HttpServe.js"
@@ -55,7 +56,7 @@ const orchestratorWorld = (slowLayerStart: number) =>
     )
     return yield* Effect.provide(
       Orchestrator,
-      OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer)))
+      OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)))
     )
   })
 
@@ -132,7 +133,7 @@ describe("per-stage stragglers", () => {
       const server = yield* Layer.build(
         ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, stragglers: rule }).pipe(
           Layer.provide(OrchestratorLive.layer),
-          Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer))
+          Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
         )
       ).pipe(Effect.map(Context.get(Server)))
       yield* server.ready

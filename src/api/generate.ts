@@ -15,6 +15,7 @@ import * as AgentControlRpc from "../layers/agent/AgentControlRpc.js"
 import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/agent/AgentPools.js"
 import * as MembershipLive from "../layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../layers/orchestrator/OrchestratorLive.js"
+import * as ModelCatalogLive from "../layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
 import {
   type GeneratedToken,
@@ -49,7 +50,7 @@ export const complete = (
     Effect.map(({ summary, text }) => ({ text, summary: summary! }))
   )
 
-const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlRpc.layer, dataPlaneLayer)
+const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlRpc.layer, dataPlaneLayer, ModelCatalogLive.layer)
 
 /** Orchestrator whose runs each start their own agents on this machine (one child process per stage). */
 export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<Orchestrator> =>

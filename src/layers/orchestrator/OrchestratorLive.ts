@@ -27,11 +27,12 @@ import {
 } from "../../services/Orchestrator.js"
 import { alignUp } from "../../domain/plan.js"
 import { Tokenizer } from "../../services/Tokenizer.js"
+import { ModelCatalog } from "../../services/ModelCatalog.js"
 import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
 import { generateRecovering } from "./Recovery.js"
 
 
-type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool
+type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool | ModelCatalog
 
 /**
  * A run's updates as a stream: `drive` runs in its own fiber; closing the stream early (consumer done or

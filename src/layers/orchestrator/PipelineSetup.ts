@@ -7,7 +7,7 @@ import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
 import type { LayerRange, ModelFacts, ModelLayout, RingSpec } from "../../domain/plan.js"
-import { readModelFacts } from "../gguf/ModelCatalogLive.js"
+import { ModelCatalog } from "../../services/ModelCatalog.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
 import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
 import {
@@ -115,6 +115,7 @@ export const openPipeline = (
     const control = yield* AgentControl
     const dataPlane = yield* DataPlane
     const agentPool = yield* AgentPool
+    const catalog = yield* ModelCatalog
 
     const maxTokens = options.maxTokens ?? 1
     if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
@@ -123,7 +124,7 @@ export const openPipeline = (
     if (options.stages !== undefined && (!Number.isSafeInteger(options.stages) || options.stages < 1)) {
       return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${options.stages}` })
     }
-    const facts = yield* readModelFacts(options.model)
+    const facts = yield* catalog.facts(options.model)
     const vocabulary = yield* tokenizer.open(options.model)
 
     // Reject what no placement can fix (too many stages, bad max tokens, ...) before starting any agent.
@@ -199,7 +200,7 @@ export const openPipeline = (
     const contextTokens = Math.min(facts.maxSeqLen, options.contextTokens ?? alignUp((options.maxTokens ?? 1) + 1, 256))
     const placed = yield* placementFor({
       request: options.placement,
-      modelPath: options.model,
+      layout: yield* catalog.layout(options.model),
       nodes: agents.nodes,
       capacity: reported,
       stageCount,

@@ -11,7 +11,6 @@ import type { ModelLoadError } from "../../domain/gguf.js"
 import type { NodeCapacity, NodeEndpoint } from "../../services/Membership.js"
 import type { PlacementExplanation, PlacementRequest } from "../../services/Orchestrator.js"
 import { choosePlacement, DEFAULT_SPEED_BYTES_PER_SECOND, plannerPlacement } from "../../services/Placement.js"
-import { readModelLayout } from "../gguf/ModelCatalogLive.js"
 
 export interface PlacementFor {
   readonly stages: ReadonlyArray<StagePlacement>
@@ -48,14 +47,15 @@ export const poolNodeOf = (nodeId: NodeId, capacity: NodeCapacity): PoolNode => 
  */
 export const placementFor = (args: {
   readonly request: PlacementRequest | undefined
-  readonly modelPath: string
+  /** The model's per-block sizes (ModelCatalog.layout). */
+  readonly layout: ModelLayout
   readonly nodes: ReadonlyArray<NodeEndpoint>
   readonly capacity: ReadonlyMap<NodeId, NodeCapacity>
   readonly stageCount: number
   readonly contextTokens: number
 }): Effect.Effect<PlacementFor, PlacementRejection | ModelLoadError> =>
   Effect.gen(function*() {
-    const layout = yield* readModelLayout(args.modelPath)
+    const layout = args.layout
     const intent: PlacementIntent = args.request?._tag === "Capacity"
       ? { _tag: "Capacity" }
       : args.request?._tag === "Fixed"
