@@ -2,7 +2,7 @@
  * chaos — N injected kills during generations with a spare, on local agents: each generation runs `stages`
  * stages + 1 spare; one stage agent (random stage) is killed with SIGKILL at a random moment (loading: when the
  * run is planned; prefill: when its stages are ready; decode: at a random token). Prints how many generations
- * recovered, how many equal the uninterrupted reference (greedy and seeded-sampled alternate), recovery time p50/p99
+ * recovered, how many equal the uninterrupted reference (greedy and seeded-sampled alternate), recovery time p50/p99/max
  * (kill → next token), and the agent processes and /dev/shm rings left after all (must be 0).
  *
  * Flags: --n 100 (kills), --model FILE (default: test models' stories260K; the 16×2048 synthetic model of the
@@ -144,7 +144,7 @@ const main = Effect.gen(function*() {
   const shm = readdirSync("/dev/shm").filter((name) => name.startsWith("swactor-")).length
   console.log(`recovered ${recovered}/${cfg.n}, identical output ${identical}/${cfg.n}`)
   console.log(
-    `recovery (kill → next token) p50 ${percentile(recoveryMillis, 50).toFixed(0)} ms, p99 ${percentile(recoveryMillis, 99).toFixed(0)} ms over ${recoveryMillis.length}`
+    `recovery (kill → next token) p50 ${percentile(recoveryMillis, 50).toFixed(0)} ms, p99 ${percentile(recoveryMillis, 99).toFixed(0)} ms, max ${Math.max(...recoveryMillis).toFixed(0)} ms over ${recoveryMillis.length}`
   )
   console.log(`left behind: ${orphans} agent processes, ${shm} /dev/shm rings`)
   if (recovered !== cfg.n || identical !== cfg.n || orphans !== 0 || shm !== 0) process.exitCode = 1
