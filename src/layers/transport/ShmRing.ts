@@ -256,17 +256,10 @@ export class ShmRing {
    * copy); undefined when there is none, "corrupt" when the cursors are impossible.
    */
   drain(stayAwake = false): Uint8Array | undefined | "corrupt" {
-    if (this.closed) return undefined
-    if (!stayAwake) Atomics.store(this.control, PENDING, 0)
-    const head = Atomics.load(this.control, HEAD)
-    const tail = Atomics.load(this.control, TAIL)
-    if (head < 0 || head >= this.modulus || tail < 0 || tail >= this.modulus) return "corrupt"
-    const n = this.distance(tail, head)
-    if (n === 0) return undefined
-    if (n > this.capacity) return "corrupt"
+    const range = this.take(stayAwake)
+    if (range === undefined || range === "corrupt") return range
+    const { at, first, head, n } = range
     const out = new Uint8Array(n)
-    const at = tail % this.capacity
-    const first = Math.min(n, this.capacity - at)
     out.set(this.data.subarray(at, at + first), 0)
     if (first < n) out.set(this.data.subarray(0, n - first), first)
     Atomics.store(this.control, TAIL, head)
@@ -279,6 +272,24 @@ export class ShmRing {
    * uncredited bytes, so bytes not credited back yet are never written again.
    */
   drainViews(stayAwake = false): ReadonlyArray<Uint8Array> | undefined | "corrupt" {
+    const range = this.take(stayAwake)
+    if (range === undefined || range === "corrupt") return range
+    this.lent = true
+    const { at, first, head, n } = range
+    const views = [this.data.subarray(at, at + first)]
+    if (first < n) views.push(this.data.subarray(0, n - first))
+    Atomics.store(this.control, TAIL, head)
+    return views
+  }
+
+  /**
+   * Consumer: clear the pending bit (unless `stayAwake`) and find every byte written so far: `n` bytes from `at`,
+   * `first` of them before the ring's end; the caller moves the tail to `head` once it has them. Undefined when there
+   * is none, "corrupt" when the cursors are impossible.
+   */
+  private take(
+    stayAwake: boolean
+  ): { readonly at: number; readonly first: number; readonly head: number; readonly n: number } | undefined | "corrupt" {
     if (this.closed) return undefined
     if (!stayAwake) Atomics.store(this.control, PENDING, 0)
     const head = Atomics.load(this.control, HEAD)
@@ -287,13 +298,8 @@ export class ShmRing {
     const n = this.distance(tail, head)
     if (n === 0) return undefined
     if (n > this.capacity) return "corrupt"
-    this.lent = true
     const at = tail % this.capacity
-    const first = Math.min(n, this.capacity - at)
-    const views = [this.data.subarray(at, at + first)]
-    if (first < n) views.push(this.data.subarray(0, n - first))
-    Atomics.store(this.control, TAIL, head)
-    return views
+    return { at, first: Math.min(n, this.capacity - at), head, n }
   }
 
   /** Tests only: place both cursors at `position` (mod M), e.g. just before the modulus wraps. */
