@@ -9,16 +9,8 @@ import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Server, type ServeEvent } from "../src/services/Server.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
-import { requireModel } from "./support/models.js"
+import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
-const testModel: StageExecutorTest.TestModel = {
-  numLayers: 5,
-  hiddenDim: 64,
-  vocabSize: 512,
-  contextLength: 2048,
-  eosTokenId: 2,
-  bosTokenId: 1
-}
 
 /** The test engine, each forward a few ms slower (so a kill lands mid-generation). */
 const slowExecutor = (delayMillis: number) => {

@@ -9,17 +9,8 @@ import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import { AgentControl, type StageReport } from "../src/services/AgentLinks.js"
-import { requireModel } from "./support/models.js"
+import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
-// The test engine mirrors stories260K's facts (read from the real file): 5 blocks, hidden 64, EOS 2.
-const testModel: StageExecutorTest.TestModel = {
-  numLayers: 5,
-  hiddenDim: 64,
-  vocabSize: 512,
-  contextLength: 2048,
-  eosTokenId: 2,
-  bosTokenId: 1
-}
 
 /** In-memory agents and an orchestrator over them; `onReport` sees every stage report the orchestrator receives. */
 const world = (

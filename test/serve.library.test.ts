@@ -11,16 +11,8 @@ import { StageExecutor } from "../src/services/StageExecutor.js"
 import { Orchestrator } from "../src/services/Orchestrator.js"
 import { Server, type ServeEvent, type ServeOptions } from "../src/services/Server.js"
 import { makeStopMatcher } from "../src/services/StopText.js"
-import { requireModel } from "./support/models.js"
+import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
-const testModel: StageExecutorTest.TestModel = {
-  numLayers: 5,
-  hiddenDim: 64,
-  vocabSize: 512,
-  contextLength: 2048,
-  eosTokenId: 2,
-  bosTokenId: 1
-}
 
 /** The test engine, each forward `delayMillis` slower (so requests overlap). */
 const slowExecutor = (delayMillis: number) => {

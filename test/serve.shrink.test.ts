@@ -11,16 +11,8 @@ import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.j
 import * as ServerLive from "../src/layers/server/ServerLive.js"
 import { Server, type ServerMetrics, type ServeOptions } from "../src/services/Server.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
-import { requireModel } from "./support/models.js"
+import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
-const testModel: StageExecutorTest.TestModel = {
-  numLayers: 5,
-  hiddenDim: 64,
-  vocabSize: 512,
-  contextLength: 2048,
-  eosTokenId: 2,
-  bosTokenId: 1
-}
 
 /** The test engine, each forward 5 ms slower (so requests overlap a kill). */
 const slowExecutor = () => {

@@ -15,16 +15,8 @@ import { Orchestrator, type RunSummary, type RunUpdate } from "../src/services/O
 import { Server } from "../src/services/Server.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { makeStageStragglerDetector } from "../src/services/StageStragglers.js"
-import { requireModel } from "./support/models.js"
+import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
-const testModel: StageExecutorTest.TestModel = {
-  numLayers: 5,
-  hiddenDim: 64,
-  vocabSize: 512,
-  contextLength: 2048,
-  eosTokenId: 2,
-  bosTokenId: 1
-}
 
 const SLOW_MILLIS = 120
 

@@ -1,3 +1,4 @@
+import type * as StageExecutorTest from "../../src/layers/engine/StageExecutorTest.js"
 import { existsSync } from "node:fs"
 import { dirname, join, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
@@ -18,4 +19,17 @@ export const requireModel = (name: string): string => {
     )
   }
   return path
+}
+
+/**
+ * The deterministic test engine's model with stories260K's facts (5 blocks, hidden 64, EOS 2, BOS 1), for runs that
+ * plan on the real file's facts but compute with the double.
+ */
+export const storiesTestModel: StageExecutorTest.TestModel = {
+  numLayers: 5,
+  hiddenDim: 64,
+  vocabSize: 512,
+  contextLength: 2048,
+  eosTokenId: 2,
+  bosTokenId: 1
 }
