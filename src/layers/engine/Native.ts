@@ -171,17 +171,27 @@ export class NativeWeights {
 /** Bytes of hidden states copied into graph inputs (tests count copies per hop with it). */
 export const inputCopies = { bytes: 0 }
 
-let addressOfFn: ((a: unknown, b: unknown, n: number) => bigint) | null | undefined
+/** A libc function by its C signature, loaded once; null where libc cannot be loaded. */
+const libcFunctions = new Map<string, unknown>()
+const libcFunction = <F>(signature: string): F | null => {
+  if (!libcFunctions.has(signature)) {
+    let fn: unknown = null
+    try {
+      fn = koffi.load("libc.so.6").func(signature)
+    } catch {
+      fn = null
+    }
+    libcFunctions.set(signature, fn)
+  }
+  return libcFunctions.get(signature) as F | null
+}
+
 /** The address of a typed array's bytes (libc memmove with n = 0 returns its destination), or null. */
 const addressOf = (data: Float32Array): bigint | null => {
-  if (addressOfFn === undefined) {
-    try {
-      addressOfFn = koffi.load("libc.so.6").func("uintptr_t memmove(void *dst, void *src, size_t n)") as never
-    } catch {
-      addressOfFn = null
-    }
-  }
-  return addressOfFn === null ? null : BigInt(addressOfFn(data, data, 0))
+  const memmove = libcFunction<(a: unknown, b: unknown, n: number) => bigint | number>(
+    "uintptr_t memmove(void *dst, void *src, size_t n)"
+  )
+  return memmove === null ? null : BigInt(memmove(data, data, 0))
 }
 
 /**
@@ -201,7 +211,6 @@ const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint 
   return own
 }
 
-let madvise: ((addr: bigint, len: number, advice: number) => number) | null | undefined
 const MADV_HUGEPAGE = 14
 const HUGE_PAGE = 2n * 1024n * 1024n
 
@@ -212,13 +221,9 @@ const HUGE_PAGE = 2n * 1024n * 1024n
  */
 const adviseHugePages = (base: Ptr, size: number) => {
   if (process.platform !== "linux" || base === null) return
-  if (madvise === undefined) {
-    try {
-      madvise = koffi.load("libc.so.6").func("int madvise(uintptr_t addr, size_t len, int advice)") as never
-    } catch {
-      madvise = null
-    }
-  }
+  const madvise = libcFunction<(addr: bigint, len: number, advice: number) => number>(
+    "int madvise(uintptr_t addr, size_t len, int advice)"
+  )
   if (madvise === null) return
   const a = koffi.address(base)
   const start = (a + HUGE_PAGE - 1n) / HUGE_PAGE * HUGE_PAGE
