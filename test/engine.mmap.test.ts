@@ -195,7 +195,7 @@ describe("mapped weights moved to huge-page memory", () => {
       let moved: boolean | undefined
       let before = { mapped: 0, buffers: 0 }
       let after = { mapped: 0, buffers: 0 }
-      const mapped = yield* oneStage(path, 4, { mmap: true, moveOutOfMapping: false }, (stage) =>
+      const mapped = yield* oneStage(path, 4, { mmap: true }, (stage) =>
         Effect.promise(async () => {
           before = { mapped: stage.mappedBytes, buffers: stage.bufferBytes }
           moved = await stage.weights.moveOutOfMapping()
@@ -208,10 +208,14 @@ describe("mapped weights moved to huge-page memory", () => {
       mapped.logits.forEach((l, i) => assert.isTrue(sameBits(l, copied.logits[i]!), `step ${i}`))
     }))
 
-  it.live("by default the live executor moves mapped weights in the background after the load", () =>
+  it.live("LoadedStage.settle moves the live engine's mapped weights out of the mapping", () =>
     Effect.gen(function*() {
       const path = yield* model
-      const { stage } = yield* oneStage(path, 4, { mmap: true, moveOutOfMapping: "1 millis" }, () => Effect.sleep("300 millis"))
+      const { stage } = yield* oneStage(path, 4, { mmap: true }, (loaded) =>
+        Effect.gen(function*() {
+          assert.isAbove(loaded.mappedBytes, 0)
+          assert.isTrue(yield* loaded.settle())
+        }))
       assert.strictEqual(stage.mappedBytes, 0)
     }))
 })

@@ -2,7 +2,7 @@
  * StageExecutor over ggml (node-llama-cpp's libraries through koffi): loads only a stage's tensors, keeps a
  * KV cache per session, and computes on a koffi worker thread so the event loop keeps running.
  */
-import { Duration, Effect, Layer } from "effect"
+import { Effect, Layer } from "effect"
 import { availableParallelism } from "node:os"
 import {
   BatchItemRejected,
@@ -43,6 +43,7 @@ import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCata
 /** A loaded stage of the live executor (also exposes where each tensor lives, for tests and the CLI). */
 export class LiveLoadedStage implements LoadedStage {
   constructor(readonly info: StageInfo, readonly weights: NativeWeights) {}
+  /** Mapped weights to huge-page memory (NativeWeights.moveOutOfMapping; it checks `freed` before every tensor). */
   settle = (): Effect.Effect<boolean> => Effect.promise(() => this.weights.moveOutOfMapping().catch(() => false))
   get placements(): ReadonlyArray<TensorPlacement> {
     return this.weights.placements
@@ -65,13 +66,6 @@ export interface LiveOptions {
    * off). Repacked weights are repacked from the mapping; GPU stages always copy.
    */
   readonly mmap?: boolean
-  /**
-   * After this long, move mapped CPU weights out of the file mapping into huge-page memory in the background, between
-   * forward steps (NativeWeights.moveOutOfMapping; decode runs ~12% faster from huge pages, the move costs ~1.5 ms per
-   * MB on this machine). Default false: the caller decides with `LoadedStage.settle` (the node agent does for long
-   * sessions).
-   */
-  readonly moveOutOfMapping?: false | Duration.DurationInput
   /** CPU threads when a session does not say (default: SWACTOR_THREADS, else every core). */
   readonly defaultThreads?: number
   /** KV cache length when a session does not say (default min(model context, 4096)). */
@@ -129,13 +123,6 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       }),
       (w) => Effect.promise(() => w.lock.run(async () => w.free()))
     )
-    const moveAfter = options.moveOutOfMapping ?? false
-    if (moveAfter !== false && weights.mappedBytes > 0) {
-      // freed with the stage: the move checks `freed` under the weights' lock before every tensor
-      yield* Effect.forkScoped(
-        Effect.sleep(moveAfter).pipe(Effect.zipRight(Effect.promise(() => weights.moveOutOfMapping().catch(() => false))))
-      )
-    }
     const hp = layout.hp
     const info: StageInfo = {
       arch: hp.arch,
