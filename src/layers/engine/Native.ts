@@ -76,10 +76,10 @@ export class NativeWeights {
    * tensor per hold of the weights' lock (so decode steps run in between), then unmaps the file. Why: Linux gives a
    * file mapping 4 KiB pages (no read-only THP for files here), and decode, which streams every weight per token, ran
    * ~12% slower from the mapping than from huge pages (bench:pipeline, 16x2048 Q8_0: 43.5 vs 38.7 ms of compute per
-   * token). The mapping still gives the fast start. Resolves true once every tensor moved; false when stopped early
-   * (`cancelled()`), or when there is nothing to move. Numerics do not change: the same bytes, read by the same kernels.
+   * token). The mapping still gives the fast start. Resolves true once every tensor moved; false when the weights were
+   * freed meanwhile, or when there is nothing to move. Numerics do not change: the same bytes, read by the same kernels.
    */
-  async moveOutOfMapping(cancelled: () => boolean = () => false): Promise<boolean> {
+  async moveOutOfMapping(): Promise<boolean> {
     if (this.mappedTensors.length === 0 || this.device !== "cpu" || this.moveStarted) return false
     this.moveStarted = true
     const raw = this.ggml.raw
@@ -93,7 +93,7 @@ export class NativeWeights {
       total += BigInt(t.bytes)
     }
     const buffer = await this.lock.run(async () => {
-      if (this.freed || cancelled()) return null
+      if (this.freed) return null
       const b = raw.ggml_backend_buft_alloc_buffer(buft, Number(total))
       if (b === null) return null
       raw.ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
@@ -105,7 +105,7 @@ export class NativeWeights {
     const base = koffi.address(raw.ggml_backend_buffer_get_base(buffer))
     for (const [i, t] of this.mappedTensors.entries()) {
       const moved = await this.lock.run(async () => {
-        if (this.freed || cancelled()) return false
+        if (this.freed) return false
         const oldData = koffi.decode(t.p, TensorLayout.data, "void *") as Ptr
         const oldBuffer = koffi.decode(t.p, TensorLayout.buffer, "void *") as Ptr
         const from = koffi.address(oldData)
