@@ -61,8 +61,8 @@ export interface GraphInputs {
 
 /** Matrix products over a few rows through ggml's one-row kernel (CPU; see Toolkit.mulMatSmall). */
 export interface SmallBatchMatMul {
-  /** Most rows that take the one-row kernel (2..maxRows; 0 or 1: never). */
-  readonly maxRows: number
+  /** Per weight type: most rows that take the one-row kernel (2..n; 0 or 1: never). */
+  readonly maxRowsFor: (type: number) => number
   readonly shapeOf: (t: Ptr) => { readonly type: number; readonly ne: ReadonlyArray<number>; readonly nb: ReadonlyArray<number> }
 }
 
@@ -98,18 +98,17 @@ export class Toolkit {
   }
 
   /**
-   * ggml's CPU mul_mat hands any src1 of 2+ rows to llamafile's tinyBLAS, which on a few rows (a decode step of
-   * a few sequences) is several times slower per row than the one-row vec_dot path (measured: Q8_0 2048x8192,
-   * 1 thread: 2 rows cost 3.4x one row). Given as [K, 1, rows] (ne11 = 1) the rows skip tinyBLAS and go through
-   * the vec_dot kernel of a one-row product, 16 weight rows at a time over all input rows: the weights are read
-   * once and each row gets the same bits as alone.
+   * ggml's CPU mul_mat hands any src1 of 2+ rows to llamafile's tinyBLAS. Given as [K, 1, rows] (ne11 = 1) the
+   * rows skip tinyBLAS and go through the vec_dot kernel of a one-row product, 16 weight rows at a time over all
+   * input rows: the weights are read once and each row gets the same bits as alone. Which is faster depends on the
+   * CPU; SmallBatch.ts measures it per weight type (`maxRowsFor`).
    */
   private mulMatSmall(w: Ptr, x: Ptr, small: SmallBatchMatMul): Ptr {
     const g = this.g
     const { nb, ne, type } = small.shapeOf(x)
     const rows = ne[1]!
     const contiguous = type === GgmlType.F32 && nb[0] === 4 && nb[1] === ne[0]! * 4 && ne[2] === 1 && ne[3] === 1
-    if (rows < 2 || rows > small.maxRows || !contiguous) return g.ggml_mul_mat(this.ctx, w, x)
+    if (rows < 2 || rows > small.maxRowsFor(small.shapeOf(w).type) || !contiguous) return g.ggml_mul_mat(this.ctx, w, x)
     const y = g.ggml_mul_mat(this.ctx, w, g.ggml_reshape_3d(this.ctx, x, ne[0]!, 1, rows))
     return g.ggml_reshape_2d(this.ctx, y, small.shapeOf(w).ne[1]!, rows)
   }
