@@ -43,6 +43,22 @@ const recordingExecutor = (gate: Deferred.Deferred<void>, poisoned: Set<StageSes
 
 const tokens = (...t: Array<number>): StageInput => ({ _tag: "Tokens", tokens: Int32Array.from(t) })
 
+/** The double, recording every forwardBatch's sessions; each batch takes `millis` of wall time. */
+const slowExecutor = (millis: number) => {
+  const base = makeDouble()
+  const calls: Array<ReadonlyArray<StageSession>> = []
+  const service: StageExecutorService = {
+    ...base,
+    forwardBatch: (items) =>
+      Effect.gen(function*() {
+        calls.push(items.map((i) => i.session))
+        yield* Effect.promise(() => new Promise((resolve) => setTimeout(resolve, millis)))
+        return yield* base.forwardBatch(items)
+      })
+  }
+  return { calls, layer: Layer.succeed(StageExecutor, service) }
+}
+
 /** A stage of the double and `n` sessions on it, plus `n` lone twin sessions for reference outputs. */
 const setup = (n: number, isLast: boolean) =>
   Effect.gen(function*() {
@@ -217,6 +233,30 @@ describe("stage batcher", () => {
           )
           assert.deepStrictEqual(outs, yield* Effect.forEach([1, 2, 3], (i) => twins[i]!.forward(0, tokens(i + 1))))
         }).pipe(Effect.provide(layer))
+      }))
+  }
+
+  // Groups stay formed: four sequences decoding on 2 stages form micro-batches of 2. When one of a pair comes back
+  // alone, the batcher waits (at most its last decode micro-batch's time) for the other instead of running a
+  // one-row step and leaving its partner for the next: without the wait the pairs drift apart into single rows.
+  for (const [gatherMillis, expected] of [[250, [[0, 1]]], [0, [[0], [1]]]] as const) {
+    it.live(`gatherMillis ${gatherMillis}: a decode step arriving 15 ms after its partner ${gatherMillis > 0 ? "joins it" : "runs on its own"}`, () =>
+      Effect.gen(function*() {
+        const { calls, layer } = slowExecutor(200)
+        yield* Effect.gen(function*() {
+          const batcher = yield* makeStageBatcher({ maxRows: 64, gatherMillis })
+          const { sessions } = yield* setup(4, true)
+          const step = (i: number, pos: number) => batcher.submit(sessions[i]!, pos, tokens(i + 1), emptyBatchCounters(), 2)
+          // one round of all four: micro-batches of 2 (measures a decode micro-batch: ~200 ms)
+          yield* Effect.forEach([0, 1, 2, 3], (i) => step(i, 0), { concurrency: "unbounded" })
+          const before = calls.length
+          const a = yield* Effect.fork(step(0, 1))
+          yield* Effect.sleep("15 millis")
+          const b = yield* Effect.fork(step(1, 1))
+          yield* Fiber.join(a)
+          yield* Fiber.join(b)
+          assert.deepStrictEqual(calls.slice(before).map((c) => c.map((s) => sessions.indexOf(s))), expected.map((g) => [...g]))
+        }).pipe(Effect.scoped, Effect.provide(layer))
       }))
   }
 })

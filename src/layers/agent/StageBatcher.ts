@@ -9,6 +9,11 @@
  *   Without that cap all L sequences travel as one group and S - 1 stages wait while one works. L counts the
  *   sessions that submitted a decode step within the last `activeWindowMillis` (they are somewhere in the
  *   pipeline); S comes from the submitter (its run's stage count).
+ * - Groups form and stay formed: with fewer than ceil(L / S) decode steps pending (and no prompt work), the batcher
+ *   waits for more, at most as long as its last micro-batch of decode steps took (and `gatherMillis`). Without that wait the
+ *   sequences drift apart into one-row micro-batches (each stage always busy with one sequence, measured: 4
+ *   sequences on 2 stages ran ~85% one-row steps), and a one-row step costs nearly what a two-row one does. A group
+ *   that formed comes back together (its tokens are sampled in the same step), so it rarely waits again.
  * - A prompt longer than `prefillChunk` tokens is prefilled in fixed chunks [0, C), [C, 2C), ... one per
  *   micro-batch, interleaved with other sequences' decode steps, so a big prompt does not stall everyone's next
  *   token. Chunk boundaries depend only on the prompt (never on what else is pending): a chunk that does not fit
@@ -19,7 +24,7 @@
  *   culprit fails.
  * - A submitter that is interrupted (its run stopped) is dropped before its next chunk runs.
  */
-import { Cause, Deferred, Effect, Queue, type Scope } from "effect"
+import { Cause, Deferred, Effect, Option, Queue, type Scope } from "effect"
 import { EngineError, type ForwardError, type StageInput, type StageOutput } from "../../domain/engine.js"
 import { type BatchItem, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
 
@@ -30,6 +35,8 @@ export interface BatcherSettings {
   readonly prefillChunk?: number
   /** A session counts as decoding for this long after its last decode step (default 2000 ms). */
   readonly activeWindowMillis?: number
+  /** Longest wait for more decode steps to fill a micro-batch (default 250 ms; 0: never wait). */
+  readonly gatherMillis?: number
 }
 
 /** Counters of the micro-batches that carried one submitter's work (a stage of one run). */
@@ -96,6 +103,16 @@ const concat = (parts: ReadonlyArray<Float32Array>): Float32Array => {
   return out
 }
 
+/**
+ * Sleeps `millis` of wall time, whatever Clock the fiber has: the gather wait is bounded by measured compute time
+ * (performance.now), so it must not stand still under a test's TestClock.
+ */
+const wallSleep = (millis: number): Effect.Effect<Option.Option<never>> =>
+  Effect.async<Option.Option<never>>((resume) => {
+    const timer = setTimeout(() => resume(Effect.succeed(Option.none())), millis)
+    return Effect.sync(() => clearTimeout(timer))
+  })
+
 /** Starts the batcher fiber in the current scope (it stops when the scope closes). */
 export const makeStageBatcher = (
   settings: BatcherSettings = {}
@@ -105,15 +122,19 @@ export const makeStageBatcher = (
     const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
     const chunk = Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128)))
     const activeWindow = Math.max(0, settings.activeWindowMillis ?? 2000)
+    const gatherMax = Math.max(0, settings.gatherMillis ?? 250)
+    /** How long the last micro-batch of decode steps only took (ms): the longest worth waiting to fill the next one. */
+    let lastRunMillis = 0
     const inbox = yield* Queue.unbounded<Job>()
     const pending: Array<Job> = []
     /** Sessions decoding on these weights: when each last submitted a decode step. */
-    const decoders = new Map<StageSession, number>()
+    const decoders = new Map<StageSession, { last: number; interval: number }>()
 
     /** Most decode steps in one micro-batch: ceil(L / S) (at least 1). */
     const decodeCap = (): number => {
       const now = performance.now()
-      for (const [session, seen] of decoders) if (now - seen > activeWindow) decoders.delete(session)
+      // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
+      for (const [session, d] of decoders) if (now - d.last > Math.min(activeWindow, 3 * d.interval)) decoders.delete(session)
       let stages = 1
       for (const job of pending) if (job.total === 1) stages = Math.max(stages, job.pipelineStages)
       return Math.max(1, Math.ceil(decoders.size / stages))
@@ -209,14 +230,46 @@ export const makeStageBatcher = (
       )
     }
 
+    const takeArrived = Effect.gen(function*() {
+      pending.push(...(yield* Queue.takeAll(inbox)))
+      for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
+    })
+
+    /** Fewer decode steps than a micro-batch takes, nothing else to run, and other decoders on their way. */
+    const worthWaiting = () => {
+      if (pending.some((job) => job.total !== 1)) return false
+      const cap = decodeCap()
+      return pending.length < cap && decoders.size > pending.length
+    }
+
+    /** Waits (at most min(last micro-batch, gatherMillis)) for decode steps to fill the next micro-batch. */
+    const gather = Effect.gen(function*() {
+      const budget = Math.min(gatherMax, lastRunMillis)
+      if (budget < 1) return
+      const deadline = performance.now() + budget
+      while (worthWaiting()) {
+        const left = deadline - performance.now()
+        if (left < 0.5) return
+        const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(left))
+        if (Option.isNone(next)) return
+        pending.push(next.value)
+        yield* takeArrived
+      }
+    })
+
     const loop = Effect.gen(function*() {
       if (pending.length === 0) pending.push(yield* Queue.take(inbox))
       // let callers whose results just completed submit their next step into this micro-batch
       yield* Effect.yieldNow()
-      pending.push(...(yield* Queue.takeAll(inbox)))
-      for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
+      yield* takeArrived
       if (pending.length === 0) return
-      yield* runOnce(pick())
+      yield* gather
+      if (pending.length === 0) return
+      const started = performance.now()
+      const chosen = pick()
+      yield* runOnce(chosen)
+      // only decode steps: what the next such micro-batch will cost (a prompt chunk says nothing about it)
+      if (chosen.every(({ job }) => job.total === 1)) lastRunMillis = performance.now() - started
     })
     yield* Effect.forkScoped(Effect.forever(loop))
 
@@ -241,7 +294,11 @@ export const makeStageBatcher = (
           result,
           cancelled: false
         }
-        if (job.total === 1) decoders.set(session, performance.now())
+        if (job.total === 1) {
+          const now = performance.now()
+          const seen = decoders.get(session)
+          decoders.set(session, { last: now, interval: seen === undefined ? Infinity : Math.max(1, now - seen.last) })
+        }
         if (!(job.total >= 1)) {
           // let the engine word the rejection (an empty input never reaches a micro-batch)
           return yield* session.forward(startPos, input)
