@@ -259,4 +259,53 @@ describe("stage batcher", () => {
         }).pipe(Effect.scoped, Effect.provide(layer))
       }))
   }
+
+  // Requests sent together prefill together: a prompt that wakes an idle first stage waits (at most
+  // promptGatherMillis) for the prompts of the sessions opened beside it (here 5 ms apart), so all three share one
+  // micro-batch and then decode in step. Sessions nobody expects are not waited for.
+  const gatherCases = [[100, true, [[0, 1, 2]]], [0, true, [[0], [1, 2]]], [100, false, [[0], [1, 2]]]] as const
+  for (const [promptGatherMillis, announced, expected] of gatherCases) {
+    it.live(`promptGatherMillis ${promptGatherMillis}, sessions ${announced ? "expected" : "not expected"}: three prompts sent 5 ms apart ${expected.length === 1 ? "prefill in one micro-batch" : "split"}`, () =>
+      Effect.gen(function*() {
+        const { calls, layer } = slowExecutor(100)
+        yield* Effect.gen(function*() {
+          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis })
+          const { sessions } = yield* setup(3, true)
+          if (announced) yield* Effect.forEach(sessions, batcher.expect)
+          const fibers = []
+          for (const i of [0, 1, 2]) {
+            fibers.push(yield* Effect.fork(batcher.submit(sessions[i]!, 0, tokens(i + 1, 7, 9), emptyBatchCounters(), 2)))
+            yield* Effect.sleep("5 millis")
+          }
+          yield* Effect.forEach(fibers, Fiber.join)
+          assert.deepStrictEqual(calls.map((c) => c.map((s) => sessions.indexOf(s))), expected.map((g) => [...g]))
+        }).pipe(Effect.scoped, Effect.provide(layer))
+      }))
+  }
+
+  // A burst of prompts beside running decode steps is spread out: the first chunk always joins (no prompt starves),
+  // more only within promptRowsBesideDecode rows, so the decoding sequence's next token does not wait for all of it.
+  it.scoped("beside a decode step: the first prompt chunk plus prompt rows up to promptRowsBesideDecode; the rest next", () =>
+    Effect.gen(function*() {
+      const gate = yield* Deferred.make<void>()
+      const { calls, layer } = recordingExecutor(gate)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ maxRows: 64, promptRowsBesideDecode: 16 })
+        const { sessions } = yield* setup(5, true)
+        const eight = (k: number) => tokens(...Array.from({ length: 8 }, (_, i) => k + i))
+        const held = yield* Effect.fork(batcher.submit(sessions[4]!, 0, eight(40), emptyBatchCounters()))
+        while (calls.length === 0) yield* Effect.yieldNow()
+        const decode = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1), emptyBatchCounters()))
+        const prompts = yield* Effect.forEach([1, 2, 3], (i) => Effect.fork(batcher.submit(sessions[i]!, 0, eight(10 * i), emptyBatchCounters())))
+        yield* Effect.yieldNow()
+        yield* Deferred.succeed(gate, undefined)
+        yield* Fiber.join(held)
+        yield* Fiber.join(decode)
+        yield* Effect.forEach(prompts, Fiber.join)
+        assert.deepStrictEqual(
+          calls.slice(1).map((r) => ({ seqs: r.sessions.map((x) => sessions.indexOf(x)), lengths: r.lengths })),
+          [{ seqs: [0, 1, 2], lengths: [1, 8, 8] }, { seqs: [3], lengths: [8] }]
+        )
+      }).pipe(Effect.provide(layer))
+    }))
 })

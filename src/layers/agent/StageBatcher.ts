@@ -37,8 +37,16 @@ export interface BatcherSettings {
   readonly activeWindowMillis?: number
   /** Longest wait for more decode steps to fill a micro-batch (default 250 ms; 0: never wait). */
   readonly gatherMillis?: number
-  /** How long a prompt reaching an idle first stage waits for other prompts to share its micro-batch (default 20 ms). */
+  /**
+   * How long a prompt reaching an idle first stage may wait for the prompts of sessions opened beside it (`expect`)
+   * to share its micro-batch (default 100 ms; 0: never wait).
+   */
   readonly promptGatherMillis?: number
+  /**
+   * Beside decode steps, prompt rows beyond the first chunk only up to this many (default 16): a burst of new prompts
+   * is spread over several micro-batches instead of making the running sequences wait for all of it at once.
+   */
+  readonly promptRowsBesideDecode?: number
 }
 
 /** Counters of the micro-batches that carried one submitter's work (a stage of one run). */
@@ -70,6 +78,11 @@ export interface StageBatcher {
     /** Stages in the submitter's pipeline (default 1: no cap on decode steps per micro-batch). */
     pipelineStages?: number
   ) => Effect.Effect<StageOutput, ForwardError>
+  /**
+   * A first-stage session was opened and its prompt will follow: a prompt that wakes the idle batcher waits for it
+   * (see `promptGatherMillis`). Forgotten at its first submit, or when the scope closes.
+   */
+  readonly expect: (session: StageSession) => Effect.Effect<void, never, Scope.Scope>
 }
 
 interface Job {
@@ -125,13 +138,16 @@ export const makeStageBatcher = (
     const chunk = Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128)))
     const activeWindow = Math.max(0, settings.activeWindowMillis ?? 2000)
     const gatherMax = Math.max(0, settings.gatherMillis ?? 250)
-    const promptGather = Math.max(0, settings.promptGatherMillis ?? 20)
+    const promptGather = Math.max(0, settings.promptGatherMillis ?? 100)
+    const promptBesideDecode = Math.max(0, settings.promptRowsBesideDecode ?? 16)
     /** How long the last micro-batch of decode steps only took (ms): the longest worth waiting to fill the next one. */
     let lastRunMillis = 0
     const inbox = yield* Queue.unbounded<Job>()
     const pending: Array<Job> = []
     /** Sessions decoding on these weights: when each last submitted a decode step. */
     const decoders = new Map<StageSession, { last: number; interval: number }>()
+    /** First-stage sessions opened that have not submitted anything yet (their prompt is on its way). */
+    const expected = new Set<StageSession>()
 
     /** Most decode steps in one micro-batch: ceil(L / S) (at least 1). */
     const decodeCap = (): number => {
@@ -148,10 +164,14 @@ export const makeStageBatcher = (
       if (i >= 0) pending.splice(i, 1)
     }
 
-    /** The next micro-batch: decode steps first, then whole chunks while rows are left. */
+    /**
+     * The next micro-batch: decode steps first, then whole chunks while rows are left. Beside decode steps the first
+     * chunk always goes (no prompt starves) and more only within `promptRowsBesideDecode` rows of prompt.
+     */
     const pick = (): Array<{ job: Job; n: number }> => {
       const chosen: Array<{ job: Job; n: number }> = []
       let rows = 0
+      let promptRows = 0
       let decodeLeft = decodeCap()
       for (const pass of ["decode", "prefill"] as const) {
         for (const job of pending) {
@@ -159,8 +179,10 @@ export const makeStageBatcher = (
           const n = Math.min(chunk, job.total - job.done)
           if (rows + n > maxRows) continue
           if (pass === "decode" && decodeLeft-- <= 0) break
+          if (pass === "prefill" && promptRows > 0 && rows > promptRows && promptRows + n > promptBesideDecode) continue
           chosen.push({ job, n })
           rows += n
+          if (pass === "prefill") promptRows += n
         }
       }
       return chosen
@@ -259,14 +281,16 @@ export const makeStageBatcher = (
       })
 
     /**
-     * Before a micro-batch: a prompt that woke an idle first stage waits `promptGatherMillis` for the prompts sent
-     * with it (requests that arrive together then prefill together and decode in step from their first token:
-     * measured, 4 concurrent requests reached stage 0 within 10 ms); otherwise short decode micro-batches wait (at
-     * most min(last decode micro-batch, gatherMillis)) for the rest of their group.
+     * Before a micro-batch: a prompt that woke an idle first stage waits (at most `promptGatherMillis`) for the
+     * prompts of the sessions opened beside it that have not submitted yet, so requests that arrive together prefill
+     * together and decode in step from their first token (measured: 4 concurrent requests reached stage 0 within
+     * 10 ms, but the first one alone had already started its prefill); a lone request never waits. Otherwise short
+     * decode micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
      */
     const gather = (wokeIdle: boolean) => {
-      const firstPrompt = wokeIdle && promptGather > 0 && pending.some((job) => job.total > 1 && job.input._tag === "Tokens")
-      if (firstPrompt) return takeUntil(performance.now() + promptGather, () => true)
+      const firstPrompt = wokeIdle && promptGather > 0 && expected.size > 0 &&
+        pending.some((job) => job.total > 1 && job.input._tag === "Tokens")
+      if (firstPrompt) return takeUntil(performance.now() + promptGather, () => expected.size > 0)
       const budget = Math.min(gatherMax, lastRunMillis)
       if (budget < 1) return Effect.void
       return takeUntil(performance.now() + budget, worthWaiting)
@@ -310,6 +334,7 @@ export const makeStageBatcher = (
           result,
           cancelled: false
         }
+        expected.delete(session)
         if (job.total === 1) {
           const now = performance.now()
           const seen = decoders.get(session)
@@ -328,5 +353,8 @@ export const makeStageBatcher = (
         ))
       })
 
-    return { submit }
+    const expect = (session: StageSession) =>
+      Effect.acquireRelease(Effect.sync(() => void expected.add(session)), () => Effect.sync(() => void expected.delete(session)))
+
+    return { submit, expect }
   })
