@@ -263,13 +263,19 @@ describe("stage batcher", () => {
   // Requests sent together prefill together: a prompt that wakes an idle first stage waits (at most
   // promptGatherMillis) for the prompts of the sessions opened beside it (here 5 ms apart), so all three share one
   // micro-batch and then decode in step. Sessions nobody expects are not waited for.
-  const gatherCases = [[100, true, [[0, 1, 2]]], [0, true, [[0], [1, 2]]], [100, false, [[0], [1, 2]]]] as const
-  for (const [promptGatherMillis, announced, expected] of gatherCases) {
-    it.live(`promptGatherMillis ${promptGatherMillis}, sessions ${announced ? "expected" : "not expected"}: three prompts sent 5 ms apart ${expected.length === 1 ? "prefill in one micro-batch" : "split"}`, () =>
+  // The floor (promptGatherFloorMillis) waits for prompts of sessions opened just after, unannounced.
+  const gatherCases = [
+    [100, 0, true, [[0, 1, 2]]],
+    [0, 0, true, [[0], [1, 2]]],
+    [100, 0, false, [[0], [1, 2]]],
+    [100, 40, false, [[0, 1, 2]]]
+  ] as const
+  for (const [promptGatherMillis, promptGatherFloorMillis, announced, expected] of gatherCases) {
+    it.live(`promptGatherMillis ${promptGatherMillis}, floor ${promptGatherFloorMillis}, sessions ${announced ? "expected" : "not expected"}: three prompts sent 5 ms apart ${expected.length === 1 ? "prefill in one micro-batch" : "split"}`, () =>
       Effect.gen(function*() {
         const { calls, layer } = slowExecutor(100)
         yield* Effect.gen(function*() {
-          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis })
+          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis, promptGatherFloorMillis })
           const { sessions } = yield* setup(3, true)
           if (announced) yield* Effect.forEach(sessions, batcher.expect)
           const fibers = []

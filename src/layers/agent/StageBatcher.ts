@@ -42,6 +42,8 @@ export interface BatcherSettings {
    * to share its micro-batch (default 100 ms; 0: never wait).
    */
   readonly promptGatherMillis?: number
+  /** ...and waits this long in any case (default 25 ms): requests sent together open their sessions a few ms apart. */
+  readonly promptGatherFloorMillis?: number
   /**
    * Beside decode steps, prompt rows beyond the first chunk only up to this many (default 16): a burst of new prompts
    * is spread over several micro-batches instead of making the running sequences wait for all of it at once.
@@ -139,6 +141,7 @@ export const makeStageBatcher = (
     const activeWindow = Math.max(0, settings.activeWindowMillis ?? 2000)
     const gatherMax = Math.max(0, settings.gatherMillis ?? 250)
     const promptGather = Math.max(0, settings.promptGatherMillis ?? 100)
+    const promptGatherFloor = Math.max(0, settings.promptGatherFloorMillis ?? 25)
     const promptBesideDecode = Math.max(0, settings.promptRowsBesideDecode ?? 16)
     /** How long the last micro-batch of decode steps only took (ms): the longest worth waiting to fill the next one. */
     let lastRunMillis = 0
@@ -288,9 +291,14 @@ export const makeStageBatcher = (
      * decode micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
      */
     const gather = (wokeIdle: boolean) => {
-      const firstPrompt = wokeIdle && promptGather > 0 && expected.size > 0 &&
-        pending.some((job) => job.total > 1 && job.input._tag === "Tokens")
-      if (firstPrompt) return takeUntil(performance.now() + promptGather, () => expected.size > 0)
+      const firstPrompt = wokeIdle && promptGather > 0 && pending.some((job) => job.total > 1 && job.input._tag === "Tokens")
+      if (firstPrompt) {
+        // a short floor for requests whose sessions open just after this one's (measured: within ~10 ms), then
+        // only for the prompts of sessions already opened
+        const start = performance.now()
+        const floor = Math.min(promptGatherFloor, promptGather)
+        return takeUntil(start + promptGather, () => expected.size > 0 || performance.now() - start < floor)
+      }
       const budget = Math.min(gatherMax, lastRunMillis)
       if (budget < 1) return Effect.void
       return takeUntil(performance.now() + budget, worthWaiting)
