@@ -14,6 +14,7 @@ import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/g
 import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
+import { decodeBatchGetsLoneBits } from "./support/engine.js"
 import { requireModel } from "./support/models.js"
 
 const CONTEXT = 512
@@ -238,22 +239,8 @@ describe("forwardBatch: a decode step of a few sequences", () => {
   // sequence of a small decode batch gets exactly the logits of its lone step (f32 weights: tinyBLAS would differ).
   it.live("stories260K: 2..7 sequences decoding in one batch get the bits of their lone decode steps", () =>
     Effect.gen(function*() {
-      const executor = yield* StageExecutor
       const [whole] = yield* loadSplit(requireModel("stories260K.gguf"), [0, 5])
-      const open = () => executor.session(whole!, { threads: 1, contextLength: 64 })
-      const r = makeRng(5)
-      for (const n of [2, 3, 7]) {
-        const batched = yield* Effect.forEach(Array.from({ length: n }), open)
-        const lone = yield* Effect.forEach(Array.from({ length: n }), open)
-        const prompts = Array.from({ length: n }, (_, i) => Int32Array.from({ length: 2 + i }, () => 3 + Math.floor(r() * 500)))
-        for (let i = 0; i < n; i++) {
-          yield* batched[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
-          yield* lone[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
-        }
-        const step = (i: number): StageInput => ({ _tag: "Tokens", tokens: Int32Array.of(10 + i) })
-        const outs = yield* executor.forwardBatch(batched.map((session, i) => ({ session, startPos: 2 + i, input: step(i) })))
-        for (let i = 0; i < n; i++) assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(2 + i, step(i)), `${n} sequences, #${i}`)
-      }
+      yield* decodeBatchGetsLoneBits(whole!, [2, 3, 7], 500, 5)
     }).pipe(Effect.scoped, Effect.provide(StageExecutorLive)))
 })
 

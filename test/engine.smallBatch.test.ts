@@ -10,7 +10,6 @@ import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
-import type { StageInput } from "../src/domain/engine.js"
 import { GgmlType } from "../src/layers/ggml/Bindings.js"
 import { loadWeights, type NativeWeights } from "../src/layers/engine/Native.js"
 import { chooseMaxRows, exactRowsDefault, measureSmallBatch } from "../src/layers/engine/SmallBatch.js"
@@ -18,8 +17,8 @@ import { layoutStage } from "../src/layers/engine/StageLayout.js"
 import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
+import { decodeBatchGetsLoneBits } from "./support/engine.js"
 import { requireModel } from "./support/models.js"
 
 const dir = mkdtempSync(join(tmpdir(), "swactor-small-batch-"))
@@ -107,20 +106,7 @@ describe("SmallBatch: the kernel of a few-row product", () => {
         )
         const executor = yield* StageExecutor
         const whole = yield* executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
-        const open = () => executor.session(whole, { threads: 1, contextLength: 64 })
-        const r = makeRng(9)
-        for (const n of [2, 3, 5, 7]) {
-          const batched = yield* Effect.forEach(Array.from({ length: n }), open)
-          const lone = yield* Effect.forEach(Array.from({ length: n }), open)
-          const prompts = Array.from({ length: n }, (_, i) => Int32Array.from({ length: 2 + i }, () => 3 + Math.floor(r() * 390)))
-          for (let i = 0; i < n; i++) {
-            yield* batched[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
-            yield* lone[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
-          }
-          const step = (i: number): StageInput => ({ _tag: "Tokens", tokens: Int32Array.of(10 + i) })
-          const outs = yield* executor.forwardBatch(batched.map((session, i) => ({ session, startPos: 2 + i, input: step(i) })))
-          for (let i = 0; i < n; i++) assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(2 + i, step(i)), `${n} sequences, #${i}`)
-        }
+        yield* decodeBatchGetsLoneBits(whole, [2, 3, 5, 7], 390, 9)
       }).pipe(Effect.scoped, Effect.provide(StageExecutorLive)))
   }
 })

@@ -1,10 +1,12 @@
 /** Shared fixtures of the engine tests: splits, a pipelined greedy run of our engine, node-llama-cpp's reference. */
+import { assert } from "@effect/vitest"
 import { Effect, Layer } from "effect"
 import { getLlama, type Llama, type LlamaModel, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { StageExecutorLive } from "../../src/layers/engine/StageExecutorLive.js"
-import { greedy } from "../../src/services/Sampler.js"
 import { openInProcessPipeline } from "../../src/services/InProcessPipeline.js"
-import type { StageExecutor } from "../../src/services/StageExecutor.js"
+import type { StageInput } from "../../src/domain/engine.js"
+import { greedy, makeRng } from "../../src/services/Sampler.js"
+import { type LoadedStage, StageExecutor } from "../../src/services/StageExecutor.js"
 
 /** Every split of `layers` blocks into 1..min(layers, maxStages) contiguous non-empty stages, as boundaries. */
 export const allSplits = (layers: number, maxStages = 4): ReadonlyArray<ReadonlyArray<number>> => {
@@ -130,3 +132,27 @@ export const maxLogProbDiff = (ours: Float64Array, ref: ReadonlyMap<number, numb
 
 /** A layer-less helper for tests that want the executor directly. */
 export const liveExecutor = StageExecutorLive satisfies Layer.Layer<StageExecutor>
+
+/**
+ * For each n of `counts`: n sessions of a whole-model stage prefill prompts of 2..n+1 random tokens (ids 3 ..
+ * 3 + vocab), then take one decode step together in one forwardBatch; each output must be deepStrictEqual (the same
+ * bits) to the same step of a lone twin session.
+ */
+export const decodeBatchGetsLoneBits = (whole: LoadedStage, counts: ReadonlyArray<number>, vocab: number, seed: number) =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const open = () => executor.session(whole, { threads: 1, contextLength: 64 })
+    const r = makeRng(seed)
+    for (const n of counts) {
+      const batched = yield* Effect.forEach(Array.from({ length: n }), open)
+      const lone = yield* Effect.forEach(Array.from({ length: n }), open)
+      const prompts = Array.from({ length: n }, (_, i) => Int32Array.from({ length: 2 + i }, () => 3 + Math.floor(r() * vocab)))
+      for (let i = 0; i < n; i++) {
+        yield* batched[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
+        yield* lone[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
+      }
+      const step = (i: number): StageInput => ({ _tag: "Tokens", tokens: Int32Array.of(10 + i) })
+      const outs = yield* executor.forwardBatch(batched.map((session, i) => ({ session, startPos: 2 + i, input: step(i) })))
+      for (let i = 0; i < n; i++) assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(2 + i, step(i)), `${n} sequences, #${i}`)
+    }
+  })

@@ -7,7 +7,7 @@ import { open } from "node:fs/promises"
 import type { LoadProgress, StageInput } from "../../domain/engine.js"
 import { type Ggml, getGgml, type GgmlRaw, GgmlType, type Ptr, TensorLayout } from "../ggml/Bindings.js"
 import { canMap, type FileRegion, locate, mapRanges, unmapAll } from "./FileMap.js"
-import { exactRowsDefault, fixedSmallBatchRows, measureSmallBatch, rowsOf, type SmallBatchRows, type SmallBatchTrial } from "./SmallBatch.js"
+import { chooseSmallBatchRows, exactRowsDefault } from "./SmallBatch.js"
 import type { StageLayout } from "./StageLayout.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
 
@@ -146,14 +146,10 @@ export class NativeWeights {
   private batch: GraphSlot | null = null
 
   /**
-   * Per weight type, the most rows of a CPU product that take ggml's one-row kernel (SmallBatch.ts): measured before
+   * Per weight type, the most rows of a CPU product that take ggml's one-row kernel (SmallBatch.ts): chosen before
    * the first graph over several sessions is built, then fixed for the weights' life.
    */
-  smallRows: SmallBatchRows | undefined = undefined
-  /** What that measurement saw (empty when SWACTOR_GEMV_MAX_ROWS fixed the count). */
-  smallTrials: ReadonlyArray<SmallBatchTrial> = []
-  /** SWACTOR_GEMV_MAX_ROWS: the same count for every type, nothing measured. */
-  smallFixed: number | undefined = undefined
+  smallRowsFor: ((type: number) => number) | undefined = undefined
 
   batchSlot(): GraphSlot {
     return this.batch ??= new GraphSlot(this.ggml.raw, this.ggml.raw.ggml_backend_dev_buffer_type(this.dev))
@@ -644,7 +640,10 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
 
   let c = slot.cached
   if (c === null || c.key !== key) {
-    if (items.length > 1 && w.device === "cpu" && w.smallRows === undefined) await chooseSmallRows(w, items)
+    if (items.length > 1 && w.device === "cpu" && w.smallRowsFor === undefined) {
+      const threads = Math.max(...items.map((it) => it.session.threads))
+      w.smallRowsFor = await chooseSmallBatchRows(g, w.backend, raw.ggml_backend_dev_buffer_type(w.dev), w.tensors, threads)
+    }
     slot.drop()
     c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind)
     slot.cached = c
@@ -728,23 +727,6 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   })
 }
 
-/**
- * Which kernel a CPU product of a few rows takes (Toolkit.mulMatSmall), per weight type: SWACTOR_GEMV_MAX_ROWS
- * when set (0 turns the one-row kernel off), else measured once on these weights with the batch's thread count.
- */
-const chooseSmallRows = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<void> => {
-  const fixed = fixedSmallBatchRows()
-  if (fixed !== undefined) {
-    w.smallRows = new Map()
-    w.smallFixed = fixed
-    return
-  }
-  const raw = w.ggml.raw
-  const threads = Math.max(...items.map((it) => it.session.threads))
-  w.smallTrials = await measureSmallBatch(w.ggml, w.backend, raw.ggml_backend_dev_buffer_type(w.dev), w.tensors, threads)
-  w.smallRows = rowsOf(w.smallTrials)
-}
-
 /** Builds (and allocates in `slot`) the graph of one call shape. Frees its context on failure. */
 const buildGraph = (
   w: NativeWeights,
@@ -816,8 +798,9 @@ const buildGraph = (
     }
 
     // several sequences only: a lone call keeps exactly the products (and bits) it always had
-    const rowsFor = (type: number) => w.smallFixed ?? w.smallRows?.get(type) ?? exactRowsDefault
-    const small = w.device === "cpu" && nSeq > 1 ? { maxRowsFor: rowsFor, shapeOf: (p: Ptr) => w.ggml.tensorShape(p) } : null
+    const small = w.device === "cpu" && nSeq > 1
+      ? { maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault), shapeOf: (p: Ptr) => w.ggml.tensorShape(p) }
+      : null
     const t = new Toolkit(raw, ctx, graph, hp, n, inputs, small)
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
       t.layer = il

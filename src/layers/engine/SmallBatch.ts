@@ -23,9 +23,6 @@ const ROW_COUNTS = [2, 4, 7] as const
 const MAX_CAL_ROWS = 4096
 const REPEATS = 3
 
-/** Per weight type: the most rows of a product that take the one-row kernel (0: never). */
-export type SmallBatchRows = ReadonlyMap<number, number>
-
 /** What one weight type measured (for logs and tests). */
 export interface SmallBatchTrial {
   readonly type: number
@@ -37,32 +34,28 @@ export interface SmallBatchTrial {
 }
 
 /** `SWACTOR_GEMV_MAX_ROWS` when set (a fixed count for every type, no measurement), else undefined. */
-export const fixedSmallBatchRows = (): number | undefined => {
+const fixedSmallBatchRows = (): number | undefined => {
   const text = process.env["SWACTOR_GEMV_MAX_ROWS"]
   if (text === undefined || text.trim() === "") return undefined
   const v = Number(text)
   return Number.isSafeInteger(v) && v >= 0 ? v : undefined
 }
 
-/** The matrices a graph multiplies by (2-D, at least 2 rows), the largest first per type. */
-const largestPerType = (g: Ggml, tensors: ReadonlyMap<string, Ptr>): Map<number, { name: string; p: Ptr }> => {
+/**
+ * The largest matrix (2-D, at least 2 rows) of each weight type. token_embd is left out: a first stage only looks
+ * rows up in it; a type measured on no matrix keeps the one-row kernel (`exactRowsDefault`), which is always exact.
+ */
+const largestPerType = (g: Ggml, tensors: ReadonlyMap<string, Ptr>) => {
   const best = new Map<number, { name: string; p: Ptr; size: number }>()
   for (const [name, p] of tensors) {
-    if (name === "token_embd.weight") continue // only looked up by row, never multiplied (unless tied as output)
+    if (name === "token_embd.weight") continue
     const { type, ne } = g.tensorShape(p)
     if (ne[1]! < 2 || ne[2] !== 1 || ne[3] !== 1) continue
     const size = ne[0]! * ne[1]!
     const seen = best.get(type)
     if (seen === undefined || size > seen.size) best.set(type, { name, p, size })
   }
-  if (tensors.has("token_embd.weight") && !tensors.has("output.weight")) {
-    // tied embeddings: the output product multiplies by token_embd
-    const p = tensors.get("token_embd.weight")!
-    const { type, ne } = g.tensorShape(p)
-    const seen = best.get(type)
-    if (seen === undefined || ne[0]! * ne[1]! > seen.size) best.set(type, { name: "token_embd.weight", p, size: ne[0]! * ne[1]! })
-  }
-  return new Map([...best].map(([t, v]) => [t, { name: v.name, p: v.p }]))
+  return [...best.values()]
 }
 
 /** Deterministic values in [-1, 1) with full mantissas (xorshift32). */
@@ -166,10 +159,23 @@ export const measureSmallBatch = async (
 ): Promise<ReadonlyArray<SmallBatchTrial>> => {
   g.setThreads(backend, threads)
   const out: Array<SmallBatchTrial> = []
-  for (const [, { name, p }] of largestPerType(g, tensors)) out.push(await trial(g, backend, buft, name, p))
+  for (const { name, p } of largestPerType(g, tensors)) out.push(await trial(g, backend, buft, name, p))
   return out
 }
 
-/** The per-type rows of a measurement. */
-export const rowsOf = (trials: ReadonlyArray<SmallBatchTrial>): SmallBatchRows =>
-  new Map(trials.map((t) => [t.type, t.maxRows]))
+/**
+ * Per weight type, the most rows of a CPU product that take the one-row kernel: `SWACTOR_GEMV_MAX_ROWS` for every
+ * type when set (nothing measured), else what `measureSmallBatch` chose (`exactRowsDefault` for a type not measured).
+ */
+export const chooseSmallBatchRows = async (
+  g: Ggml,
+  backend: Ptr,
+  buft: Ptr,
+  tensors: ReadonlyMap<string, Ptr>,
+  threads: number
+): Promise<(type: number) => number> => {
+  const fixed = fixedSmallBatchRows()
+  if (fixed !== undefined) return () => fixed
+  const rows = new Map((await measureSmallBatch(g, backend, buft, tensors, threads)).map((t) => [t.type, t.maxRows]))
+  return (type) => rows.get(type) ?? exactRowsDefault
+}
