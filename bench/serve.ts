@@ -9,7 +9,8 @@
  * Default model: the synthetic 16×2048 Q8_0 llama of bench:pipeline (written once under .cache/bench).
  * Flags (or env): --model FILE, --stages 2 (BENCH_STAGES), --threads 1 per stage (BENCH_THREADS),
  * --ref-threads 2 for node-llama-cpp (BENCH_REF_THREADS), --clients 1,2,4,8 (BENCH_CLIENTS),
- * --tokens 64 (BENCH_TOKENS), --skip-ref, --llama-server PATH (BENCH_LLAMA_SERVER): also llama.cpp's own server
+ * --tokens 64 (BENCH_TOKENS), --rounds 3 (BENCH_ROUNDS: rounds per N; the contenders take turns round by round, so a
+ * slow spell of a shared machine falls on all of them, and each N reports its median round), --skip-ref, --llama-server PATH (BENCH_LLAMA_SERVER): also llama.cpp's own server
  * (`-t ref-threads -np maxN`, flash attention on, F16 KV) under the same client load over HTTP (its `/completion`,
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  */
@@ -34,6 +35,7 @@ const cfg = {
   refThreads: Number(setting("ref-threads", "BENCH_REF_THREADS", "2")),
   clients: setting("clients", "BENCH_CLIENTS", "1,2,4,8").split(",").map(Number),
   tokens: Number(setting("tokens", "BENCH_TOKENS", "64")),
+  rounds: Math.max(1, Number(setting("rounds", "BENCH_ROUNDS", "3"))),
   skipRef: process.argv.includes("--skip-ref"),
   llamaServer: flag("llama-server") ?? process.env["BENCH_LLAMA_SERVER"],
   dir: resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
@@ -103,12 +105,20 @@ const swactorRound = (runtime: ManagedRuntime.ManagedRuntime<Server, never>, n: 
     )
   )
 
-const referenceRounds = async (modelPath: string) => {
+/** One side of the comparison: set up once, then serves one round of N concurrent streams at a time. */
+interface Contender {
+  readonly name: string
+  readonly round: (n: number) => Promise<ReadonlyArray<StreamTimes>>
+  readonly close: () => Promise<void>
+}
+
+/** node-llama-cpp: the model loaded once; each round one context with N sequences (it batches them). */
+const nodeLlamaCpp = async (modelPath: string): Promise<Contender> => {
   const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
   const model = await llama.loadModel({ modelPath, gpuLayers: 0 })
-  const results = new Map<number, ReadonlyArray<StreamTimes>>()
-  try {
-    for (const n of cfg.clients) {
+  return {
+    name: "node-llama-cpp",
+    round: async (n) => {
       const context = await model.createContext({
         contextSize: Math.max(512, n * 256),
         sequences: n,
@@ -116,7 +126,7 @@ const referenceRounds = async (modelPath: string) => {
         flashAttention: true
       })
       try {
-        const streams = await Promise.all(Array.from({ length: n }, async (_, i) => {
+        return await Promise.all(Array.from({ length: n }, async (_, i) => {
           const sequence = context.getSequence()
           const bos = model.tokens.bos
           const input: Array<Token> = [...(bos !== null ? [bos] : []), ...model.tokenize(prompts[i % prompts.length]!)]
@@ -130,20 +140,19 @@ const referenceRounds = async (modelPath: string) => {
           }
           return { start, arrivals, text: model.detokenize(tokens) }
         }))
-        results.set(n, streams)
       } finally {
         await context.dispose()
       }
+    },
+    close: async () => {
+      await model.dispose()
+      await llama.dispose()
     }
-  } finally {
-    await model.dispose()
-    await llama.dispose()
   }
-  return results
 }
 
 /** llama.cpp's llama-server on the same model: N concurrent streamed `/completion` requests per round. */
-const llamaServerRounds = async (binary: string, modelPath: string) => {
+const llamaServer = async (binary: string, modelPath: string): Promise<Contender> => {
   const maxClients = Math.max(...cfg.clients)
   const port = 18000 + Math.floor(Math.random() * 2000)
   const child = spawn(binary, [
@@ -151,7 +160,6 @@ const llamaServerRounds = async (binary: string, modelPath: string) => {
     "-c", String(maxClients * 512), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui"
   ], { stdio: ["ignore", "ignore", "ignore"] })
   const url = `http://127.0.0.1:${port}`
-  const results = new Map<number, ReadonlyArray<StreamTimes>>()
   try {
     for (let i = 0; ; i++) {
       const ok = await fetch(`${url}/health`).then((r) => r.ok, () => false)
@@ -159,62 +167,90 @@ const llamaServerRounds = async (binary: string, modelPath: string) => {
       if (i > 1200 || child.exitCode !== null) throw new Error(`llama-server did not become ready (exit ${child.exitCode})`)
       await new Promise((r) => setTimeout(r, 100))
     }
-    const logitBias = Array.from({ length: 256 }, (_, i) => [i + 3, false])
-    const one = async (prompt: string): Promise<StreamTimes> => {
-      const start = performance.now()
-      const response = await fetch(`${url}/completion`, {
-        method: "POST",
-        headers: { "content-type": "application/json" },
-        body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
-      })
-      const arrivals: Array<number> = []
-      let text = ""
-      let buffer = ""
-      const decoder = new TextDecoder()
-      const reader = response.body!.getReader()
-      while (true) {
-        const { done, value } = await reader.read()
-        if (done) break
-        buffer += decoder.decode(value, { stream: true })
-        let at: number
-        while ((at = buffer.indexOf("\n\n")) >= 0) {
-          const event = buffer.slice(0, at)
-          buffer = buffer.slice(at + 2)
-          if (!event.startsWith("data: ")) continue
-          const data = JSON.parse(event.slice(6)) as { content?: string; stop?: boolean }
-          if (data.stop === true) continue
-          arrivals.push(performance.now())
-          text += data.content ?? ""
-        }
-      }
-      return { start, arrivals, text }
-    }
-    for (const n of cfg.clients) {
-      results.set(n, await Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!))))
-    }
-  } finally {
+  } catch (error) {
     child.kill("SIGTERM")
+    throw error
   }
-  return results
+  const logitBias = Array.from({ length: 256 }, (_, i) => [i + 3, false])
+  const one = async (prompt: string): Promise<StreamTimes> => {
+    const start = performance.now()
+    const response = await fetch(`${url}/completion`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
+    })
+    const arrivals: Array<number> = []
+    let text = ""
+    let buffer = ""
+    const decoder = new TextDecoder()
+    const reader = response.body!.getReader()
+    while (true) {
+      const { done, value } = await reader.read()
+      if (done) break
+      buffer += decoder.decode(value, { stream: true })
+      let at: number
+      while ((at = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, at)
+        buffer = buffer.slice(at + 2)
+        if (!event.startsWith("data: ")) continue
+        const data = JSON.parse(event.slice(6)) as { content?: string; stop?: boolean }
+        if (data.stop === true) continue
+        arrivals.push(performance.now())
+        text += data.content ?? ""
+      }
+    }
+    return { start, arrivals, text }
+  }
+  return {
+    name: "llama-server",
+    round: (n) => Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!))),
+    close: async () => {
+      child.kill("SIGTERM")
+    }
+  }
 }
 
 const fmt = (x: number, digits = 1) => (Number.isFinite(x) ? x.toFixed(digits) : "-")
+
+const median = (values: ReadonlyArray<number>) => percentile(values, 50)
+
+/** A contender's rounds at one N: the median round's aggregate (and the spread), latencies over every round's streams. */
+interface Summary {
+  readonly aggregate: number
+  readonly spread: string
+  readonly ttft: readonly [number, number]
+  readonly itl: readonly [number, number]
+}
+
+const summarize = (rounds: ReadonlyArray<ReadonlyArray<StreamTimes>>): Summary => {
+  const aggregates = rounds.map((r) => figures(r).aggregate)
+  const pooled = figures(rounds.flat())
+  // the median of an even count is the upper middle (percentile's rule): say which rounds there were
+  return {
+    aggregate: median(aggregates),
+    spread: rounds.length > 1 ? `${fmt(Math.min(...aggregates))}–${fmt(Math.max(...aggregates))}` : "-",
+    ttft: pooled.ttft,
+    itl: pooled.itl
+  }
+}
 
 const main = async () => {
   const modelPath = await ensureModel()
   const maxClients = Math.max(...cfg.clients)
   console.log(
     `bench:serve ${modelPath}\n  swactor: ${cfg.stages} local stages x ${cfg.threads} thread(s), parallel ${maxClients}; ` +
-      `node-llama-cpp: one process, ${cfg.refThreads} thread(s), one context with N sequences; ${cfg.tokens} tokens per stream, greedy`
+      `node-llama-cpp: one process, ${cfg.refThreads} thread(s), one context with N sequences; ${cfg.tokens} tokens per stream, greedy; ` +
+      `${cfg.rounds} round(s) per N, the contenders interleaved round by round`
   )
   const layer = serve({ model: modelPath, stages: cfg.stages, threads: cfg.threads, parallel: maxClients })
   const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
-  const loadStart = performance.now()
-  await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
-  console.log(`  pipeline ready in ${((performance.now() - loadStart) / 1000).toFixed(1)} s`)
-  const ours = new Map<number, ReadonlyArray<StreamTimes>>()
+  const contenders: Array<Contender> = []
+  const results = new Map<string, Map<number, Array<ReadonlyArray<StreamTimes>>>>()
   const lone = new Map<string, string>()
   try {
+    const loadStart = performance.now()
+    await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
+    console.log(`  pipeline ready in ${((performance.now() - loadStart) / 1000).toFixed(1)} s`)
     for (const prompt of prompts.slice(0, maxClients)) {
       const [result] = await runtime.runPromise(
         Effect.flatMap(Server, (server) =>
@@ -225,44 +261,65 @@ const main = async () => {
       )
       lone.set(prompt, result!)
     }
-    for (const n of cfg.clients) ours.set(n, await swactorRound(runtime, n))
+    contenders.push({ name: "swactor", round: (n) => swactorRound(runtime, n), close: () => Promise.resolve() })
+    if (!cfg.skipRef) contenders.push(await nodeLlamaCpp(modelPath))
+    if (cfg.llamaServer !== undefined) contenders.push(await llamaServer(cfg.llamaServer, modelPath))
+    // Interleaved: every contender's round r at N runs back to back, so a slow spell of the machine hits them alike.
+    for (const n of cfg.clients) {
+      for (let r = 0; r < cfg.rounds; r++) {
+        for (const c of contenders) {
+          const byN = results.get(c.name) ?? new Map<number, Array<ReadonlyArray<StreamTimes>>>()
+          results.set(c.name, byN)
+          const rounds = byN.get(n) ?? []
+          byN.set(n, rounds)
+          rounds.push(await c.round(n))
+        }
+      }
+    }
   } finally {
+    for (const c of contenders) await c.close().catch(() => undefined)
     await runtime.dispose()
   }
-  const reference = cfg.skipRef ? new Map<number, ReadonlyArray<StreamTimes>>() : await referenceRounds(modelPath)
-  const server = cfg.llamaServer === undefined ? undefined : await llamaServerRounds(cfg.llamaServer, modelPath)
 
-  console.log("\n| N | swactor agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms | = alone | node-llama-cpp agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms |")
-  console.log("|---|---|---|---|---|---|---|---|")
-  const one = figures(ours.get(cfg.clients[0]!)!)
+  const at = (name: string, n: number) => {
+    const rounds = results.get(name)?.get(n)
+    return rounds === undefined ? undefined : summarize(rounds)
+  }
+  console.log(
+    "\naggregate tok/s: the median round (min–max of the rounds); TTFT and inter-token p50/p99 (ms): over every round's streams"
+  )
+  console.log("\n| N | swactor agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms | = alone | node-llama-cpp agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms |")
+  console.log("|---|---|---|---|---|---|---|---|---|---|")
   for (const n of cfg.clients) {
-    const o = figures(ours.get(n)!)
-    const same = ours.get(n)!.every((s, i) => s.text === lone.get(prompts[i % prompts.length]!))
-    const refStreams = reference.get(n)
-    const r = refStreams === undefined ? undefined : figures(refStreams)
+    const o = at("swactor", n)!
+    const same = results.get("swactor")!.get(n)!.every((round) =>
+      round.every((s, i) => s.text === lone.get(prompts[i % prompts.length]!))
+    )
+    const r = at("node-llama-cpp", n)
     console.log(
-      `| ${n} | ${fmt(o.aggregate)} | ${fmt(o.ttft[0])} / ${fmt(o.ttft[1])} | ${fmt(o.itl[0], 2)} / ${fmt(o.itl[1], 2)} | ${same ? "yes" : "NO"} | ` +
-        `${r === undefined ? "-" : fmt(r.aggregate)} | ${r === undefined ? "-" : `${fmt(r.ttft[0])} / ${fmt(r.ttft[1])}`} | ` +
+      `| ${n} | ${fmt(o.aggregate)} | ${o.spread} | ${fmt(o.ttft[0])} / ${fmt(o.ttft[1])} | ${fmt(o.itl[0], 2)} / ${fmt(o.itl[1], 2)} | ${same ? "yes" : "NO"} | ` +
+        `${r === undefined ? "-" : fmt(r.aggregate)} | ${r?.spread ?? "-"} | ${r === undefined ? "-" : `${fmt(r.ttft[0])} / ${fmt(r.ttft[1])}`} | ` +
         `${r === undefined ? "-" : `${fmt(r.itl[0], 2)} / ${fmt(r.itl[1], 2)}`} |`
     )
   }
-  if (server !== undefined) {
+  if (results.has("llama-server")) {
     console.log(`\nllama-server (-t ${cfg.refThreads} -np ${maxClients}, flash attention, /completion streamed, same client load):`)
-    console.log("| N | agg tok/s | TTFT p50/p99 ms | inter-token p50/p99 ms |\n|---|---|---|---|")
+    console.log("| N | agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms |\n|---|---|---|---|---|")
     for (const n of cfg.clients) {
-      const f = figures(server.get(n)!)
-      console.log(`| ${n} | ${fmt(f.aggregate)} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`)
+      const f = at("llama-server", n)!
+      console.log(`| ${n} | ${fmt(f.aggregate)} | ${f.spread} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`)
     }
   }
-  const four = ours.get(4)
-  if (four !== undefined && cfg.clients[0] === 1) {
-    const f = figures(four)
-    const ref4 = reference.get(4)
+  const one = at("swactor", 1)
+  const four = at("swactor", 4)
+  if (four !== undefined && one !== undefined) {
+    const ref4 = at("node-llama-cpp", 4)
+    const server4 = at("llama-server", 4)
     console.log(
-      `\ntargets at N=4: aggregate ${fmt(f.aggregate / one.aggregate, 2)}x N=1 (>= 2.2)` +
-        (ref4 === undefined ? "" : `, ${fmt(f.aggregate / figures(ref4).aggregate, 2)}x node-llama-cpp (>= 1.2)`) +
-        (server?.get(4) === undefined ? "" : `, ${fmt(f.aggregate / figures(server.get(4)!).aggregate, 2)}x llama-server`) +
-        `, inter-token p99 ${fmt(f.itl[1] / one.itl[0], 2)}x the N=1 median (<= 2)`
+      `\ntargets at N=4 (medians): aggregate ${fmt(four.aggregate / one.aggregate, 2)}x N=1 (>= 2.2)` +
+        (ref4 === undefined ? "" : `, ${fmt(four.aggregate / ref4.aggregate, 2)}x node-llama-cpp (>= 1.2)`) +
+        (server4 === undefined ? "" : `, ${fmt(four.aggregate / server4.aggregate, 2)}x llama-server`) +
+        `, inter-token p99 ${fmt(four.itl[1] / one.itl[0], 2)}x the N=1 median (<= 2)`
     )
   }
 }
