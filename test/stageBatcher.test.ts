@@ -289,6 +289,30 @@ describe("stage batcher", () => {
       }))
   }
 
+  // The floor bounds a lone prompt's wait: with no other first-stage session opened, it starts once the floor has
+  // passed, not at promptGatherMillis; an opened session whose prompt never comes holds it for promptGatherMillis.
+  const loneCases = [
+    [false, 0, 600],
+    [true, 900, 5000]
+  ] as const
+  for (const [otherOpened, atLeast, below] of loneCases) {
+    it.live(`a lone prompt, ${otherOpened ? "another session opened" : "no other session opened"}: its micro-batch starts after ${atLeast === 0 ? "the 20 ms floor" : "promptGatherMillis (1000 ms)"}`, () =>
+      Effect.gen(function*() {
+        const { calls, layer } = slowExecutor(1)
+        yield* Effect.gen(function*() {
+          const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000, promptGatherFloorMillis: 20 })
+          const { sessions } = yield* setup(2, true)
+          if (otherOpened) yield* batcher.expect(sessions[1]!)
+          const start = performance.now()
+          yield* batcher.submit(sessions[0]!, 0, tokens(1, 7, 9), emptyBatchCounters(), 2)
+          const waited = performance.now() - start
+          assert.strictEqual(calls.length, 1)
+          assert.isAtLeast(waited, Math.max(atLeast, 15), `waited ${waited} ms`)
+          assert.isBelow(waited, below, `waited ${waited} ms`)
+        }).pipe(Effect.scoped, Effect.provide(layer))
+      }))
+  }
+
   // A burst of prompts beside running decode steps is spread out: the first chunk always joins (no prompt starves),
   // more only within promptRowsBesideDecode rows, so the decoding sequence's next token does not wait for all of it.
   it.scoped("beside a decode step: the first prompt chunk plus prompt rows up to promptRowsBesideDecode; the rest next", () =>

@@ -270,11 +270,14 @@ export const makeStageBatcher = (
       return pending.length < cap && decoders.size > pending.length
     }
 
-    /** Takes what arrives until the deadline, or until `more` says nothing more is wanted. */
-    const takeUntil = (deadline: number, more: () => boolean) =>
+    /**
+     * Takes what arrives until `deadline()`, asked again after each arrival (what is wanted changes with what
+     * arrived); a past deadline ends the wait.
+     */
+    const takeUntil = (deadline: () => number) =>
       Effect.gen(function*() {
-        while (more()) {
-          const left = deadline - performance.now()
+        while (true) {
+          const left = deadline() - performance.now()
           if (left < 0.5) return
           const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(left))
           if (Option.isNone(next)) return
@@ -287,7 +290,7 @@ export const makeStageBatcher = (
      * Before a micro-batch: a prompt that woke an idle first stage waits (at most `promptGatherMillis`) for the
      * prompts of the sessions opened beside it that have not submitted yet, so requests that arrive together prefill
      * together and decode in step from their first token (measured: 4 concurrent requests reached stage 0 within
-     * 10 ms, but the first one alone had already started its prefill); a lone request never waits. Otherwise short
+     * 10 ms, but the first one alone had already started its prefill); a lone request waits only the floor. Otherwise short
      * decode micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
      */
     const gather = (wokeIdle: boolean) => {
@@ -297,11 +300,12 @@ export const makeStageBatcher = (
         // only for the prompts of sessions already opened
         const start = performance.now()
         const floor = Math.min(promptGatherFloor, promptGather)
-        return takeUntil(start + promptGather, () => expected.size > 0 || performance.now() - start < floor)
+        return takeUntil(() => start + (expected.size > 0 ? promptGather : floor))
       }
       const budget = Math.min(gatherMax, lastRunMillis)
       if (budget < 1) return Effect.void
-      return takeUntil(performance.now() + budget, worthWaiting)
+      const deadline = performance.now() + budget
+      return takeUntil(() => (worthWaiting() ? deadline : 0))
     }
 
     const loop = Effect.gen(function*() {
