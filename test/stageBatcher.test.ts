@@ -43,6 +43,16 @@ const recordingExecutor = (gate: Deferred.Deferred<void>, poisoned: Set<StageSes
 
 const tokens = (...t: Array<number>): StageInput => ({ _tag: "Tokens", tokens: Int32Array.from(t) })
 
+/** A later stage's input: `n` positions of the double's hidden state (token, position, 0...). */
+const hidden = (token: number, n: number, dim = 8): StageInput => {
+  const h = new Float32Array(n * dim)
+  for (let i = 0; i < n; i++) {
+    h[i * dim] = token + i
+    h[i * dim + 1] = i
+  }
+  return { _tag: "Hidden", hidden: h, nTokens: n }
+}
+
 /** The double, recording every forwardBatch's sessions; each batch takes `millis` of wall time. */
 const slowExecutor = (millis: number) => {
   const base = makeDouble()
@@ -60,10 +70,10 @@ const slowExecutor = (millis: number) => {
 }
 
 /** A stage of the double and `n` sessions on it, plus `n` lone twin sessions for reference outputs. */
-const setup = (n: number, isLast: boolean) =>
+const setup = (n: number, isLast: boolean, isFirst = true) =>
   Effect.gen(function*() {
     const executor = yield* StageExecutor
-    const stage = yield* executor.load({ path: "m", layerStart: 0, layerEndExclusive: isLast ? 6 : 3, isFirst: true, isLast })
+    const stage = yield* executor.load({ path: "m", layerStart: isFirst ? 0 : 3, layerEndExclusive: isLast ? 6 : 3, isFirst, isLast })
     const open = () => executor.session(stage)
     const sessions = yield* Effect.forEach(Array.from({ length: n }), open)
     const twins = yield* Effect.forEach(Array.from({ length: n }), open)
@@ -312,6 +322,57 @@ describe("stage batcher", () => {
         }).pipe(Effect.scoped, Effect.provide(layer))
       }))
   }
+
+  // A later stage gathers too: the activations of prompts that stage 0 prefilled together reach it a few ms apart
+  // (measured: within 10 ms), and its sessions were all opened at provisioning, so it waits only for those (no floor).
+  const laterCases = [
+    [true, [[0, 1, 2]]],
+    [false, [[0], [1, 2]]]
+  ] as const
+  for (const [announced, expected] of laterCases) {
+    it.live(`a later stage, sessions ${announced ? "expected" : "not expected"}: three prompt activations sent 5 ms apart ${expected.length === 1 ? "prefill in one micro-batch" : "split"}`, () =>
+      Effect.gen(function*() {
+        const { calls, layer } = slowExecutor(100)
+        yield* Effect.gen(function*() {
+          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis: 100, promptGatherFloorMillis: 60 })
+          const { sessions } = yield* setup(3, true, false)
+          if (announced) yield* Effect.forEach(sessions, batcher.expect)
+          const fibers = []
+          for (const i of [0, 1, 2]) {
+            fibers.push(yield* Effect.fork(batcher.submit(sessions[i]!, 0, hidden(i + 1, 3), emptyBatchCounters(), 2)))
+            yield* Effect.sleep("5 millis")
+          }
+          yield* Effect.forEach(fibers, Fiber.join)
+          assert.deepStrictEqual(calls.map((c) => c.map((s) => sessions.indexOf(s))), expected.map((g) => [...g]))
+        }).pipe(Effect.scoped, Effect.provide(layer))
+      }))
+  }
+
+  // Sequences that prefilled together decode in groups from their first step: a finished prompt counts its session
+  // among the decoders, so the first decode step that arrives waits for its partner instead of running alone.
+  it.live("after prompts that prefilled together, the first decode steps (5 ms apart, 2 stages) go in pairs", () =>
+    Effect.gen(function*() {
+      const { calls, layer } = slowExecutor(60)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis: 0, activeWindowMillis: 100 })
+        const { sessions } = yield* setup(5, true)
+        // a decode-only micro-batch first (the gather wait is bounded by its time), then that decoder goes silent
+        yield* batcher.submit(sessions[4]!, 0, tokens(5), emptyBatchCounters(), 2)
+        yield* Effect.sleep("150 millis")
+        yield* Effect.forEach([0, 1, 2, 3], (i) => batcher.submit(sessions[i]!, 0, tokens(i + 1, 7), emptyBatchCounters(), 2), {
+          concurrency: "unbounded"
+        })
+        const before = calls.length
+        const fibers = []
+        for (const i of [0, 1, 2, 3]) {
+          fibers.push(yield* Effect.fork(batcher.submit(sessions[i]!, 2, tokens(i + 1), emptyBatchCounters(), 2)))
+          yield* Effect.sleep("5 millis")
+        }
+        yield* Effect.forEach(fibers, Fiber.join)
+        assert.deepStrictEqual(calls.slice(0, before).map((c) => c.map((s) => sessions.indexOf(s))), [[4], [0, 1, 2, 3]])
+        assert.deepStrictEqual(calls.slice(before).map((c) => c.map((s) => sessions.indexOf(s))), [[0, 1], [2, 3]])
+      }).pipe(Effect.scoped, Effect.provide(layer))
+    }))
 
   // A burst of prompts beside running decode steps is spread out: the first chunk always joins (no prompt starves),
   // more only within promptRowsBesideDecode rows, so the decoding sequence's next token does not wait for all of it.

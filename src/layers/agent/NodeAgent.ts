@@ -217,8 +217,8 @@ export const makeStageHost = (
             contextLength: Math.min(request.contextLength, loaded.info.contextLength),
             threads: request.threads ?? options.threads
           }).pipe(Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
-          // its prompt follows: a prompt of a request that arrived beside it waits for it (one prefill for both)
-          if (p.stageIndex === 0) yield* batcher.expect(session)
+          // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both)
+          yield* batcher.expect(session)
           const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
             Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`))
           )

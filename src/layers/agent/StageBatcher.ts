@@ -38,11 +38,14 @@ export interface BatcherSettings {
   /** Longest wait for more decode steps to fill a micro-batch (default 250 ms; 0: never wait). */
   readonly gatherMillis?: number
   /**
-   * How long a prompt reaching an idle first stage may wait for the prompts of sessions opened beside it (`expect`)
-   * to share its micro-batch (default 100 ms; 0: never wait).
+   * How long prompts reaching an idle stage may wait for the prompts of the sessions opened beside them (`expect`)
+   * to share their micro-batch (default 100 ms; 0: never wait).
    */
   readonly promptGatherMillis?: number
-  /** ...and waits this long in any case (default 25 ms): requests sent together open their sessions a few ms apart. */
+  /**
+   * ...and on a first stage (token prompts) they wait this long in any case (default 25 ms): requests sent together
+   * open their sessions a few ms apart. A later stage's sessions all open at provisioning, long before their prompts.
+   */
   readonly promptGatherFloorMillis?: number
   /**
    * Beside decode steps, prompt rows beyond the first chunk only up to this many (default 16): a burst of new prompts
@@ -81,8 +84,8 @@ export interface StageBatcher {
     pipelineStages?: number
   ) => Effect.Effect<StageOutput, ForwardError>
   /**
-   * A first-stage session was opened and its prompt will follow: a prompt that wakes the idle batcher waits for it
-   * (see `promptGatherMillis`). Forgotten at its first submit, or when the scope closes.
+   * A session was opened and its prompt will follow: prompts that wake the idle batcher wait for it (see
+   * `promptGatherMillis`). Forgotten at its first submit, or when the scope closes.
    */
   readonly expect: (session: StageSession) => Effect.Effect<void, never, Scope.Scope>
 }
@@ -99,6 +102,8 @@ interface Job {
   readonly pipelineStages: number
   readonly result: Deferred.Deferred<StageOutput, ForwardError>
   cancelled: boolean
+  /** When it was submitted (performance.now). */
+  readonly submittedAt: number
 }
 
 const lengthOf = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
@@ -148,8 +153,8 @@ export const makeStageBatcher = (
     const inbox = yield* Queue.unbounded<Job>()
     const pending: Array<Job> = []
     /** Sessions decoding on these weights: when each last submitted a decode step. */
-    const decoders = new Map<StageSession, { last: number; interval: number }>()
-    /** First-stage sessions opened that have not submitted anything yet (their prompt is on its way). */
+    const decoders = new Map<StageSession, { last: number; interval: number; prompt?: true }>()
+    /** Sessions opened that have not submitted anything yet (their prompt is on its way). */
     const expected = new Set<StageSession>()
 
     /** Most decode steps in one micro-batch: ceil(L / S) (at least 1). */
@@ -203,6 +208,14 @@ export const makeStageBatcher = (
         if (out._tag === "Hidden") job.hidden.push(out.hidden)
         if (job.done < job.total) return Effect.void
         drop(job)
+        if (job.total > 1) {
+          // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
+          // (otherwise the first decode step of requests that prefilled together runs alone: measured, 4 requests'
+          // first tokens reached stage 0 within 6 ms, and the first went alone as a one-row micro-batch). Until its
+          // first decode step it is gone after 3 times as long as its prompt took here.
+          const now = performance.now()
+          decoders.set(job.session, { last: now, interval: Math.max(1, now - job.submittedAt), prompt: true })
+        }
         const result: StageOutput = out._tag === "Logits"
           ? out
           : { _tag: "Hidden", hidden: concat(job.hidden), nTokens: job.total }
@@ -287,19 +300,22 @@ export const makeStageBatcher = (
       })
 
     /**
-     * Before a micro-batch: a prompt that woke an idle first stage waits (at most `promptGatherMillis`) for the
-     * prompts of the sessions opened beside it that have not submitted yet, so requests that arrive together prefill
-     * together and decode in step from their first token (measured: 4 concurrent requests reached stage 0 within
-     * 10 ms, but the first one alone had already started its prefill); a lone request waits only the floor. Otherwise short
-     * decode micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
+     * Before a micro-batch: prompts that woke an idle stage (no decode step pending) wait (at most
+     * `promptGatherMillis`) for the prompts of the sessions opened beside them that have not submitted yet, so
+     * requests that arrive together prefill together on every stage and decode in step from their first token.
+     * Measured, 4 concurrent requests on 2 stages: they reached stage 0 within 10 ms, but the first one alone had
+     * already started its prefill; with stage 0 fixed, their activations reached stage 1 within 10 ms, and the first
+     * prefilled there alone, so its second token waited 640 ms for the other three's prefill. A lone request waits
+     * only stage 0's floor. Otherwise short decode micro-batches wait (at most min(last decode micro-batch,
+     * gatherMillis)) for the rest of their group.
      */
     const gather = (wokeIdle: boolean) => {
-      const firstPrompt = wokeIdle && promptGather > 0 && pending.some((job) => job.total > 1 && job.input._tag === "Tokens")
-      if (firstPrompt) {
-        // a short floor for requests whose sessions open just after this one's (measured: within ~10 ms), then
-        // only for the prompts of sessions already opened
+      const prompts = wokeIdle && promptGather > 0 && pending.length > 0 && pending.every((job) => job.total > 1)
+      if (prompts) {
+        // on a first stage, a short floor for requests whose sessions open just after this one's (measured: within
+        // ~10 ms), then only for the prompts of sessions already opened
         const start = performance.now()
-        const floor = Math.min(promptGatherFloor, promptGather)
+        const floor = pending.some((job) => job.input._tag === "Tokens") ? Math.min(promptGatherFloor, promptGather) : 0
         return takeUntil(() => start + (expected.size > 0 ? promptGather : floor))
       }
       const budget = Math.min(gatherMax, lastRunMillis)
@@ -344,13 +360,16 @@ export const makeStageBatcher = (
           counters,
           pipelineStages: Number.isSafeInteger(pipelineStages) && pipelineStages >= 1 ? pipelineStages : 1,
           result,
-          cancelled: false
+          cancelled: false,
+          submittedAt: performance.now()
         }
         expected.delete(session)
         if (job.total === 1) {
           const now = performance.now()
           const seen = decoders.get(session)
-          decoders.set(session, { last: now, interval: seen === undefined ? Infinity : Math.max(1, now - seen.last) })
+          // its interval: since its last decode step (not since its prompt, which says nothing about its pace)
+          const interval = seen === undefined || seen.prompt === true ? Infinity : Math.max(1, now - seen.last)
+          decoders.set(session, { last: now, interval })
         }
         if (!(job.total >= 1)) {
           // let the engine word the rejection (an empty input never reaches a micro-batch)
