@@ -10,11 +10,13 @@
  * Flags (or env): --model FILE, --stages 2 (BENCH_STAGES), --threads 1 per stage (BENCH_THREADS),
  * --ref-threads 2 for node-llama-cpp (BENCH_REF_THREADS), --clients 1,2,4,8 (BENCH_CLIENTS),
  * --tokens 64 (BENCH_TOKENS), --rounds 3 (BENCH_ROUNDS: rounds per N; the contenders take turns round by round, so a
- * slow spell of a shared machine falls on all of them, and each N reports its median round), --skip-ref, --llama-server PATH (BENCH_LLAMA_SERVER): also llama.cpp's own server
+ * slow spell of a shared machine falls on all of them, and each N reports its median round), --dump FILE (BENCH_DUMP:
+ * every stream's start, arrival times and text as JSON, per contender, N and round), --skip-ref, --llama-server PATH (BENCH_LLAMA_SERVER): also llama.cpp's own server
  * (`-t ref-threads -np maxN`, flash attention on, F16 KV) under the same client load over HTTP (its `/completion`,
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  */
 import { spawn } from "node:child_process"
+import { writeFileSync } from "node:fs"
 import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
@@ -36,6 +38,7 @@ const cfg = {
   clients: setting("clients", "BENCH_CLIENTS", "1,2,4,8").split(",").map(Number),
   tokens: Number(setting("tokens", "BENCH_TOKENS", "64")),
   rounds: Math.max(1, Number(setting("rounds", "BENCH_ROUNDS", "3"))),
+  dump: flag("dump") ?? process.env["BENCH_DUMP"],
   skipRef: process.argv.includes("--skip-ref"),
   llamaServer: flag("llama-server") ?? process.env["BENCH_LLAMA_SERVER"],
   dir: resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
@@ -281,6 +284,11 @@ const main = async () => {
     await runtime.dispose()
   }
 
+  if (cfg.dump !== undefined) {
+    const out = Object.fromEntries([...results].map(([name, byN]) => [name, Object.fromEntries(byN)]))
+    writeFileSync(cfg.dump, JSON.stringify(out))
+    console.log(`\nstreams written to ${cfg.dump}`)
+  }
   const at = (name: string, n: number) => {
     const rounds = results.get(name)?.get(n)
     return rounds === undefined ? undefined : summarize(rounds)
