@@ -323,6 +323,42 @@ describe("stage batcher", () => {
       }))
   }
 
+  // The prompt gather re-reads what it waits for: a session opened during stage 0's floor is waited for past the
+  // floor; a decode step that arrives ends the wait (decode steps never wait for prompts).
+  it.live("a session opened during the floor is waited for; its prompt, 80 ms later, shares the micro-batch", () =>
+    Effect.gen(function*() {
+      const { calls, layer } = slowExecutor(5)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000, promptGatherFloorMillis: 50 })
+        const { sessions } = yield* setup(2, true)
+        const first = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1, 7), emptyBatchCounters(), 2))
+        yield* Effect.sleep("10 millis")
+        yield* batcher.expect(sessions[1]!)
+        yield* Effect.sleep("70 millis")
+        yield* batcher.submit(sessions[1]!, 0, tokens(2, 7), emptyBatchCounters(), 2)
+        yield* Fiber.join(first)
+        assert.deepStrictEqual(calls.map((c) => c.map((s) => sessions.indexOf(s))), [[0, 1]])
+      }).pipe(Effect.scoped, Effect.provide(layer))
+    }))
+
+  it.live("a decode step that arrives during a prompt's gather ends the wait: both run at once", () =>
+    Effect.gen(function*() {
+      const { calls, layer } = slowExecutor(5)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ promptGatherMillis: 2000, promptGatherFloorMillis: 0 })
+        const { sessions } = yield* setup(3, true)
+        yield* batcher.expect(sessions[1]!) // never submits: the prompt alone would wait 2000 ms
+        const start = performance.now()
+        const prompt = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1, 7), emptyBatchCounters(), 2))
+        yield* Effect.sleep("20 millis")
+        yield* batcher.submit(sessions[2]!, 0, tokens(3), emptyBatchCounters(), 2)
+        yield* Fiber.join(prompt)
+        const waited = performance.now() - start
+        assert.deepStrictEqual(calls.map((c) => c.map((s) => sessions.indexOf(s))), [[2, 0]])
+        assert.isBelow(waited, 1000, `waited ${waited} ms`)
+      }).pipe(Effect.scoped, Effect.provide(layer))
+    }))
+
   // A later stage gathers too: the activations of prompts that stage 0 prefilled together reach it a few ms apart
   // (measured: within 10 ms), and its sessions were all opened at provisioning, so it waits only for those (no floor).
   const laterCases = [

@@ -293,7 +293,7 @@ export const makeStageBatcher = (
           const left = deadline() - performance.now()
           if (left < 0.5) return
           const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(left))
-          if (Option.isNone(next)) return
+          if (Option.isNone(next)) continue
           pending.push(next.value)
           yield* takeArrived
         }
@@ -316,7 +316,12 @@ export const makeStageBatcher = (
         // ~10 ms), then only for the prompts of sessions already opened
         const start = performance.now()
         const floor = pending.some((job) => job.input._tag === "Tokens") ? Math.min(promptGatherFloor, promptGather) : 0
-        return takeUntil(() => start + (expected.size > 0 ? promptGather : floor))
+        return takeUntil(() => {
+          if (pending.some((job) => job.total === 1)) return 0 // a decode step arrived: it does not wait for prompts
+          // (a timer may fire a fraction of a ms early: the floor counts as passed within takeUntil's 0.5 ms)
+          if (performance.now() - start < floor - 0.5) return start + floor
+          return expected.size > 0 ? start + promptGather : 0
+        })
       }
       const budget = Math.min(gatherMax, lastRunMillis)
       if (budget < 1) return Effect.void
