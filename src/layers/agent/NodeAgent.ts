@@ -74,15 +74,16 @@ interface CachedModel {
   readonly batcher: StageBatcher
 }
 
-/** A stage's failure, already in the words of its `StageFault` report. */
 /**
- * Whether a stage with this KV length asks its engine to settle (LoadedStage.settle): SWACTOR_MMAP_MOVE=1 always,
- * =0 never, else from 1024 tokens of context on (serve's sessions, long generations; a short `swactor run` keeps the
- * fast-start mapping: the move costs more than it saves in a few dozen tokens).
+ * Whether a stage asks its engine to settle (LoadedStage.settle): SWACTOR_MMAP_MOVE=1 always, =0 never, else when
+ * its weights were already loaded for an earlier run (a warm pipeline: `swactor serve`, a long-lived node pool) or
+ * from 1024 tokens of context on (a long generation). A first short `swactor run` keeps the fast-start mapping: the
+ * move costs more than it saves in a few dozen tokens. (A server's requests mostly have short contexts, so the
+ * context alone never moved a server's weights.)
  */
-const settles = (contextLength: number): boolean => {
+const settles = (contextLength: number, warmWeights: boolean): boolean => {
   const setting = process.env["SWACTOR_MMAP_MOVE"]
-  return setting === "1" || (setting !== "0" && contextLength >= 1024)
+  return setting === "1" || (setting !== "0" && (warmWeights || contextLength >= 1024))
 }
 const settleDelay = "1500 millis"
 
@@ -231,8 +232,8 @@ export const makeStageHost = (
             loadMillis: stats.loadMillis,
             cachedWeights: stats.cachedWeights
           })
-          if (loaded.settle !== undefined && settles(request.contextLength)) {
-            // a long session (a server's, a long generation): after the first token, let the engine trade a one-time
+          if (loaded.settle !== undefined && settles(request.contextLength, stats.cachedWeights)) {
+            // long-lived weights or a long session: after the first token, let the engine trade a one-time
             // cost for faster steps (mapped weights to huge pages); the weights outlive this stage, so does the move
             yield* Effect.sleep(settleDelay).pipe(
               Effect.zipRight(loaded.settle()),
