@@ -228,15 +228,16 @@ interface Summary {
 }
 
 const summarize = (rounds: ReadonlyArray<ReadonlyArray<StreamTimes>>): Summary => {
-  const aggregates = rounds.map((r) => figures(r).aggregate)
+  const perRound = rounds.map(figures)
+  const aggregates = perRound.map((f) => f.aggregate)
   const pooled = figures(rounds.flat())
-  // the median of an even count is the upper middle (percentile's rule): say which rounds there were
+  // (the median of an even count of rounds is the upper middle: percentile's rule)
   return {
     aggregate: median(aggregates),
     spread: rounds.length > 1 ? `${fmt(Math.min(...aggregates))}–${fmt(Math.max(...aggregates))}` : "-",
     ttft: pooled.ttft,
     itl: pooled.itl,
-    itlP99Round: median(rounds.map((r) => figures(r).itl[1]))
+    itlP99Round: median(perRound.map((f) => f.itl[1]))
   }
 }
 

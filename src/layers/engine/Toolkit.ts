@@ -108,8 +108,9 @@ export class Toolkit {
     const { nb, ne, type } = small.shapeOf(x)
     const rows = ne[1]!
     const contiguous = type === GgmlType.F32 && nb[0] === 4 && nb[1] === ne[0]! * 4 && ne[2] === 1 && ne[3] === 1
+    if (rows < 2 || !contiguous) return g.ggml_mul_mat(this.ctx, w, x)
     const weight = small.shapeOf(w)
-    if (rows < 2 || rows > small.maxRowsFor(weight.type) || !contiguous) return g.ggml_mul_mat(this.ctx, w, x)
+    if (rows > small.maxRowsFor(weight.type)) return g.ggml_mul_mat(this.ctx, w, x)
     const y = g.ggml_mul_mat(this.ctx, w, g.ggml_reshape_3d(this.ctx, x, ne[0]!, 1, rows))
     return g.ggml_reshape_2d(this.ctx, y, weight.ne[1]!, rows)
   }
