@@ -11,6 +11,7 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import type { ForwardBatchError, StageInput, StageOutput } from "../src/domain/engine.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { graphBuilds } from "../src/layers/engine/Native.js"
 import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
@@ -241,6 +242,50 @@ describe("forwardBatch: a decode step of a few sequences", () => {
     Effect.gen(function*() {
       const [whole] = yield* loadSplit(requireModel("stories260K.gguf"), [0, 5])
       yield* decodeBatchGetsLoneBits(whole!, [2, 3, 7], 500, 5)
+    }).pipe(Effect.scoped, Effect.provide(StageExecutorLive)))
+})
+
+describe("forwardBatch: pipeline groups taking turns", () => {
+  // At 4 requests on 2 stages a stage runs {a, b}, then {c, d}, then {a, b}...: each group's decode graph is kept
+  // (one cached graph per stage rebuilt it at every step), and the cached graphs still give every sequence the
+  // tokens of its lone run.
+  it.live("stories260K: groups {a, b} and {c, d} alternate: 2 graph builds for 12 decode steps, lone tokens", () =>
+    Effect.gen(function*() {
+      const executor = yield* StageExecutor
+      const [whole] = yield* loadSplit(requireModel("stories260K.gguf"), [0, 5])
+      const r = makeRng(31)
+      const plans = Array.from({ length: 4 }, (_, i): SeqPlan => ({
+        prompt: Array.from({ length: 3 + i }, () => 3 + Math.floor(r() * 509)),
+        start: 0,
+        steps: 7
+      }))
+      const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(runAlone([whole!], p)))
+      const seqs = yield* Effect.forEach(plans, (plan) =>
+        Effect.gen(function*() {
+          const session = yield* executor.session(whole!, { threads: 1, contextLength: CONTEXT })
+          const out = yield* session.forward(0, { _tag: "Tokens", tokens: Int32Array.from(plan.prompt) })
+          assert.strictEqual(out._tag, "Logits")
+          return { session, pos: plan.prompt.length, tokens: [greedy((out as { logits: Float32Array }).logits)] }
+        }))
+      const groups = [[seqs[0]!, seqs[1]!], [seqs[2]!, seqs[3]!]]
+      const before = graphBuilds.count
+      for (let step = 0; step < 12; step++) {
+        const group = groups[step % 2]!
+        const outs = yield* executor.forwardBatch(group.map((s) => ({
+          session: s.session,
+          startPos: s.pos,
+          input: { _tag: "Tokens", tokens: Int32Array.of(s.tokens.at(-1)!) } as StageInput
+        })))
+        group.forEach((s, i) => {
+          const out = outs[i]!
+          assert.strictEqual(out._tag, "Logits")
+          s.pos++
+          s.tokens.push(greedy((out as { logits: Float32Array }).logits))
+        })
+      }
+      assert.strictEqual(graphBuilds.count - before, 2, "one graph per group, each reused")
+      seqs.forEach((s, i) => assert.deepStrictEqual(s.tokens, alone[i]!.tokens, `sequence ${i}`))
+      assert.isAtLeast(new Set(seqs.flatMap((s) => s.tokens)).size, 4, "the streams are not trivial")
     }).pipe(Effect.scoped, Effect.provide(StageExecutorLive)))
 })
 
