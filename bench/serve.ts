@@ -3,8 +3,9 @@
  * `swactor serve` puts behind HTTP: admission, one run per request) vs node-llama-cpp serving the same N
  * streams from one process (one context, N sequences, which it batches), greedy, `tokens` tokens each.
  * Prints per N: aggregate decode tok/s (tokens after each stream's first / time from the first first token
- * to the last token), TTFT p50/p99, inter-token latency p50/p99, and whether every stream equals its lone
- * reference.
+ * to the last token), TTFT p50/p99, inter-token latency p50/p99, whether every stream equals its lone
+ * reference, and each contender's CPU time per generated token (its processes' user + system time over the round:
+ * this process and the stage agents for swactor, this process for node-llama-cpp, the server for llama-server).
  *
  * Default model: the synthetic 16×2048 Q8_0 llama of bench:pipeline (written once under .cache/bench).
  * Flags (or env): --model FILE, --stages 2 (BENCH_STAGES), --threads 1 per stage (BENCH_THREADS),
@@ -15,8 +16,8 @@
  * (`-t ref-threads -np maxN`, flash attention on, F16 KV) under the same client load over HTTP (its `/completion`,
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  */
-import { spawn } from "node:child_process"
-import { writeFileSync } from "node:fs"
+import { execFileSync, spawn } from "node:child_process"
+import { readdirSync, readFileSync, writeFileSync } from "node:fs"
 import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
@@ -113,6 +114,58 @@ interface Contender {
   readonly name: string
   readonly round: (n: number) => Promise<ReadonlyArray<StreamTimes>>
   readonly close: () => Promise<void>
+  /** Where its work runs: this process (its CPU time counts) and these processes. */
+  readonly cpu: { readonly self: boolean; readonly pids: () => ReadonlyArray<number> }
+}
+
+/** Clock ticks per second of /proc's CPU times. */
+const clockTicks = (() => {
+  try {
+    return Number(execFileSync("getconf", ["CLK_TCK"], { encoding: "utf8" }).trim()) || 100
+  } catch {
+    return 100
+  }
+})()
+
+/** user + system CPU ms of a process, its exited threads included (/proc/PID/stat); 0 when it is gone. */
+const processCpuMillis = (pid: number): number => {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "utf8")
+    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
+    return ((Number(fields[11]) + Number(fields[12])) * 1000) / clockTicks
+  } catch {
+    return 0
+  }
+}
+
+/** Every live descendant of `root` (the stage agents this process spawned). */
+const descendants = (root: number): Array<number> => {
+  const children = new Map<number, Array<number>>()
+  for (const entry of readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue
+    try {
+      const stat = readFileSync(`/proc/${entry}/stat`, "utf8")
+      const ppid = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1])
+      children.set(ppid, [...(children.get(ppid) ?? []), Number(entry)])
+    } catch {
+      // gone meanwhile
+    }
+  }
+  const out: Array<number> = []
+  const visit = (pid: number) => {
+    for (const c of children.get(pid) ?? []) {
+      out.push(c)
+      visit(c)
+    }
+  }
+  visit(root)
+  return out
+}
+
+/** A contender's CPU ms now (this process's when it counts, plus its processes'). */
+const cpuMillisOf = (c: Contender): number => {
+  const own = c.cpu.self ? (process.cpuUsage().user + process.cpuUsage().system) / 1000 : 0
+  return own + c.cpu.pids().reduce((sum, pid) => sum + processCpuMillis(pid), 0)
 }
 
 /** node-llama-cpp: the model loaded once; each round one context with N sequences (it batches them). */
@@ -121,6 +174,7 @@ const nodeLlamaCpp = async (modelPath: string): Promise<Contender> => {
   const model = await llama.loadModel({ modelPath, gpuLayers: 0 })
   return {
     name: "node-llama-cpp",
+    cpu: { self: true, pids: () => [] },
     round: async (n) => {
       const context = await model.createContext({
         contextSize: Math.max(512, n * 256),
@@ -206,6 +260,7 @@ const llamaServer = async (binary: string, modelPath: string): Promise<Contender
   }
   return {
     name: "llama-server",
+    cpu: { self: false, pids: () => (child.pid === undefined ? [] : [child.pid]) },
     round: (n) => Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!))),
     close: async () => {
       child.kill("SIGTERM")
@@ -254,6 +309,8 @@ const main = async () => {
   const contenders: Array<Contender> = []
   const results = new Map<string, Map<number, Array<ReadonlyArray<StreamTimes>>>>()
   const lone = new Map<string, string>()
+  /** CPU ms per generated token (prefill included), per contender, N and round. */
+  const cpu = new Map<string, Map<number, Array<number>>>()
   try {
     const loadStart = performance.now()
     await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
@@ -268,7 +325,14 @@ const main = async () => {
       )
       lone.set(prompt, result!)
     }
-    contenders.push({ name: "swactor", round: (n) => swactorRound(runtime, n), close: () => Promise.resolve() })
+    // the orchestrator runs in this process, the stages in the agents it spawned (not llama-server's process)
+    const agents = descendants(process.pid)
+    contenders.push({
+      name: "swactor",
+      round: (n) => swactorRound(runtime, n),
+      close: () => Promise.resolve(),
+      cpu: { self: true, pids: () => agents }
+    })
     if (!cfg.skipRef) contenders.push(await nodeLlamaCpp(modelPath))
     if (cfg.llamaServer !== undefined) contenders.push(await llamaServer(cfg.llamaServer, modelPath))
     // Interleaved: every contender's round r at N runs back to back, so a slow spell of the machine hits them alike.
@@ -279,7 +343,13 @@ const main = async () => {
           results.set(c.name, byN)
           const rounds = byN.get(n) ?? []
           byN.set(n, rounds)
-          rounds.push(await c.round(n))
+          const cpuBefore = cpuMillisOf(c)
+          const streams = await c.round(n)
+          rounds.push(streams)
+          const generated = streams.reduce((sum, s) => sum + s.arrivals.length, 0)
+          const perToken = cpu.get(c.name) ?? new Map<number, Array<number>>()
+          cpu.set(c.name, perToken)
+          perToken.set(n, [...(perToken.get(n) ?? []), (cpuMillisOf(c) - cpuBefore) / generated])
         }
       }
     }
@@ -322,6 +392,15 @@ const main = async () => {
       const f = at("llama-server", n)!
       console.log(`| ${n} | ${fmt(f.aggregate)} | ${f.spread} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`)
     }
+  }
+  const names = contenders.map((c) => c.name)
+  console.log(
+    "\nCPU time per generated token, ms (all of a contender's processes, prefill included; the median round): " +
+      "what each token costs the machine"
+  )
+  console.log(`| N | ${names.join(" | ")} |\n|---|${names.map(() => "---|").join("")}`)
+  for (const n of cfg.clients) {
+    console.log(`| ${n} | ${names.map((name) => fmt(median(cpu.get(name)?.get(n) ?? []))).join(" | ")} |`)
   }
   const one = at("swactor", 1)
   const four = at("swactor", 4)
