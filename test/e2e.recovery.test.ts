@@ -108,7 +108,12 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
         assert.strictEqual(summary.generatedTokens, 160)
         assert.strictEqual(summary.text, reference.text)
         assert.strictEqual(summary.recoveries.length, 1)
-        assert.strictEqual(summary.recoveries[0]!.resumedAt, 41)
+        // It resumes right after the last token delivered before the fault: token 40 was (the kill waited for it),
+        // and a token already on its way when the kill landed may have been too (stories260K decodes in ~1 ms).
+        const recovering = outcome.updates.findIndex((u) => u._tag === "Recovering")
+        const delivered = outcome.updates.slice(0, recovering).filter((u) => u._tag === "Token").length
+        assert.isAtLeast(delivered, 41)
+        assert.strictEqual(summary.recoveries[0]!.resumedAt, delivered)
         // The spare (the fourth agent) hosts the lost stage; the survivors keep theirs.
         assert.deepStrictEqual(
           summary.recoveries[0]!.stages.map((s) => s.address),
