@@ -115,7 +115,7 @@ interface Contender {
   readonly round: (n: number) => Promise<ReadonlyArray<StreamTimes>>
   readonly close: () => Promise<void>
   /** Where its work runs: this process (its CPU time counts) and these processes. */
-  readonly cpu: { readonly self: boolean; readonly pids: () => ReadonlyArray<number> }
+  readonly cpu: { readonly self: boolean; readonly pids: ReadonlyArray<number> }
 }
 
 /** Clock ticks per second of /proc's CPU times. */
@@ -127,29 +127,30 @@ const clockTicks = (() => {
   }
 })()
 
-/** user + system CPU ms of a process, its exited threads included (/proc/PID/stat); 0 when it is gone. */
-const processCpuMillis = (pid: number): number => {
+/** The fields of /proc/PID/stat after the command name (state, ppid, ...); undefined when the process is gone. */
+const statFields = (pid: number | string): Array<string> | undefined => {
   try {
     const stat = readFileSync(`/proc/${pid}/stat`, "utf8")
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
-    return ((Number(fields[11]) + Number(fields[12])) * 1000) / clockTicks
+    return stat.slice(stat.lastIndexOf(")") + 2).split(" ")
   } catch {
-    return 0
+    return undefined
   }
+}
+
+/** user + system CPU ms of a process, its exited threads included; 0 when it is gone. */
+const processCpuMillis = (pid: number): number => {
+  const fields = statFields(pid)
+  return fields === undefined ? 0 : ((Number(fields[11]) + Number(fields[12])) * 1000) / clockTicks
 }
 
 /** Every live descendant of `root` (the stage agents this process spawned). */
 const descendants = (root: number): Array<number> => {
   const children = new Map<number, Array<number>>()
   for (const entry of readdirSync("/proc")) {
-    if (!/^\d+$/.test(entry)) continue
-    try {
-      const stat = readFileSync(`/proc/${entry}/stat`, "utf8")
-      const ppid = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1])
-      children.set(ppid, [...(children.get(ppid) ?? []), Number(entry)])
-    } catch {
-      // gone meanwhile
-    }
+    const fields = /^\d+$/.test(entry) ? statFields(entry) : undefined
+    if (fields === undefined) continue
+    const ppid = Number(fields[1])
+    children.set(ppid, [...(children.get(ppid) ?? []), Number(entry)])
   }
   const out: Array<number> = []
   const visit = (pid: number) => {
@@ -164,8 +165,9 @@ const descendants = (root: number): Array<number> => {
 
 /** A contender's CPU ms now (this process's when it counts, plus its processes'). */
 const cpuMillisOf = (c: Contender): number => {
-  const own = c.cpu.self ? (process.cpuUsage().user + process.cpuUsage().system) / 1000 : 0
-  return own + c.cpu.pids().reduce((sum, pid) => sum + processCpuMillis(pid), 0)
+  const usage = c.cpu.self ? process.cpuUsage() : undefined
+  const own = usage === undefined ? 0 : (usage.user + usage.system) / 1000
+  return own + c.cpu.pids.reduce((sum, pid) => sum + processCpuMillis(pid), 0)
 }
 
 /** node-llama-cpp: the model loaded once; each round one context with N sequences (it batches them). */
@@ -174,7 +176,7 @@ const nodeLlamaCpp = async (modelPath: string): Promise<Contender> => {
   const model = await llama.loadModel({ modelPath, gpuLayers: 0 })
   return {
     name: "node-llama-cpp",
-    cpu: { self: true, pids: () => [] },
+    cpu: { self: true, pids: [] },
     round: async (n) => {
       const context = await model.createContext({
         contextSize: Math.max(512, n * 256),
@@ -260,12 +262,21 @@ const llamaServer = async (binary: string, modelPath: string): Promise<Contender
   }
   return {
     name: "llama-server",
-    cpu: { self: false, pids: () => (child.pid === undefined ? [] : [child.pid]) },
+    cpu: { self: false, pids: child.pid === undefined ? [] : [child.pid] },
     round: (n) => Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!))),
     close: async () => {
       child.kill("SIGTERM")
     }
   }
+}
+
+/** The rounds so far of one contender at one N (created empty). */
+const roundsAt = <A>(byName: Map<string, Map<number, Array<A>>>, name: string, n: number): Array<A> => {
+  const byN = byName.get(name) ?? new Map<number, Array<A>>()
+  byName.set(name, byN)
+  const rounds = byN.get(n) ?? []
+  byN.set(n, rounds)
+  return rounds
 }
 
 const fmt = (x: number, digits = 1) => (Number.isFinite(x) ? x.toFixed(digits) : "-")
@@ -331,7 +342,7 @@ const main = async () => {
       name: "swactor",
       round: (n) => swactorRound(runtime, n),
       close: () => Promise.resolve(),
-      cpu: { self: true, pids: () => agents }
+      cpu: { self: true, pids: agents }
     })
     if (!cfg.skipRef) contenders.push(await nodeLlamaCpp(modelPath))
     if (cfg.llamaServer !== undefined) contenders.push(await llamaServer(cfg.llamaServer, modelPath))
@@ -339,17 +350,11 @@ const main = async () => {
     for (const n of cfg.clients) {
       for (let r = 0; r < cfg.rounds; r++) {
         for (const c of contenders) {
-          const byN = results.get(c.name) ?? new Map<number, Array<ReadonlyArray<StreamTimes>>>()
-          results.set(c.name, byN)
-          const rounds = byN.get(n) ?? []
-          byN.set(n, rounds)
           const cpuBefore = cpuMillisOf(c)
           const streams = await c.round(n)
-          rounds.push(streams)
+          roundsAt(results, c.name, n).push(streams)
           const generated = streams.reduce((sum, s) => sum + s.arrivals.length, 0)
-          const perToken = cpu.get(c.name) ?? new Map<number, Array<number>>()
-          cpu.set(c.name, perToken)
-          perToken.set(n, [...(perToken.get(n) ?? []), (cpuMillisOf(c) - cpuBefore) / generated])
+          roundsAt(cpu, c.name, n).push((cpuMillisOf(c) - cpuBefore) / generated)
         }
       }
     }
