@@ -10,6 +10,7 @@ import { canMap, type FileRegion, locate, mapRanges, unmapAll } from "./FileMap.
 import { chooseSmallBatchRows, exactRowsDefault } from "./SmallBatch.js"
 import type { StageLayout } from "./StageLayout.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
+import { checkGraph, chooseExtraBuffer, fewRowRouteAllowed, type WeightHome } from "./WeightPlacement.js"
 
 const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
 const READ_CHUNK = 4 * 1024 * 1024
@@ -64,8 +65,15 @@ export class NativeWeights {
     public mappedBytes: number = 0,
     private regions: ReadonlyArray<FileRegion> = [],
     /** The tensors used in place in the mappings (what `moveOutOfMapping` copies). */
-    private readonly mappedTensors: ReadonlyArray<{ readonly name: string; readonly p: Ptr; readonly bytes: number }> = []
+    private readonly mappedTensors: ReadonlyArray<{ readonly name: string; readonly p: Ptr; readonly bytes: number }> = [],
+    /** Addresses of the weights in extra (repacked) buffer types (WeightPlacement.ts, rules 2 and 3). */
+    readonly extraWeights: ReadonlySet<bigint> = new Set()
   ) {}
+
+  /** Where a loaded weight lives (WeightPlacement.ts). */
+  homeOf(p: Ptr): WeightHome {
+    return this.extraWeights.has(koffi.address(p)) ? "extra" : "plain"
+  }
 
   private moveStarted = false
 
@@ -270,28 +278,6 @@ const adviseHugePages = (base: Ptr, size: number) => {
   if (end > start) madvise(start, Number(end - start), MADV_HUGEPAGE)
 }
 
-/** llama.cpp's weight_buft_supported: would `buft` serve this weight in a mul_mat? */
-const supportsMulMat = (g: Ggml, buft: Ptr, type: number, ne0: number, ne1: number): boolean => {
-  const raw = g.raw
-  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 8, mem_buffer: null, no_alloc: true })
-  try {
-    const w = raw.ggml_new_tensor_2d(ctx, type, ne0, ne1)
-    const b = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, 512)
-    const op = raw.ggml_mul_mat(ctx, w, b)
-    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
-    if (buf === null) return false
-    g.setTensorBuffer(w, buf)
-    try {
-      return raw.ggml_backend_dev_supports_op(g.cpuDevice(), op)
-    } finally {
-      g.setTensorBuffer(w, null)
-      raw.ggml_backend_buffer_free(buf)
-    }
-  } finally {
-    raw.ggml_free(ctx)
-  }
-}
-
 /** ggml's TENSOR_ALIGNMENT: what a CPU buffer over foreign memory promises (and what kernels may assume). */
 const MAPPED_ALIGNMENT = 32
 
@@ -312,6 +298,8 @@ export const loadWeights = async (
     readonly repack?: boolean
     readonly device?: DeviceKind
     readonly mmap?: boolean
+    /** Fixes the few-row route's row limit for every weight type (nothing measured); see NativeWeights.smallRowsFor. */
+    readonly smallBatchRows?: number
     readonly onProgress?: (p: LoadProgress) => void
   } = {}
 ): Promise<NativeWeights> => {
@@ -340,10 +328,7 @@ export const loadWeights = async (
   const keys: Array<Ptr | FileRegion> = []
   layout.tensors.forEach((t, index) => {
     let buft = cpuBuft
-    if (t.use === "mul_mat") {
-      const found = extra.find((b) => supportsMulMat(g, b, t.info.type, t.info.dims[0]!, t.info.dims[1] ?? 1))
-      if (found !== undefined) buft = found
-    }
+    if (t.use === "mul_mat") buft = chooseExtraBuffer(g, extra, t.info.type, t.info.dims) ?? cpuBuft
     let key: Ptr | FileRegion = buft
     let addr: bigint | undefined
     if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
@@ -483,7 +468,9 @@ export const loadWeights = async (
     }
     backend = raw.ggml_backend_dev_init(dev, null)
     if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
-    return new NativeWeights(
+    const extraWeights = new Set<bigint>()
+    for (const name of repacked) extraWeights.add(koffi.address(tensors.get(name)!))
+    const weights = new NativeWeights(
       g,
       layout,
       device,
@@ -496,8 +483,12 @@ export const loadWeights = async (
       bufferBytes,
       mappedBytes,
       regions,
-      mappedTensors
+      mappedTensors,
+      extraWeights
     )
+    const fixedRows = options.smallBatchRows
+    if (fixedRows !== undefined) weights.smallRowsFor = () => fixedRows
+    return weights
   } catch (e) {
     for (const b of buffers) raw.ggml_backend_buffer_free(b)
     for (const c of contexts) raw.ggml_free(c)
@@ -678,7 +669,13 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   if (c === null || c.key !== key) {
     if (items.length > 1 && w.device === "cpu" && w.smallRowsFor === undefined) {
       const threads = Math.max(...items.map((it) => it.session.threads))
-      w.smallRowsFor = await chooseSmallBatchRows(g, w.backend, raw.ggml_backend_dev_buffer_type(w.dev), w.tensors, threads)
+      w.smallRowsFor = await chooseSmallBatchRows(
+        g,
+        w.backend,
+        raw.ggml_backend_dev_buffer_type(w.dev),
+        new Map([...w.tensors].filter(([, p]) => fewRowRouteAllowed(w.homeOf(p)))),
+        threads
+      )
     }
     slot.drop()
     c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind)
@@ -836,7 +833,11 @@ const buildGraph = (
 
     // several sequences only: a lone call keeps exactly the products (and bits) it always had
     const small = w.device === "cpu" && nSeq > 1
-      ? { maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault), shapeOf: (p: Ptr) => w.ggml.tensorShape(p) }
+      ? {
+        maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
+        allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
+        shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
+      }
       : null
     const t = new Toolkit(raw, ctx, graph, hp, n, inputs, small)
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
@@ -856,16 +857,8 @@ const buildGraph = (
     raw.ggml_set_output(x)
     raw.ggml_build_forward_expand(graph, x)
 
-    if (w.device === "gpu") {
-      // one backend, no scheduler: every op must run on the device
-      const nodes = raw.ggml_graph_n_nodes(graph)
-      for (let i = 0; i < nodes; i++) {
-        const node = raw.ggml_graph_node(graph, i)
-        if (!raw.ggml_backend_supports_op(w.backend, node)) {
-          throw new Error(`the ${raw.ggml_backend_name(w.backend)} backend cannot run ${raw.ggml_op_desc(node)} here`)
-        }
-      }
-    }
+    // one backend, no scheduler: every node must be one the device computes as built (WeightPlacement.ts, rule 3)
+    checkGraph(w.ggml, w.dev, graph, w.extraWeights)
     if (!raw.ggml_gallocr_alloc_graph(slot.galloc, graph)) throw new Error("could not allocate the compute graph")
     return {
       key,

@@ -66,6 +66,11 @@ export interface LiveOptions {
    * off). Repacked weights are repacked from the mapping; GPU stages always copy.
    */
   readonly mmap?: boolean
+  /**
+   * The most rows of a CPU product that take the few-row route (Toolkit.mulMatSmall) for every weight type, instead
+   * of what the stage measures before its first batched step (SmallBatch.ts). 0: never. Tests force each path so.
+   */
+  readonly smallBatchRows?: number
   /** CPU threads when a session does not say (default: SWACTOR_THREADS, else every core). */
   readonly defaultThreads?: number
   /** KV cache length when a session does not say (default min(model context, 4096)). */
@@ -110,6 +115,7 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
             repack: options.repack ?? true,
             device,
             ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
+            ...(options.smallBatchRows !== undefined ? { smallBatchRows: options.smallBatchRows } : {}),
             ...(onProgress ? { onProgress } : {})
           }),
         catch: (e) =>

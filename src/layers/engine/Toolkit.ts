@@ -63,6 +63,8 @@ export interface GraphInputs {
 export interface SmallBatchMatMul {
   /** Per weight type: most rows that take the one-row kernel (2..n; 0 or 1: never). */
   readonly maxRowsFor: (type: number) => number
+  /** May a product over this weight take the route (WeightPlacement.ts, rule 2: plain-buffer weights only)? */
+  readonly allowed: (w: Ptr) => boolean
   readonly shapeOf: (t: Ptr) => { readonly type: number; readonly ne: ReadonlyArray<number>; readonly nb: ReadonlyArray<number> }
 }
 
@@ -108,7 +110,7 @@ export class Toolkit {
     const { nb, ne, type } = small.shapeOf(x)
     const rows = ne[1]!
     const contiguous = type === GgmlType.F32 && nb[0] === 4 && nb[1] === ne[0]! * 4 && ne[2] === 1 && ne[3] === 1
-    if (rows < 2 || !contiguous) return g.ggml_mul_mat(this.ctx, w, x)
+    if (rows < 2 || !contiguous || !small.allowed(w)) return g.ggml_mul_mat(this.ctx, w, x)
     const weight = small.shapeOf(w)
     if (rows > small.maxRowsFor(weight.type)) return g.ggml_mul_mat(this.ctx, w, x)
     const y = g.ggml_mul_mat(this.ctx, w, g.ggml_reshape_3d(this.ctx, x, ne[0]!, 1, rows))

@@ -247,6 +247,8 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
     ggml_backend_buffer_free: f("void ggml_backend_buffer_free(void * buffer)") as (buffer: Ptr) => void,
     ggml_backend_buffer_get_base: f("void * ggml_backend_buffer_get_base(void * buffer)") as (buffer: Ptr) => Ptr,
     ggml_backend_buffer_get_size: f("size_t ggml_backend_buffer_get_size(void * buffer)") as (buffer: Ptr) => number,
+    ggml_backend_buffer_get_type: f("void * ggml_backend_buffer_get_type(void * buffer)") as (buffer: Ptr) => Ptr,
+    ggml_backend_buft_is_host: f("bool ggml_backend_buft_is_host(void * buft)") as (buft: Ptr) => boolean,
     ggml_backend_buffer_clear: f("void ggml_backend_buffer_clear(void * buffer, uint8_t value)") as (
       buffer: Ptr,
       value: number

@@ -1,0 +1,128 @@
+/**
+ * Where a CPU stage's weights live, and which matrix products its graphs may build over them: the one rule.
+ *
+ * ggml's CPU backend hands a product whose weight sits in an *extra* buffer type (CPU_REPACK, AMX, ...) to that
+ * type's own kernel, whatever the product's shape: at compute time nothing asks the type again. llama.cpp therefore
+ * places a weight in an extra type only after its device agreed, through `supports_op`, to the product that uses
+ * it (`weight_buft_supported`, src/llama-model.cpp), and its scheduler moves any other product to a backend that
+ * computes it. A stage has no scheduler, so the rule is stricter here:
+ *
+ * 1. A weight goes into an extra buffer type only when the CPU device supports, with the weight in that type, the
+ *    product of every row count the stage's graphs build over it (`PRODUCT_ROWS`: a decode step, a decode step of a
+ *    few sequences, micro-batches, prefill chunks; the input always F32 `[K, rows]`). Otherwise it stays in the plain
+ *    CPU buffer (or in place in the file mapping).
+ * 2. The few-row route (an input given as `[K, 1, rows]`, Toolkit.mulMatSmall) runs only over weights in the plain
+ *    buffer. It exists to reach ggml's own one-row kernel, which only plain weights take; over an extra type the
+ *    type's kernel would run instead, and its `supports_op` cannot be trusted for that shape: AMX's agrees to any
+ *    contiguous input, then its batched path offsets the weight by the input's plane stride and the output by a byte
+ *    count added to a `float *` (ggml-cpu/amx/mmq.cpp, `ggml_backend_amx_mul_mat`), writing outside the buffer.
+ * 3. Before a graph computes, `checkGraph` asks the device about every node as built, and refuses a product over an
+ *    extra-type weight in any shape rule 1 did not agree to.
+ */
+import koffi from "koffi"
+import { type Ggml, GgmlType, type Ptr, TensorLayout } from "../ggml/Bindings.js"
+
+/** Row counts of the products a stage's graphs build over a weight (rule 1 asks about each). */
+export const PRODUCT_ROWS: ReadonlyArray<number> = [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 512]
+
+/** Where a weight lives: the plain CPU buffer (copied or mapped), or an extra (repacked) buffer type. */
+export type WeightHome = "plain" | "extra"
+
+/** Rule 2: may a product over a weight living here take the few-row route? */
+export const fewRowRouteAllowed = (home: WeightHome): boolean => home === "plain"
+
+/**
+ * Rule 1 for one extra buffer type: with a `type` weight of `[ne0, ne1]` in `buft`, does `dev` compute the product of
+ * every row count in PRODUCT_ROWS? (A zero-size buffer of the type stands in, as llama.cpp does.)
+ */
+export const extraTypeSupports = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne0: number, ne1: number): boolean => {
+  const raw = g.raw
+  const ctx = raw.ggml_init({
+    mem_size: raw.ggml_tensor_overhead() * (2 * PRODUCT_ROWS.length + 2),
+    mem_buffer: null,
+    no_alloc: true
+  })
+  if (ctx === null) return false
+  try {
+    const w = raw.ggml_new_tensor_2d(ctx, type, ne0, ne1)
+    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
+    if (buf === null) return false
+    g.setTensorBuffer(w, buf)
+    try {
+      return PRODUCT_ROWS.every((rows) =>
+        raw.ggml_backend_dev_supports_op(dev, raw.ggml_mul_mat(ctx, w, raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, rows)))
+      )
+    } finally {
+      g.setTensorBuffer(w, null)
+      raw.ggml_backend_buffer_free(buf)
+    }
+  } finally {
+    raw.ggml_free(ctx)
+  }
+}
+
+/**
+ * The buffer type a matrix weight goes into: the first extra type that passes rule 1, else null (the plain buffer).
+ * Only 2-D matrices are candidates (the products are built over 2-D weights only).
+ */
+export const chooseExtraBuffer = (
+  g: Ggml,
+  extras: ReadonlyArray<Ptr>,
+  type: number,
+  dims: ReadonlyArray<number>
+): Ptr | null => {
+  if (dims.length !== 2 || extras.length === 0) return null
+  const dev = g.cpuDevice()
+  return extras.find((b) => extraTypeSupports(g, dev, b, type, dims[0]!, dims[1]!)) ?? null
+}
+
+/** ggml_op ids this module compares against, read once from tensors ggml built (no hand-kept enum). */
+let mulMatOp: number | undefined
+const opOf = (t: Ptr): number => koffi.decode(t, TensorLayout.op, "int32_t") as number
+const mulMatOpId = (g: Ggml): number => {
+  if (mulMatOp !== undefined) return mulMatOp
+  const raw = g.raw
+  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 4, mem_buffer: null, no_alloc: true })
+  if (ctx === null) throw new Error("ggml_init failed")
+  try {
+    const a = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, 4, 4)
+    mulMatOp = opOf(raw.ggml_mul_mat(ctx, a, a))
+    return mulMatOp
+  } finally {
+    raw.ggml_free(ctx)
+  }
+}
+
+const srcOf = (t: Ptr, i: number): Ptr | null => koffi.decode(t, TensorLayout.src + 8 * i, "void *") as Ptr | null
+
+/**
+ * Rule 3, before a graph first computes: every node must be one `dev` computes as built, and a product over a weight
+ * in an extra buffer type must have an F32 `[K, rows]` input (the shapes rule 1 agreed to). Throws a one-line error
+ * naming the node otherwise. `extraWeights` holds the addresses of the stage's weights in extra types.
+ */
+export const checkGraph = (g: Ggml, dev: Ptr, graph: Ptr, extraWeights: ReadonlySet<bigint>): void => {
+  const raw = g.raw
+  const mulMat = mulMatOpId(g)
+  const nodes = raw.ggml_graph_n_nodes(graph)
+  for (let i = 0; i < nodes; i++) {
+    const node = raw.ggml_graph_node(graph, i)
+    if (extraWeights.size > 0 && opOf(node) === mulMat) {
+      const w = srcOf(node, 0)
+      if (w !== null && extraWeights.has(koffi.address(w))) {
+        const x = g.tensorShape(srcOf(node, 1))
+        if (x.type !== GgmlType.F32 || x.ne[2] !== 1 || x.ne[3] !== 1) {
+          throw new Error(
+            `graph node ${i} (${raw.ggml_op_desc(node)}): a product over a repacked weight with an input of shape ` +
+              `[${x.ne}] (type ${x.type}); repacked weights take F32 [K, rows] inputs only`
+          )
+        }
+      }
+    }
+    if (!raw.ggml_backend_dev_supports_op(dev, node)) {
+      throw new Error(
+        `graph node ${i} (${raw.ggml_op_desc(node)}): the ${raw.ggml_backend_dev_name(dev)} device does not compute ` +
+          "it in the shape and buffers this graph builds"
+      )
+    }
+  }
+}
