@@ -29,6 +29,9 @@ interface Libc {
     ) => void
   }
   readonly munmap: (addr: unknown, length: number) => number
+  readonly madvise: ((addr: bigint, length: number, advice: number) => number) & {
+    async: (addr: bigint, length: number, advice: number, cb: (err: unknown, res: number) => void) => void
+  }
 }
 
 let libc: Libc | null | undefined
@@ -38,7 +41,8 @@ const loadLibc = (): Libc | null => {
     const lib = koffi.load("libc.so.6")
     libc = {
       mmap: lib.func("void *mmap(void *addr, size_t length, int prot, int flags, int fd, int64_t offset)") as never,
-      munmap: lib.func("int munmap(void *addr, size_t length)") as never
+      munmap: lib.func("int munmap(void *addr, size_t length)") as never,
+      madvise: lib.func("int madvise(uintptr_t addr, size_t length, int advice)") as never
     }
   } catch {
     libc = null
@@ -70,6 +74,72 @@ export const mappingRuns = (ranges: ReadonlyArray<{ readonly offset: number; rea
   return runs.map((r) => ({ fileStart: Math.floor(r.start / MAP_GRANULE) * MAP_GRANULE, end: r.end }))
 }
 
+const MADV_DONTNEED = 4
+const MADV_POPULATE_READ = 22
+const PAGE = 4096n
+
+/**
+ * Prefaults the mapped byte ranges (`[address, bytes]`, each inside one of `regions`) off the event loop, as
+ * MAP_POPULATE would have for the whole mapping: the weights read in place are resident before the first compute,
+ * and nothing else is. Best effort (MADV_POPULATE_READ needs Linux 5.14; without it pages fault in on first use).
+ */
+export const populateRanges = async (
+  regions: ReadonlyArray<FileRegion>,
+  ranges: ReadonlyArray<readonly [bigint, number]>
+): Promise<void> => {
+  const c = loadLibc()
+  if (c === null) return
+  for (const [at, bytes] of ranges) {
+    const r = regions.find((x) => at >= x.addr && at < x.addr + BigInt(x.length))
+    if (r === undefined || bytes <= 0) continue
+    const start = at / PAGE * PAGE
+    const limit = r.addr + BigInt(r.length)
+    const wanted = at + BigInt(bytes)
+    const end = wanted > limit ? limit : wanted
+    await new Promise<void>((resolve) => c.madvise.async(start, Number(end - start), MADV_POPULATE_READ, () => resolve()))
+  }
+}
+
+/**
+ * Drops this process's pages of the mapped bytes [from, to) (rounded inward to MAP_GRANULE): they leave its resident
+ * set (the page cache keeps them for other readers), and a later read would fault them in again from the file. The
+ * mapping stays, so nothing else can be placed at those addresses. Returns the bytes released.
+ */
+export const releasePages = (from: bigint, to: bigint): number => {
+  const c = loadLibc()
+  if (c === null) return 0
+  const g = BigInt(MAP_GRANULE)
+  const start = (from + g - 1n) / g * g
+  const end = to / g * g
+  if (end <= start) return 0
+  return c.madvise(start, Number(end - start), MADV_DONTNEED) === 0 ? Number(end - start) : 0
+}
+
+/**
+ * Releases every page of `regions` outside the byte ranges still read in place (`keep`: [address, bytes]), e.g.
+ * after a load set its repacked and unaligned tensors from the mapping. Returns the bytes released.
+ */
+export const releaseAllBut = (
+  regions: ReadonlyArray<FileRegion>,
+  keep: ReadonlyArray<readonly [bigint, number]>
+): number => {
+  const sorted = [...keep].sort((a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0))
+  let released = 0
+  for (const r of regions) {
+    const end = r.addr + BigInt(r.length)
+    let cursor = r.addr
+    for (const [at, bytes] of sorted) {
+      if (at + BigInt(bytes) <= r.addr || at >= end) continue
+      released += releasePages(cursor, at)
+      const after = at + BigInt(bytes)
+      if (after > cursor) cursor = after
+    }
+    // rounded down: never past the mapping (a neighbour's pages there are not ours to drop)
+    released += releasePages(cursor, end)
+  }
+  return released
+}
+
 export const unmapAll = (regions: ReadonlyArray<FileRegion>) => {
   const c = loadLibc()
   if (c === null) return
@@ -77,13 +147,16 @@ export const unmapAll = (regions: ReadonlyArray<FileRegion>) => {
 }
 
 /**
- * Maps the runs of `ranges` of the file read-only (prefaulted with MAP_POPULATE, off the event loop).
+ * Maps the runs of `ranges` of the file read-only, off the event loop; prefaulted with MAP_POPULATE unless
+ * `populate: false` (then `populateRanges` prefaults only the bytes that will be read in place).
  * Rejects, with nothing left mapped, when the file is now shorter than a range or a mapping fails.
  */
 export const mapRanges = async (
   path: string,
-  ranges: ReadonlyArray<{ readonly offset: number; readonly size: number }>
+  ranges: ReadonlyArray<{ readonly offset: number; readonly size: number }>,
+  options: { readonly populate?: boolean } = {}
 ): Promise<ReadonlyArray<FileRegion>> => {
+  const flags = MAP_SHARED | (options.populate === false ? 0 : MAP_POPULATE)
   const c = loadLibc()
   if (c === null || process.platform !== "linux") throw new Error("file mapping is not available here")
   const runs = mappingRuns(ranges)
@@ -97,7 +170,7 @@ export const mapRanges = async (
     for (const r of runs) {
       const length = r.end - r.fileStart
       const base = await new Promise<unknown>((resolve, reject) =>
-        c.mmap.async(null, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, r.fileStart, (err, res) => {
+        c.mmap.async(null, length, PROT_READ, flags, fd, r.fileStart, (err, res) => {
           if (err) reject(err instanceof Error ? err : new Error(String(err)))
           else resolve(res)
         })

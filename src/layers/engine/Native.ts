@@ -6,7 +6,17 @@ import koffi from "koffi"
 import { open } from "node:fs/promises"
 import type { LoadProgress, StageInput } from "../../domain/engine.js"
 import { type Ggml, getGgml, type GgmlRaw, GgmlType, type Ptr, TensorLayout } from "../ggml/Bindings.js"
-import { canMap, type FileRegion, locate, mapRanges, unmapAll } from "./FileMap.js"
+import {
+  canMap,
+  type FileRegion,
+  locate,
+  MAP_GRANULE,
+  mapRanges,
+  populateRanges,
+  releaseAllBut,
+  releasePages,
+  unmapAll
+} from "./FileMap.js"
 import { chooseSmallBatchRows, exactRowsDefault } from "./SmallBatch.js"
 import type { StageLayout } from "./StageLayout.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, type KvLayer, Toolkit } from "./Toolkit.js"
@@ -77,6 +87,9 @@ export class NativeWeights {
 
   private moveStarted = false
 
+  /** Bytes of mapped pages dropped from this process's resident set (after a load, and as the move copies them). */
+  releasedBytes = 0
+
   /** Buffers allocated after the load (the weights moved out of the file mapping). */
   private readonly laterBuffers: Array<Ptr> = []
 
@@ -112,12 +125,18 @@ export class NativeWeights {
     })
     if (buffer === null) return false
     const base = koffi.address(raw.ggml_backend_buffer_get_base(buffer))
-    for (const [i, t] of this.mappedTensors.entries()) {
+    // In address order, so that every page below the tensor being copied is no longer read in place: each chunk's
+    // source pages leave the resident set once copied (the mapping and the copy are never both resident).
+    const order = this.mappedTensors.map((t, i) => ({ t, i, from: koffi.address(koffi.decode(t.p, TensorLayout.data, "void *") as Ptr) }))
+      .sort((a, b) => (a.from < b.from ? -1 : a.from > b.from ? 1 : 0))
+    const low = new Map<FileRegion, bigint>(this.regions.map((r) => [r, r.addr]))
+    const granule = BigInt(MAP_GRANULE)
+    for (const { from, i, t } of order) {
+      const region = this.regions.find((r) => from >= r.addr && from < r.addr + BigInt(r.length))
       const moved = await this.lock.run(async () => {
         if (this.freed) return false
         const oldData = koffi.decode(t.p, TensorLayout.data, "void *") as Ptr
         const oldBuffer = koffi.decode(t.p, TensorLayout.buffer, "void *") as Ptr
-        const from = koffi.address(oldData)
         // ggml_backend_tensor_alloc wants an unplaced tensor: clear its buffer and data, place it, copy its bytes
         this.ggml.setTensorBuffer(t.p, null)
         koffi.encode(t.p, TensorLayout.data, "void *", null)
@@ -127,7 +146,15 @@ export class NativeWeights {
           koffi.encode(t.p, TensorLayout.data, "void *", oldData)
           return false
         }
-        raw.ggml_backend_tensor_set_from(t.p, from, 0, t.bytes)
+        for (let off = 0; off < t.bytes; off += MOVE_CHUNK) {
+          const n = Math.min(MOVE_CHUNK, t.bytes - off)
+          raw.ggml_backend_tensor_set_from(t.p, from + BigInt(off), off, n)
+          if (region !== undefined) {
+            const end = from + BigInt(off + n)
+            this.releasedBytes += releasePages(low.get(region)!, end)
+            low.set(region, end / granule * granule)
+          }
+        }
         return true
       })
       if (!moved) return false
@@ -214,6 +241,9 @@ export const inputCopies = { bytes: 0 }
 
 /** Compute graphs built (a call whose shape has a cached graph builds none; tests count rebuilds with it). */
 export const graphBuilds = { count: 0 }
+
+/** Bytes a weight move copies (and then releases from the mapping) per step, within one hold of the lock. */
+const MOVE_CHUNK = 8 * 1024 * 1024
 
 /** Cached graphs of decode steps over several sessions, per loaded stage (pipeline groups that take turns). */
 const DECODE_GRAPH_SLOTS = 4
@@ -315,7 +345,12 @@ export const loadWeights = async (
   let regions: ReadonlyArray<FileRegion> = []
   if (mmapWanted(options.mmap, device)) {
     try {
-      regions = await mapRanges(layout.file.path, layout.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })))
+      // not prefaulted whole: the tensors copied out (repacked, unaligned) are read once, then their pages released
+      regions = await mapRanges(
+        layout.file.path,
+        layout.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })),
+        { populate: false }
+      )
     } catch (e) {
       // a file now shorter than its table must not be read either; any other mapping failure: copy instead
       if (e instanceof Error && e.message.startsWith("the file is")) throw e
@@ -356,6 +391,8 @@ export const loadWeights = async (
   let backend: Ptr | null = null
   let bufferBytes = 0
   let mappedBytes = 0
+  let releasedAtLoad = 0
+  const inPlaceRanges: Array<readonly [bigint, number]> = []
   try {
     for (const key of keys) {
       const members = groups.get(key)!
@@ -400,6 +437,7 @@ export const loadWeights = async (
             throw new Error(`tensor ${t.name}: could not place it in the mapped weights`)
           }
           mapped.add(t.name)
+          inPlaceRanges.push([m.addr!, t.info.byteSize])
           mappedTensors.push({ name: t.name, p: m.p, bytes: t.info.byteSize })
           mappedBytes += t.info.byteSize
           placements.push({ name: t.name, bufferType: MAPPED_BUFFER_TYPE, bytes: t.info.byteSize })
@@ -429,16 +467,21 @@ export const loadWeights = async (
     options.onProgress?.({ loadedBytes: 0, totalBytes: total })
     const order = [...layout.tensors].sort((a, b) => a.info.offset - b.info.offset)
     if (regions.length > 0) {
-      // in place: nothing to copy; the rest (repacked or unaligned) is set from the mapping, whole
+      // in place: nothing to copy, only prefaulted; the rest (repacked or unaligned) is set from the mapping, whole,
+      // and its pages leave the resident set once copied (rounded inward: a neighbour read in place keeps its own)
+      await populateRanges(regions, inPlaceRanges)
       for (const t of order) {
         if (!mapped.has(t.name) && t.info.byteSize > 0) {
           const at = locate(regions, t.info.offset, t.info.byteSize)
           if (at === undefined) throw new Error(`internal: tensor ${t.name} is outside the mapped ranges`)
           raw.ggml_backend_tensor_set_from(tensors.get(t.name)!, at.addr, 0, t.info.byteSize)
+          releasedAtLoad += releasePages(at.addr, at.addr + BigInt(t.info.byteSize))
         }
         loaded += t.info.byteSize
         options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
       }
+      // the repacked and unaligned tensors were copied out: only the in-place ones still read the mapping
+      releasedAtLoad = releaseAllBut(regions, inPlaceRanges)
     } else {
       const fh = await open(layout.file.path, "r")
       try {
@@ -486,6 +529,7 @@ export const loadWeights = async (
       mappedTensors,
       extraWeights
     )
+    weights.releasedBytes = releasedAtLoad
     const fixedRows = options.smallBatchRows
     if (fixedRows !== undefined) weights.smallRowsFor = () => fixedRows
     return weights
