@@ -5,7 +5,7 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
-import { inputCopies } from "../src/layers/engine/Native.js"
+import { inputCopies } from "../src/layers/engine/Forward.js"
 import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"

@@ -15,4 +15,15 @@ export interface ArchModule {
   readonly outputTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
   /** One block: residual stream in, residual stream out (t.layer is the block's index in the model). */
   readonly buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => Ptr
+  /**
+   * The output head on the last stage: the residual stream after the model's last block (its output rows only) in,
+   * logits out. Model-wide tensors by full name (`output_norm.weight`, `output.weight`: token_embd when tied).
+   */
+  readonly buildOutput: (t: Toolkit, w: OutputWeights, x: Ptr) => Ptr
+}
+
+/** The output head's weights by full name. */
+export interface OutputWeights {
+  readonly get: (name: string) => Ptr
+  readonly opt: (name: string) => Ptr | null
 }

@@ -74,6 +74,21 @@ export const mappingRuns = (ranges: ReadonlyArray<{ readonly offset: number; rea
   return runs.map((r) => ({ fileStart: Math.floor(r.start / MAP_GRANULE) * MAP_GRANULE, end: r.end }))
 }
 
+/** A libc function by its C signature, loaded once; null where libc cannot be loaded. */
+const libcFunctions = new Map<string, unknown>()
+export const libcFunction = <F>(signature: string): F | null => {
+  if (!libcFunctions.has(signature)) {
+    let fn: unknown = null
+    try {
+      fn = koffi.load("libc.so.6").func(signature)
+    } catch {
+      fn = null
+    }
+    libcFunctions.set(signature, fn)
+  }
+  return libcFunctions.get(signature) as F | null
+}
+
 const MADV_DONTNEED = 4
 const MADV_POPULATE_READ = 22
 const PAGE = 4096n

@@ -27,14 +27,10 @@ import {
   type StageSession,
   validateForward
 } from "../../services/StageExecutor.js"
-import {
-  type NativeItem,
-  NativeSession,
-  type NativeWeights,
-  loadWeights,
-  runBatch,
-  type TensorPlacement
-} from "./Native.js"
+import { forwardOne, runBatch } from "./Forward.js"
+import { type NativeItem, NativeSession } from "./KvCache.js"
+import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
+import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
 import { getGgml } from "../ggml/Bindings.js"
 import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
@@ -51,6 +47,10 @@ export class LiveLoadedStage implements LoadedStage {
   /** Bytes of the allocated backend buffers that hold copied weights (their tensors plus alignment padding). */
   get bufferBytes(): number {
     return this.weights.bufferBytes
+  }
+  /** Bytes of the stage's compute buffers (every cached graph's allocation, its sessions' included; GraphCache.ts). */
+  get computeBytes(): number {
+    return this.weights.graphs.computeBytes
   }
   /** Bytes of the weights used in place from the file mapping (no allocation; the page cache is shared). */
   get mappedBytes(): number {
@@ -144,7 +144,8 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       bosTokenId: hp.bosTokenId,
       weightBytes: layout.weightBytes,
       backend: device === "gpu" ? "cuda" : "cpu",
-      kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) * (hp.headDimK + hp.headDimV) * hp.nHeadKv * 2
+      kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) *
+        kvBytesPerTokenOfBlock(hp.headDimK * hp.nHeadKv, hp.headDimV * hp.nHeadKv)
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))
@@ -168,7 +169,7 @@ class LiveStageSession implements StageSession {
       const invalid = this.check(startPos, input)
       if (invalid !== undefined) return Effect.fail(invalid)
       return Effect.tryPromise({
-        try: () => this.native.forward(startPos, input),
+        try: () => forwardOne(this.native, startPos, input),
         catch: (e) => new EngineError({ message: e instanceof Error ? e.message : String(e) })
       })
     }).pipe(Effect.withSpan("StageExecutor.forward"))

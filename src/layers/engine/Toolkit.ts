@@ -274,3 +274,7 @@ export const llamaBlockSpecs = (
     ...extra
   ]
 }
+
+/** The llama family's output head (llama.cpp's llm_build_llama and kin): RMS norm, then the output projection. */
+export const llamaOutputHead = (t: Toolkit, w: { readonly get: (name: string) => Ptr; readonly opt: (name: string) => Ptr | null }, x: Ptr): Ptr =>
+  t.linear(w.get("output.weight"), t.rmsNorm(x, w.get("output_norm.weight")), w.opt("output.bias"))

@@ -2,6 +2,7 @@
  * The `ModelCatalog` service's implementations: `layer` reads each model's GGUF metadata (no tensor data);
  * `layerTest` answers from a table, for tests that plan without a model file.
  */
+import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { statSync } from "node:fs"
 import { basename } from "node:path"
 import { Effect, Layer } from "effect"
@@ -89,7 +90,7 @@ export const layoutOfFile = (file: GgufFile, numLayers: number, hiddenDim: numbe
   const kvBytesPerToken = blockBytes.map((_, i) => {
     const k = width(`blk.${i}.attn_k.weight`) ?? hiddenDim
     const v = width(`blk.${i}.attn_v.weight`) ?? hiddenDim
-    return 2 * (k + v)
+    return kvBytesPerTokenOfBlock(k, v)
   })
   const output = file.tensorsByName.has("output.weight") ? bytes("output.weight") : bytes("token_embd.weight")
   return {

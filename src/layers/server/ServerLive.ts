@@ -21,17 +21,18 @@ import {
   type StageMetrics,
   type ServerStatus
 } from "../../services/Server.js"
+import { kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { makeStopMatcher } from "../../services/StopText.js"
 import { runContextLength } from "../orchestrator/RunWorld.js"
 
-/** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (F16 K and V, cells padded to 256 as the engine does). */
+/** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (services/KvSize.ts). */
 export const kvBytesPerSequence = (
-  shape: { readonly layersPerStage: number; readonly kvWidth: number },
+  shape: { readonly layersPerStage: number; readonly kvBytesPerBlockToken: number },
   contextLength: number
-): number => Math.ceil(contextLength / 256) * 256 * shape.layersPerStage * shape.kvWidth * 2
+): number => kvBytesOfSequence(shape.layersPerStage * shape.kvBytesPerBlockToken, contextLength)
 
-/** K + V row width per token per block, from the GGUF's attention facts. */
-const readKvWidth = (path: string) =>
+/** KV bytes per token per block, from the GGUF's attention facts. */
+const readKvBytesPerBlockToken = (path: string) =>
   Effect.gen(function*() {
     const file = yield* Gguf.readGgufFile(path)
     const arch = yield* Gguf.getArchitecture(file)
@@ -40,7 +41,7 @@ const readKvWidth = (path: string) =>
     const kvHeads = (yield* Gguf.getOptional(file, `${arch}.attention.head_count_kv`, Gguf.getU32)) ?? heads
     const keyLength = (yield* Gguf.getOptional(file, `${arch}.attention.key_length`, Gguf.getU32)) ?? Math.floor(hidden / heads)
     const valueLength = (yield* Gguf.getOptional(file, `${arch}.attention.value_length`, Gguf.getU32)) ?? keyLength
-    return (keyLength + valueLength) * kvHeads
+    return kvBytesPerTokenOfBlock(keyLength * kvHeads, valueLength * kvHeads)
   })
 
 interface Ticket {
@@ -154,7 +155,7 @@ export const make = (options: ServeOptions) =>
     let admission: ReturnType<typeof makeAdmission> | undefined
     // The pipeline's shape as its runs were last planned: the most blocks on one stage (more after a recovery onto
     // fewer stages, fewer again when a node rejoins). KV bytes per request and the default budget follow it.
-    const shape = { layersPerStage: 0, kvWidth: 0, maxSeqLen: 0 }
+    const shape = { layersPerStage: 0, kvBytesPerBlockToken: 0, maxSeqLen: 0 }
     const sizing: KvSizing = {
       budget: () =>
         options.kvBudgetBytes ??
@@ -192,7 +193,7 @@ export const make = (options: ServeOptions) =>
     // --- setup, in the background: /health answers Loading meanwhile ---
     yield* Effect.gen(function*() {
       const pipeline = yield* orchestrator.pipeline(options)
-      shape.kvWidth = yield* readKvWidth(options.model)
+      shape.kvBytesPerBlockToken = yield* readKvBytesPerBlockToken(options.model)
       shape.maxSeqLen = pipeline.model.maxSeqLen
       shape.layersPerStage = Math.ceil(pipeline.model.numLayers / pipeline.stageCount)
       admission = makeAdmission(sizing, parallel, queueLimit)

@@ -2,13 +2,14 @@
 import type { Ptr } from "../../ggml/Bindings.js"
 import type { ArchModule } from "../Arch.js"
 import { RopeMode } from "../HParams.js"
-import { type BlockWeights, llamaBlockSpecs, type Toolkit } from "../Toolkit.js"
+import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
 
 export const llama: ArchModule = {
   name: "llama",
   ropeMode: RopeMode.NORM,
   blockTensors: (hp) => llamaBlockSpecs(hp),
   sharedTensors: (hp) => [{ name: "rope_freqs.weight", dims: [hp.nRot / 2], kind: "vector", required: false }],
+  buildOutput: llamaOutputHead,
   buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
     const freqs = w.global("rope_freqs.weight")
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))

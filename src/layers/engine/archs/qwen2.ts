@@ -2,13 +2,14 @@
 import type { Ptr } from "../../ggml/Bindings.js"
 import type { ArchModule } from "../Arch.js"
 import { RopeMode } from "../HParams.js"
-import { type BlockWeights, llamaBlockSpecs, type Toolkit } from "../Toolkit.js"
+import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
 
 export const qwen2: ArchModule = {
   name: "qwen2",
   ropeMode: RopeMode.NEOX,
   blockTensors: (hp) => llamaBlockSpecs(hp, [], { qkvBias: true }),
   outputTensors: (hp) => [{ name: "output.bias", dims: [hp.nVocab], kind: "vector", required: false }],
+  buildOutput: llamaOutputHead,
   buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
     const { k, q, v } = t.qkv(w, h)

@@ -2,7 +2,7 @@
 import type { Ptr } from "../../ggml/Bindings.js"
 import type { ArchModule } from "../Arch.js"
 import { RopeMode } from "../HParams.js"
-import { type BlockWeights, llamaBlockSpecs, type Toolkit } from "../Toolkit.js"
+import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
 
 export const qwen3: ArchModule = {
   name: "qwen3",
@@ -12,6 +12,7 @@ export const qwen3: ArchModule = {
       { name: "attn_q_norm.weight", dims: [hp.headDimK], kind: "vector", required: true },
       { name: "attn_k_norm.weight", dims: [hp.headDimK], kind: "vector", required: true }
     ]),
+  buildOutput: llamaOutputHead,
   buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
     const { k, q, v } = t.qkv(w, h)

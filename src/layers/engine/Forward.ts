@@ -1,0 +1,181 @@
+/**
+ * A native call over one loaded stage: the batch's inputs (positions, KV cells, masks, tokens or hidden rows), the
+ * compute on a koffi worker thread, the read-back of hidden rows or logits. Inputs were validated by the caller
+ * (StageExecutorLive.ts) before anything here runs.
+ */
+import koffi from "koffi"
+import type { StageInput } from "../../domain/engine.js"
+import { type Ptr, TensorLayout } from "../ggml/Bindings.js"
+import { attendedCells } from "../../services/KvSize.js"
+import { libcFunction } from "./FileMap.js"
+import { graphBuilds } from "./GraphCache.js"
+import { buildGraph } from "./GraphBuild.js"
+import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
+import { chooseSmallBatchRows } from "./SmallBatch.js"
+import { fewRowRouteAllowed } from "./WeightPlacement.js"
+import type { NativeWeights } from "./Weights.js"
+
+const F16_NEG_INF = 0xfc00
+
+/** Bytes of hidden states copied into graph inputs (tests count copies per hop with it). */
+export const inputCopies = { bytes: 0 }
+
+/** The address of a typed array's bytes (libc memmove with n = 0 returns its destination), or null. */
+const addressOf = (data: Float32Array): bigint | null => {
+  const memmove = libcFunction<(a: unknown, b: unknown, n: number) => bigint | number>(
+    "uintptr_t memmove(void *dst, void *src, size_t n)"
+  )
+  return memmove === null ? null : BigInt(memmove(data, data, 0))
+}
+
+/**
+ * Points a lone call's hidden input tensor at the caller's rows instead of copying them in (CPU; rows 64-byte aligned,
+ * as an inbound ring's payload is; off the V8 heap, so they do not move; SWACTOR_ZERO_COPY=0 turns it off). Returns the
+ * tensor's own data address, to put back after the computation, or null when the rows were not borrowed. The tensor is
+ * a graph output too, so the graph never computes in place over it.
+ */
+const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint | null => {
+  if (input._tag !== "Hidden" || w.device !== "cpu" || process.env["SWACTOR_ZERO_COPY"] === "0") return null
+  const bytes = w.layout.hp.nEmbd * input.nTokens * 4
+  if (input.hidden.byteLength !== bytes || bytes < 256) return null
+  const at = addressOf(input.hidden)
+  if (at === null || at === 0n || at % 64n !== 0n) return null
+  const own = BigInt(koffi.decode(tensor, TensorLayout.data, "uintptr_t") as bigint | number)
+  koffi.encode(tensor, TensorLayout.data, "uintptr_t", at)
+  return own
+}
+
+/** One session's positions startPos..startPos+n-1 (validated as for `runBatch`). */
+export const forwardOne = async (session: NativeSession, startPos: number, input: StageInput): Promise<NativeOutput> => {
+  const [out] = await runBatch(session.weights, [{ session, startPos, input }])
+  return out!
+}
+
+/**
+ * Runs several sequences of one loaded stage in one graph: all rows through every matrix product together, each
+ * sequence's attention over its own KV cache. One output per item (its hidden rows, or the logits of its last
+ * position on the last stage). The caller has validated every item as for `forward`, that all sessions are of
+ * `weights`, that no session appears twice, and that all inputs are of one kind. A single item runs on its
+ * session's own graph slot (its decode graph survives other sessions' calls); several on the stage's batch slot.
+ */
+export const runBatch = (weights: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> =>
+  weights.lock.run(() => runBatchLocked(weights, items))
+
+const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
+  if (w.freed) throw new Error("the stage's weights were freed before this session")
+  if (items.length === 0) return []
+  for (const it of items) {
+    if (it.session.freed) throw new Error(`session ${it.session.id} already freed`)
+  }
+  const g = w.ggml
+  const raw = g.raw
+  const { hp, spec } = w.layout
+  const kind = items[0]!.input._tag
+  const shapes = items.map((it) => {
+    const n = inputLength(it.input)
+    return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n) }
+  })
+  const nTotal = shapes.reduce((s, x) => s + x.n, 0)
+  const key = kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}`).join("")
+  const slot = items.length === 1
+    ? items[0]!.session.slot
+    : shapes.every((x) => x.n === 1)
+    ? w.graphs.decodeSlot(key)
+    : w.graphs.batchSlot()
+
+  let c = slot.cached
+  if (c === null || c.key !== key) {
+    if (items.length > 1 && w.device === "cpu" && w.smallRowsFor === undefined) {
+      const threads = Math.max(...items.map((it) => it.session.threads))
+      w.smallRowsFor = await chooseSmallBatchRows(
+        g,
+        w.backend,
+        raw.ggml_backend_dev_buffer_type(w.dev),
+        new Map([...w.tensors].filter(([, p]) => fewRowRouteAllowed(w.homeOf(p)))),
+        threads
+      )
+    }
+    slot.drop()
+    c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind)
+    graphBuilds.count++
+    slot.cached = c
+  }
+  const { outIds, pos, segments } = c.inputs
+
+  // inputs: positions, KV cells, row indices, one causal mask per sequence
+  const posArr = new Int32Array(nTotal)
+  const idxArr = new BigInt64Array(nTotal)
+  let row = 0
+  for (let s = 0; s < items.length; s++) {
+    const startPos = items[s]!.startPos
+    for (let i = 0; i < shapes[s]!.n; i++, row++) {
+      posArr[row] = startPos + i
+      idxArr[row] = BigInt(startPos + i)
+    }
+  }
+  raw.ggml_backend_tensor_set(pos, posArr, 0, nTotal * 4)
+  raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
+  if (c.rowIdx !== null) {
+    const rows = new BigInt64Array(nTotal)
+    for (let i = 0; i < nTotal; i++) rows[i] = BigInt(i)
+    raw.ggml_backend_tensor_set(c.rowIdx, rows, 0, nTotal * 8)
+  }
+  for (let s = 0; s < items.length; s++) {
+    const { n, nKv } = shapes[s]!
+    const startPos = items[s]!.startPos
+    const maskArr = new Uint16Array(nKv * n)
+    for (let i = 0; i < n; i++) {
+      const p = startPos + i
+      if (p + 1 < nKv) maskArr.subarray(i * nKv, (i + 1) * nKv).fill(F16_NEG_INF, p + 1)
+    }
+    raw.ggml_backend_tensor_set(segments[s]!.mask, maskArr, 0, maskArr.byteLength)
+  }
+  if (outIds !== null) {
+    raw.ggml_backend_tensor_set(outIds, Int32Array.from(segments, (seg) => seg.offset + seg.n - 1), 0, items.length * 4)
+  }
+  // A lone call's hidden rows are read where they are (a view of the inbound ring): no copy into the graph.
+  const borrowed = c.hidden !== null && items.length === 1 ? borrowHidden(w, c.hidden, items[0]!.input) : null
+  for (let s = 0; s < items.length; s++) {
+    const input = items[s]!.input
+    const offset = segments[s]!.offset
+    if (c.tokens !== null && input._tag === "Tokens") {
+      raw.ggml_backend_tensor_set(c.tokens, input.tokens, offset * 4, input.tokens.length * 4)
+    }
+    if (c.hidden !== null && input._tag === "Hidden" && borrowed === null) {
+      raw.ggml_backend_tensor_set(c.hidden, input.hidden, offset * hp.nEmbd * 4, hp.nEmbd * input.nTokens * 4)
+      inputCopies.bytes += hp.nEmbd * input.nTokens * 4
+    }
+  }
+
+  // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
+  for (const it of items) it.session.filled = Math.min(it.session.filled, it.startPos)
+  if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))
+  let status: number
+  try {
+    status = await g.computeAsync(w.backend, c.graph)
+  } finally {
+    // the graph's own memory again, whatever happened
+    if (borrowed !== null) koffi.encode(c.hidden!, TensorLayout.data, "uintptr_t", borrowed)
+  }
+  if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
+  items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
+
+  if (spec.isLast) {
+    const all = new Float32Array(hp.nVocab * items.length)
+    raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
+    // Views of the one read-back (fresh per call): no second copy per sequence.
+    return items.map((_, s) => ({ _tag: "Logits", logits: all.subarray(s * hp.nVocab, (s + 1) * hp.nVocab) }))
+  }
+  const all = new Float32Array(hp.nEmbd * nTotal)
+  raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
+  if (items.length === 1) return [{ _tag: "Hidden", hidden: all, nTokens: nTotal }]
+  return items.map((_, s) => {
+    const seg = segments[s]!
+    return {
+      _tag: "Hidden",
+      hidden: all.subarray(seg.offset * hp.nEmbd, (seg.offset + seg.n) * hp.nEmbd),
+      nTokens: seg.n
+    }
+  })
+}
+

@@ -1,0 +1,127 @@
+/**
+ * Builds the ggml graph of one call shape over a loaded stage: the inputs, the architecture's blocks
+ * (archs/*.ts over Toolkit.ts), the architecture's output head on the last stage; then checks every node against the
+ * device (WeightPlacement.ts, rule 3) and allocates it in its slot.
+ */
+import type { StageInput } from "../../domain/engine.js"
+import { GgmlType, type Ptr } from "../ggml/Bindings.js"
+import type { CachedGraph, GraphSlot } from "./GraphCache.js"
+import { inputLength, type NativeItem } from "./KvCache.js"
+import { exactRowsDefault } from "./SmallBatch.js"
+import { type AttentionSegment, type BlockWeights, type GraphInputs, Toolkit } from "./Toolkit.js"
+import { checkGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
+import type { NativeWeights } from "./Weights.js"
+
+/** Builds (and allocates in `slot`) the graph of one call shape. Frees its context on failure. */
+export const buildGraph = (
+  w: NativeWeights,
+  slot: GraphSlot,
+  key: string,
+  items: ReadonlyArray<NativeItem>,
+  nKvs: ReadonlyArray<number>,
+  kind: StageInput["_tag"]
+): CachedGraph => {
+  const raw = w.ggml.raw
+  const { arch, hp, spec } = w.layout
+  const nLayers = spec.layerEndExclusive - spec.layerStart
+  const nSeq = items.length
+  const n = items.reduce((s, it) => s + inputLength(it.input), 0)
+  const maxNodes = Math.max(2048, (96 + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
+  const ctx = raw.ggml_init({
+    mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
+    mem_buffer: null,
+    no_alloc: true
+  })
+  if (ctx === null) throw new Error("ggml_init failed for the compute graph")
+  try {
+    const graph = raw.ggml_new_graph_custom(ctx, maxNodes, false)
+    const input1d = (type: number, len: number, name: string) => {
+      const t = raw.ggml_new_tensor_1d(ctx, type, len)
+      raw.ggml_set_name(t, name)
+      raw.ggml_set_input(t)
+      return t
+    }
+    const pos = input1d(GgmlType.I32, n, "inp_pos")
+    const kvIdx = input1d(GgmlType.I64, n, "inp_kv_idx")
+    const rowIdx = nSeq > 1 ? input1d(GgmlType.I64, n, "inp_rows") : null
+    const segments: Array<AttentionSegment> = []
+    let offset = 0
+    items.forEach((it, s) => {
+      const len = inputLength(it.input)
+      const nKv = nKvs[s]!
+      const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
+      raw.ggml_set_name(mask, nSeq > 1 ? `inp_kq_mask_${s}` : "inp_kq_mask")
+      raw.ggml_set_input(mask)
+      const session = it.session
+      segments.push({
+        offset,
+        n: len,
+        nKv,
+        kv: (il) => session.kv.get(il)!,
+        kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
+        mask,
+        rows: rowIdx === null ? null : raw.ggml_view_1d(ctx, rowIdx, len, offset * 8)
+      })
+      offset += len
+    })
+    const outIds = spec.isLast ? input1d(GgmlType.I32, nSeq, "inp_out_ids") : null
+    const inputs: GraphInputs = { pos, outIds, segments }
+
+    let x: Ptr
+    let tokens: Ptr | null = null
+    let hidden: Ptr | null = null
+    if (kind === "Tokens") {
+      tokens = input1d(GgmlType.I32, n, "inp_tokens")
+      x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
+    } else {
+      x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
+      raw.ggml_set_name(x, "inp_hidden")
+      raw.ggml_set_input(x)
+      // never reused in place by the graph: a lone call may point it at the caller's memory (zeroCopyHidden)
+      raw.ggml_set_output(x)
+      hidden = x
+    }
+
+    // several sequences only: a lone call keeps exactly the products (and bits) it always had
+    const small = w.device === "cpu" && nSeq > 1
+      ? {
+        maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
+        allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
+        shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
+      }
+      : null
+    const t = new Toolkit(raw, ctx, graph, hp, n, inputs, small)
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      t.layer = il
+      const prefix = `blk.${il}.`
+      const bw: BlockWeights = {
+        get: (name) => w.get(prefix + name),
+        opt: (name) => w.tensors.get(prefix + name) ?? null,
+        global: (name) => w.tensors.get(name) ?? null
+      }
+      x = arch.buildBlock(t, bw, x)
+    }
+    if (spec.isLast) x = arch.buildOutput(t, { get: (name) => w.get(name), opt: (name) => w.tensors.get(name) ?? null }, x)
+    raw.ggml_set_output(x)
+    raw.ggml_build_forward_expand(graph, x)
+
+    // one backend, no scheduler: every node must be one the device computes as built (WeightPlacement.ts, rule 3)
+    checkGraph(w.ggml, w.dev, graph, w.extraWeights)
+    if (!raw.ggml_gallocr_alloc_graph(slot.galloc, graph)) throw new Error("could not allocate the compute graph")
+    return {
+      key,
+      sessions: items.map((it) => it.session.id),
+      ctx,
+      graph,
+      inputs,
+      kvIdx,
+      rowIdx,
+      tokens,
+      hidden,
+      out: x
+    }
+  } catch (e) {
+    raw.ggml_free(ctx)
+    throw e
+  }
+}

@@ -1,0 +1,89 @@
+/**
+ * One sequence's KV cache on a loaded stage (F16 K and V per block, cells padded as llama.cpp pads n_ctx; sizes from
+ * services/KvSize.ts, the one formula), and what a native call is made of.
+ */
+import type { StageInput } from "../../domain/engine.js"
+import { GgmlType, type Ptr } from "../ggml/Bindings.js"
+import { kvCacheSize } from "../../services/KvSize.js"
+import type { GraphSlot } from "./GraphCache.js"
+import type { KvLayer } from "./Toolkit.js"
+import type { NativeWeights } from "./Weights.js"
+
+export type NativeOutput =
+  | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
+  | { readonly _tag: "Logits"; readonly logits: Float32Array }
+
+/** One sequence's part of a native call (validated by the caller, see `runBatch`). */
+export interface NativeItem {
+  readonly session: NativeSession
+  readonly startPos: number
+  readonly input: StageInput
+}
+
+let nextSessionId = 1
+
+/** One sequence's KV cache over loaded weights. */
+export class NativeSession {
+  readonly id = nextSessionId++
+  private readonly kvCtx: Ptr
+  private readonly kvBuffer: Ptr
+  readonly kv: Map<number, KvLayer> = new Map()
+  /** Graphs of calls on this session alone (a lone session keeps its decode graph between steps). */
+  readonly slot: GraphSlot
+  freed = false
+  /** Cells 0..filled-1 hold this sequence's K/V. */
+  filled = 0
+
+  constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
+    const g = weights.ggml
+    const raw = g.raw
+    const { hp, spec } = weights.layout
+    const kvSize = kvCacheSize(contextLength)
+    const nLayers = spec.layerEndExclusive - spec.layerStart
+    this.kvCtx = raw.ggml_init({
+      mem_size: raw.ggml_tensor_overhead() * (2 * nLayers + 1),
+      mem_buffer: null,
+      no_alloc: true
+    })
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, hp.headDimK * hp.nHeadKv, kvSize)
+      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, hp.headDimV * hp.nHeadKv, kvSize)
+      raw.ggml_set_name(k, `cache_k_l${il}`)
+      raw.ggml_set_name(v, `cache_v_l${il}`)
+      this.kv.set(il, { k, v })
+    }
+    const devBuft = raw.ggml_backend_dev_buffer_type(weights.dev)
+    const buf = raw.ggml_backend_alloc_ctx_tensors_from_buft(this.kvCtx, devBuft)
+    if (buf === null) {
+      raw.ggml_free(this.kvCtx)
+      throw new Error(`could not allocate the KV cache (${kvSize} cells x ${nLayers} blocks)`)
+    }
+    this.kvBuffer = buf
+    // zeroed: NaN garbage in masked cells would still poison softmax(QK)·V
+    raw.ggml_backend_buffer_clear(buf, 0)
+    this.slot = weights.graphs.sessionSlot()
+  }
+
+  get kvSize(): number {
+    return kvCacheSize(this.contextLength)
+  }
+
+  reset(): void {
+    this.filled = 0
+    if (!this.freed) this.weights.ggml.raw.ggml_backend_buffer_clear(this.kvBuffer, 0)
+  }
+
+  free(): void {
+    if (this.freed) return
+    this.freed = true
+    const raw = this.weights.ggml.raw
+    this.weights.graphs.forgetSession(this.id)
+    this.slot.free()
+    raw.ggml_backend_buffer_free(this.kvBuffer)
+    raw.ggml_free(this.kvCtx)
+  }
+
+}
+
+export const inputLength = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
+

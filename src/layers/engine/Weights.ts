@@ -1,0 +1,454 @@
+/**
+ * A stage's weights: placed (WeightPlacement.ts), mapped from the file or read into buffers, repacked where the rule
+ * allows, and later moved out of the mapping into huge-page memory ("settle"). Everything here assumes a validated
+ * StageLayout (StageLayout.ts).
+ */
+import koffi from "koffi"
+import { open } from "node:fs/promises"
+import type { LoadProgress } from "../../domain/engine.js"
+import { type Ggml, getGgml, type Ptr, TensorLayout } from "../ggml/Bindings.js"
+import {
+  canMap,
+  type FileRegion,
+  libcFunction,
+  locate,
+  MAP_GRANULE,
+  mapRanges,
+  populateRanges,
+  releaseAllBut,
+  releasePages,
+  unmapAll
+} from "./FileMap.js"
+import { StageGraphs } from "./GraphCache.js"
+import type { StageLayout } from "./StageLayout.js"
+import { chooseExtraBuffer, type WeightHome } from "./WeightPlacement.js"
+
+const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
+const READ_CHUNK = 4 * 1024 * 1024
+
+/** Bytes a weight move copies (and then releases from the mapping) per step, within one hold of the lock. */
+const MOVE_CHUNK = 8 * 1024 * 1024
+
+/** Serializes native work on one backend (its CPU work buffer is not shared safely). */
+class Lock {
+  private tail: Promise<void> = Promise.resolve()
+  run<A>(f: () => Promise<A>): Promise<A> {
+    const result = this.tail.then(f)
+    this.tail = result.then(() => undefined, () => undefined)
+    return result
+  }
+}
+
+export interface TensorPlacement {
+  readonly name: string
+  readonly bufferType: string
+  readonly bytes: number
+}
+
+export type DeviceKind = "cpu" | "gpu"
+
+/** The buffer type name of weights used in place from the file mapping. */
+export const MAPPED_BUFFER_TYPE = "CPU_Mapped"
+
+export class NativeWeights {
+  readonly lock = new Lock()
+  freed = false
+
+  constructor(
+    readonly ggml: Ggml,
+    readonly layout: StageLayout,
+    readonly device: DeviceKind,
+    /** ggml_backend_dev_t the stage computes on */
+    readonly dev: Ptr,
+    readonly backend: Ptr,
+    private readonly contexts: ReadonlyArray<Ptr>,
+    private readonly buffers: ReadonlyArray<Ptr>,
+    readonly tensors: ReadonlyMap<string, Ptr>,
+    readonly placements: ReadonlyArray<TensorPlacement>,
+    /** Bytes of the allocated backend buffers that hold (copies of) weights. */
+    public bufferBytes: number,
+    /** Bytes of the weights used in place in file mappings (not allocated; shared page cache). */
+    public mappedBytes: number = 0,
+    private regions: ReadonlyArray<FileRegion> = [],
+    /** The tensors used in place in the mappings (what `moveOutOfMapping` copies). */
+    private readonly mappedTensors: ReadonlyArray<{ readonly name: string; readonly p: Ptr; readonly bytes: number }> = [],
+    /** Addresses of the weights in extra (repacked) buffer types (WeightPlacement.ts, rules 2 and 3). */
+    readonly extraWeights: ReadonlySet<bigint> = new Set()
+  ) {
+    this.graphs = new StageGraphs(ggml.raw, ggml.raw.ggml_backend_dev_buffer_type(dev))
+  }
+
+  /** Where a loaded weight lives (WeightPlacement.ts). */
+  homeOf(p: Ptr): WeightHome {
+    return this.extraWeights.has(koffi.address(p)) ? "extra" : "plain"
+  }
+
+  private moveStarted = false
+
+  /** Bytes of mapped pages dropped from this process's resident set (after a load, and as the move copies them). */
+  releasedBytes = 0
+
+  /** Buffers allocated after the load (the weights moved out of the file mapping). */
+  private readonly laterBuffers: Array<Ptr> = []
+
+  /**
+   * Moves the weights used in place from the file mapping into allocated CPU memory with transparent huge pages, one
+   * tensor per hold of the weights' lock (so decode steps run in between), then unmaps the file. Why: Linux gives a
+   * file mapping 4 KiB pages (no read-only THP for files here), and decode, which streams every weight per token, ran
+   * ~12% slower from the mapping than from huge pages (bench:pipeline, 16x2048 Q8_0: 43.5 vs 38.7 ms of compute per
+   * token). The mapping still gives the fast start. Resolves true once every tensor moved; false when the weights were
+   * freed meanwhile, or when there is nothing to move. Numerics do not change: the same bytes, read by the same kernels.
+   */
+  async moveOutOfMapping(): Promise<boolean> {
+    if (this.mappedTensors.length === 0 || this.device !== "cpu" || this.moveStarted) return false
+    this.moveStarted = true
+    const raw = this.ggml.raw
+    const buft = raw.ggml_backend_dev_buffer_type(this.dev)
+    const align = BigInt(Math.max(64, Number(raw.ggml_backend_buft_get_alignment(buft))))
+    const offsets: Array<bigint> = []
+    let total = 0n
+    for (const t of this.mappedTensors) {
+      total = (total + align - 1n) / align * align
+      offsets.push(total)
+      total += BigInt(t.bytes)
+    }
+    const buffer = await this.lock.run(async () => {
+      if (this.freed) return null
+      const b = raw.ggml_backend_buft_alloc_buffer(buft, Number(total))
+      if (b === null) return null
+      raw.ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+      if (process.env["SWACTOR_THP"] !== "0") adviseHugePages(raw.ggml_backend_buffer_get_base(b), Number(total))
+      this.laterBuffers.push(b)
+      return b
+    })
+    if (buffer === null) return false
+    const base = koffi.address(raw.ggml_backend_buffer_get_base(buffer))
+    // In address order, so that every page below the tensor being copied is no longer read in place: each chunk's
+    // source pages leave the resident set once copied (the mapping and the copy are never both resident).
+    const order = this.mappedTensors.map((t, i) => ({ t, i, from: koffi.address(koffi.decode(t.p, TensorLayout.data, "void *") as Ptr) }))
+      .sort((a, b) => (a.from < b.from ? -1 : a.from > b.from ? 1 : 0))
+    const low = new Map<FileRegion, bigint>(this.regions.map((r) => [r, r.addr]))
+    const granule = BigInt(MAP_GRANULE)
+    for (const { from, i, t } of order) {
+      const region = this.regions.find((r) => from >= r.addr && from < r.addr + BigInt(r.length))
+      const moved = await this.lock.run(async () => {
+        if (this.freed) return false
+        const oldData = koffi.decode(t.p, TensorLayout.data, "void *") as Ptr
+        const oldBuffer = koffi.decode(t.p, TensorLayout.buffer, "void *") as Ptr
+        // ggml_backend_tensor_alloc wants an unplaced tensor: clear its buffer and data, place it, copy its bytes
+        this.ggml.setTensorBuffer(t.p, null)
+        koffi.encode(t.p, TensorLayout.data, "void *", null)
+        if (raw.ggml_backend_tensor_alloc(buffer, t.p, base + offsets[i]!) !== 0) {
+          // left where it was: the mapping stays for this tensor and those after it
+          this.ggml.setTensorBuffer(t.p, oldBuffer)
+          koffi.encode(t.p, TensorLayout.data, "void *", oldData)
+          return false
+        }
+        for (let off = 0; off < t.bytes; off += MOVE_CHUNK) {
+          const n = Math.min(MOVE_CHUNK, t.bytes - off)
+          raw.ggml_backend_tensor_set_from(t.p, from + BigInt(off), off, n)
+          if (region !== undefined) {
+            const end = from + BigInt(off + n)
+            this.releasedBytes += releasePages(low.get(region)!, end)
+            low.set(region, end / granule * granule)
+          }
+        }
+        return true
+      })
+      if (!moved) return false
+      await new Promise<void>((resolve) => setImmediate(resolve))
+    }
+    return this.lock.run(async () => {
+      if (this.freed) return false
+      // nothing points into the mappings any more
+      unmapAll(this.regions)
+      this.regions = []
+      this.bufferBytes += Number(total)
+      this.mappedBytes = 0
+      return true
+    })
+  }
+
+  get(name: string): Ptr {
+    const t = this.tensors.get(name)
+    if (t === undefined) throw new Error(`internal: tensor ${name} is not loaded`)
+    return t
+  }
+
+  /** The stage's cached compute graphs and their allocators (GraphCache.ts): counted, bounded. */
+  readonly graphs: StageGraphs
+
+  /**
+   * Per weight type, the most rows of a CPU product that take ggml's one-row kernel (SmallBatch.ts): chosen before
+   * the first graph over several sessions is built, then fixed for the weights' life.
+   */
+  smallRowsFor: ((type: number) => number) | undefined = undefined
+
+  free(): void {
+    if (this.freed) return
+    this.freed = true
+    const raw = this.ggml.raw
+    this.graphs.free()
+    for (const b of this.buffers) raw.ggml_backend_buffer_free(b)
+    for (const b of this.laterBuffers) raw.ggml_backend_buffer_free(b)
+    for (const c of this.contexts) raw.ggml_free(c)
+    raw.ggml_backend_free(this.backend)
+    // after the buffers: nothing points into the mappings any more
+    unmapAll(this.regions)
+  }
+}
+
+const MADV_HUGEPAGE = 14
+const HUGE_PAGE = 2n * 1024n * 1024n
+
+/**
+ * Asks Linux for transparent huge pages over the whole 2 MiB pages inside a weight buffer, before it is written:
+ * decode streams every weight once per token, and with 4 KiB pages the page walks vary with where the pages land.
+ * Best effort: no-op off Linux or when libc cannot be loaded.
+ */
+const adviseHugePages = (base: Ptr, size: number) => {
+  if (process.platform !== "linux" || base === null) return
+  const madvise = libcFunction<(addr: bigint, len: number, advice: number) => number>(
+    "int madvise(uintptr_t addr, size_t len, int advice)"
+  )
+  if (madvise === null) return
+  const a = koffi.address(base)
+  const start = (a + HUGE_PAGE - 1n) / HUGE_PAGE * HUGE_PAGE
+  const end = (a + BigInt(size)) / HUGE_PAGE * HUGE_PAGE
+  if (end > start) madvise(start, Number(end - start), MADV_HUGEPAGE)
+}
+
+/** ggml's TENSOR_ALIGNMENT: what a CPU buffer over foreign memory promises (and what kernels may assume). */
+const MAPPED_ALIGNMENT = 32
+
+/** Is weight mapping wanted (SWACTOR_MMAP=0 turns it off; CPU stages on Linux only)? */
+export const mmapWanted = (option: boolean | undefined, device: DeviceKind): boolean =>
+  device === "cpu" && option !== false && process.env["SWACTOR_MMAP"] !== "0" && canMap()
+
+/**
+ * Allocates and reads the tensors of the stage layout. Throws on native or I/O failure (after freeing what it made).
+ *
+ * On the CPU (unless `mmap: false` or SWACTOR_MMAP=0) the stage's byte ranges of the file are mapped read-only:
+ * plain weights (and their page cache) are used in place, repacked ones are repacked from the mapping. When
+ * mapping fails the weights are read into allocated buffers as before.
+ */
+export const loadWeights = async (
+  layout: StageLayout,
+  options: {
+    readonly repack?: boolean
+    readonly device?: DeviceKind
+    readonly mmap?: boolean
+    /** Fixes the few-row route's row limit for every weight type (nothing measured); see NativeWeights.smallRowsFor. */
+    readonly smallBatchRows?: number
+    readonly onProgress?: (p: LoadProgress) => void
+  } = {}
+): Promise<NativeWeights> => {
+  const g = getGgml()
+  const raw = g.raw
+  const device = options.device ?? "cpu"
+  const dev = device === "gpu" ? g.gpuDevice() : g.cpuDevice()
+  if (dev === null) throw new Error("no GPU device: load node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda)")
+  // on a GPU every weight lives in device memory; on the CPU quantized matrices may be repacked
+  const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
+  const extra = options.repack === false || device === "gpu" ? [] : g.cpuExtraBufferTypes()
+
+  let regions: ReadonlyArray<FileRegion> = []
+  if (mmapWanted(options.mmap, device)) {
+    try {
+      // not prefaulted whole: the tensors copied out (repacked, unaligned) are read once, then their pages released
+      regions = await mapRanges(
+        layout.file.path,
+        layout.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })),
+        { populate: false }
+      )
+    } catch (e) {
+      // a file now shorter than its table must not be read either; any other mapping failure: copy instead
+      if (e instanceof Error && e.message.startsWith("the file is")) throw e
+      regions = []
+    }
+  }
+
+  // group tensors by where they live: a buffer type (allocated, filled by copies) or a file region (in place)
+  const groups = new Map<Ptr | FileRegion, Array<{ name: string; index: number; addr?: bigint }>>()
+  const keys: Array<Ptr | FileRegion> = []
+  layout.tensors.forEach((t, index) => {
+    let buft = cpuBuft
+    if (t.use === "mul_mat") buft = chooseExtraBuffer(g, extra, t.info.type, t.info.dims) ?? cpuBuft
+    let key: Ptr | FileRegion = buft
+    let addr: bigint | undefined
+    if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
+      const at = locate(regions, t.info.offset, t.info.byteSize)
+      if (at !== undefined) {
+        key = at.region
+        addr = at.addr
+      }
+    }
+    if (!groups.has(key)) {
+      groups.set(key, [])
+      keys.push(key)
+    }
+    groups.get(key)!.push(addr === undefined ? { name: t.name, index } : { name: t.name, index, addr })
+  })
+
+  const contexts: Array<Ptr> = []
+  const buffers: Array<Ptr> = []
+  const tensors = new Map<string, Ptr>()
+  const placements: Array<TensorPlacement> = []
+  const mapped = new Set<string>()
+  const mappedTensors: Array<{ name: string; p: Ptr; bytes: number }> = []
+  /** tensors in an extra (repacked) buffer type: set whole, repacking needs every row at once */
+  const repacked = new Set<string>()
+  let backend: Ptr | null = null
+  let bufferBytes = 0
+  let mappedBytes = 0
+  let releasedAtLoad = 0
+  const inPlaceRanges: Array<readonly [bigint, number]> = []
+  try {
+    for (const key of keys) {
+      const members = groups.get(key)!
+      const inPlace = regions.includes(key as FileRegion)
+      const ctx = raw.ggml_init({
+        mem_size: raw.ggml_tensor_overhead() * (members.length + 1),
+        mem_buffer: null,
+        no_alloc: true
+      })
+      if (ctx === null) throw new Error("ggml_init failed for the weights context")
+      contexts.push(ctx)
+      const made: Array<{ p: Ptr; addr?: bigint }> = []
+      for (const m of members) {
+        const t = layout.tensors[m.index]!
+        const d = t.info.dims
+        const p = d.length <= 1
+          ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
+          : d.length === 2
+          ? raw.ggml_new_tensor_2d(ctx, t.info.type, d[0]!, d[1]!)
+          : raw.ggml_new_tensor_3d(ctx, t.info.type, d[0]!, d[1]!, d[2] ?? 1)
+        raw.ggml_set_name(p, t.name.slice(0, 63))
+        const nbytes = raw.ggml_nbytes(p)
+        if (nbytes !== t.info.byteSize) {
+          throw new Error(`tensor ${t.name}: ggml says ${nbytes} bytes, the GGUF table ${t.info.byteSize}`)
+        }
+        tensors.set(t.name, p)
+        made.push(m.addr === undefined ? { p } : { p, addr: m.addr })
+      }
+      if (inPlace) {
+        const region = key as FileRegion
+        const buffer = raw.ggml_backend_cpu_buffer_from_ptr(region.base, region.length)
+        if (buffer === null) throw new Error("could not make a CPU buffer over the mapped weights")
+        buffers.push(buffer)
+        raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        const align = raw.ggml_backend_buffer_get_alignment(buffer)
+        for (const [i, m] of made.entries()) {
+          const t = layout.tensors[members[i]!.index]!
+          if (align <= 0 || m.addr! % BigInt(align) !== 0n) {
+            throw new Error(`tensor ${t.name}: mapped address is not aligned to ${align} bytes`)
+          }
+          if (raw.ggml_backend_tensor_alloc(buffer, m.p, m.addr!) !== 0) {
+            throw new Error(`tensor ${t.name}: could not place it in the mapped weights`)
+          }
+          mapped.add(t.name)
+          inPlaceRanges.push([m.addr!, t.info.byteSize])
+          mappedTensors.push({ name: t.name, p: m.p, bytes: t.info.byteSize })
+          mappedBytes += t.info.byteSize
+          placements.push({ name: t.name, bufferType: MAPPED_BUFFER_TYPE, bytes: t.info.byteSize })
+        }
+        continue
+      }
+      const buft = key as Ptr
+      for (const m of members) {
+        const t = layout.tensors[m.index]!
+        placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
+        if (buft !== cpuBuft) repacked.add(t.name)
+      }
+      const buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+      if (buffer === null) {
+        throw new Error(`could not allocate ${raw.ggml_backend_buft_name(buft)} memory for the stage's weights`)
+      }
+      raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+      if (device === "cpu" && process.env["SWACTOR_THP"] !== "0") {
+        adviseHugePages(raw.ggml_backend_buffer_get_base(buffer), raw.ggml_backend_buffer_get_size(buffer))
+      }
+      buffers.push(buffer)
+      bufferBytes += raw.ggml_backend_buffer_get_size(buffer)
+    }
+
+    const total = layout.weightBytes
+    let loaded = 0
+    options.onProgress?.({ loadedBytes: 0, totalBytes: total })
+    const order = [...layout.tensors].sort((a, b) => a.info.offset - b.info.offset)
+    if (regions.length > 0) {
+      // in place: nothing to copy, only prefaulted; the rest (repacked or unaligned) is set from the mapping, whole,
+      // and its pages leave the resident set once copied (rounded inward: a neighbour read in place keeps its own)
+      await populateRanges(regions, inPlaceRanges)
+      for (const t of order) {
+        if (!mapped.has(t.name) && t.info.byteSize > 0) {
+          const at = locate(regions, t.info.offset, t.info.byteSize)
+          if (at === undefined) throw new Error(`internal: tensor ${t.name} is outside the mapped ranges`)
+          raw.ggml_backend_tensor_set_from(tensors.get(t.name)!, at.addr, 0, t.info.byteSize)
+          releasedAtLoad += releasePages(at.addr, at.addr + BigInt(t.info.byteSize))
+        }
+        loaded += t.info.byteSize
+        options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
+      }
+      // the repacked and unaligned tensors were copied out: only the in-place ones still read the mapping
+      releasedAtLoad = releaseAllBut(regions, inPlaceRanges)
+    } else {
+      const fh = await open(layout.file.path, "r")
+      try {
+        let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
+        for (const t of order) {
+          const p = tensors.get(t.name)!
+          const whole = repacked.has(t.name)
+          const size = t.info.byteSize
+          if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
+          const step = whole ? size : chunk.length
+          for (let off = 0; off < size; off += step) {
+            const n = Math.min(step, size - off)
+            let got = 0
+            while (got < n) {
+              const r = await fh.read(chunk, got, n - got, t.info.offset + off + got)
+              if (r.bytesRead === 0) throw new Error(`unexpected end of file reading ${t.name}`)
+              got += r.bytesRead
+            }
+            raw.ggml_backend_tensor_set(p, chunk.subarray(0, n), off, n)
+            loaded += n
+            options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
+          }
+        }
+      } finally {
+        await fh.close()
+      }
+    }
+    backend = raw.ggml_backend_dev_init(dev, null)
+    if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
+    const extraWeights = new Set<bigint>()
+    for (const name of repacked) extraWeights.add(koffi.address(tensors.get(name)!))
+    const weights = new NativeWeights(
+      g,
+      layout,
+      device,
+      dev,
+      backend as Ptr,
+      contexts,
+      buffers,
+      tensors,
+      placements,
+      bufferBytes,
+      mappedBytes,
+      regions,
+      mappedTensors,
+      extraWeights
+    )
+    weights.releasedBytes = releasedAtLoad
+    const fixedRows = options.smallBatchRows
+    if (fixedRows !== undefined) weights.smallRowsFor = () => fixedRows
+    return weights
+  } catch (e) {
+    for (const b of buffers) raw.ggml_backend_buffer_free(b)
+    for (const c of contexts) raw.ggml_free(c)
+    if (backend !== null) raw.ggml_backend_free(backend)
+    unmapAll(regions)
+    throw e
+  }
+}
+

@@ -1,0 +1,26 @@
+/**
+ * KV cache sizes: the one formula, used by the engine (KvCache.ts), the stage's StageInfo, the model catalog's layout
+ * (placement, --dry-run), and the server's admission. The cache is F16 K and V per block, its cells padded to 256 as
+ * llama.cpp pads n_ctx.
+ */
+
+/** Bytes of one cached K or V element (F16). */
+export const KV_ELEMENT_BYTES = 2
+
+/** Cells a cache is padded to a multiple of. */
+export const KV_CELL_PADDING = 256
+
+/** Padded KV cache length, as llama.cpp pads n_ctx. */
+export const kvCacheSize = (contextLength: number): number =>
+  Math.ceil(contextLength / KV_CELL_PADDING) * KV_CELL_PADDING
+
+/** Cells attended to: llama.cpp's n_kv = min(size, max(256, pad(used, 256))). */
+export const attendedCells = (kvSize: number, used: number): number =>
+  Math.min(kvSize, Math.max(KV_CELL_PADDING, Math.ceil(used / KV_CELL_PADDING) * KV_CELL_PADDING))
+
+/** KV bytes per token of one block whose K and V rows are `kWidth` and `vWidth` elements (head dim x KV heads). */
+export const kvBytesPerTokenOfBlock = (kWidth: number, vWidth: number): number => KV_ELEMENT_BYTES * (kWidth + vWidth)
+
+/** KV bytes of one sequence of `contextLength` tokens over blocks taking `bytesPerToken` together (cells padded). */
+export const kvBytesOfSequence = (bytesPerToken: number, contextLength: number): number =>
+  kvCacheSize(contextLength) * bytesPerToken
