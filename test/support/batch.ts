@@ -1,0 +1,211 @@
+/**
+ * Shared fixtures of the batched-forward tests (engine.batch, engine.paths): the stages of a split, one sequence run
+ * alone with `forward`, and a schedule of sequences run together with one `forwardBatch` per stage per step.
+ */
+import { assert } from "@effect/vitest"
+import { Effect, type Scope } from "effect"
+import type { StageInput, StageOutput } from "../../src/domain/engine.js"
+import { greedy } from "../../src/services/Sampler.js"
+import { type LoadedStage, StageExecutor } from "../../src/services/StageExecutor.js"
+
+/** One sequence of a schedule: its prompt, the batch step it joins at, how many tokens it generates. */
+export interface SeqPlan {
+  readonly prompt: ReadonlyArray<number>
+  readonly start: number
+  readonly steps: number
+  /** Prefill the prompt in chunks of this many tokens, one chunk per batch step (default: the whole prompt). */
+  readonly chunk?: number
+  /**
+   * Prefill the prompt in a batch of its own (one item, as alone) at its start step, before the step's shared batch;
+   * the sequence then joins the shared batches with its first decode step. Default false: the prompt (or its first
+   * chunk) is an item of the step's shared batch.
+   */
+  readonly prefillAlone?: boolean
+}
+
+export interface SeqResult {
+  readonly tokens: ReadonlyArray<number>
+  /** Logits each token was picked from. */
+  readonly logits: ReadonlyArray<Float32Array>
+}
+
+/** One forwardBatch (the same items on every stage) a sequence took part in. */
+export interface BatchCall {
+  /** Sequences in the batch. */
+  readonly items: number
+  /** Rows of the batch: the tokens of all its items. */
+  readonly rows: number
+  /** Every item fed one token (a decode step of each). */
+  readonly decodeOnly: boolean
+}
+
+export interface BatchedSeqResult extends SeqResult {
+  /** Every batch the sequence took part in, in order. */
+  readonly calls: ReadonlyArray<BatchCall>
+  /** For each of `logits`: the index in `calls` of the batch that produced it. */
+  readonly logitsCall: ReadonlyArray<number>
+}
+
+/** Loads the stages of a split (boundaries [0, b1, ..., nLayers]) once, for every sequence. */
+export const loadSplit = (path: string, boundaries: ReadonlyArray<number>) =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const stages: Array<LoadedStage> = []
+    for (let i = 0; i + 1 < boundaries.length; i++) {
+      stages.push(yield* executor.load({
+        path,
+        layerStart: boundaries[i]!,
+        layerEndExclusive: boundaries[i + 1]!,
+        isFirst: i === 0,
+        isLast: i + 2 === boundaries.length
+      }))
+    }
+    return stages
+  })
+
+/** One session per stage (scoped), 1 thread. */
+export const openSessions = (stages: ReadonlyArray<LoadedStage>, contextLength: number) =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    return yield* Effect.forEach(stages, (s) => executor.session(s, { threads: 1, contextLength }))
+  })
+
+/**
+ * One sequence alone: the prompt in one `forward` (or in the plan's chunks: chunking alone changes the numerics of
+ * attention and matrix products), then one `forward` per generated token, stage after stage.
+ */
+export const runAlone = (
+  stages: ReadonlyArray<LoadedStage>,
+  plan: SeqPlan,
+  contextLength: number
+): Effect.Effect<SeqResult, unknown, StageExecutor | Scope.Scope> =>
+  Effect.gen(function*() {
+    const sessions = yield* openSessions(stages, contextLength)
+    const through = (pos: number, tokens: ReadonlyArray<number>) =>
+      Effect.gen(function*() {
+        let input: StageInput = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
+        for (const s of sessions) {
+          const out: StageOutput = yield* s.forward(pos, input)
+          if (out._tag === "Logits") return out.logits
+          input = out
+        }
+        return yield* Effect.dieMessage("no logits")
+      })
+    const tokens: Array<number> = []
+    const logits: Array<Float32Array> = []
+    const chunk = plan.chunk ?? plan.prompt.length
+    let last: Float32Array = new Float32Array(0)
+    for (let p = 0; p < plan.prompt.length; p += chunk) last = yield* through(p, plan.prompt.slice(p, p + chunk))
+    let pos = plan.prompt.length
+    while (tokens.length < plan.steps) {
+      logits.push(last)
+      tokens.push(greedy(last))
+      if (tokens.length < plan.steps) last = yield* through(pos++, [tokens[tokens.length - 1]!])
+    }
+    return { tokens, logits }
+  })
+
+/**
+ * All sequences together: at every step ONE forwardBatch per stage over every live sequence (a prompt or a prompt
+ * chunk for those prefilling, one token for those decoding; a `prefillAlone` prompt first in a batch of its own).
+ * Returns each sequence's tokens and batches, the largest number of sequences one batch carried, the row counts of
+ * the decode-only batches of several sequences, and whether some batch mixed prefill and decode.
+ */
+export const runBatched = (stages: ReadonlyArray<LoadedStage>, plans: ReadonlyArray<SeqPlan>, contextLength: number) =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const seqs = yield* Effect.forEach(plans, (plan) =>
+      Effect.map(openSessions(stages, contextLength), (sessions) => ({
+        plan,
+        sessions,
+        pos: 0,
+        tokens: [] as Array<number>,
+        logits: [] as Array<Float32Array>,
+        calls: [] as Array<BatchCall>,
+        logitsCall: [] as Array<number>
+      })))
+    type Seq = (typeof seqs)[number]
+    let maxLive = 0
+    let mixed = false
+    const decodeRows = new Set<number>()
+    const feedOf = (s: Seq) => {
+      if (s.pos < s.plan.prompt.length) {
+        const n = Math.min(s.plan.chunk ?? s.plan.prompt.length, s.plan.prompt.length - s.pos)
+        return s.plan.prompt.slice(s.pos, s.pos + n)
+      }
+      return [s.tokens[s.tokens.length - 1]!]
+    }
+    /** One forwardBatch per stage over `live`, fed `feeds`. */
+    const batch = (live: ReadonlyArray<Seq>, feeds: ReadonlyArray<ReadonlyArray<number>>) =>
+      Effect.gen(function*() {
+        const call: BatchCall = {
+          items: live.length,
+          rows: feeds.reduce((n, f) => n + f.length, 0),
+          decodeOnly: feeds.every((f) => f.length === 1)
+        }
+        if (feeds.some((f) => f.length > 1) && feeds.some((f) => f.length === 1)) mixed = true
+        if (call.decodeOnly && call.items > 1) decodeRows.add(call.rows)
+        let inputs: Array<StageInput> = feeds.map((f) => ({ _tag: "Tokens", tokens: Int32Array.from(f) }))
+        for (let si = 0; si < stages.length; si++) {
+          const outs = yield* executor.forwardBatch(
+            live.map((s, i) => ({ session: s.sessions[si]!, startPos: s.pos, input: inputs[i]! }))
+          )
+          assert.strictEqual(outs.length, live.length)
+          inputs = outs.map((o) => {
+            if (o._tag === "Hidden") return o
+            return { _tag: "Tokens", tokens: new Int32Array(0) }
+          })
+          if (si === stages.length - 1) {
+            live.forEach((s, i) => {
+              const out = outs[i]!
+              assert.strictEqual(out._tag, "Logits")
+              s.calls.push(call)
+              s.pos += feeds[i]!.length
+              if (out._tag === "Logits" && s.pos >= s.plan.prompt.length) {
+                s.logits.push(out.logits)
+                s.logitsCall.push(s.calls.length - 1)
+                s.tokens.push(greedy(out.logits))
+              }
+            })
+          }
+        }
+      })
+    for (let step = 0; seqs.some((s) => s.tokens.length < s.plan.steps); step++) {
+      for (const s of seqs) {
+        if (s.plan.prefillAlone === true && s.plan.start === step && s.pos < s.plan.prompt.length) {
+          yield* batch([s], [feedOf(s)])
+        }
+      }
+      const live = seqs.filter((s) =>
+        s.plan.start <= step && s.tokens.length < s.plan.steps && !(s.plan.prefillAlone === true && s.plan.start === step)
+      )
+      if (live.length === 0) continue
+      maxLive = Math.max(maxLive, live.length)
+      yield* batch(live, live.map(feedOf))
+    }
+    return {
+      results: seqs.map((s): BatchedSeqResult => ({
+        tokens: s.tokens,
+        logits: s.logits,
+        calls: s.calls,
+        logitsCall: s.logitsCall
+      })),
+      maxLive,
+      mixed,
+      decodeRows
+    }
+  })
+
+export const maxAbsDiff = (a: Float32Array, b: Float32Array) => {
+  let m = 0
+  for (let i = 0; i < a.length; i++) m = Math.max(m, Math.abs(a[i]! - b[i]!))
+  return m
+}
+
+/** The same float bits (NaN payloads included). */
+export const sameBits = (a: Float32Array, b: Float32Array) => {
+  if (a.length !== b.length) return false
+  const x = new Uint32Array(a.buffer, a.byteOffset, a.length)
+  const y = new Uint32Array(b.buffer, b.byteOffset, b.length)
+  return x.every((v, i) => v === y[i])
+}
