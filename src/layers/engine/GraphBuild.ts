@@ -9,6 +9,7 @@ import type { CachedGraph, GraphSlot } from "./GraphCache.js"
 import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, Toolkit } from "./Toolkit.js"
+import { checkedOps } from "./OpChecks.js"
 import { checkGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
 
@@ -21,7 +22,7 @@ export const buildGraph = (
   nKvs: ReadonlyArray<number>,
   kind: StageInput["_tag"]
 ): CachedGraph => {
-  const raw = w.ggml.raw
+  const raw = checkedOps(w.ggml)
   const { arch, hp, spec } = w.layout
   const nLayers = spec.layerEndExclusive - spec.layerStart
   const nSeq = items.length

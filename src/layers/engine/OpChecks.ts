@@ -1,0 +1,185 @@
+/**
+ * The graph ops a stage builds, with ggml's own preconditions checked in TypeScript first.
+ *
+ * A failed GGML_ASSERT aborts the process. `checkedOps` returns the same functions as the raw bindings for every op
+ * the engine builds (Toolkit.ts, GraphBuild.ts, archs/*.ts), each refusing, with an Error that names the op and the
+ * shapes, what ggml would abort on (the asserts of the pinned ggml.c, op by op; for views, ggml_new_tensor_impl's
+ * bounds assert). Shape predicates that ggml exports (`ggml_is_contiguous`, `ggml_can_repeat`, ...) are asked of ggml itself.
+ */
+import koffi from "koffi"
+import { type Ggml, type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
+
+/** A bad op: what ggml would have aborted the process on. */
+export class GraphOpError extends Error {
+  override readonly name = "GraphOpError"
+}
+
+interface Shape {
+  readonly type: number
+  readonly ne: ReadonlyArray<number>
+  readonly nb: ReadonlyArray<number>
+}
+
+interface Predicates {
+  readonly isContiguous: (t: Ptr) => boolean
+  readonly isContiguous1: (t: Ptr) => boolean
+  readonly isContiguousRows: (t: Ptr) => boolean
+  readonly isTransposed: (t: Ptr) => boolean
+  readonly isVector: (t: Ptr) => boolean
+  readonly canRepeat: (t0: Ptr, t1: Ptr) => boolean
+  readonly sameShape: (t0: Ptr, t1: Ptr) => boolean
+}
+
+const predicatesOf = new WeakMap<object, Predicates>()
+
+const predicates = (g: Ggml): Predicates => {
+  const known = predicatesOf.get(g)
+  if (known !== undefined) return known
+  const lib = koffi.load(`${g.library.dir}/${g.library.baseLib}`)
+  const p: Predicates = {
+    isContiguous: lib.func("bool ggml_is_contiguous(void * t)") as never,
+    isContiguous1: lib.func("bool ggml_is_contiguous_1(void * t)") as never,
+    isContiguousRows: lib.func("bool ggml_is_contiguous_rows(void * t)") as never,
+    isTransposed: lib.func("bool ggml_is_transposed(void * t)") as never,
+    isVector: lib.func("bool ggml_is_vector(void * t)") as never,
+    canRepeat: lib.func("bool ggml_can_repeat(void * t0, void * t1)") as never,
+    sameShape: lib.func("bool ggml_are_same_shape(void * t0, void * t1)") as never
+  }
+  predicatesOf.set(g, p)
+  return p
+}
+
+const describe = (s: Shape) => `[${s.ne.join(", ")}] (type ${s.type})`
+
+const checkedOf = new WeakMap<object, GgmlRaw>()
+
+/** The op functions of the raw bindings, each checked first; every other binding as it is (made once per handle). */
+export const checkedOps = (g: Ggml): GgmlRaw => {
+  const known = checkedOf.get(g)
+  if (known !== undefined) return known
+  const made = makeChecked(g)
+  checkedOf.set(g, made)
+  return made
+}
+
+const makeChecked = (g: Ggml): GgmlRaw => {
+  const raw = g.raw
+  const is = predicates(g)
+  const shape = (t: Ptr): Shape => g.tensorShape(t)
+  const fail = (op: string, why: string, ...ts: ReadonlyArray<Ptr>): never => {
+    throw new GraphOpError(`${op}: ${why} (operands ${ts.map((t) => describe(shape(t))).join(", ")})`)
+  }
+  /** Bytes from a view's first byte to past its last element, in the source's layout. */
+  const extent = (type: number, ne: ReadonlyArray<number>, nb: ReadonlyArray<number>) => {
+    let bytes = raw.ggml_row_size(type, ne[0]!)
+    for (let i = 1; i < ne.length; i++) bytes += (ne[i]! - 1) * nb[i]!
+    return bytes
+  }
+  const checkView = (op: string, a: Ptr, type: number, ne: ReadonlyArray<number>, nb: ReadonlyArray<number>, offset: number) => {
+    if (ne.some((n) => !Number.isSafeInteger(n) || n < 1) || offset < 0) fail(op, `view of [${ne}] at ${offset}`, a)
+    const end = offset + extent(type, ne, nb)
+    const size = raw.ggml_nbytes(a)
+    if (end > size) fail(op, `the view [${ne}] at byte ${offset} ends at ${end}, past its source's ${size} bytes`, a)
+  }
+  const reshapeCheck = (op: string, a: Ptr, ne: ReadonlyArray<number>) => {
+    if (!is.isContiguous(a)) fail(op, "the source is not contiguous", a)
+    const want = ne.reduce((x, y) => x * y, 1)
+    const have = shape(a).ne.reduce((x, y) => x * y, 1)
+    if (want !== have) fail(op, `${have} elements cannot be reshaped to [${ne}]`, a)
+  }
+  return {
+    ...raw,
+    ggml_mul_mat: (ctx, a, b) => {
+      const sa = shape(a)
+      const sb = shape(b)
+      if (sa.ne[0] !== sb.ne[0] || sb.ne[2]! % sa.ne[2]! !== 0 || sb.ne[3]! % sa.ne[3]! !== 0) {
+        fail("ggml_mul_mat", "the inner dimensions differ or the batch does not broadcast", a, b)
+      }
+      if (is.isTransposed(a)) fail("ggml_mul_mat", "the weight is transposed", a)
+      return raw.ggml_mul_mat(ctx, a, b)
+    },
+    ggml_add: (ctx, a, b) => {
+      if (!is.canRepeat(b, a)) fail("ggml_add", "the second operand does not repeat to the first", a, b)
+      return raw.ggml_add(ctx, a, b)
+    },
+    ggml_mul: (ctx, a, b) => {
+      if (!is.canRepeat(b, a)) fail("ggml_mul", "the second operand does not repeat to the first", a, b)
+      return raw.ggml_mul(ctx, a, b)
+    },
+    ggml_get_rows: (ctx, a, b) => {
+      const sa = shape(a)
+      const sb = shape(b)
+      if (sb.type !== GgmlType.I32 || sa.ne[2] !== sb.ne[1] || sa.ne[3] !== sb.ne[2] || sb.ne[3] !== 1) {
+        fail("ggml_get_rows", "the row ids are not I32 or do not match the source's planes", a, b)
+      }
+      return raw.ggml_get_rows(ctx, a, b)
+    },
+    ggml_set_rows: (ctx, a, b, c) => {
+      const [sa, sb, sc] = [shape(a), shape(b), shape(c)]
+      const ok = sa.ne[0] === sb.ne[0] && sa.ne[2] === sb.ne[2] && sa.ne[3] === sb.ne[3] && sb.ne[1] === sc.ne[0] &&
+        sb.ne[2]! % sc.ne[1]! === 0 && sb.ne[3]! % sc.ne[2]! === 0 && sc.ne[3] === 1 &&
+        (sb.type === GgmlType.F32 || sb.type === GgmlType.F16) && (sc.type === GgmlType.I64 || sc.type === GgmlType.I32)
+      if (!ok) fail("ggml_set_rows", "the rows, their ids and the destination do not match", a, b, c)
+      if (!is.isContiguousRows(a) || !is.isContiguousRows(b)) fail("ggml_set_rows", "rows are not contiguous", a, b)
+      // every id must address a row of the destination: checked where the ids are written (Forward.ts)
+      return raw.ggml_set_rows(ctx, a, b, c)
+    },
+    ggml_reshape_2d: (ctx, a, ne0, ne1) => {
+      reshapeCheck("ggml_reshape_2d", a, [ne0, ne1])
+      return raw.ggml_reshape_2d(ctx, a, ne0, ne1)
+    },
+    ggml_reshape_3d: (ctx, a, ne0, ne1, ne2) => {
+      reshapeCheck("ggml_reshape_3d", a, [ne0, ne1, ne2])
+      return raw.ggml_reshape_3d(ctx, a, ne0, ne1, ne2)
+    },
+    ggml_view_1d: (ctx, a, ne0, offset) => {
+      const s = shape(a)
+      checkView("ggml_view_1d", a, s.type, [ne0], [s.nb[0]!], offset)
+      return raw.ggml_view_1d(ctx, a, ne0, offset)
+    },
+    ggml_view_2d: (ctx, a, ne0, ne1, nb1, offset) => {
+      const s = shape(a)
+      checkView("ggml_view_2d", a, s.type, [ne0, ne1], [s.nb[0]!, nb1], offset)
+      return raw.ggml_view_2d(ctx, a, ne0, ne1, nb1, offset)
+    },
+    ggml_view_3d: (ctx, a, ne0, ne1, ne2, nb1, nb2, offset) => {
+      const s = shape(a)
+      checkView("ggml_view_3d", a, s.type, [ne0, ne1, ne2], [s.nb[0]!, nb1, nb2], offset)
+      return raw.ggml_view_3d(ctx, a, ne0, ne1, ne2, nb1, nb2, offset)
+    },
+    ggml_rope_ext: (ctx, a, b, c, nDims, mode, ...rest) => {
+      const sa = shape(a)
+      const sb = shape(b)
+      if ((mode & 1) !== 0) fail("ggml_rope_ext", `mode ${mode} is not supported`, a)
+      if (!is.isVector(b) || sb.type !== GgmlType.I32 || sa.ne[2] !== sb.ne[0]) {
+        fail("ggml_rope_ext", "positions must be an I32 vector of one id per token", a, b)
+      }
+      if (c !== null) {
+        const sc = shape(c)
+        if (sc.type !== GgmlType.F32 || sc.ne[0]! < nDims / 2) fail("ggml_rope_ext", "bad frequency factors", a, c)
+      }
+      if (nDims > sa.ne[0]!) fail("ggml_rope_ext", `${nDims} rotated dims exceed the head size`, a)
+      return raw.ggml_rope_ext(ctx, a, b, c, nDims, mode, ...rest)
+    },
+    ggml_flash_attn_ext: (ctx, q, k, v, mask, ...rest) => {
+      const [sq, sk, sv] = [shape(q), shape(k), shape(v)]
+      const kqOk = sk.ne[0] === sq.ne[0] && sq.ne[2]! % sk.ne[2]! === 0 && sq.ne[3]! % sk.ne[3]! === 0
+      if (!kqOk || sq.ne[3] !== sk.ne[3] || sq.ne[3] !== sv.ne[3]) {
+        fail("ggml_flash_attn_ext", "q, k and v do not match", q, k, v)
+      }
+      if (mask === null) fail("ggml_flash_attn_ext", "a mask is required", q)
+      const sm = shape(mask)
+      if (sm.type !== GgmlType.F16 || !is.isContiguous(mask) || sq.ne[2]! % sm.ne[2]! !== 0 || sq.ne[3]! % sm.ne[3]! !== 0) {
+        fail("ggml_flash_attn_ext", "the mask must be contiguous F16 and broadcast over the heads", q, mask)
+      }
+      if (sm.ne[0] !== sk.ne[1] || sm.ne[1]! < sq.ne[1]!) fail("ggml_flash_attn_ext", "the mask does not cover q x kv", q, k, mask)
+      return raw.ggml_flash_attn_ext(ctx, q, k, v, mask, ...rest)
+    },
+    ggml_swiglu_split: (ctx, a, b) => {
+      if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
+        fail("ggml_swiglu_split", "gate and up must be contiguous, of one shape and type", a, b)
+      }
+      return raw.ggml_swiglu_split(ctx, a, b)
+    }
+  }
+}
