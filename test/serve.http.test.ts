@@ -211,6 +211,12 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
         await metricOf(server.url, `swactor_stage_micro_batches_total{stage="${stage}"}`),
         `stage ${stage}: rows per micro-batch above 1`
       )
+      // each stage's memory, as its agent measured it: a resident set (a Node process holding its weights), its peak
+      // at least that, and the compute buffers its graphs allocated
+      const resident = await metricOf(server.url, `swactor_stage_resident_bytes{stage="${stage}"}`)
+      assert.isAbove(resident, 20 * 2 ** 20, `stage ${stage} resident`)
+      assert.isAtLeast(await metricOf(server.url, `swactor_stage_peak_resident_bytes{stage="${stage}"}`), resident)
+      assert.isAbove(await metricOf(server.url, `swactor_stage_compute_buffer_bytes{stage="${stage}"}`), 0)
     }
   })
 

@@ -226,7 +226,12 @@ export const renderSummary = (summary: RunSummary): string => {
   for (const s of summary.stages) {
     lines.push(
       `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
-        `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}`
+        `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}` +
+        (s.peakResidentBytes > 0
+          ? `; agent memory ${mib(s.residentBytes)}, peak ${mib(s.peakResidentBytes)} (KV ${size(s.kvBytes)}, compute ${
+            size(s.computeBytes)
+          })`
+          : "")
     )
   }
   if (summary.recoveries.length > 0) {
@@ -282,6 +287,8 @@ const renderPreview = (update: RunUpdate): string => {
 }
 
 const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+/** MiB, or KiB below one MiB. */
+const size = (bytes: number) => bytes < 2 ** 20 ? `${(bytes / 1024).toFixed(1)} KiB` : mib(bytes)
 
 /** Why this placement: per stage its node's free memory and speed, its blocks, bytes and expected ms per token. */
 export const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [

@@ -43,7 +43,15 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
   /** Most sequences in one of those micro-batches (> 1: this stage shared a computation with other runs). */
   maxBatchSequences: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   /** Prompt chunks this stage ran. */
-  prefillChunks: Schema.optionalWith(Schema.Number, { default: () => 0 })
+  prefillChunks: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /**
+   * Memory as measured when the stage stopped: the loaded stage's compute buffers, this stage's KV cache, and the
+   * agent process's resident set now and at its peak (VmRSS, VmHWM; every stage the agent hosts shares them).
+   */
+  computeBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  kvBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  residentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  peakResidentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 })
 }) {}
 
 export const StageReport = Schema.Union(

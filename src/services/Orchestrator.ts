@@ -154,6 +154,14 @@ export interface StageSummary {
   readonly medianTokenMillis: number
   /** Mean time the stage took to hand a decode step's output to the next stage (send, window credit included). */
   readonly sendMillisPerToken: number
+  /**
+   * Measured when the stage stopped (0 where its agent did not say): its compute buffers and KV cache, and its agent
+   * process's resident set then and at its peak (shared by the stages one agent hosts).
+   */
+  readonly computeBytes: number
+  readonly kvBytes: number
+  readonly residentBytes: number
+  readonly peakResidentBytes: number
 }
 
 export interface RunSummary {

@@ -87,6 +87,10 @@ export interface StageMetrics {
   readonly maxBatchSequences: number
   /** Decode steps on which this stage took over 4× its own recent median (counted as they happen, every request). */
   readonly stragglerTokens: number
+  /** Measured by the stage's agent at its last completed request: compute buffers, and resident set now / at peak. */
+  readonly computeBytes: number
+  readonly residentBytes: number
+  readonly peakResidentBytes: number
 }
 
 export interface ServerMetrics {

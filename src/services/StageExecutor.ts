@@ -21,6 +21,11 @@ export interface LoadedStage {
    * long-lived stages (a server, long generations), not for a short run. Absent: nothing to do.
    */
   readonly settle?: () => Effect.Effect<boolean>
+  /**
+   * What the loaded stage holds now, measured (the live engine: its weight buffers and mapped weights, and every
+   * cached graph's compute buffer). Absent: not known (test doubles).
+   */
+  readonly memory?: () => { readonly weightBytes: number; readonly computeBytes: number }
 }
 
 /** One sequence's KV cache over a loaded stage. */

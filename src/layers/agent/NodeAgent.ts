@@ -8,6 +8,7 @@
  * - A stage reports StageLoading → StageReady, then StageFault (with its StageFaultReason) or, once
  *   stopped, StageStopped with its counters; its report stream ends there.
  */
+import * as Fs from "node:fs"
 import * as Os from "node:os"
 import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, type Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../../domain/engine.js"
@@ -34,6 +35,7 @@ import {
   type StageReport,
   StageStats
 } from "../../services/AgentLinks.js"
+import { kvBytesOfSequence } from "../../services/KvSize.js"
 import { NodeCapacity } from "../../services/Membership.js"
 import { type LoadedStage, StageExecutor } from "../../services/StageExecutor.js"
 import { makeSampler } from "../../services/Sampler.js"
@@ -96,8 +98,27 @@ const freshStats = () => ({
   prefillComputeMillis: 0,
   decodeFrames: 0,
   decodeComputeMillis: 0,
-  ...emptyBatchCounters()
+  ...emptyBatchCounters(),
+  computeBytes: 0,
+  kvBytes: 0,
+  residentBytes: 0,
+  peakResidentBytes: 0
 })
+
+/** This process's resident set now and at its peak (Linux /proc; elsewhere Node's rss for both). */
+const residentMemory = (): { readonly resident: number; readonly peak: number } => {
+  try {
+    const status = Fs.readFileSync("/proc/self/status", "utf8")
+    const kib = (key: string) => Number(new RegExp(`^${key}:\\s+(\\d+) kB`, "m").exec(status)?.[1] ?? NaN) * 1024
+    const resident = kib("VmRSS")
+    const peak = kib("VmHWM")
+    if (Number.isFinite(resident) && Number.isFinite(peak)) return { resident, peak }
+  } catch {
+    // not Linux
+  }
+  const rss = process.memoryUsage().rss
+  return { resident: rss, peak: rss }
+}
 
 class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
 const loadFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.ModelLoadFailed({ message }) })
@@ -201,6 +222,8 @@ export const makeStageHost = (
         const isLast = stageIndex === p.stageCount - 1
         const key = cacheKey(request, options.backend, path)
         const stats = freshStats()
+        // what the loaded stage holds, read when the stage stops (set once it is loaded)
+        let measureStage = () => {}
         // Decode steps not reported yet go out before the stage's last report.
         let flushTimings = () => {}
 
@@ -225,6 +248,15 @@ export const makeStageHost = (
           )
           const outbound: EdgeSender = yield* connectOutbound(request)
           stats.loadMillis = performance.now() - started
+          const kvBytes = kvBytesOfSequence(
+            loaded.info.kvBytesPerToken,
+            Math.min(request.contextLength, loaded.info.contextLength)
+          )
+          // the largest seen while the session lives (its own graph slot is freed with it)
+          measureStage = () => {
+            stats.computeBytes = Math.max(stats.computeBytes, loaded.memory?.().computeBytes ?? 0)
+            stats.kvBytes = kvBytes
+          }
           yield* reports.offer({
             _tag: "StageReady",
             runId,
@@ -289,6 +321,7 @@ export const makeStageHost = (
                 stats.decodeComputeMillis += elapsed
               }
               position = startPos + nTokens
+              if (frame.sequence === 0 || stats.decodeFrames % 64 === 0) measureStage()
               let handOffStart = t1
               if (output._tag === "Hidden") {
                 if (isLast) return yield* protocolViolated("the last stage produced hidden states")
@@ -345,6 +378,10 @@ export const makeStageHost = (
             yield* reports.offer({ _tag: "StageFault", runId, stageIndex, reason: fault.reason })
           }
         }
+        measureStage()
+        const memory = residentMemory()
+        stats.residentBytes = memory.resident
+        stats.peakResidentBytes = memory.peak
         yield* reports.offer({ _tag: "StageStopped", runId, stageIndex, stats: new StageStats(stats) })
       })
 

@@ -48,6 +48,7 @@ export class LiveLoadedStage implements LoadedStage {
   get bufferBytes(): number {
     return this.weights.bufferBytes
   }
+  memory = () => ({ weightBytes: this.weights.bufferBytes + this.weights.mappedBytes, computeBytes: this.computeBytes })
   /** Bytes of the stage's compute buffers (every cached graph's allocation, its sessions' included; GraphCache.ts). */
   get computeBytes(): number {
     return this.weights.graphs.computeBytes

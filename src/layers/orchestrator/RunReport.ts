@@ -179,7 +179,11 @@ export const summarize = (record: RunRecord): RunSummary => {
       batchRows: s.stats?.batchRows ?? 0,
       maxBatchSequences: s.stats?.maxBatchSequences ?? 0,
       medianTokenMillis: record.stageSteps?.find((t) => t.stageIndex === s.stageIndex)?.medianMillis ?? 0,
-      sendMillisPerToken: record.stageSteps?.find((t) => t.stageIndex === s.stageIndex)?.sendMillisPerStep ?? 0
+      sendMillisPerToken: record.stageSteps?.find((t) => t.stageIndex === s.stageIndex)?.sendMillisPerStep ?? 0,
+      computeBytes: s.stats?.computeBytes ?? 0,
+      kvBytes: s.stats?.kvBytes ?? 0,
+      residentBytes: s.stats?.residentBytes ?? 0,
+      peakResidentBytes: s.stats?.peakResidentBytes ?? 0
     }))
   const computePerToken = stages.reduce((sum, s) => sum + s.computeMillisPerToken, 0)
   return {

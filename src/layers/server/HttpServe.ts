@@ -328,6 +328,19 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   )
   metric("swactor_stage_batch_rows_total", "counter", "Rows of those micro-batches, summed over requests", perStage((s) => s.batchRows))
   metric("swactor_stage_max_batch_sequences", "gauge", "Most sequences seen in one micro-batch", perStage((s) => s.maxBatchSequences))
+  metric("swactor_stage_compute_buffer_bytes", "gauge", "The stage's compute buffers, measured by its agent", perStage((s) => s.computeBytes))
+  metric(
+    "swactor_stage_resident_bytes",
+    "gauge",
+    "Resident memory of the stage's agent process, measured at its last completed request",
+    perStage((s) => s.residentBytes)
+  )
+  metric(
+    "swactor_stage_peak_resident_bytes",
+    "gauge",
+    "Peak resident memory (VmHWM) of the stage's agent process",
+    perStage((s) => s.peakResidentBytes)
+  )
   metric(
     "swactor_stage_straggler_tokens_total",
     "counter",

@@ -368,7 +368,10 @@ export const make = (options: ServeOptions) =>
         microBatches: 0,
         batchRows: 0,
         maxBatchSequences: 0,
-        stragglerTokens: 0
+        stragglerTokens: 0,
+        computeBytes: 0,
+        residentBytes: 0,
+        peakResidentBytes: 0
       }
       metrics.stages.set(stageIndex, m)
       return m
@@ -384,6 +387,11 @@ export const make = (options: ServeOptions) =>
         m.microBatches += stage.microBatches
         m.batchRows += stage.batchRows
         m.maxBatchSequences = Math.max(m.maxBatchSequences, stage.maxBatchSequences)
+        if (stage.residentBytes > 0) {
+          m.computeBytes = stage.computeBytes
+          m.residentBytes = stage.residentBytes
+          m.peakResidentBytes = Math.max(m.peakResidentBytes, stage.peakResidentBytes)
+        }
       }
     }
 
