@@ -1,5 +1,8 @@
-// Prints `tests: N passed, M failed` from vitest's JSON report (.vitest-results.json).
-// A failed type-check counts as one failure; a run that left no report counts as one failure.
+// Prints `tests: N passed, M failed` from vitest's JSON reports of `npm test`: the main run (.vitest-results.json) and
+// the checked engine run after it (.cache/vitest-results.engine-checked.json: the engine's tests again under glibc's heap
+// checks, `vitest run --mode engine-checked`, npm test's posttest), summed.
+// A failed type-check counts as one failure; a run that left no report counts as one failure (the checked run leaves
+// none when the main run failed, since npm then stops before its posttest: that failure is already counted).
 import { existsSync, readFileSync } from "node:fs"
 
 const typecheckFailed = process.argv[2] === "1"
@@ -7,19 +10,35 @@ const testRc = Number(process.argv[3] ?? "1")
 let passed = 0
 let failed = 0
 let skipped = 0
-if (existsSync(".vitest-results.json")) {
-  const report = JSON.parse(readFileSync(".vitest-results.json", "utf8"))
-  passed = report.numPassedTests ?? 0
-  failed = report.numFailedTests ?? 0
-  skipped = (report.numPendingTests ?? 0) + (report.numTodoTests ?? 0)
+const read = (file) => {
+  const report = JSON.parse(readFileSync(file, "utf8"))
   // Suites that failed to load (syntax errors, missing modules) hold no test results.
   const brokenSuites = (report.testResults ?? []).filter(
     (suite) => suite.status === "failed" && (suite.assertionResults ?? []).length === 0
   ).length
-  failed += brokenSuites
-} else {
-  failed = 1
-  console.log("vitest left no JSON report")
+  return {
+    passed: report.numPassedTests ?? 0,
+    failed: (report.numFailedTests ?? 0) + brokenSuites,
+    skipped: (report.numPendingTests ?? 0) + (report.numTodoTests ?? 0)
+  }
+}
+const runs = [
+  { file: ".vitest-results.json", name: "vitest" },
+  { file: ".cache/vitest-results.engine-checked.json", name: "the checked engine run (MALLOC_CHECK_=3)" }
+]
+for (const { file, name } of runs) {
+  if (existsSync(file)) {
+    const r = read(file)
+    passed += r.passed
+    failed += r.failed
+    skipped += r.skipped
+    if (file !== runs[0].file) console.log(`${name}: ${r.passed} passed, ${r.failed} failed`)
+  } else if (file === runs[0].file || failed === 0) {
+    failed += 1
+    console.log(`${name} left no JSON report (${file})`)
+  } else {
+    console.log(`${name} did not run (npm test stops at the main run's failures)`)
+  }
 }
 if (typecheckFailed) {
   console.log("type-check failed (counted as one failure)")
