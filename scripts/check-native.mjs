@@ -46,8 +46,9 @@ const valgrindArgs = [
   "--smc-check=all-non-file",
   `--suppressions=${join(root, "scripts", "valgrind", "node.supp")}`,
   "--trace-children=no",
-  // a block nothing points to any more at exit is an error (none in Node itself; "possibly lost" is Node's own
-  // threads' TLS, and what Node keeps but never frees at exit is still reachable)
+  // a block nothing points to any more at exit is an error (Node's own such blocks, N-API external records never
+  // finalized, are suppressed in node.supp; "possibly lost" is Node's threads' TLS; what Node keeps but never frees
+  // at exit is still reachable)
   "--leak-check=full",
   "--show-leak-kinds=definite",
   "--errors-for-leak-kinds=definite",
