@@ -1,6 +1,13 @@
 import { defineConfig } from "vitest/config"
 import { mallocCheckEnv } from "./test/support/mallocChecks.js"
 
+/**
+ * The few-row route's row limit for every stage agent a test starts (agents inherit the test's environment): fixed, so
+ * that no test lets the machine's timing choose the kernel its "batched = alone" assertions depend on (8 rows: the
+ * one-row kernel, exact by design). In-process engine tests force each choice through LiveOptions.smallBatchRows.
+ */
+const forcedPaths = { SWACTOR_GEMV_MAX_ROWS: "8" }
+
 /** Test files that drive ggml through koffi: run again by the checked run. */
 const engineTests = ["test/engine.*.test.ts"]
 
@@ -18,7 +25,7 @@ export default defineConfig(({ mode }) =>
         globalSetup: ["test/support/globalSetup.ts"],
         setupFiles: ["test/support/mallocChecks.setup.ts"],
         pool: "forks",
-        env: mallocCheckEnv(),
+        env: { ...forcedPaths, ...mallocCheckEnv() },
         reporters: ["default", "json"],
         outputFile: { json: ".cache/vitest-results.engine-checked.json" }
       }
@@ -30,6 +37,7 @@ export default defineConfig(({ mode }) =>
         hookTimeout: 120_000,
         globalSetup: ["test/support/globalSetup.ts"],
         pool: "forks",
+        env: forcedPaths,
         reporters: ["default", "json"],
         outputFile: { json: ".vitest-results.json" }
       }
