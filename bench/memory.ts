@@ -50,6 +50,7 @@ import { runContextLength } from "../src/layers/orchestrator/RunWorld.js"
 import { partitionLayers } from "../src/services/Planner.js"
 import { computeReserveBytes } from "../src/services/Placement.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
+import { forEachStreamedToken } from "./llamaServerStream.js"
 import {
   mapsFile,
   type MemStatus,
@@ -428,22 +429,9 @@ const llamaServerRun = async (binary: string, plan: Plan, tracker: PhaseTracker)
         body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
       })
       let n = 0
-      let buffer = ""
-      const decoder = new TextDecoder()
-      const reader = response.body!.getReader()
-      for (;;) {
-        const { done, value } = await reader.read()
-        if (done) break
-        buffer += decoder.decode(value, { stream: true })
-        let at: number
-        while ((at = buffer.indexOf("\n\n")) >= 0) {
-          const event = buffer.slice(0, at)
-          buffer = buffer.slice(at + 2)
-          if (!event.startsWith("data: ")) continue
-          if ((JSON.parse(event.slice(6)) as { stop?: boolean }).stop === true) continue
-          if (++n === Math.ceil(cfg.tokens / 2)) onMid?.()
-        }
-      }
+      await forEachStreamedToken(response, () => {
+        if (++n === Math.ceil(cfg.tokens / 2)) onMid?.()
+      })
       return n
     }
     let steady: MemStatus | undefined
@@ -556,6 +544,22 @@ const main = async () => {
   )
   const sampler = startSampler(cfg.sampleMs)
   const results: Array<ProcessResult> = []
+  /** A llama.cpp contender's row: the whole model's weights and KV, its compute buffers from llama.cpp's log. */
+  const llamaCppRow = (
+    name: string,
+    r: { readonly pid: number; readonly steady: MemStatus | undefined; readonly buffers: { readonly compute: number } },
+    t: PhaseTracker,
+    base: ProcessResult["base"]
+  ): ProcessResult => ({
+    name,
+    pid: r.pid,
+    phases: t.phases(r.pid),
+    steady: r.steady,
+    weights: held.whole.weights,
+    kv: cfg.clients * contextPerSequence * held.whole.kvPerToken,
+    compute: Number.isFinite(r.buffers.compute) ? { bytes: r.buffers.compute, source: "llama.cpp's log" } : undefined,
+    base
+  })
   try {
     const idle = await idleBaselines(sampler)
     const agentBase = idle.agent.status?.rss ?? Number.NaN
@@ -598,16 +602,7 @@ const main = async () => {
         `  node-llama-cpp: ${r.contextSize} KV cells (${cfg.clients} sequences), tokens per round ${r.tokensPerRound.join(", ")}; llama.cpp's buffers: ` +
           `model ${mib(r.buffers.model)} MiB, KV ${mib(r.buffers.kv)} MiB, compute ${mib(r.buffers.compute)} MiB`
       )
-      results.push({
-        name: "node-llama-cpp",
-        pid: r.pid,
-        phases: t.phases(r.pid),
-        steady: r.steady,
-        weights: held.whole.weights,
-        kv: cfg.clients * contextPerSequence * held.whole.kvPerToken,
-        compute: Number.isFinite(r.buffers.compute) ? { bytes: r.buffers.compute, source: "llama.cpp's log" } : undefined,
-        base: { bytes: refBase, name: "idle node-llama-cpp" }
-      })
+      results.push(llamaCppRow("node-llama-cpp", r, t, { bytes: refBase, name: "idle node-llama-cpp" }))
     }
     if (cfg.llamaServer !== undefined) {
       const t = phaseTracker(sampler)
@@ -616,16 +611,7 @@ const main = async () => {
         `  llama-server: -c ${r.contextSize} -np ${cfg.clients}, tokens per round ${r.tokensPerRound.join(", ")}; its buffers: ` +
           `model ${mib(r.buffers.model)} MiB, KV ${mib(r.buffers.kv)} MiB, compute ${mib(r.buffers.compute)} MiB`
       )
-      results.push({
-        name: "llama-server",
-        pid: r.pid,
-        phases: t.phases(r.pid),
-        steady: r.steady,
-        weights: held.whole.weights,
-        kv: cfg.clients * contextPerSequence * held.whole.kvPerToken,
-        compute: Number.isFinite(r.buffers.compute) ? { bytes: r.buffers.compute, source: "llama.cpp's log" } : undefined,
-        base: undefined
-      })
+      results.push(llamaCppRow("llama-server", r, t, undefined))
     }
     results.push({
       name: "idle agent (baseline)",

@@ -24,6 +24,7 @@ import { Effect, Layer, ManagedRuntime, Stream } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { serve, Server } from "../src/api/serve.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
+import { forEachStreamedToken } from "./llamaServerStream.js"
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 const flag = (name: string): string | undefined => {
@@ -240,24 +241,10 @@ const llamaServer = async (binary: string, modelPath: string): Promise<Contender
     })
     const arrivals: Array<number> = []
     let text = ""
-    let buffer = ""
-    const decoder = new TextDecoder()
-    const reader = response.body!.getReader()
-    while (true) {
-      const { done, value } = await reader.read()
-      if (done) break
-      buffer += decoder.decode(value, { stream: true })
-      let at: number
-      while ((at = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, at)
-        buffer = buffer.slice(at + 2)
-        if (!event.startsWith("data: ")) continue
-        const data = JSON.parse(event.slice(6)) as { content?: string; stop?: boolean }
-        if (data.stop === true) continue
-        arrivals.push(performance.now())
-        text += data.content ?? ""
-      }
-    }
+    await forEachStreamedToken(response, (data) => {
+      arrivals.push(performance.now())
+      text += data.content ?? ""
+    })
     return { start, arrivals, text }
   }
   return {

@@ -15,7 +15,7 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
 import type { ForwardBatchError, StageInput } from "../src/domain/engine.js"
-import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { graphBuilds } from "../src/layers/engine/GraphCache.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
@@ -104,19 +104,7 @@ describe("forwardBatch: batched sequences equal the same sequences run alone", (
     for (const [arch, type, bound, measured] of synthetic) {
       it.live(`synthetic ${arch} ${type}: 8 sequences, 1/2 stages: tokens equal lone runs (${measured[rows === 0 ? 0 : 1]}), ${routeName(rows)}`, () =>
         Effect.gen(function*() {
-          const o: SyntheticModelOptions = {
-            path: join(dir, `${arch}-${type}.gguf`),
-            arch,
-            layers: 4,
-            hidden: 256,
-            ffn: 512,
-            heads: 4,
-            kvHeads: 2,
-            vocab: 400,
-            contextLength: CONTEXT,
-            type,
-            seed: 5
-          }
+          const o = Batch.smallSynthetic(join(dir, `${arch}-${type}.gguf`), arch, type, CONTEXT)
           yield* writeSyntheticModel(o)
           const diff = yield* checkBatchedEqualsAlone(o.path, [[0, 4], [0, 2, 4]], 400, rows)
           console.log(`route ${rows}: ${arch} ${type} batched vs alone: max logit difference ${diff.toExponential(2)}`)

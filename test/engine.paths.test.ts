@@ -40,6 +40,7 @@ import {
   runAlone,
   runBatched,
   sameBits,
+  smallSynthetic,
   type SeqPlan,
   type SeqResult
 } from "./support/batch.js"
@@ -80,19 +81,7 @@ const synthetic = (type: SyntheticType): PathModel => {
   const write = () =>
     Effect.runPromise(Effect.gen(function*() {
       const path = join(dir, `llama-${type}.gguf`)
-      const summary = yield* writeSyntheticModel({
-        path,
-        arch: "llama",
-        layers: 4,
-        hidden: 256,
-        ffn: 512,
-        heads: 4,
-        kvHeads: 2,
-        vocab: 400,
-        contextLength: CONTEXT,
-        type,
-        seed: 5
-      })
+      const summary = yield* writeSyntheticModel(smallSynthetic(path, "llama", type, CONTEXT))
       // the requested type is really used: no matrix fell back to F16
       assert.deepStrictEqual(summary.fallbacks, [])
       const typeName = ggmlTypeName(syntheticTensorType(type, [256, 256]))

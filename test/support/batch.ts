@@ -5,6 +5,7 @@
 import { assert } from "@effect/vitest"
 import { Effect, type Scope } from "effect"
 import type { StageInput, StageOutput } from "../../src/domain/engine.js"
+import type { SyntheticModelOptions } from "../../src/layers/gguf/Synthetic.js"
 import { greedy } from "../../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor } from "../../src/services/StageExecutor.js"
 
@@ -209,3 +210,23 @@ export const sameBits = (a: Float32Array, b: Float32Array) => {
   const y = new Uint32Array(b.buffer, b.byteOffset, b.length)
   return x.every((v, i) => v === y[i])
 }
+
+/** The small synthetic model the batched-execution tests share: 4 blocks of 256, 4 heads (2 KV), vocabulary 400. */
+export const smallSynthetic = (
+  path: string,
+  arch: SyntheticModelOptions["arch"],
+  type: SyntheticModelOptions["type"],
+  contextLength: number
+): SyntheticModelOptions => ({
+  path,
+  arch,
+  layers: 4,
+  hidden: 256,
+  ffn: 512,
+  heads: 4,
+  kvHeads: 2,
+  vocab: 400,
+  contextLength,
+  type,
+  seed: 5
+})
