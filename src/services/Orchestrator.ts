@@ -301,6 +301,11 @@ export interface AgentSet {
   readonly dataListen?: TransportAddress
   /** Completes when an agent process is seen to exit (local agents only; never for remote ones). */
   readonly exited: Effect.Effect<{ readonly node: NodeEndpoint; readonly reason: string }>
+  /**
+   * Local agents only (absent for remote nodes): whether a node's agent process is still running (a stopped one,
+   * SIGSTOP, still runs). Its presence says the agents are this process's children: a new set can replace them.
+   */
+  readonly processRunning?: (node: NodeEndpoint) => boolean
 }
 
 export interface AgentPoolService {
@@ -374,6 +379,17 @@ export interface PipelineAgent {
   readonly capacity: Effect.Effect<NodeCapacity, AgentUnavailable>
 }
 
+/** One agent of a warm pipeline as membership sees it now. */
+export interface PipelineMember {
+  readonly agent: PipelineAgent
+  /** up: answers its heartbeats; waiting: not lost, no answer yet (e.g. just rejoined); lost: given up on. */
+  readonly state: "up" | "waiting" | "lost"
+  /** Why it is waiting or lost, in words ("" when up). */
+  readonly detail: string
+  /** Local agents: its process has ended (it cannot come back). Always false for remote nodes. */
+  readonly exited: boolean
+}
+
 /**
  * A pipeline set up once (model facts, tokenizer, agents, control links, membership pool, data listener) on which
  * any number of runs go, each its own run of the contract (own RunId, planner, run FSM, teardown). Weights stay
@@ -390,6 +406,10 @@ export interface Pipeline {
   readonly lost: Effect.Effect<NodeLost>
   /** The agents not lost (heartbeats answered, no exit seen): the ones the next run may use. */
   readonly alive: Effect.Effect<ReadonlyArray<PipelineAgent>>
+  /** Every agent and its state (lost ones rejoin when they answer again at their address: PipelineSetup). */
+  readonly members: Effect.Effect<ReadonlyArray<PipelineMember>>
+  /** The agents are local processes started for this pipeline (another pipeline starts fresh ones); false: remote nodes. */
+  readonly localAgents: boolean
 }
 
 export interface OrchestratorService {

@@ -15,8 +15,39 @@ export interface ServeOptions extends PipelineOptions {
   readonly kvBudgetBytes?: number
   /** Requests waiting for admission at most (default 64); more are refused with ServerBusy. */
   readonly queueLimit?: number
+  /**
+   * Prompt tokens a request may have at most (default: the model's context length, at most 32,768); more are refused
+   * with BadServeRequest, a text prompt whose length alone guarantees more before it is tokenized.
+   */
+  readonly maxPromptTokens?: number
   /** While idle, a one-token run this often keeps the agents' weights loaded (default 4 minutes). */
   readonly keepWarmEvery?: Duration.DurationInput
+  /** How a server whose agents were all lost keeps trying to serve again (see ServerStatus `Reviving`). */
+  readonly revive?: ReviveOptions
+  /** Where the server writes its lines about revival (default: stderr, one line each). */
+  readonly log?: (line: string) => void
+}
+
+/**
+ * Every agent lost: attempts back off from `firstDelay` (default 0.5 s), doubling, to `maxDelay` (default 10 s), for as
+ * long as the server lives. An attempt runs on the agents that answer again (a stalled agent that resumed, a node
+ * restarted at its address); local agents whose processes all exited, or that have not answered for
+ * `freshAgentsAfter` (default 30 s) since they were lost, are stopped and fresh local agents take their place.
+ */
+export interface ReviveOptions {
+  readonly firstDelay?: Duration.DurationInput
+  readonly maxDelay?: Duration.DurationInput
+  readonly freshAgentsAfter?: Duration.DurationInput
+}
+
+/** An agent of the pipeline while the server revives it. */
+export interface RevivalAgent {
+  readonly address: string
+  readonly pid: number
+  /** up, waiting (no answer yet), lost (given up on by its heartbeats), exited (its process ended: local agents). */
+  readonly state: "up" | "waiting" | "lost" | "exited"
+  /** Why, in words ("" when up). */
+  readonly detail: string
 }
 
 export interface ServeRequest {
@@ -49,10 +80,38 @@ export type ServerStatus =
   | { readonly _tag: "Loading" }
   /** `lostAgents`: agents the pipeline lost and runs without (absent when none). */
   | { readonly _tag: "Ready"; readonly lostAgents?: ReadonlyArray<string> }
+  /**
+   * Every agent of the pipeline was lost; the server keeps trying (ServeOptions.revive) and is Ready again once a run
+   * succeeds on agents that answer again or on fresh local ones. Requests meanwhile fail with ServerReviving.
+   */
+  | {
+    readonly _tag: "Reviving"
+    /** Why it went down, in words ("every agent of the pipeline was lost"). */
+    readonly message: string
+    /** When (epoch ms). */
+    readonly sinceMillis: number
+    /** Attempts made so far. */
+    readonly attempts: number
+    /** When the next attempt starts (epoch ms); null while one is running. */
+    readonly nextAttemptAtMillis: number | null
+    /** The pipeline's agents it waits for, each with its state (empty while fresh local agents are being started). */
+    readonly waitingFor: ReadonlyArray<RevivalAgent>
+    /** Local agents: when those that still do not answer are stopped and fresh ones started (epoch ms). */
+    readonly freshAgentsAtMillis?: number
+    /** What the last attempt found or why it failed, in words. */
+    readonly lastAttempt?: string
+  }
+  /** The pipeline could not be set up (or, with recovery off, lost an agent): final. */
   | { readonly _tag: "Faulted"; readonly message: string }
 
 /** The pipeline is still being set up (agents starting, weights loading). */
 export class ServerLoading extends Schema.TaggedError<ServerLoading>()("ServerLoading", {
+  message: Schema.String
+}) {}
+
+/** Every agent of the pipeline was lost and the server is reviving it; try again after `retryAfterSeconds`. */
+export class ServerReviving extends Schema.TaggedError<ServerReviving>()("ServerReviving", {
+  retryAfterSeconds: Schema.Number,
   message: Schema.String
 }) {}
 
@@ -73,7 +132,7 @@ export class PipelineFaulted extends Schema.TaggedError<PipelineFaulted>()("Pipe
   message: Schema.String
 }) {}
 
-export type ServeError = ServerLoading | ServerBusy | BadServeRequest | PipelineFaulted
+export type ServeError = ServerLoading | ServerReviving | ServerBusy | BadServeRequest | PipelineFaulted
 
 export interface StageMetrics {
   readonly stageIndex: number
@@ -106,6 +165,10 @@ export interface ServerMetrics {
   readonly recoveries: number
   /** Decoded tokens of completed requests that took over 4× the recent median. */
   readonly stragglers: number
+  /** Times the server served again after every agent of its pipeline was lost (status Reviving → Ready). */
+  readonly revivals: number
+  /** Revival attempts made (successful or not). */
+  readonly revivalAttempts: number
   /** Each agent not lost: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
   readonly agents: ReadonlyArray<{ readonly address: string; readonly pid: number; readonly activeStages: number }>
 }
@@ -126,8 +189,10 @@ export interface ServerService {
    * event. Interrupting the stream cancels the run.
    */
   readonly generate: (request: ServeRequest) => Stream.Stream<ServeEvent, ServeError>
-  /** Chat messages through the model's chat template. */
-  readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.Effect<FormattedChat, ServerLoading | PipelineFaulted>
+  /** Chat messages through the model's chat template (BadServeRequest: more prompt tokens than `maxPromptTokens`). */
+  readonly formatChat: (
+    messages: ReadonlyArray<ChatMessage>
+  ) => Effect.Effect<FormattedChat, ServerLoading | ServerReviving | BadServeRequest | PipelineFaulted>
   readonly metrics: Effect.Effect<ServerMetrics>
 }
 

@@ -9,6 +9,7 @@ import { NodeId } from "../../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../../services/Orchestrator.js"
 import { generateToken, type LocalAgent, spawnLocalAgents } from "./AgentProcesses.js"
 import { privateSocketDir } from "./SocketDir.js"
+import { clusterTokenProblem } from "../../services/RequestChecks.js"
 
 export interface LocalPoolOptions {
   /** Default engine threads of each agent (a run may override per stage). */
@@ -65,7 +66,8 @@ const agentSetOf = (
     token,
     listenHost: "127.0.0.1",
     dataListen: { _tag: "Unix", path: join(dataDir, "orchestrator.sock") },
-    exited
+    exited,
+    processRunning: (node) => agents[nodes.findIndex((n) => n.nodeId === node.nodeId)]?.running() ?? false
   }
 }
 
@@ -141,6 +143,9 @@ export const remoteAgentPool = (options: RemotePoolOptions): Layer.Layer<AgentPo
       acquire: () =>
         Effect.gen(function*() {
           if (options.nodes.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
+          // The same strength rule as the command line's (services/RequestChecks.ts), before any node is contacted.
+          const weak = clusterTokenProblem(options.token, "the remote pool's token option (default: SWACTOR_CLUSTER_TOKEN)")
+          if (weak !== undefined) return yield* new InvalidRequest({ message: weak })
           const first = options.nodes[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
           const listenHost = options.listenHost ?? (yield* routeHostFor(first))
           return {

@@ -33,6 +33,8 @@ export interface LocalAgent {
   readonly address: string
   /** Completes when the process has exited. */
   readonly exited: Effect.Effect<AgentExit>
+  /** Whether the process has not exited yet (a stopped process still runs). */
+  readonly running: () => boolean
   /** The last lines it wrote to stderr (for fault messages). */
   readonly stderrTail: () => string
 }
@@ -204,6 +206,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       dataPort: announced.data._tag === "Tcp" ? announced.data.port : 0,
       address: `${announced.host}:${announced.port}`,
       exited: Deferred.await(exited),
+      running: () => child.exitCode === null && child.signalCode === null,
       stderrTail: stderr.get
     } satisfies LocalAgent
   })

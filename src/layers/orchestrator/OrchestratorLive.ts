@@ -21,6 +21,7 @@ import {
   InvalidRequest,
   Orchestrator,
   type Pipeline,
+  type PipelineMember,
   type PipelineOptions,
   type RunRequest,
   type RunUpdate
@@ -30,6 +31,7 @@ import { Tokenizer } from "../../services/Tokenizer.js"
 import { ModelCatalog } from "../../services/ModelCatalog.js"
 import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
 import { generateRecovering } from "./Recovery.js"
+import { emptyPromptMessage, generationProblem, isEmptyPrompt, maxTokensProblem } from "../../services/RequestChecks.js"
 
 
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool | ModelCatalog
@@ -74,6 +76,17 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
   stageCount: warm.stageCount,
   agents: agentsNow(),
   alive: Effect.map(warm.pool.status, (status) => agentsNow().filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
+  members: Effect.map(warm.pool.status, (status) =>
+    agentsNow().map((agent): PipelineMember => {
+      const s = status.get(agent.node.nodeId)
+      const exited = warm.agents.processRunning !== undefined && !warm.agents.processRunning(agent.node)
+      return s?._tag === "Up"
+        ? { agent, state: "up", detail: "", exited }
+        : s?._tag === "Lost"
+        ? { agent, state: "lost", detail: s.lost.reason, exited }
+        : { agent, state: "waiting", detail: s?.lastError ?? "never probed", exited }
+    })),
+  localAgents: warm.agents.processRunning !== undefined,
   run: (request: RunRequest) =>
     runStream((updates, stop) => generateRecovering(warm, request, updates, stop).pipe(Effect.provide(context))),
   lost: warm.pool.firstLost
@@ -94,10 +107,9 @@ export const make = Effect.gen(function*() {
       Effect.gen(function*() {
         const requestStart = performance.now()
         const maxTokens = request.maxTokens ?? 128
-        if (request.prompt.length === 0) return yield* new InvalidRequest({ message: "the prompt is empty" })
-        if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
-          return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
-        }
+        if (isEmptyPrompt(request.prompt)) return yield* new InvalidRequest({ message: emptyPromptMessage })
+        const badMaxTokens = maxTokensProblem(maxTokens, "maxTokens")
+        if (badMaxTokens !== undefined) return yield* new InvalidRequest({ message: badMaxTokens })
         const warm = yield* openPipeline({
           model: request.model,
           maxTokens,
@@ -110,7 +122,19 @@ export const make = Effect.gen(function*() {
           ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
           // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
           contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
-        }, (update) => updates.offer(update).pipe(Effect.asVoid))
+        }, (update) => updates.offer(update).pipe(Effect.asVoid), (facts, vocabulary) => {
+          // The prompt against the model before any agent starts (the same check runs again in generateRecovering).
+          const tokens = typeof request.prompt === "string" ? vocabulary.tokenize(request.prompt) : request.prompt
+          const problem = generationProblem({
+            text: request.prompt,
+            tokens,
+            maxTokens,
+            contextLength: facts.maxSeqLen,
+            vocabSize: vocabulary.vocabSize,
+            maxTokensField: "maxTokens"
+          })
+          return problem === undefined ? Effect.void : Effect.fail(new InvalidRequest({ message: problem }))
+        })
         yield* generateRecovering(warm, {
           prompt: request.prompt,
           maxTokens,

@@ -3,7 +3,7 @@
  *
  * | route | answer |
  * |---|---|
- * | GET /health | 200 `{"status":"ok"}` when ready; 503 while loading, and 503 with the fault once the pipeline faulted |
+ * | GET /health | 200 `{"status":"ok"}` when ready; 503 while loading, 503 `reviving` with what it waits for while every agent is lost, 503 with the fault once the pipeline faulted |
  * | GET /v1/models | the one model served |
  * | POST /v1/completions | text completion (`stream: true`: SSE `text_completion` chunks, then `data: [DONE]`) |
  * | POST /v1/chat/completions | chat through the model's chat template (SSE `chat.completion.chunk`) |
@@ -98,6 +98,8 @@ const fromServeError = (error: ServeError): HttpFailure => {
       return new HttpFailure(429, "rate_limit_error", error.message, "queue_full", error.retryAfterSeconds)
     case "ServerLoading":
       return new HttpFailure(503, "server_error", error.message, "loading", 5)
+    case "ServerReviving":
+      return new HttpFailure(503, "server_error", error.message, "reviving", error.retryAfterSeconds)
     case "PipelineFaulted":
       return new HttpFailure(500, "server_error", `the pipeline faulted: ${error.message}`, "pipeline_faulted")
     default:
@@ -305,6 +307,8 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   metric("swactor_prompt_tokens_total", "counter", "Prompt tokens of admitted requests", [["", m.promptTokens]])
   metric("swactor_completion_tokens_total", "counter", "Generated tokens", [["", m.completionTokens]])
   metric("swactor_recoveries_total", "counter", "Generations resumed after their run faulted", [["", m.recoveries]])
+  metric("swactor_pipeline_revivals_total", "counter", "Times the server served again after every agent was lost", [["", m.revivals]])
+  metric("swactor_pipeline_revival_attempts_total", "counter", "Attempts to revive a pipeline whose agents were all lost", [["", m.revivalAttempts]])
   metric("swactor_straggler_tokens_total", "counter", "Decoded tokens over 4x the recent median", [["", m.stragglers]])
   metric("swactor_requests_in_flight", "gauge", "Requests running", [["", m.inFlight]])
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
@@ -389,6 +393,21 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
               return HttpServerResponse.unsafeJson({ status: "loading" }, { status: 503, headers: { "retry-after": "5" } })
             case "Faulted":
               return HttpServerResponse.unsafeJson({ status: "error", error: status.message }, { status: 503 })
+            case "Reviving": {
+              // Every agent was lost: what it waits for (each agent's state), its attempts and when the next one starts.
+              const iso = (millis: number) => new Date(millis).toISOString()
+              const next = status.nextAttemptAtMillis === null ? 0 : Math.max(0, status.nextAttemptAtMillis - Date.now())
+              return HttpServerResponse.unsafeJson({
+                status: "reviving",
+                error: status.message,
+                since: iso(status.sinceMillis),
+                attempts: status.attempts,
+                nextAttemptAt: status.nextAttemptAtMillis === null ? "running now" : iso(status.nextAttemptAtMillis),
+                waitingFor: status.waitingFor,
+                ...(status.freshAgentsAtMillis === undefined ? {} : { freshAgentsAt: iso(status.freshAgentsAtMillis) }),
+                ...(status.lastAttempt === undefined ? {} : { lastAttempt: status.lastAttempt })
+              }, { status: 503, headers: { "retry-after": String(Math.max(1, Math.ceil(next / 1000))) } })
+            }
           }
         })
       ),

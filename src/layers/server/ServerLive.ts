@@ -3,9 +3,9 @@
  * Faulted with the reason in words), a warm-up run so the first request does not pay the load, admission by
  * KV bytes per stage, and each request its own run on the pipeline.
  */
-import { Cause, Deferred, Duration, Effect, Exit, Layer, Option, Ref, Schedule, Stream } from "effect"
+import { Cause, Deferred, Duration, Effect, Either, Exit, ExecutionStrategy, Layer, Option, Ref, Schedule, Scope, Stream } from "effect"
 import * as Gguf from "../gguf/GgufReader.js"
-import { Orchestrator, type Pipeline, type RunUpdate } from "../../services/Orchestrator.js"
+import { Orchestrator, type Pipeline, type PipelineMember, type RunUpdate } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
   PipelineFaulted,
@@ -17,13 +17,17 @@ import {
   type ServeRequest,
   type ServerInfo,
   ServerLoading,
+  type RevivalAgent,
+  ServerReviving,
   type ServerMetrics,
   type StageMetrics,
   type ServerStatus
 } from "../../services/Server.js"
 import { kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { makeStopMatcher } from "../../services/StopText.js"
+import { generationProblem } from "../../services/RequestChecks.js"
 import { runContextLength } from "../orchestrator/RunWorld.js"
+import { inThread, PromptTokenizer, PromptTooLong, type TokenizerUnavailable } from "./PromptTokenizer.js"
 
 /** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (services/KvSize.ts). */
 export const kvBytesPerSequence = (
@@ -136,10 +140,31 @@ export const make = (options: ServeOptions) =>
     const orchestrator = yield* Orchestrator
     const parallel = options.parallel ?? 4
     const queueLimit = options.queueLimit ?? 64
+    if (options.maxPromptTokens !== undefined && !(Number.isSafeInteger(options.maxPromptTokens) && options.maxPromptTokens >= 1)) {
+      return yield* Effect.dieMessage(`maxPromptTokens must be a positive whole number, got ${options.maxPromptTokens}`)
+    }
+    // Prompts are tokenized and chats rendered on a worker thread when one is provided (the serve API and command
+    // provide it: PromptTokenizer.ts), else in this thread over the pipeline's vocabulary; either way bounded.
+    const offThread = yield* Effect.serviceOption(PromptTokenizer)
+    const promptTokenizer = (pipeline: Pipeline) => Option.getOrElse(offThread, () => inThread(pipeline.vocabulary))
+    const maxPromptTokens = (pipeline: Pipeline) => options.maxPromptTokens ?? Math.min(pipeline.model.maxSeqLen, 32768)
+    const promptRefused = (error: PromptTooLong | TokenizerUnavailable): BadServeRequest | ServerLoading =>
+      error._tag === "PromptTooLong"
+        ? new BadServeRequest({
+          message: `prompt too long: ${error.atLeast ? `at least ${error.tokens} prompt tokens (from the text's length alone, ` +
+            `not tokenized)` : `${error.tokens} prompt tokens`} are over the limit of ${error.limit} prompt tokens ` +
+            `(swactor serve --max-prompt-tokens)`
+        })
+        : new ServerLoading({ message: `the prompt tokenizer is not available: ${error.message}` })
     if (!Number.isSafeInteger(parallel) || parallel < 1) return yield* Effect.dieMessage(`parallel must be a positive whole number, got ${parallel}`)
 
     const status = yield* Ref.make<ServerStatus>({ _tag: "Loading" })
     const started = yield* Deferred.make<{ pipeline: Pipeline; info: ServerInfo }, PipelineFaulted>()
+    // The pipeline requests run on: set once it is Ready; a revival may put another in its place (fresh local agents).
+    let live: { readonly pipeline: Pipeline; readonly info: ServerInfo } | undefined
+    // While Reviving: the pipeline whose agents it waits for (undefined while fresh local agents start).
+    let revivingOn: Pipeline | undefined
+    const log = options.log ?? ((line: string) => void process.stderr.write(`${line}\n`))
     const metrics = {
       completed: 0,
       cancelled: 0,
@@ -149,6 +174,8 @@ export const make = (options: ServeOptions) =>
       completionTokens: 0,
       recoveries: 0,
       stragglers: 0,
+      revivals: 0,
+      revivalAttempts: 0,
       inFlight: 0,
       stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
     }
@@ -190,40 +217,249 @@ export const make = (options: ServeOptions) =>
     const warmUp = (pipeline: Pipeline) =>
       pipeline.run({ prompt: [pipeline.vocabulary.bosTokenId ?? 1], maxTokens: 1 }).pipe(Stream.runForEach(observePlan))
 
+    const infoOf = (pipeline: Pipeline): ServerInfo => ({
+      modelId: pipeline.model.modelId,
+      model: pipeline.model,
+      stageCount: pipeline.stageCount,
+      parallel
+    })
+    /** A pipeline of its own scope (a child of `parent`): a revival may close it (its local agents stopped) and open another. */
+    interface Generation {
+      readonly pipeline: Pipeline
+      readonly scope: Scope.CloseableScope
+    }
+    const openGeneration = (parent: Scope.Scope) =>
+      Effect.gen(function*() {
+        const scope = yield* Scope.fork(parent, ExecutionStrategy.sequential)
+        return yield* orchestrator.pipeline(options).pipe(
+          Scope.extend(scope),
+          Effect.map((pipeline): Generation => ({ pipeline, scope })),
+          Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, Exit.void)))
+        )
+      })
+    /** The pipeline's shape before its first run is planned (the warm-up's plan refines it). */
+    const observePipeline = (pipeline: Pipeline) =>
+      Effect.sync(() => {
+        shape.maxSeqLen = pipeline.model.maxSeqLen
+        shape.layersPerStage = Math.ceil(pipeline.model.numLayers / pipeline.stageCount)
+      })
+    const serveOn = (pipeline: Pipeline) =>
+      Effect.gen(function*() {
+        live = { pipeline, info: infoOf(pipeline) }
+        yield* Ref.set(status, { _tag: "Ready" })
+        if (admission !== undefined) yield* admission.reshaped(tooLong)
+      })
+
+    // --- revival: every agent lost; keep trying, with backoff, until a run succeeds again ---
+    const revive = {
+      firstMillis: Duration.toMillis(Duration.decode(options.revive?.firstDelay ?? "500 millis")),
+      maxMillis: Duration.toMillis(Duration.decode(options.revive?.maxDelay ?? "10 seconds")),
+      freshAfterMillis: Duration.toMillis(Duration.decode(options.revive?.freshAgentsAfter ?? "30 seconds"))
+    }
+    /** The wait before attempt n (1, 2, ...): first, doubling, capped. */
+    const reviveDelay = (attempt: number) => Math.min(revive.maxMillis, revive.firstMillis * 2 ** Math.min(attempt - 1, 30))
+    const seconds = (millis: number) => `${(millis / 1000).toFixed(millis < 10_000 ? 1 : 0)} s`
+    const revivalAgentOf = (member: PipelineMember): RevivalAgent => ({
+      address: member.agent.node.address,
+      pid: member.agent.pid,
+      state: member.exited ? "exited" : member.state,
+      detail: member.state === "up" ? "" : member.detail
+    })
+    const agentWords = (agent: RevivalAgent) =>
+      `${agent.address} (pid ${agent.pid}) ${agent.state}${agent.detail === "" ? "" : `: ${agent.detail}`}`
+    /** What a request is told while the server revives. */
+    const revivingError = (s: Extract<ServerStatus, { _tag: "Reviving" }>) => {
+      const next = s.nextAttemptAtMillis === null ? 0 : Math.max(0, s.nextAttemptAtMillis - Date.now())
+      const waiting = s.waitingFor.filter((agent) => agent.state !== "up")
+      return new ServerReviving({
+        retryAfterSeconds: Math.max(1, Math.ceil(next / 1000)),
+        message: `the pipeline is being revived: ${s.message} ${seconds(Date.now() - s.sinceMillis)} ago; ` +
+          (s.nextAttemptAtMillis === null ? `attempt ${s.attempts + 1} is running` : `attempt ${s.attempts + 1} in ${seconds(next)}`) +
+          (s.waitingFor.length === 0
+            ? ", on fresh local agents"
+            : waiting.length === 0
+            ? ""
+            : `, waiting for ${waiting.length} agent(s) to answer again (/health names them)`)
+      })
+    }
+
+    type Attempt =
+      | { readonly _tag: "Revived"; readonly generation: Generation; readonly words: string }
+      | {
+        readonly _tag: "NotYet"
+        readonly generation: Generation | undefined
+        readonly words: string
+        /** Nothing was tried: no agent answers yet. */
+        readonly waiting: boolean
+      }
+
+    /**
+     * One attempt: on the agents that answer again (a run must succeed on them); else, local agents that all exited
+     * or that have been given up on are stopped and a fresh pipeline is set up; else (remote nodes, or local ones
+     * still within `freshAgentsAfter`) nothing to do but wait for them.
+     */
+    const attemptRevival = (
+      parent: Scope.Scope,
+      generation: Generation | undefined,
+      sinceMillis: number
+    ): Effect.Effect<Attempt> =>
+      Effect.gen(function*() {
+        if (generation !== undefined) {
+          const members = yield* generation.pipeline.members
+          const answering = members.filter((m) => m.state === "up")
+          if (answering.length > 0) {
+            const names = answering.map((m) => `${m.agent.node.address} (pid ${m.agent.pid})`).join(", ")
+            const run = yield* Effect.either(warmUp(generation.pipeline))
+            return Either.isRight(run)
+              ? { _tag: "Revived", generation, words: `a run succeeded on the agents that answer again: ${names}` } as const
+              : {
+                _tag: "NotYet",
+                generation,
+                words: `a run on the agents that answer again (${names}) failed: ${errorWords(run.left)}`,
+                waiting: false
+              } as const
+          }
+          const waited = Date.now() - sinceMillis
+          const allExited = members.every((m) => m.exited)
+          if (!generation.pipeline.localAgents || (!allExited && waited < revive.freshAfterMillis)) {
+            return {
+              _tag: "NotYet",
+              generation,
+              words: `no agent answers yet: ${members.map((m) => agentWords(revivalAgentOf(m))).join("; ")}`,
+              waiting: true
+            } as const
+          }
+          // Given up on (or gone): stopped (SIGTERM, then SIGKILL: a stopped process too) before fresh ones start.
+          yield* Scope.close(generation.scope, Exit.void)
+        }
+        const opened = yield* Effect.either(openGeneration(parent))
+        if (Either.isLeft(opened)) {
+          return { _tag: "NotYet", generation: undefined, words: `setting up fresh local agents failed: ${errorWords(opened.left)}`, waiting: false } as const
+        }
+        const fresh = opened.right
+        yield* observePipeline(fresh.pipeline)
+        const run = yield* Effect.either(warmUp(fresh.pipeline))
+        if (Either.isLeft(run)) {
+          yield* Scope.close(fresh.scope, Exit.void)
+          return { _tag: "NotYet", generation: undefined, words: `a run on fresh local agents failed: ${errorWords(run.left)}`, waiting: false } as const
+        }
+        const pids = fresh.pipeline.agents.map((a) => a.pid).join(", ")
+        return {
+          _tag: "Revived",
+          generation: fresh,
+          words: `a run succeeded on ${fresh.pipeline.agents.length} fresh local agents (pids ${pids}); the old ones were stopped`
+        } as const
+      })
+
+    /** Every agent of `lost`'s pipeline was lost: Reviving until an attempt succeeds; returns the generation serving again. */
+    const reviveFrom = (parent: Scope.Scope, lost: Generation, message: string) =>
+      Effect.gen(function*() {
+        const sinceMillis = Date.now()
+        let generation: Generation | undefined = lost
+        revivingOn = lost.pipeline
+        let attempts = 0
+        let lastAttempt: string | undefined
+        const waitingFor = () =>
+          generation === undefined
+            ? Effect.succeed([] as ReadonlyArray<RevivalAgent>)
+            : Effect.map(generation.pipeline.members, (members) => members.map(revivalAgentOf))
+        const setReviving = (nextAttemptAtMillis: number | null) =>
+          Effect.flatMap(waitingFor(), (agents) =>
+            Ref.set(status, {
+              _tag: "Reviving",
+              message,
+              sinceMillis,
+              attempts,
+              nextAttemptAtMillis,
+              waitingFor: agents,
+              ...(generation === undefined || generation.pipeline.localAgents
+                ? { freshAgentsAtMillis: sinceMillis + revive.freshAfterMillis }
+                : {}),
+              ...(lastAttempt === undefined ? {} : { lastAttempt })
+            }))
+        yield* setReviving(Date.now() + reviveDelay(1))
+        live = undefined
+        // Requests waiting for admission cannot run now: told so, as new ones are.
+        const now = yield* Ref.get(status)
+        if (admission !== undefined && now._tag === "Reviving") yield* admission.failAll(revivingError(now))
+        log(
+          `swactor serve: ${message}: ${(yield* waitingFor()).map(agentWords).join("; ")}; reviving the pipeline ` +
+            `(attempts every ${seconds(revive.firstMillis)}, doubling to ${seconds(revive.maxMillis)})`
+        )
+        // Until an attempt has found agents answering, one that answers again (rejoined: PipelineSetup) starts the
+        // next attempt at once; after a failed run on them, the backoff alone paces the attempts.
+        let wakeOnAnswer = true
+        const someoneAnswers = Effect.suspend(() =>
+          generation === undefined
+            ? Effect.never
+            : generation.pipeline.members.pipe(
+              Effect.repeat({ schedule: Schedule.spaced("100 millis"), until: (members) => members.some((m) => m.state === "up") }),
+              Effect.asVoid
+            )
+        )
+        while (true) {
+          const delay = reviveDelay(attempts + 1)
+          yield* setReviving(Date.now() + delay)
+          yield* (wakeOnAnswer ? Effect.race(Effect.sleep(delay), someoneAnswers) : Effect.sleep(delay))
+          yield* setReviving(null)
+          attempts++
+          metrics.revivalAttempts++
+          const attempt: Attempt = yield* attemptRevival(parent, generation, sinceMillis)
+          generation = attempt.generation
+          revivingOn = generation?.pipeline
+          wakeOnAnswer = attempt._tag === "NotYet" && attempt.waiting
+          lastAttempt = attempt.words
+          if (attempt._tag === "Revived") {
+            metrics.revivals++
+            revivingOn = undefined
+            log(
+              `swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; serving again ` +
+                `${seconds(Date.now() - sinceMillis)} after every agent was lost`
+            )
+            return attempt.generation
+          }
+          log(`swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; next attempt in ${seconds(reviveDelay(attempts + 1))}`)
+        }
+      })
+
+    /** Completes once every agent of the pipeline is lost (runs recover on the others until then). */
+    const everyAgentLost = (pipeline: Pipeline) =>
+      pipeline.alive.pipe(
+        Effect.repeat({ schedule: Schedule.spaced("250 millis"), until: (alive) => alive.length === 0 }),
+        Effect.asVoid
+      )
+
     // --- setup, in the background: /health answers Loading meanwhile ---
     yield* Effect.gen(function*() {
-      const pipeline = yield* orchestrator.pipeline(options)
+      const parent = yield* Effect.scope
+      let generation = yield* openGeneration(parent)
+      const pipeline = generation.pipeline
       shape.kvBytesPerBlockToken = yield* readKvBytesPerBlockToken(options.model)
-      shape.maxSeqLen = pipeline.model.maxSeqLen
-      shape.layersPerStage = Math.ceil(pipeline.model.numLayers / pipeline.stageCount)
+      yield* observePipeline(pipeline)
       admission = makeAdmission(sizing, parallel, queueLimit)
-      // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server faults.
-      // Without recovery, the first lost agent faults it.
-      yield* (options.recovery?.maxAttempts === 0
-        ? pipeline.lost.pipe(Effect.flatMap((lost) => fault(`lost agent ${lost.node.address}: ${lost.reason}`)))
-        : pipeline.lost.pipe(
-          Effect.zipRight(
-            pipeline.alive.pipe(
-              Effect.repeat({ schedule: Schedule.spaced("250 millis"), until: (alive) => alive.length === 0 })
-            )
-          ),
-          Effect.flatMap(() => fault("every agent of the pipeline was lost"))
-        )).pipe(Effect.forkScoped)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
       yield* warmUp(pipeline)
       // While idle, keep the agents' weights from expiring out of their model caches.
       const keepWarm = Duration.decode(options.keepWarmEvery ?? "4 minutes")
       yield* Effect.suspend(() =>
-        metrics.inFlight === 0 && performance.now() - lastRunAt >= Duration.toMillis(keepWarm) / 2
-          ? warmUp(pipeline).pipe(Effect.tap(() => Effect.sync(() => (lastRunAt = performance.now()))), Effect.ignore)
+        live !== undefined && metrics.inFlight === 0 && performance.now() - lastRunAt >= Duration.toMillis(keepWarm) / 2
+          ? warmUp(live.pipeline).pipe(Effect.tap(() => Effect.sync(() => (lastRunAt = performance.now()))), Effect.ignore)
           : Effect.void
       ).pipe(Effect.repeat(Schedule.spaced(Duration.toMillis(keepWarm) / 2)), Effect.forkScoped)
-      yield* Ref.update(status, (s): ServerStatus => (s._tag === "Loading" ? { _tag: "Ready" } : s))
-      yield* Deferred.succeed(started, {
-        pipeline,
-        info: { modelId: pipeline.model.modelId, model: pipeline.model, stageCount: pipeline.stageCount, parallel }
-      })
-      yield* Effect.never
+      yield* serveOn(pipeline)
+      yield* Deferred.succeed(started, { pipeline, info: infoOf(pipeline) })
+      // Without recovery, the first lost agent faults the server for good.
+      if (options.recovery?.maxAttempts === 0) {
+        const lost = yield* pipeline.lost
+        yield* fault(`lost agent ${lost.node.address}: ${lost.reason}`)
+        return yield* Effect.never
+      }
+      // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server revives it.
+      while (true) {
+        yield* everyAgentLost(generation.pipeline)
+        generation = yield* reviveFrom(parent, generation, "every agent of the pipeline was lost")
+        yield* serveOn(generation.pipeline)
+      }
     }).pipe(
       Effect.catchAllCause((cause) =>
         Cause.isInterruptedOnly(cause)
@@ -245,20 +481,26 @@ export const make = (options: ServeOptions) =>
       const s = yield* Ref.get(status)
       if (s._tag === "Loading") return yield* new ServerLoading({ message: "the model is still loading" })
       if (s._tag === "Faulted") return yield* new PipelineFaulted({ message: s.message })
-      return yield* Deferred.await(started)
+      if (s._tag === "Reviving" || live === undefined) {
+        return yield* (s._tag === "Reviving" ? revivingError(s) : new ServerLoading({ message: "the model is still loading" }))
+      }
+      return live
     })
 
-    const validate = (request: ServeRequest, maxSeqLen: number, promptTokens: number) => {
+    const validate = (request: ServeRequest, maxSeqLen: number, prompt: ReadonlyArray<number>, vocabSize: number) => {
       const s = request.sampling ?? {}
       const maxTokens = request.maxTokens ?? 128
       const bad = (message: string) => Effect.fail(new BadServeRequest({ message }))
-      if (promptTokens === 0) return bad("the prompt is empty")
-      if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) return bad(`max_tokens must be a positive whole number, got ${maxTokens}`)
-      if (promptTokens + maxTokens + 1 > maxSeqLen) {
-        return bad(
-          `context too long: ${promptTokens} prompt tokens + ${maxTokens} max tokens exceed the model's context of ${maxSeqLen} tokens`
-        )
-      }
+      // The prompt, max tokens, token ids and context: the same rules and words as `swactor run` (RequestChecks.ts).
+      const problem = generationProblem({
+        text: request.prompt,
+        tokens: prompt,
+        maxTokens,
+        contextLength: maxSeqLen,
+        vocabSize,
+        maxTokensField: "max_tokens"
+      })
+      if (problem !== undefined) return bad(problem)
       if (s.temperature !== undefined && !(Number.isFinite(s.temperature) && s.temperature >= 0 && s.temperature <= 100)) {
         return bad(`temperature must be between 0 and 100, got ${s.temperature}`)
       }
@@ -273,8 +515,13 @@ export const make = (options: ServeOptions) =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
           const { pipeline } = yield* current
-          const prompt = typeof request.prompt === "string" ? pipeline.vocabulary.tokenize(request.prompt) : request.prompt
-          const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt.length)
+          const limit = maxPromptTokens(pipeline)
+          const prompt = typeof request.prompt === "string"
+            ? yield* promptTokenizer(pipeline).tokenize(request.prompt, limit).pipe(Effect.mapError(promptRefused))
+            : request.prompt.length > limit
+            ? yield* promptRefused(new PromptTooLong({ tokens: request.prompt.length, atLeast: false, limit }))
+            : request.prompt
+          const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt, pipeline.vocabulary.vocabSize)
           const contextLength = runContextLength(pipeline.model.maxSeqLen, prompt.length, maxTokens)
           if (sizing.bytes(contextLength) > sizing.budget()) return yield* tooLong(contextLength)
           const queuedAt = performance.now()
@@ -397,8 +644,7 @@ export const make = (options: ServeOptions) =>
 
     const snapshot: Effect.Effect<ServerMetrics> = Effect.gen(function*() {
       const state = admission?.state() ?? { used: 0, running: 0, queued: 0 }
-      const ready = yield* Deferred.poll(started)
-      const up = ready._tag === "Some" ? yield* Effect.option(ready.value) : Option.none()
+      const up = Option.fromNullable(live)
       const agents = Option.isSome(up)
         ? yield* Effect.forEach(yield* up.value.pipeline.alive, (agent) =>
           agent.capacity.pipe(
@@ -413,6 +659,8 @@ export const make = (options: ServeOptions) =>
         completionTokens: metrics.completionTokens,
         recoveries: metrics.recoveries,
         stragglers: metrics.stragglers,
+        revivals: metrics.revivals,
+        revivalAttempts: metrics.revivalAttempts,
         inFlight: metrics.inFlight,
         queued: state.queued,
         kvReservedBytes: state.used,
@@ -425,12 +673,13 @@ export const make = (options: ServeOptions) =>
     // Ready, with the agents lost so far (the pipeline goes on without them).
     const currentStatus = Effect.gen(function*() {
       const s = yield* Ref.get(status)
-      const ready = yield* Deferred.poll(started)
-      if (s._tag !== "Ready" || ready._tag === "None") return s
-      const up = yield* Effect.option(ready.value)
-      if (Option.isNone(up)) return s
-      const alive = new Set((yield* up.value.pipeline.alive).map((a) => a.node.address))
-      const lost = up.value.pipeline.agents.map((a) => a.node.address).filter((address) => !alive.has(address))
+      // Reviving: each agent's state as membership sees it now.
+      if (s._tag === "Reviving" && revivingOn !== undefined) {
+        return { ...s, waitingFor: (yield* revivingOn.members).map(revivalAgentOf) }
+      }
+      if (s._tag !== "Ready" || live === undefined) return s
+      const alive = new Set((yield* live.pipeline.alive).map((a) => a.node.address))
+      const lost = live.pipeline.agents.map((a) => a.node.address).filter((address) => !alive.has(address))
       return lost.length === 0 ? s : { _tag: "Ready" as const, lostAgents: lost }
     })
 
@@ -439,7 +688,8 @@ export const make = (options: ServeOptions) =>
       ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
       generate,
       formatChat: (messages) =>
-        Effect.flatMap(current, ({ pipeline }) => Effect.orDie(pipeline.vocabulary.formatChat(messages))),
+        Effect.flatMap(current, ({ pipeline }) =>
+          promptTokenizer(pipeline).formatChat(messages, maxPromptTokens(pipeline)).pipe(Effect.mapError(promptRefused))),
       metrics: snapshot
     })
   })
