@@ -3,6 +3,7 @@
  * The `swactor` command: a thin registry of subcommands. To add one, add a loader for its src/cli/*Command.ts file
  * to `subcommands` below.
  */
+import { isMainThread, workerData } from "node:worker_threads"
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
@@ -36,6 +37,11 @@ const withPlainConsole = <A, E, R>(effect: Effect.Effect<A, E, R>) =>
 
 // No top-level await: the build bundles this file as CommonJS (scripts/build.mjs: a V8 code cache needs a vm.Script).
 const main = async () => {
+  // A worker thread of this bundle: `swactor serve`'s tokenizer (layers/server/PromptTokenizer.ts starts it here).
+  if (!isMainThread && (workerData as Record<string, unknown> | null)?.["swactorTokenizeWorker"] !== undefined) {
+    await import("./layers/server/TokenizeWorker.js")
+    return
+  }
   const asked = process.argv[2]
   const [first, ...rest] = await Promise.all(
     asked !== undefined && Object.hasOwn(subcommands, asked)

@@ -6,6 +6,7 @@
  */
 import { Effect, Layer, Stream } from "effect"
 import * as ServerLive from "../layers/server/ServerLive.js"
+import * as PromptTokenizer from "../layers/server/PromptTokenizer.js"
 import type { LocalPoolOptions } from "../layers/agent/AgentPools.js"
 import {
   type FinishReason,
@@ -34,7 +35,8 @@ export const serve = (options: ServeLayerOptions): Layer.Layer<Server> => {
   const orchestrator = nodes !== undefined && nodes.length > 0
     ? layerRemote({ nodes, token: token ?? "" })
     : layerLocal({ ...(options.threads === undefined ? {} : { threads: options.threads }), ...local })
-  return ServerLive.layer(serveOptions).pipe(Layer.provide(orchestrator))
+  // Prompts tokenized and chats rendered on a worker thread: a long prompt never holds up other requests' tokens.
+  return ServerLive.layer(serveOptions).pipe(Layer.provide(orchestrator), Layer.provide(PromptTokenizer.layerWorker(options.model)))
 }
 
 /** One request to the end: its text, why it ended, and the token counts. */

@@ -24,6 +24,8 @@ export interface ServeArgs {
   readonly parallel: number
   readonly queue: number
   readonly kvBudgetMib: Option.Option<number>
+  /** Prompt tokens a request may have at most (default: the model's context, at most 32,768). */
+  readonly maxPromptTokens?: Option.Option<number>
   readonly keepAliveMs: number
   readonly spares: number
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
@@ -41,6 +43,7 @@ const runServe = (args: ServeArgs) =>
     const stages = yield* optionalWholeNumber("stages", args.stages, 1)
     const threads = Option.getOrUndefined(yield* optionalWholeNumber("threads", args.threads, 1))
     const kvBudgetMib = yield* optionalWholeNumber("kv-budget-mib", args.kvBudgetMib, 1)
+    const maxPromptTokens = yield* optionalWholeNumber("max-prompt-tokens", args.maxPromptTokens ?? Option.none(), 1)
     yield* wholeNumber("port", args.port, 0)
     if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
     yield* wholeNumber("parallel", args.parallel, 1)
@@ -54,6 +57,7 @@ const runServe = (args: ServeArgs) =>
       ...(Option.isSome(stages) ? { stages: stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
       ...(threads === undefined ? {} : { threads }),
       ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
+      ...(Option.isSome(maxPromptTokens) ? { maxPromptTokens: maxPromptTokens.value } : {}),
       ...(nodes.length > 0 ? { nodes, token } : {}),
       ...(args.spares > 0 ? { spares: args.spares } : {}),
       // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
@@ -119,6 +123,13 @@ export const serveCommand = Command.make(
     ),
     kvBudgetMib: Options.integer("kv-budget-mib").pipe(
       Options.withDescription("KV cache MiB per stage shared by running requests (default: --parallel sequences of 4,096 tokens)"),
+      Options.optional
+    ),
+    maxPromptTokens: Options.integer("max-prompt-tokens").pipe(
+      Options.withDescription(
+        "prompt tokens a request may have at most; more get 400, a text whose length alone says so before it is tokenized " +
+          "(default: the model's context length, at most 32768)"
+      ),
       Options.optional
     ),
     keepAliveMs: Options.integer("keep-alive-ms").pipe(
