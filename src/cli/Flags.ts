@@ -7,6 +7,7 @@ import { readFileSync } from "node:fs"
 import { Data, Effect, Option } from "effect"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
+import { clusterTokenProblem, minTokenLength, threadsProblem } from "../services/RequestChecks.js"
 
 /** A flag with a value the command cannot use; `message` names the flag. */
 export class UsageError extends Data.TaggedError("UsageError")<{ readonly message: string }> {}
@@ -28,11 +29,19 @@ export const optionalWholeNumber = (flag: string, value: Option.Option<number>, 
   Option.isSome(value) ? Effect.asSome(wholeNumber(flag, value.value, min)) : Effect.succeedNone
 
 /** The shortest cluster token a node accepts. */
-export const minTokenLength = 16
+export { minTokenLength }
+
+/** `--threads`: a whole number the stage engine accepts, 1 to 512 (services/RequestChecks.ts), when given. */
+export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Option.Option<number>, UsageError> => {
+  if (Option.isNone(value)) return Effect.succeedNone
+  const problem = threadsProblem(value.value, "--threads")
+  return problem === undefined ? Effect.succeed(value) : fail(problem)
+}
 
 /**
  * The cluster token: the file named by `--token-file` (trimmed), else SWACTOR_CLUSTER_TOKEN, else "" (none). A file
- * that cannot be read or a token shorter than 16 characters is a UsageError naming where it came from.
+ * that cannot be read, a token shorter than 16 characters or one with under 64 bits of estimated entropy (repeated or
+ * sequential characters: services/RequestChecks.ts) is a UsageError naming where it came from and how to make one.
  */
 export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<string, UsageError> =>
   Effect.gen(function*() {
@@ -55,11 +64,8 @@ export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<st
       token = process.env[clusterTokenEnv]?.trim() ?? ""
       if (token === "") return ""
     }
-    if (token.length < minTokenLength) {
-      return yield* fail(
-        `the cluster token from ${source} is too short: ${token.length} characters, at least ${minTokenLength}`
-      )
-    }
+    const problem = clusterTokenProblem(token, source)
+    if (problem !== undefined) return yield* fail(problem)
     return token
   })
 

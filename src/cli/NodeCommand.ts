@@ -17,7 +17,8 @@ import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
 import { layerSlowed, slowdownFromEnv } from "../layers/engine/StageExecutorSlowed.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
-import { clusterToken, minTokenLength, optionalWholeNumber, withShownDefault } from "./Flags.js"
+import { maxThreads } from "../services/RequestChecks.js"
+import { clusterToken, minTokenLength, optionalThreads, withShownDefault } from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
@@ -74,10 +75,10 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
     const token = yield* clusterToken(args.tokenFile)
     if (token === "") {
       return yield* new NodeUsageError({
-        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least ${minTokenLength} characters)`
+        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least ${minTokenLength} characters; make one with: openssl rand -hex 32)`
       })
     }
-    const threadsFlag = yield* optionalWholeNumber("threads", args.threads, 1)
+    const threadsFlag = yield* optionalThreads(args.threads)
     const listen = yield* address(args.listen, "listen")
     const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
     const dataAdvertise = Option.isSome(args.dataAdvertise)
@@ -91,7 +92,7 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
     if (speedBytesPerSecond !== undefined && !(speedBytesPerSecond > 0 && Number.isFinite(speedBytesPerSecond))) {
       return yield* new NodeUsageError({ message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure` })
     }
-    const threads = Option.getOrElse(threadsFlag, () => Math.max(1, Os.availableParallelism()))
+    const threads = Option.getOrElse(threadsFlag, () => Math.min(maxThreads, Math.max(1, Os.availableParallelism())))
     // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
     // after-ready (local agents of `swactor run`): the agent announces itself first and reports no speed (placement's
     // default) until the probe has run, so the probe is not on the run's start-up path.

@@ -20,6 +20,7 @@ import {
   atLeast,
   clusterToken,
   nodeList,
+  optionalThreads,
   optionalWholeNumber,
   UsageError,
   wholeNumber,
@@ -34,6 +35,7 @@ import type {
   RunUpdate
 } from "../services/Orchestrator.js"
 import { parseLayerSpec } from "../services/Placement.js"
+import { contextProblem, emptyPromptMessage, fitsContext, isEmptyPrompt, stagesProblem } from "../services/RequestChecks.js"
 
 export interface RunArgs {
   readonly model: Option.Option<string>
@@ -349,34 +351,33 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
       : Option.isSome(args.prompt) && args.prompt.value === "-"
       ? yield* read("--prompt - (standard input)", 0)
       : Option.getOrElse(args.prompt, () => defaultPrompt)
-    if (text.trim() === "") {
+    if (isEmptyPrompt(text)) {
       return yield* new UsageError({
-        message: `${Option.isSome(args.promptFile) ? "--prompt-file" : "--prompt"}: the prompt is empty`
+        message: `${Option.isSome(args.promptFile) ? "--prompt-file" : "--prompt"}: ${emptyPromptMessage}`
       })
     }
     return text
   })
 
 /**
- * Prompt + max tokens must fit the model's context: checked before any agent starts, from the model's metadata and
- * vocabulary (no weights), instead of a ContextOverflow fault at the end of a long generation.
+ * What the model allows, checked before any agent starts, from its metadata (the GGUF header; no weights): the
+ * stages against its blocks, and prompt + max tokens against its context (services/RequestChecks.ts: the same rule
+ * and words as `swactor serve` and the library), instead of ~100 agents started for a plan that cannot be, or a
+ * ContextOverflow fault at the end of a long generation.
  */
-const checkContextFit = (model: string, prompt: string, maxTokens: number) =>
+const checkModelFit = (model: string, prompt: string, maxTokens: number, stages: number | undefined) =>
   Effect.gen(function*() {
     const facts = yield* readModelFacts(model)
+    if (stages !== undefined) {
+      const problem = stagesProblem(stages, facts.numLayers, "--stages")
+      if (problem !== undefined) return yield* new UsageError({ message: problem })
+    }
     // Every prompt token covers at least one byte of the text, plus BOS and a leading-space token at most: when that
     // bound fits, the (slow: node-llama-cpp) vocabulary load is left to the run itself.
-    if (Buffer.byteLength(prompt, "utf8") + 4 + maxTokens <= facts.maxSeqLen) return
+    if (fitsContext(Buffer.byteLength(prompt, "utf8") + 4, maxTokens, facts.maxSeqLen)) return
     const tokenizer = yield* Effect.flatMap(Tokenizer, (t) => t.open(model))
-    const promptTokens = tokenizer.tokenize(prompt).length
-    if (promptTokens + maxTokens > facts.maxSeqLen) {
-      const room = facts.maxSeqLen - promptTokens
-      return yield* new UsageError({
-        message: `--max-tokens ${maxTokens}: the prompt (${promptTokens} tokens) and ${maxTokens} new tokens do not fit ` +
-          `the model's context of ${facts.maxSeqLen} tokens` +
-          (room > 0 ? `; at most --max-tokens ${room}` : "; the prompt alone fills it")
-      })
-    }
+    const problem = contextProblem(tokenizer.tokenize(prompt).length, maxTokens, facts.maxSeqLen, "--max-tokens")
+    if (problem !== undefined) return yield* new UsageError({ message: problem })
   }).pipe(Effect.scoped, Effect.provide(TokenizerLive.layer))
 
 /** Every flag of `swactor run`, checked before anything starts. */
@@ -388,7 +389,7 @@ const validate = (args: RunArgs) =>
     const topK = yield* wholeNumber("top-k", args.topK, 0)
     if (args.spares !== undefined) yield* wholeNumber("spares", args.spares, 0)
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
-    const threads = yield* optionalWholeNumber("threads", args.threads, 1)
+    const threads = yield* optionalThreads(args.threads)
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
     const token = yield* clusterToken(args.tokenFile)
     if (nodes.length > 0 && token === "") {
@@ -422,7 +423,11 @@ const runRun = (args: RunArgs, json: JsonReport) =>
     const flags = yield* validate(args)
     const { maxTokens, nodes, prompt, threads, token } = flags
     const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
-    yield* checkContextFit(model, prompt, maxTokens)
+    // The agents a local run starts: one per stage (a fixed placement: one per range). Remote nodes: --stages if given.
+    const plannedStages = Option.isSome(flags.stages)
+      ? flags.stages.value
+      : nodes.length > 0 ? undefined : flags.localStages
+    yield* checkModelFit(model, prompt, maxTokens, plannedStages)
     clock.mark("checked")
     const request: GenerateRequest = {
       model,

@@ -10,8 +10,10 @@ import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import { Server } from "../services/Server.js"
-import { clusterToken, nodeList, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
+import { clusterToken, nodeList, optionalThreads, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
+import { readModelFacts } from "../api/modelFacts.js"
+import { stagesProblem } from "../services/RequestChecks.js"
 
 export interface ServeArgs {
   readonly model: string
@@ -41,7 +43,7 @@ const runServe = (args: ServeArgs) =>
       return yield* new UsageError({ message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
     }
     const stages = yield* optionalWholeNumber("stages", args.stages, 1)
-    const threads = Option.getOrUndefined(yield* optionalWholeNumber("threads", args.threads, 1))
+    const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
     const kvBudgetMib = yield* optionalWholeNumber("kv-budget-mib", args.kvBudgetMib, 1)
     const maxPromptTokens = yield* optionalWholeNumber("max-prompt-tokens", args.maxPromptTokens ?? Option.none(), 1)
     yield* wholeNumber("port", args.port, 0)
@@ -50,6 +52,13 @@ const runServe = (args: ServeArgs) =>
     yield* wholeNumber("queue", args.queue, 0)
     yield* wholeNumber("spares", args.spares, 0)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
+    // The stages against the model's blocks, from its GGUF header, before any agent starts (services/RequestChecks.ts).
+    const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : 2
+    if (plannedStages !== undefined) {
+      const facts = yield* readModelFacts(args.model)
+      const problem = stagesProblem(plannedStages, facts.numLayers, "--stages")
+      if (problem !== undefined) return yield* new UsageError({ message: problem })
+    }
     const server = serve({
       model: args.model,
       parallel: args.parallel,

@@ -20,6 +20,7 @@ import {
 } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
 import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
+import { threadsProblem } from "../../services/RequestChecks.js"
 import type { SamplingPolicy } from "../../domain/plan.js"
 import {
   AgentHello,
@@ -410,6 +411,19 @@ export const makeStageHost = (
               reason: StageFaultReasons.ProvisionFailed({
                 message: `stage ${p.stageIndex} of run ${p.runId} is already hosted here`
               })
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
+          // A request this agent cannot honour whatever the attempt (threads the engine refuses): refused before
+          // anything loads, as ProvisionFailed, which no recovery retries (not a worker crash).
+          const badThreads = threadsProblem(request.threads ?? options.threads)
+          if (badThreads !== undefined) {
+            yield* reports.offer({
+              _tag: "StageFault",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              reason: StageFaultReasons.ProvisionFailed({ message: `stage ${p.stageIndex} refused: ${badThreads}` })
             })
             yield* reports.end
             return Mailbox.toStream(reports)

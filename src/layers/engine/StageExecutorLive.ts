@@ -3,6 +3,7 @@
  * KV cache per session, and computes on a koffi worker thread so the event loop keeps running.
  */
 import { Effect, Layer } from "effect"
+import { threadsProblem } from "../../services/RequestChecks.js"
 import { availableParallelism } from "node:os"
 import {
   BatchItemRejected,
@@ -234,9 +235,9 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
     if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
       return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
     }
-    if (!Number.isSafeInteger(threads) || threads < 1 || threads > 512) {
-      return yield* Effect.dieMessage(`threads ${threads} must be an integer in [1, 512]`)
-    }
+    // The bounds every caller checks first (services/RequestChecks.ts: the CLI, the orchestrator, the agent).
+    const badThreads = threadsProblem(threads)
+    if (badThreads !== undefined) return yield* Effect.dieMessage(badThreads)
     const native = yield* Effect.acquireRelease(
       Effect.try({
         try: () => new NativeSession(stage.weights, contextLength, threads),

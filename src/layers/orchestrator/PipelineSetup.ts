@@ -22,6 +22,7 @@ import {
 import { alignUp } from "../../domain/plan.js"
 import { activationFrameBytes, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
+import { stagesProblem, threadsProblem } from "../../services/RequestChecks.js"
 import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
 import { deliverWeights } from "./WeightDelivery.js"
 import { faultWords } from "./RunReport.js"
@@ -107,7 +108,9 @@ export interface WarmPipeline {
 /** Sets the pipeline up; its agents, links, heartbeats and listener live until the scope closes. */
 export const openPipeline = (
   options: PipelineOptions,
-  progress: (update: RunUpdate) => Effect.Effect<void>
+  progress: (update: RunUpdate) => Effect.Effect<void>,
+  /** The caller's own checks against the model (a run's prompt and max tokens), before any agent starts. */
+  precheck: (facts: ModelFacts, vocabulary: ModelTokenizer) => Effect.Effect<void, InvalidRequest> = () => Effect.void
 ) =>
   Effect.gen(function*() {
     const tokenizer = yield* Tokenizer
@@ -124,8 +127,17 @@ export const openPipeline = (
     if (options.stages !== undefined && (!Number.isSafeInteger(options.stages) || options.stages < 1)) {
       return yield* new InvalidRequest({ message: `stages must be a positive whole number, got ${options.stages}` })
     }
+    if (options.threads !== undefined) {
+      const problem = threadsProblem(options.threads)
+      if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
+    }
     const facts = yield* catalog.facts(options.model)
+    if (options.stages !== undefined) {
+      const problem = stagesProblem(options.stages, facts.numLayers)
+      if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
+    }
     const vocabulary = yield* tokenizer.open(options.model)
+    yield* precheck(facts, vocabulary)
 
     // Reject what no placement can fix (too many stages, bad max tokens, ...) before starting any agent.
     if (options.stages !== undefined) {

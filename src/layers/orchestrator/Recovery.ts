@@ -32,6 +32,7 @@ import {
 import type { WarmPipeline } from "./PipelineSetup.js"
 import { poolNodeOf } from "./RunPlacement.js"
 import { driveRun, type UpdateSink } from "./RunWorld.js"
+import { generationProblem, threadsProblem } from "../../services/RequestChecks.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
 
@@ -184,7 +185,21 @@ export const generateRecovering = (
       return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
     }
     const prompt = typeof request.prompt === "string" ? warm.vocabulary.tokenize(request.prompt) : request.prompt
-    if (prompt.length === 0) return yield* new InvalidRequest({ message: "the prompt is empty" })
+    // The same checks and words as `swactor run` and serve (services/RequestChecks.ts): an id outside the vocabulary
+    // or a context the model cannot hold is the caller's mistake, refused before any stage hears of it.
+    const problem = generationProblem({
+      text: request.prompt,
+      tokens: prompt,
+      maxTokens,
+      contextLength: warm.facts.maxSeqLen,
+      vocabSize: warm.vocabulary.vocabSize,
+      maxTokensField: "maxTokens"
+    })
+    if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
+    if (request.threads !== undefined) {
+      const bad = threadsProblem(request.threads)
+      if (bad !== undefined) return yield* new InvalidRequest({ message: bad })
+    }
     if (maxAttempts === 0) return yield* driveRun(warm, request, updates, stopRequested, requestStart)
 
     const decoder = warm.vocabulary.decoder(prompt)

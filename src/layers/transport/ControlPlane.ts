@@ -18,6 +18,7 @@ import { type Duration, Effect, Exit, FiberSet, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { type ClusterToken, serverHandshake } from "./Auth.js"
 import { defaultListenAddress, netOptions, serveSockets } from "./Net.js"
+import { makeRefusalLog, peerAddress } from "./RefusalLog.js"
 
 export interface ServerOptions {
   readonly token: ClusterToken
@@ -107,6 +108,7 @@ export const makeSocketServer = (
       ? { _tag: "UnixAddress", path: bound.path }
       : { _tag: "TcpAddress", hostname: bound.host, port: bound.port }
 
+    const refusals = makeRefusalLog("control-plane connection")
     const run = <R, E, _>(handler: (socket: Socket.Socket) => Effect.Effect<_, E, R>) =>
       Effect.gen(function*() {
         const scope = yield* Scope.make()
@@ -115,11 +117,14 @@ export const makeSocketServer = (
         const serve = (conn: Net.Socket) =>
           serverHandshake(conn, { token: options.token, timeout: options.handshakeTimeout }).pipe(
             Effect.matchEffect({
-              onFailure: (e) =>
-                Effect.logWarning(`control-plane connection refused: ${e.detail}`).pipe(
+              onFailure: (e) => {
+                // One WARN line naming the peer, at most one per peer per 10 s (RefusalLog.ts): a flood cannot fill the log.
+                const line = refusals.refused(peerAddress(conn), e.detail)
+                return (line === undefined ? Effect.void : Effect.logWarning(line)).pipe(
                   Effect.annotateLogs("module", "ControlPlane"),
                   Effect.zipRight(Effect.sync(() => conn.destroy()))
-                ),
+                )
+              },
               onSuccess: (link) => {
                 const rpc = authenticatedSocket(
                   Effect.acquireRelease(

@@ -24,6 +24,7 @@ import { InboundCore } from "./InboundCore.js"
 import { defaultListenAddress, serveSockets } from "./Net.js"
 import { sharedMemoryReceiveCarrier, socketReceiveCarrier } from "./ReceiveCarrier.js"
 import { ShmRing } from "./ShmRing.js"
+import { makeRefusalLog, peerAddress } from "./RefusalLog.js"
 
 /**
  * Listen for data-plane connections. Every connection must pass the HMAC handshake, then attach to
@@ -79,11 +80,14 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       )
     }
 
+    const refusals = makeRefusalLog("data-plane connection")
     const onConnection = (raw: Net.Socket): void => {
       Runtime.runCallback(runtime)(serverHandshake(raw, { token: options.token, timeout: options.handshakeTimeout }), {
         onExit: (exit) => {
           if (Exit.isFailure(exit)) {
-            log(`data-plane connection from ${raw.remoteAddress ?? "unix socket"} refused: authentication failed`)
+            // at most one line per peer per 10 s (RefusalLog.ts): a flood cannot fill the log
+            const line = refusals.refused(peerAddress(raw), "authentication failed")
+            if (line !== undefined) log(line)
             raw.destroy()
             return
           }

@@ -1,0 +1,171 @@
+/**
+ * One validation of what `swactor run`, `swactor serve` and the library are asked to do: the same bounds and the same
+ * words everywhere, each check pure (no I/O), so every caller can run it before anything is spawned.
+ *
+ * Each check returns `undefined` when the value is fine, or the problem as one line. `field` is how the caller names
+ * the value (a flag such as `--max-tokens` on the command line, a JSON field such as `max_tokens` over HTTP).
+ */
+
+/** Engine threads per stage: the bounds the stage engine accepts (StageExecutorLive refuses others). */
+export const minThreads = 1
+export const maxThreads = 512
+
+/** Threads outside [1, 512] (or not a whole number). */
+export const threadsProblem = (threads: number, field = "threads"): string | undefined =>
+  Number.isSafeInteger(threads) && threads >= minThreads && threads <= maxThreads
+    ? undefined
+    : `${field} must be a whole number from ${minThreads} to ${maxThreads}, got ${threads}`
+
+/**
+ * Stages against the model's transformer blocks: every stage hosts at least one block, so a model of `numLayers`
+ * blocks splits into at most `numLayers` stages.
+ */
+export const stagesProblem = (stages: number, numLayers: number, field = "stages"): string | undefined => {
+  if (!Number.isSafeInteger(stages) || stages < 1) return `${field} must be a whole number of at least 1, got ${stages}`
+  return stages > numLayers
+    ? `${field} ${stages}: the model has ${numLayers} blocks, so it splits into at most ${numLayers} stages ` +
+      `(each stage hosts at least one block)`
+    : undefined
+}
+
+/** The words for an empty prompt, everywhere. */
+export const emptyPromptMessage = "the prompt is empty"
+
+/** A prompt with nothing in it: no token ids, or text that is empty or only white space. */
+export const isEmptyPrompt = (prompt: string | ReadonlyArray<number>): boolean =>
+  typeof prompt === "string" ? prompt.trim() === "" : prompt.length === 0
+
+/** Token ids a model can take: whole numbers in [0, vocabSize). Names the first one that is not. */
+export const tokenIdsProblem = (tokens: ReadonlyArray<number>, vocabSize: number): string | undefined => {
+  for (let i = 0; i < tokens.length; i++) {
+    const id = tokens[i]!
+    if (!(Number.isSafeInteger(id) && id >= 0 && id < vocabSize)) {
+      return `prompt token ${i} is ${id}: token ids are whole numbers from 0 to ${vocabSize - 1} (the model's vocabulary)`
+    }
+  }
+  return undefined
+}
+
+/**
+ * Does a generation of `maxTokens` after `promptTokens` fit a context of `contextLength` tokens?
+ *
+ * The rule: prompt + max tokens ≤ context. The whole sequence, prompt and every generated token, is at most the
+ * model's context (what it was trained on; OpenAI's rule too). The KV cache then needs one position less than that:
+ * it holds the prompt and every generated token fed back, and the last generated token is never fed back (the run
+ * ends on it), so prompt + max tokens = context uses context − 1 positions.
+ */
+export const fitsContext = (promptTokens: number, maxTokens: number, contextLength: number): boolean =>
+  promptTokens + maxTokens <= contextLength
+
+/** `maxTokens` is a whole number of at least 1. */
+export const maxTokensProblem = (maxTokens: number, field = "max tokens"): string | undefined =>
+  Number.isSafeInteger(maxTokens) && maxTokens >= 1 ? undefined : `${field} must be a whole number of at least 1, got ${maxTokens}`
+
+/** The context rule's refusal in words (`field` names max tokens: `--max-tokens`, `max_tokens`). */
+export const contextProblem = (
+  promptTokens: number,
+  maxTokens: number,
+  contextLength: number,
+  field = "max tokens"
+): string | undefined => {
+  if (fitsContext(promptTokens, maxTokens, contextLength)) return undefined
+  const room = contextLength - promptTokens
+  return `context too long: the prompt (${promptTokens} tokens) and ${maxTokens} new tokens (${field} ${maxTokens}) ` +
+    `do not fit the model's context of ${contextLength} tokens` +
+    (room > 0 ? `; at most ${field} ${room}` : "; the prompt alone fills it")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cluster token's strength
+// ---------------------------------------------------------------------------------------------
+
+/** The shortest cluster token accepted. */
+export const minTokenLength = 16
+/** The least estimated entropy of a cluster token accepted, in bits. */
+export const minTokenBits = 64
+/** How to make a good one, said in every refusal. */
+export const makeTokenHint = "make one with: openssl rand -hex 32"
+
+/** The size of the alphabet the token's characters were drawn from, judged by the classes it uses. */
+const classAlphabet = (token: string): number => {
+  let lower = false
+  let upper = false
+  let digit = false
+  let symbol = false
+  let other = false
+  for (const ch of token) {
+    if (ch >= "a" && ch <= "z") lower = true
+    else if (ch >= "A" && ch <= "Z") upper = true
+    else if (ch >= "0" && ch <= "9") digit = true
+    else if (ch >= " " && ch <= "~") symbol = true
+    else other = true
+  }
+  return (lower ? 26 : 0) + (upper ? 26 : 0) + (digit ? 10 : 0) + (symbol ? 33 : 0) + (other ? 100 : 0)
+}
+
+/** The shortest prefix the whole token repeats ("abcabcab" → 3); the token's length when it repeats none. */
+const shortestPeriod = (codes: ReadonlyArray<number>): number => {
+  for (let p = 1; p < codes.length; p++) {
+    let periodic = true
+    for (let i = p; i < codes.length && periodic; i++) periodic = codes[i] === codes[i - p]
+    if (periodic) return p
+  }
+  return codes.length
+}
+
+/**
+ * A conservative estimate of a token's entropy in bits: within its shortest repeating part, each character that is
+ * not predictable from the ones before it (a repeat of the one before, or the next step of a run such as "abcd" or
+ * "9876" after its first three characters) adds
+ * log2 of the alphabet its character classes span. A repeated or sequential token scores near zero; random hex of
+ * 32 characters scores over 128 (its true entropy is 128).
+ */
+export const estimateTokenBits = (token: string): number => {
+  const codes = Array.from(token, (ch) => ch.codePointAt(0)!)
+  const part = codes.slice(0, shortestPeriod(codes))
+  let free = 0
+  for (let i = 0; i < part.length; i++) {
+    const repeat = i >= 1 && part[i] === part[i - 1]
+    // a step seen twice before ("ab" then "c"? no: "abc" then "d") continues a run
+    const step = i >= 3 && part[i]! - part[i - 1]! === part[i - 1]! - part[i - 2]! &&
+      part[i - 1]! - part[i - 2]! === part[i - 2]! - part[i - 3]!
+    if (!repeat && !step) free++
+  }
+  const alphabet = classAlphabet(token)
+  return alphabet <= 1 ? 0 : free * Math.log2(alphabet)
+}
+
+/** A cluster token too short or too predictable to keep strangers out; `source` says where it came from. */
+export const clusterTokenProblem = (token: string, source: string): string | undefined => {
+  const length = [...token].length
+  if (length < minTokenLength) {
+    return `the cluster token from ${source} is too short: ${length} characters, at least ${minTokenLength}; ${makeTokenHint}`
+  }
+  const bits = estimateTokenBits(token)
+  if (bits < minTokenBits) {
+    return `the cluster token from ${source} is weak: about ${Math.floor(bits)} bits of entropy (repeated or sequential ` +
+      `characters), at least ${minTokenBits}; ${makeTokenHint}`
+  }
+  return undefined
+}
+
+/**
+ * A generation request against its model, in the order a caller hears about it: an empty prompt, max tokens, token
+ * ids outside the vocabulary, then prompt + max tokens against the context. `text` is the prompt as given (white
+ * space only is empty), `tokens` the prompt's token ids (the text tokenized, or the ids as given).
+ */
+export const generationProblem = (request: {
+  readonly text: string | ReadonlyArray<number>
+  readonly tokens: ReadonlyArray<number>
+  readonly maxTokens: number
+  readonly contextLength: number
+  readonly vocabSize: number
+  /** How the caller names max tokens (`--max-tokens`, `max_tokens`, `maxTokens`). */
+  readonly maxTokensField?: string
+}): string | undefined => {
+  const field = request.maxTokensField ?? "max tokens"
+  if (isEmptyPrompt(request.text) || request.tokens.length === 0) return emptyPromptMessage
+  return maxTokensProblem(request.maxTokens, field) ??
+    tokenIdsProblem(request.tokens, request.vocabSize) ??
+    contextProblem(request.tokens.length, request.maxTokens, request.contextLength, field)
+}
