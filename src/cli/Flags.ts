@@ -83,6 +83,22 @@ export const nodeList = (text: string): Effect.Effect<ReadonlyArray<string>, Usa
     return nodes
   })
 
+/** A comma-separated list flag: each item checked by `bad` (a reason, or undefined when good); none given is []. */
+export const listFlag = (
+  flag: string,
+  value: Option.Option<string>,
+  bad: (item: string) => string | undefined
+): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  Effect.gen(function*() {
+    if (Option.isNone(value)) return []
+    const items = value.value.split(",").map((item) => item.trim()).filter((item) => item !== "")
+    for (const item of items) {
+      const reason = bad(item)
+      if (reason !== undefined) return yield* fail(`--${flag}: "${item}" is not valid: ${reason}`)
+    }
+    return items
+  })
+
 /** `Options.withDefault` that also says the default in `--help`. */
 export const withShownDefault = <B>(value: B, shown: string = String(value)) =>
 <A>(self: Options.Options<A>): Options.Options<A | B> =>

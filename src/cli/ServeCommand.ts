@@ -10,7 +10,8 @@ import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import { Server } from "../services/Server.js"
-import { clusterToken, nodeList, optionalThreads, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
+import { atLeast, clusterToken, listFlag, nodeList, optionalThreads, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
+import { defaultHttpLimits } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
 import { readModelFacts } from "../api/modelFacts.js"
 import { stagesProblem } from "../services/RequestChecks.js"
@@ -29,6 +30,13 @@ export interface ServeArgs {
   /** Prompt tokens a request may have at most (default: the model's context, at most 32,768). */
   readonly maxPromptTokens?: Option.Option<number>
   readonly keepAliveMs: number
+  /** The HTTP front's limits (HttpGuard.ts). */
+  readonly maxBodyMib: number
+  readonly maxConnections: number
+  readonly headerTimeoutMs: number
+  readonly bodyTimeoutMs: number
+  readonly allowedOrigins: Option.Option<string>
+  readonly allowedHosts: Option.Option<string>
   readonly spares: number
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
@@ -59,6 +67,14 @@ const runServe = (args: ServeArgs) =>
       const problem = stagesProblem(plannedStages, facts.numLayers, "--stages")
       if (problem !== undefined) return yield* new UsageError({ message: problem })
     }
+    yield* atLeast("max-body-mib", args.maxBodyMib, 0.001)
+    yield* wholeNumber("max-connections", args.maxConnections, 1)
+    yield* wholeNumber("header-timeout-ms", args.headerTimeoutMs, 1)
+    yield* wholeNumber("body-timeout-ms", args.bodyTimeoutMs, 1)
+    const allowedOrigins = yield* listFlag("allowed-origins", args.allowedOrigins, (origin) =>
+      origin === "*" || /^https?:\/\/[^/\s]+$/.test(origin) ? undefined : "an origin is scheme://host[:port], e.g. http://localhost:3000, or *")
+    const allowedHosts = yield* listFlag("allowed-hosts", args.allowedHosts, (host) =>
+      /^[^\s/:]+$/.test(host) ? undefined : "a host name without scheme or port, e.g. llm.example.lan, or *")
     const server = serve({
       model: args.model,
       parallel: args.parallel,
@@ -78,6 +94,14 @@ const runServe = (args: ServeArgs) =>
       host: args.host,
       port: args.port,
       keepAliveMillis: args.keepAliveMs,
+      limits: {
+        maxBodyBytes: Math.round(args.maxBodyMib * 2 ** 20),
+        maxConnections: args.maxConnections,
+        headerTimeoutMillis: args.headerTimeoutMs,
+        bodyTimeoutMillis: args.bodyTimeoutMs,
+        allowedOrigins,
+        allowedHosts
+      },
       onListening: ({ host, port }) => process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)\n`)
     }, args.model)
     // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),
@@ -139,6 +163,30 @@ export const serveCommand = Command.make(
         "prompt tokens a request may have at most; more get 400, a text whose length alone says so before it is tokenized " +
           "(default: the model's context length, at most 32768)"
       ),
+      Options.optional
+    ),
+    maxBodyMib: Options.float("max-body-mib").pipe(
+      Options.withDescription("request body MiB at most (counted while it arrives; 413 beyond)"),
+      withShownDefault(defaultHttpLimits.maxBodyBytes / 2 ** 20)
+    ),
+    maxConnections: Options.integer("max-connections").pipe(
+      Options.withDescription("open HTTP connections at most; more are refused at the socket"),
+      withShownDefault(defaultHttpLimits.maxConnections)
+    ),
+    headerTimeoutMs: Options.integer("header-timeout-ms").pipe(
+      Options.withDescription("a connection must send its request headers within this"),
+      withShownDefault(defaultHttpLimits.headerTimeoutMillis)
+    ),
+    bodyTimeoutMs: Options.integer("body-timeout-ms").pipe(
+      Options.withDescription("a request body must arrive whole within this (408 beyond)"),
+      withShownDefault(defaultHttpLimits.bodyTimeoutMillis)
+    ),
+    allowedOrigins: Options.text("allowed-origins").pipe(
+      Options.withDescription("origins whose web pages may call the API, with CORS: http://host:port,... or * (default: none)"),
+      Options.optional
+    ),
+    allowedHosts: Options.text("allowed-hosts").pipe(
+      Options.withDescription("host names requests may be addressed to besides the listen address and loopback: name,... or *"),
       Options.optional
     ),
     keepAliveMs: Options.integer("keep-alive-ms").pipe(

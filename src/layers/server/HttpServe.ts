@@ -15,6 +15,7 @@
  * handler, which cancels the run (its stages stop, its KV is freed).
  */
 import { createServer, type Server as NodeServer } from "node:http"
+import type { Socket } from "node:net"
 import { basename } from "node:path"
 import { randomBytes } from "node:crypto"
 import * as HttpRouter from "@effect/platform/HttpRouter"
@@ -22,7 +23,8 @@ import * as HttpServer from "@effect/platform/HttpServer"
 import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import * as NodeHttpServer from "@effect/platform-node/NodeHttpServer"
-import { Chunk, Effect, Exit, Layer, Option, ParseResult, Schema, Scope, Stream } from "effect"
+import * as NodeHttpServerRequest from "@effect/platform-node/NodeHttpServerRequest"
+import { Cause, Chunk, Effect, Exit, Layer, Option, ParseResult, Schema, Scope, Stream } from "effect"
 import {
   type FinishReason,
   Server,
@@ -31,6 +33,18 @@ import {
   type ServeRequest,
   type ServerMetrics
 } from "../../services/Server.js"
+import {
+  checkCaller,
+  checkJsonContentType,
+  clip,
+  declaredTooLarge,
+  defaultHttpLimits,
+  EdgeRefusal,
+  type HttpLimits,
+  parseJson,
+  readBody,
+  withoutAddresses
+} from "./HttpGuard.js"
 
 // --- bodies ---
 
@@ -80,15 +94,26 @@ class HttpFailure {
   ) {}
 }
 
-const errorJson = (failure: HttpFailure) => ({
-  error: { message: failure.message, type: failure.type, param: null, code: failure.code }
+const errorJson = (failure: HttpFailure | EdgeRefusal) => ({
+  error: { message: clip(failure.message), type: failure.type, param: null, code: failure.code }
 })
 
-const errorResponse = (failure: HttpFailure) =>
+const errorResponse = (failure: HttpFailure | EdgeRefusal) =>
   HttpServerResponse.unsafeJson(errorJson(failure), {
     status: failure.status,
-    ...(failure.retryAfter === undefined ? {} : { headers: { "retry-after": String(failure.retryAfter) } })
+    headers: {
+      ...(failure instanceof HttpFailure && failure.retryAfter !== undefined ? { "retry-after": String(failure.retryAfter) } : {}),
+      // A body refused before it was read whole: the connection is not reused (what is left of the body is never read).
+      ...(failure.status === 413 || failure.status === 408 ? { connection: "close" } : {})
+    }
   })
+
+/** A server-side fault in words for the client, without agents' addresses; the whole message goes to the log. */
+const faultForClient = (message: string): string => {
+  const reference = randomBytes(4).toString("hex")
+  process.stderr.write(`swactor serve: request failed [${reference}]: ${message}\n`)
+  return `${withoutAddresses(message)} [log reference ${reference}]`
+}
 
 const fromServeError = (error: ServeError): HttpFailure => {
   switch (error._tag) {
@@ -101,23 +126,23 @@ const fromServeError = (error: ServeError): HttpFailure => {
     case "ServerReviving":
       return new HttpFailure(503, "server_error", error.message, "reviving", error.retryAfterSeconds)
     case "PipelineFaulted":
-      return new HttpFailure(500, "server_error", `the pipeline faulted: ${error.message}`, "pipeline_faulted")
+      return new HttpFailure(500, "server_error", faultForClient(`the pipeline faulted: ${error.message}`), "pipeline_faulted")
     default:
-      return new HttpFailure(500, "server_error", String((error as { message?: unknown }).message ?? error))
+      return new HttpFailure(500, "server_error", faultForClient(String((error as { message?: unknown }).message ?? error)))
   }
 }
 
-const badBody = (error: unknown) =>
+/** A body that does not fit the route's schema: each issue with its path, each clipped (a bad value is not echoed whole). */
+const badBody = (error: ParseResult.ParseError) =>
   new HttpFailure(
     400,
     "invalid_request_error",
-    ParseResult.isParseError(error)
-      ? `bad request body: ${
-        ParseResult.ArrayFormatter.formatErrorSync(error)
-          .map((issue) => `${issue.path.length > 0 ? `${issue.path.join(".")}: ` : ""}${issue.message}`)
-          .join("; ")
-      }`
-      : `bad request body: ${"message" in (error as object) ? (error as { message: string }).message : String(error)}`
+    clip(`bad request body: ${
+      ParseResult.ArrayFormatter.formatErrorSync(error)
+        .slice(0, 4)
+        .map((issue) => `${issue.path.length > 0 ? `${issue.path.join(".")}: ` : ""}${clip(issue.message, 160)}`)
+        .join("; ")
+    }`)
   )
 
 // --- requests ---
@@ -147,6 +172,14 @@ const serveRequest = (body: CompletionBody | ChatBody, prompt: ServeRequest["pro
       stop: [...stop, ...extraStop]
     } satisfies ServeRequest
   })
+
+/** Token ids as given: whole numbers ≥ 0 (their range against the vocabulary is the Server's check). */
+const tokenIds = (ids: ReadonlyArray<number>): Effect.Effect<ReadonlyArray<number>, HttpFailure> => {
+  const at = ids.findIndex((id) => !Number.isSafeInteger(id) || id < 0)
+  return at < 0
+    ? Effect.succeed(ids)
+    : Effect.fail(new HttpFailure(400, "invalid_request_error", `prompt[${at}]: a token id must be a whole number ≥ 0, got ${ids[at]}`))
+}
 
 // --- responses ---
 
@@ -199,7 +232,12 @@ export interface HttpServeOptions {
   readonly onListening?: (address: { readonly host: string; readonly port: number }) => void
   /** The model's name in responses (default: the file's name). */
   readonly modelName?: string
+  /** Body, connection and caller limits (HttpGuard.ts; defaults there). */
+  readonly limits?: Partial<HttpLimits>
 }
+
+/** The limits with their defaults filled in. */
+export const limitsOf = (options: HttpServeOptions): HttpLimits => ({ ...defaultHttpLimits, ...options.limits })
 
 const respond = (
   server: Server["Type"],
@@ -360,8 +398,23 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   return `${lines.join("\n")}\n`
 }
 
+/** The Prometheus text of the HTTP front's connection counts (none without them). */
+const renderConnections = (c: ConnectionStats | undefined): string =>
+  c === undefined ? "" : [
+    "# HELP swactor_http_connections_open HTTP connections open now",
+    "# TYPE swactor_http_connections_open gauge",
+    `swactor_http_connections_open ${c.open}`,
+    "# HELP swactor_http_connections_refused_total Connections closed at once: the limit was reached and every open one was busy",
+    "# TYPE swactor_http_connections_refused_total counter",
+    `swactor_http_connections_refused_total ${c.refused}`,
+    "# HELP swactor_http_connections_dropped_total Connections closed before they sent a request (header timeout, or room for a new one)",
+    "# TYPE swactor_http_connections_dropped_total counter",
+    `swactor_http_connections_dropped_total ${c.dropped}`,
+    ""
+  ].join("\n")
+
 /** The HTTP routes over the Server in context. */
-export const router = (options: HttpServeOptions, modelPath: string) =>
+export const router = (options: HttpServeOptions, modelPath: string, connections?: ConnectionStats) =>
   Effect.gen(function*() {
     const server = yield* Server
     const modelName = options.modelName ?? basename(modelPath)
@@ -372,11 +425,25 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
       model: modelName,
       chat
     })
-    const handle = (effect: Effect.Effect<HttpServerResponse.HttpServerResponse, HttpFailure | ServeError, HttpServerRequest.HttpServerRequest>) =>
+    const limits = limitsOf(options)
+    const handle = (
+      effect: Effect.Effect<HttpServerResponse.HttpServerResponse, HttpFailure | EdgeRefusal | ServeError, HttpServerRequest.HttpServerRequest>
+    ) =>
       effect.pipe(
-        Effect.catchAll((failure) => Effect.succeed(errorResponse(failure instanceof HttpFailure ? failure : fromServeError(failure))))
+        Effect.catchAll((failure) =>
+          Effect.succeed(errorResponse(failure instanceof HttpFailure || failure instanceof EdgeRefusal ? failure : fromServeError(failure)))
+        )
       )
-    const body = <A, I>(schema: Schema.Schema<A, I>) => HttpServerRequest.schemaBodyJson(schema).pipe(Effect.mapError(badBody))
+    // JSON only, counted while it arrives, nested at most maxJsonDepth, then the route's schema.
+    const body = <A, I>(schema: Schema.Schema<A, I>) =>
+      Effect.gen(function*() {
+        const request = yield* HttpServerRequest.HttpServerRequest
+        const wrongType = checkJsonContentType(request.headers["content-type"])
+        if (wrongType !== undefined) return yield* Effect.fail(wrongType)
+        const text = yield* readBody(NodeHttpServerRequest.toIncomingMessage(request), limits)
+        const json = yield* parseJson(text)
+        return yield* Schema.decodeUnknown(schema, { errors: "first" })(json).pipe(Effect.mapError(badBody))
+      })
 
     return HttpRouter.empty.pipe(
       HttpRouter.get(
@@ -423,7 +490,7 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
         Effect.gen(function*() {
           const status = yield* server.status
           const metrics = yield* server.metrics
-          return HttpServerResponse.text(renderMetrics(metrics, status._tag.toLowerCase()), {
+          return HttpServerResponse.text(renderMetrics(metrics, status._tag.toLowerCase()) + renderConnections(connections), {
             contentType: "text/plain; version=0.0.4"
           })
         })
@@ -437,7 +504,7 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
             : request.prompt.length === 1 && typeof request.prompt[0] === "string"
             ? request.prompt[0]
             : request.prompt.every((p) => typeof p === "number")
-            ? request.prompt as ReadonlyArray<number>
+            ? yield* tokenIds(request.prompt as ReadonlyArray<number>)
             : yield* Effect.fail(new HttpFailure(400, "invalid_request_error", "prompt must be one string or an array of token ids"))
           const serve = yield* serveRequest(request, prompt, orUndefined(request.max_tokens) ?? 16)
           return yield* respond(server, shape(false), serve, request.stream === true, request.stream_options?.include_usage === true, keepAliveMillis)
@@ -465,21 +532,151 @@ export const router = (options: HttpServeOptions, modelPath: string) =>
     )
   }).pipe(Effect.flatten)
 
+const corsHeaders = (origin: string) => ({
+  "access-control-allow-origin": origin,
+  "access-control-allow-methods": "GET, POST, OPTIONS",
+  "access-control-allow-headers": "authorization, content-type, x-api-key",
+  "access-control-max-age": "600",
+  vary: "origin"
+})
+
+/**
+ * Every request passes the caller check first (Host against the listen address, Origin against `--allowed-origins`);
+ * an allowed cross-origin page gets CORS headers and its preflight answered, none otherwise. A defect in a handler
+ * is a 500 in OpenAI's shape (the detail in the log), never an empty answer.
+ */
+const guarded = (
+  routes: Effect.Effect<HttpServerResponse.HttpServerResponse, unknown, HttpServerRequest.HttpServerRequest>,
+  listenHost: string,
+  limits: HttpLimits
+) =>
+  Effect.gen(function*() {
+    const request = yield* HttpServerRequest.HttpServerRequest
+    const refusal = checkCaller(request.headers, listenHost, limits)
+    if (refusal !== undefined) return errorResponse(refusal)
+    const origin = request.headers["origin"]
+    const cors = origin !== undefined && (limits.allowedOrigins.includes("*") || limits.allowedOrigins.includes(origin))
+    if (request.method === "OPTIONS") {
+      return cors
+        ? HttpServerResponse.empty({ status: 204, headers: corsHeaders(origin) })
+        : errorResponse(new HttpFailure(405, "invalid_request_error", "OPTIONS is answered only for --allowed-origins"))
+    }
+    const response = yield* routes.pipe(
+      Effect.catchAllCause((cause) => {
+        if (Cause.isInterruptedOnly(cause)) return Effect.failCause(cause as Cause.Cause<never>)
+        const failure = Cause.failureOption(cause)
+        if (Option.isSome(failure) && (failure.value as { _tag?: unknown })._tag === "RouteNotFound") {
+          return Effect.succeed(errorResponse(new HttpFailure(404, "invalid_request_error", "no such route")))
+        }
+        return Effect.succeed(errorResponse(new HttpFailure(500, "server_error", faultForClient(Cause.pretty(cause).split("\n")[0] ?? "a defect"))))
+      })
+    )
+    return cors ? HttpServerResponse.setHeaders(response, corsHeaders(origin)) : response
+  })
+
+/** The HTTP server could not listen (address in use, not permitted, no such address): one line that says so. */
+export class ListenError extends Schema.TaggedError<ListenError>()("ListenError", { message: Schema.String }) {}
+
+const listenError = (host: string, port: number, cause: unknown) => {
+  const code = (cause as NodeJS.ErrnoException | undefined)?.code
+  const why = code === "EADDRINUSE"
+    ? "the address is in use (another server listens there; pick another --port, or 0 for any free one)"
+    : code === "EACCES"
+    ? "not permitted (ports below 1024 need privileges)"
+    : code === "EADDRNOTAVAIL"
+    ? "this machine has no such address (--host)"
+    : (cause as Error | undefined)?.message ?? String(cause)
+  return new ListenError({ message: `cannot listen on ${host}:${port}: ${why}${code === undefined ? "" : ` (${code})`}` })
+}
+
+/** The HTTP front's connection counts, for /metrics. */
+export interface ConnectionStats {
+  open: number
+  /** Connections closed at once: the limit was reached and none was silent. */
+  refused: number
+  /** Silent connections (no request yet) closed: to make room for a new one, or past the header timeout. */
+  dropped: number
+}
+
+/**
+ * Node's HTTP server with the connection limits. At most `maxConnections` are open: a new one past the limit takes the
+ * place of the oldest connection that has not sent a request for 250 ms (a quarter of the header timeout when
+ * shorter), so idle connections cannot lock callers out; it is closed at once when there is none such (a burst that
+ * fills every place within 250 ms is refused until then). A connection must send its first request's headers within
+ * `headerTimeoutMillis` (Node's own `headersTimeout` covers headers that trickle; a silent connection is closed here);
+ * a request must be received whole within the body timeout (Node's `requestTimeout` backs up readBody's own, which
+ * answers in OpenAI's shape). `Expect: 100-continue` with a Content-Length over the limit is refused before the body
+ * is sent.
+ */
+const makeNodeServer = (limits: HttpLimits, stats: ConnectionStats): NodeServer => {
+  const server = createServer({ headersTimeout: limits.headerTimeoutMillis, requestTimeout: limits.bodyTimeoutMillis + 5_000 })
+  server.keepAliveTimeout = 5_000
+  const open = new Set<Socket>()
+  // Connections that have not sent a request yet, oldest first, with their header timers and when they came.
+  const silent = new Map<Socket, { readonly timer: NodeJS.Timeout; readonly at: number }>()
+  // A silent connection younger than this may be a caller whose headers are on their way: it is not dropped for room.
+  const graceMillis = Math.min(250, limits.headerTimeoutMillis / 4)
+  const spoke = (socket: Socket) => {
+    const entry = silent.get(socket)
+    if (entry === undefined) return
+    clearTimeout(entry.timer)
+    silent.delete(socket)
+  }
+  const drop = (socket: Socket) => {
+    spoke(socket)
+    stats.dropped++
+    socket.destroy()
+  }
+  server.on("connection", (socket: Socket) => {
+    if (open.size >= limits.maxConnections) {
+      const oldest = silent.entries().next()
+      if (oldest.done === true || performance.now() - oldest.value[1].at < graceMillis) {
+        stats.refused++
+        socket.destroy()
+        return
+      }
+      drop(oldest.value[0])
+    }
+    open.add(socket)
+    stats.open = open.size
+    const timer = setTimeout(() => drop(socket), limits.headerTimeoutMillis)
+    timer.unref()
+    silent.set(socket, { timer, at: performance.now() })
+    socket.once("close", () => {
+      spoke(socket)
+      open.delete(socket)
+      stats.open = open.size
+    })
+  })
+  server.prependListener("request", (request) => spoke(request.socket))
+  server.on("checkContinue", (request, response) => {
+    spoke(request.socket)
+    const refusal = declaredTooLarge(request.headers["content-length"], limits.maxBodyBytes)
+    if (refusal === undefined) {
+      response.writeContinue()
+      server.emit("request", request, response)
+      return
+    }
+    response.writeHead(413, { "content-type": "application/json", connection: "close" })
+    response.end(JSON.stringify(errorJson(refusal)))
+  })
+  return server
+}
+
 /**
  * Serves the routes on Node's HTTP server until the scope closes; open connections are cut on close (their
- * runs are cancelled), so shutting down never waits on a client.
+ * runs are cancelled), so shutting down never waits on a client. Fails with a ListenError when it cannot listen.
  */
-export const layer = (options: HttpServeOptions, modelPath: string): Layer.Layer<never, never, Server> => {
+export const layer = (options: HttpServeOptions, modelPath: string): Layer.Layer<never, ListenError, Server> => {
+  const limits = limitsOf(options)
+  const host = options.host ?? "127.0.0.1"
+  const port = options.port ?? 8080
   let nodeServer: NodeServer | undefined
-  const evaluate = () => (nodeServer = createServer())
-  const app = Layer.unwrapEffect(Effect.map(router(options, modelPath), (routes) =>
-    HttpServer.serve(
-      routes.pipe(
-        Effect.catchTag("RouteNotFound", () =>
-          Effect.succeed(errorResponse(new HttpFailure(404, "invalid_request_error", "no such route")))
-        )
-      )
-    )))
+  const connections: ConnectionStats = { open: 0, refused: 0, dropped: 0 }
+  const evaluate = () => (nodeServer = makeNodeServer(limits, connections))
+  const app = Layer.unwrapEffect(
+    Effect.map(router(options, modelPath, connections), (routes) => HttpServer.serve(guarded(routes, host, limits)))
+  )
   const announce = Layer.scopedDiscard(
     Effect.gen(function*() {
       const server = yield* HttpServer.HttpServer
@@ -488,8 +685,9 @@ export const layer = (options: HttpServeOptions, modelPath: string): Layer.Layer
     })
   )
   return Layer.mergeAll(app, announce).pipe(
-    Layer.provide(NodeHttpServer.layer(evaluate, { port: options.port ?? 8080, host: options.host ?? "127.0.0.1" })),
-    Layer.orDie
+    Layer.provide(
+      NodeHttpServer.layer(evaluate, { port, host }).pipe(Layer.mapError((error) => listenError(host, port, error.cause)))
+    )
   )
 }
 
