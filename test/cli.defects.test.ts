@@ -51,7 +51,7 @@ const expectRefused = (ran: Ran, command: string, pattern: RegExp) => {
 
 describe("swactor run / node: every flag checked before anything starts", () => {
   it("swactor serve: --threads 0, --nodes \",\", --token-file /missing, --port 70000 are refused in one line", async () => {
-    expectRefused(await swactor(["serve", "--model", model(), "--threads", "0"]), "serve", /--threads must be a whole number of at least 1, got 0/)
+    expectRefused(await swactor(["serve", "--model", model(), "--threads", "0"]), "serve", /--threads must be a whole number from 1 to 512, got 0/)
     expectRefused(await swactor(["serve", "--model", model(), "--nodes", ","]), "serve", /--nodes "," names no node/)
     expectRefused(await swactor(["serve", "--model", model(), "--token-file", "/missing"]), "serve", /--token-file \/missing: cannot read it/)
     expectRefused(await swactor(["serve", "--model", model(), "--port", "70000"]), "serve", /--port must be at most 65535/)
@@ -63,7 +63,7 @@ describe("swactor run / node: every flag checked before anything starts", () => 
   })
 
   it("--threads 0 is refused (run and node), not passed on to crash an agent", async () => {
-    expectRefused(await swactor(["run", "--model", model(), "--threads", "0"]), "run", /--threads must be a whole number of at least 1, got 0/)
+    expectRefused(await swactor(["run", "--model", model(), "--threads", "0"]), "run", /--threads must be a whole number from 1 to 512, got 0/)
     expectRefused(await swactor(["node", "--threads", "0"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "node", /--threads .* got 0/)
   })
 
@@ -81,7 +81,7 @@ describe("swactor run / node: every flag checked before anything starts", () => 
 
   it("prompt + max tokens must fit the context: refused up front, not a ContextOverflow at the end", async () => {
     const ran = await swactor(["run", "--model", model(), "--max-tokens", "2048", "--prompt", "Once upon a time"])
-    expectRefused(ran, "run", /--max-tokens 2048: the prompt \(5 tokens\) and 2048 new tokens do not fit the model's context of 2048 tokens; at most --max-tokens 2043/)
+    expectRefused(ran, "run", /context too long: the prompt \(5 tokens\) and 2048 new tokens \(--max-tokens 2048\) do not fit the model's context of 2048 tokens; at most --max-tokens 2043/)
     expect(ran.millis).toBeLessThan(10_000)
   })
 
@@ -139,7 +139,7 @@ describe("swactor run / node: messages and streams", () => {
     await new Promise((resolve) => setTimeout(resolve, 300))
     child.kill("SIGTERM")
     await new Promise((resolve) => child.on("exit", resolve))
-    expect(stderr).toMatch(/control-plane connection refused/)
+    expect(stderr).toMatch(/control-plane connection from 127\.0\.0\.1 refused/)
     expect(stdout.trim().split("\n").every((line) => line.startsWith("swactor-node-ready "))).toBe(true)
   })
 

@@ -124,7 +124,7 @@ describe("Server (library, in-memory agents)", () => {
       assert.strictEqual(tooBig._tag, "BadServeRequest")
       assert.match(tooBig.message, /context too long/)
       const overContext = yield* Effect.flip(Stream.runDrain(server.generate({ prompt: "Once", maxTokens: 5000 })))
-      assert.match(overContext.message, /5 prompt tokens \+ 5000 max tokens exceed the model's context of \d+ tokens/)
+      assert.match(overContext.message, /context too long: the prompt \(5 tokens\) and 5000 new tokens \(max_tokens 5000\) do not fit the model's context of \d+ tokens/)
       const badTopP = yield* Effect.flip(Stream.runDrain(server.generate({ prompt: "Once", sampling: { topP: 0 } })))
       assert.match(badTopP.message, /top_p/)
     }).pipe(Effect.scoped))
