@@ -56,8 +56,7 @@ const summary = async (response: Response) => {
 const httpCase = async (name: string, run: () => Promise<string>) => {
   if (only !== undefined && !only.some((o) => name.includes(o))) return
   const watch = watchStreams(url)
-  const until = Date.now() + 10_000
-  while (watch.tokens() < 3 && Date.now() < until) await sleep(5)
+  await watch.started
   const started = performance.now()
   let answer: string
   try {

@@ -59,7 +59,7 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
   /** Runs a case while greedy streams run beside it; they must keep their pace and their text. */
   const beside = async <A>(run: () => Promise<A>): Promise<A> => {
     const watch = watchStreams(server.url)
-    while (watch.tokens() < 3) await sleep(10)
+    await watch.started
     const result = await run()
     const seen = await watch.stop()
     assert.deepStrictEqual(seen.errors, [])

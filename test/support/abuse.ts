@@ -3,8 +3,10 @@
  * send them (stalled bodies, silent connections, floods), and a watch on a concurrent stream: its largest gap
  * between tokens while a case runs. Used by test/serve.edge.test.ts and `npm run bench:abuse` (bench/abuse.ts).
  */
+import { spawn } from "node:child_process"
 import { connect, type Socket } from "node:net"
 import { readFileSync } from "node:fs"
+import { fileURLToPath } from "node:url"
 
 export const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
 
@@ -102,81 +104,45 @@ export const residentBytes = (pid: number): number => {
 
 /**
  * Greedy streams one after another until stopped, recording the gaps between their tokens (not between streams):
- * what a concurrent user sees while a case runs. `stop` gives the largest gap, the median, the number of tokens, the
- * streams' texts (each must equal the lone greedy text), errors, and connections refused before an answer (retried).
+ * what a concurrent user sees while a case runs. They run in a process of their own (watchStreams.mjs), so the work
+ * of sending a case (building a big body, opening many sockets) never shows as a gap. `started` resolves once three
+ * tokens came; `stop` gives the largest gap, the median, the number of tokens, the streams' texts (each must equal the
+ * lone greedy text), errors, and connections refused before an answer (retried, as clients do).
  */
 export const watchStreams = (url: string, prompt = "Once upon a time", maxTokens = 48) => {
-  let stopped = false
-  const gaps: Array<number> = []
-  const texts: Array<string> = []
-  const errors: Array<string> = []
-  let refusedConnections = 0
-  const loop = (async () => {
-    while (!stopped) {
-      let answered = false
-      try {
-        const response = await fetch(`${url}/v1/completions`, {
-          method: "POST",
-          headers: { "content-type": "application/json" },
-          body: JSON.stringify({ prompt, max_tokens: maxTokens, temperature: 0, stream: true })
-        })
-        answered = true
-        if (response.status !== 200) {
-          errors.push(`status ${response.status}: ${await response.text()}`)
-          await sleep(100)
-          continue
-        }
-        const reader = response.body!.getReader()
-        const decoder = new TextDecoder()
-        let buffer = ""
-        let text = ""
-        let last: number | undefined
-        for (;;) {
-          const { done, value } = await reader.read()
-          if (done) break
-          buffer += decoder.decode(value, { stream: true })
-          let end = buffer.indexOf("\n\n")
-          while (end >= 0) {
-            const line = buffer.slice(0, end)
-            buffer = buffer.slice(end + 2)
-            end = buffer.indexOf("\n\n")
-            if (!line.startsWith("data: ") || line === "data: [DONE]") continue
-            const data = JSON.parse(line.slice(6)) as { choices?: Array<{ text?: string }>; error?: { message: string } }
-            if (data.error !== undefined) errors.push(data.error.message)
-            const piece = data.choices?.[0]?.text ?? ""
-            if (piece === "") continue
-            const now = performance.now()
-            if (last !== undefined) gaps.push(now - last)
-            last = now
-            text += piece
-          }
-        }
-        texts.push(text)
-      } catch (error) {
-        // A connection refused or reset before any answer (a full server refuses at the socket) is retried, as
-        // clients do, and counted; anything else is an error.
-        const code = ((error as Error).cause as NodeJS.ErrnoException | undefined)?.code
-        if (!answered && (code === "ECONNRESET" || code === "ECONNREFUSED" || code === "UND_ERR_SOCKET")) refusedConnections++
-        else errors.push(`${String(error)} ${String((error as Error).cause)}`)
-        await sleep(50)
-      }
+  const child = spawn(process.execPath, [fileURLToPath(new URL("./watchStreams.mjs", import.meta.url)), url, prompt, String(maxTokens)], {
+    stdio: ["pipe", "pipe", "inherit"]
+  })
+  let output = ""
+  let onLine: (() => void) | undefined
+  child.stdout!.setEncoding("utf8")
+  child.stdout!.on("data", (chunk: string) => {
+    output += chunk
+    onLine?.()
+  })
+  const started = new Promise<void>((resolve, reject) => {
+    onLine = () => {
+      if (output.includes("started\n")) resolve()
     }
-  })()
+    child.once("exit", () => reject(new Error(`the stream watcher exited before it started: ${output}`)))
+  })
   return {
-    /** Tokens seen so far. */
-    tokens: () => gaps.length,
-    stop: async () => {
-      stopped = true
-      await loop
-      const sorted = [...gaps].sort((a, b) => a - b)
-      return {
-        maxGapMillis: sorted.at(-1) ?? 0,
-        medianGapMillis: sorted[Math.floor(sorted.length / 2)] ?? 0,
-        tokens: gaps.length,
-        texts,
-        errors,
-        refusedConnections
-      }
+    started,
+    stop: async (): Promise<StreamWatch> => {
+      const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()))
+      child.stdin!.end()
+      await exited
+      const last = output.trim().split("\n").at(-1) ?? "{}"
+      return JSON.parse(last) as StreamWatch
     }
   }
+}
+
+export interface StreamWatch {
+  readonly maxGapMillis: number
+  readonly medianGapMillis: number
+  readonly tokens: number
+  readonly texts: ReadonlyArray<string>
+  readonly errors: ReadonlyArray<string>
+  readonly refusedConnections: number
 }

@@ -624,6 +624,8 @@ const makeNodeServer = (limits: HttpLimits, stats: ConnectionStats): NodeServer 
   }
   const drop = (socket: Socket) => {
     spoke(socket)
+    open.delete(socket)
+    stats.open = open.size
     stats.dropped++
     socket.destroy()
   }
