@@ -8,7 +8,7 @@ import { Context, Effect, Either, Layer } from "effect"
 import type { Worker } from "node:worker_threads"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
-import { layerWorker, PromptTokenizer } from "../src/layers/server/PromptTokenizer.js"
+import { type Lane, layerWorker, PromptTokenizer, type PromptTooLong, shortTextCharacters } from "../src/layers/server/PromptTokenizer.js"
 import { longestPieceBytes } from "../src/layers/server/TokenizeWorker.js"
 import type { ChatMessage } from "../src/services/Tokenizer.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
@@ -33,11 +33,12 @@ const chat: ReadonlyArray<ChatMessage> = [
 ]
 
 const model = () => requireModel("stories260K.gguf")
+const fields = (e: PromptTooLong | { readonly _tag: string }): Record<string, unknown> => ({ ...e })
 
 /** The worker's tokenizer and the in-thread one over the same model, with every worker the layer started. */
-const both = (workers: Array<Worker>) =>
+const both = (workers: Array<{ worker: Worker; lane: Lane }>) =>
   Effect.gen(function*() {
-    const context = yield* Layer.build(Layer.merge(TokenizerLive.layer, layerWorker(model(), { onWorker: (w) => workers.push(w) })))
+    const context = yield* Layer.build(Layer.merge(TokenizerLive.layer, layerWorker(model(), { onWorker: (worker, lane) => workers.push({ worker, lane }) })))
     const inThread = yield* Context.get(context, Tokenizer).open(model())
     return { inThread, worker: Context.get(context, PromptTokenizer) }
   })
@@ -63,7 +64,7 @@ describe("tokenizer worker", () => {
       const count = inThread.tokenize(text).length
       assert.deepStrictEqual(yield* worker.tokenize(text, count), [...inThread.tokenize(text)])
       const over = yield* Effect.either(worker.tokenize(text, count - 1))
-      assert.deepStrictEqual(Either.getLeft(over).pipe((e) => e._tag === "Some" ? { ...e.value } : undefined), {
+      assert.deepStrictEqual(Either.getLeft(over).pipe((e) => e._tag === "Some" ? fields(e.value) : undefined), {
         _tag: "PromptTooLong",
         tokens: count,
         atLeast: false,
@@ -77,39 +78,45 @@ describe("tokenizer worker", () => {
       const startedAt = performance.now()
       const refused = yield* Effect.flip(worker.tokenize(huge, 2048))
       assert.isBelow(performance.now() - startedAt, 200)
-      assert.deepStrictEqual({ ...refused }, { _tag: "PromptTooLong", tokens: Math.ceil(huge.length / 9), atLeast: true, limit: 2048 })
+      assert.deepStrictEqual(fields(refused), { _tag: "PromptTooLong", tokens: Math.ceil(huge.length / 9), atLeast: true, limit: 2048 })
       // A chat counts its users' words for the cheap bound; rendered, the exact count.
       const hugeChat = yield* Effect.flip(worker.formatChat([{ role: "user", content: huge }], 2048))
-      assert.deepStrictEqual({ ...hugeChat }, { _tag: "PromptTooLong", tokens: Math.ceil(huge.length / 9), atLeast: true, limit: 2048 })
+      assert.deepStrictEqual(fields(hugeChat), { _tag: "PromptTooLong", tokens: Math.ceil(huge.length / 9), atLeast: true, limit: 2048 })
       const chatTokens = (yield* inThread.formatChat(chat)).tokens.length
       const overChat = yield* Effect.flip(worker.formatChat(chat, chatTokens - 1))
-      assert.deepStrictEqual({ ...overChat }, { _tag: "PromptTooLong", tokens: chatTokens, atLeast: false, limit: chatTokens - 1 })
+      assert.deepStrictEqual(fields(overChat), { _tag: "PromptTooLong", tokens: chatTokens, atLeast: false, limit: chatTokens - 1 })
     }))
 
-  it.live("a worker that dies fails what it held with TokenizerUnavailable; the next request starts another; the scope ends it", () =>
+  it.live("lanes: a short text is answered while a long one is tokenized; a worker that dies fails what it held, the next request starts another; the scope ends them", () =>
     Effect.gen(function*() {
-      const workers: Array<Worker> = []
-      const exited: Array<number> = []
+      const workers: Array<{ worker: Worker; lane: Lane }> = []
+      const exited: Array<string> = []
       yield* Effect.gen(function*() {
         const { inThread, worker } = yield* both(workers)
         assert.deepStrictEqual(yield* worker.tokenize("Once upon a time", 100), [...inThread.tokenize("Once upon a time")])
-        assert.strictEqual(workers.length, 1)
-        workers[0]!.on("exit", (code) => exited.push(code))
-        // Killed while it tokenizes a long text (~1 s in the thread): the request fails in words, the server goes on.
+        assert.deepStrictEqual(workers.map((w) => w.lane), ["short"])
+        // A long text (~1 s of tokenizing) goes to the long lane; meanwhile a short one is answered at once.
         const held = yield* Effect.fork(Effect.either(worker.tokenize("Lily ".repeat(400_000), 10_000_000)))
         yield* Effect.sleep("50 millis")
-        yield* Effect.promise(() => workers[0]!.terminate())
+        assert.deepStrictEqual(yield* worker.tokenize(texts[3]!, 100), [...inThread.tokenize(texts[3]!)])
+        assert.isNull(held.unsafePoll())
+        assert.deepStrictEqual(workers.map((w) => w.lane), ["short", "long"])
+        for (const { lane, worker: w } of workers) w.on("exit", (code) => exited.push(`${lane} ${code}`))
+        // The long lane's worker killed while it works: that request fails in words, nothing else does.
+        yield* Effect.promise(() => workers[1]!.worker.terminate())
         const failed = yield* held.await.pipe(Effect.flatten)
-        assert.isTrue(Either.isLeft(failed))
         const error = Either.getLeft(failed).pipe((e) => (e._tag === "Some" ? e.value : undefined))
         assert.strictEqual(error?._tag, "TokenizerUnavailable")
         assert.match(error?._tag === "TokenizerUnavailable" ? error.message : "", /the tokenizer worker stopped .*exit code 1.*starts a new one/)
-        // The next request: a fresh worker, the same tokens.
-        assert.deepStrictEqual(yield* worker.tokenize(texts[4]!, 100), [...inThread.tokenize(texts[4]!)])
-        assert.strictEqual(workers.length, 2)
-        workers[1]!.on("exit", (code) => exited.push(code))
+        // The next long request: a fresh worker, the same tokens.
+        const long = texts[7]!.repeat(2)
+        assert.isAbove(long.length, shortTextCharacters)
+        assert.deepStrictEqual(yield* worker.tokenize(long, 100_000), [...inThread.tokenize(long)])
+        assert.deepStrictEqual(workers.map((w) => w.lane), ["short", "long", "long"])
+        workers[2]!.worker.on("exit", (code) => exited.push(`long ${code}`))
+        assert.deepStrictEqual(exited, ["long 1"])
       }).pipe(Effect.scoped)
-      // The scope closed: the second worker was terminated with it.
-      assert.deepStrictEqual(exited, [1, 1])
+      // The scope closed: the workers still running were terminated with it.
+      assert.deepStrictEqual(exited.sort(), ["long 1", "long 1", "short 1"])
     }))
 })

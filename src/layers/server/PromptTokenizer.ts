@@ -1,7 +1,7 @@
 /**
- * Prompt tokenizing and chat rendering for the server, bounded by a prompt-token limit: on a worker thread
- * (TokenizeWorker.ts, `layerWorker`), so a long prompt never holds up the event loop that streams other requests'
- * tokens, or in the calling thread (`inThread`, over the pipeline's own vocabulary: the server's fallback when no
+ * Prompt tokenizing and chat rendering for the server, bounded by a prompt-token limit: on worker threads
+ * (TokenizeWorker.ts, `layerWorker`: a short lane and a long lane), so a long prompt never holds up the event loop that
+ * streams other requests' tokens, nor a short prompt's tokenizing, or in the calling thread (`inThread`, over the pipeline's own vocabulary: the server's fallback when no
  * worker is provided, e.g. over a test tokenizer). Both refuse a prompt over the limit with its count; the worker's
  * side first refuses, without tokenizing, a text whose length alone guarantees too many tokens (TokenizeWorker's
  * `longestPieceBytes`), so the work and memory a request can cause follow the limit, not the body's size.
@@ -36,7 +36,7 @@ export class PromptTooLong extends Data.TaggedError("PromptTooLong")<{
   readonly limit: number
 }> {}
 
-/** The tokenizer worker could not answer (it died, or could not open the vocabulary); a later request starts another. */
+/** A tokenizer worker could not answer (it died, or could not open the vocabulary); a later request starts another. */
 export class TokenizerUnavailable extends Data.TaggedError("TokenizerUnavailable")<{ readonly message: string }> {}
 
 export interface PromptTokenizerService {
@@ -95,22 +95,32 @@ interface Running {
   readonly ready: Promise<number | undefined>
 }
 
+/** Which worker a request goes to: texts (a chat's messages together) of up to this many characters are short. */
+export const shortTextCharacters = 8192
+
+/** Lower than the server's own threads and its agents (nice 10, Linux): a long prompt takes only idle CPU. */
+const longLaneNice = 10
+
+export type Lane = "short" | "long"
+
 /**
- * A worker thread started at once (opening the vocabulary while the pipeline loads), terminated with the scope.
+ * Two worker threads, each opening the vocabulary: the short lane (started at once, while the pipeline loads) for texts
+ * up to `shortTextCharacters` (a few milliseconds of work each), the long lane (started on the first long text, at a
+ * lower CPU priority) for the rest, so a short request never waits behind a long one. Both end with the scope.
  * `longest`: a worker's `longestPieceBytes` once one reported it (the model does not change), the cheap bound.
  */
-const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker) => void) =>
+const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: Lane) => void) =>
   Effect.gen(function*() {
-    let current: Running | undefined
+    const lanes: Record<Lane, Running | undefined> = { short: undefined, long: undefined }
     let closed = false
     let nextId = 0
     let longest: number | undefined
-    const start = (): Running => {
+    const start = (lane: Lane): Running => {
       const { options, script } = workerStart()
-      const data: TokenizeWorkerData = { modelPath }
+      const data: TokenizeWorkerData = { modelPath, nice: lane === "long" ? longLaneNice : 0 }
       const worker = new Worker(script, { ...options, workerData: { [tokenizeWorkerKey]: data } })
       worker.unref()
-      onWorker?.(worker)
+      onWorker?.(worker, lane)
       let opened: (longest: number | undefined) => void = () => {}
       const running: Running = { worker, pending: new Map(), ready: new Promise((resolve) => (opened = resolve)) }
       let why = "the tokenizer worker stopped"
@@ -130,7 +140,7 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker) => void
       })
       worker.on("error", (error) => (why = `the tokenizer worker failed: ${words(error)}`))
       worker.on("exit", (code) => {
-        if (current === running) current = undefined
+        if (lanes[lane] === running) lanes[lane] = undefined
         opened(undefined)
         const message = closed ? "the server is stopping" : `${why} (exit code ${code}); the next request starts a new one`
         for (const answer of running.pending.values()) answer({ _tag: "Gone", message })
@@ -138,37 +148,38 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker) => void
       })
       return running
     }
+    const running = (lane: Lane) => lanes[lane] ?? (lanes[lane] = start(lane))
     yield* Effect.acquireRelease(
-      Effect.sync(() => (current = start())),
+      Effect.sync(() => running("short")),
       () =>
         Effect.promise(async () => {
           closed = true
-          const running = current
-          current = undefined
-          await running?.worker.terminate()
+          const all = [lanes.short, lanes.long]
+          lanes.short = lanes.long = undefined
+          await Promise.all(all.map((r) => r?.worker.terminate()))
         })
     )
 
-    const ask = (request: (id: number) => TokenizeWorkerRequest) =>
+    const ask = (characters: number, request: (id: number) => TokenizeWorkerRequest) =>
       Effect.async<Answer, TokenizerUnavailable>((resume) => {
         if (closed) return resume(Effect.fail(new TokenizerUnavailable({ message: "the server is stopping" })))
-        const running = current ?? (current = start())
+        const worker = running(characters <= shortTextCharacters ? "short" : "long")
         const id = nextId++
-        running.pending.set(id, (answer) =>
+        worker.pending.set(id, (answer) =>
           resume(answer._tag === "Gone" ? Effect.fail(new TokenizerUnavailable({ message: answer.message })) : Effect.succeed(answer)))
-        running.worker.postMessage(request(id))
+        worker.worker.postMessage(request(id))
         // Interrupted (the client went away): its answer, when it comes, is dropped.
-        return Effect.sync(() => running.pending.delete(id))
+        return Effect.sync(() => worker.pending.delete(id))
       })
 
     /** Fails when a text of `characters` UTF-16 code units is sure to be more than `limit` tokens. */
     const precheck = (characters: number, limit: number) =>
       Effect.flatMap(
-        longest !== undefined || closed ? Effect.succeed(longest) : Effect.promise(() => (current ?? (current = start())).ready),
+        longest !== undefined || closed ? Effect.succeed(longest) : Effect.promise(() => running("short").ready),
         (longest) => {
-        const atLeast = longest === undefined ? 0 : Math.ceil(characters / longest)
-        return atLeast > limit ? Effect.fail(new PromptTooLong({ tokens: atLeast, atLeast: true, limit })) : Effect.void
-      }
+          const atLeast = longest === undefined ? 0 : Math.ceil(characters / longest)
+          return atLeast > limit ? Effect.fail(new PromptTooLong({ tokens: atLeast, atLeast: true, limit })) : Effect.void
+        }
       )
 
     const answered = <A>(answer: Answer, limit: number, ok: (answer: Answer) => A | undefined) =>
@@ -184,14 +195,14 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker) => void
     const service: PromptTokenizerService = {
       tokenize: (text, limit) =>
         precheck(text.length, limit).pipe(
-          Effect.zipRight(ask((id) => ({ id, op: "tokenize", text, limit }))),
+          Effect.zipRight(ask(text.length, (id) => ({ id, op: "tokenize", text, limit }))),
           Effect.flatMap((answer) => answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined)))
         ),
       // Only the users' messages count for the cheap bound: a template may leave out a system message or an earlier
       // assistant turn (or part of it), never what the user said.
       formatChat: (messages, limit) =>
         precheck(messages.reduce((sum, m) => sum + (m.role === "user" ? m.content.length : 0), 0), limit).pipe(
-          Effect.zipRight(ask((id) => ({ id, op: "chat", messages, limit }))),
+          Effect.zipRight(ask(messages.reduce((sum, m) => sum + m.content.length, 0), (id) => ({ id, op: "chat", messages, limit }))),
           Effect.flatMap((answer) =>
             answered(answer, limit, (a) =>
               a._tag === "Chat" ? { tokens: Array.from(a.tokens), stop: a.stop, template: a.template } : undefined)
@@ -202,8 +213,11 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker) => void
   })
 
 /**
- * Prompts tokenized and chats rendered on a worker thread that opens `modelPath`'s vocabulary; `onWorker` sees each
- * worker started (tests).
+ * Prompts tokenized and chats rendered on worker threads that open `modelPath`'s vocabulary; `onWorker` sees each
+ * worker started, and its lane (tests).
  */
-export const layerWorker = (modelPath: string, options: { readonly onWorker?: (worker: Worker) => void } = {}): Layer.Layer<PromptTokenizer> =>
+export const layerWorker = (
+  modelPath: string,
+  options: { readonly onWorker?: (worker: Worker, lane: Lane) => void } = {}
+): Layer.Layer<PromptTokenizer> =>
   Layer.scoped(PromptTokenizer, makeWorkerClient(modelPath, options.onWorker))

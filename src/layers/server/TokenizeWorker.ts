@@ -5,6 +5,8 @@
  * long prompt is tokenized (PromptTokenizer.ts is the other side, and says where this file is found in each way the
  * code runs). It starts itself when loaded in a worker whose `workerData` carries `tokenizeWorkerKey`.
  */
+import { readlinkSync } from "node:fs"
+import { setPriority } from "node:os"
 import { isMainThread, parentPort, workerData } from "node:worker_threads"
 import { Effect } from "effect"
 import type { GgufFile } from "../../domain/gguf.js"
@@ -17,6 +19,8 @@ export const tokenizeWorkerKey = "swactorTokenizeWorker"
 
 export interface TokenizeWorkerData {
   readonly modelPath: string
+  /** This thread's nice value (Linux: a thread's own; 0 leaves it as it is). */
+  readonly nice: number
 }
 
 /** What the server asks; `limit`: more prompt tokens than this come back as a count only (OverLimit). */
@@ -65,6 +69,14 @@ const words = (cause: unknown) => (cause instanceof Error ? cause.message : type
 /** Serves requests on `parentPort` until the thread is terminated. */
 export const runTokenizeWorker = (data: TokenizeWorkerData): Promise<void> => {
   const port = parentPort!
+  if (data.nice !== 0) {
+    try {
+      // /proc/thread-self is PID/task/TID; setpriority on a TID sets that thread's nice value only (Linux).
+      setPriority(Number(readlinkSync("/proc/thread-self").split("/").at(-1)), data.nice)
+    } catch {
+      // not Linux, or not allowed: the same work at the same priority
+    }
+  }
   const post = (reply: TokenizeWorkerReply, transfer: ReadonlyArray<ArrayBuffer> = []) => port.postMessage(reply, [...transfer])
   const tokens = (array: ReadonlyArray<number>) => Int32Array.from(array)
   return Effect.runPromise(
