@@ -180,6 +180,8 @@ describe("serve (the library's serve(), real local agents): one validation with 
     const context = await Effect.runPromise(Layer.buildWithScope(serve({ model: model(), stages: 2, threads: 1 }), scope))
     server = Context.get(context, Server)
     await Effect.runPromise(server.ready)
+    // The first text prompt starts the server's tokenizer worker (~1 s): paid here, not by a timed refusal.
+    await Effect.runPromise(Stream.runDrain(server.generate({ prompt: "Once", maxTokens: 1 })))
   }, 180_000)
   afterAll(async () => {
     if (scope !== undefined) await Effect.runPromise(Scope.close(scope, Exit.void))
