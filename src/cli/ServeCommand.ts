@@ -5,7 +5,8 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
-import { Context, Effect, Layer, Option } from "effect"
+import { readFileSync } from "node:fs"
+import { Context, Effect, Layer, Option, Redacted } from "effect"
 import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
@@ -37,16 +38,55 @@ export interface ServeArgs {
   readonly bodyTimeoutMs: number
   readonly allowedOrigins: Option.Option<string>
   readonly allowedHosts: Option.Option<string>
+  /** A file of API keys, one per line (else SWACTOR_API_KEY; none: the API is open). */
+  readonly apiKeyFile?: Option.Option<string>
   readonly spares: number
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
 }
+
+/** The environment variable holding one API key, when no --api-key-file is given. */
+const apiKeyEnv = "SWACTOR_API_KEY"
+
+const isLoopbackHost = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host)
+
+/**
+ * The API keys: the lines of --api-key-file (blank lines and # comments skipped), else SWACTOR_API_KEY, else none.
+ * A file that cannot be read, holds no key, or a key with a space inside is a UsageError. `said` is what the
+ * listening line adds (how many keys, from where; never a key).
+ */
+const apiKeysOf = (file: Option.Option<string>) =>
+  Effect.gen(function*() {
+    let keys: Array<string>
+    let source: string
+    if (Option.isSome(file)) {
+      source = `--api-key-file ${file.value}`
+      const text = yield* Effect.try({
+        try: () => readFileSync(file.value, "utf8"),
+        catch: (cause) =>
+          new UsageError({ message: `${source}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})` })
+      })
+      keys = text.split(/\r?\n/).map((line) => line.trim()).filter((line) => line !== "" && !line.startsWith("#"))
+      if (keys.length === 0) return yield* new UsageError({ message: `${source}: the file holds no key (one per line)` })
+    } else {
+      source = apiKeyEnv
+      const value = process.env[apiKeyEnv]?.trim() ?? ""
+      keys = value === "" ? [] : [value]
+    }
+    const spaced = keys.findIndex((key) => /\s/.test(key))
+    if (spaced >= 0) return yield* new UsageError({ message: `${source}: key ${spaced + 1} has a space inside; one key per line` })
+    return {
+      keys: keys.map((key) => Redacted.make(key)),
+      said: keys.length === 0 ? "" : ` (${keys.length} API key${keys.length === 1 ? "" : "s"} from ${source})`
+    }
+  })
 
 const runServe = (args: ServeArgs) =>
   Effect.gen(function*() {
     // Every flag checked before anything starts, each refusal one line naming the flag.
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
     const token = yield* clusterToken(args.tokenFile)
+    const keys = yield* apiKeysOf(args.apiKeyFile ?? Option.none())
     if (nodes.length > 0 && token === "") {
       return yield* new UsageError({ message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
     }
@@ -102,7 +142,15 @@ const runServe = (args: ServeArgs) =>
         allowedOrigins,
         allowedHosts
       },
-      onListening: ({ host, port }) => process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)\n`)
+      apiKeys: keys.keys,
+      onListening: ({ host, port }) => {
+        process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
+        if (keys.keys.length === 0 && !isLoopbackHost(args.host)) {
+          process.stderr.write(
+            `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
+          )
+        }
+      }
     }, args.model)
     // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),
     // one that faults later keeps serving /health and errors honestly.
@@ -146,6 +194,10 @@ export const serveCommand = Command.make(
       Options.optional
     ),
     tokenFile: Options.text("token-file").pipe(Options.optional),
+    apiKeyFile: Options.text("api-key-file").pipe(
+      Options.withDescription(`API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`),
+      Options.optional
+    ),
     host: Options.text("host").pipe(withShownDefault("127.0.0.1")),
     port: Options.integer("port").pipe(Options.withDescription("0 = any free port"), withShownDefault(8080)),
     threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),

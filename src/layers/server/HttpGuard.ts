@@ -8,10 +8,11 @@
  * The connection limits (how many at once, how long a connection may take to send its headers) are set on Node's
  * HTTP server in HttpServe.ts from the same `HttpLimits`.
  */
+import { createHash, timingSafeEqual } from "node:crypto"
 import type { IncomingMessage } from "node:http"
 import { hostname } from "node:os"
 import { isIP } from "node:net"
-import { Effect } from "effect"
+import { Effect, Redacted } from "effect"
 
 /** The limits of the HTTP front, each a `swactor serve` flag. */
 export interface HttpLimits {
@@ -272,3 +273,54 @@ export const readBody = (
     incoming.on("aborted", onAborted)
     return Effect.sync(cleanup)
   })
+
+/**
+ * The API keys a server accepts, kept as SHA-256 digests: a presented key is hashed and compared with each in constant
+ * time (the digests have one length, so neither a key's content nor its length shows in the timing).
+ */
+export interface ApiKeys {
+  readonly count: number
+  readonly accepts: (presented: string) => boolean
+}
+
+export const apiKeys = (keys: ReadonlyArray<Redacted.Redacted<string>>): ApiKeys => {
+  const digest = (key: string) => createHash("sha256").update(key, "utf8").digest()
+  const digests = keys.map((key) => digest(Redacted.value(key)))
+  return {
+    count: digests.length,
+    accepts: (presented) => {
+      const candidate = digest(presented)
+      let match = false
+      for (const known of digests) match = timingSafeEqual(candidate, known) || match
+      return match
+    }
+  }
+}
+
+/** Routes open without a key: a load balancer's health check. */
+const openPaths = new Set(["/health"])
+
+/**
+ * The caller's key, from `Authorization: Bearer KEY` (what OpenAI's clients send) or `x-api-key: KEY` (Anthropic's),
+ * checked when the server has keys: 401 in OpenAI's shape without one or with a wrong one. `/health` stays open.
+ */
+export const checkApiKey = (
+  headers: Readonly<Record<string, string | undefined>>,
+  path: string,
+  keys: ApiKeys
+): EdgeRefusal | undefined => {
+  if (keys.count === 0 || openPaths.has(path)) return undefined
+  const bearer = /^Bearer\s+(\S+)\s*$/i.exec(headers["authorization"] ?? "")?.[1]
+  const presented = bearer ?? headers["x-api-key"]?.trim()
+  if (presented === undefined || presented === "") {
+    return new EdgeRefusal(
+      401,
+      "invalid_request_error",
+      "this server needs an API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
+      "missing_api_key"
+    )
+  }
+  return keys.accepts(presented)
+    ? undefined
+    : new EdgeRefusal(401, "invalid_request_error", "incorrect API key provided", "invalid_api_key")
+}

@@ -24,7 +24,7 @@ import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import * as NodeHttpServer from "@effect/platform-node/NodeHttpServer"
 import * as NodeHttpServerRequest from "@effect/platform-node/NodeHttpServerRequest"
-import { Cause, Chunk, Effect, Exit, Layer, Option, ParseResult, Schema, Scope, Stream } from "effect"
+import { Cause, Chunk, Effect, Exit, Layer, Option, ParseResult, type Redacted, Schema, Scope, Stream } from "effect"
 import {
   type FinishReason,
   Server,
@@ -34,6 +34,9 @@ import {
   type ServerMetrics
 } from "../../services/Server.js"
 import {
+  apiKeys,
+  type ApiKeys,
+  checkApiKey,
   checkCaller,
   checkJsonContentType,
   clip,
@@ -234,6 +237,8 @@ export interface HttpServeOptions {
   readonly modelName?: string
   /** Body, connection and caller limits (HttpGuard.ts; defaults there). */
   readonly limits?: Partial<HttpLimits>
+  /** API keys a caller must present (Authorization: Bearer, or x-api-key) on every route but /health; none: open. */
+  readonly apiKeys?: ReadonlyArray<Redacted.Redacted<string>>
 }
 
 /** The limits with their defaults filled in. */
@@ -548,7 +553,8 @@ const corsHeaders = (origin: string) => ({
 const guarded = (
   routes: Effect.Effect<HttpServerResponse.HttpServerResponse, unknown, HttpServerRequest.HttpServerRequest>,
   listenHost: string,
-  limits: HttpLimits
+  limits: HttpLimits,
+  keys: ApiKeys
 ) =>
   Effect.gen(function*() {
     const request = yield* HttpServerRequest.HttpServerRequest
@@ -560,6 +566,11 @@ const guarded = (
       return cors
         ? HttpServerResponse.empty({ status: 204, headers: corsHeaders(origin) })
         : errorResponse(new HttpFailure(405, "invalid_request_error", "OPTIONS is answered only for --allowed-origins"))
+    }
+    const unauthorized = checkApiKey(request.headers, new URL(request.url, "http://x").pathname, keys)
+    if (unauthorized !== undefined) {
+      const answer = errorResponse(unauthorized)
+      return cors ? HttpServerResponse.setHeaders(answer, corsHeaders(origin)) : answer
     }
     const response = yield* routes.pipe(
       Effect.catchAllCause((cause) => {
@@ -677,7 +688,7 @@ export const layer = (options: HttpServeOptions, modelPath: string): Layer.Layer
   const connections: ConnectionStats = { open: 0, refused: 0, dropped: 0 }
   const evaluate = () => (nodeServer = makeNodeServer(limits, connections))
   const app = Layer.unwrapEffect(
-    Effect.map(router(options, modelPath, connections), (routes) => HttpServer.serve(guarded(routes, host, limits)))
+    Effect.map(router(options, modelPath, connections), (routes) => HttpServer.serve(guarded(routes, host, limits, apiKeys(options.apiKeys ?? []))))
   )
   const announce = Layer.scopedDiscard(
     Effect.gen(function*() {
