@@ -4,6 +4,7 @@ import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
 import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
+import { ModelCatalog as ModelCatalogTag } from "../src/services/ModelCatalog.js"
 import type { ModelCatalog } from "../src/services/ModelCatalog.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../src/services/Orchestrator.js"
@@ -11,6 +12,15 @@ import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import { AgentControl, type StageReport } from "../src/services/AgentLinks.js"
 import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
+
+/**
+ * A catalog that claims twice the engine's context: the orchestrator's up-front check (prompt + max tokens within the
+ * model's context, services/RequestChecks.ts) lets a 2,100-token prompt through, and the engine's session overflows.
+ */
+const claimsMoreContext = Layer.succeed(ModelCatalogTag, {
+  ...ModelCatalogLive.make,
+  facts: (path: string) => Effect.map(ModelCatalogLive.make.facts(path), (facts) => ({ ...facts, maxSeqLen: 4096 }))
+})
 
 /** In-memory agents and an orchestrator over them; `onReport` sees every stage report the orchestrator receives. */
 const world = (
@@ -105,8 +115,7 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
   // A stage whose engine fails faults the run with that stage's reason, in words.
   it.live("an engine failure on a stage faults the run with the stage's reason", () =>
     Effect.gen(function*() {
-      const { orchestrator } = yield* world(3)
-      // Prompt longer than the session's context (maxTokens pushes the session past the test context).
+      const { orchestrator } = yield* world(3, undefined, claimsMoreContext)
       const error = yield* Effect.flip(Stream.runCollect(
         orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 }))
       ))
@@ -125,7 +134,7 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
       const faults: Array<Extract<StageReport, { _tag: "StageFault" }>> = []
       const { orchestrator } = yield* world(3, (report) => {
         if (report._tag === "StageFault") faults.push(report)
-      })
+      }, claimsMoreContext)
       const error = yield* Effect.flip(Stream.runCollect(
         orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 }))
       ))

@@ -22,7 +22,7 @@ import {
 import { alignUp } from "../../domain/plan.js"
 import { activationFrameBytes, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
-import { stagesProblem, threadsProblem } from "../../services/RequestChecks.js"
+import { threadsProblem } from "../../services/RequestChecks.js"
 import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
 import { deliverWeights } from "./WeightDelivery.js"
 import { faultWords } from "./RunReport.js"
@@ -132,10 +132,6 @@ export const openPipeline = (
       if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
     }
     const facts = yield* catalog.facts(options.model)
-    if (options.stages !== undefined) {
-      const problem = stagesProblem(options.stages, facts.numLayers)
-      if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
-    }
     const vocabulary = yield* tokenizer.open(options.model)
     yield* precheck(facts, vocabulary)
 
