@@ -211,15 +211,19 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
     } satisfies LocalAgent
   })
 
-/** SIGTERM, then SIGKILL after a grace period; waits for the exit either way. */
+/**
+ * SIGTERM, then SIGKILL after a grace period; waits for the exit either way. The waits are interruptible regions, so
+ * their timeouts work inside this uninterruptible finalizer: a process that ignores SIGTERM (a stopped one, SIGSTOP)
+ * is killed after the grace period instead of being waited for forever.
+ */
 const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
   Effect.gen(function*() {
     if (child.exitCode !== null || child.signalCode !== null) return
     child.kill("SIGTERM")
-    const graceful = yield* Deferred.await(exited).pipe(Effect.timeout("2 seconds"), Effect.option)
+    const graceful = yield* Effect.interruptible(Deferred.await(exited)).pipe(Effect.timeout("2 seconds"), Effect.option)
     if (graceful._tag === "None") {
       child.kill("SIGKILL")
-      yield* Deferred.await(exited).pipe(Effect.timeout("5 seconds"), Effect.ignore)
+      yield* Effect.interruptible(Deferred.await(exited)).pipe(Effect.timeout("5 seconds"), Effect.ignore)
     }
     child.stdin?.destroy()
   }).pipe(Effect.uninterruptible)

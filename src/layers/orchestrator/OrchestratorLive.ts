@@ -11,7 +11,7 @@
  * `pipeline(options)` keeps one warm for any number of runs. Interrupting a run's stream is an OperatorStop:
  * the run is stopped and fully torn down before the interruption completes.
  */
-import { Context, Deferred, Effect, Fiber, Layer, Mailbox, Option, Stream } from "effect"
+import { Context, Deferred, Effect, Fiber, Layer, Mailbox, Option, Scope, Stream } from "effect"
 import { AgentControl, DataPlane } from "../../services/AgentLinks.js"
 import { Membership } from "../../services/Membership.js"
 import {
@@ -94,7 +94,8 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
 }
 
 export const make = Effect.gen(function*() {
-  const context = yield* Effect.context<Services>()
+  // Without the Scope the layer was built in (when there is one): a pipeline lives in its caller's scope, not the layer's.
+  const context = Context.omit(Scope.Scope)(yield* Effect.context<Services>()) as Context.Context<Services>
 
   const pipeline = (options: PipelineOptions, progress: (update: RunUpdate) => Effect.Effect<void> = () => Effect.void) =>
     openPipeline(options, progress).pipe(
