@@ -46,7 +46,8 @@ const textOf = (events: ReadonlyArray<ServeEvent>) => events.flatMap((e) => (e._
 describe("serve: in-flight requests survive a lost agent", () => {
   // Two requests stream on the 2-stage pipeline; its second agent is killed mid-generation: both requests are
   // recovered (the spare takes the stage) and end with the text they would have had, the server stays Ready,
-  // /metrics counts the recoveries and lists only the agents still alive. With every agent lost, it faults.
+  // /metrics counts the recoveries and lists only the agents still alive. With every agent lost, the request in flight
+  // faults and the server is Reviving (no longer a final Faulted), naming the agents it waits for.
   it.live("a killed agent: every in-flight request is recovered with the same text; all lost: the server faults", () =>
     Effect.gen(function*() {
       const { memory, server } = yield* world
@@ -90,12 +91,20 @@ describe("serve: in-flight requests survive a lost agent", () => {
         Effect.flip
       )
       assert.match(failed.message, /no node left to host the model/)
+      // With none left the server revives the pipeline (serve.revive.test.ts): it waits for these agents, which never
+      // answer again here (killed in memory, no fresh ones to start), and refuses requests meanwhile.
       let status = yield* server.status
-      for (let i = 0; i < 200 && status._tag !== "Faulted"; i++) {
+      for (let i = 0; i < 200 && status._tag !== "Reviving"; i++) {
         yield* Effect.sleep("50 millis")
         status = yield* server.status
       }
-      assert.strictEqual(status._tag, "Faulted")
-      assert.match(status._tag === "Faulted" ? status.message : "", /every agent of the pipeline was lost/)
+      assert.strictEqual(status._tag, "Reviving")
+      assert.match(status._tag === "Reviving" ? status.message : "", /every agent of the pipeline was lost/)
+      assert.deepStrictEqual(
+        status._tag === "Reviving" ? status.waitingFor.map((a) => [a.address, a.state]) : [],
+        [["mem-agent-0:7000", "lost"], ["mem-agent-1:7000", "lost"], ["mem-agent-2:7000", "lost"]]
+      )
+      const refused = yield* Effect.flip(Stream.runDrain(server.generate({ prompt: prompts[0]!, maxTokens: 4 })))
+      assert.strictEqual(refused._tag, "ServerReviving")
     }).pipe(Effect.scoped), 60_000)
 })
