@@ -387,7 +387,8 @@ export const make = (options: ServeOptions) =>
             `(attempts every ${seconds(revive.firstMillis)}, doubling to ${seconds(revive.maxMillis)})`
         )
         // Until an attempt has found agents answering, one that answers again (rejoined: PipelineSetup) starts the
-        // next attempt at once; after a failed run on them, the backoff alone paces the attempts.
+        // next attempt early (never sooner than `firstDelay` after the last); after a failed run on them, the backoff
+        // alone paces the attempts. Local agents are given up on at `freshAgentsAfter`, not at the next backoff step.
         let wakeOnAnswer = true
         const someoneAnswers = Effect.suspend(() =>
           generation === undefined
@@ -398,9 +399,14 @@ export const make = (options: ServeOptions) =>
             )
         )
         while (true) {
-          const delay = reviveDelay(attempts + 1)
+          const untilFresh = sinceMillis + revive.freshAfterMillis - Date.now()
+          const delay = generation !== undefined && generation.pipeline.localAgents && untilFresh > 0
+            ? Math.min(reviveDelay(attempts + 1), Math.max(revive.firstMillis, untilFresh))
+            : reviveDelay(attempts + 1)
           yield* setReviving(Date.now() + delay)
-          yield* (wakeOnAnswer ? Effect.race(Effect.sleep(delay), someoneAnswers) : Effect.sleep(delay))
+          yield* (wakeOnAnswer && delay > revive.firstMillis
+            ? Effect.race(Effect.sleep(delay), Effect.zipRight(Effect.sleep(revive.firstMillis), someoneAnswers))
+            : Effect.sleep(delay))
           yield* setReviving(null)
           attempts++
           metrics.revivalAttempts++
@@ -418,7 +424,7 @@ export const make = (options: ServeOptions) =>
             )
             return attempt.generation
           }
-          log(`swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; next attempt in ${seconds(reviveDelay(attempts + 1))}`)
+          log(`swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; next attempt in at most ${seconds(reviveDelay(attempts + 1))}`)
         }
       })
 
