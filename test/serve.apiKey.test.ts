@@ -82,6 +82,27 @@ describe("swactor serve --api-key-file (two keys)", () => {
     assert.notInclude(server.stderr(), second)
     assert.match(server.stderr(), /2 API keys from --api-key-file/)
   })
+
+  it("/health tells a caller without a key only the status: no agent address after an agent is lost", async () => {
+    const metrics = await fetch(`${server.url}/metrics`, { headers: { authorization: `Bearer ${first}` } }).then((r) => r.text())
+    const agents = [...metrics.matchAll(/^swactor_agent_active_stages\{address="([^"]+)",pid="(\d+)"\}/gm)].map((m) => ({
+      address: m[1]!,
+      pid: Number(m[2])
+    }))
+    assert.strictEqual(agents.length, 2)
+    process.kill(agents[1]!.pid, "SIGKILL")
+    let withKey: { status: string; lostAgents?: ReadonlyArray<string> } = { status: "" }
+    for (const until = Date.now() + 20_000; withKey.lostAgents === undefined && Date.now() < until;) {
+      await new Promise((resolve) => setTimeout(resolve, 100))
+      withKey = await fetch(`${server.url}/health`, { headers: { "x-api-key": first } }).then((r) => r.json() as Promise<typeof withKey>)
+    }
+    assert.deepStrictEqual(withKey, { status: "ok", lostAgents: [agents[1]!.address] })
+    const open = await fetch(`${server.url}/health`)
+    assert.strictEqual(open.status, 200)
+    const body = await open.text()
+    assert.deepStrictEqual(JSON.parse(body), { status: "ok" })
+    assert.notInclude(body, agents[1]!.address)
+  })
 })
 
 describe("swactor serve with SWACTOR_API_KEY", () => {

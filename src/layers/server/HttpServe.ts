@@ -431,6 +431,7 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
       chat
     })
     const limits = limitsOf(options)
+    const keys = apiKeys(options.apiKeys ?? [])
     const handle = (
       effect: Effect.Effect<HttpServerResponse.HttpServerResponse, HttpFailure | EdgeRefusal | ServeError, HttpServerRequest.HttpServerRequest>
     ) =>
@@ -455,16 +456,20 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
         "/health",
         Effect.gen(function*() {
           const status = yield* server.status
+          // /health is open to anyone when the server has API keys; the pipeline's inside (agents' addresses, what a
+          // fault said) only to callers with a key.
+          const request = yield* HttpServerRequest.HttpServerRequest
+          const inside = checkApiKey(request.headers, "/v1/models", keys) === undefined
           switch (status._tag) {
             case "Ready":
               return HttpServerResponse.unsafeJson({
                 status: "ok",
-                ...(status.lostAgents === undefined ? {} : { lostAgents: status.lostAgents })
+                ...(status.lostAgents === undefined || !inside ? {} : { lostAgents: status.lostAgents })
               })
             case "Loading":
               return HttpServerResponse.unsafeJson({ status: "loading" }, { status: 503, headers: { "retry-after": "5" } })
             case "Faulted":
-              return HttpServerResponse.unsafeJson({ status: "error", error: status.message }, { status: 503 })
+              return HttpServerResponse.unsafeJson({ status: "error", ...(inside ? { error: status.message } : {}) }, { status: 503 })
             case "Reviving": {
               // Every agent was lost: what it waits for (each agent's state), its attempts and when the next one starts.
               const iso = (millis: number) => new Date(millis).toISOString()
@@ -475,9 +480,9 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
                 since: iso(status.sinceMillis),
                 attempts: status.attempts,
                 nextAttemptAt: status.nextAttemptAtMillis === null ? "running now" : iso(status.nextAttemptAtMillis),
-                waitingFor: status.waitingFor,
+                ...(inside ? { waitingFor: status.waitingFor } : {}),
                 ...(status.freshAgentsAtMillis === undefined ? {} : { freshAgentsAt: iso(status.freshAgentsAtMillis) }),
-                ...(status.lastAttempt === undefined ? {} : { lastAttempt: status.lastAttempt })
+                ...(status.lastAttempt === undefined || !inside ? {} : { lastAttempt: status.lastAttempt })
               }, { status: 503, headers: { "retry-after": String(Math.max(1, Math.ceil(next / 1000))) } })
             }
           }
