@@ -10,6 +10,8 @@
  */
 import { spawn } from "node:child_process"
 import { resolve } from "node:path"
+import { Effect } from "effect"
+import { readModelFacts } from "../src/api/modelFacts.js"
 import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
 import { rawRequest, residentBytes, silentConnections, sleep, watchStreams } from "../test/support/abuse.js"
 import { repoRoot } from "../test/support/models.js"
@@ -146,10 +148,11 @@ await httpCase("stalled body (Content-Length 100, 5 bytes sent)", async () => {
 })
 // 10. Small gaps.
 await httpCase("empty prompt", async () => summary(await post("/v1/completions", JSON.stringify({ prompt: "", max_tokens: 4 }))))
-await httpCase("prompt + max_tokens = context", async () => {
-  const context = 512
-  return summary(await post("/v1/completions", JSON.stringify({ prompt: [1, 2, 3, 4], max_tokens: context - 4, temperature: 0 })))
-})
+const context = (await Effect.runPromise(readModelFacts(model))).maxSeqLen
+await httpCase(`prompt + max_tokens = context (${context})`, async () =>
+  summary(await post("/v1/completions", JSON.stringify({ prompt: [1, 2, 3, 4], max_tokens: context - 4, temperature: 0 }))))
+await httpCase(`prompt + max_tokens = context + 1`, async () =>
+  summary(await post("/v1/completions", JSON.stringify({ prompt: [1, 2, 3, 4], max_tokens: context - 3, temperature: 0 }))))
 await commandCase("serve --port <in use>", ["serve", "--model", model, "--stages", "1", "--port", new URL(url).port])
 await commandCase("run --threads 1000", ["run", "--model", model, "--prompt", "Hi", "--threads", "1000"])
 await commandCase("run --stages 100", ["run", "--model", model, "--prompt", "Hi", "--stages", "100"])
