@@ -8,7 +8,7 @@ import { randomBytes } from "node:crypto"
 import { existsSync } from "node:fs"
 import { dirname, join } from "node:path"
 import { fileURLToPath } from "node:url"
-import { Deferred, type Duration, Effect, type Scope } from "effect"
+import { Deferred, type Duration, Effect, ExecutionStrategy, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { AgentSpawnError } from "../../services/AgentLinks.js"
 import { cliEntry } from "./CliEntry.js"
@@ -212,14 +212,16 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
   })
 
 /**
- * SIGTERM, then SIGKILL after a grace period; waits for the exit either way. The waits are interruptible regions, so
- * their timeouts work inside this uninterruptible finalizer: a process that ignores SIGTERM (a stopped one, SIGSTOP)
- * is killed after the grace period instead of being waited for forever.
+ * SIGTERM (and SIGCONT: a stopped process, SIGSTOP, handles its SIGTERM only once it runs again), then SIGKILL after a
+ * grace period; waits for the exit either way. The waits are interruptible regions, so their timeouts work inside this
+ * uninterruptible finalizer: a process that ignores SIGTERM (hung) is killed after the grace period instead of being
+ * waited for forever.
  */
 const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
   Effect.gen(function*() {
     if (child.exitCode !== null || child.signalCode !== null) return
     child.kill("SIGTERM")
+    child.kill("SIGCONT")
     const graceful = yield* Effect.interruptible(Deferred.await(exited)).pipe(Effect.timeout("2 seconds"), Effect.option)
     if (graceful._tag === "None") {
       child.kill("SIGKILL")
@@ -231,11 +233,17 @@ const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
 /**
  * Starts `count` node agents (`swactor node`) as child processes on this machine, each on an
  * ephemeral port it announces on stdout (its data plane there too, or on a Unix socket in `dataDir`). All are killed when the scope closes (also on Ctrl-C,
- * which interrupts the main fiber), and each exits on its own if this process dies.
+ * which interrupts the main fiber), and each exits on its own if this process dies. They are stopped in parallel: n
+ * hung agents take one grace period to kill, not n.
  */
 export const spawnLocalAgents = (
   options: LocalAgentsOptions
 ): Effect.Effect<ReadonlyArray<LocalAgent>, AgentSpawnError, Scope.Scope> =>
-  Effect.forEach(Array.from({ length: options.count }, (_, index) => index), (index) => spawnOne(index, options), {
-    concurrency: "unbounded"
+  Effect.gen(function*() {
+    const agents = yield* Scope.fork(yield* Effect.scope, ExecutionStrategy.parallel)
+    return yield* Effect.forEach(
+      Array.from({ length: options.count }, (_, index) => index),
+      (index) => spawnOne(index, options).pipe(Scope.extend(agents)),
+      { concurrency: "unbounded" }
+    )
   }).pipe(Effect.withSpan("AgentProcesses.spawn", { attributes: { count: options.count } }))

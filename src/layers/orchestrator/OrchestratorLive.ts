@@ -37,8 +37,24 @@ import { emptyPromptMessage, generationProblem, isEmptyPrompt, maxTokensProblem 
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool | ModelCatalog
 
 /**
+ * How long an operator stop waits for a run to stop its stages itself (they answer in milliseconds) before the run
+ * is interrupted: its provision streams close, which stops its stages on every agent that still listens, and
+ * its scopes close (a one-shot run's agents stopped). A stalled agent, a recovery attempt or a pipeline still
+ * starting up is never waited for longer than this.
+ */
+export const operatorStopGrace = "1 second"
+
+/**
+ * `effect`, interrupted as soon as `stop` completes: the waits of a run driver outside a run (setting the pipeline
+ * up, a recovery's pause) have nothing to stop gracefully, so an operator stop ends them at once.
+ */
+export const interruptedOnStop = (stop: Deferred.Deferred<void>) => <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+  Effect.raceFirst(effect, Effect.zipRight(Deferred.await(stop), Effect.interrupt))
+
+/**
  * A run's updates as a stream: `drive` runs in its own fiber; closing the stream early (consumer done or
- * interrupted) is an operator stop, and the stream's end waits for the teardown.
+ * interrupted) is an operator stop, and the stream's end waits for the teardown: `stop` completes (a run stops its
+ * stages, see RunWorld), and a driver still going after `operatorStopGrace` is interrupted (its scopes close).
  */
 const runStream = (
   drive: (updates: Mailbox.Mailbox<RunUpdate, GenerateError>, stop: Deferred.Deferred<void>) => Effect.Effect<void, GenerateError>
@@ -55,7 +71,12 @@ const runStream = (
       yield* Effect.addFinalizer(() =>
         Effect.gen(function*() {
           yield* Deferred.succeed(stopRequested, undefined)
-          const finished = yield* Fiber.await(driver).pipe(Effect.timeout("20 seconds"), Effect.option)
+          // An interruptible region: a finalizer is uninterruptible, and there the timeout could not interrupt the
+          // wait it races (it would wait for the driver however long it takes, as a 20 s timeout once did).
+          const finished = yield* Effect.interruptible(Fiber.await(driver)).pipe(
+            Effect.timeout(operatorStopGrace),
+            Effect.option
+          )
           if (Option.isNone(finished)) yield* Fiber.interrupt(driver)
         })
       )
@@ -111,6 +132,8 @@ export const make = Effect.gen(function*() {
         if (isEmptyPrompt(request.prompt)) return yield* new InvalidRequest({ message: emptyPromptMessage })
         const badMaxTokens = maxTokensProblem(maxTokens, "maxTokens")
         if (badMaxTokens !== undefined) return yield* new InvalidRequest({ message: badMaxTokens })
+        // An operator stop while the pipeline is set up (agents starting, weights on their way, nodes awaited)
+        // interrupts the setup at once; what it started stops with this scope.
         const warm = yield* openPipeline({
           model: request.model,
           maxTokens,
@@ -135,7 +158,7 @@ export const make = Effect.gen(function*() {
             maxTokensField: "maxTokens"
           })
           return problem === undefined ? Effect.void : Effect.fail(new InvalidRequest({ message: problem }))
-        })
+        }).pipe(interruptedOnStop(stop))
         yield* generateRecovering(warm, {
           prompt: request.prompt,
           maxTokens,

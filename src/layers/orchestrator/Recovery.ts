@@ -389,8 +389,9 @@ export const generateRecovering = (
       yield* updates.offer({ _tag: "Recovering", attempt: attempt + 1, reason: error.message, resumedAt: produced.length })
       // A fault while replaying keeps the clock of the recovery it interrupted.
       pending = { attempt: attempt + 1, reason: error.message, resumedAt: produced.length, since: pending?.since ?? now }
-      yield* awaitSomeLost(warm, placement.map((p) => p.nodeId), 1500)
-      // An operator stop while recovering ends the generation as a stopped run would (no new run).
+      // An operator stop while recovering ends the generation as a stopped run would (no new run), at once: this
+      // wait gives way to it.
+      yield* Effect.raceFirst(awaitSomeLost(warm, placement.map((p) => p.nodeId), 1500), Deferred.await(stopRequested))
       if (yield* stopRequestedDone(stopRequested)) return
       const alive = yield* aliveNodes(warm)
       yield* placeOn(alive, error.runId, faults)
