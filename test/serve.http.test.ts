@@ -309,7 +309,7 @@ describe("swactor serve --nodes (remote agents)", () => {
 })
 
 describe("swactor serve start-up failures", () => {
-  // A model that cannot be read: /health says 503 with the reason, then the command exits 1 with it in words.
+  // A file that is no model: refused from its header before any agent starts, one line naming it, exit 1.
   it("a file that is no GGUF model ends the command with exit code 1 and the reason", async () => {
     const notAModel = join(repoRoot, "package.json")
     const { args, command } = swactorCommand(["serve", "--model", notAModel, "--port", "0"])
@@ -319,7 +319,7 @@ describe("swactor serve start-up failures", () => {
     child.stderr!.on("data", (chunk: string) => (stderr += chunk))
     const code = await new Promise<number | null>((resolve) => child.on("exit", (c) => resolve(c)))
     assert.strictEqual(code, 1)
-    assert.match(stderr, /setting up the pipeline for .*package\.json failed: bad magic/)
+    assert.match(stderr, /^swactor serve: --model .*package\.json: bad magic .*expected "GGUF"/m)
   })
 })
 

@@ -5,9 +5,10 @@
 import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Data, Effect, Option } from "effect"
+import { readModelFacts } from "../api/modelFacts.js"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
-import { clusterTokenProblem, minTokenLength, threadsProblem } from "../services/RequestChecks.js"
+import { clusterTokenProblem, minTokenLength, sparesProblem, threadsProblem } from "../services/RequestChecks.js"
 
 /** A flag with a value the command cannot use; `message` names the flag. */
 export class UsageError extends Data.TaggedError("UsageError")<{ readonly message: string }> {}
@@ -35,6 +36,12 @@ export { minTokenLength }
 export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Option.Option<number>, UsageError> => {
   if (Option.isNone(value)) return Effect.succeedNone
   const problem = threadsProblem(value.value, "--threads")
+  return problem === undefined ? Effect.succeed(value) : fail(problem)
+}
+
+/** `--spares`: local spare agents, 0 to 64 (services/RequestChecks.ts), checked before any agent starts. */
+export const spares = (value: number): Effect.Effect<number, UsageError> => {
+  const problem = sparesProblem(value, "--spares")
   return problem === undefined ? Effect.succeed(value) : fail(problem)
 }
 
@@ -98,6 +105,10 @@ export const listFlag = (
     }
     return items
   })
+
+/** The model's facts from its GGUF header, for checks before anything starts; a file that is no model is one line naming it. */
+export const modelFactsOf = (model: string) =>
+  readModelFacts(model).pipe(Effect.mapError((error) => new UsageError({ message: `--model ${model}: ${error.message}` })))
 
 /** `Options.withDefault` that also says the default in `--help`. */
 export const withShownDefault = <B>(value: B, shown: string = String(value)) =>
