@@ -11,6 +11,7 @@ import {
   estimateTokenBits,
   fitsContext,
   generationProblem,
+  sparesProblem,
   stagesProblem,
   threadsProblem,
   tokenIdsProblem
@@ -47,12 +48,17 @@ describe("RequestChecks: one rule for run, serve and the library", () => {
     expect(generationProblem({ ...base, maxTokens: 0, text: "Once", tokens: [1] })).toMatch(/max tokens must be a whole number/)
   })
 
-  it("threads 1..512 and stages up to the model's blocks", () => {
+  it("threads 1..512, spares 0..64 and stages up to the model's blocks", () => {
     expect(threadsProblem(1)).toBeUndefined()
     expect(threadsProblem(512)).toBeUndefined()
     expect(threadsProblem(513, "--threads")).toBe("--threads must be a whole number from 1 to 512, got 513")
     expect(threadsProblem(0)).toMatch(/got 0/)
     expect(threadsProblem(2.5)).toMatch(/got 2.5/)
+    expect(sparesProblem(0)).toBeUndefined()
+    expect(sparesProblem(64)).toBeUndefined()
+    expect(sparesProblem(65, "--spares")).toBe("--spares must be a whole number from 0 to 64, got 65")
+    expect(sparesProblem(-1)).toMatch(/got -1/)
+    expect(sparesProblem(1.5)).toMatch(/got 1.5/)
     expect(stagesProblem(5, 5)).toBeUndefined()
     expect(stagesProblem(100, 5, "--stages")).toBe(
       "--stages 100: the model has 5 blocks, so it splits into at most 5 stages (each stage hosts at least one block)"

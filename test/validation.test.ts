@@ -97,6 +97,12 @@ describe("the command line: bounds checked before any agent starts (run, serve, 
     expectRefused(await swactor(["node", "--threads", "1000"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "node", message)
   })
 
+  it("--spares 1000: one line, exit 1, no agent (run, serve)", async () => {
+    const message = "--spares must be a whole number from 0 to 64, got 1000"
+    expectRefused(await swactor(["run", "--model", model(), "--spares", "1000"]), "run", message)
+    expectRefused(await swactor(["serve", "--model", model(), "--port", "0", "--spares", "1000"]), "serve", message)
+  })
+
   it("--stages 100 on a 5-block model: refused from the GGUF header, no agent started (run, serve)", async () => {
     const message = "--stages 100: the model has 5 blocks, so it splits into at most 5 stages (each stage hosts at least one block)"
     expectRefused(await swactor(["run", "--model", model(), "--stages", "100"]), "run", message)

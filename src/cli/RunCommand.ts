@@ -22,6 +22,7 @@ import {
   nodeList,
   optionalThreads,
   optionalWholeNumber,
+  spares as sparesFlag,
   UsageError,
   wholeNumber,
   withShownDefault
@@ -387,7 +388,7 @@ const validate = (args: RunArgs) =>
     const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
     const temperature = yield* atLeast("temperature", args.temperature, 0)
     const topK = yield* wholeNumber("top-k", args.topK, 0)
-    if (args.spares !== undefined) yield* wholeNumber("spares", args.spares, 0)
+    if (args.spares !== undefined) yield* sparesFlag(args.spares)
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
     const threads = yield* optionalThreads(args.threads)
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
@@ -601,7 +602,7 @@ export const runCommand = Command.make(
       withShownDefault("auto" as const)
     ),
     spares: Options.integer("spares").pipe(
-      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
+      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),
       withShownDefault(0)
     )
   },

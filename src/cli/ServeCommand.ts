@@ -11,7 +11,18 @@ import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import { Server } from "../services/Server.js"
-import { atLeast, clusterToken, listFlag, nodeList, optionalThreads, optionalWholeNumber, UsageError, wholeNumber, withShownDefault } from "./Flags.js"
+import {
+  atLeast,
+  clusterToken,
+  listFlag,
+  nodeList,
+  optionalThreads,
+  optionalWholeNumber,
+  spares as sparesFlag,
+  UsageError,
+  wholeNumber,
+  withShownDefault
+} from "./Flags.js"
 import { defaultHttpLimits } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
 import { readModelFacts } from "../api/modelFacts.js"
@@ -98,7 +109,7 @@ const runServe = (args: ServeArgs) =>
     if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
     yield* wholeNumber("parallel", args.parallel, 1)
     yield* wholeNumber("queue", args.queue, 0)
-    yield* wholeNumber("spares", args.spares, 0)
+    yield* sparesFlag(args.spares)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
     // The stages against the model's blocks, from its GGUF header, before any agent starts (services/RequestChecks.ts).
     const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : 2
@@ -246,7 +257,7 @@ export const serveCommand = Command.make(
       withShownDefault(5000)
     ),
     spares: Options.integer("spares").pipe(
-      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them"),
+      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),
       withShownDefault(0)
     ),
     deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(

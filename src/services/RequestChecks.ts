@@ -17,6 +17,18 @@ export const threadsProblem = (threads: number, field = "threads"): string | und
     : `${field} must be a whole number from ${minThreads} to ${maxThreads}, got ${threads}`
 
 /**
+ * Spare agents: local agents started up front besides the stages, hosting nothing until a recovery needs one. Each is
+ * a process (~100 MiB) from the start, so a typo such as 1000 must not start a thousand of them.
+ */
+export const maxSpares = 64
+
+/** Spares outside [0, 64] (or not a whole number). */
+export const sparesProblem = (spares: number, field = "spares"): string | undefined =>
+  Number.isSafeInteger(spares) && spares >= 0 && spares <= maxSpares
+    ? undefined
+    : `${field} must be a whole number from 0 to ${maxSpares}, got ${spares}`
+
+/**
  * Stages against the model's transformer blocks: every stage hosts at least one block, so a model of `numLayers`
  * blocks splits into at most `numLayers` stages.
  */

@@ -9,7 +9,7 @@ import { NodeId } from "../../domain/ids.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../../services/Orchestrator.js"
 import { generateToken, type LocalAgent, spawnLocalAgents } from "./AgentProcesses.js"
 import { privateSocketDir } from "./SocketDir.js"
-import { clusterTokenProblem } from "../../services/RequestChecks.js"
+import { clusterTokenProblem, sparesProblem } from "../../services/RequestChecks.js"
 
 export interface LocalPoolOptions {
   /** Default engine threads of each agent (a run may override per stage). */
@@ -88,9 +88,8 @@ export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<Agen
   const fresh = (stages: number | undefined, spares = 0) =>
     Effect.gen(function*() {
       const count = yield* checkedCount(stages ?? options.defaultStages ?? 1)
-      if (!Number.isSafeInteger(spares) || spares < 0) {
-        return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
-      }
+      const badSpares = sparesProblem(spares)
+      if (badSpares !== undefined) return yield* new InvalidRequest({ message: badSpares })
       return agentSetOf(yield* startLocalSet(count + spares, options), options)
     })
   if (options.prestart === undefined) return Layer.succeed(AgentPool, AgentPool.of({ acquire: fresh }))

@@ -22,7 +22,7 @@ import {
 import { alignUp } from "../../domain/plan.js"
 import { activationFrameBytes, planRun } from "../../services/Planner.js"
 import { type ModelTokenizer, Tokenizer } from "../../services/Tokenizer.js"
-import { threadsProblem } from "../../services/RequestChecks.js"
+import { sparesProblem, threadsProblem } from "../../services/RequestChecks.js"
 import { nodesToAwait, placementFor, requestedStageCount } from "./RunPlacement.js"
 import { deliverWeights } from "./WeightDelivery.js"
 import { faultWords } from "./RunReport.js"
@@ -147,9 +147,8 @@ export const openPipeline = (
     }
 
     const spares = options.spares ?? 0
-    if (!Number.isSafeInteger(spares) || spares < 0) {
-      return yield* new InvalidRequest({ message: `spares must be a whole number, got ${spares}` })
-    }
+    const badSpares = sparesProblem(spares)
+    if (badSpares !== undefined) return yield* new InvalidRequest({ message: badSpares })
     const agents = yield* agentPool.acquire(options.stages, spares)
     const stageCount = requestedStageCount(options.placement, options.stages ?? Math.max(1, agents.nodes.length - spares))
     yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
