@@ -42,13 +42,13 @@ type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool | 
  * its scopes close (a one-shot run's agents stopped). A stalled agent, a recovery attempt or a pipeline still
  * starting up is never waited for longer than this.
  */
-export const operatorStopGrace = "1 second"
+const operatorStopGrace = "1 second"
 
 /**
  * `effect`, interrupted as soon as `stop` completes: the waits of a run driver outside a run (setting the pipeline
  * up, a recovery's pause) have nothing to stop gracefully, so an operator stop ends them at once.
  */
-export const interruptedOnStop = (stop: Deferred.Deferred<void>) => <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+const interruptedOnStop = (stop: Deferred.Deferred<void>) => <A, E, R>(effect: Effect.Effect<A, E, R>) =>
   Effect.raceFirst(effect, Effect.zipRight(Deferred.await(stop), Effect.interrupt))
 
 /**
