@@ -2,7 +2,9 @@
 // through the package's bin (plain `node dist/main.js`, no wrapper: the pid we signal is the orchestrator) stops
 // mid-generation on SIGTERM / SIGHUP with the same teardown as Ctrl-C, exits 128 + the signal number within 2 s and
 // leaves no agent process, no socket folder in /tmp and no ring file in /dev/shm; `swactor node` exits 143 on
-// SIGTERM; a closed stdout (`| head`) stops the run quietly with exit 0.
+// SIGTERM; a closed stdout (`| head`) stops the run quietly with exit 0. Issue 24 (H8): the same stop within 5 s while a
+// stage agent hangs (SIGSTOP) or a recovery attempt provisions on a hung spare, and local agents stopped in parallel,
+// a stopped one given SIGCONT to handle its SIGTERM.
 import { describe, expect, it } from "vitest"
 import { spawn } from "node:child_process"
 import { existsSync, readdirSync, readFileSync } from "node:fs"
