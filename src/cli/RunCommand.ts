@@ -10,7 +10,6 @@ import * as Os from "node:os"
 import { join } from "node:path"
 import { Console, Effect, Option, Stream } from "effect"
 import { layerLocal, layerRemote, run } from "../api/generate.js"
-import { readModelFacts } from "../api/modelFacts.js"
 import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
 import { Tokenizer } from "../services/Tokenizer.js"
 import { formatAddress } from "../layers/agent/AgentControlRpc.js"
@@ -19,6 +18,7 @@ import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import {
   atLeast,
   clusterToken,
+  modelFactsOf,
   nodeList,
   optionalThreads,
   optionalWholeNumber,
@@ -368,7 +368,7 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
  */
 const checkModelFit = (model: string, prompt: string, maxTokens: number, stages: number | undefined) =>
   Effect.gen(function*() {
-    const facts = yield* readModelFacts(model)
+    const facts = yield* modelFactsOf(model)
     if (stages !== undefined) {
       const problem = stagesProblem(stages, facts.numLayers, "--stages")
       if (problem !== undefined) return yield* new UsageError({ message: problem })

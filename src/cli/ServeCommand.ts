@@ -14,6 +14,7 @@ import { Server } from "../services/Server.js"
 import {
   atLeast,
   clusterToken,
+  modelFactsOf,
   listFlag,
   nodeList,
   optionalThreads,
@@ -25,7 +26,6 @@ import {
 } from "./Flags.js"
 import { defaultHttpLimits } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
-import { readModelFacts } from "../api/modelFacts.js"
 import { stagesProblem } from "../services/RequestChecks.js"
 
 export interface ServeArgs {
@@ -114,7 +114,7 @@ const runServe = (args: ServeArgs) =>
     // The stages against the model's blocks, from its GGUF header, before any agent starts (services/RequestChecks.ts).
     const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : 2
     if (plannedStages !== undefined) {
-      const facts = yield* readModelFacts(args.model)
+      const facts = yield* modelFactsOf(args.model)
       const problem = stagesProblem(plannedStages, facts.numLayers, "--stages")
       if (problem !== undefined) return yield* new UsageError({ message: problem })
     }
