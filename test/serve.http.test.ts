@@ -319,7 +319,7 @@ describe("swactor serve start-up failures", () => {
     child.stderr!.on("data", (chunk: string) => (stderr += chunk))
     const code = await new Promise<number | null>((resolve) => child.on("exit", (c) => resolve(c)))
     assert.strictEqual(code, 1)
-    assert.match(stderr, /^swactor serve: --model .*package\.json: bad magic .*expected "GGUF"/m)
+    assert.match(stderr, /^swactor serve: .*package\.json: bad magic .*expected "GGUF"/m)
   })
 })
 

@@ -6,6 +6,7 @@ import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Data, Effect, Option } from "effect"
 import { readModelFacts } from "../api/modelFacts.js"
+import { ModelLoadError } from "../domain/gguf.js"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import { clusterTokenProblem, minTokenLength, sparesProblem, threadsProblem } from "../services/RequestChecks.js"
@@ -106,9 +107,16 @@ export const listFlag = (
     return items
   })
 
-/** The model's facts from its GGUF header, for checks before anything starts; a file that is no model is one line naming it. */
+/**
+ * The model's facts from its GGUF header, for checks before anything starts. A file that is no model stays a
+ * ModelLoadError (its tag is what `run --json` reports), its message naming the file.
+ */
 export const modelFactsOf = (model: string) =>
-  readModelFacts(model).pipe(Effect.mapError((error) => new UsageError({ message: `--model ${model}: ${error.message}` })))
+  readModelFacts(model).pipe(
+    Effect.mapError((error) =>
+      error.message.includes(model) ? error : new ModelLoadError({ ...error, message: `${model}: ${error.message}` })
+    )
+  )
 
 /** `Options.withDefault` that also says the default in `--help`. */
 export const withShownDefault = <B>(value: B, shown: string = String(value)) =>
