@@ -64,6 +64,10 @@ describe("HttpGuard", () => {
     assert.strictEqual(jsonDepth('{"a":[1,{"b":2}]}'), 3)
     assert.strictEqual(jsonDepth('{"a":"[[[[{{{{\\"[[["}'), 1)
     assert.strictEqual(jsonDepth("42"), 0)
+    // Escaped backslashes before a quote: an even run closes the string, an odd one does not.
+    assert.strictEqual(jsonDepth('["a\\\\",[[1]]]'), 3)
+    assert.strictEqual(jsonDepth('["a\\\\\\"[[[",[1]]'), 2)
+    assert.strictEqual(jsonDepth(`{"s":"${"x".repeat(1_000_000)}","a":[[[]]]}`), 4)
     const deep = `${"[".repeat(maxJsonDepth + 1)}${"]".repeat(maxJsonDepth + 1)}`
     const refused = Effect.runSyncExit(parseJson(deep))
     assert.isTrue(Exit.isFailure(refused))
