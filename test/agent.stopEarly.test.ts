@@ -6,48 +6,11 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Chunk, Duration, Effect, Stream } from "effect"
-import { ProvisionRequest } from "../src/domain/controlRpc.js"
-import { tcpAddress } from "../src/domain/frames.js"
-import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../src/domain/ids.js"
-import { ProvisionStage, type RingSpec } from "../src/domain/plan.js"
+import type { NodeId, RunId } from "../src/domain/ids.js"
 import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
-import { startAgents } from "./support/e2e.js"
+import { startAgents, stories260KProvision } from "./support/e2e.js"
 import { requireModel } from "./support/models.js"
-
-const ring: RingSpec = { dataCapacity: 1 << 20, alignment: 64, direction: "Egress", hostPinning: "Pageable", wakeCoalescing: "PendingBit" }
-
-const request = (runId: RunId, path: string) =>
-  new ProvisionRequest({
-    provision: new ProvisionStage({
-      runId,
-      nodeId: 1 as NodeId,
-      stageIndex: 0,
-      stageCount: 1,
-      layerStart: 0,
-      layerEndExclusive: 5,
-      ggufSource: { _tag: "LocalPath", path },
-      tokenizer: { _tag: "EmbeddedInGguf" },
-      model: {
-        modelId: "stories260K",
-        ggufSource: { _tag: "LocalPath", path },
-        numLayers: 5,
-        hiddenDim: 64,
-        dtypeFamily: "Float",
-        dtypeWidthBytes: 4,
-        maxSeqLen: 512,
-        eosTokenId: 2,
-        tokenizer: { _tag: "EmbeddedInGguf" }
-      },
-      runtime: { roleId: 0 as RoleId, inputPort: "in" as PortId, outputPort: "out" as PortId, sampling: null },
-      inbound: { edgeId: 0 as EdgeId, kind: "TokenIn", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring },
-      outbound: { edgeId: 1 as EdgeId, kind: "TokenOut", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring }
-    }),
-    // nobody listens here: a stage that really started would retry this connection until stopped
-    outboundAddress: tcpAddress(9, "127.0.0.1"),
-    threads: 1,
-    contextLength: 256
-  })
 
 describe("agent: a Stop before its Provision", () => {
   it.live("the Provision that follows reports StageStopped at once and hosts nothing", () =>
@@ -57,7 +20,7 @@ describe("agent: a Stop before its Provision", () => {
       const link = yield* control.connect({ nodeId: 1 as NodeId, address: agents[0]!.address }, token)
       const path = requireModel("stories260K.gguf")
       yield* link.stop(77 as RunId, 0)
-      const reports = yield* Stream.runCollect(link.provision(request(77 as RunId, path))).pipe(
+      const reports = yield* Stream.runCollect(link.provision(stories260KProvision(77 as RunId, path, 1))).pipe(
         Effect.timeoutFail({ duration: Duration.seconds(5), onTimeout: () => new Error("the stage was hosted anyway") })
       )
       assert.deepStrictEqual(Chunk.toReadonlyArray(reports).map((r) => r._tag), ["StageStopped"])

@@ -3,13 +3,14 @@
 // naming the flag; a peer that is not a swactor node is named as such; a node's warnings go to stderr; no colour
 // codes reach a pipe; `--help` shows the defaults; the Promise facade rejects with the typed error.
 import { describe, expect, it } from "vitest"
-import { execFile, spawn } from "node:child_process"
+import { execFile } from "node:child_process"
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs"
 import * as Net from "node:net"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { createClient } from "../src/api/generate.js"
 import { generateToken, swactorMain } from "../src/layers/agent/AgentProcesses.js"
+import { refusedConnection, startTestNode } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 
 interface Ran {
@@ -116,31 +117,13 @@ describe("swactor run / node: messages and streams", () => {
   })
 
   it("a node's warnings go to stderr; stdout carries only its ready line", async () => {
-    const child = spawn(process.execPath, [swactorMain(), "node", "--listen", "127.0.0.1:0", "--engine", "test"], {
-      cwd: repoRoot,
-      stdio: ["ignore", "pipe", "pipe"],
-      env: { ...process.env, SWACTOR_CLUSTER_TOKEN: generateToken() }
-    })
-    let stdout = ""
-    let stderr = ""
-    child.stderr.on("data", (chunk) => (stderr += chunk))
-    const port = await new Promise<number>((resolve) =>
-      child.stdout.on("data", (chunk) => {
-        stdout += chunk
-        const ready = /swactor-node-ready (\{.*\})/.exec(stdout)
-        if (ready !== null) resolve((JSON.parse(ready[1]!) as { port: number }).port)
-      }))
+    const node = await startTestNode()
     // A client that speaks no handshake: the node refuses it and logs a warning.
-    await new Promise<void>((resolve) => {
-      const socket = Net.createConnection({ host: "127.0.0.1", port }, () => socket.write(Buffer.alloc(40, 0x41)))
-      socket.on("error", () => {})
-      socket.on("close", () => resolve())
-    })
+    await refusedConnection(node.port)
     await new Promise((resolve) => setTimeout(resolve, 300))
-    child.kill("SIGTERM")
-    await new Promise((resolve) => child.on("exit", resolve))
-    expect(stderr).toMatch(/control-plane connection from 127\.0\.0\.1 refused/)
-    expect(stdout.trim().split("\n").every((line) => line.startsWith("swactor-node-ready "))).toBe(true)
+    await node.stop()
+    expect(node.stderr()).toMatch(/control-plane connection from 127\.0\.0\.1 refused/)
+    expect(node.stdout().trim().split("\n").every((line) => line.startsWith("swactor-node-ready "))).toBe(true)
   })
 
   it("no colour or terminal codes when stdout is not a terminal; --help shows the defaults", async () => {

@@ -12,6 +12,7 @@ import { layoutStage } from "../src/layers/engine/StageLayout.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
+import { smallSynthetic } from "./support/batch.js"
 import { requireModel } from "./support/models.js"
 
 const dir = mkdtempSync(join(tmpdir(), "swactor-mmap-"))
@@ -82,20 +83,7 @@ describe("weights mapped from the file compute what copied weights compute", () 
   const synthetic = (type: SyntheticType, tiedOutput: boolean) =>
     Effect.gen(function*() {
       const path = join(dir, `llama-${type}${tiedOutput ? "-tied" : ""}.gguf`)
-      yield* writeSyntheticModel({
-        path,
-        arch: "llama",
-        layers: 4,
-        hidden: 256,
-        ffn: 512,
-        heads: 4,
-        kvHeads: 2,
-        vocab: 400,
-        contextLength: 256,
-        type,
-        seed: 3,
-        tiedOutput
-      })
+      yield* writeSyntheticModel({ ...smallSynthetic(path, "llama", type, 256), seed: 3, tiedOutput })
       return path
     })
 

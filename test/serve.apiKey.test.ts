@@ -11,16 +11,11 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { randomBytes } from "node:crypto"
 import { requireModel } from "./support/models.js"
-import { type ServeProcess, startServe } from "./support/serve.js"
+import { type ServeProcess, startServe, stopServe } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 const first = randomBytes(24).toString("hex")
 const second = `sk-${randomBytes(24).toString("base64url")}`
-
-const stop = async (server: ServeProcess | undefined) => {
-  if (server?.child.exitCode === null) server.child.kill("SIGTERM")
-  await server?.exited
-}
 
 describe("swactor serve --api-key-file (two keys)", () => {
   let server: ServeProcess
@@ -31,7 +26,7 @@ describe("swactor serve --api-key-file (two keys)", () => {
     server = await startServe(["--model", model, "--stages", "2", "--threads", "1", "--api-key-file", join(dir, "keys")])
   }, 180_000)
   afterAll(async () => {
-    await stop(server)
+    await stopServe(server)
     rmSync(dir, { recursive: true, force: true })
   })
 
@@ -107,7 +102,7 @@ describe("swactor serve --api-key-file (two keys)", () => {
 
 describe("swactor serve with SWACTOR_API_KEY", () => {
   let server: ServeProcess | undefined
-  afterAll(() => stop(server))
+  afterAll(() => stopServe(server))
 
   it("the environment's key is required; an empty key file is refused in one line", async () => {
     server = await startServe(["--model", model, "--stages", "1", "--threads", "1"], { SWACTOR_API_KEY: first })
@@ -117,7 +112,7 @@ describe("swactor serve with SWACTOR_API_KEY", () => {
     const answer = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 4, temperature: 0 })
     assert.strictEqual(answer.choices.length, 1)
     assert.match(server.stderr(), /1 API key from SWACTOR_API_KEY/)
-    await stop(server)
+    await stopServe(server)
 
     const dir = mkdtempSync(join(tmpdir(), "swactor-keys-"))
     writeFileSync(join(dir, "keys"), "# nothing here\n\n")

@@ -11,7 +11,7 @@ import { spawn } from "node:child_process"
 import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
 import { isAlive } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
-import { agentsOf, metricOf, type ServeProcess, startServe } from "./support/serve.js"
+import { agentsOf, metricOf, type ServeProcess, startServe, stopServe } from "./support/serve.js"
 import { rawRequest, residentBytes, silentConnections, sleep, watchStreams } from "./support/abuse.js"
 
 const model = requireModel("stories260K.gguf")
@@ -51,10 +51,7 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
     assert.strictEqual(agentPids.length, 2)
     startRss = residentBytes(server.child.pid!)
   }, 180_000)
-  afterAll(async () => {
-    if (server?.child.exitCode === null) server.child.kill("SIGTERM")
-    await server?.exited
-  })
+  afterAll(() => stopServe(server))
 
   /** Runs a case while greedy streams run beside it; they must keep their pace and their text. */
   const beside = async <A>(run: () => Promise<A>): Promise<A> => {

@@ -1,20 +1,19 @@
 import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Exit, Scope } from "effect"
+import { Effect } from "effect"
 import OpenAI from "openai"
 import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
-import { clusterTokenEnv } from "../src/layers/agent/ReadyLine.js"
-import { generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/agent/AgentProcesses.js"
+import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { Tokenizer } from "../src/services/Tokenizer.js"
 import { isAlive } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 import { spawn } from "node:child_process"
 import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
-import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe } from "./support/serve.js"
+import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe, startServeOverNodes } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 /** The greedy 24-token completion of "Once upon a time" from the local server (the remote one must match it). */
@@ -279,21 +278,12 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
 
 describe("swactor serve --nodes (remote agents)", () => {
   let server: ServeProcess
-  let scope: Scope.CloseableScope
   let agents: ReadonlyArray<LocalAgent>
+  let close: (() => Promise<void>) | undefined
   beforeAll(async () => {
-    scope = Effect.runSync(Scope.make())
-    const token = generateToken()
-    agents = await Effect.runPromise(spawnLocalAgents({ count: 2, token, threads: 1 }).pipe(Scope.extend(scope)))
-    server = await startServe(["--model", model, "--nodes", agents.map((a) => a.address).join(",")], {
-      [clusterTokenEnv]: token
-    })
+    ;({ server, nodes: agents, close } = await startServeOverNodes(["--model", model]))
   }, 180_000)
-  afterAll(async () => {
-    server?.child.kill("SIGTERM")
-    await server?.exited
-    await Effect.runPromise(Scope.close(scope, Exit.void))
-  })
+  afterAll(() => close?.())
 
   // The same server over agents started elsewhere: one stage per node, the same greedy text as local agents.
   it("serves through remote agents, one stage per node", async () => {

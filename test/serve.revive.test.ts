@@ -7,15 +7,14 @@
  */
 import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
-import { Context, Effect, Exit, Layer, Scope, Stream } from "effect"
-import { clusterTokenEnv } from "../src/layers/agent/ReadyLine.js"
-import { generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/agent/AgentProcesses.js"
+import { Context, Effect, Layer, Stream } from "effect"
+import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { layerLocal } from "../src/api/generate.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
 import { Server } from "../src/services/Server.js"
 import { isAlive } from "./support/e2e.js"
 import { requireModel } from "./support/models.js"
-import { agentsOf, metricOf, type ServeProcess, startServe } from "./support/serve.js"
+import { agentsOf, metricOf, type ServeProcess, startServe, startServeOverNodes } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
@@ -150,19 +149,12 @@ describe("swactor serve: every local agent stalls past the heartbeat deadline (s
 
 describe("swactor serve --nodes: every remote node stalls past the heartbeat deadline", () => {
   let server: ServeProcess
-  let scope: Scope.CloseableScope
   let nodes: ReadonlyArray<LocalAgent>
+  let close: (() => Promise<void>) | undefined
   beforeAll(async () => {
-    scope = Effect.runSync(Scope.make())
-    const token = generateToken()
-    nodes = await Effect.runPromise(spawnLocalAgents({ count: 2, token, threads: 1 }).pipe(Scope.extend(scope)))
-    server = await startServe(["--model", model, "--nodes", nodes.map((a) => a.address).join(",")], { [clusterTokenEnv]: token })
+    ;({ server, nodes, close } = await startServeOverNodes(["--model", model]))
   }, 180_000)
-  afterAll(async () => {
-    if (server?.child.exitCode === null) server.child.kill("SIGTERM")
-    await server?.exited
-    await Effect.runPromise(Scope.close(scope, Exit.void))
-  })
+  afterAll(() => close?.())
 
   // The same through remote nodes: the server waits for them (no fresh agents to start), reconnects when they answer.
   it("SIGSTOP of every node, then SIGCONT: 503 reviving meanwhile, then served again with the same text", async () => {

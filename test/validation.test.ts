@@ -4,24 +4,20 @@
 // = context accepted by run and serve alike), an empty prompt refused by both, weak cluster tokens refused, an agent
 // that refuses a provision for a bad argument is not retried, and a refused connection logged once, naming its peer.
 import { afterAll, beforeAll, describe, expect, it } from "vitest"
-import { execFile, spawn } from "node:child_process"
+import { execFile } from "node:child_process"
 import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs"
-import * as Net from "node:net"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { Chunk, Context, Duration, Effect, Exit, Layer, Scope, Stream } from "effect"
 import { createClient } from "../src/api/generate.js"
 import { serve } from "../src/api/serve.js"
-import { ProvisionRequest } from "../src/domain/controlRpc.js"
-import { tcpAddress } from "../src/domain/frames.js"
-import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../src/domain/ids.js"
-import { ProvisionStage, type RingSpec } from "../src/domain/plan.js"
+import type { NodeId, RunId } from "../src/domain/ids.js"
 import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
 import { generateToken, swactorMain } from "../src/layers/agent/AgentProcesses.js"
 import { isRecoverable } from "../src/layers/orchestrator/Recovery.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
 import { Server, type ServeError, type ServeEvent, type ServeRequest, type ServerService } from "../src/services/Server.js"
-import { startAgents } from "./support/e2e.js"
+import { refusedConnection, startAgents, startTestNode, stories260KProvision } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 import { type ServeProcess, startServe } from "./support/serve.js"
 
@@ -272,40 +268,10 @@ describe("swactor serve over HTTP: an id beyond the vocabulary is a 400 at once,
   }, 60_000)
 })
 
-const ring: RingSpec = { dataCapacity: 1 << 20, alignment: 64, direction: "Egress", hostPinning: "Pageable", wakeCoalescing: "PendingBit" }
 
 describe("the agent: a provision it cannot honour is refused, not crashed and retried", () => {
   it("threads 1000 in a provision: ProvisionFailed at once (not recoverable); the agent hosts nothing and stays up", async () => {
-    const path = model()
-    const request = new ProvisionRequest({
-      provision: new ProvisionStage({
-        runId: 91 as RunId,
-        nodeId: 1 as NodeId,
-        stageIndex: 0,
-        stageCount: 1,
-        layerStart: 0,
-        layerEndExclusive: 5,
-        ggufSource: { _tag: "LocalPath", path },
-        tokenizer: { _tag: "EmbeddedInGguf" },
-        model: {
-          modelId: "stories260K",
-          ggufSource: { _tag: "LocalPath", path },
-          numLayers: 5,
-          hiddenDim: 64,
-          dtypeFamily: "Float",
-          dtypeWidthBytes: 4,
-          maxSeqLen: 512,
-          eosTokenId: 2,
-          tokenizer: { _tag: "EmbeddedInGguf" }
-        },
-        runtime: { roleId: 0 as RoleId, inputPort: "in" as PortId, outputPort: "out" as PortId, sampling: null },
-        inbound: { edgeId: 0 as EdgeId, kind: "TokenIn", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring },
-        outbound: { edgeId: 1 as EdgeId, kind: "TokenOut", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring }
-      }),
-      outboundAddress: tcpAddress(9, "127.0.0.1"),
-      threads: 1000,
-      contextLength: 256
-    })
+    const request = stories260KProvision(91 as RunId, model(), 1000)
     await Effect.gen(function*() {
       const { agents, token } = yield* startAgents(1)
       const control = yield* AgentControl
@@ -330,33 +296,14 @@ describe("the agent: a provision it cannot honour is refused, not crashed and re
 
 describe("a node's refused connections: one WARN line per peer, naming it", () => {
   it("20 connections that speak no handshake from 127.0.0.1: one line, with the address", async () => {
-    const child = spawn(process.execPath, [swactorMain(), "node", "--listen", "127.0.0.1:0", "--engine", "test"], {
-      cwd: repoRoot,
-      stdio: ["ignore", "pipe", "pipe"],
-      env: { ...process.env, SWACTOR_CLUSTER_TOKEN: generateToken() }
-    })
-    let stdout = ""
-    let stderr = ""
-    child.stderr.on("data", (chunk) => (stderr += chunk))
+    const node = await startTestNode()
     try {
-      const port = await new Promise<number>((resolve) =>
-        child.stdout.on("data", (chunk) => {
-          stdout += chunk
-          const ready = /swactor-node-ready (\{.*\})/.exec(stdout)
-          if (ready !== null) resolve((JSON.parse(ready[1]!) as { port: number }).port)
-        }))
-      for (let i = 0; i < 20; i++) {
-        await new Promise<void>((resolve) => {
-          const socket = Net.createConnection({ host: "127.0.0.1", port }, () => socket.write(Buffer.alloc(40, 0x41)))
-          socket.on("error", () => {})
-          socket.on("close", () => resolve())
-        })
-      }
+      for (let i = 0; i < 20; i++) await refusedConnection(node.port)
       await new Promise((resolve) => setTimeout(resolve, 300))
     } finally {
-      child.kill("SIGTERM")
-      await new Promise((resolve) => child.on("exit", resolve))
+      await node.stop()
     }
+    const stderr = node.stderr()
     const lines = stderr.split("\n").filter((line) => line.includes("connection from"))
     expect(lines, stderr).toHaveLength(1)
     expect(lines[0]).toMatch(/WARN/)

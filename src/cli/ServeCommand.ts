@@ -24,7 +24,7 @@ import {
   wholeNumber,
   withShownDefault
 } from "./Flags.js"
-import { defaultHttpLimits } from "../layers/server/HttpGuard.js"
+import { defaultHttpLimits, hostOf, isLoopback } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
 import { stagesProblem } from "../services/RequestChecks.js"
 
@@ -58,8 +58,6 @@ export interface ServeArgs {
 
 /** The environment variable holding one API key, when no --api-key-file is given. */
 const apiKeyEnv = "SWACTOR_API_KEY"
-
-const isLoopbackHost = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host)
 
 /**
  * The API keys: the lines of --api-key-file (blank lines and # comments skipped), else SWACTOR_API_KEY, else none.
@@ -156,7 +154,7 @@ const runServe = (args: ServeArgs) =>
       apiKeys: keys.keys,
       onListening: ({ host, port }) => {
         process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
-        if (keys.keys.length === 0 && !isLoopbackHost(args.host)) {
+        if (keys.keys.length === 0 && !isLoopback(hostOf(args.host))) {
           process.stderr.write(
             `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
           )

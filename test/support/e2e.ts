@@ -1,9 +1,20 @@
 /** Helpers for end-to-end tests with real agent processes. */
-import { execFileSync } from "node:child_process"
+import { execFileSync, spawn } from "node:child_process"
 import * as Net from "node:net"
 import { Effect, type Scope } from "effect"
 import { layerRemote } from "../../src/api/generate.js"
-import { generateToken, type LocalAgent, type LocalAgentsOptions, spawnLocalAgents } from "../../src/layers/agent/AgentProcesses.js"
+import { ProvisionRequest } from "../../src/domain/controlRpc.js"
+import { tcpAddress } from "../../src/domain/frames.js"
+import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../../src/domain/ids.js"
+import { ProvisionStage, type RingSpec } from "../../src/domain/plan.js"
+import {
+  generateToken,
+  type LocalAgent,
+  type LocalAgentsOptions,
+  spawnLocalAgents,
+  swactorMain
+} from "../../src/layers/agent/AgentProcesses.js"
+import { repoRoot } from "./models.js"
 
 /** Starts `count` real agents (`swactor node` child processes) and an orchestrator layer over them. */
 export const startAgents = (count: number, options: Partial<LocalAgentsOptions> = {}) =>
@@ -89,3 +100,84 @@ export const cuttingProxy = (cutAfterBytes: number) =>
     ),
     ({ server }) => Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
   )
+
+/**
+ * A `swactor node` child process with the test engine on an ephemeral loopback port: its port (from its ready line),
+ * what it wrote so far, and `stop` (SIGTERM, then its exit).
+ */
+export const startTestNode = async () => {
+  const child = spawn(process.execPath, [swactorMain(), "node", "--listen", "127.0.0.1:0", "--engine", "test"], {
+    cwd: repoRoot,
+    stdio: ["ignore", "pipe", "pipe"],
+    env: { ...process.env, SWACTOR_CLUSTER_TOKEN: generateToken() }
+  })
+  let stdout = ""
+  let stderr = ""
+  child.stderr.on("data", (chunk) => (stderr += chunk))
+  const port = await new Promise<number>((resolve) =>
+    child.stdout.on("data", (chunk) => {
+      stdout += chunk
+      const ready = /swactor-node-ready (\{.*\})/.exec(stdout)
+      if (ready !== null) resolve((JSON.parse(ready[1]!) as { port: number }).port)
+    }))
+  return {
+    port,
+    stdout: () => stdout,
+    stderr: () => stderr,
+    stop: async () => {
+      child.kill("SIGTERM")
+      if (child.exitCode === null && child.signalCode === null) await new Promise((resolve) => child.on("exit", resolve))
+    }
+  }
+}
+
+/** A connection that speaks no handshake (40 bytes of "A"): the node refuses it; resolves once it is closed. */
+export const refusedConnection = (port: number) =>
+  new Promise<void>((resolve) => {
+    const socket = Net.createConnection({ host: "127.0.0.1", port }, () => socket.write(Buffer.alloc(40, 0x41)))
+    socket.on("error", () => {})
+    socket.on("close", () => resolve())
+  })
+
+const provisionRing: RingSpec = {
+  dataCapacity: 1 << 20,
+  alignment: 64,
+  direction: "Egress",
+  hostPinning: "Pageable",
+  wakeCoalescing: "PendingBit"
+}
+
+/**
+ * A provision of all 5 blocks of stories260K (at `path`) as one stage, as the orchestrator would send it; its outbound
+ * address is one nobody listens on (a stage that really started would retry it until stopped).
+ */
+export const stories260KProvision = (runId: RunId, path: string, threads: number) =>
+  new ProvisionRequest({
+    provision: new ProvisionStage({
+      runId,
+      nodeId: 1 as NodeId,
+      stageIndex: 0,
+      stageCount: 1,
+      layerStart: 0,
+      layerEndExclusive: 5,
+      ggufSource: { _tag: "LocalPath", path },
+      tokenizer: { _tag: "EmbeddedInGguf" },
+      model: {
+        modelId: "stories260K",
+        ggufSource: { _tag: "LocalPath", path },
+        numLayers: 5,
+        hiddenDim: 64,
+        dtypeFamily: "Float",
+        dtypeWidthBytes: 4,
+        maxSeqLen: 512,
+        eosTokenId: 2,
+        tokenizer: { _tag: "EmbeddedInGguf" }
+      },
+      runtime: { roleId: 0 as RoleId, inputPort: "in" as PortId, outputPort: "out" as PortId, sampling: null },
+      inbound: { edgeId: 0 as EdgeId, kind: "TokenIn", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring: provisionRing },
+      outbound: { edgeId: 1 as EdgeId, kind: "TokenOut", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring: provisionRing }
+    }),
+    outboundAddress: tcpAddress(9, "127.0.0.1"),
+    threads,
+    contextLength: 256
+  })

@@ -1,6 +1,8 @@
 import { type ChildProcess, spawn } from "node:child_process"
 import { existsSync, readdirSync, readFileSync } from "node:fs"
-import { swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
+import { Effect, Exit, Scope } from "effect"
+import { generateToken, type LocalAgent, spawnLocalAgents, swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
+import { clusterTokenEnv } from "../../src/layers/agent/ReadyLine.js"
 import { repoRoot } from "./models.js"
 
 export interface ServeProcess {
@@ -49,6 +51,38 @@ export const startServe = async (
   }
   if (healthSeen.at(-1) !== 200) throw new Error(`swactor serve never became ready:\n${stderr}`)
   return { child, url, healthSeen, stderr: () => stderr, exited }
+}
+
+/** Ends a server a test started, if it still runs (SIGTERM: it removes its agents and socket folder), and waits for it. */
+export const stopServe = async (server: ServeProcess | undefined) => {
+  if (server?.child.exitCode === null && server.child.signalCode === null) server.child.kill("SIGTERM")
+  await server?.exited
+}
+
+/**
+ * `swactor serve --nodes` over two agent processes started here as remote nodes (one stage each, one thread);
+ * `close` ends the server, then the nodes.
+ */
+export const startServeOverNodes = async (args: ReadonlyArray<string>) => {
+  const scope = Effect.runSync(Scope.make())
+  const token = generateToken()
+  const nodes: ReadonlyArray<LocalAgent> = await Effect.runPromise(
+    spawnLocalAgents({ count: 2, token, threads: 1 }).pipe(Scope.extend(scope))
+  )
+  const server = await startServe([...args, "--nodes", nodes.map((a) => a.address).join(",")], { [clusterTokenEnv]: token }).catch(
+    async (error: unknown) => {
+      await Effect.runPromise(Scope.close(scope, Exit.void))
+      throw error
+    }
+  )
+  return {
+    server,
+    nodes,
+    close: async () => {
+      await stopServe(server)
+      await Effect.runPromise(Scope.close(scope, Exit.void))
+    }
+  }
 }
 
 /** The agents' pids and active stage counts from /metrics. */

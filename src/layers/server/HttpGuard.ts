@@ -72,7 +72,8 @@ export const withoutAddresses = (text: string): string =>
 
 const loopbackNames = new Set(["localhost", "127.0.0.1", "::1", "[::1]"])
 
-const isLoopback = (host: string) => loopbackNames.has(host) || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host) || host.endsWith(".localhost")
+/** A loopback name or address (`localhost`, `*.localhost`, 127.x.x.x, ::1), as `hostOf` gives it. */
+export const isLoopback = (host: string) => loopbackNames.has(host) || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host) || host.endsWith(".localhost")
 
 /** The host name of a Host header (`name`, `name:port`, `[v6]:port`), lower case, without the port. */
 export const hostOf = (header: string): string => {
