@@ -487,9 +487,8 @@ export const make = (options: ServeOptions) =>
       const s = yield* Ref.get(status)
       if (s._tag === "Loading") return yield* new ServerLoading({ message: "the model is still loading" })
       if (s._tag === "Faulted") return yield* new PipelineFaulted({ message: s.message })
-      if (s._tag === "Reviving" || live === undefined) {
-        return yield* (s._tag === "Reviving" ? revivingError(s) : new ServerLoading({ message: "the model is still loading" }))
-      }
+      if (s._tag === "Reviving") return yield* revivingError(s)
+      if (live === undefined) return yield* new ServerLoading({ message: "the model is still loading" })
       return live
     })
 
