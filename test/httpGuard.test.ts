@@ -26,6 +26,7 @@ describe("HttpGuard", () => {
     for (const host of ["localhost", "127.0.0.1", "127.1.2.3", "::1", "app.localhost"]) assert.isTrue(hostAllowed(host, "127.0.0.1", []), host)
     // DNS rebinding: the attacker's own name, now resolving to 127.0.0.1.
     assert.isFalse(hostAllowed("attacker.example", "127.0.0.1", []))
+    assert.isFalse(hostAllowed("127.attacker.example", "127.0.0.1", []))
     assert.isFalse(hostAllowed("10.0.0.2", "127.0.0.1", []))
     assert.isTrue(hostAllowed("llm.lan", "127.0.0.1", ["llm.lan"]))
     assert.isTrue(hostAllowed("anything", "127.0.0.1", ["*"]))

@@ -24,7 +24,7 @@ import {
   wholeNumber,
   withShownDefault
 } from "./Flags.js"
-import { defaultHttpLimits, hostOf, isLoopback } from "../layers/server/HttpGuard.js"
+import { defaultHttpLimits, hostOf, isLoopbackHost } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
 import { stagesProblem } from "../services/RequestChecks.js"
 
@@ -154,7 +154,7 @@ const runServe = (args: ServeArgs) =>
       apiKeys: keys.keys,
       onListening: ({ host, port }) => {
         process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
-        if (keys.keys.length === 0 && !isLoopback(hostOf(args.host))) {
+        if (keys.keys.length === 0 && !isLoopbackHost(hostOf(args.host))) {
           process.stderr.write(
             `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
           )

@@ -13,6 +13,7 @@ import type { IncomingMessage } from "node:http"
 import { hostname } from "node:os"
 import { isIP } from "node:net"
 import { Effect, Redacted } from "effect"
+import { isLoopback } from "../transport/Tls.js"
 
 /** The limits of the HTTP front, each a `swactor serve` flag. */
 export interface HttpLimits {
@@ -70,10 +71,12 @@ export const withoutAddresses = (text: string): string =>
     .replace(/\b[a-zA-Z][\w.-]*:\d{2,5}\b/g, "<agent>")
     .replace(/(?:unix:)?(?:\/[\w.@+-]+){2,}/g, "<path>")
 
-const loopbackNames = new Set(["localhost", "127.0.0.1", "::1", "[::1]"])
-
-/** A loopback name or address (`localhost`, `*.localhost`, 127.x.x.x, ::1), as `hostOf` gives it. */
-export const isLoopback = (host: string) => loopbackNames.has(host) || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host) || host.endsWith(".localhost")
+/**
+ * A loopback name or address as `hostOf` gives it: `localhost`, `*.localhost`, or an IP literal Tls.ts counts as
+ * loopback (127.0.0.0/8, ::1, IPv4-mapped). Only literals: a name such as `127.attacker.example` is not loopback.
+ */
+export const isLoopbackHost = (host: string) =>
+  host === "localhost" || host.endsWith(".localhost") || (isIP(host) !== 0 && isLoopback(host))
 
 /** The host name of a Host header (`name`, `name:port`, `[v6]:port`), lower case, without the port. */
 export const hostOf = (header: string): string => {
@@ -95,8 +98,8 @@ export const hostOf = (header: string): string => {
 export const hostAllowed = (host: string, listenHost: string, allowedHosts: ReadonlyArray<string>): boolean => {
   if (allowedHosts.includes("*")) return true
   const listen = hostOf(listenHost)
-  if (host === listen || isLoopback(host) || allowedHosts.some((h) => h.toLowerCase() === host)) return true
-  if (isLoopback(listen)) return false
+  if (host === listen || isLoopbackHost(host) || allowedHosts.some((h) => h.toLowerCase() === host)) return true
+  if (isLoopbackHost(listen)) return false
   const wildcard = listen === "0.0.0.0" || listen === "::" || listen === ""
   return (wildcard && isIP(host) !== 0) || host === hostname().toLowerCase()
 }
