@@ -25,6 +25,42 @@ export interface SamplingOptions {
   readonly minP?: number
   /** Same seed, same model, same prompt → same text (random when omitted). */
   readonly seed?: number
+  /** Locally typical sampling (1 = off, the default). */
+  readonly typicalP?: number
+  /** Divides (positive logits) or multiplies (negative) the logits of recent tokens (1 = off, the default). */
+  readonly repeatPenalty?: number
+  /** Subtracted from the logits of tokens seen recently (0 = off, the default; OpenAI's presence_penalty). */
+  readonly presencePenalty?: number
+  /** Subtracted once per occurrence of a recent token (0 = off, the default; OpenAI's frequency_penalty). */
+  readonly frequencyPenalty?: number
+  /** How many recent tokens the repeat, presence and frequency penalties look at (default 64; -1: the whole context). */
+  readonly penaltyLastN?: number
+  /** DRY ("don't repeat yourself") penalty; off when absent or multiplier 0. */
+  readonly dry?: DrySampling
+  /** XTC ("exclude top choices"); off when absent or probability 0. */
+  readonly xtc?: { readonly probability: number; readonly threshold: number }
+  /** Added to the logits of the given tokens before sampling (-Infinity bans a token). */
+  readonly logitBias?: ReadonlyArray<{ readonly tokenId: number; readonly bias: number }>
+  /** A GBNF grammar the output must follow (llama.cpp's grammar sampler; `root` defaults to "root"). */
+  readonly grammar?: { readonly text: string; readonly root?: string }
+  /**
+   * Report the log-probability of each sampled token and of the `logprobs` most likely alternatives (0–20) in
+   * GeneratedToken.logprob; absent: none reported.
+   */
+  readonly logprobs?: number
+}
+
+/** llama.cpp's DRY sampler settings. */
+export interface DrySampling {
+  readonly multiplier: number
+  /** Default 1.75. */
+  readonly base?: number
+  /** Default 2. */
+  readonly allowedLength?: number
+  /** Default -1 (the whole context). */
+  readonly penaltyLastN?: number
+  /** Default ["\n", ":", "\"", "*"]. */
+  readonly sequenceBreakers?: ReadonlyArray<string>
 }
 
 export interface GenerateRequest {
@@ -133,6 +169,15 @@ export interface GeneratedToken {
   readonly text: string
   readonly sequence: number
   readonly timings: TokenTimings
+  /** When SamplingOptions.logprobs asked for it: this token's log-probability and the most likely alternatives. */
+  readonly logprob?: TokenLogprob
+}
+
+/** Log-probabilities from the model's distribution at one step (log-softmax of the raw logits, before sampling). */
+export interface TokenLogprob {
+  readonly logprob: number
+  /** The most likely tokens, most likely first (as many as SamplingOptions.logprobs asked for). */
+  readonly top: ReadonlyArray<{ readonly tokenId: number; readonly logprob: number }>
 }
 
 export interface StageSummary {
