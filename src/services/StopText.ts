@@ -7,6 +7,8 @@ export interface StopMatch {
   readonly text: string
   /** A stop string was found: `text` is everything before it, and nothing follows. */
   readonly stopped: boolean
+  /** Which stop string was found (the one that begins first; when stopped). */
+  readonly stop?: string
 }
 
 export interface StopMatcher {
@@ -37,15 +39,19 @@ export const makeStopMatcher = (stops: ReadonlyArray<string>): StopMatcher => {
       if (done) return { text: "", stopped: true }
       held += piece
       let first = -1
+      let found = ""
       for (const stop of patterns) {
         const at = held.indexOf(stop)
-        if (at >= 0 && (first < 0 || at < first)) first = at
+        if (at >= 0 && (first < 0 || at < first)) {
+          first = at
+          found = stop
+        }
       }
       if (first >= 0) {
         done = true
         const text = held.slice(0, first)
         held = ""
-        return { text, stopped: true }
+        return { text, stopped: true, stop: found }
       }
       const keep = pendingTail(held)
       const text = held.slice(0, held.length - keep)

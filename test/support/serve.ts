@@ -85,9 +85,9 @@ export const startServeOverNodes = async (args: ReadonlyArray<string>) => {
   }
 }
 
-/** The agents' pids and active stage counts from /metrics. */
-export const agentsOf = async (url: string) => {
-  const text = await fetch(`${url}/metrics`).then((r) => r.text())
+/** The agents' pids and active stage counts from /metrics (`headers`: an API key, when the server asks for one). */
+export const agentsOf = async (url: string, headers: Record<string, string> = {}) => {
+  const text = await fetch(`${url}/metrics`, { headers }).then((r) => r.text())
   return [...text.matchAll(/^swactor_agent_active_stages\{address="([^"]+)",pid="(\d+)"\} (-?\d+)$/gm)].map((m) => ({
     address: m[1]!,
     pid: Number(m[2]),
@@ -95,8 +95,8 @@ export const agentsOf = async (url: string) => {
   }))
 }
 
-export const metricOf = async (url: string, name: string): Promise<number> => {
-  const text = await fetch(`${url}/metrics`).then((r) => r.text())
+export const metricOf = async (url: string, name: string, headers: Record<string, string> = {}): Promise<number> => {
+  const text = await fetch(`${url}/metrics`, { headers }).then((r) => r.text())
   const match = new RegExp(`^${name.replace(/[{}"]/g, (c) => `\\${c}`)} (\\S+)$`, "m").exec(text)
   return match === null ? Number.NaN : Number(match[1])
 }

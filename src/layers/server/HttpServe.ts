@@ -48,6 +48,10 @@ import {
   readBody,
   withoutAddresses
 } from "./HttpGuard.js"
+import { ChatMessageBody, chatWithTools, toolCallDeltas, toolCallsJson, ToolFields } from "./OpenAiTools.js"
+import { toolCallStream, parseToolCalls } from "./ToolCalls.js"
+import type { ChatTool, ChatToolCall, ToolSyntax } from "../../services/Tools.js"
+import { anthropicErrorResponse, isMessagesPath, messagesRoutes } from "./AnthropicMessages.js"
 
 // --- bodies ---
 
@@ -433,11 +437,12 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
     const limits = limitsOf(options)
     const keys = apiKeys(options.apiKeys ?? [])
     const handle = (
-      effect: Effect.Effect<HttpServerResponse.HttpServerResponse, HttpFailure | EdgeRefusal | ServeError, HttpServerRequest.HttpServerRequest>
+      effect: Effect.Effect<HttpServerResponse.HttpServerResponse, HttpFailure | EdgeRefusal | ServeError, HttpServerRequest.HttpServerRequest>,
+      render: (failure: HttpFailure | EdgeRefusal) => HttpServerResponse.HttpServerResponse = errorResponse
     ) =>
       effect.pipe(
         Effect.catchAll((failure) =>
-          Effect.succeed(errorResponse(failure instanceof HttpFailure || failure instanceof EdgeRefusal ? failure : fromServeError(failure)))
+          Effect.succeed(render(failure instanceof HttpFailure || failure instanceof EdgeRefusal ? failure : fromServeError(failure)))
         )
       )
     // JSON only, counted while it arrives, nested at most maxJsonDepth, then the route's schema.
@@ -450,6 +455,8 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
         const json = yield* parseJson(text)
         return yield* Schema.decodeUnknown(schema, { errors: "first" })(json).pipe(Effect.mapError(badBody))
       })
+    // Anthropic's Messages API (AnthropicMessages.ts): its errors in Anthropic's shape.
+    const messages = messagesRoutes({ server, modelName, keepAliveMillis, body, failureOf: fromServeError })
 
     return HttpRouter.empty.pipe(
       HttpRouter.get(
@@ -524,20 +531,34 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
         "/v1/chat/completions",
         handle(Effect.gen(function*() {
           const request = yield* body(ChatBody)
-          const chat = yield* server.formatChat(request.messages.map((m) => ({
-            role: m.role === "developer" ? "system" : m.role,
-            content: typeof m.content === "string" ? m.content : m.content.map((part) => part.text).join("")
-          })))
+          // Messages and tools checked (OpenAiTools.ts): a problem is a 400 naming the field.
+          const checked = chatWithTools(request)
+          if (typeof checked === "string") return yield* Effect.fail(new HttpFailure(400, "invalid_request_error", checked))
+          const chat = yield* server.formatChat(checked.messages, checked.tools)
           const ready = yield* server.ready
           // Without a limit: up to a window of 4,096 tokens (or the model's context, when smaller), so the KV a chat
           // reserves does not grow with the model's maximum context.
           const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
           const maxTokens = orUndefined(request.max_completion_tokens) ?? orUndefined(request.max_tokens) ??
             Math.max(1, window - chat.tokens.length - 1)
-          const serve = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop)
-          return yield* respond(server, shape(true), serve, request.stream === true, request.stream_options?.include_usage === true, keepAliveMillis)
+          const planned = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop)
+          // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
+          const serve = chat.tools?.grammar === undefined
+            ? planned
+            : { ...planned, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
+          return yield* respond(
+            server,
+            shape(true),
+            serve,
+            request.stream === true,
+            request.stream_options?.include_usage === true,
+            keepAliveMillis,
+            chat.tools === undefined || checked.tools === undefined ? undefined : { syntax: chat.tools.syntax, tools: checked.tools.tools }
+          )
         }))
       ),
+      HttpRouter.post("/v1/messages", handle(messages.create, anthropicErrorResponse)),
+      HttpRouter.post("/v1/messages/count_tokens", handle(messages.countTokens, anthropicErrorResponse)),
       Effect.succeed
     )
   }).pipe(Effect.flatten)
@@ -563,18 +584,21 @@ const guarded = (
 ) =>
   Effect.gen(function*() {
     const request = yield* HttpServerRequest.HttpServerRequest
+    const path = new URL(request.url, "http://x").pathname
+    // Refusals in the shape of the route's API: Anthropic's on /v1/messages, OpenAI's elsewhere.
+    const refusalResponse = isMessagesPath(path) ? anthropicErrorResponse : errorResponse
     const refusal = checkCaller(request.headers, listenHost, limits)
-    if (refusal !== undefined) return errorResponse(refusal)
+    if (refusal !== undefined) return refusalResponse(refusal)
     const origin = request.headers["origin"]
     const cors = origin !== undefined && (limits.allowedOrigins.includes("*") || limits.allowedOrigins.includes(origin))
     if (request.method === "OPTIONS") {
       return cors
         ? HttpServerResponse.empty({ status: 204, headers: corsHeaders(origin) })
-        : errorResponse(new HttpFailure(405, "invalid_request_error", "OPTIONS is answered only for --allowed-origins"))
+        : refusalResponse(new HttpFailure(405, "invalid_request_error", "OPTIONS is answered only for --allowed-origins"))
     }
-    const unauthorized = checkApiKey(request.headers, new URL(request.url, "http://x").pathname, keys)
+    const unauthorized = checkApiKey(request.headers, path, keys)
     if (unauthorized !== undefined) {
-      const answer = errorResponse(unauthorized)
+      const answer = refusalResponse(unauthorized)
       return cors ? HttpServerResponse.setHeaders(answer, corsHeaders(origin)) : answer
     }
     const response = yield* routes.pipe(
@@ -582,9 +606,9 @@ const guarded = (
         if (Cause.isInterruptedOnly(cause)) return Effect.failCause(cause as Cause.Cause<never>)
         const failure = Cause.failureOption(cause)
         if (Option.isSome(failure) && (failure.value as { _tag?: unknown })._tag === "RouteNotFound") {
-          return Effect.succeed(errorResponse(new HttpFailure(404, "invalid_request_error", "no such route")))
+          return Effect.succeed(refusalResponse(new HttpFailure(404, "invalid_request_error", "no such route")))
         }
-        return Effect.succeed(errorResponse(new HttpFailure(500, "server_error", faultForClient(Cause.pretty(cause).split("\n")[0] ?? "a defect"))))
+        return Effect.succeed(refusalResponse(new HttpFailure(500, "server_error", faultForClient(Cause.pretty(cause).split("\n")[0] ?? "a defect"))))
       })
     )
     return cors ? HttpServerResponse.setHeaders(response, corsHeaders(origin)) : response

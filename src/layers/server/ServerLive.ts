@@ -559,10 +559,16 @@ export const make = (options: ServeOptions) =>
           const stop = makeStopMatcher(request.stop ?? [])
           let completionTokens = 0
           let finished = false
-          const done = (finishReason: "stop" | "length"): ServeEvent => {
+          const done = (finishReason: "stop" | "length", stopSequence?: string): ServeEvent => {
             finished = true
             outcome = "completed"
-            return { _tag: "Done", finishReason, promptTokens: prompt.length, completionTokens }
+            return {
+              _tag: "Done",
+              finishReason,
+              ...(stopSequence === undefined ? {} : { stopSequence }),
+              promptTokens: prompt.length,
+              completionTokens
+            }
           }
           const onUpdate = (update: RunUpdate): ReadonlyArray<ServeEvent> => {
             if (finished) return []
@@ -577,7 +583,7 @@ export const make = (options: ServeOptions) =>
               }
               const match = stop.push(update.token.text)
               const out = match.text === "" ? [] : [text(match.text)]
-              return match.stopped ? [...out, done("stop")] : out
+              return match.stopped ? [...out, done("stop", match.stop)] : out
             }
             if (update._tag === "Recovered") metrics.recoveries++
             if (update._tag === "StageStraggler") stageMetrics(update.straggler.stageIndex).stragglerTokens++
