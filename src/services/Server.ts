@@ -7,6 +7,7 @@ import { Context, type Duration, type Effect, Schema, type Stream } from "effect
 import type { ModelFacts } from "../domain/plan.js"
 import type { PipelineOptions, SamplingOptions } from "./Orchestrator.js"
 import type { ChatMessage, FormattedChat } from "./Tokenizer.js"
+import type { ChatToolOptions } from "./Tools.js"
 
 export interface ServeOptions extends PipelineOptions {
   /** Sequences running at once at most (default 4). */
@@ -193,9 +194,13 @@ export interface ServerService {
    * event. Interrupting the stream cancels the run.
    */
   readonly generate: (request: ServeRequest) => Stream.Stream<ServeEvent, ServeError>
-  /** Chat messages through the model's chat template (BadServeRequest: more prompt tokens than `maxPromptTokens`). */
+  /**
+   * Chat messages (and tools: Tools.ts) through the model's chat template (BadServeRequest: more prompt tokens than
+   * `maxPromptTokens`, or tools that cannot be rendered).
+   */
   readonly formatChat: (
-    messages: ReadonlyArray<ChatMessage>
+    messages: ReadonlyArray<ChatMessage>,
+    tools?: ChatToolOptions
   ) => Effect.Effect<FormattedChat, ServerLoading | ServerReviving | BadServeRequest | PipelineFaulted>
   readonly metrics: Effect.Effect<ServerMetrics>
 }

@@ -1,4 +1,5 @@
 import { Context, type Effect, Schema, type Scope } from "effect"
+import type { ChatToolCall, ChatToolOptions, ToolSyntax } from "./Tools.js"
 
 /** The model's vocabulary could not be loaded. */
 export class TokenizerError extends Schema.TaggedError<TokenizerError>()("TokenizerError", {
@@ -14,10 +15,19 @@ export interface IncrementalDecoder {
   readonly flush: () => string
 }
 
-/** One message of a chat. */
+/** A chat that cannot be rendered as asked (its tools, or its calls' arguments): the request's fault, in words. */
+export class ChatRenderError extends Schema.TaggedError<ChatRenderError>()("ChatRenderError", {
+  message: Schema.String
+}) {}
+
+/** One message of a chat: an assistant's may carry the tool calls it made, a tool's is the result of one call. */
 export interface ChatMessage {
-  readonly role: "system" | "user" | "assistant"
+  readonly role: "system" | "user" | "assistant" | "tool"
   readonly content: string
+  /** The assistant's calls (Tools.ts). */
+  readonly toolCalls?: ReadonlyArray<ChatToolCall>
+  /** A tool message: the id of the call it answers. */
+  readonly toolCallId?: string
 }
 
 /** A chat rendered for the assistant's next turn. */
@@ -27,6 +37,8 @@ export interface FormattedChat {
   readonly stop: ReadonlyArray<string>
   /** Which template rendered it (e.g. the chat wrapper's name). */
   readonly template: string
+  /** With tools (not `none`): how the model writes calls, and the grammar that forces a call when the choice does. */
+  readonly tools?: { readonly syntax: ToolSyntax; readonly grammar?: string }
 }
 
 /** The vocabulary of one model. */
@@ -46,7 +58,10 @@ export interface ModelTokenizer {
    * Messages through the model's own chat template, ready for the assistant's turn (an effect: the live tokenizer
    * loads the template machinery, node-llama-cpp, on the first chat only).
    */
-  readonly formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.Effect<FormattedChat, TokenizerError>
+  readonly formatChat: (
+    messages: ReadonlyArray<ChatMessage>,
+    tools?: ChatToolOptions
+  ) => Effect.Effect<FormattedChat, TokenizerError | ChatRenderError>
 }
 
 export interface TokenizerService {

@@ -1,8 +1,12 @@
 import { Effect, Layer, Option, Scope } from "effect"
 import { readGgufFile } from "./GgufReader.js"
 import { makeSpmTokenizer, type SpmVocabulary, spmVocabulary } from "./SpmTokenizer.js"
+import { jsonSchemaGrammar } from "../server/JsonGrammar.js"
+import { genericToolMessages, toolGrammarEffect, toolsAllowed } from "../server/ToolCalls.js"
+import type { ChatToolOptions, ToolSyntax } from "../../services/Tools.js"
 import {
   type ChatMessage,
+  ChatRenderError,
   type FormattedChat,
   makeIncrementalDecoder,
   type ModelTokenizer,
@@ -17,33 +21,172 @@ type LlamaModel = Awaited<ReturnType<Llama["loadModel"]>>
 
 type ChatHistoryItem = import("node-llama-cpp").ChatHistoryItem
 
+type Wrapper = NonNullable<ReturnType<NodeLlamaCpp["resolveChatWrapper"]>>
+type SettingText = Wrapper["settings"]["functions"]["call"]["prefix"] | undefined
+
+/**
+ * A chat wrapper's setting as the text a reply holds: special tokens' text as it is, cut at the first built-in
+ * special token (EOS...) or at the first of `stops` (texts that end the turn, which never reach the reply).
+ */
+const settingText = (lib: NodeLlamaCpp, value: SettingText, stops: ReadonlyArray<string>, model?: LlamaModel): string => {
+  if (value === undefined) return ""
+  let out = ""
+  for (const v of lib.LlamaText(value).values) {
+    if (typeof v === "string") out += v
+    else if (v instanceof lib.SpecialTokensText) {
+      // Up to the model's first end-of-generation token in it (e.g. Llama 3.1's <|eom_id|>): it ends the reply.
+      const tokens = model?.tokenize(v.value, true) ?? []
+      const end = tokens.findIndex((token) => model!.isEogToken(token))
+      if (end < 0) out += v.value
+      else {
+        out += model!.detokenize(tokens.slice(0, end), true)
+        return cutAtStops(out, stops)
+      }
+    } else break
+  }
+  return cutAtStops(out, stops)
+}
+
+const cutAtStops = (out: string, stops: ReadonlyArray<string>) => {
+  const cut = stops.reduce((end, stop) => {
+    const at = stop === "" ? -1 : out.indexOf(stop)
+    return at < 0 ? end : Math.min(end, at)
+  }, out.length)
+  return out.slice(0, cut)
+}
+
+/**
+ * How the wrapper's template writes calls (its `settings.functions`); Generic when the template knows no tools
+ * (a Jinja template node-llama-cpp found no call syntax in, or a wrapper with node-llama-cpp's own default syntax).
+ */
+const toolSyntaxOf = (lib: NodeLlamaCpp, wrapper: Wrapper, stops: ReadonlyArray<string>, model?: LlamaModel): ToolSyntax => {
+  const functions = wrapper.settings.functions
+  const generic = (wrapper instanceof lib.JinjaTemplateChatWrapper && !wrapper.usingJinjaFunctionCallTemplate) ||
+    settingText(lib, functions.call.prefix, []) === settingText(lib, lib.ChatWrapper.defaultSettings.functions.call.prefix, [])
+  if (generic) return { _tag: "Generic", parallel: true }
+  const text = (value: SettingText) => settingText(lib, value, stops, model)
+  const section = functions.parallelism?.call
+  return {
+    _tag: "Family",
+    wrapper: wrapper.wrapperName,
+    callPrefix: text(functions.call.prefix),
+    alternatePrefixes: (functions.call.prefixAlternateMatches ?? []).map(text).filter((p) => p.trim() !== ""),
+    paramsPrefix: text(functions.call.paramsPrefix),
+    callSuffix: text(functions.call.suffix),
+    parallel: section !== undefined,
+    sectionPrefix: text(section?.sectionPrefix),
+    betweenCalls: text(section?.betweenCalls),
+    sectionSuffix: text(section?.sectionSuffix)
+  }
+}
+
+const parsedOr = (text: string): unknown => {
+  try {
+    return JSON.parse(text)
+  } catch {
+    return text
+  }
+}
+
+/**
+ * node-llama-cpp's chat history for messages with tool calls: an assistant's calls are function-call items of its
+ * model turn, each with the result of the tool message that answers it; a turn stays open through its tool results
+ * (and an assistant message after them), so a chat ending in a tool result continues that turn.
+ */
+const historyOf = (messages: ReadonlyArray<ChatMessage>): Array<ChatHistoryItem> => {
+  const results = new Map(messages.flatMap((m) => (m.role === "tool" && m.toolCallId !== undefined ? [[m.toolCallId, m.content] as const] : [])))
+  const history: Array<ChatHistoryItem> = []
+  let turn: Extract<ChatHistoryItem, { type: "model" }> | undefined
+  for (const m of messages) {
+    if (m.role === "system" || m.role === "user") {
+      history.push(m.role === "system" ? { type: "system", text: m.content } : { type: "user", text: m.content })
+      turn = undefined
+    } else if (m.role === "assistant") {
+      if (turn === undefined) history.push(turn = { type: "model", response: [] })
+      if (m.content !== "") turn.response.push(m.content)
+      ;(m.toolCalls ?? []).forEach((call, index) => {
+        const result = results.get(call.id)
+        turn!.response.push({
+          type: "functionCall",
+          name: call.name,
+          params: parsedOr(call.arguments),
+          result: result === undefined ? undefined : parsedOr(result),
+          startsNewChunk: index === 0
+        })
+      })
+    }
+  }
+  if (messages.at(-1)?.role !== "tool" || turn === undefined) history.push({ type: "model", response: [] })
+  return history
+}
+
+/**
+ * How a chat wrapper writes tool calls, parts that end the turn cut off (its stop triggers; with the model, its
+ * end-of-generation tokens).
+ */
+export const wrapperToolSyntax = (lib: NodeLlamaCpp, wrapper: Wrapper, model?: LlamaModel): ToolSyntax => {
+  const triggers = wrapper.generateContextState({ chatHistory: [{ type: "model", response: [] }] }).stopGenerationTriggers
+  const stops = triggers.flatMap((trigger) => {
+    const text = trigger.values.map((v) => (typeof v === "string" ? v : v instanceof lib.SpecialTokensText ? v.value : undefined))
+    return text.every((t) => t !== undefined) ? [text.join("")] : []
+  })
+  return toolSyntaxOf(lib, wrapper, stops.filter((text) => text !== ""), model)
+}
+
 /**
  * The model's chat template through node-llama-cpp: the GGUF's own template (a known wrapper, or its Jinja
- * template), else the wrapper node-llama-cpp picks for the architecture, else its general wrapper.
+ * template), else the wrapper node-llama-cpp picks for the architecture, else its general wrapper. With tools, the
+ * template renders them (node-llama-cpp's `availableFunctions`, calls and results as function-call items); a
+ * template that knows no tools gets them as plain messages (ToolCalls.ts `genericToolMessages`).
  */
 const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
-  let wrapper: NonNullable<ReturnType<NodeLlamaCpp["resolveChatWrapper"]>> | undefined
+  let wrapper: Wrapper | undefined
   const resolve = () => (wrapper ??= lib.resolveChatWrapper(model) ?? new lib.GeneralChatWrapper())
-  return (messages: ReadonlyArray<ChatMessage>): FormattedChat => {
+  const render = (messages: ReadonlyArray<ChatMessage>, tools: ChatToolOptions | undefined) => {
     const chat = resolve()
-    const history: Array<ChatHistoryItem> = messages.map((m): ChatHistoryItem =>
-      m.role === "system"
-        ? { type: "system", text: m.content }
-        : m.role === "user"
-        ? { type: "user", text: m.content }
-        : { type: "model", response: [m.content] }
-    )
-    history.push({ type: "model", response: [] })
-    const state = chat.generateContextState({ chatHistory: history })
+    const withTools = tools !== undefined && tools.choice !== "none" && tools.tools.length > 0
+    const syntax: ToolSyntax | undefined = withTools || messages.some((m) => m.role === "tool" || (m.toolCalls?.length ?? 0) > 0)
+      ? wrapperToolSyntax(lib, chat, model)
+      : undefined
+    const history = syntax?._tag === "Family"
+      ? historyOf(messages)
+      : historyOf(syntax === undefined ? messages : genericToolMessages(messages, tools))
+    const availableFunctions = withTools && syntax?._tag === "Family"
+      ? Object.fromEntries(toolsAllowed(tools).map((t) => [t.name, {
+        ...(t.description === undefined ? {} : { description: t.description }),
+        ...(t.parameters === undefined ? {} : { params: t.parameters as never })
+      }]))
+      : undefined
+    const state = chat.generateContextState({
+      chatHistory: history,
+      ...(availableFunctions === undefined ? {} : { availableFunctions, documentFunctionParams: true })
+    })
     const stop = state.stopGenerationTriggers.flatMap((trigger) =>
       trigger.values.every((v) => typeof v === "string") ? [trigger.values.join("")] : []
     ).filter((text) => text !== "")
-    return {
+    const formatted: FormattedChat = {
       tokens: [...state.contextText.tokenize(model.tokenizer)] as Array<number>,
       stop,
       template: chat.wrapperName
     }
+    return { formatted, syntax: withTools ? syntax : undefined }
   }
+  return (messages: ReadonlyArray<ChatMessage>, tools?: ChatToolOptions): Effect.Effect<FormattedChat, ChatRenderError> =>
+    tools === undefined && messages.every((m) => m.role !== "tool" && (m.toolCalls?.length ?? 0) === 0)
+      ? Effect.sync(() => render(messages, tools).formatted)
+      : Effect.gen(function*() {
+        const { formatted, syntax } = yield* Effect.try({
+          try: () => render(messages, tools),
+          catch: (cause) =>
+            new ChatRenderError({ message: `the chat with its tools cannot be rendered: ${cause instanceof Error ? cause.message : String(cause)}` })
+        })
+        if (syntax === undefined || tools === undefined) return formatted
+        // The grammar that forces a call, each tool's parameters through JsonGrammar.ts (a schema it cannot enforce: 400).
+        const grammar = yield* toolGrammarEffect(syntax, tools, (schema, path) => Effect.map(jsonSchemaGrammar(schema, path), (g) => g.text)).pipe(
+          Effect.mapError((error) => new ChatRenderError({ message: error.message }))
+        )
+        return { ...formatted, tools: { syntax, ...(grammar === undefined ? {} : { grammar }) } }
+      })
 }
 
 const fromModel = (
@@ -88,7 +231,7 @@ const fromSpm = (
     detokenize: spm.detokenize,
     isEndOfGeneration: (token) => token === vocab.eos,
     decoder: (context) => makeIncrementalDecoder(spm.detokenize, context),
-    formatChat: (messages) => Effect.map(chat, (format) => format(messages))
+    formatChat: (messages, tools) => Effect.flatMap(chat, (format) => format(messages, tools))
   }
 }
 
@@ -137,7 +280,7 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
           const { chat, ...tokenizer } = yield* loadModel(modelPath)
           return {
             ...tokenizer,
-            formatChat: (messages: ReadonlyArray<ChatMessage>) => Effect.sync(() => chat(messages))
+            formatChat: (messages: ReadonlyArray<ChatMessage>, tools?: ChatToolOptions) => chat(messages, tools)
           } satisfies ModelTokenizer
         }).pipe(Effect.withSpan("Tokenizer.open", { attributes: { modelPath } }))
     }

@@ -76,16 +76,11 @@ export const CompletionBody = Schema.Struct({
 })
 export type CompletionBody = typeof CompletionBody.Type
 
-const TextPart = Schema.Struct({ type: Schema.Literal("text"), text: Schema.String })
 export const ChatBody = Schema.Struct({
   ...SamplingFields,
   max_completion_tokens: Num,
-  messages: Schema.NonEmptyArray(
-    Schema.Struct({
-      role: Schema.Literal("system", "developer", "user", "assistant"),
-      content: Schema.Union(Schema.String, Schema.Array(TextPart))
-    })
-  )
+  ...ToolFields,
+  messages: Schema.NonEmptyArray(ChatMessageBody)
 })
 export type ChatBody = typeof ChatBody.Type
 
@@ -200,7 +195,7 @@ interface Shape {
   readonly chat: boolean
 }
 
-const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: FinishReason | null }) =>
+const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: FinishReason | "tool_calls" | null; delta?: object }) =>
   shape.chat
     ? {
       id: shape.id,
@@ -211,7 +206,7 @@ const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: Fi
         index: 0,
         delta: choice.finish !== null
           ? {}
-          : { ...(choice.role === true ? { role: "assistant" } : {}), content: choice.text ?? "" },
+          : choice.delta ?? { ...(choice.role === true ? { role: "assistant" } : {}), content: choice.text ?? "" },
         logprobs: null,
         finish_reason: choice.finish
       }]
@@ -254,7 +249,9 @@ const respond = (
   request: ServeRequest,
   stream: boolean,
   includeUsage: boolean,
-  keepAliveMillis: number
+  keepAliveMillis: number,
+  // A chat with tools: the reply's calls, in the template's syntax, become tool_calls (ToolCalls.ts).
+  tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> }
 ) =>
   Effect.gen(function*() {
     const events = server.generate(request)
@@ -266,8 +263,25 @@ const respond = (
         if (event._tag === "Text") text += event.text
         if (event._tag === "Done") done = event
       }
-      const finish = done?.finishReason ?? "length"
       const usage = done === undefined ? { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 } : usageOf(done)
+      const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools)
+      if (parsed !== undefined && parsed.calls.length > 0) {
+        return HttpServerResponse.unsafeJson({
+          id: shape.id,
+          object: "chat.completion",
+          created: shape.created,
+          model: shape.model,
+          choices: [{
+            index: 0,
+            message: { role: "assistant", content: parsed.content === "" ? null : parsed.content, tool_calls: toolCallsJson(parsed.calls) },
+            logprobs: null,
+            finish_reason: "tool_calls"
+          }],
+          usage
+        })
+      }
+      if (parsed !== undefined) text = parsed.content
+      const finish = done?.finishReason ?? "length"
       return HttpServerResponse.unsafeJson(
         shape.chat
           ? {
@@ -297,6 +311,17 @@ const respond = (
     )
     const all = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull))
     let roleSent = false
+    // With tools: text that might start a call is held back; calls go out as delta.tool_calls.
+    const calls = tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools)
+    let callCount = 0
+    const toolChunks = (piece: { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }) => {
+      const deltas = toolCallDeltas(piece.calls, callCount)
+      callCount += piece.calls.length
+      return [
+        ...(piece.content === "" ? [] : [sse(chunk(shape, { text: piece.content, role: !roleSent, finish: null }))]),
+        ...deltas.map((delta) => sse(chunk(shape, { finish: null, delta })))
+      ]
+    }
     const body = all.pipe(
       Stream.mapConcat((event): ReadonlyArray<Uint8Array> => {
         switch (event._tag) {
@@ -307,10 +332,12 @@ const respond = (
             roleSent = true
             return [sse(chunk(shape, { text: "", role: true, finish: null }))]
           case "Text":
+            if (calls !== undefined) return toolChunks(calls.push(event.text))
             return [sse(chunk(shape, { text: event.text, role: !roleSent, finish: null }))]
           case "Done":
             return [
-              sse(chunk(shape, { finish: event.finishReason })),
+              ...(calls === undefined ? [] : toolChunks(calls.end())),
+              sse(chunk(shape, { finish: callCount > 0 ? "tool_calls" : event.finishReason })),
               ...(includeUsage
                 ? [sse({
                   id: shape.id,

@@ -21,7 +21,8 @@ import { pathToFileURL } from "node:url"
 import { Worker, type WorkerOptions } from "node:worker_threads"
 import { Context, Data, Effect, Layer } from "effect"
 import { cliEntry } from "../agent/CliEntry.js"
-import type { ChatMessage, FormattedChat, ModelTokenizer } from "../../services/Tokenizer.js"
+import { type ChatMessage, ChatRenderError, type FormattedChat, type ModelTokenizer } from "../../services/Tokenizer.js"
+import type { ChatToolOptions } from "../../services/Tools.js"
 import {
   type TokenizeWorkerData,
   tokenizeWorkerKey,
@@ -42,11 +43,15 @@ export class TokenizerUnavailable extends Data.TaggedError("TokenizerUnavailable
 export interface PromptTokenizerService {
   /** Prompt text to token ids (BOS as the model wants), or PromptTooLong when there are more than `limit`. */
   readonly tokenize: (text: string, limit: number) => Effect.Effect<ReadonlyArray<number>, PromptTooLong | TokenizerUnavailable>
-  /** Messages through the model's chat template, or PromptTooLong when the rendered chat has more than `limit` tokens. */
+  /**
+   * Messages (and tools) through the model's chat template, or PromptTooLong when the rendered chat has more than
+   * `limit` tokens (ChatRenderError: the tools cannot be rendered as asked).
+   */
   readonly formatChat: (
     messages: ReadonlyArray<ChatMessage>,
-    limit: number
-  ) => Effect.Effect<FormattedChat, PromptTooLong | TokenizerUnavailable>
+    limit: number,
+    tools?: ChatToolOptions
+  ) => Effect.Effect<FormattedChat, PromptTooLong | TokenizerUnavailable | ChatRenderError>
 }
 
 export class PromptTokenizer extends Context.Tag("swactor/PromptTokenizer")<PromptTokenizer, PromptTokenizerService>() {}
@@ -60,9 +65,11 @@ export const inThread = (vocabulary: ModelTokenizer): PromptTokenizerService => 
       const tokens = vocabulary.tokenize(text)
       return tokens.length > limit ? Effect.fail(new PromptTooLong({ tokens: tokens.length, atLeast: false, limit })) : Effect.succeed(tokens)
     }),
-  formatChat: (messages, limit) =>
-    vocabulary.formatChat(messages).pipe(
-      Effect.mapError((error) => new TokenizerUnavailable({ message: `rendering the chat failed: ${error.message}` })),
+  formatChat: (messages, limit, tools) =>
+    vocabulary.formatChat(messages, tools).pipe(
+      Effect.mapError((error) =>
+        error._tag === "ChatRenderError" ? error : new TokenizerUnavailable({ message: `rendering the chat failed: ${error.message}` })
+      ),
       Effect.filterOrFail(
         (chat) => chat.tokens.length <= limit,
         (chat) => new PromptTooLong({ tokens: chat.tokens.length, atLeast: false, limit })
@@ -183,7 +190,8 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
       )
 
     const answered = <A>(answer: Answer, limit: number, ok: (answer: Answer) => A | undefined) =>
-      Effect.suspend((): Effect.Effect<A, PromptTooLong | TokenizerUnavailable> => {
+      Effect.suspend((): Effect.Effect<A, PromptTooLong | TokenizerUnavailable | ChatRenderError> => {
+        if (answer._tag === "BadChat") return Effect.fail(new ChatRenderError({ message: answer.message }))
         if (answer._tag === "OverLimit") return Effect.fail(new PromptTooLong({ tokens: answer.count, atLeast: false, limit }))
         if (answer._tag === "Failed" || answer._tag === "Gone") return Effect.fail(new TokenizerUnavailable({ message: answer.message }))
         const value = ok(answer)
@@ -196,16 +204,19 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
       tokenize: (text, limit) =>
         precheck(text.length, limit).pipe(
           Effect.zipRight(ask(text.length, (id) => ({ id, op: "tokenize", text, limit }))),
-          Effect.flatMap((answer) => answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined)))
+          Effect.flatMap((answer) => answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined))),
+          Effect.catchTag("ChatRenderError", (error) => Effect.fail(new TokenizerUnavailable({ message: error.message })))
         ),
       // Only the users' messages count for the cheap bound: a template may leave out a system message or an earlier
       // assistant turn (or part of it), never what the user said.
-      formatChat: (messages, limit) =>
+      formatChat: (messages, limit, tools) =>
         precheck(messages.reduce((sum, m) => sum + (m.role === "user" ? m.content.length : 0), 0), limit).pipe(
-          Effect.zipRight(ask(messages.reduce((sum, m) => sum + m.content.length, 0), (id) => ({ id, op: "chat", messages, limit }))),
+          Effect.zipRight(ask(messages.reduce((sum, m) => sum + m.content.length, 0), (id) => ({ id, op: "chat", messages, limit, ...(tools === undefined ? {} : { tools }) }))),
           Effect.flatMap((answer) =>
             answered(answer, limit, (a) =>
-              a._tag === "Chat" ? { tokens: Array.from(a.tokens), stop: a.stop, template: a.template } : undefined)
+              a._tag === "Chat"
+                ? { tokens: Array.from(a.tokens), stop: a.stop, template: a.template, ...(a.tools === undefined ? {} : { tools: a.tools }) }
+                : undefined)
           )
         )
     }

@@ -28,6 +28,7 @@ import { makeStopMatcher } from "../../services/StopText.js"
 import { generationProblem } from "../../services/RequestChecks.js"
 import { runContextLength } from "../orchestrator/RunWorld.js"
 import { inThread, PromptTokenizer, PromptTooLong, type TokenizerUnavailable } from "./PromptTokenizer.js"
+import type { ChatRenderError } from "../../services/Tokenizer.js"
 
 /** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (services/KvSize.ts). */
 export const kvBytesPerSequence = (
@@ -148,8 +149,10 @@ export const make = (options: ServeOptions) =>
     const offThread = yield* Effect.serviceOption(PromptTokenizer)
     const promptTokenizer = (pipeline: Pipeline) => Option.getOrElse(offThread, () => inThread(pipeline.vocabulary))
     const maxPromptTokens = (pipeline: Pipeline) => options.maxPromptTokens ?? Math.min(pipeline.model.maxSeqLen, 32768)
-    const promptRefused = (error: PromptTooLong | TokenizerUnavailable): BadServeRequest | ServerLoading =>
-      error._tag === "PromptTooLong"
+    const promptRefused = (error: PromptTooLong | TokenizerUnavailable | ChatRenderError): BadServeRequest | ServerLoading =>
+      error._tag === "ChatRenderError"
+        ? new BadServeRequest({ message: error.message })
+        : error._tag === "PromptTooLong"
         ? new BadServeRequest({
           message: `prompt too long: ${error.atLeast ? `at least ${error.tokens} prompt tokens (from the text's length alone, ` +
             `not tokenized)` : `${error.tokens} prompt tokens`} are over the limit of ${error.limit} prompt tokens ` +
@@ -698,9 +701,9 @@ export const make = (options: ServeOptions) =>
       status: currentStatus,
       ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
       generate,
-      formatChat: (messages) =>
+      formatChat: (messages, tools) =>
         Effect.flatMap(current, ({ pipeline }) =>
-          promptTokenizer(pipeline).formatChat(messages, maxPromptTokens(pipeline)).pipe(Effect.mapError(promptRefused))),
+          promptTokenizer(pipeline).formatChat(messages, maxPromptTokens(pipeline), tools).pipe(Effect.mapError(promptRefused))),
       metrics: snapshot
     })
   })

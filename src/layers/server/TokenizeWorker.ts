@@ -12,7 +12,8 @@ import { Effect } from "effect"
 import type { GgufFile } from "../../domain/gguf.js"
 import { readGgufFile } from "../gguf/GgufReader.js"
 import * as TokenizerLive from "../gguf/TokenizerLive.js"
-import { type ChatMessage, Tokenizer } from "../../services/Tokenizer.js"
+import { type ChatMessage, type FormattedChat, Tokenizer } from "../../services/Tokenizer.js"
+import type { ChatToolOptions } from "../../services/Tools.js"
 
 /** `workerData[tokenizeWorkerKey]` = { modelPath } makes a worker thread this worker (src/main.ts checks it too). */
 export const tokenizeWorkerKey = "swactorTokenizeWorker"
@@ -26,7 +27,13 @@ export interface TokenizeWorkerData {
 /** What the server asks; `limit`: more prompt tokens than this come back as a count only (OverLimit). */
 export type TokenizeWorkerRequest =
   | { readonly id: number; readonly op: "tokenize"; readonly text: string; readonly limit: number }
-  | { readonly id: number; readonly op: "chat"; readonly messages: ReadonlyArray<ChatMessage>; readonly limit: number }
+  | {
+    readonly id: number
+    readonly op: "chat"
+    readonly messages: ReadonlyArray<ChatMessage>
+    readonly limit: number
+    readonly tools?: ChatToolOptions
+  }
 
 export type TokenizeWorkerReply =
   /** The vocabulary is open; `longestPieceBytes` as `longestPieceBytes` says (undefined: no cheap bound). */
@@ -39,7 +46,10 @@ export type TokenizeWorkerReply =
     readonly tokens: Int32Array
     readonly stop: ReadonlyArray<string>
     readonly template: string
+    readonly tools?: FormattedChat["tools"]
   }
+  /** The chat cannot be rendered as asked (its tools): the request's fault. */
+  | { readonly _tag: "BadChat"; readonly id: number; readonly message: string }
   | { readonly _tag: "OverLimit"; readonly id: number; readonly count: number }
   | { readonly _tag: "Failed"; readonly id: number; readonly message: string }
 
@@ -99,11 +109,31 @@ export const runTokenizeWorker = (data: TokenizeWorkerData): Promise<void> => {
             }
             return
           }
-          Effect.runPromise(vocabulary.formatChat(request.messages)).then(
+          Effect.runPromise(Effect.either(vocabulary.formatChat(request.messages, request.tools))).then(
+            (either) => {
+              if (either._tag === "Right") return either.right
+              if (either.left._tag === "ChatRenderError") {
+                post({ _tag: "BadChat", id: request.id, message: either.left.message })
+                return undefined
+              }
+              throw either.left
+            }
+          ).then(
             (chat) => {
+              if (chat === undefined) return
               if (chat.tokens.length > request.limit) return post({ _tag: "OverLimit", id: request.id, count: chat.tokens.length })
               const array = tokens(chat.tokens)
-              post({ _tag: "Chat", id: request.id, tokens: array, stop: chat.stop, template: chat.template }, [array.buffer as ArrayBuffer])
+              post(
+                {
+                  _tag: "Chat",
+                  id: request.id,
+                  tokens: array,
+                  stop: chat.stop,
+                  template: chat.template,
+                  ...(chat.tools === undefined ? {} : { tools: chat.tools })
+                },
+                [array.buffer as ArrayBuffer]
+              )
             },
             (cause) => post({ _tag: "Failed", id: request.id, message: `rendering the chat failed: ${words(cause)}` })
           )

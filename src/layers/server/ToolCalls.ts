@@ -1,0 +1,454 @@
+/**
+ * Tool calls, independent of any wire format: `{name, description, parameters (JSON schema)}` in (ChatTool),
+ * `{id, name, arguments (JSON text)}` out (ChatToolCall). How to use it from an API front (OpenAI's, Anthropic's):
+ *
+ * 1. Render: pass the tools and the choice to `formatChat(messages, {tools, choice, parallel})` (Server / Tokenizer).
+ *    The model's own chat template renders them through node-llama-cpp (TokenizerLive); history items are
+ *    ChatMessage's `toolCalls` (assistant) and `role: "tool"` with `toolCallId`. The FormattedChat's `tools` says how
+ *    the model writes calls (`syntax`, a ToolSyntax) and, when the choice forces a call (`required`, a named function;
+ *    with a generic JSON syntax also `auto`), a GBNF `grammar` to sample with (SamplingOptions.grammar).
+ * 2. Parse: `parseToolCalls(text, syntax, tools)` splits a whole reply into content and calls; for a stream,
+ *    `toolCallStream(syntax, tools)` takes the text as it comes (`push`) and gives back the content that can be shown
+ *    now (text that might be the start of a call is held back) and the calls completed so far; `end()` gives the rest.
+ *    Text that looks like a call but is not a valid one (unknown function, arguments that are no JSON) stays content;
+ *    nothing here throws.
+ * 3. `toolGrammar(...)` builds that grammar from the syntax and each tool's parameter schema (TokenizerLive calls it
+ *    through `toolGrammarEffect` with JsonGrammar.ts's converter, so a schema it cannot enforce is a ChatRenderError
+ *    naming `tools[i].function.parameters...`); `genericToolMessages(...)` turns a chat with tools into plain
+ *    messages for a template that knows no tools (a system message describing them and the JSON reply; calls and
+ *    results as JSON text), as llama.cpp's server does.
+ */
+import { randomBytes } from "node:crypto"
+import { Effect } from "effect"
+import type { ChatMessage } from "../../services/Tokenizer.js"
+import type { ChatTool, ChatToolCall, ChatToolOptions, ToolSyntax } from "../../services/Tools.js"
+
+/** A new call id in OpenAI's form (`call_` and 24 hex digits). */
+export const newToolCallId = (): string => `call_${randomBytes(12).toString("hex")}`
+
+// --- parsing ---
+
+const isSpace = (c: string | undefined) => c === " " || c === "\n" || c === "\t" || c === "\r"
+
+/** The end of `pattern` matched at `at` (a whitespace run in the pattern matches any whitespace, or none), "partial"
+ * when the text ends inside the match, -1 when it does not match. */
+const matchLoose = (text: string, at: number, pattern: string): number | "partial" => {
+  let i = at
+  let j = 0
+  while (j < pattern.length) {
+    if (isSpace(pattern[j])) {
+      while (j < pattern.length && isSpace(pattern[j])) j++
+      while (i < text.length && isSpace(text[i])) i++
+      if (i >= text.length && j < pattern.length) return "partial"
+      continue
+    }
+    if (i >= text.length) return "partial"
+    if (text[i] !== pattern[j]) return -1
+    i++
+    j++
+  }
+  return i
+}
+
+const skipSpace = (text: string, at: number) => {
+  let i = at
+  while (i < text.length && isSpace(text[i])) i++
+  return i
+}
+
+/** The end of one JSON value starting at `at` (after whitespace), "partial" when the text ends inside it, -1 if none. */
+const scanJson = (text: string, at: number): { readonly start: number; readonly end: number } | "partial" | -1 => {
+  const start = skipSpace(text, at)
+  if (start >= text.length) return "partial"
+  const first = text[start]!
+  if (first === "{" || first === "[" || first === "\"") {
+    let depth = 0
+    let inString = false
+    for (let i = start; i < text.length; i++) {
+      const c = text[i]
+      if (inString) {
+        if (c === "\\") i++
+        else if (c === "\"") {
+          inString = false
+          if (depth === 0) return { start, end: i + 1 }
+        }
+      } else if (c === "\"") inString = true
+      else if (c === "{" || c === "[") depth++
+      else if (c === "}" || c === "]") {
+        depth--
+        if (depth === 0) return { start, end: i + 1 }
+        if (depth < 0) return -1
+      }
+    }
+    return "partial"
+  }
+  return -1
+}
+
+/** The arguments as compact JSON text, when they are a JSON object (or a string holding one); else undefined. */
+const argumentsText = (raw: unknown): string | undefined => {
+  const value = typeof raw === "string" ? safeParse(raw) : raw
+  return typeof value === "object" && value !== null && !Array.isArray(value) ? JSON.stringify(value) : undefined
+}
+
+const safeParse = (text: string): unknown => {
+  try {
+    return JSON.parse(text)
+  } catch {
+    return undefined
+  }
+}
+
+type Segment = { readonly _tag: "Text"; readonly text: string } | { readonly _tag: "Call"; readonly call: ChatToolCall }
+
+interface Parsed {
+  readonly segments: ReadonlyArray<Segment>
+  /** Where the text that might still become a call starts (not final); the text from there is not in `segments`. */
+  readonly heldFrom: number | undefined
+}
+
+type Family = Extract<ToolSyntax, { _tag: "Family" }>
+
+const known = (tools: ReadonlyArray<ChatTool> | undefined, name: string) => tools === undefined || tools.some((t) => t.name === name)
+
+/** One call at `at`: its end and the call, "partial" when the text ends inside it, undefined when it is none. */
+const parseCall = (
+  text: string,
+  at: number,
+  syntax: Family,
+  tools: ReadonlyArray<ChatTool> | undefined,
+  final: boolean
+): { readonly end: number; readonly call: ChatToolCall } | "partial" | undefined => {
+  let after: number | undefined
+  for (const prefix of [syntax.callPrefix, ...syntax.alternatePrefixes]) {
+    const m = matchLoose(text, at, prefix.trimStart())
+    if (m === "partial") return final ? undefined : "partial"
+    if (m >= 0) {
+      after = m
+      break
+    }
+  }
+  if (after === undefined) return undefined
+  let nameEnd = after
+  while (nameEnd < text.length && /[A-Za-z0-9_.:-]/.test(text[nameEnd]!)) nameEnd++
+  if (nameEnd >= text.length) return final ? undefined : "partial"
+  const name = text.slice(after, nameEnd)
+  if (name === "" || name.length > 256) return undefined
+  const params = matchLoose(text, syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd), syntax.paramsPrefix)
+  if (params === "partial") return final ? undefined : "partial"
+  if (params < 0) return undefined
+  const json = scanJson(text, params)
+  if (json === "partial") return final ? undefined : "partial"
+  if (json === -1) return undefined
+  const args = argumentsText(safeParse(text.slice(json.start, json.end)))
+  if (args === undefined || !known(tools, name)) return undefined
+  const call = { id: newToolCallId(), name, arguments: args }
+  if (syntax.callSuffix.trim() === "") return { end: json.end, call }
+  const suffix = matchLoose(text, skipSpace(text, json.end), syntax.callSuffix.trimStart())
+  // The suffix cut short by the end of the text (a stop): the call is whole once the text is.
+  if (suffix === "partial") return final ? { end: text.length, call } : "partial"
+  // No suffix (the model left it out): the call still counts.
+  return { end: suffix < 0 ? json.end : suffix, call }
+}
+
+/** Calls in a section (`sectionPrefix` call (`betweenCalls` call)* `sectionSuffix`) starting at `at`. */
+const parseSection = (
+  text: string,
+  at: number,
+  syntax: Family,
+  tools: ReadonlyArray<ChatTool> | undefined,
+  final: boolean
+): { readonly end: number; readonly calls: ReadonlyArray<ChatToolCall> } | "partial" | undefined => {
+  const open = matchLoose(text, at, syntax.sectionPrefix.trimStart())
+  if (open === "partial") return final ? undefined : "partial"
+  if (open < 0) return undefined
+  const calls: Array<ChatToolCall> = []
+  let i = open
+  for (;;) {
+    const call = parseCall(text, skipSpace(text, i), syntax, tools, final)
+    if (call === "partial") return "partial"
+    if (call === undefined) return calls.length === 0 ? undefined : close(i)
+    calls.push(call.call)
+    i = call.end
+    const between = syntax.betweenCalls.trim() === "" ? i : matchLoose(text, i, syntax.betweenCalls.trimStart())
+    if (between === "partial") return final ? close(i) : "partial"
+    if (between < 0) return close(i)
+    if (between === i && syntax.betweenCalls.trim() !== "") return close(i)
+    i = between
+  }
+  function close(end: number) {
+    if (syntax.sectionSuffix.trim() === "") return { end, calls }
+    const m = matchLoose(text, skipSpace(text, end), syntax.sectionSuffix.trimStart())
+    if (m === "partial") return final ? { end: text.length, calls } : "partial"
+    return { end: m < 0 ? end : m, calls }
+  }
+}
+
+const parseFamily = (text: string, syntax: Family, tools: ReadonlyArray<ChatTool> | undefined, final: boolean): Parsed => {
+  const sectioned = syntax.sectionPrefix.trim() !== ""
+  const markers = (sectioned ? [syntax.sectionPrefix] : [syntax.callPrefix, ...syntax.alternatePrefixes])
+    .map((m) => m.trimStart())
+    .filter((m) => m !== "")
+  const firsts = new Set(markers.map((m) => m[0]!))
+  const segments: Array<Segment> = []
+  let textFrom = 0
+  let i = 0
+  while (i < text.length) {
+    if (!firsts.has(text[i]!)) {
+      i++
+      continue
+    }
+    const found = sectioned
+      ? parseSection(text, i, syntax, tools, final)
+      : ((r) => (r === undefined || r === "partial" ? r : { end: r.end, calls: [r.call] }))(parseCall(text, i, syntax, tools, final))
+    if (found === undefined) {
+      i++
+      continue
+    }
+    if (i > textFrom) segments.push({ _tag: "Text", text: text.slice(textFrom, i) })
+    if (found === "partial") return { segments, heldFrom: i }
+    for (const call of found.calls) segments.push({ _tag: "Call", call })
+    textFrom = i = found.end
+  }
+  if (textFrom < text.length) segments.push({ _tag: "Text", text: text.slice(textFrom) })
+  return { segments, heldFrom: undefined }
+}
+
+/** The generic JSON reply: `{"tool_call"}`, `{"tool_calls"}` or `{"response"}`; anything else stays text. */
+const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined): Parsed => {
+  const value = safeParse(text.trim())
+  const asText: Parsed = { segments: text === "" ? [] : [{ _tag: "Text", text }], heldFrom: undefined }
+  if (typeof value !== "object" || value === null) return asText
+  const record = value as Record<string, unknown>
+  if (typeof record["response"] === "string") return { segments: [{ _tag: "Text", text: record["response"] }], heldFrom: undefined }
+  const raw = Array.isArray(record["tool_calls"]) ? record["tool_calls"] : record["tool_call"] !== undefined ? [record["tool_call"]] : undefined
+  if (raw === undefined || raw.length === 0) return asText
+  const calls: Array<Segment> = []
+  for (const item of raw) {
+    if (typeof item !== "object" || item === null) return asText
+    const { arguments: args, name } = item as Record<string, unknown>
+    const json = argumentsText(args ?? {})
+    if (typeof name !== "string" || json === undefined || !known(tools, name)) return asText
+    calls.push({ _tag: "Call", call: { id: newToolCallId(), name, arguments: json } })
+  }
+  return { segments: calls, heldFrom: undefined }
+}
+
+const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> | undefined, final: boolean): Parsed =>
+  syntax._tag === "Generic"
+    ? final ? parseGeneric(text, tools) : { segments: [], heldFrom: 0 }
+    : parseFamily(text, syntax, tools, final)
+
+/** A whole reply: its text outside calls (trimmed; "" when none) and its calls, in order. */
+export const parseToolCalls = (
+  text: string,
+  syntax: ToolSyntax,
+  tools?: ReadonlyArray<ChatTool>
+): { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> } => {
+  const { segments } = parse(text, syntax, tools, true)
+  const calls = segments.flatMap((s) => (s._tag === "Call" ? [s.call] : []))
+  const content = segments.map((s) => (s._tag === "Text" ? s.text : "")).join("")
+  return { content: calls.length > 0 ? content.trim() : content, calls }
+}
+
+export interface ToolCallStream {
+  /** More text: the content that can be shown now and the calls completed by it. */
+  readonly push: (text: string) => { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }
+  /** The end of the reply: what was held back, as content or calls. */
+  readonly end: () => { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }
+}
+
+/**
+ * A reply as it streams: text that might be the start of a call is held back until it is one (or is not); with the
+ * generic JSON syntax the whole reply is held until its end. After a call, text of whitespace only is dropped.
+ */
+export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatTool>): ToolCallStream => {
+  let held = ""
+  let called = false
+  const emit = (segments: ReadonlyArray<Segment>) => {
+    let content = ""
+    const calls: Array<ChatToolCall> = []
+    for (const segment of segments) {
+      if (segment._tag === "Call") {
+        calls.push(segment.call)
+        called = true
+      } else if (!(called && segment.text.trim() === "")) content += segment.text
+    }
+    return { content, calls }
+  }
+  return {
+    push: (text) => {
+      held += text
+      const { heldFrom, segments } = parse(held, syntax, tools, false)
+      held = heldFrom === undefined ? "" : held.slice(heldFrom)
+      return emit(segments)
+    },
+    end: () => {
+      const { segments } = parse(held, syntax, tools, true)
+      held = ""
+      return emit(segments)
+    }
+  }
+}
+
+// --- grammar ---
+
+/** A GBNF string literal of `text` ("" for none). */
+const literal = (text: string) =>
+  text === "" ? "" : `"${text.replace(/[\\"]/g, (c) => `\\${c}`).replace(/\n/g, "\\n").replace(/\r/g, "\\r").replace(/\t/g, "\\t")}"`
+
+/** node-llama-cpp's JSON-schema grammars end their root in four newlines (its own end marker): not part of a call. */
+const withoutEndMarker = (gbnf: string) => gbnf.replace(/ "\\n\\n\\n\\n" \[\\n\]\*$/m, "")
+
+/** Every rule of a GBNF grammar renamed with `prefix` (references too; literals and character classes untouched). */
+const renameRules = (gbnf: string, prefix: string): string => {
+  const names = new Set(Array.from(gbnf.matchAll(/^([a-zA-Z0-9-]+)\s*::=/gm), (m) => m[1]!))
+  let out = ""
+  for (let i = 0; i < gbnf.length;) {
+    const c = gbnf[i]!
+    if (c === "\"" || c === "[") {
+      const close = c === "\"" ? "\"" : "]"
+      let j = i + 1
+      while (j < gbnf.length && gbnf[j] !== close) j += gbnf[j] === "\\" ? 2 : 1
+      out += gbnf.slice(i, j + 1)
+      i = j + 1
+    } else if (c === "#") {
+      const j = gbnf.indexOf("\n", i)
+      const end = j < 0 ? gbnf.length : j
+      out += gbnf.slice(i, end)
+      i = end
+    } else if (/[a-zA-Z0-9-]/.test(c)) {
+      let j = i
+      while (j < gbnf.length && /[a-zA-Z0-9-]/.test(gbnf[j]!)) j++
+      const word = gbnf.slice(i, j)
+      out += names.has(word) ? `${prefix}${word}` : word
+      i = j
+    } else {
+      out += c
+      i++
+    }
+  }
+  return out
+}
+
+const noArguments = { type: "object", properties: {} }
+
+/** The tools a choice allows: the named one, or all. */
+export const toolsAllowed = (options: ChatToolOptions): ReadonlyArray<ChatTool> =>
+  typeof options.choice === "object" ? options.tools.filter((t) => t.name === (options.choice as { name: string }).name) : options.tools
+
+/**
+ * `toolGrammar` with a JSON-schema converter that is an effect (JsonGrammar.ts's `jsonSchemaGrammar`): each allowed
+ * tool's parameters are converted first under their own path (`tools[i].function.parameters`), so a schema the
+ * converter refuses fails naming its field. Nothing is converted when the reply is left free.
+ */
+export const toolGrammarEffect = <E>(
+  syntax: ToolSyntax,
+  options: ChatToolOptions,
+  jsonGrammar: (schema: unknown, path: string) => Effect.Effect<string, E>
+): Effect.Effect<string | undefined, E> =>
+  Effect.gen(function*() {
+    if (toolGrammar(syntax, options, () => "root ::= \"\"") === undefined) return undefined
+    const allowed = new Set(toolsAllowed(options).map((t) => t.name))
+    yield* Effect.forEach(
+      options.tools.flatMap((tool, index) => (allowed.has(tool.name) ? [[tool, index] as const] : [])),
+      ([tool, index]) => jsonGrammar(tool.parameters ?? noArguments, `tools[${index}].function.parameters`),
+      { discard: true }
+    )
+    const asked: Array<unknown> = []
+    toolGrammar(syntax, options, (schema) => {
+      asked.push(schema)
+      return "root ::= \"\""
+    })
+    const texts = yield* Effect.forEach(asked, (schema) => jsonGrammar(schema, "tools"))
+    let next = 0
+    return toolGrammar(syntax, options, () => texts[next++]!)
+  })
+
+/**
+ * The GBNF grammar that makes the reply calls only (`required`, a named function: exactly that one), in the syntax,
+ * each call's arguments following its tool's schema; with the generic syntax also for `auto` (a call or
+ * `{"response": text}`). Undefined when the reply is left free (`auto` with the family's syntax, `none`).
+ * `jsonGrammar`: a JSON schema to a GBNF grammar whose root is that JSON value (node-llama-cpp's converter).
+ */
+export const toolGrammar = (
+  syntax: ToolSyntax,
+  options: ChatToolOptions,
+  jsonGrammar: (schema: unknown) => string
+): string | undefined => {
+  if (options.choice === "none") return undefined
+  const tools = toolsAllowed(options)
+  const parallel = syntax.parallel && options.choice !== "auto" && typeof options.choice !== "object" && options.parallel !== false
+  if (syntax._tag === "Generic") {
+    const schemas = tools.map((tool) => ({
+      type: "object",
+      properties: { name: { const: tool.name }, arguments: tool.parameters ?? noArguments },
+      required: ["name", "arguments"]
+    }))
+    const one = schemas.length === 1 ? schemas[0] : { oneOf: schemas }
+    const call = parallel
+      ? { type: "object", properties: { tool_calls: { type: "array", items: one, minItems: 1 } }, required: ["tool_calls"] }
+      : { type: "object", properties: { tool_call: one }, required: ["tool_call"] }
+    const schema = options.choice === "auto"
+      ? { oneOf: [call, { type: "object", properties: { response: { type: "string" } }, required: ["response"] }] }
+      : call
+    return withoutEndMarker(jsonGrammar(schema))
+  }
+  if (options.choice === "auto") return undefined
+  const rules: Array<string> = []
+  const calls = tools.map((tool, index) => {
+    const args = renameRules(withoutEndMarker(jsonGrammar(tool.parameters ?? noArguments)), `t${index}-`)
+    rules.push(args)
+    const parts = [literal(syntax.callPrefix), literal(tool.name), literal(syntax.paramsPrefix), `t${index}-root`, literal(syntax.callSuffix)]
+    return `call${index} ::= ${parts.filter((p) => p !== "").join(" ")}`
+  })
+  const call = `call ::= ${tools.map((_, index) => `call${index}`).join(" | ")}`
+  const more = parallel ? ` (${[literal(syntax.betweenCalls), "call"].filter((p) => p !== "").join(" ")})*` : ""
+  const root = `root ::= ${[literal(syntax.sectionPrefix), `call${more}`, literal(syntax.sectionSuffix)].filter((p) => p !== "").join(" ")}`
+  return [root, call, ...calls, ...rules].join("\n")
+}
+
+// --- templates without tools ---
+
+/**
+ * For a chat template that knows no tools (the Generic syntax): the messages with a system message that lists the
+ * tools (their JSON schemas) and asks for one JSON object as the reply, earlier calls as that JSON (the assistant's
+ * text, when any, alongside) and tool results as user messages holding `{"tool_response": {...}}`.
+ */
+export const genericToolMessages = (
+  messages: ReadonlyArray<ChatMessage>,
+  options: ChatToolOptions | undefined
+): ReadonlyArray<ChatMessage> => {
+  const plain = messages.map((m): ChatMessage => {
+    if (m.role === "tool") {
+      const call = messages.flatMap((c) => c.toolCalls ?? []).find((c) => c.id === m.toolCallId)
+      return {
+        role: "user",
+        content: JSON.stringify({ tool_response: { ...(call === undefined ? {} : { name: call.name }), id: m.toolCallId, content: m.content } })
+      }
+    }
+    if (m.role === "assistant" && m.toolCalls !== undefined && m.toolCalls.length > 0) {
+      const calls = m.toolCalls.map((c) => ({ name: c.name, arguments: safeParse(c.arguments) ?? c.arguments, id: c.id }))
+      const json = calls.length === 1 ? { tool_call: calls[0] } : { tool_calls: calls }
+      return { role: "assistant", content: m.content === "" ? JSON.stringify(json) : `${m.content}\n${JSON.stringify(json)}` }
+    }
+    return { role: m.role, content: m.content }
+  })
+  if (options === undefined || options.choice === "none" || options.tools.length === 0) return plain
+  const tools = toolsAllowed(options).map((t) => ({
+    name: t.name,
+    ...(t.description === undefined ? {} : { description: t.description }),
+    parameters: t.parameters ?? noArguments
+  }))
+  const parallel = options.parallel !== false
+  const instructions = [
+    "You can call these tools (JSON schemas of their arguments):",
+    JSON.stringify(tools),
+    `Reply with one JSON object: ${parallel ? "{\"tool_calls\": [{\"name\": ..., \"arguments\": {...}}]}" : "{\"tool_call\": {\"name\": ..., \"arguments\": {...}}}"} ` +
+    `to call ${parallel ? "tools" : "a tool"}${options.choice === "auto" ? ", or {\"response\": \"...\"} to answer the user" : ""}.`
+  ].join("\n")
+  const first = plain[0]
+  return first?.role === "system"
+    ? [{ role: "system", content: `${first.content}\n\n${instructions}` }, ...plain.slice(1)]
+    : [{ role: "system", content: instructions }, ...plain]
+}
