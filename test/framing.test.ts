@@ -45,7 +45,28 @@ const tokenFrameArb = fc.record({
   payload: fc.oneof(
     fc.array(u32, { minLength: 1, maxLength: 40 }).map((tokens) => ({ _tag: "Prompt" as const, tokens })),
     u32.map((tokenId) => ({ _tag: "Decode" as const, tokenId })),
-    fc.record({ tokenId: u32, eos: fc.boolean() }).map((p) => ({ _tag: "Sampled" as const, ...p }))
+    fc.record({ tokenId: u32, eos: fc.boolean() }).map((p) => ({ _tag: "Sampled" as const, ...p })),
+    // a Sampled token with its sampler's draws and/or its log-probs (alternatives most likely first)
+    fc.record({
+      tokenId: u32,
+      eos: fc.boolean(),
+      draws: fc.option(u32, { nil: undefined }),
+      logprob: fc.option(
+        fc.record({
+          logprob: fc.double({ min: -1e6, max: 0, noNaN: true }),
+          top: fc.array(fc.record({ tokenId: u32, logprob: fc.double({ min: -1e6, max: 0, noNaN: true }) }), {
+            maxLength: Framing.MAX_SAMPLED_TOP
+          }).map((top) => [...top].sort((a, b) => b.logprob - a.logprob))
+        }),
+        { nil: undefined }
+      )
+    }).map((p) => ({
+      _tag: "Sampled" as const,
+      tokenId: p.tokenId,
+      eos: p.eos,
+      ...(p.draws === undefined ? {} : { draws: p.draws }),
+      ...(p.logprob === undefined ? {} : { logprob: p.logprob })
+    }))
   )
 }).map((f) => TokenFrame(f))
 const activationArb = fc.record({
@@ -239,6 +260,41 @@ describe("Framing", () => {
     const bytes = Either.getOrThrow(Framing.encode(AttachedFrame({ runId, edgeId }), 8))
     const result = Framing.decode(new Uint8Array([...bytes, 0]), limits(8))
     assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
+  })
+
+  // A Sampled body's extension is strict: flags only on Sampled, nTop only with a log-prob and at most 20, log-probs
+  // ≤ 0 and not NaN, the alternatives most likely first, the body length exactly what the flags announce.
+  it("decodes a Sampled token's draws and log-probs strictly", () => {
+    const sampled = TokenFrame({
+      runId,
+      edgeId,
+      sequence: 4,
+      payload: {
+        _tag: "Sampled",
+        tokenId: 9,
+        eos: false,
+        draws: 12,
+        logprob: { logprob: -0.5, top: [{ tokenId: 9, logprob: -0.5 }, { tokenId: 3, logprob: -1.25 }] }
+      }
+    })
+    const bytes = Either.getOrThrow(Framing.encode(sampled, 8))
+    sameFrame(sampled, Either.getOrThrow(Framing.decodeUnguarded(bytes, limits(8))))
+    const o = Framing.HEADER_BYTES
+    const mutated = (edit: (view: DataView) => void) => {
+      const copy = bytes.slice()
+      edit(new DataView(copy.buffer))
+      const result = Framing.decodeUnguarded(copy, limits(8))
+      return Either.isLeft(result) ? result.left._tag : "decoded"
+    }
+    assert.strictEqual(mutated((v) => v.setUint8(o + 1, 8)), "Malformed") // unknown flag
+    assert.strictEqual(mutated((v) => v.setUint8(o + 1, 2)), "Malformed") // no log-prob flag, body still has it
+    assert.strictEqual(mutated((v) => v.setUint16(o + 2, 3, true)), "Malformed") // nTop beyond the body
+    assert.strictEqual(mutated((v) => v.setFloat64(o + 16, 0.5, true)), "Malformed") // a log-prob above 0
+    assert.strictEqual(mutated((v) => v.setFloat64(o + 16, NaN, true)), "Malformed")
+    assert.strictEqual(mutated((v) => v.setFloat64(o + 24 + 4, -2, true)), "Malformed") // not most likely first
+    assert.strictEqual(mutated((v) => v.setUint8(o, 1)), "Malformed") // flags on a Decode
+    const tooMany = { ...sampled, payload: { ...sampled.payload, logprob: { logprob: -1, top: Array.from({ length: 21 }, (_, i) => ({ tokenId: i, logprob: -1 })) } } }
+    assert.isTrue(Either.isLeft(Framing.encode(tooMany as TokenFrame, 8)))
   })
 
   it("refuses to encode fields that do not fit the wire format", () => {

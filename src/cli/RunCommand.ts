@@ -33,12 +33,14 @@ import type {
   PlacementExplanation,
   PlacementRequest,
   RunSummary,
-  RunUpdate
+  RunUpdate,
+  TokenLogprob
 } from "../services/Orchestrator.js"
+import { samplingFlags, type SamplingFlagArgs, samplingFromFlags } from "./SamplingFlags.js"
 import { parseLayerSpec } from "../services/Placement.js"
 import { contextProblem, emptyPromptMessage, fitsContext, isEmptyPrompt, stagesProblem } from "../services/RequestChecks.js"
 
-export interface RunArgs {
+export interface RunArgs extends SamplingFlagArgs {
   readonly model: Option.Option<string>
   readonly prompt: Option.Option<string>
   readonly promptFile: Option.Option<string>
@@ -390,6 +392,7 @@ const validate = (args: RunArgs) =>
     const topK = yield* wholeNumber("top-k", args.topK, 0)
     if (args.spares !== undefined) yield* sparesFlag(args.spares)
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
+    const chain = yield* samplingFromFlags(args)
     const threads = yield* optionalThreads(args.threads)
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
     const token = yield* clusterToken(args.tokenFile)
@@ -403,14 +406,14 @@ const validate = (args: RunArgs) =>
     // A fixed placement run locally starts one agent per range.
     const localStages = placement?._tag === "Fixed" ? placement.ranges.length : 2
     const prompt = yield* promptText(args)
-    return { stages, maxTokens, temperature, topK, seed, threads, nodes, token, prompt, placement, localStages }
+    return { stages, maxTokens, temperature, topK, seed, chain, threads, nodes, token, prompt, placement, localStages }
   })
 
 /** What `--json` prints: one JSON document on stdout when the run ends (tokens, text, summary or fault). */
 interface JsonReport {
   ok: boolean
   text: string
-  tokens: Array<{ readonly id: number; readonly text: string }>
+  tokens: Array<{ readonly id: number; readonly text: string; readonly logprob?: TokenLogprob }>
   summary?: RunSummary
   phases?: StartupPhases
   fault?: { readonly _tag: string; readonly message: string; readonly reason?: unknown }
@@ -437,7 +440,8 @@ const runRun = (args: RunArgs, json: JsonReport) =>
       sampling: {
         temperature: flags.temperature,
         topK: flags.topK,
-        ...(Option.isSome(flags.seed) ? { seed: flags.seed.value } : {})
+        ...(Option.isSome(flags.seed) ? { seed: flags.seed.value } : {}),
+        ...flags.chain
       },
       ...(Option.isSome(flags.stages) ? { stages: flags.stages.value } : nodes.length > 0 ? {} : { stages: flags.localStages }),
       ...(flags.placement === undefined ? {} : { placement: flags.placement }),
@@ -478,7 +482,11 @@ const runRun = (args: RunArgs, json: JsonReport) =>
           return Effect.sync(() => {
             clock.mark("ready") // a single-stage run: every stage was ready before its token
             clock.mark("firstToken")
-            json.tokens.push({ id: update.token.tokenId, text: update.token.text })
+            json.tokens.push({
+              id: update.token.tokenId,
+              text: update.token.text,
+              ...(update.token.logprob === undefined ? {} : { logprob: update.token.logprob })
+            })
             json.text += update.token.text
             if (args.json) return
             if (!wroteText) process.stdout.write(prompt)
@@ -567,6 +575,7 @@ export const runCommand = Command.make(
     temperature: Options.float("temperature").pipe(Options.withDescription("0 = greedy"), withShownDefault(0)),
     topK: Options.integer("top-k").pipe(Options.withDescription("sample among the k likeliest (0 = all)"), withShownDefault(40)),
     seed: Options.integer("seed").pipe(Options.withDescription("sampling seed (same seed, same text)"), Options.optional),
+    ...samplingFlags,
     threads: Options.integer("threads").pipe(
       Options.withDescription("engine threads per stage (default: every core of the node)"),
       Options.optional

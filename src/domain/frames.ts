@@ -37,7 +37,22 @@ export type TokenId = typeof TokenId.Type
 
 export const Prompt = Schema.TaggedStruct("Prompt", { tokens: Schema.Array(TokenId) })
 export const Decode = Schema.TaggedStruct("Decode", { tokenId: TokenId })
-export const Sampled = Schema.TaggedStruct("Sampled", { tokenId: TokenId, eos: Schema.Boolean })
+/** A sampled token's log-probability and the most likely alternatives (most likely first), from the raw logits. */
+export const SampledLogprob = Schema.Struct({
+  logprob: Schema.Number,
+  top: Schema.Array(Schema.Struct({ tokenId: TokenId, logprob: Schema.Number }))
+})
+export type SampledLogprob = typeof SampledLogprob.Type
+/**
+ * The last stage's token. `draws`: the random draws its sampler has made in the generation so far (a resumed
+ * generation's sampler skips them); `logprob` when the run asked for log-probabilities.
+ */
+export const Sampled = Schema.TaggedStruct("Sampled", {
+  tokenId: TokenId,
+  eos: Schema.Boolean,
+  draws: Schema.optional(U32),
+  logprob: Schema.optional(SampledLogprob)
+})
 export const TokenPayload = Schema.Union(Prompt, Decode, Sampled)
 export type TokenPayload = typeof TokenPayload.Type
 

@@ -41,7 +41,34 @@ export const SamplingPolicy = Schema.Struct({
   minP: Schema.optional(Schema.Number),
   seed: Schema.optional(Schema.Number),
   /** The position of the first draw (a generation resumed after n tokens draws from n on; absent: 0). */
-  startPosition: Schema.optional(Schema.Number)
+  startPosition: Schema.optional(Schema.Number),
+  /** llama.cpp's sampler chain settings (see SamplingOptions in services/Orchestrator.ts); absent: off. */
+  typicalP: Schema.optional(Schema.Number),
+  repeatPenalty: Schema.optional(Schema.Number),
+  presencePenalty: Schema.optional(Schema.Number),
+  frequencyPenalty: Schema.optional(Schema.Number),
+  /** Recent tokens the penalties look at (absent: 64; -1: the whole context). */
+  penaltyLastN: Schema.optional(Schema.Number),
+  dry: Schema.optional(Schema.Struct({
+    multiplier: Schema.Number,
+    base: Schema.Number,
+    allowedLength: Schema.Number,
+    penaltyLastN: Schema.Number,
+    sequenceBreakers: Schema.Array(Schema.String)
+  })),
+  xtc: Schema.optional(Schema.Struct({ probability: Schema.Number, threshold: Schema.Number })),
+  /** Finite biases added to token logits. */
+  logitBias: Schema.optional(Schema.Array(Schema.Struct({ tokenId: Schema.Number, bias: Schema.Number }))),
+  /** Tokens never sampled (a bias of -Infinity, which JSON cannot carry). */
+  bannedTokens: Schema.optional(Schema.Array(Schema.Number)),
+  grammar: Schema.optional(Schema.Struct({ text: Schema.String, root: Schema.String })),
+  /** Report log-probabilities with each token: the sampled one's and this many top alternatives (0-20). */
+  logprobs: Schema.optional(Schema.Number),
+  /**
+   * A generation resumed after a loss: the tokens it produced so far (accepted again by the grammar and penalties)
+   * and the draws its sampler's random generator had made (the new one skips them).
+   */
+  resume: Schema.optional(Schema.Struct({ tokens: Schema.Array(Schema.Number), draws: Schema.Number }))
 }).annotations({ identifier: "SamplingPolicy" })
 export type SamplingPolicy = typeof SamplingPolicy.Type
 

@@ -234,6 +234,12 @@ export interface RunSummary {
    * made those tokens slow (the last run's stages; `StageStraggler` updates report every run's as they happen).
    */
   readonly stageStragglers: ReadonlyArray<StageStragglers>
+  /**
+   * Prompt cache (runs that asked for it, RunRequest.promptCache): prompt tokens whose KV came from the entry adopted
+   * on every stage (not prefilled), and the tokens (prompt + generated) every stage kept as the entry named `keep`
+   * (0: not kept on some stage).
+   */
+  readonly promptCache?: { readonly cachedTokens: number; readonly keptTokens: number }
 }
 
 /** A placement and the pool it was chosen from, for `--dry-run`. */
@@ -276,7 +282,12 @@ export type RunUpdate =
   }
   | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
   | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
-  | { readonly _tag: "Token"; readonly token: GeneratedToken }
+  | {
+    readonly _tag: "Token"
+    readonly token: GeneratedToken
+    /** The random draws the last stage's sampler has made so far in this run (a recovery resumes from them). */
+    readonly samplerDraws?: number
+  }
   /** Exactly once per planned run, after its terminal outcome, when every stage and endpoint confirmed its stop. */
   | {
     readonly _tag: "TornDown"
@@ -288,6 +299,8 @@ export type RunUpdate =
   | { readonly _tag: "Recovering"; readonly attempt: number; readonly reason: string; readonly resumedAt: number }
   /** A stage took over 4× its recent median on a decode step (see RunSummary.stageStragglers). */
   | { readonly _tag: "StageStraggler"; readonly straggler: StageStragglerToken }
+  /** Prompt cache (RunRequest.promptCache): the prompt went in after this many tokens whose KV every stage held. */
+  | { readonly _tag: "PromptCached"; readonly cachedTokens: number }
   /** The generation continues: the first token after the recovery came back. */
   | { readonly _tag: "Recovered"; readonly recovery: RecoveryRecord }
   | { readonly _tag: "Finished"; readonly summary: RunSummary }
@@ -412,6 +425,16 @@ export interface RunRequest {
   readonly recovery?: RecoveryOptions
   /** When a stage's step counts as a straggler (see StragglerRule). */
   readonly stragglers?: Partial<StragglerRule>
+  /**
+   * The agents' prompt cache: start from the first `adopt.length` KV positions of held entry `adopt.entry` on every
+   * stage (at most the prompt's length - 1; a stage lacking it means fewer, down to a full prefill), and keep this
+   * run's KV as entry `keep` when it completes (dropped with `Pipeline.dropCached`). Only the first run of a
+   * generation uses it (a recovery's replay prefills in full and keeps nothing).
+   */
+  readonly promptCache?: {
+    readonly adopt?: { readonly entry: number; readonly length: number }
+    readonly keep?: number
+  }
 }
 
 /** One agent of a warm pipeline. */
@@ -455,6 +478,8 @@ export interface Pipeline {
   readonly members: Effect.Effect<ReadonlyArray<PipelineMember>>
   /** The agents are local processes started for this pipeline (another pipeline starts fresh ones); false: remote nodes. */
   readonly localAgents: boolean
+  /** Drops prompt-cache entries (every one when `all`) on every agent that answers. */
+  readonly dropCached?: (entries: ReadonlyArray<number>, all: boolean) => Effect.Effect<void>
 }
 
 export interface OrchestratorService {

@@ -10,7 +10,7 @@
  */
 import * as Fs from "node:fs"
 import * as Os from "node:os"
-import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, type Scope, Stream } from "effect"
+import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../../domain/engine.js"
 import {
   type DataFrame,
@@ -38,11 +38,12 @@ import {
 } from "../../services/AgentLinks.js"
 import { kvBytesOfSequence } from "../../services/KvSize.js"
 import { NodeCapacity } from "../../services/Membership.js"
-import { type LoadedStage, StageExecutor } from "../../services/StageExecutor.js"
-import { makeSampler } from "../../services/Sampler.js"
+import { type LoadedStage, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
+import { openStageSampler } from "../sampling/StageSampler.js"
 import { serveControlRpc } from "./AgentControlRpc.js"
 import { defaultSliceCacheDir, makeWeightStore, type WeightStore } from "../gguf/SliceStore.js"
 import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
+import { makePromptCacheHost } from "./PromptCacheHost.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -103,7 +104,8 @@ const freshStats = () => ({
   computeBytes: 0,
   kvBytes: 0,
   residentBytes: 0,
-  peakResidentBytes: 0
+  peakResidentBytes: 0,
+  keptPositions: 0
 })
 
 /** This process's resident set now and at its peak (Linux /proc; elsewhere Node's rss for both). */
@@ -173,6 +175,8 @@ export const makeStageHost = (
       },
       idleTimeToLive: options.modelIdleTimeToLive ?? "10 minutes"
     })
+    // finished stages' sessions kept for later runs' prompts (after `models`: freed before the weights they are on)
+    const promptCache = yield* makePromptCacheHost()
     const active = new Map<string, Deferred.Deferred<void>>()
     const stageKey = (runId: number, stageIndex: number) => `${runId}/${stageIndex}`
     /**
@@ -213,7 +217,9 @@ export const makeStageHost = (
       request: ProvisionRequest,
       path: string,
       reports: Mailbox.Mailbox<StageReport>,
-      stop: Deferred.Deferred<void>
+      stop: Deferred.Deferred<void>,
+      /** The session and its hold on the weights: freed when the stage ends (the caller's), unless kept. */
+      hold: { readonly scope: Scope.CloseableScope; kept: boolean }
     ) =>
       Effect.gen(function*() {
         const p = request.provision
@@ -227,6 +233,10 @@ export const makeStageHost = (
         let measureStage = () => {}
         // Decode steps not reported yet go out before the stage's last report.
         let flushTimings = () => {}
+        const sessionScope = hold.scope
+        let kept: { session: StageSession; loaded: LoadedStage } | undefined
+        // KV positions the session holds (the next step's start on stage 0)
+        let position = 0
 
         const body = Effect.gen(function*() {
           const started = performance.now()
@@ -235,13 +245,43 @@ export const makeStageHost = (
             reports.unsafeOffer({ _tag: "StageLoading", runId, stageIndex, loadedBytes, totalBytes })
           })
           const { batcher, loaded } = yield* RcMap.get(models, key).pipe(
+            Scope.extend(sessionScope),
             Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`))
           )
           progressSinks.delete(key)
           const session = yield* executor.session(loaded, {
             contextLength: Math.min(request.contextLength, loaded.info.contextLength),
             threads: request.threads ?? options.threads
-          }).pipe(Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
+          }).pipe(Scope.extend(sessionScope), Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
+          kept = { session, loaded }
+          // Prompt cache: the first positions of a held entry's KV (none when this agent lacks it: the orchestrator
+          // then starts the prompt at the fewest positions any stage took, 0 at worst)
+          const cacheUse = request.promptCache
+          let cachedPositions: number | undefined
+          if (cacheUse?.adopt != null) {
+            cachedPositions = 0
+            const entry = promptCache.find(cacheUse.adopt.entry, stageIndex, key)
+            const length = Math.min(cacheUse.adopt.length, entry?.positions ?? 0, cacheUse.promptLength - 1)
+            if (entry !== undefined && executor.copyPrefix !== undefined && length > 0) {
+              const copied = yield* executor.copyPrefix(entry.session, session, length).pipe(
+                Effect.as(true),
+                Effect.orElseSucceed(() => false)
+              )
+              if (copied) cachedPositions = length
+            }
+            position = cachedPositions
+          }
+          // the last stage's sampler (llama.cpp's chain): a policy or grammar it cannot honour refuses the run here
+          const sample = isLast
+            ? yield* openStageSampler(
+              p.runtime.sampling ?? greedy,
+              path,
+              loaded.info.vocabSize,
+              Math.min(request.contextLength, loaded.info.contextLength)
+            ).pipe(
+              Effect.mapError((message) => new StageFailure({ reason: StageFaultReasons.ProvisionFailed({ message }) }))
+            )
+            : undefined
           // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both)
           yield* batcher.expect(session)
           const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
@@ -263,7 +303,8 @@ export const makeStageHost = (
             runId,
             stageIndex,
             loadMillis: stats.loadMillis,
-            cachedWeights: stats.cachedWeights
+            cachedWeights: stats.cachedWeights,
+            ...(cachedPositions === undefined ? {} : { cachedPositions })
           })
           if (loaded.settle !== undefined && settles(request.contextLength, stats.cachedWeights)) {
             // long-lived weights or a long session: after the first token, let the engine trade a one-time
@@ -279,10 +320,7 @@ export const makeStageHost = (
             )
           }
 
-          const sampling = p.runtime.sampling ?? greedy
-          const sample = isLast ? makeSampler(sampling, sampling.startPosition ?? 0) : undefined
           const eosTokenId = p.model.eosTokenId
-          let position = 0
           const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
           const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
           flushTimings = timings.flush
@@ -297,7 +335,16 @@ export const makeStageHost = (
                 }
                 const tokens = frame.payload._tag === "Prompt" ? frame.payload.tokens : [frame.payload.tokenId]
                 input = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
-                startPos = position
+                // a prompt after cached positions: the orchestrator sent only the rest of it
+                startPos = frame.payload._tag === "Prompt" && cacheUse !== undefined
+                  ? cacheUse.promptLength - tokens.length
+                  : position
+                if (startPos < 0 || startPos > position) {
+                  return yield* protocolViolated(
+                    `a prompt of ${tokens.length} tokens does not end the ${cacheUse?.promptLength} prompt tokens after the ` +
+                      `${position} cached positions`
+                  )
+                }
               } else {
                 if (frame._tag !== "ActivationFrame") {
                   return yield* protocolViolated(`stage ${stageIndex} expects activations, got ${frame._tag}`)
@@ -343,7 +390,9 @@ export const makeStageHost = (
                 ).pipe(Effect.mapError(transport))
               } else {
                 if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
-                const tokenId = sample(output.logits)
+                const sampled = sample.sample(output.logits)
+                // nothing selectable (every token banned, or none the grammar allows): the generation ends
+                const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
                 handOffStart = performance.now()
                 yield* outbound.send(
                   dataFrame({
@@ -353,7 +402,13 @@ export const makeStageHost = (
                     sequence: frame.sequence,
                     chunkIndex: 0,
                     chunkCount: 1,
-                    payload: { _tag: "Sampled", tokenId, eos: tokenId === eosTokenId }
+                    payload: {
+                      _tag: "Sampled",
+                      tokenId,
+                      eos: sampled.tokenId < 0 || tokenId === eosTokenId,
+                      ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
+                      ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
+                    }
                   })
                 ).pipe(Effect.mapError(transport))
               }
@@ -370,6 +425,21 @@ export const makeStageHost = (
         )
         progressSinks.delete(key)
         flushTimings()
+        // A stage stopped without a fault keeps its session as the prompt-cache entry its run named (if not dropped).
+        const keepAs = request.promptCache?.keep
+        if (keepAs != null && Exit.isSuccess(exit) && kept !== undefined && position > 0) {
+          const held = yield* promptCache.keep(keepAs, stageIndex, {
+            session: kept.session,
+            scope: sessionScope,
+            positions: position,
+            weightsKey: key
+          })
+          if (held) {
+            stats.keptPositions = position
+            hold.kept = true
+          }
+        }
+        if (!hold.kept) yield* Scope.close(sessionScope, Exit.void)
         if (Exit.isFailure(exit)) {
           const failure = Cause.failureOption(exit.cause)
           const fault = Option.isSome(failure) && failure.value instanceof StageFailure
@@ -448,7 +518,9 @@ export const makeStageHost = (
           const stop = yield* Deferred.make<void>()
           active.set(key, stop)
           // The stage lives in the host's scope; closing the report stream (the orchestrator went away) stops it.
-          yield* runStage(request, path, reports, stop).pipe(
+          const hold = { scope: yield* Scope.make(), kept: false }
+          yield* runStage(request, path, reports, stop, hold).pipe(
+            Effect.ensuring(Effect.suspend(() => (hold.kept ? Effect.void : Scope.close(hold.scope, Exit.void)))),
             Effect.ensuring(Effect.sync(() => active.delete(key))),
             Effect.ensuring(reports.end),
             Effect.forkIn(hostScope)
@@ -483,7 +555,7 @@ export const makeStageHost = (
       })
     )
 
-    return { provision, stop, capacity, cachedRanges: RcMap.keys(models) } satisfies StageHost
+    return { provision, stop, capacity, cachedRanges: RcMap.keys(models), dropCached: promptCache.drop } satisfies StageHost
   })
 
 const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }

@@ -6,7 +6,7 @@
 import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
-import type { LayerRange, ModelFacts, ModelLayout, RingSpec } from "../../domain/plan.js"
+import type { LayerRange, ModelFacts, ModelLayout, RingSpec, SamplingPolicy } from "../../domain/plan.js"
 import { ModelCatalog } from "../../services/ModelCatalog.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
 import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
@@ -38,16 +38,50 @@ const ring = (dataCapacity: number, direction: RingSpec["direction"]): RingSpec 
 })
 
 /** The run-time settings the planner checks, from a request's numbers. */
-export const samplingPolicy = (sampling: SamplingOptions | undefined, startPosition = 0) => {
-  const temperature = sampling?.temperature ?? 0
+export const samplingPolicy = (
+  sampling: SamplingOptions | undefined,
+  startPosition = 0,
+  resume?: SamplerResume
+): SamplingPolicy => {
+  const s = sampling ?? {}
+  const temperature = s.temperature ?? 0
+  const bias = s.logitBias ?? []
+  const finiteBias = bias.filter((b) => b.bias !== -Infinity)
+  const banned = bias.filter((b) => b.bias === -Infinity).map((b) => b.tokenId)
   return {
     temperatureMillis: Math.round(temperature * 1000),
-    topK: sampling?.topK ?? (temperature > 0 ? 40 : 1),
-    ...(sampling?.topP === undefined ? {} : { topP: sampling.topP }),
-    ...(sampling?.minP === undefined ? {} : { minP: sampling.minP }),
-    ...(sampling?.seed === undefined ? {} : { seed: sampling.seed }),
-    ...(startPosition === 0 ? {} : { startPosition })
+    topK: s.topK ?? (temperature > 0 ? 40 : 1),
+    ...(s.topP === undefined ? {} : { topP: s.topP }),
+    ...(s.minP === undefined ? {} : { minP: s.minP }),
+    ...(s.seed === undefined ? {} : { seed: s.seed }),
+    ...(startPosition === 0 ? {} : { startPosition }),
+    ...(s.typicalP === undefined ? {} : { typicalP: s.typicalP }),
+    ...(s.repeatPenalty === undefined ? {} : { repeatPenalty: s.repeatPenalty }),
+    ...(s.presencePenalty === undefined ? {} : { presencePenalty: s.presencePenalty }),
+    ...(s.frequencyPenalty === undefined ? {} : { frequencyPenalty: s.frequencyPenalty }),
+    ...(s.penaltyLastN === undefined ? {} : { penaltyLastN: s.penaltyLastN }),
+    ...(s.dry === undefined ? {} : {
+      dry: {
+        multiplier: s.dry.multiplier,
+        base: s.dry.base ?? 1.75,
+        allowedLength: s.dry.allowedLength ?? 2,
+        penaltyLastN: s.dry.penaltyLastN ?? -1,
+        sequenceBreakers: s.dry.sequenceBreakers ?? ["\n", ":", "\"", "*"]
+      }
+    }),
+    ...(s.xtc === undefined ? {} : { xtc: { probability: s.xtc.probability, threshold: s.xtc.threshold } }),
+    ...(finiteBias.length === 0 ? {} : { logitBias: finiteBias.map((b) => ({ tokenId: b.tokenId, bias: b.bias })) }),
+    ...(banned.length === 0 ? {} : { bannedTokens: banned }),
+    ...(s.grammar === undefined ? {} : { grammar: { text: s.grammar.text, root: s.grammar.root ?? "root" } }),
+    ...(s.logprobs === undefined ? {} : { logprobs: s.logprobs }),
+    ...(resume === undefined || (resume.tokens.length === 0 && resume.draws === 0) ? {} : { resume })
   }
+}
+
+/** What a resumed generation's sampler needs: the tokens produced so far and the random draws made for them. */
+export interface SamplerResume {
+  readonly tokens: ReadonlyArray<number>
+  readonly draws: number
 }
 
 /** The planner's input for one run over `placement`. */
@@ -61,6 +95,7 @@ export const plannerInput = (
     readonly sampling: SamplingOptions | undefined
     /** Tokens a resumed generation already produced: the sampler's first draw position. */
     readonly startPosition?: number
+    readonly resume?: SamplerResume
   },
   layerRanges?: ReadonlyArray<LayerRange>
 ) => {
@@ -69,7 +104,7 @@ export const plannerInput = (
     runId,
     orchestratorNodeId: ORCHESTRATOR_NODE,
     model: facts,
-    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0) },
+    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0, runtime.resume) },
     candidatePool,
     stageCount: placement.length,
     placement: { _tag: "FixedLinear" as const, stages: placement },

@@ -29,10 +29,10 @@ import {
   plannerPlacement,
   stageMemoryBytes
 } from "../../services/Placement.js"
-import type { WarmPipeline } from "./PipelineSetup.js"
+import { samplingPolicy, type WarmPipeline } from "./PipelineSetup.js"
 import { poolNodeOf } from "./RunPlacement.js"
 import { driveRun, type UpdateSink } from "./RunWorld.js"
-import { generationProblem, threadsProblem } from "../../services/RequestChecks.js"
+import { generationProblem, samplingPolicyProblem, threadsProblem } from "../../services/RequestChecks.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
 
@@ -196,6 +196,8 @@ export const generateRecovering = (
       maxTokensField: "maxTokens"
     })
     if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
+    const samplingProblem = samplingPolicyProblem(samplingPolicy(request.sampling), warm.vocabulary.vocabSize)
+    if (samplingProblem !== undefined) return yield* new InvalidRequest({ message: samplingProblem })
     if (request.threads !== undefined) {
       const bad = threadsProblem(request.threads)
       if (bad !== undefined) return yield* new InvalidRequest({ message: bad })
@@ -203,7 +205,10 @@ export const generateRecovering = (
     if (maxAttempts === 0) return yield* driveRun(warm, request, updates, stopRequested, requestStart)
 
     const decoder = warm.vocabulary.decoder(prompt)
+    const { promptCache: _firstRunOnly, ...replayRequest } = request
     const produced: Array<number> = []
+    // the random draws the last stage's sampler made for them (a resumed sampler skips them)
+    let samplerDraws = 0
     const recoveries: Array<RecoveryRecord> = []
     const faults: Array<string> = []
     let text = ""
@@ -281,6 +286,7 @@ export const generateRecovering = (
                 }
                 pending = undefined
                 produced.push(update.token.tokenId)
+                if (update.samplerDraws !== undefined) samplerDraws = update.samplerDraws
                 const piece = decoder.push(update.token.tokenId)
                 text += piece
                 const token: RunUpdate = {
@@ -309,11 +315,12 @@ export const generateRecovering = (
       }
       const exit = yield* driveRun(
         warm,
-        { ...request, prompt: [...prompt, ...produced], maxTokens: maxTokens - base },
+        // only the first run uses the prompt cache: a replay prefills in full on its new placement
+        { ...(attempt === 0 ? request : replayRequest), prompt: [...prompt, ...produced], maxTokens: maxTokens - base },
         sink,
         stopRequested,
         requestStart,
-        { placement, layerRanges, startPosition: base }
+        { placement, layerRanges, startPosition: base, resume: { tokens: produced.slice(), draws: samplerDraws } }
       ).pipe(Effect.exit)
 
       if (Exit.isSuccess(exit)) {

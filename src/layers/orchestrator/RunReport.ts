@@ -5,7 +5,7 @@
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type LifecycleEvent, type RunFaultReason, type StageFaultReason, stageFaultMessage } from "../../domain/runEvents.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
-import type { RunSummary, RunUpdate, StageStragglers, StageSummary, Straggler } from "../../services/Orchestrator.js"
+import type { RunSummary, RunUpdate, StageStragglers, StageSummary, Straggler, TokenLogprob } from "../../services/Orchestrator.js"
 import type { StageStepSummary } from "../../services/StageStragglers.js"
 
 const describeStageReason = (reason: StageFaultReason): string => {
@@ -85,14 +85,16 @@ export const tornDownUpdate = (
 
 /** A Token update for a generated token (times in ms from performance.now()). */
 export const tokenUpdate = (
-  token: { readonly tokenId: number; readonly text: string; readonly sequence: number },
-  at: { readonly received: number; readonly promptInjected: number; readonly injected: number }
+  token: { readonly tokenId: number; readonly text: string; readonly sequence: number; readonly logprob?: TokenLogprob },
+  at: { readonly received: number; readonly promptInjected: number; readonly injected: number },
+  samplerDraws?: number
 ): RunUpdate => ({
   _tag: "Token",
   token: {
     ...token,
     timings: { sinceStartMillis: at.received - at.promptInjected, latencyMillis: at.received - at.injected }
-  }
+  },
+  ...(samplerDraws === undefined ? {} : { samplerDraws })
 })
 
 /** What a completed run saw, for its summary. */

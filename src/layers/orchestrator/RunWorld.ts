@@ -19,18 +19,20 @@ import {
   ProvisionRequest,
   type StageStats
 } from "../../services/AgentLinks.js"
+import type { PromptCacheUse } from "../../domain/controlRpc.js"
 import {
   type GenerateError,
   InvalidRequest,
   RunFaulted,
   type RunRequest,
-  type RunUpdate
+  type RunUpdate,
+  type TokenLogprob
 } from "../../services/Orchestrator.js"
 import { alignUp } from "../../domain/plan.js"
 import { planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
 import { makeStageStragglerDetector, stepsOf } from "../../services/StageStragglers.js"
-import { plannerInput, type WarmPipeline } from "./PipelineSetup.js"
+import { plannerInput, type SamplerResume, type WarmPipeline } from "./PipelineSetup.js"
 import { describeRunFault, faultWords, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
 
 const consequenceGrace = "300 millis"
@@ -40,6 +42,21 @@ const randomRunId = () => RunId.make(1 + Math.floor(Math.random() * 0x7ffffffe))
 /** The KV context a run's sessions allocate: prompt + generated tokens + one, in steps of 256, at most the model's. */
 export const runContextLength = (maxSeqLen: number, promptTokens: number, maxTokens: number): number =>
   Math.min(maxSeqLen, alignUp(promptTokens + maxTokens + 1, 256))
+
+/**
+ * What a run asks of the agents' prompt cache (see RunRequest.promptCache): at most prompt length - 1 positions
+ * adopted (the last prompt token is always prefilled, so the last stage has logits to sample).
+ */
+const promptCacheUse = (request: RunRequest, promptLength: number): PromptCacheUse | undefined => {
+  const asked = request.promptCache
+  if (asked === undefined) return undefined
+  const length = Math.min(asked.adopt?.length ?? 0, promptLength - 1)
+  return {
+    adopt: asked.adopt !== undefined && Number.isSafeInteger(length) && length > 0 ? { entry: asked.adopt.entry, length } : null,
+    keep: asked.keep ?? null,
+    promptLength
+  }
+}
 
 /** Where a run's updates go (a mailbox, or a recovering generation's filter). */
 export interface UpdateSink {
@@ -52,6 +69,8 @@ export interface RunAttempt {
   readonly placement?: ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
   /** Tokens the generation produced before this run (the prompt ends with them): the first draw's position. */
   readonly startPosition?: number
+  /** Those tokens and the random draws the sampler made for them: the new last stage's sampler resumes from them. */
+  readonly resume?: SamplerResume
   /** Each stage's blocks (default: the pipeline's while the stage count holds, else an even split). */
   readonly layerRanges?: ReadonlyArray<LayerRange>
 }
@@ -91,7 +110,8 @@ export const driveRun = (
       plannerInput(facts, runId, warm.agents.nodes.map((n) => n.nodeId), placement, {
         maxTokens,
         sampling: request.sampling,
-        ...(attempt.startPosition === undefined ? {} : { startPosition: attempt.startPosition })
+        ...(attempt.startPosition === undefined ? {} : { startPosition: attempt.startPosition }),
+        ...(attempt.resume === undefined ? {} : { resume: attempt.resume })
       }, layerRanges)
     )
     const stageNode = (stageIndex: number) => plan.stages.find((s) => s.stageIndex === stageIndex)?.nodeId ?? -1
@@ -131,10 +151,16 @@ export const driveRun = (
     const stageStats = new Map<number, StageStats>()
     const stragglerDetector = makeStageStragglerDetector(request.stragglers ?? warm.options.stragglers)
     const stageReady = new Map<number, { loadMillis: number; cachedWeights: boolean }>()
+    // Prompt cache: what each stage took over of the adopted entry; the prompt starts after the fewest (cachedTokens).
+    const cacheUse = promptCacheUse(request, prompt.length)
+    const stageCachedPositions = new Map<number, number>()
+    let cachedTokens = 0
     // Stage 0 registers its inbound (token-in) edge before it reports ready: the orchestrator connects after that.
     const firstStageReady = yield* Deferred.make<void>()
     const injectedAt = new Map<number, number>()
     const receivedAt = new Map<number, number>()
+    // what the last stage sent beside each token: its log-probs (when asked) and its sampler's draws so far
+    const sampledExtras = new Map<number, { readonly logprob?: TokenLogprob; readonly draws?: number }>()
     let tornDown = false
     const offer = (event: RunEvent) => actor.offer(event)
     // A broken connection is usually the echo of a fault elsewhere (the peer crashed or stopped): report it
@@ -168,7 +194,8 @@ export const driveRun = (
           provision,
           outboundAddress: outboundAddress(provision),
           threads: threads ?? null,
-          contextLength
+          contextLength,
+          ...(cacheUse === undefined ? {} : { promptCache: cacheUse })
         })
       ).pipe(
         Stream.runForEach((report) => {
@@ -177,6 +204,7 @@ export const driveRun = (
               return updates.offer({ _tag: "StageLoading", stageIndex, loadedBytes: report.loadedBytes, totalBytes: report.totalBytes })
             case "StageReady":
               stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+              stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
               if (stageIndex === 0) Deferred.unsafeDone(firstStageReady, Effect.void)
               return Effect.zipRight(
                 updates.offer({ _tag: "StageReady", stageIndex, loadMillis: report.loadMillis, cachedWeights: report.cachedWeights }),
@@ -244,6 +272,13 @@ export const driveRun = (
               return yield* offer(RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }))
             }
             receivedAt.set(frame.sequence, performance.now())
+            const { draws, logprob } = frame.payload
+            if (draws !== undefined || logprob !== undefined) {
+              sampledExtras.set(frame.sequence, {
+                ...(draws === undefined ? {} : { draws }),
+                ...(logprob === undefined ? {} : { logprob })
+              })
+            }
             yield* offer(RunEvents.TokenReceived({ sequence: frame.sequence, tokenId: frame.payload.tokenId, eos: frame.payload.eos }))
           }
         })
@@ -277,7 +312,14 @@ export const driveRun = (
         }
         injectedAt.set(sequence, performance.now())
         const edge = tokenEdge("TokenIn")
-        return sender.send(
+        if (payload._tag === "Prompt" && cacheUse?.adopt != null) {
+          // every stage holds the positions before this (a stage that lacks the entry holds none: a full prefill)
+          cachedTokens = Math.min(cacheUse.adopt.length, ...plan.stages.map((s) => stageCachedPositions.get(s.stageIndex) ?? 0))
+        }
+        const cachedUpdate = payload._tag === "Prompt" && cacheUse !== undefined
+          ? updates.offer({ _tag: "PromptCached", cachedTokens })
+          : Effect.void
+        return cachedUpdate.pipe(Effect.zipRight(sender.send(
           dataFrame({
             _tag: "TokenFrame",
             runId,
@@ -286,10 +328,10 @@ export const driveRun = (
             chunkIndex: 0,
             chunkCount: 1,
             payload: payload._tag === "Prompt"
-              ? { _tag: "Prompt", tokens: payload.tokens }
+              ? { _tag: "Prompt", tokens: cachedTokens > 0 ? payload.tokens.slice(cachedTokens) : payload.tokens }
               : { _tag: "Decode", tokenId: payload.tokenId }
           })
-        ).pipe(
+        ))).pipe(
           Effect.catchAll((fault) =>
             Effect.zipRight(
               Effect.sync(() => noteDetail("endpoint:TokenIn", faultWords(fault))),
@@ -375,12 +417,19 @@ export const driveRun = (
         generated.push(event.tokenId)
         const piece = decoder.push(event.tokenId)
         text += piece
+        const extras = sampledExtras.get(event.sequence)
+        sampledExtras.delete(event.sequence)
         yield* updates.offer(
-          tokenUpdate({ tokenId: event.tokenId, text: piece, sequence: event.sequence }, {
+          tokenUpdate({
+            tokenId: event.tokenId,
+            text: piece,
+            sequence: event.sequence,
+            ...(extras?.logprob === undefined ? {} : { logprob: extras.logprob })
+          }, {
             received: now,
             promptInjected: promptInjectedAt(),
             injected: injectedAt.get(event.sequence) ?? now
-          })
+          }, extras?.draws)
         )
       } else if (event._tag === "RunCompleted" || event._tag === "RunFaulted" || event._tag === "RunOperatorStopped") {
         terminal = event
@@ -408,29 +457,38 @@ export const driveRun = (
     if (terminal?._tag !== "RunCompleted") return
 
     const end = performance.now()
+    const summary = summarize({
+      runId,
+      outcome: terminal.reason,
+      promptTokens: prompt.length,
+      generated: generated.length,
+      text,
+      requestStart,
+      promptInjectedAt: promptInjectedAt(),
+      firstTokenAt: firstTokenAt ?? end,
+      injectedAt,
+      receivedAt,
+      stages: plan.stages.map((s) => ({
+        stageIndex: s.stageIndex,
+        address: addressOf(s.nodeId),
+        layers: [s.layerStart, s.layerEndExclusive] as const,
+        dataAddress: dataAddressOf(s.nodeId),
+        ready: stageReady.get(s.stageIndex),
+        stats: stageStats.get(s.stageIndex)
+      })),
+      stageSteps: stragglerDetector.stages(),
+      stageStragglers: stragglerDetector.stragglers()
+    })
     yield* updates.offer({
       _tag: "Finished",
-      summary: summarize({
-        runId,
-        outcome: terminal.reason,
-        promptTokens: prompt.length,
-        generated: generated.length,
-        text,
-        requestStart,
-        promptInjectedAt: promptInjectedAt(),
-        firstTokenAt: firstTokenAt ?? end,
-        injectedAt,
-        receivedAt,
-        stages: plan.stages.map((s) => ({
-          stageIndex: s.stageIndex,
-          address: addressOf(s.nodeId),
-          layers: [s.layerStart, s.layerEndExclusive] as const,
-          dataAddress: dataAddressOf(s.nodeId),
-          ready: stageReady.get(s.stageIndex),
-          stats: stageStats.get(s.stageIndex)
-        })),
-        stageSteps: stragglerDetector.stages(),
-        stageStragglers: stragglerDetector.stragglers()
-      })
+      summary: cacheUse === undefined ? summary : {
+        ...summary,
+        promptCache: {
+          cachedTokens,
+          keptTokens: cacheUse.keep === null
+            ? 0
+            : Math.min(...plan.stages.map((s) => stageStats.get(s.stageIndex)?.keptPositions ?? 0))
+        }
+      }
     })
   }).pipe(Effect.scoped)

@@ -18,7 +18,10 @@
  * |  28 | u16  | chunkIndex                                                         |
  * |  30 | u16  | chunkCount                                                         |
  *
- * Bodies: Token `u8 kind (0 Prompt, 1 Decode, 2 Sampled), u8 eos, u16 0, u32 count, u32 tokens[count]`;
+ * Bodies: Token `u8 kind (0 Prompt, 1 Decode, 2 Sampled), u8 flags, u16 nTop, u32 count, u32 tokens[count]`, where
+ * flags and nTop are 0 except for Sampled: flags bit 0 eos, bit 1 a `u32 draws` follows the token, bit 2 a log-prob
+ * follows (after draws): `f64 logprob` then nTop (at most 20) × `u32 tokenId, f64 logprob`, every log-prob ≤ 0 and
+ * not NaN, the alternatives most likely first; nTop is 0 without bit 2, other bits 0;
  * Activation `u8 dtype (0 f32), 3×u8 0, u32 startPos, u32 nTokens, u32 hiddenDim, u32 payloadOffset,
  * u32 payloadLength`, zero padding up to `payloadOffset` (aligned, from the frame start), then
  * `nTokens*hiddenDim` f32; Credit `u32 bytes, u32 0`; Attach `u32 dataCapacity, u32 alignment,
@@ -112,7 +115,7 @@ export const encodedLength = (frame: WireFrame, alignment: number): number => {
     case "ActivationFrame":
       return alignUp(activationPayloadOffset(alignment) + frame.payload.length * 4, a)
     case "TokenFrame":
-      return alignUp(HEADER_BYTES + TOKEN_BODY_HEADER_BYTES + 4 * tokenCount(frame.payload), a)
+      return alignUp(HEADER_BYTES + TOKEN_BODY_HEADER_BYTES + 4 * tokenCount(frame.payload) + sampledExtraBytes(frame.payload), a)
     case "CreditFrame":
       return alignUp(HEADER_BYTES + 8, a)
     case "AttachFrame":
@@ -128,6 +131,22 @@ export const encodedLength = (frame: WireFrame, alignment: number): number => {
 }
 
 const tokenCount = (payload: TokenPayload): number => payload._tag === "Prompt" ? payload.tokens.length : 1
+
+/** The most alternatives a Sampled token's log-prob may carry. */
+export const MAX_SAMPLED_TOP = 20
+const SAMPLED_EOS = 1
+const SAMPLED_DRAWS = 2
+const SAMPLED_LOGPROB = 4
+const TOP_ENTRY_BYTES = 12
+
+/** Bytes a Sampled body carries after its token: draws, log-prob and alternatives. */
+const sampledExtraBytes = (payload: TokenPayload): number =>
+  payload._tag !== "Sampled"
+    ? 0
+    : (payload.draws === undefined ? 0 : 4) +
+      (payload.logprob === undefined ? 0 : 8 + TOP_ENTRY_BYTES * payload.logprob.top.length)
+
+const isLogprob = (x: number) => typeof x === "number" && !Number.isNaN(x) && x <= 0
 
 const faultText = (frame: FaultFrame) => ({
   reason: textEncoder.encode(frame.reason.slice(0, 64)).subarray(0, 64),
@@ -178,6 +197,17 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
         } else {
           if (!isU32(p.tokenId)) return "token id must fit in u32"
           if (frame.chunkCount !== 1) return "only a Prompt may be chunked"
+          if (p._tag === "Sampled") {
+            if (p.draws !== undefined && !isU32(p.draws)) return "draws must fit in u32"
+            const lp = p.logprob
+            if (lp !== undefined) {
+              if (lp.top.length > MAX_SAMPLED_TOP) return `at most ${MAX_SAMPLED_TOP} log-prob alternatives`
+              if (!isLogprob(lp.logprob) || !lp.top.every((t) => isU32(t.tokenId) && isLogprob(t.logprob))) {
+                return "log-probs must be numbers ≤ 0"
+              }
+              if (lp.top.some((t, i) => i > 0 && t.logprob > lp.top[i - 1]!.logprob)) return "alternatives not most likely first"
+            }
+          }
         }
       }
       return undefined
@@ -243,11 +273,33 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       const p = frame.payload
       const o = HEADER_BYTES
       view.setUint8(o, p._tag === "Prompt" ? 0 : p._tag === "Decode" ? 1 : 2)
-      view.setUint8(o + 1, p._tag === "Sampled" && p.eos ? 1 : 0)
       const tokens = p._tag === "Prompt" ? p.tokens : [p.tokenId]
       view.setUint32(o + 4, tokens.length, true)
       for (let i = 0; i < tokens.length; i++) view.setUint32(o + 8 + 4 * i, tokens[i]!, true)
       bodyLength = TOKEN_BODY_HEADER_BYTES + 4 * tokens.length
+      if (p._tag === "Sampled") {
+        view.setUint8(
+          o + 1,
+          (p.eos ? SAMPLED_EOS : 0) | (p.draws === undefined ? 0 : SAMPLED_DRAWS) |
+            (p.logprob === undefined ? 0 : SAMPLED_LOGPROB)
+        )
+        let at = o + bodyLength
+        if (p.draws !== undefined) {
+          view.setUint32(at, p.draws, true)
+          at += 4
+        }
+        if (p.logprob !== undefined) {
+          view.setUint16(o + 2, p.logprob.top.length, true)
+          view.setFloat64(at, p.logprob.logprob, true)
+          at += 8
+          for (const t of p.logprob.top) {
+            view.setUint32(at, t.tokenId, true)
+            view.setFloat64(at + 4, t.logprob, true)
+            at += TOP_ENTRY_BYTES
+          }
+        }
+        bodyLength = at - o
+      }
       break
     }
     case "ActivationFrame": {
@@ -412,13 +464,18 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
     case FrameType.Token: {
       if (h.bodyLength < TOKEN_BODY_HEADER_BYTES) return "token body too short"
       const kind = view.getUint8(o)
-      const eos = view.getUint8(o + 1)
-      if (view.getUint16(o + 2, true) !== 0) return "token reserved field not zero"
+      const flags = view.getUint8(o + 1)
+      const nTop = view.getUint16(o + 2, true)
       const count = view.getUint32(o + 4, true)
-      if (h.bodyLength !== TOKEN_BODY_HEADER_BYTES + 4 * count) return "token count does not match body length"
-      if (count < 1) return "empty token frame"
       if (kind > 2) return `unknown token kind ${kind}`
-      if (eos > 1 || (eos === 1 && kind !== 2)) return "bad eos flag"
+      if (kind !== 2 && (flags !== 0 || nTop !== 0)) return "token flags / reserved field not zero"
+      if (flags > (SAMPLED_EOS | SAMPLED_DRAWS | SAMPLED_LOGPROB)) return "bad Sampled flags"
+      if ((flags & SAMPLED_LOGPROB) === 0 ? nTop !== 0 : nTop > MAX_SAMPLED_TOP) return "bad log-prob count"
+      const extra = kind !== 2
+        ? 0
+        : ((flags & SAMPLED_DRAWS) === 0 ? 0 : 4) + ((flags & SAMPLED_LOGPROB) === 0 ? 0 : 8 + TOP_ENTRY_BYTES * nTop)
+      if (h.bodyLength !== TOKEN_BODY_HEADER_BYTES + 4 * count + extra) return "token count does not match body length"
+      if (count < 1) return "empty token frame"
       if (kind !== 0 && (count !== 1 || h.chunkCount !== 1)) return "Decode/Sampled carries exactly one token"
       let payload: TokenPayload
       if (kind === 0) {
@@ -427,7 +484,34 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
         payload = { _tag: "Prompt", tokens }
       } else {
         const tokenId = view.getUint32(o + 8, true)
-        payload = kind === 1 ? { _tag: "Decode", tokenId } : { _tag: "Sampled", tokenId, eos: eos === 1 }
+        if (kind === 1) payload = { _tag: "Decode", tokenId }
+        else {
+          let at = o + 12
+          let draws: number | undefined
+          if ((flags & SAMPLED_DRAWS) !== 0) {
+            draws = view.getUint32(at, true)
+            at += 4
+          }
+          let logprob: { logprob: number; top: Array<{ tokenId: number; logprob: number }> } | undefined
+          if ((flags & SAMPLED_LOGPROB) !== 0) {
+            const own = view.getFloat64(at, true)
+            at += 8
+            const top: Array<{ tokenId: number; logprob: number }> = []
+            for (let i = 0; i < nTop; i++, at += TOP_ENTRY_BYTES) {
+              top.push({ tokenId: view.getUint32(at, true), logprob: view.getFloat64(at + 4, true) })
+            }
+            if (!isLogprob(own) || !top.every((t) => isLogprob(t.logprob))) return "log-probs must be numbers ≤ 0"
+            if (top.some((t, i) => i > 0 && t.logprob > top[i - 1]!.logprob)) return "alternatives not most likely first"
+            logprob = { logprob: own, top }
+          }
+          payload = {
+            _tag: "Sampled",
+            tokenId,
+            eos: (flags & SAMPLED_EOS) !== 0,
+            ...(draws === undefined ? {} : { draws }),
+            ...(logprob === undefined ? {} : { logprob })
+          }
+        }
       }
       return TokenFrame({
         runId,

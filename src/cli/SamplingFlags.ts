@@ -1,0 +1,102 @@
+/**
+ * `swactor run`'s flags for llama.cpp's sampler chain (penalties, logit bias, grammar, log-probs), besides
+ * --temperature, --top-k and --seed: declared once here, turned into SamplingOptions with one-line errors naming the
+ * flag. The library checks the values again against the model (services/RequestChecks.ts samplingPolicyProblem).
+ */
+import * as Options from "@effect/cli/Options"
+import { readFileSync } from "node:fs"
+import { Effect, Option } from "effect"
+import type { SamplingOptions } from "../services/Orchestrator.js"
+import { UsageError } from "./Flags.js"
+
+export const samplingFlags = {
+  topP: Options.float("top-p").pipe(Options.withDescription("nucleus sampling: keep this much probability mass (1 = off)"), Options.optional),
+  minP: Options.float("min-p").pipe(Options.withDescription("drop tokens under this fraction of the likeliest (0 = off)"), Options.optional),
+  repeatPenalty: Options.float("repeat-penalty").pipe(
+    Options.withDescription("divide the logits of recent tokens by this (1 = off)"),
+    Options.optional
+  ),
+  presencePenalty: Options.float("presence-penalty").pipe(
+    Options.withDescription("subtract this from the logits of recent tokens (0 = off)"),
+    Options.optional
+  ),
+  frequencyPenalty: Options.float("frequency-penalty").pipe(
+    Options.withDescription("subtract this per occurrence of a recent token (0 = off)"),
+    Options.optional
+  ),
+  penaltyLastN: Options.integer("penalty-last-n").pipe(
+    Options.withDescription("recent tokens the penalties look at (default 64; -1: the whole context)"),
+    Options.optional
+  ),
+  logitBias: Options.text("logit-bias").pipe(
+    Options.withDescription("ID=BIAS,... added to token logits (BIAS -inf bans the token)"),
+    Options.optional
+  ),
+  grammarFile: Options.file("grammar-file").pipe(
+    Options.withDescription("a GBNF grammar (llama.cpp's) the output must follow, rule root"),
+    Options.optional
+  ),
+  logprobs: Options.integer("logprobs").pipe(
+    Options.withDescription("with --json: each token's log-probability and this many alternatives (0-20)"),
+    Options.optional
+  )
+}
+
+export type SamplingFlagArgs = {
+  readonly [K in keyof typeof samplingFlags]?: Option.Option<
+    (typeof samplingFlags)[K] extends Options.Options<Option.Option<infer A>> ? A : never
+  >
+}
+
+const fail = (message: string) => Effect.fail(new UsageError({ message }))
+
+const finiteFlag = (flag: string, value: Option.Option<number> | undefined) =>
+  value === undefined || Option.isNone(value)
+    ? Effect.succeed(undefined)
+    : Number.isFinite(value.value)
+    ? Effect.succeed(value.value)
+    : fail(`--${flag} must be a finite number, got ${value.value}`)
+
+const parseBias = (text: string) =>
+  Effect.forEach(text.split(",").filter((s) => s.trim() !== ""), (entry) => {
+    const m = /^\s*(\d+)\s*=\s*(-?inf|[-+]?\d*\.?\d+(?:e[-+]?\d+)?)\s*$/i.exec(entry)
+    if (m === null) return fail(`--logit-bias takes ID=BIAS,... (BIAS a number or -inf), got "${entry.trim()}"`)
+    const bias = /^-inf$/i.test(m[2]!) ? -Infinity : Number(m[2])
+    if (m[2]!.toLowerCase() === "inf") return fail("--logit-bias: +inf is no bias (use a large number, or -inf to ban)")
+    return Effect.succeed({ tokenId: Number(m[1]), bias })
+  })
+
+/** The sampling options the flags ask for (only those given). */
+export const samplingFromFlags = (args: SamplingFlagArgs): Effect.Effect<Partial<SamplingOptions>, UsageError> =>
+  Effect.gen(function*() {
+    const topP = yield* finiteFlag("top-p", args.topP)
+    const minP = yield* finiteFlag("min-p", args.minP)
+    const repeatPenalty = yield* finiteFlag("repeat-penalty", args.repeatPenalty)
+    const presencePenalty = yield* finiteFlag("presence-penalty", args.presencePenalty)
+    const frequencyPenalty = yield* finiteFlag("frequency-penalty", args.frequencyPenalty)
+    const penaltyLastN = yield* finiteFlag("penalty-last-n", args.penaltyLastN)
+    const logprobs = yield* finiteFlag("logprobs", args.logprobs)
+    const logitBias = args.logitBias !== undefined && Option.isSome(args.logitBias)
+      ? yield* parseBias(args.logitBias.value)
+      : undefined
+    let grammar: SamplingOptions["grammar"]
+    if (args.grammarFile !== undefined && Option.isSome(args.grammarFile)) {
+      const path = args.grammarFile.value
+      const text = yield* Effect.try({
+        try: () => readFileSync(path, "utf8"),
+        catch: (e) => new UsageError({ message: `--grammar-file: cannot read ${path}: ${String(e)}` })
+      })
+      grammar = { text }
+    }
+    return {
+      ...(topP === undefined ? {} : { topP }),
+      ...(minP === undefined ? {} : { minP }),
+      ...(repeatPenalty === undefined ? {} : { repeatPenalty }),
+      ...(presencePenalty === undefined ? {} : { presencePenalty }),
+      ...(frequencyPenalty === undefined ? {} : { frequencyPenalty }),
+      ...(penaltyLastN === undefined ? {} : { penaltyLastN }),
+      ...(logprobs === undefined ? {} : { logprobs }),
+      ...(logitBias === undefined ? {} : { logitBias }),
+      ...(grammar === undefined ? {} : { grammar })
+    }
+  })

@@ -1,0 +1,303 @@
+/**
+ * The last stage's sampler for one sequence: llama.cpp's sampler chain from the shipped libllama, built in exactly
+ * the order and with exactly the parameters node-llama-cpp 3.21.1 uses (llama/addon/AddonSampler.cpp), so the same
+ * settings and seed give node-llama-cpp's tokens:
+ *
+ *   logit bias, penalties (repeat / frequency / presence), DRY, then
+ *   greedy (temperature 0): XTC, greedy
+ *   otherwise: top-k, [typical], top-p, min-p, XTC, temperature, dist(seed)
+ *
+ * A grammar is applied as node-llama-cpp does: the chain picks from the whole distribution; when the grammar rejects
+ * that token the candidates are filled again, the grammar masks them and the chain picks again (a second draw).
+ * After each pick, the penalties, DRY and the grammar (not for an end-of-generation token) accept the token.
+ *
+ * Resuming a generation after n tokens (`policy.resume`): the penalties, DRY and grammar accept those n tokens
+ * again, and the random generators skip the draws the lost sampler had made, so the next draw is the one it would
+ * have made. Plain greedy without penalties, bias or grammar is an argmax, with no native call.
+ *
+ * Values are not checked here: `samplingPolicyProblem` (services/RequestChecks.ts) has checked them first.
+ */
+import koffi from "koffi"
+import type { SamplingPolicy } from "../../domain/plan.js"
+import { greedy } from "../../services/Sampler.js"
+import { capturingLog, getLlama, lastLines, type LlamaRaw, type LlamaVocab, TokenDataArrayLayout, TokenDataLayout } from "./LlamaLib.js"
+
+/** Log-probabilities at one step: log-softmax of the raw logits (before bias, penalties and temperature). */
+export interface StepLogprob {
+  readonly logprob: number
+  readonly top: ReadonlyArray<{ readonly tokenId: number; readonly logprob: number }>
+}
+
+export interface SampleResult {
+  readonly tokenId: number
+  /** When the policy asks for log-probabilities. */
+  readonly logprob?: StepLogprob
+  /** The random draws the sampler has made so far in this generation (resume skips them). */
+  readonly draws: number
+}
+
+export interface SequenceSampler {
+  readonly sample: (logits: Float32Array) => SampleResult
+  /** Frees the native chain (idempotent). */
+  readonly free: () => void
+}
+
+/** Whether the policy needs the chain (anything but a plain argmax). */
+export const needsChain = (policy: SamplingPolicy): boolean =>
+  policy.temperatureMillis > 0 ||
+  (policy.repeatPenalty !== undefined && policy.repeatPenalty !== 1) ||
+  (policy.presencePenalty ?? 0) !== 0 ||
+  (policy.frequencyPenalty ?? 0) !== 0 ||
+  (policy.dry !== undefined && policy.dry.multiplier !== 0) ||
+  (policy.xtc !== undefined && policy.xtc.probability > 0) ||
+  (policy.logitBias?.length ?? 0) > 0 ||
+  (policy.bannedTokens?.length ?? 0) > 0 ||
+  policy.grammar !== undefined
+
+/** Whether the chain needs the model's vocabulary (a vocab-only load): grammar and DRY work on token text. */
+export const needsVocab = (policy: SamplingPolicy): boolean =>
+  policy.grammar !== undefined || (policy.dry !== undefined && policy.dry.multiplier !== 0)
+
+/** A grammar that does not parse (libllama returned no sampler). */
+export class GrammarRejected extends Error {
+  override readonly name = "GrammarRejected"
+}
+
+/** log-softmax of the raw logits: the `token`'s log-probability and the `n` most likely (ties: lower id first). */
+export const stepLogprob = (logits: Float32Array, token: number, n: number): StepLogprob => {
+  const v = logits.length
+  let max = -Infinity
+  for (let i = 0; i < v; i++) {
+    const x = logits[i]!
+    if (x > max) max = x
+  }
+  let sum = 0
+  for (let i = 0; i < v; i++) sum += Math.exp(logits[i]! - max)
+  const lse = max + Math.log(sum)
+  const ids: Array<number> = []
+  const vals: Array<number> = []
+  if (n > 0) {
+    for (let i = 0; i < v; i++) {
+      const x = logits[i]!
+      if (ids.length === n && !(x > vals[n - 1]!)) continue
+      let j = ids.length === n ? n - 1 : ids.length
+      while (j > 0 && vals[j - 1]! < x) {
+        if (j < n) {
+          ids[j] = ids[j - 1]!
+          vals[j] = vals[j - 1]!
+        }
+        j--
+      }
+      if (j < n) {
+        ids[j] = i
+        vals[j] = x
+      }
+    }
+  }
+  return {
+    logprob: logits[token]! - lse,
+    top: ids.map((tokenId, k) => ({ tokenId, logprob: vals[k]! - lse }))
+  }
+}
+
+const argmaxSampler = (policy: SamplingPolicy): SequenceSampler => ({
+  sample: (logits) => {
+    const tokenId = greedy(logits)
+    return {
+      tokenId,
+      draws: 0,
+      ...(policy.logprobs === undefined ? {} : { logprob: stepLogprob(logits, tokenId, policy.logprobs) })
+    }
+  },
+  free: () => {}
+})
+
+/** A fresh seed when the policy has none (the run is then not reproducible). */
+const seedOf = (policy: SamplingPolicy): number =>
+  policy.seed === undefined ? Math.floor(Math.random() * 2 ** 32) : Math.max(0, Math.floor(policy.seed)) >>> 0
+
+/**
+ * The sampler of one sequence. `vocab` is required when `needsVocab(policy)`; `contextLength` resolves a penalty
+ * window of -1 (the whole context). Throws GrammarRejected when the grammar does not parse.
+ */
+export const makeSequenceSampler = (
+  policy: SamplingPolicy,
+  options: { readonly vocabSize: number; readonly contextLength: number; readonly vocab?: LlamaVocab }
+): SequenceSampler => {
+  if (!needsChain(policy)) return argmaxSampler(policy)
+  const raw: LlamaRaw = getLlama()
+  const nVocab = options.vocabSize
+  const vocab = options.vocab
+  const owned: Array<unknown> = []
+  // The grammar is built first: a grammar that does not parse frees nothing else.
+  let grammar: unknown = null
+  if (policy.grammar !== undefined) {
+    if (vocab === undefined) throw new GrammarRejected("a grammar needs the model's vocabulary")
+    const { text, root } = policy.grammar
+    const { log, result } = capturingLog(() => raw.llama_sampler_init_grammar(vocab.vocab, text, root))
+    if (result === null) throw new GrammarRejected(`the grammar does not parse: ${lastLines(log) || `no rule "${root}"`}`)
+    grammar = result
+  }
+  const chain = raw.llama_sampler_chain_init(raw.llama_sampler_chain_default_params())
+  const add = (smpl: unknown) => raw.llama_sampler_chain_add(chain, smpl)
+  const seed = seedOf(policy)
+  const window = (n: number) => (n < 0 ? options.contextLength : n)
+
+  const biases = [
+    ...(policy.logitBias ?? []).map((b) => ({ token: b.tokenId, bias: b.bias })),
+    ...(policy.bannedTokens ?? []).map((token) => ({ token, bias: -Infinity }))
+  ]
+  if (biases.length > 0) add(raw.llama_sampler_init_logit_bias(nVocab, biases.length, biases))
+
+  let penalties: unknown = null
+  const repeat = policy.repeatPenalty ?? 1
+  const presence = policy.presencePenalty ?? 0
+  const frequency = policy.frequencyPenalty ?? 0
+  const lastN = window(policy.penaltyLastN ?? 64)
+  if (lastN > 0 && (repeat !== 1 || presence !== 0 || frequency !== 0)) {
+    penalties = raw.llama_sampler_init_penalties(nVocab, lastN, repeat, frequency, presence)
+    add(penalties)
+  }
+  let dry: unknown = null
+  if (policy.dry !== undefined && policy.dry.multiplier > 0 && vocab !== undefined) {
+    const d = policy.dry
+    dry = raw.llama_sampler_init_dry(
+      vocab.vocab,
+      d.multiplier,
+      d.base,
+      Math.max(1, d.allowedLength),
+      window(d.penaltyLastN),
+      d.sequenceBreakers,
+      d.sequenceBreakers.length
+    )
+    add(dry)
+  }
+  const xtc = policy.xtc !== undefined && policy.xtc.probability > 0
+    ? raw.llama_sampler_init_xtc(policy.xtc.probability, policy.xtc.threshold, 0, seed)
+    : null
+  let dist: unknown = null
+  if (policy.temperatureMillis <= 0) {
+    if (xtc !== null) add(xtc)
+    add(raw.llama_sampler_init_greedy())
+  } else {
+    add(raw.llama_sampler_init_top_k(policy.topK <= 0 ? nVocab : Math.min(policy.topK, nVocab)))
+    if (policy.typicalP !== undefined && policy.typicalP < 1) add(raw.llama_sampler_init_typical(policy.typicalP, 1))
+    if (policy.topP !== undefined && policy.topP >= 0 && policy.topP <= 1) add(raw.llama_sampler_init_top_p(policy.topP, 1))
+    if (policy.minP !== undefined && policy.minP > 0) add(raw.llama_sampler_init_min_p(policy.minP, 1))
+    if (xtc !== null) add(xtc)
+    add(raw.llama_sampler_init_temp(policy.temperatureMillis / 1000))
+    dist = raw.llama_sampler_init_dist(seed)
+    add(dist)
+  }
+  owned.push(chain)
+  if (grammar !== null) owned.push(grammar)
+
+  // One native candidates buffer for the sequence's life, and one array header (plus a two-token probe).
+  const candidates = koffi.alloc("uint8_t", nVocab * TokenDataLayout.bytes)
+  const candidatesAddr = BigInt(koffi.address(candidates))
+  const candidatesBytes = koffi.view(candidates, nVocab * TokenDataLayout.bytes)
+  const ids = new Int32Array(candidatesBytes)
+  const floats = new Float32Array(candidatesBytes)
+  const header = koffi.alloc("uint8_t", TokenDataArrayLayout.bytes)
+  const headerView = new DataView(koffi.view(header, TokenDataArrayLayout.bytes))
+  const probe = koffi.alloc("uint8_t", 2 * TokenDataLayout.bytes)
+  const probeView = new DataView(koffi.view(probe, 2 * TokenDataLayout.bytes))
+  const probeHeader = koffi.alloc("uint8_t", TokenDataArrayLayout.bytes)
+  const probeHeaderView = new DataView(koffi.view(probeHeader, TokenDataArrayLayout.bytes))
+  const probeAddr = BigInt(koffi.address(probe))
+
+  const setHeader = (view: DataView, data: bigint, size: number) => {
+    view.setBigUint64(TokenDataArrayLayout.data, data, true)
+    view.setBigUint64(TokenDataArrayLayout.size, BigInt(size), true)
+    view.setBigInt64(TokenDataArrayLayout.selected, -1n, true)
+    view.setUint8(TokenDataArrayLayout.sorted, 0)
+  }
+  // samplers sort and shrink the candidates in place: every step writes all of them again
+  const fill = (logits: Float32Array) => {
+    for (let i = 0, o = 0; i < nVocab; i++, o += 3) {
+      ids[o] = i
+      floats[o + 1] = logits[i]!
+      floats[o + 2] = 0
+    }
+    setHeader(headerView, candidatesAddr, nVocab)
+  }
+  /** The token the last apply selected, or -1 (samplers such as XTC move `data` forward). */
+  const selected = (): number => {
+    const sel = Number(headerView.getBigInt64(TokenDataArrayLayout.selected, true))
+    const size = Number(headerView.getBigUint64(TokenDataArrayLayout.size, true))
+    if (!(sel >= 0 && sel < size)) return -1
+    const data = headerView.getBigUint64(TokenDataArrayLayout.data, true)
+    return ids[(Number(data - candidatesAddr) + sel * TokenDataLayout.bytes) / 4]!
+  }
+  const grammarAllows = (token: number): boolean => {
+    probeView.setInt32(TokenDataLayout.id, token, true)
+    probeView.setFloat32(TokenDataLayout.logit, 1, true)
+    probeView.setFloat32(TokenDataLayout.p, 0, true)
+    setHeader(probeHeaderView, probeAddr, 1)
+    raw.llama_sampler_apply(grammar, probeHeader)
+    return probeView.getFloat32(TokenDataLayout.logit, true) !== -Infinity
+  }
+  const accept = (token: number) => {
+    if (penalties !== null) raw.llama_sampler_accept(penalties, token)
+    if (dry !== null) raw.llama_sampler_accept(dry, token)
+    if (grammar !== null && !(vocab?.isEndOfGeneration(token) ?? false)) raw.llama_sampler_accept(grammar, token)
+  }
+  let draws = 0
+  const skipDraws = (n: number) => {
+    // dist draws once per apply whatever the candidates (one candidate: the draw is made and discarded); XTC draws
+    // once per apply of two or more candidates (assumed for every step: exact unless a step left it fewer)
+    for (const rng of [dist, xtc]) {
+      if (rng === null) continue
+      for (let i = 0; i < n; i++) {
+        for (let k = 0; k < 2; k++) {
+          probeView.setInt32(k * TokenDataLayout.bytes + TokenDataLayout.id, k, true)
+          probeView.setFloat32(k * TokenDataLayout.bytes + TokenDataLayout.logit, 0, true)
+        }
+        setHeader(probeHeaderView, probeAddr, rng === xtc ? 2 : 1)
+        raw.llama_sampler_apply(rng, probeHeader)
+      }
+    }
+  }
+  if (policy.resume !== undefined) {
+    for (const token of policy.resume.tokens) accept(token)
+    skipDraws(policy.resume.draws)
+    draws = policy.resume.draws
+  }
+
+  const applyChain = () => {
+    raw.llama_sampler_apply(chain, header)
+    if (dist !== null) draws++
+  }
+  let freed = false
+  return {
+    sample: (logits) => {
+      fill(logits)
+      applyChain()
+      let token = selected()
+      if (grammar !== null && token >= 0 && !grammarAllows(token)) {
+        fill(logits)
+        raw.llama_sampler_apply(grammar, header)
+        applyChain()
+        token = selected()
+      }
+      // nothing selectable (every token banned or outside the grammar): the generation ends here
+      if (token < 0 || (grammar !== null && !(vocab?.isEndOfGeneration(token) ?? false) && !grammarAllows(token))) {
+        token = -1
+      } else accept(token)
+      return {
+        tokenId: token,
+        draws,
+        ...(policy.logprobs === undefined || token < 0 ? {} : { logprob: stepLogprob(logits, token, policy.logprobs) })
+      }
+    },
+    free: () => {
+      if (freed) return
+      freed = true
+      for (const smpl of owned) raw.llama_sampler_free(smpl)
+      koffi.free(candidates)
+      koffi.free(header)
+      koffi.free(probe)
+      koffi.free(probeHeader)
+    }
+  }
+}
