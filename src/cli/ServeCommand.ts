@@ -54,6 +54,9 @@ export interface ServeArgs {
   readonly spares: number
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
+  /** Reuse of a shared prompt prefix's KV across requests (default on), and the most entries held (default 16). */
+  readonly promptCache?: "on" | "off"
+  readonly promptCacheEntries?: number
 }
 
 /** The environment variable holding one API key, when no --api-key-file is given. */
@@ -109,6 +112,7 @@ const runServe = (args: ServeArgs) =>
     yield* wholeNumber("queue", args.queue, 0)
     yield* sparesFlag(args.spares)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
+    if (args.promptCacheEntries !== undefined) yield* wholeNumber("prompt-cache-entries", args.promptCacheEntries, 1)
     // The stages against the model's blocks, from its GGUF header, before any agent starts (services/RequestChecks.ts).
     const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : 2
     if (plannedStages !== undefined) {
@@ -137,7 +141,11 @@ const runServe = (args: ServeArgs) =>
       // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
       ...(args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0)
         ? { deliverWeights: true }
-        : {})
+        : {}),
+      promptCache: {
+        enabled: args.promptCache !== "off",
+        ...(args.promptCacheEntries === undefined ? {} : { maxEntries: args.promptCacheEntries })
+      }
     })
     const http = HttpServe.layer({
       host: args.host,
@@ -263,6 +271,16 @@ export const serveCommand = Command.make(
         "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --nodes), always, never"
       ),
       withShownDefault("auto" as const)
+    ),
+    promptCache: Options.choice("prompt-cache", ["on", "off"]).pipe(
+      Options.withDescription(
+        "keep each finished request's KV on every stage; a prompt that starts with one's tokens prefills only the rest"
+      ),
+      withShownDefault("on" as const)
+    ),
+    promptCacheEntries: Options.integer("prompt-cache-entries").pipe(
+      Options.withDescription("prompt-cache entries held at most (they also count against --kv-budget-mib)"),
+      withShownDefault(16)
     )
   },
   runServeCommand

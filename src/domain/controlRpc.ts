@@ -51,7 +51,9 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
   computeBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   kvBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   residentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
-  peakResidentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 })
+  peakResidentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /** Prompt cache: KV positions this stage kept as its provision's `promptCache.keep` entry (0: none kept). */
+  keptPositions: Schema.optionalWith(Schema.Number, { default: () => 0 })
 }) {}
 
 export const StageReport = Schema.Union(
@@ -65,7 +67,9 @@ export const StageReport = Schema.Union(
     runId: RunId,
     stageIndex: Schema.Number,
     loadMillis: Schema.Number,
-    cachedWeights: Schema.Boolean
+    cachedWeights: Schema.Boolean,
+    /** Prompt cache: KV positions the stage's session took over from the entry its provision named (absent: none). */
+    cachedPositions: Schema.optional(Schema.Number)
   }),
   /** Why the stage failed, in the run FSM's own vocabulary: the orchestrator passes it on unchanged. */
   Schema.TaggedStruct("StageFault", { runId: RunId, stageIndex: Schema.Number, reason: StageFaultReason }),
@@ -85,6 +89,19 @@ export const StageReport = Schema.Union(
 )
 export type StageReport = typeof StageReport.Type
 
+/**
+ * A run's use of the agents' prompt cache (see layers/agent/PromptCacheHost.ts): copy the first `adopt.length` KV
+ * positions of held entry `adopt.entry` into the new session (a stage lacking it starts empty, the orchestrator then
+ * prefills from the shortest any stage took); keep the session as entry `keep` when the stage stops without a fault.
+ * `promptLength`: the prompt's tokens (stage 0 starts its prompt frame at promptLength - tokens sent).
+ */
+export const PromptCacheUse = Schema.Struct({
+  adopt: Schema.NullOr(Schema.Struct({ entry: Schema.Number, length: Schema.Number })),
+  keep: Schema.NullOr(Schema.Number),
+  promptLength: Schema.Number
+})
+export type PromptCacheUse = typeof PromptCacheUse.Type
+
 /** Everything an agent needs to host one stage: the plan's message plus where its output goes. */
 export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionRequest")({
   provision: ProvisionStage,
@@ -93,7 +110,9 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   /** Engine threads for this stage (default: the agent's). */
   threads: Schema.NullOr(Schema.Number),
   /** KV cache length for this stage's session. */
-  contextLength: Schema.Number
+  contextLength: Schema.Number,
+  /** Prompt cache (absent: none). */
+  promptCache: Schema.optional(PromptCacheUse)
 }) {}
 
 /** What an agent says about itself when the orchestrator connects. */
@@ -149,6 +168,8 @@ export class AgentRpcs extends RpcGroup.make(
   Rpc.make("Capacity", { success: NodeCapacity }),
   Rpc.make("Provision", { payload: { request: ProvisionRequest }, success: StageReport, stream: true }),
   Rpc.make("Stop", { payload: { runId: RunId, stageIndex: Schema.Number } }),
+  /** Drops held prompt-cache entries (every one when `all`); idempotent, and an entry dropped is never kept after. */
+  Rpc.make("DropCached", { payload: { entries: Schema.Array(Schema.Number), all: Schema.Boolean } }),
   Rpc.make("WeightsCheck", { payload: { weights: StageWeights }, success: WeightsHeld, error: WeightDeliveryError }),
   Rpc.make("SliceChunk", {
     payload: { hash: Schema.String, offset: Schema.Number, bytes: Schema.Uint8ArrayFromBase64 },

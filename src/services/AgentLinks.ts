@@ -91,6 +91,8 @@ export interface StageHost {
   readonly capacity: Effect.Effect<NodeCapacity>
   /** Weight sets currently cached (for tests and capacity reports). */
   readonly cachedRanges: Effect.Effect<ReadonlyArray<string>>
+  /** Drops held prompt-cache entries (every one when `all`); absent: the host holds none. */
+  readonly dropCached?: (entries: ReadonlyArray<number>, all: boolean) => Effect.Effect<void>
 }
 
 export interface AgentLink {
@@ -101,6 +103,8 @@ export interface AgentLink {
   readonly provision: (request: ProvisionRequest) => Stream.Stream<StageReport, AgentUnavailable>
   /** Asks the stage to stop (its provision stream then reports StageStopped). Idempotent. */
   readonly stop: (runId: RunId, stageIndex: number) => Effect.Effect<void, AgentUnavailable>
+  /** Drops held prompt-cache entries (every one when `all`); absent: the link cannot (its agent keeps none). */
+  readonly dropCached?: (entries: ReadonlyArray<number>, all: boolean) => Effect.Effect<void, AgentUnavailable>
   /** Weight delivery (src/layers/orchestrator/WeightDelivery.ts); absent on links that cannot take slices. */
   readonly weights?: WeightLink
 }

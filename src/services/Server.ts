@@ -27,6 +27,22 @@ export interface ServeOptions extends PipelineOptions {
   readonly revive?: ReviveOptions
   /** Where the server writes its lines about revival (default: stderr, one line each). */
   readonly log?: (line: string) => void
+  /** Reuse of a shared prompt prefix's KV across requests (see PromptCacheOptions; default on). */
+  readonly promptCache?: PromptCacheOptions
+}
+
+/**
+ * The prompt cache: a finished request's KV (prompt + generated) stays on every stage as an entry; a later prompt that
+ * starts with an entry's tokens prefills only the rest. Entries count against the KV budget; the least recently used
+ * not in use are dropped when a request needs the memory, or beyond `maxEntries`.
+ */
+export interface PromptCacheOptions {
+  /** Default true. */
+  readonly enabled?: boolean
+  /** Most entries held (default 16). */
+  readonly maxEntries?: number
+  /** Shortest shared prefix worth reusing (default 8 tokens). */
+  readonly minTokens?: number
 }
 
 /**
@@ -63,13 +79,23 @@ export interface ServeRequest {
 
 export type FinishReason = "stop" | "length"
 
+/** A generated token's log-probability, its text from the vocabulary, and the most likely alternatives (most likely first). */
+export interface TextLogprob {
+  readonly token: string
+  readonly logprob: number
+  readonly top: ReadonlyArray<{ readonly token: string; readonly logprob: number }>
+}
+
 export type ServeEvent =
   /** The request waits in the admission queue (`ahead` requests before it); Admitted follows. */
   | { readonly _tag: "Queued"; readonly ahead: number }
   /** The request was admitted (after `queuedMillis` in the queue); its run starts. */
   | { readonly _tag: "Admitted"; readonly promptTokens: number; readonly queuedMillis: number }
-  /** More text; `completionTokens` so far. */
-  | { readonly _tag: "Text"; readonly text: string; readonly completionTokens: number }
+  /**
+   * More text; `completionTokens` so far. With `sampling.logprobs`: the entries of the tokens whose text begins in this
+   * piece (TextLogprobs.ts keeps them aligned with text the stop matcher holds back or cuts).
+   */
+  | { readonly _tag: "Text"; readonly text: string; readonly completionTokens: number; readonly logprobs?: ReadonlyArray<TextLogprob> }
   | {
     readonly _tag: "Done"
     readonly finishReason: FinishReason
@@ -174,6 +200,19 @@ export interface ServerMetrics {
   readonly revivals: number
   /** Revival attempts made (successful or not). */
   readonly revivalAttempts: number
+  /** The prompt cache: requests that reused a held prefix (hits) or found none (misses), prompt tokens not prefilled, entries. */
+  readonly promptCache?: {
+    readonly enabled: boolean
+    readonly hits: number
+    readonly misses: number
+    readonly evictions: number
+    readonly cachedTokens: number
+    readonly entries: number
+    /** KV bytes per stage the entries hold (counted against the budget beside kvReservedBytes). */
+    readonly bytes: number
+    /** Each entry and the tokens it holds, least recently used first (the next to be evicted). */
+    readonly lru: ReadonlyArray<{ readonly entry: number; readonly tokens: number }>
+  }
   /** Each agent not lost: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
   readonly agents: ReadonlyArray<{ readonly address: string; readonly pid: number; readonly activeStages: number }>
 }

@@ -68,6 +68,12 @@ export interface StageExecutorService {
    * fails the whole call with its index (BatchItemRejected) and no session changes.
    */
   readonly forwardBatch: (items: ReadonlyArray<BatchItem>) => Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError>
+  /**
+   * Prompt cache: copies the KV of positions [0, length) of `from` into `to` (sessions of one loaded stage; `to`
+   * then holds `length` positions, later ones forgotten). Neither may be in a computation meanwhile. Refused
+   * (nothing copied) when `length` is past what `from` holds or `to` can hold. Absent: the executor cannot.
+   */
+  readonly copyPrefix?: (from: StageSession, to: StageSession, length: number) => Effect.Effect<void, InvalidStageInput>
 }
 
 export class StageExecutor extends Context.Tag("swactor/StageExecutor")<StageExecutor, StageExecutorService>() {}

@@ -70,6 +70,7 @@ export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<Transp
       Capacity: () => options.host.capacity,
       Provision: ({ request }) => options.host.provision(request),
       Stop: ({ runId, stageIndex }) => options.host.stop(runId, stageIndex),
+      DropCached: ({ all, entries }) => options.host.dropCached?.(entries, all) ?? Effect.void,
       WeightsCheck: ({ weights }) => store.pipe(Effect.flatMap((s) => s.check(weights))),
       SliceChunk: ({ bytes, hash, offset }) => store.pipe(Effect.flatMap((s) => s.chunk(hash, offset, bytes))),
       SliceFinish: ({ weights }) => store.pipe(Effect.flatMap((s) => s.finish(weights)))
@@ -176,6 +177,7 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
       capacity: client.Capacity().pipe(Effect.mapError(lost)),
       provision: (request) => client.Provision({ request }).pipe(Stream.mapError(lost)),
       stop: (runId, stageIndex) => client.Stop({ runId, stageIndex }).pipe(Effect.mapError(lost)),
+      dropCached: (entries, all) => client.DropCached({ entries, all }).pipe(Effect.mapError(lost)),
       weights: {
         check: (weights) => client.WeightsCheck({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
         chunk: (hash, offset, bytes) =>

@@ -136,7 +136,8 @@ export const makeMemoryWorld = (count: number) =>
               Stream.unwrap(Ref.update(provisions, (n) => n + 1).pipe(Effect.as(agent.host.provision(request)))).pipe(
                 Stream.interruptWhen(Effect.zipRight(Deferred.await(gone), Effect.fail(unavailable(node))))
               ),
-            stop: (runId, stageIndex) => guard(agent.host.stop(runId, stageIndex))
+            stop: (runId, stageIndex) => guard(agent.host.stop(runId, stageIndex)),
+            dropCached: (entries, all) => guard(agent.host.dropCached?.(entries, all) ?? Effect.void)
           }
         })
     })

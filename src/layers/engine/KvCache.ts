@@ -73,6 +73,32 @@ export class NativeSession {
     if (!this.freed) this.weights.ggml.raw.ggml_backend_buffer_clear(this.kvBuffer, 0)
   }
 
+  /**
+   * Copies positions [0, length) of `from`'s K and V (same weights) into this cache: rows of one cell each, so the
+   * first `length` rows of every block's tensors. Positions from `length` on are forgotten (filled = length).
+   */
+  copyPrefixFrom(from: NativeSession, length: number): void {
+    if (this.freed || from.freed) throw new Error("the session is closed")
+    if (from.weights !== this.weights) throw new Error("the sessions are on different weights")
+    if (!(Number.isSafeInteger(length) && length >= 0 && length <= from.filled && length <= this.contextLength)) {
+      throw new Error(`cannot copy ${length} positions (the source holds ${from.filled}, this cache ${this.contextLength})`)
+    }
+    const raw = this.weights.ggml.raw
+    const { hp } = this.weights.layout
+    const rowBytes = { k: 2 * hp.headDimK * hp.nHeadKv, v: 2 * hp.headDimV * hp.nHeadKv }
+    const scratch = new Uint8Array(length * Math.max(rowBytes.k, rowBytes.v))
+    for (const [il, src] of from.kv) {
+      const dst = this.kv.get(il)!
+      for (const part of ["k", "v"] as const) {
+        const size = length * rowBytes[part]
+        if (size === 0) continue
+        raw.ggml_backend_tensor_get(src[part], scratch, 0, size)
+        raw.ggml_backend_tensor_set(dst[part], scratch, 0, size)
+      }
+    }
+    this.filled = length
+  }
+
   free(): void {
     if (this.freed) return
     this.freed = true

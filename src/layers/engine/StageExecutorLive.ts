@@ -253,10 +253,28 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
     return new LiveStageSession(stage, native, contextLength) as StageSession
   })
 
+/** Prompt cache: the first `length` KV positions of one session into another of the same loaded stage. */
+const copyPrefix = (from: StageSession, to: StageSession, length: number): Effect.Effect<void, InvalidStageInput> =>
+  Effect.suspend(() => {
+    if (!(from instanceof LiveStageSession) || !(to instanceof LiveStageSession) || from.stage !== to.stage) {
+      return Effect.fail(new InvalidStageInput({ message: "copyPrefix: both sessions must be of one loaded stage of this executor" }))
+    }
+    if (from.native.freed || to.native.freed) return Effect.fail(new InvalidStageInput({ message: "the session is closed" }))
+    if (!(Number.isSafeInteger(length) && length >= 0 && length <= from.native.filled && length <= to.contextLength)) {
+      return Effect.fail(
+        new InvalidStageInput({
+          message: `cannot copy ${length} KV positions: the source holds ${from.native.filled}, the target ${to.contextLength}`
+        })
+      )
+    }
+    return Effect.sync(() => to.native.copyPrefixFrom(from.native, length))
+  })
+
 export const make = (options: LiveOptions = {}, catalog: ModelCatalogService = ModelCatalogLive.make): StageExecutorService => ({
   load: load(options, catalog),
   session: session(options),
-  forwardBatch
+  forwardBatch,
+  copyPrefix
 })
 
 /** The live executor over whichever model catalog is provided (it reads each file's GGUF header from it). */

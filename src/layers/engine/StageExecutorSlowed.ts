@@ -24,6 +24,7 @@ export const layerSlowed = (factor: number): Layer.Layer<StageExecutor, never, S
       StageExecutor.of({
         load: (spec, onProgress) => executor.load(spec, onProgress),
         session: (stage, options) => executor.session(stage, options),
+        ...(executor.copyPrefix === undefined ? {} : { copyPrefix: executor.copyPrefix }),
         forwardBatch: (items) =>
           Effect.gen(function*() {
             const started = performance.now()

@@ -83,6 +83,10 @@ interface TestStageSession extends StageSession {
   readonly stage: TestLoadedStage
   readonly check: (startPos: number, input: StageInput) => ContextOverflow | InvalidStageInput | undefined
   readonly apply: (startPos: number, input: StageInput) => StageOutput
+  /** Positions held, and the cache of each block (for copyPrefix). */
+  readonly filled: () => number
+  readonly adopt: (from: TestStageSession, length: number) => void
+  readonly cache: ReadonlyMap<number, Float64Array>
 }
 
 const testSessions = new WeakSet<StageSession>()
@@ -223,12 +227,32 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
         reset: Effect.sync(() => {
           filled = 0
           for (const c of kv.values()) c.fill(0)
-        })
+        }),
+        filled: () => filled,
+        cache: kv,
+        adopt: (from, length) => {
+          for (const [l, c] of kv) c.set(from.cache.get(l)!.subarray(0, length))
+          filled = length
+        }
       }
       testSessions.add(session)
       return session as StageSession
     }),
-  forwardBatch
+  forwardBatch,
+  copyPrefix: (from, to, length) =>
+    Effect.suspend(() => {
+      if (!testSessions.has(from) || !testSessions.has(to)) {
+        return Effect.fail(new InvalidStageInput({ message: "copyPrefix: both sessions must be of this executor" }))
+      }
+      const a = from as TestStageSession
+      const b = to as TestStageSession
+      if (a.stage !== b.stage) return Effect.fail(new InvalidStageInput({ message: "copyPrefix: the sessions are on other stages" }))
+      const target = b.cache.values().next().value?.length ?? 0
+      if (!(Number.isSafeInteger(length) && length >= 0 && length <= a.filled() && length <= target)) {
+        return Effect.fail(new InvalidStageInput({ message: `cannot copy ${length} KV positions: the source holds ${a.filled()}` }))
+      }
+      return Effect.sync(() => b.adopt(a, length))
+    })
 })
 
 /** The deterministic double with the default test model. */

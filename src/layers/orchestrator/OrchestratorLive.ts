@@ -110,6 +110,12 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
   localAgents: warm.agents.processRunning !== undefined,
   run: (request: RunRequest) =>
     runStream((updates, stop) => generateRecovering(warm, request, updates, stop).pipe(Effect.provide(context))),
+  dropCached: (entries, all) =>
+    Effect.forEach(
+      warm.agents.nodes,
+      (node) => (warm.linkOf(node.nodeId).dropCached?.(entries, all) ?? Effect.void).pipe(Effect.timeout("5 seconds"), Effect.ignore),
+      { concurrency: "unbounded", discard: true }
+    ),
   lost: warm.pool.firstLost
   }
 }

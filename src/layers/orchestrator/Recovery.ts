@@ -291,7 +291,8 @@ export const generateRecovering = (
                 text += piece
                 const token: RunUpdate = {
                   _tag: "Token",
-                  token: { ...update.token, text: piece, sequence: base + update.token.sequence }
+                  token: { ...update.token, text: piece, sequence: base + update.token.sequence },
+                  ...(update.samplerDraws === undefined ? {} : { samplerDraws: update.samplerDraws })
                 }
                 if (recovered === undefined) return updates.offer(token)
                 recoveries.push(recovered)

@@ -222,7 +222,8 @@ const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: Fi
 const usageOf = (done: Extract<ServeEvent, { _tag: "Done" }>) => ({
   prompt_tokens: done.promptTokens,
   completion_tokens: done.completionTokens,
-  total_tokens: done.promptTokens + done.completionTokens
+  total_tokens: done.promptTokens + done.completionTokens,
+  prompt_tokens_details: { cached_tokens: done.cachedTokens ?? 0 }
 })
 
 export interface HttpServeOptions {
@@ -364,6 +365,25 @@ const respond = (
     })
   })
 
+/** The prompt cache's counters and gauges (entries in LRU order: `lru="0"` is evicted first). */
+const renderPromptCache = (
+  c: NonNullable<ServerMetrics["promptCache"]>,
+  metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
+) => {
+  metric("swactor_prompt_cache_hits_total", "counter", "Requests whose prompt started after a held prefix's KV", [["", c.hits]])
+  metric("swactor_prompt_cache_misses_total", "counter", "Requests with the prompt cache on that prefilled every token", [["", c.misses]])
+  metric("swactor_prompt_cache_evictions_total", "counter", "Prompt-cache entries dropped for memory or the entry bound", [["", c.evictions]])
+  metric("swactor_prompt_cache_cached_tokens_total", "counter", "Prompt tokens not prefilled (their KV reused)", [["", c.cachedTokens]])
+  metric("swactor_prompt_cache_entries", "gauge", "Prompt-cache entries held", [["", c.entries]])
+  metric("swactor_prompt_cache_bytes", "gauge", "KV bytes per stage the prompt-cache entries hold", [["", c.bytes]])
+  metric(
+    "swactor_prompt_cache_entry_tokens",
+    "gauge",
+    "Tokens each entry holds, by least-recently-used rank",
+    c.lru.map((e, rank): [string, number] => [`{entry="${e.entry}",lru="${rank}"}`, e.tokens])
+  )
+}
+
 /** The Prometheus text of a metrics snapshot. */
 export const renderMetrics = (m: ServerMetrics, status: string): string => {
   const lines: Array<string> = []
@@ -388,6 +408,7 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
   metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [["", m.kvReservedBytes]])
   metric("swactor_kv_budget_bytes", "gauge", "KV bytes per stage admission may reserve", [["", m.kvBudgetBytes]])
+  if (m.promptCache !== undefined) renderPromptCache(m.promptCache, metric)
   const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
     m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
   metric("swactor_stage_compute_seconds_total", "counter", "Engine time per stage (completed requests)", perStage((s) => s.computeSeconds))

@@ -3,9 +3,9 @@
  * Faulted with the reason in words), a warm-up run so the first request does not pay the load, admission by
  * KV bytes per stage, and each request its own run on the pipeline.
  */
-import { Cause, Deferred, Duration, Effect, Either, Exit, ExecutionStrategy, Layer, Option, Ref, Schedule, Scope, Stream } from "effect"
+import { Cause, Chunk, Deferred, Duration, Effect, Either, Exit, ExecutionStrategy, Layer, Option, Queue, Ref, Schedule, Scope, Stream } from "effect"
 import * as Gguf from "../gguf/GgufReader.js"
-import { Orchestrator, type Pipeline, type PipelineMember, type RunUpdate } from "../../services/Orchestrator.js"
+import { Orchestrator, type Pipeline, type PipelineMember, type RunUpdate, type TokenLogprob } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
   PipelineFaulted,
@@ -21,10 +21,13 @@ import {
   ServerReviving,
   type ServerMetrics,
   type StageMetrics,
-  type ServerStatus
+  type ServerStatus,
+  type TextLogprob
 } from "../../services/Server.js"
 import { kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
+import { makePromptCacheIndex } from "../../services/PromptCacheIndex.js"
 import { makeStopMatcher } from "../../services/StopText.js"
+import { makeLogprobAligner } from "../../services/TextLogprobs.js"
 import { generationProblem } from "../../services/RequestChecks.js"
 import { runContextLength } from "../orchestrator/RunWorld.js"
 import { inThread, PromptTokenizer, PromptTooLong, type TokenizerUnavailable } from "./PromptTokenizer.js"
@@ -54,6 +57,14 @@ interface Ticket {
   readonly contextLength: number
   readonly ready: Deferred.Deferred<void, ServeError>
   admitted: boolean
+  /** Run when the ticket is released, before waiting tickets are admitted (a finished run's KV becomes an entry). */
+  onRelease?: () => void
+}
+
+/** What else the budget holds: the prompt cache's entries, evicted (least recently used first) to make room. */
+export interface HeldKv {
+  readonly bytes: () => number
+  readonly evictWhile: (needMore: () => boolean) => void
 }
 
 /** The KV budget per stage and what a context of n tokens takes on the heaviest stage, as the pipeline is now. */
@@ -67,7 +78,7 @@ export interface KvSizing {
  * read from `sizing` each time, so a pipeline that changed shape (fewer stages after a recovery) re-weighs every
  * reservation at once (`reshaped`).
  */
-const makeAdmission = (sizing: KvSizing, parallel: number, limit: number) => {
+const makeAdmission = (sizing: KvSizing, parallel: number, limit: number, held?: HeldKv) => {
   const admitted = new Set<Ticket>()
   const queue: Array<Ticket> = []
   const used = () => {
@@ -75,7 +86,13 @@ const makeAdmission = (sizing: KvSizing, parallel: number, limit: number) => {
     for (const ticket of admitted) sum += sizing.bytes(ticket.contextLength)
     return sum
   }
-  const fits = (contextLength: number) => admitted.size < parallel && used() + sizing.bytes(contextLength) <= sizing.budget()
+  const over = (contextLength: number) => used() + sizing.bytes(contextLength) + (held?.bytes() ?? 0) > sizing.budget()
+  // held entries not in use give way to a request that needs their memory
+  const fits = (contextLength: number) => {
+    if (admitted.size >= parallel) return false
+    if (over(contextLength)) held?.evictWhile(() => over(contextLength))
+    return !over(contextLength)
+  }
   const admit = (ticket: Ticket) => {
     ticket.admitted = true
     admitted.add(ticket)
@@ -101,17 +118,28 @@ const makeAdmission = (sizing: KvSizing, parallel: number, limit: number) => {
             message: `the server is busy: ${admitted.size} requests running and ${queue.length} queued (the queue holds ${limit})`
           })
         } else queue.push(ticket)
-        yield* Effect.addFinalizer(() =>
-          Effect.sync(() => {
-            if (ticket.admitted) admitted.delete(ticket)
-            else {
-              const at = queue.indexOf(ticket)
-              if (at >= 0) queue.splice(at, 1)
-            }
-            pump()
-          })
-        )
-        return { ahead: ticket.admitted ? 0 : queue.length, admitted: ticket.admitted, wait: Deferred.await(ticket.ready) }
+        let released = false
+        const release = () => {
+          if (released) return
+          released = true
+          if (ticket.admitted) admitted.delete(ticket)
+          else {
+            const at = queue.indexOf(ticket)
+            if (at >= 0) queue.splice(at, 1)
+          }
+          ticket.onRelease?.()
+          pump()
+        }
+        yield* Effect.addFinalizer(() => Effect.sync(release))
+        return {
+          ahead: ticket.admitted ? 0 : queue.length,
+          admitted: ticket.admitted,
+          wait: Deferred.await(ticket.ready),
+          /** `f` runs when the ticket is released (at the latest when the scope closes). */
+          onRelease: (f: () => void) => void (ticket.onRelease = f),
+          /** Releases it now (its run ended and was torn down: its KV is freed or kept as an entry). */
+          release
+        }
       }),
     /** The sizes changed: waiting requests that can never fit now are refused, the others admitted as room allows. */
     reshaped: (tooLong: (contextLength: number) => ServeError) =>
@@ -182,6 +210,36 @@ export const make = (options: ServeOptions) =>
       inFlight: 0,
       stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
     }
+    // --- prompt cache: the index of what the agents hold; dropped entries go to the agents through `dropQueue` ---
+    const cacheOn = options.promptCache?.enabled ?? true
+    const cacheIndex = makePromptCacheIndex({
+      ...(options.promptCache?.maxEntries === undefined ? {} : { maxEntries: options.promptCache.maxEntries }),
+      ...(options.promptCache?.minTokens === undefined ? {} : { minTokens: options.promptCache.minTokens })
+    })
+    const cacheCounts = { hits: 0, misses: 0, cachedTokens: 0 }
+    const dropQueue = yield* Queue.unbounded<number>()
+    const dropOnAgents = (ids: ReadonlyArray<number>) => {
+      for (const id of ids) Queue.unsafeOffer(dropQueue, id)
+    }
+    /** In the drop queue: every entry. */
+    const DROP_ALL = -1
+    const heldKv: HeldKv = {
+      bytes: () => cacheIndex.bytes(),
+      evictWhile: (needMore) => dropOnAgents(cacheIndex.evictWhile(needMore))
+    }
+    /** The agents' entries are gone or unusable (another pipeline, a recovery replaced a stage): forget them all. */
+    const forgetCache = () => {
+      cacheIndex.clear()
+      dropOnAgents([DROP_ALL])
+    }
+    yield* Queue.takeBetween(dropQueue, 1, 1024).pipe(
+      Effect.flatMap((ids) => {
+        const all = Chunk.some(ids, (id) => id === DROP_ALL)
+        return live?.pipeline.dropCached?.(all ? [] : Chunk.toArray(ids), all) ?? Effect.void
+      }),
+      Effect.forever,
+      Effect.forkScoped
+    )
     let admission: ReturnType<typeof makeAdmission> | undefined
     // The pipeline's shape as its runs were last planned: the most blocks on one stage (more after a recovery onto
     // fewer stages, fewer again when a node rejoins). KV bytes per request and the default budget follow it.
@@ -248,6 +306,7 @@ export const make = (options: ServeOptions) =>
       })
     const serveOn = (pipeline: Pipeline) =>
       Effect.gen(function*() {
+        if (live !== undefined && live.pipeline !== pipeline) forgetCache()
         live = { pipeline, info: infoOf(pipeline) }
         yield* Ref.set(status, { _tag: "Ready" })
         if (admission !== undefined) yield* admission.reshaped(tooLong)
@@ -445,7 +504,7 @@ export const make = (options: ServeOptions) =>
       const pipeline = generation.pipeline
       shape.kvBytesPerBlockToken = yield* readKvBytesPerBlockToken(options.model)
       yield* observePipeline(pipeline)
-      admission = makeAdmission(sizing, parallel, queueLimit)
+      admission = makeAdmission(sizing, parallel, queueLimit, heldKv)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
       yield* warmUp(pipeline)
       // While idle, keep the agents' weights from expiring out of their model caches.
@@ -535,7 +594,8 @@ export const make = (options: ServeOptions) =>
           const queuedAt = performance.now()
           const ticket = yield* admission!.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
-          return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, runAdmitted(prompt, maxTokens, request, queuedAt))))
+          const run = runAdmitted(prompt, maxTokens, request, queuedAt, contextLength, ticket)
+          return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, run)))
         })
       )
 
@@ -543,11 +603,32 @@ export const make = (options: ServeOptions) =>
       prompt: ReadonlyArray<number>,
       maxTokens: number,
       request: ServeRequest,
-      queuedAt: number
+      queuedAt: number,
+      contextLength: number,
+      ticket: { readonly onRelease: (f: () => void) => void; readonly release: () => void }
     ): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
           const { pipeline } = yield* current
+          // Prompt cache: adopt the longest held prefix (in use: never evicted meanwhile); keep this run's KV as a new
+          // entry once it completes (added when its admission is released, its memory then the entry's), else drop it.
+          const match = cacheOn ? cacheIndex.match(prompt) : undefined
+          const keepId = cacheOn ? cacheIndex.nextId() : undefined
+          const generatedIds: Array<number> = []
+          let cachedTokens = 0
+          let keptTokens = 0
+          if (match !== undefined) cacheIndex.pin(match.entry)
+          ticket.onRelease(() => {
+            if (match !== undefined) cacheIndex.unpin(match.entry)
+            if (keepId === undefined) return
+            if (keptTokens === 0 || live?.pipeline !== pipeline) return dropOnAgents([keepId])
+            const tokens = [...prompt, ...generatedIds].slice(0, keptTokens)
+            dropOnAgents(cacheIndex.add({ id: keepId, tokens, bytes: sizing.bytes(contextLength) }))
+            // over the budget with it (requests admitted meanwhile): the least recently used not in use go
+            heldKv.evictWhile(() => admission !== undefined && admission.state().used + cacheIndex.bytes() > sizing.budget())
+          })
+          // a stop string stops the run; at an end-of-generation token it ends by itself, and its KV may be kept
+          let stopRun = true
           metrics.inFlight++
           lastRunAt = performance.now()
           let outcome: "completed" | "cancelled" | "failed" = "cancelled"
@@ -560,6 +641,14 @@ export const make = (options: ServeOptions) =>
           )
           metrics.promptTokens += prompt.length
           const stop = makeStopMatcher(request.stop ?? [])
+          // log-probs asked for: each token's entry (its text from the vocabulary) goes out with its text
+          const logprobs = request.sampling?.logprobs === undefined ? undefined : makeLogprobAligner()
+          const piece = (id: number) => pipeline.vocabulary.detokenize([id], prompt.slice(-1))
+          const textLogprob = (id: number, p: TokenLogprob): TextLogprob => ({
+            token: piece(id),
+            logprob: p.logprob,
+            top: p.top.map((t) => ({ token: piece(t.tokenId), logprob: t.logprob }))
+          })
           let completionTokens = 0
           let finished = false
           const done = (finishReason: "stop" | "length", stopSequence?: string): ServeEvent => {
@@ -570,22 +659,42 @@ export const make = (options: ServeOptions) =>
               finishReason,
               ...(stopSequence === undefined ? {} : { stopSequence }),
               promptTokens: prompt.length,
-              completionTokens
+              completionTokens,
+              cachedTokens
             }
           }
           const onUpdate = (update: RunUpdate): ReadonlyArray<ServeEvent> => {
+            if (update._tag === "PromptCached") {
+              cachedTokens = update.cachedTokens
+              cacheCounts.cachedTokens += cachedTokens
+              if (cachedTokens > 0) cacheCounts.hits++
+              else cacheCounts.misses++
+            }
+            if (update._tag === "Finished") {
+              // torn down on every stage: its KV is an entry now (before the client hears Done and sends its next turn)
+              keptTokens = update.summary.promptCache?.keptTokens ?? 0
+              ticket.release()
+            }
+            // a stage was replaced: what the agents hold no longer covers the pipeline
+            if (update._tag === "Recovering" && cacheOn) forgetCache()
             if (finished) return []
             if (update._tag === "Token") {
               if (update.token.tokenId >= 0) {
                 completionTokens++
                 metrics.completionTokens++
+                generatedIds.push(update.token.tokenId)
                 if (pipeline.vocabulary.isEndOfGeneration(update.token.tokenId)) {
+                  if (keepId !== undefined) stopRun = false
                   const rest = stop.flush()
-                  return [...(rest === "" ? [] : [text(rest)]), done("stop")]
+                  return [...(rest === "" ? [] : [text(rest, logprobs?.flush())]), done("stop")]
+                }
+                if (logprobs !== undefined && update.token.logprob !== undefined) {
+                  logprobs.add(textLogprob(update.token.tokenId, update.token.logprob), update.token.text.length)
                 }
               }
               const match = stop.push(update.token.text)
-              const out = match.text === "" ? [] : [text(match.text)]
+              const entries = match.stopped ? logprobs?.stop(match.text.length) : logprobs?.release(match.text.length)
+              const out = match.text === "" ? [] : [text(match.text, entries)]
               return match.stopped ? [...out, done("stop", match.stop)] : out
             }
             if (update._tag === "Recovered") metrics.recoveries++
@@ -594,18 +703,24 @@ export const make = (options: ServeOptions) =>
               metrics.stragglers += update.summary.stragglers.length
               recordStages(update)
               const rest = stop.flush()
-              return [...(rest === "" ? [] : [text(rest)]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
+              return [...(rest === "" ? [] : [text(rest, logprobs?.flush())]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
             }
             return []
           }
-          const text = (piece: string): ServeEvent => ({ _tag: "Text", text: piece, completionTokens })
+          const text = (piece: string, entries?: ReadonlyArray<TextLogprob>): ServeEvent => ({
+            _tag: "Text",
+            text: piece,
+            completionTokens,
+            ...(entries === undefined ? {} : { logprobs: entries })
+          })
           const admitted: ServeEvent = { _tag: "Admitted", promptTokens: prompt.length, queuedMillis: performance.now() - queuedAt }
           return Stream.concat(
             Stream.make(admitted),
             pipeline.run({
               prompt,
               maxTokens,
-              ...(request.sampling === undefined ? {} : { sampling: request.sampling })
+              ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
+              ...(keepId === undefined ? {} : { promptCache: { keep: keepId, ...(match === undefined ? {} : { adopt: match }) } })
             }).pipe(
               Stream.mapError((error): ServeError =>
                 error._tag === "InvalidRequest"
@@ -615,7 +730,7 @@ export const make = (options: ServeOptions) =>
               Stream.tapError(() => Effect.sync(() => (outcome = "failed"))),
               Stream.tap(observePlan),
               Stream.mapConcat(onUpdate),
-              Stream.takeUntil((event) => event._tag === "Done")
+              Stream.takeUntil((event) => event._tag === "Done" && stopRun)
             )
           )
         })
@@ -675,6 +790,16 @@ export const make = (options: ServeOptions) =>
         stragglers: metrics.stragglers,
         revivals: metrics.revivals,
         revivalAttempts: metrics.revivalAttempts,
+        promptCache: {
+          enabled: cacheOn,
+          hits: cacheCounts.hits,
+          misses: cacheCounts.misses,
+          evictions: cacheIndex.evictions(),
+          cachedTokens: cacheCounts.cachedTokens,
+          entries: cacheIndex.size(),
+          bytes: cacheIndex.bytes(),
+          lru: cacheIndex.order().map((e) => ({ entry: e.id, tokens: e.tokens.length }))
+        },
         inFlight: metrics.inFlight,
         queued: state.queued,
         kvReservedBytes: state.used,
