@@ -14,6 +14,7 @@ import {
   syntheticTypes,
   writeSyntheticModel
 } from "../layers/gguf/Synthetic.js"
+import { type SyntheticChatTemplate, syntheticChatTemplates } from "../layers/gguf/SyntheticTemplates.js"
 import { withShownDefault } from "./Flags.js"
 
 export interface SynthArgs {
@@ -31,6 +32,7 @@ export interface SynthArgs {
   readonly tiedOutput: boolean
   readonly ropeFreqBase: Option.Option<number>
   readonly normEps: Option.Option<number>
+  readonly chatTemplate: Option.Option<SyntheticChatTemplate>
   readonly output: string
 }
 
@@ -58,7 +60,8 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   tiedOutput: args.tiedOutput,
   ...(Option.isSome(args.headDim) ? { headDim: args.headDim.value } : {}),
   ...(Option.isSome(args.ropeFreqBase) ? { ropeFreqBase: args.ropeFreqBase.value } : {}),
-  ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {})
+  ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {}),
+  ...(Option.isSome(args.chatTemplate) ? { chatTemplate: args.chatTemplate.value } : {})
 }
 }
 
@@ -119,6 +122,10 @@ export const synthCommand = Command.make(
     ),
     ropeFreqBase: Options.float("rope-freq-base").pipe(Options.withDescription("RoPE base frequency"), Options.optional),
     normEps: Options.float("norm-eps").pipe(Options.withDescription("RMS norm epsilon"), Options.optional),
+    chatTemplate: Options.choice("chat-template", syntheticChatTemplates).pipe(
+      Options.withDescription("a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"),
+      Options.optional
+    ),
     output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
   },
   runSynthCommand

@@ -20,6 +20,7 @@ import { GgufValueType } from "../../domain/gguf.js"
 import { quantizeChunk } from "../ggml/Bindings.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
+import { type SyntheticChatTemplate, syntheticChatTemplates, syntheticTemplateSpec } from "./SyntheticTemplates.js"
 
 export type SyntheticArch = "llama" | "qwen2" | "qwen3"
 export type SyntheticType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | "q4_k" | "q6_k"
@@ -48,6 +49,11 @@ export interface SyntheticModelOptions {
   readonly ropeFreqBase?: number
   /** Default 1e-5 (llama) or 1e-6 (qwen2, qwen3). */
   readonly normEps?: number
+  /**
+   * A chat template written into `tokenizer.chat_template` (SyntheticTemplates.ts), its special tokens taking the
+   * vocabulary's last places and its end-of-turn token the end-of-generation id. Default: none.
+   */
+  readonly chatTemplate?: SyntheticChatTemplate
 }
 
 export interface SyntheticModelSummary {
@@ -215,8 +221,13 @@ const vocabPieces = (count: number): Array<string> => {
   return out
 }
 
-/** SPM tokenizer metadata: <unk>, <s>, </s>, <0x00>..<0xFF>, then pieces with descending scores. */
-export const syntheticVocab = (vocab: number): ReadonlyArray<readonly [string, GgufTypedValue]> => {
+/**
+ * SPM tokenizer metadata: <unk>, <s>, </s>, <0x00>..<0xFF>, then pieces with descending scores; with a chat template,
+ * its special tokens last (control, then user-defined) and its end-of-turn token as EOS.
+ */
+export const syntheticVocab = (vocab: number, chat?: SyntheticChatTemplate): ReadonlyArray<readonly [string, GgufTypedValue]> => {
+  const spec = chat === undefined ? undefined : syntheticTemplateSpec(chat)
+  const specials = spec === undefined ? [] : [...spec.control.map((t) => [t, 3] as const), ...spec.userDefined.map((t) => [t, 4] as const)]
   const tokens: Array<string> = ["<unk>", "<s>", "</s>"]
   const scores: Array<number> = [0, 0, 0]
   const types: Array<number> = [2, 3, 3]
@@ -225,11 +236,16 @@ export const syntheticVocab = (vocab: number): ReadonlyArray<readonly [string, G
     scores.push(0)
     types.push(6)
   }
-  vocabPieces(vocab - tokens.length).forEach((p, i) => {
+  vocabPieces(vocab - tokens.length - specials.length).forEach((p, i) => {
     tokens.push(p)
     scores.push(-i)
     types.push(1)
   })
+  for (const [text, type] of specials) {
+    tokens.push(text)
+    scores.push(0)
+    types.push(type)
+  }
   return [
     ["tokenizer.ggml.model", GgufValues.string("llama")],
     ["tokenizer.ggml.tokens", GgufValues.array(GgufValueType.STRING, tokens)],
@@ -237,9 +253,10 @@ export const syntheticVocab = (vocab: number): ReadonlyArray<readonly [string, G
     ["tokenizer.ggml.token_type", GgufValues.array(GgufValueType.INT32, types)],
     ["tokenizer.ggml.unknown_token_id", GgufValues.u32(0)],
     ["tokenizer.ggml.bos_token_id", GgufValues.u32(1)],
-    ["tokenizer.ggml.eos_token_id", GgufValues.u32(2)],
+    ["tokenizer.ggml.eos_token_id", GgufValues.u32(spec === undefined ? 2 : tokens.indexOf(spec.endOfTurn))],
     ["tokenizer.ggml.add_bos_token", GgufValues.bool(true)],
-    ["tokenizer.ggml.add_eos_token", GgufValues.bool(false)]
+    ["tokenizer.ggml.add_eos_token", GgufValues.bool(false)],
+    ...(spec === undefined ? [] : [["tokenizer.chat_template", GgufValues.string(spec.template)] as const])
   ]
 }
 
@@ -266,6 +283,14 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
     if (e !== undefined) return e
   }
   if (o.vocab < 259) return `vocab must be at least 259 (3 specials + 256 byte tokens), got ${o.vocab}`
+  if (o.chatTemplate !== undefined) {
+    if (!syntheticChatTemplates.includes(o.chatTemplate)) {
+      return `chat template must be one of ${syntheticChatTemplates.join(", ")}, got ${o.chatTemplate}`
+    }
+    const spec = syntheticTemplateSpec(o.chatTemplate)
+    const least = 259 + spec.control.length + spec.userDefined.length
+    if (o.vocab < least) return `vocab must be at least ${least} with --chat-template ${o.chatTemplate} (its special tokens), got ${o.vocab}`
+  }
   if (o.heads % o.kvHeads !== 0) return `heads (${o.heads}) must be a multiple of kvHeads (${o.kvHeads})`
   if (o.headDim === undefined && o.hidden % o.heads !== 0) {
     return `hidden (${o.hidden}) must be a multiple of heads (${o.heads}) unless headDim is given`
@@ -383,7 +408,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
-  return [...md, ...syntheticVocab(o.vocab)]
+  return [...md, ...syntheticVocab(o.vocab, o.chatTemplate)]
 }
 
 /** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */

@@ -67,17 +67,19 @@ const toolsOf = (raw: ReadonlyArray<unknown>): ReadonlyArray<ChatTool> | string 
   return tools
 }
 
-const choiceOf = (raw: unknown, tools: ReadonlyArray<ChatTool>): ToolChoice | string => {
+/** The choice, or a problem (`{ problem }`: the choices "auto", "none" and "required" are strings too). */
+const choiceOf = (raw: unknown, tools: ReadonlyArray<ChatTool>): ToolChoice | { readonly problem: string } => {
+  const problem = (text: string) => ({ problem: text })
   if (raw === undefined || raw === null) return tools.length > 0 ? "auto" : "none"
   if (raw === "auto" || raw === "none" || raw === "required") {
-    return raw === "required" && tools.length === 0 ? "tool_choice \"required\" needs tools" : raw
+    return raw === "required" && tools.length === 0 ? problem("tool_choice \"required\" needs tools") : raw
   }
-  if (typeof raw === "string") return `tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}, got "${raw.slice(0, 40)}"`
-  if (!isRecord(raw) || raw["type"] !== "function") return "tool_choice.type must be \"function\""
+  if (typeof raw === "string") return problem(`tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}, got "${raw.slice(0, 40)}"`)
+  if (!isRecord(raw) || raw["type"] !== "function") return problem("tool_choice.type must be \"function\"")
   const fn = raw["function"]
   const name = isRecord(fn) ? fn["name"] : undefined
-  if (typeof name !== "string" || name === "") return "tool_choice.function.name is required"
-  if (!tools.some((t) => t.name === name)) return `tool_choice.function.name: no tool named "${name.slice(0, 64)}" in tools`
+  if (typeof name !== "string" || name === "") return problem("tool_choice.function.name is required")
+  if (!tools.some((t) => t.name === name)) return problem(`tool_choice.function.name: no tool named "${name.slice(0, 64)}" in tools`)
   return { name }
 }
 
@@ -119,7 +121,7 @@ export const chatWithTools = (
   const tools = toolsOf(body.tools ?? [])
   if (typeof tools === "string") return tools
   const choice = choiceOf(body.tool_choice, tools)
-  if (typeof choice === "string") return choice
+  if (typeof choice === "object" && "problem" in choice) return choice.problem
   const messages: Array<ChatMessage> = []
   const callIds = new Set<string>()
   for (const [i, m] of body.messages.entries()) {
