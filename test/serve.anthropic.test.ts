@@ -15,6 +15,11 @@ import { agentsOf as agentsWithKey, metricOf as metricWithKey, type ServeProcess
 const model = requireModel("stories260K.gguf")
 const key = `sk-${randomBytes(24).toString("base64url")}`
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
+/**
+ * Greedy sampling. The SDK's types no longer list temperature (Anthropic's newer models take none); it sends what it
+ * is given, and this server takes temperature, top_p and top_k as llama-server does.
+ */
+const greedy = { temperature: 0 }
 const metricOf = (url: string, name: string) => metricWithKey(url, name, { "x-api-key": key })
 const agentsOf = (url: string) => agentsWithKey(url, { "x-api-key": key })
 
@@ -60,6 +65,11 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
     fetch(`${server.url}${path}`, { method: "POST", headers: { "content-type": "application/json", ...headers }, body: JSON.stringify(body) })
 
   const system = "You tell stories about animals."
+  const weather = {
+    name: "get_weather",
+    description: "The weather in a city",
+    input_schema: { type: "object" as const, properties: { city: { enum: ["Paris", "Rome"] } }, required: ["city"] }
+  }
   const messages: Array<Anthropic.MessageParam> = [{ role: "user", content: "Tell me about a cat." }]
 
   // The same conversation through /v1/chat/completions and /v1/messages, greedy: the same text and token counts.
@@ -70,7 +80,7 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
       max_tokens: 24,
       temperature: 0
     })
-    const message = await client.messages.create({ model: "stories260K", max_tokens: 24, temperature: 0, system, messages })
+    const message = await client.messages.create({ model: "stories260K", max_tokens: 24, ...greedy, system, messages })
     assert.match(message.id, /^msg_[0-9a-f]{24}$/)
     assert.strictEqual(message.type, "message")
     assert.strictEqual(message.role, "assistant")
@@ -90,7 +100,7 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
   // Raw SSE: Anthropic's exact event order, each event's name in its data's type; the SDK's stream adds up to the
   // non-streamed message (text, stop reason, usage).
   it("messages.stream: events in order, the same text and final usage as the non-streamed message", async () => {
-    const request = { model: "m", max_tokens: 30, temperature: 0, system, messages }
+    const request = { model: "m", max_tokens: 30, ...greedy, system, messages }
     const whole = await client.messages.create(request)
     const response = await post("/v1/messages", { ...request, stream: true })
     assert.strictEqual(response.status, 200)
@@ -136,14 +146,14 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
   // The system prompt reaches the template: another greedy text without it; text blocks say the same as a string.
   it("the system prompt is honoured (string or text blocks)", async () => {
     const textOf = (m: Anthropic.Message) => (m.content[0] as Anthropic.TextBlock).text
-    const withSystem = await client.messages.create({ model: "m", max_tokens: 24, temperature: 0, system, messages })
-    const without = await client.messages.create({ model: "m", max_tokens: 24, temperature: 0, messages })
+    const withSystem = await client.messages.create({ model: "m", max_tokens: 24, ...greedy, system, messages })
+    const without = await client.messages.create({ model: "m", max_tokens: 24, ...greedy, messages })
     assert.notStrictEqual(textOf(without), textOf(withSystem))
     assert.isBelow(without.usage.input_tokens, withSystem.usage.input_tokens)
     const blocks = await client.messages.create({
       model: "m",
       max_tokens: 24,
-      temperature: 0,
+      ...greedy,
       system: [{ type: "text", text: "You tell stories " }, { type: "text", text: "about animals." }],
       messages: [{ role: "user", content: [{ type: "text", text: "Tell me about " }, { type: "text", text: "a cat." }] }]
     })
@@ -152,7 +162,7 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
 
   // A stop sequence of the request's own ends the text just before it: stop_reason stop_sequence, naming it.
   it("stop_sequences: the text ends before it, stop_reason stop_sequence (streamed too)", async () => {
-    const request = { model: "m", max_tokens: 40, temperature: 0, messages }
+    const request = { model: "m", max_tokens: 40, ...greedy, messages }
     const whole = (await client.messages.create(request).then((m) => (m.content[0] as Anthropic.TextBlock).text))
     const stop = whole.slice(Math.floor(whole.length / 2), Math.floor(whole.length / 2) + 3)
     const expected = whole.slice(0, whole.indexOf(stop))
@@ -171,7 +181,7 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
   it("count_tokens equals the generation's input tokens", async () => {
     for (const body of [{ system, messages }, { messages }]) {
       const counted = await client.messages.countTokens({ model: "m", ...body })
-      const generated = await client.messages.create({ model: "m", max_tokens: 2, temperature: 0, ...body })
+      const generated = await client.messages.create({ model: "m", max_tokens: 2, ...greedy, ...body })
       assert.strictEqual(counted.input_tokens, generated.usage.input_tokens)
       assert.isAbove(counted.input_tokens, 5)
     }
@@ -181,7 +191,7 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
   // authentication_error in Anthropic's shape, /v1/messages and count_tokens alike.
   it("API keys: x-api-key and Bearer accepted; a wrong or missing key is 401 authentication_error", async () => {
     const bearer = new Anthropic({ baseURL: server.url, apiKey: key, maxRetries: 0 })
-    const ok = await bearer.messages.create({ model: "m", max_tokens: 4, temperature: 0, messages })
+    const ok = await bearer.messages.create({ model: "m", max_tokens: 4, ...greedy, messages })
     assert.strictEqual(ok.usage.output_tokens, 4)
     const wrong = new Anthropic({ baseURL: server.url, apiKey: null, defaultHeaders: { "x-api-key": `${key}x` }, maxRetries: 0 })
     const refused = await wrong.messages.create({ model: "m", max_tokens: 4, messages }).then(() => undefined, (e: unknown) => e)
@@ -225,8 +235,14 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
         /messages\.0\.content\.1: images are not supported/
       ],
       [
-        { model: "m", max_tokens: 4, messages, tools: [{ name: "get_weather", input_schema: { type: "object" } }] },
-        /tools are not supported yet on \/v1\/messages/
+        { model: "m", max_tokens: 4, messages, tools: [{ type: "web_search_20250305", name: "web_search", input_schema: { type: "object" } }] },
+        /tools\.0\.type: .* server tools, not supported/
+      ],
+      [{ model: "m", max_tokens: 4, messages, tools: [weather], tool_choice: { type: "tool", name: "get_time" } }, /tool_choice\.name: no tool named "get_time"/],
+      [{ model: "m", max_tokens: 4, messages, tool_choice: { type: "any" } }, /tool_choice: "any" needs tools/],
+      [
+        { model: "m", max_tokens: 4, messages: [{ role: "user", content: [{ type: "tool_result", tool_use_id: "toolu_x", content: "Sunny" }] }] },
+        /messages\.0\.content\.0\.tool_use_id: "toolu_x" matches no tool_use/
       ],
       [{ model: "m", max_tokens: 4, messages: [...messages, { role: "assistant", content: "Once" }] }, /messages\.1: the last message must be the user's/],
       [{ model: "m", max_tokens: 4, messages, top_p: 2 }, /top_p/],
@@ -311,5 +327,60 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
     assert.strictEqual(await metricOf(server.url, "swactor_kv_reserved_bytes"), 0)
     assert.strictEqual(await metricOf(server.url, 'swactor_requests_total{outcome="cancelled"}'), cancelledBefore + 1)
     assert.notInclude(runningSeen, "message_stop")
+  })
+
+  // Tools on ToolCalls.ts: stories260K's template knows no tools (llama-server's generic JSON form); a forced choice
+  // samples under the grammar, so the reply is a call: a tool_use block (streamed as input_json_delta), stop_reason
+  // tool_use. A history with the call and its result renders (more input tokens); tool_choice none calls nothing.
+  it("tools: a forced call is a tool_use block with stop_reason tool_use, streamed or not; its result goes back in", async () => {
+    const request = {
+      model: "m",
+      max_tokens: 200,
+      ...greedy,
+      messages,
+      tools: [weather],
+      tool_choice: { type: "tool" as const, name: "get_weather" }
+    }
+    const forced = await client.messages.create(request)
+    assert.strictEqual(forced.stop_reason, "tool_use")
+    const uses = forced.content.filter((b): b is Anthropic.ToolUseBlock => b.type === "tool_use")
+    assert.strictEqual(uses.length, 1)
+    assert.match(uses[0]!.id, /^toolu_[0-9a-f]{24}$/)
+    assert.strictEqual(uses[0]!.name, "get_weather")
+    const input = uses[0]!.input as { city: string }
+    assert.include(["Paris", "Rome"], input.city)
+    assert.deepStrictEqual(Object.keys(input), ["city"])
+
+    const events = await readEvents(await post("/v1/messages", { ...request, stream: true }))
+    const names = events.map((e) => e.name).filter((n) => n !== "ping")
+    assert.deepStrictEqual(names, ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"])
+    const start = events.find((e) => e.name === "content_block_start")!.data
+    assert.strictEqual(start["index"], 0)
+    assert.deepInclude(start["content_block"] as object, { type: "tool_use", name: "get_weather", input: {} })
+    const delta = events.find((e) => e.name === "content_block_delta")!.data["delta"] as { type: string; partial_json: string }
+    assert.strictEqual(delta.type, "input_json_delta")
+    assert.deepStrictEqual(JSON.parse(delta.partial_json), input)
+    assert.deepStrictEqual(events.find((e) => e.name === "message_delta")!.data["delta"], { stop_reason: "tool_use", stop_sequence: null })
+    const final = await client.messages.stream(request).finalMessage()
+    assert.strictEqual(final.stop_reason, "tool_use")
+    assert.deepStrictEqual(final.content.map((b) => b.type === "tool_use" ? { name: b.name, input: b.input } : b), [{ name: "get_weather", input }])
+
+    const history: Array<Anthropic.MessageParam> = [
+      ...messages,
+      { role: "assistant", content: [{ type: "tool_use", id: uses[0]!.id, name: "get_weather", input }] },
+      { role: "user", content: [{ type: "tool_result", tool_use_id: uses[0]!.id, content: "Sunny and warm" }] }
+    ]
+    const before = await client.messages.countTokens({ model: "m", messages, tools: [weather] })
+    const after = await client.messages.countTokens({ model: "m", messages: history, tools: [weather] })
+    assert.isAbove(after.input_tokens, before.input_tokens + 5)
+    const answered = await client.messages.create({ model: "m", max_tokens: 16, ...greedy, messages: history, tools: [weather], tool_choice: { type: "none" } })
+    assert.notStrictEqual(answered.stop_reason, "tool_use")
+    assert.strictEqual(answered.usage.input_tokens, (await client.messages.countTokens({
+      model: "m",
+      messages: history,
+      tools: [weather],
+      tool_choice: { type: "none" }
+    })).input_tokens)
+    assert.deepStrictEqual(answered.content.map((b) => b.type), ["text"])
   })
 })

@@ -7,7 +7,10 @@
  * | POST /v1/messages/count_tokens | `{"input_tokens": N}`: the prompt tokens the same body would generate from |
  *
  * The conversation goes through the model's chat template (`Server.formatChat`, as /v1/chat/completions does), so a
- * greedy message has the tokens of the same greedy chat completion. Errors are Anthropic's
+ * greedy message has the tokens of the same greedy chat completion. Tools map onto ToolCalls.ts as the OpenAI route's
+ * do: `tools` (input_schema as the parameters), `tool_choice` (`any` = required, `tool` = that one, `none`),
+ * `tool_use` blocks as the assistant's calls, `tool_result` blocks as tool messages; calls in the reply become
+ * `tool_use` blocks (streamed as `input_json_delta`) with stop_reason `tool_use`. Errors are Anthropic's
  * `{"type":"error","error":{"type","message"}}`; a stream that fails after it started ends with an `error` event.
  * A client that goes away interrupts the handler, which cancels the run (as on the OpenAI routes).
  */
@@ -17,7 +20,9 @@ import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import { Chunk, Effect, Exit, Option, Schema, Scope, Stream } from "effect"
 import type { ServeError, ServeEvent, ServeRequest, ServerService } from "../../services/Server.js"
 import type { ChatMessage } from "../../services/Tokenizer.js"
+import type { ChatTool, ChatToolCall, ChatToolOptions, ToolChoice, ToolSyntax } from "../../services/Tools.js"
 import { clip, EdgeRefusal } from "./HttpGuard.js"
+import { parseToolCalls, toolCallStream } from "./ToolCalls.js"
 
 // --- bodies ---
 
@@ -42,9 +47,11 @@ const ThinkingBlock = Schema.Struct({ type: Schema.Literal("thinking", "redacted
 const ContentBlock = Schema.Union(TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock)
 
 const Tool = Schema.Struct({
+  /** "custom" or absent: a function of the client's; Anthropic's server tools (web search, code execution…) are refused. */
+  type: Schema.optional(Schema.NullOr(Schema.String)),
   name: Schema.String,
-  description: Schema.optional(Schema.String),
-  input_schema: Schema.optional(Schema.Record({ key: Schema.String, value: Schema.Unknown }))
+  description: Schema.optional(Schema.NullOr(Schema.String)),
+  input_schema: Schema.Record({ key: Schema.String, value: Schema.Unknown })
 })
 const ToolChoice = Schema.Struct({
   type: Schema.Literal("auto", "any", "tool", "none"),
@@ -86,16 +93,57 @@ type Conversation = typeof CountTokensBody.Type
 
 const refuse = (message: string) => new EdgeRefusal(400, "invalid_request_error", clip(message), null)
 
+const namePattern = /^[a-zA-Z0-9_-]{1,64}$/
+
+const toolsOf = (body: Conversation): ReadonlyArray<ChatTool> | EdgeRefusal => {
+  const tools: Array<ChatTool> = []
+  for (const [i, tool] of (body.tools ?? []).entries()) {
+    const at = `tools.${i}`
+    if (tool.type !== undefined && tool.type !== null && tool.type !== "custom") {
+      return refuse(`${at}.type: "${tool.type.slice(0, 40)}" is one of Anthropic's server tools, not supported here (only the client's own tools)`)
+    }
+    if (!namePattern.test(tool.name)) return refuse(`${at}.name must be 1 to 64 letters, digits, _ or -`)
+    const before = tools.findIndex((t) => t.name === tool.name)
+    if (before >= 0) return refuse(`${at}.name: "${tool.name}" is already the name of tools.${before}`)
+    tools.push({
+      name: tool.name,
+      ...(typeof tool.description === "string" ? { description: tool.description } : {}),
+      parameters: tool.input_schema
+    })
+  }
+  return tools
+}
+
+const choiceOf = (body: Conversation, tools: ReadonlyArray<ChatTool>): ToolChoice | EdgeRefusal => {
+  const choice = body.tool_choice
+  if (choice === undefined || choice === null) return tools.length > 0 ? "auto" : "none"
+  if (choice.type === "none" || choice.type === "auto") return choice.type
+  if (tools.length === 0) return refuse(`tool_choice: "${choice.type}" needs tools`)
+  if (choice.type === "any") return "required"
+  if (choice.name === undefined || choice.name === "") return refuse("tool_choice.name is required with type \"tool\"")
+  if (!tools.some((t) => t.name === choice.name)) return refuse(`tool_choice.name: no tool named "${choice.name.slice(0, 64)}" in tools`)
+  return { name: choice.name }
+}
+
+/** The conversation for the model's template, and its tool options (undefined: no tools, no calls in the history). */
+export interface AnthropicChat {
+  readonly messages: ReadonlyArray<ChatMessage>
+  readonly tools: ChatToolOptions | undefined
+}
+
 /**
  * The conversation as chat messages for the model's template: `system` (a string or text blocks, joined) first, then
- * each message's text blocks joined. Refused (400) with the field named: images and documents, tool definitions and
- * tool blocks (not supported yet), and a last message from the assistant (a prefill the template cannot continue).
+ * each message's text blocks joined; an assistant's `tool_use` blocks are its calls, a user's `tool_result` blocks are
+ * tool messages (before the user's text), each answering a call of an earlier assistant message. Refused (400) with
+ * the field named: images and documents, server tools, a tool choice naming no tool, results of no call, and a last
+ * message from the assistant (a prefill the template cannot continue).
  */
-export const chatMessagesOf = (body: Conversation): Effect.Effect<ReadonlyArray<ChatMessage>, EdgeRefusal> =>
+export const chatOf = (body: Conversation): Effect.Effect<AnthropicChat, EdgeRefusal> =>
   Effect.suspend(() => {
-    if (body.tools !== undefined && body.tools !== null && body.tools.length > 0) {
-      return Effect.fail(refuse("tools: tools are not supported yet on /v1/messages"))
-    }
+    const tools = toolsOf(body)
+    if (tools instanceof EdgeRefusal) return Effect.fail(tools)
+    const choice = choiceOf(body, tools)
+    if (choice instanceof EdgeRefusal) return Effect.fail(choice)
     const out: Array<ChatMessage> = []
     const system = body.system === undefined || body.system === null
       ? ""
@@ -103,12 +151,15 @@ export const chatMessagesOf = (body: Conversation): Effect.Effect<ReadonlyArray<
       ? body.system
       : body.system.map((block) => block.text).join("")
     if (system !== "") out.push({ role: "system", content: system })
+    const callIds = new Set<string>()
     for (const [i, message] of body.messages.entries()) {
       if (typeof message.content === "string") {
         out.push({ role: message.role, content: message.content })
         continue
       }
       let text = ""
+      const calls: Array<ChatToolCall> = []
+      const results: Array<ChatMessage> = []
       for (const [j, block] of message.content.entries()) {
         const at = `messages.${i}.content.${j}`
         switch (block.type) {
@@ -120,31 +171,61 @@ export const chatMessagesOf = (body: Conversation): Effect.Effect<ReadonlyArray<
           case "document":
             return Effect.fail(refuse(`${at}: documents are not supported`))
           case "tool_use":
-          case "tool_result":
-            return Effect.fail(refuse(`${at}: ${block.type} blocks are not supported yet on /v1/messages`))
+            if (message.role !== "assistant") return Effect.fail(refuse(`${at}: tool_use blocks belong in assistant messages`))
+            calls.push({ id: block.id, name: block.name, arguments: JSON.stringify(block.input) })
+            break
+          case "tool_result": {
+            if (message.role !== "user") return Effect.fail(refuse(`${at}: tool_result blocks belong in user messages`))
+            if (!callIds.has(block.tool_use_id)) {
+              return Effect.fail(refuse(`${at}.tool_use_id: "${block.tool_use_id.slice(0, 64)}" matches no tool_use of an earlier assistant message`))
+            }
+            let content = ""
+            if (typeof block.content === "string") content = block.content
+            else {
+              for (const [k, part] of (block.content ?? []).entries()) {
+                if (part.type !== "text") return Effect.fail(refuse(`${at}.content.${k}: ${part.type === "image" ? "images" : "documents"} are not supported`))
+                content += part.text
+              }
+            }
+            results.push({ role: "tool", toolCallId: block.tool_use_id, content: block.is_error === true ? `Error: ${content}` : content })
+            break
+          }
           case "thinking":
           case "redacted_thinking":
             break
         }
       }
-      out.push({ role: message.role, content: text })
+      for (const call of calls) callIds.add(call.id)
+      out.push(...results)
+      if (message.role === "assistant") out.push({ role: "assistant", content: text, ...(calls.length > 0 ? { toolCalls: calls } : {}) })
+      else if (results.length === 0 || text !== "") out.push({ role: "user", content: text })
     }
     if (body.messages[body.messages.length - 1]!.role === "assistant") {
       return Effect.fail(
         refuse(`messages.${body.messages.length - 1}: the last message must be the user's (continuing an assistant message is not supported)`)
       )
     }
-    return Effect.succeed(out)
+    const used = tools.length > 0 || out.some((m) => m.role === "tool" || m.toolCalls !== undefined)
+    return Effect.succeed({
+      messages: out,
+      tools: used ? { tools, choice, ...(body.tool_choice?.disable_parallel_tool_use === true ? { parallel: false } : {}) } : undefined
+    })
   })
 
-type StopReason = "end_turn" | "max_tokens" | "stop_sequence"
+type StopReason = "end_turn" | "max_tokens" | "stop_sequence" | "tool_use"
 
-/** Why a generation ended, in Anthropic's words: a stop sequence of the request's own, max tokens, or the model's turn ended. */
+/**
+ * Why a generation ended, in Anthropic's words: the reply called tools, a stop sequence of the request's own, max
+ * tokens, or the model's turn ended.
+ */
 export const stopReasonOf = (
   done: Extract<ServeEvent, { _tag: "Done" }>,
-  stopSequences: ReadonlyArray<string>
+  stopSequences: ReadonlyArray<string>,
+  called = false
 ): { readonly stop_reason: StopReason; readonly stop_sequence: string | null } =>
-  done.finishReason === "length"
+  called
+    ? { stop_reason: "tool_use", stop_sequence: null }
+    : done.finishReason === "length"
     ? { stop_reason: "max_tokens", stop_sequence: null }
     : done.stopSequence !== undefined && stopSequences.includes(done.stopSequence)
     ? { stop_reason: "stop_sequence", stop_sequence: done.stopSequence }
@@ -220,14 +301,76 @@ const event = (type: string, data: Record<string, unknown>) =>
 
 const orUndefined = <A>(value: A | null | undefined): A | undefined => (value === null ? undefined : value)
 
+/** A reply's content so far: text and calls (ToolCalls.ts), or all text when the chat has no tools. */
+interface Piece {
+  readonly content: string
+  readonly calls: ReadonlyArray<ChatToolCall>
+}
+
+/** Calls in Anthropic's shape: a `toolu_` id of its own, the arguments as an object. */
+const toolUseOf = (call: ChatToolCall) => ({
+  type: "tool_use" as const,
+  id: `toolu_${randomBytes(12).toString("hex")}`,
+  name: call.name,
+  input: JSON.parse(call.arguments) as unknown
+})
+
+/**
+ * The SSE events of a reply's content blocks as its pieces come: a text block opened at the first text after a call
+ * (or at the start), each call one `tool_use` block (`input_json_delta` with its whole arguments), blocks numbered in
+ * order and each stopped before the next starts.
+ */
+const contentBlocks = (textOpen: boolean) => {
+  let index = textOpen ? 0 : -1
+  let open = textOpen
+  let calls = 0
+  return {
+    get calls() {
+      return calls
+    },
+    push: (piece: Piece): Array<Uint8Array> => {
+      const out: Array<Uint8Array> = []
+      if (piece.content !== "") {
+        if (!open) {
+          index++
+          open = true
+          out.push(event("content_block_start", { index, content_block: { type: "text", text: "" } }))
+        }
+        out.push(event("content_block_delta", { index, delta: { type: "text_delta", text: piece.content } }))
+      }
+      for (const call of piece.calls) {
+        if (open) out.push(event("content_block_stop", { index }))
+        open = false
+        index++
+        calls++
+        const { id, name } = toolUseOf(call)
+        out.push(
+          event("content_block_start", { index, content_block: { type: "tool_use", id, name, input: {} } }),
+          event("content_block_delta", { index, delta: { type: "input_json_delta", partial_json: call.arguments } }),
+          event("content_block_stop", { index })
+        )
+      }
+      return out
+    },
+    /** The last block stopped (an empty text block when the reply had none). */
+    end: (): Array<Uint8Array> =>
+      open
+        ? [event("content_block_stop", { index })]
+        : index < 0
+        ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } }), event("content_block_stop", { index: 0 })]
+        : []
+  }
+}
+
 /** The handlers of POST /v1/messages and POST /v1/messages/count_tokens over a Server. */
 export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
   const { server } = options
-  const formatted = (body: Conversation) => Effect.flatMap(chatMessagesOf(body), server.formatChat)
+  const formatted = (body: Conversation) =>
+    Effect.flatMap(chatOf(body), (chat) => Effect.map(server.formatChat(chat.messages, chat.tools), (formatted) => ({ chat, formatted })))
 
   const create = Effect.gen(function*() {
     const body = yield* options.body(MessagesBody)
-    const chat = yield* formatted(body)
+    const { chat: conversation, formatted: chat } = yield* formatted(body)
     const ready = yield* server.ready
     // max_tokens is a ceiling (agents ask for tens of thousands): at most what fits the window the chat route gives a
     // request without a limit (4,096 tokens, or the model's context when smaller), so a request's KV stays bounded.
@@ -242,10 +385,17 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
       sampling: {
         temperature: orUndefined(body.temperature) ?? 1,
         ...(topK === undefined ? {} : { topK }),
-        ...(topP === undefined ? {} : { topP })
+        ...(topP === undefined ? {} : { topP }),
+        // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
+        ...(chat.tools?.grammar === undefined ? {} : { grammar: { text: chat.tools.grammar } })
       },
       stop: [...stopSequences, ...chat.stop]
     }
+    // With tools, the reply's calls in the template's syntax (ToolCalls.ts).
+    const tools: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> } | undefined =
+      chat.tools === undefined || conversation.tools === undefined
+        ? undefined
+        : { syntax: chat.tools.syntax, tools: conversation.tools.tools }
     const message = {
       id: `msg_${randomBytes(12).toString("hex")}`,
       type: "message",
@@ -261,10 +411,16 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         if (e._tag === "Text") text += e.text
         if (e._tag === "Done") done = e
       }
+      const reply: Piece = tools === undefined ? { content: text, calls: [] } : parseToolCalls(text, tools.syntax, tools.tools)
       return HttpServerResponse.unsafeJson({
         ...message,
-        content: [{ type: "text", text }],
-        ...(done === undefined ? { stop_reason: "max_tokens", stop_sequence: null } : stopReasonOf(done, stopSequences)),
+        content: [
+          ...(reply.content !== "" || reply.calls.length === 0 ? [{ type: "text", text: reply.content }] : []),
+          ...reply.calls.map(toolUseOf)
+        ],
+        ...(done === undefined
+          ? { stop_reason: "max_tokens", stop_sequence: null }
+          : stopReasonOf(done, stopSequences, reply.calls.length > 0)),
         usage: { input_tokens: done?.promptTokens ?? chat.tokens.length, output_tokens: done?.completionTokens ?? 0 }
       })
     }
@@ -277,6 +433,10 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
       Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<ServeEvent>()) : Effect.fail(end.value))),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
     )
+    // Without tools the text block opens at once (Anthropic's order: message_start, content_block_start, ping); with
+    // tools the first block is whatever the reply starts with.
+    const blocks = contentBlocks(tools === undefined)
+    const calls = tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools)
     const head = [
       event("message_start", {
         message: {
@@ -287,7 +447,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           usage: { input_tokens: chat.tokens.length, output_tokens: 0 }
         }
       }),
-      event("content_block_start", { index: 0, content_block: { type: "text", text: "" } }),
+      ...(tools === undefined ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } })] : []),
       event("ping", {})
     ]
     const sse = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull)).pipe(
@@ -297,12 +457,13 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           case "Admitted":
             return []
           case "Text":
-            return e.text === "" ? [] : [event("content_block_delta", { index: 0, delta: { type: "text_delta", text: e.text } })]
+            return blocks.push(calls === undefined ? { content: e.text, calls: [] } : calls.push(e.text))
           case "Done":
             return [
-              event("content_block_stop", { index: 0 }),
+              ...(calls === undefined ? [] : blocks.push(calls.end())),
+              ...blocks.end(),
               event("message_delta", {
-                delta: stopReasonOf(e, stopSequences),
+                delta: stopReasonOf(e, stopSequences, blocks.calls > 0),
                 usage: { input_tokens: e.promptTokens, output_tokens: e.completionTokens }
               }),
               event("message_stop", {})
@@ -324,7 +485,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
 
   const countTokens = Effect.gen(function*() {
     const body = yield* options.body(CountTokensBody)
-    const chat = yield* formatted(body)
+    const { formatted: chat } = yield* formatted(body)
     return HttpServerResponse.unsafeJson({ input_tokens: chat.tokens.length })
   })
 
