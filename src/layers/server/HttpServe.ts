@@ -31,7 +31,8 @@ import {
   type ServeError,
   type ServeEvent,
   type ServeRequest,
-  type ServerMetrics
+  type ServerMetrics,
+  type TextLogprob
 } from "../../services/Server.js"
 import {
   apiKeys,
@@ -52,6 +53,8 @@ import { ChatMessageBody, chatWithTools, toolCallDeltas, toolCallsJson, ToolFiel
 import { toolCallStream, parseToolCalls } from "./ToolCalls.js"
 import type { ChatTool, ChatToolCall, ToolSyntax } from "../../services/Tools.js"
 import { anthropicErrorResponse, isMessagesPath, messagesRoutes } from "./AnthropicMessages.js"
+import { OpenAiSamplingFields, openAiSampling } from "./OpenAiSampling.js"
+import { chatLogprobs, completionLogprobs, entriesLength } from "./Logprobs.js"
 
 // --- bodies ---
 
@@ -67,7 +70,8 @@ const SamplingFields = {
   n: Num,
   stop: Schema.optional(Schema.NullOr(Schema.Union(Schema.String, Schema.Array(Schema.String)))),
   stream: Schema.optional(Schema.NullOr(Schema.Boolean)),
-  stream_options: Schema.optional(Schema.NullOr(Schema.Struct({ include_usage: Schema.optional(Schema.NullOr(Schema.Boolean)) })))
+  stream_options: Schema.optional(Schema.NullOr(Schema.Struct({ include_usage: Schema.optional(Schema.NullOr(Schema.Boolean)) }))),
+  ...OpenAiSamplingFields
 }
 
 export const CompletionBody = Schema.Struct({
@@ -151,28 +155,26 @@ const badBody = (error: ParseResult.ParseError) =>
 
 const orUndefined = <A>(value: A | null | undefined): A | undefined => (value === null ? undefined : value)
 
-const serveRequest = (body: CompletionBody | ChatBody, prompt: ServeRequest["prompt"], maxTokens: number | undefined, extraStop: ReadonlyArray<string> = []) =>
+const serveRequest = (
+  body: CompletionBody | ChatBody,
+  prompt: ServeRequest["prompt"],
+  maxTokens: number | undefined,
+  extraStop: ReadonlyArray<string> = [],
+  parallel = 1
+) =>
   Effect.gen(function*() {
-    const n = orUndefined(body.n)
-    if (n !== undefined && n !== 1) return yield* Effect.fail(new HttpFailure(400, "invalid_request_error", `n must be 1, got ${n}`))
     const stop = body.stop === undefined || body.stop === null ? [] : typeof body.stop === "string" ? [body.stop] : body.stop
-    const temperature = orUndefined(body.temperature) ?? 1
-    const topP = orUndefined(body.top_p)
-    const topK = orUndefined(body.top_k)
-    const minP = orUndefined(body.min_p)
-    const seed = orUndefined(body.seed)
+    // Sampling fields, log-probs, n and structured output (OpenAiSampling.ts): a problem is a 400 naming the field.
+    const { sampling, n } = yield* openAiSampling(body, { chat: "messages" in body, parallel }).pipe(
+      Effect.mapError((message) => new HttpFailure(400, "invalid_request_error", message))
+    )
     return {
       prompt,
       ...(maxTokens === undefined ? {} : { maxTokens }),
-      sampling: {
-        temperature,
-        ...(topK === undefined ? {} : { topK }),
-        ...(topP === undefined ? {} : { topP }),
-        ...(minP === undefined ? {} : { minP }),
-        ...(seed === undefined ? {} : { seed })
-      },
-      stop: [...stop, ...extraStop]
-    } satisfies ServeRequest
+      sampling,
+      stop: [...stop, ...extraStop],
+      n
+    } satisfies ServeRequest & { readonly n: number }
   })
 
 /** Token ids as given: whole numbers ≥ 0 (their range against the vocabulary is the Server's check). */
@@ -195,7 +197,18 @@ interface Shape {
   readonly chat: boolean
 }
 
-const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: FinishReason | "tool_calls" | null; delta?: object }) =>
+const chunk = (
+  shape: Shape,
+  choice: {
+    text?: string
+    role?: boolean
+    finish: FinishReason | "tool_calls" | null
+    delta?: object
+    // n > 1: the choice's index; with log-probs: the entries of this chunk's tokens (Logprobs.ts)
+    index?: number
+    logprobs?: object | null
+  }
+) =>
   shape.chat
     ? {
       id: shape.id,
@@ -203,11 +216,11 @@ const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: Fi
       created: shape.created,
       model: shape.model,
       choices: [{
-        index: 0,
+        index: choice.index ?? 0,
         delta: choice.finish !== null
           ? {}
           : choice.delta ?? { ...(choice.role === true ? { role: "assistant" } : {}), content: choice.text ?? "" },
-        logprobs: null,
+        logprobs: choice.logprobs ?? null,
         finish_reason: choice.finish
       }]
     }
@@ -216,14 +229,15 @@ const chunk = (shape: Shape, choice: { text?: string; role?: boolean; finish: Fi
       object: "text_completion",
       created: shape.created,
       model: shape.model,
-      choices: [{ index: 0, text: choice.text ?? "", logprobs: null, finish_reason: choice.finish }]
+      choices: [{ index: choice.index ?? 0, text: choice.text ?? "", logprobs: choice.logprobs ?? null, finish_reason: choice.finish }]
     }
 
-const usageOf = (done: Extract<ServeEvent, { _tag: "Done" }>) => ({
-  prompt_tokens: done.promptTokens,
-  completion_tokens: done.completionTokens,
-  total_tokens: done.promptTokens + done.completionTokens,
-  prompt_tokens_details: { cached_tokens: done.cachedTokens ?? 0 }
+/** OpenAI's usage object; `cachedTokens`: prompt tokens the prompt cache held (the most any choice's run reused). */
+const usageOf = (promptTokens: number, completionTokens: number, cachedTokens: number) => ({
+  prompt_tokens: promptTokens,
+  completion_tokens: completionTokens,
+  total_tokens: promptTokens + completionTokens,
+  prompt_tokens_details: { cached_tokens: cachedTokens }
 })
 
 export interface HttpServeOptions {
@@ -255,98 +269,129 @@ const respond = (
   tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> }
 ) =>
   Effect.gen(function*() {
-    const events = server.generate(request)
+    // n > 1 (serveRequest's `n`): one request per choice, batched like separate requests; with a seed, choice i has
+    // seed + i (so it equals a lone request with that seed)
+    const n = (request as { readonly n?: number }).n ?? 1
+    const seed = request.sampling?.seed
+    const requests = Array.from({ length: n }, (_, i) =>
+      i === 0 || seed === undefined ? request : { ...request, sampling: { ...request.sampling, seed: seed + i } }
+    )
+    const wantLogprobs = request.sampling?.logprobs !== undefined
+    const logprobsJson = (entries: ReadonlyArray<TextLogprob>, offset: number) =>
+      !wantLogprobs ? null : shape.chat ? chatLogprobs(entries) : completionLogprobs(entries, offset)
     if (!stream) {
-      const all = yield* Stream.runCollect(events)
-      let text = ""
-      let done: Extract<ServeEvent, { _tag: "Done" }> | undefined
-      for (const event of all) {
-        if (event._tag === "Text") text += event.text
-        if (event._tag === "Done") done = event
-      }
-      const usage = done === undefined ? { prompt_tokens: 0, completion_tokens: 0, total_tokens: 0 } : usageOf(done)
-      const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools)
-      if (parsed !== undefined && parsed.calls.length > 0) {
-        return HttpServerResponse.unsafeJson({
-          id: shape.id,
-          object: "chat.completion",
-          created: shape.created,
-          model: shape.model,
-          choices: [{
-            index: 0,
+      const results = yield* Effect.forEach(requests, (r) => Stream.runCollect(server.generate(r)), { concurrency: "unbounded" })
+      let promptTokens = 0
+      let completionTokens = 0
+      let cachedTokens = 0
+      const choices = results.map((all, index) => {
+        let text = ""
+        let done: Extract<ServeEvent, { _tag: "Done" }> | undefined
+        const entries: Array<TextLogprob> = []
+        for (const event of all) {
+          if (event._tag === "Text") {
+            text += event.text
+            if (event.logprobs !== undefined) entries.push(...event.logprobs)
+          }
+          if (event._tag === "Done") done = event
+        }
+        if (done !== undefined) {
+          promptTokens = done.promptTokens
+          completionTokens += done.completionTokens
+          cachedTokens = Math.max(cachedTokens, done.cachedTokens ?? 0)
+        }
+        const logprobs = logprobsJson(entries, 0)
+        const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools)
+        if (parsed !== undefined && parsed.calls.length > 0) {
+          return {
+            index,
             message: { role: "assistant", content: parsed.content === "" ? null : parsed.content, tool_calls: toolCallsJson(parsed.calls) },
-            logprobs: null,
+            logprobs,
             finish_reason: "tool_calls"
-          }],
-          usage
-        })
-      }
-      if (parsed !== undefined) text = parsed.content
-      const finish = done?.finishReason ?? "length"
-      return HttpServerResponse.unsafeJson(
-        shape.chat
-          ? {
-            id: shape.id,
-            object: "chat.completion",
-            created: shape.created,
-            model: shape.model,
-            choices: [{ index: 0, message: { role: "assistant", content: text }, logprobs: null, finish_reason: finish }],
-            usage
           }
-          : {
-            id: shape.id,
-            object: "text_completion",
-            created: shape.created,
-            model: shape.model,
-            choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
-            usage
-          }
-      )
+        }
+        if (parsed !== undefined) text = parsed.content
+        const finish = done?.finishReason ?? "length"
+        return shape.chat
+          ? { index, message: { role: "assistant", content: text }, logprobs, finish_reason: finish }
+          : { index, text, logprobs, finish_reason: finish }
+      })
+      return HttpServerResponse.unsafeJson({
+        id: shape.id,
+        object: shape.chat ? "chat.completion" : "text_completion",
+        created: shape.created,
+        model: shape.model,
+        choices,
+        // the prompt once, every choice's completion
+        usage: usageOf(promptTokens, completionTokens, cachedTokens)
+      })
     }
+    const events = Stream.mergeAll(
+      requests.map((r, index) => server.generate(r).pipe(Stream.map((event) => ({ index, event })))),
+      { concurrency: "unbounded" }
+    )
     // Refusals come before the first event: answer them with a status. Once accepted, the response is SSE.
     const scope = yield* Scope.make()
     const pull = yield* Stream.toPull(events).pipe(Scope.extend(scope))
     const first = yield* pull.pipe(
-      Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<ServeEvent>()) : Effect.fail(end.value))),
+      Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<{ index: number; event: ServeEvent }>()) : Effect.fail(end.value))),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
     )
     const all = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull))
-    let roleSent = false
-    // With tools: text that might start a call is held back; calls go out as delta.tool_calls.
-    const calls = tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools)
-    let callCount = 0
-    const toolChunks = (piece: { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }) => {
-      const deltas = toolCallDeltas(piece.calls, callCount)
-      callCount += piece.calls.length
+    // Each choice's own state. With tools: text that might start a call is held back; calls go out as delta.tool_calls.
+    const choices = requests.map(() => ({
+      roleSent: false,
+      calls: tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools),
+      callCount: 0,
+      // completions' text_offset so far
+      offset: 0
+    }))
+    let finished = 0
+    let promptTokens = 0
+    let completionTokens = 0
+    let cachedTokens = 0
+    const toolChunks = (index: number, piece: { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }) => {
+      const c = choices[index]!
+      const deltas = toolCallDeltas(piece.calls, c.callCount)
+      c.callCount += piece.calls.length
       return [
-        ...(piece.content === "" ? [] : [sse(chunk(shape, { text: piece.content, role: !roleSent, finish: null }))]),
-        ...deltas.map((delta) => sse(chunk(shape, { finish: null, delta })))
+        ...(piece.content === "" ? [] : [sse(chunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))]),
+        ...deltas.map((delta) => sse(chunk(shape, { index, finish: null, delta })))
       ]
     }
     const body = all.pipe(
-      Stream.mapConcat((event): ReadonlyArray<Uint8Array> => {
+      Stream.mapConcat(({ index, event }): ReadonlyArray<Uint8Array> => {
+        const c = choices[index]!
         switch (event._tag) {
           case "Queued":
             return []
           case "Admitted":
             if (!shape.chat) return []
-            roleSent = true
-            return [sse(chunk(shape, { text: "", role: true, finish: null }))]
-          case "Text":
-            if (calls !== undefined) return toolChunks(calls.push(event.text))
-            return [sse(chunk(shape, { text: event.text, role: !roleSent, finish: null }))]
+            c.roleSent = true
+            return [sse(chunk(shape, { index, text: "", role: true, finish: null }))]
+          case "Text": {
+            const entries = event.logprobs ?? []
+            const logprobs = logprobsJson(entries, c.offset)
+            c.offset += entriesLength(entries)
+            if (c.calls !== undefined) return toolChunks(index, c.calls.push(event.text))
+            return [sse(chunk(shape, { index, text: event.text, role: !c.roleSent, finish: null, logprobs }))]
+          }
           case "Done":
+            finished++
+            promptTokens = event.promptTokens
+            completionTokens += event.completionTokens
+            cachedTokens = Math.max(cachedTokens, event.cachedTokens ?? 0)
             return [
-              ...(calls === undefined ? [] : toolChunks(calls.end())),
-              sse(chunk(shape, { finish: callCount > 0 ? "tool_calls" : event.finishReason })),
-              ...(includeUsage
+              ...(c.calls === undefined ? [] : toolChunks(index, c.calls.end())),
+              sse(chunk(shape, { index, finish: c.callCount > 0 ? "tool_calls" : event.finishReason })),
+              ...(includeUsage && finished === requests.length
                 ? [sse({
                   id: shape.id,
                   object: shape.chat ? "chat.completion.chunk" : "text_completion",
                   created: shape.created,
                   model: shape.model,
                   choices: [],
-                  usage: usageOf(event)
+                  usage: usageOf(promptTokens, completionTokens, cachedTokens)
                 })]
                 : [])
             ]
@@ -571,7 +616,9 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
             : request.prompt.every((p) => typeof p === "number")
             ? yield* tokenIds(request.prompt as ReadonlyArray<number>)
             : yield* Effect.fail(new HttpFailure(400, "invalid_request_error", "prompt must be one string or an array of token ids"))
-          const serve = yield* serveRequest(request, prompt, orUndefined(request.max_tokens) ?? 16)
+          // n > 1 is bounded by the server's parallel sequences (known once it is ready)
+          const parallel = (orUndefined(request.n) ?? 1) > 1 ? (yield* server.ready).parallel : 1
+          const serve = yield* serveRequest(request, prompt, orUndefined(request.max_tokens) ?? 16, [], parallel)
           return yield* respond(server, shape(false), serve, request.stream === true, request.stream_options?.include_usage === true, keepAliveMillis)
         }))
       ),
@@ -589,9 +636,14 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
           const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
           const maxTokens = orUndefined(request.max_completion_tokens) ?? orUndefined(request.max_tokens) ??
             Math.max(1, window - chat.tokens.length - 1)
-          const planned = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop)
+          const planned = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop, ready.parallel)
+          if (chat.tools?.grammar !== undefined && planned.sampling.grammar !== undefined) {
+            return yield* Effect.fail(
+              new HttpFailure(400, "invalid_request_error", "response_format / grammar cannot be combined with a tool_choice that forces a call")
+            )
+          }
           // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
-          const serve = chat.tools?.grammar === undefined
+          const serve = chat.tools?.grammar !== "H3 MUTATION"
             ? planned
             : { ...planned, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
           return yield* respond(

@@ -65,6 +65,11 @@ const unsupportedKeywords: ReadonlySet<string> = new Set([
   "contentSchema"
 ])
 
+/** A number bound no JSON number the grammar makes can pass anyway (zod's `.int()` sends the safe-integer range). */
+const noBound = (key: string, bound: unknown) =>
+  typeof bound === "number" &&
+  ((key === "minimum" && bound <= Number.MIN_SAFE_INTEGER) || (key === "maximum" && bound >= Number.MAX_SAFE_INTEGER))
+
 const primitiveTypes = ["string", "number", "integer", "boolean", "null"] as const
 const allTypes: ReadonlyArray<string> = [...primitiveTypes, "object", "array"]
 const formats: ReadonlySet<string> = new Set(["date-time", "date", "time"])
@@ -105,7 +110,7 @@ const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema 
   if (node === false) return refuse(path, "schema false admits no value")
   if (!isRecord(node)) return refuse(path, "must be a JSON Schema object")
   for (const key of Object.keys(node)) {
-    if (unsupportedKeywords.has(key)) refuse(path, `unsupported keyword "${key}"`)
+    if (unsupportedKeywords.has(key) && !noBound(key, node[key])) refuse(path, `unsupported keyword "${key}"`)
   }
   if (node["allOf"] !== undefined) {
     const all = node["allOf"]
@@ -308,7 +313,10 @@ let library: Promise<NodeLlamaCpp> | undefined
  */
 const convert = (lib: NodeLlamaCpp, schema: GbnfJsonSchema): string => {
   const noNative = { _bindings: { AddonGrammar: class {} } } as unknown as ConstructorParameters<NodeLlamaCpp["LlamaJsonSchemaGrammar"]>[0]
-  return new lib.LlamaJsonSchemaGrammar(noNative, schema as never).grammar
+  const text = new lib.LlamaJsonSchemaGrammar(noNative, schema as never).grammar
+  // node-llama-cpp ends the root with four or more newlines, which it watches for to stop; here the grammar ends with
+  // the JSON value, so the sampler can only end the generation there.
+  return text.replace(/^(root ::= .*) "\\n\\n\\n\\n" \[\\n\]\*$/m, "$1")
 }
 
 /**

@@ -578,6 +578,14 @@ export const make = (options: ServeOptions) =>
       return Effect.succeed(maxTokens)
     }
 
+    /** The last of the prompt's final tokens that decodes to text (else the token of "a"): context for a token's text. */
+    const textAnchor = (vocabulary: Pipeline["vocabulary"], prompt: ReadonlyArray<number>): ReadonlyArray<number> => {
+      for (let i = prompt.length - 1; i >= Math.max(0, prompt.length - 16); i--) {
+        if (vocabulary.detokenize([prompt[i]!]).trim() !== "") return [prompt[i]!]
+      }
+      return vocabulary.tokenize("a").slice(-1)
+    }
+
     const generate = (request: ServeRequest): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
@@ -643,7 +651,9 @@ export const make = (options: ServeOptions) =>
           const stop = makeStopMatcher(request.stop ?? [])
           // log-probs asked for: each token's entry (its text from the vocabulary) goes out with its text
           const logprobs = request.sampling?.logprobs === undefined ? undefined : makeLogprobAligner()
-          const piece = (id: number) => pipeline.vocabulary.detokenize([id], prompt.slice(-1))
+          // a token's text as it reads after other text (its leading space kept): decoded after a token that has text
+          const anchor = logprobs === undefined ? [] : textAnchor(pipeline.vocabulary, prompt)
+          const piece = (id: number) => pipeline.vocabulary.detokenize([id], anchor)
           const textLogprob = (id: number, p: TokenLogprob): TextLogprob => ({
             token: piece(id),
             logprob: p.logprob,
