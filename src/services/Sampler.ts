@@ -1,5 +1,7 @@
 /**
- * Token sampling on the last stage, pure and reproducible: greedy at temperature 0, otherwise
+ * Pure sampling functions (the library's own, exported for callers). The last stage itself samples with llama.cpp's
+ * chain (src/layers/sampling/ChainSampler.ts) and uses `greedy` from here for a plain argmax. These: greedy at
+ * temperature 0, otherwise
  * temperature (temperatureMillis / 1000), then top-k, top-p and min-p, one draw per position from a
  * generator seeded by (seed, position): the n-th token of a generation depends only on the seed, n and
  * its logits, so a generation resumed at position n draws what it would have drawn.
