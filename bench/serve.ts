@@ -15,6 +15,9 @@
  * every stream's start, arrival times and text as JSON, per contender, N and round), --skip-ref, --llama-server PATH (BENCH_LLAMA_SERVER): also llama.cpp's own server
  * (`-t ref-threads -np maxN`, flash attention on, F16 KV) under the same client load over HTTP (its `/completion`,
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
+ * Then the prompt cache's figure (bench/promptCache.ts): turn 2 of a ~2,000-token conversation vs turn 1, time to
+ * first token, on --cache-model (default ../shared/models/stories260K.gguf, context 2,048); --prompt-cache-only runs
+ * just that; --cache-rounds 3.
  */
 import { execFileSync, spawn } from "node:child_process"
 import { readdirSync, readFileSync, writeFileSync } from "node:fs"
@@ -25,6 +28,9 @@ import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { serve, Server } from "../src/api/serve.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 import { forEachStreamedToken } from "./llamaServerStream.js"
+import { existsSync } from "node:fs"
+import { readModelFacts } from "../src/api/modelFacts.js"
+import { promptCacheFigure } from "./promptCache.js"
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 const flag = (name: string): string | undefined => {
@@ -294,7 +300,22 @@ const summarize = (rounds: ReadonlyArray<ReadonlyArray<StreamTimes>>): Summary =
   }
 }
 
+/** The prompt-cache figure on --cache-model (stories260K when present: its 2,048-token context holds the conversation). */
+const cacheFigure = async (fallback: () => Promise<string>) => {
+  const stories = resolve(root, "../shared/models/stories260K.gguf")
+  const model = flag("cache-model") ?? (existsSync(stories) ? stories : await fallback())
+  const facts = await Effect.runPromise(readModelFacts(model))
+  await promptCacheFigure({
+    model,
+    contextTokens: facts.maxSeqLen,
+    stages: cfg.stages,
+    threads: cfg.threads,
+    rounds: Math.max(1, Number(flag("cache-rounds") ?? "3"))
+  })
+}
+
 const main = async () => {
+  if (process.argv.includes("--prompt-cache-only")) return cacheFigure(ensureModel)
   const modelPath = await ensureModel()
   const maxClients = Math.max(...cfg.clients)
   console.log(
@@ -407,6 +428,7 @@ const main = async () => {
         `${fmt(four.itlP99Round / one.itl[0], 2)}x)`
     )
   }
+  await cacheFigure(() => Promise.resolve(modelPath))
 }
 
 main().then(() => process.exit(0), (error: unknown) => {

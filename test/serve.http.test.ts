@@ -63,7 +63,9 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     assert.deepStrictEqual(result.usage, {
       prompt_tokens: await promptTokenCount(prompt),
       completion_tokens: 24,
-      total_tokens: (await promptTokenCount(prompt)) + 24
+      total_tokens: (await promptTokenCount(prompt)) + 24,
+      // the first request of this prompt: nothing of it held by the prompt cache
+      prompt_tokens_details: { cached_tokens: 0 }
     })
   })
 

@@ -425,9 +425,16 @@ export const makeStageHost = (
         )
         progressSinks.delete(key)
         flushTimings()
-        // A stage stopped without a fault keeps its session as the prompt-cache entry its run named (if not dropped).
+        // A stage that stopped, or whose edges closed (the run's teardown may close them before its stop arrives), keeps
+        // its session as the prompt-cache entry its run named (unless dropped): positions [0, position) hold the run's
+        // tokens. After an engine or protocol fault it keeps nothing. (Whether the entry is used is the server's call:
+        // only a run that completed on every stage is indexed, the others' entries are dropped.)
         const keepAs = request.promptCache?.keep
-        if (keepAs != null && Exit.isSuccess(exit) && kept !== undefined && position > 0) {
+        const edgeClosed = Exit.isFailure(exit) && Option.exists(
+          Cause.failureOption(exit.cause),
+          (e) => e instanceof StageFailure && e.reason._tag === "TransportFailed"
+        )
+        if (keepAs != null && (Exit.isSuccess(exit) || edgeClosed) && kept !== undefined && position > 0) {
           const held = yield* promptCache.keep(keepAs, stageIndex, {
             session: kept.session,
             scope: sessionScope,

@@ -643,7 +643,7 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
             )
           }
           // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
-          const serve = chat.tools?.grammar !== "H3 MUTATION"
+          const serve = chat.tools?.grammar === undefined
             ? planned
             : { ...planned, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
           return yield* respond(

@@ -25,7 +25,7 @@ import {
   type TextLogprob
 } from "../../services/Server.js"
 import { kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
-import { makePromptCacheIndex } from "../../services/PromptCacheIndex.js"
+import { makePromptCacheIndex, type PromptCacheMatch } from "../../services/PromptCacheIndex.js"
 import { makeStopMatcher } from "../../services/StopText.js"
 import { makeLogprobAligner } from "../../services/TextLogprobs.js"
 import { generationProblem } from "../../services/RequestChecks.js"
@@ -599,10 +599,21 @@ export const make = (options: ServeOptions) =>
           const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt, pipeline.vocabulary.vocabSize)
           const contextLength = runContextLength(pipeline.model.maxSeqLen, prompt.length, maxTokens)
           if (sizing.bytes(contextLength) > sizing.budget()) return yield* tooLong(contextLength)
+          // Prompt cache: the longest held prefix, in use (never evicted) from before admission, which may evict others
+          const match = cacheOn ? cacheIndex.match(prompt) : undefined
+          let pinned = match !== undefined
+          const unpin = () => {
+            if (pinned && match !== undefined) cacheIndex.unpin(match.entry)
+            pinned = false
+          }
+          if (match !== undefined) {
+            cacheIndex.pin(match.entry)
+            yield* Effect.addFinalizer(() => Effect.sync(unpin))
+          }
           const queuedAt = performance.now()
           const ticket = yield* admission!.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
-          const run = runAdmitted(prompt, maxTokens, request, queuedAt, contextLength, ticket)
+          const run = runAdmitted(prompt, maxTokens, request, queuedAt, contextLength, ticket, match, unpin)
           return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, run)))
         })
       )
@@ -613,21 +624,21 @@ export const make = (options: ServeOptions) =>
       request: ServeRequest,
       queuedAt: number,
       contextLength: number,
-      ticket: { readonly onRelease: (f: () => void) => void; readonly release: () => void }
+      ticket: { readonly onRelease: (f: () => void) => void; readonly release: () => void },
+      match: PromptCacheMatch | undefined,
+      unpin: () => void
     ): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
           const { pipeline } = yield* current
-          // Prompt cache: adopt the longest held prefix (in use: never evicted meanwhile); keep this run's KV as a new
-          // entry once it completes (added when its admission is released, its memory then the entry's), else drop it.
-          const match = cacheOn ? cacheIndex.match(prompt) : undefined
+          // Prompt cache: adopt `match` (pinned by the caller); keep this run's KV as a new entry once it completes
+          // (added when its admission is released, its memory then the entry's), else drop it.
           const keepId = cacheOn ? cacheIndex.nextId() : undefined
           const generatedIds: Array<number> = []
           let cachedTokens = 0
           let keptTokens = 0
-          if (match !== undefined) cacheIndex.pin(match.entry)
           ticket.onRelease(() => {
-            if (match !== undefined) cacheIndex.unpin(match.entry)
+            unpin()
             if (keepId === undefined) return
             if (keptTokens === 0 || live?.pipeline !== pipeline) return dropOnAgents([keepId])
             const tokens = [...prompt, ...generatedIds].slice(0, keptTokens)
