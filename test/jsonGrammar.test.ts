@@ -62,5 +62,7 @@ describe("JsonGrammar", () => {
     assert.strictEqual(await refused({ type: "wat" }), `schema.type: unknown type "wat"`)
     assert.strictEqual(await refused({ enum: [{ a: 1 }] }), `schema.enum[0]: only strings, numbers, booleans and null are supported`)
     assert.strictEqual(await refused("nope"), `schema: must be a JSON Schema object`)
+    const huge = { enum: Array.from({ length: 20_000 }, (_, i) => `value ${i}`) }
+    assert.match(await refused(huge), /^schema: is \d+ characters of JSON, over the 65536 a schema may have$/)
   })
 })
