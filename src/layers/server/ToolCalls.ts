@@ -140,7 +140,10 @@ const parseCall = (
   const json = scanJson(text, params)
   if (json === "partial") return final ? undefined : "partial"
   if (json === -1) return undefined
-  const args = argumentsText(safeParse(text.slice(json.start, json.end)))
+  // The arguments as the model wrote them (re-serializing could change a value: 1e999 would become null).
+  const raw = text.slice(json.start, json.end)
+  const value = safeParse(raw)
+  const args = typeof value === "string" ? argumentsText(value) : argumentsText(value) === undefined ? undefined : raw
   if (args === undefined || !known(tools, name)) return undefined
   const call = { id: newToolCallId(), name, arguments: args }
   if (syntax.callSuffix.trim() === "") return { end: json.end, call }
