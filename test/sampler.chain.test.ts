@@ -123,6 +123,35 @@ describe("the sampler chain on the last stage", () => {
     }
   })
 
+  // Runs in flight together share the stage batcher's micro-batches; each sequence keeps its own chain: its seeded,
+  // penalised tokens and its log-probs are those of the same run alone.
+  it.live("batched sequences: each run's sampled tokens and log-probs equal its lone run's", () =>
+    Effect.scoped(Effect.gen(function*() {
+      const { layer } = yield* startAgents(2)
+      const prompts = ["Once upon a time", "The little dog", "Lily and Ben went to the park", "One day, a big red ball"]
+      const once = (prompt: string, i: number) =>
+        collect(run(request({ temperature: 0.8, seed: 10 + i, repeatPenalty: 1.2, logprobs: 3 }, { prompt, maxTokens: 24 })).pipe(
+          Stream.provideLayer(layer)
+        )).pipe(Effect.map((out) => ({
+          tokens: out.tokens,
+          logprobs: out.updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.logprob] : [])),
+          batched: out.updates.flatMap((u) => (u._tag === "Finished" ? u.summary.stages.map((st) => st.maxBatchSequences) : []))
+        })))
+      const alone = yield* Effect.forEach(prompts, once)
+      const together = yield* Effect.forEach(prompts, once, { concurrency: "unbounded" })
+      together.forEach((t, i) => {
+        assert.deepStrictEqual(t.tokens, alone[i]!.tokens, prompts[i])
+        assert.strictEqual(t.logprobs.length, t.tokens.length)
+        t.logprobs.forEach((lp, k) => {
+          assert.strictEqual(lp!.top.length, 3)
+          const lone = alone[i]!.logprobs[k]!
+          assert.closeTo(lp!.logprob, lone.logprob, 1e-4)
+          assert.deepStrictEqual(lp!.top.map((x) => x.tokenId), lone.top.map((x) => x.tokenId))
+        })
+      })
+      assert.isAbove(Math.max(...together.flatMap((t) => t.batched)), 1)
+    })), 180_000)
+
   // The last stage's agent (the sampler's host) is killed mid-generation; the spare rebuilds the sampler from the
   // tokens so far and the draws its generator made (more than one per token when the grammar rejected a pick).
   it.live("a seeded, penalised, grammar-constrained generation resumed after its last stage is killed: the same tokens", () =>

@@ -167,6 +167,27 @@ describe("the sampler chain gives node-llama-cpp's tokens", () => {
     }, 120_000)
   }
 
+  it("bad sampling flags are one line naming the flag, exit 1; a grammar that does not parse faults the run in words", async () => {
+    const path = requireModel("stories260K.gguf")
+    const base = ["run", "--model", path, "--stages", "1", "--threads", "1", "--max-tokens", "4"]
+    for (const [flags, words] of [
+      [["--logit-bias", "5=abc"], "--logit-bias"],
+      [["--grammar-file", join(dir, "missing.gbnf")], "--grammar-file"],
+      [["--repeat-penalty", "0"], "--repeat-penalty"],
+      [["--logprobs", "21"], "--logprobs"]
+    ] as const) {
+      const r = await swactor([...base, ...flags])
+      expect(r.code, words).toBe(1)
+      expect(r.stderr.trim().split("\n").at(-1), words).toContain(words)
+      expect(r.stderr, words).not.toMatch(/\s+at /)
+    }
+    const bad = join(dir, "bad.gbnf")
+    writeFileSync(bad, 'root ::= ("a" | ')
+    const r = await swactor([...base, "--temperature", "0.5", "--grammar-file", bad])
+    expect(r.code).not.toBe(0)
+    expect(r.stderr).toContain("the grammar does not parse")
+  }, 120_000)
+
   it("log-probs: the raw distribution node-llama-cpp reports at each step, top N sorted, across 2 stages", async () => {
     const n = 5
     const report = await run(2, ["--temperature", "0.8", "--seed", "3", "--repeat-penalty", "1.3", "--logprobs", String(n)])

@@ -7,6 +7,7 @@ import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Effect, Option } from "effect"
 import type { SamplingOptions } from "../services/Orchestrator.js"
+import { maxLogprobs } from "../services/RequestChecks.js"
 import { UsageError } from "./Flags.js"
 
 export const samplingFlags = {
@@ -50,12 +51,18 @@ export type SamplingFlagArgs = {
 
 const fail = (message: string) => Effect.fail(new UsageError({ message }))
 
-const finiteFlag = (flag: string, value: Option.Option<number> | undefined) =>
+const finiteFlag = (
+  flag: string,
+  value: Option.Option<number> | undefined,
+  min = -Infinity,
+  max = Infinity,
+  what = `a number from ${min} to ${max}`
+) =>
   value === undefined || Option.isNone(value)
     ? Effect.succeed(undefined)
-    : Number.isFinite(value.value)
+    : Number.isFinite(value.value) && value.value >= min && value.value <= max
     ? Effect.succeed(value.value)
-    : fail(`--${flag} must be a finite number, got ${value.value}`)
+    : fail(`--${flag} must be ${what}, got ${value.value}`)
 
 const parseBias = (text: string) =>
   Effect.forEach(text.split(",").filter((s) => s.trim() !== ""), (entry) => {
@@ -69,13 +76,13 @@ const parseBias = (text: string) =>
 /** The sampling options the flags ask for (only those given). */
 export const samplingFromFlags = (args: SamplingFlagArgs): Effect.Effect<Partial<SamplingOptions>, UsageError> =>
   Effect.gen(function*() {
-    const topP = yield* finiteFlag("top-p", args.topP)
-    const minP = yield* finiteFlag("min-p", args.minP)
-    const repeatPenalty = yield* finiteFlag("repeat-penalty", args.repeatPenalty)
-    const presencePenalty = yield* finiteFlag("presence-penalty", args.presencePenalty)
-    const frequencyPenalty = yield* finiteFlag("frequency-penalty", args.frequencyPenalty)
-    const penaltyLastN = yield* finiteFlag("penalty-last-n", args.penaltyLastN)
-    const logprobs = yield* finiteFlag("logprobs", args.logprobs)
+    const topP = yield* finiteFlag("top-p", args.topP, 0, 1)
+    const minP = yield* finiteFlag("min-p", args.minP, 0, 1)
+    const repeatPenalty = yield* finiteFlag("repeat-penalty", args.repeatPenalty, Number.MIN_VALUE, 100, "above 0 and at most 100 (1 = off)")
+    const presencePenalty = yield* finiteFlag("presence-penalty", args.presencePenalty, -100, 100)
+    const frequencyPenalty = yield* finiteFlag("frequency-penalty", args.frequencyPenalty, -100, 100)
+    const penaltyLastN = yield* finiteFlag("penalty-last-n", args.penaltyLastN, -1, Infinity, "-1 (the whole context) or more")
+    const logprobs = yield* finiteFlag("logprobs", args.logprobs, 0, maxLogprobs)
     const logitBias = args.logitBias !== undefined && Option.isSome(args.logitBias)
       ? yield* parseBias(args.logitBias.value)
       : undefined

@@ -135,7 +135,13 @@ export const makeSequenceSampler = (
     if (vocab === undefined) throw new GrammarRejected("a grammar needs the model's vocabulary")
     const { text, root } = policy.grammar
     const { log, result } = capturingLog(() => raw.llama_sampler_init_grammar(vocab.vocab, text, root))
-    if (result === null) throw new GrammarRejected(`the grammar does not parse: ${lastLines(log) || `no rule "${root}"`}`)
+    if (result === null) {
+      // llama.cpp prints a syntax error's position on stderr itself; other refusals come through its log
+      const why = lastLines(log).replace(/;?\s*failed to parse grammar$/, "")
+      throw new GrammarRejected(
+        `the grammar does not parse${why === "" ? " (llama.cpp's GBNF parser refused it; the agent's stderr says where)" : `: ${why}`}`
+      )
+    }
     grammar = result
   }
   const chain = raw.llama_sampler_chain_init(raw.llama_sampler_chain_default_params())
