@@ -233,7 +233,9 @@ export const makeSequenceSampler = (
     const size = Number(headerView.getBigUint64(TokenDataArrayLayout.size, true))
     if (!(sel >= 0 && sel < size)) return -1
     const data = headerView.getBigUint64(TokenDataArrayLayout.data, true)
-    return ids[(Number(data - candidatesAddr) + sel * TokenDataLayout.bytes) / 4]!
+    const at = (Number(data - candidatesAddr) + sel * TokenDataLayout.bytes) / 4
+    // a pick among tokens that are all banned (-inf) is no pick
+    return floats[at + 1] === -Infinity ? -1 : ids[at]!
   }
   const grammarAllows = (token: number): boolean => {
     probeView.setInt32(TokenDataLayout.id, token, true)
