@@ -8,6 +8,7 @@ import * as lib from "node-llama-cpp"
 import { wrapperToolSyntax } from "../src/layers/gguf/TokenizerLive.js"
 import { Effect } from "effect"
 import { jsonSchemaGrammar } from "../src/layers/server/JsonGrammar.js"
+import { chatWithTools } from "../src/layers/server/OpenAiTools.js"
 import { genericToolMessages, parseToolCalls, toolCallStream, toolGrammar, toolGrammarEffect } from "../src/layers/server/ToolCalls.js"
 import type { ChatTool, ToolSyntax } from "../src/services/Tools.js"
 
@@ -240,5 +241,47 @@ describe("the grammar that forces a call", () => {
     expect(accepts(auto, "{\"response\": \"hi\"}")).toBe(true)
     expect(accepts(auto, "{\"tool_call\": {\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}}")).toBe(true)
     expect(accepts(auto, "hi")).toBe(false)
+  })
+})
+
+describe("OpenAI's tool fields (OpenAiTools.chatWithTools)", () => {
+  const weather = { type: "function", function: { name: "get_weather", parameters: { type: "object", properties: {} } } }
+  const user = { role: "user" as const, content: "hi" }
+  it("each tool_choice string is a choice, not a problem; no tools and no tool messages: no tool options", () => {
+    for (const choice of ["auto", "none", "required"] as const) {
+      const checked = chatWithTools({ messages: [user], tools: [weather], tool_choice: choice })
+      expect(typeof checked === "string" ? checked : checked.tools?.choice).toBe(choice)
+    }
+    expect(chatWithTools({ messages: [user] })).toEqual({ messages: [{ role: "user", content: "hi" }], tools: undefined })
+    const named = chatWithTools({ messages: [user], tools: [weather], tool_choice: { type: "function", function: { name: "get_weather" } }, parallel_tool_calls: false })
+    expect(typeof named === "string" ? named : named.tools).toMatchObject({ choice: { name: "get_weather" }, parallel: false })
+  })
+  it("a history with calls and results becomes ChatMessages (content null → \"\")", () => {
+    const checked = chatWithTools({
+      tools: [weather],
+      messages: [
+        user,
+        { role: "assistant", content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "get_weather", arguments: "{}" } }] },
+        { role: "tool", tool_call_id: "c1", content: [{ type: "text", text: "sunny" }] }
+      ]
+    })
+    expect(typeof checked === "string" ? checked : checked.messages).toEqual([
+      { role: "user", content: "hi" },
+      { role: "assistant", content: "", toolCalls: [{ id: "c1", name: "get_weather", arguments: "{}" }] },
+      { role: "tool", content: "sunny", toolCallId: "c1" }
+    ])
+  })
+  it("each problem is one line naming the field", () => {
+    const problem = (body: Parameters<typeof chatWithTools>[0]) => chatWithTools(body)
+    expect(problem({ messages: [user], tools: [weather, { type: "function", function: {} }] })).toBe("tools[1].function.name is required")
+    expect(problem({ messages: [user], tools: [weather, weather] })).toBe("tools[1].function.name: \"get_weather\" is already the name of tools[0]")
+    expect(problem({ messages: [user], tools: [{ type: "retrieval" }] })).toBe("tools[0].type must be \"function\"")
+    expect(problem({ messages: [user], tools: [weather], tool_choice: "sometimes" })).toMatch(/^tool_choice must be/)
+    expect(problem({ messages: [user], tools: [weather], tool_choice: { type: "function", function: { name: "x" } } }))
+      .toBe("tool_choice.function.name: no tool named \"x\" in tools")
+    expect(problem({ messages: [user, { role: "tool", tool_call_id: "c9", content: "1" }] }))
+      .toBe("messages[1].tool_call_id: \"c9\" matches no tool call of an earlier assistant message")
+    expect(problem({ messages: [user, { role: "tool", content: "1" }] })).toBe("messages[1].tool_call_id is required")
+    expect(problem({ messages: [{ role: "user", content: null }] })).toBe("messages[0].content is required")
   })
 })
