@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
-import { gbnfProblem } from "../src/layers/server/Gbnf.js"
+import { gbnfProblem } from "../src/services/Gbnf.js"
 import { jsonObjectGrammar, jsonSchemaGrammar } from "../src/layers/server/JsonGrammar.js"
 
 describe("Gbnf", () => {

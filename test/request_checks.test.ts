@@ -11,6 +11,7 @@ import {
   estimateTokenBits,
   fitsContext,
   generationProblem,
+  samplingPolicyProblem,
   sparesProblem,
   stagesProblem,
   threadsProblem,
@@ -18,6 +19,18 @@ import {
 } from "../src/services/RequestChecks.js"
 
 describe("RequestChecks: one rule for run, serve and the library", () => {
+  it("grammar: what llama.cpp's parser would choke on is refused before it (the run and library path, not only HTTP)", () => {
+    const greedy = { temperatureMillis: 0, topK: 1 }
+    const check = (text: string, root = "root") => samplingPolicyProblem({ ...greedy, grammar: { text, root } }, 260)
+    expect(check(`root ::= "yes" | "no"`)).toBeUndefined()
+    // {3,1}: llama.cpp's parser allocates without end on it (a stage killed for memory).
+    expect(check(`root ::= "a"{3,1}`)).toMatch(/^grammar: .*3.*1/)
+    expect(check(`root ::= missing`)).toMatch(/^grammar: .*missing/)
+    expect(check(`root ::= root "a"`)).toMatch(/^grammar: .*left.recurs/i)
+    expect(check(`start ::= "a"`)).toMatch(/^grammar: .*root/)
+    expect(check(`start ::= "a"`, "start")).toBeUndefined()
+  })
+
   it("context: prompt + max tokens may equal the context, not exceed it", () => {
     expect(fitsContext(5, 2043, 2048)).toBe(true)
     expect(fitsContext(5, 2044, 2048)).toBe(false)

@@ -5,6 +5,7 @@
  * Each check returns `undefined` when the value is fine, or the problem as one line. `field` is how the caller names
  * the value (a flag such as `--max-tokens` on the command line, a JSON field such as `max_tokens` over HTTP).
  */
+import { gbnfProblem } from "./Gbnf.js"
 
 /** Engine threads per stage: the bounds the stage engine accepts (StageExecutorLive refuses others). */
 export const minThreads = 1
@@ -184,29 +185,8 @@ export const generationProblem = (request: {
 
 /** The most log-probability alternatives a token may report (OpenAI's top_logprobs bound). */
 export const maxLogprobs = 20
-/** The longest grammar text a request may carry, and how deeply its groups may nest (llama.cpp parses recursively). */
+/** The longest grammar text a request may carry (its syntax, nesting and expansion: Gbnf.ts's checks). */
 export const maxGrammarBytes = 256 * 1024
-export const maxGrammarNesting = 64
-
-/** How deeply `(` groups nest in a GBNF text, outside strings, character classes and comments. */
-const grammarNesting = (text: string): number => {
-  let depth = 0
-  let deepest = 0
-  let i = 0
-  while (i < text.length) {
-    const c = text[i]!
-    if (c === "\"" || c === "[") {
-      const close = c === "\"" ? "\"" : "]"
-      i++
-      while (i < text.length && text[i] !== close) i += text[i] === "\\" ? 2 : 1
-    } else if (c === "#") {
-      while (i < text.length && text[i] !== "\n") i++
-    } else if (c === "(") deepest = Math.max(deepest, ++depth)
-    else if (c === ")") depth--
-    i++
-  }
-  return deepest
-}
 
 const finite = (x: unknown): x is number => typeof x === "number" && Number.isFinite(x)
 const whole = (x: unknown): x is number => typeof x === "number" && Number.isSafeInteger(x)
@@ -308,10 +288,12 @@ export const samplingPolicyProblem = (
     if (typeof text !== "string" || text.trim() === "") return "grammar must be a non-empty GBNF text"
     if (new TextEncoder().encode(text).length > maxGrammarBytes) return `grammar is over ${maxGrammarBytes} bytes`
     if (text.includes("\u0000")) return "grammar must not contain NUL characters"
-    if (grammarNesting(text) > maxGrammarNesting) return `grammar nests groups deeper than ${maxGrammarNesting}`
     if (typeof root !== "string" || !/^[A-Za-z0-9_-]{1,128}$/.test(root)) {
       return `grammar root must be a rule name (letters, digits, - and _), got ${JSON.stringify(root)}`
     }
+    // llama.cpp's parser aborts or allocates without end on some texts it should refuse ({3,1}): checked here first.
+    const syntax = gbnfProblem(text, root)
+    if (syntax !== undefined) return `grammar: ${syntax}`
   }
   if (p.logprobs !== undefined && !(whole(p.logprobs) && p.logprobs >= 0 && p.logprobs <= maxLogprobs)) {
     return `logprobs must be a whole number from 0 to ${maxLogprobs}, got ${p.logprobs}`

@@ -5,7 +5,7 @@
  */
 import { Effect, Schema } from "effect"
 import type { SamplingOptions } from "../../services/Orchestrator.js"
-import { gbnfProblem } from "./Gbnf.js"
+import { gbnfProblem } from "../../services/Gbnf.js"
 import { jsonObjectGrammar, jsonSchemaGrammar } from "./JsonGrammar.js"
 
 export const ResponseFormat = Schema.Struct({
