@@ -29,6 +29,15 @@ describe("JsonGrammar", () => {
     assert.include(text, String.raw`"\"cat\""`)
   })
 
+  it("numbers: an integer has no exponent (1e-5 is no integer), a fraction's exponent is at most two digits (1e999 is Infinity)", async () => {
+    const text = await grammar({ type: "object", properties: { n: { type: "integer" }, x: { type: "number" } }, required: ["n", "x"] })
+    const rule = (name: string) => text.split("\n").find((line) => line.startsWith(`${name} ::= `)) ?? ""
+    assert.notMatch(rule("integer-number-rule"), /\[eE\]/)
+    assert.match(rule("integer-number-rule"), /\[1-9\] \[0-9\]/)
+    assert.include(rule("fractional-number-rule"), "([eE] [-+]? [0-9]{1,2})?")
+    assert.notMatch(rule("fractional-number-rule"), /\[eE\] [^)]*\{0,15\}/)
+  })
+
   it("json_object admits any object", async () => {
     const { text } = await Effect.runPromise(jsonObjectGrammar)
     assert.match(text, /^root ::= "\{"/m)

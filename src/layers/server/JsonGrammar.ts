@@ -319,7 +319,12 @@ const convert = (lib: NodeLlamaCpp, schema: GbnfJsonSchema): string => {
   const text = new lib.LlamaJsonSchemaGrammar(noNative, schema as never).grammar
   // node-llama-cpp ends the root with four or more newlines, which it watches for to stop; here the grammar ends with
   // the JSON value, so the sampler can only end the generation there.
-  return text.replace(/^(root ::= .*) "\\n\\n\\n\\n" \[\\n\]\*$/m, "$1")
+  const ended = text.replace(/^(root ::= .*) "\\n\\n\\n\\n" \[\\n\]\*$/m, "$1")
+  // Its number rules allow any exponent: `1e-5` for an integer is no integer, and `1e999` parses as Infinity. An integer
+  // here has no exponent, a fraction's exponent at most two digits (every value it admits is a finite JSON number).
+  return ended
+    .replace(/^(integer-number-rule ::= .*?) \(\[eE\] .*\)\?$/m, "$1")
+    .replace(/^(fractional-number-rule ::= .*?) \(\[eE\] .*\)\?$/m, "$1 ([eE] [-+]? [0-9]{1,2})?")
 }
 
 /**
