@@ -301,6 +301,15 @@ const event = (type: string, data: Record<string, unknown>) =>
 
 const orUndefined = <A>(value: A | null | undefined): A | undefined => (value === null ? undefined : value)
 
+/**
+ * A generation's usage in Anthropic's terms: `input_tokens` the prompt tokens prefilled, `cache_read_input_tokens` those
+ * whose KV came from the prompt cache (their sum is the prompt, what count_tokens counts).
+ */
+const usageOf = (done: Extract<ServeEvent, { _tag: "Done" }>) => {
+  const cached = done.cachedTokens ?? 0
+  return { input_tokens: done.promptTokens - cached, output_tokens: done.completionTokens, cache_read_input_tokens: cached }
+}
+
 /** A reply's content so far: text and calls (ToolCalls.ts), or all text when the chat has no tools. */
 interface Piece {
   readonly content: string
@@ -421,7 +430,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         ...(done === undefined
           ? { stop_reason: "max_tokens", stop_sequence: null }
           : stopReasonOf(done, stopSequences, reply.calls.length > 0)),
-        usage: { input_tokens: done?.promptTokens ?? chat.tokens.length, output_tokens: done?.completionTokens ?? 0 }
+        usage: done === undefined ? { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 } : usageOf(done)
       })
     }
 
@@ -444,7 +453,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           content: [],
           stop_reason: null,
           stop_sequence: null,
-          usage: { input_tokens: chat.tokens.length, output_tokens: 0 }
+          usage: { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 }
         }
       }),
       ...(tools === undefined ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } })] : []),
@@ -464,7 +473,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
               ...blocks.end(),
               event("message_delta", {
                 delta: stopReasonOf(e, stopSequences, blocks.calls > 0),
-                usage: { input_tokens: e.promptTokens, output_tokens: e.completionTokens }
+                usage: usageOf(e)
               }),
               event("message_stop", {})
             ]
