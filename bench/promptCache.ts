@@ -67,7 +67,8 @@ export const promptCacheFigure = async (options: {
         model: options.model,
         stages: options.stages,
         threads: options.threads,
-        parallel: 1,
+        // room for the held entry beside the running turn (one sequence of the whole context each)
+        parallel: 2,
         promptCache: { enabled }
       }) as Layer.Layer<Server>
     )

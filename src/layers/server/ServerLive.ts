@@ -599,21 +599,13 @@ export const make = (options: ServeOptions) =>
           const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt, pipeline.vocabulary.vocabSize)
           const contextLength = runContextLength(pipeline.model.maxSeqLen, prompt.length, maxTokens)
           if (sizing.bytes(contextLength) > sizing.budget()) return yield* tooLong(contextLength)
-          // Prompt cache: the longest held prefix, in use (never evicted) from before admission, which may evict others
+          // Prompt cache: the longest held prefix, now the most recently used entry, so admission's eviction (which may
+          // need its memory) takes it last; in use from admission on (runAdmitted)
           const match = cacheOn ? cacheIndex.match(prompt) : undefined
-          let pinned = match !== undefined
-          const unpin = () => {
-            if (pinned && match !== undefined) cacheIndex.unpin(match.entry)
-            pinned = false
-          }
-          if (match !== undefined) {
-            cacheIndex.pin(match.entry)
-            yield* Effect.addFinalizer(() => Effect.sync(unpin))
-          }
           const queuedAt = performance.now()
           const ticket = yield* admission!.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
-          const run = runAdmitted(prompt, maxTokens, request, queuedAt, contextLength, ticket, match, unpin)
+          const run = runAdmitted(prompt, maxTokens, request, queuedAt, contextLength, ticket, match)
           return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, run)))
         })
       )
@@ -625,14 +617,22 @@ export const make = (options: ServeOptions) =>
       queuedAt: number,
       contextLength: number,
       ticket: { readonly onRelease: (f: () => void) => void; readonly release: () => void },
-      match: PromptCacheMatch | undefined,
-      unpin: () => void
+      match: PromptCacheMatch | undefined
     ): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
           const { pipeline } = yield* current
-          // Prompt cache: adopt `match` (pinned by the caller); keep this run's KV as a new entry once it completes
-          // (added when its admission is released, its memory then the entry's), else drop it.
+          // Prompt cache: adopt `match` if admission left it (in use until the run ends: never evicted); keep this run's
+          // KV as a new entry once it completes (added when its admission is released, its memory then the entry's),
+          // else drop it.
+          const adopt = match !== undefined && cacheIndex.has(match.entry) ? match : undefined
+          if (adopt !== undefined) cacheIndex.pin(adopt.entry)
+          let pinned = adopt !== undefined
+          const unpin = () => {
+            if (pinned && adopt !== undefined) cacheIndex.unpin(adopt.entry)
+            pinned = false
+          }
+          yield* Effect.addFinalizer(() => Effect.sync(unpin))
           const keepId = cacheOn ? cacheIndex.nextId() : undefined
           const generatedIds: Array<number> = []
           let cachedTokens = 0
@@ -741,7 +741,7 @@ export const make = (options: ServeOptions) =>
               prompt,
               maxTokens,
               ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
-              ...(keepId === undefined ? {} : { promptCache: { keep: keepId, ...(match === undefined ? {} : { adopt: match }) } })
+              ...(keepId === undefined ? {} : { promptCache: { keep: keepId, ...(adopt === undefined ? {} : { adopt }) } })
             }).pipe(
               Stream.mapError((error): ServeError =>
                 error._tag === "InvalidRequest"
