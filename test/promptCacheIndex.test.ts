@@ -35,15 +35,15 @@ describe("prompt cache index", () => {
     assert.deepStrictEqual(index.order().map((e) => e.id), [ids[1], ids[2], ids[0]])
     index.pin(ids[1]!)
     const gone = index.evictWhile(() => index.bytes() > 100)
-    assert.deepStrictEqual(gone, [ids[2], ids[0]])
-    assert.deepStrictEqual(index.order().map((e) => e.id), [ids[1]])
+    assert.deepStrictEqual(gone, [ids[2]!, ids[0]!])
+    assert.deepStrictEqual(index.order().map((e) => e.id), [ids[1]!])
     assert.strictEqual(index.evictions(), 2)
     // pinned twice, unpinned once: still in use
     index.pin(ids[1]!)
     index.unpin(ids[1]!)
     assert.deepStrictEqual(index.evictWhile(() => index.size() > 0), [])
     index.unpin(ids[1]!)
-    assert.deepStrictEqual(index.evictWhile(() => index.size() > 0), [ids[1]])
+    assert.deepStrictEqual(index.evictWhile(() => index.size() > 0), [ids[1]!])
     assert.strictEqual(index.bytes(), 0)
   })
 
