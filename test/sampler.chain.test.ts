@@ -66,7 +66,8 @@ describe("the sampler chain on the last stage", () => {
       const bad = yield* collect(run(request({ temperature: 0.5, seed: 1, grammar: { text: 'root ::= ("a" | ' } })).pipe(Stream.provideLayer(layer)))
       assert.isTrue(Either.isLeft(bad.result))
       const message = String((bad.result as Either.Left<{ message?: string }, void>).left.message)
-      assert.include(message, "grammar does not parse")
+      // Gbnf.ts (services) refuses it before llama.cpp's parser sees it, with where it goes wrong
+      assert.match(message, /grammar: .* at line 1, column \d+/)
       assert.notInclude(message, "WorkerCrashed")
       assert.isTrue(agents.every((a) => isAlive(a.pid)))
       const good = yield* collect(run(request({ temperature: 0.5, seed: 1, grammar: { text: 'root ::= "yes" | "no"' } })).pipe(Stream.provideLayer(layer)))
@@ -83,7 +84,7 @@ describe("the sampler chain on the last stage", () => {
         [{ temperature: 0.5, logitBias: [{ tokenId: 512, bias: 1 }] }, "logitBias token 512"],
         [{ temperature: 0.5, logitBias: [{ tokenId: 3, bias: Number.POSITIVE_INFINITY }] }, "logitBias for token 3"],
         [{ temperature: 0.5, dry: { multiplier: 0.8, sequenceBreakers: ["a\u0000b"] } }, "dry.sequenceBreakers[0]"],
-        [{ temperature: 0.5, grammar: { text: `root ::= ${"(".repeat(500)}"a"${")".repeat(500)}` } }, "grammar nests"],
+        [{ temperature: 0.5, grammar: { text: `root ::= ${"(".repeat(500)}"a"${")".repeat(500)}` } }, "grammar: groups nest deeper than 64"],
         [{ temperature: 0.5, grammar: { text: 'root ::= "a"', root: "no such\nrule" } }, "grammar root"],
         [{ logprobs: 21 }, "logprobs"]
       ]

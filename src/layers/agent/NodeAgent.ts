@@ -425,6 +425,17 @@ export const makeStageHost = (
         )
         progressSinks.delete(key)
         flushTimings()
+        // The fault goes out first: the orchestrator learns of it before anything else is done here (its own endpoint
+        // sees the stage's edges close as well, and the stage's words name the cause).
+        if (Exit.isFailure(exit)) {
+          const failure = Cause.failureOption(exit.cause)
+          const fault = Option.isSome(failure) && failure.value instanceof StageFailure
+            ? failure.value
+            : new StageFailure({ reason: StageFaultReasons.WorkerCrashed({ message: Cause.pretty(exit.cause) }) })
+          if (!Cause.isInterruptedOnly(exit.cause)) {
+            yield* reports.offer({ _tag: "StageFault", runId, stageIndex, reason: fault.reason })
+          }
+        }
         // A stage that stopped, or whose edges closed (the run's teardown may close them before its stop arrives), keeps
         // its session as the prompt-cache entry its run named (unless dropped): positions [0, position) hold the run's
         // tokens. After an engine or protocol fault it keeps nothing. (Whether the entry is used is the server's call:
@@ -447,15 +458,6 @@ export const makeStageHost = (
           }
         }
         if (!hold.kept) yield* Scope.close(sessionScope, Exit.void)
-        if (Exit.isFailure(exit)) {
-          const failure = Cause.failureOption(exit.cause)
-          const fault = Option.isSome(failure) && failure.value instanceof StageFailure
-            ? failure.value
-            : new StageFailure({ reason: StageFaultReasons.WorkerCrashed({ message: Cause.pretty(exit.cause) }) })
-          if (!Cause.isInterruptedOnly(exit.cause)) {
-            yield* reports.offer({ _tag: "StageFault", runId, stageIndex, reason: fault.reason })
-          }
-        }
         measureStage()
         const memory = residentMemory()
         stats.residentBytes = memory.resident
