@@ -101,7 +101,10 @@ describe("a stage's peak resident memory stays near its weights + KV cache + com
       // ratio. The load holds the weights once (plus a read chunk or one repacked tensor's pages); serving adds the
       // KV cache and compute buffers; settle adds at most a few copy chunks (it held a second copy of every mapped
       // weight before).
-      assert.isAtMost(above(r.loaded), r.weightBytes + 16 * MB, `load peak ${MiB(above(r.loaded))}`)
+      // The Q4_K load measured 15.6-16.0 MB above its weights across runs of the same code (a fresh-clone CI run went
+      // 4 KiB over a 16 MB allowance): 20 MB leaves room for that spread and still catches the regression this guards
+      // (a prefaulted mapping held beside the repacked copies is ~40 MB more here).
+      assert.isAtMost(above(r.loaded), r.weightBytes + 20 * MB, `load peak ${MiB(above(r.loaded))}`)
       assert.isAtMost(above(r.served), budget + 32 * MB, `serving peak ${MiB(above(r.served))}`)
       assert.isAtMost(r.end.hwm - r.served.hwm, 24 * MB, `settle raised the peak by ${MiB(r.end.hwm - r.served.hwm)}`)
     }, 120_000)
