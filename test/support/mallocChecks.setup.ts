@@ -3,7 +3,9 @@
  * that its worker process really runs with glibc's checks, so the run cannot pass unchecked. In this process:
  * libc_malloc_debug is mapped (where glibc needs it) and a fresh malloc block is filled with the perturb pattern.
  * In a child started with this process's environment: a one-byte overflow past a 16-byte block, which plain glibc
- * never notices (the block's usable size is 24), aborts at its free.
+ * never notices (the block's usable size is 24), aborts at its free. The overflow flips the byte it overwrites: that
+ * byte is glibc's check byte, computed from the block's address, so writing a fixed value left it intact about once in
+ * 256 runs (a fresh-clone CI run's probe "survived").
  *
  * A file that measures its child processes' resident memory (engine.peak: VmHWM of a stage process) gets its
  * children without MALLOC_PERTURB_ (they keep MALLOC_CHECK_): perturbing writes every byte of every new block, so
@@ -44,7 +46,9 @@ const overflow = `
   const koffi = require(${JSON.stringify(koffiPath)})
   const self = koffi.load(null)
   const p = self.func("void *malloc(size_t)")(16)
-  new Uint8Array(koffi.view(p, 17))[16] = 0x41
+  // byte 16 holds glibc's check byte, derived from the address: flipped, never rewritten with the value it may hold
+  const bytes = new Uint8Array(koffi.view(p, 17))
+  bytes[16] = bytes[16] ^ 0xff
   self.func("void free(void *)")(p)
   console.log("survived")
 `
