@@ -10,7 +10,7 @@ import Anthropic from "@anthropic-ai/sdk"
 import OpenAI from "openai"
 import { randomBytes } from "node:crypto"
 import { requireModel } from "./support/models.js"
-import { agentsOf as agentsWithKey, metricOf as metricWithKey, type ServeProcess, startServe, stopServe } from "./support/serve.js"
+import { agentsOf as agentsWithKey, metricOf as metricWithKey, type ServeProcess, startServe, stopServe, waitForIdle } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 const key = `sk-${randomBytes(24).toString("base64url")}`
@@ -326,11 +326,7 @@ describe("swactor serve: Anthropic's Messages API (stories260K, 2 local stages, 
     runningAbort.abort()
     await runningDone
     const started = Date.now()
-    while (Date.now() - started < 3000) {
-      const agents = await agentsOf(server.url)
-      if (agents.every((a) => a.activeStages === 0) && (await metricOf(server.url, "swactor_requests_in_flight")) === 0) break
-      await sleep(20)
-    }
+    await waitForIdle(server.url, { "x-api-key": key })
     assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.activeStages), [0, 0])
     assert.isBelow(Date.now() - started, 2000)
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 0)

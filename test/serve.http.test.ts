@@ -13,7 +13,7 @@ import { isAlive } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
 import { spawn } from "node:child_process"
 import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
-import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe, startServeOverNodes } from "./support/serve.js"
+import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe, startServeOverNodes, waitForIdle } from "./support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 /** The greedy 24-token completion of "Once upon a time" from the local server (the remote one must match it). */
@@ -243,11 +243,7 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 1)
     abort.abort()
     const started = Date.now()
-    while (Date.now() - started < 3000) {
-      const agents = await agentsOf(server.url)
-      if (agents.every((a) => a.activeStages === 0) && (await metricOf(server.url, "swactor_requests_in_flight")) === 0) break
-      await sleep(20)
-    }
+    await waitForIdle(server.url)
     assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.activeStages), [0, 0])
     assert.isBelow(Date.now() - started, 2000)
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 0)

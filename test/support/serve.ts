@@ -101,6 +101,15 @@ export const metricOf = async (url: string, name: string, headers: Record<string
   return match === null ? Number.NaN : Number(match[1])
 }
 
+/** Polls until no agent hosts a stage and nothing is in flight, for at most `withinMillis` (the caller asserts after). */
+export const waitForIdle = async (url: string, headers: Record<string, string> = {}, withinMillis = 3000): Promise<void> => {
+  for (const until = Date.now() + withinMillis; Date.now() < until;) {
+    const agents = await agentsOf(url, headers)
+    if (agents.every((a) => a.activeStages === 0) && (await metricOf(url, "swactor_requests_in_flight", headers)) === 0) return
+    await sleep(20)
+  }
+}
+
 /** Raw SSE over fetch: every `data:` payload in order (comments skipped), and when each came. */
 export const readSse = async (response: Response, onData?: (data: string) => void, onComment?: (line: string) => void) => {
   const events: Array<{ data: string; at: number }> = []
