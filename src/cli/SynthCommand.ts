@@ -33,6 +33,9 @@ export interface SynthArgs {
   readonly ropeFreqBase: Option.Option<number>
   readonly normEps: Option.Option<number>
   readonly chatTemplate: Option.Option<SyntheticChatTemplate>
+  readonly slidingWindow: Option.Option<number>
+  readonly swaPattern: Option.Option<number>
+  readonly logitSoftcap: Option.Option<number>
   readonly output: string
 }
 
@@ -61,7 +64,10 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.headDim) ? { headDim: args.headDim.value } : {}),
   ...(Option.isSome(args.ropeFreqBase) ? { ropeFreqBase: args.ropeFreqBase.value } : {}),
   ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {}),
-  ...(Option.isSome(args.chatTemplate) ? { chatTemplate: args.chatTemplate.value } : {})
+  ...(Option.isSome(args.chatTemplate) ? { chatTemplate: args.chatTemplate.value } : {}),
+  ...(Option.isSome(args.slidingWindow) ? { slidingWindow: args.slidingWindow.value } : {}),
+  ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
+  ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {})
 }
 }
 
@@ -124,6 +130,14 @@ export const synthCommand = Command.make(
     normEps: Options.float("norm-eps").pipe(Options.withDescription("RMS norm epsilon"), Options.optional),
     chatTemplate: Options.choice("chat-template", syntheticChatTemplates).pipe(
       Options.withDescription("a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"),
+      Options.optional
+    ),
+    slidingWindow: int("sliding-window", "gemma3: sliding window of the local blocks (default 32)").pipe(Options.optional),
+    swaPattern: int("swa-pattern", "gemma3: one global block every N blocks (default 6: 5 local, 1 global)").pipe(
+      Options.optional
+    ),
+    logitSoftcap: Options.float("logit-softcap").pipe(
+      Options.withDescription("gemma3: final logit soft-capping (default: none)"),
       Options.optional
     ),
     output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))

@@ -1,3 +1,5 @@
+import type { Effect } from "effect"
+import type { GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import type { Ptr } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
 import type { BlockWeights, TensorSpec, Toolkit } from "./Toolkit.js"
@@ -7,6 +9,10 @@ export interface ArchModule {
   readonly name: string
   /** ggml RoPE mode (0 = NORM, 2 = NEOX). */
   readonly ropeMode: number
+  /** Optional: the architecture's own hyperparameters read (and checked) on top of the common ones. */
+  readonly hparams?: (file: GgufFile, hp: HParams) => Effect.Effect<HParams, ModelLoadError>
+  /** Optional: a factor the token embeddings are scaled by before the first block (gemma: sqrt(n_embd)). */
+  readonly embedScale?: (hp: HParams) => number
   /** Tensors of one block, short names (`attn_q.weight`). */
   readonly blockTensors: (hp: HParams) => ReadonlyArray<TensorSpec>
   /** Optional model-wide tensors that blocks use (full names, e.g. `rope_freqs.weight`). */

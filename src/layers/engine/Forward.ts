@@ -129,6 +129,16 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       if (p + 1 < nKv) maskArr.subarray(i * nKv, (i + 1) * nKv).fill(F16_NEG_INF, p + 1)
     }
     raw.ggml_backend_tensor_set(segments[s]!.mask, maskArr, 0, maskArr.byteLength)
+    const swaMask = segments[s]!.swaMask
+    if (swaMask !== null) {
+      // sliding-window blocks: also -inf where p - c >= window (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD)
+      const window = hp.swa!.window
+      for (let i = 0; i < n; i++) {
+        const p = startPos + i
+        if (p - window >= 0) maskArr.subarray(i * nKv, (i + 1) * nKv).fill(F16_NEG_INF, 0, Math.min(nKv, p - window + 1))
+      }
+      raw.ggml_backend_tensor_set(swaMask, maskArr, 0, maskArr.byteLength)
+    }
   }
   if (outIds !== null) {
     raw.ggml_backend_tensor_set(outIds, Int32Array.from(segments, (seg) => seg.offset + seg.n - 1), 0, items.length * 4)

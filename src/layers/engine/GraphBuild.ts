@@ -47,12 +47,21 @@ export const buildGraph = (
     const rowIdx = nSeq > 1 ? input1d(GgmlType.I64, n, "inp_rows") : null
     const segments: Array<AttentionSegment> = []
     let offset = 0
+    // a second mask per sequence when the stage holds sliding-window blocks (HParams.swa)
+    let stageHasSwa = false
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) stageHasSwa ||= hp.swa?.layers[il] === true
     items.forEach((it, s) => {
       const len = inputLength(it.input)
       const nKv = nKvs[s]!
       const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
       raw.ggml_set_name(mask, nSeq > 1 ? `inp_kq_mask_${s}` : "inp_kq_mask")
       raw.ggml_set_input(mask)
+      let swaMask: Ptr | null = null
+      if (stageHasSwa) {
+        swaMask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
+        raw.ggml_set_name(swaMask, nSeq > 1 ? `inp_kq_mask_swa_${s}` : "inp_kq_mask_swa")
+        raw.ggml_set_input(swaMask)
+      }
       const session = it.session
       segments.push({
         offset,
@@ -61,6 +70,7 @@ export const buildGraph = (
         kv: (il) => session.kv.get(il)!,
         kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
         mask,
+        swaMask,
         rows: rowIdx === null ? null : raw.ggml_view_1d(ctx, rowIdx, len, offset * 8)
       })
       offset += len
@@ -74,6 +84,7 @@ export const buildGraph = (
     if (kind === "Tokens") {
       tokens = input1d(GgmlType.I32, n, "inp_tokens")
       x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
+      if (arch.embedScale !== undefined) x = raw.ggml_scale(ctx, x, arch.embedScale(hp))
     } else {
       x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
       raw.ggml_set_name(x, "inp_hidden")

@@ -38,6 +38,20 @@ export interface HParams {
   readonly kqScale: number
   readonly eosTokenId: number
   readonly bosTokenId: number | undefined
+  /** Sliding-window attention (gemma3), set by the architecture's own hyperparameters; absent: every block is global. */
+  readonly swa?: SwaParams
+  /** Final logit soft-capping (`final_logit_softcapping`, gemma): logits = cap * tanh(logits / cap); absent: none. */
+  readonly logitSoftcap?: number
+}
+
+/** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */
+export interface SwaParams {
+  /** A position p attends to cells c with p - window < c <= p. */
+  readonly window: number
+  /** Per block of the model: true when it is a sliding-window block. */
+  readonly layers: ReadonlyArray<boolean>
+  readonly ropeFreqBase: number
+  readonly ropeFreqScale: number
 }
 
 const invalid = (file: GgufFile, message: string) =>

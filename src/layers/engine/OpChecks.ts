@@ -180,6 +180,16 @@ const makeChecked = (g: Ggml): GgmlRaw => {
         fail("ggml_swiglu_split", "gate and up must be contiguous, of one shape and type", a, b)
       }
       return raw.ggml_swiglu_split(ctx, a, b)
+    },
+    ggml_geglu_split: (ctx, a, b) => {
+      if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
+        fail("ggml_geglu_split", "gate and up must be contiguous, of one shape and type", a, b)
+      }
+      return raw.ggml_geglu_split(ctx, a, b)
+    },
+    ggml_tanh: (ctx, a) => {
+      if (!is.isContiguous1(a)) fail("ggml_tanh", "the operand is not contiguous", a)
+      return raw.ggml_tanh(ctx, a)
     }
   }
 }

@@ -1,5 +1,6 @@
 /** The supported architectures: adding one is a module under archs/ and one entry here. */
 import type { ArchModule } from "./Arch.js"
+import { gemma3 } from "./archs/gemma3.js"
 import { llama } from "./archs/llama.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
@@ -7,7 +8,8 @@ import { qwen3 } from "./archs/qwen3.js"
 export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["llama", llama],
   ["qwen2", qwen2],
-  ["qwen3", qwen3]
+  ["qwen3", qwen3],
+  ["gemma3", gemma3]
 ])
 
 export const supportedArchitectures = (): ReadonlyArray<string> => [...architectures.keys()]

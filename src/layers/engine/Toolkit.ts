@@ -46,6 +46,8 @@ export interface AttentionSegment {
   readonly kvIdx: Ptr
   /** F16 [nKv, n] 0 / -inf, contiguous (flash attention needs it so) */
   readonly mask: Ptr
+  /** The same, also -inf outside the sliding window: the mask of sliding-window blocks (null when the stage has none) */
+  readonly swaMask: Ptr | null
   /** I64 [n] its rows in the batch (where its attention output goes); null when it is the whole batch */
   readonly rows: Ptr | null
 }
@@ -130,8 +132,15 @@ export class Toolkit {
     }
   }
 
+  /** Is the block being built a sliding-window block (HParams.swa)? */
+  get slidingWindow(): boolean {
+    return this.hp.swa?.layers[this.layer] === true
+  }
+
+  /** RoPE with the model's base and scale, or the sliding-window blocks' own (llama.cpp's get_rope_freq_base). */
   rope(x: Ptr, freqFactors: Ptr | null = null): Ptr {
     const hp = this.hp
+    const swa = this.slidingWindow ? hp.swa! : null
     return this.g.ggml_rope_ext(
       this.ctx,
       x,
@@ -140,8 +149,8 @@ export class Toolkit {
       hp.nRot,
       hp.ropeMode,
       hp.nCtxOrig,
-      hp.ropeFreqBase,
-      hp.ropeFreqScale,
+      swa === null ? hp.ropeFreqBase : swa.ropeFreqBase,
+      swa === null ? hp.ropeFreqScale : swa.ropeFreqScale,
       0,
       1,
       32,
@@ -153,8 +162,9 @@ export class Toolkit {
    * Stores each sequence's K and V in its own cache, attends per sequence over the first nKv cells of that cache
    * (flash attention, causal F16 mask), projects all rows together with wo.
    * q: [headDimK, nHead, n], k: [headDimK, nHeadKv, n], v: [headDimV, nHeadKv, n] (contiguous, all sequences' rows).
+   * Sliding-window blocks take each sequence's window mask. `kqScale`: the scale inside flash attention.
    */
-  attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null): Ptr {
+  attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null, kqScale = this.hp.kqScale): Ptr {
     const g = this.g
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
@@ -168,7 +178,7 @@ export class Toolkit {
     g.ggml_build_forward_expand(this.graph, k)
     const segments = this.inputs.segments
     if (segments.length === 1) {
-      const cur = this.attendSegment(segments[0]!, q, k, v)
+      const cur = this.attendSegment(segments[0]!, q, k, v, kqScale)
       return this.linear(wo, cur, woBias)
     }
     // Several sequences: each one's output rows are written in place into one [headDimV * nHead, n] buffer. It is
@@ -180,14 +190,14 @@ export class Toolkit {
       const qs = g.ggml_view_3d(ctx, q, headDimK, nHead, seg.n, f32(headDimK), f32(headDimK * nHead), seg.offset * f32(headDimK * nHead))
       const ks = g.ggml_view_3d(ctx, k, headDimK, nHeadKv, seg.n, f32(headDimK), f32(nEmbdK), seg.offset * f32(nEmbdK))
       const vs = g.ggml_view_3d(ctx, v, headDimV, nHeadKv, seg.n, f32(headDimV), f32(nEmbdV), seg.offset * f32(nEmbdV))
-      const out = this.attendSegment(seg, qs, ks, vs)
+      const out = this.attendSegment(seg, qs, ks, vs, kqScale)
       cur = g.ggml_set_rows(ctx, cur, out, seg.rows!)
     }
     return this.linear(wo, cur, woBias)
   }
 
   /** One sequence: cache writes, flash attention over its cells; [headDimV * nHead, seg.n]. */
-  private attendSegment(seg: AttentionSegment, q: Ptr, k: Ptr, v: Ptr): Ptr {
+  private attendSegment(seg: AttentionSegment, q: Ptr, k: Ptr, v: Ptr, kqScale: number): Ptr {
     const g = this.g
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
@@ -222,7 +232,9 @@ export class Toolkit {
     const qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)
     const kp = g.ggml_permute(ctx, kView, 0, 2, 1, 3)
     const vp = g.ggml_permute(ctx, vView, 0, 2, 1, 3)
-    const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, seg.mask, this.hp.kqScale, 0, 0)
+    const mask = this.slidingWindow ? seg.swaMask : seg.mask
+    if (mask === null) throw new Error(`block ${this.layer} is a sliding-window block but the graph has no window mask`)
+    const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kqScale, 0, 0)
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
     return g.ggml_reshape_2d(ctx, fa, headDimV * nHead, seg.n)
   }

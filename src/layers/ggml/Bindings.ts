@@ -215,6 +215,12 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       a: Ptr,
       b: Ptr
     ) => Ptr,
+    ggml_geglu_split: f("void * ggml_geglu_split(void * ctx, void * a, void * b)") as (
+      ctx: Ptr,
+      a: Ptr,
+      b: Ptr
+    ) => Ptr,
+    ggml_tanh: f("void * ggml_tanh(void * ctx, void * a)") as (ctx: Ptr, a: Ptr) => Ptr,
     ggml_new_graph_custom: f("void * ggml_new_graph_custom(void * ctx, size_t size, bool grads)") as (
       ctx: Ptr,
       size: number,

@@ -20,15 +20,16 @@ import { GgufValueType } from "../../domain/gguf.js"
 import { quantizeChunk } from "../ggml/Bindings.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
+import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import { type SyntheticChatTemplate, syntheticChatTemplates, syntheticTemplateSpec } from "./SyntheticTemplates.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3"
 export type SyntheticType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | "q4_k" | "q6_k"
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
 
-export interface SyntheticModelOptions {
+export interface SyntheticModelOptions extends SyntheticGemmaOptions {
   readonly path: string
   readonly arch: SyntheticArch
   readonly layers: number
@@ -300,7 +301,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return undefined
+  return validateGemmaOptions(o)
 }
 
 interface PlannedTensor {
@@ -337,6 +338,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       norm(`${b}.attn_q_norm.weight`, hd)
       norm(`${b}.attn_k_norm.weight`, hd)
     }
+    if (o.arch === "gemma3") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
     w(`${b}.attn_output.weight`, q, o.hidden)
     norm(`${b}.ffn_norm.weight`, o.hidden)
     w(`${b}.ffn_gate.weight`, o.hidden, o.ffn)
@@ -404,7 +406,8 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.rope.freq_base`, GgufValues.f32(o.ropeFreqBase ?? (isQwen ? 1_000_000 : 10_000))],
     [`${a}.rope.dimension_count`, GgufValues.u32(hd)]
   ]
-  if (a === "qwen3" || o.headDim !== undefined) {
+  if (a === "gemma3") md.push(...gemmaMetadata(o))
+  if (a === "qwen3" || a === "gemma3" || o.headDim !== undefined) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }

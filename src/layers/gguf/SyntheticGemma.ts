@@ -1,0 +1,49 @@
+/**
+ * The gemma3 parts of a synthetic model (Synthetic.ts): its extra per-block norms and its metadata (sliding window,
+ * window pattern, the sliding-window blocks' RoPE base, optional final logit soft-capping).
+ */
+import type { GgufTypedValue } from "./GgufWriter.js"
+import { GgufValues } from "./GgufWriter.js"
+
+/** gemma3 options of a synthetic model. */
+export interface SyntheticGemmaOptions {
+  /** Sliding window of the local blocks; default 32 (small, so that short tests slide it). */
+  readonly slidingWindow?: number
+  /** One global block every `swaPattern` blocks (llama.cpp's sliding_window_pattern); default 6 (5 local : 1 global). */
+  readonly swaPattern?: number
+  /** Written as final_logit_softcapping when given. */
+  readonly logitSoftcap?: number
+}
+
+export const GEMMA_DEFAULT_WINDOW = 32
+export const GEMMA_DEFAULT_PATTERN = 6
+
+/** What is wrong with the gemma3 options, or undefined. */
+export const validateGemmaOptions = (o: SyntheticGemmaOptions): string | undefined => {
+  const w = o.slidingWindow
+  if (w !== undefined && !(Number.isSafeInteger(w) && w > 0)) return `slidingWindow must be a positive integer, got ${w}`
+  const p = o.swaPattern
+  if (p !== undefined && !(Number.isSafeInteger(p) && p > 0)) return `swaPattern must be a positive integer, got ${p}`
+  const c = o.logitSoftcap
+  if (c !== undefined && !(c > 0 && Number.isFinite(c))) return `logitSoftcap must be > 0, got ${c}`
+  return undefined
+}
+
+/** gemma3's extra norms of block `b` (`blk.N`): q/k norms of the head size, post-attention and post-FFN norms. */
+export const gemmaBlockNorms = (b: string, hidden: number, headDim: number): ReadonlyArray<readonly [string, number]> => [
+  [`${b}.attn_q_norm.weight`, headDim],
+  [`${b}.attn_k_norm.weight`, headDim],
+  [`${b}.post_attention_norm.weight`, hidden],
+  [`${b}.post_ffw_norm.weight`, hidden]
+]
+
+/** gemma3's own metadata keys. */
+export const gemmaMetadata = (o: SyntheticGemmaOptions): Array<readonly [string, GgufTypedValue]> => {
+  const md: Array<readonly [string, GgufTypedValue]> = [
+    ["gemma3.attention.sliding_window", GgufValues.u32(o.slidingWindow ?? GEMMA_DEFAULT_WINDOW)],
+    ["gemma3.attention.sliding_window_pattern", GgufValues.u32(o.swaPattern ?? GEMMA_DEFAULT_PATTERN)],
+    ["gemma3.rope.freq_base_swa", GgufValues.f32(10_000)]
+  ]
+  if (o.logitSoftcap !== undefined) md.push(["gemma3.final_logit_softcapping", GgufValues.f32(o.logitSoftcap)])
+  return md
+}
