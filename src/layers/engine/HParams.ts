@@ -12,6 +12,7 @@ import {
   getStringArray,
   getU32
 } from "../gguf/GgufReader.js"
+import type { MoeParams } from "./Moe.js"
 
 export const RopeMode = { NORM: 0, NEOX: 2 } as const
 
@@ -42,6 +43,8 @@ export interface HParams {
   readonly swa?: SwaParams
   /** Final logit soft-capping (`final_logit_softcapping`, gemma): logits = cap * tanh(logits / cap); absent: none. */
   readonly logitSoftcap?: number
+  /** Mixture-of-experts routing (set by an MoE architecture's own hyperparameters, Moe.ts); absent: dense. */
+  readonly moe?: MoeParams
 }
 
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */

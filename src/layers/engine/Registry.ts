@@ -4,11 +4,13 @@ import { gemma3 } from "./archs/gemma3.js"
 import { llama } from "./archs/llama.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
+import { qwen3moe } from "./archs/qwen3moe.js"
 
 export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["llama", llama],
   ["qwen2", qwen2],
   ["qwen3", qwen3],
+  ["qwen3moe", qwen3moe],
   ["gemma3", gemma3]
 ])
 

@@ -1,0 +1,275 @@
+/**
+ * Mixture-of-experts feed-forward over the toolkit: hyperparameters read and checked from the GGUF, the tensors of a
+ * routed block, and the graph of llama.cpp's build_moe_ffn (src/llama-graph.cpp) op for op:
+ *
+ *   logits = gate_inp x                        [n_expert, n]
+ *   probs  = softmax(logits) | sigmoid(logits)
+ *   chosen = top-k(probs + exp_probs_b)        I32 [k, n] (the bias only chooses; the weights stay unbiased)
+ *   w      = probs[chosen]                     [1, k, n], then / sum (norm), then * scale
+ *   out    = sum_i w_i * down_i(silu(gate_i x) * up_i x)   (ggml_mul_mat_id over the stacked experts)
+ *   (+ shared experts: a dense SwiGLU over ffn_*_shexp added to the routed sum)
+ *
+ * The expert products are ggml_mul_mat_id, never Toolkit.linear's few-row route: on the CPU, mul_mat_id runs the
+ * one-row vec_dot kernel for every (row, expert) pair whatever the batch, so a row's routed output has the same bits
+ * in a batch as alone; each row routes on its own logits.
+ */
+import { Effect } from "effect"
+import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
+import { getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
+import { moeOps } from "../ggml/MoeBindings.js"
+import { getNumberArray, getOptional, getU32 } from "../gguf/GgufReader.js"
+import type { HParams } from "./HParams.js"
+import { GraphOpError } from "./OpChecks.js"
+import type { BlockWeights, TensorSpec, Toolkit } from "./Toolkit.js"
+
+/** llama.cpp's LLAMA_MAX_EXPERTS: its loader asserts (aborts) above it. */
+export const MAX_EXPERTS = 1024
+
+export type ExpertGating = "softmax" | "sigmoid"
+
+export interface MoeParams {
+  /** `<arch>.expert_count`: experts per routed block (the third dim of ffn_*_exps). */
+  readonly nExpert: number
+  /** `<arch>.expert_used_count`: experts each token goes through (top-k). */
+  readonly nExpertUsed: number
+  /** `<arch>.expert_feed_forward_length` (default feed_forward_length / expert_used_count). */
+  readonly nFfExp: number
+  readonly gating: ExpertGating
+  /** Divide the k chosen weights by their sum. */
+  readonly normWeights: boolean
+  /** Multiply the weights by this (0 or 1: not at all). */
+  readonly weightsScale: number
+  /** Shared experts' feed-forward length (0: none). */
+  readonly nFfShared: number
+  /** Blocks 0..n-1 are dense (a plain SwiGLU feed-forward), the rest routed. */
+  readonly nLeadingDense: number
+}
+
+/** What an architecture fixes (or reads from its own keys) beside the common MoE keys. */
+export interface MoeArchOptions {
+  readonly gating: ExpertGating
+  readonly normWeights: boolean
+  readonly weightsScale?: number
+  readonly nFfShared?: number
+  readonly nLeadingDense?: number
+}
+
+const invalid = (file: GgufFile, message: string) =>
+  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
+
+/** One positive integer per model, or per layer when stored as an array (all equal: swactor has one value). */
+const uniformCount = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> =>
+  Effect.gen(function*() {
+    if (!file.metadata.has(key)) return undefined
+    let n: number
+    if (Array.isArray(file.metadata.get(key))) {
+      const arr = yield* getNumberArray(file, key)
+      const first = arr[0]
+      if (first === undefined || arr.some((x) => x !== first)) {
+        return yield* Effect.fail(invalid(file, `metadata "${key}" varies per layer, which swactor does not support`))
+      }
+      n = first
+    } else {
+      n = yield* getU32(file, key)
+    }
+    if (!Number.isSafeInteger(n) || n <= 0) return yield* Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
+    return n
+  })
+
+/** Routed blocks' stacked expert tensors (short names) and which dim counts the experts. */
+const EXPERT_TENSORS = ["ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"] as const
+
+/**
+ * Reads and checks the MoE hyperparameters: expert_count (1..1024), expert_used_count (1..expert_count), the expert
+ * feed-forward length; then every routed block's ffn_gate_inp / ffn_*_exps tensors must count expert_count experts.
+ * Errors are ModelLoadError naming the key, and the tensor when a tensor disagrees.
+ */
+export const readMoeParams = (
+  file: GgufFile,
+  hp: HParams,
+  options: MoeArchOptions
+): Effect.Effect<MoeParams, ModelLoadError> =>
+  Effect.gen(function*() {
+    const k = (s: string) => `${hp.arch}.${s}`
+    const countKey = k("expert_count")
+    const usedKey = k("expert_used_count")
+    const nExpert = yield* uniformCount(file, countKey)
+    if (nExpert === undefined) return yield* Effect.fail(invalid(file, `metadata key "${countKey}" is missing`))
+    if (nExpert > MAX_EXPERTS) {
+      return yield* Effect.fail(invalid(file, `metadata "${countKey}" = ${nExpert} is above ${MAX_EXPERTS}`))
+    }
+    const nExpertUsed = yield* uniformCount(file, usedKey)
+    if (nExpertUsed === undefined) return yield* Effect.fail(invalid(file, `metadata key "${usedKey}" is missing`))
+    if (nExpertUsed > nExpert) {
+      return yield* Effect.fail(
+        invalid(file, `metadata "${usedKey}" = ${nExpertUsed} is more than "${countKey}" = ${nExpert}`)
+      )
+    }
+    const groups = yield* getOptional(file, k("expert_group_count"), getU32)
+    if (groups !== undefined && groups > 1) {
+      return yield* Effect.fail(
+        invalid(file, `metadata "${k("expert_group_count")}" = ${groups}: grouped expert routing is not supported`)
+      )
+    }
+    const ffExp = yield* uniformCount(file, k("expert_feed_forward_length"))
+    const nFfExp = ffExp ?? Math.floor(hp.nFf / nExpertUsed)
+    if (nFfExp <= 0) {
+      return yield* Effect.fail(invalid(file, `expert feed-forward length ${nFfExp} (no "${k("expert_feed_forward_length")}")`))
+    }
+    const nLeadingDense = options.nLeadingDense ?? 0
+    if (nLeadingDense > hp.nLayer) {
+      return yield* Effect.fail(invalid(file, `${nLeadingDense} leading dense blocks of ${hp.nLayer}`))
+    }
+    // expert_count must agree with the tensors (the loader checks shapes too; this names the key with the tensor)
+    for (let il = nLeadingDense; il < hp.nLayer; il++) {
+      const counted: Array<readonly [string, number | undefined]> = [
+        [`blk.${il}.ffn_gate_inp.weight`, file.tensorsByName.get(`blk.${il}.ffn_gate_inp.weight`)?.dims[1]],
+        ...EXPERT_TENSORS.map((s) => [`blk.${il}.${s}`, file.tensorsByName.get(`blk.${il}.${s}`)?.dims[2] ?? (
+          file.tensorsByName.has(`blk.${il}.${s}`) ? 1 : undefined
+        )] as const)
+      ]
+      for (const [name, n] of counted) {
+        if (n !== undefined && n !== nExpert) {
+          const dims = file.tensorsByName.get(name)!.dims
+          return yield* Effect.fail(
+            new ModelLoadError({
+              path: file.path,
+              reason: "TensorShapeMismatch",
+              message: `tensor "${name}" [${dims.join(", ")}] holds ${n} experts, but metadata "${countKey}" = ${nExpert}`
+            })
+          )
+        }
+      }
+    }
+    const weightsScale = options.weightsScale ?? 0
+    if (!Number.isFinite(weightsScale) || weightsScale < 0) {
+      return yield* Effect.fail(invalid(file, `expert weights scale ${weightsScale} must be >= 0`))
+    }
+    return {
+      nExpert,
+      nExpertUsed,
+      nFfExp,
+      gating: options.gating,
+      normWeights: options.normWeights,
+      weightsScale,
+      nFfShared: options.nFfShared ?? 0,
+      nLeadingDense
+    }
+  })
+
+/** The tensors of a routed block's feed-forward (short names). */
+export const moeBlockSpecs = (hp: HParams, moe: MoeParams): ReadonlyArray<TensorSpec> => {
+  const { nExpert: e, nFfExp: f } = moe
+  const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
+  const specs: Array<TensorSpec> = [
+    m("ffn_gate_inp.weight", [hp.nEmbd, e]),
+    m("ffn_gate_exps.weight", [hp.nEmbd, f, e]),
+    m("ffn_up_exps.weight", [hp.nEmbd, f, e]),
+    m("ffn_down_exps.weight", [f, hp.nEmbd, e])
+  ]
+  if (moe.nFfShared > 0) {
+    specs.push(
+      m("ffn_gate_shexp.weight", [hp.nEmbd, moe.nFfShared]),
+      m("ffn_up_shexp.weight", [hp.nEmbd, moe.nFfShared]),
+      m("ffn_down_shexp.weight", [moe.nFfShared, hp.nEmbd])
+    )
+  }
+  return specs
+}
+
+/** The MoE parameters an MoE architecture's readParams set (internal error when absent). */
+export const moeOf = (hp: HParams): MoeParams => {
+  if (hp.moe === undefined) throw new Error(`internal: ${hp.arch} has no MoE hyperparameters`)
+  return hp.moe
+}
+
+/** F16's smallest normal number: llama.cpp clamps the weights' sum to it before dividing. */
+const MIN_WEIGHT_SUM = 6.103515625e-5
+
+/**
+ * The routed feed-forward of one block over x [n_embd, n] (already normed): llama.cpp's build_moe_ffn with the
+ * SwiGLU experts (LLM_FFN_SILU). `probsBias` is exp_probs_b (selection only), shared experts when `moe.nFfShared`.
+ */
+export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, probsBias: Ptr | null = null): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const ggml = getGgml()
+  const op = moeOps(ggml)
+  const shape = (p: Ptr) => ggml.tensorShape(p)
+  const check = (ok: boolean, name: string, why: string, ...ts: ReadonlyArray<Ptr>) => {
+    if (!ok) {
+      const operands = ts.map((p) => `[${shape(p).ne.join(", ")}] (type ${shape(p).type})`).join(", ")
+      throw new GraphOpError(`${name}: ${why} (operands ${operands})`)
+    }
+  }
+  const { nEmbd } = t.hp
+  const { nExpert, nExpertUsed: k } = moe
+  const sx = shape(x)
+  const n = sx.ne[1]!
+  check(sx.ne[0] === nEmbd && sx.ne[2] === 1 && sx.ne[3] === 1, "moeFfn", `input must be [${nEmbd}, n]`, x)
+
+  const logits = t.linear(w.get("ffn_gate_inp.weight"), x) // [n_expert, n]
+  check(shape(logits).ne[0] === nExpert, "moeFfn", `router logits must count ${nExpert} experts`, logits)
+  const probs = moe.gating === "softmax" ? op.ggml_soft_max(ctx, logits) : op.ggml_sigmoid(ctx, logits)
+  let selection = probs
+  if (probsBias !== null) {
+    // ggml_add's own check (OpChecks) refuses a bias that does not repeat to [n_expert, n]
+    selection = g.ggml_add(ctx, probs, probsBias)
+  }
+  check(shape(selection).ne[0]! >= k, "ggml_argsort_top_k", `fewer than ${k} values per row`, selection)
+  const chosen = op.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
+
+  let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, nExpert, n), chosen) // [1, k, n]
+  if (moe.normWeights) {
+    const w2 = g.ggml_reshape_2d(ctx, weights, k, n)
+    const sum = op.ggml_clamp(ctx, op.ggml_sum_rows(ctx, w2), MIN_WEIGHT_SUM, Infinity) // [1, n]
+    weights = g.ggml_reshape_3d(ctx, op.ggml_div(ctx, w2, sum), 1, k, n)
+  }
+  if (moe.weightsScale !== 0 && moe.weightsScale !== 1) weights = g.ggml_scale(ctx, weights, moe.weightsScale)
+  g.ggml_build_forward_expand(t.graph, weights)
+
+  const cur = g.ggml_reshape_3d(ctx, x, nEmbd, 1, n)
+  const mulMatId = (name: string, input: Ptr) => {
+    const a = w.get(name)
+    const [sa, sb, si] = [shape(a), shape(input), shape(chosen)]
+    check(
+      sa.ne[3] === 1 && sb.ne[3] === 1 && si.type === GgmlType.I32 && si.ne[1] === sb.ne[2] && sa.ne[0] === sb.ne[0] &&
+        si.ne[0]! % sb.ne[1]! === 0 && sa.ne[2] === nExpert,
+      "ggml_mul_mat_id",
+      "the experts, the rows and the expert ids do not match",
+      a,
+      input,
+      chosen
+    )
+    return op.ggml_mul_mat_id(ctx, a, input, chosen)
+  }
+  const up = mulMatId("ffn_up_exps.weight", cur) // [n_ff_exp, k, n]
+  const gate = mulMatId("ffn_gate_exps.weight", cur)
+  const act = g.ggml_swiglu_split(ctx, gate, up)
+  let experts = mulMatId("ffn_down_exps.weight", act) // [n_embd, k, n]
+  experts = g.ggml_mul(ctx, experts, weights)
+  g.ggml_build_forward_expand(t.graph, experts)
+
+  // the sum over the k chosen experts: views first, then the adds (llama.cpp's order)
+  const nb = shape(experts).nb
+  const views: Array<Ptr> = []
+  for (let i = 0; i < k; i++) {
+    const v = g.ggml_view_2d(ctx, experts, nEmbd, n, nb[2]!, i * nb[1]!)
+    g.ggml_build_forward_expand(t.graph, v)
+    views.push(v)
+  }
+  let out: Ptr = views[0]
+  for (let i = 1; i < k; i++) {
+    out = g.ggml_add(ctx, out, views[i]!)
+    g.ggml_build_forward_expand(t.graph, out)
+  }
+  if (k === 1) out = g.ggml_cont(ctx, out)
+
+  if (moe.nFfShared > 0) {
+    const shUp = t.linear(w.get("ffn_up_shexp.weight"), x)
+    const shGate = t.linear(w.get("ffn_gate_shexp.weight"), x)
+    const shared = t.linear(w.get("ffn_down_shexp.weight"), g.ggml_swiglu_split(ctx, shGate, shUp))
+    out = g.ggml_add(ctx, out, shared)
+  }
+  return out
+}
