@@ -61,6 +61,9 @@ export const buildGraph = (
         swaMask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
         raw.ggml_set_name(swaMask, nSeq > 1 ? `inp_kq_mask_swa_${s}` : "inp_kq_mask_swa")
         raw.ggml_set_input(swaMask)
+        // both masks are graph leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
+        raw.ggml_build_forward_expand(graph, mask)
+        raw.ggml_build_forward_expand(graph, swaMask)
       }
       const session = it.session
       segments.push({

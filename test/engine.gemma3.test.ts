@@ -1,0 +1,233 @@
+/**
+ * gemma3 (archs/gemma3.ts): greedy tokens of every split into 1, 2 and 3 stages equal node-llama-cpp's on synthetic
+ * models with gemma's layer pattern (sliding-window blocks and global blocks; the splits cut between the two kinds),
+ * prompt + generation longer than the window; 8 sequences batched equal their lone runs; bad gemma metadata is a
+ * typed error naming the key.
+ *
+ * node-llama-cpp is run twice per model: with its default SWA cache (llama.cpp's iswa cache, the sliding-window
+ * blocks' cache capped near the window) and with `swaFullCache` (full-size caches for every block, as swactor keeps
+ * them: the window is a mask here). A third run on the same weights with the window widened past the context shows
+ * that the window changes the tokens within the test's length (it really slides).
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Effect, Exit } from "effect"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { afterAll } from "vitest"
+import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
+import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
+import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
+import * as Batch from "./support/batch.js"
+import type { SeqPlan } from "./support/batch.js"
+import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceLlama } from "./support/engine.js"
+
+const N_TOKENS = 80
+const LAYERS = 6
+const options = { threads: 1, contextLength: 256 } as const
+const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
+const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma3-"))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+const sameBits = (a: Float32Array, b: Float32Array) => Batch.sameBits(a, b)
+
+const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
+  path: join(dir, `${name}.gguf`),
+  arch: "gemma3",
+  layers: LAYERS,
+  hidden: 128,
+  ffn: 256,
+  heads: 4,
+  kvHeads: 2,
+  vocab: 400,
+  contextLength: 512,
+  type: "f32",
+  seed: 21,
+  ...extra
+})
+
+/** node-llama-cpp: BOS + tokenize(text), greedy `n` tokens; flash attention on, F16 KV, explicit threads. */
+const reference = (path: string, n: number, swaFullCache: boolean) =>
+  Effect.promise(async () => {
+    const llama = await referenceLlama()
+    const m = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
+    try {
+      const ctx = await m.createContext({
+        contextSize: options.contextLength,
+        threads: options.threads,
+        flashAttention: true,
+        sequences: 1,
+        swaFullCache
+      })
+      try {
+        const prompt = [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
+        const tokens: Array<number> = []
+        const seq = ctx.getSequence()
+        for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
+          tokens.push(t)
+          if (tokens.length >= n) break
+        }
+        // the probabilities after the prompt (soft-capping never changes a greedy pick: it is monotonic)
+        await seq.clearHistory()
+        const res = await seq.controlledEvaluate([
+          ...prompt.slice(0, -1),
+          [prompt[prompt.length - 1]!, { generateNext: { probabilities: true } }]
+        ])
+        const probs = res[res.length - 1]?.next?.probabilities
+        if (probs === undefined) throw new Error("node-llama-cpp returned no probabilities")
+        return { prompt: prompt as ReadonlyArray<number>, tokens, firstProbabilities: new Map(probs) }
+      } finally {
+        await ctx.dispose()
+      }
+    } finally {
+      await m.dispose()
+    }
+  })
+
+/** Every split into 1..3 stages: tokens equal node-llama-cpp's (both caches), logits bit-identical across splits. */
+const checkParity = (o: SyntheticModelOptions, window: number, globalBlocks: ReadonlyArray<number>) =>
+  Effect.gen(function*() {
+    yield* writeSyntheticModel(o)
+    const ref = yield* reference(o.path, N_TOKENS, false)
+    const refFull = yield* reference(o.path, N_TOKENS, true)
+    assert.isAbove(ref.prompt.length + N_TOKENS, 2 * window, "the run is longer than twice the window")
+    assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
+    assert.deepStrictEqual(refFull.tokens, ref.tokens, "node-llama-cpp: capped and full SWA caches agree")
+    // the same weights with the window past the context: other tokens, so the window matters in this run
+    const wide = { ...o, path: o.path.replace(/\.gguf$/, "-wide.gguf"), slidingWindow: 4096 }
+    yield* writeSyntheticModel(wide)
+    const refWide = yield* reference(wide.path, N_TOKENS, false)
+    assert.notDeepEqual(refWide.tokens, ref.tokens, "widening the window changes node-llama-cpp's tokens")
+
+    const splits = allSplits(o.layers, 3)
+    const cuts = new Set(splits.flatMap((s) => s.slice(1, -1)))
+    // splits cut right before each global block and right after it (sliding-window blocks on the other side)
+    for (const g of globalBlocks) {
+      assert.isTrue(cuts.has(g) && (g + 1 === o.layers || cuts.has(g + 1)), `cuts around global block ${g}`)
+    }
+    let single: EngineRun | undefined
+    let maxDiff = 0
+    for (const split of splits) {
+      const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
+      if (single === undefined) single = run
+      else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
+    }
+    console.log(
+      `gemma3 ${o.type} window ${window}: ${splits.length} splits x ${N_TOKENS} tokens after a ${ref.prompt.length}-token ` +
+        `prompt equal node-llama-cpp's (capped and full SWA cache); window ${4096} gives other tokens; ` +
+        `first-position log-prob max diff ${maxDiff.toExponential(2)}`
+    )
+    assert.isBelow(maxDiff, 1e-4)
+  })
+
+describe("gemma3: every split into 1-3 stages matches node-llama-cpp past the sliding window", () => {
+  // 7 blocks, gemma3's own pattern (sliding_window_pattern 6): blocks 0-4 and 6 slide over 32 positions, 5 is global
+  it.live(`f32, window 32, 5 local : 1 global (7 blocks): greedy ${N_TOKENS} tokens of all 22 splits equal node-llama-cpp's`, () =>
+    checkParity(model("gemma3-f32", { layers: 7, slidingWindow: 32 }), 32, [5]), 300_000)
+
+  // pattern 3 (blocks 2 and 5 global), window 16, tied output, final logit soft-capping 30
+  it.live(`f16, window 16, pattern 3, soft-capping 30, tied output: greedy ${N_TOKENS} tokens of all 16 splits equal node-llama-cpp's`, () =>
+    checkParity(
+      model("gemma3-f16", { type: "f16", slidingWindow: 16, swaPattern: 3, logitSoftcap: 30, tiedOutput: true, seed: 22 }),
+      16,
+      [2, 5]
+    ), 300_000)
+})
+
+describe("gemma3: 8 sequences batched equal their lone runs", () => {
+  const CONTEXT = 256
+  const schedule = (): ReadonlyArray<SeqPlan> => {
+    const r = makeRng(31)
+    const prompt = (n: number) => Array.from({ length: n }, () => 3 + Math.floor(r() * 397))
+    return [
+      { prompt: prompt(5), start: 0, steps: 40 },
+      { prompt: prompt(20), start: 0, steps: 40 },
+      { prompt: prompt(1), start: 0, steps: 30 },
+      { prompt: prompt(40), start: 2, steps: 40 },
+      { prompt: prompt(7), start: 3, steps: 20 },
+      { prompt: prompt(12), start: 0, steps: 40 },
+      { prompt: prompt(3), start: 10, steps: 30 },
+      { prompt: prompt(70), start: 1, steps: 36, chunk: 24 }
+    ]
+  }
+  for (const rows of [0, 8] as const) {
+    it.live(`window 16, pattern 3, 1/2/3 stages (cuts at local|global and global|local): tokens equal lone runs, few-row route ${rows}`, () =>
+      Effect.gen(function*() {
+        const o = model(`gemma3-batch-${rows}`, { slidingWindow: 16, swaPattern: 3, seed: 23 })
+        yield* writeSyntheticModel(o)
+        const plans = schedule()
+        let maxDiff = 0
+        for (const split of [[0, 6], [0, 3, 6], [0, 2, 4, 6]]) {
+          yield* Effect.scoped(Effect.gen(function*() {
+            const stages = yield* Batch.loadSplit(o.path, split)
+            const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
+            const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
+            assert.strictEqual(batched.maxLive, 8, "all 8 sequences were in one batch at some step")
+            assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8)
+            plans.forEach((_, i) => {
+              assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
+              alone[i]!.logits.forEach((l, j) =>
+                (maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!)))
+              )
+            })
+          }))
+        }
+        console.log(`gemma3 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 300_000)
+  }
+})
+
+describe("gemma3: bad metadata is a typed error naming the key", () => {
+  const base = model("gemma3-bad", { layers: 2, hidden: 64, ffn: 128 })
+  const loadWith = (name: string, tweak: (md: Array<readonly [string, GgufTypedValue]>) => void) =>
+    Effect.gen(function*() {
+      const path = join(dir, `${name}.gguf`)
+      const s = syntheticModelSpec({ ...base, path })
+      const md = [...s.metadata]
+      tweak(md)
+      yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
+      const executor = yield* StageExecutor
+      return yield* Effect.exit(Effect.scoped(
+        executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+      ))
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 })))
+  const set = (md: Array<readonly [string, GgufTypedValue]>, key: string, v: GgufTypedValue) => {
+    const i = md.findIndex(([k]) => k === key)
+    if (i >= 0) md.splice(i, 1)
+    md.push([key, v])
+  }
+  const failure = (exit: Exit.Exit<unknown, ModelLoadError>) => {
+    assert.isTrue(Exit.isFailure(exit), "the load failed")
+    if (!Exit.isFailure(exit) || exit.cause._tag !== "Fail") return assert.fail(`not a typed failure: ${String(exit)}`)
+    return exit.cause.error
+  }
+  const cases: ReadonlyArray<readonly [string, string, GgufTypedValue]> = [
+    ["pattern-array", "gemma3.attention.sliding_window_pattern", GgufValues.array(GgufValueType.UINT32, [6, 6])],
+    ["swa-base-negative", "gemma3.rope.freq_base_swa", GgufValues.f32(-1)],
+    ["softcap-negative", "gemma3.final_logit_softcapping", GgufValues.f32(-30)],
+    ["window-string", "gemma3.attention.sliding_window", GgufValues.string("32")]
+  ]
+  for (const [name, key, value] of cases) {
+    it.live(`${key} = ${JSON.stringify(value.value)}: ModelLoadError naming it`, () =>
+      Effect.gen(function*() {
+        const e = failure(yield* loadWith(name, (md) => set(md, key, value)))
+        assert.strictEqual(e._tag, "ModelLoadError")
+        assert.include(e.message, key)
+      }))
+  }
+  it.live("a missing post_ffw_norm tensor: ModelLoadError naming it", () =>
+    Effect.gen(function*() {
+      const path = join(dir, "gemma3-no-post-ffw.gguf")
+      const s = syntheticModelSpec({ ...base, path })
+      yield* writeGgufFile(path, { metadata: s.metadata, tensors: s.tensors.filter((t) => t.name !== "blk.1.post_ffw_norm.weight") })
+      const exit = yield* Effect.exit(Effect.scoped(Effect.flatMap(StageExecutor, (x) =>
+        x.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true }))))
+      const e = failure(exit)
+      assert.include(e.message, "blk.1.post_ffw_norm.weight")
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+})
