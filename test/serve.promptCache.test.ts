@@ -48,6 +48,13 @@ const lruOf = async (url: string) => {
 }
 
 const base = ["--model", model, "--stages", "2", "--threads", "1"]
+/**
+ * The agents' prompt chunk: an entry is adopted in whole chunks (the rest then runs in the chunks a full prefill runs),
+ * so these short prompts are chunked by 8 (default 128) on every server here, the cache-off one included.
+ */
+const CHUNK = 8
+const env = { SWACTOR_PREFILL_CHUNK: String(CHUNK) }
+const aligned = (n: number) => n - (n % CHUNK)
 const P = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends."
 
 describe("swactor serve: prompt cache", () => {
@@ -56,7 +63,7 @@ describe("swactor serve: prompt cache", () => {
   let P2 = ""
   let server: ServeProcess | undefined
   beforeAll(async () => {
-    const off = await startServe([...base, "--prompt-cache", "off"])
+    const off = await startServe([...base, "--prompt-cache", "off"], env)
     try {
       ref["t1"] = await complete(off.url, { prompt: P, max_tokens: 40 })
       P2 = `${P}${ref["t1"].text} Then`
@@ -72,14 +79,15 @@ describe("swactor serve: prompt cache", () => {
     } finally {
       await stopServe(off)
     }
-    server = await startServe([...base, "--spares", "1"])
+    server = await startServe([...base, "--spares", "1"], env)
   }, 240_000)
   afterAll(async () => {
     await stopServe(server)
   })
 
-  // Turn 2 of a conversation (turn 1's prompt + its text + more) starts after turn 1's held KV: prompt + generated
-  // tokens but the last (never fed back). Same text as without the cache, greedy and seeded.
+  // Turn 2 of a conversation (turn 1's prompt + its text + more) starts after turn 1's held KV: its prompt's whole
+  // chunks (the reply's KV, computed one decode step at a time, is not kept). Same text as without the cache, greedy
+  // and seeded.
   it("turn 2 reuses turn 1's KV on every stage, with the text of a server without the cache", async () => {
     const url = server!.url
     const t1 = await complete(url, { prompt: P, max_tokens: 40 })
@@ -87,11 +95,11 @@ describe("swactor serve: prompt cache", () => {
     assert.strictEqual(t1.cachedTokens, 0)
     const t2 = await complete(url, { prompt: P2, max_tokens: 30 })
     assert.strictEqual(t2.text, ref["t2"]!.text)
-    assert.strictEqual(t2.cachedTokens, t1.promptTokens + t1.completionTokens - 1)
-    // the same prompt again: all but its last token held (turn 2's entry holds it and more)
+    assert.strictEqual(t2.cachedTokens, aligned(t1.promptTokens))
+    // the same prompt again: its whole chunks before its last token held (turn 2's entry holds the prompt)
     const seeded = await complete(url, { prompt: P2, max_tokens: 30, temperature: 0.8, seed: 7 })
     assert.strictEqual(seeded.text, ref["seeded"]!.text)
-    assert.strictEqual(seeded.cachedTokens, seeded.promptTokens - 1)
+    assert.strictEqual(seeded.cachedTokens, aligned(seeded.promptTokens - 1))
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_hits_total"), 2)
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_misses_total"), 1)
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_cached_tokens_total"), t2.cachedTokens + seeded.cachedTokens)
@@ -106,8 +114,8 @@ describe("swactor serve: prompt cache", () => {
     ])
     assert.strictEqual(then.text, ref["then"]!.text)
     assert.strictEqual(later.text, ref["later"]!.text)
-    assert.strictEqual(then.cachedTokens, ref["t1"]!.promptTokens)
-    assert.strictEqual(later.cachedTokens, ref["t1"]!.promptTokens)
+    assert.strictEqual(then.cachedTokens, aligned(ref["t1"]!.promptTokens))
+    assert.strictEqual(later.cachedTokens, aligned(ref["t1"]!.promptTokens))
   })
 
   // A stream cancelled mid-generation: its KV is freed on every stage, not kept (no new entry), nothing stays reserved.
@@ -157,7 +165,7 @@ describe("swactor serve: prompt cache", () => {
     assert.strictEqual(after.cachedTokens, 0)
     const next = await complete(url, { prompt: P2, max_tokens: 30 })
     assert.strictEqual(next.text, ref["again"]!.text)
-    assert.strictEqual(next.cachedTokens, next.promptTokens - 1)
+    assert.strictEqual(next.cachedTokens, aligned(next.promptTokens - 1))
   })
 })
 
@@ -171,7 +179,7 @@ describe("swactor serve: prompt cache under a small KV budget", () => {
   // (3 blocks x 128 B a token x 1,024 cells), so two entries and one running request do not fit. The least recently used entry not in use gives way; the entry a
   // request adopts is in use and stays.
   it("evicts the least recently used entry not in use when a request needs the memory", async () => {
-    server = await startServe([...base, "--kv-budget-mib", "1", "--parallel", "1"])
+    server = await startServe([...base, "--kv-budget-mib", "1", "--parallel", "1"], env)
     const url = server.url
     const A = Array.from({ length: 31 }, () => "A dog named Max lived in a small house with a big garden.").join(" ")
     const B = Array.from({ length: 31 }, () => "Tom had a red ball and he liked to throw it in the sky.").join(" ")
@@ -184,15 +192,22 @@ describe("swactor serve: prompt cache under a small KV budget", () => {
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 0)
     // adopts A (now in use and most recent): B, least recently used, is evicted to make room
     const a2 = await complete(url, { prompt: `${A} Then the sun went down.`, ...long })
-    assert.strictEqual(a2.cachedTokens, a.promptTokens)
+    assert.strictEqual(a2.cachedTokens, aligned(a.promptTokens))
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 1)
-    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [1, 3])
-    // B again: a miss; A (entry 1) is now the least recently used and goes
+    // entry 3 holds a2's prompt, A's with more: entry 1 is superseded (not counted as an eviction)
+    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [3])
+    // B again: a miss (room for its run beside entry 3)
     const b2 = await complete(url, { prompt: B, ...long })
     assert.strictEqual(b2.cachedTokens, 0)
     assert.strictEqual(b2.text, b.text)
-    assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 2)
+    assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 1)
     assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [3, 4])
+    // a third story: a miss that needs the memory; entry 3, the least recently used, goes
+    const C = Array.from({ length: 31 }, () => "Sue found a shiny shell on the beach and kept it in a box.").join(" ")
+    const c = await complete(url, { prompt: C, ...long })
+    assert.strictEqual(c.cachedTokens, 0)
+    assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 2)
+    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [4, 5])
     assert.strictEqual(await metricOf(url, "swactor_kv_reserved_bytes"), 0)
   }, 240_000)
 })

@@ -255,13 +255,19 @@ export const makeStageHost = (
           }).pipe(Scope.extend(sessionScope), Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
           kept = { session, loaded }
           // Prompt cache: the first positions of a held entry's KV (none when this agent lacks it: the orchestrator
-          // then starts the prompt at the fewest positions any stage took, 0 at worst)
+          // then starts the prompt at the fewest positions any stage took, 0 at worst). A multiple of the batcher's
+          // prompt chunk: the rest of the prompt then runs in the chunks a full prefill runs there, and the entry's
+          // positions came from those same chunks of its own prompt (an entry holds prompt positions only, see the
+          // keep below), so the KV and logits are bit for bit those of a run without the cache. (Resumed mid-chunk,
+          // a short last chunk takes other kernels than the full prefill: ggml's CPU flash attention tiles batches
+          // of 64+ queries only; measured, greedy text differed on a random-weight model.)
           const cacheUse = request.promptCache
           let cachedPositions: number | undefined
           if (cacheUse?.adopt != null) {
             cachedPositions = 0
             const entry = promptCache.find(cacheUse.adopt.entry, stageIndex, key)
-            const length = Math.min(cacheUse.adopt.length, entry?.positions ?? 0, cacheUse.promptLength - 1)
+            const held = Math.min(cacheUse.adopt.length, entry?.positions ?? 0, cacheUse.promptLength - 1)
+            const length = held - (held % batcher.prefillChunk)
             if (entry !== undefined && executor.copyPrefix !== undefined && length > 0) {
               const copied = yield* executor.copyPrefix(entry.session, session, length).pipe(
                 Effect.as(true),
@@ -437,23 +443,25 @@ export const makeStageHost = (
           }
         }
         // A stage that stopped, or whose edges closed (the run's teardown may close them before its stop arrives), keeps
-        // its session as the prompt-cache entry its run named (unless dropped): positions [0, position) hold the run's
-        // tokens. After an engine or protocol fault it keeps nothing. (Whether the entry is used is the server's call:
+        // its session as the prompt-cache entry its run named (unless dropped): the prompt's positions only (computed
+        // by its prefill; the generated tokens' KV, computed one decode step at a time, is not what a later prefill of
+        // them computes, so a later turn prefills them again). After an engine or protocol fault it keeps nothing. (Whether the entry is used is the server's call:
         // only a run that completed on every stage is indexed, the others' entries are dropped.)
         const keepAs = request.promptCache?.keep
         const edgeClosed = Exit.isFailure(exit) && Option.exists(
           Cause.failureOption(exit.cause),
           (e) => e instanceof StageFailure && e.reason._tag === "TransportFailed"
         )
-        if (keepAs != null && (Exit.isSuccess(exit) || edgeClosed) && kept !== undefined && position > 0) {
+        const keptPositions = Math.min(position, request.promptCache?.promptLength ?? 0)
+        if (keepAs != null && (Exit.isSuccess(exit) || edgeClosed) && kept !== undefined && keptPositions > 0) {
           const held = yield* promptCache.keep(keepAs, stageIndex, {
             session: kept.session,
             scope: sessionScope,
-            positions: position,
+            positions: keptPositions,
             weightsKey: key
           })
           if (held) {
-            stats.keptPositions = position
+            stats.keptPositions = keptPositions
             hold.kept = true
           }
         }

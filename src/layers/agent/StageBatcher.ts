@@ -88,6 +88,11 @@ export interface StageBatcher {
    * `promptGatherMillis`). Forgotten at its first submit, or when the scope closes.
    */
   readonly expect: (session: StageSession) => Effect.Effect<void, never, Scope.Scope>
+  /**
+   * Prompt chunk length C: a prompt submitted at startPos is run as [startPos, startPos + C), ... So a prompt resumed
+   * at a multiple of C runs the very computations (same rows, same batch sizes) a prompt from 0 runs there.
+   */
+  readonly prefillChunk: number
 }
 
 interface Job {
@@ -392,5 +397,5 @@ export const makeStageBatcher = (
     const expect = (session: StageSession) =>
       Effect.acquireRelease(Effect.sync(() => void expected.add(session)), () => Effect.sync(() => void expected.delete(session)))
 
-    return { submit, expect }
+    return { submit, expect, prefillChunk: chunk }
   })
