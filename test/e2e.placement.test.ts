@@ -8,8 +8,12 @@ import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import type { RunUpdate } from "../src/services/Orchestrator.js"
 import { computeReserveBytes } from "../src/services/Placement.js"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
 import { startAgents } from "./support/e2e.js"
 import { repoRoot, requireModel } from "./support/models.js"
+import { writeMoeFile } from "./support/moeFile.js"
 
 const prompt = "Once upon a time"
 // prompt + 8 tokens + 1, aligned to 256: the KV cells placement reserves per block.
@@ -66,13 +70,14 @@ describe("end to end: placement from the agents' declared memory (stories260K)",
       )
     }).pipe(Effect.scoped), 180_000)
 
-  // `swactor run --placement capacity --dry-run` explains the choice per node: memory, speed, blocks, bytes, ms.
+  // `swactor run --placement capacity --dry-run` explains the choice per node: memory, speed, blocks, bytes stored and
+  // read per token, ms.
   it.live("swactor run --dry-run explains a placement per node; --layers sets a fixed one", () =>
     Effect.gen(function*() {
-      const cli = (extra: ReadonlyArray<string>) =>
+      const cli = (extra: ReadonlyArray<string>, model = requireModel("stories260K.gguf")) =>
         Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
           const { args, command } = swactorCommand([
-            "run", "--model", requireModel("stories260K.gguf"), "--threads", "1", "--dry-run", ...extra
+            "run", "--model", model, "--threads", "1", "--dry-run", ...extra
           ])
           const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] })
           let stdout = ""
@@ -90,11 +95,37 @@ describe("end to end: placement from the agents' declared memory (stories260K)",
       assert.match(fixed.stdout, /node 2 127\.0\.0\.1:\d+: .* stages hosted, \d+\.\d\d GB\/s measured/)
       assert.match(
         fixed.stdout,
-        /stage 1 on node 2 \(\d+\.\d MiB free, \d+\.\d\d GB\/s\): 4 blocks \[1, 5\), \d+\.\d MiB weights, \d+\.\d MiB with KV and buffers, \d+\.\d\d ms\/token/
+        /stage 1 on node 2 \(\d+\.\d MiB free, \d+\.\d\d GB\/s\): 4 blocks \[1, 5\), \d+\.\d MiB weights, \d+\.\d MiB read per token, \d+\.\d MiB with KV and buffers, \d+\.\d\d ms\/token/
       )
       assert.match(fixed.stdout, /expected: \d+\.\d\d ms per token for one sequence/)
       const bad = yield* cli(["--layers", "0-2,4-4"])
       assert.notStrictEqual(bad.code, 0)
       assert.include(bad.stderr, "blocks 3..3 are in no range")
+
+      // A mixture of experts (blocks 2 and 3: 32 stacked experts, 2 routed per token), split between its dense and
+      // MoE blocks: each stage shows the weight bytes it stores and the fewer it reads per token.
+      const dir = mkdtempSync(join(tmpdir(), "swactor-moe-dry-"))
+      try {
+        const path = join(dir, "moe.gguf")
+        yield* writeMoeFile({ path, layers: 4, moeBlocks: [2, 3], experts: 32, expertsUsed: 2 })
+        const layout = yield* readModelLayout(path)
+        const active = layout.activeBlockBytes!
+        const moe = yield* cli(["--layers", "0-1,2-3"], path)
+        assert.strictEqual(moe.code, 0, moe.stderr)
+        const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+        // Stage 0 stores the embedding too (a lookup reads one row of it per token: counted as nothing).
+        assert.include(
+          moe.stdout,
+          `2 blocks [0, 2), ${mib(layout.blockBytes[0]! + layout.blockBytes[1]! + layout.inputBytes)} weights, ` +
+            `${mib(active[0]! + active[1]!)} read per token`
+        )
+        // Stage 1: 3 MiB of experts per block stored, 2/32 of them read, plus the output head.
+        const stored1 = layout.blockBytes[2]! + layout.blockBytes[3]! + layout.outputBytes
+        const read1 = active[2]! + active[3]! + layout.outputBytes
+        assert.isBelow(read1, stored1 / 4)
+        assert.include(moe.stdout, `2 blocks [2, 4), ${mib(stored1)} weights, ${mib(read1)} read per token`)
+      } finally {
+        rmSync(dir, { recursive: true, force: true })
+      }
     }), 120_000)
 })

@@ -15,6 +15,7 @@ import { ModelLoadError } from "../src/domain/gguf.js"
 import { layerWithCatalog } from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
+import { type MoeFileOptions, writeMoeFile } from "./support/moeFile.js"
 
 const facts: ModelFacts = {
   modelId: "table.gguf",
@@ -120,4 +121,69 @@ describe("ModelCatalog", () => {
       assert.deepStrictEqual(asked, [path])
       assert.include(error.message, "the test catalog has no header")
     }))
+
+  // A mixture of experts: blocks 2 and 3 hold a router, 8 stacked experts (2 used per token) and a shared expert.
+  // Stored bytes count every tensor; bytes read per token count the stacked experts at 2/8, everything else whole
+  // (dense blocks: read == stored).
+  const withMoeFile = <A, E>(
+    options: Omit<MoeFileOptions, "path">,
+    use: (path: string) => Effect.Effect<A, E, ModelCatalog>
+  ) =>
+    Effect.acquireUseRelease(
+      Effect.sync(() => mkdtempSync(join(tmpdir(), "swactor-moe-"))),
+      (dir) => {
+        const path = join(dir, "moe.gguf")
+        return writeMoeFile({ ...options, path }).pipe(Effect.orDie, Effect.zipRight(use(path)))
+      },
+      (dir) => Effect.sync(() => rmSync(dir, { recursive: true, force: true }))
+    )
+
+  it.effect("a MoE layout: stored bytes count every expert, bytes read per token only the used ones", () =>
+    withMoeFile({ layers: 4, moeBlocks: [2, 3], experts: 8, expertsUsed: 2 }, (path) =>
+      Effect.gen(function*() {
+        const layout = yield* (yield* ModelCatalog).layout(path)
+        const file = yield* Gguf.readGgufFile(path)
+        const ofBlock = (i: number, experts: boolean) =>
+          file.tensors.filter((t) => t.name.startsWith(`blk.${i}.`) && /_exps\./.test(t.name) === experts)
+            .reduce((sum, t) => sum + t.byteSize, 0)
+        assert.deepStrictEqual(layout.blockBytes, [0, 1, 2, 3].map((i) => ofBlock(i, false) + ofBlock(i, true)))
+        // Each stacked expert tensor: 64 x 128 x 8 f32 = 256 KiB; three per MoE block.
+        assert.strictEqual(ofBlock(2, true), 3 * 64 * 128 * 8 * 4)
+        assert.deepStrictEqual(layout.activeBlockBytes, [
+          layout.blockBytes[0]!,
+          layout.blockBytes[1]!,
+          ofBlock(2, false) + ofBlock(2, true) * 2 / 8,
+          ofBlock(3, false) + ofBlock(3, true) * 2 / 8
+        ])
+        // The router and shared expert are read whole: more than the dense blocks' attention alone.
+        assert.isTrue(file.tensorsByName.has("blk.2.ffn_gate_inp.weight") && file.tensorsByName.has("blk.2.ffn_up_shexp.weight"))
+        assert.isBelow(layout.activeBlockBytes![2]!, layout.blockBytes[2]! / 2)
+        // A dense file reads what it stores.
+        const dense = yield* (yield* ModelCatalog).layout(requireModel("stories260K.gguf"))
+        assert.deepStrictEqual(dense.activeBlockBytes, dense.blockBytes)
+      })).pipe(Effect.provide(ModelCatalogLive.layer)))
+
+  it.effect("a MoE file whose expert counts disagree with its tensors is refused naming the key or tensor", () =>
+    Effect.gen(function*() {
+      const refusal = (options: Omit<MoeFileOptions, "path">) =>
+        withMoeFile(options, (path) => Effect.flip((Effect.flatMap(ModelCatalog, (c) => c.layout(path)))))
+      const cases: ReadonlyArray<readonly [Omit<MoeFileOptions, "path">, string, string]> = [
+        [{ layers: 3, moeBlocks: [1], experts: null, expertsUsed: 2 }, "InvalidMetadata",
+          `metadata key "llama.expert_count" is missing: the file has stacked expert tensors (blk.1.ffn_gate_exps.weight)`],
+        [{ layers: 3, moeBlocks: [1], experts: 8, expertsUsed: null }, "InvalidMetadata",
+          `metadata key "llama.expert_used_count" is missing`],
+        [{ layers: 3, moeBlocks: [1], experts: 8, expertsUsed: 9 }, "InvalidMetadata",
+          `metadata "llama.expert_used_count" = 9 must be between 1 and "llama.expert_count" = 8`],
+        [{ layers: 3, moeBlocks: [1], experts: 8, expertsUsed: 0 }, "InvalidMetadata",
+          `metadata "llama.expert_used_count" = 0 must be between 1`],
+        [{ layers: 3, moeBlocks: [1], experts: 16, expertsUsed: 2, storedExperts: 8 }, "TensorShapeMismatch",
+          `tensor "blk.1.ffn_gate_exps.weight" has shape [64, 128, 8]: its last dimension must be "llama.expert_count" = 16`]
+      ]
+      for (const [options, reason, words] of cases) {
+        const error = yield* refusal(options)
+        assert.strictEqual(error._tag, "ModelLoadError")
+        assert.strictEqual(error.reason, reason, error.message)
+        assert.include(error.message, words)
+      }
+    }).pipe(Effect.provide(ModelCatalogLive.layer)))
 })

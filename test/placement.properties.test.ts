@@ -1,4 +1,4 @@
-// Placement intents over random pools (memory, speed) and models (per-block bytes): P1–P6 in
+// Placement intents over random pools (memory, speed) and models (per-block bytes, stored and read): P1–P6, P-MOE in
 // specs/BEHAVIOR_GUARANTEES.md.
 import { assert, describe, it } from "@effect/vitest"
 import { Either, FastCheck as fc } from "effect"
@@ -16,12 +16,20 @@ const layoutArb = fc.integer({ min: 1, max: 12 }).chain((numLayers) =>
       minLength: numLayers,
       maxLength: numLayers
     }),
+    // Per block: dense (reads what it stores), or a mixture of experts that reads 1/16 to all of it per token.
+    activeShare: fc.array(fc.oneof(fc.constant(1), fc.integer({ min: 1, max: 16 }).map((k) => k / 16)), {
+      minLength: numLayers,
+      maxLength: numLayers
+    }),
     kvBytesPerToken: fc.array(fc.constantFrom(1024, 4096, 16384), { minLength: numLayers, maxLength: numLayers }),
     inputBytes: fc.integer({ min: 0, max: 64 }).map((m) => m * MiB),
     outputBytes: fc.integer({ min: 0, max: 64 }).map((m) => m * MiB),
     hiddenDim: fc.constantFrom(64, 256, 2048)
   })
-)
+).map(({ activeShare, ...layout }): ModelLayout => ({
+  ...layout,
+  activeBlockBytes: layout.blockBytes.map((bytes, i) => bytes * activeShare[i]!)
+}))
 
 // Free memory from "holds nothing" to "holds a whole model"; speeds over two orders of magnitude.
 const poolArb = fc.array(
@@ -91,11 +99,12 @@ const plannerInput = (numLayers: number, pool: ReadonlyArray<PoolNode>, choice: 
 })
 
 // Every contiguous split of every subset of the pool (in pool order), by brute force: the reference for small cases.
+// Time is what a token reads (active bytes: a MoE block's routed experts), memory what is stored.
 const bruteForceBest = (layout: ModelLayout, pool: ReadonlyArray<PoolNode>): number | undefined => {
   const n = layout.blockBytes.length
   const millis = (node: PoolNode, start: number, end: number) => {
     let read = 0
-    for (let i = start; i < end; i++) read += layout.blockBytes[i]!
+    for (let i = start; i < end; i++) read += (layout.activeBlockBytes ?? layout.blockBytes)[i]!
     if (end === n) read += layout.outputBytes
     return (read / node.speedBytesPerSecond) * 1000 + 0.1
   }
@@ -281,5 +290,80 @@ describe("capacity follows speed (P6)", () => {
     // Node 3 would take 10 MiB at 1 MB/s = 10 s per token: it is left out.
     assert.deepStrictEqual(split([node(1, 1e9), node(2, 1e9), node(3, 1e6)]), Either.right([[1, 6], [2, 6]]))
     assert.deepStrictEqual(partitionLayers(12, 3), [[0, 4], [4, 8], [8, 12]])
+  })
+})
+
+describe("mixtures of experts: memory by stored bytes, speed by active bytes (P-MOE)", () => {
+  // Blocks 0-1 dense (10 MiB, all read per token); blocks 2-3 a mixture of experts: 100 MiB stored, 10 MiB read
+  // per token (the routed experts).
+  const moe: ModelLayout = {
+    blockBytes: [10 * MiB, 10 * MiB, 100 * MiB, 100 * MiB],
+    activeBlockBytes: [10 * MiB, 10 * MiB, 10 * MiB, 10 * MiB],
+    kvBytesPerToken: [4096, 4096, 4096, 4096],
+    inputBytes: 0,
+    outputBytes: 0,
+    hiddenDim: 64
+  }
+  const node = (id: number, freeMiB: number, speed = 1e9): PoolNode => ({
+    nodeId: id as NodeId,
+    freeMemoryBytes: freeMiB * MiB,
+    speedBytesPerSecond: speed
+  })
+  const ranges = (choice: Either.Either<PlacementChoice, unknown>) =>
+    Either.map(choice, (c) => c.stages.map((s) => [s.nodeId, s.layerStart, s.layerEndExclusive]))
+
+  it("equal nodes with room for everything split by active bytes: 2 + 2 blocks, the boundary between dense and MoE", () => {
+    const choice = choosePlacement({ _tag: "Capacity" }, moe, [node(1, 10_000), node(2, 10_000)], options)
+    // Stored bytes as the speed cost would put blocks 0-2 (120 MiB) against block 3 (100 MiB).
+    assert.deepStrictEqual(ranges(choice), Either.right([[1, 0, 2], [2, 2, 4]]))
+    if (Either.isRight(choice)) {
+      const [first, second] = choice.right.stages
+      assert.strictEqual(first!.weightBytes, 20 * MiB)
+      assert.strictEqual(first!.activeBytes, 20 * MiB)
+      assert.strictEqual(second!.weightBytes, 200 * MiB)
+      assert.strictEqual(second!.activeBytes, 20 * MiB)
+      // 20 MiB read at 1 GB/s + one hop, on both stages.
+      const ms = (20 * MiB / 1e9) * 1000 + 0.1
+      assert.closeTo(first!.expectedMillis, ms, 1e-9)
+      assert.closeTo(second!.expectedMillis, ms, 1e-9)
+      // Memory counts every stored expert byte.
+      assert.strictEqual(second!.memoryBytes, 200 * MiB + 2 * 4096 * CONTEXT + computeReserveBytes(moe, CONTEXT))
+    }
+  })
+
+  it("a fast node that cannot hold a MoE block's stored bytes gets the dense blocks only: memory decides", () => {
+    // Node 1 is 3x faster (by active bytes it would take blocks [0, 3): 30 MiB at 3 GB/s against 10 MiB at 1 GB/s)
+    // but holds 50 MiB of weights: both dense blocks, not one MoE block (100 MiB stored).
+    const small = 50 + (computeReserveBytes(moe, CONTEXT) + 3 * 4096 * CONTEXT) / MiB
+    const roomy = choosePlacement({ _tag: "Capacity" }, moe, [node(1, 10_000, 3e9), node(2, 10_000)], options)
+    assert.deepStrictEqual(ranges(roomy), Either.right([[1, 0, 3], [2, 3, 4]]))
+    const choice = choosePlacement({ _tag: "Capacity" }, moe, [node(1, small, 3e9), node(2, 10_000)], options)
+    assert.deepStrictEqual(ranges(choice), Either.right([[1, 0, 2], [2, 2, 4]]))
+    // A balanced split that gives the small node the MoE half is refused naming it.
+    const balanced = choosePlacement({ _tag: "Balanced", stageCount: 2 }, moe, [node(2, 10_000), node(1, small)], options)
+    assert.deepStrictEqual(Either.isLeft(balanced) && balanced.left._tag, "StageOverMemory")
+  })
+
+  it("speed follows active bytes: a fast node takes more MoE blocks than their stored bytes would allow", () => {
+    const layout: ModelLayout = {
+      blockBytes: Array(8).fill(80 * MiB),
+      activeBlockBytes: Array(8).fill(10 * MiB),
+      kvBytesPerToken: Array(8).fill(1024),
+      inputBytes: 0,
+      outputBytes: 0,
+      hiddenDim: 64
+    }
+    const split = (pool: ReadonlyArray<PoolNode>) =>
+      Either.map(choosePlacement({ _tag: "Capacity" }, layout, pool, options), (c) => ({
+        blocks: c.stages.map((s) => s.layerEndExclusive - s.layerStart),
+        bottleneck: c.bottleneckMillis
+      }))
+    // Speeds 3:1 give 6 + 2 blocks; the bottleneck is 60 MiB read at 3 GB/s (not 480 MiB stored).
+    const result = split([node(1, 10_000, 3e9), node(2, 10_000, 1e9)])
+    assert.deepStrictEqual(Either.map(result, (r) => r.blocks), Either.right([6, 2]))
+    assert.closeTo(Either.getOrThrow(result).bottleneck, (60 * MiB / 3e9) * 1000 + 0.1, 1e-9)
+    // Layouts whose active and stored lengths differ are refused.
+    const bad = choosePlacement({ _tag: "Capacity" }, { ...layout, activeBlockBytes: [1] }, [node(1, 10_000)], options)
+    assert.deepStrictEqual(Either.isLeft(bad) && bad.left._tag, "InvalidPlacement")
   })
 })

@@ -295,7 +295,10 @@ const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
 /** MiB, or KiB below one MiB. */
 const size = (bytes: number) => bytes < 2 ** 20 ? `${(bytes / 1024).toFixed(1)} KiB` : mib(bytes)
 
-/** Why this placement: per stage its node's free memory and speed, its blocks, bytes and expected ms per token. */
+/**
+ * Why this placement: per stage its node's free memory and speed, its blocks, the weight bytes it stores and those it
+ * reads per token (fewer for a mixture of experts: only the routed experts), its memory and expected ms per token.
+ */
 export const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [
   `${choice.intent.toLowerCase()} placement, in the planner's cost model:`,
   ...choice.stages.map((s) => {
@@ -304,7 +307,8 @@ export const explainPlacement = ({ choice, pool }: PlacementExplanation): Readon
     const speed = node === undefined ? "unknown" : `${(node.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
     return `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
       `${s.layerEndExclusive - s.layerStart} blocks [${s.layerStart}, ${s.layerEndExclusive}), ` +
-      `${mib(s.weightBytes)} weights, ${mib(s.memoryBytes)} with KV and buffers, ${s.expectedMillis.toFixed(2)} ms/token`
+      `${mib(s.weightBytes)} weights, ${mib(s.activeBytes)} read per token, ${mib(s.memoryBytes)} with KV and buffers, ` +
+      `${s.expectedMillis.toFixed(2)} ms/token`
   }),
   `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
   `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,

@@ -209,6 +209,11 @@ export class ProvisionStage extends Schema.Class<ProvisionStage>("ProvisionStage
  */
 export const ModelLayout = Schema.Struct({
   blockBytes: Schema.Array(Schema.Number),
+  /**
+   * Weight bytes each block reads per token: a mixture of experts' stacked expert tensors count
+   * `expert_used_count / expert_count` of their bytes, everything else whole. Absent: equal to `blockBytes` (dense).
+   */
+  activeBlockBytes: Schema.optional(Schema.Array(Schema.Number)),
   kvBytesPerToken: Schema.Array(Schema.Number),
   inputBytes: Schema.Number,
   outputBytes: Schema.Number,
@@ -244,9 +249,11 @@ export const PlacedStage = Schema.Struct({
   layerEndExclusive: Schema.Number,
   /** Weight bytes this stage loads (blocks, plus embeddings / output head where its role needs them). */
   weightBytes: Schema.Number,
+  /** Weight bytes it reads per token (a mixture of experts reads only the routed experts; the output head whole). */
+  activeBytes: Schema.Number,
   /** Weights + KV cache + compute buffers. */
   memoryBytes: Schema.Number,
-  /** Expected milliseconds per token in the planner's cost model (weights read / speed + one hop). */
+  /** Expected milliseconds per token in the planner's cost model (active bytes / speed + one hop). */
   expectedMillis: Schema.Number
 }).annotations({ identifier: "PlacedStage" })
 export type PlacedStage = typeof PlacedStage.Type

@@ -3,9 +3,11 @@
  * model's per-block sizes. Pure and deterministic. The result feeds `planRun` (its `placement` and `layerRanges`), so
  * every plan still passes the planner's own checks.
  *
- * Cost model (the planner's own, printed by `--dry-run`): a stage reads its weights once per token, so its time is
- * `weight bytes / node speed` (bytes per second) plus one hop; the output head counts on the last stage, the
- * embedding lookup is free. The pipeline's throughput limit is its slowest stage (`bottleneckMillis`), a single
+ * Cost model (the planner's own, printed by `--dry-run`): a stage reads its active weights once per token, so its
+ * time is `active bytes / node speed` (bytes per second) plus one hop; the output head counts on the last stage, the
+ * embedding lookup is free. Active bytes are what a token reads: a mixture of experts' blocks read only their routed
+ * experts (`ModelLayout.activeBlockBytes`), so a MoE's speed follows its active parameters while its memory follows
+ * every stored byte. A stage boundary may fall between any two blocks (dense or MoE alike). The pipeline's throughput limit is its slowest stage (`bottleneckMillis`), a single
  * sequence's token takes the sum (`latencyMillis`). Memory per stage: weights + KV cache (F16, `contextTokens` cells
  * per block) + a compute-buffer reserve.
  */
@@ -63,6 +65,8 @@ export const parseLayerSpec = (text: string): Either.Either<ReadonlyArray<LayerR
 
 interface Costing {
   readonly weightPrefix: ReadonlyArray<number>
+  /** Prefix sums of the bytes each block reads per token (stored bytes for dense blocks). */
+  readonly activePrefix: ReadonlyArray<number>
   readonly kvPrefix: ReadonlyArray<number>
   readonly numLayers: number
   readonly layout: ModelLayout
@@ -79,6 +83,7 @@ const prefix = (values: ReadonlyArray<number>) => {
 
 const costing = (layout: ModelLayout, options: PlacementOptions): Costing => ({
   weightPrefix: prefix(layout.blockBytes),
+  activePrefix: prefix(layout.activeBlockBytes ?? layout.blockBytes),
   kvPrefix: prefix(layout.kvBytesPerToken),
   numLayers: layout.blockBytes.length,
   layout,
@@ -99,11 +104,15 @@ const memoryBytesOf = (c: Costing, start: number, end: number) =>
 export const stageMemoryBytes = (layout: ModelLayout, start: number, end: number, options: PlacementOptions): number =>
   memoryBytesOf(costing(layout, options), start, end)
 
-const millisOf = (c: Costing, node: PoolNode, start: number, end: number) => {
-  // The embedding lookup reads one row per token; the output head is a full matrix product.
-  const read = c.weightPrefix[end]! - c.weightPrefix[start]! + (end === c.numLayers ? c.layout.outputBytes : 0)
-  return (read / speedOf(node)) * 1000 + c.hopMillis
-}
+/**
+ * Weight bytes a stage of blocks [start, end) reads per token: its blocks' active bytes, and on the last stage the
+ * output head (a full matrix product); the embedding lookup reads one row, counted as nothing.
+ */
+const activeBytesOf = (c: Costing, start: number, end: number) =>
+  c.activePrefix[end]! - c.activePrefix[start]! + (end === c.numLayers ? c.layout.outputBytes : 0)
+
+const millisOf = (c: Costing, node: PoolNode, start: number, end: number) =>
+  (activeBytesOf(c, start, end) / speedOf(node)) * 1000 + c.hopMillis
 
 const speedOf = (node: PoolNode) =>
   Number.isFinite(node.speedBytesPerSecond) && node.speedBytesPerSecond > 0
@@ -116,6 +125,7 @@ const stageOf = (c: Costing, stageIndex: number, node: PoolNode, start: number, 
   layerStart: start,
   layerEndExclusive: end,
   weightBytes: weightBytesOf(c, start, end),
+  activeBytes: activeBytesOf(c, start, end),
   memoryBytes: memoryBytesOf(c, start, end),
   expectedMillis: millisOf(c, node, start, end)
 })
@@ -269,6 +279,13 @@ export const choosePlacement = (
   const numLayers = layout.blockBytes.length
   if (pool.length === 0) return Either.left(new InvalidPlacement({ reason: "the pool has no nodes" }))
   if (numLayers === 0) return Either.left(new InvalidPlacement({ reason: "the model has no blocks" }))
+  if (layout.activeBlockBytes !== undefined && layout.activeBlockBytes.length !== numLayers) {
+    return Either.left(
+      new InvalidPlacement({
+        reason: `the layout reads ${layout.activeBlockBytes.length} blocks per token but stores ${numLayers}`
+      })
+    )
+  }
   const c = costing(layout, options)
   switch (intent._tag) {
     case "Balanced": {

@@ -72,18 +72,88 @@ export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoa
     } satisfies ModelFacts
   })
 
+/** A mixture of experts' routing figures: experts stored per MoE block, and experts each token is routed to. */
+interface ExpertCounts {
+  readonly count: number
+  readonly used: number
+}
+
+/**
+ * Stacked expert tensors (`blk.N.ffn_gate_exps.weight` [n_embd, n_ff_exp, n_expert], `ffn_up_exps`, `ffn_down_exps`,
+ * fused `ffn_gate_up_exps`, their biases): the last dimension counts the experts. Shared experts (`_shexp`) and the
+ * router (`ffn_gate_inp`) are read whole by every token.
+ */
+const isStackedExperts = (name: string) => /^blk\.\d+\.ffn_[a-z_]*_exps\./.test(name)
+
+/**
+ * The expert counts of a file with stacked expert tensors (undefined for a dense file), validated against those
+ * tensors: `<arch>.expert_count` and `<arch>.expert_used_count` present, 1 <= used <= count, and every stacked expert
+ * tensor's and router's last dimension equal to the count. Each problem is a `ModelLoadError` naming the key or
+ * tensor.
+ */
+const expertCountsOf = (file: GgufFile, arch: string): Effect.Effect<ExpertCounts | undefined, ModelLoadError> =>
+  Effect.gen(function*() {
+    const stacked = file.tensors.filter((t) => isStackedExperts(t.name))
+    if (stacked.length === 0) return undefined
+    const first = stacked[0]!.name
+    const key = (name: string) =>
+      Gguf.hasKey(file, name)
+        ? Gguf.getU32(file, name)
+        : Effect.fail(
+          new ModelLoadError({
+            path: file.path,
+            reason: "InvalidMetadata",
+            message: `metadata key "${name}" is missing: the file has stacked expert tensors (${first})`
+          })
+        )
+    const count = yield* key(`${arch}.expert_count`)
+    const used = yield* key(`${arch}.expert_used_count`)
+    if (count < 1 || used < 1 || used > count) {
+      return yield* new ModelLoadError({
+        path: file.path,
+        reason: "InvalidMetadata",
+        message: `metadata "${arch}.expert_used_count" = ${used} must be between 1 and "${arch}.expert_count" = ${count}`
+      })
+    }
+    const routers = file.tensors.filter((t) => /^blk\.\d+\.ffn_gate_inp\.weight$/.test(t.name))
+    for (const tensor of [...stacked, ...routers]) {
+      const last = tensor.dims[tensor.dims.length - 1]
+      if (tensor.dims.length < 2 || last !== count) {
+        return yield* new ModelLoadError({
+          path: file.path,
+          reason: "TensorShapeMismatch",
+          message: `tensor "${tensor.name}" has shape [${tensor.dims.join(", ")}]: its last dimension must be ` +
+            `"${arch}.expert_count" = ${count}`
+        })
+      }
+    }
+    return { count, used }
+  })
+
 /**
  * Per-block sizes from the tensor table: every `blk.N.*` tensor's bytes count for block N; `token_embd` is the input;
- * `output_norm` + `output` (or `token_embd` again when the output is tied to it) the output head. KV per token and
- * block: the K and V projections' output widths, in F16 (the engine's cache type).
+ * `output_norm` + `output` (or `token_embd` again when the output is tied to it) the output head. Bytes read per token
+ * (active): every tensor whole, except stacked expert tensors, of which a token reads `used / count` (`experts`,
+ * validated by `expertCountsOf`). KV per token and block: the K and V projections' output widths, in F16 (the
+ * engine's cache type).
  */
-export const layoutOfFile = (file: GgufFile, numLayers: number, hiddenDim: number): ModelLayout => {
+const layoutOfFile = (
+  file: GgufFile,
+  numLayers: number,
+  hiddenDim: number,
+  experts: ExpertCounts | undefined
+): ModelLayout => {
   const blockBytes = Array<number>(numLayers).fill(0)
+  const activeBlockBytes = Array<number>(numLayers).fill(0)
   for (const tensor of file.tensors) {
     const match = /^blk\.(\d+)\./.exec(tensor.name)
     if (match === null) continue
     const block = Number(match[1])
-    if (block < numLayers) blockBytes[block]! += tensor.byteSize
+    if (block >= numLayers) continue
+    blockBytes[block]! += tensor.byteSize
+    activeBlockBytes[block]! += experts !== undefined && isStackedExperts(tensor.name)
+      ? (tensor.byteSize / experts.count) * experts.used
+      : tensor.byteSize
   }
   const bytes = (name: string) => file.tensorsByName.get(name)?.byteSize ?? 0
   const width = (name: string) => file.tensorsByName.get(name)?.dims[1]
@@ -95,6 +165,7 @@ export const layoutOfFile = (file: GgufFile, numLayers: number, hiddenDim: numbe
   const output = file.tensorsByName.has("output.weight") ? bytes("output.weight") : bytes("token_embd.weight")
   return {
     blockBytes,
+    activeBlockBytes,
     kvBytesPerToken,
     inputBytes: bytes("token_embd.weight"),
     outputBytes: bytes("output_norm.weight") + output,
@@ -106,7 +177,8 @@ export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelL
   Effect.gen(function*() {
     const file = yield* readHeader(path)
     const facts = yield* readModelFacts(path)
-    return layoutOfFile(file, facts.numLayers, facts.hiddenDim)
+    const experts = yield* expertCountsOf(file, yield* Gguf.getArchitecture(file))
+    return layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts)
   })
 
 export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout, header: readHeader }
