@@ -10,6 +10,8 @@ import { getArchitecture } from "../gguf/GgufReader.js"
 import type { ArchModule } from "./Arch.js"
 import { type HParams, readHParams } from "./HParams.js"
 import { architectures, supportedArchitectures } from "./Registry.js"
+import { getGgml } from "../ggml/Bindings.js"
+import { cpuComputesWeightType } from "../ggml/CpuTypeSupport.js"
 import type { TensorSpec } from "./Toolkit.js"
 
 /** How a weight is used in the graph (decides its buffer type, as llama.cpp does). */
@@ -34,34 +36,20 @@ export interface StageLayout {
   readonly tiedOutput: boolean
 }
 
-/** Tensor types a matrix may have: those ggml's CPU backend multiplies and gathers directly. */
-const matrixTypes: ReadonlySet<number> = new Set([
-  GgmlType.F32,
-  GgmlType.F16,
-  GgmlType.BF16,
-  GgmlType.Q4_0,
-  GgmlType.Q4_1,
-  GgmlType.Q5_0,
-  GgmlType.Q5_1,
-  GgmlType.Q8_0,
-  GgmlType.Q2_K,
-  GgmlType.Q3_K,
-  GgmlType.Q4_K,
-  GgmlType.Q5_K,
-  GgmlType.Q6_K,
-  GgmlType.IQ2_XXS,
-  GgmlType.IQ2_XS,
-  GgmlType.IQ3_XXS,
-  GgmlType.IQ1_S,
-  GgmlType.IQ4_NL,
-  GgmlType.IQ3_S,
-  GgmlType.IQ2_S,
-  GgmlType.IQ4_XS,
-  GgmlType.IQ1_M,
-  GgmlType.TQ1_0,
-  GgmlType.TQ2_0,
-  GgmlType.MXFP4
-])
+/**
+ * Tensor types a matrix may have: those the loaded ggml CPU backend multiplies and gathers, asked of ggml
+ * (src/layers/ggml/CpuTypeSupport.ts; cached per process). A GgmlBindingError (no libraries) is BackendUnavailable.
+ */
+const matrixTypeSupported = (file: GgufFile, type: number): Effect.Effect<boolean, ModelLoadError> =>
+  Effect.try({
+    try: () => cpuComputesWeightType(getGgml(), type),
+    catch: (e) =>
+      new ModelLoadError({
+        path: file.path,
+        reason: "BackendUnavailable",
+        message: e instanceof Error ? e.message : String(e)
+      })
+  })
 
 const fail = (file: GgufFile, reason: ModelLoadError["reason"], message: string) =>
   Effect.fail(new ModelLoadError({ path: file.path, reason, message }))
@@ -104,13 +92,6 @@ const checkTensor = (
     return fail(file, "TensorTypeMismatch", `tensor "${fullName}" is ${t.name}, expected f32`)
   }
   if (spec.kind === "matrix") {
-    if (!matrixTypes.has(info.type)) {
-      return fail(
-        file,
-        "UnsupportedTensorType",
-        `tensor "${fullName}" has type ${t.name}, which swactor cannot multiply`
-      )
-    }
     if ((info.dims[0] ?? 0) % t.blockSize !== 0) {
       return fail(
         file,
@@ -118,6 +99,14 @@ const checkTensor = (
         `tensor "${fullName}" row length ${info.dims[0]} is not a multiple of ${t.name}'s block size ${t.blockSize}`
       )
     }
+    return Effect.flatMap(matrixTypeSupported(file, info.type), (ok) =>
+      ok
+        ? Effect.succeed(info)
+        : fail(
+          file,
+          "UnsupportedTensorType",
+          `tensor "${fullName}" has type ${t.name}, which the ggml CPU backend cannot multiply or gather`
+        ))
   }
   return Effect.succeed(info)
 }
