@@ -445,8 +445,9 @@ export const makeStageHost = (
         // A stage that stopped, or whose edges closed (the run's teardown may close them before its stop arrives), keeps
         // its session as the prompt-cache entry its run named (unless dropped): the prompt's positions only (computed
         // by its prefill; the generated tokens' KV, computed one decode step at a time, is not what a later prefill of
-        // them computes, so a later turn prefills them again). After an engine or protocol fault it keeps nothing. (Whether the entry is used is the server's call:
-        // only a run that completed on every stage is indexed, the others' entries are dropped.)
+        // them computes, so a later turn prefills them again). After an engine or protocol fault it keeps nothing.
+        // (Whether the entry is used is the server's call: only a run that completed on every stage is indexed, the
+        // others' entries are dropped.)
         const keepAs = request.promptCache?.keep
         const edgeClosed = Exit.isFailure(exit) && Option.exists(
           Cause.failureOption(exit.cause),
