@@ -31,19 +31,24 @@ const CPU_TRAITS = { fromFloat: 0, vecDot: 8, vecDotType: 16 } as const
 /** type_name (8), blck_size (8), blck_size_interleave (8), type_size (8), is_quantized (1 + 7 padding), to_float. */
 const BASE_TRAITS_TO_FLOAT = 40
 
+let dlInfo: ReturnType<typeof koffi.struct> | undefined
+
 /** The file of the loaded library that holds `address` (dladdr), or undefined where that cannot be asked. */
 const libraryOf = (address: Ptr): string | undefined => {
   const libc = process.platform === "linux" ? "libc.so.6" : process.platform === "darwin" ? "/usr/lib/libSystem.B.dylib" : undefined
   if (libc === undefined) return undefined
   try {
     const lib = koffi.load(libc)
-    const info = koffi.struct("swactor_dl_info", {
+    dlInfo ??= koffi.struct("swactor_dl_info", {
       dli_fname: "const char *",
       dli_fbase: "void *",
       dli_sname: "const char *",
       dli_saddr: "void *"
     })
-    const dladdr = lib.func("int dladdr(void * addr, _Out_ swactor_dl_info * info)") as (a: Ptr, out: { dli_fname?: string }) => number
+    const dladdr = lib.func("dladdr", "int", ["void *", koffi.out(koffi.pointer(dlInfo))]) as (
+      a: Ptr,
+      out: { dli_fname?: string }
+    ) => number
     const out: { dli_fname?: string } = {}
     return dladdr(address, out) !== 0 && typeof out.dli_fname === "string" ? out.dli_fname : undefined
   } catch {
