@@ -130,10 +130,10 @@ describe("gemma3: every split into 1-3 stages matches node-llama-cpp past the sl
   it.live(`f32, window 32, 5 local : 1 global (7 blocks): greedy ${N_TOKENS} tokens of all 22 splits equal node-llama-cpp's`, () =>
     checkParity(model("gemma3-f32", { layers: 7, slidingWindow: 32 }), 32, [5]), 300_000)
 
-  // pattern 3 (blocks 2 and 5 global), window 16, tied output, final logit soft-capping 30
-  it.live(`f16, window 16, pattern 3, soft-capping 30, tied output: greedy ${N_TOKENS} tokens of all 16 splits equal node-llama-cpp's`, () =>
+  // pattern 3 (blocks 2 and 5 global), window 16, tied output, final logit soft-capping 4
+  it.live(`f16, window 16, pattern 3, soft-capping 4, tied output: greedy ${N_TOKENS} tokens of all 16 splits equal node-llama-cpp's`, () =>
     checkParity(
-      model("gemma3-f16", { type: "f16", slidingWindow: 16, swaPattern: 3, logitSoftcap: 30, tiedOutput: true, seed: 22 }),
+      model("gemma3-f16", { type: "f16", slidingWindow: 16, swaPattern: 3, logitSoftcap: 4, tiedOutput: true, seed: 22 }),
       16,
       [2, 5]
     ), 300_000)
@@ -168,6 +168,7 @@ describe("gemma3: 8 sequences batched equal their lone runs", () => {
             const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
             const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
             assert.strictEqual(batched.maxLive, 8, "all 8 sequences were in one batch at some step")
+            assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
             assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8)
             plans.forEach((_, i) => {
               assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
@@ -178,6 +179,8 @@ describe("gemma3: 8 sequences batched equal their lone runs", () => {
           }))
         }
         console.log(`gemma3 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
+        // measured 3.2e-3 / 3.3e-3 (routes 0 / 8): prefills of several rows take other product kernels than alone
+        assert.isBelow(maxDiff, 2e-2)
       }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 300_000)
   }
 })

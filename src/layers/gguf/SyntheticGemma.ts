@@ -15,8 +15,8 @@ export interface SyntheticGemmaOptions {
   readonly logitSoftcap?: number
 }
 
-export const GEMMA_DEFAULT_WINDOW = 32
-export const GEMMA_DEFAULT_PATTERN = 6
+const GEMMA_DEFAULT_WINDOW = 32
+const GEMMA_DEFAULT_PATTERN = 6
 
 /** What is wrong with the gemma3 options, or undefined. */
 export const validateGemmaOptions = (o: SyntheticGemmaOptions): string | undefined => {
