@@ -36,6 +36,9 @@ export interface SynthArgs {
   readonly slidingWindow: Option.Option<number>
   readonly swaPattern: Option.Option<number>
   readonly logitSoftcap: Option.Option<number>
+  readonly experts: Option.Option<number>
+  readonly expertsUsed: Option.Option<number>
+  readonly expertFfn: Option.Option<number>
   readonly output: string
 }
 
@@ -67,7 +70,10 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.chatTemplate) ? { chatTemplate: args.chatTemplate.value } : {}),
   ...(Option.isSome(args.slidingWindow) ? { slidingWindow: args.slidingWindow.value } : {}),
   ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
-  ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {})
+  ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
+  ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
+  ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
+  ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {})
 }
 }
 
@@ -140,6 +146,11 @@ export const synthCommand = Command.make(
       Options.withDescription("gemma3: final logit soft-capping (default: none)"),
       Options.optional
     ),
+    experts: int("experts", "qwen3moe: experts per block (default 8)").pipe(Options.optional),
+    expertsUsed: int("experts-used", "qwen3moe: experts each token goes through, at most --experts (default 2)").pipe(
+      Options.optional
+    ),
+    expertFfn: int("expert-ffn", "qwen3moe: feed-forward length of one expert (default --ffn)").pipe(Options.optional),
     output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
   },
   runSynthCommand

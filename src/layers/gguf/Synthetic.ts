@@ -21,15 +21,23 @@ import { quantizeChunk } from "../ggml/Bindings.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
+import {
+  isSyntheticMoe,
+  moeBlockTensors,
+  moeMetadata,
+  moeTensorType,
+  type SyntheticMoeOptions,
+  validateMoeOptions
+} from "./SyntheticMoe.js"
 import { type SyntheticChatTemplate, syntheticChatTemplates, syntheticTemplateSpec } from "./SyntheticTemplates.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe"
 export type SyntheticType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | "q4_k" | "q6_k"
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
 
-export interface SyntheticModelOptions extends SyntheticGemmaOptions {
+export interface SyntheticModelOptions extends SyntheticGemmaOptions, SyntheticMoeOptions {
   readonly path: string
   readonly arch: SyntheticArch
   readonly layers: number
@@ -301,7 +309,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o)
+  return validateGemmaOptions(o) ?? validateMoeOptions(o)
 }
 
 interface PlannedTensor {
@@ -334,13 +342,17 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       bias(`${b}.attn_k.bias`, kv)
       bias(`${b}.attn_v.bias`, kv)
     }
-    if (o.arch === "qwen3") {
+    if (o.arch === "qwen3" || o.arch === "qwen3moe") {
       norm(`${b}.attn_q_norm.weight`, hd)
       norm(`${b}.attn_k_norm.weight`, hd)
     }
     if (o.arch === "gemma3") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
     w(`${b}.attn_output.weight`, q, o.hidden)
     norm(`${b}.ffn_norm.weight`, o.hidden)
+    if (isSyntheticMoe(o.arch)) {
+      out.push(...moeBlockTensors(b, o))
+      continue
+    }
     w(`${b}.ffn_gate.weight`, o.hidden, o.ffn)
     w(`${b}.ffn_up.weight`, o.hidden, o.ffn)
     w(`${b}.ffn_down.weight`, o.ffn, o.hidden)
@@ -407,7 +419,8 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.rope.dimension_count`, GgufValues.u32(hd)]
   ]
   if (a === "gemma3") md.push(...gemmaMetadata(o))
-  if (a === "qwen3" || a === "gemma3" || o.headDim !== undefined) {
+  md.push(...moeMetadata(o))
+  if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || o.headDim !== undefined) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
@@ -422,8 +435,9 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
 } => {
   const fallbacks: Array<string> = []
   const tensors = planTensors(o).map((t): GgufTensorSpec => {
-    const type = syntheticTensorType(o.type, t.dims)
-    if (t.dims.length >= 2 && type !== typeIds[o.type]) fallbacks.push(t.name)
+    const kept = moeTensorType(t.name)
+    const type = kept ?? syntheticTensorType(o.type, t.dims)
+    if (kept === undefined && t.dims.length >= 2 && type !== typeIds[o.type]) fallbacks.push(t.name)
     const n = t.dims.reduce((x, y) => x * y, 1)
     return {
       name: t.name,

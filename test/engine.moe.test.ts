@@ -1,0 +1,245 @@
+/**
+ * Mixture of experts (qwen3moe: Moe.ts, archs/qwen3moe.ts, SyntheticMoe.ts) on synthetic files of the real structure
+ * at small size (4 blocks, hidden 256, 8 experts of 128, 2 used):
+ * - every split into 1, 2 and 3 stages gives node-llama-cpp's greedy tokens (the oracle runs the same file);
+ * - several sequences with different prompts in one batch (routing differs per row) equal the same sequences alone;
+ * - a bad file (expert count disagreeing with the tensors, more experts used than exist) is a typed ModelLoadError
+ *   naming the key or tensor, before ggml sees anything.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Effect, Either, Exit, Stream } from "effect"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { afterAll } from "vitest"
+import { layerLocal, run } from "../src/api/generate.js"
+import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
+import { GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
+import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import {
+  type SyntheticModelOptions,
+  syntheticModelSpec,
+  type SyntheticType,
+  writeSyntheticModel
+} from "../src/layers/gguf/Synthetic.js"
+import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
+import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
+import * as Batch from "./support/batch.js"
+import type { SeqPlan } from "./support/batch.js"
+import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+
+const N_TOKENS = 24
+const LAYERS = 4
+const CONTEXT = 512
+const options = { threads: 1, contextLength: CONTEXT } as const
+const dir = mkdtempSync(join(tmpdir(), "swactor-moe-"))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+const sameBits = (a: Float32Array, b: Float32Array) =>
+  a.length === b.length && new Uint32Array(a.buffer).every((x, i) => x === new Uint32Array(b.buffer)[i])
+
+const moeShape = (type: SyntheticType, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
+  path: join(dir, `qwen3moe-${type}-${extra.expertsUsed ?? 2}.gguf`),
+  arch: "qwen3moe",
+  layers: LAYERS,
+  hidden: 256,
+  ffn: 512,
+  heads: 4,
+  kvHeads: 2,
+  vocab: 400,
+  contextLength: CONTEXT,
+  type,
+  seed: 7,
+  experts: 8,
+  expertsUsed: 2,
+  expertFfn: 128,
+  ...extra
+})
+
+describe("qwen3moe: every split into 1, 2 and 3 stages gives node-llama-cpp's greedy tokens", () => {
+  const cases = [["f32", 2, true], ["q8_0", 2, true], ["f32", 1, true], ["f32", 8, true]] as const
+  for (const [type, used, exact] of cases) {
+    it.live(
+      `qwen3moe ${type}, 8 experts, ${used} used: ${N_TOKENS} greedy tokens at every split equal node-llama-cpp's` +
+        (exact ? ", log-probs within 1e-4" : ""),
+      () =>
+        Effect.gen(function*() {
+          const o = moeShape(type, { expertsUsed: used })
+          yield* writeSyntheticModel(o)
+          const ref = yield* Effect.promise(() => referenceRun(o.path, "Once upon a time", N_TOKENS, options))
+          assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+          let single: EngineRun | undefined
+          let maxDiff = 0
+          const splits = allSplits(LAYERS, 3)
+          for (const split of splits) {
+            const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
+            assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+            maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
+            if (single === undefined) single = run
+            else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
+          }
+          console.log(
+            `qwen3moe ${type} ${used}/8: ${splits.length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
+              `first-position log-prob max diff ${maxDiff.toExponential(2)}`
+          )
+          if (exact) assert.isBelow(maxDiff, 1e-4)
+        }),
+      180_000
+    )
+  }
+})
+
+/** 6 sequences, different prompts (each row routes to its own experts), joins, early finishes, a chunked prefill. */
+const schedule = (vocab: number): ReadonlyArray<SeqPlan> => {
+  const r = makeRng(91)
+  const prompt = (n: number) => Array.from({ length: n }, () => 3 + Math.floor(r() * (vocab - 3)))
+  return [
+    { prompt: prompt(5), start: 0, steps: 20 },
+    { prompt: prompt(11), start: 0, steps: 20 },
+    { prompt: prompt(1), start: 0, steps: 14 },
+    { prompt: prompt(17), start: 2, steps: 20 },
+    { prompt: prompt(7), start: 4, steps: 10 },
+    { prompt: prompt(40), start: 1, steps: 20, chunk: 16 }
+  ]
+}
+
+describe("qwen3moe: sequences batched together equal the same sequences alone", () => {
+  // Forced routes (production measures, SmallBatch.ts): 0 = ggml's products (tinyBLAS for 2+ rows), 8 = the few-row
+  // route for the 2-D products. The expert products are ggml_mul_mat_id either way (one-row kernel per row and expert).
+  // q8_0: every product sums the same int8 blocks whatever the rows, and the F32 router gives the same bits here
+  // too: the logits are bit-identical. f32: ggml's f32 products take another kernel for one row than for several.
+  const cases = [["q8_0", 0], ["q8_0", 8], ["f32", 8]] as const
+  for (const [type, rows] of cases) {
+    it.live(`qwen3moe ${type}: 6 sequences, 1/2/3 stages, joins, early finishes, chunked prefill: ` +
+      `${type === "q8_0" ? "bit-identical logits" : "tokens equal lone runs"} (route ${rows})`, () =>
+      Effect.gen(function*() {
+        const o = moeShape(type, { path: join(dir, `batch-${type}.gguf`) })
+        yield* writeSyntheticModel(o)
+        const plans = schedule(o.vocab)
+        let maxDiff = 0
+        for (const split of [[0, 4], [0, 2, 4], [0, 1, 3, 4]]) {
+          yield* Effect.scoped(Effect.gen(function*() {
+            const stages = yield* Batch.loadSplit(o.path, split)
+            const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
+            const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
+            assert.strictEqual(batched.maxLive, 6, "all 6 sequences were in one batch at some step")
+            assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
+            assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
+            plans.forEach((_, i) => {
+              assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
+              alone[i]!.logits.forEach((l, j) => {
+                maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!))
+                if (type === "q8_0") assert.isTrue(Batch.sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
+              })
+            })
+          }))
+        }
+        console.log(`qwen3moe ${type} route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 180_000)
+  }
+})
+
+/** Writes the qwen3moe model with one fact tweaked and tries to load a stage of it. */
+const loadTweaked = (name: string, tweak: (md: Array<readonly [string, ReturnType<typeof GgufValues.u32>]>) => void) =>
+  Effect.gen(function*() {
+    const path = join(dir, `bad-${name}.gguf`)
+    const s = syntheticModelSpec(moeShape("f32", { path, layers: 2 }))
+    const md = [...s.metadata]
+    tweak(md)
+    yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
+    const executor = yield* StageExecutor
+    const exit = yield* Effect.exit(Effect.scoped(
+      executor.load({ path, layerStart: 1, layerEndExclusive: 2, isFirst: false, isLast: true })
+    ))
+    if (Exit.isSuccess(exit)) return { reason: "loaded", message: "" }
+    const e = exit.cause._tag === "Fail" ? exit.cause.error : undefined
+    return { reason: e?.reason ?? "defect", message: e?.message ?? String(exit.cause) }
+  }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 })))
+
+const setKey = (key: string, value: ReturnType<typeof GgufValues.u32> | null) =>
+  (md: Array<readonly [string, ReturnType<typeof GgufValues.u32>]>) => {
+    const i = md.findIndex(([k]) => k === key)
+    if (value === null) md.splice(i, 1)
+    else md[i] = [key, value]
+  }
+
+describe("qwen3moe: a bad file is a typed error naming the key or tensor, never an abort", () => {
+  it.live("expert_count disagreeing with the tensors: TensorShapeMismatch naming the key and the tensor", () =>
+    Effect.gen(function*() {
+      const fewer = yield* loadTweaked("count4", setKey("qwen3moe.expert_count", GgufValues.u32(4)))
+      assert.strictEqual(fewer.reason, "TensorShapeMismatch")
+      assert.include(fewer.message, "qwen3moe.expert_count")
+      assert.include(fewer.message, "blk.0.ffn_gate_inp.weight")
+      const more = yield* loadTweaked("count16", setKey("qwen3moe.expert_count", GgufValues.u32(16)))
+      assert.strictEqual(more.reason, "TensorShapeMismatch")
+      assert.include(more.message, "qwen3moe.expert_count")
+    }))
+
+  it.live("expert_used_count > expert_count, missing or zero counts: InvalidMetadata naming the key", () =>
+    Effect.gen(function*() {
+      const over = yield* loadTweaked("used9", setKey("qwen3moe.expert_used_count", GgufValues.u32(9)))
+      assert.strictEqual(over.reason, "InvalidMetadata")
+      assert.include(over.message, "qwen3moe.expert_used_count")
+      assert.include(over.message, "qwen3moe.expert_count")
+      const missing = yield* loadTweaked("nocount", setKey("qwen3moe.expert_count", null))
+      assert.strictEqual(missing.reason, "InvalidMetadata")
+      assert.include(missing.message, "qwen3moe.expert_count")
+      const zero = yield* loadTweaked("used0", setKey("qwen3moe.expert_used_count", GgufValues.u32(0)))
+      assert.strictEqual(zero.reason, "InvalidMetadata")
+      assert.include(zero.message, "qwen3moe.expert_used_count")
+      const huge = yield* loadTweaked("count2000", setKey("qwen3moe.expert_count", GgufValues.u32(2000)))
+      assert.strictEqual(huge.reason, "InvalidMetadata")
+      assert.include(huge.message, "qwen3moe.expert_count")
+    }))
+
+  it.live("an expert tensor of the wrong shape: TensorShapeMismatch naming the tensor", () =>
+    Effect.gen(function*() {
+      const ffn = yield* loadTweaked("expffn", setKey("qwen3moe.expert_feed_forward_length", GgufValues.u32(64)))
+      assert.strictEqual(ffn.reason, "TensorShapeMismatch")
+      assert.include(ffn.message, "blk.1.ffn_gate_exps.weight")
+    }))
+})
+
+describe("qwen3moe end to end: a killed stage agent resumes with identical text", () => {
+  // 3 stages + 1 spare on local agents; the middle stage's agent is killed with SIGKILL at token 12: the spare takes
+  // its stage, the prompt and the tokens so far are replayed (one prefill per stage, routing each row again), and the
+  // stream goes on to the uninterrupted run's tokens and text.
+  it.live("kill -9 of the middle stage with a spare: greedy output equals the uninterrupted run's", () =>
+    Effect.gen(function*() {
+      const o = moeShape("q8_0", { path: join(dir, "e2e-q8_0.gguf") })
+      yield* writeSyntheticModel(o)
+      const req: GenerateRequest = { model: o.path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 }
+      const generate = (r: GenerateRequest, killAt?: number) =>
+        Effect.gen(function*() {
+          let agents: ReadonlyArray<LocalAgent> = []
+          let killed = false
+          const updates: Array<RunUpdate> = []
+          const result = yield* run(r).pipe(
+            Stream.provideLayer(layerLocal({ threads: 1, onStarted: (a) => (agents = a) })),
+            Stream.runForEach((u) =>
+              Effect.sync(() => {
+                updates.push(u)
+                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
+                  killed = true
+                  process.kill(agents[1]!.pid, "SIGKILL")
+                }
+              })
+            ),
+            Effect.either
+          )
+          const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+          const finished = updates.find((u) => u._tag === "Finished")
+          return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
+        })
+      const reference = yield* generate(req)
+      assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
+      assert.strictEqual(reference.tokens.length, 48)
+      assert.isAtLeast(new Set(reference.tokens).size, 4, "the stream is not trivial")
+      const outcome = yield* generate({ ...req, spares: 1 }, 12)
+      assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
+      assert.strictEqual(outcome.summary!.recoveries.length, 1)
+      assert.deepStrictEqual(outcome.tokens, reference.tokens)
+      assert.strictEqual(outcome.summary!.text, reference.summary!.text)
+    }), 180_000)
+})
