@@ -12,7 +12,7 @@ import {
   getStringArray,
   getU32
 } from "../gguf/GgufReader.js"
-import type { MoeParams } from "./Moe.js"
+import type { MoeParams } from "./MoeParams.js"
 
 export const RopeMode = { NORM: 0, NEOX: 2 } as const
 

@@ -19,31 +19,12 @@ import { getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import { moeOps } from "../ggml/MoeBindings.js"
 import { getNumberArray, getOptional, getU32 } from "../gguf/GgufReader.js"
 import type { HParams } from "./HParams.js"
+import type { ExpertGating, MoeParams } from "./MoeParams.js"
 import { GraphOpError } from "./OpChecks.js"
 import type { BlockWeights, TensorSpec, Toolkit } from "./Toolkit.js"
 
 /** llama.cpp's LLAMA_MAX_EXPERTS: its loader asserts (aborts) above it. */
 export const MAX_EXPERTS = 1024
-
-export type ExpertGating = "softmax" | "sigmoid"
-
-export interface MoeParams {
-  /** `<arch>.expert_count`: experts per routed block (the third dim of ffn_*_exps). */
-  readonly nExpert: number
-  /** `<arch>.expert_used_count`: experts each token goes through (top-k). */
-  readonly nExpertUsed: number
-  /** `<arch>.expert_feed_forward_length` (default feed_forward_length / expert_used_count). */
-  readonly nFfExp: number
-  readonly gating: ExpertGating
-  /** Divide the k chosen weights by their sum. */
-  readonly normWeights: boolean
-  /** Multiply the weights by this (0 or 1: not at all). */
-  readonly weightsScale: number
-  /** Shared experts' feed-forward length (0: none). */
-  readonly nFfShared: number
-  /** Blocks 0..n-1 are dense (a plain SwiGLU feed-forward), the rest routed. */
-  readonly nLeadingDense: number
-}
 
 /** What an architecture fixes (or reads from its own keys) beside the common MoE keys. */
 export interface MoeArchOptions {

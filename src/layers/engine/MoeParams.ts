@@ -1,0 +1,21 @@
+/** Mixture-of-experts hyperparameters (types only: HParams.ts holds them, Moe.ts reads them and builds the graph). */
+
+export type ExpertGating = "softmax" | "sigmoid"
+
+export interface MoeParams {
+  /** `<arch>.expert_count`: experts per routed block (the third dim of ffn_*_exps). */
+  readonly nExpert: number
+  /** `<arch>.expert_used_count`: experts each token goes through (top-k). */
+  readonly nExpertUsed: number
+  /** `<arch>.expert_feed_forward_length` (default feed_forward_length / expert_used_count). */
+  readonly nFfExp: number
+  readonly gating: ExpertGating
+  /** Divide the k chosen weights by their sum. */
+  readonly normWeights: boolean
+  /** Multiply the weights by this (0 or 1: not at all). */
+  readonly weightsScale: number
+  /** Shared experts' feed-forward length (0: none). */
+  readonly nFfShared: number
+  /** Blocks 0..n-1 are dense (a plain SwiGLU feed-forward), the rest routed. */
+  readonly nLeadingDense: number
+}
