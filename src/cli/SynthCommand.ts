@@ -125,7 +125,7 @@ export const synthCommand = Command.make(
     vocab: int("vocab", "vocabulary size, at least 259").pipe(withShownDefault(32000)),
     contextLength: int("context-length", "context length").pipe(withShownDefault(2048)),
     type: Options.choice("type", syntheticTypes).pipe(
-      Options.withDescription("storage type of the weight matrices"),
+      Options.withDescription("storage type of the weight matrices: a ggml type, or a mixed recipe (q4_k_m, q3_k_m)"),
       withShownDefault("f32" as const)
     ),
     seed: int("seed", "generator seed").pipe(withShownDefault(1)),

@@ -613,7 +613,3 @@ export const getGgml = (): Ggml => {
     throw cachedError
   }
 }
-
-/** Convenience: `getGgml().quantizeChunk(...)`. */
-export const quantizeChunk = (type: number, src: Float32Array, nrows: number, nPerRow: number): Uint8Array =>
-  getGgml().quantizeChunk(type, src, nrows, nPerRow)

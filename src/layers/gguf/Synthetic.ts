@@ -9,15 +9,16 @@
  * - token_embd: N(0, 0.02) (small beside the block outputs, so a tied output head does not just echo the input)
  * - norm weights: 1 + N(0, 0.1); qwen2 q/k/v biases: N(0, 0.02)
  *
- * Storage types: 1-D tensors (norms, biases) are always F32. 2-D matrices use the requested type when their ne0 is a
- * multiple of its block size (32 for q8_0/q4_0, 256 for q4_k/q6_k) and F16 otherwise (listed in `fallbacks`).
- * Quantization runs through ggml's own ggml_quantize_chunk (src/layers/ggml/Bindings.ts); F16/BF16 are converted
- * in TypeScript with round-to-nearest-even.
+ * Storage types (SyntheticTypes.ts): 1-D tensors (norms, biases) are always F32. 2-D matrices use the requested type
+ * (every weight type ggml's CPU backend computes), or for a mixed recipe (q4_k_m, q3_k_m) the type llama.cpp's
+ * quantizer would pick for that tensor, when their ne0 is a multiple of its block size (32 for q8_0/q4_0, 256 for
+ * the k- and i-quants) and F16 otherwise (listed in `fallbacks`). Quantization runs through ggml's own
+ * ggml_quantize_chunk (iq1_s / iq2_xxs / iq2_xs with an all-ones importance matrix); F16/BF16 are converted in
+ * TypeScript with round-to-nearest-even.
  */
 import { Data, Effect } from "effect"
-import { GgmlType, ggmlTypeInfo, ggmlTypeName } from "../../domain/ggmlTypes.js"
+import { GgmlType, ggmlTypeName } from "../../domain/ggmlTypes.js"
 import { GgufValueType } from "../../domain/gguf.js"
-import { quantizeChunk } from "../ggml/Bindings.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
@@ -30,12 +31,20 @@ import {
   validateMoeOptions
 } from "./SyntheticMoe.js"
 import { type SyntheticChatTemplate, syntheticChatTemplates, syntheticTemplateSpec } from "./SyntheticTemplates.js"
+import {
+  quantizeRows,
+  syntheticDefaultTypeId,
+  syntheticFileType,
+  syntheticStorageType,
+  type SyntheticWeightType,
+  syntheticWeightTypes
+} from "./SyntheticTypes.js"
 
 export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe"
-export type SyntheticType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | "q4_k" | "q6_k"
+export type SyntheticType = SyntheticWeightType
 
 export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"]
-export const syntheticTypes: ReadonlyArray<SyntheticType> = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"]
+export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions extends SyntheticGemmaOptions, SyntheticMoeOptions {
   readonly path: string
@@ -79,27 +88,6 @@ export interface SyntheticModelSummary {
 export class SyntheticModelError extends Data.TaggedError("SyntheticModelError")<{
   readonly message: string
 }> {}
-
-const typeIds: Record<SyntheticType, number> = {
-  f32: GgmlType.F32,
-  f16: GgmlType.F16,
-  bf16: GgmlType.BF16,
-  q8_0: GgmlType.Q8_0,
-  q4_0: GgmlType.Q4_0,
-  q4_k: GgmlType.Q4_K,
-  q6_k: GgmlType.Q6_K
-}
-
-/** llama_ftype of a file whose matrices are mostly this type. */
-const fileTypes: Record<SyntheticType, number> = {
-  f32: 0,
-  f16: 1,
-  bf16: 32,
-  q8_0: 7,
-  q4_0: 2,
-  q4_k: 15,
-  q6_k: 18
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Seeded generator: sfc32 seeded by splitmix32 from (seed, name).
@@ -360,13 +348,16 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   return out
 }
 
-/** The ggml type a tensor of this shape gets in a file of `type`. */
-export const syntheticTensorType = (type: SyntheticType, dims: ReadonlyArray<number>): number => {
-  if (dims.length < 2) return GgmlType.F32
-  const id = typeIds[type]
-  const info = ggmlTypeInfo(id)!
-  return dims[0]! % info.blockSize === 0 ? id : GgmlType.F16
-}
+/**
+ * The ggml type a tensor of this shape gets in a file of `type` (SyntheticTypes.ts; `name` and `model` matter to
+ * mixed recipes such as q4_k_m only).
+ */
+export const syntheticTensorType = (
+  type: SyntheticType,
+  dims: ReadonlyArray<number>,
+  name = "",
+  model: { readonly layers: number; readonly tiedOutput: boolean } = { layers: 1, tiedOutput: false }
+): number => syntheticStorageType(type, name, dims, model)
 
 const encode = (type: number, values: Float32Array, dims: ReadonlyArray<number>): Uint8Array => {
   switch (type) {
@@ -377,8 +368,7 @@ const encode = (type: number, values: Float32Array, dims: ReadonlyArray<number>)
     case GgmlType.BF16:
       return toBf16Bytes(values)
     default: {
-      const nPerRow = dims[0]!
-      return quantizeChunk(type, values, values.length / nPerRow, nPerRow)
+      return quantizeRows(type, values, dims[0]!)
     }
   }
 }
@@ -407,7 +397,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
   const md: Array<readonly [string, GgufTypedValue]> = [
     ["general.architecture", GgufValues.string(a)],
     ["general.name", GgufValues.string(`swactor synthetic ${a} ${o.layers}x${o.hidden} ${o.type} seed ${o.seed}`)],
-    ["general.file_type", GgufValues.u32(fileTypes[o.type])],
+    ["general.file_type", GgufValues.u32(syntheticFileType(o.type))],
     [`${a}.block_count`, GgufValues.u32(o.layers)],
     [`${a}.context_length`, GgufValues.u32(o.contextLength)],
     [`${a}.embedding_length`, GgufValues.u32(o.hidden)],
@@ -436,8 +426,11 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
   const fallbacks: Array<string> = []
   const tensors = planTensors(o).map((t): GgufTensorSpec => {
     const kept = moeTensorType(t.name)
-    const type = kept ?? syntheticTensorType(o.type, t.dims)
-    if (kept === undefined && t.dims.length >= 2 && type !== typeIds[o.type]) fallbacks.push(t.name)
+    const type = kept ??
+      syntheticTensorType(o.type, t.dims, t.name, { layers: o.layers, tiedOutput: o.tiedOutput === true })
+    if (kept === undefined && t.dims.length >= 2 && type === GgmlType.F16 && syntheticDefaultTypeId(o.type) !== GgmlType.F16) {
+      fallbacks.push(t.name)
+    }
     const n = t.dims.reduce((x, y) => x * y, 1)
     return {
       name: t.name,
