@@ -19,8 +19,9 @@ import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { logSoftmax, makeRng } from "../src/services/Sampler.js"
-import { StageExecutor } from "../src/services/StageExecutor.js"
+import type { StageInput, StageOutput } from "../src/domain/engine.js"
+import { greedy, logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceLlama } from "./support/engine.js"
@@ -183,6 +184,59 @@ describe("gemma3: 8 sequences batched equal their lone runs", () => {
         assert.isBelow(maxDiff, 2e-2)
       }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 300_000)
   }
+})
+
+describe("gemma3: a copied or rewound KV cache continues as one computed afresh", () => {
+  // The prompt cache copies positions [0, L) of one session into another (StageExecutor.copyPrefix); a session may be
+  // rewound to an earlier position. Past the window, the sliding-window blocks' cells must come along: the
+  // continuation then has the bits of a fresh session fed the same chunks.
+  it.live("window 16, pattern 3, 2 stages: copyPrefix of 40 positions and a rewind to 40 give a fresh run's logits", () =>
+    Effect.gen(function*() {
+      const o = model("gemma3-copy", { slidingWindow: 16, swaPattern: 3, seed: 24 })
+      yield* writeSyntheticModel(o)
+      const executor = yield* StageExecutor
+      const stages = yield* Batch.loadSplit(o.path, [0, 3, 6])
+      const r = makeRng(41)
+      const prompt = Int32Array.from({ length: 60 }, () => 3 + Math.floor(r() * 397))
+      const open = () => Batch.openSessions(stages, 256)
+      const through = (sessions: ReadonlyArray<StageSession>, pos: number, tokens: Int32Array) =>
+        Effect.gen(function*() {
+          let input: StageInput = { _tag: "Tokens", tokens }
+          for (const s of sessions) {
+            const out: StageOutput = yield* s.forward(pos, input)
+            if (out._tag === "Logits") return out.logits
+            input = out
+          }
+          return yield* Effect.dieMessage("no logits")
+        })
+      /** Positions 40..59, then 8 greedy decode steps: the logits of each. */
+      const continueFrom40 = (sessions: ReadonlyArray<StageSession>) =>
+        Effect.gen(function*() {
+          const out: Array<Float32Array> = [yield* through(sessions, 40, prompt.subarray(40))]
+          for (let pos = 60; pos < 68; pos++) {
+            out.push(yield* through(sessions, pos, Int32Array.of(greedy(out[out.length - 1]!))))
+          }
+          return out
+        })
+      const fresh = yield* open()
+      yield* through(fresh, 0, prompt.subarray(0, 40))
+      const want = yield* continueFrom40(fresh)
+
+      const source = yield* open()
+      yield* through(source, 0, prompt)
+      const copied = yield* open()
+      for (let i = 0; i < stages.length; i++) yield* executor.copyPrefix!(source[i]!, copied[i]!, 40)
+      const gotCopied = yield* continueFrom40(copied)
+      // the source itself, rewound to 40 after holding 60 positions (and 8 more from the copy's twin run)
+      yield* continueFrom40(source)
+      const gotRewound = yield* continueFrom40(source)
+      want.forEach((l, i) => {
+        assert.isTrue(Batch.sameBits(gotCopied[i]!, l), `copied, step ${i}`)
+        assert.isTrue(Batch.sameBits(gotRewound[i]!, l), `rewound, step ${i}`)
+      })
+      // and the 8 steps are not one token repeated
+      assert.isAtLeast(new Set(want.map((l) => greedy(l))).size, 2)
+    }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
 })
 
 describe("gemma3: bad metadata is a typed error naming the key", () => {
