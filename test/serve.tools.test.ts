@@ -3,7 +3,8 @@
  * without tools: llama-server's generic JSON form) and a synthetic model written by `swactor synth --chat-template
  * chatml-tools` (its own Jinja template with tools: node-llama-cpp finds the <tool_call> syntax in it). On both, with
  * random-ish weights: `tool_choice: "required"` and a named function give a call whose arguments parse and validate
- * against the tool's schema (the grammar forces them); the streamed call reassembles to the same call; a tool result fed
+ * against the tool's schema (the grammar forces them); the streamed call reassembles to the same call (also through the
+ * openai client's streaming helper; with the <tool_call> syntax its arguments come in fragments); a tool result fed
  * back continues the chat; `none` gives no call; bad tool input is a 400 naming the field, and the server keeps serving.
  */
 import * as Command from "@effect/cli/Command"
@@ -148,6 +149,17 @@ for (const [name, path] of models) {
       )
       expect(expected.length).toBeGreaterThan(0)
       expect(calls.map((c) => ({ name: c.name, arguments: validArguments(c.name, c.arguments) }))).toEqual(expected)
+      // The openai client's own streaming helper assembles the same call, arguments byte for byte; with the model's own
+      // <tool_call> syntax they come in fragments as they are written (the generic JSON form is held to its end)
+      const helper = client.chat.completions.stream(request)
+      let fragments = 0
+      helper.on("tool_calls.function.arguments.delta", (event) => void (event.arguments_delta === "" ? 0 : fragments++))
+      const assembled = await helper.finalChatCompletion()
+      const plain = (c: { type: string; function?: { name: string; arguments: string } }) => ({ name: c.function?.name, arguments: c.function?.arguments })
+      expect(assembled.choices[0]!.finish_reason).toBe("tool_calls")
+      expect((assembled.choices[0]!.message.tool_calls ?? []).map(plain)).toEqual((whole.choices[0]!.message.tool_calls ?? []).map(plain))
+      if (name.includes("chatml-tools")) expect(fragments).toBeGreaterThan(3)
+      else expect(fragments).toBe(1)
     }, 120_000)
 
     it("a tool result fed back (assistant tool_calls, then the tool message) continues the chat", async () => {

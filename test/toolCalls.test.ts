@@ -1,7 +1,7 @@
 /**
  * ToolCalls.ts: replies in each chat family's call syntax (as node-llama-cpp's wrappers write calls: Qwen/Hermes,
- * Llama 3.1, Mistral, gpt-oss harmony) parse into calls, also several at once and while streaming; malformed text stays
- * content and never throws; the grammar that forces a call accepts a valid call and refuses a wrong one.
+ * Llama 3.1, Mistral, gpt-oss harmony) parse into calls, also several at once and while streaming (a standalone call
+ * streams: its start, then its arguments in fragments); malformed text stays content and never throws; the grammar that forces a call accepts a valid call and refuses a wrong one.
  */
 import { afterAll, beforeAll, describe, expect, it } from "vitest"
 import * as lib from "node-llama-cpp"
@@ -9,8 +9,15 @@ import { wrapperToolSyntax } from "../src/layers/gguf/TokenizerLive.js"
 import { Effect } from "effect"
 import { jsonSchemaGrammar } from "../src/layers/server/JsonGrammar.js"
 import { chatWithTools } from "../src/layers/server/OpenAiTools.js"
-import { genericToolMessages, parseToolCalls, toolCallStream, toolGrammar, toolGrammarEffect } from "../src/layers/server/ToolCalls.js"
-import type { ChatTool, ToolSyntax } from "../src/services/Tools.js"
+import {
+  genericToolMessages,
+  parseToolCalls,
+  type ToolCallDelta,
+  toolCallStream,
+  toolGrammar,
+  toolGrammarEffect
+} from "../src/layers/server/ToolCalls.js"
+import type { ChatTool, ChatToolCall, ToolSyntax } from "../src/services/Tools.js"
 
 const tools: ReadonlyArray<ChatTool> = [
   {
@@ -111,7 +118,10 @@ describe("parsing each family's call syntax", () => {
         expect(parseToolCalls(broken, syntax, tools)).toMatchObject({ calls: [], content: broken })
         const cut = good.slice(0, good.indexOf("Oslo"))
         expect(parseToolCalls(cut, syntax, tools)).toMatchObject({ calls: [], content: cut })
-        expect(streamed(cut, syntax, 2)).toMatchObject({ calls: [], content: cut })
+        // Streamed, a call stands alone (all but Mistral's): its start went out with its name and the `{` of its
+        // arguments, so its text is never content; cut short, it is no complete call.
+        const head = syntax._tag === "Family" && syntax.sectionPrefix.trim() === "" ? cut.indexOf(syntax.callPrefix.trimStart()) : -1
+        expect(streamed(cut, syntax, 2)).toMatchObject({ calls: [], content: head < 0 ? cut : cut.slice(0, head) })
       })
 
       it("never throws on any prefix of a reply, streamed or whole", () => {
@@ -131,6 +141,51 @@ describe("parsing each family's call syntax", () => {
     const syntax = wrapperToolSyntax(lib, new lib.HarmonyChatWrapper())
     const reply = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\":\"CET\"}"
     expect(shape(parseToolCalls(reply, syntax, tools).calls)).toEqual([{ name: "get_time", arguments: { zone: "CET" } }])
+  })
+
+  // Where calls stand alone (no section around them) they stream: the start once the arguments' `{` came, then the
+  // arguments as written. Mistral's calls sit in a [TOOL_CALLS] section and come whole.
+  for (const [family, make] of families) {
+    it(`${family}: streamed, ${family.startsWith("Mistral") ? "a call comes whole" : "a call's start then its arguments in fragments"}; equal to the whole reply's`, () => {
+      const wrapper = make()
+      const syntax = wrapperToolSyntax(lib, wrapper)
+      const reply = `Sure. ${written(wrapper, [["get_weather", { city: "Paris", unit: "c" }]])}`
+      const whole = parseToolCalls(reply, syntax, tools)
+      for (const size of [1, 3, 7]) {
+        const stream = toolCallStream(syntax, tools)
+        const deltas: Array<ToolCallDelta> = []
+        const calls: Array<ChatToolCall> = []
+        for (let i = 0; i <= reply.length; i += size) {
+          const out = i < reply.length ? stream.push(reply.slice(i, i + size)) : stream.end()
+          deltas.push(...out.deltas)
+          calls.push(...out.calls)
+          // a call completes only after its start and all its fragments went out
+          if (out.calls.length > 0) expect(deltas.filter((d) => d._tag === "Arguments").map((d) => d.text).join("")).toBe(out.calls[0]!.arguments)
+        }
+        const start = deltas[0]!
+        expect(start).toMatchObject({ _tag: "Start", index: 0, name: "get_weather" })
+        const fragments = deltas.slice(1).map((d) => (d._tag === "Arguments" && d.index === 0 ? d.text : "not a fragment"))
+        expect(fragments.join("")).toBe(whole.calls[0]!.arguments)
+        expect(calls).toEqual([{ id: start._tag === "Start" ? start.id : "", name: "get_weather", arguments: whole.calls[0]!.arguments }])
+        if (family.startsWith("Mistral")) expect(fragments.length).toBe(1)
+        else expect(fragments.length).toBeGreaterThan(size === 7 ? 2 : 10)
+      }
+    })
+  }
+
+  it("parallel_tool_calls false: the first call only, whole or streamed", () => {
+    const wrapper = new lib.QwenChatWrapper()
+    const syntax = wrapperToolSyntax(lib, wrapper)
+    const reply = written(wrapper, [["get_weather", { city: "Lima", unit: "c" }], ["get_time", { zone: "PET" }]])
+    const first = [{ name: "get_weather", arguments: { city: "Lima", unit: "c" } }]
+    expect(shape(parseToolCalls(reply, syntax, tools).calls)).toHaveLength(2)
+    expect(parseToolCalls(reply, syntax, tools, false)).toMatchObject({ content: "" })
+    expect(shape(parseToolCalls(reply, syntax, tools, false).calls)).toEqual(first)
+    const stream = toolCallStream(syntax, tools, false)
+    const pieces = [...reply.match(/[\s\S]{1,5}/g)!.map((p) => stream.push(p)), stream.end()]
+    expect(shape(pieces.flatMap((p) => p.calls))).toEqual(first)
+    expect(pieces.map((p) => p.content).join("")).toBe("")
+    expect(new Set(pieces.flatMap((p) => p.deltas.map((d) => d.index)))).toEqual(new Set([0]))
   })
 
   for (const [family, make] of families.filter(([name]) => name.startsWith("Qwen") || name.startsWith("Mistral"))) {

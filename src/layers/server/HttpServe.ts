@@ -49,8 +49,8 @@ import {
   readBody,
   withoutAddresses
 } from "./HttpGuard.js"
-import { ChatMessageBody, chatWithTools, toolCallDeltas, toolCallsJson, ToolFields } from "./OpenAiTools.js"
-import { toolCallStream, parseToolCalls } from "./ToolCalls.js"
+import { ChatMessageBody, chatWithTools, toolCallDelta, toolCallsJson, ToolFields } from "./OpenAiTools.js"
+import { toolCallStream, parseToolCalls, type ToolCallPiece } from "./ToolCalls.js"
 import type { ChatTool, ChatToolCall, ToolSyntax } from "../../services/Tools.js"
 import { anthropicErrorResponse, isMessagesPath, messagesRoutes } from "./AnthropicMessages.js"
 import { OpenAiSamplingFields, openAiSampling } from "./OpenAiSampling.js"
@@ -266,7 +266,7 @@ const respond = (
   includeUsage: boolean,
   keepAliveMillis: number,
   // A chat with tools: the reply's calls, in the template's syntax, become tool_calls (ToolCalls.ts).
-  tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> }
+  tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean }
 ) =>
   Effect.gen(function*() {
     // n > 1 (serveRequest's `n`): one request per choice, batched like separate requests; with a seed, choice i has
@@ -301,7 +301,7 @@ const respond = (
           cachedTokens = Math.max(cachedTokens, done.cachedTokens ?? 0)
         }
         const logprobs = logprobsJson(entries, 0)
-        const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools)
+        const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools, tools.parallel)
         if (parsed !== undefined && parsed.calls.length > 0) {
           return {
             index,
@@ -341,7 +341,7 @@ const respond = (
     // Each choice's own state. With tools: text that might start a call is held back; calls go out as delta.tool_calls.
     const choices = requests.map(() => ({
       roleSent: false,
-      calls: tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools),
+      calls: tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools, tools.parallel),
       callCount: 0,
       // completions' text_offset so far
       offset: 0
@@ -350,13 +350,14 @@ const respond = (
     let promptTokens = 0
     let completionTokens = 0
     let cachedTokens = 0
-    const toolChunks = (index: number, piece: { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }) => {
+    // calls stream as they are written (ToolCalls.ts): a call's first chunk has its index, id, type and name, the
+    // next ones fragments of its arguments
+    const toolChunks = (index: number, piece: ToolCallPiece) => {
       const c = choices[index]!
-      const deltas = toolCallDeltas(piece.calls, c.callCount)
       c.callCount += piece.calls.length
       return [
         ...(piece.content === "" ? [] : [sse(chunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))]),
-        ...deltas.map((delta) => sse(chunk(shape, { index, finish: null, delta })))
+        ...piece.deltas.map((delta) => sse(chunk(shape, { index, finish: null, delta: toolCallDelta(delta) })))
       ]
     }
     const body = all.pipe(
@@ -653,7 +654,9 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
             request.stream === true,
             request.stream_options?.include_usage === true,
             keepAliveMillis,
-            chat.tools === undefined || checked.tools === undefined ? undefined : { syntax: chat.tools.syntax, tools: checked.tools.tools }
+            chat.tools === undefined || checked.tools === undefined
+              ? undefined
+              : { syntax: chat.tools.syntax, tools: checked.tools.tools, parallel: checked.tools.parallel !== false }
           )
         }))
       ),

@@ -7,6 +7,7 @@
 import { Schema } from "effect"
 import type { ChatMessage } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolChoice } from "../../services/Tools.js"
+import type { ToolCallDelta } from "./ToolCalls.js"
 
 /** The tool fields of a chat body (checked by `chatWithTools`, so each problem names its field). */
 export const ToolFields = {
@@ -155,11 +156,10 @@ export const toolCallsJson = (calls: ReadonlyArray<ChatToolCall>) =>
   calls.map((call) => ({ id: call.id, type: "function" as const, function: { name: call.name, arguments: call.arguments } }))
 
 /**
- * Streamed `delta.tool_calls` for calls numbered from `first`, as OpenAI streams them: a delta with the call's index,
- * id, type and name (arguments ""), then one with its arguments.
+ * One streamed piece of a call as OpenAI's `delta.tool_calls`: its start (index, id, type, name, arguments ""), or a
+ * fragment of its arguments (index and `function.arguments` only).
  */
-export const toolCallDeltas = (calls: ReadonlyArray<ChatToolCall>, first: number) =>
-  calls.flatMap((call, k) => [
-    { tool_calls: [{ index: first + k, id: call.id, type: "function" as const, function: { name: call.name, arguments: "" } }] },
-    { tool_calls: [{ index: first + k, function: { arguments: call.arguments } }] }
-  ])
+export const toolCallDelta = (delta: ToolCallDelta) =>
+  delta._tag === "Start"
+    ? { tool_calls: [{ index: delta.index, id: delta.id, type: "function" as const, function: { name: delta.name, arguments: "" } }] }
+    : { tool_calls: [{ index: delta.index, function: { arguments: delta.text } }] }

@@ -242,55 +242,157 @@ const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> 
     ? final ? parseGeneric(text, tools) : { segments: [], heldFrom: 0 }
     : parseFamily(text, syntax, tools, final)
 
-/** A whole reply: its text outside calls (trimmed; "" when none) and its calls, in order. */
+/**
+ * A whole reply: its text outside calls (trimmed; "" when none) and its calls, in order (`parallel: false`: the first
+ * only, the others dropped).
+ */
 export const parseToolCalls = (
   text: string,
   syntax: ToolSyntax,
-  tools?: ReadonlyArray<ChatTool>
+  tools?: ReadonlyArray<ChatTool>,
+  parallel = true
 ): { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> } => {
   const { segments } = parse(text, syntax, tools, true)
-  const calls = segments.flatMap((s) => (s._tag === "Call" ? [s.call] : []))
+  const all = segments.flatMap((s) => (s._tag === "Call" ? [s.call] : []))
+  const calls = parallel ? all : all.slice(0, 1)
   const content = segments.map((s) => (s._tag === "Text" ? s.text : "")).join("")
   return { content: calls.length > 0 ? content.trim() : content, calls }
 }
 
+/** A piece of a call as it streams: its start (id and name), then fragments of its arguments (JSON text, in order). */
+export type ToolCallDelta =
+  | { readonly _tag: "Start"; readonly index: number; readonly id: string; readonly name: string }
+  | { readonly _tag: "Arguments"; readonly index: number; readonly text: string }
+
+/** What a piece of streamed text gives: content to show, the calls it completed, and the call pieces it streamed. */
+export interface ToolCallPiece {
+  readonly content: string
+  /** Calls completed by this piece (whole; their ids are those of their streamed starts). */
+  readonly calls: ReadonlyArray<ChatToolCall>
+  /** Call starts and argument fragments, in order; the fragments of a call concatenate to its arguments. */
+  readonly deltas: ReadonlyArray<ToolCallDelta>
+}
+
 export interface ToolCallStream {
-  /** More text: the content that can be shown now and the calls completed by it. */
-  readonly push: (text: string) => { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }
+  /** More text: the content that can be shown now, the calls completed by it and the call pieces streamed by it. */
+  readonly push: (text: string) => ToolCallPiece
   /** The end of the reply: what was held back, as content or calls. */
-  readonly end: () => { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> }
+  readonly end: () => ToolCallPiece
+}
+
+/**
+ * The head of a call at the start of `text` in a syntax whose calls stand alone (no section around them): the known
+ * function's name and where its arguments (a JSON object) start, once the text has reached the object's `{`.
+ */
+const callHead = (
+  text: string,
+  syntax: Family,
+  tools: ReadonlyArray<ChatTool> | undefined
+): { readonly name: string; readonly argsAt: number } | undefined => {
+  if (syntax.sectionPrefix.trim() !== "") return undefined
+  for (const prefix of [syntax.callPrefix, ...syntax.alternatePrefixes]) {
+    const after = matchLoose(text, 0, prefix.trimStart())
+    if (after === "partial" || after < 0) continue
+    let nameEnd = after
+    while (nameEnd < text.length && /[A-Za-z0-9_.:-]/.test(text[nameEnd]!)) nameEnd++
+    if (nameEnd >= text.length) return undefined
+    const name = text.slice(after, nameEnd)
+    if (name === "" || name.length > 256 || !known(tools, name)) return undefined
+    const params = matchLoose(text, syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd), syntax.paramsPrefix)
+    if (params === "partial" || params < 0) return undefined
+    const argsAt = skipSpace(text, params)
+    return text[argsAt] === "{" ? { name, argsAt } : undefined
+  }
+  return undefined
 }
 
 /**
  * A reply as it streams: text that might be the start of a call is held back until it is one (or is not); with the
  * generic JSON syntax the whole reply is held until its end. After a call, text of whitespace only is dropped.
+ *
+ * Where a call stands alone (e.g. Qwen/Hermes `<tool_call>`), it streams: once its function's name and the `{` of its
+ * arguments have come, its start goes out (a new id, the name), then the arguments as the model writes them, and the
+ * call is complete at its closing markup. A call that started streaming stays a call: should its arguments turn out
+ * no JSON object (only where no grammar forces them), they are what was streamed; cut off by the end of the reply
+ * (max_tokens), its arguments stop where the text did and it does not count as complete. Calls in a section (e.g.
+ * Mistral's `[TOOL_CALLS]`) and the generic JSON form come whole, when complete. `parallel: false`: calls after the
+ * first are dropped (neither calls nor content).
  */
-export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatTool>): ToolCallStream => {
+export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatTool>, parallel = true): ToolCallStream => {
   let held = ""
   let called = false
-  const emit = (segments: ReadonlyArray<Segment>) => {
-    let content = ""
-    const calls: Array<ChatToolCall> = []
+  let count = 0
+  /** The call streaming now: `held` starts with it; `argsAt` is where its arguments start in `held`. */
+  let open: { readonly index: number; readonly id: string; readonly name: string; readonly argsAt: number; sent: number } | undefined
+  const emit = (segments: ReadonlyArray<Segment>, out: { content: string; calls: Array<ChatToolCall>; deltas: Array<ToolCallDelta> }) => {
     for (const segment of segments) {
       if (segment._tag === "Call") {
-        calls.push(segment.call)
+        if (parallel || count === 0) {
+          const index = count++
+          out.calls.push(segment.call)
+          out.deltas.push({ _tag: "Start", index, id: segment.call.id, name: segment.call.name })
+          out.deltas.push({ _tag: "Arguments", index, text: segment.call.arguments })
+        }
         called = true
-      } else if (!(called && segment.text.trim() === "")) content += segment.text
+      } else if (!(called && segment.text.trim() === "")) out.content += segment.text
     }
-    return { content, calls }
+  }
+  const fragment = (out: { deltas: Array<ToolCallDelta> }, upTo: number) => {
+    const call = open!
+    const text = held.slice(call.argsAt + call.sent, upTo)
+    if (text === "") return
+    call.sent += text.length
+    if (parallel || call.index === 0) out.deltas.push({ _tag: "Arguments", index: call.index, text })
+  }
+  const step = (final: boolean): ToolCallPiece => {
+    const out = { content: "", calls: [] as Array<ChatToolCall>, deltas: [] as Array<ToolCallDelta> }
+    for (;;) {
+      if (open !== undefined) {
+        const call = open
+        const parsed = syntax._tag === "Family" ? parseCall(held, 0, syntax, tools, final) : undefined
+        if (parsed === "partial") {
+          // the arguments so far (up to the object's end once it closed: its closing markup may follow)
+          const json = scanJson(held, call.argsAt)
+          fragment(out, typeof json === "object" ? json.end : held.length)
+          return out
+        }
+        const json = scanJson(held, call.argsAt)
+        const end = typeof json === "object" ? json.end : held.length
+        if (parsed === undefined && (final && json === "partial")) {
+          // cut off: the arguments as far as they came; not a complete call
+          fragment(out, end)
+          held = ""
+          open = undefined
+          return out
+        }
+        // complete; or no valid object after all: its start and arguments went out, but it is no complete call
+        fragment(out, end)
+        const whole = { id: call.id, name: call.name, arguments: held.slice(call.argsAt, call.argsAt + call.sent) }
+        if (parsed !== undefined && (parallel || call.index === 0)) out.calls.push(whole)
+        called = true
+        held = held.slice(parsed === undefined ? end : parsed.end)
+        open = undefined
+        continue
+      }
+      const { heldFrom, segments } = parse(held, syntax, tools, final)
+      emit(segments, out)
+      if (heldFrom === undefined) {
+        held = ""
+        return out
+      }
+      held = held.slice(heldFrom)
+      const head = syntax._tag === "Family" && !final ? callHead(held, syntax, tools) : undefined
+      if (head === undefined) return out
+      open = { index: count++, id: newToolCallId(), name: head.name, argsAt: head.argsAt, sent: 0 }
+      if (parallel || open.index === 0) out.deltas.push({ _tag: "Start", index: open.index, id: open.id, name: head.name })
+    }
   }
   return {
     push: (text) => {
       held += text
-      const { heldFrom, segments } = parse(held, syntax, tools, false)
-      held = heldFrom === undefined ? "" : held.slice(heldFrom)
-      return emit(segments)
+      return step(false)
     },
-    end: () => {
-      const { segments } = parse(held, syntax, tools, true)
-      held = ""
-      return emit(segments)
-    }
+    end: () => step(true)
   }
 }
 
