@@ -51,7 +51,7 @@ import {
 } from "./HttpGuard.js"
 import { ChatMessageBody, chatWithTools, toolCallDelta, toolCallsJson, ToolFields } from "./OpenAiTools.js"
 import { toolCallStream, parseToolCalls, type ToolCallPiece } from "./ToolCalls.js"
-import type { ChatTool, ChatToolCall, ToolSyntax } from "../../services/Tools.js"
+import type { ChatTool, ToolSyntax } from "../../services/Tools.js"
 import { anthropicErrorResponse, isMessagesPath, messagesRoutes } from "./AnthropicMessages.js"
 import { OpenAiSamplingFields, openAiSampling } from "./OpenAiSampling.js"
 import { chatLogprobs, completionLogprobs, entriesLength } from "./Logprobs.js"
