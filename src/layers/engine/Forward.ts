@@ -11,6 +11,7 @@ import { libcFunction } from "./FileMap.js"
 import { graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
+import { attnTempScales } from "./PositionScaling.js"
 import { chooseSmallBatchRows } from "./SmallBatch.js"
 import { fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
@@ -114,6 +115,10 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     }
   }
   raw.ggml_backend_tensor_set(pos, posArr, 0, nTotal * 4)
+  const attnScale = c.inputs.attnScale
+  if (attnScale !== undefined && attnScale !== null) {
+    raw.ggml_backend_tensor_set(attnScale, attnTempScales(hp.attnTemp!, posArr), 0, nTotal * 4)
+  }
   raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
   if (c.rowIdx !== null) {
     const rows = new BigInt64Array(nTotal)

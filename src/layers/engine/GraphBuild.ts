@@ -79,7 +79,15 @@ export const buildGraph = (
       offset += len
     })
     const outIds = spec.isLast ? input1d(GgmlType.I32, nSeq, "inp_out_ids") : null
-    const inputs: GraphInputs = { pos, outIds, segments }
+    // attention temperature (HParams.attnTemp): one factor per token, [1, 1, n] to broadcast over q's heads
+    let attnScale: Ptr | null = null
+    if (hp.attnTemp !== undefined) {
+      attnScale = raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, n)
+      raw.ggml_set_name(attnScale, "attn_scale")
+      raw.ggml_set_input(attnScale)
+      raw.ggml_build_forward_expand(graph, attnScale)
+    }
+    const inputs: GraphInputs = { pos, outIds, segments, attnScale }
 
     let x: Ptr
     let tokens: Ptr | null = null

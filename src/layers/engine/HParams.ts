@@ -13,6 +13,7 @@ import {
   getU32
 } from "../gguf/GgufReader.js"
 import type { MoeParams } from "./MoeParams.js"
+import { type AttnTemp, type RopeExt, yarnRopeExt } from "./PositionScaling.js"
 
 export const RopeMode = { NORM: 0, NEOX: 2 } as const
 
@@ -45,6 +46,10 @@ export interface HParams {
   readonly logitSoftcap?: number
   /** Mixture-of-experts routing (set by an MoE architecture's own hyperparameters, Moe.ts); absent: dense. */
   readonly moe?: MoeParams
+  /** YaRN's ggml_rope_ext settings (`rope.scaling.type` yarn, PositionScaling.ts); absent: plain RoPE. */
+  readonly ropeExt?: RopeExt
+  /** Attention temperature tuning (mistral3's `attention.temperature_scale`); absent: none. */
+  readonly attnTemp?: AttnTemp
 }
 
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */
@@ -131,14 +136,28 @@ export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HPa
     }
     const scalingType = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
     let ropeFreqScale = 1
-    if (scalingType === "linear") {
+    let ropeExt: RopeExt | undefined
+    if (scalingType === "yarn") {
+      // llama_context: ext_factor 1 and the attention factor from the scaling factor; an architecture that reads
+      // YaRN's own keys (mistral3) derives them again in its hparams hook
+      const factor = (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ?? 0
+      if (!(factor > 0 && Number.isFinite(factor))) {
+        return yield* Effect.fail(invalid(file, `metadata "${k("rope.scaling.factor")}" = ${factor} must be > 0 for YaRN`))
+      }
+      const ropeAttnFactor = (yield* getOptional(file, k("rope.scaling.attn_factor"), getF32)) ?? 1
+      if (!(ropeAttnFactor > 0 && Number.isFinite(ropeAttnFactor))) {
+        return yield* Effect.fail(invalid(file, `metadata "${k("rope.scaling.attn_factor")}" = ${ropeAttnFactor} must be > 0`))
+      }
+      ropeFreqScale = Math.fround(1 / factor)
+      ropeExt = yarnRopeExt(ropeFreqScale, { logMul: 0, betaFast: 32, betaSlow: 1, ropeAttnFactor })
+    } else if (scalingType === "linear") {
       const factor = (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ??
         (yield* getOptional(file, k("rope.scale_linear"), getF32)) ?? 1
       if (!(factor > 0)) return yield* Effect.fail(invalid(file, `rope.scaling.factor ${factor} must be > 0`))
       ropeFreqScale = 1 / factor
     } else if (scalingType !== "none") {
       return yield* Effect.fail(
-        invalid(file, `rope.scaling.type "${scalingType}" is not supported (supported: none, linear)`)
+        invalid(file, `rope.scaling.type "${scalingType}" is not supported (supported: none, linear, yarn)`)
       )
     } else {
       const linear = yield* getOptional(file, k("rope.scale_linear"), getF32)
@@ -179,6 +198,7 @@ export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HPa
       nCtxOrig,
       kqScale,
       eosTokenId: eos >= nVocab ? -1 : eos,
-      bosTokenId: bos !== undefined && bos < nVocab ? bos : undefined
+      bosTokenId: bos !== undefined && bos < nVocab ? bos : undefined,
+      ...(ropeExt === undefined ? {} : { ropeExt })
     }
   })

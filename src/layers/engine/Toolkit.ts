@@ -5,6 +5,7 @@
  */
 import { GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
+import { PLAIN_ROPE } from "./PositionScaling.js"
 
 export const GGML_PREC_F32 = 10
 
@@ -59,6 +60,8 @@ export interface GraphInputs {
   readonly outIds: Ptr | null
   /** The sequences of the batch, in row order, covering every row. */
   readonly segments: ReadonlyArray<AttentionSegment>
+  /** F32 [1, 1, nTokens] attention temperature of each token (HParams.attnTemp; absent or null: none) */
+  readonly attnScale?: Ptr | null
 }
 
 /** Matrix products over a few rows through ggml's one-row kernel (CPU; see Toolkit.mulMatSmall). */
@@ -137,10 +140,14 @@ export class Toolkit {
     return this.hp.swa?.layers[this.layer] === true
   }
 
-  /** RoPE with the model's base and scale, or the sliding-window blocks' own (llama.cpp's get_rope_freq_base). */
+  /**
+   * RoPE with the model's base and scale, or the sliding-window blocks' own (llama.cpp's get_rope_freq_base), and
+   * YaRN's settings when the model has them (HParams.ropeExt).
+   */
   rope(x: Ptr, freqFactors: Ptr | null = null): Ptr {
     const hp = this.hp
     const swa = this.slidingWindow ? hp.swa! : null
+    const ext = hp.ropeExt ?? PLAIN_ROPE
     return this.g.ggml_rope_ext(
       this.ctx,
       x,
@@ -151,11 +158,17 @@ export class Toolkit {
       hp.nCtxOrig,
       swa === null ? hp.ropeFreqBase : swa.ropeFreqBase,
       swa === null ? hp.ropeFreqScale : swa.ropeFreqScale,
-      0,
-      1,
-      32,
-      1
+      ext.extFactor,
+      ext.attnFactor,
+      ext.betaFast,
+      ext.betaSlow
     )
+  }
+
+  /** q [headDim, nHead, n] times each token's attention temperature (llama 4 / mistral3), when the graph has one. */
+  attnTemperature(q: Ptr): Ptr {
+    const scale = this.inputs.attnScale
+    return scale === undefined || scale === null ? q : this.g.ggml_mul(this.ctx, q, scale)
   }
 
   /**

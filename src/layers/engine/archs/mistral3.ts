@@ -1,0 +1,83 @@
+/**
+ * mistral3 (llama.cpp src/models/mistral3.cpp): the llama block (RoPE NORM with optional freq factors, GQA, SwiGLU,
+ * optional attn_output / FFN biases, optional tied output) with its own hyperparameters: YaRN's beta_fast, beta_slow
+ * and yarn_log_multiplier (`rope.scaling.*`, applied when `rope.scaling.type` is yarn), and optional attention
+ * temperature tuning (`attention.temperature_scale`: q times log(floor(pos / n_ctx_orig_yarn) + 1) * scale + 1, the
+ * YaRN original context being the floor scale). The attention scale is always 1/sqrt(head size) (mistral3 reads no
+ * `attention.scale`). Its mixture-of-experts variant (`expert_count` > 0) is refused by name.
+ */
+import { Effect } from "effect"
+import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { Ptr } from "../../ggml/Bindings.js"
+import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
+import type { ArchModule } from "../Arch.js"
+import { type HParams, RopeMode } from "../HParams.js"
+import { type AttnTemp, PLAIN_ROPE, type RopeExt, yarnRopeExt } from "../PositionScaling.js"
+import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
+
+const invalid = (file: GgufFile, key: string, message: string) =>
+  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
+
+/** A float key that must be one finite number when present (a per-layer array is refused by name). */
+const finiteScalar = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> =>
+  Effect.gen(function*() {
+    if (Array.isArray(file.metadata.get(key))) {
+      return yield* Effect.fail(invalid(file, key, "is an array; swactor reads it as one number"))
+    }
+    const v = yield* getOptional(file, key, getF32)
+    if (v !== undefined && !Number.isFinite(v)) return yield* Effect.fail(invalid(file, key, `= ${v} must be finite`))
+    return v
+  })
+
+const mistral3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
+  Effect.gen(function*() {
+    const k = (s: string) => `${hp.arch}.${s}`
+    const experts = yield* getOptional(file, k("expert_count"), getU32)
+    if (experts !== undefined && experts > 0) {
+      return yield* Effect.fail(
+        invalid(file, k("expert_count"), `= ${experts}: mistral3 with experts is not supported (dense only)`)
+      )
+    }
+    const betaFast = (yield* finiteScalar(file, k("rope.scaling.yarn_beta_fast"))) ?? 32
+    const betaSlow = (yield* finiteScalar(file, k("rope.scaling.yarn_beta_slow"))) ?? 1
+    const logMul = (yield* finiteScalar(file, k("rope.scaling.yarn_log_multiplier"))) ?? 0
+    const ropeAttnFactor = (yield* finiteScalar(file, k("rope.scaling.attn_factor"))) ?? 1
+    // YaRN (HParams.ts accepted rope.scaling.type yarn and its factor): again with mistral3's own keys
+    const ropeExt: RopeExt = hp.ropeExt === undefined
+      ? { ...PLAIN_ROPE, betaFast: Math.fround(betaFast), betaSlow: Math.fround(betaSlow) }
+      : yarnRopeExt(hp.ropeFreqScale, { logMul, betaFast, betaSlow, ropeAttnFactor })
+    const tempScale = (yield* finiteScalar(file, k("attention.temperature_scale"))) ?? 0
+    // llama.cpp: n_attn_temp_floor_scale = n_ctx_orig_yarn (rope.scaling.original_context_length, else the training
+    // context), which HParams.ts has read as nCtxOrig and checked > 0
+    const attnTemp: AttnTemp | undefined = tempScale === 0 ? undefined : { scale: tempScale, floorScale: hp.nCtxOrig, offset: 0 }
+    if (!(Number.isSafeInteger(hp.nCtxOrig) && hp.nCtxOrig > 0)) {
+      return yield* Effect.fail(
+        invalid(file, k("rope.scaling.original_context_length"), `= ${hp.nCtxOrig} must be > 0`)
+      )
+    }
+    const f = Math.fround
+    return {
+      ...hp,
+      kqScale: f(1 / f(Math.sqrt(hp.headDimK))),
+      ropeExt,
+      ...(attnTemp === undefined ? {} : { attnTemp })
+    }
+  })
+
+export const mistral3: ArchModule = {
+  name: "mistral3",
+  ropeMode: RopeMode.NORM,
+  hparams: mistral3HParams,
+  blockTensors: (hp) => llamaBlockSpecs(hp),
+  sharedTensors: (hp) => [{ name: "rope_freqs.weight", dims: [hp.nRot / 2], kind: "vector", required: false }],
+  buildOutput: llamaOutputHead,
+  buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
+    const freqs = w.global("rope_freqs.weight")
+    const h = t.rmsNorm(x, w.get("attn_norm.weight"))
+    const { k, q, v } = t.qkv(w, h)
+    const qr = t.attnTemperature(t.rope(q, freqs))
+    const att = t.attention(qr, t.rope(k, freqs), v, w.get("attn_output.weight"), w.opt("attn_output.bias"))
+    const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
+    return t.add(t.ffnSwiglu(t.rmsNorm(ffnIn, w.get("ffn_norm.weight")), w), ffnIn)
+  }
+}
