@@ -5,7 +5,7 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
 import { GgmlType } from "../src/domain/ggmlTypes.js"
-import { writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
+import { GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import {
   type SyntheticArch,
   type SyntheticModelOptions,
@@ -105,5 +105,23 @@ describe("synthetic models: every split of every architecture and type matches n
         ]
       })
       yield* checkModel("llama f16 rope_freqs + tied", o.path, true)
+    }))
+
+  // YaRN RoPE scaling on a llama (rope.scaling.type yarn, factor 4, original context 16): ggml_rope_ext's ext_factor 1
+  // and attn_factor as llama.cpp's context derives them (HParams.ts, PositionScaling.ts).
+  it.live("llama f32 with YaRN rope scaling matches node-llama-cpp", () =>
+    Effect.gen(function*() {
+      const o = shape("llama", "f32", { path: join(dir, "llama-f32-yarn.gguf") })
+      const spec = syntheticModelSpec(o)
+      yield* writeGgufFile(o.path, {
+        metadata: [
+          ...spec.metadata,
+          ["llama.rope.scaling.type", GgufValues.string("yarn")],
+          ["llama.rope.scaling.factor", GgufValues.f32(4)],
+          ["llama.rope.scaling.original_context_length", GgufValues.u32(16)]
+        ],
+        tensors: spec.tensors
+      })
+      yield* checkModel("llama f32 yarn", o.path, true)
     }))
 })
