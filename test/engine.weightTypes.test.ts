@@ -25,6 +25,7 @@ import { syntheticDefaultTypeId, syntheticFileType } from "../src/layers/gguf/Sy
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { logSoftmax } from "../src/services/Sampler.js"
 import { greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+import { llamaQuantize } from "./support/llamaQuantize.js"
 
 const N_TOKENS = 16
 const LAYERS = 4
@@ -81,6 +82,38 @@ describe("every weight type of the CPU backend: synthetic llama of each type giv
         console.log(`${type}: ${JSON.stringify(summary.tensorTypes)}; first-position log-prob max diff ${maxDiff.toExponential(1)}`)
         // same kernels as llama.cpp's (repacked where it repacks): the log-probs agree to rounding, whatever the type
         assert.isBelow(maxDiff, 1e-4)
+      }))
+  }
+})
+
+describe("mixed recipes: the per-tensor types llama.cpp's own quantizer picks", () => {
+  // llama_model_quantize (libllama, node-llama-cpp's) of the f32 file of the same model is the oracle; 4, 8 and 16
+  // blocks reach every rule (use_more_bits' first/last eighth and every third block, q3_k_m's first sixteenth)
+  const cases = [
+    ["q4_k_m", 4, false],
+    ["q4_k_m", 8, true],
+    ["q4_k_m", 16, false],
+    ["q3_k_m", 4, false],
+    ["q3_k_m", 16, true]
+  ] as const
+  for (const [type, layers, tiedOutput] of cases) {
+    it.live(`${type}, ${layers} blocks${tiedOutput ? ", tied output" : ""}: every tensor's type equals llama_model_quantize's`, () =>
+      Effect.gen(function*() {
+        const o = { ...shape(type), layers, ffn: 256, tiedOutput, path: join(dir, `mix-${type}-${layers}.gguf`) }
+        const f32 = { ...o, type: "f32" as const, path: join(dir, `mix-${type}-${layers}-f32.gguf`) }
+        const refPath = join(dir, `mix-${type}-${layers}-llama.gguf`)
+        yield* writeSyntheticModel(o)
+        yield* writeSyntheticModel(f32)
+        llamaQuantize(f32.path, refPath, syntheticFileType(type))
+        const ours = yield* readGgufFile(o.path)
+        const ref = yield* readGgufFile(refPath)
+        assert.deepStrictEqual(ours.tensors.map((t) => t.name).sort(), ref.tensors.map((t) => t.name).sort())
+        const differ = ours.tensors.flatMap((t) => {
+          const theirs = ref.tensorsByName.get(t.name)!.type
+          return theirs === t.type ? [] : [`${t.name}: ours ${ggmlTypeName(t.type)}, llama.cpp ${ggmlTypeName(theirs)}`]
+        })
+        assert.deepStrictEqual(differ, [])
+        assert.strictEqual(yield* getU32(ours, "general.file_type"), yield* getU32(ref, "general.file_type"))
       }))
   }
 })
