@@ -9,16 +9,20 @@
  * them: the window is a mask here). A third run on the same weights with the window widened past the context shows
  * that the window changes the tokens within the test's length (it really slides).
  */
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
 import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import { getF32, getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { synthCommand } from "../src/cli/SynthCommand.js"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import { greedy, logSoftmax, makeRng } from "../src/services/Sampler.js"
 import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
@@ -237,6 +241,46 @@ describe("gemma3: a copied or rewound KV cache continues as one computed afresh"
       // and the 8 steps are not one token repeated
       assert.isAtLeast(new Set(want.map((l) => greedy(l))).size, 2)
     }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+})
+
+describe("swactor synth --arch gemma3", () => {
+  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+    name: "swactor",
+    version: "test"
+  })
+  const synth = (args: ReadonlyArray<string>) =>
+    cli(["node", "swactor", "synth", ...args]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+
+  it.live("writes the window, pattern and soft-capping its flags give; node-llama-cpp loads it and our 2 stages give its tokens", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-gemma3.gguf")
+      const exit = yield* synth([
+        "--arch", "gemma3", "--layers", "4", "--hidden", "128", "--ffn", "256", "--heads", "4", "--kv-heads", "2",
+        "--vocab", "400", "--context-length", "512", "--sliding-window", "24", "--swa-pattern", "4",
+        "--logit-softcap", "10", "--type", "q8_0", "-o", out
+      ])
+      assert.isTrue(Exit.isSuccess(exit))
+      const file = yield* readGgufFile(out)
+      assert.strictEqual(yield* getString(file, "general.architecture"), "gemma3")
+      assert.strictEqual(yield* getU32(file, "gemma3.attention.sliding_window"), 24)
+      assert.strictEqual(yield* getU32(file, "gemma3.attention.sliding_window_pattern"), 4)
+      assert.strictEqual(yield* getF32(file, "gemma3.final_logit_softcapping"), 10)
+      assert.isTrue(file.tensorsByName.has("blk.3.post_ffw_norm.weight"))
+      const ref = yield* reference(out, 40, false)
+      const run = yield* greedyRun(out, [0, 3, 4], ref.prompt, 40, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens)
+    }), 120_000)
+
+  it.live("--sliding-window 0 is refused and nothing is written", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-gemma3-bad.gguf")
+      const exit = yield* synth([
+        "--arch", "gemma3", "--layers", "2", "--hidden", "64", "--ffn", "128", "--vocab", "300", "--sliding-window", "0",
+        "-o", out
+      ])
+      assert.isTrue(Exit.isFailure(exit))
+      assert.isFalse(existsSync(out))
+    }))
 })
 
 describe("gemma3: bad metadata is a typed error naming the key", () => {
