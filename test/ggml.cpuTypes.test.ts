@@ -27,6 +27,10 @@ describe("weight types the CPU backend computes, asked of ggml (type traits + su
   it("answers false for removed and out-of-range ids without aborting, and every id 0..COUNT-1 is answered", () => {
     const g = getGgml()
     for (const t of notTypes) assert.isFalse(cpuComputesWeightType(g, t), String(t))
+    // and quantizeChunk refuses in TypeScript what ggml_quantize_chunk would abort on
+    for (const t of [GgmlType.Q8_K, GgmlType.Q8_1, GgmlType.I32, GgmlType.F64, 31, GGML_TYPE_COUNT, 1000]) {
+      assert.throws(() => g.quantizeChunk(t, new Float32Array(256), 1, 256), /cannot quantize/, String(t))
+    }
     const answered = Array.from({ length: GGML_TYPE_COUNT }, (_, t) => cpuComputesWeightType(g, t))
     // the types the pinned ggml added after the issue was written (nvfp4, q1_0, q2_0) have CPU kernels too
     assert.deepStrictEqual(

@@ -8,7 +8,7 @@
 import koffi, { type LibraryHandle } from "koffi"
 import { join } from "node:path"
 import { type GgmlLibraryDir, locateGgmlLibraries } from "./Platform.js"
-import { GgmlType } from "../../domain/ggmlTypes.js"
+import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
 
 /** The node-llama-cpp build these bindings were written against (node-llama-cpp 3.21.1). */
 export const expectedBuild = {
@@ -530,6 +530,13 @@ const init = (): Ggml => {
   }
 
   const quantizeChunk = (type: number, src: Float32Array, nrows: number, nPerRow: number): Uint8Array => {
+    // ggml_quantize_chunk's switch (ggml.c): f32, f16, bf16 and every quantized type but q8_1 / q8_K; any other type
+    // (or an id past the type table, read out of bounds by ggml_blck_size) fails its GGML_ASSERT and aborts
+    const info = ggmlTypeInfo(type)
+    if (info === undefined || !(info.quantized || type === GgmlType.F32 || type === GgmlType.F16 || type === GgmlType.BF16) ||
+      type === GgmlType.Q8_1 || type === GgmlType.Q8_K) {
+      throw new RangeError(`quantizeChunk: ggml cannot quantize to type ${type}`)
+    }
     const blck = raw.ggml_blck_size(type)
     if (!Number.isInteger(nrows) || !Number.isInteger(nPerRow) || nrows < 0 || nPerRow <= 0) {
       throw new RangeError(`quantizeChunk: bad shape nrows=${nrows} nPerRow=${nPerRow}`)
