@@ -51,6 +51,7 @@ import {
 } from "./HttpGuard.js"
 import { ChatMessageBody, chatWithTools, toolCallDelta, toolCallsJson, ToolFields } from "./OpenAiTools.js"
 import { toolCallStream, parseToolCalls, type ToolCallPiece } from "./ToolCalls.js"
+import { harmonyStream, type HarmonyPiece, splitHarmony } from "./Harmony.js"
 import type { ChatTool, ToolSyntax } from "../../services/Tools.js"
 import { anthropicErrorResponse, isMessagesPath, messagesRoutes } from "./AnthropicMessages.js"
 import { OpenAiSamplingFields, openAiSampling } from "./OpenAiSampling.js"
@@ -266,7 +267,9 @@ const respond = (
   includeUsage: boolean,
   keepAliveMillis: number,
   // A chat with tools: the reply's calls, in the template's syntax, become tool_calls (ToolCalls.ts).
-  tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean }
+  tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean },
+  // gpt-oss's harmony template: the analysis channel is reasoning_content, the final channel content (Harmony.ts)
+  harmony = false
 ) =>
   Effect.gen(function*() {
     // n > 1 (serveRequest's `n`): one request per choice, batched like separate requests; with a seed, choice i has
@@ -301,11 +304,19 @@ const respond = (
           cachedTokens = Math.max(cachedTokens, done.cachedTokens ?? 0)
         }
         const logprobs = logprobsJson(entries, 0)
+        const split = harmony ? splitHarmony(text) : undefined
+        if (split !== undefined) text = split.content
+        const reasoning = split === undefined || split.reasoning === "" ? {} : { reasoning_content: split.reasoning }
         const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools, tools.parallel)
         if (parsed !== undefined && parsed.calls.length > 0) {
           return {
             index,
-            message: { role: "assistant", content: parsed.content === "" ? null : parsed.content, tool_calls: toolCallsJson(parsed.calls) },
+            message: {
+              role: "assistant",
+              content: parsed.content === "" ? null : parsed.content,
+              ...reasoning,
+              tool_calls: toolCallsJson(parsed.calls)
+            },
             logprobs,
             finish_reason: "tool_calls"
           }
@@ -313,7 +324,7 @@ const respond = (
         if (parsed !== undefined) text = parsed.content
         const finish = done?.finishReason ?? "length"
         return shape.chat
-          ? { index, message: { role: "assistant", content: text }, logprobs, finish_reason: finish }
+          ? { index, message: { role: "assistant", content: text, ...reasoning }, logprobs, finish_reason: finish }
           : { index, text, logprobs, finish_reason: finish }
       })
       return HttpServerResponse.unsafeJson({
@@ -342,6 +353,7 @@ const respond = (
     const choices = requests.map(() => ({
       roleSent: false,
       calls: tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools, tools.parallel),
+      harmony: harmony ? harmonyStream() : undefined,
       callCount: 0,
       // completions' text_offset so far
       offset: 0
@@ -360,6 +372,18 @@ const respond = (
         ...piece.deltas.map((delta) => sse(chunk(shape, { index, finish: null, delta: toolCallDelta(delta) })))
       ]
     }
+    // harmony: reasoning as delta.reasoning_content, the rest on as content (through the tools' parser with tools)
+    const harmonyChunks = (index: number, piece: HarmonyPiece) => {
+      const c = choices[index]!
+      return [
+        ...(piece.reasoning === "" ? [] : [sse(chunk(shape, { index, finish: null, delta: { reasoning_content: piece.reasoning } }))]),
+        ...(c.calls !== undefined
+          ? toolChunks(index, c.calls.push(piece.content))
+          : piece.content === ""
+          ? []
+          : [sse(chunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))])
+      ]
+    }
     const body = all.pipe(
       Stream.mapConcat(({ index, event }): ReadonlyArray<Uint8Array> => {
         const c = choices[index]!
@@ -374,6 +398,7 @@ const respond = (
             const entries = event.logprobs ?? []
             const logprobs = logprobsJson(entries, c.offset)
             c.offset += entriesLength(entries)
+            if (c.harmony !== undefined) return harmonyChunks(index, c.harmony.push(event.text))
             if (c.calls !== undefined) return toolChunks(index, c.calls.push(event.text))
             return [sse(chunk(shape, { index, text: event.text, role: !c.roleSent, finish: null, logprobs }))]
           }
@@ -383,6 +408,7 @@ const respond = (
             completionTokens += event.completionTokens
             cachedTokens = Math.max(cachedTokens, event.cachedTokens ?? 0)
             return [
+              ...(c.harmony === undefined ? [] : harmonyChunks(index, c.harmony.end())),
               ...(c.calls === undefined ? [] : toolChunks(index, c.calls.end())),
               sse(chunk(shape, { index, finish: c.callCount > 0 ? "tool_calls" : event.finishReason })),
               ...(includeUsage && finished === requests.length
@@ -656,7 +682,8 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
             keepAliveMillis,
             chat.tools === undefined || checked.tools === undefined
               ? undefined
-              : { syntax: chat.tools.syntax, tools: checked.tools.tools, parallel: checked.tools.parallel !== false }
+              : { syntax: chat.tools.syntax, tools: checked.tools.tools, parallel: checked.tools.parallel !== false },
+            chat.template === "Harmony"
           )
         }))
       ),
