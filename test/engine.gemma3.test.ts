@@ -144,6 +144,24 @@ describe("gemma3: every split into 1-3 stages matches node-llama-cpp past the sl
     ), 300_000)
 })
 
+describe("gemma3 without a sliding window", () => {
+  // No attention.sliding_window key: every block is global with the model's RoPE base (llama.cpp's graph<false>).
+  it.live("no sliding_window key: 1 and 2 stages give node-llama-cpp's greedy tokens", () =>
+    Effect.gen(function*() {
+      const o = model("gemma3-global", { layers: 4, seed: 26 })
+      const spec = syntheticModelSpec(o)
+      const metadata = spec.metadata.filter(([k]) => !k.startsWith("gemma3.attention.sliding_window"))
+      assert.strictEqual(metadata.length, spec.metadata.length - 2)
+      yield* writeGgufFile(o.path, { metadata, tensors: spec.tensors })
+      const ref = yield* reference(o.path, 40, false)
+      assert.isAtLeast(new Set(ref.tokens).size, 4)
+      for (const split of [[0, 4], [0, 2, 4]]) {
+        const run = yield* greedyRun(o.path, split, ref.prompt, 40, options)
+        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${split}`)
+      }
+    }), 120_000)
+})
+
 describe("gemma3: 8 sequences batched equal their lone runs", () => {
   const CONTEXT = 256
   const schedule = (): ReadonlyArray<SeqPlan> => {
