@@ -5,13 +5,13 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs"
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
 import { GGML_TYPE_COUNT, GgmlType, ggmlTypeInfo, ggmlTypeName, tensorBytes } from "../src/domain/ggmlTypes.js"
 import type { ModelLoadError } from "../src/domain/gguf.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import { layerWith, StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type GgufTensorSpec, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import {
@@ -24,7 +24,8 @@ import {
 import { syntheticDefaultTypeId, syntheticFileType } from "../src/layers/gguf/SyntheticTypes.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { logSoftmax } from "../src/services/Sampler.js"
-import { greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+import * as Batch from "./support/batch.js"
+import { decodeBatchGetsLoneBits, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
 import { llamaQuantize } from "./support/llamaQuantize.js"
 
 const N_TOKENS = 16
@@ -83,6 +84,21 @@ describe("every weight type of the CPU backend: synthetic llama of each type giv
         // same kernels as llama.cpp's (repacked where it repacks): the log-probs agree to rounding, whatever the type
         assert.isBelow(maxDiff, 1e-4)
       }))
+  }
+})
+
+describe("every weight type on the few-row route: a decode batch gets the bits of its lone steps", () => {
+  // Forced, nothing measured: repacking off (every weight in the plain buffer, which the route requires) and the
+  // few-row route on for up to 8 rows (Toolkit.mulMatSmall: ggml's one-row kernel on each row), so 2 and 5 sequences
+  // decoding together must give each sequence exactly its lone step's logits, whatever the weight type.
+  for (const type of syntheticTypes) {
+    it.live(`${type}: 2 and 5 sequences batched equal their lone decode steps bit for bit`, () =>
+      Effect.gen(function*() {
+        const o = shape(type)
+        if (!existsSync(o.path)) yield* writeSyntheticModel(o)
+        const [whole] = yield* Batch.loadSplit(o.path, [0, LAYERS])
+        yield* decodeBatchGetsLoneBits(whole!, [2, 5], 390, 9)
+      }).pipe(Effect.scoped, Effect.provide(layerWith({ repack: false, smallBatchRows: 8 }))))
   }
 })
 
