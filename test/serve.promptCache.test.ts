@@ -56,6 +56,7 @@ const CHUNK = 8
 const env = { SWACTOR_PREFILL_CHUNK: String(CHUNK) }
 const aligned = (n: number) => n - (n % CHUNK)
 const P = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends."
+const Q = "The old dog sat by the door every morning and waited for the boy to come home from school."
 
 describe("swactor serve: prompt cache", () => {
   // What a server with the cache off answers (the reference texts), computed first.
@@ -72,6 +73,8 @@ describe("swactor serve: prompt cache", () => {
       ref["then"] = await complete(off.url, { prompt: `${P} Then`, max_tokens: 30 })
       ref["later"] = await complete(off.url, { prompt: `${P} Later`, max_tokens: 30 })
       ref["again"] = await complete(off.url, { prompt: P2, max_tokens: 30 })
+      ref["q"] = await complete(off.url, { prompt: Q, max_tokens: 30 })
+      ref["qAnd"] = await complete(off.url, { prompt: `${Q} And`, max_tokens: 20 })
       // off: nothing held, nothing reused
       assert.strictEqual(ref["again"].cachedTokens, 0)
       assert.strictEqual(await metricOf(off.url, "swactor_prompt_cache_entries"), 0)
@@ -116,6 +119,21 @@ describe("swactor serve: prompt cache", () => {
     assert.strictEqual(later.text, ref["later"]!.text)
     assert.strictEqual(then.cachedTokens, aligned(ref["t1"]!.promptTokens))
     assert.strictEqual(later.cachedTokens, aligned(ref["t1"]!.promptTokens))
+  })
+
+  // A request ended by a stop string still leaves its prompt's KV as an entry: a later prompt extending it reuses it,
+  // with the text of a server without the cache.
+  it("a request ended by a stop string leaves an entry; the next prompt reuses it with the same text", async () => {
+    const url = server!.url
+    const entries = await metricOf(url, "swactor_prompt_cache_entries")
+    const word = ref["q"]!.text.trim().split(/\s+/)[2]!
+    const stopped = await complete(url, { prompt: Q, max_tokens: 30, stop: [word] })
+    assert.strictEqual(stopped.text, ref["q"]!.text.slice(0, ref["q"]!.text.indexOf(word)))
+    assert.strictEqual(await metricOf(url, "swactor_prompt_cache_entries"), entries + 1)
+    const next = await complete(url, { prompt: `${Q} And`, max_tokens: 20 })
+    assert.strictEqual(next.text, ref["qAnd"]!.text)
+    assert.strictEqual(next.cachedTokens, aligned(stopped.promptTokens))
+    assert.isAbove(next.cachedTokens, 0)
   })
 
   // A stream cancelled mid-generation: its KV is freed on every stage, not kept (no new entry), nothing stays reserved.

@@ -637,11 +637,16 @@ export const make = (options: ServeOptions) =>
           const generatedIds: Array<number> = []
           let cachedTokens = 0
           let keptTokens = 0
+          // Ended by a stop string: the run is stopped, so no summary says what the stages kept; but every stage had
+          // prefilled the whole prompt before the first token was sampled, and an entry holds prompt positions only
+          // (NodeAgent), so the entry is the prompt. A stage that kept nothing only means a full prefill (PC4).
+          let stoppedByText = false
           ticket.onRelease(() => {
             unpin()
             if (keepId === undefined) return
-            if (keptTokens === 0 || live?.pipeline !== pipeline) return dropOnAgents([keepId])
-            const tokens = [...prompt, ...generatedIds].slice(0, keptTokens)
+            const kept = keptTokens > 0 ? keptTokens : stoppedByText ? prompt.length : 0
+            if (kept === 0 || live?.pipeline !== pipeline) return dropOnAgents([keepId])
+            const tokens = [...prompt, ...generatedIds].slice(0, kept)
             dropOnAgents(cacheIndex.add({ id: keepId, tokens, bytes: sizing.bytes(contextLength) }))
             // over the budget with it (requests admitted meanwhile): the least recently used not in use go
             heldKv.evictWhile(() => admission !== undefined && admission.state().used + cacheIndex.bytes() > sizing.budget())
@@ -716,6 +721,7 @@ export const make = (options: ServeOptions) =>
               const match = stop.push(update.token.text)
               const entries = match.stopped ? logprobs?.stop(match.text.length) : logprobs?.release(match.text.length)
               const out = match.text === "" ? [] : [text(match.text, entries)]
+              if (match.stopped) stoppedByText = true
               return match.stopped ? [...out, done("stop", match.stop)] : out
             }
             if (update._tag === "Recovered") metrics.recoveries++
