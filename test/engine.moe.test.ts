@@ -57,6 +57,28 @@ const moeShape = (type: SyntheticType, extra: Partial<SyntheticModelOptions> = {
   ...extra
 })
 
+/** node-llama-cpp's greedy tokens on `path`, then every split into 1-3 stages: same tokens, splits bit-identical. */
+const checkParity = (label: string, path: string, exact = true) =>
+  Effect.gen(function*() {
+    const ref = yield* Effect.promise(() => referenceRun(path, "Once upon a time", N_TOKENS, options))
+    assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+    let single: EngineRun | undefined
+    let maxDiff = 0
+    const splits = allSplits(LAYERS, 3)
+    for (const split of splits) {
+      const run = yield* greedyRun(path, split, ref.prompt, N_TOKENS, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
+      if (single === undefined) single = run
+      else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
+    }
+    console.log(
+      `${label}: ${splits.length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
+        `first-position log-prob max diff ${maxDiff.toExponential(2)}`
+    )
+    if (exact) assert.isBelow(maxDiff, 1e-4)
+  })
+
 describe("qwen3moe: every split into 1, 2 and 3 stages gives node-llama-cpp's greedy tokens", () => {
   const cases = [["f32", 2, true], ["q8_0", 2, true], ["f32", 1, true], ["f32", 8, true]] as const
   for (const [type, used, exact] of cases) {
@@ -67,23 +89,7 @@ describe("qwen3moe: every split into 1, 2 and 3 stages gives node-llama-cpp's gr
         Effect.gen(function*() {
           const o = moeShape(type, { expertsUsed: used })
           yield* writeSyntheticModel(o)
-          const ref = yield* Effect.promise(() => referenceRun(o.path, "Once upon a time", N_TOKENS, options))
-          assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
-          let single: EngineRun | undefined
-          let maxDiff = 0
-          const splits = allSplits(LAYERS, 3)
-          for (const split of splits) {
-            const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
-            assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-            maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-            if (single === undefined) single = run
-            else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
-          }
-          console.log(
-            `qwen3moe ${type} ${used}/8: ${splits.length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
-              `first-position log-prob max diff ${maxDiff.toExponential(2)}`
-          )
-          if (exact) assert.isBelow(maxDiff, 1e-4)
+          yield* checkParity(`qwen3moe ${type} ${used}/8`, o.path, exact)
         }),
       180_000
     )
@@ -104,17 +110,30 @@ const schedule = (vocab: number): ReadonlyArray<SeqPlan> => {
   ]
 }
 
-describe("qwen3moe: sequences batched together equal the same sequences alone", () => {
+describe("glm4moe: every split into 1, 2 and 3 stages gives node-llama-cpp's greedy tokens", () => {
+  // 4 blocks: block 0 dense, blocks 1-3 routed (sigmoid gate, expert bias exp_probs_b, weights normalised and scaled
+  // by 2.5, one shared expert), q/k/v biases, post_attention_norm: GLM-4.5's structure at small size.
+  for (const type of ["f32", "q8_0"] as const) {
+    it.live(`glm4moe ${type}, 1 dense + 3 routed blocks, 8 experts, 2 used, 1 shared: ${N_TOKENS} greedy tokens at every split equal node-llama-cpp's, log-probs within 1e-4`, () =>
+      Effect.gen(function*() {
+        const o = moeShape(type, { arch: "glm4moe", path: join(dir, `glm4moe-${type}.gguf`) })
+        yield* writeSyntheticModel(o)
+        yield* checkParity(`glm4moe ${type}`, o.path)
+      }), 180_000)
+  }
+})
+
+describe("qwen3moe, glm4moe: sequences batched together equal the same sequences alone", () => {
   // Forced routes (production measures, SmallBatch.ts): 0 = ggml's products (tinyBLAS for 2+ rows), 8 = the few-row
   // route for the 2-D products. The expert products are ggml_mul_mat_id either way (one-row kernel per row and expert).
   // q8_0: every product sums the same int8 blocks whatever the rows, and the F32 router gives the same bits here
   // too: the logits are bit-identical. f32: ggml's f32 products take another kernel for one row than for several.
-  const cases = [["q8_0", 0], ["q8_0", 8], ["f32", 8]] as const
-  for (const [type, rows] of cases) {
-    it.live(`qwen3moe ${type}: 6 sequences, 1/2/3 stages, joins, early finishes, chunked prefill: ` +
+  const cases = [["qwen3moe", "q8_0", 0], ["qwen3moe", "q8_0", 8], ["qwen3moe", "f32", 8], ["glm4moe", "q8_0", 8]] as const
+  for (const [arch, type, rows] of cases) {
+    it.live(`${arch} ${type}: 6 sequences, 1/2/3 stages, joins, early finishes, chunked prefill: ` +
       `${type === "q8_0" ? "bit-identical logits" : "tokens equal lone runs"} (route ${rows})`, () =>
       Effect.gen(function*() {
-        const o = moeShape(type, { path: join(dir, `batch-${type}.gguf`) })
+        const o = moeShape(type, { arch, path: join(dir, `batch-${arch}-${type}.gguf`) })
         yield* writeSyntheticModel(o)
         const plans = schedule(o.vocab)
         let maxDiff = 0
@@ -135,16 +154,20 @@ describe("qwen3moe: sequences batched together equal the same sequences alone", 
             })
           }))
         }
-        console.log(`qwen3moe ${type} route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
+        console.log(`${arch} ${type} route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
       }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 180_000)
   }
 })
 
 /** Writes the qwen3moe model with one fact tweaked and tries to load a stage of it. */
-const loadTweaked = (name: string, tweak: (md: Array<readonly [string, ReturnType<typeof GgufValues.u32>]>) => void) =>
+const loadTweaked = (
+  name: string,
+  tweak: (md: Array<readonly [string, ReturnType<typeof GgufValues.u32>]>) => void,
+  arch: SyntheticModelOptions["arch"] = "qwen3moe"
+) =>
   Effect.gen(function*() {
     const path = join(dir, `bad-${name}.gguf`)
-    const s = syntheticModelSpec(moeShape("f32", { path, layers: 2 }))
+    const s = syntheticModelSpec(moeShape("f32", { arch, path, layers: 2 }))
     const md = [...s.metadata]
     tweak(md)
     yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
@@ -160,11 +183,12 @@ const loadTweaked = (name: string, tweak: (md: Array<readonly [string, ReturnTyp
 const setKey = (key: string, value: ReturnType<typeof GgufValues.u32> | null) =>
   (md: Array<readonly [string, ReturnType<typeof GgufValues.u32>]>) => {
     const i = md.findIndex(([k]) => k === key)
-    if (value === null) md.splice(i, 1)
+    if (i < 0) md.push([key, value!])
+    else if (value === null) md.splice(i, 1)
     else md[i] = [key, value]
   }
 
-describe("qwen3moe: a bad file is a typed error naming the key or tensor, never an abort", () => {
+describe("qwen3moe, glm4moe: a bad file is a typed error naming the key or tensor, never an abort", () => {
   it.live("expert_count disagreeing with the tensors: TensorShapeMismatch naming the key and the tensor", () =>
     Effect.gen(function*() {
       const fewer = yield* loadTweaked("count4", setKey("qwen3moe.expert_count", GgufValues.u32(4)))
@@ -191,6 +215,22 @@ describe("qwen3moe: a bad file is a typed error naming the key or tensor, never 
       const huge = yield* loadTweaked("count2000", setKey("qwen3moe.expert_count", GgufValues.u32(2000)))
       assert.strictEqual(huge.reason, "InvalidMetadata")
       assert.include(huge.message, "qwen3moe.expert_count")
+    }))
+
+  it.live("glm4moe: MTP layers, an unknown gating function, no shared-expert count: InvalidMetadata naming the key", () =>
+    Effect.gen(function*() {
+      const mtp = yield* loadTweaked("glm-nextn", setKey("glm4moe.nextn_predict_layers", GgufValues.u32(1)), "glm4moe")
+      assert.strictEqual(mtp.reason, "InvalidMetadata")
+      assert.include(mtp.message, "glm4moe.nextn_predict_layers")
+      const gating = yield* loadTweaked("glm-gating", setKey("glm4moe.expert_gating_func", GgufValues.u32(5)), "glm4moe")
+      assert.strictEqual(gating.reason, "InvalidMetadata")
+      assert.include(gating.message, "glm4moe.expert_gating_func")
+      const shared = yield* loadTweaked("glm-shared", setKey("glm4moe.expert_shared_count", null), "glm4moe")
+      assert.strictEqual(shared.reason, "InvalidMetadata")
+      assert.include(shared.message, "glm4moe.expert_shared_count")
+      const used = yield* loadTweaked("glm-used", setKey("glm4moe.expert_used_count", GgufValues.u32(9)), "glm4moe")
+      assert.strictEqual(used.reason, "InvalidMetadata")
+      assert.include(used.message, "glm4moe.expert_used_count")
     }))
 
   it.live("an expert tensor of the wrong shape: TensorShapeMismatch naming the tensor", () =>

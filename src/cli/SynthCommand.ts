@@ -39,6 +39,8 @@ export interface SynthArgs {
   readonly experts: Option.Option<number>
   readonly expertsUsed: Option.Option<number>
   readonly expertFfn: Option.Option<number>
+  readonly sharedExperts: Option.Option<number>
+  readonly denseBlocks: Option.Option<number>
   readonly output: string
 }
 
@@ -73,7 +75,9 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
   ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
   ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
-  ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {})
+  ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
+  ...(Option.isSome(args.sharedExperts) ? { sharedExperts: args.sharedExperts.value } : {}),
+  ...(Option.isSome(args.denseBlocks) ? { denseBlocks: args.denseBlocks.value } : {})
 }
 }
 
@@ -146,11 +150,17 @@ export const synthCommand = Command.make(
       Options.withDescription("gemma3: final logit soft-capping (default: none)"),
       Options.optional
     ),
-    experts: int("experts", "qwen3moe: experts per block (default 8)").pipe(Options.optional),
-    expertsUsed: int("experts-used", "qwen3moe: experts each token goes through, at most --experts (default 2)").pipe(
+    experts: int("experts", "qwen3moe, glm4moe: experts per block (default 8)").pipe(Options.optional),
+    expertsUsed: int("experts-used", "qwen3moe, glm4moe: experts each token goes through, at most --experts (default 2)").pipe(
       Options.optional
     ),
-    expertFfn: int("expert-ffn", "qwen3moe: feed-forward length of one expert (default --ffn)").pipe(Options.optional),
+    expertFfn: int("expert-ffn", "qwen3moe, glm4moe: feed-forward length of one expert (default --ffn)").pipe(
+      Options.optional
+    ),
+    sharedExperts: int("shared-experts", "glm4moe: shared experts per routed block (default 1)").pipe(Options.optional),
+    denseBlocks: int("dense-blocks", "glm4moe: leading blocks with a dense feed-forward (default 1)").pipe(
+      Options.optional
+    ),
     output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
   },
   runSynthCommand

@@ -13,8 +13,8 @@ export interface ArchModule {
   readonly hparams?: (file: GgufFile, hp: HParams) => Effect.Effect<HParams, ModelLoadError>
   /** Optional: a factor the token embeddings are scaled by before the first block (gemma: sqrt(n_embd)). */
   readonly embedScale?: (hp: HParams) => number
-  /** Tensors of one block, short names (`attn_q.weight`). */
-  readonly blockTensors: (hp: HParams) => ReadonlyArray<TensorSpec>
+  /** Tensors of block `il` (its index in the model), short names (`attn_q.weight`). */
+  readonly blockTensors: (hp: HParams, il: number) => ReadonlyArray<TensorSpec>
   /** Optional model-wide tensors that blocks use (full names, e.g. `rope_freqs.weight`). */
   readonly sharedTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
   /** Optional tensors of the output head besides output_norm / output (full names, e.g. `output.bias`). */

@@ -31,7 +31,8 @@ export interface MoeArchOptions {
   readonly gating: ExpertGating
   readonly normWeights: boolean
   readonly weightsScale?: number
-  readonly nFfShared?: number
+  /** Shared experts (their feed-forward length is expert_feed_forward_length times this); default 0. */
+  readonly nExpertShared?: number
   readonly nLeadingDense?: number
 }
 
@@ -133,7 +134,7 @@ export const readMoeParams = (
       gating: options.gating,
       normWeights: options.normWeights,
       weightsScale,
-      nFfShared: options.nFfShared ?? 0,
+      nFfShared: nFfExp * (options.nExpertShared ?? 0),
       nLeadingDense
     }
   })

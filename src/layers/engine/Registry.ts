@@ -1,6 +1,7 @@
 /** The supported architectures: adding one is a module under archs/ and one entry here. */
 import type { ArchModule } from "./Arch.js"
 import { gemma3 } from "./archs/gemma3.js"
+import { glm4moe } from "./archs/glm4moe.js"
 import { llama } from "./archs/llama.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
@@ -11,6 +12,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["qwen2", qwen2],
   ["qwen3", qwen3],
   ["qwen3moe", qwen3moe],
+  ["glm4moe", glm4moe],
   ["gemma3", gemma3]
 ])
 

@@ -163,9 +163,9 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
       const info = yield* checkTensor(file, s.name, s)
       if (info !== undefined) out.push({ name: s.name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
     }
-    const blockSpecs = arch.blockTensors(hp)
     for (let il = start; il < end; il++) {
-      for (const s of blockSpecs) {
+      // per block: an architecture may mix block kinds (glm4moe: dense leading blocks, then routed ones)
+      for (const s of arch.blockTensors(hp, il)) {
         const name = `blk.${il}.${s.name}`
         const info = yield* checkTensor(file, name, s)
         if (info !== undefined) out.push({ name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })

@@ -40,10 +40,10 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions extends SyntheticGemmaOptions, SyntheticMoeOptions {
@@ -325,7 +325,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     w(`${b}.attn_q.weight`, o.hidden, q)
     w(`${b}.attn_k.weight`, o.hidden, kv)
     w(`${b}.attn_v.weight`, o.hidden, kv)
-    if (o.arch === "qwen2") {
+    if (o.arch === "qwen2" || o.arch === "glm4moe") {
       bias(`${b}.attn_q.bias`, q)
       bias(`${b}.attn_k.bias`, kv)
       bias(`${b}.attn_v.bias`, kv)
@@ -336,11 +336,11 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     }
     if (o.arch === "gemma3") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
     w(`${b}.attn_output.weight`, q, o.hidden)
-    norm(`${b}.ffn_norm.weight`, o.hidden)
     if (isSyntheticMoe(o.arch)) {
-      out.push(...moeBlockTensors(b, o))
+      out.push(...moeBlockTensors(b, i, o))
       continue
     }
+    norm(`${b}.ffn_norm.weight`, o.hidden)
     w(`${b}.ffn_gate.weight`, o.hidden, o.ffn)
     w(`${b}.ffn_up.weight`, o.hidden, o.ffn)
     w(`${b}.ffn_down.weight`, o.ffn, o.hidden)

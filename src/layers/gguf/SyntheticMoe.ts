@@ -1,10 +1,13 @@
 /**
- * Synthetic mixture-of-experts models (Synthetic.ts's hooks): qwen3moe's routed blocks, tensors and metadata as
- * llama.cpp's loader expects them (src/models/qwen3moe.cpp):
- * - `blk.N.ffn_gate_inp.weight` [hidden, experts], kept F32 in every file type (as llama.cpp's quantizer keeps it)
- * - `blk.N.ffn_{gate,up}_exps.weight` [hidden, expertFfn, experts], `blk.N.ffn_down_exps.weight` [expertFfn, hidden,
- *   experts]: stacked experts, quantized per row like any matrix, N(0, 1/sqrt(fan_in))
- * - `<arch>.expert_count`, `<arch>.expert_used_count`, `<arch>.expert_feed_forward_length`
+ * Synthetic mixture-of-experts models (Synthetic.ts's hooks), tensors and metadata as llama.cpp's loader expects them:
+ * - qwen3moe (src/models/qwen3moe.cpp): every block routed, `ffn_norm`
+ * - glm4moe (src/models/glm4-moe.cpp): `post_attention_norm`; the first `denseBlocks` blocks with a dense SwiGLU
+ *   feed-forward, the rest routed with the expert bias `exp_probs_b.bias` and `sharedExperts` shared experts;
+ *   sigmoid gate, weights normalised and scaled by 2.5 (GLM-4.5's settings)
+ * Routed blocks: `ffn_gate_inp.weight` [hidden, experts], kept F32 in every file type (as llama.cpp's quantizer keeps
+ * it); stacked `ffn_{gate,up}_exps.weight` [hidden, expertFfn, experts] and `ffn_down_exps.weight` [expertFfn, hidden,
+ * experts], quantized per row like any matrix, N(0, 1/sqrt(fan_in)). Metadata: `<arch>.expert_count`,
+ * `expert_used_count`, `expert_feed_forward_length` (+ glm4moe's shared count, dense blocks, gating, norm, scale).
  */
 import { GgmlType } from "../../domain/ggmlTypes.js"
 import { type GgufTypedValue, GgufValues } from "./GgufWriter.js"
@@ -16,47 +19,91 @@ export interface SyntheticMoeOptions {
   readonly expertsUsed?: number
   /** Feed-forward length of one expert (default: the model's ffn). */
   readonly expertFfn?: number
+  /** glm4moe: shared experts per routed block (default 1). */
+  readonly sharedExperts?: number
+  /** glm4moe: leading blocks with a dense feed-forward (default 1). */
+  readonly denseBlocks?: number
 }
 
 /** The synthetic writer's mixture-of-experts architectures. */
-export const syntheticMoeArchs = ["qwen3moe"] as const
+export const syntheticMoeArchs = ["qwen3moe", "glm4moe"] as const
 
 export const isSyntheticMoe = (arch: string): boolean => (syntheticMoeArchs as ReadonlyArray<string>).includes(arch)
 
-const settings = (o: SyntheticMoeOptions & { readonly ffn: number }) => ({
-  experts: o.experts ?? 8,
-  used: o.expertsUsed ?? 2,
-  ffn: o.expertFfn ?? o.ffn
-})
+type Shape = SyntheticMoeOptions & { readonly arch: string; readonly hidden: number; readonly ffn: number }
+
+const settings = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number }) => {
+  const glm = o.arch === "glm4moe"
+  return {
+    experts: o.experts ?? 8,
+    used: o.expertsUsed ?? 2,
+    ffn: o.expertFfn ?? o.ffn,
+    shared: o.sharedExperts ?? (glm ? 1 : 0),
+    dense: o.denseBlocks ?? (glm ? 1 : 0)
+  }
+}
 
 /** What is wrong with the MoE options, or undefined (also refuses them on a dense architecture). */
-export const validateMoeOptions = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number }): string | undefined => {
-  const given = o.experts !== undefined || o.expertsUsed !== undefined || o.expertFfn !== undefined
+export const validateMoeOptions = (
+  o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number; readonly layers: number }
+): string | undefined => {
+  const given = o.experts !== undefined || o.expertsUsed !== undefined || o.expertFfn !== undefined ||
+    o.sharedExperts !== undefined || o.denseBlocks !== undefined
   if (!isSyntheticMoe(o.arch)) {
     return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")} only, not ${o.arch}` : undefined
+  }
+  if (o.arch !== "glm4moe" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined)) {
+    return `sharedExperts and denseBlocks are for glm4moe only, not ${o.arch}`
   }
   const s = settings(o)
   for (const [k, v] of [["experts", s.experts], ["expertsUsed", s.used], ["expertFfn", s.ffn]] as const) {
     if (!Number.isSafeInteger(v) || v <= 0) return `${k} must be a positive integer, got ${v}`
   }
+  for (const [k, v] of [["sharedExperts", s.shared], ["denseBlocks", s.dense]] as const) {
+    if (!Number.isSafeInteger(v) || v < 0) return `${k} must be a non-negative integer, got ${v}`
+  }
   if (s.experts > 1024) return `experts must be at most 1024 (llama.cpp's limit), got ${s.experts}`
   if (s.used > s.experts) return `expertsUsed (${s.used}) must be at most experts (${s.experts})`
+  if (s.dense >= o.layers) return `denseBlocks (${s.dense}) must be fewer than the layers (${o.layers})`
   return undefined
 }
 
-/** A routed block's feed-forward tensors (in place of ffn_gate/up/down), with their generator settings. */
-export const moeBlockTensors = (
-  block: string,
-  o: SyntheticMoeOptions & { readonly hidden: number; readonly ffn: number }
-): ReadonlyArray<{ readonly name: string; readonly dims: ReadonlyArray<number>; readonly mean: number; readonly std: number }> => {
+interface MoeTensor {
+  readonly name: string
+  readonly dims: ReadonlyArray<number>
+  readonly mean: number
+  readonly std: number
+}
+
+/** Block `il`'s feed-forward tensors and its norm before them (in place of ffn_norm + ffn_gate/up/down). */
+export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyArray<MoeTensor> => {
   const s = settings(o)
-  const m = (name: string, dims: ReadonlyArray<number>) => ({ name: `${block}.${name}`, dims, mean: 0, std: 1 / Math.sqrt(dims[0]!) })
-  return [
+  const m = (name: string, dims: ReadonlyArray<number>): MoeTensor => ({
+    name: `${block}.${name}`,
+    dims,
+    mean: 0,
+    std: 1 / Math.sqrt(dims[0]!)
+  })
+  const glm = o.arch === "glm4moe"
+  const out: Array<MoeTensor> = [{ name: `${block}.${glm ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }]
+  if (il < s.dense) {
+    out.push(m("ffn_gate.weight", [o.hidden, o.ffn]), m("ffn_up.weight", [o.hidden, o.ffn]), m("ffn_down.weight", [o.ffn, o.hidden]))
+    return out
+  }
+  out.push(
     m("ffn_gate_inp.weight", [o.hidden, s.experts]),
     m("ffn_gate_exps.weight", [o.hidden, s.ffn, s.experts]),
     m("ffn_up_exps.weight", [o.hidden, s.ffn, s.experts]),
     m("ffn_down_exps.weight", [s.ffn, o.hidden, s.experts])
-  ]
+  )
+  if (glm) {
+    out.push({ name: `${block}.exp_probs_b.bias`, dims: [s.experts], mean: 0, std: 0.1 })
+    if (s.shared > 0) {
+      const f = s.ffn * s.shared
+      out.push(m("ffn_gate_shexp.weight", [o.hidden, f]), m("ffn_up_shexp.weight", [o.hidden, f]), m("ffn_down_shexp.weight", [f, o.hidden]))
+    }
+  }
+  return out
 }
 
 /** A storage type the tensor keeps whatever the file's type (the router: F32), or undefined. */
@@ -68,9 +115,19 @@ export const moeMetadata = (
 ): ReadonlyArray<readonly [string, GgufTypedValue]> => {
   if (!isSyntheticMoe(o.arch)) return []
   const s = settings(o)
+  const a = o.arch
+  const common: Array<readonly [string, GgufTypedValue]> = [
+    [`${a}.expert_count`, GgufValues.u32(s.experts)],
+    [`${a}.expert_used_count`, GgufValues.u32(s.used)],
+    [`${a}.expert_feed_forward_length`, GgufValues.u32(s.ffn)]
+  ]
+  if (a !== "glm4moe") return common
   return [
-    [`${o.arch}.expert_count`, GgufValues.u32(s.experts)],
-    [`${o.arch}.expert_used_count`, GgufValues.u32(s.used)],
-    [`${o.arch}.expert_feed_forward_length`, GgufValues.u32(s.ffn)]
+    ...common,
+    [`${a}.expert_shared_count`, GgufValues.u32(s.shared)],
+    [`${a}.leading_dense_block_count`, GgufValues.u32(s.dense)],
+    [`${a}.expert_gating_func`, GgufValues.u32(2)],
+    [`${a}.expert_weights_norm`, GgufValues.bool(true)],
+    [`${a}.expert_weights_scale`, GgufValues.f32(2.5)]
   ]
 }
