@@ -224,6 +224,31 @@ describe("the generic JSON reply (templates without tools)", () => {
       expect(out.content).toBe(reply)
     }
   })
+  it("streamed: a tool_call's start, then its arguments as written in fragments; tool_calls come whole", () => {
+    const reply = "{\"tool_call\": {\"name\": \"get_weather\", \"arguments\": {\"city\":  \"Paris\", \"unit\": \"c\"}}}"
+    const whole = parseToolCalls(reply, syntax, tools)
+    // the arguments as the model wrote them (two spaces kept), not re-serialized
+    expect(whole.calls.map((c) => c.arguments)).toEqual(["{\"city\":  \"Paris\", \"unit\": \"c\"}"])
+    for (const size of [1, 3, 7]) {
+      const stream = toolCallStream(syntax, tools)
+      const pieces = []
+      for (let i = 0; i < reply.length; i += size) pieces.push(stream.push(reply.slice(i, i + size)))
+      pieces.push(stream.end())
+      const deltas = pieces.flatMap((p) => p.deltas)
+      expect(deltas[0]).toMatchObject({ _tag: "Start", index: 0, name: "get_weather" })
+      const fragments = deltas.slice(1).map((d) => (d._tag === "Arguments" ? d.text : "not a fragment"))
+      expect(fragments.join("")).toBe(whole.calls[0]!.arguments)
+      expect(fragments.length).toBeGreaterThan(size === 7 ? 2 : 10)
+      // (the call is complete at the reply's end, when the whole reply parsed as the generic form)
+      expect(pieces.slice(0, -1).flatMap((p) => p.calls)).toEqual([])
+      expect(pieces.at(-1)!.calls).toEqual([{ id: (deltas[0] as { id: string }).id, name: "get_weather", arguments: whole.calls[0]!.arguments }])
+      expect(pieces.map((p) => p.content).join("")).toBe("")
+    }
+    const list = "{\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {\"zone\":\"UTC\"}}]}"
+    const out = streamed(list, syntax, 2)
+    expect(out.calls.map((c) => c.arguments)).toEqual(["{\"zone\":\"UTC\"}"])
+  })
+
   it("a chat with calls and results as plain messages for a template without tools", () => {
     const messages = genericToolMessages([
       { role: "user", content: "time?" },

@@ -217,6 +217,48 @@ const parseFamily = (text: string, syntax: Family, tools: ReadonlyArray<ChatTool
   return { segments, heldFrom: undefined }
 }
 
+/** The end of the JSON value at `at` (after whitespace): objects, arrays and strings by scanJson, others to a delimiter. */
+const valueEnd = (text: string, at: number): number => {
+  const json = scanJson(text, at)
+  if (typeof json === "object") return json.end
+  let i = skipSpace(text, at)
+  while (i < text.length && !/[,}\]\s]/.test(text[i]!)) i++
+  return i
+}
+
+/** The raw text of each element of the JSON array at `at` (valid JSON: JSON.parse took it). */
+const rawItems = (text: string, at: number): Array<{ readonly start: number; readonly end: number }> => {
+  const items: Array<{ start: number; end: number }> = []
+  let i = skipSpace(text, at) + 1
+  for (;;) {
+    i = skipSpace(text, i)
+    if (i >= text.length || text[i] === "]") return items
+    const start = i
+    i = valueEnd(text, i)
+    items.push({ start, end: i })
+    i = skipSpace(text, i)
+    if (text[i] === ",") i++
+  }
+}
+
+/** The raw text of member `key` of the JSON object at `at` (the last, as JSON.parse keeps it), if any. */
+const rawMember = (text: string, at: number, key: string): { readonly start: number; readonly end: number } | undefined => {
+  let found: { start: number; end: number } | undefined
+  let i = skipSpace(text, at) + 1
+  for (;;) {
+    i = skipSpace(text, i)
+    if (i >= text.length || text[i] !== "\"") return found
+    const name = scanJson(text, i)
+    if (typeof name !== "object") return found
+    i = skipSpace(text, name.end) + 1
+    const start = skipSpace(text, i)
+    i = valueEnd(text, start)
+    if (safeParse(text.slice(name.start, name.end)) === key) found = { start, end: i }
+    i = skipSpace(text, i)
+    if (text[i] === ",") i++
+  }
+}
+
 /** The generic JSON reply: `{"tool_call"}`, `{"tool_calls"}` or `{"response"}`; anything else stays text. */
 const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined): Parsed => {
   const value = safeParse(text.trim())
@@ -226,13 +268,21 @@ const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined):
   if (typeof record["response"] === "string") return { segments: [{ _tag: "Text", text: record["response"] }], heldFrom: undefined }
   const raw = Array.isArray(record["tool_calls"]) ? record["tool_calls"] : record["tool_call"] !== undefined ? [record["tool_call"]] : undefined
   if (raw === undefined || raw.length === 0) return asText
+  // where each call object is written (its arguments object is given as the model wrote it, as in the families)
+  const top = skipSpace(text, 0)
+  const listed = Array.isArray(record["tool_calls"]) ? rawMember(text, top, "tool_calls") : undefined
+  const spans = listed !== undefined ? rawItems(text, listed.start) : [rawMember(text, top, "tool_call")]
   const calls: Array<Segment> = []
-  for (const item of raw) {
+  for (const [k, item] of raw.entries()) {
     if (typeof item !== "object" || item === null) return asText
     const { arguments: args, name } = item as Record<string, unknown>
     const json = argumentsText(args ?? {})
     if (typeof name !== "string" || json === undefined || !known(tools, name)) return asText
-    calls.push({ _tag: "Call", call: { id: newToolCallId(), name, arguments: json } })
+    const at = spans[k]
+    const span = at === undefined ? undefined : rawMember(text, at.start, "arguments")
+    const written = span === undefined ? undefined : text.slice(span.start, span.end)
+    const asWritten = written !== undefined && written.startsWith("{") && argumentsText(safeParse(written)) !== undefined
+    calls.push({ _tag: "Call", call: { id: newToolCallId(), name, arguments: asWritten ? written : json } })
   }
   return { segments: calls, heldFrom: undefined }
 }
@@ -306,6 +356,24 @@ const callHead = (
   return undefined
 }
 
+/** The generic form's head: `{"tool_call": {"name": "NAME", "arguments": {` (any whitespace), a known NAME. */
+const genericHead = (
+  text: string,
+  tools: ReadonlyArray<ChatTool> | undefined
+): { readonly name: string; readonly argsAt: number } | undefined => {
+  const after = matchLoose(text, skipSpace(text, 0), "{ \"tool_call\" : { \"name\" : \"")
+  if (after === "partial" || after < 0) return undefined
+  let nameEnd = after
+  while (nameEnd < text.length && /[A-Za-z0-9_.:-]/.test(text[nameEnd]!)) nameEnd++
+  if (nameEnd >= text.length) return undefined
+  const name = text.slice(after, nameEnd)
+  if (name === "" || !known(tools, name)) return undefined
+  const params = matchLoose(text, nameEnd, "\" , \"arguments\" : ")
+  if (params === "partial" || params < 0) return undefined
+  const argsAt = skipSpace(text, params)
+  return text[argsAt] === "{" ? { name, argsAt } : undefined
+}
+
 /**
  * A reply as it streams: text that might be the start of a call is held back until it is one (or is not); with the
  * generic JSON syntax the whole reply is held until its end. After a call, text of whitespace only is dropped.
@@ -314,9 +382,11 @@ const callHead = (
  * arguments have come, its start goes out (a new id, the name), then the arguments as the model writes them, and the
  * call is complete at its closing markup. A call that started streaming stays a call: should its arguments turn out
  * no JSON object (only where no grammar forces them), they are what was streamed; cut off by the end of the reply
- * (max_tokens), its arguments stop where the text did and it does not count as complete. Calls in a section (e.g.
- * Mistral's `[TOOL_CALLS]`) and the generic JSON form come whole, when complete. `parallel: false`: calls after the
- * first are dropped (neither calls nor content).
+ * (max_tokens), its arguments stop where the text did and it does not count as complete. The generic JSON form's
+ * `{"tool_call": {"name": ..., "arguments": {...}}}` streams the same way (the call completes at the reply's end, when
+ * the whole reply parses as that form). Calls in a section (e.g. Mistral's `[TOOL_CALLS]`) and the generic
+ * `{"tool_calls": [...]}` come whole, when complete. `parallel: false`: calls after the first are dropped (neither
+ * calls nor content).
  */
 export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatTool>, parallel = true): ToolCallStream => {
   let held = ""
@@ -347,6 +417,27 @@ export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatToo
   const step = (final: boolean): ToolCallPiece => {
     const out = { content: "", calls: [] as Array<ChatToolCall>, deltas: [] as Array<ToolCallDelta> }
     for (;;) {
+      if (open !== undefined && syntax._tag === "Generic") {
+        // the generic form: the arguments stream as written; the reply is held whole until its end, then parsed
+        const call = open
+        const json = scanJson(held, call.argsAt)
+        if (!final) {
+          fragment(out, typeof json === "object" ? json.end : held.length)
+          return out
+        }
+        const parsed = parseGeneric(held, tools).segments
+        const first = parsed[0]
+        const only = parsed.length === 1 && first?._tag === "Call" ? first.call : undefined
+        const streamedSoFar = held.slice(call.argsAt, call.argsAt + call.sent)
+        if (only !== undefined && only.name === call.name && only.arguments.startsWith(streamedSoFar)) {
+          fragment(out, call.argsAt + only.arguments.length)
+          out.calls.push({ id: call.id, name: call.name, arguments: only.arguments })
+          called = true
+        } else fragment(out, typeof json === "object" ? json.end : held.length)
+        held = ""
+        open = undefined
+        return out
+      }
       if (open !== undefined) {
         const call = open
         const parsed = syntax._tag === "Family" ? parseCall(held, 0, syntax, tools, final) : undefined
@@ -381,7 +472,7 @@ export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatToo
         return out
       }
       held = held.slice(heldFrom)
-      const head = syntax._tag === "Family" && !final ? callHead(held, syntax, tools) : undefined
+      const head = final ? undefined : syntax._tag === "Family" ? callHead(held, syntax, tools) : genericHead(held, tools)
       if (head === undefined) return out
       open = { index: count++, id: newToolCallId(), name: head.name, argsAt: head.argsAt, sent: 0 }
       if (parallel || open.index === 0) out.deltas.push({ _tag: "Start", index: open.index, id: open.id, name: head.name })
