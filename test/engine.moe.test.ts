@@ -123,6 +123,23 @@ describe("glm4moe: every split into 1, 2 and 3 stages gives node-llama-cpp's gre
   }
 })
 
+describe("glm4moe with group-limited routing gives node-llama-cpp's greedy tokens at every split", () => {
+  // expert_group_count 4 (groups of 4 of 16 experts), expert_group_used_count 2, 4 experts used: each token chooses
+  // among the experts of its 2 best groups (a group's score: the sum of its two best selection scores).
+  it.live(`glm4moe f32, 16 experts in 4 groups, 2 groups and 4 experts used: ${N_TOKENS} greedy tokens at every split equal node-llama-cpp's, log-probs within 1e-4`, () =>
+    Effect.gen(function*() {
+      const o = moeShape("f32", {
+        arch: "glm4moe",
+        path: join(dir, "glm4moe-groups.gguf"),
+        experts: 16,
+        expertsUsed: 4,
+        expertGroups: { count: 4, used: 2 }
+      })
+      yield* writeSyntheticModel(o)
+      yield* checkParity("glm4moe f32 groups 2/4", o.path)
+    }), 180_000)
+})
+
 describe("qwen3moe, glm4moe: sequences batched together equal the same sequences alone", () => {
   // Forced routes (production measures, SmallBatch.ts): 0 = ggml's products (tinyBLAS for 2+ rows), 8 = the few-row
   // route for the 2-D products. The expert products are ggml_mul_mat_id either way (one-row kernel per row and expert).
@@ -217,7 +234,7 @@ describe("qwen3moe, glm4moe: a bad file is a typed error naming the key or tenso
       assert.include(huge.message, "qwen3moe.expert_count")
     }))
 
-  it.live("glm4moe: MTP layers, an unknown gating function, no shared-expert count: InvalidMetadata naming the key", () =>
+  it.live("glm4moe: MTP layers, an unknown gating function, bad expert groups, no shared-expert count: InvalidMetadata naming the key", () =>
     Effect.gen(function*() {
       const mtp = yield* loadTweaked("glm-nextn", setKey("glm4moe.nextn_predict_layers", GgufValues.u32(1)), "glm4moe")
       assert.strictEqual(mtp.reason, "InvalidMetadata")
@@ -228,6 +245,18 @@ describe("qwen3moe, glm4moe: a bad file is a typed error naming the key or tenso
       const shared = yield* loadTweaked("glm-shared", setKey("glm4moe.expert_shared_count", null), "glm4moe")
       assert.strictEqual(shared.reason, "InvalidMetadata")
       assert.include(shared.message, "glm4moe.expert_shared_count")
+      const groups = yield* loadTweaked("glm-groups3", (md) => {
+        setKey("glm4moe.expert_group_count", GgufValues.u32(3))(md)
+        setKey("glm4moe.expert_group_used_count", GgufValues.u32(1))(md)
+      }, "glm4moe")
+      assert.strictEqual(groups.reason, "InvalidMetadata")
+      assert.include(groups.message, "glm4moe.expert_group_count")
+      const groupsUsed = yield* loadTweaked("glm-groups-used", (md) => {
+        setKey("glm4moe.expert_group_count", GgufValues.u32(4))(md)
+        setKey("glm4moe.expert_group_used_count", GgufValues.u32(4))(md)
+      }, "glm4moe")
+      assert.strictEqual(groupsUsed.reason, "InvalidMetadata")
+      assert.include(groupsUsed.message, "glm4moe.expert_group_used_count")
       const used = yield* loadTweaked("glm-used", setKey("glm4moe.expert_used_count", GgufValues.u32(9)), "glm4moe")
       assert.strictEqual(used.reason, "InvalidMetadata")
       assert.include(used.message, "glm4moe.expert_used_count")

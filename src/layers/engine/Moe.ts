@@ -87,11 +87,26 @@ export const readMoeParams = (
         invalid(file, `metadata "${usedKey}" = ${nExpertUsed} is more than "${countKey}" = ${nExpert}`)
       )
     }
-    const groups = yield* getOptional(file, k("expert_group_count"), getU32)
-    if (groups !== undefined && groups > 1) {
-      return yield* Effect.fail(
-        invalid(file, `metadata "${k("expert_group_count")}" = ${groups}: grouped expert routing is not supported`)
-      )
+    // group-limited routing: llama.cpp's loader asserts (aborts) on what is refused here
+    const groupsKey = k("expert_group_count")
+    const groupUsedKey = k("expert_group_used_count")
+    const nExpertGroups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
+    const nGroupUsed = (yield* getOptional(file, groupUsedKey, getU32)) ?? 0
+    if (nExpertGroups >= nExpert) {
+      return yield* Effect.fail(invalid(file, `metadata "${groupsKey}" = ${nExpertGroups} must be below "${countKey}" = ${nExpert}`))
+    }
+    if (nExpertGroups > 1) {
+      if (nExpert % nExpertGroups !== 0) {
+        return yield* Effect.fail(invalid(file, `metadata "${countKey}" = ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`))
+      }
+      if (nExpert / nExpertGroups < 2) {
+        return yield* Effect.fail(invalid(file, `metadata "${groupsKey}" = ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`))
+      }
+      if (nGroupUsed === 0 || nGroupUsed >= nExpertGroups) {
+        return yield* Effect.fail(
+          invalid(file, `metadata "${groupUsedKey}" = ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`)
+        )
+      }
     }
     const ffExp = yield* uniformCount(file, k("expert_feed_forward_length"))
     const nFfExp = ffExp ?? Math.floor(hp.nFf / nExpertUsed)
@@ -135,7 +150,9 @@ export const readMoeParams = (
       normWeights: options.normWeights,
       weightsScale,
       nFfShared: nFfExp * (options.nExpertShared ?? 0),
-      nLeadingDense
+      nLeadingDense,
+      nExpertGroups,
+      nGroupUsed
     }
   })
 
@@ -163,6 +180,28 @@ export const moeBlockSpecs = (hp: HParams, moe: MoeParams): ReadonlyArray<Tensor
 export const moeOf = (hp: HParams): MoeParams => {
   if (hp.moe === undefined) throw new Error(`internal: ${hp.arch} has no MoE hyperparameters`)
   return hp.moe
+}
+
+/**
+ * llama.cpp's group-limited selection: scores [n_expert, n] -> the same scores with every expert outside the
+ * `nGroupUsed` best groups (a group's score: the sum of its two best) set to -inf. Shapes were checked when the
+ * hyperparameters were read (groups divide the experts, at least 2 per group, 1 <= used < groups).
+ */
+const groupLimited = (t: Toolkit, scores: Ptr, moe: MoeParams, n: number): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const op = moeOps(getGgml())
+  const groups = moe.nExpertGroups
+  const per = moe.nExpert / groups
+  const byGroup = g.ggml_reshape_3d(ctx, scores, per, groups, n) // [per, groups, n]
+  const best2 = op.ggml_argsort_top_k(ctx, byGroup, 2) // I32 [2, groups, n]
+  let groupScores = g.ggml_get_rows(ctx, op.ggml_reshape_4d(ctx, byGroup, 1, per, groups, n), best2) // [1, 2, groups, n]
+  groupScores = op.ggml_sum_rows(ctx, g.ggml_reshape_3d(ctx, groupScores, 2, groups, n)) // [1, groups, n]
+  groupScores = g.ggml_reshape_2d(ctx, groupScores, groups, n)
+  const chosenGroups = op.ggml_argsort_top_k(ctx, groupScores, moe.nGroupUsed) // I32 [used, n]
+  const kept = g.ggml_get_rows(ctx, byGroup, chosenGroups) // [per, used, n]
+  const masked = g.ggml_set_rows(ctx, op.ggml_fill(ctx, byGroup, -Infinity), kept, chosenGroups) // [per, groups, n]
+  return g.ggml_reshape_2d(ctx, masked, moe.nExpert, n)
 }
 
 /** F16's smallest normal number: llama.cpp clamps the weights' sum to it before dividing. */
@@ -198,6 +237,7 @@ export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, prob
     // ggml_add's own check (OpChecks) refuses a bias that does not repeat to [n_expert, n]
     selection = g.ggml_add(ctx, probs, probsBias)
   }
+  if (moe.nExpertGroups > 1) selection = groupLimited(t, selection, moe, n)
   check(shape(selection).ne[0]! >= k, "ggml_argsort_top_k", `fewer than ${k} values per row`, selection)
   const chosen = op.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
 

@@ -18,4 +18,11 @@ export interface MoeParams {
   readonly nFfShared: number
   /** Blocks 0..n-1 are dense (a plain SwiGLU feed-forward), the rest routed. */
   readonly nLeadingDense: number
+  /**
+   * Group-limited routing (`expert_group_count` > 1, DeepSeek V3's): the experts form this many groups of equal size,
+   * each group scored by the sum of its two best selection scores; only the `nGroupUsed` best groups may be chosen.
+   * 0 or 1: no groups.
+   */
+  readonly nExpertGroups: number
+  readonly nGroupUsed: number
 }

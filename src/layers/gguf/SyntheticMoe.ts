@@ -23,6 +23,8 @@ export interface SyntheticMoeOptions {
   readonly sharedExperts?: number
   /** glm4moe: leading blocks with a dense feed-forward (default 1). */
   readonly denseBlocks?: number
+  /** glm4moe: group-limited routing, `expert_group_count` groups of which `expert_group_used_count` may be chosen. */
+  readonly expertGroups?: { readonly count: number; readonly used: number }
 }
 
 /** The synthetic writer's mixture-of-experts architectures. */
@@ -52,8 +54,8 @@ export const validateMoeOptions = (
   if (!isSyntheticMoe(o.arch)) {
     return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")} only, not ${o.arch}` : undefined
   }
-  if (o.arch !== "glm4moe" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined)) {
-    return `sharedExperts and denseBlocks are for glm4moe only, not ${o.arch}`
+  if (o.arch !== "glm4moe" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
+    return `sharedExperts, denseBlocks and expertGroups are for glm4moe only, not ${o.arch}`
   }
   const s = settings(o)
   for (const [k, v] of [["experts", s.experts], ["expertsUsed", s.used], ["expertFfn", s.ffn]] as const) {
@@ -128,6 +130,10 @@ export const moeMetadata = (
     [`${a}.leading_dense_block_count`, GgufValues.u32(s.dense)],
     [`${a}.expert_gating_func`, GgufValues.u32(2)],
     [`${a}.expert_weights_norm`, GgufValues.bool(true)],
-    [`${a}.expert_weights_scale`, GgufValues.f32(2.5)]
+    [`${a}.expert_weights_scale`, GgufValues.f32(2.5)],
+    ...(o.expertGroups === undefined ? [] : [
+      [`${a}.expert_group_count`, GgufValues.u32(o.expertGroups.count)] as const,
+      [`${a}.expert_group_used_count`, GgufValues.u32(o.expertGroups.used)] as const
+    ])
   ]
 }
