@@ -3,6 +3,7 @@ import type { ArchModule } from "./Arch.js"
 import { gemma3 } from "./archs/gemma3.js"
 import { glm4moe } from "./archs/glm4moe.js"
 import { llama } from "./archs/llama.js"
+import { mistral3 } from "./archs/mistral3.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
 import { qwen3moe } from "./archs/qwen3moe.js"
@@ -13,7 +14,8 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["qwen3", qwen3],
   ["qwen3moe", qwen3moe],
   ["glm4moe", glm4moe],
-  ["gemma3", gemma3]
+  ["gemma3", gemma3],
+  ["mistral3", mistral3]
 ])
 
 export const supportedArchitectures = (): ReadonlyArray<string> => [...architectures.keys()]

@@ -22,6 +22,7 @@ import { GgufValueType } from "../../domain/gguf.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
+import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
 import {
   isSyntheticMoe,
   moeBlockTensors,
@@ -40,13 +41,13 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
-export interface SyntheticModelOptions extends SyntheticGemmaOptions, SyntheticMoeOptions {
+export interface SyntheticModelOptions extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options {
   readonly path: string
   readonly arch: SyntheticArch
   readonly layers: number
@@ -297,7 +298,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o) ?? validateMoeOptions(o)
+  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o)
 }
 
 interface PlannedTensor {
@@ -409,6 +410,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.rope.dimension_count`, GgufValues.u32(hd)]
   ]
   if (a === "gemma3") md.push(...gemmaMetadata(o))
+  if (a === "mistral3") md.push(...mistral3Metadata(o, o.contextLength))
   md.push(...moeMetadata(o))
   if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || o.headDim !== undefined) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
