@@ -8,6 +8,8 @@
  * temperature steps batched into one decode step get their lone bits. Bad mistral3 metadata is a typed error naming
  * the key.
  */
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
@@ -16,6 +18,8 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import { synthCommand } from "../src/cli/SynthCommand.js"
+import { getF32, getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import type { StageInput } from "../src/domain/engine.js"
@@ -129,6 +133,33 @@ describe("mistral3: a batch of sequences at different temperature steps", () => 
         assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(lengths[i]!, step(i)), `sequence at position ${lengths[i]}`)
       }
     }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 8 }))), 120_000)
+})
+
+describe("swactor synth --arch mistral3", () => {
+  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+    name: "swactor",
+    version: "test"
+  })
+  // The command line's defaults: YaRN factor 4 over context / 8, temperature 0.1; node-llama-cpp loads the file and a
+  // 2-stage split gives its greedy tokens.
+  it.live("writes YaRN and the attention temperature by default; node-llama-cpp loads it and 2 stages give its tokens", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-mistral3.gguf")
+      const exit = yield* cli([
+        "node", "swactor", "synth", "--arch", "mistral3", "--layers", "4", "--hidden", "128", "--ffn", "256",
+        "--heads", "4", "--kv-heads", "2", "--vocab", "400", "--context-length", "512", "-o", out
+      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      assert.isTrue(Exit.isSuccess(exit), String(exit))
+      const file = yield* readGgufFile(out)
+      assert.strictEqual(yield* getString(file, "general.architecture"), "mistral3")
+      assert.strictEqual(yield* getString(file, "mistral3.rope.scaling.type"), "yarn")
+      assert.strictEqual(yield* getF32(file, "mistral3.rope.scaling.factor"), 4)
+      assert.strictEqual(yield* getU32(file, "mistral3.rope.scaling.original_context_length"), 64)
+      assert.closeTo(yield* getF32(file, "mistral3.attention.temperature_scale"), 0.1, 1e-7)
+      const ref = yield* Effect.promise(() => referenceRun(out, PROMPT, 80, options))
+      const run = yield* greedyRun(out, [0, 2, 4], ref.prompt, 80, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens)
+    }), 120_000)
 })
 
 describe("mistral3: bad metadata is a typed error naming the key", () => {
