@@ -270,45 +270,47 @@ describe("qwen3moe, glm4moe: a bad file is a typed error naming the key or tenso
     }))
 })
 
-describe("qwen3moe end to end: a killed stage agent resumes with identical text", () => {
+describe("qwen3moe, glm4moe end to end: a killed stage agent resumes with identical text", () => {
   // 3 stages + 1 spare on local agents; the middle stage's agent is killed with SIGKILL at token 12: the spare takes
   // its stage, the prompt and the tokens so far are replayed (one prefill per stage, routing each row again), and the
   // stream goes on to the uninterrupted run's tokens and text.
-  it.live("kill -9 of the middle stage with a spare: greedy output equals the uninterrupted run's", () =>
-    Effect.gen(function*() {
-      const o = moeShape("q8_0", { path: join(dir, "e2e-q8_0.gguf") })
-      yield* writeSyntheticModel(o)
-      const req: GenerateRequest = { model: o.path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 }
-      const generate = (r: GenerateRequest, killAt?: number) =>
-        Effect.gen(function*() {
-          let agents: ReadonlyArray<LocalAgent> = []
-          let killed = false
-          const updates: Array<RunUpdate> = []
-          const result = yield* run(r).pipe(
-            Stream.provideLayer(layerLocal({ threads: 1, onStarted: (a) => (agents = a) })),
-            Stream.runForEach((u) =>
-              Effect.sync(() => {
-                updates.push(u)
-                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
-                  killed = true
-                  process.kill(agents[1]!.pid, "SIGKILL")
-                }
-              })
-            ),
-            Effect.either
-          )
-          const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
-          const finished = updates.find((u) => u._tag === "Finished")
-          return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
-        })
-      const reference = yield* generate(req)
-      assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
-      assert.strictEqual(reference.tokens.length, 48)
-      assert.isAtLeast(new Set(reference.tokens).size, 4, "the stream is not trivial")
-      const outcome = yield* generate({ ...req, spares: 1 }, 12)
-      assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
-      assert.strictEqual(outcome.summary!.recoveries.length, 1)
-      assert.deepStrictEqual(outcome.tokens, reference.tokens)
-      assert.strictEqual(outcome.summary!.text, reference.summary!.text)
-    }), 180_000)
+  for (const arch of ["qwen3moe", "glm4moe"] as const) {
+    it.live(`${arch}: kill -9 of the middle stage with a spare: greedy output equals the uninterrupted run's`, () =>
+      Effect.gen(function*() {
+        const o = moeShape("q8_0", { arch, path: join(dir, `e2e-${arch}-q8_0.gguf`) })
+        yield* writeSyntheticModel(o)
+        const req: GenerateRequest = { model: o.path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 }
+        const generate = (r: GenerateRequest, killAt?: number) =>
+          Effect.gen(function*() {
+            let agents: ReadonlyArray<LocalAgent> = []
+            let killed = false
+            const updates: Array<RunUpdate> = []
+            const result = yield* run(r).pipe(
+              Stream.provideLayer(layerLocal({ threads: 1, onStarted: (a) => (agents = a) })),
+              Stream.runForEach((u) =>
+                Effect.sync(() => {
+                  updates.push(u)
+                  if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
+                    killed = true
+                    process.kill(agents[1]!.pid, "SIGKILL")
+                  }
+                })
+              ),
+              Effect.either
+            )
+            const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+            const finished = updates.find((u) => u._tag === "Finished")
+            return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
+          })
+        const reference = yield* generate(req)
+        assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
+        assert.strictEqual(reference.tokens.length, 48)
+        assert.isAtLeast(new Set(reference.tokens).size, 4, "the stream is not trivial")
+        const outcome = yield* generate({ ...req, spares: 1 }, 12)
+        assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
+        assert.strictEqual(outcome.summary!.recoveries.length, 1)
+        assert.deepStrictEqual(outcome.tokens, reference.tokens)
+        assert.strictEqual(outcome.summary!.text, reference.summary!.text)
+      }), 180_000)
+  }
 })
