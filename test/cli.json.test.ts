@@ -56,6 +56,26 @@ describe("swactor run --json", () => {
     }
   })
 
+  it("a run that ends inside a multi-byte character: the flushed U+FFFD is the last token's text, not a token of id -1", async () => {
+    // Synthetic vocabularies hold byte tokens; seed 3's 8th greedy token leaves a character incomplete (checked below).
+    const dir = mkdtempSync(join(tmpdir(), "swactor-json-flush-"))
+    try {
+      const model = join(dir, "tiny.gguf")
+      const synth = await swactor(["synth", "--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2", "--vocab", "300", "--seed", "3", "-o", model])
+      expect(synth.code, synth.stderr).toBe(0)
+      const ran = await swactor([...base, "--model", model, "--prompt", "Hi"])
+      expect(ran.code, ran.stderr).toBe(0)
+      const report = JSON.parse(ran.stdout) as Report
+      expect(report.text.endsWith("\uFFFD"), "the run ends inside a character (else this case proves nothing)").toBe(true)
+      expect(report.tokens).toHaveLength(8)
+      expect(report.tokens.every((t) => Number.isInteger(t.id) && t.id >= 0)).toBe(true)
+      expect(report.text).toBe(report.tokens.map((t) => t.text).join(""))
+      expect(report.summary?.generatedTokens).toBe(8)
+    } finally {
+      rmSync(dir, { recursive: true, force: true })
+    }
+  })
+
   it("a fault is a JSON document too, with its tag and message, and a non-zero exit", async () => {
     const ran = await swactor([...base, "--model", "/no/such/model.gguf"])
     expect(ran.code).toBe(1)

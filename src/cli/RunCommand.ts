@@ -486,11 +486,17 @@ const runRun = (args: RunArgs, json: JsonReport) =>
           return Effect.sync(() => {
             clock.mark("ready") // a single-stage run: every stage was ready before its token
             clock.mark("firstToken")
-            json.tokens.push({
-              id: update.token.tokenId,
-              text: update.token.text,
-              ...(update.token.logprob === undefined ? {} : { logprob: update.token.logprob })
-            })
+            const last = json.tokens[json.tokens.length - 1]
+            if (update.token.tokenId < 0 && last !== undefined) {
+              // the run's end flushed an incomplete character (U+FFFD): text of the last token, not a token
+              json.tokens[json.tokens.length - 1] = { ...last, text: last.text + update.token.text }
+            } else {
+              json.tokens.push({
+                id: update.token.tokenId,
+                text: update.token.text,
+                ...(update.token.logprob === undefined ? {} : { logprob: update.token.logprob })
+              })
+            }
             json.text += update.token.text
             if (args.json) return
             if (!wroteText) process.stdout.write(prompt)

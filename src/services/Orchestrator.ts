@@ -163,7 +163,11 @@ export interface TokenTimings {
   readonly latencyMillis: number
 }
 
-/** One generated token. `text` is what it adds to the output ("" while a multi-byte character is incomplete). */
+/**
+ * One generated token. `text` is what it adds to the output ("" while a multi-byte character is incomplete). At the
+ * end of a run whose last tokens left a character incomplete, one more update with `tokenId` -1 carries the flushed
+ * text (U+FFFD): text only, not a generated token.
+ */
 export interface GeneratedToken {
   readonly tokenId: number
   readonly text: string
