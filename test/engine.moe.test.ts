@@ -123,6 +123,31 @@ describe("glm4moe: every split into 1, 2 and 3 stages gives node-llama-cpp's gre
   }
 })
 
+describe("qwen3moe: a deep model with every expert used builds its graph", () => {
+  // 40 blocks, 64 of 64 experts used: each routed block adds a view and an add per expert to the graph. With the node
+  // budget of a dense block, ggml's context ran out of room and aborted the process (GGML_ASSERT(obj_new)). No
+  // node-llama-cpp oracle here: llama.cpp's own graph budget (8 nodes per model tensor) aborts at this shape too.
+  it.live("40 blocks, 64 of 64 experts used: 1 and 2 stages run, bit-identical logits", () =>
+    Effect.gen(function*() {
+      const o = moeShape("q8_0", {
+        path: join(dir, "deep-64.gguf"),
+        layers: 40,
+        hidden: 64,
+        ffn: 64,
+        heads: 2,
+        kvHeads: 1,
+        experts: 64,
+        expertsUsed: 64,
+        expertFfn: 32
+      })
+      yield* writeSyntheticModel(o)
+      const one = yield* greedyRun(o.path, [0, 40], [1, 5, 9, 13], 8, options)
+      const two = yield* greedyRun(o.path, [0, 17, 40], [1, 5, 9, 13], 8, options)
+      assert.deepStrictEqual(two.tokens, one.tokens)
+      one.logits.forEach((l, i) => assert.isTrue(sameBits(l, two.logits[i]!), `position ${i}`))
+    }), 180_000)
+})
+
 describe("glm4moe with group-limited routing gives node-llama-cpp's greedy tokens at every split", () => {
   // expert_group_count 4 (groups of 4 of 16 experts), expert_group_used_count 2, 4 experts used: each token chooses
   // among the experts of its 2 best groups (a group's score: the sum of its two best selection scores).

@@ -27,7 +27,10 @@ export const buildGraph = (
   const nLayers = spec.layerEndExclusive - spec.layerStart
   const nSeq = items.length
   const n = items.reduce((s, it) => s + inputLength(it.input), 0)
-  const maxNodes = Math.max(2048, (96 + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
+  // a routed block (Moe.ts) adds ~30 tensors, a view and an add per expert used, and ~12 for group-limited routing
+  const moe = hp.moe
+  const moeNodes = moe === undefined ? 0 : 40 + 3 * moe.nExpertUsed + (moe.nExpertGroups > 1 ? 16 : 0)
+  const maxNodes = Math.max(2048, (96 + moeNodes + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
   const ctx = raw.ggml_init({
     mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
     mem_buffer: null,
