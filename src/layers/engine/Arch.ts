@@ -9,6 +9,8 @@ export interface ArchModule {
   readonly name: string
   /** ggml RoPE mode (0 = NORM, 2 = NEOX). */
   readonly ropeMode: number
+  /** Optional: the architecture checks head sizes and RoPE width itself (readHParams' ownHeadShape; deepseek2). */
+  readonly ownHeadShape?: boolean
   /** Optional: the architecture's own hyperparameters read (and checked) on top of the common ones. */
   readonly hparams?: (file: GgufFile, hp: HParams) => Effect.Effect<HParams, ModelLoadError>
   /** Optional: a factor the token embeddings are scaled by before the first block (gemma: sqrt(n_embd)). */

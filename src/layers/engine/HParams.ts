@@ -50,6 +50,22 @@ export interface HParams {
   readonly ropeExt?: RopeExt
   /** Attention temperature tuning (mistral3's `attention.temperature_scale`); absent: none. */
   readonly attnTemp?: AttnTemp
+  /**
+   * Multi-head latent attention (deepseek2, archs/deepseek2.ts): the cache holds one K row per token (headDimK x
+   * nHeadKv = the latent then the RoPE part) and V is a view of its first headDimV elements (no V cache); absent: none.
+   */
+  readonly mla?: MlaParams
+}
+
+/** deepseek2's latent attention sizes (`attention.q_lora_rank`, `kv_lora_rank`, `key_length_mla`, `value_length_mla`). */
+export interface MlaParams {
+  /** 0: Q is one projection (attn_q), else attn_q_a -> norm -> attn_q_b. */
+  readonly qLoraRank: number
+  readonly kvLoraRank: number
+  /** Per-head Q/K size after decompression (no-RoPE part + nRot). */
+  readonly headDimK: number
+  /** Per-head V size after decompression (attn_v_b's output). */
+  readonly headDimV: number
 }
 
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */
@@ -89,7 +105,12 @@ const uniformInt = (file: GgufFile, key: string) =>
  * Reads the llama-family hyperparameters. `ropeMode` comes from the architecture table, the vocabulary size
  * from the token list (checked against `token_embd` when the table has it).
  */
-export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HParams, ModelLoadError> =>
+export const readHParams = (
+  file: GgufFile,
+  ropeMode: number,
+  /** The architecture checks the head sizes and the RoPE width itself (deepseek2's latent attention). */
+  options: { readonly ownHeadShape?: boolean } = {}
+): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function*() {
     const arch = yield* getArchitecture(file)
     const k = (s: string) => `${arch}.${s}`
@@ -115,11 +136,11 @@ export const readHParams = (file: GgufFile, ropeMode: number): Effect.Effect<HPa
       k("attention.value_length"),
       (yield* getOptional(file, k("attention.value_length"), getU32)) ?? headDimK
     )
-    if (headDimV !== headDimK) {
+    if (headDimV !== headDimK && options.ownHeadShape !== true) {
       return yield* Effect.fail(invalid(file, `key_length ${headDimK} != value_length ${headDimV} is not supported`))
     }
     const nRot = (yield* getOptional(file, k("rope.dimension_count"), getU32)) ?? headDimK
-    if (nRot !== headDimK) {
+    if (nRot !== headDimK && options.ownHeadShape !== true) {
       return yield* Effect.fail(
         invalid(file, `rope.dimension_count ${nRot} must equal the head size ${headDimK} for ${arch}`)
       )

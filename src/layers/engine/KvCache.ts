@@ -8,6 +8,14 @@ import { kvCacheSize } from "../../services/KvSize.js"
 import type { GraphSlot } from "./GraphCache.js"
 import type { KvLayer } from "./Toolkit.js"
 import type { NativeWeights } from "./Weights.js"
+import type { HParams } from "./HParams.js"
+
+/**
+ * Elements of one cached K row and one V row per token of a block: head size x KV heads each, or with latent attention
+ * (HParams.mla) the K row only (the latent and the RoPE part), V being a view of it.
+ */
+export const kvRowWidths = (hp: HParams): { readonly k: number; readonly v: number } =>
+  ({ k: hp.headDimK * hp.nHeadKv, v: hp.mla === undefined ? hp.headDimV * hp.nHeadKv : 0 })
 
 export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
@@ -45,10 +53,16 @@ export class NativeSession {
       mem_buffer: null,
       no_alloc: true
     })
+    const widths = kvRowWidths(hp)
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
-      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, hp.headDimK * hp.nHeadKv, kvSize)
-      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, hp.headDimV * hp.nHeadKv, kvSize)
+      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, kvSize)
       raw.ggml_set_name(k, `cache_k_l${il}`)
+      // latent attention: no V cache, V is read from K (the latent attention builds its own view)
+      if (widths.v === 0) {
+        this.kv.set(il, { k, v: k })
+        continue
+      }
+      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.v, kvSize)
       raw.ggml_set_name(v, `cache_v_l${il}`)
       this.kv.set(il, { k, v })
     }
@@ -85,7 +99,8 @@ export class NativeSession {
     }
     const raw = this.weights.ggml.raw
     const { hp } = this.weights.layout
-    const rowBytes = { k: 2 * hp.headDimK * hp.nHeadKv, v: 2 * hp.headDimV * hp.nHeadKv }
+    const widths = kvRowWidths(hp)
+    const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
     const scratch = new Uint8Array(length * Math.max(rowBytes.k, rowBytes.v))
     for (const [il, src] of from.kv) {
       const dst = this.kv.get(il)!

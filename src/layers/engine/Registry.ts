@@ -1,5 +1,6 @@
 /** The supported architectures: adding one is a module under archs/ and one entry here. */
 import type { ArchModule } from "./Arch.js"
+import { deepseek2 } from "./archs/deepseek2.js"
 import { gemma3 } from "./archs/gemma3.js"
 import { glm4moe } from "./archs/glm4moe.js"
 import { llama } from "./archs/llama.js"
@@ -14,6 +15,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["qwen3", qwen3],
   ["qwen3moe", qwen3moe],
   ["glm4moe", glm4moe],
+  ["deepseek2", deepseek2],
   ["gemma3", gemma3],
   ["mistral3", mistral3]
 ])

@@ -29,7 +29,7 @@ import {
   validateForward
 } from "../../services/StageExecutor.js"
 import { forwardOne, runBatch } from "./Forward.js"
-import { type NativeItem, NativeSession } from "./KvCache.js"
+import { kvRowWidths, type NativeItem, NativeSession } from "./KvCache.js"
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
@@ -147,7 +147,7 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       weightBytes: layout.weightBytes,
       backend: device === "gpu" ? "cuda" : "cpu",
       kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) *
-        kvBytesPerTokenOfBlock(hp.headDimK * hp.nHeadKv, hp.headDimV * hp.nHeadKv)
+        kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v)
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))

@@ -158,6 +158,9 @@ const layoutOfFile = (
   const bytes = (name: string) => file.tensorsByName.get(name)?.byteSize ?? 0
   const width = (name: string) => file.tensorsByName.get(name)?.dims[1]
   const kvBytesPerToken = blockBytes.map((_, i) => {
+    // latent attention (deepseek2): the cache holds attn_kv_a_mqa's output (latent + RoPE part) only, V is a view of it
+    const latent = width(`blk.${i}.attn_kv_a_mqa.weight`)
+    if (latent !== undefined) return kvBytesPerTokenOfBlock(latent, 0)
     const k = width(`blk.${i}.attn_k.weight`) ?? hiddenDim
     const v = width(`blk.${i}.attn_v.weight`) ?? hiddenDim
     return kvBytesPerTokenOfBlock(k, v)

@@ -21,6 +21,12 @@ import { GgmlType, ggmlTypeName } from "../../domain/ggmlTypes.js"
 import { GgufValueType } from "../../domain/gguf.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
+import {
+  deepseek2AttentionTensors,
+  deepseek2Metadata,
+  type SyntheticDeepseek2Options,
+  validateDeepseek2Options
+} from "./SyntheticDeepseek2.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
 import {
@@ -41,13 +47,15 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "deepseek2"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "deepseek2"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
-export interface SyntheticModelOptions extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options {
+export interface SyntheticModelOptions
+  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options
+{
   readonly path: string
   readonly arch: SyntheticArch
   readonly layers: number
@@ -298,7 +306,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o)
+  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o)
 }
 
 interface PlannedTensor {
@@ -323,6 +331,10 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   for (let i = 0; i < o.layers; i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
+    if (o.arch === "deepseek2") {
+      out.push(...deepseek2AttentionTensors(b, o), ...moeBlockTensors(b, i, o))
+      continue
+    }
     w(`${b}.attn_q.weight`, o.hidden, q)
     w(`${b}.attn_k.weight`, o.hidden, kv)
     w(`${b}.attn_v.weight`, o.hidden, kv)
@@ -416,7 +428,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
-  return [...md, ...syntheticVocab(o.vocab, o.chatTemplate)]
+  return [...(a === "deepseek2" ? deepseek2Metadata(md, o) : md), ...syntheticVocab(o.vocab, o.chatTemplate)]
 }
 
 /** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */

@@ -28,14 +28,14 @@ export interface SyntheticMoeOptions {
 }
 
 /** The synthetic writer's mixture-of-experts architectures. */
-export const syntheticMoeArchs = ["qwen3moe", "glm4moe"] as const
+export const syntheticMoeArchs = ["qwen3moe", "glm4moe", "deepseek2"] as const
 
 export const isSyntheticMoe = (arch: string): boolean => (syntheticMoeArchs as ReadonlyArray<string>).includes(arch)
 
 type Shape = SyntheticMoeOptions & { readonly arch: string; readonly hidden: number; readonly ffn: number }
 
 const settings = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number }) => {
-  const glm = o.arch === "glm4moe"
+  const glm = o.arch === "glm4moe" || o.arch === "deepseek2"
   return {
     experts: o.experts ?? 8,
     used: o.expertsUsed ?? 2,
@@ -54,7 +54,7 @@ export const validateMoeOptions = (
   if (!isSyntheticMoe(o.arch)) {
     return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")} only, not ${o.arch}` : undefined
   }
-  if (o.arch !== "glm4moe" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
+  if (o.arch !== "glm4moe" && o.arch !== "deepseek2" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
     return `sharedExperts, denseBlocks and expertGroups are for glm4moe only, not ${o.arch}`
   }
   const s = settings(o)
@@ -86,8 +86,8 @@ export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyAr
     mean: 0,
     std: 1 / Math.sqrt(dims[0]!)
   })
-  const glm = o.arch === "glm4moe"
-  const out: Array<MoeTensor> = [{ name: `${block}.${glm ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }]
+  const glm = o.arch === "glm4moe" || o.arch === "deepseek2"
+  const out: Array<MoeTensor> = [{ name: `${block}.${o.arch === "glm4moe" ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }]
   if (il < s.dense) {
     out.push(m("ffn_gate.weight", [o.hidden, o.ffn]), m("ffn_up.weight", [o.hidden, o.ffn]), m("ffn_down.weight", [o.ffn, o.hidden]))
     return out
@@ -123,7 +123,7 @@ export const moeMetadata = (
     [`${a}.expert_used_count`, GgufValues.u32(s.used)],
     [`${a}.expert_feed_forward_length`, GgufValues.u32(s.ffn)]
   ]
-  if (a !== "glm4moe") return common
+  if (a !== "glm4moe" && a !== "deepseek2") return common
   return [
     ...common,
     [`${a}.expert_shared_count`, GgufValues.u32(s.shared)],

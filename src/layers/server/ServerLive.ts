@@ -49,6 +49,8 @@ const readKvBytesPerBlockToken = (path: string) =>
     const kvHeads = (yield* Gguf.getOptional(file, `${arch}.attention.head_count_kv`, Gguf.getU32)) ?? heads
     const keyLength = (yield* Gguf.getOptional(file, `${arch}.attention.key_length`, Gguf.getU32)) ?? Math.floor(hidden / heads)
     const valueLength = (yield* Gguf.getOptional(file, `${arch}.attention.value_length`, Gguf.getU32)) ?? keyLength
+    // latent attention (deepseek2): one cached K row (latent + RoPE part), V is a view of it
+    if (file.metadata.has(`${arch}.attention.kv_lora_rank`)) return kvBytesPerTokenOfBlock(keyLength * kvHeads, 0)
     return kvBytesPerTokenOfBlock(keyLength * kvHeads, valueLength * kvHeads)
   })
 

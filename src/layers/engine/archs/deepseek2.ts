@@ -1,0 +1,230 @@
+/**
+ * deepseek2 (DeepSeek V2 / V3 / R1, Kimi K2; llama.cpp src/models/deepseek2.cpp) with multi-head latent attention
+ * in llama.cpp's absorbed form:
+ * - Q: attn_q_a -> RMS norm (attn_q_a_norm) -> attn_q_b, or one attn_q when `attention.q_lora_rank` is 0 / absent;
+ *   per head the no-RoPE part then the RoPE part (`rope.dimension_count`, RoPE NORM).
+ * - attn_kv_a_mqa gives per token the latent (`kv_lora_rank`, RMS-normed by attn_kv_a_norm) and one shared RoPE part.
+ *   The cache holds one row per token: latent then roped part (K); V is a view of the latent (no V cache).
+ * - The no-RoPE part of Q is absorbed into the latent through attn_k_b [nope, kv_lora_rank, heads], so attention is
+ *   MQA over [latent | rope] (flash attention, scale 1 / sqrt(key_length_mla)); its output, per head a latent, is
+ *   decompressed through attn_v_b [kv_lora_rank, value_length_mla, heads] before attn_output.
+ * - ffn_norm, then `leading_dense_block_count` dense SwiGLU blocks, the rest routed (Moe.ts: softmax or sigmoid gate,
+ *   optional expert bias exp_probs_b, weights norm and scale, group-limited routing, `expert_shared_count` shared
+ *   experts).
+ * Refused naming the key: legacy files without `key_length_mla` / `value_length_mla` (unsplit attn_kv_b), KV heads
+ * other than 1, key/value lengths that are not the latent's, YaRN, attention temperature, MTP layers.
+ */
+import { Effect } from "effect"
+import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
+import { mlaOps } from "../../ggml/MlaBindings.js"
+import { getBool, getF32, getOptional, getString, getStringArray, getU32 } from "../../gguf/GgufReader.js"
+import type { ArchModule } from "../Arch.js"
+import { type HParams, type MlaParams, RopeMode } from "../HParams.js"
+import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
+import type { ExpertGating } from "../MoeParams.js"
+import { GGML_PREC_F32, type AttentionSegment, type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
+
+const invalid = (file: GgufFile, message: string) =>
+  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
+
+const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
+  Effect.gen(function*() {
+    const k = (s: string) => `${hp.arch}.${s}`
+    const fail = (message: string) => Effect.fail(invalid(file, message))
+    const nextn = (yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0
+    if (nextn > 0) return yield* fail(`metadata "${k("nextn_predict_layers")}" = ${nextn}: MTP layers are not supported`)
+    const scaling = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
+    if (scaling !== "none") {
+      return yield* fail(`metadata "${k("rope.scaling.type")}" = "${scaling}": deepseek2 supports plain RoPE only`)
+    }
+    if (file.metadata.has(k("attention.temperature_scale"))) {
+      return yield* fail(`metadata "${k("attention.temperature_scale")}": attention temperature is not supported for deepseek2`)
+    }
+    const kMlaKey = k("attention.key_length_mla")
+    const vMlaKey = k("attention.value_length_mla")
+    const kMla = yield* getOptional(file, kMlaKey, getU32)
+    const vMla = yield* getOptional(file, vMlaKey, getU32)
+    if (kMla === undefined || vMla === undefined) {
+      return yield* fail(
+        `metadata "${kMla === undefined ? kMlaKey : vMlaKey}" is missing: only the absorbed latent form (attn_k_b / attn_v_b) is supported`
+      )
+    }
+    const kvLoraKey = k("attention.kv_lora_rank")
+    const kvLoraRank = yield* getU32(file, kvLoraKey)
+    if (kvLoraRank <= 0) return yield* fail(`metadata "${kvLoraKey}" = ${kvLoraRank} must be > 0`)
+    const qLoraRank = (yield* getOptional(file, k("attention.q_lora_rank"), getU32)) ?? 0
+    const nRot = hp.nRot
+    if (!(nRot > 0 && nRot % 2 === 0 && nRot < kMla)) {
+      return yield* fail(`metadata "${k("rope.dimension_count")}" = ${nRot} must be even and below "${kMlaKey}" = ${kMla}`)
+    }
+    if (vMla <= 0) return yield* fail(`metadata "${vMlaKey}" = ${vMla} must be > 0`)
+    if (hp.nHeadKv !== 1) {
+      return yield* fail(`metadata "${k("attention.head_count_kv")}" = ${hp.nHeadKv} must be 1 (one latent per token)`)
+    }
+    if (hp.headDimK !== kvLoraRank + nRot) {
+      return yield* fail(
+        `metadata "${k("attention.key_length")}" = ${hp.headDimK} must be "${kvLoraKey}" + rope.dimension_count = ${kvLoraRank + nRot}`
+      )
+    }
+    if (hp.headDimV !== kvLoraRank) {
+      return yield* fail(`metadata "${k("attention.value_length")}" = ${hp.headDimV} must be "${kvLoraKey}" = ${kvLoraRank}`)
+    }
+    // llama.cpp: no gating id -> softmax (DeepSeek V2), except GLM 4.7 Lite's shape (sigmoid)
+    const gatingKey = k("expert_gating_func")
+    const gatingId = (yield* getOptional(file, gatingKey, getU32)) ?? 0
+    let gating: ExpertGating
+    if (gatingId === 1) gating = "softmax"
+    else if (gatingId === 2) gating = "sigmoid"
+    else if (gatingId === 0) {
+      const vocab = file.metadata.has("tokenizer.ggml.tokens") ? (yield* getStringArray(file, "tokenizer.ggml.tokens")).length : hp.nVocab
+      gating = (hp.nLayer === 47 || hp.nLayer === 48) && vocab === 154880 ? "sigmoid" : "softmax"
+    } else return yield* fail(`metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`)
+    const moe = yield* readMoeParams(file, hp, {
+      gating,
+      normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,
+      weightsScale: (yield* getOptional(file, k("expert_weights_scale"), getF32)) ?? 0,
+      nExpertShared: yield* getU32(file, k("expert_shared_count")),
+      nLeadingDense: (yield* getOptional(file, k("leading_dense_block_count"), getU32)) ?? 0
+    })
+    const mla: MlaParams = { qLoraRank, kvLoraRank, headDimK: kMla, headDimV: vMla }
+    return { ...hp, moe, mla, kqScale: 1 / Math.sqrt(kMla) }
+  })
+
+const mlaOf = (hp: HParams): MlaParams => {
+  if (hp.mla === undefined) throw new Error("deepseek2 hyperparameters were not read")
+  return hp.mla
+}
+
+const deepseek2Specs = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
+  const mla = mlaOf(hp)
+  const moe = moeOf(hp)
+  const nope = mla.headDimK - hp.nRot
+  const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
+  const vec = (name: string, n: number, required = true): TensorSpec => ({ name, dims: [n], kind: "vector", required })
+  const q: ReadonlyArray<TensorSpec> = mla.qLoraRank > 0
+    ? [
+      vec("attn_q_a_norm.weight", mla.qLoraRank),
+      m("attn_q_a.weight", [hp.nEmbd, mla.qLoraRank]),
+      m("attn_q_b.weight", [mla.qLoraRank, hp.nHead * mla.headDimK])
+    ]
+    : [m("attn_q.weight", [hp.nEmbd, hp.nHead * mla.headDimK])]
+  const ffn: ReadonlyArray<TensorSpec> = il < moe.nLeadingDense
+    ? [m("ffn_gate.weight", [hp.nEmbd, hp.nFf]), m("ffn_up.weight", [hp.nEmbd, hp.nFf]), m("ffn_down.weight", [hp.nFf, hp.nEmbd])]
+    : [...moeBlockSpecs(hp, moe), vec("exp_probs_b.bias", moe.nExpert, false)]
+  return [
+    vec("attn_norm.weight", hp.nEmbd),
+    ...q,
+    vec("attn_kv_a_norm.weight", mla.kvLoraRank),
+    m("attn_kv_a_mqa.weight", [hp.nEmbd, mla.kvLoraRank + hp.nRot]),
+    m("attn_k_b.weight", [nope, mla.kvLoraRank, hp.nHead]),
+    m("attn_v_b.weight", [mla.kvLoraRank, mla.headDimV, hp.nHead]),
+    m("attn_output.weight", [hp.nHead * mla.headDimV, hp.nEmbd]),
+    vec("ffn_norm.weight", hp.nEmbd),
+    ...ffn
+  ]
+}
+
+/**
+ * One sequence's latent attention: its K rows (latent | rope) into its cache, flash attention of all heads over the
+ * one shared K (V = the latent part of the same cells), each head's latent decompressed through attn_v_b;
+ * [headDimV_mla * nHead, seg.n].
+ */
+const attendLatent = (t: Toolkit, seg: AttentionSegment, q: Ptr, k: Ptr, wvB: Ptr, kqScale: number): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const hp = t.hp
+  const mla = mlaOf(hp)
+  const width = hp.headDimK
+  const cache = seg.kv(t.layer).k
+  const k2 = g.ggml_view_2d(ctx, k, width, seg.n, g.ggml_row_size(GgmlType.F32, width), 0)
+  g.ggml_build_forward_expand(t.graph, g.ggml_set_rows(ctx, cache, k2, seg.kvIdx))
+  const row = g.ggml_row_size(GgmlType.F16, width)
+  const kView = g.ggml_view_3d(ctx, cache, width, 1, seg.nKv, row, row, 0)
+  const vView = g.ggml_view_3d(ctx, cache, mla.kvLoraRank, 1, seg.nKv, row, row, 0)
+  const fa = g.ggml_flash_attn_ext(
+    ctx,
+    g.ggml_permute(ctx, q, 0, 2, 1, 3),
+    g.ggml_permute(ctx, kView, 0, 2, 1, 3),
+    g.ggml_permute(ctx, vView, 0, 2, 1, 3),
+    seg.mask,
+    kqScale,
+    0,
+    0
+  )
+  g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
+  // fa: [kv_lora_rank, nHead, n] -> [kv_lora_rank, n, nHead] x attn_v_b -> [v_mla, n, nHead] -> [v_mla, nHead, n]
+  const perHead = g.ggml_mul_mat(ctx, wvB, g.ggml_permute(ctx, fa, 0, 2, 1, 3))
+  const out = g.ggml_cont(ctx, g.ggml_permute(ctx, perHead, 0, 2, 1, 3))
+  return g.ggml_reshape_2d(ctx, out, mla.headDimV * hp.nHead, seg.n)
+}
+
+/** Latent attention over every sequence of the batch, then attn_output. q: [width, nHead, n], k: [width, 1, n]. */
+const latentAttention = (t: Toolkit, q: Ptr, k: Ptr, v: Ptr, w: BlockWeights): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const hp = t.hp
+  const mla = mlaOf(hp)
+  const width = hp.headDimK
+  const n = t.nTokens
+  const wvB = w.get("attn_v_b.weight")
+  const wo = w.get("attn_output.weight")
+  // same expansion order as llama.cpp's build_attn: q, v, k, then the cache writes
+  g.ggml_build_forward_expand(t.graph, q)
+  g.ggml_build_forward_expand(t.graph, v)
+  g.ggml_build_forward_expand(t.graph, k)
+  const segments = t.inputs.segments
+  if (segments.length === 1) return t.linear(wo, attendLatent(t, segments[0]!, q, k, wvB, hp.kqScale))
+  const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
+  let cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, mla.headDimV * hp.nHead, n)
+  for (const seg of segments) {
+    const qs = g.ggml_view_3d(ctx, q, width, hp.nHead, seg.n, f32(width), f32(width * hp.nHead), seg.offset * f32(width * hp.nHead))
+    const ks = g.ggml_view_3d(ctx, k, width, 1, seg.n, f32(width), f32(width), seg.offset * f32(width))
+    cur = g.ggml_set_rows(ctx, cur, attendLatent(t, seg, qs, ks, wvB, hp.kqScale), seg.rows!)
+  }
+  return t.linear(wo, cur)
+}
+
+export const deepseek2: ArchModule = {
+  name: "deepseek2",
+  ropeMode: RopeMode.NORM,
+  ownHeadShape: true,
+  hparams: readDeepseek2,
+  blockTensors: deepseek2Specs,
+  buildOutput: llamaOutputHead,
+  buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
+    const g = t.g
+    const ctx = t.ctx
+    const hp = t.hp
+    const mla = mlaOf(hp)
+    const n = t.nTokens
+    const nRot = hp.nRot
+    const nope = mla.headDimK - nRot
+    const h = t.rmsNorm(x, w.get("attn_norm.weight"))
+    const qFlat = mla.qLoraRank > 0
+      ? t.linear(w.get("attn_q_b.weight"), t.rmsNorm(t.linear(w.get("attn_q_a.weight"), h), w.get("attn_q_a_norm.weight")))
+      : t.linear(w.get("attn_q.weight"), h)
+    const q = g.ggml_reshape_3d(ctx, qFlat, mla.headDimK, hp.nHead, n)
+    const kvPe = t.linear(w.get("attn_kv_a_mqa.weight"), h)
+    const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
+    const kvRow = f32(mla.kvLoraRank + nRot)
+    const kvLatent = g.ggml_view_2d(ctx, kvPe, mla.kvLoraRank, n, kvRow, 0)
+    const kPe = t.rope(g.ggml_view_3d(ctx, kvPe, nRot, 1, n, kvRow, kvRow, f32(mla.kvLoraRank)))
+    const latent = t.rmsNorm(kvLatent, w.get("attn_kv_a_norm.weight"))
+    const qRow = f32(mla.headDimK)
+    const qNope = g.ggml_view_3d(ctx, q, nope, hp.nHead, n, qRow, qRow * hp.nHead, 0)
+    const qPe = t.rope(g.ggml_view_3d(ctx, q, nRot, hp.nHead, n, qRow, qRow * hp.nHead, f32(nope)))
+    // [nope, n, nHead] x attn_k_b [nope, kv_lora_rank, nHead] -> [kv_lora_rank, n, nHead] -> [kv_lora_rank, nHead, n]
+    const absorbed = g.ggml_permute(ctx, g.ggml_mul_mat(ctx, w.get("attn_k_b.weight"), g.ggml_permute(ctx, qNope, 0, 2, 1, 3)), 0, 2, 1, 3)
+    const { ggml_concat } = mlaOps(getGgml())
+    const qCur = ggml_concat(ctx, absorbed, qPe, 0)
+    const latent3 = g.ggml_reshape_3d(ctx, latent, mla.kvLoraRank, 1, n)
+    const kCur = ggml_concat(ctx, latent3, kPe, 0)
+    const att = latentAttention(t, qCur, kCur, latent3, w)
+    const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
+    const normed = t.rmsNorm(ffnIn, w.get("ffn_norm.weight"))
+    const moe = moeOf(hp)
+    const ffn = t.layer < moe.nLeadingDense ? t.ffnSwiglu(normed, w) : moeFfn(t, w, normed, moe, w.opt("exp_probs_b.bias"))
+    return t.add(ffn, ffnIn)
+  }
+}

@@ -1,0 +1,93 @@
+/**
+ * Synthetic deepseek2 models (Synthetic.ts's hooks): multi-head latent attention in the absorbed form this llama.cpp
+ * loads (src/models/deepseek2.cpp, load_arch_tensors with key_length_mla / value_length_mla set):
+ * attn_q_a [hidden, q_lora] + attn_q_a_norm + attn_q_b [q_lora, heads x key_length_mla] (or attn_q when q_lora is 0),
+ * attn_kv_a_mqa [hidden, kv_lora + rope] + attn_kv_a_norm, attn_k_b [nope, kv_lora, heads],
+ * attn_v_b [kv_lora, value_length_mla, heads], attn_output; the feed-forward as SyntheticMoe.ts writes it (ffn_norm,
+ * leading dense blocks, routed blocks with exp_probs_b and shared experts; DeepSeek V3's sigmoid gate, norm, scale 2.5).
+ * Metadata: head_count_kv 1, key_length = kv_lora + rope, value_length = kv_lora (the cached row), the *_mla lengths,
+ * q_lora_rank / kv_lora_rank, rope.dimension_count = the RoPE part.
+ */
+import { type GgufTypedValue, GgufValues } from "./GgufWriter.js"
+
+export interface SyntheticDeepseek2Options {
+  /** deepseek2: the latent's size (`attention.kv_lora_rank`, default 64). */
+  readonly kvLoraRank?: number
+  /** deepseek2: Q's compressed size (`attention.q_lora_rank`, default 64; 0: one attn_q projection). */
+  readonly qLoraRank?: number
+  /** deepseek2: the RoPE part of each head (`rope.dimension_count`, default half the head size). */
+  readonly ropeDim?: number
+}
+
+interface Shape extends SyntheticDeepseek2Options {
+  readonly arch: string
+  readonly hidden: number
+  readonly heads: number
+  readonly headDim?: number
+}
+
+const sizes = (o: Shape) => {
+  const head = o.headDim ?? o.hidden / o.heads
+  return { head, kvLora: o.kvLoraRank ?? 64, qLora: o.qLoraRank ?? 64, rope: o.ropeDim ?? head / 2 }
+}
+
+/** What is wrong with the deepseek2 options, or undefined (also refuses them on another architecture). */
+export const validateDeepseek2Options = (o: Shape): string | undefined => {
+  const given = o.kvLoraRank !== undefined || o.qLoraRank !== undefined || o.ropeDim !== undefined
+  if (o.arch !== "deepseek2") return given ? `kvLoraRank, qLoraRank and ropeDim are for deepseek2 only, not ${o.arch}` : undefined
+  const s = sizes(o)
+  for (const [k, v] of [["kvLoraRank", s.kvLora], ["ropeDim", s.rope]] as const) {
+    if (!Number.isSafeInteger(v) || v <= 0) return `${k} must be a positive integer, got ${v}`
+  }
+  if (!Number.isSafeInteger(s.qLora) || s.qLora < 0) return `qLoraRank must be a non-negative integer, got ${s.qLora}`
+  if (s.rope % 2 !== 0 || s.rope >= s.head) return `ropeDim (${s.rope}) must be even and below the head size (${s.head})`
+  return undefined
+}
+
+interface Planned {
+  readonly name: string
+  readonly dims: ReadonlyArray<number>
+  readonly mean: number
+  readonly std: number
+}
+
+/** Block `block`'s attention tensors (attn_norm excluded). */
+export const deepseek2AttentionTensors = (block: string, o: Shape): ReadonlyArray<Planned> => {
+  const s = sizes(o)
+  const m = (name: string, dims: ReadonlyArray<number>): Planned => ({ name: `${block}.${name}`, dims, mean: 0, std: 1 / Math.sqrt(dims[0]!) })
+  const norm = (name: string, n: number): Planned => ({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
+  const q = s.qLora > 0
+    ? [norm("attn_q_a_norm.weight", s.qLora), m("attn_q_a.weight", [o.hidden, s.qLora]), m("attn_q_b.weight", [s.qLora, o.heads * s.head])]
+    : [m("attn_q.weight", [o.hidden, o.heads * s.head])]
+  return [
+    ...q,
+    norm("attn_kv_a_norm.weight", s.kvLora),
+    m("attn_kv_a_mqa.weight", [o.hidden, s.kvLora + s.rope]),
+    m("attn_k_b.weight", [s.head - s.rope, s.kvLora, o.heads]),
+    m("attn_v_b.weight", [s.kvLora, s.head, o.heads]),
+    m("attn_output.weight", [o.heads * s.head, o.hidden])
+  ]
+}
+
+/** The metadata with deepseek2's attention keys in place of the common head_count_kv / rope.dimension_count. */
+export const deepseek2Metadata = (
+  md: ReadonlyArray<readonly [string, GgufTypedValue]>,
+  o: Shape
+): Array<readonly [string, GgufTypedValue]> => {
+  const s = sizes(o)
+  const a = o.arch
+  const replaced = new Set(
+    ["attention.head_count_kv", "rope.dimension_count", "attention.key_length", "attention.value_length"].map((k) => `${a}.${k}`)
+  )
+  return [
+    ...md.filter(([key]) => !replaced.has(key)),
+    [`${a}.attention.head_count_kv`, GgufValues.u32(1)],
+    [`${a}.rope.dimension_count`, GgufValues.u32(s.rope)],
+    [`${a}.attention.q_lora_rank`, GgufValues.u32(s.qLora)],
+    [`${a}.attention.kv_lora_rank`, GgufValues.u32(s.kvLora)],
+    [`${a}.attention.key_length`, GgufValues.u32(s.kvLora + s.rope)],
+    [`${a}.attention.value_length`, GgufValues.u32(s.kvLora)],
+    [`${a}.attention.key_length_mla`, GgufValues.u32(s.head)],
+    [`${a}.attention.value_length_mla`, GgufValues.u32(s.head)]
+  ]
+}
