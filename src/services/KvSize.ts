@@ -24,3 +24,32 @@ export const kvBytesPerTokenOfBlock = (kWidth: number, vWidth: number): number =
 /** KV bytes of one sequence of `contextLength` tokens over blocks taking `bytesPerToken` together (cells padded). */
 export const kvBytesOfSequence = (bytesPerToken: number, contextLength: number): number =>
   kvCacheSize(contextLength) * bytesPerToken
+
+/**
+ * Rows of one call a sliding-window cache keeps room for beyond its window (llama.cpp's n_ubatch term; swactor's
+ * default prompt chunk). A longer call on a capped cache runs in pieces of at most
+ * `size - window + 1` rows (KvCache.ts `maxCallRows`).
+ */
+const SWA_CALL_ROOM = 128
+
+/**
+ * Cells of a sliding-window block's cache: llama.cpp's iSWA size, GGML_PAD(min(n_ctx, window + n_ubatch), 256)
+ * (llama-kv-cache-iswa.cpp), with swactor's call room for n_ubatch. Cells are reused ring-wise (cell = position mod
+ * size); never more than the full cache.
+ */
+export const swaCacheSize = (contextLength: number, window: number): number =>
+  Math.min(kvCacheSize(contextLength), Math.ceil((window + SWA_CALL_ROOM) / KV_CELL_PADDING) * KV_CELL_PADDING)
+
+/** One block's KV per token and, for a sliding-window block, its window (its cache is capped; `swaCacheSize`). */
+interface KvBlock {
+  readonly bytesPerToken: number
+  readonly window?: number | undefined
+}
+
+/** KV bytes of one sequence of `contextLength` tokens over `blocks`: full blocks hold the context, windowed ones less. */
+export const kvBytesOfBlocks = (blocks: ReadonlyArray<KvBlock>, contextLength: number): number =>
+  blocks.reduce(
+    (sum, b) =>
+      sum + b.bytesPerToken * (b.window === undefined ? kvCacheSize(contextLength) : swaCacheSize(contextLength, b.window)),
+    0
+  )

@@ -46,6 +46,28 @@ const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint 
   return own
 }
 
+/**
+ * The window mask of one sequence's call over its sliding-window ring, F16 [nKv, n]: cell c holds, once the call
+ * wrote its rows, the latest position q < used with q = c mod size, if q >= the ring's lowest held position; row p
+ * sees it when p - window < q <= p (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD, over the cells' positions).
+ */
+const ringMask = (it: NativeItem, used: number, nKv: number, window: number): Uint16Array => {
+  const size = it.session.swaSize!
+  const low = Math.max(it.session.swaLow, used - size)
+  const n = inputLength(it.input)
+  const mask = new Uint16Array(nKv * n).fill(F16_NEG_INF)
+  for (let c = 0; c < nKv; c++) {
+    if (c > used - 1) continue
+    const q = c + size * Math.floor((used - 1 - c) / size)
+    if (q < low) continue
+    for (let i = 0; i < n; i++) {
+      const p = it.startPos + i
+      if (q <= p && p - q < window) mask[i * nKv + c] = 0
+    }
+  }
+  return mask
+}
+
 /** One session's positions startPos..startPos+n-1 (validated as for `runBatch`). */
 export const forwardOne = async (session: NativeSession, startPos: number, input: StageInput): Promise<NativeOutput> => {
   const [out] = await runBatch(session.weights, [{ session, startPos, input }])
@@ -60,7 +82,46 @@ export const forwardOne = async (session: NativeSession, startPos: number, input
  * session's own graph slot (its decode graph survives other sessions' calls); several on the stage's batch slot.
  */
 export const runBatch = (weights: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> =>
-  weights.lock.run(() => runBatchLocked(weights, items))
+  weights.lock.run(() =>
+    items.some((it) => inputLength(it.input) > it.session.maxCallRows)
+      ? runInPieces(weights, items)
+      : runBatchLocked(weights, items)
+  )
+
+/**
+ * A batch with an item longer than its capped sliding-window cache takes in one call (KvCache.ts `maxCallRows`):
+ * each item alone, in pieces of at most that many rows (llama.cpp splits a batch into ubatches so); the hidden rows
+ * of the pieces joined, the logits of the last.
+ */
+const runInPieces = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
+  const outs: Array<NativeOutput> = []
+  for (const it of items) {
+    const n = inputLength(it.input)
+    const step = Math.min(n, it.session.maxCallRows)
+    const hidden: Array<Float32Array> = []
+    let last: NativeOutput | undefined
+    for (let at = 0; at < n; at += step) {
+      const m = Math.min(step, n - at)
+      const input: StageInput = it.input._tag === "Tokens"
+        ? { _tag: "Tokens", tokens: it.input.tokens.subarray(at, at + m) }
+        : {
+          _tag: "Hidden",
+          hidden: it.input.hidden.subarray(at * w.layout.hp.nEmbd, (at + m) * w.layout.hp.nEmbd),
+          nTokens: m
+        }
+      last = (await runBatchLocked(w, [{ session: it.session, startPos: it.startPos + at, input }]))[0]!
+      if (last._tag === "Hidden") hidden.push(last.hidden)
+    }
+    if (last!._tag === "Logits") outs.push(last!)
+    else {
+      const all = new Float32Array(hidden.reduce((s, h) => s + h.length, 0))
+      let o = 0
+      for (const h of hidden) all.set(h, (o += h.length) - h.length)
+      outs.push({ _tag: "Hidden", hidden: all, nTokens: n })
+    }
+  }
+  return outs
+}
 
 const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
   if (w.freed) throw new Error("the stage's weights were freed before this session")
@@ -74,10 +135,12 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   const kind = items[0]!.input._tag
   const shapes = items.map((it) => {
     const n = inputLength(it.input)
-    return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n) }
+    const ring = it.session.swaSize
+    const nKvSwa = ring === null ? 0 : attendedCells(ring, it.startPos + n)
+    return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n), nKvSwa }
   })
   const nTotal = shapes.reduce((s, x) => s + x.n, 0)
-  const key = kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}`).join("")
+  const key = kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
   const slot = items.length === 1
     ? items[0]!.session.slot
     : shapes.every((x) => x.n === 1)
@@ -97,7 +160,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       )
     }
     slot.drop()
-    c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind)
+    c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind, shapes.map((s) => s.nKvSwa))
     graphBuilds.count++
     slot.cached = c
   }
@@ -120,6 +183,16 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     raw.ggml_backend_tensor_set(attnScale, attnTempScales(hp.attnTemp!, posArr), 0, nTotal * 4)
   }
   raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
+  if (c.swaKvIdx !== null) {
+    // ring cells of the sliding-window blocks: position mod the ring's size
+    const ringIdx = new BigInt64Array(nTotal)
+    let r = 0
+    for (const it of items) {
+      const size = it.session.swaSize!
+      for (let i = 0; i < inputLength(it.input); i++, r++) ringIdx[r] = BigInt((it.startPos + i) % size)
+    }
+    raw.ggml_backend_tensor_set(c.swaKvIdx, ringIdx, 0, nTotal * 8)
+  }
   if (c.rowIdx !== null) {
     const rows = new BigInt64Array(nTotal)
     for (let i = 0; i < nTotal; i++) rows[i] = BigInt(i)
@@ -136,13 +209,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     raw.ggml_backend_tensor_set(segments[s]!.mask, maskArr, 0, maskArr.byteLength)
     const swaMask = segments[s]!.swaMask
     if (swaMask !== null) {
-      // sliding-window blocks: also -inf where p - c >= window (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD)
-      const window = hp.swa!.window
-      for (let i = 0; i < n; i++) {
-        const p = startPos + i
-        if (p - window >= 0) maskArr.subarray(i * nKv, (i + 1) * nKv).fill(F16_NEG_INF, 0, Math.min(nKv, p - window + 1))
-      }
-      raw.ggml_backend_tensor_set(swaMask, maskArr, 0, maskArr.byteLength)
+      raw.ggml_backend_tensor_set(swaMask, ringMask(items[s]!, shapes[s]!.used, shapes[s]!.nKvSwa, hp.swa!.window), 0, 2 * n * shapes[s]!.nKvSwa)
     }
   }
   if (outIds !== null) {
@@ -162,8 +229,12 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     }
   }
 
-  // cells from startPos on are being rewritten: until this call succeeds only those before it are valid
-  for (const it of items) it.session.filled = Math.min(it.session.filled, it.startPos)
+  // cells from startPos on are being rewritten: until this call succeeds only those before it are valid (rings: the
+  // positions whose cells this call takes are gone whatever happens)
+  items.forEach((it, s) => {
+    it.session.filled = Math.min(it.session.filled, it.startPos)
+    if (it.session.swaSize !== null) it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
+  })
   if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))
   let status: number
   try {

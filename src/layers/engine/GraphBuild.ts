@@ -20,7 +20,8 @@ export const buildGraph = (
   key: string,
   items: ReadonlyArray<NativeItem>,
   nKvs: ReadonlyArray<number>,
-  kind: StageInput["_tag"]
+  kind: StageInput["_tag"],
+  swaNKvs: ReadonlyArray<number> = []
 ): CachedGraph => {
   const raw = checkedOps(w.ggml)
   const { arch, hp, spec } = w.layout
@@ -48,11 +49,18 @@ export const buildGraph = (
     const pos = input1d(GgmlType.I32, n, "inp_pos")
     const kvIdx = input1d(GgmlType.I64, n, "inp_kv_idx")
     const rowIdx = nSeq > 1 ? input1d(GgmlType.I64, n, "inp_rows") : null
-    const segments: Array<AttentionSegment> = []
-    let offset = 0
-    // a second mask per sequence when the stage holds sliding-window blocks (HParams.swa)
+    // a second mask and cell index per sequence when the stage holds sliding-window blocks (HParams.swa): their
+    // caches are rings capped near the window (KvCache.ts)
     let stageHasSwa = false
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) stageHasSwa ||= hp.swa?.layers[il] === true
+    const swaKvIdx = stageHasSwa ? input1d(GgmlType.I64, n, "inp_kv_idx_swa") : null
+    // both cell indices are leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
+    if (swaKvIdx !== null) {
+      raw.ggml_build_forward_expand(graph, kvIdx)
+      raw.ggml_build_forward_expand(graph, swaKvIdx)
+    }
+    const segments: Array<AttentionSegment> = []
+    let offset = 0
     items.forEach((it, s) => {
       const len = inputLength(it.input)
       const nKv = nKvs[s]!
@@ -61,7 +69,7 @@ export const buildGraph = (
       raw.ggml_set_input(mask)
       let swaMask: Ptr | null = null
       if (stageHasSwa) {
-        swaMask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
+        swaMask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, swaNKvs[s]!, len)
         raw.ggml_set_name(swaMask, nSeq > 1 ? `inp_kq_mask_swa_${s}` : "inp_kq_mask_swa")
         raw.ggml_set_input(swaMask)
         // both masks are graph leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
@@ -77,6 +85,8 @@ export const buildGraph = (
         kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
         mask,
         swaMask,
+        swaNKv: stageHasSwa ? swaNKvs[s]! : 0,
+        swaKvIdx: swaKvIdx === null ? null : nSeq > 1 ? raw.ggml_view_1d(ctx, swaKvIdx, len, offset * 8) : swaKvIdx,
         rows: rowIdx === null ? null : raw.ggml_view_1d(ctx, rowIdx, len, offset * 8)
       })
       offset += len
@@ -141,6 +151,7 @@ export const buildGraph = (
       graph,
       inputs,
       kvIdx,
+      swaKvIdx,
       rowIdx,
       tokens,
       hidden,

@@ -28,6 +28,8 @@ export interface CachedGraph {
   readonly inputs: GraphInputs
   /** I64 [n] all sequences' KV cells, in row order */
   readonly kvIdx: Ptr
+  /** I64 [nTokens] ring cells of the sliding-window blocks' caches (null when the stage has none) */
+  readonly swaKvIdx: Ptr | null
   /** I64 [n] 0..n-1 (several sequences only) */
   readonly rowIdx: Ptr | null
   readonly tokens: Ptr | null

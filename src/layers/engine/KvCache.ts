@@ -1,10 +1,12 @@
 /**
  * One sequence's KV cache on a loaded stage (F16 K and V per block, cells padded as llama.cpp pads n_ctx; sizes from
- * services/KvSize.ts, the one formula), and what a native call is made of.
+ * services/KvSize.ts, the one formula), and what a native call is made of. Sliding-window blocks (HParams.swa) get a
+ * cache capped near the window (`swaCacheSize`), its cells reused ring-wise: position p lives in cell p mod size, and
+ * the window mask is built from the positions the cells hold (Forward.ts).
  */
 import type { StageInput } from "../../domain/engine.js"
 import { GgmlType, type Ptr } from "../ggml/Bindings.js"
-import { kvCacheSize } from "../../services/KvSize.js"
+import { kvCacheSize, swaCacheSize } from "../../services/KvSize.js"
 import type { GraphSlot } from "./GraphCache.js"
 import type { KvLayer } from "./Toolkit.js"
 import type { NativeWeights } from "./Weights.js"
@@ -39,8 +41,12 @@ export class NativeSession {
   /** Graphs of calls on this session alone (a lone session keeps its decode graph between steps). */
   readonly slot: GraphSlot
   freed = false
-  /** Cells 0..filled-1 hold this sequence's K/V. */
+  /** Cells 0..filled-1 hold this sequence's K/V (of sliding-window blocks: positions swaLow..filled-1, ring-wise). */
   filled = 0
+  /** Cells of each sliding-window block's cache (ring); null when the stage holds no sliding-window block. */
+  readonly swaSize: number | null
+  /** Sliding-window caches hold positions [swaLow, filled): the ones below were overwritten by later positions. */
+  swaLow = 0
 
   constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
     const g = weights.ggml
@@ -48,6 +54,9 @@ export class NativeSession {
     const { hp, spec } = weights.layout
     const kvSize = kvCacheSize(contextLength)
     const nLayers = spec.layerEndExclusive - spec.layerStart
+    let hasSwa = false
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) hasSwa ||= hp.swa?.layers[il] === true
+    this.swaSize = hasSwa ? swaCacheSize(contextLength, hp.swa!.window) : null
     this.kvCtx = raw.ggml_init({
       mem_size: raw.ggml_tensor_overhead() * (2 * nLayers + 1),
       mem_buffer: null,
@@ -55,14 +64,15 @@ export class NativeSession {
     })
     const widths = kvRowWidths(hp)
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
-      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, kvSize)
+      const cells = hp.swa?.layers[il] === true ? this.swaSize! : kvSize
+      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, cells)
       raw.ggml_set_name(k, `cache_k_l${il}`)
       // latent attention: no V cache, V is read from K (the latent attention builds its own view)
       if (widths.v === 0) {
         this.kv.set(il, { k, v: k })
         continue
       }
-      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.v, kvSize)
+      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.v, cells)
       raw.ggml_set_name(v, `cache_v_l${il}`)
       this.kv.set(il, { k, v })
     }
@@ -82,8 +92,38 @@ export class NativeSession {
     return kvCacheSize(this.contextLength)
   }
 
+  /** Bytes of the allocated K and V caches. */
+  get kvBytes(): number {
+    return this.weights.ggml.raw.ggml_backend_buffer_get_size(this.kvBuffer)
+  }
+
+  /** The sliding window, when the stage holds sliding-window blocks whose cache is smaller than the context's. */
+  private get cappedWindow(): number | null {
+    return this.swaSize !== null && this.swaSize < this.kvSize ? this.weights.layout.hp.swa!.window : null
+  }
+
+  /**
+   * The most rows one call may take: all positions a row of it attends to must still be in the ring while the call
+   * writes its own (size >= rows + window - 1, as llama.cpp's window + n_ubatch). Longer calls run in pieces.
+   */
+  get maxCallRows(): number {
+    const window = this.cappedWindow
+    return window === null ? Number.POSITIVE_INFINITY : this.swaSize! - window + 1
+  }
+
+  /**
+   * Whether a call may start at `startPos` (<= filled): the positions its first row attends to in a sliding-window
+   * block, [startPos - window + 1, startPos), are still held. A rewind further back than the ring reaches cannot be
+   * served: StageExecutorLive refuses it (InvalidStageInput), and the caller computes those positions again.
+   */
+  canStartAt(startPos: number): boolean {
+    const window = this.cappedWindow
+    return window === null || startPos === 0 || Math.max(0, startPos - window + 1) >= this.swaLow
+  }
+
   reset(): void {
     this.filled = 0
+    this.swaLow = 0
     if (!this.freed) this.weights.ggml.raw.ggml_backend_buffer_clear(this.kvBuffer, 0)
   }
 
@@ -99,11 +139,39 @@ export class NativeSession {
     }
     const raw = this.weights.ggml.raw
     const { hp } = this.weights.layout
+    // sliding-window blocks: positions [low, length) from the source's ring into this one (cell = position mod size)
+    let low = 0
+    if (this.swaSize !== null) {
+      low = Math.max(from.swaLow, length - this.swaSize, 0)
+      const window = hp.swa!.window
+      if (length > 0 && Math.max(0, length - window + 1) < low) {
+        throw new Error(
+          `cannot copy ${length} positions: the source's sliding-window cache holds positions ${from.swaLow}..${
+            from.filled - 1
+          } only (the window before position ${length} was overwritten)`
+        )
+      }
+    }
     const widths = kvRowWidths(hp)
     const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
     const scratch = new Uint8Array(length * Math.max(rowBytes.k, rowBytes.v))
     for (const [il, src] of from.kv) {
       const dst = this.kv.get(il)!
+      if (hp.swa?.layers[il] === true) {
+        for (const part of ["k", "v"] as const) {
+          const row = rowBytes[part]
+          // runs of positions contiguous in both rings
+          for (let p = low; p < length && row > 0;) {
+            const s = p % from.swaSize!
+            const d = p % this.swaSize!
+            const run = Math.min(length - p, from.swaSize! - s, this.swaSize! - d)
+            raw.ggml_backend_tensor_get(src[part], scratch, s * row, run * row)
+            raw.ggml_backend_tensor_set(dst[part], scratch, d * row, run * row)
+            p += run
+          }
+        }
+        continue
+      }
       for (const part of ["k", "v"] as const) {
         const size = length * rowBytes[part]
         if (size === 0) continue
@@ -112,6 +180,7 @@ export class NativeSession {
       }
     }
     this.filled = length
+    this.swaLow = low
   }
 
   free(): void {

@@ -164,7 +164,15 @@ class LiveStageSession implements StageSession {
   }
   check(startPos: number, input: StageInput): ContextOverflow | InvalidStageInput | undefined {
     if (this.native.freed) return new InvalidStageInput({ message: "the session is closed" })
-    return validateForward(this.stage.info, this.contextLength, this.native.filled, startPos, input)
+    const invalid = validateForward(this.stage.info, this.contextLength, this.native.filled, startPos, input)
+    if (invalid === undefined && !this.native.canStartAt(startPos)) {
+      // a rewind past what a capped sliding-window cache still holds: compute the positions again on a fresh session
+      return new InvalidStageInput({
+        message: `start position ${startPos}: the sliding-window cache no longer holds the window before it (it holds ` +
+          `positions ${this.native.swaLow}..${this.native.filled - 1}); start again from position 0`
+      })
+    }
+    return invalid
   }
   forward(startPos: number, input: StageInput): Effect.Effect<StageOutput, ForwardError> {
     return Effect.suspend((): Effect.Effect<StageOutput, ForwardError> => {
@@ -264,6 +272,16 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
       return Effect.fail(
         new InvalidStageInput({
           message: `cannot copy ${length} KV positions: the source holds ${from.native.filled}, the target ${to.contextLength}`
+        })
+      )
+    }
+    if (!from.native.canStartAt(length)) {
+      // the source's capped sliding-window cache lost the window before `length`: the caller prefills instead
+      return Effect.fail(
+        new InvalidStageInput({
+          message: `cannot copy ${length} KV positions: the source's sliding-window cache holds positions ${from.native.swaLow}..${
+            from.native.filled - 1
+          } only`
         })
       )
     }

@@ -47,8 +47,15 @@ export interface AttentionSegment {
   readonly kvIdx: Ptr
   /** F16 [nKv, n] 0 / -inf, contiguous (flash attention needs it so) */
   readonly mask: Ptr
-  /** The same, also -inf outside the sliding window: the mask of sliding-window blocks (null when the stage has none) */
+  /**
+   * The mask of sliding-window blocks, F16 [swaNKv, n]: -inf where a cell holds no position of this sequence, a later
+   * one, or one outside the window (null when the stage has none). Built from the positions the ring's cells hold.
+   */
   readonly swaMask: Ptr | null
+  /** Cells attended to in a sliding-window block's cache (a ring capped near the window, KvCache.ts). */
+  readonly swaNKv: number
+  /** I64 [n] the ring cell of each of its tokens in sliding-window blocks (position mod ring size); null: none */
+  readonly swaKvIdx: Ptr | null
   /** I64 [n] its rows in the batch (where its attention output goes); null when it is the whole batch */
   readonly rows: Ptr | null
 }
@@ -215,19 +222,24 @@ export class Toolkit {
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
     const cache = seg.kv(this.layer)
+    // sliding-window blocks: the ring's cells, its own cell indices and mask (full blocks: cell = position)
+    const ring = this.slidingWindow
+    const kvIdx = ring ? seg.swaKvIdx : seg.kvIdx
+    const nKv = ring ? seg.swaNKv : seg.nKv
+    if (kvIdx === null) throw new Error(`block ${this.layer} is a sliding-window block but the graph has no ring cells`)
     const nEmbdK = headDimK * nHeadKv
     const nEmbdV = headDimV * nHeadKv
     const k2 = g.ggml_view_2d(ctx, k, nEmbdK, seg.n, g.ggml_row_size(GgmlType.F32, nEmbdK), 0)
-    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.k, k2, seg.kvIdx))
+    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.k, k2, kvIdx))
     const v2 = g.ggml_view_2d(ctx, v, nEmbdV, seg.n, g.ggml_row_size(GgmlType.F32, nEmbdV), 0)
-    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.v, v2, seg.kvIdx))
+    g.ggml_build_forward_expand(this.graph, g.ggml_set_rows(ctx, cache.v, v2, kvIdx))
 
     const kView = g.ggml_view_3d(
       ctx,
       cache.k,
       headDimK,
       nHeadKv,
-      seg.nKv,
+      nKv,
       g.ggml_row_size(GgmlType.F16, headDimK),
       g.ggml_row_size(GgmlType.F16, nEmbdK),
       0
@@ -237,7 +249,7 @@ export class Toolkit {
       cache.v,
       headDimV,
       nHeadKv,
-      seg.nKv,
+      nKv,
       g.ggml_row_size(GgmlType.F16, headDimV),
       g.ggml_row_size(GgmlType.F16, nEmbdV),
       0
@@ -245,7 +257,7 @@ export class Toolkit {
     const qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)
     const kp = g.ggml_permute(ctx, kView, 0, 2, 1, 3)
     const vp = g.ggml_permute(ctx, vView, 0, 2, 1, 3)
-    const mask = this.slidingWindow ? seg.swaMask : seg.mask
+    const mask = ring ? seg.swaMask : seg.mask
     if (mask === null) throw new Error(`block ${this.layer} is a sliding-window block but the graph has no window mask`)
     const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kqScale, 0, 0)
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
