@@ -1,0 +1,146 @@
+/**
+ * The qwen35 parts of a synthetic model (Synthetic.ts), after llama.cpp's src/models/qwen35.cpp loader: Qwen3.5's
+ * hybrid stack of gated DeltaNet linear-attention blocks and gated full-attention blocks, one full-attention block
+ * every `full_attention_interval` (default 4: three DeltaNet blocks, then one attention block, as Qwen3.5 ships).
+ *
+ * Every block: attn_norm, post_attention_norm (the feed-forward's input norm; there is no ffn_norm), a SiLU-gated
+ * feed-forward. A full-attention block: attn_q of twice the heads' width (query and output gate per head),
+ * attn_k/v, attn_q_norm/k_norm of one head, attn_output. A DeltaNet block: attn_qkv (the convolved q, k, v of
+ * `ssm.group_count` key heads and `ssm.time_step_rank` value heads, each `ssm.state_size` wide), attn_gate (z),
+ * ssm_conv1d (`ssm.conv_kernel` taps per channel, always F32: ggml_ssm_conv computes F32 only and llama-quantize
+ * keeps it), ssm_dt.bias, ssm_a (negative: -exp(A_log)), ssm_alpha, ssm_beta, ssm_norm (one value head), ssm_out.
+ * RoPE is IMROPE over a quarter of the head (`rope.dimension_sections` split as Qwen3.5's [11, 11, 10, 0]).
+ */
+import { GgmlType } from "../../domain/ggmlTypes.js"
+import { GgufValueType } from "../../domain/gguf.js"
+import type { GgufTypedValue } from "./GgufWriter.js"
+import { GgufValues } from "./GgufWriter.js"
+
+/** qwen35 options of a synthetic model. */
+export interface SyntheticQwen35Options {
+  /** `ssm.state_size`: width of one DeltaNet key/value head; default 32. */
+  readonly ssmStateSize?: number
+  /** `ssm.group_count`: DeltaNet key heads; default 2. */
+  readonly ssmGroups?: number
+  /** `ssm.time_step_rank`: DeltaNet value heads, a multiple of ssmGroups; default 4. */
+  readonly ssmHeads?: number
+  /** `ssm.conv_kernel`: taps of the causal convolution; default 4. */
+  readonly ssmConvKernel?: number
+  /** `full_attention_interval`: every Nth block is full attention; default 4. */
+  readonly fullAttentionInterval?: number
+}
+
+interface Shape extends SyntheticQwen35Options {
+  readonly arch: string
+  readonly hidden: number
+  readonly ffn: number
+  readonly heads: number
+  readonly kvHeads: number
+  readonly headDim?: number
+}
+
+const sizes = (o: Shape) => {
+  const state = o.ssmStateSize ?? 32
+  const groups = o.ssmGroups ?? 2
+  const vHeads = o.ssmHeads ?? 4
+  const kernel = o.ssmConvKernel ?? 4
+  const interval = o.fullAttentionInterval ?? 4
+  const hd = o.headDim ?? o.hidden / o.heads
+  return { state, groups, vHeads, kernel, interval, hd, rot: hd / 4, convDim: 2 * state * groups + state * vHeads }
+}
+
+/** Whether block `i` of a qwen35 file with this interval is a DeltaNet (recurrent) block. */
+const qwen35IsRecurrent = (i: number, interval: number): boolean => (i + 1) % interval !== 0
+
+/** What is wrong with the qwen35 options, or undefined. */
+export const validateQwen35Options = (o: Shape): string | undefined => {
+  if (o.arch !== "qwen35") {
+    for (const k of ["ssmStateSize", "ssmGroups", "ssmHeads", "ssmConvKernel", "fullAttentionInterval"] as const) {
+      if (o[k] !== undefined) return `${k} is a qwen35 option (arch is ${o.arch})`
+    }
+    return undefined
+  }
+  for (const k of ["ssmStateSize", "ssmGroups", "ssmHeads", "ssmConvKernel", "fullAttentionInterval"] as const) {
+    const v = o[k]
+    if (v !== undefined && !(Number.isSafeInteger(v) && v > 0)) return `${k} must be a positive integer, got ${v}`
+  }
+  const s = sizes(o)
+  if (s.vHeads % s.groups !== 0) return `ssmHeads (${s.vHeads}) must be a multiple of ssmGroups (${s.groups})`
+  if (s.kernel < 2) return `ssmConvKernel must be at least 2, got ${s.kernel}`
+  if (!Number.isInteger(s.rot) || s.rot % 2 !== 0) {
+    return `qwen35 rotates a quarter of the head: head dimension ${s.hd} must be a multiple of 8`
+  }
+  return undefined
+}
+
+interface Planned {
+  readonly name: string
+  readonly dims: ReadonlyArray<number>
+  readonly mean: number
+  readonly std: number
+}
+
+/** Block `i`'s tensors after attn_norm (qwen35). */
+export const qwen35BlockTensors = (block: string, i: number, o: Shape): ReadonlyArray<Planned> => {
+  const s = sizes(o)
+  const out: Array<Planned> = []
+  const m = (name: string, ne0: number, ne1: number) =>
+    out.push({ name: `${block}.${name}`, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
+  const norm = (name: string, n: number) => out.push({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
+  norm("post_attention_norm.weight", o.hidden)
+  if (qwen35IsRecurrent(i, s.interval)) {
+    const value = s.state * s.vHeads
+    m("attn_qkv.weight", o.hidden, s.convDim)
+    m("attn_gate.weight", o.hidden, value)
+    out.push({ name: `${block}.ssm_conv1d.weight`, dims: [s.kernel, s.convDim], mean: 0, std: 1 / Math.sqrt(s.kernel) })
+    out.push({ name: `${block}.ssm_dt.bias`, dims: [s.vHeads], mean: 0, std: 0.5 })
+    // -exp(A_log): negative, so every step decays the state
+    out.push({ name: `${block}.ssm_a`, dims: [s.vHeads], mean: -0.5, std: 0.05 })
+    m("ssm_beta.weight", o.hidden, s.vHeads)
+    m("ssm_alpha.weight", o.hidden, s.vHeads)
+    norm("ssm_norm.weight", s.state)
+    m("ssm_out.weight", value, o.hidden)
+  } else {
+    m("attn_q.weight", o.hidden, s.hd * o.heads * 2)
+    m("attn_k.weight", o.hidden, s.hd * o.kvHeads)
+    m("attn_v.weight", o.hidden, s.hd * o.kvHeads)
+    norm("attn_q_norm.weight", s.hd)
+    norm("attn_k_norm.weight", s.hd)
+    m("attn_output.weight", s.hd * o.heads, o.hidden)
+  }
+  m("ffn_gate.weight", o.hidden, o.ffn)
+  m("ffn_up.weight", o.hidden, o.ffn)
+  m("ffn_down.weight", o.ffn, o.hidden)
+  return out
+}
+
+/** The type a qwen35 tensor keeps whatever the file's type (ssm_conv1d: F32), or undefined. */
+export const qwen35TensorType = (name: string): number | undefined =>
+  name.endsWith(".ssm_conv1d.weight") ? GgmlType.F32 : undefined
+
+/** The common metadata `md` with qwen35's: partial IMROPE, head lengths, the DeltaNet sizes and the block pattern. */
+export const qwen35Metadata = (
+  md: ReadonlyArray<readonly [string, GgufTypedValue]>,
+  o: Shape
+): Array<readonly [string, GgufTypedValue]> => {
+  const s = sizes(o)
+  const a = "qwen35"
+  const half = s.rot / 2
+  const third = Math.ceil(half / 3)
+  const replaced = new Set(
+    ["rope.dimension_count", "attention.key_length", "attention.value_length"].map((k) => `${a}.${k}`)
+  )
+  return [
+    ...md.filter(([key]) => !replaced.has(key)),
+    [`${a}.rope.dimension_count`, GgufValues.u32(s.rot)],
+    [`${a}.rope.dimension_sections`, GgufValues.array(GgufValueType.INT32, [third, third, half - 2 * third, 0])],
+    [`${a}.attention.key_length`, GgufValues.u32(s.hd)],
+    [`${a}.attention.value_length`, GgufValues.u32(s.hd)],
+    [`${a}.ssm.conv_kernel`, GgufValues.u32(s.kernel)],
+    [`${a}.ssm.inner_size`, GgufValues.u32(s.state * s.vHeads)],
+    [`${a}.ssm.state_size`, GgufValues.u32(s.state)],
+    [`${a}.ssm.time_step_rank`, GgufValues.u32(s.vHeads)],
+    [`${a}.ssm.group_count`, GgufValues.u32(s.groups)],
+    [`${a}.full_attention_interval`, GgufValues.u32(s.interval)]
+  ]
+}

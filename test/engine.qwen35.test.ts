@@ -1,0 +1,112 @@
+/**
+ * qwen35 (issue 21), first step: `swactor synth --arch qwen35` writes Qwen3.5's hybrid stack (three gated DeltaNet
+ * blocks, then one gated full-attention block, SyntheticQwen35.ts) that node-llama-cpp loads and generates from, its
+ * greedy stream not degenerate. The engine has no qwen35 graph yet: loading such a file is a typed ModelLoadError
+ * (UnsupportedArchitecture), never an abort.
+ */
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
+import { assert, describe, it } from "@effect/vitest"
+import { Effect, Exit } from "effect"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { afterAll } from "vitest"
+import { synthCommand } from "../src/cli/SynthCommand.js"
+import type { ModelLoadError } from "../src/domain/gguf.js"
+import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
+import { referenceRun } from "./support/engine.js"
+
+const options = { threads: 1, contextLength: 256 } as const
+const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest"
+const dir = mkdtempSync(join(tmpdir(), "swactor-engine-qwen35-"))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
+  path: join(dir, `${name}.gguf`),
+  arch: "qwen35",
+  layers: 8,
+  hidden: 256,
+  ffn: 512,
+  heads: 4,
+  kvHeads: 2,
+  headDim: 64,
+  vocab: 400,
+  contextLength: 512,
+  type: "f32",
+  seed: 35,
+  ...extra
+})
+
+describe("swactor synth --arch qwen35", () => {
+  it("plans the real layer pattern: DeltaNet blocks 0-2 and 4-6, attention blocks 3 and 7", () => {
+    const s = syntheticModelSpec(model("plan"))
+    const names = new Set(s.tensors.map((t) => t.name))
+    for (let i = 0; i < 8; i++) {
+      const attention = i % 4 === 3
+      assert.strictEqual(names.has(`blk.${i}.attn_q.weight`), attention, `block ${i} attn_q`)
+      assert.strictEqual(names.has(`blk.${i}.ssm_conv1d.weight`), !attention, `block ${i} ssm_conv1d`)
+      assert.isTrue(names.has(`blk.${i}.post_attention_norm.weight`))
+      assert.isFalse(names.has(`blk.${i}.ffn_norm.weight`))
+    }
+    // q carries the output gate: twice the heads' width
+    assert.deepStrictEqual(s.tensors.find((t) => t.name === "blk.3.attn_q.weight")!.dims, [256, 2 * 4 * 64])
+    // conv channels: q and k of 2 groups x 32, v of 4 heads x 32
+    assert.deepStrictEqual(s.tensors.find((t) => t.name === "blk.0.ssm_conv1d.weight")!.dims, [4, 2 * 2 * 32 + 4 * 32])
+  })
+
+  it("keeps ssm_conv1d F32 in a q8_0 file and rejects value heads that are not a multiple of the key heads", () =>
+    Effect.gen(function*() {
+      const s = syntheticModelSpec(model("q8", { type: "q8_0" }))
+      assert.strictEqual(s.tensors.find((t) => t.name === "blk.0.ssm_conv1d.weight")!.type, 0)
+      assert.strictEqual(s.tensors.find((t) => t.name === "blk.0.attn_qkv.weight")!.type, 8)
+      const bad = yield* Effect.exit(writeSyntheticModel(model("bad", { ssmGroups: 3, ssmHeads: 4 })))
+      assert.isTrue(Exit.isFailure(bad))
+      assert.include(String(bad), "ssmHeads (4) must be a multiple of ssmGroups (3)")
+      const other = yield* Effect.exit(writeSyntheticModel({ ...model("bad2"), arch: "qwen3", ssmHeads: 4 }))
+      assert.include(String(other), "ssmHeads is a qwen35 option")
+    }))
+
+  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+    name: "swactor",
+    version: "test"
+  })
+  it.live("writes a file node-llama-cpp loads and generates a varied greedy stream from", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-qwen35.gguf")
+      const exit = yield* cli([
+        "node", "swactor", "synth", "--arch", "qwen35", "--layers", "4", "--hidden", "256", "--ffn", "512",
+        "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--vocab", "400", "--context-length", "512", "-o", out
+      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      assert.isTrue(Exit.isSuccess(exit), String(exit))
+      const file = yield* readGgufFile(out)
+      assert.strictEqual(yield* getString(file, "general.architecture"), "qwen35")
+      assert.strictEqual(yield* getU32(file, "qwen35.full_attention_interval"), 4)
+      assert.strictEqual(yield* getU32(file, "qwen35.rope.dimension_count"), 16)
+      assert.strictEqual(yield* getU32(file, "qwen35.ssm.inner_size"), 128)
+      const ref = yield* Effect.promise(() => referenceRun(out, PROMPT, 48, options))
+      assert.strictEqual(ref.tokens.length, 48)
+      assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+      console.log(`qwen35 node-llama-cpp greedy: ${ref.tokens.join(",")}`)
+    }), 120_000)
+})
+
+describe("qwen35 in the engine", () => {
+  it.live("loading a qwen35 file is a typed ModelLoadError, not an abort", () =>
+    Effect.gen(function*() {
+      const o = model("engine", { layers: 4 })
+      yield* writeSyntheticModel(o)
+      const executor = yield* StageExecutor
+      const exit: Exit.Exit<unknown, ModelLoadError> = yield* Effect.exit(Effect.scoped(
+        executor.load({ path: o.path, layerStart: 0, layerEndExclusive: 4, isFirst: true, isLast: true })
+      ))
+      assert.isTrue(Exit.isFailure(exit) && exit.cause._tag === "Fail", `a typed failure: ${String(exit)}`)
+      if (Exit.isFailure(exit) && exit.cause._tag === "Fail") {
+        assert.strictEqual(exit.cause.error._tag, "ModelLoadError")
+        assert.include(exit.cause.error.message, "qwen35")
+      }
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+})
