@@ -3,6 +3,7 @@ import type { ArchModule } from "./Arch.js"
 import { deepseek2 } from "./archs/deepseek2.js"
 import { gemma3 } from "./archs/gemma3.js"
 import { glm4moe } from "./archs/glm4moe.js"
+import { gptOss } from "./archs/gptOss.js"
 import { llama } from "./archs/llama.js"
 import { mistral3 } from "./archs/mistral3.js"
 import { qwen2 } from "./archs/qwen2.js"
@@ -17,7 +18,8 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["glm4moe", glm4moe],
   ["deepseek2", deepseek2],
   ["gemma3", gemma3],
-  ["mistral3", mistral3]
+  ["mistral3", mistral3],
+  ["gpt-oss", gptOss]
 ])
 
 export const supportedArchitectures = (): ReadonlyArray<string> => [...architectures.keys()]

@@ -3,7 +3,8 @@
  * It mirrors llama.cpp's llm_graph_context (llama-graph.cpp) op for op, so that a stage computes what
  * llama.cpp computes: flash attention with an F16 mask over an F16 KV cache, F32 precision.
  */
-import { GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
+import { getGgml, GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
+import { gptOssOps } from "../ggml/GptOssBindings.js"
 import type { HParams } from "./HParams.js"
 import { PLAIN_ROPE } from "./PositionScaling.js"
 
@@ -182,9 +183,10 @@ export class Toolkit {
    * Stores each sequence's K and V in its own cache, attends per sequence over the first nKv cells of that cache
    * (flash attention, causal F16 mask), projects all rows together with wo.
    * q: [headDimK, nHead, n], k: [headDimK, nHeadKv, n], v: [headDimV, nHeadKv, n] (contiguous, all sequences' rows).
-   * Sliding-window blocks take each sequence's window mask. `kqScale`: the scale inside flash attention.
+   * Sliding-window blocks take each sequence's window mask. `kqScale`: the scale inside flash attention. `sinks`:
+   * per-head attention sinks, F32 [nHead] (gpt-oss; ggml_flash_attn_ext_add_sinks), checked by the caller.
    */
-  attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null, kqScale = this.hp.kqScale): Ptr {
+  attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null, kqScale = this.hp.kqScale, sinks: Ptr | null = null): Ptr {
     const g = this.g
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
@@ -198,7 +200,7 @@ export class Toolkit {
     g.ggml_build_forward_expand(this.graph, k)
     const segments = this.inputs.segments
     if (segments.length === 1) {
-      const cur = this.attendSegment(segments[0]!, q, k, v, kqScale)
+      const cur = this.attendSegment(segments[0]!, q, k, v, kqScale, sinks)
       return this.linear(wo, cur, woBias)
     }
     // Several sequences: each one's output rows are written in place into one [headDimV * nHead, n] buffer. It is
@@ -210,14 +212,14 @@ export class Toolkit {
       const qs = g.ggml_view_3d(ctx, q, headDimK, nHead, seg.n, f32(headDimK), f32(headDimK * nHead), seg.offset * f32(headDimK * nHead))
       const ks = g.ggml_view_3d(ctx, k, headDimK, nHeadKv, seg.n, f32(headDimK), f32(nEmbdK), seg.offset * f32(nEmbdK))
       const vs = g.ggml_view_3d(ctx, v, headDimV, nHeadKv, seg.n, f32(headDimV), f32(nEmbdV), seg.offset * f32(nEmbdV))
-      const out = this.attendSegment(seg, qs, ks, vs, kqScale)
+      const out = this.attendSegment(seg, qs, ks, vs, kqScale, sinks)
       cur = g.ggml_set_rows(ctx, cur, out, seg.rows!)
     }
     return this.linear(wo, cur, woBias)
   }
 
   /** One sequence: cache writes, flash attention over its cells; [headDimV * nHead, seg.n]. */
-  private attendSegment(seg: AttentionSegment, q: Ptr, k: Ptr, v: Ptr, kqScale: number): Ptr {
+  private attendSegment(seg: AttentionSegment, q: Ptr, k: Ptr, v: Ptr, kqScale: number, sinks: Ptr | null): Ptr {
     const g = this.g
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
@@ -260,6 +262,7 @@ export class Toolkit {
     const mask = ring ? seg.swaMask : seg.mask
     if (mask === null) throw new Error(`block ${this.layer} is a sliding-window block but the graph has no window mask`)
     const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kqScale, 0, 0)
+    if (sinks !== null) gptOssOps(getGgml()).ggml_flash_attn_ext_add_sinks(fa, sinks)
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
     return g.ggml_reshape_2d(ctx, fa, headDimV * nHead, seg.n)
   }

@@ -27,15 +27,9 @@ import {
   type SyntheticDeepseek2Options,
   validateDeepseek2Options
 } from "./SyntheticDeepseek2.js"
+import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
-import {
-  qwen35BlockTensors,
-  qwen35Metadata,
-  qwen35TensorType,
-  type SyntheticQwen35Options,
-  validateQwen35Options
-} from "./SyntheticQwen35.js"
 import {
   isSyntheticMoe,
   moeBlockTensors,
@@ -54,14 +48,14 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "deepseek2" | "qwen35"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "deepseek2", "qwen35"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions
-  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options
+  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options
 {
   readonly path: string
   readonly arch: SyntheticArch
@@ -313,8 +307,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ??
-    validateQwen35Options(o)
+  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ?? validateGptOssOptions(o)
 }
 
 interface PlannedTensor {
@@ -343,10 +336,6 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       out.push(...deepseek2AttentionTensors(b, o), ...moeBlockTensors(b, i, o))
       continue
     }
-    if (o.arch === "qwen35") {
-      out.push(...qwen35BlockTensors(b, i, o))
-      continue
-    }
     w(`${b}.attn_q.weight`, o.hidden, q)
     w(`${b}.attn_k.weight`, o.hidden, kv)
     w(`${b}.attn_v.weight`, o.hidden, kv)
@@ -361,6 +350,10 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     }
     if (o.arch === "gemma3") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
     w(`${b}.attn_output.weight`, q, o.hidden)
+    if (o.arch === "gpt-oss") {
+      out.push(...gptOssBlockTensors(b, o, q, kv))
+      continue
+    }
     if (isSyntheticMoe(o.arch)) {
       out.push(...moeBlockTensors(b, i, o))
       continue
@@ -435,13 +428,13 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
   ]
   if (a === "gemma3") md.push(...gemmaMetadata(o))
   if (a === "mistral3") md.push(...mistral3Metadata(o, o.contextLength))
+  if (a === "gpt-oss") md.push(...gptOssMetadata(o, o.contextLength))
   md.push(...moeMetadata(o))
-  if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || o.headDim !== undefined) {
+  if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || a === "gpt-oss" || o.headDim !== undefined) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
-  const own = a === "deepseek2" ? deepseek2Metadata(md, o) : a === "qwen35" ? qwen35Metadata(md, o) : md
-  return [...own, ...syntheticVocab(o.vocab, o.chatTemplate)]
+  return [...(a === "deepseek2" ? deepseek2Metadata(md, o) : md), ...syntheticVocab(o.vocab, o.chatTemplate)]
 }
 
 /** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */
@@ -452,7 +445,8 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
 } => {
   const fallbacks: Array<string> = []
   const tensors = planTensors(o).map((t): GgufTensorSpec => {
-    const kept = moeTensorType(t.name) ?? qwen35TensorType(t.name)
+    const model = { layers: o.layers, tiedOutput: o.tiedOutput === true }
+    const kept = moeTensorType(t.name) ?? (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined)
     const type = kept ??
       syntheticTensorType(o.type, t.dims, t.name, { layers: o.layers, tiedOutput: o.tiedOutput === true })
     if (kept === undefined && t.dims.length >= 2 && type === GgmlType.F16 && syntheticDefaultTypeId(o.type) !== GgmlType.F16) {

@@ -28,7 +28,7 @@ export interface SyntheticMoeOptions {
 }
 
 /** The synthetic writer's mixture-of-experts architectures. */
-export const syntheticMoeArchs = ["qwen3moe", "glm4moe", "deepseek2"] as const
+export const syntheticMoeArchs = ["qwen3moe", "glm4moe", "gpt-oss", "deepseek2"] as const
 
 export const isSyntheticMoe = (arch: string): boolean => (syntheticMoeArchs as ReadonlyArray<string>).includes(arch)
 
