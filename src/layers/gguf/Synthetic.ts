@@ -31,6 +31,13 @@ import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOpt
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
 import {
+  qwen35BlockTensors,
+  qwen35Metadata,
+  qwen35TensorType,
+  type SyntheticQwen35Options,
+  validateQwen35Options
+} from "./SyntheticQwen35.js"
+import {
   isSyntheticMoe,
   moeBlockTensors,
   moeMetadata,
@@ -48,14 +55,14 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2" | "qwen35"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2", "qwen35"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions
-  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options
+  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options
 {
   readonly path: string
   readonly arch: SyntheticArch
@@ -307,7 +314,8 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ?? validateGptOssOptions(o)
+  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ??
+    validateQwen35Options(o) ?? validateGptOssOptions(o)
 }
 
 interface PlannedTensor {
@@ -334,6 +342,10 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     norm(`${b}.attn_norm.weight`, o.hidden)
     if (o.arch === "deepseek2") {
       out.push(...deepseek2AttentionTensors(b, o), ...moeBlockTensors(b, i, o))
+      continue
+    }
+    if (o.arch === "qwen35") {
+      out.push(...qwen35BlockTensors(b, i, o))
       continue
     }
     w(`${b}.attn_q.weight`, o.hidden, q)
@@ -434,7 +446,8 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
-  return [...(a === "deepseek2" ? deepseek2Metadata(md, o) : md), ...syntheticVocab(o.vocab, o.chatTemplate)]
+  const own = a === "deepseek2" ? deepseek2Metadata(md, o) : a === "qwen35" ? qwen35Metadata(md, o) : md
+  return [...own, ...syntheticVocab(o.vocab, o.chatTemplate)]
 }
 
 /** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */
@@ -446,7 +459,7 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
   const fallbacks: Array<string> = []
   const tensors = planTensors(o).map((t): GgufTensorSpec => {
     const model = { layers: o.layers, tiedOutput: o.tiedOutput === true }
-    const kept = moeTensorType(t.name) ?? (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined)
+    const kept = moeTensorType(t.name) ?? (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined) ?? qwen35TensorType(t.name)
     const type = kept ??
       syntheticTensorType(o.type, t.dims, t.name, { layers: o.layers, tiedOutput: o.tiedOutput === true })
     if (kept === undefined && t.dims.length >= 2 && type === GgmlType.F16 && syntheticDefaultTypeId(o.type) !== GgmlType.F16) {
