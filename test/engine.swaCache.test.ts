@@ -16,7 +16,10 @@ import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { kvBytesOfBlocks, kvBytesPerTokenOfBlock, kvCacheSize, swaCacheSize } from "../src/services/KvSize.js"
+import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
+import { kvBytesPerSequence } from "../src/layers/server/ServerLive.js"
+import { kvBytesOfBlocks, kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize, swaCacheSize } from "../src/services/KvSize.js"
+import { stageMemoryBytes } from "../src/services/Placement.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
@@ -148,6 +151,8 @@ describe("capped sliding-window caches: memory", () => {
         const s = new NativeSession((stage as LiveLoadedStage).weights, CONTEXT, 1)
         try {
           assert.strictEqual(s.kvBytes, expected[i], `stage ${i}`)
+          // what the agent reports and budgets for the stage (StageInfo.kvWindow)
+          assert.strictEqual(kvBytesOfStage(stage.info, CONTEXT), expected[i], `stage ${i}: StageInfo`)
           const full = (i === 0 ? 1 : 3) * kvCacheSize(CONTEXT) * row
           assert.isBelow(s.kvBytes, full, `stage ${i}: less than full-size caches`)
         } finally {
@@ -155,6 +160,31 @@ describe("capped sliding-window caches: memory", () => {
         }
       })
     }).pipe(Effect.scoped, Effect.provide(layerWith({}))), 60_000)
+
+  it.live("placement (--dry-run's memory) and the server's admission count the capped caches", () =>
+    Effect.gen(function*() {
+      const o = model("swa-layout")
+      yield* writeSyntheticModel(o)
+      const layout = yield* readModelLayout(o.path)
+      assert.deepStrictEqual(layout.slidingWindow, { window: WINDOW, blocks: [true, false, true, false] })
+      const row = kvBytesPerTokenOfBlock(32 * 2, 32 * 2)
+      const options = { contextTokens: CONTEXT, computeBytes: 0 }
+      const { slidingWindow: _, ...uncapped } = layout
+      // stage [0, 4): 2 full blocks of 1024 cells and 2 rings of 256
+      const capped = stageMemoryBytes(layout, 0, 4, options)
+      assert.strictEqual(stageMemoryBytes(uncapped, 0, 4, options) - capped, 2 * (1024 - 256) * row)
+      assert.strictEqual(
+        stageMemoryBytes(layout, 0, 1, options) - stageMemoryBytes(uncapped, 0, 1, options),
+        (256 - 1024) * row,
+        "stage [0, 1): one ring"
+      )
+      // a context shorter than the ring: no block holds more than the context
+      assert.strictEqual(stageMemoryBytes(layout, 0, 4, { contextTokens: 100, computeBytes: 0 }), stageMemoryBytes(uncapped, 0, 4, { contextTokens: 100, computeBytes: 0 }))
+      // admission: the heaviest planned stage; [0, 1) + [1, 4) -> blocks 1..3 (2 full, 1 ring)
+      const shape = { layersPerStage: 3, kvBytesPerBlockToken: row, slidingWindow: layout.slidingWindow, ranges: [[0, 1], [1, 4]] as const }
+      assert.strictEqual(kvBytesPerSequence(shape, CONTEXT), (1024 + 256 + 1024) * row)
+      assert.strictEqual(kvBytesPerSequence({ layersPerStage: 3, kvBytesPerBlockToken: row }, CONTEXT), 3 * 1024 * row)
+    }), 60_000)
 })
 
 describe("capped sliding-window caches: copies and rewinds past the ring", () => {

@@ -39,6 +39,11 @@ export interface StageInfo {
    * A session of context length c allocates ceil(c / 256) * 256 positions, so it holds that many times this.
    */
   readonly kvBytesPerToken: number
+  /**
+   * The part of `kvBytesPerToken` that the stage's sliding-window blocks hold, and their window: their caches are
+   * capped near the window whatever the context (services/KvSize.ts `kvBytesOfStage`). Absent: none.
+   */
+  readonly kvWindow?: { readonly window: number; readonly bytesPerToken: number }
 }
 
 export type StageInput =

@@ -215,6 +215,11 @@ export const ModelLayout = Schema.Struct({
    */
   activeBlockBytes: Schema.optional(Schema.Array(Schema.Number)),
   kvBytesPerToken: Schema.Array(Schema.Number),
+  /**
+   * Sliding-window attention (gemma3): the window and, per block, whether the block slides; a sliding block's cache is
+   * capped near the window (services/KvSize.ts swaCacheSize) whatever the context. Absent: every block holds the context.
+   */
+  slidingWindow: Schema.optional(Schema.Struct({ window: Schema.Number, blocks: Schema.Array(Schema.Boolean) })),
   inputBytes: Schema.Number,
   outputBytes: Schema.Number,
   hiddenDim: Schema.Number

@@ -46,6 +46,20 @@ interface KvBlock {
   readonly window?: number | undefined
 }
 
+/**
+ * KV bytes one session of `contextLength` tokens allocates on a stage (StageInfo's kvBytesPerToken, of which kvWindow's
+ * part sits in capped sliding-window caches).
+ */
+export const kvBytesOfStage = (
+  info: { readonly kvBytesPerToken: number; readonly kvWindow?: { readonly window: number; readonly bytesPerToken: number } },
+  contextLength: number
+): number => {
+  const w = info.kvWindow
+  return w === undefined
+    ? kvBytesOfSequence(info.kvBytesPerToken, contextLength)
+    : kvBytesOfBlocks([{ bytesPerToken: info.kvBytesPerToken - w.bytesPerToken }, { bytesPerToken: w.bytesPerToken, window: w.window }], contextLength)
+}
+
 /** KV bytes of one sequence of `contextLength` tokens over `blocks`: full blocks hold the context, windowed ones less. */
 export const kvBytesOfBlocks = (blocks: ReadonlyArray<KvBlock>, contextLength: number): number =>
   blocks.reduce(

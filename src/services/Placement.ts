@@ -28,6 +28,7 @@ import {
   PoolMemoryTooSmall,
   StageOverMemory
 } from "../domain/planErrors.js"
+import { swaCacheSize } from "./KvSize.js"
 import { formatLayerRanges, layerRangesProblem, partitionLayers } from "./Planner.js"
 
 export interface PlacementOptions {
@@ -81,10 +82,17 @@ const prefix = (values: ReadonlyArray<number>) => {
   return out
 }
 
+/** Cells of block i's KV cache for `contextTokens`: the context, or at most a sliding-window block's capped ring. */
+const kvCellsOfBlock = (layout: ModelLayout, i: number, contextTokens: number) =>
+  layout.slidingWindow?.blocks[i] === true
+    ? Math.min(contextTokens, swaCacheSize(contextTokens, layout.slidingWindow.window))
+    : contextTokens
+
 const costing = (layout: ModelLayout, options: PlacementOptions): Costing => ({
   weightPrefix: prefix(layout.blockBytes),
   activePrefix: prefix(layout.activeBlockBytes ?? layout.blockBytes),
-  kvPrefix: prefix(layout.kvBytesPerToken),
+  // KV bytes of one sequence per block: the context, or a sliding-window block's capped cache (services/KvSize.ts)
+  kvPrefix: prefix(layout.kvBytesPerToken.map((b, i) => b * kvCellsOfBlock(layout, i, options.contextTokens))),
   numLayers: layout.blockBytes.length,
   layout,
   contextTokens: options.contextTokens,
@@ -98,7 +106,7 @@ const weightBytesOf = (c: Costing, start: number, end: number) => {
 }
 
 const memoryBytesOf = (c: Costing, start: number, end: number) =>
-  weightBytesOf(c, start, end) + (c.kvPrefix[end]! - c.kvPrefix[start]!) * c.contextTokens + c.computeBytes
+  weightBytesOf(c, start, end) + (c.kvPrefix[end]! - c.kvPrefix[start]!) + c.computeBytes
 
 /** What a stage of blocks [start, end) needs: weights (with its role's embeddings / output head) + KV cache + compute. */
 export const stageMemoryBytes = (layout: ModelLayout, start: number, end: number, options: PlacementOptions): number =>

@@ -36,7 +36,7 @@ import {
   type StageReport,
   StageStats
 } from "../../services/AgentLinks.js"
-import { kvBytesOfSequence } from "../../services/KvSize.js"
+import { kvBytesOfStage } from "../../services/KvSize.js"
 import { NodeCapacity } from "../../services/Membership.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
 import { openStageSampler } from "../sampling/StageSampler.js"
@@ -295,8 +295,8 @@ export const makeStageHost = (
           )
           const outbound: EdgeSender = yield* connectOutbound(request)
           stats.loadMillis = performance.now() - started
-          const kvBytes = kvBytesOfSequence(
-            loaded.info.kvBytesPerToken,
+          const kvBytes = kvBytesOfStage(
+            loaded.info,
             Math.min(request.contextLength, loaded.info.contextLength)
           )
           // the largest seen while the session lives (its own graph slot is freed with it)

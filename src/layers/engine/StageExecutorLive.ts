@@ -132,6 +132,9 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       (w) => Effect.promise(() => w.lock.run(async () => w.free()))
     )
     const hp = layout.hp
+    // sliding-window blocks of the range: their KV caches are capped (KvCache.ts)
+    let swaBlocks = 0
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) if (hp.swa?.layers[il] === true) swaBlocks++
     const info: StageInfo = {
       arch: hp.arch,
       layerStart: spec.layerStart,
@@ -147,7 +150,10 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       weightBytes: layout.weightBytes,
       backend: device === "gpu" ? "cuda" : "cpu",
       kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) *
-        kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v)
+        kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v),
+      ...(swaBlocks === 0
+        ? {}
+        : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBlocks * kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v) } })
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))

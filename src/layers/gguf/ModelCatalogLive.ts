@@ -3,6 +3,7 @@
  * `layerTest` answers from a table, for tests that plan without a model file.
  */
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
+import { slidingWindowOf, type SlidingWindowLayout } from "./SlidingWindow.js"
 import { statSync } from "node:fs"
 import { basename } from "node:path"
 import { Effect, Layer } from "effect"
@@ -141,7 +142,8 @@ const layoutOfFile = (
   file: GgufFile,
   numLayers: number,
   hiddenDim: number,
-  experts: ExpertCounts | undefined
+  experts: ExpertCounts | undefined,
+  slidingWindow: SlidingWindowLayout | undefined = undefined
 ): ModelLayout => {
   const blockBytes = Array<number>(numLayers).fill(0)
   const activeBlockBytes = Array<number>(numLayers).fill(0)
@@ -170,6 +172,7 @@ const layoutOfFile = (
     blockBytes,
     activeBlockBytes,
     kvBytesPerToken,
+    ...(slidingWindow === undefined ? {} : { slidingWindow }),
     inputBytes: bytes("token_embd.weight"),
     outputBytes: bytes("output_norm.weight") + output,
     hiddenDim
@@ -180,8 +183,9 @@ export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelL
   Effect.gen(function*() {
     const file = yield* readHeader(path)
     const facts = yield* readModelFacts(path)
-    const experts = yield* expertCountsOf(file, yield* Gguf.getArchitecture(file))
-    return layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts)
+    const arch = yield* Gguf.getArchitecture(file)
+    const experts = yield* expertCountsOf(file, arch)
+    return layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts, slidingWindowOf(file, arch, facts.numLayers))
   })
 
 export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout, header: readHeader }

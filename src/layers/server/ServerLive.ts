@@ -5,6 +5,7 @@
  */
 import { Cause, Chunk, Deferred, Duration, Effect, Either, Exit, ExecutionStrategy, Layer, Option, Queue, Ref, Schedule, Scope, Stream } from "effect"
 import * as Gguf from "../gguf/GgufReader.js"
+import type { GgufFile } from "../../domain/gguf.js"
 import { Orchestrator, type Pipeline, type PipelineMember, type RunUpdate, type TokenLogprob } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
@@ -24,7 +25,8 @@ import {
   type ServerStatus,
   type TextLogprob
 } from "../../services/Server.js"
-import { kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
+import { kvBytesOfBlocks, kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
+import { slidingWindowOf, type SlidingWindowLayout } from "../gguf/SlidingWindow.js"
 import { makePromptCacheIndex, type PromptCacheMatch } from "../../services/PromptCacheIndex.js"
 import { makeStopMatcher } from "../../services/StopText.js"
 import { makeLogprobAligner } from "../../services/TextLogprobs.js"
@@ -33,17 +35,46 @@ import { runContextLength } from "../orchestrator/RunWorld.js"
 import { inThread, PromptTokenizer, PromptTooLong, type TokenizerUnavailable } from "./PromptTokenizer.js"
 import type { ChatRenderError } from "../../services/Tokenizer.js"
 
-/** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (services/KvSize.ts). */
+/**
+ * KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (services/KvSize.ts). With
+ * sliding-window blocks (their caches capped) and the planned stages' blocks known: the most any planned stage takes;
+ * else `layersPerStage` blocks holding the whole context.
+ */
 export const kvBytesPerSequence = (
-  shape: { readonly layersPerStage: number; readonly kvBytesPerBlockToken: number },
+  shape: {
+    readonly layersPerStage: number
+    readonly kvBytesPerBlockToken: number
+    readonly slidingWindow?: SlidingWindowLayout | undefined
+    readonly ranges?: ReadonlyArray<readonly [number, number]>
+  },
   contextLength: number
-): number => kvBytesOfSequence(shape.layersPerStage * shape.kvBytesPerBlockToken, contextLength)
+): number => {
+  const sw = shape.slidingWindow
+  if (sw === undefined || shape.ranges === undefined || shape.ranges.length === 0) {
+    return kvBytesOfSequence(shape.layersPerStage * shape.kvBytesPerBlockToken, contextLength)
+  }
+  return Math.max(...shape.ranges.map(([start, end]) =>
+    kvBytesOfBlocks(
+      Array.from({ length: end - start }, (_, i) => ({
+        bytesPerToken: shape.kvBytesPerBlockToken,
+        ...(sw.blocks[start + i] === true ? { window: sw.window } : {})
+      })),
+      contextLength
+    )
+  ))
+}
 
-/** KV bytes per token per block, from the GGUF's attention facts. */
+/** KV bytes per token per block, from the GGUF's attention facts, and the blocks that slide (capped caches). */
 const readKvBytesPerBlockToken = (path: string) =>
   Effect.gen(function*() {
     const file = yield* Gguf.readGgufFile(path)
     const arch = yield* Gguf.getArchitecture(file)
+    const blocks = yield* Gguf.getU32(file, `${arch}.block_count`)
+    return { bytes: yield* kvBytesPerBlockTokenOf(file, arch), slidingWindow: slidingWindowOf(file, arch, blocks) }
+  })
+
+const kvBytesPerBlockTokenOf = (file: GgufFile, arch: string) =>
+  Effect.gen(function*() {
     const hidden = yield* Gguf.getU32(file, `${arch}.embedding_length`)
     const heads = yield* Gguf.getU32(file, `${arch}.attention.head_count`)
     const kvHeads = (yield* Gguf.getOptional(file, `${arch}.attention.head_count_kv`, Gguf.getU32)) ?? heads
@@ -245,7 +276,13 @@ export const make = (options: ServeOptions) =>
     let admission: ReturnType<typeof makeAdmission> | undefined
     // The pipeline's shape as its runs were last planned: the most blocks on one stage (more after a recovery onto
     // fewer stages, fewer again when a node rejoins). KV bytes per request and the default budget follow it.
-    const shape = { layersPerStage: 0, kvBytesPerBlockToken: 0, maxSeqLen: 0 }
+    const shape: {
+      layersPerStage: number
+      kvBytesPerBlockToken: number
+      maxSeqLen: number
+      slidingWindow?: SlidingWindowLayout | undefined
+      ranges?: ReadonlyArray<readonly [number, number]>
+    } = { layersPerStage: 0, kvBytesPerBlockToken: 0, maxSeqLen: 0 }
     const sizing: KvSizing = {
       budget: () =>
         options.kvBudgetBytes ??
@@ -262,7 +299,9 @@ export const make = (options: ServeOptions) =>
       Effect.suspend(() => {
         if (update._tag !== "Planned" || update.stages.length === 0) return Effect.void
         const layers = Math.max(...update.stages.map((s) => s.layers[1] - s.layers[0]))
-        if (layers === shape.layersPerStage) return Effect.void
+        const before = kvBytesPerSequence(shape, shape.maxSeqLen)
+        shape.ranges = update.stages.map((s) => [s.layers[0], s.layers[1]] as const)
+        if (layers === shape.layersPerStage && kvBytesPerSequence(shape, shape.maxSeqLen) === before) return Effect.void
         shape.layersPerStage = layers
         return admission === undefined ? Effect.void : admission.reshaped(tooLong)
       })
@@ -504,7 +543,9 @@ export const make = (options: ServeOptions) =>
       const parent = yield* Effect.scope
       let generation = yield* openGeneration(parent)
       const pipeline = generation.pipeline
-      shape.kvBytesPerBlockToken = yield* readKvBytesPerBlockToken(options.model)
+      const kv = yield* readKvBytesPerBlockToken(options.model)
+      shape.kvBytesPerBlockToken = kv.bytes
+      shape.slidingWindow = kv.slidingWindow
       yield* observePipeline(pipeline)
       admission = makeAdmission(sizing, parallel, queueLimit, heldKv)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.

@@ -27,7 +27,7 @@ const scalar = <A>(
     : getOptional(file, key, read)
 
 /** llama.cpp's llama_hparams::set_swa_pattern (dense_first = false): block il is global when il % period == period - 1. */
-const swaLayerPattern = (nLayer: number, period: number): ReadonlyArray<boolean> =>
+export const swaLayerPattern = (nLayer: number, period: number): ReadonlyArray<boolean> =>
   Array.from({ length: nLayer }, (_, il) => period === 0 || il % period < period - 1)
 
 const gemma3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>

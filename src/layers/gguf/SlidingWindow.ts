@@ -1,0 +1,32 @@
+/**
+ * Which blocks of a model attend over a sliding window, from its GGUF metadata alone (no weights): what the model
+ * catalog's layout (placement, --dry-run) and the server's admission need to size capped sliding-window KV caches
+ * (services/KvSize.ts swaCacheSize). The engine reads the same keys in its architecture modules (archs/gemma3.ts).
+ */
+import type { GgufFile } from "../../domain/gguf.js"
+import { swaLayerPattern } from "../engine/archs/gemma3.js"
+
+/** A model's sliding window and, per block, whether that block slides (its cache is capped) or is global. */
+export interface SlidingWindowLayout {
+  readonly window: number
+  readonly blocks: ReadonlyArray<boolean>
+}
+
+const positiveInteger = (v: unknown): number | undefined =>
+  typeof v === "number" && Number.isSafeInteger(v) && v > 0 ? v : typeof v === "bigint" && v > 0n ? Number(v) : undefined
+
+/**
+ * gemma3's `attention.sliding_window` and `attention.sliding_window_pattern` (default 6: one global block in six, as
+ * llama.cpp's set_swa_pattern); undefined for other architectures, without the key, or with a value the engine would
+ * refuse (it then names the key when the stage loads).
+ */
+export const slidingWindowOf = (file: GgufFile, arch: string, numLayers: number): SlidingWindowLayout | undefined => {
+  if (arch !== "gemma3") return undefined
+  const value = (key: string) => file.metadata.get(`${arch}.${key}`)
+  const window = positiveInteger(value("attention.sliding_window"))
+  if (window === undefined) return undefined
+  const rawPeriod = value("attention.sliding_window_pattern")
+  const period = rawPeriod === undefined ? 6 : rawPeriod === 0 || rawPeriod === 0n ? 0 : positiveInteger(rawPeriod)
+  if (period === undefined) return undefined
+  return { window, blocks: swaLayerPattern(numLayers, period) }
+}
