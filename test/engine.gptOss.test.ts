@@ -13,7 +13,7 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
@@ -22,7 +22,7 @@ import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
-import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
+import { type GgufTensorSpec, GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { logSoftmax, makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
@@ -150,4 +150,170 @@ describe("gpt-oss: every split into 1-3 stages matches node-llama-cpp past the s
       assert.strictEqual(typeOf("blk.0.ffn_down_exps.bias"), GgmlType.F32)
       yield* checkParity("gpt-oss mxfp4", o, 1e-3)
     }), 300_000)
+})
+
+describe("gpt-oss: 6 sequences batched equal their lone runs", () => {
+  const CONTEXT = 256
+  const schedule = (): ReadonlyArray<SeqPlan> => {
+    const r = makeRng(67)
+    const prompt = (n: number) => Array.from({ length: n }, () => 3 + Math.floor(r() * 397))
+    return [
+      { prompt: prompt(5), start: 0, steps: 36 },
+      { prompt: prompt(20), start: 0, steps: 36 },
+      { prompt: prompt(1), start: 0, steps: 30 },
+      { prompt: prompt(40), start: 2, steps: 36 },
+      { prompt: prompt(7), start: 3, steps: 20 },
+      { prompt: prompt(60), start: 1, steps: 30, chunk: 24 }
+    ]
+  }
+  it.live(`window ${WINDOW}, 1/2/3 stages (cuts after sliding and after global blocks): tokens equal lone runs`, () =>
+    Effect.gen(function*() {
+      const o = model("gptoss-batch", { seed: 63 })
+      yield* writeSyntheticModel(o)
+      const plans = schedule()
+      let maxDiff = 0
+      for (const split of [[0, 4], [0, 2, 4], [0, 1, 3, 4]]) {
+        yield* Effect.scoped(Effect.gen(function*() {
+          const stages = yield* Batch.loadSplit(o.path, split)
+          const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
+          const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
+          assert.strictEqual(batched.maxLive, plans.length, "all sequences were in one batch at some step")
+          assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
+          assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8)
+          plans.forEach((_, i) => {
+            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
+            alone[i]!.logits.forEach((l, j) =>
+              (maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!)))
+            )
+          })
+        }))
+      }
+      console.log(`gpt-oss batched vs alone: max logit difference ${maxDiff.toExponential(2)}`)
+      assert.isBelow(maxDiff, 2e-2)
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 8 }))), 300_000)
+})
+
+describe("swactor synth --arch gpt-oss", () => {
+  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+    name: "swactor",
+    version: "test"
+  })
+  const synth = (args: ReadonlyArray<string>) =>
+    cli(["node", "swactor", "synth", ...args]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+
+  it.live("--experts 8 --experts-used 2 --type mxfp4: MXFP4 experts; node-llama-cpp loads it and our 2 stages give its tokens", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-gptoss.gguf")
+      const exit = yield* synth([
+        "--arch", "gpt-oss", "--layers", "4", "--hidden", "128", "--ffn", "64", "--heads", "4", "--kv-heads", "2",
+        "--vocab", "400", "--context-length", "512", "--experts", "8", "--experts-used", "2", "--sliding-window", "8",
+        "--type", "mxfp4", "-o", out
+      ])
+      assert.isTrue(Exit.isSuccess(exit))
+      const file = yield* readGgufFile(out)
+      assert.strictEqual(yield* getString(file, "general.architecture"), "gpt-oss")
+      assert.strictEqual(yield* getU32(file, "gpt-oss.expert_count"), 8)
+      assert.strictEqual(yield* getU32(file, "gpt-oss.expert_used_count"), 2)
+      assert.strictEqual(yield* getU32(file, "gpt-oss.attention.sliding_window"), 8)
+      assert.strictEqual(file.tensorsByName.get("blk.3.ffn_down_exps.weight")?.type, GgmlType.MXFP4)
+      assert.strictEqual(file.tensorsByName.get("blk.3.attn_sinks.weight")?.type, GgmlType.F32)
+      const ref = yield* reference(out, 40, false)
+      assert.isAtLeast(new Set(ref.tokens).size, 4)
+      const run = yield* greedyRun(out, [0, 2, 4], ref.prompt, 40, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens)
+    }), 120_000)
+
+  it.live("--tied-output is refused (llama.cpp requires gpt-oss's output.weight) and nothing is written", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-gptoss-tied.gguf")
+      const exit = yield* synth(["--arch", "gpt-oss", "--layers", "2", "--hidden", "64", "--ffn", "64", "--vocab", "300", "--tied-output", "-o", out])
+      assert.isTrue(Exit.isFailure(exit))
+      assert.isFalse(existsSync(out))
+    }))
+})
+
+describe("gpt-oss: bad files are typed errors naming the key or the tensor", () => {
+  const base = model("gptoss-bad", { layers: 2, hidden: 64, ffn: 64 })
+  const load = (path: string) =>
+    Effect.gen(function*() {
+      const executor = yield* StageExecutor
+      return yield* Effect.exit(Effect.scoped(
+        executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+      ))
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 })))
+  const writeWith = (
+    name: string,
+    tweakMd: (md: Array<readonly [string, GgufTypedValue]>) => void,
+    tweakTensors: (ts: Array<GgufTensorSpec>) => void = () => {}
+  ) =>
+    Effect.gen(function*() {
+      const path = join(dir, `${name}.gguf`)
+      const s = syntheticModelSpec({ ...base, path })
+      const md = [...s.metadata]
+      const ts = [...s.tensors]
+      tweakMd(md)
+      tweakTensors(ts)
+      yield* writeGgufFile(path, { metadata: md, tensors: ts })
+      return path
+    })
+  const drop = (md: Array<readonly [string, GgufTypedValue]>, key: string) => {
+    const i = md.findIndex(([k]) => k === key)
+    assert.isAtLeast(i, 0, `${key} was written`)
+    md.splice(i, 1)
+  }
+  const set = (md: Array<readonly [string, GgufTypedValue]>, key: string, v: GgufTypedValue) => {
+    const i = md.findIndex(([k]) => k === key)
+    if (i >= 0) md.splice(i, 1)
+    md.push([key, v])
+  }
+  const failure = (exit: Exit.Exit<unknown, ModelLoadError>) => {
+    if (!Exit.isFailure(exit) || exit.cause._tag !== "Fail") return assert.fail(Exit.isSuccess(exit) ? "the load succeeded" : "the load died (not a typed failure)")
+    assert.strictEqual(exit.cause.error._tag, "ModelLoadError")
+    return exit.cause.error
+  }
+  const metadataCases: ReadonlyArray<readonly [string, string, GgufTypedValue | null]> = [
+    ["no-window", "gpt-oss.attention.sliding_window", null],
+    ["window-0", "gpt-oss.attention.sliding_window", GgufValues.u32(0)],
+    ["pattern-array", "gpt-oss.attention.sliding_window_pattern", GgufValues.array(GgufValueType.UINT32, [2, 2])],
+    ["swa-base-negative", "gpt-oss.rope.freq_base_swa", GgufValues.f32(-1)],
+    ["no-expert-ffn", "gpt-oss.expert_feed_forward_length", null],
+    ["used-9", "gpt-oss.expert_used_count", GgufValues.u32(9)],
+    ["groups", "gpt-oss.expert_group_count", GgufValues.u32(2)]
+  ]
+  for (const [name, key, value] of metadataCases) {
+    it.live(`${key} ${value === null ? "missing" : `= ${JSON.stringify(value.value)}`}: ModelLoadError naming it`, () =>
+      Effect.gen(function*() {
+        const path = yield* writeWith(name, (md) => (value === null ? drop(md, key) : set(md, key, value)))
+        const e = failure(yield* load(path))
+        assert.strictEqual(e.reason, "InvalidMetadata")
+        assert.include(e.message, key)
+      }))
+  }
+  const f32Tensor = (name: string, dims: ReadonlyArray<number>): GgufTensorSpec => ({
+    name,
+    type: GgmlType.F32,
+    dims,
+    data: function*() {
+      yield new Uint8Array(4 * dims.reduce((a, b) => a * b, 1))
+    }
+  })
+  const tensorCases: ReadonlyArray<readonly [string, string, string, (ts: Array<GgufTensorSpec>) => void]> = [
+    ["no-sinks", "blk.1.attn_sinks.weight", "MissingTensor", (ts) => void ts.splice(ts.findIndex((t) => t.name === "blk.1.attn_sinks.weight"), 1)],
+    ["sinks-shape", "blk.0.attn_sinks.weight", "TensorShapeMismatch", (ts) => {
+      ts[ts.findIndex((t) => t.name === "blk.0.attn_sinks.weight")] = f32Tensor("blk.0.attn_sinks.weight", [8])
+    }],
+    ["exps-bias-shape", "blk.1.ffn_up_exps.bias", "TensorShapeMismatch", (ts) => {
+      ts[ts.findIndex((t) => t.name === "blk.1.ffn_up_exps.bias")] = f32Tensor("blk.1.ffn_up_exps.bias", [64, 4])
+    }],
+    ["no-output", "output.weight", "MissingTensor", (ts) => void ts.splice(ts.findIndex((t) => t.name === "output.weight"), 1)]
+  ]
+  for (const [name, tensor, reason, tweak] of tensorCases) {
+    it.live(`${name}: ModelLoadError ${reason} naming ${tensor}`, () =>
+      Effect.gen(function*() {
+        const path = yield* writeWith(name, () => {}, tweak)
+        const e = failure(yield* load(path))
+        assert.strictEqual(e.reason, reason)
+        assert.include(e.message, tensor)
+      }))
+  }
 })
