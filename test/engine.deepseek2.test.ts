@@ -10,6 +10,8 @@
  * - bad metadata is a typed ModelLoadError naming the key.
  */
 import { assert, describe, it } from "@effect/vitest"
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
 import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
@@ -17,6 +19,8 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { type GgufTypedValue, GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
+import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { synthCommand } from "../src/cli/SynthCommand.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import {
   type SyntheticModelOptions,
@@ -220,4 +224,55 @@ describe("deepseek2: bad metadata is a typed error naming the key, never an abor
         assert.include(r.message, key)
       }))
   }
+})
+
+describe("deepseek2: a tensor of the wrong shape is a typed error naming it", () => {
+  it.live("attn_k_b stored [kv_lora, nope, heads] instead of [nope, kv_lora, heads]: TensorShapeMismatch naming the tensor", () =>
+    Effect.gen(function*() {
+      const path = join(dir, "bad-k-b.gguf")
+      const s = syntheticModelSpec(shape("f32", { path, layers: 2 }))
+      const tensors = s.tensors.map((t) => t.name === "blk.1.attn_k_b.weight" ? { ...t, dims: [t.dims[1]!, t.dims[0]!, t.dims[2]!] } : t)
+      yield* writeGgufFile(path, { metadata: s.metadata, tensors })
+      const executor = yield* StageExecutor
+      const exit = yield* Effect.exit(Effect.scoped(
+        executor.load({ path, layerStart: 1, layerEndExclusive: 2, isFirst: false, isLast: true })
+      ))
+      assert.isTrue(Exit.isFailure(exit))
+      const e = Exit.isFailure(exit) && exit.cause._tag === "Fail" ? exit.cause.error : undefined
+      assert.strictEqual(e?.reason, "TensorShapeMismatch", String(exit))
+      assert.include(e?.message ?? "", "blk.1.attn_k_b.weight")
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+})
+
+describe("swactor synth --arch deepseek2", () => {
+  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+    name: "swactor",
+    version: "test"
+  })
+  // The command line writes the latent-attention keys (head_count_kv 1 whatever --kv-heads, key_length = kv_lora +
+  // rope, *_mla lengths); node-llama-cpp loads the file and a 3-stage split with a cut after the dense block gives its
+  // greedy tokens.
+  it.live("--kv-lora-rank 32 --q-lora-rank 0 --dense-blocks 1 --shared-experts 2: node-llama-cpp loads it, 3 stages give its tokens", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-deepseek2.gguf")
+      const exit = yield* cli([
+        "node", "swactor", "synth", "--arch", "deepseek2", "--layers", "4", "--hidden", "128", "--ffn", "256",
+        "--heads", "2", "--vocab", "400", "--context-length", "512", "--experts", "8", "--experts-used", "2",
+        "--expert-ffn", "64", "--kv-lora-rank", "32", "--q-lora-rank", "0", "--dense-blocks", "1", "--shared-experts", "2",
+        "-o", out
+      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      assert.isTrue(Exit.isSuccess(exit), String(exit))
+      const file = yield* readGgufFile(out)
+      assert.strictEqual(yield* getString(file, "general.architecture"), "deepseek2")
+      assert.strictEqual(yield* getU32(file, "deepseek2.attention.head_count_kv"), 1)
+      assert.strictEqual(yield* getU32(file, "deepseek2.attention.kv_lora_rank"), 32)
+      assert.strictEqual(yield* getU32(file, "deepseek2.attention.key_length"), 32 + 32)
+      assert.strictEqual(yield* getU32(file, "deepseek2.attention.key_length_mla"), 64)
+      assert.strictEqual(yield* getU32(file, "deepseek2.expert_shared_count"), 2)
+      assert.isTrue(file.tensorsByName.has("blk.0.attn_q.weight") && !file.tensorsByName.has("blk.0.attn_q_a.weight"))
+      const ref = yield* Effect.promise(() => referenceRun(out, "Once upon a time", 48, options))
+      assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+      const run = yield* greedyRun(out, [0, 1, 3, 4], ref.prompt, 48, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens)
+    }), 120_000)
 })

@@ -41,6 +41,8 @@ export interface SynthArgs {
   readonly expertFfn: Option.Option<number>
   readonly sharedExperts: Option.Option<number>
   readonly denseBlocks: Option.Option<number>
+  readonly kvLoraRank: Option.Option<number>
+  readonly qLoraRank: Option.Option<number>
   readonly output: string
 }
 
@@ -77,7 +79,9 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
   ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
   ...(Option.isSome(args.sharedExperts) ? { sharedExperts: args.sharedExperts.value } : {}),
-  ...(Option.isSome(args.denseBlocks) ? { denseBlocks: args.denseBlocks.value } : {})
+  ...(Option.isSome(args.denseBlocks) ? { denseBlocks: args.denseBlocks.value } : {}),
+  ...(Option.isSome(args.kvLoraRank) ? { kvLoraRank: args.kvLoraRank.value } : {}),
+  ...(Option.isSome(args.qLoraRank) ? { qLoraRank: args.qLoraRank.value } : {})
 }
 }
 
@@ -150,15 +154,21 @@ export const synthCommand = Command.make(
       Options.withDescription("gemma3: final logit soft-capping (default: none)"),
       Options.optional
     ),
-    experts: int("experts", "qwen3moe, glm4moe: experts per block (default 8)").pipe(Options.optional),
-    expertsUsed: int("experts-used", "qwen3moe, glm4moe: experts each token goes through, at most --experts (default 2)").pipe(
+    experts: int("experts", "qwen3moe, glm4moe, deepseek2: experts per block (default 8)").pipe(Options.optional),
+    expertsUsed: int("experts-used", "qwen3moe, glm4moe, deepseek2: experts each token goes through, at most --experts (default 2)").pipe(
       Options.optional
     ),
-    expertFfn: int("expert-ffn", "qwen3moe, glm4moe: feed-forward length of one expert (default --ffn)").pipe(
+    expertFfn: int("expert-ffn", "qwen3moe, glm4moe, deepseek2: feed-forward length of one expert (default --ffn)").pipe(
       Options.optional
     ),
-    sharedExperts: int("shared-experts", "glm4moe: shared experts per routed block (default 1)").pipe(Options.optional),
-    denseBlocks: int("dense-blocks", "glm4moe: leading blocks with a dense feed-forward (default 1)").pipe(
+    sharedExperts: int("shared-experts", "glm4moe, deepseek2: shared experts per routed block (default 1)").pipe(Options.optional),
+    denseBlocks: int("dense-blocks", "glm4moe, deepseek2: leading blocks with a dense feed-forward (default 1)").pipe(
+      Options.optional
+    ),
+    kvLoraRank: int("kv-lora-rank", "deepseek2: size of the cached latent, attention.kv_lora_rank (default 64)").pipe(
+      Options.optional
+    ),
+    qLoraRank: int("q-lora-rank", "deepseek2: Q's compressed size, attention.q_lora_rank; 0: one attn_q (default 64)").pipe(
       Options.optional
     ),
     output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
