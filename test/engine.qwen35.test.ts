@@ -13,13 +13,16 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
-import type { ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import type { StageInput } from "../src/domain/engine.js"
+import { logSoftmax, makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
-import { referenceRun } from "./support/engine.js"
+import { allSplits, decodeBatchGetsLoneBits, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
 
+const N_TOKENS = 32
+const LAYERS = 4
 const options = { threads: 1, contextLength: 256 } as const
 const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest"
 const dir = mkdtempSync(join(tmpdir(), "swactor-engine-qwen35-"))
@@ -94,19 +97,75 @@ describe("swactor synth --arch qwen35", () => {
     }), 120_000)
 })
 
-describe("qwen35 in the engine", () => {
-  it.live("loading a qwen35 file is a typed ModelLoadError, not an abort", () =>
+describe("qwen35: every split into 1-3 stages matches node-llama-cpp", () => {
+  it.live(`f32, blocks 0-2 DeltaNet, block 3 attention: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's`, () =>
     Effect.gen(function*() {
-      const o = model("engine", { layers: 4 })
+      const o = model("parity", { layers: LAYERS })
+      yield* writeSyntheticModel(o)
+      const ref = yield* Effect.promise(() => referenceRun(o.path, PROMPT, N_TOKENS, options))
+      assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+      let maxDiff = 0
+      for (const split of allSplits(LAYERS, 3)) {
+        const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
+        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+        maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
+      }
+      console.log(`qwen35: ${allSplits(LAYERS, 3).length} splits x ${N_TOKENS} tokens; first log-prob max diff ${maxDiff}`)
+      assert.isBelow(maxDiff, 1e-4)
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 300_000)
+})
+
+describe("qwen35: the DeltaNet state per sequence", () => {
+  const whole = (o: SyntheticModelOptions) =>
+    Effect.gen(function*() {
       yield* writeSyntheticModel(o)
       const executor = yield* StageExecutor
-      const exit: Exit.Exit<unknown, ModelLoadError> = yield* Effect.exit(Effect.scoped(
-        executor.load({ path: o.path, layerStart: 0, layerEndExclusive: 4, isFirst: true, isLast: true })
-      ))
-      assert.isTrue(Exit.isFailure(exit) && exit.cause._tag === "Fail", `a typed failure: ${String(exit)}`)
-      if (Exit.isFailure(exit) && exit.cause._tag === "Fail") {
-        assert.strictEqual(exit.cause.error._tag, "ModelLoadError")
-        assert.include(exit.cause.error.message, "qwen35")
-      }
-    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+      const stage = yield* executor.load({ path: o.path, layerStart: 0, layerEndExclusive: LAYERS, isFirst: true, isLast: true })
+      return { executor, stage }
+    })
+  const tokens = (n: number, seed: number) => {
+    const r = makeRng(seed)
+    return Int32Array.from({ length: n }, () => 3 + Math.floor(r() * 390))
+  }
+
+  it.live("1, 2 and 8 sequences decoding together each get the bits of their lone step", () =>
+    Effect.gen(function*() {
+      const { stage } = yield* whole(model("batch", { layers: LAYERS }))
+      yield* decodeBatchGetsLoneBits(stage, [1, 2, 8], 390, 11)
+    }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 8 }))), 120_000)
+
+  it.live("a rewind is refused; a call from 0 starts from a cleared state", () =>
+    Effect.gen(function*() {
+      const { executor, stage } = yield* whole(model("rewind", { layers: LAYERS }))
+      const s = yield* executor.session(stage, { threads: 1, contextLength: 64 })
+      const prompt = tokens(12, 5)
+      const first = yield* s.forward(0, { _tag: "Tokens", tokens: prompt })
+      yield* s.forward(12, { _tag: "Tokens", tokens: Int32Array.of(7) })
+      const rewind = yield* Effect.exit(s.forward(10, { _tag: "Tokens", tokens: Int32Array.of(7) }))
+      assert.isTrue(Exit.isFailure(rewind) && String(rewind).includes("InvalidStageInput"), String(rewind))
+      assert.include(String(rewind), "cannot be rewound")
+      // from 0 again: the same bits as the first time (the state was cleared, not carried)
+      assert.deepStrictEqual(yield* s.forward(0, { _tag: "Tokens", tokens: prompt }), first)
+    }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+
+  it.live("a prefix copy is refused unless whole; a whole copy continues as the source", () =>
+    Effect.gen(function*() {
+      const { executor, stage } = yield* whole(model("copy", { layers: LAYERS }))
+      const open = () => executor.session(stage, { threads: 1, contextLength: 64 })
+      const [a, b, c] = [yield* open(), yield* open(), yield* open()]
+      yield* a.forward(0, { _tag: "Tokens", tokens: tokens(12, 6) })
+      const partial = yield* Effect.exit(executor.copyPrefix!(a, b, 8))
+      assert.isTrue(Exit.isFailure(partial), String(partial))
+      assert.include(String(partial), "cannot be rewound")
+      yield* executor.copyPrefix!(a, b, 12)
+      const next: StageInput = { _tag: "Tokens", tokens: Int32Array.of(9, 10) }
+      const fromCopy = yield* b.forward(12, next)
+      const fromSource = yield* a.forward(12, next)
+      assert.deepStrictEqual(fromCopy, fromSource)
+      // a copy of no position: a cleared state (c ran before, so its state is not zero)
+      yield* c.forward(0, { _tag: "Tokens", tokens: tokens(5, 7) })
+      yield* executor.copyPrefix!(a, c, 0)
+      const fresh = yield* open()
+      assert.deepStrictEqual(yield* c.forward(0, next), yield* fresh.forward(0, next))
+    }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
 })

@@ -233,6 +233,11 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   // positions whose cells this call takes are gone whatever happens)
   items.forEach((it, s) => {
     it.session.filled = Math.min(it.session.filled, it.startPos)
+    // DeltaNet states (KvCache.ts `recurrent`): cleared for a call from 0; invalid until this call succeeds
+    if (it.session.recurrent) {
+      if (it.startPos === 0) it.session.clearRecurrent()
+      it.session.filled = 0
+    }
     if (it.session.swaSize !== null) it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
   })
   if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))

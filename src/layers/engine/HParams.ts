@@ -13,6 +13,7 @@ import {
   getU32
 } from "../gguf/GgufReader.js"
 import type { MoeParams } from "./MoeParams.js"
+import type { RecurrentParams } from "./RecurrentParams.js"
 import { type AttnTemp, type RopeExt, yarnRopeExt } from "./PositionScaling.js"
 
 export const RopeMode = { NORM: 0, NEOX: 2 } as const
@@ -55,6 +56,8 @@ export interface HParams {
    * nHeadKv = the latent then the RoPE part) and V is a view of its first headDimV elements (no V cache); absent: none.
    */
   readonly mla?: MlaParams
+  /** Gated DeltaNet blocks (qwen35, RecurrentParams.ts): a state per sequence in place of their KV cache; absent: none. */
+  readonly recurrent?: RecurrentParams
 }
 
 /** deepseek2's latent attention sizes (`attention.q_lora_rank`, `kv_lora_rank`, `key_length_mla`, `value_length_mla`). */

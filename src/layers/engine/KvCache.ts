@@ -11,6 +11,7 @@ import type { GraphSlot } from "./GraphCache.js"
 import type { KvLayer } from "./Toolkit.js"
 import type { NativeWeights } from "./Weights.js"
 import type { HParams } from "./HParams.js"
+import { recurrentStateElems } from "./RecurrentParams.js"
 
 /**
  * Elements of one cached K row and one V row per token of a block: head size x KV heads each, or with latent attention
@@ -47,6 +48,11 @@ export class NativeSession {
   readonly swaSize: number | null
   /** Sliding-window caches hold positions [swaLow, filled): the ones below were overwritten by later positions. */
   swaLow = 0
+  /**
+   * The stage holds DeltaNet blocks (HParams.recurrent): their state is that of position `filled` and cannot be
+   * rewound, so a call must start at `filled` or at 0 (which clears the state), and a prefix copy must be whole.
+   */
+  readonly recurrent: boolean
 
   constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
     const g = weights.ggml
@@ -57,6 +63,9 @@ export class NativeSession {
     let hasSwa = false
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) hasSwa ||= hp.swa?.layers[il] === true
     this.swaSize = hasSwa ? swaCacheSize(contextLength, hp.swa!.window) : null
+    let recurrent = false
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) recurrent ||= hp.recurrent?.layers[il] === true
+    this.recurrent = recurrent
     this.kvCtx = raw.ggml_init({
       mem_size: raw.ggml_tensor_overhead() * (2 * nLayers + 1),
       mem_buffer: null,
@@ -64,6 +73,16 @@ export class NativeSession {
     })
     const widths = kvRowWidths(hp)
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      // a DeltaNet block (qwen35): its recurrent state, F32, constant size (k: conv state, v: SSM state)
+      if (hp.recurrent?.layers[il] === true) {
+        const elems = recurrentStateElems(hp.recurrent)
+        const k = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, elems.conv)
+        raw.ggml_set_name(k, `cache_r_l${il}`)
+        const v = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, elems.ssm)
+        raw.ggml_set_name(v, `cache_s_l${il}`)
+        this.kv.set(il, { k, v })
+        continue
+      }
       const cells = hp.swa?.layers[il] === true ? this.swaSize! : kvSize
       const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, cells)
       raw.ggml_set_name(k, `cache_k_l${il}`)
@@ -117,8 +136,22 @@ export class NativeSession {
    * served: StageExecutorLive refuses it (InvalidStageInput), and the caller computes those positions again.
    */
   canStartAt(startPos: number): boolean {
+    if (this.recurrent && startPos !== 0 && startPos !== this.filled) return false
     const window = this.cappedWindow
     return window === null || startPos === 0 || Math.max(0, startPos - window + 1) >= this.swaLow
+  }
+
+  /** Zeroes the DeltaNet blocks' states (a call from position 0). */
+  clearRecurrent(): void {
+    if (!this.recurrent || this.freed) return
+    const raw = this.weights.ggml.raw
+    const { hp } = this.weights.layout
+    for (const [il, state] of this.kv) {
+      if (hp.recurrent?.layers[il] !== true) continue
+      const elems = recurrentStateElems(hp.recurrent)
+      raw.ggml_backend_tensor_set(state.k, new Uint8Array(4 * elems.conv), 0, 4 * elems.conv)
+      raw.ggml_backend_tensor_set(state.v, new Uint8Array(4 * elems.ssm), 0, 4 * elems.ssm)
+    }
   }
 
   reset(): void {
@@ -152,11 +185,24 @@ export class NativeSession {
         )
       }
     }
+    if (this.recurrent && length !== 0 && length !== from.filled) {
+      throw new Error(`cannot copy ${length} of ${from.filled} positions: a DeltaNet state cannot be rewound`)
+    }
     const widths = kvRowWidths(hp)
     const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
     const scratch = new Uint8Array(length * Math.max(rowBytes.k, rowBytes.v))
+    const elems = hp.recurrent === undefined ? null : recurrentStateElems(hp.recurrent)
     for (const [il, src] of from.kv) {
       const dst = this.kv.get(il)!
+      // a DeltaNet block: the whole state (of position `length` = the source's), or zeros for no position
+      if (elems !== null && hp.recurrent!.layers[il] === true) {
+        for (const [part, n] of [["k", elems.conv], ["v", elems.ssm]] as const) {
+          const bytes = new Uint8Array(4 * n)
+          if (length > 0) raw.ggml_backend_tensor_get(src[part], bytes, 0, bytes.length)
+          raw.ggml_backend_tensor_set(dst[part], bytes, 0, bytes.length)
+        }
+        continue
+      }
       if (hp.swa?.layers[il] === true) {
         for (const part of ["k", "v"] as const) {
           const row = rowBytes[part]

@@ -8,6 +8,7 @@ import { llama } from "./archs/llama.js"
 import { mistral3 } from "./archs/mistral3.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
+import { qwen35 } from "./archs/qwen35.js"
 import { qwen3moe } from "./archs/qwen3moe.js"
 
 export const architectures: ReadonlyMap<string, ArchModule> = new Map([
@@ -15,6 +16,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["qwen2", qwen2],
   ["qwen3", qwen3],
   ["qwen3moe", qwen3moe],
+  ["qwen35", qwen35],
   ["glm4moe", glm4moe],
   ["deepseek2", deepseek2],
   ["gemma3", gemma3],

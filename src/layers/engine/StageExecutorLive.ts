@@ -171,6 +171,12 @@ class LiveStageSession implements StageSession {
   check(startPos: number, input: StageInput): ContextOverflow | InvalidStageInput | undefined {
     if (this.native.freed) return new InvalidStageInput({ message: "the session is closed" })
     const invalid = validateForward(this.stage.info, this.contextLength, this.native.filled, startPos, input)
+    if (invalid === undefined && !this.native.canStartAt(startPos) && this.native.recurrent) {
+      return new InvalidStageInput({
+        message: `start position ${startPos}: this stage's DeltaNet state is that of position ${this.native.filled} and ` +
+          `cannot be rewound; continue from ${this.native.filled} or start again from position 0`
+      })
+    }
     if (invalid === undefined && !this.native.canStartAt(startPos)) {
       // a rewind past what a capped sliding-window cache still holds: compute the positions again on a fresh session
       return new InvalidStageInput({
@@ -278,6 +284,14 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
       return Effect.fail(
         new InvalidStageInput({
           message: `cannot copy ${length} KV positions: the source holds ${from.native.filled}, the target ${to.contextLength}`
+        })
+      )
+    }
+    if (from.native.recurrent && length !== 0 && length !== from.native.filled) {
+      return Effect.fail(
+        new InvalidStageInput({
+          message: `cannot copy ${length} positions: the source's DeltaNet state is that of position ${from.native.filled} ` +
+            `and cannot be rewound (only a whole copy is exact)`
         })
       )
     }

@@ -4,6 +4,7 @@
  * llama.cpp computes: flash attention with an F16 mask over an F16 KV cache, F32 precision.
  */
 import { getGgml, GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
+import { deltaNetOps } from "../ggml/DeltaNetBindings.js"
 import { gptOssOps } from "../ggml/GptOssBindings.js"
 import type { HParams } from "./HParams.js"
 import { PLAIN_ROPE } from "./PositionScaling.js"
@@ -186,7 +187,16 @@ export class Toolkit {
    * Sliding-window blocks take each sequence's window mask. `kqScale`: the scale inside flash attention. `sinks`:
    * per-head attention sinks, F32 [nHead] (gpt-oss; ggml_flash_attn_ext_add_sinks), checked by the caller.
    */
-  attention(q: Ptr, k: Ptr, v: Ptr, wo: Ptr, woBias: Ptr | null = null, kqScale = this.hp.kqScale, sinks: Ptr | null = null): Ptr {
+  attention(
+    q: Ptr,
+    k: Ptr,
+    v: Ptr,
+    wo: Ptr,
+    woBias: Ptr | null = null,
+    kqScale = this.hp.kqScale,
+    sinks: Ptr | null = null,
+    gate: Ptr | null = null
+  ): Ptr {
     const g = this.g
     const ctx = this.ctx
     const { headDimK, headDimV, nHead, nHeadKv } = this.hp
@@ -201,7 +211,7 @@ export class Toolkit {
     const segments = this.inputs.segments
     if (segments.length === 1) {
       const cur = this.attendSegment(segments[0]!, q, k, v, kqScale, sinks)
-      return this.linear(wo, cur, woBias)
+      return this.linear(wo, this.outputGate(cur, gate), woBias)
     }
     // Several sequences: each one's output rows are written in place into one [headDimV * nHead, n] buffer. It is
     // a graph leaf shared by all blocks: block l + 1 writes it only after reading block l's output, on which its
@@ -215,7 +225,12 @@ export class Toolkit {
       const out = this.attendSegment(seg, qs, ks, vs, kqScale, sinks)
       cur = g.ggml_set_rows(ctx, cur, out, seg.rows!)
     }
-    return this.linear(wo, cur, woBias)
+    return this.linear(wo, this.outputGate(cur, gate), woBias)
+  }
+
+  /** The attention output times sigmoid(gate) before wo (qwen35's gated attention; gate [headDimV * nHead, n]). */
+  private outputGate(cur: Ptr, gate: Ptr | null): Ptr {
+    return gate === null ? cur : this.g.ggml_mul(this.ctx, cur, deltaNetOps(getGgml()).ggml_sigmoid(this.ctx, gate))
   }
 
   /** One sequence: cache writes, flash attention over its cells; [headDimV * nHead, seg.n]. */
