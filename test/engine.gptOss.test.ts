@@ -59,20 +59,20 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
 })
 
 /** node-llama-cpp: BOS + tokenize(text), greedy `n` tokens; flash attention on, F16 KV, explicit threads. */
-const reference = (path: string, n: number, swaFullCache: boolean) =>
+const reference = (path: string, n: number, swaFullCache: boolean, contextSize: number = options.contextLength, text = PROMPT) =>
   Effect.promise(async () => {
     const llama = await referenceLlama()
     const m = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
     try {
       const ctx = await m.createContext({
-        contextSize: options.contextLength,
+        contextSize,
         threads: options.threads,
         flashAttention: true,
         sequences: 1,
         swaFullCache
       })
       try {
-        const prompt = [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
+        const prompt = [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(text)]
         const tokens: Array<number> = []
         const seq = ctx.getSequence()
         for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
@@ -149,6 +149,26 @@ describe("gpt-oss: every split into 1-3 stages matches node-llama-cpp past the s
       assert.strictEqual(typeOf("blk.0.ffn_gate_inp.weight"), GgmlType.F32)
       assert.strictEqual(typeOf("blk.0.ffn_down_exps.bias"), GgmlType.F32)
       yield* checkParity("gpt-oss mxfp4", o, 1e-3)
+    }), 300_000)
+})
+
+describe("gpt-oss: past the capped sliding-window cache", () => {
+  // The sliding blocks keep a ring of pad256(min(context, window + 128)) = 256 cells (KvCache / Forward.ts ringMask);
+  // with a 512 context, a ~315-token prompt (prefilled in pieces) and 60 generated tokens, positions wrap the ring
+  // while the global blocks keep full caches, and the sinks ride along in both.
+  it.live("context 512, a 315-token prompt + 60 greedy tokens: 1 and 2 stages equal node-llama-cpp's", () =>
+    Effect.gen(function*() {
+      const o = model("gptoss-ring", { seed: 64 })
+      yield* writeSyntheticModel(o)
+      const long = { threads: 1, contextLength: 512 } as const
+      const ref = yield* reference(o.path, 60, false, long.contextLength, Array(5).fill(PROMPT).join(" "))
+      assert.isAbove(ref.prompt.length, 256 + WINDOW, "the prompt alone wraps the 256-cell ring")
+      assert.strictEqual(ref.tokens.length, 60)
+      assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
+      for (const split of [[0, 4], [0, 1, 4]]) {
+        const run = yield* greedyRun(o.path, split, ref.prompt, 60, long)
+        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${split}`)
+      }
     }), 300_000)
 })
 
