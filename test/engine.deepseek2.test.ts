@@ -86,12 +86,14 @@ const checkParity = (label: string, path: string) =>
 
 describe("deepseek2: every split into 1, 2 and 3 stages gives node-llama-cpp's greedy tokens", () => {
   const cases: ReadonlyArray<readonly [SyntheticType, Partial<SyntheticModelOptions>, string]> = [
-    ["f32", {}, "q_lora 64"],
-    ["q8_0", {}, "q_lora 64"],
-    ["f32", { qLoraRank: 0, path: join(dir, "deepseek2-f32-noqlora.gguf") }, "no q compression (attn_q)"]
+    ["f32", {}, "q_lora 64, 8 experts, 2 used"],
+    ["q8_0", {}, "q_lora 64, 8 experts, 2 used"],
+    ["f32", { qLoraRank: 0, path: join(dir, "deepseek2-f32-noqlora.gguf") }, "no q compression (attn_q), 8 experts, 2 used"],
+    // DeepSeek V3's group-limited routing: 16 experts in 4 groups, the 2 best groups open, 4 experts used
+    ["f32", { experts: 16, expertsUsed: 4, expertGroups: { count: 4, used: 2 }, path: join(dir, "deepseek2-groups.gguf") }, "16 experts in 4 groups, 2 groups and 4 experts used"]
   ]
   for (const [type, extra, what] of cases) {
-    it.live(`deepseek2 ${type}, ${what}, 1 dense + 3 routed blocks, 8 experts, 2 used, 1 shared: ${N_TOKENS} greedy tokens at every split equal node-llama-cpp's, log-probs within 1e-4`, () =>
+    it.live(`deepseek2 ${type}, ${what}, 1 dense + 3 routed blocks, 1 shared: ${N_TOKENS} greedy tokens at every split equal node-llama-cpp's, log-probs within 1e-4`, () =>
       Effect.gen(function*() {
         const o = shape(type, extra)
         yield* writeSyntheticModel(o)
