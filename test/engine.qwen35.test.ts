@@ -7,17 +7,20 @@
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Exit } from "effect"
+import { Effect, Either, Exit, Stream } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
+import { layerLocal, run } from "../src/api/generate.js"
 import { synthCommand } from "../src/cli/SynthCommand.js"
+import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import type { StageInput } from "../src/domain/engine.js"
 import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { allSplits, decodeBatchGetsLoneBits, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
 
@@ -168,4 +171,48 @@ describe("qwen35: the DeltaNet state per sequence", () => {
       const fresh = yield* open()
       assert.deepStrictEqual(yield* c.forward(0, next), yield* fresh.forward(0, next))
     }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+})
+
+describe("qwen35 end to end: a killed stage agent resumes with identical text", () => {
+  // 3 stages + 1 spare on local agents over 8 blocks ([0-2] DeltaNet, [3] attention, [4-6] DeltaNet, [7] attention):
+  // the middle stage's agent (DeltaNet blocks) is killed with SIGKILL at token 12; the spare takes its stage, the
+  // prompt and the tokens so far are replayed (a prefill from position 0 on fresh sessions rebuilds every DeltaNet
+  // state), and the stream goes on to the uninterrupted run's tokens and text.
+  it.live("kill -9 of the middle stage with a spare: greedy output equals the uninterrupted run's", () =>
+    Effect.gen(function*() {
+      const o = model("e2e", { type: "q8_0" })
+      yield* writeSyntheticModel(o)
+      const req: GenerateRequest = { model: o.path, prompt: "Once upon a time", maxTokens: 40, threads: 1, stages: 3 }
+      const generate = (r: GenerateRequest, killAt?: number) =>
+        Effect.gen(function*() {
+          let agents: ReadonlyArray<LocalAgent> = []
+          let killed = false
+          const updates: Array<RunUpdate> = []
+          const result = yield* run(r).pipe(
+            Stream.provideLayer(layerLocal({ threads: 1, onStarted: (a) => (agents = a) })),
+            Stream.runForEach((u) =>
+              Effect.sync(() => {
+                updates.push(u)
+                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
+                  killed = true
+                  process.kill(agents[1]!.pid, "SIGKILL")
+                }
+              })
+            ),
+            Effect.either
+          )
+          const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+          const finished = updates.find((u) => u._tag === "Finished")
+          return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
+        })
+      const reference = yield* generate(req)
+      assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
+      assert.strictEqual(reference.tokens.length, 40)
+      assert.isAtLeast(new Set(reference.tokens).size, 4, "the stream is not trivial")
+      const outcome = yield* generate({ ...req, spares: 1 }, 12)
+      assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
+      assert.strictEqual(outcome.summary!.recoveries.length, 1)
+      assert.deepStrictEqual(outcome.tokens, reference.tokens)
+      assert.strictEqual(outcome.summary!.text, reference.summary!.text)
+    }), 180_000)
 })
