@@ -15,13 +15,16 @@ import { afterAll } from "vitest"
 import { layerLocal, run } from "../src/api/generate.js"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
-import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import { NativeSession } from "../src/layers/engine/KvCache.js"
+import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import type { StageInput } from "../src/domain/engine.js"
 import { logSoftmax, makeRng } from "../src/services/Sampler.js"
 import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
+import { kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../src/services/KvSize.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
+import * as Batch from "./support/batch.js"
 import { allSplits, decodeBatchGetsLoneBits, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
 
 const N_TOKENS = 32
@@ -171,6 +174,35 @@ describe("qwen35: the DeltaNet state per sequence", () => {
       const fresh = yield* open()
       assert.deepStrictEqual(yield* c.forward(0, next), yield* fresh.forward(0, next))
     }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+})
+
+describe("qwen35: memory of a stage", () => {
+  // 4 blocks split [0, 3) | [3, 4): three DeltaNet blocks, each a constant conv state of (4 - 1) x 256 and an SSM
+  // state of 32 x 32 x 4 F32 values per sequence; one attention block, K and V rows of 2 heads x 64 F16 per cell
+  it.live("a DeltaNet stage allocates a constant state per sequence; StageInfo counts exactly what is allocated", () =>
+    Effect.gen(function*() {
+      const o = model("bytes", { layers: LAYERS })
+      yield* writeSyntheticModel(o)
+      const stages = yield* Batch.loadSplit(o.path, [0, 3, 4])
+      const state = 4 * (3 * 256 + 32 * 32 * 4)
+      const row = kvBytesPerTokenOfBlock(128, 128)
+      for (const context of [64, 512]) {
+        const expected = [3 * state, kvCacheSize(context) * row]
+        stages.forEach((stage, i) => {
+          assert.instanceOf(stage, LiveLoadedStage)
+          const s = new NativeSession((stage as LiveLoadedStage).weights, context, 1)
+          try {
+            assert.strictEqual(s.kvBytes, expected[i], `stage ${i}, context ${context}`)
+            // what the agent reports and budgets for the stage
+            assert.strictEqual(kvBytesOfStage(stage.info, context), expected[i], `stage ${i}, context ${context}: StageInfo`)
+          } finally {
+            s.free()
+          }
+        })
+      }
+      assert.strictEqual(stages[0]!.info.kvBytesPerToken, 0)
+      assert.strictEqual(stages[0]!.info.stateBytes, 3 * state)
+    }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 60_000)
 })
 
 describe("qwen35 end to end: a killed stage agent resumes with identical text", () => {

@@ -44,6 +44,11 @@ export interface StageInfo {
    * capped near the window whatever the context (services/KvSize.ts `kvBytesOfStage`). Absent: none.
    */
   readonly kvWindow?: { readonly window: number; readonly bytesPerToken: number }
+  /**
+   * Bytes of the recurrent state one sequence holds on this stage (qwen35's DeltaNet blocks: conv + SSM state, F32),
+   * constant whatever the context; those blocks count nothing in `kvBytesPerToken`. Absent: none.
+   */
+  readonly stateBytes?: number
 }
 
 export type StageInput =

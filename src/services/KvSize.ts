@@ -51,13 +51,19 @@ interface KvBlock {
  * part sits in capped sliding-window caches).
  */
 export const kvBytesOfStage = (
-  info: { readonly kvBytesPerToken: number; readonly kvWindow?: { readonly window: number; readonly bytesPerToken: number } },
+  info: {
+    readonly kvBytesPerToken: number
+    readonly kvWindow?: { readonly window: number; readonly bytesPerToken: number }
+    readonly stateBytes?: number
+  },
   contextLength: number
 ): number => {
   const w = info.kvWindow
-  return w === undefined
+  // recurrent blocks (StageInfo.stateBytes): a constant state per sequence
+  const state = info.stateBytes ?? 0
+  return state + (w === undefined
     ? kvBytesOfSequence(info.kvBytesPerToken, contextLength)
-    : kvBytesOfBlocks([{ bytesPerToken: info.kvBytesPerToken - w.bytesPerToken }, { bytesPerToken: w.bytesPerToken, window: w.window }], contextLength)
+    : kvBytesOfBlocks([{ bytesPerToken: info.kvBytesPerToken - w.bytesPerToken }, { bytesPerToken: w.bytesPerToken, window: w.window }], contextLength))
 }
 
 /** KV bytes of one sequence of `contextLength` tokens over `blocks`: full blocks hold the context, windowed ones less. */

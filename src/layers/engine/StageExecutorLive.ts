@@ -31,6 +31,7 @@ import {
 import { forwardOne, runBatch } from "./Forward.js"
 import { kvRowWidths, type NativeItem, NativeSession } from "./KvCache.js"
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
+import { recurrentStateElems } from "./RecurrentParams.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
 import { getGgml } from "../ggml/Bindings.js"
@@ -135,6 +136,10 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
     // sliding-window blocks of the range: their KV caches are capped (KvCache.ts)
     let swaBlocks = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) if (hp.swa?.layers[il] === true) swaBlocks++
+    // DeltaNet blocks (HParams.recurrent): a constant state per sequence instead of K/V rows
+    let recurrentBlocks = 0
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) if (hp.recurrent?.layers[il] === true) recurrentBlocks++
+    const stateElems = hp.recurrent === undefined ? undefined : recurrentStateElems(hp.recurrent)
     const info: StageInfo = {
       arch: hp.arch,
       layerStart: spec.layerStart,
@@ -149,8 +154,9 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       bosTokenId: hp.bosTokenId,
       weightBytes: layout.weightBytes,
       backend: device === "gpu" ? "cuda" : "cpu",
-      kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart) *
+      kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart - recurrentBlocks) *
         kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v),
+      ...(recurrentBlocks === 0 ? {} : { stateBytes: recurrentBlocks * 4 * (stateElems!.conv + stateElems!.ssm) }),
       ...(swaBlocks === 0
         ? {}
         : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBlocks * kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v) } })
