@@ -146,19 +146,19 @@ export const synthCommand = Command.make(
       Options.withDescription("a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"),
       Options.optional
     ),
-    slidingWindow: int("sliding-window", "gemma3: sliding window of the local blocks (default 32)").pipe(Options.optional),
-    swaPattern: int("swa-pattern", "gemma3: one global block every N blocks (default 6: 5 local, 1 global)").pipe(
+    slidingWindow: int("sliding-window", "gemma3, gpt-oss: sliding window of the local blocks (default 32; gpt-oss 16)").pipe(Options.optional),
+    swaPattern: int("swa-pattern", "gemma3, gpt-oss: one global block every N blocks (default 6: 5 local, 1 global; gpt-oss 2)").pipe(
       Options.optional
     ),
     logitSoftcap: Options.float("logit-softcap").pipe(
       Options.withDescription("gemma3: final logit soft-capping (default: none)"),
       Options.optional
     ),
-    experts: int("experts", "qwen3moe, glm4moe, deepseek2: experts per block (default 8)").pipe(Options.optional),
-    expertsUsed: int("experts-used", "qwen3moe, glm4moe, deepseek2: experts each token goes through, at most --experts (default 2)").pipe(
+    experts: int("experts", "qwen3moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
+    expertsUsed: int("experts-used", "qwen3moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(
       Options.optional
     ),
-    expertFfn: int("expert-ffn", "qwen3moe, glm4moe, deepseek2: feed-forward length of one expert (default --ffn)").pipe(
+    expertFfn: int("expert-ffn", "qwen3moe, glm4moe, deepseek2, gpt-oss: feed-forward length of one expert (default --ffn)").pipe(
       Options.optional
     ),
     sharedExperts: int("shared-experts", "glm4moe, deepseek2: shared experts per routed block (default 1)").pipe(Options.optional),
