@@ -181,6 +181,8 @@ export interface StageMetrics {
   readonly computeBytes: number
   readonly residentBytes: number
   readonly peakResidentBytes: number
+  /** KV cache bytes of one sequence on the stage, as its agent sized them (capped sliding-window caches counted). */
+  readonly kvBytes: number
 }
 
 export interface ServerMetrics {

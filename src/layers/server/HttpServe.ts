@@ -500,6 +500,7 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   metric("swactor_stage_batch_rows_total", "counter", "Rows of those micro-batches, summed over requests", perStage((s) => s.batchRows))
   metric("swactor_stage_max_batch_sequences", "gauge", "Most sequences seen in one micro-batch", perStage((s) => s.maxBatchSequences))
   metric("swactor_stage_compute_buffer_bytes", "gauge", "The stage's compute buffers, measured by its agent", perStage((s) => s.computeBytes))
+  metric("swactor_stage_kv_bytes", "gauge", "KV cache bytes of one sequence on the stage, sliding-window caches capped", perStage((s) => s.kvBytes))
   metric(
     "swactor_stage_resident_bytes",
     "gauge",

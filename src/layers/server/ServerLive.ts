@@ -817,7 +817,8 @@ export const make = (options: ServeOptions) =>
         stragglerTokens: 0,
         computeBytes: 0,
         residentBytes: 0,
-        peakResidentBytes: 0
+        peakResidentBytes: 0,
+        kvBytes: 0
       }
       metrics.stages.set(stageIndex, m)
       return m
@@ -837,6 +838,7 @@ export const make = (options: ServeOptions) =>
           m.computeBytes = stage.computeBytes
           m.residentBytes = stage.residentBytes
           m.peakResidentBytes = Math.max(m.peakResidentBytes, stage.peakResidentBytes)
+          m.kvBytes = stage.kvBytes
         }
       }
     }

@@ -1,0 +1,109 @@
+/**
+ * Capped sliding-window caches end to end (specs GM7): `swactor run --dry-run` shows each stage's memory with its
+ * sliding-window blocks' KV capped (placement's cost model), and `swactor serve`'s `swactor_stage_kv_bytes` gauge gives
+ * what each stage's agent sized for a request: the per-block formula, less than full-size caches.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { spawn } from "node:child_process"
+import { Effect } from "effect"
+import { mkdtempSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
+import { join } from "node:path"
+import { afterAll } from "vitest"
+import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
+import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
+import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
+import { kvBytesOfBlocks, kvBytesPerTokenOfBlock } from "../src/services/KvSize.js"
+import { computeReserveBytes, stageMemoryBytes } from "../src/services/Placement.js"
+import { metricOf, startServe, stopServe } from "./support/serve.js"
+import { repoRoot } from "./support/models.js"
+
+const dir = mkdtempSync(join(tmpdir(), "swactor-swa-memory-"))
+afterAll(() => rmSync(dir, { recursive: true, force: true }))
+
+// 4 blocks, pattern 2: blocks 0 and 2 slide over 16 positions (rings of 256 cells), 1 and 3 are global
+const model = (name: string, window: number): SyntheticModelOptions => ({
+  path: join(dir, `${name}.gguf`),
+  arch: "gemma3",
+  layers: 4,
+  hidden: 256,
+  ffn: 512,
+  heads: 4,
+  kvHeads: 4,
+  vocab: 400,
+  contextLength: 4096,
+  type: "f32",
+  seed: 81,
+  slidingWindow: window,
+  swaPattern: 2
+})
+const ROW = kvBytesPerTokenOfBlock(64 * 4, 64 * 4)
+const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
+
+const cli = (args: ReadonlyArray<string>) =>
+  Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
+    const { args: argv, command } = swactorCommand(args)
+    const child = spawn(command, argv, { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] })
+    let stdout = ""
+    let stderr = ""
+    child.stdout.on("data", (chunk) => (stdout += chunk))
+    child.stderr.on("data", (chunk) => (stderr += chunk))
+    child.on("exit", (code) => resume(Effect.succeed({ code, stdout, stderr })))
+  })
+
+describe("capped sliding-window caches: --dry-run and /metrics", () => {
+  it.live("swactor run --dry-run: each stage's memory counts its sliding blocks' rings, not the context", () =>
+    Effect.gen(function*() {
+      const capped = model("capped", 16)
+      const wide = model("wide", 8192)
+      yield* writeSyntheticModel(capped)
+      yield* writeSyntheticModel(wide)
+      // prompt + 4000 tokens + 1 -> a context of 4096 cells
+      const args = (path: string) => ["run", "--model", path, "--threads", "1", "--dry-run", "--layers", "0-1,2-3", "--max-tokens", "4000"]
+      const out = yield* cli(args(capped.path))
+      assert.strictEqual(out.code, 0, out.stderr)
+      const outWide = yield* cli(args(wide.path))
+      assert.strictEqual(outWide.code, 0, outWide.stderr)
+      const layout = yield* readModelLayout(capped.path)
+      const options = { contextTokens: 4096, computeBytes: computeReserveBytes(layout, 4096) }
+      for (const [start, end] of [[0, 2], [2, 4]] as const) {
+        const memory = stageMemoryBytes(layout, start, end, options)
+        // one full block of 4096 cells and one ring of 256 on each stage
+        const { slidingWindow: _, ...uncapped } = layout
+        assert.strictEqual(stageMemoryBytes(uncapped, start, end, options) - memory, (4096 - 256) * ROW)
+        const line = new RegExp(`blocks \\[${start}, ${end}\\), .*, (\\d+\\.\\d MiB) with KV and buffers`)
+        assert.strictEqual(line.exec(out.stdout)?.[1], mib(memory), out.stdout)
+        // the same weights with the window past the context: every block holds the context
+        assert.strictEqual(line.exec(outWide.stdout)?.[1], mib(stageMemoryBytes(uncapped, start, end, options)), outWide.stdout)
+      }
+    }), 180_000)
+
+  it.live("swactor serve: swactor_stage_kv_bytes gives each stage's per-block KV, sliding blocks capped", () =>
+    Effect.gen(function*() {
+      const capped = model("served", 16)
+      yield* writeSyntheticModel(capped)
+      const server = yield* Effect.promise(() =>
+        startServe(["--model", capped.path, "--stages", "2", "--threads", "1", "--prompt-cache", "off"])
+      )
+      try {
+        const response = yield* Effect.promise(() =>
+          fetch(`${server.url}/v1/completions`, {
+            method: "POST",
+            headers: { "content-type": "application/json" },
+            body: JSON.stringify({ prompt: "Once upon a time", max_tokens: 600, temperature: 0 })
+          }).then((r) => r.json() as Promise<{ usage: { prompt_tokens: number } }>)
+        )
+        // the run's context: prompt + max_tokens + 1, aligned to 256
+        const context = Math.ceil((response.usage.prompt_tokens + 600 + 1) / 256) * 256
+        assert.isAbove(context, 256)
+        // 2 stages, blocks [0, 2) and [2, 4): a ring and a full block each
+        const perStage = kvBytesOfBlocks([{ bytesPerToken: ROW, window: 16 }, { bytesPerToken: ROW }], context)
+        assert.strictEqual(perStage, (256 + context) * ROW)
+        for (const stage of [0, 1]) {
+          assert.strictEqual(yield* Effect.promise(() => metricOf(server.url, `swactor_stage_kv_bytes{stage="${stage}"}`)), perStage)
+        }
+      } finally {
+        yield* Effect.promise(() => stopServe(server))
+      }
+    }), 180_000)
+})
