@@ -22,6 +22,8 @@ import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } f
 import type { StageInput } from "../src/domain/engine.js"
 import { logSoftmax, makeRng } from "../src/services/Sampler.js"
 import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
+import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
+import { stageMemoryBytes } from "../src/services/Placement.js"
 import { kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../src/services/KvSize.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
@@ -199,6 +201,17 @@ describe("qwen35: memory of a stage", () => {
             s.free()
           }
         })
+      }
+      // what placement and --dry-run read from the file: the same bytes per block type
+      const layout = yield* readModelLayout(o.path)
+      assert.deepStrictEqual(layout.kvBytesPerToken, [0, 0, 0, row])
+      assert.deepStrictEqual(layout.stateBytes, [state, state, state, 0])
+      for (const context of [64, 512]) {
+        const opts = { contextTokens: context, computeBytes: 0 }
+        const weights = layout.inputBytes + layout.blockBytes[0]! + layout.blockBytes[1]! + layout.blockBytes[2]!
+        assert.strictEqual(stageMemoryBytes(layout, 0, 3, opts), weights + 3 * state, `placement, context ${context}`)
+        const attnWeights = layout.blockBytes[3]! + layout.outputBytes
+        assert.strictEqual(stageMemoryBytes(layout, 3, 4, opts), attnWeights + context * row, `placement, context ${context}`)
       }
       assert.strictEqual(stages[0]!.info.kvBytesPerToken, 0)
       assert.strictEqual(stages[0]!.info.stateBytes, 3 * state)

@@ -220,6 +220,11 @@ export const ModelLayout = Schema.Struct({
    * capped near the window (services/KvSize.ts swaCacheSize) whatever the context. Absent: every block holds the context.
    */
   slidingWindow: Schema.optional(Schema.Struct({ window: Schema.Number, blocks: Schema.Array(Schema.Boolean) })),
+  /**
+   * Recurrent-state bytes one sequence holds in each block, whatever the context (qwen35's DeltaNet blocks: conv +
+   * SSM state, F32; their kvBytesPerToken is 0). Absent: none.
+   */
+  stateBytes: Schema.optional(Schema.Array(Schema.Number)),
   inputBytes: Schema.Number,
   outputBytes: Schema.Number,
   hiddenDim: Schema.Number

@@ -92,7 +92,9 @@ const costing = (layout: ModelLayout, options: PlacementOptions): Costing => ({
   weightPrefix: prefix(layout.blockBytes),
   activePrefix: prefix(layout.activeBlockBytes ?? layout.blockBytes),
   // KV bytes of one sequence per block: the context, or a sliding-window block's capped cache (services/KvSize.ts)
-  kvPrefix: prefix(layout.kvBytesPerToken.map((b, i) => b * kvCellsOfBlock(layout, i, options.contextTokens))),
+  kvPrefix: prefix(
+    layout.kvBytesPerToken.map((b, i) => b * kvCellsOfBlock(layout, i, options.contextTokens) + (layout.stateBytes?.[i] ?? 0))
+  ),
   numLayers: layout.blockBytes.length,
   layout,
   contextTokens: options.contextTokens,

@@ -159,7 +159,17 @@ const layoutOfFile = (
   }
   const bytes = (name: string) => file.tensorsByName.get(name)?.byteSize ?? 0
   const width = (name: string) => file.tensorsByName.get(name)?.dims[1]
+  // a gated DeltaNet block (qwen35): no KV rows, a constant state of (kernel - 1) x channels + S x S x heads F32
+  const stateOf = (i: number): number | undefined => {
+    const conv = file.tensorsByName.get(`blk.${i}.ssm_conv1d.weight`)?.dims
+    const heads = file.tensorsByName.get(`blk.${i}.ssm_a`)?.dims[0]
+    const size = file.tensorsByName.get(`blk.${i}.ssm_norm.weight`)?.dims[0]
+    if (conv === undefined || heads === undefined || size === undefined) return undefined
+    return 4 * ((conv[0]! - 1) * conv[1]! + size * size * heads)
+  }
+  const stateBytes = blockBytes.map((_, i) => stateOf(i) ?? 0)
   const kvBytesPerToken = blockBytes.map((_, i) => {
+    if (stateOf(i) !== undefined) return 0
     // latent attention (deepseek2): the cache holds attn_kv_a_mqa's output (latent + RoPE part) only, V is a view of it
     const latent = width(`blk.${i}.attn_kv_a_mqa.weight`)
     if (latent !== undefined) return kvBytesPerTokenOfBlock(latent, 0)
@@ -173,6 +183,7 @@ const layoutOfFile = (
     activeBlockBytes,
     kvBytesPerToken,
     ...(slidingWindow === undefined ? {} : { slidingWindow }),
+    ...(stateBytes.some((b) => b > 0) ? { stateBytes } : {}),
     inputBytes: bytes("token_embd.weight"),
     outputBytes: bytes("output_norm.weight") + output,
     hiddenDim
