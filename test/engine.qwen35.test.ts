@@ -18,6 +18,8 @@ import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { type GgufTypedValue, GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
+import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import type { StageInput } from "../src/domain/engine.js"
 import { logSoftmax, makeRng } from "../src/services/Sampler.js"
@@ -176,6 +178,36 @@ describe("qwen35: the DeltaNet state per sequence", () => {
       const fresh = yield* open()
       assert.deepStrictEqual(yield* c.forward(0, next), yield* fresh.forward(0, next))
     }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+})
+
+describe("qwen35: bad metadata is a typed error naming the key", () => {
+  const cases: ReadonlyArray<readonly [string, string, GgufTypedValue | null, string]> = [
+    ["no-conv", "qwen35.ssm.conv_kernel", null, "is missing"],
+    ["inner", "qwen35.ssm.inner_size", GgufValues.u32(100), "must be ssm.state_size x ssm.time_step_rank"],
+    ["groups", "qwen35.ssm.group_count", GgufValues.u32(3), "must be a multiple of"],
+    ["sections", "qwen35.rope.dimension_sections", GgufValues.array(GgufValueType.INT32, [1, 1, 1, 5]), "4th position"],
+    ["recurrent-array", "qwen35.attention.recurrent_layers", GgufValues.array(GgufValueType.BOOL, [true, true, true, false]), "not supported"]
+  ]
+  for (const [name, key, value, words] of cases) {
+    it.live(`${key} ${value === null ? "missing" : JSON.stringify(value.value)}: ModelLoadError naming it`, () =>
+      Effect.gen(function*() {
+        const path = join(dir, `bad-${name}.gguf`)
+        const s = syntheticModelSpec(model(`bad-${name}`, { layers: LAYERS }))
+        const md = s.metadata.filter(([k]) => k !== key)
+        if (value !== null) md.push([key, value])
+        yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
+        const executor = yield* StageExecutor
+        const exit: Exit.Exit<unknown, ModelLoadError> = yield* Effect.exit(Effect.scoped(
+          executor.load({ path, layerStart: 0, layerEndExclusive: LAYERS, isFirst: true, isLast: true })
+        ))
+        assert.isTrue(Exit.isFailure(exit) && exit.cause._tag === "Fail", `a typed failure: ${String(exit)}`)
+        if (Exit.isFailure(exit) && exit.cause._tag === "Fail") {
+          assert.strictEqual(exit.cause.error._tag, "ModelLoadError")
+          assert.include(exit.cause.error.message, key)
+          assert.include(exit.cause.error.message, words)
+        }
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+  }
 })
 
 describe("qwen35: memory of a stage", () => {

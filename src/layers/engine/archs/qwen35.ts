@@ -78,7 +78,7 @@ const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const vHeads = yield* u32("ssm.time_step_rank")
     const kHeads = yield* u32("ssm.group_count")
     if (vHeads % kHeads !== 0) {
-      return yield* Effect.fail(invalid(file, k("ssm.time_step_rank"), `${vHeads} must be a multiple of ssm.group_count ${kHeads}`))
+      return yield* Effect.fail(invalid(file, k("ssm.time_step_rank"), `${vHeads} must be a multiple of ${k("ssm.group_count")} = ${kHeads}`))
     }
     if (inner !== stateSize * vHeads) {
       return yield* Effect.fail(invalid(file, k("ssm.inner_size"), `${inner} must be ssm.state_size x ssm.time_step_rank = ${stateSize * vHeads}`))
