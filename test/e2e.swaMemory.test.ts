@@ -1,7 +1,9 @@
 /**
  * Capped sliding-window caches end to end (specs GM7): `swactor run --dry-run` shows each stage's memory with its
  * sliding-window blocks' KV capped (placement's cost model), and `swactor serve`'s `swactor_stage_kv_bytes` gauge gives
- * what each stage's agent sized for a request: the per-block formula, less than full-size caches.
+ * what each stage's agent sized for a request: the per-block formula, less than full-size caches. A prompt-cache entry
+ * whose window the ring has since overwritten (its request generated past the ring) is not adopted: the next prompt
+ * sharing its prefix is prefilled whole, with the text of a server that has the cache off (specs GM6).
  */
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
@@ -15,7 +17,7 @@ import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { kvBytesOfBlocks, kvBytesPerTokenOfBlock } from "../src/services/KvSize.js"
 import { computeReserveBytes, stageMemoryBytes } from "../src/services/Placement.js"
-import { metricOf, startServe, stopServe } from "./support/serve.js"
+import { metricOf, type ServeProcess, startServe, stopServe } from "./support/serve.js"
 import { repoRoot } from "./support/models.js"
 
 const dir = mkdtempSync(join(tmpdir(), "swactor-swa-memory-"))
@@ -106,4 +108,46 @@ describe("capped sliding-window caches: --dry-run and /metrics", () => {
         yield* Effect.promise(() => stopServe(server))
       }
     }), 180_000)
+
+  it.live("swactor serve: an entry whose window the ring overwrote is prefilled again, with the cache-off text", () =>
+    Effect.gen(function*() {
+      const m = model("cached", 16)
+      yield* writeSyntheticModel(m)
+      const env = { SWACTOR_PREFILL_CHUNK: "8" }
+      const args = ["--model", m.path, "--stages", "2", "--threads", "1"]
+      const complete = (server: ServeProcess, prompt: string, maxTokens: number) =>
+        Effect.promise(async () => {
+          const r = await fetch(`${server.url}/v1/completions`, {
+            method: "POST",
+            headers: { "content-type": "application/json" },
+            body: JSON.stringify({ prompt, max_tokens: maxTokens, temperature: 0 })
+          })
+          const json = (await r.json()) as {
+            choices: Array<{ text: string }>
+            usage: { prompt_tokens: number; completion_tokens: number; prompt_tokens_details: { cached_tokens: number } }
+          }
+          assert.strictEqual(r.status, 200, JSON.stringify(json))
+          return { text: json.choices[0]!.text, usage: json.usage }
+        })
+      const on = yield* Effect.promise(() => startServe(args, env))
+      const off = yield* Effect.promise(() => startServe([...args, "--prompt-cache", "off"], env))
+      try {
+        const P = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
+        const Q = "The old dog sat by the door every morning and waited for the boy to come home from school"
+        // within the ring: the entry of P is adopted (its positions and their window are held)
+        yield* complete(on, P, 20)
+        const p2 = yield* complete(on, `${P} and her dog`, 20)
+        assert.isAbove(p2.usage.prompt_tokens_details.cached_tokens, 8, "P's entry adopted")
+        assert.strictEqual(p2.text, (yield* complete(off, `${P} and her dog`, 20)).text)
+        // Q generates 400 tokens: its stages' rings (256 cells) then hold positions past Q's prompt only
+        const q1 = yield* complete(on, Q, 400)
+        assert.strictEqual(q1.usage.completion_tokens, 400)
+        assert.isAtLeast(q1.usage.prompt_tokens, 9, "Q's entry would be adoptable in whole chunks of 8")
+        const q2 = yield* complete(on, `${Q} and the cat`, 20)
+        assert.strictEqual(q2.usage.prompt_tokens_details.cached_tokens, 0, "Q's entry is not adopted")
+        assert.strictEqual(q2.text, (yield* complete(off, `${Q} and the cat`, 20)).text)
+      } finally {
+        yield* Effect.promise(() => Promise.all([stopServe(on), stopServe(off)]))
+      }
+    }), 240_000)
 })
