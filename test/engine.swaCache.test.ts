@@ -52,14 +52,16 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
 })
 
 /** node-llama-cpp's greedy tokens (default capped SWA cache; flash attention on, F16 KV, 1 thread). */
-const reference = (path: string, n: number) =>
+const reference = (path: string, n: number, promptTokens?: ReadonlyArray<number>) =>
   Effect.promise(async () => {
     const llama = await referenceLlama()
     const m = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
     try {
       const ctx = await m.createContext({ contextSize: CONTEXT, threads: 1, flashAttention: true, sequences: 1 })
       try {
-        const prompt = [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
+        const prompt = promptTokens !== undefined
+          ? [...promptTokens]
+          : [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
         const tokens: Array<number> = []
         for await (const t of ctx.getSequence().evaluate(prompt, { temperature: 0 })) {
           tokens.push(t)
@@ -93,6 +95,24 @@ describe("capped sliding-window caches: the ring wraps and the tokens still matc
         assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
       }
     }), 600_000)
+})
+
+describe("capped sliding-window caches: a prompt longer than one call may take", () => {
+  // the ring (256 cells, window 16) holds the positions of at most 241 rows of one call: a 300-token prompt in one
+  // forward runs in two pieces (Forward.ts runInPieces), as llama.cpp splits a batch into ubatches
+  it.live("a 300-token prompt in one forward at every split: node-llama-cpp's 40 greedy tokens", () =>
+    Effect.gen(function*() {
+      const o = model("swa-long-prompt", { seed: 54 })
+      yield* writeSyntheticModel(o)
+      const r = makeRng(81)
+      const prompt = Array.from({ length: 300 }, () => 3 + Math.floor(r() * 397))
+      const ref = yield* reference(o.path, 40, prompt)
+      assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+      for (const split of allSplits(o.layers, 3)) {
+        const run = yield* greedyRun(o.path, split, prompt, 40, { threads: 1, contextLength: CONTEXT })
+        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+      }
+    }), 300_000)
 })
 
 describe("capped sliding-window caches: batched = alone while the rings wrap", () => {
