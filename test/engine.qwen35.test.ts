@@ -180,6 +180,44 @@ describe("qwen35: the DeltaNet state per sequence", () => {
     }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
 })
 
+describe("qwen35: 8 sequences batched together equal the same sequences alone", () => {
+  // each sequence reads and writes its own DeltaNet states inside shared batches: joins, early finishes, one chunked
+  // prefill (its state carried from chunk to chunk), prefill rows beside decode rows; q8_0 on the few-row route
+  const r = makeRng(21)
+  const prompt = (n: number) => Array.from({ length: n }, () => 3 + Math.floor(r() * 390))
+  const plans = [
+    { prompt: prompt(5), start: 0, steps: 16 },
+    { prompt: prompt(11), start: 0, steps: 16 },
+    { prompt: prompt(1), start: 0, steps: 10 },
+    { prompt: prompt(17), start: 2, steps: 16 },
+    { prompt: prompt(7), start: 4, steps: 8 },
+    { prompt: prompt(3), start: 1, steps: 16 },
+    { prompt: prompt(9), start: 3, steps: 12 },
+    { prompt: prompt(40), start: 1, steps: 16, chunk: 16 }
+  ]
+  it.live("q8_0, 1/2/3 stages cut between DeltaNet and attention blocks: bit-identical logits to the lone runs", () =>
+    Effect.gen(function*() {
+      const o = model("batched", { layers: LAYERS, type: "q8_0" })
+      yield* writeSyntheticModel(o)
+      for (const split of [[0, 4], [0, 3, 4], [0, 1, 3, 4]]) {
+        yield* Effect.scoped(Effect.gen(function*() {
+          const stages = yield* Batch.loadSplit(o.path, split)
+          const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, 128)))
+          const batched = yield* Batch.runBatched(stages, plans, 128)
+          assert.strictEqual(batched.maxLive, 8, "all 8 sequences were in one batch at some step")
+          assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
+          assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
+          plans.forEach((_, i) => {
+            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
+            alone[i]!.logits.forEach((l, j) =>
+              assert.isTrue(Batch.sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
+            )
+          })
+        }))
+      }
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 8 }))), 240_000)
+})
+
 describe("qwen35: bad metadata is a typed error naming the key", () => {
   const cases: ReadonlyArray<readonly [string, string, GgufTypedValue | null, string]> = [
     ["no-conv", "qwen35.ssm.conv_kernel", null, "is missing"],
