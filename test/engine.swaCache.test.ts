@@ -11,6 +11,7 @@ import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
+import type { Token } from "node-llama-cpp"
 import { afterAll } from "vitest"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
@@ -63,7 +64,7 @@ const reference = (path: string, n: number, promptTokens?: ReadonlyArray<number>
           ? [...promptTokens]
           : [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
         const tokens: Array<number> = []
-        for await (const t of ctx.getSequence().evaluate(prompt, { temperature: 0 })) {
+        for await (const t of ctx.getSequence().evaluate(prompt as Array<Token>, { temperature: 0 })) {
           tokens.push(t)
           if (tokens.length >= n) break
         }
