@@ -26,7 +26,8 @@ import { logSoftmax, makeRng } from "../src/services/Sampler.js"
 import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { stageMemoryBytes } from "../src/services/Placement.js"
-import { kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../src/services/KvSize.js"
+import { kvBytesPerSequence, readKvBytesPerBlockToken } from "../src/layers/server/ServerLive.js"
+import { kvBytesOfSequence, kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../src/services/KvSize.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import { allSplits, decodeBatchGetsLoneBits, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
@@ -282,6 +283,15 @@ describe("qwen35: memory of a stage", () => {
         assert.strictEqual(stageMemoryBytes(layout, 0, 3, opts), weights + 3 * state, `placement, context ${context}`)
         const attnWeights = layout.blockBytes[3]! + layout.outputBytes
         assert.strictEqual(stageMemoryBytes(layout, 3, 4, opts), attnWeights + context * row, `placement, context ${context}`)
+      }
+      // the server's admission: the heaviest planned stage, a DeltaNet block weighing its state
+      const facts = yield* readKvBytesPerBlockToken(o.path)
+      assert.deepStrictEqual(facts.recurrent, { blocks: [true, true, true, false], stateBytes: state })
+      const shape = { layersPerStage: 2, kvBytesPerBlockToken: facts.bytes, recurrent: facts.recurrent }
+      for (const context of [64, 4096]) {
+        const attention = kvBytesOfSequence(row, context)
+        assert.strictEqual(kvBytesPerSequence({ ...shape, ranges: [[0, 3], [3, 4]] }, context), Math.max(3 * state, attention))
+        assert.strictEqual(kvBytesPerSequence(shape, context), 2 * Math.max(state, attention), "stages not yet planned")
       }
       assert.strictEqual(stages[0]!.info.kvBytesPerToken, 0)
       assert.strictEqual(stages[0]!.info.stateBytes, 3 * state)

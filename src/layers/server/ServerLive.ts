@@ -46,10 +46,23 @@ export const kvBytesPerSequence = (
     readonly kvBytesPerBlockToken: number
     readonly slidingWindow?: SlidingWindowLayout | undefined
     readonly ranges?: ReadonlyArray<readonly [number, number]>
+    /** DeltaNet blocks (qwen35): which blocks keep a constant state per sequence instead of KV, and its bytes. */
+    readonly recurrent?: RecurrentLayout | undefined
   },
   contextLength: number
 ): number => {
   const sw = shape.slidingWindow
+  const rec = shape.recurrent
+  if (rec !== undefined) {
+    const perToken = kvBytesOfSequence(shape.kvBytesPerBlockToken, contextLength)
+    // stages unknown: every block of a stage as the heavier of the two kinds
+    if (shape.ranges === undefined || shape.ranges.length === 0) return shape.layersPerStage * Math.max(perToken, rec.stateBytes)
+    return Math.max(...shape.ranges.map(([start, end]) => {
+      let sum = 0
+      for (let il = start; il < end; il++) sum += rec.blocks[il] === true ? rec.stateBytes : perToken
+      return sum
+    }))
+  }
   if (sw === undefined || shape.ranges === undefined || shape.ranges.length === 0) {
     return kvBytesOfSequence(shape.layersPerStage * shape.kvBytesPerBlockToken, contextLength)
   }
@@ -64,13 +77,41 @@ export const kvBytesPerSequence = (
   ))
 }
 
+/** Which blocks are DeltaNet blocks (qwen35) and the state bytes one sequence holds in each. */
+interface RecurrentLayout {
+  readonly blocks: ReadonlyArray<boolean>
+  readonly stateBytes: number
+}
+
+/** qwen35's DeltaNet blocks from its metadata (`ssm.*`, `full_attention_interval`, default 4); undefined: none. */
+const recurrentOf = (file: GgufFile, arch: string, blocks: number) =>
+  Effect.gen(function*() {
+    const u32 = (key: string) => Gguf.getOptional(file, `${arch}.${key}`, Gguf.getU32)
+    const kernel = yield* u32("ssm.conv_kernel")
+    const state = yield* u32("ssm.state_size")
+    const groups = yield* u32("ssm.group_count")
+    const heads = yield* u32("ssm.time_step_rank")
+    if (kernel === undefined || state === undefined || groups === undefined || heads === undefined) return undefined
+    const interval = (yield* u32("full_attention_interval")) ?? 4
+    if (interval === 0) return undefined
+    const layout: RecurrentLayout = {
+      blocks: Array.from({ length: blocks }, (_, il) => (il + 1) % interval !== 0),
+      stateBytes: 4 * ((kernel - 1) * (2 * state * groups + state * heads) + state * state * heads)
+    }
+    return layout
+  })
+
 /** KV bytes per token per block, from the GGUF's attention facts, and the blocks that slide (capped caches). */
-const readKvBytesPerBlockToken = (path: string) =>
+export const readKvBytesPerBlockToken = (path: string) =>
   Effect.gen(function*() {
     const file = yield* Gguf.readGgufFile(path)
     const arch = yield* Gguf.getArchitecture(file)
     const blocks = yield* Gguf.getU32(file, `${arch}.block_count`)
-    return { bytes: yield* kvBytesPerBlockTokenOf(file, arch), slidingWindow: slidingWindowOf(file, arch, blocks) }
+    return {
+      bytes: yield* kvBytesPerBlockTokenOf(file, arch),
+      slidingWindow: slidingWindowOf(file, arch, blocks),
+      recurrent: arch === "qwen35" ? yield* recurrentOf(file, arch, blocks) : undefined
+    }
   })
 
 const kvBytesPerBlockTokenOf = (file: GgufFile, arch: string) =>
@@ -282,6 +323,7 @@ export const make = (options: ServeOptions) =>
       maxSeqLen: number
       slidingWindow?: SlidingWindowLayout | undefined
       ranges?: ReadonlyArray<readonly [number, number]>
+      recurrent?: RecurrentLayout | undefined
     } = { layersPerStage: 0, kvBytesPerBlockToken: 0, maxSeqLen: 0 }
     const sizing: KvSizing = {
       budget: () =>
@@ -546,6 +588,7 @@ export const make = (options: ServeOptions) =>
       const kv = yield* readKvBytesPerBlockToken(options.model)
       shape.kvBytesPerBlockToken = kv.bytes
       shape.slidingWindow = kv.slidingWindow
+      shape.recurrent = kv.recurrent
       yield* observePipeline(pipeline)
       admission = makeAdmission(sizing, parallel, queueLimit, heldKv)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
