@@ -126,6 +126,22 @@ describe("qwen35: every split into 1-3 stages matches node-llama-cpp", () => {
     }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 300_000)
 })
 
+describe("qwen35: 8 blocks, q8_0", () => {
+  it.live("q8_0, 8 blocks (two 3 DeltaNet : 1 attention groups), tied output: 48 greedy tokens of all 29 splits into 1-3 stages equal node-llama-cpp's", () =>
+    Effect.gen(function*() {
+      const o = model("parity-q8", { type: "q8_0", tiedOutput: true })
+      yield* writeSyntheticModel(o)
+      const ref = yield* Effect.promise(() => referenceRun(o.path, PROMPT, 48, options))
+      assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+      const splits = allSplits(8, 3)
+      assert.strictEqual(splits.length, 29)
+      for (const split of splits) {
+        const run = yield* greedyRun(o.path, split, ref.prompt, 48, options)
+        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+      }
+    }), 300_000)
+})
+
 describe("qwen35: the DeltaNet state per sequence", () => {
   const whole = (o: SyntheticModelOptions) =>
     Effect.gen(function*() {
