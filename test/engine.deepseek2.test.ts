@@ -7,6 +7,7 @@
  *   greedy tokens on the same file;
  * - sequences batched together equal the same sequences alone;
  * - the cache and the byte counts hold the latent row only (kv_lora_rank + rope per token and block);
+ * - with YaRN (factor 4, log multiplier 0.1) the same, and node-llama-cpp's tokens differ without it;
  * - bad metadata is a typed ModelLoadError naming the key.
  */
 import { assert, describe, it } from "@effect/vitest"
@@ -100,6 +101,24 @@ describe("deepseek2: every split into 1, 2 and 3 stages gives node-llama-cpp's g
         yield* checkParity(`deepseek2 ${type} ${what}`, o.path)
       }), 240_000)
   }
+})
+
+describe("deepseek2 with YaRN (DeepSeek V3 / R1's rope.scaling keys) gives node-llama-cpp's greedy tokens", () => {
+  // factor 4 over an original context of CONTEXT / 8, yarn_log_multiplier 0.1 as the convert script writes DeepSeek
+  // V3's mscale_all_dim 1: llama.cpp's deepseek2 graph scales kq by mscale^2 and passes its own RoPE attn_factor.
+  // Shown to bite: node-llama-cpp's tokens on the same weights without the YaRN keys differ.
+  const yarn = { factor: 4, originalContext: CONTEXT / 8, logMultiplier: 0.1 }
+  it.live(`deepseek2 f32, YaRN factor 4, original context ${CONTEXT / 8}, log multiplier 0.1: ${N_TOKENS} greedy tokens at every split equal node-llama-cpp's, log-probs within 1e-4`, () =>
+    Effect.gen(function*() {
+      const o = shape("f32", { path: join(dir, "deepseek2-yarn.gguf"), deepseekYarn: yarn })
+      yield* writeSyntheticModel(o)
+      yield* checkParity("deepseek2 f32 yarn", o.path)
+      const ref = yield* Effect.promise(() => referenceRun(o.path, "Once upon a time", N_TOKENS, options))
+      const plain = shape("f32", { path: join(dir, "deepseek2-yarn-off.gguf") })
+      yield* writeSyntheticModel(plain)
+      const without = yield* Effect.promise(() => referenceRun(plain.path, "Once upon a time", N_TOKENS, options))
+      assert.notDeepEqual(without.tokens, ref.tokens, "node-llama-cpp without YaRN gives other tokens")
+    }), 300_000)
 })
 
 /** 6 sequences, different prompts (each row routes to its own experts), joins, early finishes, a chunked prefill. */
@@ -210,14 +229,24 @@ describe("deepseek2: bad metadata is a typed error naming the key, never an abor
     ["MTP layers", "deepseek2.nextn_predict_layers", u32(1)],
     ["attention temperature", "deepseek2.attention.temperature_scale", GgufValues.f32(0.1)]
   ]
-  it.live(`YaRN: InvalidMetadata naming "deepseek2.rope.scaling.type"`, () =>
+  it.live(`linear RoPE scaling: InvalidMetadata naming "deepseek2.rope.scaling.type"`, () =>
     Effect.gen(function*() {
-      const r = yield* loadTweaked("yarn", (md) => {
-        setKey("deepseek2.rope.scaling.type", GgufValues.string("yarn"))(md)
+      const r = yield* loadTweaked("linear", (md) => {
+        setKey("deepseek2.rope.scaling.type", GgufValues.string("linear"))(md)
         setKey("deepseek2.rope.scaling.factor", GgufValues.f32(4))(md)
       })
       assert.strictEqual(r.reason, "InvalidMetadata", r.message)
       assert.include(r.message, "deepseek2.rope.scaling.type")
+    }))
+  it.live(`YaRN with a negative log multiplier: InvalidMetadata naming "deepseek2.rope.scaling.yarn_log_multiplier"`, () =>
+    Effect.gen(function*() {
+      const r = yield* loadTweaked("yarn-logmul", (md) => {
+        setKey("deepseek2.rope.scaling.type", GgufValues.string("yarn"))(md)
+        setKey("deepseek2.rope.scaling.factor", GgufValues.f32(4))(md)
+        setKey("deepseek2.rope.scaling.yarn_log_multiplier", GgufValues.f32(-1))(md)
+      })
+      assert.strictEqual(r.reason, "InvalidMetadata", r.message)
+      assert.include(r.message, "deepseek2.rope.scaling.yarn_log_multiplier")
     }))
   for (const [what, key, value] of cases) {
     it.live(`${what}: InvalidMetadata naming "${key}"`, () =>

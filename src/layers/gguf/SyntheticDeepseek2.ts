@@ -17,6 +17,11 @@ export interface SyntheticDeepseek2Options {
   readonly qLoraRank?: number
   /** deepseek2: the RoPE part of each head (`rope.dimension_count`, default half the head size). */
   readonly ropeDim?: number
+  /**
+   * deepseek2: YaRN as DeepSeek V3 / R1 ship it (`rope.scaling.type` yarn, `factor`, `original_context_length`,
+   * `yarn_log_multiplier` as the convert script writes it: mscale_all_dim x 0.1; absent: no multiplier key); default none.
+   */
+  readonly deepseekYarn?: { readonly factor: number; readonly originalContext: number; readonly logMultiplier?: number }
 }
 
 interface Shape extends SyntheticDeepseek2Options {
@@ -33,8 +38,19 @@ const sizes = (o: Shape) => {
 
 /** What is wrong with the deepseek2 options, or undefined (also refuses them on another architecture). */
 export const validateDeepseek2Options = (o: Shape): string | undefined => {
-  const given = o.kvLoraRank !== undefined || o.qLoraRank !== undefined || o.ropeDim !== undefined
-  if (o.arch !== "deepseek2") return given ? `kvLoraRank, qLoraRank and ropeDim are for deepseek2 only, not ${o.arch}` : undefined
+  const given = o.kvLoraRank !== undefined || o.qLoraRank !== undefined || o.ropeDim !== undefined || o.deepseekYarn !== undefined
+  if (o.arch !== "deepseek2") {
+    return given ? `kvLoraRank, qLoraRank, ropeDim and deepseekYarn are for deepseek2 only, not ${o.arch}` : undefined
+  }
+  const y = o.deepseekYarn
+  if (y !== undefined) {
+    if (!(y.factor > 1 && Number.isFinite(y.factor))) return `deepseekYarn.factor must be > 1, got ${y.factor}`
+    if (!(Number.isSafeInteger(y.originalContext) && y.originalContext > 0)) {
+      return `deepseekYarn.originalContext must be a positive integer, got ${y.originalContext}`
+    }
+    const m = y.logMultiplier
+    if (m !== undefined && !(m >= 0 && Number.isFinite(m))) return `deepseekYarn.logMultiplier must be >= 0, got ${m}`
+  }
   const s = sizes(o)
   for (const [k, v] of [["kvLoraRank", s.kvLora], ["ropeDim", s.rope]] as const) {
     if (!Number.isSafeInteger(v) || v <= 0) return `${k} must be a positive integer, got ${v}`
@@ -88,6 +104,15 @@ export const deepseek2Metadata = (
     [`${a}.attention.key_length`, GgufValues.u32(s.kvLora + s.rope)],
     [`${a}.attention.value_length`, GgufValues.u32(s.kvLora)],
     [`${a}.attention.key_length_mla`, GgufValues.u32(s.head)],
-    [`${a}.attention.value_length_mla`, GgufValues.u32(s.head)]
+    [`${a}.attention.value_length_mla`, GgufValues.u32(s.head)],
+    ...yarnMetadata(a, o.deepseekYarn)
   ]
 }
+
+const yarnMetadata = (a: string, y: SyntheticDeepseek2Options["deepseekYarn"]): Array<readonly [string, GgufTypedValue]> =>
+  y === undefined ? [] : [
+    [`${a}.rope.scaling.type`, GgufValues.string("yarn")],
+    [`${a}.rope.scaling.factor`, GgufValues.f32(y.factor)],
+    [`${a}.rope.scaling.original_context_length`, GgufValues.u32(y.originalContext)],
+    ...(y.logMultiplier === undefined ? [] : [[`${a}.rope.scaling.yarn_log_multiplier`, GgufValues.f32(y.logMultiplier)] as const])
+  ]

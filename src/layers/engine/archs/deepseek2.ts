@@ -12,7 +12,10 @@
  *   optional expert bias exp_probs_b, weights norm and scale, group-limited routing, `expert_shared_count` shared
  *   experts).
  * Refused naming the key: legacy files without `key_length_mla` / `value_length_mla` (unsplit attn_kv_b), KV heads
- * other than 1, key/value lengths that are not the latent's, YaRN, attention temperature, MTP layers.
+ * other than 1, key/value lengths that are not the latent's, linear RoPE scaling, attention temperature, MTP layers.
+ * YaRN (`rope.scaling.type` yarn, DeepSeek V3 / R1, Kimi K2) as llama.cpp computes it for deepseek2: the RoPE part's
+ * ggml_rope_ext attn_factor from llama_context (mscale = mscale_all_dim: 1 / (1 + 0.1 ln factor)), and kq_scale =
+ * mscale^2 / sqrt(key_length_mla) with mscale = 1 + 0.1 x (yarn_log_multiplier / 0.1) x ln factor.
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
@@ -21,9 +24,12 @@ import { mlaOps } from "../../ggml/MlaBindings.js"
 import { getBool, getF32, getOptional, getString, getStringArray, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, type MlaParams, RopeMode } from "../HParams.js"
+import { yarnRopeExt } from "../PositionScaling.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import type { ExpertGating } from "../MoeParams.js"
 import { GGML_PREC_F32, type AttentionSegment, type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
+
+const f = Math.fround
 
 const invalid = (file: GgufFile, message: string) =>
   new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
@@ -35,8 +41,13 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const nextn = (yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0
     if (nextn > 0) return yield* fail(`metadata "${k("nextn_predict_layers")}" = ${nextn}: MTP layers are not supported`)
     const scaling = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
-    if (scaling !== "none") {
-      return yield* fail(`metadata "${k("rope.scaling.type")}" = "${scaling}": deepseek2 supports plain RoPE only`)
+    if (scaling !== "none" && scaling !== "yarn") {
+      return yield* fail(`metadata "${k("rope.scaling.type")}" = "${scaling}": deepseek2 supports plain RoPE and YaRN only`)
+    }
+    const logMulKey = k("rope.scaling.yarn_log_multiplier")
+    const logMulRaw = yield* getOptional(file, logMulKey, getF32)
+    if (logMulRaw !== undefined && !(logMulRaw >= 0 && Number.isFinite(logMulRaw))) {
+      return yield* fail(`metadata "${logMulKey}" = ${logMulRaw} must be finite and >= 0`)
     }
     if (file.metadata.has(k("attention.temperature_scale"))) {
       return yield* fail(`metadata "${k("attention.temperature_scale")}": attention temperature is not supported for deepseek2`)
@@ -88,7 +99,19 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
       nLeadingDense: (yield* getOptional(file, k("leading_dense_block_count"), getU32)) ?? 0
     })
     const mla: MlaParams = { qLoraRank, kvLoraRank, headDimK: kMla, headDimV: vMla }
-    return { ...hp, moe, mla, kqScale: 1 / Math.sqrt(kMla) }
+    if (scaling !== "yarn") return { ...hp, moe, mla, kqScale: 1 / Math.sqrt(kMla) }
+    // llama.cpp divides the file's multiplier by 0.1 (the convert script wrote mscale_all_dim x 0.1)
+    const logMul = logMulRaw === undefined ? 0 : f(f(logMulRaw) / f(0.1))
+    const ropeAttnFactor = (yield* getOptional(file, k("rope.scaling.attn_factor"), getF32)) ?? 1
+    // llama_context: for deepseek2 mscale = mscale_all_dim, so with a multiplier the ratio get_mscale(factor, m) /
+    // get_mscale(factor, m) is exactly 1 (what yarnRopeExt's ratio with multiplier 1 gives); without one get_mscale(factor, 1)
+    const ropeExt = yarnRopeExt(hp.ropeFreqScale, { logMul: logMul === 0 ? 0 : 1, betaFast: 32, betaSlow: 1, ropeAttnFactor })
+    // deepseek2.cpp: undo ggml's own magnitude correction, apply mscale(factor, multiplier) to it, square into kq_scale
+    const lnFactor = f(Math.log(f(1 / hp.ropeFreqScale)))
+    const attnOrg = f(ropeExt.attnFactor * f(1 + f(f(0.1) * lnFactor)))
+    const mscale = f(attnOrg * f(1 + f(f(f(0.1) * logMul) * lnFactor)))
+    const kqScale = f(f(mscale * mscale) / f(Math.sqrt(kMla)))
+    return { ...hp, moe, mla, ropeExt, kqScale }
   })
 
 const mlaOf = (hp: HParams): MlaParams => {
