@@ -272,20 +272,7 @@ export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, prob
   experts = g.ggml_mul(ctx, experts, weights)
   g.ggml_build_forward_expand(t.graph, experts)
 
-  // the sum over the k chosen experts: views first, then the adds (llama.cpp's order)
-  const nb = shape(experts).nb
-  const views: Array<Ptr> = []
-  for (let i = 0; i < k; i++) {
-    const v = g.ggml_view_2d(ctx, experts, nEmbd, n, nb[2]!, i * nb[1]!)
-    g.ggml_build_forward_expand(t.graph, v)
-    views.push(v)
-  }
-  let out: Ptr = views[0]
-  for (let i = 1; i < k; i++) {
-    out = g.ggml_add(ctx, out, views[i]!)
-    g.ggml_build_forward_expand(t.graph, out)
-  }
-  if (k === 1) out = g.ggml_cont(ctx, out)
+  let out = sumExperts(t, experts, nEmbd, n, k)
 
   if (moe.nFfShared > 0) {
     const shUp = t.linear(w.get("ffn_up_shexp.weight"), x)
@@ -294,4 +281,26 @@ export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, prob
     out = g.ggml_add(ctx, out, shared)
   }
   return out
+}
+
+/**
+ * The sum over the k chosen experts of `experts` [nEmbd, k, n]: views first, then the adds (llama.cpp's order);
+ * [nEmbd, n], contiguous.
+ */
+export const sumExperts = (t: Toolkit, experts: Ptr, nEmbd: number, n: number, k: number): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const nb = getGgml().tensorShape(experts).nb
+  const views: Array<Ptr> = []
+  for (let i = 0; i < k; i++) {
+    const v = g.ggml_view_2d(ctx, experts, nEmbd, n, nb[2]!, i * nb[1]!)
+    g.ggml_build_forward_expand(t.graph, v)
+    views.push(v)
+  }
+  let out: Ptr = views[0]!
+  for (let i = 1; i < k; i++) {
+    out = g.ggml_add(ctx, out, views[i]!)
+    g.ggml_build_forward_expand(t.graph, out)
+  }
+  return k === 1 ? g.ggml_cont(ctx, out) : out
 }

@@ -20,7 +20,7 @@ import { moeOps } from "../../ggml/MoeBindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
-import { moeOf, readMoeParams } from "../Moe.js"
+import { moeOf, readMoeParams, sumExperts } from "../Moe.js"
 import type { MoeParams } from "../MoeParams.js"
 import { GraphOpError } from "../OpChecks.js"
 import { type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
@@ -159,20 +159,7 @@ const gptOssMoe = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams): Ptr => 
   experts = g.ggml_mul(ctx, experts, weights)
   g.ggml_build_forward_expand(t.graph, experts)
 
-  // the sum over the k chosen experts: views first, then the adds (llama.cpp's order)
-  const nb = shape(experts).nb
-  const views: Array<Ptr> = []
-  for (let i = 0; i < k; i++) {
-    const v = g.ggml_view_2d(ctx, experts, nEmbd, n, nb[2]!, i * nb[1]!)
-    g.ggml_build_forward_expand(t.graph, v)
-    views.push(v)
-  }
-  let out: Ptr = views[0]
-  for (let i = 1; i < k; i++) {
-    out = g.ggml_add(ctx, out, views[i]!)
-    g.ggml_build_forward_expand(t.graph, out)
-  }
-  return k === 1 ? g.ggml_cont(ctx, out) : out
+  return sumExperts(t, experts, nEmbd, n, k)
 }
 
 export const gptOss: ArchModule = {
