@@ -17,6 +17,8 @@ import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { kvBytesOfBlocks, kvBytesPerTokenOfBlock } from "../src/services/KvSize.js"
 import { computeReserveBytes, stageMemoryBytes } from "../src/services/Placement.js"
+import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
 import { metricOf, type ServeProcess, startServe, stopServe } from "./support/serve.js"
 import { repoRoot } from "./support/models.js"
 
@@ -77,6 +79,63 @@ describe("capped sliding-window caches: --dry-run and /metrics", () => {
         assert.strictEqual(line.exec(out.stdout)?.[1], mib(memory), out.stdout)
         // the same weights with the window past the context: every block holds the context
         assert.strictEqual(line.exec(outWide.stdout)?.[1], mib(stageMemoryBytes(uncapped, start, end, options)), outWide.stdout)
+      }
+    }), 180_000)
+
+  // gpt-oss's own keys (`gpt-oss.attention.sliding_window`, pattern default 2 as llama.cpp's openai-moe.cpp sets it):
+  // the catalog's layout must count the rings the engine allocates (each loaded stage's kvWindow), not full caches
+  it.live("gpt-oss: --dry-run and the catalog's layout count each stage's sliding blocks as the engine loads them", () =>
+    Effect.gen(function*() {
+      const gptOss = (name: string, swaPattern: number): SyntheticModelOptions => ({
+        path: join(dir, `${name}.gguf`),
+        arch: "gpt-oss",
+        layers: 6,
+        hidden: 128,
+        ffn: 64,
+        heads: 4,
+        kvHeads: 2,
+        vocab: 400,
+        contextLength: 4096,
+        type: "f32",
+        seed: 82,
+        experts: 4,
+        expertsUsed: 2,
+        slidingWindow: 16,
+        swaPattern
+      })
+      const split = [[0, 3], [3, 6]] as const
+      for (const [pattern, sliding] of [[2, [true, false, true, false, true, false]], [3, [true, true, false, true, true, false]]] as const) {
+        const m = gptOss(`gpt-oss-p${pattern}`, pattern)
+        yield* writeSyntheticModel(m)
+        const layout = yield* readModelLayout(m.path)
+        assert.deepStrictEqual(layout.slidingWindow, { window: 16, blocks: sliding })
+        const row = kvBytesPerTokenOfBlock((128 / 4) * 2, (128 / 4) * 2)
+        for (const [start, end] of split) {
+          const info = yield* Effect.scoped(Effect.gen(function*() {
+            const stage = yield* (yield* StageExecutor).load({
+              path: m.path,
+              layerStart: start,
+              layerEndExclusive: end,
+              isFirst: start === 0,
+              isLast: end === 6
+            })
+            return stage.info
+          })).pipe(Effect.provide(StageExecutorLive))
+          const slidingHere = sliding.slice(start, end).filter((b) => b).length
+          assert.deepStrictEqual(info.kvWindow, { window: 16, bytesPerToken: slidingHere * row })
+          assert.strictEqual(info.kvBytesPerToken, (end - start) * row)
+        }
+        const out = yield* cli(["run", "--model", m.path, "--threads", "1", "--dry-run", "--layers", "0-2,3-5", "--max-tokens", "4000"])
+        assert.strictEqual(out.code, 0, out.stderr)
+        const options = { contextTokens: 4096, computeBytes: computeReserveBytes(layout, 4096) }
+        const { slidingWindow: _, ...uncapped } = layout
+        for (const [start, end] of split) {
+          const memory = stageMemoryBytes(layout, start, end, options)
+          const slidingHere = sliding.slice(start, end).filter((b) => b).length
+          assert.strictEqual(stageMemoryBytes(uncapped, start, end, options) - memory, slidingHere * (4096 - 256) * row)
+          const line = new RegExp(`blocks \\[${start}, ${end}\\), .*, (\\d+\\.\\d MiB) with KV and buffers`)
+          assert.strictEqual(line.exec(out.stdout)?.[1], mib(memory), out.stdout)
+        }
       }
     }), 180_000)
 
