@@ -361,6 +361,11 @@ export interface AgentSet {
   readonly listenHost: string
   /** The listener's address when not TCP on `listenHost` (local agents: a Unix socket). */
   readonly dataListen?: TransportAddress
+  /**
+   * Where the last stage sends its tokens when not the listener's own address (a relay in front of it: bench:wan's
+   * simulated links). Unset by default.
+   */
+  readonly dataAdvertise?: TransportAddress
   /** Completes when an agent process is seen to exit (local agents only; never for remote ones). */
   readonly exited: Effect.Effect<{ readonly node: NodeEndpoint; readonly reason: string }>
   /**

@@ -6,6 +6,7 @@ import { join } from "node:path"
 import * as Dgram from "node:dgram"
 import { Effect, Fiber, Layer } from "effect"
 import { NodeId } from "../../domain/ids.js"
+import type { TransportAddress } from "../../domain/frames.js"
 import { AgentPool, type AgentSet, InvalidRequest } from "../../services/Orchestrator.js"
 import { generateToken, type LocalAgent, spawnLocalAgents } from "./AgentProcesses.js"
 import { privateSocketDir } from "./SocketDir.js"
@@ -132,6 +133,12 @@ export interface RemotePoolOptions {
   readonly token: string
   /** Where the orchestrator's data listener binds (default: the local address that routes to the first node). */
   readonly listenHost?: string
+  /**
+   * Bench-only (bench:wan): the orchestrator's data listener at this address, and the address the last stage is told to
+   * send tokens to (a relay in front of it). Both unset by default: an ephemeral port on `listenHost`, sent as is.
+   */
+  readonly dataListen?: TransportAddress
+  readonly dataAdvertise?: TransportAddress
 }
 
 /** Runs use the given remote agents; a run of more stages than nodes places stage i on node i mod n. */
@@ -151,6 +158,8 @@ export const remoteAgentPool = (options: RemotePoolOptions): Layer.Layer<AgentPo
             nodes: options.nodes.map((address, index) => ({ nodeId: NodeId.make(index + 1), address })),
             token: options.token,
             listenHost,
+            ...(options.dataListen === undefined ? {} : { dataListen: options.dataListen }),
+            ...(options.dataAdvertise === undefined ? {} : { dataAdvertise: options.dataAdvertise }),
             exited: Effect.never
           } satisfies AgentSet
         })

@@ -175,7 +175,7 @@ export const driveRun = (
 
     const outboundAddress = (provision: ProvisionStage): TransportAddress =>
       provision.stageIndex === provision.stageCount - 1
-        ? listener.address
+        ? warm.agents.dataAdvertise ?? listener.address
         : dataAddressOf(stageNode(provision.stageIndex + 1))
 
     // --- commands ---

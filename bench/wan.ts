@@ -1,0 +1,564 @@
+/**
+ * bench:wan (issue 25) — swactor and llama.cpp's RPC pipeline over simulated links on loopback, side by side.
+ *
+ * Links: `loopback` (no relay), `gbe` (1 GbE: 0.25 ms one way, 1 Gbit/s), `wifi` (3 ms one way, 200 Mbit/s). Every hop
+ * of a non-loopback link crosses a relay of bench/wanRelay.ts (its own process): for swactor the orchestrator →
+ * agent control links (`--nodes` at relay ports), the stage → stage activations (each agent's `--data-advertise` is
+ * a relay in front of its `--data-listen`) and the last stage → orchestrator tokens (RemotePoolOptions
+ * dataListen/dataAdvertise, bench-only); for llama.cpp llama-server → each ggml-rpc-server (`--rpc` at relay ports;
+ * llama.cpp's RPC moves every activation through llama-server).
+ * Same client shape for both: N concurrent greedy streams of `--tokens` tokens, the prompts of bench:serve (swactor
+ * through its Server service with the prompt cache off; llama-server's streamed `/completion`, cache_prompt off,
+ * byte tokens banned as in bench:serve). Per link × stages × contender: N=1 decode tok/s (tokens after the first /
+ * time from the first to the last), TTFT (N=1, ms), N=4 and N=8 aggregate tok/s; then the issue's ratios. One thread
+ * per stage (each agent / rpc-server pinned to core i mod cores with taskset); llama-server -t 1.
+ * Before: the relay's own check (ping-pong RTT ≈ 2 × delay, bulk throughput ≈ the cap). After (with `wifi` in the
+ * links): swactor's weight delivery of stage 0's slice (2-stage split) to an agent with an empty cache over the Wi-Fi
+ * link (WeightDelivery, as bench:cluster's delivery part).
+ *
+ * Usage: npm run bench:wan [-- --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
+ *        --model PATH --shape 16x2048 --skip-llama --skip-delivery --llama-tools DIR]
+ * Default model: the 16×2048 Q8_0 synthetic llama of bench:serve (`--shape LxH` another size of the same family,
+ * FFN 4×H, heads H/64, KV heads H/256); written once under .cache/bench. llama.cpp's tools: --llama-tools DIR (or
+ * BENCH_LLAMA_TOOLS) holding llama-server and ggml-rpc-server, else .cache/llama-tools/build/bin (made by
+ * scripts/build-llama-tools.sh), else /tmp/llama-build/bin; none: the llama.cpp columns are left out with one line
+ * saying how to build them.
+ */
+import { type ChildProcess, execFileSync, spawn } from "node:child_process"
+import * as Fs from "node:fs"
+import * as Net from "node:net"
+import * as Os from "node:os"
+import * as Path from "node:path"
+import * as Readline from "node:readline"
+import { Effect, Exit, Layer, ManagedRuntime, Scope, Stream } from "effect"
+import { layerRemote } from "../src/api/generate.js"
+import { tcpAddress } from "../src/domain/frames.js"
+import { NodeId } from "../src/domain/ids.js"
+import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
+import { generateToken, spawnLocalAgents } from "../src/layers/agent/AgentProcesses.js"
+import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { deliverWeights } from "../src/layers/orchestrator/WeightDelivery.js"
+import * as PromptTokenizer from "../src/layers/server/PromptTokenizer.js"
+import * as ServerLive from "../src/layers/server/ServerLive.js"
+import { AgentControl } from "../src/services/AgentLinks.js"
+import { Server } from "../src/services/Server.js"
+import { type BenchShape, defaultBenchShape, ensureBenchModel } from "./benchModel.js"
+import { forEachStreamedToken } from "./llamaServerStream.js"
+
+const root = Path.resolve(import.meta.dirname, "..")
+const flag = (name: string): string | undefined => {
+  const at = process.argv.indexOf(`--${name}`)
+  return at >= 0 ? process.argv[at + 1] : undefined
+}
+const list = (text: string) => text.split(",").map((s) => s.trim()).filter((s) => s !== "")
+
+interface Profile {
+  readonly name: string
+  readonly label: string
+  /** One-way delay, ms; undefined: no relay (plain loopback). */
+  readonly delayMs?: number
+  readonly bitsPerSecond?: number
+}
+const profiles: Record<string, Profile> = {
+  loopback: { name: "loopback", label: "loopback" },
+  gbe: { name: "gbe", label: "1 GbE (0.25 ms, 1 Gbit/s)", delayMs: 0.25, bitsPerSecond: 1e9 },
+  wifi: { name: "wifi", label: "Wi-Fi (3 ms, 200 Mbit/s)", delayMs: 3, bitsPerSecond: 200e6 }
+}
+
+const cfg = {
+  links: list(flag("links") ?? "loopback,gbe,wifi").map((name) => {
+    const p = profiles[name]
+    if (p === undefined) throw new Error(`unknown link "${name}" (links: ${Object.keys(profiles).join(", ")})`)
+    return p
+  }),
+  stages: list(flag("stages") ?? "2,4").map(Number),
+  clients: list(flag("clients") ?? "1,4,8").map(Number),
+  tokens: Number(flag("tokens") ?? "64"),
+  rounds: Math.max(1, Number(flag("rounds") ?? "1")),
+  skipLlama: process.argv.includes("--skip-llama"),
+  skipDelivery: process.argv.includes("--skip-delivery"),
+  relayCheckOnly: process.argv.includes("--relay-check-only"),
+  dir: Path.resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
+}
+const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
+const cores = Os.availableParallelism()
+const maxClients = Math.max(...cfg.clients)
+
+const shapeOf = (text: string | undefined): BenchShape => {
+  if (text === undefined) return defaultBenchShape
+  const m = /^(\d+)x(\d+)$/.exec(text)
+  if (m === null) throw new Error(`--shape ${text}: expected LAYERSxHIDDEN, e.g. 16x2048`)
+  const hidden = Number(m[2])
+  return { ...defaultBenchShape, layers: Number(m[1]), hidden, ffn: hidden * 4, heads: hidden / 64, kvHeads: Math.max(1, hidden / 256) }
+}
+
+// --------------------------------------------------------------------------------------------
+// Relays (bench/wanRelay.ts in a child process) and small process helpers
+// --------------------------------------------------------------------------------------------
+
+interface Relays {
+  /** A relay on 127.0.0.1 forwarding to `port` over `profile`'s link; its port (the target itself on loopback). */
+  readonly front: (profile: Profile, port: number, listenPort?: number) => Promise<number>
+  readonly close: () => void
+}
+
+const startRelays = (): Relays => {
+  const child = spawn(process.execPath, ["--import", "tsx", Path.join(import.meta.dirname, "wanRelay.ts")], {
+    stdio: ["pipe", "pipe", "inherit"]
+  })
+  // Ahead of the benchmark's own processes when allowed (root): on a loaded machine a sleeping relay wakes late.
+  try {
+    Os.setPriority(child.pid!, -10)
+  } catch {
+    // unprivileged: default priority
+  }
+  const waiting = new Map<number, (answer: { port?: number; error?: string }) => void>()
+  Readline.createInterface({ input: child.stdout! }).on("line", (line) => {
+    const answer = JSON.parse(line) as { id: number; port?: number; error?: string }
+    waiting.get(answer.id)?.(answer)
+    waiting.delete(answer.id)
+  })
+  let next = 0
+  return {
+    front: (profile, port, listenPort) => {
+      if (profile.delayMs === undefined) return Promise.resolve(port)
+      const id = next++
+      return new Promise((resolve, reject) => {
+        waiting.set(id, (a) => (a.port !== undefined ? resolve(a.port) : reject(new Error(`relay: ${a.error}`))))
+        child.stdin!.write(
+          `${JSON.stringify({ id, target: { host: "127.0.0.1", port }, delayMs: profile.delayMs, bitsPerSecond: profile.bitsPerSecond, ...(listenPort === undefined ? {} : { listenPort }) })}\n`
+        )
+      })
+    },
+    close: () => {
+      child.stdin!.end()
+      child.kill("SIGTERM")
+    }
+  }
+}
+
+const freePort = () =>
+  new Promise<number>((resolve, reject) => {
+    const server = Net.createServer()
+    server.once("error", reject)
+    server.listen(0, "127.0.0.1", () => {
+      const { port } = server.address() as Net.AddressInfo
+      server.close(() => resolve(port))
+    })
+  })
+
+/** Pins every thread of `pid` to one core (best effort: taskset may be missing). */
+const pin = (pid: number, core: number) => {
+  try {
+    execFileSync("taskset", ["-a", "-cp", String(core % cores), String(pid)], { stdio: "ignore" })
+  } catch {
+    // not pinned
+  }
+}
+
+const waitForPort = async (port: number, child: ChildProcess, what: string) => {
+  for (let i = 0; ; i++) {
+    const ok = await new Promise<boolean>((resolve) => {
+      const s = Net.createConnection({ host: "127.0.0.1", port }, () => {
+        s.destroy()
+        resolve(true)
+      })
+      s.on("error", () => resolve(false))
+    })
+    if (ok) return
+    if (child.exitCode !== null || i > 600) throw new Error(`${what} did not start listening on ${port} (exit ${child.exitCode})`)
+    await new Promise((r) => setTimeout(r, 100))
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// The relay's own check: ping-pong RTT and bulk throughput through one relay per profile
+// --------------------------------------------------------------------------------------------
+
+const relayCheck = async (relays: Relays) => {
+  // An echo server in this process (idle while the check runs).
+  const echo = Net.createServer({ noDelay: true }, (s) => s.pipe(s))
+  await new Promise<void>((r) => echo.listen(0, "127.0.0.1", r))
+  const echoPort = (echo.address() as Net.AddressInfo).port
+  // A sink that answers with the byte count when the sender ends.
+  const sink = Net.createServer({ allowHalfOpen: true }, (s) => {
+    let got = 0
+    s.on("data", (c: Buffer) => (got += c.length))
+    s.on("end", () => s.end(String(got)))
+  })
+  await new Promise<void>((r) => sink.listen(0, "127.0.0.1", r))
+  const sinkPort = (sink.address() as Net.AddressInfo).port
+  console.log("\nrelay check (bench/wanRelay.ts): ping-pong RTT of 64-byte messages, 200 round trips; one-way bulk of 32 MiB")
+  console.log("| link | RTT p50 ms | RTT p99 ms | expected RTT ms | throughput Mbit/s | cap Mbit/s |\n|---|---|---|---|---|---|")
+  for (const profile of [profiles["loopback"]!, profiles["gbe"]!, profiles["wifi"]!]) {
+    const port = await relays.front(profile, echoPort)
+    const rtts = await new Promise<Array<number>>((resolve, reject) => {
+      const out: Array<number> = []
+      const s = Net.createConnection({ host: "127.0.0.1", port, noDelay: true }, () => {
+        let sent = performance.now()
+        let got = 0
+        s.on("data", (c: Buffer) => {
+          got += c.length
+          if (got < 64) return
+          got -= 64
+          out.push(performance.now() - sent)
+          if (out.length === 200) {
+            s.destroy()
+            resolve(out)
+            return
+          }
+          sent = performance.now()
+          s.write(Buffer.alloc(64))
+        })
+        s.write(Buffer.alloc(64))
+      })
+      s.on("error", reject)
+    })
+    const sorted = rtts.slice(10).sort((a, b) => a - b)
+    const bulkPort = await relays.front(profile, sinkPort)
+    const bytes = 32 << 20
+    const seconds = await new Promise<number>((resolve, reject) => {
+      const started = performance.now()
+      const s = Net.createConnection({ host: "127.0.0.1", port: bulkPort, allowHalfOpen: true }, () => {
+        const block = Buffer.alloc(1 << 20)
+        let left = bytes >> 20
+        const write = () => {
+          while (left > 0) {
+            left--
+            if (!s.write(block)) return void s.once("drain", write)
+          }
+          s.end()
+        }
+        write()
+      })
+      let answer = ""
+      s.on("data", (c) => (answer += c))
+      s.on("end", () => (Number(answer) === bytes ? resolve((performance.now() - started) / 1000) : reject(new Error(`sink got ${answer}`))))
+      s.on("error", reject)
+    })
+    const p = (q: number) => sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))]!
+    console.log(
+      `| ${profile.label} | ${p(0.5).toFixed(3)} | ${p(0.99).toFixed(3)} | ${profile.delayMs === undefined ? "-" : `≥ ${(2 * profile.delayMs).toFixed(2)}`} | ` +
+        `${((bytes * 8) / seconds / 1e6).toFixed(0)} | ${profile.bitsPerSecond === undefined ? "-" : (profile.bitsPerSecond / 1e6).toFixed(0)} |`
+    )
+  }
+  echo.close()
+  sink.close()
+}
+
+// --------------------------------------------------------------------------------------------
+// Contenders: N concurrent streams per round
+// --------------------------------------------------------------------------------------------
+
+interface StreamTimes {
+  readonly start: number
+  readonly arrivals: ReadonlyArray<number>
+}
+
+interface Contender {
+  readonly round: (n: number) => Promise<ReadonlyArray<StreamTimes>>
+  readonly close: () => Promise<void>
+}
+
+const swactor = async (model: string, profile: Profile, stages: number, relays: Relays): Promise<Contender> => {
+  const scope = Effect.runSync(Scope.make())
+  try {
+    const token = generateToken()
+    const dataPorts = await Promise.all(Array.from({ length: stages }, freePort))
+    const dataFronts = await Promise.all(dataPorts.map((p) => relays.front(profile, p)))
+    const agents = await Effect.runPromise(
+      spawnLocalAgents({
+        count: stages,
+        token,
+        threads: 1,
+        extraArgs: (i) => [
+          "--speed", "1e9",
+          "--data-listen", `127.0.0.1:${dataPorts[i]!}`,
+          "--data-advertise", `127.0.0.1:${dataFronts[i]!}`
+        ]
+      }).pipe(Scope.extend(scope))
+    )
+    agents.forEach((a, i) => pin(a.pid, i))
+    const nodes = await Promise.all(agents.map(async (a) => `127.0.0.1:${await relays.front(profile, a.port)}`))
+    const tokensPort = await freePort()
+    const tokensFront = await relays.front(profile, tokensPort)
+    const orchestrator = layerRemote({
+      nodes,
+      token,
+      listenHost: "127.0.0.1",
+      dataListen: tcpAddress(tokensPort),
+      dataAdvertise: tcpAddress(tokensFront)
+    })
+    const layer = ServerLive.layer({ model, stages, threads: 1, parallel: maxClients, promptCache: { enabled: false } }).pipe(
+      Layer.provide(orchestrator),
+      Layer.provide(PromptTokenizer.layerWorker(model))
+    )
+    const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
+    await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
+    const one = (prompt: string) =>
+      Effect.flatMap(Server, (server) =>
+        Effect.suspend(() => {
+          const start = performance.now()
+          const arrivals: Array<number> = []
+          return server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
+            Stream.runForEach((event) =>
+              Effect.sync(() => {
+                if (event._tag === "Text") while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
+              })
+            ),
+            Effect.as<StreamTimes>({ start, arrivals })
+          )
+        })
+      )
+    const round = (n: number) =>
+      runtime.runPromise(Effect.forEach(Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!), one, { concurrency: "unbounded" }))
+    await round(1) // warm-up: weights loaded, first run's set-up done
+    return {
+      round,
+      close: async () => {
+        await runtime.dispose()
+        await Effect.runPromise(Scope.close(scope, Exit.void))
+      }
+    }
+  } catch (error) {
+    await Effect.runPromise(Scope.close(scope, Exit.void))
+    throw error
+  }
+}
+
+const llamaToolsDir = (): string | undefined => {
+  const candidates = [
+    flag("llama-tools") ?? process.env["BENCH_LLAMA_TOOLS"],
+    Path.join(root, ".cache/llama-tools/build/bin"),
+    "/tmp/llama-build/bin"
+  ].filter((d): d is string => d !== undefined)
+  return candidates.find((d) => Fs.existsSync(Path.join(d, "llama-server")) && Fs.existsSync(Path.join(d, "ggml-rpc-server")))
+}
+
+const llamaRpc = async (bin: string, model: string, profile: Profile, stages: number, relays: Relays): Promise<Contender> => {
+  const children: Array<ChildProcess> = []
+  const env = { ...process.env, LD_LIBRARY_PATH: bin, LLAMA_CACHE: Path.join(cfg.dir, "rpc-cache") }
+  const close = async () => {
+    for (const c of children) c.kill("SIGTERM")
+    await Promise.all(children.map((c) => (c.exitCode !== null ? undefined : new Promise((r) => c.once("exit", r)))))
+  }
+  try {
+    const rpcFronts: Array<number> = []
+    for (let i = 0; i < stages; i++) {
+      const port = await freePort()
+      // -c: tensors cached by hash on the server's side, so a later load sends hashes, not weights, over the link.
+      const child = spawn(Path.join(bin, "ggml-rpc-server"), ["-H", "127.0.0.1", "-p", String(port), "-t", "1", "-c"], {
+        env,
+        stdio: ["ignore", "ignore", "ignore"]
+      })
+      children.push(child)
+      await waitForPort(port, child, "ggml-rpc-server")
+      pin(child.pid!, i)
+      rpcFronts.push(await relays.front(profile, port))
+    }
+    const port = await freePort()
+    const server = spawn(Path.join(bin, "llama-server"), [
+      "-m", model, "--rpc", rpcFronts.map((p) => `127.0.0.1:${p}`).join(","), "-ngl", "999",
+      "-ts", rpcFronts.map(() => "1").join(","), "-t", "1", "-tb", "1", "-np", String(maxClients),
+      "-c", String(maxClients * 256), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui"
+    ], { env, stdio: ["ignore", "ignore", "pipe"] })
+    children.push(server)
+    let log = ""
+    server.stderr!.on("data", (c) => (log = (log + String(c)).slice(-4000)))
+    const url = `http://127.0.0.1:${port}`
+    for (let i = 0; ; i++) {
+      if (await fetch(`${url}/health`).then((r) => r.ok, () => false)) break
+      if (i > 3000 || server.exitCode !== null) throw new Error(`llama-server did not become ready (exit ${server.exitCode}):\n${log}`)
+      await new Promise((r) => setTimeout(r, 100))
+    }
+    const logitBias = Array.from({ length: 256 }, (_, i) => [i + 3, false])
+    const one = async (prompt: string): Promise<StreamTimes> => {
+      const start = performance.now()
+      const response = await fetch(`${url}/completion`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
+      })
+      const arrivals: Array<number> = []
+      await forEachStreamedToken(response, () => void arrivals.push(performance.now()))
+      return { start, arrivals }
+    }
+    const round = (n: number) => Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!)))
+    await round(1)
+    return { round, close }
+  } catch (error) {
+    await close()
+    throw error
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// Figures
+// --------------------------------------------------------------------------------------------
+
+const median = (xs: ReadonlyArray<number>) => (xs.length === 0 ? Number.NaN : [...xs].sort((a, b) => a - b)[xs.length >> 1]!)
+
+/** Decoded tokens (after each stream's first) over the time from the earliest first token to the last token. */
+const aggregate = (streams: ReadonlyArray<StreamTimes>) => {
+  const firsts = streams.map((s) => s.arrivals[0] ?? Number.NaN)
+  const lasts = streams.map((s) => s.arrivals.at(-1) ?? Number.NaN)
+  const decoded = streams.reduce((n, s) => n + Math.max(0, s.arrivals.length - 1), 0)
+  const span = (Math.max(...lasts) - Math.min(...firsts)) / 1000
+  return span > 0 ? decoded / span : Number.NaN
+}
+const ttft = (streams: ReadonlyArray<StreamTimes>) => median(streams.map((s) => (s.arrivals[0] ?? Number.NaN) - s.start))
+
+interface Cell {
+  /** Per N: the median round's aggregate tok/s. */
+  readonly aggregate: Map<number, number>
+  /** N=1 time to first token, ms (median round). */
+  readonly ttft: number
+}
+
+const measure = async (contender: Contender): Promise<Cell> => {
+  const byN = new Map<number, number>()
+  const ttfts: Array<number> = []
+  for (const n of cfg.clients) {
+    const rounds: Array<number> = []
+    for (let r = 0; r < cfg.rounds; r++) {
+      const streams = await contender.round(n)
+      rounds.push(aggregate(streams))
+      if (n === 1) ttfts.push(ttft(streams))
+    }
+    byN.set(n, median(rounds))
+  }
+  return { aggregate: byN, ttft: median(ttfts) }
+}
+
+const fmt = (x: number | undefined, digits = 1) => (x !== undefined && Number.isFinite(x) ? x.toFixed(digits) : "-")
+
+// --------------------------------------------------------------------------------------------
+// Weight delivery to an empty node over the Wi-Fi link
+// --------------------------------------------------------------------------------------------
+
+const delivery = (model: string, relays: Relays) =>
+  Effect.gen(function*() {
+    const wifi = profiles["wifi"]!
+    const token = generateToken()
+    const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "swactor-bench-wan-"))
+    yield* Effect.addFinalizer(() => Effect.sync(() => Fs.rmSync(dir, { recursive: true, force: true })))
+    const cache = Path.join(dir, "agent-cache")
+    const [agent] = yield* spawnLocalAgents({
+      count: 1,
+      token,
+      threads: 1,
+      extraArgs: () => ["--cache-dir", cache, "--slices-only", "--speed", "1e9"]
+    })
+    const front = yield* Effect.promise(() => relays.front(wifi, agent!.port))
+    const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
+    const link = yield* control.connect({ nodeId: NodeId.make(1), address: `127.0.0.1:${front}` }, token)
+    const numLayers = (yield* readGgufFile(model)).tensors.reduce((n, t) => {
+      const m = /^blk\.(\d+)\./.exec(t.name)
+      return m === null ? n : Math.max(n, Number(m[1]) + 1)
+    }, 0)
+    const input = {
+      modelPath: model,
+      placement: [{ stageIndex: 0, nodeId: 1 }],
+      layerRanges: [[0, Math.ceil(numLayers / 2)] as const],
+      outgoingDir: Path.join(dir, "outgoing"),
+      linkOf: () => link
+    }
+    // The first delivery also does the orchestrator's one-time work (stage hash, outgoing slice); the second is timed.
+    yield* deliverWeights(input, () => Effect.void)
+    Fs.rmSync(cache, { recursive: true, force: true })
+    const started = performance.now()
+    const [sent] = yield* deliverWeights(input, () => Effect.void)
+    const seconds = (performance.now() - started) / 1000
+    const bytes = sent!.sentBytes
+    const lineSeconds = (bytes * 8) / wifi.bitsPerSecond!
+    console.log(
+      `\nweight delivery over ${wifi.label} to an agent with an empty cache: stage 0 of 2 (blocks [0, ${Math.ceil(numLayers / 2)})), ` +
+        `${(bytes / 2 ** 20).toFixed(1)} MiB sent (${sent!.via}) in ${seconds.toFixed(2)} s = ${((bytes * 8) / seconds / 1e6).toFixed(0)} Mbit/s; ` +
+        `the link's line rate alone: ${lineSeconds.toFixed(2)} s (${(lineSeconds / seconds).toFixed(2)}× of it)`
+    )
+  }).pipe(Effect.scoped)
+
+// --------------------------------------------------------------------------------------------
+
+const main = async () => {
+  const model = flag("model") !== undefined ? Path.resolve(flag("model")!) : await ensureBenchModel(cfg.dir, shapeOf(flag("shape")))
+  const bin = cfg.skipLlama ? undefined : llamaToolsDir()
+  const started = performance.now()
+  console.log(
+    `bench:wan ${model} (${(Fs.statSync(model).size / 2 ** 20).toFixed(0)} MiB); links ${cfg.links.map((l) => l.name).join(", ")}; ` +
+      `stages ${cfg.stages.join(", ")}; N ${cfg.clients.join(", ")}; ${cfg.tokens} tokens per stream, greedy; ${cfg.rounds} round(s); ` +
+      `1 thread per stage, pinned to core i mod ${cores}; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`
+  )
+  if (!cfg.skipLlama && bin === undefined) {
+    console.log("llama.cpp tools not found (llama-server, ggml-rpc-server): build them with scripts/build-llama-tools.sh; llama.cpp columns left out")
+  } else if (bin !== undefined) console.log(`llama.cpp: ${bin} (llama-server --rpc over ggml-rpc-server -t 1 -c, -ngl 999, equal split)`)
+  const relays = startRelays()
+  const cells = new Map<string, Cell>()
+  const key = (link: string, stages: number, who: string) => `${link}/${stages}/${who}`
+  try {
+    await relayCheck(relays)
+    if (cfg.relayCheckOnly) return
+    for (const profile of cfg.links) {
+      for (const stages of cfg.stages) {
+        const runs: Array<[string, () => Promise<Contender>]> = [["swactor", () => swactor(model, profile, stages, relays)]]
+        if (bin !== undefined) runs.push(["llama.cpp", () => llamaRpc(bin, model, profile, stages, relays)])
+        for (const [who, make] of runs) {
+          const t = performance.now()
+          const contender = await make()
+          try {
+            cells.set(key(profile.name, stages, who), await measure(contender))
+          } finally {
+            await contender.close()
+          }
+          const cell = cells.get(key(profile.name, stages, who))!
+          console.log(
+            `  ${profile.name} ${stages} stages ${who}: N=1 ${fmt(cell.aggregate.get(1))} tok/s, TTFT ${fmt(cell.ttft, 0)} ms, ` +
+              cfg.clients.filter((n) => n > 1).map((n) => `N=${n} ${fmt(cell.aggregate.get(n))}`).join(", ") +
+              ` (${((performance.now() - t) / 1000).toFixed(0)} s)`
+          )
+        }
+      }
+    }
+    if (!cfg.skipDelivery && cfg.links.some((l) => l.name === "wifi")) await Effect.runPromise(delivery(model, relays))
+  } finally {
+    relays.close()
+  }
+
+  const many = cfg.clients.filter((n) => n > 1)
+  console.log(`\n| link | stages | contender | N=1 decode tok/s | ${many.map((n) => `N=${n} agg tok/s`).join(" | ")} | TTFT ms (N=1) |`)
+  console.log(`|---|---|---|---|${many.map(() => "---|").join("")}---|`)
+  for (const profile of cfg.links) {
+    for (const stages of cfg.stages) {
+      for (const who of ["swactor", "llama.cpp"]) {
+        const c = cells.get(key(profile.name, stages, who))
+        if (c === undefined) continue
+        console.log(`| ${profile.label} | ${stages} | ${who} | ${fmt(c.aggregate.get(1))} | ${many.map((n) => fmt(c.aggregate.get(n))).join(" | ")} | ${fmt(c.ttft, 0)} |`)
+      }
+    }
+  }
+  // The issue's targets.
+  console.log("\ntargets:")
+  for (const [link, want] of [["loopback", 2], ["wifi", 3]] as const) {
+    for (const stages of cfg.stages) {
+      const s = cells.get(key(link, stages, "swactor"))
+      const l = cells.get(key(link, stages, "llama.cpp"))
+      if (s === undefined || l === undefined) continue
+      for (const n of many.filter((n) => n === 4 || n === 8)) {
+        const ratio = s.aggregate.get(n)! / l.aggregate.get(n)!
+        console.log(`  ${link} ${stages} stages N=${n}: swactor ${fmt(ratio, 2)}× llama.cpp RPC (target ≥ ${want}×) ${ratio >= want ? "met" : "NOT met"}`)
+      }
+    }
+  }
+  const wifi4 = cells.get(key("wifi", 4, "swactor"))
+  const loop4 = cells.get(key("loopback", 4, "swactor"))
+  if (wifi4 !== undefined && loop4 !== undefined) {
+    const ratio = wifi4.aggregate.get(1)! / loop4.aggregate.get(1)!
+    console.log(`  swactor single-stream decode, 4 stages: Wi-Fi ${fmt(ratio, 2)}× loopback (target ≥ 0.8×) ${ratio >= 0.8 ? "met" : "NOT met"}`)
+  }
+  console.log(`\ntotal ${((performance.now() - started) / 1000).toFixed(0)} s; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`)
+}
+
+main().then(() => process.exit(0), (error: unknown) => {
+  console.error(error)
+  process.exit(1)
+})
