@@ -7,7 +7,8 @@
  *   chosen = top-k(probs + exp_probs_b)        I32 [k, n] (the bias only chooses; the weights stay unbiased)
  *   w      = probs[chosen]                     [1, k, n], then / sum (norm), then * scale
  *   out    = sum_i w_i * down_i(silu(gate_i x) * up_i x)   (ggml_mul_mat_id over the stacked experts)
- *   (+ shared experts: a dense SwiGLU over ffn_*_shexp added to the routed sum)
+ *   (+ shared experts: a dense SwiGLU over ffn_*_shexp added to the routed sum; qwen35moe's first times
+ *    sigmoid(ffn_gate_inp_shexp x), one gate per token)
  *
  * The expert products are ggml_mul_mat_id, never Toolkit.linear's few-row route: on the CPU, mul_mat_id runs the
  * one-row vec_dot kernel for every (row, expert) pair whatever the batch, so a row's routed output has the same bits
@@ -33,6 +34,10 @@ export interface MoeArchOptions {
   readonly weightsScale?: number
   /** Shared experts (their feed-forward length is expert_feed_forward_length times this); default 0. */
   readonly nExpertShared?: number
+  /** The shared expert's feed-forward length when the architecture reads it itself (qwen35moe); wins over nExpertShared. */
+  readonly nFfShared?: number
+  /** The shared expert's output gated per token by sigmoid(ffn_gate_inp_shexp x) (qwen35moe); default false. */
+  readonly sharedGate?: boolean
   readonly nLeadingDense?: number
 }
 
@@ -149,7 +154,8 @@ export const readMoeParams = (
       gating: options.gating,
       normWeights: options.normWeights,
       weightsScale,
-      nFfShared: nFfExp * (options.nExpertShared ?? 0),
+      nFfShared: options.nFfShared ?? nFfExp * (options.nExpertShared ?? 0),
+      sharedGate: options.sharedGate === true,
       nLeadingDense,
       nExpertGroups,
       nGroupUsed
@@ -172,6 +178,7 @@ export const moeBlockSpecs = (hp: HParams, moe: MoeParams): ReadonlyArray<Tensor
       m("ffn_up_shexp.weight", [hp.nEmbd, moe.nFfShared]),
       m("ffn_down_shexp.weight", [moe.nFfShared, hp.nEmbd])
     )
+    if (moe.sharedGate) specs.push(m("ffn_gate_inp_shexp.weight", [hp.nEmbd]))
   }
   return specs
 }
@@ -277,7 +284,9 @@ export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, prob
   if (moe.nFfShared > 0) {
     const shUp = t.linear(w.get("ffn_up_shexp.weight"), x)
     const shGate = t.linear(w.get("ffn_gate_shexp.weight"), x)
-    const shared = t.linear(w.get("ffn_down_shexp.weight"), g.ggml_swiglu_split(ctx, shGate, shUp))
+    let shared = t.linear(w.get("ffn_down_shexp.weight"), g.ggml_swiglu_split(ctx, shGate, shUp))
+    // [1, n]: one gate per token, broadcast over the row
+    if (moe.sharedGate) shared = g.ggml_mul(ctx, shared, op.ggml_sigmoid(ctx, t.linear(w.get("ffn_gate_inp_shexp.weight"), x)))
     out = g.ggml_add(ctx, out, shared)
   }
   return out

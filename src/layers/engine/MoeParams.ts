@@ -16,6 +16,8 @@ export interface MoeParams {
   readonly weightsScale: number
   /** Shared experts' feed-forward length (0: none). */
   readonly nFfShared: number
+  /** The shared experts' output times sigmoid(ffn_gate_inp_shexp x), one gate value per token (qwen35moe). */
+  readonly sharedGate: boolean
   /** Blocks 0..n-1 are dense (a plain SwiGLU feed-forward), the rest routed. */
   readonly nLeadingDense: number
   /**

@@ -9,6 +9,7 @@ import { mistral3 } from "./archs/mistral3.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
 import { qwen35 } from "./archs/qwen35.js"
+import { qwen35moe } from "./archs/qwen35moe.js"
 import { qwen3moe } from "./archs/qwen3moe.js"
 
 export const architectures: ReadonlyMap<string, ArchModule> = new Map([
@@ -17,6 +18,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["qwen3", qwen3],
   ["qwen3moe", qwen3moe],
   ["qwen35", qwen35],
+  ["qwen35moe", qwen35moe],
   ["glm4moe", glm4moe],
   ["deepseek2", deepseek2],
   ["gemma3", gemma3],

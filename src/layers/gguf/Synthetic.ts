@@ -31,6 +31,7 @@ import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOpt
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
 import {
+  isQwen35Family,
   qwen35BlockTensors,
   qwen35Metadata,
   qwen35TensorType,
@@ -55,10 +56,10 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2" | "qwen35"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2" | "qwen35" | "qwen35moe"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2", "qwen35"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2", "qwen35", "qwen35moe"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions
@@ -344,8 +345,8 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       out.push(...deepseek2AttentionTensors(b, o), ...moeBlockTensors(b, i, o))
       continue
     }
-    if (o.arch === "qwen35") {
-      out.push(...qwen35BlockTensors(b, i, o))
+    if (isQwen35Family(o.arch)) {
+      out.push(...qwen35BlockTensors(b, i, o), ...(o.arch === "qwen35moe" ? moeBlockTensors(b, i, o) : []))
       continue
     }
     w(`${b}.attn_q.weight`, o.hidden, q)
@@ -446,7 +447,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
-  const own = a === "deepseek2" ? deepseek2Metadata(md, o) : a === "qwen35" ? qwen35Metadata(md, o) : md
+  const own = a === "deepseek2" ? deepseek2Metadata(md, o) : isQwen35Family(a) ? qwen35Metadata(md, o) : md
   return [...own, ...syntheticVocab(o.vocab, o.chatTemplate)]
 }
 

@@ -4,6 +4,9 @@
  * - glm4moe (src/models/glm4-moe.cpp): `post_attention_norm`; the first `denseBlocks` blocks with a dense SwiGLU
  *   feed-forward, the rest routed with the expert bias `exp_probs_b.bias` and `sharedExperts` shared experts;
  *   sigmoid gate, weights normalised and scaled by 2.5 (GLM-4.5's settings)
+ * - qwen35moe (src/models/qwen35moe.cpp): SyntheticQwen35.ts's hybrid blocks, `post_attention_norm`, every block
+ *   routed plus one shared expert of `sharedExperts` x expertFfn (`expert_shared_feed_forward_length`) gated per
+ *   token by `ffn_gate_inp_shexp.weight` [hidden]; softmax gate, weights normalised, no scale (llama.cpp's settings)
  * Routed blocks: `ffn_gate_inp.weight` [hidden, experts], kept F32 in every file type (as llama.cpp's quantizer keeps
  * it); stacked `ffn_{gate,up}_exps.weight` [hidden, expertFfn, experts] and `ffn_down_exps.weight` [expertFfn, hidden,
  * experts], quantized per row like any matrix, N(0, 1/sqrt(fan_in)). Metadata: `<arch>.expert_count`,
@@ -19,7 +22,7 @@ export interface SyntheticMoeOptions {
   readonly expertsUsed?: number
   /** Feed-forward length of one expert (default: the model's ffn). */
   readonly expertFfn?: number
-  /** glm4moe: shared experts per routed block (default 1). */
+  /** glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in experts (default 1). */
   readonly sharedExperts?: number
   /** glm4moe: leading blocks with a dense feed-forward (default 1). */
   readonly denseBlocks?: number
@@ -28,7 +31,7 @@ export interface SyntheticMoeOptions {
 }
 
 /** The synthetic writer's mixture-of-experts architectures. */
-export const syntheticMoeArchs = ["qwen3moe", "glm4moe", "gpt-oss", "deepseek2"] as const
+export const syntheticMoeArchs = ["qwen3moe", "glm4moe", "gpt-oss", "deepseek2", "qwen35moe"] as const
 
 export const isSyntheticMoe = (arch: string): boolean => (syntheticMoeArchs as ReadonlyArray<string>).includes(arch)
 
@@ -40,7 +43,7 @@ const settings = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn
     experts: o.experts ?? 8,
     used: o.expertsUsed ?? 2,
     ffn: o.expertFfn ?? o.ffn,
-    shared: o.sharedExperts ?? (glm ? 1 : 0),
+    shared: o.sharedExperts ?? (glm || o.arch === "qwen35moe" ? 1 : 0),
     dense: o.denseBlocks ?? (glm ? 1 : 0)
   }
 }
@@ -54,7 +57,10 @@ export const validateMoeOptions = (
   if (!isSyntheticMoe(o.arch)) {
     return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")} only, not ${o.arch}` : undefined
   }
-  if (o.arch !== "glm4moe" && o.arch !== "deepseek2" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
+  if (o.arch === "qwen35moe" && (o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
+    return `denseBlocks and expertGroups are not qwen35moe options (every block is routed, no groups)`
+  }
+  if (o.arch !== "glm4moe" && o.arch !== "deepseek2" && o.arch !== "qwen35moe" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
     return `sharedExperts, denseBlocks and expertGroups are for glm4moe only, not ${o.arch}`
   }
   const s = settings(o)
@@ -66,6 +72,7 @@ export const validateMoeOptions = (
   }
   if (s.experts > 1024) return `experts must be at most 1024 (llama.cpp's limit), got ${s.experts}`
   if (s.used > s.experts) return `expertsUsed (${s.used}) must be at most experts (${s.experts})`
+  if (o.arch === "qwen35moe" && s.shared < 1) return `sharedExperts must be at least 1 for qwen35moe (its shared expert is required)`
   if (s.dense >= o.layers) return `denseBlocks (${s.dense}) must be fewer than the layers (${o.layers})`
   return undefined
 }
@@ -87,7 +94,8 @@ export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyAr
     std: 1 / Math.sqrt(dims[0]!)
   })
   const glm = o.arch === "glm4moe" || o.arch === "deepseek2"
-  const out: Array<MoeTensor> = [{ name: `${block}.${o.arch === "glm4moe" ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }]
+  const postNorm = o.arch === "glm4moe" || o.arch === "qwen35moe"
+  const out: Array<MoeTensor> = [{ name: `${block}.${postNorm ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }]
   if (il < s.dense) {
     out.push(m("ffn_gate.weight", [o.hidden, o.ffn]), m("ffn_up.weight", [o.hidden, o.ffn]), m("ffn_down.weight", [o.ffn, o.hidden]))
     return out
@@ -98,6 +106,11 @@ export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyAr
     m("ffn_up_exps.weight", [o.hidden, s.ffn, s.experts]),
     m("ffn_down_exps.weight", [s.ffn, o.hidden, s.experts])
   )
+  if (o.arch === "qwen35moe") {
+    const f = s.ffn * s.shared
+    out.push(m("ffn_gate_shexp.weight", [o.hidden, f]), m("ffn_up_shexp.weight", [o.hidden, f]), m("ffn_down_shexp.weight", [f, o.hidden]))
+    out.push(m("ffn_gate_inp_shexp.weight", [o.hidden]))
+  }
   if (glm) {
     out.push({ name: `${block}.exp_probs_b.bias`, dims: [s.experts], mean: 0, std: 0.1 })
     if (s.shared > 0) {
@@ -123,6 +136,7 @@ export const moeMetadata = (
     [`${a}.expert_used_count`, GgufValues.u32(s.used)],
     [`${a}.expert_feed_forward_length`, GgufValues.u32(s.ffn)]
   ]
+  if (a === "qwen35moe") return [...common, [`${a}.expert_shared_feed_forward_length`, GgufValues.u32(s.ffn * s.shared)]]
   if (a !== "glm4moe" && a !== "deepseek2") return common
   return [
     ...common,

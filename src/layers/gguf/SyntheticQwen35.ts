@@ -49,12 +49,15 @@ const sizes = (o: Shape) => {
   return { state, groups, vHeads, kernel, interval, hd, rot: hd / 4, convDim: 2 * state * groups + state * vHeads }
 }
 
+/** qwen35 and qwen35moe share the hybrid stack (qwen35moe: the feed-forwards are SyntheticMoe.ts's). */
+export const isQwen35Family = (arch: string): boolean => arch === "qwen35" || arch === "qwen35moe"
+
 /** Whether block `i` of a qwen35 file with this interval is a DeltaNet (recurrent) block. */
 const qwen35IsRecurrent = (i: number, interval: number): boolean => (i + 1) % interval !== 0
 
 /** What is wrong with the qwen35 options, or undefined. */
 export const validateQwen35Options = (o: Shape): string | undefined => {
-  if (o.arch !== "qwen35") {
+  if (!isQwen35Family(o.arch)) {
     for (const k of ["ssmStateSize", "ssmGroups", "ssmHeads", "ssmConvKernel", "fullAttentionInterval"] as const) {
       if (o[k] !== undefined) return `${k} is a qwen35 option (arch is ${o.arch})`
     }
@@ -80,14 +83,15 @@ interface Planned {
   readonly std: number
 }
 
-/** Block `i`'s tensors after attn_norm (qwen35). */
+/** Block `i`'s tensors after attn_norm (qwen35; qwen35moe: without post_attention_norm and the feed-forward). */
 export const qwen35BlockTensors = (block: string, i: number, o: Shape): ReadonlyArray<Planned> => {
   const s = sizes(o)
   const out: Array<Planned> = []
   const m = (name: string, ne0: number, ne1: number) =>
     out.push({ name: `${block}.${name}`, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
   const norm = (name: string, n: number) => out.push({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
-  norm("post_attention_norm.weight", o.hidden)
+  const dense = o.arch === "qwen35"
+  if (dense) norm("post_attention_norm.weight", o.hidden)
   if (qwen35IsRecurrent(i, s.interval)) {
     const value = s.state * s.vHeads
     m("attn_qkv.weight", o.hidden, s.convDim)
@@ -108,9 +112,11 @@ export const qwen35BlockTensors = (block: string, i: number, o: Shape): Readonly
     norm("attn_k_norm.weight", s.hd)
     m("attn_output.weight", s.hd * o.heads, o.hidden)
   }
-  m("ffn_gate.weight", o.hidden, o.ffn)
-  m("ffn_up.weight", o.hidden, o.ffn)
-  m("ffn_down.weight", o.ffn, o.hidden)
+  if (dense) {
+    m("ffn_gate.weight", o.hidden, o.ffn)
+    m("ffn_up.weight", o.hidden, o.ffn)
+    m("ffn_down.weight", o.ffn, o.hidden)
+  }
   return out
 }
 
@@ -124,7 +130,7 @@ export const qwen35Metadata = (
   o: Shape
 ): Array<readonly [string, GgufTypedValue]> => {
   const s = sizes(o)
-  const a = "qwen35"
+  const a = o.arch
   const half = s.rot / 2
   const third = Math.ceil(half / 3)
   const replaced = new Set(

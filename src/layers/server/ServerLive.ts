@@ -77,7 +77,7 @@ export const kvBytesPerSequence = (
   ))
 }
 
-/** Which blocks are DeltaNet blocks (qwen35) and the state bytes one sequence holds in each. */
+/** Which blocks are DeltaNet blocks (qwen35, qwen35moe) and the state bytes one sequence holds in each. */
 interface RecurrentLayout {
   readonly blocks: ReadonlyArray<boolean>
   readonly stateBytes: number
@@ -110,7 +110,7 @@ export const readKvBytesPerBlockToken = (path: string) =>
     return {
       bytes: yield* kvBytesPerBlockTokenOf(file, arch),
       slidingWindow: slidingWindowOf(file, arch, blocks),
-      recurrent: arch === "qwen35" ? yield* recurrentOf(file, arch, blocks) : undefined
+      recurrent: arch === "qwen35" || arch === "qwen35moe" ? yield* recurrentOf(file, arch, blocks) : undefined
     }
   })
 

@@ -40,7 +40,8 @@ const sectionsCoverText = (sections: ReadonlyArray<number>, nRot: number): boole
   return true
 }
 
-const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
+/** qwen35's hyperparameters (IMROPE sections, the DeltaNet sizes and block pattern), checked; qwen35moe reads them too. */
+export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function*() {
     const k = (s: string) => `${hp.arch}.${s}`
     const u32 = (key: string) =>
@@ -96,17 +97,12 @@ const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     return { ...hp, recurrent }
   })
 
-const blockTensors = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
+/** A block's tensors but its feed-forward: the two norms, then the DeltaNet's or the gated attention's (qwen35moe too). */
+export const qwen35MixerTensors = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
   const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
   const vec = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "vector", required: true })
   const e = hp.nEmbd
-  const common = [
-    vec("attn_norm.weight", [e]),
-    vec("post_attention_norm.weight", [e]),
-    m("ffn_gate.weight", [e, hp.nFf]),
-    m("ffn_up.weight", [e, hp.nFf]),
-    m("ffn_down.weight", [hp.nFf, e])
-  ]
+  const common = [vec("attn_norm.weight", [e]), vec("post_attention_norm.weight", [e])]
   const r = hp.recurrent!
   if (r.layers[il] === true) {
     const value = r.stateSize * r.vHeads
@@ -132,6 +128,16 @@ const blockTensors = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
     vec("attn_q_norm.weight", [hd]),
     vec("attn_k_norm.weight", [hd]),
     m("attn_output.weight", [hd * hp.nHead, e])
+  ]
+}
+
+const blockTensors = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
+  const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
+  return [
+    ...qwen35MixerTensors(hp, il),
+    m("ffn_gate.weight", [hp.nEmbd, hp.nFf]),
+    m("ffn_up.weight", [hp.nEmbd, hp.nFf]),
+    m("ffn_down.weight", [hp.nFf, hp.nEmbd])
   ]
 }
 
@@ -209,6 +215,19 @@ const deltaNet = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
   return out!
 }
 
+/**
+ * One qwen35-family block around its feed-forward `ffn` (normed input in, output out): attn_norm, the DeltaNet or
+ * the gated attention, the residual, post_attention_norm, `ffn`, the residual (qwen35: SwiGLU; qwen35moe: routed).
+ */
+export const qwen35Block = (ffn: (t: Toolkit, w: BlockWeights, normed: Ptr) => Ptr) => (t: Toolkit, w: BlockWeights, x: Ptr): Ptr => {
+  const h = t.rmsNorm(x, w.get("attn_norm.weight"))
+  g0(t, h)
+  const mixed = t.hp.recurrent!.layers[t.layer] === true ? deltaNet(t, w, h) : gatedAttention(t, w, h)
+  const ffnIn = t.add(mixed, x)
+  const out = t.add(ffn(t, w, t.rmsNorm(ffnIn, w.get("post_attention_norm.weight"))), ffnIn)
+  return t.outputRows(out)
+}
+
 export const qwen35: ArchModule = {
   name: "qwen35",
   ropeMode: RopeMode.NEOX,
@@ -216,14 +235,7 @@ export const qwen35: ArchModule = {
   hparams: qwen35HParams,
   blockTensors,
   buildOutput: llamaOutputHead,
-  buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
-    const h = t.rmsNorm(x, w.get("attn_norm.weight"))
-    g0(t, h)
-    const mixed = t.hp.recurrent!.layers[t.layer] === true ? deltaNet(t, w, h) : gatedAttention(t, w, h)
-    const ffnIn = t.add(mixed, x)
-    const out = t.add(t.ffnSwiglu(t.rmsNorm(ffnIn, w.get("post_attention_norm.weight")), w), ffnIn)
-    return t.outputRows(out)
-  }
+  buildBlock: qwen35Block((t, w, normed) => t.ffnSwiglu(normed, w))
 }
 
 /**
