@@ -34,6 +34,10 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
   loadMillis: Schema.Number,
   cachedWeights: Schema.Boolean,
   prefillComputeMillis: Schema.Number,
+  /** Of prefillComputeMillis: the time the prompt waited in the agent's batcher (gathering, behind other work). */
+  prefillWaitMillis: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /** The last stage: how long sampling the first token took. */
+  firstSampleMillis: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   decodeFrames: Schema.Number,
   decodeComputeMillis: Schema.Number,
   /** Micro-batches of the agent's stage batcher that carried this stage's work (see layers/agent/StageBatcher.ts). */

@@ -192,7 +192,12 @@ export interface StageSummary {
   readonly dataAddress: TransportAddress
   readonly loadMillis: number
   readonly cachedWeights: boolean
+  /** The prompt's time on this stage, from its arrival to its output (batcher wait included). */
   readonly prefillComputeMillis: number
+  /** Of that, the time it waited in the agent's batcher for partners or behind other micro-batches. */
+  readonly prefillWaitMillis: number
+  /** The last stage: sampling the first token. */
+  readonly firstSampleMillis: number
   /** Mean engine time per decoded token on this stage. */
   readonly computeMillisPerToken: number
   /** The agent's stage batcher: micro-batches that carried this stage's work, their rows, most sequences in one. */

@@ -75,6 +75,11 @@ export interface ServeRequest {
   readonly sampling?: SamplingOptions
   /** The text ends before the first of these (also when one spans several tokens). */
   readonly stop?: ReadonlyArray<string>
+  /**
+   * `performance.now()` when the request arrived, if before `generate` (e.g. HTTP rendered its chat first): the time to
+   * first token and its `tokenize` phase count from it.
+   */
+  readonly receivedAt?: number
 }
 
 export type FinishReason = "stop" | "length"
@@ -183,6 +188,31 @@ export interface StageMetrics {
   readonly peakResidentBytes: number
   /** KV cache bytes of one sequence on the stage, as its agent sized them (capped sliding-window caches counted). */
   readonly kvBytes: number
+  /** Completed requests' prompts on this stage: engine time, and time waiting in the agent's batcher. */
+  readonly prefillSeconds: number
+  readonly prefillWaitSeconds: number
+}
+
+/**
+ * Where the time to first token went, summed over completed requests that got a first token (`requests` of them):
+ * - tokenize: from arrival (`receivedAt`) to the prompt's tokens (chat rendering included) and checks;
+ * - admit: waiting for admission (memory budget, queue);
+ * - setup: the run's sessions opened on every stage;
+ * - prefillWait: the prompt waiting in the stages' batchers (gathering partners, behind other micro-batches);
+ * - prefill: the stages' engine time on the prompt (per stage in StageMetrics);
+ * - sample: the last stage sampling the first token;
+ * - hops: the rest (frames between stages and back, the orchestrator's side).
+ */
+export interface FirstTokenPhases {
+  readonly requests: number
+  readonly totalSeconds: number
+  readonly tokenize: number
+  readonly admit: number
+  readonly setup: number
+  readonly prefillWait: number
+  readonly prefill: number
+  readonly sample: number
+  readonly hops: number
 }
 
 export interface ServerMetrics {
@@ -194,6 +224,7 @@ export interface ServerMetrics {
   readonly kvReservedBytes: number
   readonly kvBudgetBytes: number
   readonly stages: ReadonlyArray<StageMetrics>
+  readonly firstToken: FirstTokenPhases
   /** Generations resumed after a fault of their run (a lost agent, a broken transport). */
   readonly recoveries: number
   /** Decoded tokens of completed requests that took over 4× the recent median. */

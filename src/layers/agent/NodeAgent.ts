@@ -98,6 +98,8 @@ const freshStats = () => ({
   loadMillis: 0,
   cachedWeights: false,
   prefillComputeMillis: 0,
+  prefillWaitMillis: 0,
+  firstSampleMillis: 0,
   decodeFrames: 0,
   decodeComputeMillis: 0,
   ...emptyBatchCounters(),
@@ -359,6 +361,7 @@ export const makeStageHost = (
                 startPos = frame.startPos
               }
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+              const engineBefore = stats.engineMillis
               const t0 = performance.now()
               const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount).pipe(
                 Effect.mapError((error) =>
@@ -369,8 +372,10 @@ export const makeStageHost = (
               const elapsed = t1 - t0
               stats.frames++
               stats.tokens += nTokens
-              if (frame.sequence === 0) stats.prefillComputeMillis += elapsed
-              else {
+              if (frame.sequence === 0) {
+                stats.prefillComputeMillis += elapsed
+                stats.prefillWaitMillis += Math.max(0, elapsed - (stats.engineMillis - engineBefore))
+              } else {
                 stats.decodeFrames++
                 stats.decodeComputeMillis += elapsed
               }
@@ -396,7 +401,9 @@ export const makeStageHost = (
                 ).pipe(Effect.mapError(transport))
               } else {
                 if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
+                const sampleStart = performance.now()
                 const sampled = sample.sample(output.logits)
+                if (frame.sequence === 0) stats.firstSampleMillis = performance.now() - sampleStart
                 // nothing selectable (every token banned, or none the grammar allows): the generation ends
                 const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
                 handOffStart = performance.now()

@@ -64,13 +64,19 @@ export interface BatchCounters {
   maxBatchSequences: number
   /** Prompt chunks this stage ran (a prompt of n tokens takes ceil(n / prefillChunk)). */
   prefillChunks: number
+  /**
+   * Engine time (ms) of those micro-batches, each counted whole: a submit's wall time minus what this grew by is the
+   * time its work waited in the batcher (gathering partners, or behind other micro-batches).
+   */
+  engineMillis: number
 }
 
 export const emptyBatchCounters = (): BatchCounters => ({
   microBatches: 0,
   batchRows: 0,
   maxBatchSequences: 0,
-  prefillChunks: 0
+  prefillChunks: 0,
+  engineMillis: 0
 })
 
 export interface StageBatcher {
@@ -202,11 +208,17 @@ export const makeStageBatcher = (
     }
 
     /** Completes the jobs of a micro-batch that ran, with their outputs in order. */
-    const advance = (chosen: ReadonlyArray<{ job: Job; n: number }>, outputs: ReadonlyArray<StageOutput>, rows: number) =>
+    const advance = (
+      chosen: ReadonlyArray<{ job: Job; n: number }>,
+      outputs: ReadonlyArray<StageOutput>,
+      rows: number,
+      millis: number
+    ) =>
       Effect.forEach(chosen, ({ job, n }, i) => {
         const out = outputs[i]!
         job.done += n
         job.counters.microBatches++
+        job.counters.engineMillis += millis
         job.counters.batchRows += rows
         job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
         if (job.total > 1) job.counters.prefillChunks++
@@ -244,9 +256,10 @@ export const makeStageBatcher = (
     /** Runs one micro-batch; never fails (every outcome lands in the jobs' results). */
     const runOnce = (chosen: ReadonlyArray<{ job: Job; n: number }>): Effect.Effect<void> => {
       const rows = chosen.reduce((s, c) => s + c.n, 0)
+      const started = performance.now()
       return executor.forwardBatch(chosen.map(({ job, n }) => itemOf(job, n))).pipe(
         Effect.matchEffect({
-          onSuccess: (outputs) => advance(chosen, outputs, rows),
+          onSuccess: (outputs) => advance(chosen, outputs, rows, performance.now() - started),
           onFailure: (error) => {
             switch (error._tag) {
               case "BatchItemRejected": {

@@ -174,6 +174,8 @@ export const summarize = (record: RunRecord): RunSummary => {
       loadMillis: s.ready?.loadMillis ?? 0,
       cachedWeights: s.ready?.cachedWeights ?? false,
       prefillComputeMillis: s.stats?.prefillComputeMillis ?? 0,
+      prefillWaitMillis: s.stats?.prefillWaitMillis ?? 0,
+      firstSampleMillis: s.stats?.firstSampleMillis ?? 0,
       computeMillisPerToken: s.stats !== undefined && s.stats.decodeFrames > 0
         ? s.stats.decodeComputeMillis / s.stats.decodeFrames
         : 0,

@@ -484,6 +484,33 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
     m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
   metric("swactor_stage_compute_seconds_total", "counter", "Engine time per stage (completed requests)", perStage((s) => s.computeSeconds))
+  const f = m.firstToken
+  metric("swactor_first_token_seconds_sum", "counter", "Time to first token, summed over completed requests", [["", f.totalSeconds]])
+  metric("swactor_first_token_seconds_count", "counter", "Completed requests that got a first token", [["", f.requests]])
+  metric(
+    "swactor_first_token_phase_seconds_total",
+    "counter",
+    "Time to first token by phase, summed over completed requests (tokenize, admit, setup: sessions opened, prefill_wait: " +
+      "in the stages' batchers, prefill: engine, sample, hops: the rest)",
+    (
+      [
+        ["tokenize", f.tokenize],
+        ["admit", f.admit],
+        ["setup", f.setup],
+        ["prefill_wait", f.prefillWait],
+        ["prefill", f.prefill],
+        ["sample", f.sample],
+        ["hops", f.hops]
+      ] as const
+    ).map(([phase, seconds]): [string, number] => [`{phase="${phase}"}`, seconds])
+  )
+  metric("swactor_stage_prefill_seconds_total", "counter", "Engine time on prompts per stage (completed requests)", perStage((s) => s.prefillSeconds))
+  metric(
+    "swactor_stage_prefill_wait_seconds_total",
+    "counter",
+    "Time prompts waited in the stage's batcher (completed requests)",
+    perStage((s) => s.prefillWaitSeconds)
+  )
   metric(
     "swactor_stage_transfer_seconds_total",
     "counter",
@@ -653,6 +680,7 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
       HttpRouter.post(
         "/v1/chat/completions",
         handle(Effect.gen(function*() {
+          const receivedAt = performance.now()
           const request = yield* body(ChatBody)
           // Messages and tools checked (OpenAiTools.ts): a problem is a 400 naming the field.
           const checked = chatWithTools(request)
@@ -672,8 +700,8 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
           }
           // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
           const serve = chat.tools?.grammar === undefined
-            ? planned
-            : { ...planned, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
+            ? { ...planned, receivedAt }
+            : { ...planned, receivedAt, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
           return yield* respond(
             server,
             shape(true),

@@ -6,7 +6,7 @@
 import { Cause, Chunk, Deferred, Duration, Effect, Either, Exit, ExecutionStrategy, Layer, Option, Queue, Ref, Schedule, Scope, Stream } from "effect"
 import * as Gguf from "../gguf/GgufReader.js"
 import type { GgufFile } from "../../domain/gguf.js"
-import { Orchestrator, type Pipeline, type PipelineMember, type RunUpdate, type TokenLogprob } from "../../services/Orchestrator.js"
+import { Orchestrator, type Pipeline, type PipelineMember, type RunSummary, type RunUpdate, type TokenLogprob } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
   PipelineFaulted,
@@ -282,7 +282,8 @@ export const make = (options: ServeOptions) =>
       revivals: 0,
       revivalAttempts: 0,
       inFlight: 0,
-      stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>()
+      stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>(),
+      firstToken: { requests: 0, totalSeconds: 0, tokenize: 0, admit: 0, setup: 0, prefillWait: 0, prefill: 0, sample: 0, hops: 0 }
     }
     // --- prompt cache: the index of what the agents hold; dropped entries go to the agents through `dropQueue` ---
     const cacheOn = options.promptCache?.enabled ?? true
@@ -675,6 +676,7 @@ export const make = (options: ServeOptions) =>
     const generate = (request: ServeRequest): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
+          const receivedAt = request.receivedAt ?? performance.now()
           const { pipeline } = yield* current
           const limit = maxPromptTokens(pipeline)
           const prompt = typeof request.prompt === "string"
@@ -691,7 +693,7 @@ export const make = (options: ServeOptions) =>
           const queuedAt = performance.now()
           const ticket = yield* admission!.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
-          const run = runAdmitted(prompt, maxTokens, request, queuedAt, contextLength, ticket, match)
+          const run = runAdmitted(prompt, maxTokens, request, { receivedAt, queuedAt }, contextLength, ticket, match)
           return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, run)))
         })
       )
@@ -700,7 +702,7 @@ export const make = (options: ServeOptions) =>
       prompt: ReadonlyArray<number>,
       maxTokens: number,
       request: ServeRequest,
-      queuedAt: number,
+      arrival: { readonly receivedAt: number; readonly queuedAt: number },
       contextLength: number,
       ticket: { readonly onRelease: (f: () => void) => void; readonly release: () => void },
       match: PromptCacheMatch | undefined
@@ -708,6 +710,9 @@ export const make = (options: ServeOptions) =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
           const { pipeline } = yield* current
+          const admittedAt = performance.now()
+          let readyAt = admittedAt
+          let firstAt: number | undefined
           // Prompt cache: adopt `match` if admission left it (in use until the run ends: never evicted); keep this run's
           // KV as a new entry once it completes (added when its admission is released, its memory then the entry's),
           // else drop it.
@@ -776,6 +781,8 @@ export const make = (options: ServeOptions) =>
             }
           }
           const onUpdate = (update: RunUpdate): ReadonlyArray<ServeEvent> => {
+            if (update._tag === "StageReady") readyAt = performance.now()
+            if (update._tag === "Token" && firstAt === undefined) firstAt = performance.now()
             if (update._tag === "PromptCached") {
               cachedTokens = update.cachedTokens
               cacheCounts.cachedTokens += cachedTokens
@@ -815,6 +822,7 @@ export const make = (options: ServeOptions) =>
             if (update._tag === "Finished") {
               metrics.stragglers += update.summary.stragglers.length
               recordStages(update)
+              if (firstAt !== undefined) recordFirstToken(update.summary, { ...arrival, admittedAt, readyAt, firstAt })
               const rest = stop.flush()
               return [...(rest === "" ? [] : [text(rest, logprobs?.flush())]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
             }
@@ -826,7 +834,7 @@ export const make = (options: ServeOptions) =>
             completionTokens,
             ...(entries === undefined ? {} : { logprobs: entries })
           })
-          const admitted: ServeEvent = { _tag: "Admitted", promptTokens: prompt.length, queuedMillis: performance.now() - queuedAt }
+          const admitted: ServeEvent = { _tag: "Admitted", promptTokens: prompt.length, queuedMillis: admittedAt - arrival.queuedAt }
           return Stream.concat(
             Stream.make(admitted),
             pipeline.run({
@@ -861,7 +869,9 @@ export const make = (options: ServeOptions) =>
         computeBytes: 0,
         residentBytes: 0,
         peakResidentBytes: 0,
-        kvBytes: 0
+        kvBytes: 0,
+        prefillSeconds: 0,
+        prefillWaitSeconds: 0
       }
       metrics.stages.set(stageIndex, m)
       return m
@@ -884,6 +894,40 @@ export const make = (options: ServeOptions) =>
           m.kvBytes = stage.kvBytes
         }
       }
+    }
+
+    /** A completed request's time to first token, split into its phases (FirstTokenPhases); per stage its prefill. */
+    const recordFirstToken = (
+      summary: RunSummary,
+      at: {
+        readonly receivedAt: number
+        readonly queuedAt: number
+        readonly admittedAt: number
+        readonly readyAt: number
+        readonly firstAt: number
+      }
+    ) => {
+      const f = metrics.firstToken
+      let onStages = 0
+      let wait = 0
+      let sample = 0
+      for (const stage of summary.stages) {
+        const m = stageMetrics(stage.stageIndex)
+        m.prefillSeconds += (stage.prefillComputeMillis - stage.prefillWaitMillis) / 1000
+        m.prefillWaitSeconds += stage.prefillWaitMillis / 1000
+        onStages += stage.prefillComputeMillis
+        wait += stage.prefillWaitMillis
+        sample += stage.firstSampleMillis
+      }
+      f.requests++
+      f.totalSeconds += (at.firstAt - at.receivedAt) / 1000
+      f.tokenize += (at.queuedAt - at.receivedAt) / 1000
+      f.admit += (at.admittedAt - at.queuedAt) / 1000
+      f.setup += (at.readyAt - at.admittedAt) / 1000
+      f.prefillWait += wait / 1000
+      f.prefill += (onStages - wait) / 1000
+      f.sample += sample / 1000
+      f.hops += Math.max(0, at.firstAt - at.readyAt - onStages - sample) / 1000
     }
 
     const snapshot: Effect.Effect<ServerMetrics> = Effect.gen(function*() {
@@ -920,6 +964,7 @@ export const make = (options: ServeOptions) =>
         kvReservedBytes: state.used,
         kvBudgetBytes: Option.isSome(up) ? sizing.budget() : 0,
         stages: [...metrics.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
+        firstToken: { ...metrics.firstToken },
         agents
       }
     })
