@@ -29,11 +29,12 @@ import {
   type SyntheticType,
   writeSyntheticModel
 } from "../src/layers/gguf/Synthetic.js"
-import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
-import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { killedStageResumes } from "./support/resume.js"
 
 const N_TOKENS = 24
 const LAYERS = 4
@@ -41,9 +42,6 @@ const CONTEXT = 512
 const options = { threads: 1, contextLength: CONTEXT } as const
 const dir = mkdtempSync(join(tmpdir(), "swactor-deepseek2-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
-
-const sameBits = (a: Float32Array, b: Float32Array) =>
-  a.length === b.length && new Uint32Array(a.buffer).every((x, i) => x === new Uint32Array(b.buffer)[i])
 
 const shape = (type: SyntheticType, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
   path: join(dir, `deepseek2-${type}.gguf`),
@@ -66,18 +64,10 @@ const shape = (type: SyntheticType, extra: Partial<SyntheticModelOptions> = {}):
 /** node-llama-cpp's greedy tokens on `path`, then every split into 1-3 stages: same tokens, splits bit-identical. */
 const checkParity = (label: string, path: string) =>
   Effect.gen(function*() {
-    const ref = yield* Effect.promise(() => referenceRun(path, "Once upon a time", N_TOKENS, options))
+    const ref = yield* nodeLlamaReference(path, "Once upon a time", N_TOKENS, options)
     assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
-    let single: EngineRun | undefined
-    let maxDiff = 0
     const splits = allSplits(LAYERS, 3)
-    for (const split of splits) {
-      const run = yield* greedyRun(path, split, ref.prompt, N_TOKENS, options)
-      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-      if (single === undefined) single = run
-      else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
-    }
+    const maxDiff = yield* splitsMatchReference(path, ref, splits, options)
     console.log(
       `${label}: ${splits.length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
         `first-position log-prob max diff ${maxDiff.toExponential(2)}`
@@ -113,10 +103,10 @@ describe("deepseek2 with YaRN (DeepSeek V3 / R1's rope.scaling keys) gives node-
       const o = shape("f32", { path: join(dir, "deepseek2-yarn.gguf"), deepseekYarn: yarn })
       yield* writeSyntheticModel(o)
       yield* checkParity("deepseek2 f32 yarn", o.path)
-      const ref = yield* Effect.promise(() => referenceRun(o.path, "Once upon a time", N_TOKENS, options))
+      const ref = yield* nodeLlamaReference(o.path, "Once upon a time", N_TOKENS, options)
       const plain = shape("f32", { path: join(dir, "deepseek2-yarn-off.gguf") })
       yield* writeSyntheticModel(plain)
-      const without = yield* Effect.promise(() => referenceRun(plain.path, "Once upon a time", N_TOKENS, options))
+      const without = yield* nodeLlamaReference(plain.path, "Once upon a time", N_TOKENS, options)
       assert.notDeepEqual(without.tokens, ref.tokens, "node-llama-cpp without YaRN gives other tokens")
     }), 300_000)
 })
@@ -148,25 +138,8 @@ describe("deepseek2: sequences batched together equal the same sequences alone",
       Effect.gen(function*() {
         const o = shape(type, { path: join(dir, `batch-${type}.gguf`) })
         yield* writeSyntheticModel(o)
-        const plans = schedule(o.vocab)
-        let maxDiff = 0
-        for (const split of [[0, 4], [0, 1, 4], [0, 1, 3, 4]]) {
-          yield* Effect.scoped(Effect.gen(function*() {
-            const stages = yield* Batch.loadSplit(o.path, split)
-            const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
-            const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
-            assert.strictEqual(batched.maxLive, 6, "all 6 sequences were in one batch at some step")
-            assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-            assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
-            plans.forEach((_, i) => {
-              assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-              alone[i]!.logits.forEach((l, j) => {
-                maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!))
-                if (type === "q8_0") assert.isTrue(Batch.sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
-              })
-            })
-          }))
-        }
+        const splits = [[0, 4], [0, 1, 4], [0, 1, 3, 4]]
+        const maxDiff = yield* Batch.batchedEqualsAlone(o.path, splits, schedule(o.vocab), CONTEXT, { bitIdentical: type === "q8_0" })
         console.log(`deepseek2 ${type} route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
       }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 240_000)
   }
@@ -302,9 +275,25 @@ describe("swactor synth --arch deepseek2", () => {
       assert.strictEqual(yield* getU32(file, "deepseek2.attention.key_length_mla"), 64)
       assert.strictEqual(yield* getU32(file, "deepseek2.expert_shared_count"), 2)
       assert.isTrue(file.tensorsByName.has("blk.0.attn_q.weight") && !file.tensorsByName.has("blk.0.attn_q_a.weight"))
-      const ref = yield* Effect.promise(() => referenceRun(out, "Once upon a time", 48, options))
+      const ref = yield* nodeLlamaReference(out, "Once upon a time", 48, options)
       assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
       const run = yield* greedyRun(out, [0, 1, 3, 4], ref.prompt, 48, options)
       assert.deepStrictEqual(run.tokens, ref.tokens)
     }), 120_000)
+})
+
+describe("deepseek2 end to end: a killed stage agent resumes with identical text", () => {
+  // 3 stages + 1 spare on local agents over 4 blocks (1 dense + 3 routed); the middle stage's agent (routed blocks, a
+  // latent cache) is killed with SIGKILL at token 12; the spare takes its stage, the prompt and the tokens so far are
+  // replayed (one prefill per stage rebuilds the latent rows), and the stream goes on to the uninterrupted run's.
+  it.live("q8_0, kill -9 of the middle stage with a spare: greedy tokens and text equal the uninterrupted run's", () =>
+    Effect.gen(function*() {
+      const o = shape("q8_0", { path: join(dir, "e2e-q8_0.gguf") })
+      yield* writeSyntheticModel(o)
+      const { killedLayers } = yield* killedStageResumes(
+        { model: o.path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 },
+        { atToken: 12 }
+      )
+      assert.isAtLeast(killedLayers[0], 1, `the killed stage ${killedLayers} holds routed blocks only`)
+    }), 180_000)
 })

@@ -24,11 +24,12 @@ import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gg
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
-import { greedy, logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { greedy, makeRng } from "../src/services/Sampler.js"
 import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
-import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceLlama } from "./support/engine.js"
+import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { killedStageResumes } from "./support/resume.js"
 
 const N_TOKENS = 80
 const LAYERS = 6
@@ -36,8 +37,6 @@ const options = { threads: 1, contextLength: 256 } as const
 const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
 const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma3-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
-
-const sameBits = (a: Float32Array, b: Float32Array) => Batch.sameBits(a, b)
 
 const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
   path: join(dir, `${name}.gguf`),
@@ -54,43 +53,9 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
   ...extra
 })
 
-/** node-llama-cpp: BOS + tokenize(text), greedy `n` tokens; flash attention on, F16 KV, explicit threads. */
+/** node-llama-cpp: BOS + tokenize(PROMPT), greedy `n` tokens; flash attention on, F16 KV, explicit threads. */
 const reference = (path: string, n: number, swaFullCache: boolean) =>
-  Effect.promise(async () => {
-    const llama = await referenceLlama()
-    const m = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
-    try {
-      const ctx = await m.createContext({
-        contextSize: options.contextLength,
-        threads: options.threads,
-        flashAttention: true,
-        sequences: 1,
-        swaFullCache
-      })
-      try {
-        const prompt = [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
-        const tokens: Array<number> = []
-        const seq = ctx.getSequence()
-        for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
-          tokens.push(t)
-          if (tokens.length >= n) break
-        }
-        // the probabilities after the prompt (soft-capping never changes a greedy pick: it is monotonic)
-        await seq.clearHistory()
-        const res = await seq.controlledEvaluate([
-          ...prompt.slice(0, -1),
-          [prompt[prompt.length - 1]!, { generateNext: { probabilities: true } }]
-        ])
-        const probs = res[res.length - 1]?.next?.probabilities
-        if (probs === undefined) throw new Error("node-llama-cpp returned no probabilities")
-        return { prompt: prompt as ReadonlyArray<number>, tokens, firstProbabilities: new Map(probs) }
-      } finally {
-        await ctx.dispose()
-      }
-    } finally {
-      await m.dispose()
-    }
-  })
+  nodeLlamaReference(path, PROMPT, n, { ...options, swaFullCache })
 
 /** Every split into 1..3 stages: tokens equal node-llama-cpp's (both caches), logits bit-identical across splits. */
 const checkParity = (o: SyntheticModelOptions, window: number, globalBlocks: ReadonlyArray<number>) =>
@@ -113,15 +78,7 @@ const checkParity = (o: SyntheticModelOptions, window: number, globalBlocks: Rea
     for (const g of globalBlocks) {
       assert.isTrue(cuts.has(g) && (g + 1 === o.layers || cuts.has(g + 1)), `cuts around global block ${g}`)
     }
-    let single: EngineRun | undefined
-    let maxDiff = 0
-    for (const split of splits) {
-      const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
-      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-      if (single === undefined) single = run
-      else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
-    }
+    const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
     console.log(
       `gemma3 ${o.type} window ${window}: ${splits.length} splits x ${N_TOKENS} tokens after a ${ref.prompt.length}-token ` +
         `prompt equal node-llama-cpp's (capped and full SWA cache); window ${4096} gives other tokens; ` +
@@ -183,24 +140,7 @@ describe("gemma3: 8 sequences batched equal their lone runs", () => {
       Effect.gen(function*() {
         const o = model(`gemma3-batch-${rows}`, { slidingWindow: 16, swaPattern: 3, seed: 23 })
         yield* writeSyntheticModel(o)
-        const plans = schedule()
-        let maxDiff = 0
-        for (const split of [[0, 6], [0, 3, 6], [0, 2, 4, 6]]) {
-          yield* Effect.scoped(Effect.gen(function*() {
-            const stages = yield* Batch.loadSplit(o.path, split)
-            const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
-            const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
-            assert.strictEqual(batched.maxLive, 8, "all 8 sequences were in one batch at some step")
-            assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-            assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8)
-            plans.forEach((_, i) => {
-              assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-              alone[i]!.logits.forEach((l, j) =>
-                (maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!)))
-              )
-            })
-          }))
-        }
+        const maxDiff = yield* Batch.batchedEqualsAlone(o.path, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], schedule(), CONTEXT)
         console.log(`gemma3 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
         // measured 3.2e-3 / 3.3e-3 (routes 0 / 8): prefills of several rows take other product kernels than alone
         assert.isBelow(maxDiff, 2e-2)
@@ -349,4 +289,22 @@ describe("gemma3: bad metadata is a typed error naming the key", () => {
       const e = failure(exit)
       assert.include(e.message, "blk.1.post_ffw_norm.weight")
     }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+})
+
+describe("gemma3 end to end: a killed stage agent resumes with identical text past the window", () => {
+  // 6 blocks, window 16, pattern 3 (blocks 2 and 5 global); 3 stages + 1 spare on local agents, balanced: the middle
+  // stage holds blocks 2 (global) and 3 (sliding). Its agent is killed with SIGKILL at token 24, past twice the window;
+  // the spare takes the stage, the prompt and the tokens so far are replayed in one prefill, and the stream goes on
+  // to the uninterrupted run's tokens and text.
+  it.live("q8_0, window 16, pattern 3, kill -9 of the middle stage past the window: greedy output equals the uninterrupted run's", () =>
+    Effect.gen(function*() {
+      const o = model("gemma3-e2e", { type: "q8_0", slidingWindow: 16, swaPattern: 3, seed: 25 })
+      yield* writeSyntheticModel(o)
+      const { reference, killedLayers } = yield* killedStageResumes(
+        { model: o.path, prompt: PROMPT, maxTokens: 48, threads: 1, stages: 3 },
+        { atToken: 24 }
+      )
+      assert.deepStrictEqual(killedLayers, [2, 4], "the killed stage holds global block 2 and sliding block 3")
+      assert.isAbove(reference.summary!.promptTokens + 24, 2 * 16, "killed after the run passed twice the window")
+    }), 180_000)
 })

@@ -24,11 +24,11 @@ import { synthCommand } from "../src/cli/SynthCommand.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type GgufTensorSpec, GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
-import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceLlama } from "./support/engine.js"
+import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
 
 const N_TOKENS = 64
 const LAYERS = 4
@@ -60,40 +60,7 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
 
 /** node-llama-cpp: BOS + tokenize(text), greedy `n` tokens; flash attention on, F16 KV, explicit threads. */
 const reference = (path: string, n: number, swaFullCache: boolean, contextSize: number = options.contextLength, text = PROMPT) =>
-  Effect.promise(async () => {
-    const llama = await referenceLlama()
-    const m = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
-    try {
-      const ctx = await m.createContext({
-        contextSize,
-        threads: options.threads,
-        flashAttention: true,
-        sequences: 1,
-        swaFullCache
-      })
-      try {
-        const prompt = [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(text)]
-        const tokens: Array<number> = []
-        const seq = ctx.getSequence()
-        for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
-          tokens.push(t)
-          if (tokens.length >= n) break
-        }
-        await seq.clearHistory()
-        const res = await seq.controlledEvaluate([
-          ...prompt.slice(0, -1),
-          [prompt[prompt.length - 1]!, { generateNext: { probabilities: true } }]
-        ])
-        const probs = res[res.length - 1]?.next?.probabilities
-        if (probs === undefined) throw new Error("node-llama-cpp returned no probabilities")
-        return { prompt: prompt as ReadonlyArray<number>, tokens, firstProbabilities: new Map(probs) }
-      } finally {
-        await ctx.dispose()
-      }
-    } finally {
-      await m.dispose()
-    }
-  })
+  nodeLlamaReference(path, text, n, { threads: options.threads, contextLength: contextSize, swaFullCache })
 
 /** Every split into 1..3 stages: tokens equal node-llama-cpp's (both caches), logits bit-identical across splits. */
 const checkParity = (label: string, o: SyntheticModelOptions, maxLogProb: number) =>
@@ -108,15 +75,7 @@ const checkParity = (label: string, o: SyntheticModelOptions, maxLogProb: number
     // cuts after a sliding block (0 | 1, 2 | 3) and after a global one (1 | 2)
     const cuts = new Set(splits.flatMap((s) => s.slice(1, -1)))
     assert.deepStrictEqual([...cuts].sort(), [1, 2, 3])
-    let single: EngineRun | undefined
-    let maxDiff = 0
-    for (const split of splits) {
-      const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
-      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-      if (single === undefined) single = run
-      else run.logits.forEach((l, i) => assert.isTrue(Batch.sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
-    }
+    const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
     console.log(
       `${label}: ${splits.length} splits x ${N_TOKENS} tokens after a ${ref.prompt.length}-token prompt equal ` +
         `node-llama-cpp's (capped and full SWA cache); first-position log-prob max diff ${maxDiff.toExponential(2)}`
@@ -190,24 +149,7 @@ describe("gpt-oss: 6 sequences batched equal their lone runs", () => {
     Effect.gen(function*() {
       const o = model("gptoss-batch", { seed: 63 })
       yield* writeSyntheticModel(o)
-      const plans = schedule()
-      let maxDiff = 0
-      for (const split of [[0, 4], [0, 2, 4], [0, 1, 3, 4]]) {
-        yield* Effect.scoped(Effect.gen(function*() {
-          const stages = yield* Batch.loadSplit(o.path, split)
-          const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
-          const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
-          assert.strictEqual(batched.maxLive, plans.length, "all sequences were in one batch at some step")
-          assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-          assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8)
-          plans.forEach((_, i) => {
-            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-            alone[i]!.logits.forEach((l, j) =>
-              (maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!)))
-            )
-          })
-        }))
-      }
+      const maxDiff = yield* Batch.batchedEqualsAlone(o.path, [[0, 4], [0, 2, 4], [0, 1, 3, 4]], schedule(), CONTEXT)
       console.log(`gpt-oss batched vs alone: max logit difference ${maxDiff.toExponential(2)}`)
       assert.isBelow(maxDiff, 2e-2)
     }).pipe(Effect.provide(layerWith({ smallBatchRows: 8 }))), 300_000)

@@ -23,9 +23,10 @@ import { getF32, getString, getU32, readGgufFile } from "../src/layers/gguf/Gguf
 import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import type { StageInput } from "../src/domain/engine.js"
-import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
-import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { killedStageResumes } from "./support/resume.js"
 
 const N_TOKENS = 96
 const LAYERS = 4
@@ -33,11 +34,6 @@ const options = { threads: 1, contextLength: 256 } as const
 const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest"
 const dir = mkdtempSync(join(tmpdir(), "swactor-engine-mistral3-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
-
-const sameBits = (a: Float32Array, b: Float32Array) =>
-  a.length === b.length && new Uint32Array(a.buffer, a.byteOffset, a.length).every((x, i) =>
-    x === new Uint32Array(b.buffer, b.byteOffset, b.length)[i]
-  )
 
 const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
   path: join(dir, `${name}.gguf`),
@@ -60,20 +56,12 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
 /** node-llama-cpp's tokens, then every split of 1-3 stages: same tokens, bit-identical logits across splits. */
 const checkModel = (label: string, path: string, exact: boolean) =>
   Effect.gen(function*() {
-    const ref = yield* Effect.promise(() => referenceRun(path, PROMPT, N_TOKENS, options))
+    const ref = yield* nodeLlamaReference(path, PROMPT, N_TOKENS, options)
     assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
     // the generation runs past position 96 (the temperature's third step)
     assert.isAbove(ref.prompt.length + N_TOKENS, 96)
     const splits = allSplits(LAYERS, 3)
-    let single: EngineRun | undefined
-    let maxDiff = 0
-    for (const split of splits) {
-      const run = yield* greedyRun(path, split, ref.prompt, N_TOKENS, options)
-      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-      if (single === undefined) single = run
-      else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
-    }
+    const maxDiff = yield* splitsMatchReference(path, ref, splits, options)
     console.log(
       `${label}: ${splits.length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
         `first-position log-prob max diff ${maxDiff.toExponential(2)}`
@@ -93,7 +81,7 @@ describe("mistral3: every split into 1-3 stages matches node-llama-cpp", () => {
       for (const [name, extra] of [["no-temp", { attnTemperatureScale: 0 }], ["no-yarn", { yarnFactor: 0 }]] as const) {
         const other = model(`mistral3-${name}`, extra)
         yield* writeSyntheticModel(other)
-        const ref = yield* Effect.promise(() => referenceRun(other.path, PROMPT, N_TOKENS, options))
+        const ref = yield* nodeLlamaReference(other.path, PROMPT, N_TOKENS, options)
         assert.notDeepEqual(ref.tokens, tokens, `${name} changes node-llama-cpp's tokens`)
       }
     }), 300_000)
@@ -156,7 +144,7 @@ describe("swactor synth --arch mistral3", () => {
       assert.strictEqual(yield* getF32(file, "mistral3.rope.scaling.factor"), 4)
       assert.strictEqual(yield* getU32(file, "mistral3.rope.scaling.original_context_length"), 64)
       assert.closeTo(yield* getF32(file, "mistral3.attention.temperature_scale"), 0.1, 1e-7)
-      const ref = yield* Effect.promise(() => referenceRun(out, PROMPT, 80, options))
+      const ref = yield* nodeLlamaReference(out, PROMPT, 80, options)
       const run = yield* greedyRun(out, [0, 2, 4], ref.prompt, 80, options)
       assert.deepStrictEqual(run.tokens, ref.tokens)
     }), 120_000)
@@ -197,4 +185,22 @@ describe("mistral3: bad metadata is a typed error naming the key", () => {
         }
       }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
   }
+})
+
+describe("mistral3 end to end: a killed stage agent resumes with identical text", () => {
+  // YaRN and attention temperature (original context 32); 3 stages + 1 spare on local agents. The middle stage's agent
+  // is killed with SIGKILL at token 40 (past position 32, the temperature's first step); the spare takes its stage,
+  // the prompt and the tokens so far are replayed in one prefill whose rows span two temperature steps, and the
+  // stream goes on past position 64 to the uninterrupted run's tokens and text.
+  it.live("f32 with YaRN and temperature, kill -9 of the middle stage at token 40: greedy output equals the uninterrupted run's", () =>
+    Effect.gen(function*() {
+      const o = model("mistral3-e2e")
+      yield* writeSyntheticModel(o)
+      const { reference } = yield* killedStageResumes(
+        { model: o.path, prompt: PROMPT, maxTokens: 64, threads: 1, stages: 3 },
+        { atToken: 40 }
+      )
+      assert.isAbove(reference.summary!.promptTokens + 40, 32, "killed past the temperature's first step")
+      assert.isAbove(reference.summary!.promptTokens + 64, 64, "the run ends past its second")
+    }), 180_000)
 })

@@ -7,13 +7,11 @@
  *   naming the key or tensor, before ggml sees anything.
  */
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Either, Exit, Stream } from "effect"
+import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
-import { layerLocal, run } from "../src/api/generate.js"
-import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import {
@@ -22,12 +20,12 @@ import {
   type SyntheticType,
   writeSyntheticModel
 } from "../src/layers/gguf/Synthetic.js"
-import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
-import { logSoftmax, makeRng } from "../src/services/Sampler.js"
+import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
-import { allSplits, type EngineRun, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { killedStageResumes } from "./support/resume.js"
 
 const N_TOKENS = 24
 const LAYERS = 4
@@ -35,9 +33,6 @@ const CONTEXT = 512
 const options = { threads: 1, contextLength: CONTEXT } as const
 const dir = mkdtempSync(join(tmpdir(), "swactor-moe-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
-
-const sameBits = (a: Float32Array, b: Float32Array) =>
-  a.length === b.length && new Uint32Array(a.buffer).every((x, i) => x === new Uint32Array(b.buffer)[i])
 
 const moeShape = (type: SyntheticType, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
   path: join(dir, `qwen3moe-${type}-${extra.expertsUsed ?? 2}.gguf`),
@@ -60,18 +55,10 @@ const moeShape = (type: SyntheticType, extra: Partial<SyntheticModelOptions> = {
 /** node-llama-cpp's greedy tokens on `path`, then every split into 1-3 stages: same tokens, splits bit-identical. */
 const checkParity = (label: string, path: string, exact = true) =>
   Effect.gen(function*() {
-    const ref = yield* Effect.promise(() => referenceRun(path, "Once upon a time", N_TOKENS, options))
+    const ref = yield* nodeLlamaReference(path, "Once upon a time", N_TOKENS, options)
     assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
-    let single: EngineRun | undefined
-    let maxDiff = 0
     const splits = allSplits(LAYERS, 3)
-    for (const split of splits) {
-      const run = yield* greedyRun(path, split, ref.prompt, N_TOKENS, options)
-      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-      if (single === undefined) single = run
-      else run.logits.forEach((l, i) => assert.isTrue(sameBits(l, single!.logits[i]!), `split ${split} position ${i}`))
-    }
+    const maxDiff = yield* splitsMatchReference(path, ref, splits, options)
     console.log(
       `${label}: ${splits.length} splits x ${N_TOKENS} tokens equal node-llama-cpp; ` +
         `first-position log-prob max diff ${maxDiff.toExponential(2)}`
@@ -144,7 +131,7 @@ describe("qwen3moe: a deep model with every expert used builds its graph", () =>
       const one = yield* greedyRun(o.path, [0, 40], [1, 5, 9, 13], 8, options)
       const two = yield* greedyRun(o.path, [0, 17, 40], [1, 5, 9, 13], 8, options)
       assert.deepStrictEqual(two.tokens, one.tokens)
-      one.logits.forEach((l, i) => assert.isTrue(sameBits(l, two.logits[i]!), `position ${i}`))
+      one.logits.forEach((l, i) => assert.isTrue(Batch.sameBits(l, two.logits[i]!), `position ${i}`))
     }), 180_000)
 })
 
@@ -177,25 +164,8 @@ describe("qwen3moe, glm4moe: sequences batched together equal the same sequences
       Effect.gen(function*() {
         const o = moeShape(type, { arch, path: join(dir, `batch-${arch}-${type}.gguf`) })
         yield* writeSyntheticModel(o)
-        const plans = schedule(o.vocab)
-        let maxDiff = 0
-        for (const split of [[0, 4], [0, 2, 4], [0, 1, 3, 4]]) {
-          yield* Effect.scoped(Effect.gen(function*() {
-            const stages = yield* Batch.loadSplit(o.path, split)
-            const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
-            const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
-            assert.strictEqual(batched.maxLive, 6, "all 6 sequences were in one batch at some step")
-            assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-            assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
-            plans.forEach((_, i) => {
-              assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-              alone[i]!.logits.forEach((l, j) => {
-                maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!))
-                if (type === "q8_0") assert.isTrue(Batch.sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
-              })
-            })
-          }))
-        }
+        const splits = [[0, 4], [0, 2, 4], [0, 1, 3, 4]]
+        const maxDiff = yield* Batch.batchedEqualsAlone(o.path, splits, schedule(o.vocab), CONTEXT, { bitIdentical: type === "q8_0" })
         console.log(`${arch} ${type} route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
       }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 180_000)
   }
@@ -304,38 +274,7 @@ describe("qwen3moe, glm4moe end to end: a killed stage agent resumes with identi
       Effect.gen(function*() {
         const o = moeShape("q8_0", { arch, path: join(dir, `e2e-${arch}-q8_0.gguf`) })
         yield* writeSyntheticModel(o)
-        const req: GenerateRequest = { model: o.path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 }
-        const generate = (r: GenerateRequest, killAt?: number) =>
-          Effect.gen(function*() {
-            let agents: ReadonlyArray<LocalAgent> = []
-            let killed = false
-            const updates: Array<RunUpdate> = []
-            const result = yield* run(r).pipe(
-              Stream.provideLayer(layerLocal({ threads: 1, onStarted: (a) => (agents = a) })),
-              Stream.runForEach((u) =>
-                Effect.sync(() => {
-                  updates.push(u)
-                  if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
-                    killed = true
-                    process.kill(agents[1]!.pid, "SIGKILL")
-                  }
-                })
-              ),
-              Effect.either
-            )
-            const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
-            const finished = updates.find((u) => u._tag === "Finished")
-            return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
-          })
-        const reference = yield* generate(req)
-        assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
-        assert.strictEqual(reference.tokens.length, 48)
-        assert.isAtLeast(new Set(reference.tokens).size, 4, "the stream is not trivial")
-        const outcome = yield* generate({ ...req, spares: 1 }, 12)
-        assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
-        assert.strictEqual(outcome.summary!.recoveries.length, 1)
-        assert.deepStrictEqual(outcome.tokens, reference.tokens)
-        assert.strictEqual(outcome.summary!.text, reference.summary!.text)
+        yield* killedStageResumes({ model: o.path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 }, { atToken: 12 })
       }), 180_000)
   }
 })

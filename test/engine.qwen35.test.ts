@@ -7,14 +7,12 @@
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Either, Exit, Stream } from "effect"
+import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
-import { layerLocal, run } from "../src/api/generate.js"
 import { synthCommand } from "../src/cli/SynthCommand.js"
-import type { LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
@@ -22,15 +20,15 @@ import { type GgufTypedValue, GgufValues, writeGgufFile } from "../src/layers/gg
 import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import type { StageInput } from "../src/domain/engine.js"
-import { logSoftmax, makeRng } from "../src/services/Sampler.js"
-import type { GenerateRequest, RunUpdate } from "../src/services/Orchestrator.js"
+import { makeRng } from "../src/services/Sampler.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { stageMemoryBytes } from "../src/services/Placement.js"
 import { kvBytesPerSequence, readKvBytesPerBlockToken } from "../src/layers/server/ServerLive.js"
 import { kvBytesOfSequence, kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../src/services/KvSize.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
-import { allSplits, decodeBatchGetsLoneBits, greedyRun, maxLogProbDiff, referenceRun } from "./support/engine.js"
+import { allSplits, decodeBatchGetsLoneBits, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { killedStageResumes } from "./support/resume.js"
 
 const N_TOKENS = 32
 const LAYERS = 4
@@ -101,7 +99,7 @@ describe("swactor synth --arch qwen35", () => {
       assert.strictEqual(yield* getU32(file, "qwen35.full_attention_interval"), 4)
       assert.strictEqual(yield* getU32(file, "qwen35.rope.dimension_count"), 16)
       assert.strictEqual(yield* getU32(file, "qwen35.ssm.inner_size"), 128)
-      const ref = yield* Effect.promise(() => referenceRun(out, PROMPT, 48, options))
+      const ref = yield* nodeLlamaReference(out, PROMPT, 48, options)
       assert.strictEqual(ref.tokens.length, 48)
       assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
       console.log(`qwen35 node-llama-cpp greedy: ${ref.tokens.join(",")}`)
@@ -113,14 +111,9 @@ describe("qwen35: every split into 1-3 stages matches node-llama-cpp", () => {
     Effect.gen(function*() {
       const o = model("parity", { layers: LAYERS })
       yield* writeSyntheticModel(o)
-      const ref = yield* Effect.promise(() => referenceRun(o.path, PROMPT, N_TOKENS, options))
+      const ref = yield* nodeLlamaReference(o.path, PROMPT, N_TOKENS, options)
       assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
-      let maxDiff = 0
-      for (const split of allSplits(LAYERS, 3)) {
-        const run = yield* greedyRun(o.path, split, ref.prompt, N_TOKENS, options)
-        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-        maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
-      }
+      const maxDiff = yield* splitsMatchReference(o.path, ref, allSplits(LAYERS, 3), options, { bitIdentical: false })
       console.log(`qwen35: ${allSplits(LAYERS, 3).length} splits x ${N_TOKENS} tokens; first log-prob max diff ${maxDiff}`)
       assert.isBelow(maxDiff, 1e-4)
     }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 300_000)
@@ -131,14 +124,11 @@ describe("qwen35: 8 blocks, q8_0", () => {
     Effect.gen(function*() {
       const o = model("parity-q8", { type: "q8_0", tiedOutput: true })
       yield* writeSyntheticModel(o)
-      const ref = yield* Effect.promise(() => referenceRun(o.path, PROMPT, 48, options))
+      const ref = yield* nodeLlamaReference(o.path, PROMPT, 48, options)
       assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
       const splits = allSplits(8, 3)
       assert.strictEqual(splits.length, 29)
-      for (const split of splits) {
-        const run = yield* greedyRun(o.path, split, ref.prompt, 48, options)
-        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
-      }
+      yield* splitsMatchReference(o.path, ref, splits, options, { bitIdentical: false })
     }), 300_000)
 })
 
@@ -216,22 +206,7 @@ describe("qwen35: 8 sequences batched together equal the same sequences alone", 
     Effect.gen(function*() {
       const o = model("batched", { layers: LAYERS, type: "q8_0" })
       yield* writeSyntheticModel(o)
-      for (const split of [[0, 4], [0, 3, 4], [0, 1, 3, 4]]) {
-        yield* Effect.scoped(Effect.gen(function*() {
-          const stages = yield* Batch.loadSplit(o.path, split)
-          const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, 128)))
-          const batched = yield* Batch.runBatched(stages, plans, 128)
-          assert.strictEqual(batched.maxLive, 8, "all 8 sequences were in one batch at some step")
-          assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-          assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
-          plans.forEach((_, i) => {
-            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-            alone[i]!.logits.forEach((l, j) =>
-              assert.isTrue(Batch.sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
-            )
-          })
-        }))
-      }
+      yield* Batch.batchedEqualsAlone(o.path, [[0, 4], [0, 3, 4], [0, 1, 3, 4]], plans, 128, { bitIdentical: true })
     }).pipe(Effect.provide(layerWith({ smallBatchRows: 8 }))), 240_000)
 })
 
@@ -323,37 +298,6 @@ describe("qwen35 end to end: a killed stage agent resumes with identical text", 
     Effect.gen(function*() {
       const o = model("e2e", { type: "q8_0" })
       yield* writeSyntheticModel(o)
-      const req: GenerateRequest = { model: o.path, prompt: "Once upon a time", maxTokens: 40, threads: 1, stages: 3 }
-      const generate = (r: GenerateRequest, killAt?: number) =>
-        Effect.gen(function*() {
-          let agents: ReadonlyArray<LocalAgent> = []
-          let killed = false
-          const updates: Array<RunUpdate> = []
-          const result = yield* run(r).pipe(
-            Stream.provideLayer(layerLocal({ threads: 1, onStarted: (a) => (agents = a) })),
-            Stream.runForEach((u) =>
-              Effect.sync(() => {
-                updates.push(u)
-                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
-                  killed = true
-                  process.kill(agents[1]!.pid, "SIGKILL")
-                }
-              })
-            ),
-            Effect.either
-          )
-          const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
-          const finished = updates.find((u) => u._tag === "Finished")
-          return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
-        })
-      const reference = yield* generate(req)
-      assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
-      assert.strictEqual(reference.tokens.length, 40)
-      assert.isAtLeast(new Set(reference.tokens).size, 4, "the stream is not trivial")
-      const outcome = yield* generate({ ...req, spares: 1 }, 12)
-      assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
-      assert.strictEqual(outcome.summary!.recoveries.length, 1)
-      assert.deepStrictEqual(outcome.tokens, reference.tokens)
-      assert.strictEqual(outcome.summary!.text, reference.summary!.text)
+      yield* killedStageResumes({ model: o.path, prompt: "Once upon a time", maxTokens: 40, threads: 1, stages: 3 }, { atToken: 12 })
     }), 180_000)
 })

@@ -11,7 +11,6 @@ import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
-import type { Token } from "node-llama-cpp"
 import { afterAll } from "vitest"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
@@ -25,7 +24,7 @@ import { greedy, makeRng } from "../src/services/Sampler.js"
 import { StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
-import { allSplits, greedyRun, referenceLlama } from "./support/engine.js"
+import { allSplits, greedyRun, nodeLlamaReference } from "./support/engine.js"
 
 const CONTEXT = 1024
 const WINDOW = 16
@@ -54,28 +53,7 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
 
 /** node-llama-cpp's greedy tokens (default capped SWA cache; flash attention on, F16 KV, 1 thread). */
 const reference = (path: string, n: number, promptTokens?: ReadonlyArray<number>) =>
-  Effect.promise(async () => {
-    const llama = await referenceLlama()
-    const m = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
-    try {
-      const ctx = await m.createContext({ contextSize: CONTEXT, threads: 1, flashAttention: true, sequences: 1 })
-      try {
-        const prompt = promptTokens !== undefined
-          ? [...promptTokens]
-          : [...(m.tokens.bos !== null ? [m.tokens.bos] : []), ...m.tokenize(PROMPT)]
-        const tokens: Array<number> = []
-        for await (const t of ctx.getSequence().evaluate(prompt as Array<Token>, { temperature: 0 })) {
-          tokens.push(t)
-          if (tokens.length >= n) break
-        }
-        return { prompt: prompt as ReadonlyArray<number>, tokens }
-      } finally {
-        await ctx.dispose()
-      }
-    } finally {
-      await m.dispose()
-    }
-  })
+  nodeLlamaReference(path, promptTokens ?? PROMPT, n, { threads: 1, contextLength: CONTEXT })
 
 describe("capped sliding-window caches: the ring wraps and the tokens still match node-llama-cpp", () => {
   it.live(`window ${WINDOW}, context ${CONTEXT} (ring of 256 cells): ${N_TOKENS} greedy tokens of all 7 splits equal node-llama-cpp's`, () =>
@@ -132,22 +110,10 @@ describe("capped sliding-window caches: batched = alone while the rings wrap", (
       const o = model("swa-batch", { seed: 53 })
       yield* writeSyntheticModel(o)
       const plans = schedule()
-      let maxDiff = 0
-      for (const split of [[0, 4], [0, 1, 4], [0, 1, 2, 4]]) {
-        yield* Effect.scoped(Effect.gen(function*() {
-          const stages = yield* Batch.loadSplit(o.path, split)
-          const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(Batch.runAlone(stages, p, CONTEXT)))
-          const batched = yield* Batch.runBatched(stages, plans, CONTEXT)
-          assert.strictEqual(batched.maxLive, 4, "all 4 sequences were in one batch at some step")
-          assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-          assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8)
-          plans.forEach((p, i) => {
-            assert.isAbove(p.prompt.length + p.steps, swaCacheSize(CONTEXT, WINDOW), `sequence ${i} wraps its ring`)
-            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-            alone[i]!.logits.forEach((l, j) => (maxDiff = Math.max(maxDiff, Batch.maxAbsDiff(l, batched.results[i]!.logits[j]!))))
-          })
-        }))
-      }
+      plans.forEach((p, i) =>
+        assert.isAbove(p.prompt.length + p.steps, swaCacheSize(CONTEXT, WINDOW), `sequence ${i} wraps its ring`)
+      )
+      const maxDiff = yield* Batch.batchedEqualsAlone(o.path, [[0, 4], [0, 1, 4], [0, 1, 2, 4]], plans, CONTEXT)
       console.log(`capped SWA caches, batched vs alone: max logit difference ${maxDiff.toExponential(2)}`)
       // prefills of several rows take other product kernels than alone (as engine.gemma3's batched case)
       assert.isBelow(maxDiff, 2e-2)

@@ -197,6 +197,41 @@ export const runBatched = (stages: ReadonlyArray<LoadedStage>, plans: ReadonlyAr
     }
   })
 
+/**
+ * For each split of `splits` (its stages loaded once): every plan run alone (`runAlone`) and all together
+ * (`runBatched`); all sequences share one batch at some step, some batch mixes prefill and decode, the streams hold at
+ * least 8 distinct tokens, and each sequence's batched tokens equal its lone ones (with `bitIdentical`, its logits
+ * too, bit for bit). Returns the largest logit difference between the batched and the lone runs.
+ */
+export const batchedEqualsAlone = (
+  path: string,
+  splits: ReadonlyArray<ReadonlyArray<number>>,
+  plans: ReadonlyArray<SeqPlan>,
+  contextLength: number,
+  { bitIdentical = false }: { readonly bitIdentical?: boolean } = {}
+) =>
+  Effect.gen(function*() {
+    let maxDiff = 0
+    for (const split of splits) {
+      yield* Effect.scoped(Effect.gen(function*() {
+        const stages = yield* loadSplit(path, split)
+        const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(runAlone(stages, p, contextLength)))
+        const batched = yield* runBatched(stages, plans, contextLength)
+        assert.strictEqual(batched.maxLive, plans.length, `all ${plans.length} sequences were in one batch at some step`)
+        assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
+        assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
+        plans.forEach((_, i) => {
+          assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
+          alone[i]!.logits.forEach((l, j) => {
+            maxDiff = Math.max(maxDiff, maxAbsDiff(l, batched.results[i]!.logits[j]!))
+            if (bitIdentical) assert.isTrue(sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
+          })
+        })
+      }))
+    }
+    return maxDiff
+  })
+
 export const maxAbsDiff = (a: Float32Array, b: Float32Array) => {
   let m = 0
   for (let i = 0; i < a.length; i++) m = Math.max(m, Math.abs(a[i]! - b[i]!))

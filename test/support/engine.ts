@@ -5,8 +5,9 @@ import { getLlama, type Llama, type LlamaModel, LlamaLogLevel, type Token } from
 import { StageExecutorLive } from "../../src/layers/engine/StageExecutorLive.js"
 import { openInProcessPipeline } from "../../src/services/InProcessPipeline.js"
 import type { StageInput } from "../../src/domain/engine.js"
-import { greedy, makeRng } from "../../src/services/Sampler.js"
+import { greedy, logSoftmax, makeRng } from "../../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor } from "../../src/services/StageExecutor.js"
+import { sameBits } from "./batch.js"
 
 /** Every split of `layers` blocks into 1..min(layers, maxStages) contiguous non-empty stages, as boundaries. */
 export const allSplits = (layers: number, maxStages = 4): ReadonlyArray<ReadonlyArray<number>> => {
@@ -74,15 +75,24 @@ export interface ReferenceRun {
   readonly firstProbabilities: ReadonlyMap<number, number>
 }
 
+export interface ReferenceOptions extends RunOptions {
+  /**
+   * Full-size caches for the sliding-window blocks too (node-llama-cpp's `swaFullCache`; swactor's window is a mask
+   * over its caches). Default: node-llama-cpp's own, llama.cpp's capped iSWA cache.
+   */
+  readonly swaFullCache?: boolean
+}
+
 /**
- * node-llama-cpp's single-process reference: BOS + tokenize(text), greedy `nTokens`, and the probabilities
- * after the prompt. Flash attention on, F16 KV cache (its defaults), explicit thread count.
+ * node-llama-cpp's single-process reference: the prompt (text: BOS + tokenize(text); token ids: those, as they are),
+ * greedy `nTokens`, and the probabilities after the prompt. Flash attention on, F16 KV cache (its defaults), explicit
+ * thread count.
  */
 export const referenceRun = async (
   path: string,
-  text: string,
+  text: string | ReadonlyArray<number>,
   nTokens: number,
-  options: RunOptions
+  options: ReferenceOptions
 ): Promise<ReferenceRun> => {
   const llama = await referenceLlama()
   const model: LlamaModel = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
@@ -91,12 +101,15 @@ export const referenceRun = async (
       contextSize: options.contextLength,
       threads: options.threads,
       flashAttention: true,
-      sequences: 1
+      sequences: 1,
+      ...(options.swaFullCache === undefined ? {} : { swaFullCache: options.swaFullCache })
     })
     try {
       const seq = ctx.getSequence()
       const bos = model.tokens.bos
-      const prompt: Array<Token> = [...(bos !== null ? [bos] : []), ...model.tokenize(text)]
+      const prompt: Array<Token> = typeof text === "string"
+        ? [...(bos !== null ? [bos] : []), ...model.tokenize(text)]
+        : text.map((t) => t as Token)
       const tokens: Array<number> = []
       for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
         tokens.push(t)
@@ -118,6 +131,37 @@ export const referenceRun = async (
     await model.dispose()
   }
 }
+
+/** `referenceRun` as an Effect. */
+export const nodeLlamaReference = (path: string, text: string | ReadonlyArray<number>, nTokens: number, options: ReferenceOptions) =>
+  Effect.promise(() => referenceRun(path, text, nTokens, options))
+
+/**
+ * Each split of `splits`: our greedy run of `ref.prompt` gives node-llama-cpp's `ref.tokens`; with `bitIdentical`
+ * (the default) every split's logits are also bit-identical to the first split's. Returns the largest first-position
+ * log-prob difference from node-llama-cpp's probabilities.
+ */
+export const splitsMatchReference = (
+  path: string,
+  ref: ReferenceRun,
+  splits: ReadonlyArray<ReadonlyArray<number>>,
+  options: RunOptions,
+  { bitIdentical = true }: { readonly bitIdentical?: boolean } = {}
+) =>
+  Effect.gen(function*() {
+    let first: EngineRun | undefined
+    let maxDiff = 0
+    for (const split of splits) {
+      const run = yield* greedyRun(path, split, ref.prompt, ref.tokens.length, options)
+      assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+      maxDiff = Math.max(maxDiff, maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities))
+      if (first === undefined) first = run
+      else if (bitIdentical) {
+        run.logits.forEach((l, i) => assert.isTrue(sameBits(l, first!.logits[i]!), `split ${split} position ${i}`))
+      }
+    }
+    return maxDiff
+  })
 
 /** Largest |log p_ours - log p_ref| over the tokens node-llama-cpp gives a non-zero probability. */
 export const maxLogProbDiff = (ours: Float64Array, ref: ReadonlyMap<number, number>): number => {
