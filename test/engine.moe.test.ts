@@ -22,6 +22,8 @@ import {
 } from "../src/layers/gguf/Synthetic.js"
 import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
+import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { readModelFacts, readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
@@ -108,6 +110,32 @@ describe("glm4moe: every split into 1, 2 and 3 stages gives node-llama-cpp's gre
         yield* checkParity(`glm4moe ${type}`, o.path)
       }), 180_000)
   }
+})
+
+describe("glm4moe with an MTP block (nextn_predict_layers 1, as GLM-4.5/4.6 files): decoded by the trunk alone", () => {
+  // block_count 5: blocks 0-3 the trunk, block 4 a whole routed block plus nextn.eh_proj / enorm / hnorm /
+  // shared_head_norm. llama.cpp (node-llama-cpp) decodes with the 4 trunk blocks; so must every split of them.
+  it.live(`glm4moe q8_0, 4 trunk blocks + 1 MTP block: ${N_TOKENS} greedy tokens at every split into 1-3 stages equal node-llama-cpp's; the MTP block is never placed nor counted`, () =>
+    Effect.gen(function*() {
+      const o = moeShape("q8_0", { arch: "glm4moe", path: join(dir, "glm4moe-nextn.gguf"), nextnLayers: 1 })
+      yield* writeSyntheticModel(o)
+      const file = yield* readGgufFile(o.path)
+      assert.strictEqual(file.metadata.get("glm4moe.block_count"), 5)
+      const mtp = file.tensors.filter((t) => t.name.startsWith("blk.4."))
+      assert.includeMembers(mtp.map((t) => t.name), ["blk.4.nextn.eh_proj.weight", "blk.4.ffn_gate_exps.weight", "blk.4.attn_q.weight"])
+      // planning sees the trunk: 4 blocks, none of block 4's bytes
+      assert.strictEqual((yield* readModelFacts(o.path)).numLayers, LAYERS)
+      assert.strictEqual((yield* readModelLayout(o.path)).blockBytes.length, LAYERS)
+      // one stage over the trunk loads every tensor of the file but block 4's
+      const weightBytes = yield* Effect.scoped(Effect.gen(function*() {
+        const stage = yield* (yield* StageExecutor).load({ path: o.path, layerStart: 0, layerEndExclusive: LAYERS, isFirst: true, isLast: true })
+        assert.strictEqual(stage.info.numLayers, LAYERS)
+        return stage.info.weightBytes
+      })).pipe(Effect.provide(layerWith({})))
+      const sum = (ts: ReadonlyArray<{ readonly byteSize: number }>) => ts.reduce((a, t) => a + t.byteSize, 0)
+      assert.strictEqual(weightBytes, sum(file.tensors) - sum(mtp))
+      yield* checkParity("glm4moe q8_0 + MTP block", o.path)
+    }), 180_000)
 })
 
 describe("qwen3moe: a deep model with every expert used builds its graph", () => {
@@ -229,9 +257,10 @@ describe("qwen3moe, glm4moe: a bad file is a typed error naming the key or tenso
       assert.include(huge.message, "qwen3moe.expert_count")
     }))
 
-  it.live("glm4moe: MTP layers, an unknown gating function, bad expert groups, no shared-expert count: InvalidMetadata naming the key", () =>
+  it.live("glm4moe: MTP layers leaving no trunk, an unknown gating function, bad expert groups, no shared-expert count: InvalidMetadata naming the key", () =>
     Effect.gen(function*() {
-      const mtp = yield* loadTweaked("glm-nextn", setKey("glm4moe.nextn_predict_layers", GgufValues.u32(1)), "glm4moe")
+      // 2 blocks, both MTP: no trunk left
+      const mtp = yield* loadTweaked("glm-nextn", setKey("glm4moe.nextn_predict_layers", GgufValues.u32(2)), "glm4moe")
       assert.strictEqual(mtp.reason, "InvalidMetadata")
       assert.include(mtp.message, "glm4moe.nextn_predict_layers")
       const gating = yield* loadTweaked("glm-gating", setKey("glm4moe.expert_gating_func", GgufValues.u32(5)), "glm4moe")

@@ -40,6 +40,7 @@ export interface SynthArgs {
   readonly expertsUsed: Option.Option<number>
   readonly expertFfn: Option.Option<number>
   readonly sharedExperts: Option.Option<number>
+  readonly nextnLayers: Option.Option<number>
   readonly denseBlocks: Option.Option<number>
   readonly kvLoraRank: Option.Option<number>
   readonly qLoraRank: Option.Option<number>
@@ -79,6 +80,7 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
   ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
   ...(Option.isSome(args.sharedExperts) ? { sharedExperts: args.sharedExperts.value } : {}),
+  ...(Option.isSome(args.nextnLayers) ? { nextnLayers: args.nextnLayers.value } : {}),
   ...(Option.isSome(args.denseBlocks) ? { denseBlocks: args.denseBlocks.value } : {}),
   ...(Option.isSome(args.kvLoraRank) ? { kvLoraRank: args.kvLoraRank.value } : {}),
   ...(Option.isSome(args.qLoraRank) ? { qLoraRank: args.qLoraRank.value } : {})
@@ -162,6 +164,9 @@ export const synthCommand = Command.make(
       Options.optional
     ),
     sharedExperts: int("shared-experts", "glm4moe, deepseek2: shared experts per routed block (default 1)").pipe(Options.optional),
+    nextnLayers: int("nextn-layers", "glm4moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 files carry them (default 0)").pipe(
+      Options.optional
+    ),
     denseBlocks: int("dense-blocks", "glm4moe, deepseek2: leading blocks with a dense feed-forward (default 1)").pipe(
       Options.optional
     ),

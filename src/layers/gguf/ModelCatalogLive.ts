@@ -4,6 +4,7 @@
  */
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { slidingWindowOf, type SlidingWindowLayout } from "./SlidingWindow.js"
+import { trunkBlockCount } from "./TrunkBlocks.js"
 import { statSync } from "node:fs"
 import { basename } from "node:path"
 import { Effect, Layer } from "effect"
@@ -49,14 +50,15 @@ export const readHeader = (path: string): Effect.Effect<GgufFile, ModelLoadError
   })
 
 /**
- * The facts planning needs, from a GGUF file's metadata: `block_count`, `embedding_length` and `context_length` of
+ * The facts planning needs, from a GGUF file's metadata: `block_count` (less MTP blocks), `embedding_length` and `context_length` of
  * its architecture, and the EOS token (2 when absent). Activations travel as f32, so the dtype is Float, 4 bytes.
  */
 export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoadError> =>
   Effect.gen(function*() {
     const file = yield* readHeader(path)
     const arch = yield* Gguf.getArchitecture(file)
-    const numLayers = yield* Gguf.getU32(file, `${arch}.block_count`)
+    // MTP blocks (`nextn_predict_layers`) trail the trunk and are never placed: TrunkBlocks.ts
+    const numLayers = yield* trunkBlockCount(file, arch)
     const hiddenDim = yield* Gguf.getU32(file, `${arch}.embedding_length`)
     const maxSeqLen = yield* Gguf.getU32(file, `${arch}.context_length`)
     const eos = yield* Gguf.getOptional(file, "tokenizer.ggml.eos_token_id", Gguf.getU32)

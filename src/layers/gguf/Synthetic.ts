@@ -30,6 +30,7 @@ import {
 import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
+import { nextnBlockTensors, nextnMetadata, syntheticBlockCount, type SyntheticNextnOptions, validateNextnOptions } from "./SyntheticNextn.js"
 import {
   isQwen35Family,
   qwen35BlockTensors,
@@ -63,7 +64,8 @@ export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions
-  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options
+  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options,
+    SyntheticNextnOptions
 {
   readonly path: string
   readonly arch: SyntheticArch
@@ -316,7 +318,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
   return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ??
-    validateQwen35Options(o) ?? validateGptOssOptions(o)
+    validateQwen35Options(o) ?? validateGptOssOptions(o) ?? validateNextnOptions(o)
 }
 
 interface PlannedTensor {
@@ -338,9 +340,14 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   out.push({ name: "token_embd.weight", dims: [o.hidden, o.vocab], mean: 0, std: 0.02 })
   norm("output_norm.weight", o.hidden)
   if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
-  for (let i = 0; i < o.layers; i++) {
+  for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
+    // an MTP block (glm4moe nextnLayers): a whole block after the trunk, plus its nextn.* tensors
+    for (const [name, [ne0, ne1], kind] of i < o.layers ? [] : nextnBlockTensors(b, o.hidden)) {
+      if (kind === "norm") norm(name, ne0!)
+      else w(name, ne0!, ne1!)
+    }
     if (o.arch === "deepseek2") {
       out.push(...deepseek2AttentionTensors(b, o), ...moeBlockTensors(b, i, o))
       continue
@@ -429,7 +436,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     ["general.architecture", GgufValues.string(a)],
     ["general.name", GgufValues.string(`swactor synthetic ${a} ${o.layers}x${o.hidden} ${o.type} seed ${o.seed}`)],
     ["general.file_type", GgufValues.u32(syntheticFileType(o.type))],
-    [`${a}.block_count`, GgufValues.u32(o.layers)],
+    [`${a}.block_count`, GgufValues.u32(syntheticBlockCount(o))],
     [`${a}.context_length`, GgufValues.u32(o.contextLength)],
     [`${a}.embedding_length`, GgufValues.u32(o.hidden)],
     [`${a}.feed_forward_length`, GgufValues.u32(o.ffn)],
@@ -442,7 +449,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
   if (a === "gemma3") md.push(...gemmaMetadata(o))
   if (a === "mistral3") md.push(...mistral3Metadata(o, o.contextLength))
   if (a === "gpt-oss") md.push(...gptOssMetadata(o, o.contextLength))
-  md.push(...moeMetadata(o))
+  md.push(...moeMetadata(o), ...nextnMetadata(o))
   if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || a === "gpt-oss" || o.headDim !== undefined) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])

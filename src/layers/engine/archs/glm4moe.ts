@@ -4,13 +4,15 @@
  * `leading_dense_block_count` blocks have a dense SwiGLU feed-forward, the rest route (Moe.ts): sigmoid gate (or the
  * file's `expert_gating_func`), the expert bias `exp_probs_b` added for the choice only, weights normalised when
  * `expert_weights_norm`, scaled by `expert_weights_scale`, plus `expert_shared_count` shared experts.
- * Not supported (refused naming the key): MTP layers (`nextn_predict_layers` > 0), multi-section RoPE, partial RoPE
- * (HParams.ts requires rope.dimension_count = head size).
+ * MTP blocks (`nextn_predict_layers` > 0) are left out, as llama.cpp decodes: the model's blocks are the trunk.
+ * Not supported (refused naming the key): multi-section RoPE, partial RoPE (HParams.ts requires rope.dimension_count
+ * = head size).
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
 import { getBool, getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
+import { trunkBlockCount } from "../../gguf/TrunkBlocks.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
@@ -27,10 +29,9 @@ const gatingOf = (n: number | undefined): ExpertGating | undefined =>
 const readGlm4Moe = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function*() {
     const k = (s: string) => `${hp.arch}.${s}`
-    const nextn = (yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0
-    if (nextn > 0) {
-      return yield* Effect.fail(invalid(file, `metadata "${k("nextn_predict_layers")}" = ${nextn}: MTP layers are not supported`))
-    }
+    // MTP blocks (`nextn_predict_layers`, GLM-4.5/4.6 carry one) trail the trunk: llama.cpp decodes without them
+    // (n_layer() = block_count - nextn), so the stages cover the trunk only and never load those blocks' tensors
+    const nLayer = yield* trunkBlockCount(file, hp.arch)
     if (file.metadata.has(k("rope.dimension_sections"))) {
       return yield* Effect.fail(invalid(file, `metadata "${k("rope.dimension_sections")}": multi-section RoPE is not supported`))
     }
@@ -42,14 +43,14 @@ const readGlm4Moe = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelL
     }
     const nExpertShared = yield* getU32(file, k("expert_shared_count"))
     const nLeadingDense = (yield* getOptional(file, k("leading_dense_block_count"), getU32)) ?? 0
-    const moe = yield* readMoeParams(file, hp, {
+    const moe = yield* readMoeParams(file, { ...hp, nLayer }, {
       gating,
       normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,
       weightsScale: (yield* getOptional(file, k("expert_weights_scale"), getF32)) ?? 0,
       nExpertShared,
       nLeadingDense
     })
-    return { ...hp, moe }
+    return { ...hp, nLayer, moe }
   })
 
 const routed = (hp: HParams, il: number) => il >= moeOf(hp).nLeadingDense
