@@ -17,7 +17,7 @@
  * link (WeightDelivery, as bench:cluster's delivery part).
  *
  * Usage: npm run bench:wan [-- --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
- *        --model PATH --shape 16x2048 --skip-llama --skip-delivery --llama-tools DIR]
+ *        --model PATH --shape 16x2048 --skip-llama --skip-delivery --llama-tools DIR --no-pin --relay-check-only]
  * Default model: the 16×2048 Q8_0 synthetic llama of bench:serve (`--shape LxH` another size of the same family,
  * FFN 4×H, heads H/64, KV heads H/256); written once under .cache/bench. llama.cpp's tools: --llama-tools DIR (or
  * BENCH_LLAMA_TOOLS) holding llama-server and ggml-rpc-server, else .cache/llama-tools/build/bin (made by
@@ -78,6 +78,7 @@ const cfg = {
   skipLlama: process.argv.includes("--skip-llama"),
   skipDelivery: process.argv.includes("--skip-delivery"),
   relayCheckOnly: process.argv.includes("--relay-check-only"),
+  pin: !process.argv.includes("--no-pin"),
   dir: Path.resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
 const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
@@ -149,6 +150,7 @@ const freePort = () =>
 
 /** Pins every thread of `pid` to one core (best effort: taskset may be missing). */
 const pin = (pid: number, core: number) => {
+  if (!cfg.pin) return
   try {
     execFileSync("taskset", ["-a", "-cp", String(core % cores), String(pid)], { stdio: "ignore" })
   } catch {
@@ -413,21 +415,27 @@ interface Cell {
   readonly aggregate: Map<number, number>
   /** N=1 time to first token, ms (median round). */
   readonly ttft: number
+  /** N=1 median gap between tokens, ms (over the rounds' tokens). */
+  readonly gap: number
 }
 
 const measure = async (contender: Contender): Promise<Cell> => {
   const byN = new Map<number, number>()
   const ttfts: Array<number> = []
+  const gaps: Array<number> = []
   for (const n of cfg.clients) {
     const rounds: Array<number> = []
     for (let r = 0; r < cfg.rounds; r++) {
       const streams = await contender.round(n)
       rounds.push(aggregate(streams))
-      if (n === 1) ttfts.push(ttft(streams))
+      if (n === 1) {
+        ttfts.push(ttft(streams))
+        for (const s of streams) gaps.push(...s.arrivals.slice(1).map((t, i) => t - s.arrivals[i]!))
+      }
     }
     byN.set(n, median(rounds))
   }
-  return { aggregate: byN, ttft: median(ttfts) }
+  return { aggregate: byN, ttft: median(ttfts), gap: median(gaps) }
 }
 
 const fmt = (x: number | undefined, digits = 1) => (x !== undefined && Number.isFinite(x) ? x.toFixed(digits) : "-")
@@ -487,7 +495,7 @@ const main = async () => {
   console.log(
     `bench:wan ${model} (${(Fs.statSync(model).size / 2 ** 20).toFixed(0)} MiB); links ${cfg.links.map((l) => l.name).join(", ")}; ` +
       `stages ${cfg.stages.join(", ")}; N ${cfg.clients.join(", ")}; ${cfg.tokens} tokens per stream, greedy; ${cfg.rounds} round(s); ` +
-      `1 thread per stage, pinned to core i mod ${cores}; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`
+      `1 thread per stage${cfg.pin ? `, pinned to core i mod ${cores}` : " (not pinned)"}; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`
   )
   if (!cfg.skipLlama && bin === undefined) {
     console.log("llama.cpp tools not found (llama-server, ggml-rpc-server): build them with scripts/build-llama-tools.sh; llama.cpp columns left out")
@@ -512,7 +520,7 @@ const main = async () => {
           }
           const cell = cells.get(key(profile.name, stages, who))!
           console.log(
-            `  ${profile.name} ${stages} stages ${who}: N=1 ${fmt(cell.aggregate.get(1))} tok/s, TTFT ${fmt(cell.ttft, 0)} ms, ` +
+            `  ${profile.name} ${stages} stages ${who}: N=1 ${fmt(cell.aggregate.get(1))} tok/s (gap p50 ${fmt(cell.gap)} ms), TTFT ${fmt(cell.ttft, 0)} ms, ` +
               cfg.clients.filter((n) => n > 1).map((n) => `N=${n} ${fmt(cell.aggregate.get(n))}`).join(", ") +
               ` (${((performance.now() - t) / 1000).toFixed(0)} s)`
           )
@@ -525,14 +533,14 @@ const main = async () => {
   }
 
   const many = cfg.clients.filter((n) => n > 1)
-  console.log(`\n| link | stages | contender | N=1 decode tok/s | ${many.map((n) => `N=${n} agg tok/s`).join(" | ")} | TTFT ms (N=1) |`)
-  console.log(`|---|---|---|---|${many.map(() => "---|").join("")}---|`)
+  console.log(`\n| link | stages | contender | N=1 decode tok/s | N=1 token gap p50 ms | ${many.map((n) => `N=${n} agg tok/s`).join(" | ")} | TTFT ms (N=1) |`)
+  console.log(`|---|---|---|---|---|${many.map(() => "---|").join("")}---|`)
   for (const profile of cfg.links) {
     for (const stages of cfg.stages) {
       for (const who of ["swactor", "llama.cpp"]) {
         const c = cells.get(key(profile.name, stages, who))
         if (c === undefined) continue
-        console.log(`| ${profile.label} | ${stages} | ${who} | ${fmt(c.aggregate.get(1))} | ${many.map((n) => fmt(c.aggregate.get(n))).join(" | ")} | ${fmt(c.ttft, 0)} |`)
+        console.log(`| ${profile.label} | ${stages} | ${who} | ${fmt(c.aggregate.get(1))} | ${fmt(c.gap)} | ${many.map((n) => fmt(c.aggregate.get(n))).join(" | ")} | ${fmt(c.ttft, 0)} |`)
       }
     }
   }
