@@ -36,6 +36,7 @@ export interface SynthArgs {
   readonly slidingWindow: Option.Option<number>
   readonly swaPattern: Option.Option<number>
   readonly logitSoftcap: Option.Option<number>
+  readonly kEqV: boolean
   readonly experts: Option.Option<number>
   readonly expertsUsed: Option.Option<number>
   readonly expertFfn: Option.Option<number>
@@ -76,6 +77,7 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.slidingWindow) ? { slidingWindow: args.slidingWindow.value } : {}),
   ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
   ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
+  ...(args.kEqV ? { kEqV: true } : {}),
   ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
   ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
   ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
@@ -148,13 +150,16 @@ export const synthCommand = Command.make(
       Options.withDescription("a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"),
       Options.optional
     ),
-    slidingWindow: int("sliding-window", "gemma3, gpt-oss: sliding window of the local blocks (default 32; gpt-oss 16)").pipe(Options.optional),
-    swaPattern: int("swa-pattern", "gemma3, gpt-oss: one global block every N blocks (default 6: 5 local, 1 global; gpt-oss 2)").pipe(
+    slidingWindow: int("sliding-window", "gemma3, gemma4, gpt-oss: sliding window of the local blocks (default 32; gpt-oss 16)").pipe(Options.optional),
+    swaPattern: int("swa-pattern", "gemma3, gemma4, gpt-oss: one global block every N blocks (default 6: 5 local, 1 global; gpt-oss 2)").pipe(
       Options.optional
     ),
     logitSoftcap: Options.float("logit-softcap").pipe(
-      Options.withDescription("gemma3: final logit soft-capping (default: none)"),
+      Options.withDescription("gemma3, gemma4: final logit soft-capping (default: none)"),
       Options.optional
+    ),
+    kEqV: Options.boolean("k-eq-v").pipe(
+      Options.withDescription("gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)")
     ),
     experts: int("experts", "qwen3moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
     expertsUsed: int("experts-used", "qwen3moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(

@@ -2,6 +2,7 @@
 import type { ArchModule } from "./Arch.js"
 import { deepseek2 } from "./archs/deepseek2.js"
 import { gemma3 } from "./archs/gemma3.js"
+import { gemma4 } from "./archs/gemma4.js"
 import { glm4moe } from "./archs/glm4moe.js"
 import { gptOss } from "./archs/gptOss.js"
 import { llama } from "./archs/llama.js"
@@ -22,6 +23,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["glm4moe", glm4moe],
   ["deepseek2", deepseek2],
   ["gemma3", gemma3],
+  ["gemma4", gemma4],
   ["mistral3", mistral3],
   ["gpt-oss", gptOss]
 ])

@@ -29,6 +29,13 @@ import {
 } from "./SyntheticDeepseek2.js"
 import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
+import {
+  gemma4LayerScale,
+  gemma4Metadata,
+  gemma4SharedTensors,
+  gemma4SwaBlocks,
+  type SyntheticGemma4Options
+} from "./SyntheticGemma4.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
 import { nextnBlockTensors, nextnMetadata, syntheticBlockCount, type SyntheticNextnOptions, validateNextnOptions } from "./SyntheticNextn.js"
 import {
@@ -57,14 +64,14 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2" | "qwen35" | "qwen35moe"
+export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "gemma4" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2" | "qwen35" | "qwen35moe"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2", "qwen35", "qwen35moe"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "gemma4", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2", "qwen35", "qwen35moe"]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions
-  extends SyntheticGemmaOptions, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options,
+  extends SyntheticGemma4Options, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options,
     SyntheticNextnOptions
 {
   readonly path: string
@@ -340,6 +347,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   out.push({ name: "token_embd.weight", dims: [o.hidden, o.vocab], mean: 0, std: 0.02 })
   norm("output_norm.weight", o.hidden)
   if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
+  if (o.arch === "gemma4") out.push(...gemma4SharedTensors(hd))
   for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
@@ -358,7 +366,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     }
     w(`${b}.attn_q.weight`, o.hidden, q)
     w(`${b}.attn_k.weight`, o.hidden, kv)
-    w(`${b}.attn_v.weight`, o.hidden, kv)
+    if (!(o.arch === "gemma4" && o.kEqV === true && !gemma4SwaBlocks(o, o.layers)[i])) w(`${b}.attn_v.weight`, o.hidden, kv)
     if (o.arch === "qwen2" || o.arch === "glm4moe") {
       bias(`${b}.attn_q.bias`, q)
       bias(`${b}.attn_k.bias`, kv)
@@ -368,7 +376,8 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       norm(`${b}.attn_q_norm.weight`, hd)
       norm(`${b}.attn_k_norm.weight`, hd)
     }
-    if (o.arch === "gemma3") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
+    if (o.arch === "gemma3" || o.arch === "gemma4") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
+    if (o.arch === "gemma4") out.push(gemma4LayerScale(b))
     w(`${b}.attn_output.weight`, q, o.hidden)
     if (o.arch === "gpt-oss") {
       out.push(...gptOssBlockTensors(b, o, q, kv))
@@ -447,10 +456,11 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.rope.dimension_count`, GgufValues.u32(hd)]
   ]
   if (a === "gemma3") md.push(...gemmaMetadata(o))
+  if (a === "gemma4") md.push(...gemma4Metadata(o, o.layers, hd))
   if (a === "mistral3") md.push(...mistral3Metadata(o, o.contextLength))
   if (a === "gpt-oss") md.push(...gptOssMetadata(o, o.contextLength))
   md.push(...moeMetadata(o), ...nextnMetadata(o))
-  if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || a === "gpt-oss" || o.headDim !== undefined) {
+  if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || a === "gemma4" || a === "gpt-oss" || o.headDim !== undefined) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }

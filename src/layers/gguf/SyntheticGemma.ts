@@ -37,11 +37,17 @@ export const gemmaBlockNorms = (b: string, hidden: number, headDim: number): Rea
   [`${b}.post_ffw_norm.weight`, hidden]
 ]
 
+/** The sliding window the options ask for (default 32). */
+export const windowOf = (o: SyntheticGemmaOptions): number => o.slidingWindow ?? GEMMA_DEFAULT_WINDOW
+
+/** One global block every this many blocks (default 6). */
+export const swaPeriodOf = (o: SyntheticGemmaOptions): number => o.swaPattern ?? GEMMA_DEFAULT_PATTERN
+
 /** gemma3's own metadata keys. */
 export const gemmaMetadata = (o: SyntheticGemmaOptions): Array<readonly [string, GgufTypedValue]> => {
   const md: Array<readonly [string, GgufTypedValue]> = [
-    ["gemma3.attention.sliding_window", GgufValues.u32(o.slidingWindow ?? GEMMA_DEFAULT_WINDOW)],
-    ["gemma3.attention.sliding_window_pattern", GgufValues.u32(o.swaPattern ?? GEMMA_DEFAULT_PATTERN)],
+    ["gemma3.attention.sliding_window", GgufValues.u32(windowOf(o))],
+    ["gemma3.attention.sliding_window_pattern", GgufValues.u32(swaPeriodOf(o))],
     ["gemma3.rope.freq_base_swa", GgufValues.f32(10_000)]
   ]
   if (o.logitSoftcap !== undefined) md.push(["gemma3.final_logit_softcapping", GgufValues.f32(o.logitSoftcap)])
