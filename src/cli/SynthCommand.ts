@@ -161,14 +161,14 @@ export const synthCommand = Command.make(
     kEqV: Options.boolean("k-eq-v").pipe(
       Options.withDescription("gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)")
     ),
-    experts: int("experts", "qwen3moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
-    expertsUsed: int("experts-used", "qwen3moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(
+    experts: int("experts", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
+    expertsUsed: int("experts-used", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(
       Options.optional
     ),
-    expertFfn: int("expert-ffn", "qwen3moe, glm4moe, deepseek2, gpt-oss: feed-forward length of one expert (default --ffn)").pipe(
+    expertFfn: int("expert-ffn", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: feed-forward length of one expert (default --ffn)").pipe(
       Options.optional
     ),
-    sharedExperts: int("shared-experts", "glm4moe, deepseek2: shared experts per routed block (default 1)").pipe(Options.optional),
+    sharedExperts: int("shared-experts", "glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in --expert-ffn units (default 1)").pipe(Options.optional),
     nextnLayers: int("nextn-layers", "glm4moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 files carry them (default 0)").pipe(
       Options.optional
     ),
