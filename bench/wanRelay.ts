@@ -11,7 +11,7 @@
  *
  * Protocol: one JSON line per request on stdin, `{"id", "target": {"host","port"}, "listenPort"?, "delayMs",
  * "bitsPerSecond"}`; the answer is one line on stdout, `{"id", "port"}` (the relay's listening port on 127.0.0.1).
- * Exits when stdin closes. Bench-only code.
+ * Exits when stdin closes; WAN_RELAY_DEBUG=1 logs each relayed connection on stderr. Bench-only code.
  */
 import * as Net from "node:net"
 import * as Readline from "node:readline"
@@ -25,6 +25,8 @@ interface LinkRequest {
 }
 
 const queueLimit = 8 << 20
+/** WAN_RELAY_DEBUG=1: one stderr line per relayed connection. */
+const debug = process.env["WAN_RELAY_DEBUG"] === "1"
 /** Below this much time to go, turn the loop (setImmediate) instead of sleeping on a timer. */
 const spinMs = 1.5
 
@@ -82,6 +84,7 @@ const pipeDelayed = (from: Net.Socket, to: Net.Socket, delayMs: number, bitsPerS
 const openLink = (request: LinkRequest): Promise<number> =>
   new Promise((resolve, reject) => {
     const server = Net.createServer({ allowHalfOpen: true, noDelay: true }, (client) => {
+      if (debug) process.stderr.write(`relay ${(server.address() as Net.AddressInfo).port} -> ${request.target.port}: connection\n`)
       const upstream = Net.createConnection({ host: request.target.host, port: request.target.port, allowHalfOpen: true, noDelay: true })
       const teardown = () => {
         client.destroy()
