@@ -129,6 +129,22 @@ describe("qwen35moe: every split into 1-3 stages matches node-llama-cpp", () => 
   }
 })
 
+describe("qwen35moe without expert_shared_feed_forward_length", () => {
+  // llama.cpp's default: the shared expert is feed_forward_length (512 = 4 x 128) wide
+  it.live("the shared expert takes feed_forward_length: node-llama-cpp's 32 greedy tokens at 1 and 2 stages", () =>
+    Effect.gen(function*() {
+      const o = model("no-shared-key", { sharedExperts: 4 })
+      const s = syntheticModelSpec(o)
+      const metadata = s.metadata.filter(([k]) => k !== "qwen35moe.expert_shared_feed_forward_length")
+      assert.strictEqual(metadata.length, s.metadata.length - 1)
+      yield* writeGgufFile(o.path, { metadata, tensors: s.tensors })
+      const ref = yield* nodeLlamaReference(o.path, PROMPT, 32, options)
+      assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
+      const maxDiff = yield* splitsMatchReference(o.path, ref, [[0, 4], [0, 3, 4]], options)
+      assert.isBelow(maxDiff, 1e-4)
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+})
+
 describe("qwen35moe: 8 blocks, q8_0, tied output", () => {
   it.live("two groups of 3 DeltaNet : 1 attention blocks: 32 greedy tokens of all 29 splits into 1-3 stages equal node-llama-cpp's", () =>
     Effect.gen(function*() {
