@@ -1,6 +1,7 @@
 /**
  * Engine benchmark (not a test): node-llama-cpp vs swactor's stage engine at 1, 2 and 4 stages in one process,
- * on synthetic llama models at a real shape, same thread count on both sides. Prints decode and prefill tok/s,
+ * on synthetic llama models at a real shape, and on synthetic gemma3 and qwen35 files (bench/archModels.ts: same
+ * file for both sides), same thread count on both sides. Prints decode and prefill tok/s,
  * ratios ours / node-llama-cpp, and the peak RSS of each stage (run alone in a child process) vs its weights.
  *
  *   npm run bench:engine
@@ -8,7 +9,8 @@
  * Settings (environment): BENCH_THREADS (1: a shared 2-core machine collapses with 2), BENCH_TYPES (q8_0,q4_k), BENCH_LAYERS (16), BENCH_HIDDEN (2048),
  * BENCH_FFN (8192), BENCH_HEADS (32), BENCH_KV_HEADS (8), BENCH_VOCAB (32000), BENCH_PROMPT (512),
  * BENCH_DECODE (64), BENCH_STAGES (1,2,4), BENCH_ROUNDS (2: every configuration runs once per round, interleaved,
- * and the best round counts, which damps other load on the machine), BENCH_DIR (.cache/bench: models are kept).
+ * and the best round counts, which damps other load on the machine), BENCH_DIR (.cache/bench: models are kept),
+ * BENCH_ARCHS (llama,gemma3,qwen35: the llama rows take the BENCH_* shape, the others their own shape).
  */
 import { Effect } from "effect"
 import { execFileSync } from "node:child_process"
@@ -19,6 +21,7 @@ import type { StageInput } from "../src/domain/engine.js"
 import { getGgml } from "../src/layers/ggml/Bindings.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
+import { type BenchArch, benchArchShape, benchArchs, ensureArchBenchModel } from "./archModels.js"
 import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
@@ -41,19 +44,32 @@ const cfg = {
   decode: num("BENCH_DECODE", 64),
   stages: env("BENCH_STAGES", "1,2,4").split(",").map(Number),
   rounds: num("BENCH_ROUNDS", 2),
-  dir: resolve(root, env("BENCH_DIR", ".cache/bench"))
+  dir: resolve(root, env("BENCH_DIR", ".cache/bench")),
+  archs: env("BENCH_ARCHS", "llama,gemma3,qwen35").split(",")
 }
 const contextLength = Math.ceil((cfg.prompt + cfg.decode + 64) / 256) * 256
 
 const ensureModel = (type: SyntheticType) => ensureBenchModel(cfg.dir, { ...cfg, type })
 
-const promptTokens = (n: number) => {
-  const r = makeRng(2024)
-  return Array.from({ length: n }, () => 3 + Math.floor(r() * (cfg.vocab - 3)))
+/** The file of one row: its blocks and vocabulary (gemma3, qwen35: their own shape, archModels.ts). */
+interface BenchFile {
+  readonly label: string
+  readonly path: string
+  readonly layers: number
+  readonly vocab: number
 }
 
+let vocab = cfg.vocab
+
+const promptTokens = (n: number) => {
+  const r = makeRng(2024)
+  return Array.from({ length: n }, () => 3 + Math.floor(r() * (vocab - 3)))
+}
+
+let layers = cfg.layers
+
 const splitOf = (stages: number): Array<number> =>
-  Array.from({ length: stages + 1 }, (_, i) => Math.round((i * cfg.layers) / stages))
+  Array.from({ length: stages + 1 }, (_, i) => Math.round((i * layers) / stages))
 
 interface Figures {
   readonly decode: number
@@ -143,6 +159,7 @@ const stageRss = async (args: ReadonlyArray<string>) => {
   const [path, start, end, stagesTotal] = args
   const s = Number(start)
   const e = Number(end)
+  layers = Number(stagesTotal)
   if (path === "baseline") {
     getGgml().cpuDevice()
     console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: 0 }))
@@ -184,12 +201,34 @@ const pad = (s: string, n: number) => s.padEnd(n)
 
 const main = async () => {
   console.log(
-    `swactor engine benchmark: llama ${cfg.layers} blocks, hidden ${cfg.hidden}, ffn ${cfg.ffn}, heads ${cfg.heads}/${cfg.kvHeads}, vocab ${cfg.vocab}; ` +
-      `threads ${cfg.threads} on both sides; prompt ${cfg.prompt}, decode ${cfg.decode} tokens; context ${contextLength}`
+    `swactor engine benchmark: ${cfg.archs.join(", ")}` +
+      (cfg.archs.includes("llama")
+        ? ` (llama ${cfg.layers} blocks, hidden ${cfg.hidden}, ffn ${cfg.ffn}, heads ${cfg.heads}/${cfg.kvHeads}, vocab ${cfg.vocab})`
+        : "") +
+      `; threads ${cfg.threads} on both sides; prompt ${cfg.prompt}, decode ${cfg.decode} tokens; context ${contextLength}`
   )
   console.log(`(the machine's CPUs may be shared with other work; figures are indicative)`)
-  for (const type of cfg.types) {
-    const path = await ensureModel(type)
+  const files: Array<BenchFile> = []
+  for (const arch of cfg.archs) {
+    for (const type of cfg.types) {
+      if (arch === "llama") {
+        files.push({ label: type, path: await ensureModel(type), layers: cfg.layers, vocab: cfg.vocab })
+      } else if ((benchArchs as ReadonlyArray<string>).includes(arch)) {
+        const s = benchArchShape(arch as BenchArch)
+        files.push({
+          label: `${arch} ${s.layers}x${s.hidden} ffn ${s.ffn} heads ${s.heads}/${s.kvHeads} ${type}`,
+          path: await ensureArchBenchModel(cfg.dir, arch as BenchArch, type),
+          layers: s.layers,
+          vocab: s.vocab
+        })
+      } else {
+        throw new Error(`BENCH_ARCHS: ${arch} is not one of llama, ${benchArchs.join(", ")}`)
+      }
+    }
+  }
+  for (const { label, path, layers: blocks, vocab: words } of files) {
+    layers = blocks
+    vocab = words
     const best = (a: Figures | undefined, b: Figures): Figures =>
       a === undefined ? b : {
         decode: Math.max(a.decode, b.decode),
@@ -206,7 +245,7 @@ const main = async () => {
     const r = ref!
     const f = (x: number) => x.toFixed(2)
     console.log(
-      `\n${type}: node-llama-cpp decode ${f(r.decode)} tok/s (${f(r.decodeCpu)} tok/cpu-s), ` +
+      `\n${label}: node-llama-cpp decode ${f(r.decode)} tok/s (${f(r.decodeCpu)} tok/cpu-s), ` +
         `prefill ${f(r.prefill)} tok/s (${f(r.prefillCpu)} tok/cpu-s), best of ${cfg.rounds}`
     )
     console.log(
@@ -226,7 +265,7 @@ const main = async () => {
     const base = childRss(["baseline"])
     console.log(`peak RSS per stage (${maxStages} stages, each alone in a process; bare process ${mib(base.maxRss)}):`)
     for (let i = 0; i < maxStages; i++) {
-      const r = childRss([path, String(split[i]), String(split[i + 1]), String(cfg.layers)])
+      const r = childRss([path, String(split[i]), String(split[i + 1]), String(layers)])
       console.log(
         `  stage ${i} blocks [${split[i]}, ${split[i + 1]}): peak RSS ${mib(r.maxRss)}, weights ${mib(r.weightBytes)}, ` +
           `RSS - bare process ${mib(r.maxRss - base.maxRss)} = ${((r.maxRss - base.maxRss) / r.weightBytes).toFixed(2)}x its weights`
