@@ -5,6 +5,7 @@
  */
 import type { GgufFile } from "../../domain/gguf.js"
 import { swaLayerPattern } from "../engine/archs/gemma3.js"
+import { gemma4SwaPattern } from "../engine/archs/gemma4.js"
 
 /** A model's sliding window and, per block, whether that block slides (its cache is capped) or is global. */
 export interface SlidingWindowLayout {
@@ -14,6 +15,16 @@ export interface SlidingWindowLayout {
 
 const positiveInteger = (v: unknown): number | undefined =>
   typeof v === "number" && Number.isSafeInteger(v) && v > 0 ? v : typeof v === "bigint" && v > 0n ? Number(v) : undefined
+
+/**
+ * gemma4's `attention.sliding_window` and its `attention.sliding_window_pattern`, one bool per block (archs/gemma4.ts
+ * reads them the same way); undefined when either is missing or malformed (the stage load then names the key).
+ */
+const gemma4Layout = (file: GgufFile, numLayers: number): SlidingWindowLayout | undefined => {
+  const window = positiveInteger(file.metadata.get("gemma4.attention.sliding_window"))
+  const blocks = gemma4SwaPattern(file.metadata.get("gemma4.attention.sliding_window_pattern"), numLayers)
+  return window === undefined || typeof blocks === "string" ? undefined : { window, blocks }
+}
 
 /**
  * The sliding-window architectures and their default `attention.sliding_window_pattern` (llama.cpp's
@@ -28,6 +39,7 @@ const defaultPeriods: ReadonlyMap<string, number> = new Map([["gemma3", 6], ["gp
  * window key, or with a value the engine would refuse (it then names the key when the stage loads).
  */
 export const slidingWindowOf = (file: GgufFile, arch: string, numLayers: number): SlidingWindowLayout | undefined => {
+  if (arch === "gemma4") return gemma4Layout(file, numLayers)
   const defaultPeriod = defaultPeriods.get(arch)
   if (defaultPeriod === undefined) return undefined
   const value = (key: string) => file.metadata.get(`${arch}.${key}`)
