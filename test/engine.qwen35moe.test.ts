@@ -10,15 +10,12 @@
  * - placement counts the routed experts' active bytes and the DeltaNet blocks' state;
  * - end to end, a killed stage agent holding DeltaNet blocks is replaced and the text is the uninterrupted run's.
  */
-import * as Command from "@effect/cli/Command"
-import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
-import { synthCommand } from "../src/cli/SynthCommand.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type GgufTypedValue, GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
@@ -30,6 +27,7 @@ import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
 import { killedStageResumes } from "./support/resume.js"
+import { runSynthCli } from "./support/synthCli.js"
 
 const LAYERS = 4
 const CONTEXT = 512
@@ -86,18 +84,14 @@ describe("swactor synth --arch qwen35moe", () => {
       assert.include(String(used), "expertsUsed (9) must be at most experts (8)")
     }))
 
-  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
-    name: "swactor",
-    version: "test"
-  })
   it.live("writes a file node-llama-cpp loads and generates a varied greedy stream from", () =>
     Effect.gen(function*() {
       const out = join(dir, "cli-qwen35moe.gguf")
-      const exit = yield* cli([
-        "node", "swactor", "synth", "--arch", "qwen35moe", "--experts", "8", "--experts-used", "2", "--expert-ffn", "128",
+      const exit = yield* runSynthCli([
+        "--arch", "qwen35moe", "--experts", "8", "--experts-used", "2", "--expert-ffn", "128",
         "--shared-experts", "2", "--layers", "4", "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "64", "--vocab", "400", "--context-length", "512", "-o", out
-      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      ])
       assert.isTrue(Exit.isSuccess(exit), String(exit))
       const file = yield* readGgufFile(out)
       assert.strictEqual(yield* getString(file, "general.architecture"), "qwen35moe")
