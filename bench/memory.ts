@@ -42,15 +42,12 @@ import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
 import { serve, Server } from "../src/api/serve.js"
 import { generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/agent/AgentProcesses.js"
-import { readHParams } from "../src/layers/engine/HParams.js"
-import { archOf, layoutStage } from "../src/layers/engine/StageLayout.js"
-import { readHeader, readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { runContextLength } from "../src/layers/orchestrator/RunWorld.js"
-import { partitionLayers } from "../src/services/Planner.js"
 import { computeReserveBytes } from "../src/services/Placement.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 import { forEachStreamedToken } from "./llamaServerStream.js"
+import { modelHoldings } from "./stageHoldings.js"
 import {
   mapsFile,
   type MemStatus,
@@ -100,37 +97,6 @@ const MiB = 2 ** 20
 const mib = (b: number) => (Number.isFinite(b) ? (b / MiB).toFixed(0) : "-")
 const ratio = (a: number, b: number) => (Number.isFinite(a) && Number.isFinite(b) && b > 0 ? (a / b).toFixed(2) : "-")
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms))
-
-/** What the model holds, per stage and whole, from its GGUF header (no tensor data read). */
-interface Holdings {
-  readonly label: string
-  readonly weights: number
-  /** KV cache bytes of one cached position (F16 K and V of the blocks held). */
-  readonly kvPerToken: number
-}
-
-const modelHoldings = (path: string, stageCount: number) =>
-  Effect.runPromise(Effect.gen(function*() {
-    const file = yield* readHeader(path)
-    const hp = yield* readHParams(file, (yield* archOf(file)).ropeMode)
-    const layoutOf = (start: number, end: number) =>
-      layoutStage(file, { path, layerStart: start, layerEndExclusive: end, isFirst: start === 0, isLast: end === hp.nLayer })
-    // as StageInfo.kvBytesPerToken (StageExecutorLive): blocks x (K + V head size) x KV heads x 2 bytes (F16)
-    const kvPerToken = (blocks: number) => blocks * (hp.headDimK + hp.headDimV) * hp.nHeadKv * 2
-    const perStage: Array<Holdings> = []
-    for (const [start, end] of partitionLayers(hp.nLayer, stageCount)) {
-      const layout = yield* layoutOf(start, end)
-      perStage.push({ label: `[${start}, ${end})`, weights: layout.weightBytes, kvPerToken: kvPerToken(end - start) })
-    }
-    const whole = yield* layoutOf(0, hp.nLayer)
-    return {
-      hp,
-      perStage,
-      whole: { label: "whole model", weights: whole.weightBytes, kvPerToken: kvPerToken(hp.nLayer) } satisfies Holdings,
-      fileTensorBytes: file.tensors.reduce((s, t) => s + t.byteSize, 0),
-      layout: yield* readModelLayout(path)
-    }
-  }))
 
 /** One process's figures, as the table prints them. */
 interface ProcessResult {

@@ -1,220 +1,202 @@
 /**
- * Mixture-of-experts benchmark (not a test): a synthetic qwen3moe, node-llama-cpp vs swactor's stage engine at 1, 2
- * and 4 stages in one process, same thread count on both sides. Prints decode and prefill tok/s, ours / node-llama-cpp,
- * and the peak RSS of each stage (run alone in a child process) beside its weights.
+ * Mixture-of-experts benchmark (not a test; issue 20's figures). On a synthetic qwen3moe (bench/moeModel.ts; default
+ * 24 blocks, hidden 2048, 64 experts of FFN 768, 8 used, q4_k_m, ~4.3 GiB, written once under ~/.cache/swactor-bench):
+ *
+ * 1. decode and prefill tok/s of swactor's stage engine at 1, 2 and 4 stages (all in this process) against
+ *    node-llama-cpp on the same file, 1 thread each, flash attention, F16 KV (bench/engineTiming.ts, bench:engine's
+ *    loop); every configuration once per round, interleaved, the best round counts;
+ * 2. `swactor serve`'s Server (one agent process per stage, BENCH_SERVE_STAGES, default the most stages of 1.) under
+ *    N = 1, 4 and 8 concurrent greedy streams: aggregate decode tok/s (bench/serveRounds.ts, bench:serve's rounds);
+ * 3. the peak RSS (VmHWM of /proc/PID/status) of each of those stage agents after the serve rounds, against that
+ *    stage's weights + the KV its agent sized for the most concurrent sequences, with and without an idle agent's RSS.
+ *
+ * Then the table against the targets: decode >= 0.95x node-llama-cpp at 1 stage and >= 0.9x at 4 stages; peak RSS
+ * <= 1.15x (weights + KV).
  *
  *   npm run bench:moe
  *
- * Settings (environment): BENCH_THREADS (1), BENCH_TYPE (q8_0), BENCH_LAYERS (8), BENCH_HIDDEN (1024), BENCH_FFN (2048),
- * BENCH_HEADS (16), BENCH_KV_HEADS (4), BENCH_EXPERTS (32), BENCH_EXPERTS_USED (4), BENCH_EXPERT_FFN (512),
- * BENCH_VOCAB (32000), BENCH_PROMPT (256), BENCH_DECODE (64), BENCH_STAGES (1,2,4), BENCH_ROUNDS (2: best round
- * counts), BENCH_DIR (.cache/bench: the model is kept). The default (~430 MiB at q8_0) is sized for a workstation;
- * on a shared machine pass a small shape (e.g. BENCH_LAYERS=4 BENCH_HIDDEN=256 BENCH_FFN=512 BENCH_EXPERTS=8
- * BENCH_EXPERTS_USED=2 BENCH_EXPERT_FFN=128 BENCH_VOCAB=400).
+ * Settings (environment): the shape (bench/moeModel.ts: BENCH_LAYERS 24, BENCH_HIDDEN 2048, BENCH_HEADS 32,
+ * BENCH_KV_HEADS 4, BENCH_HEAD_DIM 128, BENCH_EXPERTS 64, BENCH_EXPERTS_USED 8, BENCH_EXPERT_FFN 768, BENCH_VOCAB 32000,
+ * BENCH_TYPE q4_k_m, BENCH_DIR ~/.cache/swactor-bench), BENCH_THREADS (1), BENCH_PROMPT (128), BENCH_DECODE (32),
+ * BENCH_STAGES (1,2,4), BENCH_ROUNDS (2), BENCH_SERVE_STAGES, BENCH_CLIENTS (1,4,8), BENCH_SERVE_TOKENS (32),
+ * BENCH_SERVE_ROUNDS (1), BENCH_SKIP (timing and/or serve: leave that part out).
+ * A small shape to check it runs: BENCH_LAYERS=4 BENCH_HIDDEN=256 BENCH_HEADS=4 BENCH_KV_HEADS=2 BENCH_HEAD_DIM=64
+ * BENCH_EXPERTS=8 BENCH_EXPERTS_USED=2 BENCH_EXPERT_FFN=256 BENCH_VOCAB=400.
  */
-import { Effect } from "effect"
-import { execFileSync } from "node:child_process"
-import { existsSync, mkdirSync } from "node:fs"
-import { dirname, join, resolve } from "node:path"
-import { fileURLToPath } from "node:url"
-import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
-import type { StageInput } from "../src/domain/engine.js"
-import { getGgml } from "../src/layers/ggml/Bindings.js"
-import { type SyntheticType, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
-import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
-import { greedy, makeRng } from "../src/services/Sampler.js"
-import { StageExecutor } from "../src/services/StageExecutor.js"
+import { Effect, Layer, ManagedRuntime } from "effect"
+import { loadavg } from "node:os"
+import { serve, Server } from "../src/api/serve.js"
+import { generateToken, type LocalAgent, spawnLocalAgents } from "../src/layers/agent/AgentProcesses.js"
+import {
+  benchContextLength,
+  benchPrompt,
+  bestFigures,
+  evenSplit,
+  type Figures,
+  timeNodeLlamaCpp,
+  timeOurs
+} from "./engineTiming.js"
+import { ensureMoeBenchModel, moeBenchDir, moeBenchShape } from "./moeModel.js"
+import { readStatus } from "./procMemory.js"
+import { fmt, median, type StreamTimes, summarize, swactorRound } from "./serveRounds.js"
+import { modelHoldings } from "./stageHoldings.js"
 
 const env = (k: string, d: string) => process.env[k] ?? d
 const num = (k: string, d: number) => Number(env(k, String(d)))
-const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
+const list = (k: string, d: string) => env(k, d).split(",").map(Number)
 
+const shape = moeBenchShape()
+const stages = list("BENCH_STAGES", "1,2,4")
 const cfg = {
   threads: num("BENCH_THREADS", 1),
-  type: env("BENCH_TYPE", "q8_0") as SyntheticType,
-  layers: num("BENCH_LAYERS", 8),
-  hidden: num("BENCH_HIDDEN", 1024),
-  ffn: num("BENCH_FFN", 2048),
-  heads: num("BENCH_HEADS", 16),
-  kvHeads: num("BENCH_KV_HEADS", 4),
-  experts: num("BENCH_EXPERTS", 32),
-  expertsUsed: num("BENCH_EXPERTS_USED", 4),
-  expertFfn: num("BENCH_EXPERT_FFN", 512),
-  vocab: num("BENCH_VOCAB", 32000),
-  prompt: num("BENCH_PROMPT", 256),
-  decode: num("BENCH_DECODE", 64),
-  stages: env("BENCH_STAGES", "1,2,4").split(",").map(Number),
+  prompt: num("BENCH_PROMPT", 128),
+  decode: num("BENCH_DECODE", 32),
+  stages,
   rounds: num("BENCH_ROUNDS", 2),
-  dir: resolve(root, env("BENCH_DIR", ".cache/bench"))
+  serveStages: num("BENCH_SERVE_STAGES", Math.max(...stages)),
+  clients: list("BENCH_CLIENTS", "1,4,8"),
+  serveTokens: num("BENCH_SERVE_TOKENS", 32),
+  serveRounds: num("BENCH_SERVE_ROUNDS", 1),
+  skip: env("BENCH_SKIP", "").split(",")
 }
-const contextLength = Math.ceil((cfg.prompt + cfg.decode + 64) / 256) * 256
+const MiB = 2 ** 20
+const mib = (b: number) => (Number.isFinite(b) ? (b / MiB).toFixed(0) : "-")
+const load = () => loadavg().map((x) => x.toFixed(2)).join(" ")
 
-const ensureModel = async (): Promise<string> => {
-  const c = cfg
-  const path = join(
-    c.dir,
-    `qwen3moe-${c.layers}x${c.hidden}-ffn${c.ffn}-e${c.experts}k${c.expertsUsed}f${c.expertFfn}-v${c.vocab}-${c.type}.gguf`
-  )
-  if (existsSync(path)) return path
-  mkdirSync(c.dir, { recursive: true })
-  const s = await Effect.runPromise(writeSyntheticModel({
-    path,
-    arch: "qwen3moe",
-    layers: c.layers,
-    hidden: c.hidden,
-    ffn: c.ffn,
-    heads: c.heads,
-    kvHeads: c.kvHeads,
-    vocab: c.vocab,
-    contextLength: 4096,
-    type: c.type,
-    seed: 1,
-    experts: c.experts,
-    expertsUsed: c.expertsUsed,
-    expertFfn: c.expertFfn
-  }))
-  console.log(`wrote ${path}: ${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
-  return path
-}
-
-const promptTokens = (n: number) => {
-  const r = makeRng(2024)
-  return Array.from({ length: n }, () => 3 + Math.floor(r() * (cfg.vocab - 3)))
-}
-
-const splitOf = (stages: number): Array<number> =>
-  Array.from({ length: stages + 1 }, (_, i) => Math.round((i * cfg.layers) / stages))
-
-interface Figures {
-  readonly decode: number
-  readonly prefill: number
-}
-
-const seconds = (t0: number) => (performance.now() - t0) / 1000
-
-const benchNodeLlamaCpp = async (path: string): Promise<Figures> => {
-  const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
-  const model = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
-  const ctx = await model.createContext({
-    contextSize: contextLength,
+const timingPart = async (path: string) => {
+  const timing = {
     threads: cfg.threads,
-    flashAttention: true,
-    batchSize: cfg.prompt,
-    sequences: 1
-  })
-  try {
-    const seq = ctx.getSequence()
-    const prompt = promptTokens(cfg.prompt) as Array<Token>
-    await seq.evaluateWithoutGeneratingNewTokens(prompt.slice(0, 32))
-    await seq.clearHistory()
-    const p0 = performance.now()
-    await seq.evaluateWithoutGeneratingNewTokens(prompt)
-    const prefill = cfg.prompt / seconds(p0)
-    await seq.clearHistory()
-    let n = 0
-    let d0 = performance.now()
-    for await (const _ of seq.evaluate(prompt.slice(0, 16), { temperature: 0 })) {
-      if (n === 0) d0 = performance.now()
-      if (++n > cfg.decode) break
+    contextLength: benchContextLength(cfg.prompt, cfg.decode),
+    prompt: benchPrompt(cfg.prompt, shape.vocab),
+    decode: cfg.decode
+  }
+  let ref: Figures | undefined
+  const ours = new Map<number, Figures>()
+  for (let round = 0; round < cfg.rounds; round++) {
+    ref = bestFigures(ref, await timeNodeLlamaCpp(path, timing))
+    console.log(`  round ${round + 1}: node-llama-cpp decode ${fmt(ref.decode, 2)} tok/s (best so far)`)
+    for (const s of cfg.stages) {
+      const o = await timeOurs(path, evenSplit(shape.layers, s), timing)
+      ours.set(s, bestFigures(ours.get(s), o))
+      console.log(`  round ${round + 1}: swactor ${s} stage(s) decode ${fmt(o.decode, 2)}, prefill ${fmt(o.prefill, 2)} tok/s (load ${load()})`)
     }
-    return { decode: cfg.decode / seconds(d0), prefill }
-  } finally {
-    await ctx.dispose()
-    await model.dispose()
   }
+  return { ref: ref!, ours }
 }
 
-const benchOurs = (path: string, stages: number): Promise<Figures> =>
+/** An idle stage agent's VmRSS (started as serve starts them, loading nothing): the median of 3 s of readings. */
+const idleAgentRss = () =>
   Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const { reset, run } = yield* openInProcessPipeline(path, splitOf(stages), { threads: cfg.threads, contextLength })
-    const prompt = promptTokens(cfg.prompt)
-    yield* run(0, prompt.slice(0, 32))
-    yield* reset
-    const p0 = performance.now()
-    yield* run(0, prompt)
-    const prefill = cfg.prompt / seconds(p0)
-    yield* reset
-    let logits = yield* run(0, prompt.slice(0, 16))
-    let pos = 16
-    const d0 = performance.now()
-    for (let i = 0; i < cfg.decode; i++) logits = yield* run(pos++, [greedy(logits)])
-    return { decode: cfg.decode / seconds(d0), prefill }
-  })).pipe(Effect.provide(StageExecutorLive)))
+    const [agent] = yield* spawnLocalAgents({ count: 1, token: generateToken(), threads: cfg.threads })
+    const readings: Array<number> = []
+    for (let i = 0; i < 30; i++) {
+      yield* Effect.sleep("100 millis")
+      readings.push(readStatus(agent!.pid)?.rss ?? Number.NaN)
+    }
+    return median(readings.filter(Number.isFinite))
+  })))
 
-/** Child-process mode: load one stage (or nothing: "baseline"), prefill and decode a little, report peak RSS. */
-const stageRss = async (args: ReadonlyArray<string>) => {
-  const [path, start, end] = args
-  if (path === "baseline") {
-    getGgml().cpuDevice()
-    console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: 0 }))
-    return
-  }
-  const s = Number(start)
-  const e = Number(end)
-  const weightBytes = await Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const executor = yield* StageExecutor
-    const stage = yield* executor.load({ path: path!, layerStart: s, layerEndExclusive: e, isFirst: s === 0, isLast: e === cfg.layers })
-    const session = yield* executor.session(stage, { threads: cfg.threads, contextLength })
-    const input = (n: number): StageInput =>
-      stage.info.isFirst
-        ? { _tag: "Tokens", tokens: new Int32Array(n).fill(5) }
-        : { _tag: "Hidden", hidden: new Float32Array(n * stage.info.hiddenDim).fill(0.01), nTokens: n }
-    yield* session.forward(0, input(cfg.prompt))
-    for (let i = 0; i < 4; i++) yield* session.forward(cfg.prompt + i, input(1))
-    return stage.info.weightBytes
-  })).pipe(Effect.provide(StageExecutorLive)))
-  console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes }))
-}
-
-const childRss = (args: ReadonlyArray<string>): { maxRss: number; weightBytes: number } => {
-  const out = execFileSync(process.execPath, [...process.execArgv, fileURLToPath(import.meta.url), "--stage-rss", ...args], {
-    encoding: "utf8",
-    stdio: ["ignore", "pipe", "ignore"],
-    env: process.env
+const servePart = async (path: string) => {
+  let agents: ReadonlyArray<LocalAgent> = []
+  const maxClients = Math.max(...cfg.clients)
+  const layer = serve({
+    model: path,
+    stages: cfg.serveStages,
+    threads: cfg.threads,
+    parallel: maxClients,
+    local: { onStarted: (started) => (agents = started) }
   })
-  return JSON.parse(out.trim().split("\n").filter((l) => l.startsWith("{")).pop()!)
+  const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
+  const rounds = new Map<number, Array<ReadonlyArray<StreamTimes>>>()
+  try {
+    const t0 = performance.now()
+    await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
+    console.log(`  serve: ${cfg.serveStages} stage agents ready in ${((performance.now() - t0) / 1000).toFixed(1)} s`)
+    // one warm-up request (the agents' first run; weights leave the file mapping during the second)
+    await swactorRound(runtime, 1, 4)
+    for (const n of cfg.clients) {
+      for (let r = 0; r < cfg.serveRounds; r++) {
+        const streams = await swactorRound(runtime, n, cfg.serveTokens)
+        rounds.set(n, [...(rounds.get(n) ?? []), streams])
+        console.log(`  serve N=${n}: ${fmt(summarize([streams]).aggregate, 2)} tok/s aggregate (load ${load()})`)
+      }
+    }
+    const metrics = await runtime.runPromise(Effect.flatMap(Server, (s) => s.metrics))
+    // each agent's peak, read while it is still running (agents[i] hosts stage i: an even local plan)
+    const peaks = agents.map((a) => ({ pid: a.pid, hwm: readStatus(a.pid)?.hwm ?? Number.NaN }))
+    return { rounds, metrics, peaks, maxClients }
+  } finally {
+    await runtime.dispose()
+  }
 }
-
-const mib = (b: number) => `${(b / 2 ** 20).toFixed(1)} MiB`
 
 const main = async () => {
-  const c = cfg
+  const s = shape
   console.log(
-    `swactor MoE benchmark: qwen3moe ${c.layers} blocks, hidden ${c.hidden}, ${c.experts} experts of ${c.expertFfn} ` +
-      `(${c.expertsUsed} used), heads ${c.heads}/${c.kvHeads}, vocab ${c.vocab}, ${c.type}; threads ${c.threads} on both ` +
-      `sides; prompt ${c.prompt}, decode ${c.decode}; best of ${c.rounds} rounds (the CPUs may be shared: indicative)`
+    `bench:moe: qwen3moe ${s.layers} blocks, hidden ${s.hidden}, heads ${s.heads}/${s.kvHeads} of ${s.headDim}, ${s.experts} experts ` +
+      `of FFN ${s.expertFfn} (${s.expertsUsed} used), vocab ${s.vocab}, ${s.type}; threads ${cfg.threads} per side / per stage; ` +
+      `prompt ${cfg.prompt}, decode ${cfg.decode}; best of ${cfg.rounds} interleaved rounds; load average ${load()}`
   )
-  const path = await ensureModel()
-  let ref: Figures = { decode: 0, prefill: 0 }
-  const ours = new Map<number, Figures>()
-  const best = (a: Figures | undefined, b: Figures): Figures =>
-    a === undefined ? b : { decode: Math.max(a.decode, b.decode), prefill: Math.max(a.prefill, b.prefill) }
-  for (let round = 0; round < c.rounds; round++) {
-    ref = best(ref, await benchNodeLlamaCpp(path))
-    for (const stages of c.stages) ours.set(stages, best(ours.get(stages), await benchOurs(path, stages)))
-  }
-  const f = (x: number) => x.toFixed(1)
-  console.log(`node-llama-cpp: decode ${f(ref.decode)} tok/s, prefill ${f(ref.prefill)} tok/s`)
-  for (const stages of c.stages) {
-    const o = ours.get(stages)!
+  const path = await ensureMoeBenchModel(moeBenchDir(), s)
+  const held = await modelHoldings(path, cfg.serveStages)
+  console.log(`  ${path}: ${mib(held.whole.weights)} MiB of weights`)
+  const timed = cfg.skip.includes("timing") ? undefined : await timingPart(path)
+  const served = cfg.skip.includes("serve") ? undefined : await servePart(path)
+  const idle = served === undefined ? Number.NaN : await idleAgentRss()
+
+  console.log(`\nload average at the end: ${load()}`)
+  if (timed !== undefined) {
+    const r = timed.ref
     console.log(
-      `swactor ${stages} stage(s): decode ${f(o.decode)} tok/s (${(o.decode / ref.decode).toFixed(2)}x), ` +
-        `prefill ${f(o.prefill)} tok/s (${(o.prefill / ref.prefill).toFixed(2)}x)`
+      `\nnode-llama-cpp (1 context, 1 sequence, ${cfg.threads} thread(s), flash attention, F16 KV): decode ${fmt(r.decode, 2)} tok/s, ` +
+        `prefill ${fmt(r.prefill, 2)} tok/s`
     )
+    console.log("| stages | decode tok/s | x node-llama-cpp | target | per CPU-s | prefill tok/s | x node-llama-cpp | per CPU-s |")
+    console.log("|---|---|---|---|---|---|---|---|")
+    for (const n of cfg.stages) {
+      const o = timed.ours.get(n)!
+      const target = n === 1 ? 0.95 : n === 4 ? 0.9 : undefined
+      const x = o.decode / r.decode
+      console.log(
+        `| ${n} | ${fmt(o.decode, 2)} | ${fmt(x, 3)} | ${target === undefined ? "-" : `>= ${target}: ${x >= target ? "met" : "MISSED"}`} | ` +
+          `${fmt(o.decodeCpu / r.decodeCpu, 3)} | ${fmt(o.prefill, 2)} | ${fmt(o.prefill / r.prefill, 3)} | ${fmt(o.prefillCpu / r.prefillCpu, 3)} |`
+      )
+    }
   }
-  const maxStages = Math.max(...c.stages)
-  const split = splitOf(maxStages)
-  const base = childRss(["baseline"])
-  console.log(`peak RSS per stage (${maxStages} stages, each alone in a process; bare process ${mib(base.maxRss)}):`)
-  for (let i = 0; i < maxStages; i++) {
-    const r = childRss([path, String(split[i]), String(split[i + 1])])
-    console.log(`  stage ${i} blocks [${split[i]}, ${split[i + 1]}): peak RSS ${mib(r.maxRss)}, weights ${mib(r.weightBytes)}`)
+  if (served !== undefined) {
+    const one = summarize(served.rounds.get(cfg.clients[0]!) ?? [])
+    console.log(
+      `\nserve: ${cfg.serveStages} stage agents x ${cfg.threads} thread(s), ${cfg.serveTokens} greedy tokens per stream, ` +
+        `${cfg.serveRounds} round(s) per N (median)`
+    )
+    console.log(`| N | aggregate tok/s | x N=${cfg.clients[0]} | TTFT p50 ms | inter-token p50 / p99 ms |\n|---|---|---|---|---|`)
+    for (const n of cfg.clients) {
+      const f = summarize(served.rounds.get(n)!)
+      console.log(
+        `| ${n} | ${fmt(f.aggregate, 2)} | ${fmt(f.aggregate / one.aggregate, 2)} | ${fmt(f.ttft[0])} | ${fmt(f.itl[0])} / ${fmt(f.itl[1])} |`
+      )
+    }
+    console.log(
+      `\npeak RSS per stage agent (VmHWM after the serve rounds) against weights + KV (the agent's KV for one sequence x ` +
+        `${served.maxClients}); an idle agent's VmRSS: ${mib(idle)} MiB; target <= 1.15x`
+    )
+    console.log("| stage | blocks | weights MiB | KV MiB | VmHWM MiB | agent's own peak MiB | / (W + KV) | (VmHWM - idle) / (W + KV) | target |")
+    console.log("|---|---|---|---|---|---|---|---|---|")
+    served.peaks.forEach((p, i) => {
+      const h = held.perStage[i]
+      const kv = (served.metrics.stages[i]?.kvBytes ?? Number.NaN) * served.maxClients
+      const wkv = (h?.weights ?? Number.NaN) + kv
+      const minus = (p.hwm - idle) / wkv
+      console.log(
+        `| ${i} | ${h?.label ?? "-"} | ${mib(h?.weights ?? Number.NaN)} | ${mib(kv)} | ${mib(p.hwm)} | ` +
+          `${mib(served.metrics.stages[i]?.peakResidentBytes ?? Number.NaN)} | ${fmt(p.hwm / wkv, 3)} | ` +
+          `${fmt(minus, 3)} | ${p.hwm / wkv <= 1.15 ? "met" : minus <= 1.15 ? "met less the idle agent" : "MISSED"} |`
+      )
+    })
   }
 }
 
-if (process.argv[2] === "--stage-rss") {
-  await stageRss(process.argv.slice(3))
-} else {
-  await main()
-}
+main().then(() => process.exit(0), (error: unknown) => {
+  console.error(error)
+  process.exit(1)
+})

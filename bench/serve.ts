@@ -28,6 +28,7 @@ import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { serve, Server } from "../src/api/serve.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 import { forEachStreamedToken } from "./llamaServerStream.js"
+import { fmt, median, percentile, prompts, type StreamTimes, summarize, swactorRound } from "./serveRounds.js"
 import { existsSync } from "node:fs"
 import { readModelFacts } from "../src/api/modelFacts.js"
 import { promptCacheFigure } from "./promptCache.js"
@@ -51,70 +52,12 @@ const cfg = {
   llamaServer: flag("llama-server") ?? process.env["BENCH_LLAMA_SERVER"],
   dir: resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
-const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
 
 // Same file as bench:pipeline and bench:engine.
 const ensureModel = async (): Promise<string> => {
   const given = flag("model")
   return given !== undefined ? resolve(given) : ensureBenchModel(cfg.dir, defaultBenchShape)
 }
-
-/** When each token of one stream arrived (ms), from the request's start. */
-interface StreamTimes {
-  readonly start: number
-  readonly arrivals: ReadonlyArray<number>
-  readonly text: string
-}
-
-interface Figures {
-  readonly aggregate: number
-  readonly ttft: readonly [number, number]
-  readonly itl: readonly [number, number]
-}
-
-const percentile = (values: ReadonlyArray<number>, p: number) => {
-  if (values.length === 0) return Number.NaN
-  const sorted = [...values].sort((a, b) => a - b)
-  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))]!
-}
-
-const figures = (streams: ReadonlyArray<StreamTimes>): Figures => {
-  const firsts = streams.map((s) => s.arrivals[0] ?? Number.NaN)
-  const lasts = streams.map((s) => s.arrivals.at(-1) ?? Number.NaN)
-  const decoded = streams.reduce((n, s) => n + Math.max(0, s.arrivals.length - 1), 0)
-  const span = (Math.max(...lasts) - Math.min(...firsts)) / 1000
-  const gaps = streams.flatMap((s) => s.arrivals.slice(1).map((t, i) => t - s.arrivals[i]!))
-  const ttfts = streams.map((s, i) => firsts[i]! - s.start)
-  return {
-    aggregate: span > 0 ? decoded / span : Number.NaN,
-    ttft: [percentile(ttfts, 50), percentile(ttfts, 99)],
-    itl: [percentile(gaps, 50), percentile(gaps, 99)]
-  }
-}
-
-const swactorRound = (runtime: ManagedRuntime.ManagedRuntime<Server, never>, n: number) =>
-  runtime.runPromise(
-    Effect.flatMap(Server, (server) =>
-      Effect.forEach(Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!), (prompt) =>
-        Effect.suspend(() => {
-          const start = performance.now()
-          const arrivals: Array<number> = []
-          let text = ""
-          return server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
-            Stream.runForEach((event) =>
-              Effect.sync(() => {
-                if (event._tag === "Text") {
-                  text += event.text
-                  // One arrival per generated token (a piece may be held back for a multi-byte character).
-                  while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
-                }
-              })
-            ),
-            Effect.map((): StreamTimes => ({ start, arrivals, text }))
-          )
-        }), { concurrency: "unbounded" })
-    )
-  )
 
 /** One side of the comparison: set up once, then serves one round of N concurrent streams at a time. */
 interface Contender {
@@ -272,34 +215,6 @@ const roundsAt = <A>(byName: Map<string, Map<number, Array<A>>>, name: string, n
   return rounds
 }
 
-const fmt = (x: number, digits = 1) => (Number.isFinite(x) ? x.toFixed(digits) : "-")
-
-const median = (values: ReadonlyArray<number>) => percentile(values, 50)
-
-/** A contender's rounds at one N: the median round's aggregate (and the spread), latencies over every round's streams. */
-interface Summary {
-  readonly aggregate: number
-  readonly spread: string
-  readonly ttft: readonly [number, number]
-  readonly itl: readonly [number, number]
-  /** Inter-token p99 of the median round (each round's own p99, the median of those). */
-  readonly itlP99Round: number
-}
-
-const summarize = (rounds: ReadonlyArray<ReadonlyArray<StreamTimes>>): Summary => {
-  const perRound = rounds.map(figures)
-  const aggregates = perRound.map((f) => f.aggregate)
-  const pooled = figures(rounds.flat())
-  // (the median of an even count of rounds is the upper middle: percentile's rule)
-  return {
-    aggregate: median(aggregates),
-    spread: rounds.length > 1 ? `${fmt(Math.min(...aggregates))}–${fmt(Math.max(...aggregates))}` : "-",
-    ttft: pooled.ttft,
-    itl: pooled.itl,
-    itlP99Round: median(perRound.map((f) => f.itl[1]))
-  }
-}
-
 /** The prompt-cache figure on --cache-model (stories260K when present: its 2,048-token context holds the conversation). */
 const cacheFigure = async (fallback: () => Promise<string>) => {
   const stories = resolve(root, "../shared/models/stories260K.gguf")
@@ -348,7 +263,7 @@ const main = async () => {
     const agents = descendants(process.pid)
     contenders.push({
       name: "swactor",
-      round: (n) => swactorRound(runtime, n),
+      round: (n) => swactorRound(runtime, n, cfg.tokens),
       close: () => Promise.resolve(),
       cpu: { self: true, pids: agents }
     })
