@@ -403,7 +403,7 @@ export const syntheticTensorType = (
   type: SyntheticType,
   dims: ReadonlyArray<number>,
   name = "",
-  model: { readonly layers: number; readonly tiedOutput: boolean } = { layers: 1, tiedOutput: false }
+  model: { readonly layers: number; readonly tiedOutput: boolean; readonly experts?: number } = { layers: 1, tiedOutput: false }
 ): number => syntheticStorageType(type, name, dims, model)
 
 const encode = (type: number, values: Float32Array, dims: ReadonlyArray<number>): Uint8Array => {
@@ -479,7 +479,12 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
     const model = { layers: o.layers, tiedOutput: o.tiedOutput === true }
     const kept = moeTensorType(t.name) ?? (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined) ?? qwen35TensorType(t.name)
     const type = kept ??
-      syntheticTensorType(o.type, t.dims, t.name, { layers: o.layers, tiedOutput: o.tiedOutput === true })
+      syntheticTensorType(o.type, t.dims, t.name, {
+        layers: o.layers,
+        tiedOutput: o.tiedOutput === true,
+        // the recipes' expert rules are checked against llama.cpp's quantizer for these two (synth.moeRecipe)
+        ...(o.arch === "qwen3moe" || o.arch === "glm4moe" ? { experts: o.experts ?? 8 } : {})
+      })
     if (kept === undefined && t.dims.length >= 2 && type === GgmlType.F16 && syntheticDefaultTypeId(o.type) !== GgmlType.F16) {
       fallbacks.push(t.name)
     }

@@ -72,6 +72,8 @@ export interface RecipeModel {
   readonly layers: number
   /** No output.weight: token_embd is the output head too. */
   readonly tiedOutput: boolean
+  /** llama.cpp's n_expert: experts per routed block (0 or absent: a dense model). */
+  readonly experts?: number
 }
 
 /** llama.cpp's use_more_bits: the first and last eighth of the blocks, and every third block between. */
@@ -92,6 +94,8 @@ const blockOf = (name: string): number | undefined => {
  * - attn_output: q3_k_m Q4_K;
  * - everything else the recipe's default (Q4_K / Q3_K).
  * (llama.cpp counts attn_v and ffn_down tensors as they come; with one per block that is the block index.)
+ * With experts: every tensor named ffn_down* (ffn_down_exps, ffn_down_shexp, a dense block's ffn_down) takes the
+ * ffn_down rule of the block in its name; with exactly 8 experts attn_v and attn_k are Q8_0 and attn_output Q5_K.
  */
 export const recipeTensorType = (type: SyntheticWeightType, name: string, model: RecipeModel): number => {
   const id = table[type].id
@@ -100,11 +104,15 @@ export const recipeTensorType = (type: SyntheticWeightType, name: string, model:
   const i = blockOf(name)
   if (i === undefined) return id
   const n = model.layers
+  const eight = model.experts === 8
   if (name.endsWith(".attn_v.weight")) {
+    if (eight) return GgmlType.Q8_0
     if (type === "q4_k_m") return useMoreBits(i, n) ? GgmlType.Q6_K : GgmlType.Q4_K
     return i < 2 ? GgmlType.Q5_K : GgmlType.Q4_K
   }
-  if (name.endsWith(".ffn_down.weight")) {
+  if (eight && name.endsWith(".attn_k.weight")) return GgmlType.Q8_0
+  if (eight && name.endsWith(".attn_output.weight")) return GgmlType.Q5_K
+  if (name.endsWith(".ffn_down.weight") || ((model.experts ?? 0) > 1 && name.includes(".ffn_down"))) {
     if (type === "q4_k_m") return useMoreBits(i, n) ? GgmlType.Q6_K : GgmlType.Q4_K
     return i < Math.floor(n / 16) ? GgmlType.Q5_K : GgmlType.Q4_K
   }
