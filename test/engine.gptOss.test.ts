@@ -29,6 +29,7 @@ import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { killedStageResumes } from "./support/resume.js"
 
 const N_TOKENS = 64
 const LAYERS = 4
@@ -278,4 +279,26 @@ describe("gpt-oss: bad files are typed errors naming the key or the tensor", () 
         assert.include(e.message, tensor)
       }))
   }
+})
+
+describe("gpt-oss end to end: a killed stage agent resumes with identical text past the window", () => {
+  // 3 stages + 1 spare on local agents, fixed ranges [0, 1) [1, 3) [3, 4): the middle stage holds global block 1 and
+  // sliding block 2. Its agent is killed with SIGKILL at token 24, when prompt + generation have run past twice the
+  // window; the spare takes the stage, the prompt and the 24 tokens are replayed in one prefill (the sliding block
+  // masks all but the last 16 positions of it), and the stream goes on to the uninterrupted run's tokens and text.
+  it.live(`mxfp4, window ${WINDOW}, kill -9 of the middle stage (a sliding and a global block) past the window: greedy output equals the uninterrupted run's`, () =>
+    Effect.gen(function*() {
+      const o = model("gptoss-e2e", { type: "mxfp4", seed: 62 })
+      yield* writeSyntheticModel(o)
+      const { reference, killedLayers } = yield* killedStageResumes({
+        model: o.path,
+        prompt: PROMPT,
+        maxTokens: 48,
+        threads: 1,
+        stages: 3,
+        placement: { _tag: "Fixed", ranges: [[0, 1], [1, 3], [3, 4]] }
+      }, { atToken: 24 })
+      assert.deepStrictEqual(killedLayers, [1, 3])
+      assert.isAbove(reference.summary!.promptTokens + 24, 2 * WINDOW, "killed after the run passed twice the window")
+    }), 180_000)
 })

@@ -74,7 +74,14 @@ export type SamplingPolicy = typeof SamplingPolicy.Type
 
 export const RuntimeConfig = Schema.Struct({
   maxTokens: Schema.Number,
-  sampling: SamplingPolicy
+  sampling: SamplingPolicy,
+  /**
+   * A resumed generation's prompt ends with the tokens it already produced: its last `replayTail` rows. Every stage
+   * runs those rows one per forward, as the decode steps that produced them ran, so the replay computes the very
+   * bits the interrupted run did (a prefill of them takes other kernels, and a near tie may then pick another token).
+   * Absent: 0.
+   */
+  replayTail: Schema.optional(Schema.Number)
 }).annotations({ identifier: "RuntimeConfig" })
 export type RuntimeConfig = typeof RuntimeConfig.Type
 
@@ -166,6 +173,8 @@ export class RunPlan extends Schema.Class<RunPlan>("RunPlan")({
   model: ModelFacts,
   sampling: SamplingPolicy,
   maxTokens: Schema.Number,
+  /** See RuntimeConfig.replayTail. */
+  replayTail: Schema.optional(Schema.Number),
   stages: Schema.Array(StagePlan),
   edges: Schema.Array(Edge)
 }) {}
@@ -182,7 +191,9 @@ export const StageRuntime = Schema.Struct({
   roleId: RoleId,
   inputPort: PortId,
   outputPort: PortId,
-  sampling: Schema.NullOr(SamplingPolicy)
+  sampling: Schema.NullOr(SamplingPolicy),
+  /** See RuntimeConfig.replayTail: this stage runs the last `replayTail` rows of its prompt one per forward. */
+  replayTail: Schema.optional(Schema.Number)
 }).annotations({ identifier: "StageRuntime" })
 export type StageRuntime = typeof StageRuntime.Type
 

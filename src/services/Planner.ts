@@ -225,6 +225,7 @@ const build = (input: PlannerInput, nodes: ReadonlyArray<NodeId>): RunPlan => {
     model,
     sampling: input.runtime.sampling,
     maxTokens: input.runtime.maxTokens,
+    ...(input.runtime.replayTail === undefined ? {} : { replayTail: input.runtime.replayTail }),
     stages,
     edges
   }, { disableValidation: true })
@@ -267,7 +268,13 @@ export const deriveStageProvisionEither = (
       ggufSource: stage.ggufSource,
       tokenizer: plan.model.tokenizer,
       model: plan.model,
-      runtime: { roleId: RoleId.make(stage.stageIndex), inputPort: INPUT_PORT, outputPort: OUTPUT_PORT, sampling },
+      runtime: {
+        roleId: RoleId.make(stage.stageIndex),
+        inputPort: INPUT_PORT,
+        outputPort: OUTPUT_PORT,
+        sampling,
+        ...(plan.replayTail === undefined ? {} : { replayTail: plan.replayTail })
+      },
       inbound: { edgeId: inbound.edgeId, kind: inbound.kind, peer: inbound.producer, ring: inbound.ring },
       outbound: { edgeId: outbound.edgeId, kind: outbound.kind, peer: outbound.consumer, ring: outbound.ring }
     })

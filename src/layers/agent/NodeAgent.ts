@@ -363,7 +363,9 @@ export const makeStageHost = (
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
               const engineBefore = stats.engineMillis
               const t0 = performance.now()
-              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount).pipe(
+              // a resumed generation's prompt: its replayed tokens run one per forward, as they were decoded
+              const replayTail = frame.sequence === 0 ? p.runtime.replayTail : undefined
+              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount, replayTail).pipe(
                 Effect.mapError((error) =>
                   new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) })
                 )

@@ -19,6 +19,9 @@
  *   token. Chunk boundaries depend only on the prompt (never on what else is pending): a chunk that does not fit
  *   the rows left waits for the next micro-batch, so a sequence's numerics do not depend on timing. The caller gets
  *   its output once every chunk ran (all hidden rows, or the logits of the last position).
+ * - A resumed generation's prompt (`replayTail`: it ends with the tokens the interrupted run produced) runs its
+ *   chunks up to those tokens, then those rows one per micro-batch: the computations the interrupted run's prefill
+ *   and decode steps ran, so the same bits come out (a prefill of them takes other kernels and can tip a near tie).
  * - Faults stay per sequence: an item the engine rejects (BatchItemRejected) fails only its submitter and the rest
  *   run again without it; when a whole batched computation fails, every item is retried alone, so only the
  *   culprit fails.
@@ -87,7 +90,9 @@ export interface StageBatcher {
     input: StageInput,
     counters: BatchCounters,
     /** Stages in the submitter's pipeline (default 1: no cap on decode steps per micro-batch). */
-    pipelineStages?: number
+    pipelineStages?: number,
+    /** The input's last `replayTail` rows run one per micro-batch (a resumed generation's replayed tokens). */
+    replayTail?: number
   ) => Effect.Effect<StageOutput, ForwardError>
   /**
    * A session was opened and its prompt will follow: prompts that wake the idle batcher wait for it (see
@@ -106,6 +111,8 @@ interface Job {
   readonly startPos: number
   readonly input: StageInput
   readonly total: number
+  /** From this many tokens on, one per micro-batch (`replayTail`); `total` when none. */
+  readonly oneByOneFrom: number
   /** Tokens already run. */
   done: number
   readonly hidden: Array<Float32Array>
@@ -195,7 +202,7 @@ export const makeStageBatcher = (
       for (const pass of ["decode", "prefill"] as const) {
         for (const job of pending) {
           if ((job.total === 1) !== (pass === "decode")) continue
-          const n = Math.min(chunk, job.total - job.done)
+          const n = job.done >= job.oneByOneFrom ? 1 : Math.min(chunk, job.oneByOneFrom - job.done)
           if (rows + n > maxRows) continue
           if (pass === "decode" && decodeLeft-- <= 0) break
           if (pass === "prefill" && promptRows > 0 && rows > promptRows && promptRows + n > promptBesideDecode) continue
@@ -369,15 +376,19 @@ export const makeStageBatcher = (
       startPos: number,
       input: StageInput,
       counters: BatchCounters,
-      pipelineStages = 1
+      pipelineStages = 1,
+      replayTail = 0
     ) =>
       Effect.gen(function*() {
         const result = yield* Deferred.make<StageOutput, ForwardError>()
+        const total = lengthOf(input)
+        const tail = Number.isSafeInteger(replayTail) && replayTail > 0 ? Math.min(replayTail, total) : 0
         const job: Job = {
           session,
           startPos,
           input,
-          total: lengthOf(input),
+          total,
+          oneByOneFrom: total - tail,
           done: 0,
           hidden: [],
           counters,

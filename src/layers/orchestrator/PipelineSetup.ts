@@ -104,7 +104,12 @@ export const plannerInput = (
     runId,
     orchestratorNodeId: ORCHESTRATOR_NODE,
     model: facts,
-    runtime: { maxTokens: runtime.maxTokens, sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0, runtime.resume) },
+    runtime: {
+      maxTokens: runtime.maxTokens,
+      sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0, runtime.resume),
+      // the replayed tokens run one per forward on every stage, as they were decoded (RuntimeConfig.replayTail)
+      ...(runtime.resume === undefined || runtime.resume.tokens.length === 0 ? {} : { replayTail: runtime.resume.tokens.length })
+    },
     candidatePool,
     stageCount: placement.length,
     placement: { _tag: "FixedLinear" as const, stages: placement },

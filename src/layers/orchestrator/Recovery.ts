@@ -4,8 +4,11 @@
  * a node lost, a transport or endpoint broke), the generation re-plans on the nodes still alive (spares with the
  * memory for it take a lost node's stages; without one the survivors absorb its layers in fewer stages when their
  * reported memory holds them, else RecoveryOverMemory before any run is tried), replays the prompt plus
- * every token already produced as one prefill, and continues: the sampler of the new run draws from the
- * position the generation reached, so greedy and seeded output equal an uninterrupted run's. The caller sees
+ * every token already produced as the new run's prompt, and continues: every stage runs the prompt's part in the
+ * chunks the first prefill ran and each produced token in a forward of its own, as it was decoded (the plan's
+ * `replayTail`), so the new run computes the interrupted run's very bits (a prefill of the produced tokens takes
+ * other kernels; gpt-oss tipped a near tie that way), and the sampler of the new run draws from the position the
+ * generation reached: greedy and seeded output equal an uninterrupted run's. The caller sees
  * one stream (sequences and text continue), `Recovering` / `Recovered` updates, and the recoveries in the
  * summary. At most `maxAttempts` recoveries within `budget`; then the typed fault, naming every attempt.
  */
