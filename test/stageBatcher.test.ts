@@ -272,22 +272,24 @@ describe("stage batcher", () => {
 
   // Requests sent together prefill together: a prompt that wakes an idle first stage waits (at most
   // promptGatherMillis) for the prompts of the sessions opened beside it (here 5 ms apart), so all three share one
-  // micro-batch and then decode in step. Sessions nobody expects are not waited for.
-  // The floor (promptGatherFloorMillis) waits for prompts of sessions opened just after, unannounced.
+  // micro-batch and then decode in step. Sessions nobody expects are not waited for. Sessions not opened yet are
+  // waited for when the first one's `expect` announced them (`arriving`: the server's requests still on their way).
   const gatherCases = [
-    [100, 0, true, [[0, 1, 2]]],
-    [0, 0, true, [[0], [1, 2]]],
-    [100, 0, false, [[0], [1, 2]]],
-    [100, 40, false, [[0, 1, 2]]]
+    [100, true, 0, [[0, 1, 2]]],
+    [0, true, 0, [[0], [1, 2]]],
+    [100, false, 0, [[0], [1, 2]]],
+    [100, false, 2, [[0, 1, 2]]],
+    [100, false, 1, [[0, 1], [2]]]
   ] as const
-  for (const [promptGatherMillis, promptGatherFloorMillis, announced, expected] of gatherCases) {
-    it.live(`promptGatherMillis ${promptGatherMillis}, floor ${promptGatherFloorMillis}, sessions ${announced ? "expected" : "not expected"}: three prompts sent 5 ms apart ${expected.length === 1 ? "prefill in one micro-batch" : "split"}`, () =>
+  for (const [promptGatherMillis, announced, arriving, expected] of gatherCases) {
+    it.live(`promptGatherMillis ${promptGatherMillis}, sessions ${announced ? "expected" : "not expected"}, ${arriving} announced as arriving: three prompts sent 5 ms apart ${expected.length === 1 ? "prefill in one micro-batch" : "split"}`, () =>
       Effect.gen(function*() {
         const { calls, layer } = slowExecutor(100)
         yield* Effect.gen(function*() {
-          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis, promptGatherFloorMillis })
+          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis })
           const { sessions } = yield* setup(3, true)
-          if (announced) yield* Effect.forEach(sessions, batcher.expect)
+          if (announced) yield* Effect.forEach(sessions, (session) => batcher.expect(session))
+          else if (arriving > 0) yield* batcher.expect(sessions[0]!, arriving)
           const fibers = []
           for (const i of [0, 1, 2]) {
             fibers.push(yield* Effect.fork(batcher.submit(sessions[i]!, 0, tokens(i + 1, 7, 9), emptyBatchCounters(), 2)))
@@ -299,45 +301,85 @@ describe("stage batcher", () => {
       }))
   }
 
-  // The floor bounds a lone prompt's wait: with no other first-stage session opened, it starts once the floor has
-  // passed, not at promptGatherMillis; an opened session whose prompt never comes holds it for promptGatherMillis.
-  const loneCases = [
-    [false, 0, 600],
-    [true, 900, 5000]
-  ] as const
-  for (const [otherOpened, atLeast, below] of loneCases) {
-    it.live(`a lone prompt, ${otherOpened ? "another session opened" : "no other session opened"}: its micro-batch starts after ${atLeast === 0 ? "the 20 ms floor" : "promptGatherMillis (1000 ms)"}`, () =>
+  // Nothing due, no wait: a lone prompt (its own session opened, nothing else opened or announced) starts at once,
+  // with no timer in its way (the fastest of 5 lone prompts, so a busy machine's hiccup does not decide it); an
+  // opened session whose prompt never comes holds it for promptGatherMillis.
+  it.live("a lone prompt, no other session opened or announced: its micro-batch starts at once", () =>
+    Effect.gen(function*() {
+      const { calls, layer } = slowExecutor(1)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000 })
+        const { sessions } = yield* setup(5, true)
+        const waits: Array<number> = []
+        for (const session of sessions) {
+          yield* Effect.scoped(Effect.gen(function*() {
+            yield* batcher.expect(session)
+            const start = performance.now()
+            yield* batcher.submit(session, 0, tokens(1, 7, 9), emptyBatchCounters(), 2)
+            waits.push(performance.now() - start)
+          }))
+        }
+        assert.strictEqual(calls.length, 5)
+        assert.isBelow(Math.min(...waits), 10, `waited ${waits.map((w) => w.toFixed(1)).join(", ")} ms`)
+      }).pipe(Effect.scoped, Effect.provide(layer))
+    }))
+
+  it.live("a lone prompt, another session opened: its micro-batch starts after promptGatherMillis (1000 ms)", () =>
+    Effect.gen(function*() {
+      const { calls, layer } = slowExecutor(1)
+      yield* Effect.gen(function*() {
+        const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000 })
+        const { sessions } = yield* setup(2, true)
+        yield* batcher.expect(sessions[1]!)
+        const start = performance.now()
+        yield* batcher.submit(sessions[0]!, 0, tokens(1, 7, 9), emptyBatchCounters(), 2)
+        const waited = performance.now() - start
+        assert.strictEqual(calls.length, 1)
+        assert.isAtLeast(waited, 900, `waited ${waited} ms`)
+        assert.isBelow(waited, 5000, `waited ${waited} ms`)
+      }).pipe(Effect.scoped, Effect.provide(layer))
+    }))
+
+  // The prompt gather re-reads what it waits for: a session announced by the first one's `expect` and opened during
+  // the gather is waited for; its prompt 80 ms later shares the micro-batch. Unannounced, the first runs alone.
+  for (const arriving of [1, 0]) {
+    it.live(`a session ${arriving > 0 ? "announced" : "not announced"} and opened 10 ms into the first prompt's gather: ${arriving > 0 ? "its prompt, 80 ms later, shares the micro-batch" : "the first prompt runs alone"}`, () =>
       Effect.gen(function*() {
-        const { calls, layer } = slowExecutor(1)
+        const { calls, layer } = slowExecutor(5)
         yield* Effect.gen(function*() {
-          const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000, promptGatherFloorMillis: 20 })
+          const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000 })
           const { sessions } = yield* setup(2, true)
-          if (otherOpened) yield* batcher.expect(sessions[1]!)
-          const start = performance.now()
-          yield* batcher.submit(sessions[0]!, 0, tokens(1, 7, 9), emptyBatchCounters(), 2)
-          const waited = performance.now() - start
-          assert.strictEqual(calls.length, 1)
-          assert.isAtLeast(waited, Math.max(atLeast, 15), `waited ${waited} ms`)
-          assert.isBelow(waited, below, `waited ${waited} ms`)
+          yield* batcher.expect(sessions[0]!, arriving)
+          const first = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1, 7), emptyBatchCounters(), 2))
+          yield* Effect.sleep("10 millis")
+          yield* batcher.expect(sessions[1]!)
+          yield* Effect.sleep("70 millis")
+          yield* batcher.submit(sessions[1]!, 0, tokens(2, 7), emptyBatchCounters(), 2)
+          yield* Fiber.join(first)
+          assert.deepStrictEqual(calls.map((c) => c.map((s) => sessions.indexOf(s))), arriving > 0 ? [[0, 1]] : [[0], [1]])
         }).pipe(Effect.scoped, Effect.provide(layer))
       }))
   }
 
-  // The prompt gather re-reads what it waits for: a session opened during stage 0's floor is waited for past the
-  // floor; a decode step that arrives ends the wait (decode steps never wait for prompts).
-  it.live("a session opened during the floor is waited for; its prompt, 80 ms later, shares the micro-batch", () =>
+  // An announcement that does not come true holds one gather (at most promptGatherMillis), then is forgotten: the
+  // next lone prompt does not wait for it.
+  it.live("announced sessions that never open hold the first prompt at most promptGatherMillis, and no later one", () =>
     Effect.gen(function*() {
-      const { calls, layer } = slowExecutor(5)
+      const { calls, layer } = slowExecutor(1)
       yield* Effect.gen(function*() {
-        const batcher = yield* makeStageBatcher({ promptGatherMillis: 1000, promptGatherFloorMillis: 50 })
+        const batcher = yield* makeStageBatcher({ promptGatherMillis: 300 })
         const { sessions } = yield* setup(2, true)
-        const first = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1, 7), emptyBatchCounters(), 2))
-        yield* Effect.sleep("10 millis")
-        yield* batcher.expect(sessions[1]!)
-        yield* Effect.sleep("70 millis")
+        yield* batcher.expect(sessions[0]!, 2)
+        let start = performance.now()
+        yield* batcher.submit(sessions[0]!, 0, tokens(1, 7), emptyBatchCounters(), 2)
+        const first = performance.now() - start
+        start = performance.now()
         yield* batcher.submit(sessions[1]!, 0, tokens(2, 7), emptyBatchCounters(), 2)
-        yield* Fiber.join(first)
-        assert.deepStrictEqual(calls.map((c) => c.map((s) => sessions.indexOf(s))), [[0, 1]])
+        const second = performance.now() - start
+        assert.strictEqual(calls.length, 2)
+        assert.isAtLeast(first, 250, `first waited ${first} ms`)
+        assert.isBelow(first, 3000, `first waited ${first} ms`)
+        assert.isBelow(second, 200, `second waited ${second} ms`)
       }).pipe(Effect.scoped, Effect.provide(layer))
     }))
 
@@ -345,7 +387,7 @@ describe("stage batcher", () => {
     Effect.gen(function*() {
       const { calls, layer } = slowExecutor(5)
       yield* Effect.gen(function*() {
-        const batcher = yield* makeStageBatcher({ promptGatherMillis: 2000, promptGatherFloorMillis: 0 })
+        const batcher = yield* makeStageBatcher({ promptGatherMillis: 2000 })
         const { sessions } = yield* setup(3, true)
         yield* batcher.expect(sessions[1]!) // never submits: the prompt alone would wait 2000 ms
         const start = performance.now()
@@ -360,7 +402,7 @@ describe("stage batcher", () => {
     }))
 
   // A later stage gathers too: the activations of prompts that stage 0 prefilled together reach it a few ms apart
-  // (measured: within 10 ms), and its sessions were all opened at provisioning, so it waits only for those (no floor).
+  // (measured: within 10 ms), and its sessions were all opened at provisioning, so it waits only for those.
   const laterCases = [
     [true, [[0, 1, 2]]],
     [false, [[0], [1, 2]]]
@@ -370,9 +412,9 @@ describe("stage batcher", () => {
       Effect.gen(function*() {
         const { calls, layer } = slowExecutor(100)
         yield* Effect.gen(function*() {
-          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis: 100, promptGatherFloorMillis: 60 })
+          const batcher = yield* makeStageBatcher({ maxRows: 64, promptGatherMillis: 100 })
           const { sessions } = yield* setup(3, true, false)
-          if (announced) yield* Effect.forEach(sessions, batcher.expect)
+          if (announced) yield* Effect.forEach(sessions, (session) => batcher.expect(session))
           const fibers = []
           for (const i of [0, 1, 2]) {
             fibers.push(yield* Effect.fork(batcher.submit(sessions[i]!, 0, hidden(i + 1, 3), emptyBatchCounters(), 2)))

@@ -116,7 +116,9 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   /** KV cache length for this stage's session. */
   contextLength: Schema.Number,
   /** Prompt cache (absent: none). */
-  promptCache: Schema.optional(PromptCacheUse)
+  promptCache: Schema.optional(PromptCacheUse),
+  /** Requests that reached the server beside this run's and will be provisioned soon: its prompt may wait for theirs. */
+  arriving: Schema.optional(Schema.Number)
 }) {}
 
 /** What an agent says about itself when the orchestrator connects. */

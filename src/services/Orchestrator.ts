@@ -449,6 +449,12 @@ export interface RunRequest {
     readonly adopt?: { readonly entry: number; readonly length: number }
     readonly keep?: number
   }
+  /**
+   * Requests that reached the server beside this one and are not running yet (e.g. still tokenizing): the stages'
+   * batchers let this run's prompt wait briefly for theirs, to prefill them together (0 or absent: a lone request,
+   * which never waits).
+   */
+  readonly arriving?: number
 }
 
 /** One agent of a warm pipeline. */

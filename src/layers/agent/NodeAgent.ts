@@ -290,8 +290,9 @@ export const makeStageHost = (
               Effect.mapError((message) => new StageFailure({ reason: StageFaultReasons.ProvisionFailed({ message }) }))
             )
             : undefined
-          // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both)
-          yield* batcher.expect(session)
+          // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both), and
+          // for the requests the server announced behind this one
+          yield* batcher.expect(session, request.arriving ?? 0)
           const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
             Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`))
           )

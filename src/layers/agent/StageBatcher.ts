@@ -41,15 +41,10 @@ export interface BatcherSettings {
   /** Longest wait for more decode steps to fill a micro-batch (default 250 ms; 0: never wait). */
   readonly gatherMillis?: number
   /**
-   * How long prompts reaching an idle stage may wait for the prompts of the sessions opened beside them (`expect`)
-   * to share their micro-batch (default 100 ms; 0: never wait).
+   * How long prompts reaching an idle stage may wait for the prompts of the sessions opened beside them, or announced
+   * to open (`expect`), to share their micro-batch (default 100 ms; 0: never wait). Nothing due: no wait at all.
    */
   readonly promptGatherMillis?: number
-  /**
-   * ...and on a first stage (token prompts) they wait this long in any case (default 25 ms): requests sent together
-   * open their sessions a few ms apart. A later stage's sessions all open at provisioning, long before their prompts.
-   */
-  readonly promptGatherFloorMillis?: number
   /**
    * Beside decode steps, prompt rows beyond the first chunk only up to this many (default 16): a burst of new prompts
    * is spread over several micro-batches instead of making the running sequences wait for all of it at once.
@@ -96,9 +91,11 @@ export interface StageBatcher {
   ) => Effect.Effect<StageOutput, ForwardError>
   /**
    * A session was opened and its prompt will follow: prompts that wake the idle batcher wait for it (see
-   * `promptGatherMillis`). Forgotten at its first submit, or when the scope closes.
+   * `promptGatherMillis`). Forgotten at its first submit, or when the scope closes. `arriving`: requests that reached
+   * the server beside this one and will open sessions here soon (not yet provisioned): waited for as well, for at most
+   * `promptGatherMillis` from this call.
    */
-  readonly expect: (session: StageSession) => Effect.Effect<void, never, Scope.Scope>
+  readonly expect: (session: StageSession, arriving?: number) => Effect.Effect<void, never, Scope.Scope>
   /**
    * Prompt chunk length C: a prompt submitted at startPos is run as [startPos, startPos + C), ... So a prompt resumed
    * at a multiple of C runs the very computations (same rows, same batch sizes) a prompt from 0 runs there.
@@ -164,7 +161,6 @@ export const makeStageBatcher = (
     const activeWindow = Math.max(0, settings.activeWindowMillis ?? 2000)
     const gatherMax = Math.max(0, settings.gatherMillis ?? 250)
     const promptGather = Math.max(0, settings.promptGatherMillis ?? 100)
-    const promptGatherFloor = Math.max(0, settings.promptGatherFloorMillis ?? 25)
     const promptBesideDecode = Math.max(0, settings.promptRowsBesideDecode ?? 16)
     /** How long the last micro-batch of decode steps only took (ms): the longest worth waiting to fill the next one. */
     let lastRunMillis = 0
@@ -174,6 +170,17 @@ export const makeStageBatcher = (
     const decoders = new Map<StageSession, { last: number; interval: number; prompt?: true }>()
     /** Sessions opened that have not submitted anything yet (their prompt is on its way). */
     const expected = new Set<StageSession>()
+    /** Sessions seen so far (opened, or submitting unannounced), and how many are announced by then (see `expect`). */
+    const seen = new WeakSet<StageSession>()
+    let opened = 0
+    let announced = { count: 0, at: 0 }
+    const see = (session: StageSession) => {
+      if (seen.has(session)) return
+      seen.add(session)
+      opened++
+    }
+    /** Sessions announced by the server that have not opened yet (an announcement lasts promptGatherMillis). */
+    const announcedDue = () => opened < announced.count && performance.now() - announced.at < promptGather
 
     /** Most decode steps in one micro-batch: ceil(L / S) (at least 1). */
     const decodeCap = (): number => {
@@ -330,23 +337,20 @@ export const makeStageBatcher = (
      * requests that arrive together prefill together on every stage and decode in step from their first token.
      * Measured, 4 concurrent requests on 2 stages: they reached stage 0 within 10 ms, but the first one alone had
      * already started its prefill; with stage 0 fixed, their activations reached stage 1 within 10 ms, and the first
-     * prefilled there alone, so its second token waited 640 ms for the other three's prefill. A lone request waits
-     * only stage 0's floor. Otherwise short decode micro-batches wait (at most min(last decode micro-batch,
-     * gatherMillis)) for the rest of their group.
+     * prefilled there alone, so its second token waited 640 ms for the other three's prefill. On a first stage the
+     * sessions of requests sent together open a few ms apart: the server announces them (`expect`'s `arriving`, the
+     * requests it is still tokenizing), so they are waited for before they open. What is waited for is what is in
+     * flight: a lone request (nothing opened or announced beside it) never waits. Otherwise short decode
+     * micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
      */
     const gather = (wokeIdle: boolean) => {
       const prompts = wokeIdle && promptGather > 0 && pending.length > 0 && pending.every((job) => job.total > 1)
       if (prompts) {
-        // on a first stage, a short floor for requests whose sessions open just after this one's (measured: within
-        // ~10 ms), then only for the prompts of sessions already opened
         const start = performance.now()
-        const floor = pending.some((job) => job.input._tag === "Tokens") ? Math.min(promptGatherFloor, promptGather) : 0
         return takeUntil(() => {
           if (pending.some((job) => job.total === 1)) return 0 // a decode step arrived: it does not wait for prompts
-          // (a timer may fire a fraction of a ms early: the floor counts as passed within takeUntil's 0.5 ms)
-          if (performance.now() - start < floor - 0.5) return start + floor
-          return expected.size > 0 ? start + promptGather : 0
-        })
+          return expected.size > 0 || announcedDue() ? start + promptGather : 0
+        }).pipe(Effect.ensuring(Effect.sync(() => (announced = { count: Math.min(announced.count, opened), at: announced.at }))))
       }
       const budget = Math.min(gatherMax, lastRunMillis)
       if (budget < 1) return Effect.void
@@ -398,6 +402,7 @@ export const makeStageBatcher = (
           submittedAt: performance.now()
         }
         expected.delete(session)
+        see(session)
         if (job.total === 1) {
           const now = performance.now()
           const seen = decoders.get(session)
@@ -418,8 +423,17 @@ export const makeStageBatcher = (
         ))
       })
 
-    const expect = (session: StageSession) =>
-      Effect.acquireRelease(Effect.sync(() => void expected.add(session)), () => Effect.sync(() => void expected.delete(session)))
+    const expect = (session: StageSession, arriving = 0) =>
+      Effect.acquireRelease(
+        Effect.sync(() => {
+          expected.add(session)
+          see(session)
+          if (Number.isSafeInteger(arriving) && arriving > 0 && opened + arriving > announced.count) {
+            announced = { count: opened + arriving, at: performance.now() }
+          }
+        }),
+        () => Effect.sync(() => void expected.delete(session))
+      )
 
     return { submit, expect, prefillChunk: chunk }
   })

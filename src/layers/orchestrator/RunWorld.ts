@@ -195,7 +195,8 @@ export const driveRun = (
           outboundAddress: outboundAddress(provision),
           threads: threads ?? null,
           contextLength,
-          ...(cacheUse === undefined ? {} : { promptCache: cacheUse })
+          ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
+          ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving })
         })
       ).pipe(
         Stream.runForEach((report) => {

@@ -673,10 +673,22 @@ export const make = (options: ServeOptions) =>
       return vocabulary.tokenize("a").slice(-1)
     }
 
+    /**
+     * Requests between arrival and their run (tokenizing, checks, admission), not queued: a run started now tells the
+     * stages how many are right behind it (RunRequest.arriving), so requests sent together prefill together.
+     */
+    let arriving = 0
     const generate = (request: ServeRequest): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
         Effect.gen(function*() {
           const receivedAt = request.receivedAt ?? performance.now()
+          arriving++
+          let here = true
+          const leave = () => {
+            if (here) arriving--
+            here = false
+          }
+          yield* Effect.addFinalizer(() => Effect.sync(leave))
           const { pipeline } = yield* current
           const limit = maxPromptTokens(pipeline)
           const prompt = typeof request.prompt === "string"
@@ -693,7 +705,8 @@ export const make = (options: ServeOptions) =>
           const queuedAt = performance.now()
           const ticket = yield* admission!.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
-          const run = runAdmitted(prompt, maxTokens, request, { receivedAt, queuedAt }, contextLength, ticket, match)
+          if (!ticket.admitted) leave() // waits for memory: not right behind anyone
+          const run = runAdmitted(prompt, maxTokens, request, { receivedAt, queuedAt, leave }, contextLength, ticket, match)
           return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, run)))
         })
       )
@@ -702,7 +715,7 @@ export const make = (options: ServeOptions) =>
       prompt: ReadonlyArray<number>,
       maxTokens: number,
       request: ServeRequest,
-      arrival: { readonly receivedAt: number; readonly queuedAt: number },
+      arrival: { readonly receivedAt: number; readonly queuedAt: number; readonly leave: () => void },
       contextLength: number,
       ticket: { readonly onRelease: (f: () => void) => void; readonly release: () => void },
       match: PromptCacheMatch | undefined
@@ -711,6 +724,8 @@ export const make = (options: ServeOptions) =>
         Effect.gen(function*() {
           const { pipeline } = yield* current
           const admittedAt = performance.now()
+          arrival.leave()
+          const behind = arriving
           let readyAt = admittedAt
           let firstAt: number | undefined
           // Prompt cache: adopt `match` if admission left it (in use until the run ends: never evicted); keep this run's
@@ -841,7 +856,8 @@ export const make = (options: ServeOptions) =>
               prompt,
               maxTokens,
               ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
-              ...(keepId === undefined ? {} : { promptCache: { keep: keepId, ...(adopt === undefined ? {} : { adopt }) } })
+              ...(keepId === undefined ? {} : { promptCache: { keep: keepId, ...(adopt === undefined ? {} : { adopt }) } }),
+              ...(behind > 0 ? { arriving: behind } : {})
             }).pipe(
               Stream.mapError((error): ServeError =>
                 error._tag === "InvalidRequest"
@@ -986,9 +1002,15 @@ export const make = (options: ServeOptions) =>
       status: currentStatus,
       ready: Deferred.await(started).pipe(Effect.map((s) => s.info)),
       generate,
+      // a chat being rendered is a request on its way as well (its generate follows)
       formatChat: (messages, tools) =>
-        Effect.flatMap(current, ({ pipeline }) =>
-          promptTokenizer(pipeline).formatChat(messages, maxPromptTokens(pipeline), tools).pipe(Effect.mapError(promptRefused))),
+        Effect.acquireUseRelease(
+          Effect.sync(() => arriving++),
+          () =>
+            Effect.flatMap(current, ({ pipeline }) =>
+              promptTokenizer(pipeline).formatChat(messages, maxPromptTokens(pipeline), tools).pipe(Effect.mapError(promptRefused))),
+          () => Effect.sync(() => arriving--)
+        ),
       metrics: snapshot
     })
   })
