@@ -3,6 +3,7 @@
  * on synthetic llama models at a real shape, and on synthetic gemma3 and qwen35 files (bench/archModels.ts: same
  * file for both sides), same thread count on both sides. Prints decode and prefill tok/s,
  * ratios ours / node-llama-cpp, and the peak RSS of each stage (run alone in a child process) vs its weights.
+ * The timing loop is bench/engineTiming.ts (bench:moe's too).
  *
  *   npm run bench:engine
  *
@@ -16,15 +17,13 @@ import { Effect } from "effect"
 import { execFileSync } from "node:child_process"
 import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
-import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import type { StageInput } from "../src/domain/engine.js"
 import { getGgml } from "../src/layers/ggml/Bindings.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
 import { type BenchArch, benchArchShape, benchArchs, ensureArchBenchModel } from "./archModels.js"
 import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
-import { greedy, makeRng } from "../src/services/Sampler.js"
-import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
+import { benchContextLength, benchPrompt, bestFigures, evenSplit, type Figures, timeNodeLlamaCpp, timeOurs } from "./engineTiming.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 
 const env = (k: string, d: string) => process.env[k] ?? d
@@ -47,7 +46,7 @@ const cfg = {
   dir: resolve(root, env("BENCH_DIR", ".cache/bench")),
   archs: env("BENCH_ARCHS", "llama,gemma3,qwen35").split(",")
 }
-const contextLength = Math.ceil((cfg.prompt + cfg.decode + 64) / 256) * 256
+const contextLength = benchContextLength(cfg.prompt, cfg.decode)
 
 const ensureModel = (type: SyntheticType) => ensureBenchModel(cfg.dir, { ...cfg, type })
 
@@ -61,98 +60,12 @@ interface BenchFile {
 
 let vocab = cfg.vocab
 
-const promptTokens = (n: number) => {
-  const r = makeRng(2024)
-  return Array.from({ length: n }, () => 3 + Math.floor(r() * (vocab - 3)))
-}
-
 let layers = cfg.layers
 
-const splitOf = (stages: number): Array<number> =>
-  Array.from({ length: stages + 1 }, (_, i) => Math.round((i * layers) / stages))
+const splitOf = (stages: number) => evenSplit(layers, stages)
 
-interface Figures {
-  readonly decode: number
-  readonly prefill: number
-  /** tokens per CPU-second of this process (all threads): steadier than wall time on a shared machine */
-  readonly decodeCpu: number
-  readonly prefillCpu: number
-}
-
-/** Wall and CPU (user + system, all threads of this process) seconds since `start()`. */
-const stopwatch = () => {
-  const w = performance.now()
-  const c = process.cpuUsage()
-  return () => {
-    const d = process.cpuUsage(c)
-    return { wall: (performance.now() - w) / 1000, cpu: (d.user + d.system) / 1e6 }
-  }
-}
-
-const benchNodeLlamaCpp = async (path: string): Promise<Figures> => {
-  const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
-  const model = await llama.loadModel({ modelPath: path, gpuLayers: 0 })
-  const ctx = await model.createContext({
-    contextSize: contextLength,
-    threads: cfg.threads,
-    flashAttention: true,
-    batchSize: cfg.prompt,
-    sequences: 1
-  })
-  try {
-    const seq = ctx.getSequence()
-    const prompt = promptTokens(cfg.prompt) as Array<Token>
-    // warm-up
-    await seq.evaluateWithoutGeneratingNewTokens(prompt.slice(0, 32))
-    await seq.clearHistory()
-    const pw = stopwatch()
-    await seq.evaluateWithoutGeneratingNewTokens(prompt)
-    const p = pw()
-    await seq.clearHistory()
-    let n = 0
-    let dw = stopwatch()
-    for await (const _ of seq.evaluate(prompt.slice(0, 16), { temperature: 0 })) {
-      if (n === 0) dw = stopwatch()
-      if (++n > cfg.decode) break
-    }
-    const d = dw()
-    return {
-      decode: cfg.decode / d.wall,
-      prefill: cfg.prompt / p.wall,
-      decodeCpu: cfg.decode / d.cpu,
-      prefillCpu: cfg.prompt / p.cpu
-    }
-  } finally {
-    await ctx.dispose()
-    await model.dispose()
-  }
-}
-
-const benchOurs = (path: string, stages: number): Promise<Figures> =>
-  Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const { reset: resetAll, run } = yield* openInProcessPipeline(path, splitOf(stages), {
-      threads: cfg.threads,
-      contextLength
-    })
-    const prompt = promptTokens(cfg.prompt)
-    yield* run(0, prompt.slice(0, 32))
-    yield* resetAll
-    const pw = stopwatch()
-    yield* run(0, prompt)
-    const p = pw()
-    yield* resetAll
-    let logits = yield* run(0, prompt.slice(0, 16))
-    let pos = 16
-    const dw = stopwatch()
-    for (let i = 0; i < cfg.decode; i++) logits = yield* run(pos++, [greedy(logits)])
-    const d = dw()
-    return {
-      decode: cfg.decode / d.wall,
-      prefill: cfg.prompt / p.wall,
-      decodeCpu: cfg.decode / d.cpu,
-      prefillCpu: cfg.prompt / p.cpu
-    }
-  })).pipe(Effect.provide(StageExecutorLive)))
+/** The timing loop's settings for the current file (its vocabulary). */
+const timing = () => ({ threads: cfg.threads, contextLength, prompt: benchPrompt(cfg.prompt, vocab), decode: cfg.decode })
 
 /** Child-process mode: load one stage, run a prefill and a few decode steps, report peak RSS. */
 const stageRss = async (args: ReadonlyArray<string>) => {
@@ -229,18 +142,11 @@ const main = async () => {
   for (const { label, path, layers: blocks, vocab: words } of files) {
     layers = blocks
     vocab = words
-    const best = (a: Figures | undefined, b: Figures): Figures =>
-      a === undefined ? b : {
-        decode: Math.max(a.decode, b.decode),
-        prefill: Math.max(a.prefill, b.prefill),
-        decodeCpu: Math.max(a.decodeCpu, b.decodeCpu),
-        prefillCpu: Math.max(a.prefillCpu, b.prefillCpu)
-      }
     let ref: Figures | undefined
     const ours = new Map<number, Figures>()
     for (let round = 0; round < cfg.rounds; round++) {
-      ref = best(ref, await benchNodeLlamaCpp(path))
-      for (const stages of cfg.stages) ours.set(stages, best(ours.get(stages), await benchOurs(path, stages)))
+      ref = bestFigures(ref, await timeNodeLlamaCpp(path, timing()))
+      for (const stages of cfg.stages) ours.set(stages, bestFigures(ours.get(stages), await timeOurs(path, splitOf(stages), timing())))
     }
     const r = ref!
     const f = (x: number) => x.toFixed(2)
