@@ -24,6 +24,9 @@ import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { readModelFacts, readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
+import { synthCommand } from "../src/cli/SynthCommand.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
@@ -136,6 +139,27 @@ describe("glm4moe with an MTP block (nextn_predict_layers 1, as GLM-4.5/4.6 file
       assert.strictEqual(weightBytes, sum(file.tensors) - sum(mtp))
       yield* checkParity("glm4moe q8_0 + MTP block", o.path)
     }), 180_000)
+
+  it.live("swactor synth --nextn-layers 1 writes the MTP block after the --layers trunk; refused for other architectures", () =>
+    Effect.gen(function*() {
+      const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), { name: "swactor", version: "test" })
+      const args = (arch: string, out: string) => [
+        "node", "swactor", "synth", "--arch", arch, "--layers", "3", "--hidden", "64", "--ffn", "128", "--heads", "2",
+        "--kv-heads", "1", "--vocab", "300", "--experts", "4", "--experts-used", "2", "--nextn-layers", "1", "-o", out
+      ]
+      const out = join(dir, "cli-nextn.gguf")
+      const exit = yield* cli(args("glm4moe", out)).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      assert.isTrue(Exit.isSuccess(exit), String(exit))
+      const file = yield* readGgufFile(out)
+      assert.strictEqual(file.metadata.get("glm4moe.block_count"), 4)
+      assert.strictEqual(file.metadata.get("glm4moe.nextn_predict_layers"), 1)
+      assert.isTrue(file.tensorsByName.has("blk.3.nextn.eh_proj.weight"))
+      assert.isFalse(file.tensorsByName.has("blk.2.nextn.eh_proj.weight"))
+      assert.strictEqual((yield* readModelFacts(out)).numLayers, 3)
+      const refused = yield* cli(args("qwen3moe", join(dir, "cli-nextn-qwen3moe.gguf"))).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      assert.isTrue(Exit.isFailure(refused))
+      assert.include(String(refused), "nextnLayers (MTP blocks) is for glm4moe only")
+    }))
 })
 
 describe("qwen3moe: a deep model with every expert used builds its graph", () => {
