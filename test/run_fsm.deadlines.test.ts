@@ -101,6 +101,22 @@ describe("run FSM deadlines", () => {
       assert.strictEqual(rejected.at(-1)?._tag === "EventRejected" && rejected.at(-1)?.reason, "AlreadyTerminal")
     }))
 
+  // A resumed generation's prompt replays its produced tokens one decode step each: its own deadline (promptTimeout),
+  // while every later sequence keeps the token deadline.
+  it.scoped("the prompt's deadline (promptTimeout) is its own; later sequences keep the token deadline", () =>
+    Effect.gen(function*() {
+      const harness = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
+      yield* harness.advanceTimeMs(4_999)
+      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 201, eos: false }))
+      assert.deepStrictEqual(yield* faults(harness), [])
+      yield* harness.advanceTimeMs(1_000)
+      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ sequence: 1 })])
+
+      const late = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
+      yield* late.advanceTimeMs(5_000)
+      assert.deepStrictEqual(yield* faults(late), [RunFaultReasons.TokenTimeout({ sequence: 0 })])
+    }))
+
   it.scoped("a token that arrives at its deadline loses to the deadline", () =>
     Effect.gen(function*() {
       const harness = yield* started({ tokenTimeout: "1 second" })

@@ -269,6 +269,11 @@ export interface RunConfig {
   readonly readinessTimeout?: Duration.DurationInput
   /** The token for each injected sequence must arrive within this (default 60 s). */
   readonly tokenTimeout?: Duration.DurationInput
+  /**
+   * ...except the prompt's (sequence 0): within this (default tokenTimeout). A resumed generation's prompt replays its
+   * produced tokens one decode step each, so it gets a token's time for each of them.
+   */
+  readonly promptTimeout?: Duration.DurationInput
   /** Stops must be confirmed within this after the terminal outcome (default 10 s). */
   readonly teardownTimeout?: Duration.DurationInput
 }

@@ -66,6 +66,7 @@ export interface ResolvedRunConfig {
   readonly eosTokenId: number | undefined
   readonly readinessTimeoutMs: number
   readonly tokenTimeoutMs: number
+  readonly promptTimeoutMs: number
   readonly teardownTimeoutMs: number
 }
 
@@ -112,6 +113,7 @@ export const resolveConfig = (config: RunConfig): Either.Either<ResolvedRunConfi
     eosTokenId: config.eosTokenId,
     readinessTimeoutMs: Duration.toMillis(config.readinessTimeout ?? DEFAULT_READINESS_TIMEOUT),
     tokenTimeoutMs: Duration.toMillis(config.tokenTimeout ?? DEFAULT_TOKEN_TIMEOUT),
+    promptTimeoutMs: Duration.toMillis(config.promptTimeout ?? config.tokenTimeout ?? DEFAULT_TOKEN_TIMEOUT),
     teardownTimeoutMs: Duration.toMillis(config.teardownTimeout ?? DEFAULT_TEARDOWN_TIMEOUT)
   })
 }
@@ -223,7 +225,11 @@ const inject = (em: Emitter, now: number, sequence: number, payload: TokenObject
   em.set({
     inFlight: sequence,
     injected: [...em.state.injected, sequence],
-    deadline: { _tag: "Token", at: now + em.state.config.tokenTimeoutMs, sequence }
+    deadline: {
+      _tag: "Token",
+      at: now + (sequence === 0 ? em.state.config.promptTimeoutMs : em.state.config.tokenTimeoutMs),
+      sequence
+    }
   })
 }
 

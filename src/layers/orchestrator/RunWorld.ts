@@ -5,7 +5,7 @@
  * produces, and turns the lifecycle into updates (RunReport). First fault sticky, teardown exactly once:
  * the FSM's job; this module only executes.
  */
-import { Deferred, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stream } from "effect"
+import { Deferred, Duration, Effect, ExecutionStrategy, Exit, Queue, Schedule, Scope, Stream } from "effect"
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { type NodeId, RunId } from "../../domain/ids.js"
 import type { Edge, LayerRange, ProvisionStage, RunPlan } from "../../domain/plan.js"
@@ -135,6 +135,10 @@ export const driveRun = (
       eosTokenId: facts.eosTokenId,
       readinessTimeout: request.readinessTimeout ?? warm.options.readinessTimeout ?? "120 seconds",
       tokenTimeout: request.tokenTimeout ?? "60 seconds",
+      // a resumed prompt replays its produced tokens one decode step each (plan.replayTail): a token's time for each
+      ...(plan.replayTail === undefined || plan.replayTail <= 0
+        ? {}
+        : { promptTimeout: Duration.times(Duration.decode(request.tokenTimeout ?? "60 seconds"), 1 + plan.replayTail) }),
       teardownTimeout: "10 seconds"
     }).pipe(Effect.mapError((e) => new InvalidRequest({ message: e.message })))
     const commands = yield* actor.subscribeCommands

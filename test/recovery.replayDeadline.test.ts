@@ -1,0 +1,65 @@
+import { assert, describe, it } from "@effect/vitest"
+import { Context, Effect, Either, Layer, Stream } from "effect"
+import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
+import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
+import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
+import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
+import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
+import { Orchestrator, type RunUpdate } from "../src/services/Orchestrator.js"
+import { StageExecutor } from "../src/services/StageExecutor.js"
+import { requireModel, storiesTestModel as testModel } from "./support/models.js"
+
+// A resumed generation replays the tokens it produced one decode step each (so it computes the interrupted run's
+// very bits): its prompt takes about as long as those steps took. It gets a token's deadline for each replayed token
+// (RunConfig.promptTimeout), so a recovery late in a generation does not time out on its own replay and lose it.
+
+/** The test engine, each batched forward `delayMillis` slower. */
+const slowExecutor = (delayMillis: number) => {
+  const base = StageExecutorTest.make(testModel)
+  return Layer.succeed(StageExecutor, {
+    load: base.load,
+    session: base.session,
+    forwardBatch: (items) => Effect.delay(base.forwardBatch(items), delayMillis)
+  })
+}
+
+describe("recovery: a late replay within its deadline", () => {
+  it.live("killed at token 16 with a 400 ms token deadline: the replay (16 steps x 2 stages x 40 ms) does not time out", () =>
+    Effect.gen(function*() {
+      const memory = yield* makeMemoryWorld(3).pipe(Effect.provide(slowExecutor(40)))
+      const orchestrator = yield* Layer.build(
+        OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)))
+      ).pipe(Effect.map(Context.get(Orchestrator)))
+      const pipeline = yield* orchestrator.pipeline({ model: requireModel("stories260K.gguf"), stages: 2 })
+      const request = { prompt: "Once upon a time", maxTokens: 24, tokenTimeout: "400 millis" } as const
+      const generate = (killAt?: number) =>
+        Effect.gen(function*() {
+          const updates: Array<RunUpdate> = []
+          let killed = false
+          const result = yield* pipeline.run(request).pipe(
+            Stream.runForEach((u) =>
+              Effect.gen(function*() {
+                updates.push(u)
+                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
+                  killed = true
+                  yield* memory.agents[1]!.kill
+                }
+              })
+            ),
+            Effect.either
+          )
+          const tokens = updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+          const finished = updates.find((u) => u._tag === "Finished")
+          return { result, tokens, summary: finished?._tag === "Finished" ? finished.summary : undefined }
+        })
+      const reference = yield* generate()
+      assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
+      assert.strictEqual(reference.tokens.length, 24)
+      const resumed = yield* generate(16)
+      assert.isTrue(Either.isRight(resumed.result), JSON.stringify(resumed.result))
+      assert.strictEqual(resumed.summary!.recoveries.length, 1)
+      assert.strictEqual(resumed.summary!.recoveries[0]!.resumedAt, 17)
+      assert.deepStrictEqual(resumed.tokens, reference.tokens)
+    }).pipe(Effect.scoped), 60_000)
+})
