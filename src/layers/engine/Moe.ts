@@ -168,9 +168,9 @@ export const moeBlockSpecs = (hp: HParams, moe: MoeParams): ReadonlyArray<Tensor
   const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
   const specs: Array<TensorSpec> = [
     m("ffn_gate_inp.weight", [hp.nEmbd, e]),
-    m("ffn_gate_exps.weight", [hp.nEmbd, f, e]),
-    m("ffn_up_exps.weight", [hp.nEmbd, f, e]),
-    m("ffn_down_exps.weight", [f, hp.nEmbd, e])
+    { ...m("ffn_gate_exps.weight", [hp.nEmbd, f, e]), product: "mul_mat_id" },
+    { ...m("ffn_up_exps.weight", [hp.nEmbd, f, e]), product: "mul_mat_id" },
+    { ...m("ffn_down_exps.weight", [f, hp.nEmbd, e]), product: "mul_mat_id" }
   ]
   if (moe.nFfShared > 0) {
     specs.push(

@@ -15,7 +15,9 @@ import { cpuComputesWeightType } from "../ggml/CpuTypeSupport.js"
 import type { TensorSpec } from "./Toolkit.js"
 
 /** How a weight is used in the graph (decides its buffer type, as llama.cpp does). */
-export type WeightUse = "get_rows" | "mul_mat" | "vector"
+export type WeightUse = "get_rows" | "mul_mat" | "mul_mat_id" | "vector"
+
+const useOf = (s: TensorSpec): WeightUse => (s.kind === "vector" ? "vector" : s.product ?? "mul_mat")
 
 export interface PlannedTensor {
   /** Name of the tensor in the stage (usually the GGUF name; `output.weight` for a tied output). */
@@ -161,14 +163,14 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
     }
     for (const s of arch.sharedTensors?.(hp) ?? []) {
       const info = yield* checkTensor(file, s.name, s)
-      if (info !== undefined) out.push({ name: s.name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
+      if (info !== undefined) out.push({ name: s.name, info, use: useOf(s) })
     }
     for (let il = start; il < end; il++) {
       // per block: an architecture may mix block kinds (glm4moe: dense leading blocks, then routed ones)
       for (const s of arch.blockTensors(hp, il)) {
         const name = `blk.${il}.${s.name}`
         const info = yield* checkTensor(file, name, s)
-        if (info !== undefined) out.push({ name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
+        if (info !== undefined) out.push({ name, info, use: useOf(s) })
       }
     }
     let tiedOutput = false
@@ -190,7 +192,7 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
       }
       for (const s of arch.outputTensors?.(hp) ?? []) {
         const info = yield* checkTensor(file, s.name, s)
-        if (info !== undefined) out.push({ name: s.name, info, use: s.kind === "matrix" ? "mul_mat" : "vector" })
+        if (info !== undefined) out.push({ name: s.name, info, use: useOf(s) })
       }
     }
     for (const t of out) {

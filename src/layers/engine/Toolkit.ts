@@ -18,6 +18,8 @@ export interface TensorSpec {
   /** matrix: any type mul_mat/get_rows accept; vector (norms, biases, rope factors): F32 only */
   readonly kind: "matrix" | "vector"
   readonly required: boolean
+  /** A matrix the graph multiplies only through ggml_mul_mat_id (stacked experts, 3-D); default ggml_mul_mat. */
+  readonly product?: "mul_mat_id"
 }
 
 /** The loaded weights of one block, by short name. */

@@ -18,9 +18,17 @@
  *    count added to a `float *` (ggml-cpu/amx/mmq.cpp, `ggml_backend_amx_mul_mat`), writing outside the buffer.
  * 3. Before a graph computes, `checkGraph` asks the device about every node as built, and refuses a product over an
  *    extra-type weight in any shape rule 1 did not agree to.
+ *
+ * Stacked expert matrices (3-D, `[K, rows, n_expert]`, multiplied only through ggml_mul_mat_id) follow rule 1 with
+ * mul_mat_id products instead: the device must agree, with the experts in the extra type, to the product of every row
+ * count in PRODUCT_ROWS, the input given both ways the MoE graph gives it (`[K, 1, rows]` broadcast to every chosen
+ * expert, and `[K, used, rows]` one input per chosen expert), as llama.cpp's `weight_buft_supported` asks with its
+ * GGML_OP_MUL_MAT_ID probe. ggml's repacked mul_mat_id runs a one-row gemv per (row, expert) pair, so a row's bits do
+ * not depend on the batch.
  */
 import koffi from "koffi"
 import { type Ggml, GgmlType, type Ptr, TensorLayout } from "../ggml/Bindings.js"
+import { moeOps } from "../ggml/MoeBindings.js"
 
 /** Row counts of the products a stage's graphs build over a weight (rule 1 asks about each). */
 export const PRODUCT_ROWS: ReadonlyArray<number> = [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 512]
@@ -62,17 +70,71 @@ export const extraTypeSupports = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne
 }
 
 /**
+ * Rule 1 for stacked experts in one extra buffer type: with a `type` weight of `[ne0, ne1, ne2]` (ne2 experts) in
+ * `buft`, does `dev` compute ggml_mul_mat_id of every row count in PRODUCT_ROWS, the input `[ne0, 1, rows]` and
+ * `[ne0, used, rows]` with I32 expert ids `[used, rows]`?
+ */
+const extraTypeSupportsExperts = (
+  g: Ggml,
+  dev: Ptr,
+  buft: Ptr,
+  type: number,
+  ne0: number,
+  ne1: number,
+  ne2: number
+): boolean => {
+  const raw = g.raw
+  const op = moeOps(g)
+  const used = Math.min(ne2, 2)
+  const ctx = raw.ggml_init({
+    mem_size: raw.ggml_tensor_overhead() * (5 * PRODUCT_ROWS.length + 2),
+    mem_buffer: null,
+    no_alloc: true
+  })
+  if (ctx === null) return false
+  try {
+    const w = raw.ggml_new_tensor_3d(ctx, type, ne0, ne1, ne2)
+    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
+    if (buf === null) return false
+    g.setTensorBuffer(w, buf)
+    try {
+      return PRODUCT_ROWS.every((rows) => {
+        const ids = raw.ggml_new_tensor_2d(ctx, GgmlType.I32, used, rows)
+        return [1, used].every((perRow) =>
+          raw.ggml_backend_dev_supports_op(
+            dev,
+            op.ggml_mul_mat_id(ctx, w, raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne0, perRow, rows), ids)
+          )
+        )
+      })
+    } finally {
+      g.setTensorBuffer(w, null)
+      raw.ggml_backend_buffer_free(buf)
+    }
+  } finally {
+    raw.ggml_free(ctx)
+  }
+}
+
+/**
  * The buffer type a matrix weight goes into: the first extra type that passes rule 1, else null (the plain buffer).
- * Only 2-D matrices are candidates (the products are built over 2-D weights only).
+ * Candidates: 2-D matrices used by ggml_mul_mat, 3-D stacked experts used by ggml_mul_mat_id (any other shape stays
+ * plain: the products are built over those only).
  */
 export const chooseExtraBuffer = (
   g: Ggml,
   extras: ReadonlyArray<Ptr>,
+  product: "mul_mat" | "mul_mat_id",
   type: number,
   dims: ReadonlyArray<number>
 ): Ptr | null => {
-  if (dims.length !== 2 || extras.length === 0) return null
+  if (extras.length === 0) return null
   const dev = g.cpuDevice()
+  if (product === "mul_mat_id") {
+    if (dims.length !== 3) return null
+    return extras.find((b) => extraTypeSupportsExperts(g, dev, b, type, dims[0]!, dims[1]!, dims[2]!)) ?? null
+  }
+  if (dims.length !== 2) return null
   return extras.find((b) => extraTypeSupports(g, dev, b, type, dims[0]!, dims[1]!)) ?? null
 }
 

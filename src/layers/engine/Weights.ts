@@ -273,7 +273,7 @@ export const loadWeights = async (
   const keys: Array<Ptr | FileRegion> = []
   layout.tensors.forEach((t, index) => {
     let buft = cpuBuft
-    if (t.use === "mul_mat") buft = chooseExtraBuffer(g, extra, t.info.type, t.info.dims) ?? cpuBuft
+    if (t.use === "mul_mat" || t.use === "mul_mat_id") buft = chooseExtraBuffer(g, extra, t.use, t.info.type, t.info.dims) ?? cpuBuft
     let key: Ptr | FileRegion = buft
     let addr: bigint | undefined
     if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
