@@ -136,6 +136,8 @@ export const NodeCapacity = Schema.Struct({
   hostname: Schema.String,
   /** Stages this agent hosts right now (all runs). */
   activeStages: Schema.Number,
+  /** Sessions open in this agent's process now, the DeltaNet state bytes and all cache bytes they hold (absent: unknown). */
+  openSessions: Schema.optional(Schema.Struct({ sessions: Schema.Number, stateBytes: Schema.Number, cacheBytes: Schema.Number })),
   /** Weight bytes the agent's engine processes per second (placement's speed); absent: unknown. */
   speedBytesPerSecond: Schema.optional(Schema.Number),
   /** Where the speed comes from: declared by the operator (`--speed`) or measured. */

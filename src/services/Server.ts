@@ -247,7 +247,13 @@ export interface ServerMetrics {
     readonly lru: ReadonlyArray<{ readonly entry: number; readonly tokens: number }>
   }
   /** Each agent not lost: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
-  readonly agents: ReadonlyArray<{ readonly address: string; readonly pid: number; readonly activeStages: number }>
+  readonly agents: ReadonlyArray<{
+    readonly address: string
+    readonly pid: number
+    readonly activeStages: number
+    /** Sessions open in the agent's process and the DeltaNet state / cache bytes they hold (absent: no answer). */
+    readonly openSessions?: { readonly sessions: number; readonly stateBytes: number; readonly cacheBytes: number }
+  }>
 }
 
 export interface ServerInfo {

@@ -44,6 +44,7 @@ import { serveControlRpc } from "./AgentControlRpc.js"
 import { defaultSliceCacheDir, makeWeightStore, type WeightStore } from "../gguf/SliceStore.js"
 import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 import { makePromptCacheHost } from "./PromptCacheHost.js"
+import { heldSessionBytes } from "../engine/KvCache.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -574,6 +575,7 @@ export const makeStageHost = (
         backend: options.backend,
         hostname: Os.hostname(),
         activeStages: active.size,
+        openSessions: heldSessionBytes(),
         ...(options.speedBytesPerSecond !== undefined
           ? { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }
           : options.laterSpeed?.current !== undefined

@@ -33,6 +33,14 @@ export interface NativeItem {
 
 let nextSessionId = 1
 
+/** What this process's open sessions hold: their count, their DeltaNet state bytes and all their cache bytes. */
+const held = { sessions: 0, stateBytes: 0, cacheBytes: 0 }
+
+/** The open sessions of this process and the bytes they hold (an agent reports it; a freed session is subtracted). */
+export const heldSessionBytes = (): { readonly sessions: number; readonly stateBytes: number; readonly cacheBytes: number } => ({
+  ...held
+})
+
 /** One sequence's KV cache over loaded weights. */
 export class NativeSession {
   readonly id = nextSessionId++
@@ -53,6 +61,8 @@ export class NativeSession {
    * rewound, so a call must start at `filled` or at 0 (which clears the state), and a prefix copy must be whole.
    */
   readonly recurrent: boolean
+  /** Bytes of this session's DeltaNet states (0 without DeltaNet blocks). */
+  readonly stateBytes: number
 
   constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
     const g = weights.ggml
@@ -72,10 +82,12 @@ export class NativeSession {
       no_alloc: true
     })
     const widths = kvRowWidths(hp)
+    let stateBytes = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
       // a DeltaNet block (qwen35): its recurrent state, F32, constant size (k: conv state, v: SSM state)
       if (hp.recurrent?.layers[il] === true) {
         const elems = recurrentStateElems(hp.recurrent)
+        stateBytes += 4 * (elems.conv + elems.ssm)
         const k = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, elems.conv)
         raw.ggml_set_name(k, `cache_r_l${il}`)
         const v = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, elems.ssm)
@@ -105,6 +117,10 @@ export class NativeSession {
     // zeroed: NaN garbage in masked cells would still poison softmax(QK)·V
     raw.ggml_backend_buffer_clear(buf, 0)
     this.slot = weights.graphs.sessionSlot()
+    this.stateBytes = stateBytes
+    held.sessions++
+    held.stateBytes += stateBytes
+    held.cacheBytes += this.kvBytes
   }
 
   get kvSize(): number {
@@ -233,6 +249,9 @@ export class NativeSession {
     if (this.freed) return
     this.freed = true
     const raw = this.weights.ggml.raw
+    held.sessions--
+    held.stateBytes -= this.stateBytes
+    held.cacheBytes -= this.kvBytes
     this.weights.graphs.forgetSession(this.id)
     this.slot.free()
     raw.ggml_backend_buffer_free(this.kvBuffer)

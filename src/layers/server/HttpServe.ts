@@ -552,6 +552,23 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     "Stages each agent hosts now (-1: no answer)",
     m.agents.map((a) => [`{address="${a.address}",pid="${a.pid}"}`, a.activeStages])
   )
+  const sessionsOf = (value: (s: NonNullable<ServerMetrics["agents"][number]["openSessions"]>) => number) =>
+    m.agents.flatMap((a): Array<[string, number]> =>
+      a.openSessions === undefined ? [] : [[`{address="${a.address}",pid="${a.pid}"}`, value(a.openSessions)]]
+    )
+  metric("swactor_agent_open_sessions", "gauge", "Stage sessions open in each agent's process now", sessionsOf((s) => s.sessions))
+  metric(
+    "swactor_agent_state_bytes",
+    "gauge",
+    "DeltaNet (recurrent) state bytes held by each agent's open sessions now",
+    sessionsOf((s) => s.stateBytes)
+  )
+  metric(
+    "swactor_agent_cache_bytes",
+    "gauge",
+    "KV cache and DeltaNet state bytes held by each agent's open sessions now",
+    sessionsOf((s) => s.cacheBytes)
+  )
   return `${lines.join("\n")}\n`
 }
 

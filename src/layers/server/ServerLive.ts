@@ -953,7 +953,12 @@ export const make = (options: ServeOptions) =>
         ? yield* Effect.forEach(yield* up.value.pipeline.alive, (agent) =>
           agent.capacity.pipe(
             Effect.timeout("1 second"),
-            Effect.map((c) => ({ address: agent.node.address, pid: agent.pid, activeStages: c.activeStages })),
+            Effect.map((c) => ({
+              address: agent.node.address,
+              pid: agent.pid,
+              activeStages: c.activeStages,
+              ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions })
+            })),
             Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
           ), { concurrency: "unbounded" })
         : []
