@@ -4,27 +4,17 @@ import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
-import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
 import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { Server, type ServeEvent } from "../src/services/Server.js"
-import { StageExecutor } from "../src/services/StageExecutor.js"
-import { requireModel, storiesTestModel as testModel } from "./support/models.js"
+import { delayedTestExecutor, memoryWorldServices } from "./support/memoryWorld.js"
+import { requireModel } from "./support/models.js"
 
 
-/** The test engine, each forward a few ms slower (so a kill lands mid-generation). */
-const slowExecutor = (delayMillis: number) => {
-  const base = StageExecutorTest.make(testModel)
-  return Layer.succeed(StageExecutor, {
-    load: base.load,
-    session: base.session,
-    forwardBatch: (items) => Effect.delay(base.forwardBatch(items), delayMillis)
-  })
-}
 
 /** A server over 3 in-memory agents, 2 stages: the third agent is a spare. */
 const world = Effect.gen(function*() {
-  const memory = yield* makeMemoryWorld(3).pipe(Effect.provide(slowExecutor(3)))
+  const memory = yield* makeMemoryWorld(3).pipe(Effect.provide(delayedTestExecutor(3)))
   const server = yield* Layer.build(
     ServerLive.layer({
       model: requireModel("stories260K.gguf"),
@@ -34,7 +24,7 @@ const world = Effect.gen(function*() {
       heartbeat: { interval: "100 millis", deadline: "1 second" }
     }).pipe(
       Layer.provide(OrchestratorLive.layer),
-      Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
+      Layer.provide(memoryWorldServices(memory))
     )
   ).pipe(Effect.map(Context.get(Server)))
   yield* server.ready

@@ -1,36 +1,19 @@
 import { assert, describe, it } from "@effect/vitest"
-import { Context, Effect, Either, Layer, Stream } from "effect"
-import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
-import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
-import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
-import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
-import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
+import { Effect, Either, Stream } from "effect"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
-import { Orchestrator, type RunUpdate } from "../src/services/Orchestrator.js"
-import { StageExecutor } from "../src/services/StageExecutor.js"
-import { requireModel, storiesTestModel as testModel } from "./support/models.js"
+import type { RunUpdate } from "../src/services/Orchestrator.js"
+import { delayedTestExecutor, memoryOrchestrator } from "./support/memoryWorld.js"
+import { requireModel } from "./support/models.js"
 
 // A resumed generation replays the tokens it produced one decode step each (so it computes the interrupted run's
 // very bits): its prompt takes about as long as those steps took. It gets a token's deadline for each replayed token
 // (RunConfig.promptTimeout), so a recovery late in a generation does not time out on its own replay and lose it.
 
-/** The test engine, each batched forward `delayMillis` slower. */
-const slowExecutor = (delayMillis: number) => {
-  const base = StageExecutorTest.make(testModel)
-  return Layer.succeed(StageExecutor, {
-    load: base.load,
-    session: base.session,
-    forwardBatch: (items) => Effect.delay(base.forwardBatch(items), delayMillis)
-  })
-}
-
 describe("recovery: a late replay within its deadline", () => {
   it.live("killed at token 16 with a 400 ms token deadline: the replay (16 steps x 2 stages x 40 ms) does not time out", () =>
     Effect.gen(function*() {
-      const memory = yield* makeMemoryWorld(3).pipe(Effect.provide(slowExecutor(40)))
-      const orchestrator = yield* Layer.build(
-        OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)))
-      ).pipe(Effect.map(Context.get(Orchestrator)))
+      const memory = yield* makeMemoryWorld(3).pipe(Effect.provide(delayedTestExecutor(40)))
+      const orchestrator = yield* memoryOrchestrator(memory)
       const pipeline = yield* orchestrator.pipeline({ model: requireModel("stories260K.gguf"), stages: 2 })
       const request = { prompt: "Once upon a time", maxTokens: 24, tokenTimeout: "400 millis" } as const
       const generate = (killAt?: number) =>

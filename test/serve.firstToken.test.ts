@@ -1,37 +1,23 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Context, Effect, Layer, Stream } from "effect"
-import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../src/layers/orchestrator/OrchestratorLive.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
-import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
-import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
-import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import { renderMetrics } from "../src/layers/server/HttpServe.js"
-import { StageExecutor } from "../src/services/StageExecutor.js"
 import { Server, type ServeOptions } from "../src/services/Server.js"
-import { requireModel, storiesTestModel as testModel } from "./support/models.js"
+import { delayedTestExecutor, memoryWorldServices } from "./support/memoryWorld.js"
+import { requireModel } from "./support/models.js"
 
 // The time to first token split into its phases (/metrics): known engine delays and a known admission wait must show
 // up in the phases they belong to, and the phases add up to the whole.
 
-/** The test engine, each batched forward `delayMillis` slower: a known engine time per micro-batch. */
-const slowExecutor = (delayMillis: number) => {
-  const base = StageExecutorTest.make(testModel)
-  return Layer.succeed(StageExecutor, {
-    load: base.load,
-    session: base.session,
-    forwardBatch: (items) => Effect.delay(base.forwardBatch(items), delayMillis)
-  })
-}
-
 const world = (delayMillis: number, options: Partial<ServeOptions> = {}) =>
   Effect.gen(function*() {
-    const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(slowExecutor(delayMillis)))
+    const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(delayedTestExecutor(delayMillis)))
     const server = yield* Layer.build(
       ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, promptCache: { enabled: false }, ...options }).pipe(
         Layer.provide(OrchestratorLive.layer),
-        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
+        Layer.provide(memoryWorldServices(memory))
       )
     ).pipe(Effect.map(Context.get(Server)))
     yield* server.ready

@@ -7,31 +7,21 @@ import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
 import * as ModelCatalogLive from "../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../src/layers/gguf/TokenizerLive.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
-import { StageExecutor } from "../src/services/StageExecutor.js"
 import { Orchestrator } from "../src/services/Orchestrator.js"
 import { Server, type ServeEvent, type ServeOptions } from "../src/services/Server.js"
 import { makeStopMatcher } from "../src/services/StopText.js"
+import { delayedTestExecutor, memoryWorldServices } from "./support/memoryWorld.js"
 import { requireModel, storiesTestModel as testModel } from "./support/models.js"
 
 
-/** The test engine, each forward `delayMillis` slower (so requests overlap). */
-const slowExecutor = (delayMillis: number) => {
-  const base = StageExecutorTest.make(testModel)
-  return Layer.succeed(StageExecutor, {
-    load: base.load,
-    session: base.session,
-    // The agents' stage batcher runs every stage's work through forwardBatch (the double checks its own sessions).
-    forwardBatch: (items) => Effect.delay(base.forwardBatch(items), delayMillis)
-  })
-}
 
 const world = (options: Partial<ServeOptions> & { readonly delayMillis?: number } = {}) =>
   Effect.gen(function*() {
-    const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(slowExecutor(options.delayMillis ?? 0)))
+    const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(delayedTestExecutor(options.delayMillis ?? 0)))
     const server = yield* Layer.build(
       ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, ...options }).pipe(
         Layer.provide(OrchestratorLive.layer),
-        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
+        Layer.provide(memoryWorldServices(memory))
       )
     ).pipe(Effect.map(Context.get(Server)))
     yield* server.ready
@@ -168,9 +158,9 @@ describe("Orchestrator.pipeline (warm pipeline)", () => {
   // cached weights it reuses.
   it.live("runs on one warm pipeline reuse its agents and their cached weights, each with its own RunId", () =>
     Effect.gen(function*() {
-      const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(slowExecutor(0)))
+      const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(delayedTestExecutor(0)))
       const orchestrator = yield* Layer.build(
-        OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)))
+        OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory)))
       ).pipe(Effect.map(Context.get(Orchestrator)))
       const progress: Array<string> = []
       const pipeline = yield* orchestrator.pipeline({ model: requireModel("stories260K.gguf"), stages: 2 }, (u) =>

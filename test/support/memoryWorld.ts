@@ -1,0 +1,34 @@
+/**
+ * In-memory agents for library-level tests: the test engine (StageExecutorTest on the stories model's shape) with a
+ * known delay per batched forward, and the live Orchestrator over a memory world of agents.
+ */
+import { Context, Effect, Layer } from "effect"
+import * as MembershipLive from "../../src/layers/agent/MembershipLive.js"
+import type { makeMemoryWorld } from "../../src/layers/agent/AgentLinksTest.js"
+import * as StageExecutorTest from "../../src/layers/engine/StageExecutorTest.js"
+import * as ModelCatalogLive from "../../src/layers/gguf/ModelCatalogLive.js"
+import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
+import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
+import { Orchestrator } from "../../src/services/Orchestrator.js"
+import { StageExecutor } from "../../src/services/StageExecutor.js"
+import { storiesTestModel } from "./models.js"
+
+/** The test engine, each batched forward (every stage's work goes through the agents' batcher) `delayMillis` slower. */
+export const delayedTestExecutor = (delayMillis: number) => {
+  const base = StageExecutorTest.make(storiesTestModel)
+  return Layer.succeed(StageExecutor, {
+    load: base.load,
+    session: base.session,
+    forwardBatch: (items) => Effect.delay(base.forwardBatch(items), delayMillis)
+  })
+}
+
+type MemoryWorld = Effect.Effect.Success<ReturnType<typeof makeMemoryWorld>>
+
+/** What the live Orchestrator (or a Server over it) needs besides the agents: tokenizer double, membership, catalog. */
+export const memoryWorldServices = (memory: MemoryWorld) =>
+  Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)
+
+/** The live Orchestrator over the memory world's agents. */
+export const memoryOrchestrator = (memory: MemoryWorld) =>
+  Layer.build(OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory)))).pipe(Effect.map(Context.get(Orchestrator)))
