@@ -110,6 +110,7 @@ describe("swactor serve: a cancelled qwen35 request frees its DeltaNet state on 
   }, 120_000)
 
   it("a disconnect mid-generation frees the state and KV on every stage; later requests get their lone text", async () => {
+    assert.strictEqual(lone.size, PROMPTS.length, "the lone runs")
     const cancelledBefore = await metricOf(server.url, 'swactor_requests_total{outcome="cancelled"}')
     const abort = new AbortController()
     const response = await fetch(`${server.url}/v1/completions`, {
