@@ -25,7 +25,7 @@
  * scripts/build-llama-tools.sh), else /tmp/llama-build/bin; none: the llama.cpp columns are left out with one line
  * saying how to build them.
  */
-import { type ChildProcess, execFileSync, spawn } from "node:child_process"
+import { spawn } from "node:child_process"
 import * as Fs from "node:fs"
 import * as Net from "node:net"
 import * as Os from "node:os"
@@ -44,7 +44,8 @@ import * as ServerLive from "../src/layers/server/ServerLive.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
 import { Server } from "../src/services/Server.js"
 import { type BenchShape, defaultBenchShape, ensureBenchModel } from "./benchModel.js"
-import { forEachStreamedToken } from "./llamaServerStream.js"
+import { type Contender, findLlamaTools, llamaReference, llamaRpc, type StreamTimes } from "./wanLlama.js"
+import { freePort, installCleanup, pinProcess, track } from "./wanProcesses.js"
 
 const root = Path.resolve(import.meta.dirname, "..")
 const flag = (name: string): string | undefined => {
@@ -66,8 +67,10 @@ const profiles: Record<string, Profile> = {
   wifi: { name: "wifi", label: "Wi-Fi (3 ms, 200 Mbit/s)", delayMs: 3, bitsPerSecond: 200e6 }
 }
 
+/** --quick: the lead's run on 2 cores in about ten minutes (loopback and Wi-Fi only); explicit flags still win. */
+const quick = process.argv.includes("--quick")
 const cfg = {
-  links: list(flag("links") ?? "loopback,gbe,wifi").map((name) => {
+  links: list(flag("links") ?? (quick ? "loopback,wifi" : "loopback,gbe,wifi")).map((name) => {
     const p = profiles[name]
     if (p === undefined) throw new Error(`unknown link "${name}" (links: ${Object.keys(profiles).join(", ")})`)
     return p
@@ -77,6 +80,9 @@ const cfg = {
   tokens: Number(flag("tokens") ?? "64"),
   rounds: Math.max(1, Number(flag("rounds") ?? "1")),
   skipLlama: process.argv.includes("--skip-llama"),
+  skipSwactor: process.argv.includes("--skip-swactor"),
+  /** Tokens of the greedy check (RPC pipeline vs single-process llama-server); 0: no check. */
+  greedyCheck: Number(flag("greedy-check") ?? "32"),
   skipDelivery: process.argv.includes("--skip-delivery"),
   relayCheckOnly: process.argv.includes("--relay-check-only"),
   pin: !process.argv.includes("--no-pin"),
@@ -108,9 +114,9 @@ interface Relays {
 }
 
 const startRelays = (): Relays => {
-  const child = spawn(process.execPath, ["--import", "tsx", Path.join(import.meta.dirname, "wanRelay.ts")], {
+  const child = track(spawn(process.execPath, ["--import", "tsx", Path.join(import.meta.dirname, "wanRelay.ts")], {
     stdio: ["pipe", "pipe", "inherit"]
-  })
+  }))
   // Ahead of the benchmark's own processes when allowed (root): on a loaded machine a sleeping relay wakes late.
   try {
     Os.setPriority(child.pid!, -10)
@@ -139,41 +145,6 @@ const startRelays = (): Relays => {
       child.stdin!.end()
       child.kill("SIGTERM")
     }
-  }
-}
-
-const freePort = () =>
-  new Promise<number>((resolve, reject) => {
-    const server = Net.createServer()
-    server.once("error", reject)
-    server.listen(0, "127.0.0.1", () => {
-      const { port } = server.address() as Net.AddressInfo
-      server.close(() => resolve(port))
-    })
-  })
-
-/** Pins every thread of `pid` to one core (best effort: taskset may be missing). */
-const pin = (pid: number, core: number) => {
-  if (!cfg.pin) return
-  try {
-    execFileSync("taskset", ["-a", "-cp", String(core % cores), String(pid)], { stdio: "ignore" })
-  } catch {
-    // not pinned
-  }
-}
-
-const waitForPort = async (port: number, child: ChildProcess, what: string) => {
-  for (let i = 0; ; i++) {
-    const ok = await new Promise<boolean>((resolve) => {
-      const s = Net.createConnection({ host: "127.0.0.1", port }, () => {
-        s.destroy()
-        resolve(true)
-      })
-      s.on("error", () => resolve(false))
-    })
-    if (ok) return
-    if (child.exitCode !== null || i > 600) throw new Error(`${what} did not start listening on ${port} (exit ${child.exitCode})`)
-    await new Promise((r) => setTimeout(r, 100))
   }
 }
 
@@ -256,16 +227,6 @@ const relayCheck = async (relays: Relays) => {
 // Contenders: N concurrent streams per round
 // --------------------------------------------------------------------------------------------
 
-interface StreamTimes {
-  readonly start: number
-  readonly arrivals: ReadonlyArray<number>
-}
-
-interface Contender {
-  readonly round: (n: number) => Promise<ReadonlyArray<StreamTimes>>
-  readonly close: () => Promise<void>
-}
-
 const swactor = async (model: string, profile: Profile, stages: number, relays: Relays): Promise<Contender> => {
   const scope = Effect.runSync(Scope.make())
   try {
@@ -284,7 +245,7 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
         ]
       }).pipe(Scope.extend(scope))
     )
-    agents.forEach((a, i) => pin(a.pid, i))
+    if (cfg.pin) agents.forEach((a, i) => pinProcess(a.pid, i % cores))
     const nodes = await Promise.all(agents.map(async (a) => `127.0.0.1:${await relays.front(profile, a.port)}`))
     const tokensPort = await freePort()
     const tokensFront = await relays.front(profile, tokensPort)
@@ -328,72 +289,6 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
     }
   } catch (error) {
     await Effect.runPromise(Scope.close(scope, Exit.void))
-    throw error
-  }
-}
-
-const llamaToolsDir = (): string | undefined => {
-  const candidates = [
-    flag("llama-tools") ?? process.env["BENCH_LLAMA_TOOLS"],
-    Path.join(root, ".cache/llama-tools/build/bin"),
-    "/tmp/llama-build/bin"
-  ].filter((d): d is string => d !== undefined)
-  return candidates.find((d) => Fs.existsSync(Path.join(d, "llama-server")) && Fs.existsSync(Path.join(d, "ggml-rpc-server")))
-}
-
-const llamaRpc = async (bin: string, model: string, profile: Profile, stages: number, relays: Relays): Promise<Contender> => {
-  const children: Array<ChildProcess> = []
-  const env = { ...process.env, LD_LIBRARY_PATH: bin, LLAMA_CACHE: Path.join(cfg.dir, "rpc-cache") }
-  const close = async () => {
-    for (const c of children) c.kill("SIGTERM")
-    await Promise.all(children.map((c) => (c.exitCode !== null ? undefined : new Promise((r) => c.once("exit", r)))))
-  }
-  try {
-    const rpcFronts: Array<number> = []
-    for (let i = 0; i < stages; i++) {
-      const port = await freePort()
-      // -c: tensors cached by hash on the server's side, so a later load sends hashes, not weights, over the link.
-      const child = spawn(Path.join(bin, "ggml-rpc-server"), ["-H", "127.0.0.1", "-p", String(port), "-t", "1", "-c"], {
-        env,
-        stdio: ["ignore", "ignore", "ignore"]
-      })
-      children.push(child)
-      await waitForPort(port, child, "ggml-rpc-server")
-      pin(child.pid!, i)
-      rpcFronts.push(await relays.front(profile, port))
-    }
-    const port = await freePort()
-    const server = spawn(Path.join(bin, "llama-server"), [
-      "-m", model, "--rpc", rpcFronts.map((p) => `127.0.0.1:${p}`).join(","), "-ngl", "999",
-      "-ts", rpcFronts.map(() => "1").join(","), "-t", "1", "-tb", "1", "-np", String(maxClients),
-      "-c", String(maxClients * 256), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui"
-    ], { env, stdio: ["ignore", "ignore", "pipe"] })
-    children.push(server)
-    let log = ""
-    server.stderr!.on("data", (c) => (log = (log + String(c)).slice(-4000)))
-    const url = `http://127.0.0.1:${port}`
-    for (let i = 0; ; i++) {
-      if (await fetch(`${url}/health`).then((r) => r.ok, () => false)) break
-      if (i > 3000 || server.exitCode !== null) throw new Error(`llama-server did not become ready (exit ${server.exitCode}):\n${log}`)
-      await new Promise((r) => setTimeout(r, 100))
-    }
-    const logitBias = Array.from({ length: 256 }, (_, i) => [i + 3, false])
-    const one = async (prompt: string, tokens = cfg.tokens): Promise<StreamTimes> => {
-      const start = performance.now()
-      const response = await fetch(`${url}/completion`, {
-        method: "POST",
-        headers: { "content-type": "application/json" },
-        body: JSON.stringify({ prompt, n_predict: tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
-      })
-      const arrivals: Array<number> = []
-      await forEachStreamedToken(response, () => void arrivals.push(performance.now()))
-      return { start, arrivals }
-    }
-    const round = (n: number) => Promise.all(Array.from({ length: n }, (_, i) => one(prompts[i % prompts.length]!)))
-    await one(prompts[0]!, warmUpTokens)
-    return { round, close }
-  } catch (error) {
-    await close()
     throw error
   }
 }
@@ -493,17 +388,34 @@ const delivery = (model: string, relays: Relays) =>
 // --------------------------------------------------------------------------------------------
 
 const main = async () => {
-  const model = flag("model") !== undefined ? Path.resolve(flag("model")!) : await ensureBenchModel(cfg.dir, shapeOf(flag("shape") ?? defaultShape))
-  const bin = cfg.skipLlama ? undefined : llamaToolsDir()
+  installCleanup()
   const started = performance.now()
+  // The tools first: a missing or broken pair is one line before anything else runs.
+  const tools = cfg.skipLlama ? undefined : findLlamaTools(root, flag("llama-tools") ?? process.env["BENCH_LLAMA_TOOLS"])
+  if (tools !== undefined && "error" in tools) {
+    console.error(`bench:wan: ${tools.error}`)
+    process.exit(2)
+  }
+  const bin = tools?.bin
+  const model = flag("model") !== undefined ? Path.resolve(flag("model")!) : await ensureBenchModel(cfg.dir, shapeOf(flag("shape") ?? defaultShape))
   console.log(
     `bench:wan ${model} (${(Fs.statSync(model).size / 2 ** 20).toFixed(0)} MiB); links ${cfg.links.map((l) => l.name).join(", ")}; ` +
       `stages ${cfg.stages.join(", ")}; N ${cfg.clients.join(", ")}; ${cfg.tokens} tokens per stream, greedy; ${cfg.rounds} round(s); ` +
       `1 thread per stage${cfg.pin ? `, pinned to core i mod ${cores}` : " (not pinned)"}; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`
   )
-  if (!cfg.skipLlama && bin === undefined) {
-    console.log("llama.cpp tools not found (llama-server, ggml-rpc-server): build them with scripts/build-llama-tools.sh; llama.cpp columns left out")
-  } else if (bin !== undefined) console.log(`llama.cpp: ${bin} (llama-server --rpc over ggml-rpc-server -t 1 -c, -ngl 999, equal split)`)
+  if (tools !== undefined) {
+    console.log(
+      `llama.cpp ${tools.version}, ${tools.bin}: llama-server --rpc -ngl 999 --device RPC0.. -t 1 over one ggml-rpc-server -t 1 -c per stage, ` +
+        `swactor's split (equal block counts, head on the last stage)`
+    )
+  }
+  const cacheDir = Path.join(cfg.dir, "rpc-cache")
+  let reference: ReadonlyArray<number> | undefined
+  if (bin !== undefined && cfg.greedyCheck > 0) {
+    reference = await llamaReference(bin, model, cacheDir, prompts[0]!, cfg.greedyCheck)
+    console.log(`greedy reference: single-process llama-server -t 1 (no repack, flash attention, F16 KV), "${prompts[0]}", ${reference.length} tokens`)
+  }
+  const greedyFailures: Array<string> = []
   const relays = startRelays()
   const cells = new Map<string, Cell>()
   const key = (link: string, stages: number, who: string) => `${link}/${stages}/${who}`
@@ -512,11 +424,29 @@ const main = async () => {
     if (cfg.relayCheckOnly) return
     for (const profile of cfg.links) {
       for (const stages of cfg.stages) {
-        const runs: Array<[string, () => Promise<Contender>]> = [["swactor", () => swactor(model, profile, stages, relays)]]
-        if (bin !== undefined) runs.push(["llama.cpp", () => llamaRpc(bin, model, profile, stages, relays)])
+        const runs: Array<[string, () => Promise<Contender>]> = []
+        if (!cfg.skipSwactor) runs.push(["swactor", () => swactor(model, profile, stages, relays)])
+        if (bin !== undefined) {
+          runs.push(["llama.cpp", () =>
+            llamaRpc({
+              bin,
+              model,
+              cacheDir,
+              stages,
+              front: (port) => relays.front(profile, port),
+              coreOf: (i) => (cfg.pin ? i % cores : undefined),
+              maxClients,
+              tokens: cfg.tokens,
+              warmUpTokens,
+              prompts,
+              ...(reference === undefined ? {} : { reference })
+            })])
+        }
         for (const [who, make] of runs) {
           const t = performance.now()
           const contender = await make()
+          if (contender.setup !== undefined) console.log(`  ${profile.name} ${stages} stages ${who}: ${contender.setup}`)
+          if (contender.greedyOk === false) greedyFailures.push(`${profile.name} ${stages} stages`)
           try {
             cells.set(key(profile.name, stages, who), await measure(contender))
           } finally {
@@ -566,6 +496,13 @@ const main = async () => {
   if (wifi4 !== undefined && loop4 !== undefined) {
     const ratio = wifi4.aggregate.get(1)! / loop4.aggregate.get(1)!
     console.log(`  swactor single-stream decode, 4 stages: Wi-Fi ${fmt(ratio, 2)}× loopback (target ≥ 0.8×) ${ratio >= 0.8 ? "met" : "NOT met"}`)
+  }
+  if (reference !== undefined) {
+    console.log(
+      greedyFailures.length === 0
+        ? `  llama.cpp RPC greedy check: every run's ${reference.length} tokens equal single-process llama-server's`
+        : `  llama.cpp RPC greedy check FAILED: ${greedyFailures.join(", ")} (see the lines above)`
+    )
   }
   console.log(`\ntotal ${((performance.now() - started) / 1000).toFixed(0)} s; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`)
 }
