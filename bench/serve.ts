@@ -26,6 +26,7 @@ import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
 import { serve, Server } from "../src/api/serve.js"
+import type { FirstTokenPhases } from "../src/services/Server.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 import { forEachStreamedToken } from "./llamaServerStream.js"
 import { fmt, median, percentile, prompts, type StreamTimes, summarize, swactorRound } from "./serveRounds.js"
@@ -206,6 +207,16 @@ const llamaServer = async (binary: string, modelPath: string): Promise<Contender
   }
 }
 
+const phaseNames = ["tokenize", "admit", "setup", "prefillWait", "prefill", "sample", "hops"] as const
+
+/** The first-token phases of the requests between two /metrics snapshots: ms per request. */
+const phaseDelta = (before: FirstTokenPhases, after: FirstTokenPhases): Record<string, number> => {
+  const requests = Math.max(1, after.requests - before.requests)
+  const out: Record<string, number> = { total: ((after.totalSeconds - before.totalSeconds) * 1000) / requests }
+  for (const name of phaseNames) out[name] = ((after[name] - before[name]) * 1000) / requests
+  return out
+}
+
 /** The rounds so far of one contender at one N (created empty). */
 const roundsAt = <A>(byName: Map<string, Map<number, Array<A>>>, name: string, n: number): Array<A> => {
   const byN = byName.get(name) ?? new Map<number, Array<A>>()
@@ -243,6 +254,8 @@ const main = async () => {
   const contenders: Array<Contender> = []
   const results = new Map<string, Map<number, Array<ReadonlyArray<StreamTimes>>>>()
   const lone = new Map<string, string>()
+  /** swactor's time to first token by phase (/metrics), per N and round: ms per request. */
+  const phases = new Map<string, Map<number, Array<Record<string, number>>>>()
   /** CPU ms per generated token (prefill included), per contender, N and round. */
   const cpu = new Map<string, Map<number, Array<number>>>()
   try {
@@ -261,9 +274,16 @@ const main = async () => {
     }
     // the orchestrator runs in this process, the stages in the agents it spawned (not llama-server's process)
     const agents = descendants(process.pid)
+    const firstToken = () => runtime.runPromise(Effect.flatMap(Server, (s) => s.metrics)).then((m) => m.firstToken)
     contenders.push({
       name: "swactor",
-      round: (n) => swactorRound(runtime, n, cfg.tokens),
+      round: async (n) => {
+        const before = await firstToken()
+        const streams = await swactorRound(runtime, n, cfg.tokens)
+        const after = await firstToken()
+        roundsAt(phases, "swactor", n).push(phaseDelta(before, after))
+        return streams
+      },
       close: () => Promise.resolve(),
       cpu: { self: true, pids: agents }
     })
@@ -284,6 +304,15 @@ const main = async () => {
   } finally {
     for (const c of contenders) await c.close().catch(() => undefined)
     await runtime.dispose()
+  }
+
+  console.log("\nswactor time to first token by phase (/metrics' swactor_first_token_phase_seconds_total), ms per request, the median over rounds:")
+  console.log(`| N | ${phaseNames.join(" | ")} | total |`)
+  console.log(`|---|${phaseNames.map(() => "---|").join("")}---|`)
+  for (const n of cfg.clients) {
+    const rounds = phases.get("swactor")?.get(n) ?? []
+    const col = (name: string) => fmt(median(rounds.map((r) => r[name]!)), 1)
+    console.log(`| ${n} | ${phaseNames.map(col).join(" | ")} | ${col("total")} |`)
   }
 
   if (cfg.dump !== undefined) {

@@ -127,6 +127,13 @@ export interface ListenOptions {
   readonly handshakeTimeout?: Duration.DurationInput | undefined
   /** How long a connection may stay authenticated but unattached (default 5 s). */
   readonly attachTimeout?: Duration.DurationInput | undefined
+  /**
+   * How long an attach to an edge not registered yet is held, waiting for its registration, before it is refused
+   * (UnknownRun / UnknownEdge). Default 2 seconds; 0: refused at once. A sender that connects before the receiver has
+   * registered (the stages of a new run set up side by side) is then attached the moment it registers, instead of
+   * being refused and polling.
+   */
+  readonly attachWait?: Duration.DurationInput | undefined
 }
 
 export interface ConnectOptions {

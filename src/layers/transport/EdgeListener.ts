@@ -38,12 +38,58 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
     const runs = new Map<number, Map<number, InboundCore>>()
     const attachTimeout = Duration.toMillis(options.attachTimeout ?? "5 seconds")
 
+    const attachWait = Duration.toMillis(options.attachWait ?? "2 seconds")
+    /**
+     * Attaches to edges not registered yet, by `runId:edgeId`: retried at the registration, refused after attachWait
+     * (or at once beyond MAX_PARKED, or when the connection closes meanwhile).
+     */
+    const parked = new Map<string, Array<{ readonly conn: FrameConn; readonly frame: AttachFrame; readonly timer: NodeJS.Timeout }>>()
+    let parkedCount = 0
+    const MAX_PARKED = 256
+    const parkKey = (runId: number, edgeId: number) => `${runId}:${edgeId}`
+    const parkedKeyOf = new WeakMap<FrameConn, string>()
+    const unpark = (key: string, conn: FrameConn) => {
+      const list = parked.get(key)
+      const i = list?.findIndex((p) => p.conn === conn) ?? -1
+      if (list === undefined || i < 0) return undefined
+      const [entry] = list.splice(i, 1)
+      if (list.length === 0) parked.delete(key)
+      parkedKeyOf.delete(conn)
+      parkedCount--
+      clearTimeout(entry!.timer)
+      return entry
+    }
+    const refuseUnregistered = (conn: FrameConn, frame: AttachFrame) =>
+      runs.has(frame.runId)
+        ? conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+        : conn.fail(new UnknownRun({ runId: frame.runId }))
+    /** The attaches waiting for this edge, now registered. */
+    const onRegistered = (runId: number, edgeId: number) => {
+      const key = parkKey(runId, edgeId)
+      for (const entry of [...(parked.get(key) ?? [])]) {
+        unpark(key, entry.conn)
+        onAttach(entry.conn, entry.frame)
+      }
+    }
+
     const onAttach = (conn: FrameConn, frame: AttachFrame): void => {
       const edges = runs.get(frame.runId)
       const inbound = edges?.get(frame.edgeId)
       conn.bind(frame.runId, frame.edgeId)
-      if (edges === undefined) return conn.fail(new UnknownRun({ runId: frame.runId }))
-      if (inbound === undefined) return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
+      if (inbound === undefined) {
+        if (attachWait <= 0 || parkedCount >= MAX_PARKED) return refuseUnregistered(conn, frame)
+        const key = parkKey(frame.runId, frame.edgeId)
+        const timer = setTimeout(() => {
+          if (unpark(key, conn) !== undefined) refuseUnregistered(conn, frame)
+        }, attachWait)
+        timer.unref()
+        const list = parked.get(key) ?? []
+        list.push({ conn, frame, timer })
+        parkedKeyOf.set(conn, key)
+        parked.set(key, list)
+        parkedCount++
+        return
+      }
       if (inbound.conn !== undefined || inbound.failure !== undefined) {
         return conn.fail(new EdgeBusy({ runId: frame.runId, edgeId: frame.edgeId }))
       }
@@ -107,7 +153,11 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
               conn.fail(new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
             },
             onBurstEnd: () => {},
-            onClose: () => clearTimeout(timer)
+            onClose: () => {
+              clearTimeout(timer)
+              const key = parkedKeyOf.get(conn)
+              if (key !== undefined) unpark(key, conn)
+            }
           }, { runId: 0, edgeId: 0 }, log)
           conn.start()
         }
@@ -141,6 +191,7 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
         edges.set(reg.edgeId, inbound)
         runs.set(reg.runId, edges)
         yield* Effect.addFinalizer(() => unregister(inbound))
+        onRegistered(reg.runId, reg.edgeId)
         const receiver: InboundEdge = {
           runId: reg.runId,
           edgeId: reg.edgeId,
