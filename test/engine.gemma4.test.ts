@@ -3,9 +3,9 @@
  * node-llama-cpp's on synthetic gemma4 models (sliding-window and global blocks, the splits cutting between the two
  * kinds; global blocks without attn_v, RoPE frequency factors, per-block output scales, soft-capping), prompt +
  * generation longer than twice the window, node-llama-cpp's capped and full SWA caches agreeing and a wider window
- * giving other tokens (it really slides); 8 sequences batched equal their lone runs; bad gemma4 metadata (and the
- * parts of Gemma 4 swactor does not build: per-layer embeddings, shared KV layers, experts, per-block head sizes) is a
- * typed error naming the key; a stage killed with SIGKILL mid-generation resumes on a spare with identical text.
+ * giving other tokens (it really slides); 8 sequences batched equal their lone runs; bad gemma4 metadata (odd or
+ * mismatched sliding-window head sizes, a RoPE width past the head, and the parts of Gemma 4 swactor does not build:
+ * per-layer embeddings, shared KV layers, experts) is a typed error naming the key; a stage killed with SIGKILL mid-generation resumes on a spare with identical text.
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
@@ -207,10 +207,10 @@ describe("gemma4: bad metadata and the parts swactor does not build are typed er
     ["per-layer-embd-missing", "gemma4.embedding_length_per_layer_input", undefined],
     ["shared-kv", "gemma4.attention.shared_kv_layers", u32(1)],
     ["experts", "gemma4.expert_count", u32(8)],
-    ["key-length-swa", "gemma4.attention.key_length_swa", u32(8)],
+    ["key-length-swa", "gemma4.attention.key_length_swa", u32(7)],
     ["key-length-swa-missing", "gemma4.attention.key_length_swa", undefined],
     ["value-length-swa", "gemma4.attention.value_length_swa", u32(8)],
-    ["rope-dim-swa", "gemma4.rope.dimension_count_swa", u32(8)],
+    ["rope-dim-swa", "gemma4.rope.dimension_count_swa", u32(18)],
     ["window-zero", "gemma4.attention.sliding_window", u32(0)],
     ["window-missing", "gemma4.attention.sliding_window", undefined],
     ["pattern-period", "gemma4.attention.sliding_window_pattern", u32(3)],

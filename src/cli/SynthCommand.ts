@@ -37,6 +37,8 @@ export interface SynthArgs {
   readonly swaPattern: Option.Option<number>
   readonly logitSoftcap: Option.Option<number>
   readonly kEqV: boolean
+  readonly swaHeadDim: Option.Option<number>
+  readonly globalKvHeads: Option.Option<number>
   readonly experts: Option.Option<number>
   readonly expertsUsed: Option.Option<number>
   readonly expertFfn: Option.Option<number>
@@ -78,6 +80,8 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
   ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
   ...(args.kEqV ? { kEqV: true } : {}),
+  ...(Option.isSome(args.swaHeadDim) ? { swaHeadDim: args.swaHeadDim.value } : {}),
+  ...(Option.isSome(args.globalKvHeads) ? { globalKvHeads: args.globalKvHeads.value } : {}),
   ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
   ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
   ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
@@ -160,6 +164,12 @@ export const synthCommand = Command.make(
     ),
     kEqV: Options.boolean("k-eq-v").pipe(
       Options.withDescription("gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)")
+    ),
+    swaHeadDim: int("swa-head-dim", "gemma4: head size of the sliding-window blocks, key_length_swa (default the model's; 31B: half the global)").pipe(
+      Options.optional
+    ),
+    globalKvHeads: int("global-kv-heads", "gemma4: KV heads of the global blocks, head_count_kv per block (default --kv-heads)").pipe(
+      Options.optional
     ),
     experts: int("experts", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
     expertsUsed: int("experts-used", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(

@@ -58,7 +58,24 @@ export interface HParams {
   readonly mla?: MlaParams
   /** Gated DeltaNet blocks (qwen35, RecurrentParams.ts): a state per sequence in place of their KV cache; absent: none. */
   readonly recurrent?: RecurrentParams
+  /**
+   * Per block of the model: its own head sizes, KV heads and RoPE width (gemma4 31B: sliding-window blocks 256-wide
+   * heads, global ones 512-wide with fewer KV heads); absent: every block has the model-wide ones (`headsOf`).
+   */
+  readonly blockHeads?: ReadonlyArray<BlockHeads>
 }
+
+/** One block's attention shape: per-head Q/K and V sizes, KV heads, RoPE width (llama.cpp's n_embd_head_k(il) etc.). */
+export interface BlockHeads {
+  readonly headDimK: number
+  readonly headDimV: number
+  readonly nHeadKv: number
+  readonly nRot: number
+}
+
+/** Block `il`'s attention shape: its own (HParams.blockHeads) or the model-wide one. */
+export const headsOf = (hp: HParams, il: number): BlockHeads =>
+  hp.blockHeads?.[il] ?? { headDimK: hp.headDimK, headDimV: hp.headDimV, nHeadKv: hp.nHeadKv, nRot: hp.nRot }
 
 /** deepseek2's latent attention sizes (`attention.q_lora_rank`, `kv_lora_rank`, `key_length_mla`, `value_length_mla`). */
 export interface MlaParams {
@@ -104,6 +121,17 @@ const uniformInt = (file: GgufFile, key: string) =>
     return yield* positive(file, key, yield* getU32(file, key))
   })
 
+/** One positive integer per block (`nLayer` of them). */
+const perBlockInt = (file: GgufFile, key: string, nLayer: number) =>
+  Effect.gen(function*() {
+    const arr = yield* getNumberArray(file, key)
+    if (arr.length !== nLayer) {
+      return yield* Effect.fail(invalid(file, `metadata "${key}" has ${arr.length} entries for ${nLayer} blocks`))
+    }
+    for (const n of arr) yield* positive(file, key, n)
+    return arr
+  })
+
 /**
  * Reads the llama-family hyperparameters. `ropeMode` comes from the architecture table, the vocabulary size
  * from the token list (checked against `token_embd` when the table has it).
@@ -111,8 +139,12 @@ const uniformInt = (file: GgufFile, key: string) =>
 export const readHParams = (
   file: GgufFile,
   ropeMode: number,
-  /** The architecture checks the head sizes and the RoPE width itself (deepseek2's latent attention). */
-  options: { readonly ownHeadShape?: boolean } = {}
+  /**
+   * ownHeadShape: the architecture checks the head sizes and the RoPE width itself (deepseek2's latent attention).
+   * kvHeadsPerBlock: `attention.head_count_kv` may vary per block (each entry checked here, nHeadKv the first; the
+   * architecture sets HParams.blockHeads, gemma4).
+   */
+  options: { readonly ownHeadShape?: boolean; readonly kvHeadsPerBlock?: boolean } = {}
 ): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function*() {
     const arch = yield* getArchitecture(file)
@@ -121,13 +153,18 @@ export const readHParams = (
     const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
     const nFf = yield* uniformInt(file, k("feed_forward_length"))
     const nHead = yield* uniformInt(file, k("attention.head_count"))
-    const nHeadKv = file.metadata.has(k("attention.head_count_kv"))
-      ? yield* uniformInt(file, k("attention.head_count_kv"))
-      : nHead
-    if (nHead % nHeadKv !== 0) {
-      return yield* Effect.fail(
-        invalid(file, `attention.head_count ${nHead} is not a multiple of head_count_kv ${nHeadKv}`)
-      )
+    const kvHeads = !file.metadata.has(k("attention.head_count_kv"))
+      ? [nHead]
+      : options.kvHeadsPerBlock === true && Array.isArray(file.metadata.get(k("attention.head_count_kv")))
+      ? yield* perBlockInt(file, k("attention.head_count_kv"), nLayer)
+      : [yield* uniformInt(file, k("attention.head_count_kv"))]
+    const nHeadKv = kvHeads[0]!
+    for (const n of kvHeads) {
+      if (nHead % n !== 0) {
+        return yield* Effect.fail(
+          invalid(file, `attention.head_count ${nHead} is not a multiple of head_count_kv ${n}`)
+        )
+      }
     }
     const keyLength = yield* getOptional(file, k("attention.key_length"), getU32)
     if (keyLength === undefined && nEmbd % nHead !== 0) {

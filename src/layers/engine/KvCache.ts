@@ -10,15 +10,18 @@ import { kvCacheSize, swaCacheSize } from "../../services/KvSize.js"
 import type { GraphSlot } from "./GraphCache.js"
 import type { KvLayer } from "./Toolkit.js"
 import type { NativeWeights } from "./Weights.js"
-import type { HParams } from "./HParams.js"
+import { type HParams, headsOf } from "./HParams.js"
 import { recurrentStateElems } from "./RecurrentParams.js"
 
 /**
- * Elements of one cached K row and one V row per token of a block: head size x KV heads each, or with latent attention
- * (HParams.mla) the K row only (the latent and the RoPE part), V being a view of it.
+ * Elements of one cached K row and one V row per token of block `il`: its head size x its KV heads each (headsOf:
+ * gemma4's blocks differ), or with latent attention (HParams.mla) the K row only (the latent and the RoPE part), V
+ * being a view of it.
  */
-export const kvRowWidths = (hp: HParams): { readonly k: number; readonly v: number } =>
-  ({ k: hp.headDimK * hp.nHeadKv, v: hp.mla === undefined ? hp.headDimV * hp.nHeadKv : 0 })
+export const kvRowWidths = (hp: HParams, il: number): { readonly k: number; readonly v: number } => {
+  const h = headsOf(hp, il)
+  return { k: h.headDimK * h.nHeadKv, v: hp.mla === undefined ? h.headDimV * h.nHeadKv : 0 }
+}
 
 export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
@@ -81,7 +84,6 @@ export class NativeSession {
       mem_buffer: null,
       no_alloc: true
     })
-    const widths = kvRowWidths(hp)
     let stateBytes = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
       // a DeltaNet block (qwen35): its recurrent state, F32, constant size (k: conv state, v: SSM state)
@@ -96,6 +98,7 @@ export class NativeSession {
         continue
       }
       const cells = hp.swa?.layers[il] === true ? this.swaSize! : kvSize
+      const widths = kvRowWidths(hp, il)
       const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, cells)
       raw.ggml_set_name(k, `cache_k_l${il}`)
       // latent attention: no V cache, V is read from K (the latent attention builds its own view)
@@ -204,12 +207,14 @@ export class NativeSession {
     if (this.recurrent && length !== 0 && length !== from.filled) {
       throw new Error(`cannot copy ${length} of ${from.filled} positions: a DeltaNet state cannot be rewound`)
     }
-    const widths = kvRowWidths(hp)
-    const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
-    const scratch = new Uint8Array(length * Math.max(rowBytes.k, rowBytes.v))
+    let widest = 0
+    for (const il of from.kv.keys()) widest = Math.max(widest, kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
+    const scratch = new Uint8Array(length * 2 * widest)
     const elems = hp.recurrent === undefined ? null : recurrentStateElems(hp.recurrent)
     for (const [il, src] of from.kv) {
       const dst = this.kv.get(il)!
+      const widths = kvRowWidths(hp, il)
+      const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
       // a DeltaNet block: the whole state (of position `length` = the source's), or zeros for no position
       if (elems !== null && hp.recurrent!.layers[il] === true) {
         for (const [part, n] of [["k", elems.conv], ["v", elems.ssm]] as const) {

@@ -133,9 +133,18 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       (w) => Effect.promise(() => w.lock.run(async () => w.free()))
     )
     const hp = layout.hp
-    // sliding-window blocks of the range: their KV caches are capped (KvCache.ts)
+    // sliding-window blocks of the range: their KV caches are capped (KvCache.ts); each block's own row widths
     let swaBlocks = 0
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) if (hp.swa?.layers[il] === true) swaBlocks++
+    let swaBytesPerToken = 0
+    let attnBytesPerToken = 0
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      const bytes = kvBytesPerTokenOfBlock(kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
+      if (hp.recurrent?.layers[il] !== true) attnBytesPerToken += bytes
+      if (hp.swa?.layers[il] === true) {
+        swaBlocks++
+        swaBytesPerToken += bytes
+      }
+    }
     // DeltaNet blocks (HParams.recurrent): a constant state per sequence instead of K/V rows
     let recurrentBlocks = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) if (hp.recurrent?.layers[il] === true) recurrentBlocks++
@@ -154,12 +163,11 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       bosTokenId: hp.bosTokenId,
       weightBytes: layout.weightBytes,
       backend: device === "gpu" ? "cuda" : "cpu",
-      kvBytesPerToken: (spec.layerEndExclusive - spec.layerStart - recurrentBlocks) *
-        kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v),
+      kvBytesPerToken: attnBytesPerToken,
       ...(recurrentBlocks === 0 ? {} : { stateBytes: recurrentBlocks * 4 * (stateElems!.conv + stateElems!.ssm) }),
       ...(swaBlocks === 0
         ? {}
-        : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBlocks * kvBytesPerTokenOfBlock(kvRowWidths(hp).k, kvRowWidths(hp).v) } })
+        : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBytesPerToken } })
     }
     return new LiveLoadedStage(info, weights) as LoadedStage
   }).pipe(Effect.withSpan("StageExecutor.load"))

@@ -130,7 +130,10 @@ export const archOf = (file: GgufFile): Effect.Effect<ArchModule, ModelLoadError
 export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
   Effect.gen(function*() {
     const arch = yield* archOf(file)
-    const common = yield* readHParams(file, arch.ropeMode, { ownHeadShape: arch.ownHeadShape === true })
+    const common = yield* readHParams(file, arch.ropeMode, {
+      ownHeadShape: arch.ownHeadShape === true,
+      kvHeadsPerBlock: arch.kvHeadsPerBlock === true
+    })
     const hp = arch.hparams === undefined ? common : yield* arch.hparams(file, common)
     const { layerEndExclusive: end, layerStart: start } = spec
     if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > hp.nLayer || start >= end) {

@@ -6,7 +6,7 @@
 import { getGgml, GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
 import { deltaNetOps } from "../ggml/DeltaNetBindings.js"
 import { gptOssOps } from "../ggml/GptOssBindings.js"
-import type { HParams } from "./HParams.js"
+import { type BlockHeads, type HParams, headsOf } from "./HParams.js"
 import { PLAIN_ROPE } from "./PositionScaling.js"
 
 export const GGML_PREC_F32 = 10
@@ -98,8 +98,16 @@ export class Toolkit {
     private readonly small: SmallBatchMatMul | null = null
   ) {}
 
-  /** The batch's attention output rows before wo (several sequences only): one buffer all blocks reuse. */
-  private attnRows: Ptr | null = null
+  /**
+   * The batch's attention output rows before wo (several sequences only): one buffer all blocks of one output width
+   * reuse (by width: gemma4's blocks differ).
+   */
+  private readonly attnRows = new Map<number, Ptr>()
+
+  /** The attention shape of the block being built (HParams.blockHeads, else the model-wide one). */
+  get heads(): BlockHeads {
+    return headsOf(this.hp, this.layer)
+  }
 
   add(a: Ptr, b: Ptr): Ptr {
     return this.g.ggml_add(this.ctx, a, b)
@@ -135,7 +143,8 @@ export class Toolkit {
 
   /** Separate Q/K/V projections (+ optional biases), reshaped to [headDim, heads, nTokens]. */
   qkv(w: BlockWeights, x: Ptr): { q: Ptr; k: Ptr; v: Ptr } {
-    const { headDimK, headDimV, nHead, nHeadKv } = this.hp
+    const { headDimK, headDimV, nHeadKv } = this.heads
+    const nHead = this.hp.nHead
     const q = this.linear(w.get("attn_q.weight"), x, w.opt("attn_q.bias"))
     const k = this.linear(w.get("attn_k.weight"), x, w.opt("attn_k.bias"))
     const v = this.linear(w.get("attn_v.weight"), x, w.opt("attn_v.bias"))
@@ -164,7 +173,7 @@ export class Toolkit {
       x,
       this.inputs.pos,
       freqFactors,
-      hp.nRot,
+      this.heads.nRot,
       hp.ropeMode,
       hp.nCtxOrig,
       swa === null ? hp.ropeFreqBase : swa.ropeFreqBase,
@@ -201,7 +210,8 @@ export class Toolkit {
   ): Ptr {
     const g = this.g
     const ctx = this.ctx
-    const { headDimK, headDimV, nHead, nHeadKv } = this.hp
+    const { headDimK, headDimV, nHeadKv } = this.heads
+    const nHead = this.hp.nHead
     const n = this.nTokens
     const nEmbdK = headDimK * nHeadKv
     const nEmbdV = headDimV * nHeadKv
@@ -218,8 +228,11 @@ export class Toolkit {
     // Several sequences: each one's output rows are written in place into one [headDimV * nHead, n] buffer. It is
     // a graph leaf shared by all blocks: block l + 1 writes it only after reading block l's output, on which its
     // own q/k/v depend, so the data dependencies order the reuse.
-    if (this.attnRows === null) this.attnRows = g.ggml_new_tensor_2d(ctx, GgmlType.F32, headDimV * nHead, n)
-    let cur = this.attnRows
+    let cur = this.attnRows.get(headDimV * nHead)
+    if (cur === undefined) {
+      cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, headDimV * nHead, n)
+      this.attnRows.set(headDimV * nHead, cur)
+    }
     for (const seg of segments) {
       const qs = g.ggml_view_3d(ctx, q, headDimK, nHead, seg.n, f32(headDimK), f32(headDimK * nHead), seg.offset * f32(headDimK * nHead))
       const ks = g.ggml_view_3d(ctx, k, headDimK, nHeadKv, seg.n, f32(headDimK), f32(nEmbdK), seg.offset * f32(nEmbdK))
@@ -239,7 +252,8 @@ export class Toolkit {
   private attendSegment(seg: AttentionSegment, q: Ptr, k: Ptr, v: Ptr, kqScale: number, sinks: Ptr | null): Ptr {
     const g = this.g
     const ctx = this.ctx
-    const { headDimK, headDimV, nHead, nHeadKv } = this.hp
+    const { headDimK, headDimV, nHeadKv } = this.heads
+    const nHead = this.hp.nHead
     const cache = seg.kv(this.layer)
     // sliding-window blocks: the ring's cells, its own cell indices and mask (full blocks: cell = position)
     const ring = this.slidingWindow

@@ -176,7 +176,8 @@ const layoutOfFile = (
     const latent = width(`blk.${i}.attn_kv_a_mqa.weight`)
     if (latent !== undefined) return kvBytesPerTokenOfBlock(latent, 0)
     const k = width(`blk.${i}.attn_k.weight`) ?? hiddenDim
-    const v = width(`blk.${i}.attn_v.weight`) ?? hiddenDim
+    // no attn_v beside an attn_k (gemma4's global blocks): V is K's projection, as wide
+    const v = width(`blk.${i}.attn_v.weight`) ?? (file.tensorsByName.has(`blk.${i}.attn_k.weight`) ? k : hiddenDim)
     return kvBytesPerTokenOfBlock(k, v)
   })
   const output = file.tensorsByName.has("output.weight") ? bytes("output.weight") : bytes("token_embd.weight")

@@ -30,11 +30,14 @@ import {
 import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import {
+  gemma4BlockShape,
+  gemma4KvHeadsValue,
   gemma4LayerScale,
   gemma4Metadata,
   gemma4SharedTensors,
   gemma4SwaBlocks,
-  type SyntheticGemma4Options
+  type SyntheticGemma4Options,
+  validateGemma4Options
 } from "./SyntheticGemma4.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
 import { nextnBlockTensors, nextnMetadata, syntheticBlockCount, type SyntheticNextnOptions, validateNextnOptions } from "./SyntheticNextn.js"
@@ -324,7 +327,7 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ??
+  return validateGemmaOptions(o) ?? validateGemma4Options(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ??
     validateQwen35Options(o) ?? validateGptOssOptions(o) ?? validateNextnOptions(o)
 }
 
@@ -336,9 +339,7 @@ interface PlannedTensor {
 }
 
 const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
-  const hd = o.headDim ?? o.hidden / o.heads
-  const q = hd * o.heads
-  const kv = hd * o.kvHeads
+  const model = { hd: o.headDim ?? o.hidden / o.heads, q: (o.headDim ?? o.hidden / o.heads) * o.heads, kv: (o.headDim ?? o.hidden / o.heads) * o.kvHeads }
   const out: Array<PlannedTensor> = []
   const w = (name: string, ne0: number, ne1: number) =>
     out.push({ name, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
@@ -347,7 +348,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   out.push({ name: "token_embd.weight", dims: [o.hidden, o.vocab], mean: 0, std: 0.02 })
   norm("output_norm.weight", o.hidden)
   if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
-  if (o.arch === "gemma4") out.push(...gemma4SharedTensors(hd))
+  if (o.arch === "gemma4") out.push(...gemma4SharedTensors(model.hd))
   for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
@@ -364,6 +365,8 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       out.push(...qwen35BlockTensors(b, i, o), ...(o.arch === "qwen35moe" ? moeBlockTensors(b, i, o) : []))
       continue
     }
+    // gemma4: each block its own head size and KV heads (the 31B's layout)
+    const { hd, q, kv } = o.arch === "gemma4" ? gemma4BlockShape(o, i, model.hd) : model
     w(`${b}.attn_q.weight`, o.hidden, q)
     w(`${b}.attn_k.weight`, o.hidden, kv)
     if (!(o.arch === "gemma4" && o.kEqV === true && !gemma4SwaBlocks(o, o.layers)[i])) w(`${b}.attn_v.weight`, o.hidden, kv)
@@ -450,7 +453,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.embedding_length`, GgufValues.u32(o.hidden)],
     [`${a}.feed_forward_length`, GgufValues.u32(o.ffn)],
     [`${a}.attention.head_count`, GgufValues.u32(o.heads)],
-    [`${a}.attention.head_count_kv`, GgufValues.u32(o.kvHeads)],
+    [`${a}.attention.head_count_kv`, a === "gemma4" ? gemma4KvHeadsValue(o) : GgufValues.u32(o.kvHeads)],
     [`${a}.attention.layer_norm_rms_epsilon`, GgufValues.f32(o.normEps ?? (isQwen ? 1e-6 : 1e-5))],
     [`${a}.rope.freq_base`, GgufValues.f32(o.ropeFreqBase ?? (isQwen ? 1_000_000 : 10_000))],
     [`${a}.rope.dimension_count`, GgufValues.u32(hd)]

@@ -4,7 +4,9 @@
  * the sliding-window pattern as one bool per block (true: the block slides), the sliding-window blocks' own head sizes
  * (`attention.key_length_swa`, equal to the global ones here) and no per-layer embeddings
  * (`embedding_length_per_layer_input` 0). With `kEqV` the global blocks have no attn_v (V is K's projection, as
- * Gemma 4's global layers ship).
+ * Gemma 4's global layers ship). With `swaHeadDim` / `globalKvHeads` the two kinds of block get their own head sizes
+ * and KV head counts, as the 31B's (sliding-window blocks: 256-wide heads, 16 KV heads; global ones 512-wide, 4):
+ * `attention.key_length_swa`, `value_length_swa`, `rope.dimension_count_swa` and one `head_count_kv` per block.
  */
 import { GgufValueType } from "../../domain/gguf.js"
 import type { GgufTypedValue } from "./GgufWriter.js"
@@ -15,7 +17,41 @@ import { type SyntheticGemmaOptions, swaPeriodOf, windowOf } from "./SyntheticGe
 export interface SyntheticGemma4Options extends SyntheticGemmaOptions {
   /** Global blocks without attn_v.weight (V = K's projection); default false. */
   readonly kEqV?: boolean
+  /** Head size of the sliding-window blocks (key_length_swa); default the model's head size. */
+  readonly swaHeadDim?: number
+  /** KV heads of the global blocks (head_count_kv becomes one count per block); default kvHeads. */
+  readonly globalKvHeads?: number
 }
+
+/** What is wrong with the gemma4 head options (of a model of `heads` query heads), or undefined. */
+export const validateGemma4Options = (o: SyntheticGemma4Options & { readonly heads: number }): string | undefined => {
+  const d = o.swaHeadDim
+  if (d !== undefined && !(Number.isSafeInteger(d) && d > 0 && d % 2 === 0)) return `swaHeadDim must be even and > 0, got ${d}`
+  const kv = o.globalKvHeads
+  if (kv !== undefined && !(Number.isSafeInteger(kv) && kv > 0 && o.heads % kv === 0)) {
+    return `globalKvHeads must divide heads (${o.heads}), got ${kv}`
+  }
+  return undefined
+}
+
+/** Block il's head size, Q width and K/V width (`hd`: the model's head size, the global blocks'). */
+export const gemma4BlockShape = (
+  o: SyntheticGemma4Options & { readonly heads: number; readonly kvHeads: number; readonly layers: number },
+  il: number,
+  hd: number
+): { readonly hd: number; readonly q: number; readonly kv: number } => {
+  const slides = gemma4SwaBlocks(o, o.layers)[il] === true
+  const head = slides ? o.swaHeadDim ?? hd : hd
+  return { hd: head, q: head * o.heads, kv: head * (slides ? o.kvHeads : o.globalKvHeads ?? o.kvHeads) }
+}
+
+/** `head_count_kv`: one count for all blocks, or one per block when the global blocks have their own. */
+export const gemma4KvHeadsValue = (
+  o: SyntheticGemma4Options & { readonly kvHeads: number; readonly layers: number }
+): GgufTypedValue =>
+  o.globalKvHeads === undefined
+    ? GgufValues.u32(o.kvHeads)
+    : GgufValues.array(GgufValueType.UINT32, gemma4SwaBlocks(o, o.layers).map((s) => s ? o.kvHeads : o.globalKvHeads!))
 
 /** Per block: does block il slide? (gemma3's period read as llama.cpp's set_swa_pattern: il % period < period - 1) */
 export const gemma4SwaBlocks = (o: SyntheticGemmaOptions, layers: number): ReadonlyArray<boolean> => {
@@ -33,7 +69,7 @@ export const gemma4LayerScale = (b: string) => ({ name: `${b}.layer_output_scale
 
 /** gemma4's own metadata keys (the model's head size `hd`, `layers` blocks). */
 export const gemma4Metadata = (
-  o: SyntheticGemmaOptions,
+  o: SyntheticGemma4Options,
   layers: number,
   hd: number
 ): Array<readonly [string, GgufTypedValue]> => {
@@ -41,10 +77,11 @@ export const gemma4Metadata = (
     ["gemma4.attention.sliding_window", GgufValues.u32(windowOf(o))],
     ["gemma4.attention.sliding_window_pattern", GgufValues.array(GgufValueType.BOOL, gemma4SwaBlocks(o, layers))],
     ["gemma4.rope.freq_base_swa", GgufValues.f32(10_000)],
-    ["gemma4.attention.key_length_swa", GgufValues.u32(hd)],
-    ["gemma4.attention.value_length_swa", GgufValues.u32(hd)],
+    ["gemma4.attention.key_length_swa", GgufValues.u32(o.swaHeadDim ?? hd)],
+    ["gemma4.attention.value_length_swa", GgufValues.u32(o.swaHeadDim ?? hd)],
     ["gemma4.embedding_length_per_layer_input", GgufValues.u32(0)]
   ]
   if (o.logitSoftcap !== undefined) md.push(["gemma4.final_logit_softcapping", GgufValues.f32(o.logitSoftcap)])
+  if (o.swaHeadDim !== undefined) md.push(["gemma4.rope.dimension_count_swa", GgufValues.u32(o.swaHeadDim)])
   return md
 }

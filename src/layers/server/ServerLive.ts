@@ -44,6 +44,8 @@ export const kvBytesPerSequence = (
   shape: {
     readonly layersPerStage: number
     readonly kvBytesPerBlockToken: number
+    /** Per block, when blocks differ (gemma4 31B: its own head size and KV heads); kvBytesPerBlockToken is their most. */
+    readonly kvBytesPerBlock?: ReadonlyArray<number> | undefined
     readonly slidingWindow?: SlidingWindowLayout | undefined
     readonly ranges?: ReadonlyArray<readonly [number, number]>
     /** DeltaNet blocks (qwen35): which blocks keep a constant state per sequence instead of KV, and its bytes. */
@@ -63,14 +65,15 @@ export const kvBytesPerSequence = (
       return sum
     }))
   }
-  if (sw === undefined || shape.ranges === undefined || shape.ranges.length === 0) {
+  const perBlock = shape.kvBytesPerBlock
+  if ((sw === undefined && perBlock === undefined) || shape.ranges === undefined || shape.ranges.length === 0) {
     return kvBytesOfSequence(shape.layersPerStage * shape.kvBytesPerBlockToken, contextLength)
   }
   return Math.max(...shape.ranges.map(([start, end]) =>
     kvBytesOfBlocks(
       Array.from({ length: end - start }, (_, i) => ({
-        bytesPerToken: shape.kvBytesPerBlockToken,
-        ...(sw.blocks[start + i] === true ? { window: sw.window } : {})
+        bytesPerToken: perBlock?.[start + i] ?? shape.kvBytesPerBlockToken,
+        ...(sw?.blocks[start + i] === true ? { window: sw.window } : {})
       })),
       contextLength
     )
@@ -107,11 +110,35 @@ export const readKvBytesPerBlockToken = (path: string) =>
     const file = yield* Gguf.readGgufFile(path)
     const arch = yield* Gguf.getArchitecture(file)
     const blocks = yield* Gguf.getU32(file, `${arch}.block_count`)
+    const slidingWindow = slidingWindowOf(file, arch, blocks)
+    const perBlock = arch === "gemma4" ? yield* gemma4KvBytesPerBlock(file, blocks, slidingWindow) : undefined
     return {
-      bytes: yield* kvBytesPerBlockTokenOf(file, arch),
-      slidingWindow: slidingWindowOf(file, arch, blocks),
+      bytes: perBlock === undefined ? yield* kvBytesPerBlockTokenOf(file, arch) : Math.max(...perBlock),
+      ...(perBlock === undefined ? {} : { perBlock }),
+      slidingWindow,
       recurrent: arch === "qwen35" || arch === "qwen35moe" ? yield* recurrentOf(file, arch, blocks) : undefined
     }
+  })
+
+/**
+ * gemma4's KV bytes per token of each block (archs/gemma4.ts): sliding-window blocks' head size `key_length_swa`,
+ * global ones `key_length`, `head_count_kv` one count per block or one for all; K and V rows of equal width.
+ */
+const gemma4KvBytesPerBlock = (file: GgufFile, blocks: number, sw: SlidingWindowLayout | undefined) =>
+  Effect.gen(function*() {
+    const u32 = (key: string) => Gguf.getOptional(file, `gemma4.${key}`, Gguf.getU32)
+    const heads = yield* Gguf.getU32(file, "gemma4.attention.head_count")
+    const hidden = yield* Gguf.getU32(file, "gemma4.embedding_length")
+    const head = (yield* u32("attention.key_length")) ?? Math.floor(hidden / heads)
+    const headSwa = (yield* u32("attention.key_length_swa")) ?? head
+    const kvKey = "gemma4.attention.head_count_kv"
+    const kvHeads = Array.isArray(file.metadata.get(kvKey))
+      ? yield* Gguf.getNumberArray(file, kvKey)
+      : Array.from({ length: blocks }, () => 0).fill((yield* u32("attention.head_count_kv")) ?? heads)
+    return Array.from({ length: blocks }, (_, il) => {
+      const width = (sw?.blocks[il] === true ? headSwa : head) * (kvHeads[il] ?? 0)
+      return kvBytesPerTokenOfBlock(width, width)
+    })
   })
 
 const kvBytesPerBlockTokenOf = (file: GgufFile, arch: string) =>
@@ -321,6 +348,7 @@ export const make = (options: ServeOptions) =>
     const shape: {
       layersPerStage: number
       kvBytesPerBlockToken: number
+      kvBytesPerBlock?: ReadonlyArray<number> | undefined
       maxSeqLen: number
       slidingWindow?: SlidingWindowLayout | undefined
       ranges?: ReadonlyArray<readonly [number, number]>
@@ -588,6 +616,7 @@ export const make = (options: ServeOptions) =>
       const pipeline = generation.pipeline
       const kv = yield* readKvBytesPerBlockToken(options.model)
       shape.kvBytesPerBlockToken = kv.bytes
+      shape.kvBytesPerBlock = kv.perBlock
       shape.slidingWindow = kv.slidingWindow
       shape.recurrent = kv.recurrent
       yield* observePipeline(pipeline)

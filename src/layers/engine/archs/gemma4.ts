@@ -5,18 +5,20 @@
  * - attention scale 1 (no 1/sqrt(head size)); V RMS-normed without a weight; attn_v optional (V = K's projection);
  * - the global blocks' RoPE takes the model-wide frequency factors `rope_freqs.weight` (proportional RoPE);
  * - an optional per-block scalar `layer_output_scale` on the block output;
- * - which blocks slide is `attention.sliding_window_pattern`, one bool per block (or one bool for all).
+ * - which blocks slide is `attention.sliding_window_pattern`, one bool per block (or one bool for all);
+ * - per-block attention shapes (HParams.blockHeads, the 31B's layout): the sliding-window blocks' own head size and RoPE
+ *   width (`attention.key_length_swa` = `value_length_swa`, `rope.dimension_count_swa`), `attention.head_count_kv` one
+ *   count per block; each block's KV cache, projections and q/k norms take its own widths.
  * Refused with a ModelLoadError naming the key: per-layer embeddings (`embedding_length_per_layer_input` > 0, E2B/E4B),
- * shared KV layers (`attention.shared_kv_layers` > 0), experts (`expert_count` > 0, 26B-A4B), sliding-window head
- * sizes or RoPE width other than the global ones (`attention.key_length_swa`, `value_length_swa`,
- * `rope.dimension_count_swa`).
+ * shared KV layers (`attention.shared_kv_layers` > 0), experts (`expert_count` > 0, 26B-A4B); key_length_swa odd or
+ * not value_length_swa, a RoPE width odd or past its head size.
  */
 import { Effect } from "effect"
 import type { GgufFile, GgufValue, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
-import { getU32 } from "../../gguf/GgufReader.js"
+import { getNumberArray, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
-import { type HParams, RopeMode } from "../HParams.js"
+import { type HParams, headsOf, RopeMode } from "../HParams.js"
 import { type BlockWeights, llamaBlockSpecs, type TensorSpec, type Toolkit } from "../Toolkit.js"
 import {
   gemmaAttnResidualAndFfn,
@@ -62,18 +64,7 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     if (shared > 0) return yield* refuse("attention.shared_kv_layers", `= ${shared}: shared KV layers are not supported`)
     const experts = (yield* scalarKey(file, k("expert_count"), getU32)) ?? 0
     if (experts > 0) return yield* refuse("expert_count", `= ${experts}: the gemma4 mixture of experts is not supported`)
-    const kSwa = yield* required(file, k("attention.key_length_swa"), getU32)
-    if (kSwa !== hp.headDimK) {
-      return yield* refuse("attention.key_length_swa", `= ${kSwa} differs from key_length ${hp.headDimK}: per-block head sizes are not supported`)
-    }
-    const vSwa = yield* required(file, k("attention.value_length_swa"), getU32)
-    if (vSwa !== hp.headDimV) {
-      return yield* refuse("attention.value_length_swa", `= ${vSwa} differs from value_length ${hp.headDimV}: per-block head sizes are not supported`)
-    }
-    const rotSwa = (yield* scalarKey(file, k("rope.dimension_count_swa"), getU32)) ?? hp.nRot
-    if (rotSwa !== hp.nRot) {
-      return yield* refuse("rope.dimension_count_swa", `= ${rotSwa} differs from rope.dimension_count ${hp.nRot}: not supported`)
-    }
+    const heads = yield* gemma4BlockHeads(file, hp)
     const window = yield* required(file, k("attention.sliding_window"), getU32)
     if (window === 0) return yield* refuse("attention.sliding_window", "= 0 must be > 0")
     const layers = gemma4SwaPattern(file.metadata.get(k("attention.sliding_window_pattern")), hp.nLayer)
@@ -81,7 +72,52 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const ropeFreqBase = yield* swaRopeBase(file, hp.arch)
     const cap = yield* logitSoftcapOf(file, hp.arch)
     // gemma4.cpp: f_attention_scale = 1 (no pre-attention scaling), the scale inside flash attention
-    return { ...hp, kqScale: 1, swa: { window, layers, ropeFreqBase, ropeFreqScale: 1 }, ...cap }
+    const blockHeads = layers.map((slides) => slides ? heads.swa : heads.global)
+    return {
+      ...hp,
+      kqScale: 1,
+      swa: { window, layers, ropeFreqBase, ropeFreqScale: 1 },
+      ...cap,
+      blockHeads: blockHeads.map((h, il) => ({ ...h, nHeadKv: heads.kvHeads[il]! }))
+    }
+  })
+
+/**
+ * gemma4's per-block attention shape (llama.cpp's n_embd_head_k(il), n_head_kv(il), n_rot(il)): the global blocks'
+ * head size `attention.key_length` and RoPE width `rope.dimension_count`, the sliding-window blocks' own
+ * `attention.key_length_swa` / `value_length_swa` / `rope.dimension_count_swa` (31B: 256 against the global 512), and
+ * `attention.head_count_kv` as one count per block (31B: 16 in sliding-window blocks, 4 in global ones) or one for all.
+ */
+const gemma4BlockHeads = (file: GgufFile, hp: HParams) =>
+  Effect.gen(function*() {
+    const k = (s: string) => `${hp.arch}.${s}`
+    const refuse = (key: string, message: string) => Effect.fail(invalidKey(file, k(key), message))
+    // llama.cpp: "Gemma 4 requires n_embd_head_k == n_embd_head_v" (both kinds of block)
+    if (hp.headDimV !== hp.headDimK) {
+      return yield* refuse("attention.value_length", `= ${hp.headDimV} must equal key_length ${hp.headDimK} (gemma4)`)
+    }
+    if (hp.nRot > hp.headDimK || hp.nRot % 2 !== 0) {
+      return yield* refuse("rope.dimension_count", `= ${hp.nRot} must be even and at most key_length ${hp.headDimK}`)
+    }
+    const kSwa = yield* required(file, k("attention.key_length_swa"), getU32)
+    if (kSwa === 0 || kSwa % 2 !== 0) return yield* refuse("attention.key_length_swa", `= ${kSwa} must be even and > 0`)
+    const vSwa = yield* required(file, k("attention.value_length_swa"), getU32)
+    if (vSwa !== kSwa) {
+      return yield* refuse("attention.value_length_swa", `= ${vSwa} must equal key_length_swa ${kSwa} (gemma4)`)
+    }
+    const rotSwa = (yield* scalarKey(file, k("rope.dimension_count_swa"), getU32)) ?? hp.nRot
+    if (rotSwa === 0 || rotSwa > kSwa || rotSwa % 2 !== 0) {
+      return yield* refuse("rope.dimension_count_swa", `= ${rotSwa} must be even, > 0 and at most key_length_swa ${kSwa}`)
+    }
+    const kvValue = file.metadata.get(k("attention.head_count_kv"))
+    const kvHeads = Array.isArray(kvValue)
+      ? yield* getNumberArray(file, k("attention.head_count_kv"))
+      : Array.from({ length: hp.nLayer }, () => hp.nHeadKv)
+    return {
+      global: { headDimK: hp.headDimK, headDimV: hp.headDimV, nRot: hp.nRot },
+      swa: { headDimK: kSwa, headDimV: vSwa, nRot: rotSwa },
+      kvHeads
+    }
   })
 
 /** Does the model have a global (not sliding-window) block? Then it has RoPE frequency factors. */
@@ -90,19 +126,24 @@ const hasGlobalBlock = (hp: HParams) => hp.swa?.layers.some((s) => !s) ?? true
 export const gemma4: ArchModule = {
   name: "gemma4",
   ropeMode: RopeMode.NEOX,
+  kvHeadsPerBlock: true,
   hparams: gemma4HParams,
   embedScale: (hp) => Math.sqrt(hp.nEmbd),
-  blockTensors: (hp) =>
-    llamaBlockSpecs(hp, [
+  blockTensors: (model, il) => {
+    // the block's own head size and KV heads (its projections and q/k norms)
+    const hp = { ...model, ...headsOf(model, il) }
+    return llamaBlockSpecs(hp, [
       ...gemmaNormSpecs(hp.headDimK, hp.nEmbd),
       { name: "layer_output_scale.weight", dims: [1], kind: "vector", required: false }
-    ]).map((s): TensorSpec => (s.name === "attn_v.weight" ? { ...s, required: false } : s)),
+    ]).map((s): TensorSpec => (s.name === "attn_v.weight" ? { ...s, required: false } : s))
+  },
   sharedTensors: (hp) => [
     { name: "rope_freqs.weight", dims: [hp.headDimK / 2], kind: "vector", required: hasGlobalBlock(hp) }
   ],
   buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
     const g = t.g
-    const { headDimK, headDimV, nHead, nHeadKv, rmsEps } = t.hp
+    const { nHead, rmsEps } = t.hp
+    const { headDimK, headDimV, nHeadKv } = t.heads
     const heads = (y: Ptr, d: number, n: number) => g.ggml_reshape_3d(t.ctx, y, d, n, t.nTokens)
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
     // global blocks: proportional RoPE through the frequency factors
