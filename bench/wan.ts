@@ -16,14 +16,22 @@
  * links): swactor's weight delivery of stage 0's slice (2-stage split) to an agent with an empty cache over the Wi-Fi
  * link (WeightDelivery, as bench:cluster's delivery part).
  *
- * Usage: npm run bench:wan [-- --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
- *        --model PATH --shape 16x2048 --skip-llama --skip-delivery --llama-tools DIR --no-pin --relay-check-only]
- * Default model: a synthetic Q8_0 llama of 8 blocks × 1024 (FFN 4096, heads 16/4, vocab 32000; 190 MiB), so a full
- * run fits about ten minutes on 2 cores; `--shape 16x2048` is the issue's reference model (the 16×2048 of bench:serve);
- * `--shape LxH` any size of that family (FFN 4×H, heads H/64, KV heads H/256). Written once under .cache/bench. llama.cpp's tools: --llama-tools DIR (or
- * BENCH_LLAMA_TOOLS) holding llama-server and ggml-rpc-server, else .cache/llama-tools/build/bin (made by
- * scripts/build-llama-tools.sh), else /tmp/llama-build/bin; none: the llama.cpp columns are left out with one line
- * saying how to build them.
+ * The llama.cpp side (bench/wanLlama.ts) runs swactor's own split and is checked before it is measured: llama-server's
+ * load log must show every block and the head on the rpc-servers, each server holding its blocks' weights and KV, and
+ * llama-server's CPU only the embedding; then one greedy request must give single-process llama-server's tokens.
+ * Every process the bench starts is killed when it ends, fails or gets SIGINT / SIGTERM / SIGHUP (bench/wanProcesses.ts).
+ *
+ * Usage: npm run bench:wan [-- --quick --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
+ *        --model PATH --shape 16x2048 --skip-llama --skip-swactor --skip-delivery --greedy-check 32 --llama-tools DIR
+ *        --no-pin --relay-check-only]
+ * --quick: links loopback,wifi (gbe left out) — the issue's comparison at stages 2,4 × N 1,4,8 in about ten minutes on
+ * 2 cores; any explicit flag still wins. --greedy-check N: tokens of the greedy check (0: none).
+ * Default model: a synthetic Q8_0 llama of 8 blocks × 1024 (FFN 4096, heads 16/4, vocab 32000; 190 MiB);
+ * `--shape 16x2048` is the issue's reference model (the 16×2048 of bench:serve); `--shape LxH` any size of that
+ * family (FFN 4×H, heads H/64, KV heads H/256). Written once under .cache/bench. llama.cpp's tools: --llama-tools DIR
+ * (or BENCH_LLAMA_TOOLS) holding llama-server and ggml-rpc-server with their backends, else
+ * .cache/llama-tools/build/bin (made by scripts/build-llama-tools.sh), else /tmp/llama-build/bin; none (or tools that
+ * do not run): one line saying so and exit 2 before anything runs, unless --skip-llama.
  */
 import { spawn } from "node:child_process"
 import * as Fs from "node:fs"
