@@ -37,6 +37,8 @@ export interface SynthArgs {
   readonly swaPattern: Option.Option<number>
   readonly logitSoftcap: Option.Option<number>
   readonly kEqV: boolean
+  readonly perLayerEmbd: Option.Option<number>
+  readonly sharedKvLayers: Option.Option<number>
   readonly swaHeadDim: Option.Option<number>
   readonly globalKvHeads: Option.Option<number>
   readonly experts: Option.Option<number>
@@ -80,6 +82,8 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
   ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
   ...(args.kEqV ? { kEqV: true } : {}),
+  ...(Option.isSome(args.perLayerEmbd) ? { perLayerEmbd: args.perLayerEmbd.value } : {}),
+  ...(Option.isSome(args.sharedKvLayers) ? { sharedKvLayers: args.sharedKvLayers.value } : {}),
   ...(Option.isSome(args.swaHeadDim) ? { swaHeadDim: args.swaHeadDim.value } : {}),
   ...(Option.isSome(args.globalKvHeads) ? { globalKvHeads: args.globalKvHeads.value } : {}),
   ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
@@ -164,6 +168,12 @@ export const synthCommand = Command.make(
     ),
     kEqV: Options.boolean("k-eq-v").pipe(
       Options.withDescription("gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)")
+    ),
+    perLayerEmbd: int("per-layer-embd", "gemma4: per-layer embedding width, embedding_length_per_layer_input (E2B/E4B: 256; default 0: none)").pipe(
+      Options.optional
+    ),
+    sharedKvLayers: int("shared-kv-layers", "gemma4: last blocks that read an earlier block's KV cache, attention.shared_kv_layers (default none)").pipe(
+      Options.optional
     ),
     swaHeadDim: int("swa-head-dim", "gemma4: head size of the sliding-window blocks, key_length_swa (default the model's; 31B: half the global)").pipe(
       Options.optional

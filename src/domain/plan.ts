@@ -236,6 +236,11 @@ export const ModelLayout = Schema.Struct({
    * SSM state, F32; their kvBytesPerToken is 0). Absent: none.
    */
   stateBytes: Schema.optional(Schema.Array(Schema.Number)),
+  /**
+   * Per block, the block whose KV cache it reads (gemma4's shared KV layers, services/KvShare.ts): itself, or an
+   * earlier block it must share a stage with (its kvBytesPerToken is 0). Absent: every block reads its own.
+   */
+  kvSources: Schema.optional(Schema.Array(Schema.Number)),
   inputBytes: Schema.Number,
   outputBytes: Schema.Number,
   hiddenDim: Schema.Number

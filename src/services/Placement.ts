@@ -29,6 +29,7 @@ import {
   StageOverMemory
 } from "../domain/planErrors.js"
 import { swaCacheSize } from "./KvSize.js"
+import { cutAllowed, kvShareRangeProblem } from "./KvShare.js"
 import { formatLayerRanges, layerRangesProblem, partitionLayers } from "./Planner.js"
 
 export interface PlacementOptions {
@@ -197,6 +198,8 @@ const bestSplit = (c: Costing, nodes: ReadonlyArray<PoolNode>): ReadonlyArray<La
       for (let start = j - 1; start < end; start++) {
         const prev = best[j - 1]![start]
         if (prev === undefined) continue
+        // never between a shared KV block and the block whose cache it reads (ModelLayout.kvSources)
+        if (!cutAllowed(c.layout.kvSources, start)) continue
         if (memoryBytesOf(c, start, end) > node.freeMemoryBytes) continue
         const ms = millisOf(c, node, start, end)
         const bottleneck = Math.max(prev.bottleneck, ms)
@@ -305,18 +308,60 @@ export const choosePlacement = (
           new InvalidPlacement({ reason: `${stageCount} stages cannot split ${numLayers} blocks into non-empty ranges` })
         )
       }
-      return onPool(c, "Balanced", pool, partitionLayers(numLayers, stageCount))
+      const ranges = keepKvShared(layout, partitionLayers(numLayers, stageCount))
+      if (ranges === undefined) {
+        return Either.left(
+          new InvalidPlacement({
+            reason: `${stageCount} stages cannot split ${numLayers} blocks without separating a shared KV block from ` +
+              `the block whose cache it reads (${legalCuts(layout).length} legal stage boundaries)`
+          })
+        )
+      }
+      return onPool(c, "Balanced", pool, ranges)
     }
     case "Fixed": {
       const problem = layerRangesProblem(intent.ranges, numLayers, intent.ranges.length)
       if (problem !== undefined) {
         return Either.left(new InvalidLayerRanges({ ranges: formatLayerRanges(intent.ranges), reason: problem }))
       }
+      // a range must hold every block whose KV cache its blocks read (gemma4's shared KV layers)
+      for (const [start, end] of intent.ranges) {
+        const shared = kvShareRangeProblem(layout.kvSources, start, end)
+        if (shared !== undefined) {
+          return Either.left(new InvalidLayerRanges({ ranges: formatLayerRanges(intent.ranges), reason: shared }))
+        }
+      }
       return onPool(c, "Fixed", pool, intent.ranges)
     }
     case "Capacity":
       return capacityPlacement(c, pool)
   }
+}
+
+/** Block indices a stage may start at besides 0 (ModelLayout.kvSources: not inside a shared KV group). */
+const legalCuts = (layout: ModelLayout): ReadonlyArray<number> =>
+  Array.from({ length: layout.blockBytes.length - 1 }, (_, i) => i + 1).filter((c) => cutAllowed(layout.kvSources, c))
+
+/**
+ * A balanced split moved onto legal boundaries (ModelLayout.kvSources): each boundary to the nearest legal one at or
+ * below it that is above the previous boundary, else the first legal one above it; undefined when there are too few.
+ */
+const keepKvShared = (
+  layout: ModelLayout,
+  ranges: ReadonlyArray<LayerRange>
+): ReadonlyArray<LayerRange> | undefined => {
+  if (layout.kvSources === undefined) return ranges
+  const legal = legalCuts(layout)
+  const cuts: Array<number> = []
+  for (const [start] of ranges.slice(1)) {
+    const previous = cuts[cuts.length - 1] ?? 0
+    const below = legal.filter((c) => c > previous && c <= start)
+    const cut = below.length > 0 ? below[below.length - 1] : legal.find((c) => c > previous)
+    if (cut === undefined) return undefined
+    cuts.push(cut)
+  }
+  const bounds = [0, ...cuts, layout.blockBytes.length]
+  return cuts.map((_, i) => [bounds[i]!, bounds[i + 1]!] as LayerRange).concat([[bounds[cuts.length]!, bounds[cuts.length + 1]!]])
 }
 
 /** Stage placements and layer ranges of a choice, as `planRun` takes them. */

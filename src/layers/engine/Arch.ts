@@ -21,6 +21,13 @@ export interface ArchModule {
   readonly blockTensors: (hp: HParams, il: number) => ReadonlyArray<TensorSpec>
   /** Optional model-wide tensors that blocks use (full names, e.g. `rope_freqs.weight`). */
   readonly sharedTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
+  /** Optional model-wide tensors only the first stage loads (full names; gemma4's per-layer embedding tables). */
+  readonly inputTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
+  /**
+   * Optional, first stage: per-layer inputs from the token ids and the scaled embeddings `x` (gemma4 E2B/E4B), F32
+   * [perLayer.width x nLayer, nTokens], block il's values at row offset il x width (PerLayerInputs.ts).
+   */
+  readonly perLayerInputs?: (t: Toolkit, w: OutputWeights, tokens: Ptr, x: Ptr) => Ptr
   /** Optional tensors of the output head besides output_norm / output (full names, e.g. `output.bias`). */
   readonly outputTensors?: (hp: HParams) => ReadonlyArray<TensorSpec>
   /** One block: residual stream in, residual stream out (t.layer is the block's index in the model). */

@@ -8,6 +8,7 @@ import type { StageInput } from "../../domain/engine.js"
 import { type Ptr, TensorLayout } from "../ggml/Bindings.js"
 import { attendedCells } from "../../services/KvSize.js"
 import { libcFunction } from "./FileMap.js"
+import { activationWidth } from "./PerLayerInputs.js"
 import { graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
@@ -17,6 +18,9 @@ import { fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
 
 const F16_NEG_INF = 0xfc00
+
+/** Floats per row of the stage's hidden input (PerLayerInputs.ts: gemma4's per-layer inputs travel with them). */
+const inWidth = (w: NativeWeights) => activationWidth(w.layout.hp, w.layout.spec.layerStart)
 
 /** Bytes of hidden states copied into graph inputs (tests count copies per hop with it). */
 export const inputCopies = { bytes: 0 }
@@ -37,6 +41,9 @@ const addressOf = (data: Float32Array): bigint | null => {
  */
 const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint | null => {
   if (input._tag !== "Hidden" || w.device !== "cpu" || process.env["SWACTOR_ZERO_COPY"] === "0") return null
+  // rows that carry per-layer inputs too are read through views, whose data pointers were fixed when the graph was
+  // allocated: those are copied in
+  if (inWidth(w) !== w.layout.hp.nEmbd) return null
   const bytes = w.layout.hp.nEmbd * input.nTokens * 4
   if (input.hidden.byteLength !== bytes || bytes < 256) return null
   const at = addressOf(input.hidden)
@@ -106,7 +113,7 @@ const runInPieces = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): 
         ? { _tag: "Tokens", tokens: it.input.tokens.subarray(at, at + m) }
         : {
           _tag: "Hidden",
-          hidden: it.input.hidden.subarray(at * w.layout.hp.nEmbd, (at + m) * w.layout.hp.nEmbd),
+          hidden: it.input.hidden.subarray(at * inWidth(w), (at + m) * inWidth(w)),
           nTokens: m
         }
       last = (await runBatchLocked(w, [{ session: it.session, startPos: it.startPos + at, input }]))[0]!
@@ -224,8 +231,8 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       raw.ggml_backend_tensor_set(c.tokens, input.tokens, offset * 4, input.tokens.length * 4)
     }
     if (c.hidden !== null && input._tag === "Hidden" && borrowed === null) {
-      raw.ggml_backend_tensor_set(c.hidden, input.hidden, offset * hp.nEmbd * 4, hp.nEmbd * input.nTokens * 4)
-      inputCopies.bytes += hp.nEmbd * input.nTokens * 4
+      raw.ggml_backend_tensor_set(c.hidden, input.hidden, offset * inWidth(w) * 4, inWidth(w) * input.nTokens * 4)
+      inputCopies.bytes += inWidth(w) * input.nTokens * 4
     }
   }
 
@@ -257,14 +264,16 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     // Views of the one read-back (fresh per call): no second copy per sequence.
     return items.map((_, s) => ({ _tag: "Logits", logits: all.subarray(s * hp.nVocab, (s + 1) * hp.nVocab) }))
   }
-  const all = new Float32Array(hp.nEmbd * nTotal)
+  // rows of the residual stream and the per-layer inputs later stages read (PerLayerInputs.ts)
+  const width = activationWidth(hp, spec.layerEndExclusive)
+  const all = new Float32Array(width * nTotal)
   raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
   if (items.length === 1) return [{ _tag: "Hidden", hidden: all, nTokens: nTotal }]
   return items.map((_, s) => {
     const seg = segments[s]!
     return {
       _tag: "Hidden",
-      hidden: all.subarray(seg.offset * hp.nEmbd, (seg.offset + seg.n) * hp.nEmbd),
+      hidden: all.subarray(seg.offset * width, (seg.offset + seg.n) * width),
       nTokens: seg.n
     }
   })

@@ -10,6 +10,8 @@ import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, Toolkit } from "./Toolkit.js"
 import { checkedOps } from "./OpChecks.js"
+import { perLayerOps } from "../ggml/PerLayerBindings.js"
+import { activationWidth, joinStageOutput, splitStageInput } from "./PerLayerInputs.js"
 import { checkGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
 
@@ -100,23 +102,8 @@ export const buildGraph = (
       raw.ggml_set_input(attnScale)
       raw.ggml_build_forward_expand(graph, attnScale)
     }
-    const inputs: GraphInputs = { pos, outIds, segments, attnScale }
-
-    let x: Ptr
-    let tokens: Ptr | null = null
-    let hidden: Ptr | null = null
-    if (kind === "Tokens") {
-      tokens = input1d(GgmlType.I32, n, "inp_tokens")
-      x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
-      if (arch.embedScale !== undefined) x = raw.ggml_scale(ctx, x, arch.embedScale(hp))
-    } else {
-      x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.nEmbd, n)
-      raw.ggml_set_name(x, "inp_hidden")
-      raw.ggml_set_input(x)
-      // never reused in place by the graph: a lone call may point it at the caller's memory (zeroCopyHidden)
-      raw.ggml_set_output(x)
-      hidden = x
-    }
+    // perLayer is set below, once the per-layer inputs are known (PerLayerInputs.ts)
+    const inputs: { -readonly [K in keyof GraphInputs]: GraphInputs[K] } = { pos, outIds, segments, attnScale }
 
     // several sequences only: a lone call keeps exactly the products (and bits) it always had
     const small = w.device === "cpu" && nSeq > 1
@@ -127,6 +114,31 @@ export const buildGraph = (
       }
       : null
     const t = new Toolkit(raw, ctx, graph, hp, n, inputs, small)
+    const modelWide = { get: (name: string) => w.get(name), opt: (name: string) => w.tensors.get(name) ?? null }
+
+    let x: Ptr
+    let tokens: Ptr | null = null
+    let hidden: Ptr | null = null
+    if (kind === "Tokens") {
+      tokens = input1d(GgmlType.I32, n, "inp_tokens")
+      x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
+      if (arch.embedScale !== undefined) x = raw.ggml_scale(ctx, x, arch.embedScale(hp))
+      if (hp.perLayer !== undefined && arch.perLayerInputs !== undefined) {
+        const rows = arch.perLayerInputs(t, modelWide, tokens, x)
+        inputs.perLayer = { rows, stride: hp.perLayer.width * hp.nLayer, offset: 0, first: 0 }
+      }
+    } else {
+      // the stage's input rows: the residual stream, then the per-layer inputs of its blocks and later ones
+      x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, activationWidth(hp, spec.layerStart), n)
+      raw.ggml_set_name(x, "inp_hidden")
+      raw.ggml_set_input(x)
+      // never reused in place by the graph: a lone call may point it at the caller's memory (zeroCopyHidden)
+      raw.ggml_set_output(x)
+      hidden = x
+      const split = splitStageInput(raw, ctx, hp, x, spec.layerStart, n)
+      x = split.x
+      if (split.perLayer !== undefined) inputs.perLayer = split.perLayer
+    }
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
       t.layer = il
       const prefix = `blk.${il}.`
@@ -137,7 +149,8 @@ export const buildGraph = (
       }
       x = arch.buildBlock(t, bw, x)
     }
-    if (spec.isLast) x = arch.buildOutput(t, { get: (name) => w.get(name), opt: (name) => w.tensors.get(name) ?? null }, x)
+    if (spec.isLast) x = arch.buildOutput(t, modelWide, x)
+    else x = joinStageOutput(raw, ctx, hp, perLayerOps(w.ggml).ggml_concat, x, inputs.perLayer, spec.layerEndExclusive, n)
     raw.ggml_set_output(x)
     raw.ggml_build_forward_expand(graph, x)
 

@@ -51,6 +51,10 @@ export interface HParams {
   readonly ropeExt?: RopeExt
   /** Attention temperature tuning (mistral3's `attention.temperature_scale`); absent: none. */
   readonly attnTemp?: AttnTemp
+  /** Per-layer embeddings (gemma4 E2B/E4B, archs/gemma4PerLayer.ts): each block's input width; absent: none. */
+  readonly perLayer?: PerLayerEmbd
+  /** Blocks that read an earlier block's KV cache (gemma4 E2B/E4B `attention.shared_kv_layers`); absent: none. */
+  readonly kvShare?: KvShare
   /**
    * Multi-head latent attention (deepseek2, archs/deepseek2.ts): the cache holds one K row per token (headDimK x
    * nHeadKv = the latent then the RoPE part) and V is a view of its first headDimV elements (no V cache); absent: none.
@@ -76,6 +80,20 @@ export interface BlockHeads {
 /** Block `il`'s attention shape: its own (HParams.blockHeads) or the model-wide one. */
 export const headsOf = (hp: HParams, il: number): BlockHeads =>
   hp.blockHeads?.[il] ?? { headDimK: hp.headDimK, headDimV: hp.headDimV, nHeadKv: hp.nHeadKv, nRot: hp.nRot }
+
+/** gemma4's per-layer embeddings: `embedding_length_per_layer_input` values per block and token. */
+export interface PerLayerEmbd {
+  readonly width: number
+}
+
+/**
+ * gemma4's shared KV layers: blocks `from`..nLayer-1 keep no cache and attend over block `sources[il]`'s (llama.cpp's
+ * n_layer_kv_from_start and its reuse callback); `sources[il] === il` for a block with its own cache.
+ */
+export interface KvShare {
+  readonly from: number
+  readonly sources: ReadonlyArray<number>
+}
 
 /** deepseek2's latent attention sizes (`attention.q_lora_rank`, `kv_lora_rank`, `key_length_mla`, `value_length_mla`). */
 export interface MlaParams {

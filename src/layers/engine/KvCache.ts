@@ -97,6 +97,8 @@ export class NativeSession {
         this.kv.set(il, { k, v })
         continue
       }
+      // a block reading an earlier block's cache (HParams.kvShare: gemma4's shared KV layers) keeps none
+      if (hp.kvShare !== undefined && hp.kvShare.sources[il] !== il) continue
       const cells = hp.swa?.layers[il] === true ? this.swaSize! : kvSize
       const widths = kvRowWidths(hp, il)
       const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, cells)

@@ -34,6 +34,7 @@ import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { recurrentStateElems } from "./RecurrentParams.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
+import { activationWidth } from "./PerLayerInputs.js"
 import { getGgml } from "../ggml/Bindings.js"
 import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
@@ -138,6 +139,8 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
     let swaBytesPerToken = 0
     let attnBytesPerToken = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      // a block reading an earlier block's cache (HParams.kvShare) keeps none
+      if (hp.kvShare !== undefined && hp.kvShare.sources[il] !== il) continue
       const bytes = kvBytesPerTokenOfBlock(kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
       if (hp.recurrent?.layers[il] !== true) attnBytesPerToken += bytes
       if (hp.swa?.layers[il] === true) {
@@ -156,7 +159,8 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
       numLayers: hp.nLayer,
       isFirst: spec.isFirst,
       isLast: spec.isLast,
-      hiddenDim: hp.nEmbd,
+      // the input rows' width: gemma4's per-layer inputs of this stage's blocks and later ones travel with them
+      hiddenDim: activationWidth(hp, spec.layerStart),
       vocabSize: hp.nVocab,
       contextLength: hp.nCtxTrain,
       eosTokenId: hp.eosTokenId,

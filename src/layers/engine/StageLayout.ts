@@ -13,6 +13,7 @@ import { architectures, supportedArchitectures } from "./Registry.js"
 import { getGgml } from "../ggml/Bindings.js"
 import { cpuComputesWeightType } from "../ggml/CpuTypeSupport.js"
 import type { TensorSpec } from "./Toolkit.js"
+import { kvShareCut } from "./PerLayerInputs.js"
 
 /** How a weight is used in the graph (decides its buffer type, as llama.cpp does). */
 export type WeightUse = "get_rows" | "mul_mat" | "mul_mat_id" | "vector"
@@ -153,6 +154,9 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
         `isLast=${spec.isLast} but the range ends at block ${end} of ${hp.nLayer}`
       )
     }
+    // a block that reads an earlier block's KV cache runs on the stage that holds that cache (HParams.kvShare)
+    const cut = kvShareCut(hp, start, end)
+    if (cut !== undefined) return yield* fail(file, "InvalidLayerRange", cut)
     const out: Array<PlannedTensor> = []
     const embdSpec: TensorSpec = {
       name: "token_embd.weight",
@@ -163,6 +167,11 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
     if (spec.isFirst) {
       const info = yield* checkTensor(file, "token_embd.weight", embdSpec)
       if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows" })
+      // first stage only: tables looked up by token id (gemma4's per_layer_token_embd) and their projections
+      for (const s of arch.inputTensors?.(hp) ?? []) {
+        const info = yield* checkTensor(file, s.name, s)
+        if (info !== undefined) out.push({ name: s.name, info, use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s) })
+      }
     }
     for (const s of arch.sharedTensors?.(hp) ?? []) {
       const info = yield* checkTensor(file, s.name, s)

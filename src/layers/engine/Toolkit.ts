@@ -73,6 +73,11 @@ export interface GraphInputs {
   readonly segments: ReadonlyArray<AttentionSegment>
   /** F32 [1, 1, nTokens] attention temperature of each token (HParams.attnTemp; absent or null: none) */
   readonly attnScale?: Ptr | null
+  /**
+   * Per-layer embedding inputs (HParams.perLayer, archs/gemma4PerLayer.ts): F32 rows of `stride` floats, block il's
+   * `width` values of a token at float `offset + (il - first) * width` of its row.
+   */
+  readonly perLayer?: { readonly rows: Ptr; readonly stride: number; readonly offset: number; readonly first: number }
 }
 
 /** Matrix products over a few rows through ggml's one-row kernel (CPU; see Toolkit.mulMatSmall). */

@@ -4,6 +4,7 @@
  */
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { slidingWindowOf, type SlidingWindowLayout } from "./SlidingWindow.js"
+import { withKvShare } from "./KvShareLayout.js"
 import { trunkBlockCount } from "./TrunkBlocks.js"
 import { statSync } from "node:fs"
 import { basename } from "node:path"
@@ -199,7 +200,9 @@ export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelL
     const facts = yield* readModelFacts(path)
     const arch = yield* Gguf.getArchitecture(file)
     const experts = yield* expertCountsOf(file, arch)
-    return layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts, slidingWindowOf(file, arch, facts.numLayers))
+    const layout = layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts, slidingWindowOf(file, arch, facts.numLayers))
+    // gemma4's shared KV layers: no cache of their own, never cut from the block whose cache they read
+    return withKvShare(layout, file, arch, facts.numLayers)
   })
 
 export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout, header: readHeader }

@@ -1,0 +1,36 @@
+/**
+ * Shared KV layers (gemma4 E2B/E4B `attention.shared_kv_layers`): the last `shared` blocks keep no KV cache and attend
+ * over an earlier block's (llama.cpp llama-model.cpp: block il >= from = nLayer - shared reads block from - 2 when it
+ * slides, from - 1 when it is global). A block and the block whose cache it reads must be on one stage, so a stage
+ * boundary may not fall between them. Pure: the engine (archs/gemma4PerLayer.ts, StageLayout), the catalog's layout
+ * and placement (Placement.ts) share it.
+ */
+
+/** Per block, the block whose KV cache it reads (itself when it keeps its own), after llama.cpp's reuse rule. */
+export const kvShareSources = (nLayer: number, shared: number, slides: ReadonlyArray<boolean>): ReadonlyArray<number> => {
+  const from = nLayer - shared
+  return Array.from({ length: nLayer }, (_, il) => il < from ? il : from - (slides[il] === true ? 2 : 1))
+}
+
+/** May a stage boundary fall before block `cut` (no block at or after it reads a cache before it)? */
+export const cutAllowed = (sources: ReadonlyArray<number> | undefined, cut: number): boolean => {
+  if (sources === undefined) return true
+  for (let il = cut; il < sources.length; il++) if (sources[il]! < cut) return false
+  return true
+}
+
+/** Why blocks [start, end) cannot be one stage (a block of it reads a cache before `start`), or undefined. */
+export const kvShareRangeProblem = (
+  sources: ReadonlyArray<number> | undefined,
+  start: number,
+  end: number
+): string | undefined => {
+  if (sources === undefined) return undefined
+  for (let il = start; il < end; il++) {
+    const source = sources[il]!
+    if (source < start) {
+      return `block ${il} reads block ${source}'s KV cache (shared KV layers), so blocks ${source}..${il} must be on one stage`
+    }
+  }
+  return undefined
+}
