@@ -253,7 +253,7 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
         ]
       }).pipe(Scope.extend(scope))
     )
-    if (cfg.pin) agents.forEach((a, i) => pinProcess(a.pid, i % cores))
+    const pinned = agents.map((a, i) => (cfg.pin ? pinProcess(a.pid, i % cores) : "not pinned"))
     const nodes = await Promise.all(agents.map(async (a) => `127.0.0.1:${await relays.front(profile, a.port)}`))
     const tokensPort = await freePort()
     const tokensFront = await relays.front(profile, tokensPort)
@@ -290,6 +290,7 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
     await runtime.runPromise(one(prompts[0]!, warmUpTokens)) // weights loaded, the first run's set-up done
     return {
       round,
+      setup: `agents --threads 1, ${pinned.join(" / ")}`,
       close: async () => {
         await runtime.dispose()
         await Effect.runPromise(Scope.close(scope, Exit.void))

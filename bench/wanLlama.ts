@@ -225,8 +225,10 @@ const checkPlacement = (
     } else problems.push("no KV cache size line in llama-server's log")
     return `[${start},${end})${k === ranges.length - 1 ? "+head" : ""} ${got?.toFixed(1) ?? "?"} MiB`
   })
-  if (problems.length > 0) throw new Error(`llama.cpp did not place the model as the bench asked: ${problems.join("; ")}`)
+  // The compute graph's pieces: the embedding lookup on llama-server's CPU, then one per rpc-server (head on the last).
   const splits = /graph splits = (\d+)/.exec(log)?.[1] ?? "?"
+  if (splits !== String(ranges.length + 1)) problems.push(`the graph has ${splits} splits, want ${ranges.length + 1} (the lookup on the CPU + one per rpc-server)`)
+  if (problems.length > 0) throw new Error(`llama.cpp did not place the model as the bench asked: ${problems.join("; ")}`)
   return `rpc-servers ${parts.join(", ")}; llama-server CPU: embedding only (${cpuMib.toFixed(1)} MiB), no KV; graph splits ${splits}`
 }
 
