@@ -106,6 +106,8 @@ export const pinProcess = (pid: number, core: number): string => {
   } catch (error) {
     return `not pinned (taskset: ${(error as Error).message.split("\n")[0]})`
   }
-  const { cpus } = threadAffinity(pid)
-  return cpus.length === 1 && cpus[0] === String(core) ? `core ${core}` : `pinning to ${core} not applied (threads allow ${cpus.join(" / ")})`
+  const { threads, cpus } = threadAffinity(pid)
+  return cpus.length === 1 && cpus[0] === String(core)
+    ? `core ${core} (${threads} thread${threads === 1 ? "" : "s"})`
+    : `pinning to ${core} not applied (threads allow ${cpus.join(" / ")})`
 }
