@@ -214,11 +214,29 @@ const groupLimited = (t: Toolkit, scores: Ptr, moe: MoeParams, n: number): Ptr =
 /** F16's smallest normal number: llama.cpp clamps the weights' sum to it before dividing. */
 const MIN_WEIGHT_SUM = 6.103515625e-5
 
+/** What an architecture changes in build_moe_ffn's graph (gemma4: its own router logits, GELU experts, scales). */
+export interface MoeFfnHooks {
+  /** Router logits [n_expert, n] the architecture computed itself (llama.cpp's probs_in); default gate_inp x. */
+  readonly logits?: Ptr
+  /** The experts' gated activation: SwiGLU (LLM_FFN_SILU, default) or GELU (LLM_FFN_GELU, ggml_geglu_split). */
+  readonly activation?: "silu" | "gelu"
+  /** Per-expert scale F32 [n_expert] on each chosen expert's down output (llama.cpp's down_exps_s); default none. */
+  readonly downScale?: Ptr | null
+}
+
 /**
  * The routed feed-forward of one block over x [n_embd, n] (already normed): llama.cpp's build_moe_ffn with the
- * SwiGLU experts (LLM_FFN_SILU). `probsBias` is exp_probs_b (selection only), shared experts when `moe.nFfShared`.
+ * SwiGLU experts (LLM_FFN_SILU) unless `hooks` say otherwise. `probsBias` is exp_probs_b (selection only), shared
+ * experts when `moe.nFfShared`.
  */
-export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, probsBias: Ptr | null = null): Ptr => {
+export const moeFfn = (
+  t: Toolkit,
+  w: BlockWeights,
+  x: Ptr,
+  moe: MoeParams,
+  probsBias: Ptr | null = null,
+  hooks: MoeFfnHooks = {}
+): Ptr => {
   const g = t.g
   const ctx = t.ctx
   const ggml = getGgml()
@@ -236,7 +254,7 @@ export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, prob
   const n = sx.ne[1]!
   check(sx.ne[0] === nEmbd && sx.ne[2] === 1 && sx.ne[3] === 1, "moeFfn", `input must be [${nEmbd}, n]`, x)
 
-  const logits = t.linear(w.get("ffn_gate_inp.weight"), x) // [n_expert, n]
+  const logits = hooks.logits ?? t.linear(w.get("ffn_gate_inp.weight"), x) // [n_expert, n]
   check(shape(logits).ne[0] === nExpert, "moeFfn", `router logits must count ${nExpert} experts`, logits)
   const probs = moe.gating === "softmax" ? op.ggml_soft_max(ctx, logits) : op.ggml_sigmoid(ctx, logits)
   let selection = probs
@@ -274,8 +292,15 @@ export const moeFfn = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams, prob
   }
   const up = mulMatId("ffn_up_exps.weight", cur) // [n_ff_exp, k, n]
   const gate = mulMatId("ffn_gate_exps.weight", cur)
-  const act = g.ggml_swiglu_split(ctx, gate, up)
+  const act = hooks.activation === "gelu" ? g.ggml_geglu_split(ctx, gate, up) : g.ggml_swiglu_split(ctx, gate, up)
   let experts = mulMatId("ffn_down_exps.weight", act) // [n_embd, k, n]
+  const downScale = hooks.downScale ?? null
+  if (downScale !== null) {
+    // llama.cpp's build_lora_mm_id: each chosen expert's output times its own scale
+    check(shape(downScale).ne[0] === nExpert, "moeFfn", `the per-expert scale must hold ${nExpert} values`, downScale)
+    const all = op.ggml_repeat_4d(ctx, g.ggml_reshape_3d(ctx, downScale, 1, nExpert, 1), 1, nExpert, n, 1)
+    experts = g.ggml_mul(ctx, experts, g.ggml_get_rows(ctx, all, chosen))
+  }
   experts = g.ggml_mul(ctx, experts, weights)
   g.ggml_build_forward_expand(t.graph, experts)
 

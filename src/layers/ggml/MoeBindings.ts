@@ -20,6 +20,8 @@ export interface MoeOps {
   readonly ggml_reshape_4d: (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr
   readonly ggml_set_rows: (ctx: Ptr, a: Ptr, b: Ptr, c: Ptr) => Ptr
   readonly ggml_fill: (ctx: Ptr, a: Ptr, c: number) => Ptr
+  /** a repeated to [ne0, ne1, ne2, ne3] (each a multiple of a's) */
+  readonly ggml_repeat_4d: (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr
 }
 
 const bound = new WeakMap<object, MoeOps>()
@@ -40,7 +42,8 @@ export const moeOps = (g: Ggml): MoeOps => {
     ggml_clamp: f("void * ggml_clamp(void * ctx, void * a, float min, float max)"),
     ggml_reshape_4d: f("void * ggml_reshape_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"),
     ggml_set_rows: f("void * ggml_set_rows(void * ctx, void * a, void * b, void * c)"),
-    ggml_fill: f("void * ggml_fill(void * ctx, void * a, float c)")
+    ggml_fill: f("void * ggml_fill(void * ctx, void * a, float c)"),
+    ggml_repeat_4d: f("void * ggml_repeat_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)")
   }
   bound.set(g, ops)
   return ops

@@ -34,8 +34,7 @@ import {
   gemma4KvHeadsValue,
   gemma4LayerScale,
   gemma4Metadata,
-  gemma4PerLayerBlockTensors,
-  gemma4PerLayerTensors,
+  gemma4MoeTensors,
   gemma4SharedTensors,
   gemma4SwaBlocks,
   type SyntheticGemma4Options,
@@ -351,7 +350,6 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   norm("output_norm.weight", o.hidden)
   if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
   if (o.arch === "gemma4") out.push(...gemma4SharedTensors(model.hd))
-  if (o.arch === "gemma4") out.push(...gemma4PerLayerTensors(o, o.hidden, o.layers, o.vocab))
   for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
@@ -383,7 +381,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       norm(`${b}.attn_k_norm.weight`, hd)
     }
     if (o.arch === "gemma3" || o.arch === "gemma4") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
-    if (o.arch === "gemma4") out.push(gemma4LayerScale(b), ...gemma4PerLayerBlockTensors(o, b, o.hidden))
+    if (o.arch === "gemma4") out.push(gemma4LayerScale(b))
     w(`${b}.attn_output.weight`, q, o.hidden)
     if (o.arch === "gpt-oss") {
       out.push(...gptOssBlockTensors(b, o, q, kv))
@@ -397,6 +395,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     w(`${b}.ffn_gate.weight`, o.hidden, o.ffn)
     w(`${b}.ffn_up.weight`, o.hidden, o.ffn)
     w(`${b}.ffn_down.weight`, o.ffn, o.hidden)
+    if (o.arch === "gemma4") out.push(...gemma4MoeTensors(b, o))
   }
   return out
 }

@@ -12,19 +12,44 @@ import { GgufValueType } from "../../domain/gguf.js"
 import type { GgufTypedValue } from "./GgufWriter.js"
 import { GgufValues } from "./GgufWriter.js"
 import { type SyntheticGemmaOptions, swaPeriodOf, windowOf } from "./SyntheticGemma.js"
+import type { SyntheticMoeOptions } from "./SyntheticMoe.js"
 
 /** gemma4 options of a synthetic model (besides gemma3's window, pattern and soft-capping). */
 export interface SyntheticGemma4Options extends SyntheticGemmaOptions {
   /** Global blocks without attn_v.weight (V = K's projection); default false. */
   readonly kEqV?: boolean
-  /** Per-layer embeddings (E2B/E4B): `embedding_length_per_layer_input` and its tensors; default 0 (none). */
-  readonly perLayerEmbd?: number
-  /** Blocks at the end that read an earlier block's KV cache (`attention.shared_kv_layers`); default none. */
-  readonly sharedKvLayers?: number
   /** Head size of the sliding-window blocks (key_length_swa); default the model's head size. */
   readonly swaHeadDim?: number
   /** KV heads of the global blocks (head_count_kv becomes one count per block); default kvHeads. */
   readonly globalKvHeads?: number
+}
+
+/** gemma4's experts (26B-A4B) when `experts` is given: count, used per token (default 2), expert width (default ffn). */
+const gemma4MoeShape = (o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly ffn?: number }) =>
+  o.experts === undefined ? undefined : { experts: o.experts, used: o.expertsUsed ?? 2, ffn: o.expertFfn ?? o.ffn ?? 0 }
+
+/**
+ * Block `b`'s expert tensors beside its dense feed-forward (none without `experts`): the router [hidden, experts] and
+ * its input scale, the stacked GELU experts, a per-expert output scale, and the norms of the two branches
+ * (llama.cpp's gemma4 26B-A4B tensors).
+ */
+export const gemma4MoeTensors = (b: string, o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly hidden: number; readonly ffn: number }) => {
+  const moe = gemma4MoeShape(o)
+  if (moe === undefined) return []
+  const h = o.hidden
+  const m = (name: string, dims: ReadonlyArray<number>) => ({ name: `${b}.${name}`, dims, mean: 0, std: 1 / Math.sqrt(dims[0]!) })
+  const v = (name: string, n: number, std: number) => ({ name: `${b}.${name}`, dims: [n], mean: 1, std })
+  return [
+    m("ffn_gate_inp.weight", [h, moe.experts]),
+    v("ffn_gate_inp.scale", h, 0.2),
+    m("ffn_gate_exps.weight", [h, moe.ffn, moe.experts]),
+    m("ffn_up_exps.weight", [h, moe.ffn, moe.experts]),
+    m("ffn_down_exps.weight", [moe.ffn, h, moe.experts]),
+    v("ffn_down_exps.scale", moe.experts, 0.3),
+    v("pre_ffw_norm_2.weight", h, 0.1),
+    v("post_ffw_norm_1.weight", h, 0.1),
+    v("post_ffw_norm_2.weight", h, 0.1)
+  ]
 }
 
 /** What is wrong with the gemma4 head options (of a model of `heads` query heads), or undefined. */
@@ -63,28 +88,6 @@ export const gemma4SwaBlocks = (o: SyntheticGemmaOptions, layers: number): Reado
   return Array.from({ length: layers }, (_, il) => il % period < period - 1)
 }
 
-/** Per-layer embedding tables of a model of `hidden` width, `layers` blocks and `vocab` tokens (E2B/E4B). */
-export const gemma4PerLayerTensors = (o: SyntheticGemma4Options, hidden: number, layers: number, vocab: number) => {
-  const width = o.perLayerEmbd ?? 0
-  if (width === 0) return []
-  return [
-    { name: "per_layer_token_embd.weight", dims: [width * layers, vocab], mean: 0, std: 0.1 },
-    { name: "per_layer_model_proj.weight", dims: [hidden, width * layers], mean: 0, std: 1 / Math.sqrt(hidden) },
-    { name: "per_layer_proj_norm.weight", dims: [width], mean: 1, std: 0.1 }
-  ]
-}
-
-/** Block `b`'s per-layer embedding tensors: the gate, the projection back to the residual width, its norm. */
-export const gemma4PerLayerBlockTensors = (o: SyntheticGemma4Options, b: string, hidden: number) => {
-  const width = o.perLayerEmbd ?? 0
-  if (width === 0) return []
-  return [
-    { name: `${b}.inp_gate.weight`, dims: [hidden, width], mean: 0, std: 1 / Math.sqrt(hidden) },
-    { name: `${b}.proj.weight`, dims: [width, hidden], mean: 0, std: 1 / Math.sqrt(width) },
-    { name: `${b}.post_norm.weight`, dims: [hidden], mean: 1, std: 0.1 }
-  ]
-}
-
 /** The model-wide tensors of gemma4: RoPE frequency factors of the global blocks (head size / 2). */
 export const gemma4SharedTensors = (headDim: number) => [
   { name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }
@@ -95,7 +98,7 @@ export const gemma4LayerScale = (b: string) => ({ name: `${b}.layer_output_scale
 
 /** gemma4's own metadata keys (the model's head size `hd`, `layers` blocks). */
 export const gemma4Metadata = (
-  o: SyntheticGemma4Options,
+  o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly ffn?: number },
   layers: number,
   hd: number
 ): Array<readonly [string, GgufTypedValue]> => {
@@ -105,10 +108,17 @@ export const gemma4Metadata = (
     ["gemma4.rope.freq_base_swa", GgufValues.f32(10_000)],
     ["gemma4.attention.key_length_swa", GgufValues.u32(o.swaHeadDim ?? hd)],
     ["gemma4.attention.value_length_swa", GgufValues.u32(o.swaHeadDim ?? hd)],
-    ["gemma4.embedding_length_per_layer_input", GgufValues.u32(o.perLayerEmbd ?? 0)]
+    ["gemma4.embedding_length_per_layer_input", GgufValues.u32(0)]
   ]
-  if (o.sharedKvLayers !== undefined) md.push(["gemma4.attention.shared_kv_layers", GgufValues.u32(o.sharedKvLayers)])
   if (o.logitSoftcap !== undefined) md.push(["gemma4.final_logit_softcapping", GgufValues.f32(o.logitSoftcap)])
   if (o.swaHeadDim !== undefined) md.push(["gemma4.rope.dimension_count_swa", GgufValues.u32(o.swaHeadDim)])
+  const moe = gemma4MoeShape(o)
+  if (moe !== undefined) {
+    md.push(
+      ["gemma4.expert_count", GgufValues.u32(moe.experts)],
+      ["gemma4.expert_used_count", GgufValues.u32(moe.used)],
+      ["gemma4.expert_feed_forward_length", GgufValues.u32(moe.ffn)]
+    )
+  }
   return md
 }

@@ -54,8 +54,9 @@ export const validateMoeOptions = (
 ): string | undefined => {
   const given = o.experts !== undefined || o.expertsUsed !== undefined || o.expertFfn !== undefined ||
     o.sharedExperts !== undefined || o.denseBlocks !== undefined
-  if (!isSyntheticMoe(o.arch)) {
-    return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")} only, not ${o.arch}` : undefined
+  // gemma4 (26B-A4B): experts beside its dense feed-forward (SyntheticGemma4.ts), only when asked for
+  if (!isSyntheticMoe(o.arch) && !(o.arch === "gemma4" && o.experts !== undefined)) {
+    return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")}, gemma4 only, not ${o.arch}` : undefined
   }
   if (o.arch === "qwen35moe" && (o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
     return `denseBlocks and expertGroups are not qwen35moe options (every block is routed, no groups)`
