@@ -4,8 +4,8 @@
  * kinds; global blocks without attn_v, RoPE frequency factors, per-block output scales, soft-capping), prompt +
  * generation longer than twice the window, node-llama-cpp's capped and full SWA caches agreeing and a wider window
  * giving other tokens (it really slides); 8 sequences batched equal their lone runs; bad gemma4 metadata (odd or
- * mismatched sliding-window head sizes, a RoPE width past the head, and the parts of Gemma 4 swactor does not build:
- * per-layer embeddings, shared KV layers, experts) is a typed error naming the key; a stage killed with SIGKILL mid-generation resumes on a spare with identical text.
+ * mismatched sliding-window head sizes, a RoPE width past the head, shared KV layers reading a cache of the other kind,
+ * and the parts of Gemma 4 swactor does not build: experts) is a typed error naming the key; a stage killed with SIGKILL mid-generation resumes on a spare with identical text.
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
@@ -203,8 +203,8 @@ describe("gemma4: bad metadata and the parts swactor does not build are typed er
   }
   const u32 = GgufValues.u32
   const cases: ReadonlyArray<readonly [string, string, GgufTypedValue | undefined]> = [
-    ["per-layer-embd", "gemma4.embedding_length_per_layer_input", u32(256)],
     ["per-layer-embd-missing", "gemma4.embedding_length_per_layer_input", undefined],
+    // block 2 (global) would read sliding block 1's cache (engine.gemma4PerLayer covers the shared KV layers built)
     ["shared-kv", "gemma4.attention.shared_kv_layers", u32(1)],
     ["experts", "gemma4.expert_count", u32(2000)],
     ["key-length-swa", "gemma4.attention.key_length_swa", u32(7)],

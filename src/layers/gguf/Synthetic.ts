@@ -35,6 +35,8 @@ import {
   gemma4LayerScale,
   gemma4Metadata,
   gemma4MoeTensors,
+  gemma4PerLayerBlockTensors,
+  gemma4PerLayerTensors,
   gemma4SharedTensors,
   gemma4SwaBlocks,
   type SyntheticGemma4Options,
@@ -350,6 +352,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   norm("output_norm.weight", o.hidden)
   if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
   if (o.arch === "gemma4") out.push(...gemma4SharedTensors(model.hd))
+  if (o.arch === "gemma4") out.push(...gemma4PerLayerTensors(o, o.hidden, o.layers, o.vocab))
   for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
@@ -381,7 +384,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       norm(`${b}.attn_k_norm.weight`, hd)
     }
     if (o.arch === "gemma3" || o.arch === "gemma4") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
-    if (o.arch === "gemma4") out.push(gemma4LayerScale(b))
+    if (o.arch === "gemma4") out.push(gemma4LayerScale(b), ...gemma4PerLayerBlockTensors(o, b, o.hidden))
     w(`${b}.attn_output.weight`, q, o.hidden)
     if (o.arch === "gpt-oss") {
       out.push(...gptOssBlockTensors(b, o, q, kv))

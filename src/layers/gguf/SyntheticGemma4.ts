@@ -18,6 +18,10 @@ import type { SyntheticMoeOptions } from "./SyntheticMoe.js"
 export interface SyntheticGemma4Options extends SyntheticGemmaOptions {
   /** Global blocks without attn_v.weight (V = K's projection); default false. */
   readonly kEqV?: boolean
+  /** Per-layer embeddings (E2B/E4B): `embedding_length_per_layer_input` and its tensors; default 0 (none). */
+  readonly perLayerEmbd?: number
+  /** Blocks at the end that read an earlier block's KV cache (`attention.shared_kv_layers`); default none. */
+  readonly sharedKvLayers?: number
   /** Head size of the sliding-window blocks (key_length_swa); default the model's head size. */
   readonly swaHeadDim?: number
   /** KV heads of the global blocks (head_count_kv becomes one count per block); default kvHeads. */
@@ -88,6 +92,28 @@ export const gemma4SwaBlocks = (o: SyntheticGemmaOptions, layers: number): Reado
   return Array.from({ length: layers }, (_, il) => il % period < period - 1)
 }
 
+/** Per-layer embedding tables of a model of `hidden` width, `layers` blocks and `vocab` tokens (E2B/E4B). */
+export const gemma4PerLayerTensors = (o: SyntheticGemma4Options, hidden: number, layers: number, vocab: number) => {
+  const width = o.perLayerEmbd ?? 0
+  if (width === 0) return []
+  return [
+    { name: "per_layer_token_embd.weight", dims: [width * layers, vocab], mean: 0, std: 0.1 },
+    { name: "per_layer_model_proj.weight", dims: [hidden, width * layers], mean: 0, std: 1 / Math.sqrt(hidden) },
+    { name: "per_layer_proj_norm.weight", dims: [width], mean: 1, std: 0.1 }
+  ]
+}
+
+/** Block `b`'s per-layer embedding tensors: the gate, the projection back to the residual width, its norm. */
+export const gemma4PerLayerBlockTensors = (o: SyntheticGemma4Options, b: string, hidden: number) => {
+  const width = o.perLayerEmbd ?? 0
+  if (width === 0) return []
+  return [
+    { name: `${b}.inp_gate.weight`, dims: [hidden, width], mean: 0, std: 1 / Math.sqrt(hidden) },
+    { name: `${b}.proj.weight`, dims: [width, hidden], mean: 0, std: 1 / Math.sqrt(width) },
+    { name: `${b}.post_norm.weight`, dims: [hidden], mean: 1, std: 0.1 }
+  ]
+}
+
 /** The model-wide tensors of gemma4: RoPE frequency factors of the global blocks (head size / 2). */
 export const gemma4SharedTensors = (headDim: number) => [
   { name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }
@@ -108,8 +134,9 @@ export const gemma4Metadata = (
     ["gemma4.rope.freq_base_swa", GgufValues.f32(10_000)],
     ["gemma4.attention.key_length_swa", GgufValues.u32(o.swaHeadDim ?? hd)],
     ["gemma4.attention.value_length_swa", GgufValues.u32(o.swaHeadDim ?? hd)],
-    ["gemma4.embedding_length_per_layer_input", GgufValues.u32(0)]
+    ["gemma4.embedding_length_per_layer_input", GgufValues.u32(o.perLayerEmbd ?? 0)]
   ]
+  if (o.sharedKvLayers !== undefined) md.push(["gemma4.attention.shared_kv_layers", GgufValues.u32(o.sharedKvLayers)])
   if (o.logitSoftcap !== undefined) md.push(["gemma4.final_logit_softcapping", GgufValues.f32(o.logitSoftcap)])
   if (o.swaHeadDim !== undefined) md.push(["gemma4.rope.dimension_count_swa", GgufValues.u32(o.swaHeadDim)])
   const moe = gemma4MoeShape(o)

@@ -9,9 +9,13 @@
  * - per-block attention shapes (HParams.blockHeads, the 31B's layout): the sliding-window blocks' own head size and RoPE
  *   width (`attention.key_length_swa` = `value_length_swa`, `rope.dimension_count_swa`), `attention.head_count_kv` one
  *   count per block; each block's KV cache, projections and q/k norms take its own widths.
- * Refused with a ModelLoadError naming the key: per-layer embeddings (`embedding_length_per_layer_input` > 0, E2B/E4B),
- * shared KV layers (`attention.shared_kv_layers` > 0), experts (`expert_count` > 0, 26B-A4B); key_length_swa odd or
- * not value_length_swa, a RoPE width odd or past its head size.
+ * - E2B/E4B (archs/gemma4PerLayer.ts): per-layer embeddings (`embedding_length_per_layer_input` > 0; the first stage
+ *   computes every block's per-layer input and they travel with the activations, engine/PerLayerInputs.ts) and shared
+ *   KV layers (`attention.shared_kv_layers` > 0: the last blocks attend over an earlier block's cache and keep none;
+ *   never on another stage than that block).
+ * Refused with a ModelLoadError naming the key: experts (`expert_count` > 0, 26B-A4B); key_length_swa odd or
+ * not value_length_swa, a RoPE width odd or past its head size; shared KV layers leaving fewer than 2 blocks with a
+ * cache or a block reading a cache of the other kind (sliding-window / global).
  */
 import { Effect } from "effect"
 import type { GgufFile, GgufValue, ModelLoadError } from "../../../domain/gguf.js"
@@ -30,6 +34,16 @@ import {
   swaRopeBase
 } from "./gemmaShared.js"
 import { gemma4AttnResidualAndMoe, gemma4MoeParams, gemma4MoeSpecs } from "./gemma4Moe.js"
+import {
+  gemma4PerLayerInputs,
+  gemma4PerLayerParams,
+  perLayerBlockOut,
+  perLayerBlockSpecs,
+  perLayerInputTensors,
+  reusesKv,
+  sharedKvAttention,
+  withoutOwnKv
+} from "./gemma4PerLayer.js"
 
 /**
  * gemma4's `attention.sliding_window_pattern` as llama.cpp reads it (get_key_or_arr): one bool per block (true: the
@@ -57,12 +71,6 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
   Effect.gen(function*() {
     const k = (s: string) => `${hp.arch}.${s}`
     const refuse = (key: string, message: string) => Effect.fail(invalidKey(file, k(key), message))
-    const perLayer = yield* required(file, k("embedding_length_per_layer_input"), getU32)
-    if (perLayer > 0) {
-      return yield* refuse("embedding_length_per_layer_input", `= ${perLayer}: per-layer embeddings (Gemma 4 E2B/E4B) are not supported`)
-    }
-    const shared = (yield* scalarKey(file, k("attention.shared_kv_layers"), getU32)) ?? 0
-    if (shared > 0) return yield* refuse("attention.shared_kv_layers", `= ${shared}: shared KV layers are not supported`)
     // experts (26B-A4B): archs/gemma4Moe.ts
     const moe = yield* gemma4MoeParams(file, hp)
     const heads = yield* gemma4BlockHeads(file, hp)
@@ -71,6 +79,8 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const layers = gemma4SwaPattern(file.metadata.get(k("attention.sliding_window_pattern")), hp.nLayer)
     if (typeof layers === "string") return yield* refuse("attention.sliding_window_pattern", layers)
     const ropeFreqBase = yield* swaRopeBase(file, hp.arch)
+    // per-layer embeddings and shared KV layers (E2B/E4B): archs/gemma4PerLayer.ts
+    const perLayer = yield* gemma4PerLayerParams(file, hp, layers)
     const cap = yield* logitSoftcapOf(file, hp.arch)
     // gemma4.cpp: f_attention_scale = 1 (no pre-attention scaling), the scale inside flash attention
     const blockHeads = layers.map((slides) => slides ? heads.swa : heads.global)
@@ -80,6 +90,7 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
       swa: { window, layers, ropeFreqBase, ropeFreqScale: 1 },
       ...cap,
       ...moe,
+      ...perLayer,
       blockHeads: blockHeads.map((h, il) => ({ ...h, nHeadKv: heads.kvHeads[il]! }))
     }
   })
@@ -134,12 +145,16 @@ export const gemma4: ArchModule = {
   blockTensors: (model, il) => {
     // the block's own head size and KV heads (its projections and q/k norms)
     const hp = { ...model, ...headsOf(model, il) }
-    return llamaBlockSpecs(hp, [
+    const specs = llamaBlockSpecs(hp, [
       ...gemmaNormSpecs(hp.headDimK, hp.nEmbd),
       { name: "layer_output_scale.weight", dims: [1], kind: "vector", required: false },
-      ...gemma4MoeSpecs(hp)
+      ...gemma4MoeSpecs(hp),
+      ...perLayerBlockSpecs(hp)
     ]).map((s): TensorSpec => (s.name === "attn_v.weight" ? { ...s, required: false } : s))
+    return reusesKv(model, il) ? withoutOwnKv(specs) : specs
   },
+  inputTensors: perLayerInputTensors,
+  perLayerInputs: gemma4PerLayerInputs,
   sharedTensors: (hp) => [
     { name: "rope_freqs.weight", dims: [hp.headDimK / 2], kind: "vector", required: hasGlobalBlock(hp) }
   ],
@@ -152,13 +167,20 @@ export const gemma4: ArchModule = {
     // global blocks: proportional RoPE through the frequency factors
     const factors = t.slidingWindow ? null : w.global("rope_freqs.weight")
     const q = t.rope(t.rmsNorm(heads(t.linear(w.get("attn_q.weight"), h), headDimK, nHead), w.get("attn_q_norm.weight")), factors)
-    const kProj = t.linear(w.get("attn_k.weight"), h)
-    const wv = w.opt("attn_v.weight")
-    const vProj = wv === null ? kProj : t.linear(wv, h)
-    const k = t.rope(t.rmsNorm(heads(kProj, headDimK, nHeadKv), w.get("attn_k_norm.weight")), factors)
-    const v = g.ggml_rms_norm(t.ctx, heads(vProj, headDimV, nHeadKv), rmsEps)
-    const att = t.attention(q, k, v, w.get("attn_output.weight"), null, t.hp.kqScale)
-    const out = (t.hp.moe === undefined ? gemmaAttnResidualAndFfn : gemma4AttnResidualAndMoe)(t, w, x, att)
+    // a shared KV layer (E2B/E4B) attends over an earlier block's cache
+    const source = t.hp.kvShare?.sources[t.layer] ?? t.layer
+    const att = source !== t.layer
+      ? sharedKvAttention(t, q, w.get("attn_output.weight"), source, t.hp.kqScale)
+      : (() => {
+        const kProj = t.linear(w.get("attn_k.weight"), h)
+        const wv = w.opt("attn_v.weight")
+        const vProj = wv === null ? kProj : t.linear(wv, h)
+        const k = t.rope(t.rmsNorm(heads(kProj, headDimK, nHeadKv), w.get("attn_k_norm.weight")), factors)
+        const v = g.ggml_rms_norm(t.ctx, heads(vProj, headDimV, nHeadKv), rmsEps)
+        return t.attention(q, k, v, w.get("attn_output.weight"), null, t.hp.kqScale)
+      })()
+    // per-layer embeddings (E2B/E4B) after the feed-forward residual, before the output scale
+    const out = perLayerBlockOut(t, w, (t.hp.moe === undefined ? gemmaAttnResidualAndFfn : gemma4AttnResidualAndMoe)(t, w, x, att))
     const scale = w.opt("layer_output_scale.weight")
     return scale === null ? out : g.ggml_mul(t.ctx, out, scale)
   },
