@@ -12,9 +12,10 @@
  * - E2B/E4B (archs/gemma4PerLayer.ts): per-layer embeddings (`embedding_length_per_layer_input` > 0; the first stage
  *   computes every block's per-layer input and they travel with the activations, engine/PerLayerInputs.ts) and shared
  *   KV layers (`attention.shared_kv_layers` > 0: the last blocks attend over an earlier block's cache and keep none;
- *   never on another stage than that block).
- * Refused with a ModelLoadError naming the key: experts (`expert_count` > 0, 26B-A4B); key_length_swa odd or
- * not value_length_swa, a RoPE width odd or past its head size; shared KV layers leaving fewer than 2 blocks with a
+ *   never on another stage than that block);
+ * - 26B-A4B (archs/gemma4Moe.ts): blocks with `ffn_gate_inp` add routed GELU experts beside the dense feed-forward.
+ * Refused with a ModelLoadError naming the key: `expert_count` above 1024, a fused `ffn_gate_up_exps` (as the missing
+ * `ffn_gate_exps`); key_length_swa odd or not value_length_swa, a RoPE width odd or past its head size; shared KV layers leaving fewer than 2 blocks with a
  * cache or a block reading a cache of the other kind (sliding-window / global).
  */
 import { Effect } from "effect"
