@@ -125,7 +125,9 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
         log: (line: string) => void process.stderr.write(`swactor node: ${line}\n`),
         ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
         ...(speed === undefined ? {} : speed),
-        ...(probeLater ? { laterSpeed } : {})
+        ...(probeLater ? { laterSpeed } : {}),
+        // the real engine's step costs by rows decide the decode micro-batch size (StepCosts.ts)
+        ...(args.engine === "live" ? { stepProbeRows: 8 } : {})
       })
       watchParentPipe(() => process.exit(0))
       if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)

@@ -253,6 +253,16 @@ export interface ServerMetrics {
     readonly activeStages: number
     /** Sessions open in the agent's process and the DeltaNet state / cache bytes they hold (absent: no answer). */
     readonly openSessions?: { readonly sessions: number; readonly stateBytes: number; readonly cacheBytes: number }
+    /**
+     * Per block range it has loaded: the measured decode step (ms) by rows, and its batcher's last choice of rows per
+     * decode micro-batch for `decoders` sequences through `stages` stages (`defaultRows`: ceil(decoders / stages)).
+     */
+    readonly stepCosts?: ReadonlyArray<{
+      readonly layers: readonly [number, number]
+      readonly costs: ReadonlyArray<{ readonly rows: number; readonly millis: number }>
+      readonly probe: "off" | "pending" | "done"
+      readonly choice?: { readonly decoders: number; readonly stages: number; readonly rows: number; readonly defaultRows: number } | undefined
+    }>
   }>
 }
 

@@ -69,6 +69,12 @@ export interface StageHostOptions {
   readonly log?: (line: string) => void
   /** A speed measured after start (`--speed-probe after-ready`): reported once set, when none is declared. */
   readonly laterSpeed?: { current: number | undefined }
+  /**
+   * Measure each loaded stage's decode step at 1..N rows while it is idle (BatcherSettings.stepProbe), so the batcher
+   * sizes decode micro-batches from measured costs from the first request on. 0 or absent: off (costs are then learnt
+   * from the micro-batches served only).
+   */
+  readonly stepProbeRows?: number
 }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -155,6 +161,8 @@ export const makeStageHost = (
     const dataPlane = yield* DataPlane
     const hostScope = yield* Effect.scope
     const progressSinks = new Map<string, (loaded: number, total: number) => void>()
+    /** The batcher of each loaded weights (for its step costs in the capacity report). */
+    const batchers = new Map<string, { readonly layers: readonly [number, number]; readonly batcher: StageBatcher }>()
     const models = yield* RcMap.make({
       lookup: (key: string) => {
         const [path, layerStart, layerEndExclusive, isFirst, isLast, backend] = JSON.parse(key) as [
@@ -172,7 +180,15 @@ export const makeStageHost = (
             { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
             (progress) => progressSinks.get(key)?.(progress.loadedBytes, progress.totalBytes)
           )
-          const batcher = yield* makeStageBatcher(options.batch).pipe(Effect.provideService(StageExecutor, executor))
+          const probeRows = options.stepProbeRows ?? 0
+          const batcher = yield* makeStageBatcher({
+            ...options.batch,
+            ...(probeRows > 0
+              ? { stepProbe: { maxRows: probeRows, session: executor.session(loaded, { contextLength: 16, threads: options.threads }) } }
+              : {})
+          }).pipe(Effect.provideService(StageExecutor, executor))
+          batchers.set(key, { layers: [layerStart, layerEndExclusive], batcher })
+          yield* Effect.addFinalizer(() => Effect.sync(() => batchers.delete(key)))
           return { loaded, batcher } satisfies CachedModel
         })
       },
@@ -576,6 +592,22 @@ export const makeStageHost = (
         hostname: Os.hostname(),
         activeStages: active.size,
         openSessions: heldSessionBytes(),
+        stepCosts: [...batchers.values()].map(({ batcher, layers }) => {
+          const report = batcher.stepCosts()
+          return {
+            layers,
+            costs: report.costs,
+            probe: report.probe,
+            ...(report.choice === undefined ? {} : {
+              choice: {
+                decoders: report.choice.decoders,
+                stages: report.choice.stages,
+                rows: report.choice.rows,
+                defaultRows: report.choice.defaultRows
+              }
+            })
+          }
+        }),
         ...(options.speedBytesPerSecond !== undefined
           ? { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }
           : options.laterSpeed?.current !== undefined
@@ -653,6 +685,8 @@ export interface NodeAgentOptions {
   readonly log?: (line: string) => void
   /** Set once a speed measured after start is known (capacity reports none until then). */
   readonly laterSpeed?: { current: number | undefined }
+  /** See StageHostOptions.stepProbeRows. */
+  readonly stepProbeRows?: number
 }
 
 const positiveEnv = (name: string): number | undefined => {
@@ -694,7 +728,8 @@ export const startNodeAgent = (
       ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes }),
       ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond }),
       ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource }),
-      ...(options.laterSpeed === undefined ? {} : { laterSpeed: options.laterSpeed })
+      ...(options.laterSpeed === undefined ? {} : { laterSpeed: options.laterSpeed }),
+      ...(options.stepProbeRows === undefined ? {} : { stepProbeRows: options.stepProbeRows })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({

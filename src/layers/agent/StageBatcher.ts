@@ -30,6 +30,7 @@
 import { Cause, Deferred, Effect, Option, Queue, type Scope } from "effect"
 import { EngineError, type ForwardError, type StageInput, type StageOutput } from "../../domain/engine.js"
 import { type BatchItem, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
+import { chooseDecodeGroup, type DecodeGroupChoice, makeStepCosts, type StepCosts } from "../../services/StepCosts.js"
 
 export interface BatcherSettings {
   /** Most rows (tokens of all sequences) in one micro-batch (default 256). */
@@ -50,6 +51,27 @@ export interface BatcherSettings {
    * is spread over several micro-batches instead of making the running sequences wait for all of it at once.
    */
   readonly promptRowsBesideDecode?: number
+  /**
+   * Measure the decode step's cost by row count while the batcher is idle (no session decoding, none expected): one
+   * micro-batch of 1, 2, ... `maxRows` one-row steps of scratch sessions opened with `session` (closed after), once;
+   * paused the moment work arrives. Absent: costs come only from the micro-batches served (StepCosts.ts).
+   */
+  readonly stepProbe?: {
+    readonly maxRows: number
+    readonly session: Effect.Effect<StageSession, unknown, Scope.Scope>
+  }
+  /** Where the measured step costs go and the decode micro-batch size is chosen from (default: a fresh table). */
+  readonly stepCosts?: StepCosts
+}
+
+/** The batcher's measured step costs and its last choice of decode micro-batch size (for /metrics). */
+export interface StepCostReport {
+  /** Measured forward ms of decode micro-batches by rows (probe and served micro-batches). */
+  readonly costs: ReadonlyArray<{ readonly rows: number; readonly millis: number }>
+  /** The last choice: for `decoders` sequences through `stages` stages, `rows` per micro-batch (`defaultRows` = ceil). */
+  readonly choice?: DecodeGroupChoice & { readonly decoders: number; readonly stages: number }
+  /** The idle probe: not asked for, still to run, or done. */
+  readonly probe: "off" | "pending" | "done"
 }
 
 /** Counters of the micro-batches that carried one submitter's work (a stage of one run). */
@@ -101,6 +123,8 @@ export interface StageBatcher {
    * at a multiple of C runs the very computations (same rows, same batch sizes) a prompt from 0 runs there.
    */
   readonly prefillChunk: number
+  /** Measured step costs and the decode micro-batch size chosen from them. */
+  readonly stepCosts: () => StepCostReport
 }
 
 interface Job {
@@ -182,14 +206,25 @@ export const makeStageBatcher = (
     /** Sessions announced by the server that have not opened yet (an announcement lasts promptGatherMillis). */
     const announcedDue = () => opened < announced.count && performance.now() - announced.at < promptGather
 
-    /** Most decode steps in one micro-batch: ceil(L / S) (at least 1). */
-    const decodeCap = (): number => {
+    const costs = settings.stepCosts ?? makeStepCosts()
+    let lastChoice: StepCostReport["choice"]
+    const pruneDecoders = () => {
       const now = performance.now()
       // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
       for (const [session, d] of decoders) if (now - d.last > Math.min(activeWindow, 3 * d.interval)) decoders.delete(session)
+    }
+
+    /**
+     * Most decode steps in one micro-batch: ceil(L / S) (at least 1), or the size the measured step costs say makes a
+     * round of all L sequences through the S stages clearly faster (StepCosts.chooseDecodeGroup).
+     */
+    const decodeCap = (): number => {
+      pruneDecoders()
       let stages = 1
       for (const job of pending) if (job.total === 1) stages = Math.max(stages, job.pipelineStages)
-      return Math.max(1, Math.ceil(decoders.size / stages))
+      const choice = chooseDecodeGroup(Math.max(1, decoders.size), stages, costs)
+      lastChoice = { ...choice, decoders: decoders.size, stages }
+      return Math.max(1, choice.rows)
     }
 
     const drop = (job: Job) => {
@@ -358,9 +393,47 @@ export const makeStageBatcher = (
       return takeUntil(() => (worthWaiting() ? deadline : 0))
     }
 
+    // --- the idle probe of step costs ---
+    const probeSettings = settings.stepProbe
+    const probeMax = Math.max(0, Math.min(maxRows, Math.floor(probeSettings?.maxRows ?? 0)))
+    let probeRows = probeSettings === undefined || probeMax === 0 ? Infinity : 0
+    /** Nothing decoding, expected or announced here: the probe may take the stage. */
+    const idle = () => {
+      pruneDecoders()
+      return decoders.size === 0 && expected.size === 0 && !announcedDue()
+    }
+    /**
+     * One probe micro-batch: `probeRows` one-row steps of fresh scratch sessions at position 0 (a one-row warm-up
+     * first), closed right after it, so they hold memory only while it runs.
+     */
+    const probeStep = Effect.scoped(Effect.gen(function*() {
+      const rows = Math.max(1, probeRows)
+      const sessions = yield* Effect.forEach(Array.from({ length: rows }), () => probeSettings!.session)
+      const items: Array<BatchItem> = sessions.map((session, i) => ({
+        session,
+        startPos: 0,
+        input: session.info.isFirst
+          ? { _tag: "Tokens" as const, tokens: Int32Array.of(1 + i) }
+          : { _tag: "Hidden" as const, hidden: new Float32Array(session.info.hiddenDim).fill(0.01), nTokens: 1 }
+      }))
+      const started = performance.now()
+      yield* executor.forwardBatch(items)
+      if (probeRows > 0) costs.observe(rows, performance.now() - started)
+      probeRows = probeRows + 1 > probeMax ? Infinity : probeRows + 1
+    })).pipe(
+      // a stage that cannot run the probe just has no probed costs
+      Effect.catchAllCause(() => Effect.sync(() => (probeRows = Infinity)))
+    )
+
     const loop = Effect.gen(function*() {
       const wokeIdle = pending.length === 0
-      if (wokeIdle) pending.push(yield* Queue.take(inbox))
+      if (wokeIdle && probeRows <= probeMax) {
+        if ((yield* Queue.isEmpty(inbox)) && idle()) return yield* probeStep
+        // the probe waits for the stage to fall idle: look again now and then while nothing arrives
+        const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(50, activeWindow / 4)))
+        if (Option.isNone(next)) return
+        pending.push(next.value)
+      } else if (wokeIdle) pending.push(yield* Queue.take(inbox))
       // let callers whose results just completed submit their next step into this micro-batch
       yield* Effect.yieldNow()
       yield* takeArrived
@@ -371,7 +444,10 @@ export const makeStageBatcher = (
       const chosen = pick()
       yield* runOnce(chosen)
       // only decode steps: what the next such micro-batch will cost (a prompt chunk says nothing about it)
-      if (chosen.every(({ job }) => job.total === 1)) lastRunMillis = performance.now() - started
+      if (chosen.every(({ job }) => job.total === 1)) {
+        lastRunMillis = performance.now() - started
+        costs.observe(chosen.length, lastRunMillis)
+      }
     })
     yield* Effect.forkScoped(Effect.forever(loop))
 
@@ -435,5 +511,11 @@ export const makeStageBatcher = (
         () => Effect.sync(() => void expected.delete(session))
       )
 
-    return { submit, expect, prefillChunk: chunk }
+    const stepCosts = (): StepCostReport => ({
+      costs: costs.entries(),
+      ...(lastChoice === undefined ? {} : { choice: lastChoice }),
+      probe: probeSettings === undefined || probeMax === 0 ? "off" : probeRows > probeMax ? "done" : "pending"
+    })
+
+    return { submit, expect, prefillChunk: chunk, stepCosts }
   })

@@ -556,6 +556,36 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     m.agents.flatMap((a): Array<[string, number]> =>
       a.openSessions === undefined ? [] : [[`{address="${a.address}",pid="${a.pid}"}`, value(a.openSessions)]]
     )
+  const stepCostsOf = <A>(f: (label: string, entry: NonNullable<ServerMetrics["agents"][number]["stepCosts"]>[number]) => ReadonlyArray<A>) =>
+    m.agents.flatMap((a) =>
+      (a.stepCosts ?? []).flatMap((entry) =>
+        f(`address="${a.address}",pid="${a.pid}",layers="${entry.layers[0]}-${entry.layers[1]}"`, entry)
+      )
+    )
+  metric(
+    "swactor_agent_step_ms",
+    "gauge",
+    "Measured decode step (ms) of each agent's loaded block range, by rows per micro-batch (idle probe and served steps)",
+    stepCostsOf((label, e): Array<[string, number]> => e.costs.map((c) => [`{${label},rows="${c.rows}"}`, c.millis]))
+  )
+  metric(
+    "swactor_agent_decode_batch_rows",
+    "gauge",
+    "Rows per decode micro-batch the agent's batcher chose last from the measured step costs (see _default_rows)",
+    stepCostsOf((label, e): Array<[string, number]> => e.choice === undefined ? [] : [[`{${label}}`, e.choice.rows]])
+  )
+  metric(
+    "swactor_agent_decode_batch_default_rows",
+    "gauge",
+    "ceil(decoding sequences / pipeline stages): the rows per decode micro-batch without measured costs",
+    stepCostsOf((label, e): Array<[string, number]> => e.choice === undefined ? [] : [[`{${label}}`, e.choice.defaultRows]])
+  )
+  metric(
+    "swactor_agent_decoding_sequences",
+    "gauge",
+    "Sequences decoding through the agent's block range at its batcher's last choice",
+    stepCostsOf((label, e): Array<[string, number]> => e.choice === undefined ? [] : [[`{${label}}`, e.choice.decoders]])
+  )
   metric("swactor_agent_open_sessions", "gauge", "Stage sessions open in each agent's process now", sessionsOf((s) => s.sessions))
   metric(
     "swactor_agent_state_bytes",

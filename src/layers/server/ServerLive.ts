@@ -986,7 +986,8 @@ export const make = (options: ServeOptions) =>
               address: agent.node.address,
               pid: agent.pid,
               activeStages: c.activeStages,
-              ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions })
+              ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
+              ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
             })),
             Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
           ), { concurrency: "unbounded" })
