@@ -1,7 +1,10 @@
 /**
  * gemma4 E2B/E4B's per-layer embeddings and shared KV layers (archs/gemma4PerLayer.ts, engine/PerLayerInputs.ts) on
  * synthetic models with both: node-llama-cpp loads what `swactor synth` writes, and every legal split into 1-3 stages
- * (never between a shared KV block and the block whose cache it reads) gives its greedy tokens past twice the window.
+ * (never between a shared KV block and the block whose cache it reads) gives its greedy tokens past twice the window,
+ * also with the 31B's per-block head sizes; 8 sequences batched equal their lone runs; the catalog's layout and
+ * placement never cut a shared KV block from its source, a forced cut and a frame of the wrong width are typed errors;
+ * a stage killed with SIGKILL mid-generation resumes on a spare with identical text (specs GM16-GM19).
  */
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
@@ -68,6 +71,7 @@ describe("gemma4 per-layer embeddings + shared KV layers: every legal split matc
       const o = model("pl-f32")
       yield* writeSyntheticModel(o)
       const ref = yield* nodeLlamaReference(o.path, PROMPT, 48, options)
+      assert.strictEqual(ref.tokens.length, 48)
       assert.isAbove(ref.prompt.length + 48, 2 * 16)
       assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
       const splits = legalSplits(9, 4)
@@ -75,6 +79,20 @@ describe("gemma4 per-layer embeddings + shared KV layers: every legal split matc
       const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
       console.log(`gemma4 per-layer + shared KV: ${splits.length} splits x 48 tokens, first log-prob diff ${maxDiff.toExponential(2)}`)
       assert.isBelow(maxDiff, 1e-4)
+    }), 300_000)
+
+  // with the 31B's per-block attention shapes too: sliding-window blocks 16-wide heads, 2 KV heads; global ones 32-wide,
+  // 1 KV head (blocks 6, 7 read sliding block 4's narrow cache, block 8 global block 5's)
+  it.live("q8_0, per-block head sizes and KV heads: all 11 legal splits give node-llama-cpp's 48 tokens", () =>
+    Effect.gen(function*() {
+      const o = model("pl-widths", { type: "q8_0", swaHeadDim: 16, globalKvHeads: 1, seed: 58 })
+      yield* writeSyntheticModel(o)
+      const ref = yield* nodeLlamaReference(o.path, PROMPT, 48, options)
+      assert.strictEqual(ref.tokens.length, 48)
+      assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
+      const maxDiff = yield* splitsMatchReference(o.path, ref, legalSplits(9, 4), options)
+      console.log(`gemma4 per-layer + shared KV + per-block widths, q8_0: first log-prob diff ${maxDiff.toExponential(2)}`)
+      assert.isBelow(maxDiff, 1e-3)
     }), 300_000)
 })
 
