@@ -25,6 +25,7 @@ import { dirname, resolve } from "node:path"
 import { fileURLToPath } from "node:url"
 import { Effect, Layer, ManagedRuntime, Stream } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
+import { generate, layerLocal } from "../src/api/generate.js"
 import { serve, Server } from "../src/api/serve.js"
 import type { FirstTokenPhases } from "../src/services/Server.js"
 import { defaultBenchShape, ensureBenchModel } from "./benchModel.js"
@@ -371,6 +372,30 @@ const main = async () => {
         `, inter-token p99 ${fmt(four.itl[1] / one.itl[0], 2)}x the N=1 median (<= 2; the median round's p99: ` +
         `${fmt(four.itlP99Round / one.itl[0], 2)}x)`
     )
+  }
+  if (one !== undefined && cfg.clients.includes(1)) {
+    // `swactor run`'s path on the same split and threads: the per-token time a lone request through serve is held to
+    const gaps: Array<number> = []
+    for (let r = 0; r < cfg.rounds; r++) {
+      const arrivals: Array<number> = []
+      await Effect.runPromise(
+        generate({ model: modelPath, prompt: prompts[0]!, stages: cfg.stages, threads: cfg.threads, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
+          Stream.runForEach(() => Effect.sync(() => void arrivals.push(performance.now()))),
+          Effect.provide(layerLocal())
+        )
+      )
+      for (let i = 1; i < arrivals.length; i++) gaps.push(arrivals[i]! - arrivals[i - 1]!)
+    }
+    const runItl = median(gaps)
+    console.log(
+      `
+serve N=1 inter-token p50 ${fmt(one.itl[0], 1)} ms against \`swactor run\`'s ${fmt(runItl, 1)} ms per token ` +
+        `(same split, ${cfg.rounds} run(s) of ${cfg.tokens} tokens after the serve rounds): ${fmt(one.itl[0] / runItl, 3)}x (target <= 1.05)`
+    )
+    const server1 = at("llama-server", 1)
+    if (server1 !== undefined) {
+      console.log(`serve N=1 TTFT p50 ${fmt(one.ttft[0], 1)} ms against llama-server's ${fmt(server1.ttft[0], 1)} ms: ${fmt(one.ttft[0] / server1.ttft[0], 2)}x (target <= 1.5)`)
+    }
   }
   await cacheFigure(() => Promise.resolve(modelPath))
 }
