@@ -21,6 +21,7 @@ import type { PlacementChoice } from "../src/domain/plan.js"
 import { layoutStage } from "../src/layers/engine/StageLayout.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
+import { sliceTensors } from "../src/layers/gguf/GgufSlice.js"
 import { GgufValues, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
@@ -139,6 +140,19 @@ describe("gemma4 shared KV layers: placement never cuts a block from the cache i
       const layout = yield* readModelLayout(o.path)
       assert.deepStrictEqual(layout.kvSources, [0, 1, 2, 3, 4, 5, 4, 4, 5])
       assert.deepStrictEqual(layout.kvBytesPerToken, [...Array(6).fill(kvRow), 0, 0, 0])
+      // the first stage's per-layer tables count with its input embedding, and only its weight slice carries them
+      const header = yield* readGgufFile(o.path)
+      const bytes = (name: string) => header.tensorsByName.get(name)!.byteSize
+      assert.strictEqual(
+        layout.inputBytes,
+        bytes("token_embd.weight") + bytes("per_layer_token_embd.weight") + bytes("per_layer_model_proj.weight") +
+          bytes("per_layer_proj_norm.weight")
+      )
+      const sliced = (start: number, end: number) =>
+        sliceTensors(header, { layerStart: start, layerEndExclusive: end, numLayers: 9 }).map((t) => t.name)
+      assert.includeMembers(sliced(0, 4), ["per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"])
+      assert.notInclude(sliced(4, 9), "per_layer_token_embd.weight")
+      assert.notInclude(sliced(4, 9), "per_layer_model_proj.weight")
       const node = (id: number) => ({ nodeId: NodeId.make(id), freeMemoryBytes: 2 ** 40, speedBytesPerSecond: 1e9 })
       const pool = [node(1), node(2), node(3)]
       const opts = { contextTokens: 4096 }

@@ -32,6 +32,8 @@ export const sliceTensors = (file: GgufFile, range: SliceRange): ReadonlyArray<G
     }
     if (t.name === "token_embd.weight") return first || (last && tied)
     if (t.name.startsWith("output")) return last
+    // gemma4 E2B/E4B's per-layer tables: the first stage computes the per-layer inputs (engine/PerLayerInputs.ts)
+    if (t.name.startsWith("per_layer_")) return first
     return first || last
   })
 }

@@ -7,6 +7,15 @@ import type { GgufFile } from "../../domain/gguf.js"
 import type { ModelLayout } from "../../domain/plan.js"
 import { kvShareSources } from "../../services/KvShare.js"
 
+/**
+ * gemma4 E2B/E4B's per-layer tables (`per_layer_token_embd`, `per_layer_model_proj`, `per_layer_proj_norm`): the first
+ * stage's, counted with its input embedding (ModelLayout.inputBytes).
+ */
+export const withPerLayerTables = (layout: ModelLayout, file: GgufFile): ModelLayout => {
+  const tables = file.tensors.filter((t) => t.name.startsWith("per_layer_")).reduce((s, t) => s + t.byteSize, 0)
+  return tables === 0 ? layout : { ...layout, inputBytes: layout.inputBytes + tables }
+}
+
 export const withKvShare = (layout: ModelLayout, file: GgufFile, arch: string, numLayers: number): ModelLayout => {
   const raw = file.metadata.get(`${arch}.attention.shared_kv_layers`)
   const shared = typeof raw === "bigint" ? Number(raw) : raw

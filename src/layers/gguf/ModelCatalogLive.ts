@@ -4,7 +4,7 @@
  */
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { slidingWindowOf, type SlidingWindowLayout } from "./SlidingWindow.js"
-import { withKvShare } from "./KvShareLayout.js"
+import { withKvShare, withPerLayerTables } from "./KvShareLayout.js"
 import { trunkBlockCount } from "./TrunkBlocks.js"
 import { statSync } from "node:fs"
 import { basename } from "node:path"
@@ -202,7 +202,7 @@ export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelL
     const experts = yield* expertCountsOf(file, arch)
     const layout = layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts, slidingWindowOf(file, arch, facts.numLayers))
     // gemma4's shared KV layers: no cache of their own, never cut from the block whose cache they read
-    return withKvShare(layout, file, arch, facts.numLayers)
+    return withKvShare(withPerLayerTables(layout, file), file, arch, facts.numLayers)
   })
 
 export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout, header: readHeader }
