@@ -10,7 +10,7 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Either, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
+import { existsSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
@@ -250,6 +250,23 @@ describe("swactor synth --arch gemma4 --per-layer-embd --shared-kv-layers", () =
       assert.strictEqual(ref.tokens.length, 40)
       yield* splitsMatchReference(out, ref, [[0, 2, 4, 9]], options, { bitIdentical: false })
     }), 120_000)
+
+  // values llama.cpp would abort on are refused before a file is written
+  for (const [shared, why] of [["4", "block 5 would read the cache of block 4"], ["8", "between 0 and layers - 2"]] as const) {
+    it.live(`--shared-kv-layers ${shared} on 9 blocks of pattern 3: refused (${why})`, () =>
+      Effect.gen(function*() {
+        const out = join(dir, `cli-bad-${shared}.gguf`)
+        const errors: Array<string> = []
+        const exit = yield* cli([
+          "node", "swactor", "synth", "--arch", "gemma4", "--layers", "9", "--hidden", "64", "--ffn", "128", "--heads", "4",
+          "--kv-heads", "2", "--vocab", "400", "--sliding-window", "16", "--swa-pattern", "3", "--per-layer-embd", "16",
+          "--shared-kv-layers", shared, "-o", out
+        ]).pipe(Effect.provide(NodeContext.layer), Effect.tapErrorCause((c) => Effect.sync(() => errors.push(String(c)))), Effect.exit)
+        assert.isTrue(Exit.isFailure(exit))
+        assert.include(errors.join("\n"), why)
+        assert.isFalse(existsSync(out), "no file written")
+      }))
+  }
 })
 
 describe("gemma4 per-layer embeddings + shared KV layers end to end: a killed stage resumes with identical text", () => {

@@ -11,6 +11,7 @@
 import { GgufValueType } from "../../domain/gguf.js"
 import type { GgufTypedValue } from "./GgufWriter.js"
 import { GgufValues } from "./GgufWriter.js"
+import { kvShareSources } from "../../services/KvShare.js"
 import { type SyntheticGemmaOptions, swaPeriodOf, windowOf } from "./SyntheticGemma.js"
 import type { SyntheticMoeOptions } from "./SyntheticMoe.js"
 
@@ -57,7 +58,22 @@ export const gemma4MoeTensors = (b: string, o: SyntheticGemma4Options & Syntheti
 }
 
 /** What is wrong with the gemma4 head options (of a model of `heads` query heads), or undefined. */
-export const validateGemma4Options = (o: SyntheticGemma4Options & { readonly heads: number }): string | undefined => {
+export const validateGemma4Options = (
+  o: SyntheticGemma4Options & { readonly heads: number; readonly layers: number }
+): string | undefined => {
+  const w = o.perLayerEmbd
+  if (w !== undefined && !(Number.isSafeInteger(w) && w >= 0)) return `perLayerEmbd must be an integer >= 0, got ${w}`
+  // llama.cpp keeps at least 2 blocks' caches, and each shared block reads a block of its own kind (else it aborts)
+  const shared = o.sharedKvLayers
+  if (shared !== undefined) {
+    if (!(Number.isSafeInteger(shared) && shared >= 0 && shared <= o.layers - 2)) {
+      return `sharedKvLayers must be between 0 and layers - 2 (${o.layers - 2}), got ${shared}`
+    }
+    const slides = gemma4SwaBlocks(o, o.layers)
+    const sources = kvShareSources(o.layers, shared, slides)
+    const bad = sources.findIndex((src, il) => slides[src] !== slides[il])
+    if (bad >= 0) return `sharedKvLayers ${shared}: block ${bad} would read the cache of block ${sources[bad]}, of the other kind`
+  }
   const d = o.swaHeadDim
   if (d !== undefined && !(Number.isSafeInteger(d) && d > 0 && d % 2 === 0)) return `swaHeadDim must be even and > 0, got ${d}`
   const kv = o.globalKvHeads
