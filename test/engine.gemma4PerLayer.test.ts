@@ -153,6 +153,8 @@ describe("gemma4 shared KV layers: placement never cuts a block from the cache i
       assert.includeMembers(sliced(0, 4), ["per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"])
       assert.notInclude(sliced(4, 9), "per_layer_token_embd.weight")
       assert.notInclude(sliced(4, 9), "per_layer_model_proj.weight")
+      // a middle stage's global block reads the RoPE frequency factors too
+      assert.include(sliced(2, 4), "rope_freqs.weight")
       const node = (id: number) => ({ nodeId: NodeId.make(id), freeMemoryBytes: 2 ** 40, speedBytesPerSecond: 1e9 })
       const pool = [node(1), node(2), node(3)]
       const opts = { contextTokens: 4096 }

@@ -34,6 +34,8 @@ export const sliceTensors = (file: GgufFile, range: SliceRange): ReadonlyArray<G
     if (t.name.startsWith("output")) return last
     // gemma4 E2B/E4B's per-layer tables: the first stage computes the per-layer inputs (engine/PerLayerInputs.ts)
     if (t.name.startsWith("per_layer_")) return first
+    // RoPE frequency factors (llama 3.1, mistral3, gemma4's global blocks): every stage's blocks read them
+    if (t.name.startsWith("rope_")) return true
     return first || last
   })
 }
