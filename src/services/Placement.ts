@@ -344,7 +344,8 @@ const legalCuts = (layout: ModelLayout): ReadonlyArray<number> =>
 
 /**
  * A balanced split moved onto legal boundaries (ModelLayout.kvSources): each boundary to the nearest legal one at or
- * below it that is above the previous boundary, else the first legal one above it; undefined when there are too few.
+ * below it that is above the previous boundary and leaves enough legal ones for the boundaries after it, else the first
+ * legal one above the previous; undefined when there are fewer legal boundaries than cuts.
  */
 const keepKvShared = (
   layout: ModelLayout,
@@ -352,10 +353,14 @@ const keepKvShared = (
 ): ReadonlyArray<LayerRange> | undefined => {
   if (layout.kvSources === undefined) return ranges
   const legal = legalCuts(layout)
+  const wanted = ranges.length - 1
+  if (legal.length < wanted) return undefined
   const cuts: Array<number> = []
   for (const [start] of ranges.slice(1)) {
     const previous = cuts[cuts.length - 1] ?? 0
-    const below = legal.filter((c) => c > previous && c <= start)
+    // leave enough legal boundaries above this one for the cuts still to place
+    const highest = legal[legal.length - (wanted - cuts.length)]!
+    const below = legal.filter((c) => c > previous && c <= Math.min(start, highest))
     const cut = below.length > 0 ? below[below.length - 1] : legal.find((c) => c > previous)
     if (cut === undefined) return undefined
     cuts.push(cut)

@@ -122,7 +122,9 @@ const expertCountsOf = (file: GgufFile, arch: string): Effect.Effect<ExpertCount
     const routers = file.tensors.filter((t) => /^blk\.\d+\.ffn_gate_inp\.weight$/.test(t.name))
     for (const tensor of [...stacked, ...routers]) {
       const last = tensor.dims[tensor.dims.length - 1]
-      if (tensor.dims.length < 2 || last !== count) {
+      // a per-expert scale (gemma4 26B-A4B's ffn_down_exps.scale) is one value per expert: [count]
+      const perExpert = tensor.name.endsWith("_exps.scale") && tensor.dims.length === 1
+      if ((tensor.dims.length < 2 && !perExpert) || last !== count) {
         return yield* new ModelLoadError({
           path: file.path,
           reason: "TensorShapeMismatch",
