@@ -173,9 +173,10 @@ describe("end to end faults: real agent processes", () => {
       for (const agent of agents) assert.deepStrictEqual(refusedAttaches(agent), [])
     }).pipe(Effect.scoped), 60_000)
 
-  // A stage whose next stage is still loading retries its outbound connect with a capped backoff: over a 3 s
-  // readiness window the loading agent refuses a handful of attaches (the schedule allows ~17), not one per
-  // 25 ms (~120). Equal declared speeds keep the placement in node order: stage 1 on the stalled agent 1.
+  // A stage whose next stage is still loading retries its outbound connect with a capped backoff, and the loading
+  // agent holds each attach up to attachWait (2 s) before refusing it: over a 3 s readiness window it refuses one or
+  // two attaches, not one per 25 ms (~120). Equal declared speeds keep the placement in node order: stage 1 on the
+  // stalled agent 1.
   it.live("a stage waiting for a loading next stage retries its connect with a capped backoff", () =>
     Effect.gen(function*() {
       const { agents, layer } = yield* startAgents(2, {
@@ -188,7 +189,7 @@ describe("end to end faults: real agent processes", () => {
       const error = (result as Either.Left<{ _tag: string; reason?: unknown }, void>).left
       assert.deepStrictEqual(error.reason, { _tag: "ReadinessTimeout", missingStages: [0, 1], missingEndpoints: ["TokenIn"] })
       const refused = refusedAttaches(agents[1]!)
-      assert.isAtLeast(refused.length, 3, "stage 0 never tried to reach stage 1")
+      assert.isAtLeast(refused.length, 1, "stage 0 never tried to reach stage 1")
       assert.isAtMost(refused.length, 30, `${refused.length} refused attaches in 3 s`)
     }).pipe(Effect.scoped), 60_000)
 
