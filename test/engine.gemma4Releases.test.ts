@@ -6,8 +6,9 @@
  * - E2B: 35 blocks, 4 sliding : 1 global (period 5), window 512, 20 shared KV layers (from block 15 = 3 periods),
  *   8 heads / 1 KV head on every block, heads 256 (sliding) / 512 (global), per-layer embeddings 256, V projection on
  *   every block (no K = V), soft-capping 30, RoPE bases 10k / 1M, tied output. Kept: period 5, window 8, 15 blocks
- *   with 5 shared (from block 10 = 2 periods), 8 / 1 heads, heads 16 / 32, per-layer 32. Not expressible: the
- *   "double-wide" feed-forward of its shared blocks (feed_forward_length as a per-block array, 2x from block 15).
+ *   with 5 shared (from block 10 = 2 periods), 8 / 1 heads, heads 16 / 32, per-layer 32, and the "double-wide"
+ *   feed-forward of its shared blocks (use_double_wide_mlp: feed_forward_length a per-block array, 2x from the first
+ *   shared block; real 6144 / 12288 from block 15, here 256 / 512 from block 10).
  * - E4B: 42 blocks, 5 : 1 (period 6), window 512, 18 shared (from block 24 = 4 periods), 8 heads / 2 KV heads,
  *   256 / 512, per-layer 256, V projection, 30, 10k / 1M, tied. Kept: 18 blocks with 6 shared (from block 12 =
  *   2 periods), window 8, 8 / 2 heads, 16 / 32, per-layer 32.
@@ -21,12 +22,15 @@
  * never inside a shared KV group) equal node-llama-cpp's for 48 tokens, 32+ past twice the window; the catalog's
  * layout (per-block KV widths, window pattern, KV sources) and balanced placement at 1-3 stages accept it.
  */
+import * as Command from "@effect/cli/Command"
+import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
-import { Effect, Either } from "effect"
+import { Effect, Either, Exit } from "effect"
 import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { afterAll } from "vitest"
+import { synthCommand } from "../src/cli/SynthCommand.js"
 import { NodeId } from "../src/domain/ids.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
@@ -73,7 +77,7 @@ const releases: ReadonlyArray<Release> = [
     name: "E2B",
     options: {
       ...common, path: path("e2b"), layers: 15, hidden: 128, ffn: 256, heads: 8, kvHeads: 1, slidingWindow: 8,
-      swaPattern: 5, perLayerEmbd: 32, sharedKvLayers: 5, seed: 71
+      swaPattern: 5, perLayerEmbd: 32, sharedKvLayers: 5, doubleWideSharedFfn: true, seed: 71
     },
     splits: [[0, 15], [0, 5, 15], [0, 4, 5, 15], [0, 5, 8, 15]],
     kvSources: [...ident(10), 8, 8, 8, 8, 9]
@@ -176,6 +180,14 @@ for (const r of releases) {
         assert.strictEqual(file.tensorsByName.has("per_layer_token_embd.weight"), (o.perLayerEmbd ?? 0) > 0)
         const global = slides.indexOf(false)
         assert.strictEqual(file.tensorsByName.has(`blk.${global}.attn_v.weight`), o.kEqV !== true, "K = V on global blocks")
+        // E2B: the shared blocks' feed-forward twice as wide, feed_forward_length one width per block
+        const ffns = Array.from({ length: o.layers }, (_, il) =>
+          o.doubleWideSharedFfn === true && il >= o.layers - o.sharedKvLayers! ? 2 * o.ffn : o.ffn)
+        assert.deepStrictEqual(
+          file.metadata.get("gemma4.feed_forward_length"),
+          o.doubleWideSharedFfn === true ? ffns : o.ffn
+        )
+        assert.deepStrictEqual(ffns.map((_, il) => file.tensorsByName.get(`blk.${il}.ffn_down.weight`)?.dims), ffns.map((f) => [f, o.hidden]))
 
         // the catalog's layout: per-block KV widths (sliding: 16-wide heads x kvHeads; global: 32 x globalKvHeads;
         // a shared block none), the window pattern, the KV sources
@@ -219,3 +231,28 @@ for (const r of releases) {
       }), 300_000)
   })
 }
+
+describe("swactor synth --arch gemma4 --shared-kv-layers --double-wide-shared-ffn", () => {
+  const cli = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+    name: "swactor",
+    version: "test"
+  })
+  it.live("writes E2B's per-block feed-forward widths; node-llama-cpp loads it and our 2 stages give its tokens", () =>
+    Effect.gen(function*() {
+      const out = join(dir, "cli-double-wide.gguf")
+      const exit = yield* cli([
+        "node", "swactor", "synth", "--arch", "gemma4", "--layers", "6", "--hidden", "128", "--ffn", "96",
+        "--heads", "4", "--kv-heads", "1", "--head-dim", "32", "--vocab", "400", "--context-length", "512",
+        "--sliding-window", "8", "--swa-pattern", "2", "--per-layer-embd", "16", "--shared-kv-layers", "2",
+        "--double-wide-shared-ffn", "--type", "q8_0", "-o", out
+      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+      assert.isTrue(Exit.isSuccess(exit))
+      const file = yield* readGgufFile(out)
+      assert.deepStrictEqual(file.metadata.get("gemma4.feed_forward_length"), [96, 96, 96, 96, 192, 192])
+      assert.deepStrictEqual(file.tensorsByName.get("blk.3.ffn_up.weight")?.dims, [128, 96])
+      assert.deepStrictEqual(file.tensorsByName.get("blk.4.ffn_up.weight")?.dims, [128, 192])
+      const ref = yield* nodeLlamaReference(out, PROMPT, 24, options)
+      assert.strictEqual(ref.tokens.length, 24)
+      yield* splitsMatchReference(out, ref, [[0, 2, 6]], options)
+    }), 120_000)
+})

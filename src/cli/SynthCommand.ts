@@ -41,6 +41,7 @@ export interface SynthArgs {
   readonly sharedKvLayers: Option.Option<number>
   readonly swaHeadDim: Option.Option<number>
   readonly globalKvHeads: Option.Option<number>
+  readonly doubleWideSharedFfn: boolean
   readonly experts: Option.Option<number>
   readonly expertsUsed: Option.Option<number>
   readonly expertFfn: Option.Option<number>
@@ -86,6 +87,7 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   ...(Option.isSome(args.sharedKvLayers) ? { sharedKvLayers: args.sharedKvLayers.value } : {}),
   ...(Option.isSome(args.swaHeadDim) ? { swaHeadDim: args.swaHeadDim.value } : {}),
   ...(Option.isSome(args.globalKvHeads) ? { globalKvHeads: args.globalKvHeads.value } : {}),
+  ...(args.doubleWideSharedFfn ? { doubleWideSharedFfn: true } : {}),
   ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
   ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
   ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
@@ -180,6 +182,9 @@ export const synthCommand = Command.make(
     ),
     globalKvHeads: int("global-kv-heads", "gemma4: KV heads of the global blocks, head_count_kv per block (default --kv-heads)").pipe(
       Options.optional
+    ),
+    doubleWideSharedFfn: Options.boolean("double-wide-shared-ffn").pipe(
+      Options.withDescription("gemma4: the --shared-kv-layers blocks' feed-forward twice --ffn (E2B), feed_forward_length per block")
     ),
     experts: int("experts", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
     expertsUsed: int("experts-used", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(

@@ -13,6 +13,8 @@ export interface ArchModule {
   readonly ownHeadShape?: boolean
   /** Optional: `attention.head_count_kv` may vary per block (readHParams' kvHeadsPerBlock; gemma4 sets blockHeads). */
   readonly kvHeadsPerBlock?: boolean
+  /** Optional: `feed_forward_length` may vary per block (readHParams' ffPerBlock, HParams.blockFf; gemma4 E2B). */
+  readonly ffPerBlock?: boolean
   /** Optional: the architecture's own hyperparameters read (and checked) on top of the common ones. */
   readonly hparams?: (file: GgufFile, hp: HParams) => Effect.Effect<HParams, ModelLoadError>
   /** Optional: a factor the token embeddings are scaled by before the first block (gemma: sqrt(n_embd)). */

@@ -67,7 +67,15 @@ export interface HParams {
    * heads, global ones 512-wide with fewer KV heads); absent: every block has the model-wide ones (`headsOf`).
    */
   readonly blockHeads?: ReadonlyArray<BlockHeads>
+  /**
+   * Per block of the model: its feed-forward width when `feed_forward_length` varies per block (gemma4 E2B's
+   * double-wide MLP on the shared-KV blocks; llama.cpp's n_ff(il)); absent: every block has nFf (`ffOf`).
+   */
+  readonly blockFf?: ReadonlyArray<number>
 }
+
+/** Block `il`'s feed-forward width: its own (HParams.blockFf) or the model-wide one. */
+export const ffOf = (hp: HParams, il: number): number => hp.blockFf?.[il] ?? hp.nFf
 
 /** One block's attention shape: per-head Q/K and V sizes, KV heads, RoPE width (llama.cpp's n_embd_head_k(il) etc.). */
 export interface BlockHeads {
@@ -161,15 +169,19 @@ export const readHParams = (
    * ownHeadShape: the architecture checks the head sizes and the RoPE width itself (deepseek2's latent attention).
    * kvHeadsPerBlock: `attention.head_count_kv` may vary per block (each entry checked here, nHeadKv the first; the
    * architecture sets HParams.blockHeads, gemma4).
+   * ffPerBlock: `feed_forward_length` may vary per block (each entry checked here, HParams.blockFf; nFf the first).
    */
-  options: { readonly ownHeadShape?: boolean; readonly kvHeadsPerBlock?: boolean } = {}
+  options: { readonly ownHeadShape?: boolean; readonly kvHeadsPerBlock?: boolean; readonly ffPerBlock?: boolean } = {}
 ): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function*() {
     const arch = yield* getArchitecture(file)
     const k = (s: string) => `${arch}.${s}`
     const nLayer = yield* positive(file, k("block_count"), yield* getU32(file, k("block_count")))
     const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
-    const nFf = yield* uniformInt(file, k("feed_forward_length"))
+    const ffs = options.ffPerBlock === true && Array.isArray(file.metadata.get(k("feed_forward_length")))
+      ? yield* perBlockInt(file, k("feed_forward_length"), nLayer)
+      : [yield* uniformInt(file, k("feed_forward_length"))]
+    const nFf = ffs[0]!
     const nHead = yield* uniformInt(file, k("attention.head_count"))
     const kvHeads = !file.metadata.has(k("attention.head_count_kv"))
       ? [nHead]
@@ -278,6 +290,7 @@ export const readHParams = (
       kqScale,
       eosTokenId: eos >= nVocab ? -1 : eos,
       bosTokenId: bos !== undefined && bos < nVocab ? bos : undefined,
-      ...(ropeExt === undefined ? {} : { ropeExt })
+      ...(ropeExt === undefined ? {} : { ropeExt }),
+      ...(ffs.some((n) => n !== nFf) ? { blockFf: ffs } : {})
     }
   })

@@ -133,7 +133,8 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
     const arch = yield* archOf(file)
     const common = yield* readHParams(file, arch.ropeMode, {
       ownHeadShape: arch.ownHeadShape === true,
-      kvHeadsPerBlock: arch.kvHeadsPerBlock === true
+      kvHeadsPerBlock: arch.kvHeadsPerBlock === true,
+      ffPerBlock: arch.ffPerBlock === true
     })
     const hp = arch.hparams === undefined ? common : yield* arch.hparams(file, common)
     const { layerEndExclusive: end, layerStart: start } = spec

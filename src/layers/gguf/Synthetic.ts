@@ -30,7 +30,9 @@ import {
 import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
 import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
 import {
+  gemma4BlockFfn,
   gemma4BlockShape,
+  gemma4FfnValue,
   gemma4KvHeadsValue,
   gemma4LayerScale,
   gemma4Metadata,
@@ -395,9 +397,11 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       continue
     }
     norm(`${b}.ffn_norm.weight`, o.hidden)
-    w(`${b}.ffn_gate.weight`, o.hidden, o.ffn)
-    w(`${b}.ffn_up.weight`, o.hidden, o.ffn)
-    w(`${b}.ffn_down.weight`, o.ffn, o.hidden)
+    // gemma4 E2B: the shared-KV blocks' feed-forward twice as wide
+    const ffn = o.arch === "gemma4" ? gemma4BlockFfn(o, i, o.ffn) : o.ffn
+    w(`${b}.ffn_gate.weight`, o.hidden, ffn)
+    w(`${b}.ffn_up.weight`, o.hidden, ffn)
+    w(`${b}.ffn_down.weight`, ffn, o.hidden)
     if (o.arch === "gemma4") out.push(...gemma4MoeTensors(b, o))
   }
   return out
@@ -456,7 +460,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.block_count`, GgufValues.u32(syntheticBlockCount(o))],
     [`${a}.context_length`, GgufValues.u32(o.contextLength)],
     [`${a}.embedding_length`, GgufValues.u32(o.hidden)],
-    [`${a}.feed_forward_length`, GgufValues.u32(o.ffn)],
+    [`${a}.feed_forward_length`, a === "gemma4" ? gemma4FfnValue(o) : GgufValues.u32(o.ffn)],
     [`${a}.attention.head_count`, GgufValues.u32(o.heads)],
     [`${a}.attention.head_count_kv`, a === "gemma4" ? gemma4KvHeadsValue(o) : GgufValues.u32(o.kvHeads)],
     [`${a}.attention.layer_norm_rms_epsilon`, GgufValues.f32(o.normEps ?? (isQwen ? 1e-6 : 1e-5))],

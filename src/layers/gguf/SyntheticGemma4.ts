@@ -7,6 +7,7 @@
  * Gemma 4's global layers ship). With `swaHeadDim` / `globalKvHeads` the two kinds of block get their own head sizes
  * and KV head counts, as the 31B's (sliding-window blocks: 256-wide heads, 16 KV heads; global ones 512-wide, 4):
  * `attention.key_length_swa`, `value_length_swa`, `rope.dimension_count_swa` and one `head_count_kv` per block.
+ * With `doubleWideSharedFfn` the shared-KV blocks' feed-forward is twice as wide (E2B; `feed_forward_length` per block).
  */
 import { GgufValueType } from "../../domain/gguf.js"
 import type { GgufTypedValue } from "./GgufWriter.js"
@@ -27,7 +28,25 @@ export interface SyntheticGemma4Options extends SyntheticGemmaOptions {
   readonly swaHeadDim?: number
   /** KV heads of the global blocks (head_count_kv becomes one count per block); default kvHeads. */
   readonly globalKvHeads?: number
+  /**
+   * The shared-KV blocks' feed-forward twice as wide as the others' (E2B's use_double_wide_mlp): `feed_forward_length`
+   * becomes one width per block, as llama.cpp's converter writes it; default false.
+   */
+  readonly doubleWideSharedFfn?: boolean
 }
+
+/** Block il's feed-forward width (`ffn` the model's): doubled on a shared-KV block with `doubleWideSharedFfn`. */
+export const gemma4BlockFfn = (
+  o: SyntheticGemma4Options & { readonly layers: number },
+  il: number,
+  ffn: number
+): number => o.doubleWideSharedFfn === true && il >= o.layers - (o.sharedKvLayers ?? 0) ? ffn * 2 : ffn
+
+/** `feed_forward_length`: one width, or one per block with `doubleWideSharedFfn` (llama.cpp's converter). */
+export const gemma4FfnValue = (o: SyntheticGemma4Options & { readonly layers: number; readonly ffn: number }): GgufTypedValue =>
+  o.doubleWideSharedFfn === true
+    ? GgufValues.array(GgufValueType.UINT32, Array.from({ length: o.layers }, (_, il) => gemma4BlockFfn(o, il, o.ffn)))
+    : GgufValues.u32(o.ffn)
 
 /** gemma4's experts (26B-A4B) when `experts` is given: count, used per token (default 2), expert width (default ffn). */
 const gemma4MoeShape = (o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly ffn?: number }) =>

@@ -12,7 +12,8 @@
  * - E2B/E4B (archs/gemma4PerLayer.ts): per-layer embeddings (`embedding_length_per_layer_input` > 0; the first stage
  *   computes every block's per-layer input and they travel with the activations, engine/PerLayerInputs.ts) and shared
  *   KV layers (`attention.shared_kv_layers` > 0: the last blocks attend over an earlier block's cache and keep none;
- *   never on another stage than that block);
+ *   never on another stage than that block); E2B's double-wide MLP on the shared-KV blocks (`feed_forward_length`
+ *   one width per block, HParams.blockFf);
  * - 26B-A4B (archs/gemma4Moe.ts): blocks with `ffn_gate_inp` add routed GELU experts beside the dense feed-forward.
  * Refused with a ModelLoadError naming the key: `expert_count` above 1024, a fused `ffn_gate_up_exps` (as the missing
  * `ffn_gate_exps`); key_length_swa odd or not value_length_swa, a RoPE width odd or past its head size; shared KV
@@ -24,7 +25,7 @@ import type { GgufFile, GgufValue, ModelLoadError } from "../../../domain/gguf.j
 import type { Ptr } from "../../ggml/Bindings.js"
 import { getNumberArray, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
-import { type HParams, headsOf, RopeMode } from "../HParams.js"
+import { ffOf, type HParams, headsOf, RopeMode } from "../HParams.js"
 import { type BlockWeights, llamaBlockSpecs, type TensorSpec, type Toolkit } from "../Toolkit.js"
 import {
   gemmaAttnResidualAndFfn,
@@ -142,11 +143,12 @@ export const gemma4: ArchModule = {
   name: "gemma4",
   ropeMode: RopeMode.NEOX,
   kvHeadsPerBlock: true,
+  ffPerBlock: true,
   hparams: gemma4HParams,
   embedScale: (hp) => Math.sqrt(hp.nEmbd),
   blockTensors: (model, il) => {
-    // the block's own head size and KV heads (its projections and q/k norms)
-    const hp = { ...model, ...headsOf(model, il) }
+    // the block's own head size and KV heads (its projections and q/k norms) and feed-forward width (E2B)
+    const hp = { ...model, ...headsOf(model, il), nFf: ffOf(model, il) }
     const specs = llamaBlockSpecs(hp, [
       ...gemmaNormSpecs(hp.headDimK, hp.nEmbd),
       { name: "layer_output_scale.weight", dims: [1], kind: "vector", required: false },
