@@ -32,12 +32,15 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import { NodeId } from "../src/domain/ids.js"
+import { type GgufFile, GgufValueType } from "../src/domain/gguf.js"
+import { layoutStage } from "../src/layers/engine/StageLayout.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { kvBytesPerTokenOfBlock } from "../src/services/KvSize.js"
 import { choosePlacement } from "../src/services/Placement.js"
 import { nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { requireModel } from "./support/models.js"
 
 const options = { threads: 1, contextLength: 256 } as const
 const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
@@ -255,4 +258,44 @@ describe("swactor synth --arch gemma4 --shared-kv-layers --double-wide-shared-ff
       assert.strictEqual(ref.tokens.length, 24)
       yield* splitsMatchReference(out, ref, [[0, 2, 6]], options)
     }), 120_000)
+})
+
+// feed_forward_length as one width per block: gemma4 checks each entry and each block's tensors at its own width;
+// another architecture (llama) takes a uniform array and refuses a varying one, naming the key
+describe("feed_forward_length per block: checked before ggml", () => {
+  // the value and its stored type (an UINT32 array, as llama.cpp's converter writes it)
+  const withFf = (file: GgufFile, key: string, value: ReadonlyArray<number>): GgufFile => ({
+    ...file,
+    metadata: new Map([...file.metadata, [key, value]]),
+    metadataTypes: new Map([...file.metadataTypes, [key, { type: GgufValueType.ARRAY, itemType: GgufValueType.UINT32 }]])
+  })
+  const layout = (file: GgufFile, blocks: number) =>
+    layoutStage(file, { path: file.path, layerStart: 0, layerEndExclusive: blocks, isFirst: true, isLast: true }).pipe(
+      Effect.map(() => "ok"),
+      Effect.catchTag("ModelLoadError", (e) => Effect.succeed(`${e.reason}: ${e.message}`))
+    )
+  it.live("gemma4 E2B-shaped: a wrong count, a 0 width or a width its tensors do not have is refused", () =>
+    Effect.gen(function*() {
+      const o = { ...releases[0]!.options, path: path("e2b-ff") }
+      yield* writeSyntheticModel(o)
+      const file = yield* readGgufFile(o.path)
+      const key = "gemma4.feed_forward_length"
+      const wide = Array.from({ length: 15 }, (_, il) => il >= 10 ? 512 : 256)
+      assert.strictEqual(yield* layout(file, 15), "ok")
+      assert.strictEqual(yield* layout(withFf(file, key, wide), 15), "ok")
+      assert.strictEqual(yield* layout(withFf(file, key, wide.slice(1)), 15), `InvalidMetadata: metadata "${key}" has 14 entries for 15 blocks`)
+      assert.match(yield* layout(withFf(file, key, wide.map((f, il) => il === 3 ? 0 : f)), 15), /^InvalidMetadata: metadata "gemma4.feed_forward_length" = 0 must be > 0/)
+      assert.match(yield* layout(withFf(file, key, wide.map((f, il) => il === 12 ? 256 : f)), 15), /"blk\.12\.ffn_gate\.weight" has shape \[128, 512\], expected \[128, 256\]/)
+    }), 60_000)
+  it.live("llama (stories260K): a uniform array is read as one width, a varying one refused naming the key", () =>
+    Effect.gen(function*() {
+      const file = yield* readGgufFile(requireModel("stories260K.gguf"))
+      const key = "llama.feed_forward_length"
+      const ff = file.metadata.get(key) as number
+      assert.strictEqual(yield* layout(withFf(file, key, [ff, ff, ff, ff, ff]), 5), "ok")
+      assert.strictEqual(
+        yield* layout(withFf(file, key, [ff, ff, ff, ff, 2 * ff]), 5),
+        `InvalidMetadata: metadata "${key}" varies per layer, which swactor does not support`
+      )
+    }), 60_000)
 })
