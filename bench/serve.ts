@@ -263,6 +263,14 @@ const main = async () => {
     const loadStart = performance.now()
     await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
     console.log(`  pipeline ready in ${((performance.now() - loadStart) / 1000).toFixed(1)} s`)
+    // the agents measure their step costs by rows while idle (StageBatcher's probe): let them finish before measuring
+    const probeStart = performance.now()
+    while (performance.now() - probeStart < 60_000) {
+      const m = await runtime.runPromise(Effect.flatMap(Server, (s) => s.metrics))
+      if (m.agents.every((a) => (a.stepCosts ?? []).every((c) => c.probe !== "pending"))) break
+      await new Promise((resolve) => setTimeout(resolve, 200))
+    }
+    console.log(`  step-cost probes done in ${((performance.now() - probeStart) / 1000).toFixed(1)} s`)
     for (const prompt of prompts.slice(0, maxClients)) {
       const [result] = await runtime.runPromise(
         Effect.flatMap(Server, (server) =>

@@ -103,6 +103,34 @@ describe("decode micro-batches sized from measured step costs", () => {
       assert.deepStrictEqual(costs.costs.map((c) => c.rows), [1, 2, 3, 4, 5, 6, 7, 8])
     }))
 
+  // A run's prompt must not wait behind a probe: no probe step runs while the stage has work or within quietMillis of
+  // its last session; once quiet again, the probe runs whole.
+  it.scopedLive("work before the stage was quiet goes first: no probe step until quietMillis after it, then the whole probe", () =>
+    Effect.gen(function*() {
+      const ex = costedExecutor()
+      yield* Effect.gen(function*() {
+        const executor = yield* StageExecutor
+        const stage = yield* executor.load({ path: "m", layerStart: 0, layerEndExclusive: 6, isFirst: true, isLast: true })
+        const batcher = yield* makeStageBatcher({
+          maxRows: 64,
+          stepProbe: { maxRows: 8, session: executor.session(stage), quietMillis: 300 }
+        })
+        assert.strictEqual(batcher.stepCosts().probe, "pending")
+        const session = yield* executor.session(stage)
+        yield* batcher.submit(session, 0, tokens(1, 2, 3), emptyBatchCounters(), 2)
+        yield* batcher.submit(session, 3, tokens(4), emptyBatchCounters(), 2)
+        const lastWork = performance.now()
+        assert.deepStrictEqual(ex.calls.map((c) => c.length), [1, 1], "a probe step ran before the run's work")
+        while (batcher.stepCosts().probe !== "done") {
+          assert.isBelow(performance.now() - lastWork, 10_000, "the probe never ran")
+          yield* Effect.sleep("20 millis")
+        }
+        // the session's decode step keeps the stage busy for 3 of its intervals (or 2 s), then quietMillis
+        assert.isAtLeast(performance.now() - lastWork, 300)
+        assert.deepStrictEqual(ex.calls.slice(2).map((c) => c.length), [1, 1, 2, 3, 4, 5, 6, 7, 8])
+      }).pipe(Effect.provide(ex.layer))
+    }))
+
   // 6 sequences on 2 stages: ceil(6 / 2) = 3 per micro-batch takes 43 + 43 a round (and 2 × 43 per trip), 4 + 2 takes
   // max(36 + 21, 2 × 36) = 72, 2 + 2 + 2 takes 3 × 21 = 63: the measured costs pick 2. Without them: ceil = 3.
   for (const costed of [true, false]) {

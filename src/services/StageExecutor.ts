@@ -50,6 +50,11 @@ export interface BatchItem {
 export interface SessionOptions {
   readonly contextLength?: number
   readonly threads?: number
+  /**
+   * A scratch session of the agent's own (the batcher's step-cost probe), not a run's: left out of the process's
+   * tally of open sessions and their bytes (`heldSessionBytes`, reported in /metrics).
+   */
+  readonly scratch?: boolean
 }
 
 export interface StageExecutorService {

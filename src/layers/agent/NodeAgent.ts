@@ -184,7 +184,7 @@ export const makeStageHost = (
           const batcher = yield* makeStageBatcher({
             ...options.batch,
             ...(probeRows > 0
-              ? { stepProbe: { maxRows: probeRows, session: executor.session(loaded, { contextLength: 16, threads: options.threads }) } }
+              ? { stepProbe: { maxRows: probeRows, session: executor.session(loaded, { contextLength: 16, threads: options.threads, scratch: true }) } }
               : {})
           }).pipe(Effect.provideService(StageExecutor, executor))
           batchers.set(key, { layers: [layerStart, layerEndExclusive], batcher })

@@ -52,13 +52,17 @@ export interface BatcherSettings {
    */
   readonly promptRowsBesideDecode?: number
   /**
-   * Measure the decode step's cost by row count while the batcher is idle (no session decoding, none expected): one
-   * micro-batch of 1, 2, ... `maxRows` one-row steps of scratch sessions opened with `session` (closed after), once;
-   * paused the moment work arrives. Absent: costs come only from the micro-batches served (StepCosts.ts).
+   * Measure the decode step's cost by row count while the stage is quiet: nothing decoding, opened or announced here,
+   * and no session seen for `quietMillis` (default 1000; a run's prompt follows its session's opening within ms). One
+   * micro-batch of 1, 2, ... `maxRows` one-row steps of scratch sessions opened with `session` (closed right after
+   * each; `SessionOptions.scratch` keeps them out of the agent's tally of open sessions), once. Work that arrives
+   * pauses it after the step in flight; it goes on when the stage is quiet again. Absent: costs come only from the
+   * micro-batches served (StepCosts.ts).
    */
   readonly stepProbe?: {
     readonly maxRows: number
     readonly session: Effect.Effect<StageSession, unknown, Scope.Scope>
+    readonly quietMillis?: number
   }
   /** Where the measured step costs go and the decode micro-batch size is chosen from (default: a fresh table). */
   readonly stepCosts?: StepCosts
@@ -397,10 +401,14 @@ export const makeStageBatcher = (
     const probeSettings = settings.stepProbe
     const probeMax = Math.max(0, Math.min(maxRows, Math.floor(probeSettings?.maxRows ?? 0)))
     let probeRows = probeSettings === undefined || probeMax === 0 ? Infinity : 0
-    /** Nothing decoding, expected or announced here: the probe may take the stage. */
-    const idle = () => {
+    const probeQuiet = Math.max(0, probeSettings?.quietMillis ?? 1000)
+    /** The last time a session was opened here or submitted work (the batcher's start to begin with). */
+    let lastActivity = performance.now()
+    /** ms until the probe may take the stage: nothing seen for probeQuiet, nothing decoding, expected or announced. */
+    const probeWait = () => {
       pruneDecoders()
-      return decoders.size === 0 && expected.size === 0 && !announcedDue()
+      if (decoders.size > 0 || expected.size > 0 || announcedDue()) return Math.max(50, probeQuiet)
+      return Math.max(0, lastActivity + probeQuiet - performance.now())
     }
     /**
      * One probe micro-batch: `probeRows` one-row steps of fresh scratch sessions at position 0 (a one-row warm-up
@@ -428,9 +436,10 @@ export const makeStageBatcher = (
     const loop = Effect.gen(function*() {
       const wokeIdle = pending.length === 0
       if (wokeIdle && probeRows <= probeMax) {
-        if ((yield* Queue.isEmpty(inbox)) && idle()) return yield* probeStep
-        // the probe waits for the stage to fall idle: look again now and then while nothing arrives
-        const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(50, activeWindow / 4)))
+        const wait = probeWait()
+        if (wait < 1 && (yield* Queue.isEmpty(inbox))) return yield* probeStep
+        // the probe waits for the stage to be quiet; work goes first
+        const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(1, wait)))
         if (Option.isNone(next)) return
         pending.push(next.value)
       } else if (wokeIdle) pending.push(yield* Queue.take(inbox))
@@ -479,6 +488,7 @@ export const makeStageBatcher = (
         }
         expected.delete(session)
         see(session)
+        lastActivity = performance.now()
         if (job.total === 1) {
           const now = performance.now()
           const seen = decoders.get(session)
@@ -504,6 +514,7 @@ export const makeStageBatcher = (
         Effect.sync(() => {
           expected.add(session)
           see(session)
+          lastActivity = performance.now()
           if (Number.isSafeInteger(arriving) && arriving > 0 && opened + arriving > announced.count) {
             announced = { count: opened + arriving, at: performance.now() }
           }

@@ -67,7 +67,13 @@ export class NativeSession {
   /** Bytes of this session's DeltaNet states (0 without DeltaNet blocks). */
   readonly stateBytes: number
 
-  constructor(readonly weights: NativeWeights, readonly contextLength: number, readonly threads: number) {
+  constructor(
+    readonly weights: NativeWeights,
+    readonly contextLength: number,
+    readonly threads: number,
+    /** Left out of `held` (the tally of runs' sessions): see SessionOptions.scratch. */
+    readonly scratch = false
+  ) {
     const g = weights.ggml
     const raw = g.raw
     const { hp, spec } = weights.layout
@@ -123,9 +129,11 @@ export class NativeSession {
     raw.ggml_backend_buffer_clear(buf, 0)
     this.slot = weights.graphs.sessionSlot()
     this.stateBytes = stateBytes
-    held.sessions++
-    held.stateBytes += stateBytes
-    held.cacheBytes += this.kvBytes
+    if (!scratch) {
+      held.sessions++
+      held.stateBytes += stateBytes
+      held.cacheBytes += this.kvBytes
+    }
   }
 
   get kvSize(): number {
@@ -256,9 +264,11 @@ export class NativeSession {
     if (this.freed) return
     this.freed = true
     const raw = this.weights.ggml.raw
-    held.sessions--
-    held.stateBytes -= this.stateBytes
-    held.cacheBytes -= this.kvBytes
+    if (!this.scratch) {
+      held.sessions--
+      held.stateBytes -= this.stateBytes
+      held.cacheBytes -= this.kvBytes
+    }
     this.weights.graphs.forgetSession(this.id)
     this.slot.free()
     raw.ggml_backend_buffer_free(this.kvBuffer)

@@ -278,7 +278,7 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
     if (badThreads !== undefined) return yield* Effect.dieMessage(badThreads)
     const native = yield* Effect.acquireRelease(
       Effect.try({
-        try: () => new NativeSession(stage.weights, contextLength, threads),
+        try: () => new NativeSession(stage.weights, contextLength, threads, sessionOptions.scratch === true),
         catch: (e) =>
           new ModelLoadError({
             path: stage.weights.layout.file.path,
