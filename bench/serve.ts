@@ -169,7 +169,12 @@ const llamaServer = async (binary: string, modelPath: string): Promise<Contender
   const child = spawn(binary, [
     "-m", modelPath, "-t", String(cfg.refThreads), "-tb", String(cfg.refThreads), "-np", String(maxClients),
     "-c", String(maxClients * 512), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui"
-  ], { stdio: ["ignore", "ignore", "ignore"] })
+  ], {
+    stdio: ["ignore", "ignore", "ignore"],
+    // its own ggml libraries beside it (scripts/build-llama-tools.sh): without this the build folder's rpath can load a
+    // second libggml-base, and llama-server aborts at start (seen: GGML_ASSERT(prev != ggml_uncaught_exception))
+    env: { ...process.env, LD_LIBRARY_PATH: dirname(resolve(binary)) }
+  })
   const url = `http://127.0.0.1:${port}`
   try {
     for (let i = 0; ; i++) {
