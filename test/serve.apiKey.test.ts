@@ -49,7 +49,7 @@ describe("swactor serve --api-key-file (two keys)", () => {
   })
 
   it("no key or a wrong one is 401 in OpenAI's shape on every route but /health", async () => {
-    const wrong = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: `${first.slice(0, -1)}0`, maxRetries: 0 })
+    const wrong = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: `${first.slice(0, -1)}${first.endsWith("0") ? "1" : "0"}`, maxRetries: 0 })
     const refused = await wrong.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }] }).then(
       () => undefined,
       (e: unknown) => e
