@@ -75,8 +75,8 @@ export const TokenFrameSchema = Schema.TaggedStruct("TokenFrame", {
 export type TokenFrame = typeof TokenFrameSchema.Type
 /**
  * Build a `TokenFrame` (plain data, no validation: encoding validates). Frames are plain objects
- * rather than Schema classes because they are built once per token per hop, and a Schema class
- * costs ~10–20 µs to construct here — a tenth of the hop budget.
+ * rather than Schema classes because they are built once per token per hop, and constructing a
+ * Schema class costs a noticeable share of the hop budget (bench/README.md, "Design measurements").
  */
 export const TokenFrame = (props: Defaulted<TokenFrame, "chunkIndex" | "chunkCount">): TokenFrame => ({
   _tag: "TokenFrame",

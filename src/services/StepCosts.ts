@@ -1,14 +1,13 @@
 /**
  * A stage's measured step cost by row count, and the decode micro-batch size chosen from it.
  *
- * ggml's CPU kernels do not cost in proportion to rows: measured on the 16×2048 Q8_0 model's 8-block stage at 1 thread,
- * a forward of 1, 2, 3, 4, 5, 6 and 8 rows took 70, 74, 149, 115, 180, 130 and 164 ms (the repacked matrix kernels
- * take rows four at a time, pairs and single rows otherwise). So how L decoding sequences are cut into micro-batches
- * on a pipeline of S stages matters: every stage runs each micro-batch once per round, and a micro-batch comes back
- * only after all S stages ran it, so a round takes at least max(Σ t(parts), S × max t(parts)). The batcher's default,
- * ceil(L / S) rows per micro-batch (S micro-batches in flight), is kept unless another size is measured to be
- * clearly faster (5%): 6 sequences on 2 stages run as 3 + 3 (298 ms a round by the figures above) or as 2 + 2 + 2
- * (222 ms); 5 as 3 + 2 (298 ms) or 2 + 2 + 1 (218 ms).
+ * ggml's CPU kernels do not cost in proportion to rows (the repacked matrix kernels take rows four at a time, pairs
+ * and single rows otherwise; figures in bench/README.md, "Design measurements"). So how L decoding sequences are cut
+ * into micro-batches on a pipeline of S stages matters: every stage runs each micro-batch once per round, and a
+ * micro-batch comes back only after all S stages ran it, so a round takes at least max(Σ t(parts), S × max t(parts)).
+ * The batcher's default, ceil(L / S) rows per micro-batch (S micro-batches in flight), is kept unless another size is
+ * measured to be clearly faster (5%): e.g. 6 sequences on 2 stages as 2 + 2 + 2 rather than 3 + 3 where three rows
+ * cost about what four do.
  */
 
 /** Estimates of one stage's forward time (ms) by rows, from measured forwards. */

@@ -11,8 +11,8 @@
  *   pipeline); S comes from the submitter (its run's stage count).
  * - Groups form and stay formed: with fewer than ceil(L / S) decode steps pending (and no prompt work), the batcher
  *   waits for more, at most as long as its last micro-batch of decode steps took (and `gatherMillis`). Without that wait the
- *   sequences drift apart into one-row micro-batches (each stage always busy with one sequence, measured: 4
- *   sequences on 2 stages ran ~85% one-row steps), and a one-row step costs nearly what a two-row one does. A group
+ *   sequences drift apart into one-row micro-batches (each stage always busy with one sequence; see
+ *   bench/README.md, "Design measurements"), and a one-row step costs nearly what a two-row one does. A group
  *   that formed comes back together (its tokens are sampled in the same step), so it rarely waits again.
  * - A prompt longer than `prefillChunk` tokens is prefilled in fixed chunks [0, C), [C, 2C), ... one per
  *   micro-batch, interleaved with other sequences' decode steps, so a big prompt does not stall everyone's next
@@ -280,8 +280,8 @@ export const makeStageBatcher = (
         drop(job)
         if (job.total > 1) {
           // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
-          // (otherwise the first decode step of requests that prefilled together runs alone: measured, 4 requests'
-          // first tokens reached stage 0 within 6 ms, and the first went alone as a one-row micro-batch). Until its
+          // (otherwise the first decode step of requests that prefilled together runs alone, as a one-row
+          // micro-batch, although their first tokens reach stage 0 within a few ms of each other). Until its
           // first decode step it is gone after 3 times as long as its prompt took here.
           const now = performance.now()
           decoders.set(job.session, { last: now, interval: Math.max(1, now - job.submittedAt), prompt: true })
@@ -374,9 +374,8 @@ export const makeStageBatcher = (
      * Before a micro-batch: prompts that woke an idle stage (no decode step pending) wait (at most
      * `promptGatherMillis`) for the prompts of the sessions opened beside them that have not submitted yet, so
      * requests that arrive together prefill together on every stage and decode in step from their first token.
-     * Measured, 4 concurrent requests on 2 stages: they reached stage 0 within 10 ms, but the first one alone had
-     * already started its prefill; with stage 0 fixed, their activations reached stage 1 within 10 ms, and the first
-     * prefilled there alone, so its second token waited 640 ms for the other three's prefill. On a first stage the
+     * Without it, of requests sent together the first starts its prefill alone on each stage and its next token
+     * waits for the others' prefill (bench/README.md, "Design measurements"). On a first stage the
      * sessions of requests sent together open a few ms apart: the server announces them (`expect`'s `arriving`, the
      * requests it is still tokenizing), so they are waited for before they open. What is waited for is what is in
      * flight: a lone request (nothing opened or announced beside it) never waits. Otherwise short decode

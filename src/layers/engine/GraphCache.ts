@@ -12,8 +12,8 @@ export const graphBuilds = { count: 0 }
 
 /**
  * Cached graphs of decode steps over several sessions, per loaded stage. At 4 requests on 2 stages a stage runs
- * {a, b}, then {c, d}, then {a, b}...: one slot rebuilt the graph at every step (measured ~1.3 ms of the agent's
- * thread per step on a 2-stage 16x2048 pipeline). Decode graphs are small (one row per sequence).
+ * {a, b}, then {c, d}, then {a, b}...: one slot rebuilt the graph at every step (its cost: bench/README.md, "Design
+ * measurements"). Decode graphs are small (one row per sequence).
  */
 export const DECODE_GRAPH_SLOTS = 4
 
