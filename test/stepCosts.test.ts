@@ -29,6 +29,22 @@ describe("step costs", () => {
     expect(t.estimate(2)).toBe(200)
   })
 
+  // StageBatcher keeps its last choice while L, S and this revision hold: it must move exactly when an estimate does.
+  it("revision grows when an estimate changes, and only then", () => {
+    const t = table({ 2: 74 })
+    const first = t.revision()
+    for (let i = 0; i < 4; i++) t.observe(2, 74)
+    t.observe(2, 900) // one slow step: the lower median stays 74
+    expect(t.revision()).toBe(first)
+    t.observe(3, 149)
+    expect(t.revision()).toBe(first + 1)
+    for (let i = 0; i < 5; i++) t.observe(2, 200)
+    expect(t.estimate(2)).toBe(200)
+    expect(t.revision()).toBe(first + 2)
+    t.observe(0, 5) // refused observations change nothing
+    expect(t.revision()).toBe(first + 2)
+  })
+
   it("rounds: max(sum of the parts, stages x the dearest part)", () => {
     expect(partsOf(7, 3)).toEqual([3, 3, 1])
     expect(roundMillis([2, 2, 2], 2, (r) => MEASURED[r]!)).toBe(222)

@@ -21,12 +21,15 @@ export interface StepCosts {
   readonly estimate: (rows: number) => number | undefined
   /** Every measured row count and its estimate, by rows. */
   readonly entries: () => ReadonlyArray<{ readonly rows: number; readonly millis: number }>
+  /** Grows whenever an estimate changes: a choice made from these costs at the same revision still holds. */
+  readonly revision: () => number
 }
 
 export const makeStepCosts = (window = 5): StepCosts => {
   /** The last `window` observations per row count (oldest first); the estimate is their lower median. */
   const recent = new Map<number, Array<number>>()
   const measured = new Map<number, number>()
+  let changes = 0
   const observe = (rows: number, millis: number) => {
     if (!Number.isSafeInteger(rows) || rows < 1 || !Number.isFinite(millis) || millis < 0) return
     const list = recent.get(rows) ?? []
@@ -34,7 +37,9 @@ export const makeStepCosts = (window = 5): StepCosts => {
     if (list.length > window) list.shift()
     recent.set(rows, list)
     const sorted = [...list].sort((a, b) => a - b)
-    measured.set(rows, sorted[Math.floor((sorted.length - 1) / 2)]!)
+    const next = sorted[Math.floor((sorted.length - 1) / 2)]!
+    if (measured.get(rows) !== next) changes++
+    measured.set(rows, next)
   }
   const estimate = (rows: number): number | undefined => {
     const exact = measured.get(rows)
@@ -51,7 +56,7 @@ export const makeStepCosts = (window = 5): StepCosts => {
     return a + ((b - a) * (rows - below)) / (above - below)
   }
   const entries = () => [...measured].sort(([a], [b]) => a - b).map(([rows, millis]) => ({ rows, millis }))
-  return { observe, estimate, entries }
+  return { observe, estimate, entries, revision: () => changes }
 }
 
 /** `total` rows as micro-batches of `size` (the last one smaller when it does not divide). */

@@ -218,6 +218,8 @@ export const makeStageBatcher = (
       for (const [session, d] of decoders) if (now - d.last > Math.min(activeWindow, 3 * d.interval)) decoders.delete(session)
     }
 
+    /** The last choice and what it was made from: it holds while L, S and the costs' revision do. */
+    let cached: { decoders: number; stages: number; revision: number; rows: number } | undefined
     /**
      * Most decode steps in one micro-batch: ceil(L / S) (at least 1), or the size the measured step costs say makes a
      * round of all L sequences through the S stages clearly faster (StepCosts.chooseDecodeGroup).
@@ -226,9 +228,14 @@ export const makeStageBatcher = (
       pruneDecoders()
       let stages = 1
       for (const job of pending) if (job.total === 1) stages = Math.max(stages, job.pipelineStages)
+      const revision = costs.revision()
+      if (cached?.decoders === decoders.size && cached.stages === stages && cached.revision === revision) {
+        return cached.rows
+      }
       const choice = chooseDecodeGroup(Math.max(1, decoders.size), stages, costs)
       lastChoice = { ...choice, decoders: decoders.size, stages }
-      return Math.max(1, choice.rows)
+      cached = { decoders: decoders.size, stages, revision, rows: Math.max(1, choice.rows) }
+      return cached.rows
     }
 
     const drop = (job: Job) => {
