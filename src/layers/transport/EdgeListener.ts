@@ -59,10 +59,15 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       clearTimeout(entry!.timer)
       return entry
     }
+    /** The refusal for a frame naming an edge not registered here: its run unknown, or only its edge; none if known. */
+    const unregistered = (frame: { readonly runId: number; readonly edgeId: number }) =>
+      !runs.has(frame.runId)
+        ? new UnknownRun({ runId: frame.runId })
+        : runs.get(frame.runId)!.has(frame.edgeId)
+        ? undefined
+        : new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId })
     const refuseUnregistered = (conn: FrameConn, frame: AttachFrame) =>
-      runs.has(frame.runId)
-        ? conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
-        : conn.fail(new UnknownRun({ runId: frame.runId }))
+      conn.fail(unregistered(frame) ?? new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
     /** The attaches waiting for this edge, now registered. */
     const onRegistered = (runId: number, edgeId: number) => {
       const key = parkKey(runId, edgeId)
@@ -146,11 +151,7 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
               clearTimeout(timer)
               if (frame._tag === "AttachFrame") return onAttach(conn, frame)
               conn.bind(frame.runId, frame.edgeId)
-              if (!runs.has(frame.runId)) return conn.fail(new UnknownRun({ runId: frame.runId }))
-              if (!runs.get(frame.runId)!.has(frame.edgeId)) {
-                return conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
-              }
-              conn.fail(new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
+              conn.fail(unregistered(frame) ?? new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
             },
             onBurstEnd: () => {},
             onClose: () => {
