@@ -2,7 +2,7 @@
 // 4× that stage's own recent median is pinned on that stage (summary, `StageStraggler` updates, serve's /metrics).
 import { assert, describe, it } from "@effect/vitest"
 import { Chunk, Context, Effect, Layer, Stream } from "effect"
-import { renderSummary } from "../src/cli/RunCommand.js"
+import { renderSummary } from "../src/cli/RunSummaryText.js"
 import * as MembershipLive from "../src/layers/agent/MembershipLive.js"
 import { makeMemoryWorld } from "../src/layers/agent/AgentLinksTest.js"
 import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"

@@ -1,0 +1,53 @@
+/** What `swactor run --dry-run` prints: the nodes' reported capacity, then the placement the planner made and why. */
+import type { PlacementExplanation, RunUpdate } from "../services/Orchestrator.js"
+import { gib, mib } from "./Units.js"
+
+/** `--dry-run`: the nodes' reported capacity, then the placement the planner made. */
+export const renderPreview = (update: RunUpdate): string => {
+  switch (update._tag) {
+    case "PoolReady":
+      return [
+        "nodes (as reported in their heartbeat):",
+        ...update.capacity.map(({ capacity, node }) =>
+          `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
+          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
+          (capacity.speedBytesPerSecond === undefined
+            ? ""
+            : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
+        )
+      ].join("\n")
+    case "Planned":
+      return [
+        `placement (run ${update.runId}):`,
+        ...update.stages.map((s) => `  stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`),
+        ...(update.placement === undefined ? [] : explainPlacement(update.placement)),
+        "dry run: nothing was provisioned"
+      ].join("\n")
+    case "AgentsStarted":
+      return `agents: ${update.nodes.map((n) => n.address).join(", ")}`
+    default:
+      return ""
+  }
+}
+
+/**
+ * Why this placement: per stage its node's free memory and speed, its blocks, the weight bytes it stores and those it
+ * reads per token (fewer for a mixture of experts: only the routed experts), its memory and expected ms per token.
+ */
+const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [
+  `${choice.intent.toLowerCase()} placement, in the planner's cost model:`,
+  ...choice.stages.map((s) => {
+    const node = pool.find((n) => n.nodeId === s.nodeId)
+    const free = node === undefined ? "unknown" : mib(node.freeMemoryBytes)
+    const speed = node === undefined ? "unknown" : `${(node.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
+    return `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
+      `${s.layerEndExclusive - s.layerStart} blocks [${s.layerStart}, ${s.layerEndExclusive}), ` +
+      `${mib(s.weightBytes)} weights, ${mib(s.activeBytes)} read per token, ${mib(s.memoryBytes)} with KV and buffers, ` +
+      `${s.expectedMillis.toFixed(2)} ms/token`
+  }),
+  `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
+  `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
+  ...(choice.stages.length < pool.length
+    ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
+    : [])
+]

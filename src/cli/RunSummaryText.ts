@@ -1,0 +1,45 @@
+/** The summary `swactor run` prints on stderr after a completed run: tokens, timings, stages, recoveries, stragglers. */
+import { formatAddress } from "../layers/agent/AgentControlRpc.js"
+import type { RunSummary } from "../services/Orchestrator.js"
+import { mib, ms, size } from "./Units.js"
+
+export const renderSummary = (summary: RunSummary): string => {
+  const lines = [
+    `${summary.generatedTokens} tokens (${summary.outcome === "Eos" ? "end of sequence" : "max tokens"}), ` +
+    `prompt ${summary.promptTokens} tokens`,
+    `time to first token ${ms(summary.timeToFirstTokenMillis)} ms (prefill through the pipeline ${ms(summary.prefillMillis)} ms)`,
+    `decode ${summary.decodeTokensPerSecond.toFixed(1)} tok/s (${ms(summary.decodeMillisPerToken)} ms per token: ` +
+    `compute ${ms(summary.decodeMillisPerToken - summary.transferMillisPerToken)} ms, transfer ${ms(summary.transferMillisPerToken)} ms)`
+  ]
+  for (const s of summary.stages) {
+    lines.push(
+      `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
+        `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}` +
+        (s.peakResidentBytes > 0
+          ? `; agent memory ${mib(s.residentBytes)}, peak ${mib(s.peakResidentBytes)} (KV ${size(s.kvBytes)}, compute ${
+            size(s.computeBytes)
+          })`
+          : "")
+    )
+  }
+  if (summary.recoveries.length > 0) {
+    lines.push(`recoveries: ${summary.recoveries.length}`)
+    for (const r of summary.recoveries) {
+      lines.push(`  attempt ${r.attempt} after ${r.resumedAt} tokens, ${ms(r.millis)} ms: ${r.reason}`)
+    }
+  }
+  if (summary.stragglers.length > 0) {
+    lines.push(
+      `stragglers: ${summary.stragglers.length} slow tokens (${
+        summary.stragglers.slice(0, 5).map((s) => `#${s.sequence} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`).join(", ")
+      }${summary.stragglers.length > 5 ? ", ..." : ""})`
+    )
+  }
+  for (const s of summary.stageStragglers) {
+    lines.push(
+      `straggling stage ${s.stageIndex} on ${s.address}: ${s.tokens} slow token${s.tokens === 1 ? "" : "s"} ` +
+        `(median ${ms(s.medianMillis)} ms, worst ${ms(s.worstMillis)} ms at #${s.worstSequence})`
+    )
+  }
+  return lines.join("\n")
+}
