@@ -8,10 +8,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import { spawn } from "node:child_process"
 import { Effect } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { swactorCommand } from "../src/layers/agent/AgentProcesses.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
@@ -21,9 +18,9 @@ import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { metricOf, type ServeProcess, startServe, stopServe } from "./support/serve.js"
 import { repoRoot } from "./support/models.js"
+import { modelFolder } from "./support/synthFiles.js"
 
-const dir = mkdtempSync(join(tmpdir(), "swactor-swa-memory-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-swa-memory-")
 
 // 4 blocks, pattern 2: blocks 0 and 2 slide over 16 positions (rings of 256 cells), 1 and 3 are global
 const model = (name: string, window: number): SyntheticModelOptions => ({

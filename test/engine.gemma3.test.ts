@@ -13,10 +13,8 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { existsSync, mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
+import { existsSync } from "node:fs"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { getF32, getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
@@ -30,13 +28,11 @@ import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, greedyRun, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
 import { killedStageResumes } from "./support/resume.js"
+import { modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
 const N_TOKENS = 80
 const LAYERS = 6
-const options = { threads: 1, contextLength: 256 } as const
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma3-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-gemma3-")
 
 const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
   path: join(dir, `${name}.gguf`),

@@ -11,10 +11,7 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import { GgufValueType, type ModelLoadError } from "../src/domain/gguf.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
@@ -30,28 +27,12 @@ import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
 import { killedStageResumes } from "./support/resume.js"
+import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
-const options = { threads: 1, contextLength: 256 } as const
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma4-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-gemma4-")
 
-const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
-  path: join(dir, `${name}.gguf`),
-  arch: "gemma4",
-  layers: 6,
-  hidden: 128,
-  ffn: 256,
-  heads: 4,
-  kvHeads: 2,
-  vocab: 400,
-  contextLength: 512,
-  type: "f32",
-  seed: 41,
-  slidingWindow: 16,
-  swaPattern: 3,
-  ...extra
-})
+const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions =>
+  gemma4Model(join(dir, `${name}.gguf`), extra)
 
 /**
  * Every split into 1..3 stages gives node-llama-cpp's greedy `n` tokens (its capped and full SWA caches agreeing),

@@ -10,10 +10,7 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
 import { getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
@@ -22,36 +19,25 @@ import { makeRng } from "../src/services/Sampler.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
-const options = { threads: 1, contextLength: 256 } as const
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma4moe-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-gemma4moe-")
 
 /** 26B-A4B at tiny size: 8 experts, 2 per token, expert width 64 beside the dense 256; 31B-style head shapes. */
-const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
-  path: join(dir, `${name}.gguf`),
-  arch: "gemma4",
-  layers: 6,
-  hidden: 128,
-  ffn: 256,
-  heads: 8,
-  kvHeads: 4,
-  headDim: 32,
-  swaHeadDim: 16,
-  globalKvHeads: 1,
-  kEqV: true,
-  experts: 8,
-  expertsUsed: 2,
-  expertFfn: 64,
-  vocab: 400,
-  contextLength: 512,
-  type: "f32",
-  seed: 61,
-  slidingWindow: 16,
-  swaPattern: 3,
-  ...extra
-})
+const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions =>
+  gemma4Model(join(dir, `${name}.gguf`), {
+    heads: 8,
+    kvHeads: 4,
+    headDim: 32,
+    swaHeadDim: 16,
+    globalKvHeads: 1,
+    kEqV: true,
+    experts: 8,
+    expertsUsed: 2,
+    expertFfn: 64,
+    seed: 61,
+    ...extra
+  })
 
 describe("gemma4 experts (26B-A4B layout): every split matches node-llama-cpp past the window", () => {
   it.live("f32, 8 experts top-2, window 16, pattern 3, soft-capping 10: all 16 splits give node-llama-cpp's 48 tokens", () =>

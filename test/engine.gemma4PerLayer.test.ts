@@ -10,10 +10,8 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Either, Exit } from "effect"
-import { existsSync, mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
+import { existsSync } from "node:fs"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import type { ModelLoadError } from "../src/domain/gguf.js"
 import { NodeId } from "../src/domain/ids.js"
@@ -33,34 +31,22 @@ import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
 import { killedStageResumes } from "./support/resume.js"
+import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
-const options = { threads: 1, contextLength: 256 } as const
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma4pl-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-gemma4pl-")
 
 // 9 blocks, pattern 3 (blocks 2, 5, 8 global), 3 shared KV layers: blocks 6, 7 (sliding) read block 4's cache, block
 // 8 (global) block 5's; so no stage boundary inside [4, 9)
-const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
-  path: join(dir, `${name}.gguf`),
-  arch: "gemma4",
-  layers: 9,
-  hidden: 128,
-  ffn: 256,
-  heads: 4,
-  kvHeads: 2,
-  vocab: 400,
-  contextLength: 512,
-  type: "f32",
-  seed: 51,
-  slidingWindow: 16,
-  swaPattern: 3,
-  kEqV: true,
-  logitSoftcap: 10,
-  perLayerEmbd: 32,
-  sharedKvLayers: 3,
-  ...extra
-})
+const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions =>
+  gemma4Model(join(dir, `${name}.gguf`), {
+    layers: 9,
+    seed: 51,
+    kEqV: true,
+    logitSoftcap: 10,
+    perLayerEmbd: 32,
+    sharedKvLayers: 3,
+    ...extra
+  })
 
 /** Splits whose boundaries never fall inside [4, 9). */
 const legalSplits = (layers: number, groupStart: number) =>

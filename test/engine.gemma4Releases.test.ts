@@ -26,10 +26,7 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Either, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import { NodeId } from "../src/domain/ids.js"
 import { type GgufFile, GgufValueType } from "../src/domain/gguf.js"
@@ -41,11 +38,9 @@ import { kvBytesPerTokenOfBlock } from "../src/services/KvSize.js"
 import { choosePlacement } from "../src/services/Placement.js"
 import { nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
 import { requireModel } from "./support/models.js"
+import { modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
-const options = { threads: 1, contextLength: 256 } as const
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma4rel-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-gemma4rel-")
 
 // what every released gemma4 file has: soft-capping 30, global RoPE base 1M (sliding 10k), RMS eps 1e-6, tied output,
 // sliding heads half the global ones' width

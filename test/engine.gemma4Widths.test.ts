@@ -11,10 +11,7 @@ import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import { synthCommand } from "../src/cli/SynthCommand.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
@@ -29,36 +26,26 @@ import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "./support/engine.js"
+import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
-const options = { threads: 1, contextLength: 256 } as const
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-gemma4w-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-gemma4w-")
 
 /**
  * The 31B's layout at tiny size: 8 query heads; global blocks (2 and 5) 32-wide heads and 1 KV head, no attn_v;
  * sliding-window blocks 16-wide heads and 4 KV heads. K/V row widths: 32 (global) and 64 (sliding).
  */
-const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
-  path: join(dir, `${name}.gguf`),
-  arch: "gemma4",
-  layers: 6,
-  hidden: 128,
-  ffn: 256,
-  heads: 8,
-  kvHeads: 4,
-  headDim: 32,
-  swaHeadDim: 16,
-  globalKvHeads: 1,
-  kEqV: true,
-  vocab: 400,
-  contextLength: 4096,
-  type: "f32",
-  seed: 51,
-  slidingWindow: 16,
-  swaPattern: 3,
-  ...extra
-})
+const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions =>
+  gemma4Model(join(dir, `${name}.gguf`), {
+    heads: 8,
+    kvHeads: 4,
+    headDim: 32,
+    swaHeadDim: 16,
+    globalKvHeads: 1,
+    kEqV: true,
+    contextLength: 4096,
+    seed: 51,
+    ...extra
+  })
 const SLIDING = [true, true, false, true, true, false]
 const rowOf = (il: number) => (SLIDING[il] ? 16 * 4 : 32 * 1)
 

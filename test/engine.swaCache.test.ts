@@ -8,10 +8,7 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { mkdtempSync, rmSync } from "node:fs"
-import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { afterAll } from "vitest"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import { NativeSession } from "../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../src/layers/engine/StageExecutorLive.js"
@@ -25,13 +22,12 @@ import { StageExecutor, type StageSession } from "../src/services/StageExecutor.
 import * as Batch from "./support/batch.js"
 import type { SeqPlan } from "./support/batch.js"
 import { allSplits, greedyRun, nodeLlamaReference } from "./support/engine.js"
+import { modelFolder, STORY_PROMPT as PROMPT } from "./support/synthFiles.js"
 
 const CONTEXT = 1024
 const WINDOW = 16
 const N_TOKENS = 300
-const PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
-const dir = mkdtempSync(join(tmpdir(), "swactor-engine-swacache-"))
-afterAll(() => rmSync(dir, { recursive: true, force: true }))
+const dir = modelFolder("swactor-engine-swacache-")
 
 // 4 blocks, pattern 2: blocks 0 and 2 slide over 16 positions, 1 and 3 are global
 const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
