@@ -1,8 +1,9 @@
 // Prints `tests: N passed, M failed` from vitest's JSON reports of `npm test`: the main run (.vitest-results.json) and
 // the checked engine run after it (.cache/vitest-results.engine-checked.json: the engine's tests again under glibc's heap
 // checks, `vitest run --mode engine-checked`, npm test's posttest), summed.
-// A failed type-check counts as one failure; a run that left no report counts as one failure (the checked run leaves
-// none when the main run failed, since npm then stops before its posttest: that failure is already counted).
+// A failed type-check, layering, unused-code or format check (.ci/run), or a failed build, counts as one failure; a run
+// that left no report counts as one failure (the checked run leaves none when the main run failed, since npm then stops
+// before its posttest: that failure is already counted).
 import { existsSync, readFileSync } from "node:fs"
 
 const typecheckFailed = process.argv[2] === "1"
@@ -41,7 +42,7 @@ for (const { file, name } of runs) {
   }
 }
 if (typecheckFailed) {
-  console.log("type-check failed (counted as one failure)")
+  console.log("type-check, lint, format check or build failed (counted as one failure)")
   failed += 1
 }
 if (testRc !== 0 && failed === 0) failed = 1
