@@ -14,7 +14,7 @@ import { GgmlType } from "../src/layers/ggml/Bindings.js"
 import { loadWeights, type NativeWeights } from "../src/layers/engine/Weights.js"
 import { chooseMaxRows, exactRowsDefault, measureSmallBatch } from "../src/layers/engine/SmallBatch.js"
 import { layoutStage } from "../src/layers/engine/StageLayout.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
@@ -91,22 +91,15 @@ describe("SmallBatch: the kernel of a few-row product", () => {
     }))
 
   // Whichever kernel the measurement picks on a machine, Q8_0 decode steps of 2..7 sequences in one batch get the
-  // bits of their lone steps: both settings are forced here (SWACTOR_GEMV_MAX_ROWS, read when the first batch runs).
-  for (const rows of ["0", "7"]) {
+  // bits of their lone steps: both settings are forced here (the executor's smallBatchRows, SWACTOR_GEMV_MAX_ROWS's
+  // option).
+  for (const rows of [0, 7]) {
     it.live(`synthetic Q8_0, one-row kernel up to ${rows} rows: 2..7 sequences in one decode batch get their lone bits`, () =>
       Effect.gen(function*() {
         const path = yield* q8Model
-        const before = process.env["SWACTOR_GEMV_MAX_ROWS"]
-        process.env["SWACTOR_GEMV_MAX_ROWS"] = rows
-        yield* Effect.addFinalizer(() =>
-          Effect.sync(() => {
-            if (before === undefined) delete process.env["SWACTOR_GEMV_MAX_ROWS"]
-            else process.env["SWACTOR_GEMV_MAX_ROWS"] = before
-          })
-        )
         const executor = yield* StageExecutor
         const whole = yield* executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
         yield* decodeBatchGetsLoneBits(whole, [2, 3, 5, 7], 390, 9)
-      }).pipe(Effect.scoped, Effect.provide(StageExecutorLive)))
+      }).pipe(Effect.scoped, Effect.provide(StageExecutorLive.layerWith({ smallBatchRows: rows }))))
   }
 })

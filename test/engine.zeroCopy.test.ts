@@ -1,12 +1,13 @@
 /**
  * A lone call's hidden input is read where it lies (64-byte aligned rows, as an inbound shared-memory ring's payload
  * is) instead of being copied into the graph: one copy less per activation hop. The logits are the same bits either
- * way, and rows that are not aligned are copied as before.
+ * way, and rows that are not aligned are copied as before. The executor's `zeroCopy: false` (SWACTOR_ZERO_COPY=0 for
+ * `swactor node`) copies every time.
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
 import { inputCopies } from "../src/layers/engine/Forward.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 
@@ -18,8 +19,10 @@ describe("zero-copy hidden input", () => {
     Effect.scoped(Effect.gen(function*() {
       const path = requireModel("stories260K.gguf")
       const executor = yield* StageExecutor
+      const copying = StageExecutorLive.make({ zeroCopy: false })
       const first = yield* executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: false })
-      const last = yield* executor.load({ path, layerStart: 2, layerEndExclusive: 5, isFirst: false, isLast: true })
+      const lastSpec = { path, layerStart: 2, layerEndExclusive: 5, isFirst: false, isLast: true }
+      const last = { borrowing: yield* executor.load(lastSpec), copying: yield* copying.load(lastSpec) }
       const a = yield* executor.session(first, { threads: 1, contextLength: 64 })
       const out = yield* a.forward(0, { _tag: "Tokens", tokens: Int32Array.of(1, 9, 30, 4) })
       assert.strictEqual(out._tag, "Hidden")
@@ -31,12 +34,11 @@ describe("zero-copy hidden input", () => {
           backing.fill(0)
           const rows = backing.subarray(offsetFloats, offsetFloats + hidden.length)
           rows.set(hidden)
-          const b = yield* executor.session(last, { threads: 1, contextLength: 64 })
+          const b = zeroCopy
+            ? yield* executor.session(last.borrowing, { threads: 1, contextLength: 64 })
+            : yield* copying.session(last.copying, { threads: 1, contextLength: 64 })
           const before = inputCopies.bytes
-          process.env["SWACTOR_ZERO_COPY"] = zeroCopy ? "1" : "0"
-          const result = yield* b.forward(0, { _tag: "Hidden", hidden: rows, nTokens: 4 }).pipe(
-            Effect.ensuring(Effect.sync(() => delete process.env["SWACTOR_ZERO_COPY"]))
-          )
+          const result = yield* b.forward(0, { _tag: "Hidden", hidden: rows, nTokens: 4 })
           return { logits: (result as { logits: Float32Array }).logits, copied: inputCopies.bytes - before }
         })
       const reference = yield* logitsAt(0, false)
@@ -49,5 +51,5 @@ describe("zero-copy hidden input", () => {
         else assert.strictEqual(r.copied, hidden.byteLength)
       }
       assert.strictEqual(borrowed, 1, "exactly one of 16 float offsets is 64-byte aligned, and it is read in place")
-    })).pipe(Effect.provide(StageExecutorLive)))
+    })).pipe(Effect.provide(StageExecutorLive.layerWith({ zeroCopy: true }))))
 })

@@ -3,7 +3,8 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Layer } from "effect"
 import type { StageInfo } from "../src/domain/engine.js"
-import { layerSlowed, SLOWDOWN_ENV, slowdownFromEnv } from "../src/layers/engine/StageExecutorSlowed.js"
+import { agentHooks } from "../src/layers/config/Settings.js"
+import { layerSlowed } from "../src/layers/engine/StageExecutorSlowed.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 
 const info = { layerStart: 0 } as unknown as StageInfo
@@ -41,17 +42,9 @@ describe("slowed stage executor (bench hook)", () => {
     }), 20_000)
 
   it("SWACTOR_BENCH_SLOWDOWN: a finite factor above 1, anything else 1", () => {
-    const before = process.env[SLOWDOWN_ENV]
-    try {
-      for (const [text, factor] of [["3", 3], ["1.5", 1.5], ["0.5", 1], ["x", 1], ["Infinity", 1]] as const) {
-        process.env[SLOWDOWN_ENV] = text
-        assert.strictEqual(slowdownFromEnv(), factor, text)
-      }
-      delete process.env[SLOWDOWN_ENV]
-      assert.strictEqual(slowdownFromEnv(), 1)
-    } finally {
-      if (before === undefined) delete process.env[SLOWDOWN_ENV]
-      else process.env[SLOWDOWN_ENV] = before
+    for (const [text, factor] of [["3", 3], ["1.5", 1.5], ["0.5", 1], ["x", 1], ["Infinity", 1]] as const) {
+      assert.strictEqual(agentHooks({ SWACTOR_BENCH_SLOWDOWN: text }).slowdown, factor, text)
     }
+    assert.strictEqual(agentHooks({}).slowdown, 1)
   })
 })

@@ -3,13 +3,21 @@
  * found before anything starts (no agent spawned, no model read).
  */
 import * as Options from "@effect/cli/Options"
-import { readFileSync } from "node:fs"
-import { Data, Effect, Option } from "effect"
+import { Data, Effect, Either, Option, Redacted } from "effect"
 import { readModelFacts } from "../api/modelFacts.js"
 import { ModelLoadError } from "../domain/gguf.js"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
-import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
-import { clusterTokenProblem, minTokenLength, sparesProblem, threadsProblem } from "../services/RequestChecks.js"
+import {
+  chooseSetting,
+  clusterTokenFrom,
+  ggmlPackageSetting,
+  settingFromFlagOrEnv,
+  threadsSetting,
+  type TlsMode,
+  tlsSetting,
+  type UserSetting
+} from "../layers/config/Settings.js"
+import { minTokenLength, sparesProblem, threadsProblem } from "../services/RequestChecks.js"
 
 /** A flag with a value the command cannot use; `message` names the flag. */
 export class UsageError extends Data.TaggedError("UsageError")<{ readonly message: string }> {}
@@ -33,12 +41,52 @@ export const optionalWholeNumber = (flag: string, value: Option.Option<number>, 
 /** The shortest cluster token a node accepts. */
 export { minTokenLength }
 
-/** `--threads`: a whole number the stage engine accepts, 1 to 512 (services/RequestChecks.ts), when given. */
-export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Option.Option<number>, UsageError> => {
-  if (Option.isNone(value)) return Effect.succeedNone
-  const problem = threadsProblem(value.value, "--threads")
-  return problem === undefined ? Effect.succeed(value) : fail(problem)
-}
+/**
+ * `--threads`, else SWACTOR_THREADS: a whole number the stage engine accepts, 1 to 512 (services/RequestChecks.ts),
+ * when either is given.
+ */
+export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Option.Option<number>, UsageError> =>
+  Effect.gen(function*() {
+    const threads = yield* userSetting(threadsSetting, value.pipe(Option.map(Option.some)))
+    if (Option.isNone(threads)) return threads
+    const problem = threadsProblem(threads.value, Option.isSome(value) ? "--threads" : threadsSetting.doc.variable)
+    return problem === undefined ? threads : yield* fail(problem)
+  })
+
+/** A user setting (config/Settings.ts): the flag, else its environment variable, else its default; bad: refused. */
+const userSetting = <A>(setting: UserSetting<A>, flag: Option.Option<A>): Effect.Effect<A, UsageError> =>
+  Either.match(settingFromFlagOrEnv(setting, flag), {
+    onLeft: (message): Effect.Effect<A, UsageError> => fail(message),
+    onRight: (value) => Effect.succeed(value)
+  })
+
+/** `--tls auto|always|off` of run, serve and node; its default is SWACTOR_TLS (config/Settings.ts). */
+export const tlsFlag = Options.choice("tls", ["auto", "always", "off"]).pipe(
+  Options.withDescription(
+    "encrypt links between agents in TLS 1.3: auto (when the peer is not loopback), always, off " +
+      `(default: ${tlsSetting.doc.variable}, else auto; every end must agree)`
+  ),
+  Options.optional
+)
+
+/**
+ * The TLS mode of this command and the agents it starts: `--tls`, else SWACTOR_TLS, else auto. A flag becomes this
+ * process's setting (its links and its local agents use it).
+ */
+export const tlsMode = (flag: Option.Option<TlsMode>): Effect.Effect<TlsMode, UsageError> =>
+  userSetting(tlsSetting, flag).pipe(
+    Effect.tap((mode) => Option.isSome(flag) ? Effect.sync(() => chooseSetting(tlsSetting, mode)) : Effect.void)
+  )
+
+/**
+ * `--backend cpu|cuda|auto` picks the ggml package an agent loads (cuda: node-llama-cpp's CUDA package); without it,
+ * SWACTOR_GGML_PACKAGE, else cpu. Returns the stage backend (the flag, else cpu, as before).
+ */
+export const backend = (flag: Option.Option<"cpu" | "cuda" | "auto">): Effect.Effect<"cpu" | "cuda" | "auto", UsageError> =>
+  userSetting(ggmlPackageSetting, flag).pipe(
+    Effect.tap((ggmlPackage) => Effect.sync(() => chooseSetting(ggmlPackageSetting, ggmlPackage))),
+    Effect.as(Option.getOrElse(flag, () => "cpu" as const))
+  )
 
 /** `--spares`: local spare agents, 0 to 64 (services/RequestChecks.ts), checked before any agent starts. */
 export const spares = (value: number): Effect.Effect<number, UsageError> => {
@@ -50,31 +98,12 @@ export const spares = (value: number): Effect.Effect<number, UsageError> => {
  * The cluster token: the file named by `--token-file` (trimmed), else SWACTOR_CLUSTER_TOKEN, else "" (none). A file
  * that cannot be read, a token shorter than 16 characters or one with under 64 bits of estimated entropy (repeated or
  * sequential characters: services/RequestChecks.ts) is a UsageError naming where it came from and how to make one.
+ * The reading is config/Settings.ts's `clusterTokenFrom`, the library's too (api/generate.ts).
  */
 export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<string, UsageError> =>
-  Effect.gen(function*() {
-    let token: string
-    let source: string
-    if (Option.isSome(tokenFile)) {
-      source = `--token-file ${tokenFile.value}`
-      token = yield* Effect.try({
-        try: () => readFileSync(tokenFile.value, "utf8").trim(),
-        catch: (cause) =>
-          new UsageError({
-            message: `--token-file ${tokenFile.value}: cannot read it (${
-              (cause as NodeJS.ErrnoException).code ?? String(cause)
-            })`
-          })
-      })
-      if (token === "") return yield* fail(`--token-file ${tokenFile.value}: the file is empty`)
-    } else {
-      source = clusterTokenEnv
-      token = process.env[clusterTokenEnv]?.trim() ?? ""
-      if (token === "") return ""
-    }
-    const problem = clusterTokenProblem(token, source)
-    if (problem !== undefined) return yield* fail(problem)
-    return token
+  Either.match(clusterTokenFrom(Option.getOrUndefined(tokenFile)), {
+    onLeft: (message): Effect.Effect<string, UsageError> => fail(message),
+    onRight: (token) => Effect.succeed(Redacted.value(token))
   })
 
 /** `--nodes host:port,host:port`: at least one, each host:port. */

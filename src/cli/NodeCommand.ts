@@ -14,23 +14,18 @@ import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/agent
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
-import { layerSlowed, slowdownFromEnv } from "../layers/engine/StageExecutorSlowed.js"
+import { layerSlowed } from "../layers/engine/StageExecutorSlowed.js"
+import { agentHooks } from "../layers/config/Settings.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
-import { clusterToken, minTokenLength, optionalThreads, withShownDefault } from "./Flags.js"
+import { backend as backendFlag, clusterToken, minTokenLength, optionalThreads, tlsFlag, tlsMode, withShownDefault } from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
 
 /** How long after its ready line an agent started with `--speed-probe after-ready` measures its speed. */
 const laterProbeDelay = "2 seconds"
-
-/**
- * Bench knob: SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine k times slower and divides its measured speed by k
- * (StageExecutorSlowed.ts; bench:cluster's throttled node). Unset: no effect.
- */
-const slowdown = slowdownFromEnv()
 
 /** The stage executor an agent runs stages with, per `--engine`. */
 export type StageExecutorFor = (engine: NodeArgs["engine"]) => Layer.Layer<StageExecutor>
@@ -51,7 +46,10 @@ export interface NodeArgs {
   readonly dataListen: Option.Option<string>
   readonly dataAdvertise: Option.Option<string>
   readonly threads: Option.Option<number>
-  readonly backend: "cpu" | "cuda" | "auto"
+  /** The stage backend and the ggml package (none: SWACTOR_GGML_PACKAGE picks the package, stages use the CPU). */
+  readonly backend: Option.Option<"cpu" | "cuda" | "auto">
+  /** TLS on links to other hosts (none: SWACTOR_TLS, else auto). */
+  readonly tls?: Option.Option<"auto" | "always" | "off">
   readonly engine: "live" | "test"
   readonly tokenFile: Option.Option<string>
   readonly memoryLimit?: Option.Option<number>
@@ -79,6 +77,12 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
       })
     }
     const threadsFlag = yield* optionalThreads(args.threads)
+    const backend = yield* backendFlag(args.backend)
+    yield* tlsMode(args.tls ?? Option.none())
+    // Tuning and bench hooks, read once here (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
+    // k times slower and divides its measured speed by k (StageExecutorSlowed.ts; bench:cluster's throttled node).
+    const hooks = agentHooks()
+    const slowdown = hooks.slowdown
     const listen = yield* address(args.listen, "listen")
     const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
     const dataAdvertise = Option.isSome(args.dataAdvertise)
@@ -119,7 +123,14 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
         ...(dataAdvertise === undefined ? {} : { dataAdvertise }),
         token,
         threads,
-        backend: args.backend,
+        backend,
+        ...(hooks.batchMaxRows === undefined && hooks.prefillChunk === undefined ? {} : {
+          batch: {
+            ...(hooks.batchMaxRows === undefined ? {} : { maxRows: hooks.batchMaxRows }),
+            ...(hooks.prefillChunk === undefined ? {} : { prefillChunk: hooks.prefillChunk })
+          }
+        }),
+        ...(hooks.settleWeights === "auto" ? {} : { settleWeights: hooks.settleWeights }),
         ...(args.cacheDir !== undefined && Option.isSome(args.cacheDir) ? { cacheDir: args.cacheDir.value } : {}),
         ...(args.slicesOnly === true ? { slicesOnly: true } : {}),
         log: (line: string) => void process.stderr.write(`swactor node: ${line}\n`),
@@ -146,7 +157,7 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
       }
       yield* Console.error(
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
-          `${threads} threads, ${args.backend} backend, ${args.engine} engine` +
+          `${threads} threads, ${backend} backend, ${args.engine} engine` +
           (speed === undefined ? "" : `, ${(speed.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${speed.speedSource}`) +
           ` (pid ${process.pid})`
       )
@@ -176,13 +187,17 @@ export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor
         Options.optional
       ),
       threads: Options.integer("threads").pipe(
-        Options.withDescription("engine threads per stage (default: every core)"),
+        Options.withDescription("engine threads per stage (default: SWACTOR_THREADS, else every core)"),
         Options.optional
       ),
       backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
-        Options.withDescription("ggml backend: cpu, cuda (node-llama-cpp's CUDA package) or auto"),
-        withShownDefault("cpu" as const)
+        Options.withDescription(
+          "ggml backend and package: cpu, cuda (node-llama-cpp's CUDA package) or auto (default: cpu stages; the " +
+            "package from SWACTOR_GGML_PACKAGE, else cpu)"
+        ),
+        Options.optional
       ),
+      tls: tlsFlag,
       memoryLimit: Options.integer("memory-limit").pipe(
         Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
         Options.optional

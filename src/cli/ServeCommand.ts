@@ -10,6 +10,7 @@ import { Context, Effect, Layer, Option, Redacted } from "effect"
 import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
+import { apiKeyFromEnv, apiKeyVariable } from "../layers/config/Settings.js"
 import { Server } from "../services/Server.js"
 import {
   atLeast,
@@ -20,6 +21,8 @@ import {
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
+  tlsFlag,
+  tlsMode,
   UsageError,
   wholeNumber,
   withShownDefault
@@ -57,10 +60,12 @@ export interface ServeArgs {
   /** Reuse of a shared prompt prefix's KV across requests (default on), and the most entries held (default 16). */
   readonly promptCache?: "on" | "off"
   readonly promptCacheEntries?: number
+  /** TLS on links to remote agents (none: SWACTOR_TLS, else auto). */
+  readonly tls?: Option.Option<"auto" | "always" | "off">
 }
 
-/** The environment variable holding one API key, when no --api-key-file is given. */
-const apiKeyEnv = "SWACTOR_API_KEY"
+/** The environment variable holding one API key, when no --api-key-file is given (config/Settings.ts). */
+const apiKeyEnv = apiKeyVariable
 
 /**
  * The API keys: the lines of --api-key-file (blank lines and # comments skipped), else SWACTOR_API_KEY, else none.
@@ -82,8 +87,8 @@ const apiKeysOf = (file: Option.Option<string>) =>
       if (keys.length === 0) return yield* new UsageError({ message: `${source}: the file holds no key (one per line)` })
     } else {
       source = apiKeyEnv
-      const value = process.env[apiKeyEnv]?.trim() ?? ""
-      keys = value === "" ? [] : [value]
+      const key = apiKeyFromEnv()
+      keys = key === undefined ? [] : [Redacted.value(key)]
     }
     const spaced = keys.findIndex((key) => /\s/.test(key))
     if (spaced >= 0) return yield* new UsageError({ message: `${source}: key ${spaced + 1} has a space inside; one key per line` })
@@ -98,6 +103,7 @@ const runServe = (args: ServeArgs) =>
     // Every flag checked before anything starts, each refusal one line naming the flag.
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
     const token = yield* clusterToken(args.tokenFile)
+    yield* tlsMode(args.tls ?? Option.none())
     const keys = yield* apiKeysOf(args.apiKeyFile ?? Option.none())
     if (nodes.length > 0 && token === "") {
       return yield* new UsageError({ message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
@@ -210,14 +216,21 @@ export const serveCommand = Command.make(
       Options.withDescription(`remote agents host:port,... (token from ${clusterTokenEnv} or --token-file)`),
       Options.optional
     ),
-    tokenFile: Options.text("token-file").pipe(Options.optional),
+    tokenFile: Options.text("token-file").pipe(
+      Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
+      Options.optional
+    ),
+    tls: tlsFlag,
     apiKeyFile: Options.text("api-key-file").pipe(
       Options.withDescription(`API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`),
       Options.optional
     ),
     host: Options.text("host").pipe(withShownDefault("127.0.0.1")),
     port: Options.integer("port").pipe(Options.withDescription("0 = any free port"), withShownDefault(8080)),
-    threads: Options.integer("threads").pipe(Options.withDescription("engine threads per stage"), Options.optional),
+    threads: Options.integer("threads").pipe(
+      Options.withDescription("engine threads per stage (default: SWACTOR_THREADS, else every core)"),
+      Options.optional
+    ),
     parallel: Options.integer("parallel").pipe(Options.withDescription("sequences running at once"), withShownDefault(4)),
     queue: Options.integer("queue").pipe(
       Options.withDescription("requests waiting for admission at most; more get 429"),

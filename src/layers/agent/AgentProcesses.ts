@@ -12,6 +12,7 @@ import { Deferred, type Duration, Effect, ExecutionStrategy, Scope } from "effec
 import type { TransportAddress } from "../../domain/frames.js"
 import { AgentSpawnError } from "../../services/AgentLinks.js"
 import { cliEntry } from "./CliEntry.js"
+import { childEnvironment, debugAgents } from "../config/Settings.js"
 import { type Announced, clusterTokenEnv, decodeAnnounced, parentWatchEnv, readyLinePrefix } from "./ReadyLine.js"
 
 export interface AgentExit {
@@ -125,7 +126,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
     if (options.entry === undefined && !existsSync(argv[0]!)) {
       return yield* new AgentSpawnError({ index, message: `${argv[0]} is missing: build the package first (npm run build)` })
     }
-    const inherit = options.inheritStderr === true || process.env["SWACTOR_DEBUG"] === "1"
+    const inherit = options.inheritStderr === true || debugAgents()
     const exited = yield* Deferred.make<AgentExit>()
     const ready = yield* Deferred.make<Announced, AgentSpawnError>()
     const stderr = tailBuffer(8192)
@@ -136,7 +137,7 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
           installExitHook()
           const child = spawn(command, argv, {
             stdio: ["pipe", "pipe", "pipe"],
-            env: { ...process.env, ...options.env, [clusterTokenEnv]: options.token, [parentWatchEnv]: "stdin" }
+            env: childEnvironment({ ...options.env, [clusterTokenEnv]: options.token, [parentWatchEnv]: "stdin" })
           })
           liveChildren.add(child)
           return child

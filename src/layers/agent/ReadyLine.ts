@@ -6,6 +6,7 @@
  */
 import { Schema } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../../domain/frames.js"
+import { clusterTokenVariable, parentWatchVariable, watchesParent } from "../config/Settings.js"
 
 /**
  * The line a node agent prints on stdout once it listens:
@@ -13,16 +14,16 @@ import { type TransportAddress, TransportAddress as TransportAddressSchema } fro
  */
 export const readyLinePrefix = "swactor-node-ready "
 /** Environment variable that carries the cluster token to an agent (never argv: argv is world-readable). */
-export const clusterTokenEnv = "SWACTOR_CLUSTER_TOKEN"
+export const clusterTokenEnv = clusterTokenVariable
 /** When "stdin", the agent exits as soon as its stdin closes (its parent died). */
-export const parentWatchEnv = "SWACTOR_PARENT_WATCH"
+export const parentWatchEnv = parentWatchVariable
 
 /**
  * Agent side of the orphan guard: exit when the parent's pipe on stdin closes. Call once at
  * agent start-up when `SWACTOR_PARENT_WATCH=stdin`.
  */
 export const watchParentPipe = (onParentGone: () => void): void => {
-  if (process.env[parentWatchEnv] !== "stdin") return
+  if (!watchesParent()) return
   process.stdin.on("data", () => {})
   process.stdin.on("end", onParentGone)
   process.stdin.on("close", onParentGone)

@@ -35,12 +35,13 @@ const addressOf = (data: Float32Array): bigint | null => {
 
 /**
  * Points a lone call's hidden input tensor at the caller's rows instead of copying them in (CPU; rows 64-byte aligned,
- * as an inbound ring's payload is; off the V8 heap, so they do not move; SWACTOR_ZERO_COPY=0 turns it off). Returns the
+ * as an inbound ring's payload is; off the V8 heap, so they do not move; the weights' `zeroCopy` false, from
+ * SWACTOR_ZERO_COPY=0, turns it off). Returns the
  * tensor's own data address, to put back after the computation, or null when the rows were not borrowed. The tensor is
  * a graph output too, so the graph never computes in place over it.
  */
 const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint | null => {
-  if (input._tag !== "Hidden" || w.device !== "cpu" || process.env["SWACTOR_ZERO_COPY"] === "0") return null
+  if (input._tag !== "Hidden" || w.device !== "cpu" || !w.zeroCopy) return null
   // rows that carry per-layer inputs too are read through views, whose data pointers were fixed when the graph was
   // allocated: those are copied in
   if (inWidth(w) !== w.layout.hp.nEmbd) return null

@@ -33,14 +33,6 @@ export interface SmallBatchTrial {
   readonly maxRows: number
 }
 
-/** `SWACTOR_GEMV_MAX_ROWS` when set (a fixed count for every type, no measurement), else undefined. */
-const fixedSmallBatchRows = (): number | undefined => {
-  const text = process.env["SWACTOR_GEMV_MAX_ROWS"]
-  if (text === undefined || text.trim() === "") return undefined
-  const v = Number(text)
-  return Number.isSafeInteger(v) && v >= 0 ? v : undefined
-}
-
 /**
  * The largest matrix (2-D, at least 2 rows) of each weight type. token_embd is left out: a first stage only looks
  * rows up in it; a type measured on no matrix keeps the one-row kernel (`exactRowsDefault`), which is always exact.
@@ -164,8 +156,9 @@ export const measureSmallBatch = async (
 }
 
 /**
- * Per weight type, the most rows of a CPU product that take the one-row kernel: `SWACTOR_GEMV_MAX_ROWS` for every
- * type when set (nothing measured), else what `measureSmallBatch` chose (`exactRowsDefault` for a type not measured).
+ * Per weight type, the most rows of a CPU product that take the one-row kernel: what `measureSmallBatch` chose
+ * (`exactRowsDefault` for a type not measured). A fixed count (loadWeights' `smallBatchRows`, from
+ * SWACTOR_GEMV_MAX_ROWS) skips this.
  */
 export const chooseSmallBatchRows = async (
   g: Ggml,
@@ -174,8 +167,6 @@ export const chooseSmallBatchRows = async (
   tensors: ReadonlyMap<string, Ptr>,
   threads: number
 ): Promise<(type: number) => number> => {
-  const fixed = fixedSmallBatchRows()
-  if (fixed !== undefined) return () => fixed
   const rows = new Map((await measureSmallBatch(g, backend, buft, tensors, threads)).map((t) => [t.type, t.maxRows]))
   return (type) => rows.get(type) ?? exactRowsDefault
 }

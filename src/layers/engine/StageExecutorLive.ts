@@ -36,6 +36,7 @@ import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights
 import { layoutStage } from "./StageLayout.js"
 import { activationWidth } from "./PerLayerInputs.js"
 import { getGgml } from "../ggml/Bindings.js"
+import { engineHooks, threadsNow } from "../config/Settings.js"
 import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 
@@ -66,16 +67,21 @@ export interface LiveOptions {
   /** Use llama.cpp's repacked CPU buffer types for quantized weights where it would (default true). */
   readonly repack?: boolean
   /**
-   * Use plain CPU weights in place from a read-only mapping of the file (default true; SWACTOR_MMAP=0 turns it
-   * off). Repacked weights are repacked from the mapping; GPU stages always copy.
+   * Use plain CPU weights in place from a read-only mapping of the file (default: SWACTOR_MMAP, true unless 0).
+   * Repacked weights are repacked from the mapping; GPU stages always copy.
    */
   readonly mmap?: boolean
+  /** Advise transparent huge pages for CPU weight memory (default: SWACTOR_THP, true unless 0). */
+  readonly hugePages?: boolean
+  /** A lone call reads its aligned hidden input in place, not copied (default: SWACTOR_ZERO_COPY, true unless 0). */
+  readonly zeroCopy?: boolean
   /**
    * The most rows of a CPU product that take the few-row route (Toolkit.mulMatSmall) for every weight type, instead
    * of what the stage measures before its first batched step (SmallBatch.ts). 0: never. Tests force each path so.
+   * Default: SWACTOR_GEMV_MAX_ROWS when set, else measured.
    */
   readonly smallBatchRows?: number
-  /** CPU threads when a session does not say (default: SWACTOR_THREADS, else every core). */
+  /** CPU threads when a session does not say (default: SWACTOR_THREADS when made, else every core). */
   readonly defaultThreads?: number
   /** KV cache length when a session does not say (default min(model context, 4096)). */
   readonly defaultContextLength?: number
@@ -120,6 +126,8 @@ const load = (options: LiveOptions, catalog: ModelCatalogService) =>
             device,
             ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
             ...(options.smallBatchRows !== undefined ? { smallBatchRows: options.smallBatchRows } : {}),
+            ...(options.zeroCopy !== undefined ? { zeroCopy: options.zeroCopy } : {}),
+            ...(options.hugePages !== undefined ? { hugePages: options.hugePages } : {}),
             ...(onProgress ? { onProgress } : {})
           }),
         catch: (e) =>
@@ -267,9 +275,7 @@ const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: S
     const info = stage.info
     const contextLength = sessionOptions.contextLength ??
       options.defaultContextLength ?? Math.min(info.contextLength, 4096)
-    const envThreads = Number(process.env["SWACTOR_THREADS"] ?? "")
-    const threads = sessionOptions.threads ?? options.defaultThreads ??
-      (Number.isSafeInteger(envThreads) && envThreads > 0 ? envThreads : availableParallelism())
+    const threads = sessionOptions.threads ?? options.defaultThreads ?? availableParallelism()
     if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
       return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
     }
@@ -326,7 +332,27 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
     return Effect.sync(() => to.native.copyPrefixFrom(from.native, length))
   })
 
-export const make = (options: LiveOptions = {}, catalog: ModelCatalogService = ModelCatalogLive.make): StageExecutorService => ({
+/**
+ * The options with the hooks the caller left out read once here, from the environment (config/Settings.ts): when the
+ * executor is made, never per call.
+ */
+const withHooks = (options: LiveOptions): LiveOptions => {
+  const hooks = engineHooks()
+  const threads = threadsNow()
+  return {
+    mmap: hooks.mmap,
+    hugePages: hooks.hugePages,
+    zeroCopy: hooks.zeroCopy,
+    ...(hooks.smallBatchRows === undefined ? {} : { smallBatchRows: hooks.smallBatchRows }),
+    ...(threads === undefined ? {} : { defaultThreads: threads }),
+    ...options
+  }
+}
+
+export const make = (options: LiveOptions = {}, catalog: ModelCatalogService = ModelCatalogLive.make): StageExecutorService =>
+  makeWith(withHooks(options), catalog)
+
+const makeWith = (options: LiveOptions, catalog: ModelCatalogService): StageExecutorService => ({
   load: load(options, catalog),
   session: session(options),
   forwardBatch,

@@ -2,19 +2,12 @@
  * A stand-in for a slower node on one machine (bench:cluster's throttled agent): every batched forward takes `factor`
  * times as long. After the real computation the executor sleeps (factor − 1) × its wall time, so the node is slow
  * without burning the CPU the other agents need (a thread-starved agent on a small machine slows every agent).
- * `swactor node` wraps its engine in it when SWACTOR_BENCH_SLOWDOWN is set, and divides its measured speed by the
+ * `swactor node` wraps its engine in it when SWACTOR_BENCH_SLOWDOWN is set (config/Settings.ts `agentHooks`: a finite
+ * number above 1; anything else is 1, not slowed), and divides its measured speed by the
  * same factor, so placement sees the node as it behaves.
  */
 import { Effect, Layer } from "effect"
 import { StageExecutor } from "../../services/StageExecutor.js"
-
-export const SLOWDOWN_ENV = "SWACTOR_BENCH_SLOWDOWN"
-
-/** The factor from SWACTOR_BENCH_SLOWDOWN (1: not slowed; anything but a finite number above 1 counts as 1). */
-export const slowdownFromEnv = (): number => {
-  const factor = Number(process.env[SLOWDOWN_ENV] ?? "1")
-  return Number.isFinite(factor) && factor > 1 ? factor : 1
-}
 
 /** The StageExecutor below it, each `forwardBatch` stretched to `factor` times its wall time. */
 export const layerSlowed = (factor: number): Layer.Layer<StageExecutor, never, StageExecutor> =>

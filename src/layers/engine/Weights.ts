@@ -117,7 +117,7 @@ export class NativeWeights {
       const b = raw.ggml_backend_buft_alloc_buffer(buft, Number(total))
       if (b === null) return null
       raw.ggml_backend_buffer_set_usage(b, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-      if (process.env["SWACTOR_THP"] !== "0") adviseHugePages(raw.ggml_backend_buffer_get_base(b), Number(total))
+      if (this.hugePages) adviseHugePages(raw.ggml_backend_buffer_get_base(b), Number(total))
       this.laterBuffers.push(b)
       return b
     })
@@ -184,6 +184,12 @@ export class NativeWeights {
    */
   smallRowsFor: ((type: number) => number) | undefined = undefined
 
+  /** Point a lone call's hidden input at the caller's rows (loadWeights' `zeroCopy`; Forward.ts). */
+  zeroCopy = true
+
+  /** Advise transparent huge pages for this stage's CPU weight memory (loadWeights' `hugePages`). */
+  hugePages = true
+
   free(): void {
     if (this.freed) return
     this.freed = true
@@ -221,14 +227,15 @@ const adviseHugePages = (base: Ptr, size: number) => {
 /** ggml's TENSOR_ALIGNMENT: what a CPU buffer over foreign memory promises (and what kernels may assume). */
 const MAPPED_ALIGNMENT = 32
 
-/** Is weight mapping wanted (SWACTOR_MMAP=0 turns it off; CPU stages on Linux only)? */
-export const mmapWanted = (option: boolean | undefined, device: DeviceKind): boolean =>
-  device === "cpu" && option !== false && process.env["SWACTOR_MMAP"] !== "0" && canMap()
+/** Is weight mapping wanted (`mmap: false` turns it off; CPU stages on Linux only)? */
+const mmapWanted = (option: boolean | undefined, device: DeviceKind): boolean =>
+  device === "cpu" && option !== false && canMap()
 
 /**
  * Allocates and reads the tensors of the stage layout. Throws on native or I/O failure (after freeing what it made).
  *
- * On the CPU (unless `mmap: false` or SWACTOR_MMAP=0) the stage's byte ranges of the file are mapped read-only:
+ * On the CPU (unless `mmap: false`, as StageExecutorLive passes for SWACTOR_MMAP=0) the stage's byte ranges of the
+ * file are mapped read-only:
  * plain weights (and their page cache) are used in place, repacked ones are repacked from the mapping. When
  * mapping fails the weights are read into allocated buffers as before.
  */
@@ -240,6 +247,10 @@ export const loadWeights = async (
     readonly mmap?: boolean
     /** Fixes the few-row route's row limit for every weight type (nothing measured); see NativeWeights.smallRowsFor. */
     readonly smallBatchRows?: number
+    /** Lone calls read hidden inputs in place (default true; Forward.ts). */
+    readonly zeroCopy?: boolean
+    /** Advise transparent huge pages for CPU weight memory (default true). */
+    readonly hugePages?: boolean
     readonly onProgress?: (p: LoadProgress) => void
   } = {}
 ): Promise<NativeWeights> => {
@@ -365,7 +376,7 @@ export const loadWeights = async (
         throw new Error(`could not allocate ${raw.ggml_backend_buft_name(buft)} memory for the stage's weights`)
       }
       raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-      if (device === "cpu" && process.env["SWACTOR_THP"] !== "0") {
+      if (device === "cpu" && options.hugePages !== false) {
         adviseHugePages(raw.ggml_backend_buffer_get_base(buffer), raw.ggml_backend_buffer_get_size(buffer))
       }
       buffers.push(buffer)
@@ -442,6 +453,8 @@ export const loadWeights = async (
     weights.releasedBytes = releasedAtLoad
     const fixedRows = options.smallBatchRows
     if (fixedRows !== undefined) weights.smallRowsFor = () => fixedRows
+    weights.zeroCopy = options.zeroCopy !== false
+    weights.hugePages = options.hugePages !== false
     return weights
   } catch (e) {
     for (const b of buffers) raw.ggml_backend_buffer_free(b)

@@ -9,6 +9,7 @@ import koffi, { type LibraryHandle } from "koffi"
 import { join } from "node:path"
 import { type GgmlLibraryDir, locateGgmlLibraries } from "./Platform.js"
 import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
+import { ggmlDebugLog, ggmlPackageNow } from "../config/Settings.js"
 
 /** The node-llama-cpp build these bindings were written against (node-llama-cpp 3.21.1). */
 export const expectedBuild = {
@@ -439,7 +440,7 @@ let logCallback: unknown
  * errors on stderr, drop debug/info unless SWACTOR_GGML_LOG=debug. Done once, before any backend is loaded.
  */
 const installLogFilter = (raw: GgmlRaw) => {
-  if (process.env["SWACTOR_GGML_LOG"] === "debug" || logCallback !== undefined) return
+  if (ggmlDebugLog() || logCallback !== undefined) return
   const proto = koffi.proto("void swactor_ggml_log(int level, const char * text, void * user_data)")
   let last = 0
   logCallback = koffi.register((level: number, text: string | null) => {
@@ -454,10 +455,10 @@ const init = (): Ggml => {
   if (process.arch !== "x64" && process.arch !== "arm64") {
     throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
   }
-  // SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda" or "auto" (the CUDA package when an NVIDIA driver is visible).
-  // The stage engine computes on the CPU device of whichever package is loaded.
-  const wanted = process.env["SWACTOR_GGML_PACKAGE"]
-  const located = locateGgmlLibraries({ backend: wanted === "cuda" || wanted === "auto" ? wanted : "cpu" })
+  // `swactor node --backend` / SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda" or "auto" (the CUDA package when an
+  // NVIDIA driver is visible; config/Settings.ts). The stage engine computes on the CPU device of whichever package
+  // is loaded.
+  const located = locateGgmlLibraries({ backend: ggmlPackageNow() })
   if ("tried" in located) {
     throw new GgmlBindingError(
       `node-llama-cpp's ggml libraries were not found for ${process.platform}-${process.arch}; looked in: ${

@@ -1,6 +1,7 @@
 import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { createRequire } from "node:module"
 import { dirname, join } from "node:path"
+import { ggmlDirNow, windowsRoot } from "../config/Settings.js"
 
 /**
  * Where node-llama-cpp's prebuilt ggml libraries live. node-llama-cpp ships them in one
@@ -49,7 +50,7 @@ export const cudaDriverPresent = (): boolean => {
     return existsSync("/proc/driver/nvidia/version") || existsSync("/dev/nvidiactl")
   }
   if (process.platform === "win32") {
-    return existsSync(join(process.env["SystemRoot"] ?? "C:\\Windows", "System32", "nvcuda.dll"))
+    return existsSync(join(windowsRoot(), "System32", "nvcuda.dll"))
   }
   return false
 }
@@ -97,7 +98,7 @@ export const locateGgmlLibraries = (
   options: { readonly backend?: "cpu" | "cuda" | "auto" } = {}
 ): GgmlLibraryDir | { readonly tried: ReadonlyArray<string> } => {
   const backend = options.backend ?? "cpu"
-  const envDir = process.env["SWACTOR_GGML_DIR"]
+  const envDir = ggmlDirNow()
   const tried: Array<string> = []
   const wantCuda = backend === "cuda" || (backend === "auto" && cudaDriverPresent())
   const candidates: Array<{ packageName: string; dir: string }> = []

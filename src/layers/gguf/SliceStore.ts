@@ -6,9 +6,9 @@
  * orchestrator's model path (a node without the shared file): a stage whose weights were not delivered is refused.
  */
 import * as Fs from "node:fs"
-import * as Os from "node:os"
 import * as Path from "node:path"
 import { Effect } from "effect"
+import { swactorCacheDir } from "../config/Settings.js"
 import { type StageWeights, WeightDeliveryError, type WeightsHeld } from "../../domain/controlRpc.js"
 import { readGgufFile } from "./GgufReader.js"
 import { sliceHash } from "./GgufSlice.js"
@@ -24,9 +24,8 @@ export interface WeightStoreOptions {
   readonly log?: (line: string) => void
 }
 
-/** `$XDG_CACHE_HOME/swactor/slices` (default `~/.cache/swactor/slices`). */
-export const defaultSliceCacheDir = (): string =>
-  Path.join(process.env["XDG_CACHE_HOME"] || Path.join(Os.homedir(), ".cache"), "swactor", "slices")
+/** `$XDG_CACHE_HOME/swactor/slices` (default `~/.cache/swactor/slices`; config/Settings.ts). */
+export const defaultSliceCacheDir = (): string => Path.join(swactorCacheDir(), "slices")
 
 export interface WeightStore {
   readonly check: (weights: StageWeights) => Effect.Effect<WeightsHeld, WeightDeliveryError>

@@ -141,7 +141,7 @@ const expectTag = (msg: Buffer, tag: Buffer, what: string): Effect.Effect<void, 
 export interface HandshakeOptions {
   readonly token: ClusterToken
   readonly timeout?: Duration.DurationInput | undefined
-  /** Default: SWACTOR_TLS (auto). */
+  /** Default: --tls / SWACTOR_TLS (auto; config/Settings.ts). */
   readonly tls?: TlsMode | undefined
 }
 

@@ -7,7 +7,7 @@
  * (the PSK binder does not verify), and an observer sees only ciphertext. The HMAC challenge of Auth.ts still runs
  * inside the tunnel.
  *
- * When: `SWACTOR_TLS` = `auto` (default: encrypt when the connection's peer address is not loopback, decided the same
+ * When (`--tls` / `SWACTOR_TLS`, config/Settings.ts) = `auto` (default: encrypt when the connection's peer address is not loopback, decided the same
  * way on both ends from the connected socket), `always` (every TCP connection, loopback too: tests and benches) or
  * `off` (never). Both ends must agree; a mismatch fails the handshake, never falls back to plain.
  */
@@ -16,21 +16,17 @@ import type * as Net from "node:net"
 import * as Tls from "node:tls"
 import { type Duration, Effect, Redacted } from "effect"
 import { AuthFailed } from "../../domain/frames.js"
+import { type TlsMode, tlsModeNow } from "../config/Settings.js"
 
 /** The cluster token (Auth.ts's `ClusterToken`; not imported from there, which imports this module). */
 type ClusterToken = Redacted.Redacted<string>
 
-export type TlsMode = "auto" | "always" | "off"
+export type { TlsMode }
 
+/** The variable tests set to choose the mode of in-process links. */
 export const TLS_ENV = "SWACTOR_TLS"
 const IDENTITY = "swactor-v1"
 const CIPHER = "TLS_AES_128_GCM_SHA256"
-
-/** The mode from `SWACTOR_TLS` (unset or unknown: `auto`). */
-export const tlsModeFromEnv = (): TlsMode => {
-  const value = process.env[TLS_ENV]
-  return value === "always" || value === "off" ? value : "auto"
-}
 
 /** 127.0.0.0/8, ::1 and their IPv4-mapped forms. */
 export const isLoopback = (ip: string): boolean => {
@@ -102,6 +98,6 @@ export const secure = (
   side: "server" | "client",
   options: { readonly token: ClusterToken; readonly mode?: TlsMode | undefined; readonly timeout: Duration.DurationInput }
 ): Effect.Effect<Net.Socket, AuthFailed> =>
-  wantsTls(socket, options.mode ?? tlsModeFromEnv())
+  wantsTls(socket, options.mode ?? tlsModeNow())
     ? handshake(socket, side, options.token, options.timeout)
     : Effect.succeed(socket)

@@ -1,0 +1,655 @@
+/**
+ * The stage host: a node agent's business logic, hosting stages of any number of runs on one machine (NodeAgent.ts
+ * puts it behind a data listener and the control RPC).
+ *
+ * - Weights are shared through a model cache keyed by file + block range (+ first/last role): a
+ *   second run on the same range does not reload; an idle range is released after a while.
+ * - Every hosted stage has its own KV cache (an engine session), its own inbound edge registered
+ *   on the agent's data listener and its own outbound connection.
+ * - A stage reports StageLoading → StageReady, then StageFault (with its StageFaultReason) or, once
+ *   stopped, StageStopped with its counters; its report stream ends there.
+ */
+import * as Fs from "node:fs"
+import * as Os from "node:os"
+import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Scope, Stream } from "effect"
+import type { StageInput, StageOutput } from "../../domain/engine.js"
+import {
+  type DataFrame,
+  describeFault,
+  type EdgeFault,
+  type TransportAddress
+} from "../../domain/frames.js"
+import type { RunId } from "../../domain/ids.js"
+import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
+import { threadsProblem } from "../../services/RequestChecks.js"
+import type { SamplingPolicy } from "../../domain/plan.js"
+import {
+  type DataListener,
+  dataFrame,
+  DataPlane,
+  type EdgeSender,
+  isNotYetRegistered,
+  notYetRegisteredRetry,
+  type ProvisionRequest,
+  type StageHost,
+  type StageReport,
+  StageStats
+} from "../../services/AgentLinks.js"
+import { kvBytesOfStage } from "../../services/KvSize.js"
+import { NodeCapacity } from "../../services/Membership.js"
+import { type LoadedStage, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
+import { openStageSampler } from "../sampling/StageSampler.js"
+import type { WeightStore } from "../gguf/SliceStore.js"
+import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
+import { makePromptCacheHost } from "./PromptCacheHost.js"
+import { heldSessionBytes } from "../engine/KvCache.js"
+
+export interface StageHostOptions {
+  /** The cluster token (data connections to the next stage prove it). */
+  readonly token: string
+  /** Default engine threads per stage. */
+  readonly threads: number
+  readonly backend: "cpu" | "cuda" | "auto"
+  /** How long unused weights stay loaded. */
+  readonly modelIdleTimeToLive?: Duration.DurationInput
+  /** How long a stage keeps retrying to reach its outbound peer. */
+  readonly connectTimeout?: Duration.DurationInput
+  /** Micro-batch size and prompt chunk of the per-weights stage batcher. */
+  readonly batch?: BatcherSettings
+  /**
+   * When a stage moves its mapped weights to allocated memory (LoadedStage.settle): always, never, or auto (default:
+   * warm weights or a long context; `swactor node` passes SWACTOR_MMAP_MOVE, config/Settings.ts).
+   */
+  readonly settleWeights?: "always" | "never" | "auto"
+  /** Cap on the free memory this agent reports (`--memory-limit`): placement never gives it more. */
+  readonly memoryLimitBytes?: number
+  /** Weight bytes per second of this agent's engine (`--speed`, or measured at start), reported to placement. */
+  readonly speedBytesPerSecond?: number
+  readonly speedSource?: "declared" | "measured"
+  /** Delivered slices: a stage loads the held or received file for its model path and blocks (weight delivery). */
+  readonly weights?: WeightStore
+  /** Operator-facing lines (which file a stage's weights load from). */
+  readonly log?: (line: string) => void
+  /** A speed measured after start (`--speed-probe after-ready`): reported once set, when none is declared. */
+  readonly laterSpeed?: { current: number | undefined }
+  /**
+   * Measure each loaded stage's decode step at 1..N rows while it is idle (BatcherSettings.stepProbe), so the batcher
+   * sizes decode micro-batches from measured costs from the first request on. 0 or absent: off (costs are then learnt
+   * from the micro-batches served only).
+   */
+  readonly stepProbeRows?: number
+}
+
+// The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
+export type { StageHost }
+
+interface CachedModel {
+  readonly loaded: LoadedStage
+  readonly batcher: StageBatcher
+}
+
+/**
+ * Whether a stage asks its engine to settle (LoadedStage.settle): `always`, `never`, else (auto) when
+ * its weights were already loaded for an earlier run (a warm pipeline: `swactor serve`, a long-lived node pool) or
+ * from 1024 tokens of context on (a long generation). A first short `swactor run` keeps the fast-start mapping: the
+ * move costs more than it saves in a few dozen tokens. (A server's requests mostly have short contexts, so the
+ * context alone never moved a server's weights.)
+ */
+const settles = (setting: StageHostOptions["settleWeights"], contextLength: number, warmWeights: boolean): boolean =>
+  setting === "always" || (setting !== "never" && (warmWeights || contextLength >= 1024))
+const settleDelay = "1500 millis"
+
+/** A stage's counters before it ran anything. */
+const freshStats = () => ({
+  frames: 0,
+  tokens: 0,
+  loadMillis: 0,
+  cachedWeights: false,
+  prefillComputeMillis: 0,
+  prefillWaitMillis: 0,
+  firstSampleMillis: 0,
+  decodeFrames: 0,
+  decodeComputeMillis: 0,
+  ...emptyBatchCounters(),
+  computeBytes: 0,
+  kvBytes: 0,
+  residentBytes: 0,
+  peakResidentBytes: 0,
+  keptPositions: 0
+})
+
+/** This process's resident set now and at its peak (Linux /proc; elsewhere Node's rss for both). */
+const residentMemory = (): { readonly resident: number; readonly peak: number } => {
+  try {
+    const status = Fs.readFileSync("/proc/self/status", "utf8")
+    const kib = (key: string) => Number(new RegExp(`^${key}:\\s+(\\d+) kB`, "m").exec(status)?.[1] ?? NaN) * 1024
+    const resident = kib("VmRSS")
+    const peak = kib("VmHWM")
+    if (Number.isFinite(resident) && Number.isFinite(peak)) return { resident, peak }
+  } catch {
+    // not Linux
+  }
+  const rss = process.memoryUsage().rss
+  return { resident: rss, peak: rss }
+}
+
+class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
+const loadFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.ModelLoadFailed({ message }) })
+const transportFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.TransportFailed({ message }) })
+const protocolViolated = (message: string) => new StageFailure({ reason: StageFaultReasons.ProtocolViolated({ message }) })
+
+const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
+  const p = request.provision
+  return JSON.stringify([path, p.layerStart, p.layerEndExclusive, p.stageIndex === 0, p.stageIndex === p.stageCount - 1, backend])
+}
+
+const errorWords = (error: unknown): string => {
+  if (typeof error !== "object" || error === null) return String(error)
+  const message = "message" in error && typeof error.message === "string" ? error.message : ""
+  if (message !== "" && !message.startsWith("{")) return message
+  return Object.entries(error)
+    .filter(([key]) => key !== "_tag" && key !== "message" && key !== "stack")
+    .map(([key, value]) => `${key} ${String(value)}`)
+    .join(", ")
+}
+
+export const makeStageHost = (
+  listener: DataListener,
+  options: StageHostOptions
+): Effect.Effect<StageHost, never, Scope.Scope | StageExecutor | DataPlane> =>
+  Effect.gen(function*() {
+    const executor = yield* StageExecutor
+    const dataPlane = yield* DataPlane
+    const hostScope = yield* Effect.scope
+    const progressSinks = new Map<string, (loaded: number, total: number) => void>()
+    /** The batcher of each loaded weights (for its step costs in the capacity report). */
+    const batchers = new Map<string, { readonly layers: readonly [number, number]; readonly batcher: StageBatcher }>()
+    const models = yield* RcMap.make({
+      lookup: (key: string) => {
+        const [path, layerStart, layerEndExclusive, isFirst, isLast, backend] = JSON.parse(key) as [
+          string,
+          number,
+          number,
+          boolean,
+          boolean,
+          "cpu" | "cuda" | "auto"
+        ]
+        // the weights, and one batcher that runs every hosted stage on them (any run) as micro-batches
+        return Effect.gen(function*() {
+          options.log?.(`blocks [${layerStart}, ${layerEndExclusive}) load from ${path}`)
+          const loaded = yield* executor.load(
+            { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
+            (progress) => progressSinks.get(key)?.(progress.loadedBytes, progress.totalBytes)
+          )
+          const probeRows = options.stepProbeRows ?? 0
+          const batcher = yield* makeStageBatcher({
+            ...options.batch,
+            ...(probeRows > 0
+              ? { stepProbe: { maxRows: probeRows, session: executor.session(loaded, { contextLength: 16, threads: options.threads, scratch: true }) } }
+              : {})
+          }).pipe(Effect.provideService(StageExecutor, executor))
+          batchers.set(key, { layers: [layerStart, layerEndExclusive], batcher })
+          yield* Effect.addFinalizer(() => Effect.sync(() => batchers.delete(key)))
+          return { loaded, batcher } satisfies CachedModel
+        })
+      },
+      idleTimeToLive: options.modelIdleTimeToLive ?? "10 minutes"
+    })
+    // finished stages' sessions kept for later runs' prompts (after `models`: freed before the weights they are on)
+    const promptCache = yield* makePromptCacheHost()
+    const active = new Map<string, Deferred.Deferred<void>>()
+    const stageKey = (runId: number, stageIndex: number) => `${runId}/${stageIndex}`
+    /**
+     * Stops that came before their stage's Provision (the orchestrator's commands run concurrently, so a run torn
+     * down while it provisions may send Stop first): that Provision then stops at once instead of running until the
+     * orchestrator's teardown deadline. Kept 5 minutes, at most 4096.
+     */
+    const stoppedEarly = new Map<string, number>()
+    const STOPPED_EARLY_MS = 5 * 60_000
+    const rememberStop = (key: string) => {
+      const now = performance.now()
+      for (const [k, at] of stoppedEarly) if (now - at > STOPPED_EARLY_MS || stoppedEarly.size >= 4096) stoppedEarly.delete(k)
+      stoppedEarly.set(key, now)
+    }
+
+    const connectOutbound = (request: ProvisionRequest) => {
+      const p = request.provision
+      return dataPlane.connect(request.outboundAddress, {
+        runId: p.runId,
+        edgeId: p.outbound.edgeId,
+        ring: p.outbound.ring
+      }, options.token).pipe(
+        // The consumer may not have registered the edge yet (it may still be loading): retry until the connect deadline.
+        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
+        Effect.timeoutFail({
+          duration: options.connectTimeout ?? "10 minutes",
+          onTimeout: () => transportFailed("timed out connecting to the next stage")
+        }),
+        Effect.mapError((fault) =>
+          fault instanceof StageFailure
+            ? fault
+            : transportFailed(`cannot reach the next stage: ${describeFault(fault)}`)
+        )
+      )
+    }
+
+    const runStage = (
+      request: ProvisionRequest,
+      path: string,
+      reports: Mailbox.Mailbox<StageReport>,
+      stop: Deferred.Deferred<void>,
+      /** The session and its hold on the weights: freed when the stage ends (the caller's), unless kept. */
+      hold: { readonly scope: Scope.CloseableScope; kept: boolean }
+    ) =>
+      Effect.gen(function*() {
+        const p = request.provision
+        const runId = p.runId
+        const stageIndex = p.stageIndex
+        const isFirst = stageIndex === 0
+        const isLast = stageIndex === p.stageCount - 1
+        const key = cacheKey(request, options.backend, path)
+        const stats = freshStats()
+        // what the loaded stage holds, read when the stage stops (set once it is loaded)
+        let measureStage = () => {}
+        // Decode steps not reported yet go out before the stage's last report.
+        let flushTimings = () => {}
+        const sessionScope = hold.scope
+        let kept: { session: StageSession; loaded: LoadedStage } | undefined
+        // KV positions the session holds (the next step's start on stage 0)
+        let position = 0
+
+        const body = Effect.gen(function*() {
+          const started = performance.now()
+          stats.cachedWeights = (yield* RcMap.keys(models)).includes(key)
+          progressSinks.set(key, (loadedBytes, totalBytes) => {
+            reports.unsafeOffer({ _tag: "StageLoading", runId, stageIndex, loadedBytes, totalBytes })
+          })
+          const { batcher, loaded } = yield* RcMap.get(models, key).pipe(
+            Scope.extend(sessionScope),
+            Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`))
+          )
+          progressSinks.delete(key)
+          const session = yield* executor.session(loaded, {
+            contextLength: Math.min(request.contextLength, loaded.info.contextLength),
+            threads: request.threads ?? options.threads
+          }).pipe(Scope.extend(sessionScope), Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
+          kept = { session, loaded }
+          // Prompt cache: the first positions of a held entry's KV (none when this agent lacks it: the orchestrator
+          // then starts the prompt at the fewest positions any stage took, 0 at worst). A multiple of the batcher's
+          // prompt chunk: the rest of the prompt then runs in the chunks a full prefill runs there, and the entry's
+          // positions came from those same chunks of its own prompt (an entry holds prompt positions only, see the
+          // keep below), so the KV and logits are bit for bit those of a run without the cache. (Resumed mid-chunk,
+          // a short last chunk takes other kernels than the full prefill: ggml's CPU flash attention tiles batches
+          // of 64+ queries only; measured, greedy text differed on a random-weight model.)
+          const cacheUse = request.promptCache
+          let cachedPositions: number | undefined
+          if (cacheUse?.adopt != null) {
+            cachedPositions = 0
+            const entry = promptCache.find(cacheUse.adopt.entry, stageIndex, key)
+            const held = Math.min(cacheUse.adopt.length, entry?.positions ?? 0, cacheUse.promptLength - 1)
+            const length = held - (held % batcher.prefillChunk)
+            if (entry !== undefined && executor.copyPrefix !== undefined && length > 0) {
+              const copied = yield* executor.copyPrefix(entry.session, session, length).pipe(
+                Effect.as(true),
+                Effect.orElseSucceed(() => false)
+              )
+              if (copied) cachedPositions = length
+            }
+            position = cachedPositions
+          }
+          // the last stage's sampler (llama.cpp's chain): a policy or grammar it cannot honour refuses the run here
+          const sample = isLast
+            ? yield* openStageSampler(
+              p.runtime.sampling ?? greedy,
+              path,
+              loaded.info.vocabSize,
+              Math.min(request.contextLength, loaded.info.contextLength)
+            ).pipe(
+              Effect.mapError((message) => new StageFailure({ reason: StageFaultReasons.ProvisionFailed({ message }) }))
+            )
+            : undefined
+          // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both), and
+          // for the requests the server announced behind this one
+          yield* batcher.expect(session, request.arriving ?? 0)
+          const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
+            Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`))
+          )
+          const outbound: EdgeSender = yield* connectOutbound(request)
+          stats.loadMillis = performance.now() - started
+          const kvBytes = kvBytesOfStage(
+            loaded.info,
+            Math.min(request.contextLength, loaded.info.contextLength)
+          )
+          // the largest seen while the session lives (its own graph slot is freed with it)
+          measureStage = () => {
+            stats.computeBytes = Math.max(stats.computeBytes, loaded.memory?.().computeBytes ?? 0)
+            stats.kvBytes = kvBytes
+          }
+          yield* reports.offer({
+            _tag: "StageReady",
+            runId,
+            stageIndex,
+            loadMillis: stats.loadMillis,
+            cachedWeights: stats.cachedWeights,
+            ...(cachedPositions === undefined ? {} : { cachedPositions })
+          })
+          if (loaded.settle !== undefined && settles(options.settleWeights, request.contextLength, stats.cachedWeights)) {
+            // long-lived weights or a long session: after the first token, let the engine trade a one-time
+            // cost for faster steps (mapped weights to huge pages); the weights outlive this stage, so does the move
+            yield* Effect.sleep(settleDelay).pipe(
+              Effect.zipRight(loaded.settle()),
+              Effect.tap((done) =>
+                Effect.sync(() => {
+                  if (done) options.log?.(`blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`)
+                })
+              ),
+              Effect.forkIn(hostScope)
+            )
+          }
+
+          const eosTokenId = p.model.eosTokenId
+          const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
+          const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
+          flushTimings = timings.flush
+
+          const step = (frame: DataFrame) =>
+            Effect.gen(function*() {
+              let input: StageInput
+              let startPos: number
+              if (isFirst) {
+                if (frame._tag !== "TokenFrame" || frame.payload._tag === "Sampled") {
+                  return yield* protocolViolated(`stage 0 expects token frames, got ${frame._tag}`)
+                }
+                const tokens = frame.payload._tag === "Prompt" ? frame.payload.tokens : [frame.payload.tokenId]
+                input = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
+                // a prompt after cached positions: the orchestrator sent only the rest of it
+                startPos = frame.payload._tag === "Prompt" && cacheUse !== undefined
+                  ? cacheUse.promptLength - tokens.length
+                  : position
+                if (startPos < 0 || startPos > position) {
+                  return yield* protocolViolated(
+                    `a prompt of ${tokens.length} tokens does not end the ${cacheUse?.promptLength} prompt tokens after the ` +
+                      `${position} cached positions`
+                  )
+                }
+              } else {
+                if (frame._tag !== "ActivationFrame") {
+                  return yield* protocolViolated(`stage ${stageIndex} expects activations, got ${frame._tag}`)
+                }
+                input = { _tag: "Hidden", hidden: frame.payload, nTokens: frame.nTokens }
+                startPos = frame.startPos
+              }
+              const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
+              const engineBefore = stats.engineMillis
+              const t0 = performance.now()
+              // a resumed generation's prompt: its replayed tokens run one per forward, as they were decoded
+              const replayTail = frame.sequence === 0 ? p.runtime.replayTail : undefined
+              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount, replayTail).pipe(
+                Effect.mapError((error) =>
+                  new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) })
+                )
+              )
+              const t1 = performance.now()
+              const elapsed = t1 - t0
+              stats.frames++
+              stats.tokens += nTokens
+              if (frame.sequence === 0) {
+                stats.prefillComputeMillis += elapsed
+                stats.prefillWaitMillis += Math.max(0, elapsed - (stats.engineMillis - engineBefore))
+              } else {
+                stats.decodeFrames++
+                stats.decodeComputeMillis += elapsed
+              }
+              position = startPos + nTokens
+              if (frame.sequence === 0 || stats.decodeFrames % 64 === 0) measureStage()
+              let handOffStart = t1
+              if (output._tag === "Hidden") {
+                if (isLast) return yield* protocolViolated("the last stage produced hidden states")
+                yield* outbound.send(
+                  dataFrame({
+                    _tag: "ActivationFrame",
+                    runId,
+                    edgeId: p.outbound.edgeId,
+                    sequence: frame.sequence,
+                    chunkIndex: 0,
+                    chunkCount: 1,
+                    startPos,
+                    nTokens: output.nTokens,
+                    hiddenDim: output.hidden.length / output.nTokens,
+                    dtype: "f32",
+                    payload: output.hidden as Float32Array<ArrayBuffer>
+                  })
+                ).pipe(Effect.mapError(transport))
+              } else {
+                if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
+                const sampleStart = performance.now()
+                const sampled = sample.sample(output.logits)
+                if (frame.sequence === 0) stats.firstSampleMillis = performance.now() - sampleStart
+                // nothing selectable (every token banned, or none the grammar allows): the generation ends
+                const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
+                handOffStart = performance.now()
+                yield* outbound.send(
+                  dataFrame({
+              _tag: "TokenFrame",
+                    runId,
+                    edgeId: p.outbound.edgeId,
+                    sequence: frame.sequence,
+                    chunkIndex: 0,
+                    chunkCount: 1,
+                    payload: {
+                      _tag: "Sampled",
+                      tokenId,
+                      eos: sampled.tokenId < 0 || tokenId === eosTokenId,
+                      ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
+                      ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
+                    }
+                  })
+                ).pipe(Effect.mapError(transport))
+              }
+              // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
+              if (frame.sequence !== 0) timings.add(frame.sequence, handOffStart - t0, performance.now() - handOffStart)
+            })
+
+          yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
+        }).pipe(Effect.scoped)
+
+        const exit = yield* body.pipe(
+          Effect.raceFirst(Deferred.await(stop)),
+          Effect.exit
+        )
+        progressSinks.delete(key)
+        flushTimings()
+        // The fault goes out first: the orchestrator learns of it before anything else is done here (its own endpoint
+        // sees the stage's edges close as well, and the stage's words name the cause).
+        if (Exit.isFailure(exit)) {
+          const failure = Cause.failureOption(exit.cause)
+          const fault = Option.isSome(failure) && failure.value instanceof StageFailure
+            ? failure.value
+            : new StageFailure({ reason: StageFaultReasons.WorkerCrashed({ message: Cause.pretty(exit.cause) }) })
+          if (!Cause.isInterruptedOnly(exit.cause)) {
+            yield* reports.offer({ _tag: "StageFault", runId, stageIndex, reason: fault.reason })
+          }
+        }
+        // A stage that stopped, or whose edges closed (the run's teardown may close them before its stop arrives), keeps
+        // its session as the prompt-cache entry its run named (unless dropped): the prompt's positions only (computed
+        // by its prefill; the generated tokens' KV, computed one decode step at a time, is not what a later prefill of
+        // them computes, so a later turn prefills them again). After an engine or protocol fault it keeps nothing.
+        // (Whether the entry is used is the server's call: only a run that completed on every stage is indexed, the
+        // others' entries are dropped.)
+        const keepAs = request.promptCache?.keep
+        const edgeClosed = Exit.isFailure(exit) && Option.exists(
+          Cause.failureOption(exit.cause),
+          (e) => e instanceof StageFailure && e.reason._tag === "TransportFailed"
+        )
+        const keptPositions = Math.min(position, request.promptCache?.promptLength ?? 0)
+        if (keepAs != null && (Exit.isSuccess(exit) || edgeClosed) && kept !== undefined && keptPositions > 0) {
+          const held = yield* promptCache.keep(keepAs, stageIndex, {
+            session: kept.session,
+            scope: sessionScope,
+            positions: keptPositions,
+            weightsKey: key
+          })
+          if (held) {
+            stats.keptPositions = keptPositions
+            hold.kept = true
+          }
+        }
+        if (!hold.kept) yield* Scope.close(sessionScope, Exit.void)
+        measureStage()
+        const memory = residentMemory()
+        stats.residentBytes = memory.resident
+        stats.peakResidentBytes = memory.peak
+        yield* reports.offer({ _tag: "StageStopped", runId, stageIndex, stats: new StageStats(stats) })
+      })
+
+    const provision = (request: ProvisionRequest): Stream.Stream<StageReport> =>
+      Stream.unwrapScoped(
+        Effect.gen(function*() {
+          const p = request.provision
+          const reports = yield* Mailbox.make<StageReport>()
+          const key = stageKey(p.runId, p.stageIndex)
+          if (stoppedEarly.delete(key)) {
+            // stopped before it started: nothing loaded, nothing to report but the stop
+            yield* reports.offer({
+              _tag: "StageStopped",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              stats: new StageStats(freshStats())
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
+          if (active.has(key)) {
+            yield* reports.offer({
+              _tag: "StageFault",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              reason: StageFaultReasons.ProvisionFailed({
+                message: `stage ${p.stageIndex} of run ${p.runId} is already hosted here`
+              })
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
+          // A request this agent cannot honour whatever the attempt (threads the engine refuses): refused before
+          // anything loads, as ProvisionFailed, which no recovery retries (not a worker crash).
+          const badThreads = threadsProblem(request.threads ?? options.threads)
+          if (badThreads !== undefined) {
+            yield* reports.offer({
+              _tag: "StageFault",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              reason: StageFaultReasons.ProvisionFailed({ message: `stage ${p.stageIndex} refused: ${badThreads}` })
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
+          // The file to load: the model path, or the slice delivered for it (weight delivery).
+          const path = options.weights === undefined
+            ? p.ggufSource.path
+            : options.weights.resolve(p.ggufSource.path, p.layerStart, p.layerEndExclusive)
+          if (path === undefined) {
+            yield* reports.offer({
+              _tag: "StageFault",
+              runId: p.runId,
+              stageIndex: p.stageIndex,
+              reason: StageFaultReasons.ModelLoadFailed({
+                message: `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered ` +
+                  "to this node, and it does not read model paths (--slices-only)"
+              })
+            })
+            yield* reports.end
+            return Mailbox.toStream(reports)
+          }
+          const stop = yield* Deferred.make<void>()
+          active.set(key, stop)
+          // The stage lives in the host's scope; closing the report stream (the orchestrator went away) stops it.
+          const hold = { scope: yield* Scope.make(), kept: false }
+          yield* runStage(request, path, reports, stop, hold).pipe(
+            Effect.ensuring(Effect.suspend(() => (hold.kept ? Effect.void : Scope.close(hold.scope, Exit.void)))),
+            Effect.ensuring(Effect.sync(() => active.delete(key))),
+            Effect.ensuring(reports.end),
+            Effect.forkIn(hostScope)
+          )
+          yield* Effect.addFinalizer(() => Deferred.succeed(stop, undefined))
+          return Mailbox.toStream(reports)
+        })
+      )
+
+    const stop = (runId: RunId, stageIndex: number) =>
+      Effect.suspend(() => {
+        const key = stageKey(runId, stageIndex)
+        const deferred = active.get(key)
+        if (deferred === undefined) return Effect.sync(() => rememberStop(key))
+        return Deferred.succeed(deferred, undefined).pipe(Effect.asVoid)
+      })
+
+    const capacity = Effect.sync(() =>
+      NodeCapacity.make({
+        freeMemoryBytes: Math.min(Os.freemem(), options.memoryLimitBytes ?? Number.POSITIVE_INFINITY),
+        totalMemoryBytes: Os.totalmem(),
+        threads: options.threads,
+        backend: options.backend,
+        hostname: Os.hostname(),
+        activeStages: active.size,
+        openSessions: heldSessionBytes(),
+        stepCosts: [...batchers.values()].map(({ batcher, layers }) => {
+          const report = batcher.stepCosts()
+          return {
+            layers,
+            costs: report.costs,
+            probe: report.probe,
+            ...(report.choice === undefined ? {} : {
+              choice: {
+                decoders: report.choice.decoders,
+                stages: report.choice.stages,
+                rows: report.choice.rows,
+                defaultRows: report.choice.defaultRows
+              }
+            })
+          }
+        }),
+        ...(options.speedBytesPerSecond !== undefined
+          ? { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }
+          : options.laterSpeed?.current !== undefined
+          ? { speedBytesPerSecond: options.laterSpeed.current, speedSource: "measured" as const }
+          : {}),
+        ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
+      })
+    )
+
+    return { provision, stop, capacity, cachedRanges: RcMap.keys(models), dropCached: promptCache.drop } satisfies StageHost
+  })
+
+const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }
+
+/** Steps per StageTimings report, and the longest a step waits to be reported while the stage runs. */
+const TIMINGS_BATCH = 16
+const TIMINGS_EVERY_MILLIS = 250
+
+const roundMicros = (millis: number) => Math.round(millis * 1000) / 1000
+
+/** A stage's decode-step timings, sent as one StageTimings report per TIMINGS_BATCH steps or TIMINGS_EVERY_MILLIS. */
+const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report: StageReport) => void) => {
+  let sequences: Array<number> = []
+  let computeMillis: Array<number> = []
+  let sendMillis: Array<number> = []
+  let lastSent = performance.now()
+  const flush = () => {
+    lastSent = performance.now()
+    if (sequences.length === 0) return
+    send({ _tag: "StageTimings", runId, stageIndex, sequences, computeMillis, sendMillis })
+    sequences = []
+    computeMillis = []
+    sendMillis = []
+  }
+  return {
+    add: (sequence: number, compute: number, handOff: number) => {
+      sequences.push(sequence)
+      computeMillis.push(roundMicros(compute))
+      sendMillis.push(roundMicros(handOff))
+      if (sequences.length >= TIMINGS_BATCH || performance.now() - lastSent >= TIMINGS_EVERY_MILLIS) flush()
+    },
+    flush
+  }
+}

@@ -1,0 +1,391 @@
+/**
+ * Every setting of swactor, described once: its flag (where it has one), its environment variable, its default and
+ * its meaning, each read through Effect's `Config` (the cluster token and API keys as `Config.redacted`). This is the
+ * one module of src that reads the environment (src/main.ts reads NO_COLOR for its own console); everything else
+ * asks here, or is passed what the command line's edge (src/cli) read here once.
+ *
+ * Three kinds of setting:
+ * - user settings: a flag of `run`, `serve` and `node` with the environment as fallback (`--tls` / SWACTOR_TLS); a bad
+ *   value is a one-line refusal naming both (`settingFromFlagOrEnv`);
+ * - places and switches of the host (XDG_CACHE_HOME, SWACTOR_GGML_DIR, SWACTOR_DEBUG...), environment only;
+ * - tuning and test hooks (SWACTOR_MMAP, SWACTOR_ZERO_COPY...): read once where a layer is built (`engineHooks`,
+ *   `agentHooks`) and passed to it as options; tests pass the options themselves. They keep their old lenient reading:
+ *   a value they do not understand is their default.
+ */
+import * as Os from "node:os"
+import * as Path from "node:path"
+import { readFileSync } from "node:fs"
+import { Config, ConfigProvider, Effect, Either, Option, Redacted } from "effect"
+import { clusterTokenProblem } from "../../services/RequestChecks.js"
+
+/** Environment variables by name (the process's, or a test's map). */
+export type Environment = Readonly<Record<string, string | undefined>>
+
+// Values the command line's edge chose by flag (`--tls always`), layered over the environment for this process and
+// handed to the agents it starts (`childEnvironment`), so a flag and its variable mean the same everywhere.
+const chosen: Record<string, string> = {}
+
+/** The environment this process's settings are read from: the process's, with the flags chosen by the CLI on top. */
+export const environment = (): Environment => ({ ...process.env, ...chosen })
+
+/**
+ * The environment of a child process this one starts (a local agent): ours, the flag-chosen settings, then `extra`
+ * (its cluster token, its parent watch, a test's variables).
+ */
+export const childEnvironment = (extra: Environment = {}): NodeJS.ProcessEnv => ({ ...process.env, ...chosen, ...extra })
+
+const providerOf = (env: Environment) =>
+  ConfigProvider.fromMap(
+    new Map(Object.entries(env).filter((entry): entry is [string, string] => entry[1] !== undefined))
+  )
+
+/** A config read from `env` (default: this process's `environment()`), failing with Effect's ConfigError. */
+export const readConfig = <A>(config: Config.Config<A>, env: Environment = environment()) =>
+  Effect.runSync(Effect.either(Effect.withConfigProvider(config, providerOf(env))))
+
+/** A config that never fails: read from `env`, or from this process's environment (lenient configs only). */
+const readLenient = <A>(config: Config.Config<A>, env: Environment = environment()): A =>
+  Either.getOrThrowWith(readConfig(config, env), (error) => new Error(String(error)))
+
+// ---------------------------------------------------------------------------------------------------------------
+// The table: every setting, described once (README `## Settings` shows it).
+// ---------------------------------------------------------------------------------------------------------------
+
+export interface SettingDoc {
+  readonly variable: string
+  /** The flag of `run`, `serve` and `node` (or of the commands named) that sets it, when there is one. */
+  readonly flag?: string
+  readonly commands?: string
+  readonly default: string
+  readonly meaning: string
+}
+
+const doc = (d: SettingDoc) => d
+
+const docs = {
+  tls: doc({
+    variable: "SWACTOR_TLS",
+    flag: "--tls auto|always|off",
+    default: "auto",
+    meaning: "encrypt agent links in TLS 1.3: auto (when the peer is not loopback), always, off"
+  }),
+  ggmlPackage: doc({
+    variable: "SWACTOR_GGML_PACKAGE",
+    flag: "--backend cpu|cuda|auto",
+    commands: "node",
+    default: "cpu",
+    meaning: "which node-llama-cpp ggml package an agent loads: cpu, cuda, or auto (cuda when an NVIDIA driver is seen)"
+  }),
+  threads: doc({
+    variable: "SWACTOR_THREADS",
+    flag: "--threads N",
+    default: "every core",
+    meaning: "engine threads per stage"
+  }),
+  clusterToken: doc({
+    variable: "SWACTOR_CLUSTER_TOKEN",
+    flag: "--token-file FILE",
+    default: "none",
+    meaning: "the cluster token agents and orchestrators prove (at least 16 characters; the file's text, trimmed)"
+  }),
+  apiKey: doc({
+    variable: "SWACTOR_API_KEY",
+    flag: "--api-key-file FILE",
+    commands: "serve",
+    default: "none (the API is open)",
+    meaning: "the API key callers of `swactor serve` present (the file: one key per line)"
+  }),
+  cacheHome: doc({
+    variable: "XDG_CACHE_HOME",
+    flag: "--cache-dir DIR",
+    commands: "node",
+    default: "~/.cache",
+    meaning: "where swactor keeps its cache (`swactor/`: delivered slices, model facts)"
+  }),
+  ggmlDir: doc({
+    variable: "SWACTOR_GGML_DIR",
+    default: "none",
+    meaning: "a folder of ggml libraries tried before node-llama-cpp's packages"
+  }),
+  ggmlLog: doc({
+    variable: "SWACTOR_GGML_LOG",
+    default: "warnings",
+    meaning: "debug: let ggml print its debug and info lines too"
+  }),
+  debug: doc({
+    variable: "SWACTOR_DEBUG",
+    default: "0",
+    meaning: "1: copy local agents' stderr to the command's"
+  }),
+  parentWatch: doc({
+    variable: "SWACTOR_PARENT_WATCH",
+    default: "none",
+    meaning: "stdin: the agent exits when its stdin closes (set by the command that starts local agents)"
+  }),
+  mmap: doc({
+    variable: "SWACTOR_MMAP",
+    default: "1",
+    meaning: "tuning: 0 reads CPU weights into memory instead of using them from a mapping of the file"
+  }),
+  mmapMove: doc({
+    variable: "SWACTOR_MMAP_MOVE",
+    default: "auto",
+    meaning: "tuning: 1 always moves mapped weights to huge-page memory after load, 0 never (auto: warm or long runs)"
+  }),
+  hugePages: doc({
+    variable: "SWACTOR_THP",
+    default: "1",
+    meaning: "tuning: 0 stops advising transparent huge pages for weight memory"
+  }),
+  zeroCopy: doc({
+    variable: "SWACTOR_ZERO_COPY",
+    default: "1",
+    meaning: "tuning: 0 copies a hop's hidden rows into the graph instead of pointing the graph at them"
+  }),
+  gemvMaxRows: doc({
+    variable: "SWACTOR_GEMV_MAX_ROWS",
+    default: "measured",
+    meaning: "tuning: the most rows of a CPU product that take the one-row kernel, for every weight type"
+  }),
+  batchMaxRows: doc({
+    variable: "SWACTOR_BATCH_MAX_ROWS",
+    default: "256",
+    meaning: "tuning: rows per micro-batch of an agent's stage batcher"
+  }),
+  prefillChunk: doc({
+    variable: "SWACTOR_PREFILL_CHUNK",
+    default: "128",
+    meaning: "tuning: prompt tokens per prefill chunk of an agent's stage batcher"
+  }),
+  benchSlowdown: doc({
+    variable: "SWACTOR_BENCH_SLOWDOWN",
+    default: "1",
+    meaning: "bench hook: an agent's engine runs this many times slower and reports its speed divided by it"
+  })
+} as const
+
+/** Every setting, in the README's order. */
+export const settingDocs: ReadonlyArray<SettingDoc> = Object.values(docs)
+
+const described = <A>(d: SettingDoc, config: Config.Config<A>) => config.pipe(Config.withDescription(d.meaning))
+
+/** A variable read as text; unset or empty is `fallback`, else `parse(text)` (which may say undefined: `fallback`). */
+const lenient = <A>(d: SettingDoc, parse: (text: string) => A | undefined, fallback: A): Config.Config<A> =>
+  described(
+    d,
+    Config.string(d.variable).pipe(
+      Config.map((text) => parse(text) ?? fallback),
+      Config.withDefault(fallback)
+    )
+  )
+
+const positiveInteger = (text: string): number | undefined => {
+  const n = Number(text)
+  return Number.isSafeInteger(n) && n > 0 ? n : undefined
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// User settings: flag, then variable, then default; a bad value refused.
+// ---------------------------------------------------------------------------------------------------------------
+
+export type TlsMode = "auto" | "always" | "off"
+export type GgmlPackage = "cpu" | "cuda" | "auto"
+
+/** A user setting: its description and its strict config (a bad value fails). */
+export interface UserSetting<A> {
+  readonly doc: SettingDoc
+  readonly config: Config.Config<A>
+}
+
+export const tlsSetting: UserSetting<TlsMode> = {
+  doc: docs.tls,
+  config: described(docs.tls, Config.literal("auto", "always", "off")(docs.tls.variable).pipe(Config.withDefault("auto")))
+}
+
+export const ggmlPackageSetting: UserSetting<GgmlPackage> = {
+  doc: docs.ggmlPackage,
+  config: described(
+    docs.ggmlPackage,
+    Config.literal("cpu", "cuda", "auto")(docs.ggmlPackage.variable).pipe(Config.withDefault("cpu"))
+  )
+}
+
+export const threadsSetting: UserSetting<Option.Option<number>> = {
+  doc: docs.threads,
+  config: described(docs.threads, Config.option(Config.integer(docs.threads.variable)))
+}
+
+const flagName = (d: SettingDoc) => d.flag?.split(" ")[0] ?? d.variable
+
+/** The one-line refusal of a bad value: it names the flag and the variable. */
+const refusal = (d: SettingDoc, detail: string) =>
+  `${flagName(d)} (or ${d.variable}): ${detail.replace(/\s+/g, " ").trim()}`
+
+/**
+ * A user setting: the flag when given, else its variable in `env`, else its default. Left: the one-line refusal of
+ * a bad variable (a flag's own value is checked by the flag parser). The value chosen is layered over this
+ * process's environment when `choose` (the CLI does: the engine and the agents it starts then see it).
+ */
+export const settingFromFlagOrEnv = <A>(
+  setting: UserSetting<A>,
+  flag: Option.Option<A>,
+  env: Environment = environment()
+): Either.Either<A, string> => {
+  if (Option.isSome(flag)) return Either.right(flag.value)
+  return Either.mapLeft(readConfig(setting.config, env), (error) => {
+    const got = env[setting.doc.variable]
+    return refusal(setting.doc, `${JSON.stringify(got)} is not valid (${error.toString().replace(/^\(?Invalid data at [^)]*\)?:?\s*/, "")})`)
+  })
+}
+
+/** Makes a flag's value this process's setting (and its agents'): the variable is read as this value from now on. */
+export const chooseSetting = (setting: UserSetting<unknown>, value: string): void => {
+  chosen[setting.doc.variable] = value
+}
+
+/** The TLS mode now (unset or unknown: auto); read per connection, so a test may change it between connections. */
+export const tlsModeNow = (): TlsMode =>
+  readLenient(lenient(docs.tls, (text) => (text === "always" || text === "off" ? text : undefined), "auto" as TlsMode))
+
+/** The ggml package to load (unset or unknown: cpu), read once, when ggml is first loaded. */
+export const ggmlPackageNow = (): GgmlPackage =>
+  readLenient(lenient(docs.ggmlPackage, (text) => (text === "cuda" || text === "auto" ? text : undefined), "cpu" as GgmlPackage))
+
+/** SWACTOR_THREADS when a positive whole number (the live engine's default threads), else undefined. */
+export const threadsNow = (): number | undefined =>
+  readLenient(lenient(docs.threads, positiveInteger, undefined as number | undefined))
+
+/**
+ * The cluster token: the file named by `tokenFile` (trimmed), else SWACTOR_CLUSTER_TOKEN (trimmed), else "" (none).
+ * Left: one line naming where it came from, for a file that cannot be read or is empty, or a token shorter than 16
+ * characters or with under 64 bits of estimated entropy (services/RequestChecks.ts). The one reader of the token:
+ * the CLI (cli/Flags.ts) and the library (api/generate.ts) both use it.
+ */
+export const clusterTokenFrom = (
+  tokenFile: string | undefined,
+  env: Environment = environment()
+): Either.Either<Redacted.Redacted<string>, string> => {
+  let token: string
+  let source: string
+  if (tokenFile !== undefined) {
+    source = `--token-file ${tokenFile}`
+    try {
+      token = readFileSync(tokenFile, "utf8").trim()
+    } catch (cause) {
+      return Either.left(`${source}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})`)
+    }
+    if (token === "") return Either.left(`${source}: the file is empty`)
+  } else {
+    source = docs.clusterToken.variable
+    const read = readLenient(
+      described(docs.clusterToken, Config.option(Config.redacted(docs.clusterToken.variable))),
+      env
+    )
+    token = Option.match(read, { onNone: () => "", onSome: (value) => Redacted.value(value).trim() })
+    if (token === "") return Either.right(Redacted.make(""))
+  }
+  const problem = clusterTokenProblem(token, source)
+  return problem === undefined ? Either.right(Redacted.make(token)) : Either.left(problem)
+}
+
+/** SWACTOR_API_KEY, trimmed (none: undefined); `swactor serve` reads it when no --api-key-file is given. */
+export const apiKeyFromEnv = (env: Environment = environment()): Redacted.Redacted<string> | undefined =>
+  Option.getOrUndefined(
+    Option.flatMap(
+      readLenient(described(docs.apiKey, Config.option(Config.redacted(docs.apiKey.variable))), env),
+      (key) => (Redacted.value(key).trim() === "" ? Option.none() : Option.some(Redacted.make(Redacted.value(key).trim())))
+    )
+  )
+
+/** The environment variable names the CLI's messages mention. */
+export const clusterTokenVariable = docs.clusterToken.variable
+export const apiKeyVariable = docs.apiKey.variable
+export const parentWatchVariable = docs.parentWatch.variable
+
+// ---------------------------------------------------------------------------------------------------------------
+// The host: places and switches, environment only.
+// ---------------------------------------------------------------------------------------------------------------
+
+/** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
+export const swactorCacheDir = (): string =>
+  Path.join(
+    readLenient(lenient(docs.cacheHome, (text) => text, "")) || Path.join(Os.homedir(), ".cache"),
+    "swactor"
+  )
+
+/** SWACTOR_GGML_DIR when set and not empty. */
+export const ggmlDirNow = (): string | undefined =>
+  readLenient(lenient(docs.ggmlDir, (text) => text, undefined as string | undefined)) || undefined
+
+/** SWACTOR_GGML_LOG=debug: ggml's debug and info lines are kept. */
+export const ggmlDebugLog = (): boolean => readLenient(lenient(docs.ggmlLog, (text) => text === "debug", false))
+
+/** SWACTOR_DEBUG=1: local agents' stderr is copied to ours. */
+export const debugAgents = (): boolean => readLenient(lenient(docs.debug, (text) => text === "1", false))
+
+/** SWACTOR_PARENT_WATCH=stdin: this agent exits when its parent's pipe on stdin closes. */
+export const watchesParent = (): boolean => readLenient(lenient(docs.parentWatch, (text) => text === "stdin", false))
+
+/** Windows' folder (SystemRoot; default C:\Windows), where the NVIDIA driver's DLL would be. */
+export const windowsRoot = (): string =>
+  readLenient(described(doc({ variable: "SystemRoot", default: "C:\\Windows", meaning: "Windows' folder" }),
+    Config.string("SystemRoot").pipe(Config.withDefault("C:\\Windows"))))
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tuning and test hooks: read once where a layer is built, passed to it as options.
+// ---------------------------------------------------------------------------------------------------------------
+
+/** The live stage engine's hooks (StageExecutorLive's options). */
+export interface EngineHooks {
+  /** Use plain CPU weights from a mapping of the file (SWACTOR_MMAP, default true). */
+  readonly mmap: boolean
+  /** Advise transparent huge pages for CPU weight memory (SWACTOR_THP, default true). */
+  readonly hugePages: boolean
+  /** Point a lone call's hidden input at the caller's rows (SWACTOR_ZERO_COPY, default true). */
+  readonly zeroCopy: boolean
+  /** A fixed few-row route limit for every weight type (SWACTOR_GEMV_MAX_ROWS; default measured: undefined). */
+  readonly smallBatchRows: number | undefined
+}
+
+export const engineHooksConfig: Config.Config<EngineHooks> = Config.all({
+  mmap: lenient(docs.mmap, (text) => text !== "0", true),
+  hugePages: lenient(docs.hugePages, (text) => text !== "0", true),
+  zeroCopy: lenient(docs.zeroCopy, (text) => text !== "0", true),
+  smallBatchRows: lenient(docs.gemvMaxRows, (text) => {
+    if (text.trim() === "") return undefined
+    const v = Number(text)
+    return Number.isSafeInteger(v) && v >= 0 ? v : undefined
+  }, undefined as number | undefined)
+})
+
+/** The engine hooks from `env` (default: this process's environment). */
+export const engineHooks = (env?: Environment): EngineHooks => readLenient(engineHooksConfig, env)
+
+/** A node agent's hooks (the stage host's options). */
+export interface AgentHooks {
+  /** When a stage moves mapped weights to allocated memory (SWACTOR_MMAP_MOVE: 1 always, 0 never, else auto). */
+  readonly settleWeights: "always" | "never" | "auto"
+  /** Stage batcher rows per micro-batch (SWACTOR_BATCH_MAX_ROWS; undefined: the batcher's default). */
+  readonly batchMaxRows: number | undefined
+  /** Stage batcher tokens per prefill chunk (SWACTOR_PREFILL_CHUNK; undefined: the batcher's default). */
+  readonly prefillChunk: number | undefined
+  /** The bench throttle factor (SWACTOR_BENCH_SLOWDOWN: a finite number above 1, else 1). */
+  readonly slowdown: number
+}
+
+export const agentHooksConfig: Config.Config<AgentHooks> = Config.all({
+  settleWeights: lenient(
+    docs.mmapMove,
+    (text) => (text === "1" ? "always" as const : text === "0" ? "never" as const : undefined),
+    "auto" as const
+  ),
+  batchMaxRows: lenient(docs.batchMaxRows, positiveInteger, undefined as number | undefined),
+  prefillChunk: lenient(docs.prefillChunk, positiveInteger, undefined as number | undefined),
+  slowdown: lenient(docs.benchSlowdown, (text) => {
+    const factor = Number(text)
+    return Number.isFinite(factor) && factor > 1 ? factor : undefined
+  }, 1)
+})
+
+/** The agent hooks from `env` (default: this process's environment). */
+export const agentHooks = (env?: Environment): AgentHooks => readLenient(agentHooksConfig, env)
