@@ -78,7 +78,7 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
     }
     const threadsFlag = yield* optionalThreads(args.threads)
     const backend = yield* backendFlag(args.backend)
-    yield* tlsMode(args.tls ?? Option.none())
+    const tls = yield* tlsMode(args.tls ?? Option.none())
     // Tuning and bench hooks, read once here (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
     // k times slower and divides its measured speed by k (StageExecutorSlowed.ts; bench:cluster's throttled node).
     const hooks = agentHooks()
@@ -159,6 +159,7 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
         `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
           `${threads} threads, ${backend} backend, ${args.engine} engine` +
           (speed === undefined ? "" : `, ${(speed.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${speed.speedSource}`) +
+          `, TLS ${tls}` +
           ` (pid ${process.pid})`
       )
       return yield* Effect.never
