@@ -34,7 +34,8 @@ import {
 } from "../../services/Placement.js"
 import { samplingPolicy, type WarmPipeline } from "./PipelineSetup.js"
 import { poolNodeOf } from "./RunPlacement.js"
-import { driveRun, type UpdateSink } from "./RunWorld.js"
+import type { UpdateSink } from "./RunContext.js"
+import { driveRun } from "./RunWorld.js"
 import { generationProblem, samplingPolicyProblem, threadsProblem } from "../../services/RequestChecks.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>

@@ -1,0 +1,81 @@
+/**
+ * One stage of a run hosted on its node (the run FSM's ProvisionStage command): the provision request sent through
+ * the node's control link, and each report the agent streams back (loading, ready, fault, timings, stopped) turned
+ * into the run's events and the caller's updates. A link that fails marks the node lost and faults the stage.
+ */
+import { Deferred, Effect, Stream } from "effect"
+import type { TransportAddress } from "../../domain/frames.js"
+import type { ProvisionStage } from "../../domain/plan.js"
+import { RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
+import { ProvisionRequest } from "../../services/AgentLinks.js"
+import { stepsOf } from "../../services/StageStragglers.js"
+import { noteDetail, offerConsequence, type RunContext, stageNode } from "./RunContext.js"
+
+/** Where a stage sends what it computes: the next stage's data address, or the orchestrator's for the last stage. */
+const outboundAddress = (context: RunContext, provision: ProvisionStage): TransportAddress =>
+  provision.stageIndex === provision.stageCount - 1
+    ? context.warm.agents.dataAdvertise ?? context.warm.listener.address
+    : context.warm.dataAddressOf(stageNode(context, provision.stageIndex + 1))
+
+/** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */
+export const hostStage = (context: RunContext, provision: ProvisionStage) => {
+  const { contextLength, cacheUse, ledger, offer, request, runId, updates, warm } = context
+  const stageIndex = provision.stageIndex
+  let stopped = false
+  const stopReport = Effect.suspend(() => {
+    if (stopped) return Effect.void
+    stopped = true
+    return offer(RunEvents.StageStopped({ runId, stageIndex }))
+  })
+  const threads = request.threads ?? warm.options.threads
+  return warm.linkOf(provision.nodeId).provision(
+    new ProvisionRequest({
+      provision,
+      outboundAddress: outboundAddress(context, provision),
+      threads: threads ?? null,
+      contextLength,
+      ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
+      ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving })
+    })
+  ).pipe(
+    Stream.runForEach((report) => {
+      switch (report._tag) {
+        case "StageLoading":
+          return updates.offer({ _tag: "StageLoading", stageIndex, loadedBytes: report.loadedBytes, totalBytes: report.totalBytes })
+        case "StageReady":
+          ledger.stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+          ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
+          if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)
+          return Effect.zipRight(
+            updates.offer({ _tag: "StageReady", stageIndex, loadMillis: report.loadMillis, cachedWeights: report.cachedWeights }),
+            offer(RunEvents.StageReady({ runId, stageIndex }))
+          )
+        case "StageFault": {
+          // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
+          const words = stageFaultMessage(report.reason)
+          if (words !== undefined) noteDetail(context, `stage:${stageIndex}`, words)
+          const event = RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
+          return report.reason._tag === "TransportFailed" ? offerConsequence(context, event) : offer(event)
+        }
+        case "StageStopped":
+          ledger.stageStats.set(stageIndex, report.stats)
+          return stopReport
+        case "StageTimings":
+          return Effect.forEach(
+            ledger.stragglerDetector.add(stageIndex, warm.addressOf(provision.nodeId), stepsOf(report)),
+            (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
+            { discard: true }
+          )
+      }
+    }),
+    Effect.catchAll((unavailable) =>
+      Effect.gen(function*() {
+        noteDetail(context, `stage:${stageIndex}`, unavailable.message)
+        yield* warm.pool.markLost(provision.nodeId, unavailable.message)
+        yield* offer(RunEvents.StageFault({ runId, stageIndex, reason: StageFaultReasons.WorkerCrashed() }))
+      })
+    ),
+    // The stage is gone either way once its report stream has ended.
+    Effect.zipRight(stopReport)
+  )
+}
