@@ -6,7 +6,6 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
-import { inputCopies } from "../src/layers/engine/Forward.js"
 import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
@@ -37,9 +36,10 @@ describe("zero-copy hidden input", () => {
           const b = zeroCopy
             ? yield* executor.session(last.borrowing, { threads: 1, contextLength: 64 })
             : yield* copying.session(last.copying, { threads: 1, contextLength: 64 })
-          const before = inputCopies.bytes
+          const weights = (zeroCopy ? last.borrowing : last.copying) as StageExecutorLive.LiveLoadedStage
+          const before = weights.weights.copiedInputBytes
           const result = yield* b.forward(0, { _tag: "Hidden", hidden: rows, nTokens: 4 })
-          return { logits: (result as { logits: Float32Array }).logits, copied: inputCopies.bytes - before }
+          return { logits: (result as { logits: Float32Array }).logits, copied: weights.weights.copiedInputBytes - before }
         })
       const reference = yield* logitsAt(0, false)
       assert.strictEqual(reference.copied, hidden.byteLength, "the copy path counts its copy")

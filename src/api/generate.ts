@@ -9,12 +9,12 @@
  *
  * Promise / AsyncIterable: `createClient(options)` wraps the same thing for non-Effect callers.
  */
-import { Cause, Effect, Either, Layer, ManagedRuntime, Option, Redacted, Runtime, Stream } from "effect"
+import { Cause, Effect, Layer, ManagedRuntime, Option, Redacted, Runtime, Stream } from "effect"
 import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
 import * as AgentControlRpc from "../layers/agent/AgentControlRpc.js"
 import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/agent/AgentPools.js"
 import * as MembershipLive from "../layers/agent/MembershipLive.js"
-import { clusterTokenFrom } from "../layers/config/Settings.js"
+import { clusterTokenFromEnv } from "../layers/config/Settings.js"
 import * as OrchestratorLive from "../layers/orchestrator/OrchestratorLive.js"
 import * as ModelCatalogLive from "../layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
@@ -69,8 +69,8 @@ export interface ClientOptions {
   /** Remote agents (host:port); omit to start local agents per run. */
   readonly nodes?: ReadonlyArray<string>
   /**
-   * Cluster token of the remote agents (default: SWACTOR_CLUSTER_TOKEN, trimmed and checked as the CLI does:
-   * config/Settings.ts; a weak one throws).
+   * Cluster token of the remote agents (default: SWACTOR_CLUSTER_TOKEN, trimmed as the CLI reads it:
+   * config/Settings.ts; the remote pool checks it with the CLI's rule, a weak one fails the run as InvalidRequest).
    */
   readonly token?: string
   /** Default engine threads of local agents. */
@@ -95,18 +95,9 @@ const rethrowTyped = (error: unknown): never => {
   throw Runtime.isFiberFailure(error) ? Cause.squash(error[Runtime.FiberFailureCauseId]) : error
 }
 
-/** SWACTOR_CLUSTER_TOKEN, read as `swactor run` reads it (trimmed, at least 16 characters...); "" when unset. */
-const tokenFromEnvironment = (): string =>
-  Either.match(clusterTokenFrom(undefined), {
-    onLeft: (problem) => {
-      throw new Error(problem)
-    },
-    onRight: (token) => Redacted.value(token)
-  })
-
 export const createClient = (options: ClientOptions = {}): Client => {
   const layer = options.nodes !== undefined && options.nodes.length > 0
-    ? layerRemote({ nodes: options.nodes, token: options.token ?? tokenFromEnvironment() })
+    ? layerRemote({ nodes: options.nodes, token: options.token ?? Redacted.value(clusterTokenFromEnv()) })
     : layerLocal(options.threads === undefined ? {} : { threads: options.threads })
   const runtime = ManagedRuntime.make(layer)
   const iterate = <A>(stream: Stream.Stream<A, GenerateError, Orchestrator>): AsyncIterable<A> => ({

@@ -195,15 +195,19 @@ export type GgmlPackage = "cpu" | "cuda" | "auto"
 export interface UserSetting<A> {
   readonly doc: SettingDoc
   readonly config: Config.Config<A>
+  /** What a good value is, for the refusal of a bad one. */
+  readonly expected: string
 }
 
 export const tlsSetting: UserSetting<TlsMode> = {
   doc: docs.tls,
+  expected: "auto, always or off",
   config: described(docs.tls, Config.literal("auto", "always", "off")(docs.tls.variable).pipe(Config.withDefault("auto")))
 }
 
 export const ggmlPackageSetting: UserSetting<GgmlPackage> = {
   doc: docs.ggmlPackage,
+  expected: "cpu, cuda or auto",
   config: described(
     docs.ggmlPackage,
     Config.literal("cpu", "cuda", "auto")(docs.ggmlPackage.variable).pipe(Config.withDefault("cpu"))
@@ -212,6 +216,7 @@ export const ggmlPackageSetting: UserSetting<GgmlPackage> = {
 
 export const threadsSetting: UserSetting<Option.Option<number>> = {
   doc: docs.threads,
+  expected: "a whole number",
   config: described(docs.threads, Config.option(Config.integer(docs.threads.variable)))
 }
 
@@ -232,10 +237,10 @@ export const settingFromFlagOrEnv = <A>(
   env: Environment = environment()
 ): Either.Either<A, string> => {
   if (Option.isSome(flag)) return Either.right(flag.value)
-  return Either.mapLeft(readConfig(setting.config, env), (error) => {
-    const got = env[setting.doc.variable]
-    return refusal(setting.doc, `${JSON.stringify(got)} is not valid (${error.toString().replace(/^\(?Invalid data at [^)]*\)?:?\s*/, "")})`)
-  })
+  return Either.mapLeft(
+    readConfig(setting.config, env),
+    () => refusal(setting.doc, `${JSON.stringify(env[setting.doc.variable])} is not valid: expected ${setting.expected}`)
+  )
 }
 
 /** Makes a flag's value this process's setting (and its agents'): the variable is read as this value from now on. */
@@ -277,16 +282,22 @@ export const clusterTokenFrom = (
     if (token === "") return Either.left(`${source}: the file is empty`)
   } else {
     source = docs.clusterToken.variable
-    const read = readLenient(
-      described(docs.clusterToken, Config.option(Config.redacted(docs.clusterToken.variable))),
-      env
-    )
-    token = Option.match(read, { onNone: () => "", onSome: (value) => Redacted.value(value).trim() })
+    token = Redacted.value(clusterTokenFromEnv(env))
     if (token === "") return Either.right(Redacted.make(""))
   }
   const problem = clusterTokenProblem(token, source)
   return problem === undefined ? Either.right(Redacted.make(token)) : Either.left(problem)
 }
+
+/**
+ * SWACTOR_CLUSTER_TOKEN, trimmed ("" when unset), not yet checked: `clusterTokenFrom` checks it for the CLI, the
+ * remote agent pool (AgentPools.ts) with the same rule for the library.
+ */
+export const clusterTokenFromEnv = (env: Environment = environment()): Redacted.Redacted<string> =>
+  Option.match(readLenient(described(docs.clusterToken, Config.option(Config.redacted(docs.clusterToken.variable))), env), {
+    onNone: () => Redacted.make(""),
+    onSome: (value) => Redacted.make(Redacted.value(value).trim())
+  })
 
 /** SWACTOR_API_KEY, trimmed (none: undefined); `swactor serve` reads it when no --api-key-file is given. */
 export const apiKeyFromEnv = (env: Environment = environment()): Redacted.Redacted<string> | undefined =>

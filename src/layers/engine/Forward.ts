@@ -22,9 +22,6 @@ const F16_NEG_INF = 0xfc00
 /** Floats per row of the stage's hidden input (PerLayerInputs.ts: gemma4's per-layer inputs travel with them). */
 const inWidth = (w: NativeWeights) => activationWidth(w.layout.hp, w.layout.spec.layerStart)
 
-/** Bytes of hidden states copied into graph inputs (tests count copies per hop with it). */
-export const inputCopies = { bytes: 0 }
-
 /** The address of a typed array's bytes (libc memmove with n = 0 returns its destination), or null. */
 const addressOf = (data: Float32Array): bigint | null => {
   const memmove = libcFunction<(a: unknown, b: unknown, n: number) => bigint | number>(
@@ -233,7 +230,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     }
     if (c.hidden !== null && input._tag === "Hidden" && borrowed === null) {
       raw.ggml_backend_tensor_set(c.hidden, input.hidden, offset * inWidth(w) * 4, inWidth(w) * input.nTokens * 4)
-      inputCopies.bytes += inWidth(w) * input.nTokens * 4
+      w.copiedInputBytes += inWidth(w) * input.nTokens * 4
     }
   }
 

@@ -190,6 +190,9 @@ export class NativeWeights {
   /** Advise transparent huge pages for this stage's CPU weight memory (loadWeights' `hugePages`). */
   hugePages = true
 
+  /** Bytes of hidden states copied into graph inputs so far (Forward.ts; tests count copies per hop with it). */
+  copiedInputBytes = 0
+
   free(): void {
     if (this.freed) return
     this.freed = true
