@@ -21,7 +21,7 @@ import { getString, getU32, readGgufFile } from "../src/layers/gguf/GgufReader.j
 import { type GgufTypedValue, GgufValues, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
-import { readKvBytesPerBlockToken } from "../src/layers/server/ServerLive.js"
+import { readKvBytesPerBlockToken } from "../src/layers/server/KvSizing.js"
 import { makeRng } from "../src/services/Sampler.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import * as Batch from "./support/batch.js"

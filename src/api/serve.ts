@@ -2,7 +2,8 @@
  * Serving from code: `serve(options)` is a layer holding one warm pipeline (local agents, or remote nodes with
  * `nodes` + `token`); `Server.generate(request)` is a Stream of events per request (Admitted, Text…, Done),
  * many at once, admitted by the KV budget. `completion(request)` collects one into text and counts.
- * The HTTP front (`swactor serve`) is src/layers/server/HttpServe.ts over the same service.
+ * The HTTP front (`swactor serve`) is src/layers/server/HttpServe.ts over the same service; the Server itself is
+ * src/layers/server/ServerLive.ts.
  */
 import { Effect, Layer, Stream } from "effect"
 import * as ServerLive from "../layers/server/ServerLive.js"

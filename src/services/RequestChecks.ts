@@ -19,7 +19,7 @@ export const threadsProblem = (threads: number, field = "threads"): string | und
 
 /**
  * Spare agents: local agents started up front besides the stages, hosting nothing until a recovery needs one. Each is
- * a process (~100 MiB) from the start, so a typo such as 1000 must not start a thousand of them.
+ * a process (its memory: bench/README.md) from the start, so a typo such as 1000 must not start a thousand of them.
  */
 export const maxSpares = 64
 
@@ -181,6 +181,46 @@ export const generationProblem = (request: {
   return maxTokensProblem(request.maxTokens, field) ??
     tokenIdsProblem(request.tokens, request.vocabSize) ??
     contextProblem(request.tokens.length, request.maxTokens, request.contextLength, field)
+}
+
+/**
+ * A served request (the Server's ServeRequest, OpenAI's field names): the generation checks (generationProblem, max
+ * tokens named `max_tokens`), then its sampling fields: temperature in [0, 100], top_k a whole number ≥ 0, top_p in
+ * (0, 1], min_p in [0, 1], seed a whole number.
+ */
+export const serveRequestProblem = (
+  request: {
+    readonly text: string | ReadonlyArray<number>
+    readonly tokens: ReadonlyArray<number>
+    readonly maxTokens: number
+    readonly sampling?: {
+      readonly temperature?: number | undefined
+      readonly topK?: number | undefined
+      readonly topP?: number | undefined
+      readonly minP?: number | undefined
+      readonly seed?: number | undefined
+    } | undefined
+  },
+  model: { readonly contextLength: number; readonly vocabSize: number }
+): string | undefined => {
+  const s = request.sampling ?? {}
+  const problem = generationProblem({
+    text: request.text,
+    tokens: request.tokens,
+    maxTokens: request.maxTokens,
+    contextLength: model.contextLength,
+    vocabSize: model.vocabSize,
+    maxTokensField: "max_tokens"
+  })
+  if (problem !== undefined) return problem
+  if (s.temperature !== undefined && !(Number.isFinite(s.temperature) && s.temperature >= 0 && s.temperature <= 100)) {
+    return `temperature must be between 0 and 100, got ${s.temperature}`
+  }
+  if (s.topK !== undefined && !(Number.isSafeInteger(s.topK) && s.topK >= 0)) return `top_k must be a whole number ≥ 0, got ${s.topK}`
+  if (s.topP !== undefined && !(s.topP > 0 && s.topP <= 1)) return `top_p must be in (0, 1], got ${s.topP}`
+  if (s.minP !== undefined && !(s.minP >= 0 && s.minP <= 1)) return `min_p must be in [0, 1], got ${s.minP}`
+  if (s.seed !== undefined && !Number.isSafeInteger(s.seed)) return `seed must be a whole number, got ${s.seed}`
+  return undefined
 }
 
 /** The most log-probability alternatives a token may report (OpenAI's top_logprobs bound). */

@@ -233,7 +233,7 @@ export const stopReasonOf = (
 
 // --- errors ---
 
-/** A refusal as the OpenAI routes answer it (HttpServe's failures, HttpGuard's EdgeRefusal). */
+/** A refusal as the OpenAI routes answer it (OpenAiErrors.ts HttpFailure, HttpGuard's EdgeRefusal). */
 export interface RouteFailure {
   readonly status: number
   readonly type: string

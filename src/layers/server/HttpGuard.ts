@@ -6,7 +6,7 @@
  * clipped, so a bad value is never echoed back whole, and agents' addresses are kept out of them.
  *
  * The connection limits (how many at once, how long a connection may take to send its headers) are set on Node's
- * HTTP server in HttpServe.ts from the same `HttpLimits`.
+ * HTTP server in HttpListener.ts from the same `HttpLimits`.
  */
 import { createHash, timingSafeEqual } from "node:crypto"
 import type { IncomingMessage } from "node:http"

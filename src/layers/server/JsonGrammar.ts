@@ -13,7 +13,8 @@
  * - strings: `minLength`, `maxLength`, `format` of `date-time`, `date` or `time`;
  * - annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`, …) are ignored.
  *
- * node-llama-cpp is imported on first use (it costs ~0.7 s of CPU); no model and no native code is involved.
+ * node-llama-cpp is imported on first use (its import costs CPU time: bench/README.md); no model and no native code is
+ * involved.
  */
 import { Data, Effect } from "effect"
 
@@ -333,7 +334,7 @@ const convert = (lib: NodeLlamaCpp, schema: GbnfJsonSchema): string => {
  */
 export const jsonSchemaGrammar = (schema: unknown, path = "schema"): Effect.Effect<GbnfGrammar, JsonGrammarError> =>
   Effect.gen(function*() {
-    // The conversion runs on the caller's thread: ~1 ms for a usual schema, ~0.3 s for 85 KB of JSON on a busy 2-core VM.
+    // The conversion runs on the caller's thread, its time growing with the schema (bench/README.md): hence the bound.
     const size = JSON.stringify(schema)?.length ?? 0
     if (size > maxSchemaChars) {
       return yield* new JsonGrammarError({ path, reason: `is ${size} characters of JSON, over the ${maxSchemaChars} a schema may have` })

@@ -24,7 +24,7 @@ import { type ResponseFormat, StructuredOutputFields, structuredOutputGrammar } 
 
 const Num = Schema.optional(Schema.NullOr(Schema.Number))
 
-/** The fields beside OpenAI's basic ones (temperature, top_p, top_k, min_p, seed, n: HttpServe's SamplingFields). */
+/** The fields beside OpenAI's basic ones (temperature, top_p, top_k, min_p, seed, n: OpenAiBodies.ts SamplingFields). */
 export const OpenAiSamplingFields = {
   typical_p: Num,
   presence_penalty: Num,

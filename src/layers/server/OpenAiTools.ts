@@ -1,5 +1,5 @@
 /**
- * OpenAI's wire shape of tools for /v1/chat/completions (HttpServe.ts): the request's `tools`, `tool_choice`,
+ * OpenAI's wire shape of tools for /v1/chat/completions (HttpRoutes.ts): the request's `tools`, `tool_choice`,
  * `parallel_tool_calls` and tool messages checked and turned into ChatMessage / ChatToolOptions (Tools.ts), each
  * problem one line naming the field; and the response's `tool_calls` (whole, or as streamed `delta.tool_calls`
  * chunks). Rendering, parsing and grammar are ToolCalls.ts, shared with other API fronts.

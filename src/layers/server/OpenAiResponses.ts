@@ -1,0 +1,96 @@
+/**
+ * The answer to one OpenAI completion request: n choices (n > 1: one Server request per choice, batched like separate
+ * requests; with a seed, choice i has seed + i), answered whole as one JSON (choices, tool calls, reasoning, usage) or
+ * streamed (OpenAiSse.ts).
+ */
+import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
+import { Effect, Stream } from "effect"
+import type { Server, ServeEvent, ServeRequest, TextLogprob } from "../../services/Server.js"
+import type { ChatTool, ToolSyntax } from "../../services/Tools.js"
+import { toolCallsJson } from "./OpenAiTools.js"
+import { parseToolCalls } from "./ToolCalls.js"
+import { splitHarmony } from "./Harmony.js"
+import { chatLogprobs, completionLogprobs } from "./Logprobs.js"
+import { type ResponseShape, usageOf } from "./OpenAiChunks.js"
+import { streamCompletion } from "./OpenAiSse.js"
+
+export const respond = (
+  server: Server["Type"],
+  shape: ResponseShape,
+  request: ServeRequest,
+  stream: boolean,
+  includeUsage: boolean,
+  keepAliveMillis: number,
+  // A chat with tools: the reply's calls, in the template's syntax, become tool_calls (ToolCalls.ts).
+  tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean },
+  // gpt-oss's harmony template: the analysis channel is reasoning_content, the final channel content (Harmony.ts)
+  harmony = false
+) =>
+  Effect.gen(function*() {
+    // n > 1 (serveRequest's `n`): one request per choice, batched like separate requests; with a seed, choice i has
+    // seed + i (so it equals a lone request with that seed)
+    const n = (request as { readonly n?: number }).n ?? 1
+    const seed = request.sampling?.seed
+    const requests = Array.from({ length: n }, (_, i) =>
+      i === 0 || seed === undefined ? request : { ...request, sampling: { ...request.sampling, seed: seed + i } }
+    )
+    const wantLogprobs = request.sampling?.logprobs !== undefined
+    const logprobsJson = (entries: ReadonlyArray<TextLogprob>, offset: number) =>
+      !wantLogprobs ? null : shape.chat ? chatLogprobs(entries) : completionLogprobs(entries, offset)
+    if (!stream) {
+      const results = yield* Effect.forEach(requests, (r) => Stream.runCollect(server.generate(r)), { concurrency: "unbounded" })
+      let promptTokens = 0
+      let completionTokens = 0
+      let cachedTokens = 0
+      const choices = results.map((all, index) => {
+        let text = ""
+        let done: Extract<ServeEvent, { _tag: "Done" }> | undefined
+        const entries: Array<TextLogprob> = []
+        for (const event of all) {
+          if (event._tag === "Text") {
+            text += event.text
+            if (event.logprobs !== undefined) entries.push(...event.logprobs)
+          }
+          if (event._tag === "Done") done = event
+        }
+        if (done !== undefined) {
+          promptTokens = done.promptTokens
+          completionTokens += done.completionTokens
+          cachedTokens = Math.max(cachedTokens, done.cachedTokens ?? 0)
+        }
+        const logprobs = logprobsJson(entries, 0)
+        const split = harmony ? splitHarmony(text) : undefined
+        if (split !== undefined) text = split.content
+        const reasoning = split === undefined || split.reasoning === "" ? {} : { reasoning_content: split.reasoning }
+        const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools, tools.parallel)
+        if (parsed !== undefined && parsed.calls.length > 0) {
+          return {
+            index,
+            message: {
+              role: "assistant",
+              content: parsed.content === "" ? null : parsed.content,
+              ...reasoning,
+              tool_calls: toolCallsJson(parsed.calls)
+            },
+            logprobs,
+            finish_reason: "tool_calls"
+          }
+        }
+        if (parsed !== undefined) text = parsed.content
+        const finish = done?.finishReason ?? "length"
+        return shape.chat
+          ? { index, message: { role: "assistant", content: text, ...reasoning }, logprobs, finish_reason: finish }
+          : { index, text, logprobs, finish_reason: finish }
+      })
+      return HttpServerResponse.unsafeJson({
+        id: shape.id,
+        object: shape.chat ? "chat.completion" : "text_completion",
+        created: shape.created,
+        model: shape.model,
+        choices,
+        // the prompt once, every choice's completion
+        usage: usageOf(promptTokens, completionTokens, cachedTokens)
+      })
+    }
+    return yield* streamCompletion(server, shape, requests, includeUsage, keepAliveMillis, logprobsJson, tools, harmony)
+  })
