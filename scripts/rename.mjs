@@ -101,7 +101,8 @@ const textEdits = [
   // --agents (alias --nodes) in run and serve
   [hostPortCli, `Options.text("nodes").pipe(`, `Options.text("agents").pipe(\n      Options.withAlias("nodes"),`],
   [hostPortCli, /`--nodes "\$\{text\}" names no node: /g, "`--agents \"${text}\" names no agent: "],
-  [hostPortCli, /`--nodes: "\$\{node\}" is not host:port`/g, "`--agents: \"${node}\" is not host:port`"],
+  // no colon after the flag: the CLI tests read "agents:" on stderr as the run's start-up line
+  [hostPortCli, /`--nodes: "\$\{node\}" is not host:port`/g, "`--agents \"${node}\" is not host:port`"],
   [hostPortCli, "`--nodes needs the cluster token", "`--agents needs the cluster token"],
   [hostPortCli, "/** `--nodes host:port,host:port`", "/** `--agents host:port,host:port` (alias `--nodes`)"],
   [hostPortCli, /with --nodes\b/g, "with --agents"],
@@ -114,7 +115,7 @@ const textEdits = [
   // expression>` becomes `"--agents", ...`; node-id lists (plan) and the two refusals of cli.defects that give no
   // host:port (`","`, `"hostwithoutport"`) keep `--nodes`, which proves the alias
   [/^(test|bench)\//, /\/--nodes "," names no node\//g, `/--agents "," names no agent/`],
-  [/^(test|bench)\//, /\/--nodes: "hostwithoutport" is not host:port\//g, `/--agents: "hostwithoutport" is not host:port/`],
+  [/^(test|bench)\//, /\/--nodes: "hostwithoutport" is not host:port\//g, `/--agents "hostwithoutport" is not host:port/`],
   [/^(test|bench)\//, /"--nodes",(\s*)(?=[^"\s]|"[^"]*:)/g, `"--agents",$1`],
   [/^(test|bench)\//, /\b(run|serve) --nodes\b/g, "$1 --agents"],
   [/^README\.md$/, /(run|serve) --nodes\b/g, "$1 --agents"],
