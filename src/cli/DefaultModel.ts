@@ -1,11 +1,11 @@
 /** The model `swactor run` uses when no --model is given: a small synthetic GGUF, written once to the user's cache. */
 import { existsSync, mkdirSync, renameSync } from "node:fs"
-import * as Os from "node:os"
 import { join } from "node:path"
 import { Console, Effect } from "effect"
+import { swactorCacheDir } from "../layers/config/Settings.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
 
-const cacheDir = () => join(process.env["XDG_CACHE_HOME"] ?? join(Os.homedir(), ".cache"), "swactor")
+const cacheDir = () => swactorCacheDir()
 
 /** The small model `swactor run` uses when no --model is given: written once with the synthetic GGUF writer. */
 export const defaultSyntheticModel = Effect.gen(function*() {

@@ -16,6 +16,8 @@ import {
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
+  tlsFlag,
+  tlsMode,
   UsageError,
   wholeNumber,
   withShownDefault
@@ -42,6 +44,8 @@ export interface RunArgs extends SamplingFlagArgs {
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
   readonly spares?: number
+  /** --tls auto|always|off (else SWACTOR_TLS): the links of this run's agents. */
+  readonly tls?: Option.Option<"auto" | "always" | "off">
 }
 
 const defaultPrompt = "Once upon a time"
@@ -77,6 +81,7 @@ export const runFlags = {
     Options.withDescription(`remote agents host:port,... (token from ${clusterTokenEnv} or --token-file)`),
     Options.optional
   ),
+  tls: tlsFlag,
   tokenFile: Options.text("token-file").pipe(
     Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
     Options.optional
@@ -166,6 +171,7 @@ export const validateRunFlags = (args: RunArgs) =>
     const threads = yield* optionalThreads(args.threads)
     const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
     const token = yield* clusterToken(args.tokenFile)
+    yield* tlsMode(args.tls ?? Option.none())
     if (nodes.length > 0 && token === "") {
       return yield* new UsageError({
         message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
