@@ -18,7 +18,7 @@ import { fileURLToPath } from "node:url"
 import type { StageInput, StageOutput } from "../src/domain/engine.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../src/services/StageExecutor.js"
 
@@ -168,7 +168,7 @@ const main = async () => {
   const path = await ensureModel()
   const pad = (s: string, n: number) => s.padEnd(n)
   for (const stages of cfg.stages) {
-    const best = await Effect.runPromise(bench(path, stages).pipe(Effect.provide(StageExecutorLive)))
+    const best = await Effect.runPromise(bench(path, stages).pipe(Effect.provide(StageExecutorLive.layer)))
     console.log(`\n${stages} stage(s)`)
     console.log(`${pad("seqs", 6)}${pad("one after another tok/s", 26)}${pad("batched tok/s", 16)}${pad("gain", 8)}same tokens`)
     for (const n of cfg.seqs) {

@@ -72,7 +72,7 @@ const generation = (
           if (update._tag === "Token" && update.token.tokenId >= 0) {
             if (killedAt !== undefined && recoveredAt === undefined) recoveredAt = performance.now()
             tokens.push(update.token.tokenId)
-            if (kill?.moment === "decode" && update.token.sequence === kill.atToken) killNow()
+            if (kill?.moment === "decode" && update.token.step === kill.atToken) killNow()
           }
         })
       ),

@@ -173,7 +173,7 @@ const placement = (model: string) =>
     // Agent 0 is throttled (`slowdown` times slower); each measures its speed at start (the throttled one's divided).
     const throttled = yield* spawnLocalAgents({ count: 1, token, threads, env: { SWACTOR_BENCH_SLOWDOWN: String(slowdown) } })
     const agents = [...throttled, ...(yield* spawnLocalAgents({ count: 2, token, threads }))]
-    const layer = layerRemote({ nodes: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
+    const layer = layerRemote({ agents: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
     const decode = (request: PlacementRequest) =>
       Stream.runCollect(run({ model, prompt: "Once upon a time", stages: 3, maxTokens: tokens, placement: request })).pipe(
         Effect.map(Chunk.toReadonlyArray),

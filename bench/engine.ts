@@ -22,7 +22,7 @@ import { getGgml } from "../src/layers/ggml/Bindings.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
 import { type BenchArch, benchArchShape, benchArchs, ensureArchBenchModel } from "./archModels.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { benchContextLength, benchPrompt, bestFigures, evenSplit, type Figures, timeNodeLlamaCpp, timeOurs } from "./engineTiming.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 
@@ -95,7 +95,7 @@ const stageRss = async (args: ReadonlyArray<string>) => {
     yield* session.forward(0, input(cfg.prompt))
     for (let i = 0; i < 4; i++) yield* session.forward(cfg.prompt + i, input(1))
     return { weightBytes: stage.info.weightBytes }
-  })).pipe(Effect.provide(StageExecutorLive)))
+  })).pipe(Effect.provide(StageExecutorLive.layer)))
   console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: result.weightBytes }))
 }
 

@@ -6,7 +6,7 @@
  */
 import { Effect } from "effect"
 import { getLlama, LlamaLogLevel, type Token } from "node-llama-cpp"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
 import { greedy, makeRng } from "../src/services/Sampler.js"
 
@@ -114,4 +114,4 @@ export const timeOurs = (path: string, split: ReadonlyArray<number>, s: TimingSe
     const dw = stopwatch()
     for (let i = 0; i < s.decode; i++) logits = yield* run(pos++, [greedy(logits)])
     return figuresOf(s, p, dw())
-  })).pipe(Effect.provide(StageExecutorLive)))
+  })).pipe(Effect.provide(StageExecutorLive.layer)))

@@ -115,10 +115,10 @@ const measure = (transport: Transport) =>
     const rtts: Array<number> = []
     for (let i = 0; i < warmup + iterations; i++) {
       const t0 = process.hrtime.bigint()
-      yield* sender.send(ActivationFrame({ runId, edgeId: forward, sequence: i, startPos: i, nTokens: 1, hiddenDim: hidden, payload }))
+      yield* sender.send(ActivationFrame({ runId, edgeId: forward, step: i, startPos: i, nTokens: 1, hiddenDim: hidden, payload }))
       const got = yield* inbound.take
       const t1 = process.hrtime.bigint()
-      if (got.sequence !== i) throw new Error(`echo out of order: ${got.sequence} != ${i}`)
+      if (got.step !== i) throw new Error(`echo out of order: ${got.step} != ${i}`)
       if (i >= warmup) rtts.push(Number(t1 - t0) / 1000)
     }
     const received = yield* inbound.stats

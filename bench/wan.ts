@@ -258,7 +258,7 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
     const tokensPort = await freePort()
     const tokensFront = await relays.front(profile, tokensPort)
     const orchestrator = layerRemote({
-      nodes,
+      agents: nodes,
       token,
       listenHost: "127.0.0.1",
       dataListen: tcpAddress(tokensPort),

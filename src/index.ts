@@ -41,7 +41,6 @@ export * as HttpServe from "./layers/server/HttpServe.js"
 export {
   type HeartbeatOptions,
   Membership,
-  NodeCapacity as AgentCapacity,
   NodeEndpoint,
   NodeLost,
   type NodeProbeService,
@@ -50,7 +49,7 @@ export {
   PoolNotReady
 } from "./services/Membership.js"
 export * from "./services/AgentLinks.js"
-export { localAgentPool, remoteAgentPool } from "./layers/agent/AgentPools.js"
+export * as AgentPools from "./layers/agent/AgentPools.js"
 export { spawnLocalAgents, generateToken } from "./layers/agent/AgentProcesses.js"
 export type { LocalAgent } from "./layers/agent/AgentProcesses.js"
 export type { LocalPoolOptions, RemotePoolOptions } from "./layers/agent/AgentPools.js"
@@ -59,13 +58,5 @@ export * from "./domain/engine.js"
 export * from "./services/StageExecutor.js"
 export * from "./services/InProcessPipeline.js"
 export * from "./services/Sampler.js"
-export { layerWith as stageExecutorLayerWith, LiveLoadedStage, StageExecutorLive } from "./layers/engine/StageExecutorLive.js"
-export type { LiveOptions as StageExecutorLiveOptions } from "./layers/engine/StageExecutorLive.js"
-export {
-  defaultTestModel,
-  layerTest as stageExecutorLayerTest,
-  StageExecutorTest,
-  testModelGreedy,
-  testModelNextToken
-} from "./layers/engine/StageExecutorTest.js"
-export type { TestModel } from "./layers/engine/StageExecutorTest.js"
+export * as StageExecutorLive from "./layers/engine/StageExecutorLive.js"
+export * as StageExecutorTest from "./layers/engine/StageExecutorTest.js"

@@ -258,7 +258,7 @@ describe("Data-plane listener security", () => {
           socket.resume()
           socket.write(Framing.unsafeEncode(AttachFrame({ runId, edgeId, dataCapacity: ring.dataCapacity, alignment: ring.alignment, wakeCoalescing: ring.wakeCoalescing }), 8))
           yield* receiver.attached
-          const frame = ActivationFrame({ runId: foreign.runId, edgeId: foreign.edgeId, sequence: 0, startPos: 0, nTokens: 1, hiddenDim: 4, payload: new Float32Array(4) })
+          const frame = ActivationFrame({ runId: foreign.runId, edgeId: foreign.edgeId, step: 0, startPos: 0, nTokens: 1, hiddenDim: 4, payload: new Float32Array(4) })
           socket.write(Framing.unsafeEncode(frame, ring.alignment))
           const result = yield* Effect.either(receiver.receive)
           assert.isTrue(Either.isLeft(result) && result.left._tag === foreign.tag)

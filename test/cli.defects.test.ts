@@ -53,13 +53,13 @@ const expectRefused = (ran: Ran, command: string, pattern: RegExp) => {
 describe("swactor run / node: every flag checked before anything starts", () => {
   it("swactor serve: --threads 0, --nodes \",\", --token-file /missing, --port 70000 are refused in one line", async () => {
     expectRefused(await swactor(["serve", "--model", model(), "--threads", "0"]), "serve", /--threads must be a whole number from 1 to 512, got 0/)
-    expectRefused(await swactor(["serve", "--model", model(), "--nodes", ","]), "serve", /--nodes "," names no node/)
+    expectRefused(await swactor(["serve", "--model", model(), "--nodes", ","]), "serve", /--agents "," names no agent/)
     expectRefused(await swactor(["serve", "--model", model(), "--token-file", "/missing"]), "serve", /--token-file \/missing: cannot read it/)
     expectRefused(await swactor(["serve", "--model", model(), "--port", "70000"]), "serve", /--port must be at most 65535/)
   })
 
   it("--token-file that cannot be read: one line naming the flag (run and node)", async () => {
-    expectRefused(await swactor(["run", "--model", model(), "--nodes", "127.0.0.1:9", "--token-file", "/missing"]), "run", /--token-file \/missing: cannot read it \(ENOENT\)/)
+    expectRefused(await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", "/missing"]), "run", /--token-file \/missing: cannot read it \(ENOENT\)/)
     expectRefused(await swactor(["node", "--token-file", "/missing"]), "node", /--token-file \/missing: cannot read it \(ENOENT\)/)
   })
 
@@ -76,8 +76,8 @@ describe("swactor run / node: every flag checked before anything starts", () => 
   })
 
   it("--nodes \",\" names no node: refused instead of silently running locally", async () => {
-    expectRefused(await swactor(["run", "--model", model(), "--nodes", ","]), "run", /--nodes "," names no node/)
-    expectRefused(await swactor(["run", "--model", model(), "--nodes", "hostwithoutport"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "run", /--nodes: "hostwithoutport" is not host:port/)
+    expectRefused(await swactor(["run", "--model", model(), "--nodes", ","]), "run", /--agents "," names no agent/)
+    expectRefused(await swactor(["run", "--model", model(), "--nodes", "hostwithoutport"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "run", /--agents "hostwithoutport" is not host:port/)
   })
 
   it("prompt + max tokens must fit the context: refused up front, not a ContextOverflow at the end", async () => {
@@ -91,7 +91,7 @@ describe("swactor run / node: every flag checked before anything starts", () => 
     const dir = mkdtempSync(join(tmpdir(), "swactor-cli-test-"))
     try {
       writeFileSync(join(dir, "token"), "tiny\n")
-      expectRefused(await swactor(["run", "--model", model(), "--nodes", "127.0.0.1:9", "--token-file", join(dir, "token")]), "run", /--token-file .*token is too short: 4 characters/)
+      expectRefused(await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", join(dir, "token")]), "run", /--token-file .*token is too short: 4 characters/)
     } finally {
       rmSync(dir, { recursive: true, force: true })
     }
@@ -107,7 +107,7 @@ describe("swactor run / node: messages and streams", () => {
     await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve))
     const port = (server.address() as Net.AddressInfo).port
     try {
-      const ran = await swactor(["run", "--model", model(), "--nodes", `127.0.0.1:${port}`, "--quiet"], { SWACTOR_CLUSTER_TOKEN: generateToken() })
+      const ran = await swactor(["run", "--model", model(), "--agents", `127.0.0.1:${port}`, "--quiet"], { SWACTOR_CLUSTER_TOKEN: generateToken() })
       expect(ran.code, ran.stderr).toBe(1)
       expect(ran.stderr).toContain(`cannot connect to 127.0.0.1:${port}: not a swactor node`)
       expect(ran.stderr).not.toContain("expected Challenge\n")

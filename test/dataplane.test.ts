@@ -45,7 +45,7 @@ const activation = (sequence: number, nTokens: number, hiddenDim: number, startP
   ActivationFrame({
     runId,
     edgeId,
-    sequence,
+    step: sequence,
     startPos,
     nTokens,
     hiddenDim,
@@ -53,7 +53,7 @@ const activation = (sequence: number, nTokens: number, hiddenDim: number, startP
   })
 
 const decode = (sequence: number, tokenId: number) =>
-  TokenFrame({ runId, edgeId, sequence, payload: { _tag: "Decode", tokenId } })
+  TokenFrame({ runId, edgeId, step: sequence, payload: { _tag: "Decode", tokenId } })
 
 const sleep = (ms: number) => Effect.promise(() => new Promise((r) => setTimeout(r, ms)))
 
@@ -129,7 +129,7 @@ const rawSender = (address: TransportAddress, ring: RingSpec, sharedMemory = fal
 const sameActivation = (a: DataFrame, b: ActivationFrame) => {
   assert.strictEqual(a._tag, "ActivationFrame")
   if (a._tag !== "ActivationFrame") return
-  assert.strictEqual(a.sequence, b.sequence)
+  assert.strictEqual(a.step, b.step)
   assert.strictEqual(a.startPos, b.startPos)
   assert.strictEqual(a.nTokens, b.nTokens)
   assert.strictEqual(a.hiddenDim, b.hiddenDim)
@@ -148,8 +148,8 @@ for (const transport of transports) {
         while (got.length < sent.length) got.push(...(yield* receiver.receive))
         sent.forEach((f, i) => sameActivation(got[i]!, f))
         const { receiver: r2, sender: s2 } = yield* edge(transport.address(), ringOf(4096), transport.sharedMemory)
-        yield* s2.send(TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens: [1, 2, 3] } }))
-        yield* s2.send(TokenFrame({ runId, edgeId, sequence: 1, payload: { _tag: "Sampled", tokenId: 9, eos: true } }))
+        yield* s2.send(TokenFrame({ runId, edgeId, step: 0, payload: { _tag: "Prompt", tokens: [1, 2, 3] } }))
+        yield* s2.send(TokenFrame({ runId, edgeId, step: 1, payload: { _tag: "Sampled", tokenId: 9, eos: true } }))
         const a = yield* r2.take
         const b = yield* r2.take
         assert.deepStrictEqual(a._tag === "TokenFrame" && a.payload, { _tag: "Prompt", tokens: [1, 2, 3] })
@@ -184,7 +184,7 @@ for (const transport of transports) {
         yield* eventually(sender.stats, (s) => s.frames === 5)
         while (got.length < frames.length) got.push(...(yield* receiver.receive))
         yield* Fiber.join(producer)
-        got.forEach((f, i) => assert.strictEqual(f.sequence, i))
+        got.forEach((f, i) => assert.strictEqual(f.step, i))
         const done = yield* sender.stats
         assert.isAtMost(done.maxOutstandingBytes, ring.dataCapacity)
         assert.isAbove(done.windowWaits, 0)
@@ -321,7 +321,7 @@ for (const transport of transports) {
             ring,
             sharedMemory: transport.sharedMemory
           })
-          yield* sender.send(TokenFrame({ runId, edgeId: 77 as EdgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 3 } }))
+          yield* sender.send(TokenFrame({ runId, edgeId: 77 as EdgeId, step: 0, payload: { _tag: "Decode", tokenId: 3 } }))
           assert.strictEqual((yield* fresh.take)._tag, "TokenFrame")
         }))
     }

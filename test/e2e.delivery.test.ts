@@ -147,8 +147,8 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.strictEqual(again!.via, "Slice")
     }).pipe(Effect.scoped), 120_000)
 
-  // `swactor run --nodes` delivers by default (auto); `--deliver-weights never` leaves agents without the file stuck.
-  it.live("swactor run --nodes delivers slices to nodes without the model file", () =>
+  // `swactor run --agents` delivers by default (auto); `--deliver-weights never` leaves agents without the file stuck.
+  it.live("swactor run --agents delivers slices to nodes without the model file", () =>
     Effect.gen(function*() {
       const { agents, caches, token } = yield* slicesOnlyAgents(2)
       const xdg = yield* tempDir("delivery-xdg")
@@ -156,7 +156,7 @@ describe("end to end: weight delivery to agents without the model file (stories2
         Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
           const { args, command } = swactorCommand([
             "run", "--model", requireModel("stories260K.gguf"), "--prompt", prompt, "--max-tokens", "16", "--threads", "1",
-            "--nodes", agents.map((a) => a.address).join(","), ...extra
+            "--agents", agents.map((a) => a.address).join(","), ...extra
           ])
           const child = spawn(command, args, {
             cwd: repoRoot,
@@ -179,9 +179,9 @@ describe("end to end: weight delivery to agents without the model file (stories2
       assert.deepStrictEqual(caches.map((dir) => slicesIn(dir).length), [1, 1])
     }).pipe(Effect.scoped), 180_000)
 
-  // `swactor serve --nodes` delivers by default too, and serves the same greedy text; `--deliver-weights never` leaves
+  // `swactor serve --agents` delivers by default too, and serves the same greedy text; `--deliver-weights never` leaves
   // agents without the file unable to load: the command ends with exit code 1 and the reason.
-  it.live("swactor serve --nodes delivers slices to nodes without the model file", () =>
+  it.live("swactor serve --agents delivers slices to nodes without the model file", () =>
     Effect.gen(function*() {
       const { agents, caches, token } = yield* slicesOnlyAgents(2)
       const xdg = yield* tempDir("delivery-serve-xdg")
@@ -191,7 +191,7 @@ describe("end to end: weight delivery to agents without the model file (stories2
           Effect.async<{ child: ReturnType<typeof spawn>; url?: string; code?: number | null; stderr: () => string }>((resume) => {
             const { args, command } = swactorCommand([
               "serve", "--model", requireModel("stories260K.gguf"), "--port", "0", "--threads", "1",
-              "--nodes", agents.map((a) => a.address).join(","), ...extra
+              "--agents", agents.map((a) => a.address).join(","), ...extra
             ])
             const child = spawn(command, args, {
               cwd: repoRoot,

@@ -48,7 +48,7 @@ const collect = (stream: Stream.Stream<RunUpdate, unknown>, onToken: (sequence: 
       Stream.runForEach((update) =>
         Effect.zipRight(
           Effect.sync(() => updates.push(update)),
-          update._tag === "Token" ? onToken(update.token.sequence) : Effect.void
+          update._tag === "Token" ? onToken(update.token.step) : Effect.void
         )
       ),
       Effect.either
@@ -218,7 +218,7 @@ describe("end to end faults: real agent processes", () => {
       const { agents, token } = yield* startAgents(2)
       const { args, command } = swactorCommand([
         "run", "--model", requireModel("stories260K.gguf"), "--max-tokens", "1900", "--threads", "1",
-        "--nodes", agents.map((a) => a.address).join(",")
+        "--agents", agents.map((a) => a.address).join(",")
       ])
       yield* Effect.async<void>((resume) => {
         const child = spawn(command, args, {

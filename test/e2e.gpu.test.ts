@@ -1,7 +1,7 @@
 /**
  * A mixed CUDA + CPU pipeline (issue 10): one `swactor node --backend cuda` (node-llama-cpp's CUDA package,
  * SWACTOR_GGML_PACKAGE=cuda: its graphs are checked op by op with ggml's supports_op before they run) and one
- * `swactor node --backend cpu`, `swactor run --nodes` over both, greedy on stories260K, against node-llama-cpp's
+ * `swactor node --backend cpu`, `swactor run --agents` over both, greedy on stories260K, against node-llama-cpp's
  * single-process CPU run. Runs only where an NVIDIA GPU is visible (`nvidia-smi -L`); CI machines have none, and the
  * describe line then says why it did not run.
  */
@@ -55,7 +55,7 @@ describe.skipIf(gpu === undefined)(
         const result = await new Promise<{ code: number; stdout: string; stderr: string }>((resolve) =>
           execFile(
             process.execPath,
-            [swactorMain(), "run", "--model", model, "--nodes", nodes.map((n) => n.address).join(","), "--stages", "2",
+            [swactorMain(), "run", "--model", model, "--agents", nodes.map((n) => n.address).join(","), "--stages", "2",
               "--threads", "1", "--prompt", "Once upon a time", "--max-tokens", "16", "--json"],
             { cwd: repoRoot, timeout: 120_000, env: { ...process.env, [clusterTokenEnv]: token } },
             (error, stdout, stderr) => resolve({ code: error ? 1 : 0, stdout, stderr })

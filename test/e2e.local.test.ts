@@ -128,7 +128,7 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
   it.live("the Promise client completes the same text", () =>
     Effect.gen(function*() {
       const { agents, token } = yield* startAgents(2)
-      const client = createClient({ nodes: agents.map((a) => a.address), token })
+      const client = createClient({ agents: agents.map((a) => a.address), token })
       const result = yield* Effect.promise(() =>
         client.complete({ model: requireModel("stories260K.gguf"), prompt, stages: 2, maxTokens, threads: 1 })
       ).pipe(Effect.ensuring(Effect.promise(() => client.close())))

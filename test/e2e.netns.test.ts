@@ -5,7 +5,7 @@ import { generateToken, swactorCommand } from "../src/layers/agent/AgentProcesse
 import { repoRoot, requireModel } from "./support/models.js"
 
 // Agents in two network namespaces, the orchestrator in a third, joined by veth pairs on a bridge:
-// the same `swactor run --nodes` a multi-machine cluster uses, over real (virtual) interfaces.
+// the same `swactor run --agents` a multi-machine cluster uses, over real (virtual) interfaces.
 const prefix = `swa${process.pid % 10000}`
 const namespaces = { orchestrator: `${prefix}-o`, a: `${prefix}-a`, b: `${prefix}-b` } as const
 const addresses = { orchestrator: "10.231.0.1", a: "10.231.0.2", b: "10.231.0.3" } as const
@@ -101,7 +101,7 @@ const reason = unavailable()
 if (reason !== undefined) console.log(`e2e.netns: skipped — ${reason}`)
 
 describe("multi-host: agents in two network namespaces, the orchestrator in a third", () => {
-  it.live.skipIf(reason !== undefined)("swactor run --nodes across namespaces gives node-llama-cpp's greedy text", () =>
+  it.live.skipIf(reason !== undefined)("swactor run --agents across namespaces gives node-llama-cpp's greedy text", () =>
     Effect.gen(function*() {
       const token = generateToken()
       const children: Array<ChildProcess> = []
@@ -121,7 +121,7 @@ describe("multi-host: agents in two network namespaces, the orchestrator in a th
       }
       const orchestrator = inNamespace(namespaces.orchestrator, [
         "run", "--model", requireModel("stories260K.gguf"), "--prompt", "Once upon a time", "--max-tokens", "32",
-        "--threads", "1", "--quiet", "--nodes", `${addresses.a}:7070,${addresses.b}:7070`
+        "--threads", "1", "--quiet", "--agents", `${addresses.a}:7070,${addresses.b}:7070`
       ], { SWACTOR_CLUSTER_TOKEN: token })
       children.push(orchestrator)
       orchestrator.stdin?.end()

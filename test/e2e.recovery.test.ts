@@ -57,7 +57,7 @@ const generate = (
       result,
       agents,
       tokens: tokenUpdates.map((t) => t.tokenId),
-      sequences: tokenUpdates.map((t) => t.sequence),
+      sequences: tokenUpdates.map((t) => t.step),
       text: updates.flatMap((u) => (u._tag === "Token" ? [u.token.text] : [])).join(""),
       summary: finished?._tag === "Finished" ? finished.summary : undefined,
       millis: Date.now() - started
@@ -68,7 +68,7 @@ const generate = (
 const killAt = (sequence: number, agentIndex: number) => {
   let done = false
   return (update: RunUpdate, agents: ReadonlyArray<LocalAgent>) => {
-    if (!done && update._tag === "Token" && update.token.sequence === sequence) {
+    if (!done && update._tag === "Token" && update.token.step === sequence) {
       done = true
       process.kill(agents[agentIndex]!.pid, "SIGKILL")
     }
@@ -169,7 +169,7 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
         Stream.runForEach((update) =>
           Effect.sync(() => {
             updates.push(update)
-            if (!killed && update._tag === "Token" && update.token.sequence === 30) {
+            if (!killed && update._tag === "Token" && update.token.step === 30) {
               killed = true
               process.kill(agents[1]!.pid, "SIGKILL")
             }

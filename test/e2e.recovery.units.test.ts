@@ -85,8 +85,8 @@ describe("recovery, pure parts", () => {
   })
   // A token over 4× the median of the 16 before it (and 5 ms slower) is a straggler; steady ones are not.
   it("findStragglers: reports a slow token against the recent median", () => {
-    const latencies = Array.from({ length: 30 }, (_, i) => ({ sequence: i + 1, latencyMillis: i === 20 ? 50 : 3 + (i % 3) }))
-    assert.deepStrictEqual(findStragglers(latencies), [{ sequence: 21, latencyMillis: 50, medianMillis: 4 }])
+    const latencies = Array.from({ length: 30 }, (_, i) => ({ step: i + 1, latencyMillis: i === 20 ? 50 : 3 + (i % 3) }))
+    assert.deepStrictEqual(findStragglers(latencies), [{ step: 21, latencyMillis: 50, medianMillis: 4 }])
     assert.deepStrictEqual(findStragglers(latencies.map((l) => ({ ...l, latencyMillis: 4 }))), [])
   })
 })

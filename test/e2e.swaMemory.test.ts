@@ -14,7 +14,7 @@ import { readModelLayout } from "../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../src/layers/gguf/Synthetic.js"
 import { kvBytesOfBlocks, kvBytesPerTokenOfBlock } from "../src/services/KvSize.js"
 import { computeReserveBytes, stageMemoryBytes } from "../src/services/Placement.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { metricOf, type ServeProcess, startServe, stopServe } from "./support/serve.js"
 import { repoRoot } from "./support/models.js"
@@ -117,7 +117,7 @@ describe("capped sliding-window caches: --dry-run and /metrics", () => {
               isLast: end === 6
             })
             return stage.info
-          })).pipe(Effect.provide(StageExecutorLive))
+          })).pipe(Effect.provide(StageExecutorLive.layer))
           const slidingHere = sliding.slice(start, end).filter((b) => b).length
           assert.deepStrictEqual(info.kvWindow, { window: 16, bytesPerToken: slidingHere * row })
           assert.strictEqual(info.kvBytesPerToken, (end - start) * row)

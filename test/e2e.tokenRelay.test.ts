@@ -65,7 +65,7 @@ describe("remote pool: the orchestrator's token listener behind an advertised ad
       const listenPort = yield* freePort
       const front = yield* forwarder(listenPort)
       const layer = layerRemote({
-        nodes: agents.map((a) => a.address),
+        agents: agents.map((a) => a.address),
         token,
         listenHost: "127.0.0.1",
         dataListen: tcpAddress(listenPort),

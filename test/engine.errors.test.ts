@@ -9,7 +9,7 @@ import { GgmlType } from "../src/domain/ggmlTypes.js"
 import type { ModelLoadError } from "../src/domain/gguf.js"
 import { GgufValues, type GgufTensorSpec, type GgufTypedValue, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import { syntheticModelSpec, type SyntheticModelOptions } from "../src/layers/gguf/Synthetic.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 
@@ -50,7 +50,7 @@ const loadTweaked = (
     return yield* Effect.exit(Effect.scoped(
       executor.load({ path, layerStart: 0, layerEndExclusive: 1, isFirst: true, isLast: false, ...spec })
     ))
-  }).pipe(Effect.provide(StageExecutorLive))
+  }).pipe(Effect.provide(StageExecutorLive.layer))
 
 const reasonOf = (exit: Exit.Exit<unknown, ModelLoadError>) => {
   if (Exit.isSuccess(exit)) return { reason: "loaded", message: "" }
@@ -153,7 +153,7 @@ describe("a session refuses what does not fit, and computes off the event loop",
       const fresh = yield* executor.session(stage, { threads: 1, contextLength: 8 })
       const b = yield* fresh.forward(0, { _tag: "Tokens", tokens: Int32Array.of(1, 403) })
       assert.deepStrictEqual(a, b)
-    }).pipe(Effect.provide(StageExecutorLive))))
+    }).pipe(Effect.provide(StageExecutorLive.layer))))
 
   // compute runs on a koffi worker thread: a timer keeps firing while a long prefill runs
   it.live("the event loop keeps running during compute", () =>
@@ -170,7 +170,7 @@ describe("a session refuses what does not fit, and computes off the event loop",
       clearInterval(timer)
       assert.isAtLeast(ms, 20, "the call should take long enough to measure")
       assert.isAtLeast(ticks, Math.min(10, Math.floor(ms / 4)), `${ticks} timer ticks during a ${ms.toFixed(0)} ms call`)
-    }).pipe(Effect.provide(StageExecutorLive))))
+    }).pipe(Effect.provide(StageExecutorLive.layer))))
 })
 
 describe("backend choice", () => {
@@ -185,5 +185,5 @@ describe("backend choice", () => {
       assert.include(refused.message, "SWACTOR_GGML_PACKAGE")
       const auto = yield* executor.load({ ...spec, backend: "auto" })
       assert.strictEqual(auto.info.backend, "cpu")
-    }).pipe(Effect.provide(StageExecutorLive))))
+    }).pipe(Effect.provide(StageExecutorLive.layer))))
 })

@@ -4,7 +4,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Scope, Exit } from "effect"
 import { heldSessionBytes } from "../src/layers/engine/KvCache.js"
-import { StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 import { requireModel } from "./support/models.js"
 
@@ -29,5 +29,5 @@ describe("scratch sessions are left out of the open-session tally", () => {
       assert.deepStrictEqual(heldSessionBytes(), withRun)
       yield* Scope.close(runScope, Exit.void)
       assert.deepStrictEqual(heldSessionBytes(), before)
-    }).pipe(Effect.provide(StageExecutorLive)))
+    }).pipe(Effect.provide(StageExecutorLive.layer)))
 })

@@ -11,7 +11,8 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { GGML_TYPE_COUNT, GgmlType, ggmlTypeInfo, ggmlTypeName, tensorBytes } from "../src/domain/ggmlTypes.js"
 import type { ModelLoadError } from "../src/domain/gguf.js"
-import { layerWith, StageExecutorLive } from "../src/layers/engine/StageExecutorLive.js"
+import { layerWith } from "../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import { getU32, readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { type GgufTensorSpec, writeGgufFile } from "../src/layers/gguf/GgufWriter.js"
 import {
@@ -158,7 +159,7 @@ const loadStage = (path: string, layerStart: number, layerEndExclusive: number) 
     return yield* Effect.exit(Effect.scoped(
       executor.load({ path, layerStart, layerEndExclusive, isFirst: layerStart === 0, isLast: layerEndExclusive === 2 })
     ))
-  }).pipe(Effect.provide(StageExecutorLive))
+  }).pipe(Effect.provide(StageExecutorLive.layer))
 
 const failure = (exit: Exit.Exit<unknown, ModelLoadError>) => {
   assert.isTrue(Exit.isFailure(exit), "the stage loaded")

@@ -23,7 +23,7 @@ const activation = (sequence: number, nTokens: number, hiddenDim: number, startP
   ActivationFrame({
     runId,
     edgeId,
-    sequence,
+    step: sequence,
     startPos,
     nTokens,
     hiddenDim,
@@ -41,7 +41,7 @@ const alignmentArb = fc.constantFrom(1, 2, 4, 8, 16, 64, 256)
 const ids = { runId: u32.map((n) => n as RunId), edgeId: u32.map((n) => n as EdgeId) }
 const tokenFrameArb = fc.record({
   ...ids,
-  sequence: u32,
+  step: u32,
   payload: fc.oneof(
     fc.array(u32, { minLength: 1, maxLength: 40 }).map((tokens) => ({ _tag: "Prompt" as const, tokens })),
     u32.map((tokenId) => ({ _tag: "Decode" as const, tokenId })),
@@ -71,7 +71,7 @@ const tokenFrameArb = fc.record({
 }).map((f) => TokenFrame(f))
 const activationArb = fc.record({
   ...ids,
-  sequence: u32,
+  step: u32,
   chunk: fc.integer({ min: 1, max: 5 }).chain((count) =>
     fc.record({ count: fc.constant(count), index: fc.integer({ min: 0, max: count - 1 }) })
   ),
@@ -83,7 +83,7 @@ const activationArb = fc.record({
     ActivationFrame({
       runId: f.runId,
       edgeId: f.edgeId,
-      sequence: f.sequence,
+      step: f.step,
       chunkIndex: f.chunk.index,
       chunkCount: f.chunk.count,
       startPos: f.startPos,
@@ -94,7 +94,7 @@ const activationArb = fc.record({
   )
 )
 const controlArb = fc.oneof(
-  fc.record({ ...ids, sequence: u32, bytes: u32 }).map((f) => CreditFrame(f)),
+  fc.record({ ...ids, step: u32, bytes: u32 }).map((f) => CreditFrame(f)),
   fc.record({
     ...ids,
     dataCapacity: u32,
@@ -243,7 +243,7 @@ describe("Framing", () => {
     const step = Framing.decodeAt(longBody.subarray(0, 16), 0, limits(8))
     assert.isTrue(step._tag === "Fault" && step.fault._tag === "Malformed")
     // A body length that still rounds up to the same frame length is caught by the body's own lengths.
-    const credit = Either.getOrThrow(Framing.encode(CreditFrame({ runId, edgeId, sequence: 1, bytes: 64 }), 64))
+    const credit = Either.getOrThrow(Framing.encode(CreditFrame({ runId, edgeId, step: 1, bytes: 64 }), 64))
     const shorter = credit.slice()
     setU32(shorter, 12, 7)
     const short = Framing.decodeUnguarded(shorter, limits(64))
@@ -268,7 +268,7 @@ describe("Framing", () => {
     const sampled = TokenFrame({
       runId,
       edgeId,
-      sequence: 4,
+      step: 4,
       payload: {
         _tag: "Sampled",
         tokenId: 9,
@@ -298,7 +298,7 @@ describe("Framing", () => {
   })
 
   it("refuses to encode fields that do not fit the wire format", () => {
-    const tooBig = TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Decode", tokenId: 1 } })
+    const tooBig = TokenFrame({ runId, edgeId, step: 0, payload: { _tag: "Decode", tokenId: 1 } })
     const result = Framing.encode({ ...tooBig, runId: 2 ** 33 as RunId } as TokenFrame, 8)
     assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
   })
@@ -355,7 +355,7 @@ describe("Framing", () => {
 
   it("chunks a long prompt and reassembles it", () => {
     const tokens = Array.from({ length: 5000 }, (_, i) => i)
-    const frame = TokenFrame({ runId, edgeId, sequence: 0, payload: { _tag: "Prompt", tokens } })
+    const frame = TokenFrame({ runId, edgeId, step: 0, payload: { _tag: "Prompt", tokens } })
     const chunks = Either.getOrThrow(Framing.chunk(frame, 1024, 8))
     assert.isAbove(chunks.length, 1)
     const sequencer = new Framing.Sequencer()
@@ -387,21 +387,21 @@ describe("dataFrame", () => {
   it("builds either kind through its builder, with the chunk fields and dtype defaulted", () => {
     const payload = Float32Array.of(1, 2, 3, 4)
     assert.deepStrictEqual(
-      dataFrame({ _tag: "ActivationFrame", runId, edgeId, sequence: 4, startPos: 2, nTokens: 2, hiddenDim: 2, payload }),
-      ActivationFrame({ runId, edgeId, sequence: 4, startPos: 2, nTokens: 2, hiddenDim: 2, payload })
+      dataFrame({ _tag: "ActivationFrame", runId, edgeId, step: 4, startPos: 2, nTokens: 2, hiddenDim: 2, payload }),
+      ActivationFrame({ runId, edgeId, step: 4, startPos: 2, nTokens: 2, hiddenDim: 2, payload })
     )
-    const token = dataFrame({ _tag: "TokenFrame", runId, edgeId, sequence: 1, payload: { _tag: "Decode", tokenId: 9 } })
+    const token = dataFrame({ _tag: "TokenFrame", runId, edgeId, step: 1, payload: { _tag: "Decode", tokenId: 9 } })
     assert.deepStrictEqual(token, {
       _tag: "TokenFrame",
       runId,
       edgeId,
-      sequence: 1,
+      step: 1,
       chunkIndex: 0,
       chunkCount: 1,
       payload: { _tag: "Decode", tokenId: 9 }
     })
     // Only the frame's own fields: nothing extra a caller passed rides along onto the wire value.
-    const extra = { _tag: "TokenFrame" as const, runId, edgeId, sequence: 1, payload: { _tag: "Decode" as const, tokenId: 9 }, note: "x" }
+    const extra = { _tag: "TokenFrame" as const, runId, edgeId, step: 1, payload: { _tag: "Decode" as const, tokenId: 9 }, note: "x" }
     assert.notProperty(dataFrame(extra), "note")
   })
 })

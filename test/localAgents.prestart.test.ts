@@ -3,7 +3,7 @@
 // closing the layer stops them.
 import { assert, describe, it } from "@effect/vitest"
 import { Context, Effect, Exit, Layer, Scope } from "effect"
-import { localAgentPool } from "../src/layers/agent/AgentPools.js"
+import * as AgentPools from "../src/layers/agent/AgentPools.js"
 import { type LocalAgent } from "../src/layers/agent/AgentProcesses.js"
 import { AgentPool } from "../src/services/Orchestrator.js"
 import { childPids, eventually, isAlive } from "./support/e2e.js"
@@ -14,7 +14,7 @@ describe("localAgentPool prestart", () => {
       const started: Array<ReadonlyArray<LocalAgent>> = []
       const scope = yield* Scope.make()
       const context = yield* Layer.buildWithScope(
-        localAgentPool({ prestart: 2, engine: "test", threads: 1, onStarted: (agents) => started.push(agents) }),
+        AgentPools.layerLocal({ prestart: 2, engine: "test", threads: 1, onStarted: (agents) => started.push(agents) }),
         scope
       )
       const pool = Context.get(context, AgentPool)

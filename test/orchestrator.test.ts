@@ -29,7 +29,7 @@ const world = (
   catalog: Layer.Layer<ModelCatalog> = ModelCatalogLive.layer
 ) =>
   Effect.gen(function*() {
-    const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerTest(testModel)))
+    const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerWith(testModel)))
     const links = onReport === undefined ? memory.layer : Layer.effect(
       AgentControl,
       Effect.map(AgentControl, (control) =>
@@ -163,7 +163,7 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
       const failing = yield* world(3)
       const run = failing.orchestrator.run(request({ stages: 3, maxTokens: 2000, prompt: "a" }))
       const error = yield* run.pipe(
-        Stream.tap((u) => (u._tag === "Token" && u.token.sequence === 3 ? failing.memory.agents[1]!.kill : Effect.void)),
+        Stream.tap((u) => (u._tag === "Token" && u.token.step === 3 ? failing.memory.agents[1]!.kill : Effect.void)),
         Stream.runDrain,
         Effect.flip
       )

@@ -24,7 +24,7 @@ describe("recovery: a late replay within its deadline", () => {
             Stream.runForEach((u) =>
               Effect.gen(function*() {
                 updates.push(u)
-                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.sequence === killAt) {
+                if (killAt !== undefined && !killed && u._tag === "Token" && u.token.step === killAt) {
                   killed = true
                   yield* memory.agents[1]!.kill
                 }

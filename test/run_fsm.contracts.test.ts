@@ -113,7 +113,7 @@ describe("run FSM faults (G15, G16)", () => {
       RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }),
       RunEvents.MembershipLost({ runId, nodeId: node(12) }),
       RunEvents.OperatorStop({ runId }),
-      RunEvents.TokenReceived({ sequence: 0, tokenId: 5, eos: false })
+      RunEvents.TokenReceived({ step: 0, tokenId: 5, eos: false })
     ]
     const run = fold([pool, planned, ...ready, first, ...later])
     assert.deepStrictEqual(terminals(run.events), [
@@ -193,7 +193,7 @@ describe("run FSM deadline faults are stamped at the deadline (G19–G21)", () =
   it("a token fault applied late starts the teardown deadline from the token deadline", () => {
     const started = fold([pool, planned, ...ready], 0, { ...short, tokenTimeout: "5 seconds" })
     const late = expire(started.state, 6_000)
-    assert.deepStrictEqual(late.events, [{ _tag: "RunFaulted", runId, reason: RunFaultReasons.TokenTimeout({ sequence: 0 }) }])
+    assert.deepStrictEqual(late.events, [{ _tag: "RunFaulted", runId, reason: RunFaultReasons.TokenTimeout({ step: 0 }) }])
     assert.deepStrictEqual(late.state.deadline, { _tag: "Teardown", at: 15_000 })
   })
 

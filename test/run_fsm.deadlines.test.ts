@@ -86,16 +86,16 @@ describe("run FSM deadlines", () => {
     Effect.gen(function*() {
       const harness = yield* started()
       yield* harness.advanceTimeMs(59_999)
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 201, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
       yield* harness.advanceTimeMs(59_999)
       assert.deepStrictEqual(yield* faults(harness), [])
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
 
       yield* harness.advanceTimeMs(1)
-      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ sequence: 1 })])
+      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ step: 1 })])
 
       // The late token is new work after the terminal outcome: rejected, nothing injected.
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 1, tokenId: 202, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 202, eos: false }))
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
       const rejected = (yield* harness.events).filter((e) => e._tag === "EventRejected")
       assert.strictEqual(rejected.at(-1)?._tag === "EventRejected" && rejected.at(-1)?.reason, "AlreadyTerminal")
@@ -107,22 +107,22 @@ describe("run FSM deadlines", () => {
     Effect.gen(function*() {
       const harness = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
       yield* harness.advanceTimeMs(4_999)
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 201, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
       assert.deepStrictEqual(yield* faults(harness), [])
       yield* harness.advanceTimeMs(1_000)
-      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ sequence: 1 })])
+      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ step: 1 })])
 
       const late = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
       yield* late.advanceTimeMs(5_000)
-      assert.deepStrictEqual(yield* faults(late), [RunFaultReasons.TokenTimeout({ sequence: 0 })])
+      assert.deepStrictEqual(yield* faults(late), [RunFaultReasons.TokenTimeout({ step: 0 })])
     }))
 
   it.scoped("a token that arrives at its deadline loses to the deadline", () =>
     Effect.gen(function*() {
       const harness = yield* started({ tokenTimeout: "1 second" })
       yield* TestClock.adjust("1 second")
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 201, eos: false }))
-      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ sequence: 0 })])
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
+      assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ step: 0 })])
       assert.deepStrictEqual(yield* harness.injectedSequences, [0])
     }))
 

@@ -56,7 +56,7 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
   {
     weight: 2,
     arbitrary: fc.integer({ min: 0, max: 5 }).map((sequence) =>
-      ev(RunEvents.TokenReceived({ sequence, tokenId: 100, eos: false }))
+      ev(RunEvents.TokenReceived({ step: sequence, tokenId: 100, eos: false }))
     )
   },
   {
@@ -121,7 +121,7 @@ const fold = (config: RunConfig, ops: ReadonlyArray<Op>) => {
     }
     const event = op._tag === "Event"
       ? op.event
-      : RunEvents.TokenReceived({ sequence: state.inFlight ?? state.injected.length, tokenId: op.tokenId, eos: op.eos })
+      : RunEvents.TokenReceived({ step: state.inFlight ?? state.injected.length, tokenId: op.tokenId, eos: op.eos })
     const before = expire(state, now)
     const step = transition(state, event, now)
     entries.push({ op, event, now, before, step })
@@ -157,11 +157,11 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   for (const entry of entries) {
     for (const event of entry.step.events) if (isTerminalEvent(event)) terminalSeen = true
     // A step that consumes k (TokenAccepted k) may inject k + 1 in the same step.
-    for (const event of entry.step.events) if (event._tag === "TokenAccepted") accepted.add(event.sequence)
+    for (const event of entry.step.events) if (event._tag === "TokenAccepted") accepted.add(event.step)
     for (const command of entry.step.commands) {
       if (command._tag !== "InjectTokenObject") continue
       assert.isFalse(terminalSeen, "injection after a terminal outcome")
-      const { payload, sequence } = command.object
+      const { payload, step: sequence } = command.object
       assert.strictEqual(sequence, expectedSequence, "injected sequences must be 0, 1, 2, ...")
       if (sequence === 0) {
         assert.strictEqual(payload._tag, "Prompt")
@@ -173,7 +173,7 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
         assert.deepStrictEqual(payload, {
           _tag: "Decode",
           tokenId: payload._tag === "Decode" ? payload.tokenId : -1,
-          sampling: { sourceSequence: sequence - 1 }
+          sampling: { sourceStep: sequence - 1 }
         })
       }
       expectedSequence++

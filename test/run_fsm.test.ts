@@ -115,7 +115,7 @@ describe("run_fsm", () => {
       // Prompt injection is the public start signal after the full barrier.
       assert.isTrue(
         (yield* harness.commands).some((command) =>
-          command._tag === "InjectTokenObject" && command.runId === runId && command.object.sequence === 0 &&
+          command._tag === "InjectTokenObject" && command.runId === runId && command.object.step === 0 &&
           command.object.payload._tag === "Prompt" &&
           JSON.stringify(command.object.payload.tokens) === JSON.stringify([101, 102, 103])
         )
@@ -141,17 +141,17 @@ describe("run_fsm", () => {
       // Sequence 0 must be injected first as a prompt token object.
       const initialObjects = injectedObjects(yield* harness.commands)
       assert.strictEqual(initialObjects.length, 1)
-      assert.deepStrictEqual(initialObjects[0], { sequence: 0, payload: { _tag: "Prompt", tokens: [101, 102, 103] } })
+      assert.deepStrictEqual(initialObjects[0], { step: 0, payload: { _tag: "Prompt", tokens: [101, 102, 103] } })
       assert.deepStrictEqual(yield* harness.injectedSequences, [0])
 
       // Consuming token 0 permits injecting sequence 1.
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 201, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
       const decodeObject = injectedObjects(yield* harness.commands).at(-1)
       assert.isDefined(decodeObject, "decode injection must be recorded")
       assert.deepStrictEqual(decodeObject, {
-        sequence: 1,
-        payload: { _tag: "Decode", tokenId: 201, sampling: { sourceSequence: 0 } }
+        step: 1,
+        payload: { _tag: "Decode", tokenId: 201, sampling: { sourceStep: 0 } }
       })
 
       // No additional injection may happen without consuming sequence 1.
@@ -159,7 +159,7 @@ describe("run_fsm", () => {
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
 
       // EOS stops further injection after the consumed sequence.
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 1, tokenId: 2, eos: true }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 2, eos: true }))
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
     }))
 
@@ -208,7 +208,7 @@ describe("run_fsm", () => {
       // Complete a run by reaching EOS.
       const plan = committedPlan()
       const harness = yield* startedRun(plan)
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 2, eos: true }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 2, eos: true }))
 
       // Completed and Faulted are mutually exclusive public outcomes.
       const events = yield* harness.events
@@ -217,7 +217,7 @@ describe("run_fsm", () => {
 
       // New token work after the terminal outcome must be rejected.
       const before = yield* harness.injectedSequences
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 99, tokenId: 333, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 99, tokenId: 333, eos: false }))
       assert.deepStrictEqual(yield* harness.injectedSequences, before)
 
       // Teardown commands are emitted for every provisioned stage and the local endpoints.
@@ -304,9 +304,9 @@ describe("run FSM beyond the seed", () => {
     Effect.gen(function*() {
       const harness = yield* startedRun(committedPlan())
       const before = yield* harness.state
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 1, tokenId: 5, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 5, eos: false }))
       assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 1 })
-      assert.deepStrictEqual(rejections(yield* harness.events), ["SequenceNotInFlight"])
+      assert.deepStrictEqual(rejections(yield* harness.events), ["StepNotInFlight"])
       assert.deepStrictEqual(yield* harness.injectedSequences, [0])
     }))
 
@@ -314,12 +314,12 @@ describe("run FSM beyond the seed", () => {
     Effect.gen(function*() {
       const harness = yield* startedRun(committedPlan())
       for (const [sequence, tokenId] of [[0, 201], [1, 202], [2, 203], [3, 204]] as const) {
-        yield* harness.observe(RunEvents.TokenReceived({ sequence, tokenId, eos: false }))
+        yield* harness.observe(RunEvents.TokenReceived({ step: sequence, tokenId, eos: false }))
       }
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1, 2, 3])
       const events = yield* harness.events
       assert.deepStrictEqual(
-        events.flatMap((e) => e._tag === "TokenAccepted" ? [[e.sequence, e.tokenId]] : []),
+        events.flatMap((e) => e._tag === "TokenAccepted" ? [[e.step, e.tokenId]] : []),
         [[0, 201], [1, 202], [2, 203], [3, 204]]
       )
       assert.deepStrictEqual(
@@ -337,8 +337,8 @@ describe("run FSM beyond the seed", () => {
       yield* harness.observe(RunEvents.TokenInEndpointReady())
       yield* harness.observe(RunEvents.TokenOutEndpointReady())
       for (const event of stageReadyEvents(plan)) yield* harness.observe(event)
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 300, eos: false }))
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 1, tokenId: 2, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 300, eos: false }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 2, eos: false }))
       assert.deepStrictEqual(yield* harness.outcome, { _tag: "Completed", reason: "Eos", tokens: [300] })
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
     }))
@@ -411,7 +411,7 @@ describe("run FSM beyond the seed", () => {
   it.scoped("commands and lifecycle events survive a Schema encode/decode round trip", () =>
     Effect.gen(function*() {
       const harness = yield* startedRun(committedPlan())
-      yield* harness.observe(RunEvents.TokenReceived({ sequence: 0, tokenId: 7, eos: true }))
+      yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 7, eos: true }))
       const commands = yield* harness.commands
       const events = yield* harness.events
       const roundTrip = <A, I>(schema: Schema.Schema<A, I>, value: A) =>

@@ -176,7 +176,7 @@ describe("the sampler chain on the last stage", () => {
       let agents: ReadonlyArray<LocalAgent> = []
       let killed = false
       const resumed = yield* local(sampling, { ...patch, spares: 1 }, (a) => (agents = a), (u) => {
-        if (!killed && u._tag === "Token" && u.token.sequence === 20) {
+        if (!killed && u._tag === "Token" && u.token.step === 20) {
           killed = true
           process.kill(agents[1]!.pid, "SIGKILL")
         }

@@ -279,7 +279,7 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
   })
 })
 
-describe("swactor serve --nodes (remote agents)", () => {
+describe("swactor serve --agents (remote agents)", () => {
   let server: ServeProcess
   let agents: ReadonlyArray<LocalAgent>
   let close: (() => Promise<void>) | undefined

@@ -147,7 +147,7 @@ describe("swactor serve: every local agent stalls past the heartbeat deadline (s
   }, 90_000)
 })
 
-describe("swactor serve --nodes: every remote node stalls past the heartbeat deadline", () => {
+describe("swactor serve --agents: every remote node stalls past the heartbeat deadline", () => {
   let server: ServeProcess
   let nodes: ReadonlyArray<LocalAgent>
   let close: (() => Promise<void>) | undefined

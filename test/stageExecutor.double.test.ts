@@ -1,6 +1,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Exit } from "effect"
-import { defaultTestModel, StageExecutorTest, testModelGreedy } from "../src/layers/engine/StageExecutorTest.js"
+import { defaultTestModel, testModelGreedy } from "../src/layers/engine/StageExecutorTest.js"
+import * as StageExecutorTest from "../src/layers/engine/StageExecutorTest.js"
 import { greedy } from "../src/services/Sampler.js"
 import { openInProcessPipeline } from "../src/services/InProcessPipeline.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
@@ -35,7 +36,7 @@ describe("StageExecutorTest (deterministic double)", () => {
       for (const split of [[0, 6], [0, 3, 6], [0, 1, 2, 6], [0, 1, 2, 3, 4, 5, 6]]) {
         assert.deepStrictEqual(yield* generate(split, prompt, 24), expected)
       }
-    }).pipe(Effect.provide(StageExecutorTest)))
+    }).pipe(Effect.provide(StageExecutorTest.layer)))
 
   it.scoped("reset forgets the cache; a gap, a wrong input kind and an overflow are typed errors", () =>
     Effect.gen(function*() {
@@ -51,7 +52,7 @@ describe("StageExecutorTest (deterministic double)", () => {
         sessions[0]!.forward(2, { _tag: "Tokens", tokens: new Int32Array(model.contextLength) })
       )
       assert.isTrue(Exit.isFailure(over) && JSON.stringify(over).includes("ContextOverflow"))
-    }).pipe(Effect.provide(StageExecutorTest)))
+    }).pipe(Effect.provide(StageExecutorTest.layer)))
 
   // The double's forwardBatch checks like the live one (whole batch, then each item with its index) and otherwise
   // gives each item what a lone forward gives.
@@ -82,5 +83,5 @@ describe("StageExecutorTest (deterministic double)", () => {
         "BatchItemRejected"
       )
       assert.deepStrictEqual(yield* executor.forwardBatch([item]), [yield* twinA!.forward(2, tokens(3))])
-    }).pipe(Effect.provide(StageExecutorTest)))
+    }).pipe(Effect.provide(StageExecutorTest.layer)))
 })

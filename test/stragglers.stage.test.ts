@@ -64,20 +64,20 @@ describe("per-stage stragglers", () => {
   it("the detector names the stage over 4× its own recent median, after its minimum sample count", () => {
     const detector = makeStageStragglerDetector()
     const steady = (from: number, n: number, millis: number) =>
-      Array.from({ length: n }, (_, i) => ({ sequence: from + i, computeMillis: millis, sendMillis: 0.1 }))
+      Array.from({ length: n }, (_, i) => ({ step: from + i, computeMillis: millis, sendMillis: 0.1 }))
     // Stage 0 is slow throughout (50 ms a step): no straggler. Stage 1 is fast, with one 30 ms step.
     assert.deepStrictEqual(detector.add(0, "a:1", steady(1, 20, 50)), [])
     assert.deepStrictEqual(detector.add(1, "b:1", steady(1, 12, 1)), [])
-    const found = detector.add(1, "b:1", [{ sequence: 13, computeMillis: 30, sendMillis: 0 }, ...steady(14, 4, 1)])
-    assert.deepStrictEqual(found, [{ stageIndex: 1, address: "b:1", sequence: 13, millis: 30, medianMillis: 1.1 }])
+    const found = detector.add(1, "b:1", [{ step: 13, computeMillis: 30, sendMillis: 0 }, ...steady(14, 4, 1)])
+    assert.deepStrictEqual(found, [{ stageIndex: 1, address: "b:1", step: 13, millis: 30, medianMillis: 1.1 }])
     assert.deepStrictEqual(detector.stragglers(), [
-      { stageIndex: 1, address: "b:1", tokens: 1, medianMillis: 1.1, worstMillis: 30, worstSequence: 13 }
+      { stageIndex: 1, address: "b:1", tokens: 1, medianMillis: 1.1, worstMillis: 30, worstStep: 13 }
     ])
     // The same slow step among a stage's first 8 is not judged (too few samples for a median).
     const early = makeStageStragglerDetector()
-    assert.deepStrictEqual(early.add(2, "c:1", [...steady(1, 7, 1), { sequence: 8, computeMillis: 30, sendMillis: 0 }]), [])
+    assert.deepStrictEqual(early.add(2, "c:1", [...steady(1, 7, 1), { step: 8, computeMillis: 30, sendMillis: 0 }]), [])
     // Over 4× but by less than 5 ms: scheduling noise, not a straggler.
-    assert.deepStrictEqual(early.add(2, "c:1", [{ sequence: 9, computeMillis: 5, sendMillis: 0 }]), [])
+    assert.deepStrictEqual(early.add(2, "c:1", [{ step: 9, computeMillis: 5, sendMillis: 0 }]), [])
   })
 
   // A real orchestrator over three stage hosts (in-memory links, the deterministic engine): the middle stage is
@@ -99,14 +99,14 @@ describe("per-stage stragglers", () => {
       const summary = summaryOf(updates)
       assert.deepStrictEqual(summary.stages.map((s) => s.layers), [[0, 2], [2, 4], [4, 5]])
       const live = updates.flatMap((u) => (u._tag === "StageStraggler" ? [u.straggler] : []))
-      assert.deepStrictEqual(live.map((s) => [s.stageIndex, s.sequence]), slowSequences.map((q) => [1, q]))
+      assert.deepStrictEqual(live.map((s) => [s.stageIndex, s.step]), slowSequences.map((q) => [1, q]))
       assert.strictEqual(summary.stageStragglers.length, 1)
       const [stage] = summary.stageStragglers
       assert.strictEqual(stage!.stageIndex, 1)
       assert.strictEqual(stage!.address, summary.stages[1]!.address)
       assert.strictEqual(stage!.tokens, slowSequences.length)
       assert.isAtLeast(stage!.worstMillis, SLOW_MILLIS)
-      assert.include(slowSequences, stage!.worstSequence)
+      assert.include(slowSequences, stage!.worstStep)
       assert.isBelow(stage!.medianMillis, 20)
       // `swactor run` prints it under the summary.
       assert.include(renderSummary(summary), `straggling stage 1 on ${stage!.address}: 3 slow tokens (median `)

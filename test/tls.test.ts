@@ -71,8 +71,8 @@ const capturedRun = Effect.gen(function*() {
   const receiver = yield* listener.register({ runId, edgeId, ring })
   const proxy = yield* recordingProxy(listener.address._tag === "Tcp" ? listener.address.port : 0)
   const sender = yield* EdgeTransport.connect({ address: proxy.address, token, runId, edgeId, ring })
-  yield* sender.send(ActivationFrame({ runId, edgeId, sequence: 0, startPos: 0, nTokens: 1, hiddenDim: 256, payload }))
-  yield* sender.send(TokenFrame({ runId, edgeId, sequence: 1, payload: { _tag: "Decode", tokenId: TOKEN_ID } }))
+  yield* sender.send(ActivationFrame({ runId, edgeId, step: 0, startPos: 0, nTokens: 1, hiddenDim: 256, payload }))
+  yield* sender.send(TokenFrame({ runId, edgeId, step: 1, payload: { _tag: "Decode", tokenId: TOKEN_ID } }))
   const first = yield* receiver.take
   const second = yield* receiver.take
   assert.strictEqual(first._tag, "ActivationFrame")

@@ -28,7 +28,7 @@ describe("an attach waits for its edge's registration (attachWait)", () => {
       // attached at the registration: no polling interval (the sender's retry schedule starts at 10 ms and doubles)
       assert.isBelow(attachedAfter, 250, `attached ${attachedAfter.toFixed(1)} ms after the registration`)
       const payload = Float32Array.from([1, 2, 3, 4])
-      yield* sender.send(ActivationFrame({ runId, edgeId, sequence: 0, startPos: 0, nTokens: 1, hiddenDim: 4, payload }))
+      yield* sender.send(ActivationFrame({ runId, edgeId, step: 0, startPos: 0, nTokens: 1, hiddenDim: 4, payload }))
       const frame = yield* receiver.take
       assert.strictEqual(frame._tag, "ActivationFrame")
       if (frame._tag === "ActivationFrame") assert.deepStrictEqual(Array.from(frame.payload), [1, 2, 3, 4])

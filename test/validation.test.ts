@@ -120,14 +120,14 @@ describe("the command line: bounds checked before any agent starts (run, serve, 
     try {
       writeFileSync(join(dir, "token"), `${"ab".repeat(32)}\n`)
       expectRefused(
-        await swactor(["run", "--model", model(), "--nodes", "127.0.0.1:9", "--token-file", join(dir, "token")]),
+        await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", join(dir, "token")]),
         "run",
         /^swactor run: the cluster token from --token-file .*token is weak: .*openssl rand -hex 32$/
       )
     } finally {
       rmSync(dir, { recursive: true, force: true })
     }
-    const client = createClient({ nodes: ["127.0.0.1:9"], token: "0123456789abcdef".repeat(4) })
+    const client = createClient({ agents: ["127.0.0.1:9"], token: "0123456789abcdef".repeat(4) })
     try {
       const error = await client.complete({ model: model(), prompt: "Once", maxTokens: 1 }).then(
         () => undefined,

@@ -5,14 +5,15 @@
  * union `GenerateError` (plan rejections, model load errors, pool/agent errors, run faults);
  * `run(request)` also streams start-up progress and ends with a summary. Both need an
  * `Orchestrator`: `layerLocal()` starts one agent process per stage on this machine,
- * `layerRemote({ nodes, token })` uses agents already running elsewhere (`swactor node`).
+ * `layerRemote({ agents, token })` uses agents already running elsewhere (`swactor node`).
  *
  * Promise / AsyncIterable: `createClient(options)` wraps the same thing for non-Effect callers.
  */
 import { Cause, Effect, Layer, ManagedRuntime, Option, Redacted, Runtime, Stream } from "effect"
-import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
+import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import * as AgentControlRpc from "../layers/agent/AgentControlRpc.js"
-import { localAgentPool, type LocalPoolOptions, remoteAgentPool, type RemotePoolOptions } from "../layers/agent/AgentPools.js"
+import { type LocalPoolOptions, type RemotePoolOptions } from "../layers/agent/AgentPools.js"
+import * as AgentPools from "../layers/agent/AgentPools.js"
 import * as MembershipLive from "../layers/agent/MembershipLive.js"
 import { clusterTokenFromEnv } from "../layers/config/Settings.js"
 import * as OrchestratorLive from "../layers/orchestrator/OrchestratorLive.js"
@@ -51,15 +52,15 @@ export const complete = (
     Effect.map(({ summary, text }) => ({ text, summary: summary! }))
   )
 
-const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlRpc.layer, dataPlaneLayer, ModelCatalogLive.layer)
+const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlRpc.layer, AgentLinksLive.layerDataPlane, ModelCatalogLive.layer)
 
 /** Orchestrator whose runs each start their own agents on this machine (one child process per stage). */
 export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<Orchestrator> =>
-  OrchestratorLive.layer.pipe(Layer.provide(Layer.merge(services, localAgentPool(options))))
+  OrchestratorLive.layer.pipe(Layer.provide(Layer.merge(services, AgentPools.layerLocal(options))))
 
-/** Orchestrator over agents already running (`swactor node`) at `nodes`, which share `token`. */
+/** Orchestrator over agents already running (`swactor node`) at `agents`, which share `token`. */
 export const layerRemote = (options: RemotePoolOptions): Layer.Layer<Orchestrator> =>
-  OrchestratorLive.layer.pipe(Layer.provide(Layer.merge(services, remoteAgentPool(options))))
+  OrchestratorLive.layer.pipe(Layer.provide(Layer.merge(services, AgentPools.layerRemote(options))))
 
 // ---------------------------------------------------------------------------------------------
 // Promise / AsyncIterable facade
@@ -67,7 +68,7 @@ export const layerRemote = (options: RemotePoolOptions): Layer.Layer<Orchestrato
 
 export interface ClientOptions {
   /** Remote agents (host:port); omit to start local agents per run. */
-  readonly nodes?: ReadonlyArray<string>
+  readonly agents?: ReadonlyArray<string>
   /**
    * Cluster token of the remote agents (default: SWACTOR_CLUSTER_TOKEN, trimmed as the CLI reads it:
    * config/Settings.ts; the remote pool checks it with the CLI's rule, a weak one fails the run as InvalidRequest).
@@ -96,8 +97,8 @@ const rethrowTyped = (error: unknown): never => {
 }
 
 export const createClient = (options: ClientOptions = {}): Client => {
-  const layer = options.nodes !== undefined && options.nodes.length > 0
-    ? layerRemote({ nodes: options.nodes, token: options.token ?? Redacted.value(clusterTokenFromEnv()) })
+  const layer = options.agents !== undefined && options.agents.length > 0
+    ? layerRemote({ agents: options.agents, token: options.token ?? Redacted.value(clusterTokenFromEnv()) })
     : layerLocal(options.threads === undefined ? {} : { threads: options.threads })
   const runtime = ManagedRuntime.make(layer)
   const iterate = <A>(stream: Stream.Stream<A, GenerateError, Orchestrator>): AsyncIterable<A> => ({

@@ -23,7 +23,7 @@ export { Server }
 
 export interface ServeLayerOptions extends ServeOptions {
   /** Remote agents (host:port); omit to start `stages` local agent processes. */
-  readonly nodes?: ReadonlyArray<string>
+  readonly agents?: ReadonlyArray<string>
   /** Cluster token of the remote agents. */
   readonly token?: string
   /** Local agents: how they are started (threads, extra arguments, a callback with their pids). */
@@ -32,9 +32,9 @@ export interface ServeLayerOptions extends ServeOptions {
 
 /** A Server with its own warm pipeline, set up in the background when the layer is built. */
 export const serve = (options: ServeLayerOptions): Layer.Layer<Server> => {
-  const { local, nodes, token, ...serveOptions } = options
+  const { local, agents: nodes, token, ...serveOptions } = options
   const orchestrator = nodes !== undefined && nodes.length > 0
-    ? layerRemote({ nodes, token: token ?? "" })
+    ? layerRemote({ agents: nodes, token: token ?? "" })
     : layerLocal({ ...(options.threads === undefined ? {} : { threads: options.threads }), ...local })
   // Prompts tokenized and chats rendered on a worker thread: a long prompt never holds up other requests' tokens.
   return ServerLive.layer(serveOptions).pipe(Layer.provide(orchestrator), Layer.provide(PromptTokenizer.layerWorker(options.model)))

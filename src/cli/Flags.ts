@@ -106,15 +106,15 @@ export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<st
     onRight: (token) => Effect.succeed(Redacted.value(token))
   })
 
-/** `--nodes host:port,host:port`: at least one, each host:port. */
-export const nodeList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+/** `--agents host:port,host:port` (alias `--nodes`): at least one, each host:port. */
+export const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
   Effect.gen(function*() {
     const nodes = text.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
-    if (nodes.length === 0) return yield* fail(`--nodes "${text}" names no node: give host:port,host:port,...`)
+    if (nodes.length === 0) return yield* fail(`--agents "${text}" names no agent: give host:port,host:port,...`)
     for (const node of nodes) {
       const address = parseAddress(node)
       if (address === undefined || address._tag !== "Tcp") {
-        return yield* fail(`--nodes: "${node}" is not host:port`)
+        return yield* fail(`--agents "${node}" is not host:port`)
       }
     }
     return nodes

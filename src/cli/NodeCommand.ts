@@ -8,7 +8,7 @@ import * as Options from "@effect/cli/Options"
 import * as Os from "node:os"
 import { Console, Data, Effect, Layer, Option } from "effect"
 import type { TransportAddress } from "../domain/frames.js"
-import { dataPlaneLayer } from "../layers/agent/AgentLinksLive.js"
+import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/agent/ReadyLine.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
@@ -32,7 +32,7 @@ export type StageExecutorFor = (engine: NodeArgs["engine"]) => Layer.Layer<Stage
 
 /** ggml (`live`), or the deterministic double (`test`). */
 export const stageExecutorFor: StageExecutorFor = (engine) =>
-  engine === "test" ? StageExecutorTest.StageExecutorTest : StageExecutorLive.StageExecutorLive
+  engine === "test" ? StageExecutorTest.layer : StageExecutorLive.layer
 
 const address = (text: string, flag: string): Effect.Effect<TransportAddress, NodeUsageError> => {
   const parsed = parseAddress(text)
@@ -163,7 +163,7 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
           ` (pid ${process.pid})`
       )
       return yield* Effect.never
-    }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, dataPlaneLayer)))
+    }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, AgentLinksLive.layerDataPlane)))
   }).pipe(
     Effect.tapError((error) =>
       Console.error(`swactor node: ${"message" in error && error.message !== "" ? error.message : String(error)}`)

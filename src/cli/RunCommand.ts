@@ -1,5 +1,5 @@
 /**
- * `swactor run`: generates text across a pipeline of node agents. Without --nodes it starts one
+ * `swactor run`: generates text across a pipeline of node agents. Without --agents it starts one
  * agent process per stage on this machine and runs the same distributed path over loopback.
  * Streams the text to stdout; progress and the summary go to stderr.
  *

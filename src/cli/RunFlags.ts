@@ -12,7 +12,7 @@ import { emptyPromptMessage, isEmptyPrompt } from "../services/RequestChecks.js"
 import {
   atLeast,
   clusterToken,
-  nodeList,
+  agentList,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -34,7 +34,7 @@ export interface RunArgs extends SamplingFlagArgs {
   readonly topK: number
   readonly seed: Option.Option<number>
   readonly threads: Option.Option<number>
-  readonly nodes: Option.Option<string>
+  readonly agents: Option.Option<string>
   readonly tokenFile: Option.Option<string>
   readonly quiet: boolean
   readonly json: boolean
@@ -62,7 +62,7 @@ export const runFlags = {
   ),
   promptFile: Options.file("prompt-file").pipe(Options.withDescription("read the prompt from this file"), Options.optional),
   stages: Options.integer("stages").pipe(
-    Options.withDescription("pipeline stages (default: 2 local agents; with --nodes, one per node)"),
+    Options.withDescription("pipeline stages (default: 2 local agents; with --agents, one per node)"),
     Options.optional
   ),
   maxTokens: Options.integer("max-tokens").pipe(
@@ -77,8 +77,9 @@ export const runFlags = {
     Options.withDescription("engine threads per stage (default: every core of the node)"),
     Options.optional
   ),
-  nodes: Options.text("nodes").pipe(
-    Options.withDescription(`remote agents host:port,... (token from ${clusterTokenEnv} or --token-file)`),
+  agents: Options.text("agents").pipe(
+      Options.withAlias("nodes"),
+    Options.withDescription(`agents host:port,... (alias --nodes; token from ${clusterTokenEnv} or --token-file)`),
     Options.optional
   ),
   tls: tlsFlag,
@@ -104,7 +105,7 @@ export const runFlags = {
   ),
   deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(
     Options.withDescription(
-      "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --nodes), always, never"
+      "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
     ),
     withShownDefault("auto" as const)
   ),
@@ -169,12 +170,12 @@ export const validateRunFlags = (args: RunArgs) =>
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
     const chain = yield* samplingFromFlags(args)
     const threads = yield* optionalThreads(args.threads)
-    const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
+    const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls ?? Option.none())
     if (nodes.length > 0 && token === "") {
       return yield* new UsageError({
-        message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
+        message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
       })
     }
     if (args.json && args.dryRun) return yield* new UsageError({ message: "--json and --dry-run: give one of them" })

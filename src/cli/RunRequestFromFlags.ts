@@ -45,7 +45,7 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
 export const agentPoolFromFlags = (args: RunArgs, flags: CheckedRunFlags, request: GenerateRequest) => {
   const { nodes, threads, token } = flags
   return nodes.length > 0
-    ? layerRemote({ nodes, token })
+    ? layerRemote({ agents: nodes, token })
     : layerLocal({
       // The agents boot while the orchestrator reads the model's facts and vocabulary.
       prestart: (request.stages ?? 2) + (request.spares ?? 0),

@@ -31,14 +31,14 @@ export const renderSummary = (summary: RunSummary): string => {
   if (summary.stragglers.length > 0) {
     lines.push(
       `stragglers: ${summary.stragglers.length} slow tokens (${
-        summary.stragglers.slice(0, 5).map((s) => `#${s.sequence} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`).join(", ")
+        summary.stragglers.slice(0, 5).map((s) => `#${s.step} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`).join(", ")
       }${summary.stragglers.length > 5 ? ", ..." : ""})`
     )
   }
   for (const s of summary.stageStragglers) {
     lines.push(
       `straggling stage ${s.stageIndex} on ${s.address}: ${s.tokens} slow token${s.tokens === 1 ? "" : "s"} ` +
-        `(median ${ms(s.medianMillis)} ms, worst ${ms(s.worstMillis)} ms at #${s.worstSequence})`
+        `(median ${ms(s.medianMillis)} ms, worst ${ms(s.worstMillis)} ms at #${s.worstStep})`
     )
   }
   return lines.join("\n")

@@ -17,7 +17,7 @@ import {
   clusterToken,
   modelFactsOf,
   listFlag,
-  nodeList,
+  agentList,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -34,7 +34,7 @@ import { stagesProblem } from "../services/RequestChecks.js"
 export interface ServeArgs {
   readonly model: string
   readonly stages: Option.Option<number>
-  readonly nodes: Option.Option<string>
+  readonly agents: Option.Option<string>
   readonly tokenFile: Option.Option<string>
   readonly host: string
   readonly port: number
@@ -101,12 +101,12 @@ const apiKeysOf = (file: Option.Option<string>) =>
 const runServe = (args: ServeArgs) =>
   Effect.gen(function*() {
     // Every flag checked before anything starts, each refusal one line naming the flag.
-    const nodes = Option.isSome(args.nodes) ? yield* nodeList(args.nodes.value) : []
+    const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls ?? Option.none())
     const keys = yield* apiKeysOf(args.apiKeyFile ?? Option.none())
     if (nodes.length > 0 && token === "") {
-      return yield* new UsageError({ message: `--nodes needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
+      return yield* new UsageError({ message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
     }
     const stages = yield* optionalWholeNumber("stages", args.stages, 1)
     const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
@@ -142,7 +142,7 @@ const runServe = (args: ServeArgs) =>
       ...(threads === undefined ? {} : { threads }),
       ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
       ...(Option.isSome(maxPromptTokens) ? { maxPromptTokens: maxPromptTokens.value } : {}),
-      ...(nodes.length > 0 ? { nodes, token } : {}),
+      ...(nodes.length > 0 ? { agents: nodes, token } : {}),
       ...(args.spares > 0 ? { spares: args.spares } : {}),
       // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
       ...(args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0)
@@ -206,14 +206,15 @@ export const serveCommand = Command.make(
   "serve",
   {
     model: Options.file("model").pipe(
-      Options.withDescription("GGUF model (with --nodes, nodes without it receive their stages' slices: --deliver-weights)")
+      Options.withDescription("GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)")
     ),
     stages: Options.integer("stages").pipe(
-      Options.withDescription("pipeline stages (local default 2; with --nodes, one per node)"),
+      Options.withDescription("pipeline stages (local default 2; with --agents, one per node)"),
       Options.optional
     ),
-    nodes: Options.text("nodes").pipe(
-      Options.withDescription(`remote agents host:port,... (token from ${clusterTokenEnv} or --token-file)`),
+    agents: Options.text("agents").pipe(
+      Options.withAlias("nodes"),
+      Options.withDescription(`agents host:port,... (alias --nodes; token from ${clusterTokenEnv} or --token-file)`),
       Options.optional
     ),
     tokenFile: Options.text("token-file").pipe(
@@ -281,7 +282,7 @@ export const serveCommand = Command.make(
     ),
     deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(
       Options.withDescription(
-        "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --nodes), always, never"
+        "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
       ),
       withShownDefault("auto" as const)
     ),

@@ -86,7 +86,7 @@ export const StageReport = Schema.Union(
   Schema.TaggedStruct("StageTimings", {
     runId: RunId,
     stageIndex: Schema.Number,
-    sequences: Schema.Array(Schema.Number),
+    steps: Schema.Array(Schema.Number),
     computeMillis: Schema.Array(Schema.Number),
     sendMillis: Schema.Array(Schema.Number)
   })

@@ -27,9 +27,9 @@ import { WakeCoalescing } from "./plan.js"
 const U32 = Schema.Number.pipe(Schema.int(), Schema.between(0, 0xffff_ffff))
 const U16 = Schema.Number.pipe(Schema.int(), Schema.between(0, 0xffff))
 
-/** Sequence number of a message on one edge (u32 on the wire). */
-export const Sequence = U32
-export type Sequence = typeof Sequence.Type
+/** Step number of a message on one edge (u32 on the wire). */
+export const StepNumber = U32
+export type StepNumber = typeof StepNumber.Type
 
 /** A vocabulary token id (u32 on the wire). */
 export const TokenId = U32
@@ -68,7 +68,7 @@ type Defaulted<A, K extends keyof A> = Omit<A, "_tag" | K> & { readonly [P in K]
 export const TokenFrameSchema = Schema.TaggedStruct("TokenFrame", {
   runId: RunId,
   edgeId: EdgeId,
-  sequence: Sequence,
+  step: StepNumber,
   ...chunkFields,
   payload: TokenPayload
 })
@@ -82,7 +82,7 @@ export const TokenFrame = (props: Defaulted<TokenFrame, "chunkIndex" | "chunkCou
   _tag: "TokenFrame",
   runId: props.runId,
   edgeId: props.edgeId,
-  sequence: props.sequence,
+  step: props.step,
   chunkIndex: props.chunkIndex ?? 0,
   chunkCount: props.chunkCount ?? 1,
   payload: props.payload
@@ -101,7 +101,7 @@ export type ActivationDType = typeof ActivationDType.Type
 export const ActivationFrameSchema = Schema.TaggedStruct("ActivationFrame", {
   runId: RunId,
   edgeId: EdgeId,
-  sequence: Sequence,
+  step: StepNumber,
   ...chunkFields,
   startPos: U32,
   nTokens: U32.pipe(Schema.positive()),
@@ -117,7 +117,7 @@ export const ActivationFrame = (
   _tag: "ActivationFrame",
   runId: props.runId,
   edgeId: props.edgeId,
-  sequence: props.sequence,
+  step: props.step,
   chunkIndex: props.chunkIndex ?? 0,
   chunkCount: props.chunkCount ?? 1,
   startPos: props.startPos,
@@ -180,7 +180,7 @@ export const AttachedFrame = (props: Omit<AttachedFrame, "_tag">): AttachedFrame
 export const CreditFrameSchema = Schema.TaggedStruct("CreditFrame", {
   runId: RunId,
   edgeId: EdgeId,
-  sequence: Sequence,
+  step: StepNumber,
   bytes: U32
 })
 export type CreditFrame = typeof CreditFrameSchema.Type
@@ -239,9 +239,9 @@ export class Oversized extends Schema.TaggedError<Oversized>()("Oversized", {
 
 /** A frame whose (sequence, chunk) is not the next one expected on the edge. */
 export class OutOfOrder extends Schema.TaggedError<OutOfOrder>()("OutOfOrder", {
-  expectedSequence: Schema.Number,
+  expectedStep: Schema.Number,
   expectedChunk: Schema.Number,
-  sequence: Schema.Number,
+  step: Schema.Number,
   chunkIndex: Schema.Number
 }) {}
 

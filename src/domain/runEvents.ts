@@ -77,7 +77,7 @@ export const RunFaultReason = Schema.Union(
     missingEndpoints: Schema.Array(EndpointKind)
   }),
   /** No token came back for the sequence in flight before the token deadline. */
-  Schema.TaggedStruct("TokenTimeout", { sequence: NonNegativeInt }),
+  Schema.TaggedStruct("TokenTimeout", { step: NonNegativeInt }),
   /** The token endpoints reported stopped before the run reached a terminal outcome. */
   Schema.TaggedStruct("EndpointsStoppedUnexpectedly", {})
 )
@@ -95,13 +95,13 @@ export const RunFaultReasons = constructors<RunFaultReason>({
 // Token objects
 
 /** Provenance of a decode token: the sequence whose output it was. */
-export const SamplingData = Schema.Struct({ sourceSequence: NonNegativeInt })
+export const SamplingData = Schema.Struct({ sourceStep: NonNegativeInt })
 export type SamplingData = typeof SamplingData.Type
 
 export const TokenObjectPayload = Schema.Union(
-  /** Sequence 0: the whole prompt. */
+  /** Step 0: the whole prompt. */
   Schema.TaggedStruct("Prompt", { tokens: Schema.Array(Schema.Number) }),
-  /** Sequence k + 1: the token sampled for sequence k. */
+  /** Step k + 1: the token sampled at step k. */
   Schema.TaggedStruct("Decode", { tokenId: Schema.Number, sampling: SamplingData })
 )
 export type TokenObjectPayload = typeof TokenObjectPayload.Type
@@ -111,7 +111,7 @@ export const TokenObjectPayloads = constructors<TokenObjectPayload>({
 })
 
 /** One object the orchestrator writes to the TokenIn edge. */
-export const TokenObjectInjection = Schema.Struct({ sequence: NonNegativeInt, payload: TokenObjectPayload })
+export const TokenObjectInjection = Schema.Struct({ step: NonNegativeInt, payload: TokenObjectPayload })
 export type TokenObjectInjection = typeof TokenObjectInjection.Type
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ export const RunEvent = Schema.Union(
   Schema.TaggedStruct("TokenInEndpointReady", {}),
   Schema.TaggedStruct("TokenOutEndpointReady", {}),
   /** The last stage's output for `sequence`; `eos` when the sampler produced end-of-sequence. */
-  Schema.TaggedStruct("TokenReceived", { sequence: Schema.Number, tokenId: Schema.Number, eos: Schema.Boolean }),
+  Schema.TaggedStruct("TokenReceived", { step: Schema.Number, tokenId: Schema.Number, eos: Schema.Boolean }),
   Schema.TaggedStruct("StageFault", { runId: RunId, stageIndex: Schema.Number, reason: StageFaultReason }),
   Schema.TaggedStruct("EndpointFault", { runId: RunId, endpoint: EndpointKind }),
   Schema.TaggedStruct("MembershipLost", { runId: RunId, nodeId: NodeId }),
@@ -197,7 +197,7 @@ export const RejectionReason = Schema.Literal(
   /** The same fact was already observed (duplicate readiness or stop). */
   "Duplicate",
   /** A token for a sequence that is not the one in flight. */
-  "SequenceNotInFlight",
+  "StepNotInFlight",
   /** A second plan after one was committed. */
   "PlanAlreadyCommitted",
   /** A plan that is not a coherent linear pipeline (no stages, stage indices not 0..n-1, an edge missing). */
@@ -211,7 +211,7 @@ export const LifecycleEvent = Schema.Union(
   /** The readiness barrier passed and the prompt (sequence 0) was injected. */
   Schema.TaggedStruct("RunStarted", { runId: RunId }),
   /** A generated (non-EOS) token was consumed; useful for streaming. */
-  Schema.TaggedStruct("TokenAccepted", { runId: RunId, sequence: NonNegativeInt, tokenId: Schema.Number }),
+  Schema.TaggedStruct("TokenAccepted", { runId: RunId, step: NonNegativeInt, tokenId: Schema.Number }),
   /** Terminal: generation ended at EOS or at maxTokens. `tokens` are the generated tokens, EOS excluded. */
   Schema.TaggedStruct("RunCompleted", { runId: RunId, reason: CompletionReason, tokens: Schema.Array(Schema.Number) }),
   /** Terminal: the first fault observed. */

@@ -128,7 +128,7 @@ export interface RecoveryRecord {
 
 /** A decoded token that took much longer than the recent median (a slow stage or node). */
 export interface Straggler {
-  readonly sequence: number
+  readonly step: number
   readonly latencyMillis: number
   readonly medianMillis: number
 }
@@ -138,7 +138,7 @@ export interface StageStragglerToken {
   readonly stageIndex: number
   /** The agent hosting the stage. */
   readonly address: string
-  readonly sequence: number
+  readonly step: number
   readonly millis: number
   /** That stage's median over its steps before this one (at most 16). */
   readonly medianMillis: number
@@ -153,7 +153,7 @@ export interface StageStragglers {
   /** Median over all the stage's decode steps in the run. */
   readonly medianMillis: number
   readonly worstMillis: number
-  readonly worstSequence: number
+  readonly worstStep: number
 }
 
 export interface TokenTimings {
@@ -171,7 +171,7 @@ export interface TokenTimings {
 export interface GeneratedToken {
   readonly tokenId: number
   readonly text: string
-  readonly sequence: number
+  readonly step: number
   readonly timings: TokenTimings
   /** When SamplingOptions.logprobs asked for it: this token's log-probability and the most likely alternatives. */
   readonly logprob?: TokenLogprob

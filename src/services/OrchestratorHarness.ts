@@ -47,7 +47,7 @@ const make = (config: RunConfig): Effect.Effect<OrchestratorHarness, never, Scop
       commands,
       events,
       injectedSequences: Effect.map(commands, (cs) =>
-        cs.flatMap((c) => c._tag === "InjectTokenObject" ? [c.object.sequence] : [])),
+        cs.flatMap((c) => c._tag === "InjectTokenObject" ? [c.object.step] : [])),
       advanceTimeMs: (ms) => Effect.zipRight(TestClock.adjust(ms), actor.sync),
       state: actor.state,
       outcome: Effect.map(actor.state, (s) => s.outcome)

@@ -55,7 +55,7 @@ export type RunPhase =
 
 export type Deadline =
   | { readonly _tag: "Readiness"; readonly at: number }
-  | { readonly _tag: "Token"; readonly at: number; readonly sequence: number }
+  | { readonly _tag: "Token"; readonly at: number; readonly step: number }
   | { readonly _tag: "Teardown"; readonly at: number }
 
 /** `RunConfig` with its deadlines resolved to milliseconds. */
@@ -221,14 +221,14 @@ const maybeProvision = (em: Emitter, now: number) => {
 }
 
 const inject = (em: Emitter, now: number, sequence: number, payload: TokenObjectPayload) => {
-  em.commands.push(RunCommands.InjectTokenObject({ runId: em.state.config.runId, object: { sequence, payload } }))
+  em.commands.push(RunCommands.InjectTokenObject({ runId: em.state.config.runId, object: { step: sequence, payload } }))
   em.set({
     inFlight: sequence,
     injected: [...em.state.injected, sequence],
     deadline: {
       _tag: "Token",
       at: now + (sequence === 0 ? em.state.config.promptTimeoutMs : em.state.config.tokenTimeoutMs),
-      sequence
+      step: sequence
     }
   })
 }
@@ -292,7 +292,7 @@ const fireDeadline = (em: Emitter, deadline: Deadline) => {
       return fault(em, at, RunFaultReasons.ReadinessTimeout({ missingStages, missingEndpoints }))
     }
     case "Token":
-      return fault(em, at, RunFaultReasons.TokenTimeout({ sequence: deadline.sequence }))
+      return fault(em, at, RunFaultReasons.TokenTimeout({ step: deadline.step }))
     case "Teardown":
       return maybeTornDown(em, true)
   }
@@ -355,21 +355,21 @@ const applyEvent = (em: Emitter, event: RunEvent, now: number) => {
     }
     case "TokenReceived": {
       if (terminal) return reject(em, event, "AlreadyTerminal")
-      if (s.phase !== "Executing" || s.inFlight !== event.sequence) return reject(em, event, "SequenceNotInFlight")
+      if (s.phase !== "Executing" || s.inFlight !== event.step) return reject(em, event, "StepNotInFlight")
       const isEos = event.eos || (s.config.eosTokenId !== undefined && event.tokenId === s.config.eosTokenId)
       if (isEos) return terminate(em, now, { _tag: "Completed", reason: "Eos", tokens: s.tokens })
       const tokens = [...s.tokens, event.tokenId]
       em.set({ tokens, inFlight: undefined })
       em.events.push(
-        LifecycleEvents.TokenAccepted({ runId: s.config.runId, sequence: event.sequence, tokenId: event.tokenId })
+        LifecycleEvents.TokenAccepted({ runId: s.config.runId, step: event.step, tokenId: event.tokenId })
       )
       if (tokens.length >= s.config.maxTokens) {
         return terminate(em, now, { _tag: "Completed", reason: "MaxTokens", tokens })
       }
-      return inject(em, now, event.sequence + 1, {
+      return inject(em, now, event.step + 1, {
         _tag: "Decode",
         tokenId: event.tokenId,
-        sampling: { sourceSequence: event.sequence }
+        sampling: { sourceStep: event.step }
       })
     }
     case "StageFault": {

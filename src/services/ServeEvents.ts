@@ -44,12 +44,12 @@ export const makeServeEvents = (request: {
   let finished = false
   // Ended by a stop string: the run is stopped, so no summary says what the stages kept.
   let stoppedByText = false
-  const done = (finishReason: "stop" | "length", stopSequence?: string): ServeEvent => {
+  const done = (finishReason: "stop" | "length", stopText?: string): ServeEvent => {
     finished = true
     return {
       _tag: "Done",
       finishReason,
-      ...(stopSequence === undefined ? {} : { stopSequence }),
+      ...(stopText === undefined ? {} : { stopText }),
       promptTokens: prompt.length,
       completionTokens,
       cachedTokens: request.cachedTokens()

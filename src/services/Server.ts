@@ -105,7 +105,7 @@ export type ServeEvent =
     readonly _tag: "Done"
     readonly finishReason: FinishReason
     /** The stop string (ServeRequest.stop) that ended the text; absent when an end-of-generation token or max tokens did. */
-    readonly stopSequence?: string
+    readonly stopText?: string
     readonly promptTokens: number
     readonly completionTokens: number
     /** Prompt tokens whose KV came from the prompt cache instead of a prefill (0 or absent: none). */

@@ -11,7 +11,7 @@ export const defaultStragglerRule: StragglerRule = { factor: 4, window: 16, minS
 
 /** One decode step of one stage, as its agent reported it. */
 export interface StageStep {
-  readonly sequence: number
+  readonly step: number
   readonly computeMillis: number
   readonly sendMillis: number
 }
@@ -62,7 +62,7 @@ export const makeStageStragglerDetector = (overrides: Partial<StragglerRule> = {
       if (track.steps.length >= rule.minSamples) {
         const m = median(track.steps.slice(-rule.window))
         if (millis > rule.factor * m && millis - m >= rule.minExcessMillis) {
-          const straggler = { stageIndex, address, sequence: step.sequence, millis, medianMillis: m }
+          const straggler = { stageIndex, address, step: step.step, millis, medianMillis: m }
           track.stragglers.push(straggler)
           found.push(straggler)
         }
@@ -92,7 +92,7 @@ export const makeStageStragglerDetector = (overrides: Partial<StragglerRule> = {
           tokens: t.stragglers.length,
           medianMillis: median(t.steps),
           worstMillis: worst.millis,
-          worstSequence: worst.sequence
+          worstStep: worst.step
         }]
       })
   }
@@ -100,12 +100,12 @@ export const makeStageStragglerDetector = (overrides: Partial<StragglerRule> = {
 
 /** A StageTimings report's parallel arrays as steps. */
 export const stepsOf = (report: {
-  readonly sequences: ReadonlyArray<number>
+  readonly steps: ReadonlyArray<number>
   readonly computeMillis: ReadonlyArray<number>
   readonly sendMillis: ReadonlyArray<number>
 }): ReadonlyArray<StageStep> =>
-  report.sequences.map((sequence, i) => ({
-    sequence,
+  report.steps.map((sequence, i) => ({
+    step: sequence,
     computeMillis: report.computeMillis[i] ?? 0,
     sendMillis: report.sendMillis[i] ?? 0
   }))

@@ -21,7 +21,7 @@ export const startAgents = (count: number, options: Partial<LocalAgentsOptions> 
   Effect.gen(function*() {
     const token = generateToken()
     const agents = yield* spawnLocalAgents({ count, token, threads: 1, ...options })
-    const layer = layerRemote({ nodes: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
+    const layer = layerRemote({ agents: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
     return { agents, token, layer }
   }) satisfies Effect.Effect<{ agents: ReadonlyArray<LocalAgent> }, unknown, Scope.Scope>
 

@@ -2,7 +2,7 @@
 import { assert } from "@effect/vitest"
 import { Effect, Layer } from "effect"
 import { getLlama, type Llama, type LlamaModel, LlamaLogLevel, type Token } from "node-llama-cpp"
-import { StageExecutorLive } from "../../src/layers/engine/StageExecutorLive.js"
+import * as StageExecutorLive from "../../src/layers/engine/StageExecutorLive.js"
 import { openInProcessPipeline } from "../../src/services/InProcessPipeline.js"
 import type { StageInput } from "../../src/domain/engine.js"
 import { greedy, logSoftmax, makeRng } from "../../src/services/Sampler.js"
@@ -62,7 +62,7 @@ export const greedyRun = (
       }
       return { tokens, logits }
     })
-  ).pipe(Effect.provide(StageExecutorLive))
+  ).pipe(Effect.provide(StageExecutorLive.layer))
 
 let llamaPromise: Promise<Llama> | undefined
 export const referenceLlama = (): Promise<Llama> =>
@@ -175,7 +175,7 @@ export const maxLogProbDiff = (ours: Float64Array, ref: ReadonlyMap<number, numb
 }
 
 /** A layer-less helper for tests that want the executor directly. */
-export const liveExecutor = StageExecutorLive satisfies Layer.Layer<StageExecutor>
+export const liveExecutor = StageExecutorLive.layer satisfies Layer.Layer<StageExecutor>
 
 /**
  * For each n of `counts`: n sessions of a whole-model stage prefill prompts of 2..n+1 random tokens (ids 3 ..

@@ -36,7 +36,7 @@ export const generateKilling = (
       Stream.runForEach((u) =>
         Effect.sync(() => {
           updates.push(u)
-          if (kill !== undefined && killedLayers === undefined && u._tag === "Token" && u.token.sequence === kill.atToken) {
+          if (kill !== undefined && killedLayers === undefined && u._tag === "Token" && u.token.step === kill.atToken) {
             const victim = agents[kill.agent]!
             const planned = updates.find((p) => p._tag === "Planned")
             const stage = planned?._tag === "Planned" ? planned.stages.find((s) => s.address === victim.address) : undefined

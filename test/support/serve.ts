@@ -60,7 +60,7 @@ export const stopServe = async (server: ServeProcess | undefined) => {
 }
 
 /**
- * `swactor serve --nodes` over two agent processes started here as remote nodes (one stage each, one thread);
+ * `swactor serve --agents` over two agent processes started here as remote nodes (one stage each, one thread);
  * `close` ends the server, then the nodes.
  */
 export const startServeOverNodes = async (args: ReadonlyArray<string>) => {
@@ -69,7 +69,7 @@ export const startServeOverNodes = async (args: ReadonlyArray<string>) => {
   const nodes: ReadonlyArray<LocalAgent> = await Effect.runPromise(
     spawnLocalAgents({ count: 2, token, threads: 1 }).pipe(Scope.extend(scope))
   )
-  const server = await startServe([...args, "--nodes", nodes.map((a) => a.address).join(",")], { [clusterTokenEnv]: token }).catch(
+  const server = await startServe([...args, "--agents", nodes.map((a) => a.address).join(",")], { [clusterTokenEnv]: token }).catch(
     async (error: unknown) => {
       await Effect.runPromise(Scope.close(scope, Exit.void))
       throw error

@@ -63,4 +63,4 @@ export const dataPlane: DataPlaneService = {
     })
 }
 
-export const dataPlaneLayer: Layer.Layer<DataPlane> = Layer.succeed(DataPlane, dataPlane)
+export const layerDataPlane: Layer.Layer<DataPlane> = Layer.succeed(DataPlane, dataPlane)

@@ -21,7 +21,7 @@ export interface LocalPoolOptions {
   readonly extraArgs?: (index: number) => ReadonlyArray<string>
   readonly env?: Readonly<Record<string, string>>
   readonly inheritStderr?: boolean
-  /** Start this many agents when the layer is built, for the first run of that many stages (see localAgentPool). */
+  /** Start this many agents when the layer is built, for the first run of that many stages (see layerLocal). */
   readonly prestart?: number
   /** Called with the agents once they are up (tests use it to find pids). */
   readonly onStarted?: (agents: ReadonlyArray<LocalAgent>) => void
@@ -84,7 +84,7 @@ const checkedCount = (count: number) =>
  * orchestrator reads the model's facts and vocabulary; the first run that asks for `n` stages takes them (any other
  * run starts its own). Pre-started agents live as long as the layer (one-shot programs: `swactor run`).
  */
-export const localAgentPool = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> => {
+export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> => {
   // Spares: agents that host nothing until a recovery needs them.
   const fresh = (stages: number | undefined, spares = 0) =>
     Effect.gen(function*() {
@@ -129,7 +129,7 @@ export const routeHostFor = (host: string): Effect.Effect<string> =>
 
 export interface RemotePoolOptions {
   /** host:port of each agent's control plane. */
-  readonly nodes: ReadonlyArray<string>
+  readonly agents: ReadonlyArray<string>
   readonly token: string
   /** Where the orchestrator's data listener binds (default: the local address that routes to the first node). */
   readonly listenHost?: string
@@ -142,20 +142,20 @@ export interface RemotePoolOptions {
 }
 
 /** Runs use the given remote agents; a run of more stages than nodes places stage i on node i mod n. */
-export const remoteAgentPool = (options: RemotePoolOptions): Layer.Layer<AgentPool> =>
+export const layerRemote = (options: RemotePoolOptions): Layer.Layer<AgentPool> =>
   Layer.succeed(
     AgentPool,
     AgentPool.of({
       acquire: () =>
         Effect.gen(function*() {
-          if (options.nodes.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
+          if (options.agents.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
           // The same strength rule as the command line's (services/RequestChecks.ts), before any node is contacted.
           const weak = clusterTokenProblem(options.token, "the remote pool's token option (default: SWACTOR_CLUSTER_TOKEN)")
           if (weak !== undefined) return yield* new InvalidRequest({ message: weak })
-          const first = options.nodes[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
+          const first = options.agents[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
           const listenHost = options.listenHost ?? (yield* routeHostFor(first))
           return {
-            nodes: options.nodes.map((address, index) => ({ nodeId: NodeId.make(index + 1), address })),
+            nodes: options.agents.map((address, index) => ({ nodeId: NodeId.make(index + 1), address })),
             token: options.token,
             listenHost,
             ...(options.dataListen === undefined ? {} : { dataListen: options.dataListen }),

@@ -383,7 +383,7 @@ export const makeStageHost = (
               const engineBefore = stats.engineMillis
               const t0 = performance.now()
               // a resumed generation's prompt: its replayed tokens run one per forward, as they were decoded
-              const replayTail = frame.sequence === 0 ? p.runtime.replayTail : undefined
+              const replayTail = frame.step === 0 ? p.runtime.replayTail : undefined
               const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount, replayTail).pipe(
                 Effect.mapError((error) =>
                   new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) })
@@ -393,7 +393,7 @@ export const makeStageHost = (
               const elapsed = t1 - t0
               stats.frames++
               stats.tokens += nTokens
-              if (frame.sequence === 0) {
+              if (frame.step === 0) {
                 stats.prefillComputeMillis += elapsed
                 stats.prefillWaitMillis += Math.max(0, elapsed - (stats.engineMillis - engineBefore))
               } else {
@@ -401,7 +401,7 @@ export const makeStageHost = (
                 stats.decodeComputeMillis += elapsed
               }
               position = startPos + nTokens
-              if (frame.sequence === 0 || stats.decodeFrames % 64 === 0) measureStage()
+              if (frame.step === 0 || stats.decodeFrames % 64 === 0) measureStage()
               let handOffStart = t1
               if (output._tag === "Hidden") {
                 if (isLast) return yield* protocolViolated("the last stage produced hidden states")
@@ -410,7 +410,7 @@ export const makeStageHost = (
                     _tag: "ActivationFrame",
                     runId,
                     edgeId: p.outbound.edgeId,
-                    sequence: frame.sequence,
+                    step: frame.step,
                     chunkIndex: 0,
                     chunkCount: 1,
                     startPos,
@@ -424,7 +424,7 @@ export const makeStageHost = (
                 if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
                 const sampleStart = performance.now()
                 const sampled = sample.sample(output.logits)
-                if (frame.sequence === 0) stats.firstSampleMillis = performance.now() - sampleStart
+                if (frame.step === 0) stats.firstSampleMillis = performance.now() - sampleStart
                 // nothing selectable (every token banned, or none the grammar allows): the generation ends
                 const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
                 handOffStart = performance.now()
@@ -433,7 +433,7 @@ export const makeStageHost = (
               _tag: "TokenFrame",
                     runId,
                     edgeId: p.outbound.edgeId,
-                    sequence: frame.sequence,
+                    step: frame.step,
                     chunkIndex: 0,
                     chunkCount: 1,
                     payload: {
@@ -447,7 +447,7 @@ export const makeStageHost = (
                 ).pipe(Effect.mapError(transport))
               }
               // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
-              if (frame.sequence !== 0) timings.add(frame.sequence, handOffStart - t0, performance.now() - handOffStart)
+              if (frame.step !== 0) timings.add(frame.step, handOffStart - t0, performance.now() - handOffStart)
             })
 
           yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
@@ -638,7 +638,7 @@ const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report: Stage
   const flush = () => {
     lastSent = performance.now()
     if (sequences.length === 0) return
-    send({ _tag: "StageTimings", runId, stageIndex, sequences, computeMillis, sendMillis })
+    send({ _tag: "StageTimings", runId, stageIndex, steps: sequences, computeMillis, sendMillis })
     sequences = []
     computeMillis = []
     sendMillis = []

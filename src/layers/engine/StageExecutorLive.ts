@@ -368,4 +368,4 @@ export const layerWith = (options: LiveOptions): Layer.Layer<StageExecutor> =>
   layerWithCatalog(options).pipe(Layer.provide(ModelCatalogLive.layer))
 
 /** The live stage executor (CPU ggml), over the live model catalog. */
-export const StageExecutorLive: Layer.Layer<StageExecutor> = layerWith({})
+export const layer: Layer.Layer<StageExecutor> = layerWith({})

@@ -256,7 +256,7 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
 })
 
 /** The deterministic double with the default test model. */
-export const StageExecutorTest: Layer.Layer<StageExecutor> = Layer.succeed(StageExecutor, make())
+export const layer: Layer.Layer<StageExecutor> = Layer.succeed(StageExecutor, make())
 
 /** The double over a given test model. */
-export const layerTest = (model: TestModel): Layer.Layer<StageExecutor> => Layer.succeed(StageExecutor, make(model))
+export const layerWith = (model: TestModel): Layer.Layer<StageExecutor> => Layer.succeed(StageExecutor, make(model))

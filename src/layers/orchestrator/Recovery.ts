@@ -295,7 +295,7 @@ export const generateRecovering = (
                 text += piece
                 const token: RunUpdate = {
                   _tag: "Token",
-                  token: { ...update.token, text: piece, sequence: base + update.token.sequence },
+                  token: { ...update.token, text: piece, step: base + update.token.step },
                   ...(update.samplerDraws === undefined ? {} : { samplerDraws: update.samplerDraws })
                 }
                 if (recovered === undefined) return updates.offer(token)
@@ -308,7 +308,7 @@ export const generateRecovering = (
               case "StageStraggler":
                 return updates.offer({
                   _tag: "StageStraggler",
-                  straggler: { ...update.straggler, sequence: base + update.straggler.sequence }
+                  straggler: { ...update.straggler, step: base + update.straggler.step }
                 })
               case "Finished":
                 finished = update.summary
@@ -335,7 +335,7 @@ export const generateRecovering = (
           text += rest
           yield* updates.offer({
             _tag: "Token",
-            token: { tokenId: -1, text: rest, sequence: produced.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
+            token: { tokenId: -1, text: rest, step: produced.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
           })
         }
         yield* updates.offer({
@@ -348,8 +348,8 @@ export const generateRecovering = (
             timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
             recoveries,
             // The last run's sequences, as the generation's.
-            stragglers: finished.stragglers.map((s) => ({ ...s, sequence: s.sequence + base })),
-            stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstSequence: s.worstSequence + base }))
+            stragglers: finished.stragglers.map((s) => ({ ...s, step: s.step + base })),
+            stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstStep: s.worstStep + base }))
           }
         })
         return

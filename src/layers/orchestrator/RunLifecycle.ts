@@ -37,23 +37,23 @@ export const followLifecycle = (
     while (true) {
       const event = yield* Queue.take(lifecycle)
       if (event._tag === "TokenAccepted") {
-        const now = ledger.receivedAt.get(event.sequence) ?? performance.now()
+        const now = ledger.receivedAt.get(event.step) ?? performance.now()
         firstTokenAt ??= now
         generated.push(event.tokenId)
         const piece = decoder.push(event.tokenId)
         text += piece
-        const extras = ledger.sampledExtras.get(event.sequence)
-        ledger.sampledExtras.delete(event.sequence)
+        const extras = ledger.sampledExtras.get(event.step)
+        ledger.sampledExtras.delete(event.step)
         yield* updates.offer(
           tokenUpdate({
             tokenId: event.tokenId,
             text: piece,
-            sequence: event.sequence,
+            step: event.step,
             ...(extras?.logprob === undefined ? {} : { logprob: extras.logprob })
           }, {
             received: now,
             promptInjected: promptInjectedAt(context, requestStart),
-            injected: ledger.injectedAt.get(event.sequence) ?? now
+            injected: ledger.injectedAt.get(event.step) ?? now
           }, extras?.draws)
         )
       } else if (event._tag === "RunCompleted" || event._tag === "RunFaulted" || event._tag === "RunOperatorStopped") {
@@ -63,7 +63,7 @@ export const followLifecycle = (
           text += rest
           yield* updates.offer({
             _tag: "Token",
-            token: { tokenId: -1, text: rest, sequence: generated.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
+            token: { tokenId: -1, text: rest, step: generated.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
           })
         }
       } else if (event._tag === "RunTornDown") {

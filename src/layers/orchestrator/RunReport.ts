@@ -59,7 +59,7 @@ export const describeRunFault = (reason: RunFaultReason, context: FaultContext):
         ...reason.missingEndpoints.map((e) => `${e} endpoint`)
       ].join(", ")}`
     case "TokenTimeout":
-      return `no token came back for sequence ${reason.sequence} before the token deadline`
+      return `no token came back for step ${reason.step} before the token deadline`
     case "EndpointsStoppedUnexpectedly":
       return "the token endpoints stopped unexpectedly"
   }
@@ -85,7 +85,7 @@ export const tornDownUpdate = (
 
 /** A Token update for a generated token (times in ms from performance.now()). */
 export const tokenUpdate = (
-  token: { readonly tokenId: number; readonly text: string; readonly sequence: number; readonly logprob?: TokenLogprob },
+  token: { readonly tokenId: number; readonly text: string; readonly step: number; readonly logprob?: TokenLogprob },
   at: { readonly received: number; readonly promptInjected: number; readonly injected: number },
   samplerDraws?: number
 ): RunUpdate => ({
@@ -134,7 +134,7 @@ const median = (values: ReadonlyArray<number>): number => {
  * `minExcessMillis`): the straggling steps of a run, in order.
  */
 export const findStragglers = (
-  latencies: ReadonlyArray<{ readonly sequence: number; readonly latencyMillis: number }>,
+  latencies: ReadonlyArray<{ readonly step: number; readonly latencyMillis: number }>,
   factor = 4,
   window = 16,
   minExcessMillis = 5
@@ -143,8 +143,8 @@ export const findStragglers = (
   for (let i = 4; i < latencies.length; i++) {
     const recent = latencies.slice(Math.max(0, i - window), i).map((l) => l.latencyMillis)
     const m = median(recent)
-    const { latencyMillis, sequence } = latencies[i]!
-    if (latencyMillis > factor * m && latencyMillis - m >= minExcessMillis) out.push({ sequence, latencyMillis, medianMillis: m })
+    const { latencyMillis, step: sequence } = latencies[i]!
+    if (latencyMillis > factor * m && latencyMillis - m >= minExcessMillis) out.push({ step: sequence, latencyMillis, medianMillis: m })
   }
   return out
 }
@@ -153,13 +153,13 @@ export const findStragglers = (
 export const summarize = (record: RunRecord): RunSummary => {
   // Decode steps: sequences 1..n-1 (sequence 0 is the prefill).
   const decodeLatencies: Array<number> = []
-  const timed: Array<{ sequence: number; latencyMillis: number }> = []
+  const timed: Array<{ step: number; latencyMillis: number }> = []
   for (let sequence = 1; sequence < record.generated + 1; sequence++) {
     const sent = record.injectedAt.get(sequence)
     const got = record.receivedAt.get(sequence)
     if (sent !== undefined && got !== undefined) {
       decodeLatencies.push(got - sent)
-      timed.push({ sequence, latencyMillis: got - sent })
+      timed.push({ step: sequence, latencyMillis: got - sent })
     }
   }
   const decodeMillis = decodeLatencies.reduce((a, b) => a + b, 0)

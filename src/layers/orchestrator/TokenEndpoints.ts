@@ -54,15 +54,15 @@ export const openTokenOut = (context: RunContext, edge: Edge) => {
           noteDetail(context, "endpoint:TokenOut", `unexpected ${frame._tag} on the token-out edge`)
           return yield* offer(RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }))
         }
-        ledger.receivedAt.set(frame.sequence, performance.now())
+        ledger.receivedAt.set(frame.step, performance.now())
         const { draws, logprob } = frame.payload
         if (draws !== undefined || logprob !== undefined) {
-          ledger.sampledExtras.set(frame.sequence, {
+          ledger.sampledExtras.set(frame.step, {
             ...(draws === undefined ? {} : { draws }),
             ...(logprob === undefined ? {} : { logprob })
           })
         }
-        yield* offer(RunEvents.TokenReceived({ sequence: frame.sequence, tokenId: frame.payload.tokenId, eos: frame.payload.eos }))
+        yield* offer(RunEvents.TokenReceived({ step: frame.step, tokenId: frame.payload.tokenId, eos: frame.payload.eos }))
       }
     })
     yield* receiveLoop.pipe(
@@ -93,7 +93,7 @@ export const openTokenOut = (context: RunContext, edge: Edge) => {
 export const injectTokenObject = (context: RunContext, command: Extract<RunCommand, { _tag: "InjectTokenObject" }>) =>
   Effect.suspend(() => {
     const { cacheUse, ledger, offer, plan, runId, updates } = context
-    const { payload, sequence } = command.object
+    const { payload, step: sequence } = command.object
     const sender = ledger.tokenIn
     if (sender === undefined) {
       noteDetail(context, "endpoint:TokenIn", "inject before the endpoint was ready")
@@ -117,7 +117,7 @@ export const injectTokenObject = (context: RunContext, command: Extract<RunComma
         _tag: "TokenFrame",
         runId,
         edgeId: edge.edgeId,
-        sequence,
+        step: sequence,
         chunkIndex: 0,
         chunkCount: 1,
         payload: payload._tag === "Prompt"

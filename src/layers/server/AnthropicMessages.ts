@@ -227,8 +227,8 @@ export const stopReasonOf = (
     ? { stop_reason: "tool_use", stop_sequence: null }
     : done.finishReason === "length"
     ? { stop_reason: "max_tokens", stop_sequence: null }
-    : done.stopSequence !== undefined && stopSequences.includes(done.stopSequence)
-    ? { stop_reason: "stop_sequence", stop_sequence: done.stopSequence }
+    : done.stopText !== undefined && stopSequences.includes(done.stopText)
+    ? { stop_reason: "stop_sequence", stop_sequence: done.stopText }
     : { stop_reason: "end_turn", stop_sequence: null }
 
 // --- errors ---

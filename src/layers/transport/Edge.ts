@@ -94,8 +94,8 @@ export interface RegisterOptions {
   readonly runId: RunId
   readonly edgeId: EdgeId
   readonly ring: RingSpec
-  /** Sequence number of the first message (default 0). */
-  readonly initialSequence?: number | undefined
+  /** Step number of the first message (default 0). */
+  readonly initialStep?: number | undefined
   /** Join chunks into whole messages before delivery (default true). */
   readonly reassemble?: boolean | undefined
   /**

@@ -178,7 +178,7 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
   switch (frame._tag) {
     case "TokenFrame":
     case "ActivationFrame": {
-      if (!isU32(frame.sequence)) return "sequence must fit in u32"
+      if (!isU32(frame.step)) return "step must fit in u32"
       if (!isU16(frame.chunkIndex) || !isU16(frame.chunkCount) || frame.chunkCount < 1) return "bad chunk fields"
       if (frame.chunkIndex >= frame.chunkCount) return "chunkIndex >= chunkCount"
       if (frame._tag === "ActivationFrame") {
@@ -213,7 +213,7 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
       return undefined
     }
     case "CreditFrame":
-      return isU32(frame.bytes) && isU32(frame.sequence) ? undefined : "bad credit"
+      return isU32(frame.bytes) && isU32(frame.step) ? undefined : "bad credit"
     case "AttachFrame":
       return isU32(frame.dataCapacity) && isU32(frame.alignment) &&
           textEncoder.encode(frame.sharedMemory).length <= MAX_SHM_PATH
@@ -267,7 +267,7 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
   let chunkCount = 1
   switch (frame._tag) {
     case "TokenFrame": {
-      sequence = frame.sequence
+      sequence = frame.step
       chunkIndex = frame.chunkIndex
       chunkCount = frame.chunkCount
       const p = frame.payload
@@ -303,7 +303,7 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       break
     }
     case "ActivationFrame": {
-      sequence = frame.sequence
+      sequence = frame.step
       chunkIndex = frame.chunkIndex
       chunkCount = frame.chunkCount
       const o = HEADER_BYTES
@@ -320,7 +320,7 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       break
     }
     case "CreditFrame":
-      sequence = frame.sequence
+      sequence = frame.step
       view.setUint32(HEADER_BYTES, frame.bytes, true)
       bodyLength = 8
       break
@@ -381,7 +381,7 @@ export interface Header {
   readonly bodyLength: number
   readonly runId: number
   readonly edgeId: number
-  readonly sequence: number
+  readonly step: number
   readonly chunkIndex: number
   readonly chunkCount: number
 }
@@ -433,7 +433,7 @@ const decodeAtUnguarded = (bytes: Uint8Array, offset: number, limits: Limits, al
     bodyLength,
     runId: view.getUint32(16, true),
     edgeId: view.getUint32(20, true),
-    sequence: view.getUint32(24, true),
+    step: view.getUint32(24, true),
     chunkIndex: view.getUint16(28, true),
     chunkCount: view.getUint16(30, true)
   }
@@ -441,7 +441,7 @@ const decodeAtUnguarded = (bytes: Uint8Array, offset: number, limits: Limits, al
   if (header.chunkCount < 1 || header.chunkIndex >= header.chunkCount) {
     return malformed(`bad chunk ${header.chunkIndex}/${header.chunkCount}`)
   }
-  if (!isData && (header.chunkCount !== 1 || (type !== FrameType.Credit && header.sequence !== 0))) {
+  if (!isData && (header.chunkCount !== 1 || (type !== FrameType.Credit && header.step !== 0))) {
     return malformed("control frame with data fields")
   }
   if (available < frameLength) return needMore(frameLength)
@@ -516,7 +516,7 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
       return TokenFrame({
         runId,
         edgeId,
-        sequence: h.sequence,
+        step: h.step,
         chunkIndex: h.chunkIndex,
         chunkCount: h.chunkCount,
         payload
@@ -550,7 +550,7 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
       return ActivationFrame({
         runId,
         edgeId,
-        sequence: h.sequence,
+        step: h.step,
         chunkIndex: h.chunkIndex,
         chunkCount: h.chunkCount,
         startPos,
@@ -563,7 +563,7 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
     case FrameType.Credit: {
       if (h.bodyLength !== 8) return "bad credit body length"
       if (view.getUint32(o + 4, true) !== 0) return "credit reserved field not zero"
-      return CreditFrame({ runId, edgeId, sequence: h.sequence, bytes: view.getUint32(o, true) })
+      return CreditFrame({ runId, edgeId, step: h.step, bytes: view.getUint32(o, true) })
     }
     case FrameType.Attach: {
       if (h.bodyLength < 12) return "bad attach body length"
@@ -720,7 +720,7 @@ export const chunk = (
         ActivationFrame({
           runId: frame.runId,
           edgeId: frame.edgeId,
-          sequence: frame.sequence,
+          step: frame.step,
           chunkIndex: i,
           chunkCount: count,
           startPos: frame.startPos + first,
@@ -745,7 +745,7 @@ export const chunk = (
       TokenFrame({
         runId: frame.runId,
         edgeId: frame.edgeId,
-        sequence: frame.sequence,
+        step: frame.step,
         chunkIndex: i,
         chunkCount: count,
         payload: { _tag: "Prompt", tokens: p.tokens.slice(i * perChunk, (i + 1) * perChunk) }
@@ -767,26 +767,26 @@ export type SequenceStep =
  * and (when `reassemble`) joins chunks into one frame.
  */
 export class Sequencer {
-  private nextSequence: number
+  private nextStep: number
   private parts: Array<DataFrame> = []
 
   constructor(initialSequence = 0, private readonly reassemble = true) {
-    this.nextSequence = initialSequence
+    this.nextStep = initialSequence
   }
 
-  get expected(): { readonly sequence: number; readonly chunkIndex: number } {
-    return { sequence: this.nextSequence, chunkIndex: this.parts.length }
+  get expected(): { readonly step: number; readonly chunkIndex: number } {
+    return { step: this.nextStep, chunkIndex: this.parts.length }
   }
 
   accept(frame: DataFrame): SequenceStep {
     const expectedChunk = this.parts.length
-    if (frame.sequence !== this.nextSequence || frame.chunkIndex !== expectedChunk) {
+    if (frame.step !== this.nextStep || frame.chunkIndex !== expectedChunk) {
       return {
         _tag: "Fault",
         fault: new OutOfOrder({
-          expectedSequence: this.nextSequence,
+          expectedStep: this.nextStep,
           expectedChunk,
-          sequence: frame.sequence,
+          step: frame.step,
           chunkIndex: frame.chunkIndex
         })
       }
@@ -800,13 +800,13 @@ export class Sequencer {
       if (!consistent) return { _tag: "Fault", fault: new Malformed({ detail: "chunk inconsistent with its message" }) }
     }
     if (frame.chunkCount === 1) {
-      this.nextSequence = (this.nextSequence + 1) >>> 0
+      this.nextStep = (this.nextStep + 1) >>> 0
       return { _tag: "Complete", frame }
     }
     if (!this.reassemble) {
       if (frame.chunkIndex + 1 === frame.chunkCount) {
         this.parts = []
-        this.nextSequence = (this.nextSequence + 1) >>> 0
+        this.nextStep = (this.nextStep + 1) >>> 0
       } else {
         this.parts.push(frame)
       }
@@ -816,7 +816,7 @@ export class Sequencer {
     if (this.parts.length < frame.chunkCount) return { _tag: "Partial" }
     const parts = this.parts
     this.parts = []
-    this.nextSequence = (this.nextSequence + 1) >>> 0
+    this.nextStep = (this.nextStep + 1) >>> 0
     return { _tag: "Complete", frame: join(parts) }
   }
 }
@@ -835,7 +835,7 @@ const join = (parts: ReadonlyArray<DataFrame>): DataFrame => {
     return ActivationFrame({
       runId: first.runId,
       edgeId: first.edgeId,
-      sequence: first.sequence,
+      step: first.step,
       chunkIndex: 0,
       chunkCount: 1,
       startPos: first.startPos,
@@ -852,7 +852,7 @@ const join = (parts: ReadonlyArray<DataFrame>): DataFrame => {
   return TokenFrame({
     runId: first.runId,
     edgeId: first.edgeId,
-    sequence: first.sequence,
+    step: first.step,
     chunkIndex: 0,
     chunkCount: 1,
     payload: { _tag: "Prompt", tokens }

@@ -42,7 +42,7 @@ export class InboundCore implements ConnHandlers {
   private counters = { messages: 0, frames: 0, bytes: 0, signals: 0, wakes: 0, creditFrames: 0, spins: 0, spinHits: 0 }
 
   constructor(readonly options: RegisterOptions) {
-    this.sequencer = new Framing.Sequencer(options.initialSequence ?? 0, options.reassemble ?? true)
+    this.sequencer = new Framing.Sequencer(options.initialStep ?? 0, options.reassemble ?? true)
   }
 
   private carrier: ReceiveCarrier | undefined

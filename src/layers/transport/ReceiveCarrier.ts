@@ -59,7 +59,7 @@ export const socketReceiveCarrier = (conn: FrameConn, edge: EdgeIds): ReceiveCar
     canSpin: false,
     spin: () => {},
     credit: (bytes) => {
-      const frame = CreditFrame({ runId: edge.runId, edgeId: edge.edgeId, sequence: creditSequence, bytes })
+      const frame = CreditFrame({ runId: edge.runId, edgeId: edge.edgeId, step: creditSequence, bytes })
       creditSequence = (creditSequence + 1) >>> 0
       conn.write(Framing.unsafeEncode(frame, edge.ring.alignment))
     },
