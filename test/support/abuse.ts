@@ -1,7 +1,7 @@
 /**
  * Hostile and careless requests against a running `swactor serve`, over raw sockets where an HTTP client would not
  * send them (stalled bodies, silent connections, floods), and a watch on a concurrent stream: its largest gap
- * between tokens while a case runs. Used by test/serve.edge.test.ts and `npm run bench:abuse` (bench/abuse.ts).
+ * between tokens while a case runs. Used by test/server/edge.test.ts and `npm run bench:abuse` (bench/abuse.ts).
  */
 import { spawn } from "node:child_process"
 import { connect, type Socket } from "node:net"

@@ -14,7 +14,6 @@
 import { spawnSync } from "node:child_process"
 import { readFileSync } from "node:fs"
 import { createRequire } from "node:module"
-import { basename } from "node:path"
 import { expect } from "vitest"
 import { perturbByte } from "./mallocChecks.js"
 
@@ -60,6 +59,6 @@ if (probe.signal !== "SIGABRT") {
   )
 }
 
-const residentMemoryTests = ["engine.peak.test.ts"]
+const residentMemoryTests = ["test/engine/peak.test.ts"]
 const testPath = expect.getState().testPath
-if (testPath !== undefined && residentMemoryTests.includes(basename(testPath))) delete process.env["MALLOC_PERTURB_"]
+if (testPath !== undefined && residentMemoryTests.some((file) => testPath.endsWith(`/${file}`))) delete process.env["MALLOC_PERTURB_"]

@@ -1,5 +1,5 @@
 /**
- * A child process for test/engine.peak.test.ts: loads one whole-model stage with the given options, runs a prompt and a
+ * A child process for test/engine/peak.test.ts: loads one whole-model stage with the given options, runs a prompt and a
  * few decode steps, settles (moves mapped weights to huge-page memory), and prints one JSON line with its resident
  * memory (from /proc/self/status, MiB granularity is too coarse: KiB) at each phase and the stage's byte counts.
  * Arguments: model path, then JSON LiveOptions.

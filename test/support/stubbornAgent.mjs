@@ -1,4 +1,4 @@
-// A stand-in for a hung node agent (test/e2e.signals.test.ts): it prints a ready line as `swactor node` does, then
+// A stand-in for a hung node agent (test/e2e/signals.test.ts): it prints a ready line as `swactor node` does, then
 // ignores SIGTERM, as an agent stuck in native code would; only SIGKILL (or its parent's pipe closing) ends it.
 process.on("SIGTERM", () => {})
 process.stdin.on("data", () => {})

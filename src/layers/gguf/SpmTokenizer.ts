@@ -6,7 +6,7 @@
  * them (no BOS/EOS added, special tokens not parsed; control tokens decode to nothing), and node-llama-cpp's
  * detokenize-with-context. `spmVocabulary` accepts only vocabularies where that is the whole story — no user-defined
  * tokens, no special tokens besides BOS/EOS/UNK (llama.cpp finds end-of-turn tokens by their text), all 256 byte
- * tokens; any other vocabulary stays with node-llama-cpp (TokenizerLive). test/tokenizer.spm.test.ts compares both.
+ * tokens; any other vocabulary stays with node-llama-cpp (TokenizerLive). test/gguf/spmTokenizer.test.ts compares both.
  */
 import type { GgufFile, GgufValue } from "../../domain/gguf.js"
 

@@ -1,0 +1,77 @@
+import { assert, describe, it } from "@effect/vitest"
+import { Effect, Either } from "effect"
+import { jsonObjectGrammar, jsonSchemaGrammar } from "../../src/layers/server/JsonGrammar.js"
+
+const refused = (schema: unknown, path = "schema") =>
+  Effect.runPromise(Effect.either(jsonSchemaGrammar(schema, path))).then((r) => {
+    assert.isTrue(Either.isLeft(r), `expected a refusal for ${JSON.stringify(schema)}`)
+    return Either.isLeft(r) ? r.left.message : ""
+  })
+const grammar = (schema: unknown) => Effect.runPromise(jsonSchemaGrammar(schema)).then((g) => g.text)
+
+describe("JsonGrammar", () => {
+  it("converts an object schema with enum, array and nested object to GBNF with a root rule", async () => {
+    const text = await grammar({
+      type: "object",
+      properties: {
+        name: { type: "string", maxLength: 20 },
+        mood: { enum: ["happy", "sad"] },
+        tags: { type: "array", items: { type: "integer" }, maxItems: 3 },
+        pet: { type: "object", properties: { kind: { const: "cat" } }, required: ["kind"] }
+      },
+      required: ["name", "mood"],
+      additionalProperties: false
+    })
+    assert.match(text, /^root ::= /m)
+    // the grammar ends with the JSON value (node-llama-cpp's trailing-newline tail is dropped)
+    assert.notInclude(text.split("\n")[0]!, String.raw`"\n\n\n\n"`)
+    assert.include(text, String.raw`"\"happy\""`)
+    assert.include(text, String.raw`"\"cat\""`)
+  })
+
+  it("numbers: an integer has no exponent (1e-5 is no integer), a fraction's exponent is at most two digits (1e999 is Infinity)", async () => {
+    const text = await grammar({ type: "object", properties: { n: { type: "integer" }, x: { type: "number" } }, required: ["n", "x"] })
+    const rule = (name: string) => text.split("\n").find((line) => line.startsWith(`${name} ::= `)) ?? ""
+    assert.notMatch(rule("integer-number-rule"), /\[eE\]/)
+    assert.match(rule("integer-number-rule"), /\[1-9\] \[0-9\]/)
+    assert.include(rule("fractional-number-rule"), "([eE] [-+]? [0-9]{1,2})?")
+    assert.notMatch(rule("fractional-number-rule"), /\[eE\] [^)]*\{0,15\}/)
+  })
+
+  it("json_object admits any object", async () => {
+    const { text } = await Effect.runPromise(jsonObjectGrammar)
+    assert.match(text, /^root ::= "\{"/m)
+  })
+
+  it("supports $defs/definitions references, recursion included", async () => {
+    const text = await grammar({
+      $defs: { node: { type: "object", properties: { v: { type: "number" }, next: { anyOf: [{ $ref: "#/$defs/node" }, { type: "null" }] } } } },
+      $ref: "#/$defs/node"
+    })
+    assert.match(text, /^root ::= /m)
+    const zod = await grammar({ definitions: { a: { type: "boolean" } }, type: "object", properties: { x: { $ref: "#/definitions/a" } } })
+    assert.match(zod, /true/)
+  })
+
+  it("refuses what the grammar cannot enforce, naming the schema path", async () => {
+    const base = "response_format.json_schema.schema"
+    assert.strictEqual(
+      await refused({ type: "object", properties: { x: { type: "object", patternProperties: { "^a": {} } } } }, base),
+      `${base}.properties.x: unsupported keyword "patternProperties"`
+    )
+    assert.strictEqual(await refused({ type: "integer", minimum: 3 }), `schema: unsupported keyword "minimum"`)
+    assert.strictEqual(await refused({ type: "string", format: "email" }), `schema.format: unsupported format "email" (date-time, date and time are)`)
+    assert.strictEqual(await refused({ type: "array", items: { pattern: "a+" } }), `schema.items: unsupported keyword "pattern"`)
+    assert.strictEqual(await refused({ $ref: "#/$defs/missing" }), `schema.$ref: "#/$defs/missing" names no definition`)
+    assert.strictEqual(await refused({ $ref: "http://example.com/s.json" }), `schema.$ref: unsupported reference "http://example.com/s.json" (only #/$defs/NAME or #/definitions/NAME)`)
+    assert.strictEqual(
+      await refused({ type: "object", properties: { a: { type: "string" } }, required: ["b"] }),
+      `schema.required[0]: required property "b" is not in properties`
+    )
+    assert.strictEqual(await refused({ type: "wat" }), `schema.type: unknown type "wat"`)
+    assert.strictEqual(await refused({ enum: [{ a: 1 }] }), `schema.enum[0]: only strings, numbers, booleans and null are supported`)
+    assert.strictEqual(await refused("nope"), `schema: must be a JSON Schema object`)
+    const huge = { enum: Array.from({ length: 20_000 }, (_, i) => `value ${i}`) }
+    assert.match(await refused(huge), /^schema: is \d+ characters of JSON, over the 65536 a schema may have$/)
+  })
+})
