@@ -21,33 +21,33 @@ const engineTestsUnchecked = [
 export default defineConfig(({ mode }) =>
   mode === "engine-checked"
     ? {
-      // `vitest run --mode engine-checked` (npm test's posttest): the engine's tests once more, each worker process
-      // started with glibc's heap checks (test/support/mallocChecks.ts), so a heap corruption aborts at the free of
-      // the corrupted block; the setup file fails every file whose worker is not really checked. Its own report,
-      // which .ci/summary.mjs adds to the main run's.
-      test: {
-        include: engineTests,
-        exclude: engineTestsUnchecked,
-        testTimeout: 240_000,
-        hookTimeout: 240_000,
-        globalSetup: ["test/support/globalSetup.ts"],
-        setupFiles: ["test/support/mallocChecks.setup.ts"],
-        pool: "forks",
-        env: { ...forcedPaths, ...mallocCheckEnv() },
-        reporters: ["default", "json"],
-        outputFile: { json: ".cache/vitest-results.engine-checked.json" }
+        // `vitest run --mode engine-checked` (npm test's posttest): the engine's tests once more, each worker process
+        // started with glibc's heap checks (test/support/mallocChecks.ts), so a heap corruption aborts at the free of
+        // the corrupted block; the setup file fails every file whose worker is not really checked. Its own report,
+        // which .ci/summary.mjs adds to the main run's.
+        test: {
+          include: engineTests,
+          exclude: engineTestsUnchecked,
+          testTimeout: 240_000,
+          hookTimeout: 240_000,
+          globalSetup: ["test/support/globalSetup.ts"],
+          setupFiles: ["test/support/mallocChecks.setup.ts"],
+          pool: "forks",
+          env: { ...forcedPaths, ...mallocCheckEnv() },
+          reporters: ["default", "json"],
+          outputFile: { json: ".cache/vitest-results.engine-checked.json" }
+        }
       }
-    }
     : {
-      test: {
-        include: ["test/**/*.test.ts"],
-        testTimeout: 120_000,
-        hookTimeout: 120_000,
-        globalSetup: ["test/support/globalSetup.ts"],
-        pool: "forks",
-        env: forcedPaths,
-        reporters: ["default", "json"],
-        outputFile: { json: ".vitest-results.json" }
+        test: {
+          include: ["test/**/*.test.ts"],
+          testTimeout: 120_000,
+          hookTimeout: 120_000,
+          globalSetup: ["test/support/globalSetup.ts"],
+          pool: "forks",
+          env: forcedPaths,
+          reporters: ["default", "json"],
+          outputFile: { json: ".vitest-results.json" }
+        }
       }
-    }
 )

@@ -52,7 +52,8 @@ const ensureModel = () => ensureBenchModel(cfg.dir, cfg)
 const prompts = (() => {
   const r = makeRng(99)
   return Array.from({ length: maxSeqs }, () =>
-    Int32Array.from({ length: cfg.prompt }, () => 3 + Math.floor(r() * (cfg.vocab - 3))))
+    Int32Array.from({ length: cfg.prompt }, () => 3 + Math.floor(r() * (cfg.vocab - 3)))
+  )
 })()
 
 interface Figures {
@@ -62,18 +63,20 @@ interface Figures {
 }
 
 const bench = (path: string, stagesCount: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const bounds = Array.from({ length: stagesCount + 1 }, (_, i) => Math.round((i * cfg.layers) / stagesCount))
     const stages: Array<LoadedStage> = []
     for (let i = 0; i < stagesCount; i++) {
-      stages.push(yield* executor.load({
-        path,
-        layerStart: bounds[i]!,
-        layerEndExclusive: bounds[i + 1]!,
-        isFirst: i === 0,
-        isLast: i === stagesCount - 1
-      }))
+      stages.push(
+        yield* executor.load({
+          path,
+          layerStart: bounds[i]!,
+          layerEndExclusive: bounds[i + 1]!,
+          isFirst: i === 0,
+          isLast: i === stagesCount - 1
+        })
+      )
     }
     // per sequence, one session per stage
     const seqs: Array<Array<StageSession>> = []
@@ -83,20 +86,20 @@ const bench = (path: string, stagesCount: number) =>
 
     /** One step of `n` sequences (tokens at `pos`) through every stage, batched; the logits of each. */
     const stepBatched = (n: number, pos: number, tokens: ReadonlyArray<Int32Array>) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         let inputs: Array<StageInput> = tokens.map((t) => ({ _tag: "Tokens", tokens: t }))
         let outs: ReadonlyArray<StageOutput> = []
         for (let si = 0; si < stagesCount; si++) {
           outs = yield* executor.forwardBatch(
             inputs.map((input, s) => ({ session: seqs[s]![si]!, startPos: pos, input }))
           )
-          inputs = outs.map((o) => o._tag === "Hidden" ? o : { _tag: "Tokens", tokens: new Int32Array(0) })
+          inputs = outs.map((o) => (o._tag === "Hidden" ? o : { _tag: "Tokens", tokens: new Int32Array(0) }))
         }
-        return outs.slice(0, n).map((o) => o._tag === "Logits" ? o.logits : new Float32Array(0))
+        return outs.slice(0, n).map((o) => (o._tag === "Logits" ? o.logits : new Float32Array(0)))
       })
 
     const stepAlone = (s: number, pos: number, tokens: Int32Array) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         let input: StageInput = { _tag: "Tokens", tokens }
         for (const session of seqs[s]!) {
           const out: StageOutput = yield* session.forward(pos, input)
@@ -109,7 +112,7 @@ const bench = (path: string, stagesCount: number) =>
     const resetAll = Effect.forEach(seqs.flat(), (s) => s.reset, { discard: true })
 
     const sequential = (n: number) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         yield* resetAll
         const tokens: Array<Array<number>> = []
         let millis = 0
@@ -128,7 +131,7 @@ const bench = (path: string, stagesCount: number) =>
       })
 
     const batched = (n: number) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         yield* resetAll
         // prefill: each sequence alone (not timed), the same as `sequential`
         let logits: Array<Float32Array> = []
@@ -137,7 +140,11 @@ const bench = (path: string, stagesCount: number) =>
         const t0 = performance.now()
         for (let i = 0; i < cfg.decode; i++) {
           logits.forEach((l, s) => tokens[s]!.push(greedy(l)))
-          logits = yield* stepBatched(n, cfg.prompt + i, tokens.map((t) => Int32Array.of(t[i]!)))
+          logits = yield* stepBatched(
+            n,
+            cfg.prompt + i,
+            tokens.map((t) => Int32Array.of(t[i]!))
+          )
         }
         return { tokPerSec: (n * cfg.decode * 1000) / (performance.now() - t0), tokens } satisfies Figures
       })
@@ -170,7 +177,9 @@ const main = async () => {
   for (const stages of cfg.stages) {
     const best = await Effect.runPromise(bench(path, stages).pipe(Effect.provide(StageExecutorLive.layer)))
     console.log(`\n${stages} stage(s)`)
-    console.log(`${pad("seqs", 6)}${pad("one after another tok/s", 26)}${pad("batched tok/s", 16)}${pad("gain", 8)}same tokens`)
+    console.log(
+      `${pad("seqs", 6)}${pad("one after another tok/s", 26)}${pad("batched tok/s", 16)}${pad("gain", 8)}same tokens`
+    )
     for (const n of cfg.seqs) {
       const s = best.get(`seq${n}`)!
       const b = best.get(`bat${n}`)!

@@ -18,7 +18,15 @@ export interface BenchShape {
 }
 
 /** The real-shape default: 16 blocks, hidden 2048, FFN 8192, heads 32/8, vocab 32000, Q8_0. */
-export const defaultBenchShape: BenchShape = { layers: 16, hidden: 2048, ffn: 8192, heads: 32, kvHeads: 8, vocab: 32000, type: "q8_0" }
+export const defaultBenchShape: BenchShape = {
+  layers: 16,
+  hidden: 2048,
+  ffn: 8192,
+  heads: 32,
+  kvHeads: 8,
+  vocab: 32000,
+  type: "q8_0"
+}
 
 export const benchModelPath = (dir: string, s: BenchShape): string =>
   join(dir, `llama-${s.layers}x${s.hidden}-ffn${s.ffn}-v${s.vocab}-${s.type}.gguf`)
@@ -29,7 +37,9 @@ export const ensureBenchModel = async (dir: string, shape: BenchShape): Promise<
   if (existsSync(path)) return path
   mkdirSync(dir, { recursive: true })
   process.stdout.write(`writing ${path} (once; it is kept) ... `)
-  const s = await Effect.runPromise(writeSyntheticModel({ path, arch: "llama", contextLength: 4096, seed: 1, ...shape }))
+  const s = await Effect.runPromise(
+    writeSyntheticModel({ path, arch: "llama", contextLength: 4096, seed: 1, ...shape })
+  )
   console.log(`${(s.bytes / 2 ** 20).toFixed(0)} MiB in ${s.seconds.toFixed(1)} s`)
   return path
 }

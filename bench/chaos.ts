@@ -21,11 +21,13 @@ import type { GenerateRequest, RunUpdate, SamplingOptions } from "../src/service
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 const flag = (name: string, fallback: string): string => {
   const at = process.argv.indexOf(`--${name}`)
-  return at >= 0 ? process.argv[at + 1] ?? fallback : fallback
+  return at >= 0 ? (process.argv[at + 1] ?? fallback) : fallback
 }
 const cfg = {
   n: Number(flag("n", "100")),
-  model: resolve(flag("model", resolve(root, process.env["SWACTOR_MODELS_DIR"] ?? "../shared/models", "stories260K.gguf"))),
+  model: resolve(
+    flag("model", resolve(root, process.env["SWACTOR_MODELS_DIR"] ?? "../shared/models", "stories260K.gguf"))
+  ),
   stages: Number(flag("stages", "3")),
   tokens: Number(flag("tokens", "120")),
   threads: Number(flag("threads", "1"))
@@ -45,7 +47,7 @@ const generation = (
   request: GenerateRequest,
   kill?: { readonly moment: Moment; readonly stage: number; readonly atToken: number }
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     let agents: ReadonlyArray<LocalAgent> = []
     let killedAt: number | undefined
     let recoveredAt: number | undefined
@@ -81,7 +83,9 @@ const generation = (
     return {
       tokens,
       ok: Either.isRight(result),
-      ...(Either.isLeft(result) ? { error: String((result.left as { message?: string }).message ?? result.left._tag) } : {}),
+      ...(Either.isLeft(result)
+        ? { error: String((result.left as { message?: string }).message ?? result.left._tag) }
+        : {}),
       ...(killedAt !== undefined && recoveredAt !== undefined ? { recoveryMillis: recoveredAt - killedAt } : {}),
       agents
     } satisfies Outcome
@@ -102,7 +106,7 @@ const alive = (pid: number) => {
   }
 }
 
-const main = Effect.gen(function*() {
+const main = Effect.gen(function* () {
   const samplings: ReadonlyArray<SamplingOptions | undefined> = [undefined, { temperature: 0.8, topK: 40, seed: 7 }]
   const base = (sampling: SamplingOptions | undefined): GenerateRequest => ({
     model: cfg.model,
@@ -128,7 +132,9 @@ const main = Effect.gen(function*() {
     const atToken = Math.floor(Math.random() * Math.max(1, cfg.tokens - 1))
     const outcome = yield* generation({ ...base(samplings[which]), spares: 1 }, { moment, stage, atToken })
     pids.push(...outcome.agents.map((a) => a.pid))
-    const same = outcome.ok && outcome.tokens.length === references[which]!.length &&
+    const same =
+      outcome.ok &&
+      outcome.tokens.length === references[which]!.length &&
       outcome.tokens.every((t, j) => t === references[which]![j])
     if (outcome.ok) recovered++
     if (same) identical++

@@ -43,12 +43,17 @@ const threads = Number(arg("threads") ?? Math.max(1, Math.floor(Os.availablePara
 const slowdown = Number(arg("slowdown") ?? 3)
 const hopIterations = arg("hop-iterations") ?? "5000"
 const repeat = Math.max(1, Number(arg("repeat") ?? 3))
-const list = (text: string | undefined) => (text ?? "").split(",").map((s) => s.trim()).filter((s) => s !== "")
+const list = (text: string | undefined) =>
+  (text ?? "")
+    .split(",")
+    .map((s) => s.trim())
+    .filter((s) => s !== "")
 const allParts = ["delivery", "placement", "hop"] as const
 const chosen = list(arg("parts") ?? process.env["SWACTOR_BENCH_PARTS"])
 const skip = new Set(list(arg("skip")))
 for (const part of [...chosen, ...skip]) {
-  if (!(allParts as ReadonlyArray<string>).includes(part)) throw new Error(`unknown part "${part}" (parts: ${allParts.join(", ")})`)
+  if (!(allParts as ReadonlyArray<string>).includes(part))
+    throw new Error(`unknown part "${part}" (parts: ${allParts.join(", ")})`)
 }
 const parts = new Set(allParts.filter((p) => (chosen.length === 0 || chosen.includes(p)) && !skip.has(p)))
 const median = (xs: ReadonlyArray<number>) => [...xs].sort((a, b) => a - b)[xs.length >> 1]!
@@ -56,7 +61,10 @@ const median = (xs: ReadonlyArray<number>) => [...xs].sort((a, b) => a - b)[xs.l
 /** A model path, or a file name looked up in SWACTOR_MODELS_DIR (default ../shared/models). */
 const resolveModel = (name: string): string => {
   if (Fs.existsSync(name)) return name
-  const inModels = Path.join(process.env["SWACTOR_MODELS_DIR"] ?? Path.join(process.cwd(), "..", "shared", "models"), name)
+  const inModels = Path.join(
+    process.env["SWACTOR_MODELS_DIR"] ?? Path.join(process.cwd(), "..", "shared", "models"),
+    name
+  )
   if (Fs.existsSync(inModels)) return inModels
   throw new Error(`no model at ${name} nor ${inModels}`)
 }
@@ -94,7 +102,7 @@ const rawCopySeconds = (path: string, dir: string) =>
   })
 
 const delivery = (model: string, dir: string) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const token = generateToken()
     const cache = Path.join(dir, "agent-cache")
     const tlsCache = Path.join(dir, "agent-cache-tls")
@@ -102,7 +110,7 @@ const delivery = (model: string, dir: string) =>
     const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
     /** An agent with an empty cache that cannot read the model, and the control link to it. */
     const agentAt = (cacheDir: string, tls: boolean) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         // SWACTOR_TLS=always on both ends encrypts loopback too: the byte stream as it runs between hosts.
         process.env["SWACTOR_TLS"] = tls ? "always" : "auto"
         const [agent] = yield* spawnLocalAgents({
@@ -121,7 +129,12 @@ const delivery = (model: string, dir: string) =>
       const m = /^blk\.(\d+)\./.exec(t.name)
       return m === null ? n : Math.max(n, Number(m[1]) + 1)
     }, 0)
-    const input = { modelPath: model, placement: [{ stageIndex: 0, nodeId: 1 }], layerRanges: [[0, numLayers] as const], outgoingDir }
+    const input = {
+      modelPath: model,
+      placement: [{ stageIndex: 0, nodeId: 1 }],
+      layerRanges: [[0, numLayers] as const],
+      outgoingDir
+    }
     // Cold: the orchestrator hashes the stage's tensors, writes its outgoing slice and the slice's SHA-256 (all kept for
     // later runs), then sends it.
     Fs.rmSync(outgoingDir, { recursive: true, force: true })
@@ -135,13 +148,14 @@ const delivery = (model: string, dir: string) =>
     const raws: Array<number> = []
     /** Seconds to deliver the slice to the agent with an emptied cache (it holds nothing; every byte crosses). */
     const deliverOnce = (tls: boolean) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         process.env["SWACTOR_TLS"] = tls ? "always" : "auto"
         Fs.rmSync(tls ? tlsCache : cache, { recursive: true, force: true })
         const started = performance.now()
         const [sent] = yield* deliverWeights({ ...input, linkOf: () => (tls ? tlsLink : link) }, () => Effect.void)
         const seconds = (performance.now() - started) / 1000
-        if (sent!.via !== "Sent" || sent!.sentBytes !== bytes) throw new Error(`delivery sent ${sent!.sentBytes} of ${bytes} bytes`)
+        if (sent!.via !== "Sent" || sent!.sentBytes !== bytes)
+          throw new Error(`delivery sent ${sent!.sentBytes} of ${bytes} bytes`)
         return seconds
       })
     for (let i = 0; i < repeat; i++) {
@@ -154,9 +168,15 @@ const delivery = (model: string, dir: string) =>
     const raw = median(raws)
     const tlsSeconds = median(encrypted)
     const rate = (s: number) => `${(mib(bytes) / s).toFixed(0)} MiB/s`
-    console.log(`delivery: ${mib(bytes).toFixed(1)} MiB slice, median of ${repeat} (each: ${deliveries.map((s) => s.toFixed(2)).join(", ")} s vs raw ${raws.map((s) => s.toFixed(2)).join(", ")} s)`)
-    console.log(`  to an empty node (check, byte stream with the agent's SHA-256, finish): ${seconds.toFixed(2)} s, ${rate(seconds)}`)
-    console.log(`  raw socket copy of the same bytes into a file:                        ${raw.toFixed(2)} s, ${rate(raw)}`)
+    console.log(
+      `delivery: ${mib(bytes).toFixed(1)} MiB slice, median of ${repeat} (each: ${deliveries.map((s) => s.toFixed(2)).join(", ")} s vs raw ${raws.map((s) => s.toFixed(2)).join(", ")} s)`
+    )
+    console.log(
+      `  to an empty node (check, byte stream with the agent's SHA-256, finish): ${seconds.toFixed(2)} s, ${rate(seconds)}`
+    )
+    console.log(
+      `  raw socket copy of the same bytes into a file:                        ${raw.toFixed(2)} s, ${rate(raw)}`
+    )
     console.log(`  ratio ${(raw / seconds).toFixed(2)}× of raw (target ≥ 0.8×)`)
     console.log(
       `  the same delivery in TLS 1.3 (as between hosts; SWACTOR_TLS=always): ${tlsSeconds.toFixed(2)} s, ${rate(tlsSeconds)}, ` +
@@ -168,14 +188,21 @@ const delivery = (model: string, dir: string) =>
   }).pipe(Effect.scoped)
 
 const placement = (model: string) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const token = generateToken()
     // Agent 0 is throttled (`slowdown` times slower); each measures its speed at start (the throttled one's divided).
-    const throttled = yield* spawnLocalAgents({ count: 1, token, threads, env: { SWACTOR_BENCH_SLOWDOWN: String(slowdown) } })
+    const throttled = yield* spawnLocalAgents({
+      count: 1,
+      token,
+      threads,
+      env: { SWACTOR_BENCH_SLOWDOWN: String(slowdown) }
+    })
     const agents = [...throttled, ...(yield* spawnLocalAgents({ count: 2, token, threads }))]
     const layer = layerRemote({ agents: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
     const decode = (request: PlacementRequest) =>
-      Stream.runCollect(run({ model, prompt: "Once upon a time", stages: 3, maxTokens: tokens, placement: request })).pipe(
+      Stream.runCollect(
+        run({ model, prompt: "Once upon a time", stages: 3, maxTokens: tokens, placement: request })
+      ).pipe(
         Effect.map(Chunk.toReadonlyArray),
         Effect.provide(layer),
         Effect.map((updates: ReadonlyArray<RunUpdate>) => {
@@ -187,27 +214,37 @@ const placement = (model: string) =>
             const i = agents.findIndex((a) => a.address === address)
             return `A${i}${i === 0 ? "*" : ""}`
           }
-          const speeds = pool?._tag === "PoolReady"
-            ? pool.capacity.map(({ capacity, node }) =>
-              `${name(node.address)} ${capacity.speedBytesPerSecond === undefined ? "?" : (capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
-            ).join(", ")
-            : "?"
+          const speeds =
+            pool?._tag === "PoolReady"
+              ? pool.capacity
+                  .map(
+                    ({ capacity, node }) =>
+                      `${name(node.address)} ${capacity.speedBytesPerSecond === undefined ? "?" : (capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
+                  )
+                  .join(", ")
+              : "?"
           return {
             speeds,
-            layers: planned?._tag === "Planned"
-              ? planned.stages.map((s) => `${name(s.address)}[${s.layers[0]},${s.layers[1]})`).join(" ")
-              : "?",
+            layers:
+              planned?._tag === "Planned"
+                ? planned.stages.map((s) => `${name(s.address)}[${s.layers[0]},${s.layers[1]})`).join(" ")
+                : "?",
             tps: finished?._tag === "Finished" ? finished.summary.decodeTokensPerSecond : Number.NaN
           }
         })
       )
     const rates: Array<number> = []
-    for (const [name, request] of [["balanced", { _tag: "Balanced" }], ["capacity", { _tag: "Capacity" }]] as const) {
+    for (const [name, request] of [
+      ["balanced", { _tag: "Balanced" }],
+      ["capacity", { _tag: "Capacity" }]
+    ] as const) {
       // One warm-up run loads the weights; the second is measured.
       yield* decode(request)
       const { layers, speeds, tps } = yield* decode(request)
       rates.push(tps)
-      console.log(`placement ${name}: ${tps.toFixed(1)} tok/s decode, blocks ${layers} (speeds ${speeds}; A0 throttled ${slowdown}×)`)
+      console.log(
+        `placement ${name}: ${tps.toFixed(1)} tok/s decode, blocks ${layers} (speeds ${speeds}; A0 throttled ${slowdown}×)`
+      )
     }
     console.log(`placement capacity / balanced = ${(rates[1]! / rates[0]!).toFixed(2)}× decode tok/s`)
   }).pipe(Effect.scoped)
@@ -216,25 +253,37 @@ const hop = () =>
   new Promise<void>((resolve, reject) => {
     const child = spawn(
       process.execPath,
-      ["--import", "tsx", Path.join(import.meta.dirname, "hop.ts"), "--only", "Tcp,TlsTcp", "--iterations", hopIterations],
+      [
+        "--import",
+        "tsx",
+        Path.join(import.meta.dirname, "hop.ts"),
+        "--only",
+        "Tcp,TlsTcp",
+        "--iterations",
+        hopIterations
+      ],
       { stdio: "inherit" }
     )
     child.on("exit", (code) => (code === 0 ? resolve() : reject(new Error(`bench/hop.ts exited ${code}`))))
   })
 
-const main = Effect.gen(function*() {
+const main = Effect.gen(function* () {
   const named = arg("model") ?? process.env["SWACTOR_BENCH_MODEL"]
-  const model = named !== undefined
-    ? resolveModel(named)
-    : yield* Effect.promise(() =>
-      ensureBenchModel(process.env["SWACTOR_BENCH_CACHE"] ?? Path.join(process.cwd(), ".cache", "bench"), defaultBenchShape)
-    )
+  const model =
+    named !== undefined
+      ? resolveModel(named)
+      : yield* Effect.promise(() =>
+          ensureBenchModel(
+            process.env["SWACTOR_BENCH_CACHE"] ?? Path.join(process.cwd(), ".cache", "bench"),
+            defaultBenchShape
+          )
+        )
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "swactor-bench-cluster-"))
   console.log(
     `model ${model} (${mib(Fs.statSync(model).size).toFixed(1)} MiB), parts ${[...parts].join(",")}, ${tokens} tokens, ` +
       `${threads} threads per agent`
   )
-  yield* Effect.gen(function*() {
+  yield* Effect.gen(function* () {
     if (parts.has("delivery")) yield* delivery(model, dir)
     if (parts.has("placement")) yield* placement(model)
     if (parts.has("hop")) yield* Effect.promise(hop)

@@ -23,7 +23,15 @@ import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
 import { type BenchArch, benchArchShape, benchArchs, ensureArchBenchModel } from "./archModels.js"
 import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
-import { benchContextLength, benchPrompt, bestFigures, evenSplit, type Figures, timeNodeLlamaCpp, timeOurs } from "./engineTiming.js"
+import {
+  benchContextLength,
+  benchPrompt,
+  bestFigures,
+  evenSplit,
+  type Figures,
+  timeNodeLlamaCpp,
+  timeOurs
+} from "./engineTiming.js"
 import { StageExecutor } from "../src/services/StageExecutor.js"
 
 const env = (k: string, d: string) => process.env[k] ?? d
@@ -65,7 +73,12 @@ let layers = cfg.layers
 const splitOf = (stages: number) => evenSplit(layers, stages)
 
 /** The timing loop's settings for the current file (its vocabulary). */
-const timing = () => ({ threads: cfg.threads, contextLength, prompt: benchPrompt(cfg.prompt, vocab), decode: cfg.decode })
+const timing = () => ({
+  threads: cfg.threads,
+  contextLength,
+  prompt: benchPrompt(cfg.prompt, vocab),
+  decode: cfg.decode
+})
 
 /** Child-process mode: load one stage, run a prefill and a few decode steps, report peak RSS. */
 const stageRss = async (args: ReadonlyArray<string>) => {
@@ -78,24 +91,28 @@ const stageRss = async (args: ReadonlyArray<string>) => {
     console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: 0 }))
     return
   }
-  const result = await Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const executor = yield* StageExecutor
-    const stage = yield* executor.load({
-      path: path!,
-      layerStart: s,
-      layerEndExclusive: e,
-      isFirst: s === 0,
-      isLast: e === Number(stagesTotal)
-    })
-    const session = yield* executor.session(stage, { threads: cfg.threads, contextLength })
-    const input = (n: number): StageInput =>
-      stage.info.isFirst
-        ? { _tag: "Tokens", tokens: new Int32Array(n).fill(5) }
-        : { _tag: "Hidden", hidden: new Float32Array(n * stage.info.hiddenDim).fill(0.01), nTokens: n }
-    yield* session.forward(0, input(cfg.prompt))
-    for (let i = 0; i < 4; i++) yield* session.forward(cfg.prompt + i, input(1))
-    return { weightBytes: stage.info.weightBytes }
-  })).pipe(Effect.provide(StageExecutorLive.layer)))
+  const result = await Effect.runPromise(
+    Effect.scoped(
+      Effect.gen(function* () {
+        const executor = yield* StageExecutor
+        const stage = yield* executor.load({
+          path: path!,
+          layerStart: s,
+          layerEndExclusive: e,
+          isFirst: s === 0,
+          isLast: e === Number(stagesTotal)
+        })
+        const session = yield* executor.session(stage, { threads: cfg.threads, contextLength })
+        const input = (n: number): StageInput =>
+          stage.info.isFirst
+            ? { _tag: "Tokens", tokens: new Int32Array(n).fill(5) }
+            : { _tag: "Hidden", hidden: new Float32Array(n * stage.info.hiddenDim).fill(0.01), nTokens: n }
+        yield* session.forward(0, input(cfg.prompt))
+        for (let i = 0; i < 4; i++) yield* session.forward(cfg.prompt + i, input(1))
+        return { weightBytes: stage.info.weightBytes }
+      })
+    ).pipe(Effect.provide(StageExecutorLive.layer))
+  )
   console.log(JSON.stringify({ maxRss: process.resourceUsage().maxRSS * 1024, weightBytes: result.weightBytes }))
 }
 
@@ -105,7 +122,11 @@ const childRss = (args: ReadonlyArray<string>): { maxRss: number; weightBytes: n
     [...process.execArgv, fileURLToPath(import.meta.url), "--stage-rss", ...args],
     { encoding: "utf8", stdio: ["ignore", "pipe", "ignore"], env: process.env }
   )
-  const line = out.trim().split("\n").filter((l) => l.startsWith("{")).pop()!
+  const line = out
+    .trim()
+    .split("\n")
+    .filter((l) => l.startsWith("{"))
+    .pop()!
   return JSON.parse(line)
 }
 
@@ -146,7 +167,8 @@ const main = async () => {
     const ours = new Map<number, Figures>()
     for (let round = 0; round < cfg.rounds; round++) {
       ref = bestFigures(ref, await timeNodeLlamaCpp(path, timing()))
-      for (const stages of cfg.stages) ours.set(stages, bestFigures(ours.get(stages), await timeOurs(path, splitOf(stages), timing())))
+      for (const stages of cfg.stages)
+        ours.set(stages, bestFigures(ours.get(stages), await timeOurs(path, splitOf(stages), timing())))
     }
     const r = ref!
     const f = (x: number) => x.toFixed(2)

@@ -37,7 +37,8 @@ export const evenSplit = (layers: number, stages: number): Array<number> =>
   Array.from({ length: stages + 1 }, (_, i) => Math.round((i * layers) / stages))
 
 /** The contexts' size: prompt + decode + a margin, rounded up to 256. */
-export const benchContextLength = (prompt: number, decode: number): number => Math.ceil((prompt + decode + 64) / 256) * 256
+export const benchContextLength = (prompt: number, decode: number): number =>
+  Math.ceil((prompt + decode + 64) / 256) * 256
 
 /** Wall and CPU (user + system, all threads of this process) seconds since it was made. */
 const stopwatch = () => {
@@ -60,12 +61,14 @@ const figuresOf = (s: TimingSettings, p: Lap, d: Lap): Figures => ({
 
 /** Each figure the better of the two (rounds interleaved, the best counts: damps other load on the machine). */
 export const bestFigures = (a: Figures | undefined, b: Figures): Figures =>
-  a === undefined ? b : {
-    decode: Math.max(a.decode, b.decode),
-    prefill: Math.max(a.prefill, b.prefill),
-    decodeCpu: Math.max(a.decodeCpu, b.decodeCpu),
-    prefillCpu: Math.max(a.prefillCpu, b.prefillCpu)
-  }
+  a === undefined
+    ? b
+    : {
+        decode: Math.max(a.decode, b.decode),
+        prefill: Math.max(a.prefill, b.prefill),
+        decodeCpu: Math.max(a.decodeCpu, b.decodeCpu),
+        prefillCpu: Math.max(a.prefillCpu, b.prefillCpu)
+      }
 
 export const timeNodeLlamaCpp = async (path: string, s: TimingSettings): Promise<Figures> => {
   const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
@@ -101,17 +104,24 @@ export const timeNodeLlamaCpp = async (path: string, s: TimingSettings): Promise
 
 /** `split` = [0, b1, ..., layers]: one stage per range, all in this process. */
 export const timeOurs = (path: string, split: ReadonlyArray<number>, s: TimingSettings): Promise<Figures> =>
-  Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const { reset, run } = yield* openInProcessPipeline(path, split, { threads: s.threads, contextLength: s.contextLength })
-    yield* run(0, s.prompt.slice(0, 32))
-    yield* reset
-    const pw = stopwatch()
-    yield* run(0, s.prompt)
-    const p = pw()
-    yield* reset
-    let logits = yield* run(0, s.prompt.slice(0, 16))
-    let pos = 16
-    const dw = stopwatch()
-    for (let i = 0; i < s.decode; i++) logits = yield* run(pos++, [greedy(logits)])
-    return figuresOf(s, p, dw())
-  })).pipe(Effect.provide(StageExecutorLive.layer)))
+  Effect.runPromise(
+    Effect.scoped(
+      Effect.gen(function* () {
+        const { reset, run } = yield* openInProcessPipeline(path, split, {
+          threads: s.threads,
+          contextLength: s.contextLength
+        })
+        yield* run(0, s.prompt.slice(0, 32))
+        yield* reset
+        const pw = stopwatch()
+        yield* run(0, s.prompt)
+        const p = pw()
+        yield* reset
+        let logits = yield* run(0, s.prompt.slice(0, 16))
+        let pos = 16
+        const dw = stopwatch()
+        for (let i = 0; i < s.decode; i++) logits = yield* run(pos++, [greedy(logits)])
+        return figuresOf(s, p, dw())
+      })
+    ).pipe(Effect.provide(StageExecutorLive.layer))
+  )

@@ -51,7 +51,7 @@ interface Setup {
 
 /** Shared memory: busy-poll this long before sleeping on the doorbell (default 0: doorbells only). */
 const spin = arg("spin", 0)
-const spinFor = (transport: Transport) => transport === "Shm" ? spin : 0
+const spinFor = (transport: Transport) => (transport === "Shm" ? spin : 0)
 
 const listenAddress = (transport: Transport, tag: string): TransportAddress =>
   transport === "Tcp" || transport === "TlsTcp"
@@ -60,78 +60,87 @@ const listenAddress = (transport: Transport, tag: string): TransportAddress =>
 
 /** The echo stage: receives on `forward`, sends the same activation back on `back`. */
 const echo = (setup: Setup) =>
-  Effect.scoped(Effect.gen(function*() {
-    const token = Redacted.make(setup.token)
-    const listener = yield* EdgeTransport.listen({ address: listenAddress(setup.transport, "echo"), token })
-    const inbound = yield* listener.register({ runId, edgeId: forward, ring, spinMicros: spinFor(setup.transport) })
-    process.send!({ address: listener.address })
-    yield* inbound.attached
-    const sender = yield* EdgeTransport.connect({
-      address: setup.home,
-      token,
-      runId,
-      edgeId: back,
-      ring,
-      sharedMemory: setup.transport === "Shm"
+  Effect.scoped(
+    Effect.gen(function* () {
+      const token = Redacted.make(setup.token)
+      const listener = yield* EdgeTransport.listen({ address: listenAddress(setup.transport, "echo"), token })
+      const inbound = yield* listener.register({ runId, edgeId: forward, ring, spinMicros: spinFor(setup.transport) })
+      process.send!({ address: listener.address })
+      yield* inbound.attached
+      const sender = yield* EdgeTransport.connect({
+        address: setup.home,
+        token,
+        runId,
+        edgeId: back,
+        ring,
+        sharedMemory: setup.transport === "Shm"
+      })
+      for (;;) {
+        const frames = yield* inbound.receive
+        for (const f of frames) yield* sender.send(ActivationFrame({ ...(f as ActivationFrame), edgeId: back }))
+      }
     })
-    for (;;) {
-      const frames = yield* inbound.receive
-      for (const f of frames) yield* sender.send(ActivationFrame({ ...(f as ActivationFrame), edgeId: back }))
-    }
-  }))
+  )
 
-const percentile = (sorted: ReadonlyArray<number>, p: number) => sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]!
+const percentile = (sorted: ReadonlyArray<number>, p: number) =>
+  sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]!
 
 const measure = (transport: Transport) =>
-  Effect.scoped(Effect.gen(function*() {
-    const tokenText = "bench-token"
-    const token = Redacted.make(tokenText)
-    // Both processes: TLS on every TCP link for TlsTcp, plain otherwise.
-    const tls = transport === "TlsTcp" ? "always" : "off"
-    process.env["SWACTOR_TLS"] = tls
-    const listener = yield* EdgeTransport.listen({ address: listenAddress(transport, "home"), token })
-    const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
-    const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit", env: { ...process.env, SWACTOR_TLS: tls } })
-    yield* Effect.addFinalizer(() =>
-      Effect.sync(() => {
-        child.kill()
-        // the killed echo process cannot remove its own Unix socket file
-        if (transport === "Unix" || transport === "Shm") rmSync(Path.join(Os.tmpdir(), `swactor-hop-${child.pid}-echo.sock`), { force: true })
+  Effect.scoped(
+    Effect.gen(function* () {
+      const tokenText = "bench-token"
+      const token = Redacted.make(tokenText)
+      // Both processes: TLS on every TCP link for TlsTcp, plain otherwise.
+      const tls = transport === "TlsTcp" ? "always" : "off"
+      process.env["SWACTOR_TLS"] = tls
+      const listener = yield* EdgeTransport.listen({ address: listenAddress(transport, "home"), token })
+      const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
+      const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit", env: { ...process.env, SWACTOR_TLS: tls } })
+      yield* Effect.addFinalizer(() =>
+        Effect.sync(() => {
+          child.kill()
+          // the killed echo process cannot remove its own Unix socket file
+          if (transport === "Unix" || transport === "Shm")
+            rmSync(Path.join(Os.tmpdir(), `swactor-hop-${child.pid}-echo.sock`), { force: true })
+        })
+      )
+      child.send({ token: tokenText, transport, home: listener.address } satisfies Setup)
+      const echoAddress = yield* Effect.async<TransportAddress>((resume) => {
+        child.once("message", (m) => resume(Effect.succeed((m as { address: TransportAddress }).address)))
       })
-    )
-    child.send({ token: tokenText, transport, home: listener.address } satisfies Setup)
-    const echoAddress = yield* Effect.async<TransportAddress>((resume) => {
-      child.once("message", (m) => resume(Effect.succeed((m as { address: TransportAddress }).address)))
+      const sender = yield* EdgeTransport.connect({
+        address: echoAddress,
+        token,
+        runId,
+        edgeId: forward,
+        ring,
+        sharedMemory: transport === "Shm"
+      })
+      const payload = Float32Array.from({ length: hidden }, (_, i) => Math.cos(i))
+      const rtts: Array<number> = []
+      for (let i = 0; i < warmup + iterations; i++) {
+        const t0 = process.hrtime.bigint()
+        yield* sender.send(
+          ActivationFrame({ runId, edgeId: forward, step: i, startPos: i, nTokens: 1, hiddenDim: hidden, payload })
+        )
+        const got = yield* inbound.take
+        const t1 = process.hrtime.bigint()
+        if (got.step !== i) throw new Error(`echo out of order: ${got.step} != ${i}`)
+        if (i >= warmup) rtts.push(Number(t1 - t0) / 1000)
+      }
+      const received = yield* inbound.stats
+      if (received.spins > 0)
+        console.log(`  (echo receiver busy-polls: ${received.spins}, found a frame: ${received.spinHits})`)
+      const sorted = [...rtts].sort((a, b) => a - b)
+      return {
+        transport,
+        hopP50: percentile(sorted, 0.5) / 2,
+        hopP99: percentile(sorted, 0.99) / 2,
+        rttP50: percentile(sorted, 0.5),
+        rttP99: percentile(sorted, 0.99)
+      }
     })
-    const sender = yield* EdgeTransport.connect({
-      address: echoAddress,
-      token,
-      runId,
-      edgeId: forward,
-      ring,
-      sharedMemory: transport === "Shm"
-    })
-    const payload = Float32Array.from({ length: hidden }, (_, i) => Math.cos(i))
-    const rtts: Array<number> = []
-    for (let i = 0; i < warmup + iterations; i++) {
-      const t0 = process.hrtime.bigint()
-      yield* sender.send(ActivationFrame({ runId, edgeId: forward, step: i, startPos: i, nTokens: 1, hiddenDim: hidden, payload }))
-      const got = yield* inbound.take
-      const t1 = process.hrtime.bigint()
-      if (got.step !== i) throw new Error(`echo out of order: ${got.step} != ${i}`)
-      if (i >= warmup) rtts.push(Number(t1 - t0) / 1000)
-    }
-    const received = yield* inbound.stats
-    if (received.spins > 0) console.log(`  (echo receiver busy-polls: ${received.spins}, found a frame: ${received.spinHits})`)
-    const sorted = [...rtts].sort((a, b) => a - b)
-    return {
-      transport,
-      hopP50: percentile(sorted, 0.5) / 2,
-      hopP99: percentile(sorted, 0.99) / 2,
-      rttP50: percentile(sorted, 0.5),
-      rttP99: percentile(sorted, 0.99)
-    }
-  }))
+  )
 
 if (process.argv.includes("--echo")) {
   process.once("message", (setup) => {
@@ -139,7 +148,7 @@ if (process.argv.includes("--echo")) {
   })
   process.on("disconnect", () => process.exit(0))
 } else {
-  const main = Effect.gen(function*() {
+  const main = Effect.gen(function* () {
     console.log(
       `activation hop latency: hidden ${hidden} f32 (${hidden * 4} B payload), ${iterations} round trips after ${warmup} warm-up, ` +
         `two processes, ${Os.cpus().length} CPUs, node ${process.version}`
@@ -168,8 +177,11 @@ if (process.argv.includes("--echo")) {
       console.log(`TLS hop p50 / plain TCP hop p50 = ${(tls / plain).toFixed(2)}x (target <= 1.3x)`)
     }
   })
-  Effect.runPromise(main).then(() => process.exit(0), (e) => {
-    console.error(e)
-    process.exit(1)
-  })
+  Effect.runPromise(main).then(
+    () => process.exit(0),
+    (e) => {
+      console.error(e)
+      process.exit(1)
+    }
+  )
 }

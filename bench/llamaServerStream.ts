@@ -7,7 +7,10 @@ export interface CompletionEvent {
 }
 
 /** Calls `onToken` for every token event of a streamed `/completion` response (the closing `stop` event left out). */
-export const forEachStreamedToken = async (response: Response, onToken: (event: CompletionEvent) => void): Promise<void> => {
+export const forEachStreamedToken = async (
+  response: Response,
+  onToken: (event: CompletionEvent) => void
+): Promise<void> => {
   let buffer = ""
   const decoder = new TextDecoder()
   const reader = response.body!.getReader()

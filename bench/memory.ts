@@ -157,7 +157,9 @@ const llamaCppBuffers = (lines: ReadonlyArray<string>) => {
     if (m !== null) last.set(`${m[1]} ${m[2]}`, { kind: m[2]!, bytes: Number(m[3]) * MiB })
   }
   const sum = (kind: string) =>
-    [...last.values()].filter((b) => b.kind === kind).reduce((a, b) => (Number.isNaN(a) ? b.bytes : a + b.bytes), Number.NaN)
+    [...last.values()]
+      .filter((b) => b.kind === kind)
+      .reduce((a, b) => (Number.isNaN(a) ? b.bytes : a + b.bytes), Number.NaN)
   return { model: sum("model"), kv: sum("KV"), compute: sum("compute") }
 }
 
@@ -239,13 +241,17 @@ const idleStatus = async (pid: number): Promise<MemStatus | undefined> => {
 const idleBaselines = async (sampler: Sampler) => {
   const tracker = phaseTracker(sampler)
   const refTracker = phaseTracker(sampler)
-  const agent = await Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const [one] = yield* spawnLocalAgents({ count: 1, token: generateToken(), threads: cfg.threads })
-    tracker.track([one!.pid])
-    const status = yield* Effect.promise(() => idleStatus(one!.pid))
-    yield* Effect.promise(() => tracker.cut("idle 3 s"))
-    return { pid: one!.pid, status }
-  })))
+  const agent = await Effect.runPromise(
+    Effect.scoped(
+      Effect.gen(function* () {
+        const [one] = yield* spawnLocalAgents({ count: 1, token: generateToken(), threads: cfg.threads })
+        tracker.track([one!.pid])
+        const status = yield* Effect.promise(() => idleStatus(one!.pid))
+        yield* Effect.promise(() => tracker.cut("idle 3 s"))
+        return { pid: one!.pid, status }
+      })
+    )
+  )
   const ref = startReference({ idle: true })
   refTracker.track([ref.child.pid!])
   await ref.events.next("loaded")
@@ -281,26 +287,35 @@ const swactorRun = async (plan: Plan, tracker: PhaseTracker) => {
   try {
     const t0 = performance.now()
     await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
-    console.log(`  swactor: pipeline ready in ${((performance.now() - t0) / 1000).toFixed(1)} s (agents ${agents.map((a) => a.pid).join(", ")})`)
+    console.log(
+      `  swactor: pipeline ready in ${((performance.now() - t0) / 1000).toFixed(1)} s (agents ${agents.map((a) => a.pid).join(", ")})`
+    )
     for (const a of agents) mappedAtLoad.set(a.pid, mapsFile(a.pid, plan.model))
     await tracker.cut("load")
     const round = (onMid?: () => void) =>
-      runtime.runPromise(
-        Effect.flatMap(Server, (server) =>
-          Effect.forEach(plan.prompts, (prompt, i) => {
-            let midDone = false
-            return server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
-              Stream.runFold(0, (n, e) => {
-                if (e._tag !== "Text") return n
-                if (i === 0 && !midDone && e.completionTokens >= Math.ceil(cfg.tokens / 2)) {
-                  midDone = true
-                  onMid?.()
-                }
-                return e.completionTokens
-              })
+      runtime
+        .runPromise(
+          Effect.flatMap(Server, (server) =>
+            Effect.forEach(
+              plan.prompts,
+              (prompt, i) => {
+                let midDone = false
+                return server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
+                  Stream.runFold(0, (n, e) => {
+                    if (e._tag !== "Text") return n
+                    if (i === 0 && !midDone && e.completionTokens >= Math.ceil(cfg.tokens / 2)) {
+                      midDone = true
+                      onMid?.()
+                    }
+                    return e.completionTokens
+                  })
+                )
+              },
+              { concurrency: "unbounded" }
             )
-          }, { concurrency: "unbounded" }))
-      ).then((counts) => tokensPerRound.push(counts.reduce((a, b) => a + b, 0)))
+          )
+        )
+        .then((counts) => tokensPerRound.push(counts.reduce((a, b) => a + b, 0)))
     const roundStart = performance.now()
     await round()
     // the move runs in the background after round 1 began: wait until no agent maps the file (or the timeout)
@@ -311,7 +326,9 @@ const swactorRun = async (plan: Plan, tracker: PhaseTracker) => {
     settleSeconds = stillMapped.length === 0 ? (performance.now() - roundStart) / 1000 : Number.NaN
     await tracker.cut("round 1 + settle")
     for (let r = 2; r <= cfg.rounds; r++) {
-      await round(r === cfg.rounds ? () => (steady = new Map(agents.map((a) => [a.pid, readStatus(a.pid)]))) : undefined)
+      await round(
+        r === cfg.rounds ? () => (steady = new Map(agents.map((a) => [a.pid, readStatus(a.pid)]))) : undefined
+      )
     }
     await tracker.cut(`rounds 2-${cfg.rounds}`)
     return { agents, mappedAtLoad, settleSeconds, stillMapped, steady, tokensPerRound }
@@ -350,7 +367,13 @@ const referenceRun = async (plan: Plan, tracker: PhaseTracker) => {
       if (e === undefined) break
       logs.push(String(e["line"]))
     }
-    return { pid, steady, tokensPerRound, contextSize: Number(loaded["contextSize"]) * cfg.clients, buffers: llamaCppBuffers(logs) }
+    return {
+      pid,
+      steady,
+      tokensPerRound,
+      contextSize: Number(loaded["contextSize"]) * cfg.clients,
+      buffers: llamaCppBuffers(logs)
+    }
   } finally {
     ref.child.stdin!.end("exit\n")
   }
@@ -359,12 +382,32 @@ const referenceRun = async (plan: Plan, tracker: PhaseTracker) => {
 const llamaServerRun = async (binary: string, plan: Plan, tracker: PhaseTracker) => {
   const port = 18000 + Math.floor(Math.random() * 2000)
   const contextSize = plan.contextPerSequence * cfg.clients
-  const child = spawn(binary, [
-    "-m", plan.model, "-c", String(contextSize), "-np", String(cfg.clients), "-t", String(cfg.refThreads),
-    "-tb", String(cfg.refThreads), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui",
-    // verbosity 4: its buffer sizes are logged at that level only
-    "-lv", "4"
-  ], { stdio: ["ignore", "pipe", "pipe"] })
+  const child = spawn(
+    binary,
+    [
+      "-m",
+      plan.model,
+      "-c",
+      String(contextSize),
+      "-np",
+      String(cfg.clients),
+      "-t",
+      String(cfg.refThreads),
+      "-tb",
+      String(cfg.refThreads),
+      "-fa",
+      "on",
+      "--port",
+      String(port),
+      "--host",
+      "127.0.0.1",
+      "--no-webui",
+      // verbosity 4: its buffer sizes are logged at that level only
+      "-lv",
+      "4"
+    ],
+    { stdio: ["ignore", "pipe", "pipe"] }
+  )
   const pid = child.pid!
   tracker.track([pid])
   const logs: Array<string> = []
@@ -379,7 +422,13 @@ const llamaServerRun = async (binary: string, plan: Plan, tracker: PhaseTracker)
   const url = `http://127.0.0.1:${port}`
   try {
     for (let i = 0; ; i++) {
-      if (await fetch(`${url}/health`).then((r) => r.ok, () => false)) break
+      if (
+        await fetch(`${url}/health`).then(
+          (r) => r.ok,
+          () => false
+        )
+      )
+        break
       if (i > 3000 || child.exitCode !== null) {
         throw new Error(`llama-server did not become ready (exit ${child.exitCode}): ${tail.join(" | ")}`)
       }
@@ -392,7 +441,14 @@ const llamaServerRun = async (binary: string, plan: Plan, tracker: PhaseTracker)
       const response = await fetch(`${url}/completion`, {
         method: "POST",
         headers: { "content-type": "application/json" },
-        body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
+        body: JSON.stringify({
+          prompt,
+          n_predict: cfg.tokens,
+          temperature: 0,
+          stream: true,
+          cache_prompt: false,
+          logit_bias: logitBias
+        })
       })
       let n = 0
       await forEachStreamedToken(response, () => {
@@ -425,7 +481,8 @@ const printPhases = (results: ReadonlyArray<ProcessResult>) => {
     "\nper phase (MiB): VmHWM = the kernel's peak in the phase; sampled = the highest VmRSS read (anon / file / shmem at " +
       "that reading, and when in the phase); end = VmRSS at the phase's end"
   )
-  const head = `${"process".padEnd(NAME)}${"phase".padEnd(20)}${cell("s", 6)}${cell("VmHWM", 8)}${cell("sampled", 9)}` +
+  const head =
+    `${"process".padEnd(NAME)}${"phase".padEnd(20)}${cell("s", 6)}${cell("VmHWM", 8)}${cell("sampled", 9)}` +
     `${cell("anon", 7)}${cell("file", 7)}${cell("shm", 5)}${cell("at s", 7)}${cell("end", 7)}${cell("reads", 7)}`
   console.log(head)
   console.log("-".repeat(head.length))
@@ -447,7 +504,8 @@ const printTable = (results: ReadonlyArray<ProcessResult>) => {
     "\nfinal table (MiB; ratios x): peak = VmHWM over every phase (or a higher sampled VmRSS); steady = VmRSS halfway through the last round's decode; " +
       "W = weights, KV = the round's KV cache; '- base' = the same with the idle baseline of its kind subtracted from peak and steady"
   )
-  const head = `${"process".padEnd(NAME)}${cell("W", 6)}${cell("KV", 5)}${cell("peak", 6)}${cell("steady", 7)}` +
+  const head =
+    `${"process".padEnd(NAME)}${cell("W", 6)}${cell("KV", 5)}${cell("peak", 6)}${cell("steady", 7)}` +
     `${cell("peak/W", 8)}${cell("pk/(W+KV)", 10)}${cell("stdy/W", 8)}${cell("st/(W+KV)", 10)} |` +
     `${cell("base", 5)}${cell("peak/W", 8)}${cell("pk/(W+KV)", 10)}${cell("stdy/W", 8)}${cell("st/(W+KV)", 10)}  (- base)`
   console.log(head)
@@ -543,8 +601,8 @@ const main = async () => {
         (s.stillMapped.length > 0
           ? `still mapping the model after ${cfg.settleTimeoutS} s: agents ${s.stillMapped.join(", ")}`
           : [...s.mappedAtLoad.values()].some((m) => m)
-          ? `settled (no agent maps the model file) ${s.settleSeconds.toFixed(1)} s after round 1 began`
-          : "no agent mapped the model file when the load phase ended (weights copied at load, or moved already)")
+            ? `settled (no agent maps the model file) ${s.settleSeconds.toFixed(1)} s after round 1 began`
+            : "no agent mapped the model file when the load phase ended (weights copied at load, or moved already)")
     )
     s.agents.forEach((a, i) => {
       const h = held.perStage[i]
@@ -579,25 +637,28 @@ const main = async () => {
       )
       results.push(llamaCppRow("llama-server", r, t, undefined))
     }
-    results.push({
-      name: "idle agent (baseline)",
-      pid: idle.agent.pid,
-      phases: idle.agent.phases,
-      steady: idle.agent.status,
-      weights: Number.NaN,
-      kv: Number.NaN,
-      compute: undefined,
-      base: undefined
-    }, {
-      name: "idle node-llama-cpp (base)",
-      pid: idle.reference.pid,
-      phases: idle.reference.phases,
-      steady: idle.reference.status,
-      weights: Number.NaN,
-      kv: Number.NaN,
-      compute: undefined,
-      base: undefined
-    })
+    results.push(
+      {
+        name: "idle agent (baseline)",
+        pid: idle.agent.pid,
+        phases: idle.agent.phases,
+        steady: idle.agent.status,
+        weights: Number.NaN,
+        kv: Number.NaN,
+        compute: undefined,
+        base: undefined
+      },
+      {
+        name: "idle node-llama-cpp (base)",
+        pid: idle.reference.pid,
+        phases: idle.reference.phases,
+        steady: idle.reference.status,
+        weights: Number.NaN,
+        kv: Number.NaN,
+        compute: undefined,
+        base: undefined
+      }
+    )
   } finally {
     await sampler.close()
   }
@@ -611,8 +672,16 @@ const main = async () => {
     table.splice(stageRows.length, 0, {
       name: "swactor, stages summed",
       pid: 0,
-      phases: [{ phase: "all", seconds: 0, hwm: sum((r) => peakOf(r.phases)), sampled: undefined, end: undefined, passes: 0 }],
-      steady: { rss: sum((r) => r.steady?.rss ?? Number.NaN), hwm: Number.NaN, anon: Number.NaN, file: Number.NaN, shmem: Number.NaN },
+      phases: [
+        { phase: "all", seconds: 0, hwm: sum((r) => peakOf(r.phases)), sampled: undefined, end: undefined, passes: 0 }
+      ],
+      steady: {
+        rss: sum((r) => r.steady?.rss ?? Number.NaN),
+        hwm: Number.NaN,
+        anon: Number.NaN,
+        file: Number.NaN,
+        shmem: Number.NaN
+      },
       weights: sum((r) => r.weights),
       kv: sum((r) => r.kv),
       compute: undefined,
@@ -622,14 +691,20 @@ const main = async () => {
   printTable(table)
   // a transient the kernel's peak missed, beyond its counters' slack
   const missed = results.filter((r) => r.phases.some((p) => (p.sampled?.rss ?? 0) > p.hwm + MiB))
-  if (missed.length > 0) console.log(`(a sampled VmRSS above the phase's VmHWM: ${missed.map((r) => r.name).join(", ")})`)
+  if (missed.length > 0)
+    console.log(`(a sampled VmRSS above the phase's VmHWM: ${missed.map((r) => r.name).join(", ")})`)
   printTarget(table)
   if (held.fileTensorBytes !== held.whole.weights) {
-    console.log(`(the file holds ${mib(held.fileTensorBytes)} MiB of tensors; the stages load ${mib(held.whole.weights)} MiB)`)
+    console.log(
+      `(the file holds ${mib(held.fileTensorBytes)} MiB of tensors; the stages load ${mib(held.whole.weights)} MiB)`
+    )
   }
 }
 
-main().then(() => process.exit(0), (error: unknown) => {
-  console.error(error)
-  process.exit(1)
-})
+main().then(
+  () => process.exit(0),
+  (error: unknown) => {
+    console.error(error)
+    process.exit(1)
+  }
+)

@@ -61,7 +61,10 @@ const cfg = {
 }
 const MiB = 2 ** 20
 const mib = (b: number) => (Number.isFinite(b) ? (b / MiB).toFixed(0) : "-")
-const load = () => loadavg().map((x) => x.toFixed(2)).join(" ")
+const load = () =>
+  loadavg()
+    .map((x) => x.toFixed(2))
+    .join(" ")
 
 const timingPart = async (path: string) => {
   const timing = {
@@ -78,7 +81,9 @@ const timingPart = async (path: string) => {
     for (const s of cfg.stages) {
       const o = await timeOurs(path, evenSplit(shape.layers, s), timing)
       ours.set(s, bestFigures(ours.get(s), o))
-      console.log(`  round ${round + 1}: swactor ${s} stage(s) decode ${fmt(o.decode, 2)}, prefill ${fmt(o.prefill, 2)} tok/s (load ${load()})`)
+      console.log(
+        `  round ${round + 1}: swactor ${s} stage(s) decode ${fmt(o.decode, 2)}, prefill ${fmt(o.prefill, 2)} tok/s (load ${load()})`
+      )
     }
   }
   return { ref: ref!, ours }
@@ -86,15 +91,19 @@ const timingPart = async (path: string) => {
 
 /** An idle stage agent's VmRSS (started as serve starts them, loading nothing): the median of 3 s of readings. */
 const idleAgentRss = () =>
-  Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-    const [agent] = yield* spawnLocalAgents({ count: 1, token: generateToken(), threads: cfg.threads })
-    const readings: Array<number> = []
-    for (let i = 0; i < 30; i++) {
-      yield* Effect.sleep("100 millis")
-      readings.push(readStatus(agent!.pid)?.rss ?? Number.NaN)
-    }
-    return median(readings.filter(Number.isFinite))
-  })))
+  Effect.runPromise(
+    Effect.scoped(
+      Effect.gen(function* () {
+        const [agent] = yield* spawnLocalAgents({ count: 1, token: generateToken(), threads: cfg.threads })
+        const readings: Array<number> = []
+        for (let i = 0; i < 30; i++) {
+          yield* Effect.sleep("100 millis")
+          readings.push(readStatus(agent!.pid)?.rss ?? Number.NaN)
+        }
+        return median(readings.filter(Number.isFinite))
+      })
+    )
+  )
 
 const servePart = async (path: string) => {
   let agents: ReadonlyArray<LocalAgent> = []
@@ -151,7 +160,9 @@ const main = async () => {
       `\nnode-llama-cpp (1 context, 1 sequence, ${cfg.threads} thread(s), flash attention, F16 KV): decode ${fmt(r.decode, 2)} tok/s, ` +
         `prefill ${fmt(r.prefill, 2)} tok/s`
     )
-    console.log("| stages | decode tok/s | x node-llama-cpp | target | per CPU-s | prefill tok/s | x node-llama-cpp | per CPU-s |")
+    console.log(
+      "| stages | decode tok/s | x node-llama-cpp | target | per CPU-s | prefill tok/s | x node-llama-cpp | per CPU-s |"
+    )
     console.log("|---|---|---|---|---|---|---|---|")
     for (const n of cfg.stages) {
       const o = timed.ours.get(n)!
@@ -169,7 +180,9 @@ const main = async () => {
       `\nserve: ${cfg.serveStages} stage agents x ${cfg.threads} thread(s), ${cfg.serveTokens} greedy tokens per stream, ` +
         `${cfg.serveRounds} round(s) per N (median)`
     )
-    console.log(`| N | aggregate tok/s | x N=${cfg.clients[0]} | TTFT p50 ms | inter-token p50 / p99 ms |\n|---|---|---|---|---|`)
+    console.log(
+      `| N | aggregate tok/s | x N=${cfg.clients[0]} | TTFT p50 ms | inter-token p50 / p99 ms |\n|---|---|---|---|---|`
+    )
     for (const n of cfg.clients) {
       const f = summarize(served.rounds.get(n)!)
       console.log(
@@ -180,7 +193,9 @@ const main = async () => {
       `\npeak RSS per stage agent (VmHWM after the serve rounds) against weights + KV (the agent's KV for one sequence x ` +
         `${served.maxClients}); an idle agent's VmRSS: ${mib(idle)} MiB; target <= 1.15x`
     )
-    console.log("| stage | blocks | weights MiB | KV MiB | VmHWM MiB | agent's own peak MiB | / (W + KV) | (VmHWM - idle) / (W + KV) | target |")
+    console.log(
+      "| stage | blocks | weights MiB | KV MiB | VmHWM MiB | agent's own peak MiB | / (W + KV) | (VmHWM - idle) / (W + KV) | target |"
+    )
     console.log("|---|---|---|---|---|---|---|---|---|")
     served.peaks.forEach((p, i) => {
       const h = held.perStage[i]
@@ -196,7 +211,10 @@ const main = async () => {
   }
 }
 
-main().then(() => process.exit(0), (error: unknown) => {
-  console.error(error)
-  process.exit(1)
-})
+main().then(
+  () => process.exit(0),
+  (error: unknown) => {
+    console.error(error)
+    process.exit(1)
+  }
+)

@@ -73,10 +73,12 @@ export const ensureMoeBenchModel = async (dir: string, s: MoeBenchShape): Promis
     expertFfn: s.expertFfn
   })
   const started = performance.now()
-  const w = await Effect.runPromise(writeGgufFile(partial, {
-    metadata: spec.metadata,
-    tensors: spec.tensors.map((t) => (t.name.endsWith("_exps.weight") ? repeatFirstChunk(t) : t))
-  }))
+  const w = await Effect.runPromise(
+    writeGgufFile(partial, {
+      metadata: spec.metadata,
+      tensors: spec.tensors.map((t) => (t.name.endsWith("_exps.weight") ? repeatFirstChunk(t) : t))
+    })
+  )
   renameSync(partial, path)
   console.log(`${(w.bytes / 2 ** 30).toFixed(2)} GiB in ${((performance.now() - started) / 1000).toFixed(0)} s`)
   return path
@@ -93,8 +95,9 @@ const repeatFirstChunk = (t: GgufTensorSpec): GgufTensorSpec => ({
     const whole = t.data()
     const first = whole instanceof Uint8Array ? whole : whole[Symbol.iterator]().next().value!
     const total = tensorBytes(t.type, t.dims)
-    return (function*() {
-      for (let done = 0; done < total; done += first.length) yield first.subarray(0, Math.min(first.length, total - done))
+    return (function* () {
+      for (let done = 0; done < total; done += first.length)
+        yield first.subarray(0, Math.min(first.length, total - done))
     })()
   }
 })

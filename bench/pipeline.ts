@@ -55,7 +55,12 @@ const reference = async (): Promise<Result> => {
   const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
   const model = await llama.loadModel({ modelPath, gpuLayers: 0 })
   try {
-    const ctx = await model.createContext({ contextSize: 512, threads: cfg.threads, flashAttention: true, sequences: 1 })
+    const ctx = await model.createContext({
+      contextSize: 512,
+      threads: cfg.threads,
+      flashAttention: true,
+      sequences: 1
+    })
     try {
       const seq = ctx.getSequence()
       const bos = model.tokens.bos
@@ -81,7 +86,7 @@ const reference = async (): Promise<Result> => {
 /** `swactor run --stages N` through the library: N fresh local agent processes. */
 const pipeline = (agents: number): Promise<Result> =>
   Effect.runPromise(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const tokens: Array<number> = []
       let summary: RunSummary | undefined
       yield* run({ model: modelPath, prompt, stages: agents, maxTokens: cfg.decode, threads: cfg.threads }).pipe(

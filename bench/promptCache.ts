@@ -44,7 +44,12 @@ const turn = (runtime: ManagedRuntime.ManagedRuntime<Server, never>, prompt: str
               }
             })
           ),
-          Effect.map((): Turn => ({ ttftMillis: (first ?? performance.now()) - start, text, promptTokens, cachedTokens }))
+          Effect.map((): Turn => ({
+            ttftMillis: (first ?? performance.now()) - start,
+            text,
+            promptTokens,
+            cachedTokens
+          }))
         )
       })
     )
@@ -98,7 +103,9 @@ export const promptCacheFigure = async (options: {
       `\nprompt cache (${options.model}, ${options.stages} stages x ${options.threads} thread(s)): a two-turn conversation, ` +
         `turn 2 = turn 1 + its ${reply}-token reply + a few words, greedy; time to first token (ms)`
     )
-    console.log("| round | turn 1 tokens | turn 1 TTFT | turn 2 tokens | cached | turn 2 TTFT | ratio | cache off: turn 2 TTFT | same text |")
+    console.log(
+      "| round | turn 1 tokens | turn 1 TTFT | turn 2 tokens | cached | turn 2 TTFT | ratio | cache off: turn 2 TTFT | same text |"
+    )
     console.log("|---|---|---|---|---|---|---|---|---|")
     rows.forEach((x, i) => {
       const same = x.on1.text === x.off1.text && x.on2.text === x.off2.text

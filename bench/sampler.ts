@@ -12,15 +12,21 @@ const STEPS = 2_000
 const WARMUP = 200
 
 let state = 12345
-const random = () => ((state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32)
+const random = () => (state = (Math.imul(state, 1103515245) + 12345) >>> 0) / 2 ** 32
 const logits = Array.from({ length: 8 }, () => Float32Array.from({ length: VOCAB }, () => (random() - 0.5) * 20))
 
 const settings: ReadonlyArray<readonly [string, SamplingPolicy]> = [
   ["greedy (argmax, no native call)", { temperatureMillis: 0, topK: 1 }],
   ["greedy + repeat penalty (chain)", { temperatureMillis: 0, topK: 1, repeatPenalty: 1.1 }],
   ["temperature 0.8, top-k 40, seed", { temperatureMillis: 800, topK: 40, seed: 1 }],
-  ["+ repeat/presence/frequency penalties", { temperatureMillis: 800, topK: 40, seed: 1, repeatPenalty: 1.1, presencePenalty: 0.2, frequencyPenalty: 0.2 }],
-  ["+ top-p 0.95, min-p 0.05", { temperatureMillis: 800, topK: 40, seed: 1, repeatPenalty: 1.1, topP: 0.95, minP: 0.05 }],
+  [
+    "+ repeat/presence/frequency penalties",
+    { temperatureMillis: 800, topK: 40, seed: 1, repeatPenalty: 1.1, presencePenalty: 0.2, frequencyPenalty: 0.2 }
+  ],
+  [
+    "+ top-p 0.95, min-p 0.05",
+    { temperatureMillis: 800, topK: 40, seed: 1, repeatPenalty: 1.1, topP: 0.95, minP: 0.05 }
+  ],
   ["temperature 0.8, top-k 0 (whole vocab), top-p 0.95", { temperatureMillis: 800, topK: 0, seed: 1, topP: 0.95 }],
   ["temperature 0.8, top-k 40 + log-probs (5)", { temperatureMillis: 800, topK: 40, seed: 1, logprobs: 5 }]
 ]

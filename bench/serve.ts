@@ -137,20 +137,25 @@ const nodeLlamaCpp = async (modelPath: string): Promise<Contender> => {
         flashAttention: true
       })
       try {
-        return await Promise.all(Array.from({ length: n }, async (_, i) => {
-          const sequence = context.getSequence()
-          const bos = model.tokens.bos
-          const input: Array<Token> = [...(bos !== null ? [bos] : []), ...model.tokenize(prompts[i % prompts.length]!)]
-          const start = performance.now()
-          const arrivals: Array<number> = []
-          const tokens: Array<Token> = []
-          for await (const token of sequence.evaluate(input, { temperature: 0 })) {
-            arrivals.push(performance.now())
-            tokens.push(token)
-            if (tokens.length >= cfg.tokens || model.isEogToken(token)) break
-          }
-          return { start, arrivals, text: model.detokenize(tokens) }
-        }))
+        return await Promise.all(
+          Array.from({ length: n }, async (_, i) => {
+            const sequence = context.getSequence()
+            const bos = model.tokens.bos
+            const input: Array<Token> = [
+              ...(bos !== null ? [bos] : []),
+              ...model.tokenize(prompts[i % prompts.length]!)
+            ]
+            const start = performance.now()
+            const arrivals: Array<number> = []
+            const tokens: Array<Token> = []
+            for await (const token of sequence.evaluate(input, { temperature: 0 })) {
+              arrivals.push(performance.now())
+              tokens.push(token)
+              if (tokens.length >= cfg.tokens || model.isEogToken(token)) break
+            }
+            return { start, arrivals, text: model.detokenize(tokens) }
+          })
+        )
       } finally {
         await context.dispose()
       }
@@ -166,21 +171,44 @@ const nodeLlamaCpp = async (modelPath: string): Promise<Contender> => {
 const llamaServer = async (binary: string, modelPath: string): Promise<Contender> => {
   const maxClients = Math.max(...cfg.clients)
   const port = 18000 + Math.floor(Math.random() * 2000)
-  const child = spawn(binary, [
-    "-m", modelPath, "-t", String(cfg.refThreads), "-tb", String(cfg.refThreads), "-np", String(maxClients),
-    "-c", String(maxClients * 512), "-fa", "on", "--port", String(port), "--host", "127.0.0.1", "--no-webui"
-  ], {
-    stdio: ["ignore", "ignore", "ignore"],
-    // its own ggml libraries beside it (scripts/build-llama-tools.sh): without this the build folder's rpath can load a
-    // second libggml-base, and llama-server aborts at start (seen: GGML_ASSERT(prev != ggml_uncaught_exception))
-    env: { ...process.env, LD_LIBRARY_PATH: dirname(resolve(binary)) }
-  })
+  const child = spawn(
+    binary,
+    [
+      "-m",
+      modelPath,
+      "-t",
+      String(cfg.refThreads),
+      "-tb",
+      String(cfg.refThreads),
+      "-np",
+      String(maxClients),
+      "-c",
+      String(maxClients * 512),
+      "-fa",
+      "on",
+      "--port",
+      String(port),
+      "--host",
+      "127.0.0.1",
+      "--no-webui"
+    ],
+    {
+      stdio: ["ignore", "ignore", "ignore"],
+      // its own ggml libraries beside it (scripts/build-llama-tools.sh): without this the build folder's rpath can load a
+      // second libggml-base, and llama-server aborts at start (seen: GGML_ASSERT(prev != ggml_uncaught_exception))
+      env: { ...process.env, LD_LIBRARY_PATH: dirname(resolve(binary)) }
+    }
+  )
   const url = `http://127.0.0.1:${port}`
   try {
     for (let i = 0; ; i++) {
-      const ok = await fetch(`${url}/health`).then((r) => r.ok, () => false)
+      const ok = await fetch(`${url}/health`).then(
+        (r) => r.ok,
+        () => false
+      )
       if (ok) break
-      if (i > 1200 || child.exitCode !== null) throw new Error(`llama-server did not become ready (exit ${child.exitCode})`)
+      if (i > 1200 || child.exitCode !== null)
+        throw new Error(`llama-server did not become ready (exit ${child.exitCode})`)
       await new Promise((r) => setTimeout(r, 100))
     }
   } catch (error) {
@@ -193,7 +221,14 @@ const llamaServer = async (binary: string, modelPath: string): Promise<Contender
     const response = await fetch(`${url}/completion`, {
       method: "POST",
       headers: { "content-type": "application/json" },
-      body: JSON.stringify({ prompt, n_predict: cfg.tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
+      body: JSON.stringify({
+        prompt,
+        n_predict: cfg.tokens,
+        temperature: 0,
+        stream: true,
+        cache_prompt: false,
+        logit_bias: logitBias
+      })
     })
     const arrivals: Array<number> = []
     let text = ""
@@ -282,7 +317,8 @@ const main = async () => {
           server.generate({ prompt, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
             Stream.runFold("", (text, e) => (e._tag === "Text" ? text + e.text : text)),
             Effect.map((text) => [text])
-          ))
+          )
+        )
       )
       lone.set(prompt, result!)
     }
@@ -320,7 +356,9 @@ const main = async () => {
     await runtime.dispose()
   }
 
-  console.log("\nswactor time to first token by phase (/metrics' swactor_first_token_phase_seconds_total), ms per request, the median over rounds:")
+  console.log(
+    "\nswactor time to first token by phase (/metrics' swactor_first_token_phase_seconds_total), ms per request, the median over rounds:"
+  )
   console.log(`| N | ${phaseNames.join(" | ")} | total |`)
   console.log(`|---|${phaseNames.map(() => "---|").join("")}---|`)
   for (const n of cfg.clients) {
@@ -342,13 +380,16 @@ const main = async () => {
     "\naggregate tok/s: the median round (min–max of the rounds); TTFT and inter-token p50/p99 (ms): over every round's " +
       "streams; p99 rd: the median of the rounds' own inter-token p99"
   )
-  console.log("\n| N | swactor agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms | p99 rd | = alone | node-llama-cpp agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms |")
+  console.log(
+    "\n| N | swactor agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms | p99 rd | = alone | node-llama-cpp agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms |"
+  )
   console.log("|---|---|---|---|---|---|---|---|---|---|---|")
   for (const n of cfg.clients) {
     const o = at("swactor", n)!
-    const same = results.get("swactor")!.get(n)!.every((round) =>
-      round.every((s, i) => s.text === lone.get(prompts[i % prompts.length]!))
-    )
+    const same = results
+      .get("swactor")!
+      .get(n)!
+      .every((round) => round.every((s, i) => s.text === lone.get(prompts[i % prompts.length]!)))
     const r = at("node-llama-cpp", n)
     console.log(
       `| ${n} | ${fmt(o.aggregate)} | ${o.spread} | ${fmt(o.ttft[0])} / ${fmt(o.ttft[1])} | ${fmt(o.itl[0], 2)} / ${fmt(o.itl[1], 2)} | ${fmt(o.itlP99Round)} | ${same ? "yes" : "NO"} | ` +
@@ -357,11 +398,15 @@ const main = async () => {
     )
   }
   if (results.has("llama-server")) {
-    console.log(`\nllama-server (-t ${cfg.refThreads} -np ${maxClients}, flash attention, /completion streamed, same client load):`)
+    console.log(
+      `\nllama-server (-t ${cfg.refThreads} -np ${maxClients}, flash attention, /completion streamed, same client load):`
+    )
     console.log("| N | agg tok/s | rounds | TTFT p50/p99 ms | inter-token p50/p99 ms |\n|---|---|---|---|---|")
     for (const n of cfg.clients) {
       const f = at("llama-server", n)!
-      console.log(`| ${n} | ${fmt(f.aggregate)} | ${f.spread} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`)
+      console.log(
+        `| ${n} | ${fmt(f.aggregate)} | ${f.spread} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`
+      )
     }
   }
   const names = contenders.map((c) => c.name)
@@ -392,7 +437,14 @@ const main = async () => {
     for (let r = 0; r < cfg.rounds; r++) {
       const arrivals: Array<number> = []
       await Effect.runPromise(
-        generate({ model: modelPath, prompt: prompts[0]!, stages: cfg.stages, threads: cfg.threads, maxTokens: cfg.tokens, sampling: { temperature: 0 } }).pipe(
+        generate({
+          model: modelPath,
+          prompt: prompts[0]!,
+          stages: cfg.stages,
+          threads: cfg.threads,
+          maxTokens: cfg.tokens,
+          sampling: { temperature: 0 }
+        }).pipe(
           Stream.runForEach(() => Effect.sync(() => void arrivals.push(performance.now()))),
           Effect.provide(layerLocal())
         )
@@ -407,13 +459,18 @@ serve N=1 inter-token p50 ${fmt(one.itl[0], 1)} ms against \`swactor run\`'s ${f
     )
     const server1 = at("llama-server", 1)
     if (server1 !== undefined) {
-      console.log(`serve N=1 TTFT p50 ${fmt(one.ttft[0], 1)} ms against llama-server's ${fmt(server1.ttft[0], 1)} ms: ${fmt(one.ttft[0] / server1.ttft[0], 2)}x (target <= 1.5)`)
+      console.log(
+        `serve N=1 TTFT p50 ${fmt(one.ttft[0], 1)} ms against llama-server's ${fmt(server1.ttft[0], 1)} ms: ${fmt(one.ttft[0] / server1.ttft[0], 2)}x (target <= 1.5)`
+      )
     }
   }
   await cacheFigure(() => Promise.resolve(modelPath))
 }
 
-main().then(() => process.exit(0), (error: unknown) => {
-  console.error(error)
-  process.exit(1)
-})
+main().then(
+  () => process.exit(0),
+  (error: unknown) => {
+    console.error(error)
+    process.exit(1)
+  }
+)

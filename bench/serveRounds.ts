@@ -6,7 +6,16 @@
 import { Effect, type ManagedRuntime, Stream } from "effect"
 import { Server } from "../src/api/serve.js"
 
-export const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
+export const prompts = [
+  "Once upon a time",
+  "The little dog",
+  "In a big forest",
+  "One sunny day",
+  "Tom and Sue",
+  "A red ball",
+  "The old man",
+  "At the park"
+]
 
 /** When each token of one stream arrived (ms), from the request's start. */
 export interface StreamTimes {
@@ -45,24 +54,28 @@ const figures = (streams: ReadonlyArray<StreamTimes>): Figures => {
 export const swactorRound = (runtime: ManagedRuntime.ManagedRuntime<Server, never>, n: number, tokens: number) =>
   runtime.runPromise(
     Effect.flatMap(Server, (server) =>
-      Effect.forEach(Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!), (prompt) =>
-        Effect.suspend(() => {
-          const start = performance.now()
-          const arrivals: Array<number> = []
-          let text = ""
-          return server.generate({ prompt, maxTokens: tokens, sampling: { temperature: 0 } }).pipe(
-            Stream.runForEach((event) =>
-              Effect.sync(() => {
-                if (event._tag === "Text") {
-                  text += event.text
-                  // One arrival per generated token (a piece may be held back for a multi-byte character).
-                  while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
-                }
-              })
-            ),
-            Effect.map((): StreamTimes => ({ start, arrivals, text }))
-          )
-        }), { concurrency: "unbounded" })
+      Effect.forEach(
+        Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!),
+        (prompt) =>
+          Effect.suspend(() => {
+            const start = performance.now()
+            const arrivals: Array<number> = []
+            let text = ""
+            return server.generate({ prompt, maxTokens: tokens, sampling: { temperature: 0 } }).pipe(
+              Stream.runForEach((event) =>
+                Effect.sync(() => {
+                  if (event._tag === "Text") {
+                    text += event.text
+                    // One arrival per generated token (a piece may be held back for a multi-byte character).
+                    while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
+                  }
+                })
+              ),
+              Effect.map((): StreamTimes => ({ start, arrivals, text }))
+            )
+          }),
+        { concurrency: "unbounded" }
+      )
     )
   )
 

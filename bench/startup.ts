@@ -39,26 +39,38 @@ interface Measured {
 
 /** Runs `node args`; resolves at exit with the time of the first stdout byte after launch and the output. */
 const launch = (args: ReadonlyArray<string>) =>
-  new Promise<{ firstOutputMs: number; stdout: string; stderr: string; code: number | null }>((resolvePromise, reject) => {
-    const started = performance.now()
-    const child = spawn(process.execPath, args, { cwd: root, stdio: ["ignore", "pipe", "pipe"] })
-    let firstOutputMs = Number.NaN
-    let stdout = ""
-    let stderr = ""
-    child.stdout.on("data", (chunk) => {
-      if (Number.isNaN(firstOutputMs)) firstOutputMs = performance.now() - started
-      stdout += chunk
-    })
-    child.stderr.on("data", (chunk) => (stderr += chunk))
-    child.on("error", reject)
-    child.on("exit", (code) => resolvePromise({ firstOutputMs, stdout, stderr, code }))
-  })
+  new Promise<{ firstOutputMs: number; stdout: string; stderr: string; code: number | null }>(
+    (resolvePromise, reject) => {
+      const started = performance.now()
+      const child = spawn(process.execPath, args, { cwd: root, stdio: ["ignore", "pipe", "pipe"] })
+      let firstOutputMs = Number.NaN
+      let stdout = ""
+      let stderr = ""
+      child.stdout.on("data", (chunk) => {
+        if (Number.isNaN(firstOutputMs)) firstOutputMs = performance.now() - started
+        stdout += chunk
+      })
+      child.stderr.on("data", (chunk) => (stderr += chunk))
+      child.on("error", reject)
+      child.on("exit", (code) => resolvePromise({ firstOutputMs, stdout, stderr, code }))
+    }
+  )
 
 /** `swactor run` as the CLI: the first stdout byte is the prompt written with the first token. */
 const swactorRun = async (model: string, stages: number): Promise<Measured> => {
   const ran = await launch([
-    main, "run", "--model", model, "--stages", String(stages), "--max-tokens", "1", "--threads", String(threads),
-    "--prompt", prompt
+    main,
+    "run",
+    "--model",
+    model,
+    "--stages",
+    String(stages),
+    "--max-tokens",
+    "1",
+    "--threads",
+    String(threads),
+    "--prompt",
+    prompt
   ])
   if (ran.code !== 0) throw new Error(`swactor run exited ${ran.code}: ${ran.stderr}`)
   const phases = /start-up .*$/m.exec(ran.stderr)?.[0] ?? "(no phase line)"
@@ -118,7 +130,10 @@ const keep = (key: string, m: Measured) => {
 if (!existsSync(main)) throw new Error(`${main} is missing: npm run build first`)
 if (configs.some((c) => c.name !== "stories260K")) await ensureSynthetic()
 // The figures are only as quiet as the machine: its load average is printed beside them.
-const load = () => loadavg().map((l) => l.toFixed(2)).join(" ")
+const load = () =>
+  loadavg()
+    .map((l) => l.toFixed(2))
+    .join(" ")
 console.log(
   `start-up: launch → first token, best of ${rounds} rounds, ${threads} thread(s) per stage; ` +
     `${availableParallelism()} cores, load average ${load()} before`
@@ -126,7 +141,8 @@ console.log(
 for (let round = 0; round < rounds; round++) {
   for (const config of configs) {
     keep(`${config.name} node-llama-cpp`, await reference(config.model()))
-    for (const stages of config.stages) keep(`${config.name} swactor ${stages}`, await swactorRun(config.model(), stages))
+    for (const stages of config.stages)
+      keep(`${config.name} swactor ${stages}`, await swactorRun(config.model(), stages))
   }
 }
 for (const config of configs) {

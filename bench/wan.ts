@@ -60,7 +60,11 @@ const flag = (name: string): string | undefined => {
   const at = process.argv.indexOf(`--${name}`)
   return at >= 0 ? process.argv[at + 1] : undefined
 }
-const list = (text: string) => text.split(",").map((s) => s.trim()).filter((s) => s !== "")
+const list = (text: string) =>
+  text
+    .split(",")
+    .map((s) => s.trim())
+    .filter((s) => s !== "")
 
 interface Profile {
   readonly name: string
@@ -96,7 +100,16 @@ const cfg = {
   pin: !process.argv.includes("--no-pin"),
   dir: Path.resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
-const prompts = ["Once upon a time", "The little dog", "In a big forest", "One sunny day", "Tom and Sue", "A red ball", "The old man", "At the park"]
+const prompts = [
+  "Once upon a time",
+  "The little dog",
+  "In a big forest",
+  "One sunny day",
+  "Tom and Sue",
+  "A red ball",
+  "The old man",
+  "At the park"
+]
 const cores = Os.availableParallelism()
 /** Tokens of the one request each contender serves before it is measured. */
 const warmUpTokens = 8
@@ -108,7 +121,14 @@ const shapeOf = (text: string): BenchShape => {
   const m = /^(\d+)x(\d+)$/.exec(text)
   if (m === null) throw new Error(`--shape ${text}: expected LAYERSxHIDDEN, e.g. 16x2048`)
   const hidden = Number(m[2])
-  return { ...defaultBenchShape, layers: Number(m[1]), hidden, ffn: hidden * 4, heads: hidden / 64, kvHeads: Math.max(1, hidden / 256) }
+  return {
+    ...defaultBenchShape,
+    layers: Number(m[1]),
+    hidden,
+    ffn: hidden * 4,
+    heads: hidden / 64,
+    kvHeads: Math.max(1, hidden / 256)
+  }
 }
 
 // --------------------------------------------------------------------------------------------
@@ -122,9 +142,11 @@ interface Relays {
 }
 
 const startRelays = (): Relays => {
-  const child = track(spawn(process.execPath, ["--import", "tsx", Path.join(import.meta.dirname, "wanRelay.ts")], {
-    stdio: ["pipe", "pipe", "inherit"]
-  }))
+  const child = track(
+    spawn(process.execPath, ["--import", "tsx", Path.join(import.meta.dirname, "wanRelay.ts")], {
+      stdio: ["pipe", "pipe", "inherit"]
+    })
+  )
   // Ahead of the benchmark's own processes when allowed (root): on a loaded machine a sleeping relay wakes late.
   try {
     Os.setPriority(child.pid!, -10)
@@ -173,8 +195,12 @@ const relayCheck = async (relays: Relays) => {
   })
   await new Promise<void>((r) => sink.listen(0, "127.0.0.1", r))
   const sinkPort = (sink.address() as Net.AddressInfo).port
-  console.log("\nrelay check (bench/wanRelay.ts): ping-pong RTT of 64-byte messages, 200 round trips; one-way bulk of 32 MiB")
-  console.log("| link | RTT p50 ms | RTT p99 ms | expected RTT ms | throughput Mbit/s | cap Mbit/s |\n|---|---|---|---|---|---|")
+  console.log(
+    "\nrelay check (bench/wanRelay.ts): ping-pong RTT of 64-byte messages, 200 round trips; one-way bulk of 32 MiB"
+  )
+  console.log(
+    "| link | RTT p50 ms | RTT p99 ms | expected RTT ms | throughput Mbit/s | cap Mbit/s |\n|---|---|---|---|---|---|"
+  )
   for (const profile of [profiles["loopback"]!, profiles["gbe"]!, profiles["wifi"]!]) {
     const port = await relays.front(profile, echoPort)
     const rtts = await new Promise<Array<number>>((resolve, reject) => {
@@ -218,7 +244,11 @@ const relayCheck = async (relays: Relays) => {
       })
       let answer = ""
       s.on("data", (c) => (answer += c))
-      s.on("end", () => (Number(answer) === bytes ? resolve((performance.now() - started) / 1000) : reject(new Error(`sink got ${answer}`))))
+      s.on("end", () =>
+        Number(answer) === bytes
+          ? resolve((performance.now() - started) / 1000)
+          : reject(new Error(`sink got ${answer}`))
+      )
       s.on("error", reject)
     })
     const p = (q: number) => sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))]!
@@ -247,9 +277,12 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
         token,
         threads: 1,
         extraArgs: (i) => [
-          "--speed", "1e9",
-          "--data-listen", `127.0.0.1:${dataPorts[i]!}`,
-          "--data-advertise", `127.0.0.1:${dataFronts[i]!}`
+          "--speed",
+          "1e9",
+          "--data-listen",
+          `127.0.0.1:${dataPorts[i]!}`,
+          "--data-advertise",
+          `127.0.0.1:${dataFronts[i]!}`
         ]
       }).pipe(Scope.extend(scope))
     )
@@ -264,10 +297,13 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
       dataListen: tcpAddress(tokensPort),
       dataAdvertise: tcpAddress(tokensFront)
     })
-    const layer = ServerLive.layer({ model, stages, threads: 1, parallel: maxClients, promptCache: { enabled: false } }).pipe(
-      Layer.provide(orchestrator),
-      Layer.provide(PromptTokenizer.layerWorker(model))
-    )
+    const layer = ServerLive.layer({
+      model,
+      stages,
+      threads: 1,
+      parallel: maxClients,
+      promptCache: { enabled: false }
+    }).pipe(Layer.provide(orchestrator), Layer.provide(PromptTokenizer.layerWorker(model)))
     const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
     await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
     const one = (prompt: string, tokens = cfg.tokens) =>
@@ -278,7 +314,8 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
           return server.generate({ prompt, maxTokens: tokens, sampling: { temperature: 0 } }).pipe(
             Stream.runForEach((event) =>
               Effect.sync(() => {
-                if (event._tag === "Text") while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
+                if (event._tag === "Text")
+                  while (arrivals.length < event.completionTokens) arrivals.push(performance.now())
               })
             ),
             Effect.as<StreamTimes>({ start, arrivals })
@@ -286,7 +323,13 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
         })
       )
     const round = (n: number) =>
-      runtime.runPromise(Effect.forEach(Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!), (p) => one(p), { concurrency: "unbounded" }))
+      runtime.runPromise(
+        Effect.forEach(
+          Array.from({ length: n }, (_, i) => prompts[i % prompts.length]!),
+          (p) => one(p),
+          { concurrency: "unbounded" }
+        )
+      )
     await runtime.runPromise(one(prompts[0]!, warmUpTokens)) // weights loaded, the first run's set-up done
     return {
       round,
@@ -306,7 +349,8 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
 // Figures
 // --------------------------------------------------------------------------------------------
 
-const median = (xs: ReadonlyArray<number>) => (xs.length === 0 ? Number.NaN : [...xs].sort((a, b) => a - b)[xs.length >> 1]!)
+const median = (xs: ReadonlyArray<number>) =>
+  xs.length === 0 ? Number.NaN : [...xs].sort((a, b) => a - b)[xs.length >> 1]!
 
 /** Decoded tokens (after each stream's first) over the time from the earliest first token to the last token. */
 const aggregate = (streams: ReadonlyArray<StreamTimes>) => {
@@ -316,7 +360,8 @@ const aggregate = (streams: ReadonlyArray<StreamTimes>) => {
   const span = (Math.max(...lasts) - Math.min(...firsts)) / 1000
   return span > 0 ? decoded / span : Number.NaN
 }
-const ttft = (streams: ReadonlyArray<StreamTimes>) => median(streams.map((s) => (s.arrivals[0] ?? Number.NaN) - s.start))
+const ttft = (streams: ReadonlyArray<StreamTimes>) =>
+  median(streams.map((s) => (s.arrivals[0] ?? Number.NaN) - s.start))
 
 interface Cell {
   /** Per N: the median round's aggregate tok/s. */
@@ -353,7 +398,7 @@ const fmt = (x: number | undefined, digits = 1) => (x !== undefined && Number.is
 // --------------------------------------------------------------------------------------------
 
 const delivery = (model: string, relays: Relays) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const wifi = profiles["wifi"]!
     const token = generateToken()
     const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "swactor-bench-wan-"))
@@ -400,17 +445,24 @@ const main = async () => {
   installCleanup()
   const started = performance.now()
   // The tools first: a missing or broken pair is one line before anything else runs.
-  const tools = cfg.skipLlama ? undefined : findLlamaTools(root, flag("llama-tools") ?? process.env["BENCH_LLAMA_TOOLS"])
+  const tools = cfg.skipLlama
+    ? undefined
+    : findLlamaTools(root, flag("llama-tools") ?? process.env["BENCH_LLAMA_TOOLS"])
   if (tools !== undefined && "error" in tools) {
     console.error(`bench:wan: ${tools.error}`)
     process.exit(2)
   }
   const bin = tools?.bin
-  const model = flag("model") !== undefined ? Path.resolve(flag("model")!) : await ensureBenchModel(cfg.dir, shapeOf(flag("shape") ?? defaultShape))
+  const model =
+    flag("model") !== undefined
+      ? Path.resolve(flag("model")!)
+      : await ensureBenchModel(cfg.dir, shapeOf(flag("shape") ?? defaultShape))
   console.log(
     `bench:wan ${model} (${(Fs.statSync(model).size / 2 ** 20).toFixed(0)} MiB); links ${cfg.links.map((l) => l.name).join(", ")}; ` +
       `stages ${cfg.stages.join(", ")}; N ${cfg.clients.join(", ")}; ${cfg.tokens} tokens per stream, greedy; ${cfg.rounds} round(s); ` +
-      `1 thread per stage${cfg.pin ? `, pinned to core i mod ${cores}` : " (not pinned)"}; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`
+      `1 thread per stage${cfg.pin ? `, pinned to core i mod ${cores}` : " (not pinned)"}; load ${Os.loadavg()
+        .map((x) => x.toFixed(2))
+        .join(" ")}`
   )
   if (tools !== undefined) {
     console.log(
@@ -422,7 +474,9 @@ const main = async () => {
   let reference: ReadonlyArray<number> | undefined
   if (bin !== undefined && cfg.greedyCheck > 0) {
     reference = await llamaReference(bin, model, cacheDir, prompts[0]!, cfg.greedyCheck)
-    console.log(`greedy reference: single-process llama-server -t 1 (no repack, flash attention, F16 KV), "${prompts[0]}", ${reference.length} tokens`)
+    console.log(
+      `greedy reference: single-process llama-server -t 1 (no repack, flash attention, F16 KV), "${prompts[0]}", ${reference.length} tokens`
+    )
   }
   const greedyFailures: Array<string> = []
   const relays = startRelays()
@@ -436,25 +490,29 @@ const main = async () => {
         const runs: Array<[string, () => Promise<Contender>]> = []
         if (!cfg.skipSwactor) runs.push(["swactor", () => swactor(model, profile, stages, relays)])
         if (bin !== undefined) {
-          runs.push(["llama.cpp", () =>
-            llamaRpc({
-              bin,
-              model,
-              cacheDir,
-              stages,
-              front: (port) => relays.front(profile, port),
-              coreOf: (i) => (cfg.pin ? i % cores : undefined),
-              maxClients,
-              tokens: cfg.tokens,
-              warmUpTokens,
-              prompts,
-              ...(reference === undefined ? {} : { reference })
-            })])
+          runs.push([
+            "llama.cpp",
+            () =>
+              llamaRpc({
+                bin,
+                model,
+                cacheDir,
+                stages,
+                front: (port) => relays.front(profile, port),
+                coreOf: (i) => (cfg.pin ? i % cores : undefined),
+                maxClients,
+                tokens: cfg.tokens,
+                warmUpTokens,
+                prompts,
+                ...(reference === undefined ? {} : { reference })
+              })
+          ])
         }
         for (const [who, make] of runs) {
           const t = performance.now()
           const contender = await make()
-          if (contender.setup !== undefined) console.log(`  ${profile.name} ${stages} stages ${who}: ${contender.setup}`)
+          if (contender.setup !== undefined)
+            console.log(`  ${profile.name} ${stages} stages ${who}: ${contender.setup}`)
           if (contender.greedyOk === false) greedyFailures.push(`${profile.name} ${stages} stages`)
           try {
             cells.set(key(profile.name, stages, who), await measure(contender))
@@ -464,7 +522,10 @@ const main = async () => {
           const cell = cells.get(key(profile.name, stages, who))!
           console.log(
             `  ${profile.name} ${stages} stages ${who}: N=1 ${fmt(cell.aggregate.get(1))} tok/s (gap p50 ${fmt(cell.gap)} ms), TTFT ${fmt(cell.ttft, 0)} ms, ` +
-              cfg.clients.filter((n) => n > 1).map((n) => `N=${n} ${fmt(cell.aggregate.get(n))}`).join(", ") +
+              cfg.clients
+                .filter((n) => n > 1)
+                .map((n) => `N=${n} ${fmt(cell.aggregate.get(n))}`)
+                .join(", ") +
               ` (${((performance.now() - t) / 1000).toFixed(0)} s)`
           )
         }
@@ -476,27 +537,36 @@ const main = async () => {
   }
 
   const many = cfg.clients.filter((n) => n > 1)
-  console.log(`\n| link | stages | contender | N=1 decode tok/s | N=1 token gap p50 ms | ${many.map((n) => `N=${n} agg tok/s`).join(" | ")} | TTFT ms (N=1) |`)
+  console.log(
+    `\n| link | stages | contender | N=1 decode tok/s | N=1 token gap p50 ms | ${many.map((n) => `N=${n} agg tok/s`).join(" | ")} | TTFT ms (N=1) |`
+  )
   console.log(`|---|---|---|---|---|${many.map(() => "---|").join("")}---|`)
   for (const profile of cfg.links) {
     for (const stages of cfg.stages) {
       for (const who of ["swactor", "llama.cpp"]) {
         const c = cells.get(key(profile.name, stages, who))
         if (c === undefined) continue
-        console.log(`| ${profile.label} | ${stages} | ${who} | ${fmt(c.aggregate.get(1))} | ${fmt(c.gap)} | ${many.map((n) => fmt(c.aggregate.get(n))).join(" | ")} | ${fmt(c.ttft, 0)} |`)
+        console.log(
+          `| ${profile.label} | ${stages} | ${who} | ${fmt(c.aggregate.get(1))} | ${fmt(c.gap)} | ${many.map((n) => fmt(c.aggregate.get(n))).join(" | ")} | ${fmt(c.ttft, 0)} |`
+        )
       }
     }
   }
   // The issue's targets.
   console.log("\ntargets:")
-  for (const [link, want] of [["loopback", 2], ["wifi", 3]] as const) {
+  for (const [link, want] of [
+    ["loopback", 2],
+    ["wifi", 3]
+  ] as const) {
     for (const stages of cfg.stages) {
       const s = cells.get(key(link, stages, "swactor"))
       const l = cells.get(key(link, stages, "llama.cpp"))
       if (s === undefined || l === undefined) continue
       for (const n of many.filter((n) => n === 4 || n === 8)) {
         const ratio = s.aggregate.get(n)! / l.aggregate.get(n)!
-        console.log(`  ${link} ${stages} stages N=${n}: swactor ${fmt(ratio, 2)}× llama.cpp RPC (target ≥ ${want}×) ${ratio >= want ? "met" : "NOT met"}`)
+        console.log(
+          `  ${link} ${stages} stages N=${n}: swactor ${fmt(ratio, 2)}× llama.cpp RPC (target ≥ ${want}×) ${ratio >= want ? "met" : "NOT met"}`
+        )
       }
     }
   }
@@ -504,7 +574,9 @@ const main = async () => {
   const loop4 = cells.get(key("loopback", 4, "swactor"))
   if (wifi4 !== undefined && loop4 !== undefined) {
     const ratio = wifi4.aggregate.get(1)! / loop4.aggregate.get(1)!
-    console.log(`  swactor single-stream decode, 4 stages: Wi-Fi ${fmt(ratio, 2)}× loopback (target ≥ 0.8×) ${ratio >= 0.8 ? "met" : "NOT met"}`)
+    console.log(
+      `  swactor single-stream decode, 4 stages: Wi-Fi ${fmt(ratio, 2)}× loopback (target ≥ 0.8×) ${ratio >= 0.8 ? "met" : "NOT met"}`
+    )
   }
   if (reference !== undefined) {
     console.log(
@@ -513,10 +585,17 @@ const main = async () => {
         : `  llama.cpp RPC greedy check FAILED: ${greedyFailures.join(", ")} (see the lines above)`
     )
   }
-  console.log(`\ntotal ${((performance.now() - started) / 1000).toFixed(0)} s; load ${Os.loadavg().map((x) => x.toFixed(2)).join(" ")}`)
+  console.log(
+    `\ntotal ${((performance.now() - started) / 1000).toFixed(0)} s; load ${Os.loadavg()
+      .map((x) => x.toFixed(2))
+      .join(" ")}`
+  )
 }
 
-main().then(() => process.exit(0), (error: unknown) => {
-  console.error(error)
-  process.exit(1)
-})
+main().then(
+  () => process.exit(0),
+  (error: unknown) => {
+    console.error(error)
+    process.exit(1)
+  }
+)

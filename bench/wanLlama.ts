@@ -42,10 +42,12 @@ export interface Contender {
 }
 
 /** The llama.cpp tools to use, or one line saying why there are none. */
-export const findLlamaTools = (root: string, explicit: string | undefined): { readonly bin: string; readonly version: string } | { readonly error: string } => {
-  const dirs = explicit !== undefined
-    ? [explicit]
-    : [Path.join(root, ".cache/llama-tools/build/bin"), "/tmp/llama-build/bin"]
+export const findLlamaTools = (
+  root: string,
+  explicit: string | undefined
+): { readonly bin: string; readonly version: string } | { readonly error: string } => {
+  const dirs =
+    explicit !== undefined ? [explicit] : [Path.join(root, ".cache/llama-tools/build/bin"), "/tmp/llama-build/bin"]
   const has = (d: string, tool: string) => {
     try {
       Fs.accessSync(Path.join(d, tool), Fs.constants.X_OK)
@@ -57,14 +59,17 @@ export const findLlamaTools = (root: string, explicit: string | undefined): { re
   const bin = dirs.find((d) => has(d, "llama-server") && has(d, "ggml-rpc-server"))
   if (bin === undefined) {
     return {
-      error: `llama.cpp tools not found: no executable llama-server and ggml-rpc-server in ${dirs.join(" or ")}; ` +
+      error:
+        `llama.cpp tools not found: no executable llama-server and ggml-rpc-server in ${dirs.join(" or ")}; ` +
         `build them with scripts/build-llama-tools.sh (or pass --llama-tools DIR, or --skip-llama)`
     }
   }
   // Built with GGML_BACKEND_DL: the backends are loaded from the tools' own folder at start.
   const files = Fs.readdirSync(bin)
   if (!files.includes("libggml-rpc.so") || !files.some((f) => /^libggml-cpu.*\.so$/.test(f))) {
-    return { error: `llama.cpp tools in ${bin} lack their backends (libggml-rpc.so, libggml-cpu*.so beside them); rebuild them with scripts/build-llama-tools.sh` }
+    return {
+      error: `llama.cpp tools in ${bin} lack their backends (libggml-rpc.so, libggml-cpu*.so beside them); rebuild them with scripts/build-llama-tools.sh`
+    }
   }
   const run = spawnSync(Path.join(bin, "llama-server"), ["--version"], {
     env: { ...process.env, LD_LIBRARY_PATH: bin },
@@ -75,7 +80,9 @@ export const findLlamaTools = (root: string, explicit: string | undefined): { re
   const version = /version: .*/.exec(said)
   if (run.status === 0 && version !== null) return { bin, version: version[0] }
   const why = said.trim().split("\n").at(-1) || (run.error?.message ?? `exit ${run.status ?? run.signal}`)
-  return { error: `llama.cpp tools in ${bin} do not run (llama-server --version: ${why}); rebuild them with scripts/build-llama-tools.sh` }
+  return {
+    error: `llama.cpp tools in ${bin} do not run (llama-server --version: ${why}); rebuild them with scripts/build-llama-tools.sh`
+  }
 }
 
 const envOf = (bin: string, cacheDir: string) => ({ ...process.env, LD_LIBRARY_PATH: bin, LLAMA_CACHE: cacheDir })
@@ -94,12 +101,22 @@ interface LlamaServer {
   readonly tail: () => string
 }
 
-const startLlamaServer = async (bin: string, env: NodeJS.ProcessEnv, args: ReadonlyArray<string>): Promise<LlamaServer> => {
+const startLlamaServer = async (
+  bin: string,
+  env: NodeJS.ProcessEnv,
+  args: ReadonlyArray<string>
+): Promise<LlamaServer> => {
   const port = await freePort()
-  const child = track(spawn(Path.join(bin, "llama-server"), [...args, "--port", String(port), "--host", "127.0.0.1", "--no-webui", "-lv", "4"], {
-    env,
-    stdio: ["ignore", "pipe", "pipe"]
-  }))
+  const child = track(
+    spawn(
+      Path.join(bin, "llama-server"),
+      [...args, "--port", String(port), "--host", "127.0.0.1", "--no-webui", "-lv", "4"],
+      {
+        env,
+        stdio: ["ignore", "pipe", "pipe"]
+      }
+    )
+  )
   let head = ""
   let tail = ""
   const onData = (c: Buffer) => {
@@ -110,8 +127,14 @@ const startLlamaServer = async (bin: string, env: NodeJS.ProcessEnv, args: Reado
   child.stdout!.on("data", onData)
   child.stderr!.on("data", onData)
   const url = `http://127.0.0.1:${port}`
-  for (let i = 0;; i++) {
-    if (await fetch(`${url}/health`).then((r) => r.ok, () => false)) break
+  for (let i = 0; ; i++) {
+    if (
+      await fetch(`${url}/health`).then(
+        (r) => r.ok,
+        () => false
+      )
+    )
+      break
     if (i > 3000 || child.exitCode !== null) {
       await stopAll([child])
       throw new Error(`llama-server did not become ready (exit ${child.exitCode}):\n${tail}`)
@@ -126,19 +149,42 @@ const greedyTokens = async (url: string, prompt: string, tokens: number): Promis
   const response = await fetch(`${url}/completion`, {
     method: "POST",
     headers: { "content-type": "application/json" },
-    body: JSON.stringify({ prompt, n_predict: tokens, temperature: 0, cache_prompt: false, return_tokens: true, logit_bias: logitBias })
+    body: JSON.stringify({
+      prompt,
+      n_predict: tokens,
+      temperature: 0,
+      cache_prompt: false,
+      return_tokens: true,
+      logit_bias: logitBias
+    })
   })
   if (!response.ok) throw new Error(`llama-server /completion: HTTP ${response.status} ${await response.text()}`)
   const body = (await response.json()) as { tokens?: ReadonlyArray<number> }
-  if (body.tokens === undefined || body.tokens.length === 0) throw new Error("llama-server /completion returned no token ids (return_tokens)")
+  if (body.tokens === undefined || body.tokens.length === 0)
+    throw new Error("llama-server /completion returned no token ids (return_tokens)")
   return body.tokens
 }
 
 /** Single-process llama-server's greedy tokens for `prompt`: the reference of every RPC run's greedy check. */
 export const llamaReference = async (bin: string, model: string, cacheDir: string, prompt: string, tokens: number) => {
   const server = await startLlamaServer(bin, envOf(bin, cacheDir), [
-    "-m", model, "-ngl", "0", "--no-repack", "-fit", "off", "-t", "1", "-tb", "1", "-np", "1",
-    "-c", String(slotContext(tokens)), "-fa", "on"
+    "-m",
+    model,
+    "-ngl",
+    "0",
+    "--no-repack",
+    "-fit",
+    "off",
+    "-t",
+    "1",
+    "-tb",
+    "1",
+    "-np",
+    "1",
+    "-c",
+    String(slotContext(tokens)),
+    "-fa",
+    "on"
   ])
   try {
     return await greedyTokens(server.url, prompt, tokens)
@@ -198,7 +244,9 @@ const checkPlacement = (
   const offloaded = /offloaded (\d+)\/(\d+) layers to GPU/.exec(log)
   const want = bytes.numLayers + 1
   if (offloaded === null || Number(offloaded[1]) !== want || Number(offloaded[2]) !== want) {
-    problems.push(`offloaded ${offloaded === null ? "?" : `${offloaded[1]}/${offloaded[2]}`} layers, want ${want}/${want}`)
+    problems.push(
+      `offloaded ${offloaded === null ? "?" : `${offloaded[1]}/${offloaded[2]}`} layers, want ${want}/${want}`
+    )
   }
   // Model buffers: "CPU_Mapped model buffer size = X MiB", "RPC0[127.0.0.1:PORT] model buffer size = X MiB".
   let cpuMib = 0
@@ -208,27 +256,39 @@ const checkPlacement = (
     if (m[1]!.startsWith("CPU")) cpuMib += Number(m[2])
     else if (at !== null) rpcModel.set(at[1]!, (rpcModel.get(at[1]!) ?? 0) + Number(m[2]))
   }
-  if (!near(cpuMib, bytes.input)) problems.push(`llama-server's CPU holds ${cpuMib.toFixed(2)} MiB of weights, want the embedding's ${mib(bytes.input).toFixed(2)}`)
+  if (!near(cpuMib, bytes.input))
+    problems.push(
+      `llama-server's CPU holds ${cpuMib.toFixed(2)} MiB of weights, want the embedding's ${mib(bytes.input).toFixed(2)}`
+    )
   if (/llama_kv_cache:\s+CPU KV buffer/.test(log)) problems.push("llama-server's CPU holds a KV buffer")
   const kvTotal = /llama_kv_cache: size =\s*([\d.]+) MiB \(\s*\d+ cells,\s*(\d+) layers/.exec(log)
   const rpcKv = new Map<string, number>()
-  for (const m of log.matchAll(/llama_kv_cache:\s+\S+\[(.+)\] KV buffer size =\s*([\d.]+) MiB/g)) rpcKv.set(m[1]!, Number(m[2]))
+  for (const m of log.matchAll(/llama_kv_cache:\s+\S+\[(.+)\] KV buffer size =\s*([\d.]+) MiB/g))
+    rpcKv.set(m[1]!, Number(m[2]))
   const parts = ranges.map(([start, end], k) => {
     const endpoint = endpoints[k]!
     const want = bytes.block.slice(start, end).reduce((a, b) => a + b, 0) + (k === ranges.length - 1 ? bytes.output : 0)
     const got = rpcModel.get(endpoint)
-    if (got === undefined || !near(got, want)) problems.push(`${endpoint} holds ${got?.toFixed(2) ?? "no"} MiB of weights, want ${mib(want).toFixed(2)} (blocks [${start}, ${end}))`)
+    if (got === undefined || !near(got, want))
+      problems.push(
+        `${endpoint} holds ${got?.toFixed(2) ?? "no"} MiB of weights, want ${mib(want).toFixed(2)} (blocks [${start}, ${end}))`
+      )
     const kv = rpcKv.get(endpoint)
     if (kvTotal !== null) {
       const wantKv = (Number(kvTotal[1]) * (end - start)) / Number(kvTotal[2])
-      if (kv === undefined || Math.abs(kv - wantKv) > 0.011) problems.push(`${endpoint} KV ${kv ?? "none"} MiB, want ${wantKv.toFixed(2)} (${end - start} blocks)`)
+      if (kv === undefined || Math.abs(kv - wantKv) > 0.011)
+        problems.push(`${endpoint} KV ${kv ?? "none"} MiB, want ${wantKv.toFixed(2)} (${end - start} blocks)`)
     } else problems.push("no KV cache size line in llama-server's log")
     return `[${start},${end})${k === ranges.length - 1 ? "+head" : ""} ${got?.toFixed(1) ?? "?"} MiB`
   })
   // The compute graph's pieces: the embedding lookup on llama-server's CPU, then one per rpc-server (head on the last).
   const splits = /graph splits = (\d+)/.exec(log)?.[1] ?? "?"
-  if (splits !== String(ranges.length + 1)) problems.push(`the graph has ${splits} splits, want ${ranges.length + 1} (the lookup on the CPU + one per rpc-server)`)
-  if (problems.length > 0) throw new Error(`llama.cpp did not place the model as the bench asked: ${problems.join("; ")}`)
+  if (splits !== String(ranges.length + 1))
+    problems.push(
+      `the graph has ${splits} splits, want ${ranges.length + 1} (the lookup on the CPU + one per rpc-server)`
+    )
+  if (problems.length > 0)
+    throw new Error(`llama.cpp did not place the model as the bench asked: ${problems.join("; ")}`)
   return `rpc-servers ${parts.join(", ")}; llama-server CPU: embedding only (${cpuMib.toFixed(1)} MiB), no KV; graph splits ${splits}`
 }
 
@@ -263,10 +323,12 @@ export const llamaRpc = async (o: LlamaRpcOptions): Promise<Contender> => {
     for (let i = 0; i < o.stages; i++) {
       const port = await freePort()
       // -c: tensors cached by hash on the server's side, so a later load sends hashes, not weights, over the link.
-      const child = track(spawn(Path.join(o.bin, "ggml-rpc-server"), ["-H", "127.0.0.1", "-p", String(port), "-t", "1", "-c"], {
-        env,
-        stdio: ["ignore", "ignore", "pipe"]
-      }))
+      const child = track(
+        spawn(Path.join(o.bin, "ggml-rpc-server"), ["-H", "127.0.0.1", "-p", String(port), "-t", "1", "-c"], {
+          env,
+          stdio: ["ignore", "ignore", "pipe"]
+        })
+      )
       children.push(child)
       let tail = ""
       child.stderr!.on("data", (c) => (tail = (tail + String(c)).slice(-2000)))
@@ -277,9 +339,28 @@ export const llamaRpc = async (o: LlamaRpcOptions): Promise<Contender> => {
     }
     const endpoints = rpcFronts.map((p) => `127.0.0.1:${p}`)
     const server = await startLlamaServer(o.bin, env, [
-      "-m", o.model, "--rpc", endpoints.join(","), "--device", endpoints.map((_, i) => `RPC${i}`).join(","),
-      "-ngl", "999", "-ts", tensorSplitFor(ranges).join(","), "-fit", "off",
-      "-t", "1", "-tb", "1", "-np", String(o.maxClients), "-c", String(o.maxClients * slotContext(o.tokens)), "-fa", "on"
+      "-m",
+      o.model,
+      "--rpc",
+      endpoints.join(","),
+      "--device",
+      endpoints.map((_, i) => `RPC${i}`).join(","),
+      "-ngl",
+      "999",
+      "-ts",
+      tensorSplitFor(ranges).join(","),
+      "-fit",
+      "off",
+      "-t",
+      "1",
+      "-tb",
+      "1",
+      "-np",
+      String(o.maxClients),
+      "-c",
+      String(o.maxClients * slotContext(o.tokens)),
+      "-fa",
+      "on"
     ])
     children.push(server.child)
     const placement = checkPlacement(server.loadLog(), bytes, ranges, endpoints)
@@ -288,7 +369,14 @@ export const llamaRpc = async (o: LlamaRpcOptions): Promise<Contender> => {
       const response = await fetch(`${server.url}/completion`, {
         method: "POST",
         headers: { "content-type": "application/json" },
-        body: JSON.stringify({ prompt, n_predict: tokens, temperature: 0, stream: true, cache_prompt: false, logit_bias: logitBias })
+        body: JSON.stringify({
+          prompt,
+          n_predict: tokens,
+          temperature: 0,
+          stream: true,
+          cache_prompt: false,
+          logit_bias: logitBias
+        })
       })
       const arrivals: Array<number> = []
       await forEachStreamedToken(response, () => void arrivals.push(performance.now()))

@@ -19,7 +19,11 @@ export const installCleanup = () => {
   process.on("exit", () => {
     for (const child of live) child.kill("SIGKILL")
   })
-  for (const [signal, code] of [["SIGINT", 130], ["SIGTERM", 143], ["SIGHUP", 129]] as const) {
+  for (const [signal, code] of [
+    ["SIGINT", 130],
+    ["SIGTERM", 143],
+    ["SIGHUP", 129]
+  ] as const) {
     process.on(signal, () => {
       console.error(`\nbench:wan: ${signal}: stopping the ${live.size} process(es) it started and its agents`)
       process.exit(code)
@@ -38,19 +42,22 @@ export const track = <C extends ChildProcess>(child: C): C => {
 export const stopAll = async (children: ReadonlyArray<ChildProcess>, graceMs = 5000) => {
   const running = children.filter((c) => c.exitCode === null && c.signalCode === null)
   for (const c of running) c.kill("SIGTERM")
-  await Promise.all(running.map((c) =>
-    new Promise<void>((resolve) => {
-      const timer = setTimeout(() => c.kill("SIGKILL"), graceMs)
-      c.once("exit", () => {
-        clearTimeout(timer)
-        resolve()
-      })
-      if (c.exitCode !== null || c.signalCode !== null) {
-        clearTimeout(timer)
-        resolve()
-      }
-    })
-  ))
+  await Promise.all(
+    running.map(
+      (c) =>
+        new Promise<void>((resolve) => {
+          const timer = setTimeout(() => c.kill("SIGKILL"), graceMs)
+          c.once("exit", () => {
+            clearTimeout(timer)
+            resolve()
+          })
+          if (c.exitCode !== null || c.signalCode !== null) {
+            clearTimeout(timer)
+            resolve()
+          }
+        })
+    )
+  )
 }
 
 export const freePort = () =>
@@ -64,7 +71,7 @@ export const freePort = () =>
   })
 
 export const waitForPort = async (port: number, child: ChildProcess, what: string, tail: () => string = () => "") => {
-  for (let i = 0;; i++) {
+  for (let i = 0; ; i++) {
     const ok = await new Promise<boolean>((resolve) => {
       const s = Net.createConnection({ host: "127.0.0.1", port }, () => {
         s.destroy()
@@ -74,7 +81,9 @@ export const waitForPort = async (port: number, child: ChildProcess, what: strin
     })
     if (ok) return
     if (child.exitCode !== null || i > 600) {
-      throw new Error(`${what} did not start listening on ${port} (exit ${child.exitCode}): ${tail().trim().split("\n").slice(-3).join(" | ")}`)
+      throw new Error(
+        `${what} did not start listening on ${port} (exit ${child.exitCode}): ${tail().trim().split("\n").slice(-3).join(" | ")}`
+      )
     }
     await new Promise((r) => setTimeout(r, 100))
   }

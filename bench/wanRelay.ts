@@ -84,8 +84,16 @@ const pipeDelayed = (from: Net.Socket, to: Net.Socket, delayMs: number, bitsPerS
 const openLink = (request: LinkRequest): Promise<number> =>
   new Promise((resolve, reject) => {
     const server = Net.createServer({ allowHalfOpen: true, noDelay: true }, (client) => {
-      if (debug) process.stderr.write(`relay ${(server.address() as Net.AddressInfo).port} -> ${request.target.port}: connection\n`)
-      const upstream = Net.createConnection({ host: request.target.host, port: request.target.port, allowHalfOpen: true, noDelay: true })
+      if (debug)
+        process.stderr.write(
+          `relay ${(server.address() as Net.AddressInfo).port} -> ${request.target.port}: connection\n`
+        )
+      const upstream = Net.createConnection({
+        host: request.target.host,
+        port: request.target.port,
+        allowHalfOpen: true,
+        noDelay: true
+      })
       const teardown = () => {
         client.destroy()
         upstream.destroy()

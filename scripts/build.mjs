@@ -64,8 +64,11 @@ await esbuild.build({
 // main.ts's hashbang becomes a comment (the loader wraps the bundle in a function; lines stay where the map says).
 // What is left of `import("...")` (external ES modules: node-llama-cpp) calls the loader's own import(): on Node 20 a
 // vm.Script compiled from a code cache loses its dynamic-import callback (ERR_VM_DYNAMIC_IMPORT_CALLBACK_MISSING).
-const source = readFileSync(bundle, "utf8").replace(/^#!.*/, "//").replace(/\bimport\((?=["'`])/g, "__swactorImport(")
-if (/\bimport\(/.test(source.replace(/"(?:[^"\\\n]|\\.)*"/g, '""'))) console.warn("build: an import() the loader does not serve is left in the bundle")
+const source = readFileSync(bundle, "utf8")
+  .replace(/^#!.*/, "//")
+  .replace(/\bimport\((?=["'`])/g, "__swactorImport(")
+if (/\bimport\(/.test(source.replace(/"(?:[^"\\\n]|\\.)*"/g, '""')))
+  console.warn("build: an import() the loader does not serve is left in the bundle")
 writeFileSync(bundle, source)
 const hash = createHash("sha256").update(source).digest("hex").slice(0, 16)
 for (const old of readdirSync(dist)) if (old.endsWith(".v8cache")) rmSync(join(dist, old))
@@ -120,11 +123,15 @@ rmSync(join(dist, "chunks"), { recursive: true, force: true })
 // The code cache: one agent started to its ready line, then stopped; what it compiled is the cache.
 const writeCache = () =>
   new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [main, "node", "--listen", "127.0.0.1:0", "--threads", "1", "--speed-probe", "after-ready"], {
-      cwd: root,
-      stdio: ["ignore", "pipe", "pipe"],
-      env: { ...process.env, SWACTOR_CODE_CACHE: "write", SWACTOR_CLUSTER_TOKEN: "swactor-build-code-cache-token" }
-    })
+    const child = spawn(
+      process.execPath,
+      [main, "node", "--listen", "127.0.0.1:0", "--threads", "1", "--speed-probe", "after-ready"],
+      {
+        cwd: root,
+        stdio: ["ignore", "pipe", "pipe"],
+        env: { ...process.env, SWACTOR_CODE_CACHE: "write", SWACTOR_CLUSTER_TOKEN: "swactor-build-code-cache-token" }
+      }
+    )
     let stderr = ""
     const timer = setTimeout(() => child.kill("SIGKILL"), 30_000)
     child.stdout.on("data", (chunk) => {
@@ -135,7 +142,9 @@ const writeCache = () =>
     child.on("exit", () => {
       clearTimeout(timer)
       const written = readdirSync(dist).some((f) => f.endsWith(".v8cache"))
-      written ? resolve() : reject(new Error(`no code cache written: ${stderr.trim().split("\n").slice(-3).join(" | ")}`))
+      written
+        ? resolve()
+        : reject(new Error(`no code cache written: ${stderr.trim().split("\n").slice(-3).join(" | ")}`))
     })
   })
 await writeCache().catch((error) => {

@@ -41,7 +41,7 @@ const maxAbsDiff = (a, b) => {
   return max
 }
 
-const program = Effect.gen(function*() {
+const program = Effect.gen(function* () {
   const executor = yield* StageExecutor
   const stage = yield* executor.load({ path, layerStart: 0, layerEndExclusive: BLOCKS, isFirst: true, isLast: true })
   if (stage.info.numLayers !== BLOCKS) {
@@ -104,10 +104,7 @@ const program = Effect.gen(function*() {
     if (!same) mismatches++
   }
   return mismatches
-}).pipe(
-  Effect.scoped,
-  Effect.provide(StageExecutorLive.layerWith({ repack: true, mmap: true, smallBatchRows: 8 }))
-)
+}).pipe(Effect.scoped, Effect.provide(StageExecutorLive.layerWith({ repack: true, mmap: true, smallBatchRows: 8 })))
 
 Effect.runPromise(program).then(
   (mismatches) => {

@@ -77,9 +77,13 @@ child.on("close", (code, signal) => {
   writeFileSync(join(root, ".cache", "check-native", "valgrind.log"), log)
   const summary = /ERROR SUMMARY: .*/.exec(log)?.[0] ?? "no ERROR SUMMARY (valgrind did not finish)"
   // error reports with a ggml frame: what this check is for
-  const inGgml = log.split(/\n==\d+== \n/).filter((block) =>
-    /==\d+== (Invalid|Conditional|Use of|Syscall|Source and|Mismatched|Argument)/.test(block) && /libggml|ggml_/.test(block)
-  ).length
+  const inGgml = log
+    .split(/\n==\d+== \n/)
+    .filter(
+      (block) =>
+        /==\d+== (Invalid|Conditional|Use of|Syscall|Source and|Mismatched|Argument)/.test(block) &&
+        /libggml|ggml_/.test(block)
+    ).length
   console.error(`check:native: ${seconds} s under valgrind; ${summary}`)
   if (inGgml > 0) console.error(`check:native: ${inGgml} of the reports have a ggml frame (see above)`)
   if (code === 0) {

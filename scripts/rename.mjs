@@ -79,12 +79,54 @@ const rules = [
   },
   { why: "host:port list", kind: "value", files: /^src\/cli\//, name: "nodeList", to: "agentList" },
   // Layers: `layer`, `layer<Variant>`, `make` inside their module, used through it (Effect's packages' shape).
-  { why: "layer style", kind: "value", files: /\/StageExecutorLive\.ts$/, name: "StageExecutorLive", to: "layer", layer: true },
-  { why: "layer style", kind: "value", files: /\/StageExecutorTest\.ts$/, name: "layerTest", to: "layerWith", layer: true },
-  { why: "layer style", kind: "value", files: /\/StageExecutorTest\.ts$/, name: "StageExecutorTest", to: "layer", layer: true },
-  { why: "layer style", kind: "value", files: /\/AgentPools\.ts$/, name: "localAgentPool", to: "layerLocal", layer: true },
-  { why: "layer style", kind: "value", files: /\/AgentPools\.ts$/, name: "remoteAgentPool", to: "layerRemote", layer: true },
-  { why: "layer style", kind: "value", files: /\/AgentLinksLive\.ts$/, name: "dataPlaneLayer", to: "layerDataPlane", layer: true }
+  {
+    why: "layer style",
+    kind: "value",
+    files: /\/StageExecutorLive\.ts$/,
+    name: "StageExecutorLive",
+    to: "layer",
+    layer: true
+  },
+  {
+    why: "layer style",
+    kind: "value",
+    files: /\/StageExecutorTest\.ts$/,
+    name: "layerTest",
+    to: "layerWith",
+    layer: true
+  },
+  {
+    why: "layer style",
+    kind: "value",
+    files: /\/StageExecutorTest\.ts$/,
+    name: "StageExecutorTest",
+    to: "layer",
+    layer: true
+  },
+  {
+    why: "layer style",
+    kind: "value",
+    files: /\/AgentPools\.ts$/,
+    name: "localAgentPool",
+    to: "layerLocal",
+    layer: true
+  },
+  {
+    why: "layer style",
+    kind: "value",
+    files: /\/AgentPools\.ts$/,
+    name: "remoteAgentPool",
+    to: "layerRemote",
+    layer: true
+  },
+  {
+    why: "layer style",
+    kind: "value",
+    files: /\/AgentLinksLive\.ts$/,
+    name: "dataPlaneLayer",
+    to: "layerDataPlane",
+    layer: true
+  }
 ]
 
 /**
@@ -100,22 +142,30 @@ const textEdits = [
   [/^src\//, `"sequence must fit in u32"`, `"step must fit in u32"`],
   // --agents (alias --nodes) in run and serve
   [hostPortCli, `Options.text("nodes").pipe(`, `Options.text("agents").pipe(\n      Options.withAlias("nodes"),`],
-  [hostPortCli, /`--nodes "\$\{text\}" names no node: /g, "`--agents \"${text}\" names no agent: "],
+  [hostPortCli, /`--nodes "\$\{text\}" names no node: /g, '`--agents "${text}" names no agent: '],
   // no colon after the flag: the CLI tests read "agents:" on stderr as the run's start-up line
-  [hostPortCli, /`--nodes: "\$\{node\}" is not host:port`/g, "`--agents \"${node}\" is not host:port`"],
+  [hostPortCli, /`--nodes: "\$\{node\}" is not host:port`/g, '`--agents "${node}" is not host:port`'],
   [hostPortCli, "`--nodes needs the cluster token", "`--agents needs the cluster token"],
   [hostPortCli, "/** `--nodes host:port,host:port`", "/** `--agents host:port,host:port` (alias `--nodes`)"],
   [hostPortCli, /with --nodes\b/g, "with --agents"],
   [hostPortCli, "remote --nodes", "remote --agents"],
   [hostPortCli, "Without --nodes it", "Without --agents it"],
-  [hostPortCli, "Options.withDescription(`remote agents host:port,... (token from", "Options.withDescription(`agents host:port,... (alias --nodes; token from"],
+  [
+    hostPortCli,
+    "Options.withDescription(`remote agents host:port,... (token from",
+    "Options.withDescription(`agents host:port,... (alias --nodes; token from"
+  ],
   [/^src\/api\//, "`layerRemote({ nodes, token })`", "`layerRemote({ agents, token })`"],
   [/^src\/api\//, "at `nodes`, which share", "at `agents`, which share"],
   // tests and benches of run/serve (by content, wherever the test files have moved): `"--nodes", <host:port or an
   // expression>` becomes `"--agents", ...`; node-id lists (plan) and the two refusals of cli.defects that give no
   // host:port (`","`, `"hostwithoutport"`) keep `--nodes`, which proves the alias
   [/^(test|bench)\//, /\/--nodes "," names no node\//g, `/--agents "," names no agent/`],
-  [/^(test|bench)\//, /\/--nodes: "hostwithoutport" is not host:port\//g, `/--agents "hostwithoutport" is not host:port/`],
+  [
+    /^(test|bench)\//,
+    /\/--nodes: "hostwithoutport" is not host:port\//g,
+    `/--agents "hostwithoutport" is not host:port/`
+  ],
   [/^(test|bench)\//, /"--nodes",(\s*)(?=[^"\s]|"[^"]*:)/g, `"--agents",$1`],
   [/^(test|bench)\//, /\b(run|serve) --nodes\b/g, "$1 --agents"],
   [/^README\.md$/, /(run|serve) --nodes\b/g, "$1 --agents"],
@@ -151,20 +201,31 @@ const entryEdits = [
 // The language service over the project (tsconfig.json: src, test, bench) and examples/
 // ---------------------------------------------------------------------------------------------------------------
 
-const config = ts.getParsedCommandLineOfConfigFile(join(root, "tsconfig.json"), {}, {
-  ...ts.sys,
-  onUnRecoverableConfigFileDiagnostic: (d) => {
-    throw new Error(ts.flattenDiagnosticMessageText(d.messageText, "\n"))
+const config = ts.getParsedCommandLineOfConfigFile(
+  join(root, "tsconfig.json"),
+  {},
+  {
+    ...ts.sys,
+    onUnRecoverableConfigFileDiagnostic: (d) => {
+      throw new Error(ts.flattenDiagnosticMessageText(d.messageText, "\n"))
+    }
   }
-})
+)
 const walk = (dir) =>
   existsSync(dir)
     ? readdirSync(dir, { withFileTypes: true }).flatMap((e) =>
-      e.name === "node_modules" ? [] : e.isDirectory() ? walk(join(dir, e.name)) : e.name.endsWith(".ts") ? [join(dir, e.name)] : []
-    )
+        e.name === "node_modules"
+          ? []
+          : e.isDirectory()
+            ? walk(join(dir, e.name))
+            : e.name.endsWith(".ts")
+              ? [join(dir, e.name)]
+              : []
+      )
     : []
 const sources = new Map()
-for (const f of [...config.fileNames, ...walk(join(root, "examples"))]) sources.set(f, { version: 0, text: readFileSync(f, "utf8") })
+for (const f of [...config.fileNames, ...walk(join(root, "examples"))])
+  sources.set(f, { version: 0, text: readFileSync(f, "utf8") })
 
 /** Applies text edits [pattern, from, to] to the files of `files` (repo-relative -> absolute); unmatched ones listed. */
 const untouched = []
@@ -215,7 +276,7 @@ const makeService = () =>
 /** Applies `edits` ({ file, start, end, text }) to `sources`, last first; overlapping edits: the first kept, printed. */
 const applyEdits = (edits) => {
   const byFile = new Map()
-  for (const e of edits) byFile.set(e.file, [...byFile.get(e.file) ?? [], e])
+  for (const e of edits) byFile.set(e.file, [...(byFile.get(e.file) ?? []), e])
   let count = 0
   for (const [file, list] of byFile) {
     list.sort((a, b) => b.start - a.start || a.end - b.end)
@@ -271,9 +332,13 @@ for (const [file, entry] of sources) {
     if (moved.length === 0) continue
     for (const e of moved) rewrites.set(e.name.text, `${ns}.${(e.propertyName ?? e.name).text}`)
     const kept = bindings.elements.filter((e) => !moved.includes(e)).map((e) => e.getText(sf))
-    const hasNamespace = sf.statements.some((s) =>
-      ts.isImportDeclaration(s) && s.moduleSpecifier.text === spec && s.importClause?.namedBindings !== undefined &&
-      ts.isNamespaceImport(s.importClause.namedBindings) && s.importClause.namedBindings.name.text === ns
+    const hasNamespace = sf.statements.some(
+      (s) =>
+        ts.isImportDeclaration(s) &&
+        s.moduleSpecifier.text === spec &&
+        s.importClause?.namedBindings !== undefined &&
+        ts.isNamespaceImport(s.importClause.namedBindings) &&
+        s.importClause.namedBindings.name.text === ns
     )
     const lines = [
       ...(kept.length > 0 ? [`import { ${kept.join(", ")} } from "${spec}"`] : []),
@@ -286,10 +351,15 @@ for (const [file, entry] of sources) {
     if (ts.isImportDeclaration(node)) return
     if (ts.isIdentifier(node) && rewrites.has(node.text)) {
       const p = node.parent
-      const isName = (ts.isPropertyAccessExpression(p) && p.name === node) || (ts.isPropertyAssignment(p) && p.name === node) ||
-        (ts.isQualifiedName(p) && p.right === node) || (ts.isPropertySignature(p) && p.name === node)
+      const isName =
+        (ts.isPropertyAccessExpression(p) && p.name === node) ||
+        (ts.isPropertyAssignment(p) && p.name === node) ||
+        (ts.isQualifiedName(p) && p.right === node) ||
+        (ts.isPropertySignature(p) && p.name === node)
       if (!isName) {
-        const text = ts.isShorthandPropertyAssignment(p) ? `${node.text}: ${rewrites.get(node.text)}` : rewrites.get(node.text)
+        const text = ts.isShorthandPropertyAssignment(p)
+          ? `${node.text}: ${rewrites.get(node.text)}`
+          : rewrites.get(node.text)
         fileEdits.push({ file, start: node.getStart(sf), end: node.getEnd(), text })
       }
     }
@@ -337,13 +407,16 @@ for (const rule of rules) {
   const where = new Set()
   let n = 0
   for (const { sf, node } of decls) {
-    const locations = service.findRenameLocations(sf.fileName, node.getStart(sf), false, false, {
-      providePrefixAndSuffixTextForRename: true
-    }) ?? []
+    const locations =
+      service.findRenameLocations(sf.fileName, node.getStart(sf), false, false, {
+        providePrefixAndSuffixTextForRename: true
+      }) ?? []
     const outside = locations.find((l) => !sources.has(l.fileName))
     if (outside !== undefined) {
       // a key of another package's type (node-llama-cpp's `sequences`...): not ours to rename
-      skipped.push(`${rule.name} at ${rel(sf.fileName)}:${sf.getLineAndCharacterOfPosition(node.getStart(sf)).line + 1} (declared in ${outside.fileName})`)
+      skipped.push(
+        `${rule.name} at ${rel(sf.fileName)}:${sf.getLineAndCharacterOfPosition(node.getStart(sf)).line + 1} (declared in ${outside.fileName})`
+      )
       continue
     }
     for (const l of locations) {

@@ -58,7 +58,10 @@ const main = async () => {
     cli(process.argv).pipe(
       withPlainConsole,
       Effect.provide(
-        Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger)))
+        Layer.merge(
+          NodeContext.layer,
+          Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))
+        )
       )
     )
   )

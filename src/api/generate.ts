@@ -47,12 +47,19 @@ export const complete = (
       update._tag === "Token"
         ? { ...acc, text: acc.text + update.token.text }
         : update._tag === "Finished"
-        ? { ...acc, summary: update.summary }
-        : acc),
+          ? { ...acc, summary: update.summary }
+          : acc
+    ),
     Effect.map(({ summary, text }) => ({ text, summary: summary! }))
   )
 
-const services = Layer.mergeAll(TokenizerLive.layer, MembershipLive.layer, AgentControlRpc.layer, AgentLinksLive.layerDataPlane, ModelCatalogLive.layer)
+const services = Layer.mergeAll(
+  TokenizerLive.layer,
+  MembershipLive.layer,
+  AgentControlRpc.layer,
+  AgentLinksLive.layerDataPlane,
+  ModelCatalogLive.layer
+)
 
 /** Orchestrator whose runs each start their own agents on this machine (one child process per stage). */
 export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<Orchestrator> =>
@@ -97,14 +104,16 @@ const rethrowTyped = (error: unknown): never => {
 }
 
 export const createClient = (options: ClientOptions = {}): Client => {
-  const layer = options.agents !== undefined && options.agents.length > 0
-    ? layerRemote({ agents: options.agents, token: options.token ?? Redacted.value(clusterTokenFromEnv()) })
-    : layerLocal(options.threads === undefined ? {} : { threads: options.threads })
+  const layer =
+    options.agents !== undefined && options.agents.length > 0
+      ? layerRemote({ agents: options.agents, token: options.token ?? Redacted.value(clusterTokenFromEnv()) })
+      : layerLocal(options.threads === undefined ? {} : { threads: options.threads })
   const runtime = ManagedRuntime.make(layer)
   const iterate = <A>(stream: Stream.Stream<A, GenerateError, Orchestrator>): AsyncIterable<A> => ({
     [Symbol.asyncIterator]: () => {
       let inner: AsyncIterator<A> | undefined
-      const start = async () => (inner ??= Stream.toAsyncIterableRuntime(stream, await runtime.runtime())[Symbol.asyncIterator]())
+      const start = async () =>
+        (inner ??= Stream.toAsyncIterableRuntime(stream, await runtime.runtime())[Symbol.asyncIterator]())
       return {
         next: async () => (await start()).next().catch(rethrowTyped),
         return: async (value?: unknown) => (await start()).return?.(value) ?? { done: true, value: undefined }

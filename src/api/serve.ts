@@ -9,13 +9,7 @@ import { Effect, Layer, Stream } from "effect"
 import * as ServerLive from "../layers/server/ServerLive.js"
 import * as PromptTokenizer from "../layers/server/PromptTokenizer.js"
 import type { LocalPoolOptions } from "../layers/agent/AgentPools.js"
-import {
-  type FinishReason,
-  Server,
-  type ServeError,
-  type ServeOptions,
-  type ServeRequest
-} from "../services/Server.js"
+import { type FinishReason, Server, type ServeError, type ServeOptions, type ServeRequest } from "../services/Server.js"
 import { layerLocal, layerRemote } from "./generate.js"
 
 export type { ServeOptions }
@@ -33,18 +27,27 @@ export interface ServeLayerOptions extends ServeOptions {
 /** A Server with its own warm pipeline, set up in the background when the layer is built. */
 export const serve = (options: ServeLayerOptions): Layer.Layer<Server> => {
   const { local, agents: nodes, token, ...serveOptions } = options
-  const orchestrator = nodes !== undefined && nodes.length > 0
-    ? layerRemote({ agents: nodes, token: token ?? "" })
-    : layerLocal({ ...(options.threads === undefined ? {} : { threads: options.threads }), ...local })
+  const orchestrator =
+    nodes !== undefined && nodes.length > 0
+      ? layerRemote({ agents: nodes, token: token ?? "" })
+      : layerLocal({ ...(options.threads === undefined ? {} : { threads: options.threads }), ...local })
   // Prompts tokenized and chats rendered on a worker thread: a long prompt never holds up other requests' tokens.
-  return ServerLive.layer(serveOptions).pipe(Layer.provide(orchestrator), Layer.provide(PromptTokenizer.layerWorker(options.model)))
+  return ServerLive.layer(serveOptions).pipe(
+    Layer.provide(orchestrator),
+    Layer.provide(PromptTokenizer.layerWorker(options.model))
+  )
 }
 
 /** One request to the end: its text, why it ended, and the token counts. */
 export const completion = (
   request: ServeRequest
 ): Effect.Effect<
-  { readonly text: string; readonly finishReason: FinishReason; readonly promptTokens: number; readonly completionTokens: number },
+  {
+    readonly text: string
+    readonly finishReason: FinishReason
+    readonly promptTokens: number
+    readonly completionTokens: number
+  },
   ServeError,
   Server
 > =>
@@ -56,7 +59,13 @@ export const completion = (
           event._tag === "Text"
             ? { ...acc, text: acc.text + event.text }
             : event._tag === "Done"
-            ? { ...acc, finishReason: event.finishReason, promptTokens: event.promptTokens, completionTokens: event.completionTokens }
-            : acc
+              ? {
+                  ...acc,
+                  finishReason: event.finishReason,
+                  promptTokens: event.promptTokens,
+                  completionTokens: event.completionTokens
+                }
+              : acc
       )
-    ))
+    )
+  )

@@ -8,15 +8,19 @@ import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
 const cacheDir = () => swactorCacheDir()
 
 /** The small model `swactor run` uses when no --model is given: written once with the synthetic GGUF writer. */
-export const defaultSyntheticModel = Effect.gen(function*() {
+export const defaultSyntheticModel = Effect.gen(function* () {
   const dir = cacheDir()
   const path = join(dir, "synthetic-llama-4x256-q8_0-v1.gguf")
   if (existsSync(path)) {
-    yield* Console.error(`swactor run: no --model given; using the cached synthetic model ${path} (random weights: the text is noise)`)
+    yield* Console.error(
+      `swactor run: no --model given; using the cached synthetic model ${path} (random weights: the text is noise)`
+    )
     return path
   }
   mkdirSync(dir, { recursive: true })
-  yield* Console.error(`swactor run: no --model given; writing a small synthetic llama model (random weights) to ${path} ...`)
+  yield* Console.error(
+    `swactor run: no --model given; writing a small synthetic llama model (random weights) to ${path} ...`
+  )
   // Written under a temporary name and renamed, so an interrupted write never looks cached.
   const partial = `${path}.partial-${process.pid}`
   yield* writeSyntheticModel({

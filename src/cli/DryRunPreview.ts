@@ -8,12 +8,13 @@ export const renderPreview = (update: RunUpdate): string => {
     case "PoolReady":
       return [
         "nodes (as reported in their heartbeat):",
-        ...update.capacity.map(({ capacity, node }) =>
-          `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
-          `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
-          (capacity.speedBytesPerSecond === undefined
-            ? ""
-            : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
+        ...update.capacity.map(
+          ({ capacity, node }) =>
+            `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
+            `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
+            (capacity.speedBytesPerSecond === undefined
+              ? ""
+              : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
         )
       ].join("\n")
     case "Planned":
@@ -40,13 +41,15 @@ const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray
     const node = pool.find((n) => n.nodeId === s.nodeId)
     const free = node === undefined ? "unknown" : mib(node.freeMemoryBytes)
     const speed = node === undefined ? "unknown" : `${(node.speedBytesPerSecond / 1e9).toFixed(2)} GB/s`
-    return `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
+    return (
+      `  stage ${s.stageIndex} on node ${s.nodeId} (${free} free, ${speed}): ` +
       `${s.layerEndExclusive - s.layerStart} blocks [${s.layerStart}, ${s.layerEndExclusive}), ` +
       `${mib(s.weightBytes)} weights, ${mib(s.activeBytes)} read per token, ${mib(s.memoryBytes)} with KV and buffers, ` +
       `${s.expectedMillis.toFixed(2)} ms/token`
+    )
   }),
   `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
-  `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
+    `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
   ...(choice.stages.length < pool.length
     ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
     : [])

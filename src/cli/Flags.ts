@@ -32,7 +32,9 @@ export const wholeNumber = (flag: string, value: number, min: number): Effect.Ef
 
 /** A finite number of at least `min`. */
 export const atLeast = (flag: string, value: number, min: number): Effect.Effect<number, UsageError> =>
-  Number.isFinite(value) && value >= min ? Effect.succeed(value) : fail(`--${flag} must be at least ${min}, got ${value}`)
+  Number.isFinite(value) && value >= min
+    ? Effect.succeed(value)
+    : fail(`--${flag} must be at least ${min}, got ${value}`)
 
 /** The same, for an optional flag. */
 export const optionalWholeNumber = (flag: string, value: Option.Option<number>, min: number) =>
@@ -46,7 +48,7 @@ export { minTokenLength }
  * when either is given.
  */
 export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Option.Option<number>, UsageError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const threads = yield* userSetting(threadsSetting, value.pipe(Option.map(Option.some)))
     if (Option.isNone(threads)) return threads
     const problem = threadsProblem(threads.value, Option.isSome(value) ? "--threads" : threadsSetting.doc.variable)
@@ -75,14 +77,16 @@ export const tlsFlag = Options.choice("tls", ["auto", "always", "off"]).pipe(
  */
 export const tlsMode = (flag: Option.Option<TlsMode>): Effect.Effect<TlsMode, UsageError> =>
   userSetting(tlsSetting, flag).pipe(
-    Effect.tap((mode) => Option.isSome(flag) ? Effect.sync(() => chooseSetting(tlsSetting, mode)) : Effect.void)
+    Effect.tap((mode) => (Option.isSome(flag) ? Effect.sync(() => chooseSetting(tlsSetting, mode)) : Effect.void))
   )
 
 /**
  * `--backend cpu|cuda|auto` picks the ggml package an agent loads (cuda: node-llama-cpp's CUDA package); without it,
  * SWACTOR_GGML_PACKAGE, else cpu. Returns the stage backend (the flag, else cpu, as before).
  */
-export const backend = (flag: Option.Option<"cpu" | "cuda" | "auto">): Effect.Effect<"cpu" | "cuda" | "auto", UsageError> =>
+export const backend = (
+  flag: Option.Option<"cpu" | "cuda" | "auto">
+): Effect.Effect<"cpu" | "cuda" | "auto", UsageError> =>
   userSetting(ggmlPackageSetting, flag).pipe(
     Effect.tap((ggmlPackage) => Effect.sync(() => chooseSetting(ggmlPackageSetting, ggmlPackage))),
     Effect.as(Option.getOrElse(flag, () => "cpu" as const))
@@ -108,8 +112,11 @@ export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<st
 
 /** `--agents host:port,host:port` (alias `--nodes`): at least one, each host:port. */
 export const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
-  Effect.gen(function*() {
-    const nodes = text.split(",").map((n) => n.trim()).filter((n) => n.length > 0)
+  Effect.gen(function* () {
+    const nodes = text
+      .split(",")
+      .map((n) => n.trim())
+      .filter((n) => n.length > 0)
     if (nodes.length === 0) return yield* fail(`--agents "${text}" names no agent: give host:port,host:port,...`)
     for (const node of nodes) {
       const address = parseAddress(node)
@@ -126,9 +133,12 @@ export const listFlag = (
   value: Option.Option<string>,
   bad: (item: string) => string | undefined
 ): Effect.Effect<ReadonlyArray<string>, UsageError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     if (Option.isNone(value)) return []
-    const items = value.value.split(",").map((item) => item.trim()).filter((item) => item !== "")
+    const items = value.value
+      .split(",")
+      .map((item) => item.trim())
+      .filter((item) => item !== "")
     for (const item of items) {
       const reason = bad(item)
       if (reason !== undefined) return yield* fail(`--${flag}: "${item}" is not valid: ${reason}`)
@@ -148,6 +158,7 @@ export const modelFactsOf = (model: string) =>
   )
 
 /** `Options.withDefault` that also says the default in `--help`. */
-export const withShownDefault = <B>(value: B, shown: string = String(value)) =>
-<A>(self: Options.Options<A>): Options.Options<A | B> =>
-  self.pipe(Options.withDescription(`(default: ${shown})`), Options.withDefault(value))
+export const withShownDefault =
+  <B>(value: B, shown: string = String(value)) =>
+  <A>(self: Options.Options<A>): Options.Options<A | B> =>
+    self.pipe(Options.withDescription(`(default: ${shown})`), Options.withDefault(value))

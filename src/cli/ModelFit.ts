@@ -12,7 +12,7 @@ import { modelFactsOf, UsageError } from "./Flags.js"
  * ContextOverflow fault at the end of a long generation.
  */
 export const checkModelFit = (model: string, prompt: string, maxTokens: number, stages: number | undefined) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const facts = yield* modelFactsOf(model)
     if (stages !== undefined) {
       const problem = stagesProblem(stages, facts.numLayers, "--stages")

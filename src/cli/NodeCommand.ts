@@ -19,7 +19,15 @@ import { agentHooks } from "../layers/config/Settings.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
-import { backend as backendFlag, clusterToken, minTokenLength, optionalThreads, tlsFlag, tlsMode, withShownDefault } from "./Flags.js"
+import {
+  backend as backendFlag,
+  clusterToken,
+  minTokenLength,
+  optionalThreads,
+  tlsFlag,
+  tlsMode,
+  withShownDefault
+} from "./Flags.js"
 import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
@@ -64,12 +72,11 @@ export interface NodeArgs {
 export const runNodeCommand = (args: NodeArgs, executorFor: StageExecutorFor = stageExecutorFor) =>
   untilOperatorStop(runNode(args, executorFor), {
     stdoutClosedStops: false,
-    onStop: (stop) =>
-      stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void
+    onStop: (stop) => (stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void)
   })
 
 const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const token = yield* clusterToken(args.tokenFile)
     if (token === "") {
       return yield* new NodeUsageError({
@@ -91,10 +98,14 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
     const memoryLimitBytes = Option.getOrUndefined(args.memoryLimit ?? Option.none())
     const speedBytesPerSecond = Option.getOrUndefined(args.speed ?? Option.none())
     if (memoryLimitBytes !== undefined && !(memoryLimitBytes > 0)) {
-      return yield* new NodeUsageError({ message: `--memory-limit: ${memoryLimitBytes} is not a positive number of bytes` })
+      return yield* new NodeUsageError({
+        message: `--memory-limit: ${memoryLimitBytes} is not a positive number of bytes`
+      })
     }
     if (speedBytesPerSecond !== undefined && !(speedBytesPerSecond > 0 && Number.isFinite(speedBytesPerSecond))) {
-      return yield* new NodeUsageError({ message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure` })
+      return yield* new NodeUsageError({
+        message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure`
+      })
     }
     const threads = Option.getOrElse(threadsFlag, () => Math.min(maxThreads, Math.max(1, Os.availableParallelism())))
     // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
@@ -102,21 +113,23 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
     // default) until the probe has run, so the probe is not on the run's start-up path.
     const probeLater = speedBytesPerSecond === undefined && args.engine === "live" && args.speedProbe === "after-ready"
     const laterSpeed: { current: number | undefined } = { current: undefined }
-    const speed = speedBytesPerSecond !== undefined
-      ? { speedBytesPerSecond, speedSource: "declared" as const }
-      : args.engine === "live" && !probeLater
-      ? yield* Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
-        Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
-        Effect.catchAll((error) =>
-          Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
-            .pipe(Effect.as(undefined))
-        )
-      )
-      : undefined
+    const speed =
+      speedBytesPerSecond !== undefined
+        ? { speedBytesPerSecond, speedSource: "declared" as const }
+        : args.engine === "live" && !probeLater
+          ? yield* Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
+              Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
+              Effect.catchAll((error) =>
+                Console.error(
+                  `swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`
+                ).pipe(Effect.as(undefined))
+              )
+            )
+          : undefined
     const engine = executorFor(args.engine)
     const executor = slowdown > 1 ? layerSlowed(slowdown).pipe(Layer.provide(engine)) : engine
 
-    yield* Effect.gen(function*() {
+    yield* Effect.gen(function* () {
       const agent = yield* startNodeAgent({
         listen,
         ...(dataListen === undefined ? {} : { dataListen }),
@@ -124,12 +137,14 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
         token,
         threads,
         backend,
-        ...(hooks.batchMaxRows === undefined && hooks.prefillChunk === undefined ? {} : {
-          batch: {
-            ...(hooks.batchMaxRows === undefined ? {} : { maxRows: hooks.batchMaxRows }),
-            ...(hooks.prefillChunk === undefined ? {} : { prefillChunk: hooks.prefillChunk })
-          }
-        }),
+        ...(hooks.batchMaxRows === undefined && hooks.prefillChunk === undefined
+          ? {}
+          : {
+              batch: {
+                ...(hooks.batchMaxRows === undefined ? {} : { maxRows: hooks.batchMaxRows }),
+                ...(hooks.prefillChunk === undefined ? {} : { prefillChunk: hooks.prefillChunk })
+              }
+            }),
         ...(hooks.settleWeights === "auto" ? {} : { settleWeights: hooks.settleWeights }),
         ...(args.cacheDir !== undefined && Option.isSome(args.cacheDir) ? { cacheDir: args.cacheDir.value } : {}),
         ...(args.slicesOnly === true ? { slicesOnly: true } : {}),
@@ -150,7 +165,9 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
             Effect.delay(laterProbeDelay),
             Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured))),
             Effect.catchAll((error) =>
-              Console.error(`swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`)
+              Console.error(
+                `swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`
+              )
             )
           )
         )
@@ -180,11 +197,15 @@ export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor
         withShownDefault("127.0.0.1:7070")
       ),
       dataListen: Options.text("data-listen").pipe(
-        Options.withDescription("data-plane address host:port or a Unix socket path (default: the control host, any port)"),
+        Options.withDescription(
+          "data-plane address host:port or a Unix socket path (default: the control host, any port)"
+        ),
         Options.optional
       ),
       dataAdvertise: Options.text("data-advertise").pipe(
-        Options.withDescription("data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"),
+        Options.withDescription(
+          "data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"
+        ),
         Options.optional
       ),
       threads: Options.integer("threads").pipe(
@@ -204,7 +225,9 @@ export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor
         Options.optional
       ),
       speed: Options.float("speed").pipe(
-        Options.withDescription("declared engine speed in weight bytes per second (placement; default: measured at start)"),
+        Options.withDescription(
+          "declared engine speed in weight bytes per second (placement; default: measured at start)"
+        ),
         Options.optional
       ),
       speedProbe: Options.choice("speed-probe", ["start", "after-ready"]).pipe(
@@ -218,11 +241,15 @@ export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor
         withShownDefault("live" as const)
       ),
       tokenFile: Options.text("token-file").pipe(
-        Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
+        Options.withDescription(
+          `file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`
+        ),
         Options.optional
       ),
       cacheDir: Options.text("cache-dir").pipe(
-        Options.withDescription("where weight slices delivered by orchestrators are kept (default: $XDG_CACHE_HOME/swactor/slices)"),
+        Options.withDescription(
+          "where weight slices delivered by orchestrators are kept (default: $XDG_CACHE_HOME/swactor/slices)"
+        ),
         Options.optional
       ),
       slicesOnly: Options.boolean("slices-only").pipe(
@@ -230,6 +257,8 @@ export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor
       )
     },
     (args) => runNodeCommand(args, executorFor)
-  ).pipe(Command.withDescription("Run a node agent that hosts pipeline stages for orchestrators with the cluster token"))
+  ).pipe(
+    Command.withDescription("Run a node agent that hosts pipeline stages for orchestrators with the cluster token")
+  )
 
 export const nodeCommand = makeNodeCommand()

@@ -41,7 +41,10 @@ const DTYPES: Record<PlanArgs["dtype"], readonly [DTypeFamily, number]> = {
 
 /** Parses "10,11,12" into node ids. */
 export const parseNodeList = (text: string, flag: string): Effect.Effect<ReadonlyArray<NodeId>, PlanUsageError> => {
-  const parts = text.split(",").map((p) => p.trim()).filter((p) => p.length > 0)
+  const parts = text
+    .split(",")
+    .map((p) => p.trim())
+    .filter((p) => p.length > 0)
   const bad = parts.find((p) => !/^\d+$/.test(p) || !Number.isSafeInteger(Number(p)))
   if (bad !== undefined) {
     return Effect.fail(new PlanUsageError({ message: `--${flag}: "${bad}" is not a node id (a whole number >= 0)` }))
@@ -54,7 +57,7 @@ const modelFactsFromGguf = (
   path: string,
   dtype: PlanArgs["dtype"]
 ): Effect.Effect<ModelFacts, ModelLoadError, ModelCatalog> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const facts = yield* (yield* ModelCatalog).facts(path)
     const [dtypeFamily, dtypeWidthBytes] = DTYPES[dtype]
     return { ...facts, dtypeFamily, dtypeWidthBytes }
@@ -64,7 +67,7 @@ const modelFactsFromGguf = (
 export const plannerInputFromArgs = (
   args: PlanArgs
 ): Effect.Effect<PlannerInput, PlanUsageError | ModelLoadError, ModelCatalog> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const nodes = yield* parseNodeList(args.nodes, "nodes")
     const pool = Option.isSome(args.pool) ? yield* parseNodeList(args.pool.value, "pool") : [...new Set(nodes)]
     const [dtypeFamily, dtypeWidthBytes] = DTYPES[args.dtype]
@@ -126,7 +129,10 @@ const ringText = (ring: RingSpec) => `${ring.dataCapacity} B, align ${ring.align
 const table = (header: ReadonlyArray<string>, rows: ReadonlyArray<ReadonlyArray<string>>): string => {
   const widths = header.map((h, i) => Math.max(h.length, ...rows.map((r) => (r[i] ?? "").length)))
   const line = (cells: ReadonlyArray<string>) =>
-    cells.map((c, i) => i === cells.length - 1 ? c : c.padEnd(widths[i]!)).join("  ").trimEnd()
+    cells
+      .map((c, i) => (i === cells.length - 1 ? c : c.padEnd(widths[i]!)))
+      .join("  ")
+      .trimEnd()
   return [line(header), line(widths.map((w) => "-".repeat(w))), ...rows.map(line)].join("\n")
 }
 
@@ -158,8 +164,8 @@ export const renderPlan = (plan: RunPlan): string => {
   const m = plan.model
   return [
     `run ${plan.runId}: ${m.modelId}, ${m.numLayers} layers over ${plan.stages.length} stages, ` +
-    `hidden ${m.hiddenDim} x ${m.dtypeWidthBytes} B (${m.dtypeFamily}), max tokens ${plan.maxTokens}, ` +
-    `orchestrator node ${plan.orchestratorNodeId}`,
+      `hidden ${m.hiddenDim} x ${m.dtypeWidthBytes} B (${m.dtypeFamily}), max tokens ${plan.maxTokens}, ` +
+      `orchestrator node ${plan.orchestratorNodeId}`,
     "",
     stages,
     "",
@@ -180,9 +186,11 @@ export const runPlanCommand = (args: PlanArgs) =>
       onFailure: (error) =>
         Effect.zipRight(
           Console.error(
-            error._tag === "PlanUsageError" ? `swactor plan: ${error.message}`
-            : error._tag === "ModelLoadError" ? `swactor plan: cannot read the model: ${error.message}`
-            : renderRejection(error)
+            error._tag === "PlanUsageError"
+              ? `swactor plan: ${error.message}`
+              : error._tag === "ModelLoadError"
+                ? `swactor plan: cannot read the model: ${error.message}`
+                : renderRejection(error)
           ),
           Effect.fail(error)
         )

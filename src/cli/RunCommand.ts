@@ -19,7 +19,7 @@ import { untilOperatorStop } from "./Signals.js"
 import { makePhaseClock } from "./StartupPhases.js"
 
 const runRun = (args: RunArgs, json: JsonReport) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const clock = makePhaseClock()
     clock.mark("start")
     const flags = yield* validateRunFlags(args)
@@ -50,7 +50,9 @@ export const runRunCommand = (args: RunArgs) => {
   const printJson = printJsonReport(args.json, json)
   return untilOperatorStop(runRun(args, json), {
     onStop: (stop) =>
-      stop._tag === "OutputClosed" ? Effect.void : reportOperatorStop(json, stop.signal).pipe(Effect.zipRight(printJson))
+      stop._tag === "OutputClosed"
+        ? Effect.void
+        : reportOperatorStop(json, stop.signal).pipe(Effect.zipRight(printJson))
   }).pipe(
     Effect.tap((result) => (Option.isSome(result) ? printJson : Effect.void)),
     Effect.tapError((error) => reportFailure(json, error).pipe(Effect.zipRight(printJson)))

@@ -60,7 +60,10 @@ export const runFlags = {
     Options.withDescription(`prompt text, or - to read it from standard input (default: "${defaultPrompt}")`),
     Options.optional
   ),
-  promptFile: Options.file("prompt-file").pipe(Options.withDescription("read the prompt from this file"), Options.optional),
+  promptFile: Options.file("prompt-file").pipe(
+    Options.withDescription("read the prompt from this file"),
+    Options.optional
+  ),
   stages: Options.integer("stages").pipe(
     Options.withDescription("pipeline stages (default: 2 local agents; with --agents, one per node)"),
     Options.optional
@@ -70,7 +73,10 @@ export const runFlags = {
     withShownDefault(128)
   ),
   temperature: Options.float("temperature").pipe(Options.withDescription("0 = greedy"), withShownDefault(0)),
-  topK: Options.integer("top-k").pipe(Options.withDescription("sample among the k likeliest (0 = all)"), withShownDefault(40)),
+  topK: Options.integer("top-k").pipe(
+    Options.withDescription("sample among the k likeliest (0 = all)"),
+    withShownDefault(40)
+  ),
   seed: Options.integer("seed").pipe(Options.withDescription("sampling seed (same seed, same text)"), Options.optional),
   ...samplingFlags,
   threads: Options.integer("threads").pipe(
@@ -78,7 +84,7 @@ export const runFlags = {
     Options.optional
   ),
   agents: Options.text("agents").pipe(
-      Options.withAlias("nodes"),
+    Options.withAlias("nodes"),
     Options.withDescription(`agents host:port,... (alias --nodes; token from ${clusterTokenEnv} or --token-file)`),
     Options.optional
   ),
@@ -134,9 +140,8 @@ const placementFromArgs = (
   return Effect.succeed(args.placement === "balanced" ? { _tag: "Balanced" } : undefined)
 }
 
-
 const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     if (Option.isSome(args.promptFile) && Option.isSome(args.prompt)) {
       return yield* new UsageError({ message: "--prompt and --prompt-file: give one of them" })
     }
@@ -144,13 +149,15 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
       Effect.try({
         try: () => readFileSync(path, "utf8").replace(/\r?\n$/, ""),
         catch: (cause) =>
-          new UsageError({ message: `${flag}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})` })
+          new UsageError({
+            message: `${flag}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})`
+          })
       })
     const text = Option.isSome(args.promptFile)
       ? yield* read(`--prompt-file ${args.promptFile.value}`, args.promptFile.value)
       : Option.isSome(args.prompt) && args.prompt.value === "-"
-      ? yield* read("--prompt - (standard input)", 0)
-      : Option.getOrElse(args.prompt, () => defaultPrompt)
+        ? yield* read("--prompt - (standard input)", 0)
+        : Option.getOrElse(args.prompt, () => defaultPrompt)
     if (isEmptyPrompt(text)) {
       return yield* new UsageError({
         message: `${Option.isSome(args.promptFile) ? "--prompt-file" : "--prompt"}: ${emptyPromptMessage}`
@@ -161,7 +168,7 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
 
 /** Every flag of `swactor run`, checked before anything starts. */
 export const validateRunFlags = (args: RunArgs) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const stages = yield* optionalWholeNumber("stages", args.stages, 1)
     const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
     const temperature = yield* atLeast("temperature", args.temperature, 0)

@@ -67,7 +67,9 @@ export const makeRunPrinter = (
         if (options.json) return
         process.stdout.write("\n")
         if (!quiet) {
-          process.stderr.write(`${renderSummary(update.summary)}\n${phases === undefined ? "" : `${renderPhases(phases)}\n`}`)
+          process.stderr.write(
+            `${renderSummary(update.summary)}\n${phases === undefined ? "" : `${renderPhases(phases)}\n`}`
+          )
         }
       })
     }

@@ -22,9 +22,11 @@ export const makeProgress = (quiet: boolean) => {
     open = false
   }
   const render = () => {
-    const fraction = stageCount === 0
-      ? 0
-      : [...Array(stageCount).keys()].reduce((sum, i) => sum + (ready.has(i) ? 1 : loading.get(i) ?? 0), 0) / stageCount
+    const fraction =
+      stageCount === 0
+        ? 0
+        : [...Array(stageCount).keys()].reduce((sum, i) => sum + (ready.has(i) ? 1 : (loading.get(i) ?? 0)), 0) /
+          stageCount
     return `loading ${stageCount} stage${stageCount === 1 ? "" : "s"} ${bar(fraction)} ${ready.size}/${stageCount} ready`
   }
   return {
@@ -36,11 +38,13 @@ export const makeProgress = (quiet: boolean) => {
           case "Planned":
             stageCount = update.stages.length
             if (!tty && !quiet) {
-              for (const s of update.stages) line(`stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`)
+              for (const s of update.stages)
+                line(`stage ${s.stageIndex}: blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address}`)
             }
             return line(render())
           case "WeightsDelivery": {
-            const text = `weights for stage ${update.stageIndex} to ${update.address} ` +
+            const text =
+              `weights for stage ${update.stageIndex} to ${update.address} ` +
               `${bar(update.totalBytes > 0 ? update.sentBytes / update.totalBytes : 1)} ` +
               `${(update.sentBytes / 2 ** 20).toFixed(1)}/${(update.totalBytes / 2 ** 20).toFixed(1)} MiB`
             if (tty) return line(text)
@@ -65,9 +69,9 @@ export const makeProgress = (quiet: boolean) => {
           case "Recovered":
             done()
             process.stderr.write(
-              `swactor run: recovered in ${ms(update.recovery.millis)} ms on ${
-                update.recovery.stages.map((s) => `stage ${s.stageIndex} [${s.layers[0]}, ${s.layers[1]}) ${s.address}`).join(", ")
-              }\n`
+              `swactor run: recovered in ${ms(update.recovery.millis)} ms on ${update.recovery.stages
+                .map((s) => `stage ${s.stageIndex} [${s.layers[0]}, ${s.layers[1]}) ${s.address}`)
+                .join(", ")}\n`
             )
             return
           default:

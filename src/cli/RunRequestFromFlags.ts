@@ -12,9 +12,7 @@ import type { CheckedRunFlags, RunArgs } from "./RunFlags.js"
  * range). Remote nodes: --stages if given.
  */
 export const plannedStages = (flags: CheckedRunFlags): number | undefined =>
-  Option.isSome(flags.stages)
-    ? flags.stages.value
-    : flags.nodes.length > 0 ? undefined : flags.localStages
+  Option.isSome(flags.stages) ? flags.stages.value : flags.nodes.length > 0 ? undefined : flags.localStages
 
 /** The generation request of the flags. */
 export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: string): GenerateRequest => {
@@ -29,7 +27,11 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
       ...(Option.isSome(flags.seed) ? { seed: flags.seed.value } : {}),
       ...flags.chain
     },
-    ...(Option.isSome(flags.stages) ? { stages: flags.stages.value } : nodes.length > 0 ? {} : { stages: flags.localStages }),
+    ...(Option.isSome(flags.stages)
+      ? { stages: flags.stages.value }
+      : nodes.length > 0
+        ? {}
+        : { stages: flags.localStages }),
     ...(flags.placement === undefined ? {} : { placement: flags.placement }),
     // Nodes that lack the model file receive their stages' slices (remote nodes by default; never for a dry run).
     ...(!args.dryRun && (args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0))
@@ -47,11 +49,11 @@ export const agentPoolFromFlags = (args: RunArgs, flags: CheckedRunFlags, reques
   return nodes.length > 0
     ? layerRemote({ agents: nodes, token })
     : layerLocal({
-      // The agents boot while the orchestrator reads the model's facts and vocabulary.
-      prestart: (request.stages ?? 2) + (request.spares ?? 0),
-      // Local agents are alike (one machine, same threads): their speed probe runs after they are ready, off the
-      // start-up path. A dry run explains placement with measured speeds, so there they measure first.
-      ...(args.dryRun ? {} : { extraArgs: () => ["--speed-probe", "after-ready"] }),
-      ...(Option.isSome(threads) ? { threads: threads.value } : {})
-    })
+        // The agents boot while the orchestrator reads the model's facts and vocabulary.
+        prestart: (request.stages ?? 2) + (request.spares ?? 0),
+        // Local agents are alike (one machine, same threads): their speed probe runs after they are ready, off the
+        // start-up path. A dry run explains placement with measured speeds, so there they measure first.
+        ...(args.dryRun ? {} : { extraArgs: () => ["--speed-probe", "after-ready"] }),
+        ...(Option.isSome(threads) ? { threads: threads.value } : {})
+      })
 }

@@ -6,19 +6,19 @@ import { mib, ms, size } from "./Units.js"
 export const renderSummary = (summary: RunSummary): string => {
   const lines = [
     `${summary.generatedTokens} tokens (${summary.outcome === "Eos" ? "end of sequence" : "max tokens"}), ` +
-    `prompt ${summary.promptTokens} tokens`,
+      `prompt ${summary.promptTokens} tokens`,
     `time to first token ${ms(summary.timeToFirstTokenMillis)} ms (prefill through the pipeline ${ms(summary.prefillMillis)} ms)`,
     `decode ${summary.decodeTokensPerSecond.toFixed(1)} tok/s (${ms(summary.decodeMillisPerToken)} ms per token: ` +
-    `compute ${ms(summary.decodeMillisPerToken - summary.transferMillisPerToken)} ms, transfer ${ms(summary.transferMillisPerToken)} ms)`
+      `compute ${ms(summary.decodeMillisPerToken - summary.transferMillisPerToken)} ms, transfer ${ms(summary.transferMillisPerToken)} ms)`
   ]
   for (const s of summary.stages) {
     lines.push(
       `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
         `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}` +
         (s.peakResidentBytes > 0
-          ? `; agent memory ${mib(s.residentBytes)}, peak ${mib(s.peakResidentBytes)} (KV ${size(s.kvBytes)}, compute ${
-            size(s.computeBytes)
-          })`
+          ? `; agent memory ${mib(s.residentBytes)}, peak ${mib(s.peakResidentBytes)} (KV ${size(s.kvBytes)}, compute ${size(
+              s.computeBytes
+            )})`
           : "")
     )
   }
@@ -30,9 +30,10 @@ export const renderSummary = (summary: RunSummary): string => {
   }
   if (summary.stragglers.length > 0) {
     lines.push(
-      `stragglers: ${summary.stragglers.length} slow tokens (${
-        summary.stragglers.slice(0, 5).map((s) => `#${s.step} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`).join(", ")
-      }${summary.stragglers.length > 5 ? ", ..." : ""})`
+      `stragglers: ${summary.stragglers.length} slow tokens (${summary.stragglers
+        .slice(0, 5)
+        .map((s) => `#${s.step} ${ms(s.latencyMillis)} ms vs median ${ms(s.medianMillis)} ms`)
+        .join(", ")}${summary.stragglers.length > 5 ? ", ..." : ""})`
     )
   }
   for (const s of summary.stageStragglers) {

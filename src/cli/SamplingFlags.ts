@@ -11,8 +11,14 @@ import { maxLogprobs } from "../services/RequestChecks.js"
 import { UsageError } from "./Flags.js"
 
 export const samplingFlags = {
-  topP: Options.float("top-p").pipe(Options.withDescription("nucleus sampling: keep this much probability mass (1 = off)"), Options.optional),
-  minP: Options.float("min-p").pipe(Options.withDescription("drop tokens under this fraction of the likeliest (0 = off)"), Options.optional),
+  topP: Options.float("top-p").pipe(
+    Options.withDescription("nucleus sampling: keep this much probability mass (1 = off)"),
+    Options.optional
+  ),
+  minP: Options.float("min-p").pipe(
+    Options.withDescription("drop tokens under this fraction of the likeliest (0 = off)"),
+    Options.optional
+  ),
   repeatPenalty: Options.float("repeat-penalty").pipe(
     Options.withDescription("divide the logits of recent tokens by this (1 = off)"),
     Options.optional
@@ -61,31 +67,46 @@ const finiteFlag = (
   value === undefined || Option.isNone(value)
     ? Effect.succeed(undefined)
     : Number.isFinite(value.value) && value.value >= min && value.value <= max
-    ? Effect.succeed(value.value)
-    : fail(`--${flag} must be ${what}, got ${value.value}`)
+      ? Effect.succeed(value.value)
+      : fail(`--${flag} must be ${what}, got ${value.value}`)
 
 const parseBias = (text: string) =>
-  Effect.forEach(text.split(",").filter((s) => s.trim() !== ""), (entry) => {
-    const m = /^\s*(\d+)\s*=\s*(-?inf|[-+]?\d*\.?\d+(?:e[-+]?\d+)?)\s*$/i.exec(entry)
-    if (m === null) return fail(`--logit-bias takes ID=BIAS,... (BIAS a number or -inf), got "${entry.trim()}"`)
-    const bias = /^-inf$/i.test(m[2]!) ? -Infinity : Number(m[2])
-    if (m[2]!.toLowerCase() === "inf") return fail("--logit-bias: +inf is no bias (use a large number, or -inf to ban)")
-    return Effect.succeed({ tokenId: Number(m[1]), bias })
-  })
+  Effect.forEach(
+    text.split(",").filter((s) => s.trim() !== ""),
+    (entry) => {
+      const m = /^\s*(\d+)\s*=\s*(-?inf|[-+]?\d*\.?\d+(?:e[-+]?\d+)?)\s*$/i.exec(entry)
+      if (m === null) return fail(`--logit-bias takes ID=BIAS,... (BIAS a number or -inf), got "${entry.trim()}"`)
+      const bias = /^-inf$/i.test(m[2]!) ? -Infinity : Number(m[2])
+      if (m[2]!.toLowerCase() === "inf")
+        return fail("--logit-bias: +inf is no bias (use a large number, or -inf to ban)")
+      return Effect.succeed({ tokenId: Number(m[1]), bias })
+    }
+  )
 
 /** The sampling options the flags ask for (only those given). */
 export const samplingFromFlags = (args: SamplingFlagArgs): Effect.Effect<Partial<SamplingOptions>, UsageError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const topP = yield* finiteFlag("top-p", args.topP, 0, 1)
     const minP = yield* finiteFlag("min-p", args.minP, 0, 1)
-    const repeatPenalty = yield* finiteFlag("repeat-penalty", args.repeatPenalty, Number.MIN_VALUE, 100, "above 0 and at most 100 (1 = off)")
+    const repeatPenalty = yield* finiteFlag(
+      "repeat-penalty",
+      args.repeatPenalty,
+      Number.MIN_VALUE,
+      100,
+      "above 0 and at most 100 (1 = off)"
+    )
     const presencePenalty = yield* finiteFlag("presence-penalty", args.presencePenalty, -100, 100)
     const frequencyPenalty = yield* finiteFlag("frequency-penalty", args.frequencyPenalty, -100, 100)
-    const penaltyLastN = yield* finiteFlag("penalty-last-n", args.penaltyLastN, -1, Infinity, "-1 (the whole context) or more")
+    const penaltyLastN = yield* finiteFlag(
+      "penalty-last-n",
+      args.penaltyLastN,
+      -1,
+      Infinity,
+      "-1 (the whole context) or more"
+    )
     const logprobs = yield* finiteFlag("logprobs", args.logprobs, 0, maxLogprobs)
-    const logitBias = args.logitBias !== undefined && Option.isSome(args.logitBias)
-      ? yield* parseBias(args.logitBias.value)
-      : undefined
+    const logitBias =
+      args.logitBias !== undefined && Option.isSome(args.logitBias) ? yield* parseBias(args.logitBias.value) : undefined
     let grammar: SamplingOptions["grammar"]
     if (args.grammarFile !== undefined && Option.isSome(args.grammarFile)) {
       const path = args.grammarFile.value

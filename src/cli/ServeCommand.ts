@@ -73,7 +73,7 @@ const apiKeyEnv = apiKeyVariable
  * listening line adds (how many keys, from where; never a key).
  */
 const apiKeysOf = (file: Option.Option<string>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     let keys: Array<string>
     let source: string
     if (Option.isSome(file)) {
@@ -81,17 +81,24 @@ const apiKeysOf = (file: Option.Option<string>) =>
       const text = yield* Effect.try({
         try: () => readFileSync(file.value, "utf8"),
         catch: (cause) =>
-          new UsageError({ message: `${source}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})` })
+          new UsageError({
+            message: `${source}: cannot read it (${(cause as NodeJS.ErrnoException).code ?? String(cause)})`
+          })
       })
-      keys = text.split(/\r?\n/).map((line) => line.trim()).filter((line) => line !== "" && !line.startsWith("#"))
-      if (keys.length === 0) return yield* new UsageError({ message: `${source}: the file holds no key (one per line)` })
+      keys = text
+        .split(/\r?\n/)
+        .map((line) => line.trim())
+        .filter((line) => line !== "" && !line.startsWith("#"))
+      if (keys.length === 0)
+        return yield* new UsageError({ message: `${source}: the file holds no key (one per line)` })
     } else {
       source = apiKeyEnv
       const key = apiKeyFromEnv()
       keys = key === undefined ? [] : [Redacted.value(key)]
     }
     const spaced = keys.findIndex((key) => /\s/.test(key))
-    if (spaced >= 0) return yield* new UsageError({ message: `${source}: key ${spaced + 1} has a space inside; one key per line` })
+    if (spaced >= 0)
+      return yield* new UsageError({ message: `${source}: key ${spaced + 1} has a space inside; one key per line` })
     return {
       keys: keys.map((key) => Redacted.make(key)),
       said: keys.length === 0 ? "" : ` (${keys.length} API key${keys.length === 1 ? "" : "s"} from ${source})`
@@ -99,14 +106,16 @@ const apiKeysOf = (file: Option.Option<string>) =>
   })
 
 const runServe = (args: ServeArgs) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     // Every flag checked before anything starts, each refusal one line naming the flag.
     const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls ?? Option.none())
     const keys = yield* apiKeysOf(args.apiKeyFile ?? Option.none())
     if (nodes.length > 0 && token === "") {
-      return yield* new UsageError({ message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file` })
+      return yield* new UsageError({
+        message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
+      })
     }
     const stages = yield* optionalWholeNumber("stages", args.stages, 1)
     const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
@@ -131,9 +140,13 @@ const runServe = (args: ServeArgs) =>
     yield* wholeNumber("header-timeout-ms", args.headerTimeoutMs, 1)
     yield* wholeNumber("body-timeout-ms", args.bodyTimeoutMs, 1)
     const allowedOrigins = yield* listFlag("allowed-origins", args.allowedOrigins, (origin) =>
-      origin === "*" || /^https?:\/\/[^/\s]+$/.test(origin) ? undefined : "an origin is scheme://host[:port], e.g. http://localhost:3000, or *")
+      origin === "*" || /^https?:\/\/[^/\s]+$/.test(origin)
+        ? undefined
+        : "an origin is scheme://host[:port], e.g. http://localhost:3000, or *"
+    )
     const allowedHosts = yield* listFlag("allowed-hosts", args.allowedHosts, (host) =>
-      /^[^\s/:]+$/.test(host) ? undefined : "a host name without scheme or port, e.g. llm.example.lan, or *")
+      /^[^\s/:]+$/.test(host) ? undefined : "a host name without scheme or port, e.g. llm.example.lan, or *"
+    )
     const server = serve({
       model: args.model,
       parallel: args.parallel,
@@ -153,33 +166,38 @@ const runServe = (args: ServeArgs) =>
         ...(args.promptCacheEntries === undefined ? {} : { maxEntries: args.promptCacheEntries })
       }
     })
-    const http = HttpServe.layer({
-      host: args.host,
-      port: args.port,
-      keepAliveMillis: args.keepAliveMs,
-      limits: {
-        maxBodyBytes: Math.round(args.maxBodyMib * 2 ** 20),
-        maxConnections: args.maxConnections,
-        headerTimeoutMillis: args.headerTimeoutMs,
-        bodyTimeoutMillis: args.bodyTimeoutMs,
-        allowedOrigins,
-        allowedHosts
-      },
-      apiKeys: keys.keys,
-      onListening: ({ host, port }) => {
-        process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
-        if (keys.keys.length === 0 && !isLoopbackHost(hostOf(args.host))) {
-          process.stderr.write(
-            `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
-          )
+    const http = HttpServe.layer(
+      {
+        host: args.host,
+        port: args.port,
+        keepAliveMillis: args.keepAliveMs,
+        limits: {
+          maxBodyBytes: Math.round(args.maxBodyMib * 2 ** 20),
+          maxConnections: args.maxConnections,
+          headerTimeoutMillis: args.headerTimeoutMs,
+          bodyTimeoutMillis: args.bodyTimeoutMs,
+          allowedOrigins,
+          allowedHosts
+        },
+        apiKeys: keys.keys,
+        onListening: ({ host, port }) => {
+          process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
+          if (keys.keys.length === 0 && !isLoopbackHost(hostOf(args.host))) {
+            process.stderr.write(
+              `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
+            )
+          }
         }
-      }
-    }, args.model)
+      },
+      args.model
+    )
     // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),
     // one that faults later keeps serving /health and errors honestly.
     const context = yield* Layer.build(http.pipe(Layer.provideMerge(server)))
     const info = yield* Context.get(context, Server).ready.pipe(Effect.mapError((fault) => fault.message))
-    process.stderr.write(`swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`)
+    process.stderr.write(
+      `swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`
+    )
     return yield* Effect.never
   }).pipe(Effect.scoped)
 
@@ -206,7 +224,9 @@ export const serveCommand = Command.make(
   "serve",
   {
     model: Options.file("model").pipe(
-      Options.withDescription("GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)")
+      Options.withDescription(
+        "GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)"
+      )
     ),
     stages: Options.integer("stages").pipe(
       Options.withDescription("pipeline stages (local default 2; with --agents, one per node)"),
@@ -223,7 +243,9 @@ export const serveCommand = Command.make(
     ),
     tls: tlsFlag,
     apiKeyFile: Options.text("api-key-file").pipe(
-      Options.withDescription(`API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`),
+      Options.withDescription(
+        `API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`
+      ),
       Options.optional
     ),
     host: Options.text("host").pipe(withShownDefault("127.0.0.1")),
@@ -232,13 +254,18 @@ export const serveCommand = Command.make(
       Options.withDescription("engine threads per stage (default: SWACTOR_THREADS, else every core)"),
       Options.optional
     ),
-    parallel: Options.integer("parallel").pipe(Options.withDescription("sequences running at once"), withShownDefault(4)),
+    parallel: Options.integer("parallel").pipe(
+      Options.withDescription("sequences running at once"),
+      withShownDefault(4)
+    ),
     queue: Options.integer("queue").pipe(
       Options.withDescription("requests waiting for admission at most; more get 429"),
       withShownDefault(64)
     ),
     kvBudgetMib: Options.integer("kv-budget-mib").pipe(
-      Options.withDescription("KV cache MiB per stage shared by running requests (default: --parallel sequences of 4,096 tokens)"),
+      Options.withDescription(
+        "KV cache MiB per stage shared by running requests (default: --parallel sequences of 4,096 tokens)"
+      ),
       Options.optional
     ),
     maxPromptTokens: Options.integer("max-prompt-tokens").pipe(
@@ -265,11 +292,15 @@ export const serveCommand = Command.make(
       withShownDefault(defaultHttpLimits.bodyTimeoutMillis)
     ),
     allowedOrigins: Options.text("allowed-origins").pipe(
-      Options.withDescription("origins whose web pages may call the API, with CORS: http://host:port,... or * (default: none)"),
+      Options.withDescription(
+        "origins whose web pages may call the API, with CORS: http://host:port,... or * (default: none)"
+      ),
       Options.optional
     ),
     allowedHosts: Options.text("allowed-hosts").pipe(
-      Options.withDescription("host names requests may be addressed to besides the listen address and loopback: name,... or *"),
+      Options.withDescription(
+        "host names requests may be addressed to besides the listen address and loopback: name,... or *"
+      ),
       Options.optional
     ),
     keepAliveMs: Options.integer("keep-alive-ms").pipe(

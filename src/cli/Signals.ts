@@ -46,7 +46,7 @@ export const untilOperatorStop = <A, E, R>(
   command: Effect.Effect<A, E, R>,
   options: OperatorStopOptions = {}
 ): Effect.Effect<Option.Option<A>, E, R> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const stopped = yield* Deferred.make<OperatorStop>()
     let first: OperatorStop | undefined
     const stopWith = (stop: OperatorStop) => {
@@ -80,18 +80,20 @@ export const untilOperatorStop = <A, E, R>(
       // A stdout that closed stays closed: late writes must not raise an unhandled 'error'.
       if (stdoutClosed && process.stdout.listenerCount("error") === 0) process.stdout.on("error", () => {})
     })
-    return yield* Effect.acquireUseRelease(install, () =>
-      Effect.gen(function*() {
-        const fiber = yield* Effect.fork(command)
-        const watcher = yield* Effect.fork(
-          Deferred.await(stopped).pipe(Effect.zipRight(Fiber.interrupt(fiber)))
-        )
-        const exit = yield* Fiber.await(fiber)
-        yield* Fiber.interrupt(watcher)
-        if (first !== undefined && (Exit.isInterrupted(exit) || Exit.isFailure(exit))) {
-          if (options.onStop !== undefined) yield* options.onStop(first)
-          return Option.none<A>()
-        }
-        return Option.some(yield* exit)
-      }), () => uninstall)
+    return yield* Effect.acquireUseRelease(
+      install,
+      () =>
+        Effect.gen(function* () {
+          const fiber = yield* Effect.fork(command)
+          const watcher = yield* Effect.fork(Deferred.await(stopped).pipe(Effect.zipRight(Fiber.interrupt(fiber))))
+          const exit = yield* Fiber.await(fiber)
+          yield* Fiber.interrupt(watcher)
+          if (first !== undefined && (Exit.isInterrupted(exit) || Exit.isFailure(exit))) {
+            if (options.onStop !== undefined) yield* options.onStop(first)
+            return Option.none<A>()
+          }
+          return Option.some(yield* exit)
+        }),
+      () => uninstall
+    )
   })

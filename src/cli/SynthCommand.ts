@@ -63,50 +63,52 @@ export const defaultHeads = (hidden: number): number =>
 export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => {
   const heads = Option.getOrElse(args.heads, () => defaultHeads(args.hidden))
   return {
-  path: args.output,
-  arch: args.arch,
-  layers: args.layers,
-  hidden: args.hidden,
-  ffn: args.ffn,
-  heads,
-  kvHeads: Option.getOrElse(args.kvHeads, () => heads),
-  vocab: args.vocab,
-  contextLength: args.contextLength,
-  type: args.type,
-  seed: args.seed,
-  tiedOutput: args.tiedOutput,
-  ...(Option.isSome(args.headDim) ? { headDim: args.headDim.value } : {}),
-  ...(Option.isSome(args.ropeFreqBase) ? { ropeFreqBase: args.ropeFreqBase.value } : {}),
-  ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {}),
-  ...(Option.isSome(args.chatTemplate) ? { chatTemplate: args.chatTemplate.value } : {}),
-  ...(Option.isSome(args.slidingWindow) ? { slidingWindow: args.slidingWindow.value } : {}),
-  ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
-  ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
-  ...(args.kEqV ? { kEqV: true } : {}),
-  ...(Option.isSome(args.perLayerEmbd) ? { perLayerEmbd: args.perLayerEmbd.value } : {}),
-  ...(Option.isSome(args.sharedKvLayers) ? { sharedKvLayers: args.sharedKvLayers.value } : {}),
-  ...(Option.isSome(args.swaHeadDim) ? { swaHeadDim: args.swaHeadDim.value } : {}),
-  ...(Option.isSome(args.globalKvHeads) ? { globalKvHeads: args.globalKvHeads.value } : {}),
-  ...(args.doubleWideSharedFfn ? { doubleWideSharedFfn: true } : {}),
-  ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
-  ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
-  ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
-  ...(Option.isSome(args.sharedExperts) ? { sharedExperts: args.sharedExperts.value } : {}),
-  ...(Option.isSome(args.nextnLayers) ? { nextnLayers: args.nextnLayers.value } : {}),
-  ...(Option.isSome(args.denseBlocks) ? { denseBlocks: args.denseBlocks.value } : {}),
-  ...(Option.isSome(args.kvLoraRank) ? { kvLoraRank: args.kvLoraRank.value } : {}),
-  ...(Option.isSome(args.qLoraRank) ? { qLoraRank: args.qLoraRank.value } : {})
-}
+    path: args.output,
+    arch: args.arch,
+    layers: args.layers,
+    hidden: args.hidden,
+    ffn: args.ffn,
+    heads,
+    kvHeads: Option.getOrElse(args.kvHeads, () => heads),
+    vocab: args.vocab,
+    contextLength: args.contextLength,
+    type: args.type,
+    seed: args.seed,
+    tiedOutput: args.tiedOutput,
+    ...(Option.isSome(args.headDim) ? { headDim: args.headDim.value } : {}),
+    ...(Option.isSome(args.ropeFreqBase) ? { ropeFreqBase: args.ropeFreqBase.value } : {}),
+    ...(Option.isSome(args.normEps) ? { normEps: args.normEps.value } : {}),
+    ...(Option.isSome(args.chatTemplate) ? { chatTemplate: args.chatTemplate.value } : {}),
+    ...(Option.isSome(args.slidingWindow) ? { slidingWindow: args.slidingWindow.value } : {}),
+    ...(Option.isSome(args.swaPattern) ? { swaPattern: args.swaPattern.value } : {}),
+    ...(Option.isSome(args.logitSoftcap) ? { logitSoftcap: args.logitSoftcap.value } : {}),
+    ...(args.kEqV ? { kEqV: true } : {}),
+    ...(Option.isSome(args.perLayerEmbd) ? { perLayerEmbd: args.perLayerEmbd.value } : {}),
+    ...(Option.isSome(args.sharedKvLayers) ? { sharedKvLayers: args.sharedKvLayers.value } : {}),
+    ...(Option.isSome(args.swaHeadDim) ? { swaHeadDim: args.swaHeadDim.value } : {}),
+    ...(Option.isSome(args.globalKvHeads) ? { globalKvHeads: args.globalKvHeads.value } : {}),
+    ...(args.doubleWideSharedFfn ? { doubleWideSharedFfn: true } : {}),
+    ...(Option.isSome(args.experts) ? { experts: args.experts.value } : {}),
+    ...(Option.isSome(args.expertsUsed) ? { expertsUsed: args.expertsUsed.value } : {}),
+    ...(Option.isSome(args.expertFfn) ? { expertFfn: args.expertFfn.value } : {}),
+    ...(Option.isSome(args.sharedExperts) ? { sharedExperts: args.sharedExperts.value } : {}),
+    ...(Option.isSome(args.nextnLayers) ? { nextnLayers: args.nextnLayers.value } : {}),
+    ...(Option.isSome(args.denseBlocks) ? { denseBlocks: args.denseBlocks.value } : {}),
+    ...(Option.isSome(args.kvLoraRank) ? { kvLoraRank: args.kvLoraRank.value } : {}),
+    ...(Option.isSome(args.qLoraRank) ? { qLoraRank: args.qLoraRank.value } : {})
+  }
 }
 
 const mib = (bytes: number) => (bytes / (1024 * 1024)).toFixed(1)
 
 /** What was written, in words. */
 export const renderSynthSummary = (options: SyntheticModelOptions, s: SyntheticModelSummary): string => {
-  const types = Object.entries(s.tensorTypes).map(([t, n]) => `${t} ${n}`).join(", ")
+  const types = Object.entries(s.tensorTypes)
+    .map(([t, n]) => `${t} ${n}`)
+    .join(", ")
   const lines = [
     `wrote ${s.path}: ${options.arch}, ${options.layers} layers, hidden ${options.hidden}, ffn ${options.ffn}, ` +
-    `heads ${options.heads}/${options.kvHeads}, vocab ${options.vocab}, ${options.type}, seed ${options.seed}`,
+      `heads ${options.heads}/${options.kvHeads}, vocab ${options.vocab}, ${options.type}, seed ${options.seed}`,
     `  ${s.bytes} bytes (${mib(s.bytes)} MiB), ${s.tensors} tensors (${types}), ${s.seconds.toFixed(2)} s`
   ]
   if (s.fallbacks.length > 0) {
@@ -141,7 +143,9 @@ export const synthCommand = Command.make(
     layers: int("layers", "transformer blocks"),
     hidden: int("hidden", "embedding length"),
     ffn: int("ffn", "feed-forward length"),
-    heads: int("heads", "attention heads (default: hidden / 128 from 2048 up, else hidden / 64)").pipe(Options.optional),
+    heads: int("heads", "attention heads (default: hidden / 128 from 2048 up, else hidden / 64)").pipe(
+      Options.optional
+    ),
     kvHeads: int("kv-heads", "key/value heads, divides --heads (default: --heads)").pipe(Options.optional),
     headDim: int("head-dim", "per-head dimension (default hidden / heads)").pipe(Options.optional),
     vocab: int("vocab", "vocabulary size, at least 259").pipe(withShownDefault(32000)),
@@ -154,16 +158,25 @@ export const synthCommand = Command.make(
     tiedOutput: Options.boolean("tied-output").pipe(
       Options.withDescription("no output.weight: the token embedding is the output head")
     ),
-    ropeFreqBase: Options.float("rope-freq-base").pipe(Options.withDescription("RoPE base frequency"), Options.optional),
+    ropeFreqBase: Options.float("rope-freq-base").pipe(
+      Options.withDescription("RoPE base frequency"),
+      Options.optional
+    ),
     normEps: Options.float("norm-eps").pipe(Options.withDescription("RMS norm epsilon"), Options.optional),
     chatTemplate: Options.choice("chat-template", syntheticChatTemplates).pipe(
-      Options.withDescription("a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"),
+      Options.withDescription(
+        "a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"
+      ),
       Options.optional
     ),
-    slidingWindow: int("sliding-window", "gemma3, gemma4, gpt-oss: sliding window of the local blocks (default 32; gpt-oss 16)").pipe(Options.optional),
-    swaPattern: int("swa-pattern", "gemma3, gemma4, gpt-oss: one global block every N blocks (default 6: 5 local, 1 global; gpt-oss 2)").pipe(
-      Options.optional
-    ),
+    slidingWindow: int(
+      "sliding-window",
+      "gemma3, gemma4, gpt-oss: sliding window of the local blocks (default 32; gpt-oss 16)"
+    ).pipe(Options.optional),
+    swaPattern: int(
+      "swa-pattern",
+      "gemma3, gemma4, gpt-oss: one global block every N blocks (default 6: 5 local, 1 global; gpt-oss 2)"
+    ).pipe(Options.optional),
     logitSoftcap: Options.float("logit-softcap").pipe(
       Options.withDescription("gemma3, gemma4: final logit soft-capping (default: none)"),
       Options.optional
@@ -171,41 +184,56 @@ export const synthCommand = Command.make(
     kEqV: Options.boolean("k-eq-v").pipe(
       Options.withDescription("gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)")
     ),
-    perLayerEmbd: int("per-layer-embd", "gemma4: per-layer embedding width, embedding_length_per_layer_input (E2B/E4B: 256; default 0: none)").pipe(
-      Options.optional
-    ),
-    sharedKvLayers: int("shared-kv-layers", "gemma4: last blocks that read an earlier block's KV cache, attention.shared_kv_layers (default none)").pipe(
-      Options.optional
-    ),
-    swaHeadDim: int("swa-head-dim", "gemma4: head size of the sliding-window blocks, key_length_swa (default the model's; 31B: half the global)").pipe(
-      Options.optional
-    ),
-    globalKvHeads: int("global-kv-heads", "gemma4: KV heads of the global blocks, head_count_kv per block (default --kv-heads)").pipe(
-      Options.optional
-    ),
+    perLayerEmbd: int(
+      "per-layer-embd",
+      "gemma4: per-layer embedding width, embedding_length_per_layer_input (E2B/E4B: 256; default 0: none)"
+    ).pipe(Options.optional),
+    sharedKvLayers: int(
+      "shared-kv-layers",
+      "gemma4: last blocks that read an earlier block's KV cache, attention.shared_kv_layers (default none)"
+    ).pipe(Options.optional),
+    swaHeadDim: int(
+      "swa-head-dim",
+      "gemma4: head size of the sliding-window blocks, key_length_swa (default the model's; 31B: half the global)"
+    ).pipe(Options.optional),
+    globalKvHeads: int(
+      "global-kv-heads",
+      "gemma4: KV heads of the global blocks, head_count_kv per block (default --kv-heads)"
+    ).pipe(Options.optional),
     doubleWideSharedFfn: Options.boolean("double-wide-shared-ffn").pipe(
-      Options.withDescription("gemma4: the --shared-kv-layers blocks' feed-forward twice --ffn (E2B), feed_forward_length per block")
+      Options.withDescription(
+        "gemma4: the --shared-kv-layers blocks' feed-forward twice --ffn (E2B), feed_forward_length per block"
+      )
     ),
-    experts: int("experts", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(Options.optional),
-    expertsUsed: int("experts-used", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)").pipe(
+    experts: int("experts", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(
       Options.optional
     ),
-    expertFfn: int("expert-ffn", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: feed-forward length of one expert (default --ffn)").pipe(
-      Options.optional
-    ),
-    sharedExperts: int("shared-experts", "glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in --expert-ffn units (default 1)").pipe(Options.optional),
-    nextnLayers: int("nextn-layers", "glm4moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 files carry them (default 0)").pipe(
-      Options.optional
-    ),
+    expertsUsed: int(
+      "experts-used",
+      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)"
+    ).pipe(Options.optional),
+    expertFfn: int(
+      "expert-ffn",
+      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: feed-forward length of one expert (default --ffn)"
+    ).pipe(Options.optional),
+    sharedExperts: int(
+      "shared-experts",
+      "glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in --expert-ffn units (default 1)"
+    ).pipe(Options.optional),
+    nextnLayers: int(
+      "nextn-layers",
+      "glm4moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 files carry them (default 0)"
+    ).pipe(Options.optional),
     denseBlocks: int("dense-blocks", "glm4moe, deepseek2: leading blocks with a dense feed-forward (default 1)").pipe(
       Options.optional
     ),
     kvLoraRank: int("kv-lora-rank", "deepseek2: size of the cached latent, attention.kv_lora_rank (default 64)").pipe(
       Options.optional
     ),
-    qLoraRank: int("q-lora-rank", "deepseek2: Q's compressed size, attention.q_lora_rank; 0: one attn_q (default 64)").pipe(
-      Options.optional
-    ),
+    qLoraRank: int(
+      "q-lora-rank",
+      "deepseek2: Q's compressed size, attention.q_lora_rank; 0: one attn_q (default 64)"
+    ).pipe(Options.optional),
     output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
   },
   runSynthCommand

@@ -8,7 +8,7 @@ export const mib = (bytes: number) => `${(bytes / 2 ** 20).toFixed(1)} MiB`
 export const gib = (bytes: number) => `${(bytes / 2 ** 30).toFixed(1)} GiB`
 
 /** MiB, or KiB below one MiB. */
-export const size = (bytes: number) => bytes < 2 ** 20 ? `${(bytes / 1024).toFixed(1)} KiB` : mib(bytes)
+export const size = (bytes: number) => (bytes < 2 ** 20 ? `${(bytes / 1024).toFixed(1)} KiB` : mib(bytes))
 
 /** A text progress bar: `[####----]`. */
 export const bar = (fraction: number, width = 20) => {

@@ -137,22 +137,30 @@ export const NodeCapacity = Schema.Struct({
   /** Stages this agent hosts right now (all runs). */
   activeStages: Schema.Number,
   /** Sessions open in this agent's process now, the DeltaNet state bytes and all cache bytes they hold (absent: unknown). */
-  openSessions: Schema.optional(Schema.Struct({ sessions: Schema.Number, stateBytes: Schema.Number, cacheBytes: Schema.Number })),
+  openSessions: Schema.optional(
+    Schema.Struct({ sessions: Schema.Number, stateBytes: Schema.Number, cacheBytes: Schema.Number })
+  ),
   /**
    * Per loaded block range: its measured decode step ms by rows, whether the idle probe ran, and the batcher's last
    * choice of rows per decode micro-batch (for `decoders` sequences through `stages` stages; `defaultRows` = ceil).
    */
-  stepCosts: Schema.optional(Schema.Array(Schema.Struct({
-    layers: Schema.Tuple(Schema.Number, Schema.Number),
-    costs: Schema.Array(Schema.Struct({ rows: Schema.Number, millis: Schema.Number })),
-    probe: Schema.Literal("off", "pending", "done"),
-    choice: Schema.optional(Schema.Struct({
-      decoders: Schema.Number,
-      stages: Schema.Number,
-      rows: Schema.Number,
-      defaultRows: Schema.Number
-    }))
-  }))),
+  stepCosts: Schema.optional(
+    Schema.Array(
+      Schema.Struct({
+        layers: Schema.Tuple(Schema.Number, Schema.Number),
+        costs: Schema.Array(Schema.Struct({ rows: Schema.Number, millis: Schema.Number })),
+        probe: Schema.Literal("off", "pending", "done"),
+        choice: Schema.optional(
+          Schema.Struct({
+            decoders: Schema.Number,
+            stages: Schema.Number,
+            rows: Schema.Number,
+            defaultRows: Schema.Number
+          })
+        )
+      })
+    )
+  ),
   /** Weight bytes the agent's engine processes per second (placement's speed); absent: unknown. */
   speedBytesPerSecond: Schema.optional(Schema.Number),
   /** Where the speed comes from: declared by the operator (`--speed`) or measured. */

@@ -89,10 +89,9 @@ export const TokenFrame = (props: Defaulted<TokenFrame, "chunkIndex" | "chunkCou
 })
 
 /** A `Float32Array` over any buffer (a subarray of a larger one is fine). */
-export const Float32ArraySchema = Schema.declare(
-  (u: unknown): u is Float32Array => u instanceof Float32Array,
-  { identifier: "Float32Array" }
-)
+export const Float32ArraySchema = Schema.declare((u: unknown): u is Float32Array => u instanceof Float32Array, {
+  identifier: "Float32Array"
+})
 
 export const ActivationDType = Schema.Literal("f32")
 export type ActivationDType = typeof ActivationDType.Type
@@ -166,7 +165,10 @@ export const AttachFrame = (props: Defaulted<AttachFrame, "sharedMemory">): Atta
 /** Sender → receiver on a shared-memory edge: new frames are in the ring (the pending bit was clear). */
 export const DoorbellFrameSchema = Schema.TaggedStruct("DoorbellFrame", { runId: RunId, edgeId: EdgeId })
 export type DoorbellFrame = typeof DoorbellFrameSchema.Type
-export const DoorbellFrame = (props: Omit<DoorbellFrame, "_tag">): DoorbellFrame => ({ _tag: "DoorbellFrame", ...props })
+export const DoorbellFrame = (props: Omit<DoorbellFrame, "_tag">): DoorbellFrame => ({
+  _tag: "DoorbellFrame",
+  ...props
+})
 
 /** Receiver → sender: the connection is bound to the edge; data frames may flow. */
 export const AttachedFrameSchema = Schema.TaggedStruct("AttachedFrame", {
@@ -174,7 +176,10 @@ export const AttachedFrameSchema = Schema.TaggedStruct("AttachedFrame", {
   edgeId: EdgeId
 })
 export type AttachedFrame = typeof AttachedFrameSchema.Type
-export const AttachedFrame = (props: Omit<AttachedFrame, "_tag">): AttachedFrame => ({ _tag: "AttachedFrame", ...props })
+export const AttachedFrame = (props: Omit<AttachedFrame, "_tag">): AttachedFrame => ({
+  _tag: "AttachedFrame",
+  ...props
+})
 
 /** Receiver → sender: `bytes` more of the window are free (the consumer took frames that long). */
 export const CreditFrameSchema = Schema.TaggedStruct("CreditFrame", {

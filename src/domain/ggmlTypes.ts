@@ -50,7 +50,7 @@ export const GgmlType = {
   Q1_0: 41,
   Q2_0: 42
 } as const
-export type GgmlType = typeof GgmlType[keyof typeof GgmlType]
+export type GgmlType = (typeof GgmlType)[keyof typeof GgmlType]
 
 /** GGML_TYPE_COUNT of the pinned ggml. */
 export const GGML_TYPE_COUNT = 43

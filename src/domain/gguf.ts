@@ -22,7 +22,7 @@ export const GgufValueType = {
   INT64: 11,
   FLOAT64: 12
 } as const
-export type GgufValueType = typeof GgufValueType[keyof typeof GgufValueType]
+export type GgufValueType = (typeof GgufValueType)[keyof typeof GgufValueType]
 
 /** The stored type of one metadata value; `itemType` is set for arrays. */
 export interface GgufValueKind {

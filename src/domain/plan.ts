@@ -8,9 +8,7 @@ export const alignUp = (n: number, alignment: number): number => Math.ceil(n / a
 export const DTypeFamily = Schema.Literal("Float", "Half", "BFloat")
 export type DTypeFamily = typeof DTypeFamily.Type
 
-export const GgufSource = Schema.Union(
-  Schema.TaggedStruct("LocalPath", { path: Schema.String })
-)
+export const GgufSource = Schema.Union(Schema.TaggedStruct("LocalPath", { path: Schema.String }))
 export type GgufSource = typeof GgufSource.Type
 
 export const TokenizerSource = Schema.Union(
@@ -49,13 +47,15 @@ export const SamplingPolicy = Schema.Struct({
   frequencyPenalty: Schema.optional(Schema.Number),
   /** Recent tokens the penalties look at (absent: 64; -1: the whole context). */
   penaltyLastN: Schema.optional(Schema.Number),
-  dry: Schema.optional(Schema.Struct({
-    multiplier: Schema.Number,
-    base: Schema.Number,
-    allowedLength: Schema.Number,
-    penaltyLastN: Schema.Number,
-    sequenceBreakers: Schema.Array(Schema.String)
-  })),
+  dry: Schema.optional(
+    Schema.Struct({
+      multiplier: Schema.Number,
+      base: Schema.Number,
+      allowedLength: Schema.Number,
+      penaltyLastN: Schema.Number,
+      sequenceBreakers: Schema.Array(Schema.String)
+    })
+  ),
   xtc: Schema.optional(Schema.Struct({ probability: Schema.Number, threshold: Schema.Number })),
   /** Finite biases added to token logits. */
   logitBias: Schema.optional(Schema.Array(Schema.Struct({ tokenId: Schema.Number, bias: Schema.Number }))),
@@ -108,9 +108,7 @@ export const StagePlacement = Schema.Struct({
 }).annotations({ identifier: "StagePlacement" })
 export type StagePlacement = typeof StagePlacement.Type
 
-export const PlacementInput = Schema.Union(
-  Schema.TaggedStruct("FixedLinear", { stages: Schema.Array(StagePlacement) })
-)
+export const PlacementInput = Schema.Union(Schema.TaggedStruct("FixedLinear", { stages: Schema.Array(StagePlacement) }))
 export type PlacementInput = typeof PlacementInput.Type
 
 /** A stage's block range `[start, endExclusive)`. */

@@ -9,8 +9,9 @@ export const InputNumber = Schema.transform(
   Schema.Number,
   {
     strict: true,
-    decode: (encoded) => typeof encoded === "string" ? Number(encoded) : encoded,
-    encode: (n) => Number.isFinite(n) ? n : n > 0 ? "Infinity" as const : n < 0 ? "-Infinity" as const : "NaN" as const
+    decode: (encoded) => (typeof encoded === "string" ? Number(encoded) : encoded),
+    encode: (n) =>
+      Number.isFinite(n) ? n : n > 0 ? ("Infinity" as const) : n < 0 ? ("-Infinity" as const) : ("NaN" as const)
   }
 ).annotations({ identifier: "InputNumber" })
 
@@ -99,8 +100,10 @@ export class ActivationRingTooSmall extends Schema.TaggedError<ActivationRingToo
   alignment: InputNumber
 }) {
   override get message() {
-    return `activation ring capacity ${this.dataCapacity} bytes cannot hold one token's hidden state: ` +
+    return (
+      `activation ring capacity ${this.dataCapacity} bytes cannot hold one token's hidden state: ` +
       `${this.hiddenDim} x ${this.dtypeWidthBytes} bytes aligned to ${this.alignment} = ${this.requiredBytes} bytes`
+    )
   }
 }
 
@@ -110,8 +113,10 @@ export class InvalidMaxTokens extends Schema.TaggedError<InvalidMaxTokens>()("In
   maxSeqLen: InputNumber
 }) {
   override get message() {
-    return `max tokens ${this.maxTokens} is invalid: ` +
+    return (
+      `max tokens ${this.maxTokens} is invalid: ` +
       `it must be between 1 and the model's max sequence length ${this.maxSeqLen}`
+    )
   }
 }
 
@@ -130,8 +135,10 @@ export class InvalidNodeId extends Schema.TaggedError<InvalidNodeId>()("InvalidN
   value: InputNumber
 }) {
   override get message() {
-    return `${this.role === "orchestrator" ? "orchestrator" : "candidate pool"} node id ${this.value} is invalid: ` +
+    return (
+      `${this.role === "orchestrator" ? "orchestrator" : "candidate pool"} node id ${this.value} is invalid: ` +
       "it must be a whole number >= 0"
+    )
   }
 }
 
@@ -206,9 +213,11 @@ export class PoolMemoryTooSmall extends Schema.TaggedError<PoolMemoryTooSmall>()
 }) {
   override get message() {
     const mib = (n: number) => `${(n / 2 ** 20).toFixed(1)} MiB`
-    return `the model does not fit in the pool's memory: it needs about ${mib(this.requiredBytes)} ` +
+    return (
+      `the model does not fit in the pool's memory: it needs about ${mib(this.requiredBytes)} ` +
       `(weights + KV cache + compute buffers), the pool's ${this.nodes} node(s) have ${mib(this.poolFreeBytes)} free ` +
       `(largest ${mib(this.largestNodeFreeBytes)}), and no contiguous split fits every node`
+    )
   }
 }
 
@@ -221,9 +230,11 @@ export class StageOverMemory extends Schema.TaggedError<StageOverMemory>()("Stag
 }) {
   override get message() {
     const mib = (n: number) => `${(n / 2 ** 20).toFixed(1)} MiB`
-    return `stage(s) ${this.stageIndices.join(", ")} on node ${this.nodeId} need about ${mib(this.requiredBytes)} ` +
+    return (
+      `stage(s) ${this.stageIndices.join(", ")} on node ${this.nodeId} need about ${mib(this.requiredBytes)} ` +
       `(weights + KV cache + compute buffers) but the node has ${mib(this.freeBytes)} free; ` +
       "try --placement capacity or fewer blocks there"
+    )
   }
 }
 

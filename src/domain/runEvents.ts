@@ -11,10 +11,12 @@ import { Edge, ProvisionStage, RunPlan } from "./plan.js"
 
 type Tagged = { readonly _tag: string }
 type Constructors<A extends Tagged> = {
-  readonly [K in A["_tag"]]: keyof Omit<Extract<A, { _tag: K }>, "_tag"> extends never ? () => Extract<A, { _tag: K }>
-    // only optional fields: the argument may be left out
-    : {} extends Omit<Extract<A, { _tag: K }>, "_tag"> ? (args?: Omit<Extract<A, { _tag: K }>, "_tag">) => Extract<A, { _tag: K }>
-    : (args: Omit<Extract<A, { _tag: K }>, "_tag">) => Extract<A, { _tag: K }>
+  readonly [K in A["_tag"]]: keyof Omit<Extract<A, { _tag: K }>, "_tag"> extends never
+    ? () => Extract<A, { _tag: K }>
+    : // only optional fields: the argument may be left out
+      {} extends Omit<Extract<A, { _tag: K }>, "_tag">
+      ? (args?: Omit<Extract<A, { _tag: K }>, "_tag">) => Extract<A, { _tag: K }>
+      : (args: Omit<Extract<A, { _tag: K }>, "_tag">) => Extract<A, { _tag: K }>
 }
 /** Builds plain-object constructors for every tag of a union; the record makes the compiler check it lists all. */
 const constructors = <A extends Tagged>(tags: Record<A["_tag"], true>): Constructors<A> =>

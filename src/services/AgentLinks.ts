@@ -112,7 +112,11 @@ export interface AgentLink {
 /** The control plane's weight delivery calls (see src/domain/controlRpc.ts). */
 export interface WeightLink {
   readonly check: (weights: StageWeights) => Effect.Effect<WeightsHeld, AgentUnavailable | WeightDeliveryError>
-  readonly chunk: (hash: string, offset: number, bytes: Uint8Array) => Effect.Effect<number, AgentUnavailable | WeightDeliveryError>
+  readonly chunk: (
+    hash: string,
+    offset: number,
+    bytes: Uint8Array
+  ) => Effect.Effect<number, AgentUnavailable | WeightDeliveryError>
   readonly finish: (weights: StageWeights) => Effect.Effect<string, AgentUnavailable | WeightDeliveryError>
   /**
    * Pipes a slice file on a connection of its own (src/layers/gguf/SliceStream.ts) instead of `chunk` messages;
@@ -159,7 +163,9 @@ export const isNotYetRegistered = (fault: EdgeFault): boolean =>
  * first, then every 250 ms at most. Every refused attempt costs both ends a connection, a handshake and a log line,
  * and the consumer may load its weights for minutes.
  */
-export const notYetRegisteredRetry = Schedule.exponential("10 millis").pipe(Schedule.either(Schedule.spaced("250 millis")))
+export const notYetRegisteredRetry = Schedule.exponential("10 millis").pipe(
+  Schedule.either(Schedule.spaced("250 millis"))
+)
 
 /** Frames are built with the domain's builders; re-exported here for the stage and orchestrator loops. */
 export { dataFrame } from "../domain/frames.js"

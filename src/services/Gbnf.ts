@@ -56,7 +56,8 @@ const check = (src: string, root: string) => {
   const name = () => {
     const start = pos
     while (isWordChar(src[pos])) pos++
-    if (pos === start) fail(`expected a rule name, got ${src[pos] === undefined ? "the end" : JSON.stringify(src[pos])}`)
+    if (pos === start)
+      fail(`expected a rule name, got ${src[pos] === undefined ? "the end" : JSON.stringify(src[pos])}`)
     return src.slice(start, pos)
   }
   const hex = (digits: number) => {
@@ -80,7 +81,14 @@ const check = (src: string, root: string) => {
         case "U":
           hex(8)
           return 0
-        case "t": case "r": case "n": case "\\": case "\"": case "[": case "]": case "-":
+        case "t":
+        case "r":
+        case "n":
+        case "\\":
+        case '"':
+        case "[":
+        case "]":
+        case "-":
           return 0
         default:
           return fail(`unknown escape "\\${escape ?? ""}"`, pos - 2)
@@ -98,7 +106,8 @@ const check = (src: string, root: string) => {
     return Number(src.slice(start, pos))
   }
   // Each element's size counts the copies llama.cpp's parser makes of it (a repetition {m,n} expands to n copies).
-  const bounded = (size: number) => size > maxGbnfExpansion ? fail(`the grammar expands to over ${maxGbnfExpansion} symbols`) : size
+  const bounded = (size: number) =>
+    size > maxGbnfExpansion ? fail(`the grammar expands to over ${maxGbnfExpansion} symbols`) : size
   const sequence = (nested: boolean): { elements: Array<Element>; size: number } => {
     const elements: Array<Element> = []
     let total = 0
@@ -106,10 +115,10 @@ const check = (src: string, root: string) => {
       const c = src[pos]!
       let element: Element
       let size = 1
-      if (c === "\"") {
+      if (c === '"') {
         pos++
         let chars = 0
-        while (src[pos] !== "\"") {
+        while (src[pos] !== '"') {
           if (pos >= src.length) fail("unexpected end of input in a literal")
           char()
           chars++
@@ -232,10 +241,13 @@ const check = (src: string, root: string) => {
 const leftRecursion = (rules: ReadonlyMap<string, ReadonlyArray<ReadonlyArray<Element>>>) => {
   const nullableRules = new Set<string>()
   const nullable = (e: Element): boolean =>
-    e.kind === "ref" ? nullableRules.has(e.name)
-    : e.kind === "char" ? false
-    : e.kind === "repeat" ? e.min === 0 || nullable(e.element)
-    : e.alternates.some((seq) => seq.every(nullable))
+    e.kind === "ref"
+      ? nullableRules.has(e.name)
+      : e.kind === "char"
+        ? false
+        : e.kind === "repeat"
+          ? e.min === 0 || nullable(e.element)
+          : e.alternates.some((seq) => seq.every(nullable))
   for (let changed = true; changed;) {
     changed = false
     for (const [name, alts] of rules) {

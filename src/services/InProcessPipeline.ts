@@ -24,7 +24,7 @@ export const openInProcessPipeline = (
   /** Where stage i loads from (a stage's GGUF slice); default `path` for every stage. */
   stagePath?: (stageIndex: number) => string
 ): Effect.Effect<InProcessPipeline, ModelLoadError, StageExecutor | Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const sessions: Array<StageSession> = []
     const nStages = boundaries.length - 1
@@ -39,8 +39,11 @@ export const openInProcessPipeline = (
       sessions.push(yield* executor.session(stage, options))
     }
     const run = (pos: number, tokens: Int32Array | ReadonlyArray<number>) =>
-      Effect.gen(function*() {
-        let input: StageInput = { _tag: "Tokens", tokens: tokens instanceof Int32Array ? tokens : Int32Array.from(tokens) }
+      Effect.gen(function* () {
+        let input: StageInput = {
+          _tag: "Tokens",
+          tokens: tokens instanceof Int32Array ? tokens : Int32Array.from(tokens)
+        }
         for (const s of sessions) {
           const out: StageOutput = yield* s.forward(pos, input)
           if (out._tag === "Logits") return out.logits

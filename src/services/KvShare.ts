@@ -7,9 +7,13 @@
  */
 
 /** Per block, the block whose KV cache it reads (itself when it keeps its own), after llama.cpp's reuse rule. */
-export const kvShareSources = (nLayer: number, shared: number, slides: ReadonlyArray<boolean>): ReadonlyArray<number> => {
+export const kvShareSources = (
+  nLayer: number,
+  shared: number,
+  slides: ReadonlyArray<boolean>
+): ReadonlyArray<number> => {
   const from = nLayer - shared
-  return Array.from({ length: nLayer }, (_, il) => il < from ? il : from - (slides[il] === true ? 2 : 1))
+  return Array.from({ length: nLayer }, (_, il) => (il < from ? il : from - (slides[il] === true ? 2 : 1)))
 }
 
 /** May a stage boundary fall before block `cut` (no block at or after it reads a cache before it)? */

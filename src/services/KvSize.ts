@@ -61,15 +61,25 @@ export const kvBytesOfStage = (
   const w = info.kvWindow
   // recurrent blocks (StageInfo.stateBytes): a constant state per sequence
   const state = info.stateBytes ?? 0
-  return state + (w === undefined
-    ? kvBytesOfSequence(info.kvBytesPerToken, contextLength)
-    : kvBytesOfBlocks([{ bytesPerToken: info.kvBytesPerToken - w.bytesPerToken }, { bytesPerToken: w.bytesPerToken, window: w.window }], contextLength))
+  return (
+    state +
+    (w === undefined
+      ? kvBytesOfSequence(info.kvBytesPerToken, contextLength)
+      : kvBytesOfBlocks(
+          [
+            { bytesPerToken: info.kvBytesPerToken - w.bytesPerToken },
+            { bytesPerToken: w.bytesPerToken, window: w.window }
+          ],
+          contextLength
+        ))
+  )
 }
 
 /** KV bytes of one sequence of `contextLength` tokens over `blocks`: full blocks hold the context, windowed ones less. */
 export const kvBytesOfBlocks = (blocks: ReadonlyArray<KvBlock>, contextLength: number): number =>
   blocks.reduce(
     (sum, b) =>
-      sum + b.bytesPerToken * (b.window === undefined ? kvCacheSize(contextLength) : swaCacheSize(contextLength, b.window)),
+      sum +
+      b.bytesPerToken * (b.window === undefined ? kvCacheSize(contextLength) : swaCacheSize(contextLength, b.window)),
     0
   )

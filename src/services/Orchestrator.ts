@@ -121,7 +121,11 @@ export interface RecoveryRecord {
   readonly reason: string
   /** Tokens already produced when the run faulted (replayed with the prompt). */
   readonly resumedAt: number
-  readonly stages: ReadonlyArray<{ readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }>
+  readonly stages: ReadonlyArray<{
+    readonly stageIndex: number
+    readonly address: string
+    readonly layers: readonly [number, number]
+  }>
   /** From the fault being reported to the next token. */
   readonly millis: number
 }
@@ -267,43 +271,55 @@ export type PlacementRequest =
 export type RunUpdate =
   | { readonly _tag: "AgentsStarted"; readonly nodes: ReadonlyArray<NodeEndpoint> }
   | {
-    readonly _tag: "PoolReady"
-    readonly nodes: ReadonlyArray<NodeEndpoint>
-    /** What each needed node reported in its last heartbeat. */
-    readonly capacity: ReadonlyArray<{ readonly node: NodeEndpoint; readonly capacity: NodeCapacity }>
-  }
+      readonly _tag: "PoolReady"
+      readonly nodes: ReadonlyArray<NodeEndpoint>
+      /** What each needed node reported in its last heartbeat. */
+      readonly capacity: ReadonlyArray<{ readonly node: NodeEndpoint; readonly capacity: NodeCapacity }>
+    }
   | {
-    readonly _tag: "Planned"
-    readonly runId: number
-    readonly stages: ReadonlyArray<
-      { readonly stageIndex: number; readonly address: string; readonly layers: readonly [number, number] }
-    >
-    /** Why: each stage's node, bytes, memory and expected ms per token, and each node's memory and speed. */
-    readonly placement?: PlacementExplanation
-  }
+      readonly _tag: "Planned"
+      readonly runId: number
+      readonly stages: ReadonlyArray<{
+        readonly stageIndex: number
+        readonly address: string
+        readonly layers: readonly [number, number]
+      }>
+      /** Why: each stage's node, bytes, memory and expected ms per token, and each node's memory and speed. */
+      readonly placement?: PlacementExplanation
+    }
   /** Weight delivery (`deliverWeights`): slice bytes of a stage received by its agent so far. */
   | {
-    readonly _tag: "WeightsDelivery"
-    readonly stageIndex: number
-    readonly address: string
-    readonly sentBytes: number
-    readonly totalBytes: number
-  }
-  | { readonly _tag: "StageLoading"; readonly stageIndex: number; readonly loadedBytes: number; readonly totalBytes: number }
-  | { readonly _tag: "StageReady"; readonly stageIndex: number; readonly loadMillis: number; readonly cachedWeights: boolean }
+      readonly _tag: "WeightsDelivery"
+      readonly stageIndex: number
+      readonly address: string
+      readonly sentBytes: number
+      readonly totalBytes: number
+    }
   | {
-    readonly _tag: "Token"
-    readonly token: GeneratedToken
-    /** The random draws the last stage's sampler has made so far in this run (a recovery resumes from them). */
-    readonly samplerDraws?: number
-  }
+      readonly _tag: "StageLoading"
+      readonly stageIndex: number
+      readonly loadedBytes: number
+      readonly totalBytes: number
+    }
+  | {
+      readonly _tag: "StageReady"
+      readonly stageIndex: number
+      readonly loadMillis: number
+      readonly cachedWeights: boolean
+    }
+  | {
+      readonly _tag: "Token"
+      readonly token: GeneratedToken
+      /** The random draws the last stage's sampler has made so far in this run (a recovery resumes from them). */
+      readonly samplerDraws?: number
+    }
   /** Exactly once per planned run, after its terminal outcome, when every stage and endpoint confirmed its stop. */
   | {
-    readonly _tag: "TornDown"
-    readonly outcome: "Completed" | "Faulted" | "OperatorStopped"
-    readonly unconfirmedStages: ReadonlyArray<number>
-    readonly endpointsConfirmed: boolean
-  }
+      readonly _tag: "TornDown"
+      readonly outcome: "Completed" | "Faulted" | "OperatorStopped"
+      readonly unconfirmedStages: ReadonlyArray<number>
+      readonly endpointsConfirmed: boolean
+    }
   /** The run faulted for a recoverable reason: a new run on the nodes still alive (plus spares) continues the generation. */
   | { readonly _tag: "Recovering"; readonly attempt: number; readonly reason: string; readonly resumedAt: number }
   /** A stage took over 4× its recent median on a decode step (see RunSummary.stageStragglers). */
@@ -328,13 +344,15 @@ export class RunFaulted extends Schema.TaggedError<RunFaulted>()("RunFaulted", {
 export class RecoveryOverMemory extends Schema.TaggedError<RecoveryOverMemory>()("RecoveryOverMemory", {
   runId: RunId,
   /** The even split over the survivors: each one's blocks, what they need (weights + KV + compute) and its free memory. */
-  survivors: Schema.Array(Schema.Struct({
-    nodeId: Schema.Number,
-    address: Schema.String,
-    layers: Schema.Tuple(Schema.Number, Schema.Number),
-    requiredBytes: Schema.Number,
-    freeBytes: Schema.Number
-  })),
+  survivors: Schema.Array(
+    Schema.Struct({
+      nodeId: Schema.Number,
+      address: Schema.String,
+      layers: Schema.Tuple(Schema.Number, Schema.Number),
+      requiredBytes: Schema.Number,
+      freeBytes: Schema.Number
+    })
+  ),
   /** The whole model on one stage; no contiguous split over the survivors fits either. */
   modelBytes: Schema.Number,
   survivorsFreeBytes: Schema.Number,

@@ -25,7 +25,7 @@ export interface OrchestratorHarness {
 }
 
 const make = (config: RunConfig): Effect.Effect<OrchestratorHarness, never, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const actor = yield* Effect.orDie(RunActor.make(config))
     const commandQueue = yield* actor.subscribeCommands
     const eventQueue = yield* actor.subscribeLifecycle
@@ -34,9 +34,8 @@ const make = (config: RunConfig): Effect.Effect<OrchestratorHarness, never, Scop
 
     // Everything the actor published before the last `send`/`sync` returned is already in the subscriptions.
     const drain = <A>(queue: Queue.Dequeue<A>, log: Ref.Ref<ReadonlyArray<A>>) =>
-      Effect.flatMap(
-        Queue.takeAll(queue),
-        (chunk) => Ref.updateAndGet(log, (xs) => [...xs, ...Chunk.toReadonlyArray(chunk)])
+      Effect.flatMap(Queue.takeAll(queue), (chunk) =>
+        Ref.updateAndGet(log, (xs) => [...xs, ...Chunk.toReadonlyArray(chunk)])
       )
     const commands = drain(commandQueue, commandLog)
     const events = drain(eventQueue, eventLog)
@@ -47,7 +46,8 @@ const make = (config: RunConfig): Effect.Effect<OrchestratorHarness, never, Scop
       commands,
       events,
       injectedSequences: Effect.map(commands, (cs) =>
-        cs.flatMap((c) => c._tag === "InjectTokenObject" ? [c.object.step] : [])),
+        cs.flatMap((c) => (c._tag === "InjectTokenObject" ? [c.object.step] : []))
+      ),
       advanceTimeMs: (ms) => Effect.zipRight(TestClock.adjust(ms), actor.sync),
       state: actor.state,
       outcome: Effect.map(actor.state, (s) => s.outcome)

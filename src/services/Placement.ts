@@ -94,7 +94,9 @@ const costing = (layout: ModelLayout, options: PlacementOptions): Costing => ({
   activePrefix: prefix(layout.activeBlockBytes ?? layout.blockBytes),
   // KV bytes of one sequence per block: the context, or a sliding-window block's capped cache (services/KvSize.ts)
   kvPrefix: prefix(
-    layout.kvBytesPerToken.map((b, i) => b * kvCellsOfBlock(layout, i, options.contextTokens) + (layout.stateBytes?.[i] ?? 0))
+    layout.kvBytesPerToken.map(
+      (b, i) => b * kvCellsOfBlock(layout, i, options.contextTokens) + (layout.stateBytes?.[i] ?? 0)
+    )
   ),
   numLayers: layout.blockBytes.length,
   layout,
@@ -205,7 +207,8 @@ const bestSplit = (c: Costing, nodes: ReadonlyArray<PoolNode>): ReadonlyArray<La
         const bottleneck = Math.max(prev.bottleneck, ms)
         const latency = prev.latency + ms
         if (
-          cell === undefined || bottleneck < cell.bottleneck ||
+          cell === undefined ||
+          bottleneck < cell.bottleneck ||
           (bottleneck === cell.bottleneck && latency < cell.latency)
         ) {
           cell = { bottleneck, latency, from: start }
@@ -230,8 +233,8 @@ const better = (a: PlacementChoice, b: PlacementChoice) =>
   a.bottleneckMillis !== b.bottleneckMillis
     ? a.bottleneckMillis < b.bottleneckMillis
     : a.latencyMillis !== b.latencyMillis
-    ? a.latencyMillis < b.latencyMillis
-    : a.stages.length < b.stages.length
+      ? a.latencyMillis < b.latencyMillis
+      : a.stages.length < b.stages.length
 
 /** Pools up to this size are searched over every subset of nodes; larger ones over the fastest k, for each k. */
 export const EXHAUSTIVE_POOL_LIMIT = 8
@@ -246,7 +249,8 @@ const candidateSubsets = (c: Costing, pool: ReadonlyArray<PoolNode>): ReadonlyAr
   // A node that cannot hold its smallest single block is of no use; the others join fastest first (ties by pool
   // order), so a node slow enough to hold the pipeline back even with one block can be left out.
   const smallest = Math.min(...c.layout.blockBytes.map((_, i) => memoryBytesOf(c, i, i + 1)))
-  const bySpeed = pool.map((node, i) => ({ node, i }))
+  const bySpeed = pool
+    .map((node, i) => ({ node, i }))
     .filter((e) => e.node.freeMemoryBytes >= smallest)
     .sort((a, b) => speedOf(b.node) - speedOf(a.node) || a.i - b.i)
   return bySpeed.map((_, k) => {
@@ -264,7 +268,10 @@ const capacityPlacement = (
     if (nodes.length > c.numLayers) continue
     const ranges = bestSplit(c, nodes)
     if (ranges === undefined) continue
-    const choice = choiceOf("Capacity", ranges.map(([start, end], i) => stageOf(c, i, nodes[i]!, start, end)))
+    const choice = choiceOf(
+      "Capacity",
+      ranges.map(([start, end], i) => stageOf(c, i, nodes[i]!, start, end))
+    )
     if (chosen === undefined || better(choice, chosen)) chosen = choice
   }
   if (chosen !== undefined) return Either.right(chosen)
@@ -305,14 +312,17 @@ export const choosePlacement = (
       const { stageCount } = intent
       if (!Number.isSafeInteger(stageCount) || stageCount < 1 || stageCount > numLayers) {
         return Either.left(
-          new InvalidPlacement({ reason: `${stageCount} stages cannot split ${numLayers} blocks into non-empty ranges` })
+          new InvalidPlacement({
+            reason: `${stageCount} stages cannot split ${numLayers} blocks into non-empty ranges`
+          })
         )
       }
       const ranges = keepKvShared(layout, partitionLayers(numLayers, stageCount))
       if (ranges === undefined) {
         return Either.left(
           new InvalidPlacement({
-            reason: `${stageCount} stages cannot split ${numLayers} blocks without separating a shared KV block from ` +
+            reason:
+              `${stageCount} stages cannot split ${numLayers} blocks without separating a shared KV block from ` +
               `the block whose cache it reads (${legalCuts(layout).length} legal stage boundaries)`
           })
         )
@@ -366,7 +376,9 @@ const keepKvShared = (
     cuts.push(cut)
   }
   const bounds = [0, ...cuts, layout.blockBytes.length]
-  return cuts.map((_, i) => [bounds[i]!, bounds[i + 1]!] as LayerRange).concat([[bounds[cuts.length]!, bounds[cuts.length + 1]!]])
+  return cuts
+    .map((_, i) => [bounds[i]!, bounds[i + 1]!] as LayerRange)
+    .concat([[bounds[cuts.length]!, bounds[cuts.length + 1]!]])
 }
 
 /** Stage placements and layer ranges of a choice, as `planRun` takes them. */

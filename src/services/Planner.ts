@@ -88,7 +88,8 @@ export const layerRangesProblem = (
   if (ranges.length !== stageCount) return `${ranges.length} ranges for ${stageCount} stages`
   let expectedStart = 0
   for (const [start, end] of ranges) {
-    if (!Number.isSafeInteger(start) || !Number.isSafeInteger(end)) return `range [${start}, ${end}) is not whole blocks`
+    if (!Number.isSafeInteger(start) || !Number.isSafeInteger(end))
+      return `range [${start}, ${end}) is not whole blocks`
     if (start !== expectedStart) {
       return start > expectedStart
         ? `blocks ${expectedStart}..${start - 1} are in no range`
@@ -153,8 +154,8 @@ const validate = (input: PlannerInput): PlanRejection | ReadonlyArray<NodeId> =>
   // The placement is checked one rule at a time over all its entries, in the order of the table in G5, so an
   // input with several faults is refused for the first rule it breaks, whatever the order of its entries.
   const entries = input.placement.stages
-  const outOfRange = entries.find(({ stageIndex }) =>
-    !Number.isSafeInteger(stageIndex) || stageIndex < 0 || stageIndex >= stageCount
+  const outOfRange = entries.find(
+    ({ stageIndex }) => !Number.isSafeInteger(stageIndex) || stageIndex < 0 || stageIndex >= stageCount
   )
   if (outOfRange !== undefined) return new StageIndexOutOfRange({ stageIndex: outOfRange.stageIndex, stageCount })
   const unknown = entries.find(({ nodeId }) => !pool.has(nodeId))
@@ -219,16 +220,19 @@ const build = (input: PlannerInput, nodes: ReadonlyArray<NodeId>): RunPlan => {
     outboundEdge: asEdgeId(stageIndex + 1)
   }))
   // Every field was validated above; skipping the constructor's re-validation keeps 512-stage plans cheap.
-  return new RunPlan({
-    runId,
-    orchestratorNodeId: input.orchestratorNodeId,
-    model,
-    sampling: input.runtime.sampling,
-    maxTokens: input.runtime.maxTokens,
-    ...(input.runtime.replayTail === undefined ? {} : { replayTail: input.runtime.replayTail }),
-    stages,
-    edges
-  }, { disableValidation: true })
+  return new RunPlan(
+    {
+      runId,
+      orchestratorNodeId: input.orchestratorNodeId,
+      model,
+      sampling: input.runtime.sampling,
+      maxTokens: input.runtime.maxTokens,
+      ...(input.runtime.replayTail === undefined ? {} : { replayTail: input.runtime.replayTail }),
+      stages,
+      edges
+    },
+    { disableValidation: true }
+  )
 }
 
 /** `planRun` as a plain `Either`, for pure callers (the run FSM, tests). */

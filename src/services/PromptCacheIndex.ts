@@ -113,7 +113,11 @@ export const makePromptCacheIndex = (options: PromptCacheIndexOptions = {}): Pro
     add: (entry) => {
       const gone: Array<number> = []
       for (const e of [...entries.values()]) {
-        if (!pinned(e.id) && e.tokens.length <= entry.tokens.length && sharedPrefix(e.tokens, entry.tokens) === e.tokens.length) {
+        if (
+          !pinned(e.id) &&
+          e.tokens.length <= entry.tokens.length &&
+          sharedPrefix(e.tokens, entry.tokens) === e.tokens.length
+        ) {
           entries.delete(e.id)
           gone.push(e.id)
         }

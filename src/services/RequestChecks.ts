@@ -37,7 +37,7 @@ export const stagesProblem = (stages: number, numLayers: number, field = "stages
   if (!Number.isSafeInteger(stages) || stages < 1) return `${field} must be a whole number of at least 1, got ${stages}`
   return stages > numLayers
     ? `${field} ${stages}: the model has ${numLayers} blocks, so it splits into at most ${numLayers} stages ` +
-      `(each stage hosts at least one block)`
+        `(each stage hosts at least one block)`
     : undefined
 }
 
@@ -72,7 +72,9 @@ export const fitsContext = (promptTokens: number, maxTokens: number, contextLeng
 
 /** `maxTokens` is a whole number of at least 1. */
 export const maxTokensProblem = (maxTokens: number, field = "max tokens"): string | undefined =>
-  Number.isSafeInteger(maxTokens) && maxTokens >= 1 ? undefined : `${field} must be a whole number of at least 1, got ${maxTokens}`
+  Number.isSafeInteger(maxTokens) && maxTokens >= 1
+    ? undefined
+    : `${field} must be a whole number of at least 1, got ${maxTokens}`
 
 /** The context rule's refusal in words (`field` names max tokens: `--max-tokens`, `max_tokens`). */
 export const contextProblem = (
@@ -83,9 +85,11 @@ export const contextProblem = (
 ): string | undefined => {
   if (fitsContext(promptTokens, maxTokens, contextLength)) return undefined
   const room = contextLength - promptTokens
-  return `context too long: the prompt (${promptTokens} tokens) and ${maxTokens} new tokens (${field} ${maxTokens}) ` +
+  return (
+    `context too long: the prompt (${promptTokens} tokens) and ${maxTokens} new tokens (${field} ${maxTokens}) ` +
     `do not fit the model's context of ${contextLength} tokens` +
     (room > 0 ? `; at most ${field} ${room}` : "; the prompt alone fills it")
+  )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -140,7 +144,9 @@ export const estimateTokenBits = (token: string): number => {
   for (let i = 0; i < part.length; i++) {
     const repeat = i >= 1 && part[i] === part[i - 1]
     // a step seen twice before ("ab" then "c"? no: "abc" then "d") continues a run
-    const step = i >= 3 && part[i]! - part[i - 1]! === part[i - 1]! - part[i - 2]! &&
+    const step =
+      i >= 3 &&
+      part[i]! - part[i - 1]! === part[i - 1]! - part[i - 2]! &&
       part[i - 1]! - part[i - 2]! === part[i - 2]! - part[i - 3]!
     if (!repeat && !step) free++
   }
@@ -156,8 +162,10 @@ export const clusterTokenProblem = (token: string, source: string): string | und
   }
   const bits = estimateTokenBits(token)
   if (bits < minTokenBits) {
-    return `the cluster token from ${source} is weak: about ${Math.floor(bits)} bits of entropy (repeated or sequential ` +
+    return (
+      `the cluster token from ${source} is weak: about ${Math.floor(bits)} bits of entropy (repeated or sequential ` +
       `characters), at least ${minTokenBits}; ${makeTokenHint}`
+    )
   }
   return undefined
 }
@@ -178,9 +186,11 @@ export const generationProblem = (request: {
 }): string | undefined => {
   const field = request.maxTokensField ?? "max tokens"
   if (isEmptyPrompt(request.text) || request.tokens.length === 0) return emptyPromptMessage
-  return maxTokensProblem(request.maxTokens, field) ??
+  return (
+    maxTokensProblem(request.maxTokens, field) ??
     tokenIdsProblem(request.tokens, request.vocabSize) ??
     contextProblem(request.tokens.length, request.maxTokens, request.contextLength, field)
+  )
 }
 
 /**
@@ -193,13 +203,15 @@ export const serveRequestProblem = (
     readonly text: string | ReadonlyArray<number>
     readonly tokens: ReadonlyArray<number>
     readonly maxTokens: number
-    readonly sampling?: {
-      readonly temperature?: number | undefined
-      readonly topK?: number | undefined
-      readonly topP?: number | undefined
-      readonly minP?: number | undefined
-      readonly seed?: number | undefined
-    } | undefined
+    readonly sampling?:
+      | {
+          readonly temperature?: number | undefined
+          readonly topK?: number | undefined
+          readonly topP?: number | undefined
+          readonly minP?: number | undefined
+          readonly seed?: number | undefined
+        }
+      | undefined
   },
   model: { readonly contextLength: number; readonly vocabSize: number }
 ): string | undefined => {
@@ -216,7 +228,8 @@ export const serveRequestProblem = (
   if (s.temperature !== undefined && !(Number.isFinite(s.temperature) && s.temperature >= 0 && s.temperature <= 100)) {
     return `temperature must be between 0 and 100, got ${s.temperature}`
   }
-  if (s.topK !== undefined && !(Number.isSafeInteger(s.topK) && s.topK >= 0)) return `top_k must be a whole number ≥ 0, got ${s.topK}`
+  if (s.topK !== undefined && !(Number.isSafeInteger(s.topK) && s.topK >= 0))
+    return `top_k must be a whole number ≥ 0, got ${s.topK}`
   if (s.topP !== undefined && !(s.topP > 0 && s.topP <= 1)) return `top_p must be in (0, 1], got ${s.topP}`
   if (s.minP !== undefined && !(s.minP >= 0 && s.minP <= 1)) return `min_p must be in [0, 1], got ${s.minP}`
   if (s.seed !== undefined && !Number.isSafeInteger(s.seed)) return `seed must be a whole number, got ${s.seed}`
@@ -249,13 +262,15 @@ export const samplingPolicyProblem = (
     readonly presencePenalty?: number | undefined
     readonly frequencyPenalty?: number | undefined
     readonly penaltyLastN?: number | undefined
-    readonly dry?: {
-      readonly multiplier: number
-      readonly base: number
-      readonly allowedLength: number
-      readonly penaltyLastN: number
-      readonly sequenceBreakers: ReadonlyArray<string>
-    } | undefined
+    readonly dry?:
+      | {
+          readonly multiplier: number
+          readonly base: number
+          readonly allowedLength: number
+          readonly penaltyLastN: number
+          readonly sequenceBreakers: ReadonlyArray<string>
+        }
+      | undefined
     readonly xtc?: { readonly probability: number; readonly threshold: number } | undefined
     readonly logitBias?: ReadonlyArray<{ readonly tokenId: number; readonly bias: number }> | undefined
     readonly bannedTokens?: ReadonlyArray<number> | undefined
@@ -271,9 +286,10 @@ export const samplingPolicyProblem = (
     whole(id) && id >= 0 && id < vocabSize
       ? undefined
       : `${field} ${id} is no token: token ids are whole numbers from 0 to ${vocabSize - 1} (the model's vocabulary)`
-  const problem = (!finite(p.temperatureMillis) || p.temperatureMillis < 0 || p.temperatureMillis > 100_000
-    ? `temperature must be between 0 and 100, got ${p.temperatureMillis / 1000}`
-    : undefined) ??
+  const problem =
+    (!finite(p.temperatureMillis) || p.temperatureMillis < 0 || p.temperatureMillis > 100_000
+      ? `temperature must be between 0 and 100, got ${p.temperatureMillis / 1000}`
+      : undefined) ??
     (!whole(p.topK) || p.topK < 0 ? `topK must be a whole number ≥ 0, got ${p.topK}` : undefined) ??
     inRange(p.topP, 0, 1, "topP") ??
     inRange(p.minP, 0, 1, "minP") ??
@@ -290,7 +306,8 @@ export const samplingPolicyProblem = (
   if (problem !== undefined) return problem
   if (p.dry !== undefined) {
     const d = p.dry
-    const dryProblem = inRange(d.multiplier, 0, 100, "dry.multiplier") ??
+    const dryProblem =
+      inRange(d.multiplier, 0, 100, "dry.multiplier") ??
       inRange(d.base, 1, 100, "dry.base") ??
       (!whole(d.allowedLength) || d.allowedLength < 1 || d.allowedLength > 1_000_000
         ? `dry.allowedLength must be a whole number ≥ 1, got ${d.allowedLength}`
@@ -298,16 +315,21 @@ export const samplingPolicyProblem = (
       (!whole(d.penaltyLastN) || d.penaltyLastN < -1
         ? `dry.penaltyLastN must be a whole number ≥ -1 (-1: the whole context), got ${d.penaltyLastN}`
         : undefined) ??
-      (d.sequenceBreakers.length > 64 ? `dry.sequenceBreakers holds at most 64 strings, got ${d.sequenceBreakers.length}` : undefined) ??
-      d.sequenceBreakers.map((b, i) =>
-        typeof b !== "string" || b.length === 0 || b.length > 256 || b.includes("\u0000")
-          ? `dry.sequenceBreakers[${i}] must be a non-empty string of at most 256 characters without NUL`
-          : undefined
-      ).find((x) => x !== undefined)
+      (d.sequenceBreakers.length > 64
+        ? `dry.sequenceBreakers holds at most 64 strings, got ${d.sequenceBreakers.length}`
+        : undefined) ??
+      d.sequenceBreakers
+        .map((b, i) =>
+          typeof b !== "string" || b.length === 0 || b.length > 256 || b.includes("\u0000")
+            ? `dry.sequenceBreakers[${i}] must be a non-empty string of at most 256 characters without NUL`
+            : undefined
+        )
+        .find((x) => x !== undefined)
     if (dryProblem !== undefined) return dryProblem
   }
   if (p.xtc !== undefined) {
-    const xtcProblem = inRange(p.xtc.probability, 0, 1, "xtc.probability") ?? inRange(p.xtc.threshold, 0, 1, "xtc.threshold")
+    const xtcProblem =
+      inRange(p.xtc.probability, 0, 1, "xtc.probability") ?? inRange(p.xtc.threshold, 0, 1, "xtc.threshold")
     if (xtcProblem !== undefined) return xtcProblem
   }
   const biases = p.logitBias ?? []
@@ -315,8 +337,11 @@ export const samplingPolicyProblem = (
     return `logitBias holds more entries (${biases.length + (p.bannedTokens?.length ?? 0)}) than the vocabulary has tokens (${vocabSize})`
   }
   for (const b of biases) {
-    const bad = token(b.tokenId, "logitBias token") ??
-      (finite(b.bias) && Math.abs(b.bias) <= 1e6 ? undefined : `logitBias for token ${b.tokenId} must be a finite number of at most 1e6 in size, or -Infinity, got ${b.bias}`)
+    const bad =
+      token(b.tokenId, "logitBias token") ??
+      (finite(b.bias) && Math.abs(b.bias) <= 1e6
+        ? undefined
+        : `logitBias for token ${b.tokenId} must be a finite number of at most 1e6 in size, or -Infinity, got ${b.bias}`)
     if (bad !== undefined) return bad
   }
   for (const id of p.bannedTokens ?? []) {
@@ -339,7 +364,8 @@ export const samplingPolicyProblem = (
     return `logprobs must be a whole number from 0 to ${maxLogprobs}, got ${p.logprobs}`
   }
   if (p.resume !== undefined) {
-    if (!whole(p.resume.draws) || p.resume.draws < 0) return `resume.draws must be a whole number ≥ 0, got ${p.resume.draws}`
+    if (!whole(p.resume.draws) || p.resume.draws < 0)
+      return `resume.draws must be a whole number ≥ 0, got ${p.resume.draws}`
     for (const id of p.resume.tokens) {
       const bad = token(id, "resumed token")
       if (bad !== undefined) return bad

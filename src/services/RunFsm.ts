@@ -189,8 +189,12 @@ const planHasStage = (plan: RunPlan | undefined, stageIndex: number) =>
 const isCoherentPlan = (plan: RunPlan) => {
   const n = plan.stages.length
   const indices = plan.stages.map((s) => s.stageIndex).sort((a, b) => a - b)
-  return n > 0 && indices.every((index, i) => index === i) && plan.stages.every((s) => s.stageCount === n) &&
+  return (
+    n > 0 &&
+    indices.every((index, i) => index === i) &&
+    plan.stages.every((s) => s.stageCount === n) &&
     plan.stages.every((s) => Either.isRight(deriveStageProvisionEither(plan, s.stageIndex)))
+  )
 }
 
 const isProvisioned = (state: RunState, stageIndex: number) =>
@@ -360,9 +364,7 @@ const applyEvent = (em: Emitter, event: RunEvent, now: number) => {
       if (isEos) return terminate(em, now, { _tag: "Completed", reason: "Eos", tokens: s.tokens })
       const tokens = [...s.tokens, event.tokenId]
       em.set({ tokens, inFlight: undefined })
-      em.events.push(
-        LifecycleEvents.TokenAccepted({ runId: s.config.runId, step: event.step, tokenId: event.tokenId })
-      )
+      em.events.push(LifecycleEvents.TokenAccepted({ runId: s.config.runId, step: event.step, tokenId: event.tokenId }))
       if (tokens.length >= s.config.maxTokens) {
         return terminate(em, now, { _tag: "Completed", reason: "MaxTokens", tokens })
       }
@@ -459,7 +461,7 @@ export interface RunActor {
 }
 
 const makeActor = (config: RunConfig): Effect.Effect<RunActor, InvalidRunConfig, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const resolved = yield* resolveConfig(config)
     const stateRef = yield* Ref.make(initialState(resolved))
     const inbox = yield* Effect.acquireRelease(Queue.unbounded<Inbox>(), Queue.shutdown)
@@ -469,7 +471,7 @@ const makeActor = (config: RunConfig): Effect.Effect<RunActor, InvalidRunConfig,
     const tornDown = yield* Deferred.make<RunTornDown>()
 
     const publish = (step: Step) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         yield* Ref.set(stateRef, step.state)
         yield* PubSub.publishAll(commands, step.commands)
         yield* PubSub.publishAll(lifecycle, step.events)
@@ -480,19 +482,21 @@ const makeActor = (config: RunConfig): Effect.Effect<RunActor, InvalidRunConfig,
         if (done !== undefined) yield* Deferred.succeed(tornDown, done)
       })
 
-    const nextItem = Effect.gen(function*() {
+    const nextItem = Effect.gen(function* () {
       const { deadline } = yield* Ref.get(stateRef)
       if (deadline === undefined) return yield* Queue.take(inbox)
       const now = yield* Clock.currentTimeMillis
       if (deadline.at <= now) return undefined
-      return yield* Queue.take(inbox).pipe(Effect.timeoutTo({
-        duration: Duration.millis(deadline.at - now),
-        onTimeout: () => undefined,
-        onSuccess: (item): Inbox | undefined => item
-      }))
+      return yield* Queue.take(inbox).pipe(
+        Effect.timeoutTo({
+          duration: Duration.millis(deadline.at - now),
+          onTimeout: () => undefined,
+          onSuccess: (item): Inbox | undefined => item
+        })
+      )
     })
 
-    const loop = Effect.gen(function*() {
+    const loop = Effect.gen(function* () {
       while (true) {
         const item = yield* nextItem
         const now = yield* Clock.currentTimeMillis
@@ -512,9 +516,11 @@ const makeActor = (config: RunConfig): Effect.Effect<RunActor, InvalidRunConfig,
       offer: (event) => Queue.offer(inbox, { _tag: "Event", event, done: undefined }),
       send: (event) =>
         Effect.flatMap(Deferred.make<void>(), (done) =>
-          Effect.zipRight(Queue.offer(inbox, { _tag: "Event", event, done }), Deferred.await(done))),
+          Effect.zipRight(Queue.offer(inbox, { _tag: "Event", event, done }), Deferred.await(done))
+        ),
       sync: Effect.flatMap(Deferred.make<void>(), (done) =>
-        Effect.zipRight(Queue.offer(inbox, { _tag: "Sync", done }), Deferred.await(done))),
+        Effect.zipRight(Queue.offer(inbox, { _tag: "Sync", done }), Deferred.await(done))
+      ),
       subscribeCommands: PubSub.subscribe(commands),
       subscribeLifecycle: PubSub.subscribe(lifecycle),
       state: Ref.get(stateRef),

@@ -34,7 +34,7 @@ const splitmix32 = (seed: number) => {
  * xoshiro128** seeded through splitmix32 from any finite number (its integer part, mixed with the
  * high bits so seeds above 2^32 differ). Returns floats in [0, 1).
  */
-export const makeRng = (seed: number): () => number => xoshiro(splitmix32(seed32(seed)))
+export const makeRng = (seed: number): (() => number) => xoshiro(splitmix32(seed32(seed)))
 
 /** A finite number's integer part folded to 32 bits (high bits mixed in, so seeds above 2^32 differ). */
 const seed32 = (seed: number): number => {
@@ -43,7 +43,7 @@ const seed32 = (seed: number): number => {
   return ((whole >>> 0) ^ Math.imul(hi, 0x27d4eb2d)) >>> 0
 }
 
-const xoshiro = (sm: () => number): () => number => {
+const xoshiro = (sm: () => number): (() => number) => {
   let a = sm()
   let b = sm()
   let c = sm()
@@ -111,7 +111,10 @@ export const sampleToken = (logits: Float32Array, params: SamplingParams, random
   const minP = params.minP ?? 0
   if (minP > 0) {
     // weights[0] = 1 is the most likely token's: keep those at least minP of it (the first always).
-    const keep = Math.max(1, weights.findIndex((w) => w < minP) === -1 ? weights.length : weights.findIndex((w) => w < minP))
+    const keep = Math.max(
+      1,
+      weights.findIndex((w) => w < minP) === -1 ? weights.length : weights.findIndex((w) => w < minP)
+    )
     top = top.slice(0, keep)
     scaled = scaled.slice(0, keep)
     weights = weights.slice(0, keep)
@@ -136,7 +139,7 @@ export const sampleToken = (logits: Float32Array, params: SamplingParams, random
 }
 
 /** The generator of the draw at `position` of a generation seeded with `seed`. */
-export const positionRng = (seed: number, position: number): () => number => {
+export const positionRng = (seed: number, position: number): (() => number) => {
   const base = splitmix32(seed32(seed))()
   return xoshiro(splitmix32((base ^ Math.imul((position >>> 0) + 1, 0x85ebca6b)) >>> 0))
 }
@@ -146,7 +149,7 @@ export const positionRng = (seed: number, position: number): () => number => {
  * the generator of (seed, startPosition + n). Without a seed, one is drawn from Math.random (the run is then
  * not reproducible).
  */
-export const makeSampler = (params: SamplingParams, startPosition = 0): (logits: Float32Array) => number => {
+export const makeSampler = (params: SamplingParams, startPosition = 0): ((logits: Float32Array) => number) => {
   const temperature = params.temperatureMillis / 1000
   if (!(temperature > 0) || params.topK === 1) return greedy
   const seed = params.seed ?? Math.floor(Math.random() * 2 ** 32)

@@ -87,7 +87,10 @@ export const makeServeEvents = (request: {
       }
       if (update._tag === "Finished") {
         const rest = stop.flush()
-        return [...(rest === "" ? [] : [text(rest, logprobs?.flush())]), done(update.summary.outcome === "Eos" ? "stop" : "length")]
+        return [
+          ...(rest === "" ? [] : [text(rest, logprobs?.flush())]),
+          done(update.summary.outcome === "Eos" ? "stop" : "length")
+        ]
       }
       return []
     }

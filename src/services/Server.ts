@@ -100,17 +100,22 @@ export type ServeEvent =
    * More text; `completionTokens` so far. With `sampling.logprobs`: the entries of the tokens whose text begins in this
    * piece (TextLogprobs.ts keeps them aligned with text the stop matcher holds back or cuts).
    */
-  | { readonly _tag: "Text"; readonly text: string; readonly completionTokens: number; readonly logprobs?: ReadonlyArray<TextLogprob> }
   | {
-    readonly _tag: "Done"
-    readonly finishReason: FinishReason
-    /** The stop string (ServeRequest.stop) that ended the text; absent when an end-of-generation token or max tokens did. */
-    readonly stopText?: string
-    readonly promptTokens: number
-    readonly completionTokens: number
-    /** Prompt tokens whose KV came from the prompt cache instead of a prefill (0 or absent: none). */
-    readonly cachedTokens?: number
-  }
+      readonly _tag: "Text"
+      readonly text: string
+      readonly completionTokens: number
+      readonly logprobs?: ReadonlyArray<TextLogprob>
+    }
+  | {
+      readonly _tag: "Done"
+      readonly finishReason: FinishReason
+      /** The stop string (ServeRequest.stop) that ended the text; absent when an end-of-generation token or max tokens did. */
+      readonly stopText?: string
+      readonly promptTokens: number
+      readonly completionTokens: number
+      /** Prompt tokens whose KV came from the prompt cache instead of a prefill (0 or absent: none). */
+      readonly cachedTokens?: number
+    }
 
 export type ServerStatus =
   | { readonly _tag: "Loading" }
@@ -121,22 +126,22 @@ export type ServerStatus =
    * succeeds on agents that answer again or on fresh local ones. Requests meanwhile fail with ServerReviving.
    */
   | {
-    readonly _tag: "Reviving"
-    /** Why it went down, in words ("every agent of the pipeline was lost"). */
-    readonly message: string
-    /** When (epoch ms). */
-    readonly sinceMillis: number
-    /** Attempts made so far. */
-    readonly attempts: number
-    /** When the next attempt starts (epoch ms); null while one is running. */
-    readonly nextAttemptAtMillis: number | null
-    /** The pipeline's agents it waits for, each with its state (empty while fresh local agents are being started). */
-    readonly waitingFor: ReadonlyArray<RevivalAgent>
-    /** Local agents: when those that still do not answer are stopped and fresh ones started (epoch ms). */
-    readonly freshAgentsAtMillis?: number
-    /** What the last attempt found or why it failed, in words. */
-    readonly lastAttempt?: string
-  }
+      readonly _tag: "Reviving"
+      /** Why it went down, in words ("every agent of the pipeline was lost"). */
+      readonly message: string
+      /** When (epoch ms). */
+      readonly sinceMillis: number
+      /** Attempts made so far. */
+      readonly attempts: number
+      /** When the next attempt starts (epoch ms); null while one is running. */
+      readonly nextAttemptAtMillis: number | null
+      /** The pipeline's agents it waits for, each with its state (empty while fresh local agents are being started). */
+      readonly waitingFor: ReadonlyArray<RevivalAgent>
+      /** Local agents: when those that still do not answer are stopped and fresh ones started (epoch ms). */
+      readonly freshAgentsAtMillis?: number
+      /** What the last attempt found or why it failed, in words. */
+      readonly lastAttempt?: string
+    }
   /** The pipeline could not be set up (or, with recovery off, lost an agent): final. */
   | { readonly _tag: "Faulted"; readonly message: string }
 
@@ -216,7 +221,12 @@ export interface FirstTokenPhases {
 }
 
 export interface ServerMetrics {
-  readonly requests: { readonly completed: number; readonly cancelled: number; readonly failed: number; readonly refused: number }
+  readonly requests: {
+    readonly completed: number
+    readonly cancelled: number
+    readonly failed: number
+    readonly refused: number
+  }
   readonly promptTokens: number
   readonly completionTokens: number
   readonly inFlight: number
@@ -261,7 +271,9 @@ export interface ServerMetrics {
       readonly layers: readonly [number, number]
       readonly costs: ReadonlyArray<{ readonly rows: number; readonly millis: number }>
       readonly probe: "off" | "pending" | "done"
-      readonly choice?: { readonly decoders: number; readonly stages: number; readonly rows: number; readonly defaultRows: number } | undefined
+      readonly choice?:
+        | { readonly decoders: number; readonly stages: number; readonly rows: number; readonly defaultRows: number }
+        | undefined
     }>
   }>
 }

@@ -64,7 +64,10 @@ export interface StageExecutorService {
     onProgress?: (progress: LoadProgress) => void
   ) => Effect.Effect<LoadedStage, ModelLoadError, Scope.Scope>
   /** A fresh KV cache over loaded weights (scoped). */
-  readonly session: (stage: LoadedStage, options?: SessionOptions) => Effect.Effect<StageSession, ModelLoadError, Scope.Scope>
+  readonly session: (
+    stage: LoadedStage,
+    options?: SessionOptions
+  ) => Effect.Effect<StageSession, ModelLoadError, Scope.Scope>
   /**
    * Runs several sessions of ONE loaded stage in one computation: the weights are read once for all rows, each
    * sequence attends over its own KV cache. Items may mix prefill (many tokens) and decode (one token); each
@@ -72,7 +75,9 @@ export interface StageExecutorService {
    * of its last position. Every item is checked as `forward` would check it before anything runs; a rejected item
    * fails the whole call with its index (BatchItemRejected) and no session changes.
    */
-  readonly forwardBatch: (items: ReadonlyArray<BatchItem>) => Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError>
+  readonly forwardBatch: (
+    items: ReadonlyArray<BatchItem>
+  ) => Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError>
   /**
    * Prompt cache: copies the KV of positions [0, length) of `from` into `to` (sessions of one loaded stage; `to`
    * then holds `length` positions, later ones forgotten). Neither may be in a computation meanwhile. Refused

@@ -40,7 +40,11 @@ export interface StageStepSummary {
 
 export interface StageStragglerDetector {
   /** Adds a stage's reported steps; returns those that straggle, in order. */
-  readonly add: (stageIndex: number, address: string, steps: ReadonlyArray<StageStep>) => ReadonlyArray<StageStragglerToken>
+  readonly add: (
+    stageIndex: number,
+    address: string,
+    steps: ReadonlyArray<StageStep>
+  ) => ReadonlyArray<StageStragglerToken>
   /** Each stage's steps so far. */
   readonly stages: () => ReadonlyArray<StageStepSummary>
   /** The stages with stragglers, by stage index. */
@@ -86,14 +90,16 @@ export const makeStageStragglerDetector = (overrides: Partial<StragglerRule> = {
       sorted().flatMap(([stageIndex, t]) => {
         if (t.stragglers.length === 0) return []
         const worst = t.stragglers.reduce((a, b) => (b.millis > a.millis ? b : a))
-        return [{
-          stageIndex,
-          address: t.address,
-          tokens: t.stragglers.length,
-          medianMillis: median(t.steps),
-          worstMillis: worst.millis,
-          worstStep: worst.step
-        }]
+        return [
+          {
+            stageIndex,
+            address: t.address,
+            tokens: t.stragglers.length,
+            medianMillis: median(t.steps),
+            worstMillis: worst.millis,
+            worstStep: worst.step
+          }
+        ]
       })
   }
 }

@@ -43,17 +43,17 @@ export interface ChatToolOptions {
  */
 export type ToolSyntax =
   | {
-    readonly _tag: "Family"
-    /** The chat wrapper's name (e.g. "Qwen", "Llama 3.1", "Mistral", "Harmony", "JinjaTemplate"). */
-    readonly wrapper: string
-    readonly callPrefix: string
-    /** Other prefixes that also start a call (never written by the renderer). */
-    readonly alternatePrefixes: ReadonlyArray<string>
-    readonly paramsPrefix: string
-    readonly callSuffix: string
-    readonly parallel: boolean
-    readonly sectionPrefix: string
-    readonly betweenCalls: string
-    readonly sectionSuffix: string
-  }
+      readonly _tag: "Family"
+      /** The chat wrapper's name (e.g. "Qwen", "Llama 3.1", "Mistral", "Harmony", "JinjaTemplate"). */
+      readonly wrapper: string
+      readonly callPrefix: string
+      /** Other prefixes that also start a call (never written by the renderer). */
+      readonly alternatePrefixes: ReadonlyArray<string>
+      readonly paramsPrefix: string
+      readonly callSuffix: string
+      readonly parallel: boolean
+      readonly sectionPrefix: string
+      readonly betweenCalls: string
+      readonly sectionSuffix: string
+    }
   | { readonly _tag: "Generic"; readonly parallel: boolean }

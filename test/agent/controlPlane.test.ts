@@ -4,7 +4,13 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { assert, describe, it } from "@effect/vitest"
 import { Chunk, Effect, Either, Fiber, Ref, Stream } from "effect"
-import { AgentHello, type NodeCapacity, ProvisionRequest, StageReport, StageStats } from "../../src/domain/controlRpc.js"
+import {
+  AgentHello,
+  type NodeCapacity,
+  ProvisionRequest,
+  StageReport,
+  StageStats
+} from "../../src/domain/controlRpc.js"
 import { tcpAddress, type TransportAddress } from "../../src/domain/frames.js"
 import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../../src/domain/ids.js"
 import { ProvisionStage, type RingSpec } from "../../src/domain/plan.js"
@@ -48,7 +54,12 @@ const request = (stageIndex: number) =>
       },
       runtime: { roleId: stageIndex as RoleId, inputPort: "in" as PortId, outputPort: "out" as PortId, sampling: null },
       inbound: { edgeId: 1 as EdgeId, kind: "TokenIn", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring },
-      outbound: { edgeId: 2 as EdgeId, kind: "Activation", peer: { _tag: "Stage", nodeId: 2 as NodeId, stageIndex: 1 }, ring }
+      outbound: {
+        edgeId: 2 as EdgeId,
+        kind: "Activation",
+        peer: { _tag: "Stage", nodeId: 2 as NodeId, stageIndex: 1 },
+        ring
+      }
     }),
     outboundAddress: tcpAddress(7002, "10.0.0.2"),
     threads: 2,
@@ -97,7 +108,8 @@ const fakeHost = (stops: Ref.Ref<ReadonlyArray<number>>): StageHost => ({
     const { stageIndex } = req.provision
     const loading = StageReport.members[0].make({ runId, stageIndex, loadedBytes: 10, totalBytes: 20 })
     if (stageIndex === 9) return Stream.concat(Stream.make(loading), Stream.never)
-    if (stageIndex >= 20) return Stream.make(StageReport.members[2].make({ runId, stageIndex, reason: everyReason[stageIndex - 20]! }))
+    if (stageIndex >= 20)
+      return Stream.make(StageReport.members[2].make({ runId, stageIndex, reason: everyReason[stageIndex - 20]! }))
     if (stageIndex === 1) {
       return Stream.make(
         loading,
@@ -120,7 +132,7 @@ const fakeHost = (stops: Ref.Ref<ReadonlyArray<number>>): StageHost => ({
 })
 
 const serve = (address: TransportAddress = tcpAddress(0), host?: StageHost) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const stops = yield* Ref.make<ReadonlyArray<number>>([])
     const bound = yield* AgentControlRpc.serveControlRpc({ address, token, host: host ?? fakeHost(stops), hello })
     return { bound, stops }
@@ -153,19 +165,23 @@ const cutProxy = (port: number) =>
         upstream.on("close", () => client.destroy())
       })
       server.listen(0, "127.0.0.1", () =>
-        resume(Effect.succeed({
-          port: (server.address() as Net.AddressInfo).port,
-          server,
-          cut: () => {
-            cut = true
-            for (const s of sockets) s.destroy()
-          }
-        })))
+        resume(
+          Effect.succeed({
+            port: (server.address() as Net.AddressInfo).port,
+            server,
+            cut: () => {
+              cut = true
+              for (const s of sockets) s.destroy()
+            }
+          })
+        )
+      )
     }),
-    ({ cut, server }) => Effect.async<void>((resume) => {
-      cut()
-      server.close(() => resume(Effect.void))
-    })
+    ({ cut, server }) =>
+      Effect.async<void>((resume) => {
+        cut()
+        server.close(() => resume(Effect.void))
+      })
   )
 
 const tempDir = Effect.acquireRelease(
@@ -177,19 +193,20 @@ describe("control plane (AgentRpcs over the authenticated socket)", () => {
   // A stage's fault reason is the run FSM's own vocabulary on the wire: every reason (an optional message
   // present or absent) reaches the orchestrator's side of the link exactly as the agent reported it.
   it.scopedLive("every stage fault reason crosses the control link unchanged", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { bound } = yield* serve()
       const link = yield* connect(AgentControlRpc.formatAddress(bound))
       for (const [i, reason] of everyReason.entries()) {
         const reports = Chunk.toReadonlyArray(yield* Stream.runCollect(link.provision(request(20 + i))))
         assert.deepStrictEqual(reports, [StageReport.members[2].make({ runId, stageIndex: 20 + i, reason })])
       }
-    }))
+    })
+  )
 
   // Every RPC of the group round-trips through a real authenticated TCP socket: Hello, Capacity, the
   // Provision report stream (ending after StageStopped, a fault report included) and Stop.
   it.scopedLive("round-trips Hello, Capacity, Provision and Stop over a real socket", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { bound, stops } = yield* serve()
       assert.strictEqual(bound._tag === "Tcp" && bound.host, "127.0.0.1")
       const link = yield* connect(AgentControlRpc.formatAddress(bound))
@@ -198,7 +215,10 @@ describe("control plane (AgentRpcs over the authenticated socket)", () => {
       assert.deepStrictEqual(yield* link.capacity, capacity)
 
       const reports = Chunk.toReadonlyArray(yield* Stream.runCollect(link.provision(request(0))))
-      assert.deepStrictEqual(reports.map((r) => r._tag), ["StageLoading", "StageReady", "StageStopped"])
+      assert.deepStrictEqual(
+        reports.map((r) => r._tag),
+        ["StageLoading", "StageReady", "StageStopped"]
+      )
       const stopped = reports[2]!
       assert.isTrue(stopped._tag === "StageStopped" && stopped.stats.decodeComputeMillis === 7)
 
@@ -215,30 +235,33 @@ describe("control plane (AgentRpcs over the authenticated socket)", () => {
       yield* link.stop(runId, 0)
       yield* link.stop(runId, 0)
       assert.deepStrictEqual(yield* Ref.get(stops), [0, 0])
-    }))
+    })
+  )
 
   it.scopedLive("works over a Unix socket address", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = join(yield* tempDir, "control.sock")
       const { bound } = yield* serve({ _tag: "Unix", path })
       assert.deepStrictEqual(bound, { _tag: "Unix", path })
       const link = yield* connect(path)
       assert.strictEqual((yield* link.capacity).hostname, "fake-agent")
       assert.strictEqual(link.hello.pid, 4242)
-    }))
+    })
+  )
 
   // A client without the cluster token is refused before any RPC is read.
   it.scopedLive("refuses a client with a wrong token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { bound } = yield* serve()
       const result = yield* Effect.either(connect(AgentControlRpc.formatAddress(bound), "wrong-token"))
       assert.isTrue(Either.isLeft(result) && result.left._tag === "AgentUnavailable")
       assert.include((result as Either.Left<{ message: string }, unknown>).left.message, "cannot connect")
-    }))
+    })
+  )
 
   // A raw client that skips the handshake and speaks RPC straight away gets nothing back and is closed.
   it.scopedLive("never answers RPC sent without the handshake", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { bound } = yield* serve()
       const port = (bound as { port: number }).port
       const received = yield* Effect.async<Buffer>((resume) => {
@@ -248,39 +271,46 @@ describe("control plane (AgentRpcs over the authenticated socket)", () => {
         s.on("data", (c) => chunks.push(c))
         s.on("close", () => resume(Effect.succeed(Buffer.concat(chunks))))
         s.once("connect", () =>
-          s.write(JSON.stringify({ _tag: "Request", id: "1", tag: "Capacity", payload: {}, headers: [] }) + "\n"))
+          s.write(JSON.stringify({ _tag: "Request", id: "1", tag: "Capacity", payload: {}, headers: [] }) + "\n")
+        )
       }).pipe(Effect.timeoutFail({ duration: "10 seconds", onTimeout: () => new Error("the server never closed") }))
       // At most the server's handshake challenge came back — no RPC reply.
       const text = received.toString("latin1")
       assert.isFalse(text.includes("Exit"))
       assert.isFalse(text.includes("fake-agent"))
-    }))
+    })
+  )
 
   it.scopedLive("fails to connect to a closed port with AgentUnavailable", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const result = yield* Effect.either(connect("127.0.0.1:1"))
       assert.isTrue(Either.isLeft(result) && result.left._tag === "AgentUnavailable")
       assert.include((result as Either.Left<{ message: string }, unknown>).left.message, "cannot connect")
-    }))
+    })
+  )
 
   // A control connection that drops mid-provision (the agent crashed, the network cut it) fails the
   // provision stream at once: a fault, never a hang.
-  it.scopedLive("a dropped connection fails an open provision stream with AgentUnavailable", () =>
-    Effect.gen(function*() {
-      const { bound } = yield* serve()
-      const proxy = yield* cutProxy((bound as { port: number }).port)
-      const link = yield* connect(`127.0.0.1:${proxy.port}`)
-      const loading = yield* Effect.makeLatch(false)
-      const fiber = yield* link.provision(request(9)).pipe(
-        Stream.runForEach(() => loading.open),
-        Effect.either,
-        Effect.fork
-      )
-      yield* loading.await
-      proxy.cut()
-      const result = yield* Fiber.join(fiber).pipe(
-        Effect.timeoutFail({ duration: "5 seconds", onTimeout: () => new Error("the stream hung") })
-      )
-      assert.isTrue(Either.isLeft(result) && result.left._tag === "AgentUnavailable")
-}), 15_000)
+  it.scopedLive(
+    "a dropped connection fails an open provision stream with AgentUnavailable",
+    () =>
+      Effect.gen(function* () {
+        const { bound } = yield* serve()
+        const proxy = yield* cutProxy((bound as { port: number }).port)
+        const link = yield* connect(`127.0.0.1:${proxy.port}`)
+        const loading = yield* Effect.makeLatch(false)
+        const fiber = yield* link.provision(request(9)).pipe(
+          Stream.runForEach(() => loading.open),
+          Effect.either,
+          Effect.fork
+        )
+        yield* loading.await
+        proxy.cut()
+        const result = yield* Fiber.join(fiber).pipe(
+          Effect.timeoutFail({ duration: "5 seconds", onTimeout: () => new Error("the stream hung") })
+        )
+        assert.isTrue(Either.isLeft(result) && result.left._tag === "AgentUnavailable")
+      }),
+    15_000
+  )
 })

@@ -29,12 +29,15 @@ const costedExecutor = () => {
   const service: StageExecutorService = {
     ...base,
     forwardBatch: (items) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         calls.push(items.map((i) => i.session))
         const held = gate
         gate = undefined
         if (held !== undefined) yield* Deferred.await(held)
-        const rows = items.reduce((s, i) => s + (i.input._tag === "Tokens" ? i.input.tokens.length : i.input.nTokens), 0)
+        const rows = items.reduce(
+          (s, i) => s + (i.input._tag === "Tokens" ? i.input.tokens.length : i.input.nTokens),
+          0
+        )
         yield* Effect.promise(() => new Promise((resolve) => setTimeout(resolve, COST[rows] ?? 10 * rows)))
         return yield* base.forwardBatch(items)
       })
@@ -49,13 +52,20 @@ const tokens = (...t: Array<number>): StageInput => ({ _tag: "Tokens", tokens: I
  * queue behind it: the micro-batches after it show the batcher's cap. Returns their session indices.
  */
 const decodeRound = (probe: "probe" | "seeded" | "none", decoders: number, stages: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const ex = costedExecutor()
-    return yield* Effect.gen(function*() {
+    return yield* Effect.gen(function* () {
       const executor = yield* StageExecutor
-      const stage = yield* executor.load({ path: "m", layerStart: 0, layerEndExclusive: 6, isFirst: true, isLast: true })
+      const stage = yield* executor.load({
+        path: "m",
+        layerStart: 0,
+        layerEndExclusive: 6,
+        isFirst: true,
+        isLast: true
+      })
       const seeded = makeStepCosts()
-      for (let i = 0; i < 5; i++) for (const [rows, millis] of Object.entries(COST)) seeded.observe(Number(rows), millis)
+      for (let i = 0; i < 5; i++)
+        for (const [rows, millis] of Object.entries(COST)) seeded.observe(Number(rows), millis)
       const batcher = yield* makeStageBatcher({
         maxRows: 64,
         gatherMillis: 0,
@@ -76,7 +86,8 @@ const decodeRound = (probe: "probe" | "seeded" | "none", decoders: number, stage
       const held = yield* Effect.fork(batcher.submit(sessions[0]!, 0, tokens(1), emptyBatchCounters(), stages))
       while (ex.calls.length === 0) yield* Effect.yieldNow()
       const rest = yield* Effect.forEach(sessions.slice(1), (s, i) =>
-        Effect.fork(batcher.submit(s, 0, tokens(i + 2), emptyBatchCounters(), stages)))
+        Effect.fork(batcher.submit(s, 0, tokens(i + 2), emptyBatchCounters(), stages))
+      )
       // every step submitted (queued behind the held one) before the gate opens
       yield* Effect.sleep("50 millis")
       yield* Deferred.succeed(gate, undefined)
@@ -92,7 +103,7 @@ const decodeRound = (probe: "probe" | "seeded" | "none", decoders: number, stage
 
 describe("decode micro-batches sized from measured step costs", () => {
   it.scopedLive("the idle probe runs a warm-up then 1..8 one-row steps once, and records each size's cost", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { costs, probeCalls } = yield* decodeRound("probe", 1, 1)
       assert.deepStrictEqual(probeCalls, [1, 1, 2, 3, 4, 5, 6, 7, 8])
       assert.strictEqual(costs.probe, "done")
@@ -100,53 +111,88 @@ describe("decode micro-batches sized from measured step costs", () => {
       for (const { millis, rows } of costs.costs.filter((c) => c.rows > 1)) {
         assert.isAtLeast(millis, COST[rows]! - 1, `rows ${rows}`)
       }
-      assert.deepStrictEqual(costs.costs.map((c) => c.rows), [1, 2, 3, 4, 5, 6, 7, 8])
-    }))
+      assert.deepStrictEqual(
+        costs.costs.map((c) => c.rows),
+        [1, 2, 3, 4, 5, 6, 7, 8]
+      )
+    })
+  )
 
   // A run's prompt must not wait behind a probe: no probe step runs while the stage has work or within quietMillis of
   // its last session; once quiet again, the probe runs whole.
-  it.scopedLive("work before the stage was quiet goes first: no probe step until quietMillis after it, then the whole probe", () =>
-    Effect.gen(function*() {
-      const ex = costedExecutor()
-      yield* Effect.gen(function*() {
-        const executor = yield* StageExecutor
-        const stage = yield* executor.load({ path: "m", layerStart: 0, layerEndExclusive: 6, isFirst: true, isLast: true })
-        const batcher = yield* makeStageBatcher({
-          maxRows: 64,
-          stepProbe: { maxRows: 8, session: executor.session(stage), quietMillis: 300 }
-        })
-        assert.strictEqual(batcher.stepCosts().probe, "pending")
-        const session = yield* executor.session(stage)
-        yield* batcher.submit(session, 0, tokens(1, 2, 3), emptyBatchCounters(), 2)
-        yield* batcher.submit(session, 3, tokens(4), emptyBatchCounters(), 2)
-        const lastWork = performance.now()
-        assert.deepStrictEqual(ex.calls.map((c) => c.length), [1, 1], "a probe step ran before the run's work")
-        while (batcher.stepCosts().probe !== "done") {
-          assert.isBelow(performance.now() - lastWork, 10_000, "the probe never ran")
-          yield* Effect.sleep("20 millis")
-        }
-        // the session's decode step keeps the stage busy for 3 of its intervals (or 2 s), then quietMillis
-        assert.isAtLeast(performance.now() - lastWork, 300)
-        assert.deepStrictEqual(ex.calls.slice(2).map((c) => c.length), [1, 1, 2, 3, 4, 5, 6, 7, 8])
-      }).pipe(Effect.provide(ex.layer))
-    }))
+  it.scopedLive(
+    "work before the stage was quiet goes first: no probe step until quietMillis after it, then the whole probe",
+    () =>
+      Effect.gen(function* () {
+        const ex = costedExecutor()
+        yield* Effect.gen(function* () {
+          const executor = yield* StageExecutor
+          const stage = yield* executor.load({
+            path: "m",
+            layerStart: 0,
+            layerEndExclusive: 6,
+            isFirst: true,
+            isLast: true
+          })
+          const batcher = yield* makeStageBatcher({
+            maxRows: 64,
+            stepProbe: { maxRows: 8, session: executor.session(stage), quietMillis: 300 }
+          })
+          assert.strictEqual(batcher.stepCosts().probe, "pending")
+          const session = yield* executor.session(stage)
+          yield* batcher.submit(session, 0, tokens(1, 2, 3), emptyBatchCounters(), 2)
+          yield* batcher.submit(session, 3, tokens(4), emptyBatchCounters(), 2)
+          const lastWork = performance.now()
+          assert.deepStrictEqual(
+            ex.calls.map((c) => c.length),
+            [1, 1],
+            "a probe step ran before the run's work"
+          )
+          while (batcher.stepCosts().probe !== "done") {
+            assert.isBelow(performance.now() - lastWork, 10_000, "the probe never ran")
+            yield* Effect.sleep("20 millis")
+          }
+          // the session's decode step keeps the stage busy for 3 of its intervals (or 2 s), then quietMillis
+          assert.isAtLeast(performance.now() - lastWork, 300)
+          assert.deepStrictEqual(
+            ex.calls.slice(2).map((c) => c.length),
+            [1, 1, 2, 3, 4, 5, 6, 7, 8]
+          )
+        }).pipe(Effect.provide(ex.layer))
+      })
+  )
 
   // 6 sequences on 2 stages: ceil(6 / 2) = 3 per micro-batch takes 43 + 43 a round (and 2 × 43 per trip), 4 + 2 takes
   // max(36 + 21, 2 × 36) = 72, 2 + 2 + 2 takes 3 × 21 = 63: the measured costs pick 2. Without them: ceil = 3.
   for (const costed of [true, false]) {
-    it.scopedLive(`6 sequences on 2 stages, ${costed ? "costs known: micro-batches of 2" : "no costs: ceil(6 / 2) = 3"}`, () =>
-      Effect.gen(function*() {
-        const { costs, groups } = yield* decodeRound(costed ? "seeded" : "none", 6, 2)
-        assert.deepStrictEqual(groups, costed ? [[1, 2], [3, 4], [5]] : [[1, 2, 3], [4, 5]])
-        assert.deepInclude(costs.choice, { decoders: 6, stages: 2, rows: costed ? 2 : 3, defaultRows: 3 })
-      }))
+    it.scopedLive(
+      `6 sequences on 2 stages, ${costed ? "costs known: micro-batches of 2" : "no costs: ceil(6 / 2) = 3"}`,
+      () =>
+        Effect.gen(function* () {
+          const { costs, groups } = yield* decodeRound(costed ? "seeded" : "none", 6, 2)
+          assert.deepStrictEqual(
+            groups,
+            costed
+              ? [[1, 2], [3, 4], [5]]
+              : [
+                  [1, 2, 3],
+                  [4, 5]
+                ]
+          )
+          assert.deepInclude(costs.choice, { decoders: 6, stages: 2, rows: costed ? 2 : 3, defaultRows: 3 })
+        })
+    )
   }
 
   // 8 sequences on 2 stages: ceil = 4 (two micro-batches of 36 ms, 72 a round) is already the cheapest round: kept.
   it.scopedLive("8 sequences on 2 stages, costs known: ceil(8 / 2) = 4 is kept", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { costs, groups } = yield* decodeRound("seeded", 8, 2)
-      assert.deepStrictEqual(groups, [[1, 2, 3, 4], [5, 6, 7]])
+      assert.deepStrictEqual(groups, [
+        [1, 2, 3, 4],
+        [5, 6, 7]
+      ])
       assert.deepInclude(costs.choice, { decoders: 8, stages: 2, rows: 4, defaultRows: 4 })
-    }))
+    })
+  )
 })

@@ -54,7 +54,15 @@ describe("step costs", () => {
   // The measured table: 5 and 6 sequences on 2 stages cut into pairs (ceil would be 3 + 2 and 3 + 3: 149 ms steps);
   // 4 and 8 keep ceil (2 + 2, 4 + 4); 1 stage keeps one micro-batch of all (ceil(L / 1)) unless smaller ones are
   // clearly cheaper in sum (6 rows: 130 against 2 + 2 + 2 = 222: kept).
-  for (const [decoders, stages, rows] of [[5, 2, 2], [6, 2, 2], [4, 2, 2], [8, 2, 4], [6, 1, 6], [3, 2, 2], [1, 4, 1]] as const) {
+  for (const [decoders, stages, rows] of [
+    [5, 2, 2],
+    [6, 2, 2],
+    [4, 2, 2],
+    [8, 2, 4],
+    [6, 1, 6],
+    [3, 2, 2],
+    [1, 4, 1]
+  ] as const) {
     it(`measured costs: ${decoders} sequences on ${stages} stage(s) -> ${rows} per micro-batch`, () => {
       expect(chooseDecodeGroup(decoders, stages, table(MEASURED)).rows).toBe(rows)
     })
@@ -64,7 +72,8 @@ describe("step costs", () => {
   // does not, smaller micro-batches may balance better (3 on 2 stages: 2 + 1 takes 2 x 50 a trip, 1 + 1 + 1 takes 90).
   it("costs linear in rows keep ceil(L / S) where S divides L; no estimate keeps ceil(L / S)", () => {
     const linear = table(Object.fromEntries(Array.from({ length: 16 }, (_, i) => [i + 1, 10 + 20 * (i + 1)])))
-    for (const s of [1, 2, 3, 4]) for (let l = s; l <= 16; l += s) expect(chooseDecodeGroup(l, s, linear).rows).toBe(l / s)
+    for (const s of [1, 2, 3, 4])
+      for (let l = s; l <= 16; l += s) expect(chooseDecodeGroup(l, s, linear).rows).toBe(l / s)
     expect(chooseDecodeGroup(3, 2, linear).rows).toBe(1)
     expect(chooseDecodeGroup(6, 2, table({ 1: 70, 2: 74 })).rows).toBe(3)
   })

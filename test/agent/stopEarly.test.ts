@@ -13,17 +13,27 @@ import { startAgents, stories260KProvision } from "../support/e2e.js"
 import { requireModel } from "../support/models.js"
 
 describe("agent: a Stop before its Provision", () => {
-  it.live("the Provision that follows reports StageStopped at once and hosts nothing", () =>
-    Effect.gen(function*() {
-      const { agents, token } = yield* startAgents(1)
-      const control = yield* AgentControl
-      const link = yield* control.connect({ nodeId: 1 as NodeId, address: agents[0]!.address }, token)
-      const path = requireModel("stories260K.gguf")
-      yield* link.stop(77 as RunId, 0)
-      const reports = yield* Stream.runCollect(link.provision(stories260KProvision(77 as RunId, path, 1))).pipe(
-        Effect.timeoutFail({ duration: Duration.seconds(5), onTimeout: () => new Error("the stage was hosted anyway") })
-      )
-      assert.deepStrictEqual(Chunk.toReadonlyArray(reports).map((r) => r._tag), ["StageStopped"])
-      assert.strictEqual((yield* link.capacity).activeStages, 0)
-    }).pipe(Effect.scoped, Effect.provide(AgentControlRpc.layer)), 60_000)
+  it.live(
+    "the Provision that follows reports StageStopped at once and hosts nothing",
+    () =>
+      Effect.gen(function* () {
+        const { agents, token } = yield* startAgents(1)
+        const control = yield* AgentControl
+        const link = yield* control.connect({ nodeId: 1 as NodeId, address: agents[0]!.address }, token)
+        const path = requireModel("stories260K.gguf")
+        yield* link.stop(77 as RunId, 0)
+        const reports = yield* Stream.runCollect(link.provision(stories260KProvision(77 as RunId, path, 1))).pipe(
+          Effect.timeoutFail({
+            duration: Duration.seconds(5),
+            onTimeout: () => new Error("the stage was hosted anyway")
+          })
+        )
+        assert.deepStrictEqual(
+          Chunk.toReadonlyArray(reports).map((r) => r._tag),
+          ["StageStopped"]
+        )
+        assert.strictEqual((yield* link.capacity).activeStages, 0)
+      }).pipe(Effect.scoped, Effect.provide(AgentControlRpc.layer)),
+    60_000
+  )
 })

@@ -16,7 +16,13 @@ import * as AgentControlRpc from "../../src/layers/agent/AgentControlRpc.js"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import { isRecoverable } from "../../src/layers/orchestrator/Recovery.js"
 import { AgentControl } from "../../src/services/AgentLinks.js"
-import { Server, type ServeError, type ServeEvent, type ServeRequest, type ServerService } from "../../src/services/Server.js"
+import {
+  Server,
+  type ServeError,
+  type ServeEvent,
+  type ServeRequest,
+  type ServerService
+} from "../../src/services/Server.js"
 import { refusedConnection, startAgents, startTestNode, stories260KProvision } from "../support/e2e.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { type ServeProcess, startServe } from "../support/serve.js"
@@ -53,20 +59,25 @@ const swactor = (args: ReadonlyArray<string>, env: Record<string, string | undef
   new Promise<Ran>((resolve) => {
     const started = Date.now()
     const children = new Set<number>()
-    const child = execFile(process.execPath, [swactorMain(), ...args], {
-      cwd: repoRoot,
-      env: { ...process.env, SWACTOR_CLUSTER_TOKEN: undefined, ...env },
-      timeout: 120_000
-    }, (error, stdout, stderr) => {
-      clearInterval(poll)
-      resolve({
-        code: error ? (typeof error.code === "number" ? error.code : 1) : 0,
-        stdout,
-        stderr,
-        millis: Date.now() - started,
-        children: [...children]
-      })
-    })
+    const child = execFile(
+      process.execPath,
+      [swactorMain(), ...args],
+      {
+        cwd: repoRoot,
+        env: { ...process.env, SWACTOR_CLUSTER_TOKEN: undefined, ...env },
+        timeout: 120_000
+      },
+      (error, stdout, stderr) => {
+        clearInterval(poll)
+        resolve({
+          code: error ? (typeof error.code === "number" ? error.code : 1) : 0,
+          stdout,
+          stderr,
+          millis: Date.now() - started,
+          children: [...children]
+        })
+      }
+    )
     const poll = setInterval(() => {
       if (child.pid !== undefined) for (const pid of childrenOf(child.pid)) children.add(pid)
     }, 10)
@@ -90,7 +101,11 @@ describe("the command line: bounds checked before any agent starts (run, serve, 
     const message = "--threads must be a whole number from 1 to 512, got 1000"
     expectRefused(await swactor(["run", "--model", model(), "--threads", "1000"]), "run", message)
     expectRefused(await swactor(["serve", "--model", model(), "--port", "0", "--threads", "1000"]), "serve", message)
-    expectRefused(await swactor(["node", "--threads", "1000"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "node", message)
+    expectRefused(
+      await swactor(["node", "--threads", "1000"], { SWACTOR_CLUSTER_TOKEN: generateToken() }),
+      "node",
+      message
+    )
   })
 
   it("--spares 1000: one line, exit 1, no agent (run, serve)", async () => {
@@ -100,14 +115,19 @@ describe("the command line: bounds checked before any agent starts (run, serve, 
   })
 
   it("--stages 100 on a 5-block model: refused from the GGUF header, no agent started (run, serve)", async () => {
-    const message = "--stages 100: the model has 5 blocks, so it splits into at most 5 stages (each stage hosts at least one block)"
+    const message =
+      "--stages 100: the model has 5 blocks, so it splits into at most 5 stages (each stage hosts at least one block)"
     expectRefused(await swactor(["run", "--model", model(), "--stages", "100"]), "run", message)
     expectRefused(await swactor(["serve", "--model", model(), "--port", "0", "--stages", "100"]), "serve", message)
   })
 
   it("an empty or blank prompt is refused by run", async () => {
     expectRefused(await swactor(["run", "--model", model(), "--prompt", ""]), "run", "--prompt: the prompt is empty")
-    expectRefused(await swactor(["run", "--model", model(), "--prompt", "  \n "]), "run", "--prompt: the prompt is empty")
+    expectRefused(
+      await swactor(["run", "--model", model(), "--prompt", "  \n "]),
+      "run",
+      "--prompt: the prompt is empty"
+    )
   })
 
   it("weak cluster tokens are refused with how to make one (node, run, the library)", async () => {
@@ -148,14 +168,44 @@ describe("the command line: bounds checked before any agent starts (run, serve, 
       const promptFile = join(dir, "prompt")
       writeFileSync(promptFile, Array(200).fill("the cat sat on the mat.").join(" "))
       const over = await swactor(["run", "--model", model(), "--prompt-file", promptFile, "--max-tokens", "4000"])
-      expectRefused(over, "run", /^swactor run: context too long: the prompt \(\d+ tokens\) and 4000 new tokens \(--max-tokens 4000\) do not fit the model's context of 2048 tokens; at most --max-tokens \d+$/)
+      expectRefused(
+        over,
+        "run",
+        /^swactor run: context too long: the prompt \(\d+ tokens\) and 4000 new tokens \(--max-tokens 4000\) do not fit the model's context of 2048 tokens; at most --max-tokens \d+$/
+      )
       const room = Number(/at most --max-tokens (\d+)/.exec(over.stderr)![1])
       const promptTokens = 2048 - room
-      const justOver = await swactor(["run", "--model", model(), "--prompt-file", promptFile, "--max-tokens", String(room + 1)])
-      expectRefused(justOver, "run", new RegExp(`the prompt \\(${promptTokens} tokens\\) and ${room + 1} new tokens .*at most --max-tokens ${room}$`))
-      const fits = await swactor(["run", "--model", model(), "--prompt-file", promptFile, "--max-tokens", String(room), "--threads", "1", "--json"])
+      const justOver = await swactor([
+        "run",
+        "--model",
+        model(),
+        "--prompt-file",
+        promptFile,
+        "--max-tokens",
+        String(room + 1)
+      ])
+      expectRefused(
+        justOver,
+        "run",
+        new RegExp(`the prompt \\(${promptTokens} tokens\\) and ${room + 1} new tokens .*at most --max-tokens ${room}$`)
+      )
+      const fits = await swactor([
+        "run",
+        "--model",
+        model(),
+        "--prompt-file",
+        promptFile,
+        "--max-tokens",
+        String(room),
+        "--threads",
+        "1",
+        "--json"
+      ])
       expect(fits.code, fits.stderr).toBe(0)
-      const report = JSON.parse(fits.stdout) as { ok: boolean; summary: { promptTokens: number; generatedTokens: number } }
+      const report = JSON.parse(fits.stdout) as {
+        ok: boolean
+        summary: { promptTokens: number; generatedTokens: number }
+      }
       expect(report.ok).toBe(true)
       expect(report.summary.promptTokens).toBe(promptTokens)
       expect(report.summary.promptTokens + report.summary.generatedTokens).toBeLessThanOrEqual(2048)
@@ -179,7 +229,9 @@ describe("serve (the library's serve(), real local agents): one validation with 
   let server: ServerService
   beforeAll(async () => {
     scope = Effect.runSync(Scope.make())
-    const context = await Effect.runPromise(Layer.buildWithScope(serve({ model: model(), stages: 2, threads: 1 }), scope))
+    const context = await Effect.runPromise(
+      Layer.buildWithScope(serve({ model: model(), stages: 2, threads: 1 }), scope)
+    )
     server = Context.get(context, Server)
     await Effect.runPromise(server.ready)
     // The first text prompt starts the server's tokenizer worker (~1 s): paid here, not by a timed refusal.
@@ -211,7 +263,10 @@ describe("serve (the library's serve(), real local agents): one validation with 
   }
 
   it("token ids outside the vocabulary (negative, ≥ 512, fractional) are BadServeRequest at once; the next request runs", async () => {
-    await refusedAtOnce({ prompt: [1, -1], maxTokens: 4 }, "prompt token 1 is -1: token ids are whole numbers from 0 to 511 (the model's vocabulary)")
+    await refusedAtOnce(
+      { prompt: [1, -1], maxTokens: 4 },
+      "prompt token 1 is -1: token ids are whole numbers from 0 to 511 (the model's vocabulary)"
+    )
     await refusedAtOnce({ prompt: [1, 512], maxTokens: 4 }, /^prompt token 1 is 512: /)
     await refusedAtOnce({ prompt: [1, 1.5], maxTokens: 4 }, /^prompt token 1 is 1.5: /)
     await refusedAtOnce({ prompt: [1, 2 ** 40], maxTokens: 4 }, /^prompt token 1 is 1099511627776: /)
@@ -268,17 +323,19 @@ describe("swactor serve over HTTP: an id beyond the vocabulary is a 400 at once,
   }, 60_000)
 })
 
-
 describe("the agent: a provision it cannot honour is refused, not crashed and retried", () => {
   it("threads 1000 in a provision: ProvisionFailed at once (not recoverable); the agent hosts nothing and stays up", async () => {
     const request = stories260KProvision(91 as RunId, model(), 1000)
-    await Effect.gen(function*() {
+    await Effect.gen(function* () {
       const { agents, token } = yield* startAgents(1)
       const control = yield* AgentControl
       const link = yield* control.connect({ nodeId: 1 as NodeId, address: agents[0]!.address }, token)
       const reports = Chunk.toReadonlyArray(
         yield* Stream.runCollect(link.provision(request)).pipe(
-          Effect.timeoutFail({ duration: Duration.seconds(5), onTimeout: () => new Error("the provision was not refused") })
+          Effect.timeoutFail({
+            duration: Duration.seconds(5),
+            onTimeout: () => new Error("the provision was not refused")
+          })
         )
       )
       const fault = reports.find((r) => r._tag === "StageFault")

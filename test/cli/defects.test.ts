@@ -23,17 +23,22 @@ interface Ran {
 const swactor = (args: ReadonlyArray<string>, env: Record<string, string | undefined> = {}, input?: string) =>
   new Promise<Ran>((resolve) => {
     const started = Date.now()
-    const child = execFile(process.execPath, [swactorMain(), ...args], {
-      cwd: repoRoot,
-      env: { ...process.env, SWACTOR_CLUSTER_TOKEN: undefined, ...env },
-      timeout: 60_000
-    }, (error, stdout, stderr) =>
-      resolve({
-        code: error ? (typeof error.code === "number" ? error.code : 1) : 0,
-        stdout,
-        stderr,
-        millis: Date.now() - started
-      }))
+    const child = execFile(
+      process.execPath,
+      [swactorMain(), ...args],
+      {
+        cwd: repoRoot,
+        env: { ...process.env, SWACTOR_CLUSTER_TOKEN: undefined, ...env },
+        timeout: 60_000
+      },
+      (error, stdout, stderr) =>
+        resolve({
+          code: error ? (typeof error.code === "number" ? error.code : 1) : 0,
+          stdout,
+          stderr,
+          millis: Date.now() - started
+        })
+    )
     if (input !== undefined) child.stdin?.end(input)
   })
 
@@ -51,47 +56,97 @@ const expectRefused = (ran: Ran, command: string, pattern: RegExp) => {
 }
 
 describe("swactor run / node: every flag checked before anything starts", () => {
-  it("swactor serve: --threads 0, --nodes \",\", --token-file /missing, --port 70000 are refused in one line", async () => {
-    expectRefused(await swactor(["serve", "--model", model(), "--threads", "0"]), "serve", /--threads must be a whole number from 1 to 512, got 0/)
+  it('swactor serve: --threads 0, --nodes ",", --token-file /missing, --port 70000 are refused in one line', async () => {
+    expectRefused(
+      await swactor(["serve", "--model", model(), "--threads", "0"]),
+      "serve",
+      /--threads must be a whole number from 1 to 512, got 0/
+    )
     expectRefused(await swactor(["serve", "--model", model(), "--nodes", ","]), "serve", /--agents "," names no agent/)
-    expectRefused(await swactor(["serve", "--model", model(), "--token-file", "/missing"]), "serve", /--token-file \/missing: cannot read it/)
-    expectRefused(await swactor(["serve", "--model", model(), "--port", "70000"]), "serve", /--port must be at most 65535/)
+    expectRefused(
+      await swactor(["serve", "--model", model(), "--token-file", "/missing"]),
+      "serve",
+      /--token-file \/missing: cannot read it/
+    )
+    expectRefused(
+      await swactor(["serve", "--model", model(), "--port", "70000"]),
+      "serve",
+      /--port must be at most 65535/
+    )
   })
 
   it("--token-file that cannot be read: one line naming the flag (run and node)", async () => {
-    expectRefused(await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", "/missing"]), "run", /--token-file \/missing: cannot read it \(ENOENT\)/)
-    expectRefused(await swactor(["node", "--token-file", "/missing"]), "node", /--token-file \/missing: cannot read it \(ENOENT\)/)
+    expectRefused(
+      await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", "/missing"]),
+      "run",
+      /--token-file \/missing: cannot read it \(ENOENT\)/
+    )
+    expectRefused(
+      await swactor(["node", "--token-file", "/missing"]),
+      "node",
+      /--token-file \/missing: cannot read it \(ENOENT\)/
+    )
   })
 
   it("--threads 0 is refused (run and node), not passed on to crash an agent", async () => {
-    expectRefused(await swactor(["run", "--model", model(), "--threads", "0"]), "run", /--threads must be a whole number from 1 to 512, got 0/)
-    expectRefused(await swactor(["node", "--threads", "0"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "node", /--threads .* got 0/)
+    expectRefused(
+      await swactor(["run", "--model", model(), "--threads", "0"]),
+      "run",
+      /--threads must be a whole number from 1 to 512, got 0/
+    )
+    expectRefused(
+      await swactor(["node", "--threads", "0"], { SWACTOR_CLUSTER_TOKEN: generateToken() }),
+      "node",
+      /--threads .* got 0/
+    )
   })
 
   it("--temperature -1, --top-k -1, --max-tokens 0, --stages 0 are refused", async () => {
-    expectRefused(await swactor(["run", "--model", model(), "--temperature", "-1"]), "run", /--temperature must be at least 0, got -1/)
+    expectRefused(
+      await swactor(["run", "--model", model(), "--temperature", "-1"]),
+      "run",
+      /--temperature must be at least 0, got -1/
+    )
     expectRefused(await swactor(["run", "--model", model(), "--top-k", "-1"]), "run", /--top-k/)
     expectRefused(await swactor(["run", "--model", model(), "--max-tokens", "0"]), "run", /--max-tokens/)
     expectRefused(await swactor(["run", "--model", model(), "--stages", "0"]), "run", /--stages/)
   })
 
-  it("--nodes \",\" names no node: refused instead of silently running locally", async () => {
+  it('--nodes "," names no node: refused instead of silently running locally', async () => {
     expectRefused(await swactor(["run", "--model", model(), "--nodes", ","]), "run", /--agents "," names no agent/)
-    expectRefused(await swactor(["run", "--model", model(), "--nodes", "hostwithoutport"], { SWACTOR_CLUSTER_TOKEN: generateToken() }), "run", /--agents "hostwithoutport" is not host:port/)
+    expectRefused(
+      await swactor(["run", "--model", model(), "--nodes", "hostwithoutport"], {
+        SWACTOR_CLUSTER_TOKEN: generateToken()
+      }),
+      "run",
+      /--agents "hostwithoutport" is not host:port/
+    )
   })
 
   it("prompt + max tokens must fit the context: refused up front, not a ContextOverflow at the end", async () => {
     const ran = await swactor(["run", "--model", model(), "--max-tokens", "2048", "--prompt", "Once upon a time"])
-    expectRefused(ran, "run", /context too long: the prompt \(5 tokens\) and 2048 new tokens \(--max-tokens 2048\) do not fit the model's context of 2048 tokens; at most --max-tokens 2043/)
+    expectRefused(
+      ran,
+      "run",
+      /context too long: the prompt \(5 tokens\) and 2048 new tokens \(--max-tokens 2048\) do not fit the model's context of 2048 tokens; at most --max-tokens 2043/
+    )
     expect(ran.millis).toBeLessThan(10_000)
   })
 
   it("a short cluster token is called short, naming where it came from", async () => {
-    expectRefused(await swactor(["node"], { SWACTOR_CLUSTER_TOKEN: "short" }), "node", /cluster token from SWACTOR_CLUSTER_TOKEN is too short: 5 characters, at least 16/)
+    expectRefused(
+      await swactor(["node"], { SWACTOR_CLUSTER_TOKEN: "short" }),
+      "node",
+      /cluster token from SWACTOR_CLUSTER_TOKEN is too short: 5 characters, at least 16/
+    )
     const dir = mkdtempSync(join(tmpdir(), "swactor-cli-test-"))
     try {
       writeFileSync(join(dir, "token"), "tiny\n")
-      expectRefused(await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", join(dir, "token")]), "run", /--token-file .*token is too short: 4 characters/)
+      expectRefused(
+        await swactor(["run", "--model", model(), "--agents", "127.0.0.1:9", "--token-file", join(dir, "token")]),
+        "run",
+        /--token-file .*token is too short: 4 characters/
+      )
     } finally {
       rmSync(dir, { recursive: true, force: true })
     }
@@ -107,7 +162,9 @@ describe("swactor run / node: messages and streams", () => {
     await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve))
     const port = (server.address() as Net.AddressInfo).port
     try {
-      const ran = await swactor(["run", "--model", model(), "--agents", `127.0.0.1:${port}`, "--quiet"], { SWACTOR_CLUSTER_TOKEN: generateToken() })
+      const ran = await swactor(["run", "--model", model(), "--agents", `127.0.0.1:${port}`, "--quiet"], {
+        SWACTOR_CLUSTER_TOKEN: generateToken()
+      })
       expect(ran.code, ran.stderr).toBe(1)
       expect(ran.stderr).toContain(`cannot connect to 127.0.0.1:${port}: not a swactor node`)
       expect(ran.stderr).not.toContain("expected Challenge\n")
@@ -123,7 +180,13 @@ describe("swactor run / node: messages and streams", () => {
     await new Promise((resolve) => setTimeout(resolve, 300))
     await node.stop()
     expect(node.stderr()).toMatch(/control-plane connection from 127\.0\.0\.1 refused/)
-    expect(node.stdout().trim().split("\n").every((line) => line.startsWith("swactor-node-ready "))).toBe(true)
+    expect(
+      node
+        .stdout()
+        .trim()
+        .split("\n")
+        .every((line) => line.startsWith("swactor-node-ready "))
+    ).toBe(true)
   })
 
   it("no colour or terminal codes when stdout is not a terminal; --help shows the defaults", async () => {
@@ -142,7 +205,23 @@ describe("swactor run / node: messages and streams", () => {
   it("swactor synth needs no --heads / --kv-heads: defaults from the shape", async () => {
     const dir = mkdtempSync(join(tmpdir(), "swactor-cli-test-"))
     try {
-      const ran = await swactor(["synth", "--arch", "llama", "--layers", "2", "--hidden", "256", "--ffn", "512", "--vocab", "300", "--type", "q8_0", "-o", join(dir, "m.gguf")])
+      const ran = await swactor([
+        "synth",
+        "--arch",
+        "llama",
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--ffn",
+        "512",
+        "--vocab",
+        "300",
+        "--type",
+        "q8_0",
+        "-o",
+        join(dir, "m.gguf")
+      ])
       expect(ran.code, ran.stderr).toBe(0)
       expect(ran.stdout).toContain("heads 4/4")
     } finally {
@@ -165,7 +244,10 @@ describe("library: the Promise facade keeps the typed error", () => {
       // and through the AsyncIterable
       const streamed = await (async () => {
         for await (const _ of client.stream({ model: "/no/such/model.gguf", prompt: "x", maxTokens: 1 })) void _
-      })().then(() => undefined, (e: unknown) => e as { _tag?: string })
+      })().then(
+        () => undefined,
+        (e: unknown) => e as { _tag?: string }
+      )
       expect(streamed?._tag).toBe("ModelLoadError")
     } finally {
       await client.close()

@@ -9,8 +9,13 @@ import { repoRoot, requireModel } from "../support/models.js"
 
 const swactor = (args: ReadonlyArray<string>, input?: string) =>
   new Promise<{ code: number; stdout: string; stderr: string }>((resolve) => {
-    const child = execFile(process.execPath, [swactorMain(), ...args], { cwd: repoRoot, timeout: 60_000 }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr }))
+    const child = execFile(
+      process.execPath,
+      [swactorMain(), ...args],
+      { cwd: repoRoot, timeout: 60_000 },
+      (error, stdout, stderr) =>
+        resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
     child.stdin?.end(input ?? "")
   })
 
@@ -61,12 +66,30 @@ describe("swactor run --json", () => {
     const dir = mkdtempSync(join(tmpdir(), "swactor-json-flush-"))
     try {
       const model = join(dir, "tiny.gguf")
-      const synth = await swactor(["synth", "--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2", "--vocab", "300", "--seed", "3", "-o", model])
+      const synth = await swactor([
+        "synth",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--ffn",
+        "128",
+        "--heads",
+        "2",
+        "--vocab",
+        "300",
+        "--seed",
+        "3",
+        "-o",
+        model
+      ])
       expect(synth.code, synth.stderr).toBe(0)
       const ran = await swactor([...base, "--model", model, "--prompt", "Hi"])
       expect(ran.code, ran.stderr).toBe(0)
       const report = JSON.parse(ran.stdout) as Report
-      expect(report.text.endsWith("\uFFFD"), "the run ends inside a character (else this case proves nothing)").toBe(true)
+      expect(report.text.endsWith("\uFFFD"), "the run ends inside a character (else this case proves nothing)").toBe(
+        true
+      )
       expect(report.tokens).toHaveLength(8)
       expect(report.tokens.every((t) => Number.isInteger(t.id) && t.id >= 0)).toBe(true)
       expect(report.text).toBe(report.tokens.map((t) => t.text).join(""))

@@ -12,7 +12,7 @@ import { repoRoot, requireModel } from "../support/models.js"
 
 /** Runs `swactor plan <args>` in-process; returns its exit and what it printed. */
 const runPlan = (...args: Array<string>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const out: Array<string> = []
     const err: Array<string> = []
     vi.spyOn(console, "log").mockImplementation((...xs: Array<unknown>) => void out.push(xs.join(" ")))
@@ -26,7 +26,8 @@ const runPlan = (...args: Array<string>) =>
 const runBin = (args: ReadonlyArray<string>) =>
   new Promise<{ code: number | null; stdout: string; stderr: string }>((resolve) => {
     execFile(process.execPath, [swactorMain(), ...args], { cwd: repoRoot }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr }))
+      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
   })
 
 describe("swactor plan", () => {
@@ -35,7 +36,7 @@ describe("swactor plan", () => {
   })
 
   it.live("prints the stages, nodes, block ranges and edges as a table", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { exit, stdout } = yield* runPlan("--layers", "36", "--stages", "3", "--nodes", "10,11,12")
       assert.isTrue(Exit.isSuccess(exit))
       const lines = stdout.split("\n")
@@ -52,10 +53,11 @@ describe("swactor plan", () => {
         "4096 B, align 64"
       ])
       assert.deepStrictEqual(row("#3 ")?.slice(0, 4), ["#3", "TokenOut", "stage 2 (node 12)", "orchestrator (node 0)"])
-    }))
+    })
+  )
 
   it.live("prints each typed rejection in words and fails", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const base = ["--layers", "36", "--stages", "2", "--nodes", "1,2"]
       const cases: ReadonlyArray<readonly [string, string]> = [
         ["--layers 2 --stages 3 --nodes 10,11,12", "plan rejected (ModelStageLayoutMismatch): a model with 2 layers"],
@@ -65,7 +67,7 @@ describe("swactor plan", () => {
         [[...base, "--max-tokens", "5000"].join(" "), "(InvalidMaxTokens): max tokens 5000"],
         [[...base, "--ring-alignment", "48"].join(" "), "(InvalidRingSpec)"],
         [[...base, "--activation-ring-bytes", "100"].join(" "), "(ActivationRingTooSmall)"],
-        ["--layers 36 --stages 2 --nodes 1,x", "--nodes: \"x\" is not a node id"],
+        ["--layers 36 --stages 2 --nodes 1,x", '--nodes: "x" is not a node id'],
         ["--stages 2 --nodes 1,2", "give the layer count with --layers N or a GGUF file with --model PATH"]
       ]
       for (const [line, expected] of cases) {
@@ -75,10 +77,11 @@ describe("swactor plan", () => {
         assert.include(stderr, expected)
         assert.strictEqual(stdout, "")
       }
-    }))
+    })
+  )
 
   it.live("reads the layer count and hidden size from a GGUF with --model", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const model = requireModel("stories260K.gguf")
       const { exit, stdout } = yield* runPlan("--model", model, "--stages", "2", "--nodes", "1,2")
       assert.isTrue(Exit.isSuccess(exit))
@@ -89,7 +92,8 @@ describe("swactor plan", () => {
       const missing = yield* runPlan("--model", "/nonexistent/model.gguf", "--stages", "2", "--nodes", "1,2")
       assert.isTrue(Exit.isFailure(missing.exit))
       assert.include(missing.stderr, "cannot read the model")
-    }))
+    })
+  )
 
   it("the swactor program exits 0 with the table, and non-zero with the rejection in words", async () => {
     const [ok, bad] = await Promise.all([

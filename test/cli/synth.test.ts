@@ -23,11 +23,32 @@ const run = (args: ReadonlyArray<string>) =>
 describe("swactor synth", () => {
   // The command line of the brief writes the model it describes.
   it.live("writes the model its flags describe", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const out = join(dir, "cli.gguf")
       const exit = yield* run([
-        "--arch", "qwen2", "--layers", "3", "--hidden", "64", "--ffn", "128", "--heads", "4", "--kv-heads", "2",
-        "--vocab", "300", "--type", "q8_0", "--seed", "5", "--context-length", "512", "--tied-output", "-o", out
+        "--arch",
+        "qwen2",
+        "--layers",
+        "3",
+        "--hidden",
+        "64",
+        "--ffn",
+        "128",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "300",
+        "--type",
+        "q8_0",
+        "--seed",
+        "5",
+        "--context-length",
+        "512",
+        "--tied-output",
+        "-o",
+        out
       ])
       assert.isTrue(Exit.isSuccess(exit))
       const file = yield* readGgufFile(out)
@@ -37,16 +58,29 @@ describe("swactor synth", () => {
       assert.strictEqual(yield* getU32(file, "qwen2.context_length"), 512)
       assert.isFalse(file.tensorsByName.has("output.weight"))
       assert.strictEqual(file.tensorsByName.get("blk.2.ffn_up.weight")?.type, GgmlType.Q8_0)
-    }))
+    })
+  )
 
   // Impossible shapes fail (non-zero exit) and write nothing.
   it.live("rejects impossible shapes without writing", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const out = join(dir, "bad.gguf")
       const exit = yield* run([
-        "--layers", "1", "--hidden", "63", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "-o", out
+        "--layers",
+        "1",
+        "--hidden",
+        "63",
+        "--ffn",
+        "128",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "-o",
+        out
       ])
       assert.isTrue(Exit.isFailure(exit))
       assert.isFalse(existsSync(out))
-    }))
+    })
+  )
 })

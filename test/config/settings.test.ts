@@ -63,17 +63,18 @@ describe("the configuration module", () => {
       Either.getOrThrow(settingFromFlagOrEnv(tlsSetting, Option.some("off" as const), { SWACTOR_TLS: "always" })),
       "off"
     )
-    assert.strictEqual(Either.getOrThrow(settingFromFlagOrEnv(tlsSetting, Option.none(), { SWACTOR_TLS: "always" })), "always")
+    assert.strictEqual(
+      Either.getOrThrow(settingFromFlagOrEnv(tlsSetting, Option.none(), { SWACTOR_TLS: "always" })),
+      "always"
+    )
   })
 
   it("a bad value is refused in one line naming the flag and the variable", () => {
-    for (
-      const [setting, env, flag] of [
-        [tlsSetting, { SWACTOR_TLS: "sometimes" }, "--tls"],
-        [ggmlPackageSetting, { SWACTOR_GGML_PACKAGE: "gpu" }, "--backend"],
-        [threadsSetting, { SWACTOR_THREADS: "many" }, "--threads"]
-      ] as const
-    ) {
+    for (const [setting, env, flag] of [
+      [tlsSetting, { SWACTOR_TLS: "sometimes" }, "--tls"],
+      [ggmlPackageSetting, { SWACTOR_GGML_PACKAGE: "gpu" }, "--backend"],
+      [threadsSetting, { SWACTOR_THREADS: "many" }, "--threads"]
+    ] as const) {
       const read = settingFromFlagOrEnv(setting as typeof tlsSetting, Option.none(), env)
       assert.isTrue(Either.isLeft(read), JSON.stringify(env))
       const message = Either.getLeft(read).pipe(Option.getOrThrow)
@@ -99,7 +100,10 @@ describe("the configuration module", () => {
     const file = join(dir, "token")
     writeFileSync(file, `${token}\n`)
     assert.strictEqual(Redacted.value(Either.getOrThrow(clusterTokenFrom(file, {}))), token)
-    assert.match(Either.getLeft(clusterTokenFrom(join(dir, "none"), {})).pipe(Option.getOrThrow), /--token-file .*cannot read it/)
+    assert.match(
+      Either.getLeft(clusterTokenFrom(join(dir, "none"), {})).pipe(Option.getOrThrow),
+      /--token-file .*cannot read it/
+    )
   })
 
   it("the API key: trimmed, none when blank, never printed", () => {
@@ -131,7 +135,11 @@ const model = () => requireModel("stories260K.gguf")
 const nodeStartLine = (args: ReadonlyArray<string>, env: Record<string, string>) =>
   new Promise<string>((resolve, reject) => {
     const { command, args: argv } = swactorCommand(["node", "--listen", "127.0.0.1:0", "--engine", "test", ...args])
-    const child: ChildProcess = spawn(command, argv, { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"], env: { ...cleanEnv(), ...env } })
+    const child: ChildProcess = spawn(command, argv, {
+      cwd: repoRoot,
+      stdio: ["ignore", "ignore", "pipe"],
+      env: { ...cleanEnv(), ...env }
+    })
     let stderr = ""
     const timer = setTimeout(() => {
       child.kill("SIGKILL")
@@ -155,8 +163,13 @@ const nodeStartLine = (args: ReadonlyArray<string>, env: Record<string, string>)
 const runCli = (args: ReadonlyArray<string>, env: Record<string, string>) =>
   new Promise<{ code: number; stdout: string; stderr: string }>((resolve) => {
     const { command, args: argv } = swactorCommand(args)
-    execFile(command, argv, { cwd: repoRoot, env: { ...cleanEnv(), ...env }, timeout: 120_000 }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr }))
+    execFile(
+      command,
+      argv,
+      { cwd: repoRoot, env: { ...cleanEnv(), ...env }, timeout: 120_000 },
+      (error, stdout, stderr) =>
+        resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
   })
 
 describe("every command: settings by flags only, then by environment only, the same behaviour", () => {
@@ -188,7 +201,20 @@ describe("every command: settings by flags only, then by environment only, the s
   }, 120_000)
 
   it("run: threads by flag or SWACTOR_THREADS give the same greedy text", async () => {
-    const args = ["run", "--model", model(), "--stages", "2", "--max-tokens", "8", "--temperature", "0", "--prompt", "Once upon a time", "--quiet"]
+    const args = [
+      "run",
+      "--model",
+      model(),
+      "--stages",
+      "2",
+      "--max-tokens",
+      "8",
+      "--temperature",
+      "0",
+      "--prompt",
+      "Once upon a time",
+      "--quiet"
+    ]
     const byFlags = await runCli([...args, "--threads", "1"], {})
     const byEnv = await runCli(args, { SWACTOR_THREADS: "1" })
     assert.strictEqual(byFlags.code, 0, byFlags.stderr)
@@ -212,14 +238,22 @@ describe("every command: settings by flags only, then by environment only, the s
       return { open: open.status, status: completion.status, text: body.choices?.[0]?.text }
     }
     const base = ["--model", model(), "--stages", "1"]
-    const flags = await startServe([...base, "--threads", "1", "--tls", "off", "--api-key-file", keyFile], cleanEnv() as Record<string, string>)
+    const flags = await startServe(
+      [...base, "--threads", "1", "--tls", "off", "--api-key-file", keyFile],
+      cleanEnv() as Record<string, string>
+    )
     let byFlags
     try {
       byFlags = await ask(flags.url)
     } finally {
       await stopServe(flags)
     }
-    const envs = await startServe(base, { ...cleanEnv(), SWACTOR_THREADS: "1", SWACTOR_TLS: "off", SWACTOR_API_KEY: key } as Record<string, string>)
+    const envs = await startServe(base, {
+      ...cleanEnv(),
+      SWACTOR_THREADS: "1",
+      SWACTOR_TLS: "off",
+      SWACTOR_API_KEY: key
+    } as Record<string, string>)
     let byEnv
     try {
       byEnv = await ask(envs.url)

@@ -21,7 +21,15 @@ const gpu = (() => {
 /** `swactor node` on a free port; resolves with its control address once it printed its ready line. */
 const startNode = (backend: "cuda" | "cpu", token: string) =>
   new Promise<{ child: ChildProcess; address: string }>((resolve, reject) => {
-    const { args, command } = swactorCommand(["node", "--listen", "127.0.0.1:0", "--threads", "1", "--backend", backend])
+    const { args, command } = swactorCommand([
+      "node",
+      "--listen",
+      "127.0.0.1:0",
+      "--threads",
+      "1",
+      "--backend",
+      backend
+    ])
     const child = spawn(command, args, {
       stdio: ["pipe", "pipe", "pipe"],
       env: {
@@ -55,8 +63,23 @@ describe.skipIf(gpu === undefined)(
         const result = await new Promise<{ code: number; stdout: string; stderr: string }>((resolve) =>
           execFile(
             process.execPath,
-            [swactorMain(), "run", "--model", model, "--agents", nodes.map((n) => n.address).join(","), "--stages", "2",
-              "--threads", "1", "--prompt", "Once upon a time", "--max-tokens", "16", "--json"],
+            [
+              swactorMain(),
+              "run",
+              "--model",
+              model,
+              "--agents",
+              nodes.map((n) => n.address).join(","),
+              "--stages",
+              "2",
+              "--threads",
+              "1",
+              "--prompt",
+              "Once upon a time",
+              "--max-tokens",
+              "16",
+              "--json"
+            ],
             { cwd: repoRoot, timeout: 120_000, env: { ...process.env, [clusterTokenEnv]: token } },
             (error, stdout, stderr) => resolve({ code: error ? 1 : 0, stdout, stderr })
           )

@@ -85,7 +85,10 @@ const waitForLine = (child: ChildProcess, prefix: string, timeoutMs: number) =>
   Effect.async<string, Error>((resume) => {
     let buffered = ""
     let stderr = ""
-    const timer = setTimeout(() => resume(Effect.fail(new Error(`no "${prefix}" line in ${timeoutMs} ms: ${stderr}`))), timeoutMs)
+    const timer = setTimeout(
+      () => resume(Effect.fail(new Error(`no "${prefix}" line in ${timeoutMs} ms: ${stderr}`))),
+      timeoutMs
+    )
     child.stderr?.on("data", (chunk) => (stderr += chunk))
     child.stdout?.on("data", (chunk) => {
       buffered += chunk
@@ -101,41 +104,63 @@ const reason = unavailable()
 if (reason !== undefined) console.log(`e2e.netns: skipped — ${reason}`)
 
 describe("multi-host: agents in two network namespaces, the orchestrator in a third", () => {
-  it.live.skipIf(reason !== undefined)("swactor run --agents across namespaces gives node-llama-cpp's greedy text", () =>
-    Effect.gen(function*() {
-      const token = generateToken()
-      const children: Array<ChildProcess> = []
-      yield* Effect.addFinalizer(() =>
-        Effect.sync(() => {
-          for (const child of children) child.kill("SIGKILL")
-          tearDown()
+  it.live.skipIf(reason !== undefined)(
+    "swactor run --agents across namespaces gives node-llama-cpp's greedy text",
+    () =>
+      Effect.gen(function* () {
+        const token = generateToken()
+        const children: Array<ChildProcess> = []
+        yield* Effect.addFinalizer(() =>
+          Effect.sync(() => {
+            for (const child of children) child.kill("SIGKILL")
+            tearDown()
+          })
+        )
+        tearDown()
+        setUp()
+        const agentEnv = { SWACTOR_CLUSTER_TOKEN: token, SWACTOR_PARENT_WATCH: "stdin" }
+        for (const role of ["a", "b"] as const) {
+          const agent = inNamespace(
+            namespaces[role],
+            ["node", "--listen", `${addresses[role]}:7070`, "--threads", "1"],
+            agentEnv
+          )
+          children.push(agent)
+          yield* waitForLine(agent, "swactor-node-ready", 60_000)
+        }
+        const orchestrator = inNamespace(
+          namespaces.orchestrator,
+          [
+            "run",
+            "--model",
+            requireModel("stories260K.gguf"),
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "32",
+            "--threads",
+            "1",
+            "--quiet",
+            "--agents",
+            `${addresses.a}:7070,${addresses.b}:7070`
+          ],
+          { SWACTOR_CLUSTER_TOKEN: token }
+        )
+        children.push(orchestrator)
+        orchestrator.stdin?.end()
+        const result = yield* Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
+          let stdout = ""
+          let stderr = ""
+          orchestrator.stdout?.on("data", (chunk) => (stdout += chunk))
+          orchestrator.stderr?.on("data", (chunk) => (stderr += chunk))
+          orchestrator.on("exit", (code) => resume(Effect.succeed({ code, stdout, stderr })))
         })
-      )
-      tearDown()
-      setUp()
-      const agentEnv = { SWACTOR_CLUSTER_TOKEN: token, SWACTOR_PARENT_WATCH: "stdin" }
-      for (const role of ["a", "b"] as const) {
-        const agent = inNamespace(namespaces[role], ["node", "--listen", `${addresses[role]}:7070`, "--threads", "1"], agentEnv)
-        children.push(agent)
-        yield* waitForLine(agent, "swactor-node-ready", 60_000)
-      }
-      const orchestrator = inNamespace(namespaces.orchestrator, [
-        "run", "--model", requireModel("stories260K.gguf"), "--prompt", "Once upon a time", "--max-tokens", "32",
-        "--threads", "1", "--quiet", "--agents", `${addresses.a}:7070,${addresses.b}:7070`
-      ], { SWACTOR_CLUSTER_TOKEN: token })
-      children.push(orchestrator)
-      orchestrator.stdin?.end()
-      const result = yield* Effect.async<{ code: number | null; stdout: string; stderr: string }>((resume) => {
-        let stdout = ""
-        let stderr = ""
-        orchestrator.stdout?.on("data", (chunk) => (stdout += chunk))
-        orchestrator.stderr?.on("data", (chunk) => (stderr += chunk))
-        orchestrator.on("exit", (code) => resume(Effect.succeed({ code, stdout, stderr })))
-      })
-      assert.strictEqual(result.code, 0, result.stderr)
-      assert.strictEqual(
-        result.stdout.trim(),
-        "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw"
-      )
-    }).pipe(Effect.scoped), 120_000)
+        assert.strictEqual(result.code, 0, result.stderr)
+        assert.strictEqual(
+          result.stdout.trim(),
+          "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw"
+        )
+      }).pipe(Effect.scoped),
+    120_000
+  )
 })

@@ -19,7 +19,8 @@ const startAgentAt = (address: string, token: string) =>
       let out = ""
       child.stdout.on("data", (chunk: Buffer) => {
         out += chunk.toString()
-        if (out.includes(readyLinePrefix)) resume(Effect.succeed({ pid: child.pid!, kill: () => child.kill("SIGKILL") }))
+        if (out.includes(readyLinePrefix))
+          resume(Effect.succeed({ pid: child.pid!, kill: () => child.kill("SIGKILL") }))
       })
       child.on("exit", (code) => resume(Effect.fail(new Error(`agent exited with ${code}: ${out}`))))
     }),
@@ -27,8 +28,10 @@ const startAgentAt = (address: string, token: string) =>
   )
 
 const generation = (pipeline: Pipeline) =>
-  Effect.gen(function*() {
-    const updates = Chunk.toReadonlyArray(yield* Stream.runCollect(pipeline.run({ prompt: "Once upon a time", maxTokens: 40 })))
+  Effect.gen(function* () {
+    const updates = Chunk.toReadonlyArray(
+      yield* Stream.runCollect(pipeline.run({ prompt: "Once upon a time", maxTokens: 40 }))
+    )
     const planned = updates.find((u): u is Extract<RunUpdate, { _tag: "Planned" }> => u._tag === "Planned")!
     return {
       addresses: planned.stages.map((s) => s.address),
@@ -39,39 +42,49 @@ const generation = (pipeline: Pipeline) =>
 describe("rejoin: a node restarted at its address comes back to the pool", () => {
   // A warm pipeline over 2 remote agents: one is killed (the next run plans without it: 1 stage); it restarts at
   // the same address: heartbeats resume (alive again, new pid) and the next run uses it again, same output.
-  it.live("kill -9, then restart at the same address: the next run uses it again", () =>
-    Effect.gen(function*() {
-      const { agents, layer, token } = yield* startAgents(2)
-      const orchestrator = yield* Layer.build(layer).pipe(Effect.map(Context.get(Orchestrator)))
-      const pipeline = yield* orchestrator.pipeline({
-        model: requireModel("stories260K.gguf"),
-        stages: 2,
-        threads: 1,
-        heartbeat: { interval: "200 millis", deadline: "2 seconds" }
-      })
-      const first = yield* generation(pipeline)
-      assert.deepStrictEqual(first.addresses, [agents[0]!.address, agents[1]!.address])
+  it.live(
+    "kill -9, then restart at the same address: the next run uses it again",
+    () =>
+      Effect.gen(function* () {
+        const { agents, layer, token } = yield* startAgents(2)
+        const orchestrator = yield* Layer.build(layer).pipe(Effect.map(Context.get(Orchestrator)))
+        const pipeline = yield* orchestrator.pipeline({
+          model: requireModel("stories260K.gguf"),
+          stages: 2,
+          threads: 1,
+          heartbeat: { interval: "200 millis", deadline: "2 seconds" }
+        })
+        const first = yield* generation(pipeline)
+        assert.deepStrictEqual(first.addresses, [agents[0]!.address, agents[1]!.address])
 
-      process.kill(agents[1]!.pid, "SIGKILL")
-      assert.isTrue(yield* eventually(() => !isAlive(agents[1]!.pid), 5000))
-      let alive = yield* pipeline.alive
-      for (let i = 0; i < 100 && alive.length !== 1; i++) {
-        yield* Effect.sleep("50 millis")
-        alive = yield* pipeline.alive
-      }
-      assert.deepStrictEqual(alive.map((a) => a.node.address), [agents[0]!.address])
-      const without = yield* generation(pipeline)
-      assert.deepStrictEqual(without.addresses, [agents[0]!.address])
-      assert.deepStrictEqual(without.tokens, first.tokens)
+        process.kill(agents[1]!.pid, "SIGKILL")
+        assert.isTrue(yield* eventually(() => !isAlive(agents[1]!.pid), 5000))
+        let alive = yield* pipeline.alive
+        for (let i = 0; i < 100 && alive.length !== 1; i++) {
+          yield* Effect.sleep("50 millis")
+          alive = yield* pipeline.alive
+        }
+        assert.deepStrictEqual(
+          alive.map((a) => a.node.address),
+          [agents[0]!.address]
+        )
+        const without = yield* generation(pipeline)
+        assert.deepStrictEqual(without.addresses, [agents[0]!.address])
+        assert.deepStrictEqual(without.tokens, first.tokens)
 
-      const restarted = yield* startAgentAt(agents[1]!.address, token)
-      for (let i = 0; i < 100 && alive.length !== 2; i++) {
-        yield* Effect.sleep("50 millis")
-        alive = yield* pipeline.alive
-      }
-      assert.deepStrictEqual(alive.map((a) => a.pid), [agents[0]!.pid, restarted.pid])
-      const again = yield* generation(pipeline)
-      assert.deepStrictEqual(again.addresses, [agents[0]!.address, agents[1]!.address])
-      assert.deepStrictEqual(again.tokens, first.tokens)
-    }).pipe(Effect.scoped), 120_000)
+        const restarted = yield* startAgentAt(agents[1]!.address, token)
+        for (let i = 0; i < 100 && alive.length !== 2; i++) {
+          yield* Effect.sleep("50 millis")
+          alive = yield* pipeline.alive
+        }
+        assert.deepStrictEqual(
+          alive.map((a) => a.pid),
+          [agents[0]!.pid, restarted.pid]
+        )
+        const again = yield* generation(pipeline)
+        assert.deepStrictEqual(again.addresses, [agents[0]!.address, agents[1]!.address])
+        assert.deepStrictEqual(again.tokens, first.tokens)
+      }).pipe(Effect.scoped),
+    120_000
+  )
 })

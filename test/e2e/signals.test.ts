@@ -15,7 +15,10 @@ import { childPids, eventually, isAlive } from "../support/e2e.js"
 import { repoRoot, requireModel } from "../support/models.js"
 
 /** The `swactor` bin as the package declares it (package.json "bin"). */
-const bin = join(repoRoot, (JSON.parse(readFileSync(join(repoRoot, "package.json"), "utf8")) as { bin: { swactor: string } }).bin.swactor)
+const bin = join(
+  repoRoot,
+  (JSON.parse(readFileSync(join(repoRoot, "package.json"), "utf8")) as { bin: { swactor: string } }).bin.swactor
+)
 
 const argsOf = (pid: number): string => {
   try {
@@ -43,9 +46,22 @@ interface Stopped {
 /** Starts `swactor run` (2 local stages) through the bin; once tokens flow, sends `signal` to its pid. */
 const runThenSignal = (signal: NodeJS.Signals) =>
   new Promise<Stopped>((resolve, reject) => {
-    const child = spawn(process.execPath, [
-      bin, "run", "--model", requireModel("stories260K.gguf"), "--stages", "2", "--max-tokens", "400", "--threads", "1"
-    ], { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] })
+    const child = spawn(
+      process.execPath,
+      [
+        bin,
+        "run",
+        "--model",
+        requireModel("stories260K.gguf"),
+        "--stages",
+        "2",
+        "--max-tokens",
+        "400",
+        "--threads",
+        "1"
+      ],
+      { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] }
+    )
     let stderr = ""
     let signalledAt = 0
     let agents: ReadonlyArray<number> = []
@@ -57,7 +73,10 @@ const runThenSignal = (signal: NodeJS.Signals) =>
       // mid-generation: past the prompt, a few tokens in
       if (signalledAt !== 0 || seen < 40) return
       agents = childPids(child.pid!)
-      socketDir = agents.map(argsOf).map((a) => /--data-listen (\S+)\/agent-\d+\.sock/.exec(a)?.[1]).find((d) => d !== undefined)
+      socketDir = agents
+        .map(argsOf)
+        .map((a) => /--data-listen (\S+)\/agent-\d+\.sock/.exec(a)?.[1])
+        .find((d) => d !== undefined)
       signalledAt = Date.now()
       child.kill(signal)
     })
@@ -71,7 +90,8 @@ const runThenSignal = (signal: NodeJS.Signals) =>
         agents,
         socketDir,
         orchestrator: child.pid!
-      }))
+      })
+    )
   })
 
 const expectCleanStop = async (result: Stopped, exitCode: number, signal: string) => {
@@ -88,7 +108,8 @@ const expectCleanStop = async (result: Stopped, exitCode: number, signal: string
 }
 
 /** Which local agent a pid is: N of its `--data-listen .../agent-N.sock` (-1 when not an agent). */
-const agentIndexOf = (pid: number): number => Number(/--data-listen \S+\/agent-(\d+)\.sock/.exec(argsOf(pid))?.[1] ?? -1)
+const agentIndexOf = (pid: number): number =>
+  Number(/--data-listen \S+\/agent-(\d+)\.sock/.exec(argsOf(pid))?.[1] ?? -1)
 
 /**
  * `swactor run` through the bin with `args`; `act` sees stderr and the bytes of stdout so far each time either grows,
@@ -113,7 +134,10 @@ const runUntilSignalled = (
     const signal = () => {
       if (signalledAt !== 0) return
       agents = childPids(child.pid!)
-      socketDir = agents.map(argsOf).map((a) => /--data-listen (\S+)\/agent-\d+\.sock/.exec(a)?.[1]).find((d) => d !== undefined)
+      socketDir = agents
+        .map(argsOf)
+        .map((a) => /--data-listen (\S+)\/agent-\d+\.sock/.exec(a)?.[1])
+        .find((d) => d !== undefined)
       signalledAt = Date.now()
       child.kill("SIGTERM")
     }
@@ -138,7 +162,15 @@ const runUntilSignalled = (
           // gone
         }
       }
-      resolve({ code, signal: sig, stderr, waitedMs: signalledAt === 0 ? -1 : Date.now() - signalledAt, agents, socketDir, orchestrator: child.pid! })
+      resolve({
+        code,
+        signal: sig,
+        stderr,
+        waitedMs: signalledAt === 0 ? -1 : Date.now() - signalledAt,
+        agents,
+        socketDir,
+        orchestrator: child.pid!
+      })
     })
   })
 
@@ -199,7 +231,10 @@ describe("operator signals", () => {
         const spare = /^agents: .*, (\S+)$/m.exec(seen.stderr)?.[1]
         const recovering = seen.stderr.indexOf("recovering (attempt 1)")
         if (!faulted || spare === undefined || recovering < 0) return
-        const planned = seen.stderr.slice(recovering).split("\n").some((line) => line.startsWith("stage 1: blocks [") && line.endsWith(` on ${spare}`))
+        const planned = seen.stderr
+          .slice(recovering)
+          .split("\n")
+          .some((line) => line.startsWith("stage 1: blocks [") && line.endsWith(` on ${spare}`))
         if (planned) seen.signal()
       }
     )
@@ -216,7 +251,9 @@ describe("operator signals", () => {
     })
     let stderr = ""
     child.stderr.on("data", (chunk) => (stderr += chunk))
-    await new Promise<void>((resolve) => child.stdout.on("data", (chunk) => String(chunk).includes("swactor-node-ready") && resolve()))
+    await new Promise<void>((resolve) =>
+      child.stdout.on("data", (chunk) => String(chunk).includes("swactor-node-ready") && resolve())
+    )
     const signalledAt = Date.now()
     child.kill("SIGTERM")
     const code = await new Promise<number | null>((resolve) => child.on("exit", (c) => resolve(c)))
@@ -226,9 +263,22 @@ describe("operator signals", () => {
   }, 60_000)
 
   it("a closed stdout (| head) stops the run quietly: exit 0, no agent left", async () => {
-    const child = spawn(process.execPath, [
-      bin, "run", "--model", requireModel("stories260K.gguf"), "--stages", "2", "--max-tokens", "400", "--threads", "1"
-    ], { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] })
+    const child = spawn(
+      process.execPath,
+      [
+        bin,
+        "run",
+        "--model",
+        requireModel("stories260K.gguf"),
+        "--stages",
+        "2",
+        "--max-tokens",
+        "400",
+        "--threads",
+        "1"
+      ],
+      { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"] }
+    )
     let stderr = ""
     let agents: ReadonlyArray<number> = []
     child.stderr.on("data", (chunk) => (stderr += chunk))
@@ -248,40 +298,49 @@ describe("operator signals", () => {
 // handle its SIGTERM. Before: one after another, each hung agent 2 s, and a stopped one was always SIGKILLed.
 describe("stopping local agents", () => {
   const closeTimed = (scope: Scope.CloseableScope) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const started = Date.now()
       yield* Scope.close(scope, Exit.void)
       return Date.now() - started
     })
 
   it("three agents that ignore SIGTERM are killed together after one grace period (2 s), not one after another", async () => {
-    const { exits, millis } = await Effect.runPromise(Effect.gen(function*() {
-      const scope = yield* Scope.make()
-      const agents = yield* spawnLocalAgents({
-        count: 3,
-        token: generateToken(),
-        entry: [join(repoRoot, "test", "support", "stubbornAgent.mjs")]
-      }).pipe(Scope.extend(scope))
-      const millis = yield* closeTimed(scope)
-      const exits = yield* Effect.forEach(agents, (agent) => agent.exited)
-      return { exits, millis }
-    }))
+    const { exits, millis } = await Effect.runPromise(
+      Effect.gen(function* () {
+        const scope = yield* Scope.make()
+        const agents = yield* spawnLocalAgents({
+          count: 3,
+          token: generateToken(),
+          entry: [join(repoRoot, "test", "support", "stubbornAgent.mjs")]
+        }).pipe(Scope.extend(scope))
+        const millis = yield* closeTimed(scope)
+        const exits = yield* Effect.forEach(agents, (agent) => agent.exited)
+        return { exits, millis }
+      })
+    )
     expect(exits.map((exit: AgentExit) => exit.signal)).toEqual(["SIGKILL", "SIGKILL", "SIGKILL"])
     expect(millis).toBeGreaterThanOrEqual(1900)
     expect(millis).toBeLessThan(4000)
   }, 30_000)
 
   it("stopped agents (SIGSTOP) exit on their SIGTERM, at once, not killed after the grace period", async () => {
-    const { exits, millis, pids } = await Effect.runPromise(Effect.gen(function*() {
-      const scope = yield* Scope.make()
-      const agents = yield* spawnLocalAgents({ count: 2, token: generateToken(), threads: 1 }).pipe(Scope.extend(scope))
-      for (const agent of agents) process.kill(agent.pid, "SIGSTOP")
-      const millis = yield* closeTimed(scope)
-      const exits = yield* Effect.forEach(agents, (agent) => agent.exited)
-      return { exits, millis, pids: agents.map((a) => a.pid) }
-    }))
+    const { exits, millis, pids } = await Effect.runPromise(
+      Effect.gen(function* () {
+        const scope = yield* Scope.make()
+        const agents = yield* spawnLocalAgents({ count: 2, token: generateToken(), threads: 1 }).pipe(
+          Scope.extend(scope)
+        )
+        for (const agent of agents) process.kill(agent.pid, "SIGSTOP")
+        const millis = yield* closeTimed(scope)
+        const exits = yield* Effect.forEach(agents, (agent) => agent.exited)
+        return { exits, millis, pids: agents.map((a) => a.pid) }
+      })
+    )
     // `swactor node` ends a SIGTERM with exit 143 (its own teardown), not by the signal.
-    expect(exits).toEqual([{ code: 143, signal: null }, { code: 143, signal: null }])
+    expect(exits).toEqual([
+      { code: 143, signal: null },
+      { code: 143, signal: null }
+    ])
     expect(millis).toBeLessThan(1900)
     expect(pids.filter(isAlive)).toEqual([])
   }, 60_000)

@@ -7,26 +7,37 @@ import { startAgents } from "../support/e2e.js"
 import { requireModel } from "../support/models.js"
 
 describe("speed probe after ready", () => {
-  it.live("an agent started with --speed-probe after-ready reports a measured speed once the probe has run", () =>
-    Effect.gen(function*() {
-      const model = requireModel("stories260K.gguf")
-      const { layer } = yield* startAgents(1, { extraArgs: () => ["--speed-probe", "after-ready"] })
-      const reported = run({ model, prompt: "Once upon a time", stages: 1, maxTokens: 1, threads: 1, dryRun: true }).pipe(
-        Stream.runCollect,
-        Effect.map((updates) => {
-          const pool = Chunk.toReadonlyArray(updates).find((u) => u._tag === "PoolReady")
-          return pool?._tag === "PoolReady" ? pool.capacity[0]?.capacity : undefined
-        }),
-        Effect.provide(layer)
-      )
-      let capacity = yield* reported
-      for (let i = 0; i < 60 && capacity?.speedSource === undefined; i++) {
-        // before the probe ends: no speed at all (placement's default), never a made-up one
-        assert.isUndefined(capacity?.speedBytesPerSecond)
-        yield* Effect.sleep("250 millis")
-        capacity = yield* reported
-      }
-      assert.strictEqual(capacity?.speedSource, "measured")
-      assert.isAbove(capacity?.speedBytesPerSecond ?? 0, 1e7)
-    }).pipe(Effect.scoped), 60_000)
+  it.live(
+    "an agent started with --speed-probe after-ready reports a measured speed once the probe has run",
+    () =>
+      Effect.gen(function* () {
+        const model = requireModel("stories260K.gguf")
+        const { layer } = yield* startAgents(1, { extraArgs: () => ["--speed-probe", "after-ready"] })
+        const reported = run({
+          model,
+          prompt: "Once upon a time",
+          stages: 1,
+          maxTokens: 1,
+          threads: 1,
+          dryRun: true
+        }).pipe(
+          Stream.runCollect,
+          Effect.map((updates) => {
+            const pool = Chunk.toReadonlyArray(updates).find((u) => u._tag === "PoolReady")
+            return pool?._tag === "PoolReady" ? pool.capacity[0]?.capacity : undefined
+          }),
+          Effect.provide(layer)
+        )
+        let capacity = yield* reported
+        for (let i = 0; i < 60 && capacity?.speedSource === undefined; i++) {
+          // before the probe ends: no speed at all (placement's default), never a made-up one
+          assert.isUndefined(capacity?.speedBytesPerSecond)
+          yield* Effect.sleep("250 millis")
+          capacity = yield* reported
+        }
+        assert.strictEqual(capacity?.speedSource, "measured")
+        assert.isAbove(capacity?.speedBytesPerSecond ?? 0, 1e7)
+      }).pipe(Effect.scoped),
+    60_000
+  )
 })

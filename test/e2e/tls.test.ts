@@ -37,17 +37,20 @@ const recordingProxy = (target: number) =>
         pipe(upstream, client)
       })
       server.listen(0, "127.0.0.1", () =>
-        resume(Effect.succeed({
-          port: (server.address() as Net.AddressInfo).port,
-          captured: () => Buffer.concat(chunks),
-          server
-        })))
+        resume(
+          Effect.succeed({
+            port: (server.address() as Net.AddressInfo).port,
+            captured: () => Buffer.concat(chunks),
+            server
+          })
+        )
+      )
     }),
     ({ server }) => Effect.sync(() => server.close())
   )
 
 const splitRun = (mode: TlsMode) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     process.env[TLS_ENV] = mode
     const stage1Port = yield* freePort
     const proxy = yield* recordingProxy(stage1Port)
@@ -58,9 +61,17 @@ const splitRun = (mode: TlsMode) =>
         i === 1 ? ["--data-listen", `127.0.0.1:${stage1Port}`, "--data-advertise", `127.0.0.1:${proxy.port}`] : []
     })
     const tokens = yield* Stream.runCollect(
-      generate({ model: requireModel("stories260K.gguf"), prompt: "Once upon a time", stages: 2, maxTokens: 8, threads: 1 })
+      generate({
+        model: requireModel("stories260K.gguf"),
+        prompt: "Once upon a time",
+        stages: 2,
+        maxTokens: 8,
+        threads: 1
+      })
     ).pipe(Effect.provide(layer))
-    const text = Chunk.toReadonlyArray(tokens).map((t) => t.text).join("")
+    const text = Chunk.toReadonlyArray(tokens)
+      .map((t) => t.text)
+      .join("")
     return { text, captured: proxy.captured() }
   }).pipe(Effect.scoped)
 
@@ -69,25 +80,29 @@ afterEach(() => {
 })
 
 describe("end to end: encrypted links between stages (stories260K)", () => {
-  it.live("a capture between two stages holds nothing in the clear under TLS, and the text is unchanged", () =>
-    Effect.gen(function*() {
-      const magic = Buffer.from("SWAF", "ascii")
-      const hello = Buffer.from("SWH1", "ascii")
-      const plain = yield* splitRun("off")
-      assert.isTrue(plain.captured.includes(magic), "the plain capture shows frames")
-      assert.isTrue(plain.captured.includes(hello), "the plain capture shows the auth handshake")
+  it.live(
+    "a capture between two stages holds nothing in the clear under TLS, and the text is unchanged",
+    () =>
+      Effect.gen(function* () {
+        const magic = Buffer.from("SWAF", "ascii")
+        const hello = Buffer.from("SWH1", "ascii")
+        const plain = yield* splitRun("off")
+        assert.isTrue(plain.captured.includes(magic), "the plain capture shows frames")
+        assert.isTrue(plain.captured.includes(hello), "the plain capture shows the auth handshake")
 
-      const encrypted = yield* splitRun("always")
-      assert.strictEqual(encrypted.text, plain.text)
-      assert.strictEqual(encrypted.text, ", there was a little girl")
-      assert.isAbove(encrypted.captured.length, 5 * 64 * 4, "activations passed the proxy")
-      assert.strictEqual(encrypted.captured[0], 0x16, "a TLS handshake record opens the link")
-      assert.isFalse(encrypted.captured.includes(magic), "frame magic in the clear")
-      assert.isFalse(encrypted.captured.includes(hello), "auth handshake in the clear")
-      // No 16-byte window of the plain run's activation stream appears in the encrypted capture.
-      const plainBody = plain.captured.subarray(plain.captured.indexOf(magic))
-      for (let at = 0; at + 16 <= Math.min(plainBody.length, 4096); at += 61) {
-        assert.isFalse(encrypted.captured.includes(plainBody.subarray(at, at + 16)), `plain bytes at ${at}`)
-      }
-    }), 180_000)
+        const encrypted = yield* splitRun("always")
+        assert.strictEqual(encrypted.text, plain.text)
+        assert.strictEqual(encrypted.text, ", there was a little girl")
+        assert.isAbove(encrypted.captured.length, 5 * 64 * 4, "activations passed the proxy")
+        assert.strictEqual(encrypted.captured[0], 0x16, "a TLS handshake record opens the link")
+        assert.isFalse(encrypted.captured.includes(magic), "frame magic in the clear")
+        assert.isFalse(encrypted.captured.includes(hello), "auth handshake in the clear")
+        // No 16-byte window of the plain run's activation stream appears in the encrypted capture.
+        const plainBody = plain.captured.subarray(plain.captured.indexOf(magic))
+        for (let at = 0; at + 16 <= Math.min(plainBody.length, 4096); at += 61) {
+          assert.isFalse(encrypted.captured.includes(plainBody.subarray(at, at + 16)), `plain bytes at ${at}`)
+        }
+      }),
+    180_000
+  )
 })

@@ -22,7 +22,7 @@ const listenOn = (server: Net.Server) =>
 /** A TCP forwarder to `port` that counts the connections and the bytes going toward the target. */
 const forwarder = (port: number) =>
   Effect.acquireRelease(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const seen = { connections: 0, bytes: 0 }
       const sockets = new Set<Net.Socket>()
       const server = Net.createServer((client) => {
@@ -48,7 +48,7 @@ const forwarder = (port: number) =>
       })
   )
 
-const freePort = Effect.gen(function*() {
+const freePort = Effect.gen(function* () {
   const server = Net.createServer()
   const port = yield* listenOn(server)
   yield* Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
@@ -56,28 +56,34 @@ const freePort = Effect.gen(function*() {
 })
 
 describe("remote pool: the orchestrator's token listener behind an advertised address", () => {
-  it.live("the last stage sends its tokens to dataAdvertise; the text is node-llama-cpp's", () =>
-    Effect.gen(function*() {
-      const model = requireModel("stories260K.gguf")
-      const expected = (yield* Effect.promise(() => referenceRun(model, prompt, maxTokens, { threads: 1, contextLength: 256 }))).tokens
-      const token = generateToken()
-      const agents = yield* spawnLocalAgents({ count: 2, token, threads: 1 })
-      const listenPort = yield* freePort
-      const front = yield* forwarder(listenPort)
-      const layer = layerRemote({
-        agents: agents.map((a) => a.address),
-        token,
-        listenHost: "127.0.0.1",
-        dataListen: tcpAddress(listenPort),
-        dataAdvertise: tcpAddress(front.port)
-      })
-      const updates = Chunk.toReadonlyArray(
-        yield* Stream.runCollect(run({ model, prompt, stages: 2, maxTokens, threads: 1 })).pipe(Effect.provide(layer))
-      )
-      const tokens = updates.flatMap((u) => (u._tag === "Token" ? [u.token.tokenId] : []))
-      assert.deepStrictEqual(tokens, [...expected])
-      assert.isAtLeast(front.seen.connections, 1)
-      // Each token's frame crossed the forwarder (a frame is more than 4 bytes).
-      assert.isAtLeast(front.seen.bytes, 4 * maxTokens)
-    }).pipe(Effect.scoped), 120_000)
+  it.live(
+    "the last stage sends its tokens to dataAdvertise; the text is node-llama-cpp's",
+    () =>
+      Effect.gen(function* () {
+        const model = requireModel("stories260K.gguf")
+        const expected = (yield* Effect.promise(() =>
+          referenceRun(model, prompt, maxTokens, { threads: 1, contextLength: 256 })
+        )).tokens
+        const token = generateToken()
+        const agents = yield* spawnLocalAgents({ count: 2, token, threads: 1 })
+        const listenPort = yield* freePort
+        const front = yield* forwarder(listenPort)
+        const layer = layerRemote({
+          agents: agents.map((a) => a.address),
+          token,
+          listenHost: "127.0.0.1",
+          dataListen: tcpAddress(listenPort),
+          dataAdvertise: tcpAddress(front.port)
+        })
+        const updates = Chunk.toReadonlyArray(
+          yield* Stream.runCollect(run({ model, prompt, stages: 2, maxTokens, threads: 1 })).pipe(Effect.provide(layer))
+        )
+        const tokens = updates.flatMap((u) => (u._tag === "Token" ? [u.token.tokenId] : []))
+        assert.deepStrictEqual(tokens, [...expected])
+        assert.isAtLeast(front.seen.connections, 1)
+        // Each token's frame crossed the forwarder (a frame is more than 4 bytes).
+        assert.isAtLeast(front.seen.bytes, 4 * maxTokens)
+      }).pipe(Effect.scoped),
+    120_000
+  )
 })

@@ -55,7 +55,7 @@ const reference = (path: string, n: number, swaFullCache: boolean) =>
 
 /** Every split into 1..3 stages: tokens equal node-llama-cpp's (both caches), logits bit-identical across splits. */
 const checkParity = (o: SyntheticModelOptions, window: number, globalBlocks: ReadonlyArray<number>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     yield* writeSyntheticModel(o)
     const ref = yield* reference(o.path, N_TOKENS, false)
     const refFull = yield* reference(o.path, N_TOKENS, true)
@@ -85,34 +85,55 @@ const checkParity = (o: SyntheticModelOptions, window: number, globalBlocks: Rea
 
 describe("gemma3: every split into 1-3 stages matches node-llama-cpp past the sliding window", () => {
   // 7 blocks, gemma3's own pattern (sliding_window_pattern 6): blocks 0-4 and 6 slide over 32 positions, 5 is global
-  it.live(`f32, window 32, 5 local : 1 global (7 blocks): greedy ${N_TOKENS} tokens of all 22 splits equal node-llama-cpp's`, () =>
-    checkParity(model("gemma3-f32", { layers: 7, slidingWindow: 32 }), 32, [5]), 300_000)
+  it.live(
+    `f32, window 32, 5 local : 1 global (7 blocks): greedy ${N_TOKENS} tokens of all 22 splits equal node-llama-cpp's`,
+    () => checkParity(model("gemma3-f32", { layers: 7, slidingWindow: 32 }), 32, [5]),
+    300_000
+  )
 
   // pattern 3 (blocks 2 and 5 global), window 16, tied output, final logit soft-capping 4
-  it.live(`f16, window 16, pattern 3, soft-capping 4, tied output: greedy ${N_TOKENS} tokens of all 16 splits equal node-llama-cpp's`, () =>
-    checkParity(
-      model("gemma3-f16", { type: "f16", slidingWindow: 16, swaPattern: 3, logitSoftcap: 4, tiedOutput: true, seed: 22 }),
-      16,
-      [2, 5]
-    ), 300_000)
+  it.live(
+    `f16, window 16, pattern 3, soft-capping 4, tied output: greedy ${N_TOKENS} tokens of all 16 splits equal node-llama-cpp's`,
+    () =>
+      checkParity(
+        model("gemma3-f16", {
+          type: "f16",
+          slidingWindow: 16,
+          swaPattern: 3,
+          logitSoftcap: 4,
+          tiedOutput: true,
+          seed: 22
+        }),
+        16,
+        [2, 5]
+      ),
+    300_000
+  )
 })
 
 describe("gemma3 without a sliding window", () => {
   // No attention.sliding_window key: every block is global with the model's RoPE base (llama.cpp's graph<false>).
-  it.live("no sliding_window key: 1 and 2 stages give node-llama-cpp's greedy tokens", () =>
-    Effect.gen(function*() {
-      const o = model("gemma3-global", { layers: 4, seed: 26 })
-      const spec = syntheticModelSpec(o)
-      const metadata = spec.metadata.filter(([k]) => !k.startsWith("gemma3.attention.sliding_window"))
-      assert.strictEqual(metadata.length, spec.metadata.length - 2)
-      yield* writeGgufFile(o.path, { metadata, tensors: spec.tensors })
-      const ref = yield* reference(o.path, 40, false)
-      assert.isAtLeast(new Set(ref.tokens).size, 4)
-      for (const split of [[0, 4], [0, 2, 4]]) {
-        const run = yield* greedyRun(o.path, split, ref.prompt, 40, options)
-        assert.deepStrictEqual(run.tokens, ref.tokens, `split ${split}`)
-      }
-    }), 120_000)
+  it.live(
+    "no sliding_window key: 1 and 2 stages give node-llama-cpp's greedy tokens",
+    () =>
+      Effect.gen(function* () {
+        const o = model("gemma3-global", { layers: 4, seed: 26 })
+        const spec = syntheticModelSpec(o)
+        const metadata = spec.metadata.filter(([k]) => !k.startsWith("gemma3.attention.sliding_window"))
+        assert.strictEqual(metadata.length, spec.metadata.length - 2)
+        yield* writeGgufFile(o.path, { metadata, tensors: spec.tensors })
+        const ref = yield* reference(o.path, 40, false)
+        assert.isAtLeast(new Set(ref.tokens).size, 4)
+        for (const split of [
+          [0, 4],
+          [0, 2, 4]
+        ]) {
+          const run = yield* greedyRun(o.path, split, ref.prompt, 40, options)
+          assert.deepStrictEqual(run.tokens, ref.tokens, `split ${split}`)
+        }
+      }),
+    120_000
+  )
 })
 
 describe("gemma3: 8 sequences batched equal their lone runs", () => {
@@ -132,15 +153,28 @@ describe("gemma3: 8 sequences batched equal their lone runs", () => {
     ]
   }
   for (const rows of [0, 8] as const) {
-    it.live(`window 16, pattern 3, 1/2/3 stages (cuts at local|global and global|local): tokens equal lone runs, few-row route ${rows}`, () =>
-      Effect.gen(function*() {
-        const o = model(`gemma3-batch-${rows}`, { slidingWindow: 16, swaPattern: 3, seed: 23 })
-        yield* writeSyntheticModel(o)
-        const maxDiff = yield* Batch.batchedEqualsAlone(o.path, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], schedule(), CONTEXT)
-        console.log(`gemma3 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
-        // measured 3.2e-3 / 3.3e-3 (routes 0 / 8): prefills of several rows take other product kernels than alone
-        assert.isBelow(maxDiff, 2e-2)
-      }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 300_000)
+    it.live(
+      `window 16, pattern 3, 1/2/3 stages (cuts at local|global and global|local): tokens equal lone runs, few-row route ${rows}`,
+      () =>
+        Effect.gen(function* () {
+          const o = model(`gemma3-batch-${rows}`, { slidingWindow: 16, swaPattern: 3, seed: 23 })
+          yield* writeSyntheticModel(o)
+          const maxDiff = yield* Batch.batchedEqualsAlone(
+            o.path,
+            [
+              [0, 6],
+              [0, 3, 6],
+              [0, 2, 4, 6]
+            ],
+            schedule(),
+            CONTEXT
+          )
+          console.log(`gemma3 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
+          // measured 3.2e-3 / 3.3e-3 (routes 0 / 8): prefills of several rows take other product kernels than alone
+          assert.isBelow(maxDiff, 2e-2)
+        }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))),
+      300_000
+    )
   }
 })
 
@@ -148,53 +182,57 @@ describe("gemma3: a copied or rewound KV cache continues as one computed afresh"
   // The prompt cache copies positions [0, L) of one session into another (StageExecutor.copyPrefix); a session may be
   // rewound to an earlier position. Past the window, the sliding-window blocks' cells must come along: the
   // continuation then has the bits of a fresh session fed the same chunks.
-  it.live("window 16, pattern 3, 2 stages: copyPrefix of 40 positions and a rewind to 40 give a fresh run's logits", () =>
-    Effect.gen(function*() {
-      const o = model("gemma3-copy", { slidingWindow: 16, swaPattern: 3, seed: 24 })
-      yield* writeSyntheticModel(o)
-      const executor = yield* StageExecutor
-      const stages = yield* Batch.loadSplit(o.path, [0, 3, 6])
-      const r = makeRng(41)
-      const prompt = Int32Array.from({ length: 60 }, () => 3 + Math.floor(r() * 397))
-      const open = () => Batch.openSessions(stages, 256)
-      const through = (sessions: ReadonlyArray<StageSession>, pos: number, tokens: Int32Array) =>
-        Effect.gen(function*() {
-          let input: StageInput = { _tag: "Tokens", tokens }
-          for (const s of sessions) {
-            const out: StageOutput = yield* s.forward(pos, input)
-            if (out._tag === "Logits") return out.logits
-            input = out
-          }
-          return yield* Effect.dieMessage("no logits")
-        })
-      /** Positions 40..59, then 8 greedy decode steps: the logits of each. */
-      const continueFrom40 = (sessions: ReadonlyArray<StageSession>) =>
-        Effect.gen(function*() {
-          const out: Array<Float32Array> = [yield* through(sessions, 40, prompt.subarray(40))]
-          for (let pos = 60; pos < 68; pos++) {
-            out.push(yield* through(sessions, pos, Int32Array.of(greedy(out[out.length - 1]!))))
-          }
-          return out
-        })
-      const fresh = yield* open()
-      yield* through(fresh, 0, prompt.subarray(0, 40))
-      const want = yield* continueFrom40(fresh)
+  it.live(
+    "window 16, pattern 3, 2 stages: copyPrefix of 40 positions and a rewind to 40 give a fresh run's logits",
+    () =>
+      Effect.gen(function* () {
+        const o = model("gemma3-copy", { slidingWindow: 16, swaPattern: 3, seed: 24 })
+        yield* writeSyntheticModel(o)
+        const executor = yield* StageExecutor
+        const stages = yield* Batch.loadSplit(o.path, [0, 3, 6])
+        const r = makeRng(41)
+        const prompt = Int32Array.from({ length: 60 }, () => 3 + Math.floor(r() * 397))
+        const open = () => Batch.openSessions(stages, 256)
+        const through = (sessions: ReadonlyArray<StageSession>, pos: number, tokens: Int32Array) =>
+          Effect.gen(function* () {
+            let input: StageInput = { _tag: "Tokens", tokens }
+            for (const s of sessions) {
+              const out: StageOutput = yield* s.forward(pos, input)
+              if (out._tag === "Logits") return out.logits
+              input = out
+            }
+            return yield* Effect.dieMessage("no logits")
+          })
+        /** Positions 40..59, then 8 greedy decode steps: the logits of each. */
+        const continueFrom40 = (sessions: ReadonlyArray<StageSession>) =>
+          Effect.gen(function* () {
+            const out: Array<Float32Array> = [yield* through(sessions, 40, prompt.subarray(40))]
+            for (let pos = 60; pos < 68; pos++) {
+              out.push(yield* through(sessions, pos, Int32Array.of(greedy(out[out.length - 1]!))))
+            }
+            return out
+          })
+        const fresh = yield* open()
+        yield* through(fresh, 0, prompt.subarray(0, 40))
+        const want = yield* continueFrom40(fresh)
 
-      const source = yield* open()
-      yield* through(source, 0, prompt)
-      const copied = yield* open()
-      for (let i = 0; i < stages.length; i++) yield* executor.copyPrefix!(source[i]!, copied[i]!, 40)
-      const gotCopied = yield* continueFrom40(copied)
-      // the source itself, rewound to 40 after holding 60 positions (and 8 more from the copy's twin run)
-      yield* continueFrom40(source)
-      const gotRewound = yield* continueFrom40(source)
-      want.forEach((l, i) => {
-        assert.isTrue(Batch.sameBits(gotCopied[i]!, l), `copied, step ${i}`)
-        assert.isTrue(Batch.sameBits(gotRewound[i]!, l), `rewound, step ${i}`)
-      })
-      // and the 8 steps are not one token repeated
-      assert.isAtLeast(new Set(want.map((l) => greedy(l))).size, 2)
-    }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+        const source = yield* open()
+        yield* through(source, 0, prompt)
+        const copied = yield* open()
+        for (let i = 0; i < stages.length; i++) yield* executor.copyPrefix!(source[i]!, copied[i]!, 40)
+        const gotCopied = yield* continueFrom40(copied)
+        // the source itself, rewound to 40 after holding 60 positions (and 8 more from the copy's twin run)
+        yield* continueFrom40(source)
+        const gotRewound = yield* continueFrom40(source)
+        want.forEach((l, i) => {
+          assert.isTrue(Batch.sameBits(gotCopied[i]!, l), `copied, step ${i}`)
+          assert.isTrue(Batch.sameBits(gotRewound[i]!, l), `rewound, step ${i}`)
+        })
+        // and the 8 steps are not one token repeated
+        assert.isAtLeast(new Set(want.map((l) => greedy(l))).size, 2)
+      }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))),
+    120_000
+  )
 })
 
 describe("swactor synth --arch gemma3", () => {
@@ -205,51 +243,91 @@ describe("swactor synth --arch gemma3", () => {
   const synth = (args: ReadonlyArray<string>) =>
     cli(["node", "swactor", "synth", ...args]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
 
-  it.live("writes the window, pattern and soft-capping its flags give; node-llama-cpp loads it and our 2 stages give its tokens", () =>
-    Effect.gen(function*() {
-      const out = join(dir, "cli-gemma3.gguf")
-      const exit = yield* synth([
-        "--arch", "gemma3", "--layers", "4", "--hidden", "128", "--ffn", "256", "--heads", "4", "--kv-heads", "2",
-        "--vocab", "400", "--context-length", "512", "--sliding-window", "24", "--swa-pattern", "4",
-        "--logit-softcap", "10", "--type", "q8_0", "-o", out
-      ])
-      assert.isTrue(Exit.isSuccess(exit))
-      const file = yield* readGgufFile(out)
-      assert.strictEqual(yield* getString(file, "general.architecture"), "gemma3")
-      assert.strictEqual(yield* getU32(file, "gemma3.attention.sliding_window"), 24)
-      assert.strictEqual(yield* getU32(file, "gemma3.attention.sliding_window_pattern"), 4)
-      assert.strictEqual(yield* getF32(file, "gemma3.final_logit_softcapping"), 10)
-      assert.isTrue(file.tensorsByName.has("blk.3.post_ffw_norm.weight"))
-      const ref = yield* reference(out, 40, false)
-      const run = yield* greedyRun(out, [0, 3, 4], ref.prompt, 40, options)
-      assert.deepStrictEqual(run.tokens, ref.tokens)
-    }), 120_000)
+  it.live(
+    "writes the window, pattern and soft-capping its flags give; node-llama-cpp loads it and our 2 stages give its tokens",
+    () =>
+      Effect.gen(function* () {
+        const out = join(dir, "cli-gemma3.gguf")
+        const exit = yield* synth([
+          "--arch",
+          "gemma3",
+          "--layers",
+          "4",
+          "--hidden",
+          "128",
+          "--ffn",
+          "256",
+          "--heads",
+          "4",
+          "--kv-heads",
+          "2",
+          "--vocab",
+          "400",
+          "--context-length",
+          "512",
+          "--sliding-window",
+          "24",
+          "--swa-pattern",
+          "4",
+          "--logit-softcap",
+          "10",
+          "--type",
+          "q8_0",
+          "-o",
+          out
+        ])
+        assert.isTrue(Exit.isSuccess(exit))
+        const file = yield* readGgufFile(out)
+        assert.strictEqual(yield* getString(file, "general.architecture"), "gemma3")
+        assert.strictEqual(yield* getU32(file, "gemma3.attention.sliding_window"), 24)
+        assert.strictEqual(yield* getU32(file, "gemma3.attention.sliding_window_pattern"), 4)
+        assert.strictEqual(yield* getF32(file, "gemma3.final_logit_softcapping"), 10)
+        assert.isTrue(file.tensorsByName.has("blk.3.post_ffw_norm.weight"))
+        const ref = yield* reference(out, 40, false)
+        const run = yield* greedyRun(out, [0, 3, 4], ref.prompt, 40, options)
+        assert.deepStrictEqual(run.tokens, ref.tokens)
+      }),
+    120_000
+  )
 
   it.live("--sliding-window 0 is refused and nothing is written", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const out = join(dir, "cli-gemma3-bad.gguf")
       const exit = yield* synth([
-        "--arch", "gemma3", "--layers", "2", "--hidden", "64", "--ffn", "128", "--vocab", "300", "--sliding-window", "0",
-        "-o", out
+        "--arch",
+        "gemma3",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--ffn",
+        "128",
+        "--vocab",
+        "300",
+        "--sliding-window",
+        "0",
+        "-o",
+        out
       ])
       assert.isTrue(Exit.isFailure(exit))
       assert.isFalse(existsSync(out))
-    }))
+    })
+  )
 })
 
 describe("gemma3: bad metadata is a typed error naming the key", () => {
   const base = model("gemma3-bad", { layers: 2, hidden: 64, ffn: 128 })
   const loadWith = (name: string, tweak: (md: Array<readonly [string, GgufTypedValue]>) => void) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = join(dir, `${name}.gguf`)
       const s = syntheticModelSpec({ ...base, path })
       const md = [...s.metadata]
       tweak(md)
       yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
       const executor = yield* StageExecutor
-      return yield* Effect.exit(Effect.scoped(
-        executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
-      ))
+      return yield* Effect.exit(
+        Effect.scoped(executor.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true }))
+      )
     }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 })))
   const set = (md: Array<readonly [string, GgufTypedValue]>, key: string, v: GgufTypedValue) => {
     const i = md.findIndex(([k]) => k === key)
@@ -269,22 +347,32 @@ describe("gemma3: bad metadata is a typed error naming the key", () => {
   ]
   for (const [name, key, value] of cases) {
     it.live(`${key} = ${JSON.stringify(value.value)}: ModelLoadError naming it`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const e = failure(yield* loadWith(name, (md) => set(md, key, value)))
         assert.strictEqual(e._tag, "ModelLoadError")
         assert.include(e.message, key)
-      }))
+      })
+    )
   }
   it.live("a missing post_ffw_norm tensor: ModelLoadError naming it", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = join(dir, "gemma3-no-post-ffw.gguf")
       const s = syntheticModelSpec({ ...base, path })
-      yield* writeGgufFile(path, { metadata: s.metadata, tensors: s.tensors.filter((t) => t.name !== "blk.1.post_ffw_norm.weight") })
-      const exit = yield* Effect.exit(Effect.scoped(Effect.flatMap(StageExecutor, (x) =>
-        x.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true }))))
+      yield* writeGgufFile(path, {
+        metadata: s.metadata,
+        tensors: s.tensors.filter((t) => t.name !== "blk.1.post_ffw_norm.weight")
+      })
+      const exit = yield* Effect.exit(
+        Effect.scoped(
+          Effect.flatMap(StageExecutor, (x) =>
+            x.load({ path, layerStart: 0, layerEndExclusive: 2, isFirst: true, isLast: true })
+          )
+        )
+      )
       const e = failure(exit)
       assert.include(e.message, "blk.1.post_ffw_norm.weight")
-    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))))
+    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 })))
+  )
 })
 
 describe("gemma3 end to end: a killed stage agent resumes with identical text past the window", () => {
@@ -292,15 +380,19 @@ describe("gemma3 end to end: a killed stage agent resumes with identical text pa
   // stage holds blocks 2 (global) and 3 (sliding). Its agent is killed with SIGKILL at token 24, past twice the window;
   // the spare takes the stage, the prompt and the tokens so far are replayed in one prefill, and the stream goes on
   // to the uninterrupted run's tokens and text.
-  it.live("q8_0, window 16, pattern 3, kill -9 of the middle stage past the window: greedy output equals the uninterrupted run's", () =>
-    Effect.gen(function*() {
-      const o = model("gemma3-e2e", { type: "q8_0", slidingWindow: 16, swaPattern: 3, seed: 25 })
-      yield* writeSyntheticModel(o)
-      const { reference, killedLayers } = yield* killedStageResumes(
-        { model: o.path, prompt: PROMPT, maxTokens: 48, threads: 1, stages: 3 },
-        { atToken: 24 }
-      )
-      assert.deepStrictEqual(killedLayers, [2, 4], "the killed stage holds global block 2 and sliding block 3")
-      assert.isAbove(reference.summary!.promptTokens + 24, 2 * 16, "killed after the run passed twice the window")
-    }), 180_000)
+  it.live(
+    "q8_0, window 16, pattern 3, kill -9 of the middle stage past the window: greedy output equals the uninterrupted run's",
+    () =>
+      Effect.gen(function* () {
+        const o = model("gemma3-e2e", { type: "q8_0", slidingWindow: 16, swaPattern: 3, seed: 25 })
+        yield* writeSyntheticModel(o)
+        const { reference, killedLayers } = yield* killedStageResumes(
+          { model: o.path, prompt: PROMPT, maxTokens: 48, threads: 1, stages: 3 },
+          { atToken: 24 }
+        )
+        assert.deepStrictEqual(killedLayers, [2, 4], "the killed stage holds global block 2 and sliding block 3")
+        assert.isAbove(reference.summary!.promptTokens + 24, 2 * 16, "killed after the run passed twice the window")
+      }),
+    180_000
+  )
 })

@@ -27,7 +27,12 @@ import * as Batch from "../support/batch.js"
 import type { SeqPlan } from "../support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
 import { killedStageResumes } from "../support/resume.js"
-import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "../support/synthFiles.js"
+import {
+  gemma4Model,
+  modelFolder,
+  REFERENCE_OPTIONS as options,
+  STORY_PROMPT as PROMPT
+} from "../support/synthFiles.js"
 
 const dir = modelFolder("swactor-engine-gemma4-")
 
@@ -40,7 +45,7 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
  * tokens; the splits cut right before and right after each global block.
  */
 const checkParity = (o: SyntheticModelOptions, n: number, globalBlocks: ReadonlyArray<number>, maxLogProb: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     yield* writeSyntheticModel(o)
     const window = o.slidingWindow!
     const ref = yield* nodeLlamaReference(o.path, PROMPT, n, options)
@@ -68,13 +73,25 @@ const checkParity = (o: SyntheticModelOptions, n: number, globalBlocks: Readonly
 
 describe("gemma4: every split into 1-3 stages matches node-llama-cpp past the sliding window", () => {
   // blocks 2 and 5 global (no attn_v: V is K's projection; RoPE frequency factors), the others slide over 16 positions
-  it.live("f32, window 16, pattern 3, global blocks without attn_v, soft-capping 10: all 16 splits give node-llama-cpp's 64 tokens", () =>
-    checkParity(model("gemma4-f32", { kEqV: true, logitSoftcap: 10 }), 64, [2, 5], 1e-4), 300_000)
+  it.live(
+    "f32, window 16, pattern 3, global blocks without attn_v, soft-capping 10: all 16 splits give node-llama-cpp's 64 tokens",
+    () => checkParity(model("gemma4-f32", { kEqV: true, logitSoftcap: 10 }), 64, [2, 5], 1e-4),
+    300_000
+  )
 
   // every block has attn_v; q8_0, tied output, window 24, pattern 2 (blocks 1 and 3 global); first-position log-prob
   // difference measured 1.2e-4 (q8_0 products: node-llama-cpp's repacked kernels sum in another order)
-  it.live("q8_0, window 24, pattern 2, attn_v everywhere, tied output: all 7 splits of 4 blocks give node-llama-cpp's 48 tokens", () =>
-    checkParity(model("gemma4-q8", { layers: 4, type: "q8_0", slidingWindow: 24, swaPattern: 2, tiedOutput: true, seed: 42 }), 48, [1, 3], 1e-3), 300_000)
+  it.live(
+    "q8_0, window 24, pattern 2, attn_v everywhere, tied output: all 7 splits of 4 blocks give node-llama-cpp's 48 tokens",
+    () =>
+      checkParity(
+        model("gemma4-q8", { layers: 4, type: "q8_0", slidingWindow: 24, swaPattern: 2, tiedOutput: true, seed: 42 }),
+        48,
+        [1, 3],
+        1e-3
+      ),
+    300_000
+  )
 })
 
 describe("gemma4: 8 sequences batched equal their lone runs", () => {
@@ -94,49 +111,75 @@ describe("gemma4: 8 sequences batched equal their lone runs", () => {
     ]
   }
   for (const rows of [0, 8] as const) {
-    it.live(`window 16, pattern 3, global blocks without attn_v, 1/2/3 stages (cuts at local|global and global|local): tokens equal lone runs, few-row route ${rows}`, () =>
-      Effect.gen(function*() {
-        const o = model(`gemma4-batch-${rows}`, { kEqV: true, seed: 44 })
-        yield* writeSyntheticModel(o)
-        const maxDiff = yield* Batch.batchedEqualsAlone(o.path, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], schedule(), CONTEXT)
-        console.log(`gemma4 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
-        assert.isBelow(maxDiff, 2e-2)
-      }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))), 300_000)
+    it.live(
+      `window 16, pattern 3, global blocks without attn_v, 1/2/3 stages (cuts at local|global and global|local): tokens equal lone runs, few-row route ${rows}`,
+      () =>
+        Effect.gen(function* () {
+          const o = model(`gemma4-batch-${rows}`, { kEqV: true, seed: 44 })
+          yield* writeSyntheticModel(o)
+          const maxDiff = yield* Batch.batchedEqualsAlone(
+            o.path,
+            [
+              [0, 6],
+              [0, 3, 6],
+              [0, 2, 4, 6]
+            ],
+            schedule(),
+            CONTEXT
+          )
+          console.log(`gemma4 batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`)
+          assert.isBelow(maxDiff, 2e-2)
+        }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))),
+      300_000
+    )
   }
 })
 
 describe("gemma4: the catalog's layout and each loaded stage count the capped sliding-window caches", () => {
   // placement (--dry-run's memory) and the server's admission read the layout; the engine allocates the rings
-  it.live("pattern 3 as one bool per block: layout, each stage's kvWindow, and placement's memory less full caches", () =>
-    Effect.gen(function*() {
-      const o = model("gemma4-layout", { contextLength: 4096, seed: 45 })
-      yield* writeSyntheticModel(o)
-      const sliding = [true, true, false, true, true, false]
-      const file = yield* readGgufFile(o.path)
-      assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.sliding_window_pattern"), sliding)
-      const layout = yield* readModelLayout(o.path)
-      assert.deepStrictEqual(layout.slidingWindow, { window: 16, blocks: sliding })
-      const row = kvBytesPerTokenOfBlock((128 / 4) * 2, (128 / 4) * 2)
-      const options = { contextTokens: 4096, computeBytes: computeReserveBytes(layout, 4096) }
-      const { slidingWindow: _, ...uncapped } = layout
-      for (const [start, end] of [[0, 2], [2, 3], [3, 6]] as const) {
-        const info = yield* Effect.scoped(Effect.gen(function*() {
-          const stage = yield* (yield* StageExecutor).load({
-            path: o.path,
-            layerStart: start,
-            layerEndExclusive: end,
-            isFirst: start === 0,
-            isLast: end === 6
-          })
-          return stage.info
-        }))
-        const slidingHere = sliding.slice(start, end).filter((b) => b).length
-        assert.deepStrictEqual(info.kvWindow, slidingHere === 0 ? undefined : { window: 16, bytesPerToken: slidingHere * row })
-        assert.strictEqual(info.kvBytesPerToken, (end - start) * row)
-        const memory = stageMemoryBytes(layout, start, end, options)
-        assert.strictEqual(stageMemoryBytes(uncapped, start, end, options) - memory, slidingHere * (4096 - 256) * row)
-      }
-    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+  it.live(
+    "pattern 3 as one bool per block: layout, each stage's kvWindow, and placement's memory less full caches",
+    () =>
+      Effect.gen(function* () {
+        const o = model("gemma4-layout", { contextLength: 4096, seed: 45 })
+        yield* writeSyntheticModel(o)
+        const sliding = [true, true, false, true, true, false]
+        const file = yield* readGgufFile(o.path)
+        assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.sliding_window_pattern"), sliding)
+        const layout = yield* readModelLayout(o.path)
+        assert.deepStrictEqual(layout.slidingWindow, { window: 16, blocks: sliding })
+        const row = kvBytesPerTokenOfBlock((128 / 4) * 2, (128 / 4) * 2)
+        const options = { contextTokens: 4096, computeBytes: computeReserveBytes(layout, 4096) }
+        const { slidingWindow: _, ...uncapped } = layout
+        for (const [start, end] of [
+          [0, 2],
+          [2, 3],
+          [3, 6]
+        ] as const) {
+          const info = yield* Effect.scoped(
+            Effect.gen(function* () {
+              const stage = yield* (yield* StageExecutor).load({
+                path: o.path,
+                layerStart: start,
+                layerEndExclusive: end,
+                isFirst: start === 0,
+                isLast: end === 6
+              })
+              return stage.info
+            })
+          )
+          const slidingHere = sliding.slice(start, end).filter((b) => b).length
+          assert.deepStrictEqual(
+            info.kvWindow,
+            slidingHere === 0 ? undefined : { window: 16, bytesPerToken: slidingHere * row }
+          )
+          assert.strictEqual(info.kvBytesPerToken, (end - start) * row)
+          const memory = stageMemoryBytes(layout, start, end, options)
+          assert.strictEqual(stageMemoryBytes(uncapped, start, end, options) - memory, slidingHere * (4096 - 256) * row)
+        }
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))),
+    120_000
+  )
 })
 
 describe("swactor synth --arch gemma4", () => {
@@ -147,28 +190,61 @@ describe("swactor synth --arch gemma4", () => {
   const synth = (args: ReadonlyArray<string>) =>
     cli(["node", "swactor", "synth", ...args]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
 
-  it.live("writes gemma4's keys and tensors from its flags; node-llama-cpp loads it and our 2 stages give its tokens", () =>
-    Effect.gen(function*() {
-      const out = join(dir, "cli-gemma4.gguf")
-      const exit = yield* synth([
-        "--arch", "gemma4", "--layers", "4", "--hidden", "128", "--ffn", "256", "--heads", "4", "--kv-heads", "2",
-        "--vocab", "400", "--context-length", "512", "--sliding-window", "24", "--swa-pattern", "4", "--k-eq-v",
-        "--logit-softcap", "10", "--type", "q8_0", "-o", out
-      ])
-      assert.isTrue(Exit.isSuccess(exit))
-      const file = yield* readGgufFile(out)
-      assert.strictEqual(yield* getString(file, "general.architecture"), "gemma4")
-      assert.strictEqual(yield* getU32(file, "gemma4.attention.sliding_window"), 24)
-      assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.sliding_window_pattern"), [true, true, true, false])
-      assert.strictEqual(yield* getU32(file, "gemma4.embedding_length_per_layer_input"), 0)
-      assert.isTrue(file.tensorsByName.has("rope_freqs.weight"))
-      assert.isTrue(file.tensorsByName.has("blk.2.attn_v.weight"))
-      assert.isFalse(file.tensorsByName.has("blk.3.attn_v.weight"), "the global block has no attn_v")
-      // node-llama-cpp stops at the end-of-generation token (after 34 here); ours run as many
-      const ref = yield* nodeLlamaReference(out, PROMPT, 40, options)
-      assert.isAtLeast(ref.tokens.length, 24)
-      yield* splitsMatchReference(out, ref, [[0, 3, 4]], options)
-    }), 120_000)
+  it.live(
+    "writes gemma4's keys and tensors from its flags; node-llama-cpp loads it and our 2 stages give its tokens",
+    () =>
+      Effect.gen(function* () {
+        const out = join(dir, "cli-gemma4.gguf")
+        const exit = yield* synth([
+          "--arch",
+          "gemma4",
+          "--layers",
+          "4",
+          "--hidden",
+          "128",
+          "--ffn",
+          "256",
+          "--heads",
+          "4",
+          "--kv-heads",
+          "2",
+          "--vocab",
+          "400",
+          "--context-length",
+          "512",
+          "--sliding-window",
+          "24",
+          "--swa-pattern",
+          "4",
+          "--k-eq-v",
+          "--logit-softcap",
+          "10",
+          "--type",
+          "q8_0",
+          "-o",
+          out
+        ])
+        assert.isTrue(Exit.isSuccess(exit))
+        const file = yield* readGgufFile(out)
+        assert.strictEqual(yield* getString(file, "general.architecture"), "gemma4")
+        assert.strictEqual(yield* getU32(file, "gemma4.attention.sliding_window"), 24)
+        assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.sliding_window_pattern"), [
+          true,
+          true,
+          true,
+          false
+        ])
+        assert.strictEqual(yield* getU32(file, "gemma4.embedding_length_per_layer_input"), 0)
+        assert.isTrue(file.tensorsByName.has("rope_freqs.weight"))
+        assert.isTrue(file.tensorsByName.has("blk.2.attn_v.weight"))
+        assert.isFalse(file.tensorsByName.has("blk.3.attn_v.weight"), "the global block has no attn_v")
+        // node-llama-cpp stops at the end-of-generation token (after 34 here); ours run as many
+        const ref = yield* nodeLlamaReference(out, PROMPT, 40, options)
+        assert.isAtLeast(ref.tokens.length, 24)
+        yield* splitsMatchReference(out, ref, [[0, 3, 4]], options)
+      }),
+    120_000
+  )
 })
 
 describe("gemma4: bad metadata and the parts swactor does not build are typed errors naming the key", () => {
@@ -201,40 +277,51 @@ describe("gemma4: bad metadata and the parts swactor does not build are typed er
     ["softcap-negative", "gemma4.final_logit_softcapping", GgufValues.f32(-30)]
   ]
   for (const [name, key, value] of cases) {
-    it.live(`${key} ${value === undefined ? "missing" : `= ${JSON.stringify(value.value)}`}: ModelLoadError naming it`, () =>
-      Effect.gen(function*() {
-        const path = join(dir, `${name}.gguf`)
-        const s = syntheticModelSpec({ ...base, path })
-        const md = s.metadata.filter(([k]) => k !== key)
-        if (value !== undefined) md.push([key, value])
-        yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
-        const e = failure(yield* load(path))
-        assert.strictEqual(e._tag, "ModelLoadError")
-        assert.include(e.message, key)
-      }))
+    it.live(
+      `${key} ${value === undefined ? "missing" : `= ${JSON.stringify(value.value)}`}: ModelLoadError naming it`,
+      () =>
+        Effect.gen(function* () {
+          const path = join(dir, `${name}.gguf`)
+          const s = syntheticModelSpec({ ...base, path })
+          const md = s.metadata.filter(([k]) => k !== key)
+          if (value !== undefined) md.push([key, value])
+          yield* writeGgufFile(path, { metadata: md, tensors: s.tensors })
+          const e = failure(yield* load(path))
+          assert.strictEqual(e._tag, "ModelLoadError")
+          assert.include(e.message, key)
+        })
+    )
   }
   it.live("a missing rope_freqs tensor (the model has global blocks): ModelLoadError naming it", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = join(dir, "gemma4-no-rope-freqs.gguf")
       const s = syntheticModelSpec({ ...base, path })
-      yield* writeGgufFile(path, { metadata: s.metadata, tensors: s.tensors.filter((t) => t.name !== "rope_freqs.weight") })
+      yield* writeGgufFile(path, {
+        metadata: s.metadata,
+        tensors: s.tensors.filter((t) => t.name !== "rope_freqs.weight")
+      })
       assert.include(failure(yield* load(path)).message, "rope_freqs.weight")
-    }))
+    })
+  )
 })
 
 describe("gemma4 end to end: a killed stage agent resumes with identical text past the window", () => {
   // 3 stages + 1 spare on local agents: the middle stage holds global block 2 and sliding block 3; its agent is killed
   // with SIGKILL at token 24 (past twice the window): the spare takes the stage, the prompt and the tokens so far are
   // replayed, and the stream goes on to the uninterrupted run's tokens and text.
-  it.live("q8_0, window 16, pattern 3, global blocks without attn_v, kill -9 of the middle stage: greedy output equals the uninterrupted run's", () =>
-    Effect.gen(function*() {
-      const o = model("gemma4-e2e", { type: "q8_0", kEqV: true, seed: 46 })
-      yield* writeSyntheticModel(o)
-      const { killedLayers, reference } = yield* killedStageResumes(
-        { model: o.path, prompt: PROMPT, maxTokens: 48, threads: 1, stages: 3 },
-        { atToken: 24 }
-      )
-      assert.deepStrictEqual(killedLayers, [2, 4], "the killed stage holds global block 2 and sliding block 3")
-      assert.isAbove(reference.summary!.promptTokens + 24, 2 * 16, "killed after the run passed twice the window")
-    }), 180_000)
+  it.live(
+    "q8_0, window 16, pattern 3, global blocks without attn_v, kill -9 of the middle stage: greedy output equals the uninterrupted run's",
+    () =>
+      Effect.gen(function* () {
+        const o = model("gemma4-e2e", { type: "q8_0", kEqV: true, seed: 46 })
+        yield* writeSyntheticModel(o)
+        const { killedLayers, reference } = yield* killedStageResumes(
+          { model: o.path, prompt: PROMPT, maxTokens: 48, threads: 1, stages: 3 },
+          { atToken: 24 }
+        )
+        assert.deepStrictEqual(killedLayers, [2, 4], "the killed stage holds global block 2 and sliding block 3")
+        assert.isAbove(reference.summary!.promptTokens + 24, 2 * 16, "killed after the run passed twice the window")
+      }),
+    180_000
+  )
 })

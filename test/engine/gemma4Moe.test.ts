@@ -19,7 +19,12 @@ import { makeRng } from "../../src/services/Sampler.js"
 import * as Batch from "../support/batch.js"
 import type { SeqPlan } from "../support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
-import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "../support/synthFiles.js"
+import {
+  gemma4Model,
+  modelFolder,
+  REFERENCE_OPTIONS as options,
+  STORY_PROMPT as PROMPT
+} from "../support/synthFiles.js"
 
 const dir = modelFolder("swactor-engine-gemma4moe-")
 
@@ -40,33 +45,50 @@ const model = (name: string, extra: Partial<SyntheticModelOptions> = {}): Synthe
   })
 
 describe("gemma4 experts (26B-A4B layout): every split matches node-llama-cpp past the window", () => {
-  it.live("f32, 8 experts top-2, window 16, pattern 3, soft-capping 10: all 16 splits give node-llama-cpp's 48 tokens", () =>
-    Effect.gen(function*() {
-      const o = model("moe-f32", { logitSoftcap: 10 })
-      yield* writeSyntheticModel(o)
-      const n = 48
-      const ref = yield* nodeLlamaReference(o.path, PROMPT, n, options)
-      assert.isAbove(ref.prompt.length + n, 2 * 16, "the run is longer than twice the window")
-      assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
-      const splits = allSplits(o.layers, 3)
-      const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
-      console.log(
-        `gemma4 experts: ${splits.length} splits x ${n} tokens after a ${ref.prompt.length}-token prompt equal ` +
-          `node-llama-cpp's; first-position log-prob max diff ${maxDiff.toExponential(2)}`
-      )
-      assert.isBelow(maxDiff, 1e-4)
-    }), 300_000)
+  it.live(
+    "f32, 8 experts top-2, window 16, pattern 3, soft-capping 10: all 16 splits give node-llama-cpp's 48 tokens",
+    () =>
+      Effect.gen(function* () {
+        const o = model("moe-f32", { logitSoftcap: 10 })
+        yield* writeSyntheticModel(o)
+        const n = 48
+        const ref = yield* nodeLlamaReference(o.path, PROMPT, n, options)
+        assert.isAbove(ref.prompt.length + n, 2 * 16, "the run is longer than twice the window")
+        assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
+        const splits = allSplits(o.layers, 3)
+        const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
+        console.log(
+          `gemma4 experts: ${splits.length} splits x ${n} tokens after a ${ref.prompt.length}-token prompt equal ` +
+            `node-llama-cpp's; first-position log-prob max diff ${maxDiff.toExponential(2)}`
+        )
+        assert.isBelow(maxDiff, 1e-4)
+      }),
+    300_000
+  )
 
-  it.live("q8_0, 8 experts top-3, tied output: 1, 2 and 3 stages give node-llama-cpp's 40 tokens", () =>
-    Effect.gen(function*() {
-      const o = model("moe-q8", { type: "q8_0", expertsUsed: 3, tiedOutput: true, seed: 62 })
-      yield* writeSyntheticModel(o)
-      const ref = yield* nodeLlamaReference(o.path, PROMPT, 40, options)
-      assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
-      const maxDiff = yield* splitsMatchReference(o.path, ref, [[0, 6], [0, 3, 6], [0, 2, 3, 6]], options)
-      console.log(`gemma4 experts q8_0: first-position log-prob max diff ${maxDiff.toExponential(2)}`)
-      assert.isBelow(maxDiff, 1e-3)
-    }), 300_000)
+  it.live(
+    "q8_0, 8 experts top-3, tied output: 1, 2 and 3 stages give node-llama-cpp's 40 tokens",
+    () =>
+      Effect.gen(function* () {
+        const o = model("moe-q8", { type: "q8_0", expertsUsed: 3, tiedOutput: true, seed: 62 })
+        yield* writeSyntheticModel(o)
+        const ref = yield* nodeLlamaReference(o.path, PROMPT, 40, options)
+        assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
+        const maxDiff = yield* splitsMatchReference(
+          o.path,
+          ref,
+          [
+            [0, 6],
+            [0, 3, 6],
+            [0, 2, 3, 6]
+          ],
+          options
+        )
+        console.log(`gemma4 experts q8_0: first-position log-prob max diff ${maxDiff.toExponential(2)}`)
+        assert.isBelow(maxDiff, 1e-3)
+      }),
+    300_000
+  )
 })
 
 describe("gemma4 experts: sequences batched equal their lone runs", () => {
@@ -83,12 +105,26 @@ describe("gemma4 experts: sequences batched equal their lone runs", () => {
   }
   // each row routes on its own logits: on the few-row route (8) a row's products have the same bits in a batch as
   // alone, so its expert choice does too (on tinyBLAS a router logit's last bits can differ and flip a near tie)
-  it.live("q8_0, few-row route 8, 1/2/3 stages (cuts at sliding|global and global|sliding): bit-identical logits to the lone runs", () =>
-    Effect.gen(function*() {
-      const o = model("moe-batch", { type: "q8_0", seed: 64 })
-      yield* writeSyntheticModel(o)
-      yield* Batch.batchedEqualsAlone(o.path, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], schedule(), 256, { bitIdentical: true })
-    }).pipe(Effect.provide(layerWith({ smallBatchRows: 8 }))), 300_000)
+  it.live(
+    "q8_0, few-row route 8, 1/2/3 stages (cuts at sliding|global and global|sliding): bit-identical logits to the lone runs",
+    () =>
+      Effect.gen(function* () {
+        const o = model("moe-batch", { type: "q8_0", seed: 64 })
+        yield* writeSyntheticModel(o)
+        yield* Batch.batchedEqualsAlone(
+          o.path,
+          [
+            [0, 6],
+            [0, 3, 6],
+            [0, 2, 4, 6]
+          ],
+          schedule(),
+          256,
+          { bitIdentical: true }
+        )
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: 8 }))),
+    300_000
+  )
 })
 
 describe("swactor synth --arch gemma4 --experts", () => {
@@ -96,24 +132,58 @@ describe("swactor synth --arch gemma4 --experts", () => {
     name: "swactor",
     version: "test"
   })
-  it.live("writes the experts' keys and tensors; node-llama-cpp loads it and our 2 stages give its tokens", () =>
-    Effect.gen(function*() {
-      const out = join(dir, "cli-gemma4moe.gguf")
-      const exit = yield* cli([
-        "node", "swactor", "synth", "--arch", "gemma4", "--layers", "4", "--hidden", "128", "--ffn", "256",
-        "--heads", "4", "--kv-heads", "2", "--experts", "8", "--experts-used", "2", "--expert-ffn", "64",
-        "--vocab", "400", "--context-length", "512", "--sliding-window", "16", "--swa-pattern", "2", "--k-eq-v",
-        "--type", "q8_0", "-o", out
-      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
-      assert.isTrue(Exit.isSuccess(exit))
-      const file = yield* readGgufFile(out)
-      assert.strictEqual(yield* getU32(file, "gemma4.expert_count"), 8)
-      assert.strictEqual(yield* getU32(file, "gemma4.expert_used_count"), 2)
-      assert.deepStrictEqual(file.tensorsByName.get("blk.1.ffn_gate_exps.weight")?.dims, [128, 64, 8])
-      assert.deepStrictEqual(file.tensorsByName.get("blk.1.ffn_down_exps.scale")?.dims, [8])
-      assert.isTrue(file.tensorsByName.has("blk.3.ffn_gate.weight"), "the dense feed-forward stays")
-      const ref = yield* nodeLlamaReference(out, PROMPT, 40, options)
-      assert.isAtLeast(ref.tokens.length, 24)
-      yield* splitsMatchReference(out, ref, [[0, 1, 4]], options)
-    }), 120_000)
+  it.live(
+    "writes the experts' keys and tensors; node-llama-cpp loads it and our 2 stages give its tokens",
+    () =>
+      Effect.gen(function* () {
+        const out = join(dir, "cli-gemma4moe.gguf")
+        const exit = yield* cli([
+          "node",
+          "swactor",
+          "synth",
+          "--arch",
+          "gemma4",
+          "--layers",
+          "4",
+          "--hidden",
+          "128",
+          "--ffn",
+          "256",
+          "--heads",
+          "4",
+          "--kv-heads",
+          "2",
+          "--experts",
+          "8",
+          "--experts-used",
+          "2",
+          "--expert-ffn",
+          "64",
+          "--vocab",
+          "400",
+          "--context-length",
+          "512",
+          "--sliding-window",
+          "16",
+          "--swa-pattern",
+          "2",
+          "--k-eq-v",
+          "--type",
+          "q8_0",
+          "-o",
+          out
+        ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+        assert.isTrue(Exit.isSuccess(exit))
+        const file = yield* readGgufFile(out)
+        assert.strictEqual(yield* getU32(file, "gemma4.expert_count"), 8)
+        assert.strictEqual(yield* getU32(file, "gemma4.expert_used_count"), 2)
+        assert.deepStrictEqual(file.tensorsByName.get("blk.1.ffn_gate_exps.weight")?.dims, [128, 64, 8])
+        assert.deepStrictEqual(file.tensorsByName.get("blk.1.ffn_down_exps.scale")?.dims, [8])
+        assert.isTrue(file.tensorsByName.has("blk.3.ffn_gate.weight"), "the dense feed-forward stays")
+        const ref = yield* nodeLlamaReference(out, PROMPT, 40, options)
+        assert.isAtLeast(ref.tokens.length, 24)
+        yield* splitsMatchReference(out, ref, [[0, 1, 4]], options)
+      }),
+    120_000
+  )
 })

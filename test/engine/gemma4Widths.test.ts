@@ -26,7 +26,12 @@ import { StageExecutor } from "../../src/services/StageExecutor.js"
 import * as Batch from "../support/batch.js"
 import type { SeqPlan } from "../support/batch.js"
 import { allSplits, nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
-import { gemma4Model, modelFolder, REFERENCE_OPTIONS as options, STORY_PROMPT as PROMPT } from "../support/synthFiles.js"
+import {
+  gemma4Model,
+  modelFolder,
+  REFERENCE_OPTIONS as options,
+  STORY_PROMPT as PROMPT
+} from "../support/synthFiles.js"
 
 const dir = modelFolder("swactor-engine-gemma4w-")
 
@@ -50,24 +55,29 @@ const SLIDING = [true, true, false, true, true, false]
 const rowOf = (il: number) => (SLIDING[il] ? 16 * 4 : 32 * 1)
 
 describe("gemma4 31B layout (per-block head sizes and KV heads): every split matches node-llama-cpp past the window", () => {
-  it.live("f32, window 16, pattern 3, soft-capping 10: all 16 splits give node-llama-cpp's 48 tokens", () =>
-    Effect.gen(function*() {
-      const o = model("w-f32", { logitSoftcap: 10 })
-      yield* writeSyntheticModel(o)
-      const n = 48
-      const ref = yield* nodeLlamaReference(o.path, PROMPT, n, options)
-      assert.isAbove(ref.prompt.length + n, 2 * 16, "the run is longer than twice the window")
-      assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
-      const splits = allSplits(o.layers, 3)
-      const cuts = new Set(splits.flatMap((s) => s.slice(1, -1)))
-      for (const g of [2, 5]) assert.isTrue(cuts.has(g) && (g + 1 === o.layers || cuts.has(g + 1)), `cuts around ${g}`)
-      const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
-      console.log(
-        `gemma4 31B layout: ${splits.length} splits x ${n} tokens after a ${ref.prompt.length}-token prompt equal ` +
-          `node-llama-cpp's; first-position log-prob max diff ${maxDiff.toExponential(2)}`
-      )
-      assert.isBelow(maxDiff, 1e-4)
-    }), 300_000)
+  it.live(
+    "f32, window 16, pattern 3, soft-capping 10: all 16 splits give node-llama-cpp's 48 tokens",
+    () =>
+      Effect.gen(function* () {
+        const o = model("w-f32", { logitSoftcap: 10 })
+        yield* writeSyntheticModel(o)
+        const n = 48
+        const ref = yield* nodeLlamaReference(o.path, PROMPT, n, options)
+        assert.isAbove(ref.prompt.length + n, 2 * 16, "the run is longer than twice the window")
+        assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
+        const splits = allSplits(o.layers, 3)
+        const cuts = new Set(splits.flatMap((s) => s.slice(1, -1)))
+        for (const g of [2, 5])
+          assert.isTrue(cuts.has(g) && (g + 1 === o.layers || cuts.has(g + 1)), `cuts around ${g}`)
+        const maxDiff = yield* splitsMatchReference(o.path, ref, splits, options)
+        console.log(
+          `gemma4 31B layout: ${splits.length} splits x ${n} tokens after a ${ref.prompt.length}-token prompt equal ` +
+            `node-llama-cpp's; first-position log-prob max diff ${maxDiff.toExponential(2)}`
+        )
+        assert.isBelow(maxDiff, 1e-4)
+      }),
+    300_000
+  )
 })
 
 describe("gemma4 31B layout: sequences batched equal their lone runs", () => {
@@ -82,76 +92,120 @@ describe("gemma4 31B layout: sequences batched equal their lone runs", () => {
       { prompt: prompt(60), start: 0, steps: 24, chunk: 24 }
     ]
   }
-  it.live("1/2/3 stages (cuts at sliding|global and global|sliding): tokens equal lone runs", () =>
-    Effect.gen(function*() {
-      const o = model("w-batch", { seed: 54 })
-      yield* writeSyntheticModel(o)
-      const maxDiff = yield* Batch.batchedEqualsAlone(o.path, [[0, 6], [0, 3, 6], [0, 2, 4, 6]], schedule(), 256)
-      console.log(`gemma4 31B layout batched vs alone: max logit difference ${maxDiff.toExponential(2)}`)
-      assert.isBelow(maxDiff, 2e-2)
-    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 300_000)
+  it.live(
+    "1/2/3 stages (cuts at sliding|global and global|sliding): tokens equal lone runs",
+    () =>
+      Effect.gen(function* () {
+        const o = model("w-batch", { seed: 54 })
+        yield* writeSyntheticModel(o)
+        const maxDiff = yield* Batch.batchedEqualsAlone(
+          o.path,
+          [
+            [0, 6],
+            [0, 3, 6],
+            [0, 2, 4, 6]
+          ],
+          schedule(),
+          256
+        )
+        console.log(`gemma4 31B layout batched vs alone: max logit difference ${maxDiff.toExponential(2)}`)
+        assert.isBelow(maxDiff, 2e-2)
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))),
+    300_000
+  )
 })
 
 describe("gemma4 31B layout: each block's own K/V width in the cache and in the memory accounting", () => {
-  it.live("KvCache tensors, StageInfo, the catalog's layout and placement's memory against a hand computation", () =>
-    Effect.gen(function*() {
-      const o = model("w-layout", { seed: 55 })
-      yield* writeSyntheticModel(o)
-      const file = yield* readGgufFile(o.path)
-      assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.head_count_kv"), [4, 4, 1, 4, 4, 1])
-      assert.strictEqual(yield* getU32(file, "gemma4.attention.key_length"), 32)
-      assert.strictEqual(yield* getU32(file, "gemma4.attention.key_length_swa"), 16)
-      assert.strictEqual(yield* getU32(file, "gemma4.rope.dimension_count_swa"), 16)
-      const layout = yield* readModelLayout(o.path)
-      // F16 K + V per token: 2 bytes x (64 + 64) sliding, 2 x (32 + 32) global
-      assert.deepStrictEqual(layout.kvBytesPerToken, [256, 256, 128, 256, 256, 128])
-      const ctx = 4096
-      const placement = { contextTokens: ctx, computeBytes: computeReserveBytes(layout, ctx) }
-      const hands = new Map<string, number>()
-      for (const [start, end] of [[0, 2], [2, 3], [3, 6], [1, 6], [0, 6]] as const) {
-        const { info, cacheBytes } = yield* Effect.scoped(Effect.gen(function*() {
-          const stage = yield* (yield* StageExecutor).load({
-            path: o.path,
-            layerStart: start,
-            layerEndExclusive: end,
-            isFirst: start === 0,
-            isLast: end === 6
-          })
-          assert.instanceOf(stage, LiveLoadedStage)
-          const session = new NativeSession((stage as LiveLoadedStage).weights, ctx, 1)
-          try {
-            return { info: stage.info, cacheBytes: session.kvBytes }
-          } finally {
-            session.free()
+  it.live(
+    "KvCache tensors, StageInfo, the catalog's layout and placement's memory against a hand computation",
+    () =>
+      Effect.gen(function* () {
+        const o = model("w-layout", { seed: 55 })
+        yield* writeSyntheticModel(o)
+        const file = yield* readGgufFile(o.path)
+        assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.head_count_kv"), [4, 4, 1, 4, 4, 1])
+        assert.strictEqual(yield* getU32(file, "gemma4.attention.key_length"), 32)
+        assert.strictEqual(yield* getU32(file, "gemma4.attention.key_length_swa"), 16)
+        assert.strictEqual(yield* getU32(file, "gemma4.rope.dimension_count_swa"), 16)
+        const layout = yield* readModelLayout(o.path)
+        // F16 K + V per token: 2 bytes x (64 + 64) sliding, 2 x (32 + 32) global
+        assert.deepStrictEqual(layout.kvBytesPerToken, [256, 256, 128, 256, 256, 128])
+        const ctx = 4096
+        const placement = { contextTokens: ctx, computeBytes: computeReserveBytes(layout, ctx) }
+        const hands = new Map<string, number>()
+        for (const [start, end] of [
+          [0, 2],
+          [2, 3],
+          [3, 6],
+          [1, 6],
+          [0, 6]
+        ] as const) {
+          const { info, cacheBytes } = yield* Effect.scoped(
+            Effect.gen(function* () {
+              const stage = yield* (yield* StageExecutor).load({
+                path: o.path,
+                layerStart: start,
+                layerEndExclusive: end,
+                isFirst: start === 0,
+                isLast: end === 6
+              })
+              assert.instanceOf(stage, LiveLoadedStage)
+              const session = new NativeSession((stage as LiveLoadedStage).weights, ctx, 1)
+              try {
+                return { info: stage.info, cacheBytes: session.kvBytes }
+              } finally {
+                session.free()
+              }
+            })
+          )
+          let perToken = 0
+          let swaPerToken = 0
+          let hand = 0
+          for (let il = start; il < end; il++) {
+            const bytes = 2 * 2 * rowOf(il)
+            perToken += bytes
+            if (SLIDING[il]) swaPerToken += bytes
+            hand += bytes * (SLIDING[il] ? swaCacheSize(ctx, 16) : kvCacheSize(ctx))
           }
-        }))
-        let perToken = 0
-        let swaPerToken = 0
-        let hand = 0
-        for (let il = start; il < end; il++) {
-          const bytes = 2 * 2 * rowOf(il)
-          perToken += bytes
-          if (SLIDING[il]) swaPerToken += bytes
-          hand += bytes * (SLIDING[il] ? swaCacheSize(ctx, 16) : kvCacheSize(ctx))
+          assert.strictEqual(info.kvBytesPerToken, perToken, `StageInfo.kvBytesPerToken of [${start}, ${end})`)
+          assert.deepStrictEqual(
+            info.kvWindow,
+            swaPerToken === 0 ? undefined : { window: 16, bytesPerToken: swaPerToken }
+          )
+          assert.strictEqual(cacheBytes, hand, `allocated cache of [${start}, ${end})`)
+          assert.strictEqual(kvBytesOfStage(info, ctx), hand, `what the agent budgets for [${start}, ${end})`)
+          const { slidingWindow: _, ...uncapped } = layout
+          const capped = stageMemoryBytes(layout, start, end, placement)
+          assert.strictEqual(
+            stageMemoryBytes(uncapped, start, end, placement) - capped,
+            swaPerToken * (kvCacheSize(ctx) - swaCacheSize(ctx, 16))
+          )
+          hands.set(`${start}-${end}`, hand)
         }
-        assert.strictEqual(info.kvBytesPerToken, perToken, `StageInfo.kvBytesPerToken of [${start}, ${end})`)
-        assert.deepStrictEqual(info.kvWindow, swaPerToken === 0 ? undefined : { window: 16, bytesPerToken: swaPerToken })
-        assert.strictEqual(cacheBytes, hand, `allocated cache of [${start}, ${end})`)
-        assert.strictEqual(kvBytesOfStage(info, ctx), hand, `what the agent budgets for [${start}, ${end})`)
-        const { slidingWindow: _, ...uncapped } = layout
-        const capped = stageMemoryBytes(layout, start, end, placement)
-        assert.strictEqual(stageMemoryBytes(uncapped, start, end, placement) - capped, swaPerToken * (kvCacheSize(ctx) - swaCacheSize(ctx, 16)))
-        hands.set(`${start}-${end}`, hand)
-      }
-      // the server's admission: each planned stage's blocks at their own widths, the heaviest stage
-      const kv = yield* readKvBytesPerBlockToken(o.path)
-      assert.deepStrictEqual(kv.perBlock, [256, 256, 128, 256, 256, 128])
-      for (const ranges of [[[0, 2], [2, 3], [3, 6]], [[0, 6]]] as const) {
-        const shape = { layersPerStage: 3, kvBytesPerBlockToken: kv.bytes, kvBytesPerBlock: kv.perBlock, slidingWindow: kv.slidingWindow, ranges }
-        const most = Math.max(...ranges.map(([a, b]) => hands.get(`${a}-${b}`) ?? 0))
-        assert.strictEqual(kvBytesPerSequence(shape, ctx), most, `admission over ${JSON.stringify(ranges)}`)
-      }
-    }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))), 120_000)
+        // the server's admission: each planned stage's blocks at their own widths, the heaviest stage
+        const kv = yield* readKvBytesPerBlockToken(o.path)
+        assert.deepStrictEqual(kv.perBlock, [256, 256, 128, 256, 256, 128])
+        for (const ranges of [
+          [
+            [0, 2],
+            [2, 3],
+            [3, 6]
+          ],
+          [[0, 6]]
+        ] as const) {
+          const shape = {
+            layersPerStage: 3,
+            kvBytesPerBlockToken: kv.bytes,
+            kvBytesPerBlock: kv.perBlock,
+            slidingWindow: kv.slidingWindow,
+            ranges
+          }
+          const most = Math.max(...ranges.map(([a, b]) => hands.get(`${a}-${b}`) ?? 0))
+          assert.strictEqual(kvBytesPerSequence(shape, ctx), most, `admission over ${JSON.stringify(ranges)}`)
+        }
+      }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))),
+    120_000
+  )
 })
 
 describe("swactor synth --arch gemma4 --swa-head-dim --global-kv-heads", () => {
@@ -159,24 +213,58 @@ describe("swactor synth --arch gemma4 --swa-head-dim --global-kv-heads", () => {
     name: "swactor",
     version: "test"
   })
-  it.live("writes the 31B's per-block layout; node-llama-cpp loads it and our 3 stages give its tokens", () =>
-    Effect.gen(function*() {
-      const out = join(dir, "cli-gemma4w.gguf")
-      const exit = yield* cli([
-        "node", "swactor", "synth", "--arch", "gemma4", "--layers", "4", "--hidden", "128", "--ffn", "256",
-        "--heads", "8", "--kv-heads", "4", "--head-dim", "32", "--swa-head-dim", "16", "--global-kv-heads", "1",
-        "--vocab", "400", "--context-length", "512", "--sliding-window", "16", "--swa-pattern", "2", "--k-eq-v",
-        "--type", "q8_0", "-o", out
-      ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
-      assert.isTrue(Exit.isSuccess(exit))
-      const file = yield* readGgufFile(out)
-      assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.head_count_kv"), [4, 1, 4, 1])
-      assert.deepStrictEqual(file.tensorsByName.get("blk.0.attn_k.weight")?.dims, [128, 64])
-      assert.deepStrictEqual(file.tensorsByName.get("blk.1.attn_k.weight")?.dims, [128, 32])
-      assert.deepStrictEqual(file.tensorsByName.get("blk.1.attn_q.weight")?.dims, [128, 256])
-      assert.deepStrictEqual(file.tensorsByName.get("rope_freqs.weight")?.dims, [16])
-      const ref = yield* nodeLlamaReference(out, PROMPT, 40, options)
-      assert.isAtLeast(ref.tokens.length, 24)
-      yield* splitsMatchReference(out, ref, [[0, 1, 2, 4]], options)
-    }), 120_000)
+  it.live(
+    "writes the 31B's per-block layout; node-llama-cpp loads it and our 3 stages give its tokens",
+    () =>
+      Effect.gen(function* () {
+        const out = join(dir, "cli-gemma4w.gguf")
+        const exit = yield* cli([
+          "node",
+          "swactor",
+          "synth",
+          "--arch",
+          "gemma4",
+          "--layers",
+          "4",
+          "--hidden",
+          "128",
+          "--ffn",
+          "256",
+          "--heads",
+          "8",
+          "--kv-heads",
+          "4",
+          "--head-dim",
+          "32",
+          "--swa-head-dim",
+          "16",
+          "--global-kv-heads",
+          "1",
+          "--vocab",
+          "400",
+          "--context-length",
+          "512",
+          "--sliding-window",
+          "16",
+          "--swa-pattern",
+          "2",
+          "--k-eq-v",
+          "--type",
+          "q8_0",
+          "-o",
+          out
+        ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
+        assert.isTrue(Exit.isSuccess(exit))
+        const file = yield* readGgufFile(out)
+        assert.deepStrictEqual(yield* getArray(file, "gemma4.attention.head_count_kv"), [4, 1, 4, 1])
+        assert.deepStrictEqual(file.tensorsByName.get("blk.0.attn_k.weight")?.dims, [128, 64])
+        assert.deepStrictEqual(file.tensorsByName.get("blk.1.attn_k.weight")?.dims, [128, 32])
+        assert.deepStrictEqual(file.tensorsByName.get("blk.1.attn_q.weight")?.dims, [128, 256])
+        assert.deepStrictEqual(file.tensorsByName.get("rope_freqs.weight")?.dims, [16])
+        const ref = yield* nodeLlamaReference(out, PROMPT, 40, options)
+        assert.isAtLeast(ref.tokens.length, 24)
+        yield* splitsMatchReference(out, ref, [[0, 1, 2, 4]], options)
+      }),
+    120_000
+  )
 })

@@ -29,11 +29,13 @@ const dir = mkdtempSync(join(tmpdir(), "swactor-moe-repack-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
 
 const ggml = getGgml()
-const extraNames: ReadonlySet<string> = new Set(ggml.cpuExtraBufferTypes().map((b) => ggml.raw.ggml_backend_buft_name(b)))
+const extraNames: ReadonlySet<string> = new Set(
+  ggml.cpuExtraBufferTypes().map((b) => ggml.raw.ggml_backend_buft_name(b))
+)
 const EXPERTS = /^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$/
 
 const writeModel = (type: SyntheticType) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     // every expert matrix 256-wide (whole K-quant blocks) and a multiple of 8 rows (the 8x8 repacked layout)
     const path = join(dir, `qwen3moe-${type}.gguf`)
     const summary = yield* writeSyntheticModel({
@@ -62,28 +64,33 @@ describe("qwen3moe: the stacked experts in the repacked CPU buffer, and out of i
       `qwen3moe ${type}, 8 experts, 2 used: repack on puts every ffn_*_exps in CPU_REPACK, off puts none in an extra ` +
         `type; both give node-llama-cpp's ${N_TOKENS} greedy tokens at splits [0,2] and [0,1,2]`,
       () =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const path = yield* writeModel(type)
           assert.isTrue(extraNames.has("CPU_REPACK"), `this CPU has no CPU_REPACK buffer type (${[...extraNames]})`)
           const ref = yield* nodeLlamaReference(path, "Once upon a time", N_TOKENS, options)
           assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
           for (const repack of [true, false]) {
-            for (const split of [[0, LAYERS], [0, 1, LAYERS]]) {
+            for (const split of [
+              [0, LAYERS],
+              [0, 1, LAYERS]
+            ]) {
               const at = `${type}, repack ${repack ? "on" : "off"}, split ${JSON.stringify(split)}`
-              const tokens = yield* Effect.scoped(Effect.gen(function*() {
-                const stages = (yield* loadSplit(path, split)).map((s) => {
-                  assert.instanceOf(s, LiveLoadedStage)
-                  return s as LiveLoadedStage
+              const tokens = yield* Effect.scoped(
+                Effect.gen(function* () {
+                  const stages = (yield* loadSplit(path, split)).map((s) => {
+                    assert.instanceOf(s, LiveLoadedStage)
+                    return s as LiveLoadedStage
+                  })
+                  const experts = stages.flatMap((s) => s.placements).filter((p) => EXPERTS.test(p.name))
+                  assert.strictEqual(experts.length, 3 * LAYERS, `${at}: expert tensors placed`)
+                  for (const p of experts) {
+                    if (repack) assert.strictEqual(p.bufferType, "CPU_REPACK", `${at}: ${p.name}`)
+                    else assert.isFalse(extraNames.has(p.bufferType), `${at}: ${p.name} in ${p.bufferType}`)
+                  }
+                  const run = yield* runAlone(stages, { prompt: ref.prompt, start: 0, steps: N_TOKENS }, CONTEXT)
+                  return run.tokens
                 })
-                const experts = stages.flatMap((s) => s.placements).filter((p) => EXPERTS.test(p.name))
-                assert.strictEqual(experts.length, 3 * LAYERS, `${at}: expert tensors placed`)
-                for (const p of experts) {
-                  if (repack) assert.strictEqual(p.bufferType, "CPU_REPACK", `${at}: ${p.name}`)
-                  else assert.isFalse(extraNames.has(p.bufferType), `${at}: ${p.name} in ${p.bufferType}`)
-                }
-                const run = yield* runAlone(stages, { prompt: ref.prompt, start: 0, steps: N_TOKENS }, CONTEXT)
-                return run.tokens
-              })).pipe(Effect.provide(layerWith({ repack })))
+              ).pipe(Effect.provide(layerWith({ repack })))
               assert.deepStrictEqual(tokens, ref.tokens, `${at}: greedy tokens equal node-llama-cpp's`)
             }
             console.log(`moeRepack ${type}, repack ${repack ? "on" : "off"}: ${N_TOKENS} tokens equal node-llama-cpp's`)
@@ -107,10 +114,22 @@ const schedule = (vocab: number): ReadonlyArray<SeqPlan> => {
 }
 
 describe("qwen3moe with the experts repacked: sequences batched together equal the same sequences alone", () => {
-  it.live("qwen3moe q4_k, repack on, few-row route off: 4 sequences, 1 and 2 stages: tokens equal lone runs", () =>
-    Effect.gen(function*() {
-      const path = yield* writeModel("q4_k")
-      const maxDiff = yield* batchedEqualsAlone(path, [[0, LAYERS], [0, 1, LAYERS]], schedule(400), CONTEXT)
-      console.log(`moeRepack q4_k batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
-    }).pipe(Effect.provide(layerWith({ repack: true, smallBatchRows: 0 }))), 180_000)
+  it.live(
+    "qwen3moe q4_k, repack on, few-row route off: 4 sequences, 1 and 2 stages: tokens equal lone runs",
+    () =>
+      Effect.gen(function* () {
+        const path = yield* writeModel("q4_k")
+        const maxDiff = yield* batchedEqualsAlone(
+          path,
+          [
+            [0, LAYERS],
+            [0, 1, LAYERS]
+          ],
+          schedule(400),
+          CONTEXT
+        )
+        console.log(`moeRepack q4_k batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
+      }).pipe(Effect.provide(layerWith({ repack: true, smallBatchRows: 0 }))),
+    180_000
+  )
 })

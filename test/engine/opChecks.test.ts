@@ -38,8 +38,8 @@ describe("graph ops: ggml's preconditions are checked before the call", () => {
         ne.length === 1
           ? raw.ggml_new_tensor_1d(ctx, GgmlType.F32, ne[0]!)
           : ne.length === 2
-          ? raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne[0]!, ne[1]!)
-          : raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne[0]!, ne[1]!, ne[2]!)
+            ? raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne[0]!, ne[1]!)
+            : raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne[0]!, ne[1]!, ne[2]!)
       const w = f32(64, 32)
       // mul_mat: inner dimensions
       refuses("ggml_mul_mat", () => op.ggml_mul_mat(ctx, w, f32(63, 4)))
@@ -50,7 +50,9 @@ describe("graph ops: ggml's preconditions are checked before the call", () => {
       assert.isNotNull(op.ggml_add(ctx, f32(64, 4), f32(64)))
       // reshape: element count, contiguity
       refuses("ggml_reshape_2d", () => op.ggml_reshape_2d(ctx, f32(64, 4), 64, 5))
-      refuses("ggml_reshape_3d", () => op.ggml_reshape_3d(ctx, raw.ggml_permute(ctx, f32(8, 4, 2), 1, 0, 2, 3), 4, 8, 2))
+      refuses("ggml_reshape_3d", () =>
+        op.ggml_reshape_3d(ctx, raw.ggml_permute(ctx, f32(8, 4, 2), 1, 0, 2, 3), 4, 8, 2)
+      )
       assert.isNotNull(op.ggml_reshape_3d(ctx, f32(64, 4), 8, 8, 4))
       // views past their source's end (ggml aborts in ggml_new_tensor_impl)
       refuses("ggml_view_1d", () => op.ggml_view_1d(ctx, f32(64), 16, 49 * 4))
@@ -63,7 +65,9 @@ describe("graph ops: ggml's preconditions are checked before the call", () => {
       assert.isNotNull(op.ggml_get_rows(ctx, w, raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 3)))
       // set_rows: as many ids as rows
       const cache = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, 64, 256)
-      refuses("ggml_set_rows", () => op.ggml_set_rows(ctx, cache, f32(64, 3), raw.ggml_new_tensor_1d(ctx, GgmlType.I64, 2)))
+      refuses("ggml_set_rows", () =>
+        op.ggml_set_rows(ctx, cache, f32(64, 3), raw.ggml_new_tensor_1d(ctx, GgmlType.I64, 2))
+      )
       assert.isNotNull(op.ggml_set_rows(ctx, cache, f32(64, 3), ids64))
       // rope: one I32 position per token
       const pos = raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 5)
@@ -75,8 +79,12 @@ describe("graph ops: ggml's preconditions are checked before the call", () => {
       const k = raw.ggml_new_tensor_3d(ctx, GgmlType.F16, 16, 256, 2)
       const v = raw.ggml_new_tensor_3d(ctx, GgmlType.F16, 16, 256, 2)
       refuses("ggml_flash_attn_ext", () => op.ggml_flash_attn_ext(ctx, q, k, v, f32(256, 5), 0.25, 0, 0))
-      refuses("ggml_flash_attn_ext", () => op.ggml_flash_attn_ext(ctx, q, k, v, raw.ggml_new_tensor_2d(ctx, GgmlType.F16, 256, 4), 0.25, 0, 0))
-      assert.isNotNull(op.ggml_flash_attn_ext(ctx, q, k, v, raw.ggml_new_tensor_2d(ctx, GgmlType.F16, 256, 5), 0.25, 0, 0))
+      refuses("ggml_flash_attn_ext", () =>
+        op.ggml_flash_attn_ext(ctx, q, k, v, raw.ggml_new_tensor_2d(ctx, GgmlType.F16, 256, 4), 0.25, 0, 0)
+      )
+      assert.isNotNull(
+        op.ggml_flash_attn_ext(ctx, q, k, v, raw.ggml_new_tensor_2d(ctx, GgmlType.F16, 256, 5), 0.25, 0, 0)
+      )
       // swiglu: one shape
       refuses("ggml_swiglu_split", () => op.ggml_swiglu_split(ctx, f32(64, 4), f32(64, 3)))
       assert.isNotNull(op.ggml_swiglu_split(ctx, f32(64, 4), f32(64, 4)))

@@ -57,11 +57,14 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }))
 
 const ggml: Ggml = getGgml()
 /** Names of the CPU device's extra buffer types on this machine (CPU_REPACK, AMX, ...); may be none. */
-const extraNames: ReadonlySet<string> = new Set(ggml.cpuExtraBufferTypes().map((b) => ggml.raw.ggml_backend_buft_name(b)))
+const extraNames: ReadonlySet<string> = new Set(
+  ggml.cpuExtraBufferTypes().map((b) => ggml.raw.ggml_backend_buft_name(b))
+)
 const MAPPED = "CPU_Mapped"
-const extraNote = extraNames.size === 0
-  ? "this CPU has NO extra buffer type, so repack on places every weight as repack off does"
-  : `extra buffer types here: ${[...extraNames].join(", ")}`
+const extraNote =
+  extraNames.size === 0
+    ? "this CPU has NO extra buffer type, so repack on places every weight as repack off does"
+    : `extra buffer types here: ${[...extraNames].join(", ")}`
 console.log(`engine.paths: ${extraNote}`)
 
 interface PathModel {
@@ -79,20 +82,30 @@ interface PathModel {
 const synthetic = (type: SyntheticType): PathModel => {
   let written: Promise<string> | undefined
   const write = () =>
-    Effect.runPromise(Effect.gen(function*() {
-      const path = join(dir, `llama-${type}.gguf`)
-      const summary = yield* writeSyntheticModel(smallSynthetic(path, "llama", type, CONTEXT))
-      // the requested type is really used: no matrix fell back to F16
-      assert.deepStrictEqual(summary.fallbacks, [])
-      const typeName = ggmlTypeName(syntheticTensorType(type, [256, 256]))
-      assert.strictEqual(summary.tensorTypes[typeName], 4 * 7 + 2, `${typeName}: ${JSON.stringify(summary.tensorTypes)}`)
-      return path
-    }))
+    Effect.runPromise(
+      Effect.gen(function* () {
+        const path = join(dir, `llama-${type}.gguf`)
+        const summary = yield* writeSyntheticModel(smallSynthetic(path, "llama", type, CONTEXT))
+        // the requested type is really used: no matrix fell back to F16
+        assert.deepStrictEqual(summary.fallbacks, [])
+        const typeName = ggmlTypeName(syntheticTensorType(type, [256, 256]))
+        assert.strictEqual(
+          summary.tensorTypes[typeName],
+          4 * 7 + 2,
+          `${typeName}: ${JSON.stringify(summary.tensorTypes)}`
+        )
+        return path
+      })
+    )
   return {
     name: `synthetic llama ${type}`,
     path: () => Effect.promise(() => (written ??= write())),
     vocab: 400,
-    splits: [[0, 4], [0, 2, 4], [0, 1, 3, 4]],
+    splits: [
+      [0, 4],
+      [0, 2, 4],
+      [0, 1, 3, 4]
+    ],
     f32: false,
     repackable: type === "q4_k"
   }
@@ -103,7 +116,11 @@ const models: ReadonlyArray<PathModel> = [
     name: "stories260K",
     path: () => Effect.sync(() => requireModel("stories260K.gguf")),
     vocab: 512,
-    splits: [[0, 5], [0, 2, 5], [0, 1, 3, 5]],
+    splits: [
+      [0, 5],
+      [0, 2, 5],
+      [0, 1, 3, 5]
+    ],
     f32: true,
     repackable: false
   },
@@ -159,7 +176,8 @@ const watchProducts = Effect.acquireRelease(
       const x = ggml.tensorShape(b)
       if (x.ne[1] === 1 && x.ne[2]! > 1) {
         const buffer = koffi.decode(a, TensorLayout.buffer, "void *") as Ptr | null
-        const home = buffer === null ? "(no buffer)" : raw.ggml_backend_buft_name(raw.ggml_backend_buffer_get_type(buffer))
+        const home =
+          buffer === null ? "(no buffer)" : raw.ggml_backend_buft_name(raw.ggml_backend_buffer_get_type(buffer))
         if (!log.fewRow.has(home)) log.fewRow.set(home, new Set())
         log.fewRow.get(home)!.add(x.ne[2]!)
       } else if (x.ne[1]! > 1) {
@@ -199,11 +217,18 @@ const extraWeightsSupported = (stages: ReadonlyArray<LoadedStage>) => {
       assert.match(p.name, PRODUCT_WEIGHT, `only product weights go into an extra type (${p.name} in ${p.bufferType})`)
       const w = s.weights.get(p.name)
       const { ne } = ggml.tensorShape(w)
-      const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * (2 * ROWS_BUILT.length + 1), mem_buffer: null, no_alloc: true })
+      const ctx = raw.ggml_init({
+        mem_size: raw.ggml_tensor_overhead() * (2 * ROWS_BUILT.length + 1),
+        mem_buffer: null,
+        no_alloc: true
+      })
       try {
         for (const rows of ROWS_BUILT) {
           const y = raw.ggml_mul_mat(ctx, w, raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne[0]!, rows))
-          assert.isTrue(raw.ggml_backend_dev_supports_op(ggml.cpuDevice(), y), `${p.name} (${p.bufferType}), ${rows} rows`)
+          assert.isTrue(
+            raw.ggml_backend_dev_supports_op(ggml.cpuDevice(), y),
+            `${p.name} (${p.bufferType}), ${rows} rows`
+          )
         }
       } finally {
         raw.ggml_free(ctx)
@@ -233,104 +258,141 @@ const exactByDesign = (call: BatchCall, rows: number, allPlain: boolean) =>
   call.items === 1 || (allPlain && call.decodeOnly && call.rows >= 2 && call.rows <= rows)
 
 const runCase = (c: PathCase) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const path = yield* c.model.path()
     const report: Array<string> = []
     for (const split of c.model.splits) {
-      yield* Effect.scoped(Effect.gen(function*() {
-        const stages = yield* loadSplit(path, split)
-        const at = `split ${JSON.stringify(split)}`
+      yield* Effect.scoped(
+        Effect.gen(function* () {
+          const stages = yield* loadSplit(path, split)
+          const at = `split ${JSON.stringify(split)}`
 
-        // the placements are the forced ones
-        const placements = placementsOf(stages)
-        const inExtra = placements.filter((p) => extraNames.has(p.bufferType))
-        const mapped = placements.filter((p) => p.bufferType === MAPPED)
-        if (!c.repack) {
-          const some = inExtra.slice(0, 3).map((p) => `${p.name} (${p.bufferType})`).join(", ")
-          assert.strictEqual(inExtra.length, 0, `${at}: repack off, yet ${inExtra.length} weights in an extra type: ${some}...`)
-        }
-        if (c.repack && c.model.repackable && extraNames.has("CPU_REPACK")) {
-          assert.isAbove(inExtra.length, 0, `${at}: repack on over ${c.model.name}: some weight is in an extra buffer type`)
-        }
-        if (c.mmap) assert.isAbove(mapped.length, 0, `${at}: mmap on: some weight is used in place (${MAPPED})`)
-        else assert.strictEqual(mapped.length, 0, `${at}: mmap off: no weight is ${MAPPED}`)
-        assert.strictEqual(extraWeightsSupported(stages), inExtra.length)
-        const allPlain = inExtra.length === 0
-        const plainProducts = placements.some((p) => PRODUCT_WEIGHT.test(p.name) && !extraNames.has(p.bufferType))
-
-        const key = `${c.model.name}|${c.repack}|${split}`
-        const ramp = rampSchedule(c.model.vocab)
-        const prefill = prefillSchedule(c.model.vocab)
-        let alone = loneRuns.get(key)
-        if (alone === undefined) {
-          alone = {
-            ramp: yield* Effect.forEach(ramp, (p) => Effect.scoped(runAlone(stages, p, CONTEXT))),
-            prefill: yield* Effect.forEach(prefill, (p) => Effect.scoped(runAlone(stages, p, CONTEXT)))
+          // the placements are the forced ones
+          const placements = placementsOf(stages)
+          const inExtra = placements.filter((p) => extraNames.has(p.bufferType))
+          const mapped = placements.filter((p) => p.bufferType === MAPPED)
+          if (!c.repack) {
+            const some = inExtra
+              .slice(0, 3)
+              .map((p) => `${p.name} (${p.bufferType})`)
+              .join(", ")
+            assert.strictEqual(
+              inExtra.length,
+              0,
+              `${at}: repack off, yet ${inExtra.length} weights in an extra type: ${some}...`
+            )
           }
-          loneRuns.set(key, alone)
-        }
+          if (c.repack && c.model.repackable && extraNames.has("CPU_REPACK")) {
+            assert.isAbove(
+              inExtra.length,
+              0,
+              `${at}: repack on over ${c.model.name}: some weight is in an extra buffer type`
+            )
+          }
+          if (c.mmap) assert.isAbove(mapped.length, 0, `${at}: mmap on: some weight is used in place (${MAPPED})`)
+          else assert.strictEqual(mapped.length, 0, `${at}: mmap off: no weight is ${MAPPED}`)
+          assert.strictEqual(extraWeightsSupported(stages), inExtra.length)
+          const allPlain = inExtra.length === 0
+          const plainProducts = placements.some((p) => PRODUCT_WEIGHT.test(p.name) && !extraNames.has(p.bufferType))
 
-        // the batched runs, watching which products their graphs build
-        const { byRamp, byPrefill, log } = yield* Effect.scoped(Effect.gen(function*() {
-          const log = yield* watchProducts
-          const byRamp = yield* runBatched(stages, ramp, CONTEXT)
-          const byPrefill = yield* runBatched(stages, prefill, CONTEXT)
-          return { byRamp, byPrefill, log }
-        }))
-        assert.strictEqual(byRamp.maxLive, 8, `${at}: 8 sequences decoded together`)
-        assert.deepStrictEqual([...byRamp.decodeRows].sort((a, b) => a - b), [2, 3, 4, 5, 6, 7, 8], `${at}: decode batches of 2..8 rows`)
-        assert.isTrue(byPrefill.mixed, `${at}: some batch mixed prefill and decode`)
-        assert.isAtLeast(new Set(alone.ramp.flatMap((a) => a.tokens)).size, 8, `${at}: the streams are not trivial`)
+          const key = `${c.model.name}|${c.repack}|${split}`
+          const ramp = rampSchedule(c.model.vocab)
+          const prefill = prefillSchedule(c.model.vocab)
+          let alone = loneRuns.get(key)
+          if (alone === undefined) {
+            alone = {
+              ramp: yield* Effect.forEach(ramp, (p) => Effect.scoped(runAlone(stages, p, CONTEXT))),
+              prefill: yield* Effect.forEach(prefill, (p) => Effect.scoped(runAlone(stages, p, CONTEXT)))
+            }
+            loneRuns.set(key, alone)
+          }
 
-        // tokens: always the lone ones; logits: the lone bits where the path is exact by design
-        let exactChecked = 0
-        let otherBits = 0
-        let maxDiff = 0
-        const compare = (name: string, lone: ReadonlyArray<SeqResult>, batched: ReadonlyArray<BatchedSeqResult>) =>
-          lone.forEach((a, i) => {
-            const b = batched[i]!
-            assert.deepStrictEqual(b.tokens, a.tokens, `${at}: ${name} sequence ${i}: batched tokens = lone tokens`)
-            a.logits.forEach((l, j) => {
-              const exact = b.calls.slice(0, b.logitsCall[j]! + 1).every((call) => exactByDesign(call, c.rows, allPlain))
-              const same = sameBits(l, b.logits[j]!)
-              if (!same) otherBits++
-              maxDiff = Math.max(maxDiff, maxAbsDiff(l, b.logits[j]!))
-              if (exact) {
-                exactChecked++
-                assert.isTrue(same, `${at}: ${name} sequence ${i} token ${j}: the lone logits' bits (exact by design)`)
-              }
+          // the batched runs, watching which products their graphs build
+          const { byRamp, byPrefill, log } = yield* Effect.scoped(
+            Effect.gen(function* () {
+              const log = yield* watchProducts
+              const byRamp = yield* runBatched(stages, ramp, CONTEXT)
+              const byPrefill = yield* runBatched(stages, prefill, CONTEXT)
+              return { byRamp, byPrefill, log }
             })
-          })
-        compare("ramp", alone.ramp, byRamp.results)
-        compare("prefill", alone.prefill, byPrefill.results)
-        // on the route over plain weights the whole ramp is exact by design (and no prefill-schedule logit is: each
-        // of its sequences was in a batch with a prefill): every one of the ramp's logits was compared bit for bit
-        if (c.rows > 0 && allPlain) assert.strictEqual(exactChecked, 8 * STEPS, `${at}: every ramp logit is bit-exact by design`)
+          )
+          assert.strictEqual(byRamp.maxLive, 8, `${at}: 8 sequences decoded together`)
+          assert.deepStrictEqual(
+            [...byRamp.decodeRows].sort((a, b) => a - b),
+            [2, 3, 4, 5, 6, 7, 8],
+            `${at}: decode batches of 2..8 rows`
+          )
+          assert.isTrue(byPrefill.mixed, `${at}: some batch mixed prefill and decode`)
+          assert.isAtLeast(new Set(alone.ramp.flatMap((a) => a.tokens)).size, 8, `${at}: the streams are not trivial`)
 
-        // the route really taken (or not)
-        const fewRowHomes = [...log.fewRow.keys()]
-        assert.isFalse(fewRowHomes.some((h) => extraNames.has(h)), `${at}: no few-row product over an extra-type weight (rule 2): ${fewRowHomes}`)
-        if (c.rows === 0) {
-          assert.strictEqual(log.fewRow.size, 0, `${at}: route off: no few-row product (${fewRowHomes})`)
-          // F32: tinyBLAS takes the batched rows and gives other bits than the one-row products of the lone runs
-          if (c.model.f32) assert.isAbove(otherBits, 0, `${at}: route off over F32: some batched logits differ from lone`)
-        } else if (plainProducts) {
-          const rowsSeen = new Set([...log.fewRow.values()].flatMap((s) => [...s]))
-          for (let r = 2; r <= c.rows; r++) assert.isTrue(rowsSeen.has(r), `${at}: a few-row product of ${r} rows (${[...rowsSeen]})`)
-          assert.isTrue([...rowsSeen].every((r) => r <= c.rows), `${at}: none past ${c.rows} rows (${[...rowsSeen]})`)
-        } else {
-          assert.strictEqual(log.fewRow.size, 0, `${at}: every product weight is in an extra type: no few-row product`)
-        }
-        assert.isAbove(log.plainMultiRow, 0, `${at}: prefills of several rows as [K, rows] products`)
+          // tokens: always the lone ones; logits: the lone bits where the path is exact by design
+          let exactChecked = 0
+          let otherBits = 0
+          let maxDiff = 0
+          const compare = (name: string, lone: ReadonlyArray<SeqResult>, batched: ReadonlyArray<BatchedSeqResult>) =>
+            lone.forEach((a, i) => {
+              const b = batched[i]!
+              assert.deepStrictEqual(b.tokens, a.tokens, `${at}: ${name} sequence ${i}: batched tokens = lone tokens`)
+              a.logits.forEach((l, j) => {
+                const exact = b.calls
+                  .slice(0, b.logitsCall[j]! + 1)
+                  .every((call) => exactByDesign(call, c.rows, allPlain))
+                const same = sameBits(l, b.logits[j]!)
+                if (!same) otherBits++
+                maxDiff = Math.max(maxDiff, maxAbsDiff(l, b.logits[j]!))
+                if (exact) {
+                  exactChecked++
+                  assert.isTrue(
+                    same,
+                    `${at}: ${name} sequence ${i} token ${j}: the lone logits' bits (exact by design)`
+                  )
+                }
+              })
+            })
+          compare("ramp", alone.ramp, byRamp.results)
+          compare("prefill", alone.prefill, byPrefill.results)
+          // on the route over plain weights the whole ramp is exact by design (and no prefill-schedule logit is: each
+          // of its sequences was in a batch with a prefill): every one of the ramp's logits was compared bit for bit
+          if (c.rows > 0 && allPlain)
+            assert.strictEqual(exactChecked, 8 * STEPS, `${at}: every ramp logit is bit-exact by design`)
 
-        const counts = new Map<string, number>()
-        for (const p of placements) counts.set(p.bufferType, (counts.get(p.bufferType) ?? 0) + 1)
-        report.push(
-          `${at}: placements ${JSON.stringify(Object.fromEntries(counts))}, few-row products over ` +
-            `${JSON.stringify(Object.fromEntries([...log.fewRow].map(([k, v]) => [k, [...v].sort((a, b) => a - b)])))}, ` +
-            `${exactChecked} logits bit-exact by design, ${otherBits} with other bits, max |diff| ${maxDiff.toExponential(2)}`
-        )
-      }))
+          // the route really taken (or not)
+          const fewRowHomes = [...log.fewRow.keys()]
+          assert.isFalse(
+            fewRowHomes.some((h) => extraNames.has(h)),
+            `${at}: no few-row product over an extra-type weight (rule 2): ${fewRowHomes}`
+          )
+          if (c.rows === 0) {
+            assert.strictEqual(log.fewRow.size, 0, `${at}: route off: no few-row product (${fewRowHomes})`)
+            // F32: tinyBLAS takes the batched rows and gives other bits than the one-row products of the lone runs
+            if (c.model.f32)
+              assert.isAbove(otherBits, 0, `${at}: route off over F32: some batched logits differ from lone`)
+          } else if (plainProducts) {
+            const rowsSeen = new Set([...log.fewRow.values()].flatMap((s) => [...s]))
+            for (let r = 2; r <= c.rows; r++)
+              assert.isTrue(rowsSeen.has(r), `${at}: a few-row product of ${r} rows (${[...rowsSeen]})`)
+            assert.isTrue(
+              [...rowsSeen].every((r) => r <= c.rows),
+              `${at}: none past ${c.rows} rows (${[...rowsSeen]})`
+            )
+          } else {
+            assert.strictEqual(
+              log.fewRow.size,
+              0,
+              `${at}: every product weight is in an extra type: no few-row product`
+            )
+          }
+          assert.isAbove(log.plainMultiRow, 0, `${at}: prefills of several rows as [K, rows] products`)
+
+          const counts = new Map<string, number>()
+          for (const p of placements) counts.set(p.bufferType, (counts.get(p.bufferType) ?? 0) + 1)
+          report.push(
+            `${at}: placements ${JSON.stringify(Object.fromEntries(counts))}, few-row products over ` +
+              `${JSON.stringify(Object.fromEntries([...log.fewRow].map(([k, v]) => [k, [...v].sort((a, b) => a - b)])))}, ` +
+              `${exactChecked} logits bit-exact by design, ${otherBits} with other bits, max |diff| ${maxDiff.toExponential(2)}`
+          )
+        })
+      )
     }
     console.log(`${caseName(c)}:\n  ${report.join("\n  ")}`)
   }).pipe(Effect.provide(layerWith({ repack: c.repack, mmap: c.mmap, smallBatchRows: c.rows })))
@@ -368,7 +430,10 @@ describe("WeightPlacement rule 3: checkGraph before a graph computes", () => {
         raw.ggml_build_forward_expand(gr, y)
         return gr
       }
-      check(graphOf(raw.ggml_mul_mat(ctx, w, x)), graphOf(raw.ggml_mul_mat(ctx, w, raw.ggml_reshape_3d(ctx, x, k, 1, rows))))
+      check(
+        graphOf(raw.ggml_mul_mat(ctx, w, x)),
+        graphOf(raw.ggml_mul_mat(ctx, w, raw.ggml_reshape_3d(ctx, x, k, 1, rows)))
+      )
     } finally {
       raw.ggml_free(ctx)
     }
@@ -386,7 +451,7 @@ describe("WeightPlacement rule 3: checkGraph before a graph computes", () => {
 
   const q4k = models.find((m) => m.name === "synthetic llama q4_k")!
   const loadQ4k = (repack: boolean) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = yield* q4k.path()
       const [stage] = yield* loadSplit(path, [0, 4])
       return stage as LiveLoadedStage
@@ -397,7 +462,7 @@ describe("WeightPlacement rule 3: checkGraph before a graph computes", () => {
       ? "a [K, 1, rows] product over a repacked weight (Q4_K, repack on) is refused with a clear Error; [K, rows] over it and [K, 1, rows] over a plain weight pass"
       : `NO CPU_REPACK on this CPU (${extraNote}): the rule is checked with a plain weight standing in as repacked (by address)`,
     () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const repacked = yield* loadQ4k(true)
         const name = "blk.0.ffn_up.weight"
         const w = repacked.weights.get(name)
@@ -407,14 +472,19 @@ describe("WeightPlacement rule 3: checkGraph before a graph computes", () => {
           assert.isTrue(extraNames.has(home), `${name} is in an extra type (${home})`)
           assert.isTrue(extraSet.has(koffi.address(w)))
         } else {
-          console.log(`engine.paths rule 3: ${extraNote}; ${name} is ${home}, declared repacked by address for the check`)
+          console.log(
+            `engine.paths rule 3: ${extraNote}; ${name} is ${home}, declared repacked by address for the check`
+          )
           extraSet = new Set([koffi.address(w)])
         }
         const dev = ggml.cpuDevice()
         twoShapes(w, 4, (flat, fewRow) => {
           checkGraph(ggml, dev, flat, extraSet)
           const e = refused(() => checkGraph(ggml, dev, fewRow, extraSet))
-          assert.match(e.message, /graph node \d+ \(MUL_MAT\): a product over a repacked weight with an input of shape \[256,1,4,1\]/)
+          assert.match(
+            e.message,
+            /graph node \d+ \(MUL_MAT\): a product over a repacked weight with an input of shape \[256,1,4,1\]/
+          )
           assert.match(e.message, /F32 \[K, rows\] inputs only/)
         })
         // the same few-row product over a weight in the plain buffer is what the route is for: accepted

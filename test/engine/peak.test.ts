@@ -41,19 +41,21 @@ interface PeakReport {
 const model = async (type: SyntheticType) => {
   const path = join(dir, `peak-${type}.gguf`)
   // ~115 MB at Q8_0: large enough that Node's own allocations are noise beside it
-  await Effect.runPromise(writeSyntheticModel({
-    path,
-    arch: "llama",
-    layers: 4,
-    hidden: 1024,
-    ffn: 4096,
-    heads: 8,
-    kvHeads: 4,
-    vocab: 16384,
-    contextLength: 512,
-    type,
-    seed: 3
-  }))
+  await Effect.runPromise(
+    writeSyntheticModel({
+      path,
+      arch: "llama",
+      layers: 4,
+      hidden: 1024,
+      ffn: 4096,
+      heads: 8,
+      kvHeads: 4,
+      vocab: 16384,
+      contextLength: 512,
+      type,
+      seed: 3
+    })
+  )
   return path
 }
 

@@ -10,9 +10,15 @@ import { requireModel } from "../support/models.js"
 
 describe("scratch sessions are left out of the open-session tally", () => {
   it.scoped("a run's session counts (and its bytes) until closed; a scratch session never does", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const executor = yield* StageExecutor
-      const stage = yield* executor.load({ path: requireModel("stories260K.gguf"), layerStart: 0, layerEndExclusive: 5, isFirst: true, isLast: true })
+      const stage = yield* executor.load({
+        path: requireModel("stories260K.gguf"),
+        layerStart: 0,
+        layerEndExclusive: 5,
+        isFirst: true,
+        isLast: true
+      })
       const before = heldSessionBytes()
       const runScope = yield* Scope.make()
       yield* Scope.extend(executor.session(stage, { contextLength: 64, threads: 1 }), runScope)
@@ -20,7 +26,10 @@ describe("scratch sessions are left out of the open-session tally", () => {
       assert.strictEqual(withRun.sessions, before.sessions + 1)
       assert.isAbove(withRun.cacheBytes, before.cacheBytes)
       const scratchScope = yield* Scope.make()
-      const scratch = yield* Scope.extend(executor.session(stage, { contextLength: 64, threads: 1, scratch: true }), scratchScope)
+      const scratch = yield* Scope.extend(
+        executor.session(stage, { contextLength: 64, threads: 1, scratch: true }),
+        scratchScope
+      )
       assert.deepStrictEqual(heldSessionBytes(), withRun)
       // it computes like any session
       const out = yield* scratch.forward(0, { _tag: "Tokens", tokens: Int32Array.of(1, 2) })
@@ -29,5 +38,6 @@ describe("scratch sessions are left out of the open-session tally", () => {
       assert.deepStrictEqual(heldSessionBytes(), withRun)
       yield* Scope.close(runScope, Exit.void)
       assert.deepStrictEqual(heldSessionBytes(), before)
-    }).pipe(Effect.provide(StageExecutorLive.layer)))
+    }).pipe(Effect.provide(StageExecutorLive.layer))
+  )
 })

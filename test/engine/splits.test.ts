@@ -22,20 +22,25 @@ describe("stories260K: splits are bit-identical to one stage", () => {
     Effect.suspend(() =>
       single !== undefined
         ? Effect.succeed(single)
-        : greedyRun(path, [0, 5], PROMPT, N_TOKENS, options).pipe(Effect.tap((r) => {
-          single = r
-        }))
+        : greedyRun(path, [0, 5], PROMPT, N_TOKENS, options).pipe(
+            Effect.tap((r) => {
+              single = r
+            })
+          )
     )
 
   for (const split of allSplits(5, 4).filter((s) => s.length > 2)) {
     // f32 hidden states between stages: a split run computes exactly what the one-stage run computes.
-    it.live(`split ${JSON.stringify(split)}: logits at all ${N_TOKENS} positions equal the 1-stage run bit for bit`, () =>
-      Effect.gen(function*() {
-        const base = yield* one()
-        const run = yield* greedyRun(path, split, PROMPT, N_TOKENS, options)
-        assert.deepStrictEqual(run.tokens, base.tokens)
-        assert.strictEqual(run.logits.length, N_TOKENS)
-        run.logits.forEach((l, i) => assert.isTrue(sameBits(l, base.logits[i]!), `position ${i} differs`))
-      }))
+    it.live(
+      `split ${JSON.stringify(split)}: logits at all ${N_TOKENS} positions equal the 1-stage run bit for bit`,
+      () =>
+        Effect.gen(function* () {
+          const base = yield* one()
+          const run = yield* greedyRun(path, split, PROMPT, N_TOKENS, options)
+          assert.deepStrictEqual(run.tokens, base.tokens)
+          assert.strictEqual(run.logits.length, N_TOKENS)
+          run.logits.forEach((l, i) => assert.isTrue(sameBits(l, base.logits[i]!), `position ${i} differs`))
+        })
+    )
   }
 })

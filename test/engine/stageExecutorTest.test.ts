@@ -12,7 +12,7 @@ const path = "test-model.gguf"
 const pipeline = (boundaries: ReadonlyArray<number>) => openInProcessPipeline(path, boundaries)
 
 const generate = (boundaries: ReadonlyArray<number>, prompt: ReadonlyArray<number>, max: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const { run } = yield* pipeline(boundaries)
     const out: Array<number> = []
     let logits = yield* run(0, prompt)
@@ -29,17 +29,23 @@ const generate = (boundaries: ReadonlyArray<number>, prompt: ReadonlyArray<numbe
 describe("StageExecutorTest (deterministic double)", () => {
   // The double's stream is the documented formula, the same for every split.
   it.scoped("every split yields testModelGreedy's tokens", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const prompt = [1, 5, 9]
       const expected = testModelGreedy(model, prompt, 24)
       assert.isAtLeast(new Set(expected).size, 5)
-      for (const split of [[0, 6], [0, 3, 6], [0, 1, 2, 6], [0, 1, 2, 3, 4, 5, 6]]) {
+      for (const split of [
+        [0, 6],
+        [0, 3, 6],
+        [0, 1, 2, 6],
+        [0, 1, 2, 3, 4, 5, 6]
+      ]) {
         assert.deepStrictEqual(yield* generate(split, prompt, 24), expected)
       }
-    }).pipe(Effect.provide(StageExecutorTest.layer)))
+    }).pipe(Effect.provide(StageExecutorTest.layer))
+  )
 
   it.scoped("reset forgets the cache; a gap, a wrong input kind and an overflow are typed errors", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { run, sessions } = yield* pipeline([0, 2, 6])
       const a = yield* run(0, [1, 7])
       yield* Effect.forEach(sessions, (s) => s.reset)
@@ -52,19 +58,24 @@ describe("StageExecutorTest (deterministic double)", () => {
         sessions[0]!.forward(2, { _tag: "Tokens", tokens: new Int32Array(model.contextLength) })
       )
       assert.isTrue(Exit.isFailure(over) && JSON.stringify(over).includes("ContextOverflow"))
-    }).pipe(Effect.provide(StageExecutorTest.layer)))
+    }).pipe(Effect.provide(StageExecutorTest.layer))
+  )
 
   // The double's forwardBatch checks like the live one (whole batch, then each item with its index) and otherwise
   // gives each item what a lone forward gives.
   it.scoped("forwardBatch: lone outputs per item; empty, duplicate, two stages and a bad item are typed errors", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const executor = yield* StageExecutor
-      const load = (end: number) => executor.load({ path, layerStart: 0, layerEndExclusive: end, isFirst: true, isLast: end === 6 })
+      const load = (end: number) =>
+        executor.load({ path, layerStart: 0, layerEndExclusive: end, isFirst: true, isLast: end === 6 })
       const whole = yield* load(6)
       const [a, b, twinA, twinB] = yield* Effect.forEach([0, 1, 2, 3], () => executor.session(whole))
       const other = yield* executor.session(yield* load(3))
       const tokens = (...t: Array<number>) => ({ _tag: "Tokens", tokens: Int32Array.from(t) }) as const
-      const outs = yield* executor.forwardBatch([{ session: a!, startPos: 0, input: tokens(1, 5) }, { session: b!, startPos: 0, input: tokens(9) }])
+      const outs = yield* executor.forwardBatch([
+        { session: a!, startPos: 0, input: tokens(1, 5) },
+        { session: b!, startPos: 0, input: tokens(9) }
+      ])
       assert.deepStrictEqual(outs, [yield* twinA!.forward(0, tokens(1, 5)), yield* twinB!.forward(0, tokens(9))])
       const tagOf = (exit: Exit.Exit<unknown, { readonly _tag: string }>) =>
         Exit.isFailure(exit) && exit.cause._tag === "Fail" ? exit.cause.error._tag : "no failure"
@@ -75,7 +86,9 @@ describe("StageExecutorTest (deterministic double)", () => {
         tagOf(yield* Effect.exit(executor.forwardBatch([item, { session: other, startPos: 0, input: tokens(3) }]))),
         "InvalidBatch"
       )
-      const bad = yield* Effect.exit(executor.forwardBatch([item, { session: b!, startPos: 1, input: tokens(model.vocabSize) }]))
+      const bad = yield* Effect.exit(
+        executor.forwardBatch([item, { session: b!, startPos: 1, input: tokens(model.vocabSize) }])
+      )
       assert.isTrue(Exit.isFailure(bad) && JSON.stringify(bad).includes('"index":1'))
       // nothing ran: a still holds 2 positions (3 would be a gap) and continues at 2 as its twin does
       assert.strictEqual(
@@ -83,5 +96,6 @@ describe("StageExecutorTest (deterministic double)", () => {
         "BatchItemRejected"
       )
       assert.deepStrictEqual(yield* executor.forwardBatch([item]), [yield* twinA!.forward(2, tokens(3))])
-    }).pipe(Effect.provide(StageExecutorTest.layer)))
+    }).pipe(Effect.provide(StageExecutorTest.layer))
+  )
 })

@@ -25,7 +25,11 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }))
 const sameBits = (a: Float32Array, b: Float32Array) =>
   a.length === b.length && new Uint32Array(a.buffer).every((x, i) => x === new Uint32Array(b.buffer)[i])
 
-const shape = (arch: SyntheticArch, type: SyntheticType, extra: Partial<SyntheticModelOptions> = {}): SyntheticModelOptions => ({
+const shape = (
+  arch: SyntheticArch,
+  type: SyntheticType,
+  extra: Partial<SyntheticModelOptions> = {}
+): SyntheticModelOptions => ({
   path: join(dir, `${arch}-${type}${extra.tiedOutput === true ? "-tied" : ""}.gguf`),
   arch,
   layers: LAYERS,
@@ -42,7 +46,7 @@ const shape = (arch: SyntheticArch, type: SyntheticType, extra: Partial<Syntheti
 
 /** Runs node-llama-cpp and every split of our engine on one model file. */
 const checkModel = (label: string, path: string, exact: boolean) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const ref = yield* Effect.promise(() => referenceRun(path, "Once upon a time", N_TOKENS, options))
     // the stream is not trivial (e.g. one token repeated)
     assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
@@ -69,30 +73,33 @@ describe("synthetic models: every split of every architecture and type matches n
     for (const type of types) {
       const exact = type === "f32" || type === "f16"
       // Same tokens for all 8 splits of 4 blocks; splits bit-identical to one stage; f32/f16 log-probs within 1e-4.
-      const name = `${arch} ${type}: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's` +
+      const name =
+        `${arch} ${type}: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's` +
         (exact ? ", log-probs within 1e-4" : "")
       it.live(name, () =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const o = shape(arch, type)
           yield* writeSyntheticModel(o)
           yield* checkModel(`${arch} ${type}`, o.path, exact)
-        }))
+        })
+      )
     }
   }
 
   // Other types the engine multiplies: bf16, and q4_0 / q6_k (q4_0 is repacked on AVX2 CPUs, q6_k is not).
   for (const type of ["bf16", "q4_0", "q6_k"] as const) {
     it.live(`llama ${type}: greedy ${N_TOKENS} tokens of every split equal node-llama-cpp's`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const o = shape("llama", type)
         yield* writeSyntheticModel(o)
         yield* checkModel(`llama ${type}`, o.path, false)
-      }))
+      })
+    )
   }
 
   // llama 3 features: rope frequency factors (rope_freqs.weight) and an output head tied to token_embd.
   it.live("llama f16 with rope freq factors and tied output matches node-llama-cpp", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const o = shape("llama", "f16", { tiedOutput: true })
       const spec = syntheticModelSpec(o)
       const nFreq = 256 / 4 / 2
@@ -105,12 +112,13 @@ describe("synthetic models: every split of every architecture and type matches n
         ]
       })
       yield* checkModel("llama f16 rope_freqs + tied", o.path, true)
-    }))
+    })
+  )
 
   // YaRN RoPE scaling on a llama (rope.scaling.type yarn, factor 4, original context 16): ggml_rope_ext's ext_factor 1
   // and attn_factor as llama.cpp's context derives them (HParams.ts, PositionScaling.ts).
   it.live("llama f32 with YaRN rope scaling matches node-llama-cpp", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const o = shape("llama", "f32", { path: join(dir, "llama-f32-yarn.gguf") })
       const spec = syntheticModelSpec(o)
       yield* writeGgufFile(o.path, {
@@ -123,5 +131,6 @@ describe("synthetic models: every split of every architecture and type matches n
         tensors: spec.tensors
       })
       yield* checkModel("llama f32 yarn", o.path, true)
-    }))
+    })
+  )
 })

@@ -59,7 +59,7 @@ const shape = (type: SyntheticType): SyntheticModelOptions => ({
 describe("every weight type of the CPU backend: synthetic llama of each type gives node-llama-cpp's tokens", () => {
   for (const type of syntheticTypes) {
     it.live(`${type}: greedy ${N_TOKENS} tokens at 1 and 2 stages equal node-llama-cpp's`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const o = shape(type)
         const summary = yield* writeSyntheticModel(o)
         assert.deepStrictEqual(summary.fallbacks, [])
@@ -74,11 +74,23 @@ describe("every weight type of the CPU backend: synthetic llama of each type giv
         const ref = yield* nodeLlamaReference(o.path, "Once upon a time", N_TOKENS, options)
         // the stream is not trivial (one token repeated)
         assert.isAtLeast(new Set(ref.tokens).size, 3, `reference stream ${ref.tokens}`)
-        const maxDiff = yield* splitsMatchReference(o.path, ref, [[0, LAYERS], [0, 2, LAYERS]], options, { bitIdentical: false })
-        console.log(`${type}: ${JSON.stringify(summary.tensorTypes)}; first-position log-prob max diff ${maxDiff.toExponential(1)}`)
+        const maxDiff = yield* splitsMatchReference(
+          o.path,
+          ref,
+          [
+            [0, LAYERS],
+            [0, 2, LAYERS]
+          ],
+          options,
+          { bitIdentical: false }
+        )
+        console.log(
+          `${type}: ${JSON.stringify(summary.tensorTypes)}; first-position log-prob max diff ${maxDiff.toExponential(1)}`
+        )
         // same kernels as llama.cpp's (repacked where it repacks): the log-probs agree to rounding, whatever the type
         assert.isBelow(maxDiff, 1e-4)
-      }))
+      })
+    )
   }
 })
 
@@ -88,12 +100,13 @@ describe("every weight type on the few-row route: a decode batch gets the bits o
   // decoding together must give each sequence exactly its lone step's logits, whatever the weight type.
   for (const type of syntheticTypes) {
     it.live(`${type}: 2 and 5 sequences batched equal their lone decode steps bit for bit`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const o = shape(type)
         if (!existsSync(o.path)) yield* writeSyntheticModel(o)
         const [whole] = yield* Batch.loadSplit(o.path, [0, LAYERS])
         yield* decodeBatchGetsLoneBits(whole!, [2, 5], 390, 9)
-      }).pipe(Effect.scoped, Effect.provide(layerWith({ repack: false, smallBatchRows: 8 }))))
+      }).pipe(Effect.scoped, Effect.provide(layerWith({ repack: false, smallBatchRows: 8 })))
+    )
   }
 })
 
@@ -108,30 +121,35 @@ describe("mixed recipes: the per-tensor types llama.cpp's own quantizer picks", 
     ["q3_k_m", 16, true]
   ] as const
   for (const [type, layers, tiedOutput] of cases) {
-    it.live(`${type}, ${layers} blocks${tiedOutput ? ", tied output" : ""}: every tensor's type equals llama_model_quantize's`, () =>
-      Effect.gen(function*() {
-        const o = { ...shape(type), layers, ffn: 256, tiedOutput, path: join(dir, `mix-${type}-${layers}.gguf`) }
-        const f32 = { ...o, type: "f32" as const, path: join(dir, `mix-${type}-${layers}-f32.gguf`) }
-        const refPath = join(dir, `mix-${type}-${layers}-llama.gguf`)
-        yield* writeSyntheticModel(o)
-        yield* writeSyntheticModel(f32)
-        llamaQuantize(f32.path, refPath, syntheticFileType(type))
-        const ours = yield* readGgufFile(o.path)
-        const ref = yield* readGgufFile(refPath)
-        assert.deepStrictEqual(ours.tensors.map((t) => t.name).sort(), ref.tensors.map((t) => t.name).sort())
-        const differ = ours.tensors.flatMap((t) => {
-          const theirs = ref.tensorsByName.get(t.name)!.type
-          return theirs === t.type ? [] : [`${t.name}: ours ${ggmlTypeName(t.type)}, llama.cpp ${ggmlTypeName(theirs)}`]
+    it.live(
+      `${type}, ${layers} blocks${tiedOutput ? ", tied output" : ""}: every tensor's type equals llama_model_quantize's`,
+      () =>
+        Effect.gen(function* () {
+          const o = { ...shape(type), layers, ffn: 256, tiedOutput, path: join(dir, `mix-${type}-${layers}.gguf`) }
+          const f32 = { ...o, type: "f32" as const, path: join(dir, `mix-${type}-${layers}-f32.gguf`) }
+          const refPath = join(dir, `mix-${type}-${layers}-llama.gguf`)
+          yield* writeSyntheticModel(o)
+          yield* writeSyntheticModel(f32)
+          llamaQuantize(f32.path, refPath, syntheticFileType(type))
+          const ours = yield* readGgufFile(o.path)
+          const ref = yield* readGgufFile(refPath)
+          assert.deepStrictEqual(ours.tensors.map((t) => t.name).sort(), ref.tensors.map((t) => t.name).sort())
+          const differ = ours.tensors.flatMap((t) => {
+            const theirs = ref.tensorsByName.get(t.name)!.type
+            return theirs === t.type
+              ? []
+              : [`${t.name}: ours ${ggmlTypeName(t.type)}, llama.cpp ${ggmlTypeName(theirs)}`]
+          })
+          assert.deepStrictEqual(differ, [])
+          assert.strictEqual(yield* getU32(ours, "general.file_type"), yield* getU32(ref, "general.file_type"))
         })
-        assert.deepStrictEqual(differ, [])
-        assert.strictEqual(yield* getU32(ours, "general.file_type"), yield* getU32(ref, "general.file_type"))
-      }))
+    )
   }
 })
 
 /** A small llama (hidden 256: every block size fits) whose `blk.1.ffn_up.weight` has ggml type `type`. */
 const badFile = (label: string, type: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const o = { ...shape("f32"), layers: 2, ffn: 256, vocab: 300, path: join(dir, `bad-${label}.gguf`) }
     const spec = syntheticModelSpec(o)
     const tensors = spec.tensors.map((t): GgufTensorSpec =>
@@ -154,11 +172,19 @@ const badFile = (label: string, type: number) =>
   })
 
 const loadStage = (path: string, layerStart: number, layerEndExclusive: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
-    return yield* Effect.exit(Effect.scoped(
-      executor.load({ path, layerStart, layerEndExclusive, isFirst: layerStart === 0, isLast: layerEndExclusive === 2 })
-    ))
+    return yield* Effect.exit(
+      Effect.scoped(
+        executor.load({
+          path,
+          layerStart,
+          layerEndExclusive,
+          isFirst: layerStart === 0,
+          isLast: layerEndExclusive === 2
+        })
+      )
+    )
   }).pipe(Effect.provide(StageExecutorLive.layer))
 
 const failure = (exit: Exit.Exit<unknown, ModelLoadError>) => {
@@ -171,25 +197,27 @@ describe("a matrix of a type the CPU backend cannot compute is a typed error nam
   // types of the pinned ggml without a CPU dot product: the layout check refuses them before any native call
   for (const type of [GgmlType.Q8_K, GgmlType.Q8_1, GgmlType.I32, GgmlType.F64]) {
     it.live(`${ggmlTypeName(type)}: UnsupportedTensorType naming blk.1.ffn_up.weight; a stage without it loads`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const path = yield* badFile(ggmlTypeName(type), type)
         const r = failure(yield* loadStage(path, 0, 2))
         assert.strictEqual(r.reason, "UnsupportedTensorType")
         assert.include(r.message, `"blk.1.ffn_up.weight"`)
         assert.include(r.message, ggmlTypeName(type))
         assert.isTrue(Exit.isSuccess(yield* loadStage(path, 0, 1)), "block 0 alone holds no bad tensor")
-      }))
+      })
+    )
   }
 
   // ids that are no type of the pinned ggml (removed 4, 31, 36; past GGML_TYPE_COUNT): refused when the file is read
   for (const type of [4, 31, 36, GGML_TYPE_COUNT, 1000]) {
     it.live(`unknown type id ${type}: UnsupportedTensorType naming blk.1.ffn_up.weight`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const path = yield* badFile(`id${type}`, type)
         const r = failure(yield* loadStage(path, 1, 2))
         assert.strictEqual(r.reason, "UnsupportedTensorType")
         assert.include(r.message, `"blk.1.ffn_up.weight"`)
         assert.include(r.message, `type ${type}`)
-      }))
+      })
+    )
   }
 })

@@ -19,7 +19,10 @@ import { expire, initialState, resolveConfig, type RunState, type Step, transiti
 
 const runId = RunId.make(7)
 const node = (n: number) => n as NodeId
-const plan = testLinearPlan(runId, [0, 1, 2].map((stageIndex) => ({ stageIndex, nodeId: node(10 + stageIndex) })))
+const plan = testLinearPlan(
+  runId,
+  [0, 1, 2].map((stageIndex) => ({ stageIndex, nodeId: node(10 + stageIndex) }))
+)
 const config: RunConfig = { runId, maxTokens: 4, prompt: [101, 102, 103] }
 
 const pool = RunEvents.PoolReady({ nodes: stageNodes(plan) })
@@ -65,7 +68,11 @@ describe("run FSM refusals by name (G22)", () => {
   it("UnknownStage: readiness, a fault or a stop for a stage index outside the plan", () => {
     assertRejected([pool, planned], RunEvents.StageReady({ runId, stageIndex: 3 }), "UnknownStage")
     assertRejected([pool, planned], crash(7), "UnknownStage")
-    assertRejected([pool, planned, RunEvents.OperatorStop({ runId })], RunEvents.StageStopped({ runId, stageIndex: 3 }), "UnknownStage")
+    assertRejected(
+      [pool, planned, RunEvents.OperatorStop({ runId })],
+      RunEvents.StageStopped({ runId, stageIndex: 3 }),
+      "UnknownStage"
+    )
     // Without a plan no stage index is known.
     assertRejected([pool], RunEvents.StageReady({ runId, stageIndex: 0 }), "UnknownStage")
   })
@@ -91,7 +98,11 @@ describe("run FSM refusals by name (G22)", () => {
     assertRejected([...provisioned, stage1], stage1, "Duplicate")
     assertRejected([...provisioned, RunEvents.TokenInEndpointReady()], RunEvents.TokenInEndpointReady(), "Duplicate")
     assertRejected([...provisioned, RunEvents.TokenOutEndpointReady()], RunEvents.TokenOutEndpointReady(), "Duplicate")
-    const stopped = [...provisioned, RunEvents.OperatorStop({ runId }), RunEvents.StageStopped({ runId, stageIndex: 0 })]
+    const stopped = [
+      ...provisioned,
+      RunEvents.OperatorStop({ runId }),
+      RunEvents.StageStopped({ runId, stageIndex: 0 })
+    ]
     assertRejected(stopped, RunEvents.StageStopped({ runId, stageIndex: 0 }), "Duplicate")
     const endpointsStopped = [...provisioned, RunEvents.OperatorStop({ runId }), RunEvents.TokenEndpointsStopped()]
     assertRejected(endpointsStopped, RunEvents.TokenEndpointsStopped(), "Duplicate")
@@ -119,8 +130,11 @@ describe("run FSM faults (G15, G16)", () => {
     assert.deepStrictEqual(terminals(run.events), [
       { _tag: "RunFaulted", runId, reason: RunFaultReasons.StageFault({ stageIndex: 1, reason: first.reason }) }
     ])
-    const rejected = run.events.flatMap((e) => e._tag === "EventRejected" ? [[e.event, e.reason]] : [])
-    assert.deepStrictEqual(rejected, later.map((event) => [event, "AlreadyTerminal"]))
+    const rejected = run.events.flatMap((e) => (e._tag === "EventRejected" ? [[e.event, e.reason]] : []))
+    assert.deepStrictEqual(
+      rejected,
+      later.map((event) => [event, "AlreadyTerminal"])
+    )
     assert.deepStrictEqual(run.state.outcome, {
       _tag: "Faulted",
       reason: RunFaultReasons.StageFault({ stageIndex: 1, reason: first.reason })
@@ -133,12 +147,10 @@ describe("run FSM faults (G15, G16)", () => {
       { _tag: "RunFaulted", runId, reason: RunFaultReasons.EndpointFault({ endpoint: "TokenOut" }) }
     ])
     const teardown = run.steps.at(-1)!.commands
-    assert.deepStrictEqual(teardown.map((c) => c._tag === "StopRun" ? `StopRun ${c.stageIndex}@${c.nodeId}` : c._tag), [
-      "StopRun 0@10",
-      "StopRun 1@11",
-      "StopRun 2@12",
-      "TearDownTokenEndpoints"
-    ])
+    assert.deepStrictEqual(
+      teardown.map((c) => (c._tag === "StopRun" ? `StopRun ${c.stageIndex}@${c.nodeId}` : c._tag)),
+      ["StopRun 0@10", "StopRun 1@11", "StopRun 2@12", "TearDownTokenEndpoints"]
+    )
     // Also before the run started, as soon as the endpoints exist.
     const early = fold([pool, planned, RunEvents.EndpointFault({ runId, endpoint: "TokenIn" })])
     assert.deepStrictEqual(early.state.outcome, {
@@ -187,19 +199,24 @@ describe("run FSM deadline faults are stamped at the deadline (G19–G21)", () =
     ])
     // Both deadlines already passed when the event arrives: the fault and RunTornDown, in one step, before it.
     const veryLate = transition(provisioned.state, RunEvents.TokenInEndpointReady(), 41_000)
-    assert.deepStrictEqual(veryLate.events.map((e) => e._tag), ["RunFaulted", "RunTornDown", "EventRejected"])
+    assert.deepStrictEqual(
+      veryLate.events.map((e) => e._tag),
+      ["RunFaulted", "RunTornDown", "EventRejected"]
+    )
   })
 
   it("a token fault applied late starts the teardown deadline from the token deadline", () => {
     const started = fold([pool, planned, ...ready], 0, { ...short, tokenTimeout: "5 seconds" })
     const late = expire(started.state, 6_000)
-    assert.deepStrictEqual(late.events, [{ _tag: "RunFaulted", runId, reason: RunFaultReasons.TokenTimeout({ step: 0 }) }])
+    assert.deepStrictEqual(late.events, [
+      { _tag: "RunFaulted", runId, reason: RunFaultReasons.TokenTimeout({ step: 0 }) }
+    ])
     assert.deepStrictEqual(late.state.deadline, { _tag: "Teardown", at: 15_000 })
   })
 
   // The same through the actor: it sleeps until each deadline, so RunTornDown comes exactly 10 s after the fault.
   it.scoped("through the actor, RunTornDown comes one teardown timeout after the readiness deadline", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* OrchestratorHarness.make({ ...config, ...short })
       yield* harness.observe(pool)
       yield* harness.observe(planned)
@@ -210,5 +227,6 @@ describe("run FSM deadline faults are stamped at the deadline (G19–G21)", () =
       yield* harness.advanceTimeMs(1)
       assert.strictEqual((yield* harness.events).at(-1)?._tag, "RunTornDown")
       assert.strictEqual(yield* TestClock.currentTimeMillis, 40_000)
-    }))
+    })
+  )
 })

@@ -17,7 +17,7 @@ const plan: RunPlan = testLinearPlan(
 const config: RunConfig = { runId, maxTokens: 4, prompt: [101, 102, 103] }
 
 const provisioned = (overrides: Partial<RunConfig> = {}) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const harness = yield* OrchestratorHarness.make({ ...config, ...overrides })
     yield* harness.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
     yield* harness.observe(RunEvents.PlanAvailable({ plan }))
@@ -25,7 +25,7 @@ const provisioned = (overrides: Partial<RunConfig> = {}) =>
   })
 
 const started = (overrides: Partial<RunConfig> = {}) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const harness = yield* provisioned(overrides)
     yield* harness.observe(RunEvents.TokenInEndpointReady())
     yield* harness.observe(RunEvents.TokenOutEndpointReady())
@@ -36,13 +36,13 @@ const started = (overrides: Partial<RunConfig> = {}) =>
   })
 
 const faults = (harness: OrchestratorHarness) =>
-  Effect.map(harness.events, (events) => events.flatMap((e) => e._tag === "RunFaulted" ? [e.reason] : []))
+  Effect.map(harness.events, (events) => events.flatMap((e) => (e._tag === "RunFaulted" ? [e.reason] : [])))
 
 describe("run FSM deadlines", () => {
   // G19: stages and endpoints not ready within the readiness deadline (default 120 s) fault the run, naming what is
   // missing.
   it.scoped("readiness deadline faults the run naming the missing stages and endpoints", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* provisioned()
       yield* harness.observe(RunEvents.StageReady({ runId, stageIndex: 0 }))
       yield* harness.observe(RunEvents.TokenInEndpointReady())
@@ -56,12 +56,13 @@ describe("run FSM deadlines", () => {
       ])
       assert.deepStrictEqual(yield* harness.injectedSequences, [])
       // The fault leads into teardown like any other terminal outcome.
-      const stops = (yield* harness.commands).flatMap((c) => c._tag === "StopRun" ? [c.stageIndex] : [])
+      const stops = (yield* harness.commands).flatMap((c) => (c._tag === "StopRun" ? [c.stageIndex] : []))
       assert.deepStrictEqual(stops, [0, 1, 2])
-    }))
+    })
+  )
 
   it.scoped("the readiness deadline is configurable and stops counting once the run starts", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* provisioned({ readinessTimeout: "5 seconds" })
       yield* harness.advanceTimeMs(4_000)
       yield* harness.observe(RunEvents.TokenInEndpointReady())
@@ -78,12 +79,13 @@ describe("run FSM deadlines", () => {
       assert.deepStrictEqual(yield* faults(late), [
         RunFaultReasons.ReadinessTimeout({ missingStages: [0, 1, 2], missingEndpoints: ["TokenIn", "TokenOut"] })
       ])
-    }))
+    })
+  )
 
   // G20: no token for the injected sequence within the token deadline (default 60 s) faults the run; each injection
   // restarts the deadline.
   it.scoped("token deadline faults the run naming the sequence in flight", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* started()
       yield* harness.advanceTimeMs(59_999)
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
@@ -99,12 +101,13 @@ describe("run FSM deadlines", () => {
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
       const rejected = (yield* harness.events).filter((e) => e._tag === "EventRejected")
       assert.strictEqual(rejected.at(-1)?._tag === "EventRejected" && rejected.at(-1)?.reason, "AlreadyTerminal")
-    }))
+    })
+  )
 
   // A resumed generation's prompt replays its produced tokens one decode step each: its own deadline (promptTimeout),
   // while every later sequence keeps the token deadline.
   it.scoped("the prompt's deadline (promptTimeout) is its own; later sequences keep the token deadline", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
       yield* harness.advanceTimeMs(4_999)
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
@@ -115,21 +118,23 @@ describe("run FSM deadlines", () => {
       const late = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
       yield* late.advanceTimeMs(5_000)
       assert.deepStrictEqual(yield* faults(late), [RunFaultReasons.TokenTimeout({ step: 0 })])
-    }))
+    })
+  )
 
   it.scoped("a token that arrives at its deadline loses to the deadline", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* started({ tokenTimeout: "1 second" })
       yield* TestClock.adjust("1 second")
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
       assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ step: 0 })])
       assert.deepStrictEqual(yield* harness.injectedSequences, [0])
-    }))
+    })
+  )
 
   // G21: stops not confirmed within the teardown deadline (default 10 s) end teardown anyway: RunTornDown lists the
   // unconfirmed stages, so a dead node cannot hang teardown forever.
   it.scoped("teardown deadline emits RunTornDown listing the unconfirmed stages", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* started()
       yield* harness.observe(RunEvents.StageFault({ runId, stageIndex: 1, reason: StageFaultReasons.WorkerCrashed() }))
       yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 0 }))
@@ -138,21 +143,24 @@ describe("run FSM deadlines", () => {
 
       yield* harness.advanceTimeMs(1)
       const tornDown = (yield* harness.events).filter((e) => e._tag === "RunTornDown")
-      assert.deepStrictEqual(tornDown, [{
-        _tag: "RunTornDown",
-        runId,
-        unconfirmedStages: [1, 2],
-        endpointsConfirmed: false
-      }])
+      assert.deepStrictEqual(tornDown, [
+        {
+          _tag: "RunTornDown",
+          runId,
+          unconfirmedStages: [1, 2],
+          endpointsConfirmed: false
+        }
+      ])
 
       // A stop confirmed after teardown ended changes nothing: still one RunTornDown.
       yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 1 }))
       yield* harness.advanceTimeMs(60_000)
       assert.strictEqual((yield* harness.events).filter((e) => e._tag === "RunTornDown").length, 1)
-    }))
+    })
+  )
 
   it.scoped("the actor's outcome and tornDown resolve through the Clock", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const actor = yield* RunActor.make({ ...config, readinessTimeout: "30 seconds", teardownTimeout: "2 seconds" })
       const outcome = yield* Effect.fork(actor.outcome)
       const tornDown = yield* Effect.fork(actor.tornDown)
@@ -170,5 +178,6 @@ describe("run FSM deadlines", () => {
       const done = yield* Fiber.join(tornDown)
       assert.deepStrictEqual(done.unconfirmedStages, [0, 1, 2])
       assert.strictEqual((yield* actor.state).phase, "TornDown")
-    }))
+    })
+  )
 })

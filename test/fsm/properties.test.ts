@@ -55,9 +55,9 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
   },
   {
     weight: 2,
-    arbitrary: fc.integer({ min: 0, max: 5 }).map((sequence) =>
-      ev(RunEvents.TokenReceived({ step: sequence, tokenId: 100, eos: false }))
-    )
+    arbitrary: fc
+      .integer({ min: 0, max: 5 })
+      .map((sequence) => ev(RunEvents.TokenReceived({ step: sequence, tokenId: 100, eos: false })))
   },
   {
     weight: 1,
@@ -67,9 +67,9 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
   },
   {
     weight: 1,
-    arbitrary: fc.constantFrom("TokenIn" as const, "TokenOut" as const).map((endpoint) =>
-      ev(RunEvents.EndpointFault({ runId, endpoint }))
-    )
+    arbitrary: fc
+      .constantFrom("TokenIn" as const, "TokenOut" as const)
+      .map((endpoint) => ev(RunEvents.EndpointFault({ runId, endpoint })))
   },
   {
     weight: 1,
@@ -84,17 +84,19 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
   }
 )
 
-const configArb: fc.Arbitrary<RunConfig> = fc.record({
-  maxTokens: fc.integer({ min: 1, max: 6 }),
-  eos: fc.boolean(),
-  short: fc.boolean()
-}).map(({ eos, maxTokens, short }) => ({
-  runId,
-  maxTokens,
-  prompt: [101, 102, 103],
-  ...(eos ? { eosTokenId: 2 } : {}),
-  ...(short ? { readinessTimeout: "5 seconds", tokenTimeout: "1 second", teardownTimeout: "2 seconds" } : {})
-}))
+const configArb: fc.Arbitrary<RunConfig> = fc
+  .record({
+    maxTokens: fc.integer({ min: 1, max: 6 }),
+    eos: fc.boolean(),
+    short: fc.boolean()
+  })
+  .map(({ eos, maxTokens, short }) => ({
+    runId,
+    maxTokens,
+    prompt: [101, 102, 103],
+    ...(eos ? { eosTokenId: 2 } : {}),
+    ...(short ? { readinessTimeout: "5 seconds", tokenTimeout: "1 second", teardownTimeout: "2 seconds" } : {})
+  }))
 
 interface Entry {
   readonly op: Op
@@ -119,9 +121,10 @@ const fold = (config: RunConfig, ops: ReadonlyArray<Op>) => {
       state = step.state
       continue
     }
-    const event = op._tag === "Event"
-      ? op.event
-      : RunEvents.TokenReceived({ step: state.inFlight ?? state.injected.length, tokenId: op.tokenId, eos: op.eos })
+    const event =
+      op._tag === "Event"
+        ? op.event
+        : RunEvents.TokenReceived({ step: state.inFlight ?? state.injected.length, tokenId: op.tokenId, eos: op.eos })
     const before = expire(state, now)
     const step = transition(state, event, now)
     entries.push({ op, event, now, before, step })
@@ -131,8 +134,7 @@ const fold = (config: RunConfig, ops: ReadonlyArray<Op>) => {
 }
 
 type Output =
-  | { readonly kind: "command"; readonly value: RunCommand }
-  | { readonly kind: "event"; readonly value: LifecycleEvent }
+  { readonly kind: "command"; readonly value: RunCommand } | { readonly kind: "event"; readonly value: LifecycleEvent }
 
 const outputsOf = (step: Step): Array<Output> => [
   ...step.commands.map((value) => ({ kind: "command" as const, value })),
@@ -184,16 +186,22 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   // The barrier passes in the very step that completes it: no state waits in Provisioning with everything ready.
   for (const entry of entries) {
     const s = entry.step.state
-    const allReady = s.provisioned.length > 0 && s.provisioned.every((p) => s.readyStages.includes(p.stageIndex)) &&
-      s.tokenInReady && s.tokenOutReady
+    const allReady =
+      s.provisioned.length > 0 &&
+      s.provisioned.every((p) => s.readyStages.includes(p.stageIndex)) &&
+      s.tokenInReady &&
+      s.tokenOutReady
     assert.isFalse(s.phase === "Provisioning" && allReady, "every stage and both endpoints ready, prompt not injected")
   }
 
   // Provisioning: one ProvisionStage per planned stage, only to plan nodes, only after PoolReady and the plan.
-  const provisions = commands.flatMap((c) => c._tag === "ProvisionStage" ? [c.provision] : [])
+  const provisions = commands.flatMap((c) => (c._tag === "ProvisionStage" ? [c.provision] : []))
   assert.include([0, 3], provisions.length)
   if (provisions.length === 3) {
-    assert.deepStrictEqual(provisions.map((p) => [p.stageIndex, p.nodeId]), refs.map((r) => [r.stageIndex, r.nodeId]))
+    assert.deepStrictEqual(
+      provisions.map((p) => [p.stageIndex, p.nodeId]),
+      refs.map((r) => [r.stageIndex, r.nodeId])
+    )
     const at = entries.findIndex((e) => e.step.commands.some((c) => c._tag === "ProvisionStage"))
     const seen = entries.slice(0, at + 1).map((e) => e.event?._tag)
     assert.include(seen, "PoolReady")
@@ -204,8 +212,10 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   for (const entry of entries) {
     if (entry.event === undefined) continue
     const rejected = entry.step.events.filter((e) => e._tag === "EventRejected")
-    const foreign = "runId" in entry.event ? entry.event.runId !== runId : entry.event._tag === "PlanAvailable" &&
-      entry.event.plan.runId !== runId
+    const foreign =
+      "runId" in entry.event
+        ? entry.event.runId !== runId
+        : entry.event._tag === "PlanAvailable" && entry.event.plan.runId !== runId
     if (foreign) assert.strictEqual(rejected[0]?._tag === "EventRejected" && rejected[0].reason, "ForeignRun")
     if (rejected.length === 0) continue
     const before = entry.before
@@ -217,8 +227,11 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   // After the terminal outcome: StopRun for every provisioned stage and TearDownTokenEndpoints iff endpoints exist.
   if (terminalEntry >= 0) {
     const after = entries.slice(terminalEntry).flatMap((e) => e.step.commands)
-    const stops = after.flatMap((c) => c._tag === "StopRun" ? [c.stageIndex] : [])
-    assert.deepStrictEqual(stops, provisions.map((p) => p.stageIndex))
+    const stops = after.flatMap((c) => (c._tag === "StopRun" ? [c.stageIndex] : []))
+    assert.deepStrictEqual(
+      stops,
+      provisions.map((p) => p.stageIndex)
+    )
     assert.strictEqual(after.filter((c) => c._tag === "TearDownTokenEndpoints").length, provisions.length > 0 ? 1 : 0)
     assert.strictEqual(commands.filter((c) => c._tag === "StopRun").length, stops.length)
   } else {
@@ -248,7 +261,10 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
     const done = tornDown[0]!
     assert.isTrue(done._tag === "RunTornDown")
     if (done._tag !== "RunTornDown") return
-    assert.deepStrictEqual(done.unconfirmedStages, provisions.map((p) => p.stageIndex).filter((i) => !confirmed.has(i)))
+    assert.deepStrictEqual(
+      done.unconfirmedStages,
+      provisions.map((p) => p.stageIndex).filter((i) => !confirmed.has(i))
+    )
     assert.strictEqual(done.endpointsConfirmed, provisions.length === 0 || endpointsStopped)
     if (done.unconfirmedStages.length > 0 || !done.endpointsConfirmed) {
       // The terminal outcome happened no earlier than the time reached before its step (a deadline inside an
@@ -277,20 +293,24 @@ const readinessOps: ReadonlyArray<Op> = [
 // Sequences that reach execution often: a valid start, then random ops.
 const opsArb = fc.oneof(
   fc.array(opArb, { maxLength: 40 }),
-  fc.array(opArb, { maxLength: 30 }).map((tail) => [
-    ev(RunEvents.PoolReady({ nodes: stageNodes(plan) })),
-    ev(RunEvents.PlanAvailable({ plan })),
-    ev(RunEvents.TokenInEndpointReady()),
-    ev(RunEvents.TokenOutEndpointReady()),
-    ...refs.map((r) => ev(RunEvents.StageReady({ runId, stageIndex: r.stageIndex }))),
-    ...tail
-  ]),
-  fc.tuple(fc.shuffledSubarray([...readinessOps]), fc.array(opArb, { maxLength: 20 })).map(([readies, tail]) => [
-    ev(RunEvents.PoolReady({ nodes: stageNodes(plan) })),
-    ev(RunEvents.PlanAvailable({ plan })),
-    ...readies,
-    ...tail
-  ])
+  fc
+    .array(opArb, { maxLength: 30 })
+    .map((tail) => [
+      ev(RunEvents.PoolReady({ nodes: stageNodes(plan) })),
+      ev(RunEvents.PlanAvailable({ plan })),
+      ev(RunEvents.TokenInEndpointReady()),
+      ev(RunEvents.TokenOutEndpointReady()),
+      ...refs.map((r) => ev(RunEvents.StageReady({ runId, stageIndex: r.stageIndex }))),
+      ...tail
+    ]),
+  fc
+    .tuple(fc.shuffledSubarray([...readinessOps]), fc.array(opArb, { maxLength: 20 }))
+    .map(([readies, tail]) => [
+      ev(RunEvents.PoolReady({ nodes: stageNodes(plan) })),
+      ev(RunEvents.PlanAvailable({ plan })),
+      ...readies,
+      ...tail
+    ])
 )
 
 /** Readiness states the barrier must handle; the generator is checked to reach each of them. */
@@ -298,7 +318,8 @@ const barrierStates = (entries: ReadonlyArray<Entry>): Array<string> => {
   const seen: Array<string> = []
   for (const entry of entries) {
     const s = entry.step.state
-    const allStagesReady = s.provisioned.length === 3 && s.provisioned.every((p) => s.readyStages.includes(p.stageIndex))
+    const allStagesReady =
+      s.provisioned.length === 3 && s.provisioned.every((p) => s.readyStages.includes(p.stageIndex))
     if (s.phase === "Provisioning" && allStagesReady && s.tokenInReady && !s.tokenOutReady) {
       seen.push("all stages and TokenIn ready, TokenOut not")
     }
@@ -311,10 +332,13 @@ const barrierStates = (entries: ReadonlyArray<Entry>): Array<string> => {
 
 describe("run FSM properties", () => {
   it("for any event sequence: one terminal outcome at most, ordered injections, teardown after every stop", () =>
-    fc.assert(fc.property(configArb, opsArb, (config, ops) => checkInvariants(config, fold(config, ops))), {
-      numRuns: 400,
-      seed: 0x5eed01
-    }))
+    fc.assert(
+      fc.property(configArb, opsArb, (config, ops) => checkInvariants(config, fold(config, ops))),
+      {
+        numRuns: 400,
+        seed: 0x5eed01
+      }
+    ))
 
   it("the sequences reach every terminal kind, both ways of tearing down and the barrier's edge cases", () => {
     // Guards the generator: the invariants above are only as good as the states the sequences reach.
@@ -353,15 +377,21 @@ describe("run FSM properties", () => {
     fc.assert(
       fc.asyncProperty(configArb, opsArb, (config, ops) =>
         Effect.runPromise(
-          Effect.gen(function*() {
+          Effect.gen(function* () {
             const entries = fold(config, ops)
             const harness = yield* OrchestratorHarness.make(config)
             for (const entry of entries) {
               if (entry.op._tag === "Advance") yield* harness.advanceTimeMs(entry.op.ms)
               else yield* harness.observe(entry.event!)
             }
-            assert.deepStrictEqual(yield* harness.commands, entries.flatMap((e) => e.step.commands))
-            assert.deepStrictEqual(yield* harness.events, entries.flatMap((e) => e.step.events))
+            assert.deepStrictEqual(
+              yield* harness.commands,
+              entries.flatMap((e) => e.step.commands)
+            )
+            assert.deepStrictEqual(
+              yield* harness.events,
+              entries.flatMap((e) => e.step.events)
+            )
             assert.deepStrictEqual(yield* harness.state, entries.at(-1)?.step.state ?? (yield* harness.state))
           }).pipe(Effect.scoped, Effect.provide(TestContext.TestContext))
         )

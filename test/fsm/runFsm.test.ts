@@ -46,11 +46,11 @@ const positionOf = (events: ReadonlyArray<LifecycleEvent>, needle: LifecycleEven
 }
 
 const injectedObjects = (commands: ReadonlyArray<RunCommand>) =>
-  commands.flatMap((command) => command._tag === "InjectTokenObject" ? [command.object] : [])
+  commands.flatMap((command) => (command._tag === "InjectTokenObject" ? [command.object] : []))
 
 // Drives a run through PoolReady, the plan, both endpoints and every stage's readiness.
 const startedRun = (plan: RunPlan) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const harness = yield* newRun()
     yield* harness.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
     yield* harness.observe(RunEvents.PlanAvailable({ plan }))
@@ -64,7 +64,7 @@ describe("run_fsm", () => {
   // This proves planning and provisioning are gated by PoolReady, and that the orchestrator provisions exactly the
   // committed stages and local token endpoints from a valid RunPlan.
   it.scoped("planning_and_provisioning_start_only_after_pool_ready", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* newRun()
       yield* harness.observe(RunEvents.PlanAvailable({ plan }))
@@ -91,12 +91,13 @@ describe("run_fsm", () => {
       const commands = yield* harness.commands
       assert.isTrue(commands.some((command) => command._tag === "CreateTokenInEndpoint" && command.runId === runId))
       assert.isTrue(commands.some((command) => command._tag === "CreateTokenOutEndpoint" && command.runId === runId))
-    }))
+    })
+  )
 
   // This proves prompt injection is blocked until every planned stage and both local token endpoints are ready.
   // Duplicate readiness must not count as a missing stage, and foreign readiness must fault or reject.
   it.scoped("readiness_barrier_controls_prompt_injection", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* newRun()
       yield* harness.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
@@ -114,10 +115,13 @@ describe("run_fsm", () => {
 
       // Prompt injection is the public start signal after the full barrier.
       assert.isTrue(
-        (yield* harness.commands).some((command) =>
-          command._tag === "InjectTokenObject" && command.runId === runId && command.object.step === 0 &&
-          command.object.payload._tag === "Prompt" &&
-          JSON.stringify(command.object.payload.tokens) === JSON.stringify([101, 102, 103])
+        (yield* harness.commands).some(
+          (command) =>
+            command._tag === "InjectTokenObject" &&
+            command.runId === runId &&
+            command.object.step === 0 &&
+            command.object.payload._tag === "Prompt" &&
+            JSON.stringify(command.object.payload.tokens) === JSON.stringify([101, 102, 103])
         )
       )
 
@@ -129,12 +133,13 @@ describe("run_fsm", () => {
       assert.isTrue(
         (yield* invalid.events).some((event) => event._tag === "RunFaulted" || event._tag === "EventRejected")
       )
-    }))
+    })
+  )
 
   // This proves execution has one start signal and advances by the token feedback rule: inject sequence 0 first, then
   // inject k + 1 only after consuming k.
   it.scoped("execution_injects_next_sequence_only_after_consuming_previous_token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* startedRun(plan)
 
@@ -161,12 +166,13 @@ describe("run_fsm", () => {
       // EOS stops further injection after the consumed sequence.
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 2, eos: true }))
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
-    }))
+    })
+  )
 
   // This proves every run-level fault source records one terminal fault, and the first failure reason is retained if
   // later failures arrive.
   it.scoped("first_run_fault_reason_is_terminal_and_sticky", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* startedRun(plan)
 
@@ -178,33 +184,35 @@ describe("run_fsm", () => {
       yield* harness.observe(RunEvents.MembershipLost({ runId, nodeId: nodeId(11) }))
 
       // Exactly one terminal fault is recorded.
-      const faults = (yield* harness.events).flatMap((event) => event._tag === "RunFaulted" ? [event.reason] : [])
+      const faults = (yield* harness.events).flatMap((event) => (event._tag === "RunFaulted" ? [event.reason] : []))
       assert.strictEqual(faults.length, 1)
       assert.deepStrictEqual(
         faults[0],
         RunFaultReasons.StageFault({ stageIndex: 1, reason: StageFaultReasons.WorkerCrashed() })
       )
-    }))
+    })
+  )
 
   // This proves losing a planned node's membership faults the run with that node named.
   it.scoped("membership_loss_faults_run", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const membershipLost = yield* newRun()
       yield* membershipLost.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
       yield* membershipLost.observe(RunEvents.PlanAvailable({ plan }))
       yield* membershipLost.observe(RunEvents.MembershipLost({ runId, nodeId: nodeId(12) }))
       assert.isTrue(
-        (yield* membershipLost.events).some((event) =>
-          event._tag === "RunFaulted" && event.reason._tag === "MembershipLost" && event.reason.nodeId === 12
+        (yield* membershipLost.events).some(
+          (event) => event._tag === "RunFaulted" && event.reason._tag === "MembershipLost" && event.reason.nodeId === 12
         )
       )
-    }))
+    })
+  )
 
   // This proves terminal outcomes are mutually exclusive, reject new work, and always lead into teardown for success,
   // fault, and operator stop.
   it.scoped("terminal_outcome_is_single_and_requires_teardown", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       // Complete a run by reaching EOS.
       const plan = committedPlan()
       const harness = yield* startedRun(plan)
@@ -223,7 +231,7 @@ describe("run_fsm", () => {
       // Teardown commands are emitted for every provisioned stage and the local endpoints.
       const commands = yield* harness.commands
       const stoppedStages = new Set(
-        commands.flatMap((command) => command._tag === "StopRun" ? [command.stageIndex] : [])
+        commands.flatMap((command) => (command._tag === "StopRun" ? [command.stageIndex] : []))
       )
       assert.deepStrictEqual(stoppedStages, new Set(plan.stages.map((stage) => stage.stageIndex)))
       assert.isTrue(commands.some((command) => command._tag === "TearDownTokenEndpoints"))
@@ -236,12 +244,13 @@ describe("run_fsm", () => {
       assert.strictEqual(stoppedEvents.filter((event) => event._tag === "RunOperatorStopped").length, 1)
       assert.strictEqual(stoppedEvents.filter((event) => event._tag === "RunFaulted").length, 0)
       assert.isTrue((yield* stopped.commands).some((command) => command._tag === "TearDownTokenEndpoints"))
-    }))
+    })
+  )
 
   // This proves run_torn_down is emitted exactly once and only after teardown observes every planned stage stop and
   // local endpoint stop.
   it.scoped("run_torn_down_is_emitted_once_after_teardown_terminal_state", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       // Fault a provisioned run so teardown is required.
       const plan = committedPlan()
       const harness = yield* newRun()
@@ -276,16 +285,17 @@ describe("run_fsm", () => {
         LifecycleEvents.RunTornDown({ runId, unconfirmedStages: [], endpointsConfirmed: true })
       )
       assert.isBelow(faultPos, tornDownPos)
-    }))
+    })
+  )
 })
 
 // Behaviour beyond the seed's tests (G14, G16, G22, G23 in specs/BEHAVIOR_GUARANTEES.md).
 describe("run FSM beyond the seed", () => {
   const rejections = (events: ReadonlyArray<LifecycleEvent>) =>
-    events.flatMap((event) => event._tag === "EventRejected" ? [event.reason] : [])
+    events.flatMap((event) => (event._tag === "EventRejected" ? [event.reason] : []))
 
   it.scoped("events for another run are rejected without changing state, and recorded", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* startedRun(plan)
       const before = yield* harness.state
@@ -298,38 +308,51 @@ describe("run FSM beyond the seed", () => {
       assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 3 })
       assert.deepStrictEqual(rejections(yield* harness.events), ["ForeignRun", "ForeignRun", "ForeignRun"])
       assert.isUndefined(yield* harness.outcome)
-    }))
+    })
+  )
 
   it.scoped("a token for a sequence not in flight is rejected without changing state", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* startedRun(committedPlan())
       const before = yield* harness.state
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 5, eos: false }))
       assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 1 })
       assert.deepStrictEqual(rejections(yield* harness.events), ["StepNotInFlight"])
       assert.deepStrictEqual(yield* harness.injectedSequences, [0])
-    }))
+    })
+  )
 
   it.scoped("the run completes at maxTokens with every generated token, streamed as TokenAccepted", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* startedRun(committedPlan())
-      for (const [sequence, tokenId] of [[0, 201], [1, 202], [2, 203], [3, 204]] as const) {
+      for (const [sequence, tokenId] of [
+        [0, 201],
+        [1, 202],
+        [2, 203],
+        [3, 204]
+      ] as const) {
         yield* harness.observe(RunEvents.TokenReceived({ step: sequence, tokenId, eos: false }))
       }
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1, 2, 3])
       const events = yield* harness.events
       assert.deepStrictEqual(
-        events.flatMap((e) => e._tag === "TokenAccepted" ? [[e.step, e.tokenId]] : []),
-        [[0, 201], [1, 202], [2, 203], [3, 204]]
+        events.flatMap((e) => (e._tag === "TokenAccepted" ? [[e.step, e.tokenId]] : [])),
+        [
+          [0, 201],
+          [1, 202],
+          [2, 203],
+          [3, 204]
+        ]
       )
       assert.deepStrictEqual(
         events.find((e) => e._tag === "RunCompleted"),
         LifecycleEvents.RunCompleted({ runId, reason: "MaxTokens", tokens: [201, 202, 203, 204] })
       )
-    }))
+    })
+  )
 
   it.scoped("a token equal to the configured EOS id ends the run like eos: true, and is not a generated token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* OrchestratorHarness.make({ runId, maxTokens: 4, prompt: [101], eosTokenId: 2 })
       yield* harness.observe(RunEvents.PoolReady({ nodes: stageNodes(plan) }))
@@ -341,10 +364,11 @@ describe("run FSM beyond the seed", () => {
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 2, eos: false }))
       assert.deepStrictEqual(yield* harness.outcome, { _tag: "Completed", reason: "Eos", tokens: [300] })
       assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
-    }))
+    })
+  )
 
   it.scoped("a pool that does not cover the plan's nodes does not provision", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* newRun()
       yield* harness.observe(RunEvents.PlanAvailable({ plan }))
@@ -353,10 +377,11 @@ describe("run FSM beyond the seed", () => {
       // PoolReady accumulates: the missing node arriving later completes the pool.
       yield* harness.observe(RunEvents.PoolReady({ nodes: [nodeId(12)] }))
       assert.strictEqual((yield* harness.commands).filter((c) => c._tag === "ProvisionStage").length, 3)
-    }))
+    })
+  )
 
   it.scoped("a run stopped before provisioning is torn down at once, with nothing to stop", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* newRun()
       yield* harness.observe(RunEvents.OperatorStop({ runId }))
       assert.deepStrictEqual(yield* harness.events, [
@@ -366,10 +391,11 @@ describe("run FSM beyond the seed", () => {
       assert.deepStrictEqual(yield* harness.commands, [])
       yield* harness.observe(RunEvents.PoolReady({ nodes: [nodeId(10)] }))
       assert.deepStrictEqual(rejections(yield* harness.events), ["TornDown"])
-    }))
+    })
+  )
 
   it.scoped("a stage that stops on its own while the run executes faults the run", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* startedRun(committedPlan())
       yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 2 }))
       assert.deepStrictEqual(yield* harness.outcome, {
@@ -381,10 +407,11 @@ describe("run FSM beyond the seed", () => {
       yield* harness.observe(RunEvents.StageStopped({ runId, stageIndex: 1 }))
       yield* harness.observe(RunEvents.TokenEndpointsStopped())
       assert.strictEqual((yield* harness.state).phase, "TornDown")
-    }))
+    })
+  )
 
   it.scoped("a plan that is not a coherent pipeline is rejected and never provisioned", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = committedPlan()
       const truncated = new RunPlan({ ...plan, stages: plan.stages.slice(0, 2) })
       const edgeless = new RunPlan({ ...plan, edges: plan.edges.filter((edge) => edge.kind !== "TokenOut") })
@@ -398,18 +425,20 @@ describe("run FSM beyond the seed", () => {
         yield* harness.observe(RunEvents.PlanAvailable({ plan }))
         assert.strictEqual((yield* harness.commands).filter((c) => c._tag === "ProvisionStage").length, 3)
       }
-    }))
+    })
+  )
 
   it.effect("a config with maxTokens 0 or an empty prompt is refused", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const zero = yield* Effect.flip(Effect.scoped(RunActor.make({ runId, maxTokens: 0, prompt: [1] })))
       assert.include(zero.message, "maxTokens 0")
       const empty = yield* Effect.flip(Effect.scoped(RunActor.make({ runId, maxTokens: 1, prompt: [] })))
       assert.include(empty.message, "prompt")
-    }))
+    })
+  )
 
   it.scoped("commands and lifecycle events survive a Schema encode/decode round trip", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const harness = yield* startedRun(committedPlan())
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 7, eos: true }))
       const commands = yield* harness.commands
@@ -419,5 +448,6 @@ describe("run FSM beyond the seed", () => {
       for (const command of commands) assert.deepStrictEqual(roundTrip(RunCommand, command), command)
       for (const event of events) assert.deepStrictEqual(roundTrip(LifecycleEvent, event), event)
       assert.isAbove(commands.length, 6)
-    }))
+    })
+  )
 })

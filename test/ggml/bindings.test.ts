@@ -7,7 +7,11 @@ describe("ggml bindings over node-llama-cpp's libraries", () => {
   // node-llama-cpp's platform package names, CUDA first when wanted.
   it("maps platforms to node-llama-cpp's package names", () => {
     assert.deepStrictEqual(platformPackageNames("linux", "x64", false), ["linux-x64"])
-    assert.deepStrictEqual(platformPackageNames("linux", "x64", true), ["linux-x64-cuda", "linux-x64-cuda-ext", "linux-x64"])
+    assert.deepStrictEqual(platformPackageNames("linux", "x64", true), [
+      "linux-x64-cuda",
+      "linux-x64-cuda-ext",
+      "linux-x64"
+    ])
     assert.deepStrictEqual(platformPackageNames("darwin", "arm64", false), ["mac-arm64-metal"])
     assert.deepStrictEqual(platformPackageNames("darwin", "x64", false), ["mac-x64"])
     assert.deepStrictEqual(platformPackageNames("win32", "x64", true), ["win-x64-cuda", "win-x64-cuda-ext", "win-x64"])
@@ -18,7 +22,10 @@ describe("ggml bindings over node-llama-cpp's libraries", () => {
     const found = locateGgmlLibraries({ backend: "cpu" })
     assert.isFalse("tried" in found, JSON.stringify(found))
     if ("tried" in found) return
-    assert.strictEqual(found.packageName, `@node-llama-cpp/${platformPackageNames(process.platform, process.arch, false)[0]}`)
+    assert.strictEqual(
+      found.packageName,
+      `@node-llama-cpp/${platformPackageNames(process.platform, process.arch, false)[0]}`
+    )
     assert.strictEqual(found.release, expectedBuild.release)
   })
 
@@ -27,7 +34,15 @@ describe("ggml bindings over node-llama-cpp's libraries", () => {
     const g = getGgml()
     assert.strictEqual(g.version, expectedBuild.ggmlVersion)
     assert.strictEqual(g.raw.ggml_tensor_overhead(), TensorLayout.overhead)
-    for (const t of [GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q4_K, GgmlType.Q6_K]) {
+    for (const t of [
+      GgmlType.F32,
+      GgmlType.F16,
+      GgmlType.BF16,
+      GgmlType.Q8_0,
+      GgmlType.Q4_0,
+      GgmlType.Q4_K,
+      GgmlType.Q6_K
+    ]) {
       const info = ggmlTypeInfo(t)!
       assert.strictEqual(g.ggml_type_size(t), info.typeSize)
       assert.strictEqual(g.ggml_blck_size(t), info.blockSize)

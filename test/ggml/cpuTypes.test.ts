@@ -5,10 +5,31 @@ import { cpuComputesWeightType } from "../../src/layers/ggml/CpuTypeSupport.js"
 
 /** The weight types of issue 20: every one the shipped CPU backend computes. */
 const computed = [
-  GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1,
-  GgmlType.Q8_0, GgmlType.Q2_K, GgmlType.Q3_K, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K, GgmlType.IQ1_S,
-  GgmlType.IQ1_M, GgmlType.IQ2_XXS, GgmlType.IQ2_XS, GgmlType.IQ2_S, GgmlType.IQ3_XXS, GgmlType.IQ3_S,
-  GgmlType.IQ4_NL, GgmlType.IQ4_XS, GgmlType.TQ1_0, GgmlType.TQ2_0, GgmlType.MXFP4
+  GgmlType.F32,
+  GgmlType.F16,
+  GgmlType.BF16,
+  GgmlType.Q4_0,
+  GgmlType.Q4_1,
+  GgmlType.Q5_0,
+  GgmlType.Q5_1,
+  GgmlType.Q8_0,
+  GgmlType.Q2_K,
+  GgmlType.Q3_K,
+  GgmlType.Q4_K,
+  GgmlType.Q5_K,
+  GgmlType.Q6_K,
+  GgmlType.IQ1_S,
+  GgmlType.IQ1_M,
+  GgmlType.IQ2_XXS,
+  GgmlType.IQ2_XS,
+  GgmlType.IQ2_S,
+  GgmlType.IQ3_XXS,
+  GgmlType.IQ3_S,
+  GgmlType.IQ4_NL,
+  GgmlType.IQ4_XS,
+  GgmlType.TQ1_0,
+  GgmlType.TQ2_0,
+  GgmlType.MXFP4
 ]
 
 /** Types of the pinned ggml without a CPU dot product (Q8_1/Q8_K are only ever products' input side; ints; f64). */

@@ -11,20 +11,22 @@ import { requireModel } from "../support/models.js"
 const stories = new Uint8Array(readFileSync(requireModel("stories260K.gguf")))
 const storiesLayout = fieldLayout(stories)
 
-const small = Effect.runSync(encodeGguf({
-  metadata: [
-    ["general.architecture", GgufValues.string("llama")],
-    ["flag", GgufValues.bool(true)],
-    ["list", GgufValues.array(GgufValueType.STRING, ["x", "yy"])],
-    ["count", GgufValues.u32(3)]
-  ],
-  tensors: [
-    { name: "a", type: GgmlType.F32, dims: [8, 4], data: () => new Uint8Array(128).fill(1) },
-    { name: "b", type: GgmlType.Q8_0, dims: [64, 2], data: () => new Uint8Array(136).fill(2) },
-    { name: "c", type: GgmlType.F16, dims: [16], data: () => new Uint8Array(32).fill(3) },
-    { name: "d", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(16).fill(4) }
-  ]
-}))
+const small = Effect.runSync(
+  encodeGguf({
+    metadata: [
+      ["general.architecture", GgufValues.string("llama")],
+      ["flag", GgufValues.bool(true)],
+      ["list", GgufValues.array(GgufValueType.STRING, ["x", "yy"])],
+      ["count", GgufValues.u32(3)]
+    ],
+    tensors: [
+      { name: "a", type: GgmlType.F32, dims: [8, 4], data: () => new Uint8Array(128).fill(1) },
+      { name: "b", type: GgmlType.Q8_0, dims: [64, 2], data: () => new Uint8Array(136).fill(2) },
+      { name: "c", type: GgmlType.F16, dims: [16], data: () => new Uint8Array(32).fill(3) },
+      { name: "d", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(16).fill(4) }
+    ]
+  })
+)
 const smallLayout = fieldLayout(small)
 
 const parse = (bytes: Uint8Array) => Effect.runSync(Effect.either(parseGgufBytes(bytes, "corpus.gguf")))
@@ -50,7 +52,10 @@ describe("GGUF broken-file corpus", () => {
 
   // A file cut anywhere (every ~1% and at every field boundary) is Truncated, never parsed or crashed.
   it("truncation at every 1% and every header field boundary is Truncated", () => {
-    for (const [bytes, layout] of [[stories, storiesLayout], [small, smallLayout]] as const) {
+    for (const [bytes, layout] of [
+      [stories, storiesLayout],
+      [small, smallLayout]
+    ] as const) {
       const cuts = new Set<number>()
       for (let i = 1; i < 100; i++) cuts.add(Math.floor((bytes.length * i) / 100))
       // Every structural field; of the thousands of array elements, every 16th.
@@ -103,10 +108,17 @@ describe("GGUF broken-file corpus", () => {
     rejects(set(stories, tc, 47), "OffsetOutOfBounds", "47 tensors")
     rejects(set(small, findField(smallLayout, "tensorCount"), 3), "OffsetOutOfBounds")
     // One too many: the extra "tensor" is read from padding/data and fails somewhere, always typed.
-    for (const [bytes, layout] of [[stories, storiesLayout], [small, smallLayout]] as const) {
+    for (const [bytes, layout] of [
+      [stories, storiesLayout],
+      [small, smallLayout]
+    ] as const) {
       const t = findField(layout, "tensorCount")
       const k = findField(layout, "kvCount")
-      for (const b of [set(bytes, t, readInt(bytes, t) + 1n), set(bytes, k, readInt(bytes, k) + 1n), set(bytes, k, 1)]) {
+      for (const b of [
+        set(bytes, t, readInt(bytes, t) + 1n),
+        set(bytes, k, readInt(bytes, k) + 1n),
+        set(bytes, k, 1)
+      ]) {
         const r = parse(b)
         assert.isTrue(Either.isLeft(r))
       }
@@ -128,7 +140,7 @@ describe("GGUF broken-file corpus", () => {
     rejects(set(stories, off(q), 2n ** 64n - 32n), "OffsetOutOfBounds", q)
     const last = storiesLayout.tensorNames[storiesLayout.tensorNames.length - 1]!
     rejects(set(stories, off(last), BigInt(stories.length)), "OffsetOutOfBounds", last)
-    rejects(set(small, findField(smallLayout, "tensorOffset", "c"), 0), "OffsetOutOfBounds", "\"c\"")
+    rejects(set(small, findField(smallLayout, "tensorOffset", "c"), 0), "OffsetOutOfBounds", '"c"')
   })
 
   // Shapes that are absurd, or inconsistent with where the data lies.
@@ -150,13 +162,14 @@ describe("GGUF broken-file corpus", () => {
     // Fewer dimensions than stored: the table itself shifts and parsing fails, typed.
     assert.isTrue(Either.isLeft(parse(set(stories, nd(k), 1))))
     // A row that is not whole blocks of its type.
-    rejects(set(small, findField(smallLayout, "dim", "b", 0), 48), "TensorShapeMismatch", "\"b\"", "block size")
+    rejects(set(small, findField(smallLayout, "dim", "b", 0), 48), "TensorShapeMismatch", '"b"', "block size")
   })
 
   // Lengths larger than the file (or than any sane string) cannot allocate.
   it("huge string and array lengths", () => {
     const keyLen = storiesLayout.fields.find((f) => f.kind === "keyLength")!
-    for (const n of [2n ** 64n - 1n, 2n ** 53n, 2n ** 31n, BigInt(stories.length)]) rejects(set(stories, keyLen, n), "Truncated")
+    for (const n of [2n ** 64n - 1n, 2n ** 53n, 2n ** 31n, BigInt(stories.length)])
+      rejects(set(stories, keyLen, n), "Truncated")
     const tokLen = findField(storiesLayout, "arrayLength", "tokenizer.ggml.tokens")
     for (const n of [2n ** 62n, 1_000_000n]) rejects(set(stories, tokLen, n), "Truncated", "tokenizer.ggml.tokens")
     const strLen = findField(storiesLayout, "stringLength", "tokenizer.ggml.tokens")
@@ -191,7 +204,8 @@ describe("GGUF broken-file corpus", () => {
   // Metadata of a type GGUF does not define, and arrays of arrays.
   it("unknown metadata value types", () => {
     const vt = findField(storiesLayout, "valueType", "general.architecture")
-    for (const t of [13, 99, 0xffffffff]) rejects(set(stories, vt, t), "InvalidMetadata", "general.architecture", String(t))
+    for (const t of [13, 99, 0xffffffff])
+      rejects(set(stories, vt, t), "InvalidMetadata", "general.architecture", String(t))
     const it_ = findField(storiesLayout, "itemType", "tokenizer.ggml.scores")
     rejects(set(stories, it_, 9), "InvalidMetadata", "tokenizer.ggml.scores", "nested")
     rejects(set(stories, it_, 77), "InvalidMetadata", "tokenizer.ggml.scores")
@@ -222,10 +236,12 @@ describe("GGUF broken-file corpus", () => {
     }
     const nameLen = findField(smallLayout, "nameLength")
     rejects(set(small, nameLen, 0), "InvalidMetadata", "empty")
-    const longName = Effect.runSync(encodeGguf({
-      metadata: [],
-      tensors: [{ name: "n".repeat(63), type: GgmlType.F32, dims: [1], data: () => new Uint8Array(4) }]
-    }))
+    const longName = Effect.runSync(
+      encodeGguf({
+        metadata: [],
+        tensors: [{ name: "n".repeat(63), type: GgmlType.F32, dims: [1], data: () => new Uint8Array(4) }]
+      })
+    )
     const l = fieldLayout(longName)
     const grown = new Uint8Array(longName.length + 1)
     grown.set(longName.subarray(0, l.fields[5]!.at))

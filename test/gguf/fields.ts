@@ -48,7 +48,13 @@ export const fieldLayout = (bytes: Uint8Array): Layout => {
   let p = 0
   const take = (kind: FieldKind, size: number, owner?: string, index?: number): number => {
     const at = p
-    fields.push({ kind, at, size, ...(owner !== undefined ? { owner } : {}), ...(index !== undefined ? { index } : {}) })
+    fields.push({
+      kind,
+      at,
+      size,
+      ...(owner !== undefined ? { owner } : {}),
+      ...(index !== undefined ? { index } : {})
+    })
     p += size
     return at
   }
@@ -94,8 +100,8 @@ export const fieldLayout = (bytes: Uint8Array): Layout => {
 }
 
 export const findField = (layout: Layout, kind: FieldKind, owner?: string, index?: number): Field => {
-  const f = layout.fields.find((x) =>
-    x.kind === kind && (owner === undefined || x.owner === owner) && (index === undefined || x.index === index)
+  const f = layout.fields.find(
+    (x) => x.kind === kind && (owner === undefined || x.owner === owner) && (index === undefined || x.index === index)
   )
   if (f === undefined) throw new Error(`no ${kind} field for ${owner ?? "-"} ${index ?? ""}`)
   return f

@@ -22,45 +22,83 @@ const rng = (seed: number) => {
     t ^= t + Math.imul(t ^ (t >>> 7), t | 61)
     return ((t ^ (t >>> 14)) >>> 0) / 4294967296
   }
-  return { next, int: (n: number) => Math.floor(next() * n), pick: <A>(xs: ReadonlyArray<A>): A => xs[Math.floor(next() * xs.length)]! }
+  return {
+    next,
+    int: (n: number) => Math.floor(next() * n),
+    pick: <A>(xs: ReadonlyArray<A>): A => xs[Math.floor(next() * xs.length)]!
+  }
 }
 type Rng = ReturnType<typeof rng>
 
-const tinyModel = Effect.runSync(encodeGguf(syntheticModelSpec({
-  path: "",
-  arch: "qwen3",
-  layers: 1,
-  hidden: 32,
-  ffn: 64,
-  heads: 2,
-  kvHeads: 1,
-  vocab: 300,
-  contextLength: 64,
-  type: "f32",
-  seed: 3
-})))
+const tinyModel = Effect.runSync(
+  encodeGguf(
+    syntheticModelSpec({
+      path: "",
+      arch: "qwen3",
+      layers: 1,
+      hidden: 32,
+      ffn: 64,
+      heads: 2,
+      kvHeads: 1,
+      vocab: 300,
+      contextLength: 64,
+      type: "f32",
+      seed: 3
+    })
+  )
+)
 
-const mixed = Effect.runSync(encodeGguf({
-  metadata: [
-    ["general.architecture", GgufValues.string("llama")],
-    ["general.alignment", GgufValues.u32(64)],
-    ["b", GgufValues.bool(false)],
-    ["i64", GgufValues.i64(-5n)],
-    ["f", GgufValues.array(GgufValueType.FLOAT64, [1, 2, 3])],
-    ["s", GgufValues.array(GgufValueType.STRING, ["one", "two"])]
-  ],
-  tensors: [
-    { name: "q", type: GgmlType.Q4_0, dims: [64, 3], data: () => new Uint8Array(108).fill(7) },
-    { name: "h", type: GgmlType.BF16, dims: [5, 2, 3], data: () => new Uint8Array(60).fill(9) },
-    { name: "k", type: GgmlType.Q6_K, dims: [256], data: () => new Uint8Array(210).fill(1) }
-  ]
-}))
+const mixed = Effect.runSync(
+  encodeGguf({
+    metadata: [
+      ["general.architecture", GgufValues.string("llama")],
+      ["general.alignment", GgufValues.u32(64)],
+      ["b", GgufValues.bool(false)],
+      ["i64", GgufValues.i64(-5n)],
+      ["f", GgufValues.array(GgufValueType.FLOAT64, [1, 2, 3])],
+      ["s", GgufValues.array(GgufValueType.STRING, ["one", "two"])]
+    ],
+    tensors: [
+      { name: "q", type: GgmlType.Q4_0, dims: [64, 3], data: () => new Uint8Array(108).fill(7) },
+      { name: "h", type: GgmlType.BF16, dims: [5, 2, 3], data: () => new Uint8Array(60).fill(9) },
+      { name: "k", type: GgmlType.Q6_K, dims: [256], data: () => new Uint8Array(210).fill(1) }
+    ]
+  })
+)
 
 const interesting = (cur: bigint, size: number): ReadonlyArray<bigint> => {
   const max = (1n << BigInt(size * 8)) - 1n
-  return [0n, 1n, 2n, 3n, 31n, 32n, 33n, 255n, 256n, 0x7fffn, 0x8000n, 0xffffn, 0x7fffffffn, 0x80000000n, 0xffffffffn,
-    0x100000000n, 2n ** 53n, 2n ** 53n + 1n, 2n ** 62n, 2n ** 63n - 1n, 2n ** 63n, max, max - 1n, cur + 1n, cur - 1n,
-    cur * 2n, cur + 32n, cur - 32n, cur / 2n].map((v) => BigInt.asUintN(size * 8, v))
+  return [
+    0n,
+    1n,
+    2n,
+    3n,
+    31n,
+    32n,
+    33n,
+    255n,
+    256n,
+    0x7fffn,
+    0x8000n,
+    0xffffn,
+    0x7fffffffn,
+    0x80000000n,
+    0xffffffffn,
+    0x100000000n,
+    2n ** 53n,
+    2n ** 53n + 1n,
+    2n ** 62n,
+    2n ** 63n - 1n,
+    2n ** 63n,
+    max,
+    max - 1n,
+    cur + 1n,
+    cur - 1n,
+    cur * 2n,
+    cur + 32n,
+    cur - 32n,
+    cur / 2n
+  ].map((v) => BigInt.asUintN(size * 8, v))
 }
 
 const mutate = (r: Rng, base: Uint8Array, layout: Layout): { bytes: Uint8Array; what: string } => {
@@ -104,9 +142,13 @@ const mutate = (r: Rng, base: Uint8Array, layout: Layout): { bytes: Uint8Array; 
       what.push(`truncate ${n}`)
     } else {
       // Field-targeted integer mutation (only meaningful while the layout still matches).
-      const numeric = layout.fields.filter((f: Field) =>
-        f.kind !== "keyBytes" && f.kind !== "nameBytes" && f.kind !== "stringBytes" && f.size <= 8 &&
-        f.at + f.size <= bytes.length
+      const numeric = layout.fields.filter(
+        (f: Field) =>
+          f.kind !== "keyBytes" &&
+          f.kind !== "nameBytes" &&
+          f.kind !== "stringBytes" &&
+          f.size <= 8 &&
+          f.at + f.size <= bytes.length
       )
       const f = numeric.length > 0 ? r.pick(numeric) : undefined
       if (f !== undefined && (f.size === 1 || f.size === 2 || f.size === 4 || f.size === 8)) {
@@ -182,7 +224,8 @@ describe("GGUF reader fuzz", () => {
   // ggml's own parser reads the unmutated files to the same tensor table.
   it("ggml's gguf parser agrees on the base files", () => {
     const stories = new Uint8Array(readFileSync(requireModel("stories260K.gguf")))
-    for (const bytes of [tinyModel, mixed, stories]) checkGgmlAgrees(Effect.runSync(parseGgufBytes(bytes)), bytes, "base")
+    for (const bytes of [tinyModel, mixed, stories])
+      checkGgmlAgrees(Effect.runSync(parseGgufBytes(bytes)), bytes, "base")
   })
 
   // Seeded random corruption of valid files: every case is parsed or rejected as a typed ModelLoadError,

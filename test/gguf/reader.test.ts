@@ -22,7 +22,13 @@ const stories = requireModel("stories260K.gguf")
 describe("ggml type table", () => {
   // The table matches ggml's type_traits for the types the project writes.
   it("has the block and type sizes of the pinned ggml", () => {
-    assert.deepStrictEqual(ggmlTypeInfo(GgmlType.F32), { id: 0, name: "f32", blockSize: 1, typeSize: 4, quantized: false })
+    assert.deepStrictEqual(ggmlTypeInfo(GgmlType.F32), {
+      id: 0,
+      name: "f32",
+      blockSize: 1,
+      typeSize: 4,
+      quantized: false
+    })
     assert.strictEqual(ggmlTypeInfo(GgmlType.Q8_0)?.typeSize, 34)
     assert.strictEqual(ggmlTypeInfo(GgmlType.Q4_0)?.typeSize, 18)
     assert.strictEqual(ggmlTypeInfo(GgmlType.Q4_K)?.typeSize, 144)
@@ -45,7 +51,7 @@ describe("ggml type table", () => {
 describe("GgufReader on stories260K", () => {
   // The real llama model reads with the architecture and shapes its README states.
   it.effect("reads the header, metadata and tensor table", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const file = yield* readGgufFile(stories)
       assert.strictEqual(file.version, 3)
       assert.strictEqual(file.alignment, 32)
@@ -73,7 +79,11 @@ describe("GgufReader on stories260K", () => {
         assert.isDefined(t, name)
         assert.deepStrictEqual(t!.dims, dims, name)
         assert.strictEqual(t!.type, GgmlType.F32, name)
-        assert.strictEqual(t!.byteSize, dims.reduce((a, b) => a * b, 4), name)
+        assert.strictEqual(
+          t!.byteSize,
+          dims.reduce((a, b) => a * b, 4),
+          name
+        )
       }
       expect("token_embd.weight", [64, 512])
       expect("output_norm.weight", [64])
@@ -91,11 +101,12 @@ describe("GgufReader on stories260K", () => {
       }
       const last = file.tensors[file.tensors.length - 1]!
       assert.isAtMost(last.offset + last.byteSize, file.fileSize)
-    }))
+    })
+  )
 
   // Our table agrees with node-llama-cpp's own GGUF reader on every name, shape, type and file offset.
   it.effect("agrees with node-llama-cpp's readGgufFileInfo", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const file = yield* readGgufFile(stories)
       const info = yield* Effect.promise(() => readGgufFileInfo(stories, { readTensorInfo: true }))
       const theirs = info.fullTensorInfo ?? []
@@ -108,11 +119,12 @@ describe("GgufReader on stories260K", () => {
         assert.strictEqual(ours.offset, Number(t.fileOffset))
         assert.strictEqual(ours.offset - file.dataOffset, Number(t.offset))
       })
-    }))
+    })
+  )
 
   // Accessors fail with InvalidMetadata naming the key when it is missing or of another type.
   it.effect("typed accessors reject missing keys and wrong types", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const file = yield* readGgufFile(stories)
       const missing = yield* Effect.flip(getU32(file, "llama.nope"))
       assert.strictEqual(missing.reason, "InvalidMetadata")
@@ -128,13 +140,15 @@ describe("GgufReader on stories260K", () => {
       assert.strictEqual(yield* getInt(file, "tokenizer.ggml.padding_token_id"), 4294967295)
       assert.strictEqual(yield* getOptional(file, "general.file_type", getU32), undefined)
       assert.strictEqual(yield* getOptional(file, "llama.block_count", getU32), 5)
-    }))
+    })
+  )
 
   // A path that does not exist is an Io error, not a defect.
   it.effect("a missing file is an Io error", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const err = yield* Effect.flip(readGgufFile("/nonexistent/model.gguf"))
       assert.strictEqual(err.reason, "Io")
       assert.include(err.message, "/nonexistent/model.gguf")
-    }))
+    })
+  )
 })

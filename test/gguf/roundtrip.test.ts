@@ -6,14 +6,15 @@ import { join } from "node:path"
 import { afterAll } from "vitest"
 import { GgmlType, tensorBytes } from "../../src/domain/ggmlTypes.js"
 import { GgufValueType } from "../../src/domain/gguf.js"
-import {
-  bf16BitsToF32,
-  f16BitsToF32,
-  f32ToBf16Bits,
-  f32ToF16Bits
-} from "../../src/layers/gguf/Float16.js"
+import { bf16BitsToF32, f16BitsToF32, f32ToBf16Bits, f32ToF16Bits } from "../../src/layers/gguf/Float16.js"
 import { getF32, parseGgufBytes, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
-import { encodeGguf, type GgufTensorSpec, GgufValues, type GgufWriteSpec, writeGgufFile } from "../../src/layers/gguf/GgufWriter.js"
+import {
+  encodeGguf,
+  type GgufTensorSpec,
+  GgufValues,
+  type GgufWriteSpec,
+  writeGgufFile
+} from "../../src/layers/gguf/GgufWriter.js"
 
 const dir = mkdtempSync(join(tmpdir(), "swactor-gguf-rt-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
@@ -67,7 +68,7 @@ const spec: GgufWriteSpec = {
 describe("GgufWriter → GgufReader round trip", () => {
   // Whatever the writer writes, the reader reads back: every value type, the tensor table and the data bytes.
   it.effect("same metadata, types, tensor table and data", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       for (const alignment of [32, 64, 1]) {
         const path = join(dir, `rt-${alignment}.gguf`)
         const summary = yield* writeGgufFile(path, { ...spec, alignment })
@@ -79,14 +80,23 @@ describe("GgufWriter → GgufReader round trip", () => {
         if (alignment !== 32) expected.push(["general.alignment", alignment])
         assert.deepStrictEqual([...file.metadata.entries()], expected)
         for (const [k, v] of spec.metadata) {
-          assert.deepStrictEqual(file.metadataTypes.get(k), v.itemType === undefined ? { type: v.type } : {
-            type: v.type,
-            itemType: v.itemType
-          }, k)
+          assert.deepStrictEqual(
+            file.metadataTypes.get(k),
+            v.itemType === undefined
+              ? { type: v.type }
+              : {
+                  type: v.type,
+                  itemType: v.itemType
+                },
+            k
+          )
         }
         assert.strictEqual(yield* getF32(file, "t.f32"), 1.5)
         const raw = readFileSync(path)
-        assert.deepStrictEqual(file.tensors.map((t) => t.name), spec.tensors.map((t) => t.name))
+        assert.deepStrictEqual(
+          file.tensors.map((t) => t.name),
+          spec.tensors.map((t) => t.name)
+        )
         spec.tensors.forEach((t, i) => {
           const got = file.tensors[i]!
           assert.deepStrictEqual(got.dims, t.dims)
@@ -96,11 +106,12 @@ describe("GgufWriter → GgufReader round trip", () => {
           assert.deepStrictEqual(new Uint8Array(raw.subarray(got.offset, got.offset + got.byteSize)), t.data(), t.name)
         })
       }
-    }))
+    })
+  )
 
   // In-memory encoding equals the file, and a version-2 file reads as version 2.
   it.effect("encodeGguf matches the file; version 2 reads back", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = join(dir, "rt-mem.gguf")
       yield* writeGgufFile(path, spec)
       const mem = yield* encodeGguf(spec)
@@ -108,52 +119,67 @@ describe("GgufWriter → GgufReader round trip", () => {
       const v2 = yield* parseGgufBytes(yield* encodeGguf({ ...spec, version: 2 }))
       assert.strictEqual(v2.version, 2)
       assert.strictEqual(v2.tensors.length, 5)
-    }))
+    })
+  )
 
   // A write that fails half-way leaves neither the target nor its temporary file behind.
   it.effect("a failed write leaves nothing behind", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const path = join(dir, "half.gguf")
-      const err = yield* Effect.flip(writeGgufFile(path, {
-        metadata: [],
-        tensors: [
-          tensor("ok", GgmlType.F32, [4], 0),
-          { name: "boom", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(15) }
-        ]
-      }))
+      const err = yield* Effect.flip(
+        writeGgufFile(path, {
+          metadata: [],
+          tensors: [
+            tensor("ok", GgmlType.F32, [4], 0),
+            { name: "boom", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(15) }
+          ]
+        })
+      )
       assert.strictEqual(err._tag, "GgufWriteError")
       assert.include(err.message, "boom")
       assert.isFalse(existsSync(path))
-      assert.deepStrictEqual(readdirSync(dir).filter((f) => f.startsWith("half.gguf")), [])
-    }))
+      assert.deepStrictEqual(
+        readdirSync(dir).filter((f) => f.startsWith("half.gguf")),
+        []
+      )
+    })
+  )
 
   // The writer refuses what the reader would refuse.
   it.effect("rejects invalid specs as GgufWriteError", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const dup = yield* Effect.flip(encodeGguf({ ...spec, tensors: [...spec.tensors, spec.tensors[0]!] }))
       assert.include(dup.message, "a.f32")
       const block = yield* Effect.flip(encodeGguf({ metadata: [], tensors: [tensor("x", GgmlType.Q8_0, [48], 0)] }))
       assert.include(block.message, "block size")
       const range = yield* Effect.flip(encodeGguf({ metadata: [["k", GgufValues.u8(256)]], tensors: [] }))
       assert.include(range.message, "k")
-      const size = yield* Effect.flip(encodeGguf({
-        metadata: [],
-        tensors: [{ name: "x", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(3) }]
-      }))
+      const size = yield* Effect.flip(
+        encodeGguf({
+          metadata: [],
+          tensors: [{ name: "x", type: GgmlType.F32, dims: [4], data: () => new Uint8Array(3) }]
+        })
+      )
       assert.include(size.message, "x")
       const chunks = yield* encodeGguf({
         metadata: [],
         tensors: [{ name: "y", type: GgmlType.F32, dims: [4], data: () => [new Uint8Array(8), new Uint8Array(8)] }]
       })
-      assert.strictEqual(chunks.length, (yield* encodeGguf({ metadata: [], tensors: [tensor("y", GgmlType.F32, [4], 0)] })).length)
-      const over = yield* Effect.flip(encodeGguf({
-        metadata: [],
-        tensors: [{ name: "z", type: GgmlType.F32, dims: [4], data: () => [new Uint8Array(12), new Uint8Array(8)] }]
-      }))
+      assert.strictEqual(
+        chunks.length,
+        (yield* encodeGguf({ metadata: [], tensors: [tensor("y", GgmlType.F32, [4], 0)] })).length
+      )
+      const over = yield* Effect.flip(
+        encodeGguf({
+          metadata: [],
+          tensors: [{ name: "z", type: GgmlType.F32, dims: [4], data: () => [new Uint8Array(12), new Uint8Array(8)] }]
+        })
+      )
       assert.include(over.message, "z")
       const align = yield* Effect.flip(encodeGguf({ ...spec, alignment: 48 }))
       assert.include(align.message, "48")
-    }))
+    })
+  )
 })
 
 describe("F16 / BF16 conversion", () => {

@@ -13,7 +13,7 @@ import { requireModel } from "../support/models.js"
 const range = { layerStart: 2, layerEndExclusive: 5, numLayers: 5 }
 
 /** A cache in a fresh folder and the bytes of the stage's slice, as a sender would stream them. */
-const fixture = Effect.gen(function*() {
+const fixture = Effect.gen(function* () {
   const dir = Fs.mkdtempSync(Path.join(Os.tmpdir(), "swactor-slice-cache-"))
   yield* Effect.addFinalizer(() => Effect.sync(() => Fs.rmSync(dir, { recursive: true, force: true })))
   const source = yield* Gguf.readGgufFile(requireModel("stories260K.gguf"))
@@ -26,7 +26,7 @@ const fixture = Effect.gen(function*() {
 
 describe("slice cache", () => {
   it.scoped("an interrupted transfer resumes where it stopped; the verified slice is reused", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { bytes, cache, hash } = yield* fixture
       assert.deepStrictEqual(yield* cache.status(hash, range), { _tag: "Partial", have: 0 })
       const cut = Math.floor(bytes.length / 3)
@@ -41,10 +41,11 @@ describe("slice cache", () => {
       assert.isTrue(Fs.readFileSync(path).equals(bytes))
       // A later run finds it complete: nothing to transfer.
       assert.deepStrictEqual(yield* cache.status(hash, range), { _tag: "Complete", path })
-    }))
+    })
+  )
 
   it.scoped("a corrupted transfer is refused, and a slice corrupted in the cache is fetched again", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { bytes, cache, hash } = yield* fixture
       const bad = Buffer.from(bytes)
       bad[bad.length - 10] = bad[bad.length - 10]! ^ 0xff
@@ -60,12 +61,14 @@ describe("slice cache", () => {
       Fs.writeFileSync(path, onDisk)
       assert.deepStrictEqual(yield* cache.status(hash, range), { _tag: "Partial", have: 0 })
       assert.isFalse(Fs.existsSync(path))
-    }))
+    })
+  )
 
   it.scoped("a hash that is not a SHA-256 digest is refused before touching the disk", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { cache } = yield* fixture
       const refused = yield* Effect.flip(cache.status("../../etc/passwd", range))
       assert.strictEqual(refused.reason, "BadHash")
-    }))
+    })
+  )
 })

@@ -41,7 +41,7 @@ const texts = [
   "\n",
   "The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX!",
   "1234567890 +-*/=()[]{}<>",
-  "He said: \"it's 3:45 p.m.\" — then left…",
+  'He said: "it\'s 3:45 p.m." — then left…',
   "lone surrogate \ud800 here",
   // runs of one letter: equal-score bigrams overlap, llama.cpp merges the leftmost first
   "llll lll oooo ooo eeee eee ssss sss tttt ttt aaaa aaa mmmm nnnnn pp rrr"
@@ -56,7 +56,7 @@ const random = (seed: number) => () => {
 }
 
 const compare = (path: string) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const file = yield* readGgufFile(path)
     const vocab = spmVocabulary(file)
     assert.isDefined(vocab, "the vocabulary is accepted")
@@ -72,7 +72,8 @@ const compare = (path: string) =>
       const next = random(42)
       const words = texts.join(" ").split(/(\s+)/)
       const generated = Array.from({ length: 40 }, () =>
-        Array.from({ length: 1 + Math.floor(next() * 12) }, () => words[Math.floor(next() * words.length)]).join(""))
+        Array.from({ length: 1 + Math.floor(next() * 12) }, () => words[Math.floor(next() * words.length)]).join("")
+      )
       for (const text of [...texts, ...generated]) {
         assert.deepStrictEqual(ours.tokenize(text), [...model.tokenize(text)], JSON.stringify(text))
       }
@@ -99,7 +100,7 @@ describe("SPM tokenizer in TypeScript = node-llama-cpp", () => {
   it.live("stories260K's vocabulary", () => compare(requireModel("stories260K.gguf")), 60_000)
 
   it.live("a vocabulary with user-defined or extra special-looking tokens is left to node-llama-cpp", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const file = yield* readGgufFile(requireModel("stories260K.gguf"))
       assert.isDefined(spmVocabulary(file))
       const withMetadata = (key: string, change: (value: Array<unknown>) => void) => {
@@ -113,25 +114,32 @@ describe("SPM tokenizer in TypeScript = node-llama-cpp", () => {
       assert.isUndefined(spmVocabulary(withMetadata("tokenizer.ggml.token_type", (types) => (types[300] = 3))))
       assert.isUndefined(spmVocabulary(withMetadata("tokenizer.ggml.tokens", (tokens) => (tokens[300] = "<|im_end|>"))))
       assert.isUndefined(spmVocabulary(withMetadata("tokenizer.ggml.tokens", (tokens) => (tokens[10] = "<0x4G>"))))
-      assert.isUndefined(spmVocabulary({ ...file, metadata: new Map([...file.metadata, ["tokenizer.ggml.model", "gpt2"]]) }))
-    }))
+      assert.isUndefined(
+        spmVocabulary({ ...file, metadata: new Map([...file.metadata, ["tokenizer.ggml.model", "gpt2"]]) })
+      )
+    })
+  )
 
-  it.live("the synthetic models' vocabulary", () =>
-    Effect.gen(function*() {
-      const path = join(dir, "synthetic.gguf")
-      yield* writeSyntheticModel({
-        path,
-        arch: "llama",
-        layers: 1,
-        hidden: 64,
-        ffn: 128,
-        heads: 2,
-        kvHeads: 2,
-        vocab: 2000,
-        contextLength: 256,
-        type: "f32",
-        seed: 3
-      })
-      yield* compare(path)
-    }), 60_000)
+  it.live(
+    "the synthetic models' vocabulary",
+    () =>
+      Effect.gen(function* () {
+        const path = join(dir, "synthetic.gguf")
+        yield* writeSyntheticModel({
+          path,
+          arch: "llama",
+          layers: 1,
+          hidden: 64,
+          ffn: 128,
+          heads: 2,
+          kvHeads: 2,
+          vocab: 2000,
+          contextLength: 256,
+          type: "f32",
+          seed: 3
+        })
+        yield* compare(path)
+      }),
+    60_000
+  )
 })

@@ -83,7 +83,7 @@ describe("synthetic models load in node-llama-cpp", () => {
   for (const [arch, type] of cases) {
     // Every architecture and storage type produces a file llama.cpp loads and that generates varied text.
     it.live(`${arch} ${type}: loads, tokenizes and greedy-generates a non-degenerate stream`, () =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const options = base(arch, type)
         const summary = yield* writeSyntheticModel(options)
         assert.deepStrictEqual(summary.fallbacks, [])
@@ -91,12 +91,13 @@ describe("synthetic models load in node-llama-cpp", () => {
         assert.isAbove(prompt.length, 2)
         assert.strictEqual(out.length, 16)
         assert.isAtLeast(new Set(out).size, 3, `stream ${out.join(",")}`)
-      }))
+      })
+    )
   }
 
   // Tied output (no output.weight) loads too: llama.cpp reuses token_embd.
   it.live("a tied-output qwen3 model with an explicit head dimension loads", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const options = { ...base("qwen3", "f16"), tiedOutput: true, headDim: 128, path: join(dir, "tied.gguf") }
       yield* writeSyntheticModel(options)
       const file = yield* readGgufFile(options.path)
@@ -106,13 +107,14 @@ describe("synthetic models load in node-llama-cpp", () => {
       assert.strictEqual(yield* getU32(file, "qwen3.attention.key_length"), 128)
       const { out } = yield* generate(options.path)
       assert.isAtLeast(new Set(out).size, 3, `stream ${out.join(",")}`)
-    }))
+    })
+  )
 })
 
 describe("synthetic model contents", () => {
   // The table holds exactly the tensors llama.cpp's loader asks for, with the shapes it checks.
   it.effect("qwen2 tensor names, shapes, types and metadata", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const options = { ...base("qwen2", "q8_0"), hidden: 96, heads: 3, kvHeads: 1, path: join(dir, "shapes.gguf") }
       const summary = yield* writeSyntheticModel(options)
       const file = yield* readGgufFile(options.path)
@@ -141,19 +143,28 @@ describe("synthetic model contents", () => {
       expect("blk.1.attn_output.weight", [96, 96], GgmlType.Q8_0)
       expect("blk.1.ffn_down.weight", [512, 96], GgmlType.Q8_0)
       assert.strictEqual(file.tensors.length, 3 + 2 * 12)
-    }))
+    })
+  )
 
   // Matrices whose rows are not whole blocks of the requested type fall back to F16, and are reported.
   it.effect("q4_k falls back to F16 for rows that are not multiples of 256", () =>
-    Effect.gen(function*() {
-      const options = { ...base("llama", "q4_k"), hidden: 64, ffn: 256, heads: 2, kvHeads: 1, path: join(dir, "fb.gguf") }
+    Effect.gen(function* () {
+      const options = {
+        ...base("llama", "q4_k"),
+        hidden: 64,
+        ffn: 256,
+        heads: 2,
+        kvHeads: 1,
+        path: join(dir, "fb.gguf")
+      }
       const summary = yield* writeSyntheticModel(options)
       const file = yield* readGgufFile(options.path)
       assert.strictEqual(file.tensorsByName.get("blk.0.ffn_down.weight")?.type, GgmlType.Q4_K)
       assert.strictEqual(file.tensorsByName.get("blk.0.ffn_up.weight")?.type, GgmlType.F16)
       assert.include(summary.fallbacks, "blk.0.ffn_up.weight")
       assert.notInclude(summary.fallbacks, "blk.0.ffn_down.weight")
-    }))
+    })
+  )
 
   // Same seed, same name: the same values whatever the file type; a different seed changes them.
   it("weights are a pure function of (seed, tensor name)", () => {
@@ -170,9 +181,13 @@ describe("synthetic model contents", () => {
 
   // Tensors are generated in row chunks; the bytes do not depend on the chunk size (odd rows carry a spare sample).
   it.effect("chunked generation writes the same bytes as whole-tensor generation", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const stream = gaussianStream(4, "t", 0, 1)
-      const parts = [stream.fill(new Float32Array(3)), stream.fill(new Float32Array(0)), stream.fill(new Float32Array(6))]
+      const parts = [
+        stream.fill(new Float32Array(3)),
+        stream.fill(new Float32Array(0)),
+        stream.fill(new Float32Array(6))
+      ]
       assert.deepStrictEqual(Float32Array.from(parts.flatMap((p) => [...p])), syntheticValues(4, "t", 9, 0, 1))
       for (const type of ["f32", "q8_0", "q4_k"] as const) {
         const o = { ...base("qwen2", type), ffn: 257 + 256, vocab: 300 }
@@ -180,16 +195,18 @@ describe("synthetic model contents", () => {
         const chunked = yield* encodeGguf(syntheticModelSpec(o, 1000))
         assert.deepStrictEqual(chunked, whole, type)
       }
-    }))
+    })
+  )
 
   // Bad options are typed errors, not files.
   it.effect("rejects impossible shapes", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const e1 = yield* Effect.flip(writeSyntheticModel({ ...base("llama", "f32"), vocab: 100 }))
       assert.include(e1.message, "vocab")
       const e2 = yield* Effect.flip(writeSyntheticModel({ ...base("llama", "f32"), heads: 4, kvHeads: 3 }))
       assert.include(e2.message, "kvHeads")
       const e3 = yield* Effect.flip(writeSyntheticModel({ ...base("llama", "f32"), hidden: 250 }))
       assert.include(e3.message, "hidden")
-    }))
+    })
+  )
 })

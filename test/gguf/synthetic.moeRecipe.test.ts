@@ -29,39 +29,44 @@ const cases: ReadonlyArray<readonly [SyntheticModelOptions["arch"], SyntheticTyp
 
 describe("mixed recipes on MoE files: the per-tensor types of llama.cpp's quantizer", () => {
   for (const [arch, type, layers, experts, reached, reachedType] of cases) {
-    it.live(`${arch} ${type}, ${layers} blocks, ${experts} experts: every tensor's type equals llama_model_quantize's`, () =>
-      Effect.gen(function*() {
-        const o: SyntheticModelOptions = {
-          path: join(dir, `${arch}-${type}-${layers}-${experts}.gguf`),
-          arch,
-          layers,
-          hidden: 256,
-          ffn: 256,
-          heads: 4,
-          kvHeads: 2,
-          vocab: 300,
-          contextLength: 256,
-          type,
-          seed: 3,
-          experts,
-          expertsUsed: 2,
-          expertFfn: 256
-        }
-        const f32 = { ...o, type: "f32" as const, path: join(dir, `${arch}-${type}-${layers}-${experts}-f32.gguf`) }
-        const refPath = join(dir, `${arch}-${type}-${layers}-${experts}-llama.gguf`)
-        yield* writeSyntheticModel(o)
-        yield* writeSyntheticModel(f32)
-        llamaQuantize(f32.path, refPath, syntheticFileType(type))
-        const ours = yield* readGgufFile(o.path)
-        const ref = yield* readGgufFile(refPath)
-        assert.deepStrictEqual(ours.tensors.map((t) => t.name).sort(), ref.tensors.map((t) => t.name).sort())
-        const differ = ours.tensors.flatMap((t) => {
-          const theirs = ref.tensorsByName.get(t.name)!.type
-          return theirs === t.type ? [] : [`${t.name}: ours ${ggmlTypeName(t.type)}, llama.cpp ${ggmlTypeName(theirs)}`]
+    it.live(
+      `${arch} ${type}, ${layers} blocks, ${experts} experts: every tensor's type equals llama_model_quantize's`,
+      () =>
+        Effect.gen(function* () {
+          const o: SyntheticModelOptions = {
+            path: join(dir, `${arch}-${type}-${layers}-${experts}.gguf`),
+            arch,
+            layers,
+            hidden: 256,
+            ffn: 256,
+            heads: 4,
+            kvHeads: 2,
+            vocab: 300,
+            contextLength: 256,
+            type,
+            seed: 3,
+            experts,
+            expertsUsed: 2,
+            expertFfn: 256
+          }
+          const f32 = { ...o, type: "f32" as const, path: join(dir, `${arch}-${type}-${layers}-${experts}-f32.gguf`) }
+          const refPath = join(dir, `${arch}-${type}-${layers}-${experts}-llama.gguf`)
+          yield* writeSyntheticModel(o)
+          yield* writeSyntheticModel(f32)
+          llamaQuantize(f32.path, refPath, syntheticFileType(type))
+          const ours = yield* readGgufFile(o.path)
+          const ref = yield* readGgufFile(refPath)
+          assert.deepStrictEqual(ours.tensors.map((t) => t.name).sort(), ref.tensors.map((t) => t.name).sort())
+          const differ = ours.tensors.flatMap((t) => {
+            const theirs = ref.tensorsByName.get(t.name)!.type
+            return theirs === t.type
+              ? []
+              : [`${t.name}: ours ${ggmlTypeName(t.type)}, llama.cpp ${ggmlTypeName(theirs)}`]
+          })
+          assert.deepStrictEqual(differ, [])
+          assert.strictEqual(ggmlTypeName(ours.tensorsByName.get(reached)!.type), reachedType)
+          assert.strictEqual(yield* getU32(ours, "general.file_type"), yield* getU32(ref, "general.file_type"))
         })
-        assert.deepStrictEqual(differ, [])
-        assert.strictEqual(ggmlTypeName(ours.tensorsByName.get(reached)!.type), reachedType)
-        assert.strictEqual(yield* getU32(ours, "general.file_type"), yield* getU32(ref, "general.file_type"))
-      }))
+    )
   }
 })

@@ -12,7 +12,6 @@ import { makeMemoryWorld } from "../../src/layers/agent/AgentLinksTest.js"
 import { AgentControl, type StageReport } from "../../src/services/AgentLinks.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
 
-
 /**
  * A catalog that claims twice the engine's context: the orchestrator's up-front check (prompt + max tokens within the
  * model's context, services/RequestChecks.ts) lets a 2,100-token prompt through, and the engine's session overflows.
@@ -28,19 +27,24 @@ const world = (
   onReport?: (report: StageReport) => void,
   catalog: Layer.Layer<ModelCatalog> = ModelCatalogLive.layer
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerWith(testModel)))
-    const links = onReport === undefined ? memory.layer : Layer.effect(
-      AgentControl,
-      Effect.map(AgentControl, (control) =>
-        AgentControl.of({
-          connect: (node, token) =>
-            Effect.map(control.connect(node, token), (link) => ({
-              ...link,
-              provision: (request) => link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
-            }))
-        }))
-    ).pipe(Layer.provideMerge(memory.layer))
+    const links =
+      onReport === undefined
+        ? memory.layer
+        : Layer.effect(
+            AgentControl,
+            Effect.map(AgentControl, (control) =>
+              AgentControl.of({
+                connect: (node, token) =>
+                  Effect.map(control.connect(node, token), (link) => ({
+                    ...link,
+                    provision: (request) =>
+                      link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
+                  }))
+              })
+            )
+          ).pipe(Layer.provideMerge(memory.layer))
     const orchestrator = yield* Effect.provide(
       Orchestrator,
       OrchestratorLive.layer.pipe(
@@ -69,7 +73,7 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
   // The orchestrator learns a model's facts and layout from the ModelCatalog service: with a catalog that knows a
   // path no file is at, the run plans and generates as for the real file; the live catalog refuses that path.
   it.live("model facts and layout come from the ModelCatalog service", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const real = requireModel("stories260K.gguf")
       const elsewhere = "/models/only-in-the-catalog.gguf"
       const facts = yield* ModelCatalogLive.make.facts(real)
@@ -78,19 +82,27 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
         new Map([[elsewhere, { ...facts, ggufSource: { _tag: "LocalPath" as const, path: elsewhere } }]]),
         new Map([[elsewhere, layout]])
       )
-      const expected = tokensOf(Chunk.toReadonlyArray(yield* Stream.runCollect((yield* world(2)).orchestrator.run(request({ stages: 2 })))))
-      const viaTable = yield* Stream.runCollect((yield* world(2, undefined, table)).orchestrator.run(request({ stages: 2, model: elsewhere })))
+      const expected = tokensOf(
+        Chunk.toReadonlyArray(yield* Stream.runCollect((yield* world(2)).orchestrator.run(request({ stages: 2 }))))
+      )
+      const viaTable = yield* Stream.runCollect(
+        (yield* world(2, undefined, table)).orchestrator.run(request({ stages: 2, model: elsewhere }))
+      )
       assert.deepStrictEqual(tokensOf(Chunk.toReadonlyArray(viaTable)), expected)
       assert.isAbove(expected.length, 0)
-      const refused = yield* Effect.either(Stream.runCollect((yield* world(2)).orchestrator.run(request({ stages: 2, model: elsewhere }))))
+      const refused = yield* Effect.either(
+        Stream.runCollect((yield* world(2)).orchestrator.run(request({ stages: 2, model: elsewhere })))
+      )
       assert.isTrue(refused._tag === "Left" && refused.left._tag === "ModelLoadError")
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // A split run produces exactly the tokens of the unsplit model, for every stage count.
   it.live("1..4 stages generate the test model's greedy tokens, then a summary", () =>
-    Effect.gen(function*() {
-      const expected = StageExecutorTest.testModelGreedy(testModel, promptTokens("Once upon a time"), 12)
-        .filter((t) => t !== 2)
+    Effect.gen(function* () {
+      const expected = StageExecutorTest.testModelGreedy(testModel, promptTokens("Once upon a time"), 12).filter(
+        (t) => t !== 2
+      )
       for (const stages of [1, 2, 3, 4]) {
         const { orchestrator } = yield* world(stages)
         const updates = Chunk.toReadonlyArray(yield* Stream.runCollect(orchestrator.run(request({ stages }))))
@@ -102,55 +114,67 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
           assert.strictEqual(finished.summary.generatedTokens, expected.length)
         }
       }
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // Planning rejections reach the caller as the planner's typed errors.
   it.live("more stages than the model has blocks is the planner's typed rejection", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { orchestrator } = yield* world(2)
       const error = yield* Effect.flip(Stream.runDrain(orchestrator.run(request({ stages: 9 }))))
       assert.strictEqual(error._tag, "ModelStageLayoutMismatch")
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // A stage whose engine fails faults the run with that stage's reason, in words.
   it.live("an engine failure on a stage faults the run with the stage's reason", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { orchestrator } = yield* world(3, undefined, claimsMoreContext)
-      const error = yield* Effect.flip(Stream.runCollect(
-        orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 }))
-      ))
+      const error = yield* Effect.flip(
+        Stream.runCollect(orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 })))
+      )
       assert.strictEqual(error._tag, "RunFaulted")
       if (error._tag === "RunFaulted") {
         assert.strictEqual(error.reason._tag, "StageFault")
         assert.include(error.message, "stage 0")
         assert.include(error.message, "ContextOverflow")
       }
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // One fault vocabulary: the reason a stage's agent reports is the run's fault reason, unchanged (no mapping
   // that drops or rewords it on the way).
   it.live("a stage's fault reason arrives unchanged as the run's fault", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const faults: Array<Extract<StageReport, { _tag: "StageFault" }>> = []
-      const { orchestrator } = yield* world(3, (report) => {
-        if (report._tag === "StageFault") faults.push(report)
-      }, claimsMoreContext)
-      const error = yield* Effect.flip(Stream.runCollect(
-        orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 }))
-      ))
+      const { orchestrator } = yield* world(
+        3,
+        (report) => {
+          if (report._tag === "StageFault") faults.push(report)
+        },
+        claimsMoreContext
+      )
+      const error = yield* Effect.flip(
+        Stream.runCollect(orchestrator.run(request({ stages: 3, prompt: "x".repeat(2100), maxTokens: 1 })))
+      )
       // The root cause first (stage 0's engine); the others' broken edges are its echoes.
       const reported = faults[0]!
       assert.strictEqual(reported.stageIndex, 0)
       assert.strictEqual(reported.reason._tag, "ExecutionFailed")
       assert.strictEqual(error._tag, "RunFaulted")
       if (error._tag === "RunFaulted") {
-        assert.deepStrictEqual(error.reason, { _tag: "StageFault", stageIndex: reported.stageIndex, reason: reported.reason })
+        assert.deepStrictEqual(error.reason, {
+          _tag: "StageFault",
+          stageIndex: reported.stageIndex,
+          reason: reported.reason
+        })
       }
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // A dead agent (its links fail) faults the run; every stage still stops and the stream fails.
   it.live("killing an agent mid-generation faults the run and stops every stage", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { memory, orchestrator } = yield* world(3)
       const fiber = yield* orchestrator.run(request({ stages: 3, maxTokens: 2000, prompt: "a" })).pipe(
         Stream.filter((u) => u._tag === "Token"),
@@ -172,11 +196,12 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
         assert.include(["StageFault", "MembershipLost"], error.reason._tag)
       }
       for (const agent of failing.memory.agents) assert.strictEqual((yield* agent.host.capacity).activeStages, 0)
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // Interrupting the consumer is an operator stop with the full teardown: no stage stays hosted.
   it.live("stopping the stream early stops every stage", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { memory, orchestrator } = yield* world(2)
       const updates = yield* orchestrator.run(request({ stages: 2, maxTokens: 1000, prompt: "b" })).pipe(
         Stream.filter((u) => u._tag === "Token"),
@@ -185,16 +210,20 @@ describe("Orchestrator (in-memory agents, deterministic engine)", () => {
       )
       assert.strictEqual(Chunk.size(updates), 2)
       for (const agent of memory.agents) assert.strictEqual((yield* agent.host.capacity).activeStages, 0)
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 
   // A second run on the same agents reuses the cached weights (no reload).
   it.live("a second run on the same agents reuses cached weights", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { orchestrator } = yield* world(2)
       yield* Stream.runDrain(orchestrator.run(request({ stages: 2, maxTokens: 2 })))
-      const updates = Chunk.toReadonlyArray(yield* Stream.runCollect(orchestrator.run(request({ stages: 2, maxTokens: 2 }))))
+      const updates = Chunk.toReadonlyArray(
+        yield* Stream.runCollect(orchestrator.run(request({ stages: 2, maxTokens: 2 })))
+      )
       const ready = updates.filter((u) => u._tag === "StageReady")
       assert.strictEqual(ready.length, 2)
       assert.isTrue(ready.every((u) => u._tag === "StageReady" && u.cachedWeights))
-    }).pipe(Effect.scoped))
+    }).pipe(Effect.scoped)
+  )
 })

@@ -17,7 +17,6 @@ import { StageExecutor } from "../../src/services/StageExecutor.js"
 import { makeStageStragglerDetector } from "../../src/services/StageStragglers.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
 
-
 const SLOW_MILLIS = 120
 
 /** The test engine; the stage whose blocks start at `slowLayerStart` takes SLOW_MILLIS longer at `slowPositions`. */
@@ -42,13 +41,17 @@ const slowSequences = [14, 24, 34]
 const rule = { minExcessMillis: 40 }
 
 const orchestratorWorld = (slowLayerStart: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const memory = yield* makeMemoryWorld(3).pipe(
       Effect.provide(slowStageExecutor(slowLayerStart, new Set(slowSequences.map(positionOf))))
     )
     return yield* Effect.provide(
       Orchestrator,
-      OrchestratorLive.layer.pipe(Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)))
+      OrchestratorLive.layer.pipe(
+        Layer.provide(
+          Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)
+        )
+      )
     )
   })
 
@@ -83,57 +86,85 @@ describe("per-stage stragglers", () => {
   // A real orchestrator over three stage hosts (in-memory links, the deterministic engine): the middle stage is
   // slowed on three decode steps; the summary and the live updates name that stage, and only it, with the count,
   // its median and its worst step.
-  it.live("a stage slowed on some steps is the one named, in the summary and as it happens", () =>
-    Effect.gen(function*() {
-      const orchestrator = yield* orchestratorWorld(2)
-      const updates = Chunk.toReadonlyArray(
-        yield* Stream.runCollect(orchestrator.run({
-          model: requireModel("stories260K.gguf"),
-          prompt,
-          stages: 3,
-          // 39 decode steps: reports go out per 16 steps, so step 34's comes with the stage's last one, at its stop.
-          maxTokens: 40,
-          stragglers: rule
-        }))
-      )
-      const summary = summaryOf(updates)
-      assert.deepStrictEqual(summary.stages.map((s) => s.layers), [[0, 2], [2, 4], [4, 5]])
-      const live = updates.flatMap((u) => (u._tag === "StageStraggler" ? [u.straggler] : []))
-      assert.deepStrictEqual(live.map((s) => [s.stageIndex, s.step]), slowSequences.map((q) => [1, q]))
-      assert.strictEqual(summary.stageStragglers.length, 1)
-      const [stage] = summary.stageStragglers
-      assert.strictEqual(stage!.stageIndex, 1)
-      assert.strictEqual(stage!.address, summary.stages[1]!.address)
-      assert.strictEqual(stage!.tokens, slowSequences.length)
-      assert.isAtLeast(stage!.worstMillis, SLOW_MILLIS)
-      assert.include(slowSequences, stage!.worstStep)
-      assert.isBelow(stage!.medianMillis, 20)
-      // `swactor run` prints it under the summary.
-      assert.include(renderSummary(summary), `straggling stage 1 on ${stage!.address}: 3 slow tokens (median `)
-      // Every stage reported its steps (median per stage in the summary).
-      for (const s of summary.stages) assert.isAbove(s.medianTokenMillis, 0, `stage ${s.stageIndex}`)
-    }).pipe(Effect.scoped), 60_000)
+  it.live(
+    "a stage slowed on some steps is the one named, in the summary and as it happens",
+    () =>
+      Effect.gen(function* () {
+        const orchestrator = yield* orchestratorWorld(2)
+        const updates = Chunk.toReadonlyArray(
+          yield* Stream.runCollect(
+            orchestrator.run({
+              model: requireModel("stories260K.gguf"),
+              prompt,
+              stages: 3,
+              // 39 decode steps: reports go out per 16 steps, so step 34's comes with the stage's last one, at its stop.
+              maxTokens: 40,
+              stragglers: rule
+            })
+          )
+        )
+        const summary = summaryOf(updates)
+        assert.deepStrictEqual(
+          summary.stages.map((s) => s.layers),
+          [
+            [0, 2],
+            [2, 4],
+            [4, 5]
+          ]
+        )
+        const live = updates.flatMap((u) => (u._tag === "StageStraggler" ? [u.straggler] : []))
+        assert.deepStrictEqual(
+          live.map((s) => [s.stageIndex, s.step]),
+          slowSequences.map((q) => [1, q])
+        )
+        assert.strictEqual(summary.stageStragglers.length, 1)
+        const [stage] = summary.stageStragglers
+        assert.strictEqual(stage!.stageIndex, 1)
+        assert.strictEqual(stage!.address, summary.stages[1]!.address)
+        assert.strictEqual(stage!.tokens, slowSequences.length)
+        assert.isAtLeast(stage!.worstMillis, SLOW_MILLIS)
+        assert.include(slowSequences, stage!.worstStep)
+        assert.isBelow(stage!.medianMillis, 20)
+        // `swactor run` prints it under the summary.
+        assert.include(renderSummary(summary), `straggling stage 1 on ${stage!.address}: 3 slow tokens (median `)
+        // Every stage reported its steps (median per stage in the summary).
+        for (const s of summary.stages) assert.isAbove(s.medianTokenMillis, 0, `stage ${s.stageIndex}`)
+      }).pipe(Effect.scoped),
+    60_000
+  )
 
   // serve counts each stage's straggling steps as they happen: /metrics has a counter per stage label, and only the
   // slowed stage's is above zero.
-  it.live("serve's /metrics counts straggling steps per stage", () =>
-    Effect.gen(function*() {
-      const memory = yield* makeMemoryWorld(2).pipe(
-        // Two stages of 5 blocks: [0, 3) and [3, 5); the second is slowed.
-        Effect.provide(slowStageExecutor(3, new Set(slowSequences.map(positionOf))))
-      )
-      const server = yield* Layer.build(
-        ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, stragglers: rule }).pipe(
-          Layer.provide(OrchestratorLive.layer),
-          Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
+  it.live(
+    "serve's /metrics counts straggling steps per stage",
+    () =>
+      Effect.gen(function* () {
+        const memory = yield* makeMemoryWorld(2).pipe(
+          // Two stages of 5 blocks: [0, 3) and [3, 5); the second is slowed.
+          Effect.provide(slowStageExecutor(3, new Set(slowSequences.map(positionOf))))
         )
-      ).pipe(Effect.map(Context.get(Server)))
-      yield* server.ready
-      yield* Stream.runDrain(server.generate({ prompt, maxTokens: 50 }))
-      const metrics = yield* server.metrics
-      assert.deepStrictEqual(metrics.stages.map((s) => [s.stageIndex, s.stragglerTokens]), [[0, 0], [1, slowSequences.length]])
-      const text = HttpServe.renderMetrics(metrics, "ready")
-      assert.include(text, `swactor_stage_straggler_tokens_total{stage="1"} ${slowSequences.length}`)
-      assert.include(text, `swactor_stage_straggler_tokens_total{stage="0"} 0`)
-    }).pipe(Effect.scoped), 60_000)
+        const server = yield* Layer.build(
+          ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, stragglers: rule }).pipe(
+            Layer.provide(OrchestratorLive.layer),
+            Layer.provide(
+              Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)
+            )
+          )
+        ).pipe(Effect.map(Context.get(Server)))
+        yield* server.ready
+        yield* Stream.runDrain(server.generate({ prompt, maxTokens: 50 }))
+        const metrics = yield* server.metrics
+        assert.deepStrictEqual(
+          metrics.stages.map((s) => [s.stageIndex, s.stragglerTokens]),
+          [
+            [0, 0],
+            [1, slowSequences.length]
+          ]
+        )
+        const text = HttpServe.renderMetrics(metrics, "ready")
+        assert.include(text, `swactor_stage_straggler_tokens_total{stage="1"} ${slowSequences.length}`)
+        assert.include(text, `swactor_stage_straggler_tokens_total{stage="0"} 0`)
+      }).pipe(Effect.scoped),
+    60_000
+  )
 })

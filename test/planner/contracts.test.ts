@@ -62,20 +62,21 @@ describe("each stage's edges (G8)", () => {
     const plan = Either.getOrThrow(planRunEither(valid()))
     const orchestrator: EdgeEndpoint = { _tag: "Orchestrator", nodeId: node(99) }
     const stage = (stageIndex: number): EdgeEndpoint => ({ _tag: "Stage", nodeId: node(10 + stageIndex), stageIndex })
-    const expected: ReadonlyArray<Record<"inbound" | "outbound", Omit<EdgeProvision, "edgeId"> & { edgeId: number }>> = [
-      {
-        inbound: { edgeId: 0, kind: "TokenIn", peer: orchestrator, ring: tokenRing },
-        outbound: { edgeId: 1, kind: "Activation", peer: stage(1), ring: activationRing }
-      },
-      {
-        inbound: { edgeId: 1, kind: "Activation", peer: stage(0), ring: activationRing },
-        outbound: { edgeId: 2, kind: "Activation", peer: stage(2), ring: activationRing }
-      },
-      {
-        inbound: { edgeId: 2, kind: "Activation", peer: stage(1), ring: activationRing },
-        outbound: { edgeId: 3, kind: "TokenOut", peer: orchestrator, ring: tokenRing }
-      }
-    ]
+    const expected: ReadonlyArray<Record<"inbound" | "outbound", Omit<EdgeProvision, "edgeId"> & { edgeId: number }>> =
+      [
+        {
+          inbound: { edgeId: 0, kind: "TokenIn", peer: orchestrator, ring: tokenRing },
+          outbound: { edgeId: 1, kind: "Activation", peer: stage(1), ring: activationRing }
+        },
+        {
+          inbound: { edgeId: 1, kind: "Activation", peer: stage(0), ring: activationRing },
+          outbound: { edgeId: 2, kind: "Activation", peer: stage(2), ring: activationRing }
+        },
+        {
+          inbound: { edgeId: 2, kind: "Activation", peer: stage(1), ring: activationRing },
+          outbound: { edgeId: 3, kind: "TokenOut", peer: orchestrator, ring: tokenRing }
+        }
+      ]
     for (const [stageIndex, edges] of expected.entries()) {
       const provision = Either.getOrThrow(deriveStageProvisionEither(plan, stageIndex))
       assert.deepStrictEqual({ inbound: provision.inbound, outbound: provision.outbound }, edges)
@@ -97,7 +98,11 @@ const numericCases: ReadonlyArray<readonly [string, (n: number) => PlannerInput,
   ["token alignment", (n) => ({ ...valid(), tokenRing: ring(4096, n) }), "InvalidRingSpec"],
   ["orchestrator node", (n) => ({ ...valid(), orchestratorNodeId: node(n) }), "InvalidNodeId"],
   ["candidate node", (n) => ({ ...valid(), candidatePool: [...valid().candidatePool, node(n)] }), "InvalidNodeId"],
-  ["placement stage index", (n) => withStages([...placement(3), { stageIndex: n, nodeId: node(10) }]), "StageIndexOutOfRange"],
+  [
+    "placement stage index",
+    (n) => withStages([...placement(3), { stageIndex: n, nodeId: node(10) }]),
+    "StageIndexOutOfRange"
+  ],
   ["placement node", (n) => withStages([...placement(2), { stageIndex: 2, nodeId: node(n) }]), "UnknownNode"]
 ]
 
@@ -172,11 +177,34 @@ describe("the order of the checks (G5)", () => {
     ["DuplicateCandidateNode", (i) => ({ ...i, candidatePool: [node(13), ...i.candidatePool] })],
     // Placement faults: a missing stage 2, a duplicate of stage 0 first, an unknown node next, an out-of-range
     // index last.
-    ["MissingStage", (i) => withPlacement(i, stagesOf(i).filter((e) => e.stageIndex !== 2))],
+    [
+      "MissingStage",
+      (i) =>
+        withPlacement(
+          i,
+          stagesOf(i).filter((e) => e.stageIndex !== 2)
+        )
+    ],
     ["DuplicateStageAssignment", (i) => withPlacement(i, [{ stageIndex: 0, nodeId: node(12) }, ...stagesOf(i)])],
-    ["UnknownNode", (i) => withPlacement(i, stagesOf(i).map((e) => e.stageIndex === 1 ? { ...e, nodeId: node(404) } : e))],
+    [
+      "UnknownNode",
+      (i) =>
+        withPlacement(
+          i,
+          stagesOf(i).map((e) => (e.stageIndex === 1 ? { ...e, nodeId: node(404) } : e))
+        )
+    ],
     ["StageIndexOutOfRange", (i) => withPlacement(i, [...stagesOf(i), { stageIndex: 9, nodeId: node(10) }])],
-    ["InvalidLayerRanges", (i) => ({ ...i, layerRanges: [[0, 2], [3, 4]] })]
+    [
+      "InvalidLayerRanges",
+      (i) => ({
+        ...i,
+        layerRanges: [
+          [0, 2],
+          [3, 4]
+        ]
+      })
+    ]
   ]
   const table: ReadonlyArray<PlanRejection["_tag"]> = oneOfEach.map(([tag]) => tag)
   const stagesOf = (i: PlannerInput) => i.placement.stages
@@ -196,10 +224,14 @@ describe("the order of the checks (G5)", () => {
     ))
 
   it("an unknown node in an early entry does not hide an out-of-range index in a later one", () => {
-    const input = withStages([{ stageIndex: 0, nodeId: node(404) }, ...placement(3).slice(1), {
-      stageIndex: 5,
-      nodeId: node(10)
-    }])
+    const input = withStages([
+      { stageIndex: 0, nodeId: node(404) },
+      ...placement(3).slice(1),
+      {
+        stageIndex: 5,
+        nodeId: node(10)
+      }
+    ])
     assert.strictEqual(rejectionOf(input)._tag, "StageIndexOutOfRange")
   })
 })

@@ -3,42 +3,63 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Either, FastCheck as fc } from "effect"
 import { type NodeId, RunId } from "../../src/domain/ids.js"
-import type { LayerRange, ModelLayout, PlacementChoice, PlannerInput, PoolNode, RingSpec } from "../../src/domain/plan.js"
+import type {
+  LayerRange,
+  ModelLayout,
+  PlacementChoice,
+  PlannerInput,
+  PoolNode,
+  RingSpec
+} from "../../src/domain/plan.js"
 import { choosePlacement, computeReserveBytes, parseLayerSpec, plannerPlacement } from "../../src/services/Placement.js"
 import { partitionLayers, planRunEither } from "../../src/services/Planner.js"
 
 const MiB = 2 ** 20
 const CONTEXT = 512
 
-const layoutArb = fc.integer({ min: 1, max: 12 }).chain((numLayers) =>
-  fc.record({
-    blockBytes: fc.array(fc.integer({ min: 1, max: 64 }).map((m) => m * MiB), {
-      minLength: numLayers,
-      maxLength: numLayers
-    }),
-    // Per block: dense (reads what it stores), or a mixture of experts that reads 1/16 to all of it per token.
-    activeShare: fc.array(fc.oneof(fc.constant(1), fc.integer({ min: 1, max: 16 }).map((k) => k / 16)), {
-      minLength: numLayers,
-      maxLength: numLayers
-    }),
-    kvBytesPerToken: fc.array(fc.constantFrom(1024, 4096, 16384), { minLength: numLayers, maxLength: numLayers }),
-    inputBytes: fc.integer({ min: 0, max: 64 }).map((m) => m * MiB),
-    outputBytes: fc.integer({ min: 0, max: 64 }).map((m) => m * MiB),
-    hiddenDim: fc.constantFrom(64, 256, 2048)
-  })
-).map(({ activeShare, ...layout }): ModelLayout => ({
-  ...layout,
-  activeBlockBytes: layout.blockBytes.map((bytes, i) => bytes * activeShare[i]!)
-}))
+const layoutArb = fc
+  .integer({ min: 1, max: 12 })
+  .chain((numLayers) =>
+    fc.record({
+      blockBytes: fc.array(
+        fc.integer({ min: 1, max: 64 }).map((m) => m * MiB),
+        {
+          minLength: numLayers,
+          maxLength: numLayers
+        }
+      ),
+      // Per block: dense (reads what it stores), or a mixture of experts that reads 1/16 to all of it per token.
+      activeShare: fc.array(
+        fc.oneof(
+          fc.constant(1),
+          fc.integer({ min: 1, max: 16 }).map((k) => k / 16)
+        ),
+        {
+          minLength: numLayers,
+          maxLength: numLayers
+        }
+      ),
+      kvBytesPerToken: fc.array(fc.constantFrom(1024, 4096, 16384), { minLength: numLayers, maxLength: numLayers }),
+      inputBytes: fc.integer({ min: 0, max: 64 }).map((m) => m * MiB),
+      outputBytes: fc.integer({ min: 0, max: 64 }).map((m) => m * MiB),
+      hiddenDim: fc.constantFrom(64, 256, 2048)
+    })
+  )
+  .map(({ activeShare, ...layout }): ModelLayout => ({
+    ...layout,
+    activeBlockBytes: layout.blockBytes.map((bytes, i) => bytes * activeShare[i]!)
+  }))
 
 // Free memory from "holds nothing" to "holds a whole model"; speeds over two orders of magnitude.
-const poolArb = fc.array(
-  fc.record({
-    freeMemoryBytes: fc.integer({ min: 0, max: 1200 }).map((m) => m * MiB),
-    speedBytesPerSecond: fc.integer({ min: 1, max: 100 }).map((g) => g * 1e8)
-  }),
-  { minLength: 1, maxLength: 5 }
-).map((nodes) => nodes.map((n, i): PoolNode => ({ ...n, nodeId: (i + 1) as NodeId })))
+const poolArb = fc
+  .array(
+    fc.record({
+      freeMemoryBytes: fc.integer({ min: 0, max: 1200 }).map((m) => m * MiB),
+      speedBytesPerSecond: fc.integer({ min: 1, max: 100 }).map((g) => g * 1e8)
+    }),
+    { minLength: 1, maxLength: 5 }
+  )
+  .map((nodes) => nodes.map((n, i): PoolNode => ({ ...n, nodeId: (i + 1) as NodeId })))
 
 const options = { contextTokens: CONTEXT }
 
@@ -52,7 +73,8 @@ const memoryOf = (layout: ModelLayout, start: number, end: number) => {
 
 const assertWithinMemory = (layout: ModelLayout, pool: ReadonlyArray<PoolNode>, choice: PlacementChoice) => {
   for (const node of pool) {
-    const used = choice.stages.filter((s) => s.nodeId === node.nodeId)
+    const used = choice.stages
+      .filter((s) => s.nodeId === node.nodeId)
       .reduce((sum, s) => sum + memoryOf(layout, s.layerStart, s.layerEndExclusive), 0)
     assert.isAtMost(used, node.freeMemoryBytes, `node ${node.nodeId}`)
   }
@@ -232,34 +254,86 @@ describe("typed rejections (P5)", () => {
     const capacity = choosePlacement({ _tag: "Capacity" }, layout, pool, options)
     assert.deepStrictEqual(
       Either.map(capacity, (c) => c.stages.map((s) => [s.nodeId, s.layerStart, s.layerEndExclusive])),
-      Either.right([[1, 0, 3], [2, 3, 4]])
+      Either.right([
+        [1, 0, 3],
+        [2, 3, 4]
+      ])
     )
   })
 
   it("fixed ranges that are not contiguous and complete are refused", () => {
     const pool = [node(1, 1000), node(2, 1000)]
-    for (
-      const [ranges, reason] of [
-        [[[0, 2], [3, 4]], "blocks 2..2 are in no range"],
-        [[[0, 3], [2, 4]], "block 2 is in two ranges"],
-        [[[0, 2], [2, 3]], "blocks 3..3 are in no range"],
-        [[[0, 2], [2, 6]], "the ranges end at block 5 but the model has 4 blocks"]
-      ] as const
-    ) {
+    for (const [ranges, reason] of [
+      [
+        [
+          [0, 2],
+          [3, 4]
+        ],
+        "blocks 2..2 are in no range"
+      ],
+      [
+        [
+          [0, 3],
+          [2, 4]
+        ],
+        "block 2 is in two ranges"
+      ],
+      [
+        [
+          [0, 2],
+          [2, 3]
+        ],
+        "blocks 3..3 are in no range"
+      ],
+      [
+        [
+          [0, 2],
+          [2, 6]
+        ],
+        "the ranges end at block 5 but the model has 4 blocks"
+      ]
+    ] as const) {
       const result = choosePlacement({ _tag: "Fixed", ranges }, layout, pool, options)
       assert.deepStrictEqual(Either.isLeft(result) && result.left._tag, "InvalidLayerRanges")
       if (Either.isLeft(result)) assert.include(result.left.message, reason)
     }
-    const fixed = choosePlacement({ _tag: "Fixed", ranges: [[0, 1], [1, 4]] }, layout, pool, options)
+    const fixed = choosePlacement(
+      {
+        _tag: "Fixed",
+        ranges: [
+          [0, 1],
+          [1, 4]
+        ]
+      },
+      layout,
+      pool,
+      options
+    )
     assert.deepStrictEqual(
       Either.map(fixed, (c) => c.stages.map((s) => [s.nodeId, s.layerStart, s.layerEndExclusive])),
-      Either.right([[1, 0, 1], [2, 1, 4]])
+      Either.right([
+        [1, 0, 1],
+        [2, 1, 4]
+      ])
     )
   })
 
   it("--layers text parses inclusive ranges and refuses anything else", () => {
-    assert.deepStrictEqual(parseLayerSpec("0-9,10-15"), Either.right([[0, 10], [10, 16]]))
-    assert.deepStrictEqual(parseLayerSpec("0-2, 3 ,4-4"), Either.right([[0, 3], [3, 4], [4, 5]]))
+    assert.deepStrictEqual(
+      parseLayerSpec("0-9,10-15"),
+      Either.right([
+        [0, 10],
+        [10, 16]
+      ])
+    )
+    assert.deepStrictEqual(
+      parseLayerSpec("0-2, 3 ,4-4"),
+      Either.right([
+        [0, 3],
+        [3, 4],
+        [4, 5]
+      ])
+    )
     for (const text of ["", "0-", "a-3", "5-2", "0-3;4-5", "-1-2"]) {
       const parsed = parseLayerSpec(text)
       assert.isTrue(Either.isLeft(parsed), text)
@@ -284,12 +358,36 @@ describe("capacity follows speed (P6)", () => {
     })
     const split = (pool: ReadonlyArray<PoolNode>) =>
       Either.map(choosePlacement({ _tag: "Capacity" }, layout, pool, options), (c) =>
-        c.stages.map((s) => [s.nodeId, s.layerEndExclusive - s.layerStart]))
-    assert.deepStrictEqual(split([node(1, 2e9), node(2, 1e9)]), Either.right([[1, 8], [2, 4]]))
-    assert.deepStrictEqual(split([node(1, 1e9), node(2, 1e9), node(3, 1e9)]), Either.right([[1, 4], [2, 4], [3, 4]]))
+        c.stages.map((s) => [s.nodeId, s.layerEndExclusive - s.layerStart])
+      )
+    assert.deepStrictEqual(
+      split([node(1, 2e9), node(2, 1e9)]),
+      Either.right([
+        [1, 8],
+        [2, 4]
+      ])
+    )
+    assert.deepStrictEqual(
+      split([node(1, 1e9), node(2, 1e9), node(3, 1e9)]),
+      Either.right([
+        [1, 4],
+        [2, 4],
+        [3, 4]
+      ])
+    )
     // Node 3 would take 10 MiB at 1 MB/s = 10 s per token: it is left out.
-    assert.deepStrictEqual(split([node(1, 1e9), node(2, 1e9), node(3, 1e6)]), Either.right([[1, 6], [2, 6]]))
-    assert.deepStrictEqual(partitionLayers(12, 3), [[0, 4], [4, 8], [8, 12]])
+    assert.deepStrictEqual(
+      split([node(1, 1e9), node(2, 1e9), node(3, 1e6)]),
+      Either.right([
+        [1, 6],
+        [2, 6]
+      ])
+    )
+    assert.deepStrictEqual(partitionLayers(12, 3), [
+      [0, 4],
+      [4, 8],
+      [8, 12]
+    ])
   })
 })
 
@@ -315,7 +413,13 @@ describe("mixtures of experts: memory by stored bytes, speed by active bytes (P-
   it("equal nodes with room for everything split by active bytes: 2 + 2 blocks, the boundary between dense and MoE", () => {
     const choice = choosePlacement({ _tag: "Capacity" }, moe, [node(1, 10_000), node(2, 10_000)], options)
     // Stored bytes as the speed cost would put blocks 0-2 (120 MiB) against block 3 (100 MiB).
-    assert.deepStrictEqual(ranges(choice), Either.right([[1, 0, 2], [2, 2, 4]]))
+    assert.deepStrictEqual(
+      ranges(choice),
+      Either.right([
+        [1, 0, 2],
+        [2, 2, 4]
+      ])
+    )
     if (Either.isRight(choice)) {
       const [first, second] = choice.right.stages
       assert.strictEqual(first!.weightBytes, 20 * MiB)
@@ -323,7 +427,7 @@ describe("mixtures of experts: memory by stored bytes, speed by active bytes (P-
       assert.strictEqual(second!.weightBytes, 200 * MiB)
       assert.strictEqual(second!.activeBytes, 20 * MiB)
       // 20 MiB read at 1 GB/s + one hop, on both stages.
-      const ms = (20 * MiB / 1e9) * 1000 + 0.1
+      const ms = ((20 * MiB) / 1e9) * 1000 + 0.1
       assert.closeTo(first!.expectedMillis, ms, 1e-9)
       assert.closeTo(second!.expectedMillis, ms, 1e-9)
       // Memory counts every stored expert byte.
@@ -336,11 +440,28 @@ describe("mixtures of experts: memory by stored bytes, speed by active bytes (P-
     // but holds 50 MiB of weights: both dense blocks, not one MoE block (100 MiB stored).
     const small = 50 + (computeReserveBytes(moe, CONTEXT) + 3 * 4096 * CONTEXT) / MiB
     const roomy = choosePlacement({ _tag: "Capacity" }, moe, [node(1, 10_000, 3e9), node(2, 10_000)], options)
-    assert.deepStrictEqual(ranges(roomy), Either.right([[1, 0, 3], [2, 3, 4]]))
+    assert.deepStrictEqual(
+      ranges(roomy),
+      Either.right([
+        [1, 0, 3],
+        [2, 3, 4]
+      ])
+    )
     const choice = choosePlacement({ _tag: "Capacity" }, moe, [node(1, small, 3e9), node(2, 10_000)], options)
-    assert.deepStrictEqual(ranges(choice), Either.right([[1, 0, 2], [2, 2, 4]]))
+    assert.deepStrictEqual(
+      ranges(choice),
+      Either.right([
+        [1, 0, 2],
+        [2, 2, 4]
+      ])
+    )
     // A balanced split that gives the small node the MoE half is refused naming it.
-    const balanced = choosePlacement({ _tag: "Balanced", stageCount: 2 }, moe, [node(2, 10_000), node(1, small)], options)
+    const balanced = choosePlacement(
+      { _tag: "Balanced", stageCount: 2 },
+      moe,
+      [node(2, 10_000), node(1, small)],
+      options
+    )
     assert.deepStrictEqual(Either.isLeft(balanced) && balanced.left._tag, "StageOverMemory")
   })
 
@@ -360,8 +481,11 @@ describe("mixtures of experts: memory by stored bytes, speed by active bytes (P-
       }))
     // Speeds 3:1 give 6 + 2 blocks; the bottleneck is 60 MiB read at 3 GB/s (not 480 MiB stored).
     const result = split([node(1, 10_000, 3e9), node(2, 10_000, 1e9)])
-    assert.deepStrictEqual(Either.map(result, (r) => r.blocks), Either.right([6, 2]))
-    assert.closeTo(Either.getOrThrow(result).bottleneck, (60 * MiB / 3e9) * 1000 + 0.1, 1e-9)
+    assert.deepStrictEqual(
+      Either.map(result, (r) => r.blocks),
+      Either.right([6, 2])
+    )
+    assert.closeTo(Either.getOrThrow(result).bottleneck, ((60 * MiB) / 3e9) * 1000 + 0.1, 1e-9)
     // Layouts whose active and stored lengths differ are refused.
     const bad = choosePlacement({ _tag: "Capacity" }, { ...layout, activeBlockBytes: [1] }, [node(1, 10_000)], options)
     assert.deepStrictEqual(Either.isLeft(bad) && bad.left._tag, "InvalidPlacement")

@@ -46,10 +46,13 @@ const validCase = fc.integer({ min: 1, max: 512 }).chain((numLayers) =>
     fc.record({
       numLayers: fc.constant(numLayers),
       nodes: fc.array(fc.integer({ min: 1, max: 8 }), { minLength: stageCount, maxLength: stageCount }),
-      order: fc.shuffledSubarray(Array.from({ length: stageCount }, (_, i) => i), {
-        minLength: stageCount,
-        maxLength: stageCount
-      })
+      order: fc.shuffledSubarray(
+        Array.from({ length: stageCount }, (_, i) => i),
+        {
+          minLength: stageCount,
+          maxLength: stageCount
+        }
+      )
     })
   )
 )
@@ -108,11 +111,21 @@ describe("planner properties", () => {
         }
 
         // Deterministic and independent of the order of placement entries.
-        const sorted = planRunEither(input(numLayers, placementOf(nodes, [...order].sort((a, b) => a - b)), pool))
+        const sorted = planRunEither(
+          input(
+            numLayers,
+            placementOf(
+              nodes,
+              [...order].sort((a, b) => a - b)
+            ),
+            pool
+          )
+        )
         assert.isTrue(Either.isRight(sorted) && isDeepStrictEqual(sorted.right, plan))
       }),
       { numRuns: 100, seed: 0x5eed22 }
-    ))
+    )
+  )
 
   it("every stage of any valid plan projects, with sampling on the last stage only; other indices are rejected", () =>
     fc.assert(
@@ -152,13 +165,14 @@ describe("planner properties", () => {
           const placement = placementOf(nodes, order)
           const victim = pick % placement.length
           const entry = placement[victim]!
-          const mutated = mutation === "drop"
-            ? placement.filter((_, i) => i !== victim)
-            : mutation === "duplicate"
-            ? [...placement, { stageIndex: entry.stageIndex, nodeId: 1 as NodeId }]
-            : mutation === "outOfRange"
-            ? placement.map((e, i) => i === victim ? { ...e, stageIndex: nodes.length } : e)
-            : placement.map((e, i) => i === victim ? { ...e, nodeId: 404 as NodeId } : e)
+          const mutated =
+            mutation === "drop"
+              ? placement.filter((_, i) => i !== victim)
+              : mutation === "duplicate"
+                ? [...placement, { stageIndex: entry.stageIndex, nodeId: 1 as NodeId }]
+                : mutation === "outOfRange"
+                  ? placement.map((e, i) => (i === victim ? { ...e, stageIndex: nodes.length } : e))
+                  : placement.map((e, i) => (i === victim ? { ...e, nodeId: 404 as NodeId } : e))
           const result = planRunEither({ ...input(numLayers, mutated, pool), stageCount: nodes.length })
           const expected = {
             drop: "MissingStage",

@@ -73,7 +73,7 @@ describe("run_plan", () => {
   // This proves RunPlan formation is a total public boundary for valid input: the caller observes one complete plan,
   // not hidden follow-up topology work or a partially initialized result.
   it.effect("valid_input_emits_one_complete_plan", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun(validInput(3, 36))
 
       assert.strictEqual(plan.runId, 7)
@@ -101,13 +101,19 @@ describe("run_plan", () => {
       for (const edge of plan.edges) {
         assert.strictEqual(edge.runId, plan.runId)
       }
-    }))
+    })
+  )
 
   // This proves layer assignment is a contiguous, non-overlapping partition of the intended GGUF block range, with
   // one non-empty range per stage.
   it.effect("stage_ranges_partition_the_model_layers", () =>
-    Effect.gen(function*() {
-      for (const [stageCount, numLayers] of [[1, 12], [2, 24], [3, 36], [4, 40]] as const) {
+    Effect.gen(function* () {
+      for (const [stageCount, numLayers] of [
+        [1, 12],
+        [2, 24],
+        [3, 36],
+        [4, 40]
+      ] as const) {
         const plan = yield* planRun(validInput(stageCount, numLayers))
         const ranges = plan.stages
           .map((stage) => [stage.stageIndex, stage.layerStart, stage.layerEndExclusive] as const)
@@ -123,12 +129,13 @@ describe("run_plan", () => {
         // The final end covers the whole intended block range.
         assert.strictEqual(expectedStart, numLayers)
       }
-    }))
+    })
+  )
 
   // This proves every edge has one public producer and one public consumer, and that the returned edge graph is
   // exactly the MVP linear pipeline.
   it.effect("edge_graph_is_exactly_the_linear_pipeline", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const stageCount = 4
       const plan = yield* planRun(validInput(stageCount, 40))
 
@@ -159,12 +166,13 @@ describe("run_plan", () => {
       assert.strictEqual(tokenOut.length, 1)
       assert.strictEqual(edgeStageIndex(tokenOut[0]!.producer), stageCount - 1)
       assert.deepStrictEqual(tokenOut[0]!.consumer, { _tag: "Orchestrator", nodeId: node(99) })
-    }))
+    })
+  )
 
   // This proves edge ids are run-unique and that stage plans refer only to edge ids present in the returned RunPlan,
   // so stages receive assigned ids rather than deriving data-flow identity themselves.
   it.effect("edge_ids_are_unique_and_stage_references_resolve_to_plan_edges", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun(validInput(4, 40))
       const edgeIds = new Set(plan.edges.map((edge) => edge.edgeId))
       assert.strictEqual(edgeIds.size, plan.edges.length, "duplicate edge id")
@@ -173,12 +181,13 @@ describe("run_plan", () => {
         assert.isTrue(edgeIds.has(stage.inboundEdge), "stage inbound edge id must come from RunPlan edges")
         assert.isTrue(edgeIds.has(stage.outboundEdge), "stage outbound edge id must come from RunPlan edges")
       }
-    }))
+    })
+  )
 
   // This proves deriving ProvisionStage is deterministic and stage-local: repeated projection returns the same value,
   // and the projected layer range is exactly the range assigned to that stage in the RunPlan.
   it.effect("provision_stage_projection_is_deterministic_and_stage_local", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun(validInput(3, 36))
 
       for (let stageIndex = 0; stageIndex < 3; stageIndex++) {
@@ -205,24 +214,26 @@ describe("run_plan", () => {
         const expectedSampling = stageIndex + 1 === stage.stageCount ? plan.sampling : null
         assert.deepStrictEqual(first.runtime.sampling, expectedSampling)
       }
-    }))
+    })
+  )
 
   // This proves each stage receives exactly one inbound and one outbound edge provision, and that the provisioned ids
   // are the ids assigned to that stage by the RunPlan.
   it.effect("provision_stage_contains_exactly_the_assigned_inbound_and_outbound_edges", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun(validInput(3, 36))
       for (const stage of plan.stages) {
         const provision = yield* deriveStageProvision(plan, stage.stageIndex)
         assert.strictEqual(provision.inbound.edgeId, stage.inboundEdge)
         assert.strictEqual(provision.outbound.edgeId, stage.outboundEdge)
       }
-    }))
+    })
+  )
 
   // This proves typed rejection is the public behavior for invalid authority and topology inputs. No invalid case is
   // allowed to emit a partial plan.
   it.effect("invalid_authority_and_topology_inputs_reject_without_plan", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const cases: ReadonlyArray<readonly [PlannerInput, PlanRejection["_tag"], string]> = [
         [invalidUnknownNode(), "UnknownNode", "unknown node id"],
         [invalidDuplicateStageAssignment(), "DuplicateStageAssignment", "duplicate stage assignment"],
@@ -235,7 +246,8 @@ describe("run_plan", () => {
         assert.isTrue(Either.isLeft(result), label)
         if (Either.isLeft(result)) assert.strictEqual(result.left._tag, expected, label)
       }
-    }))
+    })
+  )
 })
 
 // Unknown node: the placement names a node outside the candidate pool.
@@ -271,7 +283,7 @@ const invalidModelStageLayout = () => ({ ...validInput(4, 3), placement: linearP
 // and that the message names the offending value.
 describe("planner rejections beyond the seed", () => {
   const rejects = (input: PlannerInput, tag: PlanRejection["_tag"], inMessage: string) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const error = yield* Effect.flip(planRun(input))
       assert.strictEqual(error._tag, tag)
       assert.include(error.message, inMessage)
@@ -279,7 +291,7 @@ describe("planner rejections beyond the seed", () => {
     })
 
   it.effect("placement entry with a stage index outside 0..stageCount is rejected", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const input = withPlacement(validInput(3, 36), [
         { stageIndex: 0, nodeId: node(10) },
         { stageIndex: 1, nodeId: node(11) },
@@ -288,18 +300,20 @@ describe("planner rejections beyond the seed", () => {
       ])
       const error = yield* rejects(input, "StageIndexOutOfRange", "3")
       assert.deepInclude(error, { stageIndex: 3, stageCount: 3 })
-    }))
+    })
+  )
 
   it.effect("ring specs with zero capacity or a non-power-of-two alignment are rejected", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* rejects({ ...validInput(3, 36), activationRing: ring(0, 64) }, "InvalidRingSpec", "capacity 0")
       yield* rejects({ ...validInput(3, 36), tokenRing: ring(4096, 24) }, "InvalidRingSpec", "alignment 24")
       const zeroAlign = yield* rejects({ ...validInput(3, 36), tokenRing: ring(4096, 0) }, "InvalidRingSpec", "token")
       assert.deepInclude(zeroAlign, { ring: "token", field: "alignment", value: 0 })
-    }))
+    })
+  )
 
   it.effect("an activation ring smaller than one aligned hidden-state frame is rejected", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       // 4096 x 2 bytes = 8192 fits exactly; one byte less does not.
       yield* planRun({ ...validInput(3, 36), activationRing: ring(8192, 64) })
       const error = yield* rejects(
@@ -311,50 +325,61 @@ describe("planner rejections beyond the seed", () => {
       // Alignment rounds the frame up: 100 x 2 = 200 bytes aligned to 256 needs 256.
       const odd = { ...validInput(3, 36), model: { ...validInput(3, 36).model, hiddenDim: 100 } }
       yield* rejects({ ...odd, activationRing: ring(255, 256) }, "ActivationRingTooSmall", "256")
-    }))
+    })
+  )
 
   it.effect("maxTokens of 0 or beyond maxSeqLen is rejected", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const sampling = { temperatureMillis: 0, topK: 1 }
       yield* rejects({ ...validInput(3, 36), runtime: { maxTokens: 0, sampling } }, "InvalidMaxTokens", "0")
       yield* rejects({ ...validInput(3, 36), runtime: { maxTokens: 2049, sampling } }, "InvalidMaxTokens", "2049")
       const atLimit = yield* planRun({ ...validInput(3, 36), runtime: { maxTokens: 2048, sampling } })
       assert.strictEqual(atLimit.maxTokens, 2048)
-    }))
+    })
+  )
 
   it.effect("a candidate pool with a duplicate node is rejected", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const input = { ...validInput(3, 36), candidatePool: [node(10), node(11), node(12), node(11)] }
       const error = yield* rejects(input, "DuplicateCandidateNode", "node 11")
       assert.deepInclude(error, { nodeId: node(11) })
-    }))
+    })
+  )
 
   it.effect("the orchestrator node may also host a stage", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun({ ...validInput(3, 36), orchestratorNodeId: node(10) })
       assert.deepStrictEqual(plan.edges[0]!.producer, { _tag: "Orchestrator", nodeId: node(10) })
       assert.strictEqual(plan.stages[0]!.nodeId, 10)
-    }))
+    })
+  )
 
   it.effect("the seed's rejections name the offending value", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* rejects(invalidUnknownNode(), "UnknownNode", "node 404")
       yield* rejects(invalidDuplicateStageAssignment(), "DuplicateStageAssignment", "stage 1")
       yield* rejects(invalidMissingStageAssignment(), "MissingStage", "stage 1")
       yield* rejects(invalidZeroStageCount(), "InvalidStageCount", "0")
       yield* rejects(invalidModelStageLayout(), "ModelStageLayoutMismatch", "3 layers")
-    }))
+    })
+  )
 
   it.effect("FixedLinear placement is balanced and deterministic", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun(validInput(4, 10))
       const ranges = plan.stages.map((s) => [s.layerStart, s.layerEndExclusive])
-      assert.deepStrictEqual(ranges, [[0, 3], [3, 6], [6, 8], [8, 10]])
+      assert.deepStrictEqual(ranges, [
+        [0, 3],
+        [3, 6],
+        [6, 8],
+        [8, 10]
+      ])
       assert.deepStrictEqual(yield* planRun(validInput(4, 10)), plan)
-    }))
+    })
+  )
 
   it.effect("each edge carries its ring spec and projecting a stage outside the plan is a typed rejection", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const input = validInput(3, 36)
       const plan = yield* planRun(input)
       for (const edge of plan.edges) {
@@ -363,12 +388,13 @@ describe("planner rejections beyond the seed", () => {
       const error = yield* Effect.flip(deriveStageProvision(plan, 3))
       assert.strictEqual(error._tag, "StageNotInPlan")
       assert.include(error.message, "3")
-    }))
+    })
+  )
 })
 
 describe("plan messages cross process boundaries", () => {
   it.effect("RunPlan, ProvisionStage and every rejection survive a Schema encode/decode round trip", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const plan = yield* planRun(validInput(3, 36))
       const planJson = JSON.parse(JSON.stringify(yield* Schema.encode(RunPlan)(plan)))
       assert.deepStrictEqual(yield* Schema.decodeUnknown(RunPlan)(planJson), plan)
@@ -382,5 +408,6 @@ describe("plan messages cross process boundaries", () => {
       const decoded = yield* Schema.decodeUnknown(PlanRejection)(rejectionJson)
       assert.strictEqual(decoded._tag, "UnknownNode")
       assert.strictEqual(decoded.message, rejection.message)
-    }))
+    })
+  )
 })

@@ -8,15 +8,23 @@ import { repoRoot } from "../support/models.js"
 
 const swactor = (args: ReadonlyArray<string>, env: Record<string, string>) =>
   new Promise<{ code: number; stdout: string; stderr: string }>((resolve) =>
-    execFile(process.execPath, [join(repoRoot, "dist", "main.js"), ...args], { env: { ...process.env, ...env }, timeout: 60_000 }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })))
+    execFile(
+      process.execPath,
+      [join(repoRoot, "dist", "main.js"), ...args],
+      { env: { ...process.env, ...env }, timeout: 60_000 },
+      (error, stdout, stderr) =>
+        resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
+  )
 
 describe("the build", () => {
   it("dist/main.js runs the bundle with its code cache, which V8 accepts", async () => {
     const dist = readdirSync(join(repoRoot, "dist"))
     expect(dist).toContain("swactor.cjs")
     expect(dist.filter((f) => f.endsWith(".v8cache"))).toHaveLength(1)
-    const ran = await swactor(["plan", "--layers", "8", "--stages", "2", "--nodes", "1,2"], { SWACTOR_CODE_CACHE: "check" })
+    const ran = await swactor(["plan", "--layers", "8", "--stages", "2", "--nodes", "1,2"], {
+      SWACTOR_CODE_CACHE: "check"
+    })
     expect(ran.code, ran.stderr).toBe(0)
     expect(ran.stderr).toContain("swactor: code cache used")
     expect(ran.stdout).toMatch(/stage/i)

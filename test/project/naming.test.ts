@@ -26,7 +26,9 @@ const declared = (): Map<string, Set<string>> => {
   const byName = new Map<string, Set<string>>()
   for (const file of files(root)) {
     const text = readFileSync(file, "utf8")
-    for (const m of text.matchAll(/^export (?:declare )?(?:const|let|function|class|interface|type|enum) ([A-Za-z0-9_$]+)/gm)) {
+    for (const m of text.matchAll(
+      /^export (?:declare )?(?:const|let|function|class|interface|type|enum) ([A-Za-z0-9_$]+)/gm
+    )) {
       const name = m[1]!
       if (idiom(name)) continue
       const set = byName.get(name) ?? new Set<string>()
@@ -41,12 +43,14 @@ describe("exported names", () => {
   it("the scan sees the project's exports (a Schema with its type counts once)", () => {
     const names = declared()
     expect(names.size).toBeGreaterThan(200)
-    expect([...names.get("RunPlan") ?? []]).toEqual(["domain/plan.ts"])
+    expect([...(names.get("RunPlan") ?? [])]).toEqual(["domain/plan.ts"])
     expect(names.get("alignUp")?.size).toBe(1)
   })
 
   it("no two modules export the same name", () => {
-    const twice = [...declared()].filter(([, mods]) => mods.size > 1).map(([n, mods]) => `${n}: ${[...mods].join(", ")}`)
+    const twice = [...declared()]
+      .filter(([, mods]) => mods.size > 1)
+      .map(([n, mods]) => `${n}: ${[...mods].join(", ")}`)
     expect(twice).toEqual([])
   })
 })
@@ -61,7 +65,9 @@ const parsed = files(root).map((file) => ({
 }))
 const where = (path: string, sf: ts.SourceFile, node: ts.Node) =>
   `${path}:${sf.getLineAndCharacterOfPosition(node.getStart(sf)).line + 1}`
-const nodesOf = <T extends ts.Node>(guard: (n: ts.Node) => n is T): Array<{ path: string; sf: ts.SourceFile; node: T }> => {
+const nodesOf = <T extends ts.Node>(
+  guard: (n: ts.Node) => n is T
+): Array<{ path: string; sf: ts.SourceFile; node: T }> => {
   const out: Array<{ path: string; sf: ts.SourceFile; node: T }> = []
   for (const { path, sf } of parsed) {
     const visit = (n: ts.Node) => {
@@ -73,28 +79,41 @@ const nodesOf = <T extends ts.Node>(guard: (n: ts.Node) => n is T): Array<{ path
   return out
 }
 const isExported = (n: ts.Node) =>
-  (ts.canHaveModifiers(n) ? ts.getModifiers(n) ?? [] : []).some((m) => m.kind === ts.SyntaxKind.ExportKeyword)
+  (ts.canHaveModifiers(n) ? (ts.getModifiers(n) ?? []) : []).some((m) => m.kind === ts.SyntaxKind.ExportKeyword)
 
 /** A property `sequence`, `sequences`, `...Sequence` (a record's field, a Schema struct's, an object literal's). */
 const sequenceField = /^(sequences?|[a-z][A-Za-z0-9]*Sequence)$/
-const propertyNamed = (n: ts.Node): n is ts.PropertySignature | ts.PropertyDeclaration | ts.PropertyAssignment | ts.ShorthandPropertyAssignment =>
-  (ts.isPropertySignature(n) || ts.isPropertyDeclaration(n) || ts.isPropertyAssignment(n) || ts.isShorthandPropertyAssignment(n)) &&
-  ts.isIdentifier(n.name) && sequenceField.test(n.name.text)
+const propertyNamed = (
+  n: ts.Node
+): n is ts.PropertySignature | ts.PropertyDeclaration | ts.PropertyAssignment | ts.ShorthandPropertyAssignment =>
+  (ts.isPropertySignature(n) ||
+    ts.isPropertyDeclaration(n) ||
+    ts.isPropertyAssignment(n) ||
+    ts.isShorthandPropertyAssignment(n)) &&
+  ts.isIdentifier(n.name) &&
+  sequenceField.test(n.name.text)
 
 /** An exported const whose type says it is a layer (`: Layer.Layer<..>`, `(..): Layer.Layer<..> =>`, `= Layer.x(..)`). */
 const layerConst = (d: ts.VariableDeclaration) => {
   const init = d.initializer
-  const declaredType = d.type?.getText() ?? (init !== undefined && ts.isArrowFunction(init) ? init.type?.getText() ?? "" : "")
-  return declaredType.startsWith("Layer.Layer<") ||
+  const declaredType =
+    d.type?.getText() ?? (init !== undefined && ts.isArrowFunction(init) ? (init.type?.getText() ?? "") : "")
+  return (
+    declaredType.startsWith("Layer.Layer<") ||
     (init !== undefined && ts.isCallExpression(init) && init.expression.getText().startsWith("Layer."))
+  )
 }
 
 describe("glossary words keep one meaning (specs/GLOSSARY.md)", () => {
   it("a step number is `step`: no field named sequence/sequences/...Sequence, no `Sequence` type", () => {
-    const fields = nodesOf(propertyNamed).map(({ node, path, sf }) => `${(node.name as ts.Identifier).text} at ${where(path, sf, node)}`)
-    const types = nodesOf((n): n is ts.VariableDeclaration | ts.TypeAliasDeclaration | ts.InterfaceDeclaration =>
-      (ts.isVariableDeclaration(n) || ts.isTypeAliasDeclaration(n) || ts.isInterfaceDeclaration(n)) && ts.isIdentifier(n.name) &&
-      /^Sequences?$/.test(n.name.text)
+    const fields = nodesOf(propertyNamed).map(
+      ({ node, path, sf }) => `${(node.name as ts.Identifier).text} at ${where(path, sf, node)}`
+    )
+    const types = nodesOf(
+      (n): n is ts.VariableDeclaration | ts.TypeAliasDeclaration | ts.InterfaceDeclaration =>
+        (ts.isVariableDeclaration(n) || ts.isTypeAliasDeclaration(n) || ts.isInterfaceDeclaration(n)) &&
+        ts.isIdentifier(n.name) &&
+        /^Sequences?$/.test(n.name.text)
     ).map(({ node, path, sf }) => `${(node.name as ts.Identifier).text} at ${where(path, sf, node)}`)
     expect([...fields, ...types]).toEqual([])
   })
@@ -102,15 +121,21 @@ describe("glossary words keep one meaning (specs/GLOSSARY.md)", () => {
   it("one name per thing: nothing is re-exported under another name (`export { A as B }`)", () => {
     const aliases = nodesOf(ts.isExportSpecifier)
       .filter(({ node }) => node.propertyName !== undefined && node.propertyName.getText() !== node.name.getText())
-      .map(({ node, path, sf }) => `${node.propertyName!.getText()} as ${node.name.getText()} at ${where(path, sf, node)}`)
+      .map(
+        ({ node, path, sf }) => `${node.propertyName!.getText()} as ${node.name.getText()} at ${where(path, sf, node)}`
+      )
     expect(aliases).toEqual([])
   })
 
   it("an exported layer is named `layer` or `layer<Variant>`, used through its module", () => {
     const misnamed = nodesOf(ts.isVariableDeclaration)
-      .filter(({ node, path }) =>
-        path.startsWith("layers/") && isExported(node.parent.parent) && ts.isIdentifier(node.name) && layerConst(node) &&
-        !/^layer([A-Z][A-Za-z0-9]*)?$/.test(node.name.text)
+      .filter(
+        ({ node, path }) =>
+          path.startsWith("layers/") &&
+          isExported(node.parent.parent) &&
+          ts.isIdentifier(node.name) &&
+          layerConst(node) &&
+          !/^layer([A-Z][A-Za-z0-9]*)?$/.test(node.name.text)
       )
       .map(({ node, path, sf }) => `${node.name.getText()} at ${where(path, sf, node)}`)
     expect(misnamed).toEqual([])
@@ -140,7 +165,11 @@ describe("glossary words keep one meaning (specs/GLOSSARY.md)", () => {
       if (propertyNamed(n)) found.push("sequence field")
       if (ts.isExportSpecifier(n) && n.propertyName !== undefined) found.push("alias")
       if (ts.isVariableDeclaration(n) && layerConst(n) && !/^layer/.test(n.name.getText())) found.push("layer name")
-      if (ts.isCallExpression(n) && n.getText().startsWith(`Options.text("nodes")`) && n.getText().includes("host:port")) {
+      if (
+        ts.isCallExpression(n) &&
+        n.getText().startsWith(`Options.text("nodes")`) &&
+        n.getText().includes("host:port")
+      ) {
         found.push("--nodes host:port")
       }
       ts.forEachChild(n, visit)

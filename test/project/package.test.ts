@@ -10,7 +10,17 @@
 // for a user.
 import { describe, expect, it } from "vitest"
 import { execFile, execFileSync } from "node:child_process"
-import { chmodSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs"
+import {
+  chmodSync,
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  rmSync,
+  symlinkSync,
+  writeFileSync
+} from "node:fs"
 import { createRequire } from "node:module"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
@@ -19,7 +29,9 @@ import { repoRoot, requireModel } from "../support/models.js"
 const run = (command: string, args: ReadonlyArray<string>, cwd: string) =>
   new Promise<{ code: number; stdout: string; stderr: string }>((resolve) =>
     execFile(command, args, { cwd, timeout: 60_000 }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })))
+      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
+  )
 
 describe("the npm package", () => {
   it("npm pack → install in an empty folder → plain Node imports it and generates; types check; npx swactor plan", async () => {
@@ -36,7 +48,9 @@ describe("the npm package", () => {
       expect(shipped).toContain("dist/index.js")
       expect(shipped).toContain("dist/index.d.ts")
       expect(shipped).toContain("dist/main.js")
-      expect(shipped.filter((p) => p.startsWith("test/") || p.startsWith("src/") || p.endsWith(".tsbuildinfo"))).toEqual([])
+      expect(
+        shipped.filter((p) => p.startsWith("test/") || p.startsWith("src/") || p.endsWith(".tsbuildinfo"))
+      ).toEqual([])
 
       const consumer = join(dir, "consumer")
       const pkgDir = join(consumer, "node_modules", "swactor")
@@ -108,7 +122,11 @@ void program
       expect(checked.code, checked.stdout + checked.stderr).toBe(0)
 
       // The bin from the consumer's folder, as a user runs it.
-      const planned = await run("npx", ["--offline", "swactor", "plan", "--layers", "36", "--stages", "3", "--nodes", "10,11,12"], consumer)
+      const planned = await run(
+        "npx",
+        ["--offline", "swactor", "plan", "--layers", "36", "--stages", "3", "--nodes", "10,11,12"],
+        consumer
+      )
       expect(planned.code, planned.stderr).toBe(0)
       expect(planned.stdout).toContain("36 layers over 3 stages")
       expect(existsSync(join(consumer, "node_modules", "swactor", "test"))).toBe(false)

@@ -30,13 +30,18 @@ const readmeCommands = (): Array<string> => {
 }
 
 /** Shell words: double-quoted strings kept whole. */
-const words = (line: string): Array<string> =>
-  [...line.matchAll(/"([^"]*)"|(\S+)/g)].map((m) => m[1] ?? m[2]!)
+const words = (line: string): Array<string> => [...line.matchAll(/"([^"]*)"|(\S+)/g)].map((m) => m[1] ?? m[2]!)
 
 const swactor = (args: ReadonlyArray<string>, env: Record<string, string> = {}, cwd = repoRoot) =>
   new Promise<{ code: number; stdout: string; stderr: string }>((resolve) =>
-    execFile(process.execPath, [swactorMain(), ...args], { cwd, env: { ...process.env, ...env }, timeout: 90_000 }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })))
+    execFile(
+      process.execPath,
+      [swactorMain(), ...args],
+      { cwd, env: { ...process.env, ...env }, timeout: 90_000 },
+      (error, stdout, stderr) =>
+        resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
+  )
 
 /** A `swactor node` on an ephemeral port; resolves with its control address once it is ready, and a stop function. */
 const startNode = (token: string) =>
@@ -87,11 +92,12 @@ describe("README", () => {
           covered.push(line)
           continue
         }
-        const args = argv[0] === "npm" && argv[1] === "run" && argv[2] === "swactor" && argv[3] === "--"
-          ? argv.slice(4)
-          : argv[0] === "swactor"
-          ? argv.slice(1)
-          : undefined
+        const args =
+          argv[0] === "npm" && argv[1] === "run" && argv[2] === "swactor" && argv[3] === "--"
+            ? argv.slice(4)
+            : argv[0] === "swactor"
+              ? argv.slice(1)
+              : undefined
         expect(args, `README command the test does not know how to run: ${line}`).toBeDefined()
         const real = args!.map((word) =>
           word
@@ -121,7 +127,10 @@ describe("README", () => {
           // Its port is made ephemeral so the test never collides with a real server on 8080.
           const port = real.indexOf("--port")
           if (port >= 0) real[port + 1] = "0"
-          const child = spawn(process.execPath, [swactorMain(), ...real], { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"] })
+          const child = spawn(process.execPath, [swactorMain(), ...real], {
+            cwd: repoRoot,
+            stdio: ["ignore", "ignore", "pipe"]
+          })
           let stderr = ""
           const url = await new Promise<string | undefined>((resolve) => {
             child.stderr.on("data", (chunk) => {
@@ -168,8 +177,14 @@ describe("README", () => {
     try {
       const tsx = pathToFileURL(createRequire(import.meta.url).resolve("tsx")).href
       const ran = await new Promise<{ code: number; stdout: string; stderr: string }>((resolve) =>
-        execFile(process.execPath, ["--import", tsx, file], { cwd: repoRoot, timeout: 90_000 }, (error, stdout, stderr) =>
-          resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })))
+        execFile(
+          process.execPath,
+          ["--import", tsx, file],
+          { cwd: repoRoot, timeout: 90_000 },
+          (error, stdout, stderr) =>
+            resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+        )
+      )
       expect(ran.code, ran.stderr).toBe(0)
       expect(ran.stdout.length).toBeGreaterThan(20)
     } finally {

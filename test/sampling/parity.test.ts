@@ -6,21 +6,34 @@ import { execFile } from "node:child_process"
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
-import { getLlama, type Llama, type LlamaModel, LlamaGrammar, LlamaGrammarEvaluationState, type Token, TokenBias } from "node-llama-cpp"
+import {
+  getLlama,
+  type Llama,
+  type LlamaModel,
+  LlamaGrammar,
+  LlamaGrammarEvaluationState,
+  type Token,
+  TokenBias
+} from "node-llama-cpp"
 import { swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "../support/models.js"
 
 interface Report {
   ok: boolean
   text: string
-  tokens: Array<{ id: number; text: string; logprob?: { logprob: number; top: Array<{ tokenId: number; logprob: number }> } }>
+  tokens: Array<{
+    id: number
+    text: string
+    logprob?: { logprob: number; top: Array<{ tokenId: number; logprob: number }> }
+  }>
   fault?: { _tag: string; message: string }
 }
 
 const swactor = (args: ReadonlyArray<string>) =>
   new Promise<{ code: number; stdout: string; stderr: string }>((resolve) => {
     execFile(process.execPath, [swactorMain(), ...args], { cwd: repoRoot, timeout: 90_000 }, (error, stdout, stderr) =>
-      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr }))
+      resolve({ code: error ? (typeof error.code === "number" ? error.code : 1) : 0, stdout, stderr })
+    )
   })
 
 const PROMPT = "Once upon a time"
@@ -31,7 +44,12 @@ interface Settings {
   readonly topK?: number
   readonly minP?: number
   readonly seed?: number
-  readonly repeat?: { readonly penalty: number; readonly frequency: number; readonly presence: number; readonly lastN: number }
+  readonly repeat?: {
+    readonly penalty: number
+    readonly frequency: number
+    readonly presence: number
+    readonly lastN: number
+  }
   readonly ban?: number
   readonly grammar?: string
 }
@@ -50,29 +68,30 @@ const reference = async (s: Settings): Promise<Array<number>> => {
     const bias = s.ban === undefined ? undefined : new TokenBias(model.tokenizer)
     bias?.set(s.ban as Token, "never")
     const grammar = s.grammar === undefined ? undefined : new LlamaGrammar(llama, { grammar: s.grammar })
-    const grammarEvaluationState = grammar === undefined ? undefined : new LlamaGrammarEvaluationState({ model, grammar })
+    const grammarEvaluationState =
+      grammar === undefined ? undefined : new LlamaGrammarEvaluationState({ model, grammar })
     const repeat = s.repeat
-    for await (
-      const t of seq.evaluate(prompt, {
-        temperature: s.temperature,
-        topK: s.topK ?? 40,
-        topP: 1,
-        ...(s.minP === undefined ? {} : { minP: s.minP }),
-        ...(s.seed === undefined ? {} : { seed: s.seed }),
-        ...(repeat === undefined ? {} : {
-          repeatPenalty: {
-            punishTokens: () => out.slice(-repeat.lastN),
-            maxPunishTokens: repeat.lastN,
-            penalty: repeat.penalty,
-            frequencyPenalty: repeat.frequency,
-            presencePenalty: repeat.presence
-          }
-        }),
-        ...(bias === undefined ? {} : { tokenBias: bias }),
-        ...(grammarEvaluationState === undefined ? {} : { grammarEvaluationState }),
-        yieldEogToken: true
-      })
-    ) {
+    for await (const t of seq.evaluate(prompt, {
+      temperature: s.temperature,
+      topK: s.topK ?? 40,
+      topP: 1,
+      ...(s.minP === undefined ? {} : { minP: s.minP }),
+      ...(s.seed === undefined ? {} : { seed: s.seed }),
+      ...(repeat === undefined
+        ? {}
+        : {
+            repeatPenalty: {
+              punishTokens: () => out.slice(-repeat.lastN),
+              maxPunishTokens: repeat.lastN,
+              penalty: repeat.penalty,
+              frequencyPenalty: repeat.frequency,
+              presencePenalty: repeat.presence
+            }
+          }),
+      ...(bias === undefined ? {} : { tokenBias: bias }),
+      ...(grammarEvaluationState === undefined ? {} : { grammarEvaluationState }),
+      yieldEogToken: true
+    })) {
       out.push(t)
       if (model.isEogToken(t) || out.length >= MAX) break
     }
@@ -88,10 +107,14 @@ const flagsOf = (s: Settings): Array<string> => {
   if (s.seed !== undefined) flags.push("--seed", String(s.seed))
   if (s.repeat !== undefined) {
     flags.push(
-      "--repeat-penalty", String(s.repeat.penalty),
-      "--frequency-penalty", String(s.repeat.frequency),
-      "--presence-penalty", String(s.repeat.presence),
-      "--penalty-last-n", String(s.repeat.lastN)
+      "--repeat-penalty",
+      String(s.repeat.penalty),
+      "--frequency-penalty",
+      String(s.repeat.frequency),
+      "--presence-penalty",
+      String(s.repeat.presence),
+      "--penalty-last-n",
+      String(s.repeat.lastN)
     )
   }
   if (s.ban !== undefined) flags.push("--logit-bias", `${s.ban}=-inf`)
@@ -106,8 +129,19 @@ const flagsOf = (s: Settings): Array<string> => {
 const run = async (stages: number, extra: ReadonlyArray<string>): Promise<Report> => {
   const path = requireModel("stories260K.gguf")
   const r = await swactor([
-    "run", "--model", path, "--prompt", PROMPT, "--stages", String(stages), "--threads", "1",
-    "--max-tokens", String(MAX), "--json", ...extra
+    "run",
+    "--model",
+    path,
+    "--prompt",
+    PROMPT,
+    "--stages",
+    String(stages),
+    "--threads",
+    "1",
+    "--max-tokens",
+    String(MAX),
+    "--json",
+    ...extra
   ])
   expect(r.code, r.stderr).toBe(0)
   return JSON.parse(r.stdout) as Report
@@ -123,19 +157,25 @@ const swactorTokens = async (stages: number, s: Settings, eos: number): Promise<
 const cases: ReadonlyArray<readonly [string, Settings]> = [
   ["greedy", { temperature: 0 }],
   ["seeded temperature, top-k and min-p", { temperature: 0.9, topK: 30, minP: 0.02, seed: 42 }],
-  ["repeat, frequency and presence penalties", {
-    temperature: 0.7,
-    seed: 7,
-    repeat: { penalty: 1.4, frequency: 0.3, presence: 0.4, lastN: 16 }
-  }],
+  [
+    "repeat, frequency and presence penalties",
+    {
+      temperature: 0.7,
+      seed: 7,
+      repeat: { penalty: 1.4, frequency: 0.3, presence: 0.4, lastN: 16 }
+    }
+  ],
   ["greedy with penalties", { temperature: 0, repeat: { penalty: 1.8, frequency: 0.5, presence: 0.5, lastN: 64 } }],
   ["a banned token (logit bias -inf)", { temperature: 0, ban: 432 }],
   ["a banned token, sampled", { temperature: 0.8, seed: 11, ban: 286 }],
-  ["a grammar the model's picks often break (the chain draws again)", {
-    temperature: 1,
-    seed: 5,
-    grammar: 'root ::= (" " [a-z]+)+ "."'
-  }]
+  [
+    "a grammar the model's picks often break (the chain draws again)",
+    {
+      temperature: 1,
+      seed: 5,
+      grammar: 'root ::= (" " [a-z]+)+ "."'
+    }
+  ]
 ]
 
 describe("the sampler chain gives node-llama-cpp's tokens", () => {
@@ -190,7 +230,16 @@ describe("the sampler chain gives node-llama-cpp's tokens", () => {
 
   it("log-probs: the raw distribution node-llama-cpp reports at each step, top N sorted, across 2 stages", async () => {
     const n = 5
-    const report = await run(2, ["--temperature", "0.8", "--seed", "3", "--repeat-penalty", "1.3", "--logprobs", String(n)])
+    const report = await run(2, [
+      "--temperature",
+      "0.8",
+      "--seed",
+      "3",
+      "--repeat-penalty",
+      "1.3",
+      "--logprobs",
+      String(n)
+    ])
     expect(report.tokens.length).toBeGreaterThan(4)
     // the attention path and F16 cache the engine matches (flash attention on)
     const ctx = await model.createContext({ threads: 1, contextSize: 256, flashAttention: true })

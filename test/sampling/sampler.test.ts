@@ -60,7 +60,11 @@ describe("Sampler", () => {
 
   it("log-softmax sums to one and EOS ends generation", () => {
     const lp = logSoftmax(logits)
-    assert.approximately(lp.reduce((s, x) => s + Math.exp(x), 0), 1, 1e-12)
+    assert.approximately(
+      lp.reduce((s, x) => s + Math.exp(x), 0),
+      1,
+      1e-12
+    )
     assert.isTrue(isEndOfSequence(2, 2))
     assert.isFalse(isEndOfSequence(3, 2))
     assert.isFalse(isEndOfSequence(3, -1))

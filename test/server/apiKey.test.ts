@@ -23,7 +23,16 @@ describe("swactor serve --api-key-file (two keys)", () => {
   beforeAll(async () => {
     dir = mkdtempSync(join(tmpdir(), "swactor-keys-"))
     writeFileSync(join(dir, "keys"), `# serving keys\n${first}\n\n  ${second}  \n`)
-    server = await startServe(["--model", model, "--stages", "2", "--threads", "1", "--api-key-file", join(dir, "keys")])
+    server = await startServe([
+      "--model",
+      model,
+      "--stages",
+      "2",
+      "--threads",
+      "1",
+      "--api-key-file",
+      join(dir, "keys")
+    ])
   }, 180_000)
   afterAll(async () => {
     await stopServe(server)
@@ -34,7 +43,12 @@ describe("swactor serve --api-key-file (two keys)", () => {
     const texts: Array<string> = []
     for (const key of [first, second]) {
       const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: key, maxRetries: 0 })
-      const answer = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 12, temperature: 0 })
+      const answer = await client.completions.create({
+        model: "m",
+        prompt: "Once upon a time",
+        max_tokens: 12,
+        temperature: 0
+      })
       texts.push(answer.choices[0]!.text)
     }
     const byHeader = await fetch(`${server.url}/v1/completions`, {
@@ -49,11 +63,17 @@ describe("swactor serve --api-key-file (two keys)", () => {
   })
 
   it("no key or a wrong one is 401 in OpenAI's shape on every route but /health", async () => {
-    const wrong = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: `${first.slice(0, -1)}${first.endsWith("0") ? "1" : "0"}`, maxRetries: 0 })
-    const refused = await wrong.chat.completions.create({ model: "m", messages: [{ role: "user", content: "hi" }] }).then(
-      () => undefined,
-      (e: unknown) => e
-    )
+    const wrong = new OpenAI({
+      baseURL: `${server.url}/v1`,
+      apiKey: `${first.slice(0, -1)}${first.endsWith("0") ? "1" : "0"}`,
+      maxRetries: 0
+    })
+    const refused = await wrong.chat.completions
+      .create({ model: "m", messages: [{ role: "user", content: "hi" }] })
+      .then(
+        () => undefined,
+        (e: unknown) => e
+      )
     assert.instanceOf(refused, OpenAI.AuthenticationError)
     assert.strictEqual((refused as InstanceType<typeof OpenAI.AuthenticationError>).status, 401)
     assert.strictEqual((refused as InstanceType<typeof OpenAI.AuthenticationError>).code, "invalid_api_key")
@@ -79,17 +99,23 @@ describe("swactor serve --api-key-file (two keys)", () => {
   })
 
   it("/health tells a caller without a key only the status: no agent address after an agent is lost", async () => {
-    const metrics = await fetch(`${server.url}/metrics`, { headers: { authorization: `Bearer ${first}` } }).then((r) => r.text())
-    const agents = [...metrics.matchAll(/^swactor_agent_active_stages\{address="([^"]+)",pid="(\d+)"\}/gm)].map((m) => ({
-      address: m[1]!,
-      pid: Number(m[2])
-    }))
+    const metrics = await fetch(`${server.url}/metrics`, { headers: { authorization: `Bearer ${first}` } }).then((r) =>
+      r.text()
+    )
+    const agents = [...metrics.matchAll(/^swactor_agent_active_stages\{address="([^"]+)",pid="(\d+)"\}/gm)].map(
+      (m) => ({
+        address: m[1]!,
+        pid: Number(m[2])
+      })
+    )
     assert.strictEqual(agents.length, 2)
     process.kill(agents[1]!.pid, "SIGKILL")
     let withKey: { status: string; lostAgents?: ReadonlyArray<string> } = { status: "" }
     for (const until = Date.now() + 20_000; withKey.lostAgents === undefined && Date.now() < until;) {
       await new Promise((resolve) => setTimeout(resolve, 100))
-      withKey = await fetch(`${server.url}/health`, { headers: { "x-api-key": first } }).then((r) => r.json() as Promise<typeof withKey>)
+      withKey = await fetch(`${server.url}/health`, { headers: { "x-api-key": first } }).then(
+        (r) => r.json() as Promise<typeof withKey>
+      )
     }
     assert.deepStrictEqual(withKey, { status: "ok", lostAgents: [agents[1]!.address] })
     const open = await fetch(`${server.url}/health`)
@@ -109,7 +135,12 @@ describe("swactor serve with SWACTOR_API_KEY", () => {
     const open = await fetch(`${server.url}/v1/models`)
     assert.strictEqual(open.status, 401)
     const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: first, maxRetries: 0 })
-    const answer = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 4, temperature: 0 })
+    const answer = await client.completions.create({
+      model: "m",
+      prompt: "Once upon a time",
+      max_tokens: 4,
+      temperature: 0
+    })
     assert.strictEqual(answer.choices.length, 1)
     assert.match(server.stderr(), /1 API key from SWACTOR_API_KEY/)
     await stopServe(server)

@@ -28,8 +28,18 @@ describe("serve: a big prompt does not hold up other requests", () => {
   let server: ServeProcess
   beforeAll(async () => {
     server = await startServe([
-      "--model", model, "--stages", "2", "--threads", "1", "--parallel", "4",
-      "--max-prompt-tokens", String(maxPromptTokens), "--max-body-mib", "64"
+      "--model",
+      model,
+      "--stages",
+      "2",
+      "--threads",
+      "1",
+      "--parallel",
+      "4",
+      "--max-prompt-tokens",
+      String(maxPromptTokens),
+      "--max-body-mib",
+      "64"
     ])
   }, 180_000)
   afterAll(async () => {
@@ -58,7 +68,12 @@ describe("serve: a big prompt does not hold up other requests", () => {
     let tokens = 0
     while (!done) {
       const sentAt = Date.now()
-      const response = await post("/v1/completions", { prompt: "Once upon a time", max_tokens: 200, temperature: 0, stream: true })
+      const response = await post("/v1/completions", {
+        prompt: "Once upon a time",
+        max_tokens: 200,
+        temperature: 0,
+        stream: true
+      })
       assert.strictEqual(response.status, 200)
       let last = sentAt
       const events = await readSse(response, () => {
@@ -91,7 +106,11 @@ describe("serve: a big prompt does not hold up other requests", () => {
       for (const body of [huge, large]) {
         const startedAt = Date.now()
         const response = await post("/v1/completions", body)
-        answers.push({ status: response.status, body: await response.json() as never, millis: Date.now() - startedAt })
+        answers.push({
+          status: response.status,
+          body: (await response.json()) as never,
+          millis: Date.now() - startedAt
+        })
         if (body === huge) memoryAfterHuge = memoryOf(pid)
       }
       await new Promise((resolve) => setTimeout(resolve, 300))
@@ -102,12 +121,19 @@ describe("serve: a big prompt does not hold up other requests", () => {
 
     const quietMax = Math.max(...quiet.gaps)
     const busyMax = Math.max(...busy.gaps)
-    console.log(JSON.stringify({
-      quiet: { streams: quiet.streams, tokens: quiet.tokens, maxGap: quietMax },
-      busy: { streams: busy.streams, tokens: busy.tokens, maxGap: busyMax, top: [...busy.gaps].sort((a, b) => b - a).slice(0, 5) },
-      answers: answers.map((a) => ({ status: a.status, millis: a.millis, message: a.body.error?.["message"] })),
-      memory: { before: memoryBefore, afterHuge: memoryAfterHuge }
-    }))
+    console.log(
+      JSON.stringify({
+        quiet: { streams: quiet.streams, tokens: quiet.tokens, maxGap: quietMax },
+        busy: {
+          streams: busy.streams,
+          tokens: busy.tokens,
+          maxGap: busyMax,
+          top: [...busy.gaps].sort((a, b) => b - a).slice(0, 5)
+        },
+        answers: answers.map((a) => ({ status: a.status, millis: a.millis, message: a.body.error?.["message"] })),
+        memory: { before: memoryBefore, afterHuge: memoryAfterHuge }
+      })
+    )
     // Streams went on: no gap between a stream's events (its first one counted from the request) much over its normal
     // ones (the target is 100 ms of delay; the bound leaves room for a loaded 2-CPU machine). Tokenizing on the event
     // loop stalled them for the whole tokenizing: ~30 s for the 20 MB, ~2 s for the 1.5 MB, more under load.
@@ -122,7 +148,10 @@ describe("serve: a big prompt does not hold up other requests", () => {
       assert.strictEqual(answer.body.error?.["type"], "invalid_request_error")
       assert.match(String(answer.body.error?.["message"]), /prompt tokens.* are over the limit of 200000 prompt tokens/)
     }
-    assert.match(String(answers[0]!.body.error!["message"]), /at least 2222227 prompt tokens \(from the text's length alone/)
+    assert.match(
+      String(answers[0]!.body.error!["message"]),
+      /at least 2222227 prompt tokens \(from the text's length alone/
+    )
     // The 1.5 MB: its exact count, as the tokenizer in this thread finds it (the worker did tokenize it).
     const exact = await Effect.runPromise(
       Tokenizer.pipe(
@@ -133,7 +162,10 @@ describe("serve: a big prompt does not hold up other requests", () => {
       )
     )
     assert.isAbove(exact, maxPromptTokens)
-    assert.match(String(answers[1]!.body.error!["message"]), new RegExp(`prompt too long: ${exact} prompt tokens are over`))
+    assert.match(
+      String(answers[1]!.body.error!["message"]),
+      new RegExp(`prompt too long: ${exact} prompt tokens are over`)
+    )
     // And a normal request answers as before.
     assert.strictEqual(after, before)
   })

@@ -21,7 +21,12 @@ const model = requireModel("stories260K.gguf")
 const gapBoundMillis = 750
 
 interface OpenAiError {
-  readonly error: { readonly message: string; readonly type: string; readonly param: null; readonly code: string | null }
+  readonly error: {
+    readonly message: string
+    readonly type: string
+    readonly param: null
+    readonly code: string | null
+  }
 }
 
 const assertOpenAiError = (body: string, code: string | null, pattern: RegExp) => {
@@ -41,12 +46,28 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
 
   beforeAll(async () => {
     server = await startServe([
-      "--model", model, "--stages", "2", "--threads", "1", "--parallel", "4",
-      "--max-body-mib", "1", "--header-timeout-ms", "1500", "--body-timeout-ms", "2000", "--max-connections", "40",
-      "--allowed-origins", "http://app.example:3000"
+      "--model",
+      model,
+      "--stages",
+      "2",
+      "--threads",
+      "1",
+      "--parallel",
+      "4",
+      "--max-body-mib",
+      "1",
+      "--header-timeout-ms",
+      "1500",
+      "--body-timeout-ms",
+      "2000",
+      "--max-connections",
+      "40",
+      "--allowed-origins",
+      "http://app.example:3000"
     ])
     client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0, timeout: 60_000 })
-    lone = (await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 48, temperature: 0 })).choices[0]!.text
+    lone = (await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 48, temperature: 0 }))
+      .choices[0]!.text
     agentPids = (await agentsOf(server.url)).map((a) => a.pid)
     assert.strictEqual(agentPids.length, 2)
     startRss = residentBytes(server.child.pid!)
@@ -62,7 +83,11 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
     assert.deepStrictEqual(seen.errors, [])
     assert.isAtLeast(seen.texts.length, 1)
     for (const text of seen.texts) assert.strictEqual(text, lone)
-    assert.isBelow(seen.maxGapMillis, gapBoundMillis, `largest gap ${seen.maxGapMillis} ms (median ${seen.medianGapMillis})`)
+    assert.isBelow(
+      seen.maxGapMillis,
+      gapBoundMillis,
+      `largest gap ${seen.maxGapMillis} ms (median ${seen.medianGapMillis})`
+    )
     return result
   }
 
@@ -72,43 +97,76 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
   it("a body over the limit is 413 before it is read whole (declared, streamed, or from the openai client); memory stays put", async () => {
     await beside(async () => {
       // Content-Length of 600 MiB and no body: refused from the header alone.
-      const declared = await rawRequest(server.url, [
-        "POST /v1/completions HTTP/1.1", `Host: ${host()}`, "Content-Type: application/json", `Content-Length: ${600 * 2 ** 20}`
-      ].join("\r\n"))
+      const declared = await rawRequest(
+        server.url,
+        [
+          "POST /v1/completions HTTP/1.1",
+          `Host: ${host()}`,
+          "Content-Type: application/json",
+          `Content-Length: ${600 * 2 ** 20}`
+        ].join("\r\n")
+      )
       assert.strictEqual(declared.status, 413, declared.headers)
       assertOpenAiError(declared.body, "body_too_large", /over the limit of 1048576 bytes/)
       assert.isBelow(declared.millis, 2000)
       // Expect: 100-continue with a large Content-Length: refused instead of "continue".
-      const expect = await rawRequest(server.url, [
-        "POST /v1/completions HTTP/1.1", `Host: ${host()}`, "Content-Type: application/json", `Content-Length: ${600 * 2 ** 20}`,
-        "Expect: 100-continue"
-      ].join("\r\n"))
+      const expect = await rawRequest(
+        server.url,
+        [
+          "POST /v1/completions HTTP/1.1",
+          `Host: ${host()}`,
+          "Content-Type: application/json",
+          `Content-Length: ${600 * 2 ** 20}`,
+          "Expect: 100-continue"
+        ].join("\r\n")
+      )
       assert.strictEqual(expect.status, 413)
       assert.notInclude(expect.headers, "100 Continue")
       // Chunked, no length: counted while it arrives, refused once past the limit (20 MiB offered).
       const piece = Buffer.alloc(256 * 1024, "x")
       const chunk = Buffer.concat([Buffer.from(`${piece.length.toString(16)}\r\n`), piece, Buffer.from("\r\n")])
-      const streamed = await rawRequest(server.url, [
-        "POST /v1/completions HTTP/1.1", `Host: ${host()}`, "Content-Type: application/json", "Transfer-Encoding: chunked"
-      ].join("\r\n"), Array.from({ length: 80 }, () => chunk), { gapMs: 2 })
+      const streamed = await rawRequest(
+        server.url,
+        [
+          "POST /v1/completions HTTP/1.1",
+          `Host: ${host()}`,
+          "Content-Type: application/json",
+          "Transfer-Encoding: chunked"
+        ].join("\r\n"),
+        Array.from({ length: 80 }, () => chunk),
+        { gapMs: 2 }
+      )
       assert.strictEqual(streamed.status, 413)
       assertOpenAiError(streamed.body, "body_too_large", /more than that arrived/)
       // The openai client with a 3 MB prompt.
-      const refused = await client.completions.create({ model: "m", prompt: "x".repeat(3 * 2 ** 20), max_tokens: 2 }).then(
-        () => undefined,
-        (e: unknown) => e
-      )
+      const refused = await client.completions
+        .create({ model: "m", prompt: "x".repeat(3 * 2 ** 20), max_tokens: 2 })
+        .then(
+          () => undefined,
+          (e: unknown) => e
+        )
       assert.instanceOf(refused, OpenAI.APIError)
       assert.strictEqual((refused as InstanceType<typeof OpenAI.APIError>).status, 413)
     })
-    assert.isBelow(residentBytes(server.child.pid!) - startRss, 64 * 2 ** 20, "the server's resident set grew by 64 MiB or more")
+    assert.isBelow(
+      residentBytes(server.child.pid!) - startRss,
+      64 * 2 ** 20,
+      "the server's resident set grew by 64 MiB or more"
+    )
   })
 
   it("a stalled body is 408 after the body timeout; silent connections close after the header timeout and never lock callers out", async () => {
     await beside(async () => {
-      const stalled = await rawRequest(server.url, [
-        "POST /v1/completions HTTP/1.1", `Host: ${host()}`, "Content-Type: application/json", "Content-Length: 100"
-      ].join("\r\n"), ['{"pro'])
+      const stalled = await rawRequest(
+        server.url,
+        [
+          "POST /v1/completions HTTP/1.1",
+          `Host: ${host()}`,
+          "Content-Type: application/json",
+          "Content-Length: 100"
+        ].join("\r\n"),
+        ['{"pro']
+      )
       assert.strictEqual(stalled.status, 408, stalled.headers)
       assertOpenAiError(stalled.body, "body_timeout", /did not arrive within 2000 ms \(5 bytes came\)/)
       assert.isAtLeast(stalled.millis, 1900)
@@ -125,7 +183,12 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
       await sleep(900)
       // A caller still gets in: a new connection takes the place of the oldest one silent for 750 ms (half the header
       // timeout); those that came while every other was younger were refused at once.
-      const answer = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 48, temperature: 0 })
+      const answer = await client.completions.create({
+        model: "m",
+        prompt: "Once upon a time",
+        max_tokens: 48,
+        temperature: 0
+      })
       assert.strictEqual(answer.choices[0]!.text, lone)
       assert.isAtMost(await metricOf(server.url, "swactor_http_connections_open"), 40)
       assert.isAtLeast((await closedAtOnce()) - before, 20)
@@ -141,7 +204,11 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
       const plain = await post("/v1/completions", JSON.stringify({ prompt: "hi" }), { "content-type": "text/plain" })
       assert.strictEqual(plain.status, 415)
       assertOpenAiError(await plain.text(), "unsupported_media_type", /content-type: application\/json/)
-      const none = await post("/v1/chat/completions", JSON.stringify({ messages: [{ role: "user", content: "hi" }] }), {})
+      const none = await post(
+        "/v1/chat/completions",
+        JSON.stringify({ messages: [{ role: "user", content: "hi" }] }),
+        {}
+      )
       assert.strictEqual(none.status, 415)
 
       const deep = await post("/v1/completions", `{"prompt":${"[".repeat(5000)}${"]".repeat(5000)}}`)
@@ -154,7 +221,10 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
       assert.isBelow(hugeBody.length, 1024, "the error echoed the value")
       assertOpenAiError(hugeBody, null, /temperature/)
 
-      for (const prompt of [[1, 1.5], [1, -1]]) {
+      for (const prompt of [
+        [1, 1.5],
+        [1, -1]
+      ]) {
         const started = Date.now()
         const bad = await post("/v1/completions", JSON.stringify({ prompt, max_tokens: 4 }))
         assert.strictEqual(bad.status, 400)
@@ -175,7 +245,10 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
       const rebound = await rawRequest(server.url, ["GET /health HTTP/1.1", "Host: attacker.example:8080"].join("\r\n"))
       assert.strictEqual(rebound.status, 403)
       assertOpenAiError(rebound.body, "host_not_allowed", /attacker\.example/)
-      const loopbackName = await rawRequest(server.url, ["GET /health HTTP/1.1", `Host: localhost:${new URL(server.url).port}`].join("\r\n"))
+      const loopbackName = await rawRequest(
+        server.url,
+        ["GET /health HTTP/1.1", `Host: localhost:${new URL(server.url).port}`].join("\r\n")
+      )
       assert.strictEqual(loopbackName.status, 200)
 
       const page = await post("/v1/completions", JSON.stringify({ prompt: "hi", max_tokens: 2 }), {
@@ -190,10 +263,14 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
       assert.strictEqual(sameOrigin.status, 200)
       assert.isNull(sameOrigin.headers.get("access-control-allow-origin"))
 
-      const allowed = await post("/v1/completions", JSON.stringify({ prompt: "Once upon a time", max_tokens: 48, temperature: 0 }), {
-        "content-type": "application/json",
-        origin: "http://app.example:3000"
-      })
+      const allowed = await post(
+        "/v1/completions",
+        JSON.stringify({ prompt: "Once upon a time", max_tokens: 48, temperature: 0 }),
+        {
+          "content-type": "application/json",
+          origin: "http://app.example:3000"
+        }
+      )
       assert.strictEqual(allowed.status, 200)
       assert.strictEqual(allowed.headers.get("access-control-allow-origin"), "http://app.example:3000")
       assert.strictEqual(((await allowed.json()) as { choices: Array<{ text: string }> }).choices[0]!.text, lone)
@@ -212,7 +289,15 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
   })
 
   it("a second serve on the same port exits 1 with one line that says the address is in use", async () => {
-    const { args, command } = swactorCommand(["serve", "--model", model, "--stages", "1", "--port", new URL(server.url).port])
+    const { args, command } = swactorCommand([
+      "serve",
+      "--model",
+      model,
+      "--stages",
+      "1",
+      "--port",
+      new URL(server.url).port
+    ])
     const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"] })
     let stderr = ""
     child.stderr!.on("data", (chunk: Buffer) => (stderr += chunk.toString()))
@@ -224,8 +309,16 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
   it("afterwards: nothing in flight, both agents alive, a request gives the lone text, memory near its start", async () => {
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 0)
     for (const pid of agentPids) assert.isTrue(isAlive(pid))
-    assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.pid), agentPids)
-    const after = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 48, temperature: 0 })
+    assert.deepStrictEqual(
+      (await agentsOf(server.url)).map((a) => a.pid),
+      agentPids
+    )
+    const after = await client.completions.create({
+      model: "m",
+      prompt: "Once upon a time",
+      max_tokens: 48,
+      temperature: 0
+    })
     assert.strictEqual(after.choices[0]!.text, lone)
     assert.isBelow(residentBytes(server.child.pid!) - startRss, 64 * 2 ** 20)
   })

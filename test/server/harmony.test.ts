@@ -11,13 +11,17 @@ import { harmonyStream, splitHarmony } from "../../src/layers/server/Harmony.js"
 import { parseToolCalls, toolCallStream } from "../../src/layers/server/ToolCalls.js"
 import type { ChatTool } from "../../src/services/Tools.js"
 
-const tools: ReadonlyArray<ChatTool> = [{ name: "get_time", parameters: { type: "object", properties: { zone: { type: "string" } } } }]
+const tools: ReadonlyArray<ChatTool> = [
+  { name: "get_time", parameters: { type: "object", properties: { zone: { type: "string" } } } }
+]
 const syntax = wrapperToolSyntax(lib, new lib.HarmonyChatWrapper())
 
-const reply = "<|channel|>analysis<|message|>The user greets me. I should greet back.<|end|>" +
+const reply =
+  "<|channel|>analysis<|message|>The user greets me. I should greet back.<|end|>" +
   "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?"
-const callReply = "<|channel|>analysis<|message|>Need the time in CET.<|end|>" +
-  "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\":\"CET\"}<|call|>"
+const callReply =
+  "<|channel|>analysis<|message|>Need the time in CET.<|end|>" +
+  '<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone":"CET"}<|call|>'
 
 const streamed = (text: string, size: number) => {
   const stream = harmonyStream()
@@ -33,10 +37,16 @@ const streamed = (text: string, size: number) => {
 
 describe("harmony replies (gpt-oss)", () => {
   it("analysis is the reasoning, final the content, no markup left", () => {
-    expect(splitHarmony(reply)).toEqual({ reasoning: "The user greets me. I should greet back.", content: "Hello! How can I help?" })
+    expect(splitHarmony(reply)).toEqual({
+      reasoning: "The user greets me. I should greet back.",
+      content: "Hello! How can I help?"
+    })
     // a preamble (commentary without a recipient) is content; the end of the turn (<|return|>) shows nowhere
-    expect(splitHarmony(`<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>`))
-      .toEqual({ reasoning: "", content: "Checking.Done." })
+    expect(
+      splitHarmony(
+        `<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>`
+      )
+    ).toEqual({ reasoning: "", content: "Checking.Done." })
   })
 
   it("streamed in pieces of any size: the whole reply's split, no piece of markup in any piece", () => {
@@ -52,14 +62,16 @@ describe("harmony replies (gpt-oss)", () => {
     expect(split.reasoning).toBe("Need the time in CET.")
     const parsed = parseToolCalls(split.content, syntax, tools)
     expect(parsed.content).toBe("")
-    expect(parsed.calls.map((c) => ({ name: c.name, arguments: c.arguments }))).toEqual([{ name: "get_time", arguments: "{\"zone\":\"CET\"}" }])
+    expect(parsed.calls.map((c) => ({ name: c.name, arguments: c.arguments }))).toEqual([
+      { name: "get_time", arguments: '{"zone":"CET"}' }
+    ])
     // streamed through both: the call streams (start, then fragments of its arguments), nothing else is content
     for (const size of [1, 4]) {
       const calls = toolCallStream(syntax, tools)
       const out = streamed(callReply, size)
       const pieces = [...out.pieces.map((p) => calls.push(p.content)), calls.end()]
       expect(pieces.map((p) => p.content).join("")).toBe("")
-      expect(pieces.flatMap((p) => p.calls).map((c) => c.arguments)).toEqual(["{\"zone\":\"CET\"}"])
+      expect(pieces.flatMap((p) => p.calls).map((c) => c.arguments)).toEqual(['{"zone":"CET"}'])
       expect(pieces.flatMap((p) => p.deltas)[0]).toMatchObject({ _tag: "Start", name: "get_time" })
       expect(out.reasoning).toBe("Need the time in CET.")
     }
@@ -70,7 +82,10 @@ describe("harmony replies (gpt-oss)", () => {
 
   it("cut off: the reasoning so far; text not in the format is content as it is", () => {
     expect(splitHarmony("<|channel|>analysis<|message|>Let me th")).toEqual({ reasoning: "Let me th", content: "" })
-    expect(splitHarmony("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant")).toEqual({ reasoning: "Hm.", content: "" })
+    expect(splitHarmony("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant")).toEqual({
+      reasoning: "Hm.",
+      content: ""
+    })
     expect(splitHarmony("Plain words, no channels.")).toEqual({ reasoning: "", content: "Plain words, no channels." })
     expect(streamed("<|chat|> is no channel", 2)).toMatchObject({ reasoning: "", content: "<|chat|> is no channel" })
   })

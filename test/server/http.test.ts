@@ -13,7 +13,17 @@ import { isAlive } from "../support/e2e.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { spawn } from "node:child_process"
 import { swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
-import { agentsOf, metricOf, readSse, type ServeProcess, shmFilesOf, socketDirOf, startServe, startServeOverNodes, waitForIdle } from "../support/serve.js"
+import {
+  agentsOf,
+  metricOf,
+  readSse,
+  type ServeProcess,
+  shmFilesOf,
+  socketDirOf,
+  startServe,
+  startServeOverNodes,
+  waitForIdle
+} from "../support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 /** The greedy 24-token completion of "Once upon a time" from the local server (the remote one must match it). */
@@ -49,7 +59,10 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
   it("health: 503 while loading, then 200; models lists the model", async () => {
     assert.deepStrictEqual(server.healthSeen, [503, 200])
     const models = await client.models.list()
-    assert.deepStrictEqual(models.data.map((m) => m.id), ["stories260K.gguf"])
+    assert.deepStrictEqual(
+      models.data.map((m) => m.id),
+      ["stories260K.gguf"]
+    )
   })
 
   // A non-streamed completion carries usage: prompt tokens as tokenized (BOS included), completion tokens generated.
@@ -144,7 +157,8 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
   it("stop strings end the text, also across token boundaries", async () => {
     const stream = await greedy("Once upon a time", 40, { stream: true })
     const pieces: Array<string> = []
-    for await (const chunk of stream as unknown as AsyncIterable<OpenAI.Completion>) pieces.push(chunk.choices[0]?.text ?? "")
+    for await (const chunk of stream as unknown as AsyncIterable<OpenAI.Completion>)
+      pieces.push(chunk.choices[0]?.text ?? "")
     const whole = pieces.join("")
     // The end of one piece and the start of the next, somewhere in the middle.
     const k = pieces.findIndex((p, i) => i > 3 && p.length >= 2 && (pieces[i + 1]?.length ?? 0) >= 2)
@@ -168,16 +182,18 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
   // Same seed, same sampled text (streamed or not); another seed, another text. top_k/top_p/min_p are accepted.
   it("seeded sampling is reproducible", async () => {
     const sample = (seed: number, extra: Record<string, unknown> = {}) =>
-      client.completions.create({
-        model: "m",
-        prompt: "The dog",
-        max_tokens: 30,
-        temperature: 1,
-        seed,
-        top_p: 0.95,
-        ...{ top_k: 50, min_p: 0.01 },
-        ...extra
-      } as OpenAI.CompletionCreateParamsNonStreaming).then((r) => r.choices[0]!.text)
+      client.completions
+        .create({
+          model: "m",
+          prompt: "The dog",
+          max_tokens: 30,
+          temperature: 1,
+          seed,
+          top_p: 0.95,
+          ...{ top_k: 50, min_p: 0.01 },
+          ...extra
+        } as OpenAI.CompletionCreateParamsNonStreaming)
+        .then((r) => r.choices[0]!.text)
     const a = await sample(42)
     assert.strictEqual(await sample(42), a)
     assert.notStrictEqual(await sample(43), a)
@@ -185,10 +201,16 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
 
   // Bad values and a context the model cannot hold are 400s in OpenAI's error shape.
   it("bad requests are 400 with OpenAI's error body", async () => {
-    const tooLong = await greedy("Once", 100_000).then(() => undefined, (e: unknown) => e)
+    const tooLong = await greedy("Once", 100_000).then(
+      () => undefined,
+      (e: unknown) => e
+    )
     assert.instanceOf(tooLong, OpenAI.BadRequestError)
     assert.match((tooLong as InstanceType<typeof OpenAI.BadRequestError>).message, /context too long/)
-    const badTopP = await greedy("Once", 4, { top_p: 2 }).then(() => undefined, (e: unknown) => e)
+    const badTopP = await greedy("Once", 4, { top_p: 2 }).then(
+      () => undefined,
+      (e: unknown) => e
+    )
     assert.instanceOf(badTopP, OpenAI.BadRequestError)
     assert.match((badTopP as InstanceType<typeof OpenAI.BadRequestError>).message, /top_p/)
     const response = await fetch(`${server.url}/v1/completions`, {
@@ -197,21 +219,34 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
       body: JSON.stringify({ prompt: 3 })
     })
     assert.strictEqual(response.status, 400)
-    const body = await response.json() as { error: { type: string; message: string } }
+    const body = (await response.json()) as { error: { type: string; message: string } }
     assert.strictEqual(body.error.type, "invalid_request_error")
     assert.match(body.error.message, /prompt/)
   })
 
   // Batched = unbatched: each of 8 requests in flight at once gets the greedy text it gets alone.
   it("8 concurrent greedy requests each equal the same request served alone", async () => {
-    const prompts = ["Once upon a time", "Lily saw", "The sun", "Tom had a", "A big dog", "One day", "Sara and Ben", "The bird"]
+    const prompts = [
+      "Once upon a time",
+      "Lily saw",
+      "The sun",
+      "Tom had a",
+      "A big dog",
+      "One day",
+      "Sara and Ben",
+      "The bird"
+    ]
     const alone: Array<string> = []
     for (const prompt of prompts) alone.push((await greedy(prompt, 24)).choices[0]!.text)
     const together = await Promise.all(prompts.map((prompt) => greedy(prompt, 24).then((r) => r.choices[0]!.text)))
     assert.deepStrictEqual(together, alone)
     // They ran batched: the agents' stage batchers put several sequences into one micro-batch on each stage.
     for (const stage of [0, 1]) {
-      assert.isAbove(await metricOf(server.url, `swactor_stage_max_batch_sequences{stage="${stage}"}`), 1, `stage ${stage}`)
+      assert.isAbove(
+        await metricOf(server.url, `swactor_stage_max_batch_sequences{stage="${stage}"}`),
+        1,
+        `stage ${stage}`
+      )
       assert.isAbove(
         await metricOf(server.url, `swactor_stage_batch_rows_total{stage="${stage}"}`),
         await metricOf(server.url, `swactor_stage_micro_batches_total{stage="${stage}"}`),
@@ -240,12 +275,18 @@ describe("swactor serve over HTTP (openai client, stories260K, 2 local stages)",
     await reader.read()
     await reader.read()
     const during = await agentsOf(server.url)
-    assert.deepStrictEqual(during.map((a) => a.activeStages), [1, 1])
+    assert.deepStrictEqual(
+      during.map((a) => a.activeStages),
+      [1, 1]
+    )
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 1)
     abort.abort()
     const started = Date.now()
     await waitForIdle(server.url)
-    assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.activeStages), [0, 0])
+    assert.deepStrictEqual(
+      (await agentsOf(server.url)).map((a) => a.activeStages),
+      [0, 0]
+    )
     assert.isBelow(Date.now() - started, 2000)
     assert.strictEqual(await metricOf(server.url, "swactor_requests_in_flight"), 0)
     assert.strictEqual(await metricOf(server.url, "swactor_kv_reserved_bytes"), 0)
@@ -291,13 +332,27 @@ describe("swactor serve --agents (remote agents)", () => {
   // The same server over agents started elsewhere: one stage per node, the same greedy text as local agents.
   it("serves through remote agents, one stage per node", async () => {
     const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0 })
-    const result = await client.completions.create({ model: "m", prompt: "Once upon a time", max_tokens: 24, temperature: 0 })
+    const result = await client.completions.create({
+      model: "m",
+      prompt: "Once upon a time",
+      max_tokens: 24,
+      temperature: 0
+    })
     if (localGreedy !== undefined) assert.strictEqual(result.choices[0]!.text, localGreedy)
     assert.strictEqual(result.usage?.completion_tokens, 24)
     const listed = await agentsOf(server.url)
-    assert.deepStrictEqual(listed.map((a) => a.address), agents.map((a) => a.address))
-    assert.deepStrictEqual(listed.map((a) => a.pid), agents.map((a) => a.pid))
-    assert.deepStrictEqual(listed.map((a) => a.activeStages), [0, 0])
+    assert.deepStrictEqual(
+      listed.map((a) => a.address),
+      agents.map((a) => a.address)
+    )
+    assert.deepStrictEqual(
+      listed.map((a) => a.pid),
+      agents.map((a) => a.pid)
+    )
+    assert.deepStrictEqual(
+      listed.map((a) => a.activeStages),
+      [0, 0]
+    )
   })
 })
 
@@ -322,19 +377,21 @@ describe("swactor serve on a synthetic model (random weights, 4 x 256, Q8_0)", (
   beforeAll(async () => {
     dir = mkdtempSync(join(tmpdir(), "swactor-serve-test-"))
     const path = join(dir, "synthetic.gguf")
-    await Effect.runPromise(writeSyntheticModel({
-      path,
-      arch: "llama",
-      layers: 4,
-      hidden: 256,
-      ffn: 768,
-      heads: 4,
-      kvHeads: 2,
-      vocab: 512,
-      contextLength: 1024,
-      type: "q8_0",
-      seed: 7
-    }))
+    await Effect.runPromise(
+      writeSyntheticModel({
+        path,
+        arch: "llama",
+        layers: 4,
+        hidden: 256,
+        ffn: 768,
+        heads: 4,
+        kvHeads: 2,
+        vocab: 512,
+        contextLength: 1024,
+        type: "q8_0",
+        seed: 7
+      })
+    )
     server = await startServe(["--model", path, "--stages", "2", "--threads", "1", "--parallel", "8"])
   }, 180_000)
   afterAll(async () => {
@@ -359,7 +416,20 @@ describe("swactor serve on a synthetic model (random weights, 4 x 256, Q8_0)", (
 describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
   let server: ServeProcess
   beforeAll(async () => {
-    server = await startServe(["--model", model, "--stages", "2", "--threads", "1", "--parallel", "1", "--queue", "1", "--keep-alive-ms", "200"])
+    server = await startServe([
+      "--model",
+      model,
+      "--stages",
+      "2",
+      "--threads",
+      "1",
+      "--parallel",
+      "1",
+      "--queue",
+      "1",
+      "--keep-alive-ms",
+      "200"
+    ])
   }, 180_000)
   afterAll(async () => {
     // A failed test leaves it running: SIGTERM, so it still removes its agents and socket directory.
@@ -393,7 +463,10 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     assert.strictEqual(comments[0], ": keep-alive")
 
     const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0 })
-    const refused = await client.completions.create({ model: "m", prompt: "Hi", max_tokens: 2 }).then(() => undefined, (e: unknown) => e)
+    const refused = await client.completions.create({ model: "m", prompt: "Hi", max_tokens: 2 }).then(
+      () => undefined,
+      (e: unknown) => e
+    )
     assert.instanceOf(refused, OpenAI.RateLimitError)
     assert.strictEqual((refused as InstanceType<typeof OpenAI.RateLimitError>).status, 429)
     assert.isAtLeast(Number((refused as InstanceType<typeof OpenAI.RateLimitError>).headers?.get("retry-after")), 1)
@@ -412,7 +485,10 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     const degraded = await fetch(`${server.url}/health`)
     assert.strictEqual(degraded.status, 200)
     assert.deepStrictEqual(await degraded.json(), { status: "ok", lostAgents: [agents[1]!.address] })
-    assert.deepStrictEqual((await agentsOf(server.url)).map((a) => a.pid), [agents[0]!.pid])
+    assert.deepStrictEqual(
+      (await agentsOf(server.url)).map((a) => a.pid),
+      [agents[0]!.pid]
+    )
 
     // The last agent killed mid-stream: nothing can host the model; the stream ends with an error event and
     // [DONE] within 2 s, /health says 503 `reviving` (every agent lost), then the server serves again on fresh local
@@ -447,7 +523,11 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     assert.strictEqual(await metricOf(server.url, "swactor_pipeline_revivals_total"), 1)
     const fresh = await agentsOf(server.url)
     assert.strictEqual(fresh.length, 2)
-    for (const agent of fresh) assert.notInclude(agents.map((a) => a.pid), agent.pid)
+    for (const agent of fresh)
+      assert.notInclude(
+        agents.map((a) => a.pid),
+        agent.pid
+      )
     assert.match(server.stderr(), /reviving the pipeline: attempt 1: a run succeeded on 2 fresh local agents/)
 
     server.child.kill("SIGHUP")

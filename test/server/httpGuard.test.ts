@@ -23,7 +23,8 @@ describe("HttpGuard", () => {
     assert.strictEqual(hostOf("LocalHost:8080"), "localhost")
     assert.strictEqual(hostOf("[::1]:8080"), "::1")
     assert.strictEqual(hostOf("10.0.0.2"), "10.0.0.2")
-    for (const host of ["localhost", "127.0.0.1", "127.1.2.3", "::1", "app.localhost"]) assert.isTrue(hostAllowed(host, "127.0.0.1", []), host)
+    for (const host of ["localhost", "127.0.0.1", "127.1.2.3", "::1", "app.localhost"])
+      assert.isTrue(hostAllowed(host, "127.0.0.1", []), host)
     // DNS rebinding: the attacker's own name, now resolving to 127.0.0.1.
     assert.isFalse(hostAllowed("attacker.example", "127.0.0.1", []))
     assert.isFalse(hostAllowed("127.attacker.example", "127.0.0.1", []))
@@ -45,10 +46,16 @@ describe("HttpGuard", () => {
     assert.isFalse(originAllowed("null", "127.0.0.1:8080", []))
     assert.isTrue(originAllowed("http://app.example:3000", "127.0.0.1:8080", ["http://app.example:3000"]))
     assert.isTrue(originAllowed("http://evil.example", "127.0.0.1:8080", ["*"]))
-    assert.strictEqual(checkCaller({ host: "127.0.0.1:8080" }, "127.0.0.1", { allowedHosts: [], allowedOrigins: [] }), undefined)
+    assert.strictEqual(
+      checkCaller({ host: "127.0.0.1:8080" }, "127.0.0.1", { allowedHosts: [], allowedOrigins: [] }),
+      undefined
+    )
     assert.strictEqual(checkCaller({}, "127.0.0.1", { allowedHosts: [], allowedOrigins: [] })?.code, "host_missing")
     assert.strictEqual(
-      checkCaller({ host: "127.0.0.1:8080", origin: "http://evil.example" }, "127.0.0.1", { allowedHosts: [], allowedOrigins: [] })?.status,
+      checkCaller({ host: "127.0.0.1:8080", origin: "http://evil.example" }, "127.0.0.1", {
+        allowedHosts: [],
+        allowedOrigins: []
+      })?.status,
       403
     )
   })
@@ -56,7 +63,13 @@ describe("HttpGuard", () => {
   it("content type: application/json with any parameters, nothing else", () => {
     assert.strictEqual(checkJsonContentType("application/json"), undefined)
     assert.strictEqual(checkJsonContentType("Application/JSON; charset=utf-8"), undefined)
-    for (const type of [undefined, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"]) {
+    for (const type of [
+      undefined,
+      "text/plain",
+      "application/x-www-form-urlencoded",
+      "multipart/form-data; boundary=x",
+      "application/jsonx"
+    ]) {
       assert.strictEqual(checkJsonContentType(type)?.status, 415, String(type))
     }
   })

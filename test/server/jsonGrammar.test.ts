@@ -30,7 +30,11 @@ describe("JsonGrammar", () => {
   })
 
   it("numbers: an integer has no exponent (1e-5 is no integer), a fraction's exponent is at most two digits (1e999 is Infinity)", async () => {
-    const text = await grammar({ type: "object", properties: { n: { type: "integer" }, x: { type: "number" } }, required: ["n", "x"] })
+    const text = await grammar({
+      type: "object",
+      properties: { n: { type: "integer" }, x: { type: "number" } },
+      required: ["n", "x"]
+    })
     const rule = (name: string) => text.split("\n").find((line) => line.startsWith(`${name} ::= `)) ?? ""
     assert.notMatch(rule("integer-number-rule"), /\[eE\]/)
     assert.match(rule("integer-number-rule"), /\[1-9\] \[0-9\]/)
@@ -45,11 +49,20 @@ describe("JsonGrammar", () => {
 
   it("supports $defs/definitions references, recursion included", async () => {
     const text = await grammar({
-      $defs: { node: { type: "object", properties: { v: { type: "number" }, next: { anyOf: [{ $ref: "#/$defs/node" }, { type: "null" }] } } } },
+      $defs: {
+        node: {
+          type: "object",
+          properties: { v: { type: "number" }, next: { anyOf: [{ $ref: "#/$defs/node" }, { type: "null" }] } }
+        }
+      },
       $ref: "#/$defs/node"
     })
     assert.match(text, /^root ::= /m)
-    const zod = await grammar({ definitions: { a: { type: "boolean" } }, type: "object", properties: { x: { $ref: "#/definitions/a" } } })
+    const zod = await grammar({
+      definitions: { a: { type: "boolean" } },
+      type: "object",
+      properties: { x: { $ref: "#/definitions/a" } }
+    })
     assert.match(zod, /true/)
   })
 
@@ -60,16 +73,28 @@ describe("JsonGrammar", () => {
       `${base}.properties.x: unsupported keyword "patternProperties"`
     )
     assert.strictEqual(await refused({ type: "integer", minimum: 3 }), `schema: unsupported keyword "minimum"`)
-    assert.strictEqual(await refused({ type: "string", format: "email" }), `schema.format: unsupported format "email" (date-time, date and time are)`)
-    assert.strictEqual(await refused({ type: "array", items: { pattern: "a+" } }), `schema.items: unsupported keyword "pattern"`)
+    assert.strictEqual(
+      await refused({ type: "string", format: "email" }),
+      `schema.format: unsupported format "email" (date-time, date and time are)`
+    )
+    assert.strictEqual(
+      await refused({ type: "array", items: { pattern: "a+" } }),
+      `schema.items: unsupported keyword "pattern"`
+    )
     assert.strictEqual(await refused({ $ref: "#/$defs/missing" }), `schema.$ref: "#/$defs/missing" names no definition`)
-    assert.strictEqual(await refused({ $ref: "http://example.com/s.json" }), `schema.$ref: unsupported reference "http://example.com/s.json" (only #/$defs/NAME or #/definitions/NAME)`)
+    assert.strictEqual(
+      await refused({ $ref: "http://example.com/s.json" }),
+      `schema.$ref: unsupported reference "http://example.com/s.json" (only #/$defs/NAME or #/definitions/NAME)`
+    )
     assert.strictEqual(
       await refused({ type: "object", properties: { a: { type: "string" } }, required: ["b"] }),
       `schema.required[0]: required property "b" is not in properties`
     )
     assert.strictEqual(await refused({ type: "wat" }), `schema.type: unknown type "wat"`)
-    assert.strictEqual(await refused({ enum: [{ a: 1 }] }), `schema.enum[0]: only strings, numbers, booleans and null are supported`)
+    assert.strictEqual(
+      await refused({ enum: [{ a: 1 }] }),
+      `schema.enum[0]: only strings, numbers, booleans and null are supported`
+    )
     assert.strictEqual(await refused("nope"), `schema: must be a JSON Schema object`)
     const huge = { enum: Array.from({ length: 20_000 }, (_, i) => `value ${i}`) }
     assert.match(await refused(huge), /^schema: is \d+ characters of JSON, over the 65536 a schema may have$/)

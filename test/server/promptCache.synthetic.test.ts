@@ -57,26 +57,29 @@ const turn = (runtime: ManagedRuntime.ManagedRuntime<Server, never>, prompt: str
     )
   )
 
-const words = "the quick brown fox jumps over a lazy dog while seven small birds sing in an old green tree near the river "
+const words =
+  "the quick brown fox jumps over a lazy dog while seven small birds sing in an old green tree near the river "
 const messages = [" Tell me more.", " And then what happened?", " Why was that?"]
 
 describe("swactor serve: prompt cache on a random-weight model", () => {
   let on: ManagedRuntime.ManagedRuntime<Server, never> | undefined
   let off: ManagedRuntime.ManagedRuntime<Server, never> | undefined
   beforeAll(async () => {
-    await Effect.runPromise(writeSyntheticModel({
-      path: model,
-      arch: "llama",
-      layers: 4,
-      hidden: 512,
-      ffn: 1376,
-      heads: 8,
-      kvHeads: 8,
-      vocab: 2048,
-      contextLength: 2048,
-      type: "f32",
-      seed: 5
-    }))
+    await Effect.runPromise(
+      writeSyntheticModel({
+        path: model,
+        arch: "llama",
+        layers: 4,
+        hidden: 512,
+        ffn: 1376,
+        heads: 8,
+        kvHeads: 8,
+        vocab: 2048,
+        contextLength: 2048,
+        type: "f32",
+        seed: 5
+      })
+    )
     on = open(true)
     off = open(false)
     await on.runPromise(Effect.flatMap(Server, (s) => s.ready))

@@ -55,7 +55,8 @@ const base = ["--model", model, "--stages", "2", "--threads", "1"]
 const CHUNK = 8
 const env = { SWACTOR_PREFILL_CHUNK: String(CHUNK) }
 const aligned = (n: number) => n - (n % CHUNK)
-const P = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends."
+const P =
+  "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends."
 const Q = "The old dog sat by the door every morning and waited for the boy to come home from school."
 
 describe("swactor serve: prompt cache", () => {
@@ -105,7 +106,10 @@ describe("swactor serve: prompt cache", () => {
     assert.strictEqual(seeded.cachedTokens, aligned(seeded.promptTokens - 1))
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_hits_total"), 2)
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_misses_total"), 1)
-    assert.strictEqual(await metricOf(url, "swactor_prompt_cache_cached_tokens_total"), t2.cachedTokens + seeded.cachedTokens)
+    assert.strictEqual(
+      await metricOf(url, "swactor_prompt_cache_cached_tokens_total"),
+      t2.cachedTokens + seeded.cachedTokens
+    )
   })
 
   // Two prompts that share turn 1's prompt, at once: both start after its tokens, from the same held entry.
@@ -153,10 +157,10 @@ describe("swactor serve: prompt cache", () => {
       if (++chunks === 5) abort.abort()
     }).catch(() => undefined)
     for (const until = Date.now() + 10_000; Date.now() < until;) {
-      if (await metricOf(url, "swactor_requests_in_flight") === 0) break
+      if ((await metricOf(url, "swactor_requests_in_flight")) === 0) break
       await sleep(50)
     }
-    assert.strictEqual(await metricOf(url, "swactor_requests_total{outcome=\"cancelled\"}"), 1)
+    assert.strictEqual(await metricOf(url, 'swactor_requests_total{outcome="cancelled"}'), 1)
     assert.strictEqual(await metricOf(url, "swactor_kv_reserved_bytes"), 0)
     // the entries held before, and only they (the one it adopted is not in use any more)
     assert.deepStrictEqual((await lruOf(url)).map(([id]) => id).sort(), before.map(([id]) => id).sort())
@@ -206,26 +210,38 @@ describe("swactor serve: prompt cache under a small KV budget", () => {
     const b = await complete(url, { prompt: B, ...long })
     for (const x of [a, b]) assert.isTrue(x.promptTokens + 61 > 768 && x.promptTokens + 61 <= 1024, `${x.promptTokens}`)
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_bytes"), 2 * 384 * 1024)
-    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [1, 2])
+    assert.deepStrictEqual(
+      (await lruOf(url)).map(([id]) => id),
+      [1, 2]
+    )
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 0)
     // adopts A (now in use and most recent): B, least recently used, is evicted to make room
     const a2 = await complete(url, { prompt: `${A} Then the sun went down.`, ...long })
     assert.strictEqual(a2.cachedTokens, aligned(a.promptTokens))
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 1)
     // entry 3 holds a2's prompt, A's with more: entry 1 is superseded (not counted as an eviction)
-    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [3])
+    assert.deepStrictEqual(
+      (await lruOf(url)).map(([id]) => id),
+      [3]
+    )
     // B again: a miss (room for its run beside entry 3)
     const b2 = await complete(url, { prompt: B, ...long })
     assert.strictEqual(b2.cachedTokens, 0)
     assert.strictEqual(b2.text, b.text)
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 1)
-    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [3, 4])
+    assert.deepStrictEqual(
+      (await lruOf(url)).map(([id]) => id),
+      [3, 4]
+    )
     // a third story: a miss that needs the memory; entry 3, the least recently used, goes
     const C = Array.from({ length: 31 }, () => "Sue found a shiny shell on the beach and kept it in a box.").join(" ")
     const c = await complete(url, { prompt: C, ...long })
     assert.strictEqual(c.cachedTokens, 0)
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_evictions_total"), 2)
-    assert.deepStrictEqual((await lruOf(url)).map(([id]) => id), [4, 5])
+    assert.deepStrictEqual(
+      (await lruOf(url)).map(([id]) => id),
+      [4, 5]
+    )
     assert.strictEqual(await metricOf(url, "swactor_kv_reserved_bytes"), 0)
   }, 240_000)
 })

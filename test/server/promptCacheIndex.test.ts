@@ -32,18 +32,30 @@ describe("prompt cache index", () => {
     })
     // use the oldest: the middle one is now least recently used
     assert.strictEqual(index.match(seq(1000, 5))?.entry, ids[0])
-    assert.deepStrictEqual(index.order().map((e) => e.id), [ids[1], ids[2], ids[0]])
+    assert.deepStrictEqual(
+      index.order().map((e) => e.id),
+      [ids[1], ids[2], ids[0]]
+    )
     index.pin(ids[1]!)
     const gone = index.evictWhile(() => index.bytes() > 100)
     assert.deepStrictEqual(gone, [ids[2]!, ids[0]!])
-    assert.deepStrictEqual(index.order().map((e) => e.id), [ids[1]!])
+    assert.deepStrictEqual(
+      index.order().map((e) => e.id),
+      [ids[1]!]
+    )
     assert.strictEqual(index.evictions(), 2)
     // pinned twice, unpinned once: still in use
     index.pin(ids[1]!)
     index.unpin(ids[1]!)
-    assert.deepStrictEqual(index.evictWhile(() => index.size() > 0), [])
+    assert.deepStrictEqual(
+      index.evictWhile(() => index.size() > 0),
+      []
+    )
     index.unpin(ids[1]!)
-    assert.deepStrictEqual(index.evictWhile(() => index.size() > 0), [ids[1]!])
+    assert.deepStrictEqual(
+      index.evictWhile(() => index.size() > 0),
+      [ids[1]!]
+    )
     assert.strictEqual(index.bytes(), 0)
   })
 
@@ -65,7 +77,10 @@ describe("prompt cache index", () => {
     const e = index.nextId()
     // a third entry: the least recently used goes
     assert.deepStrictEqual(index.add({ id: e, tokens: seq(70, 5), bytes: 1 }), [c])
-    assert.deepStrictEqual(index.order().map((x) => x.id), [d, e])
+    assert.deepStrictEqual(
+      index.order().map((x) => x.id),
+      [d, e]
+    )
     assert.deepStrictEqual(index.clear(), [d, e])
     assert.strictEqual(index.size(), 0)
     // ids only grow

@@ -33,7 +33,12 @@ const TOKENS = 24
 const sessionsOf = async (url: string) => {
   const text = await fetch(`${url}/metrics`).then((r) => r.text())
   const read = (name: string) =>
-    new Map([...text.matchAll(new RegExp(`^${name}\\{address="[^"]+",pid="(\\d+)"\\} (\\S+)$`, "gm"))].map((m) => [m[1]!, Number(m[2])]))
+    new Map(
+      [...text.matchAll(new RegExp(`^${name}\\{address="[^"]+",pid="(\\d+)"\\} (\\S+)$`, "gm"))].map((m) => [
+        m[1]!,
+        Number(m[2])
+      ])
+    )
   const sessions = read("swactor_agent_open_sessions")
   const state = read("swactor_agent_state_bytes")
   const cache = read("swactor_agent_cache_bytes")
@@ -106,7 +111,13 @@ describe("swactor serve: a cancelled qwen35 request frees its DeltaNet state on 
     await waitForIdle(server.url)
     const agents = await sessionsOf(server.url)
     assert.strictEqual(agents.length, 2)
-    assert.deepStrictEqual(agents.map((a) => [a.sessions, a.stateBytes, a.cacheBytes]), [[0, 0, 0], [0, 0, 0]])
+    assert.deepStrictEqual(
+      agents.map((a) => [a.sessions, a.stateBytes, a.cacheBytes]),
+      [
+        [0, 0, 0],
+        [0, 0, 0]
+      ]
+    )
   }, 120_000)
 
   it("a disconnect mid-generation frees the state and KV on every stage; later requests get their lone text", async () => {
@@ -126,7 +137,10 @@ describe("swactor serve: a cancelled qwen35 request frees its DeltaNet state on 
     // the cut is between DeltaNet blocks and attention: one stage holds DeltaNet state only, the other also K/V
     const during = await sessionsOf(server.url)
     console.log(`qwen35 cancel: during the stream ${JSON.stringify(during)}`)
-    assert.deepStrictEqual(during.map((a) => a.sessions), [1, 1])
+    assert.deepStrictEqual(
+      during.map((a) => a.sessions),
+      [1, 1]
+    )
     for (const a of during) assert.isAbove(a.stateBytes, 0, `agent ${a.pid} state`)
     const [deltaOnly, withAttention] = [...during].sort((a, b) => a.cacheBytes - b.cacheBytes)
     assert.strictEqual(deltaOnly!.cacheBytes, deltaOnly!.stateBytes)
@@ -135,16 +149,31 @@ describe("swactor serve: a cancelled qwen35 request frees its DeltaNet state on 
     abort.abort()
     await waitForIdle(server.url)
     const after = await sessionsOf(server.url)
-    assert.deepStrictEqual(after.map((a) => [a.sessions, a.stateBytes, a.cacheBytes]), [[0, 0, 0], [0, 0, 0]])
+    assert.deepStrictEqual(
+      after.map((a) => [a.sessions, a.stateBytes, a.cacheBytes]),
+      [
+        [0, 0, 0],
+        [0, 0, 0]
+      ]
+    )
     assert.strictEqual(await metricOf(server.url, "swactor_kv_reserved_bytes"), 0)
     assert.strictEqual(await metricOf(server.url, 'swactor_requests_total{outcome="cancelled"}'), cancelledBefore + 1)
 
     // one request after the cancel, then 8 at once: each exactly its lone run's text
     assert.strictEqual((await complete(PROMPTS[0]!)).text, lone.get(PROMPTS[0]!))
     const together = await Promise.all(PROMPTS.map(complete))
-    assert.deepStrictEqual(together.map((r) => r.text), PROMPTS.map((p) => lone.get(p)))
+    assert.deepStrictEqual(
+      together.map((r) => r.text),
+      PROMPTS.map((p) => lone.get(p))
+    )
     assert.isAbove(await metricOf(server.url, 'swactor_stage_max_batch_sequences{stage="0"}'), 1)
     await waitForIdle(server.url)
-    assert.deepStrictEqual((await sessionsOf(server.url)).map((a) => [a.sessions, a.stateBytes]), [[0, 0], [0, 0]])
+    assert.deepStrictEqual(
+      (await sessionsOf(server.url)).map((a) => [a.sessions, a.stateBytes]),
+      [
+        [0, 0],
+        [0, 0]
+      ]
+    )
   }, 120_000)
 })

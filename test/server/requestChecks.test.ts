@@ -58,7 +58,9 @@ describe("RequestChecks: one rule for run, serve and the library", () => {
     expect(generationProblem({ ...base, text: " \n\t", tokens: [1, 3] })).toBe(emptyPromptMessage)
     expect(generationProblem({ ...base, text: [], tokens: [] })).toBe(emptyPromptMessage)
     expect(generationProblem({ ...base, text: "Once", tokens: [1, 4] })).toBeUndefined()
-    expect(generationProblem({ ...base, maxTokens: 0, text: "Once", tokens: [1] })).toMatch(/max tokens must be a whole number/)
+    expect(generationProblem({ ...base, maxTokens: 0, text: "Once", tokens: [1] })).toMatch(
+      /max tokens must be a whole number/
+    )
   })
 
   it("threads 1..512, spares 0..64 and stages up to the model's blocks", () => {
@@ -102,7 +104,11 @@ describe("the cluster token's strength", () => {
 
   it("accepts random tokens (hex and base64 of 16 and 32 bytes) every time, and passphrase-like ones", () => {
     for (let i = 0; i < 2000; i++) {
-      for (const token of [randomBytes(32).toString("hex"), randomBytes(16).toString("hex"), randomBytes(32).toString("base64")]) {
+      for (const token of [
+        randomBytes(32).toString("hex"),
+        randomBytes(16).toString("hex"),
+        randomBytes(32).toString("base64")
+      ]) {
         expect(clusterTokenProblem(token, "x"), token).toBeUndefined()
       }
     }
@@ -130,11 +136,14 @@ describe("refused connections: one line per peer per window, naming it", () => {
   it("a flood from many peers is capped per window, and the count comes later", () => {
     let now = 0
     const log = makeRefusalLog("data-plane connection", { windowMillis: 10_000, maxLines: 3, now: () => now })
-    const lines = Array.from({ length: 500 }, (_, i) => log.refused(`10.0.${i >> 8}.${i & 255}`, "authentication failed"))
-      .filter((line) => line !== undefined)
+    const lines = Array.from({ length: 500 }, (_, i) =>
+      log.refused(`10.0.${i >> 8}.${i & 255}`, "authentication failed")
+    ).filter((line) => line !== undefined)
     expect(lines).toHaveLength(3)
     expect(lines[2]).toMatch(/further refusals are not logged for 10 s$/)
     now = 20_000 // a new window after the flood's
-    expect(log.refused("192.168.1.1", "authentication failed")).toMatch(/497 more from any peer not logged in the last flood/)
+    expect(log.refused("192.168.1.1", "authentication failed")).toMatch(
+      /497 more from any peer not logged in the last flood/
+    )
   })
 })

@@ -64,7 +64,11 @@ const healthUntil = async (url: string, until: (status: number) => boolean, time
  * completion refused with 503 + Retry-After at once; SIGCONT: /health 200 again, the same greedy text, nothing in
  * flight, the same agent processes (reused, not replaced). Returns the milliseconds from SIGCONT to /health 200.
  */
-const stallAndResume = async (server: ServeProcess, agents: ReadonlyArray<{ address: string; pid: number }>, before: string) => {
+const stallAndResume = async (
+  server: ServeProcess,
+  agents: ReadonlyArray<{ address: string; pid: number }>,
+  before: string
+) => {
   const stoppedAt = Date.now()
   for (const agent of agents) process.kill(agent.pid, "SIGSTOP")
   let resumed = false
@@ -110,10 +114,16 @@ const stallAndResume = async (server: ServeProcess, agents: ReadonlyArray<{ addr
       agents.map((a) => [a.address, a.pid])
     )
     // One line per attempt on stderr, the last one says it serves again.
-    const lines = server.stderr().split("\n").filter((line) => line.includes("reviving the pipeline"))
+    const lines = server
+      .stderr()
+      .split("\n")
+      .filter((line) => line.includes("reviving the pipeline"))
     assert.match(lines[0] ?? "", /^swactor serve: every agent of the pipeline was lost: .*; reviving the pipeline/)
     assert.match(lines[1] ?? "", /^swactor serve: reviving the pipeline: attempt 1: /)
-    assert.match(lines.at(-1) ?? "", /^swactor serve: reviving the pipeline: attempt \d+: a run succeeded on the agents that answer again: .*; serving again/)
+    assert.match(
+      lines.at(-1) ?? "",
+      /^swactor serve: reviving the pipeline: attempt \d+: a run succeeded on the agents that answer again: .*; serving again/
+    )
     return millis
   } finally {
     if (!resumed) for (const agent of agents) process.kill(agent.pid, "SIGCONT")
@@ -160,7 +170,10 @@ describe("swactor serve --agents: every remote node stalls past the heartbeat de
   it("SIGSTOP of every node, then SIGCONT: 503 reviving meanwhile, then served again with the same text", async () => {
     const before = await greedyText(server.url)
     const agents = await agentsOf(server.url)
-    assert.deepStrictEqual(agents.map((a) => a.pid), nodes.map((n) => n.pid))
+    assert.deepStrictEqual(
+      agents.map((a) => a.pid),
+      nodes.map((n) => n.pid)
+    )
     const millis = await stallAndResume(server, agents, before)
     process.stderr.write(`serve.revive: remote nodes: SIGCONT to /health 200 in ${millis} ms\n`)
     assert.isBelow(millis, 10_000)
@@ -170,52 +183,64 @@ describe("swactor serve --agents: every remote node stalls past the heartbeat de
 describe("Server (library, local agents): stalled agents that never come back", () => {
   // With a 1.5 s heartbeat deadline and fresh agents after 2 s: both agents SIGSTOPped for good are lost, then
   // stopped (a stopped process is killed too) and two fresh local agents serve the same greedy text.
-  it.live("are stopped after freshAgentsAfter and fresh local agents serve the same text", () =>
-    Effect.gen(function*() {
-      const lines: Array<string> = []
-      const server = yield* Layer.build(
-        ServerLive.layer({
-          model,
-          stages: 2,
-          heartbeat: { interval: "200 millis", deadline: "1500 millis" },
-          revive: { freshAgentsAfter: "2 seconds" },
-          log: (line) => lines.push(line)
-        }).pipe(Layer.provide(layerLocal({ threads: 1 })))
-      ).pipe(Effect.map(Context.get(Server)))
-      yield* server.ready
-      const run = Stream.runFold(
-        server.generate({ prompt: "Once upon a time", maxTokens: 24 }),
-        "",
-        (text, event) => (event._tag === "Text" ? text + event.text : text)
-      )
-      const before = yield* run
-      const old = (yield* server.metrics).agents
-      assert.strictEqual(old.length, 2)
-      for (const agent of old) process.kill(agent.pid, "SIGSTOP")
-      let status = yield* server.status
-      for (let i = 0; i < 200 && status._tag !== "Reviving"; i++) {
-        yield* Effect.sleep("50 millis")
-        status = yield* server.status
-      }
-      assert.strictEqual(status._tag, "Reviving")
-      if (status._tag === "Reviving") {
-        assert.deepStrictEqual(status.waitingFor.map((a) => [a.pid, a.state]), old.map((a) => [a.pid, "lost"]))
-        assert.strictEqual(status.freshAgentsAtMillis, status.sinceMillis + 2000)
-      }
-      const refused = yield* Effect.flip(run)
-      assert.strictEqual(refused._tag, "ServerReviving")
-      for (let i = 0; i < 400 && status._tag !== "Ready"; i++) {
-        yield* Effect.sleep("50 millis")
-        status = yield* server.status
-      }
-      assert.deepStrictEqual(status, { _tag: "Ready" })
-      assert.strictEqual(yield* run, before)
-      const fresh = (yield* server.metrics).agents
-      assert.strictEqual(fresh.length, 2)
-      for (const agent of fresh) assert.notInclude(old.map((a) => a.pid), agent.pid)
-      // The stalled ones were stopped (SIGKILL reaches a stopped process), not left behind.
-      for (const agent of old) assert.isFalse(isAlive(agent.pid), `stalled agent ${agent.pid} left running`)
-      assert.strictEqual((yield* server.metrics).revivals, 1)
-      assert.match(lines.at(-1) ?? "", /attempt \d+: a run succeeded on 2 fresh local agents .*the old ones were stopped; serving again/)
-    }).pipe(Effect.scoped), 60_000)
+  it.live(
+    "are stopped after freshAgentsAfter and fresh local agents serve the same text",
+    () =>
+      Effect.gen(function* () {
+        const lines: Array<string> = []
+        const server = yield* Layer.build(
+          ServerLive.layer({
+            model,
+            stages: 2,
+            heartbeat: { interval: "200 millis", deadline: "1500 millis" },
+            revive: { freshAgentsAfter: "2 seconds" },
+            log: (line) => lines.push(line)
+          }).pipe(Layer.provide(layerLocal({ threads: 1 })))
+        ).pipe(Effect.map(Context.get(Server)))
+        yield* server.ready
+        const run = Stream.runFold(server.generate({ prompt: "Once upon a time", maxTokens: 24 }), "", (text, event) =>
+          event._tag === "Text" ? text + event.text : text
+        )
+        const before = yield* run
+        const old = (yield* server.metrics).agents
+        assert.strictEqual(old.length, 2)
+        for (const agent of old) process.kill(agent.pid, "SIGSTOP")
+        let status = yield* server.status
+        for (let i = 0; i < 200 && status._tag !== "Reviving"; i++) {
+          yield* Effect.sleep("50 millis")
+          status = yield* server.status
+        }
+        assert.strictEqual(status._tag, "Reviving")
+        if (status._tag === "Reviving") {
+          assert.deepStrictEqual(
+            status.waitingFor.map((a) => [a.pid, a.state]),
+            old.map((a) => [a.pid, "lost"])
+          )
+          assert.strictEqual(status.freshAgentsAtMillis, status.sinceMillis + 2000)
+        }
+        const refused = yield* Effect.flip(run)
+        assert.strictEqual(refused._tag, "ServerReviving")
+        for (let i = 0; i < 400 && status._tag !== "Ready"; i++) {
+          yield* Effect.sleep("50 millis")
+          status = yield* server.status
+        }
+        assert.deepStrictEqual(status, { _tag: "Ready" })
+        assert.strictEqual(yield* run, before)
+        const fresh = (yield* server.metrics).agents
+        assert.strictEqual(fresh.length, 2)
+        for (const agent of fresh)
+          assert.notInclude(
+            old.map((a) => a.pid),
+            agent.pid
+          )
+        // The stalled ones were stopped (SIGKILL reaches a stopped process), not left behind.
+        for (const agent of old) assert.isFalse(isAlive(agent.pid), `stalled agent ${agent.pid} left running`)
+        assert.strictEqual((yield* server.metrics).revivals, 1)
+        assert.match(
+          lines.at(-1) ?? "",
+          /attempt \d+: a run succeeded on 2 fresh local agents .*the old ones were stopped; serving again/
+        )
+      }).pipe(Effect.scoped),
+    60_000
+  )
 })

@@ -28,8 +28,14 @@ describe("Sampler: top-p, min-p, (seed, position)", () => {
     const from0 = makeSampler(params)
     const all = Array.from({ length: 40 }, () => from0(logits))
     const from5 = makeSampler(params, 5)
-    assert.deepStrictEqual(Array.from({ length: 35 }, () => from5(logits)), all.slice(5))
+    assert.deepStrictEqual(
+      Array.from({ length: 35 }, () => from5(logits)),
+      all.slice(5)
+    )
     assert.strictEqual(sampleToken(logits, params, positionRng(11, 7)), all[7])
-    assert.notDeepEqual(all, Array.from({ length: 40 }, (_, i) => sampleToken(logits, params, positionRng(12, i))))
+    assert.notDeepEqual(
+      all,
+      Array.from({ length: 40 }, (_, i) => sampleToken(logits, params, positionRng(12, i)))
+    )
   })
 })

@@ -13,7 +13,6 @@ import { Server, type ServerMetrics, type ServeOptions } from "../../src/service
 import { StageExecutor } from "../../src/services/StageExecutor.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
 
-
 /** The test engine, each forward 5 ms slower (so requests overlap a kill). */
 const slowExecutor = () => {
   const base = StageExecutorTest.make(testModel)
@@ -26,12 +25,14 @@ const slowExecutor = () => {
 
 /** Two agents, two stages of the 5 blocks ([0, 3) and [3, 5)): 3 blocks on the heaviest stage. */
 const world = (options: Partial<ServeOptions> = {}) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(slowExecutor()))
     const server = yield* Layer.build(
       ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, ...options }).pipe(
         Layer.provide(OrchestratorLive.layer),
-        Layer.provide(Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
+        Layer.provide(
+          Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)
+        )
       )
     ).pipe(Effect.map(Context.get(Server)))
     yield* server.ready
@@ -43,7 +44,7 @@ const long = { prompt: "Once upon a time", maxTokens: 200 }
 
 /** Polls the server's metrics until `check` holds (or 20 s pass): whether it held, and the last metrics seen. */
 const metricsUntil = (server: Context.Tag.Service<typeof Server>, check: (m: ServerMetrics) => boolean) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const until = Date.now() + 20_000
     while (true) {
       const metrics = yield* server.metrics
@@ -57,58 +58,65 @@ describe("serve: KV admission after the pipeline shrinks", () => {
   // explicit budget of two 3-block sequences, two requests ran at once before the shrink; after it one reservation
   // is 5/3 as large, so a second request waits (Queued) until the first ends. The default budget (parallel
   // sequences of the model's context on the heaviest stage) grows by the same 5/3.
-  it.live("after a recovery onto fewer stages, reservations and the budget follow the new blocks per stage", () =>
-    Effect.gen(function*() {
-      // The default budget, and one request's 3-block reservation.
-      const probe = yield* world({ parallel: 2 })
-      const budget3 = (yield* probe.server.metrics).kvBudgetBytes
-      const probeRun = yield* Stream.runDrain(probe.server.generate(long)).pipe(Effect.fork)
-      const before = yield* metricsUntil(probe.server, (m) => m.kvReservedBytes > 0)
-      const perSequence3 = before.metrics.kvReservedBytes
-      yield* probe.memory.agents[1]!.kill
-      const shrunk = yield* metricsUntil(probe.server, (m) => m.recoveries === 1)
-      assert.isTrue(shrunk.held, "the request recovers")
-      assert.strictEqual(shrunk.metrics.kvReservedBytes, (perSequence3 / 3) * 5)
-      assert.strictEqual(shrunk.metrics.kvBudgetBytes, (budget3 / 3) * 5)
-      yield* Fiber.join(probeRun)
+  it.live(
+    "after a recovery onto fewer stages, reservations and the budget follow the new blocks per stage",
+    () =>
+      Effect.gen(function* () {
+        // The default budget, and one request's 3-block reservation.
+        const probe = yield* world({ parallel: 2 })
+        const budget3 = (yield* probe.server.metrics).kvBudgetBytes
+        const probeRun = yield* Stream.runDrain(probe.server.generate(long)).pipe(Effect.fork)
+        const before = yield* metricsUntil(probe.server, (m) => m.kvReservedBytes > 0)
+        const perSequence3 = before.metrics.kvReservedBytes
+        yield* probe.memory.agents[1]!.kill
+        const shrunk = yield* metricsUntil(probe.server, (m) => m.recoveries === 1)
+        assert.isTrue(shrunk.held, "the request recovers")
+        assert.strictEqual(shrunk.metrics.kvReservedBytes, (perSequence3 / 3) * 5)
+        assert.strictEqual(shrunk.metrics.kvBudgetBytes, (budget3 / 3) * 5)
+        yield* Fiber.join(probeRun)
 
-      // An explicit budget of two 3-block sequences.
-      const { memory, server } = yield* world({ parallel: 8, kvBudgetBytes: 2 * perSequence3 })
-      const pair = yield* Effect.forEach([1, 2], () => Stream.runCollect(server.generate(long)).pipe(Effect.fork))
-      const both = yield* metricsUntil(server, (m) => m.inFlight === 2)
-      assert.isTrue(both.held, "two 3-block requests run at once")
-      assert.strictEqual(both.metrics.queued, 0)
-      yield* Effect.forEach(pair, Fiber.join)
+        // An explicit budget of two 3-block sequences.
+        const { memory, server } = yield* world({ parallel: 8, kvBudgetBytes: 2 * perSequence3 })
+        const pair = yield* Effect.forEach([1, 2], () => Stream.runCollect(server.generate(long)).pipe(Effect.fork))
+        const both = yield* metricsUntil(server, (m) => m.inFlight === 2)
+        assert.isTrue(both.held, "two 3-block requests run at once")
+        assert.strictEqual(both.metrics.queued, 0)
+        yield* Effect.forEach(pair, Fiber.join)
 
-      const first = yield* Stream.runCollect(server.generate(long)).pipe(Effect.fork)
-      yield* metricsUntil(server, (m) => m.inFlight === 1)
-      yield* memory.agents[1]!.kill
-      const recovered = yield* metricsUntil(server, (m) => m.recoveries === 1)
-      assert.isTrue(recovered.held)
-      assert.strictEqual(recovered.metrics.kvReservedBytes, (perSequence3 / 3) * 5)
-      assert.strictEqual(recovered.metrics.kvBudgetBytes, 2 * perSequence3)
-      const second = yield* Stream.runCollect(server.generate(long)).pipe(Effect.fork)
-      const waiting = yield* metricsUntil(server, (m) => m.queued === 1)
-      assert.isTrue(waiting.held, "the second request waits for the first")
-      assert.strictEqual(waiting.metrics.inFlight, 1)
-      yield* Fiber.join(first)
-      const events = Chunk.toReadonlyArray(yield* Fiber.join(second))
-      assert.strictEqual(events[0]?._tag, "Queued")
-      assert.strictEqual(events.at(-1)?._tag, "Done")
+        const first = yield* Stream.runCollect(server.generate(long)).pipe(Effect.fork)
+        yield* metricsUntil(server, (m) => m.inFlight === 1)
+        yield* memory.agents[1]!.kill
+        const recovered = yield* metricsUntil(server, (m) => m.recoveries === 1)
+        assert.isTrue(recovered.held)
+        assert.strictEqual(recovered.metrics.kvReservedBytes, (perSequence3 / 3) * 5)
+        assert.strictEqual(recovered.metrics.kvBudgetBytes, 2 * perSequence3)
+        const second = yield* Stream.runCollect(server.generate(long)).pipe(Effect.fork)
+        const waiting = yield* metricsUntil(server, (m) => m.queued === 1)
+        assert.isTrue(waiting.held, "the second request waits for the first")
+        assert.strictEqual(waiting.metrics.inFlight, 1)
+        yield* Fiber.join(first)
+        const events = Chunk.toReadonlyArray(yield* Fiber.join(second))
+        assert.strictEqual(events[0]?._tag, "Queued")
+        assert.strictEqual(events.at(-1)?._tag, "Done")
 
-      // A budget of one 3-block sequence: after the shrink a waiting request can never fit; it is refused (not left
-      // queued forever), and so is a new one, while the running one finishes.
-      const tight = yield* world({ parallel: 8, kvBudgetBytes: perSequence3 })
-      const running = yield* Stream.runCollect(tight.server.generate(long)).pipe(Effect.fork)
-      yield* metricsUntil(tight.server, (m) => m.inFlight === 1)
-      const queued = yield* Stream.runCollect(tight.server.generate(long)).pipe(Effect.either, Effect.fork)
-      yield* metricsUntil(tight.server, (m) => m.queued === 1)
-      yield* tight.memory.agents[1]!.kill
-      const refused = yield* Fiber.join(queued)
-      assert.isTrue(refused._tag === "Left" && refused.left._tag === "BadServeRequest", JSON.stringify(refused))
-      assert.match(refused._tag === "Left" ? refused.left.message : "", /context too long: 256 tokens need \d+ bytes of KV cache per stage/)
-      const fresh = yield* Effect.flip(Stream.runDrain(tight.server.generate(long)))
-      assert.strictEqual(fresh._tag, "BadServeRequest")
-      assert.strictEqual(Chunk.toReadonlyArray(yield* Fiber.join(running)).at(-1)?._tag, "Done")
-    }).pipe(Effect.scoped), 120_000)
+        // A budget of one 3-block sequence: after the shrink a waiting request can never fit; it is refused (not left
+        // queued forever), and so is a new one, while the running one finishes.
+        const tight = yield* world({ parallel: 8, kvBudgetBytes: perSequence3 })
+        const running = yield* Stream.runCollect(tight.server.generate(long)).pipe(Effect.fork)
+        yield* metricsUntil(tight.server, (m) => m.inFlight === 1)
+        const queued = yield* Stream.runCollect(tight.server.generate(long)).pipe(Effect.either, Effect.fork)
+        yield* metricsUntil(tight.server, (m) => m.queued === 1)
+        yield* tight.memory.agents[1]!.kill
+        const refused = yield* Fiber.join(queued)
+        assert.isTrue(refused._tag === "Left" && refused.left._tag === "BadServeRequest", JSON.stringify(refused))
+        assert.match(
+          refused._tag === "Left" ? refused.left.message : "",
+          /context too long: 256 tokens need \d+ bytes of KV cache per stage/
+        )
+        const fresh = yield* Effect.flip(Stream.runDrain(tight.server.generate(long)))
+        assert.strictEqual(fresh._tag, "BadServeRequest")
+        assert.strictEqual(Chunk.toReadonlyArray(yield* Fiber.join(running)).at(-1)?._tag, "Done")
+      }).pipe(Effect.scoped),
+    120_000
+  )
 })

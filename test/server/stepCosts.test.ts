@@ -20,7 +20,16 @@ const samples = (text: string, name: string) =>
 describe("swactor serve: step costs by rows and the decode micro-batch size in /metrics", () => {
   let server: ServeProcess
   beforeAll(async () => {
-    server = await startServe(["--model", requireModel("stories260K.gguf"), "--stages", "2", "--threads", "1", "--parallel", "4"])
+    server = await startServe([
+      "--model",
+      requireModel("stories260K.gguf"),
+      "--stages",
+      "2",
+      "--threads",
+      "1",
+      "--parallel",
+      "4"
+    ])
   }, 180_000)
   afterAll(() => stopServe(server))
 
@@ -35,18 +44,22 @@ describe("swactor serve: step costs by rows and the decode micro-batch size in /
     const ranges = [...new Set(steps.map((s) => `${s.labels["pid"]} ${s.labels["layers"]}`))].sort()
     expect(ranges, "one block range per agent").toHaveLength(2)
     for (const range of ranges) {
-      const rows = steps.filter((s) => `${s.labels["pid"]} ${s.labels["layers"]}` === range).map((s) => Number(s.labels["rows"]))
+      const rows = steps
+        .filter((s) => `${s.labels["pid"]} ${s.labels["layers"]}` === range)
+        .map((s) => Number(s.labels["rows"]))
       expect(rows.sort((a, b) => a - b)).toEqual([1, 2, 3, 4, 5, 6, 7, 8])
     }
     for (const s of steps) expect(s.value).toBeGreaterThan(0)
 
-    await Promise.all(["Once upon a time", "The little dog", "Lily went", "A big red ball"].map((prompt) =>
-      fetch(`${server.url}/v1/completions`, {
-        method: "POST",
-        headers: { "content-type": "application/json" },
-        body: JSON.stringify({ model: "m", prompt, max_tokens: 24, temperature: 0 })
-      }).then((r) => expect(r.status).toBe(200))
-    ))
+    await Promise.all(
+      ["Once upon a time", "The little dog", "Lily went", "A big red ball"].map((prompt) =>
+        fetch(`${server.url}/v1/completions`, {
+          method: "POST",
+          headers: { "content-type": "application/json" },
+          body: JSON.stringify({ model: "m", prompt, max_tokens: 24, temperature: 0 })
+        }).then((r) => expect(r.status).toBe(200))
+      )
+    )
     const text = await fetch(`${server.url}/metrics`).then((r) => r.text())
     const chosen = samples(text, "swactor_agent_decode_batch_rows")
     const defaults = samples(text, "swactor_agent_decode_batch_default_rows")

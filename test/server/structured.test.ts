@@ -23,10 +23,17 @@ const schemas = {
   required: z.object({ name: z.string().max(12), age: z.number().int() }).strict(),
   enum: z.object({ mood: z.enum(["happy", "sad", "angry"]) }).strict(),
   array: z.object({ words: z.array(z.string().max(8)).min(1).max(3) }).strict(),
-  nested: z.object({
-    hero: z.object({ name: z.string().max(10), friend: z.object({ kind: z.enum(["cat", "dog"]), brave: z.boolean() }).strict() }).strict(),
-    count: z.number().int().nullable()
-  }).strict()
+  nested: z
+    .object({
+      hero: z
+        .object({
+          name: z.string().max(10),
+          friend: z.object({ kind: z.enum(["cat", "dog"]), brave: z.boolean() }).strict()
+        })
+        .strict(),
+      count: z.number().int().nullable()
+    })
+    .strict()
 }
 const jsonSchemaOf = (schema: z.ZodType) => {
   const { $schema: _, ...rest } = z.toJSONSchema(schema) as Record<string, unknown>
@@ -43,7 +50,11 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
   afterAll(() => stopServe(server))
 
   const post = (path: string, body: unknown) =>
-    fetch(`${server.url}${path}`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) })
+    fetch(`${server.url}${path}`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify(body)
+    })
   const chat = (content: string) => [{ role: "user" as const, content }]
 
   it("json_schema output parses and validates (required fields, enum, array, nested), greedy and sampled", async () => {
@@ -75,13 +86,13 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
     })
     const value = JSON.parse(reply.choices[0]!.message.content ?? "")
     assert.isTrue(typeof value === "object" && value !== null && !Array.isArray(value))
-    const completion = await client.completions.create({
+    const completion = (await client.completions.create({
       model: "stories260K.gguf",
       prompt: "Once upon a time",
       max_tokens: 80,
       temperature: 0,
       response_format: { type: "json_schema", json_schema: { name: "e", schema: jsonSchemaOf(schemas.enum) } }
-    } as never) as OpenAI.Completion
+    } as never)) as OpenAI.Completion
     assert.isTrue(schemas.enum.safeParse(JSON.parse(completion.choices[0]!.text)).success, completion.choices[0]!.text)
   }, 120_000)
 
@@ -94,12 +105,19 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
       grammar: `root ::= ("yes" | "no") " " [0-9]`
     })
     assert.strictEqual(response.status, 200)
-    const body = await response.json() as { choices: Array<{ text: string }> }
+    const body = (await response.json()) as { choices: Array<{ text: string }> }
     assert.match(body.choices[0]!.text, /^(yes|no) [0-9]$/)
   }, 60_000)
 
   it("chat log-probs: top_logprobs honoured, the greedy token is the top of its list, stream = non-stream", async () => {
-    const ask = { model: "stories260K.gguf", messages: chat("Once upon a time"), max_tokens: 12, temperature: 0, logprobs: true, top_logprobs: 3 }
+    const ask = {
+      model: "stories260K.gguf",
+      messages: chat("Once upon a time"),
+      max_tokens: 12,
+      temperature: 0,
+      logprobs: true,
+      top_logprobs: 3
+    }
     const reply = await client.chat.completions.create(ask)
     const content = reply.choices[0]!.logprobs!.content!
     assert.strictEqual(content.length, reply.usage!.completion_tokens)
@@ -120,12 +138,21 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
       streamed.push(...(choice?.logprobs?.content ?? []))
     }
     assert.strictEqual(text, reply.choices[0]!.message.content)
-    assert.deepStrictEqual(streamed.map((e) => e.token), content.map((e) => e.token))
+    assert.deepStrictEqual(
+      streamed.map((e) => e.token),
+      content.map((e) => e.token)
+    )
     streamed.forEach((e, i) => assert.closeTo(e.logprob, content[i]!.logprob, 1e-4))
   }, 60_000)
 
   it("completions log-probs: OpenAI's shape, N honoured, aligned with the text a stop string cut", async () => {
-    const full = await client.completions.create({ model: "stories260K.gguf", prompt: "Once upon a time", max_tokens: 12, temperature: 0, logprobs: 2 })
+    const full = await client.completions.create({
+      model: "stories260K.gguf",
+      prompt: "Once upon a time",
+      max_tokens: 12,
+      temperature: 0,
+      logprobs: 2
+    })
     const lp = full.choices[0]!.logprobs!
     assert.strictEqual(lp.tokens!.length, 12)
     assert.strictEqual(lp.tokens!.join(""), full.choices[0]!.text)
@@ -134,39 +161,76 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
       assert.isAtMost(Object.keys(top).length, 2)
       assert.strictEqual(Math.max(...Object.values(top)), lp.token_logprobs![i])
     })
-    assert.deepStrictEqual(lp.text_offset, lp.tokens!.map((_, i) => lp.tokens!.slice(0, i).join("").length))
+    assert.deepStrictEqual(
+      lp.text_offset,
+      lp.tokens!.map((_, i) => lp.tokens!.slice(0, i).join("").length)
+    )
     // a stop string in the middle of the text: the entries end with the text returned
     const text = full.choices[0]!.text
     const stop = lp.tokens![5]!.trim()
-    const cut = await client.completions.create({ model: "stories260K.gguf", prompt: "Once upon a time", max_tokens: 12, temperature: 0, logprobs: 2, stop: [stop] })
+    const cut = await client.completions.create({
+      model: "stories260K.gguf",
+      prompt: "Once upon a time",
+      max_tokens: 12,
+      temperature: 0,
+      logprobs: 2,
+      stop: [stop]
+    })
     const returned = cut.choices[0]!.text
     assert.strictEqual(returned, text.slice(0, text.indexOf(stop)))
     // the entries are those of the tokens whose text begins in the returned text: all of it, nothing after it
     const cutTokens = cut.choices[0]!.logprobs!.tokens!
-    assert.isTrue(cutTokens.join("").startsWith(returned), `${JSON.stringify(cutTokens)} covers ${JSON.stringify(returned)}`)
+    assert.isTrue(
+      cutTokens.join("").startsWith(returned),
+      `${JSON.stringify(cutTokens)} covers ${JSON.stringify(returned)}`
+    )
     assert.isBelow(cutTokens.slice(0, -1).join("").length, returned.length)
     assert.deepStrictEqual(cutTokens, lp.tokens!.slice(0, cutTokens.length))
   }, 60_000)
 
   it("n: 3 gives 3 choices, choice i = a lone request with seed + i; usage summed; streamed chunks carry their index", async () => {
-    const ask = { model: "stories260K.gguf", prompt: "Once upon a time", max_tokens: 10, temperature: 2, top_k: 0, seed: 11 }
+    const ask = {
+      model: "stories260K.gguf",
+      prompt: "Once upon a time",
+      max_tokens: 10,
+      temperature: 2,
+      top_k: 0,
+      seed: 11
+    }
     const three = await client.completions.create({ ...ask, n: 3 })
-    assert.deepStrictEqual(three.choices.map((c) => c.index), [0, 1, 2])
+    assert.deepStrictEqual(
+      three.choices.map((c) => c.index),
+      [0, 1, 2]
+    )
     const lone = await Promise.all([0, 1, 2].map((i) => client.completions.create({ ...ask, seed: 11 + i })))
-    assert.deepStrictEqual(three.choices.map((c) => c.text), lone.map((r) => r.choices[0]!.text))
+    assert.deepStrictEqual(
+      three.choices.map((c) => c.text),
+      lone.map((r) => r.choices[0]!.text)
+    )
     assert.notStrictEqual(lone[0]!.choices[0]!.text, lone[1]!.choices[0]!.text)
-    assert.strictEqual(three.usage!.completion_tokens, lone.reduce((n, r) => n + r.usage!.completion_tokens, 0))
+    assert.strictEqual(
+      three.usage!.completion_tokens,
+      lone.reduce((n, r) => n + r.usage!.completion_tokens, 0)
+    )
     assert.strictEqual(three.usage!.prompt_tokens, lone[0]!.usage!.prompt_tokens)
     const texts = ["", "", ""]
     for await (const part of await client.completions.create({ ...ask, n: 3, stream: true })) {
       for (const choice of part.choices) texts[choice.index] += choice.text
     }
-    assert.deepStrictEqual(texts, lone.map((r) => r.choices[0]!.text))
+    assert.deepStrictEqual(
+      texts,
+      lone.map((r) => r.choices[0]!.text)
+    )
   }, 120_000)
 
   it("logit_bias -100 bans a token; sampling fields llama-server takes are accepted", async () => {
     const vocab = await Effect.runPromise(
-      Tokenizer.pipe(Effect.flatMap((t) => t.open(model)), Effect.map((v) => v), Effect.provide(TokenizerLive.layer), Effect.scoped)
+      Tokenizer.pipe(
+        Effect.flatMap((t) => t.open(model)),
+        Effect.map((v) => v),
+        Effect.provide(TokenizerLive.layer),
+        Effect.scoped
+      )
     )
     const prompt = vocab.tokenize("Once upon a time")
     const next = async (bias?: Record<string, number>) => {
@@ -181,7 +245,9 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
     }
     // every token that reads as the text (a byte token may too)
     const idsOf = (text: string) =>
-      Array.from({ length: vocab.vocabSize }, (_, id) => id).filter((id) => vocab.detokenize([id], prompt.slice(-1)) === text)
+      Array.from({ length: vocab.vocabSize }, (_, id) => id).filter(
+        (id) => vocab.detokenize([id], prompt.slice(-1)) === text
+      )
     const first = await next()
     const firstIds = idsOf(first)
     assert.isNotEmpty(firstIds)
@@ -215,7 +281,11 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
   }, 60_000)
 
   it("Vercel AI SDK generateObject returns a valid object", async () => {
-    const provider = createOpenAICompatible({ name: "swactor", baseURL: `${server.url}/v1`, supportsStructuredOutputs: true })
+    const provider = createOpenAICompatible({
+      name: "swactor",
+      baseURL: `${server.url}/v1`,
+      supportsStructuredOutputs: true
+    })
     const { object } = await generateObject({
       model: provider("stories260K.gguf"),
       schema: schemas.nested,
@@ -227,7 +297,12 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
     assert.isTrue(schemas.nested.safeParse(object).success, JSON.stringify(object))
     const plain = await generateObject({
       model: provider("stories260K.gguf"),
-      schema: jsonSchema<{ colour: string }>({ type: "object", properties: { colour: { enum: ["red", "blue"] } }, required: ["colour"], additionalProperties: false }),
+      schema: jsonSchema<{ colour: string }>({
+        type: "object",
+        properties: { colour: { enum: ["red", "blue"] } },
+        required: ["colour"],
+        additionalProperties: false
+      }),
       prompt: "Pick a colour",
       temperature: 0.5,
       seed: 4,
@@ -240,27 +315,70 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
   it("bad input is a 400 naming the field, and the server keeps serving", async () => {
     const refused = async (path: string, body: unknown, message: RegExp) => {
       const response = await post(path, body)
-      const json = await response.json() as { error: { message: string; type: string } }
+      const json = (await response.json()) as { error: { message: string; type: string } }
       assert.strictEqual(response.status, 400, JSON.stringify(json))
       assert.strictEqual(json.error.type, "invalid_request_error")
       assert.match(json.error.message, message)
     }
     const messages = chat("hi")
-    await refused("/v1/chat/completions", {
-      messages,
-      response_format: { type: "json_schema", json_schema: { name: "x", schema: { type: "object", properties: { x: { type: "object", patternProperties: { "^a": {} } } } } } }
-    }, /^response_format\.json_schema\.schema\.properties\.x: unsupported keyword "patternProperties"$/)
+    await refused(
+      "/v1/chat/completions",
+      {
+        messages,
+        response_format: {
+          type: "json_schema",
+          json_schema: {
+            name: "x",
+            schema: { type: "object", properties: { x: { type: "object", patternProperties: { "^a": {} } } } }
+          }
+        }
+      },
+      /^response_format\.json_schema\.schema\.properties\.x: unsupported keyword "patternProperties"$/
+    )
     await refused("/v1/completions", { prompt: "a", logit_bias: { abc: 5 } }, /^logit_bias: "abc" is not a token id/)
-    await refused("/v1/completions", { prompt: "a", logit_bias: { "5": 300 } }, /^logit_bias\["5"\] must be between -100 and 100/)
-    await refused("/v1/chat/completions", { messages, logprobs: true, top_logprobs: 21 }, /^top_logprobs must be a whole number between 0 and 20, got 21$/)
+    await refused(
+      "/v1/completions",
+      { prompt: "a", logit_bias: { "5": 300 } },
+      /^logit_bias\["5"\] must be between -100 and 100/
+    )
+    await refused(
+      "/v1/chat/completions",
+      { messages, logprobs: true, top_logprobs: 21 },
+      /^top_logprobs must be a whole number between 0 and 20, got 21$/
+    )
     await refused("/v1/chat/completions", { messages, top_logprobs: 2 }, /^top_logprobs needs logprobs: true$/)
-    await refused("/v1/completions", { prompt: "a", grammar: `root ::= "a"{3,1}` }, /^grammar: repetition \{3,1\} has its maximum below its minimum/)
+    await refused(
+      "/v1/completions",
+      { prompt: "a", grammar: `root ::= "a"{3,1}` },
+      /^grammar: repetition \{3,1\} has its maximum below its minimum/
+    )
     await refused("/v1/completions", { prompt: "a", grammar: `root ::= foo` }, /^grammar: undefined rule foo/)
-    await refused("/v1/completions", { prompt: "a", presence_penalty: 3 }, /^presence_penalty must be between -2 and 2, got 3$/)
-    await refused("/v1/completions", { prompt: "a", n: 9 }, /^n must be at most 4 \(the server's parallel sequences\), got 9$/)
-    await refused("/v1/completions", { prompt: "a", grammar: `root ::= "a"`, response_format: { type: "json_object" } }, /^response_format and grammar cannot be combined/)
-    await refused("/v1/completions", { prompt: "a", response_format: { type: "json_schema" } }, /^response_format\.json_schema is required/)
-    const after = await client.completions.create({ model: "stories260K.gguf", prompt: "Once upon a time", max_tokens: 4, temperature: 0 })
+    await refused(
+      "/v1/completions",
+      { prompt: "a", presence_penalty: 3 },
+      /^presence_penalty must be between -2 and 2, got 3$/
+    )
+    await refused(
+      "/v1/completions",
+      { prompt: "a", n: 9 },
+      /^n must be at most 4 \(the server's parallel sequences\), got 9$/
+    )
+    await refused(
+      "/v1/completions",
+      { prompt: "a", grammar: `root ::= "a"`, response_format: { type: "json_object" } },
+      /^response_format and grammar cannot be combined/
+    )
+    await refused(
+      "/v1/completions",
+      { prompt: "a", response_format: { type: "json_schema" } },
+      /^response_format\.json_schema is required/
+    )
+    const after = await client.completions.create({
+      model: "stories260K.gguf",
+      prompt: "Once upon a time",
+      max_tokens: 4,
+      temperature: 0
+    })
     assert.strictEqual(after.choices[0]!.finish_reason, "length")
     assert.strictEqual(server.child.exitCode, null)
   }, 60_000)

@@ -42,10 +42,16 @@ describe("TextLogprobs", () => {
   it("a stop string drops the entries of the tokens that begin in or after it", () => {
     assert.deepStrictEqual(run(["Hi", " The", " e", "nd", " more"], [" The end"]), [{ text: "Hi", tokens: ["Hi"] }])
     // the stop begins inside a token: that token's text partly shows, so its entry stays; the next ones go
-    assert.deepStrictEqual(run(["ab", "cX", "Y", "z"], ["XY"]), [{ text: "ab", tokens: ["ab"] }, { text: "c", tokens: ["cX"] }])
+    assert.deepStrictEqual(run(["ab", "cX", "Y", "z"], ["XY"]), [
+      { text: "ab", tokens: ["ab"] },
+      { text: "c", tokens: ["cX"] }
+    ])
   })
 
   it("tokens without text (a partial UTF-8 character) ride with the next text", () => {
-    assert.deepStrictEqual(run(["a", "", "é"], []), [{ text: "a", tokens: ["a"] }, { text: "é", tokens: ["", "é"] }])
+    assert.deepStrictEqual(run(["a", "", "é"], []), [
+      { text: "a", tokens: ["a"] },
+      { text: "é", tokens: ["", "é"] }
+    ])
   })
 })

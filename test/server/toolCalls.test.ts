@@ -36,7 +36,10 @@ type Wrapper = NonNullable<ReturnType<typeof lib.resolveChatWrapper>>
 
 /** A LlamaText as the text of a reply (special tokens' text as it is; built-in special tokens such as EOS never show). */
 const text = (value: unknown) =>
-  lib.LlamaText(value as never).values.map((v) => (typeof v === "string" ? v : v instanceof lib.SpecialTokensText ? v.value : "")).join("")
+  lib
+    .LlamaText(value as never)
+    .values.map((v) => (typeof v === "string" ? v : v instanceof lib.SpecialTokensText ? v.value : ""))
+    .join("")
 
 /**
  * Calls as the wrapper writes them (several: in its parallel section, which ends where the reply ends: Qwen's section
@@ -46,11 +49,15 @@ const written = (wrapper: Wrapper, calls: ReadonlyArray<readonly [string, unknow
   const one = calls.map(([name, params]) => wrapper.generateFunctionCall(name, params))
   const section = wrapper.settings.functions.parallelism?.call
   if (calls.length === 1 && (section === undefined || text(section.sectionPrefix).trim() === "")) return text(one[0]!)
-  return text(lib.LlamaText([
-    section!.sectionPrefix,
-    ...one.flatMap((call, i) => (i === 0 ? [call] : [section!.betweenCalls ?? "", call])),
-    wrapperToolSyntax(lib, wrapper)._tag === "Family" ? (wrapperToolSyntax(lib, wrapper) as { sectionSuffix: string }).sectionSuffix : ""
-  ]))
+  return text(
+    lib.LlamaText([
+      section!.sectionPrefix,
+      ...one.flatMap((call, i) => (i === 0 ? [call] : [section!.betweenCalls ?? "", call])),
+      wrapperToolSyntax(lib, wrapper)._tag === "Family"
+        ? (wrapperToolSyntax(lib, wrapper) as { sectionSuffix: string }).sectionSuffix
+        : ""
+    ])
+  )
 }
 
 const families: ReadonlyArray<readonly [string, () => Wrapper]> = [
@@ -97,7 +104,11 @@ describe("parsing each family's call syntax", () => {
         expect(shape(parsed.calls)).toEqual([{ name: "get_weather", arguments: { city: "Paris", unit: "c" } }])
         // (node-llama-cpp's harmony call starts with its own channel header, which stays content.)
         expect(parsed.content.startsWith("Let me look that up.")).toBe(true)
-        expect(parsed.content).toBe(family.includes("harmony") ? "Let me look that up.\n<|start|>assistant<|channel|>commentary" : "Let me look that up.")
+        expect(parsed.content).toBe(
+          family.includes("harmony")
+            ? "Let me look that up.\n<|start|>assistant<|channel|>commentary"
+            : "Let me look that up."
+        )
         expect(parsed.calls[0]!.id).toMatch(/^call_[0-9a-f]{24}$/)
       })
 
@@ -106,7 +117,9 @@ describe("parsing each family's call syntax", () => {
         for (const size of [1, 3, 7]) {
           const out = streamed(reply, syntax, size)
           expect(shape(out.calls)).toEqual([{ name: "get_time", arguments: { zone: "UTC" } }])
-          expect(out.content.trim()).toBe(family.includes("harmony") ? "Sure. <|start|>assistant<|channel|>commentary" : "Sure.")
+          expect(out.content.trim()).toBe(
+            family.includes("harmony") ? "Sure. <|start|>assistant<|channel|>commentary" : "Sure."
+          )
         }
       })
 
@@ -114,33 +127,40 @@ describe("parsing each family's call syntax", () => {
         const good = written(wrapper, [["get_weather", { city: "Oslo", unit: "f" }]])
         const unknown = good.replace("get_weather", "rm_rf")
         expect(parseToolCalls(unknown, syntax, tools)).toMatchObject({ calls: [], content: unknown })
-        const broken = good.replace("\"Oslo\"", "Oslo")
+        const broken = good.replace('"Oslo"', "Oslo")
         expect(parseToolCalls(broken, syntax, tools)).toMatchObject({ calls: [], content: broken })
         const cut = good.slice(0, good.indexOf("Oslo"))
         expect(parseToolCalls(cut, syntax, tools)).toMatchObject({ calls: [], content: cut })
         // Streamed, a call stands alone (all but Mistral's): its start went out with its name and the `{` of its
         // arguments, so its text is never content; cut short, it is no complete call.
-        const head = syntax._tag === "Family" && syntax.sectionPrefix.trim() === "" ? cut.indexOf(syntax.callPrefix.trimStart()) : -1
+        const head =
+          syntax._tag === "Family" && syntax.sectionPrefix.trim() === ""
+            ? cut.indexOf(syntax.callPrefix.trimStart())
+            : -1
         expect(streamed(cut, syntax, 2)).toMatchObject({ calls: [], content: head < 0 ? cut : cut.slice(0, head) })
       })
 
       it("never throws on any prefix of a reply, streamed or whole", () => {
-        const reply = `a <b> {"x": 1} ${written(wrapper, [["get_weather", { city: "Rome \\\"}", unit: "c" }]])} tail`
+        const reply = `a <b> {"x": 1} ${written(wrapper, [["get_weather", { city: 'Rome \\"}', unit: "c" }]])} tail`
         for (let end = 0; end <= reply.length; end++) {
           const part = reply.slice(0, end)
           const whole = parseToolCalls(part, syntax, tools)
           const pieces = streamed(part, syntax, 2)
           expect(shape(pieces.calls)).toEqual(shape(whole.calls))
         }
-        expect(shape(parseToolCalls(reply, syntax, tools).calls)).toEqual([{ name: "get_weather", arguments: { city: "Rome \\\"}", unit: "c" } }])
+        expect(shape(parseToolCalls(reply, syntax, tools).calls)).toEqual([
+          { name: "get_weather", arguments: { city: 'Rome \\"}', unit: "c" } }
+        ])
       })
     })
   }
 
   it("a harmony reply as gpt-oss writes it (channel, then the recipient, a space before <|constrain|>)", () => {
     const syntax = wrapperToolSyntax(lib, new lib.HarmonyChatWrapper())
-    const reply = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\":\"CET\"}"
-    expect(shape(parseToolCalls(reply, syntax, tools).calls)).toEqual([{ name: "get_time", arguments: { zone: "CET" } }])
+    const reply = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone":"CET"}'
+    expect(shape(parseToolCalls(reply, syntax, tools).calls)).toEqual([
+      { name: "get_time", arguments: { zone: "CET" } }
+    ])
   })
 
   // Where calls stand alone (no section around them) they stream: the start once the arguments' `{` came, then the
@@ -160,13 +180,23 @@ describe("parsing each family's call syntax", () => {
           deltas.push(...out.deltas)
           calls.push(...out.calls)
           // a call completes only after its start and all its fragments went out
-          if (out.calls.length > 0) expect(deltas.filter((d) => d._tag === "Arguments").map((d) => d.text).join("")).toBe(out.calls[0]!.arguments)
+          if (out.calls.length > 0)
+            expect(
+              deltas
+                .filter((d) => d._tag === "Arguments")
+                .map((d) => d.text)
+                .join("")
+            ).toBe(out.calls[0]!.arguments)
         }
         const start = deltas[0]!
         expect(start).toMatchObject({ _tag: "Start", index: 0, name: "get_weather" })
-        const fragments = deltas.slice(1).map((d) => (d._tag === "Arguments" && d.index === 0 ? d.text : "not a fragment"))
+        const fragments = deltas
+          .slice(1)
+          .map((d) => (d._tag === "Arguments" && d.index === 0 ? d.text : "not a fragment"))
         expect(fragments.join("")).toBe(whole.calls[0]!.arguments)
-        expect(calls).toEqual([{ id: start._tag === "Start" ? start.id : "", name: "get_weather", arguments: whole.calls[0]!.arguments }])
+        expect(calls).toEqual([
+          { id: start._tag === "Start" ? start.id : "", name: "get_weather", arguments: whole.calls[0]!.arguments }
+        ])
         if (family.startsWith("Mistral")) expect(fragments.length).toBe(1)
         else expect(fragments.length).toBeGreaterThan(size === 7 ? 2 : 10)
       }
@@ -176,7 +206,10 @@ describe("parsing each family's call syntax", () => {
   it("parallel_tool_calls false: the first call only, whole or streamed", () => {
     const wrapper = new lib.QwenChatWrapper()
     const syntax = wrapperToolSyntax(lib, wrapper)
-    const reply = written(wrapper, [["get_weather", { city: "Lima", unit: "c" }], ["get_time", { zone: "PET" }]])
+    const reply = written(wrapper, [
+      ["get_weather", { city: "Lima", unit: "c" }],
+      ["get_time", { zone: "PET" }]
+    ])
     const first = [{ name: "get_weather", arguments: { city: "Lima", unit: "c" } }]
     expect(shape(parseToolCalls(reply, syntax, tools).calls)).toHaveLength(2)
     expect(parseToolCalls(reply, syntax, tools, false)).toMatchObject({ content: "" })
@@ -193,8 +226,14 @@ describe("parsing each family's call syntax", () => {
       const wrapper = make()
       const syntax = wrapperToolSyntax(lib, wrapper)
       expect(syntax).toMatchObject({ parallel: true })
-      const reply = written(wrapper, [["get_weather", { city: "Lima", unit: "c" }], ["get_time", { zone: "PET" }]])
-      const expected = [{ name: "get_weather", arguments: { city: "Lima", unit: "c" } }, { name: "get_time", arguments: { zone: "PET" } }]
+      const reply = written(wrapper, [
+        ["get_weather", { city: "Lima", unit: "c" }],
+        ["get_time", { zone: "PET" }]
+      ])
+      const expected = [
+        { name: "get_weather", arguments: { city: "Lima", unit: "c" } },
+        { name: "get_time", arguments: { zone: "PET" } }
+      ]
       const parsed = parseToolCalls(reply, syntax, tools)
       expect(shape(parsed.calls)).toEqual(expected)
       expect(parsed.content).toBe("")
@@ -207,17 +246,30 @@ describe("parsing each family's call syntax", () => {
 describe("the generic JSON reply (templates without tools)", () => {
   const syntax: ToolSyntax = { _tag: "Generic", parallel: true }
   it("tool_call, tool_calls and response", () => {
-    expect(shape(parseToolCalls("{\"tool_call\": {\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}}", syntax, tools).calls))
-      .toEqual([{ name: "get_time", arguments: { zone: "UTC" } }])
-    expect(shape(parseToolCalls(
-      " {\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {}}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"X\", \"unit\": \"f\"}}]}",
-      syntax,
-      tools
-    ).calls)).toEqual([{ name: "get_time", arguments: {} }, { name: "get_weather", arguments: { city: "X", unit: "f" } }])
-    expect(parseToolCalls("{\"response\": \"Hello there\"}", syntax, tools)).toEqual({ content: "Hello there", calls: [] })
+    expect(
+      shape(parseToolCalls('{"tool_call": {"name": "get_time", "arguments": {"zone": "UTC"}}}', syntax, tools).calls)
+    ).toEqual([{ name: "get_time", arguments: { zone: "UTC" } }])
+    expect(
+      shape(
+        parseToolCalls(
+          ' {"tool_calls": [{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "X", "unit": "f"}}]}',
+          syntax,
+          tools
+        ).calls
+      )
+    ).toEqual([
+      { name: "get_time", arguments: {} },
+      { name: "get_weather", arguments: { city: "X", unit: "f" } }
+    ])
+    expect(parseToolCalls('{"response": "Hello there"}', syntax, tools)).toEqual({ content: "Hello there", calls: [] })
   })
   it("anything else stays content; a stream holds it to the end", () => {
-    for (const reply of ["plain words", "{\"tool_call\": {\"name\": \"nope\", \"arguments\": {}}}", "{\"tool_call\": ", "[1, 2]"]) {
+    for (const reply of [
+      "plain words",
+      '{"tool_call": {"name": "nope", "arguments": {}}}',
+      '{"tool_call": ',
+      "[1, 2]"
+    ]) {
       expect(parseToolCalls(reply, syntax, tools)).toEqual({ content: reply, calls: [] })
       const out = streamed(reply, syntax, 3)
       expect(out.pieces.every((p) => p === "")).toBe(true)
@@ -225,10 +277,10 @@ describe("the generic JSON reply (templates without tools)", () => {
     }
   })
   it("streamed: a tool_call's start, then its arguments as written in fragments; tool_calls come whole", () => {
-    const reply = "{\"tool_call\": {\"name\": \"get_weather\", \"arguments\": {\"city\":  \"Paris\", \"unit\": \"c\"}}}"
+    const reply = '{"tool_call": {"name": "get_weather", "arguments": {"city":  "Paris", "unit": "c"}}}'
     const whole = parseToolCalls(reply, syntax, tools)
     // the arguments as the model wrote them (two spaces kept), not re-serialized
-    expect(whole.calls.map((c) => c.arguments)).toEqual(["{\"city\":  \"Paris\", \"unit\": \"c\"}"])
+    expect(whole.calls.map((c) => c.arguments)).toEqual(['{"city":  "Paris", "unit": "c"}'])
     for (const size of [1, 3, 7]) {
       const stream = toolCallStream(syntax, tools)
       const pieces = []
@@ -241,24 +293,37 @@ describe("the generic JSON reply (templates without tools)", () => {
       expect(fragments.length).toBeGreaterThan(size === 7 ? 2 : 10)
       // (the call is complete at the reply's end, when the whole reply parsed as the generic form)
       expect(pieces.slice(0, -1).flatMap((p) => p.calls)).toEqual([])
-      expect(pieces.at(-1)!.calls).toEqual([{ id: (deltas[0] as { id: string }).id, name: "get_weather", arguments: whole.calls[0]!.arguments }])
+      expect(pieces.at(-1)!.calls).toEqual([
+        { id: (deltas[0] as { id: string }).id, name: "get_weather", arguments: whole.calls[0]!.arguments }
+      ])
       expect(pieces.map((p) => p.content).join("")).toBe("")
     }
-    const list = "{\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {\"zone\":\"UTC\"}}]}"
+    const list = '{"tool_calls": [{"name": "get_time", "arguments": {"zone":"UTC"}}]}'
     const out = streamed(list, syntax, 2)
-    expect(out.calls.map((c) => c.arguments)).toEqual(["{\"zone\":\"UTC\"}"])
+    expect(out.calls.map((c) => c.arguments)).toEqual(['{"zone":"UTC"}'])
   })
 
   it("a chat with calls and results as plain messages for a template without tools", () => {
-    const messages = genericToolMessages([
-      { role: "user", content: "time?" },
-      { role: "assistant", content: "", toolCalls: [{ id: "call_1", name: "get_time", arguments: "{\"zone\":\"UTC\"}" }] },
-      { role: "tool", content: "12:00", toolCallId: "call_1" }
-    ], { tools, choice: "auto" })
+    const messages = genericToolMessages(
+      [
+        { role: "user", content: "time?" },
+        {
+          role: "assistant",
+          content: "",
+          toolCalls: [{ id: "call_1", name: "get_time", arguments: '{"zone":"UTC"}' }]
+        },
+        { role: "tool", content: "12:00", toolCallId: "call_1" }
+      ],
+      { tools, choice: "auto" }
+    )
     expect(messages.map((m) => m.role)).toEqual(["system", "user", "assistant", "user"])
     expect(messages[0]!.content).toContain("get_weather")
-    expect(JSON.parse(messages[2]!.content)).toEqual({ tool_call: { name: "get_time", arguments: { zone: "UTC" }, id: "call_1" } })
-    expect(JSON.parse(messages[3]!.content)).toEqual({ tool_response: { name: "get_time", id: "call_1", content: "12:00" } })
+    expect(JSON.parse(messages[2]!.content)).toEqual({
+      tool_call: { name: "get_time", arguments: { zone: "UTC" }, id: "call_1" }
+    })
+    expect(JSON.parse(messages[3]!.content)).toEqual({
+      tool_response: { name: "get_time", id: "call_1", content: "12:00" }
+    })
   })
 })
 
@@ -270,78 +335,115 @@ describe("the grammar that forces a call", () => {
   afterAll(() => llama.dispose())
   const jsonGrammar = (schema: unknown) => new lib.LlamaJsonSchemaGrammar(llama, schema as never).grammar
   const accepts = (gbnf: string, reply: string) =>
-    (new lib.LlamaGrammar(llama, { grammar: gbnf }) as unknown as { _testText: (t: string) => boolean })._testText(reply)
+    (new lib.LlamaGrammar(llama, { grammar: gbnf }) as unknown as { _testText: (t: string) => boolean })._testText(
+      reply
+    )
 
   it("Qwen, required: a valid call (two, in parallel) passes; a wrong enum value, an unknown tool or text first do not", () => {
     const wrapper = new lib.QwenChatWrapper()
     const syntax = wrapperToolSyntax(lib, wrapper)
     const gbnf = toolGrammar(syntax, { tools, choice: "required" }, jsonGrammar)!
-    const call = (name: string, args: string) => `${syntax._tag === "Family" ? syntax.callPrefix : ""}${name}", "arguments": ${args}}\n</tool_call>`
-    expect(accepts(gbnf, call("get_weather", "{\"city\": \"Paris\", \"unit\": \"c\"}"))).toBe(true)
-    expect(accepts(gbnf, `${call("get_weather", "{\"city\": \"Paris\", \"unit\": \"c\"}")}\n${call("get_time", "{\"zone\": \"UTC\"}")}`)).toBe(true)
-    expect(accepts(gbnf, call("get_weather", "{\"city\": \"Paris\", \"unit\": \"k\"}"))).toBe(false)
+    const call = (name: string, args: string) =>
+      `${syntax._tag === "Family" ? syntax.callPrefix : ""}${name}", "arguments": ${args}}\n</tool_call>`
+    expect(accepts(gbnf, call("get_weather", '{"city": "Paris", "unit": "c"}'))).toBe(true)
+    expect(
+      accepts(gbnf, `${call("get_weather", '{"city": "Paris", "unit": "c"}')}\n${call("get_time", '{"zone": "UTC"}')}`)
+    ).toBe(true)
+    expect(accepts(gbnf, call("get_weather", '{"city": "Paris", "unit": "k"}'))).toBe(false)
     expect(accepts(gbnf, call("get_date", "{}"))).toBe(false)
-    expect(accepts(gbnf, `Hello ${call("get_time", "{\"zone\": \"UTC\"}")}`)).toBe(false)
+    expect(accepts(gbnf, `Hello ${call("get_time", '{"zone": "UTC"}')}`)).toBe(false)
   })
 
   it("a named function: only that one, once", () => {
     const syntax = wrapperToolSyntax(lib, new lib.QwenChatWrapper())
     const gbnf = toolGrammar(syntax, { tools, choice: { name: "get_time" } }, jsonGrammar)!
     const call = (name: string, args: string) => `<tool_call>\n{"name": "${name}", "arguments": ${args}}\n</tool_call>`
-    expect(accepts(gbnf, call("get_time", "{\"zone\": \"UTC\"}"))).toBe(true)
-    expect(accepts(gbnf, call("get_weather", "{\"city\": \"Paris\", \"unit\": \"c\"}"))).toBe(false)
+    expect(accepts(gbnf, call("get_time", '{"zone": "UTC"}'))).toBe(true)
+    expect(accepts(gbnf, call("get_weather", '{"city": "Paris", "unit": "c"}'))).toBe(false)
   })
 
   it("Mistral: calls inside its [TOOL_CALLS] section; auto with a family syntax is left free", () => {
     const syntax = wrapperToolSyntax(lib, new lib.MistralChatWrapper())
     const gbnf = toolGrammar(syntax, { tools, choice: "required" }, jsonGrammar)!
-    expect(accepts(gbnf, "[TOOL_CALLS][{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}]")).toBe(true)
-    expect(accepts(gbnf, "{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}")).toBe(false)
+    expect(accepts(gbnf, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]')).toBe(true)
+    expect(accepts(gbnf, '{"name": "get_time", "arguments": {"zone": "UTC"}}')).toBe(false)
     expect(toolGrammar(syntax, { tools, choice: "auto" }, jsonGrammar)).toBeUndefined()
     expect(toolGrammar(syntax, { tools, choice: "none" }, jsonGrammar)).toBeUndefined()
   })
 
   it("through JsonGrammar.ts: a parameter schema it cannot enforce fails naming the field; auto converts nothing", async () => {
     const syntax = wrapperToolSyntax(lib, new lib.QwenChatWrapper())
-    const strict = [tools[0]!, { name: "get_time", parameters: { type: "object", properties: { zone: { type: "string", pattern: "^[A-Z]+$" } } } }]
+    const strict = [
+      tools[0]!,
+      {
+        name: "get_time",
+        parameters: { type: "object", properties: { zone: { type: "string", pattern: "^[A-Z]+$" } } }
+      }
+    ]
     const convert = (schema: unknown, path: string) => Effect.map(jsonSchemaGrammar(schema, path), (g) => g.text)
-    const refused = await Effect.runPromise(Effect.flip(toolGrammarEffect(syntax, { tools: strict, choice: "required" }, convert)))
+    const refused = await Effect.runPromise(
+      Effect.flip(toolGrammarEffect(syntax, { tools: strict, choice: "required" }, convert))
+    )
     expect(refused.message).toMatch(/^tools\[1\]\.function\.parameters\.properties\.zone/)
-    expect(await Effect.runPromise(toolGrammarEffect(syntax, { tools: strict, choice: "auto" }, convert))).toBeUndefined()
-    const named = await Effect.runPromise(toolGrammarEffect(syntax, { tools: strict, choice: { name: "get_weather" } }, convert))
-    expect(accepts(named!, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}\n</tool_call>")).toBe(true)
+    expect(
+      await Effect.runPromise(toolGrammarEffect(syntax, { tools: strict, choice: "auto" }, convert))
+    ).toBeUndefined()
+    const named = await Effect.runPromise(
+      toolGrammarEffect(syntax, { tools: strict, choice: { name: "get_weather" } }, convert)
+    )
+    expect(
+      accepts(named!, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>')
+    ).toBe(true)
   })
 
   it("generic: required is a call object; auto also allows a response", () => {
     const syntax: ToolSyntax = { _tag: "Generic", parallel: true }
     const required = toolGrammar(syntax, { tools, choice: "required" }, jsonGrammar)!
-    expect(accepts(required, "{\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}]}")).toBe(true)
-    expect(accepts(required, "{\"response\": \"hi\"}")).toBe(false)
+    expect(accepts(required, '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}]}')).toBe(true)
+    expect(accepts(required, '{"response": "hi"}')).toBe(false)
     const auto = toolGrammar(syntax, { tools, choice: "auto" }, jsonGrammar)!
-    expect(accepts(auto, "{\"response\": \"hi\"}")).toBe(true)
-    expect(accepts(auto, "{\"tool_call\": {\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}}")).toBe(true)
+    expect(accepts(auto, '{"response": "hi"}')).toBe(true)
+    expect(accepts(auto, '{"tool_call": {"name": "get_time", "arguments": {"zone": "UTC"}}}')).toBe(true)
     expect(accepts(auto, "hi")).toBe(false)
   })
 })
 
 describe("OpenAI's tool fields (OpenAiTools.chatWithTools)", () => {
-  const weather = { type: "function", function: { name: "get_weather", parameters: { type: "object", properties: {} } } }
+  const weather = {
+    type: "function",
+    function: { name: "get_weather", parameters: { type: "object", properties: {} } }
+  }
   const user = { role: "user" as const, content: "hi" }
   it("each tool_choice string is a choice, not a problem; no tools and no tool messages: no tool options", () => {
     for (const choice of ["auto", "none", "required"] as const) {
       const checked = chatWithTools({ messages: [user], tools: [weather], tool_choice: choice })
       expect(typeof checked === "string" ? checked : checked.tools?.choice).toBe(choice)
     }
-    expect(chatWithTools({ messages: [user] })).toEqual({ messages: [{ role: "user", content: "hi" }], tools: undefined })
-    const named = chatWithTools({ messages: [user], tools: [weather], tool_choice: { type: "function", function: { name: "get_weather" } }, parallel_tool_calls: false })
-    expect(typeof named === "string" ? named : named.tools).toMatchObject({ choice: { name: "get_weather" }, parallel: false })
+    expect(chatWithTools({ messages: [user] })).toEqual({
+      messages: [{ role: "user", content: "hi" }],
+      tools: undefined
+    })
+    const named = chatWithTools({
+      messages: [user],
+      tools: [weather],
+      tool_choice: { type: "function", function: { name: "get_weather" } },
+      parallel_tool_calls: false
+    })
+    expect(typeof named === "string" ? named : named.tools).toMatchObject({
+      choice: { name: "get_weather" },
+      parallel: false
+    })
   })
-  it("a history with calls and results becomes ChatMessages (content null → \"\")", () => {
+  it('a history with calls and results becomes ChatMessages (content null → "")', () => {
     const checked = chatWithTools({
       tools: [weather],
       messages: [
         user,
-        { role: "assistant", content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "get_weather", arguments: "{}" } }] },
+        {
+          role: "assistant",
+          content: null,
+          tool_calls: [{ id: "c1", type: "function", function: { name: "get_weather", arguments: "{}" } }]
+        },
         { role: "tool", tool_call_id: "c1", content: [{ type: "text", text: "sunny" }] }
       ]
     })
@@ -353,14 +455,20 @@ describe("OpenAI's tool fields (OpenAiTools.chatWithTools)", () => {
   })
   it("each problem is one line naming the field", () => {
     const problem = (body: Parameters<typeof chatWithTools>[0]) => chatWithTools(body)
-    expect(problem({ messages: [user], tools: [weather, { type: "function", function: {} }] })).toBe("tools[1].function.name is required")
-    expect(problem({ messages: [user], tools: [weather, weather] })).toBe("tools[1].function.name: \"get_weather\" is already the name of tools[0]")
-    expect(problem({ messages: [user], tools: [{ type: "retrieval" }] })).toBe("tools[0].type must be \"function\"")
+    expect(problem({ messages: [user], tools: [weather, { type: "function", function: {} }] })).toBe(
+      "tools[1].function.name is required"
+    )
+    expect(problem({ messages: [user], tools: [weather, weather] })).toBe(
+      'tools[1].function.name: "get_weather" is already the name of tools[0]'
+    )
+    expect(problem({ messages: [user], tools: [{ type: "retrieval" }] })).toBe('tools[0].type must be "function"')
     expect(problem({ messages: [user], tools: [weather], tool_choice: "sometimes" })).toMatch(/^tool_choice must be/)
-    expect(problem({ messages: [user], tools: [weather], tool_choice: { type: "function", function: { name: "x" } } }))
-      .toBe("tool_choice.function.name: no tool named \"x\" in tools")
-    expect(problem({ messages: [user, { role: "tool", tool_call_id: "c9", content: "1" }] }))
-      .toBe("messages[1].tool_call_id: \"c9\" matches no tool call of an earlier assistant message")
+    expect(
+      problem({ messages: [user], tools: [weather], tool_choice: { type: "function", function: { name: "x" } } })
+    ).toBe('tool_choice.function.name: no tool named "x" in tools')
+    expect(problem({ messages: [user, { role: "tool", tool_call_id: "c9", content: "1" }] })).toBe(
+      'messages[1].tool_call_id: "c9" matches no tool call of an earlier assistant message'
+    )
     expect(problem({ messages: [user, { role: "tool", content: "1" }] })).toBe("messages[1].tool_call_id is required")
     expect(problem({ messages: [{ role: "user", content: null }] })).toBe("messages[0].content is required")
   })

@@ -31,7 +31,11 @@ const weather = {
     parameters: {
       type: "object",
       // (No integer: node-llama-cpp's integer grammar admits exponents, e.g. 1e9999999, which JSON.parse makes Infinity.)
-      properties: { unit: { type: "string", enum: ["celsius", "fahrenheit"] }, days: { enum: [1, 2, 3, 7] }, alerts: { type: "boolean" } },
+      properties: {
+        unit: { type: "string", enum: ["celsius", "fahrenheit"] },
+        days: { enum: [1, 2, 3, 7] },
+        alerts: { type: "boolean" }
+      },
       required: ["unit", "days", "alerts"],
       additionalProperties: false
     }
@@ -39,7 +43,10 @@ const weather = {
 }
 const time = {
   type: "function" as const,
-  function: { name: "get_time", parameters: { type: "object", properties: { utc: { type: "boolean" } }, required: ["utc"] } }
+  function: {
+    name: "get_time",
+    parameters: { type: "object", properties: { utc: { type: "boolean" } }, required: ["utc"] }
+  }
 }
 const tools = [weather, time]
 
@@ -60,7 +67,10 @@ const validArguments = (name: string, text: string) => {
 
 const user = [{ role: "user" as const, content: "What is the weather like in Paris?" }]
 
-const synth = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), { name: "swactor", version: "test" })
+const synth = Command.run(Command.make("swactor").pipe(Command.withSubcommands([synthCommand])), {
+  name: "swactor",
+  version: "test"
+})
 
 const models: ReadonlyArray<readonly [string, () => string]> = [
   ["stories260K (no tools in its template: generic JSON)", () => requireModel("stories260K.gguf")],
@@ -70,8 +80,27 @@ const models: ReadonlyArray<readonly [string, () => string]> = [
 beforeAll(async () => {
   const exit = await Effect.runPromise(
     synth([
-      "node", "swactor", "synth", "--arch", "qwen2", "--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2",
-      "--vocab", "600", "--seed", "7", "--chat-template", "chatml-tools", "-o", toolModel
+      "node",
+      "swactor",
+      "synth",
+      "--arch",
+      "qwen2",
+      "--layers",
+      "2",
+      "--hidden",
+      "64",
+      "--ffn",
+      "128",
+      "--heads",
+      "2",
+      "--vocab",
+      "600",
+      "--seed",
+      "7",
+      "--chat-template",
+      "chatml-tools",
+      "-o",
+      toolModel
     ]).pipe(Effect.provide(NodeContext.layer), Effect.exit)
   )
   expect(Exit.isSuccess(exit)).toBe(true)
@@ -95,7 +124,14 @@ for (const [name, path] of models) {
       // and a random model may go on adding calls until max_tokens.
       for (const seed of [1, 2, 3]) {
         const answer = await client.chat.completions.create({
-          model: "m", messages: user, tools, tool_choice: "required", parallel_tool_calls: false, temperature: 1, seed, max_tokens: 400
+          model: "m",
+          messages: user,
+          tools,
+          tool_choice: "required",
+          parallel_tool_calls: false,
+          temperature: 1,
+          seed,
+          max_tokens: 400
         })
         const choice = answer.choices[0]!
         expect(choice.finish_reason).toBe("tool_calls")
@@ -112,7 +148,12 @@ for (const [name, path] of models) {
     it("a named function: exactly that one", async () => {
       for (const seed of [4, 5]) {
         const answer = await client.chat.completions.create({
-          model: "m", messages: user, tools, tool_choice: { type: "function", function: { name: "get_time" } }, seed, max_tokens: 300
+          model: "m",
+          messages: user,
+          tools,
+          tool_choice: { type: "function", function: { name: "get_time" } },
+          seed,
+          max_tokens: 300
         })
         const calls = answer.choices[0]!.message.tool_calls ?? []
         expect(calls.map((c) => (c.type === "function" ? c.function.name : c.type))).toEqual(["get_time"])
@@ -123,7 +164,13 @@ for (const [name, path] of models) {
     it("streamed: delta.tool_calls (index, id and name, then the arguments) reassemble to the same call", async () => {
       // One call (greedy, a random model could repeat parallel calls up to max_tokens).
       const request = {
-        model: "m", messages: user, tools, tool_choice: "required" as const, parallel_tool_calls: false, temperature: 0, max_tokens: 400
+        model: "m",
+        messages: user,
+        tools,
+        tool_choice: "required" as const,
+        parallel_tool_calls: false,
+        temperature: 0,
+        max_tokens: 400
       }
       const whole = await client.chat.completions.create(request)
       const stream = await client.chat.completions.create({ ...request, stream: true })
@@ -145,7 +192,9 @@ for (const [name, path] of models) {
       expect(finish).toBe("tool_calls")
       expect(content).toBe("")
       const expected = (whole.choices[0]!.message.tool_calls ?? []).map((c) =>
-        c.type === "function" ? { name: c.function.name, arguments: JSON.parse(c.function.arguments) as unknown } : undefined
+        c.type === "function"
+          ? { name: c.function.name, arguments: JSON.parse(c.function.arguments) as unknown }
+          : undefined
       )
       expect(expected.length).toBeGreaterThan(0)
       expect(calls.map((c) => ({ name: c.name, arguments: validArguments(c.name, c.arguments) }))).toEqual(expected)
@@ -155,15 +204,26 @@ for (const [name, path] of models) {
       let fragments = 0
       helper.on("tool_calls.function.arguments.delta", (event) => void (event.arguments_delta === "" ? 0 : fragments++))
       const assembled = await helper.finalChatCompletion()
-      const plain = (c: { type: string; function?: { name: string; arguments: string } }) => ({ name: c.function?.name, arguments: c.function?.arguments })
+      const plain = (c: { type: string; function?: { name: string; arguments: string } }) => ({
+        name: c.function?.name,
+        arguments: c.function?.arguments
+      })
       expect(assembled.choices[0]!.finish_reason).toBe("tool_calls")
-      expect((assembled.choices[0]!.message.tool_calls ?? []).map(plain)).toEqual((whole.choices[0]!.message.tool_calls ?? []).map(plain))
+      expect((assembled.choices[0]!.message.tool_calls ?? []).map(plain)).toEqual(
+        (whole.choices[0]!.message.tool_calls ?? []).map(plain)
+      )
       expect(fragments).toBeGreaterThan(3)
     }, 120_000)
 
     it("a tool result fed back (assistant tool_calls, then the tool message) continues the chat", async () => {
       const first = await client.chat.completions.create({
-        model: "m", messages: user, tools, tool_choice: "required", parallel_tool_calls: false, seed: 9, max_tokens: 400
+        model: "m",
+        messages: user,
+        tools,
+        tool_choice: "required",
+        parallel_tool_calls: false,
+        seed: 9,
+        max_tokens: 400
       })
       const call = first.choices[0]!.message.tool_calls![0]!
       for (const tool_choice of ["auto", "required"] as const) {
@@ -177,20 +237,28 @@ for (const [name, path] of models) {
           messages: [
             ...user,
             { role: "assistant", content: null, tool_calls: [call] },
-            { role: "tool", tool_call_id: call.id, content: "{\"temperature\": 21, \"sky\": \"clear\"}" }
+            { role: "tool", tool_call_id: call.id, content: '{"temperature": 21, "sky": "clear"}' }
           ]
         })
         const choice = next.choices[0]!
         expect(["stop", "length", "tool_calls"]).toContain(choice.finish_reason)
         if (choice.finish_reason === "tool_calls") {
-          for (const c of choice.message.tool_calls ?? []) if (c.type === "function") validArguments(c.function.name, c.function.arguments)
+          for (const c of choice.message.tool_calls ?? [])
+            if (c.type === "function") validArguments(c.function.name, c.function.arguments)
         } else expect(choice.message.tool_calls ?? []).toEqual([])
         if (tool_choice === "required") expect(choice.finish_reason).toBe("tool_calls")
       }
     }, 120_000)
 
     it("tool_choice none: no call, plain content", async () => {
-      const answer = await client.chat.completions.create({ model: "m", messages: user, tools, tool_choice: "none", max_tokens: 20, temperature: 0 })
+      const answer = await client.chat.completions.create({
+        model: "m",
+        messages: user,
+        tools,
+        tool_choice: "none",
+        max_tokens: 20,
+        temperature: 0
+      })
       expect(answer.choices[0]!.message.tool_calls ?? []).toEqual([])
       expect(["stop", "length"]).toContain(answer.choices[0]!.finish_reason)
       expect(typeof answer.choices[0]!.message.content).toBe("string")
@@ -208,25 +276,58 @@ for (const [name, path] of models) {
         expect(json.error.type).toBe("invalid_request_error")
         return json.error.message
       }
-      expect(await refused({ tools: [weather, { type: "function", function: { description: "x" } }] })).toBe("tools[1].function.name is required")
-      expect(await refused({ tools: [weather, weather] })).toMatch(/^tools\[1\]\.function\.name: "get_weather" is already the name of tools\[0\]/)
-      expect(await refused({ tools, tool_choice: { type: "function", function: { name: "launch" } } })).toMatch(/^tool_choice\.function\.name: no tool named "launch"/)
+      expect(await refused({ tools: [weather, { type: "function", function: { description: "x" } }] })).toBe(
+        "tools[1].function.name is required"
+      )
+      expect(await refused({ tools: [weather, weather] })).toMatch(
+        /^tools\[1\]\.function\.name: "get_weather" is already the name of tools\[0\]/
+      )
+      expect(await refused({ tools, tool_choice: { type: "function", function: { name: "launch" } } })).toMatch(
+        /^tool_choice\.function\.name: no tool named "launch"/
+      )
       expect(await refused({ tool_choice: "required" })).toMatch(/^tool_choice "required" needs tools/)
-      expect(await refused({
-        tools,
-        messages: [...user, { role: "tool", tool_call_id: "call_nope", content: "1" }]
-      })).toMatch(/^messages\[1\]\.tool_call_id: "call_nope" matches no tool call/)
-      expect(await refused({
-        tools,
-        messages: [...user, { role: "assistant", content: null, tool_calls: [{ id: "c1", type: "function", function: { name: "get_time", arguments: "{utc" } }] }]
-      })).toBe("messages[1].tool_calls[0].function.arguments is not JSON")
-      expect(await refused({
-        tools: [{ type: "function", function: { name: "f", parameters: { type: "object", properties: { a: { type: "string", pattern: "x+" } } } } }],
-        tool_choice: "required"
-      })).toMatch(/^tools\[0\]\.function\.parameters\.properties\.a/)
+      expect(
+        await refused({
+          tools,
+          messages: [...user, { role: "tool", tool_call_id: "call_nope", content: "1" }]
+        })
+      ).toMatch(/^messages\[1\]\.tool_call_id: "call_nope" matches no tool call/)
+      expect(
+        await refused({
+          tools,
+          messages: [
+            ...user,
+            {
+              role: "assistant",
+              content: null,
+              tool_calls: [{ id: "c1", type: "function", function: { name: "get_time", arguments: "{utc" } }]
+            }
+          ]
+        })
+      ).toBe("messages[1].tool_calls[0].function.arguments is not JSON")
+      expect(
+        await refused({
+          tools: [
+            {
+              type: "function",
+              function: {
+                name: "f",
+                parameters: { type: "object", properties: { a: { type: "string", pattern: "x+" } } }
+              }
+            }
+          ],
+          tool_choice: "required"
+        })
+      ).toMatch(/^tools\[0\]\.function\.parameters\.properties\.a/)
       // Still serving, with and without tools.
       const after = await client.chat.completions.create({
-        model: "m", messages: user, tools, tool_choice: "required", parallel_tool_calls: false, seed: 11, max_tokens: 400
+        model: "m",
+        messages: user,
+        tools,
+        tool_choice: "required",
+        parallel_tool_calls: false,
+        seed: 11,
+        max_tokens: 400
       })
       expect(after.choices[0]!.finish_reason).toBe("tool_calls")
       const health = await fetch(`${server.url}/health`)

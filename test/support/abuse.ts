@@ -44,7 +44,9 @@ export const rawRequest = (
       const text = received.toString("utf8")
       const split = text.indexOf("\r\n\r\n")
       const headers = split < 0 ? text : text.slice(0, split)
-      const status = Number(/^HTTP\/1\.[01] (\d{3})/.exec(text.replace(/^HTTP\/1\.1 100 Continue\r\n\r\n/, ""))?.[1] ?? 0)
+      const status = Number(
+        /^HTTP\/1\.[01] (\d{3})/.exec(text.replace(/^HTTP\/1\.1 100 Continue\r\n\r\n/, ""))?.[1] ?? 0
+      )
       resolve({ status, headers, body: split < 0 ? "" : text.slice(split + 4), millis: Date.now() - started, ended })
     }
     const timer = setTimeout(() => finish("timeout"), options.timeoutMs ?? 20_000)
@@ -53,7 +55,8 @@ export const rawRequest = (
       const text = received.toString("utf8").replace(/^HTTP\/1\.1 100 Continue\r\n\r\n/, "")
       const split = text.indexOf("\r\n\r\n")
       const length = /\r\ncontent-length: (\d+)/i.exec(text.slice(0, split))?.[1]
-      if (split >= 0 && length !== undefined && Buffer.byteLength(text.slice(split + 4)) >= Number(length)) finish("answered")
+      if (split >= 0 && length !== undefined && Buffer.byteLength(text.slice(split + 4)) >= Number(length))
+        finish("answered")
     })
     socket.on("close", () => finish(received.length > 0 ? "answered" : "closed"))
     socket.on("error", () => finish("closed"))
@@ -73,16 +76,19 @@ export const silentConnections = async (url: string, count: number) => {
   const sockets: Array<Socket> = []
   let closedByServer = 0
   await Promise.all(
-    Array.from({ length: count }, () =>
-      new Promise<void>((resolve) => {
-        const socket = connect(Number(port), hostname, () => resolve())
-        socket.on("error", () => resolve())
-        socket.on("close", () => {
-          closedByServer++
-          resolve()
+    Array.from(
+      { length: count },
+      () =>
+        new Promise<void>((resolve) => {
+          const socket = connect(Number(port), hostname, () => resolve())
+          socket.on("error", () => resolve())
+          socket.on("close", () => {
+            closedByServer++
+            resolve()
+          })
+          sockets.push(socket)
         })
-        sockets.push(socket)
-      }))
+    )
   )
   return {
     closedByServer: () => closedByServer,
@@ -110,9 +116,13 @@ export const residentBytes = (pid: number): number => {
  * lone greedy text), errors, and connections refused before an answer (retried, as clients do).
  */
 export const watchStreams = (url: string, prompt = "Once upon a time", maxTokens = 48) => {
-  const child = spawn(process.execPath, [fileURLToPath(new URL("./watchStreams.mjs", import.meta.url)), url, prompt, String(maxTokens)], {
-    stdio: ["pipe", "pipe", "inherit"]
-  })
+  const child = spawn(
+    process.execPath,
+    [fileURLToPath(new URL("./watchStreams.mjs", import.meta.url)), url, prompt, String(maxTokens)],
+    {
+      stdio: ["pipe", "pipe", "inherit"]
+    }
+  )
   let output = ""
   let onLine: (() => void) | undefined
   child.stdout!.setEncoding("utf8")

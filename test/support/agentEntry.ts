@@ -19,9 +19,10 @@ export const agentEntry: ReadonlyArray<string> = ["--import", "tsx", fileURLToPa
 
 /** The stage executor whose loads never finish. */
 const stallingLoads: StageExecutorFor = (engine) =>
-  Layer.effect(StageExecutor, Effect.map(StageExecutor, (executor) => ({ ...executor, load: () => Effect.never }))).pipe(
-    Layer.provide(stageExecutorFor(engine))
-  )
+  Layer.effect(
+    StageExecutor,
+    Effect.map(StageExecutor, (executor) => ({ ...executor, load: () => Effect.never }))
+  ).pipe(Layer.provide(stageExecutorFor(engine)))
 
 const isMain = process.argv[1] === fileURLToPath(import.meta.url)
 if (isMain) {
@@ -34,7 +35,10 @@ if (isMain) {
   Effect.runFork(
     Command.run(swactor, { name: "swactor", version: "test" })(argv).pipe(
       Effect.provide(
-        Layer.merge(NodeContext.layer, Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger)))
+        Layer.merge(
+          NodeContext.layer,
+          Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))
+        )
       )
     )
   ).addObserver((exit) => {

@@ -7,7 +7,7 @@ import { generateToken, spawnLocalAgents } from "../../dist/index.js"
 
 Effect.runFork(
   Effect.scoped(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const agents = yield* spawnLocalAgents({ count: 2, token: generateToken(), threads: 1 })
       process.stdout.write(`${JSON.stringify(agents.map((a) => a.pid))}\n`)
       return yield* Effect.never

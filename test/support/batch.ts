@@ -49,24 +49,26 @@ export interface BatchedSeqResult extends SeqResult {
 
 /** Loads the stages of a split (boundaries [0, b1, ..., nLayers]) once, for every sequence. */
 export const loadSplit = (path: string, boundaries: ReadonlyArray<number>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const stages: Array<LoadedStage> = []
     for (let i = 0; i + 1 < boundaries.length; i++) {
-      stages.push(yield* executor.load({
-        path,
-        layerStart: boundaries[i]!,
-        layerEndExclusive: boundaries[i + 1]!,
-        isFirst: i === 0,
-        isLast: i + 2 === boundaries.length
-      }))
+      stages.push(
+        yield* executor.load({
+          path,
+          layerStart: boundaries[i]!,
+          layerEndExclusive: boundaries[i + 1]!,
+          isFirst: i === 0,
+          isLast: i + 2 === boundaries.length
+        })
+      )
     }
     return stages
   })
 
 /** One session per stage (scoped), 1 thread. */
 export const openSessions = (stages: ReadonlyArray<LoadedStage>, contextLength: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     return yield* Effect.forEach(stages, (s) => executor.session(s, { threads: 1, contextLength }))
   })
@@ -80,10 +82,10 @@ export const runAlone = (
   plan: SeqPlan,
   contextLength: number
 ): Effect.Effect<SeqResult, unknown, StageExecutor | Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const sessions = yield* openSessions(stages, contextLength)
     const through = (pos: number, tokens: ReadonlyArray<number>) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         let input: StageInput = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
         for (const s of sessions) {
           const out: StageOutput = yield* s.forward(pos, input)
@@ -113,7 +115,7 @@ export const runAlone = (
  * the decode-only batches of several sequences, and whether some batch mixed prefill and decode.
  */
 export const runBatched = (stages: ReadonlyArray<LoadedStage>, plans: ReadonlyArray<SeqPlan>, contextLength: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const seqs = yield* Effect.forEach(plans, (plan) =>
       Effect.map(openSessions(stages, contextLength), (sessions) => ({
@@ -124,7 +126,8 @@ export const runBatched = (stages: ReadonlyArray<LoadedStage>, plans: ReadonlyAr
         logits: [] as Array<Float32Array>,
         calls: [] as Array<BatchCall>,
         logitsCall: [] as Array<number>
-      })))
+      }))
+    )
     type Seq = (typeof seqs)[number]
     let maxLive = 0
     let mixed = false
@@ -138,7 +141,7 @@ export const runBatched = (stages: ReadonlyArray<LoadedStage>, plans: ReadonlyAr
     }
     /** One forwardBatch per stage over `live`, fed `feeds`. */
     const batch = (live: ReadonlyArray<Seq>, feeds: ReadonlyArray<ReadonlyArray<number>>) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const call: BatchCall = {
           items: live.length,
           rows: feeds.reduce((n, f) => n + f.length, 0),
@@ -177,8 +180,11 @@ export const runBatched = (stages: ReadonlyArray<LoadedStage>, plans: ReadonlyAr
           yield* batch([s], [feedOf(s)])
         }
       }
-      const live = seqs.filter((s) =>
-        s.plan.start <= step && s.tokens.length < s.plan.steps && !(s.plan.prefillAlone === true && s.plan.start === step)
+      const live = seqs.filter(
+        (s) =>
+          s.plan.start <= step &&
+          s.tokens.length < s.plan.steps &&
+          !(s.plan.prefillAlone === true && s.plan.start === step)
       )
       if (live.length === 0) continue
       maxLive = Math.max(maxLive, live.length)
@@ -210,24 +216,31 @@ export const batchedEqualsAlone = (
   contextLength: number,
   { bitIdentical = false }: { readonly bitIdentical?: boolean } = {}
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     let maxDiff = 0
     for (const split of splits) {
-      yield* Effect.scoped(Effect.gen(function*() {
-        const stages = yield* loadSplit(path, split)
-        const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(runAlone(stages, p, contextLength)))
-        const batched = yield* runBatched(stages, plans, contextLength)
-        assert.strictEqual(batched.maxLive, plans.length, `all ${plans.length} sequences were in one batch at some step`)
-        assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
-        assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
-        plans.forEach((_, i) => {
-          assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-          alone[i]!.logits.forEach((l, j) => {
-            maxDiff = Math.max(maxDiff, maxAbsDiff(l, batched.results[i]!.logits[j]!))
-            if (bitIdentical) assert.isTrue(sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
+      yield* Effect.scoped(
+        Effect.gen(function* () {
+          const stages = yield* loadSplit(path, split)
+          const alone = yield* Effect.forEach(plans, (p) => Effect.scoped(runAlone(stages, p, contextLength)))
+          const batched = yield* runBatched(stages, plans, contextLength)
+          assert.strictEqual(
+            batched.maxLive,
+            plans.length,
+            `all ${plans.length} sequences were in one batch at some step`
+          )
+          assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
+          assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
+          plans.forEach((_, i) => {
+            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
+            alone[i]!.logits.forEach((l, j) => {
+              maxDiff = Math.max(maxDiff, maxAbsDiff(l, batched.results[i]!.logits[j]!))
+              if (bitIdentical)
+                assert.isTrue(sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
+            })
           })
         })
-      }))
+      )
     }
     return maxDiff
   })

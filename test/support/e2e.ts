@@ -18,7 +18,7 @@ import { repoRoot } from "./models.js"
 
 /** Starts `count` real agents (`swactor node` child processes) and an orchestrator layer over them. */
 export const startAgents = (count: number, options: Partial<LocalAgentsOptions> = {}) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const token = generateToken()
     const agents = yield* spawnLocalAgents({ count, token, threads: 1, ...options })
     const layer = layerRemote({ agents: agents.map((a) => a.address), token, listenHost: "127.0.0.1" })
@@ -50,7 +50,7 @@ export const childPids = (ppid: number): ReadonlyArray<number> => {
 
 /** Waits (polling) until `check` holds or `timeoutMs` passes; returns whether it held. */
 export const eventually = (check: () => boolean, timeoutMs: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const until = Date.now() + timeoutMs
     while (Date.now() < until) {
       if (check()) return true
@@ -65,39 +65,42 @@ export const eventually = (check: () => boolean, timeoutMs: number) =>
  */
 export const cuttingProxy = (cutAfterBytes: number) =>
   Effect.acquireRelease(
-    Effect.async<{ readonly port: number; readonly setTarget: (port: number) => void; readonly cut: () => boolean; readonly server: Net.Server }>(
-      (resume) => {
-        let target = 0
-        let cut = false
-        const server = Net.createServer((client) => {
-          const upstream = Net.createConnection({ host: "127.0.0.1", port: target })
-          let forwarded = 0
-          client.on("data", (chunk: Buffer) => {
-            if (cut) return
-            const room = cutAfterBytes - forwarded
-            if (chunk.length < room) {
-              forwarded += chunk.length
-              upstream.write(chunk)
-              return
-            }
-            cut = true
-            upstream.write(chunk.subarray(0, room), () => {
-              upstream.destroy()
-              client.destroy()
-            })
+    Effect.async<{
+      readonly port: number
+      readonly setTarget: (port: number) => void
+      readonly cut: () => boolean
+      readonly server: Net.Server
+    }>((resume) => {
+      let target = 0
+      let cut = false
+      const server = Net.createServer((client) => {
+        const upstream = Net.createConnection({ host: "127.0.0.1", port: target })
+        let forwarded = 0
+        client.on("data", (chunk: Buffer) => {
+          if (cut) return
+          const room = cutAfterBytes - forwarded
+          if (chunk.length < room) {
+            forwarded += chunk.length
+            upstream.write(chunk)
+            return
+          }
+          cut = true
+          upstream.write(chunk.subarray(0, room), () => {
+            upstream.destroy()
+            client.destroy()
           })
-          upstream.on("data", (chunk: Buffer) => client.write(chunk))
-          client.on("error", () => upstream.destroy())
-          upstream.on("error", () => client.destroy())
-          client.on("close", () => upstream.destroy())
-          upstream.on("close", () => client.destroy())
         })
-        server.listen(0, "127.0.0.1", () => {
-          const address = server.address() as Net.AddressInfo
-          resume(Effect.succeed({ port: address.port, setTarget: (port) => (target = port), cut: () => cut, server }))
-        })
-      }
-    ),
+        upstream.on("data", (chunk: Buffer) => client.write(chunk))
+        client.on("error", () => upstream.destroy())
+        upstream.on("error", () => client.destroy())
+        client.on("close", () => upstream.destroy())
+        upstream.on("close", () => client.destroy())
+      })
+      server.listen(0, "127.0.0.1", () => {
+        const address = server.address() as Net.AddressInfo
+        resume(Effect.succeed({ port: address.port, setTarget: (port) => (target = port), cut: () => cut, server }))
+      })
+    }),
     ({ server }) => Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
   )
 
@@ -119,14 +122,16 @@ export const startTestNode = async () => {
       stdout += chunk
       const ready = /swactor-node-ready (\{.*\})/.exec(stdout)
       if (ready !== null) resolve((JSON.parse(ready[1]!) as { port: number }).port)
-    }))
+    })
+  )
   return {
     port,
     stdout: () => stdout,
     stderr: () => stderr,
     stop: async () => {
       child.kill("SIGTERM")
-      if (child.exitCode === null && child.signalCode === null) await new Promise((resolve) => child.on("exit", resolve))
+      if (child.exitCode === null && child.signalCode === null)
+        await new Promise((resolve) => child.on("exit", resolve))
     }
   }
 }
@@ -174,8 +179,18 @@ export const stories260KProvision = (runId: RunId, path: string, threads: number
         tokenizer: { _tag: "EmbeddedInGguf" }
       },
       runtime: { roleId: 0 as RoleId, inputPort: "in" as PortId, outputPort: "out" as PortId, sampling: null },
-      inbound: { edgeId: 0 as EdgeId, kind: "TokenIn", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring: provisionRing },
-      outbound: { edgeId: 1 as EdgeId, kind: "TokenOut", peer: { _tag: "Orchestrator", nodeId: 0 as NodeId }, ring: provisionRing }
+      inbound: {
+        edgeId: 0 as EdgeId,
+        kind: "TokenIn",
+        peer: { _tag: "Orchestrator", nodeId: 0 as NodeId },
+        ring: provisionRing
+      },
+      outbound: {
+        edgeId: 1 as EdgeId,
+        kind: "TokenOut",
+        peer: { _tag: "Orchestrator", nodeId: 0 as NodeId },
+        ring: provisionRing
+      }
     }),
     outboundAddress: tcpAddress(9, "127.0.0.1"),
     threads,

@@ -48,7 +48,7 @@ export const greedyRun = (
   options: RunOptions
 ): Effect.Effect<EngineRun, unknown> =>
   Effect.scoped(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { run } = yield* openPipeline(path, boundaries, options)
       const tokens: Array<number> = []
       const logits: Array<Float32Array> = []
@@ -66,7 +66,7 @@ export const greedyRun = (
 
 let llamaPromise: Promise<Llama> | undefined
 export const referenceLlama = (): Promise<Llama> =>
-  llamaPromise ??= getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
+  (llamaPromise ??= getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error }))
 
 export interface ReferenceRun {
   readonly prompt: ReadonlyArray<number>
@@ -107,9 +107,10 @@ export const referenceRun = async (
     try {
       const seq = ctx.getSequence()
       const bos = model.tokens.bos
-      const prompt: Array<Token> = typeof text === "string"
-        ? [...(bos !== null ? [bos] : []), ...model.tokenize(text)]
-        : text.map((t) => t as Token)
+      const prompt: Array<Token> =
+        typeof text === "string"
+          ? [...(bos !== null ? [bos] : []), ...model.tokenize(text)]
+          : text.map((t) => t as Token)
       const tokens: Array<number> = []
       for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
         tokens.push(t)
@@ -133,8 +134,12 @@ export const referenceRun = async (
 }
 
 /** `referenceRun` as an Effect. */
-export const nodeLlamaReference = (path: string, text: string | ReadonlyArray<number>, nTokens: number, options: ReferenceOptions) =>
-  Effect.promise(() => referenceRun(path, text, nTokens, options))
+export const nodeLlamaReference = (
+  path: string,
+  text: string | ReadonlyArray<number>,
+  nTokens: number,
+  options: ReferenceOptions
+) => Effect.promise(() => referenceRun(path, text, nTokens, options))
 
 /**
  * Each split of `splits`: our greedy run of `ref.prompt` gives node-llama-cpp's `ref.tokens`; with `bitIdentical`
@@ -148,7 +153,7 @@ export const splitsMatchReference = (
   options: RunOptions,
   { bitIdentical = true }: { readonly bitIdentical?: boolean } = {}
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     let first: EngineRun | undefined
     let maxDiff = 0
     for (const split of splits) {
@@ -182,21 +187,31 @@ export const liveExecutor = StageExecutorLive.layer satisfies Layer.Layer<StageE
  * 3 + vocab), then take one decode step together in one forwardBatch; each output must be deepStrictEqual (the same
  * bits) to the same step of a lone twin session.
  */
-export const decodeBatchGetsLoneBits = (whole: LoadedStage, counts: ReadonlyArray<number>, vocab: number, seed: number) =>
-  Effect.gen(function*() {
+export const decodeBatchGetsLoneBits = (
+  whole: LoadedStage,
+  counts: ReadonlyArray<number>,
+  vocab: number,
+  seed: number
+) =>
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const open = () => executor.session(whole, { threads: 1, contextLength: 64 })
     const r = makeRng(seed)
     for (const n of counts) {
       const batched = yield* Effect.forEach(Array.from({ length: n }), open)
       const lone = yield* Effect.forEach(Array.from({ length: n }), open)
-      const prompts = Array.from({ length: n }, (_, i) => Int32Array.from({ length: 2 + i }, () => 3 + Math.floor(r() * vocab)))
+      const prompts = Array.from({ length: n }, (_, i) =>
+        Int32Array.from({ length: 2 + i }, () => 3 + Math.floor(r() * vocab))
+      )
       for (let i = 0; i < n; i++) {
         yield* batched[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
         yield* lone[i]!.forward(0, { _tag: "Tokens", tokens: prompts[i]! })
       }
       const step = (i: number): StageInput => ({ _tag: "Tokens", tokens: Int32Array.of(10 + i) })
-      const outs = yield* executor.forwardBatch(batched.map((session, i) => ({ session, startPos: 2 + i, input: step(i) })))
-      for (let i = 0; i < n; i++) assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(2 + i, step(i)), `${n} sequences, #${i}`)
+      const outs = yield* executor.forwardBatch(
+        batched.map((session, i) => ({ session, startPos: 2 + i, input: step(i) }))
+      )
+      for (let i = 0; i < n; i++)
+        assert.deepStrictEqual(outs[i], yield* lone[i]!.forward(2 + i, step(i)), `${n} sequences, #${i}`)
     }
   })

@@ -12,7 +12,8 @@ export default function setup() {
   const root = fileURLToPath(new URL("../..", import.meta.url))
   // Two test runs on one machine (or one while a benchmark builds) take turns at dist/ under one lock file.
   const build = [process.execPath, join(root, "scripts", "build.mjs")]
-  if (existsSync("/usr/bin/flock")) execFileSync("/usr/bin/flock", [join(root, ".cache-build.lock"), ...build], { cwd: root, stdio: "inherit" })
+  if (existsSync("/usr/bin/flock"))
+    execFileSync("/usr/bin/flock", [join(root, ".cache-build.lock"), ...build], { cwd: root, stdio: "inherit" })
   else execFileSync(build[0]!, build.slice(1), { cwd: root, stdio: "inherit" })
   if (!existsSync(join(root, "dist", "main.js"))) throw new Error("the build left no dist/main.js")
 }

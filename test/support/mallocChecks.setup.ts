@@ -61,4 +61,5 @@ if (probe.signal !== "SIGABRT") {
 
 const residentMemoryTests = ["test/engine/peak.test.ts"]
 const testPath = expect.getState().testPath
-if (testPath !== undefined && residentMemoryTests.some((file) => testPath.endsWith(`/${file}`))) delete process.env["MALLOC_PERTURB_"]
+if (testPath !== undefined && residentMemoryTests.some((file) => testPath.endsWith(`/${file}`)))
+  delete process.env["MALLOC_PERTURB_"]

@@ -22,7 +22,8 @@ const findMallocDebug = (): string | undefined => {
   for (const ldconfig of ["ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"]) {
     try {
       const cache = execFileSync(ldconfig, ["-p"], { encoding: "utf8", stdio: ["ignore", "pipe", "ignore"] })
-      const line = cache.split("\n").find((l) => /libc_malloc_debug\.so\.0 \(.*x86-64.*\) => /.test(l)) ??
+      const line =
+        cache.split("\n").find((l) => /libc_malloc_debug\.so\.0 \(.*x86-64.*\) => /.test(l)) ??
         cache.split("\n").find((l) => l.includes("libc_malloc_debug.so.0 "))
       const path = line?.split(" => ")[1]?.trim()
       if (path !== undefined && existsSync(path)) return path

@@ -31,4 +31,6 @@ export const memoryWorldServices = (memory: MemoryWorld) =>
 
 /** The live Orchestrator over the memory world's agents. */
 export const memoryOrchestrator = (memory: MemoryWorld) =>
-  Layer.build(OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory)))).pipe(Effect.map(Context.get(Orchestrator)))
+  Layer.build(OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory)))).pipe(
+    Effect.map(Context.get(Orchestrator))
+  )

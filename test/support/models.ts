@@ -7,7 +7,8 @@ import { fileURLToPath } from "node:url"
 export const repoRoot = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..")
 
 /** Where test models live: SWACTOR_MODELS_DIR, default ../shared/models relative to the repository root. */
-export const modelsDir = (): string => resolve(repoRoot, process.env["SWACTOR_MODELS_DIR"] ?? join("..", "shared", "models"))
+export const modelsDir = (): string =>
+  resolve(repoRoot, process.env["SWACTOR_MODELS_DIR"] ?? join("..", "shared", "models"))
 
 /** Absolute path of a test model, or an error that says where it was looked for. */
 export const requireModel = (name: string): string => {

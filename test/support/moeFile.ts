@@ -5,7 +5,12 @@
 // `llama.expert_used_count`. Only its tensor table and metadata matter here: expert weights are zeros.
 import { Effect } from "effect"
 import { GgmlType, tensorBytes } from "../../src/domain/ggmlTypes.js"
-import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "../../src/layers/gguf/GgufWriter.js"
+import {
+  type GgufTensorSpec,
+  type GgufTypedValue,
+  GgufValues,
+  writeGgufFile
+} from "../../src/layers/gguf/GgufWriter.js"
 import { syntheticModelSpec } from "../../src/layers/gguf/Synthetic.js"
 
 export interface MoeFileOptions {
@@ -26,7 +31,7 @@ export interface MoeFileOptions {
 const HIDDEN = 64
 
 export const writeMoeFile = (o: MoeFileOptions) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const base = syntheticModelSpec({
       path: o.path,
       arch: "llama",

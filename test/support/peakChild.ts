@@ -12,7 +12,10 @@ import { StageExecutor } from "../../src/services/StageExecutor.js"
 
 const status = () => {
   const fields = Object.fromEntries(
-    readFileSync("/proc/self/status", "utf8").split("\n").map((l) => l.split(":")).filter((p) => p.length === 2)
+    readFileSync("/proc/self/status", "utf8")
+      .split("\n")
+      .map((l) => l.split(":"))
+      .filter((p) => p.length === 2)
       .map(([k, v]) => [k!.trim(), Number(v!.trim().split(/\s+/)[0]) * 1024])
   )
   return { hwm: fields["VmHWM"]!, rss: fields["VmRSS"]! }
@@ -24,9 +27,15 @@ const CONTEXT = 512
 
 getGgml()
 const baseline = status()
-const program = Effect.gen(function*() {
+const program = Effect.gen(function* () {
   const executor = yield* StageExecutor
-  const stage = (yield* executor.load({ path: path!, layerStart: 0, layerEndExclusive: 4, isFirst: true, isLast: true })) as LiveLoadedStage
+  const stage = (yield* executor.load({
+    path: path!,
+    layerStart: 0,
+    layerEndExclusive: 4,
+    isFirst: true,
+    isLast: true
+  })) as LiveLoadedStage
   const loaded = status()
   const session = yield* executor.session(stage, { threads: 1, contextLength: CONTEXT })
   let out = yield* session.forward(0, { _tag: "Tokens", tokens: Int32Array.from({ length: 16 }, (_, i) => 3 + i) })
@@ -49,7 +58,10 @@ const program = Effect.gen(function*() {
   }
 }).pipe(Effect.scoped, Effect.provide(layerWith(options)))
 
-Effect.runPromise(program).then((r) => console.log(JSON.stringify(r)), (e) => {
-  console.error(e)
-  process.exit(1)
-})
+Effect.runPromise(program).then(
+  (r) => console.log(JSON.stringify(r)),
+  (e) => {
+    console.error(e)
+    process.exit(1)
+  }
+)

@@ -27,7 +27,7 @@ export const generateKilling = (
   request: GenerateRequest,
   kill?: { readonly atToken: number; readonly agent: number }
 ): Effect.Effect<KilledGeneration> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     let agents: ReadonlyArray<LocalAgent> = []
     let killedLayers: readonly [number, number] | undefined
     const updates: Array<RunUpdate> = []
@@ -39,7 +39,8 @@ export const generateKilling = (
           if (kill !== undefined && killedLayers === undefined && u._tag === "Token" && u.token.step === kill.atToken) {
             const victim = agents[kill.agent]!
             const planned = updates.find((p) => p._tag === "Planned")
-            const stage = planned?._tag === "Planned" ? planned.stages.find((s) => s.address === victim.address) : undefined
+            const stage =
+              planned?._tag === "Planned" ? planned.stages.find((s) => s.address === victim.address) : undefined
             killedLayers = stage?.layers ?? [-1, -1]
             process.kill(victim.pid, "SIGKILL")
           }
@@ -61,7 +62,7 @@ export const killedStageResumes = (
   request: GenerateRequest & { readonly maxTokens: number },
   { agent = 1, atToken }: { readonly atToken: number; readonly agent?: number }
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const reference = yield* generateKilling(request)
     assert.isTrue(Either.isRight(reference.result), JSON.stringify(reference.result))
     assert.strictEqual(reference.tokens.length, request.maxTokens)

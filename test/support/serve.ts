@@ -1,7 +1,12 @@
 import { type ChildProcess, spawn } from "node:child_process"
 import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { Effect, Exit, Scope } from "effect"
-import { generateToken, type LocalAgent, spawnLocalAgents, swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
+import {
+  generateToken,
+  type LocalAgent,
+  spawnLocalAgents,
+  swactorCommand
+} from "../../src/layers/agent/AgentProcesses.js"
 import { clusterTokenEnv } from "../../src/layers/agent/ReadyLine.js"
 import { repoRoot } from "./models.js"
 
@@ -23,13 +28,20 @@ export const startServe = async (
   readyTimeoutMs = 120_000
 ): Promise<ServeProcess> => {
   const { args: argv, command } = swactorCommand(["serve", "--port", "0", ...args])
-  const child = spawn(command, argv, { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"], env: { ...process.env, ...env } })
+  const child = spawn(command, argv, {
+    cwd: repoRoot,
+    stdio: ["ignore", "ignore", "pipe"],
+    env: { ...process.env, ...env }
+  })
   let stderr = ""
   const exited = new Promise<{ code: number | null; signal: string | null }>((resolve) =>
     child.on("exit", (code, signal) => resolve({ code, signal }))
   )
   const url = await new Promise<string>((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`swactor serve did not listen in time:\n${stderr}`)), readyTimeoutMs)
+    const timer = setTimeout(
+      () => reject(new Error(`swactor serve did not listen in time:\n${stderr}`)),
+      readyTimeoutMs
+    )
     child.stderr!.setEncoding("utf8")
     child.stderr!.on("data", (chunk: string) => {
       stderr += chunk
@@ -44,7 +56,10 @@ export const startServe = async (
   const healthSeen: Array<number> = []
   const until = Date.now() + readyTimeoutMs
   while (Date.now() < until) {
-    const status = await fetch(`${url}/health`).then((r) => r.status, () => 0)
+    const status = await fetch(`${url}/health`).then(
+      (r) => r.status,
+      () => 0
+    )
     if (healthSeen.at(-1) !== status) healthSeen.push(status)
     if (status === 200) break
     await sleep(25)
@@ -69,12 +84,12 @@ export const startServeOverNodes = async (args: ReadonlyArray<string>) => {
   const nodes: ReadonlyArray<LocalAgent> = await Effect.runPromise(
     spawnLocalAgents({ count: 2, token, threads: 1 }).pipe(Scope.extend(scope))
   )
-  const server = await startServe([...args, "--agents", nodes.map((a) => a.address).join(",")], { [clusterTokenEnv]: token }).catch(
-    async (error: unknown) => {
-      await Effect.runPromise(Scope.close(scope, Exit.void))
-      throw error
-    }
-  )
+  const server = await startServe([...args, "--agents", nodes.map((a) => a.address).join(",")], {
+    [clusterTokenEnv]: token
+  }).catch(async (error: unknown) => {
+    await Effect.runPromise(Scope.close(scope, Exit.void))
+    throw error
+  })
   return {
     server,
     nodes,
@@ -102,16 +117,25 @@ export const metricOf = async (url: string, name: string, headers: Record<string
 }
 
 /** Polls until no agent hosts a stage and nothing is in flight, for at most `withinMillis` (the caller asserts after). */
-export const waitForIdle = async (url: string, headers: Record<string, string> = {}, withinMillis = 3000): Promise<void> => {
+export const waitForIdle = async (
+  url: string,
+  headers: Record<string, string> = {},
+  withinMillis = 3000
+): Promise<void> => {
   for (const until = Date.now() + withinMillis; Date.now() < until;) {
     const agents = await agentsOf(url, headers)
-    if (agents.every((a) => a.activeStages === 0) && (await metricOf(url, "swactor_requests_in_flight", headers)) === 0) return
+    if (agents.every((a) => a.activeStages === 0) && (await metricOf(url, "swactor_requests_in_flight", headers)) === 0)
+      return
     await sleep(20)
   }
 }
 
 /** Raw SSE over fetch: every `data:` payload in order (comments skipped), and when each came. */
-export const readSse = async (response: Response, onData?: (data: string) => void, onComment?: (line: string) => void) => {
+export const readSse = async (
+  response: Response,
+  onData?: (data: string) => void,
+  onComment?: (line: string) => void
+) => {
   const events: Array<{ data: string; at: number }> = []
   const reader = response.body!.getReader()
   const decoder = new TextDecoder()
@@ -150,4 +174,6 @@ export const socketDirOf = (pid: number): string | undefined => {
 
 /** Shared-memory ring files in /dev/shm that belong to any of these processes. */
 export const shmFilesOf = (pids: ReadonlyArray<number>): ReadonlyArray<string> =>
-  existsSync("/dev/shm") ? readdirSync("/dev/shm").filter((name) => pids.some((pid) => name.startsWith(`swactor-${pid}-`))) : []
+  existsSync("/dev/shm")
+    ? readdirSync("/dev/shm").filter((name) => pids.some((pid) => name.startsWith(`swactor-${pid}-`)))
+    : []

@@ -6,7 +6,8 @@ import { afterAll } from "vitest"
 import type { SyntheticModelOptions } from "../../src/layers/gguf/Synthetic.js"
 
 /** The prompt the synthetic-model equivalence tests feed (long enough to cross a 16-token window). */
-export const STORY_PROMPT = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
+export const STORY_PROMPT =
+  "Once upon a time there was a little girl who lived in a village near the forest with her mother"
 
 /** Settings both sides of an equivalence test run with: one thread, a 256-token context. */
 export const REFERENCE_OPTIONS = { threads: 1, contextLength: 256 } as const

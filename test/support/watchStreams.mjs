@@ -58,17 +58,20 @@ while (!stopped) {
     texts.push(text)
   } catch (error) {
     const code = error?.cause?.code
-    if (!answered && (code === "ECONNRESET" || code === "ECONNREFUSED" || code === "UND_ERR_SOCKET")) refusedConnections++
+    if (!answered && (code === "ECONNRESET" || code === "ECONNREFUSED" || code === "UND_ERR_SOCKET"))
+      refusedConnections++
     else errors.push(`${String(error)} ${String(error?.cause)}`)
     await sleep(50)
   }
 }
 const sorted = [...gaps].sort((a, b) => a - b)
-process.stdout.write(`${JSON.stringify({
-  maxGapMillis: sorted.at(-1) ?? 0,
-  medianGapMillis: sorted[Math.floor(sorted.length / 2)] ?? 0,
-  tokens: gaps.length,
-  texts,
-  errors,
-  refusedConnections
-})}\n`)
+process.stdout.write(
+  `${JSON.stringify({
+    maxGapMillis: sorted.at(-1) ?? 0,
+    medianGapMillis: sorted[Math.floor(sorted.length / 2)] ?? 0,
+    tokens: gaps.length,
+    texts,
+    errors,
+    refusedConnections
+  })}\n`
+)

@@ -11,13 +11,21 @@ import * as EdgeTransport from "../../src/layers/transport/EdgeTransport.js"
 const token = Redacted.make("correct-horse-battery-staple-0123456789")
 const runId = 7 as RunId
 const edgeId = 3 as EdgeId
-const ring: RingSpec = { dataCapacity: 64 * 1024, alignment: 64, direction: "Egress", hostPinning: "Pageable", wakeCoalescing: "PendingBit" }
+const ring: RingSpec = {
+  dataCapacity: 64 * 1024,
+  alignment: 64,
+  direction: "Egress",
+  hostPinning: "Pageable",
+  wakeCoalescing: "PendingBit"
+}
 
 describe("an attach waits for its edge's registration (attachWait)", () => {
   it.scopedLive("a sender that connected first is attached when the edge registers, and its frames arrive", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const listener = yield* EdgeTransport.listen({ address: tcpAddress(0), token, attachWait: "5 seconds" })
-      const connecting = yield* Effect.fork(EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring }))
+      const connecting = yield* Effect.fork(
+        EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring })
+      )
       // long enough for the attach to have reached the listener (and for a refusal to have come back, were it refused)
       yield* Effect.sleep("300 millis")
       assert.isNull(connecting.unsafePoll(), "the connect ended before the edge was registered")
@@ -32,29 +40,42 @@ describe("an attach waits for its edge's registration (attachWait)", () => {
       const frame = yield* receiver.take
       assert.strictEqual(frame._tag, "ActivationFrame")
       if (frame._tag === "ActivationFrame") assert.deepStrictEqual(Array.from(frame.payload), [1, 2, 3, 4])
-    }))
+    })
+  )
 
   it.scopedLive("an edge that never registers is refused once the wait is over (UnknownRun, then UnknownEdge)", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const listener = yield* EdgeTransport.listen({ address: tcpAddress(0), token, attachWait: "300 millis" })
       const started = performance.now()
-      const unknownRun = yield* Effect.either(EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring }))
+      const unknownRun = yield* Effect.either(
+        EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring })
+      )
       const waited = performance.now() - started
-      assert.isTrue(Either.isLeft(unknownRun) && unknownRun.left._tag === "PeerFaulted" && unknownRun.left.reason === "UnknownRun")
+      assert.isTrue(
+        Either.isLeft(unknownRun) && unknownRun.left._tag === "PeerFaulted" && unknownRun.left.reason === "UnknownRun"
+      )
       assert.isAtLeast(waited, 280, "refused before the wait was over")
       yield* listener.register({ runId, edgeId, ring })
       const unknownEdge = yield* Effect.either(
         EdgeTransport.connect({ address: listener.address, token, runId, edgeId: 9 as EdgeId, ring })
       )
-      assert.isTrue(Either.isLeft(unknownEdge) && unknownEdge.left._tag === "PeerFaulted" && unknownEdge.left.reason === "UnknownEdge")
-    }))
+      assert.isTrue(
+        Either.isLeft(unknownEdge) &&
+          unknownEdge.left._tag === "PeerFaulted" &&
+          unknownEdge.left.reason === "UnknownEdge"
+      )
+    })
+  )
 
   it.scopedLive("a wait of 0 refuses an unregistered edge at once", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const listener = yield* EdgeTransport.listen({ address: tcpAddress(0), token, attachWait: 0 })
       const started = performance.now()
-      const result = yield* Effect.either(EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring }))
+      const result = yield* Effect.either(
+        EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring })
+      )
       assert.isTrue(Either.isLeft(result) && result.left._tag === "PeerFaulted" && result.left.reason === "UnknownRun")
       assert.isBelow(performance.now() - started, 1000)
-    }))
+    })
+  )
 })

@@ -88,19 +88,22 @@ const capturingProxy = (targetPort: number) =>
           outbound.on("close", () => inbound.destroy())
         })
         server.listen(0, "127.0.0.1", () =>
-          resume(Effect.succeed({
-            port: (server.address() as Net.AddressInfo).port,
-            clientToServer,
-            serverToClient,
-            server
-          })))
+          resume(
+            Effect.succeed({
+              port: (server.address() as Net.AddressInfo).port,
+              clientToServer,
+              serverToClient,
+              server
+            })
+          )
+        )
       }
     ),
     ({ server }) => Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
   )
 
 const connectClient = (port: number, tok: Redacted.Redacted<string>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const { socket } = yield* rawClient(port)
     const exit = yield* Effect.exit(Auth.clientHandshake(socket, { token: tok, timeout: "1 second" }))
     socket.destroy()
@@ -110,25 +113,27 @@ const connectClient = (port: number, tok: Redacted.Redacted<string>) =>
 describe("Auth handshake", () => {
   // Both sides holding the cluster token authenticate each other.
   it.scopedLive("accepts a client with the right token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { outcomes, port } = yield* handshakeServer
       const exit = yield* connectClient(port, token)
       assert.isTrue(Exit.isSuccess(exit))
       assert.isTrue(Exit.isSuccess((yield* lastOutcome(outcomes, 1))!))
-    }))
+    })
+  )
 
   // A client holding another token is refused (it cannot even verify the server, and the server never accepts it).
   it.scopedLive("refuses a client with a wrong token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { outcomes, port } = yield* handshakeServer
       const exit = yield* connectClient(port, wrongToken)
       assert.isTrue(Exit.isFailure(exit))
       assert.isTrue(Exit.isFailure((yield* lastOutcome(outcomes, 1))!))
-    }))
+    })
+  )
 
   // A client that ignores the server's proof and sends a proof made with a wrong token gets verdict 0.
   it.scopedLive("refuses a forged client proof with verdict 0", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { outcomes, port } = yield* handshakeServer
       const { closed, received, socket } = yield* rawClient(port)
       const clientNonce = Buffer.alloc(32, 7)
@@ -142,24 +147,31 @@ describe("Auth handshake", () => {
       assert.strictEqual(all.length, Auth.CHALLENGE_BYTES + Auth.VERDICT_BYTES)
       assert.strictEqual(all[Auth.CHALLENGE_BYTES + 4], 0)
       assert.isTrue(Exit.isFailure((yield* lastOutcome(outcomes, 1))!))
-    }))
+    })
+  )
 
   // A connection without the token — silent, or sending frames straight away — is refused.
   it.scopedLive("refuses a connection that does not handshake", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { outcomes, port } = yield* handshakeServer
       const silent = yield* rawClient(port)
       yield* Effect.promise(() => silent.closed)
       assert.isTrue(Exit.isFailure((yield* lastOutcome(outcomes, 1))!))
       const eager = yield* rawClient(port)
-      eager.socket.write(Framing.unsafeEncode(AttachFrame({ runId, edgeId, dataCapacity: 1, alignment: 8, wakeCoalescing: "PendingBit" }), 8))
+      eager.socket.write(
+        Framing.unsafeEncode(
+          AttachFrame({ runId, edgeId, dataCapacity: 1, alignment: 8, wakeCoalescing: "PendingBit" }),
+          8
+        )
+      )
       yield* Effect.promise(() => eager.closed)
       assert.isTrue(Exit.isFailure((yield* lastOutcome(outcomes, 2))!))
-    }))
+    })
+  )
 
   // A recorded, once-valid handshake replayed against the server fails: its nonce is fresh.
   it.scopedLive("refuses a replayed client handshake", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { outcomes, port } = yield* handshakeServer
       const proxy = yield* capturingProxy(port)
       assert.isTrue(Exit.isSuccess(yield* connectClient(proxy.port, token)))
@@ -174,11 +186,12 @@ describe("Auth handshake", () => {
       assert.strictEqual(reply[Auth.CHALLENGE_BYTES + 4], 0)
       assert.isTrue(Exit.isSuccess((yield* lastOutcome(outcomes, 1))!))
       assert.isTrue(Exit.isFailure((yield* lastOutcome(outcomes, 2))!))
-    }))
+    })
+  )
 
   // A recorded server challenge replayed to a new client fails: the client's nonce is fresh.
   it.scopedLive("a client refuses a replayed server challenge", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { port } = yield* handshakeServer
       const proxy = yield* capturingProxy(port)
       assert.isTrue(Exit.isSuccess(yield* connectClient(proxy.port, token)))
@@ -195,20 +208,26 @@ describe("Auth handshake", () => {
       )
       const exit = yield* connectClient((fake.address() as Net.AddressInfo).port, token)
       assert.isTrue(Exit.isFailure(exit))
-    }))
+    })
+  )
 
   // The token itself never crosses the wire, in either direction.
   it.scopedLive("never sends the token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const { port } = yield* handshakeServer
       const proxy = yield* capturingProxy(port)
       assert.isTrue(Exit.isSuccess(yield* connectClient(proxy.port, token)))
       const wire = Buffer.concat([...proxy.clientToServer, ...proxy.serverToClient])
       assert.isAbove(wire.length, 0)
-      for (const needle of [TOKEN_TEXT, Buffer.from(TOKEN_TEXT).toString("hex"), Buffer.from(TOKEN_TEXT).toString("base64")]) {
+      for (const needle of [
+        TOKEN_TEXT,
+        Buffer.from(TOKEN_TEXT).toString("hex"),
+        Buffer.from(TOKEN_TEXT).toString("base64")
+      ]) {
         assert.strictEqual(wire.indexOf(needle), -1)
       }
-    }))
+    })
+  )
 })
 
 describe("Data-plane listener security", () => {
@@ -216,55 +235,89 @@ describe("Data-plane listener security", () => {
 
   // The listener binds loopback unless told otherwise.
   it.scopedLive("binds 127.0.0.1 by default", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const listener = yield* EdgeTransport.listen({ token })
       assert.deepStrictEqual(listener.address._tag === "Tcp" && listener.address.host, "127.0.0.1")
-    }))
+    })
+  )
 
   it.scopedLive("refuses an edge sender with a wrong token", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const listener = yield* listen
       yield* listener.register({ runId, edgeId, ring })
-      const result = yield* Effect.either(EdgeTransport.connect({ address: listener.address, token: wrongToken, runId, edgeId, ring }))
+      const result = yield* Effect.either(
+        EdgeTransport.connect({ address: listener.address, token: wrongToken, runId, edgeId, ring })
+      )
       assert.isTrue(Either.isLeft(result) && result.left._tag === "AuthFailed")
-    }))
+    })
+  )
 
   // Attaching to a run or edge not registered here is refused with the typed reason.
   it.scopedLive("refuses an attach for an unknown run or edge", () =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const listener = yield* listen
       yield* listener.register({ runId, edgeId, ring })
       const unknownRun = yield* Effect.either(
         EdgeTransport.connect({ address: listener.address, token, runId: 99 as RunId, edgeId, ring })
       )
-      assert.isTrue(Either.isLeft(unknownRun) && unknownRun.left._tag === "PeerFaulted" && unknownRun.left.reason === "UnknownRun")
+      assert.isTrue(
+        Either.isLeft(unknownRun) && unknownRun.left._tag === "PeerFaulted" && unknownRun.left.reason === "UnknownRun"
+      )
       const unknownEdge = yield* Effect.either(
         EdgeTransport.connect({ address: listener.address, token, runId, edgeId: 42 as EdgeId, ring })
       )
       assert.isTrue(
-        Either.isLeft(unknownEdge) && unknownEdge.left._tag === "PeerFaulted" && unknownEdge.left.reason === "UnknownEdge"
+        Either.isLeft(unknownEdge) &&
+          unknownEdge.left._tag === "PeerFaulted" &&
+          unknownEdge.left.reason === "UnknownEdge"
       )
-    }))
+    })
+  )
 
   // On an attached connection, a frame naming a foreign run or edge is refused, never delivered, and faults the edge.
   it.scopedLive("refuses a frame with a foreign run or edge id", () =>
-    Effect.gen(function*() {
-      for (const foreign of [{ runId: 5 as RunId, edgeId, tag: "UnknownRun" }, { runId, edgeId: 9 as EdgeId, tag: "UnknownEdge" }]) {
-        yield* Effect.scoped(Effect.gen(function*() {
-          const listener = yield* listen
-          const receiver = yield* listener.register({ runId, edgeId, ring })
-          const { socket } = yield* rawClient((listener.address as { port: number }).port)
-          yield* Auth.clientHandshake(socket, { token })
-          socket.resume()
-          socket.write(Framing.unsafeEncode(AttachFrame({ runId, edgeId, dataCapacity: ring.dataCapacity, alignment: ring.alignment, wakeCoalescing: ring.wakeCoalescing }), 8))
-          yield* receiver.attached
-          const frame = ActivationFrame({ runId: foreign.runId, edgeId: foreign.edgeId, step: 0, startPos: 0, nTokens: 1, hiddenDim: 4, payload: new Float32Array(4) })
-          socket.write(Framing.unsafeEncode(frame, ring.alignment))
-          const result = yield* Effect.either(receiver.receive)
-          assert.isTrue(Either.isLeft(result) && result.left._tag === foreign.tag)
-          assert.strictEqual((yield* receiver.stats).messages, 0)
-          socket.destroy()
-        }))
+    Effect.gen(function* () {
+      for (const foreign of [
+        { runId: 5 as RunId, edgeId, tag: "UnknownRun" },
+        { runId, edgeId: 9 as EdgeId, tag: "UnknownEdge" }
+      ]) {
+        yield* Effect.scoped(
+          Effect.gen(function* () {
+            const listener = yield* listen
+            const receiver = yield* listener.register({ runId, edgeId, ring })
+            const { socket } = yield* rawClient((listener.address as { port: number }).port)
+            yield* Auth.clientHandshake(socket, { token })
+            socket.resume()
+            socket.write(
+              Framing.unsafeEncode(
+                AttachFrame({
+                  runId,
+                  edgeId,
+                  dataCapacity: ring.dataCapacity,
+                  alignment: ring.alignment,
+                  wakeCoalescing: ring.wakeCoalescing
+                }),
+                8
+              )
+            )
+            yield* receiver.attached
+            const frame = ActivationFrame({
+              runId: foreign.runId,
+              edgeId: foreign.edgeId,
+              step: 0,
+              startPos: 0,
+              nTokens: 1,
+              hiddenDim: 4,
+              payload: new Float32Array(4)
+            })
+            socket.write(Framing.unsafeEncode(frame, ring.alignment))
+            const result = yield* Effect.either(receiver.receive)
+            assert.isTrue(Either.isLeft(result) && result.left._tag === foreign.tag)
+            assert.strictEqual((yield* receiver.stats).messages, 0)
+            socket.destroy()
+          })
+        )
       }
-    }))
+    })
+  )
 })

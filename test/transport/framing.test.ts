@@ -39,72 +39,83 @@ const roundTrip = (frame: WireFrame, alignment: number) => {
 const u32 = fc.integer({ min: 0, max: 0xffff_ffff })
 const alignmentArb = fc.constantFrom(1, 2, 4, 8, 16, 64, 256)
 const ids = { runId: u32.map((n) => n as RunId), edgeId: u32.map((n) => n as EdgeId) }
-const tokenFrameArb = fc.record({
-  ...ids,
-  step: u32,
-  payload: fc.oneof(
-    fc.array(u32, { minLength: 1, maxLength: 40 }).map((tokens) => ({ _tag: "Prompt" as const, tokens })),
-    u32.map((tokenId) => ({ _tag: "Decode" as const, tokenId })),
-    fc.record({ tokenId: u32, eos: fc.boolean() }).map((p) => ({ _tag: "Sampled" as const, ...p })),
-    // a Sampled token with its sampler's draws and/or its log-probs (alternatives most likely first)
-    fc.record({
-      tokenId: u32,
-      eos: fc.boolean(),
-      draws: fc.option(u32, { nil: undefined }),
-      logprob: fc.option(
-        fc.record({
-          logprob: fc.double({ min: -1e6, max: 0, noNaN: true }),
-          top: fc.array(fc.record({ tokenId: u32, logprob: fc.double({ min: -1e6, max: 0, noNaN: true }) }), {
-            maxLength: Framing.MAX_SAMPLED_TOP
-          }).map((top) => [...top].sort((a, b) => b.logprob - a.logprob))
-        }),
-        { nil: undefined }
-      )
-    }).map((p) => ({
-      _tag: "Sampled" as const,
-      tokenId: p.tokenId,
-      eos: p.eos,
-      ...(p.draws === undefined ? {} : { draws: p.draws }),
-      ...(p.logprob === undefined ? {} : { logprob: p.logprob })
-    }))
+const tokenFrameArb = fc
+  .record({
+    ...ids,
+    step: u32,
+    payload: fc.oneof(
+      fc.array(u32, { minLength: 1, maxLength: 40 }).map((tokens) => ({ _tag: "Prompt" as const, tokens })),
+      u32.map((tokenId) => ({ _tag: "Decode" as const, tokenId })),
+      fc.record({ tokenId: u32, eos: fc.boolean() }).map((p) => ({ _tag: "Sampled" as const, ...p })),
+      // a Sampled token with its sampler's draws and/or its log-probs (alternatives most likely first)
+      fc
+        .record({
+          tokenId: u32,
+          eos: fc.boolean(),
+          draws: fc.option(u32, { nil: undefined }),
+          logprob: fc.option(
+            fc.record({
+              logprob: fc.double({ min: -1e6, max: 0, noNaN: true }),
+              top: fc
+                .array(fc.record({ tokenId: u32, logprob: fc.double({ min: -1e6, max: 0, noNaN: true }) }), {
+                  maxLength: Framing.MAX_SAMPLED_TOP
+                })
+                .map((top) => [...top].sort((a, b) => b.logprob - a.logprob))
+            }),
+            { nil: undefined }
+          )
+        })
+        .map((p) => ({
+          _tag: "Sampled" as const,
+          tokenId: p.tokenId,
+          eos: p.eos,
+          ...(p.draws === undefined ? {} : { draws: p.draws }),
+          ...(p.logprob === undefined ? {} : { logprob: p.logprob })
+        }))
+    )
+  })
+  .map((f) => TokenFrame(f))
+const activationArb = fc
+  .record({
+    ...ids,
+    step: u32,
+    chunk: fc
+      .integer({ min: 1, max: 5 })
+      .chain((count) => fc.record({ count: fc.constant(count), index: fc.integer({ min: 0, max: count - 1 }) })),
+    startPos: u32,
+    nTokens: fc.integer({ min: 1, max: 4 }),
+    hiddenDim: fc.integer({ min: 1, max: 24 })
+  })
+  .chain((f) =>
+    fc.float32Array({ minLength: f.nTokens * f.hiddenDim, maxLength: f.nTokens * f.hiddenDim }).map((payload) =>
+      ActivationFrame({
+        runId: f.runId,
+        edgeId: f.edgeId,
+        step: f.step,
+        chunkIndex: f.chunk.index,
+        chunkCount: f.chunk.count,
+        startPos: f.startPos,
+        nTokens: f.nTokens,
+        hiddenDim: f.hiddenDim,
+        payload
+      })
+    )
   )
-}).map((f) => TokenFrame(f))
-const activationArb = fc.record({
-  ...ids,
-  step: u32,
-  chunk: fc.integer({ min: 1, max: 5 }).chain((count) =>
-    fc.record({ count: fc.constant(count), index: fc.integer({ min: 0, max: count - 1 }) })
-  ),
-  startPos: u32,
-  nTokens: fc.integer({ min: 1, max: 4 }),
-  hiddenDim: fc.integer({ min: 1, max: 24 })
-}).chain((f) =>
-  fc.float32Array({ minLength: f.nTokens * f.hiddenDim, maxLength: f.nTokens * f.hiddenDim }).map((payload) =>
-    ActivationFrame({
-      runId: f.runId,
-      edgeId: f.edgeId,
-      step: f.step,
-      chunkIndex: f.chunk.index,
-      chunkCount: f.chunk.count,
-      startPos: f.startPos,
-      nTokens: f.nTokens,
-      hiddenDim: f.hiddenDim,
-      payload
-    })
-  )
-)
 const controlArb = fc.oneof(
   fc.record({ ...ids, step: u32, bytes: u32 }).map((f) => CreditFrame(f)),
-  fc.record({
-    ...ids,
-    dataCapacity: u32,
-    alignment: u32,
-    wakeCoalescing: fc.constantFrom("PendingBit" as const, "EveryFrame" as const),
-    sharedMemory: fc.constantFrom("", "/dev/shm/swactor-1-abc.ring")
-  }).map((f) => AttachFrame(f)),
+  fc
+    .record({
+      ...ids,
+      dataCapacity: u32,
+      alignment: u32,
+      wakeCoalescing: fc.constantFrom("PendingBit" as const, "EveryFrame" as const),
+      sharedMemory: fc.constantFrom("", "/dev/shm/swactor-1-abc.ring")
+    })
+    .map((f) => AttachFrame(f)),
   fc.record(ids).map((f) => DoorbellFrame(f)),
   fc.record(ids).map((f) => AttachedFrame(f)),
-  fc.record({ ...ids, reason: fc.string({ maxLength: 20 }), detail: fc.string({ maxLength: 200 }) })
+  fc
+    .record({ ...ids, reason: fc.string({ maxLength: 20 }), detail: fc.string({ maxLength: 200 }) })
     .map((f) => FaultFrame(f))
 )
 const frameArb: fc.Arbitrary<WireFrame> = fc.oneof(tokenFrameArb, activationArb, controlArb)
@@ -115,7 +126,10 @@ const sameFrame = (a: WireFrame, b: WireFrame) => {
     const { payload: pb, ...rb } = b
     assert.deepStrictEqual({ ...ra }, { ...rb })
     // Compare bit patterns so NaN payloads round-trip too.
-    assert.deepStrictEqual(new Uint32Array(pa.buffer, pa.byteOffset, pa.length), new Uint32Array(pb.buffer, pb.byteOffset, pb.length))
+    assert.deepStrictEqual(
+      new Uint32Array(pa.buffer, pa.byteOffset, pa.length),
+      new Uint32Array(pb.buffer, pb.byteOffset, pb.length)
+    )
   } else {
     assert.deepStrictEqual({ ...a }, { ...b })
   }
@@ -216,7 +230,12 @@ describe("Framing", () => {
   // the guarded decoder turns a throw into Malformed, the unguarded one lets it through.
   it("the fuzz tests see a decoder throw instead of a Malformed fault", () => {
     const bytes = Either.getOrThrow(Framing.encode(AttachedFrame({ runId, edgeId }), 8))
-    const throwing = { alignment: 8, get maxFrameBytes(): number { throw new Error("boom") } }
+    const throwing = {
+      alignment: 8,
+      get maxFrameBytes(): number {
+        throw new Error("boom")
+      }
+    }
     const guarded = Framing.decode(bytes, throwing)
     assert.isTrue(Either.isLeft(guarded) && guarded.left._tag === "Malformed")
     assert.throws(() => Framing.decodeUnguarded(bytes, throwing), "boom")
@@ -274,7 +293,13 @@ describe("Framing", () => {
         tokenId: 9,
         eos: false,
         draws: 12,
-        logprob: { logprob: -0.5, top: [{ tokenId: 9, logprob: -0.5 }, { tokenId: 3, logprob: -1.25 }] }
+        logprob: {
+          logprob: -0.5,
+          top: [
+            { tokenId: 9, logprob: -0.5 },
+            { tokenId: 3, logprob: -1.25 }
+          ]
+        }
       }
     })
     const bytes = Either.getOrThrow(Framing.encode(sampled, 8))
@@ -286,52 +311,83 @@ describe("Framing", () => {
       const result = Framing.decodeUnguarded(copy, limits(8))
       return Either.isLeft(result) ? result.left._tag : "decoded"
     }
-    assert.strictEqual(mutated((v) => v.setUint8(o + 1, 8)), "Malformed") // unknown flag
-    assert.strictEqual(mutated((v) => v.setUint8(o + 1, 2)), "Malformed") // no log-prob flag, body still has it
-    assert.strictEqual(mutated((v) => v.setUint16(o + 2, 3, true)), "Malformed") // nTop beyond the body
-    assert.strictEqual(mutated((v) => v.setFloat64(o + 16, 0.5, true)), "Malformed") // a log-prob above 0
-    assert.strictEqual(mutated((v) => v.setFloat64(o + 16, NaN, true)), "Malformed")
-    assert.strictEqual(mutated((v) => v.setFloat64(o + 24 + 4, -2, true)), "Malformed") // not most likely first
-    assert.strictEqual(mutated((v) => v.setUint8(o, 1)), "Malformed") // flags on a Decode
-    const tooMany = { ...sampled, payload: { ...sampled.payload, logprob: { logprob: -1, top: Array.from({ length: 21 }, (_, i) => ({ tokenId: i, logprob: -1 })) } } }
+    assert.strictEqual(
+      mutated((v) => v.setUint8(o + 1, 8)),
+      "Malformed"
+    ) // unknown flag
+    assert.strictEqual(
+      mutated((v) => v.setUint8(o + 1, 2)),
+      "Malformed"
+    ) // no log-prob flag, body still has it
+    assert.strictEqual(
+      mutated((v) => v.setUint16(o + 2, 3, true)),
+      "Malformed"
+    ) // nTop beyond the body
+    assert.strictEqual(
+      mutated((v) => v.setFloat64(o + 16, 0.5, true)),
+      "Malformed"
+    ) // a log-prob above 0
+    assert.strictEqual(
+      mutated((v) => v.setFloat64(o + 16, NaN, true)),
+      "Malformed"
+    )
+    assert.strictEqual(
+      mutated((v) => v.setFloat64(o + 24 + 4, -2, true)),
+      "Malformed"
+    ) // not most likely first
+    assert.strictEqual(
+      mutated((v) => v.setUint8(o, 1)),
+      "Malformed"
+    ) // flags on a Decode
+    const tooMany = {
+      ...sampled,
+      payload: {
+        ...sampled.payload,
+        logprob: { logprob: -1, top: Array.from({ length: 21 }, (_, i) => ({ tokenId: i, logprob: -1 })) }
+      }
+    }
     assert.isTrue(Either.isLeft(Framing.encode(tooMany as TokenFrame, 8)))
   })
 
   it("refuses to encode fields that do not fit the wire format", () => {
     const tooBig = TokenFrame({ runId, edgeId, step: 0, payload: { _tag: "Decode", tokenId: 1 } })
-    const result = Framing.encode({ ...tooBig, runId: 2 ** 33 as RunId } as TokenFrame, 8)
+    const result = Framing.encode({ ...tooBig, runId: (2 ** 33) as RunId } as TokenFrame, 8)
     assert.isTrue(Either.isLeft(result) && result.left._tag === "Malformed")
   })
 
   // The stream decoder yields the same frames whatever the chunk boundaries of the byte stream.
   it("decodes a stream split at arbitrary points", () => {
     fc.assert(
-      fc.property(fc.array(frameArb, { minLength: 1, maxLength: 8 }), fc.array(fc.nat(), { maxLength: 10 }), (frames, cuts) => {
-        const encoded = frames.map((f) => Either.getOrThrow(Framing.encode(f, 64)))
-        const all = new Uint8Array(encoded.reduce((n, b) => n + b.length, 0))
-        let at = 0
-        for (const b of encoded) {
-          all.set(b, at)
-          at += b.length
-        }
-        const points = [...new Set(cuts.map((c) => c % (all.length + 1)))].sort((a, b) => a - b)
-        const decoder = new Framing.StreamDecoder()
-        const out: Array<WireFrame> = []
-        let prev = 0
-        for (const p of [...points, all.length]) {
-          decoder.push(all.slice(prev, p))
-          prev = p
-          for (;;) {
-            const step = decoder.next(limits(64))
-            if (step._tag === "Fault") assert.fail(step.fault._tag)
-            if (step._tag === "NeedMore") break
-            out.push(step.frame)
+      fc.property(
+        fc.array(frameArb, { minLength: 1, maxLength: 8 }),
+        fc.array(fc.nat(), { maxLength: 10 }),
+        (frames, cuts) => {
+          const encoded = frames.map((f) => Either.getOrThrow(Framing.encode(f, 64)))
+          const all = new Uint8Array(encoded.reduce((n, b) => n + b.length, 0))
+          let at = 0
+          for (const b of encoded) {
+            all.set(b, at)
+            at += b.length
           }
+          const points = [...new Set(cuts.map((c) => c % (all.length + 1)))].sort((a, b) => a - b)
+          const decoder = new Framing.StreamDecoder()
+          const out: Array<WireFrame> = []
+          let prev = 0
+          for (const p of [...points, all.length]) {
+            decoder.push(all.slice(prev, p))
+            prev = p
+            for (;;) {
+              const step = decoder.next(limits(64))
+              if (step._tag === "Fault") assert.fail(step.fault._tag)
+              if (step._tag === "NeedMore") break
+              out.push(step.frame)
+            }
+          }
+          assert.strictEqual(out.length, frames.length)
+          frames.forEach((f, i) => sameFrame(f, out[i]!))
+          assert.isUndefined(decoder.finish())
         }
-        assert.strictEqual(out.length, frames.length)
-        frames.forEach((f, i) => sameFrame(f, out[i]!))
-        assert.isUndefined(decoder.finish())
-      }),
+      ),
       { numRuns: 200, seed: 0x5eed37 }
     )
   })
@@ -345,7 +401,9 @@ describe("Framing", () => {
     const sequencer = new Framing.Sequencer()
     let whole: DataFrame | undefined
     for (const c of chunks) {
-      const step = sequencer.accept(Either.getOrThrow(Framing.decode(Framing.unsafeEncode(c, 64), limits(64))) as DataFrame)
+      const step = sequencer.accept(
+        Either.getOrThrow(Framing.decode(Framing.unsafeEncode(c, 64), limits(64))) as DataFrame
+      )
       if (step._tag === "Fault") assert.fail(step.fault._tag)
       if (step._tag === "Complete") whole = step.frame
     }
@@ -401,7 +459,14 @@ describe("dataFrame", () => {
       payload: { _tag: "Decode", tokenId: 9 }
     })
     // Only the frame's own fields: nothing extra a caller passed rides along onto the wire value.
-    const extra = { _tag: "TokenFrame" as const, runId, edgeId, step: 1, payload: { _tag: "Decode" as const, tokenId: 9 }, note: "x" }
+    const extra = {
+      _tag: "TokenFrame" as const,
+      runId,
+      edgeId,
+      step: 1,
+      payload: { _tag: "Decode" as const, tokenId: 9 },
+      note: "x"
+    }
     assert.notProperty(dataFrame(extra), "note")
   })
 })
@@ -447,4 +512,3 @@ describe("Framing without extra copies", () => {
     assert.isTrue(plain._tag === "ActivationFrame" && plain.payload.buffer !== bytes.buffer)
   })
 })
-

@@ -53,7 +53,13 @@ const recordingProxy = (target: number) =>
         })
         server.listen(0, "127.0.0.1", () => {
           const port = (server.address() as Net.AddressInfo).port
-          resume(Effect.succeed({ address: { _tag: "Tcp", host: "127.0.0.1", port }, captured: () => Buffer.concat(chunks), server }))
+          resume(
+            Effect.succeed({
+              address: { _tag: "Tcp", host: "127.0.0.1", port },
+              captured: () => Buffer.concat(chunks),
+              server
+            })
+          )
         })
       }
     ),
@@ -66,7 +72,7 @@ const payloadBytes = Buffer.from(payload.buffer).subarray(0, 64)
 const TOKEN_ID = 0x5a5a1234
 
 /** One edge over TCP through the recording proxy: an activation and a token frame, both received whole. */
-const capturedRun = Effect.gen(function*() {
+const capturedRun = Effect.gen(function* () {
   const listener = yield* EdgeTransport.listen({ address: { _tag: "Tcp", host: "127.0.0.1", port: 0 }, token })
   const receiver = yield* listener.register({ runId, edgeId, ring })
   const proxy = yield* recordingProxy(listener.address._tag === "Tcp" ? listener.address.port : 0)
@@ -92,42 +98,52 @@ const authHello = Buffer.from("SWH1", "ascii")
 describe("encrypted links", () => {
   // T1: an observer of a TCP link sees no frame, activation or token id in the clear once TLS is on; the same capture
   // without TLS shows all three (so the check can see plaintext).
-  it.live("a capture of a TCP edge's bytes holds no plaintext frames, activations or token ids under TLS", () =>
-    Effect.gen(function*() {
-      yield* withMode("off")
-      const plain = yield* capturedRun
-      assert.isTrue(plain.includes(frameMagic) && plain.includes(payloadBytes) && plain.includes(tokenIdBytes()))
-      assert.isTrue(plain.includes(authHello))
+  it.live(
+    "a capture of a TCP edge's bytes holds no plaintext frames, activations or token ids under TLS",
+    () =>
+      Effect.gen(function* () {
+        yield* withMode("off")
+        const plain = yield* capturedRun
+        assert.isTrue(plain.includes(frameMagic) && plain.includes(payloadBytes) && plain.includes(tokenIdBytes()))
+        assert.isTrue(plain.includes(authHello))
 
-      yield* withMode("always")
-      const encrypted = yield* capturedRun
-      assert.isAbove(encrypted.length, payload.byteLength)
-      assert.isFalse(encrypted.includes(frameMagic), "frame magic in the clear")
-      assert.isFalse(encrypted.includes(payloadBytes), "activation bytes in the clear")
-      assert.isFalse(encrypted.includes(tokenIdBytes()), "token id in the clear")
-      assert.isFalse(encrypted.includes(authHello), "auth handshake in the clear")
-      // A TLS 1.3 handshake record opens the connection.
-      assert.strictEqual(encrypted[0], 0x16)
-    }), 30_000)
+        yield* withMode("always")
+        const encrypted = yield* capturedRun
+        assert.isAbove(encrypted.length, payload.byteLength)
+        assert.isFalse(encrypted.includes(frameMagic), "frame magic in the clear")
+        assert.isFalse(encrypted.includes(payloadBytes), "activation bytes in the clear")
+        assert.isFalse(encrypted.includes(tokenIdBytes()), "token id in the clear")
+        assert.isFalse(encrypted.includes(authHello), "auth handshake in the clear")
+        // A TLS 1.3 handshake record opens the connection.
+        assert.strictEqual(encrypted[0], 0x16)
+      }),
+    30_000
+  )
 
   // T2: a peer with another token cannot finish the TLS handshake; the edge is refused with AuthFailed.
-  it.live("a wrong token fails the TLS handshake", () =>
-    Effect.gen(function*() {
-      yield* withMode("always")
-      const listener = yield* EdgeTransport.listen({ address: { _tag: "Tcp", host: "127.0.0.1", port: 0 }, token })
-      yield* listener.register({ runId, edgeId, ring })
-      const refused = yield* Effect.either(
-        EdgeTransport.connect({ address: listener.address, token: otherToken, runId, edgeId, ring })
-      )
-      assert.isTrue(Either.isLeft(refused))
-      if (Either.isLeft(refused)) {
-        assert.strictEqual(refused.left._tag, "AuthFailed")
-        assert.include(refused.left.message + JSON.stringify(refused.left), "TLS handshake failed")
-      }
-      // The right token still gets through.
-      const accepted = yield* Effect.either(EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring }))
-      assert.isTrue(Either.isRight(accepted))
-    }).pipe(Effect.scoped), 30_000)
+  it.live(
+    "a wrong token fails the TLS handshake",
+    () =>
+      Effect.gen(function* () {
+        yield* withMode("always")
+        const listener = yield* EdgeTransport.listen({ address: { _tag: "Tcp", host: "127.0.0.1", port: 0 }, token })
+        yield* listener.register({ runId, edgeId, ring })
+        const refused = yield* Effect.either(
+          EdgeTransport.connect({ address: listener.address, token: otherToken, runId, edgeId, ring })
+        )
+        assert.isTrue(Either.isLeft(refused))
+        if (Either.isLeft(refused)) {
+          assert.strictEqual(refused.left._tag, "AuthFailed")
+          assert.include(refused.left.message + JSON.stringify(refused.left), "TLS handshake failed")
+        }
+        // The right token still gets through.
+        const accepted = yield* Effect.either(
+          EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring })
+        )
+        assert.isTrue(Either.isRight(accepted))
+      }).pipe(Effect.scoped),
+    30_000
+  )
 
   // T3: in the default mode only links that leave the host are encrypted; Unix sockets never are.
   it("auto mode encrypts non-loopback TCP peers only", () => {

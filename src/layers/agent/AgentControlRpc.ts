@@ -22,16 +22,25 @@ import { authenticatedSocket, makeSocketServer, netOptions } from "../transport/
 
 /** Parses `host:port` (IPv6 in brackets) into a TCP address, or an absolute path into a Unix socket address. */
 export const parseAddress = (text: string): TransportAddress | undefined => {
-  if (text.trim().startsWith("/")) return Schema.decodeUnknownSync(TransportAddressSchema)({ _tag: "Unix", path: text.trim() })
+  if (text.trim().startsWith("/"))
+    return Schema.decodeUnknownSync(TransportAddressSchema)({ _tag: "Unix", path: text.trim() })
   const match = /^\[?([^\]]*?)\]?:(\d+)$/.exec(text.trim())
   if (match === null) return undefined
   const port = Number(match[2])
   if (!Number.isInteger(port) || port < 0 || port > 65535) return undefined
-  return Schema.decodeUnknownSync(TransportAddressSchema)({ _tag: "Tcp", host: match[1] === "" ? "127.0.0.1" : match[1], port })
+  return Schema.decodeUnknownSync(TransportAddressSchema)({
+    _tag: "Tcp",
+    host: match[1] === "" ? "127.0.0.1" : match[1],
+    port
+  })
 }
 
 export const formatAddress = (address: TransportAddress): string =>
-  address._tag === "Tcp" ? (address.host.includes(":") ? `[${address.host}]:${address.port}` : `${address.host}:${address.port}`) : address.path
+  address._tag === "Tcp"
+    ? address.host.includes(":")
+      ? `[${address.host}]:${address.port}`
+      : `${address.host}:${address.port}`
+    : address.path
 
 const isWildcard = (host: string) => host === "0.0.0.0" || host === "::" || host === ""
 
@@ -49,22 +58,32 @@ export interface RpcServerOptions {
 }
 
 /** Serves the control group for a stage host until the scope closes; returns the bound address. */
-export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<TransportAddress, AgentUnavailable, Scope.Scope> =>
-  Effect.gen(function*() {
+export const serveControlRpc = (
+  options: RpcServerOptions
+): Effect.Effect<TransportAddress, AgentUnavailable, Scope.Scope> =>
+  Effect.gen(function* () {
     const weights = options.weights
     const socketServer = yield* makeSocketServer({
       token: Redacted.make(options.token),
       address: options.address,
       // Weight delivery's byte streams arrive on the same port, after the same handshake.
-      divert: weights === undefined ? undefined : { magic: SLICE_STREAM_MAGIC, handle: (socket) => receiveSlice(socket, weights.sink) }
+      divert:
+        weights === undefined
+          ? undefined
+          : { magic: SLICE_STREAM_MAGIC, handle: (socket) => receiveSlice(socket, weights.sink) }
     }).pipe(
-      Effect.mapError((error) =>
-        new AgentUnavailable({ address: formatAddress(options.address), message: `cannot listen: ${String(error.cause)}` })
+      Effect.mapError(
+        (error) =>
+          new AgentUnavailable({
+            address: formatAddress(options.address),
+            message: `cannot listen: ${String(error.cause)}`
+          })
       )
     )
-    const store: Effect.Effect<WeightStore, WeightDeliveryError> = options.weights === undefined
-      ? Effect.fail(new WeightDeliveryError({ reason: "Io", message: "this agent takes no weight deliveries" }))
-      : Effect.succeed(options.weights)
+    const store: Effect.Effect<WeightStore, WeightDeliveryError> =
+      options.weights === undefined
+        ? Effect.fail(new WeightDeliveryError({ reason: "Io", message: "this agent takes no weight deliveries" }))
+        : Effect.succeed(options.weights)
     const handlers = AgentRpcs.toLayer({
       Hello: () => Effect.succeed(options.hello),
       Capacity: () => options.host.capacity,
@@ -85,8 +104,12 @@ export const serveControlRpc = (options: RpcServerOptions): Effect.Effect<Transp
     )
     const bound = socketServer.address
     return bound._tag === "UnixAddress"
-      ? { _tag: "Unix", path: bound.path } satisfies TransportAddress
-      : { _tag: "Tcp", host: options.address._tag === "Tcp" ? options.address.host : bound.hostname, port: bound.port } satisfies TransportAddress
+      ? ({ _tag: "Unix", path: bound.path } satisfies TransportAddress)
+      : ({
+          _tag: "Tcp",
+          host: options.address._tag === "Tcp" ? options.address.host : bound.hostname,
+          port: bound.port
+        } satisfies TransportAddress)
   })
 
 // ---------------------------------------------------------------------------------------------
@@ -139,7 +162,7 @@ const connectFailure = (address: string, error: Socket.SocketError): string => {
 }
 
 const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, AgentUnavailable, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const address = parseAddress(node.address)
     const unavailable = (message: string) => new AgentUnavailable({ address: node.address, message })
     if (address === undefined) return yield* Effect.fail(unavailable(`not a host:port or socket path: ${node.address}`))
@@ -163,14 +186,17 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
     const client = yield* RpcClient.make(AgentRpcs).pipe(Effect.provideService(RpcClient.Protocol, protocol))
     const lost = (error: { readonly message: string }) =>
       unavailable(`the control connection to the agent failed (it exited or crashed): ${error.message}`)
-    const said = yield* client.Hello().pipe(
-      Effect.mapError(lost),
-      Effect.timeoutFail({ duration: timeout, onTimeout: () => unavailable("no answer to hello") })
-    )
+    const said = yield* client
+      .Hello()
+      .pipe(
+        Effect.mapError(lost),
+        Effect.timeoutFail({ duration: timeout, onTimeout: () => unavailable("no answer to hello") })
+      )
     // An agent bound to a wildcard address is reached on the host we reached its control plane on.
-    const hello = said.dataAddress._tag === "Tcp" && isWildcard(said.dataAddress.host) && address._tag === "Tcp"
-      ? new AgentHello({ ...said, dataAddress: { ...said.dataAddress, host: address.host } })
-      : said
+    const hello =
+      said.dataAddress._tag === "Tcp" && isWildcard(said.dataAddress.host) && address._tag === "Tcp"
+        ? new AgentHello({ ...said, dataAddress: { ...said.dataAddress, host: address.host } })
+        : said
     const link: AgentLink = {
       node,
       hello,
@@ -179,10 +205,14 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
       stop: (runId, stageIndex) => client.Stop({ runId, stageIndex }).pipe(Effect.mapError(lost)),
       dropCached: (entries, all) => client.DropCached({ entries, all }).pipe(Effect.mapError(lost)),
       weights: {
-        check: (weights) => client.WeightsCheck({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
+        check: (weights) =>
+          client.WeightsCheck({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
         chunk: (hash, offset, bytes) =>
-          client.SliceChunk({ hash, offset, bytes }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
-        finish: (weights) => client.SliceFinish({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
+          client
+            .SliceChunk({ hash, offset, bytes })
+            .pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
+        finish: (weights) =>
+          client.SliceFinish({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
         stream: (transfer) =>
           openAuthenticated(address, token, timeout).pipe(
             Effect.mapError((error) => unavailable(connectFailure(node.address, error))),

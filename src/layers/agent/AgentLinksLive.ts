@@ -38,15 +38,15 @@ export const dataPlane: DataPlaneService = {
       Effect.map((listener) => ({
         address: listener.address,
         accept: (edge) =>
-          listener.register({ runId: edge.runId, edgeId: edge.edgeId, ring: edge.ring }).pipe(
-            Effect.map((receiver) => ({ receive: receiver.take }))
-          )
+          listener
+            .register({ runId: edge.runId, edgeId: edge.edgeId, ring: edge.ring })
+            .pipe(Effect.map((receiver) => ({ receive: receiver.take })))
       }))
     ),
   // Each attempt gets a scope of its own, closed when it fails: callers retry while the consumer has not
   // registered the edge yet, and a refused attempt must not keep its socket or ring until the edge ends.
   connect: (address, edge, token) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const attempt = yield* Scope.fork(yield* Effect.scope, ExecutionStrategy.sequential)
       return yield* Transport.connect({
         address,
@@ -58,7 +58,7 @@ export const dataPlane: DataPlaneService = {
       }).pipe(
         Effect.map((sender) => ({ send: sender.send })),
         Scope.extend(attempt),
-        Effect.onExit((exit) => Exit.isSuccess(exit) ? Effect.void : Scope.close(attempt, exit))
+        Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(attempt, exit)))
       )
     })
 }

@@ -3,7 +3,14 @@
  * tests, a DataPlane over queues and an AgentControl whose agents are StageHosts in this process. Agents can be "killed" (their links fail) to test faults.
  */
 import { Deferred, Effect, Either, Layer, Queue, Ref, Scope, Stream } from "effect"
-import { type DataFrame, type EdgeFault, EdgeClosed, PeerClosed, PeerFaulted, type TransportAddress } from "../../domain/frames.js"
+import {
+  type DataFrame,
+  type EdgeFault,
+  EdgeClosed,
+  PeerClosed,
+  PeerFaulted,
+  type TransportAddress
+} from "../../domain/frames.js"
 import * as NodeAgent from "./NodeAgent.js"
 import {
   AgentControl,
@@ -19,12 +26,12 @@ type Slot = Queue.Queue<Either.Either<DataFrame, EdgeFault>>
 
 const keyOf = (address: TransportAddress) => (address._tag === "Tcp" ? `${address.host}:${address.port}` : address.path)
 
-export const makeMemoryDataPlane = Effect.gen(function*() {
+export const makeMemoryDataPlane = Effect.gen(function* () {
   const listeners = new Map<string, Map<string, Slot>>()
   let nextPort = 40000
   const service: DataPlaneService = {
     listen: (address, _token) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const bound: TransportAddress = address._tag === "Tcp" ? { ...address, port: nextPort++ } : address
         const edges = new Map<string, Slot>()
         listeners.set(keyOf(bound), edges)
@@ -32,16 +39,21 @@ export const makeMemoryDataPlane = Effect.gen(function*() {
         return {
           address: bound,
           accept: (edge) =>
-            Effect.gen(function*() {
+            Effect.gen(function* () {
               const slot: Slot = yield* Queue.unbounded<Either.Either<DataFrame, EdgeFault>>()
               const key = `${edge.runId}/${edge.edgeId}`
               edges.set(key, slot)
               yield* Effect.addFinalizer(() =>
-                Effect.zipRight(Effect.sync(() => edges.delete(key)), Queue.shutdown(slot))
+                Effect.zipRight(
+                  Effect.sync(() => edges.delete(key)),
+                  Queue.shutdown(slot)
+                )
               )
               return {
                 receive: Queue.take(slot).pipe(
-                  Effect.flatMap((item) => Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)),
+                  Effect.flatMap((item) =>
+                    Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)
+                  ),
                   Effect.catchAllDefect(() => Effect.fail(new EdgeClosed()))
                 )
               }
@@ -49,11 +61,13 @@ export const makeMemoryDataPlane = Effect.gen(function*() {
         }
       }),
     connect: (address, edge, _token) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const edges = listeners.get(keyOf(address))
-        if (edges === undefined) return yield* Effect.fail(new PeerFaulted({ reason: "UnknownRun", detail: "no listener" }))
+        if (edges === undefined)
+          return yield* Effect.fail(new PeerFaulted({ reason: "UnknownRun", detail: "no listener" }))
         const slot = edges.get(`${edge.runId}/${edge.edgeId}`)
-        if (slot === undefined) return yield* Effect.fail(new PeerFaulted({ reason: "UnknownEdge", detail: "not registered" }))
+        if (slot === undefined)
+          return yield* Effect.fail(new PeerFaulted({ reason: "UnknownEdge", detail: "not registered" }))
         yield* Effect.addFinalizer(() =>
           Queue.isShutdown(slot).pipe(
             Effect.flatMap((down) =>
@@ -66,7 +80,9 @@ export const makeMemoryDataPlane = Effect.gen(function*() {
           send: (frame) =>
             Queue.isShutdown(slot).pipe(
               Effect.flatMap((down) =>
-                down ? Effect.fail(new PeerClosed({ detail: "receiver closed" })) : Queue.offer(slot, Either.right(frame))
+                down
+                  ? Effect.fail(new PeerClosed({ detail: "receiver closed" }))
+                  : Queue.offer(slot, Either.right(frame))
               ),
               Effect.asVoid
             )
@@ -88,7 +104,7 @@ export interface MemoryAgent {
  * AgentPool that serve them.
  */
 export const makeMemoryWorld = (count: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const data = yield* makeMemoryDataPlane
     const scope = yield* Effect.scope
     const agents: Array<MemoryAgent> = []
@@ -96,10 +112,13 @@ export const makeMemoryWorld = (count: number) =>
     const dead = new Map<string, Deferred.Deferred<void>>()
     const exited = yield* Deferred.make<{ node: NodeEndpoint; reason: string }>()
     for (let i = 0; i < count; i++) {
-      const node: NodeEndpoint = { nodeId: (i + 1) as NodeEndpoint["nodeId"], address: `mem-agent-${i}:7000` } as NodeEndpoint
-      const listener = yield* data.listen({ _tag: "Tcp", host: `mem-agent-${i}`, port: 0 }, "token").pipe(
-        Scope.extend(scope)
-      )
+      const node: NodeEndpoint = {
+        nodeId: (i + 1) as NodeEndpoint["nodeId"],
+        address: `mem-agent-${i}:7000`
+      } as NodeEndpoint
+      const listener = yield* data
+        .listen({ _tag: "Tcp", host: `mem-agent-${i}`, port: 0 }, "token")
+        .pipe(Scope.extend(scope))
       const host = yield* NodeAgent.makeStageHost(listener, { token: "token", threads: 1, backend: "cpu" }).pipe(
         Effect.provide(Layer.succeed(DataPlane, data)),
         Scope.extend(scope)
@@ -117,10 +136,11 @@ export const makeMemoryWorld = (count: number) =>
       listenerAddresses.set(node.address, listener.address)
     }
     const provisions = yield* Ref.make(0)
-    const unavailable = (node: NodeEndpoint) => new AgentUnavailable({ address: node.address, message: "agent process exited" })
+    const unavailable = (node: NodeEndpoint) =>
+      new AgentUnavailable({ address: node.address, message: "agent process exited" })
     const control = AgentControl.of({
       connect: (node, _token) =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const agent = agents.find((a) => a.node.address === node.address)
           if (agent === undefined) return yield* Effect.fail(unavailable(node))
           const gone = dead.get(node.address)!

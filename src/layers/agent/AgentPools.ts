@@ -29,7 +29,7 @@ export interface LocalPoolOptions {
 
 /** A fresh private socket folder, token and `count` agents, as one run of a local pool uses them. */
 const startLocalSet = (count: number, options: LocalPoolOptions) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const token = generateToken()
     // Every data edge of a local run stays on this machine: Unix sockets in a private directory
     // (frames through shared-memory rings where /dev/shm allows: AgentLinksLive).
@@ -57,7 +57,8 @@ const agentSetOf = (
     agents.map((agent, index) =>
       Effect.map(agent.exited, (exit) => ({
         node: nodes[index]!,
-        reason: `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
+        reason:
+          `agent process ${agent.pid} exited (${exit.signal === null ? `code ${exit.code}` : exit.signal})` +
           (agent.stderrTail().trim() === "" ? "" : `: ${agent.stderrTail().trim().split("\n").slice(-3).join(" | ")}`)
       }))
     )
@@ -87,7 +88,7 @@ const checkedCount = (count: number) =>
 export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<AgentPool> => {
   // Spares: agents that host nothing until a recovery needs them.
   const fresh = (stages: number | undefined, spares = 0) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const count = yield* checkedCount(stages ?? options.defaultStages ?? 1)
       const badSpares = sparesProblem(spares)
       if (badSpares !== undefined) return yield* new InvalidRequest({ message: badSpares })
@@ -97,7 +98,7 @@ export const layerLocal = (options: LocalPoolOptions = {}): Layer.Layer<AgentPoo
   const prestart = options.prestart
   return Layer.scoped(
     AgentPool,
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const early = yield* Effect.forkScoped(startLocalSet(prestart, options))
       let taken = false
       return AgentPool.of({
@@ -147,10 +148,13 @@ export const layerRemote = (options: RemotePoolOptions): Layer.Layer<AgentPool> 
     AgentPool,
     AgentPool.of({
       acquire: () =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           if (options.agents.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
           // The same strength rule as the command line's (services/RequestChecks.ts), before any node is contacted.
-          const weak = clusterTokenProblem(options.token, "the remote pool's token option (default: SWACTOR_CLUSTER_TOKEN)")
+          const weak = clusterTokenProblem(
+            options.token,
+            "the remote pool's token option (default: SWACTOR_CLUSTER_TOKEN)"
+          )
           if (weak !== undefined) return yield* new InvalidRequest({ message: weak })
           const first = options.agents[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
           const listenHost = options.listenHost ?? (yield* routeHostFor(first))

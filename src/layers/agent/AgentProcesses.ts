@@ -79,10 +79,14 @@ const here = dirname(fileURLToPath(import.meta.url))
  */
 export const swactorMain = (): string =>
   cliEntry() ??
-    (import.meta.url.endsWith(".js") ? join(here, "..", "..", "main.js") : join(here, "..", "..", "..", "dist", "main.js"))
+  (import.meta.url.endsWith(".js")
+    ? join(here, "..", "..", "main.js")
+    : join(here, "..", "..", "..", "dist", "main.js"))
 
 /** argv that runs `swactor <args>` in a fresh Node process: plain `node dist/main.js`, no loader, no wrapper. */
-export const swactorCommand = (args: ReadonlyArray<string>): { readonly command: string; readonly args: Array<string> } => ({
+export const swactorCommand = (
+  args: ReadonlyArray<string>
+): { readonly command: string; readonly args: Array<string> } => ({
   command: process.execPath,
   args: [swactorMain(), ...args]
 })
@@ -108,8 +112,11 @@ const tailBuffer = (limit: number) => {
   }
 }
 
-const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<LocalAgent, AgentSpawnError, Scope.Scope> =>
-  Effect.gen(function*() {
+const spawnOne = (
+  index: number,
+  options: LocalAgentsOptions
+): Effect.Effect<LocalAgent, AgentSpawnError, Scope.Scope> =>
+  Effect.gen(function* () {
     const host = options.host ?? "127.0.0.1"
     const args = [
       "node",
@@ -120,11 +127,15 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
       ...(options.engine === "test" ? ["--engine", "test"] : []),
       ...(options.extraArgs?.(index) ?? [])
     ]
-    const { command, args: argv } = options.entry === undefined
-      ? swactorCommand(args)
-      : { command: process.execPath, args: [...options.entry, ...args] }
+    const { command, args: argv } =
+      options.entry === undefined
+        ? swactorCommand(args)
+        : { command: process.execPath, args: [...options.entry, ...args] }
     if (options.entry === undefined && !existsSync(argv[0]!)) {
-      return yield* new AgentSpawnError({ index, message: `${argv[0]} is missing: build the package first (npm run build)` })
+      return yield* new AgentSpawnError({
+        index,
+        message: `${argv[0]} is missing: build the package first (npm run build)`
+      })
     }
     const inherit = options.inheritStderr === true || debugAgents()
     const exited = yield* Deferred.make<AgentExit>()
@@ -219,11 +230,14 @@ const spawnOne = (index: number, options: LocalAgentsOptions): Effect.Effect<Loc
  * waited for forever.
  */
 const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     if (child.exitCode !== null || child.signalCode !== null) return
     child.kill("SIGTERM")
     child.kill("SIGCONT")
-    const graceful = yield* Effect.interruptible(Deferred.await(exited)).pipe(Effect.timeout("2 seconds"), Effect.option)
+    const graceful = yield* Effect.interruptible(Deferred.await(exited)).pipe(
+      Effect.timeout("2 seconds"),
+      Effect.option
+    )
     if (graceful._tag === "None") {
       child.kill("SIGKILL")
       yield* Effect.interruptible(Deferred.await(exited)).pipe(Effect.timeout("5 seconds"), Effect.ignore)
@@ -240,7 +254,7 @@ const stop = (child: ChildProcess, exited: Deferred.Deferred<AgentExit>) =>
 export const spawnLocalAgents = (
   options: LocalAgentsOptions
 ): Effect.Effect<ReadonlyArray<LocalAgent>, AgentSpawnError, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const agents = yield* Scope.fork(yield* Effect.scope, ExecutionStrategy.parallel)
     return yield* Effect.forEach(
       Array.from({ length: options.count }, (_, index) => index),

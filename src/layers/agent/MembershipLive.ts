@@ -21,12 +21,18 @@ const setStatus = (map: StatusMap, nodeId: NodeId, status: NodeStatus): StatusMa
 }
 
 const errorText = (status: NodeStatus | undefined) =>
-  status === undefined ? "never probed" : status._tag === "Unknown" ? status.lastError : status._tag === "Lost" ? status.lost.reason : "up"
+  status === undefined
+    ? "never probed"
+    : status._tag === "Unknown"
+      ? status.lastError
+      : status._tag === "Lost"
+        ? status.lost.reason
+        : "up"
 
 /** Heartbeats every node of a pool through `NodeProbe`, on Effect's Clock (so TestClock drives it in tests). */
 export const make = (): MembershipService => {
   const watch: MembershipService["watch"] = (nodes, prober, options) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const interval = Duration.decode(options.interval)
       const deadline = Duration.decode(options.deadline)
       const deadlineMillis = Duration.toMillis(deadline)
@@ -46,14 +52,16 @@ export const make = (): MembershipService => {
           })
           return [Option.some(lost), setStatus(map, node.nodeId, { _tag: "Lost", lost })] as const
         }).pipe(
-          Effect.flatMap(Option.match({
-            onNone: () => Effect.void,
-            onSome: (lost) => Deferred.succeed(firstLost, lost).pipe(Effect.asVoid)
-          }))
+          Effect.flatMap(
+            Option.match({
+              onNone: () => Effect.void,
+              onSome: (lost) => Deferred.succeed(firstLost, lost).pipe(Effect.asVoid)
+            })
+          )
         )
 
       const heartbeat = (node: NodeEndpoint) =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const lastSeen = yield* Ref.make<number | null>(null)
           while (true) {
             const current = (yield* SubscriptionRef.get(state)).get(node.nodeId)
@@ -72,14 +80,16 @@ export const make = (): MembershipService => {
               yield* SubscriptionRef.update(state, (map) =>
                 map.get(node.nodeId)?._tag === "Lost"
                   ? map
-                  : setStatus(map, node.nodeId, { _tag: "Up", capacity: answer.right, lastSeenMillis: now }))
+                  : setStatus(map, node.nodeId, { _tag: "Up", capacity: answer.right, lastSeenMillis: now })
+              )
             } else {
               const seen = yield* Ref.get(lastSeen)
               if (seen === null) {
                 yield* SubscriptionRef.update(state, (map) =>
                   map.get(node.nodeId)?._tag === "Lost"
                     ? map
-                    : setStatus(map, node.nodeId, { _tag: "Unknown", lastError: answer.left.message }))
+                    : setStatus(map, node.nodeId, { _tag: "Unknown", lastError: answer.left.message })
+                )
               } else if (now - seen >= deadlineMillis) {
                 yield* markLost(
                   node,
@@ -115,15 +125,18 @@ export const make = (): MembershipService => {
           Effect.catchAll(() =>
             SubscriptionRef.get(state).pipe(
               Effect.flatMap((map) => {
-                const missing = nodes.filter((node) => needed.includes(node.nodeId) && map.get(node.nodeId)?._tag !== "Up")
+                const missing = nodes.filter(
+                  (node) => needed.includes(node.nodeId) && map.get(node.nodeId)?._tag !== "Up"
+                )
                 const unknown = needed.filter((nodeId) => !nodes.some((node) => node.nodeId === nodeId))
                 return Effect.fail(
                   new PoolNotReady({
                     missing,
                     waitedMillis: Duration.toMillis(Duration.decode(timeout)),
-                    lastError: unknown.length > 0
-                      ? `nodes ${unknown.join(", ")} are not in the pool`
-                      : missing.map((node) => `${node.address}: ${errorText(map.get(node.nodeId))}`).join("; ")
+                    lastError:
+                      unknown.length > 0
+                        ? `nodes ${unknown.join(", ")} are not in the pool`
+                        : missing.map((node) => `${node.address}: ${errorText(map.get(node.nodeId))}`).join("; ")
                   })
                 )
               })
@@ -145,9 +158,12 @@ export const make = (): MembershipService => {
           if (node === undefined) return Effect.void
           return SubscriptionRef.modify(state, (map) =>
             map.get(nodeId)?._tag === "Lost"
-              ? [true, setStatus(map, nodeId, { _tag: "Unknown", lastError: "rejoined, no answer yet" })] as const
-              : [false, map] as const
-          ).pipe(Effect.flatMap((revived) => (revived ? Effect.forkIn(heartbeat(node), watchScope) : Effect.void)), Effect.asVoid)
+              ? ([true, setStatus(map, nodeId, { _tag: "Unknown", lastError: "rejoined, no answer yet" })] as const)
+              : ([false, map] as const)
+          ).pipe(
+            Effect.flatMap((revived) => (revived ? Effect.forkIn(heartbeat(node), watchScope) : Effect.void)),
+            Effect.asVoid
+          )
         }
       }
     })
@@ -168,7 +184,7 @@ export type TestNodeBehaviour =
   | { readonly _tag: "Refuses"; readonly message: string }
 
 export const makeTestNodes = (initial: ReadonlyMap<NodeId, TestNodeBehaviour>) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const behaviours = yield* Ref.make(initial)
     const probe: NodeProbeService = {
       probe: (node) =>

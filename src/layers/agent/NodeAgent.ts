@@ -58,10 +58,13 @@ export interface RunningAgent {
 export const startNodeAgent = (
   options: NodeAgentOptions
 ): Effect.Effect<RunningAgent, AgentUnavailable | EdgeFault, Scope.Scope | StageExecutor | DataPlane> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const dataPlane = yield* DataPlane
     const controlHost = options.listen._tag === "Tcp" ? options.listen.host : "127.0.0.1"
-    const listener = yield* dataPlane.listen(options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 }, options.token)
+    const listener = yield* dataPlane.listen(
+      options.dataListen ?? { _tag: "Tcp", host: controlHost, port: 0 },
+      options.token
+    )
     const weights = makeWeightStore({
       cacheDir: options.cacheDir ?? defaultSliceCacheDir(),
       ...(options.slicesOnly === undefined ? {} : { slicesOnly: options.slicesOnly }),

@@ -37,7 +37,7 @@ const TOMBSTONES = 4096
 
 /** Held sessions are freed with the current scope. `maxSessions`: the agent's own bound (least recently used go). */
 export const makePromptCacheHost = (maxSessions = 64): Effect.Effect<PromptCacheHost, never, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     // insertion order = least recently used first (a use moves it to the end)
     const held = new Map<string, HeldSession & { readonly entry: number }>()
     const dropped = new Set<number>()

@@ -149,7 +149,7 @@ interface Job {
   readonly submittedAt: number
 }
 
-const lengthOf = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
+const lengthOf = (input: StageInput) => (input._tag === "Tokens" ? input.tokens.length : input.nTokens)
 
 /** The tokens [from, from + n) of an input. */
 const slice = (input: StageInput, from: number, n: number, dim: number): StageInput =>
@@ -182,7 +182,7 @@ const wallSleep = (millis: number): Effect.Effect<Option.Option<never>> =>
 export const makeStageBatcher = (
   settings: BatcherSettings = {}
 ): Effect.Effect<StageBatcher, never, StageExecutor | Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
     const chunk = Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128)))
@@ -215,7 +215,8 @@ export const makeStageBatcher = (
     const pruneDecoders = () => {
       const now = performance.now()
       // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
-      for (const [session, d] of decoders) if (now - d.last > Math.min(activeWindow, 3 * d.interval)) decoders.delete(session)
+      for (const [session, d] of decoders)
+        if (now - d.last > Math.min(activeWindow, 3 * d.interval)) decoders.delete(session)
     }
 
     /** The last choice and what it was made from: it holds while L, S and the costs' revision do. */
@@ -274,30 +275,33 @@ export const makeStageBatcher = (
       rows: number,
       millis: number
     ) =>
-      Effect.forEach(chosen, ({ job, n }, i) => {
-        const out = outputs[i]!
-        job.done += n
-        job.counters.microBatches++
-        job.counters.engineMillis += millis
-        job.counters.batchRows += rows
-        job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
-        if (job.total > 1) job.counters.prefillChunks++
-        if (out._tag === "Hidden") job.hidden.push(out.hidden)
-        if (job.done < job.total) return Effect.void
-        drop(job)
-        if (job.total > 1) {
-          // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
-          // (otherwise the first decode step of requests that prefilled together runs alone, as a one-row
-          // micro-batch, although their first tokens reach stage 0 within a few ms of each other). Until its
-          // first decode step it is gone after 3 times as long as its prompt took here.
-          const now = performance.now()
-          decoders.set(job.session, { last: now, interval: Math.max(1, now - job.submittedAt), prompt: true })
-        }
-        const result: StageOutput = out._tag === "Logits"
-          ? out
-          : { _tag: "Hidden", hidden: concat(job.hidden), nTokens: job.total }
-        return Deferred.succeed(job.result, result)
-      }, { discard: true })
+      Effect.forEach(
+        chosen,
+        ({ job, n }, i) => {
+          const out = outputs[i]!
+          job.done += n
+          job.counters.microBatches++
+          job.counters.engineMillis += millis
+          job.counters.batchRows += rows
+          job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
+          if (job.total > 1) job.counters.prefillChunks++
+          if (out._tag === "Hidden") job.hidden.push(out.hidden)
+          if (job.done < job.total) return Effect.void
+          drop(job)
+          if (job.total > 1) {
+            // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
+            // (otherwise the first decode step of requests that prefilled together runs alone, as a one-row
+            // micro-batch, although their first tokens reach stage 0 within a few ms of each other). Until its
+            // first decode step it is gone after 3 times as long as its prompt took here.
+            const now = performance.now()
+            decoders.set(job.session, { last: now, interval: Math.max(1, now - job.submittedAt), prompt: true })
+          }
+          const result: StageOutput =
+            out._tag === "Logits" ? out : { _tag: "Hidden", hidden: concat(job.hidden), nTokens: job.total }
+          return Deferred.succeed(job.result, result)
+        },
+        { discard: true }
+      )
 
     const failJob = (job: Job, error: ForwardError) => {
       drop(job)
@@ -342,14 +346,15 @@ export const makeStageBatcher = (
         Effect.catchAllCause((cause) =>
           Effect.forEach(
             chosen,
-            ({ job }) => failJob(job, new EngineError({ message: `the batched forward crashed: ${Cause.pretty(cause)}` })),
+            ({ job }) =>
+              failJob(job, new EngineError({ message: `the batched forward crashed: ${Cause.pretty(cause)}` })),
             { discard: true }
           )
         )
       )
     }
 
-    const takeArrived = Effect.gen(function*() {
+    const takeArrived = Effect.gen(function* () {
       pending.push(...(yield* Queue.takeAll(inbox)))
       for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
     })
@@ -366,7 +371,7 @@ export const makeStageBatcher = (
      * arrived); a past deadline ends the wait.
      */
     const takeUntil = (deadline: () => number) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         while (true) {
           const left = deadline() - performance.now()
           if (left < 0.5) return
@@ -395,7 +400,11 @@ export const makeStageBatcher = (
         return takeUntil(() => {
           if (pending.some((job) => job.total === 1)) return 0 // a decode step arrived: it does not wait for prompts
           return expected.size > 0 || announcedDue() ? start + promptGather : 0
-        }).pipe(Effect.ensuring(Effect.sync(() => (announced = { count: Math.min(announced.count, opened), at: announced.at }))))
+        }).pipe(
+          Effect.ensuring(
+            Effect.sync(() => (announced = { count: Math.min(announced.count, opened), at: announced.at }))
+          )
+        )
       }
       const budget = Math.min(gatherMax, lastRunMillis)
       if (budget < 1) return Effect.void
@@ -420,26 +429,28 @@ export const makeStageBatcher = (
      * One probe micro-batch: `probeRows` one-row steps of fresh scratch sessions at position 0 (a one-row warm-up
      * first), closed right after it, so they hold memory only while it runs.
      */
-    const probeStep = Effect.scoped(Effect.gen(function*() {
-      const rows = Math.max(1, probeRows)
-      const sessions = yield* Effect.forEach(Array.from({ length: rows }), () => probeSettings!.session)
-      const items: Array<BatchItem> = sessions.map((session, i) => ({
-        session,
-        startPos: 0,
-        input: session.info.isFirst
-          ? { _tag: "Tokens" as const, tokens: Int32Array.of(1 + i) }
-          : { _tag: "Hidden" as const, hidden: new Float32Array(session.info.hiddenDim).fill(0.01), nTokens: 1 }
-      }))
-      const started = performance.now()
-      yield* executor.forwardBatch(items)
-      if (probeRows > 0) costs.observe(rows, performance.now() - started)
-      probeRows = probeRows + 1 > probeMax ? Infinity : probeRows + 1
-    })).pipe(
+    const probeStep = Effect.scoped(
+      Effect.gen(function* () {
+        const rows = Math.max(1, probeRows)
+        const sessions = yield* Effect.forEach(Array.from({ length: rows }), () => probeSettings!.session)
+        const items: Array<BatchItem> = sessions.map((session, i) => ({
+          session,
+          startPos: 0,
+          input: session.info.isFirst
+            ? { _tag: "Tokens" as const, tokens: Int32Array.of(1 + i) }
+            : { _tag: "Hidden" as const, hidden: new Float32Array(session.info.hiddenDim).fill(0.01), nTokens: 1 }
+        }))
+        const started = performance.now()
+        yield* executor.forwardBatch(items)
+        if (probeRows > 0) costs.observe(rows, performance.now() - started)
+        probeRows = probeRows + 1 > probeMax ? Infinity : probeRows + 1
+      })
+    ).pipe(
       // a stage that cannot run the probe just has no probed costs
       Effect.catchAllCause(() => Effect.sync(() => (probeRows = Infinity)))
     )
 
-    const loop = Effect.gen(function*() {
+    const loop = Effect.gen(function* () {
       const wokeIdle = pending.length === 0
       if (wokeIdle && probeRows <= probeMax) {
         const wait = probeWait()
@@ -474,7 +485,7 @@ export const makeStageBatcher = (
       pipelineStages = 1,
       replayTail = 0
     ) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const result = yield* Deferred.make<StageOutput, ForwardError>()
         const total = lengthOf(input)
         const tail = Number.isSafeInteger(replayTail) && replayTail > 0 ? Math.min(replayTail, total) : 0
@@ -507,12 +518,14 @@ export const makeStageBatcher = (
           return yield* session.forward(startPos, input)
         }
         yield* Queue.offer(inbox, job)
-        return yield* Deferred.await(result).pipe(Effect.onInterrupt(() =>
-          Effect.sync(() => {
-            job.cancelled = true
-            decoders.delete(session)
-          })
-        ))
+        return yield* Deferred.await(result).pipe(
+          Effect.onInterrupt(() =>
+            Effect.sync(() => {
+              job.cancelled = true
+              decoders.delete(session)
+            })
+          )
+        )
       })
 
     const expect = (session: StageSession, arriving = 0) =>

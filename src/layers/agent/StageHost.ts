@@ -13,12 +13,7 @@ import * as Fs from "node:fs"
 import * as Os from "node:os"
 import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Scope, Stream } from "effect"
 import type { StageInput, StageOutput } from "../../domain/engine.js"
-import {
-  type DataFrame,
-  describeFault,
-  type EdgeFault,
-  type TransportAddress
-} from "../../domain/frames.js"
+import { type DataFrame, describeFault, type EdgeFault, type TransportAddress } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
 import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
 import { threadsProblem } from "../../services/RequestChecks.js"
@@ -135,12 +130,21 @@ const residentMemory = (): { readonly resident: number; readonly peak: number } 
 
 class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
 const loadFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.ModelLoadFailed({ message }) })
-const transportFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.TransportFailed({ message }) })
-const protocolViolated = (message: string) => new StageFailure({ reason: StageFaultReasons.ProtocolViolated({ message }) })
+const transportFailed = (message: string) =>
+  new StageFailure({ reason: StageFaultReasons.TransportFailed({ message }) })
+const protocolViolated = (message: string) =>
+  new StageFailure({ reason: StageFaultReasons.ProtocolViolated({ message }) })
 
 const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
   const p = request.provision
-  return JSON.stringify([path, p.layerStart, p.layerEndExclusive, p.stageIndex === 0, p.stageIndex === p.stageCount - 1, backend])
+  return JSON.stringify([
+    path,
+    p.layerStart,
+    p.layerEndExclusive,
+    p.stageIndex === 0,
+    p.stageIndex === p.stageCount - 1,
+    backend
+  ])
 }
 
 const errorWords = (error: unknown): string => {
@@ -157,7 +161,7 @@ export const makeStageHost = (
   listener: DataListener,
   options: StageHostOptions
 ): Effect.Effect<StageHost, never, Scope.Scope | StageExecutor | DataPlane> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const executor = yield* StageExecutor
     const dataPlane = yield* DataPlane
     const hostScope = yield* Effect.scope
@@ -175,7 +179,7 @@ export const makeStageHost = (
           "cpu" | "cuda" | "auto"
         ]
         // the weights, and one batcher that runs every hosted stage on them (any run) as micro-batches
-        return Effect.gen(function*() {
+        return Effect.gen(function* () {
           options.log?.(`blocks [${layerStart}, ${layerEndExclusive}) load from ${path}`)
           const loaded = yield* executor.load(
             { path, layerStart, layerEndExclusive, isFirst, isLast, backend },
@@ -185,7 +189,12 @@ export const makeStageHost = (
           const batcher = yield* makeStageBatcher({
             ...options.batch,
             ...(probeRows > 0
-              ? { stepProbe: { maxRows: probeRows, session: executor.session(loaded, { contextLength: 16, threads: options.threads, scratch: true }) } }
+              ? {
+                  stepProbe: {
+                    maxRows: probeRows,
+                    session: executor.session(loaded, { contextLength: 16, threads: options.threads, scratch: true })
+                  }
+                }
               : {})
           }).pipe(Effect.provideService(StageExecutor, executor))
           batchers.set(key, { layers: [layerStart, layerEndExclusive], batcher })
@@ -208,29 +217,36 @@ export const makeStageHost = (
     const STOPPED_EARLY_MS = 5 * 60_000
     const rememberStop = (key: string) => {
       const now = performance.now()
-      for (const [k, at] of stoppedEarly) if (now - at > STOPPED_EARLY_MS || stoppedEarly.size >= 4096) stoppedEarly.delete(k)
+      for (const [k, at] of stoppedEarly)
+        if (now - at > STOPPED_EARLY_MS || stoppedEarly.size >= 4096) stoppedEarly.delete(k)
       stoppedEarly.set(key, now)
     }
 
     const connectOutbound = (request: ProvisionRequest) => {
       const p = request.provision
-      return dataPlane.connect(request.outboundAddress, {
-        runId: p.runId,
-        edgeId: p.outbound.edgeId,
-        ring: p.outbound.ring
-      }, options.token).pipe(
-        // The consumer may not have registered the edge yet (it may still be loading): retry until the connect deadline.
-        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
-        Effect.timeoutFail({
-          duration: options.connectTimeout ?? "10 minutes",
-          onTimeout: () => transportFailed("timed out connecting to the next stage")
-        }),
-        Effect.mapError((fault) =>
-          fault instanceof StageFailure
-            ? fault
-            : transportFailed(`cannot reach the next stage: ${describeFault(fault)}`)
+      return dataPlane
+        .connect(
+          request.outboundAddress,
+          {
+            runId: p.runId,
+            edgeId: p.outbound.edgeId,
+            ring: p.outbound.ring
+          },
+          options.token
         )
-      )
+        .pipe(
+          // The consumer may not have registered the edge yet (it may still be loading): retry until the connect deadline.
+          Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
+          Effect.timeoutFail({
+            duration: options.connectTimeout ?? "10 minutes",
+            onTimeout: () => transportFailed("timed out connecting to the next stage")
+          }),
+          Effect.mapError((fault) =>
+            fault instanceof StageFailure
+              ? fault
+              : transportFailed(`cannot reach the next stage: ${describeFault(fault)}`)
+          )
+        )
     }
 
     const runStage = (
@@ -241,7 +257,7 @@ export const makeStageHost = (
       /** The session and its hold on the weights: freed when the stage ends (the caller's), unless kept. */
       hold: { readonly scope: Scope.CloseableScope; kept: boolean }
     ) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const p = request.provision
         const runId = p.runId
         const stageIndex = p.stageIndex
@@ -258,7 +274,7 @@ export const makeStageHost = (
         // KV positions the session holds (the next step's start on stage 0)
         let position = 0
 
-        const body = Effect.gen(function*() {
+        const body = Effect.gen(function* () {
           const started = performance.now()
           stats.cachedWeights = (yield* RcMap.keys(models)).includes(key)
           progressSinks.set(key, (loadedBytes, totalBytes) => {
@@ -269,10 +285,15 @@ export const makeStageHost = (
             Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`))
           )
           progressSinks.delete(key)
-          const session = yield* executor.session(loaded, {
-            contextLength: Math.min(request.contextLength, loaded.info.contextLength),
-            threads: request.threads ?? options.threads
-          }).pipe(Scope.extend(sessionScope), Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`)))
+          const session = yield* executor
+            .session(loaded, {
+              contextLength: Math.min(request.contextLength, loaded.info.contextLength),
+              threads: request.threads ?? options.threads
+            })
+            .pipe(
+              Scope.extend(sessionScope),
+              Effect.mapError((error) => loadFailed(`${error.reason}: ${error.message}`))
+            )
           kept = { session, loaded }
           // Prompt cache: the first positions of a held entry's KV (none when this agent lacks it: the orchestrator
           // then starts the prompt at the fewest positions any stage took, 0 at worst). A multiple of the batcher's
@@ -300,26 +321,25 @@ export const makeStageHost = (
           // the last stage's sampler (llama.cpp's chain): a policy or grammar it cannot honour refuses the run here
           const sample = isLast
             ? yield* openStageSampler(
-              p.runtime.sampling ?? greedy,
-              path,
-              loaded.info.vocabSize,
-              Math.min(request.contextLength, loaded.info.contextLength)
-            ).pipe(
-              Effect.mapError((message) => new StageFailure({ reason: StageFaultReasons.ProvisionFailed({ message }) }))
-            )
+                p.runtime.sampling ?? greedy,
+                path,
+                loaded.info.vocabSize,
+                Math.min(request.contextLength, loaded.info.contextLength)
+              ).pipe(
+                Effect.mapError(
+                  (message) => new StageFailure({ reason: StageFaultReasons.ProvisionFailed({ message }) })
+                )
+              )
             : undefined
           // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both), and
           // for the requests the server announced behind this one
           yield* batcher.expect(session, request.arriving ?? 0)
-          const inbound = yield* listener.accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring }).pipe(
-            Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`))
-          )
+          const inbound = yield* listener
+            .accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring })
+            .pipe(Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`)))
           const outbound: EdgeSender = yield* connectOutbound(request)
           stats.loadMillis = performance.now() - started
-          const kvBytes = kvBytesOfStage(
-            loaded.info,
-            Math.min(request.contextLength, loaded.info.contextLength)
-          )
+          const kvBytes = kvBytesOfStage(loaded.info, Math.min(request.contextLength, loaded.info.contextLength))
           // the largest seen while the session lives (its own graph slot is freed with it)
           measureStage = () => {
             stats.computeBytes = Math.max(stats.computeBytes, loaded.memory?.().computeBytes ?? 0)
@@ -333,14 +353,20 @@ export const makeStageHost = (
             cachedWeights: stats.cachedWeights,
             ...(cachedPositions === undefined ? {} : { cachedPositions })
           })
-          if (loaded.settle !== undefined && settles(options.settleWeights, request.contextLength, stats.cachedWeights)) {
+          if (
+            loaded.settle !== undefined &&
+            settles(options.settleWeights, request.contextLength, stats.cachedWeights)
+          ) {
             // long-lived weights or a long session: after the first token, let the engine trade a one-time
             // cost for faster steps (mapped weights to huge pages); the weights outlive this stage, so does the move
             yield* Effect.sleep(settleDelay).pipe(
               Effect.zipRight(loaded.settle()),
               Effect.tap((done) =>
                 Effect.sync(() => {
-                  if (done) options.log?.(`blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`)
+                  if (done)
+                    options.log?.(
+                      `blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`
+                    )
                 })
               ),
               Effect.forkIn(hostScope)
@@ -353,7 +379,7 @@ export const makeStageHost = (
           flushTimings = timings.flush
 
           const step = (frame: DataFrame) =>
-            Effect.gen(function*() {
+            Effect.gen(function* () {
               let input: StageInput
               let startPos: number
               if (isFirst) {
@@ -363,9 +389,10 @@ export const makeStageHost = (
                 const tokens = frame.payload._tag === "Prompt" ? frame.payload.tokens : [frame.payload.tokenId]
                 input = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
                 // a prompt after cached positions: the orchestrator sent only the rest of it
-                startPos = frame.payload._tag === "Prompt" && cacheUse !== undefined
-                  ? cacheUse.promptLength - tokens.length
-                  : position
+                startPos =
+                  frame.payload._tag === "Prompt" && cacheUse !== undefined
+                    ? cacheUse.promptLength - tokens.length
+                    : position
                 if (startPos < 0 || startPos > position) {
                   return yield* protocolViolated(
                     `a prompt of ${tokens.length} tokens does not end the ${cacheUse?.promptLength} prompt tokens after the ` +
@@ -384,11 +411,16 @@ export const makeStageHost = (
               const t0 = performance.now()
               // a resumed generation's prompt: its replayed tokens run one per forward, as they were decoded
               const replayTail = frame.step === 0 ? p.runtime.replayTail : undefined
-              const output: StageOutput = yield* batcher.submit(session, startPos, input, stats, p.stageCount, replayTail).pipe(
-                Effect.mapError((error) =>
-                  new StageFailure({ reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` }) })
+              const output: StageOutput = yield* batcher
+                .submit(session, startPos, input, stats, p.stageCount, replayTail)
+                .pipe(
+                  Effect.mapError(
+                    (error) =>
+                      new StageFailure({
+                        reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` })
+                      })
+                  )
                 )
-              )
               const t1 = performance.now()
               const elapsed = t1 - t0
               stats.frames++
@@ -405,21 +437,23 @@ export const makeStageHost = (
               let handOffStart = t1
               if (output._tag === "Hidden") {
                 if (isLast) return yield* protocolViolated("the last stage produced hidden states")
-                yield* outbound.send(
-                  dataFrame({
-                    _tag: "ActivationFrame",
-                    runId,
-                    edgeId: p.outbound.edgeId,
-                    step: frame.step,
-                    chunkIndex: 0,
-                    chunkCount: 1,
-                    startPos,
-                    nTokens: output.nTokens,
-                    hiddenDim: output.hidden.length / output.nTokens,
-                    dtype: "f32",
-                    payload: output.hidden as Float32Array<ArrayBuffer>
-                  })
-                ).pipe(Effect.mapError(transport))
+                yield* outbound
+                  .send(
+                    dataFrame({
+                      _tag: "ActivationFrame",
+                      runId,
+                      edgeId: p.outbound.edgeId,
+                      step: frame.step,
+                      chunkIndex: 0,
+                      chunkCount: 1,
+                      startPos,
+                      nTokens: output.nTokens,
+                      hiddenDim: output.hidden.length / output.nTokens,
+                      dtype: "f32",
+                      payload: output.hidden as Float32Array<ArrayBuffer>
+                    })
+                  )
+                  .pipe(Effect.mapError(transport))
               } else {
                 if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
                 const sampleStart = performance.now()
@@ -428,23 +462,25 @@ export const makeStageHost = (
                 // nothing selectable (every token banned, or none the grammar allows): the generation ends
                 const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
                 handOffStart = performance.now()
-                yield* outbound.send(
-                  dataFrame({
-              _tag: "TokenFrame",
-                    runId,
-                    edgeId: p.outbound.edgeId,
-                    step: frame.step,
-                    chunkIndex: 0,
-                    chunkCount: 1,
-                    payload: {
-                      _tag: "Sampled",
-                      tokenId,
-                      eos: sampled.tokenId < 0 || tokenId === eosTokenId,
-                      ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
-                      ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
-                    }
-                  })
-                ).pipe(Effect.mapError(transport))
+                yield* outbound
+                  .send(
+                    dataFrame({
+                      _tag: "TokenFrame",
+                      runId,
+                      edgeId: p.outbound.edgeId,
+                      step: frame.step,
+                      chunkIndex: 0,
+                      chunkCount: 1,
+                      payload: {
+                        _tag: "Sampled",
+                        tokenId,
+                        eos: sampled.tokenId < 0 || tokenId === eosTokenId,
+                        ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
+                        ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
+                      }
+                    })
+                  )
+                  .pipe(Effect.mapError(transport))
               }
               // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
               if (frame.step !== 0) timings.add(frame.step, handOffStart - t0, performance.now() - handOffStart)
@@ -453,19 +489,17 @@ export const makeStageHost = (
           yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
         }).pipe(Effect.scoped)
 
-        const exit = yield* body.pipe(
-          Effect.raceFirst(Deferred.await(stop)),
-          Effect.exit
-        )
+        const exit = yield* body.pipe(Effect.raceFirst(Deferred.await(stop)), Effect.exit)
         progressSinks.delete(key)
         flushTimings()
         // The fault goes out first: the orchestrator learns of it before anything else is done here (its own endpoint
         // sees the stage's edges close as well, and the stage's words name the cause).
         if (Exit.isFailure(exit)) {
           const failure = Cause.failureOption(exit.cause)
-          const fault = Option.isSome(failure) && failure.value instanceof StageFailure
-            ? failure.value
-            : new StageFailure({ reason: StageFaultReasons.WorkerCrashed({ message: Cause.pretty(exit.cause) }) })
+          const fault =
+            Option.isSome(failure) && failure.value instanceof StageFailure
+              ? failure.value
+              : new StageFailure({ reason: StageFaultReasons.WorkerCrashed({ message: Cause.pretty(exit.cause) }) })
           if (!Cause.isInterruptedOnly(exit.cause)) {
             yield* reports.offer({ _tag: "StageFault", runId, stageIndex, reason: fault.reason })
           }
@@ -477,10 +511,12 @@ export const makeStageHost = (
         // (Whether the entry is used is the server's call: only a run that completed on every stage is indexed, the
         // others' entries are dropped.)
         const keepAs = request.promptCache?.keep
-        const edgeClosed = Exit.isFailure(exit) && Option.exists(
-          Cause.failureOption(exit.cause),
-          (e) => e instanceof StageFailure && e.reason._tag === "TransportFailed"
-        )
+        const edgeClosed =
+          Exit.isFailure(exit) &&
+          Option.exists(
+            Cause.failureOption(exit.cause),
+            (e) => e instanceof StageFailure && e.reason._tag === "TransportFailed"
+          )
         const keptPositions = Math.min(position, request.promptCache?.promptLength ?? 0)
         if (keepAs != null && (Exit.isSuccess(exit) || edgeClosed) && kept !== undefined && keptPositions > 0) {
           const held = yield* promptCache.keep(keepAs, stageIndex, {
@@ -504,7 +540,7 @@ export const makeStageHost = (
 
     const provision = (request: ProvisionRequest): Stream.Stream<StageReport> =>
       Stream.unwrapScoped(
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const p = request.provision
           const reports = yield* Mailbox.make<StageReport>()
           const key = stageKey(p.runId, p.stageIndex)
@@ -545,16 +581,18 @@ export const makeStageHost = (
             return Mailbox.toStream(reports)
           }
           // The file to load: the model path, or the slice delivered for it (weight delivery).
-          const path = options.weights === undefined
-            ? p.ggufSource.path
-            : options.weights.resolve(p.ggufSource.path, p.layerStart, p.layerEndExclusive)
+          const path =
+            options.weights === undefined
+              ? p.ggufSource.path
+              : options.weights.resolve(p.ggufSource.path, p.layerStart, p.layerEndExclusive)
           if (path === undefined) {
             yield* reports.offer({
               _tag: "StageFault",
               runId: p.runId,
               stageIndex: p.stageIndex,
               reason: StageFaultReasons.ModelLoadFailed({
-                message: `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered ` +
+                message:
+                  `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered ` +
                   "to this node, and it does not read model paths (--slices-only)"
               })
             })
@@ -599,26 +637,34 @@ export const makeStageHost = (
             layers,
             costs: report.costs,
             probe: report.probe,
-            ...(report.choice === undefined ? {} : {
-              choice: {
-                decoders: report.choice.decoders,
-                stages: report.choice.stages,
-                rows: report.choice.rows,
-                defaultRows: report.choice.defaultRows
-              }
-            })
+            ...(report.choice === undefined
+              ? {}
+              : {
+                  choice: {
+                    decoders: report.choice.decoders,
+                    stages: report.choice.stages,
+                    rows: report.choice.rows,
+                    defaultRows: report.choice.defaultRows
+                  }
+                })
           }
         }),
         ...(options.speedBytesPerSecond !== undefined
           ? { speedBytesPerSecond: options.speedBytesPerSecond, speedSource: options.speedSource ?? "declared" }
           : options.laterSpeed?.current !== undefined
-          ? { speedBytesPerSecond: options.laterSpeed.current, speedSource: "measured" as const }
-          : {}),
+            ? { speedBytesPerSecond: options.laterSpeed.current, speedSource: "measured" as const }
+            : {}),
         ...(options.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: options.memoryLimitBytes })
       })
     )
 
-    return { provision, stop, capacity, cachedRanges: RcMap.keys(models), dropCached: promptCache.drop } satisfies StageHost
+    return {
+      provision,
+      stop,
+      capacity,
+      cachedRanges: RcMap.keys(models),
+      dropCached: promptCache.drop
+    } satisfies StageHost
   })
 
 const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }

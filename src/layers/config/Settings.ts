@@ -32,7 +32,11 @@ export const environment = (): Environment => ({ ...process.env, ...chosen })
  * The environment of a child process this one starts (a local agent): ours, the flag-chosen settings, then `extra`
  * (its cluster token, its parent watch, a test's variables).
  */
-export const childEnvironment = (extra: Environment = {}): NodeJS.ProcessEnv => ({ ...process.env, ...chosen, ...extra })
+export const childEnvironment = (extra: Environment = {}): NodeJS.ProcessEnv => ({
+  ...process.env,
+  ...chosen,
+  ...extra
+})
 
 const providerOf = (env: Environment) =>
   ConfigProvider.fromMap(
@@ -202,7 +206,10 @@ export interface UserSetting<A> {
 export const tlsSetting: UserSetting<TlsMode> = {
   doc: docs.tls,
   expected: "auto, always or off",
-  config: described(docs.tls, Config.literal("auto", "always", "off")(docs.tls.variable).pipe(Config.withDefault("auto")))
+  config: described(
+    docs.tls,
+    Config.literal("auto", "always", "off")(docs.tls.variable).pipe(Config.withDefault("auto"))
+  )
 }
 
 export const ggmlPackageSetting: UserSetting<GgmlPackage> = {
@@ -237,9 +244,8 @@ export const settingFromFlagOrEnv = <A>(
   env: Environment = environment()
 ): Either.Either<A, string> => {
   if (Option.isSome(flag)) return Either.right(flag.value)
-  return Either.mapLeft(
-    readConfig(setting.config, env),
-    () => refusal(setting.doc, `${JSON.stringify(env[setting.doc.variable])} is not valid: expected ${setting.expected}`)
+  return Either.mapLeft(readConfig(setting.config, env), () =>
+    refusal(setting.doc, `${JSON.stringify(env[setting.doc.variable])} is not valid: expected ${setting.expected}`)
   )
 }
 
@@ -254,7 +260,9 @@ export const tlsModeNow = (): TlsMode =>
 
 /** The ggml package to load (unset or unknown: cpu), read once, when ggml is first loaded. */
 export const ggmlPackageNow = (): GgmlPackage =>
-  readLenient(lenient(docs.ggmlPackage, (text) => (text === "cuda" || text === "auto" ? text : undefined), "cpu" as GgmlPackage))
+  readLenient(
+    lenient(docs.ggmlPackage, (text) => (text === "cuda" || text === "auto" ? text : undefined), "cpu" as GgmlPackage)
+  )
 
 /** SWACTOR_THREADS when a positive whole number (the live engine's default threads), else undefined. */
 export const threadsNow = (): number | undefined =>
@@ -294,17 +302,21 @@ export const clusterTokenFrom = (
  * remote agent pool (AgentPools.ts) with the same rule for the library.
  */
 export const clusterTokenFromEnv = (env: Environment = environment()): Redacted.Redacted<string> =>
-  Option.match(readLenient(described(docs.clusterToken, Config.option(Config.redacted(docs.clusterToken.variable))), env), {
-    onNone: () => Redacted.make(""),
-    onSome: (value) => Redacted.make(Redacted.value(value).trim())
-  })
+  Option.match(
+    readLenient(described(docs.clusterToken, Config.option(Config.redacted(docs.clusterToken.variable))), env),
+    {
+      onNone: () => Redacted.make(""),
+      onSome: (value) => Redacted.make(Redacted.value(value).trim())
+    }
+  )
 
 /** SWACTOR_API_KEY, trimmed (none: undefined); `swactor serve` reads it when no --api-key-file is given. */
 export const apiKeyFromEnv = (env: Environment = environment()): Redacted.Redacted<string> | undefined =>
   Option.getOrUndefined(
     Option.flatMap(
       readLenient(described(docs.apiKey, Config.option(Config.redacted(docs.apiKey.variable))), env),
-      (key) => (Redacted.value(key).trim() === "" ? Option.none() : Option.some(Redacted.make(Redacted.value(key).trim())))
+      (key) =>
+        Redacted.value(key).trim() === "" ? Option.none() : Option.some(Redacted.make(Redacted.value(key).trim()))
     )
   )
 
@@ -319,10 +331,7 @@ export const parentWatchVariable = docs.parentWatch.variable
 
 /** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
 export const swactorCacheDir = (): string =>
-  Path.join(
-    readLenient(lenient(docs.cacheHome, (text) => text, "")) || Path.join(Os.homedir(), ".cache"),
-    "swactor"
-  )
+  Path.join(readLenient(lenient(docs.cacheHome, (text) => text, "")) || Path.join(Os.homedir(), ".cache"), "swactor")
 
 /** SWACTOR_GGML_DIR when set and not empty. */
 export const ggmlDirNow = (): string | undefined =>
@@ -339,8 +348,12 @@ export const watchesParent = (): boolean => readLenient(lenient(docs.parentWatch
 
 /** Windows' folder (SystemRoot; default C:\Windows), where the NVIDIA driver's DLL would be. */
 export const windowsRoot = (): string =>
-  readLenient(described(doc({ variable: "SystemRoot", default: "C:\\Windows", meaning: "Windows' folder" }),
-    Config.string("SystemRoot").pipe(Config.withDefault("C:\\Windows"))))
+  readLenient(
+    described(
+      doc({ variable: "SystemRoot", default: "C:\\Windows", meaning: "Windows' folder" }),
+      Config.string("SystemRoot").pipe(Config.withDefault("C:\\Windows"))
+    )
+  )
 
 // ---------------------------------------------------------------------------------------------------------------
 // Tuning and test hooks: read once where a layer is built, passed to it as options.
@@ -362,11 +375,15 @@ export const engineHooksConfig: Config.Config<EngineHooks> = Config.all({
   mmap: lenient(docs.mmap, (text) => text !== "0", true),
   hugePages: lenient(docs.hugePages, (text) => text !== "0", true),
   zeroCopy: lenient(docs.zeroCopy, (text) => text !== "0", true),
-  smallBatchRows: lenient(docs.gemvMaxRows, (text) => {
-    if (text.trim() === "") return undefined
-    const v = Number(text)
-    return Number.isSafeInteger(v) && v >= 0 ? v : undefined
-  }, undefined as number | undefined)
+  smallBatchRows: lenient(
+    docs.gemvMaxRows,
+    (text) => {
+      if (text.trim() === "") return undefined
+      const v = Number(text)
+      return Number.isSafeInteger(v) && v >= 0 ? v : undefined
+    },
+    undefined as number | undefined
+  )
 })
 
 /** The engine hooks from `env` (default: this process's environment). */
@@ -387,15 +404,19 @@ export interface AgentHooks {
 export const agentHooksConfig: Config.Config<AgentHooks> = Config.all({
   settleWeights: lenient(
     docs.mmapMove,
-    (text) => (text === "1" ? "always" as const : text === "0" ? "never" as const : undefined),
+    (text) => (text === "1" ? ("always" as const) : text === "0" ? ("never" as const) : undefined),
     "auto" as const
   ),
   batchMaxRows: lenient(docs.batchMaxRows, positiveInteger, undefined as number | undefined),
   prefillChunk: lenient(docs.prefillChunk, positiveInteger, undefined as number | undefined),
-  slowdown: lenient(docs.benchSlowdown, (text) => {
-    const factor = Number(text)
-    return Number.isFinite(factor) && factor > 1 ? factor : undefined
-  }, 1)
+  slowdown: lenient(
+    docs.benchSlowdown,
+    (text) => {
+      const factor = Number(text)
+      return Number.isFinite(factor) && factor > 1 ? factor : undefined
+    },
+    1
+  )
 })
 
 /** The agent hooks from `env` (default: this process's environment). */

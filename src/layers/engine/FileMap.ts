@@ -107,11 +107,13 @@ export const populateRanges = async (
   for (const [at, bytes] of ranges) {
     const r = regions.find((x) => at >= x.addr && at < x.addr + BigInt(x.length))
     if (r === undefined || bytes <= 0) continue
-    const start = at / PAGE * PAGE
+    const start = (at / PAGE) * PAGE
     const limit = r.addr + BigInt(r.length)
     const wanted = at + BigInt(bytes)
     const end = wanted > limit ? limit : wanted
-    await new Promise<void>((resolve) => c.madvise.async(start, Number(end - start), MADV_POPULATE_READ, () => resolve()))
+    await new Promise<void>((resolve) =>
+      c.madvise.async(start, Number(end - start), MADV_POPULATE_READ, () => resolve())
+    )
   }
 }
 
@@ -124,8 +126,8 @@ export const releasePages = (from: bigint, to: bigint): number => {
   const c = loadLibc()
   if (c === null) return 0
   const g = BigInt(MAP_GRANULE)
-  const start = (from + g - 1n) / g * g
-  const end = to / g * g
+  const start = ((from + g - 1n) / g) * g
+  const end = (to / g) * g
   if (end <= start) return 0
   return c.madvise(start, Number(end - start), MADV_DONTNEED) === 0 ? Number(end - start) : 0
 }

@@ -74,7 +74,11 @@ const ringMask = (it: NativeItem, used: number, nKv: number, window: number): Ui
 }
 
 /** One session's positions startPos..startPos+n-1 (validated as for `runBatch`). */
-export const forwardOne = async (session: NativeSession, startPos: number, input: StageInput): Promise<NativeOutput> => {
+export const forwardOne = async (
+  session: NativeSession,
+  startPos: number,
+  input: StageInput
+): Promise<NativeOutput> => {
   const [out] = await runBatch(session.weights, [{ session, startPos, input }])
   return out!
 }
@@ -107,13 +111,14 @@ const runInPieces = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): 
     let last: NativeOutput | undefined
     for (let at = 0; at < n; at += step) {
       const m = Math.min(step, n - at)
-      const input: StageInput = it.input._tag === "Tokens"
-        ? { _tag: "Tokens", tokens: it.input.tokens.subarray(at, at + m) }
-        : {
-          _tag: "Hidden",
-          hidden: it.input.hidden.subarray(at * inWidth(w), (at + m) * inWidth(w)),
-          nTokens: m
-        }
+      const input: StageInput =
+        it.input._tag === "Tokens"
+          ? { _tag: "Tokens", tokens: it.input.tokens.subarray(at, at + m) }
+          : {
+              _tag: "Hidden",
+              hidden: it.input.hidden.subarray(at * inWidth(w), (at + m) * inWidth(w)),
+              nTokens: m
+            }
       last = (await runBatchLocked(w, [{ session: it.session, startPos: it.startPos + at, input }]))[0]!
       if (last._tag === "Hidden") hidden.push(last.hidden)
     }
@@ -145,12 +150,14 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n), nKvSwa }
   })
   const nTotal = shapes.reduce((s, x) => s + x.n, 0)
-  const key = kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
-  const slot = items.length === 1
-    ? items[0]!.session.slot
-    : shapes.every((x) => x.n === 1)
-    ? w.graphs.decodeSlot(key)
-    : w.graphs.batchSlot()
+  const key =
+    kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
+  const slot =
+    items.length === 1
+      ? items[0]!.session.slot
+      : shapes.every((x) => x.n === 1)
+        ? w.graphs.decodeSlot(key)
+        : w.graphs.batchSlot()
 
   let c = slot.cached
   if (c === null || c.key !== key) {
@@ -165,7 +172,15 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       )
     }
     slot.drop()
-    c = buildGraph(w, slot, key, items, shapes.map((s) => s.nKv), kind, shapes.map((s) => s.nKvSwa))
+    c = buildGraph(
+      w,
+      slot,
+      key,
+      items,
+      shapes.map((s) => s.nKv),
+      kind,
+      shapes.map((s) => s.nKvSwa)
+    )
     graphBuilds.count++
     slot.cached = c
   }
@@ -214,11 +229,21 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     raw.ggml_backend_tensor_set(segments[s]!.mask, maskArr, 0, maskArr.byteLength)
     const swaMask = segments[s]!.swaMask
     if (swaMask !== null) {
-      raw.ggml_backend_tensor_set(swaMask, ringMask(items[s]!, shapes[s]!.used, shapes[s]!.nKvSwa, hp.swa!.window), 0, 2 * n * shapes[s]!.nKvSwa)
+      raw.ggml_backend_tensor_set(
+        swaMask,
+        ringMask(items[s]!, shapes[s]!.used, shapes[s]!.nKvSwa, hp.swa!.window),
+        0,
+        2 * n * shapes[s]!.nKvSwa
+      )
     }
   }
   if (outIds !== null) {
-    raw.ggml_backend_tensor_set(outIds, Int32Array.from(segments, (seg) => seg.offset + seg.n - 1), 0, items.length * 4)
+    raw.ggml_backend_tensor_set(
+      outIds,
+      Int32Array.from(segments, (seg) => seg.offset + seg.n - 1),
+      0,
+      items.length * 4
+    )
   }
   // A lone call's hidden rows are read where they are (a view of the inbound ring): no copy into the graph.
   const borrowed = c.hidden !== null && items.length === 1 ? borrowHidden(w, c.hidden, items[0]!.input) : null
@@ -243,7 +268,8 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       if (it.startPos === 0) it.session.clearRecurrent()
       it.session.filled = 0
     }
-    if (it.session.swaSize !== null) it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
+    if (it.session.swaSize !== null)
+      it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
   })
   if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))
   let status: number
@@ -276,4 +302,3 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     }
   })
 }
-

@@ -106,13 +106,14 @@ export const buildGraph = (
     const inputs: { -readonly [K in keyof GraphInputs]: GraphInputs[K] } = { pos, outIds, segments, attnScale }
 
     // several sequences only: a lone call keeps exactly the products (and bits) it always had
-    const small = w.device === "cpu" && nSeq > 1
-      ? {
-        maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
-        allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
-        shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
-      }
-      : null
+    const small =
+      w.device === "cpu" && nSeq > 1
+        ? {
+            maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
+            allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
+            shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
+          }
+        : null
     const t = new Toolkit(raw, ctx, graph, hp, n, inputs, small)
     const modelWide = { get: (name: string) => w.get(name), opt: (name: string) => w.tensors.get(name) ?? null }
 
@@ -150,7 +151,8 @@ export const buildGraph = (
       x = arch.buildBlock(t, bw, x)
     }
     if (spec.isLast) x = arch.buildOutput(t, modelWide, x)
-    else x = joinStageOutput(raw, ctx, hp, perLayerOps(w.ggml).ggml_concat, x, inputs.perLayer, spec.layerEndExclusive, n)
+    else
+      x = joinStageOutput(raw, ctx, hp, perLayerOps(w.ggml).ggml_concat, x, inputs.perLayer, spec.layerEndExclusive, n)
     raw.ggml_set_output(x)
     raw.ggml_build_forward_expand(graph, x)
 

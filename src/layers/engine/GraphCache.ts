@@ -46,7 +46,11 @@ export class GraphSlot {
   private freed = false
   readonly galloc: Ptr
 
-  constructor(readonly raw: GgmlRaw, buft: Ptr, private readonly onFree: (slot: GraphSlot) => void = () => {}) {
+  constructor(
+    readonly raw: GgmlRaw,
+    buft: Ptr,
+    private readonly onFree: (slot: GraphSlot) => void = () => {}
+  ) {
     this.galloc = raw.ggml_gallocr_new(buft)
   }
 
@@ -83,7 +87,10 @@ export class StageGraphs {
   /** The sessions' own slots, while they live. */
   private readonly sessionSlots = new Set<GraphSlot>()
 
-  constructor(private readonly raw: GgmlRaw, private readonly buft: Ptr) {}
+  constructor(
+    private readonly raw: GgmlRaw,
+    private readonly buft: Ptr
+  ) {}
 
   /** A new session's own slot (freed with the session). */
   sessionSlot(): GraphSlot {
@@ -93,7 +100,7 @@ export class StageGraphs {
   }
 
   batchSlot(): GraphSlot {
-    return this.batch ??= new GraphSlot(this.raw, this.buft)
+    return (this.batch ??= new GraphSlot(this.raw, this.buft))
   }
 
   /** The slot for a decode step over several sessions: the one holding `key`'s graph, else the least recently used. */

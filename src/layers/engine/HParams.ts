@@ -134,7 +134,7 @@ const positive = (file: GgufFile, key: string, n: number) =>
 
 /** A per-model integer that may also be stored as one value per layer (then all must be equal). */
 const uniformInt = (file: GgufFile, key: string) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const v = file.metadata.get(key)
     if (Array.isArray(v)) {
       const arr = yield* getNumberArray(file, key)
@@ -149,7 +149,7 @@ const uniformInt = (file: GgufFile, key: string) =>
 
 /** One positive integer per block (`nLayer` of them). */
 const perBlockInt = (file: GgufFile, key: string, nLayer: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const arr = yield* getNumberArray(file, key)
     if (arr.length !== nLayer) {
       return yield* Effect.fail(invalid(file, `metadata "${key}" has ${arr.length} entries for ${nLayer} blocks`))
@@ -173,21 +173,22 @@ export const readHParams = (
    */
   options: { readonly ownHeadShape?: boolean; readonly kvHeadsPerBlock?: boolean; readonly ffPerBlock?: boolean } = {}
 ): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const arch = yield* getArchitecture(file)
     const k = (s: string) => `${arch}.${s}`
     const nLayer = yield* positive(file, k("block_count"), yield* getU32(file, k("block_count")))
     const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
-    const ffs = options.ffPerBlock === true && Array.isArray(file.metadata.get(k("feed_forward_length")))
-      ? yield* perBlockInt(file, k("feed_forward_length"), nLayer)
-      : [yield* uniformInt(file, k("feed_forward_length"))]
+    const ffs =
+      options.ffPerBlock === true && Array.isArray(file.metadata.get(k("feed_forward_length")))
+        ? yield* perBlockInt(file, k("feed_forward_length"), nLayer)
+        : [yield* uniformInt(file, k("feed_forward_length"))]
     const nFf = ffs[0]!
     const nHead = yield* uniformInt(file, k("attention.head_count"))
     const kvHeads = !file.metadata.has(k("attention.head_count_kv"))
       ? [nHead]
       : options.kvHeadsPerBlock === true && Array.isArray(file.metadata.get(k("attention.head_count_kv")))
-      ? yield* perBlockInt(file, k("attention.head_count_kv"), nLayer)
-      : [yield* uniformInt(file, k("attention.head_count_kv"))]
+        ? yield* perBlockInt(file, k("attention.head_count_kv"), nLayer)
+        : [yield* uniformInt(file, k("attention.head_count_kv"))]
     const nHeadKv = kvHeads[0]!
     for (const n of kvHeads) {
       if (nHead % n !== 0) {
@@ -233,17 +234,23 @@ export const readHParams = (
       // YaRN's own keys (mistral3) derives them again in its hparams hook
       const factor = (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ?? 0
       if (!(factor > 0 && Number.isFinite(factor))) {
-        return yield* Effect.fail(invalid(file, `metadata "${k("rope.scaling.factor")}" = ${factor} must be > 0 for YaRN`))
+        return yield* Effect.fail(
+          invalid(file, `metadata "${k("rope.scaling.factor")}" = ${factor} must be > 0 for YaRN`)
+        )
       }
       const ropeAttnFactor = (yield* getOptional(file, k("rope.scaling.attn_factor"), getF32)) ?? 1
       if (!(ropeAttnFactor > 0 && Number.isFinite(ropeAttnFactor))) {
-        return yield* Effect.fail(invalid(file, `metadata "${k("rope.scaling.attn_factor")}" = ${ropeAttnFactor} must be > 0`))
+        return yield* Effect.fail(
+          invalid(file, `metadata "${k("rope.scaling.attn_factor")}" = ${ropeAttnFactor} must be > 0`)
+        )
       }
       ropeFreqScale = Math.fround(1 / factor)
       ropeExt = yarnRopeExt(ropeFreqScale, { logMul: 0, betaFast: 32, betaSlow: 1, ropeAttnFactor })
     } else if (scalingType === "linear") {
-      const factor = (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ??
-        (yield* getOptional(file, k("rope.scale_linear"), getF32)) ?? 1
+      const factor =
+        (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ??
+        (yield* getOptional(file, k("rope.scale_linear"), getF32)) ??
+        1
       if (!(factor > 0)) return yield* Effect.fail(invalid(file, `rope.scaling.factor ${factor} must be > 0`))
       ropeFreqScale = 1 / factor
     } else if (scalingType !== "none") {
@@ -261,8 +268,7 @@ export const readHParams = (
     let nVocab: number | undefined
     if (file.metadata.has("tokenizer.ggml.tokens")) {
       nVocab = (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
-    }
-    else if (file.metadata.has(k("vocab_size"))) nVocab = yield* getU32(file, k("vocab_size"))
+    } else if (file.metadata.has(k("vocab_size"))) nVocab = yield* getU32(file, k("vocab_size"))
     const embd = file.tensorsByName.get("token_embd.weight")
     if (nVocab === undefined) nVocab = embd?.dims[1]
     if (nVocab === undefined || nVocab <= 0) {

@@ -40,7 +40,11 @@ let nextSessionId = 1
 const held = { sessions: 0, stateBytes: 0, cacheBytes: 0 }
 
 /** The open sessions of this process and the bytes they hold (an agent reports it; a freed session is subtracted). */
-export const heldSessionBytes = (): { readonly sessions: number; readonly stateBytes: number; readonly cacheBytes: number } => ({
+export const heldSessionBytes = (): {
+  readonly sessions: number
+  readonly stateBytes: number
+  readonly cacheBytes: number
+} => ({
   ...held
 })
 
@@ -197,7 +201,9 @@ export class NativeSession {
     if (this.freed || from.freed) throw new Error("the session is closed")
     if (from.weights !== this.weights) throw new Error("the sessions are on different weights")
     if (!(Number.isSafeInteger(length) && length >= 0 && length <= from.filled && length <= this.contextLength)) {
-      throw new Error(`cannot copy ${length} positions (the source holds ${from.filled}, this cache ${this.contextLength})`)
+      throw new Error(
+        `cannot copy ${length} positions (the source holds ${from.filled}, this cache ${this.contextLength})`
+      )
     }
     const raw = this.weights.ggml.raw
     const { hp } = this.weights.layout
@@ -227,7 +233,10 @@ export class NativeSession {
       const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
       // a DeltaNet block: the whole state (of position `length` = the source's), or zeros for no position
       if (elems !== null && hp.recurrent!.layers[il] === true) {
-        for (const [part, n] of [["k", elems.conv], ["v", elems.ssm]] as const) {
+        for (const [part, n] of [
+          ["k", elems.conv],
+          ["v", elems.ssm]
+        ] as const) {
           const bytes = new Uint8Array(4 * n)
           if (length > 0) raw.ggml_backend_tensor_get(src[part], bytes, 0, bytes.length)
           raw.ggml_backend_tensor_set(dst[part], bytes, 0, bytes.length)
@@ -274,8 +283,6 @@ export class NativeSession {
     raw.ggml_backend_buffer_free(this.kvBuffer)
     raw.ggml_free(this.kvCtx)
   }
-
 }
 
-export const inputLength = (input: StageInput) => input._tag === "Tokens" ? input.tokens.length : input.nTokens
-
+export const inputLength = (input: StageInput) => (input._tag === "Tokens" ? input.tokens.length : input.nTokens)

@@ -46,7 +46,7 @@ const invalid = (file: GgufFile, message: string) =>
 
 /** One positive integer per model, or per layer when stored as an array (all equal: swactor has one value). */
 const uniformCount = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     if (!file.metadata.has(key)) return undefined
     let n: number
     if (Array.isArray(file.metadata.get(key))) {
@@ -59,7 +59,8 @@ const uniformCount = (file: GgufFile, key: string): Effect.Effect<number | undef
     } else {
       n = yield* getU32(file, key)
     }
-    if (!Number.isSafeInteger(n) || n <= 0) return yield* Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
+    if (!Number.isSafeInteger(n) || n <= 0)
+      return yield* Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
     return n
   })
 
@@ -76,7 +77,7 @@ export const readMoeParams = (
   hp: HParams,
   options: MoeArchOptions
 ): Effect.Effect<MoeParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const countKey = k("expert_count")
     const usedKey = k("expert_used_count")
@@ -98,25 +99,36 @@ export const readMoeParams = (
     const nExpertGroups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
     const nGroupUsed = (yield* getOptional(file, groupUsedKey, getU32)) ?? 0
     if (nExpertGroups >= nExpert) {
-      return yield* Effect.fail(invalid(file, `metadata "${groupsKey}" = ${nExpertGroups} must be below "${countKey}" = ${nExpert}`))
+      return yield* Effect.fail(
+        invalid(file, `metadata "${groupsKey}" = ${nExpertGroups} must be below "${countKey}" = ${nExpert}`)
+      )
     }
     if (nExpertGroups > 1) {
       if (nExpert % nExpertGroups !== 0) {
-        return yield* Effect.fail(invalid(file, `metadata "${countKey}" = ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`))
+        return yield* Effect.fail(
+          invalid(file, `metadata "${countKey}" = ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`)
+        )
       }
       if (nExpert / nExpertGroups < 2) {
-        return yield* Effect.fail(invalid(file, `metadata "${groupsKey}" = ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`))
+        return yield* Effect.fail(
+          invalid(file, `metadata "${groupsKey}" = ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`)
+        )
       }
       if (nGroupUsed === 0 || nGroupUsed >= nExpertGroups) {
         return yield* Effect.fail(
-          invalid(file, `metadata "${groupUsedKey}" = ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`)
+          invalid(
+            file,
+            `metadata "${groupUsedKey}" = ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`
+          )
         )
       }
     }
     const ffExp = yield* uniformCount(file, k("expert_feed_forward_length"))
     const nFfExp = ffExp ?? Math.floor(hp.nFf / nExpertUsed)
     if (nFfExp <= 0) {
-      return yield* Effect.fail(invalid(file, `expert feed-forward length ${nFfExp} (no "${k("expert_feed_forward_length")}")`))
+      return yield* Effect.fail(
+        invalid(file, `expert feed-forward length ${nFfExp} (no "${k("expert_feed_forward_length")}")`)
+      )
     }
     const nLeadingDense = options.nLeadingDense ?? 0
     if (nLeadingDense > hp.nLayer) {
@@ -126,9 +138,14 @@ export const readMoeParams = (
     for (let il = nLeadingDense; il < hp.nLayer; il++) {
       const counted: Array<readonly [string, number | undefined]> = [
         [`blk.${il}.ffn_gate_inp.weight`, file.tensorsByName.get(`blk.${il}.ffn_gate_inp.weight`)?.dims[1]],
-        ...EXPERT_TENSORS.map((s) => [`blk.${il}.${s}`, file.tensorsByName.get(`blk.${il}.${s}`)?.dims[2] ?? (
-          file.tensorsByName.has(`blk.${il}.${s}`) ? 1 : undefined
-        )] as const)
+        ...EXPERT_TENSORS.map(
+          (s) =>
+            [
+              `blk.${il}.${s}`,
+              file.tensorsByName.get(`blk.${il}.${s}`)?.dims[2] ??
+                (file.tensorsByName.has(`blk.${il}.${s}`) ? 1 : undefined)
+            ] as const
+        )
       ]
       for (const [name, n] of counted) {
         if (n !== undefined && n !== nExpert) {
@@ -280,8 +297,13 @@ export const moeFfn = (
     const a = w.get(name)
     const [sa, sb, si] = [shape(a), shape(input), shape(chosen)]
     check(
-      sa.ne[3] === 1 && sb.ne[3] === 1 && si.type === GgmlType.I32 && si.ne[1] === sb.ne[2] && sa.ne[0] === sb.ne[0] &&
-        si.ne[0]! % sb.ne[1]! === 0 && sa.ne[2] === nExpert,
+      sa.ne[3] === 1 &&
+        sb.ne[3] === 1 &&
+        si.type === GgmlType.I32 &&
+        si.ne[1] === sb.ne[2] &&
+        sa.ne[0] === sb.ne[0] &&
+        si.ne[0]! % sb.ne[1]! === 0 &&
+        sa.ne[2] === nExpert,
       "ggml_mul_mat_id",
       "the experts, the rows and the expert ids do not match",
       a,
@@ -311,7 +333,8 @@ export const moeFfn = (
     const shGate = t.linear(w.get("ffn_gate_shexp.weight"), x)
     let shared = t.linear(w.get("ffn_down_shexp.weight"), g.ggml_swiglu_split(ctx, shGate, shUp))
     // [1, n]: one gate per token, broadcast over the row
-    if (moe.sharedGate) shared = g.ggml_mul(ctx, shared, op.ggml_sigmoid(ctx, t.linear(w.get("ffn_gate_inp_shexp.weight"), x)))
+    if (moe.sharedGate)
+      shared = g.ggml_mul(ctx, shared, op.ggml_sigmoid(ctx, t.linear(w.get("ffn_gate_inp_shexp.weight"), x)))
     out = g.ggml_add(ctx, out, shared)
   }
   return out

@@ -75,7 +75,14 @@ const makeChecked = (g: Ggml): GgmlRaw => {
     for (let i = 1; i < ne.length; i++) bytes += (ne[i]! - 1) * nb[i]!
     return bytes
   }
-  const checkView = (op: string, a: Ptr, type: number, ne: ReadonlyArray<number>, nb: ReadonlyArray<number>, offset: number) => {
+  const checkView = (
+    op: string,
+    a: Ptr,
+    type: number,
+    ne: ReadonlyArray<number>,
+    nb: ReadonlyArray<number>,
+    offset: number
+  ) => {
     if (ne.some((n) => !Number.isSafeInteger(n) || n < 1) || offset < 0) fail(op, `view of [${ne}] at ${offset}`, a)
     const end = offset + extent(type, ne, nb)
     const size = raw.ggml_nbytes(a)
@@ -116,9 +123,16 @@ const makeChecked = (g: Ggml): GgmlRaw => {
     },
     ggml_set_rows: (ctx, a, b, c) => {
       const [sa, sb, sc] = [shape(a), shape(b), shape(c)]
-      const ok = sa.ne[0] === sb.ne[0] && sa.ne[2] === sb.ne[2] && sa.ne[3] === sb.ne[3] && sb.ne[1] === sc.ne[0] &&
-        sb.ne[2]! % sc.ne[1]! === 0 && sb.ne[3]! % sc.ne[2]! === 0 && sc.ne[3] === 1 &&
-        (sb.type === GgmlType.F32 || sb.type === GgmlType.F16) && (sc.type === GgmlType.I64 || sc.type === GgmlType.I32)
+      const ok =
+        sa.ne[0] === sb.ne[0] &&
+        sa.ne[2] === sb.ne[2] &&
+        sa.ne[3] === sb.ne[3] &&
+        sb.ne[1] === sc.ne[0] &&
+        sb.ne[2]! % sc.ne[1]! === 0 &&
+        sb.ne[3]! % sc.ne[2]! === 0 &&
+        sc.ne[3] === 1 &&
+        (sb.type === GgmlType.F32 || sb.type === GgmlType.F16) &&
+        (sc.type === GgmlType.I64 || sc.type === GgmlType.I32)
       if (!ok) fail("ggml_set_rows", "the rows, their ids and the destination do not match", a, b, c)
       if (!is.isContiguousRows(a) || !is.isContiguousRows(b)) fail("ggml_set_rows", "rows are not contiguous", a, b)
       // every id must address a row of the destination: checked where the ids are written (Forward.ts)
@@ -169,10 +183,16 @@ const makeChecked = (g: Ggml): GgmlRaw => {
       }
       if (mask === null) fail("ggml_flash_attn_ext", "a mask is required", q)
       const sm = shape(mask)
-      if (sm.type !== GgmlType.F16 || !is.isContiguous(mask) || sq.ne[2]! % sm.ne[2]! !== 0 || sq.ne[3]! % sm.ne[3]! !== 0) {
+      if (
+        sm.type !== GgmlType.F16 ||
+        !is.isContiguous(mask) ||
+        sq.ne[2]! % sm.ne[2]! !== 0 ||
+        sq.ne[3]! % sm.ne[3]! !== 0
+      ) {
         fail("ggml_flash_attn_ext", "the mask must be contiguous F16 and broadcast over the heads", q, mask)
       }
-      if (sm.ne[0] !== sk.ne[1] || sm.ne[1]! < sq.ne[1]!) fail("ggml_flash_attn_ext", "the mask does not cover q x kv", q, k, mask)
+      if (sm.ne[0] !== sk.ne[1] || sm.ne[1]! < sq.ne[1]!)
+        fail("ggml_flash_attn_ext", "the mask does not cover q x kv", q, k, mask)
       return raw.ggml_flash_attn_ext(ctx, q, k, v, mask, ...rest)
     },
     ggml_swiglu_split: (ctx, a, b) => {

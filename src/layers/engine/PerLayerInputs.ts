@@ -24,7 +24,9 @@ export const activationWidth = (hp: HParams, layer: number): number =>
 /** Why blocks [start, end) cannot be one stage (a block reads the cache of a block before `start`), or undefined. */
 export const kvShareCut = (hp: HParams, start: number, end: number): string | undefined => {
   const problem = kvShareRangeProblem(hp.kvShare?.sources, start, end)
-  return problem === undefined ? undefined : `block range [${start}, ${end}): ${problem} (${hp.arch}.attention.shared_kv_layers)`
+  return problem === undefined
+    ? undefined
+    : `block range [${start}, ${end}): ${problem} (${hp.arch}.attention.shared_kv_layers)`
 }
 
 /** Per-layer input rows as GraphInputs.perLayer describes them. */
@@ -70,6 +72,9 @@ export const joinStageOutput = (
   const tail = activationWidth(hp, layerEnd) - hp.nEmbd
   if (tail === 0 || p === undefined) return x
   const width = hp.perLayer!.width
-  const rest = g.ggml_cont(ctx, g.ggml_view_2d(ctx, p.rows, tail, n, p.stride * 4, (p.offset + (layerEnd - p.first) * width) * 4))
+  const rest = g.ggml_cont(
+    ctx,
+    g.ggml_view_2d(ctx, p.rows, tail, n, p.stride * 4, (p.offset + (layerEnd - p.first) * width) * 4)
+  )
   return concat(ctx, x, rest, 0)
 }

@@ -23,7 +23,7 @@ export const PLAIN_ROPE: RopeExt = { extFactor: 0, attnFactor: 1, betaFast: 32, 
 const f = Math.fround
 
 /** llama.cpp's get_mscale in float: 0.1 * mscale * ln(scale) + 1 above a scale of 1. */
-const mscale = (scale: number, m: number) => scale <= 1 ? 1 : f(f(f(f(0.1) * f(m)) * f(Math.log(scale))) + 1)
+const mscale = (scale: number, m: number) => (scale <= 1 ? 1 : f(f(f(f(0.1) * f(m)) * f(Math.log(scale))) + 1))
 
 /**
  * YaRN's ggml_rope_ext settings for a model whose RoPE frequency scale is `freqScale` (1 / rope.scaling.factor, as a
@@ -31,7 +31,12 @@ const mscale = (scale: number, m: number) => scale <= 1 ? 1 : f(f(f(f(0.1) * f(m
  */
 export const yarnRopeExt = (
   freqScale: number,
-  options: { readonly logMul: number; readonly betaFast: number; readonly betaSlow: number; readonly ropeAttnFactor: number }
+  options: {
+    readonly logMul: number
+    readonly betaFast: number
+    readonly betaSlow: number
+    readonly ropeAttnFactor: number
+  }
 ): RopeExt => {
   const factor = f(1 / f(freqScale))
   let attn = options.logMul !== 0 ? f(mscale(factor, 1) / mscale(factor, options.logMul)) : mscale(factor, 1)

@@ -40,7 +40,12 @@ export const measureSpeed = async (options: SpeedProbeOptions): Promise<number> 
     buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(weights, buft)
     if (buffer === null) throw new Error("could not allocate the speed probe's matrix")
     // One quantized row repeated: the values do not matter to the speed, the bytes read do.
-    const row = g.quantizeChunk(GgmlType.Q8_0, Float32Array.from({ length: cols }, (_, i) => Math.sin(i)), 1, cols)
+    const row = g.quantizeChunk(
+      GgmlType.Q8_0,
+      Float32Array.from({ length: cols }, (_, i) => Math.sin(i)),
+      1,
+      cols
+    )
     const q = new Uint8Array(row.length * rows)
     for (let r = 0; r < rows; r++) q.set(row, r * row.length)
     raw.ggml_backend_tensor_set(w, q, 0, q.length)

@@ -42,7 +42,10 @@ import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCata
 
 /** A loaded stage of the live executor (also exposes where each tensor lives, for tests and the CLI). */
 export class LiveLoadedStage implements LoadedStage {
-  constructor(readonly info: StageInfo, readonly weights: NativeWeights) {}
+  constructor(
+    readonly info: StageInfo,
+    readonly weights: NativeWeights
+  ) {}
   /** Mapped weights to huge-page memory (NativeWeights.moveOutOfMapping; it checks `freed` before every tensor). */
   settle = (): Effect.Effect<boolean> => Effect.promise(() => this.weights.moveOutOfMapping().catch(() => false))
   get placements(): ReadonlyArray<TensorPlacement> {
@@ -87,102 +90,100 @@ export interface LiveOptions {
   readonly defaultContextLength?: number
 }
 
-const load = (options: LiveOptions, catalog: ModelCatalogService) =>
-(
-  spec: StageLoadSpec,
-  onProgress?: (progress: { loadedBytes: number; totalBytes: number }) => void
-) =>
-  Effect.gen(function*() {
-    // the header through the model catalog: one parse per file version, shared with the facts and the layout
-    const file = yield* catalog.header(spec.path)
-    const layout = yield* layoutStage(file, spec)
-    const ggml = yield* Effect.try({
-      try: () => getGgml(),
-      catch: (e) =>
-        new ModelLoadError({
-          path: spec.path,
-          reason: "BackendUnavailable",
-          message: e instanceof Error ? e.message : String(e)
-        })
-    })
-    // "cuda": the GPU of node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda|auto); "auto": it when present
-    const gpu = spec.backend === "cuda" || spec.backend === "auto" ? ggml.gpuDevice() : null
-    if (spec.backend === "cuda" && gpu === null) {
-      return yield* Effect.fail(
-        new ModelLoadError({
-          path: spec.path,
-          reason: "BackendUnavailable",
-          message: `no CUDA device in ${ggml.library.packageName} (set SWACTOR_GGML_PACKAGE=cuda on a machine with ` +
-            "an NVIDIA GPU and @node-llama-cpp/linux-x64-cuda installed)"
-        })
-      )
-    }
-    const device = gpu === null ? "cpu" as const : "gpu" as const
-    const weights = yield* Effect.acquireRelease(
-      Effect.tryPromise({
-        try: () =>
-          loadWeights(layout, {
-            repack: options.repack ?? true,
-            device,
-            ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
-            ...(options.smallBatchRows !== undefined ? { smallBatchRows: options.smallBatchRows } : {}),
-            ...(options.zeroCopy !== undefined ? { zeroCopy: options.zeroCopy } : {}),
-            ...(options.hugePages !== undefined ? { hugePages: options.hugePages } : {}),
-            ...(onProgress ? { onProgress } : {})
-          }),
+const load =
+  (options: LiveOptions, catalog: ModelCatalogService) =>
+  (spec: StageLoadSpec, onProgress?: (progress: { loadedBytes: number; totalBytes: number }) => void) =>
+    Effect.gen(function* () {
+      // the header through the model catalog: one parse per file version, shared with the facts and the layout
+      const file = yield* catalog.header(spec.path)
+      const layout = yield* layoutStage(file, spec)
+      const ggml = yield* Effect.try({
+        try: () => getGgml(),
         catch: (e) =>
           new ModelLoadError({
             path: spec.path,
-            reason: "Io",
-            message: `loading blocks [${spec.layerStart}, ${spec.layerEndExclusive}): ${
-              e instanceof Error ? e.message : String(e)
-            }`
+            reason: "BackendUnavailable",
+            message: e instanceof Error ? e.message : String(e)
           })
-      }),
-      (w) => Effect.promise(() => w.lock.run(async () => w.free()))
-    )
-    const hp = layout.hp
-    // sliding-window blocks of the range: their KV caches are capped (KvCache.ts); each block's own row widths
-    let swaBlocks = 0
-    let swaBytesPerToken = 0
-    let attnBytesPerToken = 0
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
-      // a block reading an earlier block's cache (HParams.kvShare) keeps none
-      if (hp.kvShare !== undefined && hp.kvShare.sources[il] !== il) continue
-      const bytes = kvBytesPerTokenOfBlock(kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
-      if (hp.recurrent?.layers[il] !== true) attnBytesPerToken += bytes
-      if (hp.swa?.layers[il] === true) {
-        swaBlocks++
-        swaBytesPerToken += bytes
+      })
+      // "cuda": the GPU of node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda|auto); "auto": it when present
+      const gpu = spec.backend === "cuda" || spec.backend === "auto" ? ggml.gpuDevice() : null
+      if (spec.backend === "cuda" && gpu === null) {
+        return yield* Effect.fail(
+          new ModelLoadError({
+            path: spec.path,
+            reason: "BackendUnavailable",
+            message:
+              `no CUDA device in ${ggml.library.packageName} (set SWACTOR_GGML_PACKAGE=cuda on a machine with ` +
+              "an NVIDIA GPU and @node-llama-cpp/linux-x64-cuda installed)"
+          })
+        )
       }
-    }
-    // DeltaNet blocks (HParams.recurrent): a constant state per sequence instead of K/V rows
-    let recurrentBlocks = 0
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) if (hp.recurrent?.layers[il] === true) recurrentBlocks++
-    const stateElems = hp.recurrent === undefined ? undefined : recurrentStateElems(hp.recurrent)
-    const info: StageInfo = {
-      arch: hp.arch,
-      layerStart: spec.layerStart,
-      layerEndExclusive: spec.layerEndExclusive,
-      numLayers: hp.nLayer,
-      isFirst: spec.isFirst,
-      isLast: spec.isLast,
-      // the input rows' width: gemma4's per-layer inputs of this stage's blocks and later ones travel with them
-      hiddenDim: activationWidth(hp, spec.layerStart),
-      vocabSize: hp.nVocab,
-      contextLength: hp.nCtxTrain,
-      eosTokenId: hp.eosTokenId,
-      bosTokenId: hp.bosTokenId,
-      weightBytes: layout.weightBytes,
-      backend: device === "gpu" ? "cuda" : "cpu",
-      kvBytesPerToken: attnBytesPerToken,
-      ...(recurrentBlocks === 0 ? {} : { stateBytes: recurrentBlocks * 4 * (stateElems!.conv + stateElems!.ssm) }),
-      ...(swaBlocks === 0
-        ? {}
-        : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBytesPerToken } })
-    }
-    return new LiveLoadedStage(info, weights) as LoadedStage
-  }).pipe(Effect.withSpan("StageExecutor.load"))
+      const device = gpu === null ? ("cpu" as const) : ("gpu" as const)
+      const weights = yield* Effect.acquireRelease(
+        Effect.tryPromise({
+          try: () =>
+            loadWeights(layout, {
+              repack: options.repack ?? true,
+              device,
+              ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
+              ...(options.smallBatchRows !== undefined ? { smallBatchRows: options.smallBatchRows } : {}),
+              ...(options.zeroCopy !== undefined ? { zeroCopy: options.zeroCopy } : {}),
+              ...(options.hugePages !== undefined ? { hugePages: options.hugePages } : {}),
+              ...(onProgress ? { onProgress } : {})
+            }),
+          catch: (e) =>
+            new ModelLoadError({
+              path: spec.path,
+              reason: "Io",
+              message: `loading blocks [${spec.layerStart}, ${spec.layerEndExclusive}): ${
+                e instanceof Error ? e.message : String(e)
+              }`
+            })
+        }),
+        (w) => Effect.promise(() => w.lock.run(async () => w.free()))
+      )
+      const hp = layout.hp
+      // sliding-window blocks of the range: their KV caches are capped (KvCache.ts); each block's own row widths
+      let swaBlocks = 0
+      let swaBytesPerToken = 0
+      let attnBytesPerToken = 0
+      for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+        // a block reading an earlier block's cache (HParams.kvShare) keeps none
+        if (hp.kvShare !== undefined && hp.kvShare.sources[il] !== il) continue
+        const bytes = kvBytesPerTokenOfBlock(kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
+        if (hp.recurrent?.layers[il] !== true) attnBytesPerToken += bytes
+        if (hp.swa?.layers[il] === true) {
+          swaBlocks++
+          swaBytesPerToken += bytes
+        }
+      }
+      // DeltaNet blocks (HParams.recurrent): a constant state per sequence instead of K/V rows
+      let recurrentBlocks = 0
+      for (let il = spec.layerStart; il < spec.layerEndExclusive; il++)
+        if (hp.recurrent?.layers[il] === true) recurrentBlocks++
+      const stateElems = hp.recurrent === undefined ? undefined : recurrentStateElems(hp.recurrent)
+      const info: StageInfo = {
+        arch: hp.arch,
+        layerStart: spec.layerStart,
+        layerEndExclusive: spec.layerEndExclusive,
+        numLayers: hp.nLayer,
+        isFirst: spec.isFirst,
+        isLast: spec.isLast,
+        // the input rows' width: gemma4's per-layer inputs of this stage's blocks and later ones travel with them
+        hiddenDim: activationWidth(hp, spec.layerStart),
+        vocabSize: hp.nVocab,
+        contextLength: hp.nCtxTrain,
+        eosTokenId: hp.eosTokenId,
+        bosTokenId: hp.bosTokenId,
+        weightBytes: layout.weightBytes,
+        backend: device === "gpu" ? "cuda" : "cpu",
+        kvBytesPerToken: attnBytesPerToken,
+        ...(recurrentBlocks === 0 ? {} : { stateBytes: recurrentBlocks * 4 * (stateElems!.conv + stateElems!.ssm) }),
+        ...(swaBlocks === 0 ? {} : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBytesPerToken } })
+      }
+      return new LiveLoadedStage(info, weights) as LoadedStage
+    }).pipe(Effect.withSpan("StageExecutor.load"))
 
 /** A session of the live executor: one NativeSession (KV cache) over a LiveLoadedStage. */
 class LiveStageSession implements StageSession {
@@ -199,14 +200,16 @@ class LiveStageSession implements StageSession {
     const invalid = validateForward(this.stage.info, this.contextLength, this.native.filled, startPos, input)
     if (invalid === undefined && !this.native.canStartAt(startPos) && this.native.recurrent) {
       return new InvalidStageInput({
-        message: `start position ${startPos}: this stage's DeltaNet state is that of position ${this.native.filled} and ` +
+        message:
+          `start position ${startPos}: this stage's DeltaNet state is that of position ${this.native.filled} and ` +
           `cannot be rewound; continue from ${this.native.filled} or start again from position 0`
       })
     }
     if (invalid === undefined && !this.native.canStartAt(startPos)) {
       // a rewind past what a capped sliding-window cache still holds: compute the positions again on a fresh session
       return new InvalidStageInput({
-        message: `start position ${startPos}: the sliding-window cache no longer holds the window before it (it holds ` +
+        message:
+          `start position ${startPos}: the sliding-window cache no longer holds the window before it (it holds ` +
           `positions ${this.native.swaLow}..${this.native.filled - 1}); start again from position 0`
       })
     }
@@ -245,7 +248,8 @@ const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyAr
         const first = items[0]!.session.info
         return Effect.fail(
           new InvalidBatch({
-            message: `item ${i}: its session is on blocks [${info.layerStart}, ${info.layerEndExclusive}) of another ` +
+            message:
+              `item ${i}: its session is on blocks [${info.layerStart}, ${info.layerEndExclusive}) of another ` +
               `loaded stage than item 0's [${first.layerStart}, ${first.layerEndExclusive}); a batch runs one loaded stage`
           })
         )
@@ -253,7 +257,9 @@ const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyAr
       const earlier = seen.get(session)
       if (earlier !== undefined) {
         return Effect.fail(
-          new InvalidBatch({ message: `item ${i}: its session is already item ${earlier} of the batch (one step per session)` })
+          new InvalidBatch({
+            message: `item ${i}: its session is already item ${earlier} of the batch (one step per session)`
+          })
         )
       }
       seen.set(session, i)
@@ -267,43 +273,48 @@ const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyAr
     })
   }).pipe(Effect.withSpan("StageExecutor.forwardBatch", { attributes: { items: items.length } }))
 
-const session = (options: LiveOptions) => (stage: LoadedStage, sessionOptions: SessionOptions = {}) =>
-  Effect.gen(function*() {
-    if (!(stage instanceof LiveLoadedStage)) {
-      return yield* Effect.dieMessage("StageExecutorLive.session: the stage was not loaded by this executor")
-    }
-    const info = stage.info
-    const contextLength = sessionOptions.contextLength ??
-      options.defaultContextLength ?? Math.min(info.contextLength, 4096)
-    const threads = sessionOptions.threads ?? options.defaultThreads ?? availableParallelism()
-    if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
-      return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
-    }
-    // The bounds every caller checks first (services/RequestChecks.ts: the CLI, the orchestrator, the agent).
-    const badThreads = threadsProblem(threads)
-    if (badThreads !== undefined) return yield* Effect.dieMessage(badThreads)
-    const native = yield* Effect.acquireRelease(
-      Effect.try({
-        try: () => new NativeSession(stage.weights, contextLength, threads, sessionOptions.scratch === true),
-        catch: (e) =>
-          new ModelLoadError({
-            path: stage.weights.layout.file.path,
-            reason: "BackendUnavailable",
-            message: e instanceof Error ? e.message : String(e)
-          })
-      }),
-      (s) => Effect.promise(() => stage.weights.lock.run(async () => s.free()))
-    )
-    return new LiveStageSession(stage, native, contextLength) as StageSession
-  })
+const session =
+  (options: LiveOptions) =>
+  (stage: LoadedStage, sessionOptions: SessionOptions = {}) =>
+    Effect.gen(function* () {
+      if (!(stage instanceof LiveLoadedStage)) {
+        return yield* Effect.dieMessage("StageExecutorLive.session: the stage was not loaded by this executor")
+      }
+      const info = stage.info
+      const contextLength =
+        sessionOptions.contextLength ?? options.defaultContextLength ?? Math.min(info.contextLength, 4096)
+      const threads = sessionOptions.threads ?? options.defaultThreads ?? availableParallelism()
+      if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
+        return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
+      }
+      // The bounds every caller checks first (services/RequestChecks.ts: the CLI, the orchestrator, the agent).
+      const badThreads = threadsProblem(threads)
+      if (badThreads !== undefined) return yield* Effect.dieMessage(badThreads)
+      const native = yield* Effect.acquireRelease(
+        Effect.try({
+          try: () => new NativeSession(stage.weights, contextLength, threads, sessionOptions.scratch === true),
+          catch: (e) =>
+            new ModelLoadError({
+              path: stage.weights.layout.file.path,
+              reason: "BackendUnavailable",
+              message: e instanceof Error ? e.message : String(e)
+            })
+        }),
+        (s) => Effect.promise(() => stage.weights.lock.run(async () => s.free()))
+      )
+      return new LiveStageSession(stage, native, contextLength) as StageSession
+    })
 
 /** Prompt cache: the first `length` KV positions of one session into another of the same loaded stage. */
 const copyPrefix = (from: StageSession, to: StageSession, length: number): Effect.Effect<void, InvalidStageInput> =>
   Effect.suspend(() => {
     if (!(from instanceof LiveStageSession) || !(to instanceof LiveStageSession) || from.stage !== to.stage) {
-      return Effect.fail(new InvalidStageInput({ message: "copyPrefix: both sessions must be of one loaded stage of this executor" }))
+      return Effect.fail(
+        new InvalidStageInput({ message: "copyPrefix: both sessions must be of one loaded stage of this executor" })
+      )
     }
-    if (from.native.freed || to.native.freed) return Effect.fail(new InvalidStageInput({ message: "the session is closed" }))
+    if (from.native.freed || to.native.freed)
+      return Effect.fail(new InvalidStageInput({ message: "the session is closed" }))
     if (!(Number.isSafeInteger(length) && length >= 0 && length <= from.native.filled && length <= to.contextLength)) {
       return Effect.fail(
         new InvalidStageInput({
@@ -314,7 +325,8 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
     if (from.native.recurrent && length !== 0 && length !== from.native.filled) {
       return Effect.fail(
         new InvalidStageInput({
-          message: `cannot copy ${length} positions: the source's DeltaNet state is that of position ${from.native.filled} ` +
+          message:
+            `cannot copy ${length} positions: the source's DeltaNet state is that of position ${from.native.filled} ` +
             `and cannot be rewound (only a whole copy is exact)`
         })
       )
@@ -349,8 +361,10 @@ const withHooks = (options: LiveOptions): LiveOptions => {
   }
 }
 
-export const make = (options: LiveOptions = {}, catalog: ModelCatalogService = ModelCatalogLive.make): StageExecutorService =>
-  makeWith(withHooks(options), catalog)
+export const make = (
+  options: LiveOptions = {},
+  catalog: ModelCatalogService = ModelCatalogLive.make
+): StageExecutorService => makeWith(withHooks(options), catalog)
 
 const makeWith = (options: LiveOptions, catalog: ModelCatalogService): StageExecutorService => ({
   load: load(options, catalog),
@@ -361,7 +375,10 @@ const makeWith = (options: LiveOptions, catalog: ModelCatalogService): StageExec
 
 /** The live executor over whichever model catalog is provided (it reads each file's GGUF header from it). */
 export const layerWithCatalog = (options: LiveOptions = {}): Layer.Layer<StageExecutor, never, ModelCatalog> =>
-  Layer.effect(StageExecutor, Effect.map(ModelCatalog, (catalog) => make(options, catalog)))
+  Layer.effect(
+    StageExecutor,
+    Effect.map(ModelCatalog, (catalog) => make(options, catalog))
+  )
 
 /** The live executor with options (e.g. `repack: false`), over the live model catalog. */
 export const layerWith = (options: LiveOptions): Layer.Layer<StageExecutor> =>

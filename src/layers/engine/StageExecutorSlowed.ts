@@ -19,11 +19,12 @@ export const layerSlowed = (factor: number): Layer.Layer<StageExecutor, never, S
         session: (stage, options) => executor.session(stage, options),
         ...(executor.copyPrefix === undefined ? {} : { copyPrefix: executor.copyPrefix }),
         forwardBatch: (items) =>
-          Effect.gen(function*() {
+          Effect.gen(function* () {
             const started = performance.now()
             const outputs = yield* executor.forwardBatch(items)
             yield* Effect.sleep((factor - 1) * (performance.now() - started))
             return outputs
           })
-      }))
+      })
+    )
   )

@@ -76,7 +76,10 @@ export const testModelGreedy = (model: TestModel, prompt: ReadonlyArray<number>,
 }
 
 class TestLoadedStage implements LoadedStage {
-  constructor(readonly info: StageInfo, readonly model: TestModel) {}
+  constructor(
+    readonly info: StageInfo,
+    readonly model: TestModel
+  ) {}
 }
 
 interface TestStageSession extends StageSession {
@@ -104,11 +107,15 @@ const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyAr
       }
       const s = session as TestStageSession
       if (s.stage !== sessions[0]?.stage && sessions.length > 0) {
-        return Effect.fail(new InvalidBatch({ message: `item ${i}: its session is on another loaded stage than item 0's` }))
+        return Effect.fail(
+          new InvalidBatch({ message: `item ${i}: its session is on another loaded stage than item 0's` })
+        )
       }
       const earlier = seen.get(session)
       if (earlier !== undefined) {
-        return Effect.fail(new InvalidBatch({ message: `item ${i}: its session is already item ${earlier} of the batch` }))
+        return Effect.fail(
+          new InvalidBatch({ message: `item ${i}: its session is already item ${earlier} of the batch` })
+        )
       }
       seen.set(session, i)
       const invalid = s.check(startPos, input)
@@ -125,7 +132,7 @@ const weightBytesOf = (model: TestModel, spec: StageLoadSpec) =>
 
 export const make = (model: TestModel = defaultTestModel): StageExecutorService => ({
   load: (spec, onProgress) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const fail = (reason: ModelLoadError["reason"], message: string) =>
         Effect.fail(new ModelLoadError({ path: spec.path, reason, message }))
       if (model.missingPaths?.includes(spec.path)) return yield* fail("Io", `no such file: ${spec.path}`)
@@ -161,7 +168,7 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
       return new TestLoadedStage(info, model) as LoadedStage
     }),
   session: (stage: LoadedStage, options: SessionOptions = {}) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       if (!(stage instanceof TestLoadedStage)) {
         return yield* Effect.dieMessage("StageExecutorTest.session: the stage was not loaded by this executor")
       }
@@ -246,10 +253,13 @@ export const make = (model: TestModel = defaultTestModel): StageExecutorService 
       }
       const a = from as TestStageSession
       const b = to as TestStageSession
-      if (a.stage !== b.stage) return Effect.fail(new InvalidStageInput({ message: "copyPrefix: the sessions are on other stages" }))
+      if (a.stage !== b.stage)
+        return Effect.fail(new InvalidStageInput({ message: "copyPrefix: the sessions are on other stages" }))
       const target = b.cache.values().next().value?.length ?? 0
       if (!(Number.isSafeInteger(length) && length >= 0 && length <= a.filled() && length <= target)) {
-        return Effect.fail(new InvalidStageInput({ message: `cannot copy ${length} KV positions: the source holds ${a.filled()}` }))
+        return Effect.fail(
+          new InvalidStageInput({ message: `cannot copy ${length} KV positions: the source holds ${a.filled()}` })
+        )
       }
       return Effect.sync(() => b.adopt(a, length))
     })

@@ -18,7 +18,7 @@ import { kvShareCut } from "./PerLayerInputs.js"
 /** How a weight is used in the graph (decides its buffer type, as llama.cpp does). */
 export type WeightUse = "get_rows" | "mul_mat" | "mul_mat_id" | "vector"
 
-const useOf = (s: TensorSpec): WeightUse => (s.kind === "vector" ? "vector" : s.product ?? "mul_mat")
+const useOf = (s: TensorSpec): WeightUse => (s.kind === "vector" ? "vector" : (s.product ?? "mul_mat"))
 
 export interface PlannedTensor {
   /** Name of the tensor in the stage (usually the GGUF name; `output.weight` for a tied output). */
@@ -106,10 +106,11 @@ const checkTensor = (
       ok
         ? Effect.succeed(info)
         : fail(
-          file,
-          "UnsupportedTensorType",
-          `tensor "${fullName}" has type ${t.name}, which the ggml CPU backend cannot multiply or gather`
-        ))
+            file,
+            "UnsupportedTensorType",
+            `tensor "${fullName}" has type ${t.name}, which the ggml CPU backend cannot multiply or gather`
+          )
+    )
   }
   return Effect.succeed(info)
 }
@@ -120,16 +121,16 @@ export const archOf = (file: GgufFile): Effect.Effect<ArchModule, ModelLoadError
     const arch = architectures.get(name)
     return arch === undefined
       ? fail(
-        file,
-        "UnsupportedArchitecture",
-        `architecture "${name}" is not supported; supported: ${supportedArchitectures().join(", ")}`
-      )
+          file,
+          "UnsupportedArchitecture",
+          `architecture "${name}" is not supported; supported: ${supportedArchitectures().join(", ")}`
+        )
       : Effect.succeed(arch)
   })
 
 /** Plans (and fully validates) the load of one stage. */
 export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const arch = yield* archOf(file)
     const common = yield* readHParams(file, arch.ropeMode, {
       ownHeadShape: arch.ownHeadShape === true,
@@ -171,7 +172,8 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
       // first stage only: tables looked up by token id (gemma4's per_layer_token_embd) and their projections
       for (const s of arch.inputTensors?.(hp) ?? []) {
         const info = yield* checkTensor(file, s.name, s)
-        if (info !== undefined) out.push({ name: s.name, info, use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s) })
+        if (info !== undefined)
+          out.push({ name: s.name, info, use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s) })
       }
     }
     for (const s of arch.sharedTensors?.(hp) ?? []) {
@@ -216,4 +218,3 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
     const weightBytes = out.reduce((s, t) => s + t.info.byteSize, 0)
     return { file, arch, hp, spec, tensors: out, weightBytes, tiedOutput }
   })
-

@@ -86,7 +86,11 @@ export interface SmallBatchMatMul {
   readonly maxRowsFor: (type: number) => number
   /** May a product over this weight take the route (WeightPlacement.ts, rule 2: plain-buffer weights only)? */
   readonly allowed: (w: Ptr) => boolean
-  readonly shapeOf: (t: Ptr) => { readonly type: number; readonly ne: ReadonlyArray<number>; readonly nb: ReadonlyArray<number> }
+  readonly shapeOf: (t: Ptr) => {
+    readonly type: number
+    readonly ne: ReadonlyArray<number>
+    readonly nb: ReadonlyArray<number>
+  }
 }
 
 export class Toolkit {
@@ -239,7 +243,16 @@ export class Toolkit {
       this.attnRows.set(headDimV * nHead, cur)
     }
     for (const seg of segments) {
-      const qs = g.ggml_view_3d(ctx, q, headDimK, nHead, seg.n, f32(headDimK), f32(headDimK * nHead), seg.offset * f32(headDimK * nHead))
+      const qs = g.ggml_view_3d(
+        ctx,
+        q,
+        headDimK,
+        nHead,
+        seg.n,
+        f32(headDimK),
+        f32(headDimK * nHead),
+        seg.offset * f32(headDimK * nHead)
+      )
       const ks = g.ggml_view_3d(ctx, k, headDimK, nHeadKv, seg.n, f32(headDimK), f32(nEmbdK), seg.offset * f32(nEmbdK))
       const vs = g.ggml_view_3d(ctx, v, headDimV, nHeadKv, seg.n, f32(headDimV), f32(nEmbdV), seg.offset * f32(nEmbdV))
       const out = this.attendSegment(seg, qs, ks, vs, kqScale, sinks)
@@ -352,5 +365,8 @@ export const llamaBlockSpecs = (
 }
 
 /** The llama family's output head (llama.cpp's llm_build_llama and kin): RMS norm, then the output projection. */
-export const llamaOutputHead = (t: Toolkit, w: { readonly get: (name: string) => Ptr; readonly opt: (name: string) => Ptr | null }, x: Ptr): Ptr =>
-  t.linear(w.get("output.weight"), t.rmsNorm(x, w.get("output_norm.weight")), w.opt("output.bias"))
+export const llamaOutputHead = (
+  t: Toolkit,
+  w: { readonly get: (name: string) => Ptr; readonly opt: (name: string) => Ptr | null },
+  x: Ptr
+): Ptr => t.linear(w.get("output.weight"), t.rmsNorm(x, w.get("output_norm.weight")), w.opt("output.bias"))

@@ -58,7 +58,10 @@ export const extraTypeSupports = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne
     g.setTensorBuffer(w, buf)
     try {
       return PRODUCT_ROWS.every((rows) =>
-        raw.ggml_backend_dev_supports_op(dev, raw.ggml_mul_mat(ctx, w, raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, rows)))
+        raw.ggml_backend_dev_supports_op(
+          dev,
+          raw.ggml_mul_mat(ctx, w, raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, rows))
+        )
       )
     } finally {
       g.setTensorBuffer(w, null)

@@ -34,7 +34,10 @@ class Lock {
   private tail: Promise<void> = Promise.resolve()
   run<A>(f: () => Promise<A>): Promise<A> {
     const result = this.tail.then(f)
-    this.tail = result.then(() => undefined, () => undefined)
+    this.tail = result.then(
+      () => undefined,
+      () => undefined
+    )
     return result
   }
 }
@@ -71,7 +74,11 @@ export class NativeWeights {
     public mappedBytes: number = 0,
     private regions: ReadonlyArray<FileRegion> = [],
     /** The tensors used in place in the mappings (what `moveOutOfMapping` copies). */
-    private readonly mappedTensors: ReadonlyArray<{ readonly name: string; readonly p: Ptr; readonly bytes: number }> = [],
+    private readonly mappedTensors: ReadonlyArray<{
+      readonly name: string
+      readonly p: Ptr
+      readonly bytes: number
+    }> = [],
     /** Addresses of the weights in extra (repacked) buffer types (WeightPlacement.ts, rules 2 and 3). */
     readonly extraWeights: ReadonlySet<bigint> = new Set()
   ) {
@@ -108,7 +115,7 @@ export class NativeWeights {
     const offsets: Array<bigint> = []
     let total = 0n
     for (const t of this.mappedTensors) {
-      total = (total + align - 1n) / align * align
+      total = ((total + align - 1n) / align) * align
       offsets.push(total)
       total += BigInt(t.bytes)
     }
@@ -125,7 +132,8 @@ export class NativeWeights {
     const base = koffi.address(raw.ggml_backend_buffer_get_base(buffer))
     // In address order, so that every page below the tensor being copied is no longer read in place: each chunk's
     // source pages leave the resident set once copied (the mapping and the copy are never both resident).
-    const order = this.mappedTensors.map((t, i) => ({ t, i, from: koffi.address(koffi.decode(t.p, TensorLayout.data, "void *") as Ptr) }))
+    const order = this.mappedTensors
+      .map((t, i) => ({ t, i, from: koffi.address(koffi.decode(t.p, TensorLayout.data, "void *") as Ptr) }))
       .sort((a, b) => (a.from < b.from ? -1 : a.from > b.from ? 1 : 0))
     const low = new Map<FileRegion, bigint>(this.regions.map((r) => [r, r.addr]))
     const granule = BigInt(MAP_GRANULE)
@@ -150,7 +158,7 @@ export class NativeWeights {
           if (region !== undefined) {
             const end = from + BigInt(off + n)
             this.releasedBytes += releasePages(low.get(region)!, end)
-            low.set(region, end / granule * granule)
+            low.set(region, (end / granule) * granule)
           }
         }
         return true
@@ -222,8 +230,8 @@ const adviseHugePages = (base: Ptr, size: number) => {
   )
   if (madvise === null) return
   const a = koffi.address(base)
-  const start = (a + HUGE_PAGE - 1n) / HUGE_PAGE * HUGE_PAGE
-  const end = (a + BigInt(size)) / HUGE_PAGE * HUGE_PAGE
+  const start = ((a + HUGE_PAGE - 1n) / HUGE_PAGE) * HUGE_PAGE
+  const end = ((a + BigInt(size)) / HUGE_PAGE) * HUGE_PAGE
   if (end > start) madvise(start, Number(end - start), MADV_HUGEPAGE)
 }
 
@@ -287,7 +295,8 @@ export const loadWeights = async (
   const keys: Array<Ptr | FileRegion> = []
   layout.tensors.forEach((t, index) => {
     let buft = cpuBuft
-    if (t.use === "mul_mat" || t.use === "mul_mat_id") buft = chooseExtraBuffer(g, extra, t.use, t.info.type, t.info.dims) ?? cpuBuft
+    if (t.use === "mul_mat" || t.use === "mul_mat_id")
+      buft = chooseExtraBuffer(g, extra, t.use, t.info.type, t.info.dims) ?? cpuBuft
     let key: Ptr | FileRegion = buft
     let addr: bigint | undefined
     if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
@@ -332,11 +341,12 @@ export const loadWeights = async (
       for (const m of members) {
         const t = layout.tensors[m.index]!
         const d = t.info.dims
-        const p = d.length <= 1
-          ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
-          : d.length === 2
-          ? raw.ggml_new_tensor_2d(ctx, t.info.type, d[0]!, d[1]!)
-          : raw.ggml_new_tensor_3d(ctx, t.info.type, d[0]!, d[1]!, d[2] ?? 1)
+        const p =
+          d.length <= 1
+            ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
+            : d.length === 2
+              ? raw.ggml_new_tensor_2d(ctx, t.info.type, d[0]!, d[1]!)
+              : raw.ggml_new_tensor_3d(ctx, t.info.type, d[0]!, d[1]!, d[2] ?? 1)
         raw.ggml_set_name(p, t.name.slice(0, 63))
         const nbytes = raw.ggml_nbytes(p)
         if (nbytes !== t.info.byteSize) {
@@ -467,4 +477,3 @@ export const loadWeights = async (
     throw e
   }
 }
-

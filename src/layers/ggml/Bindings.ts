@@ -153,14 +153,9 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       ne0: number,
       offset: number
     ) => Ptr,
-    ggml_view_2d: f("void * ggml_view_2d(void * ctx, void * a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset)") as (
-      ctx: Ptr,
-      a: Ptr,
-      ne0: number,
-      ne1: number,
-      nb1: number,
-      offset: number
-    ) => Ptr,
+    ggml_view_2d: f(
+      "void * ggml_view_2d(void * ctx, void * a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset)"
+    ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, nb1: number, offset: number) => Ptr,
     ggml_view_3d: f(
       "void * ggml_view_3d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, size_t nb1, size_t nb2, size_t offset)"
     ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, nb1: number, nb2: number, offset: number) => Ptr,
@@ -204,23 +199,15 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       a: Ptr,
       prec: number
     ) => void,
-    ggml_soft_max_ext: f("void * ggml_soft_max_ext(void * ctx, void * a, void * mask, float scale, float max_bias)") as (
-      ctx: Ptr,
-      a: Ptr,
-      mask: Ptr | null,
-      scale: number,
-      maxBias: number
-    ) => Ptr,
+    ggml_soft_max_ext: f(
+      "void * ggml_soft_max_ext(void * ctx, void * a, void * mask, float scale, float max_bias)"
+    ) as (ctx: Ptr, a: Ptr, mask: Ptr | null, scale: number, maxBias: number) => Ptr,
     ggml_swiglu_split: f("void * ggml_swiglu_split(void * ctx, void * a, void * b)") as (
       ctx: Ptr,
       a: Ptr,
       b: Ptr
     ) => Ptr,
-    ggml_geglu_split: f("void * ggml_geglu_split(void * ctx, void * a, void * b)") as (
-      ctx: Ptr,
-      a: Ptr,
-      b: Ptr
-    ) => Ptr,
+    ggml_geglu_split: f("void * ggml_geglu_split(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
     ggml_tanh: f("void * ggml_tanh(void * ctx, void * a)") as (ctx: Ptr, a: Ptr) => Ptr,
     ggml_new_graph_custom: f("void * ggml_new_graph_custom(void * ctx, size_t size, bool grads)") as (
       ctx: Ptr,
@@ -240,7 +227,10 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
     ggml_backend_alloc_ctx_tensors_from_buft: f(
       "void * ggml_backend_alloc_ctx_tensors_from_buft(void * ctx, void * buft)"
     ) as (ctx: Ptr, buft: Ptr) => Ptr | null,
-    ggml_log_set: f("void ggml_log_set(void * callback, void * user_data)") as (callback: unknown, userData: null) => void,
+    ggml_log_set: f("void ggml_log_set(void * callback, void * user_data)") as (
+      callback: unknown,
+      userData: null
+    ) => void,
     ggml_backend_buft_get_alignment: f("size_t ggml_backend_buft_get_alignment(void * buft)") as (buft: Ptr) => number,
     ggml_backend_buft_alloc_buffer: f("void * ggml_backend_buft_alloc_buffer(void * buft, size_t size)") as (
       buft: Ptr,
@@ -264,12 +254,9 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       buffer: Ptr,
       usage: number
     ) => void,
-    ggml_backend_tensor_set: f("void ggml_backend_tensor_set(void * tensor, const void * data, size_t offset, size_t size)") as (
-      t: Ptr,
-      data: ArrayBufferView,
-      offset: number,
-      size: number
-    ) => void,
+    ggml_backend_tensor_set: f(
+      "void ggml_backend_tensor_set(void * tensor, const void * data, size_t offset, size_t size)"
+    ) as (t: Ptr, data: ArrayBufferView, offset: number, size: number) => void,
     // weights mapped from the file (Native.ts): a CPU buffer over foreign memory, tensors placed at addresses in it
     ggml_backend_cpu_buffer_from_ptr: f("void * ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size)") as (
       ptr: unknown,
@@ -290,12 +277,9 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       "size_t",
       "size_t"
     ]) as (t: Ptr, data: bigint, offset: number, size: number) => void,
-    ggml_backend_tensor_get: f("void ggml_backend_tensor_get(void * tensor, void * data, size_t offset, size_t size)") as (
-      t: Ptr,
-      data: ArrayBufferView,
-      offset: number,
-      size: number
-    ) => void,
+    ggml_backend_tensor_get: f(
+      "void ggml_backend_tensor_get(void * tensor, void * data, size_t offset, size_t size)"
+    ) as (t: Ptr, data: ArrayBufferView, offset: number, size: number) => void,
     ggml_gallocr_new: f("void * ggml_gallocr_new(void * buft)") as (buft: Ptr) => Ptr,
     ggml_gallocr_free: f("void ggml_gallocr_free(void * galloc)") as (galloc: Ptr) => void,
     ggml_gallocr_reserve: f("bool ggml_gallocr_reserve(void * galloc, void * graph)") as (
@@ -316,7 +300,9 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
 const bindMain = (lib: LibraryHandle) => {
   const f = (decl: string) => lib.func(decl)
   return {
-    ggml_backend_load_all_from_path: f("void ggml_backend_load_all_from_path(const char * dir)") as (dir: string) => void,
+    ggml_backend_load_all_from_path: f("void ggml_backend_load_all_from_path(const char * dir)") as (
+      dir: string
+    ) => void,
     ggml_backend_reg_by_name: f("void * ggml_backend_reg_by_name(const char * name)") as (name: string) => Ptr | null,
     ggml_backend_reg_get_proc_address: f("void * ggml_backend_reg_get_proc_address(void * reg, const char * name)") as (
       reg: Ptr,
@@ -415,7 +401,8 @@ const checkLayout = (raw: GgmlRaw): void => {
     const name = Buffer.from(nameBytes).toString("latin1")
     const expectNe = [6, 5, 3, 1]
     const expectNb = [2, 12, 60, 180]
-    const ok = type === GgmlType.F16 &&
+    const ok =
+      type === GgmlType.F16 &&
       ne.every((x, i) => x === expectNe[i]) &&
       nb.every((x, i) => x === expectNb[i]) &&
       (flags & 1) === 1 &&
@@ -423,9 +410,9 @@ const checkLayout = (raw: GgmlRaw): void => {
       raw.ggml_nbytes(t) === 180
     if (!ok) {
       throw new GgmlBindingError(
-        `ggml_tensor layout mismatch: read type=${type} ne=[${ne}] nb=[${nb}] flags=${flags} name=${
-          JSON.stringify(name)
-        }, expected type=1 ne=[${expectNe}] nb=[${expectNb}] input flag and name "swactor-layout"`
+        `ggml_tensor layout mismatch: read type=${type} ne=[${ne}] nb=[${nb}] flags=${flags} name=${JSON.stringify(
+          name
+        )}, expected type=1 ne=[${expectNe}] nb=[${expectNb}] input flag and name "swactor-layout"`
       )
     }
   } finally {
@@ -461,9 +448,9 @@ const init = (): Ggml => {
   const located = locateGgmlLibraries({ backend: ggmlPackageNow() })
   if ("tried" in located) {
     throw new GgmlBindingError(
-      `node-llama-cpp's ggml libraries were not found for ${process.platform}-${process.arch}; looked in: ${
-        located.tried.join(", ")
-      }`
+      `node-llama-cpp's ggml libraries were not found for ${process.platform}-${process.arch}; looked in: ${located.tried.join(
+        ", "
+      )}`
     )
   }
   if (located.release !== undefined && located.release !== expectedBuild.release) {
@@ -534,8 +521,12 @@ const init = (): Ggml => {
     // ggml_quantize_chunk's switch (ggml.c): f32, f16, bf16 and every quantized type but q8_1 / q8_K; any other type
     // (or an id past the type table, read out of bounds by ggml_blck_size) fails its GGML_ASSERT and aborts
     const info = ggmlTypeInfo(type)
-    if (info === undefined || !(info.quantized || type === GgmlType.F32 || type === GgmlType.F16 || type === GgmlType.BF16) ||
-      type === GgmlType.Q8_1 || type === GgmlType.Q8_K) {
+    if (
+      info === undefined ||
+      !(info.quantized || type === GgmlType.F32 || type === GgmlType.F16 || type === GgmlType.BF16) ||
+      type === GgmlType.Q8_1 ||
+      type === GgmlType.Q8_K
+    ) {
       throw new RangeError(`quantizeChunk: ggml cannot quantize to type ${type}`)
     }
     const blck = raw.ggml_blck_size(type)

@@ -35,7 +35,12 @@ let dlInfo: ReturnType<typeof koffi.struct> | undefined
 
 /** The file of the loaded library that holds `address` (dladdr), or undefined where that cannot be asked. */
 const libraryOf = (address: Ptr): string | undefined => {
-  const libc = process.platform === "linux" ? "libc.so.6" : process.platform === "darwin" ? "/usr/lib/libSystem.B.dylib" : undefined
+  const libc =
+    process.platform === "linux"
+      ? "libc.so.6"
+      : process.platform === "darwin"
+        ? "/usr/lib/libSystem.B.dylib"
+        : undefined
   if (libc === undefined) return undefined
   try {
     const lib = koffi.load(libc)
@@ -106,8 +111,10 @@ const probeSupports = (g: Ggml, type: number, blockSize: number): boolean => {
     const w = raw.ggml_new_tensor_2d(ctx, type, blockSize, 2)
     const x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, blockSize, 3)
     const ids = raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 3)
-    return raw.ggml_backend_dev_supports_op(dev, raw.ggml_mul_mat(ctx, w, x)) &&
+    return (
+      raw.ggml_backend_dev_supports_op(dev, raw.ggml_mul_mat(ctx, w, x)) &&
       raw.ggml_backend_dev_supports_op(dev, raw.ggml_get_rows(ctx, w, ids))
+    )
   } finally {
     raw.ggml_free(ctx)
   }
@@ -129,7 +136,8 @@ export const cpuComputesWeightType = (g: Ggml, type: number): boolean => {
     const r = readers(g)
     const t = r.cpu(type)
     const dotType = t.vecDotType
-    ok = t.vecDot &&
+    ok =
+      t.vecDot &&
       ggmlTypeInfo(dotType) !== undefined &&
       r.cpu(dotType).fromFloat &&
       (!info.quantized || r.toFloat(type)) &&

@@ -20,7 +20,16 @@ export interface DeltaNetOps {
   readonly ggml_concat: (ctx: Ptr, a: Ptr, b: Ptr, dim: number) => Ptr
   readonly ggml_reshape_4d: (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr
   readonly ggml_view_4d: (
-    ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, ne3: number, nb1: number, nb2: number, nb3: number, offset: number
+    ctx: Ptr,
+    a: Ptr,
+    ne0: number,
+    ne1: number,
+    ne2: number,
+    ne3: number,
+    nb1: number,
+    nb2: number,
+    nb3: number,
+    offset: number
   ) => Ptr
   readonly ggml_cont_2d: (ctx: Ptr, a: Ptr, ne0: number, ne1: number) => Ptr
 }

@@ -40,7 +40,9 @@ export const moeOps = (g: Ggml): MoeOps => {
     ggml_sum_rows: f("void * ggml_sum_rows(void * ctx, void * a)"),
     ggml_div: f("void * ggml_div(void * ctx, void * a, void * b)"),
     ggml_clamp: f("void * ggml_clamp(void * ctx, void * a, float min, float max)"),
-    ggml_reshape_4d: f("void * ggml_reshape_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"),
+    ggml_reshape_4d: f(
+      "void * ggml_reshape_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"
+    ),
     ggml_set_rows: f("void * ggml_set_rows(void * ctx, void * a, void * b, void * c)"),
     ggml_fill: f("void * ggml_fill(void * ctx, void * a, float c)"),
     ggml_repeat_4d: f("void * ggml_repeat_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)")

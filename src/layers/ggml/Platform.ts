@@ -42,7 +42,7 @@ export const platformPackageNames = (
   return []
 }
 
-const libExt = (platform: NodeJS.Platform) => platform === "win32" ? ".dll" : platform === "darwin" ? ".dylib" : ".so"
+const libExt = (platform: NodeJS.Platform) => (platform === "win32" ? ".dll" : platform === "darwin" ? ".dylib" : ".so")
 
 /** True when an NVIDIA driver is visible (cheap check, no library load). */
 export const cudaDriverPresent = (): boolean => {
@@ -83,10 +83,7 @@ const findLibs = (dir: string, platform: NodeJS.Platform) => {
   const files = readdirSync(dir)
   const prefix = platform === "win32" ? "" : "lib"
   const baseLib = files.find((f) => f === `${prefix}ggml-base${ext}`)
-  const mainLib = files.find((f) =>
-    f.startsWith(`${prefix}ggml.`) && f.endsWith(ext) ||
-    f === `${prefix}ggml${ext}`
-  )
+  const mainLib = files.find((f) => (f.startsWith(`${prefix}ggml.`) && f.endsWith(ext)) || f === `${prefix}ggml${ext}`)
   return { baseLib, mainLib }
 }
 
@@ -131,10 +128,10 @@ export const locateGgmlLibraries = (
       release = undefined
     }
     const gpu = c.packageName.includes("cuda")
-      ? "cuda" as const
+      ? ("cuda" as const)
       : c.packageName.includes("metal")
-      ? "metal" as const
-      : false
+        ? ("metal" as const)
+        : false
     return { packageName: c.packageName, dir: c.dir, gpu, baseLib, mainLib, release }
   }
   return { tried }

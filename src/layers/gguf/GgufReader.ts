@@ -48,7 +48,10 @@ export interface ByteSource {
 }
 
 class ParseFailure {
-  constructor(readonly reason: ModelLoadReason, readonly message: string) {}
+  constructor(
+    readonly reason: ModelLoadReason,
+    readonly message: string
+  ) {}
 }
 
 class IoFailure {
@@ -99,7 +102,10 @@ class Cursor {
   private view: DataView = new DataView(this.buf.buffer)
   private bufStart = 0
 
-  constructor(private readonly src: ByteSource, readonly limits: GgufLimitSettings) {}
+  constructor(
+    private readonly src: ByteSource,
+    readonly limits: GgufLimitSettings
+  ) {}
 
   get remaining(): number {
     return this.src.size - this.pos
@@ -115,10 +121,7 @@ class Cursor {
       )
     }
     if (n > this.remaining) {
-      fail(
-        "Truncated",
-        `file ends at byte ${this.src.size} while reading ${what} (${n} bytes at offset ${this.pos})`
-      )
+      fail("Truncated", `file ends at byte ${this.src.size} while reading ${what} (${n} bytes at offset ${this.pos})`)
     }
     const rel = this.pos - this.bufStart
     if (rel >= 0 && rel + n <= this.buf.length) return rel
@@ -218,9 +221,15 @@ const readString = (c: Cursor, what: string, strict: boolean): string => {
   const len = c.u64(`length of ${what}`)
   if (len > BigInt(c.limits.maxStringBytes)) {
     if (len > BigInt(c.remaining)) {
-      fail("Truncated", `${what} at offset ${at} declares length ${len}, beyond the ${c.remaining} bytes left in the file`)
+      fail(
+        "Truncated",
+        `${what} at offset ${at} declares length ${len}, beyond the ${c.remaining} bytes left in the file`
+      )
     }
-    fail("InvalidMetadata", `${what} at offset ${at} declares length ${len}, over the ${c.limits.maxStringBytes}-byte limit`)
+    fail(
+      "InvalidMetadata",
+      `${what} at offset ${at} declares length ${len}, over the ${c.limits.maxStringBytes}-byte limit`
+    )
   }
   const n = Number(len)
   if (n > c.remaining) {
@@ -389,7 +398,10 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
     if (name.length === 0) fail("InvalidMetadata", `tensor #${i} at offset ${tableAt} has an empty name`)
     const nameBytes = Buffer.byteLength(name, "utf8")
     if (nameBytes >= GGML_MAX_NAME) {
-      fail("InvalidMetadata", `tensor #${i} name "${name}" is ${nameBytes} bytes, ggml allows at most ${GGML_MAX_NAME - 1}`)
+      fail(
+        "InvalidMetadata",
+        `tensor #${i} name "${name}" is ${nameBytes} bytes, ggml allows at most ${GGML_MAX_NAME - 1}`
+      )
     }
     const prev = seen.get(name)
     if (prev !== undefined) fail("InvalidMetadata", `duplicate tensor name "${name}" (tensors #${prev} and #${i})`)
@@ -405,7 +417,8 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
     for (let d = 0; d < nDims; d++) {
       const at = c.pos
       const ne = c.i64(`dimension ${d} of tensor "${name}"`)
-      if (ne <= 0n) fail("TensorShapeMismatch", `tensor "${name}" dimension ${d} is ${ne} at offset ${at} (must be > 0)`)
+      if (ne <= 0n)
+        fail("TensorShapeMismatch", `tensor "${name}" dimension ${d} is ${ne} at offset ${at} (must be > 0)`)
       elements *= ne
       if (elements > BigInt(Number.MAX_SAFE_INTEGER)) {
         fail(
@@ -517,7 +530,8 @@ const run = (
     try {
       return Effect.succeed(toFile(path, src.size, parse(src, { ...GgufLimits, ...limits })))
     } catch (e) {
-      if (e instanceof ParseFailure) return Effect.fail(new ModelLoadError({ path, reason: e.reason, message: e.message }))
+      if (e instanceof ParseFailure)
+        return Effect.fail(new ModelLoadError({ path, reason: e.reason, message: e.message }))
       if (e instanceof IoFailure) {
         return Effect.fail(new ModelLoadError({ path, reason: "Io", message: `reading ${path}: ${e.message}` }))
       }
@@ -531,10 +545,14 @@ export const parseGgufBytes = (
   path = "<memory>",
   limits: Partial<GgufLimitSettings> = {}
 ): Effect.Effect<GgufFile, ModelLoadError> =>
-  run(path, {
-    size: bytes.length,
-    read: (position, length) => bytes.subarray(position, Math.min(bytes.length, position + length))
-  }, limits)
+  run(
+    path,
+    {
+      size: bytes.length,
+      read: (position, length) => bytes.subarray(position, Math.min(bytes.length, position + length))
+    },
+    limits
+  )
 
 /** Parses any ByteSource. */
 export const parseGgufSource = (
@@ -608,13 +626,21 @@ const lookup = (file: GgufFile, key: string): Effect.Effect<[GgufValue, GgufValu
 }
 
 const isIntType = (t: number): boolean =>
-  t === GgufValueType.UINT8 || t === GgufValueType.INT8 || t === GgufValueType.UINT16 ||
-  t === GgufValueType.INT16 || t === GgufValueType.UINT32 || t === GgufValueType.INT32 ||
-  t === GgufValueType.UINT64 || t === GgufValueType.INT64
+  t === GgufValueType.UINT8 ||
+  t === GgufValueType.INT8 ||
+  t === GgufValueType.UINT16 ||
+  t === GgufValueType.INT16 ||
+  t === GgufValueType.UINT32 ||
+  t === GgufValueType.INT32 ||
+  t === GgufValueType.UINT64 ||
+  t === GgufValueType.INT64
 
 const toInt = (v: GgufValue): number | undefined =>
-  typeof v === "number" ? v : typeof v === "bigint" && v <= BigInt(Number.MAX_SAFE_INTEGER) &&
-      v >= BigInt(Number.MIN_SAFE_INTEGER) ? Number(v) : undefined
+  typeof v === "number"
+    ? v
+    : typeof v === "bigint" && v <= BigInt(Number.MAX_SAFE_INTEGER) && v >= BigInt(Number.MIN_SAFE_INTEGER)
+      ? Number(v)
+      : undefined
 
 /** An integer key (of any GGUF integer type) whose value fits in [0, 2^32). */
 export const getU32 = (file: GgufFile, key: string): Effect.Effect<number, ModelLoadError> =>
@@ -642,41 +668,50 @@ export const getF32 = (file: GgufFile, key: string): Effect.Effect<number, Model
   Effect.flatMap(lookup(file, key), ([v, k]) =>
     (k.type === GgufValueType.FLOAT32 || k.type === GgufValueType.FLOAT64) && typeof v === "number"
       ? Effect.succeed(v)
-      : Effect.fail(metadataError(file, `metadata "${key}" must be a float but is ${kindName(k)}`)))
+      : Effect.fail(metadataError(file, `metadata "${key}" must be a float but is ${kindName(k)}`))
+  )
 
 export const getString = (file: GgufFile, key: string): Effect.Effect<string, ModelLoadError> =>
   Effect.flatMap(lookup(file, key), ([v, k]) =>
     k.type === GgufValueType.STRING && typeof v === "string"
       ? Effect.succeed(v)
-      : Effect.fail(metadataError(file, `metadata "${key}" must be a STRING but is ${kindName(k)}`)))
+      : Effect.fail(metadataError(file, `metadata "${key}" must be a STRING but is ${kindName(k)}`))
+  )
 
 export const getBool = (file: GgufFile, key: string): Effect.Effect<boolean, ModelLoadError> =>
   Effect.flatMap(lookup(file, key), ([v, k]) =>
     k.type === GgufValueType.BOOL && typeof v === "boolean"
       ? Effect.succeed(v)
-      : Effect.fail(metadataError(file, `metadata "${key}" must be a BOOL but is ${kindName(k)}`)))
+      : Effect.fail(metadataError(file, `metadata "${key}" must be a BOOL but is ${kindName(k)}`))
+  )
 
 /** An array key of any item type. */
 export const getArray = (file: GgufFile, key: string): Effect.Effect<ReadonlyArray<GgufValue>, ModelLoadError> =>
   Effect.flatMap(lookup(file, key), ([v, k]) =>
     k.type === GgufValueType.ARRAY && Array.isArray(v)
       ? Effect.succeed(v as ReadonlyArray<GgufValue>)
-      : Effect.fail(metadataError(file, `metadata "${key}" must be an ARRAY but is ${kindName(k)}`)))
+      : Effect.fail(metadataError(file, `metadata "${key}" must be an ARRAY but is ${kindName(k)}`))
+  )
 
 export const getStringArray = (file: GgufFile, key: string): Effect.Effect<ReadonlyArray<string>, ModelLoadError> =>
   Effect.flatMap(lookup(file, key), ([v, k]) =>
     k.type === GgufValueType.ARRAY && k.itemType === GgufValueType.STRING
       ? Effect.succeed(v as ReadonlyArray<string>)
-      : Effect.fail(metadataError(file, `metadata "${key}" must be an ARRAY<STRING> but is ${kindName(k)}`)))
+      : Effect.fail(metadataError(file, `metadata "${key}" must be an ARRAY<STRING> but is ${kindName(k)}`))
+  )
 
 /** An array of 8/16/32-bit integers or floats, as numbers. */
 export const getNumberArray = (file: GgufFile, key: string): Effect.Effect<ReadonlyArray<number>, ModelLoadError> =>
   Effect.flatMap(lookup(file, key), ([v, k]) =>
-    k.type === GgufValueType.ARRAY && k.itemType !== undefined && k.itemType !== GgufValueType.STRING &&
-      k.itemType !== GgufValueType.BOOL && k.itemType !== GgufValueType.UINT64 &&
-      k.itemType !== GgufValueType.INT64
+    k.type === GgufValueType.ARRAY &&
+    k.itemType !== undefined &&
+    k.itemType !== GgufValueType.STRING &&
+    k.itemType !== GgufValueType.BOOL &&
+    k.itemType !== GgufValueType.UINT64 &&
+    k.itemType !== GgufValueType.INT64
       ? Effect.succeed(v as ReadonlyArray<number>)
-      : Effect.fail(metadataError(file, `metadata "${key}" must be a numeric ARRAY but is ${kindName(k)}`)))
+      : Effect.fail(metadataError(file, `metadata "${key}" must be a numeric ARRAY but is ${kindName(k)}`))
+  )
 
 /** Whether a key is present. */
 export const hasKey = (file: GgufFile, key: string): boolean => file.metadata.has(key)

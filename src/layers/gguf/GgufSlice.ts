@@ -86,8 +86,10 @@ export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<stri
         }
         return hash.digest("hex")
       },
-      catch: (e) => new ModelLoadError({ path: file.path, reason: "Io", message: `cannot hash ${file.path}: ${String(e)}` })
-    }))
+      catch: (e) =>
+        new ModelLoadError({ path: file.path, reason: "Io", message: `cannot hash ${file.path}: ${String(e)}` })
+    })
+  )
 
 /** Writes the stage's slice of `file` to `path` (atomically: a temporary file renamed when complete). */
 export const writeGgufSlice = (

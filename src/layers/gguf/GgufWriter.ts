@@ -315,7 +315,9 @@ const parts = (l: Layout): ReadonlyArray<(sink: Sink) => void> => {
         sink(chunk)
       }
       if (written !== t.size) {
-        bad(`tensor "${t.spec.name}" data is ${written > t.size ? "over" : written} bytes, its type and shape need ${t.size}`)
+        bad(
+          `tensor "${t.spec.name}" data is ${written > t.size ? "over" : written} bytes, its type and shape need ${t.size}`
+        )
       }
     })
     pos = t.rel + t.size
@@ -352,14 +354,14 @@ export const encodeGguf = (spec: GgufWriteSpec): Effect.Effect<Uint8Array, GgufW
  * interruption. Yields between tensors, so a long write can be interrupted.
  */
 export const writeGgufFile = (path: string, spec: GgufWriteSpec): Effect.Effect<GgufWriteSummary, GgufWriteError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const catchError = writeError(path)
     const l = yield* Effect.try({ try: () => layout(spec), catch: catchError })
     const tmp = `${path}.tmp-${process.pid}`
     yield* Effect.acquireUseRelease(
       Effect.try({ try: () => Fs.openSync(tmp, "w"), catch: catchError }),
       (fd) =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const pending: Array<Uint8Array> = []
           let pendingBytes = 0
           const flush = () => {

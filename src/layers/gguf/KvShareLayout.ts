@@ -19,7 +19,8 @@ export const withPerLayerTables = (layout: ModelLayout, file: GgufFile): ModelLa
 export const withKvShare = (layout: ModelLayout, file: GgufFile, arch: string, numLayers: number): ModelLayout => {
   const raw = file.metadata.get(`${arch}.attention.shared_kv_layers`)
   const shared = typeof raw === "bigint" ? Number(raw) : raw
-  if (typeof shared !== "number" || !Number.isSafeInteger(shared) || shared <= 0 || numLayers - shared < 2) return layout
+  if (typeof shared !== "number" || !Number.isSafeInteger(shared) || shared <= 0 || numLayers - shared < 2)
+    return layout
   const kvSources = kvShareSources(numLayers, shared, layout.slidingWindow?.blocks ?? [])
   return {
     ...layout,

@@ -55,7 +55,7 @@ export const readHeader = (path: string): Effect.Effect<GgufFile, ModelLoadError
  * its architecture, and the EOS token (2 when absent). Activations travel as f32, so the dtype is Float, 4 bytes.
  */
 export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const file = yield* readHeader(path)
     const arch = yield* Gguf.getArchitecture(file)
     // MTP blocks (`nextn_predict_layers`) trail the trunk and are never placed: TrunkBlocks.ts
@@ -96,7 +96,7 @@ const isStackedExperts = (name: string) => /^blk\.\d+\.ffn_[a-z_]*_exps\./.test(
  * tensor.
  */
 const expertCountsOf = (file: GgufFile, arch: string): Effect.Effect<ExpertCounts | undefined, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const stacked = file.tensors.filter((t) => isStackedExperts(t.name))
     if (stacked.length === 0) return undefined
     const first = stacked[0]!.name
@@ -104,12 +104,12 @@ const expertCountsOf = (file: GgufFile, arch: string): Effect.Effect<ExpertCount
       Gguf.hasKey(file, name)
         ? Gguf.getU32(file, name)
         : Effect.fail(
-          new ModelLoadError({
-            path: file.path,
-            reason: "InvalidMetadata",
-            message: `metadata key "${name}" is missing: the file has stacked expert tensors (${first})`
-          })
-        )
+            new ModelLoadError({
+              path: file.path,
+              reason: "InvalidMetadata",
+              message: `metadata key "${name}" is missing: the file has stacked expert tensors (${first})`
+            })
+          )
     const count = yield* key(`${arch}.expert_count`)
     const used = yield* key(`${arch}.expert_used_count`)
     if (count < 1 || used < 1 || used > count) {
@@ -128,7 +128,8 @@ const expertCountsOf = (file: GgufFile, arch: string): Effect.Effect<ExpertCount
         return yield* new ModelLoadError({
           path: file.path,
           reason: "TensorShapeMismatch",
-          message: `tensor "${tensor.name}" has shape [${tensor.dims.join(", ")}]: its last dimension must be ` +
+          message:
+            `tensor "${tensor.name}" has shape [${tensor.dims.join(", ")}]: its last dimension must be ` +
             `"${arch}.expert_count" = ${count}`
         })
       }
@@ -158,9 +159,10 @@ const layoutOfFile = (
     const block = Number(match[1])
     if (block >= numLayers) continue
     blockBytes[block]! += tensor.byteSize
-    activeBlockBytes[block]! += experts !== undefined && isStackedExperts(tensor.name)
-      ? (tensor.byteSize / experts.count) * experts.used
-      : tensor.byteSize
+    activeBlockBytes[block]! +=
+      experts !== undefined && isStackedExperts(tensor.name)
+        ? (tensor.byteSize / experts.count) * experts.used
+        : tensor.byteSize
   }
   const bytes = (name: string) => file.tensorsByName.get(name)?.byteSize ?? 0
   const width = (name: string) => file.tensorsByName.get(name)?.dims[1]
@@ -197,12 +199,18 @@ const layoutOfFile = (
 }
 
 export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const file = yield* readHeader(path)
     const facts = yield* readModelFacts(path)
     const arch = yield* Gguf.getArchitecture(file)
     const experts = yield* expertCountsOf(file, arch)
-    const layout = layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts, slidingWindowOf(file, arch, facts.numLayers))
+    const layout = layoutOfFile(
+      file,
+      facts.numLayers,
+      facts.hiddenDim,
+      experts,
+      slidingWindowOf(file, arch, facts.numLayers)
+    )
     // gemma4's shared KV layers: no cache of their own, never cut from the block whose cache they read
     return withKvShare(withPerLayerTables(layout, file), file, arch, facts.numLayers)
   })
@@ -230,5 +238,6 @@ export const layerTest = (
         ? Effect.succeed(layout)
         : Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no model layout for ${path}` }))
     },
-    header: (path) => Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no GGUF header in the test catalog: ${path}` }))
+    header: (path) =>
+      Effect.fail(new ModelLoadError({ path, reason: "Io", message: `no GGUF header in the test catalog: ${path}` }))
   })

@@ -20,8 +20,7 @@ export class SliceCacheError extends Data.TaggedError("SliceCacheError")<{
 }> {}
 
 export type SliceStatus =
-  | { readonly _tag: "Complete"; readonly path: string }
-  | { readonly _tag: "Partial"; readonly have: number }
+  { readonly _tag: "Complete"; readonly path: string } | { readonly _tag: "Partial"; readonly have: number }
 
 const HASH = /^[0-9a-f]{64}$/
 
@@ -44,7 +43,7 @@ export const makeSliceCache = (dir: string) => {
 
   /** What the cache holds for `hash`: a verified slice, or how many bytes of a partial one (0: none). */
   const status = (hash: string, range: SliceRange): Effect.Effect<SliceStatus, SliceCacheError> =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* checkHash(hash)
       if (Fs.existsSync(complete(hash))) {
         if (yield* verified(complete(hash), hash, range)) return { _tag: "Complete", path: complete(hash) } as const
@@ -60,13 +59,18 @@ export const makeSliceCache = (dir: string) => {
 
   /** Appends `bytes` at `offset`, which must be where the partial file ends (a resumed transfer continues there). */
   const append = (hash: string, offset: number, bytes: Uint8Array): Effect.Effect<number, SliceCacheError> =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* checkHash(hash)
       return yield* Effect.try({
         try: () => {
           Fs.mkdirSync(dir, { recursive: true })
           const have = Fs.existsSync(partial(hash)) ? Fs.statSync(partial(hash)).size : 0
-          if (offset !== have) return new SliceCacheError({ hash, reason: "OutOfOrder", message: `chunk at ${offset}, the partial slice has ${have} bytes` })
+          if (offset !== have)
+            return new SliceCacheError({
+              hash,
+              reason: "OutOfOrder",
+              message: `chunk at ${offset}, the partial slice has ${have} bytes`
+            })
           Fs.appendFileSync(partial(hash), bytes)
           return have + bytes.length
         },
@@ -76,7 +80,7 @@ export const makeSliceCache = (dir: string) => {
 
   /** Verifies the partial slice and makes it the slice; a mismatch deletes it and fails `Corrupt`. */
   const finish = (hash: string, range: SliceRange): Effect.Effect<string, SliceCacheError> =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* checkHash(hash)
       if (!(yield* verified(partial(hash), hash, range))) {
         yield* Effect.try({ try: () => Fs.rmSync(partial(hash), { force: true }), catch: io(hash) })
@@ -91,11 +95,12 @@ export const makeSliceCache = (dir: string) => {
     })
 
   /** The partial file of `hash` (a `BadHash` failure for a malformed hash). */
-  const partialPath = (hash: string): Effect.Effect<string, SliceCacheError> => checkHash(hash).pipe(Effect.as(partial(hash)))
+  const partialPath = (hash: string): Effect.Effect<string, SliceCacheError> =>
+    checkHash(hash).pipe(Effect.as(partial(hash)))
 
   /** Makes the partial slice the slice as it is (its bytes were verified on arrival); `Corrupt` when none is there. */
   const promote = (hash: string): Effect.Effect<string, SliceCacheError> =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* checkHash(hash)
       if (!Fs.existsSync(partial(hash))) {
         return yield* new SliceCacheError({ hash, reason: "Corrupt", message: "no received slice to finish" })

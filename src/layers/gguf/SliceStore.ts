@@ -42,7 +42,8 @@ export interface WeightStore {
   readonly sink: SliceSink
 }
 
-const deliveryError = (error: SliceCacheError) => new WeightDeliveryError({ reason: error.reason, message: error.message })
+const deliveryError = (error: SliceCacheError) =>
+  new WeightDeliveryError({ reason: error.reason, message: error.message })
 
 export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
   const cache = makeSliceCache(options.cacheDir)
@@ -83,7 +84,11 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       Effect.map((path) => (Fs.existsSync(path) ? Fs.statSync(path).size : -1)),
       Effect.orElseSucceed(() => -1)
     )
-  const range = (w: StageWeights) => ({ layerStart: w.layerStart, layerEndExclusive: w.layerEndExclusive, numLayers: w.numLayers })
+  const range = (w: StageWeights) => ({
+    layerStart: w.layerStart,
+    layerEndExclusive: w.layerEndExclusive,
+    numLayers: w.numLayers
+  })
   const remember = (w: StageWeights, path: string) =>
     Effect.sync(() => void resolved.set(key(w.modelPath, w.layerStart, w.layerEndExclusive), path))
 
@@ -108,7 +113,7 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
     })
 
   const check = (w: StageWeights) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* idle(w.hash)
       if ((yield* localHash(w)) === w.hash) {
         yield* remember(w, w.modelPath)
@@ -123,7 +128,7 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
     })
 
   const finish = (w: StageWeights) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       yield* idle(w.hash)
       // A byte stream checked the file's SHA-256 on arrival: no second pass over it. Else parse and hash its tensors.
       const verifiedSize = streamed.get(w.hash)
@@ -137,7 +142,9 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       Effect.tap((path) =>
         Effect.sync(() => {
           received++
-          options.log?.(`received the slice for blocks [${w.layerStart}, ${w.layerEndExclusive}) of ${w.modelPath}: ${path}`)
+          options.log?.(
+            `received the slice for blocks [${w.layerStart}, ${w.layerEndExclusive}) of ${w.modelPath}: ${path}`
+          )
         })
       )
     )
@@ -152,7 +159,8 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       ),
     finish,
     resolve: (modelPath, layerStart, layerEndExclusive) =>
-      resolved.get(key(modelPath, layerStart, layerEndExclusive)) ?? (options.slicesOnly === true ? undefined : modelPath),
+      resolved.get(key(modelPath, layerStart, layerEndExclusive)) ??
+      (options.slicesOnly === true ? undefined : modelPath),
     received: () => received,
     sink
   }

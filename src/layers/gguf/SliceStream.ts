@@ -117,7 +117,8 @@ const send = (socket: Net.Socket, bytes: Uint8Array): Promise<void> =>
 
 const refusal = (answer: unknown): WeightDeliveryError | undefined => {
   const decoded = Schema.decodeUnknownOption(Answer)(answer)
-  if (decoded._tag === "None") return new WeightDeliveryError({ reason: "Io", message: `unexpected answer ${JSON.stringify(answer)}` })
+  if (decoded._tag === "None")
+    return new WeightDeliveryError({ reason: "Io", message: `unexpected answer ${JSON.stringify(answer)}` })
   const value = decoded.value
   return value.ok ? undefined : new WeightDeliveryError({ reason: value.reason, message: value.message })
 }
@@ -129,7 +130,10 @@ export type SendSliceOptions = SliceTransfer
  * destroys at the end). Succeeds with the slice's size once the agent verified it; fails with the agent's refusal
  * (`WeightDeliveryError`) or `SliceStreamBroken`.
  */
-export const sendSlice = (socket: Net.Socket, options: SendSliceOptions): Effect.Effect<number, WeightDeliveryError | SliceStreamBroken> =>
+export const sendSlice = (
+  socket: Net.Socket,
+  options: SendSliceOptions
+): Effect.Effect<number, WeightDeliveryError | SliceStreamBroken> =>
   Effect.tryPromise({
     try: async (interrupted) => {
       const stop = () => socket.destroy()
@@ -145,19 +149,29 @@ export const sendSlice = (socket: Net.Socket, options: SendSliceOptions): Effect
       try {
         const total = Fs.statSync(options.path).size
         const wire = new Wire(socket)
-        const request: SliceStreamRequest = { v: VERSION, hash: options.hash, offset: options.offset, total, sha256: options.sha256 }
+        const request: SliceStreamRequest = {
+          v: VERSION,
+          hash: options.hash,
+          offset: options.offset,
+          total,
+          sha256: options.sha256
+        }
         await send(socket, Buffer.concat([SLICE_STREAM_MAGIC, frame(request)]))
         const refused = refusal(await wire.message())
         if (refused !== undefined) throw refused
         let offset = options.offset
         if (offset < total) {
-          const file = Fs.createReadStream(options.path, { start: offset, highWaterMark: options.chunkBytes ?? 1 << 20 })
+          const file = Fs.createReadStream(options.path, {
+            start: offset,
+            highWaterMark: options.chunkBytes ?? 1 << 20
+          })
           try {
             for await (const chunk of file as AsyncIterable<Buffer>) {
               await send(socket, chunk)
               offset += chunk.length
               options.onBytes?.(offset)
-              if (options.signal?.aborted === true) throw new SliceStreamBroken(String(options.signal.reason ?? "aborted"))
+              if (options.signal?.aborted === true)
+                throw new SliceStreamBroken(String(options.signal.reason ?? "aborted"))
             }
           } finally {
             file.destroy()
@@ -186,7 +200,9 @@ export interface SliceSink {
    * The partial file of `hash` (a `BadHash` refusal for a malformed hash), once no other transfer of it is running;
    * `release` ends this one's hold on it.
    */
-  readonly open: (hash: string) => Effect.Effect<{ readonly path: string; readonly release: () => void }, WeightDeliveryError>
+  readonly open: (
+    hash: string
+  ) => Effect.Effect<{ readonly path: string; readonly release: () => void }, WeightDeliveryError>
   /** Called with the partial file's size once its SHA-256 matched the orchestrator's. */
   readonly verified: (hash: string, size: number) => void
 }
@@ -246,7 +262,8 @@ export const receiveSlice = (socket: Net.Socket, sink: SliceSink): Effect.Effect
       if (decoded._tag === "None") return await answer({ ok: false, reason: "Io", message: "malformed slice request" })
       const request = decoded.value
       const opened = await Effect.runPromise(Effect.either(sink.open(request.hash)))
-      if (opened._tag === "Left") return await answer({ ok: false, reason: opened.left.reason, message: opened.left.message })
+      if (opened._tag === "Left")
+        return await answer({ ok: false, reason: opened.left.reason, message: opened.left.message })
       release = opened.right.release
       const path = opened.right.path
       Fs.mkdirSync(Path.dirname(path), { recursive: true })
@@ -257,7 +274,11 @@ export const receiveSlice = (socket: Net.Socket, sink: SliceSink): Effect.Effect
         Fs.closeSync(fd)
         fd = undefined
         Fs.rmSync(path, { force: true })
-        return await answer({ ok: false, reason: "Corrupt", message: `the partial slice (${have} bytes) is longer than the slice; it was discarded` })
+        return await answer({
+          ok: false,
+          reason: "Corrupt",
+          message: `the partial slice (${have} bytes) is longer than the slice; it was discarded`
+        })
       }
       if (request.offset !== have) {
         return await answer({

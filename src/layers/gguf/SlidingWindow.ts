@@ -14,7 +14,11 @@ export interface SlidingWindowLayout {
 }
 
 const positiveInteger = (v: unknown): number | undefined =>
-  typeof v === "number" && Number.isSafeInteger(v) && v > 0 ? v : typeof v === "bigint" && v > 0n ? Number(v) : undefined
+  typeof v === "number" && Number.isSafeInteger(v) && v > 0
+    ? v
+    : typeof v === "bigint" && v > 0n
+      ? Number(v)
+      : undefined
 
 /**
  * gemma4's `attention.sliding_window` and its `attention.sliding_window_pattern`, one bool per block (archs/gemma4.ts
@@ -31,7 +35,10 @@ const gemma4Layout = (file: GgufFile, numLayers: number): SlidingWindowLayout | 
  * set_swa_pattern period when the key is absent): gemma3 one global block in six (src/models/gemma3.cpp), gpt-oss
  * every other block (src/models/openai-moe.cpp: blocks 0, 2, 4, ... slide). mistral3 has no sliding window in llama.cpp.
  */
-const defaultPeriods: ReadonlyMap<string, number> = new Map([["gemma3", 6], ["gpt-oss", 2]])
+const defaultPeriods: ReadonlyMap<string, number> = new Map([
+  ["gemma3", 6],
+  ["gpt-oss", 2]
+])
 
 /**
  * `<arch>.attention.sliding_window` and `<arch>.attention.sliding_window_pattern` of a sliding-window architecture
@@ -46,7 +53,8 @@ export const slidingWindowOf = (file: GgufFile, arch: string, numLayers: number)
   const window = positiveInteger(value("attention.sliding_window"))
   if (window === undefined) return undefined
   const rawPeriod = value("attention.sliding_window_pattern")
-  const period = rawPeriod === undefined ? defaultPeriod : rawPeriod === 0 || rawPeriod === 0n ? 0 : positiveInteger(rawPeriod)
+  const period =
+    rawPeriod === undefined ? defaultPeriod : rawPeriod === 0 || rawPeriod === 0n ? 0 : positiveInteger(rawPeriod)
   if (period === undefined) return undefined
   return { window, blocks: swaLayerPattern(numLayers, period) }
 }

@@ -48,7 +48,12 @@ export const spmVocabulary = (file: GgufFile): SpmVocabulary | undefined => {
   const scores = numbers(file.metadata.get("tokenizer.ggml.scores"))
   const types = numbers(file.metadata.get("tokenizer.ggml.token_type"))
   if (!Array.isArray(tokens) || !tokens.every((t) => typeof t === "string")) return undefined
-  if (scores === undefined || types === undefined || scores.length !== tokens.length || types.length !== tokens.length) {
+  if (
+    scores === undefined ||
+    types === undefined ||
+    scores.length !== tokens.length ||
+    types.length !== tokens.length
+  ) {
     return undefined
   }
   for (const key of ["eot", "eom", "sep", "pad", "cls", "mask"]) {

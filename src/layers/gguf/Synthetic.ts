@@ -45,7 +45,13 @@ import {
   validateGemma4Options
 } from "./SyntheticGemma4.js"
 import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
-import { nextnBlockTensors, nextnMetadata, syntheticBlockCount, type SyntheticNextnOptions, validateNextnOptions } from "./SyntheticNextn.js"
+import {
+  nextnBlockTensors,
+  nextnMetadata,
+  syntheticBlockCount,
+  type SyntheticNextnOptions,
+  validateNextnOptions
+} from "./SyntheticNextn.js"
 import {
   isQwen35Family,
   qwen35BlockTensors,
@@ -72,16 +78,45 @@ import {
   syntheticWeightTypes
 } from "./SyntheticTypes.js"
 
-export type SyntheticArch = "llama" | "qwen2" | "qwen3" | "gemma3" | "gemma4" | "qwen3moe" | "glm4moe" | "mistral3" | "gpt-oss" | "deepseek2" | "qwen35" | "qwen35moe"
+export type SyntheticArch =
+  | "llama"
+  | "qwen2"
+  | "qwen3"
+  | "gemma3"
+  | "gemma4"
+  | "qwen3moe"
+  | "glm4moe"
+  | "mistral3"
+  | "gpt-oss"
+  | "deepseek2"
+  | "qwen35"
+  | "qwen35moe"
 export type SyntheticType = SyntheticWeightType
 
-export const syntheticArchs: ReadonlyArray<SyntheticArch> = ["llama", "qwen2", "qwen3", "gemma3", "gemma4", "qwen3moe", "glm4moe", "mistral3", "gpt-oss", "deepseek2", "qwen35", "qwen35moe"]
+export const syntheticArchs: ReadonlyArray<SyntheticArch> = [
+  "llama",
+  "qwen2",
+  "qwen3",
+  "gemma3",
+  "gemma4",
+  "qwen3moe",
+  "glm4moe",
+  "mistral3",
+  "gpt-oss",
+  "deepseek2",
+  "qwen35",
+  "qwen35moe"
+]
 export const syntheticTypes: ReadonlyArray<SyntheticType> = syntheticWeightTypes
 
 export interface SyntheticModelOptions
-  extends SyntheticGemma4Options, SyntheticMoeOptions, SyntheticMistral3Options, SyntheticDeepseek2Options, SyntheticQwen35Options,
-    SyntheticNextnOptions
-{
+  extends
+    SyntheticGemma4Options,
+    SyntheticMoeOptions,
+    SyntheticMistral3Options,
+    SyntheticDeepseek2Options,
+    SyntheticQwen35Options,
+    SyntheticNextnOptions {
   readonly path: string
   readonly arch: SyntheticArch
   readonly layers: number
@@ -127,7 +162,7 @@ export class SyntheticModelError extends Data.TaggedError("SyntheticModelError")
 // ---------------------------------------------------------------------------------------------------------------
 // Seeded generator: sfc32 seeded by splitmix32 from (seed, name).
 
-const splitmix32 = (state: number): () => number => {
+const splitmix32 = (state: number): (() => number) => {
   let s = state >>> 0
   return () => {
     s = (s + 0x9e3779b9) >>> 0
@@ -148,7 +183,7 @@ const fnv1a = (s: string, h0: number): number => {
 }
 
 /** Uniform [0, 1) generator for one tensor. */
-export const tensorRandom = (seed: number, name: string): () => number => {
+export const tensorRandom = (seed: number, name: string): (() => number) => {
   const sm = splitmix32(fnv1a(name, 0x811c9dc5 ^ Math.imul(seed | 0, 0x9e3779b1)))
   let a = sm()
   let b = sm()
@@ -233,7 +268,7 @@ const vocabPieces = (count: number): Array<string> => {
   add("▁")
   for (const ch of LETTERS) add(ch)
   for (const ch of LETTERS) add(`▁${ch}`)
-  for (const p of [".", ",", "!", "?", "\"", "'", "'s", "▁\""]) add(p)
+  for (const p of [".", ",", "!", "?", '"', "'", "'s", '▁"']) add(p)
   for (const w of WORDS) add(`▁${w}`)
   for (const b of BIGRAMS) add(b)
   for (const ch of LETTERS.toUpperCase()) add(`▁${ch}`)
@@ -257,9 +292,15 @@ const vocabPieces = (count: number): Array<string> => {
  * SPM tokenizer metadata: <unk>, <s>, </s>, <0x00>..<0xFF>, then pieces with descending scores; with a chat template,
  * its special tokens last (control, then user-defined) and its end-of-turn token as EOS.
  */
-export const syntheticVocab = (vocab: number, chat?: SyntheticChatTemplate): ReadonlyArray<readonly [string, GgufTypedValue]> => {
+export const syntheticVocab = (
+  vocab: number,
+  chat?: SyntheticChatTemplate
+): ReadonlyArray<readonly [string, GgufTypedValue]> => {
   const spec = chat === undefined ? undefined : syntheticTemplateSpec(chat)
-  const specials = spec === undefined ? [] : [...spec.control.map((t) => [t, 3] as const), ...spec.userDefined.map((t) => [t, 4] as const)]
+  const specials =
+    spec === undefined
+      ? []
+      : [...spec.control.map((t) => [t, 3] as const), ...spec.userDefined.map((t) => [t, 4] as const)]
   const tokens: Array<string> = ["<unk>", "<s>", "</s>"]
   const scores: Array<number> = [0, 0, 0]
   const types: Array<number> = [2, 3, 3]
@@ -321,7 +362,8 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
     }
     const spec = syntheticTemplateSpec(o.chatTemplate)
     const least = 259 + spec.control.length + spec.userDefined.length
-    if (o.vocab < least) return `vocab must be at least ${least} with --chat-template ${o.chatTemplate} (its special tokens), got ${o.vocab}`
+    if (o.vocab < least)
+      return `vocab must be at least ${least} with --chat-template ${o.chatTemplate} (its special tokens), got ${o.vocab}`
   }
   if (o.heads % o.kvHeads !== 0) return `heads (${o.heads}) must be a multiple of kvHeads (${o.kvHeads})`
   if (o.headDim === undefined && o.hidden % o.heads !== 0) {
@@ -332,8 +374,16 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
-  return validateGemmaOptions(o) ?? validateGemma4Options(o) ?? validateMoeOptions(o) ?? validateMistral3Options(o) ?? validateDeepseek2Options(o) ??
-    validateQwen35Options(o) ?? validateGptOssOptions(o) ?? validateNextnOptions(o)
+  return (
+    validateGemmaOptions(o) ??
+    validateGemma4Options(o) ??
+    validateMoeOptions(o) ??
+    validateMistral3Options(o) ??
+    validateDeepseek2Options(o) ??
+    validateQwen35Options(o) ??
+    validateGptOssOptions(o) ??
+    validateNextnOptions(o)
+  )
 }
 
 interface PlannedTensor {
@@ -344,7 +394,11 @@ interface PlannedTensor {
 }
 
 const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
-  const model = { hd: o.headDim ?? o.hidden / o.heads, q: (o.headDim ?? o.hidden / o.heads) * o.heads, kv: (o.headDim ?? o.hidden / o.heads) * o.kvHeads }
+  const model = {
+    hd: o.headDim ?? o.hidden / o.heads,
+    q: (o.headDim ?? o.hidden / o.heads) * o.heads,
+    kv: (o.headDim ?? o.hidden / o.heads) * o.kvHeads
+  }
   const out: Array<PlannedTensor> = []
   const w = (name: string, ne0: number, ne1: number) =>
     out.push({ name, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
@@ -375,7 +429,8 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
     const { hd, q, kv } = o.arch === "gemma4" ? gemma4BlockShape(o, i, model.hd) : model
     w(`${b}.attn_q.weight`, o.hidden, q)
     w(`${b}.attn_k.weight`, o.hidden, kv)
-    if (!(o.arch === "gemma4" && o.kEqV === true && !gemma4SwaBlocks(o, o.layers)[i])) w(`${b}.attn_v.weight`, o.hidden, kv)
+    if (!(o.arch === "gemma4" && o.kEqV === true && !gemma4SwaBlocks(o, o.layers)[i]))
+      w(`${b}.attn_v.weight`, o.hidden, kv)
     if (o.arch === "qwen2" || o.arch === "glm4moe") {
       bias(`${b}.attn_q.bias`, q)
       bias(`${b}.attn_k.bias`, kv)
@@ -385,7 +440,8 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       norm(`${b}.attn_q_norm.weight`, hd)
       norm(`${b}.attn_k_norm.weight`, hd)
     }
-    if (o.arch === "gemma3" || o.arch === "gemma4") for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
+    if (o.arch === "gemma3" || o.arch === "gemma4")
+      for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
     if (o.arch === "gemma4") out.push(gemma4LayerScale(b), ...gemma4PerLayerBlockTensors(o, b, o.hidden))
     w(`${b}.attn_output.weight`, q, o.hidden)
     if (o.arch === "gpt-oss") {
@@ -415,7 +471,10 @@ export const syntheticTensorType = (
   type: SyntheticType,
   dims: ReadonlyArray<number>,
   name = "",
-  model: { readonly layers: number; readonly tiedOutput: boolean; readonly experts?: number } = { layers: 1, tiedOutput: false }
+  model: { readonly layers: number; readonly tiedOutput: boolean; readonly experts?: number } = {
+    layers: 1,
+    tiedOutput: false
+  }
 ): number => syntheticStorageType(type, name, dims, model)
 
 const encode = (type: number, values: Float32Array, dims: ReadonlyArray<number>): Uint8Array => {
@@ -472,7 +531,14 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
   if (a === "mistral3") md.push(...mistral3Metadata(o, o.contextLength))
   if (a === "gpt-oss") md.push(...gptOssMetadata(o, o.contextLength))
   md.push(...moeMetadata(o), ...nextnMetadata(o))
-  if (a === "qwen3" || a === "qwen3moe" || a === "gemma3" || a === "gemma4" || a === "gpt-oss" || o.headDim !== undefined) {
+  if (
+    a === "qwen3" ||
+    a === "qwen3moe" ||
+    a === "gemma3" ||
+    a === "gemma4" ||
+    a === "gpt-oss" ||
+    o.headDim !== undefined
+  ) {
     md.push([`${a}.attention.key_length`, GgufValues.u32(hd)])
     md.push([`${a}.attention.value_length`, GgufValues.u32(hd)])
   }
@@ -481,7 +547,10 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
 }
 
 /** The tensor specs (lazy data) and metadata of a synthetic model, for callers that write it themselves. */
-export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEFAULT_CHUNK_ELEMENTS): {
+export const syntheticModelSpec = (
+  o: SyntheticModelOptions,
+  chunkElements = DEFAULT_CHUNK_ELEMENTS
+): {
   readonly metadata: ReadonlyArray<readonly [string, GgufTypedValue]>
   readonly tensors: ReadonlyArray<GgufTensorSpec>
   readonly fallbacks: ReadonlyArray<string>
@@ -489,15 +558,24 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
   const fallbacks: Array<string> = []
   const tensors = planTensors(o).map((t): GgufTensorSpec => {
     const model = { layers: o.layers, tiedOutput: o.tiedOutput === true }
-    const kept = moeTensorType(t.name) ?? (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined) ?? qwen35TensorType(t.name)
-    const type = kept ??
+    const kept =
+      moeTensorType(t.name) ??
+      (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined) ??
+      qwen35TensorType(t.name)
+    const type =
+      kept ??
       syntheticTensorType(o.type, t.dims, t.name, {
         layers: o.layers,
         tiedOutput: o.tiedOutput === true,
         // the recipes' expert rules are checked against llama.cpp's quantizer for these two (synth.moeRecipe)
         ...(o.arch === "qwen3moe" || o.arch === "glm4moe" ? { experts: o.experts ?? 8 } : {})
       })
-    if (kept === undefined && t.dims.length >= 2 && type === GgmlType.F16 && syntheticDefaultTypeId(o.type) !== GgmlType.F16) {
+    if (
+      kept === undefined &&
+      t.dims.length >= 2 &&
+      type === GgmlType.F16 &&
+      syntheticDefaultTypeId(o.type) !== GgmlType.F16
+    ) {
       fallbacks.push(t.name)
     }
     const n = t.dims.reduce((x, y) => x * y, 1)
@@ -515,7 +593,7 @@ export const syntheticModelSpec = (o: SyntheticModelOptions, chunkElements = DEF
 export const writeSyntheticModel = (
   options: SyntheticModelOptions
 ): Effect.Effect<SyntheticModelSummary, SyntheticModelError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const invalid = validate(options)
     if (invalid !== undefined) return yield* Effect.fail(new SyntheticModelError({ message: invalid }))
     const started = performance.now()

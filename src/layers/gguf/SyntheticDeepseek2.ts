@@ -38,7 +38,8 @@ const sizes = (o: Shape) => {
 
 /** What is wrong with the deepseek2 options, or undefined (also refuses them on another architecture). */
 export const validateDeepseek2Options = (o: Shape): string | undefined => {
-  const given = o.kvLoraRank !== undefined || o.qLoraRank !== undefined || o.ropeDim !== undefined || o.deepseekYarn !== undefined
+  const given =
+    o.kvLoraRank !== undefined || o.qLoraRank !== undefined || o.ropeDim !== undefined || o.deepseekYarn !== undefined
   if (o.arch !== "deepseek2") {
     return given ? `kvLoraRank, qLoraRank, ropeDim and deepseekYarn are for deepseek2 only, not ${o.arch}` : undefined
   }
@@ -52,11 +53,15 @@ export const validateDeepseek2Options = (o: Shape): string | undefined => {
     if (m !== undefined && !(m >= 0 && Number.isFinite(m))) return `deepseekYarn.logMultiplier must be >= 0, got ${m}`
   }
   const s = sizes(o)
-  for (const [k, v] of [["kvLoraRank", s.kvLora], ["ropeDim", s.rope]] as const) {
+  for (const [k, v] of [
+    ["kvLoraRank", s.kvLora],
+    ["ropeDim", s.rope]
+  ] as const) {
     if (!Number.isSafeInteger(v) || v <= 0) return `${k} must be a positive integer, got ${v}`
   }
   if (!Number.isSafeInteger(s.qLora) || s.qLora < 0) return `qLoraRank must be a non-negative integer, got ${s.qLora}`
-  if (s.rope % 2 !== 0 || s.rope >= s.head) return `ropeDim (${s.rope}) must be even and below the head size (${s.head})`
+  if (s.rope % 2 !== 0 || s.rope >= s.head)
+    return `ropeDim (${s.rope}) must be even and below the head size (${s.head})`
   return undefined
 }
 
@@ -70,11 +75,21 @@ interface Planned {
 /** Block `block`'s attention tensors (attn_norm excluded). */
 export const deepseek2AttentionTensors = (block: string, o: Shape): ReadonlyArray<Planned> => {
   const s = sizes(o)
-  const m = (name: string, dims: ReadonlyArray<number>): Planned => ({ name: `${block}.${name}`, dims, mean: 0, std: 1 / Math.sqrt(dims[0]!) })
+  const m = (name: string, dims: ReadonlyArray<number>): Planned => ({
+    name: `${block}.${name}`,
+    dims,
+    mean: 0,
+    std: 1 / Math.sqrt(dims[0]!)
+  })
   const norm = (name: string, n: number): Planned => ({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
-  const q = s.qLora > 0
-    ? [norm("attn_q_a_norm.weight", s.qLora), m("attn_q_a.weight", [o.hidden, s.qLora]), m("attn_q_b.weight", [s.qLora, o.heads * s.head])]
-    : [m("attn_q.weight", [o.hidden, o.heads * s.head])]
+  const q =
+    s.qLora > 0
+      ? [
+          norm("attn_q_a_norm.weight", s.qLora),
+          m("attn_q_a.weight", [o.hidden, s.qLora]),
+          m("attn_q_b.weight", [s.qLora, o.heads * s.head])
+        ]
+      : [m("attn_q.weight", [o.hidden, o.heads * s.head])]
   return [
     ...q,
     norm("attn_kv_a_norm.weight", s.kvLora),
@@ -93,7 +108,9 @@ export const deepseek2Metadata = (
   const s = sizes(o)
   const a = o.arch
   const replaced = new Set(
-    ["attention.head_count_kv", "rope.dimension_count", "attention.key_length", "attention.value_length"].map((k) => `${a}.${k}`)
+    ["attention.head_count_kv", "rope.dimension_count", "attention.key_length", "attention.value_length"].map(
+      (k) => `${a}.${k}`
+    )
   )
   return [
     ...md.filter(([key]) => !replaced.has(key)),
@@ -109,10 +126,17 @@ export const deepseek2Metadata = (
   ]
 }
 
-const yarnMetadata = (a: string, y: SyntheticDeepseek2Options["deepseekYarn"]): Array<readonly [string, GgufTypedValue]> =>
-  y === undefined ? [] : [
-    [`${a}.rope.scaling.type`, GgufValues.string("yarn")],
-    [`${a}.rope.scaling.factor`, GgufValues.f32(y.factor)],
-    [`${a}.rope.scaling.original_context_length`, GgufValues.u32(y.originalContext)],
-    ...(y.logMultiplier === undefined ? [] : [[`${a}.rope.scaling.yarn_log_multiplier`, GgufValues.f32(y.logMultiplier)] as const])
-  ]
+const yarnMetadata = (
+  a: string,
+  y: SyntheticDeepseek2Options["deepseekYarn"]
+): Array<readonly [string, GgufTypedValue]> =>
+  y === undefined
+    ? []
+    : [
+        [`${a}.rope.scaling.type`, GgufValues.string("yarn")],
+        [`${a}.rope.scaling.factor`, GgufValues.f32(y.factor)],
+        [`${a}.rope.scaling.original_context_length`, GgufValues.u32(y.originalContext)],
+        ...(y.logMultiplier === undefined
+          ? []
+          : [[`${a}.rope.scaling.yarn_log_multiplier`, GgufValues.f32(y.logMultiplier)] as const])
+      ]

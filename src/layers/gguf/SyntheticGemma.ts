@@ -21,7 +21,8 @@ const GEMMA_DEFAULT_PATTERN = 6
 /** What is wrong with the gemma3 options, or undefined. */
 export const validateGemmaOptions = (o: SyntheticGemmaOptions): string | undefined => {
   const w = o.slidingWindow
-  if (w !== undefined && !(Number.isSafeInteger(w) && w > 0)) return `slidingWindow must be a positive integer, got ${w}`
+  if (w !== undefined && !(Number.isSafeInteger(w) && w > 0))
+    return `slidingWindow must be a positive integer, got ${w}`
   const p = o.swaPattern
   if (p !== undefined && !(Number.isSafeInteger(p) && p > 0)) return `swaPattern must be a positive integer, got ${p}`
   const c = o.logitSoftcap
@@ -30,7 +31,11 @@ export const validateGemmaOptions = (o: SyntheticGemmaOptions): string | undefin
 }
 
 /** gemma3's extra norms of block `b` (`blk.N`): q/k norms of the head size, post-attention and post-FFN norms. */
-export const gemmaBlockNorms = (b: string, hidden: number, headDim: number): ReadonlyArray<readonly [string, number]> => [
+export const gemmaBlockNorms = (
+  b: string,
+  hidden: number,
+  headDim: number
+): ReadonlyArray<readonly [string, number]> => [
   [`${b}.attn_q_norm.weight`, headDim],
   [`${b}.attn_k_norm.weight`, headDim],
   [`${b}.post_attention_norm.weight`, hidden],

@@ -40,12 +40,17 @@ export const gemma4BlockFfn = (
   o: SyntheticGemma4Options & { readonly layers: number },
   il: number,
   ffn: number
-): number => o.doubleWideSharedFfn === true && il >= o.layers - (o.sharedKvLayers ?? 0) ? ffn * 2 : ffn
+): number => (o.doubleWideSharedFfn === true && il >= o.layers - (o.sharedKvLayers ?? 0) ? ffn * 2 : ffn)
 
 /** `feed_forward_length`: one width, or one per block with `doubleWideSharedFfn` (llama.cpp's converter). */
-export const gemma4FfnValue = (o: SyntheticGemma4Options & { readonly layers: number; readonly ffn: number }): GgufTypedValue =>
+export const gemma4FfnValue = (
+  o: SyntheticGemma4Options & { readonly layers: number; readonly ffn: number }
+): GgufTypedValue =>
   o.doubleWideSharedFfn === true
-    ? GgufValues.array(GgufValueType.UINT32, Array.from({ length: o.layers }, (_, il) => gemma4BlockFfn(o, il, o.ffn)))
+    ? GgufValues.array(
+        GgufValueType.UINT32,
+        Array.from({ length: o.layers }, (_, il) => gemma4BlockFfn(o, il, o.ffn))
+      )
     : GgufValues.u32(o.ffn)
 
 /** gemma4's experts (26B-A4B) when `experts` is given: count, used per token (default 2), expert width (default ffn). */
@@ -57,11 +62,19 @@ const gemma4MoeShape = (o: SyntheticGemma4Options & SyntheticMoeOptions & { read
  * its input scale, the stacked GELU experts, a per-expert output scale, and the norms of the two branches
  * (llama.cpp's gemma4 26B-A4B tensors).
  */
-export const gemma4MoeTensors = (b: string, o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly hidden: number; readonly ffn: number }) => {
+export const gemma4MoeTensors = (
+  b: string,
+  o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly hidden: number; readonly ffn: number }
+) => {
   const moe = gemma4MoeShape(o)
   if (moe === undefined) return []
   const h = o.hidden
-  const m = (name: string, dims: ReadonlyArray<number>) => ({ name: `${b}.${name}`, dims, mean: 0, std: 1 / Math.sqrt(dims[0]!) })
+  const m = (name: string, dims: ReadonlyArray<number>) => ({
+    name: `${b}.${name}`,
+    dims,
+    mean: 0,
+    std: 1 / Math.sqrt(dims[0]!)
+  })
   const v = (name: string, n: number, std: number) => ({ name: `${b}.${name}`, dims: [n], mean: 1, std })
   return [
     m("ffn_gate_inp.weight", [h, moe.experts]),
@@ -91,10 +104,12 @@ export const validateGemma4Options = (
     const slides = gemma4SwaBlocks(o, o.layers)
     const sources = kvShareSources(o.layers, shared, slides)
     const bad = sources.findIndex((src, il) => slides[src] !== slides[il])
-    if (bad >= 0) return `sharedKvLayers ${shared}: block ${bad} would read the cache of block ${sources[bad]}, of the other kind`
+    if (bad >= 0)
+      return `sharedKvLayers ${shared}: block ${bad} would read the cache of block ${sources[bad]}, of the other kind`
   }
   const d = o.swaHeadDim
-  if (d !== undefined && !(Number.isSafeInteger(d) && d > 0 && d % 2 === 0)) return `swaHeadDim must be even and > 0, got ${d}`
+  if (d !== undefined && !(Number.isSafeInteger(d) && d > 0 && d % 2 === 0))
+    return `swaHeadDim must be even and > 0, got ${d}`
   const kv = o.globalKvHeads
   if (kv !== undefined && !(Number.isSafeInteger(kv) && kv > 0 && o.heads % kv === 0)) {
     return `globalKvHeads must divide heads (${o.heads}), got ${kv}`
@@ -109,8 +124,8 @@ export const gemma4BlockShape = (
   hd: number
 ): { readonly hd: number; readonly q: number; readonly kv: number } => {
   const slides = gemma4SwaBlocks(o, o.layers)[il] === true
-  const head = slides ? o.swaHeadDim ?? hd : hd
-  return { hd: head, q: head * o.heads, kv: head * (slides ? o.kvHeads : o.globalKvHeads ?? o.kvHeads) }
+  const head = slides ? (o.swaHeadDim ?? hd) : hd
+  return { hd: head, q: head * o.heads, kv: head * (slides ? o.kvHeads : (o.globalKvHeads ?? o.kvHeads)) }
 }
 
 /** `head_count_kv`: one count for all blocks, or one per block when the global blocks have their own. */
@@ -119,7 +134,10 @@ export const gemma4KvHeadsValue = (
 ): GgufTypedValue =>
   o.globalKvHeads === undefined
     ? GgufValues.u32(o.kvHeads)
-    : GgufValues.array(GgufValueType.UINT32, gemma4SwaBlocks(o, o.layers).map((s) => s ? o.kvHeads : o.globalKvHeads!))
+    : GgufValues.array(
+        GgufValueType.UINT32,
+        gemma4SwaBlocks(o, o.layers).map((s) => (s ? o.kvHeads : o.globalKvHeads!))
+      )
 
 /** Per block: does block il slide? (gemma3's period read as llama.cpp's set_swa_pattern: il % period < period - 1) */
 export const gemma4SwaBlocks = (o: SyntheticGemmaOptions, layers: number): ReadonlyArray<boolean> => {
@@ -150,12 +168,16 @@ export const gemma4PerLayerBlockTensors = (o: SyntheticGemma4Options, b: string,
 }
 
 /** The model-wide tensors of gemma4: RoPE frequency factors of the global blocks (head size / 2). */
-export const gemma4SharedTensors = (headDim: number) => [
-  { name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }
-] as const
+export const gemma4SharedTensors = (headDim: number) =>
+  [{ name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }] as const
 
 /** gemma4's extra tensor of block `b` besides gemma3's norms: the scalar the block output is multiplied by. */
-export const gemma4LayerScale = (b: string) => ({ name: `${b}.layer_output_scale.weight`, dims: [1], mean: 1, std: 0.2 })
+export const gemma4LayerScale = (b: string) => ({
+  name: `${b}.layer_output_scale.weight`,
+  dims: [1],
+  mean: 1,
+  std: 0.2
+})
 
 /** gemma4's own metadata keys (the model's head size `hd`, `layers` blocks). */
 export const gemma4Metadata = (

@@ -74,8 +74,13 @@ export const gptOssBlockTensors = (
 }
 
 /** What is wrong with the gpt-oss options, or undefined (llama.cpp requires gpt-oss's own output head). */
-export const validateGptOssOptions = (o: { readonly arch: string; readonly tiedOutput?: boolean }): string | undefined =>
-  o.arch === "gpt-oss" && o.tiedOutput === true ? "gpt-oss has no tied output (llama.cpp requires output.weight)" : undefined
+export const validateGptOssOptions = (o: {
+  readonly arch: string
+  readonly tiedOutput?: boolean
+}): string | undefined =>
+  o.arch === "gpt-oss" && o.tiedOutput === true
+    ? "gpt-oss has no tied output (llama.cpp requires output.weight)"
+    : undefined
 
 /** gpt-oss's storage type for a tensor of a `type` file, or undefined for the generic rule (Synthetic.ts). */
 export const gptOssTensorType = (

@@ -24,7 +24,8 @@ export const validateMistral3Options = (o: SyntheticMistral3Options): string | u
   const f = o.yarnFactor
   if (f !== undefined && !(f === 0 || (f >= 1 && Number.isFinite(f)))) return `yarnFactor must be 0 or >= 1, got ${f}`
   const c = o.yarnOriginalContext
-  if (c !== undefined && !(Number.isSafeInteger(c) && c > 0)) return `yarnOriginalContext must be a positive integer, got ${c}`
+  if (c !== undefined && !(Number.isSafeInteger(c) && c > 0))
+    return `yarnOriginalContext must be a positive integer, got ${c}`
   const m = o.yarnLogMultiplier
   if (m !== undefined && !Number.isFinite(m)) return `yarnLogMultiplier must be finite, got ${m}`
   const t = o.attnTemperatureScale

@@ -52,28 +52,47 @@ const settings = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn
 export const validateMoeOptions = (
   o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number; readonly layers: number }
 ): string | undefined => {
-  const given = o.experts !== undefined || o.expertsUsed !== undefined || o.expertFfn !== undefined ||
-    o.sharedExperts !== undefined || o.denseBlocks !== undefined
+  const given =
+    o.experts !== undefined ||
+    o.expertsUsed !== undefined ||
+    o.expertFfn !== undefined ||
+    o.sharedExperts !== undefined ||
+    o.denseBlocks !== undefined
   // gemma4 (26B-A4B): experts beside its dense feed-forward (SyntheticGemma4.ts), only when asked for
   if (!isSyntheticMoe(o.arch) && !(o.arch === "gemma4" && o.experts !== undefined)) {
-    return given ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")}, gemma4 only, not ${o.arch}` : undefined
+    return given
+      ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")}, gemma4 only, not ${o.arch}`
+      : undefined
   }
   if (o.arch === "qwen35moe" && (o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
     return `denseBlocks and expertGroups are not qwen35moe options (every block is routed, no groups)`
   }
-  if (o.arch !== "glm4moe" && o.arch !== "deepseek2" && o.arch !== "qwen35moe" && (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
+  if (
+    o.arch !== "glm4moe" &&
+    o.arch !== "deepseek2" &&
+    o.arch !== "qwen35moe" &&
+    (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)
+  ) {
     return `sharedExperts, denseBlocks and expertGroups are for glm4moe only, not ${o.arch}`
   }
   const s = settings(o)
-  for (const [k, v] of [["experts", s.experts], ["expertsUsed", s.used], ["expertFfn", s.ffn]] as const) {
+  for (const [k, v] of [
+    ["experts", s.experts],
+    ["expertsUsed", s.used],
+    ["expertFfn", s.ffn]
+  ] as const) {
     if (!Number.isSafeInteger(v) || v <= 0) return `${k} must be a positive integer, got ${v}`
   }
-  for (const [k, v] of [["sharedExperts", s.shared], ["denseBlocks", s.dense]] as const) {
+  for (const [k, v] of [
+    ["sharedExperts", s.shared],
+    ["denseBlocks", s.dense]
+  ] as const) {
     if (!Number.isSafeInteger(v) || v < 0) return `${k} must be a non-negative integer, got ${v}`
   }
   if (s.experts > 1024) return `experts must be at most 1024 (llama.cpp's limit), got ${s.experts}`
   if (s.used > s.experts) return `expertsUsed (${s.used}) must be at most experts (${s.experts})`
-  if (o.arch === "qwen35moe" && s.shared < 1) return `sharedExperts must be at least 1 for qwen35moe (its shared expert is required)`
+  if (o.arch === "qwen35moe" && s.shared < 1)
+    return `sharedExperts must be at least 1 for qwen35moe (its shared expert is required)`
   if (s.dense >= o.layers) return `denseBlocks (${s.dense}) must be fewer than the layers (${o.layers})`
   return undefined
 }
@@ -96,9 +115,15 @@ export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyAr
   })
   const glm = o.arch === "glm4moe" || o.arch === "deepseek2"
   const postNorm = o.arch === "glm4moe" || o.arch === "qwen35moe"
-  const out: Array<MoeTensor> = [{ name: `${block}.${postNorm ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }]
+  const out: Array<MoeTensor> = [
+    { name: `${block}.${postNorm ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }
+  ]
   if (il < s.dense) {
-    out.push(m("ffn_gate.weight", [o.hidden, o.ffn]), m("ffn_up.weight", [o.hidden, o.ffn]), m("ffn_down.weight", [o.ffn, o.hidden]))
+    out.push(
+      m("ffn_gate.weight", [o.hidden, o.ffn]),
+      m("ffn_up.weight", [o.hidden, o.ffn]),
+      m("ffn_down.weight", [o.ffn, o.hidden])
+    )
     return out
   }
   out.push(
@@ -109,14 +134,22 @@ export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyAr
   )
   if (o.arch === "qwen35moe") {
     const f = s.ffn * s.shared
-    out.push(m("ffn_gate_shexp.weight", [o.hidden, f]), m("ffn_up_shexp.weight", [o.hidden, f]), m("ffn_down_shexp.weight", [f, o.hidden]))
+    out.push(
+      m("ffn_gate_shexp.weight", [o.hidden, f]),
+      m("ffn_up_shexp.weight", [o.hidden, f]),
+      m("ffn_down_shexp.weight", [f, o.hidden])
+    )
     out.push(m("ffn_gate_inp_shexp.weight", [o.hidden]))
   }
   if (glm) {
     out.push({ name: `${block}.exp_probs_b.bias`, dims: [s.experts], mean: 0, std: 0.1 })
     if (s.shared > 0) {
       const f = s.ffn * s.shared
-      out.push(m("ffn_gate_shexp.weight", [o.hidden, f]), m("ffn_up_shexp.weight", [o.hidden, f]), m("ffn_down_shexp.weight", [f, o.hidden]))
+      out.push(
+        m("ffn_gate_shexp.weight", [o.hidden, f]),
+        m("ffn_up_shexp.weight", [o.hidden, f]),
+        m("ffn_down_shexp.weight", [f, o.hidden])
+      )
     }
   }
   return out
@@ -137,7 +170,8 @@ export const moeMetadata = (
     [`${a}.expert_used_count`, GgufValues.u32(s.used)],
     [`${a}.expert_feed_forward_length`, GgufValues.u32(s.ffn)]
   ]
-  if (a === "qwen35moe") return [...common, [`${a}.expert_shared_feed_forward_length`, GgufValues.u32(s.ffn * s.shared)]]
+  if (a === "qwen35moe")
+    return [...common, [`${a}.expert_shared_feed_forward_length`, GgufValues.u32(s.ffn * s.shared)]]
   if (a !== "glm4moe" && a !== "deepseek2") return common
   return [
     ...common,
@@ -146,9 +180,11 @@ export const moeMetadata = (
     [`${a}.expert_gating_func`, GgufValues.u32(2)],
     [`${a}.expert_weights_norm`, GgufValues.bool(true)],
     [`${a}.expert_weights_scale`, GgufValues.f32(2.5)],
-    ...(o.expertGroups === undefined ? [] : [
-      [`${a}.expert_group_count`, GgufValues.u32(o.expertGroups.count)] as const,
-      [`${a}.expert_group_used_count`, GgufValues.u32(o.expertGroups.used)] as const
-    ])
+    ...(o.expertGroups === undefined
+      ? []
+      : [
+          [`${a}.expert_group_count`, GgufValues.u32(o.expertGroups.count)] as const,
+          [`${a}.expert_group_used_count`, GgufValues.u32(o.expertGroups.used)] as const
+        ])
   ]
 }

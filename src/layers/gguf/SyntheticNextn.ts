@@ -26,12 +26,17 @@ export const syntheticBlockCount = (o: SyntheticNextnOptions & { readonly layers
   o.layers + (o.nextnLayers ?? 0)
 
 /** The MTP-only tensors of block `b` (beside its ordinary block tensors): [name, dims, kind]. */
-export const nextnBlockTensors = (b: string, hidden: number): ReadonlyArray<readonly [string, ReadonlyArray<number>, "matrix" | "norm"]> => [
+export const nextnBlockTensors = (
+  b: string,
+  hidden: number
+): ReadonlyArray<readonly [string, ReadonlyArray<number>, "matrix" | "norm"]> => [
   [`${b}.nextn.eh_proj.weight`, [2 * hidden, hidden], "matrix"],
   [`${b}.nextn.enorm.weight`, [hidden], "norm"],
   [`${b}.nextn.hnorm.weight`, [hidden], "norm"],
   [`${b}.nextn.shared_head_norm.weight`, [hidden], "norm"]
 ]
 
-export const nextnMetadata = (o: SyntheticNextnOptions & { readonly arch: string }): ReadonlyArray<readonly [string, GgufTypedValue]> =>
+export const nextnMetadata = (
+  o: SyntheticNextnOptions & { readonly arch: string }
+): ReadonlyArray<readonly [string, GgufTypedValue]> =>
   (o.nextnLayers ?? 0) > 0 ? [[`${o.arch}.nextn_predict_layers`, GgufValues.u32(o.nextnLayers!)]] : []

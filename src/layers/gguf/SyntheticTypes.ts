@@ -56,7 +56,10 @@ const mixedTypes = {
 
 export type SyntheticWeightType = keyof typeof pureTypes | keyof typeof mixedTypes
 
-const table: Record<SyntheticWeightType, { readonly id: number; readonly ftype: number }> = { ...pureTypes, ...mixedTypes }
+const table: Record<SyntheticWeightType, { readonly id: number; readonly ftype: number }> = {
+  ...pureTypes,
+  ...mixedTypes
+}
 
 /** Every `--type`, pure ones first. */
 export const syntheticWeightTypes = Object.keys(table) as ReadonlyArray<SyntheticWeightType>
@@ -144,7 +147,9 @@ type QuantizeFn = (
 
 /** Every quantized type a synthetic file may hold (what ggml_quantize_chunk quantizes to). */
 const quantizable: ReadonlySet<number> = new Set(
-  [...Object.values(table).map((t) => t.id), GgmlType.Q5_K, GgmlType.Q6_K].filter((id) => ggmlTypeInfo(id)?.quantized === true)
+  [...Object.values(table).map((t) => t.id), GgmlType.Q5_K, GgmlType.Q6_K].filter(
+    (id) => ggmlTypeInfo(id)?.quantized === true
+  )
 )
 
 let quantizeNative: { readonly chunk: QuantizeFn; readonly needsImatrix: (type: number) => boolean } | undefined
@@ -177,9 +182,12 @@ export const quantizeRows = (type: number, src: Float32Array, nPerRow: number): 
     throw new RangeError(`quantizeRows: ggml type ${type} is not one swactor synth quantizes to`)
   }
   if (!Number.isSafeInteger(nPerRow) || nPerRow <= 0 || nPerRow % info.blockSize !== 0) {
-    throw new RangeError(`quantizeRows: row length ${nPerRow} is not a multiple of ${info.name}'s block size ${info.blockSize}`)
+    throw new RangeError(
+      `quantizeRows: row length ${nPerRow} is not a multiple of ${info.name}'s block size ${info.blockSize}`
+    )
   }
-  if (src.length % nPerRow !== 0) throw new RangeError(`quantizeRows: ${src.length} floats are not whole rows of ${nPerRow}`)
+  if (src.length % nPerRow !== 0)
+    throw new RangeError(`quantizeRows: ${src.length} floats are not whole rows of ${nPerRow}`)
   const nrows = src.length / nPerRow
   const q = native()
   const g = getGgml()
@@ -192,6 +200,7 @@ export const quantizeRows = (type: number, src: Float32Array, nPerRow: number): 
   if (nrows === 0) return dst
   g.raw.ggml_quantize_init(type)
   const written = q.chunk(type, src, dst, 0, nrows, nPerRow, imatrix)
-  if (written !== dst.length) throw new Error(`ggml_quantize_chunk wrote ${written} bytes of ${info.name}, expected ${dst.length}`)
+  if (written !== dst.length)
+    throw new Error(`ggml_quantize_chunk wrote ${written} bytes of ${info.name}, expected ${dst.length}`)
   return dst
 }

@@ -28,7 +28,12 @@ type SettingText = Wrapper["settings"]["functions"]["call"]["prefix"] | undefine
  * A chat wrapper's setting as the text a reply holds: special tokens' text as it is, cut at the first built-in
  * special token (EOS...) or at the first of `stops` (texts that end the turn, which never reach the reply).
  */
-const settingText = (lib: NodeLlamaCpp, value: SettingText, stops: ReadonlyArray<string>, model?: LlamaModel): string => {
+const settingText = (
+  lib: NodeLlamaCpp,
+  value: SettingText,
+  stops: ReadonlyArray<string>,
+  model?: LlamaModel
+): string => {
   if (value === undefined) return ""
   let out = ""
   for (const v of lib.LlamaText(value).values) {
@@ -59,10 +64,17 @@ const cutAtStops = (out: string, stops: ReadonlyArray<string>) => {
  * How the wrapper's template writes calls (its `settings.functions`); Generic when the template knows no tools
  * (a Jinja template node-llama-cpp found no call syntax in, or a wrapper with node-llama-cpp's own default syntax).
  */
-const toolSyntaxOf = (lib: NodeLlamaCpp, wrapper: Wrapper, stops: ReadonlyArray<string>, model?: LlamaModel): ToolSyntax => {
+const toolSyntaxOf = (
+  lib: NodeLlamaCpp,
+  wrapper: Wrapper,
+  stops: ReadonlyArray<string>,
+  model?: LlamaModel
+): ToolSyntax => {
   const functions = wrapper.settings.functions
-  const generic = (wrapper instanceof lib.JinjaTemplateChatWrapper && !wrapper.usingJinjaFunctionCallTemplate) ||
-    settingText(lib, functions.call.prefix, []) === settingText(lib, lib.ChatWrapper.defaultSettings.functions.call.prefix, [])
+  const generic =
+    (wrapper instanceof lib.JinjaTemplateChatWrapper && !wrapper.usingJinjaFunctionCallTemplate) ||
+    settingText(lib, functions.call.prefix, []) ===
+      settingText(lib, lib.ChatWrapper.defaultSettings.functions.call.prefix, [])
   if (generic) return { _tag: "Generic", parallel: true }
   const text = (value: SettingText) => settingText(lib, value, stops, model)
   const section = functions.parallelism?.call
@@ -94,7 +106,11 @@ const parsedOr = (text: string): unknown => {
  * (and an assistant message after them), so a chat ending in a tool result continues that turn.
  */
 const historyOf = (messages: ReadonlyArray<ChatMessage>): Array<ChatHistoryItem> => {
-  const results = new Map(messages.flatMap((m) => (m.role === "tool" && m.toolCallId !== undefined ? [[m.toolCallId, m.content] as const] : [])))
+  const results = new Map(
+    messages.flatMap((m) =>
+      m.role === "tool" && m.toolCallId !== undefined ? [[m.toolCallId, m.content] as const] : []
+    )
+  )
   const history: Array<ChatHistoryItem> = []
   let turn: Extract<ChatHistoryItem, { type: "model" }> | undefined
   for (const m of messages) {
@@ -102,7 +118,7 @@ const historyOf = (messages: ReadonlyArray<ChatMessage>): Array<ChatHistoryItem>
       history.push(m.role === "system" ? { type: "system", text: m.content } : { type: "user", text: m.content })
       turn = undefined
     } else if (m.role === "assistant") {
-      if (turn === undefined) history.push(turn = { type: "model", response: [] })
+      if (turn === undefined) history.push((turn = { type: "model", response: [] }))
       if (m.content !== "") turn.response.push(m.content)
       ;(m.toolCalls ?? []).forEach((call, index) => {
         const result = results.get(call.id)
@@ -125,12 +141,21 @@ const historyOf = (messages: ReadonlyArray<ChatMessage>): Array<ChatHistoryItem>
  * end-of-generation tokens).
  */
 export const wrapperToolSyntax = (lib: NodeLlamaCpp, wrapper: Wrapper, model?: LlamaModel): ToolSyntax => {
-  const triggers = wrapper.generateContextState({ chatHistory: [{ type: "model", response: [] }] }).stopGenerationTriggers
+  const triggers = wrapper.generateContextState({
+    chatHistory: [{ type: "model", response: [] }]
+  }).stopGenerationTriggers
   const stops = triggers.flatMap((trigger) => {
-    const text = trigger.values.map((v) => (typeof v === "string" ? v : v instanceof lib.SpecialTokensText ? v.value : undefined))
+    const text = trigger.values.map((v) =>
+      typeof v === "string" ? v : v instanceof lib.SpecialTokensText ? v.value : undefined
+    )
     return text.every((t) => t !== undefined) ? [text.join("")] : []
   })
-  return toolSyntaxOf(lib, wrapper, stops.filter((text) => text !== ""), model)
+  return toolSyntaxOf(
+    lib,
+    wrapper,
+    stops.filter((text) => text !== ""),
+    model
+  )
 }
 
 /**
@@ -145,25 +170,33 @@ const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
   const render = (messages: ReadonlyArray<ChatMessage>, tools: ChatToolOptions | undefined) => {
     const chat = resolve()
     const withTools = tools !== undefined && tools.choice !== "none" && tools.tools.length > 0
-    const syntax: ToolSyntax | undefined = withTools || messages.some((m) => m.role === "tool" || (m.toolCalls?.length ?? 0) > 0)
-      ? wrapperToolSyntax(lib, chat, model)
-      : undefined
-    const history = syntax?._tag === "Family"
-      ? historyOf(messages)
-      : historyOf(syntax === undefined ? messages : genericToolMessages(messages, tools))
-    const availableFunctions = withTools && syntax?._tag === "Family"
-      ? Object.fromEntries(toolsAllowed(tools).map((t) => [t.name, {
-        ...(t.description === undefined ? {} : { description: t.description }),
-        ...(t.parameters === undefined ? {} : { params: t.parameters as never })
-      }]))
-      : undefined
+    const syntax: ToolSyntax | undefined =
+      withTools || messages.some((m) => m.role === "tool" || (m.toolCalls?.length ?? 0) > 0)
+        ? wrapperToolSyntax(lib, chat, model)
+        : undefined
+    const history =
+      syntax?._tag === "Family"
+        ? historyOf(messages)
+        : historyOf(syntax === undefined ? messages : genericToolMessages(messages, tools))
+    const availableFunctions =
+      withTools && syntax?._tag === "Family"
+        ? Object.fromEntries(
+            toolsAllowed(tools).map((t) => [
+              t.name,
+              {
+                ...(t.description === undefined ? {} : { description: t.description }),
+                ...(t.parameters === undefined ? {} : { params: t.parameters as never })
+              }
+            ])
+          )
+        : undefined
     const state = chat.generateContextState({
       chatHistory: history,
       ...(availableFunctions === undefined ? {} : { availableFunctions, documentFunctionParams: true })
     })
-    const stop = state.stopGenerationTriggers.flatMap((trigger) =>
-      trigger.values.every((v) => typeof v === "string") ? [trigger.values.join("")] : []
-    ).filter((text) => text !== "")
+    const stop = state.stopGenerationTriggers
+      .flatMap((trigger) => (trigger.values.every((v) => typeof v === "string") ? [trigger.values.join("")] : []))
+      .filter((text) => text !== "")
     const formatted: FormattedChat = {
       tokens: [...state.contextText.tokenize(model.tokenizer)] as Array<number>,
       stop,
@@ -171,22 +204,27 @@ const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
     }
     return { formatted, syntax: withTools ? syntax : undefined }
   }
-  return (messages: ReadonlyArray<ChatMessage>, tools?: ChatToolOptions): Effect.Effect<FormattedChat, ChatRenderError> =>
+  return (
+    messages: ReadonlyArray<ChatMessage>,
+    tools?: ChatToolOptions
+  ): Effect.Effect<FormattedChat, ChatRenderError> =>
     tools === undefined && messages.every((m) => m.role !== "tool" && (m.toolCalls?.length ?? 0) === 0)
       ? Effect.sync(() => render(messages, tools).formatted)
-      : Effect.gen(function*() {
-        const { formatted, syntax } = yield* Effect.try({
-          try: () => render(messages, tools),
-          catch: (cause) =>
-            new ChatRenderError({ message: `the chat with its tools cannot be rendered: ${cause instanceof Error ? cause.message : String(cause)}` })
+      : Effect.gen(function* () {
+          const { formatted, syntax } = yield* Effect.try({
+            try: () => render(messages, tools),
+            catch: (cause) =>
+              new ChatRenderError({
+                message: `the chat with its tools cannot be rendered: ${cause instanceof Error ? cause.message : String(cause)}`
+              })
+          })
+          if (syntax === undefined || tools === undefined) return formatted
+          // The grammar that forces a call, each tool's parameters through JsonGrammar.ts (a schema it cannot enforce: 400).
+          const grammar = yield* toolGrammarEffect(syntax, tools, (schema, path) =>
+            Effect.map(jsonSchemaGrammar(schema, path), (g) => g.text)
+          ).pipe(Effect.mapError((error) => new ChatRenderError({ message: error.message })))
+          return { ...formatted, tools: { syntax, ...(grammar === undefined ? {} : { grammar }) } }
         })
-        if (syntax === undefined || tools === undefined) return formatted
-        // The grammar that forces a call, each tool's parameters through JsonGrammar.ts (a schema it cannot enforce: 400).
-        const grammar = yield* toolGrammarEffect(syntax, tools, (schema, path) => Effect.map(jsonSchemaGrammar(schema, path), (g) => g.text)).pipe(
-          Effect.mapError((error) => new ChatRenderError({ message: error.message }))
-        )
-        return { ...formatted, tools: { syntax, ...(grammar === undefined ? {} : { grammar }) } }
-      })
 }
 
 const fromModel = (
@@ -241,7 +279,7 @@ const fromSpm = (
  */
 export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
   Tokenizer,
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const layerScope = yield* Effect.scope
     const llama = yield* Effect.cached(
       Effect.acquireRelease(
@@ -253,7 +291,7 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
       ).pipe(Scope.extend(layerScope))
     )
     const loadModel = (modelPath: string) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const { lib, llama: instance } = yield* llama
         const model = yield* Effect.acquireRelease(
           Effect.tryPromise({
@@ -267,14 +305,16 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
       })
     const service: TokenizerService = {
       open: (modelPath) =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           // An SPM vocabulary this package tokenizes exactly as llama.cpp (SpmTokenizer.ts): node-llama-cpp, ~0.7 s of
           // CPU to import and check its binary, is then loaded only for a chat template. Any other: node-llama-cpp.
           const file = yield* Effect.option(readGgufFile(modelPath))
           const vocab = Option.isSome(file) ? spmVocabulary(file.value) : undefined
           if (vocab !== undefined) {
             const openScope = yield* Effect.scope
-            const chat = yield* Effect.cached(Effect.map(loadModel(modelPath).pipe(Scope.extend(openScope)), (m) => m.chat))
+            const chat = yield* Effect.cached(
+              Effect.map(loadModel(modelPath).pipe(Scope.extend(openScope)), (m) => m.chat)
+            )
             return fromSpm(vocab, chat)
           }
           const { chat, ...tokenizer } = yield* loadModel(modelPath)
@@ -305,7 +345,13 @@ export const byteTokenizer: ModelTokenizer = {
   eosTokenId: 2,
   addsBos: true,
   tokenize: (text) => [1, ...Array.from(encoder.encode(text), (byte) => byte + 3)],
-  detokenize: (tokens) => decoder.decode(Uint8Array.from(tokens.filter((token) => token >= 3), (token) => token - 3)),
+  detokenize: (tokens) =>
+    decoder.decode(
+      Uint8Array.from(
+        tokens.filter((token) => token >= 3),
+        (token) => token - 3
+      )
+    ),
   isEndOfGeneration: (token) => token === 2,
   decoder: (context) => makeIncrementalDecoder((tokens) => byteTokenizer.detokenize(tokens), context),
   // The test double's own plain rendering (no model template to follow).

@@ -9,7 +9,7 @@ import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import { getOptional, getU32 } from "./GgufReader.js"
 
 export const trunkBlockCount = (file: GgufFile, arch: string): Effect.Effect<number, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const blocks = yield* getU32(file, `${arch}.block_count`)
     const key = `${arch}.nextn_predict_layers`
     const nextn = (yield* getOptional(file, key, getU32)) ?? 0

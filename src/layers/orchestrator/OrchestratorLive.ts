@@ -33,7 +33,6 @@ import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
 import { generateRecovering } from "./Recovery.js"
 import { emptyPromptMessage, generationProblem, isEmptyPrompt, maxTokensProblem } from "../../services/RequestChecks.js"
 
-
 type Services = Tokenizer | Membership | AgentControl | DataPlane | AgentPool | ModelCatalog
 
 /**
@@ -48,8 +47,10 @@ const operatorStopGrace = "1 second"
  * `effect`, interrupted as soon as `stop` completes: the waits of a run driver outside a run (setting the pipeline
  * up, a recovery's pause) have nothing to stop gracefully, so an operator stop ends them at once.
  */
-const interruptedOnStop = (stop: Deferred.Deferred<void>) => <A, E, R>(effect: Effect.Effect<A, E, R>) =>
-  Effect.raceFirst(effect, Effect.zipRight(Deferred.await(stop), Effect.interrupt))
+const interruptedOnStop =
+  (stop: Deferred.Deferred<void>) =>
+  <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+    Effect.raceFirst(effect, Effect.zipRight(Deferred.await(stop), Effect.interrupt))
 
 /**
  * A run's updates as a stream: `drive` runs in its own fiber; closing the stream early (consumer done or
@@ -57,10 +58,13 @@ const interruptedOnStop = (stop: Deferred.Deferred<void>) => <A, E, R>(effect: E
  * stages, see RunWorld), and a driver still going after `operatorStopGrace` is interrupted (its scopes close).
  */
 const runStream = (
-  drive: (updates: Mailbox.Mailbox<RunUpdate, GenerateError>, stop: Deferred.Deferred<void>) => Effect.Effect<void, GenerateError>
+  drive: (
+    updates: Mailbox.Mailbox<RunUpdate, GenerateError>,
+    stop: Deferred.Deferred<void>
+  ) => Effect.Effect<void, GenerateError>
 ): Stream.Stream<RunUpdate, GenerateError> =>
   Stream.unwrapScoped(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const updates = yield* Mailbox.make<RunUpdate, GenerateError>()
       const stopRequested = yield* Deferred.make<void>()
       const driver = yield* drive(updates, stopRequested).pipe(
@@ -69,7 +73,7 @@ const runStream = (
         Effect.forkDaemon
       )
       yield* Effect.addFinalizer(() =>
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           yield* Deferred.succeed(stopRequested, undefined)
           // An interruptible region: a finalizer is uninterruptible, and there the timeout could not interrupt the
           // wait it races (it would wait for the driver however long it takes, as a 20 s timeout once did).
@@ -92,39 +96,49 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
       return { node, pid: link.hello.pid, dataAddress: link.hello.dataAddress, capacity: link.capacity }
     })
   return {
-  model: warm.facts,
-  vocabulary: warm.vocabulary,
-  stageCount: warm.stageCount,
-  agents: agentsNow(),
-  alive: Effect.map(warm.pool.status, (status) => agentsNow().filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")),
-  members: Effect.map(warm.pool.status, (status) =>
-    agentsNow().map((agent): PipelineMember => {
-      const s = status.get(agent.node.nodeId)
-      const exited = warm.agents.processRunning !== undefined && !warm.agents.processRunning(agent.node)
-      return s?._tag === "Up"
-        ? { agent, state: "up", detail: "", exited }
-        : s?._tag === "Lost"
-        ? { agent, state: "lost", detail: s.lost.reason, exited }
-        : { agent, state: "waiting", detail: s?.lastError ?? "never probed", exited }
-    })),
-  localAgents: warm.agents.processRunning !== undefined,
-  run: (request: RunRequest) =>
-    runStream((updates, stop) => generateRecovering(warm, request, updates, stop).pipe(Effect.provide(context))),
-  dropCached: (entries, all) =>
-    Effect.forEach(
-      warm.agents.nodes,
-      (node) => (warm.linkOf(node.nodeId).dropCached?.(entries, all) ?? Effect.void).pipe(Effect.timeout("5 seconds"), Effect.ignore),
-      { concurrency: "unbounded", discard: true }
+    model: warm.facts,
+    vocabulary: warm.vocabulary,
+    stageCount: warm.stageCount,
+    agents: agentsNow(),
+    alive: Effect.map(warm.pool.status, (status) =>
+      agentsNow().filter((a) => status.get(a.node.nodeId)?._tag !== "Lost")
     ),
-  lost: warm.pool.firstLost
+    members: Effect.map(warm.pool.status, (status) =>
+      agentsNow().map((agent): PipelineMember => {
+        const s = status.get(agent.node.nodeId)
+        const exited = warm.agents.processRunning !== undefined && !warm.agents.processRunning(agent.node)
+        return s?._tag === "Up"
+          ? { agent, state: "up", detail: "", exited }
+          : s?._tag === "Lost"
+            ? { agent, state: "lost", detail: s.lost.reason, exited }
+            : { agent, state: "waiting", detail: s?.lastError ?? "never probed", exited }
+      })
+    ),
+    localAgents: warm.agents.processRunning !== undefined,
+    run: (request: RunRequest) =>
+      runStream((updates, stop) => generateRecovering(warm, request, updates, stop).pipe(Effect.provide(context))),
+    dropCached: (entries, all) =>
+      Effect.forEach(
+        warm.agents.nodes,
+        (node) =>
+          (warm.linkOf(node.nodeId).dropCached?.(entries, all) ?? Effect.void).pipe(
+            Effect.timeout("5 seconds"),
+            Effect.ignore
+          ),
+        { concurrency: "unbounded", discard: true }
+      ),
+    lost: warm.pool.firstLost
   }
 }
 
-export const make = Effect.gen(function*() {
+export const make = Effect.gen(function* () {
   // Without the Scope the layer was built in (when there is one): a pipeline lives in its caller's scope, not the layer's.
   const context = Context.omit(Scope.Scope)(yield* Effect.context<Services>()) as Context.Context<Services>
 
-  const pipeline = (options: PipelineOptions, progress: (update: RunUpdate) => Effect.Effect<void> = () => Effect.void) =>
+  const pipeline = (
+    options: PipelineOptions,
+    progress: (update: RunUpdate) => Effect.Effect<void> = () => Effect.void
+  ) =>
     openPipeline(options, progress).pipe(
       Effect.map((warm) => pipelineOf(warm, context)),
       Effect.provide(context)
@@ -132,7 +146,7 @@ export const make = Effect.gen(function*() {
 
   const run = (request: GenerateRequest): Stream.Stream<RunUpdate, GenerateError> =>
     runStream((updates, stop) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const requestStart = performance.now()
         const maxTokens = request.maxTokens ?? 128
         if (isEmptyPrompt(request.prompt)) return yield* new InvalidRequest({ message: emptyPromptMessage })
@@ -140,40 +154,50 @@ export const make = Effect.gen(function*() {
         if (badMaxTokens !== undefined) return yield* new InvalidRequest({ message: badMaxTokens })
         // An operator stop while the pipeline is set up (agents starting, weights on their way, nodes awaited)
         // interrupts the setup at once; what it started stops with this scope.
-        const warm = yield* openPipeline({
-          model: request.model,
-          maxTokens,
-          ...(request.stages === undefined ? {} : { stages: request.stages }),
-          ...(request.threads === undefined ? {} : { threads: request.threads }),
-          ...(request.readinessTimeout === undefined ? {} : { readinessTimeout: request.readinessTimeout }),
-          ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat }),
-          ...(request.spares === undefined ? {} : { spares: request.spares }),
-          ...(request.placement === undefined ? {} : { placement: request.placement }),
-          ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
-          // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
-          contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
-        }, (update) => updates.offer(update).pipe(Effect.asVoid), (facts, vocabulary) => {
-          // The prompt against the model before any agent starts (the same check runs again in generateRecovering).
-          const tokens = typeof request.prompt === "string" ? vocabulary.tokenize(request.prompt) : request.prompt
-          const problem = generationProblem({
-            text: request.prompt,
-            tokens,
+        const warm = yield* openPipeline(
+          {
+            model: request.model,
             maxTokens,
-            contextLength: facts.maxSeqLen,
-            vocabSize: vocabulary.vocabSize,
-            maxTokensField: "maxTokens"
-          })
-          return problem === undefined ? Effect.void : Effect.fail(new InvalidRequest({ message: problem }))
-        }).pipe(interruptedOnStop(stop))
-        yield* generateRecovering(warm, {
-          prompt: request.prompt,
-          maxTokens,
-          ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
-          ...(request.tokenTimeout === undefined ? {} : { tokenTimeout: request.tokenTimeout }),
-          ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
-          ...(request.recovery === undefined ? {} : { recovery: request.recovery }),
-          ...(request.stragglers === undefined ? {} : { stragglers: request.stragglers })
-        }, updates, stop, requestStart)
+            ...(request.stages === undefined ? {} : { stages: request.stages }),
+            ...(request.threads === undefined ? {} : { threads: request.threads }),
+            ...(request.readinessTimeout === undefined ? {} : { readinessTimeout: request.readinessTimeout }),
+            ...(request.heartbeat === undefined ? {} : { heartbeat: request.heartbeat }),
+            ...(request.spares === undefined ? {} : { spares: request.spares }),
+            ...(request.placement === undefined ? {} : { placement: request.placement }),
+            ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
+            // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
+            contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
+          },
+          (update) => updates.offer(update).pipe(Effect.asVoid),
+          (facts, vocabulary) => {
+            // The prompt against the model before any agent starts (the same check runs again in generateRecovering).
+            const tokens = typeof request.prompt === "string" ? vocabulary.tokenize(request.prompt) : request.prompt
+            const problem = generationProblem({
+              text: request.prompt,
+              tokens,
+              maxTokens,
+              contextLength: facts.maxSeqLen,
+              vocabSize: vocabulary.vocabSize,
+              maxTokensField: "maxTokens"
+            })
+            return problem === undefined ? Effect.void : Effect.fail(new InvalidRequest({ message: problem }))
+          }
+        ).pipe(interruptedOnStop(stop))
+        yield* generateRecovering(
+          warm,
+          {
+            prompt: request.prompt,
+            maxTokens,
+            ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
+            ...(request.tokenTimeout === undefined ? {} : { tokenTimeout: request.tokenTimeout }),
+            ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
+            ...(request.recovery === undefined ? {} : { recovery: request.recovery }),
+            ...(request.stragglers === undefined ? {} : { stragglers: request.stragglers })
+          },
+          updates,
+          stop,
+          requestStart
+        )
       }).pipe(Effect.scoped, Effect.provide(context))
     )
 

@@ -9,7 +9,13 @@ import { NodeId, RunId } from "../../domain/ids.js"
 import type { LayerRange, ModelFacts, ModelLayout, RingSpec, SamplingPolicy } from "../../domain/plan.js"
 import { ModelCatalog } from "../../services/ModelCatalog.js"
 import { type AgentLink, AgentControl, DataPlane, type DataListener } from "../../services/AgentLinks.js"
-import { Membership, type NodeCapacity, type NodeEndpoint, NodeUnreachable, type Pool } from "../../services/Membership.js"
+import {
+  Membership,
+  type NodeCapacity,
+  type NodeEndpoint,
+  NodeUnreachable,
+  type Pool
+} from "../../services/Membership.js"
 import {
   AgentPool,
   type AgentSet,
@@ -60,15 +66,17 @@ export const samplingPolicy = (
     ...(s.presencePenalty === undefined ? {} : { presencePenalty: s.presencePenalty }),
     ...(s.frequencyPenalty === undefined ? {} : { frequencyPenalty: s.frequencyPenalty }),
     ...(s.penaltyLastN === undefined ? {} : { penaltyLastN: s.penaltyLastN }),
-    ...(s.dry === undefined ? {} : {
-      dry: {
-        multiplier: s.dry.multiplier,
-        base: s.dry.base ?? 1.75,
-        allowedLength: s.dry.allowedLength ?? 2,
-        penaltyLastN: s.dry.penaltyLastN ?? -1,
-        sequenceBreakers: s.dry.sequenceBreakers ?? ["\n", ":", "\"", "*"]
-      }
-    }),
+    ...(s.dry === undefined
+      ? {}
+      : {
+          dry: {
+            multiplier: s.dry.multiplier,
+            base: s.dry.base ?? 1.75,
+            allowedLength: s.dry.allowedLength ?? 2,
+            penaltyLastN: s.dry.penaltyLastN ?? -1,
+            sequenceBreakers: s.dry.sequenceBreakers ?? ["\n", ":", '"', "*"]
+          }
+        }),
     ...(s.xtc === undefined ? {} : { xtc: { probability: s.xtc.probability, threshold: s.xtc.threshold } }),
     ...(finiteBias.length === 0 ? {} : { logitBias: finiteBias.map((b) => ({ tokenId: b.tokenId, bias: b.bias })) }),
     ...(banned.length === 0 ? {} : { bannedTokens: banned }),
@@ -108,7 +116,9 @@ export const plannerInput = (
       maxTokens: runtime.maxTokens,
       sampling: samplingPolicy(runtime.sampling, runtime.startPosition ?? 0, runtime.resume),
       // the replayed tokens run one per forward on every stage, as they were decoded (RuntimeConfig.replayTail)
-      ...(runtime.resume === undefined || runtime.resume.tokens.length === 0 ? {} : { replayTail: runtime.resume.tokens.length })
+      ...(runtime.resume === undefined || runtime.resume.tokens.length === 0
+        ? {}
+        : { replayTail: runtime.resume.tokens.length })
     },
     candidatePool,
     stageCount: placement.length,
@@ -152,7 +162,7 @@ export const openPipeline = (
   /** The caller's own checks against the model (a run's prompt and max tokens), before any agent starts. */
   precheck: (facts: ModelFacts, vocabulary: ModelTokenizer) => Effect.Effect<void, InvalidRequest> = () => Effect.void
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const tokenizer = yield* Tokenizer
     const membership = yield* Membership
     const control = yield* AgentControl
@@ -179,10 +189,16 @@ export const openPipeline = (
     if (options.stages !== undefined) {
       const ids = Array.from({ length: options.stages }, (_, i) => NodeId.make(i + 1))
       yield* planRun(
-        plannerInput(facts, RunId.make(1), ids, ids.map((nodeId, stageIndex) => ({ stageIndex, nodeId })), {
-          maxTokens,
-          sampling: undefined
-        })
+        plannerInput(
+          facts,
+          RunId.make(1),
+          ids,
+          ids.map((nodeId, stageIndex) => ({ stageIndex, nodeId })),
+          {
+            maxTokens,
+            sampling: undefined
+          }
+        )
       )
     }
 
@@ -190,39 +206,52 @@ export const openPipeline = (
     const badSpares = sparesProblem(spares)
     if (badSpares !== undefined) return yield* new InvalidRequest({ message: badSpares })
     const agents = yield* agentPool.acquire(options.stages, spares)
-    const stageCount = requestedStageCount(options.placement, options.stages ?? Math.max(1, agents.nodes.length - spares))
+    const stageCount = requestedStageCount(
+      options.placement,
+      options.stages ?? Math.max(1, agents.nodes.length - spares)
+    )
     yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
     const links = new Map<number, AgentLink>()
-    yield* Effect.forEach(agents.nodes, (node) =>
-      control.connect(node, agents.token).pipe(Effect.tap((link) => Effect.sync(() => links.set(node.nodeId, link)))), {
-      concurrency: "unbounded",
-      discard: true
-    })
+    yield* Effect.forEach(
+      agents.nodes,
+      (node) =>
+        control.connect(node, agents.token).pipe(Effect.tap((link) => Effect.sync(() => links.set(node.nodeId, link)))),
+      {
+        concurrency: "unbounded",
+        discard: true
+      }
+    )
     const linkOf = (nodeId: number) => links.get(nodeId)!
     const addressOf = (nodeId: number) =>
-      nodeId === ORCHESTRATOR_NODE ? "orchestrator" : agents.nodes.find((n) => n.nodeId === nodeId)?.address ?? `node ${nodeId}`
+      nodeId === ORCHESTRATOR_NODE
+        ? "orchestrator"
+        : (agents.nodes.find((n) => n.nodeId === nodeId)?.address ?? `node ${nodeId}`)
 
     // A dropped control connection is noticed at once; the deadline covers a node that hangs (or a long load that blocks it).
     const heartbeat = options.heartbeat ?? { interval: "1 second", deadline: "10 seconds" }
-    const pool = yield* membership.watch(agents.nodes, {
-      probe: (node) =>
-        linkOf(node.nodeId).capacity.pipe(
-          Effect.mapError((e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message }))
-        )
-    }, heartbeat)
+    const pool = yield* membership.watch(
+      agents.nodes,
+      {
+        probe: (node) =>
+          linkOf(node.nodeId).capacity.pipe(
+            Effect.mapError(
+              (e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message })
+            )
+          )
+      },
+      heartbeat
+    )
     // A lost node that answers again at its address (restarted there) rejoins: a new control link, heartbeats
     // resume, and the next run may plan on it.
     const pipelineScope = yield* Effect.scope
-    yield* Effect.gen(function*() {
+    yield* Effect.gen(function* () {
       const status = yield* pool.status
       for (const node of agents.nodes) {
         if (status.get(node.nodeId)?._tag !== "Lost") continue
         const attempt = yield* Scope.fork(pipelineScope, ExecutionStrategy.sequential)
-        const link = yield* control.connect(node, agents.token).pipe(
-          Scope.extend(attempt),
-          Effect.timeout("2 seconds"),
-          Effect.option
-        )
+        const link = yield* control
+          .connect(node, agents.token)
+          .pipe(Scope.extend(attempt), Effect.timeout("2 seconds"), Effect.option)
         if (Option.isNone(link)) {
           yield* Scope.close(attempt, Exit.void)
           continue
@@ -257,13 +286,21 @@ export const openPipeline = (
     // Agents that lack their stages' tensors receive them as GGUF slices (when asked: local agents share the file).
     if (options.deliverWeights !== undefined && options.deliverWeights !== false) {
       const settings = options.deliverWeights === true ? {} : options.deliverWeights
-      yield* deliverWeights({ ...settings, modelPath: options.model, placement: placed.stages, layerRanges: placed.layerRanges, linkOf }, progress)
+      yield* deliverWeights(
+        { ...settings, modelPath: options.model, placement: placed.stages, layerRanges: placed.layerRanges, linkOf },
+        progress
+      )
     }
 
     // Local data endpoint: the last stage of every run sends sampled tokens here.
-    const listener = yield* dataPlane.listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token).pipe(
-      Effect.mapError((fault) => new InvalidRequest({ message: `cannot open the orchestrator's data listener: ${faultWords(fault)}` }))
-    )
+    const listener = yield* dataPlane
+      .listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token)
+      .pipe(
+        Effect.mapError(
+          (fault) =>
+            new InvalidRequest({ message: `cannot open the orchestrator's data listener: ${faultWords(fault)}` })
+        )
+      )
     return {
       options,
       facts,
@@ -283,4 +320,3 @@ export const openPipeline = (
       listener
     } satisfies WarmPipeline
   })
-

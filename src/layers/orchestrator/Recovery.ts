@@ -44,8 +44,11 @@ type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: N
 export const isRecoverable = (reason: RunFaultReason): boolean => {
   switch (reason._tag) {
     case "StageFault":
-      return reason.reason._tag === "WorkerCrashed" || reason.reason._tag === "TransportFailed" ||
+      return (
+        reason.reason._tag === "WorkerCrashed" ||
+        reason.reason._tag === "TransportFailed" ||
         reason.reason._tag === "StoppedUnexpectedly"
+      )
     case "EndpointFault":
     case "MembershipLost":
     case "EndpointsStoppedUnexpectedly":
@@ -123,15 +126,15 @@ export const absorbPlacement = (
   return Either.left({
     survivors: Either.isRight(even)
       ? even.right.stages.map((stage) => {
-        const node = survivors.find((s) => s.nodeId === stage.nodeId)!
-        return {
-          nodeId: node.nodeId,
-          address: node.address,
-          layers: [stage.layerStart, stage.layerEndExclusive] as const,
-          requiredBytes: stage.memoryBytes,
-          freeBytes: node.freeMemoryBytes
-        }
-      })
+          const node = survivors.find((s) => s.nodeId === stage.nodeId)!
+          return {
+            nodeId: node.nodeId,
+            address: node.address,
+            layers: [stage.layerStart, stage.layerEndExclusive] as const,
+            requiredBytes: stage.memoryBytes,
+            freeBytes: node.freeMemoryBytes
+          }
+        })
       : [],
     modelBytes: Either.isRight(whole) ? whole.right.stages[0]!.memoryBytes : 0,
     survivorsFreeBytes: survivors.reduce((sum, s) => sum + Math.min(s.freeMemoryBytes, Number.MAX_SAFE_INTEGER), 0)
@@ -140,14 +143,17 @@ export const absorbPlacement = (
 
 /** The over-memory figures in words. */
 const overMemoryWords = (figures: OverMemoryFigures) =>
-  `the ${figures.survivors.length} node(s) left lack the memory for the lost blocks: ${
-    figures.survivors.map((s) =>
-      `blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} need ${mib(s.requiredBytes)} (weights + KV cache + ` +
-      `compute buffers) and it has ${mib(s.freeBytes)} free`
-    ).join("; ")
-  }; no other contiguous split fits either (the whole model needs ${mib(figures.modelBytes)}, the nodes left have ${
-    mib(figures.survivorsFreeBytes)
-  } free in all)`
+  `the ${figures.survivors.length} node(s) left lack the memory for the lost blocks: ${figures.survivors
+    .map(
+      (s) =>
+        `blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} need ${mib(s.requiredBytes)} (weights + KV cache + ` +
+        `compute buffers) and it has ${mib(s.freeBytes)} free`
+    )
+    .join(
+      "; "
+    )}; no other contiguous split fits either (the whole model needs ${mib(figures.modelBytes)}, the nodes left have ${mib(
+    figures.survivorsFreeBytes
+  )} free in all)`
 
 /** The pool's nodes that are not lost, in pool order. */
 const aliveNodes = (warm: WarmPipeline) =>
@@ -157,7 +163,7 @@ const aliveNodes = (warm: WarmPipeline) =>
 
 /** Waits (at most `millis`) until one of `nodes` is seen lost: a killed node's loss may trail the run's fault. */
 const awaitSomeLost = (warm: WarmPipeline, nodes: ReadonlyArray<NodeId>, millis: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const until = performance.now() + millis
     while (performance.now() < until) {
       const status = yield* warm.pool.status
@@ -177,7 +183,7 @@ export const generateRecovering = (
   stopRequested: Deferred.Deferred<void>,
   requestStart: number = performance.now()
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const recovery = request.recovery ?? warm.options.recovery ?? {}
     const maxAttempts = recovery.maxAttempts ?? 3
     const budgetMillis = Duration.toMillis(Duration.decode(recovery.budget ?? "60 seconds"))
@@ -229,7 +235,7 @@ export const generateRecovering = (
     // The next placement on the nodes alive: a spare takes a lost node's stage (same blocks); without one the
     // survivors absorb its blocks when their reported memory holds them, else the typed fault with the numbers.
     const placeOn = (alive: ReadonlyArray<NodeId>, runId: RunId, faults: ReadonlyArray<string>) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const status = yield* warm.pool.status
         // A node as placement sees it: its last heartbeat's free memory (unknown: no limit).
         const reported = (nodeId: NodeId): Survivor => {
@@ -237,14 +243,20 @@ export const generateRecovering = (
           return {
             ...(s?._tag === "Up"
               ? poolNodeOf(nodeId, s.capacity)
-              : { nodeId, freeMemoryBytes: Number.MAX_SAFE_INTEGER, speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND }),
+              : {
+                  nodeId,
+                  freeMemoryBytes: Number.MAX_SAFE_INTEGER,
+                  speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND
+                }),
             address: warm.addressOf(nodeId)
           }
         }
         const next = replan(placement, alive, (nodeId, stageIndex) => {
           const [start, end] = layerRanges[stageIndex] ?? [0, 0]
-          return stageMemoryBytes(warm.layout, start, end, { contextTokens: warm.contextTokens }) <=
+          return (
+            stageMemoryBytes(warm.layout, start, end, { contextTokens: warm.contextTokens }) <=
             reported(nodeId).freeMemoryBytes
+          )
         })
         if (next.length === 0 || next.length === placement.length) {
           // Stage i keeps its blocks (a spare in a lost node's place).
@@ -270,7 +282,7 @@ export const generateRecovering = (
       if (placement.some((p) => !alive.includes(p.nodeId))) yield* placeOn(alive, RunId.make(0), [])
     }
 
-    for (let attempt = 0;; attempt++) {
+    for (let attempt = 0; ; attempt++) {
       const base = produced.length
       const sink: UpdateSink = {
         offer: (update: RunUpdate) =>
@@ -281,13 +293,16 @@ export const generateRecovering = (
                 if (update.token.tokenId < 0) return Effect.void
                 const now = performance.now()
                 firstTokenAt ??= now
-                const recovered = pending === undefined ? undefined : {
-                  attempt: pending.attempt,
-                  reason: pending.reason,
-                  resumedAt: pending.resumedAt,
-                  stages: lastPlanned,
-                  millis: now - pending.since
-                }
+                const recovered =
+                  pending === undefined
+                    ? undefined
+                    : {
+                        attempt: pending.attempt,
+                        reason: pending.reason,
+                        resumedAt: pending.resumedAt,
+                        stages: lastPlanned,
+                        millis: now - pending.since
+                      }
                 pending = undefined
                 produced.push(update.token.tokenId)
                 if (update.samplerDraws !== undefined) samplerDraws = update.samplerDraws
@@ -335,7 +350,12 @@ export const generateRecovering = (
           text += rest
           yield* updates.offer({
             _tag: "Token",
-            token: { tokenId: -1, text: rest, step: produced.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
+            token: {
+              tokenId: -1,
+              text: rest,
+              step: produced.length,
+              timings: { sinceStartMillis: 0, latencyMillis: 0 }
+            }
           })
         }
         yield* updates.offer({
@@ -374,7 +394,10 @@ export const generateRecovering = (
           }: ${faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")}`
         })
       }
-      if (produced.length >= maxTokens || (produced.length > 0 && warm.vocabulary.isEndOfGeneration(produced.at(-1)!))) {
+      if (
+        produced.length >= maxTokens ||
+        (produced.length > 0 && warm.vocabulary.isEndOfGeneration(produced.at(-1)!))
+      ) {
         // Everything was produced before the fault: nothing to resume.
         yield* updates.offer({
           _tag: "Finished",
@@ -398,12 +421,29 @@ export const generateRecovering = (
         return
       }
 
-      yield* updates.offer({ _tag: "Recovering", attempt: attempt + 1, reason: error.message, resumedAt: produced.length })
+      yield* updates.offer({
+        _tag: "Recovering",
+        attempt: attempt + 1,
+        reason: error.message,
+        resumedAt: produced.length
+      })
       // A fault while replaying keeps the clock of the recovery it interrupted.
-      pending = { attempt: attempt + 1, reason: error.message, resumedAt: produced.length, since: pending?.since ?? now }
+      pending = {
+        attempt: attempt + 1,
+        reason: error.message,
+        resumedAt: produced.length,
+        since: pending?.since ?? now
+      }
       // An operator stop while recovering ends the generation as a stopped run would (no new run), at once: this
       // wait gives way to it.
-      yield* Effect.raceFirst(awaitSomeLost(warm, placement.map((p) => p.nodeId), 1500), Deferred.await(stopRequested))
+      yield* Effect.raceFirst(
+        awaitSomeLost(
+          warm,
+          placement.map((p) => p.nodeId),
+          1500
+        ),
+        Deferred.await(stopRequested)
+      )
       if (yield* stopRequestedDone(stopRequested)) return
       const alive = yield* aliveNodes(warm)
       yield* placeOn(alive, error.runId, faults)
@@ -411,9 +451,9 @@ export const generateRecovering = (
         return yield* new RunFaulted({
           runId: error.runId,
           reason: error.reason,
-          message: `no node left to host the model after ${attempt + 1} recovery attempt${attempt === 0 ? "" : "s"}: ${
-            faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")
-          }`
+          message: `no node left to host the model after ${attempt + 1} recovery attempt${attempt === 0 ? "" : "s"}: ${faults
+            .map((f, i) => `run ${i + 1}: ${f}`)
+            .join("; ")}`
         })
       }
     }
@@ -424,12 +464,12 @@ const stopRequestedDone = (stop: Deferred.Deferred<void>) => Deferred.isDone(sto
 const failWith = (error: GenerateError, faults: ReadonlyArray<string>): Effect.Effect<never, GenerateError> =>
   error._tag === "RunFaulted" && faults.length > 0
     ? Effect.fail(
-      new RunFaulted({
-        runId: error.runId,
-        reason: error.reason,
-        message: `${error.message} (after ${faults.length} recovery attempt${faults.length === 1 ? "" : "s"}: ${
-          faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")
-        })`
-      })
-    )
+        new RunFaulted({
+          runId: error.runId,
+          reason: error.reason,
+          message: `${error.message} (after ${faults.length} recovery attempt${faults.length === 1 ? "" : "s"}: ${faults
+            .map((f, i) => `run ${i + 1}: ${f}`)
+            .join("; ")})`
+        })
+      )
     : Effect.fail(error)

@@ -21,21 +21,22 @@ const executeCommand = (context: RunContext, command: RunCommand): Effect.Effect
     case "InjectTokenObject":
       return injectTokenObject(context, command)
     case "StopRun":
-      return context.warm.linkOf(command.nodeId).stop(context.runId, command.stageIndex).pipe(
-        // An agent we cannot reach hosts nothing any more.
-        Effect.catchAll(() => context.offer(RunEvents.StageStopped({ runId: context.runId, stageIndex: command.stageIndex })))
-      )
+      return context.warm
+        .linkOf(command.nodeId)
+        .stop(context.runId, command.stageIndex)
+        .pipe(
+          // An agent we cannot reach hosts nothing any more.
+          Effect.catchAll(() =>
+            context.offer(RunEvents.StageStopped({ runId: context.runId, stageIndex: command.stageIndex }))
+          )
+        )
     case "TearDownTokenEndpoints":
       return tearDownTokenEndpoints(context)
   }
 }
 
 /** Executes the run FSM's commands as they come, each forked in `workers`, for as long as the run's scope lives. */
-export const executeCommands = (
-  context: RunContext,
-  commands: Queue.Dequeue<RunCommand>,
-  workers: Scope.Scope
-) =>
+export const executeCommands = (context: RunContext, commands: Queue.Dequeue<RunCommand>, workers: Scope.Scope) =>
   Queue.take(commands).pipe(
     Effect.flatMap((command) => Effect.forkIn(executeCommand(context, command), workers)),
     Effect.forever,

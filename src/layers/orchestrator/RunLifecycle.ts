@@ -27,7 +27,7 @@ export const followLifecycle = (
   lifecycle: Queue.Dequeue<LifecycleEvent>,
   requestStart: number
 ): Effect.Effect<LifecycleOutcome> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const { ledger, updates } = context
     const decoder = context.warm.vocabulary.decoder(context.prompt)
     const generated: Array<number> = []
@@ -45,16 +45,20 @@ export const followLifecycle = (
         const extras = ledger.sampledExtras.get(event.step)
         ledger.sampledExtras.delete(event.step)
         yield* updates.offer(
-          tokenUpdate({
-            tokenId: event.tokenId,
-            text: piece,
-            step: event.step,
-            ...(extras?.logprob === undefined ? {} : { logprob: extras.logprob })
-          }, {
-            received: now,
-            promptInjected: promptInjectedAt(context, requestStart),
-            injected: ledger.injectedAt.get(event.step) ?? now
-          }, extras?.draws)
+          tokenUpdate(
+            {
+              tokenId: event.tokenId,
+              text: piece,
+              step: event.step,
+              ...(extras?.logprob === undefined ? {} : { logprob: extras.logprob })
+            },
+            {
+              received: now,
+              promptInjected: promptInjectedAt(context, requestStart),
+              injected: ledger.injectedAt.get(event.step) ?? now
+            },
+            extras?.draws
+          )
         )
       } else if (event._tag === "RunCompleted" || event._tag === "RunFaulted" || event._tag === "RunOperatorStopped") {
         terminal = event
@@ -63,7 +67,12 @@ export const followLifecycle = (
           text += rest
           yield* updates.offer({
             _tag: "Token",
-            token: { tokenId: -1, text: rest, step: generated.length, timings: { sinceStartMillis: 0, latencyMillis: 0 } }
+            token: {
+              tokenId: -1,
+              text: rest,
+              step: generated.length,
+              timings: { sinceStartMillis: 0, latencyMillis: 0 }
+            }
           })
         }
       } else if (event._tag === "RunTornDown") {
@@ -79,7 +88,7 @@ export const followLifecycle = (
  * update with the summary of a completed run; nothing for an operator stop.
  */
 export const finishRun = (context: RunContext, outcome: LifecycleOutcome, requestStart: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const { cacheUse, ledger, plan, runId, warm } = context
     const { terminal } = outcome
     if (terminal?._tag === "RunFaulted") {
@@ -120,14 +129,18 @@ export const finishRun = (context: RunContext, outcome: LifecycleOutcome, reques
     })
     yield* context.updates.offer({
       _tag: "Finished",
-      summary: cacheUse === undefined ? summary : {
-        ...summary,
-        promptCache: {
-          cachedTokens: ledger.cachedTokens,
-          keptTokens: cacheUse.keep === null
-            ? 0
-            : Math.min(...plan.stages.map((s) => ledger.stageStats.get(s.stageIndex)?.keptPositions ?? 0))
-        }
-      }
+      summary:
+        cacheUse === undefined
+          ? summary
+          : {
+              ...summary,
+              promptCache: {
+                cachedTokens: ledger.cachedTokens,
+                keptTokens:
+                  cacheUse.keep === null
+                    ? 0
+                    : Math.min(...plan.stages.map((s) => ledger.stageStats.get(s.stageIndex)?.keptPositions ?? 0))
+              }
+            }
     })
   })

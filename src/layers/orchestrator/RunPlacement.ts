@@ -54,27 +54,38 @@ export const placementFor = (args: {
   readonly stageCount: number
   readonly contextTokens: number
 }): Effect.Effect<PlacementFor, PlacementRejection | ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const layout = args.layout
-    const intent: PlacementIntent = args.request?._tag === "Capacity"
-      ? { _tag: "Capacity" }
-      : args.request?._tag === "Fixed"
-      ? { _tag: "Fixed", ranges: args.request.ranges }
-      : { _tag: "Balanced", stageCount: args.stageCount }
+    const intent: PlacementIntent =
+      args.request?._tag === "Capacity"
+        ? { _tag: "Capacity" }
+        : args.request?._tag === "Fixed"
+          ? { _tag: "Fixed", ranges: args.request.ranges }
+          : { _tag: "Balanced", stageCount: args.stageCount }
     // Nodes that did not answer (not needed by a balanced or fixed placement) are not candidates.
     const pool = args.nodes.flatMap((node) => {
       const reported = args.capacity.get(node.nodeId)
       return reported === undefined ? [] : [poolNodeOf(node.nodeId, reported)]
     })
     // Balanced and fixed cycle stage i onto the i-th node of the whole pool, as the planner's callers always did.
-    const ordered = intent._tag === "Capacity" ? pool : args.nodes.map((node) =>
-      pool.find((p) => p.nodeId === node.nodeId) ??
-        { nodeId: node.nodeId, freeMemoryBytes: Number.MAX_SAFE_INTEGER, speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND }
+    const ordered =
+      intent._tag === "Capacity"
+        ? pool
+        : args.nodes.map(
+            (node) =>
+              pool.find((p) => p.nodeId === node.nodeId) ?? {
+                nodeId: node.nodeId,
+                freeMemoryBytes: Number.MAX_SAFE_INTEGER,
+                speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND
+              }
+          )
+    const choice = yield* Either.match(
+      choosePlacement(intent, layout, ordered, { contextTokens: args.contextTokens }),
+      {
+        onLeft: Effect.fail,
+        onRight: Effect.succeed
+      }
     )
-    const choice = yield* Either.match(choosePlacement(intent, layout, ordered, { contextTokens: args.contextTokens }), {
-      onLeft: Effect.fail,
-      onRight: Effect.succeed
-    })
     const { layerRanges, placement } = plannerPlacement(choice)
     return { stages: placement.stages, layerRanges, explanation: { choice, pool }, layout }
   })

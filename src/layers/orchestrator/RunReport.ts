@@ -3,9 +3,21 @@
  * caller, and the summary of a completed run.
  */
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
-import { type LifecycleEvent, type RunFaultReason, type StageFaultReason, stageFaultMessage } from "../../domain/runEvents.js"
+import {
+  type LifecycleEvent,
+  type RunFaultReason,
+  type StageFaultReason,
+  stageFaultMessage
+} from "../../domain/runEvents.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
-import type { RunSummary, RunUpdate, StageStragglers, StageSummary, Straggler, TokenLogprob } from "../../services/Orchestrator.js"
+import type {
+  RunSummary,
+  RunUpdate,
+  StageStragglers,
+  StageSummary,
+  Straggler,
+  TokenLogprob
+} from "../../services/Orchestrator.js"
 import type { StageStepSummary } from "../../services/StageStragglers.js"
 
 const describeStageReason = (reason: StageFaultReason): string => {
@@ -42,7 +54,8 @@ export const describeRunFault = (reason: RunFaultReason, context: FaultContext):
     case "StageFault": {
       const node = context.addressOf(context.stageNode(reason.stageIndex))
       // Reasons with a message already carry the stage's words.
-      const extra = stageFaultMessage(reason.reason) === undefined ? context.detail(`stage:${reason.stageIndex}`) : undefined
+      const extra =
+        stageFaultMessage(reason.reason) === undefined ? context.detail(`stage:${reason.stageIndex}`) : undefined
       return `stage ${reason.stageIndex} (agent ${node}) faulted: ${describeStageReason(reason.reason)}${extra === undefined ? "" : ` (${extra})`}`
     }
     case "EndpointFault": {
@@ -78,7 +91,8 @@ export const tornDownUpdate = (
   event: Extract<LifecycleEvent, { _tag: "RunTornDown" }>
 ): RunUpdate => ({
   _tag: "TornDown",
-  outcome: terminal?._tag === "RunCompleted" ? "Completed" : terminal?._tag === "RunFaulted" ? "Faulted" : "OperatorStopped",
+  outcome:
+    terminal?._tag === "RunCompleted" ? "Completed" : terminal?._tag === "RunFaulted" ? "Faulted" : "OperatorStopped",
   unconfirmedStages: event.unconfirmedStages,
   endpointsConfirmed: event.endpointsConfirmed
 })
@@ -144,7 +158,8 @@ export const findStragglers = (
     const recent = latencies.slice(Math.max(0, i - window), i).map((l) => l.latencyMillis)
     const m = median(recent)
     const { latencyMillis, step: sequence } = latencies[i]!
-    if (latencyMillis > factor * m && latencyMillis - m >= minExcessMillis) out.push({ step: sequence, latencyMillis, medianMillis: m })
+    if (latencyMillis > factor * m && latencyMillis - m >= minExcessMillis)
+      out.push({ step: sequence, latencyMillis, medianMillis: m })
   }
   return out
 }
@@ -176,9 +191,8 @@ export const summarize = (record: RunRecord): RunSummary => {
       prefillComputeMillis: s.stats?.prefillComputeMillis ?? 0,
       prefillWaitMillis: s.stats?.prefillWaitMillis ?? 0,
       firstSampleMillis: s.stats?.firstSampleMillis ?? 0,
-      computeMillisPerToken: s.stats !== undefined && s.stats.decodeFrames > 0
-        ? s.stats.decodeComputeMillis / s.stats.decodeFrames
-        : 0,
+      computeMillisPerToken:
+        s.stats !== undefined && s.stats.decodeFrames > 0 ? s.stats.decodeComputeMillis / s.stats.decodeFrames : 0,
       microBatches: s.stats?.microBatches ?? 0,
       batchRows: s.stats?.batchRows ?? 0,
       maxBatchSequences: s.stats?.maxBatchSequences ?? 0,

@@ -40,7 +40,10 @@ const promptCacheUse = (request: RunRequest, promptLength: number): PromptCacheU
   if (asked === undefined) return undefined
   const length = Math.min(asked.adopt?.length ?? 0, promptLength - 1)
   return {
-    adopt: asked.adopt !== undefined && Number.isSafeInteger(length) && length > 0 ? { entry: asked.adopt.entry, length } : null,
+    adopt:
+      asked.adopt !== undefined && Number.isSafeInteger(length) && length > 0
+        ? { entry: asked.adopt.entry, length }
+        : null,
     keep: asked.keep ?? null,
     promptLength
   }
@@ -60,7 +63,7 @@ export interface RunAttempt {
 
 /** Step 1: the request's max tokens and prompt tokens, or InvalidRequest. */
 const checkRunRequest = (warm: WarmPipeline, request: RunRequest) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const maxTokens = request.maxTokens ?? 128
     if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
       return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
@@ -78,23 +81,31 @@ const planAttempt = (
   maxTokens: number,
   updates: UpdateSink
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const runId = randomRunId()
     const placement = attempt.placement ?? warm.placement
     // The pipeline's block ranges while its stage count holds (a spare took a stage); fewer stages after a
     // recovery: the planner splits the blocks again.
-    const layerRanges = attempt.layerRanges !== undefined && attempt.layerRanges.length === placement.length
-      ? attempt.layerRanges
-      : placement.length === warm.placement.length
-      ? warm.layerRanges
-      : undefined
+    const layerRanges =
+      attempt.layerRanges !== undefined && attempt.layerRanges.length === placement.length
+        ? attempt.layerRanges
+        : placement.length === warm.placement.length
+          ? warm.layerRanges
+          : undefined
     const plan: RunPlan = yield* planRun(
-      plannerInput(warm.facts, runId, warm.agents.nodes.map((n) => n.nodeId), placement, {
-        maxTokens,
-        sampling: request.sampling,
-        ...(attempt.startPosition === undefined ? {} : { startPosition: attempt.startPosition }),
-        ...(attempt.resume === undefined ? {} : { resume: attempt.resume })
-      }, layerRanges)
+      plannerInput(
+        warm.facts,
+        runId,
+        warm.agents.nodes.map((n) => n.nodeId),
+        placement,
+        {
+          maxTokens,
+          sampling: request.sampling,
+          ...(attempt.startPosition === undefined ? {} : { startPosition: attempt.startPosition }),
+          ...(attempt.resume === undefined ? {} : { resume: attempt.resume })
+        },
+        layerRanges
+      )
     )
     yield* updates.offer({
       _tag: "Planned",
@@ -134,7 +145,7 @@ const startRunActor = (
 
 /** Step 4: the run's ledger, empty; its endpoint scope a child of the run's scope. */
 const openLedger = (request: RunRequest, warm: WarmPipeline) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const stragglerDetector = makeStageStragglerDetector(request.stragglers ?? warm.options.stragglers)
     const firstStageReady = yield* Deferred.make<void>()
     const endpointScope = yield* Scope.fork(yield* Effect.scope, ExecutionStrategy.sequential)
@@ -168,7 +179,7 @@ export const driveRun = (
   requestStart: number = performance.now(),
   attempt: RunAttempt = {}
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const dataPlane = yield* DataPlane
     const { maxTokens, prompt } = yield* checkRunRequest(warm, request)
     const { placement, plan, runId } = yield* planAttempt(warm, request, attempt, maxTokens, updates)

@@ -14,7 +14,7 @@ import { noteDetail, offerConsequence, type RunContext, stageNode } from "./RunC
 /** Where a stage sends what it computes: the next stage's data address, or the orchestrator's for the last stage. */
 const outboundAddress = (context: RunContext, provision: ProvisionStage): TransportAddress =>
   provision.stageIndex === provision.stageCount - 1
-    ? context.warm.agents.dataAdvertise ?? context.warm.listener.address
+    ? (context.warm.agents.dataAdvertise ?? context.warm.listener.address)
     : context.warm.dataAddressOf(stageNode(context, provision.stageIndex + 1))
 
 /** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */
@@ -28,54 +28,67 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
     return offer(RunEvents.StageStopped({ runId, stageIndex }))
   })
   const threads = request.threads ?? warm.options.threads
-  return warm.linkOf(provision.nodeId).provision(
-    new ProvisionRequest({
-      provision,
-      outboundAddress: outboundAddress(context, provision),
-      threads: threads ?? null,
-      contextLength,
-      ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
-      ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving })
-    })
-  ).pipe(
-    Stream.runForEach((report) => {
-      switch (report._tag) {
-        case "StageLoading":
-          return updates.offer({ _tag: "StageLoading", stageIndex, loadedBytes: report.loadedBytes, totalBytes: report.totalBytes })
-        case "StageReady":
-          ledger.stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
-          ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
-          if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)
-          return Effect.zipRight(
-            updates.offer({ _tag: "StageReady", stageIndex, loadMillis: report.loadMillis, cachedWeights: report.cachedWeights }),
-            offer(RunEvents.StageReady({ runId, stageIndex }))
-          )
-        case "StageFault": {
-          // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
-          const words = stageFaultMessage(report.reason)
-          if (words !== undefined) noteDetail(context, `stage:${stageIndex}`, words)
-          const event = RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
-          return report.reason._tag === "TransportFailed" ? offerConsequence(context, event) : offer(event)
-        }
-        case "StageStopped":
-          ledger.stageStats.set(stageIndex, report.stats)
-          return stopReport
-        case "StageTimings":
-          return Effect.forEach(
-            ledger.stragglerDetector.add(stageIndex, warm.addressOf(provision.nodeId), stepsOf(report)),
-            (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
-            { discard: true }
-          )
-      }
-    }),
-    Effect.catchAll((unavailable) =>
-      Effect.gen(function*() {
-        noteDetail(context, `stage:${stageIndex}`, unavailable.message)
-        yield* warm.pool.markLost(provision.nodeId, unavailable.message)
-        yield* offer(RunEvents.StageFault({ runId, stageIndex, reason: StageFaultReasons.WorkerCrashed() }))
+  return warm
+    .linkOf(provision.nodeId)
+    .provision(
+      new ProvisionRequest({
+        provision,
+        outboundAddress: outboundAddress(context, provision),
+        threads: threads ?? null,
+        contextLength,
+        ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
+        ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving })
       })
-    ),
-    // The stage is gone either way once its report stream has ended.
-    Effect.zipRight(stopReport)
-  )
+    )
+    .pipe(
+      Stream.runForEach((report) => {
+        switch (report._tag) {
+          case "StageLoading":
+            return updates.offer({
+              _tag: "StageLoading",
+              stageIndex,
+              loadedBytes: report.loadedBytes,
+              totalBytes: report.totalBytes
+            })
+          case "StageReady":
+            ledger.stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+            ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
+            if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)
+            return Effect.zipRight(
+              updates.offer({
+                _tag: "StageReady",
+                stageIndex,
+                loadMillis: report.loadMillis,
+                cachedWeights: report.cachedWeights
+              }),
+              offer(RunEvents.StageReady({ runId, stageIndex }))
+            )
+          case "StageFault": {
+            // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
+            const words = stageFaultMessage(report.reason)
+            if (words !== undefined) noteDetail(context, `stage:${stageIndex}`, words)
+            const event = RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
+            return report.reason._tag === "TransportFailed" ? offerConsequence(context, event) : offer(event)
+          }
+          case "StageStopped":
+            ledger.stageStats.set(stageIndex, report.stats)
+            return stopReport
+          case "StageTimings":
+            return Effect.forEach(
+              ledger.stragglerDetector.add(stageIndex, warm.addressOf(provision.nodeId), stepsOf(report)),
+              (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
+              { discard: true }
+            )
+        }
+      }),
+      Effect.catchAll((unavailable) =>
+        Effect.gen(function* () {
+          noteDetail(context, `stage:${stageIndex}`, unavailable.message)
+          yield* warm.pool.markLost(provision.nodeId, unavailable.message)
+          yield* offer(RunEvents.StageFault({ runId, stageIndex, reason: StageFaultReasons.WorkerCrashed() }))
+        })
+      ),
+      // The stage is gone either way once its report stream has ended.
+      Effect.zipRight(stopReport)
+    )
 }

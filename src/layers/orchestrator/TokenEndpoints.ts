@@ -34,7 +34,10 @@ export const openTokenIn = (context: RunContext, edge: Edge) => {
           offer(RunEvents.EndpointFault({ runId, endpoint: "TokenIn" }))
         ),
       onSuccess: (sender) =>
-        Effect.zipRight(Effect.sync(() => (ledger.tokenIn = sender)), offer(RunEvents.TokenInEndpointReady()))
+        Effect.zipRight(
+          Effect.sync(() => (ledger.tokenIn = sender)),
+          offer(RunEvents.TokenInEndpointReady())
+        )
     })
   )
 }
@@ -42,12 +45,12 @@ export const openTokenIn = (context: RunContext, edge: Edge) => {
 /** Accepts token-out from the last stage, then receives its sampled tokens until the teardown or a fault. */
 export const openTokenOut = (context: RunContext, edge: Edge) => {
   const { ledger, offer, runId } = context
-  return Effect.gen(function*() {
-    const receiver = yield* context.warm.listener.accept({ runId, edgeId: edge.edgeId, ring: edge.ring }).pipe(
-      Scope.extend(ledger.endpointScope)
-    )
+  return Effect.gen(function* () {
+    const receiver = yield* context.warm.listener
+      .accept({ runId, edgeId: edge.edgeId, ring: edge.ring })
+      .pipe(Scope.extend(ledger.endpointScope))
     yield* offer(RunEvents.TokenOutEndpointReady())
-    const receiveLoop = Effect.gen(function*() {
+    const receiveLoop = Effect.gen(function* () {
       while (true) {
         const frame = yield* receiver.receive
         if (frame._tag !== "TokenFrame" || frame.payload._tag !== "Sampled") {
@@ -62,7 +65,9 @@ export const openTokenOut = (context: RunContext, edge: Edge) => {
             ...(logprob === undefined ? {} : { logprob })
           })
         }
-        yield* offer(RunEvents.TokenReceived({ step: frame.step, tokenId: frame.payload.tokenId, eos: frame.payload.eos }))
+        yield* offer(
+          RunEvents.TokenReceived({ step: frame.step, tokenId: frame.payload.tokenId, eos: frame.payload.eos })
+        )
       }
     })
     yield* receiveLoop.pipe(
@@ -109,35 +114,43 @@ export const injectTokenObject = (context: RunContext, command: Extract<RunComma
       )
     }
     const cachedTokens = ledger.cachedTokens
-    const cachedUpdate = payload._tag === "Prompt" && cacheUse !== undefined
-      ? updates.offer({ _tag: "PromptCached", cachedTokens })
-      : Effect.void
-    return cachedUpdate.pipe(Effect.zipRight(sender.send(
-      dataFrame({
-        _tag: "TokenFrame",
-        runId,
-        edgeId: edge.edgeId,
-        step: sequence,
-        chunkIndex: 0,
-        chunkCount: 1,
-        payload: payload._tag === "Prompt"
-          ? { _tag: "Prompt", tokens: cachedTokens > 0 ? payload.tokens.slice(cachedTokens) : payload.tokens }
-          : { _tag: "Decode", tokenId: payload.tokenId }
-      })
-    ))).pipe(
-      Effect.catchAll((fault) => {
-        const event = RunEvents.EndpointFault({ runId, endpoint: "TokenIn" })
-        return Effect.zipRight(
-          Effect.sync(() => noteDetail(context, "endpoint:TokenIn", faultWords(fault))),
-          isEcho(fault) ? offerConsequence(context, event) : offer(event)
+    const cachedUpdate =
+      payload._tag === "Prompt" && cacheUse !== undefined
+        ? updates.offer({ _tag: "PromptCached", cachedTokens })
+        : Effect.void
+    return cachedUpdate
+      .pipe(
+        Effect.zipRight(
+          sender.send(
+            dataFrame({
+              _tag: "TokenFrame",
+              runId,
+              edgeId: edge.edgeId,
+              step: sequence,
+              chunkIndex: 0,
+              chunkCount: 1,
+              payload:
+                payload._tag === "Prompt"
+                  ? { _tag: "Prompt", tokens: cachedTokens > 0 ? payload.tokens.slice(cachedTokens) : payload.tokens }
+                  : { _tag: "Decode", tokenId: payload.tokenId }
+            })
+          )
         )
-      })
-    )
+      )
+      .pipe(
+        Effect.catchAll((fault) => {
+          const event = RunEvents.EndpointFault({ runId, endpoint: "TokenIn" })
+          return Effect.zipRight(
+            Effect.sync(() => noteDetail(context, "endpoint:TokenIn", faultWords(fault))),
+            isEcho(fault) ? offerConsequence(context, event) : offer(event)
+          )
+        })
+      )
   })
 
 /** Closes both token endpoints (marked torn down first: token-out's receive loop then ends quietly). */
 export const tearDownTokenEndpoints = (context: RunContext) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     context.ledger.tornDown = true
     yield* Scope.close(context.ledger.endpointScope, Exit.void).pipe(Effect.exit)
     yield* context.offer(RunEvents.TokenEndpointsStopped())

@@ -62,18 +62,25 @@ const fileDigest = (path: string): Effect.Effect<string, unknown> =>
  * once, after the slice's own tensors were checked against `hash` (a slice that fails is written again from the
  * model): a file whose bytes match it holds the stage's tensors, so the agent need not hash them again.
  */
-const certifiedSha256 = (file: GgufFile, range: SliceRange, hash: string, slicePath: string): Effect.Effect<string, unknown> =>
-  Effect.gen(function*() {
+const certifiedSha256 = (
+  file: GgufFile,
+  range: SliceRange,
+  hash: string,
+  slicePath: string
+): Effect.Effect<string, unknown> =>
+  Effect.gen(function* () {
     const sidecar = `${slicePath}.sha256`
     const known = Fs.existsSync(sidecar) ? Fs.readFileSync(sidecar, "utf8").trim() : ""
     if (/^[0-9a-f]{64}$/.test(known)) return known
     // A slice this process just wrote from the model needs no tensor check.
-    const sound = freshlyWritten.has(slicePath) ||
-      Fs.existsSync(slicePath) && (yield* readGgufFile(slicePath).pipe(
-        Effect.flatMap((slice) => sliceHash(slice, range)),
-        Effect.map((actual) => actual === hash),
-        Effect.orElseSucceed(() => false)
-      ))
+    const sound =
+      freshlyWritten.has(slicePath) ||
+      (Fs.existsSync(slicePath) &&
+        (yield* readGgufFile(slicePath).pipe(
+          Effect.flatMap((slice) => sliceHash(slice, range)),
+          Effect.map((actual) => actual === hash),
+          Effect.orElseSucceed(() => false)
+        )))
     freshlyWritten.delete(slicePath)
     if (!sound) {
       Fs.rmSync(slicePath, { force: true })
@@ -100,7 +107,16 @@ const stageHash = (file: GgufFile, range: SliceRange, outgoingDir: string): Effe
     try {
       const stat = Fs.statSync(file.path)
       key = createHash("sha256")
-        .update(JSON.stringify([Path.resolve(file.path), stat.size, stat.mtimeMs, range.layerStart, range.layerEndExclusive, range.numLayers]))
+        .update(
+          JSON.stringify([
+            Path.resolve(file.path),
+            stat.size,
+            stat.mtimeMs,
+            range.layerStart,
+            range.layerEndExclusive,
+            range.numLayers
+          ])
+        )
         .digest("hex")
     } catch {
       return sliceHash(file, range)
@@ -139,9 +155,12 @@ export const deliverWeights = (
   input: DeliveryInput,
   progress: (update: RunUpdate) => Effect.Effect<void>
 ): Effect.Effect<ReadonlyArray<StageDelivery>, AgentUnavailable> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const file = yield* readGgufFile(input.modelPath).pipe(
-      Effect.mapError((e) => new AgentUnavailable({ address: "orchestrator", message: `cannot read ${input.modelPath}: ${e.message}` }))
+      Effect.mapError(
+        (e) =>
+          new AgentUnavailable({ address: "orchestrator", message: `cannot read ${input.modelPath}: ${e.message}` })
+      )
     )
     const numLayers = file.tensors.reduce((n, t) => {
       const m = /^blk\.(\d+)\./.exec(t.name)
@@ -151,7 +170,7 @@ export const deliverWeights = (
     const chunkBytes = input.chunkBytes ?? DEFAULT_CHUNK
 
     const one = (stageIndex: number, nodeId: number, [layerStart, layerEndExclusive]: LayerRange) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const link = input.linkOf(nodeId)
         const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
         const hash = yield* stageHash(file, range, outgoingDir).pipe(
@@ -160,11 +179,20 @@ export const deliverWeights = (
         const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
         if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
         const rpc = link.weights
-        const words = (e: { readonly message: string }) => failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)
+        const words = (e: { readonly message: string }) =>
+          failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)
 
         const held = yield* rpc.check(weights).pipe(Effect.mapError(words))
         if (held._tag === "Held") {
-          return { stageIndex, nodeId, via: held.via, hash, sentBytes: 0, resumedFrom: 0, totalBytes: 0 } satisfies StageDelivery
+          return {
+            stageIndex,
+            nodeId,
+            via: held.via,
+            hash,
+            sentBytes: 0,
+            resumedFrom: 0,
+            totalBytes: 0
+          } satisfies StageDelivery
         }
         // The slice to send, written once per content hash (the writer is deterministic, so offsets stay valid).
         const slicePath = Path.join(outgoingDir, `${hash}.gguf`)
@@ -177,55 +205,84 @@ export const deliverWeights = (
             },
             catch: (e) => failed(link, String(e))
           })
-          yield* writeGgufSlice(file, range, slicePath).pipe(Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`)))
+          yield* writeGgufSlice(file, range, slicePath).pipe(
+            Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`))
+          )
           freshlyWritten.add(slicePath)
         }
-        const totalBytes = yield* Effect.try({ try: () => Fs.statSync(slicePath).size, catch: (e) => failed(link, String(e)) })
+        const totalBytes = yield* Effect.try({
+          try: () => Fs.statSync(slicePath).size,
+          catch: (e) => failed(link, String(e))
+        })
         let reached = held.have
         let reported = -1
         const report = Effect.suspend(() => {
           if (reached === reported) return Effect.void
           reported = reached
-          return progress({ _tag: "WeightsDelivery", stageIndex, address: link.node.address, sentBytes: reached, totalBytes })
+          return progress({
+            _tag: "WeightsDelivery",
+            stageIndex,
+            address: link.node.address,
+            sentBytes: reached,
+            totalBytes
+          })
         })
         // The bytes from `from`: a byte stream of their own when the link has one (progress read off it every
         // 100 ms), else control RPC chunks one at a time.
         const stream = rpc.stream
         const transfer = (from: number): Effect.Effect<void, AgentUnavailable | WeightDeliveryError> =>
           stream !== undefined
-            ? Effect.gen(function*() {
-              const sha256 = yield* certifiedSha256(file, range, hash, slicePath).pipe(
-                Effect.mapError((e) => failed(link, `cannot prepare the slice: ${e instanceof Error ? e.message : String(e)}`))
-              )
-              reached = from
-              const piped = stream({ hash, path: slicePath, offset: from, sha256, chunkBytes, onBytes: (offset) => (reached = offset) })
-              yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
-              yield* report
-            })
+            ? Effect.gen(function* () {
+                const sha256 = yield* certifiedSha256(file, range, hash, slicePath).pipe(
+                  Effect.mapError((e) =>
+                    failed(link, `cannot prepare the slice: ${e instanceof Error ? e.message : String(e)}`)
+                  )
+                )
+                reached = from
+                const piped = stream({
+                  hash,
+                  path: slicePath,
+                  offset: from,
+                  sha256,
+                  chunkBytes,
+                  onBytes: (offset) => (reached = offset)
+                })
+                yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
+                yield* report
+              })
             : Effect.acquireUseRelease(
-              Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
-              (fd) =>
-                Effect.gen(function*() {
-                  let offset = Math.min(from, totalBytes)
-                  const buffer = Buffer.allocUnsafe(chunkBytes)
-                  while (offset < totalBytes) {
-                    const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
-                    offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n))
-                    reached = offset
-                    yield* report
-                  }
-                }),
-              (fd) => Effect.sync(() => Fs.closeSync(fd))
-            )
+                Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
+                (fd) =>
+                  Effect.gen(function* () {
+                    let offset = Math.min(from, totalBytes)
+                    const buffer = Buffer.allocUnsafe(chunkBytes)
+                    while (offset < totalBytes) {
+                      const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
+                      offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n))
+                      reached = offset
+                      yield* report
+                    }
+                  }),
+                (fd) => Effect.sync(() => Fs.closeSync(fd))
+              )
         const attempt = (from: number) => transfer(from).pipe(Effect.zipRight(rpc.finish(weights)))
         const first = yield* attempt(held.have).pipe(Effect.either)
         if (first._tag === "Left") {
           // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
           // (Or the orchestrator's own slice changed on disk: its SHA-256 is computed again after a tensor check.)
-          if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt") return yield* words(first.left)
+          if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt")
+            return yield* words(first.left)
           yield* Effect.sync(() => Fs.rmSync(sidecar, { force: true }))
           yield* attempt(0).pipe(Effect.mapError(words))
-          return { stageIndex, nodeId, via: "Sent", hash, sentBytes: totalBytes, resumedFrom: 0, totalBytes } satisfies StageDelivery
+          return {
+            stageIndex,
+            nodeId,
+            via: "Sent",
+            hash,
+            sentBytes: totalBytes,
+            resumedFrom: 0,
+            totalBytes
+          } satisfies StageDelivery
         }
         return {
           stageIndex,

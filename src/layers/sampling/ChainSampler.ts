@@ -20,7 +20,15 @@
 import koffi from "koffi"
 import type { SamplingPolicy } from "../../domain/plan.js"
 import { greedy } from "../../services/Sampler.js"
-import { capturingLog, getLlama, lastLines, type LlamaRaw, type LlamaVocab, TokenDataArrayLayout, TokenDataLayout } from "./LlamaLib.js"
+import {
+  capturingLog,
+  getLlama,
+  lastLines,
+  type LlamaRaw,
+  type LlamaVocab,
+  TokenDataArrayLayout,
+  TokenDataLayout
+} from "./LlamaLib.js"
 
 /** Log-probabilities at one step: log-softmax of the raw logits (before bias, penalties and temperature). */
 export interface StepLogprob {
@@ -178,9 +186,10 @@ export const makeSequenceSampler = (
     )
     add(dry)
   }
-  const xtc = policy.xtc !== undefined && policy.xtc.probability > 0
-    ? raw.llama_sampler_init_xtc(policy.xtc.probability, policy.xtc.threshold, 0, seed)
-    : null
+  const xtc =
+    policy.xtc !== undefined && policy.xtc.probability > 0
+      ? raw.llama_sampler_init_xtc(policy.xtc.probability, policy.xtc.threshold, 0, seed)
+      : null
   let dist: unknown = null
   if (policy.temperatureMillis <= 0) {
     if (xtc !== null) add(xtc)
@@ -188,7 +197,8 @@ export const makeSequenceSampler = (
   } else {
     add(raw.llama_sampler_init_top_k(policy.topK <= 0 ? nVocab : Math.min(policy.topK, nVocab)))
     if (policy.typicalP !== undefined && policy.typicalP < 1) add(raw.llama_sampler_init_typical(policy.typicalP, 1))
-    if (policy.topP !== undefined && policy.topP >= 0 && policy.topP <= 1) add(raw.llama_sampler_init_top_p(policy.topP, 1))
+    if (policy.topP !== undefined && policy.topP >= 0 && policy.topP <= 1)
+      add(raw.llama_sampler_init_top_p(policy.topP, 1))
     if (policy.minP !== undefined && policy.minP > 0) add(raw.llama_sampler_init_min_p(policy.minP, 1))
     if (xtc !== null) add(xtc)
     add(raw.llama_sampler_init_temp(policy.temperatureMillis / 1000))

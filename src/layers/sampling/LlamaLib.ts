@@ -207,7 +207,7 @@ export const loadVocab = (path: string): LlamaVocab => {
     nTokens: raw.llama_vocab_n_tokens(vocab),
     isEndOfGeneration: (token) => {
       let known = eog.get(token)
-      if (known === undefined) eog.set(token, known = raw.llama_vocab_is_eog(vocab, token))
+      if (known === undefined) eog.set(token, (known = raw.llama_vocab_is_eog(vocab, token)))
       return known
     }
   }
@@ -228,4 +228,9 @@ export const capturingLog = <A>(f: () => A): { readonly result: A; readonly log:
 
 /** The last error lines of a log, on one line. */
 export const lastLines = (log: string): string =>
-  log.split("\n").map((l) => l.trim()).filter((l) => l !== "").slice(-3).join("; ")
+  log
+    .split("\n")
+    .map((l) => l.trim())
+    .filter((l) => l !== "")
+    .slice(-3)
+    .join("; ")

@@ -57,7 +57,7 @@ export const make = (sizing: KvSizing, parallel: number, limit: number, held?: H
      * completes on admission. `ahead` is how many wait before it (0 when admitted at once).
      */
     enter: (contextLength: number) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const ticket: Ticket = { contextLength, ready: yield* Deferred.make<void, ServeError>(), admitted: false }
         if (queue.length === 0 && fits(contextLength)) admit(ticket)
         else if (queue.length >= limit) {

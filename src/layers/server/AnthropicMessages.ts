@@ -100,7 +100,9 @@ const toolsOf = (body: Conversation): ReadonlyArray<ChatTool> | EdgeRefusal => {
   for (const [i, tool] of (body.tools ?? []).entries()) {
     const at = `tools.${i}`
     if (tool.type !== undefined && tool.type !== null && tool.type !== "custom") {
-      return refuse(`${at}.type: "${tool.type.slice(0, 40)}" is one of Anthropic's server tools, not supported here (only the client's own tools)`)
+      return refuse(
+        `${at}.type: "${tool.type.slice(0, 40)}" is one of Anthropic's server tools, not supported here (only the client's own tools)`
+      )
     }
     if (!namePattern.test(tool.name)) return refuse(`${at}.name must be 1 to 64 letters, digits, _ or -`)
     const before = tools.findIndex((t) => t.name === tool.name)
@@ -120,8 +122,9 @@ const choiceOf = (body: Conversation, tools: ReadonlyArray<ChatTool>): ToolChoic
   if (choice.type === "none" || choice.type === "auto") return choice.type
   if (tools.length === 0) return refuse(`tool_choice: "${choice.type}" needs tools`)
   if (choice.type === "any") return "required"
-  if (choice.name === undefined || choice.name === "") return refuse("tool_choice.name is required with type \"tool\"")
-  if (!tools.some((t) => t.name === choice.name)) return refuse(`tool_choice.name: no tool named "${choice.name.slice(0, 64)}" in tools`)
+  if (choice.name === undefined || choice.name === "") return refuse('tool_choice.name is required with type "tool"')
+  if (!tools.some((t) => t.name === choice.name))
+    return refuse(`tool_choice.name: no tool named "${choice.name.slice(0, 64)}" in tools`)
   return { name: choice.name }
 }
 
@@ -145,11 +148,12 @@ export const chatOf = (body: Conversation): Effect.Effect<AnthropicChat, EdgeRef
     const choice = choiceOf(body, tools)
     if (choice instanceof EdgeRefusal) return Effect.fail(choice)
     const out: Array<ChatMessage> = []
-    const system = body.system === undefined || body.system === null
-      ? ""
-      : typeof body.system === "string"
-      ? body.system
-      : body.system.map((block) => block.text).join("")
+    const system =
+      body.system === undefined || body.system === null
+        ? ""
+        : typeof body.system === "string"
+          ? body.system
+          : body.system.map((block) => block.text).join("")
     if (system !== "") out.push({ role: "system", content: system })
     const callIds = new Set<string>()
     for (const [i, message] of body.messages.entries()) {
@@ -171,23 +175,35 @@ export const chatOf = (body: Conversation): Effect.Effect<AnthropicChat, EdgeRef
           case "document":
             return Effect.fail(refuse(`${at}: documents are not supported`))
           case "tool_use":
-            if (message.role !== "assistant") return Effect.fail(refuse(`${at}: tool_use blocks belong in assistant messages`))
+            if (message.role !== "assistant")
+              return Effect.fail(refuse(`${at}: tool_use blocks belong in assistant messages`))
             calls.push({ id: block.id, name: block.name, arguments: JSON.stringify(block.input) })
             break
           case "tool_result": {
             if (message.role !== "user") return Effect.fail(refuse(`${at}: tool_result blocks belong in user messages`))
             if (!callIds.has(block.tool_use_id)) {
-              return Effect.fail(refuse(`${at}.tool_use_id: "${block.tool_use_id.slice(0, 64)}" matches no tool_use of an earlier assistant message`))
+              return Effect.fail(
+                refuse(
+                  `${at}.tool_use_id: "${block.tool_use_id.slice(0, 64)}" matches no tool_use of an earlier assistant message`
+                )
+              )
             }
             let content = ""
             if (typeof block.content === "string") content = block.content
             else {
               for (const [k, part] of (block.content ?? []).entries()) {
-                if (part.type !== "text") return Effect.fail(refuse(`${at}.content.${k}: ${part.type === "image" ? "images" : "documents"} are not supported`))
+                if (part.type !== "text")
+                  return Effect.fail(
+                    refuse(`${at}.content.${k}: ${part.type === "image" ? "images" : "documents"} are not supported`)
+                  )
                 content += part.text
               }
             }
-            results.push({ role: "tool", toolCallId: block.tool_use_id, content: block.is_error === true ? `Error: ${content}` : content })
+            results.push({
+              role: "tool",
+              toolCallId: block.tool_use_id,
+              content: block.is_error === true ? `Error: ${content}` : content
+            })
             break
           }
           case "thinking":
@@ -197,18 +213,23 @@ export const chatOf = (body: Conversation): Effect.Effect<AnthropicChat, EdgeRef
       }
       for (const call of calls) callIds.add(call.id)
       out.push(...results)
-      if (message.role === "assistant") out.push({ role: "assistant", content: text, ...(calls.length > 0 ? { toolCalls: calls } : {}) })
+      if (message.role === "assistant")
+        out.push({ role: "assistant", content: text, ...(calls.length > 0 ? { toolCalls: calls } : {}) })
       else if (results.length === 0 || text !== "") out.push({ role: "user", content: text })
     }
     if (body.messages[body.messages.length - 1]!.role === "assistant") {
       return Effect.fail(
-        refuse(`messages.${body.messages.length - 1}: the last message must be the user's (continuing an assistant message is not supported)`)
+        refuse(
+          `messages.${body.messages.length - 1}: the last message must be the user's (continuing an assistant message is not supported)`
+        )
       )
     }
     const used = tools.length > 0 || out.some((m) => m.role === "tool" || m.toolCalls !== undefined)
     return Effect.succeed({
       messages: out,
-      tools: used ? { tools, choice, ...(body.tool_choice?.disable_parallel_tool_use === true ? { parallel: false } : {}) } : undefined
+      tools: used
+        ? { tools, choice, ...(body.tool_choice?.disable_parallel_tool_use === true ? { parallel: false } : {}) }
+        : undefined
     })
   })
 
@@ -226,10 +247,10 @@ export const stopReasonOf = (
   called
     ? { stop_reason: "tool_use", stop_sequence: null }
     : done.finishReason === "length"
-    ? { stop_reason: "max_tokens", stop_sequence: null }
-    : done.stopText !== undefined && stopSequences.includes(done.stopText)
-    ? { stop_reason: "stop_sequence", stop_sequence: done.stopText }
-    : { stop_reason: "end_turn", stop_sequence: null }
+      ? { stop_reason: "max_tokens", stop_sequence: null }
+      : done.stopText !== undefined && stopSequences.includes(done.stopText)
+        ? { stop_reason: "stop_sequence", stop_sequence: done.stopText }
+        : { stop_reason: "end_turn", stop_sequence: null }
 
 // --- errors ---
 
@@ -307,7 +328,11 @@ const orUndefined = <A>(value: A | null | undefined): A | undefined => (value ==
  */
 const usageOf = (done: Extract<ServeEvent, { _tag: "Done" }>) => {
   const cached = done.cachedTokens ?? 0
-  return { input_tokens: done.promptTokens - cached, output_tokens: done.completionTokens, cache_read_input_tokens: cached }
+  return {
+    input_tokens: done.promptTokens - cached,
+    output_tokens: done.completionTokens,
+    cache_read_input_tokens: cached
+  }
 }
 
 /** A reply's content so far: text and calls (ToolCalls.ts), or all text when the chat has no tools. */
@@ -366,8 +391,11 @@ const contentBlocks = (textOpen: boolean) => {
       open
         ? [event("content_block_stop", { index })]
         : index < 0
-        ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } }), event("content_block_stop", { index: 0 })]
-        : []
+          ? [
+              event("content_block_start", { index: 0, content_block: { type: "text", text: "" } }),
+              event("content_block_stop", { index: 0 })
+            ]
+          : []
   }
 }
 
@@ -375,9 +403,11 @@ const contentBlocks = (textOpen: boolean) => {
 export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
   const { server } = options
   const formatted = (body: Conversation) =>
-    Effect.flatMap(chatOf(body), (chat) => Effect.map(server.formatChat(chat.messages, chat.tools), (formatted) => ({ chat, formatted })))
+    Effect.flatMap(chatOf(body), (chat) =>
+      Effect.map(server.formatChat(chat.messages, chat.tools), (formatted) => ({ chat, formatted }))
+    )
 
-  const create = Effect.gen(function*() {
+  const create = Effect.gen(function* () {
     const body = yield* options.body(MessagesBody)
     const { chat: conversation, formatted: chat } = yield* formatted(body)
     const ready = yield* server.ready
@@ -420,7 +450,8 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         if (e._tag === "Text") text += e.text
         if (e._tag === "Done") done = e
       }
-      const reply: Piece = tools === undefined ? { content: text, calls: [] } : parseToolCalls(text, tools.syntax, tools.tools)
+      const reply: Piece =
+        tools === undefined ? { content: text, calls: [] } : parseToolCalls(text, tools.syntax, tools.tools)
       return HttpServerResponse.unsafeJson({
         ...message,
         content: [
@@ -430,7 +461,10 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         ...(done === undefined
           ? { stop_reason: "max_tokens", stop_sequence: null }
           : stopReasonOf(done, stopSequences, reply.calls.length > 0)),
-        usage: done === undefined ? { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 } : usageOf(done)
+        usage:
+          done === undefined
+            ? { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 }
+            : usageOf(done)
       })
     }
 
@@ -439,7 +473,9 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
     const scope = yield* Scope.make()
     const pull = yield* Stream.toPull(events).pipe(Scope.extend(scope))
     const first = yield* pull.pipe(
-      Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<ServeEvent>()) : Effect.fail(end.value))),
+      Effect.catchAll((end) =>
+        Option.isNone(end) ? Effect.succeed(Chunk.empty<ServeEvent>()) : Effect.fail(end.value)
+      ),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
     )
     // Without tools the text block opens at once (Anthropic's order: message_start, content_block_start, ping); with
@@ -456,7 +492,9 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           usage: { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 }
         }
       }),
-      ...(tools === undefined ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } })] : []),
+      ...(tools === undefined
+        ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } })]
+        : []),
       event("ping", {})
     ]
     const sse = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull)).pipe(
@@ -479,11 +517,16 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
             ]
         }
       }),
-      Stream.catchAll((error) => Stream.make(encoder.encode(`event: error\ndata: ${JSON.stringify(errorJson(options.failureOf(error)))}\n\n`))),
+      Stream.catchAll((error) =>
+        Stream.make(encoder.encode(`event: error\ndata: ${JSON.stringify(errorJson(options.failureOf(error)))}\n\n`))
+      ),
       (rest) => Stream.concat(Stream.fromIterable(head), rest),
-      Stream.merge(Stream.tick(`${options.keepAliveMillis} millis`).pipe(Stream.drop(1), Stream.as(event("ping", {}))), {
-        haltStrategy: "left"
-      }),
+      Stream.merge(
+        Stream.tick(`${options.keepAliveMillis} millis`).pipe(Stream.drop(1), Stream.as(event("ping", {}))),
+        {
+          haltStrategy: "left"
+        }
+      ),
       Stream.ensuring(Scope.close(scope, Exit.void))
     )
     return HttpServerResponse.stream(sse, {
@@ -492,7 +535,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
     })
   })
 
-  const countTokens = Effect.gen(function*() {
+  const countTokens = Effect.gen(function* () {
     const body = yield* options.body(CountTokensBody)
     const { formatted: chat } = yield* formatted(body)
     return HttpServerResponse.unsafeJson({ input_tokens: chat.tokens.length })

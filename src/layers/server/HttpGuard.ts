@@ -108,7 +108,11 @@ export const hostAllowed = (host: string, listenHost: string, allowedHosts: Read
  * Whether a page of `origin` may call the API: no Origin (not a browser), the server's own origin (same Host), or one
  * of `--allowed-origins` (`*`: any).
  */
-export const originAllowed = (origin: string | undefined, hostHeader: string, allowedOrigins: ReadonlyArray<string>): boolean => {
+export const originAllowed = (
+  origin: string | undefined,
+  hostHeader: string,
+  allowedOrigins: ReadonlyArray<string>
+): boolean => {
   if (origin === undefined) return true
   if (allowedOrigins.includes("*") || allowedOrigins.includes(origin)) return true
   try {
@@ -134,7 +138,9 @@ export const checkCaller = (
     return new EdgeRefusal(
       403,
       "invalid_request_error",
-      clip(`requests addressed to host "${host}" are not served here (listening on ${listenHost}); allow it with --allowed-hosts`),
+      clip(
+        `requests addressed to host "${host}" are not served here (listening on ${listenHost}); allow it with --allowed-hosts`
+      ),
       "host_not_allowed"
     )
   }
@@ -155,13 +161,13 @@ export const checkJsonContentType = (contentType: string | undefined): EdgeRefus
   return media === "application/json"
     ? undefined
     : new EdgeRefusal(
-      415,
-      "invalid_request_error",
-      `the body must be JSON with content-type: application/json${
-        contentType === undefined ? " (none given)" : `, got ${clip(JSON.stringify(contentType), 80)}`
-      }`,
-      "unsupported_media_type"
-    )
+        415,
+        "invalid_request_error",
+        `the body must be JSON with content-type: application/json${
+          contentType === undefined ? " (none given)" : `, got ${clip(JSON.stringify(contentType), 80)}`
+        }`,
+        "unsupported_media_type"
+      )
 }
 
 /**
@@ -200,14 +206,24 @@ export const parseJson = (text: string): Effect.Effect<unknown, EdgeRefusal> =>
   Effect.suspend(() => {
     if (jsonDepth(text) > maxJsonDepth) {
       return Effect.fail(
-        new EdgeRefusal(400, "invalid_request_error", `bad request body: JSON nested deeper than ${maxJsonDepth} levels`, "json_too_deep")
+        new EdgeRefusal(
+          400,
+          "invalid_request_error",
+          `bad request body: JSON nested deeper than ${maxJsonDepth} levels`,
+          "json_too_deep"
+        )
       )
     }
     try {
       return Effect.succeed(JSON.parse(text) as unknown)
     } catch (error) {
       return Effect.fail(
-        new EdgeRefusal(400, "invalid_request_error", clip(`bad request body: not JSON: ${(error as Error).message}`), "invalid_json")
+        new EdgeRefusal(
+          400,
+          "invalid_request_error",
+          clip(`bad request body: not JSON: ${(error as Error).message}`),
+          "invalid_json"
+        )
       )
     }
   })
@@ -224,7 +240,9 @@ const tooLarge = (maxBodyBytes: number, seen: string) =>
 export const declaredTooLarge = (contentLength: string | undefined, maxBodyBytes: number): EdgeRefusal | undefined => {
   if (contentLength === undefined) return undefined
   const declared = Number(contentLength)
-  return Number.isFinite(declared) && declared > maxBodyBytes ? tooLarge(maxBodyBytes, `${declared} declared`) : undefined
+  return Number.isFinite(declared) && declared > maxBodyBytes
+    ? tooLarge(maxBodyBytes, `${declared} declared`)
+    : undefined
 }
 
 /**
@@ -259,17 +277,28 @@ export const readBody = (
     }
     const onEnd = () => settle(Effect.sync(() => Buffer.concat(chunks, size).toString("utf8")))
     const onError = (error: Error) =>
-      settle(Effect.fail(new EdgeRefusal(400, "invalid_request_error", clip(`the request body broke off: ${error.message}`), "body_aborted")))
+      settle(
+        Effect.fail(
+          new EdgeRefusal(
+            400,
+            "invalid_request_error",
+            clip(`the request body broke off: ${error.message}`),
+            "body_aborted"
+          )
+        )
+      )
     const timer = setTimeout(
       () =>
-        settle(Effect.fail(
-          new EdgeRefusal(
-            408,
-            "invalid_request_error",
-            `the request body did not arrive within ${limits.bodyTimeoutMillis} ms (${size} bytes came)`,
-            "body_timeout"
+        settle(
+          Effect.fail(
+            new EdgeRefusal(
+              408,
+              "invalid_request_error",
+              `the request body did not arrive within ${limits.bodyTimeoutMillis} ms (${size} bytes came)`,
+              "body_timeout"
+            )
           )
-        )),
+        ),
       limits.bodyTimeoutMillis
     )
     const cleanup = () => {

@@ -13,14 +13,17 @@ export class ListenError extends Schema.TaggedError<ListenError>()("ListenError"
 
 export const listenError = (host: string, port: number, cause: unknown) => {
   const code = (cause as NodeJS.ErrnoException | undefined)?.code
-  const why = code === "EADDRINUSE"
-    ? "the address is in use (another server listens there; pick another --port, or 0 for any free one)"
-    : code === "EACCES"
-    ? "not permitted (ports below 1024 need privileges)"
-    : code === "EADDRNOTAVAIL"
-    ? "this machine has no such address (--host)"
-    : (cause as Error | undefined)?.message ?? String(cause)
-  return new ListenError({ message: `cannot listen on ${host}:${port}: ${why}${code === undefined ? "" : ` (${code})`}` })
+  const why =
+    code === "EADDRINUSE"
+      ? "the address is in use (another server listens there; pick another --port, or 0 for any free one)"
+      : code === "EACCES"
+        ? "not permitted (ports below 1024 need privileges)"
+        : code === "EADDRNOTAVAIL"
+          ? "this machine has no such address (--host)"
+          : ((cause as Error | undefined)?.message ?? String(cause))
+  return new ListenError({
+    message: `cannot listen on ${host}:${port}: ${why}${code === undefined ? "" : ` (${code})`}`
+  })
 }
 
 /** The HTTP front's connection counts, for /metrics. */
@@ -43,7 +46,10 @@ export interface ConnectionStats {
  * is sent.
  */
 export const makeNodeServer = (limits: HttpLimits, stats: ConnectionStats): NodeServer => {
-  const server = createServer({ headersTimeout: limits.headerTimeoutMillis, requestTimeout: limits.bodyTimeoutMillis + 5_000 })
+  const server = createServer({
+    headersTimeout: limits.headerTimeoutMillis,
+    requestTimeout: limits.bodyTimeoutMillis + 5_000
+  })
   server.keepAliveTimeout = 5_000
   const open = new Set<Socket>()
   // Connections that have not sent a request yet, oldest first, with their header timers and when they came.

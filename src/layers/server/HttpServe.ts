@@ -33,18 +33,23 @@ export const layer = (options: HttpServeOptions, modelPath: string): Layer.Layer
   const connections: ConnectionStats = { open: 0, refused: 0, dropped: 0 }
   const evaluate = () => (nodeServer = makeNodeServer(limits, connections))
   const app = Layer.unwrapEffect(
-    Effect.map(router(options, modelPath, connections), (routes) => HttpServer.serve(guarded(routes, host, limits, apiKeys(options.apiKeys ?? []))))
+    Effect.map(router(options, modelPath, connections), (routes) =>
+      HttpServer.serve(guarded(routes, host, limits, apiKeys(options.apiKeys ?? [])))
+    )
   )
   const announce = Layer.scopedDiscard(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const server = yield* HttpServer.HttpServer
       yield* Effect.addFinalizer(() => Effect.sync(() => nodeServer?.closeAllConnections()))
-      if (server.address._tag === "TcpAddress") options.onListening?.({ host: server.address.hostname, port: server.address.port })
+      if (server.address._tag === "TcpAddress")
+        options.onListening?.({ host: server.address.hostname, port: server.address.port })
     })
   )
   return Layer.mergeAll(app, announce).pipe(
     Layer.provide(
-      NodeHttpServer.layer(evaluate, { port, host }).pipe(Layer.mapError((error) => listenError(host, port, error.cause)))
+      NodeHttpServer.layer(evaluate, { port, host }).pipe(
+        Layer.mapError((error) => listenError(host, port, error.cause))
+      )
     )
   )
 }

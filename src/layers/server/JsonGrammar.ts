@@ -82,13 +82,19 @@ const isRecord = (value: unknown): value is Record<string, unknown> =>
   typeof value === "object" && value !== null && !Array.isArray(value)
 
 const isPrimitive = (value: unknown): value is string | number | boolean | null =>
-  value === null || typeof value === "string" || typeof value === "boolean" ||
+  value === null ||
+  typeof value === "string" ||
+  typeof value === "boolean" ||
   (typeof value === "number" && Number.isFinite(value))
 
-const propertyPath = (path: string, key: string) => /^[A-Za-z_$][A-Za-z0-9_$]*$/.test(key) ? `${path}.${key}` : `${path}[${JSON.stringify(key)}]`
+const propertyPath = (path: string, key: string) =>
+  /^[A-Za-z_$][A-Za-z0-9_$]*$/.test(key) ? `${path}.${key}` : `${path}[${JSON.stringify(key)}]`
 
 class Refused {
-  constructor(readonly path: string, readonly reason: string) {}
+  constructor(
+    readonly path: string,
+    readonly reason: string
+  ) {}
 }
 const refuse = (path: string, reason: string): never => {
   throw new Refused(path, reason)
@@ -118,7 +124,8 @@ const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema 
   }
   if (node["allOf"] !== undefined) {
     const all = node["allOf"]
-    if (!Array.isArray(all) || all.length !== 1) return refuse(path, `unsupported keyword "allOf" (only with one member)`)
+    if (!Array.isArray(all) || all.length !== 1)
+      return refuse(path, `unsupported keyword "allOf" (only with one member)`)
     const { allOf: _, ...rest } = node
     return translate({ ...rest, ...(all[0] as object) }, `${path}.allOf[0]`, t)
   }
@@ -126,12 +133,17 @@ const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema 
     refuse(path, "definitions are supported at the schema's root only")
   }
   const nullable = node["nullable"] === true
-  const withNull = (schema: GbnfJsonSchema): GbnfJsonSchema => nullable ? { oneOf: [schema, { type: "null" }] } : schema
+  const withNull = (schema: GbnfJsonSchema): GbnfJsonSchema =>
+    nullable ? { oneOf: [schema, { type: "null" }] } : schema
 
   if (node["$ref"] !== undefined) {
     const ref = node["$ref"]
     const match = typeof ref === "string" ? /^#\/(\$defs|definitions)\/([^/]+)$/.exec(ref) : null
-    if (match === null) return refuse(`${path}.$ref`, `unsupported reference ${JSON.stringify(ref)} (only #/$defs/NAME or #/definitions/NAME)`)
+    if (match === null)
+      return refuse(
+        `${path}.$ref`,
+        `unsupported reference ${JSON.stringify(ref)} (only #/$defs/NAME or #/definitions/NAME)`
+      )
     const name = match[2]!.replaceAll("~1", "/").replaceAll("~0", "~")
     if (!t.defs.has(name)) {
       const target = t.rootDefs[name]
@@ -167,13 +179,14 @@ const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema 
   const declared = node["type"]
   let types: ReadonlyArray<string>
   if (declared === undefined) {
-    types = node["properties"] !== undefined || node["additionalProperties"] !== undefined
-      ? ["object"]
-      : node["items"] !== undefined || node["prefixItems"] !== undefined
-      ? ["array"]
-      : allTypes
+    types =
+      node["properties"] !== undefined || node["additionalProperties"] !== undefined
+        ? ["object"]
+        : node["items"] !== undefined || node["prefixItems"] !== undefined
+          ? ["array"]
+          : allTypes
   } else {
-    types = typeof declared === "string" ? [declared] : Array.isArray(declared) ? declared as Array<string> : []
+    types = typeof declared === "string" ? [declared] : Array.isArray(declared) ? (declared as Array<string>) : []
     if (types.length === 0) return refuse(`${path}.type`, "must be a type name or a non-empty array of them")
     types.forEach((type) => {
       if (!allTypes.includes(type)) refuse(`${path}.type`, `unknown type ${JSON.stringify(type)}`)
@@ -185,8 +198,21 @@ const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema 
 }
 
 const annotation = (key: string) =>
-  ["title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly",
-    "$defs", "definitions", "nullable"].includes(key)
+  [
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$defs",
+    "definitions",
+    "nullable"
+  ].includes(key)
 
 const single = (type: string, node: Record<string, unknown>, path: string, t: Translation): GbnfJsonSchema => {
   switch (type) {
@@ -210,12 +236,14 @@ const single = (type: string, node: Record<string, unknown>, path: string, t: Tr
       }
       return {
         type: "object",
-        properties: Object.fromEntries(keys.map((key) => [key, translate(properties[key], propertyPath(`${path}.properties`, key), t)])),
+        properties: Object.fromEntries(
+          keys.map((key) => [key, translate(properties[key], propertyPath(`${path}.properties`, key), t)])
+        ),
         ...(additional === true || (isRecord(additional) && Object.keys(additional).length === 0)
           ? { additionalProperties: true }
           : isRecord(additional)
-          ? { additionalProperties: translate(additional, `${path}.additionalProperties`, t) }
-          : {}),
+            ? { additionalProperties: translate(additional, `${path}.additionalProperties`, t) }
+            : {}),
         ...(minProperties !== undefined ? { minProperties } : {}),
         ...(maxProperties !== undefined ? { maxProperties } : {})
       } as GbnfJsonSchema
@@ -230,20 +258,26 @@ const single = (type: string, node: Record<string, unknown>, path: string, t: Tr
       } else if (node["additionalItems"] !== undefined) {
         return refuse(path, `unsupported keyword "additionalItems" without an items array`)
       }
-      if (prefix !== undefined && !Array.isArray(prefix)) return refuse(`${path}.prefixItems`, "must be an array of schemas")
-      if (items === false && prefix === undefined) return refuse(`${path}.items`, "items false admits only the empty array")
+      if (prefix !== undefined && !Array.isArray(prefix))
+        return refuse(`${path}.prefixItems`, "must be an array of schemas")
+      if (items === false && prefix === undefined)
+        return refuse(`${path}.items`, "items false admits only the empty array")
       const minItems = count(node, "minItems", path)
       const maxItems = count(node, "maxItems", path)
       if (minItems !== undefined && maxItems !== undefined && maxItems < minItems) {
         refuse(`${path}.maxItems`, "is below minItems")
       }
-      const prefixItems = (prefix as Array<unknown> | undefined)?.map((member, i) => translate(member, `${path}.prefixItems[${i}]`, t))
+      const prefixItems = (prefix as Array<unknown> | undefined)?.map((member, i) =>
+        translate(member, `${path}.prefixItems[${i}]`, t)
+      )
       if (prefixItems !== undefined && maxItems !== undefined && maxItems < prefixItems.length) {
         refuse(`${path}.maxItems`, "is below the number of prefixItems")
       }
       return {
         type: "array",
-        ...(items !== undefined && items !== true && items !== false ? { items: translate(items, `${path}.items`, t) } : {}),
+        ...(items !== undefined && items !== true && items !== false
+          ? { items: translate(items, `${path}.items`, t) }
+          : {}),
         ...(prefixItems !== undefined ? { prefixItems } : {}),
         ...(items === false && prefixItems !== undefined ? { maxItems: prefixItems.length } : {}),
         ...(minItems !== undefined ? { minItems } : {}),
@@ -289,12 +323,16 @@ const anySchema: GbnfJsonSchema = {
 /** The node-llama-cpp subset a JSON Schema translates to, or the first thing in it the grammar cannot honour. */
 export const toConverterSchema = (schema: unknown, path: string): GbnfJsonSchema | JsonGrammarError => {
   try {
-    const rootDefs = isRecord(schema) ? { ...asRecord(schema["definitions"], `${path}.definitions`), ...asRecord(schema["$defs"], `${path}.$defs`) } : {}
+    const rootDefs = isRecord(schema)
+      ? { ...asRecord(schema["definitions"], `${path}.definitions`), ...asRecord(schema["$defs"], `${path}.$defs`) }
+      : {}
     const t: Translation = { defs: new Map(), rootDefs, rootPath: path }
     const root = translate(schema, path, t)
     if (t.defs.size === 0) return root
     const $defs = Object.fromEntries(t.defs)
-    return isRecord(root) && (root as Record<string, unknown>)["$ref"] === undefined ? { ...root, $defs } as GbnfJsonSchema : { oneOf: [root], $defs } as GbnfJsonSchema
+    return isRecord(root) && (root as Record<string, unknown>)["$ref"] === undefined
+      ? ({ ...root, $defs } as GbnfJsonSchema)
+      : ({ oneOf: [root], $defs } as GbnfJsonSchema)
   } catch (error) {
     if (error instanceof Refused) return new JsonGrammarError({ path: error.path, reason: error.reason })
     throw error
@@ -316,7 +354,9 @@ let library: Promise<NodeLlamaCpp> | undefined
  * (no binary is loaded; the text is checked by Gbnf.ts's parser where it matters).
  */
 const convert = (lib: NodeLlamaCpp, schema: GbnfJsonSchema): string => {
-  const noNative = { _bindings: { AddonGrammar: class {} } } as unknown as ConstructorParameters<NodeLlamaCpp["LlamaJsonSchemaGrammar"]>[0]
+  const noNative = { _bindings: { AddonGrammar: class {} } } as unknown as ConstructorParameters<
+    NodeLlamaCpp["LlamaJsonSchemaGrammar"]
+  >[0]
   const text = new lib.LlamaJsonSchemaGrammar(noNative, schema as never).grammar
   // node-llama-cpp ends the root with four or more newlines, which it watches for to stop; here the grammar ends with
   // the JSON value, so the sampler can only end the generation there.
@@ -333,11 +373,14 @@ const convert = (lib: NodeLlamaCpp, schema: GbnfJsonSchema): string => {
  * honour. `path` prefixes error paths (e.g. `response_format.json_schema.schema`; default `schema`).
  */
 export const jsonSchemaGrammar = (schema: unknown, path = "schema"): Effect.Effect<GbnfGrammar, JsonGrammarError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     // The conversion runs on the caller's thread, its time growing with the schema (bench/README.md): hence the bound.
     const size = JSON.stringify(schema)?.length ?? 0
     if (size > maxSchemaChars) {
-      return yield* new JsonGrammarError({ path, reason: `is ${size} characters of JSON, over the ${maxSchemaChars} a schema may have` })
+      return yield* new JsonGrammarError({
+        path,
+        reason: `is ${size} characters of JSON, over the ${maxSchemaChars} a schema may have`
+      })
     }
     const converted = toConverterSchema(schema, path)
     if (converted instanceof JsonGrammarError) return yield* converted

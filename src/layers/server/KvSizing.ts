@@ -37,26 +37,31 @@ export const kvBytesPerSequence = (
   if (rec !== undefined) {
     const perToken = kvBytesOfSequence(shape.kvBytesPerBlockToken, contextLength)
     // stages unknown: every block of a stage as the heavier of the two kinds
-    if (shape.ranges === undefined || shape.ranges.length === 0) return shape.layersPerStage * Math.max(perToken, rec.stateBytes)
-    return Math.max(...shape.ranges.map(([start, end]) => {
-      let sum = 0
-      for (let il = start; il < end; il++) sum += rec.blocks[il] === true ? rec.stateBytes : perToken
-      return sum
-    }))
+    if (shape.ranges === undefined || shape.ranges.length === 0)
+      return shape.layersPerStage * Math.max(perToken, rec.stateBytes)
+    return Math.max(
+      ...shape.ranges.map(([start, end]) => {
+        let sum = 0
+        for (let il = start; il < end; il++) sum += rec.blocks[il] === true ? rec.stateBytes : perToken
+        return sum
+      })
+    )
   }
   const perBlock = shape.kvBytesPerBlock
   if ((sw === undefined && perBlock === undefined) || shape.ranges === undefined || shape.ranges.length === 0) {
     return kvBytesOfSequence(shape.layersPerStage * shape.kvBytesPerBlockToken, contextLength)
   }
-  return Math.max(...shape.ranges.map(([start, end]) =>
-    kvBytesOfBlocks(
-      Array.from({ length: end - start }, (_, i) => ({
-        bytesPerToken: perBlock?.[start + i] ?? shape.kvBytesPerBlockToken,
-        ...(sw?.blocks[start + i] === true ? { window: sw.window } : {})
-      })),
-      contextLength
+  return Math.max(
+    ...shape.ranges.map(([start, end]) =>
+      kvBytesOfBlocks(
+        Array.from({ length: end - start }, (_, i) => ({
+          bytesPerToken: perBlock?.[start + i] ?? shape.kvBytesPerBlockToken,
+          ...(sw?.blocks[start + i] === true ? { window: sw.window } : {})
+        })),
+        contextLength
+      )
     )
-  ))
+  )
 }
 
 /** Which blocks are DeltaNet blocks (qwen35, qwen35moe) and the state bytes one sequence holds in each. */
@@ -67,7 +72,7 @@ interface RecurrentLayout {
 
 /** qwen35's DeltaNet blocks from its metadata (`ssm.*`, `full_attention_interval`, default 4); undefined: none. */
 const recurrentOf = (file: GgufFile, arch: string, blocks: number) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const u32 = (key: string) => Gguf.getOptional(file, `${arch}.${key}`, Gguf.getU32)
     const kernel = yield* u32("ssm.conv_kernel")
     const state = yield* u32("ssm.state_size")
@@ -85,7 +90,7 @@ const recurrentOf = (file: GgufFile, arch: string, blocks: number) =>
 
 /** KV bytes per token per block, from the GGUF's attention facts, and the blocks that slide (capped caches). */
 export const readKvBytesPerBlockToken = (path: string) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const file = yield* Gguf.readGgufFile(path)
     const arch = yield* Gguf.getArchitecture(file)
     const blocks = yield* Gguf.getU32(file, `${arch}.block_count`)
@@ -104,7 +109,7 @@ export const readKvBytesPerBlockToken = (path: string) =>
  * global ones `key_length`, `head_count_kv` one count per block or one for all; K and V rows of equal width.
  */
 const gemma4KvBytesPerBlock = (file: GgufFile, blocks: number, sw: SlidingWindowLayout | undefined) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const u32 = (key: string) => Gguf.getOptional(file, `gemma4.${key}`, Gguf.getU32)
     const heads = yield* Gguf.getU32(file, "gemma4.attention.head_count")
     const hidden = yield* Gguf.getU32(file, "gemma4.embedding_length")
@@ -121,11 +126,12 @@ const gemma4KvBytesPerBlock = (file: GgufFile, blocks: number, sw: SlidingWindow
   })
 
 const kvBytesPerBlockTokenOf = (file: GgufFile, arch: string) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const hidden = yield* Gguf.getU32(file, `${arch}.embedding_length`)
     const heads = yield* Gguf.getU32(file, `${arch}.attention.head_count`)
     const kvHeads = (yield* Gguf.getOptional(file, `${arch}.attention.head_count_kv`, Gguf.getU32)) ?? heads
-    const keyLength = (yield* Gguf.getOptional(file, `${arch}.attention.key_length`, Gguf.getU32)) ?? Math.floor(hidden / heads)
+    const keyLength =
+      (yield* Gguf.getOptional(file, `${arch}.attention.key_length`, Gguf.getU32)) ?? Math.floor(hidden / heads)
     const valueLength = (yield* Gguf.getOptional(file, `${arch}.attention.value_length`, Gguf.getU32)) ?? keyLength
     // latent attention (deepseek2): one cached K row (latent + RoPE part), V is a view of it
     if (file.metadata.has(`${arch}.attention.kv_lora_rank`)) return kvBytesPerTokenOfBlock(keyLength * kvHeads, 0)

@@ -30,7 +30,17 @@ export const make = () => {
     revivalAttempts: 0,
     inFlight: 0,
     stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>(),
-    firstToken: { requests: 0, totalSeconds: 0, tokenize: 0, admit: 0, setup: 0, prefillWait: 0, prefill: 0, sample: 0, hops: 0 }
+    firstToken: {
+      requests: 0,
+      totalSeconds: 0,
+      tokenize: 0,
+      admit: 0,
+      setup: 0,
+      prefillWait: 0,
+      prefill: 0,
+      sample: 0,
+      hops: 0
+    }
   }
 
   const stage = (stageIndex: number) => {
@@ -119,25 +129,35 @@ export const make = () => {
     readonly promptCache: () => NonNullable<ServerMetrics["promptCache"]>
     readonly kvBudgetBytes: () => number
   }): Effect.Effect<ServerMetrics> =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const state = now.admission()
       const up = now.pipeline()
-      const agents = up !== undefined
-        ? yield* Effect.forEach(yield* up.alive, (agent) =>
-          agent.capacity.pipe(
-            Effect.timeout("1 second"),
-            Effect.map((c) => ({
-              address: agent.node.address,
-              pid: agent.pid,
-              activeStages: c.activeStages,
-              ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
-              ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
-            })),
-            Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
-          ), { concurrency: "unbounded" })
-        : []
+      const agents =
+        up !== undefined
+          ? yield* Effect.forEach(
+              yield* up.alive,
+              (agent) =>
+                agent.capacity.pipe(
+                  Effect.timeout("1 second"),
+                  Effect.map((c) => ({
+                    address: agent.node.address,
+                    pid: agent.pid,
+                    activeStages: c.activeStages,
+                    ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
+                    ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
+                  })),
+                  Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
+                ),
+              { concurrency: "unbounded" }
+            )
+          : []
       return {
-        requests: { completed: counts.completed, cancelled: counts.cancelled, failed: counts.failed, refused: counts.refused },
+        requests: {
+          completed: counts.completed,
+          cancelled: counts.cancelled,
+          failed: counts.failed,
+          refused: counts.refused
+        },
         promptTokens: counts.promptTokens,
         completionTokens: counts.completionTokens,
         recoveries: counts.recoveries,

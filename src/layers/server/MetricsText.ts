@@ -13,10 +13,24 @@ const renderPromptCache = (
   c: NonNullable<ServerMetrics["promptCache"]>,
   metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
 ) => {
-  metric("swactor_prompt_cache_hits_total", "counter", "Requests whose prompt started after a held prefix's KV", [["", c.hits]])
-  metric("swactor_prompt_cache_misses_total", "counter", "Requests with the prompt cache on that prefilled every token", [["", c.misses]])
-  metric("swactor_prompt_cache_evictions_total", "counter", "Prompt-cache entries dropped for memory or the entry bound", [["", c.evictions]])
-  metric("swactor_prompt_cache_cached_tokens_total", "counter", "Prompt tokens not prefilled (their KV reused)", [["", c.cachedTokens]])
+  metric("swactor_prompt_cache_hits_total", "counter", "Requests whose prompt started after a held prefix's KV", [
+    ["", c.hits]
+  ])
+  metric(
+    "swactor_prompt_cache_misses_total",
+    "counter",
+    "Requests with the prompt cache on that prefilled every token",
+    [["", c.misses]]
+  )
+  metric(
+    "swactor_prompt_cache_evictions_total",
+    "counter",
+    "Prompt-cache entries dropped for memory or the entry bound",
+    [["", c.evictions]]
+  )
+  metric("swactor_prompt_cache_cached_tokens_total", "counter", "Prompt tokens not prefilled (their KV reused)", [
+    ["", c.cachedTokens]
+  ])
   metric("swactor_prompt_cache_entries", "gauge", "Prompt-cache entries held", [["", c.entries]])
   metric("swactor_prompt_cache_bytes", "gauge", "KV bytes per stage the prompt-cache entries hold", [["", c.bytes]])
   metric(
@@ -44,20 +58,38 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
   metric("swactor_prompt_tokens_total", "counter", "Prompt tokens of admitted requests", [["", m.promptTokens]])
   metric("swactor_completion_tokens_total", "counter", "Generated tokens", [["", m.completionTokens]])
   metric("swactor_recoveries_total", "counter", "Generations resumed after their run faulted", [["", m.recoveries]])
-  metric("swactor_pipeline_revivals_total", "counter", "Times the server served again after every agent was lost", [["", m.revivals]])
-  metric("swactor_pipeline_revival_attempts_total", "counter", "Attempts to revive a pipeline whose agents were all lost", [["", m.revivalAttempts]])
+  metric("swactor_pipeline_revivals_total", "counter", "Times the server served again after every agent was lost", [
+    ["", m.revivals]
+  ])
+  metric(
+    "swactor_pipeline_revival_attempts_total",
+    "counter",
+    "Attempts to revive a pipeline whose agents were all lost",
+    [["", m.revivalAttempts]]
+  )
   metric("swactor_straggler_tokens_total", "counter", "Decoded tokens over 4x the recent median", [["", m.stragglers]])
   metric("swactor_requests_in_flight", "gauge", "Requests running", [["", m.inFlight]])
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
-  metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [["", m.kvReservedBytes]])
+  metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [
+    ["", m.kvReservedBytes]
+  ])
   metric("swactor_kv_budget_bytes", "gauge", "KV bytes per stage admission may reserve", [["", m.kvBudgetBytes]])
   if (m.promptCache !== undefined) renderPromptCache(m.promptCache, metric)
   const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
     m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
-  metric("swactor_stage_compute_seconds_total", "counter", "Engine time per stage (completed requests)", perStage((s) => s.computeSeconds))
+  metric(
+    "swactor_stage_compute_seconds_total",
+    "counter",
+    "Engine time per stage (completed requests)",
+    perStage((s) => s.computeSeconds)
+  )
   const f = m.firstToken
-  metric("swactor_first_token_seconds_sum", "counter", "Time to first token, summed over completed requests", [["", f.totalSeconds]])
-  metric("swactor_first_token_seconds_count", "counter", "Completed requests that got a first token", [["", f.requests]])
+  metric("swactor_first_token_seconds_sum", "counter", "Time to first token, summed over completed requests", [
+    ["", f.totalSeconds]
+  ])
+  metric("swactor_first_token_seconds_count", "counter", "Completed requests that got a first token", [
+    ["", f.requests]
+  ])
   metric(
     "swactor_first_token_phase_seconds_total",
     "counter",
@@ -75,7 +107,12 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
       ] as const
     ).map(([phase, seconds]): [string, number] => [`{phase="${phase}"}`, seconds])
   )
-  metric("swactor_stage_prefill_seconds_total", "counter", "Engine time on prompts per stage (completed requests)", perStage((s) => s.prefillSeconds))
+  metric(
+    "swactor_stage_prefill_seconds_total",
+    "counter",
+    "Engine time on prompts per stage (completed requests)",
+    perStage((s) => s.prefillSeconds)
+  )
   metric(
     "swactor_stage_prefill_wait_seconds_total",
     "counter",
@@ -88,17 +125,42 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     "Decode time outside the engines, shared per stage (completed requests)",
     perStage((s) => s.transferSeconds)
   )
-  metric("swactor_stage_decode_tokens_total", "counter", "Decode steps per stage (completed requests)", perStage((s) => s.decodeTokens))
+  metric(
+    "swactor_stage_decode_tokens_total",
+    "counter",
+    "Decode steps per stage (completed requests)",
+    perStage((s) => s.decodeTokens)
+  )
   metric(
     "swactor_stage_micro_batches_total",
     "counter",
     "Micro-batches that carried a completed request's work, summed over requests (rows / this = mean batch rows)",
     perStage((s) => s.microBatches)
   )
-  metric("swactor_stage_batch_rows_total", "counter", "Rows of those micro-batches, summed over requests", perStage((s) => s.batchRows))
-  metric("swactor_stage_max_batch_sequences", "gauge", "Most sequences seen in one micro-batch", perStage((s) => s.maxBatchSequences))
-  metric("swactor_stage_compute_buffer_bytes", "gauge", "The stage's compute buffers, measured by its agent", perStage((s) => s.computeBytes))
-  metric("swactor_stage_kv_bytes", "gauge", "KV cache bytes of one sequence on the stage, sliding-window caches capped", perStage((s) => s.kvBytes))
+  metric(
+    "swactor_stage_batch_rows_total",
+    "counter",
+    "Rows of those micro-batches, summed over requests",
+    perStage((s) => s.batchRows)
+  )
+  metric(
+    "swactor_stage_max_batch_sequences",
+    "gauge",
+    "Most sequences seen in one micro-batch",
+    perStage((s) => s.maxBatchSequences)
+  )
+  metric(
+    "swactor_stage_compute_buffer_bytes",
+    "gauge",
+    "The stage's compute buffers, measured by its agent",
+    perStage((s) => s.computeBytes)
+  )
+  metric(
+    "swactor_stage_kv_bytes",
+    "gauge",
+    "KV cache bytes of one sequence on the stage, sliding-window caches capped",
+    perStage((s) => s.kvBytes)
+  )
   metric(
     "swactor_stage_resident_bytes",
     "gauge",
@@ -135,7 +197,9 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     )
   // the batcher's last choice per agent and block range (none before it chose)
   const choiceOf = (value: (choice: NonNullable<StepCostEntry["choice"]>) => number) =>
-    stepCostsOf((label, e): Array<[string, number]> => e.choice === undefined ? [] : [[`{${label}}`, value(e.choice)]])
+    stepCostsOf((label, e): Array<[string, number]> =>
+      e.choice === undefined ? [] : [[`{${label}}`, value(e.choice)]]
+    )
   metric(
     "swactor_agent_step_ms",
     "gauge",
@@ -160,7 +224,12 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     "Sequences decoding through the agent's block range at its batcher's last choice",
     choiceOf((c) => c.decoders)
   )
-  metric("swactor_agent_open_sessions", "gauge", "Stage sessions open in each agent's process now", sessionsOf((s) => s.sessions))
+  metric(
+    "swactor_agent_open_sessions",
+    "gauge",
+    "Stage sessions open in each agent's process now",
+    sessionsOf((s) => s.sessions)
+  )
   metric(
     "swactor_agent_state_bytes",
     "gauge",
@@ -178,15 +247,17 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
 
 /** The Prometheus text of the HTTP front's connection counts (none without them). */
 export const renderConnections = (c: ConnectionStats | undefined): string =>
-  c === undefined ? "" : [
-    "# HELP swactor_http_connections_open HTTP connections open now",
-    "# TYPE swactor_http_connections_open gauge",
-    `swactor_http_connections_open ${c.open}`,
-    "# HELP swactor_http_connections_refused_total Connections closed at once: the limit was reached and every open one was busy",
-    "# TYPE swactor_http_connections_refused_total counter",
-    `swactor_http_connections_refused_total ${c.refused}`,
-    "# HELP swactor_http_connections_dropped_total Connections closed before they sent a request (header timeout, or room for a new one)",
-    "# TYPE swactor_http_connections_dropped_total counter",
-    `swactor_http_connections_dropped_total ${c.dropped}`,
-    ""
-  ].join("\n")
+  c === undefined
+    ? ""
+    : [
+        "# HELP swactor_http_connections_open HTTP connections open now",
+        "# TYPE swactor_http_connections_open gauge",
+        `swactor_http_connections_open ${c.open}`,
+        "# HELP swactor_http_connections_refused_total Connections closed at once: the limit was reached and every open one was busy",
+        "# TYPE swactor_http_connections_refused_total counter",
+        `swactor_http_connections_refused_total ${c.refused}`,
+        "# HELP swactor_http_connections_dropped_total Connections closed before they sent a request (header timeout, or room for a new one)",
+        "# TYPE swactor_http_connections_dropped_total counter",
+        `swactor_http_connections_dropped_total ${c.dropped}`,
+        ""
+      ].join("\n")

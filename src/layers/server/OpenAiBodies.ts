@@ -21,7 +21,9 @@ const SamplingFields = {
   n: Num,
   stop: Schema.optional(Schema.NullOr(Schema.Union(Schema.String, Schema.Array(Schema.String)))),
   stream: Schema.optional(Schema.NullOr(Schema.Boolean)),
-  stream_options: Schema.optional(Schema.NullOr(Schema.Struct({ include_usage: Schema.optional(Schema.NullOr(Schema.Boolean)) }))),
+  stream_options: Schema.optional(
+    Schema.NullOr(Schema.Struct({ include_usage: Schema.optional(Schema.NullOr(Schema.Boolean)) }))
+  ),
   ...OpenAiSamplingFields
 }
 
@@ -48,8 +50,9 @@ export const serveRequest = (
   extraStop: ReadonlyArray<string> = [],
   parallel = 1
 ) =>
-  Effect.gen(function*() {
-    const stop = body.stop === undefined || body.stop === null ? [] : typeof body.stop === "string" ? [body.stop] : body.stop
+  Effect.gen(function* () {
+    const stop =
+      body.stop === undefined || body.stop === null ? [] : typeof body.stop === "string" ? [body.stop] : body.stop
     // Sampling fields, log-probs, n and structured output (OpenAiSampling.ts): a problem is a 400 naming the field.
     const { sampling, n } = yield* openAiSampling(body, { chat: "messages" in body, parallel }).pipe(
       Effect.mapError((message) => new HttpFailure(400, "invalid_request_error", message))
@@ -68,5 +71,11 @@ export const tokenIds = (ids: ReadonlyArray<number>): Effect.Effect<ReadonlyArra
   const at = ids.findIndex((id) => !Number.isSafeInteger(id) || id < 0)
   return at < 0
     ? Effect.succeed(ids)
-    : Effect.fail(new HttpFailure(400, "invalid_request_error", `prompt[${at}]: a token id must be a whole number ≥ 0, got ${ids[at]}`))
+    : Effect.fail(
+        new HttpFailure(
+          400,
+          "invalid_request_error",
+          `prompt[${at}]: a token id must be a whole number ≥ 0, got ${ids[at]}`
+        )
+      )
 }

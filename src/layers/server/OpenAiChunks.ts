@@ -26,26 +26,39 @@ export const completionChunk = (
 ) =>
   shape.chat
     ? {
-      id: shape.id,
-      object: "chat.completion.chunk",
-      created: shape.created,
-      model: shape.model,
-      choices: [{
-        index: choice.index ?? 0,
-        delta: choice.finish !== null
-          ? {}
-          : choice.delta ?? { ...(choice.role === true ? { role: "assistant" } : {}), content: choice.text ?? "" },
-        logprobs: choice.logprobs ?? null,
-        finish_reason: choice.finish
-      }]
-    }
+        id: shape.id,
+        object: "chat.completion.chunk",
+        created: shape.created,
+        model: shape.model,
+        choices: [
+          {
+            index: choice.index ?? 0,
+            delta:
+              choice.finish !== null
+                ? {}
+                : (choice.delta ?? {
+                    ...(choice.role === true ? { role: "assistant" } : {}),
+                    content: choice.text ?? ""
+                  }),
+            logprobs: choice.logprobs ?? null,
+            finish_reason: choice.finish
+          }
+        ]
+      }
     : {
-      id: shape.id,
-      object: "text_completion",
-      created: shape.created,
-      model: shape.model,
-      choices: [{ index: choice.index ?? 0, text: choice.text ?? "", logprobs: choice.logprobs ?? null, finish_reason: choice.finish }]
-    }
+        id: shape.id,
+        object: "text_completion",
+        created: shape.created,
+        model: shape.model,
+        choices: [
+          {
+            index: choice.index ?? 0,
+            text: choice.text ?? "",
+            logprobs: choice.logprobs ?? null,
+            finish_reason: choice.finish
+          }
+        ]
+      }
 
 /** OpenAI's usage object; `cachedTokens`: prompt tokens the prompt cache held (the most any choice's run reused). */
 export const usageOf = (promptTokens: number, completionTokens: number, cachedTokens: number) => ({

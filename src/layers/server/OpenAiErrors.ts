@@ -27,7 +27,9 @@ export const errorResponse = (failure: HttpFailure | EdgeRefusal) =>
   HttpServerResponse.unsafeJson(errorJson(failure), {
     status: failure.status,
     headers: {
-      ...(failure instanceof HttpFailure && failure.retryAfter !== undefined ? { "retry-after": String(failure.retryAfter) } : {}),
+      ...(failure instanceof HttpFailure && failure.retryAfter !== undefined
+        ? { "retry-after": String(failure.retryAfter) }
+        : {}),
       // A body refused before it was read whole: the connection is not reused (what is left of the body is never read).
       ...(failure.status === 413 || failure.status === 408 ? { connection: "close" } : {})
     }
@@ -51,9 +53,18 @@ export const fromServeError = (error: ServeError): HttpFailure => {
     case "ServerReviving":
       return new HttpFailure(503, "server_error", error.message, "reviving", error.retryAfterSeconds)
     case "PipelineFaulted":
-      return new HttpFailure(500, "server_error", faultForClient(`the pipeline faulted: ${error.message}`), "pipeline_faulted")
+      return new HttpFailure(
+        500,
+        "server_error",
+        faultForClient(`the pipeline faulted: ${error.message}`),
+        "pipeline_faulted"
+      )
     default:
-      return new HttpFailure(500, "server_error", faultForClient(String((error as { message?: unknown }).message ?? error)))
+      return new HttpFailure(
+        500,
+        "server_error",
+        faultForClient(String((error as { message?: unknown }).message ?? error))
+      )
   }
 }
 
@@ -62,10 +73,10 @@ export const badBody = (error: ParseResult.ParseError) =>
   new HttpFailure(
     400,
     "invalid_request_error",
-    clip(`bad request body: ${
-      ParseResult.ArrayFormatter.formatErrorSync(error)
+    clip(
+      `bad request body: ${ParseResult.ArrayFormatter.formatErrorSync(error)
         .slice(0, 4)
         .map((issue) => `${issue.path.length > 0 ? `${issue.path.join(".")}: ` : ""}${clip(issue.message, 160)}`)
-        .join("; ")
-    }`)
+        .join("; ")}`
+    )
   )

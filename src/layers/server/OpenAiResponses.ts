@@ -26,7 +26,7 @@ export const respond = (
   // gpt-oss's harmony template: the analysis channel is reasoning_content, the final channel content (Harmony.ts)
   harmony = false
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     // n > 1 (serveRequest's `n`): one request per choice, batched like separate requests; with a seed, choice i has
     // seed + i (so it equals a lone request with that seed)
     const n = (request as { readonly n?: number }).n ?? 1
@@ -38,7 +38,9 @@ export const respond = (
     const logprobsJson = (entries: ReadonlyArray<TextLogprob>, offset: number) =>
       !wantLogprobs ? null : shape.chat ? chatLogprobs(entries) : completionLogprobs(entries, offset)
     if (!stream) {
-      const results = yield* Effect.forEach(requests, (r) => Stream.runCollect(server.generate(r)), { concurrency: "unbounded" })
+      const results = yield* Effect.forEach(requests, (r) => Stream.runCollect(server.generate(r)), {
+        concurrency: "unbounded"
+      })
       let promptTokens = 0
       let completionTokens = 0
       let cachedTokens = 0

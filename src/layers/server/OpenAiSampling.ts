@@ -38,10 +38,16 @@ export const OpenAiSamplingFields = {
   dry_sequence_breakers: Schema.optional(Schema.NullOr(Schema.Array(Schema.String))),
   xtc_probability: Num,
   xtc_threshold: Num,
-  logit_bias: Schema.optional(Schema.NullOr(Schema.Union(
-    Schema.Record({ key: Schema.String, value: Schema.Number }),
-    Schema.Array(Schema.Tuple(Schema.Union(Schema.Number, Schema.String), Schema.Union(Schema.Number, Schema.Boolean)))
-  ))),
+  logit_bias: Schema.optional(
+    Schema.NullOr(
+      Schema.Union(
+        Schema.Record({ key: Schema.String, value: Schema.Number }),
+        Schema.Array(
+          Schema.Tuple(Schema.Union(Schema.Number, Schema.String), Schema.Union(Schema.Number, Schema.Boolean))
+        )
+      )
+    )
+  ),
   logprobs: Schema.optional(Schema.NullOr(Schema.Union(Schema.Boolean, Schema.Number))),
   top_logprobs: Num,
   ...StructuredOutputFields
@@ -94,7 +100,7 @@ export const openAiSampling = (
   body: OpenAiSamplingBody,
   route: { readonly chat: boolean; readonly parallel: number }
 ): Effect.Effect<OpenAiSampling, string> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const problems: Array<string> = []
     const number = (field: string, x: Nullable<number>, lo: number, hi: number, whole = false): number | undefined => {
       const v = value(x)
@@ -144,13 +150,16 @@ export const openAiSampling = (
     }
     if (problems.length > 0) return yield* Effect.fail(problems[0]!)
     const grammar = yield* structuredOutputGrammar(body)
-    const dry = dryMultiplier === undefined || dryMultiplier === 0 ? undefined : {
-      multiplier: dryMultiplier,
-      ...(dryBase === undefined ? {} : { base: dryBase }),
-      ...(dryAllowedLength === undefined ? {} : { allowedLength: dryAllowedLength }),
-      ...(dryLastN === undefined ? {} : { penaltyLastN: dryLastN }),
-      ...(breakers === undefined ? {} : { sequenceBreakers: breakers })
-    }
+    const dry =
+      dryMultiplier === undefined || dryMultiplier === 0
+        ? undefined
+        : {
+            multiplier: dryMultiplier,
+            ...(dryBase === undefined ? {} : { base: dryBase }),
+            ...(dryAllowedLength === undefined ? {} : { allowedLength: dryAllowedLength }),
+            ...(dryLastN === undefined ? {} : { penaltyLastN: dryLastN }),
+            ...(breakers === undefined ? {} : { sequenceBreakers: breakers })
+          }
     const sampling: SamplingOptions = {
       temperature,
       ...(topK === undefined ? {} : { topK }),
@@ -180,7 +189,7 @@ const biases = (
 ): ReadonlyArray<{ readonly tokenId: number; readonly bias: number }> => {
   if (raw === undefined || raw === null) return []
   const pairs: ReadonlyArray<readonly [number | string, number | boolean]> = Array.isArray(raw)
-    ? raw as ReadonlyArray<readonly [number | string, number | boolean]>
+    ? (raw as ReadonlyArray<readonly [number | string, number | boolean]>)
     : Object.entries(raw)
   const out: Array<{ tokenId: number; bias: number }> = []
   for (const [key, bias] of pairs) {

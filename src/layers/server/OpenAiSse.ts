@@ -27,10 +27,11 @@ export const streamCompletion = (
   includeUsage: boolean,
   keepAliveMillis: number,
   logprobsJson: (entries: ReadonlyArray<TextLogprob>, offset: number) => object | null,
-  tools: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean } | undefined,
+  tools:
+    { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean } | undefined,
   harmony: boolean
 ) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const events = Stream.mergeAll(
       requests.map((r, index) => server.generate(r).pipe(Stream.map((event) => ({ index, event })))),
       { concurrency: "unbounded" }
@@ -39,7 +40,11 @@ export const streamCompletion = (
     const scope = yield* Scope.make()
     const pull = yield* Stream.toPull(events).pipe(Scope.extend(scope))
     const first = yield* pull.pipe(
-      Effect.catchAll((end) => (Option.isNone(end) ? Effect.succeed(Chunk.empty<{ index: number; event: ServeEvent }>()) : Effect.fail(end.value))),
+      Effect.catchAll((end) =>
+        Option.isNone(end)
+          ? Effect.succeed(Chunk.empty<{ index: number; event: ServeEvent }>())
+          : Effect.fail(end.value)
+      ),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
     )
     const all = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull))
@@ -62,20 +67,26 @@ export const streamCompletion = (
       const c = choices[index]!
       c.callCount += piece.calls.length
       return [
-        ...(piece.content === "" ? [] : [sse(completionChunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))]),
-        ...piece.deltas.map((delta) => sse(completionChunk(shape, { index, finish: null, delta: toolCallDelta(delta) })))
+        ...(piece.content === ""
+          ? []
+          : [sse(completionChunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))]),
+        ...piece.deltas.map((delta) =>
+          sse(completionChunk(shape, { index, finish: null, delta: toolCallDelta(delta) }))
+        )
       ]
     }
     // harmony: reasoning as delta.reasoning_content, the rest on as content (through the tools' parser with tools)
     const harmonyChunks = (index: number, piece: HarmonyPiece) => {
       const c = choices[index]!
       return [
-        ...(piece.reasoning === "" ? [] : [sse(completionChunk(shape, { index, finish: null, delta: { reasoning_content: piece.reasoning } }))]),
+        ...(piece.reasoning === ""
+          ? []
+          : [sse(completionChunk(shape, { index, finish: null, delta: { reasoning_content: piece.reasoning } }))]),
         ...(c.calls !== undefined
           ? toolChunks(index, c.calls.push(piece.content))
           : piece.content === ""
-          ? []
-          : [sse(completionChunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))])
+            ? []
+            : [sse(completionChunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))])
       ]
     }
     const body = all.pipe(
@@ -106,23 +117,28 @@ export const streamCompletion = (
               ...(c.calls === undefined ? [] : toolChunks(index, c.calls.end())),
               sse(completionChunk(shape, { index, finish: c.callCount > 0 ? "tool_calls" : event.finishReason })),
               ...(includeUsage && finished === requests.length
-                ? [sse({
-                  id: shape.id,
-                  object: shape.chat ? "chat.completion.chunk" : "text_completion",
-                  created: shape.created,
-                  model: shape.model,
-                  choices: [],
-                  usage: usageOf(promptTokens, completionTokens, cachedTokens)
-                })]
+                ? [
+                    sse({
+                      id: shape.id,
+                      object: shape.chat ? "chat.completion.chunk" : "text_completion",
+                      created: shape.created,
+                      model: shape.model,
+                      choices: [],
+                      usage: usageOf(promptTokens, completionTokens, cachedTokens)
+                    })
+                  ]
                 : [])
             ]
         }
       }),
       Stream.concat(Stream.make(sse("[DONE]"))),
       Stream.catchAll((error) => Stream.make(sse(errorJson(fromServeError(error))), sse("[DONE]"))),
-      Stream.merge(Stream.tick(`${keepAliveMillis} millis`).pipe(Stream.drop(1), Stream.as(encoder.encode(": keep-alive\n\n"))), {
-        haltStrategy: "left"
-      }),
+      Stream.merge(
+        Stream.tick(`${keepAliveMillis} millis`).pipe(Stream.drop(1), Stream.as(encoder.encode(": keep-alive\n\n"))),
+        {
+          haltStrategy: "left"
+        }
+      ),
       Stream.ensuring(Scope.close(scope, Exit.void))
     )
     return HttpServerResponse.stream(body, {

@@ -48,7 +48,8 @@ const toolsOf = (raw: ReadonlyArray<unknown>): ReadonlyArray<ChatTool> | string 
     if (!isRecord(fn)) return `${at}.function is required`
     const name = fn["name"]
     if (name === undefined || name === null || name === "") return `${at}.function.name is required`
-    if (typeof name !== "string" || !namePattern.test(name)) return `${at}.function.name must be 1 to 64 letters, digits, _ or -`
+    if (typeof name !== "string" || !namePattern.test(name))
+      return `${at}.function.name must be 1 to 64 letters, digits, _ or -`
     const before = tools.findIndex((t) => t.name === name)
     if (before >= 0) return `${at}.function.name: "${name}" is already the name of tools[${before}]`
     const description = fn["description"]
@@ -56,9 +57,11 @@ const toolsOf = (raw: ReadonlyArray<unknown>): ReadonlyArray<ChatTool> | string 
       return `${at}.function.description must be a string`
     }
     const parameters = fn["parameters"]
-    if (parameters !== undefined && parameters !== null && !isRecord(parameters)) return `${at}.function.parameters must be a JSON schema object`
+    if (parameters !== undefined && parameters !== null && !isRecord(parameters))
+      return `${at}.function.parameters must be a JSON schema object`
     const strict = fn["strict"]
-    if (strict !== undefined && strict !== null && typeof strict !== "boolean") return `${at}.function.strict must be true or false`
+    if (strict !== undefined && strict !== null && typeof strict !== "boolean")
+      return `${at}.function.strict must be true or false`
     tools.push({
       name,
       ...(typeof description === "string" ? { description } : {}),
@@ -73,19 +76,27 @@ const choiceOf = (raw: unknown, tools: ReadonlyArray<ChatTool>): ToolChoice | { 
   const problem = (text: string) => ({ problem: text })
   if (raw === undefined || raw === null) return tools.length > 0 ? "auto" : "none"
   if (raw === "auto" || raw === "none" || raw === "required") {
-    return raw === "required" && tools.length === 0 ? problem("tool_choice \"required\" needs tools") : raw
+    return raw === "required" && tools.length === 0 ? problem('tool_choice "required" needs tools') : raw
   }
-  if (typeof raw === "string") return problem(`tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}, got "${raw.slice(0, 40)}"`)
-  if (!isRecord(raw) || raw["type"] !== "function") return problem("tool_choice.type must be \"function\"")
+  if (typeof raw === "string")
+    return problem(
+      `tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}, got "${raw.slice(0, 40)}"`
+    )
+  if (!isRecord(raw) || raw["type"] !== "function") return problem('tool_choice.type must be "function"')
   const fn = raw["function"]
   const name = isRecord(fn) ? fn["name"] : undefined
   if (typeof name !== "string" || name === "") return problem("tool_choice.function.name is required")
-  if (!tools.some((t) => t.name === name)) return problem(`tool_choice.function.name: no tool named "${name.slice(0, 64)}" in tools`)
+  if (!tools.some((t) => t.name === name))
+    return problem(`tool_choice.function.name: no tool named "${name.slice(0, 64)}" in tools`)
   return { name }
 }
 
-const textOf = (content: typeof ChatMessageBody.Type["content"]) =>
-  content === undefined || content === null ? undefined : typeof content === "string" ? content : content.map((part) => part.text).join("")
+const textOf = (content: (typeof ChatMessageBody.Type)["content"]) =>
+  content === undefined || content === null
+    ? undefined
+    : typeof content === "string"
+      ? content
+      : content.map((part) => part.text).join("")
 
 const callsOf = (raw: ReadonlyArray<unknown>, at: string): ReadonlyArray<ChatToolCall> | string => {
   const calls: Array<ChatToolCall> = []
@@ -129,7 +140,8 @@ export const chatWithTools = (
     const at = `messages[${i}]`
     const content = textOf(m.content)
     if (m.role === "tool") {
-      if (m.tool_call_id === undefined || m.tool_call_id === null || m.tool_call_id === "") return `${at}.tool_call_id is required`
+      if (m.tool_call_id === undefined || m.tool_call_id === null || m.tool_call_id === "")
+        return `${at}.tool_call_id is required`
       if (!callIds.has(m.tool_call_id)) {
         return `${at}.tool_call_id: "${m.tool_call_id.slice(0, 64)}" matches no tool call of an earlier assistant message`
       }
@@ -153,7 +165,11 @@ export const chatWithTools = (
 
 /** `message.tool_calls` of a chat completion. */
 export const toolCallsJson = (calls: ReadonlyArray<ChatToolCall>) =>
-  calls.map((call) => ({ id: call.id, type: "function" as const, function: { name: call.name, arguments: call.arguments } }))
+  calls.map((call) => ({
+    id: call.id,
+    type: "function" as const,
+    function: { name: call.name, arguments: call.arguments }
+  }))
 
 /**
  * One streamed piece of a call as OpenAI's `delta.tool_calls`: its start (index, id, type, name, arguments ""), or a
@@ -161,5 +177,9 @@ export const toolCallsJson = (calls: ReadonlyArray<ChatToolCall>) =>
  */
 export const toolCallDelta = (delta: ToolCallDelta) =>
   delta._tag === "Start"
-    ? { tool_calls: [{ index: delta.index, id: delta.id, type: "function" as const, function: { name: delta.name, arguments: "" } }] }
+    ? {
+        tool_calls: [
+          { index: delta.index, id: delta.id, type: "function" as const, function: { name: delta.name, arguments: "" } }
+        ]
+      }
     : { tool_calls: [{ index: delta.index, function: { arguments: delta.text } }] }

@@ -4,7 +4,20 @@
  * every agent is lost (Reviving, with backoff, on the agents that answer again or on fresh local agents). `current`
  * is the pipeline requests run on, or the error that says why there is none now.
  */
-import { Cause, Deferred, Duration, Effect, Either, ExecutionStrategy, Exit, Option, Ref, Schedule, Scope, Stream } from "effect"
+import {
+  Cause,
+  Deferred,
+  Duration,
+  Effect,
+  Either,
+  ExecutionStrategy,
+  Exit,
+  Option,
+  Ref,
+  Schedule,
+  Scope,
+  Stream
+} from "effect"
 import type { OrchestratorService, Pipeline, PipelineMember, RunUpdate } from "../../services/Orchestrator.js"
 import {
   PipelineFaulted,
@@ -48,7 +61,7 @@ export const make = (deps: {
   readonly counts: { revivals: number; revivalAttempts: number; readonly inFlight: number }
   readonly log: (line: string) => void
 }) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const { admission, counts, forgetCache, kv, log, observePlan, options, orchestrator, parallel, tooLong } = deps
     const status = yield* Ref.make<ServerStatus>({ _tag: "Loading" })
     const started = yield* Deferred.make<{ pipeline: Pipeline; info: ServerInfo }, PipelineFaulted>()
@@ -60,7 +73,7 @@ export const make = (deps: {
     let lastRunAt = performance.now()
 
     const fault = (message: string) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const current = yield* Ref.get(status)
         if (current._tag === "Faulted") return
         yield* Ref.set(status, { _tag: "Faulted", message })
@@ -83,7 +96,7 @@ export const make = (deps: {
       readonly scope: Scope.CloseableScope
     }
     const openGeneration = (parent: Scope.Scope) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const scope = yield* Scope.fork(parent, ExecutionStrategy.sequential)
         return yield* orchestrator.pipeline(options).pipe(
           Scope.extend(scope),
@@ -94,7 +107,7 @@ export const make = (deps: {
     /** The pipeline's shape before its first run is planned (the warm-up's plan refines it). */
     const observePipeline = (pipeline: Pipeline) => Effect.sync(() => kv.pipeline(pipeline.model, pipeline.stageCount))
     const serveOn = (pipeline: Pipeline) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         if (live !== undefined && live.pipeline !== pipeline) forgetCache()
         live = { pipeline, info: infoOf(pipeline) }
         yield* Ref.set(status, { _tag: "Ready" })
@@ -108,7 +121,8 @@ export const make = (deps: {
       freshAfterMillis: Duration.toMillis(Duration.decode(options.revive?.freshAgentsAfter ?? "30 seconds"))
     }
     /** The wait before attempt n (1, 2, ...): first, doubling, capped. */
-    const reviveDelay = (attempt: number) => Math.min(revive.maxMillis, revive.firstMillis * 2 ** Math.min(attempt - 1, 30))
+    const reviveDelay = (attempt: number) =>
+      Math.min(revive.maxMillis, revive.firstMillis * 2 ** Math.min(attempt - 1, 30))
     const seconds = (millis: number) => `${(millis / 1000).toFixed(millis < 10_000 ? 1 : 0)} s`
     const revivalAgentOf = (member: PipelineMember): RevivalAgent => ({
       address: member.agent.node.address,
@@ -124,25 +138,28 @@ export const make = (deps: {
       const waiting = s.waitingFor.filter((agent) => agent.state !== "up")
       return new ServerReviving({
         retryAfterSeconds: Math.max(1, Math.ceil(next / 1000)),
-        message: `the pipeline is being revived: ${s.message} ${seconds(Date.now() - s.sinceMillis)} ago; ` +
-          (s.nextAttemptAtMillis === null ? `attempt ${s.attempts + 1} is running` : `attempt ${s.attempts + 1} in ${seconds(next)}`) +
+        message:
+          `the pipeline is being revived: ${s.message} ${seconds(Date.now() - s.sinceMillis)} ago; ` +
+          (s.nextAttemptAtMillis === null
+            ? `attempt ${s.attempts + 1} is running`
+            : `attempt ${s.attempts + 1} in ${seconds(next)}`) +
           (s.waitingFor.length === 0
             ? ", on fresh local agents"
             : waiting.length === 0
-            ? ""
-            : `, waiting for ${waiting.length} agent(s) to answer again (/health names them)`)
+              ? ""
+              : `, waiting for ${waiting.length} agent(s) to answer again (/health names them)`)
       })
     }
 
     type Attempt =
       | { readonly _tag: "Revived"; readonly generation: Generation; readonly words: string }
       | {
-        readonly _tag: "NotYet"
-        readonly generation: Generation | undefined
-        readonly words: string
-        /** Nothing was tried: no agent answers yet. */
-        readonly waiting: boolean
-      }
+          readonly _tag: "NotYet"
+          readonly generation: Generation | undefined
+          readonly words: string
+          /** Nothing was tried: no agent answers yet. */
+          readonly waiting: boolean
+        }
 
     /**
      * One attempt: on the agents that answer again (a run must succeed on them); else, local agents that all exited
@@ -154,7 +171,7 @@ export const make = (deps: {
       generation: Generation | undefined,
       sinceMillis: number
     ): Effect.Effect<Attempt> =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         if (generation !== undefined) {
           const members = yield* generation.pipeline.members
           const answering = members.filter((m) => m.state === "up")
@@ -162,13 +179,17 @@ export const make = (deps: {
             const names = answering.map((m) => `${m.agent.node.address} (pid ${m.agent.pid})`).join(", ")
             const run = yield* Effect.either(warmUp(generation.pipeline))
             return Either.isRight(run)
-              ? { _tag: "Revived", generation, words: `a run succeeded on the agents that answer again: ${names}` } as const
-              : {
-                _tag: "NotYet",
-                generation,
-                words: `a run on the agents that answer again (${names}) failed: ${errorWords(run.left)}`,
-                waiting: false
-              } as const
+              ? ({
+                  _tag: "Revived",
+                  generation,
+                  words: `a run succeeded on the agents that answer again: ${names}`
+                } as const)
+              : ({
+                  _tag: "NotYet",
+                  generation,
+                  words: `a run on the agents that answer again (${names}) failed: ${errorWords(run.left)}`,
+                  waiting: false
+                } as const)
           }
           const waited = Date.now() - sinceMillis
           const allExited = members.every((m) => m.exited)
@@ -185,14 +206,24 @@ export const make = (deps: {
         }
         const opened = yield* Effect.either(openGeneration(parent))
         if (Either.isLeft(opened)) {
-          return { _tag: "NotYet", generation: undefined, words: `setting up fresh local agents failed: ${errorWords(opened.left)}`, waiting: false } as const
+          return {
+            _tag: "NotYet",
+            generation: undefined,
+            words: `setting up fresh local agents failed: ${errorWords(opened.left)}`,
+            waiting: false
+          } as const
         }
         const fresh = opened.right
         yield* observePipeline(fresh.pipeline)
         const run = yield* Effect.either(warmUp(fresh.pipeline))
         if (Either.isLeft(run)) {
           yield* Scope.close(fresh.scope, Exit.void)
-          return { _tag: "NotYet", generation: undefined, words: `a run on fresh local agents failed: ${errorWords(run.left)}`, waiting: false } as const
+          return {
+            _tag: "NotYet",
+            generation: undefined,
+            words: `a run on fresh local agents failed: ${errorWords(run.left)}`,
+            waiting: false
+          } as const
         }
         const pids = fresh.pipeline.agents.map((a) => a.pid).join(", ")
         return {
@@ -204,7 +235,7 @@ export const make = (deps: {
 
     /** Every agent of `lost`'s pipeline was lost: Reviving until an attempt succeeds; returns the generation serving again. */
     const reviveFrom = (parent: Scope.Scope, lost: Generation, message: string) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const sinceMillis = Date.now()
         let generation: Generation | undefined = lost
         revivingOn = lost.pipeline
@@ -227,7 +258,8 @@ export const make = (deps: {
                 ? { freshAgentsAtMillis: sinceMillis + revive.freshAfterMillis }
                 : {}),
               ...(lastAttempt === undefined ? {} : { lastAttempt })
-            }))
+            })
+          )
         yield* setReviving(Date.now() + reviveDelay(1))
         live = undefined
         // Requests waiting for admission cannot run now: told so, as new ones are.
@@ -245,19 +277,23 @@ export const make = (deps: {
           generation === undefined
             ? Effect.never
             : generation.pipeline.members.pipe(
-              Effect.repeat({ schedule: Schedule.spaced("100 millis"), until: (members) => members.some((m) => m.state === "up") }),
-              Effect.asVoid
-            )
+                Effect.repeat({
+                  schedule: Schedule.spaced("100 millis"),
+                  until: (members) => members.some((m) => m.state === "up")
+                }),
+                Effect.asVoid
+              )
         )
         while (true) {
           const untilFresh = sinceMillis + revive.freshAfterMillis - Date.now()
-          const delay = generation !== undefined && generation.pipeline.localAgents && untilFresh > 0
-            ? Math.min(reviveDelay(attempts + 1), Math.max(revive.firstMillis, untilFresh))
-            : reviveDelay(attempts + 1)
+          const delay =
+            generation !== undefined && generation.pipeline.localAgents && untilFresh > 0
+              ? Math.min(reviveDelay(attempts + 1), Math.max(revive.firstMillis, untilFresh))
+              : reviveDelay(attempts + 1)
           yield* setReviving(Date.now() + delay)
-          yield* (wakeOnAnswer && delay > revive.firstMillis
+          yield* wakeOnAnswer && delay > revive.firstMillis
             ? Effect.race(Effect.sleep(delay), Effect.zipRight(Effect.sleep(revive.firstMillis), someoneAnswers))
-            : Effect.sleep(delay))
+            : Effect.sleep(delay)
           yield* setReviving(null)
           attempts++
           counts.revivalAttempts++
@@ -275,7 +311,9 @@ export const make = (deps: {
             )
             return attempt.generation
           }
-          log(`swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; next attempt in at most ${seconds(reviveDelay(attempts + 1))}`)
+          log(
+            `swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; next attempt in at most ${seconds(reviveDelay(attempts + 1))}`
+          )
         }
       })
 
@@ -287,7 +325,7 @@ export const make = (deps: {
       )
 
     // --- setup, in the background: /health answers Loading meanwhile ---
-    yield* Effect.gen(function*() {
+    yield* Effect.gen(function* () {
       const parent = yield* Effect.scope
       let generation = yield* openGeneration(parent)
       const pipeline = generation.pipeline
@@ -299,7 +337,10 @@ export const make = (deps: {
       const keepWarm = Duration.decode(options.keepWarmEvery ?? "4 minutes")
       yield* Effect.suspend(() =>
         live !== undefined && counts.inFlight === 0 && performance.now() - lastRunAt >= Duration.toMillis(keepWarm) / 2
-          ? warmUp(live.pipeline).pipe(Effect.tap(() => Effect.sync(() => (lastRunAt = performance.now()))), Effect.ignore)
+          ? warmUp(live.pipeline).pipe(
+              Effect.tap(() => Effect.sync(() => (lastRunAt = performance.now()))),
+              Effect.ignore
+            )
           : Effect.void
       ).pipe(Effect.repeat(Schedule.spaced(Duration.toMillis(keepWarm) / 2)), Effect.forkScoped)
       yield* serveOn(pipeline)
@@ -321,19 +362,17 @@ export const make = (deps: {
         Cause.isInterruptedOnly(cause)
           ? Effect.void
           : fault(
-            `setting up the pipeline for ${options.model} failed: ${
-              Option.match(Cause.failureOption(cause), {
+              `setting up the pipeline for ${options.model} failed: ${Option.match(Cause.failureOption(cause), {
                 onNone: () => Cause.pretty(cause),
                 onSome: (error) => errorWords(error as { _tag: string })
-              })
-            }`
-          )
+              })}`
+            )
       ),
       Effect.scoped,
       Effect.forkScoped
     )
 
-    const current = Effect.gen(function*() {
+    const current = Effect.gen(function* () {
       const s = yield* Ref.get(status)
       if (s._tag === "Loading") return yield* new ServerLoading({ message: "the model is still loading" })
       if (s._tag === "Faulted") return yield* new PipelineFaulted({ message: s.message })
@@ -343,7 +382,7 @@ export const make = (deps: {
     })
 
     // Ready, with the agents lost so far (the pipeline goes on without them).
-    const currentStatus = Effect.gen(function*() {
+    const currentStatus = Effect.gen(function* () {
       const s = yield* Ref.get(status)
       // Reviving: each agent's state as membership sees it now.
       if (s._tag === "Reviving" && revivingOn !== undefined) {

@@ -42,7 +42,10 @@ export class TokenizerUnavailable extends Data.TaggedError("TokenizerUnavailable
 
 export interface PromptTokenizerService {
   /** Prompt text to token ids (BOS as the model wants), or PromptTooLong when there are more than `limit`. */
-  readonly tokenize: (text: string, limit: number) => Effect.Effect<ReadonlyArray<number>, PromptTooLong | TokenizerUnavailable>
+  readonly tokenize: (
+    text: string,
+    limit: number
+  ) => Effect.Effect<ReadonlyArray<number>, PromptTooLong | TokenizerUnavailable>
   /**
    * Messages (and tools) through the model's chat template, or PromptTooLong when the rendered chat has more than
    * `limit` tokens (ChatRenderError: the tools cannot be rendered as asked).
@@ -54,21 +57,29 @@ export interface PromptTokenizerService {
   ) => Effect.Effect<FormattedChat, PromptTooLong | TokenizerUnavailable | ChatRenderError>
 }
 
-export class PromptTokenizer extends Context.Tag("swactor/PromptTokenizer")<PromptTokenizer, PromptTokenizerService>() {}
+export class PromptTokenizer extends Context.Tag("swactor/PromptTokenizer")<
+  PromptTokenizer,
+  PromptTokenizerService
+>() {}
 
-const words = (cause: unknown) => (typeof cause === "object" && cause !== null && "message" in cause ? String(cause.message) : String(cause))
+const words = (cause: unknown) =>
+  typeof cause === "object" && cause !== null && "message" in cause ? String(cause.message) : String(cause)
 
 /** Over the vocabulary in this thread (blocks it while it tokenizes): the exact count checked after. */
 export const inThread = (vocabulary: ModelTokenizer): PromptTokenizerService => ({
   tokenize: (text, limit) =>
     Effect.suspend(() => {
       const tokens = vocabulary.tokenize(text)
-      return tokens.length > limit ? Effect.fail(new PromptTooLong({ tokens: tokens.length, atLeast: false, limit })) : Effect.succeed(tokens)
+      return tokens.length > limit
+        ? Effect.fail(new PromptTooLong({ tokens: tokens.length, atLeast: false, limit }))
+        : Effect.succeed(tokens)
     }),
   formatChat: (messages, limit, tools) =>
     vocabulary.formatChat(messages, tools).pipe(
       Effect.mapError((error) =>
-        error._tag === "ChatRenderError" ? error : new TokenizerUnavailable({ message: `rendering the chat failed: ${error.message}` })
+        error._tag === "ChatRenderError"
+          ? error
+          : new TokenizerUnavailable({ message: `rendering the chat failed: ${error.message}` })
       ),
       Effect.filterOrFail(
         (chat) => chat.tokens.length <= limit,
@@ -93,7 +104,8 @@ export const workerStart = (): { readonly script: string | URL; readonly options
 }
 
 /** The reply to one request, or why there is none. */
-type Answer = Exclude<TokenizeWorkerReply, { _tag: "Ready" | "OpenFailed" }> | { readonly _tag: "Gone"; readonly message: string }
+type Answer =
+  Exclude<TokenizeWorkerReply, { _tag: "Ready" | "OpenFailed" }> | { readonly _tag: "Gone"; readonly message: string }
 
 interface Running {
   readonly worker: Worker
@@ -117,7 +129,7 @@ export type Lane = "short" | "long"
  * `longest`: a worker's `longestPieceBytes` once one reported it (the model does not change), the cheap bound.
  */
 const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: Lane) => void) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const lanes: Record<Lane, Running | undefined> = { short: undefined, long: undefined }
     let closed = false
     let nextId = 0
@@ -149,7 +161,9 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
       worker.on("exit", (code) => {
         if (lanes[lane] === running) lanes[lane] = undefined
         opened(undefined)
-        const message = closed ? "the server is stopping" : `${why} (exit code ${code}); the next request starts a new one`
+        const message = closed
+          ? "the server is stopping"
+          : `${why} (exit code ${code}); the next request starts a new one`
         for (const answer of running.pending.values()) answer({ _tag: "Gone", message })
         running.pending.clear()
       })
@@ -173,7 +187,12 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
         const worker = running(characters <= shortTextCharacters ? "short" : "long")
         const id = nextId++
         worker.pending.set(id, (answer) =>
-          resume(answer._tag === "Gone" ? Effect.fail(new TokenizerUnavailable({ message: answer.message })) : Effect.succeed(answer)))
+          resume(
+            answer._tag === "Gone"
+              ? Effect.fail(new TokenizerUnavailable({ message: answer.message }))
+              : Effect.succeed(answer)
+          )
+        )
         worker.worker.postMessage(request(id))
         // Interrupted (the client went away): its answer, when it comes, is dropped.
         return Effect.sync(() => worker.pending.delete(id))
@@ -185,18 +204,24 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
         longest !== undefined || closed ? Effect.succeed(longest) : Effect.promise(() => running("short").ready),
         (longest) => {
           const atLeast = longest === undefined ? 0 : Math.ceil(characters / longest)
-          return atLeast > limit ? Effect.fail(new PromptTooLong({ tokens: atLeast, atLeast: true, limit })) : Effect.void
+          return atLeast > limit
+            ? Effect.fail(new PromptTooLong({ tokens: atLeast, atLeast: true, limit }))
+            : Effect.void
         }
       )
 
     const answered = <A>(answer: Answer, limit: number, ok: (answer: Answer) => A | undefined) =>
       Effect.suspend((): Effect.Effect<A, PromptTooLong | TokenizerUnavailable | ChatRenderError> => {
         if (answer._tag === "BadChat") return Effect.fail(new ChatRenderError({ message: answer.message }))
-        if (answer._tag === "OverLimit") return Effect.fail(new PromptTooLong({ tokens: answer.count, atLeast: false, limit }))
-        if (answer._tag === "Failed" || answer._tag === "Gone") return Effect.fail(new TokenizerUnavailable({ message: answer.message }))
+        if (answer._tag === "OverLimit")
+          return Effect.fail(new PromptTooLong({ tokens: answer.count, atLeast: false, limit }))
+        if (answer._tag === "Failed" || answer._tag === "Gone")
+          return Effect.fail(new TokenizerUnavailable({ message: answer.message }))
         const value = ok(answer)
         return value === undefined
-          ? Effect.fail(new TokenizerUnavailable({ message: `the tokenizer worker answered ${answer._tag} out of turn` }))
+          ? Effect.fail(
+              new TokenizerUnavailable({ message: `the tokenizer worker answered ${answer._tag} out of turn` })
+            )
           : Effect.succeed(value)
       })
 
@@ -204,19 +229,37 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
       tokenize: (text, limit) =>
         precheck(text.length, limit).pipe(
           Effect.zipRight(ask(text.length, (id) => ({ id, op: "tokenize", text, limit }))),
-          Effect.flatMap((answer) => answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined))),
-          Effect.catchTag("ChatRenderError", (error) => Effect.fail(new TokenizerUnavailable({ message: error.message })))
+          Effect.flatMap((answer) =>
+            answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined))
+          ),
+          Effect.catchTag("ChatRenderError", (error) =>
+            Effect.fail(new TokenizerUnavailable({ message: error.message }))
+          )
         ),
       // Only the users' messages count for the cheap bound: a template may leave out a system message or an earlier
       // assistant turn (or part of it), never what the user said.
       formatChat: (messages, limit, tools) =>
-        precheck(messages.reduce((sum, m) => sum + (m.role === "user" ? m.content.length : 0), 0), limit).pipe(
-          Effect.zipRight(ask(messages.reduce((sum, m) => sum + m.content.length, 0), (id) => ({ id, op: "chat", messages, limit, ...(tools === undefined ? {} : { tools }) }))),
+        precheck(
+          messages.reduce((sum, m) => sum + (m.role === "user" ? m.content.length : 0), 0),
+          limit
+        ).pipe(
+          Effect.zipRight(
+            ask(
+              messages.reduce((sum, m) => sum + m.content.length, 0),
+              (id) => ({ id, op: "chat", messages, limit, ...(tools === undefined ? {} : { tools }) })
+            )
+          ),
           Effect.flatMap((answer) =>
             answered(answer, limit, (a) =>
               a._tag === "Chat"
-                ? { tokens: Array.from(a.tokens), stop: a.stop, template: a.template, ...(a.tools === undefined ? {} : { tools: a.tools }) }
-                : undefined)
+                ? {
+                    tokens: Array.from(a.tokens),
+                    stop: a.stop,
+                    template: a.template,
+                    ...(a.tools === undefined ? {} : { tools: a.tools })
+                  }
+                : undefined
+            )
           )
         )
     }
@@ -230,5 +273,4 @@ const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: L
 export const layerWorker = (
   modelPath: string,
   options: { readonly onWorker?: (worker: Worker, lane: Lane) => void } = {}
-): Layer.Layer<PromptTokenizer> =>
-  Layer.scoped(PromptTokenizer, makeWorkerClient(modelPath, options.onWorker))
+): Layer.Layer<PromptTokenizer> => Layer.scoped(PromptTokenizer, makeWorkerClient(modelPath, options.onWorker))

@@ -28,11 +28,14 @@ import * as MetricsRecorder from "./MetricsRecorder.js"
 import * as PipelineLifecycle from "./PipelineLifecycle.js"
 
 export const make = (options: ServeOptions) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const orchestrator = yield* Orchestrator
     const parallel = options.parallel ?? 4
     const queueLimit = options.queueLimit ?? 64
-    if (options.maxPromptTokens !== undefined && !(Number.isSafeInteger(options.maxPromptTokens) && options.maxPromptTokens >= 1)) {
+    if (
+      options.maxPromptTokens !== undefined &&
+      !(Number.isSafeInteger(options.maxPromptTokens) && options.maxPromptTokens >= 1)
+    ) {
       return yield* Effect.dieMessage(`maxPromptTokens must be a positive whole number, got ${options.maxPromptTokens}`)
     }
     // Prompts are tokenized and chats rendered on a worker thread when one is provided (the serve API and command
@@ -40,17 +43,23 @@ export const make = (options: ServeOptions) =>
     const offThread = yield* Effect.serviceOption(PromptTokenizer)
     const promptTokenizer = (pipeline: Pipeline) => Option.getOrElse(offThread, () => inThread(pipeline.vocabulary))
     const maxPromptTokens = (pipeline: Pipeline) => options.maxPromptTokens ?? Math.min(pipeline.model.maxSeqLen, 32768)
-    const promptRefused = (error: PromptTooLong | TokenizerUnavailable | ChatRenderError): BadServeRequest | ServerLoading =>
+    const promptRefused = (
+      error: PromptTooLong | TokenizerUnavailable | ChatRenderError
+    ): BadServeRequest | ServerLoading =>
       error._tag === "ChatRenderError"
         ? new BadServeRequest({ message: error.message })
         : error._tag === "PromptTooLong"
-        ? new BadServeRequest({
-          message: `prompt too long: ${error.atLeast ? `at least ${error.tokens} prompt tokens (from the text's length alone, ` +
-            `not tokenized)` : `${error.tokens} prompt tokens`} are over the limit of ${error.limit} prompt tokens ` +
-            `(swactor serve --max-prompt-tokens)`
-        })
-        : new ServerLoading({ message: `the prompt tokenizer is not available: ${error.message}` })
-    if (!Number.isSafeInteger(parallel) || parallel < 1) return yield* Effect.dieMessage(`parallel must be a positive whole number, got ${parallel}`)
+          ? new BadServeRequest({
+              message:
+                `prompt too long: ${
+                  error.atLeast
+                    ? `at least ${error.tokens} prompt tokens (from the text's length alone, ` + `not tokenized)`
+                    : `${error.tokens} prompt tokens`
+                } are over the limit of ${error.limit} prompt tokens ` + `(swactor serve --max-prompt-tokens)`
+            })
+          : new ServerLoading({ message: `the prompt tokenizer is not available: ${error.message}` })
+    if (!Number.isSafeInteger(parallel) || parallel < 1)
+      return yield* Effect.dieMessage(`parallel must be a positive whole number, got ${parallel}`)
     const log = options.log ?? ((line: string) => void process.stderr.write(`${line}\n`))
     const recorder = MetricsRecorder.make()
     const metrics = recorder.counts
@@ -88,7 +97,8 @@ export const make = (options: ServeOptions) =>
     const admission = Admission.make(sizing, parallel, queueLimit, heldKv)
     const tooLong = (contextLength: number) =>
       new BadServeRequest({
-        message: `context too long: ${contextLength} tokens need ${sizing.bytes(contextLength)} bytes of KV cache per stage, ` +
+        message:
+          `context too long: ${contextLength} tokens need ${sizing.bytes(contextLength)} bytes of KV cache per stage, ` +
           `the budget is ${sizing.budget()}`
       })
     /** A run was planned: when its heaviest stage holds a different number of blocks, the sizes change. */
@@ -129,7 +139,7 @@ export const make = (options: ServeOptions) =>
     let arriving = 0
     const generate = (request: ServeRequest): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const receivedAt = request.receivedAt ?? performance.now()
           arriving++
           let here = true
@@ -140,11 +150,12 @@ export const make = (options: ServeOptions) =>
           yield* Effect.addFinalizer(() => Effect.sync(leave))
           const { pipeline } = yield* current
           const limit = maxPromptTokens(pipeline)
-          const prompt = typeof request.prompt === "string"
-            ? yield* promptTokenizer(pipeline).tokenize(request.prompt, limit).pipe(Effect.mapError(promptRefused))
-            : request.prompt.length > limit
-            ? yield* promptRefused(new PromptTooLong({ tokens: request.prompt.length, atLeast: false, limit }))
-            : request.prompt
+          const prompt =
+            typeof request.prompt === "string"
+              ? yield* promptTokenizer(pipeline).tokenize(request.prompt, limit).pipe(Effect.mapError(promptRefused))
+              : request.prompt.length > limit
+                ? yield* promptRefused(new PromptTooLong({ tokens: request.prompt.length, atLeast: false, limit }))
+                : request.prompt
           const maxTokens = yield* validate(request, pipeline.model.maxSeqLen, prompt, pipeline.vocabulary.vocabSize)
           const contextLength = runContextLength(pipeline.model.maxSeqLen, prompt.length, maxTokens)
           if (sizing.bytes(contextLength) > sizing.budget()) return yield* tooLong(contextLength)
@@ -152,10 +163,20 @@ export const make = (options: ServeOptions) =>
           // need its memory) takes it last; in use from admission on (runAdmitted)
           const match = cacheOn ? cacheIndex.match(prompt) : undefined
           const queuedAt = performance.now()
-          const ticket = yield* admission.enter(contextLength).pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
+          const ticket = yield* admission
+            .enter(contextLength)
+            .pipe(Effect.tapError(() => Effect.sync(() => metrics.refused++)))
           const queued: ReadonlyArray<ServeEvent> = ticket.admitted ? [] : [{ _tag: "Queued", ahead: ticket.ahead }]
           if (!ticket.admitted) leave() // waits for memory: not right behind anyone
-          const run = runAdmitted(prompt, maxTokens, request, { receivedAt, queuedAt, leave }, contextLength, ticket, match)
+          const run = runAdmitted(
+            prompt,
+            maxTokens,
+            request,
+            { receivedAt, queuedAt, leave },
+            contextLength,
+            ticket,
+            match
+          )
           return Stream.concat(Stream.fromIterable(queued), Stream.unwrap(Effect.as(ticket.wait, run)))
         })
       )
@@ -170,7 +191,7 @@ export const make = (options: ServeOptions) =>
       match: PromptCacheMatch | undefined
     ): Stream.Stream<ServeEvent, ServeError> =>
       Stream.unwrapScoped(
-        Effect.gen(function*() {
+        Effect.gen(function* () {
           const { pipeline } = yield* current
           const admittedAt = performance.now()
           arrival.leave()
@@ -247,31 +268,41 @@ export const make = (options: ServeOptions) =>
               generatedIds.push(update.token.tokenId)
               if (keepId !== undefined && pipeline.vocabulary.isEndOfGeneration(update.token.tokenId)) stopRun = false
             }
-            recorder.record(update, () => (firstAt === undefined ? undefined : { ...arrival, admittedAt, readyAt, firstAt }))
+            recorder.record(update, () =>
+              firstAt === undefined ? undefined : { ...arrival, admittedAt, readyAt, firstAt }
+            )
             const out = events.events(update)
             if (events.finished()) outcome = "completed"
             return out
           }
-          const admitted: ServeEvent = { _tag: "Admitted", promptTokens: prompt.length, queuedMillis: admittedAt - arrival.queuedAt }
+          const admitted: ServeEvent = {
+            _tag: "Admitted",
+            promptTokens: prompt.length,
+            queuedMillis: admittedAt - arrival.queuedAt
+          }
           return Stream.concat(
             Stream.make(admitted),
-            pipeline.run({
-              prompt,
-              maxTokens,
-              ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
-              ...(keepId === undefined ? {} : { promptCache: { keep: keepId, ...(adopt === undefined ? {} : { adopt }) } }),
-              ...(behind > 0 ? { arriving: behind } : {})
-            }).pipe(
-              Stream.mapError((error): ServeError =>
-                error._tag === "InvalidRequest"
-                  ? new BadServeRequest({ message: error.message })
-                  : new PipelineFaulted({ message: PipelineLifecycle.errorWords(error) })
-              ),
-              Stream.tapError(() => Effect.sync(() => (outcome = "failed"))),
-              Stream.tap(observePlan),
-              Stream.mapConcat(onUpdate),
-              Stream.takeUntil((event) => event._tag === "Done" && stopRun)
-            )
+            pipeline
+              .run({
+                prompt,
+                maxTokens,
+                ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
+                ...(keepId === undefined
+                  ? {}
+                  : { promptCache: { keep: keepId, ...(adopt === undefined ? {} : { adopt }) } }),
+                ...(behind > 0 ? { arriving: behind } : {})
+              })
+              .pipe(
+                Stream.mapError((error): ServeError =>
+                  error._tag === "InvalidRequest"
+                    ? new BadServeRequest({ message: error.message })
+                    : new PipelineFaulted({ message: PipelineLifecycle.errorWords(error) })
+                ),
+                Stream.tapError(() => Effect.sync(() => (outcome = "failed"))),
+                Stream.tap(observePlan),
+                Stream.mapConcat(onUpdate),
+                Stream.takeUntil((event) => event._tag === "Done" && stopRun)
+              )
           )
         })
       )
@@ -286,7 +317,10 @@ export const make = (options: ServeOptions) =>
           Effect.sync(() => arriving++),
           () =>
             Effect.flatMap(current, ({ pipeline }) =>
-              promptTokenizer(pipeline).formatChat(messages, maxPromptTokens(pipeline), tools).pipe(Effect.mapError(promptRefused))),
+              promptTokenizer(pipeline)
+                .formatChat(messages, maxPromptTokens(pipeline), tools)
+                .pipe(Effect.mapError(promptRefused))
+            ),
           () => Effect.sync(() => arriving--)
         ),
       metrics: recorder.snapshot({
@@ -308,4 +342,5 @@ export const make = (options: ServeOptions) =>
   })
 
 /** A Server over the Orchestrator in context: its pipeline lives as long as the layer. */
-export const layer = (options: ServeOptions): Layer.Layer<Server, never, Orchestrator> => Layer.scoped(Server, make(options))
+export const layer = (options: ServeOptions): Layer.Layer<Server, never, Orchestrator> =>
+  Layer.scoped(Server, make(options))

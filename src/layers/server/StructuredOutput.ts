@@ -10,12 +10,16 @@ import { jsonObjectGrammar, jsonSchemaGrammar } from "./JsonGrammar.js"
 
 export const ResponseFormat = Schema.Struct({
   type: Schema.Literal("text", "json_object", "json_schema"),
-  json_schema: Schema.optional(Schema.NullOr(Schema.Struct({
-    name: Schema.optional(Schema.String),
-    description: Schema.optional(Schema.String),
-    schema: Schema.optional(Schema.Unknown),
-    strict: Schema.optional(Schema.NullOr(Schema.Boolean))
-  }))),
+  json_schema: Schema.optional(
+    Schema.NullOr(
+      Schema.Struct({
+        name: Schema.optional(Schema.String),
+        description: Schema.optional(Schema.String),
+        schema: Schema.optional(Schema.Unknown),
+        strict: Schema.optional(Schema.NullOr(Schema.Boolean))
+      })
+    )
+  ),
   // llama-server's form: {"type": "json_object", "schema": {...}}
   schema: Schema.optional(Schema.Unknown)
 })
@@ -38,7 +42,7 @@ type StructuredOutputBody = {
 export const structuredOutputGrammar = (
   body: StructuredOutputBody
 ): Effect.Effect<SamplingOptions["grammar"] | undefined, string> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const format = body.response_format ?? undefined
     const asked = [
       format !== undefined && format.type !== "text" ? "response_format" : undefined,
@@ -56,10 +60,13 @@ export const structuredOutputGrammar = (
     if (body.json_schema != null) return yield* fromSchema(body.json_schema, "json_schema")
     if (format === undefined || format.type === "text") return undefined
     if (format.type === "json_object") {
-      return format.schema === undefined ? yield* jsonObjectGrammar : yield* fromSchema(format.schema, "response_format.schema")
+      return format.schema === undefined
+        ? yield* jsonObjectGrammar
+        : yield* fromSchema(format.schema, "response_format.schema")
     }
     const schema = format.json_schema?.schema
-    if (format.json_schema == null) return yield* Effect.fail("response_format.json_schema is required with type json_schema")
+    if (format.json_schema == null)
+      return yield* Effect.fail("response_format.json_schema is required with type json_schema")
     if (schema === undefined) return yield* Effect.fail("response_format.json_schema.schema is required")
     return yield* fromSchema(schema, "response_format.json_schema.schema")
   })

@@ -28,12 +28,12 @@ export interface TokenizeWorkerData {
 export type TokenizeWorkerRequest =
   | { readonly id: number; readonly op: "tokenize"; readonly text: string; readonly limit: number }
   | {
-    readonly id: number
-    readonly op: "chat"
-    readonly messages: ReadonlyArray<ChatMessage>
-    readonly limit: number
-    readonly tools?: ChatToolOptions
-  }
+      readonly id: number
+      readonly op: "chat"
+      readonly messages: ReadonlyArray<ChatMessage>
+      readonly limit: number
+      readonly tools?: ChatToolOptions
+    }
 
 export type TokenizeWorkerReply =
   /** The vocabulary is open; `longestPieceBytes` as `longestPieceBytes` says (undefined: no cheap bound). */
@@ -41,13 +41,13 @@ export type TokenizeWorkerReply =
   | { readonly _tag: "OpenFailed"; readonly message: string }
   | { readonly _tag: "Tokens"; readonly id: number; readonly tokens: Int32Array }
   | {
-    readonly _tag: "Chat"
-    readonly id: number
-    readonly tokens: Int32Array
-    readonly stop: ReadonlyArray<string>
-    readonly template: string
-    readonly tools?: FormattedChat["tools"]
-  }
+      readonly _tag: "Chat"
+      readonly id: number
+      readonly tokens: Int32Array
+      readonly stop: ReadonlyArray<string>
+      readonly template: string
+      readonly tools?: FormattedChat["tools"]
+    }
   /** The chat cannot be rendered as asked (its tools): the request's fault. */
   | { readonly _tag: "BadChat"; readonly id: number; readonly message: string }
   | { readonly _tag: "OverLimit"; readonly id: number; readonly count: number }
@@ -74,7 +74,12 @@ export const longestPieceBytes = (file: GgufFile): number | undefined => {
   return longest
 }
 
-const words = (cause: unknown) => (cause instanceof Error ? cause.message : typeof cause === "object" && cause !== null && "message" in cause ? String(cause.message) : String(cause))
+const words = (cause: unknown) =>
+  cause instanceof Error
+    ? cause.message
+    : typeof cause === "object" && cause !== null && "message" in cause
+      ? String(cause.message)
+      : String(cause)
 
 /** Serves requests on `parentPort` until the thread is terminated. */
 export const runTokenizeWorker = (data: TokenizeWorkerData): Promise<void> => {
@@ -87,10 +92,11 @@ export const runTokenizeWorker = (data: TokenizeWorkerData): Promise<void> => {
       // not Linux, or not allowed: the same work at the same priority
     }
   }
-  const post = (reply: TokenizeWorkerReply, transfer: ReadonlyArray<ArrayBuffer> = []) => port.postMessage(reply, [...transfer])
+  const post = (reply: TokenizeWorkerReply, transfer: ReadonlyArray<ArrayBuffer> = []) =>
+    port.postMessage(reply, [...transfer])
   const tokens = (array: ReadonlyArray<number>) => Int32Array.from(array)
   return Effect.runPromise(
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const vocabulary = yield* (yield* Tokenizer).open(data.modelPath)
       const file = yield* readGgufFile(data.modelPath)
       post({ _tag: "Ready", longestPieceBytes: longestPieceBytes(file) })
@@ -109,34 +115,35 @@ export const runTokenizeWorker = (data: TokenizeWorkerData): Promise<void> => {
             }
             return
           }
-          Effect.runPromise(Effect.either(vocabulary.formatChat(request.messages, request.tools))).then(
-            (either) => {
+          Effect.runPromise(Effect.either(vocabulary.formatChat(request.messages, request.tools)))
+            .then((either) => {
               if (either._tag === "Right") return either.right
               if (either.left._tag === "ChatRenderError") {
                 post({ _tag: "BadChat", id: request.id, message: either.left.message })
                 return undefined
               }
               throw either.left
-            }
-          ).then(
-            (chat) => {
-              if (chat === undefined) return
-              if (chat.tokens.length > request.limit) return post({ _tag: "OverLimit", id: request.id, count: chat.tokens.length })
-              const array = tokens(chat.tokens)
-              post(
-                {
-                  _tag: "Chat",
-                  id: request.id,
-                  tokens: array,
-                  stop: chat.stop,
-                  template: chat.template,
-                  ...(chat.tools === undefined ? {} : { tools: chat.tools })
-                },
-                [array.buffer as ArrayBuffer]
-              )
-            },
-            (cause) => post({ _tag: "Failed", id: request.id, message: `rendering the chat failed: ${words(cause)}` })
-          )
+            })
+            .then(
+              (chat) => {
+                if (chat === undefined) return
+                if (chat.tokens.length > request.limit)
+                  return post({ _tag: "OverLimit", id: request.id, count: chat.tokens.length })
+                const array = tokens(chat.tokens)
+                post(
+                  {
+                    _tag: "Chat",
+                    id: request.id,
+                    tokens: array,
+                    stop: chat.stop,
+                    template: chat.template,
+                    ...(chat.tools === undefined ? {} : { tools: chat.tools })
+                  },
+                  [array.buffer as ArrayBuffer]
+                )
+              },
+              (cause) => post({ _tag: "Failed", id: request.id, message: `rendering the chat failed: ${words(cause)}` })
+            )
         })
       })
     }).pipe(

@@ -61,18 +61,18 @@ const scanJson = (text: string, at: number): { readonly start: number; readonly 
   const start = skipSpace(text, at)
   if (start >= text.length) return "partial"
   const first = text[start]!
-  if (first === "{" || first === "[" || first === "\"") {
+  if (first === "{" || first === "[" || first === '"') {
     let depth = 0
     let inString = false
     for (let i = start; i < text.length; i++) {
       const c = text[i]
       if (inString) {
         if (c === "\\") i++
-        else if (c === "\"") {
+        else if (c === '"') {
           inString = false
           if (depth === 0) return { start, end: i + 1 }
         }
-      } else if (c === "\"") inString = true
+      } else if (c === '"') inString = true
       else if (c === "{" || c === "[") depth++
       else if (c === "}" || c === "]") {
         depth--
@@ -109,7 +109,8 @@ interface Parsed {
 
 type Family = Extract<ToolSyntax, { _tag: "Family" }>
 
-const known = (tools: ReadonlyArray<ChatTool> | undefined, name: string) => tools === undefined || tools.some((t) => t.name === name)
+const known = (tools: ReadonlyArray<ChatTool> | undefined, name: string) =>
+  tools === undefined || tools.some((t) => t.name === name)
 
 /** One call at `at`: its end and the call, "partial" when the text ends inside it, undefined when it is none. */
 const parseCall = (
@@ -134,7 +135,11 @@ const parseCall = (
   if (nameEnd >= text.length) return final ? undefined : "partial"
   const name = text.slice(after, nameEnd)
   if (name === "" || name.length > 256) return undefined
-  const params = matchLoose(text, syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd), syntax.paramsPrefix)
+  const params = matchLoose(
+    text,
+    syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd),
+    syntax.paramsPrefix
+  )
   if (params === "partial") return final ? undefined : "partial"
   if (params < 0) return undefined
   const json = scanJson(text, params)
@@ -187,7 +192,12 @@ const parseSection = (
   }
 }
 
-const parseFamily = (text: string, syntax: Family, tools: ReadonlyArray<ChatTool> | undefined, final: boolean): Parsed => {
+const parseFamily = (
+  text: string,
+  syntax: Family,
+  tools: ReadonlyArray<ChatTool> | undefined,
+  final: boolean
+): Parsed => {
   const sectioned = syntax.sectionPrefix.trim() !== ""
   const markers = (sectioned ? [syntax.sectionPrefix] : [syntax.callPrefix, ...syntax.alternatePrefixes])
     .map((m) => m.trimStart())
@@ -203,7 +213,9 @@ const parseFamily = (text: string, syntax: Family, tools: ReadonlyArray<ChatTool
     }
     const found = sectioned
       ? parseSection(text, i, syntax, tools, final)
-      : ((r) => (r === undefined || r === "partial" ? r : { end: r.end, calls: [r.call] }))(parseCall(text, i, syntax, tools, final))
+      : ((r) => (r === undefined || r === "partial" ? r : { end: r.end, calls: [r.call] }))(
+          parseCall(text, i, syntax, tools, final)
+        )
     if (found === undefined) {
       i++
       continue
@@ -242,12 +254,16 @@ const rawItems = (text: string, at: number): Array<{ readonly start: number; rea
 }
 
 /** The raw text of member `key` of the JSON object at `at` (the last, as JSON.parse keeps it), if any. */
-const rawMember = (text: string, at: number, key: string): { readonly start: number; readonly end: number } | undefined => {
+const rawMember = (
+  text: string,
+  at: number,
+  key: string
+): { readonly start: number; readonly end: number } | undefined => {
   let found: { start: number; end: number } | undefined
   let i = skipSpace(text, at) + 1
   for (;;) {
     i = skipSpace(text, i)
-    if (i >= text.length || text[i] !== "\"") return found
+    if (i >= text.length || text[i] !== '"') return found
     const name = scanJson(text, i)
     if (typeof name !== "object") return found
     i = skipSpace(text, name.end) + 1
@@ -265,8 +281,13 @@ const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined):
   const asText: Parsed = { segments: text === "" ? [] : [{ _tag: "Text", text }], heldFrom: undefined }
   if (typeof value !== "object" || value === null) return asText
   const record = value as Record<string, unknown>
-  if (typeof record["response"] === "string") return { segments: [{ _tag: "Text", text: record["response"] }], heldFrom: undefined }
-  const raw = Array.isArray(record["tool_calls"]) ? record["tool_calls"] : record["tool_call"] !== undefined ? [record["tool_call"]] : undefined
+  if (typeof record["response"] === "string")
+    return { segments: [{ _tag: "Text", text: record["response"] }], heldFrom: undefined }
+  const raw = Array.isArray(record["tool_calls"])
+    ? record["tool_calls"]
+    : record["tool_call"] !== undefined
+      ? [record["tool_call"]]
+      : undefined
   if (raw === undefined || raw.length === 0) return asText
   // where each call object is written (its arguments object is given as the model wrote it, as in the families)
   const top = skipSpace(text, 0)
@@ -281,7 +302,8 @@ const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined):
     const at = spans[k]
     const span = at === undefined ? undefined : rawMember(text, at.start, "arguments")
     const written = span === undefined ? undefined : text.slice(span.start, span.end)
-    const asWritten = written !== undefined && written.startsWith("{") && argumentsText(safeParse(written)) !== undefined
+    const asWritten =
+      written !== undefined && written.startsWith("{") && argumentsText(safeParse(written)) !== undefined
     calls.push({ _tag: "Call", call: { id: newToolCallId(), name, arguments: asWritten ? written : json } })
   }
   return { segments: calls, heldFrom: undefined }
@@ -289,7 +311,9 @@ const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined):
 
 const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> | undefined, final: boolean): Parsed =>
   syntax._tag === "Generic"
-    ? final ? parseGeneric(text, tools) : { segments: [], heldFrom: 0 }
+    ? final
+      ? parseGeneric(text, tools)
+      : { segments: [], heldFrom: 0 }
     : parseFamily(text, syntax, tools, final)
 
 /**
@@ -348,7 +372,11 @@ const callHead = (
     if (nameEnd >= text.length) return undefined
     const name = text.slice(after, nameEnd)
     if (name === "" || name.length > 256 || !known(tools, name)) return undefined
-    const params = matchLoose(text, syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd), syntax.paramsPrefix)
+    const params = matchLoose(
+      text,
+      syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd),
+      syntax.paramsPrefix
+    )
     if (params === "partial" || params < 0) return undefined
     const argsAt = skipSpace(text, params)
     return text[argsAt] === "{" ? { name, argsAt } : undefined
@@ -361,14 +389,14 @@ const genericHead = (
   text: string,
   tools: ReadonlyArray<ChatTool> | undefined
 ): { readonly name: string; readonly argsAt: number } | undefined => {
-  const after = matchLoose(text, skipSpace(text, 0), "{ \"tool_call\" : { \"name\" : \"")
+  const after = matchLoose(text, skipSpace(text, 0), '{ "tool_call" : { "name" : "')
   if (after === "partial" || after < 0) return undefined
   let nameEnd = after
   while (nameEnd < text.length && /[A-Za-z0-9_.:-]/.test(text[nameEnd]!)) nameEnd++
   if (nameEnd >= text.length) return undefined
   const name = text.slice(after, nameEnd)
   if (name === "" || !known(tools, name)) return undefined
-  const params = matchLoose(text, nameEnd, "\" , \"arguments\" : ")
+  const params = matchLoose(text, nameEnd, '" , "arguments" : ')
   if (params === "partial" || params < 0) return undefined
   const argsAt = skipSpace(text, params)
   return text[argsAt] === "{" ? { name, argsAt } : undefined
@@ -388,13 +416,22 @@ const genericHead = (
  * `{"tool_calls": [...]}` come whole, when complete. `parallel: false`: calls after the first are dropped (neither
  * calls nor content).
  */
-export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatTool>, parallel = true): ToolCallStream => {
+export const toolCallStream = (
+  syntax: ToolSyntax,
+  tools?: ReadonlyArray<ChatTool>,
+  parallel = true
+): ToolCallStream => {
   let held = ""
   let called = false
   let count = 0
   /** The call streaming now: `held` starts with it; `argsAt` is where its arguments start in `held`. */
-  let open: { readonly index: number; readonly id: string; readonly name: string; readonly argsAt: number; sent: number } | undefined
-  const emit = (segments: ReadonlyArray<Segment>, out: { content: string; calls: Array<ChatToolCall>; deltas: Array<ToolCallDelta> }) => {
+  let open:
+    | { readonly index: number; readonly id: string; readonly name: string; readonly argsAt: number; sent: number }
+    | undefined
+  const emit = (
+    segments: ReadonlyArray<Segment>,
+    out: { content: string; calls: Array<ChatToolCall>; deltas: Array<ToolCallDelta> }
+  ) => {
     for (const segment of segments) {
       if (segment._tag === "Call") {
         if (parallel || count === 0) {
@@ -449,7 +486,7 @@ export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatToo
         }
         const json = scanJson(held, call.argsAt)
         const end = typeof json === "object" ? json.end : held.length
-        if (parsed === undefined && (final && json === "partial")) {
+        if (parsed === undefined && final && json === "partial") {
           // cut off: the arguments as far as they came; not a complete call
           fragment(out, end)
           held = ""
@@ -472,10 +509,15 @@ export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatToo
         return out
       }
       held = held.slice(heldFrom)
-      const head = final ? undefined : syntax._tag === "Family" ? callHead(held, syntax, tools) : genericHead(held, tools)
+      const head = final
+        ? undefined
+        : syntax._tag === "Family"
+          ? callHead(held, syntax, tools)
+          : genericHead(held, tools)
       if (head === undefined) return out
       open = { index: count++, id: newToolCallId(), name: head.name, argsAt: head.argsAt, sent: 0 }
-      if (parallel || open.index === 0) out.deltas.push({ _tag: "Start", index: open.index, id: open.id, name: head.name })
+      if (parallel || open.index === 0)
+        out.deltas.push({ _tag: "Start", index: open.index, id: open.id, name: head.name })
     }
   }
   return {
@@ -491,7 +533,13 @@ export const toolCallStream = (syntax: ToolSyntax, tools?: ReadonlyArray<ChatToo
 
 /** A GBNF string literal of `text` ("" for none). */
 const literal = (text: string) =>
-  text === "" ? "" : `"${text.replace(/[\\"]/g, (c) => `\\${c}`).replace(/\n/g, "\\n").replace(/\r/g, "\\r").replace(/\t/g, "\\t")}"`
+  text === ""
+    ? ""
+    : `"${text
+        .replace(/[\\"]/g, (c) => `\\${c}`)
+        .replace(/\n/g, "\\n")
+        .replace(/\r/g, "\\r")
+        .replace(/\t/g, "\\t")}"`
 
 /** node-llama-cpp's JSON-schema grammars end their root in four newlines (its own end marker): not part of a call. */
 const withoutEndMarker = (gbnf: string) => gbnf.replace(/ "\\n\\n\\n\\n" \[\\n\]\*$/m, "")
@@ -502,8 +550,8 @@ const renameRules = (gbnf: string, prefix: string): string => {
   let out = ""
   for (let i = 0; i < gbnf.length;) {
     const c = gbnf[i]!
-    if (c === "\"" || c === "[") {
-      const close = c === "\"" ? "\"" : "]"
+    if (c === '"' || c === "[") {
+      const close = c === '"' ? '"' : "]"
       let j = i + 1
       while (j < gbnf.length && gbnf[j] !== close) j += gbnf[j] === "\\" ? 2 : 1
       out += gbnf.slice(i, j + 1)
@@ -531,7 +579,9 @@ const noArguments = { type: "object", properties: {} }
 
 /** The tools a choice allows: the named one, or all. */
 export const toolsAllowed = (options: ChatToolOptions): ReadonlyArray<ChatTool> =>
-  typeof options.choice === "object" ? options.tools.filter((t) => t.name === (options.choice as { name: string }).name) : options.tools
+  typeof options.choice === "object"
+    ? options.tools.filter((t) => t.name === (options.choice as { name: string }).name)
+    : options.tools
 
 /**
  * `toolGrammar` with a JSON-schema converter that is an effect (JsonGrammar.ts's `jsonSchemaGrammar`): each allowed
@@ -543,8 +593,8 @@ export const toolGrammarEffect = <E>(
   options: ChatToolOptions,
   jsonGrammar: (schema: unknown, path: string) => Effect.Effect<string, E>
 ): Effect.Effect<string | undefined, E> =>
-  Effect.gen(function*() {
-    if (toolGrammar(syntax, options, () => "root ::= \"\"") === undefined) return undefined
+  Effect.gen(function* () {
+    if (toolGrammar(syntax, options, () => 'root ::= ""') === undefined) return undefined
     const allowed = new Set(toolsAllowed(options).map((t) => t.name))
     yield* Effect.forEach(
       options.tools.flatMap((tool, index) => (allowed.has(tool.name) ? [[tool, index] as const] : [])),
@@ -554,7 +604,7 @@ export const toolGrammarEffect = <E>(
     const asked: Array<unknown> = []
     toolGrammar(syntax, options, (schema) => {
       asked.push(schema)
-      return "root ::= \"\""
+      return 'root ::= ""'
     })
     const texts = yield* Effect.forEach(asked, (schema) => jsonGrammar(schema, "tools"))
     let next = 0
@@ -574,7 +624,8 @@ export const toolGrammar = (
 ): string | undefined => {
   if (options.choice === "none") return undefined
   const tools = toolsAllowed(options)
-  const parallel = syntax.parallel && options.choice !== "auto" && typeof options.choice !== "object" && options.parallel !== false
+  const parallel =
+    syntax.parallel && options.choice !== "auto" && typeof options.choice !== "object" && options.parallel !== false
   if (syntax._tag === "Generic") {
     const schemas = tools.map((tool) => ({
       type: "object",
@@ -583,11 +634,16 @@ export const toolGrammar = (
     }))
     const one = schemas.length === 1 ? schemas[0] : { oneOf: schemas }
     const call = parallel
-      ? { type: "object", properties: { tool_calls: { type: "array", items: one, minItems: 1 } }, required: ["tool_calls"] }
+      ? {
+          type: "object",
+          properties: { tool_calls: { type: "array", items: one, minItems: 1 } },
+          required: ["tool_calls"]
+        }
       : { type: "object", properties: { tool_call: one }, required: ["tool_call"] }
-    const schema = options.choice === "auto"
-      ? { oneOf: [call, { type: "object", properties: { response: { type: "string" } }, required: ["response"] }] }
-      : call
+    const schema =
+      options.choice === "auto"
+        ? { oneOf: [call, { type: "object", properties: { response: { type: "string" } }, required: ["response"] }] }
+        : call
     return withoutEndMarker(jsonGrammar(schema))
   }
   if (options.choice === "auto") return undefined
@@ -595,7 +651,13 @@ export const toolGrammar = (
   const calls = tools.map((tool, index) => {
     const args = renameRules(withoutEndMarker(jsonGrammar(tool.parameters ?? noArguments)), `t${index}-`)
     rules.push(args)
-    const parts = [literal(syntax.callPrefix), literal(tool.name), literal(syntax.paramsPrefix), `t${index}-root`, literal(syntax.callSuffix)]
+    const parts = [
+      literal(syntax.callPrefix),
+      literal(tool.name),
+      literal(syntax.paramsPrefix),
+      `t${index}-root`,
+      literal(syntax.callSuffix)
+    ]
     return `call${index} ::= ${parts.filter((p) => p !== "").join(" ")}`
   })
   const call = `call ::= ${tools.map((_, index) => `call${index}`).join(" | ")}`
@@ -620,13 +682,22 @@ export const genericToolMessages = (
       const call = messages.flatMap((c) => c.toolCalls ?? []).find((c) => c.id === m.toolCallId)
       return {
         role: "user",
-        content: JSON.stringify({ tool_response: { ...(call === undefined ? {} : { name: call.name }), id: m.toolCallId, content: m.content } })
+        content: JSON.stringify({
+          tool_response: { ...(call === undefined ? {} : { name: call.name }), id: m.toolCallId, content: m.content }
+        })
       }
     }
     if (m.role === "assistant" && m.toolCalls !== undefined && m.toolCalls.length > 0) {
-      const calls = m.toolCalls.map((c) => ({ name: c.name, arguments: safeParse(c.arguments) ?? c.arguments, id: c.id }))
+      const calls = m.toolCalls.map((c) => ({
+        name: c.name,
+        arguments: safeParse(c.arguments) ?? c.arguments,
+        id: c.id
+      }))
       const json = calls.length === 1 ? { tool_call: calls[0] } : { tool_calls: calls }
-      return { role: "assistant", content: m.content === "" ? JSON.stringify(json) : `${m.content}\n${JSON.stringify(json)}` }
+      return {
+        role: "assistant",
+        content: m.content === "" ? JSON.stringify(json) : `${m.content}\n${JSON.stringify(json)}`
+      }
     }
     return { role: m.role, content: m.content }
   })
@@ -640,8 +711,8 @@ export const genericToolMessages = (
   const instructions = [
     "You can call these tools (JSON schemas of their arguments):",
     JSON.stringify(tools),
-    `Reply with one JSON object: ${parallel ? "{\"tool_calls\": [{\"name\": ..., \"arguments\": {...}}]}" : "{\"tool_call\": {\"name\": ..., \"arguments\": {...}}}"} ` +
-    `to call ${parallel ? "tools" : "a tool"}${options.choice === "auto" ? ", or {\"response\": \"...\"} to answer the user" : ""}.`
+    `Reply with one JSON object: ${parallel ? '{"tool_calls": [{"name": ..., "arguments": {...}}]}' : '{"tool_call": {"name": ..., "arguments": {...}}}'} ` +
+      `to call ${parallel ? "tools" : "a tool"}${options.choice === "auto" ? ', or {"response": "..."} to answer the user' : ""}.`
   ].join("\n")
   const first = plain[0]
   return first?.role === "system"

@@ -83,7 +83,8 @@ class Reader {
     this.poke()
   }
   private onEnd = () => this.fail(new AuthFailed({ detail: "peer closed the connection during the handshake" }))
-  private onError = (err: Error) => this.fail(new AuthFailed({ detail: `socket error during the handshake: ${err.message}` }))
+  private onError = (err: Error) =>
+    this.fail(new AuthFailed({ detail: `socket error during the handshake: ${err.message}` }))
 
   private fail(failure: AuthFailed) {
     this.failure ??= failure
@@ -132,7 +133,8 @@ class Reader {
 const write = (socket: Net.Socket, bytes: Uint8Array): Effect.Effect<void, AuthFailed> =>
   Effect.async<void, AuthFailed>((resume) => {
     socket.write(bytes, (err) =>
-      resume(err ? Effect.fail(new AuthFailed({ detail: `write failed: ${err.message}` })) : Effect.void))
+      resume(err ? Effect.fail(new AuthFailed({ detail: `write failed: ${err.message}` })) : Effect.void)
+    )
   })
 
 const expectTag = (msg: Buffer, tag: Buffer, what: string): Effect.Effect<void, AuthFailed> =>
@@ -172,12 +174,15 @@ const secured = (
   options: HandshakeOptions,
   protocol: (socket: Net.Socket) => Effect.Effect<void, AuthFailed>
 ): Effect.Effect<Net.Socket, AuthFailed> =>
-  secure(socket, side, { token: options.token, mode: options.tls, timeout: options.timeout ?? DEFAULT_HANDSHAKE_TIMEOUT })
-    .pipe(Effect.flatMap((link) => protocol(link).pipe(Effect.as(link))))
+  secure(socket, side, {
+    token: options.token,
+    mode: options.tls,
+    timeout: options.timeout ?? DEFAULT_HANDSHAKE_TIMEOUT
+  }).pipe(Effect.flatMap((link) => protocol(link).pipe(Effect.as(link))))
 
 const serverProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
   withReader(socket, options, (reader) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const hello = yield* reader.read(HELLO_BYTES)
       yield* expectTag(hello, TAG_HELLO, "Hello")
       if (hello[4] !== VERSION) return yield* new AuthFailed({ detail: `unsupported auth version ${hello[4]}` })
@@ -196,7 +201,8 @@ const serverProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
       verdict[4] = ok ? 1 : 0
       yield* write(socket, verdict)
       if (!ok) return yield* new AuthFailed({ detail: "client proof does not match the cluster token" })
-    }))
+    })
+  )
 
 /** Client side: the server must prove the token first; then we prove it. On failure the socket is destroyed. */
 export const clientHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<Net.Socket, AuthFailed> =>
@@ -204,7 +210,7 @@ export const clientHandshake = (socket: Net.Socket, options: HandshakeOptions): 
 
 const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
   withReader(socket, options, (reader) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const clientNonce = randomBytes(NONCE_BYTES)
       const hello = Buffer.alloc(HELLO_BYTES)
       TAG_HELLO.copy(hello, 0)
@@ -225,4 +231,5 @@ const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
       const verdict = yield* reader.read(VERDICT_BYTES)
       yield* expectTag(verdict, TAG_VERDICT, "Verdict")
       if (verdict[4] !== 1) return yield* new AuthFailed({ detail: "server refused our proof" })
-    }))
+    })
+  )

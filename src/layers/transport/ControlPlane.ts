@@ -26,10 +26,12 @@ export interface ServerOptions {
   readonly address?: TransportAddress | undefined
   readonly handshakeTimeout?: Duration.DurationInput | undefined
   /** Authenticated connections that start with `magic` go to `handle` (it owns the socket) instead of the RPC. */
-  readonly divert?: {
-    readonly magic: Uint8Array
-    readonly handle: (socket: Net.Socket) => Effect.Effect<void>
-  } | undefined
+  readonly divert?:
+    | {
+        readonly magic: Uint8Array
+        readonly handle: (socket: Net.Socket) => Effect.Effect<void>
+      }
+    | undefined
 }
 
 /**
@@ -79,11 +81,15 @@ export const authenticatedSocket = (
     Effect.tap(open, (conn) =>
       Effect.sync(() => {
         current = conn
-      }))
+      })
+    )
   ).pipe(
     Effect.map((socket) => {
       const resumeFirst = (onOpen: Effect.Effect<void> | undefined) =>
-        Effect.zipRight(Effect.sync(() => current?.resume()), onOpen ?? Effect.void)
+        Effect.zipRight(
+          Effect.sync(() => current?.resume()),
+          onOpen ?? Effect.void
+        )
       return Socket.Socket.of({
         ...socket,
         run: (handler, options) => socket.run(handler, { onOpen: resumeFirst(options?.onOpen) }),
@@ -97,20 +103,21 @@ export const authenticatedSocket = (
 export const makeSocketServer = (
   options: ServerOptions
 ): Effect.Effect<SocketServer.SocketServer["Type"], SocketServer.SocketServerError, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const requested: TransportAddress = options.address ?? defaultListenAddress
     const pending: Array<Net.Socket> = []
     let onConnection: (conn: Net.Socket) => void = (conn) => pending.push(conn)
     const bound = yield* serveSockets(requested, (conn) => onConnection(conn), {
       onOpenError: (cause) => new SocketServer.SocketServerError({ reason: "Open", cause })
     })
-    const address: SocketServer.Address = bound._tag === "Unix"
-      ? { _tag: "UnixAddress", path: bound.path }
-      : { _tag: "TcpAddress", hostname: bound.host, port: bound.port }
+    const address: SocketServer.Address =
+      bound._tag === "Unix"
+        ? { _tag: "UnixAddress", path: bound.path }
+        : { _tag: "TcpAddress", hostname: bound.host, port: bound.port }
 
     const refusals = makeRefusalLog("control-plane connection")
     const run = <R, E, _>(handler: (socket: Socket.Socket) => Effect.Effect<_, E, R>) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const scope = yield* Scope.make()
         const fiberSet = yield* FiberSet.make().pipe(Scope.extend(scope))
         const runFork = yield* FiberSet.runtime(fiberSet)<R>()
@@ -127,10 +134,7 @@ export const makeSocketServer = (
               },
               onSuccess: (link) => {
                 const rpc = authenticatedSocket(
-                  Effect.acquireRelease(
-                    Effect.succeed(link),
-                    (c) => Effect.sync(() => c.destroySoon())
-                  )
+                  Effect.acquireRelease(Effect.succeed(link), (c) => Effect.sync(() => c.destroySoon()))
                 ).pipe(Effect.flatMap(handler))
                 const divert = options.divert
                 if (divert === undefined) return rpc
@@ -139,8 +143,8 @@ export const makeSocketServer = (
                     first === undefined
                       ? Effect.sync(() => link.destroy())
                       : first.equals(divert.magic)
-                      ? divert.handle(link).pipe(Effect.ensuring(Effect.sync(() => link.destroySoon())))
-                      : rpc
+                        ? divert.handle(link).pipe(Effect.ensuring(Effect.sync(() => link.destroySoon())))
+                        : rpc
                   )
                 )
               }

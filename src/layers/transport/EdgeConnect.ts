@@ -18,7 +18,7 @@ import { ShmRing } from "./ShmRing.js"
  * `EdgeBusy`). The stream is ended gracefully when the scope closes.
  */
 export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, EdgeFault, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const invalid = validateRing(options.ring)
     if (invalid !== undefined) return yield* invalid
     const runtime = yield* Effect.runtime<never>()
@@ -59,46 +59,55 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
           setTimeout(() => socket.destroy(), 1000).unref()
         })
     )
-    const outbound = yield* Effect.gen(function*() {
+    const outbound = yield* Effect.gen(function* () {
       // TLS over `raw` across hosts; `raw` itself on loopback and Unix sockets.
       const socket = yield* clientHandshake(raw, { token: options.token })
       return yield* Effect.async<OutboundCore, EdgeFault>((resume) => {
         const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
-        const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
-          onFrame: (frame) => {
-            if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
-              shm?.unlink()
-              const carrier = shm === undefined
-                ? socketSendCarrier(conn, options.ring.alignment)
-                : sharedMemorySendCarrier(conn, shm, options)
-              const outbound = new OutboundCore(conn, options, carrier)
-              conn.limits = boundLimits(options.ring)
-              conn.handlers = outbound
-              return resume(Effect.succeed(outbound))
-            }
-            if (frame._tag === "FaultFrame") {
-              const fault = new PeerFaulted({ reason: frame.reason, detail: frame.detail })
-              conn.end(fault)
-              return
-            }
-            conn.fail(new Malformed({ detail: `expected AttachedFrame, got ${frame._tag}` }))
+        const conn: FrameConn = new FrameConn(
+          socket,
+          Framing.preAttachLimits,
+          {
+            onFrame: (frame) => {
+              if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
+                shm?.unlink()
+                const carrier =
+                  shm === undefined
+                    ? socketSendCarrier(conn, options.ring.alignment)
+                    : sharedMemorySendCarrier(conn, shm, options)
+                const outbound = new OutboundCore(conn, options, carrier)
+                conn.limits = boundLimits(options.ring)
+                conn.handlers = outbound
+                return resume(Effect.succeed(outbound))
+              }
+              if (frame._tag === "FaultFrame") {
+                const fault = new PeerFaulted({ reason: frame.reason, detail: frame.detail })
+                conn.end(fault)
+                return
+              }
+              conn.fail(new Malformed({ detail: `expected AttachedFrame, got ${frame._tag}` }))
+            },
+            onBurstEnd: () => {},
+            onClose: (fault) => resume(Effect.fail(fault))
           },
-          onBurstEnd: () => {},
-          onClose: (fault) => resume(Effect.fail(fault))
-        }, ids, log)
+          ids,
+          log
+        )
         conn.start()
         const { alignment, dataCapacity, wakeCoalescing } = options.ring
-        conn.write(Framing.unsafeEncode(
-          AttachFrame({
-            runId: options.runId,
-            edgeId: options.edgeId,
-            dataCapacity,
-            alignment,
-            wakeCoalescing,
-            sharedMemory: shm?.path ?? ""
-          }),
-          8
-        ))
+        conn.write(
+          Framing.unsafeEncode(
+            AttachFrame({
+              runId: options.runId,
+              edgeId: options.edgeId,
+              dataCapacity,
+              alignment,
+              wakeCoalescing,
+              sharedMemory: shm?.path ?? ""
+            }),
+            8
+          )
+        )
       })
     }).pipe(
       Effect.timeoutFail({

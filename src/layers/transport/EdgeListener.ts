@@ -31,7 +31,7 @@ import { makeRefusalLog, peerAddress } from "./RefusalLog.js"
  * an edge registered here; everything else is refused and logged. Closed with the scope.
  */
 export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, ListenFailed, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const runtime = yield* Effect.runtime<never>()
     const log = makeLogger(runtime)
     const requested = options.address ?? defaultListenAddress
@@ -43,7 +43,10 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
      * Attaches to edges not registered yet, by `runId:edgeId`: retried at the registration, refused after attachWait
      * (or at once beyond MAX_PARKED, or when the connection closes meanwhile).
      */
-    const parked = new Map<string, Array<{ readonly conn: FrameConn; readonly frame: AttachFrame; readonly timer: NodeJS.Timeout }>>()
+    const parked = new Map<
+      string,
+      Array<{ readonly conn: FrameConn; readonly frame: AttachFrame; readonly timer: NodeJS.Timeout }>
+    >()
     let parkedCount = 0
     const MAX_PARKED = 256
     const parkKey = (runId: number, edgeId: number) => `${runId}:${edgeId}`
@@ -64,8 +67,8 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       !runs.has(frame.runId)
         ? new UnknownRun({ runId: frame.runId })
         : runs.get(frame.runId)!.has(frame.edgeId)
-        ? undefined
-        : new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId })
+          ? undefined
+          : new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId })
     const refuseUnregistered = (conn: FrameConn, frame: AttachFrame) =>
       conn.fail(unregistered(frame) ?? new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
     /** The attaches waiting for this edge, now registered. */
@@ -100,12 +103,14 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       }
       const ring = inbound.options.ring
       if (
-        frame.dataCapacity !== ring.dataCapacity || frame.alignment !== ring.alignment ||
+        frame.dataCapacity !== ring.dataCapacity ||
+        frame.alignment !== ring.alignment ||
         frame.wakeCoalescing !== ring.wakeCoalescing
       ) {
         return conn.fail(
           new RingMismatch({
-            detail: `sender ring (${frame.dataCapacity} B, align ${frame.alignment}, ${frame.wakeCoalescing}) ≠ ` +
+            detail:
+              `sender ring (${frame.dataCapacity} B, align ${frame.alignment}, ${frame.wakeCoalescing}) ≠ ` +
               `receiver ring (${ring.dataCapacity} B, align ${ring.alignment}, ${ring.wakeCoalescing})`
           })
         )
@@ -126,8 +131,9 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       conn.handlers = inbound
       inbound.attach(
         conn,
-        shm === undefined ? socketReceiveCarrier(conn, inbound.options)
-        : sharedMemoryReceiveCarrier(conn, shm, inbound.options, inbound)
+        shm === undefined
+          ? socketReceiveCarrier(conn, inbound.options)
+          : sharedMemoryReceiveCarrier(conn, shm, inbound.options, inbound)
       )
     }
 
@@ -146,20 +152,26 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
           const socket = exit.value
           const timer = setTimeout(() => conn.fail(new Malformed({ detail: "no AttachFrame in time" })), attachTimeout)
           timer.unref()
-          const conn: FrameConn = new FrameConn(socket, Framing.preAttachLimits, {
-            onFrame: (frame) => {
-              clearTimeout(timer)
-              if (frame._tag === "AttachFrame") return onAttach(conn, frame)
-              conn.bind(frame.runId, frame.edgeId)
-              conn.fail(unregistered(frame) ?? new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
+          const conn: FrameConn = new FrameConn(
+            socket,
+            Framing.preAttachLimits,
+            {
+              onFrame: (frame) => {
+                clearTimeout(timer)
+                if (frame._tag === "AttachFrame") return onAttach(conn, frame)
+                conn.bind(frame.runId, frame.edgeId)
+                conn.fail(unregistered(frame) ?? new Malformed({ detail: `expected AttachFrame, got ${frame._tag}` }))
+              },
+              onBurstEnd: () => {},
+              onClose: () => {
+                clearTimeout(timer)
+                const key = parkedKeyOf.get(conn)
+                if (key !== undefined) unpark(key, conn)
+              }
             },
-            onBurstEnd: () => {},
-            onClose: () => {
-              clearTimeout(timer)
-              const key = parkedKeyOf.get(conn)
-              if (key !== undefined) unpark(key, conn)
-            }
-          }, { runId: 0, edgeId: 0 }, log)
+            { runId: 0, edgeId: 0 },
+            log
+          )
           conn.start()
         }
       })
@@ -183,7 +195,7 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       })
 
     const register = (reg: RegisterOptions): Effect.Effect<InboundEdge, EdgeBusy | RingMismatch, Scope.Scope> =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const invalid = validateRing(reg.ring)
         if (invalid !== undefined) return yield* invalid
         const edges = runs.get(reg.runId) ?? new Map<number, InboundCore>()

@@ -6,7 +6,14 @@
 import type * as Net from "node:net"
 import { Effect, Runtime } from "effect"
 import { alignUp } from "../../domain/plan.js"
-import { describeFault, type EdgeFault, FaultFrame, PeerClosed, RingMismatch, type WireFrame } from "../../domain/frames.js"
+import {
+  describeFault,
+  type EdgeFault,
+  FaultFrame,
+  PeerClosed,
+  RingMismatch,
+  type WireFrame
+} from "../../domain/frames.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
 import type { RingSpec } from "../../domain/plan.js"
 import * as Framing from "./Framing.js"

@@ -115,7 +115,10 @@ export const encodedLength = (frame: WireFrame, alignment: number): number => {
     case "ActivationFrame":
       return alignUp(activationPayloadOffset(alignment) + frame.payload.length * 4, a)
     case "TokenFrame":
-      return alignUp(HEADER_BYTES + TOKEN_BODY_HEADER_BYTES + 4 * tokenCount(frame.payload) + sampledExtraBytes(frame.payload), a)
+      return alignUp(
+        HEADER_BYTES + TOKEN_BODY_HEADER_BYTES + 4 * tokenCount(frame.payload) + sampledExtraBytes(frame.payload),
+        a
+      )
     case "CreditFrame":
       return alignUp(HEADER_BYTES + 8, a)
     case "AttachFrame":
@@ -130,7 +133,7 @@ export const encodedLength = (frame: WireFrame, alignment: number): number => {
   }
 }
 
-const tokenCount = (payload: TokenPayload): number => payload._tag === "Prompt" ? payload.tokens.length : 1
+const tokenCount = (payload: TokenPayload): number => (payload._tag === "Prompt" ? payload.tokens.length : 1)
 
 /** The most alternatives a Sampled token's log-prob may carry. */
 export const MAX_SAMPLED_TOP = 20
@@ -205,7 +208,8 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
               if (!isLogprob(lp.logprob) || !lp.top.every((t) => isU32(t.tokenId) && isLogprob(t.logprob))) {
                 return "log-probs must be numbers ≤ 0"
               }
-              if (lp.top.some((t, i) => i > 0 && t.logprob > lp.top[i - 1]!.logprob)) return "alternatives not most likely first"
+              if (lp.top.some((t, i) => i > 0 && t.logprob > lp.top[i - 1]!.logprob))
+                return "alternatives not most likely first"
             }
           }
         }
@@ -215,8 +219,9 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
     case "CreditFrame":
       return isU32(frame.bytes) && isU32(frame.step) ? undefined : "bad credit"
     case "AttachFrame":
-      return isU32(frame.dataCapacity) && isU32(frame.alignment) &&
-          textEncoder.encode(frame.sharedMemory).length <= MAX_SHM_PATH
+      return isU32(frame.dataCapacity) &&
+        isU32(frame.alignment) &&
+        textEncoder.encode(frame.sharedMemory).length <= MAX_SHM_PATH
         ? undefined
         : "bad attach"
     case "AttachedFrame":
@@ -280,7 +285,8 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       if (p._tag === "Sampled") {
         view.setUint8(
           o + 1,
-          (p.eos ? SAMPLED_EOS : 0) | (p.draws === undefined ? 0 : SAMPLED_DRAWS) |
+          (p.eos ? SAMPLED_EOS : 0) |
+            (p.draws === undefined ? 0 : SAMPLED_DRAWS) |
             (p.logprob === undefined ? 0 : SAMPLED_LOGPROB)
         )
         let at = o + bodyLength
@@ -471,9 +477,10 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
       if (kind !== 2 && (flags !== 0 || nTop !== 0)) return "token flags / reserved field not zero"
       if (flags > (SAMPLED_EOS | SAMPLED_DRAWS | SAMPLED_LOGPROB)) return "bad Sampled flags"
       if ((flags & SAMPLED_LOGPROB) === 0 ? nTop !== 0 : nTop > MAX_SAMPLED_TOP) return "bad log-prob count"
-      const extra = kind !== 2
-        ? 0
-        : ((flags & SAMPLED_DRAWS) === 0 ? 0 : 4) + ((flags & SAMPLED_LOGPROB) === 0 ? 0 : 8 + TOP_ENTRY_BYTES * nTop)
+      const extra =
+        kind !== 2
+          ? 0
+          : ((flags & SAMPLED_DRAWS) === 0 ? 0 : 4) + ((flags & SAMPLED_LOGPROB) === 0 ? 0 : 8 + TOP_ENTRY_BYTES * nTop)
       if (h.bodyLength !== TOKEN_BODY_HEADER_BYTES + 4 * count + extra) return "token count does not match body length"
       if (count < 1) return "empty token frame"
       if (kind !== 0 && (count !== 1 || h.chunkCount !== 1)) return "Decode/Sampled carries exactly one token"
@@ -501,7 +508,8 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
               top.push({ tokenId: view.getUint32(at, true), logprob: view.getFloat64(at + 4, true) })
             }
             if (!isLogprob(own) || !top.every((t) => isLogprob(t.logprob))) return "log-probs must be numbers ≤ 0"
-            if (top.some((t, i) => i > 0 && t.logprob > top[i - 1]!.logprob)) return "alternatives not most likely first"
+            if (top.some((t, i) => i > 0 && t.logprob > top[i - 1]!.logprob))
+              return "alternatives not most likely first"
             logprob = { logprob: own, top }
           }
           payload = {
@@ -607,10 +615,7 @@ const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: 
   }
 }
 
-const decodeWith = (
-  step: DecodeStep,
-  bytes: Uint8Array
-): Either.Either<WireFrame, DecodeFault> => {
+const decodeWith = (step: DecodeStep, bytes: Uint8Array): Either.Either<WireFrame, DecodeFault> => {
   switch (step._tag) {
     case "Frame":
       return step.length === bytes.length
@@ -770,7 +775,10 @@ export class Sequencer {
   private nextStep: number
   private parts: Array<DataFrame> = []
 
-  constructor(initialSequence = 0, private readonly reassemble = true) {
+  constructor(
+    initialSequence = 0,
+    private readonly reassemble = true
+  ) {
     this.nextStep = initialSequence
   }
 
@@ -793,9 +801,12 @@ export class Sequencer {
     }
     const first = this.parts[0]
     if (first !== undefined) {
-      const consistent = first._tag === frame._tag && first.chunkCount === frame.chunkCount &&
+      const consistent =
+        first._tag === frame._tag &&
+        first.chunkCount === frame.chunkCount &&
         (frame._tag !== "ActivationFrame" ||
-          (first._tag === "ActivationFrame" && first.hiddenDim === frame.hiddenDim &&
+          (first._tag === "ActivationFrame" &&
+            first.hiddenDim === frame.hiddenDim &&
             frame.startPos === first.startPos + this.parts.reduce((n, f) => n + (f as ActivationFrame).nTokens, 0)))
       if (!consistent) return { _tag: "Fault", fault: new Malformed({ detail: "chunk inconsistent with its message" }) }
     }

@@ -80,10 +80,13 @@ export class InboundCore implements ConnHandlers {
     }
     this.counters.frames++
     this.counters.bytes += length
-    const owned = this.carrier?.lendsPayload === true && frame.chunkCount > 1 && frame._tag === "ActivationFrame" &&
-        (this.options.reassemble ?? true)
-      ? { ...frame, payload: frame.payload.slice() }
-      : frame
+    const owned =
+      this.carrier?.lendsPayload === true &&
+      frame.chunkCount > 1 &&
+      frame._tag === "ActivationFrame" &&
+      (this.options.reassemble ?? true)
+        ? { ...frame, payload: frame.payload.slice() }
+        : frame
     const step = this.sequencer.accept(owned)
     switch (step._tag) {
       case "Fault":
@@ -195,7 +198,11 @@ export class InboundCore implements ConnHandlers {
     if (carrier === undefined || !carrier.canSpin || conn === undefined || conn.closed || spin <= 0) return false
     if (this.failure !== undefined) return false
     this.counters.spins++
-    carrier.spin(spin, () => this.ready.length > 0, () => this.flushPartialCredit())
+    carrier.spin(
+      spin,
+      () => this.ready.length > 0,
+      () => this.flushPartialCredit()
+    )
     if (this.ready.length > 0) this.counters.spinHits++
     if (!conn.closed) carrier.drain(false)
     this.signalPending = false
@@ -213,7 +220,10 @@ export class InboundCore implements ConnHandlers {
 
   readonly receive: Effect.Effect<ReadonlyArray<DataFrame>, EdgeFault> = Effect.suspend(() => {
     this.returnLent()
-    return this.wait(this.options.ring.wakeCoalescing === "PendingBit" ? Number.MAX_SAFE_INTEGER : 1, (frames) => frames)
+    return this.wait(
+      this.options.ring.wakeCoalescing === "PendingBit" ? Number.MAX_SAFE_INTEGER : 1,
+      (frames) => frames
+    )
   })
 
   readonly take: Effect.Effect<DataFrame, EdgeFault> = Effect.suspend(() => {

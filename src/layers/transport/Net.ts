@@ -29,7 +29,7 @@ export const serveSockets = <E>(
     readonly onError?: ((error: Error) => void) | undefined
   }
 ): Effect.Effect<TransportAddress, E, Scope.Scope> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const sockets = new Set<Net.Socket>()
     const server = yield* Effect.acquireRelease(
       Effect.async<Net.Server, E>((resume) => {
@@ -58,6 +58,6 @@ export const serveSockets = <E>(
     return typeof bound === "string"
       ? { _tag: "Unix", path: bound }
       : bound === null
-      ? requested
-      : { _tag: "Tcp", host: bound.address, port: bound.port }
+        ? requested
+        : { _tag: "Tcp", host: bound.address, port: bound.port }
   })

@@ -30,10 +30,15 @@ export class OutboundCore implements ConnHandlers {
   readonly faulted = Deferred.unsafeMake<EdgeFault>(FiberId.none)
   private counters = { frames: 0, bytes: 0, maxOutstandingBytes: 0, windowWaits: 0, creditFrames: 0 }
 
-  constructor(readonly conn: FrameConn, readonly options: ConnectOptions, readonly carrier: SendCarrier) {}
+  constructor(
+    readonly conn: FrameConn,
+    readonly options: ConnectOptions,
+    readonly carrier: SendCarrier
+  ) {}
 
   onFrame(frame: WireFrame): void {
-    if (frame._tag === "FaultFrame") return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
+    if (frame._tag === "FaultFrame")
+      return this.setFault(new PeerFaulted({ reason: frame.reason, detail: frame.detail }))
     if (frame._tag === "DoorbellFrame" && this.carrier.expectsDoorbells) return // credits are in the carrier: onBurstEnd re-checks
     if (frame._tag !== "CreditFrame") {
       return this.conn.fail(new Malformed({ detail: `unexpected ${frame._tag} from a receiver` }))
@@ -42,7 +47,9 @@ export class OutboundCore implements ConnHandlers {
       return this.conn.fail(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
     }
     if (frame.bytes > this.outstanding) {
-      return this.conn.fail(new Malformed({ detail: `credit of ${frame.bytes} B exceeds ${this.outstanding} B outstanding` }))
+      return this.conn.fail(
+        new Malformed({ detail: `credit of ${frame.bytes} B exceeds ${this.outstanding} B outstanding` })
+      )
     }
     this.counters.creditFrames++
     this.outstanding -= frame.bytes
@@ -126,7 +133,8 @@ export class OutboundCore implements ConnHandlers {
       return Either.left(new UnknownEdge({ runId: frame.runId, edgeId: frame.edgeId }))
     }
     return Either.map(Framing.chunk(frame, dataCapacity, alignment), (chunks) =>
-      chunks.map((c) => ({ frame: c, length: Framing.encodedLength(c, alignment) })))
+      chunks.map((c) => ({ frame: c, length: Framing.encodedLength(c, alignment) }))
+    )
   }
 
   private sendEncoded(encoded: ReadonlyArray<EncodedChunk>): Effect.Effect<void, EdgeFault> {
@@ -164,7 +172,10 @@ export class OutboundCore implements ConnHandlers {
         encoded.push(...e.right)
       }
       this.conn.socket.cork()
-      return Effect.ensuring(this.sendEncoded(encoded), Effect.sync(() => this.conn.socket.uncork()))
+      return Effect.ensuring(
+        this.sendEncoded(encoded),
+        Effect.sync(() => this.conn.socket.uncork())
+      )
     })
 
   readonly stats: Effect.Effect<SenderStats> = Effect.sync(() => {

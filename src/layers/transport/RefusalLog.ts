@@ -17,8 +17,10 @@ export interface RefusalLogOptions {
 }
 
 /** `host` of a socket's peer, in words ("unix socket" for a local socket without an address). */
-export const peerAddress = (socket: { readonly remoteAddress?: string | undefined; readonly remotePort?: number | undefined }) =>
-  socket.remoteAddress === undefined ? "unix socket" : socket.remoteAddress
+export const peerAddress = (socket: {
+  readonly remoteAddress?: string | undefined
+  readonly remotePort?: number | undefined
+}) => (socket.remoteAddress === undefined ? "unix socket" : socket.remoteAddress)
 
 /**
  * `refused(peer, detail)` is the line to log, `<what> from <peer> refused: <detail>`, when the limits allow; otherwise

@@ -44,7 +44,7 @@ import { createRequire } from "node:module"
 type Koffi = typeof import("koffi")
 let koffiModule: Koffi | undefined
 /** koffi is loaded on first use, so importing the data plane costs nothing when shm is unused. */
-const koffi = (): Koffi => koffiModule ??= createRequire(import.meta.url)("koffi") as Koffi
+const koffi = (): Koffi => (koffiModule ??= createRequire(import.meta.url)("koffi") as Koffi)
 
 export const CONTROL_BYTES = 256
 const HEAD = 0
@@ -147,7 +147,8 @@ export class ShmRing {
         throw new Error(`${path} is not a ring of ${capacity} bytes`)
       }
       const pointer = c.mmap(null, length, PROT_READ_WRITE, MAP_SHARED, fd, 0)
-      if (pointer === null || koffi().address(pointer) === BigInt("0xffffffffffffffff")) throw new Error(`cannot map ${path}`)
+      if (pointer === null || koffi().address(pointer) === BigInt("0xffffffffffffffff"))
+        throw new Error(`cannot map ${path}`)
       return new ShmRing(path, capacity, dataOffset, pointer, length)
     } finally {
       c.close(fd)
@@ -289,7 +290,8 @@ export class ShmRing {
    */
   private take(
     stayAwake: boolean
-  ): { readonly at: number; readonly first: number; readonly head: number; readonly n: number } | undefined | "corrupt" {
+  ):
+    { readonly at: number; readonly first: number; readonly head: number; readonly n: number } | undefined | "corrupt" {
     if (this.closed) return undefined
     if (!stayAwake) Atomics.store(this.control, PENDING, 0)
     const head = Atomics.load(this.control, HEAD)

@@ -55,20 +55,21 @@ const handshake = (
 ): Effect.Effect<Net.Socket, AuthFailed> =>
   Effect.async<Net.Socket, AuthFailed>((resume) => {
     const psk = pskOf(token)
-    const secured = side === "server"
-      ? new Tls.TLSSocket(socket, {
-        isServer: true,
-        ...versions,
-        secureContext: Tls.createSecureContext(versions),
-        // Honoured by Node 20's TLSSocket (as by tls.createServer) but missing from @types/node's TLSSocketOptions.
-        pskCallback: (_socket: Tls.TLSSocket, identity: string) => (identity === IDENTITY ? psk : null)
-      } as Tls.TLSSocketOptions)
-      : Tls.connect({
-        socket,
-        ...versions,
-        checkServerIdentity: () => undefined,
-        pskCallback: () => ({ psk, identity: IDENTITY })
-      })
+    const secured =
+      side === "server"
+        ? new Tls.TLSSocket(socket, {
+            isServer: true,
+            ...versions,
+            secureContext: Tls.createSecureContext(versions),
+            // Honoured by Node 20's TLSSocket (as by tls.createServer) but missing from @types/node's TLSSocketOptions.
+            pskCallback: (_socket: Tls.TLSSocket, identity: string) => (identity === IDENTITY ? psk : null)
+          } as Tls.TLSSocketOptions)
+        : Tls.connect({
+            socket,
+            ...versions,
+            checkServerIdentity: () => undefined,
+            pskCallback: () => ({ psk, identity: IDENTITY })
+          })
     const onError = (err: Error) => {
       secured.destroy()
       socket.destroy()
@@ -96,7 +97,11 @@ const handshake = (
 export const secure = (
   socket: Net.Socket,
   side: "server" | "client",
-  options: { readonly token: ClusterToken; readonly mode?: TlsMode | undefined; readonly timeout: Duration.DurationInput }
+  options: {
+    readonly token: ClusterToken
+    readonly mode?: TlsMode | undefined
+    readonly timeout: Duration.DurationInput
+  }
 ): Effect.Effect<Net.Socket, AuthFailed> =>
   wantsTls(socket, options.mode ?? tlsModeNow())
     ? handshake(socket, side, options.token, options.timeout)

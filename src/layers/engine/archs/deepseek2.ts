@@ -27,7 +27,14 @@ import { type HParams, type MlaParams, RopeMode } from "../HParams.js"
 import { yarnRopeExt } from "../PositionScaling.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import type { ExpertGating } from "../MoeParams.js"
-import { GGML_PREC_F32, type AttentionSegment, type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
+import {
+  GGML_PREC_F32,
+  type AttentionSegment,
+  type BlockWeights,
+  llamaOutputHead,
+  type TensorSpec,
+  type Toolkit
+} from "../Toolkit.js"
 
 const f = Math.fround
 
@@ -35,14 +42,17 @@ const invalid = (file: GgufFile, message: string) =>
   new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
 
 const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const fail = (message: string) => Effect.fail(invalid(file, message))
     const nextn = (yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0
-    if (nextn > 0) return yield* fail(`metadata "${k("nextn_predict_layers")}" = ${nextn}: MTP layers are not supported`)
+    if (nextn > 0)
+      return yield* fail(`metadata "${k("nextn_predict_layers")}" = ${nextn}: MTP layers are not supported`)
     const scaling = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
     if (scaling !== "none" && scaling !== "yarn") {
-      return yield* fail(`metadata "${k("rope.scaling.type")}" = "${scaling}": deepseek2 supports plain RoPE and YaRN only`)
+      return yield* fail(
+        `metadata "${k("rope.scaling.type")}" = "${scaling}": deepseek2 supports plain RoPE and YaRN only`
+      )
     }
     const logMulKey = k("rope.scaling.yarn_log_multiplier")
     const logMulRaw = yield* getOptional(file, logMulKey, getF32)
@@ -50,7 +60,9 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
       return yield* fail(`metadata "${logMulKey}" = ${logMulRaw} must be finite and >= 0`)
     }
     if (file.metadata.has(k("attention.temperature_scale"))) {
-      return yield* fail(`metadata "${k("attention.temperature_scale")}": attention temperature is not supported for deepseek2`)
+      return yield* fail(
+        `metadata "${k("attention.temperature_scale")}": attention temperature is not supported for deepseek2`
+      )
     }
     const kMlaKey = k("attention.key_length_mla")
     const vMlaKey = k("attention.value_length_mla")
@@ -67,7 +79,9 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const qLoraRank = (yield* getOptional(file, k("attention.q_lora_rank"), getU32)) ?? 0
     const nRot = hp.nRot
     if (!(nRot > 0 && nRot % 2 === 0 && nRot < kMla)) {
-      return yield* fail(`metadata "${k("rope.dimension_count")}" = ${nRot} must be even and below "${kMlaKey}" = ${kMla}`)
+      return yield* fail(
+        `metadata "${k("rope.dimension_count")}" = ${nRot} must be even and below "${kMlaKey}" = ${kMla}`
+      )
     }
     if (vMla <= 0) return yield* fail(`metadata "${vMlaKey}" = ${vMla} must be > 0`)
     if (hp.nHeadKv !== 1) {
@@ -79,7 +93,9 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
       )
     }
     if (hp.headDimV !== kvLoraRank) {
-      return yield* fail(`metadata "${k("attention.value_length")}" = ${hp.headDimV} must be "${kvLoraKey}" = ${kvLoraRank}`)
+      return yield* fail(
+        `metadata "${k("attention.value_length")}" = ${hp.headDimV} must be "${kvLoraKey}" = ${kvLoraRank}`
+      )
     }
     // llama.cpp: no gating id -> softmax (DeepSeek V2), except GLM 4.7 Lite's shape (sigmoid)
     const gatingKey = k("expert_gating_func")
@@ -88,9 +104,14 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     if (gatingId === 1) gating = "softmax"
     else if (gatingId === 2) gating = "sigmoid"
     else if (gatingId === 0) {
-      const vocab = file.metadata.has("tokenizer.ggml.tokens") ? (yield* getStringArray(file, "tokenizer.ggml.tokens")).length : hp.nVocab
+      const vocab = file.metadata.has("tokenizer.ggml.tokens")
+        ? (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
+        : hp.nVocab
       gating = (hp.nLayer === 47 || hp.nLayer === 48) && vocab === 154880 ? "sigmoid" : "softmax"
-    } else return yield* fail(`metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`)
+    } else
+      return yield* fail(
+        `metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`
+      )
     const moe = yield* readMoeParams(file, hp, {
       gating,
       normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,
@@ -105,7 +126,12 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const ropeAttnFactor = (yield* getOptional(file, k("rope.scaling.attn_factor"), getF32)) ?? 1
     // llama_context: for deepseek2 mscale = mscale_all_dim, so with a multiplier the ratio get_mscale(factor, m) /
     // get_mscale(factor, m) is exactly 1 (what yarnRopeExt's ratio with multiplier 1 gives); without one get_mscale(factor, 1)
-    const ropeExt = yarnRopeExt(hp.ropeFreqScale, { logMul: logMul === 0 ? 0 : 1, betaFast: 32, betaSlow: 1, ropeAttnFactor })
+    const ropeExt = yarnRopeExt(hp.ropeFreqScale, {
+      logMul: logMul === 0 ? 0 : 1,
+      betaFast: 32,
+      betaSlow: 1,
+      ropeAttnFactor
+    })
     // deepseek2.cpp: undo ggml's own magnitude correction, apply mscale(factor, multiplier) to it, square into kq_scale
     const lnFactor = f(Math.log(f(1 / hp.ropeFreqScale)))
     const attnOrg = f(ropeExt.attnFactor * f(1 + f(f(0.1) * lnFactor)))
@@ -125,16 +151,22 @@ const deepseek2Specs = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
   const nope = mla.headDimK - hp.nRot
   const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
   const vec = (name: string, n: number, required = true): TensorSpec => ({ name, dims: [n], kind: "vector", required })
-  const q: ReadonlyArray<TensorSpec> = mla.qLoraRank > 0
-    ? [
-      vec("attn_q_a_norm.weight", mla.qLoraRank),
-      m("attn_q_a.weight", [hp.nEmbd, mla.qLoraRank]),
-      m("attn_q_b.weight", [mla.qLoraRank, hp.nHead * mla.headDimK])
-    ]
-    : [m("attn_q.weight", [hp.nEmbd, hp.nHead * mla.headDimK])]
-  const ffn: ReadonlyArray<TensorSpec> = il < moe.nLeadingDense
-    ? [m("ffn_gate.weight", [hp.nEmbd, hp.nFf]), m("ffn_up.weight", [hp.nEmbd, hp.nFf]), m("ffn_down.weight", [hp.nFf, hp.nEmbd])]
-    : [...moeBlockSpecs(hp, moe), vec("exp_probs_b.bias", moe.nExpert, false)]
+  const q: ReadonlyArray<TensorSpec> =
+    mla.qLoraRank > 0
+      ? [
+          vec("attn_q_a_norm.weight", mla.qLoraRank),
+          m("attn_q_a.weight", [hp.nEmbd, mla.qLoraRank]),
+          m("attn_q_b.weight", [mla.qLoraRank, hp.nHead * mla.headDimK])
+        ]
+      : [m("attn_q.weight", [hp.nEmbd, hp.nHead * mla.headDimK])]
+  const ffn: ReadonlyArray<TensorSpec> =
+    il < moe.nLeadingDense
+      ? [
+          m("ffn_gate.weight", [hp.nEmbd, hp.nFf]),
+          m("ffn_up.weight", [hp.nEmbd, hp.nFf]),
+          m("ffn_down.weight", [hp.nFf, hp.nEmbd])
+        ]
+      : [...moeBlockSpecs(hp, moe), vec("exp_probs_b.bias", moe.nExpert, false)]
   return [
     vec("attn_norm.weight", hp.nEmbd),
     ...q,
@@ -201,7 +233,16 @@ const latentAttention = (t: Toolkit, q: Ptr, k: Ptr, v: Ptr, w: BlockWeights): P
   const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
   let cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, mla.headDimV * hp.nHead, n)
   for (const seg of segments) {
-    const qs = g.ggml_view_3d(ctx, q, width, hp.nHead, seg.n, f32(width), f32(width * hp.nHead), seg.offset * f32(width * hp.nHead))
+    const qs = g.ggml_view_3d(
+      ctx,
+      q,
+      width,
+      hp.nHead,
+      seg.n,
+      f32(width),
+      f32(width * hp.nHead),
+      seg.offset * f32(width * hp.nHead)
+    )
     const ks = g.ggml_view_3d(ctx, k, width, 1, seg.n, f32(width), f32(width), seg.offset * f32(width))
     cur = g.ggml_set_rows(ctx, cur, attendLatent(t, seg, qs, ks, wvB, hp.kqScale), seg.rows!)
   }
@@ -224,9 +265,13 @@ export const deepseek2: ArchModule = {
     const nRot = hp.nRot
     const nope = mla.headDimK - nRot
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
-    const qFlat = mla.qLoraRank > 0
-      ? t.linear(w.get("attn_q_b.weight"), t.rmsNorm(t.linear(w.get("attn_q_a.weight"), h), w.get("attn_q_a_norm.weight")))
-      : t.linear(w.get("attn_q.weight"), h)
+    const qFlat =
+      mla.qLoraRank > 0
+        ? t.linear(
+            w.get("attn_q_b.weight"),
+            t.rmsNorm(t.linear(w.get("attn_q_a.weight"), h), w.get("attn_q_a_norm.weight"))
+          )
+        : t.linear(w.get("attn_q.weight"), h)
     const q = g.ggml_reshape_3d(ctx, qFlat, mla.headDimK, hp.nHead, n)
     const kvPe = t.linear(w.get("attn_kv_a_mqa.weight"), h)
     const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
@@ -238,7 +283,14 @@ export const deepseek2: ArchModule = {
     const qNope = g.ggml_view_3d(ctx, q, nope, hp.nHead, n, qRow, qRow * hp.nHead, 0)
     const qPe = t.rope(g.ggml_view_3d(ctx, q, nRot, hp.nHead, n, qRow, qRow * hp.nHead, f32(nope)))
     // [nope, n, nHead] x attn_k_b [nope, kv_lora_rank, nHead] -> [kv_lora_rank, n, nHead] -> [kv_lora_rank, nHead, n]
-    const absorbed = g.ggml_permute(ctx, g.ggml_mul_mat(ctx, w.get("attn_k_b.weight"), g.ggml_permute(ctx, qNope, 0, 2, 1, 3)), 0, 2, 1, 3)
+    const absorbed = g.ggml_permute(
+      ctx,
+      g.ggml_mul_mat(ctx, w.get("attn_k_b.weight"), g.ggml_permute(ctx, qNope, 0, 2, 1, 3)),
+      0,
+      2,
+      1,
+      3
+    )
     const { ggml_concat } = mlaOps(getGgml())
     const qCur = ggml_concat(ctx, absorbed, qPe, 0)
     const latent3 = g.ggml_reshape_3d(ctx, latent, mla.kvLoraRank, 1, n)
@@ -247,7 +299,8 @@ export const deepseek2: ArchModule = {
     const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
     const normed = t.rmsNorm(ffnIn, w.get("ffn_norm.weight"))
     const moe = moeOf(hp)
-    const ffn = t.layer < moe.nLeadingDense ? t.ffnSwiglu(normed, w) : moeFfn(t, w, normed, moe, w.opt("exp_probs_b.bias"))
+    const ffn =
+      t.layer < moe.nLeadingDense ? t.ffnSwiglu(normed, w) : moeFfn(t, w, normed, moe, w.opt("exp_probs_b.bias"))
     return t.add(ffn, ffnIn)
   }
 }

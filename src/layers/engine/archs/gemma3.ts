@@ -12,14 +12,21 @@ import { getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode, type SwaParams } from "../HParams.js"
 import { type BlockWeights, llamaBlockSpecs, type Toolkit } from "../Toolkit.js"
-import { gemmaAttnResidualAndFfn, gemmaNormSpecs, gemmaOutput, logitSoftcapOf, scalarKey, swaRopeBase } from "./gemmaShared.js"
+import {
+  gemmaAttnResidualAndFfn,
+  gemmaNormSpecs,
+  gemmaOutput,
+  logitSoftcapOf,
+  scalarKey,
+  swaRopeBase
+} from "./gemmaShared.js"
 
 /** llama.cpp's llama_hparams::set_swa_pattern (dense_first = false): block il is global when il % period == period - 1. */
 export const swaLayerPattern = (nLayer: number, period: number): ReadonlyArray<boolean> =>
   Array.from({ length: nLayer }, (_, il) => period === 0 || il % period < period - 1)
 
 const gemma3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const window = yield* scalarKey(file, k("attention.sliding_window"), getU32)
     let swa: SwaParams | undefined

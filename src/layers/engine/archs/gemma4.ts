@@ -68,10 +68,13 @@ const required = <A>(
   read: (file: GgufFile, key: string) => Effect.Effect<A, ModelLoadError>
 ): Effect.Effect<A, ModelLoadError> =>
   Effect.flatMap(scalarKey(file, key, read), (v) =>
-    v === undefined ? Effect.fail(invalidKey(file, key, "is missing (llama.cpp requires it for gemma4)")) : Effect.succeed(v))
+    v === undefined
+      ? Effect.fail(invalidKey(file, key, "is missing (llama.cpp requires it for gemma4)"))
+      : Effect.succeed(v)
+  )
 
 const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const refuse = (key: string, message: string) => Effect.fail(invalidKey(file, k(key), message))
     // experts (26B-A4B): archs/gemma4Moe.ts
@@ -86,7 +89,7 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const perLayer = yield* gemma4PerLayerParams(file, hp, layers)
     const cap = yield* logitSoftcapOf(file, hp.arch)
     // gemma4.cpp: f_attention_scale = 1 (no pre-attention scaling), the scale inside flash attention
-    const blockHeads = layers.map((slides) => slides ? heads.swa : heads.global)
+    const blockHeads = layers.map((slides) => (slides ? heads.swa : heads.global))
     return {
       ...hp,
       kqScale: 1,
@@ -105,7 +108,7 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
  * `attention.head_count_kv` as one count per block (31B: 16 in sliding-window blocks, 4 in global ones) or one for all.
  */
 const gemma4BlockHeads = (file: GgufFile, hp: HParams) =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const refuse = (key: string, message: string) => Effect.fail(invalidKey(file, k(key), message))
     // llama.cpp: "Gemma 4 requires n_embd_head_k == n_embd_head_v" (both kinds of block)
@@ -123,7 +126,10 @@ const gemma4BlockHeads = (file: GgufFile, hp: HParams) =>
     }
     const rotSwa = (yield* scalarKey(file, k("rope.dimension_count_swa"), getU32)) ?? hp.nRot
     if (rotSwa === 0 || rotSwa > kSwa || rotSwa % 2 !== 0) {
-      return yield* refuse("rope.dimension_count_swa", `= ${rotSwa} must be even, > 0 and at most key_length_swa ${kSwa}`)
+      return yield* refuse(
+        "rope.dimension_count_swa",
+        `= ${rotSwa} must be even, > 0 and at most key_length_swa ${kSwa}`
+      )
     }
     const kvValue = file.metadata.get(k("attention.head_count_kv"))
     const kvHeads = Array.isArray(kvValue)
@@ -170,21 +176,29 @@ export const gemma4: ArchModule = {
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
     // global blocks: proportional RoPE through the frequency factors
     const factors = t.slidingWindow ? null : w.global("rope_freqs.weight")
-    const q = t.rope(t.rmsNorm(heads(t.linear(w.get("attn_q.weight"), h), headDimK, nHead), w.get("attn_q_norm.weight")), factors)
+    const q = t.rope(
+      t.rmsNorm(heads(t.linear(w.get("attn_q.weight"), h), headDimK, nHead), w.get("attn_q_norm.weight")),
+      factors
+    )
     // a shared KV layer (E2B/E4B) attends over an earlier block's cache
     const source = t.hp.kvShare?.sources[t.layer] ?? t.layer
-    const att = source !== t.layer
-      ? sharedKvAttention(t, q, w.get("attn_output.weight"), source, t.hp.kqScale)
-      : (() => {
-        const kProj = t.linear(w.get("attn_k.weight"), h)
-        const wv = w.opt("attn_v.weight")
-        const vProj = wv === null ? kProj : t.linear(wv, h)
-        const k = t.rope(t.rmsNorm(heads(kProj, headDimK, nHeadKv), w.get("attn_k_norm.weight")), factors)
-        const v = g.ggml_rms_norm(t.ctx, heads(vProj, headDimV, nHeadKv), rmsEps)
-        return t.attention(q, k, v, w.get("attn_output.weight"), null, t.hp.kqScale)
-      })()
+    const att =
+      source !== t.layer
+        ? sharedKvAttention(t, q, w.get("attn_output.weight"), source, t.hp.kqScale)
+        : (() => {
+            const kProj = t.linear(w.get("attn_k.weight"), h)
+            const wv = w.opt("attn_v.weight")
+            const vProj = wv === null ? kProj : t.linear(wv, h)
+            const k = t.rope(t.rmsNorm(heads(kProj, headDimK, nHeadKv), w.get("attn_k_norm.weight")), factors)
+            const v = g.ggml_rms_norm(t.ctx, heads(vProj, headDimV, nHeadKv), rmsEps)
+            return t.attention(q, k, v, w.get("attn_output.weight"), null, t.hp.kqScale)
+          })()
     // per-layer embeddings (E2B/E4B) after the feed-forward residual, before the output scale
-    const out = perLayerBlockOut(t, w, (t.hp.moe === undefined ? gemmaAttnResidualAndFfn : gemma4AttnResidualAndMoe)(t, w, x, att))
+    const out = perLayerBlockOut(
+      t,
+      w,
+      (t.hp.moe === undefined ? gemmaAttnResidualAndFfn : gemma4AttnResidualAndMoe)(t, w, x, att)
+    )
     const scale = w.opt("layer_output_scale.weight")
     return scale === null ? out : g.ggml_mul(t.ctx, out, scale)
   },

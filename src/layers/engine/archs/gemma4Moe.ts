@@ -28,14 +28,16 @@ export const gemma4MoeParams = (file: GgufFile, hp: HParams): Effect.Effect<Pick
 
 /** A routed block's tensors beside the dense feed-forward's (none without experts). */
 export const gemma4MoeSpecs = (hp: HParams): ReadonlyArray<TensorSpec> =>
-  hp.moe === undefined ? [] : [
-    ...moeBlockSpecs(hp, hp.moe),
-    normSpec("ffn_gate_inp.scale", hp.nEmbd),
-    normSpec("pre_ffw_norm_2.weight", hp.nEmbd),
-    normSpec("post_ffw_norm_1.weight", hp.nEmbd),
-    normSpec("post_ffw_norm_2.weight", hp.nEmbd),
-    { name: "ffn_down_exps.scale", dims: [hp.moe.nExpert], kind: "vector", required: false }
-  ]
+  hp.moe === undefined
+    ? []
+    : [
+        ...moeBlockSpecs(hp, hp.moe),
+        normSpec("ffn_gate_inp.scale", hp.nEmbd),
+        normSpec("pre_ffw_norm_2.weight", hp.nEmbd),
+        normSpec("post_ffw_norm_1.weight", hp.nEmbd),
+        normSpec("post_ffw_norm_2.weight", hp.nEmbd),
+        { name: "ffn_down_exps.scale", dims: [hp.moe.nExpert], kind: "vector", required: false }
+      ]
 
 /**
  * After attention (`att`: wo's output) of a routed block: the post-attention norm plus the residual `x`, then the dense
@@ -51,7 +53,10 @@ export const gemma4AttnResidualAndMoe = (t: Toolkit, w: BlockWeights, x: Ptr, at
   const mlpIn = t.rmsNorm(attnOut, w.get("ffn_norm.weight"))
   const up = t.linear(w.get("ffn_up.weight"), mlpIn)
   const gate = t.linear(w.get("ffn_gate.weight"), mlpIn)
-  const mlp = t.rmsNorm(t.linear(w.get("ffn_down.weight"), g.ggml_geglu_split(ctx, gate, up)), w.get("post_ffw_norm_1.weight"))
+  const mlp = t.rmsNorm(
+    t.linear(w.get("ffn_down.weight"), g.ggml_geglu_split(ctx, gate, up)),
+    w.get("post_ffw_norm_1.weight")
+  )
   // the routed experts: their own input norm, the router over the un-normed-weight RMS of attnOut
   const moeIn = t.rmsNorm(attnOut, w.get("pre_ffw_norm_2.weight"))
   let routerIn = g.ggml_rms_norm(ctx, attnOut, t.hp.rmsEps)

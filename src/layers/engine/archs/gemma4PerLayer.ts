@@ -35,25 +35,39 @@ export const gemma4PerLayerParams = (
   hp: HParams,
   slides: ReadonlyArray<boolean>
 ): Effect.Effect<{ perLayer?: PerLayerEmbd; kvShare?: KvShare }, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const width = yield* scalarKey(file, k("embedding_length_per_layer_input"), getU32)
     if (width === undefined) {
-      return yield* Effect.fail(invalidKey(file, k("embedding_length_per_layer_input"), "is missing (llama.cpp requires it for gemma4)"))
+      return yield* Effect.fail(
+        invalidKey(file, k("embedding_length_per_layer_input"), "is missing (llama.cpp requires it for gemma4)")
+      )
     }
     const shared = (yield* scalarKey(file, k("attention.shared_kv_layers"), getU32)) ?? 0
     const out: { perLayer?: PerLayerEmbd; kvShare?: KvShare } = width > 0 ? { perLayer: { width } } : {}
     if (shared === 0) return out
     const from = hp.nLayer - shared
     if (from < 2) {
-      return yield* Effect.fail(invalidKey(file, k("attention.shared_kv_layers"), `= ${shared} leaves ${Math.max(from, 0)} of ${hp.nLayer} blocks with a KV cache (llama.cpp needs at least 2)`))
+      return yield* Effect.fail(
+        invalidKey(
+          file,
+          k("attention.shared_kv_layers"),
+          `= ${shared} leaves ${Math.max(from, 0)} of ${hp.nLayer} blocks with a KV cache (llama.cpp needs at least 2)`
+        )
+      )
     }
     const sources = kvShareSources(hp.nLayer, shared, slides)
     for (let il = from; il < hp.nLayer; il++) {
       const source = sources[il]!
       if (slides[source] !== slides[il]) {
-        const kind = (s: boolean | undefined) => s ? "sliding-window" : "global"
-        return yield* Effect.fail(invalidKey(file, k("attention.shared_kv_layers"), `= ${shared}: block ${il} (${kind(slides[il])}) would read the cache of block ${source} (${kind(slides[source])})`))
+        const kind = (s: boolean | undefined) => (s ? "sliding-window" : "global")
+        return yield* Effect.fail(
+          invalidKey(
+            file,
+            k("attention.shared_kv_layers"),
+            `= ${shared}: block ${il} (${kind(slides[il])}) would read the cache of block ${source} (${kind(slides[source])})`
+          )
+        )
       }
     }
     return { ...out, kvShare: { from, sources } }
@@ -75,11 +89,13 @@ export const perLayerInputTensors = (hp: HParams): ReadonlyArray<TensorSpec> => 
 
 /** A block's per-layer tensors (short names). */
 export const perLayerBlockSpecs = (hp: HParams): ReadonlyArray<TensorSpec> =>
-  hp.perLayer === undefined ? [] : [
-    { name: "inp_gate.weight", dims: [hp.nEmbd, hp.perLayer.width], kind: "matrix", required: true },
-    { name: "proj.weight", dims: [hp.perLayer.width, hp.nEmbd], kind: "matrix", required: true },
-    { name: "post_norm.weight", dims: [hp.nEmbd], kind: "vector", required: true }
-  ]
+  hp.perLayer === undefined
+    ? []
+    : [
+        { name: "inp_gate.weight", dims: [hp.nEmbd, hp.perLayer.width], kind: "matrix", required: true },
+        { name: "proj.weight", dims: [hp.perLayer.width, hp.nEmbd], kind: "matrix", required: true },
+        { name: "post_norm.weight", dims: [hp.nEmbd], kind: "vector", required: true }
+      ]
 
 /** A block that reads another's cache loads no K/V projection or K norm (llama.cpp: not required without has_kv). */
 export const withoutOwnKv = (specs: ReadonlyArray<TensorSpec>): ReadonlyArray<TensorSpec> =>
@@ -135,10 +151,36 @@ export const sharedKvAttention = (t: Toolkit, q: Ptr, wo: Ptr, source: number, k
     const nHeadKv = shape(cache.k).ne[0]! / headDim
     const nKv = ring ? seg.swaNKv : seg.nKv
     const mask = ring ? seg.swaMask : seg.mask
-    if (mask === null) throw new Error(`block ${t.layer} reads sliding-window block ${source}'s cache but the graph has no window mask`)
+    if (mask === null)
+      throw new Error(`block ${t.layer} reads sliding-window block ${source}'s cache but the graph has no window mask`)
     const view = (c: Ptr) =>
-      g.ggml_permute(ctx, g.ggml_view_3d(ctx, c, headDim, nHeadKv, nKv, g.ggml_row_size(GgmlType.F16, headDim), g.ggml_row_size(GgmlType.F16, headDim * nHeadKv), 0), 0, 2, 1, 3)
-    const fa = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, qs, 0, 2, 1, 3), view(cache.k), view(cache.v), mask, kqScale, 0, 0)
+      g.ggml_permute(
+        ctx,
+        g.ggml_view_3d(
+          ctx,
+          c,
+          headDim,
+          nHeadKv,
+          nKv,
+          g.ggml_row_size(GgmlType.F16, headDim),
+          g.ggml_row_size(GgmlType.F16, headDim * nHeadKv),
+          0
+        ),
+        0,
+        2,
+        1,
+        3
+      )
+    const fa = g.ggml_flash_attn_ext(
+      ctx,
+      g.ggml_permute(ctx, qs, 0, 2, 1, 3),
+      view(cache.k),
+      view(cache.v),
+      mask,
+      kqScale,
+      0,
+      0
+    )
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
     return g.ggml_reshape_2d(ctx, fa, headDim * nHead, seg.n)
   }
@@ -147,7 +189,16 @@ export const sharedKvAttention = (t: Toolkit, q: Ptr, wo: Ptr, source: number, k
   const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
   let cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, headDim * nHead, t.nTokens)
   for (const seg of segments) {
-    const qs = g.ggml_view_3d(ctx, q, headDim, nHead, seg.n, f32(headDim), f32(headDim * nHead), seg.offset * f32(headDim * nHead))
+    const qs = g.ggml_view_3d(
+      ctx,
+      q,
+      headDim,
+      nHead,
+      seg.n,
+      f32(headDim),
+      f32(headDim * nHead),
+      seg.offset * f32(headDim * nHead)
+    )
     cur = g.ggml_set_rows(ctx, cur, attend(seg, qs), seg.rows!)
   }
   return t.linear(wo, cur)

@@ -26,7 +26,7 @@ export const scalarKey = <A>(
 
 /** `<arch>.rope.freq_base_swa`: the sliding-window blocks' RoPE base (default 10000, llama_hparams'), > 0. */
 export const swaRopeBase = (file: GgufFile, arch: string): Effect.Effect<number, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const key = `${arch}.rope.freq_base_swa`
     const base = (yield* scalarKey(file, key, getF32)) ?? 10000
     if (!(base > 0 && Number.isFinite(base))) return yield* Effect.fail(invalidKey(file, key, `= ${base} must be > 0`))
@@ -34,8 +34,11 @@ export const swaRopeBase = (file: GgufFile, arch: string): Effect.Effect<number,
   })
 
 /** `<arch>.final_logit_softcapping` (0 or absent: none), >= 0. */
-export const logitSoftcapOf = (file: GgufFile, arch: string): Effect.Effect<{ logitSoftcap?: number }, ModelLoadError> =>
-  Effect.gen(function*() {
+export const logitSoftcapOf = (
+  file: GgufFile,
+  arch: string
+): Effect.Effect<{ logitSoftcap?: number }, ModelLoadError> =>
+  Effect.gen(function* () {
     const key = `${arch}.final_logit_softcapping`
     const cap = (yield* scalarKey(file, key, getF32)) ?? 0
     if (!(cap >= 0 && Number.isFinite(cap))) return yield* Effect.fail(invalidKey(file, key, `= ${cap} must be >= 0`))

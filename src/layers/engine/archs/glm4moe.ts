@@ -27,29 +27,37 @@ const gatingOf = (n: number | undefined): ExpertGating | undefined =>
   n === undefined || n === 0 || n === 2 ? "sigmoid" : n === 1 ? "softmax" : undefined
 
 const readGlm4Moe = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     // MTP blocks (`nextn_predict_layers`, GLM-4.5/4.6 carry one) trail the trunk: llama.cpp decodes without them
     // (n_layer() = block_count - nextn), so the stages cover the trunk only and never load those blocks' tensors
     const nLayer = yield* trunkBlockCount(file, hp.arch)
     if (file.metadata.has(k("rope.dimension_sections"))) {
-      return yield* Effect.fail(invalid(file, `metadata "${k("rope.dimension_sections")}": multi-section RoPE is not supported`))
+      return yield* Effect.fail(
+        invalid(file, `metadata "${k("rope.dimension_sections")}": multi-section RoPE is not supported`)
+      )
     }
     const gatingKey = k("expert_gating_func")
     const gatingId = yield* getOptional(file, gatingKey, getU32)
     const gating = gatingOf(gatingId)
     if (gating === undefined) {
-      return yield* Effect.fail(invalid(file, `metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`))
+      return yield* Effect.fail(
+        invalid(file, `metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`)
+      )
     }
     const nExpertShared = yield* getU32(file, k("expert_shared_count"))
     const nLeadingDense = (yield* getOptional(file, k("leading_dense_block_count"), getU32)) ?? 0
-    const moe = yield* readMoeParams(file, { ...hp, nLayer }, {
-      gating,
-      normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,
-      weightsScale: (yield* getOptional(file, k("expert_weights_scale"), getF32)) ?? 0,
-      nExpertShared,
-      nLeadingDense
-    })
+    const moe = yield* readMoeParams(
+      file,
+      { ...hp, nLayer },
+      {
+        gating,
+        normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,
+        weightsScale: (yield* getOptional(file, k("expert_weights_scale"), getF32)) ?? 0,
+        nExpertShared,
+        nLeadingDense
+      }
+    )
     return { ...hp, nLayer, moe }
   })
 
@@ -88,7 +96,8 @@ export const glm4moe: ArchModule = {
     const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
     const normed = t.rmsNorm(ffnIn, w.get("post_attention_norm.weight"))
     const moe = moeOf(t.hp)
-    const ffn = t.layer < moe.nLeadingDense ? t.ffnSwiglu(normed, w) : moeFfn(t, w, normed, moe, w.get("exp_probs_b.bias"))
+    const ffn =
+      t.layer < moe.nLeadingDense ? t.ffnSwiglu(normed, w) : moeFfn(t, w, normed, moe, w.get("exp_probs_b.bias"))
     return t.add(ffn, ffnIn)
   }
 }

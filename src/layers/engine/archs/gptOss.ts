@@ -43,12 +43,16 @@ const SWIGLU_ALPHA = 1.702
 const SWIGLU_LIMIT = 7
 
 const readGptOss = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     // llama.cpp's loader requires its own output head (no tying to token_embd for gpt-oss)
     if (!file.tensorsByName.has("output.weight")) {
       return yield* Effect.fail(
-        new ModelLoadError({ path: file.path, reason: "MissingTensor", message: `tensor "output.weight" is missing (gpt-oss has no tied output)` })
+        new ModelLoadError({
+          path: file.path,
+          reason: "MissingTensor",
+          message: `tensor "output.weight" is missing (gpt-oss has no tied output)`
+        })
       )
     }
     // llama.cpp reads these with get_key (required): its loader throws on a missing one
@@ -65,7 +69,10 @@ const readGptOss = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLo
     if (!(base > 0 && Number.isFinite(base))) return yield* Effect.fail(invalid(file, baseKey, `= ${base} must be > 0`))
     const groupsKey = k("expert_group_count")
     const groups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
-    if (groups > 1) return yield* Effect.fail(invalid(file, groupsKey, `= ${groups}: group-limited routing is not supported for gpt-oss`))
+    if (groups > 1)
+      return yield* Effect.fail(
+        invalid(file, groupsKey, `= ${groups}: group-limited routing is not supported for gpt-oss`)
+      )
     const moe = yield* readMoeParams(file, hp, { gating: "softmax", normWeights: false })
     // llama_hparams::set_swa_pattern (dense_first = false): block il slides unless il % period == period - 1
     const layers = Array.from({ length: hp.nLayer }, (_, il) => period === 0 || il % period < period - 1)
@@ -143,11 +150,18 @@ const gptOssMoe = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams): Ptr => 
     const a = w.get(`${name}.weight`)
     const b = w.get(`${name}.bias`)
     const [sa, sb, si, sbias] = [shape(a), shape(input), shape(chosen), shape(b)]
-    if (
-      !(sa.ne[3] === 1 && sb.ne[3] === 1 && si.type === GgmlType.I32 && si.ne[1] === sb.ne[2] && sa.ne[0] === sb.ne[0] &&
-        si.ne[0]! % sb.ne[1]! === 0 && sa.ne[2] === nExpert && sbias.type === GgmlType.F32 &&
-        sbias.ne[0] === sa.ne[1] && sbias.ne[1] === nExpert)
-    ) {
+    if (!(
+      sa.ne[3] === 1 &&
+      sb.ne[3] === 1 &&
+      si.type === GgmlType.I32 &&
+      si.ne[1] === sb.ne[2] &&
+      sa.ne[0] === sb.ne[0] &&
+      si.ne[0]! % sb.ne[1]! === 0 &&
+      sa.ne[2] === nExpert &&
+      sbias.type === GgmlType.F32 &&
+      sbias.ne[0] === sa.ne[1] &&
+      sbias.ne[1] === nExpert
+    )) {
       throw new GraphOpError(`ggml_mul_mat_id / ggml_add_id: ${name} does not match its input, bias or expert ids`)
     }
     return oss.ggml_add_id(ctx, op.ggml_mul_mat_id(ctx, a, input, chosen), b, chosen) // [rows, k, n]

@@ -20,7 +20,7 @@ const invalid = (file: GgufFile, key: string, message: string) =>
 
 /** A float key that must be one finite number when present (a per-layer array is refused by name). */
 const finiteScalar = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     if (Array.isArray(file.metadata.get(key))) {
       return yield* Effect.fail(invalid(file, key, "is an array; swactor reads it as one number"))
     }
@@ -30,7 +30,7 @@ const finiteScalar = (file: GgufFile, key: string): Effect.Effect<number | undef
   })
 
 const mistral3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const experts = yield* getOptional(file, k("expert_count"), getU32)
     if (experts !== undefined && experts > 0) {
@@ -43,13 +43,15 @@ const mistral3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mo
     const logMul = (yield* finiteScalar(file, k("rope.scaling.yarn_log_multiplier"))) ?? 0
     const ropeAttnFactor = (yield* finiteScalar(file, k("rope.scaling.attn_factor"))) ?? 1
     // YaRN (HParams.ts accepted rope.scaling.type yarn and its factor): again with mistral3's own keys
-    const ropeExt: RopeExt = hp.ropeExt === undefined
-      ? { ...PLAIN_ROPE, betaFast: Math.fround(betaFast), betaSlow: Math.fround(betaSlow) }
-      : yarnRopeExt(hp.ropeFreqScale, { logMul, betaFast, betaSlow, ropeAttnFactor })
+    const ropeExt: RopeExt =
+      hp.ropeExt === undefined
+        ? { ...PLAIN_ROPE, betaFast: Math.fround(betaFast), betaSlow: Math.fround(betaSlow) }
+        : yarnRopeExt(hp.ropeFreqScale, { logMul, betaFast, betaSlow, ropeAttnFactor })
     const tempScale = (yield* finiteScalar(file, k("attention.temperature_scale"))) ?? 0
     // llama.cpp: n_attn_temp_floor_scale = n_ctx_orig_yarn (rope.scaling.original_context_length, else the training
     // context), which HParams.ts has read as nCtxOrig and checked > 0
-    const attnTemp: AttnTemp | undefined = tempScale === 0 ? undefined : { scale: tempScale, floorScale: hp.nCtxOrig, offset: 0 }
+    const attnTemp: AttnTemp | undefined =
+      tempScale === 0 ? undefined : { scale: tempScale, floorScale: hp.nCtxOrig, offset: 0 }
     if (!(Number.isSafeInteger(hp.nCtxOrig) && hp.nCtxOrig > 0)) {
       return yield* Effect.fail(
         invalid(file, k("rope.scaling.original_context_length"), `= ${hp.nCtxOrig} must be > 0`)

@@ -33,7 +33,9 @@ const sectionsCoverText = (sections: ReadonlyArray<number>, nRot: number): boole
   if (total <= 0) return false
   for (let i = 0; i < nRot / 2; i++) {
     const s = i % total
-    const text = (s % 3 === 1 && s < 3 * sections[1]!) || (s % 3 === 2 && s < 3 * sections[2]!) ||
+    const text =
+      (s % 3 === 1 && s < 3 * sections[1]!) ||
+      (s % 3 === 2 && s < 3 * sections[2]!) ||
       (s % 3 === 0 && s < 3 * sections[0]!)
     if (!text) return false
   }
@@ -42,20 +44,24 @@ const sectionsCoverText = (sections: ReadonlyArray<number>, nRot: number): boole
 
 /** qwen35's hyperparameters (IMROPE sections, the DeltaNet sizes and block pattern), checked; qwen35moe reads them too. */
 export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
-  Effect.gen(function*() {
+  Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
     const u32 = (key: string) =>
-      Effect.gen(function*() {
+      Effect.gen(function* () {
         const v = yield* getOptional(file, k(key), getU32)
         if (v === undefined) return yield* Effect.fail(invalid(file, k(key), "is missing"))
         if (!(v > 0)) return yield* Effect.fail(invalid(file, k(key), `= ${v} must be > 0`))
         return v
       })
     if (hp.headDimV !== hp.headDimK) {
-      return yield* Effect.fail(invalid(file, k("attention.value_length"), `${hp.headDimV} must equal key_length ${hp.headDimK}`))
+      return yield* Effect.fail(
+        invalid(file, k("attention.value_length"), `${hp.headDimV} must equal key_length ${hp.headDimK}`)
+      )
     }
     if (!(hp.nRot > 0 && hp.nRot % 2 === 0 && hp.nRot <= hp.headDimK)) {
-      return yield* Effect.fail(invalid(file, k("rope.dimension_count"), `${hp.nRot} must be even and at most the head size ${hp.headDimK}`))
+      return yield* Effect.fail(
+        invalid(file, k("rope.dimension_count"), `${hp.nRot} must be even and at most the head size ${hp.headDimK}`)
+      )
     }
     const sections = yield* getOptional(file, k("rope.dimension_sections"), getNumberArray)
     if (sections === undefined || sections.length !== 4 || sections.some((s) => !(Number.isSafeInteger(s) && s >= 0))) {
@@ -63,29 +69,48 @@ export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParam
     }
     if (!sectionsCoverText(sections, hp.nRot)) {
       return yield* Effect.fail(
-        invalid(file, k("rope.dimension_sections"), `[${sections.join(", ")}] leaves rotated dimensions on the 4th position component (not supported)`)
+        invalid(
+          file,
+          k("rope.dimension_sections"),
+          `[${sections.join(", ")}] leaves rotated dimensions on the 4th position component (not supported)`
+        )
       )
     }
     if (file.metadata.has(k("attention.recurrent_layers"))) {
-      return yield* Effect.fail(invalid(file, k("attention.recurrent_layers"), "is not supported (full_attention_interval only)"))
+      return yield* Effect.fail(
+        invalid(file, k("attention.recurrent_layers"), "is not supported (full_attention_interval only)")
+      )
     }
-    if (file.metadata.has(k("nextn_predict_layers")) && ((yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0) > 0) {
+    if (
+      file.metadata.has(k("nextn_predict_layers")) &&
+      ((yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0) > 0
+    ) {
       return yield* Effect.fail(invalid(file, k("nextn_predict_layers"), "> 0 (MTP blocks) is not supported"))
     }
     const convKernel = yield* u32("ssm.conv_kernel")
-    if (convKernel < 2) return yield* Effect.fail(invalid(file, k("ssm.conv_kernel"), `= ${convKernel} must be at least 2`))
+    if (convKernel < 2)
+      return yield* Effect.fail(invalid(file, k("ssm.conv_kernel"), `= ${convKernel} must be at least 2`))
     const inner = yield* u32("ssm.inner_size")
     const stateSize = yield* u32("ssm.state_size")
     const vHeads = yield* u32("ssm.time_step_rank")
     const kHeads = yield* u32("ssm.group_count")
     if (vHeads % kHeads !== 0) {
-      return yield* Effect.fail(invalid(file, k("ssm.time_step_rank"), `${vHeads} must be a multiple of ${k("ssm.group_count")} = ${kHeads}`))
+      return yield* Effect.fail(
+        invalid(file, k("ssm.time_step_rank"), `${vHeads} must be a multiple of ${k("ssm.group_count")} = ${kHeads}`)
+      )
     }
     if (inner !== stateSize * vHeads) {
-      return yield* Effect.fail(invalid(file, k("ssm.inner_size"), `${inner} must be ssm.state_size x ssm.time_step_rank = ${stateSize * vHeads}`))
+      return yield* Effect.fail(
+        invalid(
+          file,
+          k("ssm.inner_size"),
+          `${inner} must be ssm.state_size x ssm.time_step_rank = ${stateSize * vHeads}`
+        )
+      )
     }
     const interval = (yield* getOptional(file, k("full_attention_interval"), getU32)) ?? 4
-    if (!(interval > 0)) return yield* Effect.fail(invalid(file, k("full_attention_interval"), `= ${interval} must be > 0`))
+    if (!(interval > 0))
+      return yield* Effect.fail(invalid(file, k("full_attention_interval"), `= ${interval} must be > 0`))
     const recurrent: RecurrentParams = {
       layers: Array.from({ length: hp.nLayer }, (_, il) => (il + 1) % interval !== 0),
       convKernel,
@@ -100,7 +125,12 @@ export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParam
 /** A block's tensors but its feed-forward: the two norms, then the DeltaNet's or the gated attention's (qwen35moe too). */
 export const qwen35MixerTensors = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
   const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
-  const vec = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "vector", required: true })
+  const vec = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({
+    name,
+    dims,
+    kind: "vector",
+    required: true
+  })
   const e = hp.nEmbd
   const common = [vec("attn_norm.weight", [e]), vec("post_attention_norm.weight", [e])]
   const r = hp.recurrent!
@@ -191,7 +221,16 @@ const deltaNetSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: P
   const v = d.ggml_view_4d(ctx, convOut, S, Hv, n, 1, f32(S), row, row * n, f32(2 * S * Hk))
   const eps = t.hp.rmsEps
   const state = d.ggml_reshape_4d(ctx, ssm, S, S, Hv, 1)
-  const result = d.ggml_gated_delta_net(ctx, d.ggml_l2_norm(ctx, q, eps), d.ggml_l2_norm(ctx, k, eps), v, gate, beta, state, 1)
+  const result = d.ggml_gated_delta_net(
+    ctx,
+    d.ggml_l2_norm(ctx, q, eps),
+    d.ggml_l2_norm(ctx, k, eps),
+    v,
+    gate,
+    beta,
+    state,
+    1
+  )
   const out = d.ggml_view_4d(ctx, result, S, Hv, n, 1, f32(S), f32(S * Hv), f32(S * Hv * n), 0)
   const newState = g.ggml_view_1d(ctx, result, S * S * Hv, f32(S * Hv * n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, newState, ssm))
@@ -219,14 +258,16 @@ const deltaNet = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
  * One qwen35-family block around its feed-forward `ffn` (normed input in, output out): attn_norm, the DeltaNet or
  * the gated attention, the residual, post_attention_norm, `ffn`, the residual (qwen35: SwiGLU; qwen35moe: routed).
  */
-export const qwen35Block = (ffn: (t: Toolkit, w: BlockWeights, normed: Ptr) => Ptr) => (t: Toolkit, w: BlockWeights, x: Ptr): Ptr => {
-  const h = t.rmsNorm(x, w.get("attn_norm.weight"))
-  g0(t, h)
-  const mixed = t.hp.recurrent!.layers[t.layer] === true ? deltaNet(t, w, h) : gatedAttention(t, w, h)
-  const ffnIn = t.add(mixed, x)
-  const out = t.add(ffn(t, w, t.rmsNorm(ffnIn, w.get("post_attention_norm.weight"))), ffnIn)
-  return t.outputRows(out)
-}
+export const qwen35Block =
+  (ffn: (t: Toolkit, w: BlockWeights, normed: Ptr) => Ptr) =>
+  (t: Toolkit, w: BlockWeights, x: Ptr): Ptr => {
+    const h = t.rmsNorm(x, w.get("attn_norm.weight"))
+    g0(t, h)
+    const mixed = t.hp.recurrent!.layers[t.layer] === true ? deltaNet(t, w, h) : gatedAttention(t, w, h)
+    const ffnIn = t.add(mixed, x)
+    const out = t.add(ffn(t, w, t.rmsNorm(ffnIn, w.get("post_attention_norm.weight"))), ffnIn)
+    return t.outputRows(out)
+  }
 
 export const qwen35: ArchModule = {
   name: "qwen35",

@@ -17,7 +17,7 @@ export const qwen35moe: ArchModule = {
   ...qwen35,
   name: "qwen35moe",
   hparams: (file, hp) =>
-    Effect.gen(function*() {
+    Effect.gen(function* () {
       const hybrid = yield* qwen35HParams(file, hp)
       const sharedKey = `${hp.arch}.expert_shared_feed_forward_length`
       const shared = (yield* getOptional(file, sharedKey, getU32)) ?? 0
