@@ -92,6 +92,33 @@ export const backend = (
     Effect.as(Option.getOrElse(flag, () => "cpu" as const))
   )
 
+/** `--backend` of run and serve: the backend of the local agents they start (as `swactor node --backend`). */
+export const backendOption = Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
+  Options.withDescription(
+    "ggml backend and package of the local agents: cpu, cuda (node-llama-cpp's CUDA package) or auto (default: " +
+      `cpu stages; the package from ${ggmlPackageSetting.doc.variable}, else cpu); remote agents choose their own`
+  ),
+  Options.optional
+)
+
+/**
+ * `--backend` of run and serve, checked: the extra arguments their local agents start with (none without the flag).
+ * Refused beside `--agents`: a remote agent's backend is its own `swactor node --backend`.
+ */
+export const localBackendArgs = (
+  flag: Option.Option<"cpu" | "cuda" | "auto">,
+  remote: boolean
+): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  Effect.gen(function* () {
+    if (remote && Option.isSome(flag)) {
+      return yield* fail(
+        "--backend applies to local agents; a remote agent's backend is its own swactor node --backend"
+      )
+    }
+    const chosen = yield* backend(flag)
+    return Option.isSome(flag) ? ["--backend", chosen] : []
+  })
+
 /** `--spares`: local spare agents, 0 to 64 (services/RequestChecks.ts), checked before any agent starts. */
 export const spares = (value: number): Effect.Effect<number, UsageError> => {
   const problem = sparesProblem(value, "--spares")

@@ -11,7 +11,9 @@ import { parseLayerSpec } from "../services/Placement.js"
 import { emptyPromptMessage, isEmptyPrompt } from "../services/RequestChecks.js"
 import {
   atLeast,
+  backendOption,
   clusterToken,
+  localBackendArgs,
   agentList,
   optionalThreads,
   optionalWholeNumber,
@@ -46,6 +48,8 @@ export interface RunArgs extends SamplingFlagArgs {
   readonly spares?: number
   /** --tls auto|always|off (else SWACTOR_TLS): the links of this run's agents. */
   readonly tls?: Option.Option<"auto" | "always" | "off">
+  /** --backend cpu|cuda|auto: the local agents' backend (else SWACTOR_GGML_PACKAGE picks their package; CPU stages). */
+  readonly backend?: Option.Option<"cpu" | "cuda" | "auto">
 }
 
 const defaultPrompt = "Once upon a time"
@@ -89,6 +93,7 @@ export const runFlags = {
     Options.optional
   ),
   tls: tlsFlag,
+  backend: backendOption,
   tokenFile: Options.text("token-file").pipe(
     Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
     Options.optional
@@ -180,6 +185,7 @@ export const validateRunFlags = (args: RunArgs) =>
     const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls ?? Option.none())
+    const agentArgs = yield* localBackendArgs(args.backend ?? Option.none(), nodes.length > 0)
     if (nodes.length > 0 && token === "") {
       return yield* new UsageError({
         message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
@@ -190,7 +196,21 @@ export const validateRunFlags = (args: RunArgs) =>
     // A fixed placement run locally starts one agent per range.
     const localStages = placement?._tag === "Fixed" ? placement.ranges.length : 2
     const prompt = yield* promptText(args)
-    return { stages, maxTokens, temperature, topK, seed, chain, threads, nodes, token, prompt, placement, localStages }
+    return {
+      stages,
+      maxTokens,
+      temperature,
+      topK,
+      seed,
+      chain,
+      threads,
+      nodes,
+      token,
+      prompt,
+      placement,
+      localStages,
+      agentArgs
+    }
   })
 
 /** The flags of a run once checked. */

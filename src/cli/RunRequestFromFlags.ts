@@ -45,15 +45,17 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
 
 /** The agent pool the request runs on: the remote agents of --nodes, or local agent processes, one per stage. */
 export const agentPoolFromFlags = (args: RunArgs, flags: CheckedRunFlags, request: GenerateRequest) => {
-  const { nodes, threads, token } = flags
+  const { agentArgs, nodes, threads, token } = flags
+  // Local agents are alike (one machine, same threads): their speed probe runs after they are ready, off the
+  // start-up path. A dry run explains placement with measured speeds, so there they measure first.
+  const probeArgs = args.dryRun ? [] : ["--speed-probe", "after-ready"]
+  const extraArgs = [...probeArgs, ...agentArgs]
   return nodes.length > 0
     ? layerRemote({ agents: nodes, token })
     : layerLocal({
         // The agents boot while the orchestrator reads the model's facts and vocabulary.
         prestart: (request.stages ?? 2) + (request.spares ?? 0),
-        // Local agents are alike (one machine, same threads): their speed probe runs after they are ready, off the
-        // start-up path. A dry run explains placement with measured speeds, so there they measure first.
-        ...(args.dryRun ? {} : { extraArgs: () => ["--speed-probe", "after-ready"] }),
+        ...(extraArgs.length === 0 ? {} : { extraArgs: () => extraArgs }),
         ...(Option.isSome(threads) ? { threads: threads.value } : {})
       })
 }

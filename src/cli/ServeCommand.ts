@@ -18,6 +18,8 @@ import {
   modelFactsOf,
   listFlag,
   agentList,
+  backendOption,
+  localBackendArgs,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -62,6 +64,8 @@ export interface ServeArgs {
   readonly promptCacheEntries?: number
   /** TLS on links to remote agents (none: SWACTOR_TLS, else auto). */
   readonly tls?: Option.Option<"auto" | "always" | "off">
+  /** --backend cpu|cuda|auto: the local agents' backend (else SWACTOR_GGML_PACKAGE picks their package; CPU stages). */
+  readonly backend?: Option.Option<"cpu" | "cuda" | "auto">
 }
 
 /** The environment variable holding one API key, when no --api-key-file is given (config/Settings.ts). */
@@ -111,6 +115,7 @@ const runServe = (args: ServeArgs) =>
     const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls ?? Option.none())
+    const agentArgs = yield* localBackendArgs(args.backend ?? Option.none(), nodes.length > 0)
     const keys = yield* apiKeysOf(args.apiKeyFile ?? Option.none())
     if (nodes.length > 0 && token === "") {
       return yield* new UsageError({
@@ -156,6 +161,7 @@ const runServe = (args: ServeArgs) =>
       ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
       ...(Option.isSome(maxPromptTokens) ? { maxPromptTokens: maxPromptTokens.value } : {}),
       ...(nodes.length > 0 ? { agents: nodes, token } : {}),
+      ...(agentArgs.length > 0 ? { local: { extraArgs: () => agentArgs } } : {}),
       ...(args.spares > 0 ? { spares: args.spares } : {}),
       // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
       ...(args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0)
@@ -242,6 +248,7 @@ export const serveCommand = Command.make(
       Options.optional
     ),
     tls: tlsFlag,
+    backend: backendOption,
     apiKeyFile: Options.text("api-key-file").pipe(
       Options.withDescription(
         `API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`

@@ -223,6 +223,33 @@ describe("every command: settings by flags only, then by environment only, the s
     assert.strictEqual(byEnv.stdout, byFlags.stdout)
   }, 180_000)
 
+  // run and serve start local agents: their --backend is the agents' own (without it the agents run the CPU stages
+  // whatever SWACTOR_GGML_PACKAGE says, as swactor node does). This machine has the CUDA package and no GPU: a run
+  // whose agents got --backend cuda fails in the agents, naming the missing device; one without the flag runs.
+  it("run and serve: --backend reaches the local agents; beside --agents it is refused in one line", async () => {
+    const args = ["run", "--model", model(), "--stages", "2", "--max-tokens", "4", "--prompt", "Once upon a time"]
+    const cuda = await runCli([...args, "--threads", "1", "--backend", "cuda", "--quiet"], {})
+    assert.notStrictEqual(cuda.code, 0)
+    assert.match(
+      cuda.stderr,
+      /stage \d \(agent [^)]+\) faulted: loading the model failed: BackendUnavailable: no CUDA device/
+    )
+    const cpu = await runCli([...args, "--threads", "1", "--backend", "cpu", "--quiet"], {})
+    assert.strictEqual(cpu.code, 0, cpu.stderr)
+    assert.isAbove(cpu.stdout.length, 0)
+    for (const command of ["run", "serve"]) {
+      const refused = await runCli(
+        [command, "--model", model(), "--backend", "cpu", "--agents", "127.0.0.1:9", "--token-file", tokenFile],
+        {}
+      )
+      assert.notStrictEqual(refused.code, 0, command)
+      assert.strictEqual(
+        refused.stderr.trim(),
+        `swactor ${command}: --backend applies to local agents; a remote agent's backend is its own swactor node --backend`
+      )
+    }
+  }, 240_000)
+
   it("serve: threads, TLS and the API key by flags or by environment: the same answers", async () => {
     const key = "sk-settings-test-1"
     const keyFile = join(dir, "api-keys")
