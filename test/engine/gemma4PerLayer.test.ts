@@ -132,7 +132,11 @@ describe("gemma4 per-layer embeddings + shared KV layers: 8 sequences batched eq
               [0, 2, 4, 9]
             ],
             schedule(),
-            256
+            256,
+            // route 0's batched products differ from the one-row kernel's (up to the 2e-2 asserted below), so a token
+            // may flip where the two likeliest are that close: which seed has such a near-tie depends on the CPU's
+            // ggml variant (seed 60: none on the Intel hosts, one with zen4 on a Zen 5 host); route 8 stays strict
+            { roundingFlips: rows === 0 }
           )
           console.log(
             `gemma4 per-layer batched vs alone, route ${rows}: max logit difference ${maxDiff.toExponential(2)}`

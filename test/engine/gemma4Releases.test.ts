@@ -252,7 +252,7 @@ for (const r of releases) {
   const slides = Array.from({ length: o.layers }, (_, il) => il % period < period - 1)
   describe(`Gemma 4 ${r.name} miniature`, () => {
     it.live(
-      `keys, layout and placement as the released file; 1-3 stages give node-llama-cpp's 48 tokens`,
+      `keys, layout and placement as the released file; 1-3 stages give node-llama-cpp's tokens (48, or to its end of generation)`,
       () =>
         Effect.gen(function* () {
           yield* writeSyntheticModel(o)
@@ -316,8 +316,10 @@ for (const r of releases) {
 
           // node-llama-cpp loads it; every split gives its greedy tokens, 32+ past twice the window
           const ref = yield* nodeLlamaReference(o.path, PROMPT, 48, options)
-          assert.strictEqual(ref.tokens.length, 48)
-          assert.isAtLeast(ref.prompt.length + 48, 2 * window + 32)
+          // node-llama-cpp's stream ends at an end-of-generation token: the 26B-A4B miniature's reaches one after 31
+          // tokens with the zen4 ggml variant (48 with the Intel ones); what it gives must still pass twice the window
+          assert.isAtLeast(ref.tokens.length, 24, `reference stream ${ref.tokens}`)
+          assert.isAtLeast(ref.prompt.length + ref.tokens.length, 2 * window + 16)
           assert.isAtLeast(new Set(ref.tokens).size, 8, `reference stream ${ref.tokens}`)
           for (const split of r.splits) {
             for (let b = 1; b < split.length - 1; b++) {
@@ -327,7 +329,7 @@ for (const r of releases) {
           }
           const maxDiff = yield* splitsMatchReference(o.path, ref, r.splits, options)
           console.log(
-            `gemma4 ${r.name} miniature: ${r.splits.length} splits x 48 tokens, first log-prob diff ${maxDiff.toExponential(2)}`
+            `gemma4 ${r.name} miniature: ${r.splits.length} splits x ${ref.tokens.length} tokens, first log-prob diff ${maxDiff.toExponential(2)}`
           )
           assert.isBelow(maxDiff, 1e-3)
         }),

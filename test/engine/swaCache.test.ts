@@ -23,11 +23,11 @@ import {
   swaCacheSize
 } from "../../src/services/KvSize.js"
 import { stageMemoryBytes } from "../../src/services/Placement.js"
-import { greedy, makeRng } from "../../src/services/Sampler.js"
+import { greedy, logSoftmax, makeRng } from "../../src/services/Sampler.js"
 import { StageExecutor, type StageSession } from "../../src/services/StageExecutor.js"
 import * as Batch from "../support/batch.js"
 import type { SeqPlan } from "../support/batch.js"
-import { allSplits, greedyRun, nodeLlamaReference } from "../support/engine.js"
+import { allSplits, greedyRun, maxLogProbDiff, nodeLlamaReference } from "../support/engine.js"
 import { modelFolder, STORY_PROMPT as PROMPT } from "../support/synthFiles.js"
 
 const CONTEXT = 1024
@@ -84,7 +84,7 @@ describe("capped sliding-window caches: the ring wraps and the tokens still matc
 
 describe("capped sliding-window caches: a prompt longer than one call may take", () => {
   // the ring (256 cells, window 16) holds the positions of at most 241 rows of one call: a 300-token prompt in one
-  // forward runs in two pieces (Forward.ts runInPieces), as llama.cpp splits a batch into ubatches
+  // forward runs in two equal pieces (Forward.ts runInPieces), as llama.cpp splits a batch into ubatches
   it.live(
     "a 300-token prompt in one forward at every split: node-llama-cpp's 40 greedy tokens",
     () =>
@@ -97,7 +97,15 @@ describe("capped sliding-window caches: a prompt longer than one call may take",
         assert.isAtLeast(new Set(ref.tokens).size, 4, `reference stream ${ref.tokens}`)
         for (const split of allSplits(o.layers, 3)) {
           const run = yield* greedyRun(o.path, split, prompt, 40, { threads: 1, contextLength: CONTEXT })
-          assert.deepStrictEqual(run.tokens, ref.tokens, `split ${JSON.stringify(split)}`)
+          // the prompt's last position within 1e-4 of node-llama-cpp's log-probs (pieces of 241 + 59 rows: 5.7e-3,
+          // the last piece under ggml's 64-row flash attention threshold; 150 + 150: 3e-5)
+          const diff = maxLogProbDiff(logSoftmax(run.logits[0]!), ref.firstProbabilities)
+          assert.isBelow(diff, 1e-4, `split ${JSON.stringify(split)}`)
+          // then its tokens, up to the first position where our two likeliest are within 1e-3 (30x that difference:
+          // which token a near-tie gives depends on the CPU's ggml variant); at least 20 of the 40
+          const upTo = Batch.firstNearTie(run.logits, 1e-3)
+          assert.isAtLeast(upTo, 20, `split ${JSON.stringify(split)}: a near-tie at ${upTo}`)
+          assert.deepStrictEqual(run.tokens.slice(0, upTo), ref.tokens.slice(0, upTo), `split ${JSON.stringify(split)}`)
         }
       }),
     300_000

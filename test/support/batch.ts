@@ -214,10 +214,23 @@ export const batchedEqualsAlone = (
   splits: ReadonlyArray<ReadonlyArray<number>>,
   plans: ReadonlyArray<SeqPlan>,
   contextLength: number,
-  { bitIdentical = false }: { readonly bitIdentical?: boolean } = {}
+  {
+    bitIdentical = false,
+    roundingFlips = false
+  }: {
+    readonly bitIdentical?: boolean
+    /**
+     * Where batched logits are not bit-identical to the lone ones (a route other than the exact one-row kernel), a
+     * greedy token may differ where the lone top-2 gap is within what the logits differ by there (gap <= 2 x their
+     * largest difference): such a stream is compared up to that flip, and flips may cut at most half the tokens.
+     */
+    readonly roundingFlips?: boolean
+  } = {}
 ) =>
   Effect.gen(function* () {
     let maxDiff = 0
+    let compared = 0
+    let total = 0
     for (const split of splits) {
       yield* Effect.scoped(
         Effect.gen(function* () {
@@ -232,18 +245,50 @@ export const batchedEqualsAlone = (
           assert.isTrue(batched.mixed, "some batch mixed prefill and decode")
           assert.isAtLeast(new Set(alone.flatMap((a) => a.tokens)).size, 8, "the streams are not trivial")
           plans.forEach((_, i) => {
-            assert.deepStrictEqual(batched.results[i]!.tokens, alone[i]!.tokens, `split ${split} sequence ${i}`)
-            alone[i]!.logits.forEach((l, j) => {
-              maxDiff = Math.max(maxDiff, maxAbsDiff(l, batched.results[i]!.logits[j]!))
+            const lone = alone[i]!
+            const both = batched.results[i]!
+            total += lone.tokens.length
+            for (let j = 0; j < lone.tokens.length; j++) {
+              const diff = maxAbsDiff(lone.logits[j]!, both.logits[j]!)
+              maxDiff = Math.max(maxDiff, diff)
               if (bitIdentical)
-                assert.isTrue(sameBits(l, batched.results[i]!.logits[j]!), `split ${split} seq ${i} pos ${j}`)
-            })
+                assert.isTrue(sameBits(lone.logits[j]!, both.logits[j]!), `split ${split} seq ${i} pos ${j}`)
+              if (both.tokens[j] !== lone.tokens[j] && roundingFlips) {
+                assert.isAtMost(topTwoGap(lone.logits[j]!), 2 * diff, `split ${split} sequence ${i}: a flip at ${j}`)
+                break
+              }
+              assert.strictEqual(both.tokens[j], lone.tokens[j], `split ${split} sequence ${i} position ${j}`)
+              compared++
+            }
           })
         })
       )
     }
+    if (roundingFlips) {
+      console.log(`batched vs alone: ${compared} of ${total} tokens compared (the rest after a rounding flip)`)
+      assert.isAtLeast(compared, 0.5 * total, "rounding flips cut more than half the streams")
+    }
     return maxDiff
   })
+
+/** The first position whose logits' two largest are within `margin` (the stream's length when none is). */
+export const firstNearTie = (logits: ReadonlyArray<Float32Array>, margin: number): number => {
+  const at = logits.findIndex((l) => topTwoGap(l) < margin)
+  return at < 0 ? logits.length : at
+}
+
+/** The gap between the largest and second-largest logit. */
+const topTwoGap = (l: Float32Array): number => {
+  let first = -Infinity
+  let second = -Infinity
+  for (const v of l) {
+    if (v > first) {
+      second = first
+      first = v
+    } else if (v > second) second = v
+  }
+  return first - second
+}
 
 export const maxAbsDiff = (a: Float32Array, b: Float32Array) => {
   let m = 0

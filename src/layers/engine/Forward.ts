@@ -106,7 +106,11 @@ const runInPieces = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): 
   const outs: Array<NativeOutput> = []
   for (const it of items) {
     const n = inputLength(it.input)
-    const step = Math.min(n, it.session.maxCallRows)
+    // pieces of equal size (300 rows, at most 241 a call: 150 + 150, not 241 + 59): ggml's flash attention takes its
+    // tiled F32 kernel for 64 query rows or more and its row kernel (queries rounded to F16) below, so a short last
+    // piece would drift from llama.cpp, which runs the whole prompt as one ubatch (5.7e-3 against 3e-5 in log-prob)
+    const pieces = Math.ceil(n / it.session.maxCallRows)
+    const step = Math.ceil(n / pieces)
     const hidden: Array<Float32Array> = []
     let last: NativeOutput | undefined
     for (let at = 0; at < n; at += step) {
