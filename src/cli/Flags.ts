@@ -92,14 +92,16 @@ export const backend = (
     Effect.as(Option.getOrElse(flag, () => "cpu" as const))
   )
 
-/** `--backend` of run and serve: the backend of the local agents they start (as `swactor node --backend`). */
-export const backendOption = Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
-  Options.withDescription(
-    "ggml backend and package of the local agents: cpu, cuda (node-llama-cpp's CUDA package) or auto (default: " +
-      `cpu stages; the package from ${ggmlPackageSetting.doc.variable}, else cpu); remote agents choose their own`
-  ),
-  Options.optional
-)
+/** `--backend` of node, and of run and serve for the local agents they start (as `swactor node --backend`). */
+export const backendOption = (whose: "" | " of the local agents") =>
+  Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
+    Options.withDescription(
+      `ggml backend and package${whose}: cpu, cuda (node-llama-cpp's CUDA package) or auto (default: cpu stages; ` +
+        `the package from ${ggmlPackageSetting.doc.variable}, else cpu)` +
+        (whose === "" ? "" : "; remote agents choose their own")
+    ),
+    Options.optional
+  )
 
 /**
  * `--backend` of run and serve, checked: the extra arguments their local agents start with (none without the flag).

@@ -21,6 +21,7 @@ import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
 import {
   backend as backendFlag,
+  backendOption,
   clusterToken,
   minTokenLength,
   optionalThreads,
@@ -212,13 +213,7 @@ export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor
         Options.withDescription("engine threads per stage (default: SWACTOR_THREADS, else every core)"),
         Options.optional
       ),
-      backend: Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
-        Options.withDescription(
-          "ggml backend and package: cpu, cuda (node-llama-cpp's CUDA package) or auto (default: cpu stages; the " +
-            "package from SWACTOR_GGML_PACKAGE, else cpu)"
-        ),
-        Options.optional
-      ),
+      backend: backendOption(""),
       tls: tlsFlag,
       memoryLimit: Options.integer("memory-limit").pipe(
         Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),

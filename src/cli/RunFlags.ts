@@ -93,7 +93,7 @@ export const runFlags = {
     Options.optional
   ),
   tls: tlsFlag,
-  backend: backendOption,
+  backend: backendOption(" of the local agents"),
   tokenFile: Options.text("token-file").pipe(
     Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
     Options.optional

@@ -248,7 +248,7 @@ export const serveCommand = Command.make(
       Options.optional
     ),
     tls: tlsFlag,
-    backend: backendOption,
+    backend: backendOption(" of the local agents"),
     apiKeyFile: Options.text("api-key-file").pipe(
       Options.withDescription(
         `API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`

@@ -76,7 +76,7 @@ const docs = {
   ggmlPackage: doc({
     variable: "SWACTOR_GGML_PACKAGE",
     flag: "--backend cpu|cuda|auto",
-    commands: "node",
+    commands: "node; run and serve for their local agents",
     default: "cpu",
     meaning: "which node-llama-cpp ggml package an agent loads: cpu, cuda, or auto (cuda when an NVIDIA driver is seen)"
   }),
