@@ -222,7 +222,7 @@ export const synthCommand = Command.make(
     ).pipe(Options.optional),
     nextnLayers: int(
       "nextn-layers",
-      "glm4moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 files carry them (default 0)"
+      "glm4moe, qwen35, qwen35moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 and Qwen3.5/3.6 files carry them (default 0)"
     ).pipe(Options.optional),
     denseBlocks: int("dense-blocks", "glm4moe, deepseek2: leading blocks with a dense feed-forward (default 1)").pipe(
       Options.optional

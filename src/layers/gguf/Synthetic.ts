@@ -412,7 +412,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
     norm(`${b}.attn_norm.weight`, o.hidden)
-    // an MTP block (glm4moe nextnLayers): a whole block after the trunk, plus its nextn.* tensors
+    // an MTP block (nextnLayers: glm4moe, qwen35, qwen35moe): a whole block after the trunk, plus its nextn.* tensors
     for (const [name, [ne0, ne1], kind] of i < o.layers ? [] : nextnBlockTensors(b, o.hidden)) {
       if (kind === "norm") norm(name, ne0!)
       else w(name, ne0!, ne1!)

@@ -4,20 +4,26 @@
  * routed block (attention, router, experts) plus `nextn.eh_proj` [2 x hidden, hidden], `nextn.enorm`, `nextn.hnorm`
  * and `nextn.shared_head_norm` [hidden] (llama.cpp src/models/glm4-moe.cpp; the optional `nextn.embed_tokens` and
  * `nextn.shared_head_head` are left out, as in the released files). llama.cpp decodes with the trunk only
- * (llama_hparams::n_layer() = block_count - nextn_predict_layers); so does swactor.
+ * (llama_hparams::n_layer() = block_count - nextn_predict_layers); so does swactor. qwen35 and qwen35moe files
+ * carry the same nextn.* tensors on a full-attention block (SyntheticQwen35.ts), as Qwen3.5/3.6's converter writes.
  */
 import { GgufValues, type GgufTypedValue } from "./GgufWriter.js"
 
 export interface SyntheticNextnOptions {
-  /** glm4moe: MTP blocks after the `layers` trunk blocks (default 0). */
+  /** glm4moe, qwen35, qwen35moe: MTP blocks after the `layers` trunk blocks (default 0). */
   readonly nextnLayers?: number
 }
+
+/** The architectures whose synthetic files can carry MTP blocks (qwen35, qwen35moe: SyntheticQwen35.ts). */
+const nextnArchs: ReadonlyArray<string> = ["glm4moe", "qwen35", "qwen35moe"]
 
 export const validateNextnOptions = (o: SyntheticNextnOptions & { readonly arch: string }): string | undefined => {
   const n = o.nextnLayers
   if (n === undefined || n === 0) return undefined
   if (!Number.isSafeInteger(n) || n < 0) return `nextnLayers must be a non-negative integer, got ${n}`
-  if (o.arch !== "glm4moe") return `nextnLayers (MTP blocks) is for glm4moe only, got arch ${o.arch}`
+  if (!nextnArchs.includes(o.arch)) {
+    return `nextnLayers (MTP blocks) is for ${nextnArchs.join(", ")} only, got arch ${o.arch}`
+  }
   return undefined
 }
 

@@ -10,6 +10,10 @@
  * ssm_conv1d (`ssm.conv_kernel` taps per channel, always F32: ggml_ssm_conv computes F32 only and llama-quantize
  * keeps it), ssm_dt.bias, ssm_a (negative: -exp(A_log)), ssm_alpha, ssm_beta, ssm_norm (one value head), ssm_out.
  * RoPE is IMROPE over a quarter of the head (`rope.dimension_sections` split as Qwen3.5's [11, 11, 10, 0]).
+ *
+ * MTP blocks (`nextnLayers`, SyntheticNextn.ts) after the `layers` trunk blocks are full-attention blocks whatever
+ * the interval says, with the block's usual feed-forward, as the converter writes Qwen3.5/3.6's `mtp.layers.*` and
+ * llama.cpp's loader reads them (src/models/qwen35.cpp, qwen35moe.cpp: load_block_mtp; never recurrent).
  */
 import { GgmlType } from "../../domain/ggmlTypes.js"
 import { GgufValueType } from "../../domain/gguf.js"
@@ -32,6 +36,8 @@ export interface SyntheticQwen35Options {
 
 interface Shape extends SyntheticQwen35Options {
   readonly arch: string
+  /** Trunk blocks; blocks from here on are MTP blocks (full attention). */
+  readonly layers: number
   readonly hidden: number
   readonly ffn: number
   readonly heads: number
@@ -83,7 +89,10 @@ interface Planned {
   readonly std: number
 }
 
-/** Block `i`'s tensors after attn_norm (qwen35; qwen35moe: without post_attention_norm and the feed-forward). */
+/**
+ * Block `i`'s tensors after attn_norm (qwen35; qwen35moe: without post_attention_norm and the feed-forward); an MTP
+ * block (i >= layers) is a full-attention block.
+ */
 export const qwen35BlockTensors = (block: string, i: number, o: Shape): ReadonlyArray<Planned> => {
   const s = sizes(o)
   const out: Array<Planned> = []
@@ -92,7 +101,7 @@ export const qwen35BlockTensors = (block: string, i: number, o: Shape): Readonly
   const norm = (name: string, n: number) => out.push({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
   const dense = o.arch === "qwen35"
   if (dense) norm("post_attention_norm.weight", o.hidden)
-  if (qwen35IsRecurrent(i, s.interval)) {
+  if (i < o.layers && qwen35IsRecurrent(i, s.interval)) {
     const value = s.state * s.vHeads
     m("attn_qkv.weight", o.hidden, s.convDim)
     m("attn_gate.weight", o.hidden, value)

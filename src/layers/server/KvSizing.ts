@@ -13,6 +13,7 @@ import * as Gguf from "../gguf/GgufReader.js"
 import type { GgufFile } from "../../domain/gguf.js"
 import { kvBytesOfBlocks, kvBytesOfSequence, kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { slidingWindowOf, type SlidingWindowLayout } from "../gguf/SlidingWindow.js"
+import { trunkBlockCount } from "../gguf/TrunkBlocks.js"
 
 /**
  * KV cache bytes one sequence of `contextLength` tokens takes on the heaviest stage (services/KvSize.ts). With
@@ -93,7 +94,8 @@ export const readKvBytesPerBlockToken = (path: string) =>
   Effect.gen(function* () {
     const file = yield* Gguf.readGgufFile(path)
     const arch = yield* Gguf.getArchitecture(file)
-    const blocks = yield* Gguf.getU32(file, `${arch}.block_count`)
+    // the trunk: MTP blocks (`nextn_predict_layers`: glm4moe, qwen35) are never placed nor decoded (TrunkBlocks.ts)
+    const blocks = yield* trunkBlockCount(file, arch)
     const slidingWindow = slidingWindowOf(file, arch, blocks)
     const perBlock = arch === "gemma4" ? yield* gemma4KvBytesPerBlock(file, blocks, slidingWindow) : undefined
     return {

@@ -13,12 +13,16 @@
  * decay g = softplus(ssm_alpha x + ssm_dt) * ssm_a; ggml_gated_delta_net (llama.cpp's fused path) from the
  * sequence's S x S x Hv state; its output RMS-normed by ssm_norm times silu(attn_gate x), then ssm_out. Both
  * states are read and written in the graph (KvCache.ts holds them per session: k = conv state, v = SSM state).
+ *
+ * MTP blocks (`nextn_predict_layers` > 0: a full-attention block plus nextn.* tensors after the trunk, as current
+ * converters write Qwen3.5/3.6) are left out, as llama.cpp decodes: the model's blocks are the trunk (TrunkBlocks.ts).
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
 import { deltaNetOps } from "../../ggml/DeltaNetBindings.js"
 import { getNumberArray, getOptional, getU32 } from "../../gguf/GgufReader.js"
+import { trunkBlockCount } from "../../gguf/TrunkBlocks.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
 import type { RecurrentParams } from "../RecurrentParams.js"
@@ -81,12 +85,10 @@ export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParam
         invalid(file, k("attention.recurrent_layers"), "is not supported (full_attention_interval only)")
       )
     }
-    if (
-      file.metadata.has(k("nextn_predict_layers")) &&
-      ((yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0) > 0
-    ) {
-      return yield* Effect.fail(invalid(file, k("nextn_predict_layers"), "> 0 (MTP blocks) is not supported"))
-    }
+    // MTP blocks (`nextn_predict_layers`, Qwen3.5/3.6 files carry one) trail the trunk: llama.cpp decodes without
+    // them (n_layer() = block_count - nextn) and marks them non-recurrent; the stages, the block pattern and the
+    // recurrent state cover the trunk only and never load those blocks' tensors
+    const nLayer = yield* trunkBlockCount(file, hp.arch)
     const convKernel = yield* u32("ssm.conv_kernel")
     if (convKernel < 2)
       return yield* Effect.fail(invalid(file, k("ssm.conv_kernel"), `= ${convKernel} must be at least 2`))
@@ -112,14 +114,14 @@ export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParam
     if (!(interval > 0))
       return yield* Effect.fail(invalid(file, k("full_attention_interval"), `= ${interval} must be > 0`))
     const recurrent: RecurrentParams = {
-      layers: Array.from({ length: hp.nLayer }, (_, il) => (il + 1) % interval !== 0),
+      layers: Array.from({ length: nLayer }, (_, il) => (il + 1) % interval !== 0),
       convKernel,
       convDim: 2 * stateSize * kHeads + stateSize * vHeads,
       stateSize,
       kHeads,
       vHeads
     }
-    return { ...hp, recurrent }
+    return { ...hp, nLayer, recurrent }
   })
 
 /** A block's tensors but its feed-forward: the two norms, then the DeltaNet's or the gated attention's (qwen35moe too). */

@@ -5,7 +5,8 @@
  * the k weights normalised to sum 1, no scale (llama.cpp reads no expert_weights_scale for it); plus one shared
  * SwiGLU expert of `expert_shared_feed_forward_length` (default feed_forward_length) whose output is multiplied by
  * sigmoid(ffn_gate_inp_shexp x), one gate per token, before it is added to the routed sum. The shared expert is
- * required, as llama.cpp's loader requires it.
+ * required, as llama.cpp's loader requires it. MTP blocks (`nextn_predict_layers`) are left out as in qwen35.ts: the
+ * stages cover the trunk only.
  */
 import { Effect } from "effect"
 import { getOptional, getU32 } from "../../gguf/GgufReader.js"
