@@ -205,16 +205,17 @@ export const synthCommand = Command.make(
         "gemma4: the --shared-kv-layers blocks' feed-forward twice --ffn (E2B), feed_forward_length per block"
       )
     ),
-    experts: int("experts", "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8)").pipe(
-      Options.optional
-    ),
+    experts: int(
+      "experts",
+      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8); mistral3: its mixture-of-experts variant, every block routed"
+    ).pipe(Options.optional),
     expertsUsed: int(
       "experts-used",
-      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts each token goes through, at most --experts (default 2)"
+      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss, mistral3: experts each token goes through, at most --experts (default 2)"
     ).pipe(Options.optional),
     expertFfn: int(
       "expert-ffn",
-      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: feed-forward length of one expert (default --ffn)"
+      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss, mistral3: feed-forward length of one expert (default --ffn; mistral3 writes it as feed_forward_length, which sizes its experts)"
     ).pipe(Options.optional),
     sharedExperts: int(
       "shared-experts",

@@ -206,7 +206,6 @@ describe("mistral3: bad metadata is a typed error naming the key", () => {
     md.push([key, v])
   }
   const cases: ReadonlyArray<readonly [string, string, GgufTypedValue, string]> = [
-    ["experts", "mistral3.expert_count", GgufValues.u32(8), "mistral3 with experts is not supported"],
     [
       "temp-array",
       "mistral3.attention.temperature_scale",

@@ -39,6 +39,11 @@ export interface MoeArchOptions {
   /** The shared expert's output gated per token by sigmoid(ffn_gate_inp_shexp x) (qwen35moe); default false. */
   readonly sharedGate?: boolean
   readonly nLeadingDense?: number
+  /**
+   * The experts' feed-forward length when the architecture fixes it (mistral3: feed_forward_length);
+   * `expert_feed_forward_length` is then not read.
+   */
+  readonly nFfExp?: number
 }
 
 const invalid = (file: GgufFile, message: string) =>
@@ -123,7 +128,7 @@ export const readMoeParams = (
         )
       }
     }
-    const ffExp = yield* uniformCount(file, k("expert_feed_forward_length"))
+    const ffExp = options.nFfExp ?? (yield* uniformCount(file, k("expert_feed_forward_length")))
     const nFfExp = ffExp ?? Math.floor(hp.nFf / nExpertUsed)
     if (nFfExp <= 0) {
       return yield* Effect.fail(

@@ -44,7 +44,13 @@ import {
   type SyntheticGemma4Options,
   validateGemma4Options
 } from "./SyntheticGemma4.js"
-import { mistral3Metadata, type SyntheticMistral3Options, validateMistral3Options } from "./SyntheticMistral3.js"
+import {
+  isMistral3Moe,
+  mistral3Ffn,
+  mistral3Metadata,
+  type SyntheticMistral3Options,
+  validateMistral3Options
+} from "./SyntheticMistral3.js"
 import {
   nextnBlockTensors,
   nextnMetadata,
@@ -448,7 +454,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
       out.push(...gptOssBlockTensors(b, o, q, kv))
       continue
     }
-    if (isSyntheticMoe(o.arch)) {
+    if (isSyntheticMoe(o.arch) || isMistral3Moe(o)) {
       out.push(...moeBlockTensors(b, i, o))
       continue
     }
@@ -519,7 +525,7 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.block_count`, GgufValues.u32(syntheticBlockCount(o))],
     [`${a}.context_length`, GgufValues.u32(o.contextLength)],
     [`${a}.embedding_length`, GgufValues.u32(o.hidden)],
-    [`${a}.feed_forward_length`, a === "gemma4" ? gemma4FfnValue(o) : GgufValues.u32(o.ffn)],
+    [`${a}.feed_forward_length`, a === "gemma4" ? gemma4FfnValue(o) : GgufValues.u32(mistral3Ffn(o))],
     [`${a}.attention.head_count`, GgufValues.u32(o.heads)],
     [`${a}.attention.head_count_kv`, a === "gemma4" ? gemma4KvHeadsValue(o) : GgufValues.u32(o.kvHeads)],
     [`${a}.attention.layer_norm_rms_epsilon`, GgufValues.f32(o.normEps ?? (isQwen ? 1e-6 : 1e-5))],

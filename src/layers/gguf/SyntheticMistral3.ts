@@ -3,9 +3,15 @@
  * (as Ministral 3 ships: `rope.scaling.type` yarn, factor, original context, beta_fast 32, beta_slow 1, log multiplier
  * 1) and attention temperature tuning (`attention.temperature_scale`), both on by default and small enough that a
  * short test crosses the original context.
+ *
+ * With `experts` (SyntheticMoe.ts's options): the mixture-of-experts variant llama.cpp's mistral3.cpp builds, every
+ * block routed (`ffn_norm`, `ffn_gate_inp`, stacked `ffn_{gate,up,down}_exps`, no shared expert), `expert_count` and
+ * `expert_used_count` written. llama.cpp sizes mistral3's experts by `feed_forward_length` (it reads no
+ * `expert_feed_forward_length`), so the file's `feed_forward_length` is the experts' width: `expertFfn`, default `ffn`.
  */
 import type { GgufTypedValue } from "./GgufWriter.js"
 import { GgufValues } from "./GgufWriter.js"
+import type { SyntheticMoeOptions } from "./SyntheticMoe.js"
 
 /** mistral3 options of a synthetic model. */
 export interface SyntheticMistral3Options {
@@ -33,12 +39,26 @@ export const validateMistral3Options = (o: SyntheticMistral3Options): string | u
   return undefined
 }
 
-/** mistral3's own metadata keys (YaRN, attention temperature) for a model of `contextLength`. */
+/** Whether a synthetic mistral3 is the mixture-of-experts variant (every block routed). */
+export const isMistral3Moe = (o: { readonly arch: string } & SyntheticMoeOptions): boolean =>
+  o.arch === "mistral3" && o.experts !== undefined
+
+/** mistral3's `feed_forward_length`: the experts' width when it has experts (llama.cpp's n_ff sizes them). */
+export const mistral3Ffn = (o: { readonly arch: string; readonly ffn: number } & SyntheticMoeOptions): number =>
+  isMistral3Moe(o) ? (o.expertFfn ?? o.ffn) : o.ffn
+
+/** mistral3's own metadata keys (YaRN, attention temperature, expert counts) for a model of `contextLength`. */
 export const mistral3Metadata = (
-  o: SyntheticMistral3Options,
+  o: SyntheticMistral3Options & SyntheticMoeOptions,
   contextLength: number
 ): Array<readonly [string, GgufTypedValue]> => {
   const md: Array<readonly [string, GgufTypedValue]> = []
+  if (o.experts !== undefined) {
+    md.push(
+      ["mistral3.expert_count", GgufValues.u32(o.experts)],
+      ["mistral3.expert_used_count", GgufValues.u32(o.expertsUsed ?? 2)]
+    )
+  }
   const factor = o.yarnFactor ?? 4
   const original = o.yarnOriginalContext ?? Math.max(1, Math.floor(contextLength / 8))
   if (factor > 0) {

@@ -58,11 +58,12 @@ export const validateMoeOptions = (
     o.expertFfn !== undefined ||
     o.sharedExperts !== undefined ||
     o.denseBlocks !== undefined
-  // gemma4 (26B-A4B): experts beside its dense feed-forward (SyntheticGemma4.ts), only when asked for
-  if (!isSyntheticMoe(o.arch) && !(o.arch === "gemma4" && o.experts !== undefined)) {
-    return given
-      ? `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")}, gemma4 only, not ${o.arch}`
-      : undefined
+  // gemma4 (26B-A4B), mistral3: experts only when asked for (SyntheticGemma4.ts, SyntheticMistral3.ts)
+  if (!isSyntheticMoe(o.arch) && !((o.arch === "gemma4" || o.arch === "mistral3") && o.experts !== undefined)) {
+    if (!given) return undefined
+    return o.arch === "gemma4" || o.arch === "mistral3"
+      ? `expertsUsed, expertFfn, sharedExperts and denseBlocks need experts on ${o.arch}`
+      : `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")}, gemma4, mistral3 only, not ${o.arch}`
   }
   if (o.arch === "qwen35moe" && (o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
     return `denseBlocks and expertGroups are not qwen35moe options (every block is routed, no groups)`
