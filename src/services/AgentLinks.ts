@@ -30,6 +30,11 @@ export interface EdgeRef {
   readonly runId: RunId
   readonly edgeId: EdgeId
   readonly ring: RingSpec
+  /**
+   * A consumer's choice (`accept`): join a message's chunks before delivering it (default true), or deliver each chunk
+   * as it arrives (a prompt's pieces, PromptPieces.ts).
+   */
+  readonly reassemble?: boolean
 }
 
 export interface EdgeReceiver {

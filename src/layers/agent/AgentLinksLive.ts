@@ -39,7 +39,7 @@ export const dataPlane: DataPlaneService = {
         address: listener.address,
         accept: (edge) =>
           listener
-            .register({ runId: edge.runId, edgeId: edge.edgeId, ring: edge.ring })
+            .register({ runId: edge.runId, edgeId: edge.edgeId, ring: edge.ring, reassemble: edge.reassemble })
             .pipe(Effect.map((receiver) => ({ receive: receiver.take })))
       }))
     ),

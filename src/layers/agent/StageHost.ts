@@ -31,6 +31,7 @@ import {
   StageStats
 } from "../../services/AgentLinks.js"
 import { kvBytesOfStage } from "../../services/KvSize.js"
+import { promptPieces } from "../../services/PromptPieces.js"
 import { NodeCapacity } from "../../services/Membership.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
 import { openStageSampler } from "../sampling/StageSampler.js"
@@ -38,6 +39,7 @@ import type { WeightStore } from "../gguf/SliceStore.js"
 import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 import { makePromptCacheHost } from "./PromptCacheHost.js"
 import { heldSessionBytes } from "../engine/KvCache.js"
+import { activationPayloadOffset } from "../transport/Framing.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -334,8 +336,9 @@ export const makeStageHost = (
           // its prompt follows: the prompt of a request that arrived beside it waits for it (one prefill for both), and
           // for the requests the server announced behind this one
           yield* batcher.expect(session, request.arriving ?? 0)
+          // a stage after the first takes a prompt's activations piece by piece as they come (PromptPieces.ts)
           const inbound = yield* listener
-            .accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring })
+            .accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring, reassemble: isFirst })
             .pipe(Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`)))
           const outbound: EdgeSender = yield* connectOutbound(request)
           stats.loadMillis = performance.now() - started
@@ -378,6 +381,16 @@ export const makeStageHost = (
           const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
           flushTimings = timings.flush
 
+          // the most rows of this stage's output one frame on the outbound window carries (its rows are never wider
+          // than its input rows: gemma4's per-layer inputs only shrink along the pipeline)
+          const windowRows = Math.max(
+            1,
+            Math.floor(
+              (p.outbound.ring.dataCapacity - activationPayloadOffset(p.outbound.ring.alignment)) /
+                (loaded.info.hiddenDim * 4)
+            )
+          )
+
           const step = (frame: DataFrame) =>
             Effect.gen(function* () {
               let input: StageInput
@@ -407,83 +420,107 @@ export const makeStageHost = (
                 startPos = frame.startPos
               }
               const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-              const engineBefore = stats.engineMillis
-              const t0 = performance.now()
-              // a resumed generation's prompt: its replayed tokens run one per forward, as they were decoded
-              const replayTail = frame.step === 0 ? p.runtime.replayTail : undefined
-              const output: StageOutput = yield* batcher
-                .submit(session, startPos, input, stats, p.stageCount, replayTail)
-                .pipe(
-                  Effect.mapError(
-                    (error) =>
-                      new StageFailure({
-                        reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` })
+              // A prompt travels in pieces (PromptPieces.ts): stage 0 of a pipeline cuts it and sends each piece on as
+              // soon as it ran; a later stage runs the piece it got and sends it on as the same piece; the last stage
+              // samples after the last piece. A one-stage run's prompt runs whole, its replayed tokens (a resumed
+              // generation's) one per forward through the batcher, as they were decoded; in a pipeline the pieces
+              // carry them one per piece.
+              const received =
+                frame._tag === "ActivationFrame" ? { index: frame.chunkIndex, count: frame.chunkCount } : undefined
+              const pieces =
+                isFirst && !isLast && frame.step === 0
+                  ? promptPieces(nTokens, batcher.prefillChunk, p.runtime.replayTail ?? 0, windowRows)
+                  : [nTokens]
+              const replayTail = frame.step === 0 && isFirst && isLast ? p.runtime.replayTail : undefined
+              const sampleHere = received === undefined || received.index + 1 === received.count
+              let offset = 0
+              for (let piece = 0; piece < pieces.length; piece++) {
+                const rows = pieces[piece]!
+                const pieceStart = startPos + offset
+                // only stage 0 cuts, and its input is tokens
+                const pieceInput: StageInput =
+                  pieces.length > 1 && input._tag === "Tokens"
+                    ? { _tag: "Tokens", tokens: input.tokens.subarray(offset, offset + rows) }
+                    : input
+                offset += rows
+                const engineBefore = stats.engineMillis
+                const t0 = performance.now()
+                const output: StageOutput = yield* batcher
+                  .submit(session, pieceStart, pieceInput, stats, p.stageCount, replayTail)
+                  .pipe(
+                    Effect.mapError(
+                      (error) =>
+                        new StageFailure({
+                          reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` })
+                        })
+                    )
+                  )
+                const t1 = performance.now()
+                const elapsed = t1 - t0
+                stats.frames++
+                stats.tokens += rows
+                if (frame.step === 0) {
+                  stats.prefillComputeMillis += elapsed
+                  stats.prefillWaitMillis += Math.max(0, elapsed - (stats.engineMillis - engineBefore))
+                } else {
+                  stats.decodeFrames++
+                  stats.decodeComputeMillis += elapsed
+                }
+                position = pieceStart + rows
+                if (frame.step === 0 || stats.decodeFrames % 64 === 0) measureStage()
+                let handOffStart = t1
+                if (output._tag === "Hidden") {
+                  if (isLast) return yield* protocolViolated("the last stage produced hidden states")
+                  yield* outbound
+                    .send(
+                      dataFrame({
+                        _tag: "ActivationFrame",
+                        runId,
+                        edgeId: p.outbound.edgeId,
+                        step: frame.step,
+                        chunkIndex: pieces.length > 1 ? piece : (received?.index ?? 0),
+                        chunkCount: pieces.length > 1 ? pieces.length : (received?.count ?? 1),
+                        startPos: pieceStart,
+                        nTokens: output.nTokens,
+                        hiddenDim: output.hidden.length / output.nTokens,
+                        dtype: "f32",
+                        payload: output.hidden as Float32Array<ArrayBuffer>
                       })
-                  )
-                )
-              const t1 = performance.now()
-              const elapsed = t1 - t0
-              stats.frames++
-              stats.tokens += nTokens
-              if (frame.step === 0) {
-                stats.prefillComputeMillis += elapsed
-                stats.prefillWaitMillis += Math.max(0, elapsed - (stats.engineMillis - engineBefore))
-              } else {
-                stats.decodeFrames++
-                stats.decodeComputeMillis += elapsed
+                    )
+                    .pipe(Effect.mapError(transport))
+                } else {
+                  if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
+                  // a piece before a prompt's last: nothing to sample yet
+                  if (!sampleHere) continue
+                  const sampleStart = performance.now()
+                  const sampled = sample.sample(output.logits)
+                  if (frame.step === 0) stats.firstSampleMillis = performance.now() - sampleStart
+                  // nothing selectable (every token banned, or none the grammar allows): the generation ends
+                  const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
+                  handOffStart = performance.now()
+                  yield* outbound
+                    .send(
+                      dataFrame({
+                        _tag: "TokenFrame",
+                        runId,
+                        edgeId: p.outbound.edgeId,
+                        step: frame.step,
+                        chunkIndex: 0,
+                        chunkCount: 1,
+                        payload: {
+                          _tag: "Sampled",
+                          tokenId,
+                          eos: sampled.tokenId < 0 || tokenId === eosTokenId,
+                          ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
+                          ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
+                        }
+                      })
+                    )
+                    .pipe(Effect.mapError(transport))
+                }
+                // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
+                if (frame.step !== 0) timings.add(frame.step, handOffStart - t0, performance.now() - handOffStart)
               }
-              position = startPos + nTokens
-              if (frame.step === 0 || stats.decodeFrames % 64 === 0) measureStage()
-              let handOffStart = t1
-              if (output._tag === "Hidden") {
-                if (isLast) return yield* protocolViolated("the last stage produced hidden states")
-                yield* outbound
-                  .send(
-                    dataFrame({
-                      _tag: "ActivationFrame",
-                      runId,
-                      edgeId: p.outbound.edgeId,
-                      step: frame.step,
-                      chunkIndex: 0,
-                      chunkCount: 1,
-                      startPos,
-                      nTokens: output.nTokens,
-                      hiddenDim: output.hidden.length / output.nTokens,
-                      dtype: "f32",
-                      payload: output.hidden as Float32Array<ArrayBuffer>
-                    })
-                  )
-                  .pipe(Effect.mapError(transport))
-              } else {
-                if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
-                const sampleStart = performance.now()
-                const sampled = sample.sample(output.logits)
-                if (frame.step === 0) stats.firstSampleMillis = performance.now() - sampleStart
-                // nothing selectable (every token banned, or none the grammar allows): the generation ends
-                const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
-                handOffStart = performance.now()
-                yield* outbound
-                  .send(
-                    dataFrame({
-                      _tag: "TokenFrame",
-                      runId,
-                      edgeId: p.outbound.edgeId,
-                      step: frame.step,
-                      chunkIndex: 0,
-                      chunkCount: 1,
-                      payload: {
-                        _tag: "Sampled",
-                        tokenId,
-                        eos: sampled.tokenId < 0 || tokenId === eosTokenId,
-                        ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
-                        ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
-                      }
-                    })
-                  )
-                  .pipe(Effect.mapError(transport))
-              }
-              // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
-              if (frame.step !== 0) timings.add(frame.step, handOffStart - t0, performance.now() - handOffStart)
             })
 
           yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
