@@ -17,7 +17,8 @@
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  * Then the prompt cache's figure (bench/promptCache.ts): turn 2 of a ~2,000-token conversation vs turn 1, time to
  * first token, on --cache-model (default ../shared/models/stories260K.gguf, context 2,048); --prompt-cache-only runs
- * just that; --cache-rounds 3.
+ * just that, --skip-cache leaves it out; --cache-rounds 3. BENCH_PROMPT_REPEAT=k: every prompt repeated k times (the
+ * time to first token of a long prompt).
  */
 import { execFileSync, spawn } from "node:child_process"
 import { readdirSync, readFileSync, writeFileSync } from "node:fs"
@@ -464,7 +465,7 @@ serve N=1 inter-token p50 ${fmt(one.itl[0], 1)} ms against \`swactor run\`'s ${f
       )
     }
   }
-  await cacheFigure(() => Promise.resolve(modelPath))
+  if (!process.argv.includes("--skip-cache")) await cacheFigure(() => Promise.resolve(modelPath))
 }
 
 main().then(

@@ -6,7 +6,7 @@
 import { Effect, type ManagedRuntime, Stream } from "effect"
 import { Server } from "../src/api/serve.js"
 
-export const prompts = [
+const shortPrompts = [
   "Once upon a time",
   "The little dog",
   "In a big forest",
@@ -16,6 +16,13 @@ export const prompts = [
   "The old man",
   "At the park"
 ]
+
+/**
+ * The prompts every contender gets: the short ones, or each repeated BENCH_PROMPT_REPEAT times (joined by spaces) for
+ * the time to first token of a long prompt (a pipeline's prefill runs in pieces: services/PromptPieces.ts).
+ */
+const promptRepeat = Math.max(1, Number(process.env["BENCH_PROMPT_REPEAT"] ?? 1) || 1)
+export const prompts = shortPrompts.map((p) => Array.from({ length: promptRepeat }, () => p).join(" "))
 
 /** When each token of one stream arrived (ms), from the request's start. */
 export interface StreamTimes {
