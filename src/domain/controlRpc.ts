@@ -118,7 +118,9 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   /** Prompt cache (absent: none). */
   promptCache: Schema.optional(PromptCacheUse),
   /** Requests that reached the server beside this run's and will be provisioned soon: its prompt may wait for theirs. */
-  arriving: Schema.optional(Schema.Number)
+  arriving: Schema.optional(Schema.Number),
+  /** Move mapped weights into huge-page memory before reporting ready (a long-lived pipeline's warm-up). */
+  settleWeights: Schema.optional(Schema.Boolean)
 }) {}
 
 /** What an agent says about itself when the orchestrator connects. */

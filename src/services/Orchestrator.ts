@@ -473,6 +473,12 @@ export interface RunRequest {
    * which never waits).
    */
   readonly arriving?: number
+  /**
+   * A long-lived pipeline's first run (the server's warm-up): every stage moves its mapped weights into huge-page memory
+   * (LoadedStage.settle) before it reports ready, so the requests after it neither run from the file mapping (4 KiB
+   * pages: slower, with stalls) nor wait behind the move.
+   */
+  readonly settleWeights?: boolean
 }
 
 /** One agent of a warm pipeline. */

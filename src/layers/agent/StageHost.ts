@@ -341,6 +341,15 @@ export const makeStageHost = (
             .accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring, reassemble: isFirst })
             .pipe(Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`)))
           const outbound: EdgeSender = yield* connectOutbound(request)
+          // a long-lived pipeline's warm-up: the weights leave the file mapping now, before the stage is ready, so no
+          // request runs from 4 KiB pages or waits behind the move (the move happens once per loaded weights)
+          if (request.settleWeights === true && options.settleWeights !== "never" && loaded.settle !== undefined) {
+            const done = yield* loaded.settle()
+            if (done)
+              options.log?.(
+                `blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`
+              )
+          }
           stats.loadMillis = performance.now() - started
           const kvBytes = kvBytesOfStage(loaded.info, Math.min(request.contextLength, loaded.info.contextLength))
           // the largest seen while the session lives (its own graph slot is freed with it)

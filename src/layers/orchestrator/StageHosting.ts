@@ -37,7 +37,8 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
         threads: threads ?? null,
         contextLength,
         ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
-        ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving })
+        ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
+        ...(request.settleWeights === true ? { settleWeights: true } : {})
       })
     )
     .pipe(

@@ -81,8 +81,11 @@ export const make = (deps: {
         yield* admission.failAll(new PipelineFaulted({ message }))
       })
 
+    // the pipeline is long-lived: its stages move their weights out of the file mapping now, before any request
     const warmUp = (pipeline: Pipeline) =>
-      pipeline.run({ prompt: [pipeline.vocabulary.bosTokenId ?? 1], maxTokens: 1 }).pipe(Stream.runForEach(observePlan))
+      pipeline
+        .run({ prompt: [pipeline.vocabulary.bosTokenId ?? 1], maxTokens: 1, settleWeights: true })
+        .pipe(Stream.runForEach(observePlan))
 
     const infoOf = (pipeline: Pipeline): ServerInfo => ({
       modelId: pipeline.model.modelId,
