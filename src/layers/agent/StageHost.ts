@@ -341,14 +341,21 @@ export const makeStageHost = (
             .accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring, reassemble: isFirst })
             .pipe(Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`)))
           const outbound: EdgeSender = yield* connectOutbound(request)
+          // moves the mapped weights to huge pages (LoadedStage.settle; once per loaded weights), saying so when it did
+          const settle = Effect.suspend(() => loaded.settle?.() ?? Effect.succeed(false)).pipe(
+            Effect.tap((done) =>
+              Effect.sync(() => {
+                if (done)
+                  options.log?.(
+                    `blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`
+                  )
+              })
+            )
+          )
           // a long-lived pipeline's warm-up: the weights leave the file mapping now, before the stage is ready, so no
-          // request runs from 4 KiB pages or waits behind the move (the move happens once per loaded weights)
+          // request runs from 4 KiB pages or waits behind the move
           if (request.settleWeights === true && options.settleWeights !== "never" && loaded.settle !== undefined) {
-            const done = yield* loaded.settle()
-            if (done)
-              options.log?.(
-                `blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`
-              )
+            yield* settle
           }
           stats.loadMillis = performance.now() - started
           const kvBytes = kvBytesOfStage(loaded.info, Math.min(request.contextLength, loaded.info.contextLength))
@@ -371,18 +378,7 @@ export const makeStageHost = (
           ) {
             // long-lived weights or a long session: after the first token, let the engine trade a one-time
             // cost for faster steps (mapped weights to huge pages); the weights outlive this stage, so does the move
-            yield* Effect.sleep(settleDelay).pipe(
-              Effect.zipRight(loaded.settle()),
-              Effect.tap((done) =>
-                Effect.sync(() => {
-                  if (done)
-                    options.log?.(
-                      `blocks [${p.layerStart}, ${p.layerEndExclusive}) settled: weights moved out of the file mapping`
-                    )
-                })
-              ),
-              Effect.forkIn(hostScope)
-            )
+            yield* Effect.sleep(settleDelay).pipe(Effect.zipRight(settle), Effect.forkIn(hostScope))
           }
 
           const eosTokenId = p.model.eosTokenId
