@@ -23,9 +23,10 @@
  *
  * Usage: npm run bench:wan [-- --quick --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
  *        --model PATH --shape 16x2048 --skip-llama --skip-swactor --skip-delivery --greedy-check 32 --llama-tools DIR
- *        --no-pin --relay-check-only]
+ *        --no-pin --relay-check-only --loop-ab]
  * --quick: links loopback,wifi (gbe left out) — the issue's comparison at stages 2,4 × N 1,4,8 in about ten minutes on
- * 2 cores; any explicit flag still wins. --greedy-check N: tokens of the greedy check (0: none).
+ * 2 cores; any explicit flag still wins. --greedy-check N: tokens of the greedy check (0: none). --loop-ab: swactor
+ * also with its token loop off ("swactor no loop": every token back through the orchestrator to stage 0).
  * Default model: a synthetic Q8_0 llama of 8 blocks × 1024 (FFN 4096, heads 16/4, vocab 32000; 190 MiB);
  * `--shape 16x2048` is the issue's reference model (the 16×2048 of bench:serve); `--shape LxH` any size of that
  * family (FFN 4×H, heads H/64, KV heads H/256). Written once under .cache/bench. llama.cpp's tools: --llama-tools DIR
@@ -96,6 +97,8 @@ const cfg = {
   /** Tokens of the greedy check (RPC pipeline vs single-process llama-server); 0: no check. */
   greedyCheck: Number(flag("greedy-check") ?? "32"),
   skipDelivery: process.argv.includes("--skip-delivery"),
+  /** Also run swactor with its token loop off (every token back through the orchestrator), as "swactor no loop". */
+  loopAb: process.argv.includes("--loop-ab"),
   relayCheckOnly: process.argv.includes("--relay-check-only"),
   pin: !process.argv.includes("--no-pin"),
   dir: Path.resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
@@ -265,7 +268,13 @@ const relayCheck = async (relays: Relays) => {
 // Contenders: N concurrent streams per round
 // --------------------------------------------------------------------------------------------
 
-const swactor = async (model: string, profile: Profile, stages: number, relays: Relays): Promise<Contender> => {
+const swactor = async (
+  model: string,
+  profile: Profile,
+  stages: number,
+  relays: Relays,
+  tokenLoop = true
+): Promise<Contender> => {
   const scope = Effect.runSync(Scope.make())
   try {
     const token = generateToken()
@@ -302,7 +311,8 @@ const swactor = async (model: string, profile: Profile, stages: number, relays: 
       stages,
       threads: 1,
       parallel: maxClients,
-      promptCache: { enabled: false }
+      promptCache: { enabled: false },
+      ...(tokenLoop ? {} : { tokenLoop: false })
     }).pipe(Layer.provide(orchestrator), Layer.provide(PromptTokenizer.layerWorker(model)))
     const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
     await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
@@ -489,6 +499,8 @@ const main = async () => {
       for (const stages of cfg.stages) {
         const runs: Array<[string, () => Promise<Contender>]> = []
         if (!cfg.skipSwactor) runs.push(["swactor", () => swactor(model, profile, stages, relays)])
+        if (!cfg.skipSwactor && cfg.loopAb)
+          runs.push(["swactor no loop", () => swactor(model, profile, stages, relays, false)])
         if (bin !== undefined) {
           runs.push([
             "llama.cpp",
@@ -543,7 +555,7 @@ const main = async () => {
   console.log(`|---|---|---|---|---|${many.map(() => "---|").join("")}---|`)
   for (const profile of cfg.links) {
     for (const stages of cfg.stages) {
-      for (const who of ["swactor", "llama.cpp"]) {
+      for (const who of ["swactor", "swactor no loop", "llama.cpp"]) {
         const c = cells.get(key(profile.name, stages, who))
         if (c === undefined) continue
         console.log(

@@ -45,6 +45,8 @@ export interface RunArgs extends SamplingFlagArgs {
   readonly layers?: Option.Option<string>
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
+  /** --token-loop on|off: the last stage sends each token straight to stage 0 (PipelineOptions.tokenLoop). */
+  readonly tokenLoop?: "on" | "off"
   readonly spares?: number
   /** --tls auto|always|off (else SWACTOR_TLS): the links of this run's agents. */
   readonly tls?: Option.Option<"auto" | "always" | "off">
@@ -119,6 +121,12 @@ export const runFlags = {
       "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
     ),
     withShownDefault("auto" as const)
+  ),
+  tokenLoop: Options.choice("token-loop", ["on", "off"]).pipe(
+    Options.withDescription(
+      "the last stage sends each token straight to stage 0 as well as back (on), or only back to the orchestrator (off)"
+    ),
+    withShownDefault("on" as const)
   ),
   spares: Options.integer("spares").pipe(
     Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),

@@ -59,6 +59,8 @@ export interface ServeArgs {
   readonly spares: number
   /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
   readonly deliverWeights?: "auto" | "always" | "never"
+  /** --token-loop on|off: the last stage sends each token straight to stage 0 (PipelineOptions.tokenLoop). */
+  readonly tokenLoop?: "on" | "off"
   /** Reuse of a shared prompt prefix's KV across requests (default on), and the most entries held (default 16). */
   readonly promptCache?: "on" | "off"
   readonly promptCacheEntries?: number
@@ -167,6 +169,7 @@ const runServe = (args: ServeArgs) =>
       ...(args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0)
         ? { deliverWeights: true }
         : {}),
+      ...(args.tokenLoop === "off" ? { tokenLoop: false } : {}),
       promptCache: {
         enabled: args.promptCache !== "off",
         ...(args.promptCacheEntries === undefined ? {} : { maxEntries: args.promptCacheEntries })
@@ -323,6 +326,12 @@ export const serveCommand = Command.make(
         "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
       ),
       withShownDefault("auto" as const)
+    ),
+    tokenLoop: Options.choice("token-loop", ["on", "off"]).pipe(
+      Options.withDescription(
+        "the last stage sends each token straight to stage 0 as well as back (on), or only back to the server (off)"
+      ),
+      withShownDefault("on" as const)
     ),
     promptCache: Options.choice("prompt-cache", ["on", "off"]).pipe(
       Options.withDescription(

@@ -23,8 +23,8 @@
 import { Rpc, RpcGroup } from "@effect/rpc"
 import { Schema } from "effect"
 import { TransportAddress } from "./frames.js"
-import { RunId } from "./ids.js"
-import { ProvisionStage } from "./plan.js"
+import { EdgeId, RunId } from "./ids.js"
+import { ProvisionStage, RingSpec } from "./plan.js"
 import { StageFaultReason } from "./runEvents.js"
 
 /** Per-stage counters, reported when the stage stops. */
@@ -73,7 +73,12 @@ export const StageReport = Schema.Union(
     loadMillis: Schema.Number,
     cachedWeights: Schema.Boolean,
     /** Prompt cache: KV positions the stage's session took over from the entry its provision named (absent: none). */
-    cachedPositions: Schema.optional(Schema.Number)
+    cachedPositions: Schema.optional(Schema.Number),
+    /**
+     * The last stage of a run provisioned with a token loop: its loop edge to stage 0 is connected, so it sends each
+     * decode step's token there itself (the orchestrator then sends stage 0 the prompt only). Absent: it does not.
+     */
+    tokenLoop: Schema.optional(Schema.Boolean)
   }),
   /** Why the stage failed, in the run FSM's own vocabulary: the orchestrator passes it on unchanged. */
   Schema.TaggedStruct("StageFault", { runId: RunId, stageIndex: Schema.Number, reason: StageFaultReason }),
@@ -106,6 +111,23 @@ export const PromptCacheUse = Schema.Struct({
 })
 export type PromptCacheUse = typeof PromptCacheUse.Type
 
+/**
+ * The token loop of a pipeline run (two stages or more): the last stage sends each sampled token that the run goes on
+ * from straight to stage 0 as the next decode step's input, on an edge of its own (`edgeId`, unique in the run, with
+ * the token ring `ring`; its first message is step 1), besides sending it to the orchestrator as always. A token
+ * crosses one link less per step and skips the orchestrator's turn. Stage 0 accepts the edge; the last stage
+ * connects to `stage0` and stops looping at the run's end: an end-of-sequence token, or the token that makes
+ * `maxTokens` (the run FSM's own rules; an earlier stop, such as a stop string, tears the run down).
+ */
+export const TokenLoop = Schema.Struct({
+  edgeId: EdgeId,
+  ring: RingSpec,
+  /** The last stage's: stage 0's data address (absent on stage 0). */
+  stage0: Schema.optional(TransportAddress),
+  maxTokens: Schema.Number
+})
+export type TokenLoop = typeof TokenLoop.Type
+
 /** Everything an agent needs to host one stage: the plan's message plus where its output goes. */
 export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionRequest")({
   provision: ProvisionStage,
@@ -120,7 +142,9 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   /** Requests that reached the server beside this run's and will be provisioned soon: its prompt may wait for theirs. */
   arriving: Schema.optional(Schema.Number),
   /** Move mapped weights into huge-page memory before reporting ready (a long-lived pipeline's warm-up). */
-  settleWeights: Schema.optional(Schema.Boolean)
+  settleWeights: Schema.optional(Schema.Boolean),
+  /** Stage 0 and the last stage of a run with a token loop (absent: tokens go back through the orchestrator). */
+  tokenLoop: Schema.optional(TokenLoop)
 }) {}
 
 /** What an agent says about itself when the orchestrator connects. */

@@ -35,6 +35,8 @@ export interface EdgeRef {
    * as it arrives (a prompt's pieces, PromptPieces.ts).
    */
   readonly reassemble?: boolean
+  /** A consumer's choice (`accept`): the step of the edge's first message (default 0; a token loop's is 1). */
+  readonly initialStep?: number
 }
 
 export interface EdgeReceiver {

@@ -90,6 +90,8 @@ export interface GenerateRequest {
   readonly deliverWeights?: PipelineOptions["deliverWeights"]
   /** Local agents: this many extra agents that host nothing until a recovery needs them (default 0). */
   readonly spares?: number
+  /** See `PipelineOptions.tokenLoop` (default true). */
+  readonly tokenLoop?: boolean
   readonly recovery?: RecoveryOptions
   /** When a stage's step counts as a straggler (see StragglerRule). */
   readonly stragglers?: Partial<StragglerRule>
@@ -437,6 +439,13 @@ export interface PipelineOptions {
    * (src/layers/orchestrator/WeightDelivery.ts). Off: agents read `model` at its path.
    */
   readonly deliverWeights?: boolean | { readonly outgoingDir?: string; readonly chunkBytes?: number }
+  /**
+   * A run of two stages or more loops its tokens (default true): the last stage sends each decode step's token
+   * straight to stage 0 as well as to the orchestrator, which then sends stage 0 the prompt only (one link less per
+   * token, and no wait for the orchestrator's turn; see ProvisionRequest.tokenLoop). False: every token goes back
+   * through the orchestrator.
+   */
+  readonly tokenLoop?: boolean
 }
 
 /** One run on a warm pipeline. */

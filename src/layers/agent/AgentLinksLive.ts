@@ -39,7 +39,13 @@ export const dataPlane: DataPlaneService = {
         address: listener.address,
         accept: (edge) =>
           listener
-            .register({ runId: edge.runId, edgeId: edge.edgeId, ring: edge.ring, reassemble: edge.reassemble })
+            .register({
+              runId: edge.runId,
+              edgeId: edge.edgeId,
+              ring: edge.ring,
+              reassemble: edge.reassemble,
+              initialStep: edge.initialStep
+            })
             .pipe(Effect.map((receiver) => ({ receive: receiver.take })))
       }))
     ),

@@ -17,7 +17,8 @@ import {
   AgentHello,
   AgentUnavailable,
   DataPlane,
-  type DataPlaneService
+  type DataPlaneService,
+  type EdgeRef
 } from "../../services/AgentLinks.js"
 import type { NodeEndpoint } from "../../services/Membership.js"
 import { AgentPool, type AgentSet } from "../../services/Orchestrator.js"
@@ -26,71 +27,78 @@ type Slot = Queue.Queue<Either.Either<DataFrame, EdgeFault>>
 
 const keyOf = (address: TransportAddress) => (address._tag === "Tcp" ? `${address.host}:${address.port}` : address.path)
 
-export const makeMemoryDataPlane = Effect.gen(function* () {
-  const listeners = new Map<string, Map<string, Slot>>()
-  let nextPort = 40000
-  const service: DataPlaneService = {
-    listen: (address, _token) =>
-      Effect.gen(function* () {
-        const bound: TransportAddress = address._tag === "Tcp" ? { ...address, port: nextPort++ } : address
-        const edges = new Map<string, Slot>()
-        listeners.set(keyOf(bound), edges)
-        yield* Effect.addFinalizer(() => Effect.sync(() => listeners.delete(keyOf(bound))))
-        return {
-          address: bound,
-          accept: (edge) =>
-            Effect.gen(function* () {
-              const slot: Slot = yield* Queue.unbounded<Either.Either<DataFrame, EdgeFault>>()
-              const key = `${edge.runId}/${edge.edgeId}`
-              edges.set(key, slot)
-              yield* Effect.addFinalizer(() =>
-                Effect.zipRight(
-                  Effect.sync(() => edges.delete(key)),
-                  Queue.shutdown(slot)
+/** Sees every frame sent on the memory data plane, with its edge, as it is sent (tests count frames per edge). */
+export type SendTap = (edge: EdgeRef, frame: DataFrame) => void
+
+export const makeMemoryDataPlane = (onSend?: SendTap) =>
+  Effect.gen(function* () {
+    const listeners = new Map<string, Map<string, Slot>>()
+    let nextPort = 40000
+    const service: DataPlaneService = {
+      listen: (address, _token) =>
+        Effect.gen(function* () {
+          const bound: TransportAddress = address._tag === "Tcp" ? { ...address, port: nextPort++ } : address
+          const edges = new Map<string, Slot>()
+          listeners.set(keyOf(bound), edges)
+          yield* Effect.addFinalizer(() => Effect.sync(() => listeners.delete(keyOf(bound))))
+          return {
+            address: bound,
+            accept: (edge) =>
+              Effect.gen(function* () {
+                const slot: Slot = yield* Queue.unbounded<Either.Either<DataFrame, EdgeFault>>()
+                const key = `${edge.runId}/${edge.edgeId}`
+                edges.set(key, slot)
+                yield* Effect.addFinalizer(() =>
+                  Effect.zipRight(
+                    Effect.sync(() => edges.delete(key)),
+                    Queue.shutdown(slot)
+                  )
                 )
-              )
-              return {
-                receive: Queue.take(slot).pipe(
-                  Effect.flatMap((item) =>
-                    Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)
-                  ),
-                  Effect.catchAllDefect(() => Effect.fail(new EdgeClosed()))
-                )
-              }
-            })
-        }
-      }),
-    connect: (address, edge, _token) =>
-      Effect.gen(function* () {
-        const edges = listeners.get(keyOf(address))
-        if (edges === undefined)
-          return yield* Effect.fail(new PeerFaulted({ reason: "UnknownRun", detail: "no listener" }))
-        const slot = edges.get(`${edge.runId}/${edge.edgeId}`)
-        if (slot === undefined)
-          return yield* Effect.fail(new PeerFaulted({ reason: "UnknownEdge", detail: "not registered" }))
-        yield* Effect.addFinalizer(() =>
-          Queue.isShutdown(slot).pipe(
-            Effect.flatMap((down) =>
-              down ? Effect.void : Queue.offer(slot, Either.left(new PeerClosed({ detail: "sender closed" })))
-            ),
-            Effect.exit
-          )
-        )
-        return {
-          send: (frame) =>
+                return {
+                  receive: Queue.take(slot).pipe(
+                    Effect.flatMap((item) =>
+                      Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)
+                    ),
+                    Effect.catchAllDefect(() => Effect.fail(new EdgeClosed()))
+                  )
+                }
+              })
+          }
+        }),
+      connect: (address, edge, _token) =>
+        Effect.gen(function* () {
+          const edges = listeners.get(keyOf(address))
+          if (edges === undefined)
+            return yield* Effect.fail(new PeerFaulted({ reason: "UnknownRun", detail: "no listener" }))
+          const slot = edges.get(`${edge.runId}/${edge.edgeId}`)
+          if (slot === undefined)
+            return yield* Effect.fail(new PeerFaulted({ reason: "UnknownEdge", detail: "not registered" }))
+          yield* Effect.addFinalizer(() =>
             Queue.isShutdown(slot).pipe(
               Effect.flatMap((down) =>
-                down
-                  ? Effect.fail(new PeerClosed({ detail: "receiver closed" }))
-                  : Queue.offer(slot, Either.right(frame))
+                down ? Effect.void : Queue.offer(slot, Either.left(new PeerClosed({ detail: "sender closed" })))
               ),
-              Effect.asVoid
+              Effect.exit
             )
-        }
-      })
-  }
-  return service
-})
+          )
+          return {
+            send: (frame) =>
+              Queue.isShutdown(slot).pipe(
+                Effect.flatMap((down) =>
+                  down
+                    ? Effect.fail(new PeerClosed({ detail: "receiver closed" }))
+                    : Effect.zipRight(
+                        Effect.sync(() => onSend?.(edge, frame)),
+                        Queue.offer(slot, Either.right(frame))
+                      )
+                ),
+                Effect.asVoid
+              )
+          }
+        })
+    }
+    return service
+  })
 
 export interface MemoryAgent {
   readonly node: NodeEndpoint
@@ -103,9 +111,9 @@ export interface MemoryAgent {
  * `count` agents as StageHosts over the given executor and data plane, with an AgentControl and an
  * AgentPool that serve them.
  */
-export const makeMemoryWorld = (count: number) =>
+export const makeMemoryWorld = (count: number, onSend?: SendTap) =>
   Effect.gen(function* () {
-    const data = yield* makeMemoryDataPlane
+    const data = yield* makeMemoryDataPlane(onSend)
     const scope = yield* Effect.scope
     const agents: Array<MemoryAgent> = []
     const listenerAddresses = new Map<string, TransportAddress>()

@@ -11,8 +11,23 @@
  */
 import * as Fs from "node:fs"
 import * as Os from "node:os"
-import { Cause, Data, Deferred, Duration, Effect, Exit, Mailbox, Option, RcMap, Scope, Stream } from "effect"
+import {
+  Cause,
+  Data,
+  Deferred,
+  Duration,
+  Effect,
+  Either,
+  Exit,
+  Mailbox,
+  Option,
+  Queue,
+  RcMap,
+  Scope,
+  Stream
+} from "effect"
 import type { StageInput, StageOutput } from "../../domain/engine.js"
+import type { TokenLoop } from "../../domain/controlRpc.js"
 import { type DataFrame, describeFault, type EdgeFault, type TransportAddress } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
 import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
@@ -22,6 +37,7 @@ import {
   type DataListener,
   dataFrame,
   DataPlane,
+  type EdgeReceiver,
   type EdgeSender,
   isNotYetRegistered,
   notYetRegisteredRetry,
@@ -251,6 +267,21 @@ export const makeStageHost = (
         )
     }
 
+    /** The last stage's sender on the token loop's edge to stage 0 (retried while stage 0 has not registered it). */
+    const connectLoop = (runId: RunId, address: TransportAddress, loop: TokenLoop) =>
+      dataPlane.connect(address, { runId, edgeId: loop.edgeId, ring: loop.ring }, options.token).pipe(
+        Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
+        Effect.timeoutFail({
+          duration: options.connectTimeout ?? "10 minutes",
+          onTimeout: () => transportFailed("timed out connecting the token loop to stage 0")
+        }),
+        Effect.mapError((fault) =>
+          fault instanceof StageFailure
+            ? fault
+            : transportFailed(`cannot reach stage 0 for the token loop: ${describeFault(fault)}`)
+        )
+      )
+
     const runStage = (
       request: ProvisionRequest,
       path: string,
@@ -340,7 +371,25 @@ export const makeStageHost = (
           const inbound = yield* listener
             .accept({ runId, edgeId: p.inbound.edgeId, ring: p.inbound.ring, reassemble: isFirst })
             .pipe(Effect.mapError((fault) => transportFailed(`cannot open the inbound edge: ${describeFault(fault)}`)))
+          // The token loop (ProvisionRequest.tokenLoop): stage 0 takes decode tokens from the last stage on an edge of
+          // their own, besides the orchestrator's; the last stage connects to it (both before they report ready).
+          const loop = request.tokenLoop
+          const loopIn =
+            isFirst && loop !== undefined
+              ? yield* listener
+                  .accept({ runId, edgeId: loop.edgeId, ring: loop.ring, initialStep: 1 })
+                  .pipe(
+                    Effect.mapError((fault) =>
+                      transportFailed(`cannot open the token loop's edge: ${describeFault(fault)}`)
+                    )
+                  )
+              : undefined
           const outbound: EdgeSender = yield* connectOutbound(request)
+          const loopOut =
+            isLast && loop?.stage0 !== undefined
+              ? { loop, sender: yield* connectLoop(runId, loop.stage0, loop) }
+              : undefined
+          const receive = loopIn === undefined ? inbound.receive : yield* mergeReceivers(inbound, loopIn)
           // moves the mapped weights to huge pages (LoadedStage.settle; once per loaded weights), saying so when it did
           const settle = Effect.suspend(() => loaded.settle?.() ?? Effect.succeed(false)).pipe(
             Effect.tap((done) =>
@@ -370,7 +419,8 @@ export const makeStageHost = (
             stageIndex,
             loadMillis: stats.loadMillis,
             cachedWeights: stats.cachedWeights,
-            ...(cachedPositions === undefined ? {} : { cachedPositions })
+            ...(cachedPositions === undefined ? {} : { cachedPositions }),
+            ...(loopOut === undefined ? {} : { tokenLoop: true })
           })
           if (
             loaded.settle !== undefined &&
@@ -502,7 +552,25 @@ export const makeStageHost = (
                   if (frame.step === 0) stats.firstSampleMillis = performance.now() - sampleStart
                   // nothing selectable (every token banned, or none the grammar allows): the generation ends
                   const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
+                  const eos = sampled.tokenId < 0 || tokenId === eosTokenId
                   handOffStart = performance.now()
+                  // the token loop: stage 0 gets the next step's input first (it is what the pipeline waits for),
+                  // unless the run ends with this token (the run FSM's rules: end of sequence, or max tokens)
+                  if (loopOut !== undefined && !eos && frame.step + 1 < loopOut.loop.maxTokens) {
+                    yield* loopOut.sender
+                      .send(
+                        dataFrame({
+                          _tag: "TokenFrame",
+                          runId,
+                          edgeId: loopOut.loop.edgeId,
+                          step: frame.step + 1,
+                          chunkIndex: 0,
+                          chunkCount: 1,
+                          payload: { _tag: "Decode", tokenId }
+                        })
+                      )
+                      .pipe(Effect.mapError(transport))
+                  }
                   yield* outbound
                     .send(
                       dataFrame({
@@ -515,7 +583,7 @@ export const makeStageHost = (
                         payload: {
                           _tag: "Sampled",
                           tokenId,
-                          eos: sampled.tokenId < 0 || tokenId === eosTokenId,
+                          eos,
                           ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
                           ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
                         }
@@ -528,7 +596,7 @@ export const makeStageHost = (
               }
             })
 
-          yield* Effect.forever(Effect.flatMap(inbound.receive.pipe(Effect.mapError(transport)), step))
+          yield* Effect.forever(Effect.flatMap(receive.pipe(Effect.mapError(transport)), step))
         }).pipe(Effect.scoped)
 
         const exit = yield* body.pipe(Effect.raceFirst(Deferred.await(stop)), Effect.exit)
@@ -710,6 +778,28 @@ export const makeStageHost = (
   })
 
 const greedy: SamplingPolicy = { temperatureMillis: 0, topK: 1 }
+
+/**
+ * Stage 0 of a run with a token loop reads two edges: the orchestrator's (the prompt) and the last stage's (each
+ * decode step's token). One receive of both, in arrival order; the first fault (an edge closed) ends it. Token frames
+ * are copies (never views of a ring), so each edge is read ahead of the stage.
+ */
+const mergeReceivers = (a: EdgeReceiver, b: EdgeReceiver) =>
+  Effect.gen(function* () {
+    const frames = yield* Queue.unbounded<Either.Either<DataFrame, EdgeFault>>()
+    const pump = (receiver: EdgeReceiver) =>
+      receiver.receive.pipe(
+        Effect.flatMap((frame) => Queue.offer(frames, Either.right(frame))),
+        Effect.forever,
+        Effect.catchAll((fault) => Queue.offer(frames, Either.left(fault))),
+        Effect.forkScoped
+      )
+    yield* pump(a)
+    yield* pump(b)
+    return Queue.take(frames).pipe(
+      Effect.flatMap((item) => (Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)))
+    )
+  })
 
 /** Steps per StageTimings report, and the longest a step waits to be reported while the stage runs. */
 const TIMINGS_BATCH = 16

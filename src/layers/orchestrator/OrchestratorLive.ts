@@ -165,6 +165,7 @@ export const make = Effect.gen(function* () {
             ...(request.spares === undefined ? {} : { spares: request.spares }),
             ...(request.placement === undefined ? {} : { placement: request.placement }),
             ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
+            ...(request.tokenLoop === undefined ? {} : { tokenLoop: request.tokenLoop }),
             // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
             contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
           },

@@ -39,6 +39,8 @@ export interface RunLedger {
   readonly endpointScope: Scope.CloseableScope
   tornDown: boolean
   tokenIn: EdgeSender | undefined
+  /** The last stage said its token loop to stage 0 is connected: decode steps' tokens are not sent through token-in. */
+  tokenLoop: boolean
 }
 
 /** One run's inputs, sinks and ledger: what each of its steps is given. */

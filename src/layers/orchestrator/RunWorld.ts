@@ -162,7 +162,8 @@ const openLedger = (request: RunRequest, warm: WarmPipeline) =>
       sampledExtras: new Map(),
       endpointScope,
       tornDown: false,
-      tokenIn: undefined
+      tokenIn: undefined,
+      tokenLoop: false
     }
     return ledger
   })

@@ -4,7 +4,9 @@
  * into the run's events and the caller's updates. A link that fails marks the node lost and faults the stage.
  */
 import { Deferred, Effect, Stream } from "effect"
+import type { TokenLoop } from "../../domain/controlRpc.js"
 import type { TransportAddress } from "../../domain/frames.js"
+import { EdgeId } from "../../domain/ids.js"
 import type { ProvisionStage } from "../../domain/plan.js"
 import { RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
 import { ProvisionRequest } from "../../services/AgentLinks.js"
@@ -17,6 +19,26 @@ const outboundAddress = (context: RunContext, provision: ProvisionStage): Transp
     ? (context.warm.agents.dataAdvertise ?? context.warm.listener.address)
     : context.warm.dataAddressOf(stageNode(context, provision.stageIndex + 1))
 
+/**
+ * The token loop's part of a stage's provision (PipelineOptions.tokenLoop): stage 0 and the last stage of a run of
+ * two stages or more, on an edge id after the plan's, with the plan's token ring; the last stage learns stage 0's
+ * data address.
+ */
+const tokenLoopOf = (context: RunContext, provision: ProvisionStage): TokenLoop | undefined => {
+  const { plan, warm } = context
+  if (warm.options.tokenLoop === false || provision.stageCount < 2) return undefined
+  const isFirst = provision.stageIndex === 0
+  const isLast = provision.stageIndex === provision.stageCount - 1
+  const tokenIn = plan.edges.find((e) => e.kind === "TokenIn")
+  if ((!isFirst && !isLast) || tokenIn === undefined) return undefined
+  return {
+    edgeId: EdgeId.make(Math.max(...plan.edges.map((e) => e.edgeId)) + 1),
+    ring: tokenIn.ring,
+    maxTokens: plan.maxTokens,
+    ...(isLast ? { stage0: warm.dataAddressOf(stageNode(context, 0)) } : {})
+  }
+}
+
 /** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */
 export const hostStage = (context: RunContext, provision: ProvisionStage) => {
   const { contextLength, cacheUse, ledger, offer, request, runId, updates, warm } = context
@@ -28,6 +50,7 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
     return offer(RunEvents.StageStopped({ runId, stageIndex }))
   })
   const threads = request.threads ?? warm.options.threads
+  const tokenLoop = tokenLoopOf(context, provision)
   return warm
     .linkOf(provision.nodeId)
     .provision(
@@ -38,7 +61,8 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
         contextLength,
         ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
         ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
-        ...(request.settleWeights === true ? { settleWeights: true } : {})
+        ...(request.settleWeights === true ? { settleWeights: true } : {}),
+        ...(tokenLoop === undefined ? {} : { tokenLoop })
       })
     )
     .pipe(
@@ -54,6 +78,7 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
           case "StageReady":
             ledger.stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
             ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
+            if (report.tokenLoop === true && stageIndex === provision.stageCount - 1) ledger.tokenLoop = true
             if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)
             return Effect.zipRight(
               updates.offer({

@@ -105,6 +105,8 @@ export const injectTokenObject = (context: RunContext, command: Extract<RunComma
       return offer(RunEvents.EndpointFault({ runId, endpoint: "TokenIn" }))
     }
     ledger.injectedAt.set(sequence, performance.now())
+    // the token loop: the last stage already sent this token to stage 0 (ProvisionRequest.tokenLoop)
+    if (payload._tag === "Decode" && ledger.tokenLoop) return Effect.void
     const edge = plan.edges.find((e) => e.kind === "TokenIn")!
     if (payload._tag === "Prompt" && cacheUse?.adopt != null) {
       // every stage holds the positions before this (a stage that lacks the entry holds none: a full prefill)
