@@ -217,8 +217,9 @@ describe("end to end: real agent processes on loopback, stories260K", () => {
         assert.match(dir, /swactor-/)
         assert.deepStrictEqual(paths, [join(dir, "agent-0.sock"), join(dir, "agent-1.sock")])
         assert.isFalse(existsSync(dir))
-        // Orchestrator: TokenIn (its ring) and TokenOut (stage 1's); each agent: its inbound and outbound edges.
-        if (ShmRing.isSupported()) assert.deepStrictEqual(ringsMapped, [2, 2, 2])
+        // Orchestrator: TokenIn (its ring) and TokenOut (stage 1's); each agent: its inbound and outbound edges, and the
+        // token loop's edge from stage 1 to stage 0 (B4e)
+        if (ShmRing.isSupported()) assert.deepStrictEqual(ringsMapped, [2, 3, 3])
       }),
     120_000
   )
