@@ -17,7 +17,7 @@
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  * Then the prompt cache's figure (bench/promptCache.ts): turn 2 of a ~2,000-token conversation vs turn 1, time to
  * first token, on --cache-model (default ../shared/models/stories260K.gguf, context 2,048); --prompt-cache-only runs
- * just that, --skip-cache leaves it out; --cache-rounds 3. BENCH_PROMPT_REPEAT=k: every prompt repeated k times (the
+ * just that, --skip-cache leaves it out; --no-token-loop: every token back through the orchestrator (B4e); --cache-rounds 3. BENCH_PROMPT_REPEAT=k: every prompt repeated k times (the
  * time to first token of a long prompt).
  */
 import { execFileSync, spawn } from "node:child_process"
@@ -291,7 +291,13 @@ const main = async () => {
       `node-llama-cpp: one process, ${cfg.refThreads} thread(s), one context with N sequences; ${cfg.tokens} tokens per stream, greedy; ` +
       `${cfg.rounds} round(s) per N, the contenders interleaved round by round`
   )
-  const layer = serve({ model: modelPath, stages: cfg.stages, threads: cfg.threads, parallel: maxClients })
+  const layer = serve({
+    model: modelPath,
+    stages: cfg.stages,
+    threads: cfg.threads,
+    parallel: maxClients,
+    ...(process.argv.includes("--no-token-loop") ? { tokenLoop: false } : {})
+  })
   const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
   const contenders: Array<Contender> = []
   const results = new Map<string, Map<number, Array<ReadonlyArray<StreamTimes>>>>()
