@@ -426,8 +426,10 @@ export const makeStageBatcher = (
       return Math.max(0, lastActivity + probeQuiet - performance.now())
     }
     /**
-     * One probe micro-batch: `probeRows` one-row steps of fresh scratch sessions at position 0 (a one-row warm-up
-     * first), closed right after it, so they hold memory only while it runs.
+     * One probe size: `probeRows` one-row steps of fresh scratch sessions at position 0, then again at position 1 (a
+     * one-row warm-up first), closed right after, so they hold memory only while it runs. Both forwards are observed and
+     * the estimate is the faster (StepCosts' lower median): the first forward of a batch shape also builds its graph,
+     * and one slow forward (the other stage's probe, a page fault) must not become the size's cost.
      */
     const probeStep = Effect.scoped(
       Effect.gen(function* () {
@@ -440,9 +442,11 @@ export const makeStageBatcher = (
             ? { _tag: "Tokens" as const, tokens: Int32Array.of(1 + i) }
             : { _tag: "Hidden" as const, hidden: new Float32Array(session.info.hiddenDim).fill(0.01), nTokens: 1 }
         }))
-        const started = performance.now()
-        yield* executor.forwardBatch(items)
-        if (probeRows > 0) costs.observe(rows, performance.now() - started)
+        for (const startPos of probeRows > 0 ? [0, 1] : [0]) {
+          const started = performance.now()
+          yield* executor.forwardBatch(startPos === 0 ? items : items.map((item) => ({ ...item, startPos })))
+          if (probeRows > 0) costs.observe(rows, performance.now() - started)
+        }
         probeRows = probeRows + 1 > probeMax ? Infinity : probeRows + 1
       })
     ).pipe(
