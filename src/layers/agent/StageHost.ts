@@ -38,6 +38,7 @@ import {
   dataFrame,
   DataPlane,
   type EdgeReceiver,
+  type EdgeRef,
   type EdgeSender,
   isNotYetRegistered,
   notYetRegisteredRetry,
@@ -240,45 +241,20 @@ export const makeStageHost = (
       stoppedEarly.set(key, now)
     }
 
-    const connectOutbound = (request: ProvisionRequest) => {
-      const p = request.provision
-      return dataPlane
-        .connect(
-          request.outboundAddress,
-          {
-            runId: p.runId,
-            edgeId: p.outbound.edgeId,
-            ring: p.outbound.ring
-          },
-          options.token
-        )
-        .pipe(
-          // The consumer may not have registered the edge yet (it may still be loading): retry until the connect deadline.
-          Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
-          Effect.timeoutFail({
-            duration: options.connectTimeout ?? "10 minutes",
-            onTimeout: () => transportFailed("timed out connecting to the next stage")
-          }),
-          Effect.mapError((fault) =>
-            fault instanceof StageFailure
-              ? fault
-              : transportFailed(`cannot reach the next stage: ${describeFault(fault)}`)
-          )
-        )
-    }
-
-    /** The last stage's sender on the token loop's edge to stage 0 (retried while stage 0 has not registered it). */
-    const connectLoop = (runId: RunId, address: TransportAddress, loop: TokenLoop) =>
-      dataPlane.connect(address, { runId, edgeId: loop.edgeId, ring: loop.ring }, options.token).pipe(
+    /**
+     * A stage's sender on `edge` at `address` (its next stage's, the orchestrator's, or stage 0's for the token loop).
+     * The consumer may not have registered the edge yet (it may still be loading): retried until the connect deadline.
+     * `peer` names the other end in the stage's fault.
+     */
+    const connectEdge = (address: TransportAddress, edge: EdgeRef, peer: string) =>
+      dataPlane.connect(address, edge, options.token).pipe(
         Effect.retry({ schedule: notYetRegisteredRetry, while: isNotYetRegistered }),
         Effect.timeoutFail({
           duration: options.connectTimeout ?? "10 minutes",
-          onTimeout: () => transportFailed("timed out connecting the token loop to stage 0")
+          onTimeout: () => transportFailed(`timed out connecting to ${peer}`)
         }),
         Effect.mapError((fault) =>
-          fault instanceof StageFailure
-            ? fault
-            : transportFailed(`cannot reach stage 0 for the token loop: ${describeFault(fault)}`)
+          fault instanceof StageFailure ? fault : transportFailed(`cannot reach ${peer}: ${describeFault(fault)}`)
         )
       )
 
@@ -388,9 +364,16 @@ export const makeStageHost = (
           const [outbound, loopOut]: [EdgeSender, { loop: TokenLoop; sender: EdgeSender } | undefined] =
             yield* Effect.all(
               [
-                connectOutbound(request),
+                connectEdge(
+                  request.outboundAddress,
+                  { runId, edgeId: p.outbound.edgeId, ring: p.outbound.ring },
+                  "the next stage"
+                ),
                 isLast && loop?.stage0 !== undefined
-                  ? Effect.map(connectLoop(runId, loop.stage0, loop), (sender) => ({ loop, sender }))
+                  ? Effect.map(
+                      connectEdge(loop.stage0, { runId, edgeId: loop.edgeId, ring: loop.ring }, "stage 0 (token loop)"),
+                      (sender) => ({ loop, sender })
+                    )
                   : Effect.succeed(undefined)
               ],
               { concurrency: "unbounded" }
