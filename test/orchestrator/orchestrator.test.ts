@@ -1,5 +1,5 @@
 import { assert, describe, it } from "@effect/vitest"
-import { Chunk, Effect, Exit, Fiber, Layer, Stream } from "effect"
+import { Chunk, Effect, Fiber, Layer, Stream } from "effect"
 import * as MembershipLive from "../../src/layers/agent/MembershipLive.js"
 import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
 import * as StageExecutorTest from "../../src/layers/engine/StageExecutorTest.js"
@@ -9,8 +9,9 @@ import type { ModelCatalog } from "../../src/services/ModelCatalog.js"
 import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
 import { Orchestrator, type GenerateRequest, type RunUpdate } from "../../src/services/Orchestrator.js"
 import { makeMemoryWorld } from "../../src/layers/agent/AgentLinksTest.js"
-import { AgentControl, type StageReport } from "../../src/services/AgentLinks.js"
+import type { StageReport } from "../../src/services/AgentLinks.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
+import { tapReports } from "../support/memoryWorld.js"
 
 /**
  * A catalog that claims twice the engine's context: the orchestrator's up-front check (prompt + max tokens within the
@@ -29,22 +30,7 @@ const world = (
 ) =>
   Effect.gen(function* () {
     const memory = yield* makeMemoryWorld(agents).pipe(Effect.provide(StageExecutorTest.layerWith(testModel)))
-    const links =
-      onReport === undefined
-        ? memory.layer
-        : Layer.effect(
-            AgentControl,
-            Effect.map(AgentControl, (control) =>
-              AgentControl.of({
-                connect: (node, token) =>
-                  Effect.map(control.connect(node, token), (link) => ({
-                    ...link,
-                    provision: (request) =>
-                      link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
-                  }))
-              })
-            )
-          ).pipe(Layer.provideMerge(memory.layer))
+    const links = onReport === undefined ? memory.layer : tapReports(memory, onReport)
     const orchestrator = yield* Effect.provide(
       Orchestrator,
       OrchestratorLive.layer.pipe(

@@ -12,8 +12,9 @@ import * as StageExecutorTest from "../../src/layers/engine/StageExecutorTest.js
 import * as ModelCatalogLive from "../../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
 import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
-import { AgentControl, type EdgeRef, type StageReport } from "../../src/services/AgentLinks.js"
+import type { EdgeRef, StageReport } from "../../src/services/AgentLinks.js"
 import { type GenerateRequest, Orchestrator, type RunUpdate } from "../../src/services/Orchestrator.js"
+import { tapReports } from "../support/memoryWorld.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
 
 interface Sent {
@@ -29,19 +30,7 @@ const world = (agents: number) =>
     const memory = yield* makeMemoryWorld(agents, (edge, frame) => sent.push({ edge, frame })).pipe(
       Effect.provide(StageExecutorTest.layerWith(testModel))
     )
-    const links = Layer.effect(
-      AgentControl,
-      Effect.map(AgentControl, (control) =>
-        AgentControl.of({
-          connect: (node, token) =>
-            Effect.map(control.connect(node, token), (link) => ({
-              ...link,
-              provision: (request) =>
-                link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => reports.push(r))))
-            }))
-        })
-      )
-    ).pipe(Layer.provideMerge(memory.layer))
+    const links = tapReports(memory, (r) => reports.push(r))
     const orchestrator = yield* Effect.provide(
       Orchestrator,
       OrchestratorLive.layer.pipe(

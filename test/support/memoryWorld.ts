@@ -2,13 +2,14 @@
  * In-memory agents for library-level tests: the test engine (StageExecutorTest on the stories model's shape) with a
  * known delay per batched forward, and the live Orchestrator over a memory world of agents.
  */
-import { Context, Effect, Layer } from "effect"
+import { Context, Effect, Layer, Stream } from "effect"
 import * as MembershipLive from "../../src/layers/agent/MembershipLive.js"
 import type { makeMemoryWorld } from "../../src/layers/agent/AgentLinksTest.js"
 import * as StageExecutorTest from "../../src/layers/engine/StageExecutorTest.js"
 import * as ModelCatalogLive from "../../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
 import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
+import { AgentControl, type StageReport } from "../../src/services/AgentLinks.js"
 import { Orchestrator } from "../../src/services/Orchestrator.js"
 import { StageExecutor } from "../../src/services/StageExecutor.js"
 import { storiesTestModel } from "./models.js"
@@ -34,3 +35,18 @@ export const memoryOrchestrator = (memory: MemoryWorld) =>
   Layer.build(OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory)))).pipe(
     Effect.map(Context.get(Orchestrator))
   )
+
+/** The memory world's agent links, with every stage report the orchestrator receives shown to `onReport` first. */
+export const tapReports = (memory: MemoryWorld, onReport: (report: StageReport) => void) =>
+  Layer.effect(
+    AgentControl,
+    Effect.map(AgentControl, (control) =>
+      AgentControl.of({
+        connect: (node, token) =>
+          Effect.map(control.connect(node, token), (link) => ({
+            ...link,
+            provision: (request) => link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
+          }))
+      })
+    )
+  ).pipe(Layer.provideMerge(memory.layer))
