@@ -78,7 +78,8 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
   const beside = async <A>(run: () => Promise<A>): Promise<A> => {
     const watch = watchStreams(server.url)
     await watch.started
-    const result = await run()
+    // the streams stop however the case ends, so one failing case leaves nothing running for the next
+    const result = await run().finally(() => watch.stop())
     const seen = await watch.stop()
     assert.deepStrictEqual(seen.errors, [])
     assert.isAtLeast(seen.texts.length, 1)
@@ -145,8 +146,10 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
           () => undefined,
           (e: unknown) => e
         )
-      assert.instanceOf(refused, OpenAI.APIError)
-      assert.strictEqual((refused as InstanceType<typeof OpenAI.APIError>).status, 413)
+      const cause = (refused as { cause?: { code?: string; message?: string } } | undefined)?.cause
+      const why = `${String(refused)} (cause: ${cause?.code ?? cause?.message ?? "none"})`
+      assert.instanceOf(refused, OpenAI.APIError, why)
+      assert.strictEqual((refused as InstanceType<typeof OpenAI.APIError>).status, 413, why)
     })
     assert.isBelow(
       residentBytes(server.child.pid!) - startRss,

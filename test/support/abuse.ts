@@ -136,15 +136,18 @@ export const watchStreams = (url: string, prompt = "Once upon a time", maxTokens
     }
     child.once("exit", () => reject(new Error(`the stream watcher exited before it started: ${output}`)))
   })
+  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()))
+  let stopped: Promise<StreamWatch> | undefined
   return {
     started,
-    stop: async (): Promise<StreamWatch> => {
-      const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()))
-      child.stdin!.end()
-      await exited
-      const last = output.trim().split("\n").at(-1) ?? "{}"
-      return JSON.parse(last) as StreamWatch
-    }
+    /** Ends the streams (once: later calls give the same result). */
+    stop: (): Promise<StreamWatch> =>
+      (stopped ??= (async () => {
+        child.stdin!.end()
+        await exited
+        const last = output.trim().split("\n").at(-1) ?? "{}"
+        return JSON.parse(last) as StreamWatch
+      })())
   }
 }
 

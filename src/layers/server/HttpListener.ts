@@ -35,6 +35,26 @@ export interface ConnectionStats {
   dropped: number
 }
 
+/** How long a connection closed after its answer keeps reading (and dropping) what the client still sends. */
+export const lingerMillis = 3_000
+
+/**
+ * Closes a socket the way Node's `destroySoon` does (end, then destroy), but lingering: after the answer is written
+ * and the write side ended, whatever the client still sends is read and dropped, outside the HTTP parser, until the
+ * client ends its side or `lingerMillis` pass. Closing a socket with unread bytes resets the connection, and a client
+ * still sending a body it was refused (413 before the body is read) would then lose the answer to the reset.
+ */
+const lingeringClose = (socket: Socket) => {
+  if (socket.writable) socket.end()
+  const timer = setTimeout(() => socket.destroy(), lingerMillis)
+  timer.unref()
+  socket.once("close", () => clearTimeout(timer))
+  socket.once("end", () => socket.destroy())
+  socket.removeAllListeners("data")
+  socket.on("data", () => undefined)
+  socket.resume()
+}
+
 /**
  * Node's HTTP server with the connection limits. At most `maxConnections` are open: a new one past the limit takes the
  * place of the oldest connection that has not sent a request for 250 ms (a quarter of the header timeout when
@@ -43,7 +63,7 @@ export interface ConnectionStats {
  * `headerTimeoutMillis` (Node's own `headersTimeout` covers headers that trickle; a silent connection is closed here);
  * a request must be received whole within the body timeout (Node's `requestTimeout` backs up readBody's own, which
  * answers in OpenAI's shape). `Expect: 100-continue` with a Content-Length over the limit is refused before the body
- * is sent.
+ * is sent. A connection closed after its answer lingers (`lingeringClose`).
  */
 export const makeNodeServer = (limits: HttpLimits, stats: ConnectionStats): NodeServer => {
   const server = createServer({
@@ -81,6 +101,8 @@ export const makeNodeServer = (limits: HttpLimits, stats: ConnectionStats): Node
     }
     open.add(socket)
     stats.open = open.size
+    // Node's server closes a connection after an answer that says `connection: close` with destroySoon
+    socket.destroySoon = () => lingeringClose(socket)
     const timer = setTimeout(() => drop(socket), limits.headerTimeoutMillis)
     timer.unref()
     silent.set(socket, { timer, at: performance.now() })
