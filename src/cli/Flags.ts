@@ -55,6 +55,16 @@ export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Opt
     return problem === undefined ? threads : yield* fail(problem)
   })
 
+/** --prefill-threads: absent, or threads the engine takes. */
+export const optionalPrefillThreads = (
+  value: Option.Option<number> | undefined
+): Effect.Effect<number | undefined, UsageError> =>
+  Effect.gen(function* () {
+    if (value === undefined || Option.isNone(value)) return undefined
+    const problem = threadsProblem(value.value, "--prefill-threads")
+    return problem === undefined ? value.value : yield* fail(problem)
+  })
+
 /** A user setting (config/Settings.ts): the flag, else its environment variable, else its default; bad: refused. */
 const userSetting = <A>(setting: UserSetting<A>, flag: Option.Option<A>): Effect.Effect<A, UsageError> =>
   Either.match(settingFromFlagOrEnv(setting, flag), {

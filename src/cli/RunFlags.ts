@@ -15,6 +15,7 @@ import {
   clusterToken,
   localBackendArgs,
   agentList,
+  optionalPrefillThreads,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -47,6 +48,8 @@ export interface RunArgs extends SamplingFlagArgs {
   readonly deliverWeights?: "auto" | "always" | "never"
   /** --token-loop on|off: the last stage sends each token straight to stage 0 (PipelineOptions.tokenLoop). */
   readonly tokenLoop?: "on" | "off"
+  /** --prefill-threads N (PipelineOptions.prefillThreads). */
+  readonly prefillThreads?: Option.Option<number>
   readonly spares?: number
   /** --tls auto|always|off (else SWACTOR_TLS): the links of this run's agents. */
   readonly tls?: Option.Option<"auto" | "always" | "off">
@@ -128,6 +131,13 @@ export const runFlags = {
     ),
     withShownDefault("on" as const)
   ),
+  prefillThreads: Options.integer("prefill-threads").pipe(
+    Options.withDescription(
+      "threads a stage takes for the prompt of a run alone on the pipeline, under 128 tokens, while the other stages wait " +
+        "(default: local agents with --threads: stages × threads, at most this machine's cores; else --threads)"
+    ),
+    Options.optional
+  ),
   spares: Options.integer("spares").pipe(
     Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),
     withShownDefault(0)
@@ -190,6 +200,7 @@ export const validateRunFlags = (args: RunArgs) =>
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
     const chain = yield* samplingFromFlags(args)
     const threads = yield* optionalThreads(args.threads)
+    const prefillThreads = yield* optionalPrefillThreads(args.prefillThreads)
     const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls ?? Option.none())
@@ -212,6 +223,7 @@ export const validateRunFlags = (args: RunArgs) =>
       seed,
       chain,
       threads,
+      prefillThreads,
       nodes,
       token,
       prompt,

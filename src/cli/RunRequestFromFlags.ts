@@ -40,6 +40,7 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
     ...(Option.isSome(threads) ? { threads: threads.value } : {}),
     ...(args.dryRun ? { dryRun: true } : {}),
     ...(args.tokenLoop === "off" ? { tokenLoop: false } : {}),
+    ...(flags.prefillThreads === undefined ? {} : { prefillThreads: flags.prefillThreads }),
     ...((args.spares ?? 0) !== 0 ? { spares: args.spares! } : {})
   }
 }

@@ -20,6 +20,7 @@ import {
   agentList,
   backendOption,
   localBackendArgs,
+  optionalPrefillThreads,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -61,6 +62,8 @@ export interface ServeArgs {
   readonly deliverWeights?: "auto" | "always" | "never"
   /** --token-loop on|off: the last stage sends each token straight to stage 0 (PipelineOptions.tokenLoop). */
   readonly tokenLoop?: "on" | "off"
+  /** --prefill-threads N (PipelineOptions.prefillThreads). */
+  readonly prefillThreads?: Option.Option<number>
   /** Reuse of a shared prompt prefix's KV across requests (default on), and the most entries held (default 16). */
   readonly promptCache?: "on" | "off"
   readonly promptCacheEntries?: number
@@ -126,6 +129,7 @@ const runServe = (args: ServeArgs) =>
     }
     const stages = yield* optionalWholeNumber("stages", args.stages, 1)
     const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
+    const prefillThreads = yield* optionalPrefillThreads(args.prefillThreads)
     const kvBudgetMib = yield* optionalWholeNumber("kv-budget-mib", args.kvBudgetMib, 1)
     const maxPromptTokens = yield* optionalWholeNumber("max-prompt-tokens", args.maxPromptTokens ?? Option.none(), 1)
     yield* wholeNumber("port", args.port, 0)
@@ -170,6 +174,7 @@ const runServe = (args: ServeArgs) =>
         ? { deliverWeights: true }
         : {}),
       ...(args.tokenLoop === "off" ? { tokenLoop: false } : {}),
+      ...(prefillThreads === undefined ? {} : { prefillThreads }),
       promptCache: {
         enabled: args.promptCache !== "off",
         ...(args.promptCacheEntries === undefined ? {} : { maxEntries: args.promptCacheEntries })
@@ -326,6 +331,13 @@ export const serveCommand = Command.make(
         "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
       ),
       withShownDefault("auto" as const)
+    ),
+    prefillThreads: Options.integer("prefill-threads").pipe(
+      Options.withDescription(
+        "threads a stage takes for the prompt of a run alone on the pipeline, under 128 tokens, while the other stages wait " +
+          "(default: local agents with --threads: stages × threads, at most this machine's cores; else --threads)"
+      ),
+      Options.optional
     ),
     tokenLoop: Options.choice("token-loop", ["on", "off"]).pipe(
       Options.withDescription(

@@ -135,6 +135,11 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   outboundAddress: TransportAddress,
   /** Engine threads for this stage (default: the agent's). */
   threads: Schema.NullOr(Schema.Number),
+  /**
+   * Engine threads for this stage's prompt when the run is alone on the pipeline and its prompt runs in one piece, so
+   * the other stages wait (absent: `threads`; PipelineOptions.prefillThreads). The same bits either way.
+   */
+  prefillThreads: Schema.optional(Schema.Number),
   /** KV cache length for this stage's session. */
   contextLength: Schema.Number,
   /** Prompt cache (absent: none). */

@@ -92,6 +92,8 @@ export interface GenerateRequest {
   readonly spares?: number
   /** See `PipelineOptions.tokenLoop` (default true). */
   readonly tokenLoop?: boolean
+  /** See `PipelineOptions.prefillThreads`. */
+  readonly prefillThreads?: number
   readonly recovery?: RecoveryOptions
   /** When a stage's step counts as a straggler (see StragglerRule). */
   readonly stragglers?: Partial<StragglerRule>
@@ -446,6 +448,13 @@ export interface PipelineOptions {
    * through the orchestrator.
    */
   readonly tokenLoop?: boolean
+  /**
+   * Threads a stage takes for the prompt of a run alone on the pipeline, when the prompt runs in one piece (under 128
+   * tokens) and so every other stage waits meanwhile: the cores those stages leave idle (StageHosting.prefillThreadsOf).
+   * Default: with local agents and `threads` set, stages × threads, at most this machine's cores; else `threads`.
+   * The tokens are the same (ggml's CPU kernels give each output element to one thread).
+   */
+  readonly prefillThreads?: number
 }
 
 /** One run on a warm pipeline. */

@@ -51,6 +51,12 @@ export interface SessionOptions {
   readonly contextLength?: number
   readonly threads?: number
   /**
+   * Threads for a forward of several rows this session runs alone (a prompt's prefill; default `threads`). Bits do not
+   * depend on the thread count (each output element is one thread's work in ggml's CPU kernels), so a stage may take
+   * idle cores for a prefill while the rest of its pipeline waits for it (PipelineOptions.prefillThreads).
+   */
+  readonly prefillThreads?: number
+  /**
    * A scratch session of the agent's own (the batcher's step-cost probe), not a run's: left out of the process's
    * tally of open sessions and their bytes (`heldSessionBytes`, reported in /metrics).
    */

@@ -297,7 +297,8 @@ export const makeStageHost = (
           const session = yield* executor
             .session(loaded, {
               contextLength: Math.min(request.contextLength, loaded.info.contextLength),
-              threads: request.threads ?? options.threads
+              threads: request.threads ?? options.threads,
+              ...(request.prefillThreads === undefined ? {} : { prefillThreads: request.prefillThreads })
             })
             .pipe(
               Scope.extend(sessionScope),
@@ -668,7 +669,9 @@ export const makeStageHost = (
           }
           // A request this agent cannot honour whatever the attempt (threads the engine refuses): refused before
           // anything loads, as ProvisionFailed, which no recovery retries (not a worker crash).
-          const badThreads = threadsProblem(request.threads ?? options.threads)
+          const badThreads =
+            threadsProblem(request.threads ?? options.threads) ??
+            (request.prefillThreads === undefined ? undefined : threadsProblem(request.prefillThreads))
           if (badThreads !== undefined) {
             yield* reports.offer({
               _tag: "StageFault",

@@ -275,7 +275,12 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     if (it.session.swaSize !== null)
       it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
   })
-  if (w.device === "cpu") g.setThreads(w.backend, Math.max(...items.map((it) => it.session.threads)))
+  if (w.device === "cpu") {
+    // a lone call of several rows (a prompt) may take the session's prefill threads (SessionOptions.prefillThreads)
+    const lonePrompt = items.length === 1 && nTotal > 1
+    w.lastThreads = lonePrompt ? items[0]!.session.prefillThreads : Math.max(...items.map((it) => it.session.threads))
+    g.setThreads(w.backend, w.lastThreads)
+  }
   let status: number
   try {
     status = await g.computeAsync(w.backend, c.graph)

@@ -76,7 +76,9 @@ export class NativeSession {
     readonly contextLength: number,
     readonly threads: number,
     /** Left out of `held` (the tally of runs' sessions): see SessionOptions.scratch. */
-    readonly scratch = false
+    readonly scratch = false,
+    /** See SessionOptions.prefillThreads. */
+    readonly prefillThreads = threads
   ) {
     const g = weights.ggml
     const raw = g.raw

@@ -288,11 +288,13 @@ const session =
         return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
       }
       // The bounds every caller checks first (services/RequestChecks.ts: the CLI, the orchestrator, the agent).
-      const badThreads = threadsProblem(threads)
+      const prefillThreads = sessionOptions.prefillThreads ?? threads
+      const badThreads = threadsProblem(threads) ?? threadsProblem(prefillThreads)
       if (badThreads !== undefined) return yield* Effect.dieMessage(badThreads)
       const native = yield* Effect.acquireRelease(
         Effect.try({
-          try: () => new NativeSession(stage.weights, contextLength, threads, sessionOptions.scratch === true),
+          try: () =>
+            new NativeSession(stage.weights, contextLength, threads, sessionOptions.scratch === true, prefillThreads),
           catch: (e) =>
             new ModelLoadError({
               path: stage.weights.layout.file.path,

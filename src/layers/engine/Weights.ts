@@ -200,6 +200,8 @@ export class NativeWeights {
 
   /** Bytes of hidden states copied into graph inputs so far (Forward.ts; tests count copies per hop with it). */
   copiedInputBytes = 0
+  /** Threads of the last CPU forward (diagnostics: which of a session's thread counts a call took). */
+  lastThreads = 0
 
   free(): void {
     if (this.freed) return

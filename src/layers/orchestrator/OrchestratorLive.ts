@@ -166,6 +166,7 @@ export const make = Effect.gen(function* () {
             ...(request.placement === undefined ? {} : { placement: request.placement }),
             ...(request.deliverWeights === undefined ? {} : { deliverWeights: request.deliverWeights }),
             ...(request.tokenLoop === undefined ? {} : { tokenLoop: request.tokenLoop }),
+            ...(request.prefillThreads === undefined ? {} : { prefillThreads: request.prefillThreads }),
             // Placement budgets KV for this run's context: every prompt token covers at least one character (+ BOS).
             contextTokens: alignUp(request.prompt.length + 1 + maxTokens + 1, 256)
           },

@@ -153,6 +153,8 @@ export interface WarmPipeline {
   readonly capacity: ReadonlyArray<{ readonly node: NodeEndpoint; readonly capacity: NodeCapacity }>
   /** Where the last stage of every run sends its sampled tokens. */
   readonly listener: DataListener
+  /** Runs on this pipeline now (each attempt of each request, from its plan to its end). */
+  readonly activeRuns: { count: number }
 }
 
 /** Sets the pipeline up; its agents, links, heartbeats and listener live until the scope closes. */
@@ -317,6 +319,7 @@ export const openPipeline = (
       dataAddressOf: (nodeId: number) => linkOf(nodeId).hello.dataAddress,
       pool,
       capacity,
-      listener
+      listener,
+      activeRuns: { count: 0 }
     } satisfies WarmPipeline
   })

@@ -50,6 +50,8 @@ export interface RunContext {
   readonly request: RunRequest
   readonly plan: RunPlan
   readonly prompt: ReadonlyArray<number>
+  /** No other run was on the pipeline when this one started, and none was arriving (RunRequest.arriving). */
+  readonly alone: boolean
   readonly contextLength: number
   readonly cacheUse: PromptCacheUse | undefined
   readonly dataPlane: DataPlaneService

@@ -186,6 +186,11 @@ export const driveRun = (
     const { placement, plan, runId } = yield* planAttempt(warm, request, attempt, maxTokens, updates)
     if (request.dryRun === true) return
 
+    const others = warm.activeRuns.count
+    yield* Effect.acquireRelease(
+      Effect.sync(() => warm.activeRuns.count++),
+      () => Effect.sync(() => warm.activeRuns.count--)
+    )
     const actor = yield* startRunActor(warm, request, runId, plan, prompt, maxTokens)
     const commands = yield* actor.subscribeCommands
     const lifecycle = yield* actor.subscribeLifecycle
@@ -195,6 +200,7 @@ export const driveRun = (
       request,
       plan,
       prompt,
+      alone: others === 0 && !(request.arriving !== undefined && request.arriving > 0),
       contextLength: runContextLength(warm.facts.maxSeqLen, prompt.length, maxTokens),
       cacheUse: promptCacheUse(request, prompt.length),
       dataPlane,

@@ -3,6 +3,7 @@
  * the node's control link, and each report the agent streams back (loading, ready, fault, timings, stopped) turned
  * into the run's events and the caller's updates. A link that fails marks the node lost and faults the stage.
  */
+import { availableParallelism } from "node:os"
 import { Deferred, Effect, Stream } from "effect"
 import type { TokenLoop } from "../../domain/controlRpc.js"
 import type { TransportAddress } from "../../domain/frames.js"
@@ -10,6 +11,7 @@ import { EdgeId } from "../../domain/ids.js"
 import type { ProvisionStage } from "../../domain/plan.js"
 import { RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
 import { ProvisionRequest } from "../../services/AgentLinks.js"
+import { MIN_PIECE_ROWS } from "../../services/PromptPieces.js"
 import { stepsOf } from "../../services/StageStragglers.js"
 import { noteDetail, offerConsequence, type RunContext, stageNode } from "./RunContext.js"
 
@@ -39,6 +41,33 @@ const tokenLoopOf = (context: RunContext, provision: ProvisionStage): TokenLoop 
   }
 }
 
+/**
+ * The threads a stage may take for its prompt (ProvisionRequest.prefillThreads): only for a run alone on the pipeline
+ * whose prompt runs in one piece and replays nothing, so every other stage waits while this one computes it (a prompt
+ * of 2 × MIN_PIECE_ROWS rows or more travels in pieces that overlap across stages, PromptPieces.ts). The number is
+ * PipelineOptions.prefillThreads, else, with local agents, the cores the pipeline's stages have together on this
+ * machine (at most its cores); else none (the stage's own threads).
+ */
+export const prefillThreadsOf = (run: {
+  readonly alone: boolean
+  readonly promptTokens: number
+  readonly replayTail: number | undefined
+  readonly stageCount: number
+  /** The stage's threads (undefined: the agent's own). */
+  readonly threads: number | undefined
+  /** PipelineOptions.prefillThreads. */
+  readonly option: number | undefined
+  /** The agents are this process's children, on this machine. */
+  readonly localAgents: boolean
+  readonly cores: number
+}): number | undefined => {
+  if (!run.alone || run.promptTokens >= 2 * MIN_PIECE_ROWS || (run.replayTail ?? 0) > 0) return undefined
+  const wanted =
+    run.option ??
+    (!run.localAgents || run.threads === undefined ? undefined : Math.min(run.cores, run.threads * run.stageCount))
+  return wanted === undefined || wanted === run.threads ? undefined : wanted
+}
+
 /** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */
 export const hostStage = (context: RunContext, provision: ProvisionStage) => {
   const { contextLength, cacheUse, ledger, offer, request, runId, updates, warm } = context
@@ -51,6 +80,16 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
   })
   const threads = request.threads ?? warm.options.threads
   const tokenLoop = tokenLoopOf(context, provision)
+  const prefillThreads = prefillThreadsOf({
+    alone: context.alone,
+    promptTokens: context.prompt.length,
+    replayTail: provision.runtime.replayTail,
+    stageCount: provision.stageCount,
+    threads,
+    option: warm.options.prefillThreads,
+    localAgents: warm.agents.processRunning !== undefined,
+    cores: availableParallelism()
+  })
   return warm
     .linkOf(provision.nodeId)
     .provision(
@@ -58,6 +97,7 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
         provision,
         outboundAddress: outboundAddress(context, provision),
         threads: threads ?? null,
+        ...(prefillThreads === undefined ? {} : { prefillThreads }),
         contextLength,
         ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
         ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
