@@ -17,7 +17,8 @@
  * streamed, with ids 3–258 banned by logit_bias: a random model's lone byte tokens break its text path).
  * Then the prompt cache's figure (bench/promptCache.ts): turn 2 of a ~2,000-token conversation vs turn 1, time to
  * first token, on --cache-model (default ../shared/models/stories260K.gguf, context 2,048); --prompt-cache-only runs
- * just that, --skip-cache leaves it out; --no-token-loop: every token back through the orchestrator (B4e); --cache-rounds 3. BENCH_PROMPT_REPEAT=k: every prompt repeated k times (the
+ * just that, --skip-cache leaves it out; --no-token-loop: every token back through the orchestrator (B4e); --prefill-threads N (1: a stage's prompt on its own
+ * thread only); --cache-rounds 3. BENCH_PROMPT_REPEAT=k: every prompt repeated k times (the
  * time to first token of a long prompt).
  */
 import { execFileSync, spawn } from "node:child_process"
@@ -282,6 +283,12 @@ const cacheFigure = async (fallback: () => Promise<string>) => {
   })
 }
 
+/** --prefill-threads N: PipelineOptions.prefillThreads (default: the pipeline's own, stages x threads here). */
+const prefillThreadsFlag = (() => {
+  const at = process.argv.indexOf("--prefill-threads")
+  return at < 0 ? undefined : Number(process.argv[at + 1])
+})()
+
 const main = async () => {
   if (process.argv.includes("--prompt-cache-only")) return cacheFigure(ensureModel)
   const modelPath = await ensureModel()
@@ -296,7 +303,8 @@ const main = async () => {
     stages: cfg.stages,
     threads: cfg.threads,
     parallel: maxClients,
-    ...(process.argv.includes("--no-token-loop") ? { tokenLoop: false } : {})
+    ...(process.argv.includes("--no-token-loop") ? { tokenLoop: false } : {}),
+    ...(prefillThreadsFlag === undefined ? {} : { prefillThreads: prefillThreadsFlag })
   })
   const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
   const contenders: Array<Contender> = []
