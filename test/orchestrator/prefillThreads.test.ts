@@ -4,8 +4,18 @@
  * waits while one computes; by default only with local agents, as many as the stages have together on this machine.
  */
 import { assert, describe, it } from "@effect/vitest"
+import { Deferred, Effect, Fiber, Layer, Stream } from "effect"
+import * as MembershipLive from "../../src/layers/agent/MembershipLive.js"
+import { makeMemoryWorld } from "../../src/layers/agent/AgentLinksTest.js"
+import * as ModelCatalogLive from "../../src/layers/gguf/ModelCatalogLive.js"
+import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
+import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
 import { prefillThreadsOf } from "../../src/layers/orchestrator/StageHosting.js"
+import type { ProvisionRequest } from "../../src/services/AgentLinks.js"
+import { Orchestrator, type RunRequest } from "../../src/services/Orchestrator.js"
 import { MIN_PIECE_ROWS, promptPieces } from "../../src/services/PromptPieces.js"
+import { delayedTestExecutor, tapProvisions } from "../support/memoryWorld.js"
+import { requireModel } from "../support/models.js"
 
 const base = {
   alone: true,
@@ -48,4 +58,83 @@ describe("prefillThreadsOf", () => {
     assert.strictEqual(prefillThreadsOf({ ...base, promptTokens: longest }), 2)
     assert.strictEqual(prefillThreadsOf({ ...base, promptTokens: longest + 1 }), undefined)
   })
+})
+
+describe("prefill threads on a pipeline (in-memory agents, every provision request seen)", () => {
+  it.live(
+    "a run alone gets them on every stage; a run beside another, one announced behind, or a long prompt gets none",
+    () =>
+      Effect.gen(function* () {
+        const requests: Array<ProvisionRequest> = []
+        const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(delayedTestExecutor(20)))
+        const links = tapProvisions(memory, (r) => requests.push(r))
+        const orchestrator = yield* Effect.provide(
+          Orchestrator,
+          OrchestratorLive.layer.pipe(
+            Layer.provide(Layer.mergeAll(links, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
+          )
+        )
+        const pipeline = yield* orchestrator.pipeline({
+          model: requireModel("stories260K.gguf"),
+          stages: 2,
+          threads: 1,
+          prefillThreads: 2
+        })
+        /** The prefill threads of each stage's provision of one run (by stage), the run given its own first. */
+        const seenFor = (runIds: ReadonlyArray<number>) =>
+          runIds.map((runId) =>
+            requests
+              .filter((r) => r.provision.runId === runId)
+              .sort((a, b) => a.provision.stageIndex - b.provision.stageIndex)
+              .map((r) => r.prefillThreads)
+          )
+        const runOf = (request: RunRequest, started?: Deferred.Deferred<void>) =>
+          pipeline
+            .run(request)
+            .pipe(
+              Stream.runForEach((u) =>
+                u._tag === "Token" && started !== undefined ? Deferred.succeed(started, undefined) : Effect.void
+              )
+            )
+        const runIdsBefore = () => new Set<number>(requests.map((r) => r.provision.runId))
+        const newRun = (before: Set<number>) => requests.find((r) => !before.has(r.provision.runId))!.provision.runId
+
+        // alone, a short prompt: both stages
+        const aloneBefore = runIdsBefore()
+        yield* runOf({ prompt: "Once upon a time", maxTokens: 4 })
+        assert.deepStrictEqual(seenFor([newRun(aloneBefore)]), [[2, 2]])
+
+        // beside another: the first (alone when it started) has them, the second not
+        const before = runIdsBefore()
+        const firstToken = yield* Deferred.make<void>()
+        const first = yield* Effect.fork(runOf({ prompt: "Once upon a time", maxTokens: 24 }, firstToken))
+        yield* Deferred.await(firstToken)
+        const firstId = newRun(before)
+        const besideBefore = runIdsBefore()
+        yield* runOf({ prompt: "One day", maxTokens: 2 })
+        const besideId = newRun(besideBefore)
+        yield* Fiber.join(first)
+        assert.deepStrictEqual(seenFor([firstId, besideId]), [
+          [2, 2],
+          [undefined, undefined]
+        ])
+
+        // one announced behind it, and a prompt that travels in pieces (the byte tokenizer: BOS + one per byte)
+        const arrivingBefore = runIdsBefore()
+        yield* runOf({ prompt: "Once upon a time", maxTokens: 2, arriving: 1 })
+        const arrivingId = newRun(arrivingBefore)
+        const longBefore = runIdsBefore()
+        yield* runOf({ prompt: "x".repeat(2 * MIN_PIECE_ROWS), maxTokens: 2 })
+        const longId = newRun(longBefore)
+        assert.deepStrictEqual(seenFor([arrivingId, longId]), [
+          [undefined, undefined],
+          [undefined, undefined]
+        ])
+        // and alone again afterwards: the count of runs went back to none
+        const againBefore = runIdsBefore()
+        yield* runOf({ prompt: "Once upon a time", maxTokens: 2 })
+        assert.deepStrictEqual(seenFor([newRun(againBefore)]), [[2, 2]])
+      }).pipe(Effect.scoped),
+    60_000
+  )
 })

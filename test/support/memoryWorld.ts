@@ -9,7 +9,7 @@ import * as StageExecutorTest from "../../src/layers/engine/StageExecutorTest.js
 import * as ModelCatalogLive from "../../src/layers/gguf/ModelCatalogLive.js"
 import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
 import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
-import { AgentControl, type StageReport } from "../../src/services/AgentLinks.js"
+import { AgentControl, type ProvisionRequest, type StageReport } from "../../src/services/AgentLinks.js"
 import { Orchestrator } from "../../src/services/Orchestrator.js"
 import { StageExecutor } from "../../src/services/StageExecutor.js"
 import { storiesTestModel } from "./models.js"
@@ -46,6 +46,21 @@ export const tapReports = (memory: MemoryWorld, onReport: (report: StageReport) 
           Effect.map(control.connect(node, token), (link) => ({
             ...link,
             provision: (request) => link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
+          }))
+      })
+    )
+  ).pipe(Layer.provideMerge(memory.layer))
+
+/** The memory world's agent links, with every provision request the orchestrator sends shown to `onRequest` first. */
+export const tapProvisions = (memory: MemoryWorld, onRequest: (request: ProvisionRequest) => void) =>
+  Layer.effect(
+    AgentControl,
+    Effect.map(AgentControl, (control) =>
+      AgentControl.of({
+        connect: (node, token) =>
+          Effect.map(control.connect(node, token), (link) => ({
+            ...link,
+            provision: (request) => Stream.suspend(() => (onRequest(request), link.provision(request)))
           }))
       })
     )
