@@ -55,6 +55,15 @@ export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Opt
     return problem === undefined ? threads : yield* fail(problem)
   })
 
+/** `--prefill-threads N` of run and serve (PipelineOptions.prefillThreads); checked by `optionalPrefillThreads`. */
+export const prefillThreadsFlag = Options.integer("prefill-threads").pipe(
+  Options.withDescription(
+    "threads a stage takes for the prompt of a run alone on the pipeline, under 128 tokens, while the other stages wait " +
+      "(default: local agents with --threads: stages × threads, at most this machine's cores; else --threads)"
+  ),
+  Options.optional
+)
+
 /** --prefill-threads: absent, or threads the engine takes. */
 export const optionalPrefillThreads = (
   value: Option.Option<number> | undefined

@@ -16,6 +16,7 @@ import {
   localBackendArgs,
   agentList,
   optionalPrefillThreads,
+  prefillThreadsFlag,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -131,13 +132,7 @@ export const runFlags = {
     ),
     withShownDefault("on" as const)
   ),
-  prefillThreads: Options.integer("prefill-threads").pipe(
-    Options.withDescription(
-      "threads a stage takes for the prompt of a run alone on the pipeline, under 128 tokens, while the other stages wait " +
-        "(default: local agents with --threads: stages × threads, at most this machine's cores; else --threads)"
-    ),
-    Options.optional
-  ),
+  prefillThreads: prefillThreadsFlag,
   spares: Options.integer("spares").pipe(
     Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),
     withShownDefault(0)

@@ -21,6 +21,7 @@ import {
   backendOption,
   localBackendArgs,
   optionalPrefillThreads,
+  prefillThreadsFlag,
   optionalThreads,
   optionalWholeNumber,
   spares as sparesFlag,
@@ -332,13 +333,7 @@ export const serveCommand = Command.make(
       ),
       withShownDefault("auto" as const)
     ),
-    prefillThreads: Options.integer("prefill-threads").pipe(
-      Options.withDescription(
-        "threads a stage takes for the prompt of a run alone on the pipeline, under 128 tokens, while the other stages wait " +
-          "(default: local agents with --threads: stages × threads, at most this machine's cores; else --threads)"
-      ),
-      Options.optional
-    ),
+    prefillThreads: prefillThreadsFlag,
     tokenLoop: Options.choice("token-loop", ["on", "off"]).pipe(
       Options.withDescription(
         "the last stage sends each token straight to stage 0 as well as back (on), or only back to the server (off)"

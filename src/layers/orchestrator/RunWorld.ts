@@ -186,8 +186,8 @@ export const driveRun = (
     const { placement, plan, runId } = yield* planAttempt(warm, request, attempt, maxTokens, updates)
     if (request.dryRun === true) return
 
-    const others = warm.activeRuns.count
-    yield* Effect.acquireRelease(
+    // the runs on the pipeline before this one
+    const others = yield* Effect.acquireRelease(
       Effect.sync(() => warm.activeRuns.count++),
       () => Effect.sync(() => warm.activeRuns.count--)
     )
