@@ -19,7 +19,7 @@ import { requireModel } from "../support/models.js"
 const dir = mkdtempSync(join(tmpdir(), "swactor-prefill-threads-"))
 afterAll(() => rmSync(dir, { recursive: true, force: true }))
 
-const synthetic = (type: "q8_0" | "f16") =>
+const synthetic = (type: "q8_0" | "f16" | "q4_k") =>
   Effect.promise(async () => {
     const path = join(dir, `llama-${type}.gguf`)
     await Effect.runPromise(
@@ -73,17 +73,23 @@ describe("StageExecutorLive: prefill threads", () => {
   const cases: ReadonlyArray<readonly [string, Effect.Effect<string>, number]> = [
     ["F32 (stories260K)", Effect.sync(() => requireModel("stories260K.gguf")), 5],
     ["Q8_0 (synthetic)", synthetic("q8_0"), 2],
-    ["F16 (synthetic)", synthetic("f16"), 2]
+    ["F16 (synthetic)", synthetic("f16"), 2],
+    ["Q4_K (synthetic)", synthetic("q4_k"), 2]
   ]
-  for (const [name, model, blocks] of cases) {
-    it.effect(`${name}: the prompt runs on the prefill threads, decode steps on the session's; the same bits`, () =>
-      Effect.gen(function* () {
-        const seen = yield* compare(yield* model, blocks, 2)
-        assert.deepStrictEqual(seen.plainThreads, [1, 1, 1, 1])
-        assert.deepStrictEqual(seen.wideThreads, [2, 1, 1, 1])
-        assert.deepStrictEqual(seen.wideBits, seen.plainBits)
-      }).pipe(Effect.provide(StageExecutorLive.layer))
-    )
+  // where the weights live is the CPU's choice (repacked buffer types): forced both ways
+  for (const repack of [false, true]) {
+    for (const [name, model, blocks] of cases) {
+      it.effect(
+        `${name}, repack ${repack ? "on" : "off"}: the prompt runs on the prefill threads, decode steps on the session's; the same bits`,
+        () =>
+          Effect.gen(function* () {
+            const seen = yield* compare(yield* model, blocks, 2)
+            assert.deepStrictEqual(seen.plainThreads, [1, 1, 1, 1])
+            assert.deepStrictEqual(seen.wideThreads, [2, 1, 1, 1])
+            assert.deepStrictEqual(seen.wideBits, seen.plainBits)
+          }).pipe(Effect.provide(StageExecutorLive.layerWith({ repack })))
+      )
+    }
   }
 
   it.effect("prefill threads outside what the engine takes are refused", () =>

@@ -4,17 +4,13 @@
  * waits while one computes; by default only with local agents, as many as the stages have together on this machine.
  */
 import { assert, describe, it } from "@effect/vitest"
-import { Deferred, Effect, Fiber, Layer, Stream } from "effect"
-import * as MembershipLive from "../../src/layers/agent/MembershipLive.js"
+import { Deferred, Effect, Fiber, Stream } from "effect"
 import { makeMemoryWorld } from "../../src/layers/agent/AgentLinksTest.js"
-import * as ModelCatalogLive from "../../src/layers/gguf/ModelCatalogLive.js"
-import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
-import * as OrchestratorLive from "../../src/layers/orchestrator/OrchestratorLive.js"
 import { prefillThreadsOf } from "../../src/layers/orchestrator/StageHosting.js"
 import type { ProvisionRequest } from "../../src/services/AgentLinks.js"
-import { Orchestrator, type RunRequest } from "../../src/services/Orchestrator.js"
+import type { RunRequest } from "../../src/services/Orchestrator.js"
 import { MIN_PIECE_ROWS, promptPieces } from "../../src/services/PromptPieces.js"
-import { delayedTestExecutor, tapProvisions } from "../support/memoryWorld.js"
+import { delayedTestExecutor, memoryOrchestrator, tapProvisions } from "../support/memoryWorld.js"
 import { requireModel } from "../support/models.js"
 
 const base = {
@@ -68,12 +64,7 @@ describe("prefill threads on a pipeline (in-memory agents, every provision reque
         const requests: Array<ProvisionRequest> = []
         const memory = yield* makeMemoryWorld(2).pipe(Effect.provide(delayedTestExecutor(20)))
         const links = tapProvisions(memory, (r) => requests.push(r))
-        const orchestrator = yield* Effect.provide(
-          Orchestrator,
-          OrchestratorLive.layer.pipe(
-            Layer.provide(Layer.mergeAll(links, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer))
-          )
-        )
+        const orchestrator = yield* memoryOrchestrator(memory, links)
         const pipeline = yield* orchestrator.pipeline({
           model: requireModel("stories260K.gguf"),
           stages: 2,

@@ -26,18 +26,30 @@ export const delayedTestExecutor = (delayMillis: number) => {
 
 type MemoryWorld = Effect.Effect.Success<ReturnType<typeof makeMemoryWorld>>
 
-/** What the live Orchestrator (or a Server over it) needs besides the agents: tokenizer double, membership, catalog. */
-export const memoryWorldServices = (memory: MemoryWorld) =>
-  Layer.mergeAll(memory.layer, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)
+/**
+ * What the live Orchestrator (or a Server over it) needs besides the agents: tokenizer double, membership, catalog;
+ * with the memory world's agent links, or `links` over them (tapReports, tapProvisions).
+ */
+export const memoryWorldServices = (memory: MemoryWorld, links: MemoryWorld["layer"] = memory.layer) =>
+  Layer.mergeAll(links, TokenizerLive.layerTest, MembershipLive.layer, ModelCatalogLive.layer)
 
-/** The live Orchestrator over the memory world's agents. */
-export const memoryOrchestrator = (memory: MemoryWorld) =>
-  Layer.build(OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory)))).pipe(
+/** The live Orchestrator over the memory world's agents (or `links` over them). */
+export const memoryOrchestrator = (memory: MemoryWorld, links: MemoryWorld["layer"] = memory.layer) =>
+  Layer.build(OrchestratorLive.layer.pipe(Layer.provide(memoryWorldServices(memory, links)))).pipe(
     Effect.map(Context.get(Orchestrator))
   )
 
-/** The memory world's agent links, with every stage report the orchestrator receives shown to `onReport` first. */
-export const tapReports = (memory: MemoryWorld, onReport: (report: StageReport) => void) =>
+/**
+ * The memory world's agent links, with every provision request the orchestrator sends shown to `onRequest` and every
+ * stage report it receives shown to `onReport`, each first.
+ */
+const tapLinks = (
+  memory: MemoryWorld,
+  taps: {
+    readonly onRequest?: (request: ProvisionRequest) => void
+    readonly onReport?: (report: StageReport) => void
+  }
+) =>
   Layer.effect(
     AgentControl,
     Effect.map(AgentControl, (control) =>
@@ -45,23 +57,20 @@ export const tapReports = (memory: MemoryWorld, onReport: (report: StageReport) 
         connect: (node, token) =>
           Effect.map(control.connect(node, token), (link) => ({
             ...link,
-            provision: (request) => link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => onReport(r))))
+            provision: (request) =>
+              Stream.suspend(() => {
+                taps.onRequest?.(request)
+                return link.provision(request).pipe(Stream.tap((r) => Effect.sync(() => taps.onReport?.(r))))
+              })
           }))
       })
     )
   ).pipe(Layer.provideMerge(memory.layer))
 
+/** The memory world's agent links, with every stage report the orchestrator receives shown to `onReport` first. */
+export const tapReports = (memory: MemoryWorld, onReport: (report: StageReport) => void) =>
+  tapLinks(memory, { onReport })
+
 /** The memory world's agent links, with every provision request the orchestrator sends shown to `onRequest` first. */
 export const tapProvisions = (memory: MemoryWorld, onRequest: (request: ProvisionRequest) => void) =>
-  Layer.effect(
-    AgentControl,
-    Effect.map(AgentControl, (control) =>
-      AgentControl.of({
-        connect: (node, token) =>
-          Effect.map(control.connect(node, token), (link) => ({
-            ...link,
-            provision: (request) => Stream.suspend(() => (onRequest(request), link.provision(request)))
-          }))
-      })
-    )
-  ).pipe(Layer.provideMerge(memory.layer))
+  tapLinks(memory, { onRequest })
