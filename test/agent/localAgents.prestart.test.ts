@@ -26,7 +26,7 @@ describe("localAgentPool prestart", () => {
         )
         const pool = Context.get(context, AgentPool)
         // Before any run asked: two agent processes are booting or up (the pool spawned them on its own).
-        assert.isTrue(yield* eventually(() => childPids(process.pid).length >= 2, 10_000))
+        assert.isTrue(yield* eventually(() => childPids(process.pid).length >= 2))
         const early = yield* Effect.gen(function* () {
           const runScope = yield* Scope.make()
           const set = yield* pool.acquire(2).pipe(Scope.extend(runScope))
@@ -44,10 +44,10 @@ describe("localAgentPool prestart", () => {
         )
         // The run's scope owns only its fresh agents; the pre-started ones belong to the layer.
         yield* Scope.close(early.runScope, Exit.void)
-        assert.isTrue(yield* eventually(() => fresh.every((a) => !isAlive(a.pid)), 5000))
+        assert.isTrue(yield* eventually(() => fresh.every((a) => !isAlive(a.pid))))
         assert.isTrue(prestarted.every((a) => isAlive(a.pid)))
         yield* Scope.close(scope, Exit.void)
-        assert.isTrue(yield* eventually(() => prestarted.every((a) => !isAlive(a.pid)), 5000))
+        assert.isTrue(yield* eventually(() => prestarted.every((a) => !isAlive(a.pid))))
       }),
     60_000
   )

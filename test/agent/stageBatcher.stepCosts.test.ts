@@ -13,6 +13,7 @@ import { emptyBatchCounters, makeStageBatcher } from "../../src/layers/agent/Sta
 import { make as makeDouble } from "../../src/layers/engine/StageExecutorTest.js"
 import { StageExecutor, type StageExecutorService, type StageSession } from "../../src/services/StageExecutor.js"
 import { makeStepCosts } from "../../src/services/StepCosts.js"
+import { untilTrue } from "../support/until.js"
 
 /**
  * ms per forward by rows: about the 16×2048 Q8_0 stage's measured 70/74/149/115/180/130/…/164 ms scaled down 3.5×
@@ -76,11 +77,7 @@ const decodeRound = (probe: "probe" | "seeded" | "none", decoders: number, stage
         ...(probe === "seeded" ? { stepCosts: seeded } : {})
       })
       if (probe === "probe") {
-        const started = performance.now()
-        while (batcher.stepCosts().probe !== "done") {
-          assert.isBelow(performance.now() - started, 10_000, "the idle probe did not finish")
-          yield* Effect.sleep("20 millis")
-        }
+        yield* untilTrue("the idle probe to finish", () => batcher.stepCosts().probe === "done")
       }
       const probeCalls = ex.calls.splice(0).map((c) => c.length)
       const sessions = yield* Effect.forEach(Array.from({ length: decoders }), () => executor.session(stage))
@@ -163,10 +160,7 @@ describe("decode micro-batches sized from measured step costs", () => {
             [1, 1],
             "a probe step ran before the run's work"
           )
-          while (batcher.stepCosts().probe !== "done") {
-            assert.isBelow(performance.now() - lastWork, 10_000, "the probe never ran")
-            yield* Effect.sleep("20 millis")
-          }
+          yield* untilTrue("the probe to run after the work", () => batcher.stepCosts().probe === "done")
           // the session's decode step keeps the stage busy for 3 of its intervals (or 2 s), then quietMillis
           assert.isAtLeast(performance.now() - lastWork, 300)
           assert.deepStrictEqual(

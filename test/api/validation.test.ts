@@ -26,6 +26,7 @@ import {
 import { refusedConnection, startAgents, startTestNode, stories260KProvision } from "../support/e2e.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { type ServeProcess, startServe } from "../support/serve.js"
+import { untilAsync } from "../support/until.js"
 
 const model = () => requireModel("stories260K.gguf")
 
@@ -356,7 +357,7 @@ describe("a node's refused connections: one WARN line per peer, naming it", () =
     const node = await startTestNode()
     try {
       for (let i = 0; i < 20; i++) await refusedConnection(node.port)
-      await new Promise((resolve) => setTimeout(resolve, 300))
+      await untilAsync("the refusal line", node.stderr, (text) => text.includes("connection from"))
     } finally {
       await node.stop()
     }

@@ -12,6 +12,7 @@ import { createClient } from "../../src/api/generate.js"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import { refusedConnection, startTestNode } from "../support/e2e.js"
 import { repoRoot, requireModel } from "../support/models.js"
+import { untilAsync } from "../support/until.js"
 
 interface Ran {
   readonly code: number | null
@@ -177,7 +178,9 @@ describe("swactor run / node: messages and streams", () => {
     const node = await startTestNode()
     // A client that speaks no handshake: the node refuses it and logs a warning.
     await refusedConnection(node.port)
-    await new Promise((resolve) => setTimeout(resolve, 300))
+    await untilAsync("the refusal warning", node.stderr, (text) =>
+      /control-plane connection from .* refused/.test(text)
+    )
     await node.stop()
     expect(node.stderr()).toMatch(/control-plane connection from 127\.0\.0\.1 refused/)
     expect(

@@ -12,6 +12,7 @@ import type { GenerateRequest, RunUpdate } from "../../src/services/Orchestrator
 import { childPids, cuttingProxy, eventually, isAlive, startAgents } from "../support/e2e.js"
 import { agentEntry } from "../support/agentEntry.js"
 import { repoRoot, requireModel } from "../support/models.js"
+import { until } from "../support/until.js"
 
 /** Data connections an agent refused because their run or edge was not registered there (from its log). */
 const refusedAttaches = (agent: LocalAgent) =>
@@ -108,7 +109,7 @@ describe("end to end faults: real agent processes", () => {
           // The surviving agents host nothing any more.
           assert.deepStrictEqual(yield* activeStages([agents[0]!, agents[2]!], token), [0, 0])
         }).pipe(Effect.scoped)
-        assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid)), 5000))
+        assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid))))
         assert.deepStrictEqual(
           childPids(process.pid).filter((pid) => pids.includes(pid)),
           []
@@ -283,13 +284,9 @@ describe("end to end faults: real agent processes", () => {
           child.stdout.once("data", () => child.kill("SIGKILL"))
           child.on("exit", () => resume(Effect.void))
         })
-        let hosted: ReadonlyArray<number> = []
-        const until = Date.now() + 5000
-        do {
-          hosted = yield* activeStages(agents, token)
-          if (hosted.every((n) => n === 0)) break
-          yield* Effect.sleep("100 millis")
-        } while (Date.now() < until)
+        const hosted = yield* until("the agents to stop hosting", activeStages(agents, token), (h) =>
+          h.every((n) => n === 0)
+        )
         assert.deepStrictEqual(hosted, [0, 0])
         for (const agent of agents) assert.isTrue(isAlive(agent.pid))
       }).pipe(Effect.scoped),
@@ -312,7 +309,7 @@ describe("end to end faults: real agent processes", () => {
           })
         })
         assert.strictEqual(pids.length, 2)
-        assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid)), 5000))
+        assert.isTrue(yield* eventually(() => pids.every((pid) => !isAlive(pid))))
       }),
     60_000
   )
@@ -363,7 +360,7 @@ describe("end to end faults: real agent processes", () => {
         // 128 + SIGINT, as a shell expects of a program stopped by Ctrl-C
         assert.strictEqual(result.code, 130, `exit ${result.code} ${result.signal}: ${result.stderr}`)
         assert.isBelow(result.waitedMs, 10_000)
-        assert.isTrue(yield* eventually(() => agentPids.every((pid) => !isAlive(pid)), 5000))
+        assert.isTrue(yield* eventually(() => agentPids.every((pid) => !isAlive(pid))))
       }),
     60_000
   )

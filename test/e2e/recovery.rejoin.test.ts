@@ -4,8 +4,9 @@ import { Chunk, Context, Effect, Layer, Stream } from "effect"
 import { clusterTokenEnv, parentWatchEnv, readyLinePrefix } from "../../src/layers/agent/ReadyLine.js"
 import { swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
 import { Orchestrator, type Pipeline, type RunUpdate } from "../../src/services/Orchestrator.js"
-import { eventually, isAlive, startAgents } from "../support/e2e.js"
+import { isAlive, startAgents } from "../support/e2e.js"
 import { requireModel } from "../support/models.js"
+import { until, untilTrue } from "../support/until.js"
 
 /** `swactor node` listening at `address` (a restart there), killed with the scope. */
 const startAgentAt = (address: string, token: string) =>
@@ -58,12 +59,9 @@ describe("rejoin: a node restarted at its address comes back to the pool", () =>
         assert.deepStrictEqual(first.addresses, [agents[0]!.address, agents[1]!.address])
 
         process.kill(agents[1]!.pid, "SIGKILL")
-        assert.isTrue(yield* eventually(() => !isAlive(agents[1]!.pid), 5000))
-        let alive = yield* pipeline.alive
-        for (let i = 0; i < 100 && alive.length !== 1; i++) {
-          yield* Effect.sleep("50 millis")
-          alive = yield* pipeline.alive
-        }
+        yield* untilTrue("the killed agent to exit", () => !isAlive(agents[1]!.pid))
+        // the heartbeat deadline (2 s) passes on the pipeline's own clock: wait for its membership to change
+        let alive = yield* until("the pipeline to drop the killed agent", pipeline.alive, (a) => a.length === 1)
         assert.deepStrictEqual(
           alive.map((a) => a.node.address),
           [agents[0]!.address]
@@ -73,10 +71,7 @@ describe("rejoin: a node restarted at its address comes back to the pool", () =>
         assert.deepStrictEqual(without.tokens, first.tokens)
 
         const restarted = yield* startAgentAt(agents[1]!.address, token)
-        for (let i = 0; i < 100 && alive.length !== 2; i++) {
-          yield* Effect.sleep("50 millis")
-          alive = yield* pipeline.alive
-        }
+        alive = yield* until("the restarted agent to rejoin", pipeline.alive, (a) => a.length === 2)
         assert.deepStrictEqual(
           alive.map((a) => a.pid),
           [agents[0]!.pid, restarted.pid]

@@ -9,6 +9,7 @@ import * as TokenizerLive from "../../src/layers/gguf/TokenizerLive.js"
 import { Server, type ServeEvent } from "../../src/services/Server.js"
 import { delayedTestExecutor, memoryWorldServices } from "../support/memoryWorld.js"
 import { requireModel } from "../support/models.js"
+import { until } from "../support/until.js"
 
 /** A server over 3 in-memory agents, 2 stages: the third agent is a spare. */
 const world = Effect.gen(function* () {
@@ -87,11 +88,7 @@ describe("serve: in-flight requests survive a lost agent", () => {
         assert.match(failed.message, /no node left to host the model/)
         // With none left the server revives the pipeline (test/server/revive.test.ts): it waits for these agents, which never
         // answer again here (killed in memory, no fresh ones to start), and refuses requests meanwhile.
-        let status = yield* server.status
-        for (let i = 0; i < 200 && status._tag !== "Reviving"; i++) {
-          yield* Effect.sleep("50 millis")
-          status = yield* server.status
-        }
+        const status = yield* until("the server to start reviving", server.status, (s) => s._tag === "Reviving")
         assert.strictEqual(status._tag, "Reviving")
         assert.match(status._tag === "Reviving" ? status.message : "", /every agent of the pipeline was lost/)
         assert.deepStrictEqual(status._tag === "Reviving" ? status.waitingFor.map((a) => [a.address, a.state]) : [], [

@@ -5,6 +5,7 @@ import { Chunk, Effect, Stream } from "effect"
 import { run } from "../../src/api/generate.js"
 import { startAgents } from "../support/e2e.js"
 import { requireModel } from "../support/models.js"
+import { until } from "../support/until.js"
 
 describe("speed probe after ready", () => {
   it.live(
@@ -28,13 +29,11 @@ describe("speed probe after ready", () => {
           }),
           Effect.provide(layer)
         )
-        let capacity = yield* reported
-        for (let i = 0; i < 60 && capacity?.speedSource === undefined; i++) {
+        const capacity = yield* until("the speed probe to report", reported, (c) => {
           // before the probe ends: no speed at all (placement's default), never a made-up one
-          assert.isUndefined(capacity?.speedBytesPerSecond)
-          yield* Effect.sleep("250 millis")
-          capacity = yield* reported
-        }
+          if (c?.speedSource === undefined) assert.isUndefined(c?.speedBytesPerSecond)
+          return c?.speedSource !== undefined
+        })
         assert.strictEqual(capacity?.speedSource, "measured")
         assert.isAbove(capacity?.speedBytesPerSecond ?? 0, 1e7)
       }).pipe(Effect.scoped),

@@ -12,6 +12,7 @@ import { join } from "node:path"
 import { randomBytes } from "node:crypto"
 import { requireModel } from "../support/models.js"
 import { type ServeProcess, startServe, stopServe } from "../support/serve.js"
+import { untilAsync } from "../support/until.js"
 
 const model = requireModel("stories260K.gguf")
 const first = randomBytes(24).toString("hex")
@@ -110,13 +111,14 @@ describe("swactor serve --api-key-file (two keys)", () => {
     )
     assert.strictEqual(agents.length, 2)
     process.kill(agents[1]!.pid, "SIGKILL")
-    let withKey: { status: string; lostAgents?: ReadonlyArray<string> } = { status: "" }
-    for (const until = Date.now() + 20_000; withKey.lostAgents === undefined && Date.now() < until;) {
-      await new Promise((resolve) => setTimeout(resolve, 100))
-      withKey = await fetch(`${server.url}/health`, { headers: { "x-api-key": first } }).then(
-        (r) => r.json() as Promise<typeof withKey>
-      )
-    }
+    const withKey = await untilAsync(
+      "the killed agent to be reported lost",
+      () =>
+        fetch(`${server.url}/health`, { headers: { "x-api-key": first } }).then(
+          (r) => r.json() as Promise<{ status: string; lostAgents?: ReadonlyArray<string> }>
+        ),
+      (health) => health.lostAgents !== undefined
+    )
     assert.deepStrictEqual(withKey, { status: "ok", lostAgents: [agents[1]!.address] })
     const open = await fetch(`${server.url}/health`)
     assert.strictEqual(open.status, 200)

@@ -13,6 +13,7 @@ import { isAlive } from "../support/e2e.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { agentsOf, metricOf, type ServeProcess, startServe, stopServe } from "../support/serve.js"
 import { rawRequest, residentBytes, silentConnections, sleep, watchStreams } from "../support/abuse.js"
+import { untilAsync } from "../support/until.js"
 
 const model = requireModel("stories260K.gguf")
 
@@ -196,7 +197,7 @@ describe("swactor serve: limits and browser safety at the HTTP edge (stories260K
       assert.isAtMost(await metricOf(server.url, "swactor_http_connections_open"), 40)
       assert.isAtLeast((await closedAtOnce()) - before, 20)
       // Past the header timeout the server has closed every one of them.
-      for (const until = Date.now() + 5000; silent.closedByServer() < 60 && Date.now() < until;) await sleep(50)
+      await untilAsync("the server to close all 60 silent connections", silent.closedByServer, (n) => n >= 60)
       assert.strictEqual(silent.closedByServer(), 60)
       silent.close()
     })

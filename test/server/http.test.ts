@@ -24,6 +24,7 @@ import {
   startServeOverNodes,
   waitForIdle
 } from "../support/serve.js"
+import { untilAsync } from "../support/until.js"
 
 const model = requireModel("stories260K.gguf")
 /** The greedy 24-token completion of "Once upon a time" from the local server (the remote one must match it). */
@@ -459,7 +460,11 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     const queuedDone = readSse(queued, undefined, (line) => comments.push(line))
     assert.strictEqual(await metricOf(server.url, "swactor_requests_queued"), 1)
     // While it waits in the queue, the open stream gets keep-alive comments.
-    for (const until = Date.now() + 3000; comments.length < 2 && Date.now() < until;) await sleep(20)
+    await untilAsync(
+      "two keep-alive comments on the queued stream",
+      () => comments.length,
+      (n) => n >= 2
+    )
     assert.strictEqual(comments[0], ": keep-alive")
 
     const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "none", maxRetries: 0 })
@@ -504,19 +509,20 @@ describe("swactor serve: admission and faults (parallel 1, queue 1)", () => {
     const error = JSON.parse(lastAll.at(-2)!.data) as { error?: { message: string } }
     assert.match(error.error?.message ?? "", /no node left to host the model/)
     assert.isBelow(lastAll.at(-1)!.at - killedAt, 2000)
-    let health = await fetch(`${server.url}/health`)
-    for (const until = Date.now() + 3000; Date.now() < until && health.status !== 503;) {
-      await sleep(20)
-      health = await fetch(`${server.url}/health`)
-    }
+    let health = await untilAsync(
+      "/health to say 503",
+      () => fetch(`${server.url}/health`),
+      (h) => h.status === 503
+    )
     assert.strictEqual(health.status, 503)
     const reviving = (await health.json()) as { status: string; error: string }
     assert.strictEqual(reviving.status, "reviving")
     assert.match(reviving.error, /every agent of the pipeline was lost/)
-    for (const until = Date.now() + 30_000; Date.now() < until && health.status !== 200;) {
-      await sleep(50)
-      health = await fetch(`${server.url}/health`)
-    }
+    health = await untilAsync(
+      "/health to say 200 again",
+      () => fetch(`${server.url}/health`),
+      (h) => h.status === 200
+    )
     assert.strictEqual(health.status, 200, server.stderr())
     const after = await client.completions.create({ model: "m", prompt: "Hi", max_tokens: 2 })
     assert.strictEqual(after.usage?.completion_tokens, 2)

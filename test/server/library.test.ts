@@ -12,6 +12,7 @@ import { Server, type ServeEvent, type ServeOptions } from "../../src/services/S
 import { makeStopMatcher } from "../../src/services/StopText.js"
 import { delayedTestExecutor, memoryWorldServices } from "../support/memoryWorld.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
+import { until } from "../support/until.js"
 
 const world = (options: Partial<ServeOptions> & { readonly delayMillis?: number } = {}) =>
   Effect.gen(function* () {
@@ -71,9 +72,9 @@ describe("Server (library, in-memory agents)", () => {
     Effect.gen(function* () {
       const { server } = yield* world({ parallel: 1, queueLimit: 1, delayMillis: 5 })
       const first = yield* Stream.runCollect(server.generate({ prompt: "Once", maxTokens: 40 })).pipe(Effect.fork)
-      yield* Effect.sleep("100 millis")
+      yield* until("the first request to run", server.metrics, (m) => m.inFlight === 1)
       const second = yield* Stream.runCollect(server.generate({ prompt: "Twice", maxTokens: 4 })).pipe(Effect.fork)
-      yield* Effect.sleep("50 millis")
+      yield* until("the second request to queue", server.metrics, (m) => m.queued === 1)
       const metrics = yield* server.metrics
       assert.strictEqual(metrics.inFlight, 1)
       assert.strictEqual(metrics.queued, 1)
@@ -95,14 +96,14 @@ describe("Server (library, in-memory agents)", () => {
       const request = { prompt: "Once", maxTokens: 60 }
       const probe = yield* world({ delayMillis: 5 })
       const first = yield* Stream.runDrain(probe.server.generate(request)).pipe(Effect.fork)
-      yield* Effect.sleep("100 millis")
+      yield* until("the probe request to reserve KV", probe.server.metrics, (m) => m.kvReservedBytes > 0)
       const perSequence = (yield* probe.server.metrics).kvReservedBytes
       assert.isAbove(perSequence, 0)
       yield* Fiber.interrupt(first)
 
       const { server } = yield* world({ delayMillis: 5, parallel: 8, kvBudgetBytes: 2 * perSequence })
       const fibers = yield* Effect.forEach([1, 2, 3], () => Stream.runDrain(server.generate(request)).pipe(Effect.fork))
-      yield* Effect.sleep("100 millis")
+      yield* until("two running and one queued", server.metrics, (m) => m.inFlight + m.queued === 3)
       const metrics = yield* server.metrics
       assert.strictEqual(metrics.inFlight, 2)
       assert.strictEqual(metrics.queued, 1)
@@ -134,7 +135,11 @@ describe("Server (library, in-memory agents)", () => {
     Effect.gen(function* () {
       const { memory, server } = yield* world({ delayMillis: 5 })
       const fiber = yield* Stream.runDrain(server.generate({ prompt: "Once", maxTokens: 200 })).pipe(Effect.fork)
-      yield* Effect.sleep("150 millis")
+      yield* until(
+        "both stages to host the request",
+        Effect.forEach(memory.agents, (a) => a.host.capacity),
+        (all) => all.every((c) => c.activeStages === 1)
+      )
       const during = yield* Effect.forEach(memory.agents, (a) => a.host.capacity)
       assert.deepStrictEqual(
         during.map((c) => c.activeStages),
@@ -158,7 +163,7 @@ describe("Server (library, in-memory agents)", () => {
     Effect.gen(function* () {
       const { memory, server } = yield* world({ delayMillis: 5, recovery: { maxAttempts: 0 } })
       const fiber = yield* Stream.runDrain(server.generate({ prompt: "Once", maxTokens: 200 })).pipe(Effect.fork)
-      yield* Effect.sleep("100 millis")
+      yield* until("the request to run", server.metrics, (m) => m.inFlight === 1)
       yield* memory.agents[1]!.kill
       const error = yield* Effect.flip(Fiber.join(fiber))
       assert.strictEqual(error._tag, "PipelineFaulted")

@@ -9,9 +9,9 @@ import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
 import { agentsOf, metricOf, readSse, type ServeProcess, startServe, stopServe } from "../support/serve.js"
 import { requireModel } from "../support/models.js"
+import { untilAsync } from "../support/until.js"
 
 const model = requireModel("stories260K.gguf")
-const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
 
 interface Completion {
   readonly text: string
@@ -156,16 +156,21 @@ describe("swactor serve: prompt cache", () => {
     await readSse(response, () => {
       if (++chunks === 5) abort.abort()
     }).catch(() => undefined)
-    for (const until = Date.now() + 10_000; Date.now() < until;) {
-      if ((await metricOf(url, "swactor_requests_in_flight")) === 0) break
-      await sleep(50)
-    }
+    await untilAsync(
+      "the cancelled request to end",
+      () => metricOf(url, "swactor_requests_in_flight"),
+      (n) => n === 0
+    )
     assert.strictEqual(await metricOf(url, 'swactor_requests_total{outcome="cancelled"}'), 1)
     assert.strictEqual(await metricOf(url, "swactor_kv_reserved_bytes"), 0)
     // the entries held before, and only they (the one it adopted is not in use any more)
     assert.deepStrictEqual((await lruOf(url)).map(([id]) => id).sort(), before.map(([id]) => id).sort())
     assert.strictEqual(await metricOf(url, "swactor_prompt_cache_bytes"), bytesBefore)
-    for (let i = 0; i < 100 && (await agentsOf(url)).some((a) => a.activeStages !== 0); i++) await sleep(50)
+    await untilAsync(
+      "the agents to stop hosting",
+      () => agentsOf(url),
+      (all) => all.every((a) => a.activeStages === 0)
+    )
     assert.isTrue((await agentsOf(url)).every((a) => a.activeStages === 0))
   })
 
@@ -176,11 +181,11 @@ describe("swactor serve: prompt cache", () => {
     const agents = await agentsOf(url)
     assert.strictEqual(agents.length, 3)
     process.kill(agents[1]!.pid, "SIGKILL")
-    let health = { lostAgents: [] as Array<string> }
-    for (const until = Date.now() + 10_000; Date.now() < until && health.lostAgents?.length !== 1;) {
-      await sleep(50)
-      health = (await fetch(`${url}/health`).then((r) => r.json())) as typeof health
-    }
+    const health = await untilAsync(
+      "the killed agent to be reported lost",
+      () => fetch(`${url}/health`).then((r) => r.json()) as Promise<{ lostAgents?: Array<string> }>,
+      (h) => h.lostAgents?.length === 1
+    )
     assert.deepStrictEqual(health.lostAgents, [agents[1]!.address])
     const after = await complete(url, { prompt: P2, max_tokens: 30 })
     assert.strictEqual(after.text, ref["again"]!.text)

@@ -15,6 +15,7 @@ import { Server } from "../../src/services/Server.js"
 import { isAlive } from "../support/e2e.js"
 import { requireModel } from "../support/models.js"
 import { agentsOf, metricOf, type ServeProcess, startServe, startServeOverNodes } from "../support/serve.js"
+import { until } from "../support/until.js"
 
 const model = requireModel("stories260K.gguf")
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms))
@@ -205,11 +206,7 @@ describe("Server (library, local agents): stalled agents that never come back", 
         const old = (yield* server.metrics).agents
         assert.strictEqual(old.length, 2)
         for (const agent of old) process.kill(agent.pid, "SIGSTOP")
-        let status = yield* server.status
-        for (let i = 0; i < 200 && status._tag !== "Reviving"; i++) {
-          yield* Effect.sleep("50 millis")
-          status = yield* server.status
-        }
+        let status = yield* until("the server to start reviving", server.status, (s) => s._tag === "Reviving")
         assert.strictEqual(status._tag, "Reviving")
         if (status._tag === "Reviving") {
           assert.deepStrictEqual(
@@ -220,10 +217,7 @@ describe("Server (library, local agents): stalled agents that never come back", 
         }
         const refused = yield* Effect.flip(run)
         assert.strictEqual(refused._tag, "ServerReviving")
-        for (let i = 0; i < 400 && status._tag !== "Ready"; i++) {
-          yield* Effect.sleep("50 millis")
-          status = yield* server.status
-        }
+        status = yield* until("the revived server to be ready", server.status, (s) => s._tag === "Ready")
         assert.deepStrictEqual(status, { _tag: "Ready" })
         assert.strictEqual(yield* run, before)
         const fresh = (yield* server.metrics).agents

@@ -19,6 +19,7 @@ import { longestPieceBytes } from "../../src/layers/server/TokenizeWorker.js"
 import type { ChatMessage } from "../../src/services/Tokenizer.js"
 import { Tokenizer } from "../../src/services/Tokenizer.js"
 import { requireModel } from "../support/models.js"
+import { untilTrue } from "../support/until.js"
 
 const texts = [
   "Once upon a time",
@@ -135,7 +136,7 @@ describe("tokenizer worker", () => {
           )
           // A long text (~1 s of tokenizing) goes to the long lane; meanwhile a short one is answered at once.
           const held = yield* Effect.fork(Effect.either(worker.tokenize("Lily ".repeat(400_000), 10_000_000)))
-          yield* Effect.sleep("50 millis")
+          yield* untilTrue("the long lane's worker to start", () => workers.length === 2)
           assert.deepStrictEqual(yield* worker.tokenize(texts[3]!, 100), [...inThread.tokenize(texts[3]!)])
           assert.isNull(held.unsafePoll())
           assert.deepStrictEqual(

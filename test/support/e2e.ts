@@ -15,6 +15,7 @@ import {
   swactorMain
 } from "../../src/layers/agent/AgentProcesses.js"
 import { repoRoot } from "./models.js"
+import { eventLimitMillis } from "./until.js"
 
 /** Starts `count` real agents (`swactor node` child processes) and an orchestrator layer over them. */
 export const startAgents = (count: number, options: Partial<LocalAgentsOptions> = {}) =>
@@ -48,8 +49,11 @@ export const childPids = (ppid: number): ReadonlyArray<number> => {
   }
 }
 
-/** Waits (polling) until `check` holds or `timeoutMs` passes; returns whether it held. */
-export const eventually = (check: () => boolean, timeoutMs: number) =>
+/**
+ * Waits (polling) until `check` holds or `timeoutMs` passes; returns whether it held. The default limit is the
+ * suite's generous outer limit for an event (support/until.ts): only an event that never comes reaches it.
+ */
+export const eventually = (check: () => boolean, timeoutMs = eventLimitMillis) =>
   Effect.gen(function* () {
     const until = Date.now() + timeoutMs
     while (Date.now() < until) {

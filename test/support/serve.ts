@@ -9,6 +9,7 @@ import {
 } from "../../src/layers/agent/AgentProcesses.js"
 import { clusterTokenEnv } from "../../src/layers/agent/ReadyLine.js"
 import { repoRoot } from "./models.js"
+import { eventLimitMillis } from "./until.js"
 
 export interface ServeProcess {
   readonly child: ChildProcess
@@ -116,11 +117,14 @@ export const metricOf = async (url: string, name: string, headers: Record<string
   return match === null ? Number.NaN : Number(match[1])
 }
 
-/** Polls until no agent hosts a stage and nothing is in flight, for at most `withinMillis` (the caller asserts after). */
+/**
+ * Polls until no agent hosts a stage and nothing is in flight, for at most `withinMillis` (the caller asserts after;
+ * by default the suite's generous outer limit for an event, support/until.ts).
+ */
 export const waitForIdle = async (
   url: string,
   headers: Record<string, string> = {},
-  withinMillis = 3000
+  withinMillis = eventLimitMillis
 ): Promise<void> => {
   for (const until = Date.now() + withinMillis; Date.now() < until;) {
     const agents = await agentsOf(url, headers)

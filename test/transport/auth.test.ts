@@ -7,6 +7,7 @@ import type { RingSpec } from "../../src/domain/plan.js"
 import * as Auth from "../../src/layers/transport/Auth.js"
 import * as EdgeTransport from "../../src/layers/transport/EdgeTransport.js"
 import * as Framing from "../../src/layers/transport/Framing.js"
+import { untilAsync } from "../support/until.js"
 
 const TOKEN_TEXT = "correct-horse-battery-staple-0123456789"
 const token = Redacted.make(TOKEN_TEXT)
@@ -54,16 +55,16 @@ const rawClient = (port: number) =>
   })
 
 const waitBytes = (received: () => Buffer, n: number) =>
-  Effect.promise(async () => {
-    for (let i = 0; i < 200 && received().length < n; i++) await new Promise((r) => setTimeout(r, 5))
-    return received()
-  })
+  Effect.promise(() => untilAsync(`${n} bytes from the listener`, received, (bytes) => bytes.length >= n))
 
 const lastOutcome = (outcomes: ReadonlyArray<Exit.Exit<void, unknown>>, count: number) =>
-  Effect.promise(async () => {
-    for (let i = 0; i < 400 && outcomes.length < count; i++) await new Promise((r) => setTimeout(r, 5))
-    return outcomes[count - 1]
-  })
+  Effect.promise(() =>
+    untilAsync(
+      `${count} handshake outcomes`,
+      () => outcomes.length,
+      (n) => n >= count
+    ).then(() => outcomes[count - 1])
+  )
 
 /** A TCP proxy that records the bytes flowing each way. */
 const capturingProxy = (targetPort: number) =>

@@ -17,6 +17,7 @@ import * as Auth from "../../src/layers/transport/Auth.js"
 import * as EdgeTransport from "../../src/layers/transport/EdgeTransport.js"
 import * as Framing from "../../src/layers/transport/Framing.js"
 import * as ShmRing from "../../src/layers/transport/ShmRing.js"
+import { until } from "../support/until.js"
 
 const token = Redacted.make("dataplane-test-token")
 const runId = 11 as RunId
@@ -61,16 +62,9 @@ const decode = (sequence: number, tokenId: number) =>
 
 const sleep = (ms: number) => Effect.promise(() => new Promise((r) => setTimeout(r, ms)))
 
-/** Poll until `f` holds (real time), or fail the test after ~2 s. */
+/** Waits (real time) until `f` holds, with the suite's generous outer limit (support/until.ts). */
 const eventually = <A>(get: Effect.Effect<A>, f: (a: A) => boolean) =>
-  Effect.gen(function* () {
-    for (let i = 0; i < 400; i++) {
-      const a = yield* get
-      if (f(a)) return a
-      yield* sleep(5)
-    }
-    return assert.fail("condition never held")
-  })
+  until("a transport state", get, f).pipe(Effect.orDie)
 
 /** Set up a listener with one registered edge, and a connected sender. */
 const edge = (address: TransportAddress, ring: RingSpec, sharedMemory = false) =>
