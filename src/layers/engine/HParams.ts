@@ -210,11 +210,21 @@ export const readHParams = (
     if (headDimV !== headDimK && options.ownHeadShape !== true) {
       return yield* Effect.fail(invalid(file, `key_length ${headDimK} != value_length ${headDimV} is not supported`))
     }
+    // Partial rotary (RoPE on the first nRot values of each head, the rest passed through) as llama.cpp's loader
+    // allows it: any even width up to the head size, except for llama, whose loader requires the whole head.
+    // GLM-4.5/4.6's converter writes half the head (partial_rotary_factor 0.5).
     const nRot = (yield* getOptional(file, k("rope.dimension_count"), getU32)) ?? headDimK
-    if (nRot !== headDimK && options.ownHeadShape !== true) {
-      return yield* Effect.fail(
-        invalid(file, `rope.dimension_count ${nRot} must equal the head size ${headDimK} for ${arch}`)
-      )
+    if (options.ownHeadShape !== true) {
+      if (arch === "llama" && nRot !== headDimK) {
+        return yield* Effect.fail(
+          invalid(file, `rope.dimension_count ${nRot} must equal the head size ${headDimK} for ${arch}`)
+        )
+      }
+      if (nRot === 0 || nRot > headDimK || nRot % 2 !== 0) {
+        return yield* Effect.fail(
+          invalid(file, `rope.dimension_count ${nRot} must be even, > 0 and at most the head size ${headDimK}`)
+        )
+      }
     }
     if (headDimK % 2 !== 0) return yield* Effect.fail(invalid(file, `head size ${headDimK} must be even`))
     const rmsEps = yield* getF32(file, k("attention.layer_norm_rms_epsilon"))

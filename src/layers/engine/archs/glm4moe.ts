@@ -5,8 +5,8 @@
  * file's `expert_gating_func`), the expert bias `exp_probs_b` added for the choice only, weights normalised when
  * `expert_weights_norm`, scaled by `expert_weights_scale`, plus `expert_shared_count` shared experts.
  * MTP blocks (`nextn_predict_layers` > 0) are left out, as llama.cpp decodes: the model's blocks are the trunk.
- * Not supported (refused naming the key): multi-section RoPE, partial RoPE (HParams.ts requires rope.dimension_count
- * = head size).
+ * Partial RoPE runs as the converter writes it (rope.dimension_count = half the head: RoPE on those values only).
+ * Not supported (refused naming the key): multi-section RoPE.
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"

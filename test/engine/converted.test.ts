@@ -1,0 +1,50 @@
+/**
+ * Files as llama.cpp's converter writes them (issue 38, "metadata as the real converters write it"), written by
+ * llama.cpp's own gguf-py (test/support/convertedModels.py), not by `swactor synth`: a mistake shared by swactor's
+ * writer and its engine cannot hide here. The oracle is node-llama-cpp's greedy tokens, at 1 and 3 stages.
+ *
+ * glm4moe as GLM-4.5/4.6 convert: `rope.dimension_count` = half the head size (the checkpoint's
+ * partial_rotary_factor 0.5: RoPE on the first half of each head, the rest passed through), head_dim apart from
+ * hidden / heads (key_length), q/k/v biases, one leading dense block, sigmoid routing with the correction bias,
+ * a shared expert, and one MTP block after the trunk.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Effect } from "effect"
+import { join } from "node:path"
+import { getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
+import { readModelFacts } from "../../src/layers/gguf/ModelCatalogLive.js"
+import { writeConverted } from "../support/convertedModels.js"
+import { nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
+import { modelFolder, REFERENCE_OPTIONS, STORY_PROMPT } from "../support/synthFiles.js"
+
+const dir = modelFolder("swactor-engine-converted-")
+const N_TOKENS = 16
+
+describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 and 3 stages", () => {
+  it.effect(
+    "glm4moe with partial rotary (rope.dimension_count = head size / 2), biases, a dense block, an MTP block",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("glm4moe", join(dir, "glm4moe.gguf"), 45)
+        const file = yield* readGgufFile(path)
+        // the file is what the converter writes: partial rotary, the MTP block counted in block_count
+        assert.strictEqual(yield* getU32(file, "glm4moe.rope.dimension_count"), 16)
+        assert.strictEqual(yield* getU32(file, "glm4moe.attention.key_length"), 32)
+        assert.strictEqual(yield* getU32(file, "glm4moe.block_count"), 5)
+        assert.strictEqual((yield* readModelFacts(path)).numLayers, 4)
+        const ref = yield* nodeLlamaReference(path, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
+        assert.lengthOf(ref.tokens, N_TOKENS)
+        yield* splitsMatchReference(
+          path,
+          ref,
+          [
+            [0, 4],
+            [0, 1, 2, 4],
+            [0, 1, 3, 4]
+          ],
+          REFERENCE_OPTIONS
+        )
+      }),
+    240_000
+  )
+})

@@ -1,0 +1,139 @@
+"""Tiny GGUF files written the way llama.cpp's converter (convert_hf_to_gguf.py) writes a family's released
+checkpoints, with llama.cpp's own writer (gguf-py), so that a mistake shared by swactor's writer (`swactor synth`)
+and its engine cannot hide. Shapes follow each family's released config.json, scaled down; the keys are those the
+converter's model class writes (conversion/*.py in the llama.cpp source node-llama-cpp ships).
+
+usage: python3 convertedModels.py GGUF_PY_DIR FAMILY OUT.gguf TOKENIZER.gguf [SEED]
+
+The tokenizer (its tokenizer.* keys) is copied from TOKENIZER.gguf, so both sides tokenize alike; weights are
+seeded normal values (F16 matrices and F32 vectors, as `--outtype f16` writes them).
+"""
+
+import sys
+
+import numpy as np
+
+gguf_py, family, out_path, tokenizer_path = sys.argv[1:5]
+seed = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+sys.path.insert(0, gguf_py)
+import gguf  # noqa: E402
+
+rng = np.random.default_rng(seed)
+
+
+def matrix(*shape, scale=0.08):
+    """A weight in numpy order (rows last in ggml's ne): F16, as the converter writes matrices."""
+    return (rng.standard_normal(shape) * scale).astype(np.float16)
+
+
+def vector(n, around=1.0, spread=0.05):
+    return (around + rng.standard_normal(n) * spread).astype(np.float32)
+
+
+def copy_tokenizer(writer, path):
+    reader = gguf.GGUFReader(path)
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(name, field.contents())
+        elif kind == gguf.GGUFValueType.UINT32:
+            writer.add_uint32(name, int(field.contents()))
+        elif kind == gguf.GGUFValueType.INT32:
+            writer.add_int32(name, int(field.contents()))
+        elif kind == gguf.GGUFValueType.FLOAT32:
+            writer.add_float32(name, float(field.contents()))
+        elif kind == gguf.GGUFValueType.BOOL:
+            writer.add_bool(name, bool(field.contents()))
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def glm4moe(writer, n_vocab):
+    """GLM-4.5 / 4.5-Air / 4.6 (conversion/glm.py Glm4MoeModel), scaled down: head_dim set apart from
+    hidden_size / heads (key_length), partial_rotary_factor 0.5 (rope.dimension_count = head_dim / 2), q/k/v biases
+    (attention_bias), first_k_dense_replace 1, sigmoid routing with the correction bias, shared experts,
+    routed_scaling_factor, norm_topk_prob, and one MTP block (num_nextn_predict_layers 1) after the trunk."""
+    c = dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        partial_rotary_factor=0.5, rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        num_nextn_predict_layers=1,
+    )
+    n_embd, n_head, n_kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    n_block = c["num_hidden_layers"] + c["num_nextn_predict_layers"]
+    # TextModel.set_gguf_parameters, then Glm4MoeModel's own keys, in the converter's order
+    writer.add_block_count(n_block)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["n_routed_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_rope_dimension_count(int(hd * c["partial_rotary_factor"]))
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_count(c["n_shared_experts"])
+    writer.add_leading_dense_block_count(c["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(c["routed_scaling_factor"])
+    writer.add_expert_weights_norm(c["norm_topk_prob"])
+    writer.add_nextn_predict_layers(c["num_nextn_predict_layers"])
+
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    n_exp, n_ff_exp, n_ff = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
+    for il in range(n_block):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd))
+        writer.add_tensor(b + "attn_q.bias", vector(n_head * hd, 0.0, 0.1))
+        writer.add_tensor(b + "attn_k.bias", vector(n_kv * hd, 0.0, 0.1))
+        writer.add_tensor(b + "attn_v.bias", vector(n_kv * hd, 0.0, 0.1))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd))
+        writer.add_tensor(b + "post_attention_norm.weight", vector(n_embd))
+        if il < c["first_k_dense_replace"]:
+            writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd))
+            writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd))
+            writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff))
+        else:
+            writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.3).astype(np.float32))
+            writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, 0.0, 0.1))
+            writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd))
+            writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd))
+            writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp))
+            sh = n_ff_exp * c["n_shared_experts"]
+            writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd))
+            writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd))
+            writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh))
+        if il >= c["num_hidden_layers"]:
+            writer.add_tensor(b + "nextn.eh_proj.weight", matrix(n_embd, 2 * n_embd))
+            writer.add_tensor(b + "nextn.enorm.weight", vector(n_embd))
+            writer.add_tensor(b + "nextn.hnorm.weight", vector(n_embd))
+            writer.add_tensor(b + "nextn.shared_head_norm.weight", vector(n_embd))
+
+
+FAMILIES = {"glm4moe": ("glm4moe", glm4moe)}
+
+if family not in FAMILIES:
+    sys.exit(f"unknown family {family!r} (known: {', '.join(sorted(FAMILIES))})")
+arch, write = FAMILIES[family]
+writer = gguf.GGUFWriter(out_path, arch)
+writer.add_name(f"converted-{family}")
+vocab = copy_tokenizer(writer, tokenizer_path)
+write(writer, vocab)
+writer.write_header_to_file()
+writer.write_kv_data_to_file()
+writer.write_tensors_to_file()
+writer.close()
