@@ -124,7 +124,107 @@ def glm4moe(writer, n_vocab):
             writer.add_tensor(b + "nextn.shared_head_norm.weight", vector(n_embd))
 
 
-FAMILIES = {"glm4moe": ("glm4moe", glm4moe)}
+def dense(arch, c, n_vocab, writer, biases=False, qk_norm=False, rope_dim_key=False, vocab_key=False):
+    """A llama-style dense decoder as TextModel.set_gguf_parameters and the family's class write it: head_dim in
+    config.json gives key_length/value_length; tie_word_embeddings leaves output.weight out (the converter skips
+    lm_head); rope_type llama3 adds rope_freqs.weight (LlamaModel.generate_extra_tensors)."""
+    n_embd, n_head, n_kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim", n_embd // n_head)
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    rope = c.get("rope_scaling")
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if "head_dim" in c:
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if vocab_key:
+        writer.add_vocab_size(n_vocab)
+    if rope_dim_key:
+        writer.add_rope_dimension_count(hd)
+
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    if not c["tie_word_embeddings"]:
+        writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    if rope is not None and rope["rope_type"] == "llama3":
+        freqs = 1.0 / (c["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+        low = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+        high = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+        factors = []
+        for f in freqs:
+            wavelen = 2 * np.pi / f
+            if wavelen < high:
+                factors.append(1.0)
+            elif wavelen > low:
+                factors.append(rope["factor"])
+            else:
+                smooth = (rope["original_max_position_embeddings"] / wavelen - rope["low_freq_factor"]) / (
+                    rope["high_freq_factor"] - rope["low_freq_factor"]
+                )
+                factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    n_ff = c["intermediate_size"]
+    # block weights large enough that each block moves the residual well away from the token's own embedding (with
+    # tied embeddings, small ones leave a model that repeats its input token)
+    w = 0.3
+    for il in range(c["num_hidden_layers"]):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd, scale=w))
+        if biases:
+            writer.add_tensor(b + "attn_q.bias", vector(n_head * hd, 0.0, 0.1))
+            writer.add_tensor(b + "attn_k.bias", vector(n_kv * hd, 0.0, 0.1))
+            writer.add_tensor(b + "attn_v.bias", vector(n_kv * hd, 0.0, 0.1))
+        if qk_norm:
+            writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
+            writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+
+
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+             intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=4096)
+
+
+def llama(writer, n_vocab):
+    """Llama 3.2 1B/3B (conversion/llama.py LlamaModel): tied embeddings, llama3 RoPE scaling (rope_freqs.weight),
+    vocab_size and rope.dimension_count written."""
+    c = dict(SMALL, rope_theta=500_000.0, tie_word_embeddings=True,
+             rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192))
+    dense("llama", c, n_vocab, writer, rope_dim_key=True, vocab_key=True)
+
+
+def qwen2(writer, n_vocab):
+    """Qwen2.5 0.5B-3B (conversion/qwen.py Qwen2Model): q/k/v biases, tied embeddings, no rope.dimension_count."""
+    c = dict(SMALL, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    dense("qwen2", c, n_vocab, writer, biases=True)
+
+
+def qwen3(writer, n_vocab):
+    """Qwen3 0.6B-4B (Qwen3Model): head_dim 2x hidden / heads (key_length, value_length), q/k RMS norms, tied
+    embeddings, no rope.dimension_count."""
+    c = dict(SMALL, head_dim=32, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    dense("qwen3", c, n_vocab, writer, qk_norm=True)
+
+
+FAMILIES = {
+    "glm4moe": ("glm4moe", glm4moe),
+    "llama": ("llama", llama),
+    "qwen2": ("qwen2", qwen2),
+    "qwen3": ("qwen3", qwen3),
+}
 
 if family not in FAMILIES:
     sys.exit(f"unknown family {family!r} (known: {', '.join(sorted(FAMILIES))})")
