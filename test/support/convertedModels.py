@@ -219,7 +219,50 @@ def qwen3(writer, n_vocab):
     dense("qwen3", c, n_vocab, writer, qk_norm=True)
 
 
+def qwen3moe(writer, n_vocab):
+    """Qwen3-30B-A3B / 235B-A22B (conversion/qwen.py Qwen3MoeModel via Qwen2MoeModel): head_dim apart from
+    hidden / heads, q/k norms, every block routed (softmax, top-k renormalised by llama.cpp's graph: the converter
+    writes no expert_weights_norm), expert_feed_forward_length, intermediate_size written though no block uses it,
+    its own output.weight."""
+    c = dict(SMALL, head_dim=32, rope_theta=1_000_000.0, rms_norm_eps=1e-6, moe_intermediate_size=32,
+             num_experts=8, num_experts_per_tok=3)
+    n_embd, n_head, n_kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["num_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    n_exp, n_ff_exp, w = c["num_experts"], c["moe_intermediate_size"], 0.3
+    for il in range(c["num_hidden_layers"]):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.5).astype(np.float32))
+        writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
+
+
 FAMILIES = {
+    "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
     "llama": ("llama", llama),
     "qwen2": ("qwen2", qwen2),
