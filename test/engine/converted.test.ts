@@ -50,32 +50,32 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
 
   // The families as their converters write the released checkpoints: Llama 3.2 (tied embeddings, llama3 RoPE
   // scaling as rope_freqs.weight), Qwen2.5 (q/k/v biases, tied, no rope.dimension_count), Qwen3 (head_dim twice
-  // hidden / heads, q/k norms, tied), Qwen3-30B-A3B (every block routed, no expert_weights_norm key).
-  const tied = { llama: true, qwen2: true, qwen3: true, qwen3moe: false } as const
-  for (const family of ["llama", "qwen2", "qwen3", "qwen3moe"] as const) {
+  // hidden / heads, q/k norms, tied), Qwen3-30B-A3B (every block routed, no expert_weights_norm key), Gemma 3
+  // 4B (no sliding_window_pattern key: every 6th block global; linear RoPE scaling on the global blocks).
+  const families = {
+    llama: { blocks: 4, tied: true },
+    qwen2: { blocks: 4, tied: true },
+    qwen3: { blocks: 4, tied: true },
+    qwen3moe: { blocks: 4, tied: false },
+    gemma3: { blocks: 7, tied: true }
+  } as const
+  for (const family of Object.keys(families) as ReadonlyArray<keyof typeof families>) {
+    const { blocks, tied } = families[family]
     it.effect(
-      `${family} as its converter writes the small released checkpoints`,
+      `${family} as its converter writes the released checkpoints`,
       () =>
         Effect.gen(function* () {
           const path = writeConverted(family, join(dir, `${family}.gguf`), 7)
           const file = yield* readGgufFile(path)
-          assert.strictEqual(
-            file.tensorsByName.has("output.weight"),
-            !tied[family],
-            "tied embeddings: no output.weight"
-          )
+          assert.strictEqual(file.tensorsByName.has("output.weight"), !tied, "tied embeddings: no output.weight")
           const ref = yield* nodeLlamaReference(path, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
           assert.isAbove(new Set(ref.tokens).size, 1, "the reference is not one repeated token")
-          yield* splitsMatchReference(
-            path,
-            ref,
-            [
-              [0, 4],
-              [0, 1, 2, 4],
-              [0, 2, 3, 4]
-            ],
-            REFERENCE_OPTIONS
-          )
+          const splits = [
+            [0, blocks],
+            [0, 1, 2, blocks],
+            [0, 2, blocks - 1, blocks]
+          ]
+          yield* splitsMatchReference(path, ref, splits, REFERENCE_OPTIONS)
         }),
       240_000
     )

@@ -261,7 +261,53 @@ def qwen3moe(writer, n_vocab):
         writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
 
 
+def gemma3(writer, n_vocab):
+    """Gemma 3 4B/12B (conversion/gemma.py Gemma3Model): head_dim apart from hidden / heads, sliding_window written
+    but no sliding_window_pattern (llama.cpp's default, every 6th block global), rope.freq_base_swa from
+    rope_local_base_freq, linear RoPE scaling (factor 8) for the global blocks, tied embeddings, norms shifted by 1
+    (Gemma3RMSNorm), q/k norms, post-attention and post-FFN norms."""
+    c = dict(SMALL, num_hidden_layers=7, head_dim=32, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+             rms_norm_eps=1e-6, sliding_window=16, rope_scaling_factor=8.0)
+    n_embd, n_head, n_kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    # TextModel.set_gguf_parameters (the linear scaling, the SWA base), then Gemma3Model's keys
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(c["rope_scaling_factor"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_sliding_window(c["sliding_window"])
+    # the graph scales embeddings by sqrt(hidden): small rows, so that the blocks (post-normed) are not drowned out
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.06))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    n_ff, w = c["intermediate_size"], 0.3
+    for il in range(c["num_hidden_layers"]):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "post_attention_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
+
+
 FAMILIES = {
+    "gemma3": ("gemma3", gemma3),
     "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
     "llama": ("llama", llama),
