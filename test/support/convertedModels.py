@@ -306,7 +306,53 @@ def gemma3(writer, n_vocab):
         writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
 
 
+def mistral3(writer, n_vocab):
+    """Ministral 3 3B (conversion/mistral3.py Ministral3Model, a LlamaModel): YaRN (factor, original context,
+    beta_fast/slow from rope_parameters), yarn_log_multiplier from mscale_all_dim, the attention temperature
+    (llama_4_scaling_beta), head_dim apart from hidden / heads, tied embeddings. The original context is scaled down
+    with the model (16 positions), so the test's positions cross it and the temperature applies."""
+    c = dict(SMALL, head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True, max_position_embeddings=256,
+             rope=dict(factor=16.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                       mscale_all_dim=1.0, llama_4_scaling_beta=0.1))
+    n_embd, n_head, n_kv, hd, r = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rope"]
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(r["factor"])
+    writer.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(r["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(r["beta_slow"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(n_vocab)
+    writer.add_rope_dimension_count(hd)
+    writer.add_rope_scaling_yarn_log_mul(r["mscale_all_dim"])
+    writer.add_attn_temperature_scale(r["llama_4_scaling_beta"])
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    n_ff, w = c["intermediate_size"], 0.3
+    for il in range(c["num_hidden_layers"]):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+
+
 FAMILIES = {
+    "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
