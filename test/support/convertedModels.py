@@ -351,7 +351,92 @@ def mistral3(writer, n_vocab):
         writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
 
 
+def deepseek2(writer, n_vocab):
+    """DeepSeek-V3 / R1 and Kimi K2 (conversion/deepseek.py DeepseekV2Model), scaled down: MLA written as MQA over
+    the latent (head_count_kv 1, key_length = kv_lora + rope, value_length = kv_lora, the *_mla lengths) with
+    kv_b_proj split into attn_k_b (transposed) and attn_v_b; v_head_dim apart from qk_nope + qk_rope; q_lora;
+    group-limited sigmoid routing (n_group, topk_group) with the correction bias, shared experts, one dense block;
+    YaRN with yarn_log_multiplier = 0.1 x mscale_all_dim; the MTP layer skipped as the converter skips it."""
+    c = dict(SMALL, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+             moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+             rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=640,
+             rope=dict(factor=40.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                       mscale_all_dim=1.0))
+    n_embd, n_head, r = c["hidden_size"], c["num_attention_heads"], c["rope"]
+    nope, rope, v, q_lora, kv_lora = (c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],
+                                      c["q_lora_rank"], c["kv_lora_rank"])
+    # TextModel.set_gguf_parameters (num_key_value_heads forced to 1), then DeepseekV2Model's keys
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(1)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(r["factor"])
+    writer.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(r["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(r["beta_slow"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["n_routed_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_expert_group_count(c["n_group"])
+    writer.add_expert_group_used_count(c["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_leading_dense_block_count(c["first_k_dense_replace"])
+    writer.add_vocab_size(n_vocab)
+    writer.add_q_lora_rank(q_lora)
+    writer.add_kv_lora_rank(kv_lora)
+    writer.add_key_length(kv_lora + rope)
+    writer.add_value_length(kv_lora)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(v)
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_count(c["n_shared_experts"])
+    writer.add_expert_weights_scale(c["routed_scaling_factor"])
+    writer.add_expert_weights_norm(c["norm_topk_prob"])
+    writer.add_rope_dimension_count(rope)
+    writer.add_rope_scaling_yarn_log_mul(0.1 * r["mscale_all_dim"])
+
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    n_exp, n_ff_exp, n_ff, w = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"], 0.3
+    for il in range(c["num_hidden_layers"]):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q_a.weight", matrix(q_lora, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_a_norm.weight", vector(q_lora))
+        writer.add_tensor(b + "attn_q_b.weight", matrix(n_head * (nope + rope), q_lora, scale=w))
+        writer.add_tensor(b + "attn_kv_a_mqa.weight", matrix(kv_lora + rope, n_embd, scale=w))
+        writer.add_tensor(b + "attn_kv_a_norm.weight", vector(kv_lora))
+        # kv_b_proj [heads x (nope + v), kv_lora], split per head and k_b transposed, as modify_tensors does
+        kv_b = matrix(n_head * (nope + v), kv_lora, scale=w).reshape(n_head, nope + v, kv_lora)
+        writer.add_tensor(b + "attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope, :].transpose(0, 2, 1)))
+        writer.add_tensor(b + "attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:, :]))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * v, scale=w))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        if il < c["first_k_dense_replace"]:
+            writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        else:
+            writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.5).astype(np.float32))
+            writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, 0.0, 0.1))
+            writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
+            sh = n_ff_exp * c["n_shared_experts"]
+            writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
+
+
 FAMILIES = {
+    "deepseek2": ("deepseek2", deepseek2),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "qwen3moe": ("qwen3moe", qwen3moe),
