@@ -435,7 +435,65 @@ def deepseek2(writer, n_vocab):
             writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
 
 
+def gpt_oss(writer, n_vocab):
+    """gpt-oss 20b/120b (conversion/gpt_oss.py GptOssModel): experts in MXFP4 as the checkpoint ships them (repacked,
+    not requantised, so F16 everywhere else), biases on q/k/v/o, the router and every expert, attention sinks,
+    head_dim apart from hidden / heads, YaRN, a sliding window on alternate blocks (llama.cpp's fixed pattern),
+    expert_feed_forward_length = intermediate_size."""
+    c = dict(SMALL, head_dim=32, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+             sliding_window=16, rope_theta=150_000.0, max_position_embeddings=512,
+             rope=dict(factor=32.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0))
+    n_embd, n_head, n_kv, hd, r = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rope"]
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(r["factor"])
+    writer.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(r["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(r["beta_slow"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["num_local_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_expert_feed_forward_length(c["intermediate_size"])
+
+    def mxfp4(*shape):
+        data = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4)
+        return q
+
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    n_exp, n_ff, w = c["num_local_experts"], c["intermediate_size"], 0.3
+    for il in range(c["num_hidden_layers"]):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        for name, rows in (("attn_q", n_head * hd), ("attn_k", n_kv * hd), ("attn_v", n_kv * hd)):
+            writer.add_tensor(b + name + ".weight", matrix(rows, n_embd, scale=w))
+            writer.add_tensor(b + name + ".bias", vector(rows, 0.0, 0.1))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "attn_output.bias", vector(n_embd, 0.0, 0.1))
+        writer.add_tensor(b + "attn_sinks.weight", vector(n_head, 0.0, 1.0))
+        writer.add_tensor(b + "post_attention_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate_inp.weight", matrix(n_exp, n_embd, scale=0.5).astype(np.float32))
+        writer.add_tensor(b + "ffn_gate_inp.bias", vector(n_exp, 0.0, 0.1))
+        for name, shape in (("ffn_gate_exps", (n_exp, n_ff, n_embd)), ("ffn_up_exps", (n_exp, n_ff, n_embd)),
+                            ("ffn_down_exps", (n_exp, n_embd, n_ff))):
+            writer.add_tensor(b + name + ".weight", mxfp4(*shape), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(b + name + ".bias", vector(shape[0] * shape[1], 0.0, 0.1).reshape(shape[0], shape[1]))
+
+
 FAMILIES = {
+    "gpt-oss": ("gpt-oss", gpt_oss),
     "deepseek2": ("deepseek2", deepseek2),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
