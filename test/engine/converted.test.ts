@@ -54,7 +54,8 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
   // 4B (no sliding_window_pattern key: every 6th block global; linear RoPE scaling on the global blocks),
   // Ministral 3 (YaRN with the log multiplier, the attention temperature past the original context), DeepSeek-V3
   // (MLA as the converter splits kv_b_proj, v_head_dim apart, group-limited sigmoid routing, YaRN), gpt-oss (MXFP4
-  // experts with biases, attention sinks, alternate sliding-window blocks, YaRN).
+  // experts with biases, attention sinks, alternate sliding-window blocks, YaRN), Qwen3.5 (DeltaNet blocks, head_dim
+  // 256 with a quarter rotated under the MRoPE sections the converter always writes, an MTP block).
   const families = {
     llama: { blocks: 4, tied: true },
     qwen2: { blocks: 4, tied: true },
@@ -63,7 +64,8 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
     gemma3: { blocks: 7, tied: true },
     mistral3: { blocks: 4, tied: true },
     deepseek2: { blocks: 4, tied: false },
-    "gpt-oss": { blocks: 4, tied: false }
+    "gpt-oss": { blocks: 4, tied: false },
+    qwen35: { blocks: 4, tied: false }
   } as const
   for (const family of Object.keys(families) as ReadonlyArray<keyof typeof families>) {
     const { blocks, tied } = families[family]

@@ -492,7 +492,79 @@ def gpt_oss(writer, n_vocab):
             writer.add_tensor(b + name + ".bias", vector(shape[0] * shape[1], 0.0, 0.1).reshape(shape[0], shape[1]))
 
 
+def qwen35(writer, n_vocab):
+    """Qwen3.5 / 3.6 dense (conversion/qwen.py Qwen3_5TextModel: the MRoPE mixin over Qwen3NextModel's keys), scaled
+    down from Qwen3.5-9B: gated DeltaNet blocks with one full-attention block every full_attention_interval, head_dim
+    256 with a quarter rotated (rope.dimension_count 64, rope.dimension_sections [11, 11, 10, 0] as the mixin writes
+    them), the ssm.* keys, ssm_conv1d in F32, ssm_a = -exp(A_log), and one MTP block after the trunk."""
+    c = dict(SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=256, linear_key_head_dim=32,
+             linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+             full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=10_000_000.0, rms_norm_eps=1e-6,
+             mtp_num_hidden_layers=1)
+    n_embd, n_head, n_kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    trunk = c["num_hidden_layers"]
+    n_block = trunk + c["mtp_num_hidden_layers"]
+    kd, vd, kh, vh = (c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_num_key_heads"],
+                      c["linear_num_value_heads"])
+    conv_dim, value = 2 * kd * kh + vd * vh, vd * vh
+    writer.add_block_count(n_block)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_nextn_predict_layers(c["mtp_num_hidden_layers"])
+    writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(kd)
+    writer.add_ssm_group_count(kh)
+    writer.add_ssm_time_step_rank(vh)
+    writer.add_ssm_inner_size(value)
+    writer.add_full_attention_interval(c["full_attention_interval"])
+    writer.add_rope_dimension_count(int(hd * c["partial_rotary_factor"]))
+
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    n_ff, w = c["intermediate_size"], 0.3
+    for il in range(n_block):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "post_attention_norm.weight", vector(n_embd))
+        if il < trunk and (il + 1) % c["full_attention_interval"] != 0:
+            writer.add_tensor(b + "attn_qkv.weight", matrix(conv_dim, n_embd, scale=w))
+            writer.add_tensor(b + "attn_gate.weight", matrix(value, n_embd, scale=w))
+            writer.add_tensor(b + "ssm_conv1d.weight", (rng.standard_normal((conv_dim, c["linear_conv_kernel_dim"])) * 0.5).astype(np.float32))
+            writer.add_tensor(b + "ssm_dt.bias", vector(vh, 0.0, 0.5))
+            writer.add_tensor(b + "ssm_a", -np.exp(vector(vh, 0.0, 0.3)))
+            writer.add_tensor(b + "ssm_beta.weight", matrix(vh, n_embd, scale=w))
+            writer.add_tensor(b + "ssm_alpha.weight", matrix(vh, n_embd, scale=w))
+            writer.add_tensor(b + "ssm_norm.weight", vector(kd))
+            writer.add_tensor(b + "ssm_out.weight", matrix(n_embd, value, scale=w))
+        else:
+            writer.add_tensor(b + "attn_q.weight", matrix(hd * n_head * 2, n_embd, scale=w))
+            writer.add_tensor(b + "attn_k.weight", matrix(hd * n_kv, n_embd, scale=w))
+            writer.add_tensor(b + "attn_v.weight", matrix(hd * n_kv, n_embd, scale=w))
+            writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
+            writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
+            writer.add_tensor(b + "attn_output.weight", matrix(n_embd, hd * n_head, scale=w))
+        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        if il >= trunk:
+            writer.add_tensor(b + "nextn.eh_proj.weight", matrix(n_embd, 2 * n_embd))
+            writer.add_tensor(b + "nextn.enorm.weight", vector(n_embd))
+            writer.add_tensor(b + "nextn.hnorm.weight", vector(n_embd))
+            writer.add_tensor(b + "nextn.shared_head_norm.weight", vector(n_embd))
+
+
 FAMILIES = {
+    "qwen35": ("qwen35", qwen35),
     "gpt-oss": ("gpt-oss", gpt_oss),
     "deepseek2": ("deepseek2", deepseek2),
     "mistral3": ("mistral3", mistral3),
