@@ -12,7 +12,6 @@ import { chatWithTools } from "../../src/layers/server/OpenAiTools.js"
 import {
   genericToolMessages,
   parseToolCalls,
-  type ToolCallDelta,
   toolCallStream,
   toolGrammar,
   toolGrammarEffect
@@ -70,22 +69,28 @@ const families: ReadonlyArray<readonly [string, () => Wrapper]> = [
 const shape = (calls: ReadonlyArray<{ readonly name: string; readonly arguments: string }>) =>
   calls.map((c) => ({ name: c.name, arguments: JSON.parse(c.arguments) as unknown }))
 
-/** The reply streamed in pieces of `size` characters: what came out, content and calls. */
-const streamed = (reply: string, syntax: ToolSyntax, size: number) => {
+/**
+ * The reply streamed in pieces of `size` characters (`cut`: ended by max_tokens): what came out, content and calls;
+ * `callPieces`: the calls of each piece (the end's last).
+ */
+const streamed = (reply: string, syntax: ToolSyntax, size: number, cut = false) => {
   const stream = toolCallStream(syntax, tools)
   let content = ""
   const calls: Array<{ name: string; arguments: string }> = []
   const pieces: Array<string> = []
+  const callPieces: Array<ReadonlyArray<ChatToolCall>> = []
   for (let i = 0; i < reply.length; i += size) {
     const out = stream.push(reply.slice(i, i + size))
     pieces.push(out.content)
+    callPieces.push(out.calls)
     content += out.content
     calls.push(...out.calls)
   }
-  const end = stream.end()
+  const end = stream.end(cut)
   content += end.content
   calls.push(...end.calls)
-  return { content, calls, pieces }
+  callPieces.push(end.calls)
+  return { content, calls, pieces, callPieces }
 }
 
 describe("parsing each family's call syntax", () => {
@@ -131,13 +136,30 @@ describe("parsing each family's call syntax", () => {
         expect(parseToolCalls(broken, syntax, tools)).toMatchObject({ calls: [], content: broken })
         const cut = good.slice(0, good.indexOf("Oslo"))
         expect(parseToolCalls(cut, syntax, tools)).toMatchObject({ calls: [], content: cut })
-        // Streamed, a call stands alone (all but Mistral's): its start went out with its name and the `{` of its
-        // arguments, so its text is never content; cut short, it is no complete call.
-        const head =
-          syntax._tag === "Family" && syntax.sectionPrefix.trim() === ""
-            ? cut.indexOf(syntax.callPrefix.trimStart())
-            : -1
-        expect(streamed(cut, syntax, 2)).toMatchObject({ calls: [], content: head < 0 ? cut : cut.slice(0, head) })
+        // Streamed the same: nothing of a call goes out before it is complete.
+        expect(streamed(cut, syntax, 2)).toMatchObject({ calls: [], content: cut })
+      })
+
+      it("cut by max_tokens anywhere: no half call, neither as a call nor as content; whole and streamed alike", () => {
+        const reply = `Sure. ${written(wrapper, [["get_weather", { city: "Paris", unit: "c" }]])}`
+        const whole = parseToolCalls(reply, syntax, tools)
+        const args = whole.calls[0]!.arguments
+        const callAt = reply.indexOf(written(wrapper, [["get_weather", { city: "Paris", unit: "c" }]]))
+        for (let end = callAt + 1; end <= reply.length; end++) {
+          const part = reply.slice(0, end)
+          const cut = parseToolCalls(part, syntax, tools, true, true)
+          // no text of the call as content (harmony's channel header before the call is content, as in the whole reply)
+          expect(whole.content.startsWith(cut.content.trim()), part).toBe(true)
+          // before its arguments are whole, no call; after (only closing markup cut), the call
+          expect(shape(cut.calls), part).toEqual(part.includes(args) ? shape(whole.calls) : [])
+          // (the same cut without max_tokens, a reply that ended there, keeps an unfinished call's text as content)
+          if (!part.includes(args)) expect(parseToolCalls(part, syntax, tools).content).toBe(part)
+          for (const size of [1, 5]) {
+            const pieces = streamed(part, syntax, size, true)
+            expect(shape(pieces.calls), part).toEqual(shape(cut.calls))
+            expect(pieces.content.trim(), part).toBe(cut.content.trim())
+          }
+        }
       })
 
       it("never throws on any prefix of a reply, streamed or whole", () => {
@@ -163,42 +185,25 @@ describe("parsing each family's call syntax", () => {
     ])
   })
 
-  // Where calls stand alone (no section around them) they stream: the start once the arguments' `{` came, then the
-  // arguments as written. Mistral's calls sit in a [TOOL_CALLS] section and come whole.
+  // A call goes out whole once complete, never in pieces: a reply cut by max_tokens must not have shown part of a call.
   for (const [family, make] of families) {
-    it(`${family}: streamed, ${family.startsWith("Mistral") ? "a call comes whole" : "a call's start then its arguments in fragments"}; equal to the whole reply's`, () => {
+    it(`${family}: streamed, a call comes whole once complete, equal to the whole reply's`, () => {
       const wrapper = make()
       const syntax = wrapperToolSyntax(lib, wrapper)
-      const reply = `Sure. ${written(wrapper, [["get_weather", { city: "Paris", unit: "c" }]])}`
+      const call = written(wrapper, [["get_weather", { city: "Paris", unit: "c" }]])
+      const reply = `Sure. ${call}`
       const whole = parseToolCalls(reply, syntax, tools)
       for (const size of [1, 3, 7]) {
-        const stream = toolCallStream(syntax, tools)
-        const deltas: Array<ToolCallDelta> = []
-        const calls: Array<ChatToolCall> = []
-        for (let i = 0; i <= reply.length; i += size) {
-          const out = i < reply.length ? stream.push(reply.slice(i, i + size)) : stream.end()
-          deltas.push(...out.deltas)
-          calls.push(...out.calls)
-          // a call completes only after its start and all its fragments went out
-          if (out.calls.length > 0)
-            expect(
-              deltas
-                .filter((d) => d._tag === "Arguments")
-                .map((d) => d.text)
-                .join("")
-            ).toBe(out.calls[0]!.arguments)
-        }
-        const start = deltas[0]!
-        expect(start).toMatchObject({ _tag: "Start", index: 0, name: "get_weather" })
-        const fragments = deltas
-          .slice(1)
-          .map((d) => (d._tag === "Arguments" && d.index === 0 ? d.text : "not a fragment"))
-        expect(fragments.join("")).toBe(whole.calls[0]!.arguments)
-        expect(calls).toEqual([
-          { id: start._tag === "Start" ? start.id : "", name: "get_weather", arguments: whole.calls[0]!.arguments }
-        ])
-        if (family.startsWith("Mistral")) expect(fragments.length).toBe(1)
-        else expect(fragments.length).toBeGreaterThan(size === 7 ? 2 : 10)
+        const out = streamed(reply, syntax, size)
+        expect(out.calls.map((c) => ({ name: c.name, arguments: c.arguments }))).toEqual(
+          whole.calls.map((c) => ({ name: c.name, arguments: c.arguments }))
+        )
+        // in one piece, and not before its arguments came whole
+        const at = out.callPieces.findIndex((calls) => calls.length > 0)
+        expect(out.callPieces.filter((calls) => calls.length > 0)).toHaveLength(1)
+        const upTo = Math.min(reply.length, (at + 1) * size)
+        expect(reply.slice(0, upTo)).toContain(whole.calls[0]!.arguments)
+        expect(out.content.trim()).toBe(whole.content)
       }
     })
   }
@@ -218,7 +223,6 @@ describe("parsing each family's call syntax", () => {
     const pieces = [...reply.match(/[\s\S]{1,5}/g)!.map((p) => stream.push(p)), stream.end()]
     expect(shape(pieces.flatMap((p) => p.calls))).toEqual(first)
     expect(pieces.map((p) => p.content).join("")).toBe("")
-    expect(new Set(pieces.flatMap((p) => p.deltas.map((d) => d.index)))).toEqual(new Set([0]))
   })
 
   for (const [family, make] of families.filter(([name]) => name.startsWith("Qwen") || name.startsWith("Mistral"))) {
@@ -239,6 +243,42 @@ describe("parsing each family's call syntax", () => {
       expect(parsed.content).toBe("")
       expect(new Set(parsed.calls.map((c) => c.id)).size).toBe(2)
       expect(shape(streamed(reply, syntax, 4).calls)).toEqual(expected)
+    })
+
+    it(`${family}: parallel calls cut by max_tokens: the calls completed, none of the cut one; whole and streamed`, () => {
+      const wrapper = make()
+      const syntax = wrapperToolSyntax(lib, wrapper)
+      const reply = written(wrapper, [
+        ["get_weather", { city: "Lima", unit: "c" }],
+        ["get_time", { zone: "PET" }],
+        ["get_weather", { city: "Cusco", unit: "f" }]
+      ])
+      const expected = [
+        { name: "get_weather", arguments: { city: "Lima", unit: "c" } },
+        { name: "get_time", arguments: { zone: "PET" } },
+        { name: "get_weather", arguments: { city: "Cusco", unit: "f" } }
+      ]
+      const argsEnd = ['"c"}', '"PET"}', '"f"}'].map((tail, k) =>
+        k === 0 ? reply.indexOf(tail) + tail.length : reply.lastIndexOf(tail) + tail.length
+      )
+      let seen = 0
+      for (let end = 1; end <= reply.length; end++) {
+        const part = reply.slice(0, end)
+        // the calls whose arguments closed before the cut
+        const done = argsEnd.filter((at) => at <= end).length
+        const cut = parseToolCalls(part, syntax, tools, true, true)
+        expect({ calls: shape(cut.calls), content: cut.content }, part).toEqual({
+          calls: expected.slice(0, done),
+          content: ""
+        })
+        const out = streamed(part, syntax, 3, true)
+        expect({ calls: shape(out.calls), content: out.content }, part).toEqual({
+          calls: expected.slice(0, done),
+          content: ""
+        })
+        seen = Math.max(seen, done)
+      }
+      expect(seen).toBe(3)
     })
   }
 })
@@ -276,31 +316,56 @@ describe("the generic JSON reply (templates without tools)", () => {
       expect(out.content).toBe(reply)
     }
   })
-  it("streamed: a tool_call's start, then its arguments as written in fragments; tool_calls come whole", () => {
+  it("streamed: the calls come whole at the reply's end, their arguments as written", () => {
     const reply = '{"tool_call": {"name": "get_weather", "arguments": {"city":  "Paris", "unit": "c"}}}'
     const whole = parseToolCalls(reply, syntax, tools)
     // the arguments as the model wrote them (two spaces kept), not re-serialized
     expect(whole.calls.map((c) => c.arguments)).toEqual(['{"city":  "Paris", "unit": "c"}'])
     for (const size of [1, 3, 7]) {
-      const stream = toolCallStream(syntax, tools)
-      const pieces = []
-      for (let i = 0; i < reply.length; i += size) pieces.push(stream.push(reply.slice(i, i + size)))
-      pieces.push(stream.end())
-      const deltas = pieces.flatMap((p) => p.deltas)
-      expect(deltas[0]).toMatchObject({ _tag: "Start", index: 0, name: "get_weather" })
-      const fragments = deltas.slice(1).map((d) => (d._tag === "Arguments" ? d.text : "not a fragment"))
-      expect(fragments.join("")).toBe(whole.calls[0]!.arguments)
-      expect(fragments.length).toBeGreaterThan(size === 7 ? 2 : 10)
-      // (the call is complete at the reply's end, when the whole reply parsed as the generic form)
-      expect(pieces.slice(0, -1).flatMap((p) => p.calls)).toEqual([])
-      expect(pieces.at(-1)!.calls).toEqual([
-        { id: (deltas[0] as { id: string }).id, name: "get_weather", arguments: whole.calls[0]!.arguments }
+      const out = streamed(reply, syntax, size)
+      expect(out.callPieces.slice(0, -1).flat()).toEqual([])
+      expect(out.calls.map((c) => ({ name: c.name, arguments: c.arguments }))).toEqual([
+        { name: "get_weather", arguments: whole.calls[0]!.arguments }
       ])
-      expect(pieces.map((p) => p.content).join("")).toBe("")
+      expect(out.content).toBe("")
     }
     const list = '{"tool_calls": [{"name": "get_time", "arguments": {"zone":"UTC"}}]}'
     const out = streamed(list, syntax, 2)
     expect(out.calls.map((c) => c.arguments)).toEqual(['{"zone":"UTC"}'])
+  })
+
+  it("cut by max_tokens: a tool_calls list's whole items are the calls, the cut one and the rest dropped; whole and streamed", () => {
+    const items = [
+      '{"name": "get_weather", "arguments": {"city": "Lima", "unit": "c"}}',
+      '{ "name": "get_time", "arguments": { "zone": "PET" } }',
+      '{"name": "get_weather", "arguments": {"city": "Cusco", "unit": "f"}}'
+    ]
+    const expected = [
+      { name: "get_weather", arguments: { city: "Lima", unit: "c" } },
+      { name: "get_time", arguments: { zone: "PET" } },
+      { name: "get_weather", arguments: { city: "Cusco", unit: "f" } }
+    ]
+    for (const [reply, ends] of [
+      [`{ "tool_calls": [ ${items.join(", ")} ] }`, [true, true, true]],
+      [`{"tool_call": ${items[1]}}`, [false, true, false]]
+    ] as const) {
+      const closes = items.map((item, k) => (ends[k] ? reply.indexOf(item) + item.length : -1))
+      for (let end = 0; end <= reply.length; end++) {
+        const part = reply.slice(0, end)
+        const want = expected.filter((_, k) => closes[k]! >= 0 && closes[k]! <= end)
+        const cut = parseToolCalls(part, syntax, tools, true, true)
+        expect({ calls: shape(cut.calls), content: cut.content }, part).toEqual({ calls: want, content: "" })
+        const out = streamed(part, syntax, 4, true)
+        expect({ calls: shape(out.calls), content: out.content }, part).toEqual({ calls: want, content: "" })
+      }
+    }
+    // A call naming no tool ends the list; a reply that is no call object is read as it is.
+    const unknown = '{"tool_calls": [{"name": "get_time", "arguments": {}}, {"name": "rm_rf", "arguments": {}}, {"na'
+    expect(shape(parseToolCalls(unknown, syntax, tools, true, true).calls)).toEqual([
+      { name: "get_time", arguments: {} }
+    ])
+    for (const reply of ['{"response": "Once upon a ti', "plain words"])
+      expect(parseToolCalls(reply, syntax, tools, true, true)).toEqual({ content: reply, calls: [] })
   })
 
   it("a chat with calls and results as plain messages for a template without tools", () => {

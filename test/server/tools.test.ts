@@ -3,8 +3,9 @@
  * without tools: llama-server's generic JSON form) and a synthetic model written by `swactor synth --chat-template
  * chatml-tools` (its own Jinja template with tools: node-llama-cpp finds the <tool_call> syntax in it). On both, with
  * random-ish weights: `tool_choice: "required"` and a named function give a call whose arguments parse and validate
- * against the tool's schema (the grammar forces them); the streamed call reassembles to the same call (also through the
- * openai client's streaming helper; with the <tool_call> syntax its arguments come in fragments); a tool result fed
+ * against the tool's schema (the grammar forces them); streamed, the call comes whole in one chunk once complete, the
+ * same call (also through the openai client's streaming helper); a forced call cut by max_tokens anywhere before its
+ * arguments are whole is no call and no content, finish_reason length (also through the AI SDK); a tool result fed
  * back continues the chat; `none` gives no call; bad tool input is a 400 naming the field, and the server keeps serving.
  */
 import * as Command from "@effect/cli/Command"
@@ -14,6 +15,8 @@ import { mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import OpenAI from "openai"
+import { createOpenAICompatible } from "@ai-sdk/openai-compatible"
+import { generateText, jsonSchema, streamText } from "ai"
 import { afterAll, beforeAll, describe, expect, it } from "vitest"
 import { synthCommand } from "../../src/cli/SynthCommand.js"
 import { getString, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
@@ -161,7 +164,7 @@ for (const [name, path] of models) {
       }
     }, 120_000)
 
-    it("streamed: delta.tool_calls (index, id and name, then the arguments) reassemble to the same call", async () => {
+    it("streamed: delta.tool_calls (index, id, name and the whole arguments in one chunk) give the same call", async () => {
       // One call (greedy, a random model could repeat parallel calls up to max_tokens).
       const request = {
         model: "m",
@@ -182,11 +185,11 @@ for (const [name, path] of models) {
         if (choice === undefined) continue
         content += choice.delta.content ?? ""
         finish = choice.finish_reason ?? finish
+        // each call whole in one delta: its index, id, name and arguments
         for (const delta of choice.delta.tool_calls ?? []) {
-          if (delta.id !== undefined) {
-            expect(delta.index).toBe(calls.length)
-            calls.push({ id: delta.id, name: delta.function?.name ?? "", arguments: delta.function?.arguments ?? "" })
-          } else calls[delta.index]!.arguments += delta.function?.arguments ?? ""
+          expect(delta.index).toBe(calls.length)
+          expect(delta.id).toMatch(/^call_/)
+          calls.push({ id: delta.id!, name: delta.function?.name ?? "", arguments: delta.function?.arguments ?? "" })
         }
       }
       expect(finish).toBe("tool_calls")
@@ -198,8 +201,7 @@ for (const [name, path] of models) {
       )
       expect(expected.length).toBeGreaterThan(0)
       expect(calls.map((c) => ({ name: c.name, arguments: validArguments(c.name, c.arguments) }))).toEqual(expected)
-      // The openai client's own streaming helper assembles the same call, arguments byte for byte, in fragments as they
-      // are written (the model's own <tool_call> syntax, and the generic form's {"tool_call": ...})
+      // The openai client's own streaming helper assembles the same call, arguments byte for byte, from one delta
       const helper = client.chat.completions.stream(request)
       let fragments = 0
       helper.on("tool_calls.function.arguments.delta", (event) => void (event.arguments_delta === "" ? 0 : fragments++))
@@ -212,8 +214,95 @@ for (const [name, path] of models) {
       expect((assembled.choices[0]!.message.tool_calls ?? []).map(plain)).toEqual(
         (whole.choices[0]!.message.tool_calls ?? []).map(plain)
       )
-      expect(fragments).toBeGreaterThan(3)
+      expect(fragments).toBe(1)
     }, 120_000)
+
+    it("a forced call cut by max_tokens before it completes: finish_reason length, no call, no half call as content (openai client, AI SDK; whole and streamed)", async () => {
+      const provider = createOpenAICompatible({ name: "swactor", baseURL: `${server.url}/v1` })
+      const sdkTools = Object.fromEntries(
+        tools.map((t) => [
+          t.function.name,
+          { inputSchema: jsonSchema<Record<string, unknown>>(t.function.parameters as never) }
+        ])
+      )
+      const plain = (calls: ReadonlyArray<OpenAI.Chat.Completions.ChatCompletionMessageToolCall> | undefined) =>
+        (calls ?? []).map((c) => {
+          const fn = (c as OpenAI.Chat.Completions.ChatCompletionMessageFunctionToolCall).function
+          return { name: fn.name, arguments: fn.arguments }
+        })
+      const choices = [
+        ["required", "required"],
+        [
+          { type: "function", function: { name: "get_time" } },
+          { type: "tool", toolName: "get_time" }
+        ]
+      ] as const
+      for (const [tool_choice, toolChoice] of choices) {
+        // One call (the grammar admits one), greedy: every shorter max_tokens cuts the same reply somewhere in it.
+        const request = { model: "m", messages: user, tools, tool_choice, parallel_tool_calls: false, temperature: 0 }
+        const full = await client.chat.completions.create({ ...request, max_tokens: 400 })
+        expect(full.choices[0]!.finish_reason).toBe("tool_calls")
+        const call = plain(full.choices[0]!.message.tool_calls)
+        expect(call).toHaveLength(1)
+        const length = full.usage!.completion_tokens
+        for (let max = 4; max < length; max += 3) {
+          const answer = await client.chat.completions.create({ ...request, max_tokens: max })
+          const choice = answer.choices[0]!
+          const at = `max_tokens ${max} of ${length}`
+          expect(choice.finish_reason, at).toBe("length")
+          expect(choice.message.content ?? "", at).toBe("")
+          // no call, or (cut in its closing markup, its arguments whole) the call itself
+          const calls = plain(choice.message.tool_calls)
+          if (max <= 8) expect(calls, at).toEqual([])
+          else expect([[], call], at).toContainEqual(calls)
+          // Streamed: the same, and no piece of a call that did not complete.
+          let content = ""
+          let finish: string | null = null
+          const streamed: Array<{ name: string; arguments: string }> = []
+          for await (const chunk of await client.chat.completions.create({
+            ...request,
+            max_tokens: max,
+            stream: true
+          })) {
+            for (const c of chunk.choices) {
+              content += c.delta.content ?? ""
+              finish = c.finish_reason ?? finish
+              for (const delta of c.delta.tool_calls ?? []) {
+                if (delta.id !== undefined)
+                  streamed.push({ name: delta.function?.name ?? "", arguments: delta.function?.arguments ?? "" })
+                else streamed[delta.index]!.arguments += delta.function?.arguments ?? ""
+              }
+            }
+          }
+          expect({ content, finish, calls: streamed }, at).toEqual({ content: "", finish: "length", calls })
+        }
+        const assembled = await client.chat.completions.stream({ ...request, max_tokens: 8 }).finalChatCompletion()
+        expect(assembled.choices[0]!.message.tool_calls ?? []).toEqual([])
+        expect(assembled.choices[0]!.finish_reason).toBe("length")
+
+        const settings = {
+          model: provider("m"),
+          messages: user,
+          tools: sdkTools,
+          toolChoice,
+          maxOutputTokens: 8,
+          temperature: 0,
+          maxRetries: 0
+        }
+        const generated = await generateText(settings)
+        expect({ finish: generated.finishReason, text: generated.text, calls: generated.toolCalls }).toEqual({
+          finish: "length",
+          text: "",
+          calls: []
+        })
+        const streamed = streamText(settings)
+        expect({
+          finish: await streamed.finishReason,
+          text: await streamed.text,
+          calls: await streamed.toolCalls
+        }).toEqual({ finish: "length", text: "", calls: [] })
+      }
+    }, 240_000)
 
     it("a tool result fed back (assistant tool_calls, then the tool message) continues the chat", async () => {
       const first = await client.chat.completions.create({

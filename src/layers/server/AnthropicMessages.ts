@@ -236,18 +236,18 @@ export const chatOf = (body: Conversation): Effect.Effect<AnthropicChat, EdgeRef
 type StopReason = "end_turn" | "max_tokens" | "stop_sequence" | "tool_use"
 
 /**
- * Why a generation ended, in Anthropic's words: the reply called tools, a stop sequence of the request's own, max
- * tokens, or the model's turn ended.
+ * Why a generation ended, in Anthropic's words: max tokens (also when the reply called tools before it was cut), the
+ * reply called tools, a stop sequence of the request's own, or the model's turn ended.
  */
 export const stopReasonOf = (
   done: Extract<ServeEvent, { _tag: "Done" }>,
   stopSequences: ReadonlyArray<string>,
   called = false
 ): { readonly stop_reason: StopReason; readonly stop_sequence: string | null } =>
-  called
-    ? { stop_reason: "tool_use", stop_sequence: null }
-    : done.finishReason === "length"
-      ? { stop_reason: "max_tokens", stop_sequence: null }
+  done.finishReason === "length"
+    ? { stop_reason: "max_tokens", stop_sequence: null }
+    : called
+      ? { stop_reason: "tool_use", stop_sequence: null }
       : done.stopText !== undefined && stopSequences.includes(done.stopText)
         ? { stop_reason: "stop_sequence", stop_sequence: done.stopText }
         : { stop_reason: "end_turn", stop_sequence: null }
@@ -450,8 +450,11 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         if (e._tag === "Text") text += e.text
         if (e._tag === "Done") done = e
       }
+      // Cut by max_tokens: the calls it completed, none it cut short (ToolCalls.ts).
       const reply: Piece =
-        tools === undefined ? { content: text, calls: [] } : parseToolCalls(text, tools.syntax, tools.tools)
+        tools === undefined
+          ? { content: text, calls: [] }
+          : parseToolCalls(text, tools.syntax, tools.tools, true, done === undefined || done.finishReason === "length")
       return HttpServerResponse.unsafeJson({
         ...message,
         content: [
@@ -507,7 +510,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
             return blocks.push(calls === undefined ? { content: e.text, calls: [] } : calls.push(e.text))
           case "Done":
             return [
-              ...(calls === undefined ? [] : blocks.push(calls.end())),
+              ...(calls === undefined ? [] : blocks.push(calls.end(e.finishReason === "length"))),
               ...blocks.end(),
               event("message_delta", {
                 delta: stopReasonOf(e, stopSequences, blocks.calls > 0),

@@ -64,7 +64,12 @@ export const respond = (
         const split = harmony ? splitHarmony(text) : undefined
         if (split !== undefined) text = split.content
         const reasoning = split === undefined || split.reasoning === "" ? {} : { reasoning_content: split.reasoning }
-        const parsed = tools === undefined ? undefined : parseToolCalls(text, tools.syntax, tools.tools, tools.parallel)
+        const finish = done?.finishReason ?? "length"
+        // Cut by max_tokens: the calls it completed, none it cut short, and finish_reason length.
+        const parsed =
+          tools === undefined
+            ? undefined
+            : parseToolCalls(text, tools.syntax, tools.tools, tools.parallel, finish === "length")
         if (parsed !== undefined && parsed.calls.length > 0) {
           return {
             index,
@@ -75,11 +80,10 @@ export const respond = (
               tool_calls: toolCallsJson(parsed.calls)
             },
             logprobs,
-            finish_reason: "tool_calls"
+            finish_reason: finish === "length" ? finish : "tool_calls"
           }
         }
         if (parsed !== undefined) text = parsed.content
-        const finish = done?.finishReason ?? "length"
         return shape.chat
           ? { index, message: { role: "assistant", content: text, ...reasoning }, logprobs, finish_reason: finish }
           : { index, text, logprobs, finish_reason: finish }

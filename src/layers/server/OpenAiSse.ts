@@ -1,6 +1,6 @@
 /**
  * A completion streamed as server-sent events: OpenAI's chunks (`data: {...}`) as the choices' text comes, with tool
- * calls as delta.tool_calls (ToolCalls.ts) and harmony's analysis channel as delta.reasoning_content (Harmony.ts),
+ * calls as delta.tool_calls (ToolCalls.ts; each call whole, once complete) and harmony's analysis channel as delta.reasoning_content (Harmony.ts),
  * then each choice's finish, the usage when asked for, and `data: [DONE]`. A refusal before the first event is
  * answered with its status instead; a failure after it ends the stream with an `error` event and `data: [DONE]`. A
  * comment line keeps an idle stream open.
@@ -61,17 +61,15 @@ export const streamCompletion = (
     let promptTokens = 0
     let completionTokens = 0
     let cachedTokens = 0
-    // calls stream as they are written (ToolCalls.ts): a call's first chunk has its index, id, type and name, the
-    // next ones fragments of its arguments
+    // a call goes out whole once it is complete (ToolCalls.ts): one chunk with its index, id, type, name and arguments
     const toolChunks = (index: number, piece: ToolCallPiece) => {
       const c = choices[index]!
-      c.callCount += piece.calls.length
       return [
         ...(piece.content === ""
           ? []
           : [sse(completionChunk(shape, { index, text: piece.content, role: !c.roleSent, finish: null }))]),
-        ...piece.deltas.map((delta) =>
-          sse(completionChunk(shape, { index, finish: null, delta: toolCallDelta(delta) }))
+        ...piece.calls.map((call) =>
+          sse(completionChunk(shape, { index, finish: null, delta: toolCallDelta(c.callCount++, call) }))
         )
       ]
     }
@@ -112,10 +110,16 @@ export const streamCompletion = (
             promptTokens = event.promptTokens
             completionTokens += event.completionTokens
             cachedTokens = Math.max(cachedTokens, event.cachedTokens ?? 0)
+            // Cut by max_tokens: the calls it completed went out, one it cut short does not, and the finish says length.
             return [
               ...(c.harmony === undefined ? [] : harmonyChunks(index, c.harmony.end())),
-              ...(c.calls === undefined ? [] : toolChunks(index, c.calls.end())),
-              sse(completionChunk(shape, { index, finish: c.callCount > 0 ? "tool_calls" : event.finishReason })),
+              ...(c.calls === undefined ? [] : toolChunks(index, c.calls.end(event.finishReason === "length"))),
+              sse(
+                completionChunk(shape, {
+                  index,
+                  finish: c.callCount > 0 && event.finishReason !== "length" ? "tool_calls" : event.finishReason
+                })
+              ),
               ...(includeUsage && finished === requests.length
                 ? [
                     sse({

@@ -2,12 +2,11 @@
  * OpenAI's wire shape of tools for /v1/chat/completions (HttpRoutes.ts): the request's `tools`, `tool_choice`,
  * `parallel_tool_calls` and tool messages checked and turned into ChatMessage / ChatToolOptions (Tools.ts), each
  * problem one line naming the field; and the response's `tool_calls` (whole, or as streamed `delta.tool_calls`
- * chunks). Rendering, parsing and grammar are ToolCalls.ts, shared with other API fronts.
+ * chunks, one per complete call). Rendering, parsing and grammar are ToolCalls.ts, shared with other API fronts.
  */
 import { Schema } from "effect"
 import type { ChatMessage } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolChoice } from "../../services/Tools.js"
-import type { ToolCallDelta } from "./ToolCalls.js"
 
 /** The tool fields of a chat body (checked by `chatWithTools`, so each problem names its field). */
 export const ToolFields = {
@@ -172,14 +171,11 @@ export const toolCallsJson = (calls: ReadonlyArray<ChatToolCall>) =>
   }))
 
 /**
- * One streamed piece of a call as OpenAI's `delta.tool_calls`: its start (index, id, type, name, arguments ""), or a
- * fragment of its arguments (index and `function.arguments` only).
+ * A call as streamed `delta.tool_calls`: the whole call in one chunk (its index among the choice's calls, id, type,
+ * name and whole arguments), sent once it is complete (ToolCalls.ts toolCallStream).
  */
-export const toolCallDelta = (delta: ToolCallDelta) =>
-  delta._tag === "Start"
-    ? {
-        tool_calls: [
-          { index: delta.index, id: delta.id, type: "function" as const, function: { name: delta.name, arguments: "" } }
-        ]
-      }
-    : { tool_calls: [{ index: delta.index, function: { arguments: delta.text } }] }
+export const toolCallDelta = (index: number, call: ChatToolCall) => ({
+  tool_calls: [
+    { index, id: call.id, type: "function" as const, function: { name: call.name, arguments: call.arguments } }
+  ]
+})

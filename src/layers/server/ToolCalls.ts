@@ -9,9 +9,10 @@
  *    with a generic JSON syntax also `auto`), a GBNF `grammar` to sample with (SamplingOptions.grammar).
  * 2. Parse: `parseToolCalls(text, syntax, tools)` splits a whole reply into content and calls; for a stream,
  *    `toolCallStream(syntax, tools)` takes the text as it comes (`push`) and gives back the content that can be shown
- *    now (text that might be the start of a call is held back) and the calls completed so far; `end()` gives the rest.
- *    Text that looks like a call but is not a valid one (unknown function, arguments that are no JSON) stays content;
- *    nothing here throws.
+ *    now (text that might be the start of a call is held back) and the calls completed so far, each whole; `end()`
+ *    gives the rest. Text that looks like a call but is not a valid one (unknown function, arguments that are no JSON)
+ *    stays content; nothing here throws. A reply cut by max_tokens (`cut`, both forms) keeps the calls it completed and
+ *    drops a call it cut short: neither a call nor content.
  * 3. `toolGrammar(...)` builds that grammar from the syntax and each tool's parameter schema (TokenizerLive calls it
  *    through `toolGrammarEffect` with JsonGrammar.ts's converter, so a schema it cannot enforce is a ChatRenderError
  *    naming `tools[i].function.parameters...`); `genericToolMessages(...)` turns a chat with tools into plain
@@ -107,6 +108,13 @@ interface Parsed {
   readonly heldFrom: number | undefined
 }
 
+/**
+ * How the text ends: "open" (more may come: text that might still become a call is held back), "final" (the reply
+ * ended: text that did not become a call is content), "cut" (max_tokens ended the reply: the calls completed count, and
+ * a call it cut short is dropped, neither a call nor content).
+ */
+type Ending = "open" | "final" | "cut"
+
 type Family = Extract<ToolSyntax, { _tag: "Family" }>
 
 const known = (tools: ReadonlyArray<ChatTool> | undefined, name: string) =>
@@ -196,7 +204,7 @@ const parseFamily = (
   text: string,
   syntax: Family,
   tools: ReadonlyArray<ChatTool> | undefined,
-  final: boolean
+  ending: Ending
 ): Parsed => {
   const sectioned = syntax.sectionPrefix.trim() !== ""
   const markers = (sectioned ? [syntax.sectionPrefix] : [syntax.callPrefix, ...syntax.alternatePrefixes])
@@ -211,16 +219,26 @@ const parseFamily = (
       i++
       continue
     }
-    const found = sectioned
-      ? parseSection(text, i, syntax, tools, final)
-      : ((r) => (r === undefined || r === "partial" ? r : { end: r.end, calls: [r.call] }))(
-          parseCall(text, i, syntax, tools, final)
-        )
+    const at = i
+    const find = (final: boolean) =>
+      sectioned
+        ? parseSection(text, at, syntax, tools, final)
+        : ((r) => (r === undefined || r === "partial" ? r : { end: r.end, calls: [r.call] }))(
+            parseCall(text, at, syntax, tools, final)
+          )
+    const found = find(ending === "final")
     if (found === undefined) {
       i++
       continue
     }
     if (i > textFrom) segments.push({ _tag: "Text", text: text.slice(textFrom, i) })
+    if (found === "partial" && ending === "cut") {
+      // Cut inside a call or a section of calls: the calls that completed (a call whose closing markup alone was
+      // cut is complete), and nothing of the rest.
+      const complete = find(true)
+      if (typeof complete === "object") for (const call of complete.calls) segments.push({ _tag: "Call", call })
+      return { segments, heldFrom: undefined }
+    }
     if (found === "partial") return { segments, heldFrom: i }
     for (const call of found.calls) segments.push({ _tag: "Call", call })
     textFrom = i = found.end
@@ -295,126 +313,112 @@ const parseGeneric = (text: string, tools: ReadonlyArray<ChatTool> | undefined):
   const spans = listed !== undefined ? rawItems(text, listed.start) : [rawMember(text, top, "tool_call")]
   const calls: Array<Segment> = []
   for (const [k, item] of raw.entries()) {
-    if (typeof item !== "object" || item === null) return asText
-    const { arguments: args, name } = item as Record<string, unknown>
-    const json = argumentsText(args ?? {})
-    if (typeof name !== "string" || json === undefined || !known(tools, name)) return asText
-    const at = spans[k]
-    const span = at === undefined ? undefined : rawMember(text, at.start, "arguments")
-    const written = span === undefined ? undefined : text.slice(span.start, span.end)
-    const asWritten =
-      written !== undefined && written.startsWith("{") && argumentsText(safeParse(written)) !== undefined
-    calls.push({ _tag: "Call", call: { id: newToolCallId(), name, arguments: asWritten ? written : json } })
+    const call = genericCall(item, text, spans[k], tools)
+    if (call === undefined) return asText
+    calls.push({ _tag: "Call", call })
   }
   return { segments: calls, heldFrom: undefined }
 }
 
-const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> | undefined, final: boolean): Parsed =>
-  syntax._tag === "Generic"
-    ? final
-      ? parseGeneric(text, tools)
-      : { segments: [], heldFrom: 0 }
-    : parseFamily(text, syntax, tools, final)
+/**
+ * One call of the generic form (`{"name": ..., "arguments": {...}}`, written at `span` of `text`), its arguments as the
+ * model wrote them; undefined when it is no call of a known tool.
+ */
+const genericCall = (
+  item: unknown,
+  text: string,
+  span: { readonly start: number; readonly end: number } | undefined,
+  tools: ReadonlyArray<ChatTool> | undefined
+): ChatToolCall | undefined => {
+  if (typeof item !== "object" || item === null) return undefined
+  const { arguments: args, name } = item as Record<string, unknown>
+  const json = argumentsText(args ?? {})
+  if (typeof name !== "string" || json === undefined || !known(tools, name)) return undefined
+  const member = span === undefined ? undefined : rawMember(text, span.start, "arguments")
+  const written = member === undefined ? undefined : text.slice(member.start, member.end)
+  const asWritten = written !== undefined && written.startsWith("{") && argumentsText(safeParse(written)) !== undefined
+  return { id: newToolCallId(), name, arguments: asWritten ? written : json }
+}
+
+/**
+ * The generic reply cut by max_tokens. Where it is (the start of) a call object, `{"tool_calls": [...` or
+ * `{"tool_call": ...`: the calls written whole before the cut (a list's items up to the first one cut or not a call),
+ * and no content. Anything else is read as a reply that ended there.
+ */
+const parseGenericCut = (text: string, tools: ReadonlyArray<ChatTool> | undefined): Parsed => {
+  const top = skipSpace(text, 0)
+  if (safeParse(text.trim()) !== undefined || matchLoose(text, top, '{ "tool_call') === -1)
+    return parseGeneric(text, tools)
+  const found = (pattern: string) => ((m) => (m === "partial" || m < 0 ? undefined : m))(matchLoose(text, top, pattern))
+  const list = found('{ "tool_calls" : [')
+  const segments: Array<Segment> = []
+  let at = list ?? found('{ "tool_call" : ') ?? text.length
+  for (;;) {
+    const span = scanJson(text, at)
+    if (typeof span !== "object") break
+    const call = genericCall(safeParse(text.slice(span.start, span.end)), text, span, tools)
+    if (call === undefined) break
+    segments.push({ _tag: "Call", call })
+    at = skipSpace(text, span.end)
+    if (list === undefined || text[at] !== ",") break
+    at++
+  }
+  return { segments, heldFrom: undefined }
+}
+
+const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> | undefined, ending: Ending): Parsed =>
+  syntax._tag === "Family"
+    ? parseFamily(text, syntax, tools, ending)
+    : ending === "open"
+      ? { segments: [], heldFrom: 0 }
+      : ending === "cut"
+        ? parseGenericCut(text, tools)
+        : parseGeneric(text, tools)
 
 /**
  * A whole reply: its text outside calls (trimmed; "" when none) and its calls, in order (`parallel: false`: the first
- * only, the others dropped).
+ * only, the others dropped). `cut`: max_tokens ended the reply; the calls it completed count, and a call it cut short
+ * is dropped (neither a call nor content).
  */
 export const parseToolCalls = (
   text: string,
   syntax: ToolSyntax,
   tools?: ReadonlyArray<ChatTool>,
-  parallel = true
+  parallel = true,
+  cut = false
 ): { readonly content: string; readonly calls: ReadonlyArray<ChatToolCall> } => {
-  const { segments } = parse(text, syntax, tools, true)
+  const { segments } = parse(text, syntax, tools, cut ? "cut" : "final")
   const all = segments.flatMap((s) => (s._tag === "Call" ? [s.call] : []))
   const calls = parallel ? all : all.slice(0, 1)
   const content = segments.map((s) => (s._tag === "Text" ? s.text : "")).join("")
   return { content: calls.length > 0 ? content.trim() : content, calls }
 }
 
-/** A piece of a call as it streams: its start (id and name), then fragments of its arguments (JSON text, in order). */
-export type ToolCallDelta =
-  | { readonly _tag: "Start"; readonly index: number; readonly id: string; readonly name: string }
-  | { readonly _tag: "Arguments"; readonly index: number; readonly text: string }
-
-/** What a piece of streamed text gives: content to show, the calls it completed, and the call pieces it streamed. */
+/** What a piece of streamed text gives: content to show, and the calls it completed. */
 export interface ToolCallPiece {
   readonly content: string
-  /** Calls completed by this piece (whole; their ids are those of their streamed starts). */
+  /** Calls completed by this piece, whole. */
   readonly calls: ReadonlyArray<ChatToolCall>
-  /** Call starts and argument fragments, in order; the fragments of a call concatenate to its arguments. */
-  readonly deltas: ReadonlyArray<ToolCallDelta>
 }
 
 export interface ToolCallStream {
-  /** More text: the content that can be shown now, the calls completed by it and the call pieces streamed by it. */
+  /** More text: the content that can be shown now, and the calls completed by it. */
   readonly push: (text: string) => ToolCallPiece
-  /** The end of the reply: what was held back, as content or calls. */
-  readonly end: () => ToolCallPiece
-}
-
-/**
- * The head of a call at the start of `text` in a syntax whose calls stand alone (no section around them): the known
- * function's name and where its arguments (a JSON object) start, once the text has reached the object's `{`.
- */
-const callHead = (
-  text: string,
-  syntax: Family,
-  tools: ReadonlyArray<ChatTool> | undefined
-): { readonly name: string; readonly argsAt: number } | undefined => {
-  if (syntax.sectionPrefix.trim() !== "") return undefined
-  for (const prefix of [syntax.callPrefix, ...syntax.alternatePrefixes]) {
-    const after = matchLoose(text, 0, prefix.trimStart())
-    if (after === "partial" || after < 0) continue
-    let nameEnd = after
-    while (nameEnd < text.length && /[A-Za-z0-9_.:-]/.test(text[nameEnd]!)) nameEnd++
-    if (nameEnd >= text.length) return undefined
-    const name = text.slice(after, nameEnd)
-    if (name === "" || name.length > 256 || !known(tools, name)) return undefined
-    const params = matchLoose(
-      text,
-      syntax.paramsPrefix.startsWith(" ") ? nameEnd : skipSpace(text, nameEnd),
-      syntax.paramsPrefix
-    )
-    if (params === "partial" || params < 0) return undefined
-    const argsAt = skipSpace(text, params)
-    return text[argsAt] === "{" ? { name, argsAt } : undefined
-  }
-  return undefined
-}
-
-/** The generic form's head: `{"tool_call": {"name": "NAME", "arguments": {` (any whitespace), a known NAME. */
-const genericHead = (
-  text: string,
-  tools: ReadonlyArray<ChatTool> | undefined
-): { readonly name: string; readonly argsAt: number } | undefined => {
-  const after = matchLoose(text, skipSpace(text, 0), '{ "tool_call" : { "name" : "')
-  if (after === "partial" || after < 0) return undefined
-  let nameEnd = after
-  while (nameEnd < text.length && /[A-Za-z0-9_.:-]/.test(text[nameEnd]!)) nameEnd++
-  if (nameEnd >= text.length) return undefined
-  const name = text.slice(after, nameEnd)
-  if (name === "" || !known(tools, name)) return undefined
-  const params = matchLoose(text, nameEnd, '" , "arguments" : ')
-  if (params === "partial" || params < 0) return undefined
-  const argsAt = skipSpace(text, params)
-  return text[argsAt] === "{" ? { name, argsAt } : undefined
+  /**
+   * The end of the reply: what was held back, as content or calls. `cut`: max_tokens ended it; a call it cut short is
+   * dropped (neither a call nor content).
+   */
+  readonly end: (cut?: boolean) => ToolCallPiece
 }
 
 /**
  * A reply as it streams: text that might be the start of a call is held back until it is one (or is not); with the
  * generic JSON syntax the whole reply is held until its end. After a call, text of whitespace only is dropped.
  *
- * Where a call stands alone (e.g. Qwen/Hermes `<tool_call>`), it streams: once its function's name and the `{` of its
- * arguments have come, its start goes out (a new id, the name), then the arguments as the model writes them, and the
- * call is complete at its closing markup. A call that started streaming stays a call: should its arguments turn out
- * no JSON object (only where no grammar forces them), they are what was streamed; cut off by the end of the reply
- * (max_tokens), its arguments stop where the text did and it does not count as complete. The generic JSON form's
- * `{"tool_call": {"name": ..., "arguments": {...}}}` streams the same way (the call completes at the reply's end, when
- * the whole reply parses as that form). Calls in a section (e.g. Mistral's `[TOOL_CALLS]`) and the generic
- * `{"tool_calls": [...]}` come whole, when complete. `parallel: false`: calls after the first are dropped (neither
- * calls nor content).
+ * A call goes out whole, once it is complete (at its closing markup; a section's calls, e.g. Mistral's `[TOOL_CALLS]`,
+ * each as it completes; the generic form's at the reply's end), never in pieces: a reply cut by max_tokens in the
+ * middle of a call must not have shown any of it, and a piece sent cannot be taken back. `parallel: false`: calls
+ * after the first are dropped (neither calls nor content). The pieces add up to `parseToolCalls` of the whole reply.
  */
 export const toolCallStream = (
   syntax: ToolSyntax,
@@ -424,108 +428,26 @@ export const toolCallStream = (
   let held = ""
   let called = false
   let count = 0
-  /** The call streaming now: `held` starts with it; `argsAt` is where its arguments start in `held`. */
-  let open:
-    | { readonly index: number; readonly id: string; readonly name: string; readonly argsAt: number; sent: number }
-    | undefined
-  const emit = (
-    segments: ReadonlyArray<Segment>,
-    out: { content: string; calls: Array<ChatToolCall>; deltas: Array<ToolCallDelta> }
-  ) => {
+  const step = (ending: Ending): ToolCallPiece => {
+    const { heldFrom, segments } = parse(held, syntax, tools, ending)
+    held = heldFrom === undefined ? "" : held.slice(heldFrom)
+    let content = ""
+    const calls: Array<ChatToolCall> = []
     for (const segment of segments) {
       if (segment._tag === "Call") {
-        if (parallel || count === 0) {
-          const index = count++
-          out.calls.push(segment.call)
-          out.deltas.push({ _tag: "Start", index, id: segment.call.id, name: segment.call.name })
-          out.deltas.push({ _tag: "Arguments", index, text: segment.call.arguments })
-        }
+        if (parallel || count === 0) calls.push(segment.call)
+        count++
         called = true
-      } else if (!(called && segment.text.trim() === "")) out.content += segment.text
+      } else if (!(called && segment.text.trim() === "")) content += segment.text
     }
-  }
-  const fragment = (out: { deltas: Array<ToolCallDelta> }, upTo: number) => {
-    const call = open!
-    const text = held.slice(call.argsAt + call.sent, upTo)
-    if (text === "") return
-    call.sent += text.length
-    if (parallel || call.index === 0) out.deltas.push({ _tag: "Arguments", index: call.index, text })
-  }
-  const step = (final: boolean): ToolCallPiece => {
-    const out = { content: "", calls: [] as Array<ChatToolCall>, deltas: [] as Array<ToolCallDelta> }
-    for (;;) {
-      if (open !== undefined && syntax._tag === "Generic") {
-        // the generic form: the arguments stream as written; the reply is held whole until its end, then parsed
-        const call = open
-        const json = scanJson(held, call.argsAt)
-        if (!final) {
-          fragment(out, typeof json === "object" ? json.end : held.length)
-          return out
-        }
-        const parsed = parseGeneric(held, tools).segments
-        const first = parsed[0]
-        const only = parsed.length === 1 && first?._tag === "Call" ? first.call : undefined
-        const streamedSoFar = held.slice(call.argsAt, call.argsAt + call.sent)
-        if (only !== undefined && only.name === call.name && only.arguments.startsWith(streamedSoFar)) {
-          fragment(out, call.argsAt + only.arguments.length)
-          out.calls.push({ id: call.id, name: call.name, arguments: only.arguments })
-          called = true
-        } else fragment(out, typeof json === "object" ? json.end : held.length)
-        held = ""
-        open = undefined
-        return out
-      }
-      if (open !== undefined) {
-        const call = open
-        const parsed = syntax._tag === "Family" ? parseCall(held, 0, syntax, tools, final) : undefined
-        if (parsed === "partial") {
-          // the arguments so far (up to the object's end once it closed: its closing markup may follow)
-          const json = scanJson(held, call.argsAt)
-          fragment(out, typeof json === "object" ? json.end : held.length)
-          return out
-        }
-        const json = scanJson(held, call.argsAt)
-        const end = typeof json === "object" ? json.end : held.length
-        if (parsed === undefined && final && json === "partial") {
-          // cut off: the arguments as far as they came; not a complete call
-          fragment(out, end)
-          held = ""
-          open = undefined
-          return out
-        }
-        // complete; or no valid object after all: its start and arguments went out, but it is no complete call
-        fragment(out, end)
-        const whole = { id: call.id, name: call.name, arguments: held.slice(call.argsAt, call.argsAt + call.sent) }
-        if (parsed !== undefined && (parallel || call.index === 0)) out.calls.push(whole)
-        called = true
-        held = held.slice(parsed === undefined ? end : parsed.end)
-        open = undefined
-        continue
-      }
-      const { heldFrom, segments } = parse(held, syntax, tools, final)
-      emit(segments, out)
-      if (heldFrom === undefined) {
-        held = ""
-        return out
-      }
-      held = held.slice(heldFrom)
-      const head = final
-        ? undefined
-        : syntax._tag === "Family"
-          ? callHead(held, syntax, tools)
-          : genericHead(held, tools)
-      if (head === undefined) return out
-      open = { index: count++, id: newToolCallId(), name: head.name, argsAt: head.argsAt, sent: 0 }
-      if (parallel || open.index === 0)
-        out.deltas.push({ _tag: "Start", index: open.index, id: open.id, name: head.name })
-    }
+    return { content, calls }
   }
   return {
     push: (text) => {
       held += text
-      return step(false)
+      return step("open")
     },
-    end: () => step(true)
+    end: (cut = false) => step(cut ? "cut" : "final")
   }
 }
 
