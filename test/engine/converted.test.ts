@@ -55,7 +55,7 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
   // Ministral 3 (YaRN with the log multiplier, the attention temperature past the original context), DeepSeek-V3
   // (MLA as the converter splits kv_b_proj, v_head_dim apart, group-limited sigmoid routing, YaRN), gpt-oss (MXFP4
   // experts with biases, attention sinks, alternate sliding-window blocks, YaRN), Qwen3.5 (DeltaNet blocks, head_dim
-  // 256 with a quarter rotated under the MRoPE sections the converter always writes, an MTP block).
+  // 256 with a quarter rotated under the MRoPE sections the converter always writes, an MTP block) and its MoE.
   const families = {
     llama: { blocks: 4, tied: true },
     qwen2: { blocks: 4, tied: true },
@@ -65,7 +65,8 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
     mistral3: { blocks: 4, tied: true },
     deepseek2: { blocks: 4, tied: false },
     "gpt-oss": { blocks: 4, tied: false },
-    qwen35: { blocks: 4, tied: false }
+    qwen35: { blocks: 4, tied: false },
+    qwen35moe: { blocks: 4, tied: false }
   } as const
   for (const family of Object.keys(families) as ReadonlyArray<keyof typeof families>) {
     const { blocks, tied } = families[family]

@@ -492,7 +492,7 @@ def gpt_oss(writer, n_vocab):
             writer.add_tensor(b + name + ".bias", vector(shape[0] * shape[1], 0.0, 0.1).reshape(shape[0], shape[1]))
 
 
-def qwen35(writer, n_vocab):
+def qwen35(writer, n_vocab, moe=None):
     """Qwen3.5 / 3.6 dense (conversion/qwen.py Qwen3_5TextModel: the MRoPE mixin over Qwen3NextModel's keys), scaled
     down from Qwen3.5-9B: gated DeltaNet blocks with one full-attention block every full_attention_interval, head_dim
     256 with a quarter rotated (rope.dimension_count 64, rope.dimension_sections [11, 11, 10, 0] as the mixin writes
@@ -527,6 +527,11 @@ def qwen35(writer, n_vocab):
     writer.add_ssm_inner_size(value)
     writer.add_full_attention_interval(c["full_attention_interval"])
     writer.add_rope_dimension_count(int(hd * c["partial_rotary_factor"]))
+    if moe is not None:
+        writer.add_expert_count(moe["num_experts"])
+        writer.add_expert_used_count(moe["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(moe["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(moe["shared_expert_intermediate_size"])
 
     writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
     writer.add_tensor("output_norm.weight", vector(n_embd))
@@ -553,9 +558,20 @@ def qwen35(writer, n_vocab):
             writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
             writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
             writer.add_tensor(b + "attn_output.weight", matrix(n_embd, hd * n_head, scale=w))
-        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
-        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
-        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        if moe is None:
+            writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        else:
+            n_exp, n_ff_exp, sh = moe["num_experts"], moe["moe_intermediate_size"], moe["shared_expert_intermediate_size"]
+            writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.5).astype(np.float32))
+            writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
+            writer.add_tensor(b + "ffn_gate_inp_shexp.weight", vector(n_embd, 0.0, 0.3))
+            writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
         if il >= trunk:
             writer.add_tensor(b + "nextn.eh_proj.weight", matrix(n_embd, 2 * n_embd))
             writer.add_tensor(b + "nextn.enorm.weight", vector(n_embd))
@@ -563,7 +579,16 @@ def qwen35(writer, n_vocab):
             writer.add_tensor(b + "nextn.shared_head_norm.weight", vector(n_embd))
 
 
+def qwen35moe(writer, n_vocab):
+    """Qwen3.5 / 3.6 MoE (Qwen3_5MoeTextModel, e.g. Qwen3.5-35B-A3B): qwen35's hybrid stack with routed experts
+    (softmax, top-k renormalised by the graph), expert_feed_forward_length and expert_shared_feed_forward_length, and a
+    sigmoid-gated shared expert (ffn_gate_inp_shexp)."""
+    qwen35(writer, n_vocab, moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=32))
+
+
 FAMILIES = {
+    "qwen35moe": ("qwen35moe", qwen35moe),
     "qwen35": ("qwen35", qwen35),
     "gpt-oss": ("gpt-oss", gpt_oss),
     "deepseek2": ("deepseek2", deepseek2),

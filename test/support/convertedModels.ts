@@ -33,7 +33,7 @@ export const ggufPyDir = (): string => {
 }
 
 /** Converter-shaped families convertedModels.py writes. */
-export type ConvertedFamily = "glm4moe" | "llama" | "qwen2" | "qwen3" | "qwen3moe" | "gemma3" | "mistral3" | "deepseek2" | "gpt-oss" | "qwen35"
+export type ConvertedFamily = "glm4moe" | "llama" | "qwen2" | "qwen3" | "qwen3moe" | "gemma3" | "mistral3" | "deepseek2" | "gpt-oss" | "qwen35" | "qwen35moe"
 
 /** Writes `family` to `path` with gguf-py (tokenizer from stories260K.gguf); returns the path. */
 export const writeConverted = (family: ConvertedFamily, path: string, seed = 1): string => {
