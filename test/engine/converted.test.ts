@@ -11,10 +11,11 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
 import { join } from "node:path"
+import type { ModelLoadError } from "../../src/domain/gguf.js"
 import { getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { readModelFacts } from "../../src/layers/gguf/ModelCatalogLive.js"
 import { writeConverted } from "../support/convertedModels.js"
-import { nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
+import { greedyRun, nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
 import { modelFolder, REFERENCE_OPTIONS, STORY_PROMPT } from "../support/synthFiles.js"
 
 const dir = modelFolder("swactor-engine-converted-")
@@ -89,4 +90,49 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
       240_000
     )
   }
+
+  // `convert_hf_to_gguf.py --fuse-gate-up-exps`: the routed experts' gate and up stacked in one ffn_gate_up_exps
+  // [n_embd, 2 x n_ff_exp, n_expert] (gate rows first). llama.cpp reads it for deepseek2 and qwen35moe (and keeps the
+  // same weights, so the same tokens as the file written apart); for qwen3moe it does not, and swactor says so.
+  for (const family of ["deepseek2", "qwen35moe"] as const) {
+    it.effect(
+      `${family} with fused gate/up experts: node-llama-cpp's tokens, the same as the unfused file's`,
+      () =>
+        Effect.gen(function* () {
+          const path = writeConverted(`${family}+fused`, join(dir, `${family}-fused.gguf`), 7)
+          const file = yield* readGgufFile(path)
+          assert.isTrue(file.tensorsByName.has("blk.1.ffn_gate_up_exps.weight"))
+          assert.isFalse(file.tensorsByName.has("blk.1.ffn_gate_exps.weight"))
+          const ref = yield* nodeLlamaReference(path, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
+          const apart = writeConverted(family, join(dir, `${family}-apart.gguf`), 7)
+          const refApart = yield* nodeLlamaReference(apart, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
+          assert.deepStrictEqual(ref.tokens, refApart.tokens, "fusing keeps the weights")
+          yield* splitsMatchReference(
+            path,
+            ref,
+            [
+              [0, 4],
+              [0, 1, 2, 4],
+              [0, 2, 3, 4]
+            ],
+            REFERENCE_OPTIONS
+          )
+        }),
+      240_000
+    )
+  }
+
+  it.effect(
+    "qwen3moe with fused gate/up experts: a ModelLoadError naming the tensor (llama.cpp does not read it)",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("qwen3moe+fused", join(dir, "qwen3moe-fused.gguf"), 7)
+        const error = (yield* Effect.flip(greedyRun(path, [0, 4], [1], 1, REFERENCE_OPTIONS))) as ModelLoadError
+        assert.strictEqual(error._tag, "ModelLoadError")
+        assert.match(
+          error.message,
+          /tensor "blk\.0\.ffn_gate_up_exps\.weight": fused gate\/up experts are not read for qwen3moe/
+        )
+      })
+  )
 })

@@ -14,6 +14,9 @@ import sys
 import numpy as np
 
 gguf_py, family, out_path, tokenizer_path = sys.argv[1:5]
+# "<family>+fused": the routed experts' gate and up as one tensor, as `convert_hf_to_gguf.py --fuse-gate-up-exps` writes
+FUSE = family.endswith("+fused")
+family = family.removesuffix("+fused")
 seed = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 sys.path.insert(0, gguf_py)
 import gguf  # noqa: E402
@@ -49,6 +52,16 @@ def copy_tokenizer(writer, path):
         elif kind == gguf.GGUFValueType.BOOL:
             writer.add_bool(name, bool(field.contents()))
     return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def experts_gate_up(writer, b, n_exp, n_ff_exp, n_embd, scale):
+    """The routed experts' gate and up: apart, or fused along the rows (gate first, ModelBase.modify_tensors)."""
+    gate, up = matrix(n_exp, n_ff_exp, n_embd, scale=scale), matrix(n_exp, n_ff_exp, n_embd, scale=scale)
+    if FUSE:
+        writer.add_tensor(b + "ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1))
+    else:
+        writer.add_tensor(b + "ffn_gate_exps.weight", gate)
+        writer.add_tensor(b + "ffn_up_exps.weight", up)
 
 
 def glm4moe(writer, n_vocab):
@@ -110,8 +123,7 @@ def glm4moe(writer, n_vocab):
         else:
             writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.3).astype(np.float32))
             writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, 0.0, 0.1))
-            writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd))
-            writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd))
+            experts_gate_up(writer, b, n_exp, n_ff_exp, n_embd, 0.08)
             writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp))
             sh = n_ff_exp * c["n_shared_experts"]
             writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd))
@@ -256,8 +268,7 @@ def qwen3moe(writer, n_vocab):
         writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
         writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
         writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.5).astype(np.float32))
-        writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
-        writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+        experts_gate_up(writer, b, n_exp, n_ff_exp, n_embd, w)
         writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
 
 
@@ -426,8 +437,7 @@ def deepseek2(writer, n_vocab):
         else:
             writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.5).astype(np.float32))
             writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, 0.0, 0.1))
-            writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
-            writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+            experts_gate_up(writer, b, n_exp, n_ff_exp, n_embd, w)
             writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
             sh = n_ff_exp * c["n_shared_experts"]
             writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
@@ -565,8 +575,7 @@ def qwen35(writer, n_vocab, moe=None):
         else:
             n_exp, n_ff_exp, sh = moe["num_experts"], moe["moe_intermediate_size"], moe["shared_expert_intermediate_size"]
             writer.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((n_exp, n_embd)) * 0.5).astype(np.float32))
-            writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
-            writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+            experts_gate_up(writer, b, n_exp, n_ff_exp, n_embd, w)
             writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
             writer.add_tensor(b + "ffn_gate_inp_shexp.weight", vector(n_embd, 0.0, 0.3))
             writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))

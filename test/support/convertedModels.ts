@@ -33,10 +33,28 @@ export const ggufPyDir = (): string => {
 }
 
 /** Converter-shaped families convertedModels.py writes. */
-export type ConvertedFamily = "glm4moe" | "llama" | "qwen2" | "qwen3" | "qwen3moe" | "gemma3" | "mistral3" | "deepseek2" | "gpt-oss" | "qwen35" | "qwen35moe"
+export type ConvertedFamily =
+  | "glm4moe"
+  | "llama"
+  | "qwen2"
+  | "qwen3"
+  | "qwen3moe"
+  | "gemma3"
+  | "mistral3"
+  | "deepseek2"
+  | "gpt-oss"
+  | "qwen35"
+  | "qwen35moe"
 
-/** Writes `family` to `path` with gguf-py (tokenizer from stories260K.gguf); returns the path. */
-export const writeConverted = (family: ConvertedFamily, path: string, seed = 1): string => {
+/**
+ * Writes `family` to `path` with gguf-py (tokenizer from stories260K.gguf); returns the path. `+fused`: the routed
+ * experts' gate and up as one `ffn_gate_up_exps`, as the converter writes with `--fuse-gate-up-exps`.
+ */
+export const writeConverted = (
+  family: ConvertedFamily | `${ConvertedFamily}+fused`,
+  path: string,
+  seed = 1
+): string => {
   execFileSync(
     "python3",
     [

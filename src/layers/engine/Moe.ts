@@ -44,6 +44,11 @@ export interface MoeArchOptions {
    * `expert_feed_forward_length` is then not read.
    */
   readonly nFfExp?: number
+  /**
+   * The architecture reads a fused `ffn_gate_up_exps` in place of ffn_gate_exps and ffn_up_exps (llama.cpp's
+   * create_tensor_gate_up_exps: deepseek2 and qwen35moe among swactor's architectures); default false.
+   */
+  readonly fusedGateUp?: boolean
 }
 
 const invalid = (file: GgufFile, message: string) =>
@@ -69,8 +74,51 @@ const uniformCount = (file: GgufFile, key: string): Effect.Effect<number | undef
     return n
   })
 
-/** Routed blocks' stacked expert tensors (short names) and which dim counts the experts. */
-const EXPERT_TENSORS = ["ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"] as const
+/** Routed blocks' stacked expert tensors (short names); their last dim counts the experts. */
+const EXPERT_TENSORS = [
+  "ffn_gate_exps.weight",
+  "ffn_up_exps.weight",
+  "ffn_gate_up_exps.weight",
+  "ffn_down_exps.weight"
+] as const
+
+const FUSED = "ffn_gate_up_exps.weight"
+
+/**
+ * Whether the routed blocks hold gate and up fused (`ffn_gate_up_exps`): all of them or none, and only where the
+ * architecture reads it; a file that mixes them, or fuses them for an architecture whose llama.cpp loader does not,
+ * is refused naming the tensor.
+ */
+const readFusedGateUp = (
+  file: GgufFile,
+  arch: string,
+  blocks: ReadonlyArray<number>,
+  allowed: boolean
+): Effect.Effect<boolean, ModelLoadError> => {
+  const fused = blocks.filter((il) => file.tensorsByName.has(`blk.${il}.${FUSED}`))
+  if (fused.length === 0) return Effect.succeed(false)
+  const first = `blk.${fused[0]}.${FUSED}`
+  if (!allowed) {
+    return Effect.fail(
+      new ModelLoadError({
+        path: file.path,
+        reason: "InvalidMetadata",
+        message: `tensor "${first}": fused gate/up experts are not read for ${arch} (llama.cpp reads them for deepseek2 and qwen35moe); convert without --fuse-gate-up-exps`
+      })
+    )
+  }
+  const apart = blocks.find((il) => !file.tensorsByName.has(`blk.${il}.${FUSED}`))
+  if (apart !== undefined) {
+    return Effect.fail(
+      new ModelLoadError({
+        path: file.path,
+        reason: "MissingTensor",
+        message: `tensor "blk.${apart}.${FUSED}" is missing: "${first}" fuses gate/up experts, so every routed block must`
+      })
+    )
+  }
+  return Effect.succeed(true)
+}
 
 /**
  * Reads and checks the MoE hyperparameters: expert_count (1..1024), expert_used_count (1..expert_count), the expert
@@ -165,6 +213,8 @@ export const readMoeParams = (
         }
       }
     }
+    const routed = Array.from({ length: hp.nLayer - nLeadingDense }, (_, i) => nLeadingDense + i)
+    const fusedGateUp = yield* readFusedGateUp(file, hp.arch, routed, options.fusedGateUp === true)
     const weightsScale = options.weightsScale ?? 0
     if (!Number.isFinite(weightsScale) || weightsScale < 0) {
       return yield* Effect.fail(invalid(file, `expert weights scale ${weightsScale} must be >= 0`))
@@ -180,7 +230,8 @@ export const readMoeParams = (
       sharedGate: options.sharedGate === true,
       nLeadingDense,
       nExpertGroups,
-      nGroupUsed
+      nGroupUsed,
+      fusedGateUp
     }
   })
 
@@ -190,8 +241,12 @@ export const moeBlockSpecs = (hp: HParams, moe: MoeParams): ReadonlyArray<Tensor
   const m = (name: string, dims: ReadonlyArray<number>): TensorSpec => ({ name, dims, kind: "matrix", required: true })
   const specs: Array<TensorSpec> = [
     m("ffn_gate_inp.weight", [hp.nEmbd, e]),
-    { ...m("ffn_gate_exps.weight", [hp.nEmbd, f, e]), product: "mul_mat_id" },
-    { ...m("ffn_up_exps.weight", [hp.nEmbd, f, e]), product: "mul_mat_id" },
+    ...(moe.fusedGateUp
+      ? [{ ...m(FUSED, [hp.nEmbd, 2 * f, e]), product: "mul_mat_id" as const }]
+      : [
+          { ...m("ffn_gate_exps.weight", [hp.nEmbd, f, e]), product: "mul_mat_id" as const },
+          { ...m("ffn_up_exps.weight", [hp.nEmbd, f, e]), product: "mul_mat_id" as const }
+        ]),
     { ...m("ffn_down_exps.weight", [f, hp.nEmbd, e]), product: "mul_mat_id" }
   ]
   if (moe.nFfShared > 0) {
@@ -317,8 +372,19 @@ export const moeFfn = (
     )
     return op.ggml_mul_mat_id(ctx, a, input, chosen)
   }
-  const up = mulMatId("ffn_up_exps.weight", cur) // [n_ff_exp, k, n]
-  const gate = mulMatId("ffn_gate_exps.weight", cur)
+  let up: Ptr
+  let gate: Ptr
+  if (moe.fusedGateUp) {
+    // one product for both (llama.cpp's build_moe_ffn with gate_up_exps): [2 n_ff_exp, k, n], gate rows first
+    const both = mulMatId(FUSED, cur)
+    const sb = shape(both)
+    const f = sb.ne[0]! / 2
+    gate = g.ggml_view_3d(ctx, both, f, sb.ne[1]!, sb.ne[2]!, sb.nb[1]!, sb.nb[2]!, 0)
+    up = g.ggml_view_3d(ctx, both, f, sb.ne[1]!, sb.ne[2]!, sb.nb[1]!, sb.nb[2]!, f * sb.nb[0]!)
+  } else {
+    up = mulMatId("ffn_up_exps.weight", cur) // [n_ff_exp, k, n]
+    gate = mulMatId("ffn_gate_exps.weight", cur)
+  }
   const act = hooks.activation === "gelu" ? g.ggml_geglu_split(ctx, gate, up) : g.ggml_swiglu_split(ctx, gate, up)
   let experts = mulMatId("ffn_down_exps.weight", act) // [n_embd, k, n]
   const downScale = hooks.downScale ?? null

@@ -27,4 +27,10 @@ export interface MoeParams {
    */
   readonly nExpertGroups: number
   readonly nGroupUsed: number
+  /**
+   * The routed blocks hold gate and up stacked in one tensor, `ffn_gate_up_exps` [n_embd, 2 x n_ff_exp, n_expert]
+   * (gate rows first), as llama.cpp's converter writes with `--fuse-gate-up-exps`; false: ffn_gate_exps and
+   * ffn_up_exps apart.
+   */
+  readonly fusedGateUp: boolean
 }

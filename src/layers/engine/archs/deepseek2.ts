@@ -117,7 +117,8 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
       normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,
       weightsScale: (yield* getOptional(file, k("expert_weights_scale"), getF32)) ?? 0,
       nExpertShared: yield* getU32(file, k("expert_shared_count")),
-      nLeadingDense: (yield* getOptional(file, k("leading_dense_block_count"), getU32)) ?? 0
+      nLeadingDense: (yield* getOptional(file, k("leading_dense_block_count"), getU32)) ?? 0,
+      fusedGateUp: true
     })
     const mla: MlaParams = { qLoraRank, kvLoraRank, headDimK: kMla, headDimV: vMla }
     if (scaling !== "yarn") return { ...hp, moe, mla, kqScale: 1 / Math.sqrt(kMla) }

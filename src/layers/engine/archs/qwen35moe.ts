@@ -26,7 +26,8 @@ export const qwen35moe: ArchModule = {
         gating: "softmax",
         normWeights: true,
         nFfShared: shared > 0 ? shared : hp.nFf,
-        sharedGate: true
+        sharedGate: true,
+        fusedGateUp: true
       })
       return { ...hybrid, moe }
     }),
