@@ -93,6 +93,25 @@ export const contextProblem = (
 }
 
 // ---------------------------------------------------------------------------------------------
+// API keys
+// ---------------------------------------------------------------------------------------------
+
+/**
+ * An API key of `swactor serve`, the `index`-th (from 1) of `source`: printable ASCII without spaces. A header carries
+ * bytes, and clients turn a character beyond ASCII into different ones (curl sends UTF-8, a browser's fetch and the
+ * openai package Latin-1, others refuse it), so such a key could never be matched reliably: it is refused at start.
+ */
+export const apiKeyProblem = (key: string, index: number, source: string): string | undefined => {
+  if (/\s/.test(key)) return `${source}: key ${index} has a space inside; one key per line`
+  const at = [...key].findIndex((ch) => ch < "!" || ch > "~")
+  if (at < 0) return undefined
+  return (
+    `${source}: key ${index} has a character outside printable ASCII (at character ${at + 1}), which HTTP clients ` +
+    `send as different bytes; use letters, digits and punctuation (${makeTokenHint})`
+  )
+}
+
+// ---------------------------------------------------------------------------------------------
 // The cluster token's strength
 // ---------------------------------------------------------------------------------------------
 

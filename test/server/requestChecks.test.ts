@@ -12,6 +12,7 @@ import {
   estimateTokenBits,
   fitsContext,
   generationProblem,
+  apiKeyProblem,
   samplingPolicyProblem,
   sparesProblem,
   stagesProblem,
@@ -185,5 +186,27 @@ describe("failed handshakes: closes are DEBUG lines, and no flood hides a failed
     })
     // The next forged proof from that peer within the window is counted, not logged.
     expect(log("10.0.0.5", forged)).toBeUndefined()
+  })
+})
+
+describe("API keys: printable ASCII without spaces (issue 41)", () => {
+  it("API keys: printable ASCII without spaces", () => {
+    const printable = Array.from({ length: 0x7e - 0x21 + 1 }, (_, i) => String.fromCharCode(0x21 + i)).join("")
+    expect(apiKeyProblem(printable, 1, "--api-key-file k")).toBeUndefined()
+    expect(apiKeyProblem("sk-abc def", 2, "--api-key-file k")).toBe(
+      "--api-key-file k: key 2 has a space inside; one key per line"
+    )
+    expect(apiKeyProblem("sk-\u00a0x", 1, "k")).toMatch(/has a space inside/)
+    for (const [key, at] of [
+      ["café", 4],
+      ["🔑-key", 1],
+      ["sk-\u007f", 4],
+      ["sk-\u0000", 4]
+    ] as const) {
+      expect(apiKeyProblem(key, 3, "SWACTOR_API_KEY"), key).toBe(
+        `SWACTOR_API_KEY: key 3 has a character outside printable ASCII (at character ${at}), which HTTP clients send ` +
+          "as different bytes; use letters, digits and punctuation (make one with: openssl rand -hex 32)"
+      )
+    }
   })
 })
