@@ -33,7 +33,7 @@ import {
 } from "./Flags.js"
 import { defaultHttpLimits, hostOf, isLoopbackHost } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
-import { stagesProblem } from "../services/RequestChecks.js"
+import { apiKeyProblem, stagesProblem } from "../services/RequestChecks.js"
 
 export interface ServeArgs {
   readonly model: string
@@ -79,8 +79,8 @@ const apiKeyEnv = apiKeyVariable
 
 /**
  * The API keys: the lines of --api-key-file (blank lines and # comments skipped), else SWACTOR_API_KEY, else none.
- * A file that cannot be read, holds no key, or a key with a space inside is a UsageError. `said` is what the
- * listening line adds (how many keys, from where; never a key).
+ * A file that cannot be read, holds no key, or a key with a space or a character outside printable ASCII inside is a
+ * UsageError (one line). `said` is what the listening line adds (how many keys, from where; never a key).
  */
 const apiKeysOf = (file: Option.Option<string>) =>
   Effect.gen(function* () {
@@ -106,9 +106,11 @@ const apiKeysOf = (file: Option.Option<string>) =>
       const key = apiKeyFromEnv()
       keys = key === undefined ? [] : [Redacted.value(key)]
     }
-    const spaced = keys.findIndex((key) => /\s/.test(key))
-    if (spaced >= 0)
-      return yield* new UsageError({ message: `${source}: key ${spaced + 1} has a space inside; one key per line` })
+    // Printable ASCII only (RequestChecks.ts): a key with other characters could never match what clients send.
+    for (const [i, key] of keys.entries()) {
+      const problem = apiKeyProblem(key, i + 1, source)
+      if (problem !== undefined) return yield* new UsageError({ message: problem })
+    }
     return {
       keys: keys.map((key) => Redacted.make(key)),
       said: keys.length === 0 ? "" : ` (${keys.length} API key${keys.length === 1 ? "" : "s"} from ${source})`

@@ -274,8 +274,20 @@ export class EdgeBusy extends Schema.TaggedError<EdgeBusy>()("EdgeBusy", {
   edgeId: Schema.Number
 }) {}
 
-/** The peer did not prove knowledge of the cluster token (or we refused its proof, or it timed out). */
-export class AuthFailed extends Schema.TaggedError<AuthFailed>()("AuthFailed", { detail: Schema.String }) {}
+/**
+ * Why a handshake failed: the peer closed (or reset) the connection before it finished (`closed`: a health probe, a port
+ * scan, a peer that gave up), it did not finish in time (`timeout`), it spoke something other than the handshake
+ * (`protocol`), or a proof did not match the cluster token (`proof`: a forged handshake, another token, or a peer that
+ * left once it saw ours).
+ */
+export const HandshakeFailure = Schema.Literal("closed", "timeout", "protocol", "proof")
+export type HandshakeFailure = typeof HandshakeFailure.Type
+
+/** The peer did not prove knowledge of the cluster token (or we refused its proof, or it timed out): `reason` says how. */
+export class AuthFailed extends Schema.TaggedError<AuthFailed>()("AuthFailed", {
+  detail: Schema.String,
+  reason: HandshakeFailure
+}) {}
 
 /** The connection could not be opened. */
 export class ConnectFailed extends Schema.TaggedError<ConnectFailed>()("ConnectFailed", { detail: Schema.String }) {}

@@ -93,6 +93,25 @@ export const contextProblem = (
 }
 
 // ---------------------------------------------------------------------------------------------
+// API keys
+// ---------------------------------------------------------------------------------------------
+
+/**
+ * An API key of `swactor serve`, the `index`-th (from 1) of `source`: printable ASCII without spaces. A header carries
+ * bytes, and clients turn a character beyond ASCII into different ones (curl sends UTF-8, a browser's fetch and the
+ * openai package Latin-1, others refuse it), so such a key could never be matched reliably: it is refused at start.
+ */
+export const apiKeyProblem = (key: string, index: number, source: string): string | undefined => {
+  if (/\s/.test(key)) return `${source}: key ${index} has a space inside; one key per line`
+  const at = [...key].findIndex((ch) => ch < "!" || ch > "~")
+  if (at < 0) return undefined
+  return (
+    `${source}: key ${index} has a character outside printable ASCII (at character ${at + 1}), which HTTP clients ` +
+    `send as different bytes; use letters, digits and punctuation (${makeTokenHint})`
+  )
+}
+
+// ---------------------------------------------------------------------------------------------
 // The cluster token's strength
 // ---------------------------------------------------------------------------------------------
 
@@ -196,7 +215,8 @@ export const generationProblem = (request: {
 /**
  * A served request (the Server's ServeRequest, OpenAI's field names): the generation checks (generationProblem, max
  * tokens named `max_tokens`), then its sampling fields: temperature in [0, 100], top_k a whole number ≥ 0, top_p in
- * (0, 1], min_p in [0, 1], seed a whole number.
+ * [0, 1] (0 keeps the likeliest token), min_p in [0, 1], seed a whole number. The HTTP routes hold each field to its
+ * API's narrower range first (layers/server/SamplingRanges.ts).
  */
 export const serveRequestProblem = (
   request: {
@@ -230,7 +250,7 @@ export const serveRequestProblem = (
   }
   if (s.topK !== undefined && !(Number.isSafeInteger(s.topK) && s.topK >= 0))
     return `top_k must be a whole number ≥ 0, got ${s.topK}`
-  if (s.topP !== undefined && !(s.topP > 0 && s.topP <= 1)) return `top_p must be in (0, 1], got ${s.topP}`
+  if (s.topP !== undefined && !(s.topP >= 0 && s.topP <= 1)) return `top_p must be between 0 and 1, got ${s.topP}`
   if (s.minP !== undefined && !(s.minP >= 0 && s.minP <= 1)) return `min_p must be in [0, 1], got ${s.minP}`
   if (s.seed !== undefined && !Number.isSafeInteger(s.seed)) return `seed must be a whole number, got ${s.seed}`
   return undefined

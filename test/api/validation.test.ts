@@ -163,6 +163,28 @@ describe("the command line: bounds checked before any agent starts (run, serve, 
 
   // The KV holds the prompt and every generated token fed back; the last one never is, so prompt + max tokens =
   // context fits with a position to spare. run and serve accept exactly that (serve: below).
+  it("an API key with a character outside printable ASCII is refused at start in one line (file and SWACTOR_API_KEY)", async () => {
+    // Such a key loaded but never matched: clients send its characters as other bytes (curl UTF-8, fetch Latin-1).
+    const dir = mkdtempSync(join(tmpdir(), "swactor-keys-"))
+    try {
+      const file = join(dir, "keys")
+      writeFileSync(file, `# keys\n${generateToken()}\ncafé-${generateToken()}\n`)
+      expectRefused(
+        await swactor(["serve", "--model", model(), "--port", "0", "--api-key-file", file]),
+        "serve",
+        `--api-key-file ${file}: key 2 has a character outside printable ASCII (at character 4), which HTTP clients ` +
+          "send as different bytes; use letters, digits and punctuation (make one with: openssl rand -hex 32)"
+      )
+      expectRefused(
+        await swactor(["serve", "--model", model(), "--port", "0"], { SWACTOR_API_KEY: `ключ-${generateToken()}` }),
+        "serve",
+        /^swactor serve: SWACTOR_API_KEY: key 1 has a character outside printable ASCII \(at character 1\)/
+      )
+    } finally {
+      rmSync(dir, { recursive: true, force: true })
+    }
+  })
+
   it("run: prompt + max tokens = the model's context runs to the end; one more is refused with the room left", async () => {
     const dir = mkdtempSync(join(tmpdir(), "swactor-validation-"))
     try {

@@ -99,4 +99,65 @@ describe("JsonGrammar", () => {
     const huge = { enum: Array.from({ length: 20_000 }, (_, i) => `value ${i}`) }
     assert.match(await refused(huge), /^schema: is \d+ characters of JSON, over the 65536 a schema may have$/)
   })
+
+  it("refuses a schema with no finite value (an object that must contain itself), naming the reference that closes the cycle", async () => {
+    const base = "response_format.json_schema.schema"
+    const endless = (path: string, name: string) =>
+      `${path}: admits no finite value: every "${name}" must contain another "${name}", without end ` +
+      `(every property is generated, required or not; end the recursion with anyOf [..., {"type": "null"}] or an ` +
+      `array that may be empty)`
+    const node = (child: unknown, required = true) => ({
+      type: "object",
+      properties: { name: { type: "string" }, child },
+      ...(required ? { required: ["name", "child"] } : {})
+    })
+    // required, and (since the grammar generates every property) optional too
+    for (const required of [true, false]) {
+      assert.strictEqual(
+        await refused({ $defs: { Node: node({ $ref: "#/$defs/Node" }, required) }, $ref: "#/$defs/Node" }, base),
+        endless(`${base}.$defs.Node.properties.child`, "Node")
+      )
+    }
+    // through another definition, below the root's own properties, under allOf and with definitions
+    assert.strictEqual(
+      await refused({
+        type: "object",
+        properties: { first: { $ref: "#/definitions/A" } },
+        definitions: {
+          A: { type: "object", properties: { b: { $ref: "#/definitions/B" } } },
+          B: { allOf: [{ type: "object", properties: { a: { $ref: "#/definitions/A" } } }] }
+        }
+      }),
+      endless("schema.$defs.B.allOf[0].properties.a", "A")
+    )
+    // a definition that is only itself, and an array that must hold one more of itself
+    assert.strictEqual(
+      await refused({ $defs: { Self: { $ref: "#/$defs/Self" } }, $ref: "#/$defs/Self" }),
+      endless("schema.$defs.Self", "Self")
+    )
+    assert.strictEqual(
+      await refused({
+        $defs: { List: { type: "array", items: { $ref: "#/$defs/List" }, minItems: 1 } },
+        $ref: "#/$defs/List"
+      }),
+      endless("schema.$defs.List.items", "List")
+    )
+    // every member of a choice endless: refused; one way out: accepted
+    assert.strictEqual(
+      await refused({
+        $defs: { N: { anyOf: [node({ $ref: "#/$defs/N" }), { type: "array", prefixItems: [{ $ref: "#/$defs/N" }] }] } },
+        $ref: "#/$defs/N"
+      }),
+      endless("schema.$defs.N.anyOf[0].properties.child", "N")
+    )
+    for (const way of [
+      { anyOf: [{ $ref: "#/$defs/Node" }, { type: "null" }] },
+      { $ref: "#/$defs/Node", nullable: true },
+      { type: "array", items: { $ref: "#/$defs/Node" } },
+      { type: "array", items: { $ref: "#/$defs/Node" }, minItems: 1, prefixItems: [{ type: "string" }] }
+    ]) {
+      const text = await grammar({ $defs: { Node: node(way) }, $ref: "#/$defs/Node" })
+      assert.match(text, /^root ::= /m, JSON.stringify(way))
+    }
+  })
 })

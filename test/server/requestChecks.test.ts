@@ -3,7 +3,8 @@
 // test/validation.test.ts.
 import { randomBytes } from "node:crypto"
 import { describe, expect, it } from "vitest"
-import { makeRefusalLog } from "../../src/layers/transport/RefusalLog.js"
+import { AuthFailed } from "../../src/domain/frames.js"
+import { makeHandshakeLog, makeRefusalLog } from "../../src/layers/transport/RefusalLog.js"
 import {
   clusterTokenProblem,
   contextProblem,
@@ -11,6 +12,7 @@ import {
   estimateTokenBits,
   fitsContext,
   generationProblem,
+  apiKeyProblem,
   samplingPolicyProblem,
   sparesProblem,
   stagesProblem,
@@ -145,5 +147,66 @@ describe("refused connections: one line per peer per window, naming it", () => {
     expect(log.refused("192.168.1.1", "authentication failed")).toMatch(
       /497 more from any peer not logged in the last flood/
     )
+  })
+})
+
+describe("failed handshakes: closes are DEBUG lines, and no flood hides a failed proof (issue 41)", () => {
+  it("closes and timeouts are one DEBUG line each; a flood of them and of foreign protocols leaves a failed proof its WARN line", () => {
+    let now = 0
+    const log = makeHandshakeLog("data-plane connection", { windowMillis: 10_000, maxLines: 3, now: () => now })
+    const closed = new AuthFailed({ detail: "peer closed the connection during the handshake", reason: "closed" })
+    const timedOut = new AuthFailed({ detail: "handshake timed out", reason: "timeout" })
+    const foreign = new AuthFailed({ detail: "expected Hello", reason: "protocol" })
+    const forged = new AuthFailed({ detail: "client proof does not match the cluster token", reason: "proof" })
+    expect(log("10.0.0.5", closed)).toEqual({
+      level: "Debug",
+      line: "data-plane connection from 10.0.0.5 closed before authenticating (peer closed the connection during the handshake)"
+    })
+    expect(log("10.0.0.5", timedOut)).toEqual({
+      level: "Debug",
+      line: "data-plane connection from 10.0.0.5 dropped before authenticating (handshake timed out)"
+    })
+    // A flood of closes from the forger's own address and from many others, and of another protocol from many peers.
+    for (let i = 0; i < 1000; i++) {
+      now += 1
+      expect(log("10.0.0.5", closed)?.level).toBe("Debug")
+      expect(log(`10.1.${i >> 8}.${i & 255}`, closed)?.level).toBe("Debug")
+    }
+    const foreignLines = Array.from({ length: 500 }, (_, i) => log(`10.2.${i >> 8}.${i & 255}`, foreign)).filter(
+      (said) => said !== undefined
+    )
+    expect(foreignLines).toHaveLength(3)
+    expect(foreignLines[0]).toEqual({
+      level: "Warning",
+      line: "data-plane connection from 10.2.0.0 refused: not a swactor handshake: expected Hello"
+    })
+    expect(log("10.0.0.5", forged)).toEqual({
+      level: "Warning",
+      line: "data-plane connection from 10.0.0.5 refused: authentication failed: client proof does not match the cluster token"
+    })
+    // The next forged proof from that peer within the window is counted, not logged.
+    expect(log("10.0.0.5", forged)).toBeUndefined()
+  })
+})
+
+describe("API keys: printable ASCII without spaces (issue 41)", () => {
+  it("API keys: printable ASCII without spaces", () => {
+    const printable = Array.from({ length: 0x7e - 0x21 + 1 }, (_, i) => String.fromCharCode(0x21 + i)).join("")
+    expect(apiKeyProblem(printable, 1, "--api-key-file k")).toBeUndefined()
+    expect(apiKeyProblem("sk-abc def", 2, "--api-key-file k")).toBe(
+      "--api-key-file k: key 2 has a space inside; one key per line"
+    )
+    expect(apiKeyProblem("sk-\u00a0x", 1, "k")).toMatch(/has a space inside/)
+    for (const [key, at] of [
+      ["café", 4],
+      ["🔑-key", 1],
+      ["sk-\u007f", 4],
+      ["sk-\u0000", 4]
+    ] as const) {
+      expect(apiKeyProblem(key, 3, "SWACTOR_API_KEY"), key).toBe(
+        `SWACTOR_API_KEY: key 3 has a character outside printable ASCII (at character ${at}), which HTTP clients send ` +
+          "as different bytes; use letters, digits and punctuation (make one with: openssl rand -hex 32)"
+      )
+    }
   })
 })

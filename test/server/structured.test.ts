@@ -335,6 +335,32 @@ describe("swactor serve: structured output, log-probs, n, sampling fields (stori
       },
       /^response_format\.json_schema\.schema\.properties\.x: unsupported keyword "patternProperties"$/
     )
+    // An object that must contain itself has no finite instance: before, the request ran to max_tokens and returned
+    // truncated JSON.
+    await refused(
+      "/v1/chat/completions",
+      {
+        messages,
+        max_tokens: 64,
+        response_format: {
+          type: "json_schema",
+          json_schema: {
+            name: "tree",
+            schema: {
+              $defs: {
+                Node: {
+                  type: "object",
+                  properties: { name: { type: "string" }, child: { $ref: "#/$defs/Node" } },
+                  required: ["name", "child"]
+                }
+              },
+              $ref: "#/$defs/Node"
+            }
+          }
+        }
+      },
+      /^response_format\.json_schema\.schema\.\$defs\.Node\.properties\.child: admits no finite value: every "Node" must contain another "Node"/
+    )
     await refused("/v1/completions", { prompt: "a", logit_bias: { abc: 5 } }, /^logit_bias: "abc" is not a token id/)
     await refused(
       "/v1/completions",

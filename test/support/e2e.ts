@@ -4,7 +4,7 @@ import * as Net from "node:net"
 import { Effect, type Scope } from "effect"
 import { layerRemote } from "../../src/api/generate.js"
 import { ProvisionRequest } from "../../src/domain/controlRpc.js"
-import { tcpAddress } from "../../src/domain/frames.js"
+import { tcpAddress, type TransportAddress } from "../../src/domain/frames.js"
 import type { EdgeId, NodeId, PortId, RoleId, RunId } from "../../src/domain/ids.js"
 import { ProvisionStage, type RingSpec } from "../../src/domain/plan.js"
 import {
@@ -109,27 +109,45 @@ export const cuttingProxy = (cutAfterBytes: number) =>
   )
 
 /**
- * A `swactor node` child process with the test engine on an ephemeral loopback port: its port (from its ready line),
- * what it wrote so far, and `stop` (SIGTERM, then its exit).
+ * A `swactor node` child process with the test engine on an ephemeral loopback port (`args` added to its command line,
+ * `logLevel` given as swactor's `--log-level`): its control port and data address (from its ready line), what it wrote
+ * so far, and `stop` (SIGTERM, then its exit). Rejects with its output when it exits before its ready line.
  */
-export const startTestNode = async () => {
-  const child = spawn(process.execPath, [swactorMain(), "node", "--listen", "127.0.0.1:0", "--engine", "test"], {
-    cwd: repoRoot,
-    stdio: ["ignore", "pipe", "pipe"],
-    env: { ...process.env, SWACTOR_CLUSTER_TOKEN: generateToken() }
-  })
+export const startTestNode = async (
+  options: { readonly args?: ReadonlyArray<string>; readonly logLevel?: string } = {}
+) => {
+  const child = spawn(
+    process.execPath,
+    [
+      swactorMain(),
+      ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel]),
+      "node",
+      "--listen",
+      "127.0.0.1:0",
+      "--engine",
+      "test",
+      ...(options.args ?? [])
+    ],
+    {
+      cwd: repoRoot,
+      stdio: ["ignore", "pipe", "pipe"],
+      env: { ...process.env, SWACTOR_CLUSTER_TOKEN: generateToken() }
+    }
+  )
   let stdout = ""
   let stderr = ""
   child.stderr.on("data", (chunk) => (stderr += chunk))
-  const port = await new Promise<number>((resolve) =>
+  const { port, data } = await new Promise<{ port: number; data: TransportAddress }>((resolve, reject) => {
     child.stdout.on("data", (chunk) => {
       stdout += chunk
       const ready = /swactor-node-ready (\{.*\})/.exec(stdout)
-      if (ready !== null) resolve((JSON.parse(ready[1]!) as { port: number }).port)
+      if (ready !== null) resolve(JSON.parse(ready[1]!) as { port: number; data: TransportAddress })
     })
-  )
+    child.on("exit", (code) => reject(new Error(`swactor node exited (${code}) before its ready line:\n${stderr}`)))
+  })
   return {
     port,
+    data,
     stdout: () => stdout,
     stderr: () => stderr,
     stop: async () => {

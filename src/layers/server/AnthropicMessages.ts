@@ -22,6 +22,7 @@ import type { ServeError, ServeEvent, ServeRequest, ServerService } from "../../
 import type { ChatMessage } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolChoice, ToolSyntax } from "../../services/Tools.js"
 import { clip, EdgeRefusal } from "./HttpGuard.js"
+import { rangeProblem } from "./SamplingRanges.js"
 import { parseToolCalls, toolCallStream } from "./ToolCalls.js"
 
 // --- bodies ---
@@ -72,10 +73,13 @@ const ConversationFields = {
   tool_choice: Schema.optional(Schema.NullOr(ToolChoice))
 }
 
-/** `POST /v1/messages`; other fields (metadata, thinking, service_tier…) are ignored. */
+/**
+ * `POST /v1/messages`; other fields (metadata, thinking, service_tier…) are ignored. The numbers' ranges (max_tokens,
+ * temperature, top_p, top_k) are SamplingRanges.ts's.
+ */
 export const MessagesBody = Schema.Struct({
   ...ConversationFields,
-  max_tokens: Schema.Int.pipe(Schema.greaterThanOrEqualTo(1)),
+  max_tokens: Schema.Number,
   temperature: Num,
   top_p: Num,
   top_k: Num,
@@ -409,6 +413,9 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
 
   const create = Effect.gen(function* () {
     const body = yield* options.body(MessagesBody)
+    // Each number within Anthropic's documented range (SamplingRanges.ts), before anything else.
+    const outside = rangeProblem("messages", body)
+    if (outside !== undefined) return yield* Effect.fail(refuse(outside.message))
     const { chat: conversation, formatted: chat } = yield* formatted(body)
     const ready = yield* server.ready
     // max_tokens is a ceiling (agents ask for tens of thousands): at most what fits the window the chat route gives a

@@ -6,7 +6,9 @@
  * lie). What it accepts, every output the grammar admits validates against the schema:
  *
  * - `type` (one or several), `const`, `enum` (primitive values), `anyOf` / `oneOf`, `allOf` with one member,
- *   `nullable: true`, `$ref` to `#/$defs/…` or `#/definitions/…` (root-level definitions; recursion allowed);
+ *   `nullable: true`, `$ref` to `#/$defs/…` or `#/definitions/…` (root-level definitions; recursion allowed where a
+ *   value can end: a schema whose grammar admits no finite value, an object that must contain itself, is refused
+ *   naming the reference that closes the cycle);
  * - objects: `properties`, `required` (every listed key must be a property; optional properties are always
  *   generated), `additionalProperties` (boolean or schema; absent = none generated), `minProperties`, `maxProperties`;
  * - arrays: `items` (a schema, or an array = tuple), `prefixItems`, `minItems`, `maxItems`;
@@ -113,9 +115,17 @@ interface Translation {
   readonly defs: Map<string, GbnfJsonSchema>
   readonly rootDefs: Record<string, unknown>
   readonly rootPath: string
+  /** The schema path each translated node came from (for refusals found after translating). */
+  readonly paths: WeakMap<object, string>
 }
 
 const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema => {
+  const translated = translateNode(node, path, t)
+  if (translated !== anySchema && !t.paths.has(translated)) t.paths.set(translated, path)
+  return translated
+}
+
+const translateNode = (node: unknown, path: string, t: Translation): GbnfJsonSchema => {
   if (node === true) return anySchema
   if (node === false) return refuse(path, "schema false admits no value")
   if (!isRecord(node)) return refuse(path, "must be a JSON Schema object")
@@ -320,15 +330,92 @@ const anySchema: GbnfJsonSchema = {
   ]
 }
 
+/** The definition a translated `$ref` names (`#/$defs/NAME`). */
+const refName = (ref: string) => ref.slice("#/$defs/".length)
+
+/**
+ * Whether the grammar admits a value of finite length for `schema`, given the definitions that do (`finiteDefs`). The
+ * grammar generates every property, required or not, and every prefix item, and the items `minItems` asks for.
+ */
+const admitsFinite = (schema: GbnfJsonSchema, finiteDefs: ReadonlySet<string>): boolean => {
+  const node = schema as Record<string, unknown>
+  if (typeof node["$ref"] === "string") return finiteDefs.has(refName(node["$ref"]))
+  if (Array.isArray(node["oneOf"]))
+    return (node["oneOf"] as Array<GbnfJsonSchema>).some((m) => admitsFinite(m, finiteDefs))
+  return mustHold(node).every((inner) => admitsFinite(inner, finiteDefs))
+}
+
+/** The schemas every value of an object or array `node` holds a value of (none for other types). */
+const mustHold = (node: Record<string, unknown>): ReadonlyArray<GbnfJsonSchema> => {
+  if (node["type"] === "object") {
+    const properties = Object.values((node["properties"] ?? {}) as Record<string, GbnfJsonSchema>)
+    const additional = node["additionalProperties"]
+    const extra = ((node["minProperties"] as number | undefined) ?? 0) > properties.length
+    return extra && isRecord(additional) ? [...properties, additional as GbnfJsonSchema] : properties
+  }
+  if (node["type"] === "array") {
+    const prefix = (node["prefixItems"] ?? []) as Array<GbnfJsonSchema>
+    const items = node["items"]
+    const extra = ((node["minItems"] as number | undefined) ?? 0) > prefix.length
+    return extra && isRecord(items) ? [...prefix, items as GbnfJsonSchema] : prefix
+  }
+  return []
+}
+
+/**
+ * Refuses a schema whose grammar admits no finite value (an object that must contain itself, directly or through
+ * other definitions): sampling under it could only end at max_tokens, with truncated JSON. The definitions that admit
+ * a finite value are found as a least fixed point; the refusal names the reference that closes the cycle.
+ */
+const refuseEndless = (root: GbnfJsonSchema, t: Translation): void => {
+  const finiteDefs = new Set<string>()
+  for (let grew = true; grew;) {
+    grew = false
+    for (const [name, schema] of t.defs) {
+      if (!finiteDefs.has(name) && admitsFinite(schema, finiteDefs)) {
+        finiteDefs.add(name)
+        grew = true
+      }
+    }
+  }
+  if (admitsFinite(root, finiteDefs)) return
+  // Walk down what every value must hold, never finite, until a definition comes round again.
+  const entered = new Set<string>()
+  let at = root
+  for (;;) {
+    const node = at as Record<string, unknown>
+    if (typeof node["$ref"] === "string") {
+      const name = refName(node["$ref"])
+      if (entered.has(name)) {
+        return refuse(
+          t.paths.get(at) ?? t.rootPath,
+          `admits no finite value: every "${name}" must contain another "${name}", without end ` +
+            `(every property is generated, required or not; end the recursion with anyOf [..., {"type": "null"}] ` +
+            `or an array that may be empty)`
+        )
+      }
+      entered.add(name)
+      at = t.defs.get(name)!
+      continue
+    }
+    const next = Array.isArray(node["oneOf"])
+      ? (node["oneOf"] as Array<GbnfJsonSchema>)[0]
+      : mustHold(node).find((inner) => !admitsFinite(inner, finiteDefs))
+    if (next === undefined) return refuse(t.paths.get(at) ?? t.rootPath, "admits no finite value")
+    at = next
+  }
+}
+
 /** The node-llama-cpp subset a JSON Schema translates to, or the first thing in it the grammar cannot honour. */
 export const toConverterSchema = (schema: unknown, path: string): GbnfJsonSchema | JsonGrammarError => {
   try {
     const rootDefs = isRecord(schema)
       ? { ...asRecord(schema["definitions"], `${path}.definitions`), ...asRecord(schema["$defs"], `${path}.$defs`) }
       : {}
-    const t: Translation = { defs: new Map(), rootDefs, rootPath: path }
+    const t: Translation = { defs: new Map(), rootDefs, rootPath: path, paths: new WeakMap() }
     const root = translate(schema, path, t)
     if (t.defs.size === 0) return root
+    refuseEndless(root, t)
     const $defs = Object.fromEntries(t.defs)
     return isRecord(root) && (root as Record<string, unknown>)["$ref"] === undefined
       ? ({ ...root, $defs } as GbnfJsonSchema)

@@ -1,25 +1,24 @@
 /**
- * The sampling fields of OpenAI's and llama-server's completion requests, checked and mapped to SamplingOptions:
+ * The sampling fields of OpenAI's and llama-server's completion requests, checked and mapped to SamplingOptions. Every
+ * numeric field's range is in SamplingRanges.ts's table, checked first; then what a range cannot say:
  *
- * | field | range | SamplingOptions |
+ * | field | also | SamplingOptions |
  * |---|---|---|
- * | temperature | 0–2 (default 1; 0 = greedy) | temperature |
- * | top_p, min_p, typical_p | 0–1 | topP, minP, typicalP |
- * | top_k | whole ≥ 0 (0 = off) | topK |
- * | seed | whole number (-1: random) | seed |
- * | presence_penalty, frequency_penalty | -2–2 | presencePenalty, frequencyPenalty |
- * | repeat_penalty | above 0, at most 100 (1 = off) | repeatPenalty |
- * | repeat_last_n | whole ≥ -1 (-1: whole context) | penaltyLastN |
- * | dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, dry_sequence_breakers | 0–100, 1–100, whole ≥ 1, whole ≥ -1, ≤ 64 strings | dry |
- * | xtc_probability, xtc_threshold | 0–1 | xtc |
+ * | temperature | default 1; 0 = greedy | temperature |
+ * | top_p, min_p, typical_p, top_k | | topP, minP, typicalP, topK |
+ * | seed | -1: random | seed |
+ * | presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n | | presencePenalty, frequencyPenalty, repeatPenalty, penaltyLastN |
+ * | dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, dry_sequence_breakers | ≤ 64 strings | dry |
+ * | xtc_probability, xtc_threshold | | xtc |
  * | logit_bias | `{"token id": bias}` with bias -100–100 (-100 bans), or llama-server's `[[id, bias or false]]` | logitBias |
- * | logprobs, top_logprobs | chat: boolean + 0–20; completions: 0–20 | logprobs |
- * | n | 1 – the server's `parallel` | (one request per choice) |
+ * | logprobs, top_logprobs | chat: a boolean + the count; completions: the count | logprobs |
+ * | n | at most the server's `parallel` | (one request per choice) |
  *
  * Each problem is one line naming the field (`presence_penalty must be between -2 and 2, got 3`).
  */
 import { Effect, Schema } from "effect"
 import type { SamplingOptions } from "../../services/Orchestrator.js"
+import { rangeProblem } from "./SamplingRanges.js"
 import { type ResponseFormat, StructuredOutputFields, structuredOutputGrammar } from "./StructuredOutput.js"
 
 const Num = Schema.optional(Schema.NullOr(Schema.Number))
@@ -84,9 +83,6 @@ export interface OpenAiSamplingBody {
   readonly json_schema?: unknown
 }
 
-/** The most log-probability alternatives a token may report. */
-export const maxTopLogprobs = 20
-
 export interface OpenAiSampling {
   readonly sampling: SamplingOptions
   /** Choices to generate (each its own request; seeds seed + i). */
@@ -101,36 +97,25 @@ export const openAiSampling = (
   route: { readonly chat: boolean; readonly parallel: number }
 ): Effect.Effect<OpenAiSampling, string> =>
   Effect.gen(function* () {
+    // Every numeric field against its documented range (SamplingRanges.ts), first.
+    const outside = rangeProblem(route.chat ? "chat" : "completions", body)
+    if (outside !== undefined) return yield* Effect.fail(outside.message)
     const problems: Array<string> = []
-    const number = (field: string, x: Nullable<number>, lo: number, hi: number, whole = false): number | undefined => {
-      const v = value(x)
-      if (v === undefined) return undefined
-      if (!Number.isFinite(v) || v < lo || v > hi || (whole && !Number.isInteger(v))) {
-        problems.push(
-          `${field} must be ${whole ? "a whole number " : ""}${
-            hi === Infinity ? `≥ ${lo}` : `between ${lo} and ${hi}`
-          }, got ${v}`
-        )
-        return undefined
-      }
-      return v
-    }
-    const temperature = number("temperature", body.temperature, 0, 2) ?? 1
-    const topP = number("top_p", body.top_p, 0, 1)
-    const topK = number("top_k", body.top_k, 0, Infinity, true)
-    const minP = number("min_p", body.min_p, 0, 1)
-    const typicalP = number("typical_p", body.typical_p, 0, 1)
-    const rawSeed = number("seed", body.seed, -Number.MAX_SAFE_INTEGER, Number.MAX_SAFE_INTEGER, true)
+    const temperature = value(body.temperature) ?? 1
+    const topP = value(body.top_p)
+    const topK = value(body.top_k)
+    const minP = value(body.min_p)
+    const typicalP = value(body.typical_p)
+    const rawSeed = value(body.seed)
     const seed = rawSeed === -1 ? undefined : rawSeed
-    const presencePenalty = number("presence_penalty", body.presence_penalty, -2, 2)
-    const frequencyPenalty = number("frequency_penalty", body.frequency_penalty, -2, 2)
-    const repeatPenalty = number("repeat_penalty", body.repeat_penalty, 0, 100)
-    if (repeatPenalty === 0) problems.push("repeat_penalty must be above 0 (1 = off), got 0")
-    const penaltyLastN = number("repeat_last_n", body.repeat_last_n, -1, Infinity, true)
-    const dryMultiplier = number("dry_multiplier", body.dry_multiplier, 0, 100)
-    const dryBase = number("dry_base", body.dry_base, 1, 100)
-    const dryAllowedLength = number("dry_allowed_length", body.dry_allowed_length, 1, 1_000_000, true)
-    const dryLastN = number("dry_penalty_last_n", body.dry_penalty_last_n, -1, Infinity, true)
+    const presencePenalty = value(body.presence_penalty)
+    const frequencyPenalty = value(body.frequency_penalty)
+    const repeatPenalty = value(body.repeat_penalty)
+    const penaltyLastN = value(body.repeat_last_n)
+    const dryMultiplier = value(body.dry_multiplier)
+    const dryBase = value(body.dry_base)
+    const dryAllowedLength = value(body.dry_allowed_length)
+    const dryLastN = value(body.dry_penalty_last_n)
     const breakers = value(body.dry_sequence_breakers)
     if (breakers !== undefined) {
       if (breakers.length > 64) problems.push(`dry_sequence_breakers holds at most 64 strings, got ${breakers.length}`)
@@ -140,11 +125,11 @@ export const openAiSampling = (
         }
       })
     }
-    const xtcProbability = number("xtc_probability", body.xtc_probability, 0, 1)
-    const xtcThreshold = number("xtc_threshold", body.xtc_threshold, 0, 1)
+    const xtcProbability = value(body.xtc_probability)
+    const xtcThreshold = value(body.xtc_threshold)
     const logitBias = biases(value(body.logit_bias), problems)
     const logprobs = logprobCount(body, route.chat, problems)
-    const n = number("n", body.n, 1, Infinity, true) ?? 1
+    const n = value(body.n) ?? 1
     if (n > route.parallel) {
       problems.push(`n must be at most ${route.parallel} (the server's parallel sequences), got ${n}`)
     }
@@ -209,15 +194,10 @@ const biases = (
   return out
 }
 
-/** Chat: `logprobs: true` with `top_logprobs` 0–20; completions: `logprobs` 0–20. Undefined: none asked for. */
+/** Chat: `logprobs: true` with `top_logprobs` (its range: SamplingRanges.ts); completions: `logprobs`. Undefined: none asked for. */
 const logprobCount = (body: OpenAiSamplingBody, chat: boolean, problems: Array<string>): number | undefined => {
   const logprobs = value(body.logprobs)
   const top = value(body.top_logprobs)
-  const inRange = (field: string, x: number) => {
-    if (Number.isInteger(x) && x >= 0 && x <= maxTopLogprobs) return x
-    problems.push(`${field} must be a whole number between 0 and ${maxTopLogprobs}, got ${x}`)
-    return undefined
-  }
   if (chat) {
     if (typeof logprobs === "number") {
       problems.push("logprobs must be a boolean on /v1/chat/completions (top_logprobs gives the count)")
@@ -227,12 +207,12 @@ const logprobCount = (body: OpenAiSamplingBody, chat: boolean, problems: Array<s
       problems.push("top_logprobs needs logprobs: true")
       return undefined
     }
-    return logprobs === true ? inRange("top_logprobs", top ?? 0) : undefined
+    return logprobs === true ? (top ?? 0) : undefined
   }
   if (top !== undefined) {
     problems.push("top_logprobs is a chat field: on /v1/completions logprobs gives the count")
     return undefined
   }
   if (typeof logprobs === "boolean") return logprobs ? 0 : undefined
-  return logprobs === undefined ? undefined : inRange("logprobs", logprobs)
+  return logprobs
 }

@@ -82,9 +82,10 @@ class Reader {
     this.size += chunk.length
     this.poke()
   }
-  private onEnd = () => this.fail(new AuthFailed({ detail: "peer closed the connection during the handshake" }))
+  private onEnd = () =>
+    this.fail(new AuthFailed({ detail: "peer closed the connection during the handshake", reason: "closed" }))
   private onError = (err: Error) =>
-    this.fail(new AuthFailed({ detail: `socket error during the handshake: ${err.message}` }))
+    this.fail(new AuthFailed({ detail: `socket error during the handshake: ${err.message}`, reason: "closed" }))
 
   private fail(failure: AuthFailed) {
     this.failure ??= failure
@@ -133,12 +134,16 @@ class Reader {
 const write = (socket: Net.Socket, bytes: Uint8Array): Effect.Effect<void, AuthFailed> =>
   Effect.async<void, AuthFailed>((resume) => {
     socket.write(bytes, (err) =>
-      resume(err ? Effect.fail(new AuthFailed({ detail: `write failed: ${err.message}` })) : Effect.void)
+      resume(
+        err ? Effect.fail(new AuthFailed({ detail: `write failed: ${err.message}`, reason: "closed" })) : Effect.void
+      )
     )
   })
 
 const expectTag = (msg: Buffer, tag: Buffer, what: string): Effect.Effect<void, AuthFailed> =>
-  msg.subarray(0, 4).equals(tag) ? Effect.void : Effect.fail(new AuthFailed({ detail: `expected ${what}` }))
+  msg.subarray(0, 4).equals(tag)
+    ? Effect.void
+    : Effect.fail(new AuthFailed({ detail: `expected ${what}`, reason: "protocol" }))
 
 export interface HandshakeOptions {
   readonly token: ClusterToken
@@ -158,7 +163,7 @@ const withReader = (
       f(reader).pipe(
         Effect.timeoutFail({
           duration: options.timeout ?? DEFAULT_HANDSHAKE_TIMEOUT,
-          onTimeout: () => new AuthFailed({ detail: "handshake timed out" })
+          onTimeout: () => new AuthFailed({ detail: "handshake timed out", reason: "timeout" })
         })
       ),
     (reader) => Effect.sync(() => reader.release())
@@ -185,7 +190,9 @@ const serverProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
     Effect.gen(function* () {
       const hello = yield* reader.read(HELLO_BYTES)
       yield* expectTag(hello, TAG_HELLO, "Hello")
-      if (hello[4] !== VERSION) return yield* new AuthFailed({ detail: `unsupported auth version ${hello[4]}` })
+      if (hello[4] !== VERSION) {
+        return yield* new AuthFailed({ detail: `unsupported auth version ${hello[4]}`, reason: "protocol" })
+      }
       const clientNonce = hello.subarray(8, 8 + NONCE_BYTES)
       const serverNonce = randomBytes(NONCE_BYTES)
       const challenge = Buffer.alloc(CHALLENGE_BYTES)
@@ -193,14 +200,25 @@ const serverProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
       serverNonce.copy(challenge, 8)
       proof(options.token, "server", clientNonce, serverNonce).copy(challenge, 8 + NONCE_BYTES)
       yield* write(socket, challenge)
-      const msg = yield* reader.read(PROOF_BYTES)
+      // A peer that leaves now, having sent a proper Hello, did not accept our proof: it holds another token.
+      const msg = yield* reader.read(PROOF_BYTES).pipe(
+        Effect.mapError((e) =>
+          e.reason === "closed"
+            ? new AuthFailed({
+                detail: "the peer left after our challenge (it holds another cluster token?)",
+                reason: "proof"
+              })
+            : e
+        )
+      )
       yield* expectTag(msg, TAG_PROOF, "Proof")
       const ok = sameBytes(msg.subarray(8, 40), proof(options.token, "client", clientNonce, serverNonce))
       const verdict = Buffer.alloc(VERDICT_BYTES)
       TAG_VERDICT.copy(verdict, 0)
       verdict[4] = ok ? 1 : 0
       yield* write(socket, verdict)
-      if (!ok) return yield* new AuthFailed({ detail: "client proof does not match the cluster token" })
+      if (!ok)
+        return yield* new AuthFailed({ detail: "client proof does not match the cluster token", reason: "proof" })
     })
   )
 
@@ -222,7 +240,7 @@ const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
       const serverNonce = challenge.subarray(8, 8 + NONCE_BYTES)
       const serverProof = challenge.subarray(8 + NONCE_BYTES, 8 + 2 * NONCE_BYTES)
       if (!sameBytes(serverProof, proof(options.token, "server", clientNonce, serverNonce))) {
-        return yield* new AuthFailed({ detail: "server proof does not match the cluster token" })
+        return yield* new AuthFailed({ detail: "server proof does not match the cluster token", reason: "proof" })
       }
       const msg = Buffer.alloc(PROOF_BYTES)
       TAG_PROOF.copy(msg, 0)
@@ -230,6 +248,6 @@ const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
       yield* write(socket, msg)
       const verdict = yield* reader.read(VERDICT_BYTES)
       yield* expectTag(verdict, TAG_VERDICT, "Verdict")
-      if (verdict[4] !== 1) return yield* new AuthFailed({ detail: "server refused our proof" })
+      if (verdict[4] !== 1) return yield* new AuthFailed({ detail: "server refused our proof", reason: "proof" })
     })
   )

@@ -18,7 +18,7 @@ import { type Duration, Effect, Exit, FiberSet, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { type ClusterToken, serverHandshake } from "./Auth.js"
 import { defaultListenAddress, netOptions, serveSockets } from "./Net.js"
-import { makeRefusalLog, peerAddress } from "./RefusalLog.js"
+import { makeHandshakeLog, peerAddress } from "./RefusalLog.js"
 
 export interface ServerOptions {
   readonly token: ClusterToken
@@ -115,7 +115,7 @@ export const makeSocketServer = (
         ? { _tag: "UnixAddress", path: bound.path }
         : { _tag: "TcpAddress", hostname: bound.host, port: bound.port }
 
-    const refusals = makeRefusalLog("control-plane connection")
+    const handshakeLog = makeHandshakeLog("control-plane connection")
     const run = <R, E, _>(handler: (socket: Socket.Socket) => Effect.Effect<_, E, R>) =>
       Effect.gen(function* () {
         const scope = yield* Scope.make()
@@ -125,9 +125,16 @@ export const makeSocketServer = (
           serverHandshake(conn, { token: options.token, timeout: options.handshakeTimeout }).pipe(
             Effect.matchEffect({
               onFailure: (e) => {
-                // One WARN line naming the peer, at most one per peer per 10 s (RefusalLog.ts): a flood cannot fill the log.
-                const line = refusals.refused(peerAddress(conn), e.detail)
-                return (line === undefined ? Effect.void : Effect.logWarning(line)).pipe(
+                // A close before the handshake is a DEBUG line; a failed proof one WARN line naming the peer, at most one
+                // per peer per 10 s (RefusalLog.ts): a flood cannot fill the log, nor hide a failed proof behind closes.
+                const said = handshakeLog(peerAddress(conn), e)
+                return (
+                  said === undefined
+                    ? Effect.void
+                    : said.level === "Warning"
+                      ? Effect.logWarning(said.line)
+                      : Effect.logDebug(said.line)
+                ).pipe(
                   Effect.annotateLogs("module", "ControlPlane"),
                   Effect.zipRight(Effect.sync(() => conn.destroy()))
                 )

@@ -4,7 +4,7 @@
  * shared-memory ring when it offers one.
  */
 import type * as Net from "node:net"
-import { Context, Deferred, Duration, Effect, Exit, Layer, Runtime, type Scope } from "effect"
+import { Cause, Context, Deferred, Duration, Effect, Exit, Layer, Option, Runtime, type Scope } from "effect"
 import {
   AttachedFrame,
   type AttachFrame,
@@ -24,7 +24,7 @@ import { InboundCore } from "./InboundCore.js"
 import { defaultListenAddress, serveSockets } from "./Net.js"
 import { sharedMemoryReceiveCarrier, socketReceiveCarrier } from "./ReceiveCarrier.js"
 import { ShmRing } from "./ShmRing.js"
-import { makeRefusalLog, peerAddress } from "./RefusalLog.js"
+import { makeHandshakeLog, peerAddress } from "./RefusalLog.js"
 
 /**
  * Listen for data-plane connections. Every connection must pass the HMAC handshake, then attach to
@@ -34,6 +34,7 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
   Effect.gen(function* () {
     const runtime = yield* Effect.runtime<never>()
     const log = makeLogger(runtime)
+    const debug = makeLogger(runtime, "Debug")
     const requested = options.address ?? defaultListenAddress
     const runs = new Map<number, Map<number, InboundCore>>()
     const attachTimeout = Duration.toMillis(options.attachTimeout ?? "5 seconds")
@@ -137,14 +138,16 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
       )
     }
 
-    const refusals = makeRefusalLog("data-plane connection")
+    const handshakeLog = makeHandshakeLog("data-plane connection")
     const onConnection = (raw: Net.Socket): void => {
       Runtime.runCallback(runtime)(serverHandshake(raw, { token: options.token, timeout: options.handshakeTimeout }), {
         onExit: (exit) => {
           if (Exit.isFailure(exit)) {
-            // at most one line per peer per 10 s (RefusalLog.ts): a flood cannot fill the log
-            const line = refusals.refused(peerAddress(raw), "authentication failed")
-            if (line !== undefined) log(line)
+            // A close before the handshake is a DEBUG line; a failed proof a WARN line, at most one per peer per 10 s
+            // (RefusalLog.ts): a flood cannot fill the log, and no flood of closes hides a failed proof.
+            const failure = Cause.failureOption(exit.cause)
+            const said = Option.isSome(failure) ? handshakeLog(peerAddress(raw), failure.value) : undefined
+            if (said !== undefined) (said.level === "Warning" ? log : debug)(said.line)
             raw.destroy()
             return
           }

@@ -135,5 +135,11 @@ export const boundLimits = (ring: RingSpec): Framing.Limits => ({
   maxFrameBytes: Math.max(ring.dataCapacity, 2048)
 })
 
-export const makeLogger = (runtime: Runtime.Runtime<never>) => (message: string) =>
-  Runtime.runFork(runtime)(Effect.logWarning(message).pipe(Effect.annotateLogs("module", "DataPlane")))
+export const makeLogger =
+  (runtime: Runtime.Runtime<never>, level: "Warning" | "Debug" = "Warning") =>
+  (message: string) =>
+    Runtime.runFork(runtime)(
+      (level === "Warning" ? Effect.logWarning(message) : Effect.logDebug(message)).pipe(
+        Effect.annotateLogs("module", "DataPlane")
+      )
+    )

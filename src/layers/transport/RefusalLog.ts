@@ -1,3 +1,5 @@
+import type { AuthFailed } from "../../domain/frames.js"
+
 /**
  * Log lines for refused connections (a failed handshake on the control or the data plane): each names the peer's
  * address, and a flood cannot fill the log. Per peer address, at most one line per window; the next line for that
@@ -69,6 +71,38 @@ export const makeRefusalLog = (what: string, options: RefusalLogOptions = {}) =>
       peers.set(peer, { at: t, suppressed: 0 })
       if (peers.size > maxPeers) peers.delete(peers.keys().next().value!)
       return `${what} from ${peer} refused: ${detail}${notes.length > 0 ? ` (${notes.join("; ")})` : ""}${last}`
+    }
+  }
+}
+
+/** A line to log about a failed handshake, and its level. */
+export interface HandshakeLine {
+  readonly level: "Warning" | "Debug"
+  readonly line: string
+}
+
+/**
+ * What a listener logs about a connection that failed its handshake (`AuthFailed.reason`): a close or a timeout before
+ * it authenticated (a TCP health probe, a port scan, a peer that gave up) is one DEBUG line each, never a warning; a
+ * failed proof is a WARN line `<what> from <peer> refused: authentication failed: …`, and another protocol spoken a
+ * WARN line `… refused: not a swactor handshake: …`, each under its own limits (makeRefusalLog), so no flood of one kind
+ * hides the first line of another.
+ */
+export const makeHandshakeLog = (what: string, options: RefusalLogOptions = {}) => {
+  const proofs = makeRefusalLog(what, options)
+  const strangers = makeRefusalLog(what, options)
+  return (peer: string, failure: AuthFailed): HandshakeLine | undefined => {
+    const warning = (line: string | undefined): HandshakeLine | undefined =>
+      line === undefined ? undefined : { level: "Warning", line }
+    switch (failure.reason) {
+      case "closed":
+        return { level: "Debug", line: `${what} from ${peer} closed before authenticating (${failure.detail})` }
+      case "timeout":
+        return { level: "Debug", line: `${what} from ${peer} dropped before authenticating (${failure.detail})` }
+      case "protocol":
+        return warning(strangers.refused(peer, `not a swactor handshake: ${failure.detail}`))
+      case "proof":
+        return warning(proofs.refused(peer, `authentication failed: ${failure.detail}`))
     }
   }
 }

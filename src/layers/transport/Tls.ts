@@ -70,14 +70,21 @@ const handshake = (
             checkServerIdentity: () => undefined,
             pskCallback: () => ({ psk, identity: IDENTITY })
           })
-    const onError = (err: Error) => {
+    const fail = (failure: AuthFailed) => {
+      secured.off("close", onClose)
       secured.destroy()
       socket.destroy()
-      resume(Effect.fail(new AuthFailed({ detail: `TLS handshake failed (wrong cluster token?): ${err.message}` })))
+      resume(Effect.fail(failure))
     }
+    const onError = (err: NodeJS.ErrnoException) => fail(tlsFailure(side, err))
+    // A peer that closes before the handshake (a health probe, a port scan) ends the socket without an error.
+    const onClose = () =>
+      fail(new AuthFailed({ detail: "peer closed the connection during the TLS handshake", reason: "closed" }))
     secured.once("error", onError)
+    secured.once("close", onClose)
     secured.once(side === "server" ? "secure" : "secureConnect", () => {
       secured.off("error", onError)
+      secured.off("close", onClose)
       // Owners watch `close`, as for plain sockets.
       secured.on("error", () => {})
       resume(Effect.succeed(secured))
@@ -87,8 +94,30 @@ const handshake = (
       socket.destroy()
     })
   }).pipe(
-    Effect.timeoutFail({ duration: timeout, onTimeout: () => new AuthFailed({ detail: "TLS handshake timed out" }) })
+    Effect.timeoutFail({
+      duration: timeout,
+      onTimeout: () => new AuthFailed({ detail: "TLS handshake timed out", reason: "timeout" })
+    })
   )
+
+/**
+ * A failed TLS handshake, by what failed: the connection reset (`closed`); on the server, a PSK binder that does not
+ * verify (the peer holds another token: `proof`) or any other TLS error (the peer speaks something else, an HTTP
+ * request, a TLS client without the PSK: `protocol`); on the client, any TLS error (`proof`: the node holds another
+ * token, or is not a swactor node).
+ */
+const tlsFailure = (side: "server" | "client", err: NodeJS.ErrnoException): AuthFailed => {
+  if (err.code === "ECONNRESET" || err.code === "EPIPE") {
+    return new AuthFailed({ detail: `connection reset during the TLS handshake: ${err.message}`, reason: "closed" })
+  }
+  if (side === "server" && err.code !== "ERR_SSL_BINDER_DOES_NOT_VERIFY") {
+    return new AuthFailed({ detail: `TLS handshake failed: ${err.message.trim()}`, reason: "protocol" })
+  }
+  return new AuthFailed({
+    detail: `TLS handshake failed (wrong cluster token?): ${err.message.trim()}`,
+    reason: "proof"
+  })
+}
 
 /**
  * The socket to speak on: `socket` itself when it stays plain, else a TLS socket over it once the handshake with the
