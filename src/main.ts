@@ -7,22 +7,40 @@ import { isMainThread, workerData } from "node:worker_threads"
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import { Cause, type Console, Effect, Exit, Layer, Logger } from "effect"
+import { type About, beforeCommand } from "./cli/CommandLine.js"
 
 // Each subcommand's module is imported only when it is the one asked for (an agent never loads the HTTP server,
 // the tokenizer or the synthetic-model writer: start-up time is paid by every local agent); `--help` or an unknown
-// word loads them all, so the help and the error list every command.
+// word loads them all, so the help and the error list every command. Each loader gives the command and its help
+// (cli/FlagSpec.ts), in the order the top-level help lists them.
 const subcommands = {
-  plan: () => import("./cli/PlanCommand.js").then((m) => m.planCommand),
-  synth: () => import("./cli/SynthCommand.js").then((m) => m.synthCommand),
-  node: () => import("./cli/NodeCommand.js").then((m) => m.nodeCommand),
-  run: () => import("./cli/RunCommand.js").then((m) => m.runCommand),
-  serve: () => import("./cli/ServeCommand.js").then((m) => m.serveCommand)
+  run: () => import("./cli/RunCommand.js").then((m) => [m.runCommand, m.runDoc] as const),
+  serve: () => import("./cli/ServeCommand.js").then((m) => [m.serveCommand, m.serveDoc] as const),
+  node: () => import("./cli/NodeCommand.js").then((m) => [m.nodeCommand, m.nodeDoc] as const),
+  plan: () => import("./cli/PlanCommand.js").then((m) => [m.planCommand, m.planDoc] as const),
+  synth: () => import("./cli/SynthCommand.js").then((m) => [m.synthCommand, m.synthDoc] as const)
 } as const
-// Subcommands print their own errors in words; a failure only sets the exit code. Long-running commands handle
+
+const version = "0.1.0"
+const about: About = {
+  version,
+  summary: "run a GGUF language model across several machines as a pipeline",
+  examples: [
+    {
+      what: "generate on two local agents (a small synthetic model when --model is not given)",
+      command: 'swactor run --prompt "Once upon a time"'
+    },
+    { what: "serve an OpenAI-compatible API on port 8080", command: "swactor serve --model model.gguf --port 8080" },
+    { what: "a command's flags", command: "swactor run --help" }
+  ]
+}
+// The help and a command line that cannot be parsed are this program's (cli/CommandLine.ts: one line naming the
+// flag, the nearest name for a slip); anything else goes to @effect/cli, which parses again and runs the command.
+// Subcommands print their own errors in words; a failure only sets the exit code (1). Long-running commands handle
 // SIGINT/SIGTERM/SIGHUP themselves (cli/Signals.ts: teardown, then process.exitCode = 128 + the signal), so this
 // runner installs no signal listener: once the main fiber has ended (every scope closed), it exits with the code.
 // Logs (warnings of a node agent, for one) go to stderr: stdout carries only a command's output. Colour and
-// terminal codes (@effect/cli's help and errors) only reach a terminal: `NO_COLOR`, a pipe or a file get plain text.
+// terminal codes (@effect/cli's messages, --version's) only reach a terminal: `NO_COLOR`, a pipe or a file get plain text.
 const ansi = /\x1b\[[0-9;?]*[A-Za-z]/g
 const plainUnlessTerminal = (console: Console.Console, stream: NodeJS.WriteStream): Console.Console["log"] =>
   stream.isTTY === true && process.env["NO_COLOR"] === undefined
@@ -43,19 +61,22 @@ const main = async () => {
     return
   }
   const asked = process.argv[2]
-  const [first, ...rest] = await Promise.all(
+  const loaded = await Promise.all(
     asked !== undefined && Object.hasOwn(subcommands, asked)
       ? [subcommands[asked as keyof typeof subcommands]()]
       : Object.values(subcommands).map((load) => load())
   )
+  const [first, ...rest] = loaded.map(([command]) => command)
   const swactor = Command.make("swactor").pipe(
-    Command.withDescription("Run a GGUF language model across several machines as a pipeline"),
+    Command.withDescription(about.summary),
     Command.withSubcommands([first!, ...rest])
   )
-  const cli = Command.run(swactor, { name: "swactor", version: "0.1.0" })
+  const cli = Command.run(swactor, { name: "swactor", version })
+  const docs = loaded.map(([, doc]) => doc)
   const keepAlive = setInterval(() => {}, 2 ** 31 - 1)
   const fiber = Effect.runFork(
-    cli(process.argv).pipe(
+    beforeCommand(swactor, about, docs, process.argv.slice(2)).pipe(
+      Effect.flatMap((toRun) => (toRun ? cli(process.argv) : Effect.void)),
       withPlainConsole,
       Effect.provide(
         Layer.merge(

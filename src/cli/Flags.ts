@@ -2,11 +2,11 @@
  * Flag checks shared by the commands: each bad value is a `UsageError` whose message is one line naming the flag,
  * found before anything starts (no agent spawned, no model read).
  */
-import * as Options from "@effect/cli/Options"
 import { Data, Effect, Either, Option, Redacted } from "effect"
 import { readModelFacts } from "../api/modelFacts.js"
 import { ModelLoadError } from "../domain/gguf.js"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
+import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import {
   chooseSetting,
   clusterTokenFrom,
@@ -17,7 +17,8 @@ import {
   tlsSetting,
   type UserSetting
 } from "../layers/config/Settings.js"
-import { minTokenLength, sparesProblem, threadsProblem } from "../services/RequestChecks.js"
+import { maxSpares, minTokenLength, sparesProblem, threadsProblem } from "../services/RequestChecks.js"
+import * as Flag from "./FlagSpec.js"
 
 /** A flag with a value the command cannot use; `message` names the flag. */
 export class UsageError extends Data.TaggedError("UsageError")<{ readonly message: string }> {}
@@ -56,13 +57,16 @@ export const optionalThreads = (value: Option.Option<number>): Effect.Effect<Opt
   })
 
 /** `--prefill-threads N` of run and serve (PipelineOptions.prefillThreads); checked by `optionalPrefillThreads`. */
-export const prefillThreadsFlag = Options.integer("prefill-threads").pipe(
-  Options.withDescription(
-    "threads a stage takes for the prompt of a run alone on the pipeline, under 128 tokens, while the other stages wait " +
-      "(default: local agents with --threads: stages × threads, at most this machine's cores; else --threads)"
-  ),
-  Options.optional
-)
+export const prefillThreadsFlag = Flag.integer("prefill-threads", {
+  group: "Pipeline",
+  text: "threads a stage takes for the prompt (under 128 tokens) of a run alone on the pipeline, the other stages waiting"
+}).optional("local agents with --threads: stages × threads, at most this machine's cores; else --threads")
+
+/** `--threads N` of run, serve and node; checked by `optionalThreads`. */
+export const threadsFlag = (group: string) =>
+  Flag.integer("threads", { group, text: "engine threads per stage" }).optional(
+    `${threadsSetting.doc.variable}, else ${threadsSetting.doc.default} of the node`
+  )
 
 /** --prefill-threads: absent, or threads the engine takes. */
 export const optionalPrefillThreads = (
@@ -82,13 +86,45 @@ const userSetting = <A>(setting: UserSetting<A>, flag: Option.Option<A>): Effect
   })
 
 /** `--tls auto|always|off` of run, serve and node; its default is SWACTOR_TLS (config/Settings.ts). */
-export const tlsFlag = Options.choice("tls", ["auto", "always", "off"]).pipe(
-  Options.withDescription(
-    "encrypt links between agents in TLS 1.3: auto (when the peer is not loopback), always, off " +
-      `(default: ${tlsSetting.doc.variable}, else auto; every end must agree)`
-  ),
-  Options.optional
-)
+export const tlsFlag = Flag.choice("tls", ["auto", "always", "off"], {
+  group: "Network and security",
+  text: "encrypt links between agents in TLS 1.3: auto (when the peer is not loopback), always, off; every end must agree"
+}).optional(`${tlsSetting.doc.variable}, else ${tlsSetting.doc.default}`)
+
+/** `--token-file PATH` of run, serve and node; read by `clusterToken`. */
+export const tokenFileFlag = Flag.text("token-file", {
+  group: "Network and security",
+  value: "PATH",
+  text: "file holding the cluster token"
+}).optional(`the ${clusterTokenEnv} environment variable`)
+
+/** `--agents host:port,...` (alias `--nodes`) of run and serve; read by `agentList`. */
+export const agentsFlag = Flag.text("agents", {
+  group: "Pipeline",
+  value: "HOST:PORT,...",
+  text: "remote agents (swactor node) to run the stages on, each proving the cluster token"
+})
+  .withAlias("nodes")
+  .optional("local agents, started by this command")
+
+/** `--spares N` of run and serve; checked by `spares`. */
+export const sparesFlag = Flag.integer("spares", {
+  group: "Pipeline",
+  text: `local agents: extra agents that host nothing until a recovery needs them (at most ${maxSpares})`
+}).withDefault(0)
+
+/** `--deliver-weights` of run and serve. */
+export const deliverWeightsFlag = Flag.choice("deliver-weights", ["auto", "always", "never"], {
+  group: "Pipeline",
+  text: "send each stage's weights (a GGUF slice) to nodes that lack them: auto (to remote --agents), always, never"
+}).withDefault("auto")
+
+/** `--token-loop on|off` of run and serve (PipelineOptions.tokenLoop). */
+export const tokenLoopFlag = (receiver: string) =>
+  Flag.choice("token-loop", ["on", "off"], {
+    group: "Pipeline",
+    text: `the last stage sends each token straight to stage 0 as well as back (on), or only back to the ${receiver} (off)`
+  }).withDefault("on")
 
 /**
  * The TLS mode of this command and the agents it starts: `--tls`, else SWACTOR_TLS, else auto. A flag becomes this
@@ -112,15 +148,13 @@ export const backend = (
   )
 
 /** `--backend` of node, and of run and serve for the local agents they start (as `swactor node --backend`). */
-export const backendOption = (whose: "" | " of the local agents") =>
-  Options.choice("backend", ["cpu", "cuda", "auto"]).pipe(
-    Options.withDescription(
-      `ggml backend and package${whose}: cpu, cuda (node-llama-cpp's CUDA package) or auto (default: cpu stages; ` +
-        `the package from ${ggmlPackageSetting.doc.variable}, else cpu)` +
-        (whose === "" ? "" : "; remote agents choose their own")
-    ),
-    Options.optional
-  )
+export const backendFlag = (group: string, whose: "" | " of the local agents") =>
+  Flag.choice("backend", ["cpu", "cuda", "auto"], {
+    group,
+    text:
+      `ggml backend and package${whose}: cpu, cuda (node-llama-cpp's CUDA package) or auto` +
+      (whose === "" ? "" : "; remote agents choose their own")
+  }).optional(`cpu stages; the package from ${ggmlPackageSetting.doc.variable}, else ${ggmlPackageSetting.doc.default}`)
 
 /**
  * `--backend` of run and serve, checked: the extra arguments their local agents start with (none without the flag).
@@ -204,9 +238,3 @@ export const modelFactsOf = (model: string) =>
       error.message.includes(model) ? error : new ModelLoadError({ ...error, message: `${model}: ${error.message}` })
     )
   )
-
-/** `Options.withDefault` that also says the default in `--help`. */
-export const withShownDefault =
-  <B>(value: B, shown: string = String(value)) =>
-  <A>(self: Options.Options<A>): Options.Options<A | B> =>
-    self.pipe(Options.withDescription(`(default: ${shown})`), Options.withDefault(value))

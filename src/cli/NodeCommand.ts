@@ -4,7 +4,6 @@
  * `swactor-node-ready {...}` on stdout once it listens.
  */
 import * as Command from "@effect/cli/Command"
-import * as Options from "@effect/cli/Options"
 import * as Os from "node:os"
 import { Console, Data, Effect, Layer, Option } from "effect"
 import type { TransportAddress } from "../domain/frames.js"
@@ -20,15 +19,18 @@ import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
 import {
-  backend as backendFlag,
-  backendOption,
+  backend as checkBackend,
+  backendFlag,
   clusterToken,
   minTokenLength,
   optionalThreads,
+  threadsFlag,
   tlsFlag,
   tlsMode,
-  withShownDefault
+  tokenFileFlag
 } from "./Flags.js"
+import * as Flag from "./FlagSpec.js"
+import { commandDoc, optionsOf } from "./FlagSpec.js"
 import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
@@ -85,7 +87,7 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
       })
     }
     const threadsFlag = yield* optionalThreads(args.threads)
-    const backend = yield* backendFlag(args.backend)
+    const backend = yield* checkBackend(args.backend)
     const tls = yield* tlsMode(args.tls ?? Option.none())
     // Tuning and bench hooks, read once here (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
     // k times slower and divides its measured speed by k (StageExecutorSlowed.ts; bench:cluster's throttled node).
@@ -188,72 +190,77 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
     )
   )
 
+const network = "Network and security"
+const engineGroup = "Engine"
+
+/** The flags of `swactor node`: what they parse into and what `--help` says of them. */
+const nodeFlags = {
+  listen: Flag.text("listen", {
+    group: network,
+    value: "HOST:PORT",
+    text: "control address (0.0.0.0:PORT serves other machines)"
+  }).withDefault("127.0.0.1:7070"),
+  dataListen: Flag.text("data-listen", {
+    group: network,
+    value: "ADDRESS",
+    text: "data-plane address, host:port or a Unix socket path"
+  }).optional("the control host, any port"),
+  dataAdvertise: Flag.text("data-advertise", {
+    group: network,
+    value: "ADDRESS",
+    text: "data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"
+  }).optional(),
+  threads: threadsFlag(engineGroup),
+  backend: backendFlag(engineGroup, ""),
+  tls: tlsFlag,
+  memoryLimit: Flag.integer("memory-limit", {
+    group: engineGroup,
+    value: "BYTES",
+    text: "report at most this much free memory (placement keeps within it)"
+  }).optional(),
+  speed: Flag.float("speed", {
+    group: engineGroup,
+    value: "BYTES/S",
+    text: "declared engine speed in weight bytes per second, for placement"
+  }).optional("measured at start"),
+  speedProbe: Flag.choice("speed-probe", ["start", "after-ready"], {
+    group: engineGroup,
+    text: `measure the engine's speed before announcing ready (start) or ${laterProbeDelay} after (after-ready)`
+  }).withDefault("start"),
+  engine: Flag.choice("engine", ["live", "test"], {
+    group: engineGroup,
+    text: "stage engine: live (ggml) or test (a deterministic double, for tests)"
+  }).withDefault("live"),
+  tokenFile: tokenFileFlag,
+  cacheDir: Flag.text("cache-dir", {
+    group: "Weights",
+    value: "DIR",
+    text: "where weight slices delivered by orchestrators are kept"
+  }).optional("$XDG_CACHE_HOME/swactor/slices"),
+  slicesOnly: Flag.boolean("slices-only", {
+    group: "Weights",
+    text: "never read the orchestrator's model paths here: load only the slices it delivers"
+  })
+}
+
+/** What `swactor node --help` says. */
+export const nodeDoc = commandDoc(
+  "node",
+  "Run a node agent that hosts pipeline stages for orchestrators with the cluster token",
+  [network, engineGroup, "Weights"],
+  nodeFlags,
+  [
+    {
+      what: "an agent other machines reach, the cluster token in a file (openssl rand -hex 32 > token)",
+      command: "swactor node --listen 0.0.0.0:7070 --token-file token"
+    }
+  ]
+)
+
 /** `swactor node` over the given stage executors (tests start agents with doubles: test/support/agentEntry.ts). */
 export const makeNodeCommand = (executorFor: StageExecutorFor = stageExecutorFor) =>
-  Command.make(
-    "node",
-    {
-      listen: Options.text("listen").pipe(
-        Options.withDescription("control address host:port (use 0.0.0.0:PORT to serve other machines)"),
-        withShownDefault("127.0.0.1:7070")
-      ),
-      dataListen: Options.text("data-listen").pipe(
-        Options.withDescription(
-          "data-plane address host:port or a Unix socket path (default: the control host, any port)"
-        ),
-        Options.optional
-      ),
-      dataAdvertise: Options.text("data-advertise").pipe(
-        Options.withDescription(
-          "data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"
-        ),
-        Options.optional
-      ),
-      threads: Options.integer("threads").pipe(
-        Options.withDescription("engine threads per stage (default: SWACTOR_THREADS, else every core)"),
-        Options.optional
-      ),
-      backend: backendOption(""),
-      tls: tlsFlag,
-      memoryLimit: Options.integer("memory-limit").pipe(
-        Options.withDescription("report at most this many bytes of free memory (placement keeps within it)"),
-        Options.optional
-      ),
-      speed: Options.float("speed").pipe(
-        Options.withDescription(
-          "declared engine speed in weight bytes per second (placement; default: measured at start)"
-        ),
-        Options.optional
-      ),
-      speedProbe: Options.choice("speed-probe", ["start", "after-ready"]).pipe(
-        Options.withDescription(
-          "measure the engine's speed before announcing ready (start) or 2 s after (after-ready: none reported until then)"
-        ),
-        withShownDefault("start" as const)
-      ),
-      engine: Options.choice("engine", ["live", "test"]).pipe(
-        Options.withDescription("stage engine: live (ggml) or test (a deterministic double, for tests)"),
-        withShownDefault("live" as const)
-      ),
-      tokenFile: Options.text("token-file").pipe(
-        Options.withDescription(
-          `file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`
-        ),
-        Options.optional
-      ),
-      cacheDir: Options.text("cache-dir").pipe(
-        Options.withDescription(
-          "where weight slices delivered by orchestrators are kept (default: $XDG_CACHE_HOME/swactor/slices)"
-        ),
-        Options.optional
-      ),
-      slicesOnly: Options.boolean("slices-only").pipe(
-        Options.withDescription("never read the orchestrator's model paths here: load only the slices it delivers")
-      )
-    },
-    (args) => runNodeCommand(args, executorFor)
-  ).pipe(
-    Command.withDescription("Run a node agent that hosts pipeline stages for orchestrators with the cluster token")
+  Command.make("node", optionsOf(nodeFlags), (args) => runNodeCommand(args, executorFor)).pipe(
+    Command.withDescription(nodeDoc.summary)
   )
 
 export const nodeCommand = makeNodeCommand()

@@ -3,7 +3,6 @@
  * words and exits non-zero.
  */
 import * as Command from "@effect/cli/Command"
-import * as Options from "@effect/cli/Options"
 import { Console, Data, Effect, Option } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
 import { type NodeId, RunId } from "../domain/ids.js"
@@ -12,6 +11,8 @@ import type { PlanRejection } from "../domain/planErrors.js"
 import * as ModelCatalogLive from "../layers/gguf/ModelCatalogLive.js"
 import { ModelCatalog } from "../services/ModelCatalog.js"
 import { planRun } from "../services/Planner.js"
+import * as Flag from "./FlagSpec.js"
+import { commandDoc, optionsOf } from "./FlagSpec.js"
 
 /** Bad command-line input (before planning). */
 export class PlanUsageError extends Data.TaggedError("PlanUsageError")<{ readonly message: string }> {}
@@ -198,37 +199,68 @@ export const runPlanCommand = (args: PlanArgs) =>
     Effect.provide(ModelCatalogLive.layer)
   )
 
-const positiveInt = (name: string, description: string) =>
-  Options.integer(name).pipe(Options.withDescription(description))
+const model = "Model"
+const pipeline = "Pipeline"
+const rings = "Rings"
 
-export const planCommand = Command.make(
+/** The flags of `swactor plan`: what they parse into and what `--help` says of them. */
+const planFlags = {
+  layers: Flag.integer("layers", { group: model, text: "transformer blocks in the model" }).optional("from --model"),
+  model: Flag.text("model", {
+    group: model,
+    value: "PATH",
+    text: "GGUF file to read the layer count, hidden size and context length from"
+  }).optional(),
+  stages: Flag.integer("stages", { group: pipeline, text: "pipeline stages" }),
+  nodes: Flag.text("nodes", {
+    group: pipeline,
+    value: "IDS",
+    text: "node hosting each stage, in stage order: 10,11,12"
+  }),
+  pool: Flag.text("pool", { group: pipeline, value: "IDS", text: "candidate node pool" }).optional(
+    "the nodes of --nodes"
+  ),
+  orchestrator: Flag.integer("orchestrator", {
+    group: pipeline,
+    value: "ID",
+    text: "orchestrator node id"
+  }).withDefault(0),
+  runId: Flag.integer("run-id", { group: pipeline, value: "ID", text: "run id" }).withDefault(1),
+  maxTokens: Flag.integer("max-tokens", { group: pipeline, text: "tokens to generate at most" }).withDefault(16),
+  hiddenDim: Flag.integer("hidden-dim", { group: model, text: "hidden size (without --model)" }).withDefault(4096),
+  maxSeqLen: Flag.integer("max-seq-len", { group: model, text: "context length (without --model)" }).withDefault(2048),
+  dtype: Flag.choice("dtype", ["f32", "f16", "bf16"], { group: rings, text: "activation frame dtype" }).withDefault(
+    "f32"
+  ),
+  activationRingBytes: Flag.integer("activation-ring-bytes", {
+    group: rings,
+    value: "BYTES",
+    text: "activation ring capacity"
+  }).withDefault(1 << 20),
+  tokenRingBytes: Flag.integer("token-ring-bytes", {
+    group: rings,
+    value: "BYTES",
+    text: "token ring capacity"
+  }).withDefault(4096),
+  alignment: Flag.integer("ring-alignment", {
+    group: rings,
+    value: "BYTES",
+    text: "frame alignment of every ring"
+  }).withDefault(64)
+}
+
+/** What `swactor plan --help` says. */
+export const planDoc = commandDoc(
   "plan",
-  {
-    layers: positiveInt("layers", "number of transformer blocks in the model").pipe(Options.optional),
-    model: Options.text("model").pipe(
-      Options.withDescription("GGUF file to read the layer count, hidden size and context length from"),
-      Options.optional
-    ),
-    stages: positiveInt("stages", "number of pipeline stages"),
-    nodes: Options.text("nodes").pipe(Options.withDescription("node hosting each stage, in stage order: 10,11,12")),
-    pool: Options.text("pool").pipe(
-      Options.withDescription("candidate node pool (default: the nodes of --nodes)"),
-      Options.optional
-    ),
-    orchestrator: positiveInt("orchestrator", "orchestrator node id").pipe(Options.withDefault(0)),
-    runId: positiveInt("run-id", "run id").pipe(Options.withDefault(1)),
-    maxTokens: positiveInt("max-tokens", "tokens to generate at most").pipe(Options.withDefault(16)),
-    hiddenDim: positiveInt("hidden-dim", "hidden size (without --model)").pipe(Options.withDefault(4096)),
-    maxSeqLen: positiveInt("max-seq-len", "context length (without --model)").pipe(Options.withDefault(2048)),
-    dtype: Options.choice("dtype", ["f32", "f16", "bf16"]).pipe(
-      Options.withDescription("activation frame dtype"),
-      Options.withDefault("f32" as const)
-    ),
-    activationRingBytes: positiveInt("activation-ring-bytes", "activation ring capacity").pipe(
-      Options.withDefault(1 << 20)
-    ),
-    tokenRingBytes: positiveInt("token-ring-bytes", "token ring capacity").pipe(Options.withDefault(4096)),
-    alignment: positiveInt("ring-alignment", "frame alignment of every ring").pipe(Options.withDefault(64))
-  },
-  runPlanCommand
-).pipe(Command.withDescription("Form a run plan and print it: stages, nodes, block ranges, edges"))
+  "Form a run plan and print it: stages, nodes, block ranges, edges",
+  [model, pipeline, rings],
+  planFlags,
+  [
+    { what: "36 blocks over three nodes", command: "swactor plan --layers 36 --stages 3 --nodes 10,11,12" },
+    { what: "a model's own shape", command: "swactor plan --model model.gguf --stages 2 --nodes 1,2" }
+  ]
+)
+
+export const planCommand = Command.make("plan", optionsOf(planFlags), runPlanCommand).pipe(
+  Command.withDescription(planDoc.summary)
+)

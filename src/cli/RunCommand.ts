@@ -12,7 +12,8 @@ import { run } from "../api/generate.js"
 import { defaultSyntheticModel } from "./DefaultModel.js"
 import { renderPreview } from "./DryRunPreview.js"
 import { checkModelFit } from "./ModelFit.js"
-import { type RunArgs, runFlags, validateRunFlags } from "./RunFlags.js"
+import { commandDoc, optionsOf } from "./FlagSpec.js"
+import { type RunArgs, runFlags, runGroups, validateRunFlags } from "./RunFlags.js"
 import { type JsonReport, makeRunPrinter, printJsonReport, reportFailure, reportOperatorStop } from "./RunOutput.js"
 import { agentPoolFromFlags, plannedStages, requestFromFlags } from "./RunRequestFromFlags.js"
 import { untilOperatorStop } from "./Signals.js"
@@ -59,6 +60,28 @@ export const runRunCommand = (args: RunArgs) => {
   )
 }
 
-export const runCommand = Command.make("run", runFlags, runRunCommand).pipe(
-  Command.withDescription("Generate text across a pipeline of node agents (local child processes by default)")
+/** What `swactor run --help` says. */
+export const runDoc = commandDoc(
+  "run",
+  "Generate text across a pipeline of node agents (local child processes by default)",
+  runGroups,
+  runFlags,
+  [
+    {
+      what: "two local agents, greedy; the text on stdout, progress and a summary on stderr",
+      command: 'swactor run --model model.gguf --prompt "Once upon a time" --max-tokens 64'
+    },
+    {
+      what: "three nodes started with swactor node, the cluster token in a file",
+      command: "swactor run --model model.gguf --agents n1:7070,n2:7070,n3:7070 --token-file token"
+    },
+    {
+      what: "sampled, one JSON document at the end",
+      command: "swactor run --model model.gguf --temperature 0.8 --top-p 0.95 --seed 7 --json"
+    }
+  ]
+)
+
+export const runCommand = Command.make("run", optionsOf(runFlags), runRunCommand).pipe(
+  Command.withDescription(runDoc.summary)
 )

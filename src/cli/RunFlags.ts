@@ -2,7 +2,6 @@
  * The flags of `swactor run`: their options, the arguments they parse into, and the checks every flag passes before
  * anything starts (numbers, sampling, nodes and cluster token, placement, the prompt).
  */
-import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Effect, Option } from "effect"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
@@ -10,22 +9,28 @@ import type { PlacementRequest } from "../services/Orchestrator.js"
 import { parseLayerSpec } from "../services/Placement.js"
 import { emptyPromptMessage, isEmptyPrompt } from "../services/RequestChecks.js"
 import {
-  atLeast,
-  backendOption,
-  clusterToken,
-  localBackendArgs,
   agentList,
+  agentsFlag,
+  atLeast,
+  backendFlag,
+  clusterToken,
+  deliverWeightsFlag,
+  localBackendArgs,
   optionalPrefillThreads,
-  prefillThreadsFlag,
   optionalThreads,
   optionalWholeNumber,
-  spares as sparesFlag,
+  prefillThreadsFlag,
+  spares as checkSpares,
+  sparesFlag,
+  threadsFlag,
   tlsFlag,
   tlsMode,
+  tokenFileFlag,
+  tokenLoopFlag,
   UsageError,
-  wholeNumber,
-  withShownDefault
+  wholeNumber
 } from "./Flags.js"
+import * as Flag from "./FlagSpec.js"
 import { samplingFlags, type SamplingFlagArgs, samplingFromFlags } from "./SamplingFlags.js"
 
 export interface RunArgs extends SamplingFlagArgs {
@@ -59,85 +64,68 @@ export interface RunArgs extends SamplingFlagArgs {
 }
 
 const defaultPrompt = "Once upon a time"
+/** Local agents a run starts without --stages or --agents. */
+const defaultLocalStages = 2
 
-/** The options of `swactor run`. */
+/** The flags of `swactor run`: what they parse into and what `--help` says of them. */
 export const runFlags = {
-  model: Options.file("model").pipe(
-    Options.withDescription("GGUF model (default: a small synthetic model, written once to ~/.cache/swactor)"),
-    Options.optional
+  model: Flag.file("model", { group: "Model and prompt", text: "GGUF model" }).optional(
+    "a small synthetic model, written once to ~/.cache/swactor"
   ),
-  prompt: Options.text("prompt").pipe(
-    Options.withDescription(`prompt text, or - to read it from standard input (default: "${defaultPrompt}")`),
-    Options.optional
+  prompt: Flag.text("prompt", {
+    group: "Model and prompt",
+    text: "prompt text, or - to read it from standard input"
+  }).optional(JSON.stringify(defaultPrompt)),
+  promptFile: Flag.file("prompt-file", {
+    group: "Model and prompt",
+    text: "read the prompt from this file"
+  }).optional(),
+  stages: Flag.integer("stages", { group: "Pipeline", text: "pipeline stages" }).optional(
+    `${defaultLocalStages} local agents; with --agents, one per agent`
   ),
-  promptFile: Options.file("prompt-file").pipe(
-    Options.withDescription("read the prompt from this file"),
-    Options.optional
+  maxTokens: Flag.integer("max-tokens", {
+    group: "Sampling",
+    text: "tokens to generate (prompt + max tokens must fit the model's context)"
+  }).withDefault(128),
+  temperature: Flag.float("temperature", { group: "Sampling", text: "0 = greedy" }).withDefault(0),
+  topK: Flag.integer("top-k", { group: "Sampling", text: "sample among the k likeliest (0 = all)" }).withDefault(40),
+  seed: Flag.integer("seed", { group: "Sampling", text: "sampling seed (same seed, same text)" }).optional(
+    "a random one"
   ),
-  stages: Options.integer("stages").pipe(
-    Options.withDescription("pipeline stages (default: 2 local agents; with --agents, one per node)"),
-    Options.optional
-  ),
-  maxTokens: Options.integer("max-tokens").pipe(
-    Options.withDescription("tokens to generate (prompt + max tokens must fit the model's context)"),
-    withShownDefault(128)
-  ),
-  temperature: Options.float("temperature").pipe(Options.withDescription("0 = greedy"), withShownDefault(0)),
-  topK: Options.integer("top-k").pipe(
-    Options.withDescription("sample among the k likeliest (0 = all)"),
-    withShownDefault(40)
-  ),
-  seed: Options.integer("seed").pipe(Options.withDescription("sampling seed (same seed, same text)"), Options.optional),
   ...samplingFlags,
-  threads: Options.integer("threads").pipe(
-    Options.withDescription("engine threads per stage (default: every core of the node)"),
-    Options.optional
-  ),
-  agents: Options.text("agents").pipe(
-    Options.withAlias("nodes"),
-    Options.withDescription(`agents host:port,... (alias --nodes; token from ${clusterTokenEnv} or --token-file)`),
-    Options.optional
-  ),
+  threads: threadsFlag("Pipeline"),
+  agents: agentsFlag,
   tls: tlsFlag,
-  backend: backendOption(" of the local agents"),
-  tokenFile: Options.text("token-file").pipe(
-    Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
-    Options.optional
-  ),
-  quiet: Options.boolean("quiet").pipe(Options.withDescription("only the text: no progress, no summary")),
-  json: Options.boolean("json").pipe(
-    Options.withDescription("print one JSON document when the run ends: ok, text, tokens, summary or fault")
-  ),
-  dryRun: Options.boolean("dry-run").pipe(
-    Options.withDescription("ask the nodes for their capacity, print the placement, provision nothing")
-  ),
-  placement: Options.choice("placement", ["balanced", "capacity", "fixed"]).pipe(
-    Options.withDescription("balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"),
-    Options.optional,
-    Options.map(Option.getOrUndefined)
-  ),
-  layers: Options.text("layers").pipe(
-    Options.withDescription("fixed block ranges per stage, inclusive, e.g. 0-9,10-15"),
-    Options.optional
-  ),
-  deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(
-    Options.withDescription(
-      "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
-    ),
-    withShownDefault("auto" as const)
-  ),
-  tokenLoop: Options.choice("token-loop", ["on", "off"]).pipe(
-    Options.withDescription(
-      "the last stage sends each token straight to stage 0 as well as back (on), or only back to the orchestrator (off)"
-    ),
-    withShownDefault("on" as const)
-  ),
+  backend: backendFlag("Pipeline", " of the local agents"),
+  tokenFile: tokenFileFlag,
+  quiet: Flag.boolean("quiet", { group: "Output", text: "only the text: no progress, no summary" }),
+  json: Flag.boolean("json", {
+    group: "Output",
+    text: "print one JSON document when the run ends: ok, text, tokens, summary or fault"
+  }),
+  dryRun: Flag.boolean("dry-run", {
+    group: "Output",
+    text: "ask the nodes for their capacity, print the placement, provision nothing"
+  }),
+  placement: Flag.choice("placement", ["balanced", "capacity", "fixed"], {
+    group: "Pipeline",
+    text: "balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"
+  })
+    .optional("balanced; fixed with --layers")
+    .map(Option.getOrUndefined),
+  layers: Flag.text("layers", {
+    group: "Pipeline",
+    value: "RANGES",
+    text: "fixed block ranges per stage, inclusive, e.g. 0-9,10-15"
+  }).optional(),
+  deliverWeights: deliverWeightsFlag,
+  tokenLoop: tokenLoopFlag("orchestrator"),
   prefillThreads: prefillThreadsFlag,
-  spares: Options.integer("spares").pipe(
-    Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),
-    withShownDefault(0)
-  )
+  spares: sparesFlag
 }
+
+/** The headings of `swactor run --help`, in order. */
+export const runGroups = ["Model and prompt", "Pipeline", "Sampling", "Network and security", "Output"]
 
 /** The placement a command line asks for (`--placement`, `--layers`), or a usage message. */
 const placementFromArgs = (
@@ -191,7 +179,7 @@ export const validateRunFlags = (args: RunArgs) =>
     const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
     const temperature = yield* atLeast("temperature", args.temperature, 0)
     const topK = yield* wholeNumber("top-k", args.topK, 0)
-    if (args.spares !== undefined) yield* sparesFlag(args.spares)
+    if (args.spares !== undefined) yield* checkSpares(args.spares)
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
     const chain = yield* samplingFromFlags(args)
     const threads = yield* optionalThreads(args.threads)
@@ -208,7 +196,7 @@ export const validateRunFlags = (args: RunArgs) =>
     if (args.json && args.dryRun) return yield* new UsageError({ message: "--json and --dry-run: give one of them" })
     const placement = yield* placementFromArgs(args).pipe(Effect.mapError((message) => new UsageError({ message })))
     // A fixed placement run locally starts one agent per range.
-    const localStages = placement?._tag === "Fixed" ? placement.ranges.length : 2
+    const localStages = placement?._tag === "Fixed" ? placement.ranges.length : defaultLocalStages
     const prompt = yield* promptText(args)
     return {
       stages,

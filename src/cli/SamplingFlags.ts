@@ -3,55 +3,57 @@
  * --temperature, --top-k and --seed: declared once here, turned into SamplingOptions with one-line errors naming the
  * flag. The library checks the values again against the model (services/RequestChecks.ts samplingPolicyProblem).
  */
-import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Effect, Option } from "effect"
 import type { SamplingOptions } from "../services/Orchestrator.js"
 import { maxLogprobs } from "../services/RequestChecks.js"
+import { defaultPenaltyLastN } from "../services/Sampler.js"
 import { UsageError } from "./Flags.js"
+import * as Flag from "./FlagSpec.js"
+
+const group = "Sampling"
 
 export const samplingFlags = {
-  topP: Options.float("top-p").pipe(
-    Options.withDescription("nucleus sampling: keep this much probability mass (1 = off)"),
-    Options.optional
+  topP: Flag.float("top-p", { group, text: "nucleus sampling: keep this much probability mass (1 = off)" }).optional(
+    "off"
   ),
-  minP: Options.float("min-p").pipe(
-    Options.withDescription("drop tokens under this fraction of the likeliest (0 = off)"),
-    Options.optional
+  minP: Flag.float("min-p", { group, text: "drop tokens under this fraction of the likeliest (0 = off)" }).optional(
+    "off"
   ),
-  repeatPenalty: Options.float("repeat-penalty").pipe(
-    Options.withDescription("divide the logits of recent tokens by this (1 = off)"),
-    Options.optional
-  ),
-  presencePenalty: Options.float("presence-penalty").pipe(
-    Options.withDescription("subtract this from the logits of recent tokens (0 = off)"),
-    Options.optional
-  ),
-  frequencyPenalty: Options.float("frequency-penalty").pipe(
-    Options.withDescription("subtract this per occurrence of a recent token (0 = off)"),
-    Options.optional
-  ),
-  penaltyLastN: Options.integer("penalty-last-n").pipe(
-    Options.withDescription("recent tokens the penalties look at (default 64; -1: the whole context)"),
-    Options.optional
-  ),
-  logitBias: Options.text("logit-bias").pipe(
-    Options.withDescription("ID=BIAS,... added to token logits (BIAS -inf bans the token)"),
-    Options.optional
-  ),
-  grammarFile: Options.file("grammar-file").pipe(
-    Options.withDescription("a GBNF grammar (llama.cpp's) the output must follow, rule root"),
-    Options.optional
-  ),
-  logprobs: Options.integer("logprobs").pipe(
-    Options.withDescription("with --json: each token's log-probability and this many alternatives (0-20)"),
-    Options.optional
-  )
+  repeatPenalty: Flag.float("repeat-penalty", {
+    group,
+    text: "divide the logits of recent tokens by this (1 = off)"
+  }).optional("off"),
+  presencePenalty: Flag.float("presence-penalty", {
+    group,
+    text: "subtract this from the logits of recent tokens (0 = off)"
+  }).optional("off"),
+  frequencyPenalty: Flag.float("frequency-penalty", {
+    group,
+    text: "subtract this per occurrence of a recent token (0 = off)"
+  }).optional("off"),
+  penaltyLastN: Flag.integer("penalty-last-n", {
+    group,
+    text: "recent tokens the penalties look at (-1: the whole context)"
+  }).optional(String(defaultPenaltyLastN)),
+  logitBias: Flag.text("logit-bias", {
+    group,
+    value: "ID=BIAS,...",
+    text: "added to token logits (BIAS -inf bans the token)"
+  }).optional(),
+  grammarFile: Flag.file("grammar-file", {
+    group,
+    text: "a GBNF grammar (llama.cpp's) the output must follow, rule root"
+  }).optional(),
+  logprobs: Flag.integer("logprobs", {
+    group: "Output",
+    text: `with --json: each token's log-probability and this many alternatives (0-${maxLogprobs})`
+  }).optional()
 }
 
 export type SamplingFlagArgs = {
   readonly [K in keyof typeof samplingFlags]?: Option.Option<
-    (typeof samplingFlags)[K] extends Options.Options<Option.Option<infer A>> ? A : never
+    (typeof samplingFlags)[K] extends Flag.Flag<Option.Option<infer A>> ? A : never
   >
 }
 

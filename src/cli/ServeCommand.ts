@@ -4,7 +4,6 @@
  * stderr says `listening on http://HOST:PORT` at once and `ready` once the weights are loaded.
  */
 import * as Command from "@effect/cli/Command"
-import * as Options from "@effect/cli/Options"
 import { readFileSync } from "node:fs"
 import { Context, Effect, Layer, Option, Redacted } from "effect"
 import { serve } from "../api/serve.js"
@@ -13,24 +12,31 @@ import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import { apiKeyFromEnv, apiKeyVariable } from "../layers/config/Settings.js"
 import { Server } from "../services/Server.js"
 import {
-  atLeast,
-  clusterToken,
-  modelFactsOf,
-  listFlag,
   agentList,
-  backendOption,
+  agentsFlag,
+  atLeast,
+  backendFlag,
+  clusterToken,
+  deliverWeightsFlag,
+  listFlag,
   localBackendArgs,
+  modelFactsOf,
   optionalPrefillThreads,
-  prefillThreadsFlag,
   optionalThreads,
   optionalWholeNumber,
-  spares as sparesFlag,
+  prefillThreadsFlag,
+  spares as checkSpares,
+  sparesFlag,
+  threadsFlag,
   tlsFlag,
   tlsMode,
+  tokenFileFlag,
+  tokenLoopFlag,
   UsageError,
-  wholeNumber,
-  withShownDefault
+  wholeNumber
 } from "./Flags.js"
+import * as Flag from "./FlagSpec.js"
+import { commandDoc, optionsOf } from "./FlagSpec.js"
 import { defaultHttpLimits, hostOf, isLoopbackHost } from "../layers/server/HttpGuard.js"
 import { untilOperatorStop } from "./Signals.js"
 import { apiKeyProblem, stagesProblem } from "../services/RequestChecks.js"
@@ -76,6 +82,9 @@ export interface ServeArgs {
 
 /** The environment variable holding one API key, when no --api-key-file is given (config/Settings.ts). */
 const apiKeyEnv = apiKeyVariable
+
+/** Local agents `serve` starts without --stages or --agents. */
+const defaultLocalStages = 2
 
 /**
  * The API keys: the lines of --api-key-file (blank lines and # comments skipped), else SWACTOR_API_KEY, else none.
@@ -139,11 +148,11 @@ const runServe = (args: ServeArgs) =>
     if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
     yield* wholeNumber("parallel", args.parallel, 1)
     yield* wholeNumber("queue", args.queue, 0)
-    yield* sparesFlag(args.spares)
+    yield* checkSpares(args.spares)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
     if (args.promptCacheEntries !== undefined) yield* wholeNumber("prompt-cache-entries", args.promptCacheEntries, 1)
     // The stages against the model's blocks, from its GGUF header, before any agent starts (services/RequestChecks.ts).
-    const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : 2
+    const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : defaultLocalStages
     if (plannedStages !== undefined) {
       const facts = yield* modelFactsOf(args.model)
       const problem = stagesProblem(plannedStages, facts.numLayers, "--stages")
@@ -165,7 +174,7 @@ const runServe = (args: ServeArgs) =>
       model: args.model,
       parallel: args.parallel,
       queueLimit: args.queue,
-      ...(Option.isSome(stages) ? { stages: stages.value } : nodes.length > 0 ? {} : { stages: 2 }),
+      ...(Option.isSome(stages) ? { stages: stages.value } : nodes.length > 0 ? {} : { stages: defaultLocalStages }),
       ...(threads === undefined ? {} : { threads }),
       ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
       ...(Option.isSome(maxPromptTokens) ? { maxPromptTokens: maxPromptTokens.value } : {}),
@@ -237,121 +246,106 @@ export const runServeCommand = (args: ServeArgs) =>
     )
   )
 
-export const serveCommand = Command.make(
+const requests = "Requests"
+const http = "HTTP limits"
+const network = "Network and security"
+
+/** The flags of `swactor serve`: what they parse into and what `--help` says of them. */
+const serveFlags = {
+  model: Flag.file("model", {
+    group: "Model",
+    text: "GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)"
+  }),
+  stages: Flag.integer("stages", { group: "Pipeline", text: "pipeline stages" }).optional(
+    `${defaultLocalStages} local agents; with --agents, one per agent`
+  ),
+  agents: agentsFlag,
+  tokenFile: tokenFileFlag,
+  tls: tlsFlag,
+  backend: backendFlag("Pipeline", " of the local agents"),
+  apiKeyFile: Flag.text("api-key-file", {
+    group: network,
+    value: "PATH",
+    text: "API keys callers must present (Authorization: Bearer or x-api-key), one per line"
+  }).optional(`${apiKeyEnv}; without either, the API is open`),
+  host: Flag.text("host", { group: network, value: "ADDRESS", text: "address to listen on" }).withDefault("127.0.0.1"),
+  port: Flag.integer("port", { group: network, text: "port to listen on (0 = any free port)" }).withDefault(8080),
+  threads: threadsFlag("Pipeline"),
+  parallel: Flag.integer("parallel", { group: requests, text: "sequences running at once" }).withDefault(4),
+  queue: Flag.integer("queue", {
+    group: requests,
+    text: "requests waiting for admission at most; more get 429"
+  }).withDefault(64),
+  kvBudgetMib: Flag.integer("kv-budget-mib", {
+    group: requests,
+    text: "KV cache MiB per stage shared by running requests"
+  }).optional("--parallel sequences of 4,096 tokens"),
+  maxPromptTokens: Flag.integer("max-prompt-tokens", {
+    group: requests,
+    text: "prompt tokens a request may have at most; more get 400 (a text whose length alone says so, before tokenizing)"
+  }).optional("the model's context length, at most 32768"),
+  maxBodyMib: Flag.float("max-body-mib", {
+    group: http,
+    text: "request body MiB at most (counted while it arrives; 413 beyond)"
+  }).withDefault(defaultHttpLimits.maxBodyBytes / 2 ** 20),
+  maxConnections: Flag.integer("max-connections", {
+    group: http,
+    text: "open HTTP connections at most; more are refused at the socket"
+  }).withDefault(defaultHttpLimits.maxConnections),
+  headerTimeoutMs: Flag.integer("header-timeout-ms", {
+    group: http,
+    text: "a connection must send its request headers within this"
+  }).withDefault(defaultHttpLimits.headerTimeoutMillis),
+  bodyTimeoutMs: Flag.integer("body-timeout-ms", {
+    group: http,
+    text: "a request body must arrive whole within this (408 beyond)"
+  }).withDefault(defaultHttpLimits.bodyTimeoutMillis),
+  allowedOrigins: Flag.text("allowed-origins", {
+    group: network,
+    value: "ORIGIN,...",
+    text: "origins whose web pages may call the API, with CORS: http://host:port,... or *"
+  }).optional("none"),
+  allowedHosts: Flag.text("allowed-hosts", {
+    group: network,
+    value: "HOST,...",
+    text: "host names requests may be addressed to besides the listen address and loopback: name,... or *"
+  }).optional("none"),
+  keepAliveMs: Flag.integer("keep-alive-ms", {
+    group: http,
+    text: "SSE keep-alive comment interval while a stream waits"
+  }).withDefault(5000),
+  spares: sparesFlag,
+  deliverWeights: deliverWeightsFlag,
+  prefillThreads: prefillThreadsFlag,
+  tokenLoop: tokenLoopFlag("server"),
+  promptCache: Flag.choice("prompt-cache", ["on", "off"], {
+    group: requests,
+    text: "keep each finished request's KV on every stage; a prompt that starts with one's tokens prefills only the rest"
+  }).withDefault("on"),
+  promptCacheEntries: Flag.integer("prompt-cache-entries", {
+    group: requests,
+    text: "prompt-cache entries held at most (they also count against --kv-budget-mib)"
+  }).withDefault(16)
+}
+
+/** What `swactor serve --help` says. */
+export const serveDoc = commandDoc(
   "serve",
-  {
-    model: Options.file("model").pipe(
-      Options.withDescription(
-        "GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)"
-      )
-    ),
-    stages: Options.integer("stages").pipe(
-      Options.withDescription("pipeline stages (local default 2; with --agents, one per node)"),
-      Options.optional
-    ),
-    agents: Options.text("agents").pipe(
-      Options.withAlias("nodes"),
-      Options.withDescription(`agents host:port,... (alias --nodes; token from ${clusterTokenEnv} or --token-file)`),
-      Options.optional
-    ),
-    tokenFile: Options.text("token-file").pipe(
-      Options.withDescription(`file holding the cluster token (default: the ${clusterTokenEnv} environment variable)`),
-      Options.optional
-    ),
-    tls: tlsFlag,
-    backend: backendOption(" of the local agents"),
-    apiKeyFile: Options.text("api-key-file").pipe(
-      Options.withDescription(
-        `API keys callers must present (Authorization: Bearer or x-api-key), one per line (default: ${apiKeyEnv}; none: open)`
-      ),
-      Options.optional
-    ),
-    host: Options.text("host").pipe(withShownDefault("127.0.0.1")),
-    port: Options.integer("port").pipe(Options.withDescription("0 = any free port"), withShownDefault(8080)),
-    threads: Options.integer("threads").pipe(
-      Options.withDescription("engine threads per stage (default: SWACTOR_THREADS, else every core)"),
-      Options.optional
-    ),
-    parallel: Options.integer("parallel").pipe(
-      Options.withDescription("sequences running at once"),
-      withShownDefault(4)
-    ),
-    queue: Options.integer("queue").pipe(
-      Options.withDescription("requests waiting for admission at most; more get 429"),
-      withShownDefault(64)
-    ),
-    kvBudgetMib: Options.integer("kv-budget-mib").pipe(
-      Options.withDescription(
-        "KV cache MiB per stage shared by running requests (default: --parallel sequences of 4,096 tokens)"
-      ),
-      Options.optional
-    ),
-    maxPromptTokens: Options.integer("max-prompt-tokens").pipe(
-      Options.withDescription(
-        "prompt tokens a request may have at most; more get 400, a text whose length alone says so before it is tokenized " +
-          "(default: the model's context length, at most 32768)"
-      ),
-      Options.optional
-    ),
-    maxBodyMib: Options.float("max-body-mib").pipe(
-      Options.withDescription("request body MiB at most (counted while it arrives; 413 beyond)"),
-      withShownDefault(defaultHttpLimits.maxBodyBytes / 2 ** 20)
-    ),
-    maxConnections: Options.integer("max-connections").pipe(
-      Options.withDescription("open HTTP connections at most; more are refused at the socket"),
-      withShownDefault(defaultHttpLimits.maxConnections)
-    ),
-    headerTimeoutMs: Options.integer("header-timeout-ms").pipe(
-      Options.withDescription("a connection must send its request headers within this"),
-      withShownDefault(defaultHttpLimits.headerTimeoutMillis)
-    ),
-    bodyTimeoutMs: Options.integer("body-timeout-ms").pipe(
-      Options.withDescription("a request body must arrive whole within this (408 beyond)"),
-      withShownDefault(defaultHttpLimits.bodyTimeoutMillis)
-    ),
-    allowedOrigins: Options.text("allowed-origins").pipe(
-      Options.withDescription(
-        "origins whose web pages may call the API, with CORS: http://host:port,... or * (default: none)"
-      ),
-      Options.optional
-    ),
-    allowedHosts: Options.text("allowed-hosts").pipe(
-      Options.withDescription(
-        "host names requests may be addressed to besides the listen address and loopback: name,... or *"
-      ),
-      Options.optional
-    ),
-    keepAliveMs: Options.integer("keep-alive-ms").pipe(
-      Options.withDescription("SSE keep-alive comment interval while a stream waits"),
-      withShownDefault(5000)
-    ),
-    spares: Options.integer("spares").pipe(
-      Options.withDescription("local agents: extra agents that host nothing until a recovery needs them (at most 64)"),
-      withShownDefault(0)
-    ),
-    deliverWeights: Options.choice("deliver-weights", ["auto", "always", "never"]).pipe(
-      Options.withDescription(
-        "send each stage's weights (a GGUF slice) to nodes that lack them: auto (remote --agents), always, never"
-      ),
-      withShownDefault("auto" as const)
-    ),
-    prefillThreads: prefillThreadsFlag,
-    tokenLoop: Options.choice("token-loop", ["on", "off"]).pipe(
-      Options.withDescription(
-        "the last stage sends each token straight to stage 0 as well as back (on), or only back to the server (off)"
-      ),
-      withShownDefault("on" as const)
-    ),
-    promptCache: Options.choice("prompt-cache", ["on", "off"]).pipe(
-      Options.withDescription(
-        "keep each finished request's KV on every stage; a prompt that starts with one's tokens prefills only the rest"
-      ),
-      withShownDefault("on" as const)
-    ),
-    promptCacheEntries: Options.integer("prompt-cache-entries").pipe(
-      Options.withDescription("prompt-cache entries held at most (they also count against --kv-budget-mib)"),
-      withShownDefault(16)
-    )
-  },
-  runServeCommand
-).pipe(Command.withDescription("Serve a model over an OpenAI-compatible HTTP API from a pipeline kept loaded"))
+  "Serve a model over an OpenAI-compatible HTTP API from a pipeline kept loaded",
+  ["Model", "Pipeline", requests, network, http],
+  serveFlags,
+  [
+    {
+      what: "two local agents on this machine; the API on http://127.0.0.1:8080/v1",
+      command: "swactor serve --model model.gguf"
+    },
+    {
+      what: `on every interface, callers with a key from the file keys, the stages on two nodes (the cluster token in ${clusterTokenEnv})`,
+      command: "swactor serve --model model.gguf --host 0.0.0.0 --api-key-file keys --agents n1:7070,n2:7070"
+    }
+  ]
+)
+
+export const serveCommand = Command.make("serve", optionsOf(serveFlags), runServeCommand).pipe(
+  Command.withDescription(serveDoc.summary)
+)

@@ -3,7 +3,6 @@
  * weights from a seeded generator) and prints what it wrote.
  */
 import * as Command from "@effect/cli/Command"
-import * as Options from "@effect/cli/Options"
 import { Console, Effect, Option } from "effect"
 import {
   type SyntheticArch,
@@ -15,7 +14,8 @@ import {
   writeSyntheticModel
 } from "../layers/gguf/Synthetic.js"
 import { type SyntheticChatTemplate, syntheticChatTemplates } from "../layers/gguf/SyntheticTemplates.js"
-import { withShownDefault } from "./Flags.js"
+import * as Flag from "./FlagSpec.js"
+import { commandDoc, optionsOf } from "./FlagSpec.js"
 
 export interface SynthArgs {
   readonly arch: SyntheticArch
@@ -131,111 +131,129 @@ export const runSynthCommand = (args: SynthArgs) => {
   )
 }
 
-const int = (name: string, description: string) => Options.integer(name).pipe(Options.withDescription(description))
+const shape = "Shape"
+const file = "File"
+const sliding = "Sliding window (gemma3, gemma4, gpt-oss)"
+const gemma = "Gemma (gemma3, gemma4)"
+const moe = "Mixture of experts (qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss, mistral3)"
+const deepseek = "Latent attention and more (deepseek2, glm4moe, qwen35)"
 
-export const synthCommand = Command.make(
+const int = (name: string, group: string, text: string) => Flag.integer(name, { group, text })
+
+/** The flags of `swactor synth`: what they parse into and what `--help` says of them. */
+const synthFlags = {
+  arch: Flag.choice("arch", syntheticArchs, { group: shape, value: "ARCH", text: "architecture" }).withDefault("llama"),
+  layers: int("layers", shape, "transformer blocks"),
+  hidden: int("hidden", shape, "embedding length"),
+  ffn: int("ffn", shape, "feed-forward length"),
+  heads: int("heads", shape, "attention heads").optional("hidden / 128 from 2048 up, else hidden / 64"),
+  kvHeads: int("kv-heads", shape, "key/value heads, divides --heads").optional("--heads"),
+  headDim: int("head-dim", shape, "per-head dimension").optional("hidden / heads"),
+  vocab: int("vocab", shape, "vocabulary size, at least 259").withDefault(32000),
+  contextLength: int("context-length", shape, "context length").withDefault(2048),
+  tiedOutput: Flag.boolean("tied-output", {
+    group: shape,
+    text: "no output.weight: the token embedding is the output head"
+  }),
+  ropeFreqBase: Flag.float("rope-freq-base", { group: shape, text: "RoPE base frequency" }).optional(),
+  normEps: Flag.float("norm-eps", { group: shape, text: "RMS norm epsilon" }).optional(),
+  chatTemplate: Flag.choice("chat-template", syntheticChatTemplates, {
+    group: shape,
+    value: "NAME",
+    text: "a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"
+  }).optional(),
+  type: Flag.choice("type", syntheticTypes, {
+    group: file,
+    value: "TYPE",
+    text: "storage type of the weight matrices: a ggml type or a mixed recipe"
+  }).withDefault("f32"),
+  seed: int("seed", file, "generator seed").withDefault(1),
+  slidingWindow: int("sliding-window", sliding, "sliding window of the local blocks").optional("32; gpt-oss 16"),
+  swaPattern: int("swa-pattern", sliding, "one global block every N blocks").optional(
+    "6 (5 local, 1 global); gpt-oss 2"
+  ),
+  logitSoftcap: Flag.float("logit-softcap", { group: gemma, text: "final logit soft-capping" }).optional("none"),
+  kEqV: Flag.boolean("k-eq-v", {
+    group: gemma,
+    text: "gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)"
+  }),
+  perLayerEmbd: int(
+    "per-layer-embd",
+    gemma,
+    "gemma4: per-layer embedding width, embedding_length_per_layer_input (E2B/E4B: 256; 0: none)"
+  ).optional("0"),
+  sharedKvLayers: int(
+    "shared-kv-layers",
+    gemma,
+    "gemma4: last blocks that read an earlier block's KV cache, attention.shared_kv_layers"
+  ).optional("none"),
+  swaHeadDim: int(
+    "swa-head-dim",
+    gemma,
+    "gemma4: head size of the sliding-window blocks, key_length_swa (31B: half the global)"
+  ).optional("the model's"),
+  globalKvHeads: int(
+    "global-kv-heads",
+    gemma,
+    "gemma4: KV heads of the global blocks, head_count_kv per block"
+  ).optional("--kv-heads"),
+  doubleWideSharedFfn: Flag.boolean("double-wide-shared-ffn", {
+    group: gemma,
+    text: "gemma4: the --shared-kv-layers blocks' feed-forward twice --ffn (E2B), feed_forward_length per block"
+  }),
+  experts: int(
+    "experts",
+    moe,
+    "experts per block; mistral3: its mixture-of-experts variant, every block routed"
+  ).optional("8"),
+  expertsUsed: int("experts-used", moe, "experts each token goes through, at most --experts").optional("2"),
+  expertFfn: int(
+    "expert-ffn",
+    moe,
+    "feed-forward length of one expert (mistral3 writes it as feed_forward_length, which sizes its experts)"
+  ).optional("--ffn"),
+  sharedExperts: int(
+    "shared-experts",
+    moe,
+    "glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in --expert-ffn units"
+  ).optional("1"),
+  nextnLayers: int(
+    "nextn-layers",
+    deepseek,
+    "glm4moe, qwen35, qwen35moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 and Qwen3.5/3.6 carry them"
+  ).optional("0"),
+  denseBlocks: int("dense-blocks", deepseek, "glm4moe, deepseek2: leading blocks with a dense feed-forward").optional(
+    "1"
+  ),
+  kvLoraRank: int("kv-lora-rank", deepseek, "deepseek2: size of the cached latent, attention.kv_lora_rank").optional(
+    "64"
+  ),
+  qLoraRank: int(
+    "q-lora-rank",
+    deepseek,
+    "deepseek2: Q's compressed size, attention.q_lora_rank; 0: one attn_q"
+  ).optional("64"),
+  output: Flag.text("output", { group: file, value: "PATH", text: "GGUF file to write" }).withAlias("o")
+}
+
+/** What `swactor synth --help` says. */
+export const synthDoc = commandDoc(
   "synth",
-  {
-    arch: Options.choice("arch", syntheticArchs).pipe(
-      Options.withDescription("architecture"),
-      withShownDefault("llama" as const)
-    ),
-    layers: int("layers", "transformer blocks"),
-    hidden: int("hidden", "embedding length"),
-    ffn: int("ffn", "feed-forward length"),
-    heads: int("heads", "attention heads (default: hidden / 128 from 2048 up, else hidden / 64)").pipe(
-      Options.optional
-    ),
-    kvHeads: int("kv-heads", "key/value heads, divides --heads (default: --heads)").pipe(Options.optional),
-    headDim: int("head-dim", "per-head dimension (default hidden / heads)").pipe(Options.optional),
-    vocab: int("vocab", "vocabulary size, at least 259").pipe(withShownDefault(32000)),
-    contextLength: int("context-length", "context length").pipe(withShownDefault(2048)),
-    type: Options.choice("type", syntheticTypes).pipe(
-      Options.withDescription("storage type of the weight matrices: a ggml type, or a mixed recipe (q4_k_m, q3_k_m)"),
-      withShownDefault("f32" as const)
-    ),
-    seed: int("seed", "generator seed").pipe(withShownDefault(1)),
-    tiedOutput: Options.boolean("tied-output").pipe(
-      Options.withDescription("no output.weight: the token embedding is the output head")
-    ),
-    ropeFreqBase: Options.float("rope-freq-base").pipe(
-      Options.withDescription("RoPE base frequency"),
-      Options.optional
-    ),
-    normEps: Options.float("norm-eps").pipe(Options.withDescription("RMS norm epsilon"), Options.optional),
-    chatTemplate: Options.choice("chat-template", syntheticChatTemplates).pipe(
-      Options.withDescription(
-        "a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style)"
-      ),
-      Options.optional
-    ),
-    slidingWindow: int(
-      "sliding-window",
-      "gemma3, gemma4, gpt-oss: sliding window of the local blocks (default 32; gpt-oss 16)"
-    ).pipe(Options.optional),
-    swaPattern: int(
-      "swa-pattern",
-      "gemma3, gemma4, gpt-oss: one global block every N blocks (default 6: 5 local, 1 global; gpt-oss 2)"
-    ).pipe(Options.optional),
-    logitSoftcap: Options.float("logit-softcap").pipe(
-      Options.withDescription("gemma3, gemma4: final logit soft-capping (default: none)"),
-      Options.optional
-    ),
-    kEqV: Options.boolean("k-eq-v").pipe(
-      Options.withDescription("gemma4: global blocks without attn_v (V is K's projection, as Gemma 4 ships them)")
-    ),
-    perLayerEmbd: int(
-      "per-layer-embd",
-      "gemma4: per-layer embedding width, embedding_length_per_layer_input (E2B/E4B: 256; default 0: none)"
-    ).pipe(Options.optional),
-    sharedKvLayers: int(
-      "shared-kv-layers",
-      "gemma4: last blocks that read an earlier block's KV cache, attention.shared_kv_layers (default none)"
-    ).pipe(Options.optional),
-    swaHeadDim: int(
-      "swa-head-dim",
-      "gemma4: head size of the sliding-window blocks, key_length_swa (default the model's; 31B: half the global)"
-    ).pipe(Options.optional),
-    globalKvHeads: int(
-      "global-kv-heads",
-      "gemma4: KV heads of the global blocks, head_count_kv per block (default --kv-heads)"
-    ).pipe(Options.optional),
-    doubleWideSharedFfn: Options.boolean("double-wide-shared-ffn").pipe(
-      Options.withDescription(
-        "gemma4: the --shared-kv-layers blocks' feed-forward twice --ffn (E2B), feed_forward_length per block"
-      )
-    ),
-    experts: int(
-      "experts",
-      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss: experts per block (default 8); mistral3: its mixture-of-experts variant, every block routed"
-    ).pipe(Options.optional),
-    expertsUsed: int(
-      "experts-used",
-      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss, mistral3: experts each token goes through, at most --experts (default 2)"
-    ).pipe(Options.optional),
-    expertFfn: int(
-      "expert-ffn",
-      "qwen3moe, qwen35moe, glm4moe, deepseek2, gpt-oss, mistral3: feed-forward length of one expert (default --ffn; mistral3 writes it as feed_forward_length, which sizes its experts)"
-    ).pipe(Options.optional),
-    sharedExperts: int(
-      "shared-experts",
-      "glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in --expert-ffn units (default 1)"
-    ).pipe(Options.optional),
-    nextnLayers: int(
-      "nextn-layers",
-      "glm4moe, qwen35, qwen35moe: MTP blocks after the --layers trunk blocks, as GLM-4.5/4.6 and Qwen3.5/3.6 files carry them (default 0)"
-    ).pipe(Options.optional),
-    denseBlocks: int("dense-blocks", "glm4moe, deepseek2: leading blocks with a dense feed-forward (default 1)").pipe(
-      Options.optional
-    ),
-    kvLoraRank: int("kv-lora-rank", "deepseek2: size of the cached latent, attention.kv_lora_rank (default 64)").pipe(
-      Options.optional
-    ),
-    qLoraRank: int(
-      "q-lora-rank",
-      "deepseek2: Q's compressed size, attention.q_lora_rank; 0: one attn_q (default 64)"
-    ).pipe(Options.optional),
-    output: Options.text("output").pipe(Options.withAlias("o"), Options.withDescription("GGUF file to write"))
-  },
-  runSynthCommand
-).pipe(Command.withDescription("Write a synthetic GGUF model of any shape with seeded weights"))
+  "Write a synthetic GGUF model of any shape with seeded weights",
+  [shape, file, sliding, gemma, moe, deepseek],
+  synthFlags,
+  [
+    {
+      what: "a small llama in q8_0",
+      command: "swactor synth --arch llama --layers 4 --hidden 256 --ffn 768 --vocab 512 --type q8_0 -o m.gguf"
+    },
+    {
+      what: "the benchmarks' shape",
+      command: "swactor synth --layers 16 --hidden 2048 --ffn 8192 --type q4_k_m -o bench.gguf"
+    }
+  ]
+)
+
+export const synthCommand = Command.make("synth", optionsOf(synthFlags), runSynthCommand).pipe(
+  Command.withDescription(synthDoc.summary)
+)

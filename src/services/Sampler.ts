@@ -7,6 +7,9 @@
  * its logits, so a generation resumed at position n draws what it would have drawn.
  */
 
+/** Recent tokens the repeat, presence and frequency penalties look at when a request does not say (llama.cpp's). */
+export const defaultPenaltyLastN = 64
+
 export interface SamplingParams {
   readonly temperatureMillis: number
   /** Keep the k most likely tokens; 0 or less keeps all. */

@@ -19,7 +19,7 @@
  */
 import koffi from "koffi"
 import type { SamplingPolicy } from "../../domain/plan.js"
-import { greedy } from "../../services/Sampler.js"
+import { defaultPenaltyLastN, greedy } from "../../services/Sampler.js"
 import {
   capturingLog,
   getLlama,
@@ -167,7 +167,7 @@ export const makeSequenceSampler = (
   const repeat = policy.repeatPenalty ?? 1
   const presence = policy.presencePenalty ?? 0
   const frequency = policy.frequencyPenalty ?? 0
-  const lastN = window(policy.penaltyLastN ?? 64)
+  const lastN = window(policy.penaltyLastN ?? defaultPenaltyLastN)
   if (lastN > 0 && (repeat !== 1 || presence !== 0 || frequency !== 0)) {
     penalties = raw.llama_sampler_init_penalties(nVocab, lastN, repeat, frequency, presence)
     add(penalties)
