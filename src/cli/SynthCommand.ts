@@ -7,10 +7,12 @@ import { Console, Effect, Option } from "effect"
 import {
   type SyntheticArch,
   syntheticArchs,
+  SyntheticModelError,
   type SyntheticModelOptions,
   type SyntheticModelSummary,
   type SyntheticType,
   syntheticTypes,
+  validateSyntheticModel,
   writeSyntheticModel
 } from "../layers/gguf/Synthetic.js"
 import { type SyntheticChatTemplate, syntheticChatTemplates } from "../layers/gguf/SyntheticTemplates.js"
@@ -99,6 +101,48 @@ export const synthOptionsFromArgs = (args: SynthArgs): SyntheticModelOptions => 
   }
 }
 
+/** Each option of the library that a flag sets, and that flag. */
+const flagOfOption: { readonly [K in Exclude<keyof SynthArgs, "output">]: string } = {
+  arch: "--arch",
+  layers: "--layers",
+  hidden: "--hidden",
+  ffn: "--ffn",
+  heads: "--heads",
+  kvHeads: "--kv-heads",
+  headDim: "--head-dim",
+  vocab: "--vocab",
+  contextLength: "--context-length",
+  type: "--type",
+  seed: "--seed",
+  tiedOutput: "--tied-output",
+  ropeFreqBase: "--rope-freq-base",
+  normEps: "--norm-eps",
+  chatTemplate: "--chat-template",
+  slidingWindow: "--sliding-window",
+  swaPattern: "--swa-pattern",
+  logitSoftcap: "--logit-softcap",
+  kEqV: "--k-eq-v",
+  perLayerEmbd: "--per-layer-embd",
+  sharedKvLayers: "--shared-kv-layers",
+  swaHeadDim: "--swa-head-dim",
+  globalKvHeads: "--global-kv-heads",
+  doubleWideSharedFfn: "--double-wide-shared-ffn",
+  experts: "--experts",
+  expertsUsed: "--experts-used",
+  expertFfn: "--expert-ffn",
+  sharedExperts: "--shared-experts",
+  nextnLayers: "--nextn-layers",
+  denseBlocks: "--dense-blocks",
+  kvLoraRank: "--kv-lora-rank",
+  qLoraRank: "--q-lora-rank"
+}
+
+/** A refusal of the library (which names its options: `expertsUsed`) in this command's terms (`--experts-used`). */
+const withFlagNames = (message: string): string =>
+  message.replace(/(?<![\w.-])[a-z][A-Za-z]*(?![\w.])/g, (word) =>
+    Object.hasOwn(flagOfOption, word) ? flagOfOption[word as keyof typeof flagOfOption] : word
+  )
+
 const mib = (bytes: number) => (bytes / (1024 * 1024)).toFixed(1)
 
 /** What was written, in words. */
@@ -123,7 +167,13 @@ export const renderSynthSummary = (options: SyntheticModelOptions, s: SyntheticM
 
 export const runSynthCommand = (args: SynthArgs) => {
   const options = synthOptionsFromArgs(args)
-  return writeSyntheticModel(options).pipe(
+  // a shape the writer refuses is refused here first, in terms of the flags
+  const invalid = validateSyntheticModel(options)
+  const write =
+    invalid === undefined
+      ? writeSyntheticModel(options)
+      : Effect.fail(new SyntheticModelError({ message: withFlagNames(invalid) }))
+  return write.pipe(
     Effect.matchEffect({
       onSuccess: (summary) => Console.log(renderSynthSummary(options, summary)),
       onFailure: (error) => Effect.zipRight(Console.error(`swactor synth: ${error.message}`), Effect.fail(error))

@@ -385,7 +385,7 @@ describe("swactor synth --arch gemma4 --per-layer-embd --shared-kv-layers", () =
   // values llama.cpp would abort on are refused before a file is written
   for (const [shared, why] of [
     ["4", "block 5 would read the cache of block 4"],
-    ["8", "between 0 and layers - 2"]
+    ["8", "between 0 and --layers - 2"]
   ] as const) {
     it.live(`--shared-kv-layers ${shared} on 9 blocks of pattern 3: refused (${why})`, () =>
       Effect.gen(function* () {

@@ -322,12 +322,12 @@ describe("swactor synth --arch mistral3 --experts", () => {
     Effect.gen(function* () {
       const noExperts = yield* runSynthCli(args(join(dir, "cli-no-experts.gguf"), ["--experts-used", "2"]))
       assert.isTrue(Exit.isFailure(noExperts))
-      assert.include(String(noExperts), "need experts on mistral3")
+      assert.include(String(noExperts), "--experts-used needs --experts on mistral3")
       const shared = yield* runSynthCli(
         args(join(dir, "cli-shared.gguf"), ["--experts", "4", "--experts-used", "2", "--shared-experts", "1"])
       )
       assert.isTrue(Exit.isFailure(shared))
-      assert.include(String(shared), "sharedExperts")
+      assert.include(String(shared), "--shared-experts is for glm4moe, deepseek2, qwen35moe only, not mistral3")
     })
   )
 })

@@ -213,7 +213,7 @@ describe("glm4moe with an MTP block (nextn_predict_layers 1, as GLM-4.5/4.6 file
           Effect.exit
         )
         assert.isTrue(Exit.isFailure(refused))
-        assert.include(String(refused), "nextnLayers (MTP blocks) is for glm4moe, qwen35, qwen35moe only")
+        assert.include(String(refused), "--nextn-layers (MTP blocks) is for glm4moe, qwen35, qwen35moe only")
       })
   )
 })

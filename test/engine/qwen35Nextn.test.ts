@@ -265,7 +265,10 @@ describe("swactor synth --arch qwen35 --nextn-layers 1", () => {
     Effect.gen(function* () {
       const exit = yield* runSynthCli(["--arch", "qwen3", ...common, ...rest, "-o", join(dir, "cli-qwen3-nextn.gguf")])
       assert.isTrue(Exit.isFailure(exit))
-      assert.include(String(exit), "nextnLayers (MTP blocks) is for glm4moe, qwen35, qwen35moe only, got arch qwen3")
+      assert.include(
+        String(exit),
+        "--nextn-layers (MTP blocks) is for glm4moe, qwen35, qwen35moe only, got --arch qwen3"
+      )
     })
   )
 })

@@ -345,7 +345,8 @@ export const syntheticVocab = (
 const positiveInt = (name: string, v: number | undefined): string | undefined =>
   v === undefined || (Number.isSafeInteger(v) && v > 0) ? undefined : `${name} must be a positive integer, got ${v}`
 
-const validate = (o: SyntheticModelOptions): string | undefined => {
+/** What is wrong with the options (a shape llama.cpp or this writer cannot honour), in one line; undefined: nothing. */
+export const validateSyntheticModel = (o: SyntheticModelOptions): string | undefined => {
   if (!syntheticArchs.includes(o.arch)) return `arch must be one of ${syntheticArchs.join(", ")}, got ${o.arch}`
   if (!syntheticTypes.includes(o.type)) return `type must be one of ${syntheticTypes.join(", ")}, got ${o.type}`
   for (const [k, v] of [
@@ -376,7 +377,11 @@ const validate = (o: SyntheticModelOptions): string | undefined => {
     return `hidden (${o.hidden}) must be a multiple of heads (${o.heads}) unless headDim is given`
   }
   const hd = o.headDim ?? o.hidden / o.heads
-  if (hd % 2 !== 0) return `head dimension ${hd} must be even (RoPE rotates pairs)`
+  if (hd % 2 !== 0) return `the head dimension ${hd} (headDim, or hidden / heads) must be even (RoPE rotates pairs)`
+  // llama.cpp's qwen2 sizes attn_q and attn_output by the embedding, whatever key_length says
+  if (o.arch === "qwen2" && hd * o.heads !== o.hidden) {
+    return `qwen2 attends over the whole embedding: headDim (${hd}) times heads (${o.heads}) must equal hidden (${o.hidden})`
+  }
   if (!Number.isInteger(o.seed)) return `seed must be an integer, got ${o.seed}`
   if (o.ropeFreqBase !== undefined && !(o.ropeFreqBase > 0)) return `ropeFreqBase must be > 0`
   if (o.normEps !== undefined && !(o.normEps > 0)) return `normEps must be > 0`
@@ -413,7 +418,7 @@ const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
   out.push({ name: "token_embd.weight", dims: [o.hidden, o.vocab], mean: 0, std: 0.02 })
   norm("output_norm.weight", o.hidden)
   if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
-  if (o.arch === "gemma4") out.push(...gemma4SharedTensors(model.hd))
+  if (o.arch === "gemma4") out.push(...gemma4SharedTensors(o, o.layers, model.hd))
   if (o.arch === "gemma4") out.push(...gemma4PerLayerTensors(o, o.hidden, o.layers, o.vocab))
   for (let i = 0; i < syntheticBlockCount(o); i++) {
     const b = `blk.${i}`
@@ -600,7 +605,7 @@ export const writeSyntheticModel = (
   options: SyntheticModelOptions
 ): Effect.Effect<SyntheticModelSummary, SyntheticModelError> =>
   Effect.gen(function* () {
-    const invalid = validate(options)
+    const invalid = validateSyntheticModel(options)
     if (invalid !== undefined) return yield* Effect.fail(new SyntheticModelError({ message: invalid }))
     const started = performance.now()
     const spec = syntheticModelSpec(options)

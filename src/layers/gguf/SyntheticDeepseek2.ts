@@ -38,10 +38,9 @@ const sizes = (o: Shape) => {
 
 /** What is wrong with the deepseek2 options, or undefined (also refuses them on another architecture). */
 export const validateDeepseek2Options = (o: Shape): string | undefined => {
-  const given =
-    o.kvLoraRank !== undefined || o.qLoraRank !== undefined || o.ropeDim !== undefined || o.deepseekYarn !== undefined
+  const given = (["kvLoraRank", "qLoraRank", "ropeDim", "deepseekYarn"] as const).find((k) => o[k] !== undefined)
   if (o.arch !== "deepseek2") {
-    return given ? `kvLoraRank, qLoraRank, ropeDim and deepseekYarn are for deepseek2 only, not ${o.arch}` : undefined
+    return given === undefined ? undefined : `${given} is a deepseek2 option, not ${o.arch}`
   }
   const y = o.deepseekYarn
   if (y !== undefined) {
@@ -53,6 +52,9 @@ export const validateDeepseek2Options = (o: Shape): string | undefined => {
     if (m !== undefined && !(m >= 0 && Number.isFinite(m))) return `deepseekYarn.logMultiplier must be >= 0, got ${m}`
   }
   const s = sizes(o)
+  // the RoPE part defaults to half a head, and rotates pairs
+  if (o.ropeDim === undefined && s.head % 4 !== 0)
+    return `deepseek2 rotates half of each head: the head dimension ${s.head} (headDim, or hidden / heads) must be a multiple of 4`
   for (const [k, v] of [
     ["kvLoraRank", s.kvLora],
     ["ropeDim", s.rope]

@@ -18,13 +18,23 @@ export interface SyntheticGemmaOptions {
 const GEMMA_DEFAULT_WINDOW = 32
 const GEMMA_DEFAULT_PATTERN = 6
 
-/** What is wrong with the gemma3 options, or undefined. */
-export const validateGemmaOptions = (o: SyntheticGemmaOptions): string | undefined => {
+/** The architectures with sliding-window blocks (slidingWindow, swaPattern) and those that soft-cap their logits. */
+const windowArchs: ReadonlyArray<string> = ["gemma3", "gemma4", "gpt-oss"]
+const softcapArchs: ReadonlyArray<string> = ["gemma3", "gemma4"]
+
+/** What is wrong with the gemma3 options (also on gpt-oss's window, refused on other architectures), or undefined. */
+export const validateGemmaOptions = (o: SyntheticGemmaOptions & { readonly arch: string }): string | undefined => {
+  if (!windowArchs.includes(o.arch) && (o.slidingWindow !== undefined || o.swaPattern !== undefined))
+    return `slidingWindow and swaPattern are for ${windowArchs.join(", ")} only, not ${o.arch}`
+  if (!softcapArchs.includes(o.arch) && o.logitSoftcap !== undefined)
+    return `logitSoftcap is for ${softcapArchs.join(", ")} only, not ${o.arch}`
   const w = o.slidingWindow
   if (w !== undefined && !(Number.isSafeInteger(w) && w > 0))
     return `slidingWindow must be a positive integer, got ${w}`
   const p = o.swaPattern
   if (p !== undefined && !(Number.isSafeInteger(p) && p > 0)) return `swaPattern must be a positive integer, got ${p}`
+  // llama.cpp aborts on a sliding-window model without a sliding block (GGML_ASSERT(hparams.is_swa_any()))
+  if (p === 1) return `swaPattern 1 makes every block global; llama.cpp needs a sliding-window block: 2 or more`
   const c = o.logitSoftcap
   if (c !== undefined && !(c > 0 && Number.isFinite(c))) return `logitSoftcap must be > 0, got ${c}`
   return undefined

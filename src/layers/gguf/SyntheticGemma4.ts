@@ -89,10 +89,26 @@ export const gemma4MoeTensors = (
   ]
 }
 
+/** The options only gemma4 files carry. */
+const gemma4Only = [
+  "kEqV",
+  "perLayerEmbd",
+  "sharedKvLayers",
+  "swaHeadDim",
+  "globalKvHeads",
+  "doubleWideSharedFfn"
+] as const
+
 /** What is wrong with the gemma4 head options (of a model of `heads` query heads), or undefined. */
 export const validateGemma4Options = (
-  o: SyntheticGemma4Options & { readonly heads: number; readonly layers: number }
+  o: SyntheticGemma4Options & { readonly arch: string; readonly heads: number; readonly layers: number }
 ): string | undefined => {
+  if (o.arch !== "gemma4") {
+    const given = gemma4Only.find((k) => o[k] !== undefined && o[k] !== false)
+    return given === undefined ? undefined : `${given} is a gemma4 option, not ${o.arch}`
+  }
+  // llama.cpp's gemma4 cache asserts n_layer_kv_from_start >= 2 for every model, KV sharing or not
+  if (o.layers < 2) return `layers must be at least 2 for gemma4 (llama.cpp keeps at least 2 blocks' caches)`
   const w = o.perLayerEmbd
   if (w !== undefined && !(Number.isSafeInteger(w) && w >= 0)) return `perLayerEmbd must be an integer >= 0, got ${w}`
   // llama.cpp keeps at least 2 blocks' caches, and each shared block reads a block of its own kind (else it aborts)
@@ -167,9 +183,15 @@ export const gemma4PerLayerBlockTensors = (o: SyntheticGemma4Options, b: string,
   ]
 }
 
-/** The model-wide tensors of gemma4: RoPE frequency factors of the global blocks (head size / 2). */
-export const gemma4SharedTensors = (headDim: number) =>
-  [{ name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }] as const
+/**
+ * The model-wide tensors of gemma4: RoPE frequency factors of the global blocks (head size / 2), none when every
+ * block slides (fewer blocks than the pattern's period): llama.cpp asks for rope_freqs from a global block only and
+ * refuses a file holding a tensor it did not ask for.
+ */
+export const gemma4SharedTensors = (o: SyntheticGemmaOptions, layers: number, headDim: number) =>
+  gemma4SwaBlocks(o, layers).every((slides) => slides)
+    ? []
+    : [{ name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }]
 
 /** gemma4's extra tensor of block `b` besides gemma3's norms: the scalar the block output is multiplied by. */
 export const gemma4LayerScale = (b: string) => ({

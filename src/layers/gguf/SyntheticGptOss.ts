@@ -79,7 +79,7 @@ export const validateGptOssOptions = (o: {
   readonly tiedOutput?: boolean
 }): string | undefined =>
   o.arch === "gpt-oss" && o.tiedOutput === true
-    ? "gpt-oss has no tied output (llama.cpp requires output.weight)"
+    ? "tiedOutput is not for gpt-oss (llama.cpp requires its own output.weight)"
     : undefined
 
 /** gpt-oss's storage type for a tensor of a `type` file, or undefined for the generic rule (Synthetic.ts). */

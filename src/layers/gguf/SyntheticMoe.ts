@@ -52,30 +52,25 @@ const settings = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn
 export const validateMoeOptions = (
   o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number; readonly layers: number }
 ): string | undefined => {
-  const given =
-    o.experts !== undefined ||
-    o.expertsUsed !== undefined ||
-    o.expertFfn !== undefined ||
-    o.sharedExperts !== undefined ||
-    o.denseBlocks !== undefined
+  const given = (["experts", "expertsUsed", "expertFfn", "sharedExperts", "denseBlocks"] as const).find(
+    (k) => o[k] !== undefined
+  )
   // gemma4 (26B-A4B), mistral3: experts only when asked for (SyntheticGemma4.ts, SyntheticMistral3.ts)
   if (!isSyntheticMoe(o.arch) && !((o.arch === "gemma4" || o.arch === "mistral3") && o.experts !== undefined)) {
-    if (!given) return undefined
+    if (given === undefined) return undefined
     return o.arch === "gemma4" || o.arch === "mistral3"
-      ? `expertsUsed, expertFfn, sharedExperts and denseBlocks need experts on ${o.arch}`
-      : `experts, expertsUsed and expertFfn are for ${syntheticMoeArchs.join(", ")}, gemma4, mistral3 only, not ${o.arch}`
+      ? `${given} needs experts on ${o.arch}`
+      : `${given} is not a ${o.arch} option (mixture-of-experts: ${syntheticMoeArchs.join(", ")}, gemma4, mistral3)`
   }
   if (o.arch === "qwen35moe" && (o.denseBlocks !== undefined || o.expertGroups !== undefined)) {
     return `denseBlocks and expertGroups are not qwen35moe options (every block is routed, no groups)`
   }
-  if (
-    o.arch !== "glm4moe" &&
-    o.arch !== "deepseek2" &&
-    o.arch !== "qwen35moe" &&
-    (o.sharedExperts !== undefined || o.denseBlocks !== undefined || o.expertGroups !== undefined)
-  ) {
-    return `sharedExperts, denseBlocks and expertGroups are for glm4moe only, not ${o.arch}`
-  }
+  if (o.sharedExperts !== undefined && !["glm4moe", "deepseek2", "qwen35moe"].includes(o.arch))
+    return `sharedExperts is for glm4moe, deepseek2, qwen35moe only, not ${o.arch}`
+  if (o.denseBlocks !== undefined && o.arch !== "glm4moe" && o.arch !== "deepseek2")
+    return `denseBlocks is for glm4moe, deepseek2 only, not ${o.arch}`
+  if (o.expertGroups !== undefined && o.arch !== "glm4moe" && o.arch !== "deepseek2")
+    return `expertGroups is for glm4moe, deepseek2 only, not ${o.arch}`
   const s = settings(o)
   for (const [k, v] of [
     ["experts", s.experts],
@@ -94,7 +89,11 @@ export const validateMoeOptions = (
   if (s.used > s.experts) return `expertsUsed (${s.used}) must be at most experts (${s.experts})`
   if (o.arch === "qwen35moe" && s.shared < 1)
     return `sharedExperts must be at least 1 for qwen35moe (its shared expert is required)`
-  if (s.dense >= o.layers) return `denseBlocks (${s.dense}) must be fewer than the layers (${o.layers})`
+  // llama.cpp's deepseek2 loader asks for the shared expert of every routed block, and its glm4moe graph adds one
+  // built of no tensors (the normed input through SiLU) when there is none
+  if ((o.arch === "deepseek2" || o.arch === "glm4moe") && s.shared < 1)
+    return `sharedExperts must be at least 1 for ${o.arch} (llama.cpp computes a shared expert on every routed block)`
+  if (s.dense >= o.layers) return `denseBlocks (${s.dense}) must be fewer than layers (${o.layers})`
   return undefined
 }
 

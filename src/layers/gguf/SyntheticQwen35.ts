@@ -30,7 +30,10 @@ export interface SyntheticQwen35Options {
   readonly ssmHeads?: number
   /** `ssm.conv_kernel`: taps of the causal convolution; default 4. */
   readonly ssmConvKernel?: number
-  /** `full_attention_interval`: every Nth block is full attention; default 4. */
+  /**
+   * `full_attention_interval`: every Nth block is full attention, at most `layers` (llama.cpp needs one attention
+   * block); default 4, or `layers` when fewer.
+   */
   readonly fullAttentionInterval?: number
 }
 
@@ -50,7 +53,8 @@ const sizes = (o: Shape) => {
   const groups = o.ssmGroups ?? 2
   const vHeads = o.ssmHeads ?? 4
   const kernel = o.ssmConvKernel ?? 4
-  const interval = o.fullAttentionInterval ?? 4
+  // fewer blocks than 4: the last one attends (llama.cpp's KV cache needs an attention block, else it aborts)
+  const interval = o.fullAttentionInterval ?? Math.min(4, o.layers)
   const hd = o.headDim ?? o.hidden / o.heads
   return { state, groups, vHeads, kernel, interval, hd, rot: hd / 4, convDim: 2 * state * groups + state * vHeads }
 }
@@ -76,8 +80,13 @@ export const validateQwen35Options = (o: Shape): string | undefined => {
   const s = sizes(o)
   if (s.vHeads % s.groups !== 0) return `ssmHeads (${s.vHeads}) must be a multiple of ssmGroups (${s.groups})`
   if (s.kernel < 2) return `ssmConvKernel must be at least 2, got ${s.kernel}`
+  // llama.cpp's hybrid cache allocates both halves: an empty one aborts it (GGML_ASSERT(buffer))
+  if (o.layers < 2) return `layers must be at least 2 for ${o.arch} (llama.cpp needs a DeltaNet and an attention block)`
+  if (s.interval < 2 || s.interval > o.layers) {
+    return `fullAttentionInterval (${s.interval}) must be between 2 and layers (${o.layers}): llama.cpp needs a DeltaNet and an attention block`
+  }
   if (!Number.isInteger(s.rot) || s.rot % 2 !== 0) {
-    return `qwen35 rotates a quarter of the head: head dimension ${s.hd} must be a multiple of 8`
+    return `qwen35 rotates a quarter of the head: the head dimension ${s.hd} (headDim, or hidden / heads) must be a multiple of 8`
   }
   return undefined
 }
@@ -140,15 +149,17 @@ export const qwen35Metadata = (
 ): Array<readonly [string, GgufTypedValue]> => {
   const s = sizes(o)
   const a = o.arch
+  // IMROPE deals the rotated pairs out round-robin over t, h, w: section k holds the pairs i < half with i % 3 == k
+  // (Qwen3.5's 64 rotated dimensions: [11, 11, 10, 0]), so none lands on the 4th component
   const half = s.rot / 2
-  const third = Math.ceil(half / 3)
+  const sections = [0, 1, 2].map((k) => Math.ceil((half - k) / 3))
   const replaced = new Set(
     ["rope.dimension_count", "attention.key_length", "attention.value_length"].map((k) => `${a}.${k}`)
   )
   return [
     ...md.filter(([key]) => !replaced.has(key)),
     [`${a}.rope.dimension_count`, GgufValues.u32(s.rot)],
-    [`${a}.rope.dimension_sections`, GgufValues.array(GgufValueType.INT32, [third, third, half - 2 * third, 0])],
+    [`${a}.rope.dimension_sections`, GgufValues.array(GgufValueType.INT32, [...sections, 0])],
     [`${a}.attention.key_length`, GgufValues.u32(s.hd)],
     [`${a}.attention.value_length`, GgufValues.u32(s.hd)],
     [`${a}.ssm.conv_kernel`, GgufValues.u32(s.kernel)],
