@@ -265,7 +265,7 @@ const synthFlags = {
   sharedExperts: int(
     "shared-experts",
     moe,
-    "glm4moe, deepseek2: shared experts per routed block; qwen35moe: its shared expert's width in --expert-ffn units"
+    "glm4moe, deepseek2: shared experts per routed block (at least 1); qwen35moe: its shared expert's width in --expert-ffn units"
   ).optional("1"),
   nextnLayers: int(
     "nextn-layers",
