@@ -22,7 +22,7 @@ import {
 } from "../../src/layers/gguf/Synthetic.js"
 import { makeRng } from "../../src/services/Sampler.js"
 import { StageExecutor } from "../../src/services/StageExecutor.js"
-import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
+import { getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { readModelFacts, readModelLayout } from "../../src/layers/gguf/ModelCatalogLive.js"
 import * as Command from "@effect/cli/Command"
 import * as NodeContext from "@effect/platform-node/NodeContext"
@@ -117,6 +117,11 @@ describe("glm4moe: every split into 1, 2 and 3 stages gives node-llama-cpp's gre
         Effect.gen(function* () {
           const o = moeShape(type, { arch: "glm4moe", path: join(dir, `glm4moe-${type}.gguf`) })
           yield* writeSyntheticModel(o)
+          // partial rotary as GLM-4.5/4.6's converter writes it: half the head
+          const file = yield* readGgufFile(o.path)
+          const head =
+            (yield* getU32(file, "glm4moe.embedding_length")) / (yield* getU32(file, "glm4moe.attention.head_count"))
+          assert.strictEqual(yield* getU32(file, "glm4moe.rope.dimension_count"), head / 2)
           yield* checkParity(`glm4moe ${type}`, o.path)
         }),
       180_000

@@ -378,6 +378,10 @@ export const validateSyntheticModel = (o: SyntheticModelOptions): string | undef
   }
   const hd = o.headDim ?? o.hidden / o.heads
   if (hd % 2 !== 0) return `the head dimension ${hd} (headDim, or hidden / heads) must be even (RoPE rotates pairs)`
+  // glm4moe rotates half of each head, as GLM-4.5/4.6's converter writes it (partial_rotary_factor 0.5)
+  if (o.arch === "glm4moe" && hd % 4 !== 0) {
+    return `glm4moe rotates half of each head: the head dimension ${hd} (headDim, or hidden / heads) must be a multiple of 4`
+  }
   // llama.cpp's qwen2 sizes attn_q and attn_output by the embedding, whatever key_length says
   if (o.arch === "qwen2" && hd * o.heads !== o.hidden) {
     return `qwen2 attends over the whole embedding: headDim (${hd}) times heads (${o.heads}) must equal hidden (${o.hidden})`
@@ -535,7 +539,8 @@ const metadataFor = (o: SyntheticModelOptions): Array<readonly [string, GgufType
     [`${a}.attention.head_count_kv`, a === "gemma4" ? gemma4KvHeadsValue(o) : GgufValues.u32(o.kvHeads)],
     [`${a}.attention.layer_norm_rms_epsilon`, GgufValues.f32(o.normEps ?? (isQwen ? 1e-6 : 1e-5))],
     [`${a}.rope.freq_base`, GgufValues.f32(o.ropeFreqBase ?? (isQwen ? 1_000_000 : 10_000))],
-    [`${a}.rope.dimension_count`, GgufValues.u32(hd)]
+    // glm4moe: half the head, as GLM-4.5/4.6's converter writes it (partial_rotary_factor 0.5)
+    [`${a}.rope.dimension_count`, GgufValues.u32(a === "glm4moe" ? hd / 2 : hd)]
   ]
   if (a === "gemma3") md.push(...gemmaMetadata(o))
   if (a === "gemma4") md.push(...gemma4Metadata(o, o.layers, hd))
