@@ -41,6 +41,16 @@ export interface GgufTensorInfo {
   readonly offset: number
   /** Bytes of tensor data (from ggml's type size / block size). */
   readonly byteSize: number
+  /** The part of a split set holding the tensor (index into `GgufFile.parts`); absent: the file itself. */
+  readonly part?: number
+}
+
+/** One file of a split GGUF set (`<prefix>-00002-of-00005.gguf`): `split.no` is its index in `GgufFile.parts`. */
+export interface GgufPart {
+  readonly path: string
+  readonly fileSize: number
+  readonly dataOffset: number
+  readonly tensorCount: number
 }
 
 export interface GgufFile {
@@ -55,7 +65,24 @@ export interface GgufFile {
   readonly metadataTypes: ReadonlyMap<string, GgufValueKind>
   readonly tensors: ReadonlyArray<GgufTensorInfo>
   readonly tensorsByName: ReadonlyMap<string, GgufTensorInfo>
+  /**
+   * Every part of a split set, in `split.no` order (the first is `path`, whose metadata this file carries); absent for
+   * a single file. A tensor's `offset` is then into its own part's file.
+   */
+  readonly parts?: ReadonlyArray<GgufPart>
 }
+
+/** The file holding `tensor`'s bytes: its part of a split set, or the file itself. */
+export const tensorFilePath = (file: GgufFile, tensor: GgufTensorInfo): string =>
+  tensor.part === undefined ? file.path : (file.parts?.[tensor.part]?.path ?? file.path)
+
+/** The size of the file holding `tensor`'s bytes. */
+export const tensorFileSize = (file: GgufFile, tensor: GgufTensorInfo): number =>
+  tensor.part === undefined ? file.fileSize : (file.parts?.[tensor.part]?.fileSize ?? file.fileSize)
+
+/** Every file of the model: the parts of a split set, or the one file. */
+export const modelFilePaths = (file: GgufFile): ReadonlyArray<string> =>
+  file.parts?.map((p) => p.path) ?? [file.path]
 
 export const ModelLoadReason = Schema.Literal(
   "Io",

@@ -3,7 +3,12 @@ checkpoints, with llama.cpp's own writer (gguf-py), so that a mistake shared by 
 and its engine cannot hide. Shapes follow each family's released config.json, scaled down; the keys are those the
 converter's model class writes (conversion/*.py in the llama.cpp source node-llama-cpp ships).
 
-usage: python3 convertedModels.py GGUF_PY_DIR FAMILY OUT.gguf TOKENIZER.gguf [SEED]
+usage: python3 convertedModels.py GGUF_PY_DIR FAMILY OUT.gguf TOKENIZER.gguf [SEED [SPLIT]]
+
+SPLIT writes a split set as gguf-py does for `--split-max-tensors` (parts OUT-00001-of-0000N.gguf, the metadata in the
+first, split.no / split.count / split.tensors.count in each): a JSON object with `maxTensors` (gguf-py's own cut),
+`cuts` (tensor names that start a new part, for a part that holds exactly one block) and `smallFirst` (a first part
+with the metadata only, as `--no-tensor-first-split` writes).
 
 The tokenizer (its tokenizer.* keys) is copied from TOKENIZER.gguf, so both sides tokenize alike; weights are
 seeded normal values (F16 matrices and F32 vectors, as `--outtype f16` writes them).
@@ -18,6 +23,7 @@ gguf_py, family, out_path, tokenizer_path = sys.argv[1:5]
 FUSE = family.endswith("+fused")
 family = family.removesuffix("+fused")
 seed = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+split = __import__("json").loads(sys.argv[6]) if len(sys.argv) > 6 else {}
 sys.path.insert(0, gguf_py)
 import gguf  # noqa: E402
 
@@ -613,7 +619,19 @@ FAMILIES = {
 if family not in FAMILIES:
     sys.exit(f"unknown family {family!r} (known: {', '.join(sorted(FAMILIES))})")
 arch, write = FAMILIES[family]
-writer = gguf.GGUFWriter(out_path, arch)
+writer = gguf.GGUFWriter(out_path, arch, split_max_tensors=split.get("maxTensors", 0),
+                         small_first_shard=split.get("smallFirst", False))
+cuts = set(split.get("cuts", []))
+if cuts:
+    plain_add = writer.add_tensor
+
+    def add_tensor(name, tensor, *args, **kwargs):
+        # a new part starts at each cut (gguf-py's writer starts one the same way when a part is full)
+        if name in cuts and len(writer.tensors[-1]) > 0:
+            writer.tensors.append({})
+        plain_add(name, tensor, *args, **kwargs)
+
+    writer.add_tensor = add_tensor
 writer.add_name(f"converted-{family}")
 vocab = copy_tokenizer(writer, tokenizer_path)
 write(writer, vocab)

@@ -5,8 +5,8 @@
  * release as its libraries), extracted once into .cache/gguf-py.
  */
 import { execFileSync } from "node:child_process"
-import { existsSync, mkdirSync, rmSync } from "node:fs"
-import { join } from "node:path"
+import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs"
+import { basename, dirname, join } from "node:path"
 import { repoRoot, requireModel } from "./models.js"
 
 const bundle = join(repoRoot, "node_modules", "node-llama-cpp", "llama", "gitRelease.bundle")
@@ -46,15 +46,44 @@ export type ConvertedFamily =
   | "qwen35"
   | "qwen35moe"
 
+/** How writeConverted cuts a split set (convertedModels.py's SPLIT). */
+export interface SplitSpec {
+  /** gguf-py's own cut: at most this many tensors a part. */
+  readonly maxTensors?: number
+  /** Tensor names that start a new part (e.g. "blk.2.attn_norm.weight": a part from there). */
+  readonly cuts?: ReadonlyArray<string>
+  /** A first part with the metadata only. */
+  readonly smallFirst?: boolean
+}
+
 /**
  * Writes `family` to `path` with gguf-py (tokenizer from stories260K.gguf); returns the path. `+fused`: the routed
- * experts' gate and up as one `ffn_gate_up_exps`, as the converter writes with `--fuse-gate-up-exps`.
+ * experts' gate and up as one `ffn_gate_up_exps`, as the converter writes with `--fuse-gate-up-exps`. With `split`,
+ * writes a split set beside `path` (`<stem>-00001-of-0000N.gguf` …) and returns every part's path, first first.
  */
-export const writeConverted = (
+export function writeConverted(
   family: ConvertedFamily | `${ConvertedFamily}+fused`,
   path: string,
-  seed = 1
-): string => {
+  seed?: number
+): string
+export function writeConverted(
+  family: ConvertedFamily | `${ConvertedFamily}+fused`,
+  path: string,
+  seed: number,
+  split: SplitSpec
+): ReadonlyArray<string>
+export function writeConverted(
+  family: ConvertedFamily | `${ConvertedFamily}+fused`,
+  path: string,
+  seed = 1,
+  split?: SplitSpec
+): string | ReadonlyArray<string> {
+  const stem = basename(path).replace(/\.gguf$/, "")
+  const isPart = (name: string) =>
+    name.startsWith(stem) && /^-\d{5}-of-\d{5}\.gguf$/.test(name.slice(stem.length))
+  if (split !== undefined) {
+    for (const name of readdirSync(dirname(path))) if (isPart(name)) rmSync(join(dirname(path), name))
+  }
   execFileSync(
     "python3",
     [
@@ -63,9 +92,16 @@ export const writeConverted = (
       family,
       path,
       requireModel("stories260K.gguf"),
-      String(seed)
+      String(seed),
+      ...(split === undefined ? [] : [JSON.stringify(split)])
     ],
     { stdio: ["ignore", "ignore", "pipe"] }
   )
-  return path
+  if (split === undefined) return path
+  const parts = readdirSync(dirname(path))
+    .filter(isPart)
+    .sort()
+    .map((name) => join(dirname(path), name))
+  if (parts.length < 2) throw new Error(`gguf-py wrote ${parts.length} part(s) for ${path}, not a split set`)
+  return parts
 }

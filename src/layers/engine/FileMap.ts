@@ -8,6 +8,8 @@ import koffi from "koffi"
 import * as Fs from "node:fs"
 
 export interface FileRegion {
+  /** The mapped file (a split set's part maps apart from the others). */
+  readonly path: string
   /** File offset of the first mapped byte (a multiple of MAP_GRANULE). */
   readonly fileStart: number
   readonly length: number
@@ -196,7 +198,7 @@ export const mapRanges = async (
       if (addr === 0n || addr === MAP_FAILED) {
         throw new Error(`mmap of ${length} bytes at offset ${r.fileStart} failed`)
       }
-      regions.push({ fileStart: r.fileStart, length, base, addr })
+      regions.push({ path, fileStart: r.fileStart, length, base, addr })
     }
     return regions
   } catch (e) {
@@ -207,10 +209,10 @@ export const mapRanges = async (
   }
 }
 
-/** The region holding [offset, offset + size) and the address of `offset` in it. */
-export const locate = (regions: ReadonlyArray<FileRegion>, offset: number, size: number) => {
+/** The region of file `path` holding [offset, offset + size) and the address of `offset` in it. */
+export const locate = (regions: ReadonlyArray<FileRegion>, path: string, offset: number, size: number) => {
   for (const r of regions) {
-    if (offset >= r.fileStart && offset + size <= r.fileStart + r.length) {
+    if (r.path === path && offset >= r.fileStart && offset + size <= r.fileStart + r.length) {
       return { region: r, addr: r.addr + BigInt(offset - r.fileStart) }
     }
   }

@@ -5,7 +5,7 @@
 import { Effect } from "effect"
 import type { StageLoadSpec } from "../../domain/engine.js"
 import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
-import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
+import { type GgufFile, type GgufTensorInfo, ModelLoadError, tensorFilePath, tensorFileSize } from "../../domain/gguf.js"
 import { getArchitecture } from "../gguf/GgufReader.js"
 import type { ArchModule } from "./Arch.js"
 import { type HParams, readHParams } from "./HParams.js"
@@ -211,8 +211,12 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
       }
     }
     for (const t of out) {
-      if (t.info.offset + t.info.byteSize > file.fileSize) {
-        return yield* fail(file, "OffsetOutOfBounds", `tensor "${t.info.name}" data ends past the end of the file`)
+      if (t.info.offset + t.info.byteSize > tensorFileSize(file, t.info)) {
+        return yield* fail(
+          file,
+          "OffsetOutOfBounds",
+          `tensor "${t.info.name}" data ends past the end of ${t.info.part === undefined ? "the file" : tensorFilePath(file, t.info)}`
+        )
       }
     }
     const weightBytes = out.reduce((s, t) => s + t.info.byteSize, 0)

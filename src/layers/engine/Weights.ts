@@ -4,7 +4,8 @@
  * StageLayout (StageLayout.ts).
  */
 import koffi from "koffi"
-import { open } from "node:fs/promises"
+import { type FileHandle, open } from "node:fs/promises"
+import { tensorFilePath } from "../../domain/gguf.js"
 import type { LoadProgress } from "../../domain/engine.js"
 import { type Ggml, getGgml, type Ptr, TensorLayout } from "../ggml/Bindings.js"
 import {
@@ -280,11 +281,21 @@ export const loadWeights = async (
   if (mmapWanted(options.mmap, device)) {
     try {
       // not prefaulted whole: the tensors copied out (repacked, unaligned) are read once, then their pages released
-      regions = await mapRanges(
-        layout.file.path,
-        layout.tensors.map((t) => ({ offset: t.info.offset, size: t.info.byteSize })),
-        { populate: false }
-      )
+      // a split set's parts map apart, and only those holding this stage's tensors
+      const byFile = new Map<string, Array<{ offset: number; size: number }>>()
+      for (const t of layout.tensors) {
+        const path = tensorFilePath(layout.file, t.info)
+        if (!byFile.has(path)) byFile.set(path, [])
+        byFile.get(path)!.push({ offset: t.info.offset, size: t.info.byteSize })
+      }
+      const mapped: Array<FileRegion> = []
+      try {
+        for (const [path, ranges] of byFile) mapped.push(...(await mapRanges(path, ranges, { populate: false })))
+      } catch (e) {
+        unmapAll(mapped)
+        throw e
+      }
+      regions = mapped
     } catch (e) {
       // a file now shorter than its table must not be read either; any other mapping failure: copy instead
       if (e instanceof Error && e.message.startsWith("the file is")) throw e
@@ -302,7 +313,7 @@ export const loadWeights = async (
     let key: Ptr | FileRegion = buft
     let addr: bigint | undefined
     if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
-      const at = locate(regions, t.info.offset, t.info.byteSize)
+      const at = locate(regions, tensorFilePath(layout.file, t.info), t.info.offset, t.info.byteSize)
       if (at !== undefined) {
         key = at.region
         addr = at.addr
@@ -408,7 +419,7 @@ export const loadWeights = async (
       await populateRanges(regions, inPlaceRanges)
       for (const t of order) {
         if (!mapped.has(t.name) && t.info.byteSize > 0) {
-          const at = locate(regions, t.info.offset, t.info.byteSize)
+          const at = locate(regions, tensorFilePath(layout.file, t.info), t.info.offset, t.info.byteSize)
           if (at === undefined) throw new Error(`internal: tensor ${t.name} is outside the mapped ranges`)
           raw.ggml_backend_tensor_set_from(tensors.get(t.name)!, at.addr, 0, t.info.byteSize)
           releasedAtLoad += releasePages(at.addr, at.addr + BigInt(t.info.byteSize))
@@ -419,7 +430,15 @@ export const loadWeights = async (
       // the repacked and unaligned tensors were copied out: only the in-place ones still read the mapping
       releasedAtLoad = releaseAllBut(regions, inPlaceRanges)
     } else {
-      const fh = await open(layout.file.path, "r")
+      const handles = new Map<string, FileHandle>()
+      const handleOf = async (path: string) => {
+        let fh = handles.get(path)
+        if (fh === undefined) {
+          fh = await open(path, "r")
+          handles.set(path, fh)
+        }
+        return fh
+      }
       try {
         let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
         for (const t of order) {
@@ -428,6 +447,7 @@ export const loadWeights = async (
           const size = t.info.byteSize
           if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
           const step = whole ? size : chunk.length
+          const fh = await handleOf(tensorFilePath(layout.file, t.info))
           for (let off = 0; off < size; off += step) {
             const n = Math.min(step, size - off)
             let got = 0
@@ -442,7 +462,7 @@ export const loadWeights = async (
           }
         }
       } finally {
-        await fh.close()
+        for (const fh of handles.values()) await fh.close()
       }
     }
     backend = raw.ggml_backend_dev_init(dev, null)

@@ -5,6 +5,7 @@
  * file before it is trusted, so a lying field cannot cause a huge allocation or a long loop.
  */
 import * as Fs from "node:fs"
+import * as Path from "node:path"
 import { Effect } from "effect"
 import { ggmlTypeInfo } from "../../domain/ggmlTypes.js"
 import {
@@ -16,6 +17,7 @@ import {
   ModelLoadError,
   type ModelLoadReason
 } from "../../domain/gguf.js"
+import { mergeSplitSet, splitPartPath, splitPosition, splitPrefix } from "./GgufSplit.js"
 
 /** "GGUF" read as a little-endian uint32. */
 export const GGUF_MAGIC = 0x46554747
@@ -580,10 +582,10 @@ const fdSource = (fd: number, size: number): ByteSource => ({
 })
 
 /**
- * Reads and validates a GGUF file's header, metadata and tensor table (not the tensor data). Every failure is a
- * ModelLoadError whose message names the offending key, tensor or offset.
+ * Reads and validates one GGUF file's header, metadata and tensor table (not the tensor data), as it is: a part of a
+ * split set stays one part. Every failure is a ModelLoadError whose message names the offending key, tensor or offset.
  */
-export const readGgufFile = (path: string): Effect.Effect<GgufFile, ModelLoadError> =>
+export const readGgufPart = (path: string): Effect.Effect<GgufFile, ModelLoadError> =>
   Effect.acquireUseRelease(
     Effect.try({
       try: () => {
@@ -606,7 +608,31 @@ export const readGgufFile = (path: string): Effect.Effect<GgufFile, ModelLoadErr
     }),
     ({ fd, size }) => run(path, fdSource(fd, size)),
     ({ fd }) => Effect.sync(() => Fs.closeSync(fd))
-  ).pipe(Effect.withSpan("GgufReader.readGgufFile", { attributes: { path } }))
+  ).pipe(Effect.withSpan("GgufReader.readGgufPart", { attributes: { path } }))
+
+/**
+ * Reads and validates a GGUF model's header, metadata and tensor table (not the tensor data): a single file, or the
+ * whole split set whose first part is `path` (every part read and the set checked: GgufSplit.ts). Naming a later part
+ * of a set fails, naming the first. Every failure is a ModelLoadError whose message names the offending part, key,
+ * tensor or offset.
+ */
+export const readGgufFile = (path: string): Effect.Effect<GgufFile, ModelLoadError> =>
+  Effect.gen(function* () {
+    const first = yield* readGgufPart(path)
+    const { index, count } = yield* splitPosition(first)
+    if (count === 1) return first
+    if (index !== 0) {
+      const prefix = splitPrefix(path, index, count)
+      return yield* new ModelLoadError({
+        path,
+        reason: "InvalidMetadata",
+        message:
+          `${Path.basename(path)} is part ${index + 1} of a ${count}-part split set: name its first part` +
+          (prefix === undefined ? "" : `, ${splitPartPath(prefix, 0, count)}`)
+      })
+    }
+    return yield* mergeSplitSet(first, count, readGgufPart, (p) => Fs.existsSync(p))
+  }).pipe(Effect.withSpan("GgufReader.readGgufFile", { attributes: { path } }))
 
 // ---------------------------------------------------------------------------------------------------------------
 // Typed metadata accessors

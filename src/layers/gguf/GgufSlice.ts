@@ -9,7 +9,7 @@
 import { createHash } from "node:crypto"
 import * as Fs from "node:fs"
 import { Effect } from "effect"
-import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
+import { type GgufFile, type GgufTensorInfo, ModelLoadError, tensorFilePath } from "../../domain/gguf.js"
 import { type GgufTypedValue, type GgufWriteError, type GgufWriteSummary, writeGgufFile } from "./GgufWriter.js"
 
 export interface SliceRange {
@@ -57,19 +57,31 @@ function* tensorChunks(fd: number, tensor: GgufTensorInfo): Generator<Uint8Array
   }
 }
 
-const withFd = <A, E>(path: string, use: (fd: number) => Effect.Effect<A, E>) =>
+/** One read-only descriptor per file of the model (the parts of a split set), opened on first use. */
+const withFiles = <A, E>(file: GgufFile, use: (fdOf: (tensor: GgufTensorInfo) => number) => Effect.Effect<A, E>) =>
   Effect.acquireUseRelease(
-    Effect.try({
-      try: () => Fs.openSync(path, "r"),
-      catch: (e) => new ModelLoadError({ path, reason: "Io", message: `cannot open ${path}: ${String(e)}` })
-    }),
-    use,
-    (fd) => Effect.sync(() => Fs.closeSync(fd))
+    Effect.sync(() => new Map<string, number>()),
+    (fds) =>
+      Effect.suspend(() =>
+        use((tensor) => {
+          const path = tensorFilePath(file, tensor)
+          let fd = fds.get(path)
+          if (fd === undefined) {
+            fd = Fs.openSync(path, "r")
+            fds.set(path, fd)
+          }
+          return fd
+        })
+      ),
+    (fds) => Effect.sync(() => fds.forEach((fd) => Fs.closeSync(fd)))
   )
+
+/** The split set's own keys, which a slice (one file) must not carry. */
+const isSplitKey = (key: string) => key.startsWith("split.")
 
 /** SHA-256 (hex) over the stage's tensors of `file`: name, type, shape and bytes of each, in order. */
 export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<string, ModelLoadError> =>
-  withFd(file.path, (fd) =>
+  withFiles(file, (fdOf) =>
     Effect.try({
       try: () => {
         const hash = createHash("sha256")
@@ -77,6 +89,7 @@ export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<stri
         const buffer = Buffer.allocUnsafe(READ_CHUNK)
         for (const t of sliceTensors(file, range)) {
           hash.update(`${t.name}\0${t.type}\0${t.dims.join(",")}\0`)
+          const fd = fdOf(t)
           for (let off = 0; off < t.byteSize;) {
             const got = Fs.readSync(fd, buffer, 0, Math.min(READ_CHUNK, t.byteSize - off), t.offset + off)
             if (got === 0) throw new Error(`unexpected end of file reading ${t.name}`)
@@ -91,15 +104,19 @@ export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<stri
     })
   )
 
-/** Writes the stage's slice of `file` to `path` (atomically: a temporary file renamed when complete). */
+/**
+ * Writes the stage's slice of `file` to `path` (atomically: a temporary file renamed when complete): one file, also
+ * from a split set (its tensors read from their parts, the set's `split.*` keys left out).
+ */
 export const writeGgufSlice = (
   file: GgufFile,
   range: SliceRange,
   path: string
 ): Effect.Effect<GgufWriteSummary, ModelLoadError | GgufWriteError> =>
-  withFd(file.path, (fd) => {
+  withFiles(file, (fdOf) => {
     const metadata: Array<readonly [string, GgufTypedValue]> = []
     for (const [key, kind] of file.metadataTypes) {
+      if (isSplitKey(key)) continue
       const value = file.metadata.get(key)!
       metadata.push([key, kind.itemType === undefined ? { type: kind.type, value } : { ...kind, value }])
     }
@@ -111,7 +128,11 @@ export const writeGgufSlice = (
         name: t.name,
         type: t.type,
         dims: t.dims,
-        data: () => tensorChunks(fd, t)
+        data: () => tensorChunks(fdOf(t), t)
       }))
     })
-  })
+  }).pipe(
+    Effect.catchAllDefect((e) =>
+      Effect.fail(new ModelLoadError({ path: file.path, reason: "Io", message: `cannot read ${file.path}: ${String(e)}` }))
+    )
+  )

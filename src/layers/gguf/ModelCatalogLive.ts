@@ -14,6 +14,7 @@ import type { GgufFile } from "../../domain/gguf.js"
 import type { ModelFacts, ModelLayout } from "../../domain/plan.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 import * as Gguf from "./GgufReader.js"
+import { namedModelFiles } from "./GgufSplit.js"
 
 /** Parsed headers by path, with the file version (device, inode, size, mtime and ctime in ns) they were read from. */
 const headers = new Map<string, { readonly version: string; readonly file: GgufFile }>()
@@ -21,8 +22,13 @@ const HEADER_CACHE_LIMIT = 16
 
 const versionOf = (path: string): string | undefined => {
   try {
-    const st = statSync(path, { bigint: true })
-    return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}:${st.ctimeNs}`
+    // every part of a split set counts: a part rewritten is another model
+    return namedModelFiles(path)
+      .map((p) => {
+        const st = statSync(p, { bigint: true })
+        return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}:${st.ctimeNs}`
+      })
+      .join("|")
   } catch {
     return undefined
   }

@@ -11,6 +11,7 @@ import { Effect } from "effect"
 import { swactorCacheDir } from "../config/Settings.js"
 import { type StageWeights, WeightDeliveryError, type WeightsHeld } from "../../domain/controlRpc.js"
 import { readGgufFile } from "./GgufReader.js"
+import { namedModelFiles } from "./GgufSplit.js"
 import { sliceHash } from "./GgufSlice.js"
 import { makeSliceCache, type SliceCacheError } from "./SliceCache.js"
 import type { SliceSink } from "./SliceStream.js"
@@ -96,13 +97,17 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
   const localHash = (w: StageWeights) =>
     Effect.suspend(() => {
       if (options.slicesOnly === true) return Effect.succeed(undefined)
-      let stat: Fs.Stats
+      let stats: Array<readonly [number, number]>
       try {
-        stat = Fs.statSync(w.modelPath)
+        // every part of a split set: a part rewritten is another model
+        stats = namedModelFiles(w.modelPath).map((p) => {
+          const stat = Fs.statSync(p)
+          return [stat.size, stat.mtimeMs] as const
+        })
       } catch {
         return Effect.succeed(undefined)
       }
-      const id = JSON.stringify([w.modelPath, stat.size, stat.mtimeMs, w.layerStart, w.layerEndExclusive, w.numLayers])
+      const id = JSON.stringify([w.modelPath, stats, w.layerStart, w.layerEndExclusive, w.numLayers])
       const known = modelHashes.get(id)
       if (known !== undefined) return Effect.succeed(known)
       return readGgufFile(w.modelPath).pipe(

@@ -12,7 +12,7 @@ import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Effect } from "effect"
 import { StageWeights, type WeightDeliveryError } from "../../domain/controlRpc.js"
-import type { GgufFile, ModelLoadError } from "../../domain/gguf.js"
+import { type GgufFile, type ModelLoadError, modelFilePaths } from "../../domain/gguf.js"
 import type { LayerRange } from "../../domain/plan.js"
 import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
 import type { RunUpdate } from "../../services/Orchestrator.js"
@@ -105,13 +105,15 @@ const stageHash = (file: GgufFile, range: SliceRange, outgoingDir: string): Effe
   Effect.suspend(() => {
     let key: string
     try {
-      const stat = Fs.statSync(file.path)
+      // every file of the model (a split set's parts): a part rewritten is another model
+      const files = modelFilePaths(file).map((p) => {
+        const stat = Fs.statSync(p)
+        return [Path.resolve(p), stat.size, stat.mtimeMs]
+      })
       key = createHash("sha256")
         .update(
           JSON.stringify([
-            Path.resolve(file.path),
-            stat.size,
-            stat.mtimeMs,
+            ...(files.length === 1 ? files[0]! : files),
             range.layerStart,
             range.layerEndExclusive,
             range.numLayers

@@ -1,0 +1,192 @@
+/**
+ * Split GGUF sets (issue 38): the files `llama-gguf-split` and gguf-py's writer make when a model is cut into parts
+ * (`<prefix>-00001-of-00005.gguf` …), as Hugging Face ships every model over 50 GB. The first part carries the
+ * metadata and every part its `split.no` (0-based), `split.count` and `split.tensors.count`; each part has its own
+ * tensor table, whose offsets are into that part. llama.cpp finds the other parts from the first part's name
+ * (`llama_split_prefix` / `llama_split_path`), and so does this module.
+ *
+ * `mergeSplitSet` checks a set as a whole before anything is loaded from it: every part present and in its place,
+ * the same count (and the same model, where a part names one) in each, no tensor in two parts, and as many tensors
+ * as declared. The result is one `GgufFile` whose tensors say which part holds them (`GgufTensorInfo.part`): every
+ * reader of tensor bytes (the engine's mappings, slices, weight hashes) opens that part, and a stage maps only the
+ * parts that hold its tensors.
+ */
+import { basename, dirname, join } from "node:path"
+import { Effect } from "effect"
+import { type GgufFile, type GgufPart, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
+
+export const SPLIT_NO = "split.no"
+export const SPLIT_COUNT = "split.count"
+export const SPLIT_TENSORS_COUNT = "split.tensors.count"
+
+/** More parts than this is not a model: a lying `split.count` must not open thousands of files. */
+export const MAX_SPLIT_PARTS = 9999
+
+const PART_NAME = /^(.*)-(\d{5})-of-(\d{5})\.gguf$/
+
+/** The path of part `index` (0-based) of `count` beside `prefix` (llama.cpp's `llama_split_path`). */
+export const splitPartPath = (prefix: string, index: number, count: number): string =>
+  `${prefix}-${String(index + 1).padStart(5, "0")}-of-${String(count).padStart(5, "0")}.gguf`
+
+/** The prefix of a part's path when its name says it is part `index` of `count`, else undefined. */
+export const splitPrefix = (path: string, index: number, count: number): string | undefined => {
+  const m = PART_NAME.exec(basename(path))
+  if (m === null || Number(m[2]) !== index + 1 || Number(m[3]) !== count) return undefined
+  return join(dirname(path), m[1]!)
+}
+
+const fail = (path: string, reason: ModelLoadError["reason"], message: string) =>
+  Effect.fail(new ModelLoadError({ path, reason, message }))
+
+/** An optional small integer key (split.no, split.count, split.tensors.count); a key of another type fails. */
+const intKey = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> => {
+  const v = file.metadata.get(key)
+  if (v === undefined) return Effect.succeed(undefined)
+  const n = typeof v === "bigint" ? Number(v) : v
+  if (typeof n !== "number" || !Number.isSafeInteger(n) || n < 0) {
+    return fail(file.path, "InvalidMetadata", `metadata "${key}" must be a non-negative integer`)
+  }
+  return Effect.succeed(n)
+}
+
+/** Where a file stands in a split set: `count` 1 for a file that is not part of one. */
+export const splitPosition = (file: GgufFile): Effect.Effect<{ index: number; count: number }, ModelLoadError> =>
+  Effect.gen(function* () {
+    const count = yield* intKey(file, SPLIT_COUNT)
+    const index = yield* intKey(file, SPLIT_NO)
+    if (count === undefined || count <= 1) {
+      if (index !== undefined && index > 0) {
+        return yield* fail(file.path, "InvalidMetadata", `metadata "split.no" = ${index} in a file that is not split`)
+      }
+      return { index: 0, count: 1 }
+    }
+    if (count > MAX_SPLIT_PARTS) {
+      return yield* fail(file.path, "InvalidMetadata", `metadata "split.count" = ${count} is over ${MAX_SPLIT_PARTS}`)
+    }
+    if (index === undefined) {
+      return yield* fail(file.path, "InvalidMetadata", `metadata "split.no" is missing in a part of a split set`)
+    }
+    if (index >= count) {
+      return yield* fail(
+        file.path,
+        "InvalidMetadata",
+        `metadata "split.no" = ${index} is past the set's ${count} parts ("split.count")`
+      )
+    }
+    return { index, count }
+  })
+
+/**
+ * Reads the whole set whose first part is `first` (already parsed, its `split.count` > 1), with `readPart` for every
+ * other part, and merges it into one file. Each problem fails before anything else is read, with one line naming the
+ * part and the key or tensor.
+ */
+export const mergeSplitSet = (
+  first: GgufFile,
+  count: number,
+  readPart: (path: string) => Effect.Effect<GgufFile, ModelLoadError>,
+  exists: (path: string) => boolean
+): Effect.Effect<GgufFile, ModelLoadError> =>
+  Effect.gen(function* () {
+    const prefix = splitPrefix(first.path, 0, count)
+    if (prefix === undefined) {
+      const m = PART_NAME.exec(basename(first.path))
+      const wanted = basename(splitPartPath(m?.[1] ?? basename(first.path).replace(/\.gguf$/, ""), 0, count))
+      return yield* fail(
+        first.path,
+        "InvalidMetadata",
+        `the first part of a ${count}-part split set must be named like ${wanted} (llama.cpp finds the other ` +
+          `parts by that name); found ${basename(first.path)}`
+      )
+    }
+    const paths = Array.from({ length: count }, (_, i) => splitPartPath(prefix, i, count))
+    const missing = paths.filter((p) => !exists(p))
+    if (missing.length > 0) {
+      const which = missing.map((p) => paths.indexOf(p) + 1)
+      return yield* fail(
+        missing[0]!,
+        "Io",
+        `the split set ${basename(first.path)} lacks part${which.length > 1 ? "s" : ""} ${which.join(", ")} of ` +
+          `${count}: ${basename(missing[0]!)}${missing.length > 1 ? ` and ${missing.length - 1} more` : ""} ` +
+          `not found in ${dirname(first.path)}`
+      )
+    }
+    const declared = yield* intKey(first, SPLIT_TENSORS_COUNT)
+    const architecture = first.metadata.get("general.architecture")
+    const parts: Array<GgufPart> = []
+    const tensors: Array<GgufTensorInfo> = []
+    const byName = new Map<string, GgufTensorInfo>()
+    for (let i = 0; i < count; i++) {
+      const file = i === 0 ? first : yield* readPart(paths[i]!)
+      const position = yield* intKey(file, SPLIT_NO)
+      const itsCount = yield* intKey(file, SPLIT_COUNT)
+      if (position !== i) {
+        return yield* fail(
+          file.path,
+          "InvalidMetadata",
+          `part ${i + 1} of ${count} says "split.no" = ${position ?? "(missing)"}; it should be ${i}`
+        )
+      }
+      if (itsCount !== count) {
+        return yield* fail(
+          file.path,
+          "InvalidMetadata",
+          `part ${i + 1} says "split.count" = ${itsCount ?? "(missing)"}, the first part says ${count}: ` +
+            `the parts are from different sets`
+        )
+      }
+      const itsDeclared = yield* intKey(file, SPLIT_TENSORS_COUNT)
+      if (itsDeclared !== declared) {
+        return yield* fail(
+          file.path,
+          "InvalidMetadata",
+          `part ${i + 1} says "split.tensors.count" = ${itsDeclared ?? "(missing)"}, the first part says ` +
+            `${declared ?? "(missing)"}: the parts are from different sets`
+        )
+      }
+      const itsArchitecture = file.metadata.get("general.architecture")
+      if (i > 0 && itsArchitecture !== undefined && itsArchitecture !== architecture) {
+        return yield* fail(
+          file.path,
+          "InvalidMetadata",
+          `part ${i + 1} is a ${String(itsArchitecture)} model, the first part a ${String(architecture)} model`
+        )
+      }
+      for (const t of file.tensors) {
+        const before = byName.get(t.name)
+        if (before !== undefined) {
+          return yield* fail(
+            file.path,
+            "InvalidMetadata",
+            `tensor "${t.name}" is in part ${(before.part ?? 0) + 1} and again in part ${i + 1}`
+          )
+        }
+        const info = { ...t, part: i }
+        byName.set(t.name, info)
+        tensors.push(info)
+      }
+      parts.push({ path: file.path, fileSize: file.fileSize, dataOffset: file.dataOffset, tensorCount: file.tensors.length })
+    }
+    if (declared !== undefined && declared !== tensors.length) {
+      return yield* fail(
+        first.path,
+        "MissingTensor",
+        `the split set's ${count} parts hold ${tensors.length} tensors; "split.tensors.count" says ${declared}`
+      )
+    }
+    return { ...first, tensors, tensorsByName: byName, parts } satisfies GgufFile
+  })
+
+/**
+ * The files a model path names by its name alone: every part of a set when it is named as a first part
+ * (`-00001-of-0000N.gguf`), else the path. For keys that must change when any part changes (header caches, hash memos);
+ * the set itself is checked by `mergeSplitSet`.
+ */
+export const namedModelFiles = (path: string): ReadonlyArray<string> => {
+  const m = PART_NAME.exec(basename(path))
+  if (m === null || Number(m[2]) !== 1) return [path]
+  const count = Number(m[3])
+  if (count <= 1 || count > MAX_SPLIT_PARTS) return [path]
+  const prefix = join(dirname(path), m[1]!)
+  return Array.from({ length: count }, (_, i) => splitPartPath(prefix, i, count))
+}
