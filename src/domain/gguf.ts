@@ -81,8 +81,7 @@ export const tensorFileSize = (file: GgufFile, tensor: GgufTensorInfo): number =
   tensor.part === undefined ? file.fileSize : (file.parts?.[tensor.part]?.fileSize ?? file.fileSize)
 
 /** Every file of the model: the parts of a split set, or the one file. */
-export const modelFilePaths = (file: GgufFile): ReadonlyArray<string> =>
-  file.parts?.map((p) => p.path) ?? [file.path]
+export const modelFilePaths = (file: GgufFile): ReadonlyArray<string> => file.parts?.map((p) => p.path) ?? [file.path]
 
 export const ModelLoadReason = Schema.Literal(
   "Io",

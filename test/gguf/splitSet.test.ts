@@ -5,8 +5,8 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
-import { execFileSync, spawnSync } from "node:child_process"
-import { copyFileSync, mkdirSync, readFileSync, renameSync, rmSync } from "node:fs"
+import { spawnSync } from "node:child_process"
+import { copyFileSync, mkdirSync, readFileSync, renameSync, rmSync, truncateSync } from "node:fs"
 import { basename, join } from "node:path"
 import { type GgufFile, type GgufTensorInfo, type ModelLoadError, tensorFilePath } from "../../src/domain/gguf.js"
 import { readGgufFile, readGgufPart } from "../../src/layers/gguf/GgufReader.js"
@@ -36,9 +36,7 @@ const refusal = (path: string) => Effect.flip(readGgufFile(path)) as Effect.Effe
 /** Rewrites part `part` (keeping its metadata, split keys included) with `tensors` from `from`. */
 const rewritePart = (part: GgufFile, from: GgufFile, tensors: ReadonlyArray<GgufTensorInfo>, out: string) =>
   writeGgufFile(out, {
-    metadata: [...part.metadataTypes].map(
-      ([key, kind]) => [key, { ...kind, value: part.metadata.get(key)! }] as const
-    ),
+    metadata: [...part.metadataTypes].map(([key, kind]) => [key, { ...kind, value: part.metadata.get(key)! }] as const),
     alignment: part.alignment,
     tensors: tensors.map((t) => ({
       name: t.name,
@@ -52,54 +50,59 @@ const rewritePart = (part: GgufFile, from: GgufFile, tensors: ReadonlyArray<Gguf
   })
 
 describe("split GGUF sets", () => {
-  it.effect("a set gguf-py wrote reads as one model: every tensor from its own part, bytes as in the one-file twin", () =>
-    Effect.gen(function* () {
-      const { parts, whole } = fixture("good")
-      assert.deepStrictEqual(
-        parts.map((p) => basename(p)),
-        ["llama-00001-of-00003.gguf", "llama-00002-of-00003.gguf", "llama-00003-of-00003.gguf"]
-      )
-      const set = yield* readGgufFile(parts[0]!)
-      const single = yield* readGgufFile(whole)
-      assert.deepStrictEqual(
-        set.parts?.map((p) => p.path),
-        parts,
-        "the parts, in split.no order"
-      )
-      assert.deepStrictEqual(
-        set.tensors.map((t) => t.name),
-        single.tensors.map((t) => t.name)
-      )
-      // the middle part holds block 1 and nothing else
-      const second = set.tensors.filter((t) => t.part === 1).map((t) => t.name)
-      assert.isAbove(second.length, 0)
-      assert.isTrue(second.every((n) => n.startsWith("blk.1.")), second.join(", "))
-      assert.strictEqual(single.tensors.filter((t) => t.name.startsWith("blk.1.")).length, second.length)
-      // the model's facts and layout are the one file's
-      assert.deepStrictEqual(
-        { ...(yield* readModelFacts(parts[0]!)), modelId: "", ggufSource: { _tag: "LocalPath", path: "" } },
-        { ...(yield* readModelFacts(whole)), modelId: "", ggufSource: { _tag: "LocalPath", path: "" } }
-      )
-      assert.deepStrictEqual(yield* readModelLayout(parts[0]!), yield* readModelLayout(whole))
-      // the tensor bytes, read through each tensor's part, equal the one file's (stage hashes across the cuts)
-      for (const [layerStart, layerEndExclusive] of [
-        [0, 4],
-        [0, 1],
-        [1, 2],
-        [1, 3],
-        [3, 4]
-      ] as const) {
-        const range = { layerStart, layerEndExclusive, numLayers: 4 }
-        assert.strictEqual(yield* sliceHash(set, range), yield* sliceHash(single, range), `blocks ${range}`)
-      }
-      // a stage of block 1 reads part 2 only (and the shared rope factors, where the first part holds them)
-      const stageParts = new Set(
-        sliceTensors(set, { layerStart: 1, layerEndExclusive: 2, numLayers: 4 })
-          .filter((t) => t.name.startsWith("blk."))
-          .map((t) => t.part)
-      )
-      assert.deepStrictEqual([...stageParts], [1])
-    })
+  it.effect(
+    "a set gguf-py wrote reads as one model: every tensor from its own part, bytes as in the one-file twin",
+    () =>
+      Effect.gen(function* () {
+        const { parts, whole } = fixture("good")
+        assert.deepStrictEqual(
+          parts.map((p) => basename(p)),
+          ["llama-00001-of-00003.gguf", "llama-00002-of-00003.gguf", "llama-00003-of-00003.gguf"]
+        )
+        const set = yield* readGgufFile(parts[0]!)
+        const single = yield* readGgufFile(whole)
+        assert.deepStrictEqual(
+          set.parts?.map((p) => p.path),
+          parts,
+          "the parts, in split.no order"
+        )
+        assert.deepStrictEqual(
+          set.tensors.map((t) => t.name),
+          single.tensors.map((t) => t.name)
+        )
+        // the middle part holds block 1 and nothing else
+        const second = set.tensors.filter((t) => t.part === 1).map((t) => t.name)
+        assert.isAbove(second.length, 0)
+        assert.isTrue(
+          second.every((n) => n.startsWith("blk.1.")),
+          second.join(", ")
+        )
+        assert.strictEqual(single.tensors.filter((t) => t.name.startsWith("blk.1.")).length, second.length)
+        // the model's facts and layout are the one file's
+        assert.deepStrictEqual(
+          { ...(yield* readModelFacts(parts[0]!)), modelId: "", ggufSource: { _tag: "LocalPath", path: "" } },
+          { ...(yield* readModelFacts(whole)), modelId: "", ggufSource: { _tag: "LocalPath", path: "" } }
+        )
+        assert.deepStrictEqual(yield* readModelLayout(parts[0]!), yield* readModelLayout(whole))
+        // the tensor bytes, read through each tensor's part, equal the one file's (stage hashes across the cuts)
+        for (const [layerStart, layerEndExclusive] of [
+          [0, 4],
+          [0, 1],
+          [1, 2],
+          [1, 3],
+          [3, 4]
+        ] as const) {
+          const range = { layerStart, layerEndExclusive, numLayers: 4 }
+          assert.strictEqual(yield* sliceHash(set, range), yield* sliceHash(single, range), `blocks ${range}`)
+        }
+        // a stage of block 1 reads part 2 only (and the shared rope factors, where the first part holds them)
+        const stageParts = new Set(
+          sliceTensors(set, { layerStart: 1, layerEndExclusive: 2, numLayers: 4 })
+            .filter((t) => t.name.startsWith("blk."))
+            .map((t) => t.part)
+        )
+        assert.deepStrictEqual([...stageParts], [1])
+      })
   )
 
   it.effect("gguf-py's own cuts (a metadata-only first part, at most 5 tensors a part) read as one model", () =>
@@ -205,7 +208,7 @@ describe("split GGUF sets", () => {
   it.effect("a part that is not a GGUF file: refused naming that part", () =>
     Effect.gen(function* () {
       const { parts } = fixture("garbage")
-      execFileSync("truncate", ["-s", "10", parts[1]!])
+      truncateSync(parts[1]!, 10)
       const e = yield* refusal(parts[0]!)
       assert.strictEqual(e.path, parts[1])
     })

@@ -79,8 +79,7 @@ export function writeConverted(
   split?: SplitSpec
 ): string | ReadonlyArray<string> {
   const stem = basename(path).replace(/\.gguf$/, "")
-  const isPart = (name: string) =>
-    name.startsWith(stem) && /^-\d{5}-of-\d{5}\.gguf$/.test(name.slice(stem.length))
+  const isPart = (name: string) => name.startsWith(stem) && /^-\d{5}-of-\d{5}\.gguf$/.test(name.slice(stem.length))
   if (split !== undefined) {
     for (const name of readdirSync(dirname(path))) if (isPart(name)) rmSync(join(dirname(path), name))
   }

@@ -5,7 +5,13 @@
 import { Effect } from "effect"
 import type { StageLoadSpec } from "../../domain/engine.js"
 import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
-import { type GgufFile, type GgufTensorInfo, ModelLoadError, tensorFilePath, tensorFileSize } from "../../domain/gguf.js"
+import {
+  type GgufFile,
+  type GgufTensorInfo,
+  ModelLoadError,
+  tensorFilePath,
+  tensorFileSize
+} from "../../domain/gguf.js"
 import { getArchitecture } from "../gguf/GgufReader.js"
 import type { ArchModule } from "./Arch.js"
 import { type HParams, readHParams } from "./HParams.js"

@@ -133,6 +133,8 @@ export const writeGgufSlice = (
     })
   }).pipe(
     Effect.catchAllDefect((e) =>
-      Effect.fail(new ModelLoadError({ path: file.path, reason: "Io", message: `cannot read ${file.path}: ${String(e)}` }))
+      Effect.fail(
+        new ModelLoadError({ path: file.path, reason: "Io", message: `cannot read ${file.path}: ${String(e)}` })
+      )
     )
   )

@@ -165,7 +165,12 @@ export const mergeSplitSet = (
         byName.set(t.name, info)
         tensors.push(info)
       }
-      parts.push({ path: file.path, fileSize: file.fileSize, dataOffset: file.dataOffset, tensorCount: file.tensors.length })
+      parts.push({
+        path: file.path,
+        fileSize: file.fileSize,
+        dataOffset: file.dataOffset,
+        tensorCount: file.tensors.length
+      })
     }
     if (declared !== undefined && declared !== tensors.length) {
       return yield* fail(
