@@ -88,6 +88,10 @@ export const text = (name: string, info: FlagInfo): Flag<string> =>
 export const file = (name: string, info: FlagInfo): Flag<string> =>
   new Flag(Options.file(name), docOf(name, "PATH", info, true))
 
+/** A model path (`PATH`): a file, or a folder holding one model (its existence is the command's to check). */
+export const modelPath = (name: string, info: FlagInfo): Flag<string> =>
+  new Flag(Options.text(name), docOf(name, "PATH", info, true))
+
 /** A switch: present is true. */
 export const boolean = (name: string, info: FlagInfo): Flag<boolean> =>
   new Flag(Options.boolean(name), docOf(name, undefined, info, false))

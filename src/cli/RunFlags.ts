@@ -69,7 +69,7 @@ const defaultLocalStages = 2
 
 /** The flags of `swactor run`: what they parse into and what `--help` says of them. */
 export const runFlags = {
-  model: Flag.file("model", { group: "Model and prompt", text: "GGUF model" }).optional(
+  model: Flag.modelPath("model", { group: "Model and prompt", text: "GGUF model" }).optional(
     "a small synthetic model, written once to ~/.cache/swactor"
   ),
   prompt: Flag.text("prompt", {

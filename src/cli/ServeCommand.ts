@@ -252,7 +252,7 @@ const network = "Network and security"
 
 /** The flags of `swactor serve`: what they parse into and what `--help` says of them. */
 const serveFlags = {
-  model: Flag.file("model", {
+  model: Flag.modelPath("model", {
     group: "Model",
     text: "GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)"
   }),

@@ -134,14 +134,39 @@ describe("split GGUF sets", () => {
     })
   )
 
-  it.effect("a later part named: the error names the first part", () =>
+  it.effect("a later part, or a folder holding the set alone, names the same set", () =>
     Effect.gen(function* () {
-      const { parts } = fixture("later")
-      const e = yield* refusal(parts[2]!)
+      const { parts, folder, whole } = fixture("later")
+      const fromFirst = yield* readGgufFile(parts[0]!)
+      const samePaths = (f: GgufFile) => f.parts?.map((p) => p.path)
+      for (const named of [parts[1]!, parts[2]!]) {
+        const f = yield* readGgufFile(named)
+        assert.strictEqual(f.path, parts[0], named)
+        assert.deepStrictEqual(samePaths(f), samePaths(fromFirst), named)
+        assert.deepStrictEqual(
+          f.tensors.map((t) => [t.name, t.part, t.offset]),
+          fromFirst.tensors.map((t) => [t.name, t.part, t.offset])
+        )
+      }
+      // the folder holds the set and its one-file twin: two models, so it names neither
+      const two = yield* refusal(folder)
       assert.strictEqual(
-        e.message,
-        `llama-00003-of-00003.gguf is part 3 of a 3-part split set: name its first part, ${parts[0]}`
+        two.message,
+        `the folder ${folder} holds 2 models (llama-00001-of-00003.gguf, whole.gguf): name one file`
       )
+      rmSync(whole)
+      const f = yield* readGgufFile(folder)
+      assert.strictEqual(f.path, parts[0])
+      assert.deepStrictEqual(samePaths(f), samePaths(fromFirst))
+      // a folder with one lone file names that file
+      const lone = join(dir, "lone")
+      rmSync(lone, { recursive: true, force: true })
+      mkdirSync(lone)
+      copyFileSync(fixture("lone-src").whole, join(lone, "m.gguf"))
+      assert.strictEqual((yield* readGgufFile(lone)).path, join(lone, "m.gguf"))
+      const empty = join(dir, "empty")
+      mkdirSync(empty, { recursive: true })
+      assert.strictEqual((yield* refusal(empty)).message, `the folder ${empty} holds no .gguf file`)
     })
   )
 
@@ -234,6 +259,15 @@ describe("split GGUF sets", () => {
     assert.strictEqual(lines.length, 1, r.stderr)
     assert.match(lines[0]!, /lacks part 3 of 3: llama-00003-of-00003\.gguf not found/)
     assert.notMatch(r.stdout, /stage 0/, "no stage was placed")
+  })
+
+  it("swactor run --dry-run on a folder holding one set plans the set's 4 blocks", () => {
+    const { folder, whole } = fixture("cli-folder")
+    rmSync(whole)
+    const { command, args } = swactorCommand(["run", "--model", folder, "--stages", "3", "--dry-run"])
+    const r = spawnSync(command, args, { encoding: "utf8", timeout: 120_000 })
+    assert.strictEqual(r.status, 0, r.stderr)
+    assert.match(r.stdout + r.stderr, /stage 2 on node 3 \(.*\): 1 blocks \[3, 4\)/)
   })
 
   it.effect("a slice of a split set is one file without the split keys", () =>

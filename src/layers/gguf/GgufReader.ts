@@ -17,7 +17,7 @@ import {
   ModelLoadError,
   type ModelLoadReason
 } from "../../domain/gguf.js"
-import { mergeSplitSet, splitPartPath, splitPosition, splitPrefix } from "./GgufSplit.js"
+import { mergeSplitSet, resolveModelPath, splitPartPath, splitPosition, splitPrefix } from "./GgufSplit.js"
 
 /** "GGUF" read as a little-endian uint32. */
 export const GGUF_MAGIC = 0x46554747
@@ -616,23 +616,30 @@ export const readGgufPart = (path: string): Effect.Effect<GgufFile, ModelLoadErr
  * of a set fails, naming the first. Every failure is a ModelLoadError whose message names the offending part, key,
  * tensor or offset.
  */
-export const readGgufFile = (path: string): Effect.Effect<GgufFile, ModelLoadError> =>
+export const readGgufFile = (named: string): Effect.Effect<GgufFile, ModelLoadError> =>
   Effect.gen(function* () {
+    // a folder holding one model, or a later part of a set, names that model (its first part)
+    const resolved = resolveModelPath(named)
+    if (typeof resolved !== "string") {
+      return yield* new ModelLoadError({ path: named, reason: "Io", message: resolved.message })
+    }
+    const path = resolved
     const first = yield* readGgufPart(path)
     const { index, count } = yield* splitPosition(first)
     if (count === 1) return first
     if (index !== 0) {
+      // named as a first part (or resolved to one) but its split.no says otherwise
       const prefix = splitPrefix(path, index, count)
       return yield* new ModelLoadError({
         path,
         reason: "InvalidMetadata",
         message:
-          `${Path.basename(path)} is part ${index + 1} of a ${count}-part split set: name its first part` +
-          (prefix === undefined ? "" : `, ${splitPartPath(prefix, 0, count)}`)
+          `${Path.basename(path)} is part ${index + 1} of a ${count}-part split set by its "split.no"` +
+          (prefix === undefined ? "" : `; its first part would be ${splitPartPath(prefix, 0, count)}`)
       })
     }
     return yield* mergeSplitSet(first, count, readGgufPart, (p) => Fs.existsSync(p))
-  }).pipe(Effect.withSpan("GgufReader.readGgufFile", { attributes: { path } }))
+  }).pipe(Effect.withSpan("GgufReader.readGgufFile", { attributes: { path: named } }))
 
 // ---------------------------------------------------------------------------------------------------------------
 // Typed metadata accessors

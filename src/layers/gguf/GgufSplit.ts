@@ -11,6 +11,7 @@
  * reader of tensor bytes (the engine's mappings, slices, weight hashes) opens that part, and a stage maps only the
  * parts that hold its tensors.
  */
+import { readdirSync, statSync } from "node:fs"
 import { basename, dirname, join } from "node:path"
 import { Effect } from "effect"
 import { type GgufFile, type GgufPart, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
@@ -187,11 +188,57 @@ export const mergeSplitSet = (
  * (`-00001-of-0000N.gguf`), else the path. For keys that must change when any part changes (header caches, hash memos);
  * the set itself is checked by `mergeSplitSet`.
  */
-export const namedModelFiles = (path: string): ReadonlyArray<string> => {
+export const namedModelFiles = (named: string): ReadonlyArray<string> => {
+  const resolved = resolveModelPath(named)
+  const path = typeof resolved === "string" ? resolved : named
   const m = PART_NAME.exec(basename(path))
   if (m === null || Number(m[2]) !== 1) return [path]
   const count = Number(m[3])
   if (count <= 1 || count > MAX_SPLIT_PARTS) return [path]
   const prefix = join(dirname(path), m[1]!)
   return Array.from({ length: count }, (_, i) => splitPartPath(prefix, i, count))
+}
+
+/**
+ * The model file a `--model` path names, or why it names none (one line). A folder names the one model it holds: a
+ * lone `.gguf` file, or the first part of the one split set in it (its parts and nothing else); a later part of a
+ * set (`-00003-of-00005.gguf`) names the set's first part. Anything else is itself. Existence and the set's checks
+ * are the reader's (`readGgufFile`, `mergeSplitSet`).
+ */
+export const resolveModelPath = (path: string): string | { readonly message: string } => {
+  let isFolder = false
+  try {
+    isFolder = statSync(path).isDirectory()
+  } catch {
+    // a missing path: the reader says so
+  }
+  if (isFolder) {
+    let names: ReadonlyArray<string>
+    try {
+      names = readdirSync(path)
+        .filter((n) => n.endsWith(".gguf"))
+        .sort()
+    } catch (e) {
+      return { message: `the folder ${path} cannot be listed: ${e instanceof Error ? e.message : String(e)}` }
+    }
+    const models = new Set(
+      names.map((n) => {
+        const m = PART_NAME.exec(n)
+        return m === null ? n : basename(splitPartPath(m[1]!, 0, Number(m[3])))
+      })
+    )
+    if (models.size === 0) return { message: `the folder ${path} holds no .gguf file` }
+    if (models.size > 1) {
+      const list = [...models]
+      return {
+        message:
+          `the folder ${path} holds ${list.length} models (${list.slice(0, 4).join(", ")}` +
+          `${list.length > 4 ? ", ..." : ""}): name one file`
+      }
+    }
+    return join(path, [...models][0]!)
+  }
+  const m = PART_NAME.exec(basename(path))
+  if (m !== null && Number(m[2]) > 1) return splitPartPath(join(dirname(path), m[1]!), 0, Number(m[3]))
+  return path
 }
