@@ -56,13 +56,15 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
   // Ministral 3 (YaRN with the log multiplier, the attention temperature past the original context), DeepSeek-V3
   // (MLA as the converter splits kv_b_proj, v_head_dim apart, group-limited sigmoid routing, YaRN), gpt-oss (MXFP4
   // experts with biases, attention sinks, alternate sliding-window blocks, YaRN), Qwen3.5 (DeltaNet blocks, head_dim
-  // 256 with a quarter rotated under the MRoPE sections the converter always writes, an MTP block) and its MoE.
+  // 256 with a quarter rotated under the MRoPE sections the converter always writes, an MTP block) and its MoE, and Gemma 4 31B (per-block window
+  // pattern and KV heads, K = V global block, proportional RoPE as rope_freqs, the layer scalar).
   const families = {
     llama: { blocks: 4, tied: true },
     qwen2: { blocks: 4, tied: true },
     qwen3: { blocks: 4, tied: true },
     qwen3moe: { blocks: 4, tied: false },
     gemma3: { blocks: 7, tied: true },
+    gemma4: { blocks: 8, tied: true },
     mistral3: { blocks: 4, tied: true },
     deepseek2: { blocks: 4, tied: false },
     "gpt-oss": { blocks: 4, tied: false },

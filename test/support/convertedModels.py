@@ -323,6 +323,69 @@ def gemma3(writer, n_vocab):
         writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
 
 
+def gemma4(writer, n_vocab):
+    """Gemma 4 31B (conversion/gemma.py Gemma4Model), scaled down: layer_types as the per-block bool array
+    sliding_window_pattern (5 sliding : 1 global), head_dim 256 sliding / global_head_dim 512 global (key_length vs
+    key_length_swa), KV heads per block as an array (num_key_value_heads sliding, num_global_key_value_heads global),
+    K = V on the global blocks (attention_k_eq_v: no attn_v there), "proportional" RoPE on the global blocks
+    (partial_rotary_factor 0.25 as rope_freqs.weight: 1 on the rotated pairs, 1e30 on the rest; rope.dimension_count the
+    whole global head), rope.freq_base_swa, the layer scalar (layer_output_scale), final soft-capping 30, norms written
+    as they are (no +1 shift), shared_kv_layers 0 and embedding_length_per_layer_input 0 written, tied embeddings."""
+    n_layer, n_embd, n_head, n_ff = 8, 64, 8, 128
+    kv_swa, kv_full, hd_swa, hd_full, window = 4, 2, 16, 32, 16
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
+    swa = [t == "sliding_attention" for t in layer_types]
+    # TextModel.set_gguf_parameters ("proportional" is no rope scaling type), then Gemma3Model's, then Gemma4Model's
+    writer.add_block_count(n_layer)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(kv_swa)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_rope_freq_base_swa(10_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_key_length(hd_swa)
+    writer.add_value_length(hd_swa)
+    writer.add_final_logit_softcapping(30.0)
+    writer.add_sliding_window(window)
+    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_key_length(hd_full)
+    writer.add_value_length(hd_full)
+    writer.add_key_length_swa(hd_swa)
+    writer.add_value_length_swa(hd_swa)
+    writer.add_head_count_kv([kv_swa if s else kv_full for s in swa])
+    writer.add_rope_dimension_count(hd_full)
+    writer.add_rope_dimension_count_swa(hd_swa)
+    # generate_extra_tensors: the global blocks' proportional RoPE
+    n_rot = int(hd_full * 0.25 / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), dtype=np.float32))
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.06))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    w = 0.3
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        hd, kv = (hd_swa, kv_swa) if swa[il] else (hd_full, kv_full)
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(kv * hd, n_embd, scale=w))
+        if swa[il]:
+            writer.add_tensor(b + "attn_v.weight", matrix(kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "post_attention_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "layer_output_scale.weight", vector(1, around=0.7, spread=0.1))
+
+
 def mistral3(writer, n_vocab):
     """Ministral 3 3B (conversion/mistral3.py Ministral3Model, a LlamaModel): YaRN (factor, original context,
     beta_fast/slow from rope_parameters), yarn_log_multiplier from mscale_all_dim, the attention temperature
@@ -609,6 +672,7 @@ FAMILIES = {
     "deepseek2": ("deepseek2", deepseek2),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
+    "gemma4": ("gemma4", gemma4),
     "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
     "llama": ("llama", llama),

@@ -40,6 +40,7 @@ export type ConvertedFamily =
   | "qwen3"
   | "qwen3moe"
   | "gemma3"
+  | "gemma4"
   | "mistral3"
   | "deepseek2"
   | "gpt-oss"
