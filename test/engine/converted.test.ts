@@ -65,6 +65,7 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
     qwen3moe: { blocks: 4, tied: false },
     gemma3: { blocks: 7, tied: true },
     gemma4: { blocks: 8, tied: true },
+    "gemma4-moe": { blocks: 8, tied: true },
     mistral3: { blocks: 4, tied: true },
     deepseek2: { blocks: 4, tied: false },
     "gpt-oss": { blocks: 4, tied: false },

@@ -323,7 +323,7 @@ def gemma3(writer, n_vocab):
         writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
 
 
-def gemma4(writer, n_vocab):
+def gemma4(writer, n_vocab, moe=None):
     """Gemma 4 31B (conversion/gemma.py Gemma4Model), scaled down: layer_types as the per-block bool array
     sliding_window_pattern (5 sliding : 1 global), head_dim 256 sliding / global_head_dim 512 global (key_length vs
     key_length_swa), KV heads per block as an array (num_key_value_heads sliding, num_global_key_value_heads global),
@@ -360,6 +360,10 @@ def gemma4(writer, n_vocab):
     writer.add_head_count_kv([kv_swa if s else kv_full for s in swa])
     writer.add_rope_dimension_count(hd_full)
     writer.add_rope_dimension_count_swa(hd_swa)
+    if moe is not None:
+        writer.add_expert_count(moe["num_experts"])
+        writer.add_expert_used_count(moe["top_k_experts"])
+        writer.add_expert_feed_forward_length(moe["moe_intermediate_size"])
     # generate_extra_tensors: the global blocks' proportional RoPE
     n_rot = int(hd_full * 0.25 / 2)
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), dtype=np.float32))
@@ -384,6 +388,25 @@ def gemma4(writer, n_vocab):
         writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
         writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
         writer.add_tensor(b + "layer_output_scale.weight", vector(1, around=0.7, spread=0.1))
+        if moe is not None:
+            # the checkpoint's router.proj / router.scale / router.per_expert_scale, experts.gate_up_proj (mapped fused
+            # as it is: gate rows first) and experts.down_proj, and the MoE branch's own norms
+            n_exp, n_ff_exp = moe["num_experts"], moe["moe_intermediate_size"]
+            writer.add_tensor(b + "ffn_gate_inp.weight", matrix(n_exp, n_embd, scale=0.5))
+            writer.add_tensor(b + "ffn_gate_inp.scale", vector(n_embd))
+            writer.add_tensor(b + "ffn_down_exps.scale", vector(n_exp, around=1.0, spread=0.2))
+            writer.add_tensor(b + "ffn_gate_up_exps.weight", matrix(n_exp, 2 * n_ff_exp, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
+            writer.add_tensor(b + "pre_ffw_norm_2.weight", vector(n_embd))
+            writer.add_tensor(b + "post_ffw_norm_1.weight", vector(n_embd))
+            writer.add_tensor(b + "post_ffw_norm_2.weight", vector(n_embd))
+
+
+def gemma4_moe(writer, n_vocab):
+    """Gemma 4 26B-A4B (Gemma4Model with experts): the 31B block plus routed GELU experts beside the dense
+    feed-forward, 128 experts top-8 in the release (here 16 top-4), expert_feed_forward_length from
+    moe_intermediate_size, the experts' gate and up fused as the checkpoint stores them."""
+    gemma4(writer, n_vocab, moe=dict(num_experts=16, top_k_experts=4, moe_intermediate_size=32))
 
 
 def mistral3(writer, n_vocab):
@@ -673,6 +696,7 @@ FAMILIES = {
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "gemma4": ("gemma4", gemma4),
+    "gemma4-moe": ("gemma4", gemma4_moe),
     "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
     "llama": ("llama", llama),

@@ -41,6 +41,7 @@ export type ConvertedFamily =
   | "qwen3moe"
   | "gemma3"
   | "gemma4"
+  | "gemma4-moe"
   | "mistral3"
   | "deepseek2"
   | "gpt-oss"

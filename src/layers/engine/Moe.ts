@@ -46,7 +46,7 @@ export interface MoeArchOptions {
   readonly nFfExp?: number
   /**
    * The architecture reads a fused `ffn_gate_up_exps` in place of ffn_gate_exps and ffn_up_exps (llama.cpp's
-   * create_tensor_gate_up_exps: deepseek2 and qwen35moe among swactor's architectures); default false.
+   * create_tensor_gate_up_exps: deepseek2, qwen35moe and gemma4 among swactor's architectures); default false.
    */
   readonly fusedGateUp?: boolean
 }
@@ -103,7 +103,7 @@ const readFusedGateUp = (
       new ModelLoadError({
         path: file.path,
         reason: "InvalidMetadata",
-        message: `tensor "${first}": fused gate/up experts are not read for ${arch} (llama.cpp reads them for deepseek2 and qwen35moe); convert without --fuse-gate-up-exps`
+        message: `tensor "${first}": fused gate/up experts are not read for ${arch} (llama.cpp reads them for deepseek2, qwen35moe and gemma4); convert without --fuse-gate-up-exps`
       })
     )
   }

@@ -15,8 +15,7 @@
  *   never on another stage than that block); E2B's double-wide MLP on the shared-KV blocks (`feed_forward_length`
  *   one width per block, HParams.blockFf);
  * - 26B-A4B (archs/gemma4Moe.ts): blocks with `ffn_gate_inp` add routed GELU experts beside the dense feed-forward.
- * Refused with a ModelLoadError naming the key: `expert_count` above 1024, a fused `ffn_gate_up_exps` (as the missing
- * `ffn_gate_exps`); key_length_swa odd or not value_length_swa, a RoPE width odd or past its head size; shared KV
+ * Refused with a ModelLoadError naming the key: `expert_count` above 1024; key_length_swa odd or not value_length_swa, a RoPE width odd or past its head size; shared KV
  * layers leaving fewer than 2 blocks with a cache or a block reading a cache of the other kind (sliding-window /
  * global).
  */

@@ -9,8 +9,9 @@
  *                                    each chosen expert's output times ffn_down_exps.scale when the file has it))
  *   out    = post_ffw_norm(mlp + moe) + a                                  (a: the attention output plus residual)
  *
- * The expert products are Moe.ts's (ggml_mul_mat_id). Stacked `ffn_gate_up_exps` (a converter option) is not read:
- * such a file lacks `ffn_gate_exps`, a ModelLoadError naming it.
+ * The expert products are Moe.ts's (ggml_mul_mat_id). The routed gate and up come fused as `ffn_gate_up_exps` [n_embd,
+ * 2 x n_ff_exp, n_expert] (gate rows first) in the files the converter writes (the checkpoint's experts.gate_up_proj
+ * maps to it as it is), or apart as `ffn_gate_exps` / `ffn_up_exps`; llama.cpp reads both.
  */
 import { Effect } from "effect"
 import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
@@ -23,7 +24,10 @@ import { normSpec } from "./gemmaShared.js"
 /** gemma4's MoE hyperparameters when `expert_count` > 0 (softmax router, weights normalised, no scale); else none. */
 export const gemma4MoeParams = (file: GgufFile, hp: HParams): Effect.Effect<Pick<HParams, "moe">, ModelLoadError> =>
   file.metadata.has(`${hp.arch}.expert_count`)
-    ? Effect.map(readMoeParams(file, hp, { gating: "softmax", normWeights: true, weightsScale: 1 }), (moe) => ({ moe }))
+    ? Effect.map(
+        readMoeParams(file, hp, { gating: "softmax", normWeights: true, weightsScale: 1, fusedGateUp: true }),
+        (moe) => ({ moe })
+      )
     : Effect.succeed({})
 
 /** A routed block's tensors beside the dense feed-forward's (none without experts). */
