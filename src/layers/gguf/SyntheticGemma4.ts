@@ -59,7 +59,7 @@ const gemma4MoeShape = (o: SyntheticGemma4Options & SyntheticMoeOptions & { read
 
 /**
  * Block `b`'s expert tensors beside its dense feed-forward (none without `experts`): the router [hidden, experts] and
- * its input scale, the stacked GELU experts, a per-expert output scale, and the norms of the two branches
+ * its input scale, the stacked GELU experts (gate and up in one `ffn_gate_up_exps`), a per-expert output scale, and the norms of the two branches
  * (llama.cpp's gemma4 26B-A4B tensors).
  */
 export const gemma4MoeTensors = (
@@ -79,8 +79,8 @@ export const gemma4MoeTensors = (
   return [
     m("ffn_gate_inp.weight", [h, moe.experts]),
     v("ffn_gate_inp.scale", h, 0.2),
-    m("ffn_gate_exps.weight", [h, moe.ffn, moe.experts]),
-    m("ffn_up_exps.weight", [h, moe.ffn, moe.experts]),
+    // gate and up fused, gate rows first, as the converter writes the checkpoint's experts.gate_up_proj
+    m("ffn_gate_up_exps.weight", [h, 2 * moe.ffn, moe.experts]),
     m("ffn_down_exps.weight", [moe.ffn, h, moe.experts]),
     v("ffn_down_exps.scale", moe.experts, 0.3),
     v("pre_ffw_norm_2.weight", h, 0.1),
