@@ -94,6 +94,32 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
     )
   }
 
+  // Gemma 4 E2B as its converter writes it: per-layer embeddings (the first stage computes them), the last 5 blocks
+  // reading the KV of blocks 3 (sliding) and 4 (global), so every cut falls before block 3; double-wide shared MLPs.
+  it.effect(
+    "gemma4 E2B as its converter writes it (per-layer embeddings, shared KV, double-wide MLP)",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("gemma4-e2b", join(dir, "gemma4-e2b.gguf"), 7)
+        const file = yield* readGgufFile(path)
+        assert.strictEqual(yield* getU32(file, "gemma4.attention.shared_kv_layers"), 5)
+        assert.isTrue(file.tensorsByName.has("per_layer_token_embd.weight"))
+        const ref = yield* nodeLlamaReference(path, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
+        assert.isAbove(new Set(ref.tokens).size, 1, "the reference is not one repeated token")
+        yield* splitsMatchReference(
+          path,
+          ref,
+          [
+            [0, 10],
+            [0, 1, 3, 10],
+            [0, 2, 3, 10]
+          ],
+          REFERENCE_OPTIONS
+        )
+      }),
+    240_000
+  )
+
   // `convert_hf_to_gguf.py --fuse-gate-up-exps`: the routed experts' gate and up stacked in one ffn_gate_up_exps
   // [n_embd, 2 x n_ff_exp, n_expert] (gate rows first). llama.cpp reads it for deepseek2 and qwen35moe (and keeps the
   // same weights, so the same tokens as the file written apart); for qwen3moe it does not, and swactor says so.

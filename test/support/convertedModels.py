@@ -323,7 +323,7 @@ def gemma3(writer, n_vocab):
         writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
 
 
-def gemma4(writer, n_vocab, moe=None):
+def gemma4(writer, n_vocab, moe=None, e2b=False):
     """Gemma 4 31B (conversion/gemma.py Gemma4Model), scaled down: layer_types as the per-block bool array
     sliding_window_pattern (5 sliding : 1 global), head_dim 256 sliding / global_head_dim 512 global (key_length vs
     key_length_swa), KV heads per block as an array (num_key_value_heads sliding, num_global_key_value_heads global),
@@ -334,6 +334,13 @@ def gemma4(writer, n_vocab, moe=None):
     n_layer, n_embd, n_head, n_ff = 8, 64, 8, 128
     kv_swa, kv_full, hd_swa, hd_full, window = 4, 2, 16, 32, 16
     layer_types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
+    n_shared, n_pl, k_eq_v = 0, 0, True
+    if e2b:
+        # E2B: 4 sliding : 1 global, one KV head everywhere (no num_global_key_value_heads: head_count_kv stays one
+        # number), V on every block, per-layer embeddings, the last blocks reading earlier blocks' KV
+        # (num_kv_shared_layers), and use_double_wide_mlp (feed_forward_length per block, 2x on the shared blocks)
+        n_layer, kv_swa, kv_full, n_shared, n_pl, k_eq_v = 10, 1, 1, 5, 16, False
+        layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 2
     swa = [t == "sliding_attention" for t in layer_types]
     # TextModel.set_gguf_parameters ("proportional" is no rope scaling type), then Gemma3Model's, then Gemma4Model's
     writer.add_block_count(n_layer)
@@ -350,14 +357,18 @@ def gemma4(writer, n_vocab, moe=None):
     writer.add_value_length(hd_swa)
     writer.add_final_logit_softcapping(30.0)
     writer.add_sliding_window(window)
-    writer.add_shared_kv_layers(0)
-    writer.add_embedding_length_per_layer_input(0)
+    writer.add_shared_kv_layers(n_shared)
+    writer.add_embedding_length_per_layer_input(n_pl)
     writer.add_sliding_window_pattern(swa)
     writer.add_key_length(hd_full)
     writer.add_value_length(hd_full)
     writer.add_key_length_swa(hd_swa)
     writer.add_value_length_swa(hd_swa)
-    writer.add_head_count_kv([kv_swa if s else kv_full for s in swa])
+    ffs = [n_ff if il < n_layer - n_shared else 2 * n_ff for il in range(n_layer)]
+    if e2b:
+        writer.add_feed_forward_length(ffs)
+    else:
+        writer.add_head_count_kv([kv_swa if s else kv_full for s in swa])
     writer.add_rope_dimension_count(hd_full)
     writer.add_rope_dimension_count_swa(hd_swa)
     if moe is not None:
@@ -369,14 +380,19 @@ def gemma4(writer, n_vocab, moe=None):
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), dtype=np.float32))
     writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.06))
     writer.add_tensor("output_norm.weight", vector(n_embd))
+    if n_pl > 0:
+        writer.add_tensor("per_layer_token_embd.weight", matrix(n_vocab, n_pl * n_layer, scale=0.06))
+        writer.add_tensor("per_layer_model_proj.weight", matrix(n_pl * n_layer, n_embd, scale=0.1))
+        writer.add_tensor("per_layer_proj_norm.weight", vector(n_pl))
     w = 0.3
     for il in range(n_layer):
         b = f"blk.{il}."
         hd, kv = (hd_swa, kv_swa) if swa[il] else (hd_full, kv_full)
+        n_ff = ffs[il]
         writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
         writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
         writer.add_tensor(b + "attn_k.weight", matrix(kv * hd, n_embd, scale=w))
-        if swa[il]:
+        if swa[il] or not k_eq_v:
             writer.add_tensor(b + "attn_v.weight", matrix(kv * hd, n_embd, scale=w))
         writer.add_tensor(b + "attn_q_norm.weight", vector(hd))
         writer.add_tensor(b + "attn_k_norm.weight", vector(hd))
@@ -388,6 +404,10 @@ def gemma4(writer, n_vocab, moe=None):
         writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
         writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
         writer.add_tensor(b + "layer_output_scale.weight", vector(1, around=0.7, spread=0.1))
+        if n_pl > 0:
+            writer.add_tensor(b + "inp_gate.weight", matrix(n_pl, n_embd, scale=w))
+            writer.add_tensor(b + "proj.weight", matrix(n_embd, n_pl, scale=w))
+            writer.add_tensor(b + "post_norm.weight", vector(n_embd))
         if moe is not None:
             # the checkpoint's router.proj / router.scale / router.per_expert_scale, experts.gate_up_proj (mapped fused
             # as it is: gate rows first) and experts.down_proj, and the MoE branch's own norms
@@ -400,6 +420,11 @@ def gemma4(writer, n_vocab, moe=None):
             writer.add_tensor(b + "pre_ffw_norm_2.weight", vector(n_embd))
             writer.add_tensor(b + "post_ffw_norm_1.weight", vector(n_embd))
             writer.add_tensor(b + "post_ffw_norm_2.weight", vector(n_embd))
+
+
+def gemma4_e2b(writer, n_vocab):
+    """Gemma 4 E2B (Gemma4Model): per-layer embeddings, shared KV layers, the double-wide MLP of the shared blocks."""
+    gemma4(writer, n_vocab, e2b=True)
 
 
 def gemma4_moe(writer, n_vocab):
@@ -697,6 +722,7 @@ FAMILIES = {
     "gemma3": ("gemma3", gemma3),
     "gemma4": ("gemma4", gemma4),
     "gemma4-moe": ("gemma4", gemma4_moe),
+    "gemma4-e2b": ("gemma4", gemma4_e2b),
     "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
     "llama": ("llama", llama),

@@ -42,6 +42,7 @@ export type ConvertedFamily =
   | "gemma3"
   | "gemma4"
   | "gemma4-moe"
+  | "gemma4-e2b"
   | "mistral3"
   | "deepseek2"
   | "gpt-oss"
