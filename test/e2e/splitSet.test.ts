@@ -5,7 +5,8 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect, Stream } from "effect"
-import { readFileSync } from "node:fs"
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs"
+import { tmpdir } from "node:os"
 import { join } from "node:path"
 import OpenAI from "openai"
 import { tensorFilePath } from "../../src/domain/gguf.js"
@@ -16,6 +17,7 @@ import { sliceTensors } from "../../src/layers/gguf/GgufSlice.js"
 import type { RunUpdate } from "../../src/services/Orchestrator.js"
 import { writeConverted } from "../support/convertedModels.js"
 import { nodeLlamaReference } from "../support/engine.js"
+import { startAgents } from "../support/e2e.js"
 import { startServe, stopServe } from "../support/serve.js"
 import { modelFolder, REFERENCE_OPTIONS } from "../support/synthFiles.js"
 
@@ -99,6 +101,49 @@ describe("a split set end to end", () => {
           yield* Effect.promise(() => stopServe(server))
         }
       }),
+    240_000
+  )
+
+  it.live(
+    "nodes without the set (--slices-only, empty caches) receive one-file slices cut from its parts and give node-llama-cpp's tokens",
+    () =>
+      Effect.scoped(
+        Effect.gen(function* () {
+          const parts = qwen3moeSet()
+          const root = yield* Effect.acquireRelease(
+            Effect.sync(() => mkdtempSync(join(tmpdir(), "swactor-split-delivery-"))),
+            (d) => Effect.sync(() => rmSync(d, { recursive: true, force: true }))
+          )
+          const caches = [0, 1, 2].map((i) => join(root, `node-${i}`))
+          const { layer } = yield* startAgents(3, { extraArgs: (i) => ["--cache-dir", caches[i]!, "--slices-only"] })
+          const updates = yield* Stream.runCollect(
+            run({
+              model: parts[0]!,
+              prompt: PROMPT,
+              stages: 3,
+              maxTokens: 16,
+              threads: 1,
+              deliverWeights: { outgoingDir: join(root, "outgoing"), chunkBytes: 64 << 10 }
+            })
+          ).pipe(Effect.provide(layer))
+          const list = [...updates]
+          const tokens = list.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []))
+          const ref = yield* nodeLlamaReference(parts[0]!, PROMPT, 16, REFERENCE_OPTIONS)
+          assert.deepStrictEqual(tokens, ref.tokens)
+          assert.isAbove(
+            list.filter((u) => u._tag === "WeightsDelivery").length,
+            0,
+            "slices were sent, not read from the parts"
+          )
+          for (const cache of caches) {
+            const slices = readdirSync(cache).filter((f) => f.endsWith(".gguf"))
+            assert.strictEqual(slices.length, 1, cache)
+            const slice = yield* readGgufFile(join(cache, slices[0]!))
+            assert.isUndefined(slice.parts, "a slice is one file")
+            assert.isFalse(slice.metadata.has("split.count"))
+          }
+        })
+      ),
     240_000
   )
 })
