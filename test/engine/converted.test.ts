@@ -10,11 +10,14 @@
  */
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
+import { readFileSync } from "node:fs"
 import { join } from "node:path"
 import type { ModelLoadError } from "../../src/domain/gguf.js"
 import { getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
+import { writeGgufFile } from "../../src/layers/gguf/GgufWriter.js"
 import { readModelFacts } from "../../src/layers/gguf/ModelCatalogLive.js"
 import { writeConverted } from "../support/convertedModels.js"
+import { killedStageResumes } from "../support/resume.js"
 import { greedyRun, nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
 import { modelFolder, REFERENCE_OPTIONS, STORY_PROMPT } from "../support/synthFiles.js"
 
@@ -66,6 +69,7 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
     gemma3: { blocks: 7, tied: true },
     gemma4: { blocks: 8, tied: true },
     "gemma4-moe": { blocks: 8, tied: true },
+    "minimax-m2": { blocks: 4, tied: false },
     mistral3: { blocks: 4, tied: true },
     deepseek2: { blocks: 4, tied: false },
     "gpt-oss": { blocks: 4, tied: false },
@@ -118,6 +122,45 @@ describe("converter-shaped files (gguf-py): node-llama-cpp's greedy tokens at 1 
         )
       }),
     240_000
+  )
+
+  it.live(
+    "minimax-m2 on 3 local agents: node-llama-cpp's tokens; the middle agent killed at token 12 resumes to the same tokens",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("minimax-m2", join(dir, "minimax-m2-resume.gguf"), 7)
+        const { reference } = yield* killedStageResumes(
+          { model: path, prompt: "Once upon a time", maxTokens: 48, threads: 1, stages: 3 },
+          { atToken: 12 }
+        )
+        const ref = yield* nodeLlamaReference(path, "Once upon a time", 48, REFERENCE_OPTIONS)
+        assert.deepStrictEqual(reference.tokens, ref.tokens)
+      }),
+    240_000
+  )
+
+  it.effect("minimax-m2 without expert_gating_func: a ModelLoadError naming the key (llama.cpp's graph aborts)", () =>
+    Effect.gen(function* () {
+      const path = writeConverted("minimax-m2", join(dir, "minimax-m2-gating.gguf"), 7)
+      const file = yield* readGgufFile(path)
+      const bytes = readFileSync(path)
+      const out = join(dir, "minimax-m2-no-gating.gguf")
+      yield* writeGgufFile(out, {
+        metadata: [...file.metadataTypes]
+          .filter(([key]) => key !== "minimax-m2.expert_gating_func")
+          .map(([key, kind]) => [key, { ...kind, value: file.metadata.get(key)! }] as const),
+        alignment: file.alignment,
+        tensors: file.tensors.map((t) => ({
+          name: t.name,
+          type: t.type,
+          dims: t.dims,
+          data: () => new Uint8Array(bytes.buffer, bytes.byteOffset + t.offset, t.byteSize)
+        }))
+      })
+      const error = (yield* Effect.flip(greedyRun(out, [0, 4], [1], 1, REFERENCE_OPTIONS))) as ModelLoadError
+      assert.strictEqual(error._tag, "ModelLoadError")
+      assert.match(error.message, /metadata "minimax-m2\.expert_gating_func" is missing/)
+    })
   )
 
   // `convert_hf_to_gguf.py --fuse-gate-up-exps`: the routed experts' gate and up stacked in one ffn_gate_up_exps

@@ -713,6 +713,50 @@ def qwen35moe(writer, n_vocab):
                                      shared_expert_intermediate_size=32))
 
 
+def minimax_m2(writer, n_vocab):
+    """MiniMax-M2 / M2.5 (conversion/minimax.py MiniMaxM2Model), scaled down: head_dim 128 apart from hidden / heads
+    (key_length), rotary_dim 64 (rope.dimension_count half the head), q/k norms over the whole projection
+    (qk_norm_type per_layer: attn_q_norm [heads x head_dim]), every block routed, scoring_func sigmoid written as
+    expert_gating_func, the routing bias (e_score_correction_bias as exp_probs_b.bias), expert_feed_forward_length from
+    intermediate_size (written as feed_forward_length too), the experts stacked from w1/w2/w3, an untied output."""
+    n_layer, n_embd, n_head, n_kv, hd, n_rot = 4, 64, 4, 2, 32, 16
+    n_exp, n_used, n_ff = 8, 2, 32
+    writer.add_block_count(n_layer)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(5_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(n_exp)
+    writer.add_expert_used_count(n_used)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_expert_feed_forward_length(n_ff)
+    writer.add_rope_dimension_count(n_rot)
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    w = 0.3
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_norm.weight", vector(n_head * hd))
+        writer.add_tensor(b + "attn_k_norm.weight", vector(n_kv * hd))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate_inp.weight", matrix(n_exp, n_embd, scale=0.5).astype(np.float32))
+        writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, around=0.0, spread=0.3))
+        experts_gate_up(writer, b, n_exp, n_ff, n_embd, w)
+        writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff, scale=w))
+
+
 FAMILIES = {
     "qwen35moe": ("qwen35moe", qwen35moe),
     "qwen35": ("qwen35", qwen35),
@@ -723,6 +767,7 @@ FAMILIES = {
     "gemma4": ("gemma4", gemma4),
     "gemma4-moe": ("gemma4", gemma4_moe),
     "gemma4-e2b": ("gemma4", gemma4_e2b),
+    "minimax-m2": ("minimax-m2", minimax_m2),
     "qwen3moe": ("qwen3moe", qwen3moe),
     "glm4moe": ("glm4moe", glm4moe),
     "llama": ("llama", llama),

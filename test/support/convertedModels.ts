@@ -43,6 +43,7 @@ export type ConvertedFamily =
   | "gemma4"
   | "gemma4-moe"
   | "gemma4-e2b"
+  | "minimax-m2"
   | "mistral3"
   | "deepseek2"
   | "gpt-oss"

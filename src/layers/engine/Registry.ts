@@ -6,6 +6,7 @@ import { gemma4 } from "./archs/gemma4.js"
 import { glm4moe } from "./archs/glm4moe.js"
 import { gptOss } from "./archs/gptOss.js"
 import { llama } from "./archs/llama.js"
+import { minimaxM2 } from "./archs/minimaxM2.js"
 import { mistral3 } from "./archs/mistral3.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
@@ -25,7 +26,8 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["gemma3", gemma3],
   ["gemma4", gemma4],
   ["mistral3", mistral3],
-  ["gpt-oss", gptOss]
+  ["gpt-oss", gptOss],
+  ["minimax-m2", minimaxM2]
 ])
 
 export const supportedArchitectures = (): ReadonlyArray<string> => [...architectures.keys()]
