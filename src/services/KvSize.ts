@@ -83,3 +83,27 @@ export const kvBytesOfBlocks = (blocks: ReadonlyArray<KvBlock>, contextLength: n
       b.bytesPerToken * (b.window === undefined ? kvCacheSize(contextLength) : swaCacheSize(contextLength, b.window)),
     0
   )
+
+/** What a model's blocks keep per sequence (ModelLayout's fields; engine/BlockMemory.ts derives them). */
+export interface BlocksKv {
+  readonly kvBytesPerToken: ReadonlyArray<number>
+  readonly slidingWindow?: { readonly window: number; readonly blocks: ReadonlyArray<boolean> } | undefined
+  readonly stateBytes?: ReadonlyArray<number> | undefined
+}
+
+/**
+ * Bytes one sequence of `contextLength` tokens takes on a stage of blocks [start, end): each block's KV rows over its
+ * cache (the padded context, or a sliding-window block's capped ring) plus its constant state. What the engine
+ * allocates for such a stage (KvCache.ts), to the byte.
+ */
+export const kvBytesOfRange = (kv: BlocksKv, start: number, end: number, contextLength: number): number => {
+  let sum = 0
+  for (let il = start; il < end; il++) {
+    const window = kv.slidingWindow?.blocks[il] === true ? kv.slidingWindow.window : undefined
+    sum +=
+      (kv.kvBytesPerToken[il] ?? 0) *
+        (window === undefined ? kvCacheSize(contextLength) : swaCacheSize(contextLength, window)) +
+      (kv.stateBytes?.[il] ?? 0)
+  }
+  return sum
+}

@@ -28,7 +28,7 @@ import {
   PoolMemoryTooSmall,
   StageOverMemory
 } from "../domain/planErrors.js"
-import { swaCacheSize } from "./KvSize.js"
+import { kvBytesOfRange } from "./KvSize.js"
 import { cutAllowed, kvShareRangeProblem } from "./KvShare.js"
 import { formatLayerRanges, layerRangesProblem, partitionLayers } from "./Planner.js"
 
@@ -83,21 +83,12 @@ const prefix = (values: ReadonlyArray<number>) => {
   return out
 }
 
-/** Cells of block i's KV cache for `contextTokens`: the context, or at most a sliding-window block's capped ring. */
-const kvCellsOfBlock = (layout: ModelLayout, i: number, contextTokens: number) =>
-  layout.slidingWindow?.blocks[i] === true
-    ? Math.min(contextTokens, swaCacheSize(contextTokens, layout.slidingWindow.window))
-    : contextTokens
-
 const costing = (layout: ModelLayout, options: PlacementOptions): Costing => ({
   weightPrefix: prefix(layout.blockBytes),
   activePrefix: prefix(layout.activeBlockBytes ?? layout.blockBytes),
   // KV bytes of one sequence per block: the context, or a sliding-window block's capped cache (services/KvSize.ts)
-  kvPrefix: prefix(
-    layout.kvBytesPerToken.map(
-      (b, i) => b * kvCellsOfBlock(layout, i, options.contextTokens) + (layout.stateBytes?.[i] ?? 0)
-    )
-  ),
+  // (cells padded as the engine pads them: kvBytesOfRange is what a stage of those blocks allocates)
+  kvPrefix: prefix(layout.kvBytesPerToken.map((_, i) => kvBytesOfRange(layout, i, i + 1, options.contextTokens))),
   numLayers: layout.blockBytes.length,
   layout,
   contextTokens: options.contextTokens,

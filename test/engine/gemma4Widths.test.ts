@@ -17,7 +17,7 @@ import { NativeSession } from "../../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../../src/layers/engine/StageExecutorLive.js"
 import { getArray, getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { readModelLayout } from "../../src/layers/gguf/ModelCatalogLive.js"
-import { kvBytesPerSequence, readKvBytesPerBlockToken } from "../../src/layers/server/KvSizing.js"
+import { kvBytesPerSequence } from "../../src/layers/server/KvSizing.js"
 import { type SyntheticModelOptions, writeSyntheticModel } from "../../src/layers/gguf/Synthetic.js"
 import { kvBytesOfStage, kvCacheSize, swaCacheSize } from "../../src/services/KvSize.js"
 import { computeReserveBytes, stageMemoryBytes } from "../../src/services/Placement.js"
@@ -183,8 +183,7 @@ describe("gemma4 31B layout: each block's own K/V width in the cache and in the 
           hands.set(`${start}-${end}`, hand)
         }
         // the server's admission: each planned stage's blocks at their own widths, the heaviest stage
-        const kv = yield* readKvBytesPerBlockToken(o.path)
-        assert.deepStrictEqual(kv.perBlock, [256, 256, 128, 256, 256, 128])
+        assert.deepStrictEqual(layout.kvBytesPerToken, [256, 256, 128, 256, 256, 128])
         for (const ranges of [
           [
             [0, 2],
@@ -193,15 +192,8 @@ describe("gemma4 31B layout: each block's own K/V width in the cache and in the 
           ],
           [[0, 6]]
         ] as const) {
-          const shape = {
-            layersPerStage: 3,
-            kvBytesPerBlockToken: kv.bytes,
-            kvBytesPerBlock: kv.perBlock,
-            slidingWindow: kv.slidingWindow,
-            ranges
-          }
           const most = Math.max(...ranges.map(([a, b]) => hands.get(`${a}-${b}`) ?? 0))
-          assert.strictEqual(kvBytesPerSequence(shape, ctx), most, `admission over ${JSON.stringify(ranges)}`)
+          assert.strictEqual(kvBytesPerSequence(layout, ranges, ctx), most, `admission over ${JSON.stringify(ranges)}`)
         }
       }).pipe(Effect.provide(layerWith({ smallBatchRows: 0 }))),
     120_000

@@ -23,7 +23,8 @@ import type { StageInput } from "../../src/domain/engine.js"
 import { makeRng } from "../../src/services/Sampler.js"
 import { readModelLayout } from "../../src/layers/gguf/ModelCatalogLive.js"
 import { stageMemoryBytes } from "../../src/services/Placement.js"
-import { kvBytesPerSequence, readKvBytesPerBlockToken } from "../../src/layers/server/KvSizing.js"
+import * as KvSizing from "../../src/layers/server/KvSizing.js"
+import { kvBytesPerSequence } from "../../src/layers/server/KvSizing.js"
 import { kvBytesOfSequence, kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../../src/services/KvSize.js"
 import { StageExecutor } from "../../src/services/StageExecutor.js"
 import * as Batch from "../support/batch.js"
@@ -354,33 +355,30 @@ describe("qwen35: memory of a stage", () => {
           const attnWeights = layout.blockBytes[3]! + layout.outputBytes
           assert.strictEqual(
             stageMemoryBytes(layout, 3, 4, opts),
-            attnWeights + context * row,
+            attnWeights + kvCacheSize(context) * row,
             `placement, context ${context}`
           )
         }
         // the server's admission: the heaviest planned stage, a DeltaNet block weighing its state
-        const facts = yield* readKvBytesPerBlockToken(o.path)
-        assert.deepStrictEqual(facts.recurrent, { blocks: [true, true, true, false], stateBytes: state })
-        const shape = { layersPerStage: 2, kvBytesPerBlockToken: facts.bytes, recurrent: facts.recurrent }
         for (const context of [64, 4096]) {
           const attention = kvBytesOfSequence(row, context)
+          // stages not yet planned: an even split, [0, 2) and [2, 4)
+          const sizing = KvSizing.make(undefined, 1)
+          sizing.model(layout)
+          sizing.pipeline({ maxSeqLen: context, numLayers: LAYERS }, 2)
+          assert.strictEqual(sizing.bytes(context), Math.max(2 * state, state + attention), "stages not yet planned")
+          sizing.planned([{ layers: [0, 3] }, { layers: [3, 4] }])
+          assert.strictEqual(sizing.bytes(context), Math.max(3 * state, attention))
           assert.strictEqual(
             kvBytesPerSequence(
-              {
-                ...shape,
-                ranges: [
-                  [0, 3],
-                  [3, 4]
-                ]
-              },
+              layout,
+              [
+                [0, 1],
+                [1, 4]
+              ],
               context
             ),
-            Math.max(3 * state, attention)
-          )
-          assert.strictEqual(
-            kvBytesPerSequence(shape, context),
-            2 * Math.max(state, attention),
-            "stages not yet planned"
+            2 * state + attention
           )
         }
         assert.strictEqual(stages[0]!.info.kvBytesPerToken, 0)

@@ -21,7 +21,6 @@ import { getString, getU32, readGgufFile } from "../../src/layers/gguf/GgufReade
 import { type GgufTypedValue, GgufValues, writeGgufFile } from "../../src/layers/gguf/GgufWriter.js"
 import { readModelLayout } from "../../src/layers/gguf/ModelCatalogLive.js"
 import { type SyntheticModelOptions, syntheticModelSpec, writeSyntheticModel } from "../../src/layers/gguf/Synthetic.js"
-import { readKvBytesPerBlockToken } from "../../src/layers/server/KvSizing.js"
 import { makeRng } from "../../src/services/Sampler.js"
 import { StageExecutor } from "../../src/services/StageExecutor.js"
 import * as Batch from "../support/batch.js"
@@ -330,8 +329,8 @@ describe("qwen35moe: what placement counts", () => {
         )
       }
       // the server's admission reads the same DeltaNet blocks from the metadata
-      const facts = yield* readKvBytesPerBlockToken(o.path)
-      assert.deepStrictEqual(facts.recurrent, { blocks: [true, true, true, false], stateBytes: state })
+      assert.deepStrictEqual(layout.stateBytes, [state, state, state, 0])
+      assert.strictEqual(layout.kvBytesPerToken[0], 0)
     })
   )
 })

@@ -211,20 +211,13 @@ describe("capped sliding-window caches: memory", () => {
           stageMemoryBytes(uncapped, 0, 4, { contextTokens: 100, computeBytes: 0 })
         )
         // admission: the heaviest planned stage; [0, 1) + [1, 4) -> blocks 1..3 (2 full, 1 ring)
-        const shape = {
-          layersPerStage: 3,
-          kvBytesPerBlockToken: row,
-          slidingWindow: layout.slidingWindow,
-          ranges: [
-            [0, 1],
-            [1, 4]
-          ] as const
-        }
-        assert.strictEqual(kvBytesPerSequence(shape, CONTEXT), (1024 + 256 + 1024) * row)
-        assert.strictEqual(
-          kvBytesPerSequence({ layersPerStage: 3, kvBytesPerBlockToken: row }, CONTEXT),
-          3 * 1024 * row
-        )
+        const ranges = [
+          [0, 1],
+          [1, 4]
+        ] as const
+        assert.strictEqual(kvBytesPerSequence(layout, ranges, CONTEXT), (1024 + 256 + 1024) * row)
+        const { slidingWindow: _sw, ...full } = layout
+        assert.strictEqual(kvBytesPerSequence(full, ranges, CONTEXT), 3 * 1024 * row)
       }),
     60_000
   )

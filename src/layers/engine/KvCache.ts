@@ -10,18 +10,7 @@ import { kvCacheSize, swaCacheSize } from "../../services/KvSize.js"
 import type { GraphSlot } from "./GraphCache.js"
 import type { KvLayer } from "./Toolkit.js"
 import type { NativeWeights } from "./Weights.js"
-import { type HParams, headsOf } from "./HParams.js"
-import { recurrentStateElems } from "./RecurrentParams.js"
-
-/**
- * Elements of one cached K row and one V row per token of block `il`: its head size x its KV heads each (headsOf:
- * gemma4's blocks differ), or with latent attention (HParams.mla) the K row only (the latent and the RoPE part), V
- * being a view of it.
- */
-export const kvRowWidths = (hp: HParams, il: number): { readonly k: number; readonly v: number } => {
-  const h = headsOf(hp, il)
-  return { k: h.headDimK * h.nHeadKv, v: hp.mla === undefined ? h.headDimV * h.nHeadKv : 0 }
-}
+import { blockMemory, stateBytesOfMemory } from "./BlockMemory.js"
 
 export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
@@ -98,29 +87,28 @@ export class NativeSession {
     })
     let stateBytes = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+      const m = blockMemory(hp, il)
       // a DeltaNet block (qwen35): its recurrent state, F32, constant size (k: conv state, v: SSM state)
-      if (hp.recurrent?.layers[il] === true) {
-        const elems = recurrentStateElems(hp.recurrent)
-        stateBytes += 4 * (elems.conv + elems.ssm)
-        const k = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, elems.conv)
+      if (m.kind === "state") {
+        stateBytes += stateBytesOfMemory(m)
+        const k = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, m.conv)
         raw.ggml_set_name(k, `cache_r_l${il}`)
-        const v = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, elems.ssm)
+        const v = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, m.ssm)
         raw.ggml_set_name(v, `cache_s_l${il}`)
         this.kv.set(il, { k, v })
         continue
       }
       // a block reading an earlier block's cache (HParams.kvShare: gemma4's shared KV layers) keeps none
-      if (hp.kvShare !== undefined && hp.kvShare.sources[il] !== il) continue
-      const cells = hp.swa?.layers[il] === true ? this.swaSize! : kvSize
-      const widths = kvRowWidths(hp, il)
-      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.k, cells)
+      if (m.kind === "sharedKv") continue
+      const cells = m.window !== undefined ? this.swaSize! : kvSize
+      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, m.kRow, cells)
       raw.ggml_set_name(k, `cache_k_l${il}`)
       // latent attention: no V cache, V is read from K (the latent attention builds its own view)
-      if (widths.v === 0) {
+      if (m.vRow === 0) {
         this.kv.set(il, { k, v: k })
         continue
       }
-      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, widths.v, cells)
+      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, m.vRow, cells)
       raw.ggml_set_name(v, `cache_v_l${il}`)
       this.kv.set(il, { k, v })
     }
@@ -182,10 +170,10 @@ export class NativeSession {
     const raw = this.weights.ggml.raw
     const { hp } = this.weights.layout
     for (const [il, state] of this.kv) {
-      if (hp.recurrent?.layers[il] !== true) continue
-      const elems = recurrentStateElems(hp.recurrent)
-      raw.ggml_backend_tensor_set(state.k, new Uint8Array(4 * elems.conv), 0, 4 * elems.conv)
-      raw.ggml_backend_tensor_set(state.v, new Uint8Array(4 * elems.ssm), 0, 4 * elems.ssm)
+      const m = blockMemory(hp, il)
+      if (m.kind !== "state") continue
+      raw.ggml_backend_tensor_set(state.k, new Uint8Array(4 * m.conv), 0, 4 * m.conv)
+      raw.ggml_backend_tensor_set(state.v, new Uint8Array(4 * m.ssm), 0, 4 * m.ssm)
     }
   }
 
@@ -225,19 +213,18 @@ export class NativeSession {
     if (this.recurrent && length !== 0 && length !== from.filled) {
       throw new Error(`cannot copy ${length} of ${from.filled} positions: a DeltaNet state cannot be rewound`)
     }
+    const memory = new Map([...from.kv.keys()].map((il) => [il, blockMemory(hp, il)]))
     let widest = 0
-    for (const il of from.kv.keys()) widest = Math.max(widest, kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
+    for (const m of memory.values()) if (m.kind === "kv") widest = Math.max(widest, m.kRow, m.vRow)
     const scratch = new Uint8Array(length * 2 * widest)
-    const elems = hp.recurrent === undefined ? null : recurrentStateElems(hp.recurrent)
     for (const [il, src] of from.kv) {
       const dst = this.kv.get(il)!
-      const widths = kvRowWidths(hp, il)
-      const rowBytes = { k: 2 * widths.k, v: 2 * widths.v }
+      const m = memory.get(il)!
       // a DeltaNet block: the whole state (of position `length` = the source's), or zeros for no position
-      if (elems !== null && hp.recurrent!.layers[il] === true) {
+      if (m.kind === "state") {
         for (const [part, n] of [
-          ["k", elems.conv],
-          ["v", elems.ssm]
+          ["k", m.conv],
+          ["v", m.ssm]
         ] as const) {
           const bytes = new Uint8Array(4 * n)
           if (length > 0) raw.ggml_backend_tensor_get(src[part], bytes, 0, bytes.length)
@@ -245,7 +232,9 @@ export class NativeSession {
         }
         continue
       }
-      if (hp.swa?.layers[il] === true) {
+      if (m.kind !== "kv") continue
+      const rowBytes = { k: 2 * m.kRow, v: 2 * m.vRow }
+      if (m.window !== undefined) {
         for (const part of ["k", "v"] as const) {
           const row = rowBytes[part]
           // runs of positions contiguous in both rings

@@ -29,9 +29,8 @@ import {
   validateForward
 } from "../../services/StageExecutor.js"
 import { forwardOne, runBatch } from "./Forward.js"
-import { kvRowWidths, type NativeItem, NativeSession } from "./KvCache.js"
-import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
-import { recurrentStateElems } from "./RecurrentParams.js"
+import { type NativeItem, NativeSession } from "./KvCache.js"
+import { stageMemoryOf } from "./BlockMemory.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
 import { activationWidth } from "./PerLayerInputs.js"
@@ -144,25 +143,6 @@ const load =
         (w) => Effect.promise(() => w.lock.run(async () => w.free()))
       )
       const hp = layout.hp
-      // sliding-window blocks of the range: their KV caches are capped (KvCache.ts); each block's own row widths
-      let swaBlocks = 0
-      let swaBytesPerToken = 0
-      let attnBytesPerToken = 0
-      for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
-        // a block reading an earlier block's cache (HParams.kvShare) keeps none
-        if (hp.kvShare !== undefined && hp.kvShare.sources[il] !== il) continue
-        const bytes = kvBytesPerTokenOfBlock(kvRowWidths(hp, il).k, kvRowWidths(hp, il).v)
-        if (hp.recurrent?.layers[il] !== true) attnBytesPerToken += bytes
-        if (hp.swa?.layers[il] === true) {
-          swaBlocks++
-          swaBytesPerToken += bytes
-        }
-      }
-      // DeltaNet blocks (HParams.recurrent): a constant state per sequence instead of K/V rows
-      let recurrentBlocks = 0
-      for (let il = spec.layerStart; il < spec.layerEndExclusive; il++)
-        if (hp.recurrent?.layers[il] === true) recurrentBlocks++
-      const stateElems = hp.recurrent === undefined ? undefined : recurrentStateElems(hp.recurrent)
       const info: StageInfo = {
         arch: hp.arch,
         layerStart: spec.layerStart,
@@ -178,9 +158,8 @@ const load =
         bosTokenId: hp.bosTokenId,
         weightBytes: layout.weightBytes,
         backend: device === "gpu" ? "cuda" : "cpu",
-        kvBytesPerToken: attnBytesPerToken,
-        ...(recurrentBlocks === 0 ? {} : { stateBytes: recurrentBlocks * 4 * (stateElems!.conv + stateElems!.ssm) }),
-        ...(swaBlocks === 0 ? {} : { kvWindow: { window: hp.swa!.window, bytesPerToken: swaBytesPerToken } })
+        // KV rows, DeltaNet states and capped sliding-window caches of the range's blocks (BlockMemory.ts)
+        ...stageMemoryOf(hp, spec.layerStart, spec.layerEndExclusive)
       }
       return new LiveLoadedStage(info, weights) as LoadedStage
     }).pipe(Effect.withSpan("StageExecutor.load"))

@@ -134,8 +134,13 @@ export const archOf = (file: GgufFile): Effect.Effect<ArchModule, ModelLoadError
       : Effect.succeed(arch)
   })
 
-/** Plans (and fully validates) the load of one stage. */
-export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
+/**
+ * A file's hyperparameters as its architecture module reads and checks them (readHParams, then the module's own): the
+ * one source of the model's facts for the engine, and for the catalog's layout (BlockMemory.ts), header only.
+ */
+export const readModelHParams = (
+  file: GgufFile
+): Effect.Effect<{ readonly arch: ArchModule; readonly hp: HParams }, ModelLoadError> =>
   Effect.gen(function* () {
     const arch = yield* archOf(file)
     const common = yield* readHParams(file, arch.ropeMode, {
@@ -143,7 +148,13 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
       kvHeadsPerBlock: arch.kvHeadsPerBlock === true,
       ffPerBlock: arch.ffPerBlock === true
     })
-    const hp = arch.hparams === undefined ? common : yield* arch.hparams(file, common)
+    return { arch, hp: arch.hparams === undefined ? common : yield* arch.hparams(file, common) }
+  })
+
+/** Plans (and fully validates) the load of one stage. */
+export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
+  Effect.gen(function* () {
+    const { arch, hp } = yield* readModelHParams(file)
     const { layerEndExclusive: end, layerStart: start } = spec
     if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > hp.nLayer || start >= end) {
       return yield* fail(

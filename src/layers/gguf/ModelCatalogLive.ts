@@ -2,9 +2,8 @@
  * The `ModelCatalog` service's implementations: `layer` reads each model's GGUF metadata (no tensor data);
  * `layerTest` answers from a table, for tests that plan without a model file.
  */
-import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
-import { slidingWindowOf, type SlidingWindowLayout } from "./SlidingWindow.js"
-import { withKvShare, withPerLayerTables } from "./KvShareLayout.js"
+import { kvLayoutOf, type KvLayout } from "../engine/BlockMemory.js"
+import { readModelHParams } from "../engine/StageLayout.js"
 import { trunkBlockCount } from "./TrunkBlocks.js"
 import { statSync } from "node:fs"
 import { basename } from "node:path"
@@ -144,18 +143,19 @@ const expertCountsOf = (file: GgufFile, arch: string): Effect.Effect<ExpertCount
   })
 
 /**
- * Per-block sizes from the tensor table: every `blk.N.*` tensor's bytes count for block N; `token_embd` is the input;
- * `output_norm` + `output` (or `token_embd` again when the output is tied to it) the output head. Bytes read per token
- * (active): every tensor whole, except stacked expert tensors, of which a token reads `used / count` (`experts`,
- * validated by `expertCountsOf`). KV per token and block: the K and V projections' output widths, in F16 (the
- * engine's cache type).
+ * Per-block sizes from the tensor table: every `blk.N.*` tensor's bytes count for block N; `token_embd` is the input
+ * (with gemma4's per-layer tables, which only the first stage loads); `output_norm` + `output` (or `token_embd` again
+ * when the output is tied to it) the output head. Bytes read per token (active): every tensor whole, except stacked
+ * expert tensors, of which a token reads `used / count` (`experts`, validated by `expertCountsOf`). What each block
+ * keeps per sequence (KV rows, sliding windows, DeltaNet states, shared caches) is the engine's own plan of the model's
+ * hyperparameters (engine/BlockMemory.ts), so placement and admission size exactly what a stage allocates.
  */
 const layoutOfFile = (
   file: GgufFile,
   numLayers: number,
   hiddenDim: number,
   experts: ExpertCounts | undefined,
-  slidingWindow: SlidingWindowLayout | undefined = undefined
+  memory: KvLayout
 ): ModelLayout => {
   const blockBytes = Array<number>(numLayers).fill(0)
   const activeBlockBytes = Array<number>(numLayers).fill(0)
@@ -171,34 +171,14 @@ const layoutOfFile = (
         : tensor.byteSize
   }
   const bytes = (name: string) => file.tensorsByName.get(name)?.byteSize ?? 0
-  const width = (name: string) => file.tensorsByName.get(name)?.dims[1]
-  // a gated DeltaNet block (qwen35): no KV rows, a constant state of (kernel - 1) x channels + S x S x heads F32
-  const stateOf = (i: number): number | undefined => {
-    const conv = file.tensorsByName.get(`blk.${i}.ssm_conv1d.weight`)?.dims
-    const heads = file.tensorsByName.get(`blk.${i}.ssm_a`)?.dims[0]
-    const size = file.tensorsByName.get(`blk.${i}.ssm_norm.weight`)?.dims[0]
-    if (conv === undefined || heads === undefined || size === undefined) return undefined
-    return 4 * ((conv[0]! - 1) * conv[1]! + size * size * heads)
-  }
-  const stateBytes = blockBytes.map((_, i) => stateOf(i) ?? 0)
-  const kvBytesPerToken = blockBytes.map((_, i) => {
-    if (stateOf(i) !== undefined) return 0
-    // latent attention (deepseek2): the cache holds attn_kv_a_mqa's output (latent + RoPE part) only, V is a view of it
-    const latent = width(`blk.${i}.attn_kv_a_mqa.weight`)
-    if (latent !== undefined) return kvBytesPerTokenOfBlock(latent, 0)
-    const k = width(`blk.${i}.attn_k.weight`) ?? hiddenDim
-    // no attn_v beside an attn_k (gemma4's global blocks): V is K's projection, as wide
-    const v = width(`blk.${i}.attn_v.weight`) ?? (file.tensorsByName.has(`blk.${i}.attn_k.weight`) ? k : hiddenDim)
-    return kvBytesPerTokenOfBlock(k, v)
-  })
   const output = file.tensorsByName.has("output.weight") ? bytes("output.weight") : bytes("token_embd.weight")
+  // gemma4 E2B/E4B's per-layer tables (per_layer_token_embd, per_layer_model_proj, per_layer_proj_norm)
+  const perLayerTables = file.tensors.filter((t) => t.name.startsWith("per_layer_")).reduce((s, t) => s + t.byteSize, 0)
   return {
     blockBytes,
     activeBlockBytes,
-    kvBytesPerToken,
-    ...(slidingWindow === undefined ? {} : { slidingWindow }),
-    ...(stateBytes.some((b) => b > 0) ? { stateBytes } : {}),
-    inputBytes: bytes("token_embd.weight"),
+    ...memory,
+    inputBytes: bytes("token_embd.weight") + perLayerTables,
     outputBytes: bytes("output_norm.weight") + output,
     hiddenDim
   }
@@ -210,15 +190,8 @@ export const readModelLayout = (path: string): Effect.Effect<ModelLayout, ModelL
     const facts = yield* readModelFacts(path)
     const arch = yield* Gguf.getArchitecture(file)
     const experts = yield* expertCountsOf(file, arch)
-    const layout = layoutOfFile(
-      file,
-      facts.numLayers,
-      facts.hiddenDim,
-      experts,
-      slidingWindowOf(file, arch, facts.numLayers)
-    )
-    // gemma4's shared KV layers: no cache of their own, never cut from the block whose cache they read
-    return withKvShare(withPerLayerTables(layout, file), file, arch, facts.numLayers)
+    const { hp } = yield* readModelHParams(file)
+    return layoutOfFile(file, facts.numLayers, facts.hiddenDim, experts, kvLayoutOf(hp, facts.numLayers))
   })
 
 export const make: ModelCatalogService = { facts: readModelFacts, layout: readModelLayout, header: readHeader }

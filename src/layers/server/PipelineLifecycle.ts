@@ -30,7 +30,7 @@ import {
   type ServerStatus
 } from "../../services/Server.js"
 import type { Admission } from "./Admission.js"
-import { readKvBytesPerBlockToken } from "./KvSizing.js"
+import { readModelLayout } from "../gguf/ModelCatalogLive.js"
 import type * as KvSizing from "./KvSizing.js"
 
 /** An error of the orchestrator in words: its message, else its tag and fields. */
@@ -332,7 +332,7 @@ export const make = (deps: {
       const parent = yield* Effect.scope
       let generation = yield* openGeneration(parent)
       const pipeline = generation.pipeline
-      kv.model(yield* readKvBytesPerBlockToken(options.model))
+      kv.model(yield* readModelLayout(options.model))
       yield* observePipeline(pipeline)
       // Loads every stage's weights now, so the first request starts on a warm pipeline.
       yield* warmUp(pipeline)
