@@ -4,7 +4,7 @@
  * (services/RequestChecks.ts), its KV taken from and kept in the prompt cache, its run's updates streamed as events
  * (services/ServeEvents.ts) and counted (MetricsRecorder.ts).
  */
-import { Chunk, Effect, Layer, Option, Queue, Stream } from "effect"
+import { Effect, Layer, Option, Stream } from "effect"
 import { Orchestrator, type Pipeline, type RunUpdate } from "../../services/Orchestrator.js"
 import {
   BadServeRequest,
@@ -16,7 +16,7 @@ import {
   type ServeRequest,
   ServerLoading
 } from "../../services/Server.js"
-import { makePromptCacheIndex, type PromptCacheMatch } from "../../services/PromptCacheIndex.js"
+import type { PromptCacheMatch } from "../../services/PromptCacheIndex.js"
 import { makeServeEvents } from "../../services/ServeEvents.js"
 import { serveRequestProblem } from "../../services/RequestChecks.js"
 import { runContextLength } from "../orchestrator/RunWorld.js"
@@ -26,6 +26,7 @@ import * as Admission from "./Admission.js"
 import * as KvSizing from "./KvSizing.js"
 import * as MetricsRecorder from "./MetricsRecorder.js"
 import * as PipelineLifecycle from "./PipelineLifecycle.js"
+import * as PromptCacheKeeper from "./PromptCacheKeeper.js"
 
 export const make = (options: ServeOptions) =>
   Effect.gen(function* () {
@@ -63,38 +64,13 @@ export const make = (options: ServeOptions) =>
     const log = options.log ?? ((line: string) => void process.stderr.write(`${line}\n`))
     const recorder = MetricsRecorder.make()
     const metrics = recorder.counts
-    // --- prompt cache: the index of what the agents hold; dropped entries go to the agents through `dropQueue` ---
-    const cacheOn = options.promptCache?.enabled ?? true
-    const cacheIndex = makePromptCacheIndex({
-      ...(options.promptCache?.maxEntries === undefined ? {} : { maxEntries: options.promptCache.maxEntries }),
-      ...(options.promptCache?.minTokens === undefined ? {} : { minTokens: options.promptCache.minTokens })
-    })
-    const cacheCounts = { hits: 0, misses: 0, cachedTokens: 0 }
-    const dropQueue = yield* Queue.unbounded<number>()
-    const dropOnAgents = (ids: ReadonlyArray<number>) => {
-      for (const id of ids) Queue.unsafeOffer(dropQueue, id)
-    }
-    /** In the drop queue: every entry. */
-    const DROP_ALL = -1
-    const heldKv: Admission.HeldKv = {
-      bytes: () => cacheIndex.bytes(),
-      evictWhile: (needMore) => dropOnAgents(cacheIndex.evictWhile(needMore))
-    }
-    /** The agents' entries are gone or unusable (another pipeline, a recovery replaced a stage): forget them all. */
-    const forgetCache = () => {
-      cacheIndex.clear()
-      dropOnAgents([DROP_ALL])
-    }
-    yield* Queue.takeBetween(dropQueue, 1, 1024).pipe(
-      Effect.flatMap((ids) => {
-        const all = Chunk.some(ids, (id) => id === DROP_ALL)
-        return lifecycle.live()?.pipeline.dropCached?.(all ? [] : Chunk.toArray(ids), all) ?? Effect.void
-      }),
-      Effect.forever,
-      Effect.forkScoped
+    // the prompt cache: what the agents hold, what each run adopts and keeps (PromptCacheKeeper.ts)
+    const keeper: PromptCacheKeeper.PromptCacheKeeper = yield* PromptCacheKeeper.make(
+      options.promptCache,
+      (): Pipeline | undefined => lifecycle.live()?.pipeline
     )
     const sizing = KvSizing.make(options.kvBudgetBytes, parallel)
-    const admission = Admission.make(sizing, parallel, queueLimit, heldKv)
+    const admission = Admission.make(sizing, parallel, queueLimit, keeper.held)
     const tooLong = (contextLength: number) =>
       new BadServeRequest({
         message:
@@ -116,7 +92,7 @@ export const make = (options: ServeOptions) =>
       admission,
       observePlan,
       tooLong,
-      forgetCache,
+      forgetCache: keeper.forget,
       counts: metrics,
       log
     })
@@ -161,7 +137,7 @@ export const make = (options: ServeOptions) =>
           if (sizing.bytes(contextLength) > sizing.budget()) return yield* tooLong(contextLength)
           // Prompt cache: the longest held prefix, now the most recently used entry, so admission's eviction (which may
           // need its memory) takes it last; in use from admission on (runAdmitted)
-          const match = cacheOn ? cacheIndex.match(prompt) : undefined
+          const match = keeper.match(prompt)
           const queuedAt = performance.now()
           const ticket = yield* admission
             .enter(contextLength)
@@ -201,37 +177,26 @@ export const make = (options: ServeOptions) =>
           // Prompt cache: adopt `match` if admission left it (in use until the run ends: never evicted); keep this run's
           // KV as a new entry once it completes (added when its admission is released, its memory then the entry's),
           // else drop it.
-          const adopt = match !== undefined && cacheIndex.has(match.entry) ? match : undefined
-          if (adopt !== undefined) cacheIndex.pin(adopt.entry)
-          let pinned = adopt !== undefined
-          const unpin = () => {
-            if (pinned && adopt !== undefined) cacheIndex.unpin(adopt.entry)
-            pinned = false
-          }
-          yield* Effect.addFinalizer(() => Effect.sync(unpin))
-          const keepId = cacheOn ? cacheIndex.nextId() : undefined
+          const cache = yield* keeper.forRun(match, pipeline)
           const generatedIds: Array<number> = []
-          let cachedTokens = 0
           let keptTokens = 0
           const events = makeServeEvents({
             prompt,
             vocabulary: pipeline.vocabulary,
             stop: request.stop ?? [],
             logprobs: request.sampling?.logprobs !== undefined,
-            cachedTokens: () => cachedTokens
+            cachedTokens: cache.cachedTokens
           })
           // Ended by a stop string: the run is stopped, so no summary says what the stages kept; but every stage had
           // prefilled the whole prompt before the first token was sampled, and an entry holds prompt positions only
           // (NodeAgent), so the entry is the prompt. A stage that kept nothing only means a full prefill (PC4).
           ticket.onRelease(() => {
-            unpin()
-            if (keepId === undefined) return
             const kept = keptTokens > 0 ? keptTokens : events.stoppedByText() ? prompt.length : 0
-            if (kept === 0 || lifecycle.live()?.pipeline !== pipeline) return dropOnAgents([keepId])
-            const tokens = [...prompt, ...generatedIds].slice(0, kept)
-            dropOnAgents(cacheIndex.add({ id: keepId, tokens, bytes: sizing.bytes(contextLength) }))
-            // over the budget with it (requests admitted meanwhile): the least recently used not in use go
-            heldKv.evictWhile(() => admission.state().used + cacheIndex.bytes() > sizing.budget())
+            cache.keep(
+              [...prompt, ...generatedIds].slice(0, kept),
+              sizing.bytes(contextLength),
+              () => admission.state().used + keeper.held.bytes() > sizing.budget()
+            )
           })
           // a stop string stops the run; at an end-of-generation token it ends by itself, and its KV may be kept
           let stopRun = true
@@ -249,24 +214,20 @@ export const make = (options: ServeOptions) =>
           const onUpdate = (update: RunUpdate): ReadonlyArray<ServeEvent> => {
             if (update._tag === "StageReady") readyAt = performance.now()
             if (update._tag === "Token" && firstAt === undefined) firstAt = performance.now()
-            if (update._tag === "PromptCached") {
-              cachedTokens = update.cachedTokens
-              cacheCounts.cachedTokens += cachedTokens
-              if (cachedTokens > 0) cacheCounts.hits++
-              else cacheCounts.misses++
-            }
+            if (update._tag === "PromptCached") cache.promptCached(update.cachedTokens)
             if (update._tag === "Finished") {
               // torn down on every stage: its KV is an entry now (before the client hears Done and sends its next turn)
               keptTokens = update.summary.promptCache?.keptTokens ?? 0
               ticket.release()
             }
             // a stage was replaced: what the agents hold no longer covers the pipeline
-            if (update._tag === "Recovering" && cacheOn) forgetCache()
+            if (update._tag === "Recovering" && keeper.enabled) keeper.forget()
             if (events.finished()) return []
             if (update._tag === "Token" && update.token.tokenId >= 0) {
               metrics.completionTokens++
               generatedIds.push(update.token.tokenId)
-              if (keepId !== undefined && pipeline.vocabulary.isEndOfGeneration(update.token.tokenId)) stopRun = false
+              if (cache.keepId !== undefined && pipeline.vocabulary.isEndOfGeneration(update.token.tokenId))
+                stopRun = false
             }
             recorder.record(update, () =>
               firstAt === undefined ? undefined : { ...arrival, admittedAt, readyAt, firstAt }
@@ -287,9 +248,11 @@ export const make = (options: ServeOptions) =>
                 prompt,
                 maxTokens,
                 ...(request.sampling === undefined ? {} : { sampling: request.sampling }),
-                ...(keepId === undefined
+                ...(cache.keepId === undefined
                   ? {}
-                  : { promptCache: { keep: keepId, ...(adopt === undefined ? {} : { adopt }) } }),
+                  : {
+                      promptCache: { keep: cache.keepId, ...(cache.adopt === undefined ? {} : { adopt: cache.adopt }) }
+                    }),
                 ...(behind > 0 ? { arriving: behind } : {})
               })
               .pipe(
@@ -326,16 +289,7 @@ export const make = (options: ServeOptions) =>
       metrics: recorder.snapshot({
         admission: admission.state,
         pipeline: () => lifecycle.live()?.pipeline,
-        promptCache: () => ({
-          enabled: cacheOn,
-          hits: cacheCounts.hits,
-          misses: cacheCounts.misses,
-          evictions: cacheIndex.evictions(),
-          cachedTokens: cacheCounts.cachedTokens,
-          entries: cacheIndex.size(),
-          bytes: cacheIndex.bytes(),
-          lru: cacheIndex.order().map((e) => ({ entry: e.id, tokens: e.tokens.length }))
-        }),
+        promptCache: keeper.metrics,
         kvBudgetBytes: sizing.budget
       })
     })
