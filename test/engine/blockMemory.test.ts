@@ -92,6 +92,8 @@ const converted: ReadonlyArray<ConvertedFamily> = [
   "gemma4-moe",
   "gemma4-e2b",
   "minimax-m2",
+  "olmo2",
+  "olmo3",
   "mistral3",
   "deepseek2",
   "gpt-oss",

@@ -757,7 +757,51 @@ def minimax_m2(writer, n_vocab):
         writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff, scale=w))
 
 
+def olmo2(writer, n_vocab, olmo3=False):
+    """OLMo 2 (conversion/olmo.py Olmo2Model, TextModel's keys): no attn_norm / ffn_norm, q/k norms over the whole
+    projection (attn_q_norm [hidden], attn_k_norm [kv heads x head]), attn_post_norm and ffn_post_norm, an untied
+    output, no rope.dimension_count. OLMo 3 (the same class): sliding_window written, and sliding_window_pattern as one
+    bool per block from layer_types (three sliding, one full)."""
+    n_layer, n_embd, n_head, n_kv, n_ff = 4, 64, 4, 2, 128
+    hd = n_embd // n_head
+    writer.add_block_count(n_layer)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(500_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if olmo3:
+        writer.add_sliding_window(16)
+        writer.add_sliding_window_pattern([(i + 1) % 4 != 0 for i in range(n_layer)])
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    w = 0.3
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_q.weight", matrix(n_head * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_k.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_v.weight", matrix(n_kv * hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_norm.weight", vector(n_head * hd))
+        writer.add_tensor(b + "attn_k_norm.weight", vector(n_kv * hd))
+        writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * hd, scale=w))
+        writer.add_tensor(b + "post_attention_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+        writer.add_tensor(b + "post_ffw_norm.weight", vector(n_embd))
+
+
+def olmo3(writer, n_vocab):
+    olmo2(writer, n_vocab, olmo3=True)
+
+
 FAMILIES = {
+    "olmo2": ("olmo2", olmo2),
+    "olmo3": ("olmo2", olmo3),
     "qwen35moe": ("qwen35moe", qwen35moe),
     "qwen35": ("qwen35", qwen35),
     "gpt-oss": ("gpt-oss", gpt_oss),

@@ -44,6 +44,8 @@ export type ConvertedFamily =
   | "gemma4-moe"
   | "gemma4-e2b"
   | "minimax-m2"
+  | "olmo2"
+  | "olmo3"
   | "mistral3"
   | "deepseek2"
   | "gpt-oss"

@@ -8,6 +8,7 @@ import { gptOss } from "./archs/gptOss.js"
 import { llama } from "./archs/llama.js"
 import { minimaxM2 } from "./archs/minimaxM2.js"
 import { mistral3 } from "./archs/mistral3.js"
+import { olmo2 } from "./archs/olmo2.js"
 import { qwen2 } from "./archs/qwen2.js"
 import { qwen3 } from "./archs/qwen3.js"
 import { qwen35 } from "./archs/qwen35.js"
@@ -27,7 +28,8 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["gemma4", gemma4],
   ["mistral3", mistral3],
   ["gpt-oss", gptOss],
-  ["minimax-m2", minimaxM2]
+  ["minimax-m2", minimaxM2],
+  ["olmo2", olmo2]
 ])
 
 export const supportedArchitectures = (): ReadonlyArray<string> => [...architectures.keys()]

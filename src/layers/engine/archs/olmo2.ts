@@ -1,0 +1,127 @@
+/**
+ * olmo2 (OLMo 2 and OLMo 3; llama.cpp src/models/olmo2.cpp): no norm before attention or the feed-forward; q and k
+ * RMS-normed over the whole projection (all heads together), RoPE NEOX over the whole head; RMS norms after attention
+ * (`attn_post_norm`) and after the SwiGLU feed-forward (`ffn_post_norm`), each before its residual add. OLMo 3 adds
+ * sliding-window blocks (`attention.sliding_window`): llama.cpp reads the pattern as a period (default 4: every fourth
+ * block global) and gives those blocks plain RoPE (`rope.freq_base_swa`, scale 1, no YaRN).
+ */
+import { Effect } from "effect"
+import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { Ptr } from "../../ggml/Bindings.js"
+import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
+import type { ArchModule } from "../Arch.js"
+import { type HParams, RopeMode, type SwaParams } from "../HParams.js"
+import { PLAIN_ROPE } from "../PositionScaling.js"
+import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
+import { swaLayerPattern } from "./gemma3.js"
+
+const invalid = (file: GgufFile, key: string, message: string) =>
+  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
+
+/** llama.cpp's default period of OLMo 3's sliding-window pattern: three sliding blocks, then a global one. */
+const DEFAULT_PERIOD = 4
+
+/**
+ * OLMo 3's sliding window. llama.cpp reads `attention.sliding_window_pattern` as a period only (an array, as the
+ * converter writes it, is passed over for the default 4); an array is accepted when it says the same, refused when
+ * it does not (swactor would otherwise run other blocks than llama.cpp does).
+ */
+const swaOf = (file: GgufFile, hp: HParams): Effect.Effect<SwaParams | undefined, ModelLoadError> =>
+  Effect.gen(function* () {
+    const k = (s: string) => `${hp.arch}.${s}`
+    const window = yield* getOptional(file, k("attention.sliding_window"), getU32)
+    if (window === undefined || window === 0) return undefined
+    const patternKey = k("attention.sliding_window_pattern")
+    const raw = file.metadata.get(patternKey)
+    let period = DEFAULT_PERIOD
+    if (raw !== undefined && !Array.isArray(raw)) period = yield* getU32(file, patternKey)
+    const layers = swaLayerPattern(hp.nLayer, period)
+    if (Array.isArray(raw)) {
+      const same = raw.length === hp.nLayer && raw.every((v, il) => v === layers[il])
+      if (!same)
+        return yield* Effect.fail(
+          invalid(
+            file,
+            patternKey,
+            `is a per-block pattern other than one global block in ${DEFAULT_PERIOD}, which llama.cpp reads as ` +
+              `that period regardless; swactor refuses rather than run other blocks than llama.cpp`
+          )
+        )
+    }
+    const base = (yield* getOptional(file, k("rope.freq_base_swa"), getF32)) ?? hp.ropeFreqBase
+    return { window, layers, ropeFreqBase: base, ropeFreqScale: 1 }
+  })
+
+const olmo2HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
+  Effect.gen(function* () {
+    // olmo2.cpp asserts n_rot == the head size
+    if (hp.nRot !== hp.headDimK)
+      return yield* Effect.fail(
+        invalid(file, `${hp.arch}.rope.dimension_count`, `= ${hp.nRot} must equal the head size ${hp.headDimK}`)
+      )
+    const swa = yield* swaOf(file, hp)
+    return swa === undefined ? hp : { ...hp, swa }
+  })
+
+/** The llama family's pre-norms: olmo2 has none (its norms come after attention and the feed-forward). */
+const preNorm = /^(attn_norm|ffn_norm)\./
+
+/**
+ * RoPE of block `t.layer`: a sliding-window block's plain RoPE (its base, scale 1, no YaRN: olmo2.cpp), else the
+ * model's.
+ */
+const ropeOf = (t: Toolkit, x: Ptr): Ptr => {
+  if (!t.slidingWindow) return t.rope(x)
+  const hp = t.hp
+  const swa = hp.swa!
+  const ext = hp.ropeExt ?? PLAIN_ROPE
+  return t.g.ggml_rope_ext(
+    t.ctx,
+    x,
+    t.inputs.pos,
+    null,
+    t.heads.nRot,
+    hp.ropeMode,
+    hp.nCtxOrig,
+    swa.ropeFreqBase,
+    1,
+    0,
+    1,
+    ext.betaFast,
+    ext.betaSlow
+  )
+}
+
+export const olmo2: ArchModule = {
+  name: "olmo2",
+  ropeMode: RopeMode.NEOX,
+  hparams: olmo2HParams,
+  blockTensors: (hp) => [
+    ...llamaBlockSpecs(hp, [
+      { name: "attn_q_norm.weight", dims: [hp.headDimK * hp.nHead], kind: "vector", required: true },
+      { name: "attn_k_norm.weight", dims: [hp.headDimK * hp.nHeadKv], kind: "vector", required: true },
+      { name: "post_attention_norm.weight", dims: [hp.nEmbd], kind: "vector", required: true },
+      { name: "post_ffw_norm.weight", dims: [hp.nEmbd], kind: "vector", required: true }
+    ]).filter((s) => !preNorm.test(s.name))
+  ],
+  buildOutput: llamaOutputHead,
+  buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
+    const g = t.g
+    const { k, q, v } = t.qkv(w, x)
+    const { headDimK, nHeadKv } = t.heads
+    // the norms span every head of the projection: normed as one row per token, then back to heads
+    const wide = (p: Ptr, heads: number, weight: Ptr) =>
+      g.ggml_reshape_3d(
+        t.ctx,
+        t.rmsNorm(g.ggml_reshape_2d(t.ctx, p, headDimK * heads, t.nTokens), weight),
+        headDimK,
+        heads,
+        t.nTokens
+      )
+    const qn = ropeOf(t, wide(q, t.hp.nHead, w.get("attn_q_norm.weight")))
+    const kn = ropeOf(t, wide(k, nHeadKv, w.get("attn_k_norm.weight")))
+    const att = t.attention(qn, kn, v, w.get("attn_output.weight"))
+    const ffnIn = t.add(t.rmsNorm(t.outputRows(att), w.get("post_attention_norm.weight")), t.outputRows(x))
+    return t.add(t.rmsNorm(t.ffnSwiglu(ffnIn, w), w.get("post_ffw_norm.weight")), ffnIn)
+  }
+}
