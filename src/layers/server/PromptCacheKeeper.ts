@@ -5,7 +5,7 @@
  */
 import { Chunk, Effect, Queue, type Scope } from "effect"
 import type { Pipeline } from "../../services/Orchestrator.js"
-import { makePromptCacheIndex, type PromptCacheMatch } from "../../services/PromptCacheIndex.js"
+import { makePromptCacheIndex, type PromptCacheIndex, type PromptCacheMatch } from "../../services/PromptCacheIndex.js"
 import type { PromptCacheOptions, ServerMetrics } from "../../services/Server.js"
 import type { HeldKv } from "./Admission.js"
 
@@ -43,6 +43,54 @@ export interface PromptCacheKeeper {
   readonly metrics: () => NonNullable<ServerMetrics["promptCache"]>
 }
 
+/** What the keeper's runs share: the index, its counters, and the way drops reach the agents. */
+interface KeeperParts {
+  readonly index: PromptCacheIndex
+  readonly counts: { hits: number; misses: number; cachedTokens: number }
+  readonly enabled: boolean
+  readonly held: HeldKv
+  readonly dropOnAgents: (ids: ReadonlyArray<number>) => void
+  readonly live: () => Pipeline | undefined
+}
+
+/** One admitted run's part of the cache: the entry it adopts (pinned until its scope closes) and the id it keeps. */
+const runCacheOf =
+  ({ counts, dropOnAgents, enabled, held, index, live }: KeeperParts) =>
+  (match: PromptCacheMatch | undefined, pipeline: Pipeline): Effect.Effect<RunCache, never, Scope.Scope> =>
+    Effect.gen(function* () {
+      const adopt = match !== undefined && index.has(match.entry) ? match : undefined
+      if (adopt !== undefined) index.pin(adopt.entry)
+      let pinned = adopt !== undefined
+      const unpin = () => {
+        if (pinned && adopt !== undefined) index.unpin(adopt.entry)
+        pinned = false
+      }
+      yield* Effect.addFinalizer(() => Effect.sync(unpin))
+      const keepId = enabled ? index.nextId() : undefined
+      let cachedTokens = 0
+      const run: RunCache = {
+        adopt,
+        keepId,
+        cachedTokens: () => cachedTokens,
+        promptCached: (n) => {
+          cachedTokens = n
+          counts.cachedTokens += n
+          if (n > 0) counts.hits++
+          else counts.misses++
+        },
+        unpin,
+        keep: (tokens, bytes, overBudget) => {
+          unpin()
+          if (keepId === undefined) return
+          if (tokens.length === 0 || live() !== pipeline) return dropOnAgents([keepId])
+          dropOnAgents(index.add({ id: keepId, tokens, bytes }))
+          // over the budget with it (requests admitted meanwhile): the least recently used not in use go
+          held.evictWhile(overBudget)
+        }
+      }
+      return run
+    })
+
 /**
  * A keeper whose drops reach the agents of the pipeline live at the time (`live`), through a queue drained in the
  * background for the scope's life.
@@ -74,40 +122,7 @@ export const make = (
       bytes: () => index.bytes(),
       evictWhile: (needMore) => dropOnAgents(index.evictWhile(needMore))
     }
-    const forRun = (match: PromptCacheMatch | undefined, pipeline: Pipeline) =>
-      Effect.gen(function* () {
-        const adopt = match !== undefined && index.has(match.entry) ? match : undefined
-        if (adopt !== undefined) index.pin(adopt.entry)
-        let pinned = adopt !== undefined
-        const unpin = () => {
-          if (pinned && adopt !== undefined) index.unpin(adopt.entry)
-          pinned = false
-        }
-        yield* Effect.addFinalizer(() => Effect.sync(unpin))
-        const keepId = enabled ? index.nextId() : undefined
-        let cachedTokens = 0
-        const run: RunCache = {
-          adopt,
-          keepId,
-          cachedTokens: () => cachedTokens,
-          promptCached: (n) => {
-            cachedTokens = n
-            counts.cachedTokens += n
-            if (n > 0) counts.hits++
-            else counts.misses++
-          },
-          unpin,
-          keep: (tokens, bytes, overBudget) => {
-            unpin()
-            if (keepId === undefined) return
-            if (tokens.length === 0 || live() !== pipeline) return dropOnAgents([keepId])
-            dropOnAgents(index.add({ id: keepId, tokens, bytes }))
-            // over the budget with it (requests admitted meanwhile): the least recently used not in use go
-            held.evictWhile(overBudget)
-          }
-        }
-        return run
-      })
+    const forRun = runCacheOf({ index, counts, enabled, held, dropOnAgents, live })
     return {
       enabled,
       held,
