@@ -32,12 +32,14 @@ import {
 import type { Admission } from "./Admission.js"
 import { readModelLayout } from "../gguf/ModelCatalogLive.js"
 import type * as KvSizing from "./KvSizing.js"
-
-/** An error of the orchestrator in words: its message, else its tag and fields. */
-export const errorWords = (error: { readonly _tag: string }): string => {
-  const message = "message" in error && typeof error.message === "string" ? error.message : ""
-  return message !== "" ? message : `${error._tag}: ${JSON.stringify(error)}`
-}
+import {
+  errorWords,
+  type Generation,
+  reviveFrom,
+  revivalAgentOf,
+  type RevivalContext,
+  revivingError
+} from "./Revival.js"
 
 /** The pipeline requests run on, and what /v1/models and ready report of it. */
 export interface LivePipeline {
@@ -93,11 +95,6 @@ export const make = (deps: {
       stageCount: pipeline.stageCount,
       parallel
     })
-    /** A pipeline of its own scope (a child of `parent`): a revival may close it (its local agents stopped) and open another. */
-    interface Generation {
-      readonly pipeline: Pipeline
-      readonly scope: Scope.CloseableScope
-    }
     const openGeneration = (parent: Scope.Scope) =>
       Effect.gen(function* () {
         const scope = yield* Scope.fork(parent, ExecutionStrategy.sequential)
@@ -117,208 +114,23 @@ export const make = (deps: {
         yield* admission.reshaped(tooLong)
       })
 
-    // --- revival: every agent lost; keep trying, with backoff, until a run succeeds again ---
-    const revive = {
-      firstMillis: Duration.toMillis(Duration.decode(options.revive?.firstDelay ?? "500 millis")),
-      maxMillis: Duration.toMillis(Duration.decode(options.revive?.maxDelay ?? "10 seconds")),
-      freshAfterMillis: Duration.toMillis(Duration.decode(options.revive?.freshAgentsAfter ?? "30 seconds"))
-    }
-    /** The wait before attempt n (1, 2, ...): first, doubling, capped. */
-    const reviveDelay = (attempt: number) =>
-      Math.min(revive.maxMillis, revive.firstMillis * 2 ** Math.min(attempt - 1, 30))
-    const seconds = (millis: number) => `${(millis / 1000).toFixed(millis < 10_000 ? 1 : 0)} s`
-    const revivalAgentOf = (member: PipelineMember): RevivalAgent => ({
-      address: member.agent.node.address,
-      pid: member.agent.pid,
-      state: member.exited ? "exited" : member.state,
-      detail: member.state === "up" ? "" : member.detail
-    })
-    const agentWords = (agent: RevivalAgent) =>
-      `${agent.address} (pid ${agent.pid}) ${agent.state}${agent.detail === "" ? "" : `: ${agent.detail}`}`
-    /** What a request is told while the server revives. */
-    const revivingError = (s: Extract<ServerStatus, { _tag: "Reviving" }>) => {
-      const next = s.nextAttemptAtMillis === null ? 0 : Math.max(0, s.nextAttemptAtMillis - Date.now())
-      const waiting = s.waitingFor.filter((agent) => agent.state !== "up")
-      return new ServerReviving({
-        retryAfterSeconds: Math.max(1, Math.ceil(next / 1000)),
-        message:
-          `the pipeline is being revived: ${s.message} ${seconds(Date.now() - s.sinceMillis)} ago; ` +
-          (s.nextAttemptAtMillis === null
-            ? `attempt ${s.attempts + 1} is running`
-            : `attempt ${s.attempts + 1} in ${seconds(next)}`) +
-          (s.waitingFor.length === 0
-            ? ", on fresh local agents"
-            : waiting.length === 0
-              ? ""
-              : `, waiting for ${waiting.length} agent(s) to answer again (/health names them)`)
-      })
-    }
-
-    type Attempt =
-      | { readonly _tag: "Revived"; readonly generation: Generation; readonly words: string }
-      | {
-          readonly _tag: "NotYet"
-          readonly generation: Generation | undefined
-          readonly words: string
-          /** Nothing was tried: no agent answers yet. */
-          readonly waiting: boolean
-        }
-
-    /**
-     * One attempt: on the agents that answer again (a run must succeed on them); else, local agents that all exited
-     * or that have been given up on are stopped and a fresh pipeline is set up; else (remote nodes, or local ones
-     * still within `freshAgentsAfter`) nothing to do but wait for them.
-     */
-    const attemptRevival = (
-      parent: Scope.Scope,
-      generation: Generation | undefined,
-      sinceMillis: number
-    ): Effect.Effect<Attempt> =>
-      Effect.gen(function* () {
-        if (generation !== undefined) {
-          const members = yield* generation.pipeline.members
-          const answering = members.filter((m) => m.state === "up")
-          if (answering.length > 0) {
-            const names = answering.map((m) => `${m.agent.node.address} (pid ${m.agent.pid})`).join(", ")
-            const run = yield* Effect.either(warmUp(generation.pipeline))
-            return Either.isRight(run)
-              ? ({
-                  _tag: "Revived",
-                  generation,
-                  words: `a run succeeded on the agents that answer again: ${names}`
-                } as const)
-              : ({
-                  _tag: "NotYet",
-                  generation,
-                  words: `a run on the agents that answer again (${names}) failed: ${errorWords(run.left)}`,
-                  waiting: false
-                } as const)
-          }
-          const waited = Date.now() - sinceMillis
-          const allExited = members.every((m) => m.exited)
-          if (!generation.pipeline.localAgents || (!allExited && waited < revive.freshAfterMillis)) {
-            return {
-              _tag: "NotYet",
-              generation,
-              words: `no agent answers yet: ${members.map((m) => agentWords(revivalAgentOf(m))).join("; ")}`,
-              waiting: true
-            } as const
-          }
-          // Given up on (or gone): stopped (SIGTERM, then SIGKILL: a stopped process too) before fresh ones start.
-          yield* Scope.close(generation.scope, Exit.void)
-        }
-        const opened = yield* Effect.either(openGeneration(parent))
-        if (Either.isLeft(opened)) {
-          return {
-            _tag: "NotYet",
-            generation: undefined,
-            words: `setting up fresh local agents failed: ${errorWords(opened.left)}`,
-            waiting: false
-          } as const
-        }
-        const fresh = opened.right
-        yield* observePipeline(fresh.pipeline)
-        const run = yield* Effect.either(warmUp(fresh.pipeline))
-        if (Either.isLeft(run)) {
-          yield* Scope.close(fresh.scope, Exit.void)
-          return {
-            _tag: "NotYet",
-            generation: undefined,
-            words: `a run on fresh local agents failed: ${errorWords(run.left)}`,
-            waiting: false
-          } as const
-        }
-        const pids = fresh.pipeline.agents.map((a) => a.pid).join(", ")
-        return {
-          _tag: "Revived",
-          generation: fresh,
-          words: `a run succeeded on ${fresh.pipeline.agents.length} fresh local agents (pids ${pids}); the old ones were stopped`
-        } as const
-      })
-
-    /** Every agent of `lost`'s pipeline was lost: Reviving until an attempt succeeds; returns the generation serving again. */
-    const reviveFrom = (parent: Scope.Scope, lost: Generation, message: string) =>
-      Effect.gen(function* () {
-        const sinceMillis = Date.now()
-        let generation: Generation | undefined = lost
-        revivingOn = lost.pipeline
-        let attempts = 0
-        let lastAttempt: string | undefined
-        const waitingFor = () =>
-          generation === undefined
-            ? Effect.succeed([] as ReadonlyArray<RevivalAgent>)
-            : Effect.map(generation.pipeline.members, (members) => members.map(revivalAgentOf))
-        const setReviving = (nextAttemptAtMillis: number | null) =>
-          Effect.flatMap(waitingFor(), (agents) =>
-            Ref.set(status, {
-              _tag: "Reviving",
-              message,
-              sinceMillis,
-              attempts,
-              nextAttemptAtMillis,
-              waitingFor: agents,
-              ...(generation === undefined || generation.pipeline.localAgents
-                ? { freshAgentsAtMillis: sinceMillis + revive.freshAfterMillis }
-                : {}),
-              ...(lastAttempt === undefined ? {} : { lastAttempt })
-            })
-          )
-        yield* setReviving(Date.now() + reviveDelay(1))
+    // --- revival: every agent lost; keep trying, with backoff, until a run succeeds again (Revival.ts) ---
+    const revival: RevivalContext = {
+      options: options.revive,
+      status,
+      admission,
+      counts,
+      log,
+      openGeneration,
+      warmUp,
+      observePipeline,
+      stopServing: () => {
         live = undefined
-        // Requests waiting for admission cannot run now: told so, as new ones are.
-        const now = yield* Ref.get(status)
-        if (now._tag === "Reviving") yield* admission.failAll(revivingError(now))
-        log(
-          `swactor serve: ${message}: ${(yield* waitingFor()).map(agentWords).join("; ")}; reviving the pipeline ` +
-            `(attempts every ${seconds(revive.firstMillis)}, doubling to ${seconds(revive.maxMillis)})`
-        )
-        // Until an attempt has found agents answering, one that answers again (rejoined: PipelineSetup) starts the
-        // next attempt early (never sooner than `firstDelay` after the last); after a failed run on them, the backoff
-        // alone paces the attempts. Local agents are given up on at `freshAgentsAfter`, not at the next backoff step.
-        let wakeOnAnswer = true
-        const someoneAnswers = Effect.suspend(() =>
-          generation === undefined
-            ? Effect.never
-            : generation.pipeline.members.pipe(
-                Effect.repeat({
-                  schedule: Schedule.spaced("100 millis"),
-                  until: (members) => members.some((m) => m.state === "up")
-                }),
-                Effect.asVoid
-              )
-        )
-        while (true) {
-          const untilFresh = sinceMillis + revive.freshAfterMillis - Date.now()
-          const delay =
-            generation !== undefined && generation.pipeline.localAgents && untilFresh > 0
-              ? Math.min(reviveDelay(attempts + 1), Math.max(revive.firstMillis, untilFresh))
-              : reviveDelay(attempts + 1)
-          yield* setReviving(Date.now() + delay)
-          yield* wakeOnAnswer && delay > revive.firstMillis
-            ? Effect.race(Effect.sleep(delay), Effect.zipRight(Effect.sleep(revive.firstMillis), someoneAnswers))
-            : Effect.sleep(delay)
-          yield* setReviving(null)
-          attempts++
-          counts.revivalAttempts++
-          const attempt: Attempt = yield* attemptRevival(parent, generation, sinceMillis)
-          generation = attempt.generation
-          revivingOn = generation?.pipeline
-          wakeOnAnswer = attempt._tag === "NotYet" && attempt.waiting
-          lastAttempt = attempt.words
-          if (attempt._tag === "Revived") {
-            counts.revivals++
-            revivingOn = undefined
-            log(
-              `swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; serving again ` +
-                `${seconds(Date.now() - sinceMillis)} after every agent was lost`
-            )
-            return attempt.generation
-          }
-          log(
-            `swactor serve: reviving the pipeline: attempt ${attempts}: ${attempt.words}; next attempt in at most ${seconds(reviveDelay(attempts + 1))}`
-          )
-        }
-      })
+      },
+      waitOn: (pipeline) => {
+        revivingOn = pipeline
+      }
+    }
 
     /** Completes once every agent of the pipeline is lost (runs recover on the others until then). */
     const everyAgentLost = (pipeline: Pipeline) =>
@@ -357,7 +169,7 @@ export const make = (deps: {
       // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server revives it.
       while (true) {
         yield* everyAgentLost(generation.pipeline)
-        generation = yield* reviveFrom(parent, generation, "every agent of the pipeline was lost")
+        generation = yield* reviveFrom(revival, parent, generation, "every agent of the pipeline was lost")
         yield* serveOn(generation.pipeline)
       }
     }).pipe(

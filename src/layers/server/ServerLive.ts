@@ -27,6 +27,7 @@ import * as KvSizing from "./KvSizing.js"
 import * as MetricsRecorder from "./MetricsRecorder.js"
 import * as PipelineLifecycle from "./PipelineLifecycle.js"
 import * as PromptCacheKeeper from "./PromptCacheKeeper.js"
+import { errorWords } from "./Revival.js"
 
 export const make = (options: ServeOptions) =>
   Effect.gen(function* () {
@@ -259,7 +260,7 @@ export const make = (options: ServeOptions) =>
                 Stream.mapError((error): ServeError =>
                   error._tag === "InvalidRequest"
                     ? new BadServeRequest({ message: error.message })
-                    : new PipelineFaulted({ message: PipelineLifecycle.errorWords(error) })
+                    : new PipelineFaulted({ message: errorWords(error) })
                 ),
                 Stream.tapError(() => Effect.sync(() => (outcome = "failed"))),
                 Stream.tap(observePlan),
