@@ -121,6 +121,9 @@ export interface CommandDoc {
 
 type Flags = { readonly [key: string]: Flag<any> }
 
+/** What a record of flags parses into: each key's value as the command gets it. */
+export type ArgsOf<F extends Flags> = { readonly [K in keyof F]: F[K] extends Flag<infer A> ? A : never }
+
 /** The @effect/cli options of a record of flags, for `Command.make`. */
 export const optionsOf = <F extends Flags>(flags: F): { readonly [K in keyof F]: F[K]["options"] } =>
   Object.fromEntries(Object.entries(flags).map(([key, flag]) => [key, flag.options])) as {

@@ -1,9 +1,10 @@
 /** Whether the model can serve what `swactor run` asks, checked before any agent starts. */
 import { Effect } from "effect"
 import * as TokenizerLive from "../layers/gguf/TokenizerLive.js"
-import { contextProblem, fitsContext, stagesProblem } from "../services/RequestChecks.js"
+import { contextProblem, fitsContext } from "../services/RequestChecks.js"
 import { Tokenizer } from "../services/Tokenizer.js"
 import { modelFactsOf, UsageError } from "./Flags.js"
+import { checkStagesFit } from "./PipelineFlags.js"
 
 /**
  * What the model allows, checked before any agent starts, from its metadata (the GGUF header; no weights): the
@@ -14,10 +15,7 @@ import { modelFactsOf, UsageError } from "./Flags.js"
 export const checkModelFit = (model: string, prompt: string, maxTokens: number, stages: number | undefined) =>
   Effect.gen(function* () {
     const facts = yield* modelFactsOf(model)
-    if (stages !== undefined) {
-      const problem = stagesProblem(stages, facts.numLayers, "--stages")
-      if (problem !== undefined) return yield* new UsageError({ message: problem })
-    }
+    yield* checkStagesFit(stages, facts)
     // Every prompt token covers at least one byte of the text, plus BOS and a leading-space token at most: when that
     // bound fits, the (slow: node-llama-cpp) vocabulary load is left to the run itself.
     if (fitsContext(Buffer.byteLength(prompt, "utf8") + 4, maxTokens, facts.maxSeqLen)) return

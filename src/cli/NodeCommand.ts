@@ -9,28 +9,18 @@ import { Console, Data, Effect, Layer, Option } from "effect"
 import type { TransportAddress } from "../domain/frames.js"
 import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
-import { announceReady, clusterTokenEnv, watchParentPipe } from "../layers/agent/ReadyLine.js"
+import { announceReady, watchParentPipe } from "../layers/agent/ReadyLine.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
-import { startNodeAgent } from "../layers/agent/NodeAgent.js"
+import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
 import { layerSlowed } from "../layers/engine/StageExecutorSlowed.js"
 import { agentHooks } from "../layers/config/Settings.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
-import {
-  backend as checkBackend,
-  backendFlag,
-  clusterToken,
-  minTokenLength,
-  optionalThreads,
-  threadsFlag,
-  tlsFlag,
-  tlsMode,
-  tokenFileFlag
-} from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
 import { commandDoc, optionsOf } from "./FlagSpec.js"
+import { backendFlag, checkAgentFlags, securityFlags, threadsFlag } from "./PipelineFlags.js"
 import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
@@ -52,24 +42,8 @@ const address = (text: string, flag: string): Effect.Effect<TransportAddress, No
     : Effect.succeed(parsed)
 }
 
-export interface NodeArgs {
-  readonly listen: string
-  readonly dataListen: Option.Option<string>
-  readonly dataAdvertise: Option.Option<string>
-  readonly threads: Option.Option<number>
-  /** The stage backend and the ggml package (none: SWACTOR_GGML_PACKAGE picks the package, stages use the CPU). */
-  readonly backend: Option.Option<"cpu" | "cuda" | "auto">
-  /** TLS on links to other hosts (none: SWACTOR_TLS, else auto). */
-  readonly tls?: Option.Option<"auto" | "always" | "off">
-  readonly engine: "live" | "test"
-  readonly tokenFile: Option.Option<string>
-  readonly memoryLimit?: Option.Option<number>
-  readonly speed?: Option.Option<number>
-  readonly cacheDir?: Option.Option<string>
-  readonly slicesOnly?: boolean
-  /** When to measure the engine's speed: before announcing ready (default) or after (off the start-up path). */
-  readonly speedProbe?: "start" | "after-ready"
-}
+/** What the flags of `swactor node` parse into. */
+export type NodeArgs = Flag.ArgsOf<typeof nodeFlags>
 
 /** `swactor node` until an operator stops it (SIGINT/SIGTERM/SIGHUP: every hosted stage stopped, then exit 128+n). */
 export const runNodeCommand = (args: NodeArgs, executorFor: StageExecutorFor = stageExecutorFor) =>
@@ -78,28 +52,17 @@ export const runNodeCommand = (args: NodeArgs, executorFor: StageExecutorFor = s
     onStop: (stop) => (stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void)
   })
 
-const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
+/** The flags of `node`, checked: the shared ones (cli/PipelineFlags.ts), then its addresses, memory limit and speed. */
+const checkNodeFlags = (args: NodeArgs) =>
   Effect.gen(function* () {
-    const token = yield* clusterToken(args.tokenFile)
-    if (token === "") {
-      return yield* new NodeUsageError({
-        message: `no cluster token: set ${clusterTokenEnv} or pass --token-file (at least ${minTokenLength} characters; make one with: openssl rand -hex 32)`
-      })
-    }
-    const threadsFlag = yield* optionalThreads(args.threads)
-    const backend = yield* checkBackend(args.backend)
-    const tls = yield* tlsMode(args.tls ?? Option.none())
-    // Tuning and bench hooks, read once here (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
-    // k times slower and divides its measured speed by k (StageExecutorSlowed.ts; bench:cluster's throttled node).
-    const hooks = agentHooks()
-    const slowdown = hooks.slowdown
+    const shared = yield* checkAgentFlags(args)
     const listen = yield* address(args.listen, "listen")
     const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
     const dataAdvertise = Option.isSome(args.dataAdvertise)
       ? yield* address(args.dataAdvertise.value, "data-advertise")
       : undefined
-    const memoryLimitBytes = Option.getOrUndefined(args.memoryLimit ?? Option.none())
-    const speedBytesPerSecond = Option.getOrUndefined(args.speed ?? Option.none())
+    const memoryLimitBytes = Option.getOrUndefined(args.memoryLimit)
+    const speedBytesPerSecond = Option.getOrUndefined(args.speed)
     if (memoryLimitBytes !== undefined && !(memoryLimitBytes > 0)) {
       return yield* new NodeUsageError({
         message: `--memory-limit: ${memoryLimitBytes} is not a positive number of bytes`
@@ -110,80 +73,122 @@ const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
         message: `--speed: ${speedBytesPerSecond} is not a positive bytes-per-second figure`
       })
     }
-    const threads = Option.getOrElse(threadsFlag, () => Math.min(maxThreads, Math.max(1, Os.availableParallelism())))
-    // Placement's speed: declared, or a short timed ggml matrix product with the live engine (none with the test one).
-    // after-ready (local agents of `swactor run`): the agent announces itself first and reports no speed (placement's
-    // default) until the probe has run, so the probe is not on the run's start-up path.
-    const probeLater = speedBytesPerSecond === undefined && args.engine === "live" && args.speedProbe === "after-ready"
-    const laterSpeed: { current: number | undefined } = { current: undefined }
-    const speed =
-      speedBytesPerSecond !== undefined
-        ? { speedBytesPerSecond, speedSource: "declared" as const }
-        : args.engine === "live" && !probeLater
-          ? yield* Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
-              Effect.map((measured) => ({ speedBytesPerSecond: measured, speedSource: "measured" as const })),
-              Effect.catchAll((error) =>
-                Console.error(
-                  `swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`
-                ).pipe(Effect.as(undefined))
-              )
-            )
-          : undefined
-    const engine = executorFor(args.engine)
-    const executor = slowdown > 1 ? layerSlowed(slowdown).pipe(Layer.provide(engine)) : engine
+    const threads = shared.threads ?? Math.min(maxThreads, Math.max(1, Os.availableParallelism()))
+    return { ...shared, threads, listen, dataListen, dataAdvertise, memoryLimitBytes, speedBytesPerSecond }
+  })
 
-    yield* Effect.gen(function* () {
-      const agent = yield* startNodeAgent({
-        listen,
-        ...(dataListen === undefined ? {} : { dataListen }),
-        ...(dataAdvertise === undefined ? {} : { dataAdvertise }),
-        token,
-        threads,
-        backend,
-        ...(hooks.batchMaxRows === undefined && hooks.prefillChunk === undefined
-          ? {}
-          : {
-              batch: {
-                ...(hooks.batchMaxRows === undefined ? {} : { maxRows: hooks.batchMaxRows }),
-                ...(hooks.prefillChunk === undefined ? {} : { prefillChunk: hooks.prefillChunk })
-              }
-            }),
-        ...(hooks.settleWeights === "auto" ? {} : { settleWeights: hooks.settleWeights }),
-        ...(args.cacheDir !== undefined && Option.isSome(args.cacheDir) ? { cacheDir: args.cacheDir.value } : {}),
-        ...(args.slicesOnly === true ? { slicesOnly: true } : {}),
-        log: (line: string) => void process.stderr.write(`swactor node: ${line}\n`),
-        ...(memoryLimitBytes === undefined ? {} : { memoryLimitBytes }),
-        ...(speed === undefined ? {} : speed),
-        ...(probeLater ? { laterSpeed } : {}),
-        // the real engine's step costs by rows decide the decode micro-batch size (StepCosts.ts)
-        ...(args.engine === "live" ? { stepProbeRows: 8 } : {})
-      })
-      watchParentPipe(() => process.exit(0))
-      if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
-      if (probeLater) {
-        // Not at once: right after the ready line come the stage's load and the prompt's prefill, and on a machine
-        // with few cores a probe then (~0.1 s of every core it is given) would delay the run's first token.
-        yield* Effect.forkScoped(
-          Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
-            Effect.delay(laterProbeDelay),
-            Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured))),
-            Effect.catchAll((error) =>
-              Console.error(
-                `swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`
-              )
-            )
+type CheckedNodeFlags = Effect.Effect.Success<ReturnType<typeof checkNodeFlags>>
+
+type Speed = Pick<NodeAgentOptions, "speedBytesPerSecond" | "speedSource">
+
+/** The engine's speed now (a short timed ggml matrix product), slowed by the bench hook; none when it fails. */
+const measuredSpeed = (threads: number, slowdown: number): Effect.Effect<number | undefined> =>
+  Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
+    Effect.catchAll((error) =>
+      Console.error(
+        `swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`
+      ).pipe(Effect.as(undefined))
+    )
+  )
+
+/** Placement's speed at start: declared, or measured with the live engine (none with the test one, or measured later). */
+const speedAtStart = (
+  args: NodeArgs,
+  flags: CheckedNodeFlags,
+  slowdown: number,
+  probeLater: boolean
+): Effect.Effect<Speed | undefined> =>
+  flags.speedBytesPerSecond !== undefined
+    ? Effect.succeed({ speedBytesPerSecond: flags.speedBytesPerSecond, speedSource: "declared" })
+    : args.engine === "live" && !probeLater
+      ? measuredSpeed(flags.threads, slowdown).pipe(
+          Effect.map((measured) =>
+            measured === undefined ? undefined : { speedBytesPerSecond: measured, speedSource: "measured" as const }
           )
         )
-      }
-      yield* Console.error(
-        `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
-          `${threads} threads, ${backend} backend, ${args.engine} engine` +
-          (speed === undefined ? "" : `, ${(speed.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${speed.speedSource}`) +
-          `, TLS ${tls}` +
-          ` (pid ${process.pid})`
+      : Effect.succeed(undefined)
+
+/** What the agent is started with: the checked flags, the tuning hooks, its speed. */
+const agentOptions = (
+  args: NodeArgs,
+  flags: CheckedNodeFlags,
+  hooks: ReturnType<typeof agentHooks>,
+  speed: Speed | undefined,
+  laterSpeed: NodeAgentOptions["laterSpeed"]
+): NodeAgentOptions => ({
+  listen: flags.listen,
+  ...(flags.dataListen === undefined ? {} : { dataListen: flags.dataListen }),
+  ...(flags.dataAdvertise === undefined ? {} : { dataAdvertise: flags.dataAdvertise }),
+  token: flags.token,
+  threads: flags.threads,
+  backend: flags.backend,
+  ...(hooks.batchMaxRows === undefined && hooks.prefillChunk === undefined
+    ? {}
+    : {
+        batch: {
+          ...(hooks.batchMaxRows === undefined ? {} : { maxRows: hooks.batchMaxRows }),
+          ...(hooks.prefillChunk === undefined ? {} : { prefillChunk: hooks.prefillChunk })
+        }
+      }),
+  ...(hooks.settleWeights === "auto" ? {} : { settleWeights: hooks.settleWeights }),
+  ...(Option.isSome(args.cacheDir) ? { cacheDir: args.cacheDir.value } : {}),
+  ...(args.slicesOnly ? { slicesOnly: true } : {}),
+  log: (line: string) => void process.stderr.write(`swactor node: ${line}\n`),
+  ...(flags.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: flags.memoryLimitBytes }),
+  ...(speed === undefined ? {} : speed),
+  ...(laterSpeed === undefined ? {} : { laterSpeed }),
+  // the real engine's step costs by rows decide the decode micro-batch size (StepCosts.ts)
+  ...(args.engine === "live" ? { stepProbeRows: 8 } : {})
+})
+
+/**
+ * The agent, from its ready line until stopped: its speed measured after the ready line when asked (`laterSpeed`),
+ * one start line on stderr.
+ */
+const hostStages = (args: NodeArgs, flags: CheckedNodeFlags, options: NodeAgentOptions, slowdown: number) =>
+  Effect.gen(function* () {
+    const agent = yield* startNodeAgent(options)
+    watchParentPipe(() => process.exit(0))
+    if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
+    const laterSpeed = options.laterSpeed
+    if (laterSpeed !== undefined) {
+      // Not at once: right after the ready line come the stage's load and the prompt's prefill, and on a machine
+      // with few cores a probe then (~0.1 s of every core it is given) would delay the run's first token.
+      yield* Effect.forkScoped(
+        measuredSpeed(flags.threads, slowdown).pipe(
+          Effect.delay(laterProbeDelay),
+          Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured)))
+        )
       )
-      return yield* Effect.never
-    }).pipe(Effect.scoped, Effect.provide(Layer.mergeAll(executor, AgentLinksLive.layerDataPlane)))
+    }
+    const speed = options.speedBytesPerSecond
+    yield* Console.error(
+      `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
+        `${flags.threads} threads, ${flags.backend} backend, ${args.engine} engine` +
+        (speed === undefined ? "" : `, ${(speed / 1e9).toFixed(2)} GB/s ${options.speedSource}`) +
+        `, TLS ${flags.tls}` +
+        ` (pid ${process.pid})`
+    )
+    return yield* Effect.never
+  }).pipe(Effect.scoped)
+
+const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
+  Effect.gen(function* () {
+    const flags = yield* checkNodeFlags(args)
+    // Tuning and bench hooks, read once here (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
+    // k times slower and divides its measured speed by k (StageExecutorSlowed.ts; bench:cluster's throttled node).
+    const hooks = agentHooks()
+    // after-ready (local agents of `swactor run`): the agent announces itself first and reports no speed (placement's
+    // default) until the probe has run, so the probe is not on the run's start-up path.
+    const probeLater =
+      flags.speedBytesPerSecond === undefined && args.engine === "live" && args.speedProbe === "after-ready"
+    const speed = yield* speedAtStart(args, flags, hooks.slowdown, probeLater)
+    const options = agentOptions(args, flags, hooks, speed, probeLater ? { current: undefined } : undefined)
+    const engine = executorFor(args.engine)
+    const executor = hooks.slowdown > 1 ? layerSlowed(hooks.slowdown).pipe(Layer.provide(engine)) : engine
+    yield* hostStages(args, flags, options, hooks.slowdown).pipe(
+      Effect.provide(Layer.mergeAll(executor, AgentLinksLive.layerDataPlane))
+    )
   }).pipe(
     Effect.tapError((error) =>
       Console.error(`swactor node: ${"message" in error && error.message !== "" ? error.message : String(error)}`)
@@ -210,9 +215,9 @@ const nodeFlags = {
     value: "ADDRESS",
     text: "data address to tell orchestrators, when it differs from the bound one (NAT, proxies)"
   }).optional(),
+  ...securityFlags,
   threads: threadsFlag(engineGroup),
   backend: backendFlag(engineGroup, ""),
-  tls: tlsFlag,
   memoryLimit: Flag.integer("memory-limit", {
     group: engineGroup,
     value: "BYTES",
@@ -231,7 +236,6 @@ const nodeFlags = {
     group: engineGroup,
     text: "stage engine: live (ggml) or test (a deterministic double, for tests)"
   }).withDefault("live"),
-  tokenFile: tokenFileFlag,
   cacheDir: Flag.text("cache-dir", {
     group: "Weights",
     value: "DIR",

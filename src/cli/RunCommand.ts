@@ -3,8 +3,9 @@
  * agent process per stage on this machine and runs the same distributed path over loopback.
  * Streams the text to stdout; progress and the summary go to stderr.
  *
- * The steps, each in its own module: the flags and their checks (RunFlags), the model (DefaultModel, ModelFit), the
- * request and its agent pool (RunRequestFromFlags), what is printed (RunOutput, DryRunPreview), operator stops (Signals).
+ * The steps, each in its own module: the flags and their checks (RunFlags, over PipelineFlags shared with serve and
+ * node), the model (DefaultModel, ModelFit), the request and its agent pool (RunRequestFromFlags), what is printed
+ * (RunOutput, DryRunPreview), operator stops (Signals).
  */
 import * as Command from "@effect/cli/Command"
 import { Console, Effect, Option, Stream } from "effect"
@@ -15,7 +16,8 @@ import { checkModelFit } from "./ModelFit.js"
 import { commandDoc, optionsOf } from "./FlagSpec.js"
 import { type RunArgs, runFlags, runGroups, validateRunFlags } from "./RunFlags.js"
 import { type JsonReport, makeRunPrinter, printJsonReport, reportFailure, reportOperatorStop } from "./RunOutput.js"
-import { agentPoolFromFlags, plannedStages, requestFromFlags } from "./RunRequestFromFlags.js"
+import { plannedStages } from "./PipelineFlags.js"
+import { agentPoolFromFlags, requestFromFlags } from "./RunRequestFromFlags.js"
 import { untilOperatorStop } from "./Signals.js"
 import { makePhaseClock } from "./StartupPhases.js"
 
@@ -25,7 +27,7 @@ const runRun = (args: RunArgs, json: JsonReport) =>
     clock.mark("start")
     const flags = yield* validateRunFlags(args)
     const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
-    yield* checkModelFit(model, flags.prompt, flags.maxTokens, plannedStages(flags))
+    yield* checkModelFit(model, flags.prompt, flags.maxTokens, plannedStages(flags.pipeline, flags.localStages))
     clock.mark("checked")
     const request = requestFromFlags(args, flags, model)
     const layer = agentPoolFromFlags(args, flags, request)

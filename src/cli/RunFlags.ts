@@ -1,77 +1,23 @@
 /**
  * The flags of `swactor run`: their options, the arguments they parse into, and the checks every flag passes before
- * anything starts (numbers, sampling, nodes and cluster token, placement, the prompt).
+ * anything starts (the pipeline's, shared with serve: cli/PipelineFlags.ts; then numbers, sampling, placement, the
+ * prompt).
  */
 import { readFileSync } from "node:fs"
 import { Effect, Option } from "effect"
-import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import type { PlacementRequest } from "../services/Orchestrator.js"
 import { parseLayerSpec } from "../services/Placement.js"
 import { emptyPromptMessage, isEmptyPrompt } from "../services/RequestChecks.js"
-import {
-  agentList,
-  agentsFlag,
-  atLeast,
-  backendFlag,
-  clusterToken,
-  deliverWeightsFlag,
-  localBackendArgs,
-  optionalPrefillThreads,
-  optionalThreads,
-  optionalWholeNumber,
-  prefillThreadsFlag,
-  spares as checkSpares,
-  sparesFlag,
-  threadsFlag,
-  tlsFlag,
-  tlsMode,
-  tokenFileFlag,
-  tokenLoopFlag,
-  UsageError,
-  wholeNumber
-} from "./Flags.js"
+import { atLeast, optionalWholeNumber, UsageError, wholeNumber } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
-import { samplingFlags, type SamplingFlagArgs, samplingFromFlags } from "./SamplingFlags.js"
-
-export interface RunArgs extends SamplingFlagArgs {
-  readonly model: Option.Option<string>
-  readonly prompt: Option.Option<string>
-  readonly promptFile: Option.Option<string>
-  readonly stages: Option.Option<number>
-  readonly maxTokens: number
-  readonly temperature: number
-  readonly topK: number
-  readonly seed: Option.Option<number>
-  readonly threads: Option.Option<number>
-  readonly agents: Option.Option<string>
-  readonly tokenFile: Option.Option<string>
-  readonly quiet: boolean
-  readonly json: boolean
-  readonly dryRun: boolean
-  readonly placement?: "balanced" | "capacity" | "fixed" | undefined
-  readonly layers?: Option.Option<string>
-  /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
-  readonly deliverWeights?: "auto" | "always" | "never"
-  /** --token-loop on|off: the last stage sends each token straight to stage 0 (PipelineOptions.tokenLoop). */
-  readonly tokenLoop?: "on" | "off"
-  /** --prefill-threads N (PipelineOptions.prefillThreads). */
-  readonly prefillThreads?: Option.Option<number>
-  readonly spares?: number
-  /** --tls auto|always|off (else SWACTOR_TLS): the links of this run's agents. */
-  readonly tls?: Option.Option<"auto" | "always" | "off">
-  /** --backend cpu|cuda|auto: the local agents' backend (else SWACTOR_GGML_PACKAGE picks their package; CPU stages). */
-  readonly backend?: Option.Option<"cpu" | "cuda" | "auto">
-}
+import { checkPipelineFlags, defaultLocalStages, modelFlag, pipelineFlags, securityFlags } from "./PipelineFlags.js"
+import { samplingFlags, samplingFromFlags } from "./SamplingFlags.js"
 
 const defaultPrompt = "Once upon a time"
-/** Local agents a run starts without --stages or --agents. */
-const defaultLocalStages = 2
 
 /** The flags of `swactor run`: what they parse into and what `--help` says of them. */
 export const runFlags = {
-  model: Flag.modelPath("model", { group: "Model and prompt", text: "GGUF model" }).optional(
-    "a small synthetic model, written once to ~/.cache/swactor"
-  ),
+  model: modelFlag("Model and prompt").optional("a small synthetic model, written once to ~/.cache/swactor"),
   prompt: Flag.text("prompt", {
     group: "Model and prompt",
     text: "prompt text, or - to read it from standard input"
@@ -80,9 +26,6 @@ export const runFlags = {
     group: "Model and prompt",
     text: "read the prompt from this file"
   }).optional(),
-  stages: Flag.integer("stages", { group: "Pipeline", text: "pipeline stages" }).optional(
-    `${defaultLocalStages} local agents; with --agents, one per agent`
-  ),
   maxTokens: Flag.integer("max-tokens", {
     group: "Sampling",
     text: "tokens to generate (prompt + max tokens must fit the model's context)"
@@ -93,20 +36,7 @@ export const runFlags = {
     "a random one"
   ),
   ...samplingFlags,
-  threads: threadsFlag("Pipeline"),
-  agents: agentsFlag,
-  tls: tlsFlag,
-  backend: backendFlag("Pipeline", " of the local agents"),
-  tokenFile: tokenFileFlag,
-  quiet: Flag.boolean("quiet", { group: "Output", text: "only the text: no progress, no summary" }),
-  json: Flag.boolean("json", {
-    group: "Output",
-    text: "print one JSON document when the run ends: ok, text, tokens, summary or fault"
-  }),
-  dryRun: Flag.boolean("dry-run", {
-    group: "Output",
-    text: "ask the nodes for their capacity, print the placement, provision nothing"
-  }),
+  ...pipelineFlags("orchestrator"),
   placement: Flag.choice("placement", ["balanced", "capacity", "fixed"], {
     group: "Pipeline",
     text: "balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"
@@ -118,11 +48,20 @@ export const runFlags = {
     value: "RANGES",
     text: "fixed block ranges per stage, inclusive, e.g. 0-9,10-15"
   }).optional(),
-  deliverWeights: deliverWeightsFlag,
-  tokenLoop: tokenLoopFlag("orchestrator"),
-  prefillThreads: prefillThreadsFlag,
-  spares: sparesFlag
+  ...securityFlags,
+  quiet: Flag.boolean("quiet", { group: "Output", text: "only the text: no progress, no summary" }),
+  json: Flag.boolean("json", {
+    group: "Output",
+    text: "print one JSON document when the run ends: ok, text, tokens, summary or fault"
+  }),
+  dryRun: Flag.boolean("dry-run", {
+    group: "Output",
+    text: "ask the nodes for their capacity, print the placement, provision nothing"
+  })
 }
+
+/** What the flags of `swactor run` parse into. */
+export type RunArgs = Flag.ArgsOf<typeof runFlags>
 
 /** The headings of `swactor run --help`, in order. */
 export const runGroups = ["Model and prompt", "Pipeline", "Sampling", "Network and security", "Output"]
@@ -131,7 +70,7 @@ export const runGroups = ["Model and prompt", "Pipeline", "Sampling", "Network a
 const placementFromArgs = (
   args: Pick<RunArgs, "placement" | "layers">
 ): Effect.Effect<PlacementRequest | undefined, string> => {
-  const layers = args.layers !== undefined && Option.isSome(args.layers) ? args.layers.value : undefined
+  const layers = Option.getOrUndefined(args.layers)
   if (layers !== undefined) {
     if (args.placement !== undefined && args.placement !== "fixed") {
       return Effect.fail(`--layers sets a fixed placement; it cannot be combined with --placement ${args.placement}`)
@@ -172,48 +111,21 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
     return text
   })
 
-/** Every flag of `swactor run`, checked before anything starts. */
+/** Every flag of `swactor run`, checked before anything starts: the pipeline's (cli/PipelineFlags.ts), then its own. */
 export const validateRunFlags = (args: RunArgs) =>
   Effect.gen(function* () {
-    const stages = yield* optionalWholeNumber("stages", args.stages, 1)
+    const pipeline = yield* checkPipelineFlags(args)
     const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
     const temperature = yield* atLeast("temperature", args.temperature, 0)
     const topK = yield* wholeNumber("top-k", args.topK, 0)
-    if (args.spares !== undefined) yield* checkSpares(args.spares)
     const seed = yield* optionalWholeNumber("seed", args.seed, 0)
     const chain = yield* samplingFromFlags(args)
-    const threads = yield* optionalThreads(args.threads)
-    const prefillThreads = yield* optionalPrefillThreads(args.prefillThreads)
-    const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
-    const token = yield* clusterToken(args.tokenFile)
-    yield* tlsMode(args.tls ?? Option.none())
-    const agentArgs = yield* localBackendArgs(args.backend ?? Option.none(), nodes.length > 0)
-    if (nodes.length > 0 && token === "") {
-      return yield* new UsageError({
-        message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
-      })
-    }
     if (args.json && args.dryRun) return yield* new UsageError({ message: "--json and --dry-run: give one of them" })
     const placement = yield* placementFromArgs(args).pipe(Effect.mapError((message) => new UsageError({ message })))
     // A fixed placement run locally starts one agent per range.
     const localStages = placement?._tag === "Fixed" ? placement.ranges.length : defaultLocalStages
     const prompt = yield* promptText(args)
-    return {
-      stages,
-      maxTokens,
-      temperature,
-      topK,
-      seed,
-      chain,
-      threads,
-      prefillThreads,
-      nodes,
-      token,
-      prompt,
-      placement,
-      localStages,
-      agentArgs
-    }
+    return { pipeline, maxTokens, temperature, topK, seed, chain, prompt, placement, localStages }
   })
 
 /** The flags of a run once checked. */

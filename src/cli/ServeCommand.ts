@@ -1,7 +1,8 @@
 /**
  * `swactor serve`: keeps one pipeline loaded (local agents, or remote nodes) and serves an OpenAI-compatible
  * HTTP API over it until stopped (SIGINT/SIGTERM/SIGHUP: full teardown, exit 130/143/129 as for `swactor run`).
- * stderr says `listening on http://HOST:PORT` at once and `ready` once the weights are loaded.
+ * stderr says `listening on http://HOST:PORT` at once and `ready` once the weights are loaded. The pipeline's flags
+ * and their checks are shared with `run` (cli/PipelineFlags.ts); the requests', HTTP's and API keys' are its own.
  */
 import * as Command from "@effect/cli/Command"
 import { readFileSync } from "node:fs"
@@ -11,80 +12,28 @@ import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import { apiKeyFromEnv, apiKeyVariable } from "../layers/config/Settings.js"
 import { Server } from "../services/Server.js"
-import {
-  agentList,
-  agentsFlag,
-  atLeast,
-  backendFlag,
-  clusterToken,
-  deliverWeightsFlag,
-  listFlag,
-  localBackendArgs,
-  modelFactsOf,
-  optionalPrefillThreads,
-  optionalThreads,
-  optionalWholeNumber,
-  prefillThreadsFlag,
-  spares as checkSpares,
-  sparesFlag,
-  threadsFlag,
-  tlsFlag,
-  tlsMode,
-  tokenFileFlag,
-  tokenLoopFlag,
-  UsageError,
-  wholeNumber
-} from "./Flags.js"
+import { atLeast, listFlag, modelFactsOf, optionalWholeNumber, UsageError, wholeNumber } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
 import { commandDoc, optionsOf } from "./FlagSpec.js"
 import { defaultHttpLimits, hostOf, isLoopbackHost } from "../layers/server/HttpGuard.js"
+import {
+  checkPipelineFlags,
+  checkStagesFit,
+  type CheckedPipelineFlags,
+  modelFlag,
+  pipelineFlags,
+  pipelineOptionsOf,
+  plannedStages,
+  securityFlags
+} from "./PipelineFlags.js"
 import { untilOperatorStop } from "./Signals.js"
-import { apiKeyProblem, stagesProblem } from "../services/RequestChecks.js"
+import { apiKeyProblem } from "../services/RequestChecks.js"
 
-export interface ServeArgs {
-  readonly model: string
-  readonly stages: Option.Option<number>
-  readonly agents: Option.Option<string>
-  readonly tokenFile: Option.Option<string>
-  readonly host: string
-  readonly port: number
-  readonly threads: Option.Option<number>
-  readonly parallel: number
-  readonly queue: number
-  readonly kvBudgetMib: Option.Option<number>
-  /** Prompt tokens a request may have at most (default: the model's context, at most 32,768). */
-  readonly maxPromptTokens?: Option.Option<number>
-  readonly keepAliveMs: number
-  /** The HTTP front's limits (HttpGuard.ts). */
-  readonly maxBodyMib: number
-  readonly maxConnections: number
-  readonly headerTimeoutMs: number
-  readonly bodyTimeoutMs: number
-  readonly allowedOrigins: Option.Option<string>
-  readonly allowedHosts: Option.Option<string>
-  /** A file of API keys, one per line (else SWACTOR_API_KEY; none: the API is open). */
-  readonly apiKeyFile?: Option.Option<string>
-  readonly spares: number
-  /** Weight delivery: auto (to remote nodes), always (local agents too), never. */
-  readonly deliverWeights?: "auto" | "always" | "never"
-  /** --token-loop on|off: the last stage sends each token straight to stage 0 (PipelineOptions.tokenLoop). */
-  readonly tokenLoop?: "on" | "off"
-  /** --prefill-threads N (PipelineOptions.prefillThreads). */
-  readonly prefillThreads?: Option.Option<number>
-  /** Reuse of a shared prompt prefix's KV across requests (default on), and the most entries held (default 16). */
-  readonly promptCache?: "on" | "off"
-  readonly promptCacheEntries?: number
-  /** TLS on links to remote agents (none: SWACTOR_TLS, else auto). */
-  readonly tls?: Option.Option<"auto" | "always" | "off">
-  /** --backend cpu|cuda|auto: the local agents' backend (else SWACTOR_GGML_PACKAGE picks their package; CPU stages). */
-  readonly backend?: Option.Option<"cpu" | "cuda" | "auto">
-}
+/** What the flags of `swactor serve` parse into. */
+type ServeArgs = Flag.ArgsOf<typeof serveFlags>
 
 /** The environment variable holding one API key, when no --api-key-file is given (config/Settings.ts). */
 const apiKeyEnv = apiKeyVariable
-
-/** Local agents `serve` starts without --stages or --agents. */
-const defaultLocalStages = 2
 
 /**
  * The API keys: the lines of --api-key-file (blank lines and # comments skipped), else SWACTOR_API_KEY, else none.
@@ -126,38 +75,17 @@ const apiKeysOf = (file: Option.Option<string>) =>
     }
   })
 
-const runServe = (args: ServeArgs) =>
+/** Serve's own numbers and lists (requests, HTTP limits, origins and hosts), checked; each refusal one line. */
+const checkServeFlags = (args: ServeArgs) =>
   Effect.gen(function* () {
-    // Every flag checked before anything starts, each refusal one line naming the flag.
-    const nodes = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
-    const token = yield* clusterToken(args.tokenFile)
-    yield* tlsMode(args.tls ?? Option.none())
-    const agentArgs = yield* localBackendArgs(args.backend ?? Option.none(), nodes.length > 0)
-    const keys = yield* apiKeysOf(args.apiKeyFile ?? Option.none())
-    if (nodes.length > 0 && token === "") {
-      return yield* new UsageError({
-        message: `--agents needs the cluster token: set ${clusterTokenEnv} or pass --token-file`
-      })
-    }
-    const stages = yield* optionalWholeNumber("stages", args.stages, 1)
-    const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
-    const prefillThreads = yield* optionalPrefillThreads(args.prefillThreads)
     const kvBudgetMib = yield* optionalWholeNumber("kv-budget-mib", args.kvBudgetMib, 1)
-    const maxPromptTokens = yield* optionalWholeNumber("max-prompt-tokens", args.maxPromptTokens ?? Option.none(), 1)
+    const maxPromptTokens = yield* optionalWholeNumber("max-prompt-tokens", args.maxPromptTokens, 1)
     yield* wholeNumber("port", args.port, 0)
     if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
     yield* wholeNumber("parallel", args.parallel, 1)
     yield* wholeNumber("queue", args.queue, 0)
-    yield* checkSpares(args.spares)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
-    if (args.promptCacheEntries !== undefined) yield* wholeNumber("prompt-cache-entries", args.promptCacheEntries, 1)
-    // The stages against the model's blocks, from its GGUF header, before any agent starts (services/RequestChecks.ts).
-    const plannedStages = Option.isSome(stages) ? stages.value : nodes.length > 0 ? undefined : defaultLocalStages
-    if (plannedStages !== undefined) {
-      const facts = yield* modelFactsOf(args.model)
-      const problem = stagesProblem(plannedStages, facts.numLayers, "--stages")
-      if (problem !== undefined) return yield* new UsageError({ message: problem })
-    }
+    yield* wholeNumber("prompt-cache-entries", args.promptCacheEntries, 1)
     yield* atLeast("max-body-mib", args.maxBodyMib, 0.001)
     yield* wholeNumber("max-connections", args.maxConnections, 1)
     yield* wholeNumber("header-timeout-ms", args.headerTimeoutMs, 1)
@@ -170,56 +98,66 @@ const runServe = (args: ServeArgs) =>
     const allowedHosts = yield* listFlag("allowed-hosts", args.allowedHosts, (host) =>
       /^[^\s/:]+$/.test(host) ? undefined : "a host name without scheme or port, e.g. llm.example.lan, or *"
     )
-    const server = serve({
-      model: args.model,
-      parallel: args.parallel,
-      queueLimit: args.queue,
-      ...(Option.isSome(stages) ? { stages: stages.value } : nodes.length > 0 ? {} : { stages: defaultLocalStages }),
-      ...(threads === undefined ? {} : { threads }),
-      ...(Option.isSome(kvBudgetMib) ? { kvBudgetBytes: kvBudgetMib.value * 2 ** 20 } : {}),
-      ...(Option.isSome(maxPromptTokens) ? { maxPromptTokens: maxPromptTokens.value } : {}),
-      ...(nodes.length > 0 ? { agents: nodes, token } : {}),
-      ...(agentArgs.length > 0 ? { local: { extraArgs: () => agentArgs } } : {}),
-      ...(args.spares > 0 ? { spares: args.spares } : {}),
-      // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
-      ...(args.deliverWeights === "always" || (args.deliverWeights !== "never" && nodes.length > 0)
-        ? { deliverWeights: true }
-        : {}),
-      ...(args.tokenLoop === "off" ? { tokenLoop: false } : {}),
-      ...(prefillThreads === undefined ? {} : { prefillThreads }),
-      promptCache: {
-        enabled: args.promptCache !== "off",
-        ...(args.promptCacheEntries === undefined ? {} : { maxEntries: args.promptCacheEntries })
-      }
-    })
-    const http = HttpServe.layer(
-      {
-        host: args.host,
-        port: args.port,
-        keepAliveMillis: args.keepAliveMs,
-        limits: {
-          maxBodyBytes: Math.round(args.maxBodyMib * 2 ** 20),
-          maxConnections: args.maxConnections,
-          headerTimeoutMillis: args.headerTimeoutMs,
-          bodyTimeoutMillis: args.bodyTimeoutMs,
-          allowedOrigins,
-          allowedHosts
-        },
-        apiKeys: keys.keys,
-        onListening: ({ host, port }) => {
-          process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
-          if (keys.keys.length === 0 && !isLoopbackHost(hostOf(args.host))) {
-            process.stderr.write(
-              `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
-            )
-          }
-        }
+    return { kvBudgetMib, maxPromptTokens, allowedOrigins, allowedHosts }
+  })
+
+type CheckedServeFlags = Effect.Effect.Success<ReturnType<typeof checkServeFlags>>
+
+/** The Server over its warm pipeline: the pipeline's flags (local agents, or remote ones), the requests' own. */
+const serverOf = (args: ServeArgs, pipeline: CheckedPipelineFlags, own: CheckedServeFlags) =>
+  serve({
+    model: args.model,
+    parallel: args.parallel,
+    queueLimit: args.queue,
+    // Nodes that lack the model file receive their stages' slices (remote nodes by default), as for `swactor run`.
+    ...pipelineOptionsOf(pipeline),
+    ...(Option.isSome(own.kvBudgetMib) ? { kvBudgetBytes: own.kvBudgetMib.value * 2 ** 20 } : {}),
+    ...(Option.isSome(own.maxPromptTokens) ? { maxPromptTokens: own.maxPromptTokens.value } : {}),
+    ...(pipeline.agents.length > 0 ? { agents: pipeline.agents, token: pipeline.token } : {}),
+    ...(pipeline.agentArgs.length > 0 ? { local: { extraArgs: () => pipeline.agentArgs } } : {}),
+    promptCache: { enabled: args.promptCache !== "off", maxEntries: args.promptCacheEntries }
+  })
+
+/** The HTTP front: its address, limits and keys; it says where it listens at once, and warns of an open API. */
+const httpOf = (args: ServeArgs, own: CheckedServeFlags, keys: Effect.Effect.Success<ReturnType<typeof apiKeysOf>>) =>
+  HttpServe.layer(
+    {
+      host: args.host,
+      port: args.port,
+      keepAliveMillis: args.keepAliveMs,
+      limits: {
+        maxBodyBytes: Math.round(args.maxBodyMib * 2 ** 20),
+        maxConnections: args.maxConnections,
+        headerTimeoutMillis: args.headerTimeoutMs,
+        bodyTimeoutMillis: args.bodyTimeoutMs,
+        allowedOrigins: own.allowedOrigins,
+        allowedHosts: own.allowedHosts
       },
-      args.model
-    )
+      apiKeys: keys.keys,
+      onListening: ({ host, port }) => {
+        process.stderr.write(`swactor serve: listening on http://${host}:${port} (loading the model)${keys.said}\n`)
+        if (keys.keys.length === 0 && !isLoopbackHost(hostOf(args.host))) {
+          process.stderr.write(
+            `swactor serve: warning: no API key, and ${args.host} is reachable from other machines: anyone who reaches the port can use it (--api-key-file or ${apiKeyEnv})\n`
+          )
+        }
+      }
+    },
+    args.model
+  )
+
+const runServe = (args: ServeArgs) =>
+  Effect.gen(function* () {
+    // Every flag checked before anything starts, each refusal one line naming the flag; the model's header last.
+    const pipeline = yield* checkPipelineFlags(args)
+    const keys = yield* apiKeysOf(args.apiKeyFile)
+    const own = yield* checkServeFlags(args)
+    const stages = plannedStages(pipeline)
+    if (stages !== undefined) yield* checkStagesFit(stages, yield* modelFactsOf(args.model))
     // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),
     // one that faults later keeps serving /health and errors honestly.
-    const context = yield* Layer.build(http.pipe(Layer.provideMerge(server)))
+    const http = httpOf(args, own, keys)
+    const context = yield* Layer.build(http.pipe(Layer.provideMerge(serverOf(args, pipeline, own))))
     const info = yield* Context.get(context, Server).ready.pipe(Effect.mapError((fault) => fault.message))
     process.stderr.write(
       `swactor serve: ready: ${info.modelId}, ${info.stageCount} stages, ${info.parallel} sequences at once\n`
@@ -252,17 +190,9 @@ const network = "Network and security"
 
 /** The flags of `swactor serve`: what they parse into and what `--help` says of them. */
 const serveFlags = {
-  model: Flag.modelPath("model", {
-    group: "Model",
-    text: "GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)"
-  }),
-  stages: Flag.integer("stages", { group: "Pipeline", text: "pipeline stages" }).optional(
-    `${defaultLocalStages} local agents; with --agents, one per agent`
-  ),
-  agents: agentsFlag,
-  tokenFile: tokenFileFlag,
-  tls: tlsFlag,
-  backend: backendFlag("Pipeline", " of the local agents"),
+  model: modelFlag("Model"),
+  ...pipelineFlags("server"),
+  ...securityFlags,
   apiKeyFile: Flag.text("api-key-file", {
     group: network,
     value: "PATH",
@@ -270,7 +200,6 @@ const serveFlags = {
   }).optional(`${apiKeyEnv}; without either, the API is open`),
   host: Flag.text("host", { group: network, value: "ADDRESS", text: "address to listen on" }).withDefault("127.0.0.1"),
   port: Flag.integer("port", { group: network, text: "port to listen on (0 = any free port)" }).withDefault(8080),
-  threads: threadsFlag("Pipeline"),
   parallel: Flag.integer("parallel", { group: requests, text: "sequences running at once" }).withDefault(4),
   queue: Flag.integer("queue", {
     group: requests,
@@ -314,10 +243,6 @@ const serveFlags = {
     group: http,
     text: "SSE keep-alive comment interval while a stream waits"
   }).withDefault(5000),
-  spares: sparesFlag,
-  deliverWeights: deliverWeightsFlag,
-  prefillThreads: prefillThreadsFlag,
-  tokenLoop: tokenLoopFlag("server"),
   promptCache: Flag.choice("prompt-cache", ["on", "off"], {
     group: requests,
     text: "keep each finished request's KV on every stage; a prompt that starts with one's tokens prefills only the rest"

@@ -272,7 +272,7 @@ export const threadsNow = (): number | undefined =>
  * The cluster token: the file named by `tokenFile` (trimmed), else SWACTOR_CLUSTER_TOKEN (trimmed), else "" (none).
  * Left: one line naming where it came from, for a file that cannot be read or is empty, or a token shorter than 16
  * characters or with under 64 bits of estimated entropy (services/RequestChecks.ts). The one reader of the token:
- * the CLI (cli/Flags.ts) and the library (api/generate.ts) both use it.
+ * the CLI (cli/PipelineFlags.ts) and the library (api/generate.ts) both use it.
  */
 export const clusterTokenFrom = (
   tokenFile: string | undefined,

@@ -1,0 +1,307 @@
+/**
+ * The flags `run`, `serve` and `node` share (issue 37): each declared once with its one help text, checked once, and
+ * turned into the pipeline's options once. `run` and `serve` take the pipeline's (`pipelineFlags`: --stages, --agents,
+ * --threads, --prefill-threads, --backend, --spares, --deliver-weights, --token-loop), the model's (`modelFlag`) and
+ * the links' (`securityFlags`: --tls, --token-file); `node` takes --threads, its own --backend and the links' flags.
+ * A new pipeline flag is added here: its declaration, its check and what it asks of PipelineOptions.
+ */
+import { Effect, Either, Option, Redacted } from "effect"
+import { parseAddress } from "../layers/agent/AgentControlRpc.js"
+import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
+import {
+  chooseSetting,
+  clusterTokenFrom,
+  ggmlPackageSetting,
+  settingFromFlagOrEnv,
+  threadsSetting,
+  type TlsMode,
+  tlsSetting,
+  type UserSetting
+} from "../layers/config/Settings.js"
+import type { PipelineOptions } from "../services/Orchestrator.js"
+import {
+  makeTokenHint,
+  maxSpares,
+  minTokenLength,
+  sparesProblem,
+  stagesProblem,
+  threadsProblem
+} from "../services/RequestChecks.js"
+import { optionalWholeNumber, UsageError } from "./Flags.js"
+import * as Flag from "./FlagSpec.js"
+
+const fail = (message: string) => Effect.fail(new UsageError({ message }))
+
+const pipeline = "Pipeline"
+const security = "Network and security"
+
+/** Local agents `run` and `serve` start without --stages or --agents. */
+export const defaultLocalStages = 2
+
+type Backend = "cpu" | "cuda" | "auto"
+
+// ---- The declarations: what each flag parses into and what `--help` says of it.
+
+/** `--model PATH` of run and serve (run: optional, with its own default; serve: required). */
+export const modelFlag = (group: string) =>
+  Flag.modelPath("model", {
+    group,
+    text: "GGUF model (with --agents, nodes without it receive their stages' slices: --deliver-weights)"
+  })
+
+const stagesFlag = Flag.integer("stages", { group: pipeline, text: "pipeline stages" }).optional(
+  `${defaultLocalStages} local agents; with --agents, one per agent`
+)
+
+/** `--threads N` of run, serve (group Pipeline) and node (group Engine); checked by `optionalThreads`. */
+export const threadsFlag = (group: string) =>
+  Flag.integer("threads", { group, text: "engine threads per stage" }).optional(
+    `${threadsSetting.doc.variable}, else ${threadsSetting.doc.default} of the node`
+  )
+
+const prefillThreadsFlag = Flag.integer("prefill-threads", {
+  group: pipeline,
+  text: "threads a stage takes for the prompt (under 128 tokens) of a run alone on the pipeline, the other stages waiting"
+}).optional("local agents with --threads: stages × threads, at most this machine's cores; else --threads")
+
+const agentsFlag = Flag.text("agents", {
+  group: pipeline,
+  value: "HOST:PORT,...",
+  text: "remote agents (swactor node) to run the stages on, each proving the cluster token"
+})
+  .withAlias("nodes")
+  .optional("local agents, started by this command")
+
+/** `--backend` of node (the agent's own), and of run and serve for the local agents they start. */
+export const backendFlag = (group: string, whose: "" | " of the local agents") =>
+  Flag.choice("backend", ["cpu", "cuda", "auto"], {
+    group,
+    text:
+      `ggml backend and package${whose}: cpu, cuda (node-llama-cpp's CUDA package) or auto` +
+      (whose === "" ? "" : "; remote agents choose their own")
+  }).optional(`cpu stages; the package from ${ggmlPackageSetting.doc.variable}, else ${ggmlPackageSetting.doc.default}`)
+
+const sparesFlag = Flag.integer("spares", {
+  group: pipeline,
+  text: `local agents: extra agents that host nothing until a recovery needs them (at most ${maxSpares})`
+}).withDefault(0)
+
+const deliverWeightsFlag = Flag.choice("deliver-weights", ["auto", "always", "never"], {
+  group: pipeline,
+  text: "send each stage's weights (a GGUF slice) to nodes that lack them: auto (to remote --agents), always, never"
+}).withDefault("auto")
+
+const tokenLoopFlag = (receiver: "orchestrator" | "server") =>
+  Flag.choice("token-loop", ["on", "off"], {
+    group: pipeline,
+    text: `the last stage sends each token straight to stage 0 as well as back (on), or only back to the ${receiver} (off)`
+  }).withDefault("on")
+
+/** The pipeline's flags of run and serve, in the order their help lists them; `receiver`: who gets the tokens. */
+export const pipelineFlags = (receiver: "orchestrator" | "server") => ({
+  stages: stagesFlag,
+  agents: agentsFlag,
+  threads: threadsFlag(pipeline),
+  prefillThreads: prefillThreadsFlag,
+  backend: backendFlag(pipeline, " of the local agents"),
+  spares: sparesFlag,
+  deliverWeights: deliverWeightsFlag,
+  tokenLoop: tokenLoopFlag(receiver)
+})
+
+/** `--tls` and `--token-file` of run, serve and node: the links between agents and orchestrators. */
+export const securityFlags = {
+  tls: Flag.choice("tls", ["auto", "always", "off"], {
+    group: security,
+    text: "encrypt links between agents in TLS 1.3: auto (when the peer is not loopback), always, off; every end must agree"
+  }).optional(`${tlsSetting.doc.variable}, else ${tlsSetting.doc.default}`),
+  tokenFile: Flag.text("token-file", {
+    group: security,
+    value: "PATH",
+    text: "file holding the cluster token"
+  }).optional(`the ${clusterTokenEnv} environment variable`)
+}
+
+/** What the pipeline's and the links' flags of run and serve parse into. */
+export type PipelineArgs = Flag.ArgsOf<ReturnType<typeof pipelineFlags>> & Flag.ArgsOf<typeof securityFlags>
+
+// ---- The checks: each bad value a one-line UsageError naming the flag, before anything starts.
+
+/** A user setting (config/Settings.ts): the flag, else its environment variable, else its default; bad: refused. */
+const userSetting = <A>(setting: UserSetting<A>, flag: Option.Option<A>): Effect.Effect<A, UsageError> =>
+  Either.match(settingFromFlagOrEnv(setting, flag), {
+    onLeft: (message): Effect.Effect<A, UsageError> => fail(message),
+    onRight: (value) => Effect.succeed(value)
+  })
+
+/** `--threads`, else SWACTOR_THREADS: a whole number the stage engine accepts, 1 to 512 (services/RequestChecks.ts). */
+const optionalThreads = (value: Option.Option<number>): Effect.Effect<Option.Option<number>, UsageError> =>
+  Effect.gen(function* () {
+    const threads = yield* userSetting(threadsSetting, value.pipe(Option.map(Option.some)))
+    if (Option.isNone(threads)) return threads
+    const problem = threadsProblem(threads.value, Option.isSome(value) ? "--threads" : threadsSetting.doc.variable)
+    return problem === undefined ? threads : yield* fail(problem)
+  })
+
+/** `--prefill-threads`: absent, or threads the engine takes. */
+const optionalPrefillThreads = (value: Option.Option<number>): Effect.Effect<number | undefined, UsageError> => {
+  if (Option.isNone(value)) return Effect.succeed(undefined)
+  const problem = threadsProblem(value.value, "--prefill-threads")
+  return problem === undefined ? Effect.succeed(value.value) : fail(problem)
+}
+
+/** `--spares`: local spare agents, 0 to 64 (services/RequestChecks.ts). */
+const checkSpares = (value: number): Effect.Effect<number, UsageError> => {
+  const problem = sparesProblem(value, "--spares")
+  return problem === undefined ? Effect.succeed(value) : fail(problem)
+}
+
+/**
+ * The TLS mode of this command and the agents it starts: `--tls`, else SWACTOR_TLS, else auto. A flag becomes this
+ * process's setting (its links and its local agents use it).
+ */
+const tlsMode = (flag: Option.Option<TlsMode>): Effect.Effect<TlsMode, UsageError> =>
+  userSetting(tlsSetting, flag).pipe(
+    Effect.tap((mode) => (Option.isSome(flag) ? Effect.sync(() => chooseSetting(tlsSetting, mode)) : Effect.void))
+  )
+
+/**
+ * `--backend cpu|cuda|auto` picks the ggml package an agent loads (cuda: node-llama-cpp's CUDA package); without it,
+ * SWACTOR_GGML_PACKAGE, else cpu. Returns the stage backend (the flag, else cpu).
+ */
+const checkBackend = (flag: Option.Option<Backend>): Effect.Effect<Backend, UsageError> =>
+  userSetting(ggmlPackageSetting, flag).pipe(
+    Effect.tap((ggmlPackage) => Effect.sync(() => chooseSetting(ggmlPackageSetting, ggmlPackage))),
+    Effect.as(Option.getOrElse(flag, () => "cpu" as const))
+  )
+
+/**
+ * `--backend` of run and serve: the extra arguments their local agents start with (none without the flag). Refused
+ * beside `--agents`: a remote agent's backend is its own `swactor node --backend`.
+ */
+const localBackendArgs = (
+  flag: Option.Option<Backend>,
+  remote: boolean
+): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  Effect.gen(function* () {
+    if (remote && Option.isSome(flag)) {
+      return yield* fail(
+        "--backend applies to local agents; a remote agent's backend is its own swactor node --backend"
+      )
+    }
+    const chosen = yield* checkBackend(flag)
+    return Option.isSome(flag) ? ["--backend", chosen] : []
+  })
+
+/**
+ * The cluster token: the file named by `--token-file` (trimmed), else SWACTOR_CLUSTER_TOKEN, else "" (none). A file
+ * that cannot be read, a token shorter than 16 characters or one with under 64 bits of estimated entropy is a
+ * UsageError naming where it came from and how to make one (config/Settings.ts `clusterTokenFrom`, the library's too).
+ */
+const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<string, UsageError> =>
+  Either.match(clusterTokenFrom(Option.getOrUndefined(tokenFile)), {
+    onLeft: (message): Effect.Effect<string, UsageError> => fail(message),
+    onRight: (token) => Effect.succeed(Redacted.value(token))
+  })
+
+/** How to give the cluster token, said wherever one is needed and missing. */
+const giveToken = `set ${clusterTokenEnv} or pass --token-file (at least ${minTokenLength} characters; ${makeTokenHint})`
+
+/** `--agents host:port,host:port` (alias `--nodes`): at least one, each host:port. */
+const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  Effect.gen(function* () {
+    const agents = text
+      .split(",")
+      .map((n) => n.trim())
+      .filter((n) => n.length > 0)
+    if (agents.length === 0) return yield* fail(`--agents "${text}" names no agent: give host:port,host:port,...`)
+    const bad = agents.find((agent) => parseAddress(agent)?._tag !== "Tcp")
+    return bad === undefined ? agents : yield* fail(`--agents "${bad}" is not host:port`)
+  })
+
+/**
+ * The pipeline's and the links' flags of run and serve, checked: the remote agents and their cluster token (needed
+ * with --agents), the TLS mode and backend (each becoming this process's setting), the local agents' extra arguments,
+ * stages, threads, prefill threads, spares.
+ */
+export const checkPipelineFlags = (args: PipelineArgs) =>
+  Effect.gen(function* () {
+    const agents = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
+    const token = yield* clusterToken(args.tokenFile)
+    yield* tlsMode(args.tls)
+    const agentArgs = yield* localBackendArgs(args.backend, agents.length > 0)
+    if (agents.length > 0 && token === "") return yield* fail(`--agents needs the cluster token: ${giveToken}`)
+    return {
+      agents,
+      token,
+      agentArgs,
+      stages: Option.getOrUndefined(yield* optionalWholeNumber("stages", args.stages, 1)),
+      threads: Option.getOrUndefined(yield* optionalThreads(args.threads)),
+      prefillThreads: yield* optionalPrefillThreads(args.prefillThreads),
+      spares: yield* checkSpares(args.spares),
+      deliverWeights: args.deliverWeights,
+      tokenLoop: args.tokenLoop
+    }
+  })
+
+/** The pipeline's flags of run and serve once checked. */
+export type CheckedPipelineFlags = Effect.Effect.Success<ReturnType<typeof checkPipelineFlags>>
+
+/** What `node` takes of the shared flags: its threads and backend, and the links'. */
+interface AgentArgs extends Flag.ArgsOf<typeof securityFlags> {
+  readonly threads: Option.Option<number>
+  readonly backend: Option.Option<Backend>
+}
+
+/**
+ * The shared flags of `node`, checked: an agent needs the cluster token; its threads (none: the command decides), its
+ * backend and TLS mode (each becoming this process's setting).
+ */
+export const checkAgentFlags = (args: AgentArgs) =>
+  Effect.gen(function* () {
+    const token = yield* clusterToken(args.tokenFile)
+    if (token === "") return yield* fail(`no cluster token: ${giveToken}`)
+    const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
+    const backend = yield* checkBackend(args.backend)
+    const tls = yield* tlsMode(args.tls)
+    return { token, threads, backend, tls }
+  })
+
+// ---- What the checked flags ask of the pipeline.
+
+/**
+ * The stages the model is checked against and the pipeline asked for: --stages, else with remote agents none (one per
+ * agent), else the local agents started (`localStages`: a fixed placement of `run` starts one per range).
+ */
+export const plannedStages = (flags: CheckedPipelineFlags, localStages = defaultLocalStages): number | undefined =>
+  flags.stages ?? (flags.agents.length > 0 ? undefined : localStages)
+
+/** The planned stages against the model's blocks, from its GGUF header (services/RequestChecks.ts), before any agent. */
+export const checkStagesFit = (
+  stages: number | undefined,
+  facts: { readonly numLayers: number }
+): Effect.Effect<void, UsageError> => {
+  const problem = stages === undefined ? undefined : stagesProblem(stages, facts.numLayers, "--stages")
+  return problem === undefined ? Effect.void : fail(problem)
+}
+
+/**
+ * What the checked flags ask of the pipeline (PipelineOptions), only what differs from its defaults: the planned
+ * stages, threads, prefill threads, spares, the token loop, and weight delivery (to remote agents by default; `always`
+ * to local ones too; never for a dry run, which provisions nothing).
+ */
+export const pipelineOptionsOf = (
+  flags: CheckedPipelineFlags,
+  options: { readonly localStages?: number; readonly dryRun?: boolean } = {}
+) => {
+  const stages = plannedStages(flags, options.localStages)
+  const deliver = flags.deliverWeights === "always" || (flags.deliverWeights === "auto" && flags.agents.length > 0)
+  return {
+    ...(stages === undefined ? {} : { stages }),
+    ...(flags.threads === undefined ? {} : { threads: flags.threads }),
+    ...(flags.prefillThreads === undefined ? {} : { prefillThreads: flags.prefillThreads }),
+    ...(flags.spares > 0 ? { spares: flags.spares } : {}),
+    ...(flags.tokenLoop === "off" ? { tokenLoop: false } : {}),
+    ...(deliver && options.dryRun !== true ? { deliverWeights: true } : {})
+  } satisfies Partial<PipelineOptions>
+}
