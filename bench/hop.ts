@@ -4,7 +4,7 @@
  * Two OS processes, as in a real pipeline: this process and a forked echo stage. Each iteration
  * sends one activation frame (1 token × hidden 2048 f32 = 8 KiB payload) on edge A→B; the echo
  * stage receives it and sends it back on edge B→A. hop = round trip / 2, so each hop includes
- * encode, socket write, wake-up, decode, sequence check and credit on both sides.
+ * encode, socket write, wake-up, decode, step check and credit on both sides.
  *
  * Transports: loopback TCP, loopback TCP in TLS 1.3 (SWACTOR_TLS=always on both ends: what a link
  * between hosts pays), a Unix socket, and shared memory (a /dev/shm ring with PendingBit doorbells

@@ -85,7 +85,7 @@ export const StageReport = Schema.Union(
   Schema.TaggedStruct("StageStopped", { runId: RunId, stageIndex: Schema.Number, stats: StageStats }),
   /**
    * The stage's decode steps since its last such report (sent every 16 steps or 250 ms, and before StageStopped),
-   * one entry per step in the three arrays: the frame's sequence, the engine's time on it and the time to hand its
+   * one entry per step in the three arrays: the frame's step, the engine's time on it and the time to hand its
    * output to the next stage (ms). The orchestrator finds straggling stages from them while the run goes on.
    */
   Schema.TaggedStruct("StageTimings", {

@@ -5,8 +5,8 @@
  *   the last stage's `Sampled` token back (TokenOut).
  * - `ActivationFrame` carries f32 hidden states between stages: `nTokens` rows of `hiddenDim`
  *   floats, for positions `[startPos, startPos + nTokens)`.
- * - `sequence` is the logical message number on one edge (0, 1, 2, ... — the decode step); a
- *   message larger than the edge's window travels as `chunkCount` chunks that share its sequence
+ * - `step` is the logical message number on one edge (0, 1, 2, ... — the decode step); a
+ *   message larger than the edge's window travels as `chunkCount` chunks that share its step
  *   (`chunkIndex` 0 .. chunkCount-1). A receiver that reassembles delivers whole messages
  *   (`chunkIndex` 0, `chunkCount` 1).
  * - Control frames (`AttachFrame`, `AttachedFrame`, `CreditFrame`, `FaultFrame`) are the data
@@ -242,7 +242,7 @@ export class Oversized extends Schema.TaggedError<Oversized>()("Oversized", {
   limit: Schema.Number
 }) {}
 
-/** A frame whose (sequence, chunk) is not the next one expected on the edge. */
+/** A frame whose (step, chunk) is not the next one expected on the edge. */
 export class OutOfOrder extends Schema.TaggedError<OutOfOrder>()("OutOfOrder", {
   expectedStep: Schema.Number,
   expectedChunk: Schema.Number,

@@ -78,7 +78,7 @@ export const RunFaultReason = Schema.Union(
     missingStages: Schema.Array(NonNegativeInt),
     missingEndpoints: Schema.Array(EndpointKind)
   }),
-  /** No token came back for the sequence in flight before the token deadline. */
+  /** No token came back for the step in flight before the token deadline. */
   Schema.TaggedStruct("TokenTimeout", { step: NonNegativeInt }),
   /** The token endpoints reported stopped before the run reached a terminal outcome. */
   Schema.TaggedStruct("EndpointsStoppedUnexpectedly", {})
@@ -96,7 +96,7 @@ export const RunFaultReasons = constructors<RunFaultReason>({
 // ---------------------------------------------------------------------------------------------------------------
 // Token objects
 
-/** Provenance of a decode token: the sequence whose output it was. */
+/** Provenance of a decode token: the step whose output it was. */
 export const SamplingData = Schema.Struct({ sourceStep: NonNegativeInt })
 export type SamplingData = typeof SamplingData.Type
 
@@ -127,7 +127,7 @@ export const RunEvent = Schema.Union(
   Schema.TaggedStruct("StageReady", { runId: RunId, stageIndex: Schema.Number }),
   Schema.TaggedStruct("TokenInEndpointReady", {}),
   Schema.TaggedStruct("TokenOutEndpointReady", {}),
-  /** The last stage's output for `sequence`; `eos` when the sampler produced end-of-sequence. */
+  /** The last stage's output for `step`; `eos` when the sampler produced end-of-sequence. */
   Schema.TaggedStruct("TokenReceived", { step: Schema.Number, tokenId: Schema.Number, eos: Schema.Boolean }),
   Schema.TaggedStruct("StageFault", { runId: RunId, stageIndex: Schema.Number, reason: StageFaultReason }),
   Schema.TaggedStruct("EndpointFault", { runId: RunId, endpoint: EndpointKind }),
@@ -198,7 +198,7 @@ export const RejectionReason = Schema.Literal(
   "NodeNotInRun",
   /** The same fact was already observed (duplicate readiness or stop). */
   "Duplicate",
-  /** A token for a sequence that is not the one in flight. */
+  /** A token for a step that is not the one in flight. */
   "StepNotInFlight",
   /** A second plan after one was committed. */
   "PlanAlreadyCommitted",
@@ -210,7 +210,7 @@ export type RejectionReason = typeof RejectionReason.Type
 export const LifecycleEvent = Schema.Union(
   /** Plan and pool are both present; provisioning commands were issued. */
   Schema.TaggedStruct("RunProvisioning", { runId: RunId, stageCount: NonNegativeInt }),
-  /** The readiness barrier passed and the prompt (sequence 0) was injected. */
+  /** The readiness barrier passed and the prompt (step 0) was injected. */
   Schema.TaggedStruct("RunStarted", { runId: RunId }),
   /** A generated (non-EOS) token was consumed; useful for streaming. */
   Schema.TaggedStruct("TokenAccepted", { runId: RunId, step: NonNegativeInt, tokenId: Schema.Number }),
@@ -261,18 +261,18 @@ export const DEFAULT_TEARDOWN_TIMEOUT: Duration.Duration = Duration.seconds(10)
 /** What the orchestrator knows about a run before it has a plan. */
 export interface RunConfig {
   readonly runId: RunId
-  /** Tokens to generate at most (sequences 0..maxTokens-1 are injected at most). */
+  /** Tokens to generate at most (steps 0..maxTokens-1 are injected at most). */
   readonly maxTokens: number
-  /** Prompt tokens, injected as sequence 0. */
+  /** Prompt tokens, injected as step 0. */
   readonly prompt: ReadonlyArray<number>
   /** A received token with this id ends the run like `eos: true`. */
   readonly eosTokenId?: number
   /** Stages and both endpoints must be ready this long after provisioning starts (default 120 s). */
   readonly readinessTimeout?: Duration.DurationInput
-  /** The token for each injected sequence must arrive within this (default 60 s). */
+  /** The token for each injected step must arrive within this (default 60 s). */
   readonly tokenTimeout?: Duration.DurationInput
   /**
-   * ...except the prompt's (sequence 0): within this (default tokenTimeout). A resumed generation's prompt replays its
+   * ...except the prompt's (step 0): within this (default tokenTimeout). A resumed generation's prompt replays its
    * produced tokens one decode step each, so it gets a token's time for each of them.
    */
   readonly promptTimeout?: Duration.DurationInput

@@ -1,6 +1,6 @@
 /**
  * The seed's `OrchestratorHarness` test surface, on the real `RunActor` fiber: observe events, read the commands and
- * lifecycle events emitted so far, read the injected sequences, advance time (a `TestClock`, so use it under
+ * lifecycle events emitted so far, read the injected steps, advance time (a `TestClock`, so use it under
  * `it.effect` / `it.scoped`).
  */
 import { Chunk, Effect, Queue, Ref, type Scope, TestClock } from "effect"
@@ -15,8 +15,8 @@ export interface OrchestratorHarness {
   readonly commands: Effect.Effect<ReadonlyArray<RunCommand>>
   /** Every lifecycle event emitted so far, in order. */
   readonly events: Effect.Effect<ReadonlyArray<LifecycleEvent>>
-  /** The sequence numbers of every InjectTokenObject command so far, in order. */
-  readonly injectedSequences: Effect.Effect<ReadonlyArray<number>>
+  /** The step numbers of every InjectTokenObject command so far, in order. */
+  readonly injectedSteps: Effect.Effect<ReadonlyArray<number>>
   /** Moves the TestClock forward and waits until the actor has applied any deadline that passed. */
   readonly advanceTimeMs: (ms: number) => Effect.Effect<void>
   readonly state: Effect.Effect<RunState>
@@ -45,7 +45,7 @@ const make = (config: RunConfig): Effect.Effect<OrchestratorHarness, never, Scop
       observe: actor.send,
       commands,
       events,
-      injectedSequences: Effect.map(commands, (cs) =>
+      injectedSteps: Effect.map(commands, (cs) =>
         cs.flatMap((c) => (c._tag === "InjectTokenObject" ? [c.object.step] : []))
       ),
       advanceTimeMs: (ms) => Effect.zipRight(TestClock.adjust(ms), actor.sync),

@@ -82,9 +82,9 @@ export interface RunState {
   readonly readyStages: ReadonlyArray<number>
   readonly tokenInReady: boolean
   readonly tokenOutReady: boolean
-  /** The sequence injected and not yet consumed. */
+  /** The step injected and not yet consumed. */
   readonly inFlight: number | undefined
-  /** Every sequence injected, in order. */
+  /** Every step injected, in order. */
   readonly injected: ReadonlyArray<number>
   /** Generated tokens (EOS excluded). */
   readonly tokens: ReadonlyArray<number>
@@ -224,15 +224,15 @@ const maybeProvision = (em: Emitter, now: number) => {
   em.events.push(LifecycleEvents.RunProvisioning({ runId: config.runId, stageCount: plan.stages.length }))
 }
 
-const inject = (em: Emitter, now: number, sequence: number, payload: TokenObjectPayload) => {
-  em.commands.push(RunCommands.InjectTokenObject({ runId: em.state.config.runId, object: { step: sequence, payload } }))
+const inject = (em: Emitter, now: number, step: number, payload: TokenObjectPayload) => {
+  em.commands.push(RunCommands.InjectTokenObject({ runId: em.state.config.runId, object: { step, payload } }))
   em.set({
-    inFlight: sequence,
-    injected: [...em.state.injected, sequence],
+    inFlight: step,
+    injected: [...em.state.injected, step],
     deadline: {
       _tag: "Token",
-      at: now + (sequence === 0 ? em.state.config.promptTimeoutMs : em.state.config.tokenTimeoutMs),
-      step: sequence
+      at: now + (step === 0 ? em.state.config.promptTimeoutMs : em.state.config.tokenTimeoutMs),
+      step
     }
   })
 }

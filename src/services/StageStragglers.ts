@@ -110,8 +110,8 @@ export const stepsOf = (report: {
   readonly computeMillis: ReadonlyArray<number>
   readonly sendMillis: ReadonlyArray<number>
 }): ReadonlyArray<StageStep> =>
-  report.steps.map((sequence, i) => ({
-    step: sequence,
+  report.steps.map((step, i) => ({
+    step,
     computeMillis: report.computeMillis[i] ?? 0,
     sendMillis: report.sendMillis[i] ?? 0
   }))

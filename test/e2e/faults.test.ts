@@ -48,7 +48,7 @@ const activeStages = (agents: ReadonlyArray<LocalAgent>, token: string) =>
 /** Runs to the end, collecting updates; `onToken` may act mid-generation. */
 const collect = (
   stream: Stream.Stream<RunUpdate, unknown>,
-  onToken: (sequence: number) => Effect.Effect<void> = () => Effect.void
+  onToken: (step: number) => Effect.Effect<void> = () => Effect.void
 ) =>
   Effect.gen(function* () {
     const updates: Array<RunUpdate> = []
@@ -79,8 +79,8 @@ describe("end to end faults: real agent processes", () => {
           let killedAt = 0
           const { endedAt, result, updates } = yield* collect(
             run(longRun({ stages: 3 })).pipe(Stream.provideLayer(layer)),
-            (sequence) =>
-              sequence === 5
+            (step) =>
+              step === 5
                 ? Effect.sync(() => {
                     killedAt = Date.now()
                     process.kill(agents[1]!.pid, "SIGKILL")
@@ -131,8 +131,8 @@ describe("end to end faults: real agent processes", () => {
           run(longRun({ stages: 3 })).pipe(
             Stream.provideLayer(layerLocal({ threads: 1, onStarted: (started) => (agents = started) }))
           ),
-          (sequence) =>
-            sequence === 5
+          (step) =>
+            step === 5
               ? Effect.sync(() => {
                   killedAt = Date.now()
                   process.kill(agents[1]!.pid, "SIGKILL")

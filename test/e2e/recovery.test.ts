@@ -25,7 +25,7 @@ interface Outcome {
   readonly result: Either.Either<void, { readonly _tag: string; readonly message?: string }>
   readonly agents: ReadonlyArray<LocalAgent>
   readonly tokens: ReadonlyArray<number>
-  readonly sequences: ReadonlyArray<number>
+  readonly steps: ReadonlyArray<number>
   readonly text: string
   readonly summary: RunSummary | undefined
   readonly millis: number
@@ -57,18 +57,18 @@ const generate = (
       result,
       agents,
       tokens: tokenUpdates.map((t) => t.tokenId),
-      sequences: tokenUpdates.map((t) => t.step),
+      steps: tokenUpdates.map((t) => t.step),
       text: updates.flatMap((u) => (u._tag === "Token" ? [u.token.text] : [])).join(""),
       summary: finished?._tag === "Finished" ? finished.summary : undefined,
       millis: Date.now() - started
     } satisfies Outcome
   })
 
-/** Kills `agentIndex` with SIGKILL when the token of `sequence` arrives (once). */
-const killAt = (sequence: number, agentIndex: number) => {
+/** Kills `agentIndex` with SIGKILL when the token of `step` arrives (once). */
+const killAt = (step: number, agentIndex: number) => {
   let done = false
   return (update: RunUpdate, agents: ReadonlyArray<LocalAgent>) => {
-    if (!done && update._tag === "Token" && update.token.step === sequence) {
+    if (!done && update._tag === "Token" && update.token.step === step) {
       done = true
       process.kill(agents[agentIndex]!.pid, "SIGKILL")
     }
@@ -90,10 +90,10 @@ const assertNothingLeft = (outcome: Outcome) =>
     )
   })
 
-/** The stream is one: sequences 0..n-1, each once. */
+/** The stream is one: steps 0..n-1, each once. */
 const assertOneStream = (outcome: Outcome) =>
   assert.deepStrictEqual(
-    outcome.sequences,
+    outcome.steps,
     outcome.tokens.map((_, i) => i)
   )
 

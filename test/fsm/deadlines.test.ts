@@ -54,7 +54,7 @@ describe("run FSM deadlines", () => {
       assert.deepStrictEqual(yield* faults(harness), [
         RunFaultReasons.ReadinessTimeout({ missingStages: [1, 2], missingEndpoints: ["TokenOut"] })
       ])
-      assert.deepStrictEqual(yield* harness.injectedSequences, [])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [])
       // The fault leads into teardown like any other terminal outcome.
       const stops = (yield* harness.commands).flatMap((c) => (c._tag === "StopRun" ? [c.stageIndex] : []))
       assert.deepStrictEqual(stops, [0, 1, 2])
@@ -72,7 +72,7 @@ describe("run FSM deadlines", () => {
       }
       yield* harness.advanceTimeMs(2_000)
       assert.deepStrictEqual(yield* faults(harness), [])
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0])
 
       const late = yield* provisioned({ readinessTimeout: "5 seconds" })
       yield* late.advanceTimeMs(5_000)
@@ -82,31 +82,31 @@ describe("run FSM deadlines", () => {
     })
   )
 
-  // G20: no token for the injected sequence within the token deadline (default 60 s) faults the run; each injection
+  // G20: no token for the injected step within the token deadline (default 60 s) faults the run; each injection
   // restarts the deadline.
-  it.scoped("token deadline faults the run naming the sequence in flight", () =>
+  it.scoped("token deadline faults the run naming the step in flight", () =>
     Effect.gen(function* () {
       const harness = yield* started()
       yield* harness.advanceTimeMs(59_999)
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
       yield* harness.advanceTimeMs(59_999)
       assert.deepStrictEqual(yield* faults(harness), [])
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1])
 
       yield* harness.advanceTimeMs(1)
       assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ step: 1 })])
 
       // The late token is new work after the terminal outcome: rejected, nothing injected.
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 202, eos: false }))
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1])
       const rejected = (yield* harness.events).filter((e) => e._tag === "EventRejected")
       assert.strictEqual(rejected.at(-1)?._tag === "EventRejected" && rejected.at(-1)?.reason, "AlreadyTerminal")
     })
   )
 
   // A resumed generation's prompt replays its produced tokens one decode step each: its own deadline (promptTimeout),
-  // while every later sequence keeps the token deadline.
-  it.scoped("the prompt's deadline (promptTimeout) is its own; later sequences keep the token deadline", () =>
+  // while every later step keeps the token deadline.
+  it.scoped("the prompt's deadline (promptTimeout) is its own; later steps keep the token deadline", () =>
     Effect.gen(function* () {
       const harness = yield* started({ tokenTimeout: "1 second", promptTimeout: "5 seconds" })
       yield* harness.advanceTimeMs(4_999)
@@ -127,7 +127,7 @@ describe("run FSM deadlines", () => {
       yield* TestClock.adjust("1 second")
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
       assert.deepStrictEqual(yield* faults(harness), [RunFaultReasons.TokenTimeout({ step: 0 })])
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0])
     })
   )
 

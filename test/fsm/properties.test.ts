@@ -26,7 +26,7 @@ const node = (n: number) => n as NodeId
 
 type Op =
   | { readonly _tag: "Event"; readonly event: RunEvent }
-  /** A token for whatever sequence is in flight when it is applied (resolved against the pure state). */
+  /** A token for whatever step is in flight when it is applied (resolved against the pure state). */
   | { readonly _tag: "TokenForInFlight"; readonly tokenId: number; readonly eos: boolean }
   | { readonly _tag: "Advance"; readonly ms: number }
 
@@ -57,7 +57,7 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
     weight: 2,
     arbitrary: fc
       .integer({ min: 0, max: 5 })
-      .map((sequence) => ev(RunEvents.TokenReceived({ step: sequence, tokenId: 100, eos: false })))
+      .map((step) => ev(RunEvents.TokenReceived({ step, tokenId: 100, eos: false })))
   },
   {
     weight: 1,
@@ -151,9 +151,9 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
   assert.isAtMost(terminals.length, 1, "more than one terminal outcome")
   const terminalEntry = entries.findIndex((e) => e.step.events.some(isTerminalEvent))
 
-  // Injected sequences are 0, 1, 2, ... with no gaps or repeats; k + 1 only after TokenAccepted k; none after the
+  // Injected steps are 0, 1, 2, ... with no gaps or repeats; k + 1 only after TokenAccepted k; none after the
   // terminal outcome; 0 only once every provisioned stage and both endpoints are ready.
-  let expectedSequence = 0
+  let expectedStep = 0
   let terminalSeen = false
   const accepted = new Set<number>()
   for (const entry of entries) {
@@ -163,25 +163,25 @@ const checkInvariants = (config: RunConfig, entries: ReadonlyArray<Entry>) => {
     for (const command of entry.step.commands) {
       if (command._tag !== "InjectTokenObject") continue
       assert.isFalse(terminalSeen, "injection after a terminal outcome")
-      const { payload, step: sequence } = command.object
-      assert.strictEqual(sequence, expectedSequence, "injected sequences must be 0, 1, 2, ...")
-      if (sequence === 0) {
+      const { payload, step } = command.object
+      assert.strictEqual(step, expectedStep, "injected steps must be 0, 1, 2, ...")
+      if (step === 0) {
         assert.strictEqual(payload._tag, "Prompt")
         const s = entry.step.state
         assert.isTrue(s.tokenInReady && s.tokenOutReady, "prompt before both endpoints were ready")
         assert.isTrue(s.provisioned.length === 3 && s.provisioned.every((p) => s.readyStages.includes(p.stageIndex)))
       } else {
-        assert.isTrue(accepted.has(sequence - 1), `sequence ${sequence} injected before ${sequence - 1} was consumed`)
+        assert.isTrue(accepted.has(step - 1), `step ${step} injected before ${step - 1} was consumed`)
         assert.deepStrictEqual(payload, {
           _tag: "Decode",
           tokenId: payload._tag === "Decode" ? payload.tokenId : -1,
-          sampling: { sourceStep: sequence - 1 }
+          sampling: { sourceStep: step - 1 }
         })
       }
-      expectedSequence++
+      expectedStep++
     }
   }
-  assert.isAtMost(expectedSequence, resolved.maxTokens)
+  assert.isAtMost(expectedStep, resolved.maxTokens)
 
   // The barrier passes in the very step that completes it: no state waits in Provisioning with everything ready.
   for (const entry of entries) {

@@ -136,22 +136,22 @@ describe("run_fsm", () => {
     })
   )
 
-  // This proves execution has one start signal and advances by the token feedback rule: inject sequence 0 first, then
+  // This proves execution has one start signal and advances by the token feedback rule: inject step 0 first, then
   // inject k + 1 only after consuming k.
-  it.scoped("execution_injects_next_sequence_only_after_consuming_previous_token", () =>
+  it.scoped("execution_injects_next_step_only_after_consuming_previous_token", () =>
     Effect.gen(function* () {
       const plan = committedPlan()
       const harness = yield* startedRun(plan)
 
-      // Sequence 0 must be injected first as a prompt token object.
+      // Step 0 must be injected first as a prompt token object.
       const initialObjects = injectedObjects(yield* harness.commands)
       assert.strictEqual(initialObjects.length, 1)
       assert.deepStrictEqual(initialObjects[0], { step: 0, payload: { _tag: "Prompt", tokens: [101, 102, 103] } })
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0])
 
-      // Consuming token 0 permits injecting sequence 1.
+      // Consuming token 0 permits injecting step 1.
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 201, eos: false }))
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1])
       const decodeObject = injectedObjects(yield* harness.commands).at(-1)
       assert.isDefined(decodeObject, "decode injection must be recorded")
       assert.deepStrictEqual(decodeObject, {
@@ -159,13 +159,13 @@ describe("run_fsm", () => {
         payload: { _tag: "Decode", tokenId: 201, sampling: { sourceStep: 0 } }
       })
 
-      // No additional injection may happen without consuming sequence 1.
+      // No additional injection may happen without consuming step 1.
       yield* harness.advanceTimeMs(10)
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1])
 
-      // EOS stops further injection after the consumed sequence.
+      // EOS stops further injection after the consumed step.
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 2, eos: true }))
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1])
     })
   )
 
@@ -224,9 +224,9 @@ describe("run_fsm", () => {
       assert.strictEqual(events.filter((event) => event._tag === "RunFaulted").length, 0)
 
       // New token work after the terminal outcome must be rejected.
-      const before = yield* harness.injectedSequences
+      const before = yield* harness.injectedSteps
       yield* harness.observe(RunEvents.TokenReceived({ step: 99, tokenId: 333, eos: false }))
-      assert.deepStrictEqual(yield* harness.injectedSequences, before)
+      assert.deepStrictEqual(yield* harness.injectedSteps, before)
 
       // Teardown commands are emitted for every provisioned stage and the local endpoints.
       const commands = yield* harness.commands
@@ -311,29 +311,29 @@ describe("run FSM beyond the seed", () => {
     })
   )
 
-  it.scoped("a token for a sequence not in flight is rejected without changing state", () =>
+  it.scoped("a token for a step not in flight is rejected without changing state", () =>
     Effect.gen(function* () {
       const harness = yield* startedRun(committedPlan())
       const before = yield* harness.state
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 5, eos: false }))
       assert.deepStrictEqual(yield* harness.state, { ...before, rejected: before.rejected + 1 })
       assert.deepStrictEqual(rejections(yield* harness.events), ["StepNotInFlight"])
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0])
     })
   )
 
   it.scoped("the run completes at maxTokens with every generated token, streamed as TokenAccepted", () =>
     Effect.gen(function* () {
       const harness = yield* startedRun(committedPlan())
-      for (const [sequence, tokenId] of [
+      for (const [step, tokenId] of [
         [0, 201],
         [1, 202],
         [2, 203],
         [3, 204]
       ] as const) {
-        yield* harness.observe(RunEvents.TokenReceived({ step: sequence, tokenId, eos: false }))
+        yield* harness.observe(RunEvents.TokenReceived({ step, tokenId, eos: false }))
       }
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1, 2, 3])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1, 2, 3])
       const events = yield* harness.events
       assert.deepStrictEqual(
         events.flatMap((e) => (e._tag === "TokenAccepted" ? [[e.step, e.tokenId]] : [])),
@@ -363,7 +363,7 @@ describe("run FSM beyond the seed", () => {
       yield* harness.observe(RunEvents.TokenReceived({ step: 0, tokenId: 300, eos: false }))
       yield* harness.observe(RunEvents.TokenReceived({ step: 1, tokenId: 2, eos: false }))
       assert.deepStrictEqual(yield* harness.outcome, { _tag: "Completed", reason: "Eos", tokens: [300] })
-      assert.deepStrictEqual(yield* harness.injectedSequences, [0, 1])
+      assert.deepStrictEqual(yield* harness.injectedSteps, [0, 1])
     })
   )
 

@@ -35,15 +35,15 @@ const slowStageExecutor = (slowLayerStart: number, slowPositions: ReadonlySet<nu
 
 // "Once upon a time" is 17 tokens with BOS: decode step k runs at position 16 + k.
 const prompt = "Once upon a time"
-const positionOf = (sequence: number) => 16 + sequence
-const slowSequences = [14, 24, 34]
+const positionOf = (step: number) => 16 + step
+const slowSteps = [14, 24, 34]
 // Scheduling noise on a shared machine is not what these tests are about: only steps 40 ms over the median count.
 const rule = { minExcessMillis: 40 }
 
 const orchestratorWorld = (slowLayerStart: number) =>
   Effect.gen(function* () {
     const memory = yield* makeMemoryWorld(3).pipe(
-      Effect.provide(slowStageExecutor(slowLayerStart, new Set(slowSequences.map(positionOf))))
+      Effect.provide(slowStageExecutor(slowLayerStart, new Set(slowSteps.map(positionOf))))
     )
     return yield* Effect.provide(
       Orchestrator,
@@ -115,15 +115,15 @@ describe("per-stage stragglers", () => {
         const live = updates.flatMap((u) => (u._tag === "StageStraggler" ? [u.straggler] : []))
         assert.deepStrictEqual(
           live.map((s) => [s.stageIndex, s.step]),
-          slowSequences.map((q) => [1, q])
+          slowSteps.map((q) => [1, q])
         )
         assert.strictEqual(summary.stageStragglers.length, 1)
         const [stage] = summary.stageStragglers
         assert.strictEqual(stage!.stageIndex, 1)
         assert.strictEqual(stage!.address, summary.stages[1]!.address)
-        assert.strictEqual(stage!.tokens, slowSequences.length)
+        assert.strictEqual(stage!.tokens, slowSteps.length)
         assert.isAtLeast(stage!.worstMillis, SLOW_MILLIS)
-        assert.include(slowSequences, stage!.worstStep)
+        assert.include(slowSteps, stage!.worstStep)
         assert.isBelow(stage!.medianMillis, 20)
         // `swactor run` prints it under the summary.
         assert.include(renderSummary(summary), `straggling stage 1 on ${stage!.address}: 3 slow tokens (median `)
@@ -141,7 +141,7 @@ describe("per-stage stragglers", () => {
       Effect.gen(function* () {
         const memory = yield* makeMemoryWorld(2).pipe(
           // Two stages of 5 blocks: [0, 3) and [3, 5); the second is slowed.
-          Effect.provide(slowStageExecutor(3, new Set(slowSequences.map(positionOf))))
+          Effect.provide(slowStageExecutor(3, new Set(slowSteps.map(positionOf))))
         )
         const server = yield* Layer.build(
           ServerLive.layer({ model: requireModel("stories260K.gguf"), stages: 2, stragglers: rule }).pipe(
@@ -158,11 +158,11 @@ describe("per-stage stragglers", () => {
           metrics.stages.map((s) => [s.stageIndex, s.stragglerTokens]),
           [
             [0, 0],
-            [1, slowSequences.length]
+            [1, slowSteps.length]
           ]
         )
         const text = HttpServe.renderMetrics(metrics, "ready")
-        assert.include(text, `swactor_stage_straggler_tokens_total{stage="1"} ${slowSequences.length}`)
+        assert.include(text, `swactor_stage_straggler_tokens_total{stage="1"} ${slowSteps.length}`)
         assert.include(text, `swactor_stage_straggler_tokens_total{stage="0"} 0`)
       }).pipe(Effect.scoped),
     60_000

@@ -20,7 +20,7 @@ export interface KilledGeneration {
 
 /**
  * One generation on local agents (1 engine thread each). With `kill`, the agent at index `kill.agent` (stage i on
- * agent i; spares come after the stages) is killed with SIGKILL when token `kill.atToken` (its sequence number) comes
+ * agent i; spares come after the stages) is killed with SIGKILL when token `kill.atToken` (its step number) comes
  * back.
  */
 export const generateKilling = (

@@ -46,19 +46,19 @@ const transports: ReadonlyArray<{ name: string; address: () => TransportAddress;
   ...(ShmRing.isSupported() ? [{ name: "shared memory", address: unixAddress, sharedMemory: true }] : [])
 ]
 
-const activation = (sequence: number, nTokens: number, hiddenDim: number, startPos = 0) =>
+const activation = (step: number, nTokens: number, hiddenDim: number, startPos = 0) =>
   ActivationFrame({
     runId,
     edgeId,
-    step: sequence,
+    step,
     startPos,
     nTokens,
     hiddenDim,
-    payload: Float32Array.from({ length: nTokens * hiddenDim }, (_, i) => Math.sin(i + sequence))
+    payload: Float32Array.from({ length: nTokens * hiddenDim }, (_, i) => Math.sin(i + step))
   })
 
-const decode = (sequence: number, tokenId: number) =>
-  TokenFrame({ runId, edgeId, step: sequence, payload: { _tag: "Decode", tokenId } })
+const decode = (step: number, tokenId: number) =>
+  TokenFrame({ runId, edgeId, step, payload: { _tag: "Decode", tokenId } })
 
 const sleep = (ms: number) => Effect.promise(() => new Promise((r) => setTimeout(r, ms)))
 

@@ -19,11 +19,11 @@ const runId = 7 as RunId
 const edgeId = 3 as EdgeId
 const limits = (alignment: number): Framing.Limits => ({ alignment, maxFrameBytes: 1 << 20 })
 
-const activation = (sequence: number, nTokens: number, hiddenDim: number, startPos = 0) =>
+const activation = (step: number, nTokens: number, hiddenDim: number, startPos = 0) =>
   ActivationFrame({
     runId,
     edgeId,
-    step: sequence,
+    step,
     startPos,
     nTokens,
     hiddenDim,
@@ -428,7 +428,7 @@ describe("Framing", () => {
     assert.isTrue(Either.isLeft(result) && result.left._tag === "Oversized")
   })
 
-  it("faults a skipped sequence number or chunk as OutOfOrder", () => {
+  it("faults a skipped step number or chunk as OutOfOrder", () => {
     const sequencer = new Framing.Sequencer()
     assert.strictEqual(sequencer.accept(activation(0, 1, 2))._tag, "Complete")
     const skipped = sequencer.accept(activation(2, 1, 2))

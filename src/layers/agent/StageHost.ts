@@ -801,24 +801,24 @@ const roundMicros = (millis: number) => Math.round(millis * 1000) / 1000
 
 /** A stage's decode-step timings, sent as one StageTimings report per TIMINGS_BATCH steps or TIMINGS_EVERY_MILLIS. */
 const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report: StageReport) => void) => {
-  let sequences: Array<number> = []
+  let steps: Array<number> = []
   let computeMillis: Array<number> = []
   let sendMillis: Array<number> = []
   let lastSent = performance.now()
   const flush = () => {
     lastSent = performance.now()
-    if (sequences.length === 0) return
-    send({ _tag: "StageTimings", runId, stageIndex, steps: sequences, computeMillis, sendMillis })
-    sequences = []
+    if (steps.length === 0) return
+    send({ _tag: "StageTimings", runId, stageIndex, steps, computeMillis, sendMillis })
+    steps = []
     computeMillis = []
     sendMillis = []
   }
   return {
-    add: (sequence: number, compute: number, handOff: number) => {
-      sequences.push(sequence)
+    add: (step: number, compute: number, handOff: number) => {
+      steps.push(step)
       computeMillis.push(roundMicros(compute))
       sendMillis.push(roundMicros(handOff))
-      if (sequences.length >= TIMINGS_BATCH || performance.now() - lastSent >= TIMINGS_EVERY_MILLIS) flush()
+      if (steps.length >= TIMINGS_BATCH || performance.now() - lastSent >= TIMINGS_EVERY_MILLIS) flush()
     },
     flush
   }

@@ -9,7 +9,7 @@
  * `replayTail`), so the new run computes the interrupted run's very bits (a prefill of the produced tokens takes
  * other kernels; gpt-oss tipped a near tie that way), and the sampler of the new run draws from the position the
  * generation reached: greedy and seeded output equal an uninterrupted run's. The caller sees
- * one stream (sequences and text continue), `Recovering` / `Recovered` updates, and the recoveries in the
+ * one stream (steps and text continue), `Recovering` / `Recovered` updates, and the recoveries in the
  * summary. At most `maxAttempts` recoveries within `budget`; then the typed fault, naming every attempt.
  */
 import { Cause, Deferred, Duration, Effect, Either, Exit, Option } from "effect"
@@ -367,7 +367,7 @@ export const generateRecovering = (
             text,
             timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
             recoveries,
-            // The last run's sequences, as the generation's.
+            // The last run's steps, as the generation's.
             stragglers: finished.stragglers.map((s) => ({ ...s, step: s.step + base })),
             stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstStep: s.worstStep + base }))
           }

@@ -121,7 +121,7 @@ export interface RunRecord {
   readonly requestStart: number
   readonly promptInjectedAt: number
   readonly firstTokenAt: number
-  /** Send and receive times per sequence (sequence 0 is the prefill). */
+  /** Send and receive times per step (step 0 is the prefill). */
   readonly injectedAt: ReadonlyMap<number, number>
   readonly receivedAt: ReadonlyMap<number, number>
   readonly stages: ReadonlyArray<{
@@ -157,24 +157,24 @@ export const findStragglers = (
   for (let i = 4; i < latencies.length; i++) {
     const recent = latencies.slice(Math.max(0, i - window), i).map((l) => l.latencyMillis)
     const m = median(recent)
-    const { latencyMillis, step: sequence } = latencies[i]!
+    const { latencyMillis, step } = latencies[i]!
     if (latencyMillis > factor * m && latencyMillis - m >= minExcessMillis)
-      out.push({ step: sequence, latencyMillis, medianMillis: m })
+      out.push({ step, latencyMillis, medianMillis: m })
   }
   return out
 }
 
 /** The summary of a completed run: time to first token, decode rate, per-stage compute vs transfer. */
 export const summarize = (record: RunRecord): RunSummary => {
-  // Decode steps: sequences 1..n-1 (sequence 0 is the prefill).
+  // Decode steps: 1..n-1 (step 0 is the prefill).
   const decodeLatencies: Array<number> = []
   const timed: Array<{ step: number; latencyMillis: number }> = []
-  for (let sequence = 1; sequence < record.generated + 1; sequence++) {
-    const sent = record.injectedAt.get(sequence)
-    const got = record.receivedAt.get(sequence)
+  for (let step = 1; step < record.generated + 1; step++) {
+    const sent = record.injectedAt.get(step)
+    const got = record.receivedAt.get(step)
     if (sent !== undefined && got !== undefined) {
       decodeLatencies.push(got - sent)
-      timed.push({ step: sequence, latencyMillis: got - sent })
+      timed.push({ step, latencyMillis: got - sent })
     }
   }
   const decodeMillis = decodeLatencies.reduce((a, b) => a + b, 0)

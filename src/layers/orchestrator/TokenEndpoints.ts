@@ -98,13 +98,13 @@ export const openTokenOut = (context: RunContext, edge: Edge) => {
 export const injectTokenObject = (context: RunContext, command: Extract<RunCommand, { _tag: "InjectTokenObject" }>) =>
   Effect.suspend(() => {
     const { cacheUse, ledger, offer, plan, runId, updates } = context
-    const { payload, step: sequence } = command.object
+    const { payload, step } = command.object
     const sender = ledger.tokenIn
     if (sender === undefined) {
       noteDetail(context, "endpoint:TokenIn", "inject before the endpoint was ready")
       return offer(RunEvents.EndpointFault({ runId, endpoint: "TokenIn" }))
     }
-    ledger.injectedAt.set(sequence, performance.now())
+    ledger.injectedAt.set(step, performance.now())
     // the token loop: the last stage already sent this token to stage 0 (ProvisionRequest.tokenLoop)
     if (payload._tag === "Decode" && ledger.tokenLoop) return Effect.void
     const edge = plan.edges.find((e) => e.kind === "TokenIn")!
@@ -128,7 +128,7 @@ export const injectTokenObject = (context: RunContext, command: Extract<RunComma
               _tag: "TokenFrame",
               runId,
               edgeId: edge.edgeId,
-              step: sequence,
+              step,
               chunkIndex: 0,
               chunkCount: 1,
               payload:

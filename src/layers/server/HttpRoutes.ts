@@ -37,7 +37,7 @@ import { anthropicErrorResponse, isMessagesPath, messagesRoutes } from "./Anthro
 import { ChatBody, CompletionBody, orUndefined, serveRequest, tokenIds } from "./OpenAiBodies.js"
 import { badBody, errorResponse, faultForClient, fromServeError, HttpFailure } from "./OpenAiErrors.js"
 import type { ResponseShape } from "./OpenAiChunks.js"
-import { respond } from "./OpenAiResponses.js"
+import { respond } from "./OpenAiWholeAnswers.js"
 import { renderConnections, renderMetrics } from "./MetricsText.js"
 import type { ConnectionStats } from "./HttpListener.js"
 import { type HttpServeOptions, limitsOf } from "./HttpServeOptions.js"

@@ -2,7 +2,7 @@
  * The OpenAI-compatible HTTP front of a Server: its routes (HttpRoutes.ts) behind the caller guard, on Node's HTTP
  * server with the connection limits (HttpListener.ts). Bodies and the requests they ask for are OpenAiBodies.ts,
  * errors OpenAiErrors.ts (OpenAI's `{"error":{...}}` with the status and Retry-After), whole answers
- * OpenAiResponses.ts, streams OpenAiSse.ts, /metrics MetricsText.ts. A client that goes away interrupts its handler,
+ * OpenAiWholeAnswers.ts, streams OpenAiSse.ts, /metrics MetricsText.ts. A client that goes away interrupts its handler,
  * which cancels the run (its stages stop, its KV is freed).
  */
 import type { Server as NodeServer } from "node:http"

@@ -14,7 +14,7 @@
  * |  12 | u32  | bodyLength: meaningful bytes after the header                      |
  * |  16 | u32  | runId                                                              |
  * |  20 | u32  | edgeId                                                             |
- * |  24 | u32  | sequence                                                           |
+ * |  24 | u32  | step                                                               |
  * |  28 | u16  | chunkIndex                                                         |
  * |  30 | u16  | chunkCount                                                         |
  *
@@ -34,7 +34,7 @@
  * header is caught. Decoding is total: any byte sequence yields a frame, "need more bytes", or a
  * typed `DecodeFault` (`Malformed` / `Truncated` / `Oversized`) — never a throw.
  *
- * Ids and sequence numbers are u32 on the wire; encoding a frame whose fields do not fit fails with
+ * Ids and step numbers are u32 on the wire; encoding a frame whose fields do not fit fails with
  * `Malformed`. Host byte order is assumed little-endian (x86-64, arm64) for the f32 payload.
  */
 import { Either } from "effect"
@@ -267,12 +267,12 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
     }
   }
   let bodyLength = 0
-  let sequence = 0
+  let step = 0
   let chunkIndex = 0
   let chunkCount = 1
   switch (frame._tag) {
     case "TokenFrame": {
-      sequence = frame.step
+      step = frame.step
       chunkIndex = frame.chunkIndex
       chunkCount = frame.chunkCount
       const p = frame.payload
@@ -309,7 +309,7 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       break
     }
     case "ActivationFrame": {
-      sequence = frame.step
+      step = frame.step
       chunkIndex = frame.chunkIndex
       chunkCount = frame.chunkCount
       const o = HEADER_BYTES
@@ -326,7 +326,7 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       break
     }
     case "CreditFrame":
-      sequence = frame.step
+      step = frame.step
       view.setUint32(HEADER_BYTES, frame.bytes, true)
       bodyLength = 8
       break
@@ -362,7 +362,7 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
   view.setUint32(12, bodyLength, true)
   view.setUint32(16, frame.runId, true)
   view.setUint32(20, frame.edgeId, true)
-  view.setUint32(24, sequence, true)
+  view.setUint32(24, step, true)
   view.setUint16(28, chunkIndex, true)
   view.setUint16(30, chunkCount, true)
 }
@@ -761,14 +761,14 @@ export const chunk = (
 }
 
 /** Result of feeding one data frame to a `Sequencer`. */
-export type SequenceStep =
+export type SequencerStep =
   | { readonly _tag: "Complete"; readonly frame: DataFrame }
   | { readonly _tag: "Partial" }
   | { readonly _tag: "Fault"; readonly fault: OutOfOrder | Malformed }
 
 /**
- * Enforces the order of data frames on one edge — sequence numbers consecutive from
- * `initialSequence`, chunks of a message consecutive from 0 with one `chunkCount` and one kind —
+ * Enforces the order of data frames on one edge — step numbers consecutive from
+ * `initialStep`, chunks of a message consecutive from 0 with one `chunkCount` and one kind —
  * and (when `reassemble`) joins chunks into one frame.
  */
 export class Sequencer {
@@ -776,17 +776,17 @@ export class Sequencer {
   private parts: Array<DataFrame> = []
 
   constructor(
-    initialSequence = 0,
+    initialStep = 0,
     private readonly reassemble = true
   ) {
-    this.nextStep = initialSequence
+    this.nextStep = initialStep
   }
 
   get expected(): { readonly step: number; readonly chunkIndex: number } {
     return { step: this.nextStep, chunkIndex: this.parts.length }
   }
 
-  accept(frame: DataFrame): SequenceStep {
+  accept(frame: DataFrame): SequencerStep {
     const expectedChunk = this.parts.length
     if (frame.step !== this.nextStep || frame.chunkIndex !== expectedChunk) {
       return {

@@ -50,7 +50,7 @@ interface EdgeIds {
 }
 
 export const socketReceiveCarrier = (conn: FrameConn, edge: EdgeIds): ReceiveCarrier => {
-  let creditSequence = 0
+  let creditStep = 0
   return {
     dataOnSocket: true,
     lendsPayload: false,
@@ -59,8 +59,8 @@ export const socketReceiveCarrier = (conn: FrameConn, edge: EdgeIds): ReceiveCar
     canSpin: false,
     spin: () => {},
     credit: (bytes) => {
-      const frame = CreditFrame({ runId: edge.runId, edgeId: edge.edgeId, step: creditSequence, bytes })
-      creditSequence = (creditSequence + 1) >>> 0
+      const frame = CreditFrame({ runId: edge.runId, edgeId: edge.edgeId, step: creditStep, bytes })
+      creditStep = (creditStep + 1) >>> 0
       conn.write(Framing.unsafeEncode(frame, edge.ring.alignment))
     },
     finish: () => undefined,
