@@ -11,31 +11,15 @@
  */
 import * as Fs from "node:fs"
 import * as Os from "node:os"
-import {
-  Cause,
-  Data,
-  Deferred,
-  Duration,
-  Effect,
-  Either,
-  Exit,
-  Mailbox,
-  Option,
-  Queue,
-  RcMap,
-  Scope,
-  Stream
-} from "effect"
-import type { StageInput, StageOutput } from "../../domain/engine.js"
+import { Cause, Deferred, Duration, Effect, Either, Exit, Mailbox, Option, Queue, RcMap, Scope, Stream } from "effect"
 import type { TokenLoop } from "../../domain/controlRpc.js"
 import { type DataFrame, describeFault, type EdgeFault, type TransportAddress } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
-import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
+import { StageFaultReasons } from "../../domain/runEvents.js"
 import { threadsProblem } from "../../services/RequestChecks.js"
 import type { SamplingPolicy } from "../../domain/plan.js"
 import {
   type DataListener,
-  dataFrame,
   DataPlane,
   type EdgeReceiver,
   type EdgeRef,
@@ -48,15 +32,15 @@ import {
   StageStats
 } from "../../services/AgentLinks.js"
 import { kvBytesOfStage } from "../../services/KvSize.js"
-import { promptPieces } from "../../services/PromptPieces.js"
 import { NodeCapacity } from "../../services/Membership.js"
 import { type LoadedStage, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
 import { openStageSampler } from "../sampling/StageSampler.js"
 import type { WeightStore } from "../gguf/SliceStore.js"
-import { type BatcherSettings, emptyBatchCounters, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
+import { type BatcherSettings, makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 import { makePromptCacheHost } from "./PromptCacheHost.js"
 import { heldSessionBytes } from "../engine/KvCache.js"
 import { activationPayloadOffset } from "../transport/Framing.js"
+import { freshStats, loadFailed, makeTimingBuffer, StageFailure, stepOf, transportFailed } from "./StageStep.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -113,25 +97,6 @@ const settles = (setting: StageHostOptions["settleWeights"], contextLength: numb
   setting === "always" || (setting !== "never" && (warmWeights || contextLength >= 1024))
 const settleDelay = "1500 millis"
 
-/** A stage's counters before it ran anything. */
-const freshStats = () => ({
-  frames: 0,
-  tokens: 0,
-  loadMillis: 0,
-  cachedWeights: false,
-  prefillComputeMillis: 0,
-  prefillWaitMillis: 0,
-  firstSampleMillis: 0,
-  decodeFrames: 0,
-  decodeComputeMillis: 0,
-  ...emptyBatchCounters(),
-  computeBytes: 0,
-  kvBytes: 0,
-  residentBytes: 0,
-  peakResidentBytes: 0,
-  keptPositions: 0
-})
-
 /** This process's resident set now and at its peak (Linux /proc; elsewhere Node's rss for both). */
 const residentMemory = (): { readonly resident: number; readonly peak: number } => {
   try {
@@ -147,13 +112,6 @@ const residentMemory = (): { readonly resident: number; readonly peak: number } 
   return { resident: rss, peak: rss }
 }
 
-class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
-const loadFailed = (message: string) => new StageFailure({ reason: StageFaultReasons.ModelLoadFailed({ message }) })
-const transportFailed = (message: string) =>
-  new StageFailure({ reason: StageFaultReasons.TransportFailed({ message }) })
-const protocolViolated = (message: string) =>
-  new StageFailure({ reason: StageFaultReasons.ProtocolViolated({ message }) })
-
 const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
   const p = request.provision
   return JSON.stringify([
@@ -164,16 +122,6 @@ const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
     p.stageIndex === p.stageCount - 1,
     backend
   ])
-}
-
-const errorWords = (error: unknown): string => {
-  if (typeof error !== "object" || error === null) return String(error)
-  const message = "message" in error && typeof error.message === "string" ? error.message : ""
-  if (message !== "" && !message.startsWith("{")) return message
-  return Object.entries(error)
-    .filter(([key]) => key !== "_tag" && key !== "message" && key !== "stack")
-    .map(([key, value]) => `${key} ${String(value)}`)
-    .join(", ")
 }
 
 export const makeStageHost = (
@@ -281,7 +229,7 @@ export const makeStageHost = (
         const sessionScope = hold.scope
         let kept: { session: StageSession; loaded: LoadedStage } | undefined
         // KV positions the session holds (the next step's start on stage 0)
-        let position = 0
+        const state = { position: 0 }
 
         const body = Effect.gen(function* () {
           const started = performance.now()
@@ -326,7 +274,7 @@ export const makeStageHost = (
               )
               if (copied) cachedPositions = length
             }
-            position = cachedPositions
+            state.position = cachedPositions
           }
           // the last stage's sampler (llama.cpp's chain): a policy or grammar it cannot honour refuses the run here
           const sample = isLast
@@ -421,8 +369,6 @@ export const makeStageHost = (
             yield* Effect.sleep(settleDelay).pipe(Effect.zipRight(settle), Effect.forkIn(hostScope))
           }
 
-          const eosTokenId = p.model.eosTokenId
-          const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
           const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
           flushTimings = timings.flush
 
@@ -436,156 +382,20 @@ export const makeStageHost = (
             )
           )
 
-          const step = (frame: DataFrame) =>
-            Effect.gen(function* () {
-              let input: StageInput
-              let startPos: number
-              if (isFirst) {
-                if (frame._tag !== "TokenFrame" || frame.payload._tag === "Sampled") {
-                  return yield* protocolViolated(`stage 0 expects token frames, got ${frame._tag}`)
-                }
-                const tokens = frame.payload._tag === "Prompt" ? frame.payload.tokens : [frame.payload.tokenId]
-                input = { _tag: "Tokens", tokens: Int32Array.from(tokens) }
-                // a prompt after cached positions: the orchestrator sent only the rest of it
-                startPos =
-                  frame.payload._tag === "Prompt" && cacheUse !== undefined
-                    ? cacheUse.promptLength - tokens.length
-                    : position
-                if (startPos < 0 || startPos > position) {
-                  return yield* protocolViolated(
-                    `a prompt of ${tokens.length} tokens does not end the ${cacheUse?.promptLength} prompt tokens after the ` +
-                      `${position} cached positions`
-                  )
-                }
-              } else {
-                if (frame._tag !== "ActivationFrame") {
-                  return yield* protocolViolated(`stage ${stageIndex} expects activations, got ${frame._tag}`)
-                }
-                input = { _tag: "Hidden", hidden: frame.payload, nTokens: frame.nTokens }
-                startPos = frame.startPos
-              }
-              const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
-              // A prompt travels in pieces (PromptPieces.ts): stage 0 of a pipeline cuts it and sends each piece on as
-              // soon as it ran; a later stage runs the piece it got and sends it on as the same piece; the last stage
-              // samples after the last piece. A one-stage run's prompt runs whole, its replayed tokens (a resumed
-              // generation's) one per forward through the batcher, as they were decoded; in a pipeline the pieces
-              // carry them one per piece.
-              const received =
-                frame._tag === "ActivationFrame" ? { index: frame.chunkIndex, count: frame.chunkCount } : undefined
-              const pieces =
-                isFirst && !isLast && frame.step === 0
-                  ? promptPieces(nTokens, batcher.prefillChunk, p.runtime.replayTail ?? 0, windowRows)
-                  : [nTokens]
-              const replayTail = frame.step === 0 && isFirst && isLast ? p.runtime.replayTail : undefined
-              const sampleHere = received === undefined || received.index + 1 === received.count
-              let offset = 0
-              for (let piece = 0; piece < pieces.length; piece++) {
-                const rows = pieces[piece]!
-                const pieceStart = startPos + offset
-                // only stage 0 cuts, and its input is tokens
-                const pieceInput: StageInput =
-                  pieces.length > 1 && input._tag === "Tokens"
-                    ? { _tag: "Tokens", tokens: input.tokens.subarray(offset, offset + rows) }
-                    : input
-                offset += rows
-                const engineBefore = stats.engineMillis
-                const t0 = performance.now()
-                const output: StageOutput = yield* batcher
-                  .submit(session, pieceStart, pieceInput, stats, p.stageCount, replayTail)
-                  .pipe(
-                    Effect.mapError(
-                      (error) =>
-                        new StageFailure({
-                          reason: StageFaultReasons.ExecutionFailed({ message: `${error._tag}: ${errorWords(error)}` })
-                        })
-                    )
-                  )
-                const t1 = performance.now()
-                const elapsed = t1 - t0
-                stats.frames++
-                stats.tokens += rows
-                if (frame.step === 0) {
-                  stats.prefillComputeMillis += elapsed
-                  stats.prefillWaitMillis += Math.max(0, elapsed - (stats.engineMillis - engineBefore))
-                } else {
-                  stats.decodeFrames++
-                  stats.decodeComputeMillis += elapsed
-                }
-                position = pieceStart + rows
-                if (frame.step === 0 || stats.decodeFrames % 64 === 0) measureStage()
-                let handOffStart = t1
-                if (output._tag === "Hidden") {
-                  if (isLast) return yield* protocolViolated("the last stage produced hidden states")
-                  yield* outbound
-                    .send(
-                      dataFrame({
-                        _tag: "ActivationFrame",
-                        runId,
-                        edgeId: p.outbound.edgeId,
-                        step: frame.step,
-                        chunkIndex: pieces.length > 1 ? piece : (received?.index ?? 0),
-                        chunkCount: pieces.length > 1 ? pieces.length : (received?.count ?? 1),
-                        startPos: pieceStart,
-                        nTokens: output.nTokens,
-                        hiddenDim: output.hidden.length / output.nTokens,
-                        dtype: "f32",
-                        payload: output.hidden as Float32Array<ArrayBuffer>
-                      })
-                    )
-                    .pipe(Effect.mapError(transport))
-                } else {
-                  if (sample === undefined) return yield* protocolViolated("a middle stage produced logits")
-                  // a piece before a prompt's last: nothing to sample yet
-                  if (!sampleHere) continue
-                  const sampleStart = performance.now()
-                  const sampled = sample.sample(output.logits)
-                  if (frame.step === 0) stats.firstSampleMillis = performance.now() - sampleStart
-                  // nothing selectable (every token banned, or none the grammar allows): the generation ends
-                  const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
-                  const eos = sampled.tokenId < 0 || tokenId === eosTokenId
-                  handOffStart = performance.now()
-                  // the token loop: stage 0 gets the next step's input first (it is what the pipeline waits for),
-                  // unless the run ends with this token (the run FSM's rules: end of sequence, or max tokens)
-                  if (loopOut !== undefined && !eos && frame.step + 1 < loopOut.loop.maxTokens) {
-                    yield* loopOut.sender
-                      .send(
-                        dataFrame({
-                          _tag: "TokenFrame",
-                          runId,
-                          edgeId: loopOut.loop.edgeId,
-                          step: frame.step + 1,
-                          chunkIndex: 0,
-                          chunkCount: 1,
-                          payload: { _tag: "Decode", tokenId }
-                        })
-                      )
-                      .pipe(Effect.mapError(transport))
-                  }
-                  yield* outbound
-                    .send(
-                      dataFrame({
-                        _tag: "TokenFrame",
-                        runId,
-                        edgeId: p.outbound.edgeId,
-                        step: frame.step,
-                        chunkIndex: 0,
-                        chunkCount: 1,
-                        payload: {
-                          _tag: "Sampled",
-                          tokenId,
-                          eos,
-                          ...(sampled.draws === 0 ? {} : { draws: sampled.draws }),
-                          ...(sampled.logprob === undefined ? {} : { logprob: sampled.logprob })
-                        }
-                      })
-                    )
-                    .pipe(Effect.mapError(transport))
-                }
-                // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
-                if (frame.step !== 0) timings.add(frame.step, handOffStart - t0, performance.now() - handOffStart)
-              }
-            })
-
+          const step = stepOf({
+            request,
+            batcher,
+            session,
+            stats,
+            state,
+            windowRows,
+            outbound,
+            loopOut,
+            sample,
+            timings,
+            measureStage
+          })
+          const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
           yield* Effect.forever(Effect.flatMap(receive.pipe(Effect.mapError(transport)), step))
         }).pipe(Effect.scoped)
 
@@ -617,7 +427,7 @@ export const makeStageHost = (
             Cause.failureOption(exit.cause),
             (e) => e instanceof StageFailure && e.reason._tag === "TransportFailed"
           )
-        const keptPositions = Math.min(position, request.promptCache?.promptLength ?? 0)
+        const keptPositions = Math.min(state.position, request.promptCache?.promptLength ?? 0)
         if (keepAs != null && (Exit.isSuccess(exit) || edgeClosed) && kept !== undefined && keptPositions > 0) {
           const held = yield* promptCache.keep(keepAs, stageIndex, {
             session: kept.session,
@@ -792,34 +602,3 @@ const mergeReceivers = (a: EdgeReceiver, b: EdgeReceiver) =>
       Effect.flatMap((item) => (Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)))
     )
   })
-
-/** Steps per StageTimings report, and the longest a step waits to be reported while the stage runs. */
-const TIMINGS_BATCH = 16
-const TIMINGS_EVERY_MILLIS = 250
-
-const roundMicros = (millis: number) => Math.round(millis * 1000) / 1000
-
-/** A stage's decode-step timings, sent as one StageTimings report per TIMINGS_BATCH steps or TIMINGS_EVERY_MILLIS. */
-const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report: StageReport) => void) => {
-  let steps: Array<number> = []
-  let computeMillis: Array<number> = []
-  let sendMillis: Array<number> = []
-  let lastSent = performance.now()
-  const flush = () => {
-    lastSent = performance.now()
-    if (steps.length === 0) return
-    send({ _tag: "StageTimings", runId, stageIndex, steps, computeMillis, sendMillis })
-    steps = []
-    computeMillis = []
-    sendMillis = []
-  }
-  return {
-    add: (step: number, compute: number, handOff: number) => {
-      steps.push(step)
-      computeMillis.push(roundMicros(compute))
-      sendMillis.push(roundMicros(handOff))
-      if (steps.length >= TIMINGS_BATCH || performance.now() - lastSent >= TIMINGS_EVERY_MILLIS) flush()
-    },
-    flush
-  }
-}
