@@ -10,7 +10,6 @@ import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, Toolkit } from "./Toolkit.js"
 import { checkedOps } from "./OpChecks.js"
-import { perLayerOps } from "../ggml/PerLayerBindings.js"
 import { activationWidth, joinStageOutput, splitStageInput } from "./PerLayerInputs.js"
 import { checkGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
@@ -151,8 +150,7 @@ export const buildGraph = (
       x = arch.buildBlock(t, bw, x)
     }
     if (spec.isLast) x = arch.buildOutput(t, modelWide, x)
-    else
-      x = joinStageOutput(raw, ctx, hp, perLayerOps(w.ggml).ggml_concat, x, inputs.perLayer, spec.layerEndExclusive, n)
+    else x = joinStageOutput(raw, ctx, hp, x, inputs.perLayer, spec.layerEndExclusive, n)
     raw.ggml_set_output(x)
     raw.ggml_build_forward_expand(graph, x)
 

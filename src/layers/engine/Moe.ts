@@ -17,7 +17,6 @@
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import { getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
-import { moeOps } from "../ggml/MoeBindings.js"
 import { getNumberArray, getOptional, getU32 } from "../gguf/GgufReader.js"
 import type { HParams } from "./HParams.js"
 import type { ExpertGating, MoeParams } from "./MoeParams.js"
@@ -274,17 +273,16 @@ export const moeOf = (hp: HParams): MoeParams => {
 const groupLimited = (t: Toolkit, scores: Ptr, moe: MoeParams, n: number): Ptr => {
   const g = t.g
   const ctx = t.ctx
-  const op = moeOps(getGgml())
   const groups = moe.nExpertGroups
   const per = moe.nExpert / groups
   const byGroup = g.ggml_reshape_3d(ctx, scores, per, groups, n) // [per, groups, n]
-  const best2 = op.ggml_argsort_top_k(ctx, byGroup, 2) // I32 [2, groups, n]
-  let groupScores = g.ggml_get_rows(ctx, op.ggml_reshape_4d(ctx, byGroup, 1, per, groups, n), best2) // [1, 2, groups, n]
-  groupScores = op.ggml_sum_rows(ctx, g.ggml_reshape_3d(ctx, groupScores, 2, groups, n)) // [1, groups, n]
+  const best2 = g.ggml_argsort_top_k(ctx, byGroup, 2) // I32 [2, groups, n]
+  let groupScores = g.ggml_get_rows(ctx, g.ggml_reshape_4d(ctx, byGroup, 1, per, groups, n), best2) // [1, 2, groups, n]
+  groupScores = g.ggml_sum_rows(ctx, g.ggml_reshape_3d(ctx, groupScores, 2, groups, n)) // [1, groups, n]
   groupScores = g.ggml_reshape_2d(ctx, groupScores, groups, n)
-  const chosenGroups = op.ggml_argsort_top_k(ctx, groupScores, moe.nGroupUsed) // I32 [used, n]
+  const chosenGroups = g.ggml_argsort_top_k(ctx, groupScores, moe.nGroupUsed) // I32 [used, n]
   const kept = g.ggml_get_rows(ctx, byGroup, chosenGroups) // [per, used, n]
-  const masked = g.ggml_set_rows(ctx, op.ggml_fill(ctx, byGroup, -Infinity), kept, chosenGroups) // [per, groups, n]
+  const masked = g.ggml_set_rows(ctx, g.ggml_fill(ctx, byGroup, -Infinity), kept, chosenGroups) // [per, groups, n]
   return g.ggml_reshape_2d(ctx, masked, moe.nExpert, n)
 }
 
@@ -317,7 +315,6 @@ export const moeFfn = (
   const g = t.g
   const ctx = t.ctx
   const ggml = getGgml()
-  const op = moeOps(ggml)
   const shape = (p: Ptr) => ggml.tensorShape(p)
   const check = (ok: boolean, name: string, why: string, ...ts: ReadonlyArray<Ptr>) => {
     if (!ok) {
@@ -333,7 +330,7 @@ export const moeFfn = (
 
   const logits = hooks.logits ?? t.linear(w.get("ffn_gate_inp.weight"), x) // [n_expert, n]
   check(shape(logits).ne[0] === nExpert, "moeFfn", `router logits must count ${nExpert} experts`, logits)
-  const probs = moe.gating === "softmax" ? op.ggml_soft_max(ctx, logits) : op.ggml_sigmoid(ctx, logits)
+  const probs = moe.gating === "softmax" ? g.ggml_soft_max(ctx, logits) : g.ggml_sigmoid(ctx, logits)
   let selection = probs
   if (probsBias !== null) {
     // ggml_add's own check (OpChecks) refuses a bias that does not repeat to [n_expert, n]
@@ -341,13 +338,13 @@ export const moeFfn = (
   }
   if (moe.nExpertGroups > 1) selection = groupLimited(t, selection, moe, n)
   check(shape(selection).ne[0]! >= k, "ggml_argsort_top_k", `fewer than ${k} values per row`, selection)
-  const chosen = op.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
+  const chosen = g.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
 
   let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, nExpert, n), chosen) // [1, k, n]
   if (moe.normWeights) {
     const w2 = g.ggml_reshape_2d(ctx, weights, k, n)
-    const sum = op.ggml_clamp(ctx, op.ggml_sum_rows(ctx, w2), MIN_WEIGHT_SUM, Infinity) // [1, n]
-    weights = g.ggml_reshape_3d(ctx, op.ggml_div(ctx, w2, sum), 1, k, n)
+    const sum = g.ggml_clamp(ctx, g.ggml_sum_rows(ctx, w2), MIN_WEIGHT_SUM, Infinity) // [1, n]
+    weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, w2, sum), 1, k, n)
   }
   if (moe.weightsScale !== 0 && moe.weightsScale !== 1) weights = g.ggml_scale(ctx, weights, moe.weightsScale)
   g.ggml_build_forward_expand(t.graph, weights)
@@ -370,7 +367,7 @@ export const moeFfn = (
       input,
       chosen
     )
-    return op.ggml_mul_mat_id(ctx, a, input, chosen)
+    return g.ggml_mul_mat_id(ctx, a, input, chosen)
   }
   let up: Ptr
   let gate: Ptr
@@ -391,7 +388,7 @@ export const moeFfn = (
   if (downScale !== null) {
     // llama.cpp's build_lora_mm_id: each chosen expert's output times its own scale
     check(shape(downScale).ne[0] === nExpert, "moeFfn", `the per-expert scale must hold ${nExpert} values`, downScale)
-    const all = op.ggml_repeat_4d(ctx, g.ggml_reshape_3d(ctx, downScale, 1, nExpert, 1), 1, nExpert, n, 1)
+    const all = g.ggml_repeat_4d(ctx, g.ggml_reshape_3d(ctx, downScale, 1, nExpert, 1), 1, nExpert, n, 1)
     experts = g.ggml_mul(ctx, experts, g.ggml_get_rows(ctx, all, chosen))
   }
   experts = g.ggml_mul(ctx, experts, weights)
@@ -405,7 +402,7 @@ export const moeFfn = (
     let shared = t.linear(w.get("ffn_down_shexp.weight"), g.ggml_swiglu_split(ctx, shGate, shUp))
     // [1, n]: one gate per token, broadcast over the row
     if (moe.sharedGate)
-      shared = g.ggml_mul(ctx, shared, op.ggml_sigmoid(ctx, t.linear(w.get("ffn_gate_inp_shexp.weight"), x)))
+      shared = g.ggml_mul(ctx, shared, g.ggml_sigmoid(ctx, t.linear(w.get("ffn_gate_inp_shexp.weight"), x)))
     out = g.ggml_add(ctx, out, shared)
   }
   return out

@@ -6,7 +6,6 @@
  * shapes, what ggml would abort on (the asserts of the pinned ggml.c, op by op; for views, ggml_new_tensor_impl's
  * bounds assert). Shape predicates that ggml exports (`ggml_is_contiguous`, `ggml_can_repeat`, ...) are asked of ggml itself.
  */
-import koffi from "koffi"
 import { type Ggml, type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
 
 /** A bad op: what ggml would have aborted the process on. */
@@ -30,24 +29,16 @@ interface Predicates {
   readonly sameShape: (t0: Ptr, t1: Ptr) => boolean
 }
 
-const predicatesOf = new WeakMap<object, Predicates>()
-
-const predicates = (g: Ggml): Predicates => {
-  const known = predicatesOf.get(g)
-  if (known !== undefined) return known
-  const lib = koffi.load(`${g.library.dir}/${g.library.baseLib}`)
-  const p: Predicates = {
-    isContiguous: lib.func("bool ggml_is_contiguous(void * t)") as never,
-    isContiguous1: lib.func("bool ggml_is_contiguous_1(void * t)") as never,
-    isContiguousRows: lib.func("bool ggml_is_contiguous_rows(void * t)") as never,
-    isTransposed: lib.func("bool ggml_is_transposed(void * t)") as never,
-    isVector: lib.func("bool ggml_is_vector(void * t)") as never,
-    canRepeat: lib.func("bool ggml_can_repeat(void * t0, void * t1)") as never,
-    sameShape: lib.func("bool ggml_are_same_shape(void * t0, void * t1)") as never
-  }
-  predicatesOf.set(g, p)
-  return p
-}
+/** ggml's own tensor predicates (the binding table's group of them). */
+const predicates = (raw: GgmlRaw): Predicates => ({
+  isContiguous: raw.ggml_is_contiguous,
+  isContiguous1: raw.ggml_is_contiguous_1,
+  isContiguousRows: raw.ggml_is_contiguous_rows,
+  isTransposed: raw.ggml_is_transposed,
+  isVector: raw.ggml_is_vector,
+  canRepeat: raw.ggml_can_repeat,
+  sameShape: raw.ggml_are_same_shape
+})
 
 const describe = (s: Shape) => `[${s.ne.join(", ")}] (type ${s.type})`
 
@@ -64,7 +55,7 @@ export const checkedOps = (g: Ggml): GgmlRaw => {
 
 const makeChecked = (g: Ggml): GgmlRaw => {
   const raw = g.raw
-  const is = predicates(g)
+  const is = predicates(raw)
   const shape = (t: Ptr): Shape => g.tensorShape(t)
   const fail = (op: string, why: string, ...ts: ReadonlyArray<Ptr>): never => {
     throw new GraphOpError(`${op}: ${why} (operands ${ts.map((t) => describe(shape(t))).join(", ")})`)

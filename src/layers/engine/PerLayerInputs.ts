@@ -63,7 +63,6 @@ export const joinStageOutput = (
   g: GgmlRaw,
   ctx: Ptr,
   hp: HParams,
-  concat: (ctx: Ptr, a: Ptr, b: Ptr, dim: number) => Ptr,
   x: Ptr,
   p: PerLayerRows | undefined,
   layerEnd: number,
@@ -76,5 +75,5 @@ export const joinStageOutput = (
     ctx,
     g.ggml_view_2d(ctx, p.rows, tail, n, p.stride * 4, (p.offset + (layerEnd - p.first) * width) * 4)
   )
-  return concat(ctx, x, rest, 0)
+  return g.ggml_concat(ctx, x, rest, 0)
 }

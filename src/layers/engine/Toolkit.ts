@@ -3,9 +3,7 @@
  * It mirrors llama.cpp's llm_graph_context (llama-graph.cpp) op for op, so that a stage computes what
  * llama.cpp computes: flash attention with an F16 mask over an F16 KV cache, F32 precision.
  */
-import { getGgml, GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
-import { deltaNetOps } from "../ggml/DeltaNetBindings.js"
-import { gptOssOps } from "../ggml/GptOssBindings.js"
+import { GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
 import { type BlockHeads, type HParams, headsOf } from "./HParams.js"
 import { PLAIN_ROPE } from "./PositionScaling.js"
 
@@ -263,7 +261,7 @@ export class Toolkit {
 
   /** The attention output times sigmoid(gate) before wo (qwen35's gated attention; gate [headDimV * nHead, n]). */
   private outputGate(cur: Ptr, gate: Ptr | null): Ptr {
-    return gate === null ? cur : this.g.ggml_mul(this.ctx, cur, deltaNetOps(getGgml()).ggml_sigmoid(this.ctx, gate))
+    return gate === null ? cur : this.g.ggml_mul(this.ctx, cur, this.g.ggml_sigmoid(this.ctx, gate))
   }
 
   /** One sequence: cache writes, flash attention over its cells; [headDimV * nHead, seg.n]. */
@@ -311,7 +309,7 @@ export class Toolkit {
     const mask = ring ? seg.swaMask : seg.mask
     if (mask === null) throw new Error(`block ${this.layer} is a sliding-window block but the graph has no window mask`)
     const fa = g.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kqScale, 0, 0)
-    if (sinks !== null) gptOssOps(getGgml()).ggml_flash_attn_ext_add_sinks(fa, sinks)
+    if (sinks !== null) g.ggml_flash_attn_ext_add_sinks(fa, sinks)
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
     return g.ggml_reshape_2d(ctx, fa, headDimV * nHead, seg.n)
   }

@@ -28,7 +28,6 @@
  */
 import koffi from "koffi"
 import { type Ggml, GgmlType, type Ptr, TensorLayout } from "../ggml/Bindings.js"
-import { moeOps } from "../ggml/MoeBindings.js"
 
 /** Row counts of the products a stage's graphs build over a weight (rule 1 asks about each). */
 export const PRODUCT_ROWS: ReadonlyArray<number> = [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 512]
@@ -87,7 +86,6 @@ const extraTypeSupportsExperts = (
   ne2: number
 ): boolean => {
   const raw = g.raw
-  const op = moeOps(g)
   const used = Math.min(ne2, 2)
   const ctx = raw.ggml_init({
     mem_size: raw.ggml_tensor_overhead() * (5 * PRODUCT_ROWS.length + 2),
@@ -106,7 +104,7 @@ const extraTypeSupportsExperts = (
         return [1, used].every((perRow) =>
           raw.ggml_backend_dev_supports_op(
             dev,
-            op.ggml_mul_mat_id(ctx, w, raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne0, perRow, rows), ids)
+            raw.ggml_mul_mat_id(ctx, w, raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne0, perRow, rows), ids)
           )
         )
       })

@@ -3,7 +3,9 @@
  *
  * The handle is created lazily on first use (`getGgml()`), checks the library version and the
  * `ggml_tensor` layout the bindings were written for, and refuses with a clear message otherwise.
- * ggml asserts abort the process: callers validate shapes and types in TypeScript first.
+ * ggml asserts abort the process: callers validate shapes and types in TypeScript first. Every ggml function swactor
+ * calls is bound here, once, in one table (`bindTable`, reached as `getGgml().raw`): an architecture's new op is a line
+ * in its group there, not a binding file of its own.
  */
 import koffi, { type LibraryHandle } from "koffi"
 import { join } from "node:path"
@@ -66,100 +68,196 @@ const declareTypes = () => {
   return { initParams }
 }
 
-const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) => {
-  const f = (decl: string) => lib.func(decl)
+/** A tensor-to-tensor op with one operand / two operands (the shape of most of ggml.h's ops). */
+type Op1 = (ctx: Ptr, a: Ptr) => Ptr
+type Op2 = (ctx: Ptr, a: Ptr, b: Ptr) => Ptr
+
+/**
+ * The one binding table: every ggml function swactor calls, with its C declaration as in the pinned ggml.h,
+ * ggml-alloc.h and ggml-backend.h, grouped as those headers group them. A new op (for a new architecture too) goes
+ * into its group here. `b` binds from ggml-base (ggml.h, ggml-alloc.h, buffers), `m` from the ggml library (the
+ * backend registry and devices). koffi trusts each declaration: a wrong one corrupts memory, so each is copied from
+ * the header.
+ */
+// long: one table of C declarations; cut up, the groups would be the same lines in more places to check against ggml.h
+const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<typeof declareTypes>) => {
+  const b = (decl: string) => base.func(decl)
+  const m = (decl: string) => main.func(decl)
   return {
-    ggml_version: f("const char * ggml_version()"),
-    ggml_commit: f("const char * ggml_commit()"),
-    ggml_type_size: f("size_t ggml_type_size(int type)") as (type: number) => number,
-    ggml_blck_size: f("int64_t ggml_blck_size(int type)") as (type: number) => number,
-    ggml_row_size: f("size_t ggml_row_size(int type, int64_t ne)") as (type: number, ne: number) => number,
-    ggml_type_name: f("const char * ggml_type_name(int type)") as (type: number) => string | null,
-    ggml_tensor_overhead: f("size_t ggml_tensor_overhead()") as () => number,
-    ggml_graph_overhead_custom: f("size_t ggml_graph_overhead_custom(size_t size, bool grads)") as (
-      size: number,
-      grads: boolean
-    ) => number,
-    ggml_quantize_init: f("void ggml_quantize_init(int type)") as (type: number) => void,
-    ggml_quantize_requires_imatrix: f("bool ggml_quantize_requires_imatrix(int type)") as (type: number) => boolean,
-    ggml_quantize_chunk: f(
-      "size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, " +
-        "int64_t n_per_row, const float * imatrix)"
-    ) as (
-      type: number,
-      src: Float32Array,
-      dst: Uint8Array,
-      start: number,
-      nrows: number,
-      nPerRow: number,
-      imatrix: null
-    ) => number,
-    ggml_init: lib.func("ggml_init", "void *", [types.initParams]) as (params: {
+    // library, logging and type traits
+    ggml_version: b("const char * ggml_version()"),
+    ggml_commit: b("const char * ggml_commit()"),
+    ggml_log_set: b("void ggml_log_set(void * callback, void * user_data)") as (
+      callback: unknown,
+      userData: null
+    ) => void,
+    ggml_type_size: b("size_t ggml_type_size(int type)") as (type: number) => number,
+    ggml_blck_size: b("int64_t ggml_blck_size(int type)") as (type: number) => number,
+    ggml_row_size: b("size_t ggml_row_size(int type, int64_t ne)") as (type: number, ne: number) => number,
+    ggml_type_name: b("const char * ggml_type_name(int type)") as (type: number) => string | null,
+    ggml_tensor_overhead: b("size_t ggml_tensor_overhead()") as () => number,
+
+    // tensor predicates (OpChecks asks ggml itself before building an op)
+    ggml_is_transposed: b("bool ggml_is_transposed(void * t)") as (t: Ptr) => boolean,
+    ggml_is_contiguous: b("bool ggml_is_contiguous(void * t)") as (t: Ptr) => boolean,
+    ggml_is_contiguous_1: b("bool ggml_is_contiguous_1(void * t)") as (t: Ptr) => boolean,
+    ggml_is_contiguous_rows: b("bool ggml_is_contiguous_rows(void * t)") as (t: Ptr) => boolean,
+    ggml_is_vector: b("bool ggml_is_vector(void * t)") as (t: Ptr) => boolean,
+    ggml_are_same_shape: b("bool ggml_are_same_shape(void * t0, void * t1)") as (t0: Ptr, t1: Ptr) => boolean,
+    ggml_can_repeat: b("bool ggml_can_repeat(void * t0, void * t1)") as (t0: Ptr, t1: Ptr) => boolean,
+
+    // context and tensor creation
+    ggml_init: base.func("ggml_init", "void *", [types.initParams]) as (params: {
       mem_size: number
       mem_buffer: Ptr | null
       no_alloc: boolean
     }) => Ptr,
-    ggml_free: f("void ggml_free(void * ctx)") as (ctx: Ptr) => void,
-    ggml_new_tensor_1d: f("void * ggml_new_tensor_1d(void * ctx, int type, int64_t ne0)") as (
+    ggml_free: b("void ggml_free(void * ctx)") as (ctx: Ptr) => void,
+    ggml_new_tensor_1d: b("void * ggml_new_tensor_1d(void * ctx, int type, int64_t ne0)") as (
       ctx: Ptr,
       type: number,
       ne0: number
     ) => Ptr,
-    ggml_new_tensor_2d: f("void * ggml_new_tensor_2d(void * ctx, int type, int64_t ne0, int64_t ne1)") as (
+    ggml_new_tensor_2d: b("void * ggml_new_tensor_2d(void * ctx, int type, int64_t ne0, int64_t ne1)") as (
       ctx: Ptr,
       type: number,
       ne0: number,
       ne1: number
     ) => Ptr,
-    ggml_new_tensor_3d: f("void * ggml_new_tensor_3d(void * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2)") as (
+    ggml_new_tensor_3d: b("void * ggml_new_tensor_3d(void * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2)") as (
       ctx: Ptr,
       type: number,
       ne0: number,
       ne1: number,
       ne2: number
     ) => Ptr,
-    ggml_new_tensor_4d: f(
+    ggml_new_tensor_4d: b(
       "void * ggml_new_tensor_4d(void * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"
     ) as (ctx: Ptr, type: number, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr,
-    ggml_set_name: f("void * ggml_set_name(void * tensor, const char * name)") as (t: Ptr, name: string) => Ptr,
-    ggml_set_input: f("void ggml_set_input(void * tensor)") as (t: Ptr) => void,
-    ggml_set_output: f("void ggml_set_output(void * tensor)") as (t: Ptr) => void,
-    ggml_nbytes: f("size_t ggml_nbytes(void * tensor)") as (t: Ptr) => number,
-    ggml_get_rows: f("void * ggml_get_rows(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
-    ggml_rms_norm: f("void * ggml_rms_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
-    ggml_mul: f("void * ggml_mul(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
-    ggml_add: f("void * ggml_add(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
-    ggml_scale: f("void * ggml_scale(void * ctx, void * a, float s)") as (ctx: Ptr, a: Ptr, s: number) => Ptr,
-    ggml_mul_mat: f("void * ggml_mul_mat(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
-    ggml_cpy: f("void * ggml_cpy(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
-    ggml_cast: f("void * ggml_cast(void * ctx, void * a, int type)") as (ctx: Ptr, a: Ptr, type: number) => Ptr,
-    ggml_cont: f("void * ggml_cont(void * ctx, void * a)") as (ctx: Ptr, a: Ptr) => Ptr,
-    ggml_reshape_2d: f("void * ggml_reshape_2d(void * ctx, void * a, int64_t ne0, int64_t ne1)") as (
+    ggml_get_first_tensor: b("void * ggml_get_first_tensor(void * ctx)") as (ctx: Ptr) => Ptr | null,
+    ggml_get_next_tensor: b("void * ggml_get_next_tensor(void * ctx, void * t)") as (ctx: Ptr, t: Ptr) => Ptr | null,
+    ggml_set_name: b("void * ggml_set_name(void * tensor, const char * name)") as (t: Ptr, name: string) => Ptr,
+    ggml_set_input: b("void ggml_set_input(void * tensor)") as (t: Ptr) => void,
+    ggml_set_output: b("void ggml_set_output(void * tensor)") as (t: Ptr) => void,
+    ggml_nbytes: b("size_t ggml_nbytes(void * tensor)") as (t: Ptr) => number,
+    ggml_op_desc: b("const char * ggml_op_desc(void * t)") as (t: Ptr) => string,
+
+    // binary and arithmetic ops (the second operand broadcasts to the first)
+    ggml_add: b("void * ggml_add(void * ctx, void * a, void * b)") as Op2,
+    /** dst[i0, i1, i2] = a[i0, i1, i2] + b[i0, ids[i1, i2]]: per-expert biases of mul_mat_id's output */
+    ggml_add_id: b("void * ggml_add_id(void * ctx, void * a, void * b, void * ids)") as (
+      ctx: Ptr,
+      a: Ptr,
+      b: Ptr,
+      ids: Ptr
+    ) => Ptr,
+    ggml_mul: b("void * ggml_mul(void * ctx, void * a, void * b)") as Op2,
+    ggml_div: b("void * ggml_div(void * ctx, void * a, void * b)") as Op2,
+    ggml_scale: b("void * ggml_scale(void * ctx, void * a, float s)") as (ctx: Ptr, a: Ptr, s: number) => Ptr,
+
+    // reductions and sorting
+    ggml_sum_rows: b("void * ggml_sum_rows(void * ctx, void * a)") as Op1,
+    /** I32 indices of the k largest values of each row, largest first */
+    ggml_argsort_top_k: b("void * ggml_argsort_top_k(void * ctx, void * a, int k)") as (
+      ctx: Ptr,
+      a: Ptr,
+      k: number
+    ) => Ptr,
+
+    // unary ops (elementwise)
+    ggml_tanh: b("void * ggml_tanh(void * ctx, void * a)") as Op1,
+    ggml_sigmoid: b("void * ggml_sigmoid(void * ctx, void * a)") as Op1,
+    ggml_silu: b("void * ggml_silu(void * ctx, void * a)") as Op1,
+    /** GELU (tanh approximation, ggml's table on CPU) */
+    ggml_gelu: b("void * ggml_gelu(void * ctx, void * a)") as Op1,
+    ggml_softplus: b("void * ggml_softplus(void * ctx, void * a)") as Op1,
+    ggml_clamp: b("void * ggml_clamp(void * ctx, void * a, float min, float max)") as (
+      ctx: Ptr,
+      a: Ptr,
+      min: number,
+      max: number
+    ) => Ptr,
+    ggml_fill: b("void * ggml_fill(void * ctx, void * a, float c)") as (ctx: Ptr, a: Ptr, c: number) => Ptr,
+
+    // gated linear units: a = gate, b = up (same shape)
+    ggml_swiglu_split: b("void * ggml_swiglu_split(void * ctx, void * a, void * b)") as Op2,
+    ggml_geglu_split: b("void * ggml_geglu_split(void * ctx, void * a, void * b)") as Op2,
+    /** gpt-oss's clamped SwiGLU */
+    ggml_swiglu_oai: b("void * ggml_swiglu_oai(void * ctx, void * a, void * b, float alpha, float limit)") as (
+      ctx: Ptr,
+      a: Ptr,
+      b: Ptr,
+      alpha: number,
+      limit: number
+    ) => Ptr,
+
+    // normalization
+    ggml_rms_norm: b("void * ggml_rms_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
+    ggml_l2_norm: b("void * ggml_l2_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
+
+    // matrix products
+    ggml_mul_mat: b("void * ggml_mul_mat(void * ctx, void * a, void * b)") as Op2,
+    /** as: [K, N, E] stacked matrices, b: [K, rows, T], ids: I32 [rows, T] -> [N, rows, T] */
+    ggml_mul_mat_id: b("void * ggml_mul_mat_id(void * ctx, void * as, void * b, void * ids)") as (
+      ctx: Ptr,
+      as: Ptr,
+      b: Ptr,
+      ids: Ptr
+    ) => Ptr,
+
+    // copies, views, reshapes and rows
+    ggml_cpy: b("void * ggml_cpy(void * ctx, void * a, void * b)") as Op2,
+    ggml_cast: b("void * ggml_cast(void * ctx, void * a, int type)") as (ctx: Ptr, a: Ptr, type: number) => Ptr,
+    ggml_cont: b("void * ggml_cont(void * ctx, void * a)") as Op1,
+    ggml_cont_2d: b("void * ggml_cont_2d(void * ctx, void * a, int64_t ne0, int64_t ne1)") as (
       ctx: Ptr,
       a: Ptr,
       ne0: number,
       ne1: number
     ) => Ptr,
-    ggml_reshape_3d: f("void * ggml_reshape_3d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2)") as (
+    ggml_reshape_2d: b("void * ggml_reshape_2d(void * ctx, void * a, int64_t ne0, int64_t ne1)") as (
+      ctx: Ptr,
+      a: Ptr,
+      ne0: number,
+      ne1: number
+    ) => Ptr,
+    ggml_reshape_3d: b("void * ggml_reshape_3d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2)") as (
       ctx: Ptr,
       a: Ptr,
       ne0: number,
       ne1: number,
       ne2: number
     ) => Ptr,
-    ggml_view_1d: f("void * ggml_view_1d(void * ctx, void * a, int64_t ne0, size_t offset)") as (
+    ggml_reshape_4d: b(
+      "void * ggml_reshape_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"
+    ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr,
+    ggml_view_1d: b("void * ggml_view_1d(void * ctx, void * a, int64_t ne0, size_t offset)") as (
       ctx: Ptr,
       a: Ptr,
       ne0: number,
       offset: number
     ) => Ptr,
-    ggml_view_2d: f(
+    ggml_view_2d: b(
       "void * ggml_view_2d(void * ctx, void * a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset)"
     ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, nb1: number, offset: number) => Ptr,
-    ggml_view_3d: f(
+    ggml_view_3d: b(
       "void * ggml_view_3d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, size_t nb1, size_t nb2, size_t offset)"
     ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, nb1: number, nb2: number, offset: number) => Ptr,
-    ggml_permute: f("void * ggml_permute(void * ctx, void * a, int a0, int a1, int a2, int a3)") as (
+    ggml_view_4d: b(
+      "void * ggml_view_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offset)"
+    ) as (
+      ctx: Ptr,
+      a: Ptr,
+      ne0: number,
+      ne1: number,
+      ne2: number,
+      ne3: number,
+      nb1: number,
+      nb2: number,
+      nb3: number,
+      offset: number
+    ) => Ptr,
+    ggml_permute: b("void * ggml_permute(void * ctx, void * a, int a0, int a1, int a2, int a3)") as (
       ctx: Ptr,
       a: Ptr,
       a0: number,
@@ -167,7 +265,32 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       a2: number,
       a3: number
     ) => Ptr,
-    ggml_rope_ext: f(
+    ggml_transpose: b("void * ggml_transpose(void * ctx, void * a)") as Op1,
+    /** a and b joined along `dim` (all other dims equal) */
+    ggml_concat: b("void * ggml_concat(void * ctx, void * a, void * b, int dim)") as (
+      ctx: Ptr,
+      a: Ptr,
+      b: Ptr,
+      dim: number
+    ) => Ptr,
+    /** a repeated to [ne0, ne1, ne2, ne3] (each a multiple of a's) */
+    ggml_repeat_4d: b(
+      "void * ggml_repeat_4d(void * ctx, void * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)"
+    ) as (ctx: Ptr, a: Ptr, ne0: number, ne1: number, ne2: number, ne3: number) => Ptr,
+    ggml_get_rows: b("void * ggml_get_rows(void * ctx, void * a, void * b)") as Op2,
+    ggml_set_rows: b("void * ggml_set_rows(void * ctx, void * a, void * b, void * c)") as (
+      ctx: Ptr,
+      dst: Ptr,
+      src: Ptr,
+      rows: Ptr
+    ) => Ptr,
+
+    // softmax, RoPE and attention
+    ggml_soft_max: b("void * ggml_soft_max(void * ctx, void * a)") as Op1,
+    ggml_soft_max_ext: b(
+      "void * ggml_soft_max_ext(void * ctx, void * a, void * mask, float scale, float max_bias)"
+    ) as (ctx: Ptr, a: Ptr, mask: Ptr | null, scale: number, maxBias: number) => Ptr,
+    ggml_rope_ext: b(
       "void * ggml_rope_ext(void * ctx, void * a, void * b, void * c, int n_dims, int mode, int n_ctx_orig, " +
         "float freq_base, float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow)"
     ) as (
@@ -185,165 +308,178 @@ const bindBase = (lib: LibraryHandle, types: ReturnType<typeof declareTypes>) =>
       betaFast: number,
       betaSlow: number
     ) => Ptr,
-    ggml_set_rows: f("void * ggml_set_rows(void * ctx, void * a, void * b, void * c)") as (
-      ctx: Ptr,
-      dst: Ptr,
-      src: Ptr,
-      rows: Ptr
-    ) => Ptr,
-    ggml_flash_attn_ext: f(
+    ggml_flash_attn_ext: b(
       "void * ggml_flash_attn_ext(void * ctx, void * q, void * k, void * v, void * mask, float scale, " +
         "float max_bias, float logit_softcap)"
     ) as (ctx: Ptr, q: Ptr, k: Ptr, v: Ptr, mask: Ptr | null, scale: number, maxBias: number, softcap: number) => Ptr,
-    ggml_flash_attn_ext_set_prec: f("void ggml_flash_attn_ext_set_prec(void * a, int prec)") as (
+    ggml_flash_attn_ext_set_prec: b("void ggml_flash_attn_ext_set_prec(void * a, int prec)") as (
       a: Ptr,
       prec: number
     ) => void,
-    ggml_soft_max_ext: f(
-      "void * ggml_soft_max_ext(void * ctx, void * a, void * mask, float scale, float max_bias)"
-    ) as (ctx: Ptr, a: Ptr, mask: Ptr | null, scale: number, maxBias: number) => Ptr,
-    ggml_swiglu_split: f("void * ggml_swiglu_split(void * ctx, void * a, void * b)") as (
-      ctx: Ptr,
+    /** Attention sinks (F32 [n_head]) of a ggml_flash_attn_ext node */
+    ggml_flash_attn_ext_add_sinks: b("void ggml_flash_attn_ext_add_sinks(void * a, void * sinks)") as (
       a: Ptr,
-      b: Ptr
-    ) => Ptr,
-    ggml_geglu_split: f("void * ggml_geglu_split(void * ctx, void * a, void * b)") as (ctx: Ptr, a: Ptr, b: Ptr) => Ptr,
-    ggml_tanh: f("void * ggml_tanh(void * ctx, void * a)") as (ctx: Ptr, a: Ptr) => Ptr,
-    ggml_new_graph_custom: f("void * ggml_new_graph_custom(void * ctx, size_t size, bool grads)") as (
+      sinks: Ptr
+    ) => void,
+
+    // state-space and recurrent ops (qwen35's gated DeltaNet)
+    /** sx [d_conv - 1 + n, channels, n_seqs] convolved with c [d_conv, channels]: [channels, n, n_seqs] */
+    ggml_ssm_conv: b("void * ggml_ssm_conv(void * ctx, void * sx, void * c)") as (ctx: Ptr, sx: Ptr, c: Ptr) => Ptr,
+    /** q, k [S, Hk, n, s], v [S, Hv, n, s], g/beta [1, Hv, n, s], state [S, S, Hv, s]: outputs then K state snapshots */
+    ggml_gated_delta_net: b(
+      "void * ggml_gated_delta_net(void * ctx, void * q, void * k, void * v, void * g, void * beta, void * state, int64_t K)"
+    ) as (ctx: Ptr, q: Ptr, k: Ptr, v: Ptr, g: Ptr, beta: Ptr, state: Ptr, K: number) => Ptr,
+
+    // graphs
+    ggml_graph_overhead_custom: b("size_t ggml_graph_overhead_custom(size_t size, bool grads)") as (
+      size: number,
+      grads: boolean
+    ) => number,
+    ggml_new_graph_custom: b("void * ggml_new_graph_custom(void * ctx, size_t size, bool grads)") as (
       ctx: Ptr,
       size: number,
       grads: boolean
     ) => Ptr,
-    ggml_build_forward_expand: f("void ggml_build_forward_expand(void * graph, void * tensor)") as (
+    ggml_build_forward_expand: b("void ggml_build_forward_expand(void * graph, void * tensor)") as (
       graph: Ptr,
       t: Ptr
     ) => void,
-    ggml_graph_n_nodes: f("int ggml_graph_n_nodes(void * graph)") as (graph: Ptr) => number,
-    ggml_graph_node: f("void * ggml_graph_node(void * graph, int i)") as (graph: Ptr, i: number) => Ptr,
-    ggml_op_desc: f("const char * ggml_op_desc(void * t)") as (t: Ptr) => string,
-    ggml_get_first_tensor: f("void * ggml_get_first_tensor(void * ctx)") as (ctx: Ptr) => Ptr | null,
-    ggml_get_next_tensor: f("void * ggml_get_next_tensor(void * ctx, void * t)") as (ctx: Ptr, t: Ptr) => Ptr | null,
-    // ggml-alloc / ggml-backend (also in ggml-base)
-    ggml_backend_alloc_ctx_tensors_from_buft: f(
+    ggml_graph_n_nodes: b("int ggml_graph_n_nodes(void * graph)") as (graph: Ptr) => number,
+    ggml_graph_node: b("void * ggml_graph_node(void * graph, int i)") as (graph: Ptr, i: number) => Ptr,
+
+    // quantization
+    ggml_quantize_init: b("void ggml_quantize_init(int type)") as (type: number) => void,
+    ggml_quantize_requires_imatrix: b("bool ggml_quantize_requires_imatrix(int type)") as (type: number) => boolean,
+    ggml_quantize_chunk: b(
+      "size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, " +
+        "int64_t n_per_row, const float * imatrix)"
+    ) as (
+      type: number,
+      src: Float32Array,
+      dst: Uint8Array,
+      start: number,
+      nrows: number,
+      nPerRow: number,
+      imatrix: Float32Array | null
+    ) => number,
+
+    // backend API, graph allocator (ggml-alloc.h)
+    ggml_gallocr_new: b("void * ggml_gallocr_new(void * buft)") as (buft: Ptr) => Ptr,
+    ggml_gallocr_free: b("void ggml_gallocr_free(void * galloc)") as (galloc: Ptr) => void,
+    ggml_gallocr_reserve: b("bool ggml_gallocr_reserve(void * galloc, void * graph)") as (
+      galloc: Ptr,
+      graph: Ptr
+    ) => boolean,
+    ggml_gallocr_alloc_graph: b("bool ggml_gallocr_alloc_graph(void * galloc, void * graph)") as (
+      galloc: Ptr,
+      graph: Ptr
+    ) => boolean,
+    ggml_gallocr_get_buffer_size: b("size_t ggml_gallocr_get_buffer_size(void * galloc, int id)") as (
+      galloc: Ptr,
+      id: number
+    ) => number,
+    ggml_backend_alloc_ctx_tensors_from_buft: b(
       "void * ggml_backend_alloc_ctx_tensors_from_buft(void * ctx, void * buft)"
     ) as (ctx: Ptr, buft: Ptr) => Ptr | null,
-    ggml_log_set: f("void ggml_log_set(void * callback, void * user_data)") as (
-      callback: unknown,
-      userData: null
-    ) => void,
-    ggml_backend_buft_get_alignment: f("size_t ggml_backend_buft_get_alignment(void * buft)") as (buft: Ptr) => number,
-    ggml_backend_buft_alloc_buffer: f("void * ggml_backend_buft_alloc_buffer(void * buft, size_t size)") as (
+
+    // backend API, buffer types and buffers (ggml-backend.h, in ggml-base)
+    ggml_backend_buft_name: b("const char * ggml_backend_buft_name(void * buft)") as (buft: Ptr) => string,
+    ggml_backend_buft_alloc_buffer: b("void * ggml_backend_buft_alloc_buffer(void * buft, size_t size)") as (
       buft: Ptr,
       size: number
     ) => Ptr | null,
-    ggml_backend_buft_name: f("const char * ggml_backend_buft_name(void * buft)") as (buft: Ptr) => string,
-    ggml_backend_buft_get_alloc_size: f("size_t ggml_backend_buft_get_alloc_size(void * buft, void * tensor)") as (
+    ggml_backend_buft_get_alignment: b("size_t ggml_backend_buft_get_alignment(void * buft)") as (buft: Ptr) => number,
+    ggml_backend_buft_get_alloc_size: b("size_t ggml_backend_buft_get_alloc_size(void * buft, void * tensor)") as (
       buft: Ptr,
       t: Ptr
     ) => number,
-    ggml_backend_buffer_free: f("void ggml_backend_buffer_free(void * buffer)") as (buffer: Ptr) => void,
-    ggml_backend_buffer_get_base: f("void * ggml_backend_buffer_get_base(void * buffer)") as (buffer: Ptr) => Ptr,
-    ggml_backend_buffer_get_size: f("size_t ggml_backend_buffer_get_size(void * buffer)") as (buffer: Ptr) => number,
-    ggml_backend_buffer_get_type: f("void * ggml_backend_buffer_get_type(void * buffer)") as (buffer: Ptr) => Ptr,
-    ggml_backend_buft_is_host: f("bool ggml_backend_buft_is_host(void * buft)") as (buft: Ptr) => boolean,
-    ggml_backend_buffer_clear: f("void ggml_backend_buffer_clear(void * buffer, uint8_t value)") as (
+    ggml_backend_buft_is_host: b("bool ggml_backend_buft_is_host(void * buft)") as (buft: Ptr) => boolean,
+    ggml_backend_buffer_free: b("void ggml_backend_buffer_free(void * buffer)") as (buffer: Ptr) => void,
+    ggml_backend_buffer_get_base: b("void * ggml_backend_buffer_get_base(void * buffer)") as (buffer: Ptr) => Ptr,
+    ggml_backend_buffer_get_size: b("size_t ggml_backend_buffer_get_size(void * buffer)") as (buffer: Ptr) => number,
+    ggml_backend_buffer_get_alignment: b("size_t ggml_backend_buffer_get_alignment(void * buffer)") as (
+      buffer: Ptr
+    ) => number,
+    ggml_backend_buffer_clear: b("void ggml_backend_buffer_clear(void * buffer, uint8_t value)") as (
       buffer: Ptr,
       value: number
     ) => void,
-    ggml_backend_buffer_set_usage: f("void ggml_backend_buffer_set_usage(void * buffer, int usage)") as (
+    ggml_backend_buffer_set_usage: b("void ggml_backend_buffer_set_usage(void * buffer, int usage)") as (
       buffer: Ptr,
       usage: number
     ) => void,
-    ggml_backend_tensor_set: f(
-      "void ggml_backend_tensor_set(void * tensor, const void * data, size_t offset, size_t size)"
-    ) as (t: Ptr, data: ArrayBufferView, offset: number, size: number) => void,
+    ggml_backend_buffer_get_type: b("void * ggml_backend_buffer_get_type(void * buffer)") as (buffer: Ptr) => Ptr,
     // weights mapped from the file (Native.ts): a CPU buffer over foreign memory, tensors placed at addresses in it
-    ggml_backend_cpu_buffer_from_ptr: f("void * ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size)") as (
+    ggml_backend_cpu_buffer_from_ptr: b("void * ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size)") as (
       ptr: unknown,
       size: number
     ) => Ptr | null,
-    ggml_backend_buffer_get_alignment: f("size_t ggml_backend_buffer_get_alignment(void * buffer)") as (
-      buffer: Ptr
-    ) => number,
-    ggml_backend_tensor_alloc: lib.func("ggml_backend_tensor_alloc", "int", ["void *", "void *", "uintptr_t"]) as (
+    ggml_backend_tensor_alloc: base.func("ggml_backend_tensor_alloc", "int", ["void *", "void *", "uintptr_t"]) as (
       buffer: Ptr,
       t: Ptr,
       addr: bigint
     ) => number,
+
+    // backend API, tensor data
+    ggml_backend_tensor_set: b(
+      "void ggml_backend_tensor_set(void * tensor, const void * data, size_t offset, size_t size)"
+    ) as (t: Ptr, data: ArrayBufferView, offset: number, size: number) => void,
     /** ggml_backend_tensor_set from an address (e.g. inside a file mapping) instead of a JS buffer. */
-    ggml_backend_tensor_set_from: lib.func("ggml_backend_tensor_set", "void", [
+    ggml_backend_tensor_set_from: base.func("ggml_backend_tensor_set", "void", [
       "void *",
       "uintptr_t",
       "size_t",
       "size_t"
     ]) as (t: Ptr, data: bigint, offset: number, size: number) => void,
-    ggml_backend_tensor_get: f(
+    ggml_backend_tensor_get: b(
       "void ggml_backend_tensor_get(void * tensor, void * data, size_t offset, size_t size)"
     ) as (t: Ptr, data: ArrayBufferView, offset: number, size: number) => void,
-    ggml_gallocr_new: f("void * ggml_gallocr_new(void * buft)") as (buft: Ptr) => Ptr,
-    ggml_gallocr_free: f("void ggml_gallocr_free(void * galloc)") as (galloc: Ptr) => void,
-    ggml_gallocr_reserve: f("bool ggml_gallocr_reserve(void * galloc, void * graph)") as (
-      galloc: Ptr,
-      graph: Ptr
-    ) => boolean,
-    ggml_gallocr_alloc_graph: f("bool ggml_gallocr_alloc_graph(void * galloc, void * graph)") as (
-      galloc: Ptr,
-      graph: Ptr
-    ) => boolean,
-    ggml_gallocr_get_buffer_size: f("size_t ggml_gallocr_get_buffer_size(void * galloc, int id)") as (
-      galloc: Ptr,
-      id: number
-    ) => number
-  }
-}
 
-const bindMain = (lib: LibraryHandle) => {
-  const f = (decl: string) => lib.func(decl)
-  return {
-    ggml_backend_load_all_from_path: f("void ggml_backend_load_all_from_path(const char * dir)") as (
+    // backend API, registry, devices and backends (ggml-backend.h, in the ggml library)
+    ggml_backend_load_all_from_path: m("void ggml_backend_load_all_from_path(const char * dir)") as (
       dir: string
     ) => void,
-    ggml_backend_reg_by_name: f("void * ggml_backend_reg_by_name(const char * name)") as (name: string) => Ptr | null,
-    ggml_backend_reg_get_proc_address: f("void * ggml_backend_reg_get_proc_address(void * reg, const char * name)") as (
+    ggml_backend_reg_by_name: m("void * ggml_backend_reg_by_name(const char * name)") as (name: string) => Ptr | null,
+    ggml_backend_reg_get_proc_address: m("void * ggml_backend_reg_get_proc_address(void * reg, const char * name)") as (
       reg: Ptr,
       name: string
     ) => Ptr | null,
-    ggml_backend_reg_dev_count: f("size_t ggml_backend_reg_dev_count(void * reg)") as (reg: Ptr) => number,
-    ggml_backend_reg_dev_get: f("void * ggml_backend_reg_dev_get(void * reg, size_t index)") as (
+    ggml_backend_reg_dev_count: m("size_t ggml_backend_reg_dev_count(void * reg)") as (reg: Ptr) => number,
+    ggml_backend_reg_dev_get: m("void * ggml_backend_reg_dev_get(void * reg, size_t index)") as (
       reg: Ptr,
       index: number
     ) => Ptr | null,
-    ggml_backend_dev_by_type: f("void * ggml_backend_dev_by_type(int type)") as (type: number) => Ptr | null,
-    ggml_backend_dev_name: f("const char * ggml_backend_dev_name(void * dev)") as (dev: Ptr) => string,
-    ggml_backend_dev_description: f("const char * ggml_backend_dev_description(void * dev)") as (dev: Ptr) => string,
-    ggml_backend_dev_buffer_type: f("void * ggml_backend_dev_buffer_type(void * dev)") as (dev: Ptr) => Ptr,
-    ggml_backend_dev_init: f("void * ggml_backend_dev_init(void * dev, const char * params)") as (
+    ggml_backend_dev_by_type: m("void * ggml_backend_dev_by_type(int type)") as (type: number) => Ptr | null,
+    ggml_backend_dev_name: m("const char * ggml_backend_dev_name(void * dev)") as (dev: Ptr) => string,
+    ggml_backend_dev_description: m("const char * ggml_backend_dev_description(void * dev)") as (dev: Ptr) => string,
+    ggml_backend_dev_buffer_type: m("void * ggml_backend_dev_buffer_type(void * dev)") as (dev: Ptr) => Ptr,
+    ggml_backend_dev_init: m("void * ggml_backend_dev_init(void * dev, const char * params)") as (
       dev: Ptr,
       params: string | null
     ) => Ptr | null,
-    ggml_backend_dev_supports_op: f("bool ggml_backend_dev_supports_op(void * dev, void * op)") as (
+    ggml_backend_dev_supports_op: m("bool ggml_backend_dev_supports_op(void * dev, void * op)") as (
       dev: Ptr,
       op: Ptr
     ) => boolean,
-    ggml_backend_dev_supports_buft: f("bool ggml_backend_dev_supports_buft(void * dev, void * buft)") as (
+    ggml_backend_dev_supports_buft: m("bool ggml_backend_dev_supports_buft(void * dev, void * buft)") as (
       dev: Ptr,
       buft: Ptr
     ) => boolean,
-    ggml_backend_free: f("void ggml_backend_free(void * backend)") as (backend: Ptr) => void,
-    ggml_backend_supports_op: f("bool ggml_backend_supports_op(void * backend, void * op)") as (
+    ggml_backend_free: m("void ggml_backend_free(void * backend)") as (backend: Ptr) => void,
+    ggml_backend_name: m("const char * ggml_backend_name(void * backend)") as (backend: Ptr) => string,
+    ggml_backend_get_default_buffer_type: m("void * ggml_backend_get_default_buffer_type(void * backend)") as (
+      backend: Ptr
+    ) => Ptr,
+    ggml_backend_supports_op: m("bool ggml_backend_supports_op(void * backend, void * op)") as (
       backend: Ptr,
       op: Ptr
     ) => boolean,
-    ggml_backend_name: f("const char * ggml_backend_name(void * backend)") as (backend: Ptr) => string,
-    ggml_backend_get_default_buffer_type: f("void * ggml_backend_get_default_buffer_type(void * backend)") as (
-      backend: Ptr
-    ) => Ptr,
-    ggml_backend_graph_compute: f("int ggml_backend_graph_compute(void * backend, void * graph)") as AsyncFn,
-    ggml_backend_synchronize: f("void ggml_backend_synchronize(void * backend)") as (backend: Ptr) => void
+    ggml_backend_graph_compute: m("int ggml_backend_graph_compute(void * backend, void * graph)") as AsyncFn,
+    ggml_backend_synchronize: m("void ggml_backend_synchronize(void * backend)") as (backend: Ptr) => void
   }
 }
 
-export type GgmlRaw = ReturnType<typeof bindBase> & ReturnType<typeof bindMain>
+export type GgmlRaw = ReturnType<typeof bindTable>
 
 export interface Ggml {
   readonly library: GgmlLibraryDir
@@ -478,7 +614,7 @@ const init = (): Ggml => {
           `${expectedBuild.ggmlVersion} (commit ${expectedBuild.ggmlCommit}, node-llama-cpp 3.21.1)`
       )
     }
-    raw = { ...bindBase(baseLib, types), ...bindMain(mainLib) }
+    raw = bindTable(baseLib, mainLib, types)
   } catch (e) {
     if (e instanceof GgmlBindingError) throw e
     throw new GgmlBindingError(`ggml in ${located.dir} lacks a function the bindings need: ${String(e)}`)

@@ -8,8 +8,6 @@
  * every column equally important, the same for every chunk of rows, so a tensor generated in chunks equals the
  * tensor generated at once. Every other type is quantized without one (as llama-quantize does without --imatrix).
  */
-import koffi from "koffi"
-import { join } from "node:path"
 import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
 import { getGgml } from "../ggml/Bindings.js"
 
@@ -135,38 +133,12 @@ export const syntheticStorageType = (
   return dims[0]! % ggmlTypeInfo(id)!.blockSize === 0 ? id : GgmlType.F16
 }
 
-type QuantizeFn = (
-  type: number,
-  src: Float32Array,
-  dst: Uint8Array,
-  start: number,
-  nrows: number,
-  nPerRow: number,
-  imatrix: Float32Array | null
-) => number
-
 /** Every quantized type a synthetic file may hold (what ggml_quantize_chunk quantizes to). */
 const quantizable: ReadonlySet<number> = new Set(
   [...Object.values(table).map((t) => t.id), GgmlType.Q5_K, GgmlType.Q6_K].filter(
     (id) => ggmlTypeInfo(id)?.quantized === true
   )
 )
-
-let quantizeNative: { readonly chunk: QuantizeFn; readonly needsImatrix: (type: number) => boolean } | undefined
-
-const native = () => {
-  if (quantizeNative !== undefined) return quantizeNative
-  const g = getGgml()
-  const lib = koffi.load(join(g.library.dir, g.library.baseLib))
-  quantizeNative = {
-    chunk: lib.func(
-      "size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows, " +
-        "int64_t n_per_row, const float * imatrix)"
-    ) as QuantizeFn,
-    needsImatrix: g.raw.ggml_quantize_requires_imatrix
-  }
-  return quantizeNative
-}
 
 const onesOf = new Map<number, Float32Array>()
 
@@ -189,17 +161,16 @@ export const quantizeRows = (type: number, src: Float32Array, nPerRow: number): 
   if (src.length % nPerRow !== 0)
     throw new RangeError(`quantizeRows: ${src.length} floats are not whole rows of ${nPerRow}`)
   const nrows = src.length / nPerRow
-  const q = native()
   const g = getGgml()
   let imatrix: Float32Array | null = null
-  if (q.needsImatrix(type)) {
+  if (g.raw.ggml_quantize_requires_imatrix(type)) {
     imatrix = onesOf.get(nPerRow) ?? new Float32Array(nPerRow).fill(1)
     onesOf.set(nPerRow, imatrix)
   }
   const dst = new Uint8Array(g.ggml_row_size(type, nPerRow) * nrows)
   if (nrows === 0) return dst
   g.raw.ggml_quantize_init(type)
-  const written = q.chunk(type, src, dst, 0, nrows, nPerRow, imatrix)
+  const written = g.raw.ggml_quantize_chunk(type, src, dst, 0, nrows, nPerRow, imatrix)
   if (written !== dst.length)
     throw new Error(`ggml_quantize_chunk wrote ${written} bytes of ${info.name}, expected ${dst.length}`)
   return dst

@@ -19,8 +19,7 @@
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
-import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
-import { mlaOps } from "../../ggml/MlaBindings.js"
+import { GgmlType, type Ptr } from "../../ggml/Bindings.js"
 import { getBool, getF32, getOptional, getString, getStringArray, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, type MlaParams, RopeMode } from "../HParams.js"
@@ -292,10 +291,9 @@ export const deepseek2: ArchModule = {
       1,
       3
     )
-    const { ggml_concat } = mlaOps(getGgml())
-    const qCur = ggml_concat(ctx, absorbed, qPe, 0)
+    const qCur = g.ggml_concat(ctx, absorbed, qPe, 0)
     const latent3 = g.ggml_reshape_3d(ctx, latent, mla.kvLoraRank, 1, n)
-    const kCur = ggml_concat(ctx, latent3, kPe, 0)
+    const kCur = g.ggml_concat(ctx, latent3, kPe, 0)
     const att = latentAttention(t, qCur, kCur, latent3, w)
     const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
     const normed = t.rmsNorm(ffnIn, w.get("ffn_norm.weight"))

@@ -17,7 +17,6 @@
 import { Effect } from "effect"
 import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
-import { perLayerOps } from "../../ggml/PerLayerBindings.js"
 import { getU32 } from "../../gguf/GgufReader.js"
 import { kvShareSources } from "../../../services/KvShare.js"
 import type { OutputWeights } from "../Arch.js"
@@ -128,7 +127,7 @@ export const perLayerBlockOut = (t: Toolkit, w: BlockWeights, out: Ptr): Ptr => 
   const ctx = t.ctx
   // the model's last block keeps only the output rows (Toolkit.outputRows), its input too
   const mine = t.outputRows(perLayerSlice(g, ctx, t.hp, p, t.layer, t.nTokens))
-  const gated = perLayerOps(getGgml()).ggml_gelu(ctx, t.linear(w.get("inp_gate.weight"), out))
+  const gated = g.ggml_gelu(ctx, t.linear(w.get("inp_gate.weight"), out))
   const cur = t.rmsNorm(t.linear(w.get("proj.weight"), g.ggml_mul(ctx, gated, mine)), w.get("post_norm.weight"))
   return g.ggml_add(ctx, out, cur)
 }

@@ -15,8 +15,6 @@
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
-import { gptOssOps } from "../../ggml/GptOssBindings.js"
-import { moeOps } from "../../ggml/MoeBindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
@@ -127,8 +125,6 @@ const gptOssMoe = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams): Ptr => 
   const g = t.g
   const ctx = t.ctx
   const ggml = getGgml()
-  const op = moeOps(ggml)
-  const oss = gptOssOps(ggml)
   const shape = (p: Ptr) => ggml.tensorShape(p)
   const { nEmbd } = t.hp
   const { nExpert, nExpertUsed: k } = moe
@@ -140,9 +136,9 @@ const gptOssMoe = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams): Ptr => 
   if (k > nExpert) throw new GraphOpError(`ggml_argsort_top_k: ${k} of ${nExpert} experts`)
 
   const logits = t.linear(w.get("ffn_gate_inp.weight"), x, w.get("ffn_gate_inp.bias")) // [n_expert, n]
-  const chosen = op.ggml_argsort_top_k(ctx, logits, k) // I32 [k, n]
+  const chosen = g.ggml_argsort_top_k(ctx, logits, k) // I32 [k, n]
   let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, logits, 1, nExpert, n), chosen) // [1, k, n]
-  weights = g.ggml_reshape_3d(ctx, op.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, weights, k, n)), 1, k, n)
+  weights = g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, weights, k, n)), 1, k, n)
   g.ggml_build_forward_expand(t.graph, weights)
 
   const cur = g.ggml_reshape_3d(ctx, x, nEmbd, 1, n)
@@ -164,11 +160,11 @@ const gptOssMoe = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams): Ptr => 
     )) {
       throw new GraphOpError(`ggml_mul_mat_id / ggml_add_id: ${name} does not match its input, bias or expert ids`)
     }
-    return oss.ggml_add_id(ctx, op.ggml_mul_mat_id(ctx, a, input, chosen), b, chosen) // [rows, k, n]
+    return g.ggml_add_id(ctx, g.ggml_mul_mat_id(ctx, a, input, chosen), b, chosen) // [rows, k, n]
   }
   const up = expert("ffn_up_exps", cur)
   const gate = expert("ffn_gate_exps", cur)
-  const act = oss.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, SWIGLU_LIMIT)
+  const act = g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, SWIGLU_LIMIT)
   let experts = expert("ffn_down_exps", act) // [n_embd, k, n]
   experts = g.ggml_mul(ctx, experts, weights)
   g.ggml_build_forward_expand(t.graph, experts)

@@ -19,8 +19,7 @@
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
-import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
-import { deltaNetOps } from "../../ggml/DeltaNetBindings.js"
+import { GgmlType, type Ptr } from "../../ggml/Bindings.js"
 import { getNumberArray, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import { trunkBlockCount } from "../../gguf/TrunkBlocks.js"
 import type { ArchModule } from "../Arch.js"
@@ -188,7 +187,7 @@ const gatedAttention = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
   const vRaw = t.linear(w.get("attn_v.weight"), h)
   const k = t.rmsNorm(g.ggml_reshape_3d(ctx, kRaw, hd, nHeadKv, n), w.get("attn_k_norm.weight"))
   const gateView = g.ggml_view_3d(ctx, qFull, hd, nHead, n, f32(2 * hd), f32(2 * hd * nHead), f32(hd))
-  const gate = deltaNetOps(getGgml()).ggml_cont_2d(ctx, gateView, hd * nHead, n)
+  const gate = g.ggml_cont_2d(ctx, gateView, hd * nHead, n)
   const v = g.ggml_reshape_3d(ctx, vRaw, hd, nHeadKv, n)
   return t.attention(t.rope(q), t.rope(k), v, w.get("attn_output.weight"), null, t.hp.kqScale, null, gate)
 }
@@ -196,7 +195,6 @@ const gatedAttention = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
 /** One sequence's DeltaNet over its rows h [nEmbd, n] and its state (conv, ssm): [nEmbd, n]. */
 const deltaNetSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: Ptr, ssm: Ptr): Ptr => {
   const g = t.g
-  const d = deltaNetOps(getGgml())
   const ctx = t.ctx
   const r = t.hp.recurrent!
   const S = r.stateSize
@@ -205,39 +203,39 @@ const deltaNetSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: P
   const K = r.convKernel
   const qkv = t.linear(w.get("attn_qkv.weight"), h)
   const z = t.linear(w.get("attn_gate.weight"), h)
-  const beta = d.ggml_sigmoid(ctx, d.ggml_reshape_4d(ctx, t.linear(w.get("ssm_beta.weight"), h), 1, Hv, n, 1))
+  const beta = g.ggml_sigmoid(ctx, g.ggml_reshape_4d(ctx, t.linear(w.get("ssm_beta.weight"), h), 1, Hv, n, 1))
   const alpha = g.ggml_reshape_3d(ctx, t.linear(w.get("ssm_alpha.weight"), h), Hv, n, 1)
-  const decay = g.ggml_mul(ctx, d.ggml_softplus(ctx, g.ggml_add(ctx, alpha, w.get("ssm_dt.bias"))), w.get("ssm_a"))
-  const gate = d.ggml_reshape_4d(ctx, decay, 1, Hv, n, 1)
+  const decay = g.ggml_mul(ctx, g.ggml_softplus(ctx, g.ggml_add(ctx, alpha, w.get("ssm_dt.bias"))), w.get("ssm_a"))
+  const gate = g.ggml_reshape_4d(ctx, decay, 1, Hv, n, 1)
   // causal convolution over the previous K - 1 inputs and this call's
   const convState = g.ggml_reshape_3d(ctx, conv, K - 1, r.convDim, 1)
-  const qkvT = d.ggml_transpose(ctx, g.ggml_reshape_3d(ctx, qkv, r.convDim, n, 1))
-  const convIn = d.ggml_concat(ctx, convState, qkvT, 0)
+  const qkvT = g.ggml_transpose(ctx, g.ggml_reshape_3d(ctx, qkv, r.convDim, n, 1))
+  const convIn = g.ggml_concat(ctx, convState, qkvT, 0)
   const width = K - 1 + n
   const last = g.ggml_view_3d(ctx, convIn, K - 1, r.convDim, 1, f32(width), f32(width * r.convDim), f32(n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, last, convState))
-  const convOut = d.ggml_silu(ctx, d.ggml_ssm_conv(ctx, convIn, w.get("ssm_conv1d.weight")))
+  const convOut = g.ggml_silu(ctx, g.ggml_ssm_conv(ctx, convIn, w.get("ssm_conv1d.weight")))
   const row = f32(r.convDim)
-  const q = d.ggml_view_4d(ctx, convOut, S, Hk, n, 1, f32(S), row, row * n, 0)
-  const k = d.ggml_view_4d(ctx, convOut, S, Hk, n, 1, f32(S), row, row * n, f32(S * Hk))
-  const v = d.ggml_view_4d(ctx, convOut, S, Hv, n, 1, f32(S), row, row * n, f32(2 * S * Hk))
+  const q = g.ggml_view_4d(ctx, convOut, S, Hk, n, 1, f32(S), row, row * n, 0)
+  const k = g.ggml_view_4d(ctx, convOut, S, Hk, n, 1, f32(S), row, row * n, f32(S * Hk))
+  const v = g.ggml_view_4d(ctx, convOut, S, Hv, n, 1, f32(S), row, row * n, f32(2 * S * Hk))
   const eps = t.hp.rmsEps
-  const state = d.ggml_reshape_4d(ctx, ssm, S, S, Hv, 1)
-  const result = d.ggml_gated_delta_net(
+  const state = g.ggml_reshape_4d(ctx, ssm, S, S, Hv, 1)
+  const result = g.ggml_gated_delta_net(
     ctx,
-    d.ggml_l2_norm(ctx, q, eps),
-    d.ggml_l2_norm(ctx, k, eps),
+    g.ggml_l2_norm(ctx, q, eps),
+    g.ggml_l2_norm(ctx, k, eps),
     v,
     gate,
     beta,
     state,
     1
   )
-  const out = d.ggml_view_4d(ctx, result, S, Hv, n, 1, f32(S), f32(S * Hv), f32(S * Hv * n), 0)
+  const out = g.ggml_view_4d(ctx, result, S, Hv, n, 1, f32(S), f32(S * Hv), f32(S * Hv * n), 0)
   const newState = g.ggml_view_1d(ctx, result, S * S * Hv, f32(S * Hv * n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, newState, ssm))
-  const z4 = d.ggml_reshape_4d(ctx, z, S, Hv, n, 1)
-  const normed = g.ggml_mul(ctx, t.rmsNorm(out, w.get("ssm_norm.weight")), d.ggml_silu(ctx, z4))
+  const z4 = g.ggml_reshape_4d(ctx, z, S, Hv, n, 1)
+  const normed = g.ggml_mul(ctx, t.rmsNorm(out, w.get("ssm_norm.weight")), g.ggml_silu(ctx, z4))
   return t.linear(w.get("ssm_out.weight"), g.ggml_reshape_2d(ctx, normed, S * Hv, n))
 }
 
@@ -251,7 +249,7 @@ const deltaNet = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
     const rows = segments.length === 1 ? h : g.ggml_view_2d(t.ctx, h, t.hp.nEmbd, seg.n, nb1, seg.offset * nb1)
     const state = seg.kv(t.layer)
     const y = deltaNetSegment(t, w, rows, seg.n, state.k, state.v)
-    out = out === null ? y : deltaNetOps(getGgml()).ggml_concat(t.ctx, out, y, 1)
+    out = out === null ? y : g.ggml_concat(t.ctx, out, y, 1)
   }
   return out!
 }
