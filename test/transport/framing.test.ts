@@ -14,6 +14,7 @@ import {
 } from "../../src/domain/frames.js"
 import type { EdgeId, RunId } from "../../src/domain/ids.js"
 import * as Framing from "../../src/layers/transport/Framing.js"
+import { Sequencer } from "../../src/layers/transport/Sequencer.js"
 
 const runId = 7 as RunId
 const edgeId = 3 as EdgeId
@@ -398,7 +399,7 @@ describe("Framing", () => {
     const chunks = Either.getOrThrow(Framing.chunk(frame, 4096, 64))
     assert.isAbove(chunks.length, 1)
     for (const c of chunks) assert.isAtMost(Framing.encodedLength(c, 64), 4096)
-    const sequencer = new Framing.Sequencer()
+    const sequencer = new Sequencer()
     let whole: DataFrame | undefined
     for (const c of chunks) {
       const step = sequencer.accept(
@@ -416,7 +417,7 @@ describe("Framing", () => {
     const frame = TokenFrame({ runId, edgeId, step: 0, payload: { _tag: "Prompt", tokens } })
     const chunks = Either.getOrThrow(Framing.chunk(frame, 1024, 8))
     assert.isAbove(chunks.length, 1)
-    const sequencer = new Framing.Sequencer()
+    const sequencer = new Sequencer()
     const steps = chunks.map((c) => sequencer.accept(c))
     const last = steps[steps.length - 1]!
     assert.strictEqual(last._tag, "Complete")
@@ -429,11 +430,11 @@ describe("Framing", () => {
   })
 
   it("faults a skipped step number or chunk as OutOfOrder", () => {
-    const sequencer = new Framing.Sequencer()
+    const sequencer = new Sequencer()
     assert.strictEqual(sequencer.accept(activation(0, 1, 2))._tag, "Complete")
     const skipped = sequencer.accept(activation(2, 1, 2))
     assert.isTrue(skipped._tag === "Fault" && skipped.fault._tag === "OutOfOrder")
-    const chunked = new Framing.Sequencer()
+    const chunked = new Sequencer()
     const c1 = ActivationFrame({ ...activation(0, 1, 2), chunkIndex: 1, chunkCount: 2 })
     const step = chunked.accept(c1)
     assert.isTrue(step._tag === "Fault" && step.fault._tag === "OutOfOrder")

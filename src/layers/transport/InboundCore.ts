@@ -1,6 +1,6 @@
 /**
  * The receiving core of one edge: checks every data frame against the attached run and edge, the window
- * (`dataCapacity`) and the order (`Framing.Sequencer`), reassembles chunks, hands messages over per the ring's
+ * (`dataCapacity`) and the order (`Sequencer.ts`), reassembles chunks, hands messages over per the ring's
  * wake coalescing, and credits consumed bytes back, as CreditFrames on a socket or through the shared-memory ring.
  *
  * A carrier that lends payloads (shared memory: views of the ring) has a frame's bytes credited back only when its
@@ -21,12 +21,12 @@ import {
 } from "../../domain/frames.js"
 import type { ReceiverStats, RegisterOptions } from "./Edge.js"
 import type { ConnHandlers, FrameConn } from "./FramedSocket.js"
-import * as Framing from "./Framing.js"
 import type { ReceiveCarrier } from "./ReceiveCarrier.js"
+import { Sequencer } from "./Sequencer.js"
 
 export class InboundCore implements ConnHandlers {
   conn: FrameConn | undefined
-  private readonly sequencer: Framing.Sequencer
+  private readonly sequencer: Sequencer
   private ready: Array<DataFrame> = []
   private readyBytes: Array<number> = []
   private unconsumed = 0
@@ -42,7 +42,7 @@ export class InboundCore implements ConnHandlers {
   private counters = { messages: 0, frames: 0, bytes: 0, signals: 0, wakes: 0, creditFrames: 0, spins: 0, spinHits: 0 }
 
   constructor(readonly options: RegisterOptions) {
-    this.sequencer = new Framing.Sequencer(options.initialStep ?? 0, options.reassemble ?? true)
+    this.sequencer = new Sequencer(options.initialStep ?? 0, options.reassemble ?? true)
   }
 
   private carrier: ReceiveCarrier | undefined
