@@ -122,6 +122,8 @@ export interface SwaParams {
   readonly layers: ReadonlyArray<boolean>
   readonly ropeFreqBase: number
   readonly ropeFreqScale: number
+  /** The sliding blocks rotate without the model's YaRN (ext factor 0, attention factor 1: olmo2.cpp); absent: with it. */
+  readonly plainRope?: boolean
 }
 
 const invalid = (file: GgufFile, message: string) =>

@@ -5,7 +5,7 @@
  */
 import { GgmlType, type GgmlRaw, type Ptr } from "../ggml/Bindings.js"
 import { type BlockHeads, type HParams, headsOf } from "./HParams.js"
-import { PLAIN_ROPE } from "./PositionScaling.js"
+import { PLAIN_ROPE, type RopeExt } from "./PositionScaling.js"
 
 export const GGML_PREC_F32 = 10
 
@@ -174,7 +174,7 @@ export class Toolkit {
   rope(x: Ptr, freqFactors: Ptr | null = null): Ptr {
     const hp = this.hp
     const swa = this.slidingWindow ? hp.swa! : null
-    const ext = hp.ropeExt ?? PLAIN_ROPE
+    const ext = swa?.plainRope === true ? { ...PLAIN_ROPE, ...betasOf(hp.ropeExt) } : (hp.ropeExt ?? PLAIN_ROPE)
     return this.g.ggml_rope_ext(
       this.ctx,
       x,
@@ -189,6 +189,22 @@ export class Toolkit {
       ext.attnFactor,
       ext.betaFast,
       ext.betaSlow
+    )
+  }
+
+  /**
+   * q or k [headDim, heads, n] RMS-normed over the whole projection (all heads of a token as one row, llama.cpp's
+   * attn_q_norm of width heads x headDim: minimax-m2, olmo2), then back to heads.
+   */
+  rmsNormWide(p: Ptr, heads: number, weight: Ptr): Ptr {
+    const d = this.heads.headDimK
+    const g = this.g
+    return g.ggml_reshape_3d(
+      this.ctx,
+      this.rmsNorm(g.ggml_reshape_2d(this.ctx, p, d * heads, this.nTokens), weight),
+      d,
+      heads,
+      this.nTokens
     )
   }
 
@@ -328,6 +344,10 @@ export class Toolkit {
     return this.linear(w.get("ffn_down.weight"), act, w.opt("ffn_down.bias"))
   }
 }
+
+/** The YaRN betas of a model's RoPE settings (kept by a block that rotates without YaRN: ggml reads them anyway). */
+const betasOf = (ext: RopeExt | undefined) =>
+  ext === undefined ? {} : { betaFast: ext.betaFast, betaSlow: ext.betaSlow }
 
 /** Tensor specs shared by the llama family (short names, per block). */
 export const llamaBlockSpecs = (

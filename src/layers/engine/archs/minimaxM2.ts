@@ -65,21 +65,11 @@ export const minimaxM2: ArchModule = {
   },
   buildOutput: llamaOutputHead,
   buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
-    const g = t.g
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
     const { k, q, v } = t.qkv(w, h)
-    const { headDimK, nHeadKv } = t.heads
-    // the norms span every head of the projection: normed as one row per token, then back to heads
-    const wide = (p: Ptr, heads: number, weight: Ptr) =>
-      g.ggml_reshape_3d(
-        t.ctx,
-        t.rmsNorm(g.ggml_reshape_2d(t.ctx, p, headDimK * heads, t.nTokens), weight),
-        headDimK,
-        heads,
-        t.nTokens
-      )
-    const qn = wide(q, t.hp.nHead, w.get("attn_q_norm.weight"))
-    const kn = wide(k, nHeadKv, w.get("attn_k_norm.weight"))
+    // the norms span every head of the projection
+    const qn = t.rmsNormWide(q, t.hp.nHead, w.get("attn_q_norm.weight"))
+    const kn = t.rmsNormWide(k, t.heads.nHeadKv, w.get("attn_k_norm.weight"))
     const att = t.attention(t.rope(qn), t.rope(kn), v, w.get("attn_output.weight"))
     const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
     const normed = t.rmsNorm(ffnIn, w.get("ffn_norm.weight"))

@@ -11,7 +11,6 @@ import type { Ptr } from "../../ggml/Bindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode, type SwaParams } from "../HParams.js"
-import { PLAIN_ROPE } from "../PositionScaling.js"
 import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
 import { swaLayerPattern } from "./gemma3.js"
 
@@ -49,7 +48,7 @@ const swaOf = (file: GgufFile, hp: HParams): Effect.Effect<SwaParams | undefined
         )
     }
     const base = (yield* getOptional(file, k("rope.freq_base_swa"), getF32)) ?? hp.ropeFreqBase
-    return { window, layers, ropeFreqBase: base, ropeFreqScale: 1 }
+    return { window, layers, ropeFreqBase: base, ropeFreqScale: 1, plainRope: true }
   })
 
 const olmo2HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
@@ -66,32 +65,6 @@ const olmo2HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Model
 /** The llama family's pre-norms: olmo2 has none (its norms come after attention and the feed-forward). */
 const preNorm = /^(attn_norm|ffn_norm)\./
 
-/**
- * RoPE of block `t.layer`: a sliding-window block's plain RoPE (its base, scale 1, no YaRN: olmo2.cpp), else the
- * model's.
- */
-const ropeOf = (t: Toolkit, x: Ptr): Ptr => {
-  if (!t.slidingWindow) return t.rope(x)
-  const hp = t.hp
-  const swa = hp.swa!
-  const ext = hp.ropeExt ?? PLAIN_ROPE
-  return t.g.ggml_rope_ext(
-    t.ctx,
-    x,
-    t.inputs.pos,
-    null,
-    t.heads.nRot,
-    hp.ropeMode,
-    hp.nCtxOrig,
-    swa.ropeFreqBase,
-    1,
-    0,
-    1,
-    ext.betaFast,
-    ext.betaSlow
-  )
-}
-
 export const olmo2: ArchModule = {
   name: "olmo2",
   ropeMode: RopeMode.NEOX,
@@ -106,20 +79,10 @@ export const olmo2: ArchModule = {
   ],
   buildOutput: llamaOutputHead,
   buildBlock: (t: Toolkit, w: BlockWeights, x: Ptr) => {
-    const g = t.g
     const { k, q, v } = t.qkv(w, x)
-    const { headDimK, nHeadKv } = t.heads
-    // the norms span every head of the projection: normed as one row per token, then back to heads
-    const wide = (p: Ptr, heads: number, weight: Ptr) =>
-      g.ggml_reshape_3d(
-        t.ctx,
-        t.rmsNorm(g.ggml_reshape_2d(t.ctx, p, headDimK * heads, t.nTokens), weight),
-        headDimK,
-        heads,
-        t.nTokens
-      )
-    const qn = ropeOf(t, wide(q, t.hp.nHead, w.get("attn_q_norm.weight")))
-    const kn = ropeOf(t, wide(k, nHeadKv, w.get("attn_k_norm.weight")))
+    // the norms span every head of the projection
+    const qn = t.rope(t.rmsNormWide(q, t.hp.nHead, w.get("attn_q_norm.weight")))
+    const kn = t.rope(t.rmsNormWide(k, t.heads.nHeadKv, w.get("attn_k_norm.weight")))
     const att = t.attention(qn, kn, v, w.get("attn_output.weight"))
     const ffnIn = t.add(t.rmsNorm(t.outputRows(att), w.get("post_attention_norm.weight")), t.outputRows(x))
     return t.add(t.rmsNorm(t.ffnSwiglu(ffnIn, w), w.get("post_ffw_norm.weight")), ffnIn)
