@@ -1,62 +1,46 @@
-/** swactor's public library API. Each module appends its exports here. */
+/**
+ * swactor's public library API (the package's "." entry). What a program that runs or serves a model uses is exported
+ * by name: generate / run / complete and the Promise client, serve / completion, agents, requests, summaries and the
+ * errors their error channels carry. The contracts under them are namespaces: `Plan`, `RunFsm`, `Gguf`, `Engine`,
+ * `Transport`, `AgentPools`, `HttpServe`. Test doubles and harnesses are in the
+ * `swactor/testing` entry (src/testing.ts); frame encoding, the shared-memory ring and the layers' internals are not
+ * exported.
+ */
 
-// Domain vocabulary
-export * from "./domain/ids.js"
-export * from "./domain/plan.js"
-export * from "./domain/planErrors.js"
-export * from "./domain/runEvents.js"
-
-// Planning and the run state machine
-export * from "./services/Planner.js"
-export * from "./services/RunFsm.js"
-export * from "./services/OrchestratorHarness.js"
-
-// GGUF format layer: ggml types, validating reader, writer, synthetic models
-export * from "./domain/gguf.js"
-export * from "./domain/ggmlTypes.js"
-export * from "./layers/gguf/GgufReader.js"
-export * from "./layers/gguf/GgufWriter.js"
-export * from "./layers/gguf/Synthetic.js"
-export * from "./layers/gguf/Float16.js"
-
-// Transport: frames, control RPC, framing, auth, data plane, control plane
-export * from "./domain/frames.js"
-export * from "./domain/controlRpc.js"
-export * as Framing from "./layers/transport/Framing.js"
-export * as Auth from "./layers/transport/Auth.js"
-export * as EdgeTransport from "./layers/transport/EdgeTransport.js"
-export * as ControlPlane from "./layers/transport/ControlPlane.js"
-export * as ShmRing from "./layers/transport/ShmRing.js"
-
-// Pipeline API: generate / run / complete, local or remote agents, Promise facade
+// Running a model: generate / run / complete over local or remote agents, and the Promise facade; the requests,
+// updates and summaries, the run's typed errors (GenerateError) and the Orchestrator service they need
 export * from "./api/generate.js"
-export { readModelFacts } from "./api/modelFacts.js"
 export * from "./services/Orchestrator.js"
-export * from "./services/Tokenizer.js"
-// Serving: a warm pipeline with admission from code (serve, completion, Server), and its OpenAI-compatible HTTP front
+export { readModelFacts } from "./api/modelFacts.js"
+
+// The errors in GenerateError and the other error channels users handle: plan and placement rejections, model load,
+// tokenizer, agents and pools
+export * from "./domain/planErrors.js"
+export { ModelLoadError, ModelLoadReason } from "./domain/gguf.js"
+export { ChatRenderError, TokenizerError } from "./services/Tokenizer.js"
+export { AgentSpawnError, AgentUnavailable } from "./services/AgentLinks.js"
+export { NodeEndpoint, NodeLost, NodeUnreachable, PoolNotReady } from "./services/Membership.js"
+
+// Serving: a warm pipeline with admission from code (serve, completion, the Server service and its events, metrics
+// and errors), and its OpenAI-compatible HTTP front
 export { completion, serve, type ServeLayerOptions } from "./api/serve.js"
 export * from "./services/Server.js"
-export * from "./services/StopText.js"
 export * as HttpServe from "./layers/server/HttpServe.js"
-export {
-  type HeartbeatOptions,
-  Membership,
-  NodeEndpoint,
-  NodeLost,
-  type NodeProbeService,
-  NodeUnreachable,
-  type Pool,
-  PoolNotReady
-} from "./services/Membership.js"
-export * from "./services/AgentLinks.js"
-export * as AgentPools from "./layers/agent/AgentPools.js"
-export { spawnLocalAgents, generateToken } from "./layers/agent/AgentProcesses.js"
-export type { LocalAgent } from "./layers/agent/AgentProcesses.js"
+
+// Agents: local agent processes, a node agent in this process, and the pools a pipeline runs on
+export { generateToken, spawnLocalAgents } from "./layers/agent/AgentProcesses.js"
+export type { AgentExit, LocalAgent, LocalAgentsOptions } from "./layers/agent/AgentProcesses.js"
+export { startNodeAgent, type NodeAgentOptions, type RunningAgent } from "./layers/agent/NodeAgent.js"
 export type { LocalPoolOptions, RemotePoolOptions } from "./layers/agent/AgentPools.js"
-export { makeStageHost, startNodeAgent } from "./layers/agent/NodeAgent.js"
-export * from "./domain/engine.js"
-export * from "./services/StageExecutor.js"
-export * from "./services/InProcessPipeline.js"
-export * from "./services/Sampler.js"
-export * as StageExecutorLive from "./layers/engine/StageExecutorLive.js"
-export * as StageExecutorTest from "./layers/engine/StageExecutorTest.js"
+export * as AgentPools from "./layers/agent/AgentPools.js"
+
+// The contracts, by namespace: the plan (ids, plan, planner, rejections) and the run's state machine (events,
+// commands, transition, actor)
+export * as Plan from "./api/plan.js"
+export * as RunFsm from "./api/runFsm.js"
+
+// GGUF files (reader, writer, ggml types), the engine (StageExecutor and its live layer, tokenizer, sampling) and the
+// agents' links (frames, control RPC, data and control planes, membership, auth)
+export * as Gguf from "./api/gguf.js"
+export * as Engine from "./api/engine.js"
+export * as Transport from "./api/transport.js"

@@ -1,6 +1,7 @@
 // The package as a user gets it (P6 in specs/BEHAVIOR_GUARANTEES.md): `npm pack`, installed into an empty folder, then
-// a plain Node ESM program imports the library and generates 8 tokens on stories260K, a TypeScript consumer
-// type-checks against the shipped .d.ts, and `npx swactor plan` runs the shipped bin.
+// a plain Node ESM program imports the library and generates 8 tokens on stories260K, the "swactor/testing" entry
+// holds the harnesses the main entry leaves out, a TypeScript consumer type-checks against the shipped .d.ts of both,
+// and `npx swactor plan` runs the shipped bin.
 //
 // Installing: this machine has no registry access and npm's offline cache holds the dependencies' tarballs but not
 // their registry metadata, so `npm install --offline <tarball>` cannot resolve them (ENOTCACHED). The test does what
@@ -48,6 +49,8 @@ describe("the npm package", () => {
       expect(shipped).toContain("dist/index.js")
       expect(shipped).toContain("dist/index.d.ts")
       expect(shipped).toContain("dist/main.js")
+      expect(shipped).toContain("dist/testing.js")
+      expect(shipped).toContain("dist/testing.d.ts")
       expect(
         shipped.filter((p) => p.startsWith("test/") || p.startsWith("src/") || p.endsWith(".tsbuildinfo"))
       ).toEqual([])
@@ -60,7 +63,15 @@ describe("the npm package", () => {
       const manifest = JSON.parse(readFileSync(join(pkgDir, "package.json"), "utf8")) as {
         bin: Record<string, string>
         dependencies: Record<string, string>
+        exports: Record<string, unknown>
       }
+      // Two entries: the library ("swactor") and its test doubles and harnesses ("swactor/testing").
+      expect(Object.keys(manifest.exports).sort()).toEqual([".", "./package.json", "./testing"])
+      expect(manifest.exports["./testing"]).toEqual({
+        types: "./dist/testing.d.ts",
+        import: "./dist/testing.js",
+        default: "./dist/testing.js"
+      })
       mkdirSync(join(pkgDir, "node_modules", "@effect"), { recursive: true })
       for (const dep of Object.keys(manifest.dependencies)) {
         symlinkSync(join(repoRoot, "node_modules", dep), join(pkgDir, "node_modules", dep))
@@ -82,6 +93,29 @@ await client.close()
 console.log(JSON.stringify(tokens))
 `
       )
+      // The main entry leaves the harnesses and wire internals to "swactor/testing" or to itself.
+      writeFileSync(
+        join(consumer, "entries.mjs"),
+        `import * as swactor from "swactor"
+import * as testing from "swactor/testing"
+const internals = ["OrchestratorHarness", "StageExecutorTest", "TokenizerTest", "Framing", "ShmRing"]
+console.log(JSON.stringify({
+  main: internals.filter((name) => name in swactor),
+  testing: internals.filter((name) => name in testing),
+  harness: typeof testing.OrchestratorHarness.make,
+  namespaces: ["Plan", "RunFsm", "Gguf", "Engine", "Transport"].filter((name) => typeof swactor[name] === "object")
+}))
+`
+      )
+      const entries = await run(process.execPath, ["entries.mjs"], consumer)
+      expect(entries.code, entries.stderr).toBe(0)
+      expect(JSON.parse(entries.stdout)).toEqual({
+        main: [],
+        testing: ["OrchestratorHarness", "StageExecutorTest", "TokenizerTest"],
+        harness: "function",
+        namespaces: ["Plan", "RunFsm", "Gguf", "Engine", "Transport"]
+      })
+
       const generated = await run(process.execPath, ["generate.mjs"], consumer)
       expect(generated.code, generated.stderr).toBe(0)
       const tokens = JSON.parse(generated.stdout) as Array<string>
@@ -93,6 +127,9 @@ console.log(JSON.stringify(tokens))
         join(consumer, "check.ts"),
         `import { Effect, Stream } from "effect"
 import { generate, layerLocal, type GenerateError } from "swactor"
+import { StageExecutorTest } from "swactor/testing"
+const testModel: StageExecutorTest.TestModel = StageExecutorTest.defaultTestModel
+void testModel
 const program: Effect.Effect<void, GenerateError> = generate({ model: "m.gguf", prompt: "x", stages: 2, maxTokens: 4 }).pipe(
   Stream.runForEach((token) => Effect.sync(() => process.stdout.write(token.text))),
   Effect.provide(layerLocal({ threads: 1 }))
