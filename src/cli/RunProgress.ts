@@ -3,11 +3,34 @@ import { Effect } from "effect"
 import type { RunUpdate } from "../services/Orchestrator.js"
 import { bar, ms } from "./Units.js"
 
+type Transfers = Map<string, { readonly at: number; readonly bytes: number }>
+
+/** One stage's weights on their way: sent by this process, or fetched from the hub by the node; rate and time left. */
+const deliveryText = (update: Extract<RunUpdate, { _tag: "WeightsDelivery" }>, transfers: Transfers): string => {
+  // rate and time left from the first report of this stage's transfer
+  const key = `${update.stageIndex}:${update.address}`
+  const first = transfers.get(key) ?? { at: Date.now(), bytes: update.sentBytes }
+  transfers.set(key, first)
+  const seconds = (Date.now() - first.at) / 1000
+  const rate = seconds > 0.5 ? (update.sentBytes - first.bytes) / seconds : 0
+  const left = rate > 0 ? (update.totalBytes - update.sentBytes) / rate : undefined
+  return (
+    (update.source === "Hub"
+      ? `stage ${update.stageIndex} on ${update.address} fetching from the hub `
+      : `weights for stage ${update.stageIndex} to ${update.address} `) +
+    `${bar(update.totalBytes > 0 ? update.sentBytes / update.totalBytes : 1)} ` +
+    `${(update.sentBytes / 2 ** 20).toFixed(1)}/${(update.totalBytes / 2 ** 20).toFixed(1)} MiB` +
+    (rate > 0 ? ` ${(rate / 2 ** 20).toFixed(1)} MiB/s` : "") +
+    (left !== undefined && update.sentBytes < update.totalBytes ? ` ${Math.ceil(left)} s left` : "")
+  )
+}
+
 /** Renders start-up progress on stderr: one line rewritten in place on a terminal, plain lines otherwise. */
 export const makeProgress = (quiet: boolean) => {
   const tty = process.stderr.isTTY === true
   const loading = new Map<number, number>()
   const ready = new Set<number>()
+  const transfers: Transfers = new Map()
   let stageCount = 0
   let open = false
   const line = (text: string) => {
@@ -43,10 +66,7 @@ export const makeProgress = (quiet: boolean) => {
             }
             return line(render())
           case "WeightsDelivery": {
-            const text =
-              `weights for stage ${update.stageIndex} to ${update.address} ` +
-              `${bar(update.totalBytes > 0 ? update.sentBytes / update.totalBytes : 1)} ` +
-              `${(update.sentBytes / 2 ** 20).toFixed(1)}/${(update.totalBytes / 2 ** 20).toFixed(1)} MiB`
+            const text = deliveryText(update, transfers)
             if (tty) return line(text)
             return update.sentBytes === update.totalBytes ? line(text) : undefined
           }

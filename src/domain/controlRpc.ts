@@ -207,14 +207,24 @@ export class StageWeights extends Schema.Class<StageWeights>("StageWeights")({
   layerStart: Schema.Number,
   layerEndExclusive: Schema.Number,
   numLayers: Schema.Number,
-  /** SHA-256 (hex) over the stage's tensors (src/layers/gguf/GgufSlice.ts `sliceHash`). */
-  hash: Schema.String
+  /**
+   * SHA-256 (hex) over the stage's tensors (src/layers/gguf/GgufSlice.ts `sliceHash`); with `source` "Hub", the
+   * remote slice's identity instead (src/layers/gguf/RemoteGguf.ts `remoteSliceId`).
+   */
+  hash: Schema.String,
+  /** "Hub": the agent fetches the slice of the remote model (`modelPath` is a hub name or URL) itself. */
+  source: Schema.optional(Schema.Literal("Hub"))
 }) {}
 
-/** What an agent holds of a stage's weights: the tensors (at `path`), or `have` bytes of a partial slice. */
+/**
+ * What an agent holds of a stage's weights: the tensors (at `path`), or `have` bytes of a partial slice; for a slice
+ * it fetches from the hub itself, `have` of `total` bytes so far, or why it could not (the orchestrator then sends it).
+ */
 export const WeightsHeld = Schema.Union(
   Schema.TaggedStruct("Held", { via: Schema.Literal("ModelFile", "Slice"), path: Schema.String }),
-  Schema.TaggedStruct("Missing", { have: Schema.Number })
+  Schema.TaggedStruct("Missing", { have: Schema.Number }),
+  Schema.TaggedStruct("Fetching", { have: Schema.Number, total: Schema.Number }),
+  Schema.TaggedStruct("FetchFailed", { message: Schema.String })
 )
 export type WeightsHeld = typeof WeightsHeld.Type
 

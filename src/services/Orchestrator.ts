@@ -298,6 +298,8 @@ export type RunUpdate =
       readonly address: string
       readonly sentBytes: number
       readonly totalBytes: number
+      /** "Hub": the node fetches the bytes from the model's hub itself (a `hf:` or URL model). */
+      readonly source?: "Hub"
     }
   | {
       readonly _tag: "StageLoading"

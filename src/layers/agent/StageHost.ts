@@ -9,6 +9,7 @@
  * - A stage reports StageLoading → StageReady, then StageFault (with its StageFaultReason) or, once
  *   stopped, StageStopped with its counters; its report stream ends there.
  */
+import { isRemoteModel } from "../../domain/modelName.js"
 import * as Os from "node:os"
 import { Deferred, Effect, Exit, Mailbox, RcMap, Scope, Stream } from "effect"
 import { describeFault, type TransportAddress } from "../../domain/frames.js"
@@ -202,7 +203,9 @@ export const makeStageHost = (
               reason: StageFaultReasons.ModelLoadFailed({
                 message:
                   `blocks [${p.layerStart}, ${p.layerEndExclusive}) of ${p.ggufSource.path} were not delivered ` +
-                  "to this node, and it does not read model paths (--slices-only)"
+                  (isRemoteModel(p.ggufSource.path)
+                    ? "to this node, nor fetched by it from the hub"
+                    : "to this node, and it does not read model paths (--slices-only)")
               })
             })
             yield* reports.end

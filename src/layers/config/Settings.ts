@@ -106,6 +106,16 @@ const docs = {
     default: "~/.cache",
     meaning: "where swactor keeps its cache (`swactor/`: delivered slices, model facts)"
   }),
+  hubEndpoint: doc({
+    variable: "HF_ENDPOINT",
+    default: "https://huggingface.co/",
+    meaning: "the hub `--model hf:…` names resolve against (MODEL_ENDPOINT, when set, is read first, as llama.cpp does)"
+  }),
+  hubToken: doc({
+    variable: "HF_TOKEN",
+    default: "none",
+    meaning: "the token sent to the hub (never to its CDN, never logged) for gated or private repositories"
+  }),
   ggmlDir: doc({
     variable: "SWACTOR_GGML_DIR",
     default: "none",
@@ -332,6 +342,35 @@ export const parentWatchVariable = docs.parentWatch.variable
 /** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
 export const swactorCacheDir = (): string =>
   Path.join(readLenient(lenient(docs.cacheHome, (text) => text, "")) || Path.join(Os.homedir(), ".cache"), "swactor")
+
+const urlText = (text: string): string | undefined => {
+  try {
+    const url = new URL(text)
+    return url.protocol === "http:" || url.protocol === "https:"
+      ? url.href.endsWith("/")
+        ? url.href
+        : `${url.href}/`
+      : undefined
+  } catch {
+    return undefined
+  }
+}
+
+/** The hub's base URL, ending in "/": MODEL_ENDPOINT, else HF_ENDPOINT, else https://huggingface.co/. */
+export const hubEndpointNow = (env: Environment = environment()): string =>
+  readLenient(
+    lenient({ ...docs.hubEndpoint, variable: "MODEL_ENDPOINT" }, urlText, undefined as string | undefined),
+    env
+  ) ?? readLenient(lenient(docs.hubEndpoint, urlText, "https://huggingface.co/"), env)
+
+/** HF_TOKEN, when set and not empty: sent to the hub only. */
+export const hubTokenNow = (env: Environment = environment()): Redacted.Redacted<string> | undefined => {
+  const text = readLenient(
+    lenient(docs.hubToken, (t) => t.trim(), ""),
+    env
+  )
+  return text === "" ? undefined : Redacted.make(text)
+}
 
 /** SWACTOR_GGML_DIR when set and not empty. */
 export const ggmlDirNow = (): string | undefined =>

@@ -6,7 +6,7 @@
  */
 import * as Fs from "node:fs"
 import * as Path from "node:path"
-import { Effect } from "effect"
+import { Effect, Option } from "effect"
 import { ggmlTypeInfo } from "../../domain/ggmlTypes.js"
 import {
   type GgufFile,
@@ -47,6 +47,8 @@ export type GgufLimitSettings = { readonly [K in keyof typeof GgufLimits]: numbe
 export interface ByteSource {
   readonly size: number
   readonly read: (position: number, length: number) => Uint8Array
+  /** Bytes the parser asks for at a time (default 1 MiB): a remote source asks for less. */
+  readonly readAhead?: number
 }
 
 class ParseFailure {
@@ -127,7 +129,7 @@ class Cursor {
     }
     const rel = this.pos - this.bufStart
     if (rel >= 0 && rel + n <= this.buf.length) return rel
-    const want = Math.min(Math.max(n, CHUNK), this.remaining)
+    const want = Math.min(Math.max(n, this.src.readAhead ?? CHUNK), this.remaining)
     const got = this.src.read(this.pos, want)
     if (got.length < n) {
       fail("Truncated", `file ends at byte ${this.pos + got.length} while reading ${what} (offset ${this.pos})`)
@@ -554,6 +556,24 @@ export const parseGgufBytes = (
       read: (position, length) => bytes.subarray(position, Math.min(bytes.length, position + length))
     },
     limits
+  )
+
+/**
+ * What a ByteSource holding only a prefix of its file throws when the parser reads past that prefix: the parse is
+ * run again once the source holds at least `upTo` bytes (src/layers/gguf/RemoteGguf.ts, a header read over HTTP).
+ */
+export class NeedMoreBytes {
+  constructor(readonly upTo: number) {}
+}
+
+/** Parses a ByteSource that may hold only a prefix of the file: NeedMoreBytes says how far it must reach. */
+export const parseGgufPrefix = (
+  source: ByteSource,
+  path: string,
+  limits: Partial<GgufLimitSettings> = {}
+): Effect.Effect<GgufFile | NeedMoreBytes, ModelLoadError> =>
+  run(path, source, limits).pipe(
+    Effect.catchSomeDefect((e) => (e instanceof NeedMoreBytes ? Option.some(Effect.succeed(e)) : Option.none()))
   )
 
 /** Parses any ByteSource. */

@@ -86,10 +86,12 @@ export const mergeSplitSet = (
   first: GgufFile,
   count: number,
   readPart: (path: string) => Effect.Effect<GgufFile, ModelLoadError>,
-  exists: (path: string) => boolean
+  exists: (path: string) => boolean,
+  /** Where every part is, when not beside the first by name (a remote set's URLs: RemoteGguf.ts). */
+  partPaths?: ReadonlyArray<string>
 ): Effect.Effect<GgufFile, ModelLoadError> =>
   Effect.gen(function* () {
-    const prefix = splitPrefix(first.path, 0, count)
+    const prefix = partPaths !== undefined ? "" : splitPrefix(first.path, 0, count)
     if (prefix === undefined) {
       const m = PART_NAME.exec(basename(first.path))
       const wanted = basename(splitPartPath(m?.[1] ?? basename(first.path).replace(/\.gguf$/, ""), 0, count))
@@ -100,7 +102,7 @@ export const mergeSplitSet = (
           `parts by that name); found ${basename(first.path)}`
       )
     }
-    const paths = Array.from({ length: count }, (_, i) => splitPartPath(prefix, i, count))
+    const paths = partPaths ?? Array.from({ length: count }, (_, i) => splitPartPath(prefix, i, count))
     const missing = paths.filter((p) => !exists(p))
     if (missing.length > 0) {
       const which = missing.map((p) => paths.indexOf(p) + 1)

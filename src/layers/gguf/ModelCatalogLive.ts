@@ -14,6 +14,8 @@ import type { ModelFacts, ModelLayout } from "../../domain/plan.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 import * as Gguf from "./GgufReader.js"
 import { namedModelFiles } from "./GgufSplit.js"
+import { readModelHeader } from "./ModelSource.js"
+import { isRemoteModel } from "../../domain/modelName.js"
 
 /** Parsed headers by path, with the file version (device, inode, size, mtime and ctime in ns) they were read from. */
 const headers = new Map<string, { readonly version: string; readonly file: GgufFile }>()
@@ -40,6 +42,8 @@ const versionOf = (path: string): string | undefined => {
  */
 export const readHeader = (path: string): Effect.Effect<GgufFile, ModelLoadError> =>
   Effect.suspend(() => {
+    // a hub name or URL: RemoteGguf keeps its own parsed headers, by the model's version
+    if (isRemoteModel(path)) return readModelHeader(path)
     const version = versionOf(path)
     const hit = headers.get(path)
     if (version !== undefined && hit !== undefined && hit.version === version) return Effect.succeed(hit.file)

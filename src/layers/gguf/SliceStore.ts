@@ -10,7 +10,11 @@ import * as Path from "node:path"
 import { Effect } from "effect"
 import { swactorCacheDir } from "../config/Settings.js"
 import { type StageWeights, WeightDeliveryError, type WeightsHeld } from "../../domain/controlRpc.js"
+import { ModelLoadError } from "../../domain/gguf.js"
+import { isRemoteModel } from "../../domain/modelName.js"
 import { readGgufFile } from "./GgufReader.js"
+import { openRemoteModel, remoteSliceId } from "./RemoteGguf.js"
+import { fetchRemoteSlice, heldRemoteSlice } from "./RemoteSlice.js"
 import { namedModelFiles } from "./GgufSplit.js"
 import { sliceHash } from "./GgufSlice.js"
 import { makeSliceCache, type SliceCacheError } from "./SliceCache.js"
@@ -45,6 +49,78 @@ export interface WeightStore {
 
 const deliveryError = (error: SliceCacheError) =>
   new WeightDeliveryError({ reason: error.reason, message: error.message })
+
+/**
+ * A slice of a remote model that the agent fetches from the hub itself (`source` "Hub"; RemoteSlice.ts): held
+ * (fetched before and its tensors still match), else fetched in the background while the orchestrator asks again
+ * (`Fetching`, with the bytes so far), or why it could not be (`FetchFailed`: the orchestrator then sends it).
+ */
+const rangeOf = (w: StageWeights) => ({
+  layerStart: w.layerStart,
+  layerEndExclusive: w.layerEndExclusive,
+  numLayers: w.numLayers
+})
+
+const makeHubFetches = (
+  options: WeightStoreOptions,
+  remember: (w: StageWeights, path: string) => Effect.Effect<void>
+) => {
+  const fetches = new Map<string, { have: number; total: number; path?: string; failed?: string }>()
+  return (w: StageWeights) =>
+    Effect.gen(function* () {
+      const state = fetches.get(w.hash)
+      if (state !== undefined && state.path === undefined) {
+        if (state.failed === undefined) return { _tag: "Fetching", have: state.have, total: state.total } as const
+        fetches.delete(w.hash)
+        return { _tag: "FetchFailed", message: state.failed } as const
+      }
+      fetches.delete(w.hash)
+      const held = yield* heldRemoteSlice(options.cacheDir, w.hash, rangeOf(w))
+      if (held !== undefined) {
+        yield* remember(w, held.path)
+        return { _tag: "Held", via: "Slice", path: held.path } as const
+      }
+      const fresh: { have: number; total: number; path?: string; failed?: string } = { have: 0, total: 0 }
+      fetches.set(w.hash, fresh)
+      const started = Date.now()
+      yield* openRemoteModel(w.modelPath).pipe(
+        Effect.filterOrFail(
+          (model) => remoteSliceId(model, rangeOf(w)) === w.hash,
+          () =>
+            new ModelLoadError({
+              path: w.modelPath,
+              reason: "InvalidMetadata",
+              message: `${w.modelPath} on the hub is not the version the orchestrator planned with (it changed since)`
+            })
+        ),
+        Effect.flatMap((model) =>
+          fetchRemoteSlice(model, rangeOf(w), options.cacheDir, {
+            onProgress: (have, total) => {
+              fresh.have = have
+              fresh.total = total
+            }
+          })
+        ),
+        Effect.match({
+          onFailure: (e) => {
+            fresh.failed = e.message
+            options.log?.(
+              `cannot fetch blocks [${w.layerStart}, ${w.layerEndExclusive}) of ${w.modelPath}: ${e.message}`
+            )
+          },
+          onSuccess: (fetched) => {
+            fresh.path = fetched.path
+            options.log?.(
+              `fetched blocks [${w.layerStart}, ${w.layerEndExclusive}) of ${w.modelPath} from the hub: ` +
+                `${fetched.fetchedBytes} bytes in ${((Date.now() - started) / 1000).toFixed(1)} s: ${fetched.path}`
+            )
+          }
+        }),
+        Effect.forkDaemon
+      )
+      return { _tag: "Fetching", have: 0, total: 0 } as const
+    })
+}
 
 export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
   const cache = makeSliceCache(options.cacheDir)
@@ -85,18 +161,14 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       Effect.map((path) => (Fs.existsSync(path) ? Fs.statSync(path).size : -1)),
       Effect.orElseSucceed(() => -1)
     )
-  const range = (w: StageWeights) => ({
-    layerStart: w.layerStart,
-    layerEndExclusive: w.layerEndExclusive,
-    numLayers: w.numLayers
-  })
+  const range = rangeOf
   const remember = (w: StageWeights, path: string) =>
     Effect.sync(() => void resolved.set(key(w.modelPath, w.layerStart, w.layerEndExclusive), path))
 
   /** The stage-tensor hash of the agent's own file at the model path (undefined: none, unreadable, or slicesOnly). */
   const localHash = (w: StageWeights) =>
     Effect.suspend(() => {
-      if (options.slicesOnly === true) return Effect.succeed(undefined)
+      if (options.slicesOnly === true || isRemoteModel(w.modelPath)) return Effect.succeed(undefined)
       let stats: Array<readonly [number, number]>
       try {
         // every part of a split set: a part rewritten is another model
@@ -117,8 +189,11 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       )
     })
 
+  const hubCheck = makeHubFetches(options, remember)
+
   const check = (w: StageWeights) =>
     Effect.gen(function* () {
+      if (w.source === "Hub") return yield* hubCheck(w)
       yield* idle(w.hash)
       if ((yield* localHash(w)) === w.hash) {
         yield* remember(w, w.modelPath)
@@ -165,7 +240,7 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
     finish,
     resolve: (modelPath, layerStart, layerEndExclusive) =>
       resolved.get(key(modelPath, layerStart, layerEndExclusive)) ??
-      (options.slicesOnly === true ? undefined : modelPath),
+      (options.slicesOnly === true || isRemoteModel(modelPath) ? undefined : modelPath),
     received: () => received,
     sink
   }

@@ -1,5 +1,6 @@
 import { Effect, Layer, Option, Scope } from "effect"
 import { readGgufFile } from "./GgufReader.js"
+import { localMetadataFile } from "./ModelSource.js"
 import { makeSpmTokenizer, type SpmVocabulary, spmVocabulary } from "./SpmTokenizer.js"
 import { jsonSchemaGrammar } from "../server/JsonGrammar.js"
 import { genericToolMessages, toolGrammarEffect, toolsAllowed } from "../server/ToolCalls.js"
@@ -308,16 +309,18 @@ export const layer: Layer.Layer<Tokenizer> = Layer.scoped(
         Effect.gen(function* () {
           // An SPM vocabulary this package tokenizes exactly as llama.cpp (SpmTokenizer.ts): node-llama-cpp, ~0.7 s of
           // CPU to import and check its binary, is then loaded only for a chat template. Any other: node-llama-cpp.
-          const file = yield* Effect.option(readGgufFile(modelPath))
+          // a remote model: its metadata written to a local file (node-llama-cpp needs a path)
+          const local = yield* localMetadataFile(modelPath).pipe(
+            Effect.mapError((e) => new TokenizerError({ path: modelPath, message: e.message }))
+          )
+          const file = yield* Effect.option(readGgufFile(local))
           const vocab = Option.isSome(file) ? spmVocabulary(file.value) : undefined
           if (vocab !== undefined) {
             const openScope = yield* Effect.scope
-            const chat = yield* Effect.cached(
-              Effect.map(loadModel(modelPath).pipe(Scope.extend(openScope)), (m) => m.chat)
-            )
+            const chat = yield* Effect.cached(Effect.map(loadModel(local).pipe(Scope.extend(openScope)), (m) => m.chat))
             return fromSpm(vocab, chat)
           }
-          const { chat, ...tokenizer } = yield* loadModel(modelPath)
+          const { chat, ...tokenizer } = yield* loadModel(local)
           return {
             ...tokenizer,
             formatChat: (messages: ReadonlyArray<ChatMessage>, tools?: ChatToolOptions) => chat(messages, tools)

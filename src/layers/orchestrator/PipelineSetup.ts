@@ -3,6 +3,7 @@
  * control links → membership pool → the orchestrator's data listener. What it returns (`WarmPipeline`)
  * lives as long as the scope it was opened in; the runs on it (RunWorld) come and go.
  */
+import { isRemoteModel } from "../../domain/modelName.js"
 import { Effect, ExecutionStrategy, Exit, Option, Schedule, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
 import { NodeId, RunId } from "../../domain/ids.js"
@@ -286,8 +287,12 @@ export const openPipeline = (
     })
 
     // Agents that lack their stages' tensors receive them as GGUF slices (when asked: local agents share the file).
-    if (options.deliverWeights !== undefined && options.deliverWeights !== false) {
-      const settings = options.deliverWeights === true ? {} : options.deliverWeights
+    // A hub model (`hf:`, a URL) is never read at a path: every node fetches its stage's slice, or is sent it.
+    if ((options.deliverWeights !== undefined && options.deliverWeights !== false) || isRemoteModel(options.model)) {
+      const settings =
+        options.deliverWeights === true || options.deliverWeights === undefined || options.deliverWeights === false
+          ? {}
+          : options.deliverWeights
       yield* deliverWeights(
         { ...settings, modelPath: options.model, placement: placed.stages, layerRanges: placed.layerRanges, linkOf },
         progress

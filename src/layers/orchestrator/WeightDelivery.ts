@@ -10,8 +10,9 @@
 import { createHash } from "node:crypto"
 import * as Fs from "node:fs"
 import * as Path from "node:path"
-import { Effect } from "effect"
-import { StageWeights, type WeightDeliveryError } from "../../domain/controlRpc.js"
+import { Data, Effect } from "effect"
+import { StageWeights, type WeightDeliveryError, type WeightsHeld } from "../../domain/controlRpc.js"
+import { isRemoteModel } from "../../domain/modelName.js"
 import { type GgufFile, type ModelLoadError, modelFilePaths } from "../../domain/gguf.js"
 import type { LayerRange } from "../../domain/plan.js"
 import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
@@ -19,6 +20,8 @@ import type { RunUpdate } from "../../services/Orchestrator.js"
 import { readGgufFile } from "../gguf/GgufReader.js"
 import { sliceHash, type SliceRange, writeGgufSlice } from "../gguf/GgufSlice.js"
 import { defaultSliceCacheDir } from "../gguf/SliceStore.js"
+import { openRemoteModel, type RemoteModel, remoteSliceId } from "../gguf/RemoteGguf.js"
+import { fetchRemoteSlice } from "../gguf/RemoteSlice.js"
 
 export interface DeliveryInput {
   readonly modelPath: string
@@ -35,7 +38,8 @@ export interface DeliveryInput {
 export interface StageDelivery {
   readonly stageIndex: number
   readonly nodeId: number
-  readonly via: "ModelFile" | "Slice" | "Sent"
+  /** Held (its model file, or a slice in its cache), fetched by the agent from the hub now, or sent. */
+  readonly via: "ModelFile" | "Slice" | "Fetched" | "Sent"
   readonly hash: string
   /** Slice bytes sent now (0 when held). */
   readonly sentBytes: number
@@ -152,22 +156,139 @@ const stageHash = (file: GgufFile, range: SliceRange, outgoingDir: string): Effe
   })
 const knownHashes = new Map<string, string>()
 
+/** How often the orchestrator asks an agent fetching from the hub how far it got. */
+const FETCH_POLL = "200 millis"
+
+/**
+ * A stage of a remote model: its agent fetches the slice from the hub itself (or holds it from before). The orchestrator
+ * asks until it holds it, reporting the agent's bytes as `WeightsDelivery` updates from the hub; `Failed` when the
+ * agent cannot reach the hub or the hub refuses it (the agent's reason), so the caller sends the slice instead.
+ */
+const hubDelivery = (
+  model: RemoteModel,
+  range: SliceRange,
+  stageIndex: number,
+  nodeId: number,
+  link: AgentLink,
+  progress: (update: RunUpdate) => Effect.Effect<void>
+): Effect.Effect<
+  | { readonly _tag: "Delivered"; readonly delivery: StageDelivery }
+  | { readonly _tag: "Failed"; readonly message: string },
+  AgentUnavailable
+> =>
+  Effect.gen(function* () {
+    const rpc = link.weights!
+    const hash = remoteSliceId(model, range)
+    const weights = new StageWeights({ modelPath: model.named, ...range, hash, source: "Hub" })
+    let last = { have: -1, total: 0 }
+    for (;;) {
+      const held = yield* rpc
+        .check(weights)
+        .pipe(Effect.mapError((e) => failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)))
+      switch (held._tag) {
+        case "Held":
+          if (last.have >= 0 && last.have < last.total) {
+            yield* progress({
+              _tag: "WeightsDelivery",
+              stageIndex,
+              address: link.node.address,
+              sentBytes: last.total,
+              totalBytes: last.total,
+              source: "Hub"
+            })
+          }
+          return {
+            _tag: "Delivered",
+            delivery: {
+              stageIndex,
+              nodeId,
+              via: last.have < 0 ? held.via : "Fetched",
+              hash,
+              sentBytes: 0,
+              resumedFrom: 0,
+              totalBytes: Math.max(0, last.total)
+            }
+          } as const
+        case "Fetching":
+          if (held.have !== last.have || held.total !== last.total) {
+            last = { have: held.have, total: held.total }
+            yield* progress({
+              _tag: "WeightsDelivery",
+              stageIndex,
+              address: link.node.address,
+              sentBytes: held.have,
+              totalBytes: held.total,
+              source: "Hub"
+            })
+          }
+          if (last.have < 0) last = { have: 0, total: 0 }
+          yield* Effect.sleep(FETCH_POLL)
+          continue
+        case "FetchFailed":
+          return { _tag: "Failed", message: held.message } as const
+        case "Missing":
+          return { _tag: "Failed", message: "the agent does not fetch from a hub" } as const
+      }
+    }
+  })
+
+/**
+ * The fallback for a node that cannot fetch from the hub: this process fetches the stage's slice (its bytes only) into
+ * `<outgoingDir>/hub`, and puts it where a slice it sends is kept (`<outgoingDir>/<tensor hash>.gguf`). Returns the
+ * slice's tensor hash, which names it in the delivery that follows.
+ */
+const fetchForward = (model: RemoteModel, range: SliceRange, outgoingDir: string) =>
+  Effect.gen(function* () {
+    const fetched = yield* fetchRemoteSlice(model, range, Path.join(outgoingDir, "hub"))
+    const slicePath = Path.join(outgoingDir, `${fetched.tensorHash}.gguf`)
+    if (!Fs.existsSync(slicePath)) {
+      yield* Effect.try({
+        try: () => {
+          try {
+            Fs.linkSync(fetched.path, slicePath)
+          } catch {
+            Fs.copyFileSync(fetched.path, slicePath)
+          }
+        },
+        catch: (e) => new HubFallbackError({ message: `cannot keep the slice at ${slicePath}: ${String(e)}` })
+      })
+      freshlyWritten.add(slicePath)
+    }
+    return fetched.tensorHash
+  })
+
+class HubFallbackError extends Data.TaggedError("HubFallbackError")<{ readonly message: string }> {}
+
+/** What a delivery answer may be (a hub fetch's answers are hubDelivery's). */
+const isHeldOrMissing = (h: WeightsHeld): h is Extract<WeightsHeld, { _tag: "Held" | "Missing" }> =>
+  h._tag === "Held" || h._tag === "Missing"
+
+/**
+ * The model's header and block count: a local file's, or a hub name's or URL's (RemoteGguf.ts, the header only: every
+ * node fetches its own stage's bytes from the hub).
+ */
+const modelOf = (modelPath: string) =>
+  Effect.gen(function* () {
+    const cannotRead = (e: { readonly message: string }) =>
+      new AgentUnavailable({ address: "orchestrator", message: `cannot read ${modelPath}: ${e.message}` })
+    const remote = isRemoteModel(modelPath)
+      ? yield* openRemoteModel(modelPath).pipe(Effect.mapError(cannotRead))
+      : undefined
+    const file = remote !== undefined ? remote.file : yield* readGgufFile(modelPath).pipe(Effect.mapError(cannotRead))
+    const numLayers = file.tensors.reduce((n, t) => {
+      const m = /^blk\.(\d+)\./.exec(t.name)
+      return m === null ? n : Math.max(n, Number(m[1]) + 1)
+    }, 0)
+    return { remote, file, numLayers }
+  })
+
 /** Delivers every stage's weights its agent lacks; reports `WeightsDelivery` updates as bytes go. */
 export const deliverWeights = (
   input: DeliveryInput,
   progress: (update: RunUpdate) => Effect.Effect<void>
 ): Effect.Effect<ReadonlyArray<StageDelivery>, AgentUnavailable> =>
   Effect.gen(function* () {
-    const file = yield* readGgufFile(input.modelPath).pipe(
-      Effect.mapError(
-        (e) =>
-          new AgentUnavailable({ address: "orchestrator", message: `cannot read ${input.modelPath}: ${e.message}` })
-      )
-    )
-    const numLayers = file.tensors.reduce((n, t) => {
-      const m = /^blk\.(\d+)\./.exec(t.name)
-      return m === null ? n : Math.max(n, Number(m[1]) + 1)
-    }, 0)
+    const { remote, file, numLayers } = yield* modelOf(input.modelPath)
     const outgoingDir = input.outgoingDir ?? defaultOutgoingDir()
     const chunkBytes = input.chunkBytes ?? DEFAULT_CHUNK
 
@@ -175,16 +296,28 @@ export const deliverWeights = (
       Effect.gen(function* () {
         const link = input.linkOf(nodeId)
         const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
-        const hash = yield* stageHash(file, range, outgoingDir).pipe(
-          Effect.mapError((e) => failed(link, `cannot hash the model: ${e.message}`))
-        )
-        const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
         if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
         const rpc = link.weights
         const words = (e: { readonly message: string }) =>
           failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)
+        if (remote !== undefined) {
+          // The node fetches its slice from the hub; failing that, this process fetches it and sends it.
+          const fromHub = yield* hubDelivery(remote, range, stageIndex, nodeId, link, progress)
+          if (fromHub._tag === "Delivered") return fromHub.delivery
+        }
+        const hash = yield* (
+          remote !== undefined ? fetchForward(remote, range, outgoingDir) : stageHash(file, range, outgoingDir)
+        ).pipe(
+          Effect.mapError((e) =>
+            failed(link, `cannot ${remote ? "fetch the slice from the hub" : "hash the model"}: ${e.message}`)
+          )
+        )
+        const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
 
-        const held = yield* rpc.check(weights).pipe(Effect.mapError(words))
+        const held = yield* rpc.check(weights).pipe(
+          Effect.mapError(words),
+          Effect.filterOrFail(isHeldOrMissing, (h) => words({ message: `the agent answered ${h._tag} to a delivery` }))
+        )
         if (held._tag === "Held") {
           return {
             stageIndex,

@@ -10,7 +10,7 @@ import { setPriority } from "node:os"
 import { isMainThread, parentPort, workerData } from "node:worker_threads"
 import { Effect } from "effect"
 import type { GgufFile } from "../../domain/gguf.js"
-import { readGgufFile } from "../gguf/GgufReader.js"
+import { readModelHeader } from "../gguf/ModelSource.js"
 import * as TokenizerLive from "../gguf/TokenizerLive.js"
 import { type ChatMessage, type FormattedChat, Tokenizer } from "../../services/Tokenizer.js"
 import type { ChatToolOptions } from "../../services/Tools.js"
@@ -98,7 +98,7 @@ export const runTokenizeWorker = (data: TokenizeWorkerData): Promise<void> => {
   return Effect.runPromise(
     Effect.gen(function* () {
       const vocabulary = yield* (yield* Tokenizer).open(data.modelPath)
-      const file = yield* readGgufFile(data.modelPath)
+      const file = yield* readModelHeader(data.modelPath)
       post({ _tag: "Ready", longestPieceBytes: longestPieceBytes(file) })
       yield* Effect.async<never>(() => {
         port.on("message", (request: TokenizeWorkerRequest) => {
