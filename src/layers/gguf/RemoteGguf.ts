@@ -218,6 +218,9 @@ const merge = (named: string, files: ReadonlyArray<GgufFile>): Effect.Effect<Ggu
 
 /** Models opened by this process, by the version that identifies them. */
 const opened = new Map<string, RemoteModel>()
+/** What a name resolved to a moment ago (the hub is asked again after this long: the model may change). */
+const recently = new Map<string, { readonly at: number; readonly model: RemoteModel }>()
+const RESOLVE_MEMO_MS = 30_000
 
 /**
  * Opens a remote model by name (`hf:…`, `https://…`): resolves it, reads (or recalls) every part's header, and checks
@@ -240,6 +243,10 @@ export const openRemoteModel = (
     }
     const access = options.access ?? hubAccessNow()
     const dir = options.cacheDir ?? defaultHeaderCacheDir()
+    // One start opens the model several times (catalog, tokenizer, delivery): the hub is asked once a while.
+    const asked = `${access.endpoint}|${named}|${dir}`
+    const fresh = options.remember === false ? undefined : recently.get(asked)
+    if (fresh !== undefined && Date.now() - fresh.at < RESOLVE_MEMO_MS) return fresh.model
     const resolved = yield* resolveName(access, name as Exclude<ModelName, { _tag: "Local" }>).pipe(
       Effect.mapError(loadError(named))
     )
@@ -254,7 +261,10 @@ export const openRemoteModel = (
       setKey = digest(JSON.stringify(["etag", shownUrl(resolved.url), head.etag, head.size]))
     }
     const known = options.remember === false ? undefined : opened.get(setKey)
-    if (known !== undefined) return { ...known, named }
+    if (known !== undefined) {
+      recently.set(asked, { at: Date.now(), model: { ...known, named } })
+      return { ...known, named }
+    }
     const cached = yield* cachedSet(dir, setKey)
     let files: ReadonlyArray<GgufFile>
     let parts: ReadonlyArray<RemotePart>
@@ -297,6 +307,7 @@ export const openRemoteModel = (
     const file = yield* merge(named, files)
     const model = { named, id: setKey, file, parts } satisfies RemoteModel
     opened.set(setKey, model)
+    recently.set(asked, { at: Date.now(), model })
     return model
   }).pipe(Effect.withSpan("RemoteGguf.openRemoteModel", { attributes: { named } }))
 
