@@ -2,11 +2,12 @@
  * Mixture-of-experts feed-forward over the toolkit: hyperparameters read and checked from the GGUF, the tensors of a
  * routed block, and the graph of llama.cpp's build_moe_ffn (src/llama-graph.cpp) op for op:
  *
- *   logits = gate_inp x                        [n_expert, n]
- *   probs  = softmax(logits) | sigmoid(logits)
+ *   logits = gate_inp x (+ gate_inp_b)         [n_expert, n]
+ *   probs  = softmax(logits) | sigmoid(logits) | logits (softmaxWeight)
  *   chosen = top-k(probs + exp_probs_b)        I32 [k, n] (the bias only chooses; the weights stay unbiased)
- *   w      = probs[chosen]                     [1, k, n], then / sum (norm), then * scale
- *   out    = sum_i w_i * down_i(silu(gate_i x) * up_i x)   (ggml_mul_mat_id over the stacked experts)
+ *   w      = probs[chosen]                     [1, k, n], then softmax (softmaxWeight), / sum (norm), * scale
+ *   out    = sum_i w_i * down_i(silu(gate_i x) * up_i x)   (ggml_mul_mat_id over the stacked experts; gpt-oss adds
+ *            each expert's biases with ggml_add_id and takes swiglu_oai for silu(gate) * up, gemma4 GELU)
  *   (+ shared experts: a dense SwiGLU over ffn_*_shexp added to the routed sum; qwen35moe's first times
  *    sigmoid(ffn_gate_inp_shexp x), one gate per token)
  *
@@ -289,14 +290,161 @@ const groupLimited = (t: Toolkit, scores: Ptr, moe: MoeParams, n: number): Ptr =
 /** F16's smallest normal number: llama.cpp clamps the weights' sum to it before dividing. */
 const MIN_WEIGHT_SUM = 6.103515625e-5
 
-/** What an architecture changes in build_moe_ffn's graph (gemma4: its own router logits, GELU experts, scales). */
+/** gpt-oss's swiglu_oai constants (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE). */
+const SWIGLU_OAI_ALPHA = 1.702
+const SWIGLU_OAI_LIMIT = 7
+
+/**
+ * What an architecture changes in build_moe_ffn's graph (gemma4: its own router logits, GELU experts, scales;
+ * gpt-oss: biases and swiglu_oai).
+ */
 export interface MoeFfnHooks {
   /** Router logits [n_expert, n] the architecture computed itself (llama.cpp's probs_in); default gate_inp x. */
   readonly logits?: Ptr
-  /** The experts' gated activation: SwiGLU (LLM_FFN_SILU, default) or GELU (LLM_FFN_GELU, ggml_geglu_split). */
-  readonly activation?: "silu" | "gelu"
+  /**
+   * The experts' gated activation: SwiGLU (LLM_FFN_SILU, default), GELU (LLM_FFN_GELU, ggml_geglu_split) or
+   * gpt-oss's clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE, ggml_swiglu_oai with alpha 1.702 and limit 7).
+   */
+  readonly activation?: "silu" | "gelu" | "swigluOai"
   /** Per-expert scale F32 [n_expert] on each chosen expert's down output (llama.cpp's down_exps_s); default none. */
   readonly downScale?: Ptr | null
+  /**
+   * The router and the experts have biases (gpt-oss): `ffn_gate_inp.bias` added to the logits, and
+   * `ffn_{up,gate,down}_exps.bias`, F32 [rows, n_expert], added to each chosen expert's product (ggml_add_id); default
+   * none. Not with fused gate/up experts.
+   */
+  readonly biases?: boolean
+}
+
+/** A graph-time shape check: GraphOpError naming the op and its operands. */
+const check = (ok: boolean, name: string, why: string, ...ts: ReadonlyArray<Ptr>) => {
+  if (!ok) {
+    const shape = getGgml().tensorShape
+    const operands = ts.map((p) => `[${shape(p).ne.join(", ")}] (type ${shape(p).type})`).join(", ")
+    throw new GraphOpError(`${name}: ${why} (operands ${operands})`)
+  }
+}
+
+/**
+ * build_moe_ffn's routing over x [n_embd, n]: the router logits, the gating, the expert choice (`probsBias` only
+ * chooses) and the chosen experts' weights [1, k, n] (softmax over the chosen ones for softmaxWeight, normalised,
+ * scaled), expanded into the graph.
+ */
+const route = (
+  t: Toolkit,
+  w: BlockWeights,
+  x: Ptr,
+  moe: MoeParams,
+  probsBias: Ptr | null,
+  hooks: MoeFfnHooks
+): { readonly chosen: Ptr; readonly weights: Ptr } => {
+  const g = t.g
+  const ctx = t.ctx
+  const shape = getGgml().tensorShape
+  const { nExpert, nExpertUsed: k } = moe
+  const n = shape(x).ne[1]!
+  const routerBias = hooks.biases === true ? w.get("ffn_gate_inp.bias") : null
+  const logits = hooks.logits ?? t.linear(w.get("ffn_gate_inp.weight"), x, routerBias) // [n_expert, n]
+  check(shape(logits).ne[0] === nExpert, "moeFfn", `router logits must count ${nExpert} experts`, logits)
+  const probs =
+    moe.gating === "softmax"
+      ? g.ggml_soft_max(ctx, logits)
+      : moe.gating === "sigmoid"
+        ? g.ggml_sigmoid(ctx, logits)
+        : logits // softmaxWeight: the softmax comes after the choice
+  let selection = probs
+  if (probsBias !== null) {
+    // ggml_add's own check (OpChecks) refuses a bias that does not repeat to [n_expert, n]
+    selection = g.ggml_add(ctx, probs, probsBias)
+  }
+  if (moe.nExpertGroups > 1) selection = groupLimited(t, selection, moe, n)
+  check(shape(selection).ne[0]! >= k, "ggml_argsort_top_k", `fewer than ${k} values per row`, selection)
+  const chosen = g.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
+
+  let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, nExpert, n), chosen) // [1, k, n]
+  if (moe.gating === "softmaxWeight") {
+    weights = g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, weights, k, n)), 1, k, n)
+  }
+  if (moe.normWeights) {
+    const w2 = g.ggml_reshape_2d(ctx, weights, k, n)
+    const sum = g.ggml_clamp(ctx, g.ggml_sum_rows(ctx, w2), MIN_WEIGHT_SUM, Infinity) // [1, n]
+    weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, w2, sum), 1, k, n)
+  }
+  if (moe.weightsScale !== 0 && moe.weightsScale !== 1) weights = g.ggml_scale(ctx, weights, moe.weightsScale)
+  g.ggml_build_forward_expand(t.graph, weights)
+  return { chosen, weights }
+}
+
+/**
+ * The chosen experts over cur [n_embd, 1, n]: up and gate (fused or apart, with their biases), the activation, down
+ * (with its bias and per-expert scale): [n_embd, k, n], not yet weighted.
+ */
+const chosenExperts = (t: Toolkit, w: BlockWeights, cur: Ptr, chosen: Ptr, moe: MoeParams, hooks: MoeFfnHooks): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const shape = getGgml().tensorShape
+  const { nExpert } = moe
+  const biases = hooks.biases === true
+  const mulMatId = (name: string, input: Ptr) => {
+    const a = w.get(`${name}.weight`)
+    const [sa, sb, si] = [shape(a), shape(input), shape(chosen)]
+    check(
+      sa.ne[3] === 1 &&
+        sb.ne[3] === 1 &&
+        si.type === GgmlType.I32 &&
+        si.ne[1] === sb.ne[2] &&
+        sa.ne[0] === sb.ne[0] &&
+        si.ne[0]! % sb.ne[1]! === 0 &&
+        sa.ne[2] === nExpert,
+      "ggml_mul_mat_id",
+      "the experts, the rows and the expert ids do not match",
+      a,
+      input,
+      chosen
+    )
+    const product = g.ggml_mul_mat_id(ctx, a, input, chosen)
+    if (!biases) return product
+    const b = w.get(`${name}.bias`)
+    const sbias = shape(b)
+    check(
+      sbias.type === GgmlType.F32 && sbias.ne[0] === sa.ne[1] && sbias.ne[1] === nExpert,
+      "ggml_add_id",
+      `${name}.bias must be F32 [rows, ${nExpert}]`,
+      a,
+      b
+    )
+    return g.ggml_add_id(ctx, product, b, chosen) // [rows, k, n]
+  }
+  let up: Ptr
+  let gate: Ptr
+  if (moe.fusedGateUp) {
+    check(!biases, "moeFfn", "fused gate/up experts take no biases", cur)
+    // one product for both (llama.cpp's build_moe_ffn with gate_up_exps): [2 n_ff_exp, k, n], gate rows first
+    const both = mulMatId("ffn_gate_up_exps", cur)
+    const sb = shape(both)
+    const f = sb.ne[0]! / 2
+    gate = g.ggml_view_3d(ctx, both, f, sb.ne[1]!, sb.ne[2]!, sb.nb[1]!, sb.nb[2]!, 0)
+    up = g.ggml_view_3d(ctx, both, f, sb.ne[1]!, sb.ne[2]!, sb.nb[1]!, sb.nb[2]!, f * sb.nb[0]!)
+  } else {
+    up = mulMatId("ffn_up_exps", cur) // [n_ff_exp, k, n]
+    gate = mulMatId("ffn_gate_exps", cur)
+  }
+  const act =
+    hooks.activation === "gelu"
+      ? g.ggml_geglu_split(ctx, gate, up)
+      : hooks.activation === "swigluOai"
+        ? g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+        : g.ggml_swiglu_split(ctx, gate, up)
+  let experts = mulMatId("ffn_down_exps", act) // [n_embd, k, n]
+  const downScale = hooks.downScale ?? null
+  if (downScale !== null) {
+    // llama.cpp's build_lora_mm_id: each chosen expert's output times its own scale
+    check(shape(downScale).ne[0] === nExpert, "moeFfn", `the per-expert scale must hold ${nExpert} values`, downScale)
+    const n = shape(cur).ne[2]!
+    const all = g.ggml_repeat_4d(ctx, g.ggml_reshape_3d(ctx, downScale, 1, nExpert, 1), 1, nExpert, n, 1)
+    experts = g.ggml_mul(ctx, experts, g.ggml_get_rows(ctx, all, chosen))
+  }
+  return experts
 }
 
 /**
@@ -314,87 +462,18 @@ export const moeFfn = (
 ): Ptr => {
   const g = t.g
   const ctx = t.ctx
-  const ggml = getGgml()
-  const shape = (p: Ptr) => ggml.tensorShape(p)
-  const check = (ok: boolean, name: string, why: string, ...ts: ReadonlyArray<Ptr>) => {
-    if (!ok) {
-      const operands = ts.map((p) => `[${shape(p).ne.join(", ")}] (type ${shape(p).type})`).join(", ")
-      throw new GraphOpError(`${name}: ${why} (operands ${operands})`)
-    }
-  }
   const { nEmbd } = t.hp
-  const { nExpert, nExpertUsed: k } = moe
-  const sx = shape(x)
+  const sx = getGgml().tensorShape(x)
   const n = sx.ne[1]!
   check(sx.ne[0] === nEmbd && sx.ne[2] === 1 && sx.ne[3] === 1, "moeFfn", `input must be [${nEmbd}, n]`, x)
 
-  const logits = hooks.logits ?? t.linear(w.get("ffn_gate_inp.weight"), x) // [n_expert, n]
-  check(shape(logits).ne[0] === nExpert, "moeFfn", `router logits must count ${nExpert} experts`, logits)
-  const probs = moe.gating === "softmax" ? g.ggml_soft_max(ctx, logits) : g.ggml_sigmoid(ctx, logits)
-  let selection = probs
-  if (probsBias !== null) {
-    // ggml_add's own check (OpChecks) refuses a bias that does not repeat to [n_expert, n]
-    selection = g.ggml_add(ctx, probs, probsBias)
-  }
-  if (moe.nExpertGroups > 1) selection = groupLimited(t, selection, moe, n)
-  check(shape(selection).ne[0]! >= k, "ggml_argsort_top_k", `fewer than ${k} values per row`, selection)
-  const chosen = g.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
-
-  let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, nExpert, n), chosen) // [1, k, n]
-  if (moe.normWeights) {
-    const w2 = g.ggml_reshape_2d(ctx, weights, k, n)
-    const sum = g.ggml_clamp(ctx, g.ggml_sum_rows(ctx, w2), MIN_WEIGHT_SUM, Infinity) // [1, n]
-    weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, w2, sum), 1, k, n)
-  }
-  if (moe.weightsScale !== 0 && moe.weightsScale !== 1) weights = g.ggml_scale(ctx, weights, moe.weightsScale)
-  g.ggml_build_forward_expand(t.graph, weights)
-
+  const { chosen, weights } = route(t, w, x, moe, probsBias, hooks)
   const cur = g.ggml_reshape_3d(ctx, x, nEmbd, 1, n)
-  const mulMatId = (name: string, input: Ptr) => {
-    const a = w.get(name)
-    const [sa, sb, si] = [shape(a), shape(input), shape(chosen)]
-    check(
-      sa.ne[3] === 1 &&
-        sb.ne[3] === 1 &&
-        si.type === GgmlType.I32 &&
-        si.ne[1] === sb.ne[2] &&
-        sa.ne[0] === sb.ne[0] &&
-        si.ne[0]! % sb.ne[1]! === 0 &&
-        sa.ne[2] === nExpert,
-      "ggml_mul_mat_id",
-      "the experts, the rows and the expert ids do not match",
-      a,
-      input,
-      chosen
-    )
-    return g.ggml_mul_mat_id(ctx, a, input, chosen)
-  }
-  let up: Ptr
-  let gate: Ptr
-  if (moe.fusedGateUp) {
-    // one product for both (llama.cpp's build_moe_ffn with gate_up_exps): [2 n_ff_exp, k, n], gate rows first
-    const both = mulMatId(FUSED, cur)
-    const sb = shape(both)
-    const f = sb.ne[0]! / 2
-    gate = g.ggml_view_3d(ctx, both, f, sb.ne[1]!, sb.ne[2]!, sb.nb[1]!, sb.nb[2]!, 0)
-    up = g.ggml_view_3d(ctx, both, f, sb.ne[1]!, sb.ne[2]!, sb.nb[1]!, sb.nb[2]!, f * sb.nb[0]!)
-  } else {
-    up = mulMatId("ffn_up_exps.weight", cur) // [n_ff_exp, k, n]
-    gate = mulMatId("ffn_gate_exps.weight", cur)
-  }
-  const act = hooks.activation === "gelu" ? g.ggml_geglu_split(ctx, gate, up) : g.ggml_swiglu_split(ctx, gate, up)
-  let experts = mulMatId("ffn_down_exps.weight", act) // [n_embd, k, n]
-  const downScale = hooks.downScale ?? null
-  if (downScale !== null) {
-    // llama.cpp's build_lora_mm_id: each chosen expert's output times its own scale
-    check(shape(downScale).ne[0] === nExpert, "moeFfn", `the per-expert scale must hold ${nExpert} values`, downScale)
-    const all = g.ggml_repeat_4d(ctx, g.ggml_reshape_3d(ctx, downScale, 1, nExpert, 1), 1, nExpert, n, 1)
-    experts = g.ggml_mul(ctx, experts, g.ggml_get_rows(ctx, all, chosen))
-  }
+  let experts = chosenExperts(t, w, cur, chosen, moe, hooks)
   experts = g.ggml_mul(ctx, experts, weights)
   g.ggml_build_forward_expand(t.graph, experts)
 
-  let out = sumExperts(t, experts, nEmbd, n, k)
+  let out = sumExperts(t, experts, nEmbd, n, moe.nExpertUsed)
 
   if (moe.nFfShared > 0) {
     const shUp = t.linear(w.get("ffn_up_shexp.weight"), x)

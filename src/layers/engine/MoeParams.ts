@@ -1,6 +1,11 @@
 /** Mixture-of-experts hyperparameters (types only: HParams.ts holds them, Moe.ts reads them and builds the graph). */
 
-export type ExpertGating = "softmax" | "sigmoid"
+/**
+ * llama.cpp's llama_expert_gating_func_type: the experts chosen by top-k over softmax(logits) or sigmoid(logits) and
+ * weighted by those values, or (softmaxWeight, gpt-oss's SOFTMAX_WEIGHT) chosen over the raw logits and weighted by a
+ * softmax over the k chosen logits.
+ */
+export type ExpertGating = "softmax" | "sigmoid" | "softmaxWeight"
 
 export interface MoeParams {
   /** `<arch>.expert_count`: experts per routed block (the third dim of ffn_*_exps). */

@@ -6,21 +6,19 @@
  * - sliding-window blocks: `attention.sliding_window` (required), one global block every
  *   `attention.sliding_window_pattern` (default 2: blocks 0, 2, 4, ... slide), the sliding blocks' RoPE base
  *   `rope.freq_base_swa` (default the model's), same frequency scale;
- * - `post_attention_norm` before the routed feed-forward: router with its bias, top-k over the raw logits, softmax
- *   over the k chosen logits (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT), experts with per-expert biases
- *   (ggml_add_id) and the clamped SwiGLU ggml_swiglu_oai (alpha 1.702, limit 7, LLM_FFN_SWIGLU_OAI_MOE), no weight
- *   normalisation, no scale.
+ * - `post_attention_norm` before the routed feed-forward (Moe.ts's moeFfn): router with its bias, top-k over the raw
+ *   logits, softmax over the k chosen logits (gating softmaxWeight, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT),
+ *   experts with per-expert biases (ggml_add_id) and the clamped SwiGLU ggml_swiglu_oai (alpha 1.702, limit 7,
+ *   LLM_FFN_SWIGLU_OAI_MOE), no weight normalisation, no scale.
  * Real files store the experts in MXFP4, the rest F32 / F16 / Q8_0: any type the CPU backend multiplies is taken.
  */
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
-import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
+import type { Ptr } from "../../ggml/Bindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
-import { moeOf, readMoeParams, sumExperts } from "../Moe.js"
-import type { MoeParams } from "../MoeParams.js"
-import { GraphOpError } from "../OpChecks.js"
+import { moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import { type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
 
 const invalid = (file: GgufFile, key: string, message: string) =>
@@ -35,10 +33,6 @@ const scalar = <A>(
   Array.isArray(file.metadata.get(key))
     ? Effect.fail(invalid(file, key, "is an array; swactor reads it as one number"))
     : getOptional(file, key, read)
-
-/** gpt-oss's swiglu_oai constants (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE). */
-const SWIGLU_ALPHA = 1.702
-const SWIGLU_LIMIT = 7
 
 const readGptOss = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function* () {
@@ -71,7 +65,7 @@ const readGptOss = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLo
       return yield* Effect.fail(
         invalid(file, groupsKey, `= ${groups}: group-limited routing is not supported for gpt-oss`)
       )
-    const moe = yield* readMoeParams(file, hp, { gating: "softmax", normWeights: false })
+    const moe = yield* readMoeParams(file, hp, { gating: "softmaxWeight", normWeights: false })
     // llama_hparams::set_swa_pattern (dense_first = false): block il slides unless il % period == period - 1
     const layers = Array.from({ length: hp.nLayer }, (_, il) => period === 0 || il % period < period - 1)
     const f = Math.fround
@@ -117,61 +111,6 @@ const blockSpecs = (hp: HParams): ReadonlyArray<TensorSpec> => {
   ]
 }
 
-/**
- * The routed feed-forward over x [n_embd, n] (already normed): llama.cpp's build_moe_ffn with gpt-oss's settings.
- * Shapes of the weights were checked against blockSpecs when the stage loaded; the graph's own shapes are checked here.
- */
-const gptOssMoe = (t: Toolkit, w: BlockWeights, x: Ptr, moe: MoeParams): Ptr => {
-  const g = t.g
-  const ctx = t.ctx
-  const ggml = getGgml()
-  const shape = (p: Ptr) => ggml.tensorShape(p)
-  const { nEmbd } = t.hp
-  const { nExpert, nExpertUsed: k } = moe
-  const sx = shape(x)
-  const n = sx.ne[1]!
-  if (sx.ne[0] !== nEmbd || sx.ne[2] !== 1 || sx.ne[3] !== 1) {
-    throw new GraphOpError(`gptOssMoe: input must be [${nEmbd}, n], got [${sx.ne.join(", ")}]`)
-  }
-  if (k > nExpert) throw new GraphOpError(`ggml_argsort_top_k: ${k} of ${nExpert} experts`)
-
-  const logits = t.linear(w.get("ffn_gate_inp.weight"), x, w.get("ffn_gate_inp.bias")) // [n_expert, n]
-  const chosen = g.ggml_argsort_top_k(ctx, logits, k) // I32 [k, n]
-  let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, logits, 1, nExpert, n), chosen) // [1, k, n]
-  weights = g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, weights, k, n)), 1, k, n)
-  g.ggml_build_forward_expand(t.graph, weights)
-
-  const cur = g.ggml_reshape_3d(ctx, x, nEmbd, 1, n)
-  const expert = (name: string, input: Ptr) => {
-    const a = w.get(`${name}.weight`)
-    const b = w.get(`${name}.bias`)
-    const [sa, sb, si, sbias] = [shape(a), shape(input), shape(chosen), shape(b)]
-    if (!(
-      sa.ne[3] === 1 &&
-      sb.ne[3] === 1 &&
-      si.type === GgmlType.I32 &&
-      si.ne[1] === sb.ne[2] &&
-      sa.ne[0] === sb.ne[0] &&
-      si.ne[0]! % sb.ne[1]! === 0 &&
-      sa.ne[2] === nExpert &&
-      sbias.type === GgmlType.F32 &&
-      sbias.ne[0] === sa.ne[1] &&
-      sbias.ne[1] === nExpert
-    )) {
-      throw new GraphOpError(`ggml_mul_mat_id / ggml_add_id: ${name} does not match its input, bias or expert ids`)
-    }
-    return g.ggml_add_id(ctx, g.ggml_mul_mat_id(ctx, a, input, chosen), b, chosen) // [rows, k, n]
-  }
-  const up = expert("ffn_up_exps", cur)
-  const gate = expert("ffn_gate_exps", cur)
-  const act = g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, SWIGLU_LIMIT)
-  let experts = expert("ffn_down_exps", act) // [n_embd, k, n]
-  experts = g.ggml_mul(ctx, experts, weights)
-  g.ggml_build_forward_expand(t.graph, experts)
-
-  return sumExperts(t, experts, nEmbd, n, k)
-}
-
 export const gptOss: ArchModule = {
   name: "gpt-oss",
   ropeMode: RopeMode.NEOX,
@@ -191,7 +130,8 @@ export const gptOss: ArchModule = {
       w.get("attn_sinks.weight")
     )
     const ffnIn = t.add(t.outputRows(att), t.outputRows(x))
-    const ffn = gptOssMoe(t, w, t.rmsNorm(ffnIn, w.get("post_attention_norm.weight")), moeOf(t.hp))
+    const normed = t.rmsNorm(ffnIn, w.get("post_attention_norm.weight"))
+    const ffn = moeFfn(t, w, normed, moeOf(t.hp), null, { biases: true, activation: "swigluOai" })
     return t.add(ffn, ffnIn)
   }
 }
