@@ -62,6 +62,13 @@ export interface AttentionSegment {
   readonly rows: Ptr | null
 }
 
+/** A tensor of all the batch's rows, [ne0, ne1, n], contiguous F32: Toolkit.perSequence takes each sequence's rows. */
+export interface SequenceRows {
+  readonly x: Ptr
+  readonly ne0: number
+  readonly ne1: number
+}
+
 export interface GraphInputs {
   /** I32 [nTokens] positions (each sequence's own) */
   readonly pos: Ptr
@@ -232,47 +239,57 @@ export class Toolkit {
     gate: Ptr | null = null
   ): Ptr {
     const g = this.g
-    const ctx = this.ctx
     const { headDimK, headDimV, nHeadKv } = this.heads
     const nHead = this.hp.nHead
-    const n = this.nTokens
-    const nEmbdK = headDimK * nHeadKv
-    const nEmbdV = headDimV * nHeadKv
-    const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
     // same expansion order as llama.cpp: q, v, k, then the cache writes
     g.ggml_build_forward_expand(this.graph, q)
     g.ggml_build_forward_expand(this.graph, v)
     g.ggml_build_forward_expand(this.graph, k)
+    const cur = this.perSequence(
+      headDimV * nHead,
+      [
+        { x: q, ne0: headDimK, ne1: nHead },
+        { x: k, ne0: headDimK, ne1: nHeadKv },
+        { x: v, ne0: headDimV, ne1: nHeadKv }
+      ],
+      (seg, [qs, ks, vs]) => this.attendSegment(seg, qs!, ks!, vs!, kqScale, sinks),
+      true
+    )
+    return this.linear(wo, this.outputGate(cur, gate), woBias)
+  }
+
+  /**
+   * Runs `attend` over each sequence of the batch, its rows of `parts` in, its output rows [width, seg.n] out, and
+   * returns all the output rows [width, n]. A lone sequence gets the tensors whole; several get views of their own
+   * rows ([ne0, ne1, seg.n] of each part, in the parts' order), and each one's output is written in place into one
+   * [width, n] buffer at its rows. With `shared`, that buffer is a graph leaf shared by all blocks of this width: block
+   * l + 1 writes it only after reading block l's output, on which its own inputs depend, so the data dependencies
+   * order the reuse (Toolkit.attention); else each call makes its own.
+   */
+  perSequence(
+    width: number,
+    parts: ReadonlyArray<SequenceRows>,
+    attend: (seg: AttentionSegment, rows: ReadonlyArray<Ptr>) => Ptr,
+    shared = false
+  ): Ptr {
+    const g = this.g
+    const ctx = this.ctx
     const segments = this.inputs.segments
-    if (segments.length === 1) {
-      const cur = this.attendSegment(segments[0]!, q, k, v, kqScale, sinks)
-      return this.linear(wo, this.outputGate(cur, gate), woBias)
-    }
-    // Several sequences: each one's output rows are written in place into one [headDimV * nHead, n] buffer. It is
-    // a graph leaf shared by all blocks: block l + 1 writes it only after reading block l's output, on which its
-    // own q/k/v depend, so the data dependencies order the reuse.
-    let cur = this.attnRows.get(headDimV * nHead)
+    const whole = parts.map((p) => p.x)
+    if (segments.length === 1) return attend(segments[0]!, whole)
+    const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
+    let cur = shared ? this.attnRows.get(width) : undefined
     if (cur === undefined) {
-      cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, headDimV * nHead, n)
-      this.attnRows.set(headDimV * nHead, cur)
+      cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, width, this.nTokens)
+      if (shared) this.attnRows.set(width, cur)
     }
     for (const seg of segments) {
-      const qs = g.ggml_view_3d(
-        ctx,
-        q,
-        headDimK,
-        nHead,
-        seg.n,
-        f32(headDimK),
-        f32(headDimK * nHead),
-        seg.offset * f32(headDimK * nHead)
+      const rows = parts.map(({ ne0, ne1, x }) =>
+        g.ggml_view_3d(ctx, x, ne0, ne1, seg.n, f32(ne0), f32(ne0 * ne1), seg.offset * f32(ne0 * ne1))
       )
-      const ks = g.ggml_view_3d(ctx, k, headDimK, nHeadKv, seg.n, f32(headDimK), f32(nEmbdK), seg.offset * f32(nEmbdK))
-      const vs = g.ggml_view_3d(ctx, v, headDimV, nHeadKv, seg.n, f32(headDimV), f32(nEmbdV), seg.offset * f32(nEmbdV))
-      const out = this.attendSegment(seg, qs, ks, vs, kqScale, sinks)
-      cur = g.ggml_set_rows(ctx, cur, out, seg.rows!)
+      cur = g.ggml_set_rows(ctx, cur, attend(seg, rows), seg.rows!)
     }
-    return this.linear(wo, this.outputGate(cur, gate), woBias)
+    return cur
   }
 
   /** The attention output times sigmoid(gate) before wo (qwen35's gated attention; gate [headDimV * nHead, n]). */

@@ -217,35 +217,23 @@ const attendLatent = (t: Toolkit, seg: AttentionSegment, q: Ptr, k: Ptr, wvB: Pt
 /** Latent attention over every sequence of the batch, then attn_output. q: [width, nHead, n], k: [width, 1, n]. */
 const latentAttention = (t: Toolkit, q: Ptr, k: Ptr, v: Ptr, w: BlockWeights): Ptr => {
   const g = t.g
-  const ctx = t.ctx
   const hp = t.hp
   const mla = mlaOf(hp)
   const width = hp.headDimK
-  const n = t.nTokens
   const wvB = w.get("attn_v_b.weight")
   const wo = w.get("attn_output.weight")
   // same expansion order as llama.cpp's build_attn: q, v, k, then the cache writes
   g.ggml_build_forward_expand(t.graph, q)
   g.ggml_build_forward_expand(t.graph, v)
   g.ggml_build_forward_expand(t.graph, k)
-  const segments = t.inputs.segments
-  if (segments.length === 1) return t.linear(wo, attendLatent(t, segments[0]!, q, k, wvB, hp.kqScale))
-  const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
-  let cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, mla.headDimV * hp.nHead, n)
-  for (const seg of segments) {
-    const qs = g.ggml_view_3d(
-      ctx,
-      q,
-      width,
-      hp.nHead,
-      seg.n,
-      f32(width),
-      f32(width * hp.nHead),
-      seg.offset * f32(width * hp.nHead)
-    )
-    const ks = g.ggml_view_3d(ctx, k, width, 1, seg.n, f32(width), f32(width), seg.offset * f32(width))
-    cur = g.ggml_set_rows(ctx, cur, attendLatent(t, seg, qs, ks, wvB, hp.kqScale), seg.rows!)
-  }
+  const cur = t.perSequence(
+    mla.headDimV * hp.nHead,
+    [
+      { x: q, ne0: width, ne1: hp.nHead },
+      { x: k, ne0: width, ne1: 1 }
+    ],
+    (seg, [qs, ks]) => attendLatent(t, seg, qs!, ks!, wvB, hp.kqScale)
+  )
   return t.linear(wo, cur)
 }
 

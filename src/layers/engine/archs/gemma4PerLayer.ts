@@ -22,7 +22,7 @@ import { kvShareSources } from "../../../services/KvShare.js"
 import type { OutputWeights } from "../Arch.js"
 import type { HParams, KvShare, PerLayerEmbd } from "../HParams.js"
 import { perLayerSlice } from "../PerLayerInputs.js"
-import { GGML_PREC_F32, type BlockWeights, type TensorSpec, type Toolkit } from "../Toolkit.js"
+import { type AttentionSegment, GGML_PREC_F32, type BlockWeights, type TensorSpec, type Toolkit } from "../Toolkit.js"
 import { invalidKey, scalarKey } from "./gemmaShared.js"
 
 /**
@@ -144,8 +144,7 @@ export const sharedKvAttention = (t: Toolkit, q: Ptr, wo: Ptr, source: number, k
   const [headDim, nHead] = shape(q).ne as [number, number]
   const ring = t.hp.swa?.layers[source] === true
   g.ggml_build_forward_expand(t.graph, q)
-  const segments = t.inputs.segments
-  const attend = (seg: (typeof segments)[number], qs: Ptr): Ptr => {
+  const attend = (seg: AttentionSegment, qs: Ptr): Ptr => {
     const cache = seg.kv(source)
     const nHeadKv = shape(cache.k).ne[0]! / headDim
     const nKv = ring ? seg.swaNKv : seg.nKv
@@ -183,22 +182,6 @@ export const sharedKvAttention = (t: Toolkit, q: Ptr, wo: Ptr, source: number, k
     g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
     return g.ggml_reshape_2d(ctx, fa, headDim * nHead, seg.n)
   }
-  if (segments.length === 1) return t.linear(wo, attend(segments[0]!, q))
-  // several sequences: each one's rows written in place into one buffer (as Toolkit.attention does)
-  const f32 = (ne: number) => g.ggml_row_size(GgmlType.F32, ne)
-  let cur = g.ggml_new_tensor_2d(ctx, GgmlType.F32, headDim * nHead, t.nTokens)
-  for (const seg of segments) {
-    const qs = g.ggml_view_3d(
-      ctx,
-      q,
-      headDim,
-      nHead,
-      seg.n,
-      f32(headDim),
-      f32(headDim * nHead),
-      seg.offset * f32(headDim * nHead)
-    )
-    cur = g.ggml_set_rows(ctx, cur, attend(seg, qs), seg.rows!)
-  }
-  return t.linear(wo, cur)
+  const rows = t.perSequence(headDim * nHead, [{ x: q, ne0: headDim, ne1: nHead }], (seg, [qs]) => attend(seg, qs!))
+  return t.linear(wo, rows)
 }
