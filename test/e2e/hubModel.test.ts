@@ -86,6 +86,7 @@ const startNodes = (root: string, count: number, endpoints: ReadonlyArray<string
   Effect.gen(function* () {
     const token = generateToken()
     const addresses: Array<string> = []
+    const pids: Array<number> = []
     for (let i = 0; i < count; i++) {
       const [agent] = yield* spawnLocalAgents({
         count: 1,
@@ -94,8 +95,9 @@ const startNodes = (root: string, count: number, endpoints: ReadonlyArray<string
         env: { HF_ENDPOINT: endpoints[i] ?? hub.endpoint(i + 1), XDG_CACHE_HOME: join(root, `node-${i}`) }
       })
       addresses.push(agent!.address)
+      pids.push(agent!.pid)
     }
-    return { layer: layerRemote({ agents: addresses, token, listenHost: "127.0.0.1" }), addresses }
+    return { layer: layerRemote({ agents: addresses, token, listenHost: "127.0.0.1" }), addresses, pids }
   })
 
 const tokensOf = (updates: ReadonlyArray<RunUpdate>) =>
@@ -197,6 +199,52 @@ describe("a hub model end to end", () => {
           assert.isAtLeast(hub.bytesServed(0), cutOff)
           assert.isAtMost(hub.bytesServed(0), cutOff * 1.05 + statSync(local).size / 100)
           assert.isTrue(updates.some((u) => u._tag === "WeightsDelivery" && u.source === undefined && u.sentBytes > 0))
+        })
+      ),
+    300_000
+  )
+
+  it.live(
+    "kill -9 of a stage mid-generation: the spare fetches that stage's slice from the hub and the tokens are node-llama-cpp's",
+    () =>
+      Effect.scoped(
+        Effect.gen(function* () {
+          const root = mkdtempSync(join(dir, "resume-"))
+          const tokens = 48
+          const ref = yield* nodeLlamaReference(local, PROMPT, tokens, REFERENCE_OPTIONS)
+          hub.reset()
+          const { layer, addresses, pids } = yield* startNodes(root, 3)
+          const updates: Array<RunUpdate> = []
+          let victim: number | undefined
+          yield* withHubEnv(
+            { HF_ENDPOINT: hub.endpoint(0), XDG_CACHE_HOME: join(root, "orchestrator") },
+            run({ model: NAME, prompt: PROMPT, maxTokens: tokens, threads: 1, stages: 2, spares: 1 }).pipe(
+              Stream.runForEach((u) =>
+                Effect.sync(() => {
+                  updates.push(u)
+                  // at token 12, the second stage's node dies
+                  if (victim === undefined && u._tag === "Token" && u.token.step === 12) {
+                    const planned = updates.find((p) => p._tag === "Planned")
+                    if (planned?._tag !== "Planned") return
+                    victim = addresses.indexOf(planned.stages[1]!.address)
+                    process.kill(pids[victim]!, "SIGKILL")
+                  }
+                })
+              ),
+              Effect.provide(layer)
+            )
+          )
+          assert.isDefined(victim)
+          assert.deepStrictEqual(tokensOf(updates), ref.tokens)
+          const recovered = updates.filter((u) => u._tag === "Recovered")
+          assert.strictEqual(recovered.length, 1)
+          // the spare (the one node not planned at first) fetched from its own door
+          const first = updates.find((u) => u._tag === "Planned")
+          const spare = [0, 1, 2].find(
+            (i) => first?._tag === "Planned" && !first.stages.some((st) => st.address === addresses[i])
+          )
+          assert.isDefined(spare)
+          assert.isAbove(hub.bytesServed(spare! + 1), 0, "the spare fetched its slice from the hub")
         })
       ),
     300_000

@@ -242,6 +242,36 @@ const contentRange = (header: string | null): { start: number; end: number; size
 }
 
 /**
+ * What a range answer must be: 206 for exactly the bytes from `at`, of the pinned version. A 200 to `If-Range` (or
+ * another ETag) means the file changed (`Changed`); anything else is a protocol error. The body is dropped on failure.
+ */
+const checkRangeAnswer = (answer: Answer, shown: string, at: number, end: number, pinned: string | undefined) =>
+  Effect.gen(function* () {
+    const { response } = answer
+    const got = response.headers.get("etag") ?? answer.linked.etag ?? undefined
+    const range = contentRange(response.headers.get("content-range"))
+    const refuse = (reason: HubError["reason"], message: string) =>
+      Effect.promise(() => response.body?.cancel() ?? Promise.resolve()).pipe(
+        Effect.zipRight(Effect.fail(new HubError({ reason, url: shown, message })))
+      )
+    const changed = `${shown} changed on the server since its header was read (ETag ${pinned} → ${got ?? "none"})`
+    if (response.status !== 206 || range === undefined) {
+      return yield* response.status === 200 && pinned !== undefined
+        ? refuse("Changed", changed)
+        : refuse("Protocol", `${shown}: the server does not answer range requests (HTTP ${response.status})`)
+    }
+    if (pinned !== undefined && got !== undefined && got !== pinned) return yield* refuse("Changed", changed)
+    if (range.start !== at || range.end > end || got === undefined) {
+      return yield* refuse(
+        "Protocol",
+        `${shown}: asked for bytes ${at}-${end - 1}, got ${response.headers.get("content-range")}` +
+          (got === undefined ? " without an ETag" : "")
+      )
+    }
+    return { got, range }
+  })
+
+/**
  * Reads bytes [start, end) of `url` into `sink` (called in order, each chunk once), pinned to `etag` when given.
  * A connection dropped part way is resumed from the last byte received (`attempts` in all, backing off); a file that
  * changed (another ETag, or a 200 to `If-Range`) fails `Changed` at once. Returns what the server said of the file.
@@ -267,41 +297,7 @@ export const readRange = (
         shown
       )
       const { response } = answer
-      const got = response.headers.get("etag") ?? answer.linked.etag ?? undefined
-      const range = contentRange(response.headers.get("content-range"))
-      if (response.status !== 206 || range === undefined) {
-        yield* Effect.promise(() => response.body?.cancel() ?? Promise.resolve())
-        if (response.status === 200 && pinned !== undefined) {
-          return yield* new HubError({
-            reason: "Changed",
-            url: shown,
-            message: `${shown} changed on the server since its header was read (ETag ${pinned} → ${got ?? "none"})`
-          })
-        }
-        return yield* new HubError({
-          reason: "Protocol",
-          url: shown,
-          message: `${shown}: the server does not answer range requests (HTTP ${response.status})`
-        })
-      }
-      if (pinned !== undefined && got !== undefined && got !== pinned) {
-        yield* Effect.promise(() => response.body?.cancel() ?? Promise.resolve())
-        return yield* new HubError({
-          reason: "Changed",
-          url: shown,
-          message: `${shown} changed on the server since its header was read (ETag ${pinned} → ${got})`
-        })
-      }
-      if (range.start !== at || range.end > end || got === undefined) {
-        yield* Effect.promise(() => response.body?.cancel() ?? Promise.resolve())
-        return yield* new HubError({
-          reason: "Protocol",
-          url: shown,
-          message:
-            `${shown}: asked for bytes ${at}-${end - 1}, got ${response.headers.get("content-range")}` +
-            (got === undefined ? " without an ETag" : "")
-        })
-      }
+      const { got, range } = yield* checkRangeAnswer(answer, shown, at, end, pinned)
       info = { size: range.size, etag: got, ...sha256Of(answer.linked.etag ?? got) }
       const body = response.body
       if (body === null) return

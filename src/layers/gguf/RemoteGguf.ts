@@ -19,7 +19,16 @@ import { type ModelName, parseModelName } from "../../domain/modelName.js"
 import { swactorCacheDir } from "../config/Settings.js"
 import { NeedMoreBytes, parseGgufPrefix } from "./GgufReader.js"
 import { mergeSplitSet, splitPosition } from "./GgufSplit.js"
-import { type HubAccess, hubAccessNow, type HubError, headFile, readRange, resolveName, shownUrl } from "./HubClient.js"
+import {
+  type HubAccess,
+  hubAccessNow,
+  type HubError,
+  headFile,
+  readRange,
+  type ResolvedName,
+  resolveName,
+  shownUrl
+} from "./HubClient.js"
 
 /** One file of a remote model, at the version its header was read from. */
 export interface RemotePart {
@@ -216,6 +225,43 @@ const merge = (named: string, files: ReadonlyArray<GgufFile>): Effect.Effect<Ggu
     )
   })
 
+/**
+ * Reads every part's header over HTTP: the first, then (a split set, named by its first part) the others beside it.
+ * `keep` stores what was read (the header cache).
+ */
+const readRemoteSet = (
+  access: HubAccess,
+  named: string,
+  resolved: ResolvedName,
+  firstEtag: string | undefined,
+  keep: (read: ReadonlyArray<{ part: RemotePart; prefix: Uint8Array }>) => void
+) =>
+  Effect.gen(function* () {
+    const first = yield* readRemotePart(access, resolved.url, firstEtag)
+    const { index, count } = yield* splitPosition(first.file)
+    const read = [first]
+    const wanted = `-00001-of-${String(count).padStart(5, "0")}.gguf`
+    const refuse = (message: string) =>
+      new ModelLoadError({ path: shownUrl(resolved.url), reason: "InvalidMetadata", message })
+    if (index > 0) {
+      return yield* refuse(
+        `${named} is part ${index + 1} of a ${count}-part split set by its "split.no": name its first part (${wanted})`
+      )
+    }
+    if (count > 1) {
+      if (!new URL(resolved.url).pathname.endsWith(wanted)) {
+        return yield* refuse(
+          `${named}: the file belongs to a ${count}-part split set, but its name does not end in ${wanted} ` +
+            `(the other parts are found by that name)`
+        )
+      }
+      for (let i = 1; i < count; i++) read.push(yield* readRemotePart(access, partUrl(resolved.url, i, count)))
+    }
+    const parts = read.map((r) => (r === first ? withSha256(r.part, resolved.sha256) : r.part))
+    keep(read.map((r, i) => ({ part: parts[i]!, prefix: r.prefix })))
+    return { files: read.map((r) => r.file), parts }
+  })
+
 /** Models opened by this process, by the version that identifies them. */
 const opened = new Map<string, RemoteModel>()
 /** What a name resolved to a moment ago (the hub is asked again after this long: the model may change). */
@@ -266,44 +312,8 @@ export const openRemoteModel = (
       return { ...known, named }
     }
     const cached = yield* cachedSet(dir, setKey)
-    let files: ReadonlyArray<GgufFile>
-    let parts: ReadonlyArray<RemotePart>
-    if (cached !== undefined) {
-      ;({ files, parts } = cached)
-    } else {
-      const first = yield* readRemotePart(access, resolved.url, firstEtag)
-      const { index, count } = yield* splitPosition(first.file)
-      const read = [first]
-      if (index > 0) {
-        return yield* new ModelLoadError({
-          path: shownUrl(resolved.url),
-          reason: "InvalidMetadata",
-          message:
-            `${named} is part ${index + 1} of a ${count}-part split set by its "split.no": name its first part ` +
-            `(-00001-of-${String(count).padStart(5, "0")}.gguf)`
-        })
-      }
-      if (count > 1) {
-        const wanted = `-00001-of-${String(count).padStart(5, "0")}.gguf`
-        if (!new URL(resolved.url).pathname.endsWith(wanted)) {
-          return yield* new ModelLoadError({
-            path: shownUrl(resolved.url),
-            reason: "InvalidMetadata",
-            message:
-              `${named}: the file belongs to a ${count}-part split set, but its name does not end in ${wanted} ` +
-              `(the other parts are found by that name)`
-          })
-        }
-        for (let i = 1; i < count; i++) read.push(yield* readRemotePart(access, partUrl(resolved.url, i, count)))
-      }
-      files = read.map((r) => r.file)
-      parts = read.map((r) => (r === first ? withSha256(r.part, resolved.sha256) : r.part))
-      storeSet(
-        dir,
-        setKey,
-        read.map((r, i) => ({ part: parts[i]!, prefix: r.prefix }))
-      )
-    }
+    const { files, parts } =
+      cached ?? (yield* readRemoteSet(access, named, resolved, firstEtag, (read) => storeSet(dir, setKey, read)))
     const file = yield* merge(named, files)
     const model = { named, id: setKey, file, parts } satisfies RemoteModel
     opened.set(setKey, model)

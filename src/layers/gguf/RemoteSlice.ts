@@ -102,6 +102,45 @@ const checkAgainstHeader = (slice: GgufFile, expected: ReadonlyArray<GgufTensorI
 }
 
 /**
+ * Writes the fetched bytes (`raw`, the stage's tensors at `mapped`'s offsets) out as the slice, as from a local model;
+ * checks it against the header's tensor table and records its tensor hash beside it.
+ */
+const writeFetched = (
+  model: RemoteModel,
+  range: SliceRange,
+  dir: string,
+  id: string,
+  raw: string,
+  mapped: ReadonlyArray<GgufTensorInfo>,
+  total: number
+) =>
+  Effect.gen(function* () {
+    const { parts: _parts, ...whole } = model.file
+    const fetched: GgufFile = {
+      ...whole,
+      path: raw,
+      fileSize: total,
+      tensors: mapped,
+      tensorsByName: new Map(mapped.map((t) => [t.name, t]))
+    }
+    const path = Path.join(dir, `${id}.gguf`)
+    yield* writeGgufSlice(fetched, range, path).pipe(
+      Effect.mapError((e) => new ModelLoadError({ path, reason: "Io", message: `cannot write ${path}: ${e.message}` }))
+    )
+    const slice = yield* readGgufFile(path)
+    yield* checkAgainstHeader(slice, sliceTensors(model.file, range), path)
+    const tensorHash = yield* sliceHash(slice, range)
+    yield* Effect.try({
+      try: () => {
+        Fs.writeFileSync(`${path}.tensors.${process.pid}.tmp`, tensorHash)
+        Fs.renameSync(`${path}.tensors.${process.pid}.tmp`, `${path}.tensors`)
+      },
+      catch: ioError(path)
+    })
+    return { path, tensorHash }
+  })
+
+/**
  * Fetches (or finds) the slice of `range` of `model` in `dir`. `onProgress` sees the bytes held of the total as they
  * arrive. A part that changed on the hub since its header was read fails (`Changed`: the partial bytes are dropped);
  * a refusal (401, 404, 416) fails at once; a dropped connection is resumed (HubClient's `readRange`).
@@ -176,30 +215,13 @@ export const fetchRemoteSlice = (
       }
       runStart = runEnd
     }
-    // The fetched bytes as a file of their own: the slice is written from it as from a local model.
-    const { parts: _parts, ...whole } = model.file
-    const fetched: GgufFile = {
-      ...whole,
-      path: raw,
-      fileSize: total,
-      tensors: mapped,
-      tensorsByName: new Map(mapped.map((t) => [t.name, t]))
-    }
-    const path = Path.join(dir, `${id}.gguf`)
-    yield* writeGgufSlice(fetched, range, path).pipe(
-      Effect.mapError((e) => new ModelLoadError({ path, reason: "Io", message: `cannot write ${path}: ${e.message}` }))
-    )
-    const slice = yield* readGgufFile(path)
-    yield* checkAgainstHeader(slice, sliceTensors(model.file, range), path)
-    const tensorHash = yield* sliceHash(slice, range)
+    const { path, tensorHash } = yield* writeFetched(model, range, dir, id, raw, mapped, total)
     yield* Effect.try({
       try: () => {
-        Fs.writeFileSync(`${path}.tensors.${process.pid}.tmp`, tensorHash)
-        Fs.renameSync(`${path}.tensors.${process.pid}.tmp`, `${path}.tensors`)
         Fs.rmSync(raw, { force: true })
         Fs.rmSync(planPath, { force: true })
       },
-      catch: ioError(path)
+      catch: ioError(raw)
     })
     return { path, tensorHash, fetchedBytes: total - resumedFrom }
   }).pipe(Effect.scoped)

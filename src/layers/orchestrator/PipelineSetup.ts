@@ -131,6 +131,18 @@ export const plannerInput = (
 }
 
 /** A pipeline ready for runs (see `openPipeline`). */
+/**
+ * Whether agents are sent (or fetch) their stages' weights, and how: when asked, and always for a hub model (`hf:`, a
+ * URL), which is never read at a path.
+ */
+export const deliverySettings = (
+  options: PipelineOptions
+): { readonly outgoingDir?: string; readonly chunkBytes?: number } | undefined => {
+  const asked = options.deliverWeights
+  if (asked !== undefined && asked !== false) return asked === true ? {} : asked
+  return isRemoteModel(options.model) ? {} : undefined
+}
+
 export interface WarmPipeline {
   readonly options: PipelineOptions
   readonly facts: ModelFacts
@@ -287,14 +299,10 @@ export const openPipeline = (
     })
 
     // Agents that lack their stages' tensors receive them as GGUF slices (when asked: local agents share the file).
-    // A hub model (`hf:`, a URL) is never read at a path: every node fetches its stage's slice, or is sent it.
-    if ((options.deliverWeights !== undefined && options.deliverWeights !== false) || isRemoteModel(options.model)) {
-      const settings =
-        options.deliverWeights === true || options.deliverWeights === undefined || options.deliverWeights === false
-          ? {}
-          : options.deliverWeights
+    const delivery = deliverySettings(options)
+    if (delivery !== undefined) {
       yield* deliverWeights(
-        { ...settings, modelPath: options.model, placement: placed.stages, layerRanges: placed.layerRanges, linkOf },
+        { ...delivery, modelPath: options.model, placement: placed.stages, layerRanges: placed.layerRanges, linkOf },
         progress
       )
     }

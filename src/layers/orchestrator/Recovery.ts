@@ -32,7 +32,8 @@ import {
   plannerPlacement,
   stageMemoryBytes
 } from "../../services/Placement.js"
-import { samplingPolicy, type WarmPipeline } from "./PipelineSetup.js"
+import { deliverySettings, samplingPolicy, type WarmPipeline } from "./PipelineSetup.js"
+import { deliverWeights } from "./WeightDelivery.js"
 import { poolNodeOf } from "./RunPlacement.js"
 import type { UpdateSink } from "./RunContext.js"
 import { driveRun } from "./RunWorld.js"
@@ -57,6 +58,25 @@ export const isRecoverable = (reason: RunFaultReason): boolean => {
     case "TokenTimeout":
       return false
   }
+}
+
+/**
+ * Nodes that take over blocks get their weights as the first placement's did (a node that holds them answers so at
+ * once); a delivery that fails leaves the run to fault at load, and recovery to go on.
+ */
+const redeliverTo = (
+  warm: WarmPipeline,
+  placement: Placement,
+  layerRanges: ReadonlyArray<LayerRange>,
+  offer: (update: RunUpdate) => Effect.Effect<unknown>
+): Effect.Effect<void> => {
+  const delivery = deliverySettings(warm.options)
+  return delivery === undefined || placement.length === 0
+    ? Effect.void
+    : deliverWeights(
+        { ...delivery, modelPath: warm.options.model, placement, layerRanges, linkOf: warm.linkOf },
+        (update) => offer(update).pipe(Effect.asVoid)
+      ).pipe(Effect.ignore)
 }
 
 /**
@@ -234,6 +254,7 @@ export const generateRecovering = (
     let layerRanges: ReadonlyArray<LayerRange> = warm.layerRanges
     // The next placement on the nodes alive: a spare takes a lost node's stage (same blocks); without one the
     // survivors absorb its blocks when their reported memory holds them, else the typed fault with the numbers.
+    const redeliver = Effect.suspend(() => redeliverTo(warm, placement, layerRanges, (u) => updates.offer(u)))
     const placeOn = (alive: ReadonlyArray<NodeId>, runId: RunId, faults: ReadonlyArray<string>) =>
       Effect.gen(function* () {
         const status = yield* warm.pool.status
@@ -261,7 +282,7 @@ export const generateRecovering = (
         if (next.length === 0 || next.length === placement.length) {
           // Stage i keeps its blocks (a spare in a lost node's place).
           placement = next
-          return
+          return yield* redeliver
         }
         const survivors = next.map((p) => reported(p.nodeId))
         const absorbed = absorbPlacement(warm.layout, survivors, warm.contextTokens)
@@ -276,6 +297,7 @@ export const generateRecovering = (
         }
         placement = absorbed.right.placement
         layerRanges = absorbed.right.layerRanges
+        yield* redeliver
       })
     {
       const alive = yield* aliveNodes(warm)
