@@ -2,7 +2,7 @@
  * Hyperparameters of a llama-family model, read from GGUF metadata and checked before ggml sees any of them.
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import {
   getArchitecture,
   getF32,
@@ -12,6 +12,7 @@ import {
   getStringArray,
   getU32
 } from "../gguf/GgufReader.js"
+import { invalidMetadata } from "./MetadataErrors.js"
 import type { MoeParams } from "./MoeParams.js"
 import type { RecurrentParams } from "./RecurrentParams.js"
 import { type AttnTemp, type RopeExt, yarnRopeExt } from "./PositionScaling.js"
@@ -126,13 +127,8 @@ export interface SwaParams {
   readonly plainRope?: boolean
 }
 
-const invalid = (file: GgufFile, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
-
 const positive = (file: GgufFile, key: string, n: number) =>
-  Number.isSafeInteger(n) && n > 0
-    ? Effect.succeed(n)
-    : Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
+  Number.isSafeInteger(n) && n > 0 ? Effect.succeed(n) : Effect.fail(invalidMetadata(file, key, `= ${n} must be > 0`))
 
 /** A per-model integer that may also be stored as one value per layer (then all must be equal). */
 const uniformInt = (file: GgufFile, key: string) =>
@@ -142,7 +138,7 @@ const uniformInt = (file: GgufFile, key: string) =>
       const arr = yield* getNumberArray(file, key)
       const first = arr[0]
       if (first === undefined || arr.some((x) => x !== first)) {
-        return yield* Effect.fail(invalid(file, `metadata "${key}" varies per layer, which swactor does not support`))
+        return yield* Effect.fail(invalidMetadata(file, key, "varies per layer, which swactor does not support"))
       }
       return yield* positive(file, key, first)
     }
@@ -154,7 +150,7 @@ const perBlockInt = (file: GgufFile, key: string, nLayer: number) =>
   Effect.gen(function* () {
     const arr = yield* getNumberArray(file, key)
     if (arr.length !== nLayer) {
-      return yield* Effect.fail(invalid(file, `metadata "${key}" has ${arr.length} entries for ${nLayer} blocks`))
+      return yield* Effect.fail(invalidMetadata(file, key, `has ${arr.length} entries for ${nLayer} blocks`))
     }
     for (const n of arr) yield* positive(file, key, n)
     return arr
@@ -178,6 +174,7 @@ export const readHParams = (
   Effect.gen(function* () {
     const arch = yield* getArchitecture(file)
     const k = (s: string) => `${arch}.${s}`
+    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, k(key), message))
     const nLayer = yield* positive(file, k("block_count"), yield* getU32(file, k("block_count")))
     const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
     const ffs =
@@ -194,14 +191,12 @@ export const readHParams = (
     const nHeadKv = kvHeads[0]!
     for (const n of kvHeads) {
       if (nHead % n !== 0) {
-        return yield* Effect.fail(
-          invalid(file, `attention.head_count ${nHead} is not a multiple of head_count_kv ${n}`)
-        )
+        return yield* refuse("attention.head_count", `= ${nHead} is not a multiple of head_count_kv = ${n}`)
       }
     }
     const keyLength = yield* getOptional(file, k("attention.key_length"), getU32)
     if (keyLength === undefined && nEmbd % nHead !== 0) {
-      return yield* Effect.fail(invalid(file, `embedding_length ${nEmbd} is not a multiple of head_count ${nHead}`))
+      return yield* refuse("embedding_length", `= ${nEmbd} is not a multiple of head_count = ${nHead}`)
     }
     const headDimK = yield* positive(file, k("attention.key_length"), keyLength ?? nEmbd / nHead)
     const headDimV = yield* positive(
@@ -210,7 +205,7 @@ export const readHParams = (
       (yield* getOptional(file, k("attention.value_length"), getU32)) ?? headDimK
     )
     if (headDimV !== headDimK && options.ownHeadShape !== true) {
-      return yield* Effect.fail(invalid(file, `key_length ${headDimK} != value_length ${headDimV} is not supported`))
+      return yield* refuse("attention.value_length", `= ${headDimV} != key_length = ${headDimK} is not supported`)
     }
     // Partial rotary (RoPE on the first nRot values of each head, the rest passed through) as llama.cpp's loader
     // allows it: any even width up to the head size, except for llama, whose loader requires the whole head.
@@ -218,25 +213,24 @@ export const readHParams = (
     const nRot = (yield* getOptional(file, k("rope.dimension_count"), getU32)) ?? headDimK
     if (options.ownHeadShape !== true) {
       if (arch === "llama" && nRot !== headDimK) {
-        return yield* Effect.fail(
-          invalid(file, `rope.dimension_count ${nRot} must equal the head size ${headDimK} for ${arch}`)
-        )
+        return yield* refuse("rope.dimension_count", `= ${nRot} must equal the head size ${headDimK} for ${arch}`)
       }
       if (nRot === 0 || nRot > headDimK || nRot % 2 !== 0) {
-        return yield* Effect.fail(
-          invalid(file, `rope.dimension_count ${nRot} must be even, > 0 and at most the head size ${headDimK}`)
+        return yield* refuse(
+          "rope.dimension_count",
+          `= ${nRot} must be even, > 0 and at most the head size ${headDimK}`
         )
       }
     }
-    if (headDimK % 2 !== 0) return yield* Effect.fail(invalid(file, `head size ${headDimK} must be even`))
+    if (headDimK % 2 !== 0) return yield* refuse("attention.key_length", `= ${headDimK}: the head size must be even`)
     const rmsEps = yield* getF32(file, k("attention.layer_norm_rms_epsilon"))
     if (!(rmsEps > 0 && rmsEps < 1)) {
-      return yield* Effect.fail(invalid(file, `attention.layer_norm_rms_epsilon ${rmsEps} is out of range`))
+      return yield* refuse("attention.layer_norm_rms_epsilon", `= ${rmsEps} is out of range`)
     }
     const nCtxTrain = yield* positive(file, k("context_length"), yield* getU32(file, k("context_length")))
     const ropeFreqBase = (yield* getOptional(file, k("rope.freq_base"), getF32)) ?? 10000
     if (!(ropeFreqBase > 0 && Number.isFinite(ropeFreqBase))) {
-      return yield* Effect.fail(invalid(file, `rope.freq_base ${ropeFreqBase} must be > 0`))
+      return yield* refuse("rope.freq_base", `= ${ropeFreqBase} must be > 0`)
     }
     const scalingType = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
     let ropeFreqScale = 1
@@ -246,15 +240,11 @@ export const readHParams = (
       // YaRN's own keys (mistral3) derives them again in its hparams hook
       const factor = (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ?? 0
       if (!(factor > 0 && Number.isFinite(factor))) {
-        return yield* Effect.fail(
-          invalid(file, `metadata "${k("rope.scaling.factor")}" = ${factor} must be > 0 for YaRN`)
-        )
+        return yield* refuse("rope.scaling.factor", `= ${factor} must be > 0 for YaRN`)
       }
       const ropeAttnFactor = (yield* getOptional(file, k("rope.scaling.attn_factor"), getF32)) ?? 1
       if (!(ropeAttnFactor > 0 && Number.isFinite(ropeAttnFactor))) {
-        return yield* Effect.fail(
-          invalid(file, `metadata "${k("rope.scaling.attn_factor")}" = ${ropeAttnFactor} must be > 0`)
-        )
+        return yield* refuse("rope.scaling.attn_factor", `= ${ropeAttnFactor} must be > 0`)
       }
       ropeFreqScale = Math.fround(1 / factor)
       ropeExt = yarnRopeExt(ropeFreqScale, { logMul: 0, betaFast: 32, betaSlow: 1, ropeAttnFactor })
@@ -263,12 +253,10 @@ export const readHParams = (
         (yield* getOptional(file, k("rope.scaling.factor"), getF32)) ??
         (yield* getOptional(file, k("rope.scale_linear"), getF32)) ??
         1
-      if (!(factor > 0)) return yield* Effect.fail(invalid(file, `rope.scaling.factor ${factor} must be > 0`))
+      if (!(factor > 0)) return yield* refuse("rope.scaling.factor", `= ${factor} must be > 0`)
       ropeFreqScale = 1 / factor
     } else if (scalingType !== "none") {
-      return yield* Effect.fail(
-        invalid(file, `rope.scaling.type "${scalingType}" is not supported (supported: none, linear, yarn)`)
-      )
+      return yield* refuse("rope.scaling.type", `= "${scalingType}" is not supported (supported: none, linear, yarn)`)
     } else {
       const linear = yield* getOptional(file, k("rope.scale_linear"), getF32)
       if (linear !== undefined && linear > 0) ropeFreqScale = 1 / linear
@@ -284,7 +272,9 @@ export const readHParams = (
     const embd = file.tensorsByName.get("token_embd.weight")
     if (nVocab === undefined) nVocab = embd?.dims[1]
     if (nVocab === undefined || nVocab <= 0) {
-      return yield* Effect.fail(invalid(file, "the vocabulary size is unknown (no tokenizer.ggml.tokens)"))
+      return yield* Effect.fail(
+        invalidMetadata(file, "tokenizer.ggml.tokens", "is missing or empty, so the vocabulary size is unknown")
+      )
     }
     const eos = (yield* getOptional(file, "tokenizer.ggml.eos_token_id", getU32)) ?? -1
     const bos = yield* getOptional(file, "tokenizer.ggml.bos_token_id", getU32)

@@ -20,6 +20,7 @@ import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import { getGgml, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import { getNumberArray, getOptional, getU32 } from "../gguf/GgufReader.js"
 import type { HParams } from "./HParams.js"
+import { invalidMetadata } from "./MetadataErrors.js"
 import type { ExpertGating, MoeParams } from "./MoeParams.js"
 import { GraphOpError } from "./OpChecks.js"
 import type { BlockWeights, TensorSpec, Toolkit } from "./Toolkit.js"
@@ -51,9 +52,6 @@ export interface MoeArchOptions {
   readonly fusedGateUp?: boolean
 }
 
-const invalid = (file: GgufFile, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
-
 /** One positive integer per model, or per layer when stored as an array (all equal: swactor has one value). */
 const uniformCount = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> =>
   Effect.gen(function* () {
@@ -63,14 +61,13 @@ const uniformCount = (file: GgufFile, key: string): Effect.Effect<number | undef
       const arr = yield* getNumberArray(file, key)
       const first = arr[0]
       if (first === undefined || arr.some((x) => x !== first)) {
-        return yield* Effect.fail(invalid(file, `metadata "${key}" varies per layer, which swactor does not support`))
+        return yield* Effect.fail(invalidMetadata(file, key, "varies per layer, which swactor does not support"))
       }
       n = first
     } else {
       n = yield* getU32(file, key)
     }
-    if (!Number.isSafeInteger(n) || n <= 0)
-      return yield* Effect.fail(invalid(file, `metadata "${key}" = ${n} must be > 0`))
+    if (!Number.isSafeInteger(n) || n <= 0) return yield* Effect.fail(invalidMetadata(file, key, `= ${n} must be > 0`))
     return n
   })
 
@@ -132,19 +129,18 @@ export const readMoeParams = (
 ): Effect.Effect<MoeParams, ModelLoadError> =>
   Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
+    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, key, message))
     const countKey = k("expert_count")
     const usedKey = k("expert_used_count")
     const nExpert = yield* uniformCount(file, countKey)
-    if (nExpert === undefined) return yield* Effect.fail(invalid(file, `metadata key "${countKey}" is missing`))
+    if (nExpert === undefined) return yield* refuse(countKey, "is missing")
     if (nExpert > MAX_EXPERTS) {
-      return yield* Effect.fail(invalid(file, `metadata "${countKey}" = ${nExpert} is above ${MAX_EXPERTS}`))
+      return yield* refuse(countKey, `= ${nExpert} is above ${MAX_EXPERTS}`)
     }
     const nExpertUsed = yield* uniformCount(file, usedKey)
-    if (nExpertUsed === undefined) return yield* Effect.fail(invalid(file, `metadata key "${usedKey}" is missing`))
+    if (nExpertUsed === undefined) return yield* refuse(usedKey, "is missing")
     if (nExpertUsed > nExpert) {
-      return yield* Effect.fail(
-        invalid(file, `metadata "${usedKey}" = ${nExpertUsed} is more than "${countKey}" = ${nExpert}`)
-      )
+      return yield* refuse(usedKey, `= ${nExpertUsed} is more than "${countKey}" = ${nExpert}`)
     }
     // group-limited routing: llama.cpp's loader asserts (aborts) on what is refused here
     const groupsKey = k("expert_group_count")
@@ -152,40 +148,33 @@ export const readMoeParams = (
     const nExpertGroups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
     const nGroupUsed = (yield* getOptional(file, groupUsedKey, getU32)) ?? 0
     if (nExpertGroups >= nExpert) {
-      return yield* Effect.fail(
-        invalid(file, `metadata "${groupsKey}" = ${nExpertGroups} must be below "${countKey}" = ${nExpert}`)
-      )
+      return yield* refuse(groupsKey, `= ${nExpertGroups} must be below "${countKey}" = ${nExpert}`)
     }
     if (nExpertGroups > 1) {
       if (nExpert % nExpertGroups !== 0) {
-        return yield* Effect.fail(
-          invalid(file, `metadata "${countKey}" = ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`)
-        )
+        return yield* refuse(countKey, `= ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`)
       }
       if (nExpert / nExpertGroups < 2) {
-        return yield* Effect.fail(
-          invalid(file, `metadata "${groupsKey}" = ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`)
-        )
+        return yield* refuse(groupsKey, `= ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`)
       }
       if (nGroupUsed === 0 || nGroupUsed >= nExpertGroups) {
-        return yield* Effect.fail(
-          invalid(
-            file,
-            `metadata "${groupUsedKey}" = ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`
-          )
+        return yield* refuse(
+          groupUsedKey,
+          `= ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`
         )
       }
     }
     const ffExp = options.nFfExp ?? (yield* uniformCount(file, k("expert_feed_forward_length")))
     const nFfExp = ffExp ?? Math.floor(hp.nFf / nExpertUsed)
     if (nFfExp <= 0) {
-      return yield* Effect.fail(
-        invalid(file, `expert feed-forward length ${nFfExp} (no "${k("expert_feed_forward_length")}")`)
+      return yield* refuse(
+        k("expert_feed_forward_length"),
+        `is missing and feed_forward_length / expert_used_count = ${nFfExp}`
       )
     }
     const nLeadingDense = options.nLeadingDense ?? 0
     if (nLeadingDense > hp.nLayer) {
-      return yield* Effect.fail(invalid(file, `${nLeadingDense} leading dense blocks of ${hp.nLayer}`))
+      return yield* refuse(k("leading_dense_block_count"), `= ${nLeadingDense} is more than the ${hp.nLayer} blocks`)
     }
     // expert_count must agree with the tensors (the loader checks shapes too; this names the key with the tensor)
     for (let il = nLeadingDense; il < hp.nLayer; il++) {
@@ -217,7 +206,7 @@ export const readMoeParams = (
     const fusedGateUp = yield* readFusedGateUp(file, hp.arch, routed, options.fusedGateUp === true)
     const weightsScale = options.weightsScale ?? 0
     if (!Number.isFinite(weightsScale) || weightsScale < 0) {
-      return yield* Effect.fail(invalid(file, `expert weights scale ${weightsScale} must be >= 0`))
+      return yield* refuse(k("expert_weights_scale"), `= ${weightsScale} must be >= 0`)
     }
     return {
       nExpert,

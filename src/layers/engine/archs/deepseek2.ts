@@ -18,11 +18,12 @@
  * mscale^2 / sqrt(key_length_mla) with mscale = 1 + 0.1 x (yarn_log_multiplier / 0.1) x ln factor.
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import { GgmlType, type Ptr } from "../../ggml/Bindings.js"
 import { getBool, getF32, getOptional, getString, getStringArray, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, type MlaParams, RopeMode } from "../HParams.js"
+import { invalidMetadata } from "../MetadataErrors.js"
 import { yarnRopeExt } from "../PositionScaling.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import type { ExpertGating } from "../MoeParams.js"
@@ -37,30 +38,25 @@ import {
 
 const f = Math.fround
 
-const invalid = (file: GgufFile, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
-
 const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
-    const fail = (message: string) => Effect.fail(invalid(file, message))
+    const fail = (key: string, message: string) => Effect.fail(invalidMetadata(file, key, message))
     const nextn = (yield* getOptional(file, k("nextn_predict_layers"), getU32)) ?? 0
-    if (nextn > 0)
-      return yield* fail(`metadata "${k("nextn_predict_layers")}" = ${nextn}: MTP layers are not supported`)
+    if (nextn > 0) return yield* fail(k("nextn_predict_layers"), `= ${nextn}: MTP layers are not supported`)
     const scaling = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
     if (scaling !== "none" && scaling !== "yarn") {
-      return yield* fail(
-        `metadata "${k("rope.scaling.type")}" = "${scaling}": deepseek2 supports plain RoPE and YaRN only`
-      )
+      return yield* fail(k("rope.scaling.type"), `= "${scaling}": deepseek2 supports plain RoPE and YaRN only`)
     }
     const logMulKey = k("rope.scaling.yarn_log_multiplier")
     const logMulRaw = yield* getOptional(file, logMulKey, getF32)
     if (logMulRaw !== undefined && !(logMulRaw >= 0 && Number.isFinite(logMulRaw))) {
-      return yield* fail(`metadata "${logMulKey}" = ${logMulRaw} must be finite and >= 0`)
+      return yield* fail(logMulKey, `= ${logMulRaw} must be finite and >= 0`)
     }
     if (file.metadata.has(k("attention.temperature_scale"))) {
       return yield* fail(
-        `metadata "${k("attention.temperature_scale")}": attention temperature is not supported for deepseek2`
+        k("attention.temperature_scale"),
+        `is set: attention temperature is not supported for deepseek2`
       )
     }
     const kMlaKey = k("attention.key_length_mla")
@@ -69,32 +65,30 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const vMla = yield* getOptional(file, vMlaKey, getU32)
     if (kMla === undefined || vMla === undefined) {
       return yield* fail(
-        `metadata "${kMla === undefined ? kMlaKey : vMlaKey}" is missing: only the absorbed latent form (attn_k_b / attn_v_b) is supported`
+        kMla === undefined ? kMlaKey : vMlaKey,
+        `is missing: only the absorbed latent form (attn_k_b / attn_v_b) is supported`
       )
     }
     const kvLoraKey = k("attention.kv_lora_rank")
     const kvLoraRank = yield* getU32(file, kvLoraKey)
-    if (kvLoraRank <= 0) return yield* fail(`metadata "${kvLoraKey}" = ${kvLoraRank} must be > 0`)
+    if (kvLoraRank <= 0) return yield* fail(kvLoraKey, `= ${kvLoraRank} must be > 0`)
     const qLoraRank = (yield* getOptional(file, k("attention.q_lora_rank"), getU32)) ?? 0
     const nRot = hp.nRot
     if (!(nRot > 0 && nRot % 2 === 0 && nRot < kMla)) {
-      return yield* fail(
-        `metadata "${k("rope.dimension_count")}" = ${nRot} must be even and below "${kMlaKey}" = ${kMla}`
-      )
+      return yield* fail(k("rope.dimension_count"), `= ${nRot} must be even and below "${kMlaKey}" = ${kMla}`)
     }
-    if (vMla <= 0) return yield* fail(`metadata "${vMlaKey}" = ${vMla} must be > 0`)
+    if (vMla <= 0) return yield* fail(vMlaKey, `= ${vMla} must be > 0`)
     if (hp.nHeadKv !== 1) {
-      return yield* fail(`metadata "${k("attention.head_count_kv")}" = ${hp.nHeadKv} must be 1 (one latent per token)`)
+      return yield* fail(k("attention.head_count_kv"), `= ${hp.nHeadKv} must be 1 (one latent per token)`)
     }
     if (hp.headDimK !== kvLoraRank + nRot) {
       return yield* fail(
-        `metadata "${k("attention.key_length")}" = ${hp.headDimK} must be "${kvLoraKey}" + rope.dimension_count = ${kvLoraRank + nRot}`
+        k("attention.key_length"),
+        `= ${hp.headDimK} must be "${kvLoraKey}" + rope.dimension_count = ${kvLoraRank + nRot}`
       )
     }
     if (hp.headDimV !== kvLoraRank) {
-      return yield* fail(
-        `metadata "${k("attention.value_length")}" = ${hp.headDimV} must be "${kvLoraKey}" = ${kvLoraRank}`
-      )
+      return yield* fail(k("attention.value_length"), `= ${hp.headDimV} must be "${kvLoraKey}" = ${kvLoraRank}`)
     }
     // llama.cpp: no gating id -> softmax (DeepSeek V2), except GLM 4.7 Lite's shape (sigmoid)
     const gatingKey = k("expert_gating_func")
@@ -107,10 +101,7 @@ const readDeepseek2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
         ? (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
         : hp.nVocab
       gating = (hp.nLayer === 47 || hp.nLayer === 48) && vocab === 154880 ? "sigmoid" : "softmax"
-    } else
-      return yield* fail(
-        `metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`
-      )
+    } else return yield* fail(gatingKey, `= ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`)
     const moe = yield* readMoeParams(file, hp, {
       gating,
       normWeights: (yield* getOptional(file, k("expert_weights_norm"), getBool)) ?? false,

@@ -11,15 +11,9 @@ import type { Ptr } from "../../ggml/Bindings.js"
 import { getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode, type SwaParams } from "../HParams.js"
+import { scalarKey } from "../MetadataErrors.js"
 import { type BlockWeights, llamaBlockSpecs, type Toolkit } from "../Toolkit.js"
-import {
-  gemmaAttnResidualAndFfn,
-  gemmaNormSpecs,
-  gemmaOutput,
-  logitSoftcapOf,
-  scalarKey,
-  swaRopeBase
-} from "./gemmaShared.js"
+import { gemmaAttnResidualAndFfn, gemmaNormSpecs, gemmaOutput, logitSoftcapOf, swaRopeBase } from "./gemmaShared.js"
 
 /** llama.cpp's llama_hparams::set_swa_pattern (dense_first = false): block il is global when il % period == period - 1. */
 export const swaLayerPattern = (nLayer: number, period: number): ReadonlyArray<boolean> =>

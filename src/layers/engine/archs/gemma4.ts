@@ -25,16 +25,9 @@ import type { Ptr } from "../../ggml/Bindings.js"
 import { getNumberArray, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { ffOf, type HParams, headsOf, RopeMode } from "../HParams.js"
+import { invalidMetadata, scalarKey } from "../MetadataErrors.js"
 import { type BlockWeights, llamaBlockSpecs, type TensorSpec, type Toolkit } from "../Toolkit.js"
-import {
-  gemmaAttnResidualAndFfn,
-  gemmaNormSpecs,
-  gemmaOutput,
-  invalidKey,
-  logitSoftcapOf,
-  scalarKey,
-  swaRopeBase
-} from "./gemmaShared.js"
+import { gemmaAttnResidualAndFfn, gemmaNormSpecs, gemmaOutput, logitSoftcapOf, swaRopeBase } from "./gemmaShared.js"
 import { gemma4AttnResidualAndMoe, gemma4MoeParams, gemma4MoeSpecs } from "./gemma4Moe.js"
 import {
   gemma4PerLayerInputs,
@@ -68,14 +61,14 @@ const required = <A>(
 ): Effect.Effect<A, ModelLoadError> =>
   Effect.flatMap(scalarKey(file, key, read), (v) =>
     v === undefined
-      ? Effect.fail(invalidKey(file, key, "is missing (llama.cpp requires it for gemma4)"))
+      ? Effect.fail(invalidMetadata(file, key, "is missing (llama.cpp requires it for gemma4)"))
       : Effect.succeed(v)
   )
 
 const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
-    const refuse = (key: string, message: string) => Effect.fail(invalidKey(file, k(key), message))
+    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, k(key), message))
     // experts (26B-A4B): archs/gemma4Moe.ts
     const moe = yield* gemma4MoeParams(file, hp)
     const heads = yield* gemma4BlockHeads(file, hp)
@@ -109,7 +102,7 @@ const gemma4HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
 const gemma4BlockHeads = (file: GgufFile, hp: HParams) =>
   Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
-    const refuse = (key: string, message: string) => Effect.fail(invalidKey(file, k(key), message))
+    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, k(key), message))
     // llama.cpp: "Gemma 4 requires n_embd_head_k == n_embd_head_v" (both kinds of block)
     if (hp.headDimV !== hp.headDimK) {
       return yield* refuse("attention.value_length", `= ${hp.headDimV} must equal key_length ${hp.headDimK} (gemma4)`)

@@ -21,9 +21,9 @@ import { getU32 } from "../../gguf/GgufReader.js"
 import { kvShareSources } from "../../../services/KvShare.js"
 import type { OutputWeights } from "../Arch.js"
 import type { HParams, KvShare, PerLayerEmbd } from "../HParams.js"
+import { invalidMetadata, scalarKey } from "../MetadataErrors.js"
 import { perLayerSlice } from "../PerLayerInputs.js"
 import { type AttentionSegment, GGML_PREC_F32, type BlockWeights, type TensorSpec, type Toolkit } from "../Toolkit.js"
-import { invalidKey, scalarKey } from "./gemmaShared.js"
 
 /**
  * `embedding_length_per_layer_input` (required by llama.cpp) and `attention.shared_kv_layers` (default 0), checked:
@@ -39,7 +39,7 @@ export const gemma4PerLayerParams = (
     const width = yield* scalarKey(file, k("embedding_length_per_layer_input"), getU32)
     if (width === undefined) {
       return yield* Effect.fail(
-        invalidKey(file, k("embedding_length_per_layer_input"), "is missing (llama.cpp requires it for gemma4)")
+        invalidMetadata(file, k("embedding_length_per_layer_input"), "is missing (llama.cpp requires it for gemma4)")
       )
     }
     const shared = (yield* scalarKey(file, k("attention.shared_kv_layers"), getU32)) ?? 0
@@ -48,7 +48,7 @@ export const gemma4PerLayerParams = (
     const from = hp.nLayer - shared
     if (from < 2) {
       return yield* Effect.fail(
-        invalidKey(
+        invalidMetadata(
           file,
           k("attention.shared_kv_layers"),
           `= ${shared} leaves ${Math.max(from, 0)} of ${hp.nLayer} blocks with a KV cache (llama.cpp needs at least 2)`
@@ -61,7 +61,7 @@ export const gemma4PerLayerParams = (
       if (slides[source] !== slides[il]) {
         const kind = (s: boolean | undefined) => (s ? "sliding-window" : "global")
         return yield* Effect.fail(
-          invalidKey(
+          invalidMetadata(
             file,
             k("attention.shared_kv_layers"),
             `= ${shared}: block ${il} (${kind(slides[il])}) would read the cache of block ${source} (${kind(slides[source])})`

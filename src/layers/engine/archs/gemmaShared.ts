@@ -1,35 +1,23 @@
 /**
  * What gemma3 and gemma4 (archs/gemma3.ts, archs/gemma4.ts; llama.cpp src/models/gemma3.cpp, gemma4.cpp) share: the
- * typed metadata errors, the sliding-window blocks' RoPE base and the final logit soft-capping keys, the norms after
- * attention and after the feed-forward, the GELU-gated feed-forward with its residual, and the soft-capped output head.
+ * sliding-window blocks' RoPE base and the final logit soft-capping keys, the norms after attention and after the
+ * feed-forward, the GELU-gated feed-forward with its residual, and the soft-capped output head.
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
-import { getF32, getOptional } from "../../gguf/GgufReader.js"
+import { getF32 } from "../../gguf/GgufReader.js"
 import type { OutputWeights } from "../Arch.js"
+import { invalidMetadata, scalarKey } from "../MetadataErrors.js"
 import type { BlockWeights, TensorSpec, Toolkit } from "../Toolkit.js"
-
-/** A ModelLoadError (InvalidMetadata) naming the key. */
-export const invalidKey = (file: GgufFile, key: string, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
-
-/** A key that must be a single number when present (a per-layer array is refused by name). */
-export const scalarKey = <A>(
-  file: GgufFile,
-  key: string,
-  read: (file: GgufFile, key: string) => Effect.Effect<A, ModelLoadError>
-): Effect.Effect<A | undefined, ModelLoadError> =>
-  Array.isArray(file.metadata.get(key))
-    ? Effect.fail(invalidKey(file, key, "is an array; swactor reads it as one number"))
-    : getOptional(file, key, read)
 
 /** `<arch>.rope.freq_base_swa`: the sliding-window blocks' RoPE base (default 10000, llama_hparams'), > 0. */
 export const swaRopeBase = (file: GgufFile, arch: string): Effect.Effect<number, ModelLoadError> =>
   Effect.gen(function* () {
     const key = `${arch}.rope.freq_base_swa`
     const base = (yield* scalarKey(file, key, getF32)) ?? 10000
-    if (!(base > 0 && Number.isFinite(base))) return yield* Effect.fail(invalidKey(file, key, `= ${base} must be > 0`))
+    if (!(base > 0 && Number.isFinite(base)))
+      return yield* Effect.fail(invalidMetadata(file, key, `= ${base} must be > 0`))
     return base
   })
 
@@ -41,7 +29,8 @@ export const logitSoftcapOf = (
   Effect.gen(function* () {
     const key = `${arch}.final_logit_softcapping`
     const cap = (yield* scalarKey(file, key, getF32)) ?? 0
-    if (!(cap >= 0 && Number.isFinite(cap))) return yield* Effect.fail(invalidKey(file, key, `= ${cap} must be >= 0`))
+    if (!(cap >= 0 && Number.isFinite(cap)))
+      return yield* Effect.fail(invalidMetadata(file, key, `= ${cap} must be >= 0`))
     return cap > 0 ? { logitSoftcap: cap } : {}
   })
 

@@ -9,18 +9,16 @@
  * Not supported (refused naming the key): multi-section RoPE.
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
 import { getBool, getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import { trunkBlockCount } from "../../gguf/TrunkBlocks.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
+import { invalidMetadata } from "../MetadataErrors.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import type { ExpertGating } from "../MoeParams.js"
 import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
-
-const invalid = (file: GgufFile, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
 
 /** llama.cpp's llama_expert_gating_func_type: 0 (none: GLM's default, sigmoid), 1 softmax, 2 sigmoid. */
 const gatingOf = (n: number | undefined): ExpertGating | undefined =>
@@ -34,7 +32,7 @@ const readGlm4Moe = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelL
     const nLayer = yield* trunkBlockCount(file, hp.arch)
     if (file.metadata.has(k("rope.dimension_sections"))) {
       return yield* Effect.fail(
-        invalid(file, `metadata "${k("rope.dimension_sections")}": multi-section RoPE is not supported`)
+        invalidMetadata(file, k("rope.dimension_sections"), "is set: multi-section RoPE is not supported")
       )
     }
     const gatingKey = k("expert_gating_func")
@@ -42,7 +40,7 @@ const readGlm4Moe = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelL
     const gating = gatingOf(gatingId)
     if (gating === undefined) {
       return yield* Effect.fail(
-        invalid(file, `metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`)
+        invalidMetadata(file, gatingKey, `= ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`)
       )
     }
     const nExpertShared = yield* getU32(file, k("expert_shared_count"))

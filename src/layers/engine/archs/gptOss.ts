@@ -20,19 +20,7 @@ import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
 import { moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import { type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
-
-const invalid = (file: GgufFile, key: string, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
-
-/** A key that must be a single number when present (a per-layer array is refused by name). */
-const scalar = <A>(
-  file: GgufFile,
-  key: string,
-  read: (file: GgufFile, key: string) => Effect.Effect<A, ModelLoadError>
-): Effect.Effect<A | undefined, ModelLoadError> =>
-  Array.isArray(file.metadata.get(key))
-    ? Effect.fail(invalid(file, key, "is an array; swactor reads it as one number"))
-    : getOptional(file, key, read)
+import { invalidMetadata, scalarKey } from "../MetadataErrors.js"
 
 const readGptOss = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function* () {
@@ -49,21 +37,22 @@ const readGptOss = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLo
     }
     // llama.cpp reads these with get_key (required): its loader throws on a missing one
     const ffKey = k("expert_feed_forward_length")
-    if (!file.metadata.has(ffKey)) return yield* Effect.fail(invalid(file, ffKey, "is missing"))
+    if (!file.metadata.has(ffKey)) return yield* Effect.fail(invalidMetadata(file, ffKey, "is missing"))
     const windowKey = k("attention.sliding_window")
-    const window = yield* scalar(file, windowKey, getU32)
-    if (window === undefined) return yield* Effect.fail(invalid(file, windowKey, "is missing"))
-    if (window <= 0) return yield* Effect.fail(invalid(file, windowKey, `= ${window} must be > 0`))
+    const window = yield* scalarKey(file, windowKey, getU32)
+    if (window === undefined) return yield* Effect.fail(invalidMetadata(file, windowKey, "is missing"))
+    if (window <= 0) return yield* Effect.fail(invalidMetadata(file, windowKey, `= ${window} must be > 0`))
     const patternKey = k("attention.sliding_window_pattern")
-    const period = (yield* scalar(file, patternKey, getU32)) ?? 2
+    const period = (yield* scalarKey(file, patternKey, getU32)) ?? 2
     const baseKey = k("rope.freq_base_swa")
-    const base = (yield* scalar(file, baseKey, getF32)) ?? hp.ropeFreqBase
-    if (!(base > 0 && Number.isFinite(base))) return yield* Effect.fail(invalid(file, baseKey, `= ${base} must be > 0`))
+    const base = (yield* scalarKey(file, baseKey, getF32)) ?? hp.ropeFreqBase
+    if (!(base > 0 && Number.isFinite(base)))
+      return yield* Effect.fail(invalidMetadata(file, baseKey, `= ${base} must be > 0`))
     const groupsKey = k("expert_group_count")
     const groups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
     if (groups > 1)
       return yield* Effect.fail(
-        invalid(file, groupsKey, `= ${groups}: group-limited routing is not supported for gpt-oss`)
+        invalidMetadata(file, groupsKey, `= ${groups}: group-limited routing is not supported for gpt-oss`)
       )
     const moe = yield* readMoeParams(file, hp, { gating: "softmaxWeight", normWeights: false })
     // llama_hparams::set_swa_pattern (dense_first = false): block il slides unless il % period == period - 1

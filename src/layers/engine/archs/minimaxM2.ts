@@ -6,17 +6,15 @@
  * choice only, weights normalised, scaled by `expert_weights_scale` when the file has one, no shared experts (Moe.ts).
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
+import { invalidMetadata } from "../MetadataErrors.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import type { ExpertGating } from "../MoeParams.js"
 import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
-
-const invalid = (file: GgufFile, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message })
 
 /** llama.cpp's llama_expert_gating_func_type: 1 softmax, 2 sigmoid (no default: its graph aborts on 0). */
 const gatingOf = (n: number | undefined): ExpertGating | undefined =>
@@ -29,11 +27,12 @@ const readMinimaxM2 = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mode
     const gating = gatingOf(gatingId)
     if (gating === undefined) {
       return yield* Effect.fail(
-        invalid(
+        invalidMetadata(
           file,
+          gatingKey,
           gatingId === undefined
-            ? `metadata "${gatingKey}" is missing (llama.cpp's minimax-m2 graph needs it: 1 softmax, 2 sigmoid)`
-            : `metadata "${gatingKey}" = ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`
+            ? "is missing (llama.cpp's minimax-m2 graph needs it: 1 softmax, 2 sigmoid)"
+            : `= ${gatingId} is not a gating swactor supports (1 softmax, 2 sigmoid)`
         )
       )
     }

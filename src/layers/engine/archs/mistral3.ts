@@ -13,7 +13,7 @@
  * `expert_feed_forward_length`. swactor requires ffn_gate_exps (llama.cpp would run silu(up) without it).
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
@@ -21,18 +21,14 @@ import { type HParams, RopeMode } from "../HParams.js"
 import { moeBlockSpecs, moeFfn, readMoeParams } from "../Moe.js"
 import { type AttnTemp, PLAIN_ROPE, type RopeExt, yarnRopeExt } from "../PositionScaling.js"
 import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
-
-const invalid = (file: GgufFile, key: string, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
+import { invalidMetadata, scalarKey } from "../MetadataErrors.js"
 
 /** A float key that must be one finite number when present (a per-layer array is refused by name). */
 const finiteScalar = (file: GgufFile, key: string): Effect.Effect<number | undefined, ModelLoadError> =>
   Effect.gen(function* () {
-    if (Array.isArray(file.metadata.get(key))) {
-      return yield* Effect.fail(invalid(file, key, "is an array; swactor reads it as one number"))
-    }
-    const v = yield* getOptional(file, key, getF32)
-    if (v !== undefined && !Number.isFinite(v)) return yield* Effect.fail(invalid(file, key, `= ${v} must be finite`))
+    const v = yield* scalarKey(file, key, getF32)
+    if (v !== undefined && !Number.isFinite(v))
+      return yield* Effect.fail(invalidMetadata(file, key, `= ${v} must be finite`))
     return v
   })
 
@@ -44,7 +40,7 @@ const mistral3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mo
     const used = experts === undefined || experts === 0 ? yield* getOptional(file, k("expert_used_count"), getU32) : 0
     if (used !== undefined && used > 0) {
       return yield* Effect.fail(
-        invalid(file, k("expert_used_count"), `= ${used} without experts ("${k("expert_count")}" absent or 0)`)
+        invalidMetadata(file, k("expert_used_count"), `= ${used} without experts ("${k("expert_count")}" absent or 0)`)
       )
     }
     const moe =
@@ -67,7 +63,7 @@ const mistral3HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Mo
       tempScale === 0 ? undefined : { scale: tempScale, floorScale: hp.nCtxOrig, offset: 0 }
     if (!(Number.isSafeInteger(hp.nCtxOrig) && hp.nCtxOrig > 0)) {
       return yield* Effect.fail(
-        invalid(file, k("rope.scaling.original_context_length"), `= ${hp.nCtxOrig} must be > 0`)
+        invalidMetadata(file, k("rope.scaling.original_context_length"), `= ${hp.nCtxOrig} must be > 0`)
       )
     }
     const f = Math.fround

@@ -6,16 +6,14 @@
  * block global) and gives those blocks plain RoPE (`rope.freq_base_swa`, scale 1, no YaRN).
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import type { Ptr } from "../../ggml/Bindings.js"
 import { getF32, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode, type SwaParams } from "../HParams.js"
 import { type BlockWeights, llamaBlockSpecs, llamaOutputHead, type Toolkit } from "../Toolkit.js"
 import { swaLayerPattern } from "./gemma3.js"
-
-const invalid = (file: GgufFile, key: string, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
+import { invalidMetadata } from "../MetadataErrors.js"
 
 /** llama.cpp's default period of OLMo 3's sliding-window pattern: three sliding blocks, then a global one. */
 const DEFAULT_PERIOD = 4
@@ -39,7 +37,7 @@ const swaOf = (file: GgufFile, hp: HParams): Effect.Effect<SwaParams | undefined
       const same = raw.length === hp.nLayer && raw.every((v, il) => v === layers[il])
       if (!same)
         return yield* Effect.fail(
-          invalid(
+          invalidMetadata(
             file,
             patternKey,
             `is a per-block pattern other than one global block in ${DEFAULT_PERIOD}, which llama.cpp reads as ` +
@@ -56,7 +54,7 @@ const olmo2HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, Model
     // olmo2.cpp asserts n_rot == the head size
     if (hp.nRot !== hp.headDimK)
       return yield* Effect.fail(
-        invalid(file, `${hp.arch}.rope.dimension_count`, `= ${hp.nRot} must equal the head size ${hp.headDimK}`)
+        invalidMetadata(file, `${hp.arch}.rope.dimension_count`, `= ${hp.nRot} must equal the head size ${hp.headDimK}`)
       )
     const swa = yield* swaOf(file, hp)
     return swa === undefined ? hp : { ...hp, swa }

@@ -18,7 +18,7 @@
  * converters write Qwen3.5/3.6) are left out, as llama.cpp decodes: the model's blocks are the trunk (TrunkBlocks.ts).
  */
 import { Effect } from "effect"
-import { type GgufFile, ModelLoadError } from "../../../domain/gguf.js"
+import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import { GgmlType, type Ptr } from "../../ggml/Bindings.js"
 import { getNumberArray, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import { trunkBlockCount } from "../../gguf/TrunkBlocks.js"
@@ -26,9 +26,7 @@ import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
 import type { RecurrentParams } from "../RecurrentParams.js"
 import { type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
-
-const invalid = (file: GgufFile, key: string, message: string) =>
-  new ModelLoadError({ path: file.path, reason: "InvalidMetadata", message: `metadata "${key}" ${message}` })
+import { invalidMetadata } from "../MetadataErrors.js"
 
 /** ggml's IMROPE sector assignment: does every rotated pair take the t, h or w position (never the 4th, e)? */
 const sectionsCoverText = (sections: ReadonlyArray<number>, nRot: number): boolean => {
@@ -49,69 +47,57 @@ const sectionsCoverText = (sections: ReadonlyArray<number>, nRot: number): boole
 export const qwen35HParams = (file: GgufFile, hp: HParams): Effect.Effect<HParams, ModelLoadError> =>
   Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
+    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, k(key), message))
     const u32 = (key: string) =>
       Effect.gen(function* () {
         const v = yield* getOptional(file, k(key), getU32)
-        if (v === undefined) return yield* Effect.fail(invalid(file, k(key), "is missing"))
-        if (!(v > 0)) return yield* Effect.fail(invalid(file, k(key), `= ${v} must be > 0`))
+        if (v === undefined) return yield* refuse(key, "is missing")
+        if (!(v > 0)) return yield* refuse(key, `= ${v} must be > 0`)
         return v
       })
     if (hp.headDimV !== hp.headDimK) {
-      return yield* Effect.fail(
-        invalid(file, k("attention.value_length"), `${hp.headDimV} must equal key_length ${hp.headDimK}`)
-      )
+      return yield* refuse("attention.value_length", `= ${hp.headDimV} must equal key_length = ${hp.headDimK}`)
     }
     if (!(hp.nRot > 0 && hp.nRot % 2 === 0 && hp.nRot <= hp.headDimK)) {
-      return yield* Effect.fail(
-        invalid(file, k("rope.dimension_count"), `${hp.nRot} must be even and at most the head size ${hp.headDimK}`)
-      )
+      return yield* refuse("rope.dimension_count", `= ${hp.nRot} must be even and at most the head size ${hp.headDimK}`)
     }
     const sections = yield* getOptional(file, k("rope.dimension_sections"), getNumberArray)
     if (sections === undefined || sections.length !== 4 || sections.some((s) => !(Number.isSafeInteger(s) && s >= 0))) {
-      return yield* Effect.fail(invalid(file, k("rope.dimension_sections"), "must be 4 non-negative integers"))
+      return yield* refuse("rope.dimension_sections", "must be 4 non-negative integers")
     }
     if (!sectionsCoverText(sections, hp.nRot)) {
-      return yield* Effect.fail(
-        invalid(
-          file,
-          k("rope.dimension_sections"),
-          `[${sections.join(", ")}] leaves rotated dimensions on the 4th position component (not supported)`
-        )
+      return yield* refuse(
+        "rope.dimension_sections",
+        `= [${sections.join(", ")}] leaves rotated dimensions on the 4th position component (not supported)`
       )
     }
     if (file.metadata.has(k("attention.recurrent_layers"))) {
-      return yield* Effect.fail(
-        invalid(file, k("attention.recurrent_layers"), "is not supported (full_attention_interval only)")
-      )
+      return yield* refuse("attention.recurrent_layers", "is not supported (full_attention_interval only)")
     }
     // MTP blocks (`nextn_predict_layers`, Qwen3.5/3.6 files carry one) trail the trunk: llama.cpp decodes without
     // them (n_layer() = block_count - nextn) and marks them non-recurrent; the stages, the block pattern and the
     // recurrent state cover the trunk only and never load those blocks' tensors
     const nLayer = yield* trunkBlockCount(file, hp.arch)
     const convKernel = yield* u32("ssm.conv_kernel")
-    if (convKernel < 2)
-      return yield* Effect.fail(invalid(file, k("ssm.conv_kernel"), `= ${convKernel} must be at least 2`))
+    if (convKernel < 2) return yield* refuse("ssm.conv_kernel", `= ${convKernel} must be at least 2`)
     const inner = yield* u32("ssm.inner_size")
     const stateSize = yield* u32("ssm.state_size")
     const vHeads = yield* u32("ssm.time_step_rank")
     const kHeads = yield* u32("ssm.group_count")
     if (vHeads % kHeads !== 0) {
-      return yield* Effect.fail(
-        invalid(file, k("ssm.time_step_rank"), `${vHeads} must be a multiple of ${k("ssm.group_count")} = ${kHeads}`)
+      return yield* refuse(
+        "ssm.time_step_rank",
+        `= ${vHeads} must be a multiple of ${k("ssm.group_count")} = ${kHeads}`
       )
     }
     if (inner !== stateSize * vHeads) {
-      return yield* Effect.fail(
-        invalid(
-          file,
-          k("ssm.inner_size"),
-          `${inner} must be ssm.state_size x ssm.time_step_rank = ${stateSize * vHeads}`
-        )
+      return yield* refuse(
+        "ssm.inner_size",
+        `= ${inner} must be ssm.state_size x ssm.time_step_rank = ${stateSize * vHeads}`
       )
     }
     const interval = (yield* getOptional(file, k("full_attention_interval"), getU32)) ?? 4
-    if (!(interval > 0))
-      return yield* Effect.fail(invalid(file, k("full_attention_interval"), `= ${interval} must be > 0`))
+    if (!(interval > 0)) return yield* refuse("full_attention_interval", `= ${interval} must be > 0`)
     const recurrent: RecurrentParams = {
       layers: Array.from({ length: nLayer }, (_, il) => (il + 1) % interval !== 0),
       convKernel,
