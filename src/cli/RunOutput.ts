@@ -1,10 +1,11 @@
 /**
  * What `swactor run` writes while a run goes: the text on stdout (after the prompt), progress and the summary on
- * stderr, or with --json one JSON document on stdout when the run ends (tokens, text, summary or fault).
+ * stderr, or with --json one JSON document on stdout when the run ends (tokens, text, summary or fault), and weights
+ * on their way as JSON lines on stderr (`{"event":"weights",…}`).
  */
 import { Effect } from "effect"
 import type { RunSummary, RunUpdate, TokenLogprob } from "../services/Orchestrator.js"
-import { makeProgress } from "./RunProgress.js"
+import { makeProgress, transferRate, type Transfers } from "./RunProgress.js"
 import { renderSummary } from "./RunSummaryText.js"
 import { type makePhaseClock, renderPhases, type StartupPhases } from "./StartupPhases.js"
 
@@ -32,6 +33,7 @@ export const makeRunPrinter = (
 ) => {
   const quiet = options.quiet || options.json
   const progress = makeProgress(quiet)
+  const transfers: Transfers = new Map()
   let wroteText = false
   const update = (update: RunUpdate): Effect.Effect<void> => {
     if (update._tag === "AgentsStarted") clock.mark("spawned")
@@ -72,6 +74,22 @@ export const makeRunPrinter = (
           )
         }
       })
+    }
+    if (options.json && update._tag === "WeightsDelivery") {
+      // with --json, weights on their way are events: one JSON line each on stderr
+      const { bytesPerSecond, secondsLeft } = transferRate(update, transfers)
+      process.stderr.write(
+        `${JSON.stringify({
+          event: "weights",
+          stage: update.stageIndex,
+          address: update.address,
+          source: update.source === "Hub" ? "hub" : "orchestrator",
+          bytes: update.sentBytes,
+          totalBytes: update.totalBytes,
+          bytesPerSecond: Math.round(bytesPerSecond),
+          ...(secondsLeft === undefined ? {} : { secondsLeft: Math.round(secondsLeft * 10) / 10 })
+        })}\n`
+      )
     }
     return progress.update(update).pipe(
       Effect.tap(() => {

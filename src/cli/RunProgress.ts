@@ -3,25 +3,40 @@ import { Effect } from "effect"
 import type { RunUpdate } from "../services/Orchestrator.js"
 import { bar, ms } from "./Units.js"
 
-type Transfers = Map<string, { readonly at: number; readonly bytes: number }>
+export type Transfers = Map<string, { readonly at: number; readonly bytes: number }>
 
-/** One stage's weights on their way: sent by this process, or fetched from the hub by the node; rate and time left. */
-const deliveryText = (update: Extract<RunUpdate, { _tag: "WeightsDelivery" }>, transfers: Transfers): string => {
-  // rate and time left from the first report of this stage's transfer
+type Delivery = Extract<RunUpdate, { _tag: "WeightsDelivery" }>
+
+/** A transfer's rate (bytes/s, 0 until half a second in) and seconds left, from its first report in `transfers`. */
+export const transferRate = (
+  update: Delivery,
+  transfers: Transfers
+): { readonly bytesPerSecond: number; readonly secondsLeft: number | undefined } => {
   const key = `${update.stageIndex}:${update.address}`
   const first = transfers.get(key) ?? { at: Date.now(), bytes: update.sentBytes }
   transfers.set(key, first)
   const seconds = (Date.now() - first.at) / 1000
-  const rate = seconds > 0.5 ? (update.sentBytes - first.bytes) / seconds : 0
-  const left = rate > 0 ? (update.totalBytes - update.sentBytes) / rate : undefined
+  const bytesPerSecond = seconds > 0.5 ? (update.sentBytes - first.bytes) / seconds : 0
+  return {
+    bytesPerSecond,
+    secondsLeft:
+      bytesPerSecond > 0 && update.sentBytes < update.totalBytes
+        ? (update.totalBytes - update.sentBytes) / bytesPerSecond
+        : undefined
+  }
+}
+
+/** One stage's weights on their way: sent by this process, or fetched from the hub by the node; rate and time left. */
+const deliveryText = (update: Delivery, transfers: Transfers): string => {
+  const { bytesPerSecond, secondsLeft } = transferRate(update, transfers)
   return (
     (update.source === "Hub"
       ? `stage ${update.stageIndex} on ${update.address} fetching from the hub `
       : `weights for stage ${update.stageIndex} to ${update.address} `) +
     `${bar(update.totalBytes > 0 ? update.sentBytes / update.totalBytes : 1)} ` +
     `${(update.sentBytes / 2 ** 20).toFixed(1)}/${(update.totalBytes / 2 ** 20).toFixed(1)} MiB` +
-    (rate > 0 ? ` ${(rate / 2 ** 20).toFixed(1)} MiB/s` : "") +
-    (left !== undefined && update.sentBytes < update.totalBytes ? ` ${Math.ceil(left)} s left` : "")
+    (bytesPerSecond > 0 ? ` ${(bytesPerSecond / 2 ** 20).toFixed(1)} MiB/s` : "") +
+    (secondsLeft !== undefined ? ` ${Math.ceil(secondsLeft)} s left` : "")
   )
 }
 

@@ -257,6 +257,17 @@ export interface ServerMetrics {
     readonly lru: ReadonlyArray<{ readonly entry: number; readonly tokens: number }>
   }
   /** Each agent not lost: its pid and the stages it hosts now (asked at scrape time; -1 when it did not answer). */
+  /**
+   * Each stage's weights on their way at start-up (a revival's too): fetched from the model's hub by its node
+   * (`hf:` or URL models) or sent by this process; the latest report per stage and node.
+   */
+  readonly weights?: ReadonlyArray<{
+    readonly stageIndex: number
+    readonly address: string
+    readonly source: "hub" | "orchestrator"
+    readonly bytes: number
+    readonly totalBytes: number
+  }>
   readonly agents: ReadonlyArray<{
     readonly address: string
     readonly pid: number

@@ -10,12 +10,13 @@
  */
 import { afterAll, assert, beforeAll, describe, it } from "@effect/vitest"
 import { Effect, Stream } from "effect"
+import { spawn } from "node:child_process"
 import { mkdtempSync, rmSync, statSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import OpenAI from "openai"
 import { layerRemote, run } from "../../src/api/generate.js"
-import { generateToken, spawnLocalAgents } from "../../src/layers/agent/AgentProcesses.js"
+import { generateToken, spawnLocalAgents, swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
 import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { sliceTensors } from "../../src/layers/gguf/GgufSlice.js"
 import { writeSyntheticModel } from "../../src/layers/gguf/Synthetic.js"
@@ -205,6 +206,62 @@ describe("a hub model end to end", () => {
   )
 
   it.live(
+    "swactor run --model hf:… --json: each node's fetch is a stream of weights events on stderr, ending at its total",
+    () =>
+      Effect.gen(function* () {
+        const root = mkdtempSync(join(dir, "json-"))
+        const { args, command } = swactorCommand([
+          "run",
+          "--model",
+          NAME,
+          "--stages",
+          "2",
+          "--threads",
+          "1",
+          "--max-tokens",
+          "4",
+          "--prompt",
+          PROMPT,
+          "--json"
+        ])
+        // spawned, not spawnSync: the hub answers from this process's event loop
+        const result = yield* Effect.promise(
+          () =>
+            new Promise<{ status: number | null; stdout: string; stderr: string }>((resolve) => {
+              const child = spawn(command, args, {
+                env: { ...process.env, HF_ENDPOINT: hub.endpoint(0), XDG_CACHE_HOME: root },
+                stdio: ["ignore", "pipe", "pipe"]
+              })
+              let stdout = ""
+              let stderr = ""
+              child.stdout.on("data", (c: Buffer) => (stdout += c.toString()))
+              child.stderr.on("data", (c: Buffer) => (stderr += c.toString()))
+              child.on("exit", (status) => resolve({ status, stdout, stderr }))
+            })
+        )
+        assert.strictEqual(result.status, 0, result.stderr)
+        const report = JSON.parse(result.stdout) as { readonly ok: boolean }
+        assert.isTrue(report.ok)
+        const events = result.stderr
+          .split("\n")
+          .filter((line) => line.startsWith("{"))
+          .map(
+            (line) =>
+              JSON.parse(line) as { event: string; stage: number; source: string; bytes: number; totalBytes: number }
+          )
+          .filter((e) => e.event === "weights")
+        for (const stage of [0, 1]) {
+          const mine = events.filter((e) => e.stage === stage)
+          assert.isAbove(mine.length, 0, `events of stage ${stage}`)
+          assert.isTrue(mine.every((e) => e.source === "hub"))
+          assert.strictEqual(mine.at(-1)!.bytes, mine.at(-1)!.totalBytes)
+          assert.isAbove(mine.at(-1)!.totalBytes, 0)
+        }
+      }),
+    300_000
+  )
+
+  it.live(
     "kill -9 of a stage mid-generation: the spare fetches that stage's slice from the hub and the tokens are node-llama-cpp's",
     () =>
       Effect.scoped(
@@ -273,6 +330,16 @@ describe("a hub model end to end", () => {
           )
           assert.strictEqual(answer.choices[0]!.text, text)
           assert.isAbove(hub.bytesServed(3), 0, "serve's nodes fetched from the hub")
+          // /metrics shows what each stage's node fetched: all of it, from the hub
+          const metrics = yield* Effect.promise(() => fetch(`${server.url}/metrics`).then((r) => r.text()))
+          const gauge = (name: string) =>
+            [...metrics.matchAll(new RegExp(`^${name}\\{stage="(\\d)",address="[^"]+",source="hub"\\} (\\d+)$`, "gm"))]
+              .map((m) => [Number(m[1]), Number(m[2])] as const)
+              .sort()
+          const fetched = gauge("swactor_weights_bytes")
+          assert.strictEqual(fetched.length, 2, metrics.slice(0, 2000))
+          assert.deepStrictEqual(fetched, gauge("swactor_weights_total_bytes"))
+          assert.isTrue(fetched.every(([, n]) => n > 0))
         } finally {
           yield* Effect.promise(() => stopServe(server))
         }

@@ -79,6 +79,35 @@ const withFiles = <A, E>(file: GgufFile, use: (fdOf: (tensor: GgufTensorInfo) =>
 /** The split set's own keys, which a slice (one file) must not carry. */
 const isSplitKey = (key: string) => key.startsWith("split.")
 
+function* observed(
+  chunks: Iterable<Uint8Array>,
+  tensor: GgufTensorInfo,
+  observe: (tensor: GgufTensorInfo, chunk: Uint8Array, first: boolean) => void
+): Generator<Uint8Array> {
+  let first = true
+  for (const chunk of chunks) {
+    observe(tensor, chunk, first)
+    first = false
+    yield chunk
+  }
+  if (first) observe(tensor, new Uint8Array(0), true)
+}
+
+/** The name, type and shape that open each tensor's part of the stage-tensor hash. */
+const hashPrefix = (t: GgufTensorInfo) => `${t.name}\0${t.type}\0${t.dims.join(",")}\0`
+
+/** A `writeGgufSlice` observer that computes `sliceHash` of what it writes: `digest()` once the write is done. */
+export const sliceHashOf = () => {
+  const hash = createHash("sha256")
+  return {
+    observe: (tensor: GgufTensorInfo, chunk: Uint8Array, first: boolean) => {
+      if (first) hash.update(hashPrefix(tensor))
+      hash.update(chunk)
+    },
+    digest: () => hash.digest("hex")
+  }
+}
+
 /** SHA-256 (hex) over the stage's tensors of `file`: name, type, shape and bytes of each, in order. */
 export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<string, ModelLoadError> =>
   withFiles(file, (fdOf) =>
@@ -88,7 +117,7 @@ export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<stri
         // One buffer for every read (hashing consumes each chunk before the next read).
         const buffer = Buffer.allocUnsafe(READ_CHUNK)
         for (const t of sliceTensors(file, range)) {
-          hash.update(`${t.name}\0${t.type}\0${t.dims.join(",")}\0`)
+          hash.update(hashPrefix(t))
           const fd = fdOf(t)
           for (let off = 0; off < t.byteSize;) {
             const got = Fs.readSync(fd, buffer, 0, Math.min(READ_CHUNK, t.byteSize - off), t.offset + off)
@@ -111,7 +140,9 @@ export const sliceHash = (file: GgufFile, range: SliceRange): Effect.Effect<stri
 export const writeGgufSlice = (
   file: GgufFile,
   range: SliceRange,
-  path: string
+  path: string,
+  /** Sees each tensor's data as it is written: `sliceHashOf` hashes the slice on the way (RemoteSlice.ts). */
+  observe?: (tensor: GgufTensorInfo, chunk: Uint8Array, first: boolean) => void
 ): Effect.Effect<GgufWriteSummary, ModelLoadError | GgufWriteError> =>
   withFiles(file, (fdOf) => {
     const metadata: Array<readonly [string, GgufTypedValue]> = []
@@ -128,7 +159,7 @@ export const writeGgufSlice = (
         name: t.name,
         type: t.type,
         dims: t.dims,
-        data: () => tensorChunks(fdOf(t), t)
+        data: () => (observe === undefined ? tensorChunks(fdOf(t), t) : observed(tensorChunks(fdOf(t), t), t, observe))
       }))
     })
   }).pipe(

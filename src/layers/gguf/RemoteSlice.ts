@@ -11,7 +11,7 @@ import * as Path from "node:path"
 import { Effect } from "effect"
 import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
 import { readGgufFile } from "./GgufReader.js"
-import { sliceHash, type SliceRange, sliceTensors, writeGgufSlice } from "./GgufSlice.js"
+import { sliceHash, sliceHashOf, type SliceRange, sliceTensors, writeGgufSlice } from "./GgufSlice.js"
 import { type HubAccess, hubAccessNow, type HubError, readRange } from "./HubClient.js"
 import { type RemoteModel, remoteSliceId } from "./RemoteGguf.js"
 
@@ -124,12 +124,13 @@ const writeFetched = (
       tensorsByName: new Map(mapped.map((t) => [t.name, t]))
     }
     const path = Path.join(dir, `${id}.gguf`)
-    yield* writeGgufSlice(fetched, range, path).pipe(
+    // the slice's tensor hash computed as it is written: no second pass over its bytes
+    const hashing = sliceHashOf()
+    yield* writeGgufSlice(fetched, range, path, hashing.observe).pipe(
       Effect.mapError((e) => new ModelLoadError({ path, reason: "Io", message: `cannot write ${path}: ${e.message}` }))
     )
-    const slice = yield* readGgufFile(path)
-    yield* checkAgainstHeader(slice, sliceTensors(model.file, range), path)
-    const tensorHash = yield* sliceHash(slice, range)
+    const tensorHash = hashing.digest()
+    yield* checkAgainstHeader(yield* readGgufFile(path), sliceTensors(model.file, range), path)
     yield* Effect.try({
       try: () => {
         Fs.writeFileSync(`${path}.tensors.${process.pid}.tmp`, tensorHash)

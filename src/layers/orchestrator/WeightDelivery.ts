@@ -21,7 +21,7 @@ import { readGgufFile } from "../gguf/GgufReader.js"
 import { sliceHash, type SliceRange, writeGgufSlice } from "../gguf/GgufSlice.js"
 import { defaultSliceCacheDir } from "../gguf/SliceStore.js"
 import { openRemoteModel, type RemoteModel, remoteSliceId } from "../gguf/RemoteGguf.js"
-import { fetchRemoteSlice } from "../gguf/RemoteSlice.js"
+import { fetchRemoteSlice, sliceFetchBytes } from "../gguf/RemoteSlice.js"
 
 export interface DeliveryInput {
   readonly modelPath: string
@@ -157,7 +157,7 @@ const stageHash = (file: GgufFile, range: SliceRange, outgoingDir: string): Effe
 const knownHashes = new Map<string, string>()
 
 /** How often the orchestrator asks an agent fetching from the hub how far it got. */
-const FETCH_POLL = "200 millis"
+const FETCH_POLL = "100 millis"
 
 /**
  * A stage of a remote model: its agent fetches the slice from the hub itself (or holds it from before). The orchestrator
@@ -180,48 +180,44 @@ const hubDelivery = (
     const rpc = link.weights!
     const hash = remoteSliceId(model, range)
     const weights = new StageWeights({ modelPath: model.named, ...range, hash, source: "Hub" })
-    let last = { have: -1, total: 0 }
+    // What the node fetches (its ranges): known here from the header, whatever the node has said so far.
+    const total = sliceFetchBytes(model.file, range)
+    const report = (have: number) =>
+      progress({
+        _tag: "WeightsDelivery",
+        stageIndex,
+        address: link.node.address,
+        sentBytes: have,
+        totalBytes: total,
+        source: "Hub"
+      })
+    let reported = -1
     for (;;) {
       const held = yield* rpc
         .check(weights)
         .pipe(Effect.mapError((e) => failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)))
       switch (held._tag) {
-        case "Held":
-          if (last.have >= 0 && last.have < last.total) {
-            yield* progress({
-              _tag: "WeightsDelivery",
-              stageIndex,
-              address: link.node.address,
-              sentBytes: last.total,
-              totalBytes: last.total,
-              source: "Hub"
-            })
-          }
+        case "Held": {
+          const fetched = reported >= 0
+          if (fetched && reported < total) yield* report(total)
           return {
             _tag: "Delivered",
             delivery: {
               stageIndex,
               nodeId,
-              via: last.have < 0 ? held.via : "Fetched",
+              via: fetched ? "Fetched" : held.via,
               hash,
               sentBytes: 0,
               resumedFrom: 0,
-              totalBytes: Math.max(0, last.total)
+              totalBytes: fetched ? total : 0
             }
           } as const
+        }
         case "Fetching":
-          if (held.have !== last.have || held.total !== last.total) {
-            last = { have: held.have, total: held.total }
-            yield* progress({
-              _tag: "WeightsDelivery",
-              stageIndex,
-              address: link.node.address,
-              sentBytes: held.have,
-              totalBytes: held.total,
-              source: "Hub"
-            })
+          if (held.have !== reported) {
+            reported = held.have
+            yield* report(held.have)
           }
-          if (last.have < 0) last = { have: 0, total: 0 }
           yield* Effect.sleep(FETCH_POLL)
           continue
         case "FetchFailed":

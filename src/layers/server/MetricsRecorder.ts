@@ -16,7 +16,26 @@ interface FirstTokenTimes {
   readonly firstAt: number
 }
 
+/** The latest report of each stage's weights on their way (start-up and revival updates). */
+const makeWeightsRecorder = () => {
+  const weights = new Map<string, NonNullable<ServerMetrics["weights"]>[number]>()
+  return {
+    observe: (update: RunUpdate) => {
+      if (update._tag !== "WeightsDelivery") return
+      weights.set(`${update.stageIndex}|${update.address}`, {
+        stageIndex: update.stageIndex,
+        address: update.address,
+        source: update.source === "Hub" ? "hub" : "orchestrator",
+        bytes: update.sentBytes,
+        totalBytes: update.totalBytes
+      })
+    },
+    snapshot: (): Pick<ServerMetrics, "weights"> => (weights.size === 0 ? {} : { weights: [...weights.values()] })
+  }
+}
+
 export const make = () => {
+  const weights = makeWeightsRecorder()
   const counts = {
     completed: 0,
     cancelled: 0,
@@ -171,9 +190,10 @@ export const make = () => {
         kvBudgetBytes: up !== undefined ? now.kvBudgetBytes() : 0,
         stages: [...counts.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
         firstToken: { ...counts.firstToken },
+        ...weights.snapshot(),
         agents
       }
     })
 
-  return { counts, record, snapshot }
+  return { counts, record, snapshot, observeSetup: weights.observe }
 }

@@ -41,6 +41,27 @@ const renderPromptCache = (
   )
 }
 
+/** Each stage's weights on their way: bytes fetched from the hub by its node, or sent by the server. */
+const renderWeights = (
+  weights: NonNullable<ServerMetrics["weights"]>,
+  metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
+) => {
+  const labels = (w: NonNullable<ServerMetrics["weights"]>[number]) =>
+    `{stage="${w.stageIndex}",address="${w.address}",source="${w.source}"}`
+  metric(
+    "swactor_weights_bytes",
+    "gauge",
+    "Bytes of a stage's weights its node has fetched from the hub (source hub) or been sent (source orchestrator)",
+    weights.map((w): [string, number] => [labels(w), w.bytes])
+  )
+  metric(
+    "swactor_weights_total_bytes",
+    "gauge",
+    "Bytes of a stage's weights to fetch or send",
+    weights.map((w): [string, number] => [labels(w), w.totalBytes])
+  )
+}
+
 /** The Prometheus text of a metrics snapshot. */
 export const renderMetrics = (m: ServerMetrics, status: string): string => {
   const lines: Array<string> = []
@@ -68,6 +89,7 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     [["", m.revivalAttempts]]
   )
   metric("swactor_straggler_tokens_total", "counter", "Decoded tokens over 4x the recent median", [["", m.stragglers]])
+  if (m.weights !== undefined) renderWeights(m.weights, metric)
   metric("swactor_requests_in_flight", "gauge", "Requests running", [["", m.inFlight]])
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
   metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [

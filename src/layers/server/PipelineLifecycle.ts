@@ -53,6 +53,8 @@ export const make = (deps: {
   readonly parallel: number
   readonly kv: ReturnType<typeof KvSizing.make>
   readonly admission: Admission
+  /** A pipeline's start-up updates (weights on their way) pass here. */
+  readonly observeSetup?: (update: RunUpdate) => Effect.Effect<void>
   /** Every run's updates pass here (the KV sizing follows the plans). */
   readonly observePlan: (update: RunUpdate) => Effect.Effect<void>
   /** The refusal of a context that no longer fits (the pipeline changed shape). */
@@ -98,7 +100,7 @@ export const make = (deps: {
     const openGeneration = (parent: Scope.Scope) =>
       Effect.gen(function* () {
         const scope = yield* Scope.fork(parent, ExecutionStrategy.sequential)
-        return yield* orchestrator.pipeline(options).pipe(
+        return yield* orchestrator.pipeline(options, deps.observeSetup).pipe(
           Scope.extend(scope),
           Effect.map((pipeline): Generation => ({ pipeline, scope })),
           Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, Exit.void)))

@@ -92,6 +92,16 @@ export const make = (options: ServeOptions) =>
       kv: sizing,
       admission,
       observePlan,
+      observeSetup: (update) =>
+        Effect.sync(() => {
+          recorder.observeSetup(update)
+          if (update._tag === "WeightsDelivery" && update.totalBytes > 0 && update.sentBytes === update.totalBytes) {
+            log(
+              `stage ${update.stageIndex} on ${update.address}: ${(update.totalBytes / 2 ** 20).toFixed(1)} MiB of ` +
+                `weights ${update.source === "Hub" ? "fetched from the hub" : "sent"}`
+            )
+          }
+        }),
       tooLong,
       forgetCache: keeper.forget,
       counts: metrics,
