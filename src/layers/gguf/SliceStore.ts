@@ -50,17 +50,17 @@ export interface WeightStore {
 const deliveryError = (error: SliceCacheError) =>
   new WeightDeliveryError({ reason: error.reason, message: error.message })
 
-/**
- * A slice of a remote model that the agent fetches from the hub itself (`source` "Hub"; RemoteSlice.ts): held
- * (fetched before and its tensors still match), else fetched in the background while the orchestrator asks again
- * (`Fetching`, with the bytes so far), or why it could not be (`FetchFailed`: the orchestrator then sends it).
- */
 const rangeOf = (w: StageWeights) => ({
   layerStart: w.layerStart,
   layerEndExclusive: w.layerEndExclusive,
   numLayers: w.numLayers
 })
 
+/**
+ * A slice of a remote model that the agent fetches from the hub itself (`source` "Hub"; RemoteSlice.ts): held
+ * (fetched before and its tensors still match), else fetched in the background while the orchestrator asks again
+ * (`Fetching`, with the bytes so far), or why it could not be (`FetchFailed`: the orchestrator then sends it).
+ */
 const makeHubFetches = (
   options: WeightStoreOptions,
   remember: (w: StageWeights, path: string) => Effect.Effect<void>
@@ -75,6 +75,11 @@ const makeHubFetches = (
         return { _tag: "FetchFailed", message: state.failed } as const
       }
       fetches.delete(w.hash)
+      if (state?.path !== undefined) {
+        // fetched just now, its tensor hash computed as it was written: no second pass over it
+        yield* remember(w, state.path)
+        return { _tag: "Held", via: "Slice", path: state.path } as const
+      }
       const held = yield* heldRemoteSlice(options.cacheDir, w.hash, rangeOf(w))
       if (held !== undefined) {
         yield* remember(w, held.path)
