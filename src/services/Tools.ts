@@ -40,6 +40,8 @@ export interface ChatToolOptions {
  *   `sectionSuffix`, separated by `betweenCalls` (when `parallel`).
  * - `Generic`: a template without tools: the reply is one JSON object, `{"tool_call": {"name", "arguments"}}`
  *   (`{"tool_calls": [...]}` when `parallel`) or `{"response": "text"}`, as llama.cpp's server does.
+ * - `MiniMaxM2`: MiniMax-M2's XML calls, `<minimax:tool_call><invoke name="NAME"><parameter name="ARG">VALUE`
+ *   `</parameter>…</invoke>…</minimax:tool_call>`, each value typed by the tool's JSON schema (src/layers/server/MiniMaxM2.ts).
  */
 export type ToolSyntax =
   | {
@@ -57,3 +59,4 @@ export type ToolSyntax =
       readonly sectionSuffix: string
     }
   | { readonly _tag: "Generic"; readonly parallel: boolean }
+  | { readonly _tag: "MiniMaxM2"; readonly parallel: boolean }

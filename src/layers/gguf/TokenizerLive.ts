@@ -138,10 +138,21 @@ const historyOf = (messages: ReadonlyArray<ChatMessage>): Array<ChatHistoryItem>
 }
 
 /**
+ * Whether the wrapper is the GGUF's own Jinja template of MiniMax-M2 (M2, M2.1, M2.5: it writes `<minimax:tool_call>`;
+ * M3's namespaced tags are another format). Its calls are XML with one `<parameter>` per argument (MiniMaxM2.ts), and its
+ * reasoning `<think>…</think>`.
+ */
+export const isMiniMaxM2Template = (lib: NodeLlamaCpp, wrapper: Wrapper): boolean =>
+  wrapper instanceof lib.JinjaTemplateChatWrapper &&
+  wrapper.template.includes("<minimax:tool_call>") &&
+  !wrapper.template.includes("]<]minimax[>[")
+
+/**
  * How a chat wrapper writes tool calls, parts that end the turn cut off (its stop triggers; with the model, its
  * end-of-generation tokens).
  */
 export const wrapperToolSyntax = (lib: NodeLlamaCpp, wrapper: Wrapper, model?: LlamaModel): ToolSyntax => {
+  if (isMiniMaxM2Template(lib, wrapper)) return { _tag: "MiniMaxM2", parallel: true }
   const triggers = wrapper.generateContextState({
     chatHistory: [{ type: "model", response: [] }]
   }).stopGenerationTriggers
@@ -160,6 +171,18 @@ export const wrapperToolSyntax = (lib: NodeLlamaCpp, wrapper: Wrapper, model?: L
 }
 
 /**
+ * MiniMax-M2's template writes each argument of a call as its own `<parameter>` (`tool_call.arguments.items()`).
+ * node-llama-cpp's probe of the template wraps the arguments in a `params` key (one parameter holding all the JSON);
+ * unwrapped, the template renders the history's calls as the model writes them.
+ */
+export const minimaxArguments = (lib: NodeLlamaCpp, wrapper: Wrapper): Wrapper => {
+  if (isMiniMaxM2Template(lib, wrapper))
+    (wrapper as unknown as { _wrapFunctionParamsInsideMapKey?: string | undefined })._wrapFunctionParamsInsideMapKey =
+      undefined
+  return wrapper
+}
+
+/**
  * The model's chat template through node-llama-cpp: the GGUF's own template (a known wrapper, or its Jinja
  * template), else the wrapper node-llama-cpp picks for the architecture, else its general wrapper. With tools, the
  * template renders them (node-llama-cpp's `availableFunctions`, calls and results as function-call items); a
@@ -167,7 +190,8 @@ export const wrapperToolSyntax = (lib: NodeLlamaCpp, wrapper: Wrapper, model?: L
  */
 const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
   let wrapper: Wrapper | undefined
-  const resolve = () => (wrapper ??= lib.resolveChatWrapper(model) ?? new lib.GeneralChatWrapper())
+  const resolve = () =>
+    (wrapper ??= minimaxArguments(lib, lib.resolveChatWrapper(model) ?? new lib.GeneralChatWrapper()))
   const render = (messages: ReadonlyArray<ChatMessage>, tools: ChatToolOptions | undefined) => {
     const chat = resolve()
     const withTools = tools !== undefined && tools.choice !== "none" && tools.tools.length > 0
@@ -176,11 +200,11 @@ const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
         ? wrapperToolSyntax(lib, chat, model)
         : undefined
     const history =
-      syntax?._tag === "Family"
+      syntax !== undefined && syntax._tag !== "Generic"
         ? historyOf(messages)
         : historyOf(syntax === undefined ? messages : genericToolMessages(messages, tools))
     const availableFunctions =
-      withTools && syntax?._tag === "Family"
+      withTools && syntax !== undefined && syntax._tag !== "Generic"
         ? Object.fromEntries(
             toolsAllowed(tools).map((t) => [
               t.name,
@@ -201,7 +225,7 @@ const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
     const formatted: FormattedChat = {
       tokens: [...state.contextText.tokenize(model.tokenizer)] as Array<number>,
       stop,
-      template: chat.wrapperName
+      template: isMiniMaxM2Template(lib, chat) ? "MiniMax-M2" : chat.wrapperName
     }
     return { formatted, syntax: withTools ? syntax : undefined }
   }

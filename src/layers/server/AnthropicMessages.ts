@@ -23,7 +23,14 @@ import type { ChatMessage } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolChoice, ToolSyntax } from "../../services/Tools.js"
 import { clip, EdgeRefusal } from "./HttpGuard.js"
 import { rangeProblem } from "./SamplingRanges.js"
-import { parseToolCalls, toolCallStream } from "./ToolCalls.js"
+import { parseToolCalls, toolCallStream, type ToolCallPiece } from "./ToolCalls.js"
+import {
+  type ReasoningFormat,
+  type ReasoningPiece,
+  reasoningFormatOf,
+  reasoningStream,
+  splitReasoning
+} from "./Reasoning.js"
 
 // --- bodies ---
 
@@ -339,10 +346,11 @@ const usageOf = (done: Extract<ServeEvent, { _tag: "Done" }>) => {
   }
 }
 
-/** A reply's content so far: text and calls (ToolCalls.ts), or all text when the chat has no tools. */
+/** A reply's content so far: text and calls (ToolCalls.ts), or all text when the chat has no tools; its reasoning. */
 interface Piece {
   readonly content: string
   readonly calls: ReadonlyArray<ChatToolCall>
+  readonly reasoning?: string
 }
 
 /** Calls in Anthropic's shape: a `toolu_` id of its own, the arguments as an object. */
@@ -353,32 +361,43 @@ const toolUseOf = (call: ChatToolCall) => ({
   input: JSON.parse(call.arguments) as unknown
 })
 
+/** The model's reasoning as a thinking block (this server signs nothing: an empty signature). */
+const thinkingOf = (thinking: string) => ({ type: "thinking" as const, thinking, signature: "" })
+
 /**
- * The SSE events of a reply's content blocks as its pieces come: a text block opened at the first text after a call
- * (or at the start), each call one `tool_use` block (`input_json_delta` with its whole arguments), blocks numbered in
- * order and each stopped before the next starts.
+ * The SSE events of a reply's content blocks as its pieces come: the reasoning in a thinking block (`thinking_delta`),
+ * a text block opened at the first text after a call or the reasoning (or at the start), each call one `tool_use` block
+ * (`input_json_delta` with its whole arguments), blocks numbered in order and each stopped before the next starts.
  */
 const contentBlocks = (textOpen: boolean) => {
   let index = textOpen ? 0 : -1
-  let open = textOpen
+  let open: "text" | "thinking" | undefined = textOpen ? "text" : undefined
   let calls = 0
+  const start = (kind: "text" | "thinking", out: Array<Uint8Array>) => {
+    if (open === kind) return
+    if (open !== undefined) out.push(event("content_block_stop", { index }))
+    index++
+    open = kind
+    const content_block = kind === "text" ? { type: "text", text: "" } : thinkingOf("")
+    out.push(event("content_block_start", { index, content_block }))
+  }
   return {
     get calls() {
       return calls
     },
     push: (piece: Piece): Array<Uint8Array> => {
       const out: Array<Uint8Array> = []
+      if (piece.reasoning !== undefined && piece.reasoning !== "") {
+        start("thinking", out)
+        out.push(event("content_block_delta", { index, delta: { type: "thinking_delta", thinking: piece.reasoning } }))
+      }
       if (piece.content !== "") {
-        if (!open) {
-          index++
-          open = true
-          out.push(event("content_block_start", { index, content_block: { type: "text", text: "" } }))
-        }
+        start("text", out)
         out.push(event("content_block_delta", { index, delta: { type: "text_delta", text: piece.content } }))
       }
       for (const call of piece.calls) {
-        if (open) out.push(event("content_block_stop", { index }))
-        open = false
+        if (open !== undefined) out.push(event("content_block_stop", { index }))
+        open = undefined
         index++
         calls++
         const { id, name } = toolUseOf(call)
@@ -392,7 +411,7 @@ const contentBlocks = (textOpen: boolean) => {
     },
     /** The last block stopped (an empty text block when the reply had none). */
     end: (): Array<Uint8Array> =>
-      open
+      open !== undefined
         ? [event("content_block_stop", { index })]
         : index < 0
           ? [
@@ -400,6 +419,34 @@ const contentBlocks = (textOpen: boolean) => {
               event("content_block_stop", { index: 0 })
             ]
           : []
+  }
+}
+
+type ReplyTools = { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> } | undefined
+
+/** A whole reply: its reasoning (Reasoning.ts), then its text and calls (ToolCalls.ts; `cut` by max_tokens). */
+const wholeReply = (text: string, tools: ReplyTools, reasoning: ReasoningFormat | undefined, cut: boolean): Piece => {
+  const split = reasoning === undefined ? { reasoning: "", content: text } : splitReasoning(reasoning, text)
+  const parsed =
+    tools === undefined
+      ? { content: split.content, calls: [] }
+      : parseToolCalls(split.content, tools.syntax, tools.tools, true, cut)
+  return { ...parsed, reasoning: split.reasoning }
+}
+
+/** A reply as it streams, split as `wholeReply` splits it (the pieces add up to the whole reply's). */
+const replyStream = (tools: ReplyTools, reasoning: ReasoningFormat | undefined) => {
+  const calls = tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools)
+  const thinking = reasoning === undefined ? undefined : reasoningStream(reasoning)
+  const pieceOf = (split: ReasoningPiece, end: (() => ToolCallPiece) | undefined): Piece => {
+    const piece = calls === undefined ? { content: split.content, calls: [] } : calls.push(split.content)
+    const rest = end?.() ?? { content: "", calls: [] }
+    return { reasoning: split.reasoning, content: piece.content + rest.content, calls: [...piece.calls, ...rest.calls] }
+  }
+  return {
+    push: (text: string): Piece => pieceOf(thinking?.push(text) ?? { reasoning: "", content: text }, undefined),
+    end: (cut: boolean): Piece =>
+      pieceOf(thinking?.end() ?? { reasoning: "", content: "" }, calls === undefined ? undefined : () => calls.end(cut))
   }
 }
 
@@ -438,10 +485,12 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
       stop: [...stopSequences, ...chat.stop]
     }
     // With tools, the reply's calls in the template's syntax (ToolCalls.ts).
-    const tools: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> } | undefined =
+    const tools: ReplyTools =
       chat.tools === undefined || conversation.tools === undefined
         ? undefined
         : { syntax: chat.tools.syntax, tools: conversation.tools.tools }
+    // The reply's reasoning (gpt-oss's harmony, MiniMax-M2's <think>) as thinking blocks (Reasoning.ts).
+    const reasoning = reasoningFormatOf(chat.template)
     const message = {
       id: `msg_${randomBytes(12).toString("hex")}`,
       type: "message",
@@ -458,13 +507,11 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         if (e._tag === "Done") done = e
       }
       // Cut by max_tokens: the calls it completed, none it cut short (ToolCalls.ts).
-      const reply: Piece =
-        tools === undefined
-          ? { content: text, calls: [] }
-          : parseToolCalls(text, tools.syntax, tools.tools, true, done === undefined || done.finishReason === "length")
+      const reply = wholeReply(text, tools, reasoning, done === undefined || done.finishReason === "length")
       return HttpServerResponse.unsafeJson({
         ...message,
         content: [
+          ...(reply.reasoning === undefined || reply.reasoning === "" ? [] : [thinkingOf(reply.reasoning)]),
           ...(reply.content !== "" || reply.calls.length === 0 ? [{ type: "text", text: reply.content }] : []),
           ...reply.calls.map(toolUseOf)
         ],
@@ -490,8 +537,8 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
     )
     // Without tools the text block opens at once (Anthropic's order: message_start, content_block_start, ping); with
     // tools the first block is whatever the reply starts with.
-    const blocks = contentBlocks(tools === undefined)
-    const calls = tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools)
+    const blocks = contentBlocks(tools === undefined && reasoning === undefined)
+    const reply = replyStream(tools, reasoning)
     const head = [
       event("message_start", {
         message: {
@@ -502,7 +549,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           usage: { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 }
         }
       }),
-      ...(tools === undefined
+      ...(tools === undefined && reasoning === undefined
         ? [event("content_block_start", { index: 0, content_block: { type: "text", text: "" } })]
         : []),
       event("ping", {})
@@ -514,10 +561,10 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           case "Admitted":
             return []
           case "Text":
-            return blocks.push(calls === undefined ? { content: e.text, calls: [] } : calls.push(e.text))
+            return blocks.push(reply.push(e.text))
           case "Done":
             return [
-              ...(calls === undefined ? [] : blocks.push(calls.end(e.finishReason === "length"))),
+              ...blocks.push(reply.end(e.finishReason === "length")),
               ...blocks.end(),
               event("message_delta", {
                 delta: stopReasonOf(e, stopSequences, blocks.calls > 0),

@@ -38,6 +38,7 @@ import { ChatBody, CompletionBody, orUndefined, serveRequest, tokenIds } from ".
 import { badBody, errorResponse, faultForClient, fromServeError, HttpFailure } from "./OpenAiErrors.js"
 import type { ResponseShape } from "./OpenAiChunks.js"
 import { respond } from "./OpenAiWholeAnswers.js"
+import { reasoningFormatOf } from "./Reasoning.js"
 import { renderConnections, renderMetrics } from "./MetricsText.js"
 import type { ConnectionStats } from "./HttpListener.js"
 import { type HttpServeOptions, limitsOf } from "./HttpServeOptions.js"
@@ -232,7 +233,7 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
               chat.tools === undefined || checked.tools === undefined
                 ? undefined
                 : { syntax: chat.tools.syntax, tools: checked.tools.tools, parallel: checked.tools.parallel !== false },
-              chat.template === "Harmony"
+              reasoningFormatOf(chat.template)
             )
           })
         )

@@ -1,7 +1,7 @@
 /**
  * A completion streamed as server-sent events: OpenAI's chunks (`data: {...}`) as the choices' text comes, with tool
- * calls as delta.tool_calls (ToolCalls.ts; each call whole, once complete) and harmony's analysis channel as delta.reasoning_content (Harmony.ts),
- * then each choice's finish, the usage when asked for, and `data: [DONE]`. A refusal before the first event is
+ * calls as delta.tool_calls (ToolCalls.ts; each call whole, once complete) and the reasoning (harmony's analysis
+ * channel, MiniMax-M2's `<think>`) as delta.reasoning_content (Reasoning.ts), then each choice's finish, the usage when asked for, and `data: [DONE]`. A refusal before the first event is
  * answered with its status instead; a failure after it ends the stream with an `error` event and `data: [DONE]`. A
  * comment line keeps an idle stream open.
  */
@@ -11,7 +11,7 @@ import type { Server, ServeEvent, ServeRequest, TextLogprob } from "../../servic
 import type { ChatTool, ToolSyntax } from "../../services/Tools.js"
 import { toolCallDelta } from "./OpenAiTools.js"
 import { toolCallStream, type ToolCallPiece } from "./ToolCalls.js"
-import { harmonyStream, type HarmonyPiece } from "./Harmony.js"
+import { type ReasoningFormat, type ReasoningPiece, reasoningStream } from "./Reasoning.js"
 import { entriesLength } from "./Logprobs.js"
 import { completionChunk, type ResponseShape, usageOf } from "./OpenAiChunks.js"
 import { errorJson, fromServeError } from "./OpenAiErrors.js"
@@ -29,7 +29,7 @@ export const streamCompletion = (
   logprobsJson: (entries: ReadonlyArray<TextLogprob>, offset: number) => object | null,
   tools:
     { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean } | undefined,
-  harmony: boolean
+  reasoning: ReasoningFormat | undefined
 ) =>
   Effect.gen(function* () {
     const events = Stream.mergeAll(
@@ -52,7 +52,7 @@ export const streamCompletion = (
     const choices = requests.map(() => ({
       roleSent: false,
       calls: tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools, tools.parallel),
-      harmony: harmony ? harmonyStream() : undefined,
+      reasoning: reasoning === undefined ? undefined : reasoningStream(reasoning),
       callCount: 0,
       // completions' text_offset so far
       offset: 0
@@ -73,8 +73,8 @@ export const streamCompletion = (
         )
       ]
     }
-    // harmony: reasoning as delta.reasoning_content, the rest on as content (through the tools' parser with tools)
-    const harmonyChunks = (index: number, piece: HarmonyPiece) => {
+    // reasoning as delta.reasoning_content, the rest on as content (through the tools' parser with tools)
+    const reasoningChunks = (index: number, piece: ReasoningPiece) => {
       const c = choices[index]!
       return [
         ...(piece.reasoning === ""
@@ -101,7 +101,7 @@ export const streamCompletion = (
             const entries = event.logprobs ?? []
             const logprobs = logprobsJson(entries, c.offset)
             c.offset += entriesLength(entries)
-            if (c.harmony !== undefined) return harmonyChunks(index, c.harmony.push(event.text))
+            if (c.reasoning !== undefined) return reasoningChunks(index, c.reasoning.push(event.text))
             if (c.calls !== undefined) return toolChunks(index, c.calls.push(event.text))
             return [sse(completionChunk(shape, { index, text: event.text, role: !c.roleSent, finish: null, logprobs }))]
           }
@@ -112,7 +112,7 @@ export const streamCompletion = (
             cachedTokens = Math.max(cachedTokens, event.cachedTokens ?? 0)
             // Cut by max_tokens: the calls it completed went out, one it cut short does not, and the finish says length.
             return [
-              ...(c.harmony === undefined ? [] : harmonyChunks(index, c.harmony.end())),
+              ...(c.reasoning === undefined ? [] : reasoningChunks(index, c.reasoning.end())),
               ...(c.calls === undefined ? [] : toolChunks(index, c.calls.end(event.finishReason === "length"))),
               sse(
                 completionChunk(shape, {

@@ -9,7 +9,7 @@ import type { Server, ServeEvent, ServeRequest, TextLogprob } from "../../servic
 import type { ChatTool, ToolSyntax } from "../../services/Tools.js"
 import { toolCallsJson } from "./OpenAiTools.js"
 import { parseToolCalls } from "./ToolCalls.js"
-import { splitHarmony } from "./Harmony.js"
+import { type ReasoningFormat, splitReasoning } from "./Reasoning.js"
 import { chatLogprobs, completionLogprobs } from "./Logprobs.js"
 import { type ResponseShape, usageOf } from "./OpenAiChunks.js"
 import { streamCompletion } from "./OpenAiSse.js"
@@ -23,8 +23,8 @@ export const respond = (
   keepAliveMillis: number,
   // A chat with tools: the reply's calls, in the template's syntax, become tool_calls (ToolCalls.ts).
   tools?: { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool>; readonly parallel: boolean },
-  // gpt-oss's harmony template: the analysis channel is reasoning_content, the final channel content (Harmony.ts)
-  harmony = false
+  // a template whose replies hold reasoning (gpt-oss's harmony, MiniMax-M2's <think>): it is reasoning_content (Reasoning.ts)
+  reasoningFormat?: ReasoningFormat
 ) =>
   Effect.gen(function* () {
     // n > 1 (serveRequest's `n`): one request per choice, batched like separate requests; with a seed, choice i has
@@ -61,7 +61,7 @@ export const respond = (
           cachedTokens = Math.max(cachedTokens, done.cachedTokens ?? 0)
         }
         const logprobs = logprobsJson(entries, 0)
-        const split = harmony ? splitHarmony(text) : undefined
+        const split = reasoningFormat === undefined ? undefined : splitReasoning(reasoningFormat, text)
         if (split !== undefined) text = split.content
         const reasoning = split === undefined || split.reasoning === "" ? {} : { reasoning_content: split.reasoning }
         const finish = done?.finishReason ?? "length"
@@ -98,5 +98,14 @@ export const respond = (
         usage: usageOf(promptTokens, completionTokens, cachedTokens)
       })
     }
-    return yield* streamCompletion(server, shape, requests, includeUsage, keepAliveMillis, logprobsJson, tools, harmony)
+    return yield* streamCompletion(
+      server,
+      shape,
+      requests,
+      includeUsage,
+      keepAliveMillis,
+      logprobsJson,
+      tools,
+      reasoningFormat
+    )
   })

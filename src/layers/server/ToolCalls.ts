@@ -23,6 +23,7 @@ import { randomBytes } from "node:crypto"
 import { Effect } from "effect"
 import type { ChatMessage } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolSyntax } from "../../services/Tools.js"
+import { isStringSchema, parseMiniMaxCalls } from "./MiniMaxM2.js"
 
 /** A new call id in OpenAI's form (`call_` and 24 hex digits). */
 export const newToolCallId = (): string => `call_${randomBytes(12).toString("hex")}`
@@ -369,11 +370,13 @@ const parseGenericCut = (text: string, tools: ReadonlyArray<ChatTool> | undefine
 const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> | undefined, ending: Ending): Parsed =>
   syntax._tag === "Family"
     ? parseFamily(text, syntax, tools, ending)
-    : ending === "open"
-      ? { segments: [], heldFrom: 0 }
-      : ending === "cut"
-        ? parseGenericCut(text, tools)
-        : parseGeneric(text, tools)
+    : syntax._tag === "MiniMaxM2"
+      ? parseMiniMaxCalls(text, tools, ending, newToolCallId)
+      : ending === "open"
+        ? { segments: [], heldFrom: 0 }
+        : ending === "cut"
+          ? parseGenericCut(text, tools)
+          : parseGeneric(text, tools)
 
 /**
  * A whole reply: its text outside calls (trimmed; "" when none) and its calls, in order (`parallel: false`: the first
@@ -569,6 +572,7 @@ export const toolGrammar = (
     return withoutEndMarker(jsonGrammar(schema))
   }
   if (options.choice === "auto") return undefined
+  if (syntax._tag === "MiniMaxM2") return miniMaxGrammar(tools, parallel, jsonGrammar)
   const rules: Array<string> = []
   const calls = tools.map((tool, index) => {
     const args = renameRules(withoutEndMarker(jsonGrammar(tool.parameters ?? noArguments)), `t${index}-`)
@@ -585,6 +589,38 @@ export const toolGrammar = (
   const call = `call ::= ${tools.map((_, index) => `call${index}`).join(" | ")}`
   const more = parallel ? ` (${[literal(syntax.betweenCalls), "call"].filter((p) => p !== "").join(" ")})*` : ""
   const root = `root ::= ${[literal(syntax.sectionPrefix), `call${more}`, literal(syntax.sectionSuffix)].filter((p) => p !== "").join(" ")}`
+  return [root, call, ...calls, ...rules].join("\n")
+}
+
+const propertiesOf = (schema: unknown): ReadonlyArray<readonly [string, unknown]> => {
+  const properties = (schema as { properties?: unknown } | undefined)?.properties
+  return typeof properties === "object" && properties !== null ? Object.entries(properties) : []
+}
+
+/**
+ * MiniMax-M2's forced calls (MiniMaxM2.ts): `<minimax:tool_call>` and one `<invoke name="NAME">` per call, its
+ * parameters in the schema's order (the required ones each once, the others optional), a string argument's value any
+ * text without `</`, another's the JSON its schema admits.
+ */
+const miniMaxGrammar = (
+  tools: ReadonlyArray<ChatTool>,
+  parallel: boolean,
+  jsonGrammar: (schema: unknown) => string
+): string => {
+  const rules: Array<string> = ['text ::= ([^<] | "<" [^/])*']
+  const calls = tools.map((tool, index) => {
+    const required = new Set((tool.parameters as { required?: ReadonlyArray<string> } | undefined)?.required ?? [])
+    const parameters = propertiesOf(tool.parameters).map(([name, schema], k) => {
+      const prefix = `t${index}-p${k}-`
+      const value = isStringSchema(schema) ? "text" : `${prefix}root`
+      if (value !== "text") rules.push(renameRules(withoutEndMarker(jsonGrammar(schema)), prefix))
+      const one = `${literal(`<parameter name="${name}">`)} ${value} ${literal("</parameter>\n")}`
+      return required.has(name) ? one : `(${one})?`
+    })
+    return `call${index} ::= ${[literal(`<invoke name="${tool.name}">\n`), ...parameters, literal("</invoke>\n")].join(" ")}`
+  })
+  const call = `call ::= ${tools.map((_, index) => `call${index}`).join(" | ")}`
+  const root = `root ::= ${literal("<minimax:tool_call>\n")} call${parallel ? " call*" : ""} ${literal("</minimax:tool_call>")}`
   return [root, call, ...calls, ...rules].join("\n")
 }
 
