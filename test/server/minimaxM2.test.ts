@@ -10,6 +10,7 @@
 import * as lib from "node-llama-cpp"
 import { describe, expect, it } from "vitest"
 import { minimaxArguments, wrapperToolSyntax } from "../../src/layers/gguf/TokenizerLive.js"
+import { contentBlocks, replyStream, wholeReply } from "../../src/layers/server/AnthropicMessages.js"
 import { syntheticTemplateSpec } from "../../src/layers/gguf/SyntheticTemplates.js"
 import { splitThink, thinkStream } from "../../src/layers/server/MiniMaxM2.js"
 import { reasoningFormatOf, splitReasoning } from "../../src/layers/server/Reasoning.js"
@@ -206,5 +207,38 @@ describe("MiniMax-M2 replies", () => {
     // the JSON arguments (days, alerts, where, hours) through the converter; the strings (city, zip, unit, zone) not
     expect(asked).toHaveLength(4)
     expect(toolGrammar(syntax, { tools, choice: "auto" }, () => "")).toBeUndefined()
+  })
+
+  it("on the Messages API: the reasoning a thinking block before the text and the tool_use blocks, whole and streamed", () => {
+    const whole = wholeReply(reply, { syntax, tools }, "MiniMax-M2", false)
+    expect(whole.reasoning).toBe("The user wants the weather and the time.\nI will call both.")
+    expect(whole.content).toBe("Let me look that up.")
+    expect(callsOf(whole.calls).map((c) => c.name)).toEqual(["get_weather", "get_time"])
+    for (const size of [1, 4, 1000]) {
+      const blocks = contentBlocks(false)
+      const stream = replyStream({ syntax, tools }, "MiniMax-M2")
+      const bytes: Array<Uint8Array> = []
+      for (let i = 0; i < reply.length; i += size) bytes.push(...blocks.push(stream.push(reply.slice(i, i + size))))
+      bytes.push(...blocks.push(stream.end(false)), ...blocks.end())
+      const events = bytes.map(
+        (b) => JSON.parse(new TextDecoder().decode(b).split("data: ")[1]!) as Record<string, any>
+      )
+      const starts = events.filter((e) => e["type"] === "content_block_start")
+      expect(starts.map((e) => [e["index"], e["content_block"].type])).toEqual([
+        [0, "thinking"],
+        [1, "text"],
+        [2, "tool_use"],
+        [3, "tool_use"]
+      ])
+      const deltas = (kind: string) =>
+        events
+          .filter((e) => e["type"] === "content_block_delta" && e["delta"].type === kind)
+          .map((e) => e["delta"].thinking ?? e["delta"].text ?? e["delta"].partial_json)
+      expect(deltas("thinking_delta").join("")).toBe(whole.reasoning)
+      expect(deltas("text_delta").join("").trim()).toBe("Let me look that up.")
+      expect(deltas("input_json_delta").map((j: string) => JSON.parse(j))).toEqual([weatherArgs, { zone: "CET" }])
+      // each block stopped before the next starts
+      expect(events.filter((e) => e["type"] === "content_block_stop").map((e) => e["index"])).toEqual([0, 1, 2, 3])
+    }
   })
 })

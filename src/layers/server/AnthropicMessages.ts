@@ -369,7 +369,7 @@ const thinkingOf = (thinking: string) => ({ type: "thinking" as const, thinking,
  * a text block opened at the first text after a call or the reasoning (or at the start), each call one `tool_use` block
  * (`input_json_delta` with its whole arguments), blocks numbered in order and each stopped before the next starts.
  */
-const contentBlocks = (textOpen: boolean) => {
+export const contentBlocks = (textOpen: boolean) => {
   let index = textOpen ? 0 : -1
   let open: "text" | "thinking" | undefined = textOpen ? "text" : undefined
   let calls = 0
@@ -425,7 +425,12 @@ const contentBlocks = (textOpen: boolean) => {
 type ReplyTools = { readonly syntax: ToolSyntax; readonly tools: ReadonlyArray<ChatTool> } | undefined
 
 /** A whole reply: its reasoning (Reasoning.ts), then its text and calls (ToolCalls.ts; `cut` by max_tokens). */
-const wholeReply = (text: string, tools: ReplyTools, reasoning: ReasoningFormat | undefined, cut: boolean): Piece => {
+export const wholeReply = (
+  text: string,
+  tools: ReplyTools,
+  reasoning: ReasoningFormat | undefined,
+  cut: boolean
+): Piece => {
   const split = reasoning === undefined ? { reasoning: "", content: text } : splitReasoning(reasoning, text)
   const parsed =
     tools === undefined
@@ -435,7 +440,7 @@ const wholeReply = (text: string, tools: ReplyTools, reasoning: ReasoningFormat 
 }
 
 /** A reply as it streams, split as `wholeReply` splits it (the pieces add up to the whole reply's). */
-const replyStream = (tools: ReplyTools, reasoning: ReasoningFormat | undefined) => {
+export const replyStream = (tools: ReplyTools, reasoning: ReasoningFormat | undefined) => {
   const calls = tools === undefined ? undefined : toolCallStream(tools.syntax, tools.tools)
   const thinking = reasoning === undefined ? undefined : reasoningStream(reasoning)
   const pieceOf = (split: ReasoningPiece, end: (() => ToolCallPiece) | undefined): Piece => {
