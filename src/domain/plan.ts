@@ -239,6 +239,11 @@ export const ModelLayout = Schema.Struct({
    * earlier block it must share a stage with (its kvBytesPerToken is 0). Absent: every block reads its own.
    */
   kvSources: Schema.optional(Schema.Array(Schema.Number)),
+  /**
+   * Per block, the block whose sparse-attention top-k it reuses (glm-dsa's shared indexers, services/KvShare.ts):
+   * itself, or an earlier block it must share a stage with. Absent: every block picks its own.
+   */
+  topKSources: Schema.optional(Schema.Array(Schema.Number)),
   inputBytes: Schema.Number,
   outputBytes: Schema.Number,
   hiddenDim: Schema.Number

@@ -38,3 +38,44 @@ export const kvShareRangeProblem = (
   }
   return undefined
 }
+
+/** A layout's links between blocks that must share a stage (ModelLayout.kvSources and topKSources). */
+export interface StageLinks {
+  readonly kvSources?: ReadonlyArray<number> | undefined
+  readonly topKSources?: ReadonlyArray<number> | undefined
+}
+
+/**
+ * Per block, the earliest block it must share a stage with: the block whose KV cache it reads (kvSources), the block
+ * whose indexer top-k it reuses (topKSources: glm-dsa's shared indexers), or itself; undefined when no block has one.
+ */
+export const stageSources = (links: StageLinks): ReadonlyArray<number> | undefined => {
+  const { kvSources, topKSources } = links
+  if (kvSources === undefined) return topKSources
+  if (topKSources === undefined) return kvSources
+  return kvSources.map((s, il) => Math.min(s, topKSources[il] ?? il))
+}
+
+/** Why blocks [start, end) cannot be one stage under a layout's links, or undefined. */
+export const stageRangeProblem = (links: StageLinks, start: number, end: number): string | undefined => {
+  const kv = kvShareRangeProblem(links.kvSources, start, end)
+  if (kv !== undefined) return kv
+  const topK = links.topKSources
+  if (topK === undefined) return undefined
+  for (let il = start; il < end; il++) {
+    const source = topK[il]!
+    if (source < start) {
+      return `block ${il} reuses block ${source}'s indexer top-k (shared indexer), so blocks ${source}..${il} must be on one stage`
+    }
+  }
+  return undefined
+}
+
+/** Per block, the block whose DSA top-k it reads: itself when it has an indexer, else the last one before it that has. */
+export const topKSourcesOf = (full: ReadonlyArray<boolean>): ReadonlyArray<number> => {
+  let last = 0
+  return full.map((has, il) => {
+    if (has) last = il
+    return last
+  })
+}

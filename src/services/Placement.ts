@@ -29,7 +29,7 @@ import {
   StageOverMemory
 } from "../domain/planErrors.js"
 import { kvBytesOfRange } from "./KvSize.js"
-import { cutAllowed, kvShareRangeProblem } from "./KvShare.js"
+import { cutAllowed, stageRangeProblem, stageSources } from "./KvShare.js"
 import { formatLayerRanges, layerRangesProblem, partitionLayers } from "./Planner.js"
 
 export interface PlacementOptions {
@@ -191,8 +191,9 @@ const bestSplit = (c: Costing, nodes: ReadonlyArray<PoolNode>): ReadonlyArray<La
       for (let start = j - 1; start < end; start++) {
         const prev = best[j - 1]![start]
         if (prev === undefined) continue
-        // never between a shared KV block and the block whose cache it reads (ModelLayout.kvSources)
-        if (!cutAllowed(c.layout.kvSources, start)) continue
+        // never between a shared KV block and the block whose cache it reads (ModelLayout.kvSources), nor between a
+        // shared-indexer block and the block whose top-k it reuses (topKSources)
+        if (!cutAllowed(stageSources(c.layout), start)) continue
         if (memoryBytesOf(c, start, end) > node.freeMemoryBytes) continue
         const ms = millisOf(c, node, start, end)
         const bottleneck = Math.max(prev.bottleneck, ms)
@@ -327,7 +328,7 @@ export const choosePlacement = (
       }
       // a range must hold every block whose KV cache its blocks read (gemma4's shared KV layers)
       for (const [start, end] of intent.ranges) {
-        const shared = kvShareRangeProblem(layout.kvSources, start, end)
+        const shared = stageRangeProblem(layout, start, end)
         if (shared !== undefined) {
           return Either.left(new InvalidLayerRanges({ ranges: formatLayerRanges(intent.ranges), reason: shared }))
         }
@@ -339,9 +340,11 @@ export const choosePlacement = (
   }
 }
 
-/** Block indices a stage may start at besides 0 (ModelLayout.kvSources: not inside a shared KV group). */
-const legalCuts = (layout: ModelLayout): ReadonlyArray<number> =>
-  Array.from({ length: layout.blockBytes.length - 1 }, (_, i) => i + 1).filter((c) => cutAllowed(layout.kvSources, c))
+/** Block indices a stage may start at besides 0 (ModelLayout.kvSources, topKSources: not inside a linked group). */
+const legalCuts = (layout: ModelLayout): ReadonlyArray<number> => {
+  const sources = stageSources(layout)
+  return Array.from({ length: layout.blockBytes.length - 1 }, (_, i) => i + 1).filter((c) => cutAllowed(sources, c))
+}
 
 /**
  * A balanced split moved onto legal boundaries (ModelLayout.kvSources): each boundary to the nearest legal one at or
@@ -352,7 +355,7 @@ const keepKvShared = (
   layout: ModelLayout,
   ranges: ReadonlyArray<LayerRange>
 ): ReadonlyArray<LayerRange> | undefined => {
-  if (layout.kvSources === undefined) return ranges
+  if (stageSources(layout) === undefined) return ranges
   const legal = legalCuts(layout)
   const wanted = ranges.length - 1
   if (legal.length < wanted) return undefined

@@ -3,7 +3,7 @@ checkpoints, with llama.cpp's own writer (gguf-py), so that a mistake shared by 
 and its engine cannot hide. Shapes follow each family's released config.json, scaled down; the keys are those the
 converter's model class writes (conversion/*.py in the llama.cpp source node-llama-cpp ships).
 
-usage: python3 convertedModels.py GGUF_PY_DIR FAMILY OUT.gguf TOKENIZER.gguf [SEED [SPLIT]]
+usage: python3 convertedModels.py GGUF_PY_DIR FAMILY[+fused][+q8_0] OUT.gguf TOKENIZER.gguf [SEED [SPLIT]]
 
 SPLIT writes a split set as gguf-py does for `--split-max-tensors` (parts OUT-00001-of-0000N.gguf, the metadata in the
 first, split.no / split.count / split.tensors.count in each): a JSON object with `maxTensors` (gguf-py's own cut),
@@ -20,8 +20,10 @@ import numpy as np
 
 gguf_py, family, out_path, tokenizer_path = sys.argv[1:5]
 # "<family>+fused": the routed experts' gate and up as one tensor, as `convert_hf_to_gguf.py --fuse-gate-up-exps` writes
-FUSE = family.endswith("+fused")
-family = family.removesuffix("+fused")
+# "<family>+q8_0": F16 matrices whose rows are whole Q8_0 blocks written as Q8_0 (llama-quantize's output for them)
+family, *suffixes = family.split("+")
+FUSE = "fused" in suffixes
+Q8 = "q8_0" in suffixes
 seed = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 split = __import__("json").loads(sys.argv[6]) if len(sys.argv) > 6 else {}
 sys.path.insert(0, gguf_py)
@@ -479,7 +481,7 @@ def mistral3(writer, n_vocab):
         writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
 
 
-def deepseek2(writer, n_vocab):
+def deepseek2(writer, n_vocab, dsa=None, yarn=True):
     """DeepSeek-V3 / R1 and Kimi K2 (conversion/deepseek.py DeepseekV2Model), scaled down: MLA written as MQA over
     the latent (head_count_kv 1, key_length = kv_lora + rope, value_length = kv_lora, the *_mla lengths) with
     kv_b_proj split into attn_k_b (transposed) and attn_v_b; v_head_dim apart from qk_nope + qk_rope; q_lora;
@@ -495,17 +497,18 @@ def deepseek2(writer, n_vocab):
     nope, rope, v, q_lora, kv_lora = (c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"],
                                       c["q_lora_rank"], c["kv_lora_rank"])
     # TextModel.set_gguf_parameters (num_key_value_heads forced to 1), then DeepseekV2Model's keys
-    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_block_count(c["num_hidden_layers"] + (0 if dsa is None else 1))
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(1)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(r["factor"])
-    writer.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
-    writer.add_rope_scaling_yarn_beta_fast(r["beta_fast"])
-    writer.add_rope_scaling_yarn_beta_slow(r["beta_slow"])
+    if yarn:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(r["factor"])
+        writer.add_rope_scaling_orig_ctx_len(r["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(r["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(r["beta_slow"])
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_expert_count(c["n_routed_experts"])
@@ -527,15 +530,34 @@ def deepseek2(writer, n_vocab):
     writer.add_expert_weights_scale(c["routed_scaling_factor"])
     writer.add_expert_weights_norm(c["norm_topk_prob"])
     writer.add_rope_dimension_count(rope)
-    writer.add_rope_scaling_yarn_log_mul(0.1 * r["mscale_all_dim"])
+    if yarn:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * r["mscale_all_dim"])
+    n_trunk = c["num_hidden_layers"]
+    n_block = n_trunk
+    if dsa is not None:
+        # DeepseekV32Model / GlmMoeDsaModel: the MTP block appended after the trunk, then the indexer's keys
+        n_block += 1
+        writer.add_nextn_predict_layers(1)
+        writer.add_indexer_head_count(dsa["index_n_heads"])
+        writer.add_indexer_key_length(dsa["index_head_dim"])
+        writer.add_indexer_top_k(dsa["index_topk"])
+        if dsa.get("indexer_types") is not None:
+            writer.add_indexer_types([t == "full" for t in dsa["indexer_types"]])
 
     writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
     writer.add_tensor("output_norm.weight", vector(n_embd))
     writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
     n_exp, n_ff_exp, n_ff, w = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"], 0.3
-    for il in range(c["num_hidden_layers"]):
+    for il in range(n_block):
         b = f"blk.{il}."
         writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        if dsa is not None and (il >= n_trunk or dsa.get("indexer_types") is None or dsa["indexer_types"][il] == "full"):
+            d, nh = dsa["index_head_dim"], dsa["index_n_heads"]
+            writer.add_tensor(b + "indexer.k_norm.weight", vector(d))
+            writer.add_tensor(b + "indexer.k_norm.bias", vector(d, 0.0, 0.1))
+            writer.add_tensor(b + "indexer.proj.weight", matrix(nh, n_embd, scale=w))
+            writer.add_tensor(b + "indexer.attn_k.weight", matrix(d, n_embd, scale=w))
+            writer.add_tensor(b + "indexer.attn_q_b.weight", matrix(nh * d, q_lora, scale=w))
         writer.add_tensor(b + "attn_q_a.weight", matrix(q_lora, n_embd, scale=w))
         writer.add_tensor(b + "attn_q_a_norm.weight", vector(q_lora))
         writer.add_tensor(b + "attn_q_b.weight", matrix(n_head * (nope + rope), q_lora, scale=w))
@@ -560,6 +582,39 @@ def deepseek2(writer, n_vocab):
             writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
             writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd, scale=w))
             writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
+        if il >= n_trunk:
+            writer.add_tensor(b + "nextn.eh_proj.weight", matrix(n_embd, 2 * n_embd, scale=w))
+            writer.add_tensor(b + "nextn.enorm.weight", vector(n_embd))
+            writer.add_tensor(b + "nextn.hnorm.weight", vector(n_embd))
+            writer.add_tensor(b + "nextn.shared_head_norm.weight", vector(n_embd))
+
+
+def deepseek32(writer, n_vocab):
+    """DeepSeek-V3.2 (conversion/deepseek.py DeepseekV32Model): DeepSeek-V3's shape (deepseek2 above) plus the DSA
+    lightning indexer (index_n_heads, index_head_dim 64 = the smallest Hadamard size llama.cpp rotates, index_topk
+    below the test prompt's length, so the indexer changes what attention reads) and the MTP block the converter
+    appends after the trunk (num_nextn_predict_layers 1)."""
+    deepseek2(writer, n_vocab, dsa=dict(index_n_heads=8, index_head_dim=64, index_topk=6))
+
+
+def deepseek32_wide(writer, n_vocab):
+    """deepseek32 above with the indexer's top-k past any context (every cached position read): the same weights,
+    so what differs from deepseek32's text is what the top-k left out."""
+    deepseek2(writer, n_vocab, dsa=dict(index_n_heads=8, index_head_dim=64, index_topk=4096))
+
+
+def glm_dsa(writer, n_vocab):
+    """GLM-5 / 5.1 (conversion/glm.py GlmMoeDsaModel): the same DSA shape under the glm-dsa architecture (its
+    indexer's RoPE is NORM, its LayerNorm has llama.cpp's zero epsilon), no indexer_types (every block has an
+    indexer: its context is under 1M), no RoPE scaling, and the appended MTP block."""
+    deepseek2(writer, n_vocab, dsa=dict(index_n_heads=8, index_head_dim=64, index_topk=6), yarn=False)
+
+
+def glm_dsa_shared(writer, n_vocab):
+    """GLM-5.2 (conversion/glm.py GlmMoeDsaModel with indexer_types): blocks 0, 1 and 3 with an indexer, block 2
+    reusing block 1's top-k."""
+    deepseek2(writer, n_vocab, dsa=dict(index_n_heads=8, index_head_dim=64, index_topk=6,
+                                        indexer_types=["full", "full", "shared", "full"]), yarn=False)
 
 
 def gpt_oss(writer, n_vocab):
@@ -806,6 +861,10 @@ FAMILIES = {
     "qwen35": ("qwen35", qwen35),
     "gpt-oss": ("gpt-oss", gpt_oss),
     "deepseek2": ("deepseek2", deepseek2),
+    "deepseek32": ("deepseek32", deepseek32),
+    "deepseek32-wide": ("deepseek32", deepseek32_wide),
+    "glm-dsa": ("glm-dsa", glm_dsa),
+    "glm-dsa-shared": ("glm-dsa", glm_dsa_shared),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "gemma4": ("gemma4", gemma4),
@@ -835,6 +894,16 @@ if cuts:
         plain_add(name, tensor, *args, **kwargs)
 
     writer.add_tensor = add_tensor
+if Q8:
+    f16_add = writer.add_tensor
+
+    def add_q8(name, tensor, *args, **kwargs):
+        if tensor.dtype == np.float16 and tensor.ndim >= 2 and tensor.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(tensor.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+            return f16_add(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        return f16_add(name, tensor, *args, **kwargs)
+
+    writer.add_tensor = add_q8
 writer.add_name(f"converted-{family}")
 vocab = copy_tokenizer(writer, tokenizer_path)
 write(writer, vocab)

@@ -48,6 +48,10 @@ export type ConvertedFamily =
   | "olmo3"
   | "mistral3"
   | "deepseek2"
+  | "deepseek32"
+  | "deepseek32-wide"
+  | "glm-dsa"
+  | "glm-dsa-shared"
   | "gpt-oss"
   | "qwen35"
   | "qwen35moe"
@@ -63,23 +67,24 @@ export interface SplitSpec {
 }
 
 /**
- * Writes `family` to `path` with gguf-py (tokenizer from stories260K.gguf); returns the path. `+fused`: the routed
+ * Writes `family` to `path` with gguf-py (tokenizer from stories260K.gguf); returns the path. `+q8_0`: matrices whose
+ * rows are whole Q8_0 blocks in Q8_0. `+fused`: the routed
  * experts' gate and up as one `ffn_gate_up_exps`, as the converter writes with `--fuse-gate-up-exps`. With `split`,
  * writes a split set beside `path` (`<stem>-00001-of-0000N.gguf` …) and returns every part's path, first first.
  */
 export function writeConverted(
-  family: ConvertedFamily | `${ConvertedFamily}+fused`,
+  family: ConvertedFamily | `${ConvertedFamily}+${"fused" | "q8_0"}`,
   path: string,
   seed?: number
 ): string
 export function writeConverted(
-  family: ConvertedFamily | `${ConvertedFamily}+fused`,
+  family: ConvertedFamily | `${ConvertedFamily}+${"fused" | "q8_0"}`,
   path: string,
   seed: number,
   split: SplitSpec
 ): ReadonlyArray<string>
 export function writeConverted(
-  family: ConvertedFamily | `${ConvertedFamily}+fused`,
+  family: ConvertedFamily | `${ConvertedFamily}+${"fused" | "q8_0"}`,
   path: string,
   seed = 1,
   split?: SplitSpec

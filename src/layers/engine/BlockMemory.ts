@@ -6,6 +6,7 @@
  * blockHeads); nothing else derives them.
  */
 import type { ModelLayout } from "../../domain/plan.js"
+import { topKSourcesOf } from "../../services/KvShare.js"
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { type HParams, headsOf } from "./HParams.js"
 import { recurrentStateElems } from "./RecurrentParams.js"
@@ -14,7 +15,8 @@ import { recurrentStateElems } from "./RecurrentParams.js"
 export type BlockMemory =
   /**
    * Its own F16 K and V cache: `kRow` and `vRow` elements per token (head size x KV heads, per block: headsOf). `vRow`
-   * 0: latent attention (HParams.mla), V is a view of the K row. `window`: a sliding-window block, its cache capped.
+   * 0: latent attention (HParams.mla), V is a view of the K row; with sparse attention (HParams.dsa) the V cache holds
+   * the lightning indexer's keys instead (`vRow` = its key size) on a block with an indexer of its own. `window`: a sliding-window block, its cache capped.
    */
   | {
       readonly kind: "kv"
@@ -36,7 +38,7 @@ export const blockMemory = (hp: HParams, il: number): BlockMemory => {
   return {
     kind: "kv",
     kRow: h.headDimK * h.nHeadKv,
-    vRow: hp.mla === undefined ? h.headDimV * h.nHeadKv : 0,
+    vRow: hp.mla === undefined ? h.headDimV * h.nHeadKv : hp.dsa?.full[il] === true ? hp.dsa.headSize : 0,
     window: hp.swa?.layers[il] === true ? hp.swa.window : undefined
   }
 }
@@ -49,7 +51,10 @@ export const kvBytesPerTokenOfMemory = (m: BlockMemory): number =>
 export const stateBytesOfMemory = (m: BlockMemory): number => (m.kind === "state" ? 4 * (m.conv + m.ssm) : 0)
 
 /** The catalog layout's memory fields of the model's first `numLayers` blocks (ModelLayout). */
-export type KvLayout = Pick<ModelLayout, "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources">
+export type KvLayout = Pick<
+  ModelLayout,
+  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources"
+>
 
 /** The model's per-block memory as the catalog's layout holds it. */
 export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout => {
@@ -66,7 +71,10 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
           }
         }),
     ...(stateBytes.some((b) => b > 0) ? { stateBytes } : {}),
-    ...(hp.kvShare === undefined ? {} : { kvSources: hp.kvShare.sources.slice(0, numLayers) })
+    ...(hp.kvShare === undefined ? {} : { kvSources: hp.kvShare.sources.slice(0, numLayers) }),
+    ...(hp.dsa === undefined || hp.dsa.full.every((f) => f)
+      ? {}
+      : { topKSources: topKSourcesOf(hp.dsa.full).slice(0, numLayers) })
   }
 }
 

@@ -13,6 +13,7 @@ import { graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
 import { attnTempScales } from "./PositionScaling.js"
+import { hadamardRotation } from "./archs/dsa.js"
 import { chooseSmallBatchRows } from "./SmallBatch.js"
 import { fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
@@ -205,6 +206,11 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   const attnScale = c.inputs.attnScale
   if (attnScale !== undefined && attnScale !== null) {
     raw.ggml_backend_tensor_set(attnScale, attnTempScales(hp.attnTemp!, posArr), 0, nTotal * 4)
+  }
+  const hadamard = c.inputs.hadamard
+  if (hadamard !== undefined && hadamard !== null) {
+    const rotation = hadamardRotation(hp.dsa!.headSize)
+    raw.ggml_backend_tensor_set(hadamard, rotation, 0, rotation.byteLength)
   }
   raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
   if (c.swaKvIdx !== null) {

@@ -4,7 +4,8 @@
  * device (WeightPlacement.ts, rule 3) and allocates it in its slot.
  */
 import type { StageInput } from "../../domain/engine.js"
-import { GgmlType, type Ptr } from "../ggml/Bindings.js"
+import { type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
+import type { HParams } from "./HParams.js"
 import type { CachedGraph, GraphSlot } from "./GraphCache.js"
 import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
@@ -13,6 +14,27 @@ import { checkedOps } from "./OpChecks.js"
 import { activationWidth, joinStageOutput, splitStageInput } from "./PerLayerInputs.js"
 import { checkGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
+
+/**
+ * Inputs some architectures add, set with the others (Forward.ts): the attention temperature of each token
+ * (HParams.attnTemp, [1, 1, n] to broadcast over q's heads) and DSA's indexer rotation (HParams.dsa, a constant).
+ */
+const constantShapedInputs = (raw: GgmlRaw, ctx: Ptr, graph: Ptr, hp: HParams, n: number) => {
+  const input = (t: Ptr, name: string) => {
+    raw.ggml_set_name(t, name)
+    raw.ggml_set_input(t)
+    raw.ggml_build_forward_expand(graph, t)
+    return t
+  }
+  return {
+    attnScale:
+      hp.attnTemp === undefined ? null : input(raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, n), "attn_scale"),
+    hadamard:
+      hp.dsa === undefined
+        ? null
+        : input(raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.dsa.headSize, hp.dsa.headSize), "attn_inp_k_rot")
+  }
+}
 
 /** Builds (and allocates in `slot`) the graph of one call shape. Frees its context on failure. */
 export const buildGraph = (
@@ -93,16 +115,15 @@ export const buildGraph = (
       offset += len
     })
     const outIds = spec.isLast ? input1d(GgmlType.I32, nSeq, "inp_out_ids") : null
-    // attention temperature (HParams.attnTemp): one factor per token, [1, 1, n] to broadcast over q's heads
-    let attnScale: Ptr | null = null
-    if (hp.attnTemp !== undefined) {
-      attnScale = raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, n)
-      raw.ggml_set_name(attnScale, "attn_scale")
-      raw.ggml_set_input(attnScale)
-      raw.ggml_build_forward_expand(graph, attnScale)
-    }
+    const { attnScale, hadamard } = constantShapedInputs(raw, ctx, graph, hp, n)
     // perLayer is set below, once the per-layer inputs are known (PerLayerInputs.ts)
-    const inputs: { -readonly [K in keyof GraphInputs]: GraphInputs[K] } = { pos, outIds, segments, attnScale }
+    const inputs: { -readonly [K in keyof GraphInputs]: GraphInputs[K] } = {
+      pos,
+      outIds,
+      segments,
+      attnScale,
+      hadamard
+    }
 
     // several sequences only: a lone call keeps exactly the products (and bits) it always had
     const small =

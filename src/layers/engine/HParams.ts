@@ -61,6 +61,12 @@ export interface HParams {
    * nHeadKv = the latent then the RoPE part) and V is a view of its first headDimV elements (no V cache); absent: none.
    */
   readonly mla?: MlaParams
+  /**
+   * DeepSeek sparse attention over the latent (deepseek32, glm-dsa; archs/dsa.ts): a lightning indexer per block scores
+   * the cached positions, and attention reads only its top-k. Its keys have a cache of their own (the block's V row,
+   * BlockMemory.ts); absent: dense attention.
+   */
+  readonly dsa?: DsaParams
   /** Gated DeltaNet blocks (qwen35, RecurrentParams.ts): a state per sequence in place of their KV cache; absent: none. */
   readonly recurrent?: RecurrentParams
   /**
@@ -113,6 +119,23 @@ export interface MlaParams {
   readonly headDimK: number
   /** Per-head V size after decompression (attn_v_b's output). */
   readonly headDimV: number
+}
+
+/** The lightning indexer's sizes (`attention.indexer.head_count`, `key_length`, `top_k`) and its RoPE. */
+export interface DsaParams {
+  readonly nHead: number
+  /** Per-head key size: the first nRot elements rotated, the rest not. A power of two >= 64 (its Hadamard rotation). */
+  readonly headSize: number
+  readonly topK: number
+  /** ggml RoPE mode of the indexer's q and k (NEOX for deepseek32, NORM for glm-dsa). */
+  readonly ropeMode: number
+  /** LayerNorm epsilon of the indexer's k (llama.cpp's f_norm_eps: 1e-6 for deepseek32, 0 for glm-dsa). */
+  readonly normEps: number
+  /**
+   * Per block of the model: true when the block has its own indexer (and indexer cache); false for a glm-dsa block that
+   * reuses the top-k of the block before it that has one (`attention.indexer.types`).
+   */
+  readonly full: ReadonlyArray<boolean>
 }
 
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */

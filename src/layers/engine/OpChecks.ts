@@ -186,6 +186,7 @@ const makeChecked = (g: Ggml): GgmlRaw => {
         fail("ggml_flash_attn_ext", "the mask does not cover q x kv", q, k, mask)
       return raw.ggml_flash_attn_ext(ctx, q, k, v, mask, ...rest)
     },
+    ...sparseAttentionChecks(raw, shape, fail),
     ggml_swiglu_split: (ctx, a, b) => {
       if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
         fail("ggml_swiglu_split", "gate and up must be contiguous, of one shape and type", a, b)
@@ -204,3 +205,42 @@ const makeChecked = (g: Ggml): GgmlRaw => {
     }
   }
 }
+
+/** DSA's ops (archs/dsa.ts): the lightning indexer's operands, top-k within its rows. */
+const sparseAttentionChecks = (
+  raw: GgmlRaw,
+  shape: (t: Ptr) => Shape,
+  fail: (op: string, why: string, ...ts: ReadonlyArray<Ptr>) => never
+): Pick<GgmlRaw, "ggml_lightning_indexer" | "ggml_top_k"> => ({
+  ggml_lightning_indexer: (ctx, q, k, w, mask) => {
+    const [sq, sk, sw, sm] = [shape(q), shape(k), shape(w), shape(mask)]
+    const typesOk = sq.type === GgmlType.F32 && sw.type === GgmlType.F32 && sm.type === GgmlType.F16
+    const shapesOk =
+      sq.ne[0] === sk.ne[0] &&
+      sk.ne[1] === 1 &&
+      sm.ne[0] === sk.ne[2] &&
+      sq.ne[1] === sw.ne[0] &&
+      sq.ne[2] === sw.ne[1] &&
+      sm.ne[1] === sq.ne[2] &&
+      sw.ne[2] === 1 &&
+      sm.ne[2] === 1 &&
+      sq.ne[3] === sk.ne[3] &&
+      sk.ne[3] === sw.ne[3] &&
+      sw.ne[3]! % sm.ne[3]! === 0
+    if (!typesOk || !shapesOk)
+      fail("ggml_lightning_indexer", "q, k, the weights and the mask do not match", q, k, w, mask)
+    const elementRows = [q, k, w, mask].every((t) => {
+      const s = shape(t)
+      return s.nb[0] === raw.ggml_row_size(s.type, 1)
+    })
+    if (!elementRows) fail("ggml_lightning_indexer", "an operand's elements are not adjacent", q, k, w, mask)
+    return raw.ggml_lightning_indexer(ctx, q, k, w, mask)
+  },
+  ggml_top_k: (ctx, a, k) => {
+    const sa = shape(a)
+    if (sa.type !== GgmlType.F32 || !(Number.isSafeInteger(k) && k >= 1 && k <= sa.ne[0]!)) {
+      fail("ggml_top_k", `top ${k} of rows of ${sa.ne[0]}`, a)
+    }
+    return raw.ggml_top_k(ctx, a, k)
+  }
+})

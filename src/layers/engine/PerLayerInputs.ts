@@ -15,7 +15,7 @@
 import type { Ptr } from "../ggml/Bindings.js"
 import type { GgmlRaw } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
-import { kvShareRangeProblem } from "../../services/KvShare.js"
+import { kvShareRangeProblem, stageRangeProblem, topKSourcesOf } from "../../services/KvShare.js"
 
 /** Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows, nEmbd). */
 export const activationWidth = (hp: HParams, layer: number): number =>
@@ -24,9 +24,12 @@ export const activationWidth = (hp: HParams, layer: number): number =>
 /** Why blocks [start, end) cannot be one stage (a block reads the cache of a block before `start`), or undefined. */
 export const kvShareCut = (hp: HParams, start: number, end: number): string | undefined => {
   const problem = kvShareRangeProblem(hp.kvShare?.sources, start, end)
-  return problem === undefined
-    ? undefined
-    : `block range [${start}, ${end}): ${problem} (${hp.arch}.attention.shared_kv_layers)`
+  if (problem !== undefined) {
+    return `block range [${start}, ${end}): ${problem} (${hp.arch}.attention.shared_kv_layers)`
+  }
+  const topK =
+    hp.dsa === undefined ? undefined : stageRangeProblem({ topKSources: topKSourcesOf(hp.dsa.full) }, start, end)
+  return topK === undefined ? undefined : `block range [${start}, ${end}): ${topK} (${hp.arch}.attention.indexer.types)`
 }
 
 /** Per-layer input rows as GraphInputs.perLayer describes them. */

@@ -1,6 +1,7 @@
 /** The supported architectures: adding one is a module under archs/ and one entry here. */
 import type { ArchModule } from "./Arch.js"
 import { deepseek2 } from "./archs/deepseek2.js"
+import { deepseek32, glmDsa } from "./archs/dsa.js"
 import { gemma3 } from "./archs/gemma3.js"
 import { gemma4 } from "./archs/gemma4.js"
 import { glm4moe } from "./archs/glm4moe.js"
@@ -24,6 +25,8 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["qwen35moe", qwen35moe],
   ["glm4moe", glm4moe],
   ["deepseek2", deepseek2],
+  ["deepseek32", deepseek32],
+  ["glm-dsa", glmDsa],
   ["gemma3", gemma3],
   ["gemma4", gemma4],
   ["mistral3", mistral3],

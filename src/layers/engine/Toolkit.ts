@@ -76,6 +76,8 @@ export interface GraphInputs {
   readonly outIds: Ptr | null
   /** The sequences of the batch, in row order, covering every row. */
   readonly segments: ReadonlyArray<AttentionSegment>
+  /** F32 [n, n] the orthonormal Walsh-Hadamard rotation of DSA's indexer q and k (HParams.dsa; absent or null: none) */
+  readonly hadamard?: Ptr | null
   /** F32 [1, 1, nTokens] attention temperature of each token (HParams.attnTemp; absent or null: none) */
   readonly attnScale?: Ptr | null
   /**
@@ -178,7 +180,7 @@ export class Toolkit {
    * RoPE with the model's base and scale, or the sliding-window blocks' own (llama.cpp's get_rope_freq_base), and
    * YaRN's settings when the model has them (HParams.ropeExt).
    */
-  rope(x: Ptr, freqFactors: Ptr | null = null): Ptr {
+  rope(x: Ptr, freqFactors: Ptr | null = null, mode: number = this.hp.ropeMode): Ptr {
     const hp = this.hp
     const swa = this.slidingWindow ? hp.swa! : null
     const ext = swa?.plainRope === true ? { ...PLAIN_ROPE, ...betasOf(hp.ropeExt) } : (hp.ropeExt ?? PLAIN_ROPE)
@@ -188,7 +190,7 @@ export class Toolkit {
       this.inputs.pos,
       freqFactors,
       this.heads.nRot,
-      hp.ropeMode,
+      mode,
       hp.nCtxOrig,
       swa === null ? hp.ropeFreqBase : swa.ropeFreqBase,
       swa === null ? hp.ropeFreqScale : swa.ropeFreqScale,

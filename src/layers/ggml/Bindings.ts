@@ -164,6 +164,9 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
       k: number
     ) => Ptr,
 
+    /** I32 indices of the k largest values of each row, in no order (ggml's own op; DSA's top-k positions) */
+    ggml_top_k: b("void * ggml_top_k(void * ctx, void * a, int k)") as (ctx: Ptr, a: Ptr, k: number) => Ptr,
+
     // unary ops (elementwise)
     ggml_tanh: b("void * ggml_tanh(void * ctx, void * a)") as Op1,
     ggml_sigmoid: b("void * ggml_sigmoid(void * ctx, void * a)") as Op1,
@@ -193,6 +196,8 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
 
     // normalization
     ggml_rms_norm: b("void * ggml_rms_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
+    /** LayerNorm without weights: (a - mean) / sqrt(var + eps) per row */
+    ggml_norm: b("void * ggml_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
     ggml_l2_norm: b("void * ggml_l2_norm(void * ctx, void * a, float eps)") as (ctx: Ptr, a: Ptr, eps: number) => Ptr,
 
     // matrix products
@@ -316,6 +321,18 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
       a: Ptr,
       prec: number
     ) => void,
+    /** The most cells a ggml_flash_attn_ext node's mask leaves open (DSA's top-k; a hint some backends use) */
+    ggml_flash_attn_ext_set_n_kv_max: b("void ggml_flash_attn_ext_set_n_kv_max(void * a, int32_t n_kv_max)") as (
+      a: Ptr,
+      nKvMax: number
+    ) => void,
+    /**
+     * DSA's lightning indexer: q F32 [d, heads, n], k [d, 1, nKv], weights F32 [heads, n], mask F16 [nKv, n] ->
+     * F32 [nKv, n], sum over heads of relu(q.k) x weight, plus the mask
+     */
+    ggml_lightning_indexer: b(
+      "void * ggml_lightning_indexer(void * ctx, void * q, void * k, void * weights, void * mask)"
+    ) as (ctx: Ptr, q: Ptr, k: Ptr, weights: Ptr, mask: Ptr) => Ptr,
     /** Attention sinks (F32 [n_head]) of a ggml_flash_attn_ext node */
     ggml_flash_attn_ext_add_sinks: b("void ggml_flash_attn_ext_add_sinks(void * a, void * sinks)") as (
       a: Ptr,
