@@ -11,15 +11,7 @@
  * up to the whole reply's split; a marker cut between two pieces is held back until it is whole.
  */
 
-export interface HarmonyPiece {
-  readonly reasoning: string
-  readonly content: string
-}
-
-export interface HarmonyStream {
-  readonly push: (text: string) => HarmonyPiece
-  readonly end: () => HarmonyPiece
-}
+import { type ReasoningPiece, type ReasoningStream, splitWhole } from "./ReasoningPiece.js"
 
 const MESSAGE = "<|message|>"
 const CHANNEL = "<|channel|>"
@@ -36,12 +28,12 @@ const heldTail = (text: string): number => {
   return tail.includes(">") ? -1 : at
 }
 
-export const harmonyStream = (): HarmonyStream => {
+export const harmonyStream = (): ReasoningStream => {
   let held = ""
   /** "start": nothing seen yet; "header": collecting a message header; "body": in a message; "plain": no harmony. */
   let state: "start" | "header" | "body" | "plain" = "start"
   let channel: "reasoning" | "content" | "call" = "content"
-  const step = (final: boolean): HarmonyPiece => {
+  const step = (final: boolean): ReasoningPiece => {
     let reasoning = ""
     let content = ""
     for (;;) {
@@ -118,9 +110,4 @@ export const harmonyStream = (): HarmonyStream => {
 }
 
 /** A whole reply split into reasoning and content (see harmonyStream). */
-export const splitHarmony = (text: string): HarmonyPiece => {
-  const stream = harmonyStream()
-  const a = stream.push(text)
-  const b = stream.end()
-  return { reasoning: a.reasoning + b.reasoning, content: a.content + b.content }
-}
+export const splitHarmony = (text: string): ReasoningPiece => splitWhole(harmonyStream(), text)

@@ -13,16 +13,7 @@
  * `parseMiniMaxCalls` is what ToolCalls.ts's parser runs for this syntax (whole replies, streams, cut replies).
  */
 import type { ChatTool, ChatToolCall } from "../../services/Tools.js"
-
-export interface ReasoningPiece {
-  readonly reasoning: string
-  readonly content: string
-}
-
-export interface ReasoningStream {
-  readonly push: (text: string) => ReasoningPiece
-  readonly end: () => ReasoningPiece
-}
+import { type ReasoningPiece, type ReasoningStream, splitWhole } from "./ReasoningPiece.js"
 
 const OPEN = "<think>"
 const CLOSE = "</think>"
@@ -100,12 +91,7 @@ export const thinkStream = (open = false): ReasoningStream => {
 }
 
 /** A whole reply split into reasoning and content (see thinkStream). */
-export const splitThink = (text: string, open = false): ReasoningPiece => {
-  const stream = thinkStream(open)
-  const a = stream.push(text)
-  const b = stream.end()
-  return { reasoning: a.reasoning + b.reasoning, content: a.content + b.content }
-}
+export const splitThink = (text: string, open = false): ReasoningPiece => splitWhole(thinkStream(open), text)
 
 // --- tool calls ---
 

@@ -5,7 +5,8 @@
  * parser (ToolCalls.ts) when the chat has tools. Other templates: no split, the reply is content.
  */
 import { harmonyStream } from "./Harmony.js"
-import { type ReasoningPiece, type ReasoningStream, thinkStream } from "./MiniMaxM2.js"
+import { thinkStream } from "./MiniMaxM2.js"
+import { type ReasoningPiece, type ReasoningStream, splitWhole } from "./ReasoningPiece.js"
 
 export type ReasoningFormat = "Harmony" | "MiniMax-M2"
 
@@ -20,9 +21,5 @@ export const reasoningStream = (format: ReasoningFormat): ReasoningStream =>
   format === "Harmony" ? harmonyStream() : thinkStream()
 
 /** A whole reply split. */
-export const splitReasoning = (format: ReasoningFormat, text: string): ReasoningPiece => {
-  const stream = reasoningStream(format)
-  const a = stream.push(text)
-  const b = stream.end()
-  return { reasoning: a.reasoning + b.reasoning, content: a.content + b.content }
-}
+export const splitReasoning = (format: ReasoningFormat, text: string): ReasoningPiece =>
+  splitWhole(reasoningStream(format), text)
