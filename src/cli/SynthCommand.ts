@@ -210,7 +210,7 @@ const synthFlags = {
   chatTemplate: Flag.choice("chat-template", syntheticChatTemplates, {
     group: shape,
     value: "NAME",
-    text: "a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style; minimax-m2: MiniMax-M2's own, XML calls and <think>)"
+    text: "a chat template with its special tokens (chatml-tools: ChatML with tools, Hermes/Qwen style; minimax-m2: MiniMax-M2's own, XML calls and <think>; glm: GLM-4.7/GLM-5's own, <arg_key>/<arg_value> calls and <think>)"
   }).optional(),
   type: Flag.choice("type", syntheticTypes, {
     group: file,

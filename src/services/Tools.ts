@@ -42,6 +42,10 @@ export interface ChatToolOptions {
  *   (`{"tool_calls": [...]}` when `parallel`) or `{"response": "text"}`, as llama.cpp's server does.
  * - `MiniMaxM2`: MiniMax-M2's XML calls, `<minimax:tool_call><invoke name="NAME"><parameter name="ARG">VALUE`
  *   `</parameter>…</invoke>…</minimax:tool_call>`, each value typed by the tool's JSON schema (src/layers/server/MiniMaxM2.ts).
+ * - `Glm`: GLM-4.5…4.7 and GLM-5's calls, `<tool_call>NAME<arg_key>ARG</arg_key><arg_value>VALUE</arg_value>…</tool_call>`,
+ *   each value typed by the tool's JSON schema (src/layers/server/Glm.ts). `between`: what the template writes between
+ *   the tags ("\n" for GLM-4.5/4.6, "" for 4.7/5); `thinkOpen`: the prompt left a `<think>` open (a forced call closes it
+ *   first).
  */
 export type ToolSyntax =
   | {
@@ -60,3 +64,4 @@ export type ToolSyntax =
     }
   | { readonly _tag: "Generic"; readonly parallel: boolean }
   | { readonly _tag: "MiniMaxM2"; readonly parallel: boolean }
+  | { readonly _tag: "Glm"; readonly parallel: boolean; readonly between: string; readonly thinkOpen: boolean }

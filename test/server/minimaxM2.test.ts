@@ -9,7 +9,7 @@
  */
 import * as lib from "node-llama-cpp"
 import { describe, expect, it } from "vitest"
-import { minimaxArguments, wrapperToolSyntax } from "../../src/layers/gguf/TokenizerLive.js"
+import { ownArguments, wrapperToolSyntax } from "../../src/layers/gguf/TokenizerLive.js"
 import { contentBlocks, replyStream, wholeReply } from "../../src/layers/server/AnthropicMessages.js"
 import { syntheticTemplateSpec } from "../../src/layers/gguf/SyntheticTemplates.js"
 import { splitThink, thinkStream } from "../../src/layers/server/MiniMaxM2.js"
@@ -163,7 +163,7 @@ describe("MiniMax-M2 replies", () => {
 
   it("found from the GGUF's own template; it renders the tools and the history's calls as the model writes them", () => {
     const template = syntheticTemplateSpec("minimax-m2").template
-    const wrapper = minimaxArguments(lib, new lib.JinjaTemplateChatWrapper({ template }))
+    const wrapper = ownArguments(lib, new lib.JinjaTemplateChatWrapper({ template }))
     expect(wrapperToolSyntax(lib, wrapper)).toEqual({ _tag: "MiniMaxM2", parallel: true })
     const chatml = new lib.JinjaTemplateChatWrapper({ template: syntheticTemplateSpec("chatml-tools").template })
     expect(wrapperToolSyntax(lib, chatml)._tag).toBe("Family")

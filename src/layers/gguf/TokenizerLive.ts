@@ -148,6 +148,14 @@ export const isMiniMaxM2Template = (lib: NodeLlamaCpp, wrapper: Wrapper): boolea
   !wrapper.template.includes("]<]minimax[>[")
 
 /**
+ * Whether the wrapper is the GGUF's own Jinja template of GLM-4.5…4.7 or GLM-5 (it writes a call's arguments as
+ * `<arg_key>`/`<arg_value>` pairs inside `<tool_call>`; Glm.ts), its reasoning `<think>…</think>`.
+ */
+export const isGlmTemplate = (lib: NodeLlamaCpp, wrapper: Wrapper): boolean =>
+  wrapper instanceof lib.JinjaTemplateChatWrapper &&
+  ["<tool_call>", "<arg_key>", "<arg_value>"].every((tag) => wrapper.template.includes(tag))
+
+/**
  * How a chat wrapper writes tool calls, parts that end the turn cut off (its stop triggers; with the model, its
  * end-of-generation tokens).
  */
@@ -162,21 +170,51 @@ export const wrapperToolSyntax = (lib: NodeLlamaCpp, wrapper: Wrapper, model?: L
     )
     return text.every((t) => t !== undefined) ? [text.join("")] : []
   })
-  return toolSyntaxOf(
+  const syntax = toolSyntaxOf(
     lib,
     wrapper,
     stops.filter((text) => text !== ""),
     model
   )
+  return isGlmTemplate(lib, wrapper) ? glmSyntax(syntax) : syntax
 }
 
 /**
- * MiniMax-M2's template writes each argument of a call as its own `<parameter>` (`tool_call.arguments.items()`).
- * node-llama-cpp's probe of the template wraps the arguments in a `params` key (one parameter holding all the JSON);
- * unwrapped, the template renders the history's calls as the model writes them.
+ * GLM's syntax (Glm.ts): what its template writes between the tags, as node-llama-cpp's probe of it found
+ * (`<arg_key>params</arg_key>\n<arg_value>` for GLM-4.5/4.6, no newline for 4.7/5). Whether the prompt leaves a
+ * `<think>` open is known once it is rendered (chatFormatter).
  */
-export const minimaxArguments = (lib: NodeLlamaCpp, wrapper: Wrapper): Wrapper => {
-  if (isMiniMaxM2Template(lib, wrapper))
+const glmSyntax = (probed: ToolSyntax): ToolSyntax => {
+  const prefix = probed._tag === "Family" ? probed.paramsPrefix : ""
+  const between = /<\/arg_key>(\s*)<arg_value>/.exec(prefix)?.[1] ?? ""
+  return { _tag: "Glm", parallel: true, between, thinkOpen: false }
+}
+
+/**
+ * FormattedChat.template: the wrapper's name, or the format of a template known by its text (Reasoning.ts splits its
+ * replies by it); GLM's as "GLM-open-think" when the prompt ends inside a `<think>` it opened.
+ */
+const templateName = (lib: NodeLlamaCpp, wrapper: Wrapper, prompt: string): string =>
+  isMiniMaxM2Template(lib, wrapper)
+    ? "MiniMax-M2"
+    : !isGlmTemplate(lib, wrapper)
+      ? wrapper.wrapperName
+      : prompt.lastIndexOf("<think>") > prompt.lastIndexOf("</think>")
+        ? "GLM-open-think"
+        : "GLM"
+
+/** GLM's syntax knowing the prompt: a forced call closes a `<think>` the prompt left open. */
+const withOpenThink = (syntax: ToolSyntax | undefined, template: string): ToolSyntax | undefined =>
+  syntax?._tag === "Glm" ? { ...syntax, thinkOpen: template === "GLM-open-think" } : syntax
+
+/**
+ * MiniMax-M2's and GLM's templates write each argument of a call on its own (`tool_call.arguments.items()`: a
+ * `<parameter>`, an `<arg_key>`/`<arg_value>` pair). node-llama-cpp's probe of the template wraps the arguments in a
+ * `params` key (one argument holding all the JSON); unwrapped, the template renders the history's calls as the model
+ * writes them.
+ */
+export const ownArguments = (lib: NodeLlamaCpp, wrapper: Wrapper): Wrapper => {
+  if (isMiniMaxM2Template(lib, wrapper) || isGlmTemplate(lib, wrapper))
     (wrapper as unknown as { _wrapFunctionParamsInsideMapKey?: string | undefined })._wrapFunctionParamsInsideMapKey =
       undefined
   return wrapper
@@ -190,8 +228,7 @@ export const minimaxArguments = (lib: NodeLlamaCpp, wrapper: Wrapper): Wrapper =
  */
 const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
   let wrapper: Wrapper | undefined
-  const resolve = () =>
-    (wrapper ??= minimaxArguments(lib, lib.resolveChatWrapper(model) ?? new lib.GeneralChatWrapper()))
+  const resolve = () => (wrapper ??= ownArguments(lib, lib.resolveChatWrapper(model) ?? new lib.GeneralChatWrapper()))
   const render = (messages: ReadonlyArray<ChatMessage>, tools: ChatToolOptions | undefined) => {
     const chat = resolve()
     const withTools = tools !== undefined && tools.choice !== "none" && tools.tools.length > 0
@@ -225,9 +262,9 @@ const chatFormatter = (lib: NodeLlamaCpp, model: LlamaModel) => {
     const formatted: FormattedChat = {
       tokens: [...state.contextText.tokenize(model.tokenizer)] as Array<number>,
       stop,
-      template: isMiniMaxM2Template(lib, chat) ? "MiniMax-M2" : chat.wrapperName
+      template: templateName(lib, chat, state.contextText.toString())
     }
-    return { formatted, syntax: withTools ? syntax : undefined }
+    return { formatted, syntax: withTools ? withOpenThink(syntax, formatted.template) : undefined }
   }
   return (
     messages: ReadonlyArray<ChatMessage>,

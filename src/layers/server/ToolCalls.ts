@@ -24,6 +24,7 @@ import { Effect } from "effect"
 import type { ChatMessage } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolSyntax } from "../../services/Tools.js"
 import { isStringSchema, parseMiniMaxCalls } from "./MiniMaxM2.js"
+import { parseGlmCalls } from "./Glm.js"
 
 /** A new call id in OpenAI's form (`call_` and 24 hex digits). */
 export const newToolCallId = (): string => `call_${randomBytes(12).toString("hex")}`
@@ -372,11 +373,13 @@ const parse = (text: string, syntax: ToolSyntax, tools: ReadonlyArray<ChatTool> 
     ? parseFamily(text, syntax, tools, ending)
     : syntax._tag === "MiniMaxM2"
       ? parseMiniMaxCalls(text, tools, ending, newToolCallId)
-      : ending === "open"
-        ? { segments: [], heldFrom: 0 }
-        : ending === "cut"
-          ? parseGenericCut(text, tools)
-          : parseGeneric(text, tools)
+      : syntax._tag === "Glm"
+        ? parseGlmCalls(text, tools, ending, newToolCallId)
+        : ending === "open"
+          ? { segments: [], heldFrom: 0 }
+          : ending === "cut"
+            ? parseGenericCut(text, tools)
+            : parseGeneric(text, tools)
 
 /**
  * A whole reply: its text outside calls (trimmed; "" when none) and its calls, in order (`parallel: false`: the first
@@ -573,6 +576,7 @@ export const toolGrammar = (
   }
   if (options.choice === "auto") return undefined
   if (syntax._tag === "MiniMaxM2") return miniMaxGrammar(tools, parallel, jsonGrammar)
+  if (syntax._tag === "Glm") return glmGrammar(tools, parallel, syntax, jsonGrammar)
   const rules: Array<string> = []
   const calls = tools.map((tool, index) => {
     const args = renameRules(withoutEndMarker(jsonGrammar(tool.parameters ?? noArguments)), `t${index}-`)
@@ -621,6 +625,38 @@ const miniMaxGrammar = (
   })
   const call = `call ::= ${tools.map((_, index) => `call${index}`).join(" | ")}`
   const root = `root ::= ${literal("<minimax:tool_call>\n")} call${parallel ? " call*" : ""} ${literal("</minimax:tool_call>")}`
+  return [root, call, ...calls, ...rules].join("\n")
+}
+
+/**
+ * GLM's forced calls (Glm.ts): one `<tool_call>NAME` block per call, its arguments as `<arg_key>`/`<arg_value>` pairs
+ * in the schema's order (the required ones each once, the others optional), the template's `between` text between the
+ * tags, a string argument's value any text without `</`, another's the JSON its schema admits. A prompt that left a
+ * `<think>` open gets it closed first (no reasoning).
+ */
+const glmGrammar = (
+  tools: ReadonlyArray<ChatTool>,
+  parallel: boolean,
+  syntax: Extract<ToolSyntax, { _tag: "Glm" }>,
+  jsonGrammar: (schema: unknown) => string
+): string => {
+  const between = syntax.between
+  const rules: Array<string> = ['text ::= ([^<] | "<" [^/])*']
+  const calls = tools.map((tool, index) => {
+    const required = new Set((tool.parameters as { required?: ReadonlyArray<string> } | undefined)?.required ?? [])
+    const parameters = propertiesOf(tool.parameters).map(([name, schema], k) => {
+      const prefix = `t${index}-p${k}-`
+      const value = isStringSchema(schema) ? "text" : `${prefix}root`
+      if (value !== "text") rules.push(renameRules(withoutEndMarker(jsonGrammar(schema)), prefix))
+      const one = `${literal(`<arg_key>${name}</arg_key>${between}<arg_value>`)} ${value} ${literal(`</arg_value>${between}`)}`
+      return required.has(name) ? one : `(${one})?`
+    })
+    return `call${index} ::= ${[literal(`<tool_call>${tool.name}${between}`), ...parameters, literal("</tool_call>")].join(" ")}`
+  })
+  const call = `call ::= ${tools.map((_, index) => `call${index}`).join(" | ")}`
+  const open = syntax.thinkOpen ? `${literal("</think>")} ` : ""
+  const more = parallel ? ` (${between === "" ? "" : `${literal(between)} `}call)*` : ""
+  const root = `root ::= ${open}call${more}`
   return [root, call, ...calls, ...rules].join("\n")
 }
 
