@@ -29,6 +29,7 @@ import {
 } from "../services/RequestChecks.js"
 import { optionalWholeNumber, UsageError } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
+import { type Backend, backends } from "../domain/engine.js"
 
 const fail = (message: string) => Effect.fail(new UsageError({ message }))
 
@@ -37,8 +38,6 @@ const security = "Network and security"
 
 /** Local agents `run` and `serve` start without --stages or --agents. */
 export const defaultLocalStages = 2
-
-type Backend = "cpu" | "cuda" | "auto"
 
 // ---- The declarations: what each flag parses into and what `--help` says of it.
 
@@ -74,10 +73,10 @@ const agentsFlag = Flag.text("agents", {
 
 /** `--backend` of node (the agent's own), and of run and serve for the local agents they start. */
 export const backendFlag = (group: string, whose: "" | " of the local agents") =>
-  Flag.choice("backend", ["cpu", "cuda", "auto"], {
+  Flag.choice("backend", backends, {
     group,
     text:
-      `ggml backend and package${whose}: cpu, cuda (node-llama-cpp's CUDA package) or auto` +
+      `ggml backend and package${whose}: cpu, cuda or vulkan (node-llama-cpp's package of that name, its GPU) or auto` +
       (whose === "" ? "" : "; remote agents choose their own")
   }).optional(`cpu stages; the package from ${ggmlPackageSetting.doc.variable}, else ${ggmlPackageSetting.doc.default}`)
 
@@ -166,7 +165,8 @@ const tlsMode = (flag: Option.Option<TlsMode>): Effect.Effect<TlsMode, UsageErro
   )
 
 /**
- * `--backend cpu|cuda|auto` picks the ggml package an agent loads (cuda: node-llama-cpp's CUDA package); without it,
+ * `--backend cpu|cuda|vulkan|auto` picks the ggml package an agent loads (cuda, vulkan: node-llama-cpp's package of
+ * that name); without it,
  * SWACTOR_GGML_PACKAGE, else cpu. Returns the stage backend (the flag, else cpu).
  */
 const checkBackend = (flag: Option.Option<Backend>): Effect.Effect<Backend, UsageError> =>

@@ -13,7 +13,8 @@ export const renderSummary = (summary: RunSummary): string => {
   ]
   for (const s of summary.stages) {
     lines.push(
-      `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}): ` +
+      `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}` +
+        `${s.backend === undefined ? "" : `, ${s.backend}`}): ` +
         `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}` +
         (s.peakResidentBytes > 0
           ? `; agent memory ${mib(s.residentBytes)}, peak ${mib(s.peakResidentBytes)} (KV ${size(s.kvBytes)}, compute ${size(

@@ -72,6 +72,8 @@ export const StageReport = Schema.Union(
     stageIndex: Schema.Number,
     loadMillis: Schema.Number,
     cachedWeights: Schema.Boolean,
+    /** Where the stage computes: "cpu", or the GPU package's backend ("cuda", "vulkan"). Absent: an older node. */
+    backend: Schema.optional(Schema.String),
     /** Prompt cache: KV positions the stage's session took over from the entry its provision named (absent: none). */
     cachedPositions: Schema.optional(Schema.Number),
     /**

@@ -9,9 +9,16 @@ export interface StageLoadSpec {
   readonly isFirst: boolean
   /** Last stage: also loads output_norm + output (or tied embedding) and returns logits. */
   readonly isLast: boolean
-  /** "cpu" (default) or "cuda" when a CUDA GPU and node-llama-cpp's CUDA package are present. */
-  readonly backend?: "cpu" | "cuda" | "auto"
+  /**
+   * "cpu" (default); "cuda" or "vulkan": the GPU of node-llama-cpp's package of that name (loaded by the process,
+   * SWACTOR_GGML_PACKAGE); "auto": the GPU of the loaded package when it has one, else the CPU.
+   */
+  readonly backend?: Backend
 }
+
+/** The ggml backends a stage runs on, and the package a process loads for them (`--backend`). */
+export const backends = ["cpu", "cuda", "vulkan", "auto"] as const
+export type Backend = (typeof backends)[number]
 
 export interface LoadProgress {
   readonly loadedBytes: number

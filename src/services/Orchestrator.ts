@@ -200,6 +200,8 @@ export interface StageSummary {
   readonly dataAddress: TransportAddress
   readonly loadMillis: number
   readonly cachedWeights: boolean
+  /** Where the stage computed: "cpu", "cuda", "vulkan" (absent: the node did not say). */
+  readonly backend?: string
   /** The prompt's time on this stage, from its arrival to its output (batcher wait included). */
   readonly prefillComputeMillis: number
   /** Of that, the time it waited in the agent's batcher for partners or behind other micro-batches. */

@@ -4,18 +4,34 @@ import { expectedBuild, getGgml, TensorLayout } from "../../src/layers/ggml/Bind
 import { locateGgmlLibraries, platformPackageNames } from "../../src/layers/ggml/Platform.js"
 
 describe("ggml bindings over node-llama-cpp's libraries", () => {
-  // node-llama-cpp's platform package names, CUDA first when wanted.
+  // node-llama-cpp's platform package names, CUDA first when wanted; Vulkan's package alone (x64 Linux and Windows).
   it("maps platforms to node-llama-cpp's package names", () => {
     assert.deepStrictEqual(platformPackageNames("linux", "x64", false), ["linux-x64"])
-    assert.deepStrictEqual(platformPackageNames("linux", "x64", true), [
+    assert.deepStrictEqual(platformPackageNames("linux", "x64", "cuda"), [
       "linux-x64-cuda",
       "linux-x64-cuda-ext",
       "linux-x64"
     ])
     assert.deepStrictEqual(platformPackageNames("darwin", "arm64", false), ["mac-arm64-metal"])
     assert.deepStrictEqual(platformPackageNames("darwin", "x64", false), ["mac-x64"])
-    assert.deepStrictEqual(platformPackageNames("win32", "x64", true), ["win-x64-cuda", "win-x64-cuda-ext", "win-x64"])
+    assert.deepStrictEqual(platformPackageNames("win32", "x64", "cuda"), [
+      "win-x64-cuda",
+      "win-x64-cuda-ext",
+      "win-x64"
+    ])
+    assert.deepStrictEqual(platformPackageNames("linux", "x64", "vulkan"), ["linux-x64-vulkan"])
+    assert.deepStrictEqual(platformPackageNames("win32", "x64", "vulkan"), ["win-x64-vulkan"])
+    assert.deepStrictEqual(platformPackageNames("darwin", "arm64", "vulkan"), [])
     assert.deepStrictEqual(platformPackageNames("aix", "ppc64", false), [])
+  })
+
+  it("finds node-llama-cpp's Vulkan package by the backend's name (x64 Linux)", () => {
+    const found = locateGgmlLibraries({ backend: "vulkan" })
+    assert.isFalse("tried" in found, JSON.stringify(found))
+    if ("tried" in found) return
+    assert.strictEqual(found.packageName, "@node-llama-cpp/linux-x64-vulkan")
+    assert.strictEqual(found.gpu, "vulkan")
+    assert.strictEqual(found.release, expectedBuild.release)
   })
 
   it("finds the installed CPU package and its llama.cpp release", () => {

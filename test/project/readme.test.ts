@@ -2,6 +2,7 @@
 // `swactor ...` example in its command table is extracted and run on the test model — `npm run swactor --` and
 // `swactor` as the compiled bin (`node dist/main.js`), `../shared/models` as SWACTOR_MODELS_DIR, the placeholder
 // hosts (`0.0.0.0:7070`, `10.0.0.x:7070`, `HOST:PORT`) as real local agents, `/models/llama.gguf` as stories260K.
+// Leading NAME=value words are the command's environment (the Vulkan example's, lavapipe).
 // The library example is run too, importing "swactor" by its package name. A command the test does not know how to
 // run fails it: a new README example needs a line here.
 import { describe, expect, it } from "vitest"
@@ -20,7 +21,8 @@ const readme = readFileSync(join(repoRoot, "README.md"), "utf8")
 const readmeCommands = (): Array<string> => {
   const lines: Array<string> = []
   for (const block of readme.matchAll(/```sh\n([\s\S]*?)```/g)) {
-    for (const line of block[1]!.split("\n")) {
+    // a line ending in a backslash continues on the next
+    for (const line of block[1]!.replace(/\\\n\s*/g, "").split("\n")) {
       const command = line.replace(/\s+#.*$/, "").trim()
       if (command !== "") lines.push(command)
     }
@@ -81,7 +83,13 @@ describe("README", () => {
     const covered: Array<string> = []
     try {
       for (const line of commands) {
-        const argv = words(line.replace(/^npm ci && /, ""))
+        const all = words(line.replace(/^npm ci && /, ""))
+        // leading NAME=value words are the command's environment
+        const assigned = all.findIndex((w) => !/^[A-Z_][A-Z0-9_]*=/.test(w))
+        const lineEnv = Object.fromEntries(
+          all.slice(0, assigned).map((w) => [w.slice(0, w.indexOf("=")), w.slice(w.indexOf("=") + 1)])
+        )
+        const argv = all.slice(assigned)
         if (argv.join(" ") === "npm test") {
           // The README's test command: what this suite is; check it exists and builds first.
           expect(JSON.parse(readFileSync(join(repoRoot, "package.json"), "utf8")).scripts.test).toBe("vitest run")
@@ -153,7 +161,7 @@ describe("README", () => {
           covered.push(line)
           continue
         }
-        const ran = await swactor(real, { SWACTOR_CLUSTER_TOKEN: token, XDG_CACHE_HOME: dir }, dir)
+        const ran = await swactor(real, { SWACTOR_CLUSTER_TOKEN: token, XDG_CACHE_HOME: dir, ...lineEnv }, dir)
         expect(ran.code, `${line}\n${ran.stderr}`).toBe(0)
         if (real[0] === "run" && !real.includes("--dry-run")) expect(ran.stdout, line).toMatch(/\S/)
         if (real.includes("--dry-run")) expect(ran.stdout, line).toContain("dry run: nothing was provisioned")

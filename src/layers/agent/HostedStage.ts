@@ -304,6 +304,7 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
       stageIndex,
       loadMillis: stats.loadMillis,
       cachedWeights: stats.cachedWeights,
+      backend: loaded.info.backend,
       ...(cachedPositions === undefined ? {} : { cachedPositions }),
       ...(loopOut === undefined ? {} : { tokenLoop: true })
     })

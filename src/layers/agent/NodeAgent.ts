@@ -10,6 +10,7 @@ import { defaultSliceCacheDir, makeWeightStore } from "../gguf/SliceStore.js"
 import { serveControlRpc } from "./AgentControlRpc.js"
 import type { BatcherSettings } from "./StageBatcher.js"
 import { makeStageHost, type StageHostOptions } from "./StageHost.js"
+import type { Backend } from "../../domain/engine.js"
 
 // Existing imports of the stage host through this module (AgentLinksTest.ts, src/index.ts) keep working.
 export { makeStageHost }
@@ -24,7 +25,7 @@ export interface NodeAgentOptions {
   readonly dataAdvertise?: TransportAddress
   readonly token: string
   readonly threads: number
-  readonly backend: "cpu" | "cuda" | "auto"
+  readonly backend: Backend
   /**
    * Stage batcher settings (default: 256 rows per micro-batch, 128 tokens per prompt chunk; `swactor node` passes
    * SWACTOR_BATCH_MAX_ROWS and SWACTOR_PREFILL_CHUNK, config/Settings.ts).

@@ -36,6 +36,7 @@ import { freshStats, StageFailure, transportFailed } from "./StageStep.js"
 import { type CachedModel, type HostParts, runStage } from "./HostedStage.js"
 
 import type { StageHostOptions } from "./StageHostOptions.js"
+import type { Backend } from "../../domain/engine.js"
 export type { StageHostOptions }
 
 // The contract lives in services (AgentControlRpc serves it); re-exported for existing imports.
@@ -72,7 +73,7 @@ export const makeStageHost = (
           number,
           boolean,
           boolean,
-          "cpu" | "cuda" | "auto"
+          Backend
         ]
         // the weights, and one batcher that runs every hosted stage on them (any run) as micro-batches
         return Effect.gen(function* () {

@@ -2,13 +2,14 @@
 import type { Duration } from "effect"
 import type { WeightStore } from "../gguf/SliceStore.js"
 import type { BatcherSettings } from "./StageBatcher.js"
+import type { Backend } from "../../domain/engine.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
   readonly token: string
   /** Default engine threads per stage. */
   readonly threads: number
-  readonly backend: "cpu" | "cuda" | "auto"
+  readonly backend: Backend
   /** How long unused weights stay loaded. */
   readonly modelIdleTimeToLive?: Duration.DurationInput
   /** How long a stage keeps retrying to reach its outbound peer. */

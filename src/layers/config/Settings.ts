@@ -16,6 +16,7 @@ import * as Os from "node:os"
 import * as Path from "node:path"
 import { readFileSync } from "node:fs"
 import { Config, ConfigProvider, Effect, Either, Option, Redacted } from "effect"
+import { type Backend, backends } from "../../domain/engine.js"
 import { clusterTokenProblem } from "../../services/RequestChecks.js"
 
 /** Environment variables by name (the process's, or a test's map). */
@@ -75,10 +76,12 @@ const docs = {
   }),
   ggmlPackage: doc({
     variable: "SWACTOR_GGML_PACKAGE",
-    flag: "--backend cpu|cuda|auto",
+    flag: "--backend cpu|cuda|vulkan|auto",
     commands: "node; run and serve for their local agents",
     default: "cpu",
-    meaning: "which node-llama-cpp ggml package an agent loads: cpu, cuda, or auto (cuda when an NVIDIA driver is seen)"
+    meaning:
+      "which node-llama-cpp ggml package an agent loads and where its stages run: cpu, cuda, vulkan, or auto (cuda " +
+      "when an NVIDIA driver is seen, else vulkan when a Vulkan loader and the package are there, on its GPU if any)"
   }),
   threads: doc({
     variable: "SWACTOR_THREADS",
@@ -203,7 +206,7 @@ const positiveInteger = (text: string): number | undefined => {
 // ---------------------------------------------------------------------------------------------------------------
 
 export type TlsMode = "auto" | "always" | "off"
-export type GgmlPackage = "cpu" | "cuda" | "auto"
+export type GgmlPackage = Backend
 
 /** A user setting: its description and its strict config (a bad value fails). */
 export interface UserSetting<A> {
@@ -224,10 +227,10 @@ export const tlsSetting: UserSetting<TlsMode> = {
 
 export const ggmlPackageSetting: UserSetting<GgmlPackage> = {
   doc: docs.ggmlPackage,
-  expected: "cpu, cuda or auto",
+  expected: "cpu, cuda, vulkan or auto",
   config: described(
     docs.ggmlPackage,
-    Config.literal("cpu", "cuda", "auto")(docs.ggmlPackage.variable).pipe(Config.withDefault("cpu"))
+    Config.literal(...backends)(docs.ggmlPackage.variable).pipe(Config.withDefault("cpu"))
   )
 }
 
@@ -271,7 +274,11 @@ export const tlsModeNow = (): TlsMode =>
 /** The ggml package to load (unset or unknown: cpu), read once, when ggml is first loaded. */
 export const ggmlPackageNow = (): GgmlPackage =>
   readLenient(
-    lenient(docs.ggmlPackage, (text) => (text === "cuda" || text === "auto" ? text : undefined), "cpu" as GgmlPackage)
+    lenient(
+      docs.ggmlPackage,
+      (text) => (text === "cuda" || text === "vulkan" || text === "auto" ? text : undefined),
+      "cpu" as GgmlPackage
+    )
   )
 
 /** SWACTOR_THREADS when a positive whole number (the live engine's default threads), else undefined. */

@@ -34,7 +34,7 @@ import { stageMemoryOf } from "./BlockMemory.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
 import { activationWidth } from "./PerLayerInputs.js"
-import { getGgml } from "../ggml/Bindings.js"
+import { type Ggml, getGgml, type Ptr } from "../ggml/Bindings.js"
 import { engineHooks, threadsNow } from "../config/Settings.js"
 import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
@@ -105,19 +105,7 @@ const load =
             message: e instanceof Error ? e.message : String(e)
           })
       })
-      // "cuda": the GPU of node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda|auto); "auto": it when present
-      const gpu = spec.backend === "cuda" || spec.backend === "auto" ? ggml.gpuDevice() : null
-      if (spec.backend === "cuda" && gpu === null) {
-        return yield* Effect.fail(
-          new ModelLoadError({
-            path: spec.path,
-            reason: "BackendUnavailable",
-            message:
-              `no CUDA device in ${ggml.library.packageName} (set SWACTOR_GGML_PACKAGE=cuda on a machine with ` +
-              "an NVIDIA GPU and @node-llama-cpp/linux-x64-cuda installed)"
-          })
-        )
-      }
+      const gpu = yield* stageGpu(spec, ggml)
       const device = gpu === null ? ("cpu" as const) : ("gpu" as const)
       const weights = yield* Effect.acquireRelease(
         Effect.tryPromise({
@@ -157,7 +145,7 @@ const load =
         eosTokenId: hp.eosTokenId,
         bosTokenId: hp.bosTokenId,
         weightBytes: layout.weightBytes,
-        backend: device === "gpu" ? "cuda" : "cpu",
+        backend: device === "gpu" ? ggml.library.gpu || "gpu" : "cpu",
         // KV rows, DeltaNet states and capped sliding-window caches of the range's blocks (BlockMemory.ts)
         ...stageMemoryOf(hp, spec.layerStart, spec.layerEndExclusive)
       }
@@ -353,6 +341,37 @@ const makeWith = (options: LiveOptions, catalog: ModelCatalogService): StageExec
   forwardBatch,
   copyPrefix
 })
+
+/**
+ * The GPU device a stage computes on (null: the CPU): "cuda" and "vulkan" need the loaded package to be that one
+ * (the process's SWACTOR_GGML_PACKAGE, `--backend`) and to see a device, else one line saying what the node has;
+ * "auto" takes the loaded package's GPU when it has one.
+ */
+const stageGpu = (spec: StageLoadSpec, ggml: Ggml): Effect.Effect<Ptr | null, ModelLoadError> => {
+  const backend = spec.backend ?? "cpu"
+  if (backend === "cpu") return Effect.succeed(null)
+  const gpu = ggml.gpuDevice()
+  if (backend === "auto") return Effect.succeed(gpu)
+  const have = ggml.library.gpu
+  const fail = (message: string) =>
+    Effect.fail(new ModelLoadError({ path: spec.path, reason: "BackendUnavailable", message }))
+  if (have !== backend) {
+    return fail(
+      `--backend ${backend} needs node-llama-cpp's ${backend} package, but this node loaded ${ggml.library.packageName} ` +
+        `(start it with --backend ${backend} or SWACTOR_GGML_PACKAGE=${backend})`
+    )
+  }
+  if (gpu === null) {
+    const hint =
+      backend === "cuda"
+        ? "an NVIDIA GPU and driver"
+        : "a Vulkan device (a GPU driver, or Mesa's lavapipe with GGML_VK_VISIBLE_DEVICES=0)"
+    return fail(
+      `no ${backend} device in ${ggml.library.packageName}: this node has ${ggml.deviceSummary()}; it needs ${hint}`
+    )
+  }
+  return Effect.succeed(gpu)
+}
 
 /** The live executor over whichever model catalog is provided (it reads each file's GGUF header from it). */
 export const layerWithCatalog = (options: LiveOptions = {}): Layer.Layer<StageExecutor, never, ModelCatalog> =>

@@ -467,6 +467,8 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
       index: number
     ) => Ptr | null,
     ggml_backend_dev_by_type: m("void * ggml_backend_dev_by_type(int type)") as (type: number) => Ptr | null,
+    ggml_backend_dev_count: m("size_t ggml_backend_dev_count()") as () => number,
+    ggml_backend_dev_get: m("void * ggml_backend_dev_get(size_t index)") as (index: number) => Ptr,
     ggml_backend_dev_name: m("const char * ggml_backend_dev_name(void * dev)") as (dev: Ptr) => string,
     ggml_backend_dev_description: m("const char * ggml_backend_dev_description(void * dev)") as (dev: Ptr) => string,
     ggml_backend_dev_buffer_type: m("void * ggml_backend_dev_buffer_type(void * dev)") as (dev: Ptr) => Ptr,
@@ -521,6 +523,8 @@ export interface Ggml {
   readonly cpuDevice: () => Ptr
   /** The first GPU device of the loaded package (null with the CPU-only package or no GPU). */
   readonly gpuDevice: () => Ptr | null
+  /** Every device the loaded package registered, as "NAME (description)", comma-separated (an error's context). */
+  readonly deviceSummary: () => string
   /** Points `tensor->buffer` at `buffer` (or null): llama.cpp's trick to ask supports_op about a buffer type. */
   readonly setTensorBuffer: (t: Ptr, buffer: Ptr | null) => void
   /** Runs the graph on a koffi worker thread (the event loop keeps running). */
@@ -595,9 +599,9 @@ const init = (): Ggml => {
   if (process.arch !== "x64" && process.arch !== "arm64") {
     throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
   }
-  // `swactor node --backend` / SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda" or "auto" (the CUDA package when an
-  // NVIDIA driver is visible; config/Settings.ts). The stage engine computes on the CPU device of whichever package
-  // is loaded.
+  // `swactor node --backend` / SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda", "vulkan" or "auto" (the CUDA package
+  // when an NVIDIA driver is visible, else the Vulkan one with a Vulkan loader; config/Settings.ts). A stage computes
+  // on the package's GPU when its backend asks for one (StageExecutorLive), else on its CPU device.
   const located = locateGgmlLibraries({ backend: ggmlPackageNow() })
   if ("tried" in located) {
     throw new GgmlBindingError(
@@ -739,6 +743,14 @@ const init = (): Ggml => {
     gpuDevice: () => {
       ensureCpu()
       return raw.ggml_backend_dev_by_type(GgmlBackendDevType.GPU)
+    },
+    deviceSummary: () => {
+      ensureCpu()
+      const n = raw.ggml_backend_dev_count()
+      return Array.from({ length: n }, (_, i) => {
+        const dev = raw.ggml_backend_dev_get(i)
+        return `${raw.ggml_backend_dev_name(dev)} (${raw.ggml_backend_dev_description(dev)})`
+      }).join(", ")
     },
     setTensorBuffer: (t, buffer) => {
       koffi.encode(t, TensorLayout.buffer, "void *", buffer)

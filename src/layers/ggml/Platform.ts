@@ -1,6 +1,7 @@
 import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { createRequire } from "node:module"
 import { dirname, join } from "node:path"
+import type { Backend } from "../../domain/engine.js"
 import { ggmlDirNow, windowsRoot } from "../config/Settings.js"
 
 /**
@@ -10,7 +11,7 @@ import { ggmlDirNow, windowsRoot } from "../config/Settings.js"
 export interface GgmlLibraryDir {
   readonly packageName: string
   readonly dir: string
-  readonly gpu: "cuda" | "metal" | false
+  readonly gpu: "cuda" | "vulkan" | "metal" | false
   /** `libggml-base.so` / `libggml-base.dylib` / `ggml-base.dll` */
   readonly baseLib: string
   /** `libggml.v0.4.0.so` etc.: the backend registry */
@@ -19,12 +20,21 @@ export interface GgmlLibraryDir {
   readonly release: string | undefined
 }
 
-/** Platform package names as node-llama-cpp uses them, best first. */
+/**
+ * Platform package names as node-llama-cpp uses them, best first, for a GPU package kind (`gpu`: cuda or vulkan; none:
+ * the CPU package). A GPU kind with no package for the platform lists none.
+ */
 export const platformPackageNames = (
   platform: NodeJS.Platform,
   arch: string,
-  wantCuda: boolean
+  gpu: "cuda" | "vulkan" | false
 ): ReadonlyArray<string> => {
+  const wantCuda = gpu === "cuda"
+  if (gpu === "vulkan") {
+    if (platform === "linux" && arch === "x64") return ["linux-x64-vulkan"]
+    if (platform === "win32" && arch === "x64") return ["win-x64-vulkan"]
+    return []
+  }
   if (platform === "linux") {
     if (arch === "x64") return wantCuda ? ["linux-x64-cuda", "linux-x64-cuda-ext", "linux-x64"] : ["linux-x64"]
     if (arch === "arm64") return ["linux-arm64"]
@@ -43,6 +53,23 @@ export const platformPackageNames = (
 }
 
 const libExt = (platform: NodeJS.Platform) => (platform === "win32" ? ".dll" : platform === "darwin" ? ".dylib" : ".so")
+
+/** True when a Vulkan loader is installed (cheap check, no library load; its devices are known only once loaded). */
+export const vulkanLoaderPresent = (): boolean =>
+  process.platform === "linux"
+    ? ["/usr/lib/x86_64-linux-gnu/libvulkan.so.1", "/usr/lib64/libvulkan.so.1", "/usr/lib/libvulkan.so.1"].some(
+        existsSync
+      )
+    : process.platform === "win32"
+      ? existsSync(join(windowsRoot(), "System32", "vulkan-1.dll"))
+      : false
+
+/** The GPU package kind a backend asks for: auto takes cuda with an NVIDIA driver, else vulkan with a Vulkan loader. */
+export const gpuPackageOf = (backend: Backend): "cuda" | "vulkan" | false => {
+  if (backend === "cuda" || backend === "vulkan") return backend
+  if (backend !== "auto") return false
+  return cudaDriverPresent() ? "cuda" : vulkanLoaderPresent() ? "vulkan" : false
+}
 
 /** True when an NVIDIA driver is visible (cheap check, no library load). */
 export const cudaDriverPresent = (): boolean => {
@@ -92,15 +119,21 @@ const findLibs = (dir: string, platform: NodeJS.Platform) => {
  * Returns a list of what was tried when nothing fits, so the caller can say where it looked.
  */
 export const locateGgmlLibraries = (
-  options: { readonly backend?: "cpu" | "cuda" | "auto" } = {}
+  options: { readonly backend?: Backend } = {}
 ): GgmlLibraryDir | { readonly tried: ReadonlyArray<string> } => {
   const backend = options.backend ?? "cpu"
   const envDir = ggmlDirNow()
   const tried: Array<string> = []
-  const wantCuda = backend === "cuda" || (backend === "auto" && cudaDriverPresent())
+  const gpuPackage = gpuPackageOf(backend)
   const candidates: Array<{ packageName: string; dir: string }> = []
   if (envDir !== undefined && envDir !== "") candidates.push({ packageName: "SWACTOR_GGML_DIR", dir: envDir })
-  for (const name of platformPackageNames(process.platform, process.arch, wantCuda)) {
+  const names = platformPackageNames(process.platform, process.arch, gpuPackage)
+  // auto falls back to the CPU package when the GPU one is not installed; cuda and vulkan do not
+  const fallback =
+    backend === "auto" && gpuPackage !== false ? platformPackageNames(process.platform, process.arch, false) : []
+  if (names.length === 0 && gpuPackage !== false)
+    tried.push(`no ${gpuPackage} package for ${process.platform}-${process.arch}`)
+  for (const name of [...names, ...fallback.filter((n) => !names.includes(n))]) {
     const root = packageRoot(name)
     if (root === undefined) {
       tried.push(`@node-llama-cpp/${name} (not installed)`)
@@ -129,9 +162,11 @@ export const locateGgmlLibraries = (
     }
     const gpu = c.packageName.includes("cuda")
       ? ("cuda" as const)
-      : c.packageName.includes("metal")
-        ? ("metal" as const)
-        : false
+      : c.packageName.includes("vulkan")
+        ? ("vulkan" as const)
+        : c.packageName.includes("metal")
+          ? ("metal" as const)
+          : false
     return { packageName: c.packageName, dir: c.dir, gpu, baseLib, mainLib, release }
   }
   return { tried }

@@ -25,7 +25,7 @@ export interface RunLedger {
   readonly details: Map<string, string>
   readonly stageStats: Map<number, StageStats>
   readonly stragglerDetector: StageStragglerDetector
-  readonly stageReady: Map<number, { loadMillis: number; cachedWeights: boolean }>
+  readonly stageReady: Map<number, { loadMillis: number; cachedWeights: boolean; backend?: string }>
   /** Prompt cache: what each stage took over of the adopted entry; the prompt starts after the fewest (cachedTokens). */
   readonly stageCachedPositions: Map<number, number>
   cachedTokens: number

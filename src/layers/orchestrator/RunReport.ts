@@ -129,7 +129,8 @@ export interface RunRecord {
     readonly address: string
     readonly layers: readonly [number, number]
     readonly dataAddress: TransportAddress
-    readonly ready: { readonly loadMillis: number; readonly cachedWeights: boolean } | undefined
+    readonly ready:
+      { readonly loadMillis: number; readonly cachedWeights: boolean; readonly backend?: string } | undefined
     readonly stats: StageStats | undefined
   }>
   /** Per-stage decode steps and straggling stages, from the stages' timing reports (see services/StageStragglers.ts). */
@@ -188,6 +189,7 @@ export const summarize = (record: RunRecord): RunSummary => {
       dataAddress: s.dataAddress,
       loadMillis: s.ready?.loadMillis ?? 0,
       cachedWeights: s.ready?.cachedWeights ?? false,
+      ...(s.ready?.backend === undefined ? {} : { backend: s.ready.backend }),
       prefillComputeMillis: s.stats?.prefillComputeMillis ?? 0,
       prefillWaitMillis: s.stats?.prefillWaitMillis ?? 0,
       firstSampleMillis: s.stats?.firstSampleMillis ?? 0,

@@ -116,7 +116,11 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
               totalBytes: report.totalBytes
             })
           case "StageReady":
-            ledger.stageReady.set(stageIndex, { loadMillis: report.loadMillis, cachedWeights: report.cachedWeights })
+            ledger.stageReady.set(stageIndex, {
+              loadMillis: report.loadMillis,
+              cachedWeights: report.cachedWeights,
+              ...(report.backend === undefined ? {} : { backend: report.backend })
+            })
             ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
             if (report.tokenLoop === true && stageIndex === provision.stageCount - 1) ledger.tokenLoop = true
             if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)

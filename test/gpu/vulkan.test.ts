@@ -1,0 +1,151 @@
+/**
+ * GPU stages on Vulkan (issue 42), proven on a software device: Mesa's lavapipe (Debian's mesa-vulkan-drivers, which
+ * .ci/run installs), forced in every process by VK_ICD_FILENAMES and GGML_VK_VISIBLE_DEVICES, so the machine does not
+ * choose the device. The oracle is node-llama-cpp's Vulkan build on the same device (test/support/vulkanReference.mjs,
+ * a process of its own). Each swactor process loads node-llama-cpp's Vulkan package by the backend's name.
+ */
+import { execFile, spawn } from "node:child_process"
+import { existsSync } from "node:fs"
+import { join } from "node:path"
+import { promisify } from "node:util"
+import { afterAll, assert, beforeAll, describe, it } from "vitest"
+import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
+import { repoRoot, requireModel } from "../support/models.js"
+
+const run = promisify(execFile)
+const ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
+const PROMPT = "Once upon a time"
+const N = 24
+/** lavapipe, device 0, in every process this file starts. */
+const vulkanEnv = { ...process.env, VK_ICD_FILENAMES: ICD, GGML_VK_VISIBLE_DEVICES: "0" }
+
+let model = ""
+let reference: ReadonlyArray<number> = []
+
+beforeAll(async () => {
+  if (!existsSync(ICD)) {
+    throw new Error(`Mesa's lavapipe is not installed (looked for ${ICD}): apt-get install mesa-vulkan-drivers`)
+  }
+  model = requireModel("stories260K.gguf")
+  const { stdout } = await run(
+    process.execPath,
+    [join(repoRoot, "test", "support", "vulkanReference.mjs"), model, PROMPT, String(N)],
+    { env: vulkanEnv, cwd: repoRoot }
+  )
+  const ref = JSON.parse(stdout.trim().split("\n").at(-1)!) as { gpu: string; tokens: Array<number> }
+  assert.strictEqual(ref.gpu, "vulkan", "node-llama-cpp ran on its Vulkan build")
+  reference = ref.tokens
+  assert.strictEqual(reference.length, N)
+}, 120_000)
+
+/** `swactor run --json`'s generated token ids, and its stderr. */
+const swactorRun = async (args: ReadonlyArray<string>, env: NodeJS.ProcessEnv = vulkanEnv) => {
+  const { stdout, stderr } = await run(
+    process.execPath,
+    [
+      swactorMain(),
+      "run",
+      "--model",
+      model,
+      "--prompt",
+      PROMPT,
+      "--max-tokens",
+      String(N),
+      "--threads",
+      "1",
+      "--json",
+      ...args
+    ],
+    { env, cwd: repoRoot }
+  )
+  const line = stdout.trim().split("\n").at(-1)!
+  const out = JSON.parse(line) as {
+    ok: boolean
+    tokens: Array<{ id: number }>
+    summary: { stages: Array<{ backend?: string }> }
+  }
+  return { tokens: out.tokens.map((t) => t.id), backends: out.summary.stages.map((s) => s.backend), stderr }
+}
+
+describe("Vulkan stages on lavapipe: node-llama-cpp's Vulkan tokens", () => {
+  for (const stages of [1, 2, 3]) {
+    it(`stories260K, --backend vulkan, ${stages} stage(s)`, async () => {
+      const { backends, tokens } = await swactorRun(["--stages", String(stages), "--backend", "vulkan"])
+      assert.deepStrictEqual(backends, Array(stages).fill("vulkan"), "every stage computed on the Vulkan device")
+      assert.deepStrictEqual(tokens, reference)
+    }, 120_000)
+  }
+
+  it("--backend vulkan with no Vulkan device: one line naming the backend and the node's devices", async () => {
+    const failed = await swactorRun(["--stages", "1", "--backend", "vulkan"], {
+      ...vulkanEnv,
+      VK_ICD_FILENAMES: "/nonexistent/icd.json"
+    }).then(
+      () => undefined,
+      (e: { code: number; stderr: string }) => e
+    )
+    assert.isDefined(failed, "the run failed")
+    assert.notStrictEqual(failed!.code, 0)
+    assert.match(failed!.stderr, /no vulkan device in @node-llama-cpp\/linux-x64-vulkan: this node has CPU/)
+  }, 120_000)
+})
+
+describe("a pipeline of one Vulkan node and one CPU node", () => {
+  const token = generateToken()
+  const nodes: Array<{ stop: () => Promise<void>; address: string; log: () => string }> = []
+  const startNode = (backend: "vulkan" | "cpu") =>
+    new Promise<(typeof nodes)[number]>((resolve, reject) => {
+      const child = spawn(
+        process.execPath,
+        [swactorMain(), "node", "--listen", "127.0.0.1:0", "--threads", "1", "--backend", backend],
+        {
+          cwd: repoRoot,
+          stdio: ["ignore", "pipe", "pipe"],
+          env: { ...vulkanEnv, SWACTOR_CLUSTER_TOKEN: token }
+        }
+      )
+      let out = ""
+      const collect = (chunk: Buffer) => {
+        out += chunk
+        const ready = /swactor-node-ready (\{.*\})/.exec(out)
+        // the ready line (stdout), then the node's line naming its backend (stderr)
+        if (ready !== null && / backend, /.test(out)) {
+          const { port } = JSON.parse(ready[1]!) as { port: number }
+          resolve({
+            address: `127.0.0.1:${port}`,
+            log: () => out,
+            stop: async () => {
+              child.kill("SIGTERM")
+              if (child.exitCode === null && child.signalCode === null) await new Promise((r) => child.on("exit", r))
+            }
+          })
+        }
+      }
+      child.stdout.on("data", collect)
+      child.stderr.on("data", collect)
+      child.on("exit", (code) => reject(new Error(`swactor node --backend ${backend} exited (${code}):\n${out}`)))
+    })
+  afterAll(async () => {
+    for (const n of nodes) await n.stop()
+  })
+
+  it("Vulkan then CPU, and CPU then Vulkan: node-llama-cpp's Vulkan tokens both ways", async () => {
+    const vk = await startNode("vulkan")
+    const cpu = await startNode("cpu")
+    nodes.push(vk, cpu)
+    assert.match(vk.log(), /vulkan backend/)
+    assert.match(cpu.log(), /cpu backend/)
+    for (const order of [
+      [vk, cpu],
+      [cpu, vk]
+    ]) {
+      const { backends, tokens } = await swactorRun(
+        ["--agents", order.map((n) => n.address).join(","), "--stages", "2"],
+        { ...vulkanEnv, SWACTOR_CLUSTER_TOKEN: token }
+      )
+      const names = order.map((n) => (n === vk ? "vulkan" : "cpu"))
+      assert.deepStrictEqual(backends, names, "each stage on its node's backend")
+      assert.deepStrictEqual(tokens, reference, names.join(" -> "))
+    }
+  }, 240_000)
+})
