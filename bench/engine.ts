@@ -1,7 +1,8 @@
 /**
  * Engine benchmark (not a test): node-llama-cpp vs swactor's stage engine at 1, 2 and 4 stages in one process,
- * on synthetic llama models at a real shape, and on synthetic gemma3 and qwen35 files (bench/archModels.ts: same
- * file for both sides), same thread count on both sides. Prints decode and prefill tok/s,
+ * on synthetic llama models at a real shape, on synthetic gemma3 and qwen35 files (bench/archModels.ts: same
+ * file for both sides), and, when BENCH_ARCHS names them, on gguf-py files of deepseek32, glm-dsa and minimax-m2
+ * (bench/convertedBenchModels.ts: families swactor's writer cannot write), same thread count on both sides. Prints decode and prefill tok/s,
  * ratios ours / node-llama-cpp, and the peak RSS of each stage (run alone in a child process) vs its weights.
  * The timing loop is bench/engineTiming.ts (bench:moe's too).
  *
@@ -11,7 +12,8 @@
  * BENCH_FFN (8192), BENCH_HEADS (32), BENCH_KV_HEADS (8), BENCH_VOCAB (32000), BENCH_PROMPT (512),
  * BENCH_DECODE (64), BENCH_STAGES (1,2,4), BENCH_ROUNDS (2: every configuration runs once per round, interleaved,
  * and the best round counts, which damps other load on the machine), BENCH_DIR (.cache/bench: models are kept),
- * BENCH_ARCHS (llama,gemma3,qwen35: the llama rows take the BENCH_* shape, the others their own shape).
+ * BENCH_ARCHS (llama,gemma3,qwen35: the llama rows take the BENCH_* shape, the others their own shape; deepseek32,
+ * glm-dsa and minimax-m2 are opt-in, one F16 row each, BENCH_TYPES ignored, stages capped at their blocks).
  */
 import { Effect } from "effect"
 import { execFileSync } from "node:child_process"
@@ -22,6 +24,13 @@ import { getGgml } from "../src/layers/ggml/Bindings.js"
 import type { SyntheticType } from "../src/layers/gguf/Synthetic.js"
 import { ensureBenchModel } from "./benchModel.js"
 import { type BenchArch, benchArchShape, benchArchs, ensureArchBenchModel } from "./archModels.js"
+import {
+  type ConvertedBenchFamily,
+  convertedBenchBlocks,
+  convertedBenchFamilies,
+  convertedBenchShape,
+  ensureConvertedBenchModel
+} from "./convertedBenchModels.js"
 import * as StageExecutorLive from "../src/layers/engine/StageExecutorLive.js"
 import {
   benchContextLength,
@@ -133,17 +142,20 @@ const childRss = (args: ReadonlyArray<string>): { maxRss: number; weightBytes: n
 const mib = (b: number) => `${(b / 2 ** 20).toFixed(0)} MiB`
 const pad = (s: string, n: number) => s.padEnd(n)
 
-const main = async () => {
-  console.log(
-    `swactor engine benchmark: ${cfg.archs.join(", ")}` +
-      (cfg.archs.includes("llama")
-        ? ` (llama ${cfg.layers} blocks, hidden ${cfg.hidden}, ffn ${cfg.ffn}, heads ${cfg.heads}/${cfg.kvHeads}, vocab ${cfg.vocab})`
-        : "") +
-      `; threads ${cfg.threads} on both sides; prompt ${cfg.prompt}, decode ${cfg.decode} tokens; context ${contextLength}`
-  )
-  console.log(`(the machine's CPUs may be shared with other work; figures are indicative)`)
+/** The rows' files: llama at the BENCH_* shape and the synthetic archs per type, the gguf-py families once (F16). */
+const benchFiles = async (): Promise<Array<BenchFile>> => {
   const files: Array<BenchFile> = []
   for (const arch of cfg.archs) {
+    if ((convertedBenchFamilies as ReadonlyArray<string>).includes(arch)) {
+      const family = arch as ConvertedBenchFamily
+      files.push({
+        label: `${arch} (gguf-py) ${convertedBenchShape(family)}`,
+        path: ensureConvertedBenchModel(cfg.dir, family),
+        layers: convertedBenchBlocks(family),
+        vocab: 512
+      })
+      continue
+    }
     for (const type of cfg.types) {
       if (arch === "llama") {
         files.push({ label: type, path: await ensureModel(type), layers: cfg.layers, vocab: cfg.vocab })
@@ -156,18 +168,34 @@ const main = async () => {
           vocab: s.vocab
         })
       } else {
-        throw new Error(`BENCH_ARCHS: ${arch} is not one of llama, ${benchArchs.join(", ")}`)
+        throw new Error(
+          `BENCH_ARCHS: ${arch} is not one of llama, ${[...benchArchs, ...convertedBenchFamilies].join(", ")}`
+        )
       }
     }
   }
+  return files
+}
+
+const main = async () => {
+  console.log(
+    `swactor engine benchmark: ${cfg.archs.join(", ")}` +
+      (cfg.archs.includes("llama")
+        ? ` (llama ${cfg.layers} blocks, hidden ${cfg.hidden}, ffn ${cfg.ffn}, heads ${cfg.heads}/${cfg.kvHeads}, vocab ${cfg.vocab})`
+        : "") +
+      `; threads ${cfg.threads} on both sides; prompt ${cfg.prompt}, decode ${cfg.decode} tokens; context ${contextLength}`
+  )
+  console.log(`(the machine's CPUs may be shared with other work; figures are indicative)`)
+  const files = await benchFiles()
   for (const { label, path, layers: blocks, vocab: words } of files) {
     layers = blocks
     vocab = words
+    const stagesOf = cfg.stages.filter((n) => n <= blocks)
     let ref: Figures | undefined
     const ours = new Map<number, Figures>()
     for (let round = 0; round < cfg.rounds; round++) {
       ref = bestFigures(ref, await timeNodeLlamaCpp(path, timing()))
-      for (const stages of cfg.stages)
+      for (const stages of stagesOf)
         ours.set(stages, bestFigures(ours.get(stages), await timeOurs(path, splitOf(stages), timing())))
     }
     const r = ref!
@@ -180,7 +208,7 @@ const main = async () => {
       `${pad("stages", 8)}${pad("decode tok/s", 14)}${pad("ours/nlc", 10)}${pad("per cpu-s", 11)}` +
         `${pad("prefill tok/s", 15)}${pad("ours/nlc", 10)}per cpu-s`
     )
-    for (const stages of cfg.stages) {
+    for (const stages of stagesOf) {
       const o = ours.get(stages)!
       console.log(
         `${pad(String(stages), 8)}${pad(f(o.decode), 14)}${pad((o.decode / r.decode).toFixed(3), 10)}` +
@@ -188,7 +216,7 @@ const main = async () => {
           `${pad((o.prefill / r.prefill).toFixed(3), 10)}${(o.prefillCpu / r.prefillCpu).toFixed(3)}`
       )
     }
-    const maxStages = Math.max(...cfg.stages)
+    const maxStages = Math.max(...stagesOf)
     const split = splitOf(maxStages)
     const base = childRss(["baseline"])
     console.log(`peak RSS per stage (${maxStages} stages, each alone in a process; bare process ${mib(base.maxRss)}):`)
