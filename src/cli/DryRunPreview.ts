@@ -8,14 +8,17 @@ export const renderPreview = (update: RunUpdate): string => {
     case "PoolReady":
       return [
         "nodes (as reported in their heartbeat):",
-        ...update.capacity.map(
-          ({ capacity, node }) =>
-            `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
+        ...update.capacity.flatMap(({ capacity, node }) => [
+          `  node ${node.nodeId} ${node.address}: ${capacity.hostname}, ${capacity.backend}, ${capacity.threads} threads, ` +
             `${gib(capacity.freeMemoryBytes)} free of ${gib(capacity.totalMemoryBytes)}, ${capacity.activeStages} stages hosted` +
             (capacity.speedBytesPerSecond === undefined
               ? ""
-              : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`)
-        )
+              : `, ${(capacity.speedBytesPerSecond / 1e9).toFixed(2)} GB/s ${capacity.speedSource ?? "declared"}`),
+          ...(capacity.devices ?? []).map(
+            (d) =>
+              `    device ${d.name} (${d.description}): ${d.kind}, ${gib(d.freeBytes)} free of ${gib(d.totalBytes)}`
+          )
+        ])
       ].join("\n")
     case "Planned":
       return [

@@ -11,6 +11,7 @@ import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, watchParentPipe } from "../layers/agent/ReadyLine.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
+import { getGgml } from "../layers/ggml/Bindings.js"
 import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
 import { layerSlowed } from "../layers/engine/StageExecutorSlowed.js"
@@ -108,6 +109,15 @@ const speedAtStart = (
         )
       : Effect.succeed(undefined)
 
+/** The live engine's ggml devices now; none when its libraries cannot be loaded (a stage load then says why). */
+const liveDevices = () => {
+  try {
+    return getGgml().devices()
+  } catch {
+    return []
+  }
+}
+
 /** What the agent is started with: the checked flags, the tuning hooks, its speed. */
 const agentOptions = (
   args: NodeArgs,
@@ -137,8 +147,8 @@ const agentOptions = (
   ...(flags.memoryLimitBytes === undefined ? {} : { memoryLimitBytes: flags.memoryLimitBytes }),
   ...(speed === undefined ? {} : speed),
   ...(laterSpeed === undefined ? {} : { laterSpeed }),
-  // the real engine's step costs by rows decide the decode micro-batch size (StepCosts.ts)
-  ...(args.engine === "live" ? { stepProbeRows: 8 } : {})
+  // the real engine's step costs by rows decide the decode micro-batch size (StepCosts.ts); its devices are reported
+  ...(args.engine === "live" ? { stepProbeRows: 8, devices: liveDevices } : {})
 })
 
 /**

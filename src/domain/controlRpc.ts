@@ -161,6 +161,15 @@ export class AgentHello extends Schema.Class<AgentHello>("AgentHello")({
 }) {}
 
 /** What a node agent reports about itself in answer to a heartbeat. */
+/** One ggml device of a node: its kind and memory as the backend reports them (ggml_backend_dev_memory). */
+export const NodeDevice = Schema.Struct({
+  name: Schema.String,
+  description: Schema.String,
+  kind: Schema.String,
+  freeBytes: Schema.Number,
+  totalBytes: Schema.Number
+})
+
 export const NodeCapacity = Schema.Struct({
   freeMemoryBytes: Schema.Number,
   totalMemoryBytes: Schema.Number,
@@ -169,6 +178,8 @@ export const NodeCapacity = Schema.Struct({
   hostname: Schema.String,
   /** Stages this agent hosts right now (all runs). */
   activeStages: Schema.Number,
+  /** The ggml devices of the agent's package, GPU first as ggml lists them (absent: an older node, or a test engine). */
+  devices: Schema.optional(Schema.Array(NodeDevice)),
   /** Sessions open in this agent's process now, the DeltaNet state bytes and all cache bytes they hold (absent: unknown). */
   openSessions: Schema.optional(
     Schema.Struct({ sessions: Schema.Number, stateBytes: Schema.Number, cacheBytes: Schema.Number })

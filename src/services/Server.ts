@@ -272,6 +272,13 @@ export interface ServerMetrics {
     readonly address: string
     readonly pid: number
     readonly activeStages: number
+    /** The agent's ggml devices and their memory now (absent: no answer, or an engine without devices). */
+    readonly devices?: ReadonlyArray<{
+      readonly name: string
+      readonly kind: string
+      readonly freeBytes: number
+      readonly totalBytes: number
+    }>
     /** Sessions open in the agent's process and the DeltaNet state / cache bytes they hold (absent: no answer). */
     readonly openSessions?: { readonly sessions: number; readonly stateBytes: number; readonly cacheBytes: number }
     /**

@@ -1,6 +1,6 @@
 import { assert, describe, it } from "@effect/vitest"
 import { GgmlType, ggmlTypeInfo } from "../../src/domain/ggmlTypes.js"
-import { expectedBuild, getGgml, TensorLayout } from "../../src/layers/ggml/Bindings.js"
+import { expectedBuild, getGgml, gpuDeviceIndex, TensorLayout } from "../../src/layers/ggml/Bindings.js"
 import { locateGgmlLibraries, platformPackageNames } from "../../src/layers/ggml/Platform.js"
 
 describe("ggml bindings over node-llama-cpp's libraries", () => {
@@ -75,5 +75,25 @@ describe("ggml bindings over node-llama-cpp's libraries", () => {
     assert.deepStrictEqual(new Float32Array(f32.buffer), src)
     assert.throws(() => g.quantizeChunk(GgmlType.Q4_K, src, 6, 128), /block size/)
     assert.throws(() => g.quantizeChunk(GgmlType.Q8_0, src, 4, 256), /src has/)
+  })
+
+  it("a GPU stage's device: the first discrete GPU, else the first integrated one, never the CPU or an accelerator", () => {
+    assert.strictEqual(gpuDeviceIndex(["cpu"]), -1)
+    assert.strictEqual(gpuDeviceIndex(["accel", "cpu"]), -1)
+    // a laptop's Intel GPU through Vulkan, a DGX Spark through CUDA: integrated
+    assert.strictEqual(gpuDeviceIndex(["igpu", "cpu"]), 0)
+    assert.strictEqual(gpuDeviceIndex(["cpu", "igpu", "gpu"]), 2)
+    assert.strictEqual(gpuDeviceIndex(["gpu", "gpu", "cpu"]), 0)
+  })
+
+  it("the CPU package's devices: one CPU device with the machine's memory", () => {
+    const devices = getGgml().devices()
+    assert.deepStrictEqual(
+      devices.map((d) => d.kind),
+      ["cpu"]
+    )
+    assert.isAbove(devices[0]!.totalBytes, 0)
+    assert.isAtMost(devices[0]!.freeBytes, devices[0]!.totalBytes)
+    assert.isNull(getGgml().gpuDevice())
   })
 })

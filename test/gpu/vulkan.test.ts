@@ -129,10 +129,71 @@ describe("a pipeline of one Vulkan node and one CPU node", () => {
     for (const n of nodes) await n.stop()
   })
 
+  it("--dry-run and /metrics show each node's devices: lavapipe as a GPU on the Vulkan node, the CPU on both", async () => {
+    const [vk, cpu] = nodes.length === 2 ? nodes : [await startNode("vulkan"), await startNode("cpu")]
+    if (nodes.length === 0) nodes.push(vk!, cpu!)
+    const agents = ["--agents", `${vk!.address},${cpu!.address}`]
+    const { stdout } = await run(
+      process.execPath,
+      [swactorMain(), "run", "--model", model, "--stages", "2", "--dry-run", ...agents],
+      { env: { ...vulkanEnv, SWACTOR_CLUSTER_TOKEN: token }, cwd: repoRoot }
+    )
+    const nodeBlock = (address: string) => {
+      const lines = stdout.split("\n")
+      const at = lines.findIndex((l) => l.includes(` ${address}: `))
+      assert.isAtLeast(at, 0, stdout)
+      const devices: Array<string> = []
+      for (const l of lines.slice(at + 1)) {
+        if (!l.startsWith("    device ")) break
+        devices.push(l)
+      }
+      return devices
+    }
+    const vkDevices = nodeBlock(vk!.address)
+    assert.match(vkDevices[0] ?? "", /device Vulkan0 \(llvmpipe.*\): gpu, [\d.]+ GiB free of [\d.]+ GiB/, stdout)
+    assert.match(vkDevices.at(-1) ?? "", /device CPU \(.*\): cpu, /, stdout)
+    const cpuDevices = nodeBlock(cpu!.address)
+    assert.strictEqual(cpuDevices.length, 1, stdout)
+    assert.match(cpuDevices[0]!, /device CPU \(.*\): cpu, [\d.]+ GiB free of [\d.]+ GiB/)
+
+    const server = spawn(
+      process.execPath,
+      [swactorMain(), "serve", "--model", model, "--stages", "2", "--port", "0", ...agents],
+      { cwd: repoRoot, stdio: ["ignore", "ignore", "pipe"], env: { ...vulkanEnv, SWACTOR_CLUSTER_TOKEN: token } }
+    )
+    try {
+      let stderr = ""
+      const url = await new Promise<string | undefined>((resolve) => {
+        server.stderr.on("data", (chunk) => {
+          stderr += chunk
+          const at = /listening on (http:\/\/\S+)/.exec(stderr)
+          if (at !== null && stderr.includes("ready:")) resolve(at[1])
+        })
+        server.on("exit", () => resolve(undefined))
+      })
+      assert.isDefined(url, stderr)
+      const metrics = await fetch(`${url}/metrics`).then((r) => r.text())
+      const gpuTotal = new RegExp(
+        `swactor_agent_device_memory_bytes\\{address="${vk!.address}",pid="\\d+",device="Vulkan0",kind="gpu",state="total"\\} (\\d+)`
+      ).exec(metrics)
+      assert.isNotNull(gpuTotal, metrics)
+      assert.isAbove(Number(gpuTotal![1]), 0)
+      assert.match(
+        metrics,
+        new RegExp(
+          `device_memory_bytes\\{address="${cpu!.address}",pid="\\d+",device="CPU",kind="cpu",state="free"\\} \\d+`
+        )
+      )
+      assert.notMatch(metrics, new RegExp(`address="${cpu!.address}"[^}]*kind="gpu"`))
+    } finally {
+      server.kill("SIGTERM")
+      if (server.exitCode === null) await new Promise((r) => server.on("exit", r))
+    }
+  }, 120_000)
+
   it("Vulkan then CPU, and CPU then Vulkan: node-llama-cpp's Vulkan tokens both ways", async () => {
-    const vk = await startNode("vulkan")
-    const cpu = await startNode("cpu")
-    nodes.push(vk, cpu)
+    if (nodes.length === 0) nodes.push(await startNode("vulkan"), await startNode("cpu"))
+    const [vk, cpu] = nodes as [(typeof nodes)[number], (typeof nodes)[number]]
     assert.match(vk.log(), /vulkan backend/)
     assert.match(cpu.log(), /cpu backend/)
     for (const order of [

@@ -48,6 +48,8 @@ export interface NodeAgentOptions {
   readonly laterSpeed?: { current: number | undefined }
   /** See StageHostOptions.stepProbeRows. */
   readonly stepProbeRows?: number
+  /** See StageHostOptions.devices. */
+  readonly devices?: StageHostOptions["devices"]
 }
 
 export interface RunningAgent {
@@ -83,7 +85,8 @@ export const startNodeAgent = (
       ...(options.speedBytesPerSecond === undefined ? {} : { speedBytesPerSecond: options.speedBytesPerSecond }),
       ...(options.speedSource === undefined ? {} : { speedSource: options.speedSource }),
       ...(options.laterSpeed === undefined ? {} : { laterSpeed: options.laterSpeed }),
-      ...(options.stepProbeRows === undefined ? {} : { stepProbeRows: options.stepProbeRows })
+      ...(options.stepProbeRows === undefined ? {} : { stepProbeRows: options.stepProbeRows }),
+      ...(options.devices === undefined ? {} : { devices: options.devices })
     })
     const advertised = options.dataAdvertise ?? listener.address
     const control = yield* serveControlRpc({

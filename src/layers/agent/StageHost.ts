@@ -250,6 +250,7 @@ export const makeStageHost = (
         backend: options.backend,
         hostname: Os.hostname(),
         activeStages: active.size,
+        ...(options.devices === undefined ? {} : { devices: options.devices() }),
         openSessions: heldSessionBytes(),
         stepCosts: [...batchers.values()].map(({ batcher, layers }) => {
           const report = batcher.stepCosts()

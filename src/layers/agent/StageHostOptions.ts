@@ -3,6 +3,7 @@ import type { Duration } from "effect"
 import type { WeightStore } from "../gguf/SliceStore.js"
 import type { BatcherSettings } from "./StageBatcher.js"
 import type { Backend } from "../../domain/engine.js"
+import type { NodeDevice } from "../../domain/controlRpc.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -38,4 +39,6 @@ export interface StageHostOptions {
    * from the micro-batches served only).
    */
   readonly stepProbeRows?: number
+  /** The node's ggml devices now (the live engine's Bindings.devices), reported in its capacity. */
+  readonly devices?: () => ReadonlyArray<typeof NodeDevice.Type>
 }

@@ -45,6 +45,27 @@ export { GgmlType }
 
 export const GgmlBackendDevType = { CPU: 0, GPU: 1, IGPU: 2, ACCEL: 3 } as const
 
+/** ggml's device types by number (enum ggml_backend_dev_type), as a node reports them. */
+const deviceKinds = ["cpu", "gpu", "igpu", "accel", "meta"] as const
+
+/** One device of the loaded ggml package: its name, kind and memory (ggml_backend_dev_memory) now. */
+export interface GgmlDevice {
+  readonly name: string
+  readonly description: string
+  readonly kind: (typeof deviceKinds)[number] | "unknown"
+  readonly freeBytes: number
+  readonly totalBytes: number
+}
+
+/**
+ * The device a GPU stage computes on, by index into `kinds`: the first discrete GPU, else the first integrated one
+ * (an Intel or AMD laptop GPU through Vulkan, a DGX Spark or Jetson through CUDA); -1 when there is neither.
+ */
+export const gpuDeviceIndex = (kinds: ReadonlyArray<GgmlDevice["kind"]>): number => {
+  const gpu = kinds.indexOf("gpu")
+  return gpu >= 0 ? gpu : kinds.indexOf("igpu")
+}
+
 /** Thrown by `getGgml` when the libraries cannot be found, loaded, or do not match. */
 export class GgmlBindingError extends Error {
   override readonly name = "GgmlBindingError"
@@ -471,6 +492,10 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
     ggml_backend_dev_get: m("void * ggml_backend_dev_get(size_t index)") as (index: number) => Ptr,
     ggml_backend_dev_name: m("const char * ggml_backend_dev_name(void * dev)") as (dev: Ptr) => string,
     ggml_backend_dev_description: m("const char * ggml_backend_dev_description(void * dev)") as (dev: Ptr) => string,
+    ggml_backend_dev_type: m("int ggml_backend_dev_type(void * dev)") as (dev: Ptr) => number,
+    ggml_backend_dev_memory: m(
+      "void ggml_backend_dev_memory(void * dev, _Out_ size_t * free, _Out_ size_t * total)"
+    ) as (dev: Ptr, free: Array<number>, total: Array<number>) => void,
     ggml_backend_dev_buffer_type: m("void * ggml_backend_dev_buffer_type(void * dev)") as (dev: Ptr) => Ptr,
     ggml_backend_dev_init: m("void * ggml_backend_dev_init(void * dev, const char * params)") as (
       dev: Ptr,
@@ -521,8 +546,10 @@ export interface Ggml {
   /** Repacked "extra" buffer types of the CPU device (llama.cpp's CPU_REPACK etc.). */
   readonly cpuExtraBufferTypes: () => ReadonlyArray<Ptr>
   readonly cpuDevice: () => Ptr
-  /** The first GPU device of the loaded package (null with the CPU-only package or no GPU). */
+  /** The GPU device of the loaded package, by gpuDeviceIndex (null with the CPU-only package or no GPU). */
   readonly gpuDevice: () => Ptr | null
+  /** Every device the loaded package registered, in ggml's order, with its memory now. */
+  readonly devices: () => ReadonlyArray<GgmlDevice>
   /** Every device the loaded package registered, as "NAME (description)", comma-separated (an error's context). */
   readonly deviceSummary: () => string
   /** Points `tensor->buffer` at `buffer` (or null): llama.cpp's trick to ask supports_op about a buffer type. */
@@ -593,6 +620,44 @@ const installLogFilter = (raw: GgmlRaw) => {
     if (effective >= 3 && text !== null) process.stderr.write(text)
   }, koffi.pointer(proto))
   raw.ggml_log_set(logCallback, null)
+}
+
+/** The loaded package's devices: the GPU a stage computes on, each device with its memory, a one-line summary. */
+const deviceQueries = (raw: GgmlRaw, ensureCpu: () => void): Pick<Ggml, "gpuDevice" | "devices" | "deviceSummary"> => {
+  const kindOf = (dev: Ptr): GgmlDevice["kind"] => deviceKinds[raw.ggml_backend_dev_type(dev)] ?? "unknown"
+  return {
+    gpuDevice: () => {
+      ensureCpu()
+      const n = raw.ggml_backend_dev_count()
+      const handles = Array.from({ length: n }, (_, i) => raw.ggml_backend_dev_get(i))
+      const index = gpuDeviceIndex(handles.map(kindOf))
+      return index < 0 ? null : handles[index]!
+    },
+    devices: () => {
+      ensureCpu()
+      return Array.from({ length: raw.ggml_backend_dev_count() }, (_, i) => {
+        const dev = raw.ggml_backend_dev_get(i)
+        const free = [0]
+        const total = [0]
+        raw.ggml_backend_dev_memory(dev, free, total)
+        return {
+          name: raw.ggml_backend_dev_name(dev),
+          description: raw.ggml_backend_dev_description(dev),
+          kind: kindOf(dev),
+          freeBytes: free[0]!,
+          totalBytes: total[0]!
+        }
+      })
+    },
+    deviceSummary: () => {
+      ensureCpu()
+      const n = raw.ggml_backend_dev_count()
+      return Array.from({ length: n }, (_, i) => {
+        const dev = raw.ggml_backend_dev_get(i)
+        return `${raw.ggml_backend_dev_name(dev)} (${raw.ggml_backend_dev_description(dev)})`
+      }).join(", ")
+    }
+  }
 }
 
 const init = (): Ggml => {
@@ -740,18 +805,7 @@ const init = (): Ggml => {
       ensureCpu()
       return cpuDev
     },
-    gpuDevice: () => {
-      ensureCpu()
-      return raw.ggml_backend_dev_by_type(GgmlBackendDevType.GPU)
-    },
-    deviceSummary: () => {
-      ensureCpu()
-      const n = raw.ggml_backend_dev_count()
-      return Array.from({ length: n }, (_, i) => {
-        const dev = raw.ggml_backend_dev_get(i)
-        return `${raw.ggml_backend_dev_name(dev)} (${raw.ggml_backend_dev_description(dev)})`
-      }).join(", ")
-    },
+    ...deviceQueries(raw, ensureCpu),
     setTensorBuffer: (t, buffer) => {
       koffi.encode(t, TensorLayout.buffer, "void *", buffer)
     },

@@ -162,6 +162,7 @@ export const make = () => {
                     address: agent.node.address,
                     pid: agent.pid,
                     activeStages: c.activeStages,
+                    ...(c.devices === undefined ? {} : { devices: c.devices }),
                     ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
                     ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
                   })),

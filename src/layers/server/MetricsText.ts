@@ -41,6 +41,9 @@ const renderPromptCache = (
   )
 }
 
+/** A label value in the exposition format: backslash, double quote and newline escaped. */
+const labelValue = (v: string) => v.replace(/[\\"]/g, (c) => `\\${c}`).replace(/\n/g, "\\n")
+
 /** Each stage's weights on their way: bytes fetched from the hub by its node, or sent by the server. */
 const renderWeights = (
   weights: NonNullable<ServerMetrics["weights"]>,
@@ -63,6 +66,26 @@ const renderWeights = (
 }
 
 /** The Prometheus text of a metrics snapshot. */
+/** Each agent's ggml devices: free and total memory as the backend reports it. */
+const renderDevices = (
+  m: ServerMetrics,
+  metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
+) => {
+  const deviceMemory = (state: "free" | "total") =>
+    m.agents.flatMap((a) =>
+      (a.devices ?? []).map((d): [string, number] => [
+        `{address="${a.address}",pid="${a.pid}",device="${labelValue(d.name)}",kind="${labelValue(d.kind)}",state="${state}"}`,
+        state === "free" ? d.freeBytes : d.totalBytes
+      ])
+    )
+  metric(
+    "swactor_agent_device_memory_bytes",
+    "gauge",
+    "Memory of each agent's ggml devices (CPU, GPU), free and total, as the backend reports it",
+    [...deviceMemory("free"), ...deviceMemory("total")]
+  )
+}
+
 export const renderMetrics = (m: ServerMetrics, status: string): string => {
   const lines: Array<string> = []
   const metric = (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => {
@@ -207,6 +230,7 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     "Stages each agent hosts now (-1: no answer)",
     m.agents.map((a) => [`{address="${a.address}",pid="${a.pid}"}`, a.activeStages])
   )
+  renderDevices(m, metric)
   const sessionsOf = (value: (s: NonNullable<ServerMetrics["agents"][number]["openSessions"]>) => number) =>
     m.agents.flatMap((a): Array<[string, number]> =>
       a.openSessions === undefined ? [] : [[`{address="${a.address}",pid="${a.pid}"}`, value(a.openSessions)]]
