@@ -232,7 +232,7 @@ describe("every command: settings by flags only, then by environment only, the s
     assert.notStrictEqual(cuda.code, 0)
     assert.match(
       cuda.stderr,
-      /stage \d \(agent [^)]+\) faulted: loading the model failed: BackendUnavailable: no CUDA device/
+      /stage \d \(agent [^)]+\) faulted: loading the model failed: BackendUnavailable: no cuda device in @node-llama-cpp\/linux-x64-cuda: this node has CPU/
     )
     const cpu = await runCli([...args, "--threads", "1", "--backend", "cpu", "--quiet"], {})
     assert.strictEqual(cpu.code, 0, cpu.stderr)
