@@ -16,6 +16,7 @@ import { promisify } from "node:util"
 import { afterAll, assert, beforeAll, describe, it } from "vitest"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "../support/models.js"
+import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
 const execFileP = promisify(execFile)
 const PROMPT = "Once upon a time"
@@ -102,25 +103,12 @@ beforeAll(async () => {
 
 /** `swactor run --json`'s token ids and stage addresses. */
 const swactorRun = async (arch: Arch, args: ReadonlyArray<string>) => {
-  const { command, args: argv } = argvOf(arch, [
-    swactorMain(),
-    "run",
-    "--model",
-    model,
-    "--prompt",
-    PROMPT,
-    "--max-tokens",
-    `${N}`,
-    "--threads",
-    "1",
-    "--json",
-    ...args
-  ])
+  const { command, args: argv } = argvOf(arch, [swactorMain(), ...runJsonArgs(model, PROMPT, N, args)])
   const { stdout } = await execFileP(command, argv, { env, cwd: repoRoot })
-  const out = JSON.parse(stdout.trim().split("\n").at(-1)!) as {
+  const out = runJsonOutput<{
     tokens: Array<{ id: number }>
     summary: { stages: Array<{ address: string; layers: [number, number] }> }
-  }
+  }>(stdout)
   for (const s of out.summary.stages) assert.isAbove(s.layers[1], s.layers[0], `stage on ${s.address} holds blocks`)
   return { tokens: out.tokens.map((t) => t.id), stages: out.summary.stages }
 }

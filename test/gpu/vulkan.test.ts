@@ -11,6 +11,7 @@ import { promisify } from "node:util"
 import { afterAll, assert, beforeAll, describe, it } from "vitest"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import { repoRoot, requireModel } from "../support/models.js"
+import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
 const run = promisify(execFile)
 const ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
@@ -40,30 +41,15 @@ beforeAll(async () => {
 
 /** `swactor run --json`'s generated token ids, and its stderr. */
 const swactorRun = async (args: ReadonlyArray<string>, env: NodeJS.ProcessEnv = vulkanEnv) => {
-  const { stdout, stderr } = await run(
-    process.execPath,
-    [
-      swactorMain(),
-      "run",
-      "--model",
-      model,
-      "--prompt",
-      PROMPT,
-      "--max-tokens",
-      String(N),
-      "--threads",
-      "1",
-      "--json",
-      ...args
-    ],
-    { env, cwd: repoRoot }
-  )
-  const line = stdout.trim().split("\n").at(-1)!
-  const out = JSON.parse(line) as {
+  const { stdout, stderr } = await run(process.execPath, [swactorMain(), ...runJsonArgs(model, PROMPT, N, args)], {
+    env,
+    cwd: repoRoot
+  })
+  const out = runJsonOutput<{
     ok: boolean
     tokens: Array<{ id: number }>
     summary: { stages: Array<{ backend?: string }> }
-  }
+  }>(stdout)
   return { tokens: out.tokens.map((t) => t.id), backends: out.summary.stages.map((s) => s.backend), stderr }
 }
 

@@ -24,6 +24,7 @@ import type { RunUpdate } from "../../src/services/Orchestrator.js"
 import { repoRoot } from "../support/models.js"
 import { runSynthCli } from "../support/synthCli.js"
 import { modelFolder } from "../support/synthFiles.js"
+import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
 const exec = promisify(execFile)
 const ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
@@ -88,29 +89,13 @@ const reference = async (model: string): Promise<ReadonlyArray<number>> => {
 const swactorRun = async (model: string, stages: number) => {
   const { stdout } = await exec(
     process.execPath,
-    [
-      swactorMain(),
-      "run",
-      "--model",
-      model,
-      "--prompt",
-      PROMPT,
-      "--max-tokens",
-      String(N),
-      "--threads",
-      "1",
-      "--stages",
-      String(stages),
-      "--backend",
-      "vulkan",
-      "--json"
-    ],
+    [swactorMain(), ...runJsonArgs(model, PROMPT, N, ["--stages", String(stages), "--backend", "vulkan"])],
     { env: { ...process.env, ...vulkanEnv }, cwd: repoRoot }
   )
-  const out = JSON.parse(stdout.trim().split("\n").at(-1)!) as {
+  const out = runJsonOutput<{
     tokens: Array<{ id: number }>
     summary: { stages: Array<{ backend?: string }>; recoveries: Array<unknown> }
-  }
+  }>(stdout)
   assert.strictEqual(out.summary.recoveries.length, 0, "no stage failed")
   return { tokens: out.tokens.map((t) => t.id), backends: out.summary.stages.map((s) => s.backend) }
 }
