@@ -1,5 +1,7 @@
 /** What `swactor run --dry-run` prints: the nodes' reported capacity, then the placement the planner made and why. */
+import type { PlacementChoice } from "../domain/plan.js"
 import type { PlacementExplanation, RunUpdate } from "../services/Orchestrator.js"
+import { SPEED_SPLIT_MIN_GAIN } from "../services/Placement.js"
 import { gib, mib } from "./Units.js"
 
 /** `--dry-run`: the nodes' reported capacity, then the placement the planner made. */
@@ -53,7 +55,33 @@ const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray
   }),
   `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
     `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
+  ...speedShares(choice),
   ...(choice.stages.length < pool.length
     ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
     : [])
 ]
+
+/** A speed placement's shares of the blocks, and why they are not (or are) the equal split. */
+const speedShares = (choice: PlacementChoice): ReadonlyArray<string> => {
+  if (choice.intent !== "Speed") return []
+  const shares = choice.stages.map((s) => s.layerEndExclusive - s.layerStart)
+  const total = shares.reduce((sum, n) => sum + n, 0)
+  const equal = choice.equalSplitMillis
+  const why =
+    equal === undefined
+      ? "the equal split does not fit the nodes' memory"
+      : choice.bottleneckMillis < equal
+        ? `the equal split would take ${equal.toFixed(2)} ms per token at its slowest stage`
+        : `the equal split, as splitting by speed would not make the slowest stage ` +
+          `${Math.round(SPEED_SPLIT_MIN_GAIN * 100)}% faster`
+  // A node so slow that one block makes it the slowest stage: the stages asked for keep it, capacity may not.
+  const slowest = choice.stages.find((s) => s.expectedMillis === choice.bottleneckMillis)
+  const fewest =
+    slowest !== undefined && choice.stages.length > 1 && slowest.layerEndExclusive - slowest.layerStart === 1
+      ? [
+          `  the slowest stage, on node ${slowest.nodeId}, holds one block, the fewest a stage can: ` +
+            "--placement capacity may leave that node out"
+        ]
+      : []
+  return [`  blocks by measured speed: ${shares.join(" + ")} of ${total} over the stages in order; ${why}`, ...fewest]
+}

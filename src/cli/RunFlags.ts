@@ -39,9 +39,11 @@ export const runFlags = {
   ...pipelineFlags("orchestrator"),
   placement: Flag.choice("placement", ["balanced", "capacity", "fixed"], {
     group: "Pipeline",
-    text: "balanced: equal blocks per stage; capacity: by node speed within memory; fixed: --layers"
+    text:
+      "balanced: equal blocks per stage; capacity: by node speed within memory, maybe on fewer nodes; " +
+      "fixed: --layers"
   })
-    .optional("balanced; fixed with --layers")
+    .optional("with --agents, the stages' blocks by node speed within memory; else balanced")
     .map(Option.getOrUndefined),
   layers: Flag.text("layers", {
     group: "Pipeline",

@@ -4,9 +4,17 @@
  */
 import { Option } from "effect"
 import { layerLocal, layerRemote } from "../api/generate.js"
-import type { GenerateRequest } from "../services/Orchestrator.js"
+import type { GenerateRequest, PlacementRequest } from "../services/Orchestrator.js"
 import { defaultLocalStages, pipelineOptionsOf } from "./PipelineFlags.js"
 import type { CheckedRunFlags, RunArgs } from "./RunFlags.js"
+
+/**
+ * The placement of run and serve without --placement or --layers: over remote agents (--agents), each node's share of
+ * the blocks by the speed it measured (services/Placement.ts `Speed`: a node 10 times slower gets fewer blocks); local
+ * agents are alike processes of one machine: the equal split.
+ */
+export const defaultPlacement = (agents: ReadonlyArray<string>): { readonly placement?: PlacementRequest } =>
+  agents.length > 0 ? { placement: { _tag: "Speed" } } : {}
 
 /** The generation request of the flags. */
 export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: string): GenerateRequest => ({
@@ -21,7 +29,7 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
   },
   // Nodes that lack the model file receive their stages' slices (remote nodes by default; never for a dry run).
   ...pipelineOptionsOf(flags.pipeline, { localStages: flags.localStages, dryRun: args.dryRun }),
-  ...(flags.placement === undefined ? {} : { placement: flags.placement }),
+  ...(flags.placement === undefined ? defaultPlacement(flags.pipeline.agents) : { placement: flags.placement }),
   ...(args.dryRun ? { dryRun: true } : {})
 })
 

@@ -26,6 +26,7 @@ import {
   plannedStages,
   securityFlags
 } from "./PipelineFlags.js"
+import { defaultPlacement } from "./RunRequestFromFlags.js"
 import { untilOperatorStop } from "./Signals.js"
 import { apiKeyProblem } from "../services/RequestChecks.js"
 
@@ -114,6 +115,7 @@ const serverOf = (args: ServeArgs, pipeline: CheckedPipelineFlags, own: CheckedS
     ...(Option.isSome(own.kvBudgetMib) ? { kvBudgetBytes: own.kvBudgetMib.value * 2 ** 20 } : {}),
     ...(Option.isSome(own.maxPromptTokens) ? { maxPromptTokens: own.maxPromptTokens.value } : {}),
     ...(pipeline.agents.length > 0 ? { agents: pipeline.agents, token: pipeline.token } : {}),
+    ...defaultPlacement(pipeline.agents),
     ...(pipeline.agentArgs.length > 0 ? { local: { extraArgs: () => pipeline.agentArgs } } : {}),
     promptCache: { enabled: args.promptCache !== "off", maxEntries: args.promptCacheEntries }
   })

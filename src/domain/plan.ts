@@ -252,11 +252,14 @@ export type ModelLayout = typeof ModelLayout.Type
 
 /**
  * How blocks are assigned to nodes. `Balanced`: today's equal split over `stageCount` stages on the pool in order.
- * `Capacity`: blocks in proportion to measured speed within each node's memory, possibly on fewer nodes. `Fixed`: the
- * user's ranges (`--layers 0-9,10-15`), stage i on the i-th node of the pool (cycling).
+ * `Speed`: the same `stageCount` stages on the same nodes in the same order, each node's share of the blocks by its
+ * measured speed within its memory (a node 10 times slower gets fewer blocks); the equal split when that is about as
+ * fast. `Capacity`: blocks in proportion to measured speed within each node's memory, possibly on fewer nodes.
+ * `Fixed`: the user's ranges (`--layers 0-9,10-15`), stage i on the i-th node of the pool (cycling).
  */
 export const PlacementIntent = Schema.Union(
   Schema.TaggedStruct("Balanced", { stageCount: Schema.Number }),
+  Schema.TaggedStruct("Speed", { stageCount: Schema.Number }),
   Schema.TaggedStruct("Capacity", {}),
   Schema.TaggedStruct("Fixed", { ranges: Schema.Array(LayerRange) })
 )
@@ -288,8 +291,13 @@ export const PlacedStage = Schema.Struct({
 export type PlacedStage = typeof PlacedStage.Type
 
 export const PlacementChoice = Schema.Struct({
-  intent: Schema.Literal("Balanced", "Capacity", "Fixed"),
+  intent: Schema.Literal("Balanced", "Speed", "Capacity", "Fixed"),
   stages: Schema.Array(PlacedStage),
+  /**
+   * `Speed`: the slowest stage's ms per token had the blocks been split equally over the same stages (the speed split
+   * replaces it only when clearly faster: `SPEED_SPLIT_MIN_GAIN`); absent when the equal split does not fit.
+   */
+  equalSplitMillis: Schema.optional(Schema.Number),
   /** The slowest stage's ms per token: the pipeline's throughput limit when every stage is kept busy. */
   bottleneckMillis: Schema.Number,
   /** Sum of the stages' ms: one token's trip through the pipeline (a single sequence's decode time). */

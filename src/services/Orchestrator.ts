@@ -82,8 +82,10 @@ export interface GenerateRequest {
   /** Stop after planning: report the nodes' capacity and the placement, provision nothing. */
   readonly dryRun?: boolean
   /**
-   * How blocks are placed on nodes (default balanced: equal ranges over `stages`). `Capacity`: in proportion to each
-   * node's speed within its memory, maybe on fewer nodes; `Fixed`: these ranges, stage i on the i-th node.
+   * How blocks are placed on nodes (default balanced: equal ranges over `stages`). `Speed`: the same stages on the same
+   * nodes, each node's share of the blocks by its measured speed within its memory (the CLI's default with --agents);
+   * `Capacity`: in proportion to each node's speed within its memory, maybe on fewer nodes; `Fixed`: these ranges,
+   * stage i on the i-th node.
    */
   readonly placement?: PlacementRequest
   /** Deliver each stage's weights to agents that lack them (see `PipelineOptions.deliverWeights`). */
@@ -270,6 +272,7 @@ export interface PlacementExplanation {
 /** A run's placement intent (see `src/services/Placement.ts`). */
 export type PlacementRequest =
   | { readonly _tag: "Balanced" }
+  | { readonly _tag: "Speed" }
   | { readonly _tag: "Capacity" }
   | { readonly _tag: "Fixed"; readonly ranges: ReadonlyArray<LayerRange> }
 

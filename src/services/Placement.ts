@@ -277,10 +277,68 @@ const capacityPlacement = (
   )
 }
 
+/** The stage count refused when it cannot split the blocks into non-empty ranges. */
+const stageCountProblem = (stageCount: number, numLayers: number): InvalidPlacement | undefined =>
+  !Number.isSafeInteger(stageCount) || stageCount < 1 || stageCount > numLayers
+    ? new InvalidPlacement({ reason: `${stageCount} stages cannot split ${numLayers} blocks into non-empty ranges` })
+    : undefined
+
+/** The equal split over `stageCount` stages, its boundaries moved off shared KV links; refused when it cannot be. */
+const equalRanges = (
+  layout: ModelLayout,
+  stageCount: number
+): Either.Either<ReadonlyArray<LayerRange>, InvalidPlacement> => {
+  const numLayers = layout.blockBytes.length
+  const problem = stageCountProblem(stageCount, numLayers)
+  if (problem !== undefined) return Either.left(problem)
+  const ranges = keepKvShared(layout, partitionLayers(numLayers, stageCount))
+  if (ranges !== undefined) return Either.right(ranges)
+  return Either.left(
+    new InvalidPlacement({
+      reason:
+        `${stageCount} stages cannot split ${numLayers} blocks without separating a shared KV block from ` +
+        `the block whose cache it reads (${legalCuts(layout).length} legal stage boundaries)`
+    })
+  )
+}
+
+/**
+ * How much faster (a fraction of its ms per token) the speed split's slowest stage must be than the equal split's to
+ * replace it: the speed probe's figures vary by a few percent from run to run, and alike nodes keep the equal split.
+ */
+export const SPEED_SPLIT_MIN_GAIN = 0.1
+
+/**
+ * `Speed`: stage i on node i of the pool (cycling), as `Balanced`, but each stage's blocks chosen by the cost model
+ * (`bestSplit`: the smallest bottleneck within every node's memory), so a slower node gets fewer blocks. The equal
+ * split stays when it fits and the speed split's slowest stage is not `SPEED_SPLIT_MIN_GAIN` faster; when neither
+ * fits, the equal split's refusal (naming the node) is the answer.
+ */
+const speedPlacement = (
+  c: Costing,
+  pool: ReadonlyArray<PoolNode>,
+  stageCount: number
+): Either.Either<PlacementChoice, PlacementRejection> => {
+  const problem = stageCountProblem(stageCount, c.numLayers)
+  if (problem !== undefined) return Either.left(problem)
+  const equal = Either.flatMap(equalRanges(c.layout, stageCount), (ranges) => onPool(c, "Speed", pool, ranges))
+  const ranges = bestSplit(
+    c,
+    Array.from({ length: stageCount }, (_, i) => pool[i % pool.length]!)
+  )
+  // bestSplit keeps each stage within its node's memory; a node hosting several stages is checked on their sum here.
+  const bySpeed = ranges === undefined ? undefined : Either.getOrUndefined(onPool(c, "Speed", pool, ranges))
+  if (Either.isLeft(equal)) return bySpeed === undefined ? equal : Either.right(bySpeed)
+  const equalSplitMillis = equal.right.bottleneckMillis
+  const faster = bySpeed !== undefined && bySpeed.bottleneckMillis < equalSplitMillis * (1 - SPEED_SPLIT_MIN_GAIN)
+  return Either.right({ ...(faster ? bySpeed : equal.right), equalSplitMillis })
+}
+
 /**
  * Chooses which node hosts which block range. `Balanced` and `Fixed` keep their ranges and are refused when a node's
- * stages exceed its free memory; `Capacity` searches for the fastest split that fits and is refused with the numbers
- * when no split fits. Deterministic: the same inputs give the same choice.
+ * stages exceed its free memory; `Speed` sizes the ranges of its stages by each node's speed within its memory;
+ * `Capacity` searches for the fastest split that fits and is refused with the numbers when no split fits.
+ * Deterministic: the same inputs give the same choice.
  */
 export const choosePlacement = (
   intent: PlacementIntent,
@@ -300,27 +358,10 @@ export const choosePlacement = (
   }
   const c = costing(layout, options)
   switch (intent._tag) {
-    case "Balanced": {
-      const { stageCount } = intent
-      if (!Number.isSafeInteger(stageCount) || stageCount < 1 || stageCount > numLayers) {
-        return Either.left(
-          new InvalidPlacement({
-            reason: `${stageCount} stages cannot split ${numLayers} blocks into non-empty ranges`
-          })
-        )
-      }
-      const ranges = keepKvShared(layout, partitionLayers(numLayers, stageCount))
-      if (ranges === undefined) {
-        return Either.left(
-          new InvalidPlacement({
-            reason:
-              `${stageCount} stages cannot split ${numLayers} blocks without separating a shared KV block from ` +
-              `the block whose cache it reads (${legalCuts(layout).length} legal stage boundaries)`
-          })
-        )
-      }
-      return onPool(c, "Balanced", pool, ranges)
-    }
+    case "Balanced":
+      return Either.flatMap(equalRanges(layout, intent.stageCount), (ranges) => onPool(c, "Balanced", pool, ranges))
+    case "Speed":
+      return speedPlacement(c, pool, intent.stageCount)
     case "Fixed": {
       const problem = layerRangesProblem(intent.ranges, numLayers, intent.ranges.length)
       if (problem !== undefined) {

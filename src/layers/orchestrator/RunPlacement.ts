@@ -43,7 +43,8 @@ export const poolNodeOf = (nodeId: NodeId, capacity: NodeCapacity): PoolNode => 
 
 /**
  * Chooses the run's placement. `Balanced` (the default) gives stage i of `stageCount` to node i (cycling) with equal
- * ranges, as before; every intent is refused, typed, when a node's stages exceed its reported free memory.
+ * ranges, as before; `Speed` the same stages with ranges sized by the nodes' reported speeds (services/Placement.ts);
+ * every intent is refused, typed, when a node's stages exceed its reported free memory.
  */
 export const placementFor = (args: {
   readonly request: PlacementRequest | undefined
@@ -61,13 +62,13 @@ export const placementFor = (args: {
         ? { _tag: "Capacity" }
         : args.request?._tag === "Fixed"
           ? { _tag: "Fixed", ranges: args.request.ranges }
-          : { _tag: "Balanced", stageCount: args.stageCount }
+          : { _tag: args.request?._tag === "Speed" ? "Speed" : "Balanced", stageCount: args.stageCount }
     // Nodes that did not answer (not needed by a balanced or fixed placement) are not candidates.
     const pool = args.nodes.flatMap((node) => {
       const reported = args.capacity.get(node.nodeId)
       return reported === undefined ? [] : [poolNodeOf(node.nodeId, reported)]
     })
-    // Balanced and fixed cycle stage i onto the i-th node of the whole pool, as the planner's callers always did.
+    // Balanced, speed and fixed cycle stage i onto the i-th node of the whole pool, as the planner's callers always did.
     const ordered =
       intent._tag === "Capacity"
         ? pool
