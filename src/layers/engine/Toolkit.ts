@@ -87,6 +87,12 @@ export interface GraphInputs {
   readonly perLayer?: { readonly rows: Ptr; readonly stride: number; readonly offset: number; readonly first: number }
 }
 
+/**
+ * Products built on the few-row route (Toolkit.mulMatSmall) in this process, counted as graphs are built: what a test
+ * reads to know the route was taken (test/support/engineRoutes.mjs).
+ */
+export const fewRowProducts = { count: 0 }
+
 /** Matrix products over a few rows through ggml's one-row kernel (CPU; see Toolkit.mulMatSmall). */
 export interface SmallBatchMatMul {
   /** Per weight type: most rows that take the one-row kernel (2..n; 0 or 1: never). */
@@ -153,6 +159,7 @@ export class Toolkit {
     if (rows < 2 || !contiguous || !small.allowed(w)) return g.ggml_mul_mat(this.ctx, w, x)
     const weight = small.shapeOf(w)
     if (rows > small.maxRowsFor(weight.type)) return g.ggml_mul_mat(this.ctx, w, x)
+    fewRowProducts.count++
     const y = g.ggml_mul_mat(this.ctx, w, g.ggml_reshape_3d(this.ctx, x, ne[0]!, 1, rows))
     return g.ggml_reshape_2d(this.ctx, y, weight.ne[1]!, rows)
   }
