@@ -23,6 +23,7 @@
 import { Schema } from "effect"
 import { EdgeId, RunId } from "./ids.js"
 import { WakeCoalescing } from "./plan.js"
+import { WireMismatch } from "./wireFormats.js"
 
 const U32 = Schema.Number.pipe(Schema.int(), Schema.between(0, 0xffff_ffff))
 const U16 = Schema.Number.pipe(Schema.int(), Schema.between(0, 0xffff))
@@ -315,6 +316,7 @@ export const EdgeFault = Schema.Union(
   RingMismatch,
   EdgeBusy,
   AuthFailed,
+  WireMismatch,
   ConnectFailed,
   PeerClosed,
   PeerFaulted,
@@ -327,6 +329,8 @@ export type DecodeFault = Malformed | Truncated | Oversized
 
 /** One-line description of a fault, for logs and `FaultFrame.detail`. */
 export const describeFault = (fault: EdgeFault): string => {
+  // A refused peer's formats: its own line, naming both sides' values.
+  if (fault._tag === "WireMismatch") return fault.message
   const { _tag, ...rest } = fault
   const fields = Object.entries(rest).filter(([k]) => k !== "stack" && k !== "message")
   return `${_tag}(${fields.map(([k, v]) => `${k}=${String(v)}`).join(", ")})`

@@ -95,6 +95,8 @@ describe("GGUF broken-file corpus", () => {
   it("unsupported versions", () => {
     const field = findField(storiesLayout, "version")
     for (const v of [0, 1, 4, 0x03000000]) rejects(set(stories, field, v), "UnsupportedVersion", String(v))
+    // A big-endian GGUF is named as such (issue 42: slices and models are little-endian everywhere).
+    rejects(set(stories, field, 0x03000000), "UnsupportedVersion", "version 3 byte-swapped: a big-endian GGUF")
     assert.isTrue(Either.isRight(parse(set(stories, field, 2))))
   })
 

@@ -17,6 +17,7 @@ import { AgentControl, type AgentLink, AgentUnavailable, type StageHost } from "
 import type { NodeEndpoint } from "../../services/Membership.js"
 import type { WeightStore } from "../gguf/SliceStore.js"
 import { receiveSlice, sendSlice, SLICE_STREAM_MAGIC, SliceStreamBroken } from "../gguf/SliceStream.js"
+import { WireMismatch, type WireFormats } from "../../domain/wireFormats.js"
 import { clientHandshake } from "../transport/Auth.js"
 import { authenticatedSocket, makeSocketServer, netOptions } from "../transport/ControlPlane.js"
 
@@ -55,6 +56,8 @@ export interface RpcServerOptions {
   readonly hello: AgentHello
   /** The agent's received slices (weight delivery); without it the agent refuses deliveries. */
   readonly weights?: WeightStore
+  /** What the agent states in its handshakes (default: its own; a test states another wire version or formats). */
+  readonly formats?: WireFormats
 }
 
 /** Serves the control group for a stage host until the scope closes; returns the bound address. */
@@ -66,6 +69,7 @@ export const serveControlRpc = (
     const socketServer = yield* makeSocketServer({
       token: Redacted.make(options.token),
       address: options.address,
+      formats: options.formats,
       // Weight delivery's byte streams arrive on the same port, after the same handshake.
       divert:
         weights === undefined
@@ -117,7 +121,7 @@ export const serveControlRpc = (
 // ---------------------------------------------------------------------------------------------
 
 /** One authenticated connection, paused until the RPC protocol attaches its reader. */
-const openAuthenticated = (address: TransportAddress, token: string, timeout: Duration.DurationInput) =>
+const openAuthenticated = (address: TransportAddress, token: string, timeout: Duration.DurationInput, peer: string) =>
   Effect.acquireRelease(
     Effect.async<Net.Socket, Socket.SocketError>((resume) => {
       const conn = Net.createConnection(netOptions(address))
@@ -135,8 +139,14 @@ const openAuthenticated = (address: TransportAddress, token: string, timeout: Du
   ).pipe(
     // The socket to speak on: TLS over the connection across hosts, the connection itself on loopback.
     Effect.flatMap((conn) =>
-      clientHandshake(conn, { token: Redacted.make(token), timeout }).pipe(
-        Effect.mapError((failed) => new Socket.SocketGenericError({ reason: "Open", cause: new Error(failed.detail) }))
+      clientHandshake(conn, { token: Redacted.make(token), timeout, peer }).pipe(
+        Effect.mapError(
+          (failed) =>
+            new Socket.SocketGenericError({
+              reason: "Open",
+              cause: failed._tag === "WireMismatch" ? failed : new Error(failed.detail)
+            })
+        )
       )
     ),
     Effect.timeoutFail({
@@ -147,6 +157,8 @@ const openAuthenticated = (address: TransportAddress, token: string, timeout: Du
 
 /** Why a control connection could not be opened, in words: a peer that is not a swactor node is named as such. */
 const connectFailure = (address: string, error: Socket.SocketError): string => {
+  // Another wire version or other formats: the handshake's own line names both sides' values.
+  if (error.cause instanceof WireMismatch) return error.cause.message
   const detail = error.cause instanceof Error ? error.cause.message : String(error.cause ?? error.message)
   const prefix = `cannot connect to ${address}`
   if (/^expected |unsupported auth version/.test(detail)) {
@@ -168,11 +180,11 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
     if (address === undefined) return yield* Effect.fail(unavailable(`not a host:port or socket path: ${node.address}`))
     const scope = yield* Effect.scope
     const timeout = "10 seconds"
-    let first: Net.Socket | undefined = yield* openAuthenticated(address, token, timeout).pipe(
+    let first: Net.Socket | undefined = yield* openAuthenticated(address, token, timeout, node.address).pipe(
       Effect.mapError((error) => unavailable(connectFailure(node.address, error)))
     )
     const open = Effect.suspend(() => {
-      if (first === undefined) return openAuthenticated(address, token, timeout)
+      if (first === undefined) return openAuthenticated(address, token, timeout, node.address)
       const conn = first
       first = undefined
       return Effect.succeed(conn)
@@ -214,7 +226,7 @@ const connect = (node: NodeEndpoint, token: string): Effect.Effect<AgentLink, Ag
         finish: (weights) =>
           client.SliceFinish({ weights }).pipe(Effect.catchTag("RpcClientError", (e) => Effect.fail(lost(e)))),
         stream: (transfer) =>
-          openAuthenticated(address, token, timeout).pipe(
+          openAuthenticated(address, token, timeout, node.address).pipe(
             Effect.mapError((error) => unavailable(connectFailure(node.address, error))),
             Effect.flatMap((socket) => sendSlice(socket, transfer)),
             Effect.mapError((e) =>

@@ -16,6 +16,7 @@ import { describeFault, type TransportAddress } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
 import { StageFaultReasons } from "../../domain/runEvents.js"
 import { threadsProblem } from "../../services/RequestChecks.js"
+import { hostByteOrderProblem } from "../../domain/wireFormats.js"
 import {
   type DataListener,
   DataPlane,
@@ -53,6 +54,15 @@ const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
     backend
   ])
 }
+
+/**
+ * Why this agent refuses `request` whatever the attempt, in one line: a big-endian host (its activations would be
+ * misread by little-endian peers; `options.endianness`, default `os.endianness()`), or threads the engine refuses.
+ */
+const provisionRefusal = (request: ProvisionRequest, options: StageHostOptions): string | undefined =>
+  hostByteOrderProblem(options.endianness ?? Os.endianness())?.message ??
+  threadsProblem(request.threads ?? options.threads) ??
+  (request.prefillThreads === undefined ? undefined : threadsProblem(request.prefillThreads))
 
 export const makeStageHost = (
   listener: DataListener,
@@ -176,17 +186,15 @@ export const makeStageHost = (
             yield* reports.end
             return Mailbox.toStream(reports)
           }
-          // A request this agent cannot honour whatever the attempt (threads the engine refuses): refused before
-          // anything loads, as ProvisionFailed, which no recovery retries (not a worker crash).
-          const badThreads =
-            threadsProblem(request.threads ?? options.threads) ??
-            (request.prefillThreads === undefined ? undefined : threadsProblem(request.prefillThreads))
-          if (badThreads !== undefined) {
+          // A request this agent cannot honour whatever the attempt (a big-endian host, threads the engine refuses):
+          // refused before anything loads, as ProvisionFailed, which no recovery retries (not a worker crash).
+          const refused = provisionRefusal(request, options)
+          if (refused !== undefined) {
             yield* reports.offer({
               _tag: "StageFault",
               runId: p.runId,
               stageIndex: p.stageIndex,
-              reason: StageFaultReasons.ProvisionFailed({ message: `stage ${p.stageIndex} refused: ${badThreads}` })
+              reason: StageFaultReasons.ProvisionFailed({ message: `stage ${p.stageIndex} refused: ${refused}` })
             })
             yield* reports.end
             return Mailbox.toStream(reports)

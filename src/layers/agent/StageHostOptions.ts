@@ -4,6 +4,7 @@ import type { WeightStore } from "../gguf/SliceStore.js"
 import type { BatcherSettings } from "./StageBatcher.js"
 import type { Backend } from "../../domain/engine.js"
 import type { NodeDevice } from "../../domain/controlRpc.js"
+import type { Endianness } from "../../domain/wireFormats.js"
 
 export interface StageHostOptions {
   /** The cluster token (data connections to the next stage prove it). */
@@ -41,4 +42,9 @@ export interface StageHostOptions {
   readonly stepProbeRows?: number
   /** The node's ggml devices now (the live engine's Bindings.devices), reported in its capacity. */
   readonly devices?: () => ReadonlyArray<typeof NodeDevice.Type>
+  /**
+   * This host's byte order (default `os.endianness()`): on a big-endian one every stage is refused in one line
+   * (`HostByteOrderUnsupported`, src/domain/wireFormats.ts). A test forces it.
+   */
+  readonly endianness?: Endianness
 }

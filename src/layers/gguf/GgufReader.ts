@@ -299,6 +299,14 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
     fail("NotGguf", `bad magic "${text}" at offset 0 (expected "GGUF")`)
   }
   const version = c.u32("version")
+  if (version === 0x0200_0000 || version === 0x0300_0000) {
+    // gguf-py writes big-endian files on request: their version reads byte-swapped here (issue 42).
+    fail(
+      "UnsupportedVersion",
+      `GGUF version ${version} at offset 4 is version ${version >>> 24} byte-swapped: a big-endian GGUF; swactor ` +
+        "reads little-endian GGUF files only (convert it without --bigendian)"
+    )
+  }
   if (version !== 2 && version !== 3) {
     fail("UnsupportedVersion", `GGUF version ${version} at offset 4 is not supported (only 2 and 3)`)
   }

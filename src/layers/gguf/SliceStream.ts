@@ -7,8 +7,10 @@
  *
  * Wire (after the handshake; lengths u32 little-endian):
  *
- * 1. orchestrator → agent  "SWSL" u32 n, n bytes JSON `{ v: 1, hash, offset, total, sha256 }`
- *    (`sha256`: hex SHA-256 of the whole slice file; `offset`: where the agent's partial file ends)
+ * 1. orchestrator → agent  "SWSL" u32 n, n bytes JSON `{ v: 1, hash, offset, total, sha256, format }`
+ *    (`sha256`: hex SHA-256 of the whole slice file; `offset`: where the agent's partial file ends; `format`: the
+ *    slice's format and byte order, `gguf-le` (GGUF is little-endian by its spec): an agent refuses any other in one
+ *    line, reason `Io`, before it opens the partial file)
  * 2. agent → orchestrator  u32 n, JSON `{ ok: true }` or `{ ok: false, reason, message }` (a `WeightDeliveryError`)
  * 3. orchestrator → agent  the bytes [offset, total) of the slice file, raw
  * 4. agent → orchestrator  u32 n, JSON `{ ok: true, have: total }` once the file is written and its SHA-256 (the
@@ -28,6 +30,8 @@ import type { SliceTransfer } from "../../services/AgentLinks.js"
 
 export const SLICE_STREAM_MAGIC = Buffer.from("SWSL", "ascii")
 const VERSION = 1
+/** What a slice is: a GGUF file, little-endian (issue 42: a mixed x64 + arm64 pipeline reads it the same everywhere). */
+const SLICE_FORMAT = "gguf-le"
 const MAX_MESSAGE = 1 << 16
 const IDLE_TIMEOUT_MS = 120_000
 
@@ -36,7 +40,8 @@ const Request = Schema.Struct({
   hash: Schema.String,
   offset: Schema.Number.pipe(Schema.int(), Schema.nonNegative()),
   total: Schema.Number.pipe(Schema.int(), Schema.nonNegative()),
-  sha256: Schema.String
+  sha256: Schema.String,
+  format: Schema.String
 })
 export type SliceStreamRequest = typeof Request.Type
 
@@ -154,7 +159,8 @@ export const sendSlice = (
           hash: options.hash,
           offset: options.offset,
           total,
-          sha256: options.sha256
+          sha256: options.sha256,
+          format: SLICE_FORMAT
         }
         await send(socket, Buffer.concat([SLICE_STREAM_MAGIC, frame(request)]))
         const refused = refusal(await wire.message())
@@ -193,6 +199,16 @@ export const sendSlice = (
         ? e
         : new SliceStreamBroken(e instanceof Error ? e.message : String(e))
   })
+
+/**
+ * The agent's answer to a slice stream stating another format than `gguf-le`: one line naming both, reason `Io` (not
+ * `Corrupt`: the orchestrator does not send the slice again, whole, in a format this node cannot read).
+ */
+const formatRefusal = (format: string) => ({
+  ok: false,
+  reason: "Io",
+  message: `the slice stream sends ${JSON.stringify(format)} slices; this node reads ${SLICE_FORMAT} only: refused`
+})
 
 /** Where the agent keeps a slice while it arrives, and what happens once it verified. */
 export interface SliceSink {
@@ -261,6 +277,7 @@ export const receiveSlice = (socket: Net.Socket, sink: SliceSink): Effect.Effect
       const decoded = Schema.decodeUnknownOption(Request)(await wire.message())
       if (decoded._tag === "None") return await answer({ ok: false, reason: "Io", message: "malformed slice request" })
       const request = decoded.value
+      if (request.format !== SLICE_FORMAT) return await answer(formatRefusal(request.format))
       const opened = await Effect.runPromise(Effect.either(sink.open(request.hash)))
       if (opened._tag === "Left")
         return await answer({ ok: false, reason: opened.left.reason, message: opened.left.message })

@@ -4,12 +4,21 @@
  *
  * Protocol (fixed-size messages, version 1):
  *
- * 1. client → server `Hello`     = "SWH1" u8 version, 3×u8 0, clientNonce[32]
- * 2. server → client `Challenge` = "SWH2" 4×u8 0, serverNonce[32],
+ * 1. client → server `Hello`     = "SWH1" u8 version, formats[3], clientNonce[32]
+ * 2. server → client `Challenge` = "SWH2" formats[3], u8 0, serverNonce[32],
  *                                  serverProof = HMAC-SHA256(token, "swactor-auth-v1/server" ‖ clientNonce ‖ serverNonce)
  * 3. client checks serverProof, then client → server `Proof` = "SWH3" 4×u8 0,
  *                                  clientProof = HMAC-SHA256(token, "swactor-auth-v1/client" ‖ clientNonce ‖ serverNonce)
- * 4. server checks clientProof, then server → client `Verdict` = "SWH4" u8 (1 accepted, 0 refused), 3×u8 0
+ * 4. server checks clientProof, then server → client `Verdict` = "SWH4" u8 (1 accepted, 0 refused: the proof,
+ *                                  2 refused: the formats), 3×u8 0
+ *
+ * `formats` states what the side speaks (src/domain/wireFormats.ts): u8 wire version (WIRE_VERSION), u8 activation
+ * format, u8 token-id format; a format byte is an element code (1 f32, 2 f16, 3 bf16, 4 u32, 5 i32) with bit 7 set for
+ * big-endian. All zero: not stated (a node of wire 1, which sent zeros there). Once both proofs are checked, each side
+ * compares the other's statement with its own and refuses a difference with `WireMismatch`, one line naming both sides'
+ * values; so a mixed pipeline (x64 + arm64) cannot silently misread activations, and a node of another release is
+ * named as such rather than faulting on its first frame. The formats are compared only after the proofs, so only a
+ * peer holding the token learns why it was refused.
  *
  * Both nonces are 32 fresh random bytes per connection, so a recorded handshake replayed against
  * either side fails (the other side's nonce differs); the two proofs use different labels, so a
@@ -28,7 +37,9 @@
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto"
 import type * as Net from "node:net"
 import { Duration, Effect, Redacted } from "effect"
+import { endianness } from "node:os"
 import { AuthFailed } from "../../domain/frames.js"
+import { nodeWireFormats, sameWireFormats, type WireFormats, WireMismatch } from "../../domain/wireFormats.js"
 import { secure, type TlsMode } from "./Tls.js"
 
 /** The shared secret of a cluster. Build with `Redacted.make("...")`; never logged. */
@@ -46,6 +57,50 @@ const TAG_CHALLENGE = Buffer.from("SWH2", "ascii")
 const TAG_PROOF = Buffer.from("SWH3", "ascii")
 const TAG_VERDICT = Buffer.from("SWH4", "ascii")
 const VERSION = 1
+
+/** Element codes of a format byte (its low 7 bits); bit 7 is set for big-endian. */
+const ELEMENTS = ["f32", "f16", "bf16", "u32", "i32"]
+const BIG_ENDIAN = 0x80
+const UNKNOWN_ELEMENT = 0x7f
+
+/** The byte stating `format` (`<element>-<le|be>`). */
+const formatByte = (format: string): number => {
+  const [element = "", order] = format.split("-")
+  const code = ELEMENTS.indexOf(element) + 1
+  return (code === 0 ? UNKNOWN_ELEMENT : code) | (order === "be" ? BIG_ENDIAN : 0)
+}
+
+/** The format a byte states, in words (an unknown code as `format 0x..`). */
+const formatName = (byte: number): string => {
+  const element = ELEMENTS[(byte & ~BIG_ENDIAN) - 1]
+  return element === undefined
+    ? `format 0x${byte.toString(16).padStart(2, "0")}`
+    : `${element}-${(byte & BIG_ENDIAN) !== 0 ? "be" : "le"}`
+}
+
+/** Write `formats` as its three bytes at `at`. */
+const stateFormats = (message: Buffer, at: number, formats: WireFormats): void => {
+  message[at] = formats.wire
+  message[at + 1] = formatByte(formats.activations)
+  message[at + 2] = formatByte(formats.tokenIds)
+}
+
+/** The formats stated at `at` (undefined: all zero, not stated). */
+const statedFormats = (message: Buffer, at: number): WireFormats | undefined => {
+  const [wire = 0, activations = 0, tokenIds = 0] = message.subarray(at, at + 3)
+  if (wire === 0 && activations === 0 && tokenIds === 0) return undefined
+  return { wire, activations: formatName(activations), tokenIds: formatName(tokenIds) }
+}
+
+const agrees = (theirs: WireFormats | undefined, ours: WireFormats): boolean =>
+  theirs !== undefined && sameWireFormats(theirs, ours)
+
+/** What this side states: the options' formats, else this node's (its host's byte order). */
+const oursOf = (options: HandshakeOptions): WireFormats => options.formats ?? nodeWireFormats(endianness())
+
+/** The peer's address in words: host:port over TCP, "unix socket" over a local socket. */
+const peerOf = (socket: Net.Socket): string =>
+  socket.remoteAddress === undefined ? "unix socket" : `${socket.remoteAddress}:${socket.remotePort ?? "?"}`
 
 /** HMAC-SHA256(token, label ‖ clientNonce ‖ serverNonce). */
 export const proof = (
@@ -150,13 +205,20 @@ export interface HandshakeOptions {
   readonly timeout?: Duration.DurationInput | undefined
   /** Default: --tls / SWACTOR_TLS (auto; config/Settings.ts). */
   readonly tls?: TlsMode | undefined
+  /** What this side states (default: this node's, `nodeWireFormats(os.endianness())`); a test states another. */
+  readonly formats?: WireFormats | undefined
+  /** The peer's name in a refusal (default: the socket's remote address and port). */
+  readonly peer?: string | undefined
 }
+
+/** Why a handshake failed: the token (`AuthFailed`) or what the peer speaks (`WireMismatch`). */
+export type HandshakeError = AuthFailed | WireMismatch
 
 const withReader = (
   socket: Net.Socket,
   options: HandshakeOptions,
-  f: (reader: Reader) => Effect.Effect<void, AuthFailed>
-): Effect.Effect<void, AuthFailed> =>
+  f: (reader: Reader) => Effect.Effect<void, HandshakeError>
+): Effect.Effect<void, HandshakeError> =>
   Effect.acquireUseRelease(
     Effect.sync(() => new Reader(socket)),
     (reader) =>
@@ -169,70 +231,103 @@ const withReader = (
     (reader) => Effect.sync(() => reader.release())
   ).pipe(Effect.tapError(() => Effect.sync(() => socket.destroy())))
 
-/** Server side: the peer must prove the token; we prove it back. On failure the socket is destroyed. */
-export const serverHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<Net.Socket, AuthFailed> =>
-  secured(socket, "server", options, (socket) => serverProtocol(socket, options))
+/**
+ * Server side: the peer must prove the token; we prove it back; then its wire version and formats must be ours. On
+ * failure the socket is destroyed.
+ */
+export const serverHandshake = (
+  socket: Net.Socket,
+  options: HandshakeOptions
+): Effect.Effect<Net.Socket, HandshakeError> =>
+  secured(socket, "server", options, (link) => serverProtocol(link, options, options.peer ?? peerOf(socket)))
 
 const secured = (
   socket: Net.Socket,
   side: "server" | "client",
   options: HandshakeOptions,
-  protocol: (socket: Net.Socket) => Effect.Effect<void, AuthFailed>
-): Effect.Effect<Net.Socket, AuthFailed> =>
+  protocol: (socket: Net.Socket) => Effect.Effect<void, HandshakeError>
+): Effect.Effect<Net.Socket, HandshakeError> =>
   secure(socket, side, {
     token: options.token,
     mode: options.tls,
     timeout: options.timeout ?? DEFAULT_HANDSHAKE_TIMEOUT
   }).pipe(Effect.flatMap((link) => protocol(link).pipe(Effect.as(link))))
 
-const serverProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
+/** Hello (its version checked) → Challenge stating our formats and proving the token → the peer's Proof. */
+const challengePeer = (socket: Net.Socket, reader: Reader, options: HandshakeOptions, ours: WireFormats) =>
+  Effect.gen(function* () {
+    const hello = yield* reader.read(HELLO_BYTES)
+    yield* expectTag(hello, TAG_HELLO, "Hello")
+    if (hello[4] !== VERSION) {
+      return yield* new AuthFailed({ detail: `unsupported auth version ${hello[4]}`, reason: "protocol" })
+    }
+    const clientNonce = hello.subarray(8, 8 + NONCE_BYTES)
+    const serverNonce = randomBytes(NONCE_BYTES)
+    const challenge = Buffer.alloc(CHALLENGE_BYTES)
+    TAG_CHALLENGE.copy(challenge, 0)
+    stateFormats(challenge, 4, ours)
+    serverNonce.copy(challenge, 8)
+    proof(options.token, "server", clientNonce, serverNonce).copy(challenge, 8 + NONCE_BYTES)
+    yield* write(socket, challenge)
+    // A peer that leaves now, having sent a proper Hello, did not accept our proof: it holds another token.
+    const msg = yield* reader.read(PROOF_BYTES).pipe(
+      Effect.mapError((e) =>
+        e.reason === "closed"
+          ? new AuthFailed({
+              detail: "the peer left after our challenge (it holds another cluster token?)",
+              reason: "proof"
+            })
+          : e
+      )
+    )
+    yield* expectTag(msg, TAG_PROOF, "Proof")
+    const ok = sameBytes(msg.subarray(8, 40), proof(options.token, "client", clientNonce, serverNonce))
+    return { ok, theirs: statedFormats(hello, 5) }
+  })
+
+const serverProtocol = (
+  socket: Net.Socket,
+  options: HandshakeOptions,
+  peer: string
+): Effect.Effect<void, HandshakeError> =>
   withReader(socket, options, (reader) =>
     Effect.gen(function* () {
-      const hello = yield* reader.read(HELLO_BYTES)
-      yield* expectTag(hello, TAG_HELLO, "Hello")
-      if (hello[4] !== VERSION) {
-        return yield* new AuthFailed({ detail: `unsupported auth version ${hello[4]}`, reason: "protocol" })
-      }
-      const clientNonce = hello.subarray(8, 8 + NONCE_BYTES)
-      const serverNonce = randomBytes(NONCE_BYTES)
-      const challenge = Buffer.alloc(CHALLENGE_BYTES)
-      TAG_CHALLENGE.copy(challenge, 0)
-      serverNonce.copy(challenge, 8)
-      proof(options.token, "server", clientNonce, serverNonce).copy(challenge, 8 + NONCE_BYTES)
-      yield* write(socket, challenge)
-      // A peer that leaves now, having sent a proper Hello, did not accept our proof: it holds another token.
-      const msg = yield* reader.read(PROOF_BYTES).pipe(
-        Effect.mapError((e) =>
-          e.reason === "closed"
-            ? new AuthFailed({
-                detail: "the peer left after our challenge (it holds another cluster token?)",
-                reason: "proof"
-              })
-            : e
-        )
-      )
-      yield* expectTag(msg, TAG_PROOF, "Proof")
-      const ok = sameBytes(msg.subarray(8, 40), proof(options.token, "client", clientNonce, serverNonce))
+      const ours = oursOf(options)
+      const { ok, theirs } = yield* challengePeer(socket, reader, options, ours)
+      const agreed = agrees(theirs, ours)
       const verdict = Buffer.alloc(VERDICT_BYTES)
       TAG_VERDICT.copy(verdict, 0)
-      verdict[4] = ok ? 1 : 0
+      verdict[4] = !ok ? 0 : agreed ? 1 : 2
       yield* write(socket, verdict)
       if (!ok)
         return yield* new AuthFailed({ detail: "client proof does not match the cluster token", reason: "proof" })
+      if (!agreed) return yield* new WireMismatch({ peer, theirs, ours })
     })
   )
 
-/** Client side: the server must prove the token first; then we prove it. On failure the socket is destroyed. */
-export const clientHandshake = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<Net.Socket, AuthFailed> =>
-  secured(socket, "client", options, (socket) => clientProtocol(socket, options))
+/**
+ * Client side: the server must prove the token first; then we prove it; then its wire version and formats must be
+ * ours. On failure the socket is destroyed.
+ */
+export const clientHandshake = (
+  socket: Net.Socket,
+  options: HandshakeOptions
+): Effect.Effect<Net.Socket, HandshakeError> =>
+  secured(socket, "client", options, (link) => clientProtocol(link, options, options.peer ?? peerOf(socket)))
 
-const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.Effect<void, AuthFailed> =>
+const clientProtocol = (
+  socket: Net.Socket,
+  options: HandshakeOptions,
+  peer: string
+): Effect.Effect<void, HandshakeError> =>
   withReader(socket, options, (reader) =>
     Effect.gen(function* () {
+      const ours = oursOf(options)
       const clientNonce = randomBytes(NONCE_BYTES)
       const hello = Buffer.alloc(HELLO_BYTES)
       TAG_HELLO.copy(hello, 0)
       hello[4] = VERSION
+      stateFormats(hello, 5, ours)
       clientNonce.copy(hello, 8)
       yield* write(socket, hello)
       const challenge = yield* reader.read(CHALLENGE_BYTES)
@@ -248,6 +343,9 @@ const clientProtocol = (socket: Net.Socket, options: HandshakeOptions): Effect.E
       yield* write(socket, msg)
       const verdict = yield* reader.read(VERDICT_BYTES)
       yield* expectTag(verdict, TAG_VERDICT, "Verdict")
-      if (verdict[4] !== 1) return yield* new AuthFailed({ detail: "server refused our proof", reason: "proof" })
+      if (verdict[4] === 0) return yield* new AuthFailed({ detail: "server refused our proof", reason: "proof" })
+      // A server of wire 1 accepts whatever we state (verdict 1): our own comparison refuses it.
+      const theirs = statedFormats(challenge, 4)
+      if (verdict[4] !== 1 || !agrees(theirs, ours)) return yield* new WireMismatch({ peer, theirs, ours })
     })
   )

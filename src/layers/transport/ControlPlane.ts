@@ -16,6 +16,7 @@ import * as Socket from "@effect/platform/Socket"
 import * as SocketServer from "@effect/platform/SocketServer"
 import { type Duration, Effect, Exit, FiberSet, Scope } from "effect"
 import type { TransportAddress } from "../../domain/frames.js"
+import type { WireFormats } from "../../domain/wireFormats.js"
 import { type ClusterToken, serverHandshake } from "./Auth.js"
 import { defaultListenAddress, netOptions, serveSockets } from "./Net.js"
 import { makeHandshakeLog, peerAddress } from "./RefusalLog.js"
@@ -25,6 +26,8 @@ export interface ServerOptions {
   /** Default: TCP 127.0.0.1, an ephemeral port. */
   readonly address?: TransportAddress | undefined
   readonly handshakeTimeout?: Duration.DurationInput | undefined
+  /** What this node states in its handshakes (default: its own; Auth.ts `HandshakeOptions.formats`). */
+  readonly formats?: WireFormats | undefined
   /** Authenticated connections that start with `magic` go to `handle` (it owns the socket) instead of the RPC. */
   readonly divert?:
     | {
@@ -122,7 +125,11 @@ export const makeSocketServer = (
         const fiberSet = yield* FiberSet.make().pipe(Scope.extend(scope))
         const runFork = yield* FiberSet.runtime(fiberSet)<R>()
         const serve = (conn: Net.Socket) =>
-          serverHandshake(conn, { token: options.token, timeout: options.handshakeTimeout }).pipe(
+          serverHandshake(conn, {
+            token: options.token,
+            timeout: options.handshakeTimeout,
+            formats: options.formats
+          }).pipe(
             Effect.matchEffect({
               onFailure: (e) => {
                 // A close before the handshake is a DEBUG line; a failed proof one WARN line naming the peer, at most one

@@ -6,6 +6,7 @@ import { Data, type Duration, type Effect, type Scope } from "effect"
 import type { DataFrame, EdgeBusy, EdgeFault, RingMismatch, TransportAddress } from "../../domain/frames.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
 import type { RingSpec } from "../../domain/plan.js"
+import type { WireFormats } from "../../domain/wireFormats.js"
 import type { ClusterToken } from "./Auth.js"
 
 /** The listener could not be opened. */
@@ -134,6 +135,11 @@ export interface ListenOptions {
    * being refused and polling.
    */
   readonly attachWait?: Duration.DurationInput | undefined
+  /**
+   * What this node states in its handshakes: wire version and number formats (default: its own, from its host's byte
+   * order; src/domain/wireFormats.ts). A connection stating others is refused with `WireMismatch`.
+   */
+  readonly formats?: WireFormats | undefined
 }
 
 export interface ConnectOptions {
@@ -149,4 +155,6 @@ export interface ConnectOptions {
    * (ShmRing.ts) and use the socket only for doorbells, credits and faults. Default false.
    */
   readonly sharedMemory?: boolean | undefined
+  /** What this side states in the handshake (default: this node's); a listener stating others refuses the edge. */
+  readonly formats?: WireFormats | undefined
 }

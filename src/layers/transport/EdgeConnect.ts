@@ -13,7 +13,8 @@ import { ShmRing } from "./ShmRing.js"
 
 /**
  * Open the sending end of an edge: connect, authenticate (mutual HMAC), attach to the receiver
- * registered for `(runId, edgeId)` at `address`. Fails with `ConnectFailed`, `AuthFailed`, or the
+ * registered for `(runId, edgeId)` at `address`. Fails with `ConnectFailed`, `AuthFailed`, `WireMismatch` (the listener
+ * speaks another wire version or other number formats), or the
  * receiver's refusal as `PeerFaulted` (reason `UnknownRun`, `UnknownEdge`, `RingMismatch`,
  * `EdgeBusy`). The stream is ended gracefully when the scope closes.
  */
@@ -61,7 +62,11 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
     )
     const outbound = yield* Effect.gen(function* () {
       // TLS over `raw` across hosts; `raw` itself on loopback and Unix sockets.
-      const socket = yield* clientHandshake(raw, { token: options.token })
+      const socket = yield* clientHandshake(raw, {
+        token: options.token,
+        formats: options.formats,
+        peer: options.address._tag === "Tcp" ? `${options.address.host}:${options.address.port}` : options.address.path
+      })
       return yield* Effect.async<OutboundCore, EdgeFault>((resume) => {
         const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
         const conn: FrameConn = new FrameConn(

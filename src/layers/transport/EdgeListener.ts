@@ -139,8 +139,9 @@ export const listen = (options: ListenOptions): Effect.Effect<EdgeListener, List
     }
 
     const handshakeLog = makeHandshakeLog("data-plane connection")
+    const handshake = { token: options.token, timeout: options.handshakeTimeout, formats: options.formats }
     const onConnection = (raw: Net.Socket): void => {
-      Runtime.runCallback(runtime)(serverHandshake(raw, { token: options.token, timeout: options.handshakeTimeout }), {
+      Runtime.runCallback(runtime)(serverHandshake(raw, handshake), {
         onExit: (exit) => {
           if (Exit.isFailure(exit)) {
             // A close before the handshake is a DEBUG line; a failed proof a WARN line, at most one per peer per 10 s

@@ -12,7 +12,8 @@
  * ```
  * sender                                   listener / receiver
  *   ── TCP/Unix connect ─────────────────▶
- *   ◀── mutual HMAC handshake (Auth.ts) ─▶   (nothing else is read before it succeeds)
+ *   ◀── mutual HMAC handshake (Auth.ts) ─▶   (nothing else is read before it succeeds; each side states its wire
+ *                                             version and number formats, and another is refused: WireMismatch)
  *   ── AttachFrame(run, edge, ring) ─────▶   unknown run / edge, ring mismatch, busy edge →
  *   ◀── AttachedFrame ────────────────────    FaultFrame + close, logged (Effect.logWarning)
  *   ── Token/ActivationFrame ... ─────────▶   frames must carry the attached (run, edge)

@@ -7,7 +7,7 @@
  * | off | size | field                                                              |
  * |-----|------|--------------------------------------------------------------------|
  * |   0 | u32  | magic `0x46415753` ("SWAF")                                        |
- * |   4 | u8   | version (1)                                                        |
+ * |   4 | u8   | version: WIRE_VERSION (2; src/domain/wireFormats.ts)               |
  * |   5 | u8   | type: 1 Token, 2 Activation, 3 Credit, 4 Attach, 5 Attached, 6 Fault, 7 Doorbell |
  * |   6 | u16  | flags (0)                                                          |
  * |   8 | u32  | frameLength: header + body + zero padding, a multiple of the alignment |
@@ -35,7 +35,8 @@
  * typed `DecodeFault` (`Malformed` / `Truncated` / `Oversized`) — never a throw.
  *
  * Ids and step numbers are u32 on the wire; encoding a frame whose fields do not fit fails with
- * `Malformed`. Host byte order is assumed little-endian (x86-64, arm64) for the f32 payload.
+ * `Malformed`. The f32 payload is written in the host's byte order: every handshake states it (`f32-le`; Auth.ts,
+ * src/domain/wireFormats.ts), a peer stating another is refused there, and a big-endian host runs no stage.
  */
 import { Either } from "effect"
 import {
@@ -55,11 +56,12 @@ import {
   Truncated,
   type WireFrame
 } from "../../domain/frames.js"
+import { WIRE_VERSION } from "../../domain/wireFormats.js"
 import { alignUp } from "../../domain/plan.js"
 import type { EdgeId, RunId } from "../../domain/ids.js"
 
 export const MAGIC = 0x46415753
-export const VERSION = 1
+export const VERSION = WIRE_VERSION
 export const HEADER_BYTES = 32
 export const ACTIVATION_BODY_HEADER_BYTES = 24
 export const TOKEN_BODY_HEADER_BYTES = 8

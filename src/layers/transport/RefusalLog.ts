@@ -1,4 +1,4 @@
-import type { AuthFailed } from "../../domain/frames.js"
+import type { HandshakeError } from "./Auth.js"
 
 /**
  * Log lines for refused connections (a failed handshake on the control or the data plane): each names the peer's
@@ -85,15 +85,18 @@ export interface HandshakeLine {
  * What a listener logs about a connection that failed its handshake (`AuthFailed.reason`): a close or a timeout before
  * it authenticated (a TCP health probe, a port scan, a peer that gave up) is one DEBUG line each, never a warning; a
  * failed proof is a WARN line `<what> from <peer> refused: authentication failed: …`, and another protocol spoken a
- * WARN line `… refused: not a swactor handshake: …`, each under its own limits (makeRefusalLog), so no flood of one kind
- * hides the first line of another.
+ * WARN line `… refused: not a swactor handshake: …`, and a peer of another wire version or formats (`WireMismatch`,
+ * after both proofs) a WARN line `… refused: peer … speaks wire …; this node speaks wire …`, each under its own limits
+ * (makeRefusalLog), so no flood of one kind hides the first line of another.
  */
 export const makeHandshakeLog = (what: string, options: RefusalLogOptions = {}) => {
   const proofs = makeRefusalLog(what, options)
   const strangers = makeRefusalLog(what, options)
-  return (peer: string, failure: AuthFailed): HandshakeLine | undefined => {
+  const otherWires = makeRefusalLog(what, options)
+  return (peer: string, failure: HandshakeError): HandshakeLine | undefined => {
     const warning = (line: string | undefined): HandshakeLine | undefined =>
       line === undefined ? undefined : { level: "Warning", line }
+    if (failure._tag === "WireMismatch") return warning(otherWires.refused(peer, failure.message))
     switch (failure.reason) {
       case "closed":
         return { level: "Debug", line: `${what} from ${peer} closed before authenticating (${failure.detail})` }
