@@ -21,7 +21,7 @@ import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
 import * as Flag from "./FlagSpec.js"
 import { commandDoc, optionsOf } from "./FlagSpec.js"
-import { backendFlag, checkAgentFlags, securityFlags, threadsFlag } from "./PipelineFlags.js"
+import { backendFlag, checkAgentFlags, gpuMemoryFlag, securityFlags, threadsFlag } from "./PipelineFlags.js"
 import { untilOperatorStop } from "./Signals.js"
 
 export class NodeUsageError extends Data.TaggedError("NodeUsageError")<{ readonly message: string }> {}
@@ -228,6 +228,7 @@ const nodeFlags = {
   ...securityFlags,
   threads: threadsFlag(engineGroup),
   backend: backendFlag(engineGroup, ""),
+  gpuMemory: gpuMemoryFlag(engineGroup, ""),
   memoryLimit: Flag.integer("memory-limit", {
     group: engineGroup,
     value: "BYTES",

@@ -12,6 +12,7 @@ import {
   chooseSetting,
   clusterTokenFrom,
   ggmlPackageSetting,
+  gpuMemorySetting,
   settingFromFlagOrEnv,
   threadsSetting,
   type TlsMode,
@@ -80,6 +81,16 @@ export const backendFlag = (group: string, whose: "" | " of the local agents") =
       (whose === "" ? "" : "; remote agents choose their own")
   }).optional(`cpu stages; the package from ${ggmlPackageSetting.doc.variable}, else ${ggmlPackageSetting.doc.default}`)
 
+/** `--gpu-memory` of node (the agent's own), and of run and serve for the local agents they start. */
+export const gpuMemoryFlag = (group: string, whose: "" | " of the local agents") =>
+  Flag.integer("gpu-memory", {
+    group,
+    value: "BYTES",
+    text:
+      `the most device memory a GPU stage${whose} uses: a larger stage keeps its last blocks on the device and the ` +
+      "rest in host memory, run by the CPU (like llama.cpp's -ngl); 0: every block on the CPU"
+  }).optional("the device's free memory")
+
 const sparesFlag = Flag.integer("spares", {
   group: pipeline,
   text: `local agents: extra agents that host nothing until a recovery needs them (at most ${maxSpares})`
@@ -103,6 +114,7 @@ export const pipelineFlags = (receiver: "orchestrator" | "server") => ({
   threads: threadsFlag(pipeline),
   prefillThreads: prefillThreadsFlag,
   backend: backendFlag(pipeline, " of the local agents"),
+  gpuMemory: gpuMemoryFlag(pipeline, " of the local agents"),
   spares: sparesFlag,
   deliverWeights: deliverWeightsFlag,
   tokenLoop: tokenLoopFlag(receiver)
@@ -194,6 +206,19 @@ const localBackendArgs = (
   })
 
 /**
+ * `--gpu-memory BYTES`: a whole number of bytes, 0 or more, becoming this process's setting (SWACTOR_GPU_MEMORY: its
+ * engine and the local agents it starts read it). Refused beside `--agents`: a remote agent's is its own.
+ */
+const checkGpuMemory = (flag: Option.Option<number>, remote: boolean): Effect.Effect<void, UsageError> => {
+  if (Option.isNone(flag)) return Effect.void
+  if (remote) return fail("--gpu-memory applies to local agents; a remote agent's is its own swactor node --gpu-memory")
+  if (!Number.isSafeInteger(flag.value) || flag.value < 0) {
+    return fail(`--gpu-memory: ${flag.value} is not a whole number of bytes (0 or more)`)
+  }
+  return Effect.sync(() => chooseSetting(gpuMemorySetting, String(flag.value)))
+}
+
+/**
  * The cluster token: the file named by `--token-file` (trimmed), else SWACTOR_CLUSTER_TOKEN, else "" (none). A file
  * that cannot be read, a token shorter than 16 characters or one with under 64 bits of estimated entropy is a
  * UsageError naming where it came from and how to make one (config/Settings.ts `clusterTokenFrom`, the library's too).
@@ -230,6 +255,7 @@ export const checkPipelineFlags = (args: PipelineArgs) =>
     const token = yield* clusterToken(args.tokenFile)
     yield* tlsMode(args.tls)
     const agentArgs = yield* localBackendArgs(args.backend, agents.length > 0)
+    yield* checkGpuMemory(args.gpuMemory, agents.length > 0)
     if (agents.length > 0 && token === "") return yield* fail(`--agents needs the cluster token: ${giveToken}`)
     return {
       agents,
@@ -251,6 +277,7 @@ export type CheckedPipelineFlags = Effect.Effect.Success<ReturnType<typeof check
 interface AgentArgs extends Flag.ArgsOf<typeof securityFlags> {
   readonly threads: Option.Option<number>
   readonly backend: Option.Option<Backend>
+  readonly gpuMemory: Option.Option<number>
 }
 
 /**
@@ -263,6 +290,7 @@ export const checkAgentFlags = (args: AgentArgs) =>
     if (token === "") return yield* fail(`no cluster token: ${giveToken}`)
     const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
     const backend = yield* checkBackend(args.backend)
+    yield* checkGpuMemory(args.gpuMemory, false)
     const tls = yield* tlsMode(args.tls)
     return { token, threads, backend, tls }
   })

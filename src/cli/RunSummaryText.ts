@@ -3,6 +3,14 @@ import { formatAddress } from "../layers/agent/AgentControlRpc.js"
 import type { RunSummary } from "../services/Orchestrator.js"
 import { mib, ms, size } from "./Units.js"
 
+/** A GPU stage's split: its blocks on the device, and device memory planned and allocated, host memory planned. */
+const deviceText = (device: RunSummary["stages"][number]["device"], layers: readonly [number, number]): string =>
+  device === undefined
+    ? ""
+    : `, ${device.blocks} of ${layers[1] - layers[0]} blocks on the device: weights ${size(device.allocated.weightBytes)} ` +
+      `of ${size(device.weightBytes)} planned, caches ${size(device.allocated.cacheBytes)} of ${size(device.cacheBytes)}, ` +
+      `compute ${size(device.allocated.computeBytes)} of ${size(device.computeBytes)}; host ${size(device.hostBytes)}`
+
 export const renderSummary = (summary: RunSummary): string => {
   const lines = [
     `${summary.generatedTokens} tokens (${summary.outcome === "Eos" ? "end of sequence" : "max tokens"}), ` +
@@ -14,7 +22,7 @@ export const renderSummary = (summary: RunSummary): string => {
   for (const s of summary.stages) {
     lines.push(
       `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}` +
-        `${s.backend === undefined ? "" : `, ${s.backend}`}): ` +
+        `${s.backend === undefined ? "" : `, ${s.backend}`}${deviceText(s.device, s.layers)}): ` +
         `compute ${ms(s.computeMillisPerToken)} ms/token, load ${ms(s.loadMillis)} ms${s.cachedWeights ? " (cached weights)" : ""}` +
         (s.peakResidentBytes > 0
           ? `; agent memory ${mib(s.residentBytes)}, peak ${mib(s.peakResidentBytes)} (KV ${size(s.kvBytes)}, compute ${size(

@@ -22,6 +22,7 @@
  */
 import { Rpc, RpcGroup } from "@effect/rpc"
 import { Schema } from "effect"
+import { DeviceBytes, StageDeviceSplit } from "./engine.js"
 import { TransportAddress } from "./frames.js"
 import { EdgeId, RunId } from "./ids.js"
 import { ProvisionStage, RingSpec } from "./plan.js"
@@ -53,6 +54,11 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
    * agent process's resident set now and at its peak (VmRSS, VmHWM; every stage the agent hosts shares them).
    */
   computeBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /**
+   * A GPU stage: the device memory its backend allocated while the stage ran, from ggml's buffer sizes (the most of
+   * each part seen). Absent: a CPU stage.
+   */
+  device: Schema.optional(DeviceBytes),
   kvBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   residentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   peakResidentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
@@ -74,6 +80,11 @@ export const StageReport = Schema.Union(
     cachedWeights: Schema.Boolean,
     /** Where the stage computes: "cpu", or the GPU package's backend ("cuda", "vulkan"). Absent: an older node. */
     backend: Schema.optional(Schema.String),
+    /**
+     * A GPU stage's split (services/DeviceFit.ts): its last `blocks` blocks on the device, and the device and host
+     * bytes the fit counted. Absent: a CPU stage, or an older node.
+     */
+    device: Schema.optional(StageDeviceSplit),
     /** Prompt cache: KV positions the stage's session took over from the entry its provision named (absent: none). */
     cachedPositions: Schema.optional(Schema.Number),
     /**

@@ -14,6 +14,11 @@ export interface StageLoadSpec {
    * SWACTOR_GGML_PACKAGE); "auto": the GPU of the loaded package when it has one, else the CPU.
    */
   readonly backend?: Backend
+  /**
+   * A GPU stage: the most device memory it may use (the node's `--gpu-memory`); absent: the device's free memory. A
+   * stage larger than that keeps its last blocks on the device and the rest in host memory (services/DeviceFit.ts).
+   */
+  readonly deviceBudgetBytes?: number
 }
 
 /** The ggml backends a stage runs on, and the package a process loads for them (`--backend`). */
@@ -24,6 +29,26 @@ export interface LoadProgress {
   readonly loadedBytes: number
   readonly totalBytes: number
 }
+
+/** Device memory of a GPU stage, part by part: weights, one session's caches, compute buffer. */
+export const DeviceBytes = Schema.Struct({
+  weightBytes: Schema.Number,
+  cacheBytes: Schema.Number,
+  computeBytes: Schema.Number
+})
+export type DeviceBytes = typeof DeviceBytes.Type
+
+/**
+ * A GPU stage's split (services/DeviceFit.ts): its last `blocks` blocks on the device; the device memory the fit
+ * counted for them (caches at the context it planned for, the compute buffer it keeps room for) and the host memory of
+ * the rest (weights and caches).
+ */
+export const StageDeviceSplit = Schema.Struct({
+  ...DeviceBytes.fields,
+  blocks: Schema.Number,
+  hostBytes: Schema.Number
+})
+export type StageDeviceSplit = typeof StageDeviceSplit.Type
 
 /** Facts about a loaded stage that the runtime needs. */
 export interface StageInfo {
@@ -41,6 +66,12 @@ export interface StageInfo {
   /** Sum of the byte sizes (from the GGUF table) of the tensors this stage holds. */
   readonly weightBytes: number
   readonly backend: string
+  /**
+   * A GPU stage's split (services/DeviceFit.ts): its last `blocks` blocks on the device, and the device and host bytes
+   * the fit counted for them. Absent: a CPU stage.
+   */
+  readonly device?: StageDeviceSplit
+
   /**
    * KV cache bytes per cached position of one session on this stage (K and V, F16, every block of the range).
    * A session of context length c allocates ceil(c / 256) * 256 positions, so it holds that many times this.

@@ -4,6 +4,7 @@
  */
 import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
+import type { DeviceBytes, StageDeviceSplit } from "../domain/engine.js"
 import type { LayerRange, ModelFacts, PlacementChoice, PoolNode } from "../domain/plan.js"
 import type { PlacementRejection, PlanRejection } from "../domain/planErrors.js"
 import { RunFaultReason } from "../domain/runEvents.js"
@@ -204,6 +205,13 @@ export interface StageSummary {
   readonly cachedWeights: boolean
   /** Where the stage computed: "cpu", "cuda", "vulkan" (absent: the node did not say). */
   readonly backend?: string
+  /**
+   * A GPU stage: its last `blocks` blocks on the device, the bytes the fit counted (services/DeviceFit.ts: weights,
+   * one session's caches at the planned context and the compute buffer kept on the device; weights and caches in host
+   * memory), and what its backend allocated on the device while it ran, from ggml's buffer sizes (`allocated`: the most
+   * of each part seen). Absent: a CPU stage.
+   */
+  readonly device?: StageDeviceSplit & { readonly allocated: DeviceBytes }
   /** The prompt's time on this stage, from its arrival to its output (batcher wait included). */
   readonly prefillComputeMillis: number
   /** Of that, the time it waited in the agent's batcher for partners or behind other micro-batches. */

@@ -1,6 +1,7 @@
 import { Context, type Effect, type Scope } from "effect"
 import {
   ContextOverflow,
+  type DeviceBytes,
   type ForwardBatchError,
   type ForwardError,
   InvalidStageInput,
@@ -25,7 +26,15 @@ export interface LoadedStage {
    * What the loaded stage holds now, measured (the live engine: its weight buffers and mapped weights, and every
    * cached graph's compute buffer). Absent: not known (test doubles).
    */
-  readonly memory?: () => { readonly weightBytes: number; readonly computeBytes: number }
+  readonly memory?: () => {
+    readonly weightBytes: number
+    readonly computeBytes: number
+    /**
+     * A GPU stage: the device memory its backend allocated now, from ggml's buffer sizes: weights, its open sessions'
+     * caches, compute buffers. Absent: a CPU stage.
+     */
+    readonly device?: DeviceBytes
+  }
 }
 
 /** One sequence's KV cache over a loaded stage. */

@@ -10,6 +10,7 @@ import { Cause, Deferred, Effect, Either, Exit, type Mailbox, Option, Queue, RcM
 import type { TokenLoop } from "../../domain/controlRpc.js"
 import { type DataFrame, describeFault, type EdgeFault, type TransportAddress } from "../../domain/frames.js"
 import type { ModelLoadError } from "../../domain/gguf.js"
+import type { DeviceBytes } from "../../domain/engine.js"
 import type { SamplingPolicy } from "../../domain/plan.js"
 import { StageFaultReasons } from "../../domain/runEvents.js"
 import {
@@ -135,6 +136,16 @@ const mergeReceivers = (a: EdgeReceiver, b: EdgeReceiver) =>
       Effect.flatMap((item) => (Either.isRight(item) ? Effect.succeed(item.right) : Effect.fail(item.left)))
     )
   })
+
+/** The most of each part of a GPU stage's device memory seen so far. */
+const largestDeviceBytes = (seen: DeviceBytes | undefined, now: DeviceBytes): DeviceBytes =>
+  seen === undefined
+    ? now
+    : {
+        weightBytes: Math.max(seen.weightBytes, now.weightBytes),
+        cacheBytes: Math.max(seen.cacheBytes, now.cacheBytes),
+        computeBytes: Math.max(seen.computeBytes, now.computeBytes)
+      }
 
 const contextOf = (request: ProvisionRequest, loaded: LoadedStage) =>
   Math.min(request.contextLength, loaded.info.contextLength)
@@ -295,7 +306,9 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
     const kvBytes = kvBytesOfStage(loaded.info, contextOf(request, loaded))
     // the largest seen while the session lives (its own graph slot is freed with it)
     progress.measureStage = () => {
-      stats.computeBytes = Math.max(stats.computeBytes, loaded.memory?.().computeBytes ?? 0)
+      const memory = loaded.memory?.()
+      stats.computeBytes = Math.max(stats.computeBytes, memory?.computeBytes ?? 0)
+      if (memory?.device !== undefined) stats.device = largestDeviceBytes(stats.device, memory.device)
       stats.kvBytes = kvBytes
     }
     yield* reports.offer({
@@ -305,6 +318,7 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
       loadMillis: stats.loadMillis,
       cachedWeights: stats.cachedWeights,
       backend: loaded.info.backend,
+      ...(loaded.info.device === undefined ? {} : { device: loaded.info.device }),
       ...(cachedPositions === undefined ? {} : { cachedPositions }),
       ...(loopOut === undefined ? {} : { tokenLoop: true })
     })

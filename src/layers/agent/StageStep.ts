@@ -6,7 +6,7 @@
  */
 import { Data, Effect } from "effect"
 import type { TokenLoop, ProvisionRequest } from "../../domain/controlRpc.js"
-import type { StageInput, StageOutput } from "../../domain/engine.js"
+import type { DeviceBytes, StageInput, StageOutput } from "../../domain/engine.js"
 import { type DataFrame, describeFault, type EdgeFault } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
 import { type StageFaultReason, StageFaultReasons } from "../../domain/runEvents.js"
@@ -37,6 +37,7 @@ export const freshStats = () => ({
   decodeComputeMillis: 0,
   ...emptyBatchCounters(),
   computeBytes: 0,
+  device: undefined as DeviceBytes | undefined,
   kvBytes: 0,
   residentBytes: 0,
   peakResidentBytes: 0,

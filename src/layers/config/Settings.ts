@@ -83,6 +83,15 @@ const docs = {
       "which node-llama-cpp ggml package an agent loads and where its stages run: cpu, cuda, vulkan, or auto (cuda " +
       "when an NVIDIA driver is seen, else vulkan when a Vulkan loader and the package are there, on its GPU if any)"
   }),
+  gpuMemory: doc({
+    variable: "SWACTOR_GPU_MEMORY",
+    flag: "--gpu-memory BYTES",
+    commands: "node; run and serve for their local agents",
+    default: "the device's free memory",
+    meaning:
+      "the most device memory a GPU stage uses: a stage larger keeps its last blocks on the device and the rest in " +
+      "host memory, run by the CPU (like llama.cpp's -ngl); 0 keeps every block on the CPU"
+  }),
   threads: doc({
     variable: "SWACTOR_THREADS",
     flag: "--threads N",
@@ -278,6 +287,25 @@ export const ggmlPackageNow = (): GgmlPackage =>
       docs.ggmlPackage,
       (text) => (text === "cuda" || text === "vulkan" || text === "auto" ? text : undefined),
       "cpu" as GgmlPackage
+    )
+  )
+
+export const gpuMemorySetting: UserSetting<Option.Option<number>> = {
+  doc: docs.gpuMemory,
+  expected: "a whole number of bytes",
+  config: described(docs.gpuMemory, Config.option(Config.integer(docs.gpuMemory.variable)))
+}
+
+/** SWACTOR_GPU_MEMORY when a whole number of bytes (a GPU stage's device budget), else undefined. */
+export const gpuMemoryNow = (): number | undefined =>
+  readLenient(
+    lenient(
+      docs.gpuMemory,
+      (text) => {
+        const v = Number(text)
+        return text.trim() !== "" && Number.isSafeInteger(v) && v >= 0 ? v : undefined
+      },
+      undefined as number | undefined
     )
   )
 

@@ -281,15 +281,17 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     if (it.session.swaSize !== null)
       it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
   })
-  if (w.device === "cpu") {
+  if (w.device === "cpu" || w.split !== null) {
     // a lone call of several rows (a prompt) may take the session's prefill threads (SessionOptions.prefillThreads)
     const lonePrompt = items.length === 1 && nTotal > 1
     w.lastThreads = lonePrompt ? items[0]!.session.prefillThreads : Math.max(...items.map((it) => it.session.threads))
-    g.setThreads(w.backend, w.lastThreads)
+    g.setThreads(w.threadsBackend, w.lastThreads)
   }
   let status: number
   try {
-    status = await g.computeAsync(w.backend, c.graph)
+    // a GPU stage's graph runs through its slot's scheduler (device, and the CPU for what stays in host memory)
+    status =
+      slot.sched !== null ? await g.schedComputeAsync(slot.sched, c.graph) : await g.computeAsync(w.backend, c.graph)
   } finally {
     // the graph's own memory again, whatever happened
     if (borrowed !== null) koffi.encode(c.hidden!, TensorLayout.data, "uintptr_t", borrowed)

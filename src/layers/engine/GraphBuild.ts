@@ -12,7 +12,7 @@ import { exactRowsDefault } from "./SmallBatch.js"
 import { type AttentionSegment, type BlockWeights, type GraphInputs, Toolkit } from "./Toolkit.js"
 import { checkedOps } from "./OpChecks.js"
 import { activationWidth, joinStageOutput, splitStageInput } from "./PerLayerInputs.js"
-import { checkGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
+import { checkGraph, checkScheduledGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
 import type { NativeWeights } from "./Weights.js"
 
 /**
@@ -175,9 +175,11 @@ export const buildGraph = (
     raw.ggml_set_output(x)
     raw.ggml_build_forward_expand(graph, x)
 
-    // one backend, no scheduler: every node must be one the device computes as built (WeightPlacement.ts, rule 3)
-    checkGraph(w.ggml, w.dev, graph, w.extraWeights)
-    if (!raw.ggml_gallocr_alloc_graph(slot.galloc, graph)) throw new Error("could not allocate the compute graph")
+    // a CPU stage has one backend, no scheduler: every node must be one the device computes as built (rule 3); a GPU
+    // stage's scheduler runs on the CPU what the device does not compute, and must be given nothing neither computes
+    if (w.split === null) checkGraph(w.ggml, w.dev, graph, w.extraWeights)
+    else checkScheduledGraph(w.ggml, w.dev, graph)
+    if (!slot.allocate(graph)) throw new Error("could not allocate the compute graph")
     return {
       key,
       sessions: items.map((it) => it.session.id),

@@ -38,25 +38,64 @@ export interface CachedGraph {
 }
 
 /**
- * A graph allocator and the last graph it placed. A decode step of the same shape as the last call skips graph
- * construction (hundreds of native calls) and allocation; a call of another shape frees the cached graph.
+ * How a stage's graphs are placed and run: on one backend by a graph allocator (a CPU stage), or by a ggml scheduler
+ * over the GPU backend and the CPU backend (a GPU stage: blocks left in host memory, and ops the device does not
+ * compute, run on the CPU, with copies only where a split changes backend).
+ */
+export type GraphPlacer =
+  | { readonly kind: "backend"; readonly buft: Ptr }
+  | { readonly kind: "scheduler"; readonly gpu: Ptr; readonly cpu: Ptr }
+
+/**
+ * A graph allocator (or scheduler) and the last graph it placed. A decode step of the same shape as the last call skips
+ * graph construction (hundreds of native calls) and allocation; a call of another shape frees the cached graph.
  */
 export class GraphSlot {
   cached: CachedGraph | null = null
   private freed = false
-  readonly galloc: Ptr
+  readonly galloc: Ptr | null
+  /** The scheduler of a GPU stage's slot (made for the first graph, again for a larger one). */
+  sched: Ptr | null = null
+  private schedSize = 0
 
   constructor(
     readonly raw: GgmlRaw,
-    buft: Ptr,
+    private readonly placer: GraphPlacer,
     private readonly onFree: (slot: GraphSlot) => void = () => {}
   ) {
-    this.galloc = raw.ggml_gallocr_new(buft)
+    this.galloc = placer.kind === "backend" ? raw.ggml_gallocr_new(placer.buft) : null
   }
 
-  /** Bytes of this slot's compute buffer (what its largest graph so far needed). */
+  /** Places a built graph's tensors in this slot's compute buffers (false: no memory). */
+  allocate(graph: Ptr): boolean {
+    if (this.galloc !== null) return this.raw.ggml_gallocr_alloc_graph(this.galloc, graph)
+    if (this.placer.kind !== "scheduler") return false
+    // the scheduler's hash set must hold every node and leaf (ggml asserts it): a graph holds at most `size` of each
+    const needed = 2 * this.raw.ggml_graph_size(graph) + 64
+    if (this.sched === null || this.schedSize < needed) {
+      if (this.sched !== null) this.raw.ggml_backend_sched_free(this.sched)
+      this.sched = this.raw.ggml_backend_sched_new([this.placer.gpu, this.placer.cpu], null, 2, needed, false, true)
+      this.schedSize = needed
+      if (this.sched === null) throw new Error("could not make the GPU stage's scheduler")
+    }
+    this.raw.ggml_backend_sched_reset(this.sched)
+    return this.raw.ggml_backend_sched_alloc_graph(this.sched, graph)
+  }
+
+  /** Bytes of this slot's compute buffers (what its largest graph so far needed), on `backend` only when given. */
+  computeBytesOn(backend?: Ptr): number {
+    if (this.freed) return 0
+    if (this.galloc !== null) return this.raw.ggml_gallocr_get_buffer_size(this.galloc, 0)
+    if (this.sched === null || this.placer.kind !== "scheduler") return 0
+    const backends = backend === undefined ? [this.placer.gpu, this.placer.cpu] : [backend]
+    let sum = 0
+    for (const b of backends) sum += this.raw.ggml_backend_sched_get_buffer_size(this.sched!, b)
+    return sum
+  }
+
+  /** Bytes of this slot's compute buffers (what its largest graph so far needed). */
   get computeBytes(): number {
-    return this.freed ? 0 : this.raw.ggml_gallocr_get_buffer_size(this.galloc, 0)
+    return this.computeBytesOn()
   }
 
   drop(): void {
@@ -73,7 +112,9 @@ export class GraphSlot {
     if (this.freed) return
     this.freed = true
     this.drop()
-    this.raw.ggml_gallocr_free(this.galloc)
+    if (this.galloc !== null) this.raw.ggml_gallocr_free(this.galloc)
+    if (this.sched !== null) this.raw.ggml_backend_sched_free(this.sched)
+    this.sched = null
     this.onFree(this)
   }
 }
@@ -89,18 +130,18 @@ export class StageGraphs {
 
   constructor(
     private readonly raw: GgmlRaw,
-    private readonly buft: Ptr
+    private readonly placer: GraphPlacer
   ) {}
 
   /** A new session's own slot (freed with the session). */
   sessionSlot(): GraphSlot {
-    const slot = new GraphSlot(this.raw, this.buft, (s) => this.sessionSlots.delete(s))
+    const slot = new GraphSlot(this.raw, this.placer, (s) => this.sessionSlots.delete(s))
     this.sessionSlots.add(slot)
     return slot
   }
 
   batchSlot(): GraphSlot {
-    return (this.batch ??= new GraphSlot(this.raw, this.buft))
+    return (this.batch ??= new GraphSlot(this.raw, this.placer))
   }
 
   /** The slot for a decode step over several sessions: the one holding `key`'s graph, else the least recently used. */
@@ -108,7 +149,7 @@ export class StageGraphs {
     let at = this.decodeSlots.findIndex((slot) => slot.cached?.key === key)
     if (at < 0) {
       if (this.decodeSlots.length < DECODE_GRAPH_SLOTS) {
-        this.decodeSlots.push(new GraphSlot(this.raw, this.buft))
+        this.decodeSlots.push(new GraphSlot(this.raw, this.placer))
         at = this.decodeSlots.length - 1
       } else {
         at = 0
@@ -127,9 +168,14 @@ export class StageGraphs {
 
   /** Bytes of every compute buffer of the stage (its sessions' slots included). */
   get computeBytes(): number {
-    let total = this.batch?.computeBytes ?? 0
-    for (const slot of this.decodeSlots) total += slot.computeBytes
-    for (const slot of this.sessionSlots) total += slot.computeBytes
+    return this.computeBytesOn()
+  }
+
+  /** Bytes of every compute buffer of the stage on `backend` (a GPU stage's device or CPU), or on all when absent. */
+  computeBytesOn(backend?: Ptr): number {
+    let total = this.batch?.computeBytesOn(backend) ?? 0
+    for (const slot of this.decodeSlots) total += slot.computeBytesOn(backend)
+    for (const slot of this.sessionSlots) total += slot.computeBytesOn(backend)
     return total
   }
 

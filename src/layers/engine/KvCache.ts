@@ -41,7 +41,12 @@ export const heldSessionBytes = (): {
 export class NativeSession {
   readonly id = nextSessionId++
   private readonly kvCtx: Ptr
-  private readonly kvBuffer: Ptr
+  /** Bytes of this session's caches in a GPU stage's device memory (0 on the CPU). */
+  private readonly deviceKvBytes: number
+  /** A GPU stage's caches of the blocks left in host memory (NativeWeights.onDevice), when it has any. */
+  private readonly hostKvCtx: Ptr | null
+  /** The caches' buffers: one, or a GPU stage's device and host buffers (its blocks split by NativeWeights.onDevice). */
+  private readonly kvBuffers: ReadonlyArray<Ptr>
   readonly kv: Map<number, KvLayer> = new Map()
   /** Graphs of calls on this session alone (a lone session keeps its decode graph between steps). */
   readonly slot: GraphSlot
@@ -85,15 +90,22 @@ export class NativeSession {
       mem_buffer: null,
       no_alloc: true
     })
+    const split = weights.split
+    const hostCtx =
+      split !== null && split.deviceFrom > spec.layerStart
+        ? raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * (2 * nLayers + 1), mem_buffer: null, no_alloc: true })
+        : null
+    this.hostKvCtx = hostCtx
     let stateBytes = 0
     for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
       const m = blockMemory(hp, il)
+      const ctx = split === null || weights.onDevice(il) ? this.kvCtx : hostCtx!
       // a DeltaNet block (qwen35): its recurrent state, F32, constant size (k: conv state, v: SSM state)
       if (m.kind === "state") {
         stateBytes += stateBytesOfMemory(m)
-        const k = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, m.conv)
+        const k = raw.ggml_new_tensor_1d(ctx, GgmlType.F32, m.conv)
         raw.ggml_set_name(k, `cache_r_l${il}`)
-        const v = raw.ggml_new_tensor_1d(this.kvCtx, GgmlType.F32, m.ssm)
+        const v = raw.ggml_new_tensor_1d(ctx, GgmlType.F32, m.ssm)
         raw.ggml_set_name(v, `cache_s_l${il}`)
         this.kv.set(il, { k, v })
         continue
@@ -101,26 +113,28 @@ export class NativeSession {
       // a block reading an earlier block's cache (HParams.kvShare: gemma4's shared KV layers) keeps none
       if (m.kind === "sharedKv") continue
       const cells = m.window !== undefined ? this.swaSize! : kvSize
-      const k = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, m.kRow, cells)
+      const k = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, m.kRow, cells)
       raw.ggml_set_name(k, `cache_k_l${il}`)
       // latent attention: no V cache, V is read from K (the latent attention builds its own view)
       if (m.vRow === 0) {
         this.kv.set(il, { k, v: k })
         continue
       }
-      const v = raw.ggml_new_tensor_2d(this.kvCtx, GgmlType.F16, m.vRow, cells)
+      const v = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, m.vRow, cells)
       raw.ggml_set_name(v, `cache_v_l${il}`)
       this.kv.set(il, { k, v })
     }
-    const devBuft = raw.ggml_backend_dev_buffer_type(weights.dev)
-    const buf = raw.ggml_backend_alloc_ctx_tensors_from_buft(this.kvCtx, devBuft)
-    if (buf === null) {
+    const caches = allocateCaches(weights, this.kvCtx, hostCtx)
+    if (caches === null) {
       raw.ggml_free(this.kvCtx)
+      if (hostCtx !== null) raw.ggml_free(hostCtx)
       throw new Error(`could not allocate the KV cache (${kvSize} cells x ${nLayers} blocks)`)
     }
-    this.kvBuffer = buf
+    this.kvBuffers = caches.buffers
+    this.deviceKvBytes = weights.split === null ? 0 : caches.deviceBytes
+    weights.deviceKvBytes += this.deviceKvBytes
     // zeroed: NaN garbage in masked cells would still poison softmax(QK)·V
-    raw.ggml_backend_buffer_clear(buf, 0)
+    for (const buf of caches.buffers) raw.ggml_backend_buffer_clear(buf, 0)
     this.slot = weights.graphs.sessionSlot()
     this.stateBytes = stateBytes
     if (!scratch) {
@@ -136,7 +150,9 @@ export class NativeSession {
 
   /** Bytes of the allocated K and V caches. */
   get kvBytes(): number {
-    return this.weights.ggml.raw.ggml_backend_buffer_get_size(this.kvBuffer)
+    let sum = 0
+    for (const b of this.kvBuffers) sum += this.weights.ggml.raw.ggml_backend_buffer_get_size(b)
+    return sum
   }
 
   /** The sliding window, when the stage holds sliding-window blocks whose cache is smaller than the context's. */
@@ -180,7 +196,7 @@ export class NativeSession {
   reset(): void {
     this.filled = 0
     this.swaLow = 0
-    if (!this.freed) this.weights.ggml.raw.ggml_backend_buffer_clear(this.kvBuffer, 0)
+    if (!this.freed) for (const b of this.kvBuffers) this.weights.ggml.raw.ggml_backend_buffer_clear(b, 0)
   }
 
   /**
@@ -269,11 +285,41 @@ export class NativeSession {
       held.stateBytes -= this.stateBytes
       held.cacheBytes -= this.kvBytes
     }
+    this.weights.deviceKvBytes -= this.deviceKvBytes
     this.weights.graphs.forgetSession(this.id)
     this.slot.free()
-    raw.ggml_backend_buffer_free(this.kvBuffer)
+    for (const b of this.kvBuffers) raw.ggml_backend_buffer_free(b)
     raw.ggml_free(this.kvCtx)
+    if (this.hostKvCtx !== null) raw.ggml_free(this.hostKvCtx)
   }
 }
 
 export const inputLength = (input: StageInput) => (input._tag === "Tokens" ? input.tokens.length : input.nTokens)
+
+/**
+ * Allocates a session's caches: those of the weights' device (every block of a CPU stage, a GPU stage's blocks on the
+ * device) and, for a GPU stage with blocks left in host memory, theirs in a CPU buffer. Null when one could not be
+ * allocated (what was allocated is freed). A context holding no tensor gets no buffer.
+ */
+const allocateCaches = (
+  weights: NativeWeights,
+  deviceCtx: Ptr,
+  hostCtx: Ptr | null
+): { readonly buffers: Array<Ptr>; readonly deviceBytes: number } | null => {
+  const raw = weights.ggml.raw
+  const out: Array<Ptr> = []
+  let deviceBytes = 0
+  const sides: Array<[Ptr, Ptr]> = [[deviceCtx, raw.ggml_backend_dev_buffer_type(weights.dev)]]
+  if (hostCtx !== null) sides.push([hostCtx, raw.ggml_backend_dev_buffer_type(weights.ggml.cpuDevice())])
+  for (const [ctx, buft] of sides) {
+    if (raw.ggml_get_first_tensor(ctx) === null) continue
+    const buf = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+    if (buf === null) {
+      for (const b of out) raw.ggml_backend_buffer_free(b)
+      return null
+    }
+    out.push(buf)
+    if (ctx === deviceCtx) deviceBytes = raw.ggml_backend_buffer_get_size(buf)
+  }
+  return { buffers: out, deviceBytes }
+}

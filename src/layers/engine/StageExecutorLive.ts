@@ -33,9 +33,10 @@ import { type NativeItem, NativeSession } from "./KvCache.js"
 import { stageMemoryOf } from "./BlockMemory.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
+import { splitForDevice } from "./DeviceSplit.js"
 import { activationWidth } from "./PerLayerInputs.js"
 import { type Ggml, getGgml, type Ptr } from "../ggml/Bindings.js"
-import { engineHooks, threadsNow } from "../config/Settings.js"
+import { engineHooks, gpuMemoryNow, threadsNow } from "../config/Settings.js"
 import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 
@@ -54,7 +55,19 @@ export class LiveLoadedStage implements LoadedStage {
   get bufferBytes(): number {
     return this.weights.bufferBytes
   }
-  memory = () => ({ weightBytes: this.weights.bufferBytes + this.weights.mappedBytes, computeBytes: this.computeBytes })
+  memory = () => ({
+    weightBytes: this.weights.bufferBytes + this.weights.mappedBytes,
+    computeBytes: this.computeBytes,
+    ...(this.weights.split === null
+      ? {}
+      : {
+          device: {
+            weightBytes: this.weights.deviceWeightBytes,
+            cacheBytes: this.weights.deviceKvBytes,
+            computeBytes: this.weights.graphs.computeBytesOn(this.weights.backend)
+          }
+        })
+  })
   /** Bytes of the stage's compute buffers (every cached graph's allocation, its sessions' included; GraphCache.ts). */
   get computeBytes(): number {
     return this.weights.graphs.computeBytes
@@ -87,7 +100,16 @@ export interface LiveOptions {
   readonly defaultThreads?: number
   /** KV cache length when a session does not say (default min(model context, 4096)). */
   readonly defaultContextLength?: number
+  /**
+   * A GPU stage's device budget when its spec does not say (StageLoadSpec.deviceBudgetBytes; default:
+   * SWACTOR_GPU_MEMORY, `--gpu-memory`, when set, else the device's free memory).
+   */
+  readonly deviceBudgetBytes?: number
 }
+
+/** A session's context length when it does not say: the option, else min(the model's, 4096). */
+const defaultContextOf = (options: LiveOptions, modelContext: number): number =>
+  options.defaultContextLength ?? Math.min(modelContext, 4096)
 
 const load =
   (options: LiveOptions, catalog: ModelCatalogService) =>
@@ -106,13 +128,25 @@ const load =
           })
       })
       const gpu = yield* stageGpu(spec, ggml)
-      const device = gpu === null ? ("cpu" as const) : ("gpu" as const)
+      // a GPU stage larger than its device's budget keeps its last blocks there, the rest in host memory
+      const share =
+        gpu === null
+          ? null
+          : splitForDevice(
+              layout,
+              ggml,
+              gpu,
+              defaultContextOf(options, layout.hp.nCtxTrain),
+              spec.deviceBudgetBytes ?? options.deviceBudgetBytes
+            )
+      const device = share === null || share.blocks === 0 ? ("cpu" as const) : ("gpu" as const)
       const weights = yield* Effect.acquireRelease(
         Effect.tryPromise({
           try: () =>
             loadWeights(layout, {
               repack: options.repack ?? true,
               device,
+              ...(share === null ? {} : { deviceFrom: spec.layerEndExclusive - share.blocks }),
               ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
               ...(options.smallBatchRows !== undefined ? { smallBatchRows: options.smallBatchRows } : {}),
               ...(options.zeroCopy !== undefined ? { zeroCopy: options.zeroCopy } : {}),
@@ -146,6 +180,7 @@ const load =
         bosTokenId: hp.bosTokenId,
         weightBytes: layout.weightBytes,
         backend: device === "gpu" ? ggml.library.gpu || "gpu" : "cpu",
+        ...(share === null ? {} : { device: share }),
         // KV rows, DeltaNet states and capped sliding-window caches of the range's blocks (BlockMemory.ts)
         ...stageMemoryOf(hp, spec.layerStart, spec.layerEndExclusive)
       }
@@ -248,8 +283,7 @@ const session =
         return yield* Effect.dieMessage("StageExecutorLive.session: the stage was not loaded by this executor")
       }
       const info = stage.info
-      const contextLength =
-        sessionOptions.contextLength ?? options.defaultContextLength ?? Math.min(info.contextLength, 4096)
+      const contextLength = sessionOptions.contextLength ?? defaultContextOf(options, info.contextLength)
       const threads = sessionOptions.threads ?? options.defaultThreads ?? availableParallelism()
       if (!Number.isSafeInteger(contextLength) || contextLength < 1 || contextLength > 1 << 20) {
         return yield* Effect.dieMessage(`contextLength ${contextLength} must be an integer in [1, 2^20]`)
@@ -320,7 +354,9 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
 const withHooks = (options: LiveOptions): LiveOptions => {
   const hooks = engineHooks()
   const threads = threadsNow()
+  const gpuMemory = gpuMemoryNow()
   return {
+    ...(gpuMemory === undefined ? {} : { deviceBudgetBytes: gpuMemory }),
     mmap: hooks.mmap,
     hugePages: hooks.hugePages,
     zeroCopy: hooks.zeroCopy,

@@ -31,6 +31,8 @@ export interface PlannedTensor {
   readonly name: string
   readonly info: GgufTensorInfo
   readonly use: WeightUse
+  /** Which part of the stage it serves: its input tables (first stage), shared by its blocks, a block, the output head. */
+  readonly part: "input" | "shared" | "block" | "output"
 }
 
 export interface StageLayout {
@@ -185,24 +187,29 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
     }
     if (spec.isFirst) {
       const info = yield* checkTensor(file, "token_embd.weight", embdSpec)
-      if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows" })
+      if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows", part: "input" })
       // first stage only: tables looked up by token id (gemma4's per_layer_token_embd) and their projections
       for (const s of arch.inputTensors?.(hp) ?? []) {
         const info = yield* checkTensor(file, s.name, s)
         if (info !== undefined)
-          out.push({ name: s.name, info, use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s) })
+          out.push({
+            name: s.name,
+            info,
+            use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s),
+            part: "input"
+          })
       }
     }
     for (const s of arch.sharedTensors?.(hp) ?? []) {
       const info = yield* checkTensor(file, s.name, s)
-      if (info !== undefined) out.push({ name: s.name, info, use: useOf(s) })
+      if (info !== undefined) out.push({ name: s.name, info, use: useOf(s), part: "shared" })
     }
     for (let il = start; il < end; il++) {
       // per block: an architecture may mix block kinds (glm4moe: dense leading blocks, then routed ones)
       for (const s of arch.blockTensors(hp, il)) {
         const name = `blk.${il}.${s.name}`
         const info = yield* checkTensor(file, name, s)
-        if (info !== undefined) out.push({ name, info, use: useOf(s) })
+        if (info !== undefined) out.push({ name, info, use: useOf(s), part: "block" })
       }
     }
     let tiedOutput = false
@@ -213,18 +220,18 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
         kind: "vector",
         required: true
       })
-      if (norm !== undefined) out.push({ name: "output_norm.weight", info: norm, use: "vector" })
+      if (norm !== undefined) out.push({ name: "output_norm.weight", info: norm, use: "vector", part: "output" })
       const output = yield* checkTensor(file, "output.weight", { ...embdSpec, name: "output.weight", required: false })
       if (output !== undefined) {
-        out.push({ name: "output.weight", info: output, use: "mul_mat" })
+        out.push({ name: "output.weight", info: output, use: "mul_mat", part: "output" })
       } else {
         tiedOutput = true
         const embd = yield* checkTensor(file, "token_embd.weight", embdSpec)
-        if (embd !== undefined) out.push({ name: "output.weight", info: embd, use: "mul_mat" })
+        if (embd !== undefined) out.push({ name: "output.weight", info: embd, use: "mul_mat", part: "output" })
       }
       for (const s of arch.outputTensors?.(hp) ?? []) {
         const info = yield* checkTensor(file, s.name, s)
-        if (info !== undefined) out.push({ name: s.name, info, use: useOf(s) })
+        if (info !== undefined) out.push({ name: s.name, info, use: useOf(s), part: "output" })
       }
     }
     for (const t of out) {

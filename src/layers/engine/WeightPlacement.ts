@@ -189,3 +189,89 @@ export const checkGraph = (g: Ggml, dev: Ptr, graph: Ptr, extraWeights: Readonly
     }
   }
 }
+
+/**
+ * A GPU stage's weight goes into device memory only when the device computes every product the graphs build over it
+ * there (rule 1's probes with the device's own buffer type; a gather by I32 ids for a table looked up by token):
+ * llama.cpp's `weight_buft_supported`. Otherwise it stays in host memory and the scheduler runs those products on the
+ * CPU (GraphCache.ts), never a crash.
+ */
+export const deviceComputesWeight = (
+  g: Ggml,
+  dev: Ptr,
+  use: "get_rows" | "mul_mat" | "mul_mat_id" | "vector",
+  type: number,
+  dims: ReadonlyArray<number>
+): boolean => {
+  const buft = g.raw.ggml_backend_dev_buffer_type(dev)
+  if (use === "vector") return true
+  if (use === "mul_mat_id") {
+    return dims.length === 3 && extraTypeSupportsExperts(g, dev, buft, type, dims[0]!, dims[1]!, dims[2]!)
+  }
+  if (use === "mul_mat") return dims.length === 2 && extraTypeSupports(g, dev, buft, type, dims[0]!, dims[1] ?? 1)
+  return gatherSupported(g, dev, buft, type, dims[0]!, dims[1] ?? 1)
+}
+
+const gatherSupported = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne0: number, ne1: number): boolean => {
+  const raw = g.raw
+  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 4, mem_buffer: null, no_alloc: true })
+  if (ctx === null) return false
+  try {
+    const w = raw.ggml_new_tensor_2d(ctx, type, ne0, ne1)
+    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
+    if (buf === null) return false
+    g.setTensorBuffer(w, buf)
+    try {
+      return raw.ggml_backend_dev_supports_op(
+        dev,
+        raw.ggml_get_rows(ctx, w, raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 8))
+      )
+    } finally {
+      g.setTensorBuffer(w, null)
+      raw.ggml_backend_buffer_free(buf)
+    }
+  } finally {
+    raw.ggml_free(ctx)
+  }
+}
+
+/** The tensor whose memory a node writes in place (itself, or the tensor it views), when it has memory already. */
+const preallocatedBuffer = (t: Ptr): Ptr | null => {
+  const own = koffi.decode(t, TensorLayout.buffer, "void *") as Ptr | null
+  if (own !== null) return own
+  const src = koffi.decode(t, TensorLayout.viewSrc, "void *") as Ptr | null
+  return src === null ? null : (koffi.decode(src, TensorLayout.buffer, "void *") as Ptr | null)
+}
+
+/**
+ * Before a GPU stage's graph goes to its scheduler: every node must be one that the device or the CPU computes (else
+ * ggml_backend_sched aborts the process: "all nodes should be assigned"), and a node writing into memory it already
+ * has (a KV cache row) must be one the device holding that memory computes (else "pre-allocated tensor ... cannot run
+ * the operation"). Throws a one-line error naming the node otherwise.
+ */
+export const checkScheduledGraph = (g: Ggml, gpu: Ptr, graph: Ptr): void => {
+  const raw = g.raw
+  const cpu = g.cpuDevice()
+  const cpuBuft = raw.ggml_backend_dev_buffer_type(cpu)
+  const nodes = raw.ggml_graph_n_nodes(graph)
+  for (let i = 0; i < nodes; i++) {
+    const node = raw.ggml_graph_node(graph, i)
+    const buffer = preallocatedBuffer(node)
+    const owner =
+      buffer === null
+        ? null
+        : raw.ggml_backend_buffer_get_type(buffer) === cpuBuft || raw.ggml_backend_buffer_is_host(buffer)
+          ? cpu
+          : gpu
+    const ok =
+      owner !== null
+        ? raw.ggml_backend_dev_supports_op(owner, node)
+        : raw.ggml_backend_dev_supports_op(gpu, node) || raw.ggml_backend_dev_supports_op(cpu, node)
+    if (!ok) {
+      throw new Error(
+        `graph node ${i} (${raw.ggml_op_desc(node)}): neither the ${raw.ggml_backend_dev_name(gpu)} device nor the ` +
+          "CPU computes it in the shape and buffers this graph builds"
+      )
+    }
+  }
+}

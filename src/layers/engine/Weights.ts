@@ -21,8 +21,8 @@ import {
   unmapAll
 } from "./FileMap.js"
 import { StageGraphs } from "./GraphCache.js"
-import type { StageLayout } from "./StageLayout.js"
-import { chooseExtraBuffer, type WeightHome } from "./WeightPlacement.js"
+import type { PlannedTensor, StageLayout } from "./StageLayout.js"
+import { chooseExtraBuffer, deviceComputesWeight, type WeightHome } from "./WeightPlacement.js"
 
 const GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1
 const READ_CHUNK = 4 * 1024 * 1024
@@ -50,6 +50,16 @@ export interface TensorPlacement {
 }
 
 export type DeviceKind = "cpu" | "gpu"
+
+/**
+ * A GPU stage's split between device and host memory (like llama.cpp's `-ngl`): blocks from `deviceFrom` on, with the
+ * output head, in device memory; earlier blocks (and the input tables when any block stays behind) in host memory, run
+ * on the CPU by the stage's scheduler. The CPU backend runs those and the ops the device does not compute.
+ */
+export interface DeviceSplitOf {
+  readonly deviceFrom: number
+  readonly cpuBackend: Ptr
+}
 
 /** The buffer type name of weights used in place from the file mapping. */
 export const MAPPED_BUFFER_TYPE = "CPU_Mapped"
@@ -81,9 +91,31 @@ export class NativeWeights {
       readonly bytes: number
     }> = [],
     /** Addresses of the weights in extra (repacked) buffer types (WeightPlacement.ts, rules 2 and 3). */
-    readonly extraWeights: ReadonlySet<bigint> = new Set()
+    readonly extraWeights: ReadonlySet<bigint> = new Set(),
+    /** A GPU stage's split (null on the CPU). */
+    readonly split: DeviceSplitOf | null = null,
+    /** Bytes of the weight buffers in device memory (a GPU stage; 0 on the CPU). */
+    readonly deviceWeightBytes: number = 0
   ) {
-    this.graphs = new StageGraphs(ggml.raw, ggml.raw.ggml_backend_dev_buffer_type(dev))
+    this.graphs = new StageGraphs(
+      ggml.raw,
+      split === null
+        ? { kind: "backend", buft: ggml.raw.ggml_backend_dev_buffer_type(dev) }
+        : { kind: "scheduler", gpu: backend, cpu: split.cpuBackend }
+    )
+  }
+
+  /** Bytes of the device buffers of the caches of this stage's open sessions (KvCache.ts keeps it). */
+  deviceKvBytes = 0
+
+  /** Is block `il`'s memory (weights, KV) on the device? */
+  onDevice(il: number): boolean {
+    return this.split !== null && il >= this.split.deviceFrom
+  }
+
+  /** The backend threads are set on: the stage's CPU backend (a GPU stage's CPU part). */
+  get threadsBackend(): Ptr {
+    return this.split === null ? this.backend : this.split.cpuBackend
   }
 
   /** Where a loaded weight lives (WeightPlacement.ts). */
@@ -213,6 +245,7 @@ export class NativeWeights {
     for (const b of this.laterBuffers) raw.ggml_backend_buffer_free(b)
     for (const c of this.contexts) raw.ggml_free(c)
     raw.ggml_backend_free(this.backend)
+    if (this.split !== null) raw.ggml_backend_free(this.split.cpuBackend)
     // after the buffers: nothing points into the mappings any more
     unmapAll(this.regions)
   }
@@ -265,6 +298,8 @@ export const loadWeights = async (
     readonly zeroCopy?: boolean
     /** Advise transparent huge pages for CPU weight memory (default true). */
     readonly hugePages?: boolean
+    /** A GPU stage: the first block in device memory (default: the stage's first, every block on the device). */
+    readonly deviceFrom?: number
     readonly onProgress?: (p: LoadProgress) => void
   } = {}
 ): Promise<NativeWeights> => {
@@ -276,6 +311,7 @@ export const loadWeights = async (
   // on a GPU every weight lives in device memory; on the CPU quantized matrices may be repacked
   const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
   const extra = options.repack === false || device === "gpu" ? [] : g.cpuExtraBufferTypes()
+  const homeBuft = homeOf(g, layout, device, dev, options.deviceFrom ?? layout.spec.layerStart)
 
   let regions: ReadonlyArray<FileRegion> = []
   if (mmapWanted(options.mmap, device)) {
@@ -307,9 +343,9 @@ export const loadWeights = async (
   const groups = new Map<Ptr | FileRegion, Array<{ name: string; index: number; addr?: bigint }>>()
   const keys: Array<Ptr | FileRegion> = []
   layout.tensors.forEach((t, index) => {
-    let buft = cpuBuft
+    let buft = homeBuft(t)
     if (t.use === "mul_mat" || t.use === "mul_mat_id")
-      buft = chooseExtraBuffer(g, extra, t.use, t.info.type, t.info.dims) ?? cpuBuft
+      buft = chooseExtraBuffer(g, extra, t.use, t.info.type, t.info.dims) ?? buft
     let key: Ptr | FileRegion = buft
     let addr: bigint | undefined
     if (buft === cpuBuft && t.info.byteSize > 0 && t.info.offset % MAPPED_ALIGNMENT === 0) {
@@ -335,7 +371,9 @@ export const loadWeights = async (
   /** tensors in an extra (repacked) buffer type: set whole, repacking needs every row at once */
   const repacked = new Set<string>()
   let backend: Ptr | null = null
+  let cpuBackend: Ptr | null = null
   let bufferBytes = 0
+  let deviceBytes = 0
   let mappedBytes = 0
   let releasedAtLoad = 0
   const inPlaceRanges: Array<readonly [bigint, number]> = []
@@ -395,7 +433,7 @@ export const loadWeights = async (
       for (const m of members) {
         const t = layout.tensors[m.index]!
         placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
-        if (buft !== cpuBuft) repacked.add(t.name)
+        if (device === "cpu" && buft !== cpuBuft) repacked.add(t.name)
       }
       const buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
       if (buffer === null) {
@@ -407,6 +445,7 @@ export const loadWeights = async (
       }
       buffers.push(buffer)
       bufferBytes += raw.ggml_backend_buffer_get_size(buffer)
+      if (device === "gpu" && buft === cpuBuft) deviceBytes += raw.ggml_backend_buffer_get_size(buffer)
     }
 
     const total = layout.weightBytes
@@ -467,6 +506,7 @@ export const loadWeights = async (
     }
     backend = raw.ggml_backend_dev_init(dev, null)
     if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
+    if (device === "gpu") cpuBackend = startCpuBackend(g)
     const extraWeights = new Set<bigint>()
     for (const name of repacked) extraWeights.add(koffi.address(tensors.get(name)!))
     const weights = new NativeWeights(
@@ -483,7 +523,9 @@ export const loadWeights = async (
       mappedBytes,
       regions,
       mappedTensors,
-      extraWeights
+      extraWeights,
+      cpuBackend === null ? null : { deviceFrom: options.deviceFrom ?? layout.spec.layerStart, cpuBackend },
+      deviceBytes
     )
     weights.releasedBytes = releasedAtLoad
     const fixedRows = options.smallBatchRows
@@ -495,7 +537,42 @@ export const loadWeights = async (
     for (const b of buffers) raw.ggml_backend_buffer_free(b)
     for (const c of contexts) raw.ggml_free(c)
     if (backend !== null) raw.ggml_backend_free(backend)
+    if (cpuBackend !== null) raw.ggml_backend_free(cpuBackend)
     unmapAll(regions)
     throw e
   }
+}
+
+/**
+ * Where a tensor is allocated: `dev`'s buffer type, or for a GPU stage's tensor that stays behind (DeviceSplitOf, or a
+ * type the device does not compute: WeightPlacement.ts deviceComputesWeight) the CPU's.
+ */
+const homeOf = (g: Ggml, layout: StageLayout, device: DeviceKind, dev: Ptr, deviceFrom: number) => {
+  const devBuft = g.raw.ggml_backend_dev_buffer_type(dev)
+  const hostBuft = g.raw.ggml_backend_dev_buffer_type(g.cpuDevice())
+  return (t: PlannedTensor): Ptr =>
+    device === "gpu" &&
+    !(onDeviceSide(layout, t, deviceFrom) && deviceComputesWeight(g, dev, t.use, t.info.type, t.info.dims))
+      ? hostBuft
+      : devBuft
+}
+
+/** The CPU backend of a GPU stage's scheduler (it runs what stays in host memory). */
+const startCpuBackend = (g: Ggml): Ptr => {
+  const backend = g.raw.ggml_backend_dev_init(g.cpuDevice(), null)
+  if (backend === null) throw new Error("could not start the ggml CPU backend of the GPU stage")
+  return backend
+}
+
+/**
+ * Does tensor `t` belong on the device side of a GPU stage whose blocks from `deviceFrom` are on the device? A block's
+ * tensors by its index; the input tables (first in the layout: token embeddings, per-layer tables) only when every
+ * block is; shared and output tensors when any block is.
+ */
+const onDeviceSide = (layout: StageLayout, t: PlannedTensor, deviceFrom: number): boolean => {
+  const { layerEndExclusive, layerStart } = layout.spec
+  const block = /^blk\.(\d+)\./.exec(t.name)
+  if (block !== null) return Number(block[1]) >= deviceFrom
+  if (t.part === "input") return deviceFrom <= layerStart
+  return deviceFrom < layerEndExclusive
 }

@@ -447,6 +447,7 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
       usage: number
     ) => void,
     ggml_backend_buffer_get_type: b("void * ggml_backend_buffer_get_type(void * buffer)") as (buffer: Ptr) => Ptr,
+    ggml_backend_buffer_is_host: b("bool ggml_backend_buffer_is_host(void * buffer)") as (buffer: Ptr) => boolean,
     // weights mapped from the file (Native.ts): a CPU buffer over foreign memory, tensors placed at addresses in it
     ggml_backend_cpu_buffer_from_ptr: b("void * ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size)") as (
       ptr: unknown,
@@ -519,7 +520,34 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
       op: Ptr
     ) => boolean,
     ggml_backend_graph_compute: m("int ggml_backend_graph_compute(void * backend, void * graph)") as AsyncFn,
-    ggml_backend_synchronize: m("void ggml_backend_synchronize(void * backend)") as (backend: Ptr) => void
+    ggml_backend_synchronize: m("void ggml_backend_synchronize(void * backend)") as (backend: Ptr) => void,
+
+    // the scheduler of a GPU stage: ops its device does not compute, and blocks left in host memory, run on the CPU
+    ggml_graph_size: b("int ggml_graph_size(void * graph)") as (graph: Ptr) => number,
+    ggml_backend_sched_new: b(
+      "void * ggml_backend_sched_new(void ** backends, void ** bufts, int n_backends, size_t graph_size, bool parallel, bool op_offload)"
+    ) as (
+      backends: ReadonlyArray<Ptr>,
+      bufts: null,
+      nBackends: number,
+      graphSize: number,
+      parallel: boolean,
+      opOffload: boolean
+    ) => Ptr | null,
+    ggml_backend_sched_free: b("void ggml_backend_sched_free(void * sched)") as (sched: Ptr) => void,
+    ggml_backend_sched_reset: b("void ggml_backend_sched_reset(void * sched)") as (sched: Ptr) => void,
+    ggml_backend_sched_alloc_graph: b("bool ggml_backend_sched_alloc_graph(void * sched, void * graph)") as (
+      sched: Ptr,
+      graph: Ptr
+    ) => boolean,
+    ggml_backend_sched_graph_compute: b("int ggml_backend_sched_graph_compute(void * sched, void * graph)") as AsyncFn,
+    ggml_backend_sched_get_n_splits: b("int ggml_backend_sched_get_n_splits(void * sched)") as (sched: Ptr) => number,
+    ggml_backend_sched_get_buffer_size: b(
+      "size_t ggml_backend_sched_get_buffer_size(void * sched, void * backend)"
+    ) as (sched: Ptr, backend: Ptr) => number,
+    ggml_backend_sched_get_tensor_backend: b(
+      "void * ggml_backend_sched_get_tensor_backend(void * sched, void * node)"
+    ) as (sched: Ptr, node: Ptr) => Ptr | null
   }
 }
 
@@ -556,6 +584,8 @@ export interface Ggml {
   readonly setTensorBuffer: (t: Ptr, buffer: Ptr | null) => void
   /** Runs the graph on a koffi worker thread (the event loop keeps running). */
   readonly computeAsync: (backend: Ptr, graph: Ptr) => Promise<number>
+  /** Runs an allocated graph through a scheduler on a koffi worker thread. */
+  readonly schedComputeAsync: (sched: Ptr, graph: Ptr) => Promise<number>
 }
 
 let cached: Ggml | undefined
@@ -812,6 +842,13 @@ const init = (): Ggml => {
     computeAsync: (backend, graph) =>
       new Promise<number>((resolve, reject) => {
         raw.ggml_backend_graph_compute.async(backend, graph, (err: unknown, status: number) => {
+          if (err) reject(err instanceof Error ? err : new Error(String(err)))
+          else resolve(status)
+        })
+      }),
+    schedComputeAsync: (sched, graph) =>
+      new Promise<number>((resolve, reject) => {
+        raw.ggml_backend_sched_graph_compute.async(sched, graph, (err: unknown, status: number) => {
           if (err) reject(err instanceof Error ? err : new Error(String(err)))
           else resolve(status)
         })

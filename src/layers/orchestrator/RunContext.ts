@@ -10,6 +10,7 @@ import type { RunId } from "../../domain/ids.js"
 import type { RunPlan } from "../../domain/plan.js"
 import type { RunEvent } from "../../domain/runEvents.js"
 import type { DataPlaneService, EdgeSender, StageStats } from "../../services/AgentLinks.js"
+import type { StageDeviceSplit } from "../../domain/engine.js"
 import type { RunRequest, RunUpdate, TokenLogprob } from "../../services/Orchestrator.js"
 import type { StageStragglerDetector } from "../../services/StageStragglers.js"
 import type { WarmPipeline } from "./PipelineSetup.js"
@@ -25,7 +26,10 @@ export interface RunLedger {
   readonly details: Map<string, string>
   readonly stageStats: Map<number, StageStats>
   readonly stragglerDetector: StageStragglerDetector
-  readonly stageReady: Map<number, { loadMillis: number; cachedWeights: boolean; backend?: string }>
+  readonly stageReady: Map<
+    number,
+    { loadMillis: number; cachedWeights: boolean; backend?: string; device?: StageDeviceSplit }
+  >
   /** Prompt cache: what each stage took over of the adopted entry; the prompt starts after the fewest (cachedTokens). */
   readonly stageCachedPositions: Map<number, number>
   cachedTokens: number

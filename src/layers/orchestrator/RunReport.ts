@@ -10,6 +10,7 @@ import {
   stageFaultMessage
 } from "../../domain/runEvents.js"
 import type { StageReport, StageStats } from "../../services/AgentLinks.js"
+import type { StageDeviceSplit } from "../../domain/engine.js"
 import type {
   RunSummary,
   RunUpdate,
@@ -130,7 +131,13 @@ export interface RunRecord {
     readonly layers: readonly [number, number]
     readonly dataAddress: TransportAddress
     readonly ready:
-      { readonly loadMillis: number; readonly cachedWeights: boolean; readonly backend?: string } | undefined
+      | {
+          readonly loadMillis: number
+          readonly cachedWeights: boolean
+          readonly backend?: string
+          readonly device?: StageDeviceSplit
+        }
+      | undefined
     readonly stats: StageStats | undefined
   }>
   /** Per-stage decode steps and straggling stages, from the stages' timing reports (see services/StageStragglers.ts). */
@@ -190,6 +197,14 @@ export const summarize = (record: RunRecord): RunSummary => {
       loadMillis: s.ready?.loadMillis ?? 0,
       cachedWeights: s.ready?.cachedWeights ?? false,
       ...(s.ready?.backend === undefined ? {} : { backend: s.ready.backend }),
+      ...(s.ready?.device === undefined
+        ? {}
+        : {
+            device: {
+              ...s.ready.device,
+              allocated: s.stats?.device ?? { weightBytes: 0, cacheBytes: 0, computeBytes: 0 }
+            }
+          }),
       prefillComputeMillis: s.stats?.prefillComputeMillis ?? 0,
       prefillWaitMillis: s.stats?.prefillWaitMillis ?? 0,
       firstSampleMillis: s.stats?.firstSampleMillis ?? 0,

@@ -119,7 +119,8 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
             ledger.stageReady.set(stageIndex, {
               loadMillis: report.loadMillis,
               cachedWeights: report.cachedWeights,
-              ...(report.backend === undefined ? {} : { backend: report.backend })
+              ...(report.backend === undefined ? {} : { backend: report.backend }),
+              ...(report.device === undefined ? {} : { device: report.device })
             })
             ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
             if (report.tokenLoop === true && stageIndex === provision.stageCount - 1) ledger.tokenLoop = true
