@@ -2,7 +2,8 @@
 import type { PlacementChoice } from "../domain/plan.js"
 import type { PlacementExplanation, RunUpdate } from "../services/Orchestrator.js"
 import { SPEED_SPLIT_MIN_GAIN } from "../services/Placement.js"
-import { gib, mib } from "./Units.js"
+import { gib, mib, size } from "./Units.js"
+import type { DeviceShare } from "../services/DeviceFit.js"
 
 /** `--dry-run`: the nodes' reported capacity, then the placement the planner made. */
 export const renderPreview = (update: RunUpdate): string => {
@@ -40,7 +41,7 @@ export const renderPreview = (update: RunUpdate): string => {
  * Why this placement: per stage its node's free memory and speed, its blocks, the weight bytes it stores and those it
  * reads per token (fewer for a mixture of experts: only the routed experts), its memory and expected ms per token.
  */
-const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray<string> => [
+const explainPlacement = ({ choice, deviceShares, pool }: PlacementExplanation): ReadonlyArray<string> => [
   `${choice.intent.toLowerCase()} placement, in the planner's cost model:`,
   ...choice.stages.map((s) => {
     const node = pool.find((n) => n.nodeId === s.nodeId)
@@ -56,10 +57,17 @@ const explainPlacement = ({ choice, pool }: PlacementExplanation): ReadonlyArray
   `  expected: ${choice.latencyMillis.toFixed(2)} ms per token for one sequence, ` +
     `${choice.bottleneckMillis.toFixed(2)} ms per token at the slowest stage (pipeline throughput limit)`,
   ...speedShares(choice),
+  ...(deviceShares ?? []).map(({ device, share, stageIndex }) => deviceLine(stageIndex, device, share)),
   ...(choice.stages.length < pool.length
     ? [`  ${pool.length - choice.stages.length} node(s) left out: they would slow the pipeline or cannot hold a block`]
     : [])
 ]
+
+/** A GPU stage's split, as it will load: its blocks on the device, device memory by part, host memory. */
+const deviceLine = (stageIndex: number, device: string, share: DeviceShare): string =>
+  `  stage ${stageIndex} on ${device}: ${share.blocks} blocks on the device (the last), device ` +
+  `${size(share.weightBytes + share.cacheBytes + share.computeBytes)} (weights ${size(share.weightBytes)}, ` +
+  `caches ${size(share.cacheBytes)}, compute ${size(share.computeBytes)}), host ${size(share.hostBytes)}`
 
 /** A speed placement's shares of the blocks, and why they are not (or are) the equal split. */
 const speedShares = (choice: PlacementChoice): ReadonlyArray<string> => {

@@ -15,7 +15,7 @@ import { getGgml } from "../layers/ggml/Bindings.js"
 import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
 import { layerSlowed } from "../layers/engine/StageExecutorSlowed.js"
-import { agentHooks } from "../layers/config/Settings.js"
+import { agentHooks, gpuMemoryNow } from "../layers/config/Settings.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
@@ -109,10 +109,16 @@ const speedAtStart = (
         )
       : Effect.succeed(undefined)
 
-/** The live engine's ggml devices now; none when its libraries cannot be loaded (a stage load then says why). */
+/**
+ * The live engine's ggml devices now, each GPU with the node's `--gpu-memory` when set; none when its libraries
+ * cannot be loaded (a stage load then says why).
+ */
 const liveDevices = () => {
   try {
-    return getGgml().devices()
+    const limit = gpuMemoryNow()
+    return getGgml()
+      .devices()
+      .map((d) => (limit !== undefined && (d.kind === "gpu" || d.kind === "igpu") ? { ...d, limitBytes: limit } : d))
   } catch {
     return []
   }

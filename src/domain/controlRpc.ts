@@ -178,7 +178,9 @@ export const NodeDevice = Schema.Struct({
   description: Schema.String,
   kind: Schema.String,
   freeBytes: Schema.Number,
-  totalBytes: Schema.Number
+  totalBytes: Schema.Number,
+  /** The most of it this node's GPU stages may use (`swactor node --gpu-memory`); absent: its free memory. */
+  limitBytes: Schema.optional(Schema.Number)
 })
 
 export const NodeCapacity = Schema.Struct({

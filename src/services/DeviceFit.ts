@@ -9,6 +9,18 @@
  * context the stage is planned for; the device also keeps room for a compute buffer (`computeEstimate`).
  */
 
+import type { ModelLayout } from "../domain/plan.js"
+import { kvBytesOfRange, kvCacheSize } from "./KvSize.js"
+
+/**
+ * The context a GPU stage's split is planned for: the model's, at most this (what a stage's session opens with when a
+ * request does not say; a run's shorter context then leaves room to spare).
+ */
+export const DEVICE_PLAN_CONTEXT = 4096
+
+/** The planned context of a model whose context is `modelContext`. */
+export const devicePlanContext = (modelContext: number): number => Math.min(modelContext, DEVICE_PLAN_CONTEXT)
+
 /** One block's memory: its weights, and one session's caches at the planned context. */
 export interface BlockBytes {
   readonly weightBytes: number
@@ -68,6 +80,29 @@ export const deviceShare = (stage: StageBytes, budgetBytes: number): DeviceShare
     cacheBytes,
     computeBytes: stage.computeBytes,
     hostBytes: total - onDevice + pinned
+  }
+}
+
+/**
+ * A stage of blocks [start, end) of a model as the catalog's layout gives it (what `--dry-run` and the plan see before
+ * any node loads it); the engine counts the same from the tensors it loads (layers/engine/DeviceSplit.ts).
+ */
+export const stageBytesOfLayout = (
+  layout: ModelLayout,
+  start: number,
+  end: number,
+  modelContext: number
+): StageBytes => {
+  const context = devicePlanContext(modelContext)
+  const blocks: Array<BlockBytes> = []
+  for (let il = start; il < end; il++) {
+    blocks.push({ weightBytes: layout.blockBytes[il]!, cacheBytes: kvBytesOfRange(layout, il, il + 1, context) })
+  }
+  return {
+    blocks,
+    inputBytes: start === 0 ? layout.inputBytes : 0,
+    headBytes: end === layout.blockBytes.length ? layout.outputBytes : 0,
+    computeBytes: computeEstimate(layout.hiddenDim, kvCacheSize(context))
   }
 }
 

@@ -5,6 +5,7 @@
 import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
 import type { DeviceBytes, StageDeviceSplit } from "../domain/engine.js"
+import type { DeviceShare } from "./DeviceFit.js"
 import type { LayerRange, ModelFacts, PlacementChoice, PoolNode } from "../domain/plan.js"
 import type { PlacementRejection, PlanRejection } from "../domain/planErrors.js"
 import { RunFaultReason } from "../domain/runEvents.js"
@@ -275,6 +276,15 @@ export interface RunSummary {
 export interface PlacementExplanation {
   readonly choice: PlacementChoice
   readonly pool: ReadonlyArray<PoolNode>
+  /**
+   * Stages on a node with a GPU backend and device: the device (its name) and how much of the stage it holds, by the
+   * node's reported device memory and `--gpu-memory` (services/DeviceFit.ts, as the stage will load it).
+   */
+  readonly deviceShares?: ReadonlyArray<{
+    readonly stageIndex: number
+    readonly device: string
+    readonly share: DeviceShare
+  }>
 }
 
 /** A run's placement intent (see `src/services/Placement.ts`). */

@@ -101,6 +101,33 @@ const swactorRun = async (model: string, gpuMemory?: number) => {
   return { tokens: out.tokens.map((t) => t.id), stage: out.summary.stages[0]! }
 }
 
+/** `--dry-run`'s line for stage 0's device: its blocks on the device, device and host memory (KiB/MiB, parsed). */
+const dryRun = async (model: string, gpuMemory: number) => {
+  const { stderr, stdout } = await exec(
+    process.execPath,
+    [
+      swactorMain(),
+      "run",
+      "--model",
+      model,
+      "--dry-run",
+      "--stages",
+      "1",
+      "--backend",
+      "vulkan",
+      "--gpu-memory",
+      String(gpuMemory)
+    ],
+    { env: vulkanEnv, cwd: repoRoot }
+  )
+  const text = stdout + stderr
+  const line =
+    /stage 0 on Vulkan0: (\d+) blocks on the device .*?, device ([\d.]+) (KiB|MiB) .*host ([\d.]+) (KiB|MiB)/.exec(text)
+  assert.isNotNull(line, `a device line in the dry run:\n${text}`)
+  const bytes = (n: string, unit: string) => Number(n) * (unit === "MiB" ? 2 ** 20 : 1024)
+  return { blocks: Number(line![1]), deviceBytes: bytes(line![2]!, line![3]!), hostBytes: bytes(line![4]!, line![5]!) }
+}
+
 const within5 = (allocated: number, planned: number, what: string) =>
   assert.isAtMost(
     Math.abs(allocated - planned),
@@ -137,6 +164,15 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     within5(device.allocated.cacheBytes, device.cacheBytes, "device caches")
     assert.isAtMost(device.allocated.cacheBytes, 2 * blockCacheBytes + 64, "two blocks' caches on the device")
     within5(device.hostBytes, inputBytes + 2 * (blockWeightBytes + blockCacheBytes), "host memory")
+    // --dry-run plans the same split from the catalog's layout and the node's reported device, before anything loads
+    const preview = await dryRun(llamaPath, budget)
+    assert.strictEqual(preview.blocks, 2, "the dry run's blocks on the device")
+    within5(
+      preview.deviceBytes,
+      device.weightBytes + device.cacheBytes + device.computeBytes,
+      "dry run's device memory"
+    )
+    within5(preview.hostBytes, device.hostBytes, "dry run's host memory")
   }, 180_000)
 
   it("--gpu-memory 0: every block on the CPU, the same tokens", async () => {

@@ -34,6 +34,7 @@ import { stageMemoryOf } from "./BlockMemory.js"
 import { loadWeights, type NativeWeights, type TensorPlacement } from "./Weights.js"
 import { layoutStage } from "./StageLayout.js"
 import { splitForDevice } from "./DeviceSplit.js"
+import { devicePlanContext } from "../../services/DeviceFit.js"
 import { activationWidth } from "./PerLayerInputs.js"
 import { type Ggml, getGgml, type Ptr } from "../ggml/Bindings.js"
 import { engineHooks, gpuMemoryNow, threadsNow } from "../config/Settings.js"
@@ -109,7 +110,7 @@ export interface LiveOptions {
 
 /** A session's context length when it does not say: the option, else min(the model's, 4096). */
 const defaultContextOf = (options: LiveOptions, modelContext: number): number =>
-  options.defaultContextLength ?? Math.min(modelContext, 4096)
+  options.defaultContextLength ?? devicePlanContext(modelContext)
 
 const load =
   (options: LiveOptions, catalog: ModelCatalogService) =>
@@ -144,7 +145,7 @@ const load =
         Effect.tryPromise({
           try: () =>
             loadWeights(layout, {
-              repack: options.repack ?? true,
+              repack: !(options.repack ?? true),
               device,
               ...(share === null ? {} : { deviceFrom: spec.layerEndExclusive - share.blocks }),
               ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),

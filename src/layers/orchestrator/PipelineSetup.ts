@@ -295,7 +295,8 @@ export const openPipeline = (
       nodes: agents.nodes,
       capacity: reported,
       stageCount,
-      contextTokens
+      contextTokens,
+      modelContext: facts.maxSeqLen
     })
 
     // Agents that lack their stages' tensors receive them as GGUF slices (when asked: local agents share the file).

@@ -11,6 +11,7 @@ import type { ModelLoadError } from "../../domain/gguf.js"
 import type { NodeCapacity, NodeEndpoint } from "../../services/Membership.js"
 import type { PlacementExplanation, PlacementRequest } from "../../services/Orchestrator.js"
 import { choosePlacement, DEFAULT_SPEED_BYTES_PER_SECOND, plannerPlacement } from "../../services/Placement.js"
+import { deviceShare, stageBytesOfLayout } from "../../services/DeviceFit.js"
 
 export interface PlacementFor {
   readonly stages: ReadonlyArray<StagePlacement>
@@ -34,6 +35,16 @@ export const nodesToAwait = (
     ? nodes.map((n) => n.nodeId)
     : [...new Set(Array.from({ length: stageCount }, (_, i) => nodes[i % nodes.length]!.nodeId))]
 
+/**
+ * The device a node's GPU stages compute on, as the engine picks it (ggml/Bindings.ts gpuDeviceIndex: the first
+ * discrete GPU, else the first integrated one), when its backend is not the CPU; undefined otherwise.
+ */
+const stageDevice = (capacity: NodeCapacity | undefined) => {
+  if (capacity === undefined || capacity.backend === "cpu") return undefined
+  const devices = capacity.devices ?? []
+  return devices.find((d) => d.kind === "gpu") ?? devices.find((d) => d.kind === "igpu")
+}
+
 /** A heartbeat answer as placement sees it (declared or measured speed; unknown speed = the default). */
 export const poolNodeOf = (nodeId: NodeId, capacity: NodeCapacity): PoolNode => ({
   nodeId,
@@ -54,6 +65,8 @@ export const placementFor = (args: {
   readonly capacity: ReadonlyMap<NodeId, NodeCapacity>
   readonly stageCount: number
   readonly contextTokens: number
+  /** The model's context (ModelFacts.maxSeqLen): a GPU stage's split is planned at it (DeviceFit.devicePlanContext). */
+  readonly modelContext?: number
 }): Effect.Effect<PlacementFor, PlacementRejection | ModelLoadError> =>
   Effect.gen(function* () {
     const layout = args.layout
@@ -88,5 +101,17 @@ export const placementFor = (args: {
       }
     )
     const { layerRanges, placement } = plannerPlacement(choice)
-    return { stages: placement.stages, layerRanges, explanation: { choice, pool }, layout }
+    const deviceShares = choice.stages.flatMap((s) => {
+      const device = stageDevice(args.capacity.get(s.nodeId))
+      if (device === undefined) return []
+      const bytes = stageBytesOfLayout(
+        layout,
+        s.layerStart,
+        s.layerEndExclusive,
+        args.modelContext ?? args.contextTokens
+      )
+      const budget = Math.min(device.freeBytes, device.limitBytes ?? Number.POSITIVE_INFINITY)
+      return [{ stageIndex: s.stageIndex, device: device.name, share: deviceShare(bytes, budget) }]
+    })
+    return { stages: placement.stages, layerRanges, explanation: { choice, pool, deviceShares }, layout }
   })
