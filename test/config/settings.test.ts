@@ -226,7 +226,7 @@ describe("every command: settings by flags only, then by environment only, the s
   // run and serve start local agents: their --backend is the agents' own (without it the agents run the CPU stages
   // whatever SWACTOR_GGML_PACKAGE says, as swactor node does). This machine has the CUDA package and no GPU: a run
   // whose agents got --backend cuda fails in the agents, naming the missing device; one without the flag runs.
-  it("run and serve: --backend reaches the local agents; beside --agents it is refused in one line", async () => {
+  it("run and serve: --backend reaches the local agents; beside --agents it (and --gpu-memory) is refused in one line", async () => {
     const args = ["run", "--model", model(), "--stages", "2", "--max-tokens", "4", "--prompt", "Once upon a time"]
     const cuda = await runCli([...args, "--threads", "1", "--backend", "cuda", "--quiet"], {})
     assert.notStrictEqual(cuda.code, 0)
@@ -247,7 +247,25 @@ describe("every command: settings by flags only, then by environment only, the s
         refused.stderr.trim(),
         `swactor ${command}: --backend applies to local agents; a remote agent's backend is its own swactor node --backend`
       )
+      const gpuMemory = await runCli(
+        [command, "--model", model(), "--gpu-memory", "1000", "--agents", "127.0.0.1:9", "--token-file", tokenFile],
+        {}
+      )
+      assert.notStrictEqual(gpuMemory.code, 0, command)
+      assert.strictEqual(
+        gpuMemory.stderr.trim(),
+        `swactor ${command}: --gpu-memory applies to local agents; a remote agent's is its own swactor node --gpu-memory`
+      )
     }
+    const negative = await runCli([...args, "--gpu-memory", "-1"], {})
+    assert.notStrictEqual(negative.code, 0)
+    assert.match(negative.stderr.trim(), /^swactor run: --gpu-memory: -1 is not a whole number of bytes \(0 or more\)$/)
+    // the flag and the variable mean the same to the local agents: a CPU stage whatever the budget, the same text
+    const byFlag = await runCli([...args, "--threads", "1", "--gpu-memory", "0", "--quiet"], {})
+    const byEnv = await runCli([...args, "--threads", "1", "--quiet"], { SWACTOR_GPU_MEMORY: "0" })
+    assert.strictEqual(byFlag.code, 0, byFlag.stderr)
+    assert.strictEqual(byEnv.stdout, byFlag.stdout)
+    assert.strictEqual(byFlag.stdout, cpu.stdout)
   }, 240_000)
 
   it("serve: threads, TLS and the API key by flags or by environment: the same answers", async () => {
