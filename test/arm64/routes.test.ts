@@ -11,13 +11,16 @@
  *   (Toolkit.mulMatSmall, ggml's one-row kernel); `smallBatchRows: 0`: never.
  *
  * Files: stories260K (F32: nothing to repack), synthetic llama files in Q4_0 and Q4_K (`swactor synth`) and a small
- * qwen3moe whose experts are Q4_0. Two emulated CPUs (QEMU_CPU, which every process of a side inherits):
- * - qemu's `max` (SVE2, i8mm, dotprod: node-llama-cpp loads its armv9.2 CPU backend): CPU_REPACK takes every Q4_0 and
- *   Q4_K matrix and the Q4_0 experts, so node-llama-cpp repacks and is the oracle of the repacked route. node-llama-cpp
- *   cannot turn repacking off (its addon does not pass llama_model_params.use_extra_bufts), so the forced plain route
- *   of a quantized file has no oracle on this CPU: its placement is checked, its tokens are not (some of the llama
- *   files' streams differ from the first or the fifth token: the plain Q4_0/Q4_K kernels sum in another order than the
- *   repacked ones, and the tiny synthetic models' greedy choice flips; the qwen3moe's are node-llama-cpp's);
+ * qwen3moe whose experts are Q4_0. Emulated CPUs (QEMU_CPU, which every process of a side inherits), each asserted to
+ * load its libggml-cpu variant on both sides and to offer what ggml's repack selector reads:
+ * - qemu's `max` (armv9.2 backend; i8mm, 64-byte SVE): CPU_REPACK takes every Q4_0 and Q4_K matrix and the Q4_0
+ *   experts (Q4_0 as 4x8, Q4_K as 8x8), so node-llama-cpp repacks and is the oracle of the repacked route.
+ *   node-llama-cpp cannot turn repacking off (its addon does not pass llama_model_params.use_extra_bufts), so the
+ *   forced plain route of a quantized file has no oracle on this CPU: its placement is checked, its tokens are not
+ *   (some of the llama files' streams differ from the first or the fifth token: the plain Q4_0/Q4_K kernels sum in
+ *   another order than the repacked ones, and the tiny synthetic models' greedy choice flips; the qwen3moe's do not);
+ * - `max` with 32-byte SVE (Q4_0 as 8x8, the SVE kernels) and `cortex-a76` (armv8.2 backend, dotprod without i8mm:
+ *   Q4_0 as 4x4, Q4_K as 8x4): the repacked route of the files those layouts apply to;
  * - `cortex-a72` (armv8.0, no dotprod: the armv8.0 backend, whose CPU_REPACK agrees to none of these weights):
  *   node-llama-cpp computes every weight plain, the oracle of the plain route on arm64's own plain kernels.
  * Every reference stream is varied (at least 8 distinct of 16 tokens).
@@ -37,21 +40,70 @@ const PROMPTS = ["Once upon a time", "The little dog ran home"]
 const N = 16
 const dir = modelFolder("swactor-arm64-routes-")
 
+interface Route {
+  readonly repack: boolean
+  readonly smallBatchRows: number
+}
+
 /** The routes forced, each in turn (LiveOptions). */
-const ROUTES = [
+const ROUTES: ReadonlyArray<Route> = [
   { repack: true, smallBatchRows: 0 },
   { repack: true, smallBatchRows: 64 },
   { repack: false, smallBatchRows: 0 },
   { repack: false, smallBatchRows: 64 }
-] as const
-type Route = (typeof ROUTES)[number]
+]
 
-/** The emulated CPUs: does node-llama-cpp repack there (and so is the repacked route's oracle, not the plain one's)? */
-const CPUS = [
-  { qemuCpu: "max", backend: "libggml-cpu-armv9.2", repacks: true },
-  { qemuCpu: "cortex-a72", backend: "libggml-cpu-armv8.0", repacks: false }
-] as const
-type Cpu = (typeof CPUS)[number]
+/** What ggml's repack selector (ggml-cpu/repack.cpp) reads from the CPU backend. */
+interface CpuFeatures {
+  readonly dotprod: boolean
+  readonly i8mm: boolean
+  /** SVE vector length in bytes, 0 without SVE. */
+  readonly sveBytes: number
+}
+
+interface Cpu {
+  /** QEMU_CPU. */
+  readonly qemuCpu: string
+  /** The libggml-cpu variant node-llama-cpp's loader picks there. */
+  readonly backend: string
+  readonly features: CpuFeatures
+  /** node-llama-cpp repacks the quantized matrices there: the oracle of the repacked route, not of the plain one. */
+  readonly repacks: boolean
+  /** The files run there (default all) and the routes (default all). */
+  readonly files?: ReadonlyArray<string>
+  readonly routes?: ReadonlyArray<Route>
+}
+
+/**
+ * The emulated CPUs. ggml's repack selector picks Q4_0's layout 8x8 with i8mm and 32-byte SVE, else 4x8 with i8mm,
+ * else 4x4 with dotprod; Q4_K's 8x8 with i8mm, else 8x4 with dotprod; nothing without dotprod. `max` and `cortex-a72`
+ * run every file and route; the other two, each repacked kernel `max` does not take, on the repacked route only.
+ */
+const CPUS: ReadonlyArray<Cpu> = [
+  { qemuCpu: "max", backend: "armv9.2", features: { dotprod: true, i8mm: true, sveBytes: 64 }, repacks: true },
+  {
+    qemuCpu: "max,sve-default-vector-length=32",
+    backend: "armv9.2",
+    features: { dotprod: true, i8mm: true, sveBytes: 32 },
+    repacks: true,
+    files: ["llama-q4_0", "qwen3moe-q4_0"],
+    routes: [{ repack: true, smallBatchRows: 0 }]
+  },
+  {
+    qemuCpu: "cortex-a76",
+    backend: "armv8.2",
+    features: { dotprod: true, i8mm: false, sveBytes: 0 },
+    repacks: true,
+    files: ["llama-q4_0", "llama-q4_k", "qwen3moe-q4_0"],
+    routes: [{ repack: true, smallBatchRows: 0 }]
+  },
+  {
+    qemuCpu: "cortex-a72",
+    backend: "armv8.0",
+    features: { dotprod: false, i8mm: false, sveBytes: 0 },
+    repacks: false
+  }
+]
 
 interface ModelFile {
   readonly name: string
@@ -100,16 +152,19 @@ interface RouteRun {
 }
 
 interface CpuResult {
+  readonly files: ReadonlyArray<ModelFile>
+  readonly routes: ReadonlyArray<Route>
+  readonly features: CpuFeatures
   /** node-llama-cpp's tokens, per file, per prompt. */
   readonly reference: ReadonlyArray<ReadonlyArray<ReadonlyArray<number>>>
   readonly referenceBackend: ReadonlyArray<string>
   readonly engineBackend: ReadonlyArray<string>
-  /** Per file, per route (ROUTES' order). */
+  /** Per file, per route. */
   readonly engine: ReadonlyArray<ReadonlyArray<RouteRun>>
 }
 
 let runtime: Runtime
-let files: ReadonlyArray<ModelFile> = []
+let allFiles: ReadonlyArray<ModelFile> = []
 const results = new Map<string, CpuResult>()
 
 const lastJson = <A>(stdout: string): A => JSON.parse(stdout.trim().split("\n").at(-1)!) as A
@@ -133,11 +188,13 @@ const onArm64 = async <A>(cpu: Cpu, script: string, job: unknown): Promise<A> =>
 /** The libggml-cpu variants a process loaded, as it reported them: one, `cpu`'s. */
 const assertBackend = (cpu: Cpu, mapped: ReadonlyArray<string>, who: string) => {
   assert.strictEqual(mapped.length, 1, `${who} loaded one CPU backend: ${mapped}`)
-  assert.include(mapped[0]!, `/@node-llama-cpp/linux-arm64/bins/linux-arm64/${cpu.backend}`, who)
+  assert.include(mapped[0]!, `/@node-llama-cpp/linux-arm64/bins/linux-arm64/libggml-cpu-${cpu.backend}`, who)
 }
 
-/** node-llama-cpp's arm64 build on every file and prompt, then our engine on every file, route and prompt. */
+/** node-llama-cpp's arm64 build on `cpu`'s files and prompts, then our engine on each file, route and prompt. */
 const runCpu = async (cpu: Cpu): Promise<CpuResult> => {
+  const files = allFiles.filter((f) => cpu.files?.includes(f.name) ?? true)
+  const routes = cpu.routes ?? ROUTES
   const ref = await onArm64<{
     cpuBackend: Array<string>
     runs: Array<{ prompt: Array<number>; tokens: Array<number> }>
@@ -148,12 +205,15 @@ const runCpu = async (cpu: Cpu): Promise<CpuResult> => {
   const perFile = <A>(all: ReadonlyArray<A>) =>
     files.map((_, i) => all.slice(i * PROMPTS.length, (i + 1) * PROMPTS.length))
   const prompts = perFile(ref.runs.map((r) => r.prompt))
-  const engine = await onArm64<{ cpuBackend: Array<string>; files: Array<Array<RouteRun>> }>(cpu, "engineRoutes.mjs", {
-    files: files.map((f, i) => ({ model: f.path, prompts: prompts[i] })),
-    n: N,
-    routes: ROUTES
-  })
+  const engine = await onArm64<{
+    cpuBackend: Array<string>
+    cpuFeatures: CpuFeatures
+    files: Array<Array<RouteRun>>
+  }>(cpu, "engineRoutes.mjs", { files: files.map((f, i) => ({ model: f.path, prompts: prompts[i] })), n: N, routes })
   return {
+    files,
+    routes,
+    features: engine.cpuFeatures,
     reference: perFile(ref.runs.map((r) => r.tokens)),
     referenceBackend: ref.cpuBackend,
     engineBackend: engine.cpuBackend,
@@ -191,7 +251,7 @@ beforeAll(async () => {
     assert.isTrue(Exit.isSuccess(exit), `swactor synth ${s.name}: ${String(exit)}`)
     made.push(await matricesOf(s.name, path))
   }
-  files = made
+  allFiles = made
   const done = await Promise.all(CPUS.map(runCpu))
   CPUS.forEach((cpu, i) => results.set(cpu.qemuCpu, done[i]!))
 }, 480_000)
@@ -215,21 +275,22 @@ const assertRouteTaken = (cpu: Cpu, file: ModelFile, route: Route, run: RouteRun
 
 describe("the engine's arm64 kernel routes under qemu-user: node-llama-cpp's arm64 tokens", () => {
   for (const cpu of CPUS) {
-    it(`${cpu.qemuCpu}: both sides load ${cpu.backend}, and every reference stream is varied`, () => {
+    it(`${cpu.qemuCpu}: both sides load the ${cpu.backend} backend, and every reference stream is varied`, () => {
       const r = results.get(cpu.qemuCpu)!
       assertBackend(cpu, r.referenceBackend, "node-llama-cpp's process")
       assertBackend(cpu, r.engineBackend, "the engine's process")
-      for (const [i, file] of files.entries()) {
+      assert.deepStrictEqual(r.features, cpu.features, "what the repack selector reads")
+      for (const [i, file] of r.files.entries()) {
         for (const tokens of r.reference[i]!) {
           assert.strictEqual(tokens.length, N)
           assert.isAtLeast(new Set(tokens).size, 8, `${file.name}: a varied stream, not a repeated token: ${tokens}`)
         }
       }
     })
-    for (const [ri, route] of ROUTES.entries()) {
+    for (const [ri, route] of (cpu.routes ?? ROUTES).entries()) {
       it(`${cpu.qemuCpu}, ${routeName(route)}: the route is taken, and the tokens are node-llama-cpp's`, () => {
         const r = results.get(cpu.qemuCpu)!
-        for (const [i, file] of files.entries()) {
+        for (const [i, file] of r.files.entries()) {
           const run = r.engine[i]![ri]!
           assertRouteTaken(cpu, file, route, run)
           // node-llama-cpp repacks where the CPU can: a forced plain route over repackable weights has no oracle there

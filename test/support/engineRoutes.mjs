@@ -1,14 +1,16 @@
 // swactor's engine in this process (the built library, dist/), each CPU kernel route forced in turn, for a test that
 // runs it under qemu-aarch64 (test/arm64/routes.test.ts): node engineRoutes.mjs JOB, JOB a JSON object
 //   {files: [{model, prompts: [[token ids]]}], n, routes: [{repack, smallBatchRows}]}
-// -> one JSON line {arch, cpuBackend, files: [[{repack, smallBatchRows, placements, fewRowProducts, alone, batched}]]}
-// (per file, per route). Per route, the whole model is one stage loaded with those LiveOptions (repack: weights into
-// the CPU device's extra buffer types where WeightPlacement.ts's rule 1 agrees, or never; smallBatchRows: the few-row
-// route's row limit, 0 never), then every prompt generates `n` greedy tokens alone (one session, its prompt in one
-// forward) and all prompts together (one forwardBatch per step over every sequence: the batched prompts, then each
-// decode step). placements names each weight's buffer type; fewRowProducts is the number of products the stage's graphs
-// built on the few-row route (Toolkit.ts's fewRowProducts). One thread, a 256-token context, as cpuReference.mjs runs.
+// -> one JSON line {arch, cpuBackend, cpuFeatures, files: [[{repack, smallBatchRows, placements, fewRowProducts,
+// alone, batched}]]} (per file, per route). Per route, the whole model is one stage loaded with those LiveOptions
+// (repack: weights into the CPU device's extra buffer types where WeightPlacement.ts's rule 1 agrees, or never;
+// smallBatchRows: the few-row route's row limit, 0 never), then every prompt generates `n` greedy tokens alone (one
+// session, its prompt in one forward) and all prompts together (one forwardBatch per step over every sequence: the
+// batched prompts, then each decode step). placements names each weight's buffer type; fewRowProducts is the number of
+// products the stage's graphs built on the few-row route (Toolkit.ts's fewRowProducts); cpuFeatures what ggml's repack
+// selector reads from the loaded CPU backend. One thread, a 256-token context, as cpuReference.mjs runs.
 import { Effect } from "effect"
+import koffi from "koffi"
 import { readFileSync } from "node:fs"
 import * as StageExecutorLive from "../../dist/layers/engine/StageExecutorLive.js"
 import { fewRowProducts } from "../../dist/layers/engine/Toolkit.js"
@@ -97,4 +99,13 @@ const cpuBackend = [
       .filter((path) => /libggml-cpu[^/]*\.so$/.test(path))
   )
 ]
-console.log(JSON.stringify({ arch: process.arch, cpuBackend, files }))
+// what ggml's repack selector reads from that backend (ggml-cpu/repack.cpp): dot-product and int8 matrix-multiply
+// instructions, and the SVE vector length in bytes (0 without SVE)
+const cpu = koffi.load(cpuBackend[0])
+const ask = (name) => cpu.func(`int ${name}(void)`)()
+const cpuFeatures = {
+  dotprod: ask("ggml_cpu_has_dotprod") === 1,
+  i8mm: ask("ggml_cpu_has_matmul_int8") === 1,
+  sveBytes: ask("ggml_cpu_has_sve") === 1 ? ask("ggml_cpu_get_sve_cnt") : 0
+}
+console.log(JSON.stringify({ arch: process.arch, cpuBackend, cpuFeatures, files }))
