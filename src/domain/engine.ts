@@ -34,7 +34,12 @@ export interface LoadProgress {
 export const DeviceBytes = Schema.Struct({
   weightBytes: Schema.Number,
   cacheBytes: Schema.Number,
-  computeBytes: Schema.Number
+  computeBytes: Schema.Number,
+  /**
+   * Measured only: the most pieces one of the stage's graphs was split into between the device and the CPU by the
+   * scheduler (1: the whole graph on the device; more: blocks in host memory, or ops the device does not compute).
+   */
+  splits: Schema.optional(Schema.Number)
 })
 export type DeviceBytes = typeof DeviceBytes.Type
 

@@ -144,7 +144,8 @@ const largestDeviceBytes = (seen: DeviceBytes | undefined, now: DeviceBytes): De
     : {
         weightBytes: Math.max(seen.weightBytes, now.weightBytes),
         cacheBytes: Math.max(seen.cacheBytes, now.cacheBytes),
-        computeBytes: Math.max(seen.computeBytes, now.computeBytes)
+        computeBytes: Math.max(seen.computeBytes, now.computeBytes),
+        splits: Math.max(seen.splits ?? 0, now.splits ?? 0)
       }
 
 const contextOf = (request: ProvisionRequest, loaded: LoadedStage) =>

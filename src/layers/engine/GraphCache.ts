@@ -79,8 +79,13 @@ export class GraphSlot {
       if (this.sched === null) throw new Error("could not make the GPU stage's scheduler")
     }
     this.raw.ggml_backend_sched_reset(this.sched)
-    return this.raw.ggml_backend_sched_alloc_graph(this.sched, graph)
+    const placed = this.raw.ggml_backend_sched_alloc_graph(this.sched, graph)
+    if (placed) this.splits = Math.max(this.splits, this.raw.ggml_backend_sched_get_n_splits(this.sched))
+    return placed
   }
+
+  /** The most pieces a graph of this slot was split into between backends (1: all on the device; 0: none yet). */
+  splits = 0
 
   /** Bytes of this slot's compute buffers (what its largest graph so far needed), on `backend` only when given. */
   computeBytesOn(backend?: Ptr): number {
@@ -169,6 +174,13 @@ export class StageGraphs {
   /** Bytes of every compute buffer of the stage (its sessions' slots included). */
   get computeBytes(): number {
     return this.computeBytesOn()
+  }
+
+  /** The most pieces one of the stage's graphs was split into between the device and the CPU (GraphSlot.splits). */
+  get splits(): number {
+    let most = this.batch?.splits ?? 0
+    for (const slot of [...this.decodeSlots, ...this.sessionSlots]) most = Math.max(most, slot.splits)
+    return most
   }
 
   /** Bytes of every compute buffer of the stage on `backend` (a GPU stage's device or CPU), or on all when absent. */

@@ -65,7 +65,8 @@ export class LiveLoadedStage implements LoadedStage {
           device: {
             weightBytes: this.weights.deviceWeightBytes,
             cacheBytes: this.weights.deviceKvBytes,
-            computeBytes: this.weights.graphs.computeBytesOn(this.weights.backend)
+            computeBytes: this.weights.graphs.computeBytesOn(this.weights.backend),
+            splits: this.weights.graphs.splits
           }
         })
   })
@@ -145,7 +146,7 @@ const load =
         Effect.tryPromise({
           try: () =>
             loadWeights(layout, {
-              repack: !(options.repack ?? true),
+              repack: options.repack ?? true,
               device,
               ...(share === null ? {} : { deviceFrom: spec.layerEndExclusive - share.blocks }),
               ...(options.mmap !== undefined ? { mmap: options.mmap } : {}),
