@@ -3,30 +3,36 @@
  * .ci/run installs), forced in every process by VK_ICD_FILENAMES and GGML_VK_VISIBLE_DEVICES, so the machine does not
  * choose the device. The oracle is node-llama-cpp's Vulkan build on the same device (test/support/vulkanReference.mjs,
  * a process of its own). Each swactor process loads node-llama-cpp's Vulkan package by the backend's name.
+ * SWACTOR_GPU_TEST_BACKEND=cuda runs the same tests on the machine's CUDA device (test/support/gpuTarget.ts).
  */
 import { execFile, spawn } from "node:child_process"
-import { existsSync } from "node:fs"
 import { join } from "node:path"
 import { promisify } from "node:util"
 import { afterAll, assert, beforeAll, describe, it } from "vitest"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
+import {
+  gpuBackend,
+  gpuDescriptionPattern,
+  gpuDeviceEnv,
+  gpuDeviceName,
+  type GpuTestBackend,
+  noGpuDeviceEnv,
+  requireGpuDevice
+} from "../support/gpuTarget.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
 const run = promisify(execFile)
-const ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
 const PROMPT = "Once upon a time"
 const N = 24
-/** lavapipe, device 0, in every process this file starts. */
-const vulkanEnv = { ...process.env, VK_ICD_FILENAMES: ICD, GGML_VK_VISIBLE_DEVICES: "0" }
+/** lavapipe, device 0 (or the CUDA device), in every process this file starts. */
+const vulkanEnv = { ...process.env, ...gpuDeviceEnv }
 
 let model = ""
 let reference: ReadonlyArray<number> = []
 
 beforeAll(async () => {
-  if (!existsSync(ICD)) {
-    throw new Error(`Mesa's lavapipe is not installed (looked for ${ICD}): apt-get install mesa-vulkan-drivers`)
-  }
+  requireGpuDevice()
   model = requireModel("stories260K.gguf")
   const { stdout } = await run(
     process.execPath,
@@ -34,7 +40,7 @@ beforeAll(async () => {
     { env: vulkanEnv, cwd: repoRoot }
   )
   const ref = JSON.parse(stdout.trim().split("\n").at(-1)!) as { gpu: string; tokens: Array<number> }
-  assert.strictEqual(ref.gpu, "vulkan", "node-llama-cpp ran on its Vulkan build")
+  assert.strictEqual(ref.gpu, gpuBackend, `node-llama-cpp ran on its ${gpuBackend} build`)
   reference = ref.tokens
   assert.strictEqual(reference.length, N)
 }, 120_000)
@@ -55,31 +61,34 @@ const swactorRun = async (args: ReadonlyArray<string>, env: NodeJS.ProcessEnv = 
 
 describe("Vulkan stages on lavapipe: node-llama-cpp's Vulkan tokens", () => {
   for (const stages of [1, 2, 3]) {
-    it(`stories260K, --backend vulkan, ${stages} stage(s)`, async () => {
-      const { backends, tokens } = await swactorRun(["--stages", String(stages), "--backend", "vulkan"])
-      assert.deepStrictEqual(backends, Array(stages).fill("vulkan"), "every stage computed on the Vulkan device")
+    it(`stories260K, --backend ${gpuBackend}, ${stages} stage(s)`, async () => {
+      const { backends, tokens } = await swactorRun(["--stages", String(stages), "--backend", gpuBackend])
+      assert.deepStrictEqual(backends, Array(stages).fill(gpuBackend), "every stage computed on the GPU device")
       assert.deepStrictEqual(tokens, reference)
     }, 120_000)
   }
 
-  it("--backend vulkan with no Vulkan device: one line naming the backend and the node's devices", async () => {
-    const failed = await swactorRun(["--stages", "1", "--backend", "vulkan"], {
+  it(`--backend ${gpuBackend} with no ${gpuBackend} device: one line naming the backend and the node's devices`, async () => {
+    const failed = await swactorRun(["--stages", "1", "--backend", gpuBackend], {
       ...vulkanEnv,
-      VK_ICD_FILENAMES: "/nonexistent/icd.json"
+      ...noGpuDeviceEnv
     }).then(
       () => undefined,
       (e: { code: number; stderr: string }) => e
     )
     assert.isDefined(failed, "the run failed")
     assert.notStrictEqual(failed!.code, 0)
-    assert.match(failed!.stderr, /no vulkan device in @node-llama-cpp\/linux-x64-vulkan: this node has CPU/)
+    assert.match(
+      failed!.stderr,
+      new RegExp(`no ${gpuBackend} device in @node-llama-cpp/linux-x64-${gpuBackend}: this node has CPU`)
+    )
   }, 120_000)
 })
 
 describe("a pipeline of one Vulkan node and one CPU node", () => {
   const token = generateToken()
   const nodes: Array<{ stop: () => Promise<void>; address: string; log: () => string }> = []
-  const startNode = (backend: "vulkan" | "cpu") =>
+  const startNode = (backend: GpuTestBackend | "cpu") =>
     new Promise<(typeof nodes)[number]>((resolve, reject) => {
       const child = spawn(
         process.execPath,
@@ -116,7 +125,7 @@ describe("a pipeline of one Vulkan node and one CPU node", () => {
   })
 
   it("--dry-run and /metrics show each node's devices: lavapipe as a GPU on the Vulkan node, the CPU on both", async () => {
-    const [vk, cpu] = nodes.length === 2 ? nodes : [await startNode("vulkan"), await startNode("cpu")]
+    const [vk, cpu] = nodes.length === 2 ? nodes : [await startNode(gpuBackend), await startNode("cpu")]
     if (nodes.length === 0) nodes.push(vk!, cpu!)
     const agents = ["--agents", `${vk!.address},${cpu!.address}`]
     const { stdout } = await run(
@@ -136,7 +145,8 @@ describe("a pipeline of one Vulkan node and one CPU node", () => {
       return devices
     }
     const vkDevices = nodeBlock(vk!.address)
-    assert.match(vkDevices[0] ?? "", /device Vulkan0 \(llvmpipe.*\): gpu, [\d.]+ GiB free of [\d.]+ GiB/, stdout)
+    const gpuLine = `device ${gpuDeviceName} \\(${gpuDescriptionPattern}\\): gpu, [\\d.]+ GiB free of [\\d.]+ GiB`
+    assert.match(vkDevices[0] ?? "", new RegExp(gpuLine), stdout)
     assert.match(vkDevices.at(-1) ?? "", /device CPU \(.*\): cpu, /, stdout)
     const cpuDevices = nodeBlock(cpu!.address)
     assert.strictEqual(cpuDevices.length, 1, stdout)
@@ -160,7 +170,7 @@ describe("a pipeline of one Vulkan node and one CPU node", () => {
       assert.isDefined(url, stderr)
       const metrics = await fetch(`${url}/metrics`).then((r) => r.text())
       const gpuTotal = new RegExp(
-        `swactor_agent_device_memory_bytes\\{address="${vk!.address}",pid="\\d+",device="Vulkan0",kind="gpu",state="total"\\} (\\d+)`
+        `swactor_agent_device_memory_bytes\\{address="${vk!.address}",pid="\\d+",device="${gpuDeviceName}",kind="gpu",state="total"\\} (\\d+)`
       ).exec(metrics)
       assert.isNotNull(gpuTotal, metrics)
       assert.isAbove(Number(gpuTotal![1]), 0)
@@ -178,9 +188,9 @@ describe("a pipeline of one Vulkan node and one CPU node", () => {
   }, 120_000)
 
   it("Vulkan then CPU, and CPU then Vulkan: node-llama-cpp's Vulkan tokens both ways", async () => {
-    if (nodes.length === 0) nodes.push(await startNode("vulkan"), await startNode("cpu"))
+    if (nodes.length === 0) nodes.push(await startNode(gpuBackend), await startNode("cpu"))
     const [vk, cpu] = nodes as [(typeof nodes)[number], (typeof nodes)[number]]
-    assert.match(vk.log(), /vulkan backend/)
+    assert.match(vk.log(), new RegExp(`${gpuBackend} backend`))
     assert.match(cpu.log(), /cpu backend/)
     for (const order of [
       [vk, cpu],
@@ -190,7 +200,7 @@ describe("a pipeline of one Vulkan node and one CPU node", () => {
         ["--agents", order.map((n) => n.address).join(","), "--stages", "2"],
         { ...vulkanEnv, SWACTOR_CLUSTER_TOKEN: token }
       )
-      const names = order.map((n) => (n === vk ? "vulkan" : "cpu"))
+      const names = order.map((n) => (n === vk ? gpuBackend : "cpu"))
       assert.deepStrictEqual(backends, names, "each stage on its node's backend")
       assert.deepStrictEqual(tokens, reference, names.join(" -> "))
     }

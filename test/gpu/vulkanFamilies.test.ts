@@ -11,27 +11,27 @@
  * on the expert families (qwen3moe, deepseek2) crashes node-llama-cpp's own Vulkan build with SIGSEGV in a thread of
  * lavapipe's (Debian 12's Mesa 22.3.6) in most runs, with flash attention on (as both sides run), and our agent the
  * same way; the dense families at 50 tokens, and the expert ones without flash attention, do not.
+ * SWACTOR_GPU_TEST_BACKEND=cuda runs the same tests on the machine's CUDA device (test/support/gpuTarget.ts).
  */
 import { Effect, Either, Exit, Stream } from "effect"
 import { execFile } from "node:child_process"
-import { existsSync } from "node:fs"
 import { join } from "node:path"
 import { promisify } from "node:util"
 import { assert, beforeAll, describe, it } from "vitest"
 import { layerLocal, run as generate } from "../../src/api/generate.js"
 import { type LocalAgent, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import type { RunUpdate } from "../../src/services/Orchestrator.js"
+import { gpuBackend, gpuDeviceEnv, requireGpuDevice } from "../support/gpuTarget.js"
 import { repoRoot } from "../support/models.js"
 import { runSynthCli } from "../support/synthCli.js"
 import { modelFolder } from "../support/synthFiles.js"
 import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
 const exec = promisify(execFile)
-const ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
 const PROMPT = "Once upon a time"
 const N = 16
-/** lavapipe, device 0, in every process this file starts. */
-const vulkanEnv = { VK_ICD_FILENAMES: ICD, GGML_VK_VISIBLE_DEVICES: "0" }
+/** lavapipe, device 0 (or the CUDA device), in every process this file starts. */
+const vulkanEnv = gpuDeviceEnv
 const dir = modelFolder("swactor-vulkan-families-")
 
 interface Case {
@@ -61,9 +61,7 @@ const cases: ReadonlyArray<Case> = [
 const pathOf = (name: string) => join(dir, `${name}.gguf`)
 
 beforeAll(async () => {
-  if (!existsSync(ICD)) {
-    throw new Error(`Mesa's lavapipe is not installed (looked for ${ICD}): apt-get install mesa-vulkan-drivers`)
-  }
+  requireGpuDevice()
   for (const c of cases) {
     const flags = Object.entries({ ...base, ...c.synth }).flatMap(([k, v]) => [`--${k}`, v])
     const exit = await Effect.runPromise(runSynthCli([...flags, "--context-length", "512", "-o", pathOf(c.name)]))
@@ -79,7 +77,7 @@ const reference = async (model: string): Promise<ReadonlyArray<number>> => {
     { env: { ...process.env, ...vulkanEnv }, cwd: repoRoot }
   )
   const ref = JSON.parse(stdout.trim().split("\n").at(-1)!) as { gpu: string; tokens: Array<number> }
-  assert.strictEqual(ref.gpu, "vulkan", "node-llama-cpp ran on its Vulkan build")
+  assert.strictEqual(ref.gpu, gpuBackend, `node-llama-cpp ran on its ${gpuBackend} build`)
   assert.strictEqual(ref.tokens.length, N)
   assert.isAtLeast(new Set(ref.tokens).size, 8, `a varied stream, not a repeated token: ${ref.tokens}`)
   return ref.tokens
@@ -89,7 +87,7 @@ const reference = async (model: string): Promise<ReadonlyArray<number>> => {
 const swactorRun = async (model: string, stages: number) => {
   const { stdout } = await exec(
     process.execPath,
-    [swactorMain(), ...runJsonArgs(model, PROMPT, N, ["--stages", String(stages), "--backend", "vulkan"])],
+    [swactorMain(), ...runJsonArgs(model, PROMPT, N, ["--stages", String(stages), "--backend", gpuBackend])],
     { env: { ...process.env, ...vulkanEnv }, cwd: repoRoot }
   )
   const out = runJsonOutput<{
@@ -102,10 +100,10 @@ const swactorRun = async (model: string, stages: number) => {
 
 describe("Vulkan stages on lavapipe per family and type: node-llama-cpp's Vulkan tokens", () => {
   for (const c of cases) {
-    it(`${c.name}, ${c.stages} Vulkan stage(s)`, async () => {
+    it(`${c.name}, ${c.stages} ${gpuBackend} stage(s)`, async () => {
       const expected = await reference(pathOf(c.name))
       const { backends, tokens } = await swactorRun(pathOf(c.name), c.stages)
-      assert.deepStrictEqual(backends, Array(c.stages).fill("vulkan"), "every stage computed on the Vulkan device")
+      assert.deepStrictEqual(backends, Array(c.stages).fill(gpuBackend), "every stage computed on the GPU device")
       assert.deepStrictEqual(tokens, expected)
     }, 90_000)
   }
@@ -124,7 +122,7 @@ const generateOnVulkan = (
     const local = layerLocal({
       threads: 1,
       env: vulkanEnv,
-      extraArgs: () => ["--backend", "vulkan"],
+      extraArgs: () => ["--backend", gpuBackend],
       onStarted: (a) => (agents = a)
     })
     const result = yield* generate({ model: pathOf("llama-f16"), prompt: PROMPT, stages, spares, maxTokens: N }).pipe(
@@ -155,7 +153,7 @@ describe("kill -9 of a Vulkan stage", () => {
     assert.isAtLeast(new Set(reference.tokens).size, 8, "a varied stream")
     assert.deepStrictEqual(
       reference.summary.stages.map((s) => s.backend),
-      ["vulkan", "vulkan"]
+      [gpuBackend, gpuBackend]
     )
     const outcome = await Effect.runPromise(generateOnVulkan(2, 1, { atToken: 6, agent: 1 }))
     assert.isTrue(outcome.killed, "token 6 came back and the agent was killed")
@@ -163,7 +161,7 @@ describe("kill -9 of a Vulkan stage", () => {
     // the recovery may re-plan onto fewer stages: whichever agents host them, each computes on the Vulkan device
     const resumed = outcome.summary.stages.map((s) => s.backend)
     assert.isAtLeast(resumed.length, 1)
-    assert.deepStrictEqual(resumed, Array(resumed.length).fill("vulkan"), "the resumed stages on the Vulkan device")
+    assert.deepStrictEqual(resumed, Array(resumed.length).fill(gpuBackend), "the resumed stages on the GPU device")
     assert.deepStrictEqual(outcome.tokens, reference.tokens)
     assert.strictEqual(outcome.summary.text, reference.summary.text)
   }, 120_000)

@@ -8,25 +8,25 @@
  * - the device memory a stage reports planning (services/DeviceFit.ts) is within 5% of what its backend allocated
  *   (ggml's buffer sizes), for the weights and the caches, and the compute buffer it kept room for covers what it used.
  * The budget is forced by the flag in each test, so the machine's free device memory never chooses the split.
+ * SWACTOR_GPU_TEST_BACKEND=cuda runs the same tests on the machine's CUDA device (test/support/gpuTarget.ts).
  */
 import { Effect, Exit } from "effect"
 import { execFile } from "node:child_process"
-import { existsSync } from "node:fs"
 import { join } from "node:path"
 import { promisify } from "node:util"
 import { assert, beforeAll, describe, it } from "vitest"
 import { swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import type { StageSummary } from "../../src/services/Orchestrator.js"
+import { gpuBackend, gpuDeviceEnv, gpuDeviceName, requireGpuDevice } from "../support/gpuTarget.js"
 import { repoRoot } from "../support/models.js"
 import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 import { runSynthCli } from "../support/synthCli.js"
 import { modelFolder } from "../support/synthFiles.js"
 
 const exec = promisify(execFile)
-const ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
 const PROMPT = "Once upon a time"
 const N = 16
-const vulkanEnv = { ...process.env, VK_ICD_FILENAMES: ICD, GGML_VK_VISIBLE_DEVICES: "0" }
+const vulkanEnv = { ...process.env, ...gpuDeviceEnv }
 const dir = modelFolder("swactor-vulkan-offload-")
 
 /** A 4-block F16 llama whose context is the run's (256), so the planned caches are the allocated ones. */
@@ -58,9 +58,7 @@ const synth = async (path: string, type: string) => {
 }
 
 beforeAll(async () => {
-  if (!existsSync(ICD)) {
-    throw new Error(`Mesa's lavapipe is not installed (looked for ${ICD}): apt-get install mesa-vulkan-drivers`)
-  }
+  requireGpuDevice()
   await synth(llamaPath, "f16")
   await synth(tq1Path, "tq1_0")
 }, 60_000)
@@ -79,7 +77,7 @@ const reference = async (model: string, gpuLayers?: number): Promise<ReadonlyArr
     { env: vulkanEnv, cwd: repoRoot }
   )
   const ref = JSON.parse(stdout.trim().split("\n").at(-1)!) as { gpu: string; tokens: Array<number> }
-  assert.strictEqual(ref.gpu, "vulkan", "node-llama-cpp ran on its Vulkan build")
+  assert.strictEqual(ref.gpu, gpuBackend, `node-llama-cpp ran on its ${gpuBackend} build`)
   assert.isAtLeast(new Set(ref.tokens).size, 6, `a varied reference stream: ${ref.tokens.join(",")}`)
   return ref.tokens
 }
@@ -90,7 +88,7 @@ const swactorRun = async (model: string, gpuMemory?: number) => {
     "--stages",
     "1",
     "--backend",
-    "vulkan",
+    gpuBackend,
     ...(gpuMemory === undefined ? [] : ["--gpu-memory", String(gpuMemory)])
   ]
   const { stdout } = await exec(process.execPath, [swactorMain(), ...runJsonArgs(model, PROMPT, N, extra)], {
@@ -114,15 +112,16 @@ const dryRun = async (model: string, gpuMemory: number) => {
       "--stages",
       "1",
       "--backend",
-      "vulkan",
+      gpuBackend,
       "--gpu-memory",
       String(gpuMemory)
     ],
     { env: vulkanEnv, cwd: repoRoot }
   )
   const text = stdout + stderr
-  const line =
-    /stage 0 on Vulkan0: (\d+) blocks on the device .*?, device ([\d.]+) (KiB|MiB) .*host ([\d.]+) (KiB|MiB)/.exec(text)
+  const line = new RegExp(
+    `stage 0 on ${gpuDeviceName}: (\\d+) blocks on the device .*?, device ([\\d.]+) (KiB|MiB) .*host ([\\d.]+) (KiB|MiB)`
+  ).exec(text)
   assert.isNotNull(line, `a device line in the dry run:\n${text}`)
   const bytes = (n: string, unit: string) => Number(n) * (unit === "MiB" ? 2 ** 20 : 1024)
   return { blocks: Number(line![1]), deviceBytes: bytes(line![2]!, line![3]!), hostBytes: bytes(line![4]!, line![5]!) }
@@ -140,7 +139,7 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     const [expected, run] = await Promise.all([reference(llamaPath), swactorRun(llamaPath)])
     assert.deepStrictEqual(run.tokens, expected)
     const device = run.stage.device!
-    assert.strictEqual(run.stage.backend, "vulkan")
+    assert.strictEqual(run.stage.backend, gpuBackend)
     assert.strictEqual(device.blocks, LLAMA.layers)
     assert.strictEqual(device.hostBytes, 0, "nothing in host memory")
     within5(device.allocated.weightBytes, device.weightBytes, "weights")
@@ -157,7 +156,7 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     const [expected, half] = await Promise.all([reference(llamaPath, 3), swactorRun(llamaPath, budget)])
     const device = half.stage.device!
     assert.strictEqual(device.blocks, 2, `2 of 4 blocks on the device within ${budget} bytes`)
-    assert.strictEqual(half.stage.backend, "vulkan")
+    assert.strictEqual(half.stage.backend, gpuBackend)
     assert.deepStrictEqual(half.tokens, expected, "node-llama-cpp with the same split")
     assert.deepStrictEqual(half.tokens, full.tokens, "and the whole stage on the device")
     within5(device.allocated.weightBytes, device.weightBytes, "device weights")
@@ -187,7 +186,7 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     const [expected, run] = await Promise.all([reference(tq1Path), swactorRun(tq1Path)])
     assert.deepStrictEqual(run.tokens, expected)
     const device = run.stage.device!
-    assert.strictEqual(run.stage.backend, "vulkan")
+    assert.strictEqual(run.stage.backend, gpuBackend)
     assert.strictEqual(device.blocks, LLAMA.layers, "every block on the device")
     // only the F32 norms are on the device; every TQ1_0 matrix (token_embd included) is pinned to host memory
     assert.strictEqual(device.allocated.weightBytes, device.weightBytes)
