@@ -33,6 +33,8 @@ const dir = modelFolder("swactor-vulkan-offload-")
 const LLAMA = { layers: 4, hidden: 256, ffn: 512, heads: 4, vocab: 400, context: 256 }
 const llamaPath = join(dir, "llama-f16.gguf")
 const tq1Path = join(dir, "llama-tq1_0.gguf")
+/** Heads of 36: lavapipe's flash attention takes head sizes that are multiples of 8 only (its supports_op). */
+const head36Path = join(dir, "llama-head36.gguf")
 
 /** Bytes of one block of LLAMA in F16: q, k, v, o (hidden²), gate, up, down (hidden x ffn), two norms; its F16 KV. */
 const blockWeightBytes = 2 * (4 * LLAMA.hidden * LLAMA.hidden + 3 * LLAMA.hidden * LLAMA.ffn) + 2 * 4 * LLAMA.hidden
@@ -40,12 +42,12 @@ const blockCacheBytes = 2 * 2 * LLAMA.hidden * LLAMA.context
 /** token_embd, F16 (the input table a partial stage keeps in host memory). */
 const inputBytes = 2 * LLAMA.vocab * LLAMA.hidden
 
-const synth = async (path: string, type: string) => {
+const synth = async (path: string, type: string, hidden = LLAMA.hidden, layers = LLAMA.layers) => {
   const flags = [
     ["--arch", "llama"],
-    ["--layers", String(LLAMA.layers)],
-    ["--hidden", String(LLAMA.hidden)],
-    ["--ffn", String(LLAMA.ffn)],
+    ["--layers", String(layers)],
+    ["--hidden", String(hidden)],
+    ["--ffn", String(2 * hidden)],
     ["--heads", String(LLAMA.heads)],
     ["--vocab", String(LLAMA.vocab)],
     ["--context-length", String(LLAMA.context)],
@@ -61,6 +63,7 @@ beforeAll(async () => {
   requireGpuDevice()
   await synth(llamaPath, "f16")
   await synth(tq1Path, "tq1_0")
+  await synth(head36Path, "f16", 144, 3)
 }, 60_000)
 
 /** node-llama-cpp's Vulkan build, greedy; `gpuLayers` as llama.cpp's -ngl (default every block and the head). */
@@ -146,6 +149,7 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     within5(device.allocated.cacheBytes, device.cacheBytes, "caches")
     assert.isAbove(device.allocated.computeBytes, 0)
     assert.isAtMost(device.allocated.computeBytes, device.computeBytes, "the compute buffer within the room kept")
+    assert.strictEqual(device.allocated.splits, 1, "the whole graph on the device, in one piece")
   }, 120_000)
 
   it("half the blocks on the device (--gpu-memory), half on the CPU: node-llama-cpp's tokens with -ngl 3", async () => {
@@ -162,6 +166,7 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     within5(device.allocated.weightBytes, device.weightBytes, "device weights")
     within5(device.allocated.cacheBytes, device.cacheBytes, "device caches")
     assert.isAtMost(device.allocated.cacheBytes, 2 * blockCacheBytes + 64, "two blocks' caches on the device")
+    assert.strictEqual(device.allocated.splits, 2, "host blocks on the CPU, then device blocks")
     within5(device.hostBytes, inputBytes + 2 * (blockWeightBytes + blockCacheBytes), "host memory")
     // --dry-run plans the same split from the catalog's layout and the node's reported device, before anything loads
     const preview = await dryRun(llamaPath, budget)
@@ -192,5 +197,16 @@ describe("a GPU stage through ggml's scheduler, on lavapipe", () => {
     assert.strictEqual(device.allocated.weightBytes, device.weightBytes)
     assert.isBelow(device.weightBytes, 4 * LLAMA.hidden * (2 * LLAMA.layers + 1) + 1024)
     assert.isAbove(device.hostBytes, 100_000, "the TQ1_0 matrices in host memory")
+    assert.isAbove(device.allocated.splits!, LLAMA.layers, "the products on the CPU, between device pieces")
+  }, 120_000)
+
+  it("an op the device does not compute (flash attention over heads of 36) runs on the CPU: node-llama-cpp's tokens", async () => {
+    const [expected, run] = await Promise.all([reference(head36Path), swactorRun(head36Path)])
+    assert.deepStrictEqual(run.tokens, expected)
+    const device = run.stage.device!
+    assert.strictEqual(run.stage.backend, gpuBackend)
+    assert.strictEqual(device.blocks, 3, "every block's weights on the device")
+    // each block's attention on the CPU: the graph leaves the device and comes back once per block
+    assert.strictEqual(device.allocated.splits, 1 + 2 * 3)
   }, 120_000)
 })
