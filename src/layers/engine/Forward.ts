@@ -9,7 +9,7 @@ import { type Ptr, TensorLayout } from "../ggml/Bindings.js"
 import { attendedCells } from "../../services/KvSize.js"
 import { libcFunction } from "./FileMap.js"
 import { activationWidth } from "./PerLayerInputs.js"
-import { graphBuilds } from "./GraphCache.js"
+import { type CachedGraph, type GraphSlot, graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
 import { attnTempScales } from "./PositionScaling.js"
@@ -138,6 +138,41 @@ const runInPieces = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): 
   return outs
 }
 
+/** The slot's graph of `key`: the cached one, else one built and allocated (GraphBuild.ts) and cached. */
+const graphOf = async (
+  w: NativeWeights,
+  slot: GraphSlot,
+  key: string,
+  items: ReadonlyArray<NativeItem>,
+  shapes: ReadonlyArray<{ readonly nKv: number; readonly nKvSwa: number }>,
+  kind: StageInput["_tag"]
+): Promise<CachedGraph> => {
+  if (slot.cached !== null && slot.cached.key === key) return slot.cached
+  if (items.length > 1 && w.device === "cpu" && w.smallRowsFor === undefined) {
+    const threads = Math.max(...items.map((it) => it.session.threads))
+    w.smallRowsFor = await chooseSmallBatchRows(
+      w.ggml,
+      w.backend,
+      w.ggml.raw.ggml_backend_dev_buffer_type(w.dev),
+      new Map([...w.tensors].filter(([, p]) => fewRowRouteAllowed(w.homeOf(p)))),
+      threads
+    )
+  }
+  slot.drop()
+  const c = buildGraph(
+    w,
+    slot,
+    key,
+    items,
+    shapes.map((s) => s.nKv),
+    kind,
+    shapes.map((s) => s.nKvSwa)
+  )
+  graphBuilds.count++
+  slot.cached = c
+  return c
+}
+
 const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
   if (w.freed) throw new Error("the stage's weights were freed before this session")
   if (items.length === 0) return []
@@ -164,31 +199,11 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
         ? w.graphs.decodeSlot(key)
         : w.graphs.batchSlot()
 
-  let c = slot.cached
-  if (c === null || c.key !== key) {
-    if (items.length > 1 && w.device === "cpu" && w.smallRowsFor === undefined) {
-      const threads = Math.max(...items.map((it) => it.session.threads))
-      w.smallRowsFor = await chooseSmallBatchRows(
-        g,
-        w.backend,
-        raw.ggml_backend_dev_buffer_type(w.dev),
-        new Map([...w.tensors].filter(([, p]) => fewRowRouteAllowed(w.homeOf(p)))),
-        threads
-      )
-    }
-    slot.drop()
-    c = buildGraph(
-      w,
-      slot,
-      key,
-      items,
-      shapes.map((s) => s.nKv),
-      kind,
-      shapes.map((s) => s.nKvSwa)
-    )
-    graphBuilds.count++
-    slot.cached = c
-  }
+  // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)
+  w.renewStaleBackend()
+  let c = await graphOf(w, slot, key, items, shapes, kind)
+  // allocating it may have replaced a compute buffer that had to grow: then again over a new backend
+  if (w.renewStaleBackend()) c = await graphOf(w, slot, key, items, shapes, kind)
   const { outIds, pos, segments } = c.inputs
 
   // inputs: positions, KV cells, row indices, one causal mask per sequence

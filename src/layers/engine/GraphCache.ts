@@ -47,6 +47,16 @@ export type GraphPlacer =
   | { readonly kind: "scheduler"; readonly gpu: Ptr; readonly cpu: Ptr }
 
 /**
+ * What a stage's slots share: how they place graphs (a GPU stage's GPU backend is replaced by
+ * NativeWeights.renewStaleBackend), and whether a buffer in device memory was destroyed while that backend lived (a
+ * slot's compute buffer freed or replaced by a larger one, a session's caches freed).
+ */
+export class SlotPlacement {
+  deviceBuffersFreed = false
+  constructor(public placer: GraphPlacer) {}
+}
+
+/**
  * A graph allocator (or scheduler) and the last graph it placed. A decode step of the same shape as the last call skips
  * graph construction (hundreds of native calls) and allocation; a call of another shape frees the cached graph.
  */
@@ -60,10 +70,15 @@ export class GraphSlot {
 
   constructor(
     readonly raw: GgmlRaw,
-    private readonly placer: GraphPlacer,
+    private readonly shared: SlotPlacement,
     private readonly onFree: (slot: GraphSlot) => void = () => {}
   ) {
+    const placer = shared.placer
     this.galloc = placer.kind === "backend" ? raw.ggml_gallocr_new(placer.buft) : null
+  }
+
+  private get placer(): GraphPlacer {
+    return this.shared.placer
   }
 
   /** Places a built graph's tensors in this slot's compute buffers (false: no memory). */
@@ -73,15 +88,36 @@ export class GraphSlot {
     // the scheduler's hash set must hold every node and leaf (ggml asserts it): a graph holds at most `size` of each
     const needed = 2 * this.raw.ggml_graph_size(graph) + 64
     if (this.sched === null || this.schedSize < needed) {
-      if (this.sched !== null) this.raw.ggml_backend_sched_free(this.sched)
+      this.freeSched()
       this.sched = this.raw.ggml_backend_sched_new([this.placer.gpu, this.placer.cpu], null, 2, needed, false, true)
       this.schedSize = needed
       if (this.sched === null) throw new Error("could not make the GPU stage's scheduler")
     }
+    const deviceBytes = this.computeBytesOn(this.placer.gpu)
     this.raw.ggml_backend_sched_reset(this.sched)
     const placed = this.raw.ggml_backend_sched_alloc_graph(this.sched, graph)
     if (placed) this.splits = Math.max(this.splits, this.raw.ggml_backend_sched_get_n_splits(this.sched))
+    // ggml's allocator replaces a compute buffer that must grow: the smaller one is destroyed
+    if (deviceBytes > 0 && this.computeBytesOn(this.placer.gpu) !== deviceBytes) this.shared.deviceBuffersFreed = true
     return placed
+  }
+
+  /** Frees the scheduler and its compute buffers (those in device memory are destroyed: SlotPlacement says so). */
+  private freeSched(): void {
+    if (this.sched === null) return
+    this.raw.ggml_backend_sched_free(this.sched)
+    this.sched = null
+    this.schedSize = 0
+    this.shared.deviceBuffersFreed = true
+  }
+
+  /**
+   * Frees the cached graph and the scheduler, keeping the slot: its next graph gets a scheduler over the stage's
+   * backends as they are then (NativeWeights.renewStaleBackend replaces the GPU one).
+   */
+  release(): void {
+    this.drop()
+    this.freeSched()
   }
 
   /** The most pieces a graph of this slot was split into between backends (1: all on the device; 0: none yet). */
@@ -118,8 +154,7 @@ export class GraphSlot {
     this.freed = true
     this.drop()
     if (this.galloc !== null) this.raw.ggml_gallocr_free(this.galloc)
-    if (this.sched !== null) this.raw.ggml_backend_sched_free(this.sched)
-    this.sched = null
+    this.freeSched()
     this.onFree(this)
   }
 }
@@ -133,20 +168,47 @@ export class StageGraphs {
   /** The sessions' own slots, while they live. */
   private readonly sessionSlots = new Set<GraphSlot>()
 
+  private readonly placement: SlotPlacement
+
   constructor(
     private readonly raw: GgmlRaw,
-    private readonly placer: GraphPlacer
-  ) {}
+    placer: GraphPlacer
+  ) {
+    this.placement = new SlotPlacement(placer)
+  }
+
+  /** Whether a buffer in device memory was destroyed since the GPU backend was made (SlotPlacement). */
+  get deviceBuffersFreed(): boolean {
+    return this.placement.deviceBuffersFreed
+  }
+
+  /** A session's caches in device memory were freed. */
+  deviceCachesFreed(): void {
+    this.placement.deviceBuffersFreed = true
+  }
+
+  /** Frees every slot's cached graph and scheduler, keeping the slots (NativeWeights.renewStaleBackend). */
+  releaseSchedulers(): void {
+    this.batch?.release()
+    for (const slot of [...this.decodeSlots, ...this.sessionSlots]) slot.release()
+  }
+
+  /** A GPU stage's new GPU backend, for the slots' next schedulers (after releaseSchedulers): none of its buffers freed. */
+  useGpu(gpu: Ptr): void {
+    const placer = this.placement.placer
+    if (placer.kind === "scheduler") this.placement.placer = { ...placer, gpu }
+    this.placement.deviceBuffersFreed = false
+  }
 
   /** A new session's own slot (freed with the session). */
   sessionSlot(): GraphSlot {
-    const slot = new GraphSlot(this.raw, this.placer, (s) => this.sessionSlots.delete(s))
+    const slot = new GraphSlot(this.raw, this.placement, (s) => this.sessionSlots.delete(s))
     this.sessionSlots.add(slot)
     return slot
   }
 
   batchSlot(): GraphSlot {
-    return (this.batch ??= new GraphSlot(this.raw, this.placer))
+    return (this.batch ??= new GraphSlot(this.raw, this.placement))
   }
 
   /** The slot for a decode step over several sessions: the one holding `key`'s graph, else the least recently used. */
@@ -154,7 +216,7 @@ export class StageGraphs {
     let at = this.decodeSlots.findIndex((slot) => slot.cached?.key === key)
     if (at < 0) {
       if (this.decodeSlots.length < DECODE_GRAPH_SLOTS) {
-        this.decodeSlots.push(new GraphSlot(this.raw, this.placer))
+        this.decodeSlots.push(new GraphSlot(this.raw, this.placement))
         at = this.decodeSlots.length - 1
       } else {
         at = 0

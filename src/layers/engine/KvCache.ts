@@ -289,6 +289,7 @@ export class NativeSession {
     this.weights.graphs.forgetSession(this.id)
     this.slot.free()
     for (const b of this.kvBuffers) raw.ggml_backend_buffer_free(b)
+    if (this.deviceKvBytes > 0) this.weights.graphs.deviceCachesFreed()
     raw.ggml_free(this.kvCtx)
     if (this.hostKvCtx !== null) raw.ggml_free(this.hostKvCtx)
   }

@@ -74,7 +74,7 @@ export class NativeWeights {
     readonly device: DeviceKind,
     /** ggml_backend_dev_t the stage computes on */
     readonly dev: Ptr,
-    readonly backend: Ptr,
+    backend: Ptr,
     private readonly contexts: ReadonlyArray<Ptr>,
     private readonly buffers: ReadonlyArray<Ptr>,
     readonly tensors: ReadonlyMap<string, Ptr>,
@@ -97,12 +97,43 @@ export class NativeWeights {
     /** Bytes of the weight buffers in device memory (a GPU stage; 0 on the CPU). */
     readonly deviceWeightBytes: number = 0
   ) {
+    this.stageBackend = backend
+    this.renewsBackend = split !== null && bindsStaleDescriptors(ggml.raw.ggml_backend_dev_description(dev))
     this.graphs = new StageGraphs(
       ggml.raw,
       split === null
         ? { kind: "backend", buft: ggml.raw.ggml_backend_dev_buffer_type(dev) }
         : { kind: "scheduler", gpu: backend, cpu: split.cpuBackend }
     )
+  }
+
+  private stageBackend: Ptr
+
+  /** The backend the stage computes on (a GPU stage's GPU backend; replaced by `renewStaleBackend`). */
+  get backend(): Ptr {
+    return this.stageBackend
+  }
+
+  /** Whether this GPU stage's device needs `renewStaleBackend` (bindsStaleDescriptors). */
+  readonly renewsBackend: boolean
+
+  /**
+   * On a device that binds stale descriptors (bindsStaleDescriptors), a GPU stage's backend that may have bound a buffer
+   * since destroyed is replaced before it computes again: every slot's scheduler and cached graph are freed, then the
+   * backend (its descriptor sets with it), and a new one made. True when it was replaced (the callers' graphs are gone).
+   */
+  renewStaleBackend(): boolean {
+    if (!this.renewsBackend || !this.graphs.deviceBuffersFreed) return false
+    const raw = this.ggml.raw
+    const backend = raw.ggml_backend_dev_init(this.dev, null)
+    if (backend === null)
+      throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(this.dev)} backend again`)
+    // the schedulers (over the old backend) first, then the old backend
+    this.graphs.releaseSchedulers()
+    raw.ggml_backend_free(this.stageBackend)
+    this.stageBackend = backend
+    this.graphs.useGpu(backend)
+    return true
   }
 
   /** Bytes of the device buffers of the caches of this stage's open sessions (KvCache.ts keeps it). */
@@ -556,6 +587,17 @@ const homeOf = (g: Ggml, layout: StageLayout, device: DeviceKind, dev: Ptr, devi
       ? hostBuft
       : devBuft
 }
+
+/**
+ * Does the device read every binding of a bound descriptor set, those its shader does not use included? Mesa's lavapipe
+ * (llvmpipe) 22.3 does: ggml's Vulkan backend reuses its descriptor sets and writes only the bindings a shader uses, so a
+ * binding left by an earlier dispatch still names the buffer it had, and once that buffer is destroyed (a compute
+ * buffer replaced, a session's caches freed) binding the set again makes lavapipe take and drop references on the
+ * freed buffer's resource: the process dies some dispatches later (SIGSEGV, "double free or corruption"). llama.cpp
+ * frees a context's buffers with its backend, so it never binds a set so left; a stage's backend outlives its sessions
+ * (renewStaleBackend).
+ */
+const bindsStaleDescriptors = (description: string): boolean => /llvmpipe/i.test(description)
 
 /** The CPU backend of a GPU stage's scheduler (it runs what stays in host memory). */
 const startCpuBackend = (g: Ggml): Ptr => {
