@@ -42,26 +42,39 @@ export const fewRowRouteAllowed = (home: WeightHome): boolean => home === "plain
  * Rule 1 for one extra buffer type: with a `type` weight of `[ne0, ne1]` in `buft`, does `dev` compute the product of
  * every row count in PRODUCT_ROWS? (A zero-size buffer of the type stands in, as llama.cpp does.)
  */
-export const extraTypeSupports = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne0: number, ne1: number): boolean => {
+export const extraTypeSupports = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne0: number, ne1: number): boolean =>
+  withProbeWeight(g, buft, 2 * PRODUCT_ROWS.length + 2, [type, ne0, ne1], (ctx, w) =>
+    PRODUCT_ROWS.every((rows) =>
+      g.raw.ggml_backend_dev_supports_op(
+        dev,
+        g.raw.ggml_mul_mat(ctx, w, g.raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, rows))
+      )
+    )
+  )
+
+/**
+ * Runs `probe` over a weight of `[type, ne0, ne1(, ne2)]` placed in a zero-size buffer of `buft` (llama.cpp's way to ask
+ * `supports_op` about a buffer type without allocating), in a context of `tensors` tensors; false when ggml cannot
+ * make the context or the buffer. Frees both.
+ */
+const withProbeWeight = (
+  g: Ggml,
+  buft: Ptr,
+  tensors: number,
+  [type, ne0, ne1, ne2]: readonly [number, number, number, number?],
+  probe: (ctx: Ptr, w: Ptr) => boolean
+): boolean => {
   const raw = g.raw
-  const ctx = raw.ggml_init({
-    mem_size: raw.ggml_tensor_overhead() * (2 * PRODUCT_ROWS.length + 2),
-    mem_buffer: null,
-    no_alloc: true
-  })
+  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * tensors, mem_buffer: null, no_alloc: true })
   if (ctx === null) return false
   try {
-    const w = raw.ggml_new_tensor_2d(ctx, type, ne0, ne1)
+    const w =
+      ne2 === undefined ? raw.ggml_new_tensor_2d(ctx, type, ne0, ne1) : raw.ggml_new_tensor_3d(ctx, type, ne0, ne1, ne2)
     const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
     if (buf === null) return false
     g.setTensorBuffer(w, buf)
     try {
-      return PRODUCT_ROWS.every((rows) =>
-        raw.ggml_backend_dev_supports_op(
-          dev,
-          raw.ggml_mul_mat(ctx, w, raw.ggml_new_tensor_2d(ctx, GgmlType.F32, ne0, rows))
-        )
-      )
+      return probe(ctx, w)
     } finally {
       g.setTensorBuffer(w, null)
       raw.ggml_backend_buffer_free(buf)
@@ -87,34 +100,17 @@ const extraTypeSupportsExperts = (
 ): boolean => {
   const raw = g.raw
   const used = Math.min(ne2, 2)
-  const ctx = raw.ggml_init({
-    mem_size: raw.ggml_tensor_overhead() * (5 * PRODUCT_ROWS.length + 2),
-    mem_buffer: null,
-    no_alloc: true
-  })
-  if (ctx === null) return false
-  try {
-    const w = raw.ggml_new_tensor_3d(ctx, type, ne0, ne1, ne2)
-    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
-    if (buf === null) return false
-    g.setTensorBuffer(w, buf)
-    try {
-      return PRODUCT_ROWS.every((rows) => {
-        const ids = raw.ggml_new_tensor_2d(ctx, GgmlType.I32, used, rows)
-        return [1, used].every((perRow) =>
-          raw.ggml_backend_dev_supports_op(
-            dev,
-            raw.ggml_mul_mat_id(ctx, w, raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne0, perRow, rows), ids)
-          )
+  return withProbeWeight(g, buft, 5 * PRODUCT_ROWS.length + 2, [type, ne0, ne1, ne2], (ctx, w) =>
+    PRODUCT_ROWS.every((rows) => {
+      const ids = raw.ggml_new_tensor_2d(ctx, GgmlType.I32, used, rows)
+      return [1, used].every((perRow) =>
+        raw.ggml_backend_dev_supports_op(
+          dev,
+          raw.ggml_mul_mat_id(ctx, w, raw.ggml_new_tensor_3d(ctx, GgmlType.F32, ne0, perRow, rows), ids)
         )
-      })
-    } finally {
-      g.setTensorBuffer(w, null)
-      raw.ggml_backend_buffer_free(buf)
-    }
-  } finally {
-    raw.ggml_free(ctx)
-  }
+      )
+    })
+  )
 }
 
 /**
@@ -212,28 +208,10 @@ export const deviceComputesWeight = (
   return gatherSupported(g, dev, buft, type, dims[0]!, dims[1] ?? 1)
 }
 
-const gatherSupported = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne0: number, ne1: number): boolean => {
-  const raw = g.raw
-  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 4, mem_buffer: null, no_alloc: true })
-  if (ctx === null) return false
-  try {
-    const w = raw.ggml_new_tensor_2d(ctx, type, ne0, ne1)
-    const buf = raw.ggml_backend_buft_alloc_buffer(buft, 0)
-    if (buf === null) return false
-    g.setTensorBuffer(w, buf)
-    try {
-      return raw.ggml_backend_dev_supports_op(
-        dev,
-        raw.ggml_get_rows(ctx, w, raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 8))
-      )
-    } finally {
-      g.setTensorBuffer(w, null)
-      raw.ggml_backend_buffer_free(buf)
-    }
-  } finally {
-    raw.ggml_free(ctx)
-  }
-}
+const gatherSupported = (g: Ggml, dev: Ptr, buft: Ptr, type: number, ne0: number, ne1: number): boolean =>
+  withProbeWeight(g, buft, 4, [type, ne0, ne1], (ctx, w) =>
+    g.raw.ggml_backend_dev_supports_op(dev, g.raw.ggml_get_rows(ctx, w, g.raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 8)))
+  )
 
 /** The tensor whose memory a node writes in place (itself, or the tensor it views), when it has memory already. */
 const preallocatedBuffer = (t: Ptr): Ptr | null => {

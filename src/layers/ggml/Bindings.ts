@@ -544,10 +544,7 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
     ggml_backend_sched_get_n_splits: b("int ggml_backend_sched_get_n_splits(void * sched)") as (sched: Ptr) => number,
     ggml_backend_sched_get_buffer_size: b(
       "size_t ggml_backend_sched_get_buffer_size(void * sched, void * backend)"
-    ) as (sched: Ptr, backend: Ptr) => number,
-    ggml_backend_sched_get_tensor_backend: b(
-      "void * ggml_backend_sched_get_tensor_backend(void * sched, void * node)"
-    ) as (sched: Ptr, node: Ptr) => Ptr | null
+    ) as (sched: Ptr, backend: Ptr) => number
   }
 }
 
@@ -839,22 +836,19 @@ const init = (): Ggml => {
     setTensorBuffer: (t, buffer) => {
       koffi.encode(t, TensorLayout.buffer, "void *", buffer)
     },
-    computeAsync: (backend, graph) =>
-      new Promise<number>((resolve, reject) => {
-        raw.ggml_backend_graph_compute.async(backend, graph, (err: unknown, status: number) => {
-          if (err) reject(err instanceof Error ? err : new Error(String(err)))
-          else resolve(status)
-        })
-      }),
-    schedComputeAsync: (sched, graph) =>
-      new Promise<number>((resolve, reject) => {
-        raw.ggml_backend_sched_graph_compute.async(sched, graph, (err: unknown, status: number) => {
-          if (err) reject(err instanceof Error ? err : new Error(String(err)))
-          else resolve(status)
-        })
-      })
+    computeAsync: (backend, graph) => statusOnWorker(raw.ggml_backend_graph_compute, backend, graph),
+    schedComputeAsync: (sched, graph) => statusOnWorker(raw.ggml_backend_sched_graph_compute, sched, graph)
   }
 }
+
+/** Calls a native function returning a ggml status on a koffi worker thread (the event loop keeps running). */
+const statusOnWorker = (fn: AsyncFn, ...args: Array<unknown>): Promise<number> =>
+  new Promise<number>((resolve, reject) => {
+    fn.async(...args, (err: unknown, status: number) => {
+      if (err) reject(err instanceof Error ? err : new Error(String(err)))
+      else resolve(status)
+    })
+  })
 
 /** The ggml handle (loaded on first call). Throws GgmlBindingError with a clear message on mismatch. */
 export const getGgml = (): Ggml => {
