@@ -173,40 +173,45 @@ const graphOf = async (
   return c
 }
 
-const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
-  if (w.freed) throw new Error("the stage's weights were freed before this session")
-  if (items.length === 0) return []
-  for (const it of items) {
-    if (it.session.freed) throw new Error(`session ${it.session.id} already freed`)
-  }
-  const g = w.ggml
-  const raw = g.raw
-  const { hp, spec } = w.layout
-  const kind = items[0]!.input._tag
-  const shapes = items.map((it) => {
+/** One item's rows in a call: n rows, the positions used after it, the KV cells attended (and the ring's, or 0). */
+interface CallShape {
+  readonly n: number
+  readonly used: number
+  readonly nKv: number
+  readonly nKvSwa: number
+}
+
+const shapesOf = (items: ReadonlyArray<NativeItem>): Array<CallShape> =>
+  items.map((it) => {
     const n = inputLength(it.input)
     const ring = it.session.swaSize
     const nKvSwa = ring === null ? 0 : attendedCells(ring, it.startPos + n)
     return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n), nKvSwa }
   })
-  const nTotal = shapes.reduce((s, x) => s + x.n, 0)
-  const key =
-    kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
-  const slot =
-    items.length === 1
-      ? items[0]!.session.slot
-      : shapes.every((x) => x.n === 1)
-        ? w.graphs.decodeSlot(key)
-        : w.graphs.batchSlot()
 
-  // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)
-  w.renewStaleBackend()
-  let c = await graphOf(w, slot, key, items, shapes, kind)
-  // allocating it may have replaced a compute buffer that had to grow: then again over a new backend
-  if (w.renewStaleBackend()) c = await graphOf(w, slot, key, items, shapes, kind)
-  const { outIds, pos, segments } = c.inputs
+/** A lone item's own slot; a batch of decode rows the decode slot of its key; any other batch the batch slot. */
+const slotFor = (
+  w: NativeWeights,
+  items: ReadonlyArray<NativeItem>,
+  shapes: ReadonlyArray<CallShape>,
+  key: string
+): GraphSlot =>
+  items.length === 1
+    ? items[0]!.session.slot
+    : shapes.every((x) => x.n === 1)
+      ? w.graphs.decodeSlot(key)
+      : w.graphs.batchSlot()
 
-  // inputs: positions, KV cells, row indices, one causal mask per sequence
+/** Inputs by row: positions (and what derives from them: temperature scales, the DSA rotation), KV cells, row indices. */
+const setRowPositions = (
+  w: NativeWeights,
+  c: CachedGraph,
+  items: ReadonlyArray<NativeItem>,
+  shapes: ReadonlyArray<CallShape>,
+  nTotal: number
+) => {
+  const raw = w.ggml.raw
+  const hp = w.layout.hp
   const posArr = new Int32Array(nTotal)
   const idxArr = new BigInt64Array(nTotal)
   let row = 0
@@ -217,7 +222,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       idxArr[row] = BigInt(startPos + i)
     }
   }
-  raw.ggml_backend_tensor_set(pos, posArr, 0, nTotal * 4)
+  raw.ggml_backend_tensor_set(c.inputs.pos, posArr, 0, nTotal * 4)
   const attnScale = c.inputs.attnScale
   if (attnScale !== undefined && attnScale !== null) {
     raw.ggml_backend_tensor_set(attnScale, attnTempScales(hp.attnTemp!, posArr), 0, nTotal * 4)
@@ -243,6 +248,17 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     for (let i = 0; i < nTotal; i++) rows[i] = BigInt(i)
     raw.ggml_backend_tensor_set(c.rowIdx, rows, 0, nTotal * 8)
   }
+}
+
+/** Inputs by sequence: its causal mask (and its window mask), then the rows whose outputs are kept. */
+const setSequenceMasks = (
+  w: NativeWeights,
+  c: CachedGraph,
+  items: ReadonlyArray<NativeItem>,
+  shapes: ReadonlyArray<CallShape>
+) => {
+  const raw = w.ggml.raw
+  const { outIds, segments } = c.inputs
   for (let s = 0; s < items.length; s++) {
     const { n, nKv } = shapes[s]!
     const startPos = items[s]!.startPos
@@ -256,7 +272,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     if (swaMask !== null) {
       raw.ggml_backend_tensor_set(
         swaMask,
-        ringMask(items[s]!, shapes[s]!.used, shapes[s]!.nKvSwa, hp.swa!.window),
+        ringMask(items[s]!, shapes[s]!.used, shapes[s]!.nKvSwa, w.layout.hp.swa!.window),
         0,
         2 * n * shapes[s]!.nKvSwa
       )
@@ -270,7 +286,15 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       items.length * 4
     )
   }
-  // A lone call's hidden rows are read where they are (a view of the inbound ring): no copy into the graph.
+}
+
+/**
+ * The call's tokens or hidden rows. A lone call's hidden rows are read where they are (a view of the inbound ring): no
+ * copy into the graph. Returns the hidden tensor's own data address to put back, or null when nothing was borrowed.
+ */
+const setInputRows = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<NativeItem>): bigint | null => {
+  const raw = w.ggml.raw
+  const segments = c.inputs.segments
   const borrowed = c.hidden !== null && items.length === 1 ? borrowHidden(w, c.hidden, items[0]!.input) : null
   for (let s = 0; s < items.length; s++) {
     const input = items[s]!.input
@@ -283,9 +307,14 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       w.copiedInputBytes += inWidth(w) * input.nTokens * 4
     }
   }
+  return borrowed
+}
 
-  // cells from startPos on are being rewritten: until this call succeeds only those before it are valid (rings: the
-  // positions whose cells this call takes are gone whatever happens)
+/**
+ * Cells from startPos on are being rewritten: until this call succeeds only those before it are valid (rings: the
+ * positions whose cells this call takes are gone whatever happens).
+ */
+const markRewriting = (items: ReadonlyArray<NativeItem>, shapes: ReadonlyArray<CallShape>) =>
   items.forEach((it, s) => {
     it.session.filled = Math.min(it.session.filled, it.startPos)
     // DeltaNet states (KvCache.ts `recurrent`): cleared for a call from 0; invalid until this call succeeds
@@ -296,6 +325,17 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     if (it.session.swaSize !== null)
       it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
   })
+
+/** Sets the threads, computes the graph on a worker thread, and puts the borrowed hidden tensor's memory back. */
+const computeGraph = async (
+  w: NativeWeights,
+  slot: GraphSlot,
+  c: CachedGraph,
+  items: ReadonlyArray<NativeItem>,
+  nTotal: number,
+  borrowed: bigint | null
+) => {
+  const g = w.ggml
   if (w.device === "cpu" || w.split !== null) {
     // a lone call of several rows (a prompt) may take the session's prefill threads (SessionOptions.prefillThreads)
     const lonePrompt = items.length === 1 && nTotal > 1
@@ -312,8 +352,17 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
     if (borrowed !== null) koffi.encode(c.hidden!, TensorLayout.data, "uintptr_t", borrowed)
   }
   if (status !== 0) throw new Error(`ggml_backend_graph_compute failed with status ${status}`)
-  items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
+}
 
+/** The last stage's logits of each item's last row, or the rows of the residual stream (and per-layer inputs). */
+const readOutputs = (
+  w: NativeWeights,
+  c: CachedGraph,
+  items: ReadonlyArray<NativeItem>,
+  nTotal: number
+): Array<NativeOutput> => {
+  const raw = w.ggml.raw
+  const { hp, spec } = w.layout
   if (spec.isLast) {
     const all = new Float32Array(hp.nVocab * items.length)
     raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
@@ -325,6 +374,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   const all = new Float32Array(width * nTotal)
   raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
   if (items.length === 1) return [{ _tag: "Hidden", hidden: all, nTokens: nTotal }]
+  const segments = c.inputs.segments
   return items.map((_, s) => {
     const seg = segments[s]!
     return {
@@ -333,4 +383,34 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
       nTokens: seg.n
     }
   })
+}
+
+const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
+  if (w.freed) throw new Error("the stage's weights were freed before this session")
+  if (items.length === 0) return []
+  for (const it of items) {
+    if (it.session.freed) throw new Error(`session ${it.session.id} already freed`)
+  }
+  const kind = items[0]!.input._tag
+  const shapes = shapesOf(items)
+  const nTotal = shapes.reduce((s, x) => s + x.n, 0)
+  const key =
+    kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
+  const slot = slotFor(w, items, shapes, key)
+
+  // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)
+  w.renewStaleBackend()
+  let c = await graphOf(w, slot, key, items, shapes, kind)
+  // allocating it may have replaced a compute buffer that had to grow: then again over a new backend
+  if (w.renewStaleBackend()) c = await graphOf(w, slot, key, items, shapes, kind)
+
+  // inputs: positions, KV cells, row indices, one causal mask per sequence, the rows
+  setRowPositions(w, c, items, shapes, nTotal)
+  setSequenceMasks(w, c, items, shapes)
+  const borrowed = setInputRows(w, c, items)
+
+  markRewriting(items, shapes)
+  await computeGraph(w, slot, c, items, nTotal, borrowed)
+  items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
+  return readOutputs(w, c, items, nTotal)
 }
