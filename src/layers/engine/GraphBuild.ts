@@ -36,6 +36,175 @@ const constantShapedInputs = (raw: GgmlRaw, ctx: Ptr, graph: Ptr, hp: HParams, n
   }
 }
 
+/** A 1-d input tensor of the graph, named. */
+const input1d = (raw: GgmlRaw, ctx: Ptr, type: number, len: number, name: string) => {
+  const t = raw.ggml_new_tensor_1d(ctx, type, len)
+  raw.ggml_set_name(t, name)
+  raw.ggml_set_input(t)
+  return t
+}
+
+/** The graph's context, sized for the nodes of the stage's blocks over `nSeq` sequences. */
+const graphContext = (raw: GgmlRaw, w: NativeWeights, nSeq: number): { ctx: Ptr; maxNodes: number } => {
+  const { hp, spec } = w.layout
+  const nLayers = spec.layerEndExclusive - spec.layerStart
+  // a routed block (Moe.ts) adds ~30 tensors, a view and an add per expert used, and ~12 for group-limited routing
+  const moe = hp.moe
+  const moeNodes = moe === undefined ? 0 : 40 + 3 * moe.nExpertUsed + (moe.nExpertGroups > 1 ? 16 : 0)
+  const maxNodes = Math.max(2048, (96 + moeNodes + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
+  const ctx = raw.ggml_init({
+    mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
+    mem_buffer: null,
+    no_alloc: true
+  })
+  if (ctx === null) throw new Error("ggml_init failed for the compute graph")
+  return { ctx, maxNodes }
+}
+
+/** The inputs by row: positions, KV cells (and the rings' cells), row indices of a batch. */
+interface RowInputs {
+  readonly pos: Ptr
+  readonly kvIdx: Ptr
+  readonly rowIdx: Ptr | null
+  readonly swaKvIdx: Ptr | null
+}
+
+const rowInputs = (raw: GgmlRaw, ctx: Ptr, graph: Ptr, w: NativeWeights, nSeq: number, n: number): RowInputs => {
+  const { hp, spec } = w.layout
+  const pos = input1d(raw, ctx, GgmlType.I32, n, "inp_pos")
+  const kvIdx = input1d(raw, ctx, GgmlType.I64, n, "inp_kv_idx")
+  const rowIdx = nSeq > 1 ? input1d(raw, ctx, GgmlType.I64, n, "inp_rows") : null
+  // a second mask and cell index per sequence when the stage holds sliding-window blocks (HParams.swa): their
+  // caches are rings capped near the window (KvCache.ts)
+  let stageHasSwa = false
+  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) stageHasSwa ||= hp.swa?.layers[il] === true
+  const swaKvIdx = stageHasSwa ? input1d(raw, ctx, GgmlType.I64, n, "inp_kv_idx_swa") : null
+  // both cell indices are leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
+  if (swaKvIdx !== null) {
+    raw.ggml_build_forward_expand(graph, kvIdx)
+    raw.ggml_build_forward_expand(graph, swaKvIdx)
+  }
+  return { pos, kvIdx, rowIdx, swaKvIdx }
+}
+
+/** Each sequence's attention segment: its rows, its masks, views of the cell and row indices over its rows. */
+const attentionSegments = (
+  raw: GgmlRaw,
+  ctx: Ptr,
+  graph: Ptr,
+  rows: RowInputs,
+  items: ReadonlyArray<NativeItem>,
+  nKvs: ReadonlyArray<number>,
+  swaNKvs: ReadonlyArray<number>
+): Array<AttentionSegment> => {
+  const { kvIdx, swaKvIdx, rowIdx } = rows
+  const stageHasSwa = swaKvIdx !== null
+  const nSeq = items.length
+  const segments: Array<AttentionSegment> = []
+  let offset = 0
+  items.forEach((it, s) => {
+    const len = inputLength(it.input)
+    const nKv = nKvs[s]!
+    const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
+    raw.ggml_set_name(mask, nSeq > 1 ? `inp_kq_mask_${s}` : "inp_kq_mask")
+    raw.ggml_set_input(mask)
+    let swaMask: Ptr | null = null
+    if (stageHasSwa) {
+      swaMask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, swaNKvs[s]!, len)
+      raw.ggml_set_name(swaMask, nSeq > 1 ? `inp_kq_mask_swa_${s}` : "inp_kq_mask_swa")
+      raw.ggml_set_input(swaMask)
+      // both masks are graph leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
+      raw.ggml_build_forward_expand(graph, mask)
+      raw.ggml_build_forward_expand(graph, swaMask)
+    }
+    const session = it.session
+    segments.push({
+      offset,
+      n: len,
+      nKv,
+      kv: (il) => session.kv.get(il)!,
+      kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
+      mask,
+      swaMask,
+      swaNKv: stageHasSwa ? swaNKvs[s]! : 0,
+      swaKvIdx: swaKvIdx === null ? null : nSeq > 1 ? raw.ggml_view_1d(ctx, swaKvIdx, len, offset * 8) : swaKvIdx,
+      rows: rowIdx === null ? null : raw.ggml_view_1d(ctx, rowIdx, len, offset * 8)
+    })
+    offset += len
+  })
+  return segments
+}
+
+type MutableInputs = { -readonly [K in keyof GraphInputs]: GraphInputs[K] }
+
+/**
+ * The stage's first rows: the token embeddings (and, on gemma4, the per-layer inputs derived from the tokens), or the
+ * hidden input tensor, split into the residual stream and the per-layer inputs it carries.
+ */
+const stageInput = (
+  raw: GgmlRaw,
+  ctx: Ptr,
+  w: NativeWeights,
+  t: Toolkit,
+  inputs: MutableInputs,
+  kind: StageInput["_tag"],
+  n: number
+): { x: Ptr; tokens: Ptr | null; hidden: Ptr | null } => {
+  const { arch, hp, spec } = w.layout
+  if (kind === "Tokens") {
+    const tokens = input1d(raw, ctx, GgmlType.I32, n, "inp_tokens")
+    let x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
+    if (arch.embedScale !== undefined) x = raw.ggml_scale(ctx, x, arch.embedScale(hp))
+    if (hp.perLayer !== undefined && arch.perLayerInputs !== undefined) {
+      const rows = arch.perLayerInputs(t, modelWideWeights(w), tokens, x)
+      inputs.perLayer = { rows, stride: hp.perLayer.width * hp.nLayer, offset: 0, first: 0 }
+    }
+    return { x, tokens, hidden: null }
+  }
+  // the stage's input rows: the residual stream, then the per-layer inputs of its blocks and later ones
+  const hidden = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, activationWidth(hp, spec.layerStart), n)
+  raw.ggml_set_name(hidden, "inp_hidden")
+  raw.ggml_set_input(hidden)
+  // never reused in place by the graph: a lone call may point it at the caller's memory (zeroCopyHidden)
+  raw.ggml_set_output(hidden)
+  const split = splitStageInput(raw, ctx, hp, hidden, spec.layerStart, n)
+  if (split.perLayer !== undefined) inputs.perLayer = split.perLayer
+  return { x: split.x, tokens: null, hidden }
+}
+
+/** The model-wide weights (embeddings, output head), by their full names. */
+const modelWideWeights = (w: NativeWeights) => ({
+  get: (name: string) => w.get(name),
+  opt: (name: string) => w.tensors.get(name) ?? null
+})
+
+/** The stage's blocks over `x`, then the output head on the last stage or the rows later stages read. */
+const stageBlocks = (raw: GgmlRaw, ctx: Ptr, w: NativeWeights, t: Toolkit, inputs: GraphInputs, x: Ptr, n: number) => {
+  const { arch, hp, spec } = w.layout
+  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+    t.layer = il
+    const prefix = `blk.${il}.`
+    const bw: BlockWeights = {
+      get: (name) => w.get(prefix + name),
+      opt: (name) => w.tensors.get(prefix + name) ?? null,
+      global: (name) => w.tensors.get(name) ?? null
+    }
+    x = arch.buildBlock(t, bw, x)
+  }
+  if (spec.isLast) return arch.buildOutput(t, modelWideWeights(w), x)
+  return joinStageOutput(raw, ctx, hp, x, inputs.perLayer, spec.layerEndExclusive, n)
+}
+
+/** Several sequences only (a lone call keeps exactly the products, and bits, it always had): the few-row route. */
+const smallBatchRoute = (w: NativeWeights, nSeq: number) =>
+  w.device === "cpu" && nSeq > 1
+    ? {
+        maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
+        allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
+        shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
+      }
+    : null
+
 /** Builds (and allocates in `slot`) the graph of one call shape. Frees its context on failure. */
 export const buildGraph = (
   w: NativeWeights,
@@ -47,133 +216,23 @@ export const buildGraph = (
   swaNKvs: ReadonlyArray<number> = []
 ): CachedGraph => {
   const raw = checkedOps(w.ggml)
-  const { arch, hp, spec } = w.layout
-  const nLayers = spec.layerEndExclusive - spec.layerStart
+  const { hp, spec } = w.layout
   const nSeq = items.length
   const n = items.reduce((s, it) => s + inputLength(it.input), 0)
-  // a routed block (Moe.ts) adds ~30 tensors, a view and an add per expert used, and ~12 for group-limited routing
-  const moe = hp.moe
-  const moeNodes = moe === undefined ? 0 : 40 + 3 * moe.nExpertUsed + (moe.nExpertGroups > 1 ? 16 : 0)
-  const maxNodes = Math.max(2048, (96 + moeNodes + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
-  const ctx = raw.ggml_init({
-    mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
-    mem_buffer: null,
-    no_alloc: true
-  })
-  if (ctx === null) throw new Error("ggml_init failed for the compute graph")
+  const { ctx, maxNodes } = graphContext(raw, w, nSeq)
   try {
     const graph = raw.ggml_new_graph_custom(ctx, maxNodes, false)
-    const input1d = (type: number, len: number, name: string) => {
-      const t = raw.ggml_new_tensor_1d(ctx, type, len)
-      raw.ggml_set_name(t, name)
-      raw.ggml_set_input(t)
-      return t
-    }
-    const pos = input1d(GgmlType.I32, n, "inp_pos")
-    const kvIdx = input1d(GgmlType.I64, n, "inp_kv_idx")
-    const rowIdx = nSeq > 1 ? input1d(GgmlType.I64, n, "inp_rows") : null
-    // a second mask and cell index per sequence when the stage holds sliding-window blocks (HParams.swa): their
-    // caches are rings capped near the window (KvCache.ts)
-    let stageHasSwa = false
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) stageHasSwa ||= hp.swa?.layers[il] === true
-    const swaKvIdx = stageHasSwa ? input1d(GgmlType.I64, n, "inp_kv_idx_swa") : null
-    // both cell indices are leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
-    if (swaKvIdx !== null) {
-      raw.ggml_build_forward_expand(graph, kvIdx)
-      raw.ggml_build_forward_expand(graph, swaKvIdx)
-    }
-    const segments: Array<AttentionSegment> = []
-    let offset = 0
-    items.forEach((it, s) => {
-      const len = inputLength(it.input)
-      const nKv = nKvs[s]!
-      const mask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nKv, len)
-      raw.ggml_set_name(mask, nSeq > 1 ? `inp_kq_mask_${s}` : "inp_kq_mask")
-      raw.ggml_set_input(mask)
-      let swaMask: Ptr | null = null
-      if (stageHasSwa) {
-        swaMask = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, swaNKvs[s]!, len)
-        raw.ggml_set_name(swaMask, nSeq > 1 ? `inp_kq_mask_swa_${s}` : "inp_kq_mask_swa")
-        raw.ggml_set_input(swaMask)
-        // both masks are graph leaves, so both get memory even when the stage's blocks use only one (Forward.ts sets both)
-        raw.ggml_build_forward_expand(graph, mask)
-        raw.ggml_build_forward_expand(graph, swaMask)
-      }
-      const session = it.session
-      segments.push({
-        offset,
-        n: len,
-        nKv,
-        kv: (il) => session.kv.get(il)!,
-        kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
-        mask,
-        swaMask,
-        swaNKv: stageHasSwa ? swaNKvs[s]! : 0,
-        swaKvIdx: swaKvIdx === null ? null : nSeq > 1 ? raw.ggml_view_1d(ctx, swaKvIdx, len, offset * 8) : swaKvIdx,
-        rows: rowIdx === null ? null : raw.ggml_view_1d(ctx, rowIdx, len, offset * 8)
-      })
-      offset += len
-    })
-    const outIds = spec.isLast ? input1d(GgmlType.I32, nSeq, "inp_out_ids") : null
+    const rows = rowInputs(raw, ctx, graph, w, nSeq, n)
+    const segments = attentionSegments(raw, ctx, graph, rows, items, nKvs, swaNKvs)
+    const outIds = spec.isLast ? input1d(raw, ctx, GgmlType.I32, nSeq, "inp_out_ids") : null
     const { attnScale, hadamard } = constantShapedInputs(raw, ctx, graph, hp, n)
     // perLayer is set below, once the per-layer inputs are known (PerLayerInputs.ts)
-    const inputs: { -readonly [K in keyof GraphInputs]: GraphInputs[K] } = {
-      pos,
-      outIds,
-      segments,
-      attnScale,
-      hadamard
-    }
-
-    // several sequences only: a lone call keeps exactly the products (and bits) it always had
-    const small =
-      w.device === "cpu" && nSeq > 1
-        ? {
-            maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
-            allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
-            shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
-          }
-        : null
-    const t = new Toolkit(raw, ctx, graph, hp, n, inputs, small)
-    const modelWide = { get: (name: string) => w.get(name), opt: (name: string) => w.tensors.get(name) ?? null }
-
-    let x: Ptr
-    let tokens: Ptr | null = null
-    let hidden: Ptr | null = null
-    if (kind === "Tokens") {
-      tokens = input1d(GgmlType.I32, n, "inp_tokens")
-      x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
-      if (arch.embedScale !== undefined) x = raw.ggml_scale(ctx, x, arch.embedScale(hp))
-      if (hp.perLayer !== undefined && arch.perLayerInputs !== undefined) {
-        const rows = arch.perLayerInputs(t, modelWide, tokens, x)
-        inputs.perLayer = { rows, stride: hp.perLayer.width * hp.nLayer, offset: 0, first: 0 }
-      }
-    } else {
-      // the stage's input rows: the residual stream, then the per-layer inputs of its blocks and later ones
-      x = raw.ggml_new_tensor_2d(ctx, GgmlType.F32, activationWidth(hp, spec.layerStart), n)
-      raw.ggml_set_name(x, "inp_hidden")
-      raw.ggml_set_input(x)
-      // never reused in place by the graph: a lone call may point it at the caller's memory (zeroCopyHidden)
-      raw.ggml_set_output(x)
-      hidden = x
-      const split = splitStageInput(raw, ctx, hp, x, spec.layerStart, n)
-      x = split.x
-      if (split.perLayer !== undefined) inputs.perLayer = split.perLayer
-    }
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
-      t.layer = il
-      const prefix = `blk.${il}.`
-      const bw: BlockWeights = {
-        get: (name) => w.get(prefix + name),
-        opt: (name) => w.tensors.get(prefix + name) ?? null,
-        global: (name) => w.tensors.get(name) ?? null
-      }
-      x = arch.buildBlock(t, bw, x)
-    }
-    if (spec.isLast) x = arch.buildOutput(t, modelWide, x)
-    else x = joinStageOutput(raw, ctx, hp, x, inputs.perLayer, spec.layerEndExclusive, n)
-    raw.ggml_set_output(x)
-    raw.ggml_build_forward_expand(graph, x)
+    const inputs: MutableInputs = { pos: rows.pos, outIds, segments, attnScale, hadamard }
+    const t = new Toolkit(raw, ctx, graph, hp, n, inputs, smallBatchRoute(w, nSeq))
+    const { x, tokens, hidden } = stageInput(raw, ctx, w, t, inputs, kind, n)
+    const out = stageBlocks(raw, ctx, w, t, inputs, x, n)
+    raw.ggml_set_output(out)
+    raw.ggml_build_forward_expand(graph, out)
 
     // a CPU stage has one backend, no scheduler: every node must be one the device computes as built (rule 3); a GPU
     // stage's scheduler runs on the CPU what the device does not compute, and must be given nothing neither computes
@@ -186,12 +245,12 @@ export const buildGraph = (
       ctx,
       graph,
       inputs,
-      kvIdx,
-      swaKvIdx,
-      rowIdx,
+      kvIdx: rows.kvIdx,
+      swaKvIdx: rows.swaKvIdx,
+      rowIdx: rows.rowIdx,
       tokens,
       hidden,
-      out: x
+      out
     }
   } catch (e) {
     raw.ggml_free(ctx)
