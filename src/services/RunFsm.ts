@@ -321,103 +321,129 @@ export const expire = (state: RunState, now: number): Step => {
   return em.step()
 }
 
+type EventOf<T extends RunEvent["_tag"]> = Extract<RunEvent, { readonly _tag: T }>
+
+const onStageReady = (em: Emitter, event: EventOf<"StageReady">, now: number) => {
+  const s = em.state
+  if (!planHasStage(s.plan, event.stageIndex)) return reject(em, event, "UnknownStage")
+  if (!isProvisioned(s, event.stageIndex)) return reject(em, event, "NotProvisioned")
+  if (s.readyStages.includes(event.stageIndex)) return reject(em, event, "Duplicate")
+  em.set({ readyStages: [...s.readyStages, event.stageIndex] })
+  return maybeStart(em, now)
+}
+
+const onEndpointReady = (
+  em: Emitter,
+  event: EventOf<"TokenInEndpointReady" | "TokenOutEndpointReady">,
+  now: number
+) => {
+  const s = em.state
+  if (!s.endpointsCreated) return reject(em, event, "NotProvisioned")
+  const field = event._tag === "TokenInEndpointReady" ? "tokenInReady" : "tokenOutReady"
+  if (s[field]) return reject(em, event, "Duplicate")
+  em.set({ [field]: true })
+  return maybeStart(em, now)
+}
+
+const onTokenReceived = (em: Emitter, event: EventOf<"TokenReceived">, now: number) => {
+  const s = em.state
+  if (s.phase !== "Executing" || s.inFlight !== event.step) return reject(em, event, "StepNotInFlight")
+  const isEos = event.eos || (s.config.eosTokenId !== undefined && event.tokenId === s.config.eosTokenId)
+  if (isEos) return terminate(em, now, { _tag: "Completed", reason: "Eos", tokens: s.tokens })
+  const tokens = [...s.tokens, event.tokenId]
+  em.set({ tokens, inFlight: undefined })
+  em.events.push(LifecycleEvents.TokenAccepted({ runId: s.config.runId, step: event.step, tokenId: event.tokenId }))
+  if (tokens.length >= s.config.maxTokens) {
+    return terminate(em, now, { _tag: "Completed", reason: "MaxTokens", tokens })
+  }
+  return inject(em, now, event.step + 1, {
+    _tag: "Decode",
+    tokenId: event.tokenId,
+    sampling: { sourceStep: event.step }
+  })
+}
+
+const onMembershipLost = (em: Emitter, event: EventOf<"MembershipLost">, now: number) => {
+  const s = em.state
+  if (s.plan !== undefined && s.plan.stages.some((st) => st.nodeId === event.nodeId)) {
+    return fault(em, now, RunFaultReasons.MembershipLost({ nodeId: event.nodeId }))
+  }
+  if (!s.pool.includes(event.nodeId)) return reject(em, event, "NodeNotInRun")
+  // A pool node the plan does not use (or no plan yet): it simply leaves the pool.
+  return em.set({ pool: s.pool.filter((n) => n !== event.nodeId) })
+}
+
+const onStageStopped = (em: Emitter, event: EventOf<"StageStopped">, now: number, terminal: boolean) => {
+  const s = em.state
+  if (!planHasStage(s.plan, event.stageIndex)) return reject(em, event, "UnknownStage")
+  if (!isProvisioned(s, event.stageIndex)) return reject(em, event, "NotProvisioned")
+  if (s.stoppedStages.includes(event.stageIndex)) return reject(em, event, "Duplicate")
+  em.set({ stoppedStages: [...s.stoppedStages, event.stageIndex] })
+  if (!terminal) {
+    return fault(
+      em,
+      now,
+      RunFaultReasons.StageFault({ stageIndex: event.stageIndex, reason: StageFaultReasons.StoppedUnexpectedly() })
+    )
+  }
+  return maybeTornDown(em, false)
+}
+
+const onTokenEndpointsStopped = (
+  em: Emitter,
+  event: EventOf<"TokenEndpointsStopped">,
+  now: number,
+  terminal: boolean
+) => {
+  const s = em.state
+  if (!s.endpointsCreated) return reject(em, event, "NotProvisioned")
+  if (s.endpointsStopped) return reject(em, event, "Duplicate")
+  em.set({ endpointsStopped: true })
+  if (!terminal) return fault(em, now, RunFaultReasons.EndpointsStoppedUnexpectedly())
+  return maybeTornDown(em, false)
+}
+
+/** Applies one event: a foreign or torn-down run's, or (but for stop confirmations) a terminal run's, is rejected. */
 const applyEvent = (em: Emitter, event: RunEvent, now: number) => {
   const s = em.state
   const runId = eventRunId(event)
   if (runId !== undefined && runId !== s.config.runId) return reject(em, event, "ForeignRun")
   if (s.phase === "TornDown") return reject(em, event, "TornDown")
   const terminal = s.outcome !== undefined
+  // stop confirmations are what a terminal run waits for
+  if (event._tag === "StageStopped") return onStageStopped(em, event, now, terminal)
+  if (event._tag === "TokenEndpointsStopped") return onTokenEndpointsStopped(em, event, now, terminal)
+  if (terminal) return reject(em, event, "AlreadyTerminal")
   switch (event._tag) {
     case "PoolReady": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
       em.set({ pool: [...s.pool, ...event.nodes.filter((n) => !s.pool.includes(n))] })
       return maybeProvision(em, now)
     }
     case "PlanAvailable": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
       if (s.plan !== undefined) return reject(em, event, "PlanAlreadyCommitted")
       if (!isCoherentPlan(event.plan)) return reject(em, event, "InvalidPlan")
       em.set({ plan: event.plan })
       return maybeProvision(em, now)
     }
-    case "StageReady": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
-      if (!planHasStage(s.plan, event.stageIndex)) return reject(em, event, "UnknownStage")
-      if (!isProvisioned(s, event.stageIndex)) return reject(em, event, "NotProvisioned")
-      if (s.readyStages.includes(event.stageIndex)) return reject(em, event, "Duplicate")
-      em.set({ readyStages: [...s.readyStages, event.stageIndex] })
-      return maybeStart(em, now)
-    }
+    case "StageReady":
+      return onStageReady(em, event, now)
     case "TokenInEndpointReady":
-    case "TokenOutEndpointReady": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
-      if (!s.endpointsCreated) return reject(em, event, "NotProvisioned")
-      const field = event._tag === "TokenInEndpointReady" ? "tokenInReady" : "tokenOutReady"
-      if (s[field]) return reject(em, event, "Duplicate")
-      em.set({ [field]: true })
-      return maybeStart(em, now)
-    }
-    case "TokenReceived": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
-      if (s.phase !== "Executing" || s.inFlight !== event.step) return reject(em, event, "StepNotInFlight")
-      const isEos = event.eos || (s.config.eosTokenId !== undefined && event.tokenId === s.config.eosTokenId)
-      if (isEos) return terminate(em, now, { _tag: "Completed", reason: "Eos", tokens: s.tokens })
-      const tokens = [...s.tokens, event.tokenId]
-      em.set({ tokens, inFlight: undefined })
-      em.events.push(LifecycleEvents.TokenAccepted({ runId: s.config.runId, step: event.step, tokenId: event.tokenId }))
-      if (tokens.length >= s.config.maxTokens) {
-        return terminate(em, now, { _tag: "Completed", reason: "MaxTokens", tokens })
-      }
-      return inject(em, now, event.step + 1, {
-        _tag: "Decode",
-        tokenId: event.tokenId,
-        sampling: { sourceStep: event.step }
-      })
-    }
+    case "TokenOutEndpointReady":
+      return onEndpointReady(em, event, now)
+    case "TokenReceived":
+      return onTokenReceived(em, event, now)
     case "StageFault": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
       if (!planHasStage(s.plan, event.stageIndex)) return reject(em, event, "UnknownStage")
       return fault(em, now, RunFaultReasons.StageFault({ stageIndex: event.stageIndex, reason: event.reason }))
     }
     case "EndpointFault": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
       if (!s.endpointsCreated) return reject(em, event, "NotProvisioned")
       return fault(em, now, RunFaultReasons.EndpointFault({ endpoint: event.endpoint }))
     }
-    case "MembershipLost": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
-      if (s.plan !== undefined && s.plan.stages.some((st) => st.nodeId === event.nodeId)) {
-        return fault(em, now, RunFaultReasons.MembershipLost({ nodeId: event.nodeId }))
-      }
-      if (!s.pool.includes(event.nodeId)) return reject(em, event, "NodeNotInRun")
-      // A pool node the plan does not use (or no plan yet): it simply leaves the pool.
-      return em.set({ pool: s.pool.filter((n) => n !== event.nodeId) })
-    }
-    case "OperatorStop": {
-      if (terminal) return reject(em, event, "AlreadyTerminal")
+    case "MembershipLost":
+      return onMembershipLost(em, event, now)
+    case "OperatorStop":
       return terminate(em, now, { _tag: "OperatorStopped" })
-    }
-    case "StageStopped": {
-      if (!planHasStage(s.plan, event.stageIndex)) return reject(em, event, "UnknownStage")
-      if (!isProvisioned(s, event.stageIndex)) return reject(em, event, "NotProvisioned")
-      if (s.stoppedStages.includes(event.stageIndex)) return reject(em, event, "Duplicate")
-      em.set({ stoppedStages: [...s.stoppedStages, event.stageIndex] })
-      if (!terminal) {
-        return fault(
-          em,
-          now,
-          RunFaultReasons.StageFault({ stageIndex: event.stageIndex, reason: StageFaultReasons.StoppedUnexpectedly() })
-        )
-      }
-      return maybeTornDown(em, false)
-    }
-    case "TokenEndpointsStopped": {
-      if (!s.endpointsCreated) return reject(em, event, "NotProvisioned")
-      if (s.endpointsStopped) return reject(em, event, "Duplicate")
-      em.set({ endpointsStopped: true })
-      if (!terminal) return fault(em, now, RunFaultReasons.EndpointsStoppedUnexpectedly())
-      return maybeTornDown(em, false)
-    }
   }
 }
 
