@@ -29,7 +29,12 @@
  */
 import { Cause, Deferred, Effect, Option, Queue, type Scope } from "effect"
 import { EngineError, type ForwardError, type StageInput, type StageOutput } from "../../domain/engine.js"
-import { type BatchItem, StageExecutor, type StageSession } from "../../services/StageExecutor.js"
+import {
+  type BatchItem,
+  StageExecutor,
+  type StageExecutorService,
+  type StageSession
+} from "../../services/StageExecutor.js"
 import { chooseDecodeGroup, type DecodeGroupChoice, makeStepCosts, type StepCosts } from "../../services/StepCosts.js"
 
 export interface BatcherSettings {
@@ -178,378 +183,457 @@ const wallSleep = (millis: number): Effect.Effect<Option.Option<never>> =>
     return Effect.sync(() => clearTimeout(timer))
   })
 
+/** One decode or prompt job of a micro-batch, and how many of its rows it runs there. */
+interface Chosen {
+  readonly job: Job
+  readonly n: number
+}
+
+/** The batcher's settings resolved to numbers (see BatcherSettings). */
+interface Limits {
+  readonly maxRows: number
+  readonly chunk: number
+  readonly activeWindow: number
+  readonly gatherMax: number
+  readonly promptGather: number
+  readonly promptBesideDecode: number
+  /** The idle probe: its settings (absent: off), its largest size, how long the stage must be quiet first. */
+  readonly probeSettings: BatcherSettings["stepProbe"]
+  readonly probeMax: number
+  readonly probeQuiet: number
+}
+
+/** What the batcher fiber, `submit` and `expect` share. */
+interface BatcherState {
+  readonly executor: StageExecutorService
+  readonly limits: Limits
+  readonly costs: StepCosts
+  readonly inbox: Queue.Queue<Job>
+  readonly pending: Array<Job>
+  /** Sessions decoding on these weights: when each last submitted a decode step. */
+  readonly decoders: Map<StageSession, { last: number; interval: number; prompt?: true }>
+  /** Sessions opened that have not submitted anything yet (their prompt is on its way). */
+  readonly expected: Set<StageSession>
+  /** Sessions seen so far (opened, or submitting unannounced), and how many are announced by then (see `expect`). */
+  readonly seen: WeakSet<StageSession>
+  opened: number
+  announced: { count: number; at: number }
+  /** How long the last micro-batch of decode steps only took (ms): the longest worth waiting to fill the next one. */
+  lastRunMillis: number
+  lastChoice: StepCostReport["choice"]
+  /** The last choice and what it was made from: it holds while L, S and the costs' revision do. */
+  cached: { decoders: number; stages: number; revision: number; rows: number } | undefined
+  /** The next probe size (rows); Infinity when off or done. */
+  probeRows: number
+  /** The last time a session was opened here or submitted work (the batcher's start to begin with). */
+  lastActivity: number
+}
+
+const limitsOf = (settings: BatcherSettings): Limits => {
+  const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
+  const probeSettings = settings.stepProbe
+  return {
+    maxRows,
+    chunk: Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128))),
+    activeWindow: Math.max(0, settings.activeWindowMillis ?? 2000),
+    gatherMax: Math.max(0, settings.gatherMillis ?? 250),
+    promptGather: Math.max(0, settings.promptGatherMillis ?? 100),
+    promptBesideDecode: Math.max(0, settings.promptRowsBesideDecode ?? 16),
+    probeSettings,
+    probeMax: Math.max(0, Math.min(maxRows, Math.floor(probeSettings?.maxRows ?? 0))),
+    probeQuiet: Math.max(0, probeSettings?.quietMillis ?? 1000)
+  }
+}
+
+const see = (state: BatcherState, session: StageSession) => {
+  if (state.seen.has(session)) return
+  state.seen.add(session)
+  state.opened++
+}
+
+/** Sessions announced by the server that have not opened yet (an announcement lasts promptGatherMillis). */
+const announcedDue = (state: BatcherState) =>
+  state.opened < state.announced.count && performance.now() - state.announced.at < state.limits.promptGather
+
+const pruneDecoders = (state: BatcherState) => {
+  const now = performance.now()
+  // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
+  for (const [session, d] of state.decoders)
+    if (now - d.last > Math.min(state.limits.activeWindow, 3 * d.interval)) state.decoders.delete(session)
+}
+
+/**
+ * Most decode steps in one micro-batch: ceil(L / S) (at least 1), or the size the measured step costs say makes a
+ * round of all L sequences through the S stages clearly faster (StepCosts.chooseDecodeGroup).
+ */
+const decodeCap = (state: BatcherState): number => {
+  pruneDecoders(state)
+  const { decoders, cached, costs } = state
+  let stages = 1
+  for (const job of state.pending) if (job.total === 1) stages = Math.max(stages, job.pipelineStages)
+  const revision = costs.revision()
+  if (cached?.decoders === decoders.size && cached.stages === stages && cached.revision === revision) {
+    return cached.rows
+  }
+  const choice = chooseDecodeGroup(Math.max(1, decoders.size), stages, costs)
+  state.lastChoice = { ...choice, decoders: decoders.size, stages }
+  state.cached = { decoders: decoders.size, stages, revision, rows: Math.max(1, choice.rows) }
+  return state.cached.rows
+}
+
+const drop = (state: BatcherState, job: Job) => {
+  const i = state.pending.indexOf(job)
+  if (i >= 0) state.pending.splice(i, 1)
+}
+
+/**
+ * The next micro-batch: decode steps first, then whole chunks while rows are left. Beside decode steps the first
+ * chunk always goes (no prompt starves) and more only within `promptRowsBesideDecode` rows of prompt.
+ */
+const pick = (state: BatcherState): Array<Chosen> => {
+  const { chunk, maxRows, promptBesideDecode } = state.limits
+  const chosen: Array<Chosen> = []
+  let rows = 0
+  let promptRows = 0
+  let decodeLeft = decodeCap(state)
+  for (const pass of ["decode", "prefill"] as const) {
+    for (const job of state.pending) {
+      if ((job.total === 1) !== (pass === "decode")) continue
+      const n = job.done >= job.oneByOneFrom ? 1 : Math.min(chunk, job.oneByOneFrom - job.done)
+      if (rows + n > maxRows) continue
+      if (pass === "decode" && decodeLeft-- <= 0) break
+      if (pass === "prefill" && promptRows > 0 && rows > promptRows && promptRows + n > promptBesideDecode) continue
+      chosen.push({ job, n })
+      rows += n
+      if (pass === "prefill") promptRows += n
+    }
+  }
+  return chosen
+}
+
+/** Completes the jobs of a micro-batch that ran, with their outputs in order. */
+const advance = (
+  state: BatcherState,
+  chosen: ReadonlyArray<Chosen>,
+  outputs: ReadonlyArray<StageOutput>,
+  rows: number,
+  millis: number
+) =>
+  Effect.forEach(
+    chosen,
+    ({ job, n }, i) => {
+      const out = outputs[i]!
+      job.done += n
+      job.counters.microBatches++
+      job.counters.engineMillis += millis
+      job.counters.batchRows += rows
+      job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
+      if (job.total > 1) job.counters.prefillChunks++
+      if (out._tag === "Hidden") job.hidden.push(out.hidden)
+      if (job.done < job.total) return Effect.void
+      drop(state, job)
+      if (job.total > 1) {
+        // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
+        // (otherwise the first decode step of requests that prefilled together runs alone, as a one-row
+        // micro-batch, although their first tokens reach stage 0 within a few ms of each other). Until its
+        // first decode step it is gone after 3 times as long as its prompt took here.
+        const now = performance.now()
+        state.decoders.set(job.session, { last: now, interval: Math.max(1, now - job.submittedAt), prompt: true })
+      }
+      const result: StageOutput =
+        out._tag === "Logits" ? out : { _tag: "Hidden", hidden: concat(job.hidden), nTokens: job.total }
+      return Deferred.succeed(job.result, result)
+    },
+    { discard: true }
+  )
+
+const failJob = (state: BatcherState, job: Job, error: ForwardError) => {
+  drop(state, job)
+  return Deferred.fail(job.result, error)
+}
+
+const itemOf = (job: Job, n: number): BatchItem => ({
+  session: job.session,
+  startPos: job.startPos + job.done,
+  input: slice(job.input, job.done, n, job.session.info.hiddenDim)
+})
+
+const asEngineError = (error: { readonly _tag: string; readonly message: string }) =>
+  new EngineError({ message: `${error._tag}: ${error.message}` })
+
+/** Runs one micro-batch; never fails (every outcome lands in the jobs' results). */
+const runOnce = (state: BatcherState, chosen: ReadonlyArray<Chosen>): Effect.Effect<void> => {
+  const rows = chosen.reduce((s, c) => s + c.n, 0)
+  const started = performance.now()
+  return state.executor.forwardBatch(chosen.map(({ job, n }) => itemOf(job, n))).pipe(
+    Effect.matchEffect({
+      onSuccess: (outputs) => advance(state, chosen, outputs, rows, performance.now() - started),
+      onFailure: (error) => {
+        switch (error._tag) {
+          case "BatchItemRejected": {
+            // nothing ran: only that item fails; the others are still pending for the next micro-batch
+            const culprit = chosen[error.index]
+            return culprit === undefined
+              ? Effect.forEach(chosen, ({ job }) => failJob(state, job, asEngineError(error)), { discard: true })
+              : failJob(state, culprit.job, error.error)
+          }
+          case "EngineError":
+            // find the culprit: every item alone (a failed computation leaves each session as before it)
+            return chosen.length === 1
+              ? failJob(state, chosen[0]!.job, error)
+              : Effect.forEach(chosen, (c) => runOnce(state, [c]), { discard: true })
+          case "InvalidBatch":
+            return Effect.forEach(chosen, ({ job }) => failJob(state, job, asEngineError(error)), { discard: true })
+        }
+      }
+    }),
+    Effect.catchAllCause((cause) =>
+      Effect.forEach(
+        chosen,
+        ({ job }) =>
+          failJob(state, job, new EngineError({ message: `the batched forward crashed: ${Cause.pretty(cause)}` })),
+        { discard: true }
+      )
+    )
+  )
+}
+
+const takeArrived = (state: BatcherState) =>
+  Effect.gen(function* () {
+    const { pending } = state
+    pending.push(...(yield* Queue.takeAll(state.inbox)))
+    for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
+  })
+
+/** Fewer decode steps than a micro-batch takes, nothing else to run, and other decoders on their way. */
+const worthWaiting = (state: BatcherState) => {
+  if (state.pending.some((job) => job.total !== 1)) return false
+  const cap = decodeCap(state)
+  return state.pending.length < cap && state.decoders.size > state.pending.length
+}
+
+/**
+ * Takes what arrives until `deadline()`, asked again after each arrival (what is wanted changes with what
+ * arrived); a past deadline ends the wait.
+ */
+const takeUntil = (state: BatcherState, deadline: () => number) =>
+  Effect.gen(function* () {
+    while (true) {
+      const left = deadline() - performance.now()
+      if (left < 0.5) return
+      const next = yield* Effect.race(Queue.take(state.inbox).pipe(Effect.map(Option.some)), wallSleep(left))
+      if (Option.isNone(next)) continue
+      state.pending.push(next.value)
+      yield* takeArrived(state)
+    }
+  })
+
+/**
+ * Before a micro-batch: prompts that woke an idle stage (no decode step pending) wait (at most
+ * `promptGatherMillis`) for the prompts of the sessions opened beside them that have not submitted yet, so
+ * requests that arrive together prefill together on every stage and decode in step from their first token.
+ * Without it, of requests sent together the first starts its prefill alone on each stage and its next token
+ * waits for the others' prefill (bench/README.md, "Design measurements"). On a first stage the
+ * sessions of requests sent together open a few ms apart: the server announces them (`expect`'s `arriving`, the
+ * requests it is still tokenizing), so they are waited for before they open. What is waited for is what is in
+ * flight: a lone request (nothing opened or announced beside it) never waits. Otherwise short decode
+ * micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
+ */
+const gather = (state: BatcherState, wokeIdle: boolean) => {
+  const { pending } = state
+  const { promptGather, gatherMax } = state.limits
+  const prompts = wokeIdle && promptGather > 0 && pending.length > 0 && pending.every((job) => job.total > 1)
+  if (prompts) {
+    const start = performance.now()
+    return takeUntil(state, () => {
+      if (pending.some((job) => job.total === 1)) return 0 // a decode step arrived: it does not wait for prompts
+      return state.expected.size > 0 || announcedDue(state) ? start + promptGather : 0
+    }).pipe(
+      Effect.ensuring(
+        Effect.sync(
+          () => (state.announced = { count: Math.min(state.announced.count, state.opened), at: state.announced.at })
+        )
+      )
+    )
+  }
+  const budget = Math.min(gatherMax, state.lastRunMillis)
+  if (budget < 1) return Effect.void
+  const deadline = performance.now() + budget
+  return takeUntil(state, () => (worthWaiting(state) ? deadline : 0))
+}
+
+// --- the idle probe of step costs ---
+
+/** ms until the probe may take the stage: nothing seen for probeQuiet, nothing decoding, expected or announced. */
+const probeWait = (state: BatcherState) => {
+  pruneDecoders(state)
+  const { probeQuiet } = state.limits
+  if (state.decoders.size > 0 || state.expected.size > 0 || announcedDue(state)) return Math.max(50, probeQuiet)
+  return Math.max(0, state.lastActivity + probeQuiet - performance.now())
+}
+
+/**
+ * One probe size: `probeRows` one-row steps of fresh scratch sessions at position 0, then again at position 1 (a
+ * one-row warm-up first), closed right after, so they hold memory only while it runs. Both forwards are observed and
+ * the estimate is the faster (StepCosts' lower median): the first forward of a batch shape also builds its graph,
+ * and one slow forward (the other stage's probe, a page fault) must not become the size's cost.
+ */
+const probeStep = (state: BatcherState) =>
+  Effect.scoped(
+    Effect.gen(function* () {
+      const rows = Math.max(1, state.probeRows)
+      const sessions = yield* Effect.forEach(Array.from({ length: rows }), () => state.limits.probeSettings!.session)
+      const items: Array<BatchItem> = sessions.map((session, i) => ({
+        session,
+        startPos: 0,
+        input: session.info.isFirst
+          ? { _tag: "Tokens" as const, tokens: Int32Array.of(1 + i) }
+          : { _tag: "Hidden" as const, hidden: new Float32Array(session.info.hiddenDim).fill(0.01), nTokens: 1 }
+      }))
+      for (const startPos of state.probeRows > 0 ? [0, 1] : [0]) {
+        const started = performance.now()
+        yield* state.executor.forwardBatch(startPos === 0 ? items : items.map((item) => ({ ...item, startPos })))
+        if (state.probeRows > 0) state.costs.observe(rows, performance.now() - started)
+      }
+      state.probeRows = state.probeRows + 1 > state.limits.probeMax ? Infinity : state.probeRows + 1
+    })
+  ).pipe(
+    // a stage that cannot run the probe just has no probed costs
+    Effect.catchAllCause(() => Effect.sync(() => (state.probeRows = Infinity)))
+  )
+
+/** One turn of the batcher fiber: wait for work (or run a probe size), gather, run one micro-batch. */
+const batchOnce = (state: BatcherState) =>
+  Effect.gen(function* () {
+    const { pending, inbox } = state
+    const wokeIdle = pending.length === 0
+    if (wokeIdle && state.probeRows <= state.limits.probeMax) {
+      const wait = probeWait(state)
+      if (wait < 1 && (yield* Queue.isEmpty(inbox))) return yield* probeStep(state)
+      // the probe waits for the stage to be quiet; work goes first
+      const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(1, wait)))
+      if (Option.isNone(next)) return
+      pending.push(next.value)
+    } else if (wokeIdle) pending.push(yield* Queue.take(inbox))
+    // let callers whose results just completed submit their next step into this micro-batch
+    yield* Effect.yieldNow()
+    yield* takeArrived(state)
+    if (pending.length === 0) return
+    yield* gather(state, wokeIdle)
+    if (pending.length === 0) return
+    const started = performance.now()
+    const chosen = pick(state)
+    yield* runOnce(state, chosen)
+    // only decode steps: what the next such micro-batch will cost (a prompt chunk says nothing about it)
+    if (chosen.every(({ job }) => job.total === 1)) {
+      state.lastRunMillis = performance.now() - started
+      state.costs.observe(chosen.length, state.lastRunMillis)
+    }
+  })
+
+/** Notes a submitter's session: no longer expected, seen, and (a decode step) decoding at its pace. */
+const noteSubmitter = (state: BatcherState, session: StageSession, decodeStep: boolean) => {
+  state.expected.delete(session)
+  see(state, session)
+  state.lastActivity = performance.now()
+  if (decodeStep) {
+    const now = performance.now()
+    const seen = state.decoders.get(session)
+    // its interval: since its last decode step (not since its prompt, which says nothing about its pace)
+    const interval = seen === undefined || seen.prompt === true ? Infinity : Math.max(1, now - seen.last)
+    state.decoders.set(session, { last: now, interval })
+  }
+}
+
+const submitTo =
+  (state: BatcherState): StageBatcher["submit"] =>
+  (session, startPos, input, counters, pipelineStages = 1, replayTail = 0) =>
+    Effect.gen(function* () {
+      const result = yield* Deferred.make<StageOutput, ForwardError>()
+      const total = lengthOf(input)
+      const tail = Number.isSafeInteger(replayTail) && replayTail > 0 ? Math.min(replayTail, total) : 0
+      const job: Job = {
+        session,
+        startPos,
+        input,
+        total,
+        oneByOneFrom: total - tail,
+        done: 0,
+        hidden: [],
+        counters,
+        pipelineStages: Number.isSafeInteger(pipelineStages) && pipelineStages >= 1 ? pipelineStages : 1,
+        result,
+        cancelled: false,
+        submittedAt: performance.now()
+      }
+      noteSubmitter(state, session, job.total === 1)
+      if (!(job.total >= 1)) {
+        // let the engine word the rejection (an empty input never reaches a micro-batch)
+        return yield* session.forward(startPos, input)
+      }
+      yield* Queue.offer(state.inbox, job)
+      return yield* Deferred.await(result).pipe(
+        Effect.onInterrupt(() =>
+          Effect.sync(() => {
+            job.cancelled = true
+            state.decoders.delete(session)
+          })
+        )
+      )
+    })
+
+const expectAt =
+  (state: BatcherState): StageBatcher["expect"] =>
+  (session, arriving = 0) =>
+    Effect.acquireRelease(
+      Effect.sync(() => {
+        state.expected.add(session)
+        see(state, session)
+        state.lastActivity = performance.now()
+        if (Number.isSafeInteger(arriving) && arriving > 0 && state.opened + arriving > state.announced.count) {
+          state.announced = { count: state.opened + arriving, at: performance.now() }
+        }
+      }),
+      () => Effect.sync(() => void state.expected.delete(session))
+    )
+
+const stepCostReport = (state: BatcherState): StepCostReport => {
+  const { probeSettings, probeMax } = state.limits
+  return {
+    costs: state.costs.entries(),
+    ...(state.lastChoice === undefined ? {} : { choice: state.lastChoice }),
+    probe: probeSettings === undefined || probeMax === 0 ? "off" : state.probeRows > probeMax ? "done" : "pending"
+  }
+}
+
 /** Starts the batcher fiber in the current scope (it stops when the scope closes). */
 export const makeStageBatcher = (
   settings: BatcherSettings = {}
 ): Effect.Effect<StageBatcher, never, StageExecutor | Scope.Scope> =>
   Effect.gen(function* () {
-    const executor = yield* StageExecutor
-    const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
-    const chunk = Math.max(1, Math.min(maxRows, Math.floor(settings.prefillChunk ?? 128)))
-    const activeWindow = Math.max(0, settings.activeWindowMillis ?? 2000)
-    const gatherMax = Math.max(0, settings.gatherMillis ?? 250)
-    const promptGather = Math.max(0, settings.promptGatherMillis ?? 100)
-    const promptBesideDecode = Math.max(0, settings.promptRowsBesideDecode ?? 16)
-    /** How long the last micro-batch of decode steps only took (ms): the longest worth waiting to fill the next one. */
-    let lastRunMillis = 0
-    const inbox = yield* Queue.unbounded<Job>()
-    const pending: Array<Job> = []
-    /** Sessions decoding on these weights: when each last submitted a decode step. */
-    const decoders = new Map<StageSession, { last: number; interval: number; prompt?: true }>()
-    /** Sessions opened that have not submitted anything yet (their prompt is on its way). */
-    const expected = new Set<StageSession>()
-    /** Sessions seen so far (opened, or submitting unannounced), and how many are announced by then (see `expect`). */
-    const seen = new WeakSet<StageSession>()
-    let opened = 0
-    let announced = { count: 0, at: 0 }
-    const see = (session: StageSession) => {
-      if (seen.has(session)) return
-      seen.add(session)
-      opened++
+    const limits = limitsOf(settings)
+    const state: BatcherState = {
+      executor: yield* StageExecutor,
+      limits,
+      costs: settings.stepCosts ?? makeStepCosts(),
+      inbox: yield* Queue.unbounded<Job>(),
+      pending: [],
+      decoders: new Map(),
+      expected: new Set(),
+      seen: new WeakSet(),
+      opened: 0,
+      announced: { count: 0, at: 0 },
+      lastRunMillis: 0,
+      lastChoice: undefined,
+      cached: undefined,
+      probeRows: limits.probeSettings === undefined || limits.probeMax === 0 ? Infinity : 0,
+      lastActivity: performance.now()
     }
-    /** Sessions announced by the server that have not opened yet (an announcement lasts promptGatherMillis). */
-    const announcedDue = () => opened < announced.count && performance.now() - announced.at < promptGather
-
-    const costs = settings.stepCosts ?? makeStepCosts()
-    let lastChoice: StepCostReport["choice"]
-    const pruneDecoders = () => {
-      const now = performance.now()
-      // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
-      for (const [session, d] of decoders)
-        if (now - d.last > Math.min(activeWindow, 3 * d.interval)) decoders.delete(session)
+    yield* Effect.forkScoped(Effect.forever(batchOnce(state)))
+    return {
+      submit: submitTo(state),
+      expect: expectAt(state),
+      prefillChunk: limits.chunk,
+      stepCosts: () => stepCostReport(state)
     }
-
-    /** The last choice and what it was made from: it holds while L, S and the costs' revision do. */
-    let cached: { decoders: number; stages: number; revision: number; rows: number } | undefined
-    /**
-     * Most decode steps in one micro-batch: ceil(L / S) (at least 1), or the size the measured step costs say makes a
-     * round of all L sequences through the S stages clearly faster (StepCosts.chooseDecodeGroup).
-     */
-    const decodeCap = (): number => {
-      pruneDecoders()
-      let stages = 1
-      for (const job of pending) if (job.total === 1) stages = Math.max(stages, job.pipelineStages)
-      const revision = costs.revision()
-      if (cached?.decoders === decoders.size && cached.stages === stages && cached.revision === revision) {
-        return cached.rows
-      }
-      const choice = chooseDecodeGroup(Math.max(1, decoders.size), stages, costs)
-      lastChoice = { ...choice, decoders: decoders.size, stages }
-      cached = { decoders: decoders.size, stages, revision, rows: Math.max(1, choice.rows) }
-      return cached.rows
-    }
-
-    const drop = (job: Job) => {
-      const i = pending.indexOf(job)
-      if (i >= 0) pending.splice(i, 1)
-    }
-
-    /**
-     * The next micro-batch: decode steps first, then whole chunks while rows are left. Beside decode steps the first
-     * chunk always goes (no prompt starves) and more only within `promptRowsBesideDecode` rows of prompt.
-     */
-    const pick = (): Array<{ job: Job; n: number }> => {
-      const chosen: Array<{ job: Job; n: number }> = []
-      let rows = 0
-      let promptRows = 0
-      let decodeLeft = decodeCap()
-      for (const pass of ["decode", "prefill"] as const) {
-        for (const job of pending) {
-          if ((job.total === 1) !== (pass === "decode")) continue
-          const n = job.done >= job.oneByOneFrom ? 1 : Math.min(chunk, job.oneByOneFrom - job.done)
-          if (rows + n > maxRows) continue
-          if (pass === "decode" && decodeLeft-- <= 0) break
-          if (pass === "prefill" && promptRows > 0 && rows > promptRows && promptRows + n > promptBesideDecode) continue
-          chosen.push({ job, n })
-          rows += n
-          if (pass === "prefill") promptRows += n
-        }
-      }
-      return chosen
-    }
-
-    /** Completes the jobs of a micro-batch that ran, with their outputs in order. */
-    const advance = (
-      chosen: ReadonlyArray<{ job: Job; n: number }>,
-      outputs: ReadonlyArray<StageOutput>,
-      rows: number,
-      millis: number
-    ) =>
-      Effect.forEach(
-        chosen,
-        ({ job, n }, i) => {
-          const out = outputs[i]!
-          job.done += n
-          job.counters.microBatches++
-          job.counters.engineMillis += millis
-          job.counters.batchRows += rows
-          job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
-          if (job.total > 1) job.counters.prefillChunks++
-          if (out._tag === "Hidden") job.hidden.push(out.hidden)
-          if (job.done < job.total) return Effect.void
-          drop(job)
-          if (job.total > 1) {
-            // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
-            // (otherwise the first decode step of requests that prefilled together runs alone, as a one-row
-            // micro-batch, although their first tokens reach stage 0 within a few ms of each other). Until its
-            // first decode step it is gone after 3 times as long as its prompt took here.
-            const now = performance.now()
-            decoders.set(job.session, { last: now, interval: Math.max(1, now - job.submittedAt), prompt: true })
-          }
-          const result: StageOutput =
-            out._tag === "Logits" ? out : { _tag: "Hidden", hidden: concat(job.hidden), nTokens: job.total }
-          return Deferred.succeed(job.result, result)
-        },
-        { discard: true }
-      )
-
-    const failJob = (job: Job, error: ForwardError) => {
-      drop(job)
-      return Deferred.fail(job.result, error)
-    }
-
-    const itemOf = (job: Job, n: number): BatchItem => ({
-      session: job.session,
-      startPos: job.startPos + job.done,
-      input: slice(job.input, job.done, n, job.session.info.hiddenDim)
-    })
-
-    const asEngineError = (error: { readonly _tag: string; readonly message: string }) =>
-      new EngineError({ message: `${error._tag}: ${error.message}` })
-
-    /** Runs one micro-batch; never fails (every outcome lands in the jobs' results). */
-    const runOnce = (chosen: ReadonlyArray<{ job: Job; n: number }>): Effect.Effect<void> => {
-      const rows = chosen.reduce((s, c) => s + c.n, 0)
-      const started = performance.now()
-      return executor.forwardBatch(chosen.map(({ job, n }) => itemOf(job, n))).pipe(
-        Effect.matchEffect({
-          onSuccess: (outputs) => advance(chosen, outputs, rows, performance.now() - started),
-          onFailure: (error) => {
-            switch (error._tag) {
-              case "BatchItemRejected": {
-                // nothing ran: only that item fails; the others are still pending for the next micro-batch
-                const culprit = chosen[error.index]
-                return culprit === undefined
-                  ? Effect.forEach(chosen, ({ job }) => failJob(job, asEngineError(error)), { discard: true })
-                  : failJob(culprit.job, error.error)
-              }
-              case "EngineError":
-                // find the culprit: every item alone (a failed computation leaves each session as before it)
-                return chosen.length === 1
-                  ? failJob(chosen[0]!.job, error)
-                  : Effect.forEach(chosen, (c) => runOnce([c]), { discard: true })
-              case "InvalidBatch":
-                return Effect.forEach(chosen, ({ job }) => failJob(job, asEngineError(error)), { discard: true })
-            }
-          }
-        }),
-        Effect.catchAllCause((cause) =>
-          Effect.forEach(
-            chosen,
-            ({ job }) =>
-              failJob(job, new EngineError({ message: `the batched forward crashed: ${Cause.pretty(cause)}` })),
-            { discard: true }
-          )
-        )
-      )
-    }
-
-    const takeArrived = Effect.gen(function* () {
-      pending.push(...(yield* Queue.takeAll(inbox)))
-      for (let i = pending.length - 1; i >= 0; i--) if (pending[i]!.cancelled) pending.splice(i, 1)
-    })
-
-    /** Fewer decode steps than a micro-batch takes, nothing else to run, and other decoders on their way. */
-    const worthWaiting = () => {
-      if (pending.some((job) => job.total !== 1)) return false
-      const cap = decodeCap()
-      return pending.length < cap && decoders.size > pending.length
-    }
-
-    /**
-     * Takes what arrives until `deadline()`, asked again after each arrival (what is wanted changes with what
-     * arrived); a past deadline ends the wait.
-     */
-    const takeUntil = (deadline: () => number) =>
-      Effect.gen(function* () {
-        while (true) {
-          const left = deadline() - performance.now()
-          if (left < 0.5) return
-          const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(left))
-          if (Option.isNone(next)) continue
-          pending.push(next.value)
-          yield* takeArrived
-        }
-      })
-
-    /**
-     * Before a micro-batch: prompts that woke an idle stage (no decode step pending) wait (at most
-     * `promptGatherMillis`) for the prompts of the sessions opened beside them that have not submitted yet, so
-     * requests that arrive together prefill together on every stage and decode in step from their first token.
-     * Without it, of requests sent together the first starts its prefill alone on each stage and its next token
-     * waits for the others' prefill (bench/README.md, "Design measurements"). On a first stage the
-     * sessions of requests sent together open a few ms apart: the server announces them (`expect`'s `arriving`, the
-     * requests it is still tokenizing), so they are waited for before they open. What is waited for is what is in
-     * flight: a lone request (nothing opened or announced beside it) never waits. Otherwise short decode
-     * micro-batches wait (at most min(last decode micro-batch, gatherMillis)) for the rest of their group.
-     */
-    const gather = (wokeIdle: boolean) => {
-      const prompts = wokeIdle && promptGather > 0 && pending.length > 0 && pending.every((job) => job.total > 1)
-      if (prompts) {
-        const start = performance.now()
-        return takeUntil(() => {
-          if (pending.some((job) => job.total === 1)) return 0 // a decode step arrived: it does not wait for prompts
-          return expected.size > 0 || announcedDue() ? start + promptGather : 0
-        }).pipe(
-          Effect.ensuring(
-            Effect.sync(() => (announced = { count: Math.min(announced.count, opened), at: announced.at }))
-          )
-        )
-      }
-      const budget = Math.min(gatherMax, lastRunMillis)
-      if (budget < 1) return Effect.void
-      const deadline = performance.now() + budget
-      return takeUntil(() => (worthWaiting() ? deadline : 0))
-    }
-
-    // --- the idle probe of step costs ---
-    const probeSettings = settings.stepProbe
-    const probeMax = Math.max(0, Math.min(maxRows, Math.floor(probeSettings?.maxRows ?? 0)))
-    let probeRows = probeSettings === undefined || probeMax === 0 ? Infinity : 0
-    const probeQuiet = Math.max(0, probeSettings?.quietMillis ?? 1000)
-    /** The last time a session was opened here or submitted work (the batcher's start to begin with). */
-    let lastActivity = performance.now()
-    /** ms until the probe may take the stage: nothing seen for probeQuiet, nothing decoding, expected or announced. */
-    const probeWait = () => {
-      pruneDecoders()
-      if (decoders.size > 0 || expected.size > 0 || announcedDue()) return Math.max(50, probeQuiet)
-      return Math.max(0, lastActivity + probeQuiet - performance.now())
-    }
-    /**
-     * One probe size: `probeRows` one-row steps of fresh scratch sessions at position 0, then again at position 1 (a
-     * one-row warm-up first), closed right after, so they hold memory only while it runs. Both forwards are observed and
-     * the estimate is the faster (StepCosts' lower median): the first forward of a batch shape also builds its graph,
-     * and one slow forward (the other stage's probe, a page fault) must not become the size's cost.
-     */
-    const probeStep = Effect.scoped(
-      Effect.gen(function* () {
-        const rows = Math.max(1, probeRows)
-        const sessions = yield* Effect.forEach(Array.from({ length: rows }), () => probeSettings!.session)
-        const items: Array<BatchItem> = sessions.map((session, i) => ({
-          session,
-          startPos: 0,
-          input: session.info.isFirst
-            ? { _tag: "Tokens" as const, tokens: Int32Array.of(1 + i) }
-            : { _tag: "Hidden" as const, hidden: new Float32Array(session.info.hiddenDim).fill(0.01), nTokens: 1 }
-        }))
-        for (const startPos of probeRows > 0 ? [0, 1] : [0]) {
-          const started = performance.now()
-          yield* executor.forwardBatch(startPos === 0 ? items : items.map((item) => ({ ...item, startPos })))
-          if (probeRows > 0) costs.observe(rows, performance.now() - started)
-        }
-        probeRows = probeRows + 1 > probeMax ? Infinity : probeRows + 1
-      })
-    ).pipe(
-      // a stage that cannot run the probe just has no probed costs
-      Effect.catchAllCause(() => Effect.sync(() => (probeRows = Infinity)))
-    )
-
-    const loop = Effect.gen(function* () {
-      const wokeIdle = pending.length === 0
-      if (wokeIdle && probeRows <= probeMax) {
-        const wait = probeWait()
-        if (wait < 1 && (yield* Queue.isEmpty(inbox))) return yield* probeStep
-        // the probe waits for the stage to be quiet; work goes first
-        const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(1, wait)))
-        if (Option.isNone(next)) return
-        pending.push(next.value)
-      } else if (wokeIdle) pending.push(yield* Queue.take(inbox))
-      // let callers whose results just completed submit their next step into this micro-batch
-      yield* Effect.yieldNow()
-      yield* takeArrived
-      if (pending.length === 0) return
-      yield* gather(wokeIdle)
-      if (pending.length === 0) return
-      const started = performance.now()
-      const chosen = pick()
-      yield* runOnce(chosen)
-      // only decode steps: what the next such micro-batch will cost (a prompt chunk says nothing about it)
-      if (chosen.every(({ job }) => job.total === 1)) {
-        lastRunMillis = performance.now() - started
-        costs.observe(chosen.length, lastRunMillis)
-      }
-    })
-    yield* Effect.forkScoped(Effect.forever(loop))
-
-    const submit = (
-      session: StageSession,
-      startPos: number,
-      input: StageInput,
-      counters: BatchCounters,
-      pipelineStages = 1,
-      replayTail = 0
-    ) =>
-      Effect.gen(function* () {
-        const result = yield* Deferred.make<StageOutput, ForwardError>()
-        const total = lengthOf(input)
-        const tail = Number.isSafeInteger(replayTail) && replayTail > 0 ? Math.min(replayTail, total) : 0
-        const job: Job = {
-          session,
-          startPos,
-          input,
-          total,
-          oneByOneFrom: total - tail,
-          done: 0,
-          hidden: [],
-          counters,
-          pipelineStages: Number.isSafeInteger(pipelineStages) && pipelineStages >= 1 ? pipelineStages : 1,
-          result,
-          cancelled: false,
-          submittedAt: performance.now()
-        }
-        expected.delete(session)
-        see(session)
-        lastActivity = performance.now()
-        if (job.total === 1) {
-          const now = performance.now()
-          const seen = decoders.get(session)
-          // its interval: since its last decode step (not since its prompt, which says nothing about its pace)
-          const interval = seen === undefined || seen.prompt === true ? Infinity : Math.max(1, now - seen.last)
-          decoders.set(session, { last: now, interval })
-        }
-        if (!(job.total >= 1)) {
-          // let the engine word the rejection (an empty input never reaches a micro-batch)
-          return yield* session.forward(startPos, input)
-        }
-        yield* Queue.offer(inbox, job)
-        return yield* Deferred.await(result).pipe(
-          Effect.onInterrupt(() =>
-            Effect.sync(() => {
-              job.cancelled = true
-              decoders.delete(session)
-            })
-          )
-        )
-      })
-
-    const expect = (session: StageSession, arriving = 0) =>
-      Effect.acquireRelease(
-        Effect.sync(() => {
-          expected.add(session)
-          see(session)
-          lastActivity = performance.now()
-          if (Number.isSafeInteger(arriving) && arriving > 0 && opened + arriving > announced.count) {
-            announced = { count: opened + arriving, at: performance.now() }
-          }
-        }),
-        () => Effect.sync(() => void expected.delete(session))
-      )
-
-    const stepCosts = (): StepCostReport => ({
-      costs: costs.entries(),
-      ...(lastChoice === undefined ? {} : { choice: lastChoice }),
-      probe: probeSettings === undefined || probeMax === 0 ? "off" : probeRows > probeMax ? "done" : "pending"
-    })
-
-    return { submit, expect, prefillChunk: chunk, stepCosts }
   })
