@@ -179,44 +179,51 @@ const perBlockInt = (file: GgufFile, key: string, nLayer: number) =>
     return arr
   })
 
-/**
- * Reads the llama-family hyperparameters. `ropeMode` comes from the architecture table, the vocabulary size
- * from the token list (checked against `token_embd` when the table has it).
- */
-export const readHParams = (
-  file: GgufFile,
-  ropeMode: number,
-  /**
-   * ownHeadShape: the architecture checks the head sizes and the RoPE width itself (deepseek2's latent attention).
-   * kvHeadsPerBlock: `attention.head_count_kv` may vary per block (each entry checked here, nHeadKv the first; the
-   * architecture sets HParams.blockHeads, gemma4).
-   * ffPerBlock: `feed_forward_length` may vary per block (each entry checked here, HParams.blockFf; nFf the first).
-   */
-  options: { readonly ownHeadShape?: boolean; readonly kvHeadsPerBlock?: boolean; readonly ffPerBlock?: boolean } = {}
-): Effect.Effect<HParams, ModelLoadError> =>
+type ReadOptions = {
+  readonly ownHeadShape?: boolean
+  readonly kvHeadsPerBlock?: boolean
+  readonly ffPerBlock?: boolean
+}
+
+/** An architecture's keys in `file`: `k("x")` is `<arch>.x`; `refuse` fails naming such a key. */
+interface ArchKeys {
+  readonly file: GgufFile
+  readonly k: (s: string) => string
+  readonly refuse: (key: string, message: string) => Effect.Effect<never, ModelLoadError>
+}
+
+const archKeys = (file: GgufFile, arch: string): ArchKeys => {
+  const k = (s: string) => `${arch}.${s}`
+  return { file, k, refuse: (key, message) => Effect.fail(invalidMetadata(file, k(key), message)) }
+}
+
+/** Blocks, widths and head counts (each block's KV heads dividing the heads). */
+const readWidths = ({ file, k, refuse }: ArchKeys, options: ReadOptions) =>
   Effect.gen(function* () {
-    const arch = yield* getArchitecture(file)
-    const k = (s: string) => `${arch}.${s}`
-    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, k(key), message))
     const nLayer = yield* positive(file, k("block_count"), yield* getU32(file, k("block_count")))
     const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
     const ffs =
       options.ffPerBlock === true && Array.isArray(file.metadata.get(k("feed_forward_length")))
         ? yield* perBlockInt(file, k("feed_forward_length"), nLayer)
         : [yield* uniformInt(file, k("feed_forward_length"))]
-    const nFf = ffs[0]!
     const nHead = yield* uniformInt(file, k("attention.head_count"))
     const kvHeads = !file.metadata.has(k("attention.head_count_kv"))
       ? [nHead]
       : options.kvHeadsPerBlock === true && Array.isArray(file.metadata.get(k("attention.head_count_kv")))
         ? yield* perBlockInt(file, k("attention.head_count_kv"), nLayer)
         : [yield* uniformInt(file, k("attention.head_count_kv"))]
-    const nHeadKv = kvHeads[0]!
     for (const n of kvHeads) {
       if (nHead % n !== 0) {
         return yield* refuse("attention.head_count", `= ${nHead} is not a multiple of head_count_kv = ${n}`)
       }
     }
+    return { nLayer, nEmbd, ffs, nHead, nHeadKv: kvHeads[0]! }
+  })
+
+/** The head sizes of K and V and the rotated width of a head. */
+const readHeadSizes = (arch: string, keys: ArchKeys, nEmbd: number, nHead: number, options: ReadOptions) =>
+  Effect.gen(function* () {
+    const { file, k, refuse } = keys
     const keyLength = yield* getOptional(file, k("attention.key_length"), getU32)
     if (keyLength === undefined && nEmbd % nHead !== 0) {
       return yield* refuse("embedding_length", `= ${nEmbd} is not a multiple of head_count = ${nHead}`)
@@ -246,15 +253,12 @@ export const readHParams = (
       }
     }
     if (headDimK % 2 !== 0) return yield* refuse("attention.key_length", `= ${headDimK}: the head size must be even`)
-    const rmsEps = yield* getF32(file, k("attention.layer_norm_rms_epsilon"))
-    if (!(rmsEps > 0 && rmsEps < 1)) {
-      return yield* refuse("attention.layer_norm_rms_epsilon", `= ${rmsEps} is out of range`)
-    }
-    const nCtxTrain = yield* positive(file, k("context_length"), yield* getU32(file, k("context_length")))
-    const ropeFreqBase = (yield* getOptional(file, k("rope.freq_base"), getF32)) ?? 10000
-    if (!(ropeFreqBase > 0 && Number.isFinite(ropeFreqBase))) {
-      return yield* refuse("rope.freq_base", `= ${ropeFreqBase} must be > 0`)
-    }
+    return { headDimK, headDimV, nRot }
+  })
+
+/** RoPE's frequency scale from `rope.scaling.type` (none, linear, yarn) and, for YaRN, its extension. */
+const readRopeScaling = ({ file, k, refuse }: ArchKeys) =>
+  Effect.gen(function* () {
     const scalingType = (yield* getOptional(file, k("rope.scaling.type"), getString)) ?? "none"
     let ropeFreqScale = 1
     let ropeExt: RopeExt | undefined
@@ -284,10 +288,12 @@ export const readHParams = (
       const linear = yield* getOptional(file, k("rope.scale_linear"), getF32)
       if (linear !== undefined && linear > 0) ropeFreqScale = 1 / linear
     }
-    const nCtxOrig = (yield* getOptional(file, k("rope.scaling.original_context_length"), getU32)) ?? nCtxTrain
-    const attnScale = (yield* getOptional(file, k("attention.scale"), getF32)) ?? 0
-    const kqScale = attnScale === 0 ? 1 / Math.sqrt(headDimK) : attnScale
+    return { ropeFreqScale, ropeExt }
+  })
 
+/** The vocabulary size: the token list's, else `vocab_size`, else the embeddings' rows. */
+const readVocabSize = ({ file, k }: ArchKeys) =>
+  Effect.gen(function* () {
     let nVocab: number | undefined
     if (file.metadata.has("tokenizer.ggml.tokens")) {
       nVocab = (yield* getStringArray(file, "tokenizer.ggml.tokens")).length
@@ -299,6 +305,45 @@ export const readHParams = (
         invalidMetadata(file, "tokenizer.ggml.tokens", "is missing or empty, so the vocabulary size is unknown")
       )
     }
+    return nVocab
+  })
+
+/**
+ * Reads the llama-family hyperparameters. `ropeMode` comes from the architecture table, the vocabulary size
+ * from the token list (checked against `token_embd` when the table has it).
+ */
+export const readHParams = (
+  file: GgufFile,
+  ropeMode: number,
+  /**
+   * ownHeadShape: the architecture checks the head sizes and the RoPE width itself (deepseek2's latent attention).
+   * kvHeadsPerBlock: `attention.head_count_kv` may vary per block (each entry checked here, nHeadKv the first; the
+   * architecture sets HParams.blockHeads, gemma4).
+   * ffPerBlock: `feed_forward_length` may vary per block (each entry checked here, HParams.blockFf; nFf the first).
+   */
+  options: ReadOptions = {}
+): Effect.Effect<HParams, ModelLoadError> =>
+  Effect.gen(function* () {
+    const arch = yield* getArchitecture(file)
+    const keys = archKeys(file, arch)
+    const { k, refuse } = keys
+    const { nLayer, nEmbd, ffs, nHead, nHeadKv } = yield* readWidths(keys, options)
+    const nFf = ffs[0]!
+    const { headDimK, headDimV, nRot } = yield* readHeadSizes(arch, keys, nEmbd, nHead, options)
+    const rmsEps = yield* getF32(file, k("attention.layer_norm_rms_epsilon"))
+    if (!(rmsEps > 0 && rmsEps < 1)) {
+      return yield* refuse("attention.layer_norm_rms_epsilon", `= ${rmsEps} is out of range`)
+    }
+    const nCtxTrain = yield* positive(file, k("context_length"), yield* getU32(file, k("context_length")))
+    const ropeFreqBase = (yield* getOptional(file, k("rope.freq_base"), getF32)) ?? 10000
+    if (!(ropeFreqBase > 0 && Number.isFinite(ropeFreqBase))) {
+      return yield* refuse("rope.freq_base", `= ${ropeFreqBase} must be > 0`)
+    }
+    const { ropeFreqScale, ropeExt } = yield* readRopeScaling(keys)
+    const nCtxOrig = (yield* getOptional(file, k("rope.scaling.original_context_length"), getU32)) ?? nCtxTrain
+    const attnScale = (yield* getOptional(file, k("attention.scale"), getF32)) ?? 0
+    const kqScale = attnScale === 0 ? 1 / Math.sqrt(headDimK) : attnScale
+    const nVocab = yield* readVocabSize(keys)
     const eos = (yield* getOptional(file, "tokenizer.ggml.eos_token_id", getU32)) ?? -1
     const bos = yield* getOptional(file, "tokenizer.ggml.bos_token_id", getU32)
     return {
