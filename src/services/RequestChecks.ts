@@ -264,132 +264,143 @@ export const maxGrammarBytes = 256 * 1024
 const finite = (x: unknown): x is number => typeof x === "number" && Number.isFinite(x)
 const whole = (x: unknown): x is number => typeof x === "number" && Number.isSafeInteger(x)
 
-/**
- * The last stage's sampling settings (a SamplingPolicy, as the planner hands it to the stages) against the model's
- * vocabulary: every number finite and in range, token ids in [0, vocabSize), grammar text and DRY breakers plain
- * strings, so nothing out of range reaches llama.cpp's native sampler (whose failed assertions abort the process).
- * Names the field as SamplingOptions does.
- */
-export const samplingPolicyProblem = (
-  p: {
-    readonly temperatureMillis: number
-    readonly topK: number
-    readonly topP?: number | undefined
-    readonly minP?: number | undefined
-    readonly seed?: number | undefined
-    readonly typicalP?: number | undefined
-    readonly repeatPenalty?: number | undefined
-    readonly presencePenalty?: number | undefined
-    readonly frequencyPenalty?: number | undefined
-    readonly penaltyLastN?: number | undefined
-    readonly dry?:
-      | {
-          readonly multiplier: number
-          readonly base: number
-          readonly allowedLength: number
-          readonly penaltyLastN: number
-          readonly sequenceBreakers: ReadonlyArray<string>
-        }
-      | undefined
-    readonly xtc?: { readonly probability: number; readonly threshold: number } | undefined
-    readonly logitBias?: ReadonlyArray<{ readonly tokenId: number; readonly bias: number }> | undefined
-    readonly bannedTokens?: ReadonlyArray<number> | undefined
-    readonly grammar?: { readonly text: string; readonly root: string } | undefined
-    readonly logprobs?: number | undefined
-    readonly resume?: { readonly tokens: ReadonlyArray<number>; readonly draws: number } | undefined
-  },
-  vocabSize: number
-): string | undefined => {
-  const inRange = (x: number | undefined, lo: number, hi: number, field: string, what = `between ${lo} and ${hi}`) =>
-    x === undefined || (finite(x) && x >= lo && x <= hi) ? undefined : `${field} must be ${what}, got ${x}`
-  const token = (id: number, field: string) =>
-    whole(id) && id >= 0 && id < vocabSize
-      ? undefined
-      : `${field} ${id} is no token: token ids are whole numbers from 0 to ${vocabSize - 1} (the model's vocabulary)`
-  const problem =
-    (!finite(p.temperatureMillis) || p.temperatureMillis < 0 || p.temperatureMillis > 100_000
-      ? `temperature must be between 0 and 100, got ${p.temperatureMillis / 1000}`
-      : undefined) ??
-    (!whole(p.topK) || p.topK < 0 ? `topK must be a whole number ≥ 0, got ${p.topK}` : undefined) ??
-    inRange(p.topP, 0, 1, "topP") ??
-    inRange(p.minP, 0, 1, "minP") ??
-    inRange(p.typicalP, 0, 1, "typicalP") ??
-    (p.seed !== undefined && !whole(p.seed) ? `seed must be a whole number, got ${p.seed}` : undefined) ??
-    (p.repeatPenalty !== undefined && !(finite(p.repeatPenalty) && p.repeatPenalty > 0 && p.repeatPenalty <= 100)
-      ? `repeatPenalty must be above 0 and at most 100 (1 = off), got ${p.repeatPenalty}`
-      : undefined) ??
-    inRange(p.presencePenalty, -100, 100, "presencePenalty") ??
-    inRange(p.frequencyPenalty, -100, 100, "frequencyPenalty") ??
-    (p.penaltyLastN !== undefined && !(whole(p.penaltyLastN) && p.penaltyLastN >= -1)
-      ? `penaltyLastN must be a whole number ≥ -1 (-1: the whole context), got ${p.penaltyLastN}`
-      : undefined)
-  if (problem !== undefined) return problem
-  if (p.dry !== undefined) {
-    const d = p.dry
-    const dryProblem =
-      inRange(d.multiplier, 0, 100, "dry.multiplier") ??
-      inRange(d.base, 1, 100, "dry.base") ??
-      (!whole(d.allowedLength) || d.allowedLength < 1 || d.allowedLength > 1_000_000
-        ? `dry.allowedLength must be a whole number ≥ 1, got ${d.allowedLength}`
-        : undefined) ??
-      (!whole(d.penaltyLastN) || d.penaltyLastN < -1
-        ? `dry.penaltyLastN must be a whole number ≥ -1 (-1: the whole context), got ${d.penaltyLastN}`
-        : undefined) ??
-      (d.sequenceBreakers.length > 64
-        ? `dry.sequenceBreakers holds at most 64 strings, got ${d.sequenceBreakers.length}`
-        : undefined) ??
-      d.sequenceBreakers
-        .map((b, i) =>
-          typeof b !== "string" || b.length === 0 || b.length > 256 || b.includes("\u0000")
-            ? `dry.sequenceBreakers[${i}] must be a non-empty string of at most 256 characters without NUL`
-            : undefined
-        )
-        .find((x) => x !== undefined)
-    if (dryProblem !== undefined) return dryProblem
-  }
-  if (p.xtc !== undefined) {
-    const xtcProblem =
-      inRange(p.xtc.probability, 0, 1, "xtc.probability") ?? inRange(p.xtc.threshold, 0, 1, "xtc.threshold")
-    if (xtcProblem !== undefined) return xtcProblem
-  }
+/** The sampling settings samplingPolicyProblem checks (a SamplingPolicy's fields). */
+interface SamplingPolicyFields {
+  readonly temperatureMillis: number
+  readonly topK: number
+  readonly topP?: number | undefined
+  readonly minP?: number | undefined
+  readonly seed?: number | undefined
+  readonly typicalP?: number | undefined
+  readonly repeatPenalty?: number | undefined
+  readonly presencePenalty?: number | undefined
+  readonly frequencyPenalty?: number | undefined
+  readonly penaltyLastN?: number | undefined
+  readonly dry?: DryFields | undefined
+  readonly xtc?: { readonly probability: number; readonly threshold: number } | undefined
+  readonly logitBias?: ReadonlyArray<{ readonly tokenId: number; readonly bias: number }> | undefined
+  readonly bannedTokens?: ReadonlyArray<number> | undefined
+  readonly grammar?: { readonly text: string; readonly root: string } | undefined
+  readonly logprobs?: number | undefined
+  readonly resume?: { readonly tokens: ReadonlyArray<number>; readonly draws: number } | undefined
+}
+
+interface DryFields {
+  readonly multiplier: number
+  readonly base: number
+  readonly allowedLength: number
+  readonly penaltyLastN: number
+  readonly sequenceBreakers: ReadonlyArray<string>
+}
+
+const inRange = (x: number | undefined, lo: number, hi: number, field: string, what = `between ${lo} and ${hi}`) =>
+  x === undefined || (finite(x) && x >= lo && x <= hi) ? undefined : `${field} must be ${what}, got ${x}`
+
+const tokenProblem = (id: number, field: string, vocabSize: number) =>
+  whole(id) && id >= 0 && id < vocabSize
+    ? undefined
+    : `${field} ${id} is no token: token ids are whole numbers from 0 to ${vocabSize - 1} (the model's vocabulary)`
+
+/** Temperature, top-k/p, min-p, typical-p, seed and the repetition penalties. */
+const scalarSamplingProblem = (p: SamplingPolicyFields): string | undefined =>
+  (!finite(p.temperatureMillis) || p.temperatureMillis < 0 || p.temperatureMillis > 100_000
+    ? `temperature must be between 0 and 100, got ${p.temperatureMillis / 1000}`
+    : undefined) ??
+  (!whole(p.topK) || p.topK < 0 ? `topK must be a whole number ≥ 0, got ${p.topK}` : undefined) ??
+  inRange(p.topP, 0, 1, "topP") ??
+  inRange(p.minP, 0, 1, "minP") ??
+  inRange(p.typicalP, 0, 1, "typicalP") ??
+  (p.seed !== undefined && !whole(p.seed) ? `seed must be a whole number, got ${p.seed}` : undefined) ??
+  (p.repeatPenalty !== undefined && !(finite(p.repeatPenalty) && p.repeatPenalty > 0 && p.repeatPenalty <= 100)
+    ? `repeatPenalty must be above 0 and at most 100 (1 = off), got ${p.repeatPenalty}`
+    : undefined) ??
+  inRange(p.presencePenalty, -100, 100, "presencePenalty") ??
+  inRange(p.frequencyPenalty, -100, 100, "frequencyPenalty") ??
+  (p.penaltyLastN !== undefined && !(whole(p.penaltyLastN) && p.penaltyLastN >= -1)
+    ? `penaltyLastN must be a whole number ≥ -1 (-1: the whole context), got ${p.penaltyLastN}`
+    : undefined)
+
+const dryProblem = (d: DryFields): string | undefined =>
+  inRange(d.multiplier, 0, 100, "dry.multiplier") ??
+  inRange(d.base, 1, 100, "dry.base") ??
+  (!whole(d.allowedLength) || d.allowedLength < 1 || d.allowedLength > 1_000_000
+    ? `dry.allowedLength must be a whole number ≥ 1, got ${d.allowedLength}`
+    : undefined) ??
+  (!whole(d.penaltyLastN) || d.penaltyLastN < -1
+    ? `dry.penaltyLastN must be a whole number ≥ -1 (-1: the whole context), got ${d.penaltyLastN}`
+    : undefined) ??
+  (d.sequenceBreakers.length > 64
+    ? `dry.sequenceBreakers holds at most 64 strings, got ${d.sequenceBreakers.length}`
+    : undefined) ??
+  d.sequenceBreakers
+    .map((b, i) =>
+      typeof b !== "string" || b.length === 0 || b.length > 256 || b.includes("\u0000")
+        ? `dry.sequenceBreakers[${i}] must be a non-empty string of at most 256 characters without NUL`
+        : undefined
+    )
+    .find((x) => x !== undefined)
+
+/** Logit biases and banned tokens: no more than the vocabulary, each a token, each bias finite and bounded. */
+const logitBiasProblem = (p: SamplingPolicyFields, vocabSize: number): string | undefined => {
   const biases = p.logitBias ?? []
   if (biases.length + (p.bannedTokens?.length ?? 0) > vocabSize) {
     return `logitBias holds more entries (${biases.length + (p.bannedTokens?.length ?? 0)}) than the vocabulary has tokens (${vocabSize})`
   }
   for (const b of biases) {
     const bad =
-      token(b.tokenId, "logitBias token") ??
+      tokenProblem(b.tokenId, "logitBias token", vocabSize) ??
       (finite(b.bias) && Math.abs(b.bias) <= 1e6
         ? undefined
         : `logitBias for token ${b.tokenId} must be a finite number of at most 1e6 in size, or -Infinity, got ${b.bias}`)
     if (bad !== undefined) return bad
   }
   for (const id of p.bannedTokens ?? []) {
-    const bad = token(id, "logitBias token")
+    const bad = tokenProblem(id, "logitBias token", vocabSize)
     if (bad !== undefined) return bad
-  }
-  if (p.grammar !== undefined) {
-    const { root, text } = p.grammar
-    if (typeof text !== "string" || text.trim() === "") return "grammar must be a non-empty GBNF text"
-    if (new TextEncoder().encode(text).length > maxGrammarBytes) return `grammar is over ${maxGrammarBytes} bytes`
-    if (text.includes("\u0000")) return "grammar must not contain NUL characters"
-    if (typeof root !== "string" || !/^[A-Za-z0-9_-]{1,128}$/.test(root)) {
-      return `grammar root must be a rule name (letters, digits, - and _), got ${JSON.stringify(root)}`
-    }
-    // llama.cpp's parser aborts or allocates without end on some texts it should refuse ({3,1}): checked here first.
-    const syntax = gbnfProblem(text, root)
-    if (syntax !== undefined) return `grammar: ${syntax}`
-  }
-  if (p.logprobs !== undefined && !(whole(p.logprobs) && p.logprobs >= 0 && p.logprobs <= maxLogprobs)) {
-    return `logprobs must be a whole number from 0 to ${maxLogprobs}, got ${p.logprobs}`
-  }
-  if (p.resume !== undefined) {
-    if (!whole(p.resume.draws) || p.resume.draws < 0)
-      return `resume.draws must be a whole number ≥ 0, got ${p.resume.draws}`
-    for (const id of p.resume.tokens) {
-      const bad = token(id, "resumed token")
-      if (bad !== undefined) return bad
-    }
   }
   return undefined
 }
+
+const grammarProblem = ({ root, text }: { readonly text: string; readonly root: string }): string | undefined => {
+  if (typeof text !== "string" || text.trim() === "") return "grammar must be a non-empty GBNF text"
+  if (new TextEncoder().encode(text).length > maxGrammarBytes) return `grammar is over ${maxGrammarBytes} bytes`
+  if (text.includes("\u0000")) return "grammar must not contain NUL characters"
+  if (typeof root !== "string" || !/^[A-Za-z0-9_-]{1,128}$/.test(root)) {
+    return `grammar root must be a rule name (letters, digits, - and _), got ${JSON.stringify(root)}`
+  }
+  // llama.cpp's parser aborts or allocates without end on some texts it should refuse ({3,1}): checked here first.
+  const syntax = gbnfProblem(text, root)
+  if (syntax !== undefined) return `grammar: ${syntax}`
+  return undefined
+}
+
+const resumeProblem = (
+  resume: { readonly tokens: ReadonlyArray<number>; readonly draws: number },
+  vocabSize: number
+): string | undefined => {
+  if (!whole(resume.draws) || resume.draws < 0) return `resume.draws must be a whole number ≥ 0, got ${resume.draws}`
+  for (const id of resume.tokens) {
+    const bad = tokenProblem(id, "resumed token", vocabSize)
+    if (bad !== undefined) return bad
+  }
+  return undefined
+}
+
+/**
+ * The last stage's sampling settings (a SamplingPolicy, as the planner hands it to the stages) against the model's
+ * vocabulary: every number finite and in range, token ids in [0, vocabSize), grammar text and DRY breakers plain
+ * strings, so nothing out of range reaches llama.cpp's native sampler (whose failed assertions abort the process).
+ * Names the field as SamplingOptions does.
+ */
+export const samplingPolicyProblem = (p: SamplingPolicyFields, vocabSize: number): string | undefined =>
+  scalarSamplingProblem(p) ??
+  (p.dry !== undefined ? dryProblem(p.dry) : undefined) ??
+  (p.xtc !== undefined
+    ? (inRange(p.xtc.probability, 0, 1, "xtc.probability") ?? inRange(p.xtc.threshold, 0, 1, "xtc.threshold"))
+    : undefined) ??
+  logitBiasProblem(p, vocabSize) ??
+  (p.grammar !== undefined ? grammarProblem(p.grammar) : undefined) ??
+  (p.logprobs !== undefined && !(whole(p.logprobs) && p.logprobs >= 0 && p.logprobs <= maxLogprobs)
+    ? `logprobs must be a whole number from 0 to ${maxLogprobs}, got ${p.logprobs}`
+    : undefined) ??
+  (p.resume !== undefined ? resumeProblem(p.resume, vocabSize) : undefined)
