@@ -37,49 +37,70 @@ type Element =
 const isWordChar = (c: string | undefined) => c !== undefined && /[A-Za-z0-9-]/.test(c)
 const isDigit = (c: string | undefined) => c !== undefined && c >= "0" && c <= "9"
 
-const check = (src: string, root: string) => {
-  let pos = 0
-  const fail = (what: string, at = pos): never => {
-    const before = src.slice(0, at)
+/** An element read, with the symbols it expands to (each repetition's copies counted). */
+interface Sized {
+  readonly element: Element
+  readonly size: number
+}
+
+/**
+ * A recursive-descent reader of a GBNF text: `rules()` reads every rule, collecting the rule references (with where
+ * they are) for `check` to resolve. Each step throws a GbnfSyntax naming the line and column of what it refuses.
+ */
+class GbnfReader {
+  private pos = 0
+  private depth = 0
+  readonly referenced: Array<{ name: string; at: number }> = []
+  constructor(private readonly src: string) {}
+
+  fail(what: string, at = this.pos): never {
+    const before = this.src.slice(0, at)
     const line = before.split("\n").length
     const column = at - before.lastIndexOf("\n")
     throw new GbnfSyntax(`${what} at line ${line}, column ${column}`)
   }
-  const space = (newlines: boolean) => {
-    while (pos < src.length) {
-      const c = src[pos]!
-      if (c === " " || c === "\t" || (newlines && (c === "\n" || c === "\r"))) pos++
-      else if (c === "#") while (pos < src.length && src[pos] !== "\n" && src[pos] !== "\r") pos++
+
+  private space(newlines: boolean) {
+    const src = this.src
+    while (this.pos < src.length) {
+      const c = src[this.pos]!
+      if (c === " " || c === "\t" || (newlines && (c === "\n" || c === "\r"))) this.pos++
+      else if (c === "#") while (this.pos < src.length && src[this.pos] !== "\n" && src[this.pos] !== "\r") this.pos++
       else break
     }
   }
-  const name = () => {
-    const start = pos
-    while (isWordChar(src[pos])) pos++
-    if (pos === start)
-      fail(`expected a rule name, got ${src[pos] === undefined ? "the end" : JSON.stringify(src[pos])}`)
-    return src.slice(start, pos)
+
+  private name() {
+    const src = this.src
+    const start = this.pos
+    while (isWordChar(src[this.pos])) this.pos++
+    if (this.pos === start)
+      this.fail(`expected a rule name, got ${src[this.pos] === undefined ? "the end" : JSON.stringify(src[this.pos])}`)
+    return src.slice(start, this.pos)
   }
-  const hex = (digits: number) => {
-    const part = src.slice(pos, pos + digits)
-    if (part.length !== digits || !/^[0-9a-fA-F]+$/.test(part)) fail(`expected ${digits} hex digits`)
-    pos += digits
+
+  private hex(digits: number) {
+    const part = this.src.slice(this.pos, this.pos + digits)
+    if (part.length !== digits || !/^[0-9a-fA-F]+$/.test(part)) this.fail(`expected ${digits} hex digits`)
+    this.pos += digits
   }
-  // One character of a literal or class (an escape or a plain character); returns its code point.
-  const char = (): number => {
-    if (pos >= src.length) fail("unexpected end of input")
-    if (src[pos] === "\\") {
-      const escape = src[pos + 1]
-      pos += 2
+
+  /** One character of a literal or class (an escape or a plain character); returns its code point. */
+  private char(): number {
+    const src = this.src
+    if (this.pos >= src.length) this.fail("unexpected end of input")
+    if (src[this.pos] === "\\") {
+      const escape = src[this.pos + 1]
+      this.pos += 2
       switch (escape) {
         case "x":
-          hex(2)
+          this.hex(2)
           return 0
         case "u":
-          hex(4)
+          this.hex(4)
           return 0
         case "U":
-          hex(8)
+          this.hex(8)
           return 0
         case "t":
         case "r":
@@ -91,147 +112,187 @@ const check = (src: string, root: string) => {
         case "-":
           return 0
         default:
-          return fail(`unknown escape "\\${escape ?? ""}"`, pos - 2)
+          return this.fail(`unknown escape "\\${escape ?? ""}"`, this.pos - 2)
       }
     }
-    const code = src.codePointAt(pos)!
-    pos += code > 0xffff ? 2 : 1
+    const code = src.codePointAt(this.pos)!
+    this.pos += code > 0xffff ? 2 : 1
     return code
   }
-  let depth = 0
-  const integer = () => {
-    const start = pos
-    while (isDigit(src[pos])) pos++
-    if (pos === start) fail("expected a number")
-    return Number(src.slice(start, pos))
+
+  private integer() {
+    const start = this.pos
+    while (isDigit(this.src[this.pos])) this.pos++
+    if (this.pos === start) this.fail("expected a number")
+    return Number(this.src.slice(start, this.pos))
   }
-  // Each element's size counts the copies llama.cpp's parser makes of it (a repetition {m,n} expands to n copies).
-  const bounded = (size: number) =>
-    size > maxGbnfExpansion ? fail(`the grammar expands to over ${maxGbnfExpansion} symbols`) : size
-  const sequence = (nested: boolean): { elements: Array<Element>; size: number } => {
+
+  /** Each element's size counts the copies llama.cpp's parser makes of it (a repetition {m,n} expands to n copies). */
+  private bounded(size: number) {
+    return size > maxGbnfExpansion ? this.fail(`the grammar expands to over ${maxGbnfExpansion} symbols`) : size
+  }
+
+  /** A literal `"…"`, at its opening quote. */
+  private literal(): Sized {
+    this.pos++
+    let chars = 0
+    while (this.src[this.pos] !== '"') {
+      if (this.pos >= this.src.length) this.fail("unexpected end of input in a literal")
+      this.char()
+      chars++
+    }
+    this.pos++
+    return {
+      element: chars === 0 ? { kind: "group", alternates: [[]] } : { kind: "char", nullable: false },
+      size: Math.max(1, chars)
+    }
+  }
+
+  /** A character class `[…]` or `[^…]`, at its opening bracket. */
+  private charClass(): Sized {
+    const src = this.src
+    this.pos++
+    if (src[this.pos] === "^") this.pos++
+    while (src[this.pos] !== "]") {
+      if (this.pos >= src.length) this.fail("unexpected end of input in a character class")
+      this.char()
+      if (src[this.pos] === "-" && src[this.pos + 1] !== "]") {
+        this.pos++
+        this.char()
+      }
+    }
+    this.pos++
+    return { element: { kind: "char", nullable: false }, size: 1 }
+  }
+
+  /** A group `( … | … )`, at its opening parenthesis. */
+  private group(): Sized {
+    if (++this.depth > maxGbnfNesting) this.fail(`groups nest deeper than ${maxGbnfNesting}`)
+    this.pos++
+    this.space(true)
+    const group = this.alternates(true)
+    if (this.src[this.pos] !== ")") this.fail("expected )")
+    this.pos++
+    this.depth--
+    return { element: { kind: "group", alternates: group.alternates }, size: group.size }
+  }
+
+  /** One element (a literal, class, `.`, rule reference or group), or undefined where the sequence ends. */
+  private primary(): Sized | undefined {
+    const c = this.src[this.pos]!
+    if (c === '"') return this.literal()
+    if (c === "[") return this.charClass()
+    if (c === ".") {
+      this.pos++
+      return { element: { kind: "char", nullable: false }, size: 1 }
+    }
+    if (isWordChar(c)) {
+      const ref = this.name()
+      this.referenced.push({ name: ref, at: this.pos - ref.length })
+      return { element: { kind: "ref", name: ref }, size: 1 }
+    }
+    if (c === "(") return this.group()
+    if (c === "<") return this.fail("token references (<…>) are not supported")
+    return undefined
+  }
+
+  /** A repetition count `{m}`, `{m,}` or `{m,n}`, at its opening brace: applied to the element just read. */
+  private counted({ element, size }: Sized, nested: boolean): Sized {
+    const src = this.src
+    this.pos++
+    this.space(nested)
+    const min = this.integer()
+    this.space(nested)
+    let max: number | undefined = min
+    if (src[this.pos] === ",") {
+      this.pos++
+      this.space(nested)
+      max = isDigit(src[this.pos]) ? this.integer() : undefined
+      this.space(nested)
+    }
+    if (src[this.pos] !== "}") this.fail("expected } after a repetition count")
+    this.pos++
+    if (min > maxGbnfRepetition || (max ?? 0) > maxGbnfRepetition) {
+      this.fail(`a repetition count above ${maxGbnfRepetition}`)
+    }
+    if (max !== undefined && max < min) this.fail(`repetition {${min},${max}} has its maximum below its minimum`)
+    return { element: { kind: "repeat", element, min }, size: size * Math.max(1, max ?? min + 1) }
+  }
+
+  /** Repetition operators apply to the element just read. */
+  private repetition(read: Sized, nested: boolean): Sized {
+    const op = this.src[this.pos]
+    if (op === "*" || op === "?") {
+      this.pos++
+      return { element: { kind: "repeat", element: read.element, min: 0 }, size: read.size }
+    }
+    if (op === "+") {
+      this.pos++
+      return { element: { kind: "repeat", element: read.element, min: 1 }, size: read.size }
+    }
+    if (op === "{") return this.counted(read, nested)
+    return read
+  }
+
+  private sequence(nested: boolean): { elements: Array<Element>; size: number } {
     const elements: Array<Element> = []
     let total = 0
-    while (pos < src.length) {
-      const c = src[pos]!
-      let element: Element
-      let size = 1
-      if (c === '"') {
-        pos++
-        let chars = 0
-        while (src[pos] !== '"') {
-          if (pos >= src.length) fail("unexpected end of input in a literal")
-          char()
-          chars++
-        }
-        pos++
-        size = Math.max(1, chars)
-        element = chars === 0 ? { kind: "group", alternates: [[]] } : { kind: "char", nullable: false }
-      } else if (c === "[") {
-        pos++
-        if (src[pos] === "^") pos++
-        while (src[pos] !== "]") {
-          if (pos >= src.length) fail("unexpected end of input in a character class")
-          char()
-          if (src[pos] === "-" && src[pos + 1] !== "]") {
-            pos++
-            char()
-          }
-        }
-        pos++
-        element = { kind: "char", nullable: false }
-      } else if (c === ".") {
-        pos++
-        element = { kind: "char", nullable: false }
-      } else if (isWordChar(c)) {
-        const ref = name()
-        element = { kind: "ref", name: ref }
-        referenced.push({ name: ref, at: pos - ref.length })
-      } else if (c === "(") {
-        if (++depth > maxGbnfNesting) fail(`groups nest deeper than ${maxGbnfNesting}`)
-        pos++
-        space(true)
-        const group = alternates(true)
-        element = { kind: "group", alternates: group.alternates }
-        size = group.size
-        if (src[pos] !== ")") fail("expected )")
-        pos++
-        depth--
-      } else if (c === "<") {
-        return fail("token references (<…>) are not supported")
-      } else {
-        break
-      }
-      space(nested)
-      // Repetition operators apply to the element just read.
-      const op = src[pos]
-      if (op === "*" || op === "?") {
-        pos++
-        element = { kind: "repeat", element, min: 0 }
-      } else if (op === "+") {
-        pos++
-        element = { kind: "repeat", element, min: 1 }
-      } else if (op === "{") {
-        pos++
-        space(nested)
-        const min = integer()
-        space(nested)
-        let max: number | undefined = min
-        if (src[pos] === ",") {
-          pos++
-          space(nested)
-          max = isDigit(src[pos]) ? integer() : undefined
-          space(nested)
-        }
-        if (src[pos] !== "}") fail("expected } after a repetition count")
-        pos++
-        if (min > maxGbnfRepetition || (max ?? 0) > maxGbnfRepetition) {
-          fail(`a repetition count above ${maxGbnfRepetition}`)
-        }
-        if (max !== undefined && max < min) fail(`repetition {${min},${max}} has its maximum below its minimum`)
-        element = { kind: "repeat", element, min }
-        size *= Math.max(1, max ?? min + 1)
-      }
-      space(nested)
+    while (this.pos < this.src.length) {
+      const read = this.primary()
+      if (read === undefined) break
+      this.space(nested)
+      const { element, size } = this.repetition(read, nested)
+      this.space(nested)
       elements.push(element)
-      total = bounded(total + size)
+      total = this.bounded(total + size)
     }
     return { elements, size: total }
   }
-  const alternates = (nested: boolean): { alternates: Array<Array<Element>>; size: number } => {
-    const first = sequence(nested)
+
+  private alternates(nested: boolean): { alternates: Array<Array<Element>>; size: number } {
+    const first = this.sequence(nested)
     const all = [first.elements]
     let size = first.size
-    while (src[pos] === "|") {
-      pos++
-      space(true)
-      const next = sequence(nested)
+    while (this.src[this.pos] === "|") {
+      this.pos++
+      this.space(true)
+      const next = this.sequence(nested)
       all.push(next.elements)
-      size = bounded(size + next.size)
+      size = this.bounded(size + next.size)
     }
     return { alternates: all, size }
   }
 
-  let expansion = 0
-  const rules = new Map<string, Array<Array<Element>>>()
-  const referenced: Array<{ name: string; at: number }> = []
-  space(true)
-  while (pos < src.length) {
-    const rule = name()
-    space(false)
-    if (src.slice(pos, pos + 3) !== "::=") fail(`expected ::= after rule ${rule}`)
-    pos += 3
-    space(true)
-    const body = alternates(false)
-    expansion = bounded(expansion + body.size)
-    rules.set(rule, body.alternates)
-    if (pos < src.length) {
-      if (src[pos] === "\r") pos++
-      if (src[pos] !== "\n") fail(`expected the end of rule ${rule}, got ${JSON.stringify(src[pos])}`)
+  /** Every rule `name ::= …` of the text, one a line, by name. */
+  rules(): Map<string, Array<Array<Element>>> {
+    const src = this.src
+    let expansion = 0
+    const rules = new Map<string, Array<Array<Element>>>()
+    this.space(true)
+    while (this.pos < src.length) {
+      const rule = this.name()
+      this.space(false)
+      if (src.slice(this.pos, this.pos + 3) !== "::=") this.fail(`expected ::= after rule ${rule}`)
+      this.pos += 3
+      this.space(true)
+      const body = this.alternates(false)
+      expansion = this.bounded(expansion + body.size)
+      rules.set(rule, body.alternates)
+      if (this.pos < src.length) {
+        if (src[this.pos] === "\r") this.pos++
+        if (src[this.pos] !== "\n") this.fail(`expected the end of rule ${rule}, got ${JSON.stringify(src[this.pos])}`)
+      }
+      this.space(true)
     }
-    space(true)
+    return rules
   }
-  for (const ref of referenced) {
-    if (!rules.has(ref.name)) fail(`undefined rule ${ref.name}`, ref.at)
+}
+
+const check = (src: string, root: string) => {
+  const reader = new GbnfReader(src)
+  const rules = reader.rules()
+  for (const ref of reader.referenced) {
+    if (!rules.has(ref.name)) reader.fail(`undefined rule ${ref.name}`, ref.at)
   }
   if (!rules.has(root)) throw new GbnfSyntax(`no rule named ${root} (the root rule)`)
   leftRecursion(rules)
