@@ -117,6 +117,91 @@ const readFusedGateUp = (
   return Effect.succeed(true)
 }
 
+const refuseKey = (file: GgufFile, key: string, message: string) => Effect.fail(invalidMetadata(file, key, message))
+
+/** expert_count (1..1024) and expert_used_count (1..expert_count). */
+const readExpertCounts = (file: GgufFile, countKey: string, usedKey: string) =>
+  Effect.gen(function* () {
+    const nExpert = yield* uniformCount(file, countKey)
+    if (nExpert === undefined) return yield* refuseKey(file, countKey, "is missing")
+    if (nExpert > MAX_EXPERTS) {
+      return yield* refuseKey(file, countKey, `= ${nExpert} is above ${MAX_EXPERTS}`)
+    }
+    const nExpertUsed = yield* uniformCount(file, usedKey)
+    if (nExpertUsed === undefined) return yield* refuseKey(file, usedKey, "is missing")
+    if (nExpertUsed > nExpert) {
+      return yield* refuseKey(file, usedKey, `= ${nExpertUsed} is more than "${countKey}" = ${nExpert}`)
+    }
+    return { nExpert, nExpertUsed }
+  })
+
+/** Group-limited routing: llama.cpp's loader asserts (aborts) on what is refused here. */
+const readExpertGroups = (file: GgufFile, k: (s: string) => string, countKey: string, nExpert: number) =>
+  Effect.gen(function* () {
+    const groupsKey = k("expert_group_count")
+    const groupUsedKey = k("expert_group_used_count")
+    const nExpertGroups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
+    const nGroupUsed = (yield* getOptional(file, groupUsedKey, getU32)) ?? 0
+    if (nExpertGroups >= nExpert) {
+      return yield* refuseKey(file, groupsKey, `= ${nExpertGroups} must be below "${countKey}" = ${nExpert}`)
+    }
+    if (nExpertGroups > 1) {
+      if (nExpert % nExpertGroups !== 0) {
+        return yield* refuseKey(file, countKey, `= ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`)
+      }
+      if (nExpert / nExpertGroups < 2) {
+        return yield* refuseKey(file, groupsKey, `= ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`)
+      }
+      if (nGroupUsed === 0 || nGroupUsed >= nExpertGroups) {
+        return yield* refuseKey(
+          file,
+          groupUsedKey,
+          `= ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`
+        )
+      }
+    }
+    return { nExpertGroups, nGroupUsed }
+  })
+
+/**
+ * expert_count must agree with the routed blocks' tensors (the loader checks shapes too; this names the key with the
+ * tensor).
+ */
+const checkExpertTensors = (
+  file: GgufFile,
+  countKey: string,
+  nExpert: number,
+  firstRouted: number,
+  nLayer: number
+): Effect.Effect<void, ModelLoadError> => {
+  for (let il = firstRouted; il < nLayer; il++) {
+    const counted: Array<readonly [string, number | undefined]> = [
+      [`blk.${il}.ffn_gate_inp.weight`, file.tensorsByName.get(`blk.${il}.ffn_gate_inp.weight`)?.dims[1]],
+      ...EXPERT_TENSORS.map(
+        (s) =>
+          [
+            `blk.${il}.${s}`,
+            file.tensorsByName.get(`blk.${il}.${s}`)?.dims[2] ??
+              (file.tensorsByName.has(`blk.${il}.${s}`) ? 1 : undefined)
+          ] as const
+      )
+    ]
+    for (const [name, n] of counted) {
+      if (n !== undefined && n !== nExpert) {
+        const dims = file.tensorsByName.get(name)!.dims
+        return Effect.fail(
+          new ModelLoadError({
+            path: file.path,
+            reason: "TensorShapeMismatch",
+            message: `tensor "${name}" [${dims.join(", ")}] holds ${n} experts, but metadata "${countKey}" = ${nExpert}`
+          })
+        )
+      }
+    }
+  }
+  return Effect.void
+}
+
 /**
  * Reads and checks the MoE hyperparameters: expert_count (1..1024), expert_used_count (1..expert_count), the expert
  * feed-forward length; then every routed block's ffn_gate_inp / ffn_*_exps tensors must count expert_count experts.
@@ -129,84 +214,32 @@ export const readMoeParams = (
 ): Effect.Effect<MoeParams, ModelLoadError> =>
   Effect.gen(function* () {
     const k = (s: string) => `${hp.arch}.${s}`
-    const refuse = (key: string, message: string) => Effect.fail(invalidMetadata(file, key, message))
     const countKey = k("expert_count")
-    const usedKey = k("expert_used_count")
-    const nExpert = yield* uniformCount(file, countKey)
-    if (nExpert === undefined) return yield* refuse(countKey, "is missing")
-    if (nExpert > MAX_EXPERTS) {
-      return yield* refuse(countKey, `= ${nExpert} is above ${MAX_EXPERTS}`)
-    }
-    const nExpertUsed = yield* uniformCount(file, usedKey)
-    if (nExpertUsed === undefined) return yield* refuse(usedKey, "is missing")
-    if (nExpertUsed > nExpert) {
-      return yield* refuse(usedKey, `= ${nExpertUsed} is more than "${countKey}" = ${nExpert}`)
-    }
-    // group-limited routing: llama.cpp's loader asserts (aborts) on what is refused here
-    const groupsKey = k("expert_group_count")
-    const groupUsedKey = k("expert_group_used_count")
-    const nExpertGroups = (yield* getOptional(file, groupsKey, getU32)) ?? 0
-    const nGroupUsed = (yield* getOptional(file, groupUsedKey, getU32)) ?? 0
-    if (nExpertGroups >= nExpert) {
-      return yield* refuse(groupsKey, `= ${nExpertGroups} must be below "${countKey}" = ${nExpert}`)
-    }
-    if (nExpertGroups > 1) {
-      if (nExpert % nExpertGroups !== 0) {
-        return yield* refuse(countKey, `= ${nExpert} is not a multiple of "${groupsKey}" = ${nExpertGroups}`)
-      }
-      if (nExpert / nExpertGroups < 2) {
-        return yield* refuse(groupsKey, `= ${nExpertGroups}: groups of fewer than 2 experts cannot be scored`)
-      }
-      if (nGroupUsed === 0 || nGroupUsed >= nExpertGroups) {
-        return yield* refuse(
-          groupUsedKey,
-          `= ${nGroupUsed} must be at least 1 and below "${groupsKey}" = ${nExpertGroups}`
-        )
-      }
-    }
+    const { nExpert, nExpertUsed } = yield* readExpertCounts(file, countKey, k("expert_used_count"))
+    const { nExpertGroups, nGroupUsed } = yield* readExpertGroups(file, k, countKey, nExpert)
     const ffExp = options.nFfExp ?? (yield* uniformCount(file, k("expert_feed_forward_length")))
     const nFfExp = ffExp ?? Math.floor(hp.nFf / nExpertUsed)
     if (nFfExp <= 0) {
-      return yield* refuse(
+      return yield* refuseKey(
+        file,
         k("expert_feed_forward_length"),
         `is missing and feed_forward_length / expert_used_count = ${nFfExp}`
       )
     }
     const nLeadingDense = options.nLeadingDense ?? 0
     if (nLeadingDense > hp.nLayer) {
-      return yield* refuse(k("leading_dense_block_count"), `= ${nLeadingDense} is more than the ${hp.nLayer} blocks`)
+      return yield* refuseKey(
+        file,
+        k("leading_dense_block_count"),
+        `= ${nLeadingDense} is more than the ${hp.nLayer} blocks`
+      )
     }
-    // expert_count must agree with the tensors (the loader checks shapes too; this names the key with the tensor)
-    for (let il = nLeadingDense; il < hp.nLayer; il++) {
-      const counted: Array<readonly [string, number | undefined]> = [
-        [`blk.${il}.ffn_gate_inp.weight`, file.tensorsByName.get(`blk.${il}.ffn_gate_inp.weight`)?.dims[1]],
-        ...EXPERT_TENSORS.map(
-          (s) =>
-            [
-              `blk.${il}.${s}`,
-              file.tensorsByName.get(`blk.${il}.${s}`)?.dims[2] ??
-                (file.tensorsByName.has(`blk.${il}.${s}`) ? 1 : undefined)
-            ] as const
-        )
-      ]
-      for (const [name, n] of counted) {
-        if (n !== undefined && n !== nExpert) {
-          const dims = file.tensorsByName.get(name)!.dims
-          return yield* Effect.fail(
-            new ModelLoadError({
-              path: file.path,
-              reason: "TensorShapeMismatch",
-              message: `tensor "${name}" [${dims.join(", ")}] holds ${n} experts, but metadata "${countKey}" = ${nExpert}`
-            })
-          )
-        }
-      }
-    }
+    yield* checkExpertTensors(file, countKey, nExpert, nLeadingDense, hp.nLayer)
     const routed = Array.from({ length: hp.nLayer - nLeadingDense }, (_, i) => nLeadingDense + i)
     const fusedGateUp = yield* readFusedGateUp(file, hp.arch, routed, options.fusedGateUp === true)
     const weightsScale = options.weightsScale ?? 0
     if (!Number.isFinite(weightsScale) || weightsScale < 0) {
-      return yield* refuse(k("expert_weights_scale"), `= ${weightsScale} must be >= 0`)
+      return yield* refuseKey(file, k("expert_weights_scale"), `= ${weightsScale} must be >= 0`)
     }
     return {
       nExpert,
