@@ -53,158 +53,212 @@ export const checkedOps = (g: Ggml): GgmlRaw => {
   return made
 }
 
+/** What every op's check asks: the raw bindings, ggml's predicates, a tensor's shape, and the refusal. */
+interface Checking {
+  readonly raw: GgmlRaw
+  readonly is: Predicates
+  readonly shape: (t: Ptr) => Shape
+  readonly fail: (op: string, why: string, ...ts: ReadonlyArray<Ptr>) => never
+}
+
 const makeChecked = (g: Ggml): GgmlRaw => {
   const raw = g.raw
-  const is = predicates(raw)
   const shape = (t: Ptr): Shape => g.tensorShape(t)
   const fail = (op: string, why: string, ...ts: ReadonlyArray<Ptr>): never => {
     throw new GraphOpError(`${op}: ${why} (operands ${ts.map((t) => describe(shape(t))).join(", ")})`)
   }
-  /** Bytes from a view's first byte to past its last element, in the source's layout. */
-  const extent = (type: number, ne: ReadonlyArray<number>, nb: ReadonlyArray<number>) => {
-    let bytes = raw.ggml_row_size(type, ne[0]!)
-    for (let i = 1; i < ne.length; i++) bytes += (ne[i]! - 1) * nb[i]!
-    return bytes
-  }
-  const checkView = (
-    op: string,
-    a: Ptr,
-    type: number,
-    ne: ReadonlyArray<number>,
-    nb: ReadonlyArray<number>,
-    offset: number
-  ) => {
-    if (ne.some((n) => !Number.isSafeInteger(n) || n < 1) || offset < 0) fail(op, `view of [${ne}] at ${offset}`, a)
-    const end = offset + extent(type, ne, nb)
-    const size = raw.ggml_nbytes(a)
-    if (end > size) fail(op, `the view [${ne}] at byte ${offset} ends at ${end}, past its source's ${size} bytes`, a)
-  }
-  const reshapeCheck = (op: string, a: Ptr, ne: ReadonlyArray<number>) => {
-    if (!is.isContiguous(a)) fail(op, "the source is not contiguous", a)
-    const want = ne.reduce((x, y) => x * y, 1)
-    const have = shape(a).ne.reduce((x, y) => x * y, 1)
-    if (want !== have) fail(op, `${have} elements cannot be reshaped to [${ne}]`, a)
-  }
+  const c: Checking = { raw, is: predicates(raw), shape, fail }
   return {
     ...raw,
-    ggml_mul_mat: (ctx, a, b) => {
-      const sa = shape(a)
-      const sb = shape(b)
-      if (sa.ne[0] !== sb.ne[0] || sb.ne[2]! % sa.ne[2]! !== 0 || sb.ne[3]! % sa.ne[3]! !== 0) {
-        fail("ggml_mul_mat", "the inner dimensions differ or the batch does not broadcast", a, b)
-      }
-      if (is.isTransposed(a)) fail("ggml_mul_mat", "the weight is transposed", a)
-      return raw.ggml_mul_mat(ctx, a, b)
-    },
-    ggml_add: (ctx, a, b) => {
-      if (!is.canRepeat(b, a)) fail("ggml_add", "the second operand does not repeat to the first", a, b)
-      return raw.ggml_add(ctx, a, b)
-    },
-    ggml_mul: (ctx, a, b) => {
-      if (!is.canRepeat(b, a)) fail("ggml_mul", "the second operand does not repeat to the first", a, b)
-      return raw.ggml_mul(ctx, a, b)
-    },
-    ggml_get_rows: (ctx, a, b) => {
-      const sa = shape(a)
-      const sb = shape(b)
-      if (sb.type !== GgmlType.I32 || sa.ne[2] !== sb.ne[1] || sa.ne[3] !== sb.ne[2] || sb.ne[3] !== 1) {
-        fail("ggml_get_rows", "the row ids are not I32 or do not match the source's planes", a, b)
-      }
-      return raw.ggml_get_rows(ctx, a, b)
-    },
-    ggml_set_rows: (ctx, a, b, c) => {
-      const [sa, sb, sc] = [shape(a), shape(b), shape(c)]
-      const ok =
-        sa.ne[0] === sb.ne[0] &&
-        sa.ne[2] === sb.ne[2] &&
-        sa.ne[3] === sb.ne[3] &&
-        sb.ne[1] === sc.ne[0] &&
-        sb.ne[2]! % sc.ne[1]! === 0 &&
-        sb.ne[3]! % sc.ne[2]! === 0 &&
-        sc.ne[3] === 1 &&
-        (sb.type === GgmlType.F32 || sb.type === GgmlType.F16) &&
-        (sc.type === GgmlType.I64 || sc.type === GgmlType.I32)
-      if (!ok) fail("ggml_set_rows", "the rows, their ids and the destination do not match", a, b, c)
-      if (!is.isContiguousRows(a) || !is.isContiguousRows(b)) fail("ggml_set_rows", "rows are not contiguous", a, b)
-      // every id must address a row of the destination: checked where the ids are written (Forward.ts)
-      return raw.ggml_set_rows(ctx, a, b, c)
-    },
+    ...productChecks(c),
+    ...viewChecks(c),
+    ...attentionChecks(c),
+    ...sparseAttentionChecks(raw, shape, fail),
+    ...activationChecks(c)
+  }
+}
+
+/** Products, element-wise ops and row gathers and scatters. */
+const productChecks = ({
+  raw,
+  is,
+  shape,
+  fail
+}: Checking): Pick<GgmlRaw, "ggml_mul_mat" | "ggml_add" | "ggml_mul" | "ggml_get_rows" | "ggml_set_rows"> => ({
+  ggml_mul_mat: (ctx, a, b) => {
+    const sa = shape(a)
+    const sb = shape(b)
+    if (sa.ne[0] !== sb.ne[0] || sb.ne[2]! % sa.ne[2]! !== 0 || sb.ne[3]! % sa.ne[3]! !== 0) {
+      fail("ggml_mul_mat", "the inner dimensions differ or the batch does not broadcast", a, b)
+    }
+    if (is.isTransposed(a)) fail("ggml_mul_mat", "the weight is transposed", a)
+    return raw.ggml_mul_mat(ctx, a, b)
+  },
+  ggml_add: (ctx, a, b) => {
+    if (!is.canRepeat(b, a)) fail("ggml_add", "the second operand does not repeat to the first", a, b)
+    return raw.ggml_add(ctx, a, b)
+  },
+  ggml_mul: (ctx, a, b) => {
+    if (!is.canRepeat(b, a)) fail("ggml_mul", "the second operand does not repeat to the first", a, b)
+    return raw.ggml_mul(ctx, a, b)
+  },
+  ggml_get_rows: (ctx, a, b) => {
+    const sa = shape(a)
+    const sb = shape(b)
+    if (sb.type !== GgmlType.I32 || sa.ne[2] !== sb.ne[1] || sa.ne[3] !== sb.ne[2] || sb.ne[3] !== 1) {
+      fail("ggml_get_rows", "the row ids are not I32 or do not match the source's planes", a, b)
+    }
+    return raw.ggml_get_rows(ctx, a, b)
+  },
+  ggml_set_rows: (ctx, a, b, c) => {
+    const [sa, sb, sc] = [shape(a), shape(b), shape(c)]
+    const ok =
+      sa.ne[0] === sb.ne[0] &&
+      sa.ne[2] === sb.ne[2] &&
+      sa.ne[3] === sb.ne[3] &&
+      sb.ne[1] === sc.ne[0] &&
+      sb.ne[2]! % sc.ne[1]! === 0 &&
+      sb.ne[3]! % sc.ne[2]! === 0 &&
+      sc.ne[3] === 1 &&
+      (sb.type === GgmlType.F32 || sb.type === GgmlType.F16) &&
+      (sc.type === GgmlType.I64 || sc.type === GgmlType.I32)
+    if (!ok) fail("ggml_set_rows", "the rows, their ids and the destination do not match", a, b, c)
+    if (!is.isContiguousRows(a) || !is.isContiguousRows(b)) fail("ggml_set_rows", "rows are not contiguous", a, b)
+    // every id must address a row of the destination: checked where the ids are written (Forward.ts)
+    return raw.ggml_set_rows(ctx, a, b, c)
+  }
+})
+
+/** Bytes from a view's first byte to past its last element, in the source's layout. */
+const extent = (raw: GgmlRaw, type: number, ne: ReadonlyArray<number>, nb: ReadonlyArray<number>) => {
+  let bytes = raw.ggml_row_size(type, ne[0]!)
+  for (let i = 1; i < ne.length; i++) bytes += (ne[i]! - 1) * nb[i]!
+  return bytes
+}
+
+/** A view within its source's bytes (ggml_new_tensor_impl's bounds assert). */
+const checkView = (
+  { raw, fail }: Checking,
+  op: string,
+  a: Ptr,
+  type: number,
+  ne: ReadonlyArray<number>,
+  nb: ReadonlyArray<number>,
+  offset: number
+) => {
+  if (ne.some((n) => !Number.isSafeInteger(n) || n < 1) || offset < 0) fail(op, `view of [${ne}] at ${offset}`, a)
+  const end = offset + extent(raw, type, ne, nb)
+  const size = raw.ggml_nbytes(a)
+  if (end > size) fail(op, `the view [${ne}] at byte ${offset} ends at ${end}, past its source's ${size} bytes`, a)
+}
+
+/** A reshape of a contiguous source to as many elements. */
+const checkReshape = ({ is, shape, fail }: Checking, op: string, a: Ptr, ne: ReadonlyArray<number>) => {
+  if (!is.isContiguous(a)) fail(op, "the source is not contiguous", a)
+  const want = ne.reduce((x, y) => x * y, 1)
+  const have = shape(a).ne.reduce((x, y) => x * y, 1)
+  if (want !== have) fail(op, `${have} elements cannot be reshaped to [${ne}]`, a)
+}
+
+/** Reshapes and views. */
+const viewChecks = (
+  c: Checking
+): Pick<GgmlRaw, "ggml_reshape_2d" | "ggml_reshape_3d" | "ggml_view_1d" | "ggml_view_2d" | "ggml_view_3d"> => {
+  const { raw, shape } = c
+  return {
     ggml_reshape_2d: (ctx, a, ne0, ne1) => {
-      reshapeCheck("ggml_reshape_2d", a, [ne0, ne1])
+      checkReshape(c, "ggml_reshape_2d", a, [ne0, ne1])
       return raw.ggml_reshape_2d(ctx, a, ne0, ne1)
     },
     ggml_reshape_3d: (ctx, a, ne0, ne1, ne2) => {
-      reshapeCheck("ggml_reshape_3d", a, [ne0, ne1, ne2])
+      checkReshape(c, "ggml_reshape_3d", a, [ne0, ne1, ne2])
       return raw.ggml_reshape_3d(ctx, a, ne0, ne1, ne2)
     },
     ggml_view_1d: (ctx, a, ne0, offset) => {
       const s = shape(a)
-      checkView("ggml_view_1d", a, s.type, [ne0], [s.nb[0]!], offset)
+      checkView(c, "ggml_view_1d", a, s.type, [ne0], [s.nb[0]!], offset)
       return raw.ggml_view_1d(ctx, a, ne0, offset)
     },
     ggml_view_2d: (ctx, a, ne0, ne1, nb1, offset) => {
       const s = shape(a)
-      checkView("ggml_view_2d", a, s.type, [ne0, ne1], [s.nb[0]!, nb1], offset)
+      checkView(c, "ggml_view_2d", a, s.type, [ne0, ne1], [s.nb[0]!, nb1], offset)
       return raw.ggml_view_2d(ctx, a, ne0, ne1, nb1, offset)
     },
     ggml_view_3d: (ctx, a, ne0, ne1, ne2, nb1, nb2, offset) => {
       const s = shape(a)
-      checkView("ggml_view_3d", a, s.type, [ne0, ne1, ne2], [s.nb[0]!, nb1, nb2], offset)
+      checkView(c, "ggml_view_3d", a, s.type, [ne0, ne1, ne2], [s.nb[0]!, nb1, nb2], offset)
       return raw.ggml_view_3d(ctx, a, ne0, ne1, ne2, nb1, nb2, offset)
-    },
-    ggml_rope_ext: (ctx, a, b, c, nDims, mode, ...rest) => {
-      const sa = shape(a)
-      const sb = shape(b)
-      if ((mode & 1) !== 0) fail("ggml_rope_ext", `mode ${mode} is not supported`, a)
-      if (!is.isVector(b) || sb.type !== GgmlType.I32 || sa.ne[2] !== sb.ne[0]) {
-        fail("ggml_rope_ext", "positions must be an I32 vector of one id per token", a, b)
-      }
-      if (c !== null) {
-        const sc = shape(c)
-        if (sc.type !== GgmlType.F32 || sc.ne[0]! < nDims / 2) fail("ggml_rope_ext", "bad frequency factors", a, c)
-      }
-      if (nDims > sa.ne[0]!) fail("ggml_rope_ext", `${nDims} rotated dims exceed the head size`, a)
-      return raw.ggml_rope_ext(ctx, a, b, c, nDims, mode, ...rest)
-    },
-    ggml_flash_attn_ext: (ctx, q, k, v, mask, ...rest) => {
-      const [sq, sk, sv] = [shape(q), shape(k), shape(v)]
-      const kqOk = sk.ne[0] === sq.ne[0] && sq.ne[2]! % sk.ne[2]! === 0 && sq.ne[3]! % sk.ne[3]! === 0
-      if (!kqOk || sq.ne[3] !== sk.ne[3] || sq.ne[3] !== sv.ne[3]) {
-        fail("ggml_flash_attn_ext", "q, k and v do not match", q, k, v)
-      }
-      if (mask === null) fail("ggml_flash_attn_ext", "a mask is required", q)
-      const sm = shape(mask)
-      if (
-        sm.type !== GgmlType.F16 ||
-        !is.isContiguous(mask) ||
-        sq.ne[2]! % sm.ne[2]! !== 0 ||
-        sq.ne[3]! % sm.ne[3]! !== 0
-      ) {
-        fail("ggml_flash_attn_ext", "the mask must be contiguous F16 and broadcast over the heads", q, mask)
-      }
-      if (sm.ne[0] !== sk.ne[1] || sm.ne[1]! < sq.ne[1]!)
-        fail("ggml_flash_attn_ext", "the mask does not cover q x kv", q, k, mask)
-      return raw.ggml_flash_attn_ext(ctx, q, k, v, mask, ...rest)
-    },
-    ...sparseAttentionChecks(raw, shape, fail),
-    ggml_swiglu_split: (ctx, a, b) => {
-      if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
-        fail("ggml_swiglu_split", "gate and up must be contiguous, of one shape and type", a, b)
-      }
-      return raw.ggml_swiglu_split(ctx, a, b)
-    },
-    ggml_geglu_split: (ctx, a, b) => {
-      if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
-        fail("ggml_geglu_split", "gate and up must be contiguous, of one shape and type", a, b)
-      }
-      return raw.ggml_geglu_split(ctx, a, b)
-    },
-    ggml_tanh: (ctx, a) => {
-      if (!is.isContiguous1(a)) fail("ggml_tanh", "the operand is not contiguous", a)
-      return raw.ggml_tanh(ctx, a)
     }
   }
 }
+
+/** RoPE and flash attention. */
+const attentionChecks = ({
+  raw,
+  is,
+  shape,
+  fail
+}: Checking): Pick<GgmlRaw, "ggml_rope_ext" | "ggml_flash_attn_ext"> => ({
+  ggml_rope_ext: (ctx, a, b, c, nDims, mode, ...rest) => {
+    const sa = shape(a)
+    const sb = shape(b)
+    if ((mode & 1) !== 0) fail("ggml_rope_ext", `mode ${mode} is not supported`, a)
+    if (!is.isVector(b) || sb.type !== GgmlType.I32 || sa.ne[2] !== sb.ne[0]) {
+      fail("ggml_rope_ext", "positions must be an I32 vector of one id per token", a, b)
+    }
+    if (c !== null) {
+      const sc = shape(c)
+      if (sc.type !== GgmlType.F32 || sc.ne[0]! < nDims / 2) fail("ggml_rope_ext", "bad frequency factors", a, c)
+    }
+    if (nDims > sa.ne[0]!) fail("ggml_rope_ext", `${nDims} rotated dims exceed the head size`, a)
+    return raw.ggml_rope_ext(ctx, a, b, c, nDims, mode, ...rest)
+  },
+  ggml_flash_attn_ext: (ctx, q, k, v, mask, ...rest) => {
+    const [sq, sk, sv] = [shape(q), shape(k), shape(v)]
+    const kqOk = sk.ne[0] === sq.ne[0] && sq.ne[2]! % sk.ne[2]! === 0 && sq.ne[3]! % sk.ne[3]! === 0
+    if (!kqOk || sq.ne[3] !== sk.ne[3] || sq.ne[3] !== sv.ne[3]) {
+      fail("ggml_flash_attn_ext", "q, k and v do not match", q, k, v)
+    }
+    if (mask === null) fail("ggml_flash_attn_ext", "a mask is required", q)
+    const sm = shape(mask)
+    if (
+      sm.type !== GgmlType.F16 ||
+      !is.isContiguous(mask) ||
+      sq.ne[2]! % sm.ne[2]! !== 0 ||
+      sq.ne[3]! % sm.ne[3]! !== 0
+    ) {
+      fail("ggml_flash_attn_ext", "the mask must be contiguous F16 and broadcast over the heads", q, mask)
+    }
+    if (sm.ne[0] !== sk.ne[1] || sm.ne[1]! < sq.ne[1]!)
+      fail("ggml_flash_attn_ext", "the mask does not cover q x kv", q, k, mask)
+    return raw.ggml_flash_attn_ext(ctx, q, k, v, mask, ...rest)
+  }
+})
+
+/** The gated linear units and tanh. */
+const activationChecks = ({
+  raw,
+  is,
+  shape,
+  fail
+}: Checking): Pick<GgmlRaw, "ggml_swiglu_split" | "ggml_geglu_split" | "ggml_tanh"> => ({
+  ggml_swiglu_split: (ctx, a, b) => {
+    if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
+      fail("ggml_swiglu_split", "gate and up must be contiguous, of one shape and type", a, b)
+    }
+    return raw.ggml_swiglu_split(ctx, a, b)
+  },
+  ggml_geglu_split: (ctx, a, b) => {
+    if (!is.isContiguous1(a) || !is.isContiguous1(b) || !is.sameShape(a, b) || shape(a).type !== shape(b).type) {
+      fail("ggml_geglu_split", "gate and up must be contiguous, of one shape and type", a, b)
+    }
+    return raw.ggml_geglu_split(ctx, a, b)
+  },
+  ggml_tanh: (ctx, a) => {
+    if (!is.isContiguous1(a)) fail("ggml_tanh", "the operand is not contiguous", a)
+    return raw.ggml_tanh(ctx, a)
+  }
+})
 
 /** DSA's ops (archs/dsa.ts): the lightning indexer's operands, top-k within its rows. */
 const sparseAttentionChecks = (
