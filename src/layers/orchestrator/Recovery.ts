@@ -38,6 +38,8 @@ import { poolNodeOf } from "./RunPlacement.js"
 import type { UpdateSink } from "./RunContext.js"
 import { driveRun } from "./RunWorld.js"
 import { generationProblem, samplingPolicyProblem, threadsProblem } from "../../services/RequestChecks.js"
+import type { NodeStatus } from "../../services/Membership.js"
+import type { IncrementalDecoder } from "../../services/Tokenizer.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
 
@@ -192,17 +194,20 @@ const awaitSomeLost = (warm: WarmPipeline, nodes: ReadonlyArray<NodeId>, millis:
     }
   })
 
+/** The request's limits once checked: what a generation may take. */
+interface GenerationLimits {
+  readonly maxAttempts: number
+  readonly budgetMillis: number
+  readonly maxTokens: number
+  readonly prompt: ReadonlyArray<number>
+}
+
 /**
- * One generation on `warm`: runs it, and resumes it in a new run after each recoverable fault (see above).
- * Updates go to `updates`; the stream's tokens continue across runs.
+ * The request checked before any stage hears of it: the recovery limits, max tokens, and the same checks and words as
+ * `swactor run` and serve (services/RequestChecks.ts): an id outside the vocabulary or a context the model cannot hold
+ * is the caller's mistake.
  */
-export const generateRecovering = (
-  warm: WarmPipeline,
-  request: RunRequest,
-  updates: UpdateSink,
-  stopRequested: Deferred.Deferred<void>,
-  requestStart: number = performance.now()
-) =>
+const checkGeneration = (warm: WarmPipeline, request: RunRequest) =>
   Effect.gen(function* () {
     const recovery = request.recovery ?? warm.options.recovery ?? {}
     const maxAttempts = recovery.maxAttempts ?? 3
@@ -232,252 +237,357 @@ export const generateRecovering = (
       const bad = threadsProblem(request.threads)
       if (bad !== undefined) return yield* new InvalidRequest({ message: bad })
     }
-    if (maxAttempts === 0) return yield* driveRun(warm, request, updates, stopRequested, requestStart)
+    const limits: GenerationLimits = { maxAttempts, budgetMillis, maxTokens, prompt }
+    return limits
+  })
 
-    const decoder = warm.vocabulary.decoder(prompt)
-    const { promptCache: _firstRunOnly, ...replayRequest } = request
-    const produced: Array<number> = []
-    // the random draws the last stage's sampler made for them (a resumed sampler skips them)
-    let samplerDraws = 0
-    const recoveries: Array<RecoveryRecord> = []
-    const faults: Array<string> = []
-    let text = ""
-    let firstTokenAt: number | undefined
-    let firstFaultAt: number | undefined
-    let finished: RunSummary | undefined
-    let lastPlanned: RecoveryRecord["stages"] = []
-    // A recovery waiting for its first token.
-    let pending: { attempt: number; reason: string; resumedAt: number; since: number } | undefined
+/** One recovering generation: its request, where it stands across runs, and where its stages go next. */
+interface Generation {
+  readonly warm: WarmPipeline
+  readonly request: RunRequest
+  /** The request of a replay: only the first run uses the prompt cache. */
+  readonly replayRequest: RunRequest
+  readonly updates: UpdateSink
+  readonly stopRequested: Deferred.Deferred<void>
+  readonly requestStart: number
+  readonly limits: GenerationLimits
+  /** One decoder spans all runs. */
+  readonly decoder: IncrementalDecoder
+  readonly produced: Array<number>
+  /** The random draws the last stage's sampler made for them (a resumed sampler skips them). */
+  samplerDraws: number
+  readonly recoveries: Array<RecoveryRecord>
+  readonly faults: Array<string>
+  text: string
+  firstTokenAt: number | undefined
+  firstFaultAt: number | undefined
+  finished: RunSummary | undefined
+  lastPlanned: RecoveryRecord["stages"]
+  /** A recovery waiting for its first token. */
+  pending: { attempt: number; reason: string; resumedAt: number; since: number } | undefined
+  /** Placement: the pipeline's, minus nodes lost before this generation began (see `placeOn`). */
+  placement: Placement
+  layerRanges: ReadonlyArray<LayerRange>
+}
 
-    // Placement: the pipeline's, minus nodes lost before this generation began.
-    let placement: Placement = warm.placement
-    let layerRanges: ReadonlyArray<LayerRange> = warm.layerRanges
-    // The next placement on the nodes alive: a spare takes a lost node's stage (same blocks); without one the
-    // survivors absorb its blocks when their reported memory holds them, else the typed fault with the numbers.
-    const redeliver = Effect.suspend(() => redeliverTo(warm, placement, layerRanges, (u) => updates.offer(u)))
-    const placeOn = (alive: ReadonlyArray<NodeId>, runId: RunId, faults: ReadonlyArray<string>) =>
-      Effect.gen(function* () {
-        const status = yield* warm.pool.status
-        // A node as placement sees it: its last heartbeat's free memory (unknown: no limit).
-        const reported = (nodeId: NodeId): Survivor => {
-          const s = status.get(nodeId)
-          return {
-            ...(s?._tag === "Up"
-              ? poolNodeOf(nodeId, s.capacity)
-              : {
-                  nodeId,
-                  freeMemoryBytes: Number.MAX_SAFE_INTEGER,
-                  speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND
-                }),
-            address: warm.addressOf(nodeId)
-          }
-        }
-        const next = replan(placement, alive, (nodeId, stageIndex) => {
-          const [start, end] = layerRanges[stageIndex] ?? [0, 0]
-          return (
-            stageMemoryBytes(warm.layout, start, end, { contextTokens: warm.contextTokens }) <=
-            reported(nodeId).freeMemoryBytes
-          )
-        })
-        if (next.length === 0 || next.length === placement.length) {
-          // Stage i keeps its blocks (a spare in a lost node's place).
-          placement = next
-          return yield* redeliver
-        }
-        const survivors = next.map((p) => reported(p.nodeId))
-        const absorbed = absorbPlacement(warm.layout, survivors, warm.contextTokens)
-        if (Either.isLeft(absorbed)) {
-          return yield* new RecoveryOverMemory({
-            runId,
-            ...absorbed.left,
-            message: `cannot recover: ${overMemoryWords(absorbed.left)}${
-              faults.length === 0 ? "" : ` (after ${faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")})`
-            }`
-          })
-        }
-        placement = absorbed.right.placement
-        layerRanges = absorbed.right.layerRanges
-        yield* redeliver
+/** A node as placement sees it: its last heartbeat's free memory (unknown: no limit). */
+const reportedNode = (warm: WarmPipeline, status: ReadonlyMap<NodeId, NodeStatus>, nodeId: NodeId): Survivor => {
+  const s = status.get(nodeId)
+  return {
+    ...(s?._tag === "Up"
+      ? poolNodeOf(nodeId, s.capacity)
+      : {
+          nodeId,
+          freeMemoryBytes: Number.MAX_SAFE_INTEGER,
+          speedBytesPerSecond: DEFAULT_SPEED_BYTES_PER_SECOND
+        }),
+    address: warm.addressOf(nodeId)
+  }
+}
+
+const redeliver = (gen: Generation) =>
+  Effect.suspend(() => redeliverTo(gen.warm, gen.placement, gen.layerRanges, (u) => gen.updates.offer(u)))
+
+/**
+ * The next placement on the nodes alive: a spare takes a lost node's stage (same blocks); without one the
+ * survivors absorb its blocks when their reported memory holds them, else the typed fault with the numbers.
+ */
+const placeOn = (gen: Generation, alive: ReadonlyArray<NodeId>, runId: RunId, faults: ReadonlyArray<string>) =>
+  Effect.gen(function* () {
+    const { warm } = gen
+    const status = yield* warm.pool.status
+    const reported = (nodeId: NodeId) => reportedNode(warm, status, nodeId)
+    const next = replan(gen.placement, alive, (nodeId, stageIndex) => {
+      const [start, end] = gen.layerRanges[stageIndex] ?? [0, 0]
+      return (
+        stageMemoryBytes(warm.layout, start, end, { contextTokens: warm.contextTokens }) <=
+        reported(nodeId).freeMemoryBytes
+      )
+    })
+    if (next.length === 0 || next.length === gen.placement.length) {
+      // Stage i keeps its blocks (a spare in a lost node's place).
+      gen.placement = next
+      return yield* redeliver(gen)
+    }
+    const survivors = next.map((p) => reported(p.nodeId))
+    const absorbed = absorbPlacement(warm.layout, survivors, warm.contextTokens)
+    if (Either.isLeft(absorbed)) {
+      return yield* new RecoveryOverMemory({
+        runId,
+        ...absorbed.left,
+        message: `cannot recover: ${overMemoryWords(absorbed.left)}${
+          faults.length === 0 ? "" : ` (after ${faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")})`
+        }`
       })
+    }
+    gen.placement = absorbed.right.placement
+    gen.layerRanges = absorbed.right.layerRanges
+    yield* redeliver(gen)
+  })
+
+/** A run's token as the generation's: its step after the tokens before the run, its text from the one decoder. */
+const passToken = (gen: Generation, base: number, update: Extract<RunUpdate, { _tag: "Token" }>) => {
+  // The run's own flush of an incomplete character is not the generation's: one decoder spans all runs.
+  if (update.token.tokenId < 0) return Effect.void
+  const now = performance.now()
+  gen.firstTokenAt ??= now
+  const pending = gen.pending
+  const recovered =
+    pending === undefined
+      ? undefined
+      : {
+          attempt: pending.attempt,
+          reason: pending.reason,
+          resumedAt: pending.resumedAt,
+          stages: gen.lastPlanned,
+          millis: now - pending.since
+        }
+  gen.pending = undefined
+  gen.produced.push(update.token.tokenId)
+  if (update.samplerDraws !== undefined) gen.samplerDraws = update.samplerDraws
+  const piece = gen.decoder.push(update.token.tokenId)
+  gen.text += piece
+  const token: RunUpdate = {
+    _tag: "Token",
+    token: { ...update.token, text: piece, step: base + update.token.step },
+    ...(update.samplerDraws === undefined ? {} : { samplerDraws: update.samplerDraws })
+  }
+  if (recovered === undefined) return gen.updates.offer(token)
+  gen.recoveries.push(recovered)
+  return Effect.zipRight(gen.updates.offer({ _tag: "Recovered", recovery: recovered }), gen.updates.offer(token))
+}
+
+/** Where one run's updates go: on to the generation's sink, steps after `base` (the tokens before this run). */
+const runSink = (gen: Generation, base: number): UpdateSink => ({
+  offer: (update: RunUpdate) =>
+    Effect.suspend((): Effect.Effect<unknown> => {
+      switch (update._tag) {
+        case "Token":
+          return passToken(gen, base, update)
+        case "Planned":
+          gen.lastPlanned = update.stages
+          return gen.updates.offer(update)
+        case "StageStraggler":
+          return gen.updates.offer({
+            _tag: "StageStraggler",
+            straggler: { ...update.straggler, step: base + update.straggler.step }
+          })
+        case "Finished":
+          gen.finished = update.summary
+          return Effect.void
+        default:
+          return gen.updates.offer(update)
+      }
+    })
+})
+
+/** One run of the generation, resuming after the `base` tokens produced so far, to its exit. */
+const runAttempt = (gen: Generation, attempt: number, base: number) => {
+  const { prompt, maxTokens } = gen.limits
+  return driveRun(
+    gen.warm,
+    // only the first run uses the prompt cache: a replay prefills in full on its new placement
+    {
+      ...(attempt === 0 ? gen.request : gen.replayRequest),
+      prompt: [...prompt, ...gen.produced],
+      maxTokens: maxTokens - base
+    },
+    runSink(gen, base),
+    gen.stopRequested,
+    gen.requestStart,
+    {
+      placement: gen.placement,
+      layerRanges: gen.layerRanges,
+      startPosition: base,
+      resume: { tokens: gen.produced.slice(), draws: gen.samplerDraws }
+    }
+  ).pipe(Effect.exit)
+}
+
+/** The last run finished: the decoder's rest, then the generation's summary (the last run's, with all the tokens). */
+const finishGeneration = (gen: Generation, base: number) =>
+  Effect.gen(function* () {
+    const finished = gen.finished
+    if (finished === undefined) return // a dry run
+    const rest = gen.decoder.flush()
+    if (rest !== "") {
+      gen.text += rest
+      yield* gen.updates.offer({
+        _tag: "Token",
+        token: {
+          tokenId: -1,
+          text: rest,
+          step: gen.produced.length,
+          timings: { sinceStartMillis: 0, latencyMillis: 0 }
+        }
+      })
+    }
+    yield* gen.updates.offer({
+      _tag: "Finished",
+      summary: {
+        ...finished,
+        promptTokens: gen.limits.prompt.length,
+        generatedTokens: gen.produced.length,
+        text: gen.text,
+        timeToFirstTokenMillis: (gen.firstTokenAt ?? performance.now()) - gen.requestStart,
+        recoveries: gen.recoveries,
+        // The last run's steps, as the generation's.
+        stragglers: finished.stragglers.map((s) => ({ ...s, step: s.step + base })),
+        stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstStep: s.worstStep + base }))
+      }
+    })
+  })
+
+/** Whether everything was produced before the fault (max tokens, or an end of generation): nothing to resume. */
+const allProduced = (gen: Generation) =>
+  gen.produced.length >= gen.limits.maxTokens ||
+  (gen.produced.length > 0 && gen.warm.vocabulary.isEndOfGeneration(gen.produced.at(-1)!))
+
+/** Everything was produced before the fault: the generation finishes with what it has. */
+const finishAfterFault = (gen: Generation, runId: RunId, now: number) =>
+  gen.updates.offer({
+    _tag: "Finished",
+    summary: {
+      runId,
+      outcome: gen.produced.length >= gen.limits.maxTokens ? "MaxTokens" : "Eos",
+      promptTokens: gen.limits.prompt.length,
+      generatedTokens: gen.produced.length,
+      text: gen.text + gen.decoder.flush(),
+      timeToFirstTokenMillis: (gen.firstTokenAt ?? now) - gen.requestStart,
+      prefillMillis: 0,
+      decodeTokensPerSecond: 0,
+      decodeMillisPerToken: 0,
+      stages: [],
+      transferMillisPerToken: 0,
+      recoveries: gen.recoveries,
+      stragglers: [],
+      stageStragglers: []
+    }
+  })
+
+/**
+ * After the recoverable fault of run `attempt`: says `Recovering`, waits a moment for a lost node to be seen lost
+ * (an operator stop ends it), and places the next run on the nodes alive. True when the generation is over (stopped).
+ */
+const prepareNextRun = (gen: Generation, attempt: number, error: RunFaulted, now: number) =>
+  Effect.gen(function* () {
+    yield* gen.updates.offer({
+      _tag: "Recovering",
+      attempt: attempt + 1,
+      reason: error.message,
+      resumedAt: gen.produced.length
+    })
+    // A fault while replaying keeps the clock of the recovery it interrupted.
+    gen.pending = {
+      attempt: attempt + 1,
+      reason: error.message,
+      resumedAt: gen.produced.length,
+      since: gen.pending?.since ?? now
+    }
+    // An operator stop while recovering ends the generation as a stopped run would (no new run), at once: this
+    // wait gives way to it.
+    yield* Effect.raceFirst(
+      awaitSomeLost(
+        gen.warm,
+        gen.placement.map((p) => p.nodeId),
+        1500
+      ),
+      Deferred.await(gen.stopRequested)
+    )
+    if (yield* stopRequestedDone(gen.stopRequested)) return true
+    const alive = yield* aliveNodes(gen.warm)
+    yield* placeOn(gen, alive, error.runId, gen.faults)
+    if (gen.placement.length === 0) {
+      return yield* new RunFaulted({
+        runId: error.runId,
+        reason: error.reason,
+        message: `no node left to host the model after ${attempt + 1} recovery attempt${attempt === 0 ? "" : "s"}: ${gen.faults
+          .map((f, i) => `run ${i + 1}: ${f}`)
+          .join("; ")}`
+      })
+    }
+    return false
+  })
+
+/**
+ * Run `attempt` failed: a fault that is not recoverable (or a stop) fails the generation, so does the last attempt
+ * or a spent budget; else the next run is placed. True when the generation is over.
+ */
+const recoverFrom = (gen: Generation, attempt: number, cause: Cause.Cause<GenerateError>) =>
+  Effect.gen(function* () {
+    const failure = Cause.failureOption(cause)
+    if (Option.isNone(failure)) return yield* Effect.failCause(cause)
+    const error: GenerateError = failure.value
+    const stopped = yield* stopRequestedDone(gen.stopRequested)
+    if (error._tag !== "RunFaulted" || !isRecoverable(error.reason) || stopped) {
+      return yield* failWith(error, gen.faults)
+    }
+    const now = performance.now()
+    gen.firstFaultAt ??= now
+    gen.faults.push(error.message)
+    const { maxAttempts, budgetMillis } = gen.limits
+    if (attempt >= maxAttempts || now - gen.firstFaultAt > budgetMillis) {
+      return yield* new RunFaulted({
+        runId: error.runId,
+        reason: error.reason,
+        message: `gave up after ${attempt} recovery attempt${attempt === 1 ? "" : "s"}${
+          attempt >= maxAttempts ? "" : ` (the ${Duration.format(Duration.millis(budgetMillis))} budget ran out)`
+        }: ${gen.faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")}`
+      })
+    }
+    if (allProduced(gen)) {
+      yield* finishAfterFault(gen, error.runId, now)
+      return true
+    }
+    return yield* prepareNextRun(gen, attempt, error, now)
+  })
+
+/**
+ * One generation on `warm`: runs it, and resumes it in a new run after each recoverable fault (see above).
+ * Updates go to `updates`; the stream's tokens continue across runs.
+ */
+export const generateRecovering = (
+  warm: WarmPipeline,
+  request: RunRequest,
+  updates: UpdateSink,
+  stopRequested: Deferred.Deferred<void>,
+  requestStart: number = performance.now()
+) =>
+  Effect.gen(function* () {
+    const limits = yield* checkGeneration(warm, request)
+    if (limits.maxAttempts === 0) return yield* driveRun(warm, request, updates, stopRequested, requestStart)
+    const { promptCache: _firstRunOnly, ...replayRequest } = request
+    const gen: Generation = {
+      warm,
+      request,
+      replayRequest,
+      updates,
+      stopRequested,
+      requestStart,
+      limits,
+      decoder: warm.vocabulary.decoder(limits.prompt),
+      produced: [],
+      samplerDraws: 0,
+      recoveries: [],
+      faults: [],
+      text: "",
+      firstTokenAt: undefined,
+      firstFaultAt: undefined,
+      finished: undefined,
+      lastPlanned: [],
+      pending: undefined,
+      placement: warm.placement,
+      layerRanges: warm.layerRanges
+    }
     {
       const alive = yield* aliveNodes(warm)
-      if (placement.some((p) => !alive.includes(p.nodeId))) yield* placeOn(alive, RunId.make(0), [])
+      if (gen.placement.some((p) => !alive.includes(p.nodeId))) yield* placeOn(gen, alive, RunId.make(0), [])
     }
-
     for (let attempt = 0; ; attempt++) {
-      const base = produced.length
-      const sink: UpdateSink = {
-        offer: (update: RunUpdate) =>
-          Effect.suspend((): Effect.Effect<unknown> => {
-            switch (update._tag) {
-              case "Token": {
-                // The run's own flush of an incomplete character is not the generation's: one decoder spans all runs.
-                if (update.token.tokenId < 0) return Effect.void
-                const now = performance.now()
-                firstTokenAt ??= now
-                const recovered =
-                  pending === undefined
-                    ? undefined
-                    : {
-                        attempt: pending.attempt,
-                        reason: pending.reason,
-                        resumedAt: pending.resumedAt,
-                        stages: lastPlanned,
-                        millis: now - pending.since
-                      }
-                pending = undefined
-                produced.push(update.token.tokenId)
-                if (update.samplerDraws !== undefined) samplerDraws = update.samplerDraws
-                const piece = decoder.push(update.token.tokenId)
-                text += piece
-                const token: RunUpdate = {
-                  _tag: "Token",
-                  token: { ...update.token, text: piece, step: base + update.token.step },
-                  ...(update.samplerDraws === undefined ? {} : { samplerDraws: update.samplerDraws })
-                }
-                if (recovered === undefined) return updates.offer(token)
-                recoveries.push(recovered)
-                return Effect.zipRight(updates.offer({ _tag: "Recovered", recovery: recovered }), updates.offer(token))
-              }
-              case "Planned":
-                lastPlanned = update.stages
-                return updates.offer(update)
-              case "StageStraggler":
-                return updates.offer({
-                  _tag: "StageStraggler",
-                  straggler: { ...update.straggler, step: base + update.straggler.step }
-                })
-              case "Finished":
-                finished = update.summary
-                return Effect.void
-              default:
-                return updates.offer(update)
-            }
-          })
-      }
-      const exit = yield* driveRun(
-        warm,
-        // only the first run uses the prompt cache: a replay prefills in full on its new placement
-        { ...(attempt === 0 ? request : replayRequest), prompt: [...prompt, ...produced], maxTokens: maxTokens - base },
-        sink,
-        stopRequested,
-        requestStart,
-        { placement, layerRanges, startPosition: base, resume: { tokens: produced.slice(), draws: samplerDraws } }
-      ).pipe(Effect.exit)
-
-      if (Exit.isSuccess(exit)) {
-        if (finished === undefined) return // a dry run
-        const rest = decoder.flush()
-        if (rest !== "") {
-          text += rest
-          yield* updates.offer({
-            _tag: "Token",
-            token: {
-              tokenId: -1,
-              text: rest,
-              step: produced.length,
-              timings: { sinceStartMillis: 0, latencyMillis: 0 }
-            }
-          })
-        }
-        yield* updates.offer({
-          _tag: "Finished",
-          summary: {
-            ...finished,
-            promptTokens: prompt.length,
-            generatedTokens: produced.length,
-            text,
-            timeToFirstTokenMillis: (firstTokenAt ?? performance.now()) - requestStart,
-            recoveries,
-            // The last run's steps, as the generation's.
-            stragglers: finished.stragglers.map((s) => ({ ...s, step: s.step + base })),
-            stageStragglers: finished.stageStragglers.map((s) => ({ ...s, worstStep: s.worstStep + base }))
-          }
-        })
-        return
-      }
-
-      const failure = Cause.failureOption(exit.cause)
-      if (Option.isNone(failure)) return yield* Effect.failCause(exit.cause)
-      const error: GenerateError = failure.value
-      const stopped = yield* stopRequestedDone(stopRequested)
-      if (error._tag !== "RunFaulted" || !isRecoverable(error.reason) || stopped) {
-        return yield* failWith(error, faults)
-      }
-      const now = performance.now()
-      firstFaultAt ??= now
-      faults.push(error.message)
-      if (attempt >= maxAttempts || now - firstFaultAt > budgetMillis) {
-        return yield* new RunFaulted({
-          runId: error.runId,
-          reason: error.reason,
-          message: `gave up after ${attempt} recovery attempt${attempt === 1 ? "" : "s"}${
-            attempt >= maxAttempts ? "" : ` (the ${Duration.format(Duration.millis(budgetMillis))} budget ran out)`
-          }: ${faults.map((f, i) => `run ${i + 1}: ${f}`).join("; ")}`
-        })
-      }
-      if (
-        produced.length >= maxTokens ||
-        (produced.length > 0 && warm.vocabulary.isEndOfGeneration(produced.at(-1)!))
-      ) {
-        // Everything was produced before the fault: nothing to resume.
-        yield* updates.offer({
-          _tag: "Finished",
-          summary: {
-            runId: error.runId,
-            outcome: produced.length >= maxTokens ? "MaxTokens" : "Eos",
-            promptTokens: prompt.length,
-            generatedTokens: produced.length,
-            text: text + decoder.flush(),
-            timeToFirstTokenMillis: (firstTokenAt ?? now) - requestStart,
-            prefillMillis: 0,
-            decodeTokensPerSecond: 0,
-            decodeMillisPerToken: 0,
-            stages: [],
-            transferMillisPerToken: 0,
-            recoveries,
-            stragglers: [],
-            stageStragglers: []
-          }
-        })
-        return
-      }
-
-      yield* updates.offer({
-        _tag: "Recovering",
-        attempt: attempt + 1,
-        reason: error.message,
-        resumedAt: produced.length
-      })
-      // A fault while replaying keeps the clock of the recovery it interrupted.
-      pending = {
-        attempt: attempt + 1,
-        reason: error.message,
-        resumedAt: produced.length,
-        since: pending?.since ?? now
-      }
-      // An operator stop while recovering ends the generation as a stopped run would (no new run), at once: this
-      // wait gives way to it.
-      yield* Effect.raceFirst(
-        awaitSomeLost(
-          warm,
-          placement.map((p) => p.nodeId),
-          1500
-        ),
-        Deferred.await(stopRequested)
-      )
-      if (yield* stopRequestedDone(stopRequested)) return
-      const alive = yield* aliveNodes(warm)
-      yield* placeOn(alive, error.runId, faults)
-      if (placement.length === 0) {
-        return yield* new RunFaulted({
-          runId: error.runId,
-          reason: error.reason,
-          message: `no node left to host the model after ${attempt + 1} recovery attempt${attempt === 0 ? "" : "s"}: ${faults
-            .map((f, i) => `run ${i + 1}: ${f}`)
-            .join("; ")}`
-        })
-      }
+      const base = gen.produced.length
+      const exit = yield* runAttempt(gen, attempt, base)
+      if (Exit.isSuccess(exit)) return yield* finishGeneration(gen, base)
+      if (yield* recoverFrom(gen, attempt, exit.cause)) return
     }
   })
 
