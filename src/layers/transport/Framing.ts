@@ -250,6 +250,99 @@ export const unsafeEncode = (frame: WireFrame, alignment: number): Uint8Array =>
   return buf
 }
 
+/** A Token body: kind, count and tokens, and a Sampled token's flags, draws and log-probs; returns its length. */
+const encodeTokenBody = (p: TokenPayload, view: DataView): number => {
+  const o = HEADER_BYTES
+  view.setUint8(o, p._tag === "Prompt" ? 0 : p._tag === "Decode" ? 1 : 2)
+  const tokens = p._tag === "Prompt" ? p.tokens : [p.tokenId]
+  view.setUint32(o + 4, tokens.length, true)
+  for (let i = 0; i < tokens.length; i++) view.setUint32(o + 8 + 4 * i, tokens[i]!, true)
+  const bodyLength = TOKEN_BODY_HEADER_BYTES + 4 * tokens.length
+  if (p._tag !== "Sampled") return bodyLength
+  view.setUint8(
+    o + 1,
+    (p.eos ? SAMPLED_EOS : 0) |
+      (p.draws === undefined ? 0 : SAMPLED_DRAWS) |
+      (p.logprob === undefined ? 0 : SAMPLED_LOGPROB)
+  )
+  let at = o + bodyLength
+  if (p.draws !== undefined) {
+    view.setUint32(at, p.draws, true)
+    at += 4
+  }
+  if (p.logprob !== undefined) {
+    view.setUint16(o + 2, p.logprob.top.length, true)
+    view.setFloat64(at, p.logprob.logprob, true)
+    at += 8
+    for (const t of p.logprob.top) {
+      view.setUint32(at, t.tokenId, true)
+      view.setFloat64(at + 4, t.logprob, true)
+      at += TOP_ENTRY_BYTES
+    }
+  }
+  return at - o
+}
+
+/** An Activation body: its shape, the payload's offset and length, then the payload (aligned); returns its length. */
+const encodeActivationBody = (frame: ActivationFrame, view: DataView, buf: Uint8Array, alignment: number): number => {
+  const o = HEADER_BYTES
+  const payloadOffset = activationPayloadOffset(alignment)
+  const payloadLength = frame.payload.length * 4
+  view.setUint8(o, 0)
+  view.setUint32(o + 4, frame.startPos, true)
+  view.setUint32(o + 8, frame.nTokens, true)
+  view.setUint32(o + 12, frame.hiddenDim, true)
+  view.setUint32(o + 16, payloadOffset, true)
+  view.setUint32(o + 20, payloadLength, true)
+  buf.set(new Uint8Array(frame.payload.buffer, frame.payload.byteOffset, payloadLength), payloadOffset)
+  return payloadOffset - HEADER_BYTES + payloadLength
+}
+
+const encodeAttachBody = (frame: AttachFrame, view: DataView, buf: Uint8Array): number => {
+  const path = textEncoder.encode(frame.sharedMemory)
+  view.setUint32(HEADER_BYTES, frame.dataCapacity, true)
+  view.setUint32(HEADER_BYTES + 4, frame.alignment, true)
+  view.setUint8(HEADER_BYTES + 8, frame.wakeCoalescing === "PendingBit" ? 0 : 1)
+  view.setUint16(HEADER_BYTES + 10, path.length, true)
+  buf.set(path, HEADER_BYTES + 12)
+  return 12 + path.length
+}
+
+const encodeFaultBody = (frame: FaultFrame, view: DataView, buf: Uint8Array): number => {
+  const { detail, reason } = faultText(frame)
+  view.setUint16(HEADER_BYTES, reason.length, true)
+  view.setUint16(HEADER_BYTES + 2, detail.length, true)
+  buf.set(reason, HEADER_BYTES + 4)
+  buf.set(detail, HEADER_BYTES + 4 + reason.length)
+  return 4 + reason.length + detail.length
+}
+
+/** Writes a frame's body after the header; returns the body's length. */
+const encodeBody = (frame: WireFrame, view: DataView, buf: Uint8Array, alignment: number): number => {
+  switch (frame._tag) {
+    case "TokenFrame":
+      return encodeTokenBody(frame.payload, view)
+    case "ActivationFrame":
+      return encodeActivationBody(frame, view, buf, alignment)
+    case "CreditFrame":
+      view.setUint32(HEADER_BYTES, frame.bytes, true)
+      return 8
+    case "AttachFrame":
+      return encodeAttachBody(frame, view, buf)
+    case "AttachedFrame":
+    case "DoorbellFrame":
+      return 0
+    case "FaultFrame":
+      return encodeFaultBody(frame, view, buf)
+  }
+}
+
+/** The header's step and chunk fields: a data frame's own, a Credit's step, else 0, 0 of 1. */
+const dataFields = (frame: WireFrame): { step: number; chunkIndex: number; chunkCount: number } =>
+  frame._tag === "TokenFrame" || frame._tag === "ActivationFrame"
+    ? { step: frame.step, chunkIndex: frame.chunkIndex, chunkCount: frame.chunkCount }
+    : { step: frame._tag === "CreditFrame" ? frame.step : 0, chunkIndex: 0, chunkCount: 1 }
+
 /**
  * Encode a frame known to be encodable straight into `buf`, which must be exactly
  * `encodedLength(frame, alignment)` bytes (a slot of a shared-memory ring, say, so the payload is copied
@@ -268,94 +361,8 @@ export const encodeInto = (frame: WireFrame, alignment: number, buf: Uint8Array,
       buf.fill(0)
     }
   }
-  let bodyLength = 0
-  let step = 0
-  let chunkIndex = 0
-  let chunkCount = 1
-  switch (frame._tag) {
-    case "TokenFrame": {
-      step = frame.step
-      chunkIndex = frame.chunkIndex
-      chunkCount = frame.chunkCount
-      const p = frame.payload
-      const o = HEADER_BYTES
-      view.setUint8(o, p._tag === "Prompt" ? 0 : p._tag === "Decode" ? 1 : 2)
-      const tokens = p._tag === "Prompt" ? p.tokens : [p.tokenId]
-      view.setUint32(o + 4, tokens.length, true)
-      for (let i = 0; i < tokens.length; i++) view.setUint32(o + 8 + 4 * i, tokens[i]!, true)
-      bodyLength = TOKEN_BODY_HEADER_BYTES + 4 * tokens.length
-      if (p._tag === "Sampled") {
-        view.setUint8(
-          o + 1,
-          (p.eos ? SAMPLED_EOS : 0) |
-            (p.draws === undefined ? 0 : SAMPLED_DRAWS) |
-            (p.logprob === undefined ? 0 : SAMPLED_LOGPROB)
-        )
-        let at = o + bodyLength
-        if (p.draws !== undefined) {
-          view.setUint32(at, p.draws, true)
-          at += 4
-        }
-        if (p.logprob !== undefined) {
-          view.setUint16(o + 2, p.logprob.top.length, true)
-          view.setFloat64(at, p.logprob.logprob, true)
-          at += 8
-          for (const t of p.logprob.top) {
-            view.setUint32(at, t.tokenId, true)
-            view.setFloat64(at + 4, t.logprob, true)
-            at += TOP_ENTRY_BYTES
-          }
-        }
-        bodyLength = at - o
-      }
-      break
-    }
-    case "ActivationFrame": {
-      step = frame.step
-      chunkIndex = frame.chunkIndex
-      chunkCount = frame.chunkCount
-      const o = HEADER_BYTES
-      const payloadOffset = activationPayloadOffset(alignment)
-      const payloadLength = frame.payload.length * 4
-      view.setUint8(o, 0)
-      view.setUint32(o + 4, frame.startPos, true)
-      view.setUint32(o + 8, frame.nTokens, true)
-      view.setUint32(o + 12, frame.hiddenDim, true)
-      view.setUint32(o + 16, payloadOffset, true)
-      view.setUint32(o + 20, payloadLength, true)
-      buf.set(new Uint8Array(frame.payload.buffer, frame.payload.byteOffset, payloadLength), payloadOffset)
-      bodyLength = payloadOffset - HEADER_BYTES + payloadLength
-      break
-    }
-    case "CreditFrame":
-      step = frame.step
-      view.setUint32(HEADER_BYTES, frame.bytes, true)
-      bodyLength = 8
-      break
-    case "AttachFrame": {
-      const path = textEncoder.encode(frame.sharedMemory)
-      view.setUint32(HEADER_BYTES, frame.dataCapacity, true)
-      view.setUint32(HEADER_BYTES + 4, frame.alignment, true)
-      view.setUint8(HEADER_BYTES + 8, frame.wakeCoalescing === "PendingBit" ? 0 : 1)
-      view.setUint16(HEADER_BYTES + 10, path.length, true)
-      buf.set(path, HEADER_BYTES + 12)
-      bodyLength = 12 + path.length
-      break
-    }
-    case "AttachedFrame":
-    case "DoorbellFrame":
-      bodyLength = 0
-      break
-    case "FaultFrame": {
-      const { detail, reason } = faultText(frame)
-      view.setUint16(HEADER_BYTES, reason.length, true)
-      view.setUint16(HEADER_BYTES + 2, detail.length, true)
-      buf.set(reason, HEADER_BYTES + 4)
-      buf.set(detail, HEADER_BYTES + 4 + reason.length)
-      bodyLength = 4 + reason.length + detail.length
-      break
-    }
-  }
+  const bodyLength = encodeBody(frame, view, buf, alignment)
+  const { chunkCount, chunkIndex, step } = dataFields(frame)
   view.setUint32(0, MAGIC, true)
   view.setUint8(4, VERSION)
   view.setUint8(5, typeOf(frame))
@@ -464,154 +471,183 @@ const decodeAtUnguarded = (bytes: Uint8Array, offset: number, limits: Limits, al
 const runIdOf = (n: number) => n as RunId
 const edgeIdOf = (n: number) => n as EdgeId
 
-const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: boolean): WireFrame | string => {
+/** A Sampled token's draws and log-probs, after its token id at `o + 12`. */
+const decodeSampled = (view: DataView, tokenId: number, flags: number, nTop: number): TokenPayload | string => {
+  let at = HEADER_BYTES + 12
+  let draws: number | undefined
+  if ((flags & SAMPLED_DRAWS) !== 0) {
+    draws = view.getUint32(at, true)
+    at += 4
+  }
+  let logprob: { logprob: number; top: Array<{ tokenId: number; logprob: number }> } | undefined
+  if ((flags & SAMPLED_LOGPROB) !== 0) {
+    const own = view.getFloat64(at, true)
+    at += 8
+    const top: Array<{ tokenId: number; logprob: number }> = []
+    for (let i = 0; i < nTop; i++, at += TOP_ENTRY_BYTES) {
+      top.push({ tokenId: view.getUint32(at, true), logprob: view.getFloat64(at + 4, true) })
+    }
+    if (!isLogprob(own) || !top.every((t) => isLogprob(t.logprob))) return "log-probs must be numbers ≤ 0"
+    if (top.some((t, i) => i > 0 && t.logprob > top[i - 1]!.logprob)) return "alternatives not most likely first"
+    logprob = { logprob: own, top }
+  }
+  return {
+    _tag: "Sampled",
+    tokenId,
+    eos: (flags & SAMPLED_EOS) !== 0,
+    ...(draws === undefined ? {} : { draws }),
+    ...(logprob === undefined ? {} : { logprob })
+  }
+}
+
+const decodeTokenBody = (view: DataView, h: Header): WireFrame | string => {
   const o = HEADER_BYTES
-  const runId = runIdOf(h.runId)
-  const edgeId = edgeIdOf(h.edgeId)
+  if (h.bodyLength < TOKEN_BODY_HEADER_BYTES) return "token body too short"
+  const kind = view.getUint8(o)
+  const flags = view.getUint8(o + 1)
+  const nTop = view.getUint16(o + 2, true)
+  const count = view.getUint32(o + 4, true)
+  if (kind > 2) return `unknown token kind ${kind}`
+  if (kind !== 2 && (flags !== 0 || nTop !== 0)) return "token flags / reserved field not zero"
+  if (flags > (SAMPLED_EOS | SAMPLED_DRAWS | SAMPLED_LOGPROB)) return "bad Sampled flags"
+  if ((flags & SAMPLED_LOGPROB) === 0 ? nTop !== 0 : nTop > MAX_SAMPLED_TOP) return "bad log-prob count"
+  const extra =
+    kind !== 2
+      ? 0
+      : ((flags & SAMPLED_DRAWS) === 0 ? 0 : 4) + ((flags & SAMPLED_LOGPROB) === 0 ? 0 : 8 + TOP_ENTRY_BYTES * nTop)
+  if (h.bodyLength !== TOKEN_BODY_HEADER_BYTES + 4 * count + extra) return "token count does not match body length"
+  if (count < 1) return "empty token frame"
+  if (kind !== 0 && (count !== 1 || h.chunkCount !== 1)) return "Decode/Sampled carries exactly one token"
+  let payload: TokenPayload | string
+  if (kind === 0) {
+    const tokens = new Array<number>(count)
+    for (let i = 0; i < count; i++) tokens[i] = view.getUint32(o + 8 + 4 * i, true)
+    payload = { _tag: "Prompt", tokens }
+  } else {
+    const tokenId = view.getUint32(o + 8, true)
+    payload = kind === 1 ? { _tag: "Decode", tokenId } : decodeSampled(view, tokenId, flags, nTop)
+  }
+  if (typeof payload === "string") return payload
+  return TokenFrame({
+    runId: runIdOf(h.runId),
+    edgeId: edgeIdOf(h.edgeId),
+    step: h.step,
+    chunkIndex: h.chunkIndex,
+    chunkCount: h.chunkCount,
+    payload
+  })
+}
+
+const decodeActivationBody = (
+  view: DataView,
+  h: Header,
+  alignment: number,
+  aliasPayload: boolean
+): WireFrame | string => {
+  const o = HEADER_BYTES
+  if (h.bodyLength < ACTIVATION_BODY_HEADER_BYTES) return "activation body too short"
+  const dtype = view.getUint8(o)
+  if (dtype !== 0) return `unsupported dtype ${dtype}`
+  if (view.getUint8(o + 1) !== 0 || view.getUint16(o + 2, true) !== 0) return "activation reserved field not zero"
+  const startPos = view.getUint32(o + 4, true)
+  const nTokens = view.getUint32(o + 8, true)
+  const hiddenDim = view.getUint32(o + 12, true)
+  const payloadOffset = view.getUint32(o + 16, true)
+  const payloadLength = view.getUint32(o + 20, true)
+  if (nTokens < 1 || hiddenDim < 1) return "empty activation"
+  if (payloadOffset !== activationPayloadOffset(alignment)) return `payload offset ${payloadOffset} is not aligned`
+  if (payloadLength !== nTokens * hiddenDim * 4) return "payload length does not match nTokens*hiddenDim*4"
+  if (h.bodyLength !== payloadOffset - HEADER_BYTES + payloadLength) return "payload does not end the body"
+  for (let i = o + ACTIVATION_BODY_HEADER_BYTES; i < payloadOffset; i++) {
+    if (view.getUint8(i) !== 0) return "non-zero payload padding"
+  }
+  const at = view.byteOffset + payloadOffset
+  let payload: Float32Array
+  if (aliasPayload && at % 4 === 0) {
+    payload = new Float32Array(view.buffer, at, nTokens * hiddenDim)
+  } else {
+    payload = new Float32Array(nTokens * hiddenDim)
+    new Uint8Array(payload.buffer).set(new Uint8Array(view.buffer, at, payloadLength))
+  }
+  return ActivationFrame({
+    runId: runIdOf(h.runId),
+    edgeId: edgeIdOf(h.edgeId),
+    step: h.step,
+    chunkIndex: h.chunkIndex,
+    chunkCount: h.chunkCount,
+    startPos,
+    nTokens,
+    hiddenDim,
+    dtype: "f32",
+    payload
+  })
+}
+
+const decodeCreditBody = (view: DataView, h: Header): WireFrame | string => {
+  if (h.bodyLength !== 8) return "bad credit body length"
+  if (view.getUint32(HEADER_BYTES + 4, true) !== 0) return "credit reserved field not zero"
+  return CreditFrame({
+    runId: runIdOf(h.runId),
+    edgeId: edgeIdOf(h.edgeId),
+    step: h.step,
+    bytes: view.getUint32(HEADER_BYTES, true)
+  })
+}
+
+const decodeAttachBody = (view: DataView, h: Header): WireFrame | string => {
+  const o = HEADER_BYTES
+  if (h.bodyLength < 12) return "bad attach body length"
+  const wake = view.getUint8(o + 8)
+  if (wake > 1) return "bad wake coalescing"
+  if (view.getUint8(o + 9) !== 0) return "attach reserved field not zero"
+  const pathLength = view.getUint16(o + 10, true)
+  if (pathLength > MAX_SHM_PATH || h.bodyLength !== 12 + pathLength) return "bad shared-memory path length"
+  return AttachFrame({
+    runId: runIdOf(h.runId),
+    edgeId: edgeIdOf(h.edgeId),
+    dataCapacity: view.getUint32(o, true),
+    alignment: view.getUint32(o + 4, true),
+    wakeCoalescing: wake === 0 ? "PendingBit" : "EveryFrame",
+    sharedMemory: textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + o + 12, pathLength))
+  })
+}
+
+const decodeFaultBody = (view: DataView, h: Header): WireFrame | string => {
+  const o = HEADER_BYTES
+  if (h.bodyLength < 4) return "fault body too short"
+  const reasonLen = view.getUint16(o, true)
+  const detailLen = view.getUint16(o + 2, true)
+  if (reasonLen > 64 || detailLen > MAX_FAULT_TEXT) return "fault text too long"
+  if (h.bodyLength !== 4 + reasonLen + detailLen) return "fault lengths do not match body length"
+  const text = (start: number, len: number) =>
+    textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + start, len))
+  return FaultFrame({
+    runId: runIdOf(h.runId),
+    edgeId: edgeIdOf(h.edgeId),
+    reason: text(o + 4, reasonLen),
+    detail: text(o + 4 + reasonLen, detailLen)
+  })
+}
+
+/** The frame a validated header's body holds, or why it is malformed. */
+const decodeBody = (view: DataView, h: Header, alignment: number, aliasPayload: boolean): WireFrame | string => {
   switch (h.type) {
-    case FrameType.Token: {
-      if (h.bodyLength < TOKEN_BODY_HEADER_BYTES) return "token body too short"
-      const kind = view.getUint8(o)
-      const flags = view.getUint8(o + 1)
-      const nTop = view.getUint16(o + 2, true)
-      const count = view.getUint32(o + 4, true)
-      if (kind > 2) return `unknown token kind ${kind}`
-      if (kind !== 2 && (flags !== 0 || nTop !== 0)) return "token flags / reserved field not zero"
-      if (flags > (SAMPLED_EOS | SAMPLED_DRAWS | SAMPLED_LOGPROB)) return "bad Sampled flags"
-      if ((flags & SAMPLED_LOGPROB) === 0 ? nTop !== 0 : nTop > MAX_SAMPLED_TOP) return "bad log-prob count"
-      const extra =
-        kind !== 2
-          ? 0
-          : ((flags & SAMPLED_DRAWS) === 0 ? 0 : 4) + ((flags & SAMPLED_LOGPROB) === 0 ? 0 : 8 + TOP_ENTRY_BYTES * nTop)
-      if (h.bodyLength !== TOKEN_BODY_HEADER_BYTES + 4 * count + extra) return "token count does not match body length"
-      if (count < 1) return "empty token frame"
-      if (kind !== 0 && (count !== 1 || h.chunkCount !== 1)) return "Decode/Sampled carries exactly one token"
-      let payload: TokenPayload
-      if (kind === 0) {
-        const tokens = new Array<number>(count)
-        for (let i = 0; i < count; i++) tokens[i] = view.getUint32(o + 8 + 4 * i, true)
-        payload = { _tag: "Prompt", tokens }
-      } else {
-        const tokenId = view.getUint32(o + 8, true)
-        if (kind === 1) payload = { _tag: "Decode", tokenId }
-        else {
-          let at = o + 12
-          let draws: number | undefined
-          if ((flags & SAMPLED_DRAWS) !== 0) {
-            draws = view.getUint32(at, true)
-            at += 4
-          }
-          let logprob: { logprob: number; top: Array<{ tokenId: number; logprob: number }> } | undefined
-          if ((flags & SAMPLED_LOGPROB) !== 0) {
-            const own = view.getFloat64(at, true)
-            at += 8
-            const top: Array<{ tokenId: number; logprob: number }> = []
-            for (let i = 0; i < nTop; i++, at += TOP_ENTRY_BYTES) {
-              top.push({ tokenId: view.getUint32(at, true), logprob: view.getFloat64(at + 4, true) })
-            }
-            if (!isLogprob(own) || !top.every((t) => isLogprob(t.logprob))) return "log-probs must be numbers ≤ 0"
-            if (top.some((t, i) => i > 0 && t.logprob > top[i - 1]!.logprob))
-              return "alternatives not most likely first"
-            logprob = { logprob: own, top }
-          }
-          payload = {
-            _tag: "Sampled",
-            tokenId,
-            eos: (flags & SAMPLED_EOS) !== 0,
-            ...(draws === undefined ? {} : { draws }),
-            ...(logprob === undefined ? {} : { logprob })
-          }
-        }
-      }
-      return TokenFrame({
-        runId,
-        edgeId,
-        step: h.step,
-        chunkIndex: h.chunkIndex,
-        chunkCount: h.chunkCount,
-        payload
-      })
-    }
-    case FrameType.Activation: {
-      if (h.bodyLength < ACTIVATION_BODY_HEADER_BYTES) return "activation body too short"
-      const dtype = view.getUint8(o)
-      if (dtype !== 0) return `unsupported dtype ${dtype}`
-      if (view.getUint8(o + 1) !== 0 || view.getUint16(o + 2, true) !== 0) return "activation reserved field not zero"
-      const startPos = view.getUint32(o + 4, true)
-      const nTokens = view.getUint32(o + 8, true)
-      const hiddenDim = view.getUint32(o + 12, true)
-      const payloadOffset = view.getUint32(o + 16, true)
-      const payloadLength = view.getUint32(o + 20, true)
-      if (nTokens < 1 || hiddenDim < 1) return "empty activation"
-      if (payloadOffset !== activationPayloadOffset(alignment)) return `payload offset ${payloadOffset} is not aligned`
-      if (payloadLength !== nTokens * hiddenDim * 4) return "payload length does not match nTokens*hiddenDim*4"
-      if (h.bodyLength !== payloadOffset - HEADER_BYTES + payloadLength) return "payload does not end the body"
-      for (let i = o + ACTIVATION_BODY_HEADER_BYTES; i < payloadOffset; i++) {
-        if (view.getUint8(i) !== 0) return "non-zero payload padding"
-      }
-      const at = view.byteOffset + payloadOffset
-      let payload: Float32Array
-      if (aliasPayload && at % 4 === 0) {
-        payload = new Float32Array(view.buffer, at, nTokens * hiddenDim)
-      } else {
-        payload = new Float32Array(nTokens * hiddenDim)
-        new Uint8Array(payload.buffer).set(new Uint8Array(view.buffer, at, payloadLength))
-      }
-      return ActivationFrame({
-        runId,
-        edgeId,
-        step: h.step,
-        chunkIndex: h.chunkIndex,
-        chunkCount: h.chunkCount,
-        startPos,
-        nTokens,
-        hiddenDim,
-        dtype: "f32",
-        payload
-      })
-    }
-    case FrameType.Credit: {
-      if (h.bodyLength !== 8) return "bad credit body length"
-      if (view.getUint32(o + 4, true) !== 0) return "credit reserved field not zero"
-      return CreditFrame({ runId, edgeId, step: h.step, bytes: view.getUint32(o, true) })
-    }
-    case FrameType.Attach: {
-      if (h.bodyLength < 12) return "bad attach body length"
-      const wake = view.getUint8(o + 8)
-      if (wake > 1) return "bad wake coalescing"
-      if (view.getUint8(o + 9) !== 0) return "attach reserved field not zero"
-      const pathLength = view.getUint16(o + 10, true)
-      if (pathLength > MAX_SHM_PATH || h.bodyLength !== 12 + pathLength) return "bad shared-memory path length"
-      return AttachFrame({
-        runId,
-        edgeId,
-        dataCapacity: view.getUint32(o, true),
-        alignment: view.getUint32(o + 4, true),
-        wakeCoalescing: wake === 0 ? "PendingBit" : "EveryFrame",
-        sharedMemory: textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + o + 12, pathLength))
-      })
-    }
+    case FrameType.Token:
+      return decodeTokenBody(view, h)
+    case FrameType.Activation:
+      return decodeActivationBody(view, h, alignment, aliasPayload)
+    case FrameType.Credit:
+      return decodeCreditBody(view, h)
+    case FrameType.Attach:
+      return decodeAttachBody(view, h)
     case FrameType.Attached:
       if (h.bodyLength !== 0) return "bad attached body length"
-      return AttachedFrame({ runId, edgeId })
+      return AttachedFrame({ runId: runIdOf(h.runId), edgeId: edgeIdOf(h.edgeId) })
     case FrameType.Doorbell:
       if (h.bodyLength !== 0) return "bad doorbell body length"
-      return DoorbellFrame({ runId, edgeId })
-    case FrameType.Fault: {
-      if (h.bodyLength < 4) return "fault body too short"
-      const reasonLen = view.getUint16(o, true)
-      const detailLen = view.getUint16(o + 2, true)
-      if (reasonLen > 64 || detailLen > MAX_FAULT_TEXT) return "fault text too long"
-      if (h.bodyLength !== 4 + reasonLen + detailLen) return "fault lengths do not match body length"
-      const text = (start: number, len: number) =>
-        textDecoder.decode(new Uint8Array(view.buffer, view.byteOffset + start, len))
-      return FaultFrame({
-        runId,
-        edgeId,
-        reason: text(o + 4, reasonLen),
-        detail: text(o + 4 + reasonLen, detailLen)
-      })
-    }
+      return DoorbellFrame({ runId: runIdOf(h.runId), edgeId: edgeIdOf(h.edgeId) })
+    case FrameType.Fault:
+      return decodeFaultBody(view, h)
     default:
       return `unknown frame type ${h.type}`
   }
