@@ -2,14 +2,12 @@
 import { existsSync, mkdirSync, renameSync } from "node:fs"
 import { join } from "node:path"
 import { Console, Effect } from "effect"
-import { swactorCacheDir } from "../layers/config/Settings.js"
+import { Settings } from "../layers/config/Settings.js"
 import { writeSyntheticModel } from "../layers/gguf/Synthetic.js"
-
-const cacheDir = () => swactorCacheDir()
 
 /** The small model `swactor run` uses when no --model is given: written once with the synthetic GGUF writer. */
 export const defaultSyntheticModel = Effect.gen(function* () {
-  const dir = cacheDir()
+  const dir = (yield* Settings).cacheDir
   const path = join(dir, "synthetic-llama-4x256-q8_0-v1.gguf")
   if (existsSync(path)) {
     yield* Console.error(

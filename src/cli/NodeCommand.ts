@@ -15,7 +15,7 @@ import { getGgml } from "../layers/ggml/Bindings.js"
 import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
 import * as StageExecutorLive from "../layers/engine/StageExecutorLive.js"
 import { layerSlowed } from "../layers/engine/StageExecutorSlowed.js"
-import { agentHooks, gpuMemoryNow } from "../layers/config/Settings.js"
+import { type AgentHooks, Settings, type SettingsValues } from "../layers/config/Settings.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
 import { maxThreads } from "../services/RequestChecks.js"
@@ -83,8 +83,10 @@ type CheckedNodeFlags = Effect.Effect.Success<ReturnType<typeof checkNodeFlags>>
 type Speed = Pick<NodeAgentOptions, "speedBytesPerSecond" | "speedSource">
 
 /** The engine's speed now (a short timed ggml matrix product), slowed by the bench hook; none when it fails. */
-const measuredSpeed = (threads: number, slowdown: number): Effect.Effect<number | undefined> =>
-  Effect.tryPromise(() => measureSpeed({ threads }).then((measured) => measured / slowdown)).pipe(
+const measuredSpeed = (threads: number, settings: SettingsValues): Effect.Effect<number | undefined> =>
+  Effect.tryPromise(() =>
+    measureSpeed({ threads, ggml: settings }).then((measured) => measured / settings.agentHooks.slowdown)
+  ).pipe(
     Effect.catchAll((error) =>
       Console.error(
         `swactor node: could not measure the engine's speed (${String(error)}); placement assumes 1 GB/s`
@@ -96,13 +98,12 @@ const measuredSpeed = (threads: number, slowdown: number): Effect.Effect<number 
 const speedAtStart = (
   args: NodeArgs,
   flags: CheckedNodeFlags,
-  slowdown: number,
   probeLater: boolean
 ): Effect.Effect<Speed | undefined> =>
   flags.speedBytesPerSecond !== undefined
     ? Effect.succeed({ speedBytesPerSecond: flags.speedBytesPerSecond, speedSource: "declared" })
     : args.engine === "live" && !probeLater
-      ? measuredSpeed(flags.threads, slowdown).pipe(
+      ? measuredSpeed(flags.threads, flags.settings).pipe(
           Effect.map((measured) =>
             measured === undefined ? undefined : { speedBytesPerSecond: measured, speedSource: "measured" as const }
           )
@@ -113,10 +114,10 @@ const speedAtStart = (
  * The live engine's ggml devices now, each GPU with the node's `--gpu-memory` when set; none when its libraries
  * cannot be loaded (a stage load then says why).
  */
-const liveDevices = () => {
+const liveDevices = (settings: SettingsValues) => () => {
   try {
-    const limit = gpuMemoryNow()
-    return getGgml()
+    const limit = settings.gpuMemory
+    return getGgml(settings)
       .devices()
       .map((d) => (limit !== undefined && (d.kind === "gpu" || d.kind === "igpu") ? { ...d, limitBytes: limit } : d))
   } catch {
@@ -128,7 +129,7 @@ const liveDevices = () => {
 const agentOptions = (
   args: NodeArgs,
   flags: CheckedNodeFlags,
-  hooks: ReturnType<typeof agentHooks>,
+  hooks: AgentHooks,
   speed: Speed | undefined,
   laterSpeed: NodeAgentOptions["laterSpeed"]
 ): NodeAgentOptions => ({
@@ -154,24 +155,24 @@ const agentOptions = (
   ...(speed === undefined ? {} : speed),
   ...(laterSpeed === undefined ? {} : { laterSpeed }),
   // the real engine's step costs by rows decide the decode micro-batch size (StepCosts.ts); its devices are reported
-  ...(args.engine === "live" ? { stepProbeRows: 8, devices: liveDevices } : {})
+  ...(args.engine === "live" ? { stepProbeRows: 8, devices: liveDevices(flags.settings) } : {})
 })
 
 /**
  * The agent, from its ready line until stopped: its speed measured after the ready line when asked (`laterSpeed`),
  * one start line on stderr.
  */
-const hostStages = (args: NodeArgs, flags: CheckedNodeFlags, options: NodeAgentOptions, slowdown: number) =>
+const hostStages = (args: NodeArgs, flags: CheckedNodeFlags, options: NodeAgentOptions) =>
   Effect.gen(function* () {
     const agent = yield* startNodeAgent(options)
-    watchParentPipe(() => process.exit(0))
+    watchParentPipe(flags.settings.watchesParent, () => process.exit(0))
     if (agent.control._tag === "Tcp") announceReady(agent.control.host, agent.control.port, agent.data)
     const laterSpeed = options.laterSpeed
     if (laterSpeed !== undefined) {
       // Not at once: right after the ready line come the stage's load and the prompt's prefill, and on a machine
       // with few cores a probe then (~0.1 s of every core it is given) would delay the run's first token.
       yield* Effect.forkScoped(
-        measuredSpeed(flags.threads, slowdown).pipe(
+        measuredSpeed(flags.threads, flags.settings).pipe(
           Effect.delay(laterProbeDelay),
           Effect.tap((measured) => Effect.sync(() => (laterSpeed.current = measured)))
         )
@@ -191,19 +192,20 @@ const hostStages = (args: NodeArgs, flags: CheckedNodeFlags, options: NodeAgentO
 const runNode = (args: NodeArgs, executorFor: StageExecutorFor) =>
   Effect.gen(function* () {
     const flags = yield* checkNodeFlags(args)
-    // Tuning and bench hooks, read once here (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
+    // Tuning and bench hooks, resolved once (config/Settings.ts): SWACTOR_BENCH_SLOWDOWN=k makes this agent's engine
     // k times slower and divides its measured speed by k (StageExecutorSlowed.ts; bench:cluster's throttled node).
-    const hooks = agentHooks()
+    const hooks = flags.settings.agentHooks
     // after-ready (local agents of `swactor run`): the agent announces itself first and reports no speed (placement's
     // default) until the probe has run, so the probe is not on the run's start-up path.
     const probeLater =
       flags.speedBytesPerSecond === undefined && args.engine === "live" && args.speedProbe === "after-ready"
-    const speed = yield* speedAtStart(args, flags, hooks.slowdown, probeLater)
+    const speed = yield* speedAtStart(args, flags, probeLater)
     const options = agentOptions(args, flags, hooks, speed, probeLater ? { current: undefined } : undefined)
     const engine = executorFor(args.engine)
     const executor = hooks.slowdown > 1 ? layerSlowed(hooks.slowdown).pipe(Layer.provide(engine)) : engine
-    yield* hostStages(args, flags, options, hooks.slowdown).pipe(
-      Effect.provide(Layer.mergeAll(executor, AgentLinksLive.layerDataPlane))
+    yield* hostStages(args, flags, options).pipe(
+      Effect.provide(Layer.mergeAll(executor, AgentLinksLive.layerDataPlane)),
+      Effect.provideService(Settings, flags.settings)
     )
   }).pipe(
     Effect.tapError((error) =>

@@ -9,15 +9,15 @@ import { Effect, Either, Option, Redacted } from "effect"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import {
-  chooseSetting,
   clusterTokenFrom,
   ggmlPackageSetting,
-  gpuMemorySetting,
+  Settings,
   settingFromFlagOrEnv,
   threadsSetting,
   type TlsMode,
   tlsSetting,
-  type UserSetting
+  type UserSetting,
+  withChoices
 } from "../layers/config/Settings.js"
 import type { PipelineOptions } from "../services/Orchestrator.js"
 import {
@@ -169,23 +169,18 @@ const checkSpares = (value: number): Effect.Effect<number, UsageError> => {
 
 /**
  * The TLS mode of this command and the agents it starts: `--tls`, else SWACTOR_TLS, else auto. A flag becomes this
- * process's setting (its links and its local agents use it).
+ * process's setting (`chosenSettings`: its links and its local agents use it).
  */
-const tlsMode = (flag: Option.Option<TlsMode>): Effect.Effect<TlsMode, UsageError> =>
-  userSetting(tlsSetting, flag).pipe(
-    Effect.tap((mode) => (Option.isSome(flag) ? Effect.sync(() => chooseSetting(tlsSetting, mode)) : Effect.void))
-  )
+const tlsMode = (flag: Option.Option<TlsMode>): Effect.Effect<TlsMode, UsageError> => userSetting(tlsSetting, flag)
 
 /**
  * `--backend cpu|cuda|vulkan|auto` picks the ggml package an agent loads (cuda, vulkan: node-llama-cpp's package of
  * that name); without it,
- * SWACTOR_GGML_PACKAGE, else cpu. Returns the stage backend (the flag, else cpu).
+ * SWACTOR_GGML_PACKAGE, else cpu. Returns the stage backend (the flag, else cpu); a flag becomes this process's
+ * setting (`chosenSettings`).
  */
 const checkBackend = (flag: Option.Option<Backend>): Effect.Effect<Backend, UsageError> =>
-  userSetting(ggmlPackageSetting, flag).pipe(
-    Effect.tap((ggmlPackage) => Effect.sync(() => chooseSetting(ggmlPackageSetting, ggmlPackage))),
-    Effect.as(Option.getOrElse(flag, () => "cpu" as const))
-  )
+  userSetting(ggmlPackageSetting, flag).pipe(Effect.as(Option.getOrElse(flag, () => "cpu" as const)))
 
 /**
  * `--backend` of run and serve: the extra arguments their local agents start with (none without the flag). Refused
@@ -207,7 +202,7 @@ const localBackendArgs = (
 
 /**
  * `--gpu-memory BYTES`: a whole number of bytes, 0 or more, becoming this process's setting (SWACTOR_GPU_MEMORY: its
- * engine and the local agents it starts read it). Refused beside `--agents`: a remote agent's is its own.
+ * engine and the local agents it starts read it; `chosenSettings`). Refused beside `--agents`: a remote agent's is its own.
  */
 const checkGpuMemory = (flag: Option.Option<number>, remote: boolean): Effect.Effect<void, UsageError> => {
   if (Option.isNone(flag)) return Effect.void
@@ -215,8 +210,25 @@ const checkGpuMemory = (flag: Option.Option<number>, remote: boolean): Effect.Ef
   if (!Number.isSafeInteger(flag.value) || flag.value < 0) {
     return fail(`--gpu-memory: ${flag.value} is not a whole number of bytes (0 or more)`)
   }
-  return Effect.sync(() => chooseSetting(gpuMemorySetting, String(flag.value)))
+  return Effect.void
 }
+
+/**
+ * The settings this command and the agents it starts run with (the `Settings` service it provides): the resolved
+ * ones (this process's environment, read once), with the flags given on top: --tls, --backend, --gpu-memory.
+ */
+const chosenSettings = (args: {
+  readonly tls: Option.Option<TlsMode>
+  readonly backend: Option.Option<Backend>
+  readonly gpuMemory: Option.Option<number>
+}) =>
+  Effect.map(Settings, (settings) =>
+    withChoices(settings, {
+      tls: Option.getOrUndefined(args.tls),
+      ggmlPackage: Option.getOrUndefined(args.backend),
+      gpuMemory: Option.getOrUndefined(args.gpuMemory)
+    })
+  )
 
 /**
  * The cluster token: the file named by `--token-file` (trimmed), else SWACTOR_CLUSTER_TOKEN, else "" (none). A file
@@ -246,8 +258,8 @@ const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageErro
 
 /**
  * The pipeline's and the links' flags of run and serve, checked: the remote agents and their cluster token (needed
- * with --agents), the TLS mode and backend (each becoming this process's setting), the local agents' extra arguments,
- * stages, threads, prefill threads, spares.
+ * with --agents), the TLS mode, backend and GPU memory (`settings`: the Settings service the command provides), the
+ * local agents' extra arguments, stages, threads, prefill threads, spares.
  */
 export const checkPipelineFlags = (args: PipelineArgs) =>
   Effect.gen(function* () {
@@ -261,6 +273,7 @@ export const checkPipelineFlags = (args: PipelineArgs) =>
       agents,
       token,
       agentArgs,
+      settings: yield* chosenSettings(args),
       stages: Option.getOrUndefined(yield* optionalWholeNumber("stages", args.stages, 1)),
       threads: Option.getOrUndefined(yield* optionalThreads(args.threads)),
       prefillThreads: yield* optionalPrefillThreads(args.prefillThreads),
@@ -282,7 +295,7 @@ interface AgentArgs extends Flag.ArgsOf<typeof securityFlags> {
 
 /**
  * The shared flags of `node`, checked: an agent needs the cluster token; its threads (none: the command decides), its
- * backend and TLS mode (each becoming this process's setting).
+ * backend, GPU memory and TLS mode (`settings`: the Settings service the command provides).
  */
 export const checkAgentFlags = (args: AgentArgs) =>
   Effect.gen(function* () {
@@ -292,7 +305,7 @@ export const checkAgentFlags = (args: AgentArgs) =>
     const backend = yield* checkBackend(args.backend)
     yield* checkGpuMemory(args.gpuMemory, false)
     const tls = yield* tlsMode(args.tls)
-    return { token, threads, backend, tls }
+    return { token, threads, backend, tls, settings: yield* chosenSettings(args) }
   })
 
 // ---- What the checked flags ask of the pipeline.

@@ -10,22 +10,34 @@
 import * as Command from "@effect/cli/Command"
 import { Console, Effect, Option, Stream } from "effect"
 import { run } from "../api/generate.js"
+import { Settings } from "../layers/config/Settings.js"
 import { defaultSyntheticModel } from "./DefaultModel.js"
 import { renderPreview } from "./DryRunPreview.js"
 import { checkModelFit } from "./ModelFit.js"
 import { commandDoc, optionsOf } from "./FlagSpec.js"
-import { type RunArgs, runFlags, runGroups, validateRunFlags } from "./RunFlags.js"
+import { type CheckedRunFlags, type RunArgs, runFlags, runGroups, validateRunFlags } from "./RunFlags.js"
 import { type JsonReport, makeRunPrinter, printJsonReport, reportFailure, reportOperatorStop } from "./RunOutput.js"
 import { plannedStages } from "./PipelineFlags.js"
 import { agentPoolFromFlags, requestFromFlags } from "./RunRequestFromFlags.js"
 import { untilOperatorStop } from "./Signals.js"
 import { makePhaseClock } from "./StartupPhases.js"
 
+/** The run once its flags are checked, with the settings they chose (the Settings service) provided. */
 const runRun = (args: RunArgs, json: JsonReport) =>
   Effect.gen(function* () {
     const clock = makePhaseClock()
     clock.mark("start")
     const flags = yield* validateRunFlags(args)
+    return yield* runChecked(args, json, clock, flags).pipe(Effect.provideService(Settings, flags.pipeline.settings))
+  })
+
+const runChecked = (
+  args: RunArgs,
+  json: JsonReport,
+  clock: ReturnType<typeof makePhaseClock>,
+  flags: CheckedRunFlags
+) =>
+  Effect.gen(function* () {
     const model = Option.isSome(args.model) ? args.model.value : yield* defaultSyntheticModel
     yield* checkModelFit(model, flags.prompt, flags.maxTokens, plannedStages(flags.pipeline, flags.localStages))
     clock.mark("checked")

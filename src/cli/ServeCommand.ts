@@ -10,7 +10,7 @@ import { Context, Effect, Layer, Option, Redacted } from "effect"
 import { serve } from "../api/serve.js"
 import * as HttpServe from "../layers/server/HttpServe.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
-import { apiKeyFromEnv, apiKeyVariable } from "../layers/config/Settings.js"
+import { apiKeyFromEnv, apiKeyVariable, Settings } from "../layers/config/Settings.js"
 import { Server } from "../services/Server.js"
 import { atLeast, listFlag, modelFactsOf, optionalWholeNumber, UsageError, wholeNumber } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
@@ -154,6 +154,17 @@ const runServe = (args: ServeArgs) =>
     const pipeline = yield* checkPipelineFlags(args)
     const keys = yield* apiKeysOf(args.apiKeyFile)
     const own = yield* checkServeFlags(args)
+    return yield* serveChecked(args, pipeline, keys, own).pipe(Effect.provideService(Settings, pipeline.settings))
+  })
+
+/** The server once its flags are checked, with the settings they chose (the Settings service) provided. */
+const serveChecked = (
+  args: ServeArgs,
+  pipeline: CheckedPipelineFlags,
+  keys: Effect.Effect.Success<ReturnType<typeof apiKeysOf>>,
+  own: Effect.Effect.Success<ReturnType<typeof checkServeFlags>>
+) =>
+  Effect.gen(function* () {
     const stages = plannedStages(pipeline)
     if (stages !== undefined) yield* checkStagesFit(stages, yield* modelFactsOf(args.model))
     // Serve at once (/health says 503 while loading); a pipeline that cannot be set up ends the command (exit 1),

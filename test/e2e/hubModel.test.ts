@@ -17,6 +17,7 @@ import { join } from "node:path"
 import OpenAI from "openai"
 import { layerRemote, run } from "../../src/api/generate.js"
 import { generateToken, spawnLocalAgents, swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
+import { Settings } from "../../src/layers/config/Settings.js"
 import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { sliceTensors } from "../../src/layers/gguf/GgufSlice.js"
 import { writeSyntheticModel } from "../../src/layers/gguf/Synthetic.js"
@@ -61,23 +62,9 @@ afterAll(async () => {
   rmSync(dir, { recursive: true, force: true })
 })
 
-/** Runs `body` with this process's hub settings (the orchestrator's) set, and restores them. */
+/** Runs `body` with the orchestrator's hub settings read from `env` over this process's (the Settings service). */
 const withHubEnv = <A, E, R>(env: Record<string, string>, body: Effect.Effect<A, E, R>) =>
-  Effect.acquireUseRelease(
-    Effect.sync(() => {
-      const saved = Object.fromEntries(Object.keys(env).map((k) => [k, process.env[k]]))
-      Object.assign(process.env, env)
-      return saved
-    }),
-    () => body,
-    (saved) =>
-      Effect.sync(() => {
-        for (const [k, v] of Object.entries(saved)) {
-          if (v === undefined) delete process.env[k]
-          else process.env[k] = v
-        }
-      })
-  )
+  Effect.provide(body, Settings.fromEnvironment({ ...process.env, ...env }))
 
 /**
  * Starts one `swactor node` per stage, node i with door i + 1 (or `endpoints[i]` when given) and caches of its own

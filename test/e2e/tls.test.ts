@@ -1,11 +1,13 @@
 // Encrypted links end to end (issue 10): a two-stage run over real agent processes whose stage 0 → stage 1
 // activations pass a recording proxy. With TLS the capture holds no frame, auth message or activation in the clear;
 // without it the same capture does (so the check can see plaintext). Loopback is forced into TLS with
-// SWACTOR_TLS=always, exactly as a link between hosts is encrypted by default.
+// SWACTOR_TLS=always in the agents' environment and the Settings service of this process (the orchestrator), exactly
+// as a link between hosts is encrypted by default.
 import * as Net from "node:net"
-import { afterEach, assert, describe, it } from "@effect/vitest"
+import { assert, describe, it } from "@effect/vitest"
 import { Chunk, Effect, Stream } from "effect"
 import { generate } from "../../src/api/generate.js"
+import { Settings } from "../../src/layers/config/Settings.js"
 import { TLS_ENV, type TlsMode } from "../../src/layers/transport/Tls.js"
 import { startAgents } from "../support/e2e.js"
 import { requireModel } from "../support/models.js"
@@ -51,7 +53,6 @@ const recordingProxy = (target: number) =>
 
 const splitRun = (mode: TlsMode) =>
   Effect.gen(function* () {
-    process.env[TLS_ENV] = mode
     const stage1Port = yield* freePort
     const proxy = yield* recordingProxy(stage1Port)
     const { layer } = yield* startAgents(2, {
@@ -73,11 +74,7 @@ const splitRun = (mode: TlsMode) =>
       .map((t) => t.text)
       .join("")
     return { text, captured: proxy.captured() }
-  }).pipe(Effect.scoped)
-
-afterEach(() => {
-  delete process.env[TLS_ENV]
-})
+  }).pipe(Effect.scoped, Effect.provide(Settings.layer({ tls: mode })))
 
 describe("end to end: encrypted links between stages (stories260K)", () => {
   it.live(

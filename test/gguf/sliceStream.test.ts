@@ -8,12 +8,13 @@ import * as Fs from "node:fs"
 import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
-import { afterEach, assert, describe, it } from "@effect/vitest"
+import { assert, describe, it } from "@effect/vitest"
 import { Effect, type Scope, Stream } from "effect"
 import { AgentHello, type NodeCapacity, StageWeights } from "../../src/domain/controlRpc.js"
 import { tcpAddress } from "../../src/domain/frames.js"
 import { NodeId } from "../../src/domain/ids.js"
 import * as AgentControlRpc from "../../src/layers/agent/AgentControlRpc.js"
+import { Settings } from "../../src/layers/config/Settings.js"
 import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { sliceHash } from "../../src/layers/gguf/GgufSlice.js"
 import { makeWeightStore } from "../../src/layers/gguf/SliceStore.js"
@@ -26,10 +27,6 @@ import { requireModel } from "../support/models.js"
 
 const token = "slice-stream-test-token"
 const CHUNK = 16 << 10
-
-afterEach(() => {
-  delete process.env[Tls.TLS_ENV]
-})
 
 const capacity: NodeCapacity = {
   freeMemoryBytes: 1e9,
@@ -298,13 +295,12 @@ describe("weight delivery's byte stream", () => {
         Fs.closeSync(fd)
         const capture = (mode: Tls.TlsMode) =>
           Effect.gen(function* () {
-            process.env[Tls.TLS_ENV] = mode
             const captured: Array<Buffer> = []
             const { deliver, link } = yield* world(recordingProxy(captured))
             const sent = yield* deliver(streamOnly(link))
             assert.strictEqual(sent.sentBytes, sent.totalBytes)
             return Buffer.concat(captured)
-          }).pipe(Effect.scoped)
+          }).pipe(Effect.scoped, Effect.provide(Settings.layer({ tls: mode })))
         const plain = yield* capture("off")
         assert.isTrue(
           plain.includes(sample) && plain.includes(Buffer.from("SWSL")),

@@ -1,11 +1,12 @@
 // Encrypted links (issue 10): TLS 1.3 keyed from the cluster token on TCP connections that leave the host.
 // T1–T3 in specs/BEHAVIOR_GUARANTEES.md.
 import * as Net from "node:net"
-import { afterEach, assert, describe, it } from "@effect/vitest"
+import { assert, describe, it } from "@effect/vitest"
 import { Effect, Either, Redacted } from "effect"
 import { ActivationFrame, TokenFrame, type TransportAddress } from "../../src/domain/frames.js"
 import type { EdgeId, RunId } from "../../src/domain/ids.js"
 import type { RingSpec } from "../../src/domain/plan.js"
+import { Settings } from "../../src/layers/config/Settings.js"
 import * as EdgeTransport from "../../src/layers/transport/EdgeTransport.js"
 import * as Tls from "../../src/layers/transport/Tls.js"
 
@@ -21,14 +22,11 @@ const ring: RingSpec = {
   wakeCoalescing: "PendingBit"
 }
 
-const withMode = (mode: Tls.TlsMode | undefined) =>
-  Effect.sync(() => {
-    if (mode === undefined) delete process.env[Tls.TLS_ENV]
-    else process.env[Tls.TLS_ENV] = mode
-  })
-afterEach(() => {
-  delete process.env[Tls.TLS_ENV]
-})
+/** Both ends of the links `effect` makes in this process run with TLS mode `mode` (the Settings service's). */
+const withMode =
+  (mode: Tls.TlsMode) =>
+  <A, E, R>(effect: Effect.Effect<A, E, R>) =>
+    Effect.provide(effect, Settings.layer({ tls: mode }))
 
 /** A TCP proxy to `target` that records every byte it forwards, both ways. */
 const recordingProxy = (target: number) =>
@@ -102,13 +100,11 @@ describe("encrypted links", () => {
     "a capture of a TCP edge's bytes holds no plaintext frames, activations or token ids under TLS",
     () =>
       Effect.gen(function* () {
-        yield* withMode("off")
-        const plain = yield* capturedRun
+        const plain = yield* capturedRun.pipe(withMode("off"))
         assert.isTrue(plain.includes(frameMagic) && plain.includes(payloadBytes) && plain.includes(tokenIdBytes()))
         assert.isTrue(plain.includes(authHello))
 
-        yield* withMode("always")
-        const encrypted = yield* capturedRun
+        const encrypted = yield* capturedRun.pipe(withMode("always"))
         assert.isAbove(encrypted.length, payload.byteLength)
         assert.isFalse(encrypted.includes(frameMagic), "frame magic in the clear")
         assert.isFalse(encrypted.includes(payloadBytes), "activation bytes in the clear")
@@ -125,7 +121,6 @@ describe("encrypted links", () => {
     "a wrong token fails the TLS handshake",
     () =>
       Effect.gen(function* () {
-        yield* withMode("always")
         const listener = yield* EdgeTransport.listen({ address: { _tag: "Tcp", host: "127.0.0.1", port: 0 }, token })
         yield* listener.register({ runId, edgeId, ring })
         const refused = yield* Effect.either(
@@ -141,7 +136,7 @@ describe("encrypted links", () => {
           EdgeTransport.connect({ address: listener.address, token, runId, edgeId, ring })
         )
         assert.isTrue(Either.isRight(accepted))
-      }).pipe(Effect.scoped),
+      }).pipe(Effect.scoped, withMode("always")),
     30_000
   )
 

@@ -12,7 +12,7 @@ import { Deferred, type Duration, Effect, ExecutionStrategy, Scope } from "effec
 import type { TransportAddress } from "../../domain/frames.js"
 import { AgentSpawnError } from "../../services/AgentLinks.js"
 import { cliEntry } from "./CliEntry.js"
-import { childEnvironment, debugAgents } from "../config/Settings.js"
+import { childEnvironment, Settings } from "../config/Settings.js"
 import { type Announced, clusterTokenEnv, decodeAnnounced, parentWatchEnv, readyLinePrefix } from "./ReadyLine.js"
 
 export interface AgentExit {
@@ -112,6 +112,9 @@ const tailBuffer = (limit: number) => {
   }
 }
 
+/** What a local agent's environment carries besides the settings: its cluster token and its parent watch. */
+const agentVariables = (token: string) => ({ [clusterTokenEnv]: token, [parentWatchEnv]: "stdin" })
+
 const spawnOne = (
   index: number,
   options: LocalAgentsOptions
@@ -137,7 +140,8 @@ const spawnOne = (
         message: `${argv[0]} is missing: build the package first (npm run build)`
       })
     }
-    const inherit = options.inheritStderr === true || debugAgents()
+    const settings = yield* Settings
+    const inherit = options.inheritStderr === true || settings.debugAgents
     const exited = yield* Deferred.make<AgentExit>()
     const ready = yield* Deferred.make<Announced, AgentSpawnError>()
     const stderr = tailBuffer(8192)
@@ -148,7 +152,7 @@ const spawnOne = (
           installExitHook()
           const child = spawn(command, argv, {
             stdio: ["pipe", "pipe", "pipe"],
-            env: childEnvironment({ ...options.env, [clusterTokenEnv]: options.token, [parentWatchEnv]: "stdin" })
+            env: childEnvironment(settings, { ...options.env, ...agentVariables(options.token) })
           })
           liveChildren.add(child)
           return child

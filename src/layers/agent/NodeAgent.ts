@@ -6,6 +6,7 @@ import { Effect, type Scope } from "effect"
 import type { EdgeFault, TransportAddress } from "../../domain/frames.js"
 import { AgentHello, type AgentUnavailable, DataPlane } from "../../services/AgentLinks.js"
 import type { StageExecutor } from "../../services/StageExecutor.js"
+import { Settings } from "../config/Settings.js"
 import { defaultSliceCacheDir, makeWeightStore } from "../gguf/SliceStore.js"
 import { serveControlRpc } from "./AgentControlRpc.js"
 import type { BatcherSettings } from "./StageBatcher.js"
@@ -69,7 +70,7 @@ export const startNodeAgent = (
       options.token
     )
     const weights = makeWeightStore({
-      cacheDir: options.cacheDir ?? defaultSliceCacheDir(),
+      cacheDir: options.cacheDir ?? defaultSliceCacheDir((yield* Settings).cacheDir),
       ...(options.slicesOnly === undefined ? {} : { slicesOnly: options.slicesOnly }),
       ...(options.log === undefined ? {} : { log: options.log })
     })

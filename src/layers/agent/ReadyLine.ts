@@ -6,7 +6,7 @@
  */
 import { Schema } from "effect"
 import { type TransportAddress, TransportAddress as TransportAddressSchema } from "../../domain/frames.js"
-import { clusterTokenVariable, parentWatchVariable, watchesParent } from "../config/Settings.js"
+import { clusterTokenVariable, parentWatchVariable } from "../config/Settings.js"
 
 /**
  * The line a node agent prints on stdout once it listens:
@@ -20,10 +20,10 @@ export const parentWatchEnv = parentWatchVariable
 
 /**
  * Agent side of the orphan guard: exit when the parent's pipe on stdin closes. Call once at
- * agent start-up when `SWACTOR_PARENT_WATCH=stdin`.
+ * agent start-up; it watches when `watches` (`SWACTOR_PARENT_WATCH=stdin`, the Settings service's `watchesParent`).
  */
-export const watchParentPipe = (onParentGone: () => void): void => {
-  if (!watchesParent()) return
+export const watchParentPipe = (watches: boolean, onParentGone: () => void): void => {
+  if (!watches) return
   process.stdin.on("data", () => {})
   process.stdin.on("end", onParentGone)
   process.stdin.on("close", onParentGone)

@@ -1,8 +1,11 @@
 /**
  * Every setting of swactor, described once: its flag (where it has one), its environment variable, its default and
  * its meaning, each read through Effect's `Config` (the cluster token and API keys as `Config.redacted`). This is the
- * one module of src that reads the environment (src/main.ts reads NO_COLOR for its own console); everything else
- * asks here, or is passed what the command line's edge (src/cli) read here once.
+ * one module of src that reads the environment (src/main.ts reads NO_COLOR for its own console). They are resolved
+ * once into the `Settings` service: its default is this process's environment, read once; the command line's edge
+ * (src/cli) provides it with its flags' choices on top (`withChoices`), a test provides its own (`Settings.layer`).
+ * Layers read the service where they are built or where an effect runs (the TLS mode of a connection), never the
+ * environment.
  *
  * Three kinds of setting:
  * - user settings: a flag of `run`, `serve` and `node` with the environment as fallback (`--tls` / SWACTOR_TLS); a bad
@@ -15,41 +18,24 @@
 import * as Os from "node:os"
 import * as Path from "node:path"
 import { readFileSync } from "node:fs"
-import { Config, ConfigProvider, Effect, Either, Option, Redacted } from "effect"
+import { Config, type ConfigError, ConfigProvider, Context, Effect, Either, Layer, Option, Redacted } from "effect"
 import { type Backend, backends } from "../../domain/engine.js"
 import { clusterTokenProblem } from "../../services/RequestChecks.js"
 
 /** Environment variables by name (the process's, or a test's map). */
 export type Environment = Readonly<Record<string, string | undefined>>
 
-// Values the command line's edge chose by flag (`--tls always`), layered over the environment for this process and
-// handed to the agents it starts (`childEnvironment`), so a flag and its variable mean the same everywhere.
-const chosen: Record<string, string> = {}
-
-/** The environment this process's settings are read from: the process's, with the flags chosen by the CLI on top. */
-export const environment = (): Environment => ({ ...process.env, ...chosen })
-
-/**
- * The environment of a child process this one starts (a local agent): ours, the flag-chosen settings, then `extra`
- * (its cluster token, its parent watch, a test's variables).
- */
-export const childEnvironment = (extra: Environment = {}): NodeJS.ProcessEnv => ({
-  ...process.env,
-  ...chosen,
-  ...extra
-})
-
 const providerOf = (env: Environment) =>
   ConfigProvider.fromMap(
     new Map(Object.entries(env).filter((entry): entry is [string, string] => entry[1] !== undefined))
   )
 
-/** A config read from `env` (default: this process's `environment()`), failing with Effect's ConfigError. */
-export const readConfig = <A>(config: Config.Config<A>, env: Environment = environment()) =>
+/** A config read from `env` (default: this process's environment), failing with Effect's ConfigError. */
+export const readConfig = <A>(config: Config.Config<A>, env: Environment = process.env) =>
   Effect.runSync(Effect.either(Effect.withConfigProvider(config, providerOf(env))))
 
 /** A config that never fails: read from `env`, or from this process's environment (lenient configs only). */
-const readLenient = <A>(config: Config.Config<A>, env: Environment = environment()): A =>
+const readLenient = <A>(config: Config.Config<A>, env: Environment = process.env): A =>
   Either.getOrThrowWith(readConfig(config, env), (error) => new Error(String(error)))
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -257,13 +243,13 @@ const refusal = (d: SettingDoc, detail: string) =>
 
 /**
  * A user setting: the flag when given, else its variable in `env`, else its default. Left: the one-line refusal of
- * a bad variable (a flag's own value is checked by the flag parser). The value chosen is layered over this
- * process's environment when `choose` (the CLI does: the engine and the agents it starts then see it).
+ * a bad variable (a flag's own value is checked by the flag parser). The CLI then provides the value chosen as the
+ * `Settings` service (`withChoices`): the engine and the agents it starts see it.
  */
 export const settingFromFlagOrEnv = <A>(
   setting: UserSetting<A>,
   flag: Option.Option<A>,
-  env: Environment = environment()
+  env: Environment = process.env
 ): Either.Either<A, string> => {
   if (Option.isSome(flag)) return Either.right(flag.value)
   return Either.mapLeft(readConfig(setting.config, env), () =>
@@ -271,24 +257,19 @@ export const settingFromFlagOrEnv = <A>(
   )
 }
 
-/** Makes a flag's value this process's setting (and its agents'): the variable is read as this value from now on. */
-export const chooseSetting = (setting: UserSetting<unknown>, value: string): void => {
-  chosen[setting.doc.variable] = value
-}
+/** The TLS mode (unset or unknown: auto). */
+const tlsModeConfig = lenient(
+  docs.tls,
+  (text) => (text === "always" || text === "off" ? text : undefined),
+  "auto" as TlsMode
+)
 
-/** The TLS mode now (unset or unknown: auto); read per connection, so a test may change it between connections. */
-export const tlsModeNow = (): TlsMode =>
-  readLenient(lenient(docs.tls, (text) => (text === "always" || text === "off" ? text : undefined), "auto" as TlsMode))
-
-/** The ggml package to load (unset or unknown: cpu), read once, when ggml is first loaded. */
-export const ggmlPackageNow = (): GgmlPackage =>
-  readLenient(
-    lenient(
-      docs.ggmlPackage,
-      (text) => (text === "cuda" || text === "vulkan" || text === "auto" ? text : undefined),
-      "cpu" as GgmlPackage
-    )
-  )
+/** The ggml package to load (unset or unknown: cpu). */
+const ggmlPackageConfig = lenient(
+  docs.ggmlPackage,
+  (text) => (text === "cuda" || text === "vulkan" || text === "auto" ? text : undefined),
+  "cpu" as GgmlPackage
+)
 
 export const gpuMemorySetting: UserSetting<Option.Option<number>> = {
   doc: docs.gpuMemory,
@@ -297,21 +278,17 @@ export const gpuMemorySetting: UserSetting<Option.Option<number>> = {
 }
 
 /** SWACTOR_GPU_MEMORY when a whole number of bytes (a GPU stage's device budget), else undefined. */
-export const gpuMemoryNow = (): number | undefined =>
-  readLenient(
-    lenient(
-      docs.gpuMemory,
-      (text) => {
-        const v = Number(text)
-        return text.trim() !== "" && Number.isSafeInteger(v) && v >= 0 ? v : undefined
-      },
-      undefined as number | undefined
-    )
-  )
+const gpuMemoryConfig = lenient(
+  docs.gpuMemory,
+  (text) => {
+    const v = Number(text)
+    return text.trim() !== "" && Number.isSafeInteger(v) && v >= 0 ? v : undefined
+  },
+  undefined as number | undefined
+)
 
 /** SWACTOR_THREADS when a positive whole number (the live engine's default threads), else undefined. */
-export const threadsNow = (): number | undefined =>
-  readLenient(lenient(docs.threads, positiveInteger, undefined as number | undefined))
+const threadsConfig = lenient(docs.threads, positiveInteger, undefined as number | undefined)
 
 /**
  * The cluster token: the file named by `tokenFile` (trimmed), else SWACTOR_CLUSTER_TOKEN (trimmed), else "" (none).
@@ -321,7 +298,7 @@ export const threadsNow = (): number | undefined =>
  */
 export const clusterTokenFrom = (
   tokenFile: string | undefined,
-  env: Environment = environment()
+  env: Environment = process.env
 ): Either.Either<Redacted.Redacted<string>, string> => {
   let token: string
   let source: string
@@ -346,7 +323,7 @@ export const clusterTokenFrom = (
  * SWACTOR_CLUSTER_TOKEN, trimmed ("" when unset), not yet checked: `clusterTokenFrom` checks it for the CLI, the
  * remote agent pool (AgentPools.ts) with the same rule for the library.
  */
-export const clusterTokenFromEnv = (env: Environment = environment()): Redacted.Redacted<string> =>
+export const clusterTokenFromEnv = (env: Environment = process.env): Redacted.Redacted<string> =>
   Option.match(
     readLenient(described(docs.clusterToken, Config.option(Config.redacted(docs.clusterToken.variable))), env),
     {
@@ -356,7 +333,7 @@ export const clusterTokenFromEnv = (env: Environment = environment()): Redacted.
   )
 
 /** SWACTOR_API_KEY, trimmed (none: undefined); `swactor serve` reads it when no --api-key-file is given. */
-export const apiKeyFromEnv = (env: Environment = environment()): Redacted.Redacted<string> | undefined =>
+export const apiKeyFromEnv = (env: Environment = process.env): Redacted.Redacted<string> | undefined =>
   Option.getOrUndefined(
     Option.flatMap(
       readLenient(described(docs.apiKey, Config.option(Config.redacted(docs.apiKey.variable))), env),
@@ -375,8 +352,9 @@ export const parentWatchVariable = docs.parentWatch.variable
 // ---------------------------------------------------------------------------------------------------------------
 
 /** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
-export const swactorCacheDir = (): string =>
-  Path.join(readLenient(lenient(docs.cacheHome, (text) => text, "")) || Path.join(Os.homedir(), ".cache"), "swactor")
+const cacheDirConfig = lenient(docs.cacheHome, (text) => text, "").pipe(
+  Config.map((home) => Path.join(home || Path.join(Os.homedir(), ".cache"), "swactor"))
+)
 
 const urlText = (text: string): string | undefined => {
   try {
@@ -392,33 +370,20 @@ const urlText = (text: string): string | undefined => {
 }
 
 /** The hub's base URL, ending in "/": MODEL_ENDPOINT, else HF_ENDPOINT, else https://huggingface.co/. */
-export const hubEndpointNow = (env: Environment = environment()): string =>
-  readLenient(
-    lenient({ ...docs.hubEndpoint, variable: "MODEL_ENDPOINT" }, urlText, undefined as string | undefined),
-    env
-  ) ?? readLenient(lenient(docs.hubEndpoint, urlText, "https://huggingface.co/"), env)
+const hubEndpointConfig = Config.all([
+  lenient({ ...docs.hubEndpoint, variable: "MODEL_ENDPOINT" }, urlText, undefined as string | undefined),
+  lenient(docs.hubEndpoint, urlText, "https://huggingface.co/")
+]).pipe(Config.map(([model, hf]) => model ?? hf))
 
 /** HF_TOKEN, when set and not empty: sent to the hub only. */
-export const hubTokenNow = (env: Environment = environment()): Redacted.Redacted<string> | undefined => {
-  const text = readLenient(
-    lenient(docs.hubToken, (t) => t.trim(), ""),
-    env
-  )
-  return text === "" ? undefined : Redacted.make(text)
-}
+const hubTokenConfig = lenient(docs.hubToken, (t) => t.trim(), "").pipe(
+  Config.map((text) => (text === "" ? undefined : Redacted.make(text)))
+)
 
 /** SWACTOR_GGML_DIR when set and not empty. */
-export const ggmlDirNow = (): string | undefined =>
-  readLenient(lenient(docs.ggmlDir, (text) => text, undefined as string | undefined)) || undefined
-
-/** SWACTOR_GGML_LOG=debug: ggml's debug and info lines are kept. */
-export const ggmlDebugLog = (): boolean => readLenient(lenient(docs.ggmlLog, (text) => text === "debug", false))
-
-/** SWACTOR_DEBUG=1: local agents' stderr is copied to ours. */
-export const debugAgents = (): boolean => readLenient(lenient(docs.debug, (text) => text === "1", false))
-
-/** SWACTOR_PARENT_WATCH=stdin: this agent exits when its parent's pipe on stdin closes. */
-export const watchesParent = (): boolean => readLenient(lenient(docs.parentWatch, (text) => text === "stdin", false))
+const ggmlDirConfig = lenient(docs.ggmlDir, (text) => text, undefined as string | undefined).pipe(
+  Config.map((dir) => dir || undefined)
+)
 
 /** Windows' folder (SystemRoot; default C:\Windows), where the NVIDIA driver's DLL would be. */
 export const windowsRoot = (): string =>
@@ -495,3 +460,108 @@ export const agentHooksConfig: Config.Config<AgentHooks> = Config.all({
 
 /** The agent hooks from `env` (default: this process's environment). */
 export const agentHooks = (env?: Environment): AgentHooks => readLenient(agentHooksConfig, env)
+
+// ---------------------------------------------------------------------------------------------------------------
+// The service: every setting resolved once.
+// ---------------------------------------------------------------------------------------------------------------
+
+/** Every setting a layer reads, resolved: the environment's (or a test's), with the CLI's flag choices on top. */
+export interface SettingsValues {
+  /** --tls / SWACTOR_TLS (unset or unknown: auto): the mode of every link this process makes or accepts. */
+  readonly tls: TlsMode
+  /** --backend / SWACTOR_GGML_PACKAGE (unset or unknown: cpu): the ggml package this process loads. */
+  readonly ggmlPackage: GgmlPackage
+  /** --gpu-memory / SWACTOR_GPU_MEMORY: a GPU stage's device budget in bytes (undefined: the device's free memory). */
+  readonly gpuMemory: number | undefined
+  /** SWACTOR_THREADS when a positive whole number: the live engine's default threads. */
+  readonly threads: number | undefined
+  /** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
+  readonly cacheDir: string
+  /** The hub's base URL, ending in "/": MODEL_ENDPOINT, else HF_ENDPOINT, else https://huggingface.co/. */
+  readonly hubEndpoint: string
+  /** HF_TOKEN, when set and not empty: sent to the hub only. */
+  readonly hubToken: Redacted.Redacted<string> | undefined
+  /** SWACTOR_GGML_DIR when set and not empty. */
+  readonly ggmlDir: string | undefined
+  /** SWACTOR_GGML_LOG=debug: ggml's debug and info lines are kept. */
+  readonly ggmlDebugLog: boolean
+  /** SWACTOR_DEBUG=1: local agents' stderr is copied to ours. */
+  readonly debugAgents: boolean
+  /** SWACTOR_PARENT_WATCH=stdin: this agent exits when its parent's pipe on stdin closes. */
+  readonly watchesParent: boolean
+  /** The live stage engine's tuning hooks. */
+  readonly engineHooks: EngineHooks
+  /** A node agent's tuning hooks. */
+  readonly agentHooks: AgentHooks
+}
+
+/** Every setting, read leniently (a value not understood is its default; the CLI refuses bad user settings first). */
+export const settingsConfig: Config.Config<SettingsValues> = Config.all({
+  tls: tlsModeConfig,
+  ggmlPackage: ggmlPackageConfig,
+  gpuMemory: gpuMemoryConfig,
+  threads: threadsConfig,
+  cacheDir: cacheDirConfig,
+  hubEndpoint: hubEndpointConfig,
+  hubToken: hubTokenConfig,
+  ggmlDir: ggmlDirConfig,
+  ggmlDebugLog: lenient(docs.ggmlLog, (text) => text === "debug", false),
+  debugAgents: lenient(docs.debug, (text) => text === "1", false),
+  watchesParent: lenient(docs.parentWatch, (text) => text === "stdin", false),
+  engineHooks: engineHooksConfig,
+  agentHooks: agentHooksConfig
+})
+
+/** The settings of `env` (a test's map, or this process's environment). */
+export const settingsOf = (env: Environment): SettingsValues => readLenient(settingsConfig, env)
+
+/**
+ * The settings service. Its default, without a layer, is this process's environment, read once (through Effect's
+ * `Config`): a library user gets the environment's settings. The CLI provides its flags' choices on top
+ * (`withChoices`); a test provides `Settings.layer({ tls: "always" })` instead of writing `process.env`.
+ */
+export class Settings extends Context.Reference<Settings>()("swactor/Settings", {
+  defaultValue: (): SettingsValues => settingsOf(process.env)
+}) {
+  /** The settings read through the Config provider in force (Effect's default: the environment). */
+  static readonly live: Layer.Layer<Settings, ConfigError.ConfigError> = Layer.effect(Settings, settingsConfig)
+
+  /** This process's settings with `values` on top: what a test provides. */
+  static readonly layer = (values: Partial<SettingsValues>): Layer.Layer<Settings> =>
+    Layer.succeed(Settings, { ...liveSettings(), ...values })
+
+  /** The settings of the environment `env` (read as this process's is): a test's variables, without writing them. */
+  static readonly fromEnvironment = (env: Environment): Layer.Layer<Settings> =>
+    Layer.succeed(Settings, settingsOf(env))
+}
+
+/** This process's settings from its environment, read once (the service's default), for code outside an effect. */
+export const liveSettings = (): SettingsValues => Context.get(Context.empty(), Settings)
+
+/** What the CLI's flags chose: each, when given, replaces the setting resolved from the environment. */
+export interface SettingChoices {
+  readonly tls?: TlsMode | undefined
+  readonly ggmlPackage?: GgmlPackage | undefined
+  readonly gpuMemory?: number | undefined
+}
+
+/** `settings` with the flags' choices on top. */
+export const withChoices = (settings: SettingsValues, choices: SettingChoices): SettingsValues => ({
+  ...settings,
+  ...(choices.tls === undefined ? {} : { tls: choices.tls }),
+  ...(choices.ggmlPackage === undefined ? {} : { ggmlPackage: choices.ggmlPackage }),
+  ...(choices.gpuMemory === undefined ? {} : { gpuMemory: choices.gpuMemory })
+})
+
+/**
+ * The environment of a child process this one starts (a local agent): ours, the user settings a flag can choose as
+ * resolved here (so a flag and its variable mean the same to the agents: --tls, --backend, --gpu-memory), then
+ * `extra` (its cluster token, its parent watch, a test's variables).
+ */
+export const childEnvironment = (settings: SettingsValues, extra: Environment = {}): NodeJS.ProcessEnv => ({
+  ...process.env,
+  [docs.tls.variable]: settings.tls,
+  [docs.ggmlPackage.variable]: settings.ggmlPackage,
+  ...(settings.gpuMemory === undefined ? {} : { [docs.gpuMemory.variable]: String(settings.gpuMemory) }),
+  ...extra
+})

@@ -4,7 +4,7 @@
  * bound by reading weights, so this predicts a stage's ms per token as bytes / speed. Takes a few tens of ms.
  */
 import { GgmlType } from "../../domain/ggmlTypes.js"
-import { getGgml } from "../ggml/Bindings.js"
+import { type GgmlLoad, getGgml } from "../ggml/Bindings.js"
 
 export interface SpeedProbeOptions {
   readonly threads: number
@@ -14,6 +14,8 @@ export interface SpeedProbeOptions {
   /** Stop timing after this long (default 60 ms) or `maxRepeats` products (default 64). */
   readonly budgetMillis?: number
   readonly maxRepeats?: number
+  /** Which ggml package to load, if the probe is the first to load ggml (default: the Settings service's). */
+  readonly ggml?: GgmlLoad
 }
 
 /** Weight bytes per second of one Q8_0 matrix-vector product on the CPU backend. Throws if ggml cannot run it. */
@@ -24,7 +26,7 @@ export const measureSpeed = async (options: SpeedProbeOptions): Promise<number> 
   if (!Number.isSafeInteger(cols) || cols <= 0 || cols % 32 !== 0 || !Number.isSafeInteger(rows) || rows <= 0) {
     throw new RangeError(`speed probe: a ${cols} x ${rows} Q8_0 matrix needs whole rows of 32-value blocks`)
   }
-  const g = getGgml()
+  const g = getGgml(options.ggml)
   const raw = g.raw
   const dev = g.cpuDevice()
   const buft = raw.ggml_backend_dev_buffer_type(dev)

@@ -36,8 +36,8 @@ import { layoutStage } from "./StageLayout.js"
 import { splitForDevice } from "./DeviceSplit.js"
 import { devicePlanContext } from "../../services/DeviceFit.js"
 import { activationWidth } from "./PerLayerInputs.js"
-import { type Ggml, getGgml, type Ptr } from "../ggml/Bindings.js"
-import { engineHooks, gpuMemoryNow, threadsNow } from "../config/Settings.js"
+import { type Ggml, type GgmlLoad, getGgml, type Ptr } from "../ggml/Bindings.js"
+import { liveSettings, Settings, type SettingsValues } from "../config/Settings.js"
 import * as ModelCatalogLive from "../gguf/ModelCatalogLive.js"
 import { ModelCatalog, type ModelCatalogService } from "../../services/ModelCatalog.js"
 
@@ -107,6 +107,8 @@ export interface LiveOptions {
    * SWACTOR_GPU_MEMORY, `--gpu-memory`, when set, else the device's free memory).
    */
   readonly deviceBudgetBytes?: number
+  /** Which ggml package to load, if this executor is the first to load ggml (default: the Settings service's). */
+  readonly ggml?: GgmlLoad
 }
 
 /** A session's context length when it does not say: the option, else min(the model's, 4096). */
@@ -121,7 +123,7 @@ const load =
       const file = yield* catalog.header(spec.path)
       const layout = yield* layoutStage(file, spec)
       const ggml = yield* Effect.try({
-        try: () => getGgml(),
+        try: () => getGgml(options.ggml),
         catch: (e) =>
           new ModelLoadError({
             path: spec.path,
@@ -350,14 +352,15 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
   })
 
 /**
- * The options with the hooks the caller left out read once here, from the environment (config/Settings.ts): when the
+ * The options with the hooks the caller left out taken here from the resolved settings (config/Settings.ts): when the
  * executor is made, never per call.
  */
-const withHooks = (options: LiveOptions): LiveOptions => {
-  const hooks = engineHooks()
-  const threads = threadsNow()
-  const gpuMemory = gpuMemoryNow()
+const withHooks = (options: LiveOptions, settings: SettingsValues): LiveOptions => {
+  const hooks = settings.engineHooks
+  const threads = settings.threads
+  const gpuMemory = settings.gpuMemory
   return {
+    ggml: settings,
     ...(gpuMemory === undefined ? {} : { deviceBudgetBytes: gpuMemory }),
     mmap: hooks.mmap,
     hugePages: hooks.hugePages,
@@ -370,8 +373,9 @@ const withHooks = (options: LiveOptions): LiveOptions => {
 
 export const make = (
   options: LiveOptions = {},
-  catalog: ModelCatalogService = ModelCatalogLive.make
-): StageExecutorService => makeWith(withHooks(options), catalog)
+  catalog: ModelCatalogService = ModelCatalogLive.make,
+  settings: SettingsValues = liveSettings()
+): StageExecutorService => makeWith(withHooks(options, settings), catalog)
 
 const makeWith = (options: LiveOptions, catalog: ModelCatalogService): StageExecutorService => ({
   load: load(options, catalog),
@@ -415,7 +419,7 @@ const stageGpu = (spec: StageLoadSpec, ggml: Ggml): Effect.Effect<Ptr | null, Mo
 export const layerWithCatalog = (options: LiveOptions = {}): Layer.Layer<StageExecutor, never, ModelCatalog> =>
   Layer.effect(
     StageExecutor,
-    Effect.map(ModelCatalog, (catalog) => make(options, catalog))
+    Effect.map(Effect.all([ModelCatalog, Settings]), ([catalog, settings]) => make(options, catalog, settings))
   )
 
 /** The live executor with options (e.g. `repack: false`), over the live model catalog. */

@@ -11,7 +11,7 @@ import koffi, { type LibraryHandle } from "koffi"
 import { join } from "node:path"
 import { type GgmlLibraryDir, locateGgmlLibraries } from "./Platform.js"
 import { GgmlType, ggmlTypeInfo } from "../../domain/ggmlTypes.js"
-import { ggmlDebugLog, ggmlPackageNow } from "../config/Settings.js"
+import { liveSettings, type SettingsValues } from "../config/Settings.js"
 
 /** The node-llama-cpp build these bindings were written against (node-llama-cpp 3.21.1). */
 export const expectedBuild = {
@@ -637,8 +637,8 @@ let logCallback: unknown
  * ggml's default logger prints every level (a repacked weight logs one debug line each). Keep warnings and
  * errors on stderr, drop debug/info unless SWACTOR_GGML_LOG=debug. Done once, before any backend is loaded.
  */
-const installLogFilter = (raw: GgmlRaw) => {
-  if (ggmlDebugLog() || logCallback !== undefined) return
+const installLogFilter = (raw: GgmlRaw, debugLog: boolean) => {
+  if (debugLog || logCallback !== undefined) return
   const proto = koffi.proto("void swactor_ggml_log(int level, const char * text, void * user_data)")
   let last = 0
   logCallback = koffi.register((level: number, text: string | null) => {
@@ -687,14 +687,14 @@ const deviceQueries = (raw: GgmlRaw, ensureCpu: () => void): Pick<Ggml, "gpuDevi
   }
 }
 
-const init = (): Ggml => {
+const init = (load: GgmlLoad): Ggml => {
   if (process.arch !== "x64" && process.arch !== "arm64") {
     throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
   }
   // `swactor node --backend` / SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda", "vulkan" or "auto" (the CUDA package
   // when an NVIDIA driver is visible, else the Vulkan one with a Vulkan loader; config/Settings.ts). A stage computes
   // on the package's GPU when its backend asks for one (StageExecutorLive), else on its CPU device.
-  const located = locateGgmlLibraries({ backend: ggmlPackageNow() })
+  const located = locateGgmlLibraries({ backend: load.ggmlPackage, ggmlDir: load.ggmlDir })
   if ("tried" in located) {
     throw new GgmlBindingError(
       `node-llama-cpp's ggml libraries were not found for ${process.platform}-${process.arch}; looked in: ${located.tried.join(
@@ -733,7 +733,7 @@ const init = (): Ggml => {
     throw new GgmlBindingError(`ggml in ${located.dir} lacks a function the bindings need: ${String(e)}`)
   }
   checkLayout(raw)
-  installLogFilter(raw)
+  installLogFilter(raw, load.ggmlDebugLog)
 
   let cpuReady = false
   let setThreadsPtr: Ptr | null = null
@@ -850,12 +850,18 @@ const statusOnWorker = (fn: AsyncFn, ...args: Array<unknown>): Promise<number> =
     })
   })
 
-/** The ggml handle (loaded on first call). Throws GgmlBindingError with a clear message on mismatch. */
-export const getGgml = (): Ggml => {
+/** What loading ggml reads of the settings: the package, a folder tried first, whether ggml's debug lines are kept. */
+export type GgmlLoad = Pick<SettingsValues, "ggmlPackage" | "ggmlDir" | "ggmlDebugLog">
+
+/**
+ * The ggml handle (loaded on first call, with `load`: default, this process's settings from its environment; a
+ * `swactor node --backend` passes its own). Throws GgmlBindingError with a clear message on mismatch.
+ */
+export const getGgml = (load?: GgmlLoad): Ggml => {
   if (cached !== undefined) return cached
   if (cachedError !== undefined) throw cachedError
   try {
-    cached = init()
+    cached = init(load ?? liveSettings())
     return cached
   } catch (e) {
     cachedError = e instanceof GgmlBindingError ? e : new GgmlBindingError(String(e))

@@ -2,7 +2,7 @@ import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { createRequire } from "node:module"
 import { dirname, join } from "node:path"
 import type { Backend } from "../../domain/engine.js"
-import { ggmlDirNow, windowsRoot } from "../config/Settings.js"
+import { liveSettings, windowsRoot } from "../config/Settings.js"
 
 /**
  * Where node-llama-cpp's prebuilt ggml libraries live. node-llama-cpp ships them in one
@@ -119,10 +119,10 @@ const findLibs = (dir: string, platform: NodeJS.Platform) => {
  * Returns a list of what was tried when nothing fits, so the caller can say where it looked.
  */
 export const locateGgmlLibraries = (
-  options: { readonly backend?: Backend } = {}
+  options: { readonly backend?: Backend; readonly ggmlDir?: string | undefined } = {}
 ): GgmlLibraryDir | { readonly tried: ReadonlyArray<string> } => {
   const backend = options.backend ?? "cpu"
-  const envDir = ggmlDirNow()
+  const envDir = options.ggmlDir ?? liveSettings().ggmlDir
   const tried: Array<string> = []
   const gpuPackage = gpuPackageOf(backend)
   const candidates: Array<{ packageName: string; dir: string }> = []

@@ -12,7 +12,7 @@
  * - A connection dropped mid-range is resumed from the last byte received.
  */
 import { Data, Duration, Effect, Redacted, Schedule } from "effect"
-import { hubEndpointNow, hubTokenNow } from "../config/Settings.js"
+import type { SettingsValues } from "../config/Settings.js"
 import { type ModelName } from "../../domain/modelName.js"
 
 export class HubError extends Data.TaggedError("HubError")<{
@@ -31,10 +31,10 @@ export interface HubAccess {
   readonly attempts?: number
 }
 
-/** The settings of this process: MODEL_ENDPOINT / HF_ENDPOINT and HF_TOKEN (config/Settings.ts). */
-export const hubAccessNow = (): HubAccess => {
-  const token = hubTokenNow()
-  return { endpoint: hubEndpointNow(), ...(token === undefined ? {} : { token }) }
+/** The hub of the resolved settings: MODEL_ENDPOINT / HF_ENDPOINT and HF_TOKEN (config/Settings.ts). */
+export const hubAccessOf = (settings: Pick<SettingsValues, "hubEndpoint" | "hubToken">): HubAccess => {
+  const token = settings.hubToken
+  return { endpoint: settings.hubEndpoint, ...(token === undefined ? {} : { token }) }
 }
 
 /** A URL fit for a message: no query string, no fragment. */

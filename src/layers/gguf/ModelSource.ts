@@ -9,7 +9,7 @@ import * as Path from "node:path"
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import { isRemoteModel } from "../../domain/modelName.js"
-import { swactorCacheDir } from "../config/Settings.js"
+import { Settings } from "../config/Settings.js"
 import { readGgufFile } from "./GgufReader.js"
 import { type GgufTypedValue, writeGgufFile } from "./GgufWriter.js"
 import { openRemoteModel } from "./RemoteGguf.js"
@@ -27,7 +27,7 @@ export const localMetadataFile = (named: string): Effect.Effect<string, ModelLoa
   Effect.gen(function* () {
     if (!isRemoteModel(named)) return named
     const model = yield* openRemoteModel(named)
-    const path = Path.join(swactorCacheDir(), "hub", "vocab", `${model.id}.gguf`)
+    const path = Path.join((yield* Settings).cacheDir, "hub", "vocab", `${model.id}.gguf`)
     if (Fs.existsSync(path)) return path
     const metadata: Array<readonly [string, GgufTypedValue]> = []
     for (const [key, kind] of model.file.metadataTypes) {

@@ -16,12 +16,12 @@ import * as Path from "node:path"
 import { Effect } from "effect"
 import { type GgufFile, ModelLoadError } from "../../domain/gguf.js"
 import { type ModelName, parseModelName } from "../../domain/modelName.js"
-import { swactorCacheDir } from "../config/Settings.js"
+import { Settings } from "../config/Settings.js"
 import { NeedMoreBytes, parseGgufPrefix } from "./GgufReader.js"
 import { mergeSplitSet, splitPosition } from "./GgufSplit.js"
 import {
   type HubAccess,
-  hubAccessNow,
+  hubAccessOf,
   type HubError,
   headFile,
   readRange,
@@ -50,7 +50,7 @@ export interface RemoteModel {
 }
 
 /** The folder remote headers are kept in (`$XDG_CACHE_HOME/swactor/hub/headers`). */
-export const defaultHeaderCacheDir = (): string => Path.join(swactorCacheDir(), "hub", "headers")
+export const defaultHeaderCacheDir = (cacheDir: string): string => Path.join(cacheDir, "hub", "headers")
 
 const FIRST_READ = 64 * 1024
 const READ_AHEAD = 64 * 1024
@@ -287,8 +287,9 @@ export const openRemoteModel = (
     if (name._tag === "Local") {
       return yield* new ModelLoadError({ path: named, reason: "Io", message: `${named} is not a hub name or URL` })
     }
-    const access = options.access ?? hubAccessNow()
-    const dir = options.cacheDir ?? defaultHeaderCacheDir()
+    const settings = yield* Settings
+    const access = options.access ?? hubAccessOf(settings)
+    const dir = options.cacheDir ?? defaultHeaderCacheDir(settings.cacheDir)
     // One start opens the model several times (catalog, tokenizer, delivery): the hub is asked once a while.
     const asked = `${access.endpoint}|${named}|${dir}`
     const fresh = options.remember === false ? undefined : recently.get(asked)

@@ -12,7 +12,8 @@ import { Effect } from "effect"
 import { type GgufFile, type GgufTensorInfo, ModelLoadError } from "../../domain/gguf.js"
 import { readGgufFile } from "./GgufReader.js"
 import { sliceHash, sliceHashOf, type SliceRange, sliceTensors, writeGgufSlice } from "./GgufSlice.js"
-import { type HubAccess, hubAccessNow, type HubError, readRange } from "./HubClient.js"
+import { type HubAccess, hubAccessOf, type HubError, readRange } from "./HubClient.js"
+import { Settings } from "../config/Settings.js"
 import { type RemoteModel, remoteSliceId } from "./RemoteGguf.js"
 
 /** Bytes between two tensors of one part that are fetched rather than split into two requests (alignment padding). */
@@ -156,7 +157,7 @@ export const fetchRemoteSlice = (
     const id = remoteSliceId(model, range)
     const held = yield* heldRemoteSlice(dir, id, range)
     if (held !== undefined) return { ...held, fetchedBytes: 0 }
-    const access = options.access ?? hubAccessNow()
+    const access = options.access ?? hubAccessOf(yield* Settings)
     const runs = sliceRuns(model.file, range)
     const total = runs.reduce((n, r) => n + (r.end - r.start), 0)
     const raw = Path.join(dir, `${id}.fetch`)

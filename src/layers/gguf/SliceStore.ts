@@ -8,7 +8,6 @@
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Effect } from "effect"
-import { swactorCacheDir } from "../config/Settings.js"
 import { type StageWeights, WeightDeliveryError, type WeightsHeld } from "../../domain/controlRpc.js"
 import { ModelLoadError } from "../../domain/gguf.js"
 import { isRemoteModel } from "../../domain/modelName.js"
@@ -30,7 +29,7 @@ export interface WeightStoreOptions {
 }
 
 /** `$XDG_CACHE_HOME/swactor/slices` (default `~/.cache/swactor/slices`; config/Settings.ts). */
-export const defaultSliceCacheDir = (): string => Path.join(swactorCacheDir(), "slices")
+export const defaultSliceCacheDir = (cacheDir: string): string => Path.join(cacheDir, "slices")
 
 export interface WeightStore {
   readonly check: (weights: StageWeights) => Effect.Effect<WeightsHeld, WeightDeliveryError>

@@ -19,6 +19,7 @@ import { type AgentLink, AgentUnavailable } from "../../services/AgentLinks.js"
 import type { RunUpdate } from "../../services/Orchestrator.js"
 import { readGgufFile } from "../gguf/GgufReader.js"
 import { sliceHash, type SliceRange, writeGgufSlice } from "../gguf/GgufSlice.js"
+import { Settings } from "../config/Settings.js"
 import { defaultSliceCacheDir } from "../gguf/SliceStore.js"
 import { openRemoteModel, type RemoteModel, remoteSliceId } from "../gguf/RemoteGguf.js"
 import { fetchRemoteSlice, sliceFetchBytes } from "../gguf/RemoteSlice.js"
@@ -97,7 +98,8 @@ const certifiedSha256 = (
     return digest
   })
 
-export const defaultOutgoingDir = (): string => Path.join(Path.dirname(defaultSliceCacheDir()), "outgoing")
+export const defaultOutgoingDir = (cacheDir: string): string =>
+  Path.join(Path.dirname(defaultSliceCacheDir(cacheDir)), "outgoing")
 
 const failed = (link: AgentLink, message: string) => new AgentUnavailable({ address: link.node.address, message })
 
@@ -285,7 +287,7 @@ export const deliverWeights = (
 ): Effect.Effect<ReadonlyArray<StageDelivery>, AgentUnavailable> =>
   Effect.gen(function* () {
     const { remote, file, numLayers } = yield* modelOf(input.modelPath)
-    const outgoingDir = input.outgoingDir ?? defaultOutgoingDir()
+    const outgoingDir = input.outgoingDir ?? defaultOutgoingDir((yield* Settings).cacheDir)
     const chunkBytes = input.chunkBytes ?? DEFAULT_CHUNK
 
     const one = (stageIndex: number, nodeId: number, [layerStart, layerEndExclusive]: LayerRange) =>

@@ -16,14 +16,14 @@ import type * as Net from "node:net"
 import * as Tls from "node:tls"
 import { type Duration, Effect, Redacted } from "effect"
 import { AuthFailed } from "../../domain/frames.js"
-import { type TlsMode, tlsModeNow } from "../config/Settings.js"
+import { Settings, type TlsMode } from "../config/Settings.js"
 
 /** The cluster token (Auth.ts's `ClusterToken`; not imported from there, which imports this module). */
 type ClusterToken = Redacted.Redacted<string>
 
 export type { TlsMode }
 
-/** The variable tests set to choose the mode of in-process links. */
+/** The variable that gives a child agent its mode (a test sets it in the agents' environment). */
 export const TLS_ENV = "SWACTOR_TLS"
 const IDENTITY = "swactor-v1"
 const CIPHER = "TLS_AES_128_GCM_SHA256"
@@ -132,6 +132,8 @@ export const secure = (
     readonly timeout: Duration.DurationInput
   }
 ): Effect.Effect<Net.Socket, AuthFailed> =>
-  wantsTls(socket, options.mode ?? tlsModeNow())
-    ? handshake(socket, side, options.token, options.timeout)
-    : Effect.succeed(socket)
+  Effect.flatMap(Settings, (settings) =>
+    wantsTls(socket, options.mode ?? settings.tls)
+      ? handshake(socket, side, options.token, options.timeout)
+      : Effect.succeed(socket)
+  )
