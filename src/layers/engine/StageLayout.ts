@@ -153,58 +153,67 @@ export const readModelHParams = (
     return { arch, hp: arch.hparams === undefined ? common : yield* arch.hparams(file, common) }
   })
 
-/** Plans (and fully validates) the load of one stage. */
-export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
+/** The block range: non-empty, inside the model, first and last as the spec says, no shared KV cut apart. */
+const checkRange = (file: GgufFile, hp: HParams, spec: StageLoadSpec): Effect.Effect<void, ModelLoadError> => {
+  const { layerEndExclusive: end, layerStart: start } = spec
+  if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > hp.nLayer || start >= end) {
+    return fail(
+      file,
+      "InvalidLayerRange",
+      `block range [${start}, ${end}) is not a non-empty range inside the model's ${hp.nLayer} blocks`
+    )
+  }
+  if (spec.isFirst !== (start === 0)) {
+    return fail(file, "InvalidLayerRange", `isFirst=${spec.isFirst} but the range starts at block ${start}`)
+  }
+  if (spec.isLast !== (end === hp.nLayer)) {
+    return fail(file, "InvalidLayerRange", `isLast=${spec.isLast} but the range ends at block ${end} of ${hp.nLayer}`)
+  }
+  // a block that reads an earlier block's KV cache runs on the stage that holds that cache (HParams.kvShare)
+  const cut = kvShareCut(hp, start, end)
+  if (cut !== undefined) return fail(file, "InvalidLayerRange", cut)
+  return Effect.void
+}
+
+const embdSpecOf = (hp: HParams): TensorSpec => ({
+  name: "token_embd.weight",
+  dims: [hp.nEmbd, hp.nVocab],
+  kind: "matrix",
+  required: true
+})
+
+/** The first stage's tensors: the token embeddings, and tables looked up by token id and their projections. */
+const inputTensors = (file: GgufFile, arch: ArchModule, hp: HParams, out: Array<PlannedTensor>) =>
   Effect.gen(function* () {
-    const { arch, hp } = yield* readModelHParams(file)
-    const { layerEndExclusive: end, layerStart: start } = spec
-    if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || end > hp.nLayer || start >= end) {
-      return yield* fail(
-        file,
-        "InvalidLayerRange",
-        `block range [${start}, ${end}) is not a non-empty range inside the model's ${hp.nLayer} blocks`
-      )
+    const info = yield* checkTensor(file, "token_embd.weight", embdSpecOf(hp))
+    if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows", part: "input" })
+    // first stage only: tables looked up by token id (gemma4's per_layer_token_embd) and their projections
+    for (const s of arch.inputTensors?.(hp) ?? []) {
+      const info = yield* checkTensor(file, s.name, s)
+      if (info !== undefined)
+        out.push({
+          name: s.name,
+          info,
+          use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s),
+          part: "input"
+        })
     }
-    if (spec.isFirst !== (start === 0)) {
-      return yield* fail(file, "InvalidLayerRange", `isFirst=${spec.isFirst} but the range starts at block ${start}`)
-    }
-    if (spec.isLast !== (end === hp.nLayer)) {
-      return yield* fail(
-        file,
-        "InvalidLayerRange",
-        `isLast=${spec.isLast} but the range ends at block ${end} of ${hp.nLayer}`
-      )
-    }
-    // a block that reads an earlier block's KV cache runs on the stage that holds that cache (HParams.kvShare)
-    const cut = kvShareCut(hp, start, end)
-    if (cut !== undefined) return yield* fail(file, "InvalidLayerRange", cut)
-    const out: Array<PlannedTensor> = []
-    const embdSpec: TensorSpec = {
-      name: "token_embd.weight",
-      dims: [hp.nEmbd, hp.nVocab],
-      kind: "matrix",
-      required: true
-    }
-    if (spec.isFirst) {
-      const info = yield* checkTensor(file, "token_embd.weight", embdSpec)
-      if (info !== undefined) out.push({ name: "token_embd.weight", info, use: "get_rows", part: "input" })
-      // first stage only: tables looked up by token id (gemma4's per_layer_token_embd) and their projections
-      for (const s of arch.inputTensors?.(hp) ?? []) {
-        const info = yield* checkTensor(file, s.name, s)
-        if (info !== undefined)
-          out.push({
-            name: s.name,
-            info,
-            use: s.name.endsWith("token_embd.weight") ? "get_rows" : useOf(s),
-            part: "input"
-          })
-      }
-    }
+  })
+
+/** The tensors every stage holds, then each block's of the range. */
+const sharedAndBlockTensors = (
+  file: GgufFile,
+  arch: ArchModule,
+  hp: HParams,
+  spec: StageLoadSpec,
+  out: Array<PlannedTensor>
+) =>
+  Effect.gen(function* () {
     for (const s of arch.sharedTensors?.(hp) ?? []) {
       const info = yield* checkTensor(file, s.name, s)
       if (info !== undefined) out.push({ name: s.name, info, use: useOf(s), part: "shared" })
     }
-    for (let il = start; il < end; il++) {
+    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
       // per block: an architecture may mix block kinds (glm4moe: dense leading blocks, then routed ones)
       for (const s of arch.blockTensors(hp, il)) {
         const name = `blk.${il}.${s.name}`
@@ -212,37 +221,59 @@ export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<
         if (info !== undefined) out.push({ name, info, use: useOf(s), part: "block" })
       }
     }
+  })
+
+/** The last stage's tensors: the output norm, the output head (the token embeddings when tied), the architecture's. */
+const outputTensors = (file: GgufFile, arch: ArchModule, hp: HParams, out: Array<PlannedTensor>) =>
+  Effect.gen(function* () {
+    const embdSpec = embdSpecOf(hp)
     let tiedOutput = false
-    if (spec.isLast) {
-      const norm = yield* checkTensor(file, "output_norm.weight", {
-        name: "output_norm.weight",
-        dims: [hp.nEmbd],
-        kind: "vector",
-        required: true
-      })
-      if (norm !== undefined) out.push({ name: "output_norm.weight", info: norm, use: "vector", part: "output" })
-      const output = yield* checkTensor(file, "output.weight", { ...embdSpec, name: "output.weight", required: false })
-      if (output !== undefined) {
-        out.push({ name: "output.weight", info: output, use: "mul_mat", part: "output" })
-      } else {
-        tiedOutput = true
-        const embd = yield* checkTensor(file, "token_embd.weight", embdSpec)
-        if (embd !== undefined) out.push({ name: "output.weight", info: embd, use: "mul_mat", part: "output" })
-      }
-      for (const s of arch.outputTensors?.(hp) ?? []) {
-        const info = yield* checkTensor(file, s.name, s)
-        if (info !== undefined) out.push({ name: s.name, info, use: useOf(s), part: "output" })
-      }
+    const norm = yield* checkTensor(file, "output_norm.weight", {
+      name: "output_norm.weight",
+      dims: [hp.nEmbd],
+      kind: "vector",
+      required: true
+    })
+    if (norm !== undefined) out.push({ name: "output_norm.weight", info: norm, use: "vector", part: "output" })
+    const output = yield* checkTensor(file, "output.weight", { ...embdSpec, name: "output.weight", required: false })
+    if (output !== undefined) {
+      out.push({ name: "output.weight", info: output, use: "mul_mat", part: "output" })
+    } else {
+      tiedOutput = true
+      const embd = yield* checkTensor(file, "token_embd.weight", embdSpec)
+      if (embd !== undefined) out.push({ name: "output.weight", info: embd, use: "mul_mat", part: "output" })
     }
-    for (const t of out) {
-      if (t.info.offset + t.info.byteSize > tensorFileSize(file, t.info)) {
-        return yield* fail(
-          file,
-          "OffsetOutOfBounds",
-          `tensor "${t.info.name}" data ends past the end of ${t.info.part === undefined ? "the file" : tensorFilePath(file, t.info)}`
-        )
-      }
+    for (const s of arch.outputTensors?.(hp) ?? []) {
+      const info = yield* checkTensor(file, s.name, s)
+      if (info !== undefined) out.push({ name: s.name, info, use: useOf(s), part: "output" })
     }
+    return tiedOutput
+  })
+
+/** Every planned tensor's data inside its file. */
+const checkInFile = (file: GgufFile, out: ReadonlyArray<PlannedTensor>): Effect.Effect<void, ModelLoadError> => {
+  for (const t of out) {
+    if (t.info.offset + t.info.byteSize > tensorFileSize(file, t.info)) {
+      return fail(
+        file,
+        "OffsetOutOfBounds",
+        `tensor "${t.info.name}" data ends past the end of ${t.info.part === undefined ? "the file" : tensorFilePath(file, t.info)}`
+      )
+    }
+  }
+  return Effect.void
+}
+
+/** Plans (and fully validates) the load of one stage. */
+export const layoutStage = (file: GgufFile, spec: StageLoadSpec): Effect.Effect<StageLayout, ModelLoadError> =>
+  Effect.gen(function* () {
+    const { arch, hp } = yield* readModelHParams(file)
+    yield* checkRange(file, hp, spec)
+    const out: Array<PlannedTensor> = []
+    if (spec.isFirst) yield* inputTensors(file, arch, hp, out)
+    yield* sharedAndBlockTensors(file, arch, hp, spec, out)
+    const tiedOutput = spec.isLast ? yield* outputTensors(file, arch, hp, out) : false
+    yield* checkInFile(file, out)
     const weightBytes = out.reduce((s, t) => s + t.info.byteSize, 0)
     return { file, arch, hp, spec, tensors: out, weightBytes, tiedOutput }
   })
