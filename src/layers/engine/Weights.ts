@@ -309,69 +309,74 @@ const MAPPED_ALIGNMENT = 32
 const mmapWanted = (option: boolean | undefined, device: DeviceKind): boolean =>
   device === "cpu" && option !== false && canMap()
 
+/** How loadWeights places and reads a stage's weights. */
+interface LoadOptions {
+  readonly repack?: boolean
+  readonly device?: DeviceKind
+  readonly mmap?: boolean
+  /** Fixes the few-row route's row limit for every weight type (nothing measured); see NativeWeights.smallRowsFor. */
+  readonly smallBatchRows?: number
+  /** Lone calls read hidden inputs in place (default true; Forward.ts). */
+  readonly zeroCopy?: boolean
+  /** Advise transparent huge pages for CPU weight memory (default true). */
+  readonly hugePages?: boolean
+  /** A GPU stage: the first block in device memory (default: the stage's first, every block on the device). */
+  readonly deviceFrom?: number
+  readonly onProgress?: (p: LoadProgress) => void
+}
+
 /**
- * Allocates and reads the tensors of the stage layout. Throws on native or I/O failure (after freeing what it made).
- *
- * On the CPU (unless `mmap: false`, as StageExecutorLive passes for SWACTOR_MMAP=0) the stage's byte ranges of the
- * file are mapped read-only:
- * plain weights (and their page cache) are used in place, repacked ones are repacked from the mapping. When
- * mapping fails the weights are read into allocated buffers as before.
+ * The stage's byte ranges of its file (a split set's parts apart, only those holding the stage's tensors), mapped
+ * read-only and not prefaulted whole; none when mapping is not wanted or fails (the weights are then read).
  */
-export const loadWeights = async (
+const mapStageRanges = async (
   layout: StageLayout,
-  options: {
-    readonly repack?: boolean
-    readonly device?: DeviceKind
-    readonly mmap?: boolean
-    /** Fixes the few-row route's row limit for every weight type (nothing measured); see NativeWeights.smallRowsFor. */
-    readonly smallBatchRows?: number
-    /** Lone calls read hidden inputs in place (default true; Forward.ts). */
-    readonly zeroCopy?: boolean
-    /** Advise transparent huge pages for CPU weight memory (default true). */
-    readonly hugePages?: boolean
-    /** A GPU stage: the first block in device memory (default: the stage's first, every block on the device). */
-    readonly deviceFrom?: number
-    readonly onProgress?: (p: LoadProgress) => void
-  } = {}
-): Promise<NativeWeights> => {
-  const g = getGgml()
-  const raw = g.raw
-  const device = options.device ?? "cpu"
-  const dev = device === "gpu" ? g.gpuDevice() : g.cpuDevice()
-  if (dev === null) throw new Error("no GPU device: load node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda)")
-  // on a GPU every weight lives in device memory; on the CPU quantized matrices may be repacked
-  const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
-  const extra = options.repack === false || device === "gpu" ? [] : g.cpuExtraBufferTypes()
-  const homeBuft = homeOf(g, layout, device, dev, options.deviceFrom ?? layout.spec.layerStart)
-
-  let regions: ReadonlyArray<FileRegion> = []
-  if (mmapWanted(options.mmap, device)) {
-    try {
-      // not prefaulted whole: the tensors copied out (repacked, unaligned) are read once, then their pages released
-      // a split set's parts map apart, and only those holding this stage's tensors
-      const byFile = new Map<string, Array<{ offset: number; size: number }>>()
-      for (const t of layout.tensors) {
-        const path = tensorFilePath(layout.file, t.info)
-        if (!byFile.has(path)) byFile.set(path, [])
-        byFile.get(path)!.push({ offset: t.info.offset, size: t.info.byteSize })
-      }
-      const mapped: Array<FileRegion> = []
-      try {
-        for (const [path, ranges] of byFile) mapped.push(...(await mapRanges(path, ranges, { populate: false })))
-      } catch (e) {
-        unmapAll(mapped)
-        throw e
-      }
-      regions = mapped
-    } catch (e) {
-      // a file now shorter than its table must not be read either; any other mapping failure: copy instead
-      if (e instanceof Error && e.message.startsWith("the file is")) throw e
-      regions = []
+  mmap: boolean | undefined,
+  device: DeviceKind
+): Promise<ReadonlyArray<FileRegion>> => {
+  if (!mmapWanted(mmap, device)) return []
+  try {
+    // not prefaulted whole: the tensors copied out (repacked, unaligned) are read once, then their pages released
+    // a split set's parts map apart, and only those holding this stage's tensors
+    const byFile = new Map<string, Array<{ offset: number; size: number }>>()
+    for (const t of layout.tensors) {
+      const path = tensorFilePath(layout.file, t.info)
+      if (!byFile.has(path)) byFile.set(path, [])
+      byFile.get(path)!.push({ offset: t.info.offset, size: t.info.byteSize })
     }
+    const mapped: Array<FileRegion> = []
+    try {
+      for (const [path, ranges] of byFile) mapped.push(...(await mapRanges(path, ranges, { populate: false })))
+    } catch (e) {
+      unmapAll(mapped)
+      throw e
+    }
+    return mapped
+  } catch (e) {
+    // a file now shorter than its table must not be read either; any other mapping failure: copy instead
+    if (e instanceof Error && e.message.startsWith("the file is")) throw e
+    return []
   }
+}
 
-  // group tensors by where they live: a buffer type (allocated, filled by copies) or a file region (in place)
-  const groups = new Map<Ptr | FileRegion, Array<{ name: string; index: number; addr?: bigint }>>()
+/** A group's member: the tensor's index in the layout, and its address when used in place in a mapping. */
+type GroupMember = { name: string; index: number; addr?: bigint }
+
+/** Where the tensors live, in first-seen order: a buffer type (allocated, filled by copies) or a file region (in place). */
+interface TensorGroups {
+  readonly groups: Map<Ptr | FileRegion, Array<GroupMember>>
+  readonly keys: Array<Ptr | FileRegion>
+}
+
+const groupTensors = (
+  g: Ggml,
+  layout: StageLayout,
+  homeBuft: (t: PlannedTensor) => Ptr,
+  extra: ReturnType<Ggml["cpuExtraBufferTypes"]>,
+  cpuBuft: Ptr,
+  regions: ReadonlyArray<FileRegion>
+): TensorGroups => {
+  const groups = new Map<Ptr | FileRegion, Array<GroupMember>>()
   const keys: Array<Ptr | FileRegion> = []
   layout.tensors.forEach((t, index) => {
     let buft = homeBuft(t)
@@ -392,181 +397,291 @@ export const loadWeights = async (
     }
     groups.get(key)!.push(addr === undefined ? { name: t.name, index } : { name: t.name, index, addr })
   })
+  return { groups, keys }
+}
 
-  const contexts: Array<Ptr> = []
-  const buffers: Array<Ptr> = []
-  const tensors = new Map<string, Ptr>()
-  const placements: Array<TensorPlacement> = []
-  const mapped = new Set<string>()
-  const mappedTensors: Array<{ name: string; p: Ptr; bytes: number }> = []
+/** What a load has made so far (freed by loadWeights if it fails), and its tallies. */
+interface WeightsInProgress {
+  readonly raw: Ggml["raw"]
+  readonly layout: StageLayout
+  readonly device: DeviceKind
+  readonly cpuBuft: Ptr
+  readonly contexts: Array<Ptr>
+  readonly buffers: Array<Ptr>
+  readonly tensors: Map<string, Ptr>
+  readonly placements: Array<TensorPlacement>
+  /** names of the tensors used in place in a mapping */
+  readonly mapped: Set<string>
+  readonly mappedTensors: Array<{ name: string; p: Ptr; bytes: number }>
   /** tensors in an extra (repacked) buffer type: set whole, repacking needs every row at once */
-  const repacked = new Set<string>()
+  readonly repacked: Set<string>
+  readonly inPlaceRanges: Array<readonly [bigint, number]>
+  bufferBytes: number
+  deviceBytes: number
+  mappedBytes: number
+}
+
+/** A group's context and its tensors (not yet allocated), each checked against the GGUF table's byte size. */
+const newGroupTensors = (s: WeightsInProgress, members: ReadonlyArray<GroupMember>) => {
+  const { raw, layout } = s
+  const ctx = raw.ggml_init({
+    mem_size: raw.ggml_tensor_overhead() * (members.length + 1),
+    mem_buffer: null,
+    no_alloc: true
+  })
+  if (ctx === null) throw new Error("ggml_init failed for the weights context")
+  s.contexts.push(ctx)
+  const made: Array<{ p: Ptr; addr?: bigint }> = []
+  for (const m of members) {
+    const t = layout.tensors[m.index]!
+    const d = t.info.dims
+    const p =
+      d.length <= 1
+        ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
+        : d.length === 2
+          ? raw.ggml_new_tensor_2d(ctx, t.info.type, d[0]!, d[1]!)
+          : raw.ggml_new_tensor_3d(ctx, t.info.type, d[0]!, d[1]!, d[2] ?? 1)
+    raw.ggml_set_name(p, t.name.slice(0, 63))
+    const nbytes = raw.ggml_nbytes(p)
+    if (nbytes !== t.info.byteSize) {
+      throw new Error(`tensor ${t.name}: ggml says ${nbytes} bytes, the GGUF table ${t.info.byteSize}`)
+    }
+    s.tensors.set(t.name, p)
+    made.push(m.addr === undefined ? { p } : { p, addr: m.addr })
+  }
+  return { ctx, made }
+}
+
+/** A group used in place: a CPU buffer over the mapped region, each tensor at its address in it. */
+const placeInMapping = (
+  s: WeightsInProgress,
+  region: FileRegion,
+  members: ReadonlyArray<GroupMember>,
+  made: ReadonlyArray<{ p: Ptr; addr?: bigint }>
+) => {
+  const raw = s.raw
+  const buffer = raw.ggml_backend_cpu_buffer_from_ptr(region.base, region.length)
+  if (buffer === null) throw new Error("could not make a CPU buffer over the mapped weights")
+  s.buffers.push(buffer)
+  raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+  const align = raw.ggml_backend_buffer_get_alignment(buffer)
+  for (const [i, m] of made.entries()) {
+    const t = s.layout.tensors[members[i]!.index]!
+    if (align <= 0 || m.addr! % BigInt(align) !== 0n) {
+      throw new Error(`tensor ${t.name}: mapped address is not aligned to ${align} bytes`)
+    }
+    if (raw.ggml_backend_tensor_alloc(buffer, m.p, m.addr!) !== 0) {
+      throw new Error(`tensor ${t.name}: could not place it in the mapped weights`)
+    }
+    s.mapped.add(t.name)
+    s.inPlaceRanges.push([m.addr!, t.info.byteSize])
+    s.mappedTensors.push({ name: t.name, p: m.p, bytes: t.info.byteSize })
+    s.mappedBytes += t.info.byteSize
+    s.placements.push({ name: t.name, bufferType: MAPPED_BUFFER_TYPE, bytes: t.info.byteSize })
+  }
+}
+
+/** A group of one buffer type: one buffer allocated for its context's tensors (huge pages advised on the CPU). */
+const allocateGroup = (
+  s: WeightsInProgress,
+  ctx: Ptr,
+  buft: Ptr,
+  members: ReadonlyArray<GroupMember>,
+  hugePages: boolean | undefined
+) => {
+  const { raw, device, cpuBuft } = s
+  for (const m of members) {
+    const t = s.layout.tensors[m.index]!
+    s.placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
+    if (device === "cpu" && buft !== cpuBuft) s.repacked.add(t.name)
+  }
+  const buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+  if (buffer === null) {
+    throw new Error(`could not allocate ${raw.ggml_backend_buft_name(buft)} memory for the stage's weights`)
+  }
+  raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+  if (device === "cpu" && hugePages !== false) {
+    adviseHugePages(raw.ggml_backend_buffer_get_base(buffer), raw.ggml_backend_buffer_get_size(buffer))
+  }
+  s.buffers.push(buffer)
+  s.bufferBytes += raw.ggml_backend_buffer_get_size(buffer)
+  if (device === "gpu" && buft === cpuBuft) s.deviceBytes += raw.ggml_backend_buffer_get_size(buffer)
+}
+
+/** Reports bytes loaded so far of the stage's total. */
+type Progress = (loaded: number) => void
+
+/**
+ * In place: nothing to copy, only prefaulted; the rest (repacked or unaligned) is set from the mapping, whole, and its
+ * pages leave the resident set once copied (rounded inward: a neighbour read in place keeps its own). Returns the bytes
+ * released from the mappings.
+ */
+const fillFromMapping = async (
+  s: WeightsInProgress,
+  regions: ReadonlyArray<FileRegion>,
+  order: ReadonlyArray<PlannedTensor>,
+  progress: Progress
+): Promise<number> => {
+  const raw = s.raw
+  let loaded = 0
+  await populateRanges(regions, s.inPlaceRanges)
+  for (const t of order) {
+    if (!s.mapped.has(t.name) && t.info.byteSize > 0) {
+      const at = locate(regions, tensorFilePath(s.layout.file, t.info), t.info.offset, t.info.byteSize)
+      if (at === undefined) throw new Error(`internal: tensor ${t.name} is outside the mapped ranges`)
+      raw.ggml_backend_tensor_set_from(s.tensors.get(t.name)!, at.addr, 0, t.info.byteSize)
+      releasePages(at.addr, at.addr + BigInt(t.info.byteSize))
+    }
+    loaded += t.info.byteSize
+    progress(loaded)
+  }
+  // the repacked and unaligned tensors were copied out: only the in-place ones still read the mapping
+  return releaseAllBut(regions, s.inPlaceRanges)
+}
+
+/** Reads every tensor from its file in chunks (a repacked one whole: repacking needs every row at once). */
+const fillFromFiles = async (s: WeightsInProgress, order: ReadonlyArray<PlannedTensor>, progress: Progress) => {
+  const raw = s.raw
+  let loaded = 0
+  const handles = new Map<string, FileHandle>()
+  const handleOf = async (path: string) => {
+    let fh = handles.get(path)
+    if (fh === undefined) {
+      fh = await open(path, "r")
+      handles.set(path, fh)
+    }
+    return fh
+  }
+  try {
+    let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
+    for (const t of order) {
+      const p = s.tensors.get(t.name)!
+      const whole = s.repacked.has(t.name)
+      const size = t.info.byteSize
+      if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
+      const step = whole ? size : chunk.length
+      const fh = await handleOf(tensorFilePath(s.layout.file, t.info))
+      for (let off = 0; off < size; off += step) {
+        const n = Math.min(step, size - off)
+        let got = 0
+        while (got < n) {
+          const r = await fh.read(chunk, got, n - got, t.info.offset + off + got)
+          if (r.bytesRead === 0) throw new Error(`unexpected end of file reading ${t.name}`)
+          got += r.bytesRead
+        }
+        raw.ggml_backend_tensor_set(p, chunk.subarray(0, n), off, n)
+        loaded += n
+        progress(loaded)
+      }
+    }
+  } finally {
+    for (const fh of handles.values()) await fh.close()
+  }
+}
+
+/** The loaded stage's weights over its backends, with the load's options. */
+const finishWeights = (
+  g: Ggml,
+  s: WeightsInProgress,
+  dev: Ptr,
+  backend: Ptr,
+  cpuBackend: Ptr | null,
+  regions: ReadonlyArray<FileRegion>,
+  releasedAtLoad: number,
+  options: LoadOptions
+): NativeWeights => {
+  const { layout } = s
+  const extraWeights = new Set<bigint>()
+  for (const name of s.repacked) extraWeights.add(koffi.address(s.tensors.get(name)!))
+  const weights = new NativeWeights(
+    g,
+    layout,
+    s.device,
+    dev,
+    backend,
+    s.contexts,
+    s.buffers,
+    s.tensors,
+    s.placements,
+    s.bufferBytes,
+    s.mappedBytes,
+    regions,
+    s.mappedTensors,
+    extraWeights,
+    cpuBackend === null ? null : { deviceFrom: options.deviceFrom ?? layout.spec.layerStart, cpuBackend },
+    s.deviceBytes
+  )
+  weights.releasedBytes = releasedAtLoad
+  const fixedRows = options.smallBatchRows
+  if (fixedRows !== undefined) weights.smallRowsFor = () => fixedRows
+  weights.zeroCopy = options.zeroCopy !== false
+  weights.hugePages = options.hugePages !== false
+  return weights
+}
+
+/**
+ * Allocates and reads the tensors of the stage layout. Throws on native or I/O failure (after freeing what it made).
+ *
+ * On the CPU (unless `mmap: false`, as StageExecutorLive passes for SWACTOR_MMAP=0) the stage's byte ranges of the
+ * file are mapped read-only:
+ * plain weights (and their page cache) are used in place, repacked ones are repacked from the mapping. When
+ * mapping fails the weights are read into allocated buffers as before.
+ */
+export const loadWeights = async (layout: StageLayout, options: LoadOptions = {}): Promise<NativeWeights> => {
+  const g = getGgml()
+  const raw = g.raw
+  const device = options.device ?? "cpu"
+  const dev = device === "gpu" ? g.gpuDevice() : g.cpuDevice()
+  if (dev === null) throw new Error("no GPU device: load node-llama-cpp's CUDA package (SWACTOR_GGML_PACKAGE=cuda)")
+  // on a GPU every weight lives in device memory; on the CPU quantized matrices may be repacked
+  const cpuBuft = raw.ggml_backend_dev_buffer_type(dev)
+  const extra = options.repack === false || device === "gpu" ? [] : g.cpuExtraBufferTypes()
+  const homeBuft = homeOf(g, layout, device, dev, options.deviceFrom ?? layout.spec.layerStart)
+
+  const regions = await mapStageRanges(layout, options.mmap, device)
+  const { groups, keys } = groupTensors(g, layout, homeBuft, extra, cpuBuft, regions)
+
+  const s: WeightsInProgress = {
+    raw,
+    layout,
+    device,
+    cpuBuft,
+    contexts: [],
+    buffers: [],
+    tensors: new Map(),
+    placements: [],
+    mapped: new Set(),
+    mappedTensors: [],
+    repacked: new Set(),
+    inPlaceRanges: [],
+    bufferBytes: 0,
+    deviceBytes: 0,
+    mappedBytes: 0
+  }
   let backend: Ptr | null = null
   let cpuBackend: Ptr | null = null
-  let bufferBytes = 0
-  let deviceBytes = 0
-  let mappedBytes = 0
-  let releasedAtLoad = 0
-  const inPlaceRanges: Array<readonly [bigint, number]> = []
   try {
     for (const key of keys) {
       const members = groups.get(key)!
-      const inPlace = regions.includes(key as FileRegion)
-      const ctx = raw.ggml_init({
-        mem_size: raw.ggml_tensor_overhead() * (members.length + 1),
-        mem_buffer: null,
-        no_alloc: true
-      })
-      if (ctx === null) throw new Error("ggml_init failed for the weights context")
-      contexts.push(ctx)
-      const made: Array<{ p: Ptr; addr?: bigint }> = []
-      for (const m of members) {
-        const t = layout.tensors[m.index]!
-        const d = t.info.dims
-        const p =
-          d.length <= 1
-            ? raw.ggml_new_tensor_1d(ctx, t.info.type, d[0]!)
-            : d.length === 2
-              ? raw.ggml_new_tensor_2d(ctx, t.info.type, d[0]!, d[1]!)
-              : raw.ggml_new_tensor_3d(ctx, t.info.type, d[0]!, d[1]!, d[2] ?? 1)
-        raw.ggml_set_name(p, t.name.slice(0, 63))
-        const nbytes = raw.ggml_nbytes(p)
-        if (nbytes !== t.info.byteSize) {
-          throw new Error(`tensor ${t.name}: ggml says ${nbytes} bytes, the GGUF table ${t.info.byteSize}`)
-        }
-        tensors.set(t.name, p)
-        made.push(m.addr === undefined ? { p } : { p, addr: m.addr })
-      }
-      if (inPlace) {
-        const region = key as FileRegion
-        const buffer = raw.ggml_backend_cpu_buffer_from_ptr(region.base, region.length)
-        if (buffer === null) throw new Error("could not make a CPU buffer over the mapped weights")
-        buffers.push(buffer)
-        raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-        const align = raw.ggml_backend_buffer_get_alignment(buffer)
-        for (const [i, m] of made.entries()) {
-          const t = layout.tensors[members[i]!.index]!
-          if (align <= 0 || m.addr! % BigInt(align) !== 0n) {
-            throw new Error(`tensor ${t.name}: mapped address is not aligned to ${align} bytes`)
-          }
-          if (raw.ggml_backend_tensor_alloc(buffer, m.p, m.addr!) !== 0) {
-            throw new Error(`tensor ${t.name}: could not place it in the mapped weights`)
-          }
-          mapped.add(t.name)
-          inPlaceRanges.push([m.addr!, t.info.byteSize])
-          mappedTensors.push({ name: t.name, p: m.p, bytes: t.info.byteSize })
-          mappedBytes += t.info.byteSize
-          placements.push({ name: t.name, bufferType: MAPPED_BUFFER_TYPE, bytes: t.info.byteSize })
-        }
-        continue
-      }
-      const buft = key as Ptr
-      for (const m of members) {
-        const t = layout.tensors[m.index]!
-        placements.push({ name: t.name, bufferType: raw.ggml_backend_buft_name(buft), bytes: t.info.byteSize })
-        if (device === "cpu" && buft !== cpuBuft) repacked.add(t.name)
-      }
-      const buffer = raw.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
-      if (buffer === null) {
-        throw new Error(`could not allocate ${raw.ggml_backend_buft_name(buft)} memory for the stage's weights`)
-      }
-      raw.ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-      if (device === "cpu" && options.hugePages !== false) {
-        adviseHugePages(raw.ggml_backend_buffer_get_base(buffer), raw.ggml_backend_buffer_get_size(buffer))
-      }
-      buffers.push(buffer)
-      bufferBytes += raw.ggml_backend_buffer_get_size(buffer)
-      if (device === "gpu" && buft === cpuBuft) deviceBytes += raw.ggml_backend_buffer_get_size(buffer)
+      const { ctx, made } = newGroupTensors(s, members)
+      if (regions.includes(key as FileRegion)) placeInMapping(s, key as FileRegion, members, made)
+      else allocateGroup(s, ctx, key as Ptr, members, options.hugePages)
     }
 
     const total = layout.weightBytes
-    let loaded = 0
-    options.onProgress?.({ loadedBytes: 0, totalBytes: total })
+    const progress: Progress = (loaded) => options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
+    progress(0)
     const order = [...layout.tensors].sort((a, b) => a.info.offset - b.info.offset)
-    if (regions.length > 0) {
-      // in place: nothing to copy, only prefaulted; the rest (repacked or unaligned) is set from the mapping, whole,
-      // and its pages leave the resident set once copied (rounded inward: a neighbour read in place keeps its own)
-      await populateRanges(regions, inPlaceRanges)
-      for (const t of order) {
-        if (!mapped.has(t.name) && t.info.byteSize > 0) {
-          const at = locate(regions, tensorFilePath(layout.file, t.info), t.info.offset, t.info.byteSize)
-          if (at === undefined) throw new Error(`internal: tensor ${t.name} is outside the mapped ranges`)
-          raw.ggml_backend_tensor_set_from(tensors.get(t.name)!, at.addr, 0, t.info.byteSize)
-          releasedAtLoad += releasePages(at.addr, at.addr + BigInt(t.info.byteSize))
-        }
-        loaded += t.info.byteSize
-        options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
-      }
-      // the repacked and unaligned tensors were copied out: only the in-place ones still read the mapping
-      releasedAtLoad = releaseAllBut(regions, inPlaceRanges)
-    } else {
-      const handles = new Map<string, FileHandle>()
-      const handleOf = async (path: string) => {
-        let fh = handles.get(path)
-        if (fh === undefined) {
-          fh = await open(path, "r")
-          handles.set(path, fh)
-        }
-        return fh
-      }
-      try {
-        let chunk = Buffer.allocUnsafe(Math.min(READ_CHUNK, Math.max(1, ...order.map((t) => t.info.byteSize))))
-        for (const t of order) {
-          const p = tensors.get(t.name)!
-          const whole = repacked.has(t.name)
-          const size = t.info.byteSize
-          if (whole && chunk.length < size) chunk = Buffer.allocUnsafe(size)
-          const step = whole ? size : chunk.length
-          const fh = await handleOf(tensorFilePath(layout.file, t.info))
-          for (let off = 0; off < size; off += step) {
-            const n = Math.min(step, size - off)
-            let got = 0
-            while (got < n) {
-              const r = await fh.read(chunk, got, n - got, t.info.offset + off + got)
-              if (r.bytesRead === 0) throw new Error(`unexpected end of file reading ${t.name}`)
-              got += r.bytesRead
-            }
-            raw.ggml_backend_tensor_set(p, chunk.subarray(0, n), off, n)
-            loaded += n
-            options.onProgress?.({ loadedBytes: loaded, totalBytes: total })
-          }
-        }
-      } finally {
-        for (const fh of handles.values()) await fh.close()
-      }
-    }
+    let releasedAtLoad = 0
+    if (regions.length > 0) releasedAtLoad = await fillFromMapping(s, regions, order, progress)
+    else await fillFromFiles(s, order, progress)
     backend = raw.ggml_backend_dev_init(dev, null)
     if (backend === null) throw new Error(`could not start the ggml ${raw.ggml_backend_dev_name(dev)} backend`)
     if (device === "gpu") cpuBackend = startCpuBackend(g)
-    const extraWeights = new Set<bigint>()
-    for (const name of repacked) extraWeights.add(koffi.address(tensors.get(name)!))
-    const weights = new NativeWeights(
-      g,
-      layout,
-      device,
-      dev,
-      backend as Ptr,
-      contexts,
-      buffers,
-      tensors,
-      placements,
-      bufferBytes,
-      mappedBytes,
-      regions,
-      mappedTensors,
-      extraWeights,
-      cpuBackend === null ? null : { deviceFrom: options.deviceFrom ?? layout.spec.layerStart, cpuBackend },
-      deviceBytes
-    )
-    weights.releasedBytes = releasedAtLoad
-    const fixedRows = options.smallBatchRows
-    if (fixedRows !== undefined) weights.smallRowsFor = () => fixedRows
-    weights.zeroCopy = options.zeroCopy !== false
-    weights.hugePages = options.hugePages !== false
-    return weights
+    return finishWeights(g, s, dev, backend, cpuBackend, regions, releasedAtLoad, options)
   } catch (e) {
-    for (const b of buffers) raw.ggml_backend_buffer_free(b)
-    for (const c of contexts) raw.ggml_free(c)
+    for (const b of s.buffers) raw.ggml_backend_buffer_free(b)
+    for (const c of s.contexts) raw.ggml_free(c)
     if (backend !== null) raw.ggml_backend_free(backend)
     if (cpuBackend !== null) raw.ggml_backend_free(cpuBackend)
     unmapAll(regions)
