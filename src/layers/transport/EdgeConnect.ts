@@ -11,6 +11,106 @@ import { OutboundCore } from "./OutboundCore.js"
 import { sharedMemorySendCarrier, socketSendCarrier } from "./SendCarrier.js"
 import { ShmRing } from "./ShmRing.js"
 
+/** The shared-memory ring a same-host sender writes into (unlinked and closed with the scope), when asked for. */
+const createSendRing = (options: ConnectOptions): Effect.Effect<ShmRing | undefined, ConnectFailed, Scope.Scope> =>
+  Effect.gen(function* () {
+    if (options.sharedMemory !== true) return undefined
+    if (options.address._tag !== "Unix") {
+      return yield* new ConnectFailed({ detail: "shared memory needs a Unix-socket address (same host)" })
+    }
+    return yield* Effect.acquireRelease(
+      Effect.try({
+        try: () => ShmRing.create(options.ring.dataCapacity, options.ring.alignment),
+        catch: (e) => new ConnectFailed({ detail: `cannot create a shared-memory ring: ${String(e)}` })
+      }),
+      (ring) =>
+        Effect.sync(() => {
+          ring.unlink()
+          ring.close()
+        })
+    )
+  })
+
+/** The connected socket, ended gracefully (destroyed a second later) when the scope closes. */
+const openSocket = (address: ConnectOptions["address"]): Effect.Effect<Net.Socket, ConnectFailed, Scope.Scope> =>
+  Effect.acquireRelease(
+    Effect.async<Net.Socket, ConnectFailed>((resume) => {
+      const socket = Net.createConnection(netOptions(address))
+      const onError = (err: Error) => resume(Effect.fail(new ConnectFailed({ detail: err.message })))
+      socket.once("error", onError)
+      socket.once("connect", () => {
+        socket.off("error", onError)
+        socket.on("error", () => {})
+        if (address._tag === "Tcp") socket.setNoDelay(true)
+        resume(Effect.succeed(socket))
+      })
+      return Effect.sync(() => socket.destroy())
+    }),
+    (socket) =>
+      Effect.sync(() => {
+        socket.end()
+        setTimeout(() => socket.destroy(), 1000).unref()
+      })
+  )
+
+/**
+ * Sends the Attach frame over the authenticated socket and waits for the receiver's Attached: then the connection's
+ * core (its carrier the shared-memory ring or the socket) takes the frames. A Fault frame is the receiver's refusal.
+ */
+const attach = (
+  socket: Net.Socket,
+  options: ConnectOptions,
+  shm: ShmRing | undefined,
+  log: (message: string) => void
+): Effect.Effect<OutboundCore, EdgeFault> =>
+  Effect.async<OutboundCore, EdgeFault>((resume) => {
+    const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
+    const conn: FrameConn = new FrameConn(
+      socket,
+      Framing.preAttachLimits,
+      {
+        onFrame: (frame) => {
+          if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
+            shm?.unlink()
+            const carrier =
+              shm === undefined
+                ? socketSendCarrier(conn, options.ring.alignment)
+                : sharedMemorySendCarrier(conn, shm, options)
+            const outbound = new OutboundCore(conn, options, carrier)
+            conn.limits = boundLimits(options.ring)
+            conn.handlers = outbound
+            return resume(Effect.succeed(outbound))
+          }
+          if (frame._tag === "FaultFrame") {
+            const fault = new PeerFaulted({ reason: frame.reason, detail: frame.detail })
+            conn.end(fault)
+            return
+          }
+          conn.fail(new Malformed({ detail: `expected AttachedFrame, got ${frame._tag}` }))
+        },
+        onBurstEnd: () => {},
+        onClose: (fault) => resume(Effect.fail(fault))
+      },
+      ids,
+      log
+    )
+    conn.start()
+    const { alignment, dataCapacity, wakeCoalescing } = options.ring
+    conn.write(
+      Framing.unsafeEncode(
+        AttachFrame({
+          runId: options.runId,
+          edgeId: options.edgeId,
+          dataCapacity,
+          alignment,
+          wakeCoalescing,
+          sharedMemory: shm?.path ?? ""
+        }),
+        8
+      )
+    )
+  })
+
 /**
  * Open the sending end of an edge: connect, authenticate (mutual HMAC), attach to the receiver
  * registered for `(runId, edgeId)` at `address`. Fails with `ConnectFailed`, `AuthFailed`, `WireMismatch` (the listener
@@ -24,42 +124,8 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
     if (invalid !== undefined) return yield* invalid
     const runtime = yield* Effect.runtime<never>()
     const log = makeLogger(runtime)
-    let shm: ShmRing | undefined
-    if (options.sharedMemory === true) {
-      if (options.address._tag !== "Unix") {
-        return yield* new ConnectFailed({ detail: "shared memory needs a Unix-socket address (same host)" })
-      }
-      shm = yield* Effect.acquireRelease(
-        Effect.try({
-          try: () => ShmRing.create(options.ring.dataCapacity, options.ring.alignment),
-          catch: (e) => new ConnectFailed({ detail: `cannot create a shared-memory ring: ${String(e)}` })
-        }),
-        (ring) =>
-          Effect.sync(() => {
-            ring.unlink()
-            ring.close()
-          })
-      )
-    }
-    const raw = yield* Effect.acquireRelease(
-      Effect.async<Net.Socket, ConnectFailed>((resume) => {
-        const socket = Net.createConnection(netOptions(options.address))
-        const onError = (err: Error) => resume(Effect.fail(new ConnectFailed({ detail: err.message })))
-        socket.once("error", onError)
-        socket.once("connect", () => {
-          socket.off("error", onError)
-          socket.on("error", () => {})
-          if (options.address._tag === "Tcp") socket.setNoDelay(true)
-          resume(Effect.succeed(socket))
-        })
-        return Effect.sync(() => socket.destroy())
-      }),
-      (socket) =>
-        Effect.sync(() => {
-          socket.end()
-          setTimeout(() => socket.destroy(), 1000).unref()
-        })
-    )
+    const shm = yield* createSendRing(options)
+    const raw = yield* openSocket(options.address)
     const outbound = yield* Effect.gen(function* () {
       // TLS over `raw` across hosts; `raw` itself on loopback and Unix sockets.
       const socket = yield* clientHandshake(raw, {
@@ -67,53 +133,7 @@ export const connect = (options: ConnectOptions): Effect.Effect<OutboundEdge, Ed
         formats: options.formats,
         peer: options.address._tag === "Tcp" ? `${options.address.host}:${options.address.port}` : options.address.path
       })
-      return yield* Effect.async<OutboundCore, EdgeFault>((resume) => {
-        const ids = { runId: options.runId as number, edgeId: options.edgeId as number }
-        const conn: FrameConn = new FrameConn(
-          socket,
-          Framing.preAttachLimits,
-          {
-            onFrame: (frame) => {
-              if (frame._tag === "AttachedFrame" && frame.runId === options.runId && frame.edgeId === options.edgeId) {
-                shm?.unlink()
-                const carrier =
-                  shm === undefined
-                    ? socketSendCarrier(conn, options.ring.alignment)
-                    : sharedMemorySendCarrier(conn, shm, options)
-                const outbound = new OutboundCore(conn, options, carrier)
-                conn.limits = boundLimits(options.ring)
-                conn.handlers = outbound
-                return resume(Effect.succeed(outbound))
-              }
-              if (frame._tag === "FaultFrame") {
-                const fault = new PeerFaulted({ reason: frame.reason, detail: frame.detail })
-                conn.end(fault)
-                return
-              }
-              conn.fail(new Malformed({ detail: `expected AttachedFrame, got ${frame._tag}` }))
-            },
-            onBurstEnd: () => {},
-            onClose: (fault) => resume(Effect.fail(fault))
-          },
-          ids,
-          log
-        )
-        conn.start()
-        const { alignment, dataCapacity, wakeCoalescing } = options.ring
-        conn.write(
-          Framing.unsafeEncode(
-            AttachFrame({
-              runId: options.runId,
-              edgeId: options.edgeId,
-              dataCapacity,
-              alignment,
-              wakeCoalescing,
-              sharedMemory: shm?.path ?? ""
-            }),
-            8
-          )
-        )
-      })
+      return yield* attach(socket, options, shm, log)
     }).pipe(
       Effect.timeoutFail({
         duration: options.timeout ?? "10 seconds",
