@@ -20,7 +20,7 @@ import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import * as NodeHttpServerRequest from "@effect/platform-node/NodeHttpServerRequest"
 import { Cause, Effect, Option, Schema } from "effect"
-import { Server, type ServeError } from "../../services/Server.js"
+import { Server, type ServeError, type ServerService, type ServerStatus } from "../../services/Server.js"
 import {
   apiKeys,
   type ApiKeys,
@@ -43,97 +43,203 @@ import { renderConnections, renderMetrics } from "./MetricsText.js"
 import type { ConnectionStats } from "./HttpListener.js"
 import { type HttpServeOptions, limitsOf } from "./HttpServeOptions.js"
 
+/** What the routes share: the server, the model's name, the body reader and the answer's shape. */
+interface Routes {
+  readonly server: ServerService
+  readonly modelName: string
+  readonly keepAliveMillis: number
+  readonly keys: ApiKeys
+  readonly body: ReturnType<typeof bodyOf>
+  readonly shape: (chat: boolean) => ResponseShape
+}
+
+/** A route's failures answered in its API's error shape. */
+const handle = (
+  effect: Effect.Effect<
+    HttpServerResponse.HttpServerResponse,
+    HttpFailure | EdgeRefusal | ServeError,
+    HttpServerRequest.HttpServerRequest
+  >,
+  render: (failure: HttpFailure | EdgeRefusal) => HttpServerResponse.HttpServerResponse = errorResponse
+) =>
+  effect.pipe(
+    Effect.catchAll((failure) =>
+      Effect.succeed(
+        render(failure instanceof HttpFailure || failure instanceof EdgeRefusal ? failure : fromServeError(failure))
+      )
+    )
+  )
+
+// JSON only, counted while it arrives, nested at most maxJsonDepth, then the route's schema.
+const bodyOf =
+  (limits: HttpLimits) =>
+  <A, I>(schema: Schema.Schema<A, I>) =>
+    Effect.gen(function* () {
+      const request = yield* HttpServerRequest.HttpServerRequest
+      const wrongType = checkJsonContentType(request.headers["content-type"])
+      if (wrongType !== undefined) return yield* Effect.fail(wrongType)
+      const text = yield* readBody(NodeHttpServerRequest.toIncomingMessage(request), limits)
+      const json = yield* parseJson(text)
+      return yield* Schema.decodeUnknown(schema, { errors: "first" })(json).pipe(Effect.mapError(badBody))
+    })
+
+/** Every agent was lost: what it waits for (each agent's state), its attempts and when the next one starts. */
+const revivingHealth = (status: Extract<ServerStatus, { _tag: "Reviving" }>, inside: boolean) => {
+  const iso = (millis: number) => new Date(millis).toISOString()
+  const next = status.nextAttemptAtMillis === null ? 0 : Math.max(0, status.nextAttemptAtMillis - Date.now())
+  return HttpServerResponse.unsafeJson(
+    {
+      status: "reviving",
+      error: status.message,
+      since: iso(status.sinceMillis),
+      attempts: status.attempts,
+      nextAttemptAt: status.nextAttemptAtMillis === null ? "running now" : iso(status.nextAttemptAtMillis),
+      ...(inside ? { waitingFor: status.waitingFor } : {}),
+      ...(status.freshAgentsAtMillis === undefined ? {} : { freshAgentsAt: iso(status.freshAgentsAtMillis) }),
+      ...(status.lastAttempt === undefined || !inside ? {} : { lastAttempt: status.lastAttempt })
+    },
+    { status: 503, headers: { "retry-after": String(Math.max(1, Math.ceil(next / 1000))) } }
+  )
+}
+
+/** GET /health */
+const health = ({ keys, server }: Routes) =>
+  Effect.gen(function* () {
+    const status = yield* server.status
+    // /health is open to anyone when the server has API keys; the pipeline's inside (agents' addresses, what a
+    // fault said) only to callers with a key.
+    const request = yield* HttpServerRequest.HttpServerRequest
+    const inside = checkApiKey(request.headers, "/v1/models", keys) === undefined
+    switch (status._tag) {
+      case "Ready":
+        return HttpServerResponse.unsafeJson({
+          status: "ok",
+          ...(status.lostAgents === undefined || !inside ? {} : { lostAgents: status.lostAgents })
+        })
+      case "Loading":
+        return HttpServerResponse.unsafeJson({ status: "loading" }, { status: 503, headers: { "retry-after": "5" } })
+      case "Faulted":
+        return HttpServerResponse.unsafeJson(
+          { status: "error", ...(inside ? { error: status.message } : {}) },
+          { status: 503 }
+        )
+      case "Reviving":
+        return revivingHealth(status, inside)
+    }
+  })
+
+/** GET /metrics */
+const metrics = (server: ServerService, connections: ConnectionStats | undefined) =>
+  Effect.gen(function* () {
+    const status = yield* server.status
+    const metrics = yield* server.metrics
+    return HttpServerResponse.text(renderMetrics(metrics, status._tag.toLowerCase()) + renderConnections(connections), {
+      contentType: "text/plain; version=0.0.4"
+    })
+  })
+
+/** POST /v1/completions */
+const completion = ({ body, keepAliveMillis, server, shape }: Routes) =>
+  Effect.gen(function* () {
+    const request = yield* body(CompletionBody)
+    const prompt =
+      typeof request.prompt === "string"
+        ? request.prompt
+        : request.prompt.length === 1 && typeof request.prompt[0] === "string"
+          ? request.prompt[0]
+          : request.prompt.every((p) => typeof p === "number")
+            ? yield* tokenIds(request.prompt as ReadonlyArray<number>)
+            : yield* Effect.fail(
+                new HttpFailure(400, "invalid_request_error", "prompt must be one string or an array of token ids")
+              )
+    // n > 1 is bounded by the server's parallel sequences (known once it is ready)
+    const parallel = (orUndefined(request.n) ?? 1) > 1 ? (yield* server.ready).parallel : 1
+    const serve = yield* serveRequest(request, prompt, orUndefined(request.max_tokens) ?? 16, [], parallel)
+    return yield* respond(
+      server,
+      shape(false),
+      serve,
+      request.stream === true,
+      request.stream_options?.include_usage === true,
+      keepAliveMillis
+    )
+  })
+
+/** POST /v1/chat/completions */
+const chatCompletion = ({ body, keepAliveMillis, server, shape }: Routes) =>
+  Effect.gen(function* () {
+    const receivedAt = performance.now()
+    const request = yield* body(ChatBody)
+    // Messages and tools checked (OpenAiTools.ts): a problem is a 400 naming the field.
+    const checked = chatWithTools(request)
+    if (typeof checked === "string") return yield* Effect.fail(new HttpFailure(400, "invalid_request_error", checked))
+    const chat = yield* server.formatChat(checked.messages, checked.tools)
+    const ready = yield* server.ready
+    // Without a limit: up to a window of 4,096 tokens (or the model's context, when smaller), so the KV a chat
+    // reserves does not grow with the model's maximum context.
+    const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
+    const maxTokens =
+      orUndefined(request.max_completion_tokens) ??
+      orUndefined(request.max_tokens) ??
+      Math.max(1, window - chat.tokens.length - 1)
+    const planned = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop, ready.parallel)
+    if (chat.tools?.grammar !== undefined && planned.sampling.grammar !== undefined) {
+      return yield* Effect.fail(
+        new HttpFailure(
+          400,
+          "invalid_request_error",
+          "response_format / grammar cannot be combined with a tool_choice that forces a call"
+        )
+      )
+    }
+    // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
+    const serve =
+      chat.tools?.grammar === undefined
+        ? { ...planned, receivedAt }
+        : { ...planned, receivedAt, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
+    return yield* respond(
+      server,
+      shape(true),
+      serve,
+      request.stream === true,
+      request.stream_options?.include_usage === true,
+      keepAliveMillis,
+      chat.tools === undefined || checked.tools === undefined
+        ? undefined
+        : { syntax: chat.tools.syntax, tools: checked.tools.tools, parallel: checked.tools.parallel !== false },
+      reasoningFormatOf(chat.template)
+    )
+  })
+
 /** The HTTP routes over the Server in context. */
 export const router = (options: HttpServeOptions, modelPath: string, connections?: ConnectionStats) =>
   Effect.gen(function* () {
     const server = yield* Server
     const modelName = options.modelName ?? basename(modelPath)
-    const keepAliveMillis = options.keepAliveMillis ?? 5000
-    const shape = (chat: boolean): ResponseShape => ({
-      id: `${chat ? "chatcmpl" : "cmpl"}-${randomBytes(12).toString("hex")}`,
-      created: Math.floor(Date.now() / 1000),
-      model: modelName,
-      chat
-    })
-    const limits = limitsOf(options)
-    const keys = apiKeys(options.apiKeys ?? [])
-    const handle = (
-      effect: Effect.Effect<
-        HttpServerResponse.HttpServerResponse,
-        HttpFailure | EdgeRefusal | ServeError,
-        HttpServerRequest.HttpServerRequest
-      >,
-      render: (failure: HttpFailure | EdgeRefusal) => HttpServerResponse.HttpServerResponse = errorResponse
-    ) =>
-      effect.pipe(
-        Effect.catchAll((failure) =>
-          Effect.succeed(
-            render(failure instanceof HttpFailure || failure instanceof EdgeRefusal ? failure : fromServeError(failure))
-          )
-        )
-      )
-    // JSON only, counted while it arrives, nested at most maxJsonDepth, then the route's schema.
-    const body = <A, I>(schema: Schema.Schema<A, I>) =>
-      Effect.gen(function* () {
-        const request = yield* HttpServerRequest.HttpServerRequest
-        const wrongType = checkJsonContentType(request.headers["content-type"])
-        if (wrongType !== undefined) return yield* Effect.fail(wrongType)
-        const text = yield* readBody(NodeHttpServerRequest.toIncomingMessage(request), limits)
-        const json = yield* parseJson(text)
-        return yield* Schema.decodeUnknown(schema, { errors: "first" })(json).pipe(Effect.mapError(badBody))
+    const routes: Routes = {
+      server,
+      modelName,
+      keepAliveMillis: options.keepAliveMillis ?? 5000,
+      keys: apiKeys(options.apiKeys ?? []),
+      body: bodyOf(limitsOf(options)),
+      shape: (chat) => ({
+        id: `${chat ? "chatcmpl" : "cmpl"}-${randomBytes(12).toString("hex")}`,
+        created: Math.floor(Date.now() / 1000),
+        model: modelName,
+        chat
       })
+    }
     // Anthropic's Messages API (AnthropicMessages.ts): its errors in Anthropic's shape.
-    const messages = messagesRoutes({ server, modelName, keepAliveMillis, body, failureOf: fromServeError })
+    const messages = messagesRoutes({
+      server,
+      modelName,
+      keepAliveMillis: routes.keepAliveMillis,
+      body: routes.body,
+      failureOf: fromServeError
+    })
 
     return HttpRouter.empty.pipe(
-      HttpRouter.get(
-        "/health",
-        Effect.gen(function* () {
-          const status = yield* server.status
-          // /health is open to anyone when the server has API keys; the pipeline's inside (agents' addresses, what a
-          // fault said) only to callers with a key.
-          const request = yield* HttpServerRequest.HttpServerRequest
-          const inside = checkApiKey(request.headers, "/v1/models", keys) === undefined
-          switch (status._tag) {
-            case "Ready":
-              return HttpServerResponse.unsafeJson({
-                status: "ok",
-                ...(status.lostAgents === undefined || !inside ? {} : { lostAgents: status.lostAgents })
-              })
-            case "Loading":
-              return HttpServerResponse.unsafeJson(
-                { status: "loading" },
-                { status: 503, headers: { "retry-after": "5" } }
-              )
-            case "Faulted":
-              return HttpServerResponse.unsafeJson(
-                { status: "error", ...(inside ? { error: status.message } : {}) },
-                { status: 503 }
-              )
-            case "Reviving": {
-              // Every agent was lost: what it waits for (each agent's state), its attempts and when the next one starts.
-              const iso = (millis: number) => new Date(millis).toISOString()
-              const next =
-                status.nextAttemptAtMillis === null ? 0 : Math.max(0, status.nextAttemptAtMillis - Date.now())
-              return HttpServerResponse.unsafeJson(
-                {
-                  status: "reviving",
-                  error: status.message,
-                  since: iso(status.sinceMillis),
-                  attempts: status.attempts,
-                  nextAttemptAt: status.nextAttemptAtMillis === null ? "running now" : iso(status.nextAttemptAtMillis),
-                  ...(inside ? { waitingFor: status.waitingFor } : {}),
-                  ...(status.freshAgentsAtMillis === undefined
-                    ? {}
-                    : { freshAgentsAt: iso(status.freshAgentsAtMillis) }),
-                  ...(status.lastAttempt === undefined || !inside ? {} : { lastAttempt: status.lastAttempt })
-                },
-                { status: 503, headers: { "retry-after": String(Math.max(1, Math.ceil(next / 1000))) } }
-              )
-            }
-          }
-        })
-      ),
+      HttpRouter.get("/health", health(routes)),
       HttpRouter.get(
         "/v1/models",
         Effect.succeed(
@@ -143,101 +249,9 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
           })
         )
       ),
-      HttpRouter.get(
-        "/metrics",
-        Effect.gen(function* () {
-          const status = yield* server.status
-          const metrics = yield* server.metrics
-          return HttpServerResponse.text(
-            renderMetrics(metrics, status._tag.toLowerCase()) + renderConnections(connections),
-            {
-              contentType: "text/plain; version=0.0.4"
-            }
-          )
-        })
-      ),
-      HttpRouter.post(
-        "/v1/completions",
-        handle(
-          Effect.gen(function* () {
-            const request = yield* body(CompletionBody)
-            const prompt =
-              typeof request.prompt === "string"
-                ? request.prompt
-                : request.prompt.length === 1 && typeof request.prompt[0] === "string"
-                  ? request.prompt[0]
-                  : request.prompt.every((p) => typeof p === "number")
-                    ? yield* tokenIds(request.prompt as ReadonlyArray<number>)
-                    : yield* Effect.fail(
-                        new HttpFailure(
-                          400,
-                          "invalid_request_error",
-                          "prompt must be one string or an array of token ids"
-                        )
-                      )
-            // n > 1 is bounded by the server's parallel sequences (known once it is ready)
-            const parallel = (orUndefined(request.n) ?? 1) > 1 ? (yield* server.ready).parallel : 1
-            const serve = yield* serveRequest(request, prompt, orUndefined(request.max_tokens) ?? 16, [], parallel)
-            return yield* respond(
-              server,
-              shape(false),
-              serve,
-              request.stream === true,
-              request.stream_options?.include_usage === true,
-              keepAliveMillis
-            )
-          })
-        )
-      ),
-      HttpRouter.post(
-        "/v1/chat/completions",
-        handle(
-          Effect.gen(function* () {
-            const receivedAt = performance.now()
-            const request = yield* body(ChatBody)
-            // Messages and tools checked (OpenAiTools.ts): a problem is a 400 naming the field.
-            const checked = chatWithTools(request)
-            if (typeof checked === "string")
-              return yield* Effect.fail(new HttpFailure(400, "invalid_request_error", checked))
-            const chat = yield* server.formatChat(checked.messages, checked.tools)
-            const ready = yield* server.ready
-            // Without a limit: up to a window of 4,096 tokens (or the model's context, when smaller), so the KV a chat
-            // reserves does not grow with the model's maximum context.
-            const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
-            const maxTokens =
-              orUndefined(request.max_completion_tokens) ??
-              orUndefined(request.max_tokens) ??
-              Math.max(1, window - chat.tokens.length - 1)
-            const planned = yield* serveRequest(request, chat.tokens, maxTokens, chat.stop, ready.parallel)
-            if (chat.tools?.grammar !== undefined && planned.sampling.grammar !== undefined) {
-              return yield* Effect.fail(
-                new HttpFailure(
-                  400,
-                  "invalid_request_error",
-                  "response_format / grammar cannot be combined with a tool_choice that forces a call"
-                )
-              )
-            }
-            // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
-            const serve =
-              chat.tools?.grammar === undefined
-                ? { ...planned, receivedAt }
-                : { ...planned, receivedAt, sampling: { ...planned.sampling, grammar: { text: chat.tools.grammar } } }
-            return yield* respond(
-              server,
-              shape(true),
-              serve,
-              request.stream === true,
-              request.stream_options?.include_usage === true,
-              keepAliveMillis,
-              chat.tools === undefined || checked.tools === undefined
-                ? undefined
-                : { syntax: chat.tools.syntax, tools: checked.tools.tools, parallel: checked.tools.parallel !== false },
-              reasoningFormatOf(chat.template)
-            )
-          })
-        )
-      ),
+      HttpRouter.get("/metrics", metrics(server, connections)),
+      HttpRouter.post("/v1/completions", handle(completion(routes))),
+      HttpRouter.post("/v1/chat/completions", handle(chatCompletion(routes))),
       HttpRouter.post("/v1/messages", handle(messages.create, anthropicErrorResponse)),
       HttpRouter.post("/v1/messages/count_tokens", handle(messages.countTokens, anthropicErrorResponse)),
       Effect.succeed
