@@ -10,7 +10,7 @@ import type { TransportAddress } from "../../domain/frames.js"
 import { EdgeId } from "../../domain/ids.js"
 import type { ProvisionStage } from "../../domain/plan.js"
 import { RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
-import { ProvisionRequest } from "../../services/AgentLinks.js"
+import { ProvisionRequest, type StageReport } from "../../services/AgentLinks.js"
 import { MIN_PIECE_ROWS } from "../../services/PromptPieces.js"
 import { stepsOf } from "../../services/StageStragglers.js"
 import { noteDetail, offerConsequence, type RunContext, stageNode } from "./RunContext.js"
@@ -68,16 +68,9 @@ export const prefillThreadsOf = (run: {
   return wanted === undefined || wanted === run.threads ? undefined : wanted
 }
 
-/** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */
-export const hostStage = (context: RunContext, provision: ProvisionStage) => {
-  const { contextLength, cacheUse, ledger, offer, request, runId, updates, warm } = context
-  const stageIndex = provision.stageIndex
-  let stopped = false
-  const stopReport = Effect.suspend(() => {
-    if (stopped) return Effect.void
-    stopped = true
-    return offer(RunEvents.StageStopped({ runId, stageIndex }))
-  })
+/** The provision request of a stage: where it sends, its threads, its prompt cache use and its part of the token loop. */
+const provisionRequestOf = (context: RunContext, provision: ProvisionStage) => {
+  const { contextLength, cacheUse, request, warm } = context
   const threads = request.threads ?? warm.options.threads
   const tokenLoop = tokenLoopOf(context, provision)
   const prefillThreads = prefillThreadsOf({
@@ -90,68 +83,101 @@ export const hostStage = (context: RunContext, provision: ProvisionStage) => {
     localAgents: warm.agents.processRunning !== undefined,
     cores: availableParallelism()
   })
+  return new ProvisionRequest({
+    provision,
+    outboundAddress: outboundAddress(context, provision),
+    threads: threads ?? null,
+    ...(prefillThreads === undefined ? {} : { prefillThreads }),
+    contextLength,
+    ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
+    ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
+    ...(request.settleWeights === true ? { settleWeights: true } : {}),
+    ...(tokenLoop === undefined ? {} : { tokenLoop })
+  })
+}
+
+/** A stage is ready: noted in the run's ledger, told the caller and the run. */
+const onStageReady = (
+  context: RunContext,
+  provision: ProvisionStage,
+  report: Extract<StageReport, { _tag: "StageReady" }>
+) => {
+  const { ledger, offer, runId, updates } = context
+  const stageIndex = provision.stageIndex
+  ledger.stageReady.set(stageIndex, {
+    loadMillis: report.loadMillis,
+    cachedWeights: report.cachedWeights,
+    ...(report.backend === undefined ? {} : { backend: report.backend }),
+    ...(report.device === undefined ? {} : { device: report.device })
+  })
+  ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
+  if (report.tokenLoop === true && stageIndex === provision.stageCount - 1) ledger.tokenLoop = true
+  if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)
+  return Effect.zipRight(
+    updates.offer({
+      _tag: "StageReady",
+      stageIndex,
+      loadMillis: report.loadMillis,
+      cachedWeights: report.cachedWeights
+    }),
+    offer(RunEvents.StageReady({ runId, stageIndex }))
+  )
+}
+
+/** One report of the stage's agent, as the run's events and the caller's updates. */
+const onStageReport = (
+  context: RunContext,
+  provision: ProvisionStage,
+  stopReport: Effect.Effect<void>,
+  report: StageReport
+) => {
+  const { ledger, offer, runId, updates, warm } = context
+  const stageIndex = provision.stageIndex
+  switch (report._tag) {
+    case "StageLoading":
+      return updates.offer({
+        _tag: "StageLoading",
+        stageIndex,
+        loadedBytes: report.loadedBytes,
+        totalBytes: report.totalBytes
+      })
+    case "StageReady":
+      return onStageReady(context, provision, report)
+    case "StageFault": {
+      // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
+      const words = stageFaultMessage(report.reason)
+      if (words !== undefined) noteDetail(context, `stage:${stageIndex}`, words)
+      const event = RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
+      return report.reason._tag === "TransportFailed" ? offerConsequence(context, event) : offer(event)
+    }
+    case "StageStopped":
+      ledger.stageStats.set(stageIndex, report.stats)
+      return stopReport
+    case "StageTimings":
+      return Effect.forEach(
+        ledger.stragglerDetector.add(stageIndex, warm.addressOf(provision.nodeId), stepsOf(report)),
+        (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
+        { discard: true }
+      )
+  }
+}
+
+/** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */
+export const hostStage = (context: RunContext, provision: ProvisionStage) => {
+  const { offer, runId, warm } = context
+  const stageIndex = provision.stageIndex
+  let stopped = false
+  const stopReport = Effect.suspend(() => {
+    if (stopped) return Effect.void
+    stopped = true
+    return offer(RunEvents.StageStopped({ runId, stageIndex }))
+  })
+  const request = provisionRequestOf(context, provision)
   return warm
     .linkOf(provision.nodeId)
-    .provision(
-      new ProvisionRequest({
-        provision,
-        outboundAddress: outboundAddress(context, provision),
-        threads: threads ?? null,
-        ...(prefillThreads === undefined ? {} : { prefillThreads }),
-        contextLength,
-        ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
-        ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
-        ...(request.settleWeights === true ? { settleWeights: true } : {}),
-        ...(tokenLoop === undefined ? {} : { tokenLoop })
-      })
-    )
+    .provision(request)
     .pipe(
-      Stream.runForEach((report) => {
-        switch (report._tag) {
-          case "StageLoading":
-            return updates.offer({
-              _tag: "StageLoading",
-              stageIndex,
-              loadedBytes: report.loadedBytes,
-              totalBytes: report.totalBytes
-            })
-          case "StageReady":
-            ledger.stageReady.set(stageIndex, {
-              loadMillis: report.loadMillis,
-              cachedWeights: report.cachedWeights,
-              ...(report.backend === undefined ? {} : { backend: report.backend }),
-              ...(report.device === undefined ? {} : { device: report.device })
-            })
-            ledger.stageCachedPositions.set(stageIndex, report.cachedPositions ?? 0)
-            if (report.tokenLoop === true && stageIndex === provision.stageCount - 1) ledger.tokenLoop = true
-            if (stageIndex === 0) Deferred.unsafeDone(ledger.firstStageReady, Effect.void)
-            return Effect.zipRight(
-              updates.offer({
-                _tag: "StageReady",
-                stageIndex,
-                loadMillis: report.loadMillis,
-                cachedWeights: report.cachedWeights
-              }),
-              offer(RunEvents.StageReady({ runId, stageIndex }))
-            )
-          case "StageFault": {
-            // The stage's words, for a reason the FSM may record first without any (StoppedUnexpectedly).
-            const words = stageFaultMessage(report.reason)
-            if (words !== undefined) noteDetail(context, `stage:${stageIndex}`, words)
-            const event = RunEvents.StageFault({ runId, stageIndex, reason: report.reason })
-            return report.reason._tag === "TransportFailed" ? offerConsequence(context, event) : offer(event)
-          }
-          case "StageStopped":
-            ledger.stageStats.set(stageIndex, report.stats)
-            return stopReport
-          case "StageTimings":
-            return Effect.forEach(
-              ledger.stragglerDetector.add(stageIndex, warm.addressOf(provision.nodeId), stepsOf(report)),
-              (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
-              { discard: true }
-            )
-        }
-      }),
+      Stream.runForEach((report) => onStageReport(context, provision, stopReport, report)),
       Effect.catchAll((unavailable) =>
         Effect.gen(function* () {
           noteDetail(context, `stage:${stageIndex}`, unavailable.message)
