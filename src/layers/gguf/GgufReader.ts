@@ -288,8 +288,8 @@ const typeName = (t: number): string => {
   return `unknown(${t})`
 }
 
-const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
-  const c = new Cursor(src, limits)
+/** The magic, the version (2 or 3, little-endian) and the two counts, each bounded by what the file can hold. */
+const readHeader = (c: Cursor, src: ByteSource) => {
   if (src.size < 4) fail("NotGguf", `file is ${src.size} bytes, too short for the GGUF magic`)
   const magic = c.u32("magic")
   if (magic !== GGUF_MAGIC) {
@@ -329,7 +329,44 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
       `header declares ${v} metadata entries (and ${nTensors} tensors), which cannot fit in the ${afterHeader} bytes ` +
       `after the header (offset 16)`
   )
+  return { version, nTensors, nKv }
+}
 
+/** An array value of metadata `key` (its item type and length read and bounded first). */
+const readArray = (c: Cursor, key: string): { items: Array<GgufValue>; itemType: number } => {
+  const itemTypeAt = c.pos
+  const itemType = c.u32(`item type of array "${key}"`)
+  const itemSize = scalarSize(itemType)
+  if (itemSize === undefined) {
+    fail(
+      "InvalidMetadata",
+      `array "${key}" has ${itemType === GgufValueType.ARRAY ? "nested array" : "unknown"} item type ${itemType} ` +
+        `at offset ${itemTypeAt}`
+    )
+  }
+  const lenAt = c.pos
+  const lenRaw = c.u64(`length of array "${key}"`)
+  const left = c.remaining
+  if (lenRaw * BigInt(itemSize!) > BigInt(left)) {
+    fail(
+      "Truncated",
+      `array "${key}" at offset ${lenAt} declares ${lenRaw} items of ${typeName(itemType)}, beyond the ${left} ` +
+        `bytes left in the file`
+    )
+  }
+  const len = boundedCount(
+    lenRaw,
+    c.limits.maxArrayLength,
+    "InvalidMetadata",
+    (v) => `array "${key}" at offset ${lenAt} declares ${v} items, over the ${c.limits.maxArrayLength} limit`
+  )
+  const items: Array<GgufValue> = new Array(len)
+  for (let j = 0; j < len; j++) items[j] = readScalar(c, itemType, `item ${j} of array "${key}"`)
+  return { items, itemType }
+}
+
+/** The `nKv` metadata entries: keys non-empty and unique, each value of a known type. */
+const readMetadata = (c: Cursor, nKv: number) => {
   const metadata = new Map<string, GgufValue>()
   const metadataTypes = new Map<string, GgufValueKind>()
   for (let i = 0; i < nKv; i++) {
@@ -340,34 +377,7 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
     const typeAt = c.pos
     const type = c.u32(`value type of "${key}"`)
     if (type === GgufValueType.ARRAY) {
-      const itemTypeAt = c.pos
-      const itemType = c.u32(`item type of array "${key}"`)
-      const itemSize = scalarSize(itemType)
-      if (itemSize === undefined) {
-        fail(
-          "InvalidMetadata",
-          `array "${key}" has ${itemType === GgufValueType.ARRAY ? "nested array" : "unknown"} item type ${itemType} ` +
-            `at offset ${itemTypeAt}`
-        )
-      }
-      const lenAt = c.pos
-      const lenRaw = c.u64(`length of array "${key}"`)
-      const left = c.remaining
-      if (lenRaw * BigInt(itemSize!) > BigInt(left)) {
-        fail(
-          "Truncated",
-          `array "${key}" at offset ${lenAt} declares ${lenRaw} items of ${typeName(itemType)}, beyond the ${left} ` +
-            `bytes left in the file`
-        )
-      }
-      const len = boundedCount(
-        lenRaw,
-        limits.maxArrayLength,
-        "InvalidMetadata",
-        (v) => `array "${key}" at offset ${lenAt} declares ${v} items, over the ${limits.maxArrayLength} limit`
-      )
-      const items: Array<GgufValue> = new Array(len)
-      for (let j = 0; j < len; j++) items[j] = readScalar(c, itemType, `item ${j} of array "${key}"`)
+      const { items, itemType } = readArray(c, key)
       metadata.set(key, items)
       metadataTypes.set(key, { type: GgufValueType.ARRAY, itemType: itemType as GgufValueType })
     } else {
@@ -378,7 +388,15 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
       metadataTypes.set(key, { type: type as GgufValueType })
     }
   }
+  return { metadata, metadataTypes }
+}
 
+/** `general.alignment` (a UINT32 power of two within the limit), else the default. */
+const readAlignment = (
+  metadata: ReadonlyMap<string, GgufValue>,
+  metadataTypes: ReadonlyMap<string, GgufValueKind>,
+  limits: GgufLimitSettings
+): number => {
   let alignment = GGUF_DEFAULT_ALIGNMENT
   const alignKind = metadataTypes.get("general.alignment")
   if (alignKind !== undefined) {
@@ -393,82 +411,87 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
       fail("InvalidMetadata", `general.alignment ${alignment} is over the ${limits.maxAlignment} limit`)
     }
   }
+  return alignment
+}
 
-  interface RawTensor {
-    readonly name: string
-    readonly type: number
-    readonly dims: ReadonlyArray<number>
-    readonly relOffset: bigint
-    readonly byteSize: number
-    readonly tableAt: number
+/** A tensor table entry as read, before its data offset is checked. */
+interface RawTensor {
+  readonly name: string
+  readonly type: number
+  readonly dims: ReadonlyArray<number>
+  readonly relOffset: bigint
+  readonly byteSize: number
+  readonly tableAt: number
+}
+
+/** A tensor's dimensions (1..4, each > 0, under 2^53 elements in all) and its element count. */
+const readDims = (c: Cursor, name: string) => {
+  const nDimsAt = c.pos
+  const nDims = c.u32(`n_dims of tensor "${name}"`)
+  if (nDims < 1 || nDims > GGML_MAX_DIMS) {
+    fail("TensorShapeMismatch", `tensor "${name}" has ${nDims} dimensions at offset ${nDimsAt} (must be 1..4)`)
   }
-  const raw: Array<RawTensor> = []
-  const seen = new Map<string, number>()
-  for (let i = 0; i < nTensors; i++) {
-    const tableAt = c.pos
-    const name = readString(c, `name of tensor #${i}`, true)
-    if (name.length === 0) fail("InvalidMetadata", `tensor #${i} at offset ${tableAt} has an empty name`)
-    const nameBytes = Buffer.byteLength(name, "utf8")
-    if (nameBytes >= GGML_MAX_NAME) {
-      fail(
-        "InvalidMetadata",
-        `tensor #${i} name "${name}" is ${nameBytes} bytes, ggml allows at most ${GGML_MAX_NAME - 1}`
-      )
-    }
-    const prev = seen.get(name)
-    if (prev !== undefined) fail("InvalidMetadata", `duplicate tensor name "${name}" (tensors #${prev} and #${i})`)
-    seen.set(name, i)
-
-    const nDimsAt = c.pos
-    const nDims = c.u32(`n_dims of tensor "${name}"`)
-    if (nDims < 1 || nDims > GGML_MAX_DIMS) {
-      fail("TensorShapeMismatch", `tensor "${name}" has ${nDims} dimensions at offset ${nDimsAt} (must be 1..4)`)
-    }
-    const dims: Array<number> = []
-    let elements = 1n
-    for (let d = 0; d < nDims; d++) {
-      const at = c.pos
-      const ne = c.i64(`dimension ${d} of tensor "${name}"`)
-      if (ne <= 0n)
-        fail("TensorShapeMismatch", `tensor "${name}" dimension ${d} is ${ne} at offset ${at} (must be > 0)`)
-      elements *= ne
-      if (elements > BigInt(Number.MAX_SAFE_INTEGER)) {
-        fail(
-          "TensorShapeMismatch",
-          `tensor "${name}" has more than 2^53 elements (dimension ${d} = ${ne} at offset ${at})`
-        )
-      }
-      dims.push(Number(ne))
-    }
-    const typeAt = c.pos
-    const type = c.u32(`ggml type of tensor "${name}"`)
-    const info = ggmlTypeInfo(type)
-    if (info === undefined) {
-      fail("UnsupportedTensorType", `tensor "${name}" has unknown ggml type ${type} at offset ${typeAt}`)
-    }
-    const t = info!
-    if (dims[0]! % t.blockSize !== 0) {
+  const dims: Array<number> = []
+  let elements = 1n
+  for (let d = 0; d < nDims; d++) {
+    const at = c.pos
+    const ne = c.i64(`dimension ${d} of tensor "${name}"`)
+    if (ne <= 0n) fail("TensorShapeMismatch", `tensor "${name}" dimension ${d} is ${ne} at offset ${at} (must be > 0)`)
+    elements *= ne
+    if (elements > BigInt(Number.MAX_SAFE_INTEGER)) {
       fail(
         "TensorShapeMismatch",
-        `tensor "${name}" of type ${t.name} has ne0 = ${dims[0]}, not a multiple of the block size ${t.blockSize}`
+        `tensor "${name}" has more than 2^53 elements (dimension ${d} = ${ne} at offset ${at})`
       )
     }
-    const byteSize = (Number(elements) / t.blockSize) * t.typeSize
-    if (!Number.isSafeInteger(byteSize)) {
-      fail("TensorShapeMismatch", `tensor "${name}" of shape [${dims.join(", ")}] is larger than 2^53 bytes`)
-    }
-    const relOffset = c.u64(`data offset of tensor "${name}"`)
-    raw.push({ name, type, dims, relOffset, byteSize, tableAt })
+    dims.push(Number(ne))
   }
+  return { dims, elements }
+}
 
-  // ggml: the data section starts at the next multiple of the alignment after the table (when there are tensors).
-  const tableEnd = c.pos
-  const dataOffset = nTensors > 0 ? Math.ceil(tableEnd / alignment) * alignment : tableEnd
-  if (nTensors > 0 && dataOffset > src.size) {
-    fail("Truncated", `file ends at byte ${src.size}, before the tensor data section at offset ${dataOffset}`)
+/** Tensor table entry #i: a unique name ggml can hold, its shape, a known type whose blocks tile its rows. */
+const readTensorEntry = (c: Cursor, i: number, seen: Map<string, number>): RawTensor => {
+  const tableAt = c.pos
+  const name = readString(c, `name of tensor #${i}`, true)
+  if (name.length === 0) fail("InvalidMetadata", `tensor #${i} at offset ${tableAt} has an empty name`)
+  const nameBytes = Buffer.byteLength(name, "utf8")
+  if (nameBytes >= GGML_MAX_NAME) {
+    fail(
+      "InvalidMetadata",
+      `tensor #${i} name "${name}" is ${nameBytes} bytes, ggml allows at most ${GGML_MAX_NAME - 1}`
+    )
   }
+  const prev = seen.get(name)
+  if (prev !== undefined) fail("InvalidMetadata", `duplicate tensor name "${name}" (tensors #${prev} and #${i})`)
+  seen.set(name, i)
 
-  // ggml's gguf loader requires each tensor at exactly the aligned end of the previous one, in table order.
+  const { dims, elements } = readDims(c, name)
+  const typeAt = c.pos
+  const type = c.u32(`ggml type of tensor "${name}"`)
+  const info = ggmlTypeInfo(type)
+  if (info === undefined) {
+    fail("UnsupportedTensorType", `tensor "${name}" has unknown ggml type ${type} at offset ${typeAt}`)
+  }
+  const t = info!
+  if (dims[0]! % t.blockSize !== 0) {
+    fail(
+      "TensorShapeMismatch",
+      `tensor "${name}" of type ${t.name} has ne0 = ${dims[0]}, not a multiple of the block size ${t.blockSize}`
+    )
+  }
+  const byteSize = (Number(elements) / t.blockSize) * t.typeSize
+  if (!Number.isSafeInteger(byteSize)) {
+    fail("TensorShapeMismatch", `tensor "${name}" of shape [${dims.join(", ")}] is larger than 2^53 bytes`)
+  }
+  const relOffset = c.u64(`data offset of tensor "${name}"`)
+  return { name, type, dims, relOffset, byteSize, tableAt }
+}
+
+/**
+ * Each tensor's data where ggml's gguf loader requires it: at exactly the aligned end of the previous one, in table
+ * order, inside the file. Returns the tensors and the bytes their data spans.
+ */
+const placeTensors = (raw: ReadonlyArray<RawTensor>, dataOffset: number, alignment: number, size: number) => {
   const tensors: Array<GgufTensorInfo> = []
   const tensorsByName = new Map<string, GgufTensorInfo>()
   let expected = 0
@@ -494,21 +517,37 @@ const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
     }
     const offset = dataOffset + expected
     const end = offset + r.byteSize
-    if (end > src.size) {
-      fail(
-        "Truncated",
-        `tensor "${r.name}" data [${offset}, ${end}) extends past the end of the file (${src.size} bytes)`
-      )
+    if (end > size) {
+      fail("Truncated", `tensor "${r.name}" data [${offset}, ${end}) extends past the end of the file (${size} bytes)`)
     }
     expected += Math.ceil(r.byteSize / alignment) * alignment
     const info: GgufTensorInfo = { name: r.name, type: r.type, dims: r.dims, offset, byteSize: r.byteSize }
     tensors.push(info)
     tensorsByName.set(r.name, info)
   }
+  return { tensors, tensorsByName, dataBytes: expected }
+}
+
+const parse = (src: ByteSource, limits: GgufLimitSettings): Parsed => {
+  const c = new Cursor(src, limits)
+  const { version, nTensors, nKv } = readHeader(c, src)
+  const { metadata, metadataTypes } = readMetadata(c, nKv)
+  const alignment = readAlignment(metadata, metadataTypes, limits)
+  const raw: Array<RawTensor> = []
+  const seen = new Map<string, number>()
+  for (let i = 0; i < nTensors; i++) raw.push(readTensorEntry(c, i, seen))
+
+  // ggml: the data section starts at the next multiple of the alignment after the table (when there are tensors).
+  const tableEnd = c.pos
+  const dataOffset = nTensors > 0 ? Math.ceil(tableEnd / alignment) * alignment : tableEnd
+  if (nTensors > 0 && dataOffset > src.size) {
+    fail("Truncated", `file ends at byte ${src.size}, before the tensor data section at offset ${dataOffset}`)
+  }
+  const { tensors, tensorsByName, dataBytes } = placeTensors(raw, dataOffset, alignment, src.size)
 
   // Writers end the file at the (padded) end of the last tensor. More bytes than one alignment's padding mean the
   // table does not describe the file (e.g. a tensor count one short, which would shift every tensor's data).
-  const described = nTensors > 0 ? dataOffset + expected : tableEnd
+  const described = nTensors > 0 ? dataOffset + dataBytes : tableEnd
   const slack = Math.max(alignment, GGUF_DEFAULT_ALIGNMENT)
   if (src.size - described >= slack) {
     fail(
