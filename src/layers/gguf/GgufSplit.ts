@@ -78,18 +78,15 @@ export const splitPosition = (file: GgufFile): Effect.Effect<{ index: number; co
   })
 
 /**
- * Reads the whole set whose first part is `first` (already parsed, its `split.count` > 1), with `readPart` for every
- * other part, and merges it into one file. Each problem fails before anything else is read, with one line naming the
- * part and the key or tensor.
+ * Every part's path (the first's name must say where the others are, unless `partPaths` says it), each present;
+ * else one line naming the first part missing.
  */
-export const mergeSplitSet = (
+const partPathsOf = (
   first: GgufFile,
   count: number,
-  readPart: (path: string) => Effect.Effect<GgufFile, ModelLoadError>,
   exists: (path: string) => boolean,
-  /** Where every part is, when not beside the first by name (a remote set's URLs: RemoteGguf.ts). */
-  partPaths?: ReadonlyArray<string>
-): Effect.Effect<GgufFile, ModelLoadError> =>
+  partPaths: ReadonlyArray<string> | undefined
+): Effect.Effect<ReadonlyArray<string>, ModelLoadError> =>
   Effect.gen(function* () {
     const prefix = partPaths !== undefined ? "" : splitPrefix(first.path, 0, count)
     if (prefix === undefined) {
@@ -114,6 +111,92 @@ export const mergeSplitSet = (
           `not found in ${dirname(first.path)}`
       )
     }
+    return paths
+  })
+
+/** Part `i` (its file `file`) is in its place in the set: its split keys and architecture agree with the first's. */
+const checkPart = (
+  file: GgufFile,
+  i: number,
+  count: number,
+  declared: number | undefined,
+  architecture: unknown
+): Effect.Effect<void, ModelLoadError> =>
+  Effect.gen(function* () {
+    const position = yield* intKey(file, SPLIT_NO)
+    const itsCount = yield* intKey(file, SPLIT_COUNT)
+    if (position !== i) {
+      return yield* fail(
+        file.path,
+        "InvalidMetadata",
+        `part ${i + 1} of ${count} says "split.no" = ${position ?? "(missing)"}; it should be ${i}`
+      )
+    }
+    if (itsCount !== count) {
+      return yield* fail(
+        file.path,
+        "InvalidMetadata",
+        `part ${i + 1} says "split.count" = ${itsCount ?? "(missing)"}, the first part says ${count}: ` +
+          `the parts are from different sets`
+      )
+    }
+    const itsDeclared = yield* intKey(file, SPLIT_TENSORS_COUNT)
+    if (itsDeclared !== declared) {
+      return yield* fail(
+        file.path,
+        "InvalidMetadata",
+        `part ${i + 1} says "split.tensors.count" = ${itsDeclared ?? "(missing)"}, the first part says ` +
+          `${declared ?? "(missing)"}: the parts are from different sets`
+      )
+    }
+    const itsArchitecture = file.metadata.get("general.architecture")
+    if (i > 0 && itsArchitecture !== undefined && itsArchitecture !== architecture) {
+      return yield* fail(
+        file.path,
+        "InvalidMetadata",
+        `part ${i + 1} is a ${String(itsArchitecture)} model, the first part a ${String(architecture)} model`
+      )
+    }
+  })
+
+/** Adds part `i`'s tensors (marked with their part) to the set's, each name in one part only. */
+const addPartTensors = (
+  file: GgufFile,
+  i: number,
+  tensors: Array<GgufTensorInfo>,
+  byName: Map<string, GgufTensorInfo>
+): Effect.Effect<void, ModelLoadError> => {
+  for (const t of file.tensors) {
+    const before = byName.get(t.name)
+    if (before !== undefined) {
+      return fail(
+        file.path,
+        "InvalidMetadata",
+        `tensor "${t.name}" is in part ${(before.part ?? 0) + 1} and again in part ${i + 1}`
+      )
+    }
+    const info = { ...t, part: i }
+    byName.set(t.name, info)
+    tensors.push(info)
+  }
+  return Effect.void
+}
+
+/**
+ * Reads the whole set whose first part is `first` (already parsed, its `split.count` > 1), with `readPart` for every
+ * other part, and merges it into one file. Each problem fails before anything else is read, with one line naming the
+ * part and the key or tensor.
+ */
+export const mergeSplitSet = (
+  first: GgufFile,
+  count: number,
+  readPart: (path: string) => Effect.Effect<GgufFile, ModelLoadError>,
+  exists: (path: string) => boolean,
+  /** Where every part is, when not beside the first by name (a remote set's URLs: RemoteGguf.ts). */
+  partPaths?: ReadonlyArray<string>
+): Effect.Effect<GgufFile, ModelLoadError> =>
+  Effect.gen(function* () {
+    const paths = yield* partPathsOf(first, count, exists, partPaths)
     const declared = yield* intKey(first, SPLIT_TENSORS_COUNT)
     const architecture = first.metadata.get("general.architecture")
     const parts: Array<GgufPart> = []
@@ -121,53 +204,8 @@ export const mergeSplitSet = (
     const byName = new Map<string, GgufTensorInfo>()
     for (let i = 0; i < count; i++) {
       const file = i === 0 ? first : yield* readPart(paths[i]!)
-      const position = yield* intKey(file, SPLIT_NO)
-      const itsCount = yield* intKey(file, SPLIT_COUNT)
-      if (position !== i) {
-        return yield* fail(
-          file.path,
-          "InvalidMetadata",
-          `part ${i + 1} of ${count} says "split.no" = ${position ?? "(missing)"}; it should be ${i}`
-        )
-      }
-      if (itsCount !== count) {
-        return yield* fail(
-          file.path,
-          "InvalidMetadata",
-          `part ${i + 1} says "split.count" = ${itsCount ?? "(missing)"}, the first part says ${count}: ` +
-            `the parts are from different sets`
-        )
-      }
-      const itsDeclared = yield* intKey(file, SPLIT_TENSORS_COUNT)
-      if (itsDeclared !== declared) {
-        return yield* fail(
-          file.path,
-          "InvalidMetadata",
-          `part ${i + 1} says "split.tensors.count" = ${itsDeclared ?? "(missing)"}, the first part says ` +
-            `${declared ?? "(missing)"}: the parts are from different sets`
-        )
-      }
-      const itsArchitecture = file.metadata.get("general.architecture")
-      if (i > 0 && itsArchitecture !== undefined && itsArchitecture !== architecture) {
-        return yield* fail(
-          file.path,
-          "InvalidMetadata",
-          `part ${i + 1} is a ${String(itsArchitecture)} model, the first part a ${String(architecture)} model`
-        )
-      }
-      for (const t of file.tensors) {
-        const before = byName.get(t.name)
-        if (before !== undefined) {
-          return yield* fail(
-            file.path,
-            "InvalidMetadata",
-            `tensor "${t.name}" is in part ${(before.part ?? 0) + 1} and again in part ${i + 1}`
-          )
-        }
-        const info = { ...t, part: i }
-        byName.set(t.name, info)
-        tensors.push(info)
-      }
+      yield* checkPart(file, i, count, declared, architecture)
+      yield* addPartTensors(file, i, tensors, byName)
       parts.push({
         path: file.path,
         fileSize: file.fileSize,
