@@ -1,7 +1,9 @@
 /**
- * Synthetic GGUF models: any shape of the llama, qwen2 or qwen3 architecture, weights from a seeded generator, tensor
+ * Synthetic GGUF models: any shape of the `syntheticArchs` architectures, weights from a seeded generator, tensor
  * names, shapes and metadata as llama.cpp's loader expects them, and a small SPM ("llama") vocabulary that
  * node-llama-cpp accepts. They make equivalence tests and benchmarks at real model shapes possible without downloads.
+ * The metadata is written per architecture (Synthetic<Arch>.ts); the tensors are the ones the architecture's engine
+ * module declares for that metadata (SyntheticTensors.ts).
  *
  * Weights: every tensor has its own generator seeded from (seed, tensor name), so the same seed and shape give the same
  * F32 values whatever the storage type; an F32 file and a Q8_0 file of one seed hold the same model up to rounding.
@@ -21,38 +23,23 @@ import { GgmlType, ggmlTypeName } from "../../domain/ggmlTypes.js"
 import { GgufValueType } from "../../domain/gguf.js"
 import { toBf16Bytes, toF16Bytes } from "./Float16.js"
 import { type GgufTensorSpec, type GgufTypedValue, GgufValues, writeGgufFile } from "./GgufWriter.js"
+import { deepseek2Metadata, type SyntheticDeepseek2Options, validateDeepseek2Options } from "./SyntheticDeepseek2.js"
+import { gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
+import { gemmaMetadata, validateGemmaOptions } from "./SyntheticGemma.js"
 import {
-  deepseek2AttentionTensors,
-  deepseek2Metadata,
-  type SyntheticDeepseek2Options,
-  validateDeepseek2Options
-} from "./SyntheticDeepseek2.js"
-import { gptOssBlockTensors, gptOssMetadata, gptOssTensorType, validateGptOssOptions } from "./SyntheticGptOss.js"
-import { gemmaBlockNorms, gemmaMetadata, type SyntheticGemmaOptions, validateGemmaOptions } from "./SyntheticGemma.js"
-import {
-  gemma4BlockFfn,
-  gemma4BlockShape,
   gemma4FfnValue,
   gemma4KvHeadsValue,
-  gemma4LayerScale,
   gemma4Metadata,
-  gemma4MoeTensors,
-  gemma4PerLayerBlockTensors,
-  gemma4PerLayerTensors,
-  gemma4SharedTensors,
-  gemma4SwaBlocks,
   type SyntheticGemma4Options,
   validateGemma4Options
 } from "./SyntheticGemma4.js"
 import {
-  isMistral3Moe,
   mistral3Ffn,
   mistral3Metadata,
   type SyntheticMistral3Options,
   validateMistral3Options
 } from "./SyntheticMistral3.js"
 import {
-  nextnBlockTensors,
   nextnMetadata,
   syntheticBlockCount,
   type SyntheticNextnOptions,
@@ -60,21 +47,14 @@ import {
 } from "./SyntheticNextn.js"
 import {
   isQwen35Family,
-  qwen35BlockTensors,
   qwen35Metadata,
   qwen35TensorType,
   type SyntheticQwen35Options,
   validateQwen35Options
 } from "./SyntheticQwen35.js"
-import {
-  isSyntheticMoe,
-  moeBlockTensors,
-  moeMetadata,
-  moeTensorType,
-  type SyntheticMoeOptions,
-  validateMoeOptions
-} from "./SyntheticMoe.js"
+import { moeMetadata, moeTensorType, type SyntheticMoeOptions, validateMoeOptions } from "./SyntheticMoe.js"
 import { type SyntheticChatTemplate, syntheticChatTemplates, syntheticTemplateSpec } from "./SyntheticTemplates.js"
+import { plannedTensors } from "./SyntheticTensors.js"
 import {
   quantizeRows,
   syntheticDefaultTypeId,
@@ -401,83 +381,6 @@ export const validateSyntheticModel = (o: SyntheticModelOptions): string | undef
   )
 }
 
-interface PlannedTensor {
-  readonly name: string
-  readonly dims: ReadonlyArray<number>
-  readonly mean: number
-  readonly std: number
-}
-
-const planTensors = (o: SyntheticModelOptions): Array<PlannedTensor> => {
-  const model = {
-    hd: o.headDim ?? o.hidden / o.heads,
-    q: (o.headDim ?? o.hidden / o.heads) * o.heads,
-    kv: (o.headDim ?? o.hidden / o.heads) * o.kvHeads
-  }
-  const out: Array<PlannedTensor> = []
-  const w = (name: string, ne0: number, ne1: number) =>
-    out.push({ name, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
-  const norm = (name: string, n: number) => out.push({ name, dims: [n], mean: 1, std: 0.1 })
-  const bias = (name: string, n: number) => out.push({ name, dims: [n], mean: 0, std: 0.02 })
-  out.push({ name: "token_embd.weight", dims: [o.hidden, o.vocab], mean: 0, std: 0.02 })
-  norm("output_norm.weight", o.hidden)
-  if (o.tiedOutput !== true) w("output.weight", o.hidden, o.vocab)
-  if (o.arch === "gemma4") out.push(...gemma4SharedTensors(o, o.layers, model.hd))
-  if (o.arch === "gemma4") out.push(...gemma4PerLayerTensors(o, o.hidden, o.layers, o.vocab))
-  for (let i = 0; i < syntheticBlockCount(o); i++) {
-    const b = `blk.${i}`
-    norm(`${b}.attn_norm.weight`, o.hidden)
-    // an MTP block (nextnLayers: glm4moe, qwen35, qwen35moe): a whole block after the trunk, plus its nextn.* tensors
-    for (const [name, [ne0, ne1], kind] of i < o.layers ? [] : nextnBlockTensors(b, o.hidden)) {
-      if (kind === "norm") norm(name, ne0!)
-      else w(name, ne0!, ne1!)
-    }
-    if (o.arch === "deepseek2") {
-      out.push(...deepseek2AttentionTensors(b, o), ...moeBlockTensors(b, i, o))
-      continue
-    }
-    if (isQwen35Family(o.arch)) {
-      out.push(...qwen35BlockTensors(b, i, o), ...(o.arch === "qwen35moe" ? moeBlockTensors(b, i, o) : []))
-      continue
-    }
-    // gemma4: each block its own head size and KV heads (the 31B's layout)
-    const { hd, q, kv } = o.arch === "gemma4" ? gemma4BlockShape(o, i, model.hd) : model
-    w(`${b}.attn_q.weight`, o.hidden, q)
-    w(`${b}.attn_k.weight`, o.hidden, kv)
-    if (!(o.arch === "gemma4" && o.kEqV === true && !gemma4SwaBlocks(o, o.layers)[i]))
-      w(`${b}.attn_v.weight`, o.hidden, kv)
-    if (o.arch === "qwen2" || o.arch === "glm4moe") {
-      bias(`${b}.attn_q.bias`, q)
-      bias(`${b}.attn_k.bias`, kv)
-      bias(`${b}.attn_v.bias`, kv)
-    }
-    if (o.arch === "qwen3" || o.arch === "qwen3moe") {
-      norm(`${b}.attn_q_norm.weight`, hd)
-      norm(`${b}.attn_k_norm.weight`, hd)
-    }
-    if (o.arch === "gemma3" || o.arch === "gemma4")
-      for (const [name, n] of gemmaBlockNorms(b, o.hidden, hd)) norm(name, n)
-    if (o.arch === "gemma4") out.push(gemma4LayerScale(b), ...gemma4PerLayerBlockTensors(o, b, o.hidden))
-    w(`${b}.attn_output.weight`, q, o.hidden)
-    if (o.arch === "gpt-oss") {
-      out.push(...gptOssBlockTensors(b, o, q, kv))
-      continue
-    }
-    if (isSyntheticMoe(o.arch) || isMistral3Moe(o)) {
-      out.push(...moeBlockTensors(b, i, o))
-      continue
-    }
-    norm(`${b}.ffn_norm.weight`, o.hidden)
-    // gemma4 E2B: the shared-KV blocks' feed-forward twice as wide
-    const ffn = o.arch === "gemma4" ? gemma4BlockFfn(o, i, o.ffn) : o.ffn
-    w(`${b}.ffn_gate.weight`, o.hidden, ffn)
-    w(`${b}.ffn_up.weight`, o.hidden, ffn)
-    w(`${b}.ffn_down.weight`, ffn, o.hidden)
-    if (o.arch === "gemma4") out.push(...gemma4MoeTensors(b, o))
-  }
-  return out
-}
-
 /**
  * The ggml type a tensor of this shape gets in a file of `type` (SyntheticTypes.ts; `name` and `model` matter to
  * mixed recipes such as q4_k_m only).
@@ -572,7 +475,8 @@ export const syntheticModelSpec = (
   readonly fallbacks: ReadonlyArray<string>
 } => {
   const fallbacks: Array<string> = []
-  const tensors = planTensors(o).map((t): GgufTensorSpec => {
+  const metadata = metadataFor(o)
+  const tensors = plannedTensors(o, metadata).map((t): GgufTensorSpec => {
     const model = { layers: o.layers, tiedOutput: o.tiedOutput === true }
     const kept =
       moeTensorType(t.name) ??
@@ -602,7 +506,7 @@ export const syntheticModelSpec = (
       data: () => chunks(type, gaussianStream(o.seed, t.name, t.mean, t.std), n, t.dims[0]!, chunkElements)
     }
   })
-  return { metadata: metadataFor(o), tensors, fallbacks }
+  return { metadata, tensors, fallbacks }
 }
 
 /** Writes a synthetic model file. */

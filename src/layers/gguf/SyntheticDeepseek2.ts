@@ -67,41 +67,6 @@ export const validateDeepseek2Options = (o: Shape): string | undefined => {
   return undefined
 }
 
-interface Planned {
-  readonly name: string
-  readonly dims: ReadonlyArray<number>
-  readonly mean: number
-  readonly std: number
-}
-
-/** Block `block`'s attention tensors (attn_norm excluded). */
-export const deepseek2AttentionTensors = (block: string, o: Shape): ReadonlyArray<Planned> => {
-  const s = sizes(o)
-  const m = (name: string, dims: ReadonlyArray<number>): Planned => ({
-    name: `${block}.${name}`,
-    dims,
-    mean: 0,
-    std: 1 / Math.sqrt(dims[0]!)
-  })
-  const norm = (name: string, n: number): Planned => ({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
-  const q =
-    s.qLora > 0
-      ? [
-          norm("attn_q_a_norm.weight", s.qLora),
-          m("attn_q_a.weight", [o.hidden, s.qLora]),
-          m("attn_q_b.weight", [s.qLora, o.heads * s.head])
-        ]
-      : [m("attn_q.weight", [o.hidden, o.heads * s.head])]
-  return [
-    ...q,
-    norm("attn_kv_a_norm.weight", s.kvLora),
-    m("attn_kv_a_mqa.weight", [o.hidden, s.kvLora + s.rope]),
-    m("attn_k_b.weight", [s.head - s.rope, s.kvLora, o.heads]),
-    m("attn_v_b.weight", [s.kvLora, s.head, o.heads]),
-    m("attn_output.weight", [o.heads * s.head, o.hidden])
-  ]
-}
-
 /** The metadata with deepseek2's attention keys in place of the common head_count_kv / rope.dimension_count. */
 export const deepseek2Metadata = (
   md: ReadonlyArray<readonly [string, GgufTypedValue]>,

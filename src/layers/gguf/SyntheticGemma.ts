@@ -40,18 +40,6 @@ export const validateGemmaOptions = (o: SyntheticGemmaOptions & { readonly arch:
   return undefined
 }
 
-/** gemma3's extra norms of block `b` (`blk.N`): q/k norms of the head size, post-attention and post-FFN norms. */
-export const gemmaBlockNorms = (
-  b: string,
-  hidden: number,
-  headDim: number
-): ReadonlyArray<readonly [string, number]> => [
-  [`${b}.attn_q_norm.weight`, headDim],
-  [`${b}.attn_k_norm.weight`, headDim],
-  [`${b}.post_attention_norm.weight`, hidden],
-  [`${b}.post_ffw_norm.weight`, hidden]
-]
-
 /** The sliding window the options ask for (default 32). */
 export const windowOf = (o: SyntheticGemmaOptions): number => o.slidingWindow ?? GEMMA_DEFAULT_WINDOW
 

@@ -57,38 +57,6 @@ export const gemma4FfnValue = (
 const gemma4MoeShape = (o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly ffn?: number }) =>
   o.experts === undefined ? undefined : { experts: o.experts, used: o.expertsUsed ?? 2, ffn: o.expertFfn ?? o.ffn ?? 0 }
 
-/**
- * Block `b`'s expert tensors beside its dense feed-forward (none without `experts`): the router [hidden, experts] and
- * its input scale, the stacked GELU experts (gate and up in one `ffn_gate_up_exps`), a per-expert output scale, and the norms of the two branches
- * (llama.cpp's gemma4 26B-A4B tensors).
- */
-export const gemma4MoeTensors = (
-  b: string,
-  o: SyntheticGemma4Options & SyntheticMoeOptions & { readonly hidden: number; readonly ffn: number }
-) => {
-  const moe = gemma4MoeShape(o)
-  if (moe === undefined) return []
-  const h = o.hidden
-  const m = (name: string, dims: ReadonlyArray<number>) => ({
-    name: `${b}.${name}`,
-    dims,
-    mean: 0,
-    std: 1 / Math.sqrt(dims[0]!)
-  })
-  const v = (name: string, n: number, std: number) => ({ name: `${b}.${name}`, dims: [n], mean: 1, std })
-  return [
-    m("ffn_gate_inp.weight", [h, moe.experts]),
-    v("ffn_gate_inp.scale", h, 0.2),
-    // gate and up fused, gate rows first, as the converter writes the checkpoint's experts.gate_up_proj
-    m("ffn_gate_up_exps.weight", [h, 2 * moe.ffn, moe.experts]),
-    m("ffn_down_exps.weight", [moe.ffn, h, moe.experts]),
-    v("ffn_down_exps.scale", moe.experts, 0.3),
-    v("pre_ffw_norm_2.weight", h, 0.1),
-    v("post_ffw_norm_1.weight", h, 0.1),
-    v("post_ffw_norm_2.weight", h, 0.1)
-  ]
-}
-
 /** The options only gemma4 files carry. */
 const gemma4Only = [
   "kEqV",
@@ -133,17 +101,6 @@ export const validateGemma4Options = (
   return undefined
 }
 
-/** Block il's head size, Q width and K/V width (`hd`: the model's head size, the global blocks'). */
-export const gemma4BlockShape = (
-  o: SyntheticGemma4Options & { readonly heads: number; readonly kvHeads: number; readonly layers: number },
-  il: number,
-  hd: number
-): { readonly hd: number; readonly q: number; readonly kv: number } => {
-  const slides = gemma4SwaBlocks(o, o.layers)[il] === true
-  const head = slides ? (o.swaHeadDim ?? hd) : hd
-  return { hd: head, q: head * o.heads, kv: head * (slides ? o.kvHeads : (o.globalKvHeads ?? o.kvHeads)) }
-}
-
 /** `head_count_kv`: one count for all blocks, or one per block when the global blocks have their own. */
 export const gemma4KvHeadsValue = (
   o: SyntheticGemma4Options & { readonly kvHeads: number; readonly layers: number }
@@ -160,46 +117,6 @@ export const gemma4SwaBlocks = (o: SyntheticGemmaOptions, layers: number): Reado
   const period = swaPeriodOf(o)
   return Array.from({ length: layers }, (_, il) => il % period < period - 1)
 }
-
-/** Per-layer embedding tables of a model of `hidden` width, `layers` blocks and `vocab` tokens (E2B/E4B). */
-export const gemma4PerLayerTensors = (o: SyntheticGemma4Options, hidden: number, layers: number, vocab: number) => {
-  const width = o.perLayerEmbd ?? 0
-  if (width === 0) return []
-  return [
-    { name: "per_layer_token_embd.weight", dims: [width * layers, vocab], mean: 0, std: 0.1 },
-    { name: "per_layer_model_proj.weight", dims: [hidden, width * layers], mean: 0, std: 1 / Math.sqrt(hidden) },
-    { name: "per_layer_proj_norm.weight", dims: [width], mean: 1, std: 0.1 }
-  ]
-}
-
-/** Block `b`'s per-layer embedding tensors: the gate, the projection back to the residual width, its norm. */
-export const gemma4PerLayerBlockTensors = (o: SyntheticGemma4Options, b: string, hidden: number) => {
-  const width = o.perLayerEmbd ?? 0
-  if (width === 0) return []
-  return [
-    { name: `${b}.inp_gate.weight`, dims: [hidden, width], mean: 0, std: 1 / Math.sqrt(hidden) },
-    { name: `${b}.proj.weight`, dims: [width, hidden], mean: 0, std: 1 / Math.sqrt(width) },
-    { name: `${b}.post_norm.weight`, dims: [hidden], mean: 1, std: 0.1 }
-  ]
-}
-
-/**
- * The model-wide tensors of gemma4: RoPE frequency factors of the global blocks (head size / 2), none when every
- * block slides (fewer blocks than the pattern's period): llama.cpp asks for rope_freqs from a global block only and
- * refuses a file holding a tensor it did not ask for.
- */
-export const gemma4SharedTensors = (o: SyntheticGemmaOptions, layers: number, headDim: number) =>
-  gemma4SwaBlocks(o, layers).every((slides) => slides)
-    ? []
-    : [{ name: "rope_freqs.weight", dims: [headDim / 2], mean: 1.5, std: 0.5 }]
-
-/** gemma4's extra tensor of block `b` besides gemma3's norms: the scalar the block output is multiplied by. */
-export const gemma4LayerScale = (b: string) => ({
-  name: `${b}.layer_output_scale.weight`,
-  dims: [1],
-  mean: 1,
-  std: 0.2
-})
 
 /** gemma4's own metadata keys (the model's head size `hd`, `layers` blocks). */
 export const gemma4Metadata = (

@@ -22,57 +22,6 @@ const DEFAULT_WINDOW = 16
 const DEFAULT_PATTERN = 2
 const DEFAULT_YARN_FACTOR = 4
 
-interface GptOssShape {
-  readonly hidden: number
-  readonly heads: number
-  readonly experts?: number
-  readonly expertsUsed?: number
-  readonly expertFfn?: number
-  readonly ffn: number
-}
-
-interface PlannedGptOssTensor {
-  readonly name: string
-  readonly dims: ReadonlyArray<number>
-  readonly mean: number
-  readonly std: number
-}
-
-/** Block `b`'s tensors beyond attn_norm and the q/k/v/output weights (which Synthetic.ts plans for every arch). */
-export const gptOssBlockTensors = (
-  b: string,
-  o: GptOssShape,
-  qDim: number,
-  kvDim: number
-): ReadonlyArray<PlannedGptOssTensor> => {
-  const e = o.experts ?? 8
-  const f = o.expertFfn ?? o.ffn
-  const h = o.hidden
-  const t = (name: string, dims: ReadonlyArray<number>, std: number, mean = 0): PlannedGptOssTensor => ({
-    name: `${b}.${name}`,
-    dims,
-    mean,
-    std
-  })
-  const m = (name: string, dims: ReadonlyArray<number>) => t(name, dims, 1 / Math.sqrt(dims[0]!))
-  return [
-    t("attn_q.bias", [qDim], 0.1),
-    t("attn_k.bias", [kvDim], 0.1),
-    t("attn_v.bias", [kvDim], 0.1),
-    t("attn_output.bias", [h], 0.1),
-    t("attn_sinks.weight", [o.heads], 1),
-    t("post_attention_norm.weight", [h], 0.1, 1),
-    m("ffn_gate_inp.weight", [h, e]),
-    t("ffn_gate_inp.bias", [e], 0.5),
-    m("ffn_gate_exps.weight", [h, f, e]),
-    m("ffn_up_exps.weight", [h, f, e]),
-    m("ffn_down_exps.weight", [f, h, e]),
-    t("ffn_gate_exps.bias", [f, e], 0.1),
-    t("ffn_up_exps.bias", [f, e], 0.1),
-    t("ffn_down_exps.bias", [h, e], 0.1)
-  ]
-}
-
 /** What is wrong with the gpt-oss options, or undefined (llama.cpp requires gpt-oss's own output head). */
 export const validateGptOssOptions = (o: {
   readonly arch: string

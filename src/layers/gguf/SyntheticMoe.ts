@@ -35,8 +35,6 @@ export const syntheticMoeArchs = ["qwen3moe", "glm4moe", "gpt-oss", "deepseek2",
 
 export const isSyntheticMoe = (arch: string): boolean => (syntheticMoeArchs as ReadonlyArray<string>).includes(arch)
 
-type Shape = SyntheticMoeOptions & { readonly arch: string; readonly hidden: number; readonly ffn: number }
-
 const settings = (o: SyntheticMoeOptions & { readonly arch: string; readonly ffn: number }) => {
   const glm = o.arch === "glm4moe" || o.arch === "deepseek2"
   return {
@@ -95,64 +93,6 @@ export const validateMoeOptions = (
     return `sharedExperts must be at least 1 for ${o.arch} (llama.cpp computes a shared expert on every routed block)`
   if (s.dense >= o.layers) return `denseBlocks (${s.dense}) must be fewer than layers (${o.layers})`
   return undefined
-}
-
-interface MoeTensor {
-  readonly name: string
-  readonly dims: ReadonlyArray<number>
-  readonly mean: number
-  readonly std: number
-}
-
-/** Block `il`'s feed-forward tensors and its norm before them (in place of ffn_norm + ffn_gate/up/down). */
-export const moeBlockTensors = (block: string, il: number, o: Shape): ReadonlyArray<MoeTensor> => {
-  const s = settings(o)
-  const m = (name: string, dims: ReadonlyArray<number>): MoeTensor => ({
-    name: `${block}.${name}`,
-    dims,
-    mean: 0,
-    std: 1 / Math.sqrt(dims[0]!)
-  })
-  const glm = o.arch === "glm4moe" || o.arch === "deepseek2"
-  const postNorm = o.arch === "glm4moe" || o.arch === "qwen35moe"
-  const out: Array<MoeTensor> = [
-    { name: `${block}.${postNorm ? "post_attention_norm" : "ffn_norm"}.weight`, dims: [o.hidden], mean: 1, std: 0.1 }
-  ]
-  if (il < s.dense) {
-    out.push(
-      m("ffn_gate.weight", [o.hidden, o.ffn]),
-      m("ffn_up.weight", [o.hidden, o.ffn]),
-      m("ffn_down.weight", [o.ffn, o.hidden])
-    )
-    return out
-  }
-  out.push(
-    m("ffn_gate_inp.weight", [o.hidden, s.experts]),
-    m("ffn_gate_exps.weight", [o.hidden, s.ffn, s.experts]),
-    m("ffn_up_exps.weight", [o.hidden, s.ffn, s.experts]),
-    m("ffn_down_exps.weight", [s.ffn, o.hidden, s.experts])
-  )
-  if (o.arch === "qwen35moe") {
-    const f = s.ffn * s.shared
-    out.push(
-      m("ffn_gate_shexp.weight", [o.hidden, f]),
-      m("ffn_up_shexp.weight", [o.hidden, f]),
-      m("ffn_down_shexp.weight", [f, o.hidden])
-    )
-    out.push(m("ffn_gate_inp_shexp.weight", [o.hidden]))
-  }
-  if (glm) {
-    out.push({ name: `${block}.exp_probs_b.bias`, dims: [s.experts], mean: 0, std: 0.1 })
-    if (s.shared > 0) {
-      const f = s.ffn * s.shared
-      out.push(
-        m("ffn_gate_shexp.weight", [o.hidden, f]),
-        m("ffn_up_shexp.weight", [o.hidden, f]),
-        m("ffn_down_shexp.weight", [f, o.hidden])
-      )
-    }
-  }
-  return out
 }
 
 /** A storage type the tensor keeps whatever the file's type (the router: F32), or undefined. */

@@ -62,9 +62,6 @@ const sizes = (o: Shape) => {
 /** qwen35 and qwen35moe share the hybrid stack (qwen35moe: the feed-forwards are SyntheticMoe.ts's). */
 export const isQwen35Family = (arch: string): boolean => arch === "qwen35" || arch === "qwen35moe"
 
-/** Whether block `i` of a qwen35 file with this interval is a DeltaNet (recurrent) block. */
-const qwen35IsRecurrent = (i: number, interval: number): boolean => (i + 1) % interval !== 0
-
 /** What is wrong with the qwen35 options, or undefined. */
 export const validateQwen35Options = (o: Shape): string | undefined => {
   if (!isQwen35Family(o.arch)) {
@@ -89,53 +86,6 @@ export const validateQwen35Options = (o: Shape): string | undefined => {
     return `qwen35 rotates a quarter of the head: the head dimension ${s.hd} (headDim, or hidden / heads) must be a multiple of 8`
   }
   return undefined
-}
-
-interface Planned {
-  readonly name: string
-  readonly dims: ReadonlyArray<number>
-  readonly mean: number
-  readonly std: number
-}
-
-/**
- * Block `i`'s tensors after attn_norm (qwen35; qwen35moe: without post_attention_norm and the feed-forward); an MTP
- * block (i >= layers) is a full-attention block.
- */
-export const qwen35BlockTensors = (block: string, i: number, o: Shape): ReadonlyArray<Planned> => {
-  const s = sizes(o)
-  const out: Array<Planned> = []
-  const m = (name: string, ne0: number, ne1: number) =>
-    out.push({ name: `${block}.${name}`, dims: [ne0, ne1], mean: 0, std: 1 / Math.sqrt(ne0) })
-  const norm = (name: string, n: number) => out.push({ name: `${block}.${name}`, dims: [n], mean: 1, std: 0.1 })
-  const dense = o.arch === "qwen35"
-  if (dense) norm("post_attention_norm.weight", o.hidden)
-  if (i < o.layers && qwen35IsRecurrent(i, s.interval)) {
-    const value = s.state * s.vHeads
-    m("attn_qkv.weight", o.hidden, s.convDim)
-    m("attn_gate.weight", o.hidden, value)
-    out.push({ name: `${block}.ssm_conv1d.weight`, dims: [s.kernel, s.convDim], mean: 0, std: 1 / Math.sqrt(s.kernel) })
-    out.push({ name: `${block}.ssm_dt.bias`, dims: [s.vHeads], mean: 0, std: 0.5 })
-    // -exp(A_log): negative, so every step decays the state
-    out.push({ name: `${block}.ssm_a`, dims: [s.vHeads], mean: -0.5, std: 0.05 })
-    m("ssm_beta.weight", o.hidden, s.vHeads)
-    m("ssm_alpha.weight", o.hidden, s.vHeads)
-    norm("ssm_norm.weight", s.state)
-    m("ssm_out.weight", value, o.hidden)
-  } else {
-    m("attn_q.weight", o.hidden, s.hd * o.heads * 2)
-    m("attn_k.weight", o.hidden, s.hd * o.kvHeads)
-    m("attn_v.weight", o.hidden, s.hd * o.kvHeads)
-    norm("attn_q_norm.weight", s.hd)
-    norm("attn_k_norm.weight", s.hd)
-    m("attn_output.weight", s.hd * o.heads, o.hidden)
-  }
-  if (dense) {
-    m("ffn_gate.weight", o.hidden, o.ffn)
-    m("ffn_up.weight", o.hidden, o.ffn)
-    m("ffn_down.weight", o.ffn, o.hidden)
-  }
-  return out
 }
 
 /** The type a qwen35 tensor keeps whatever the file's type (ssm_conv1d: F32), or undefined. */
