@@ -34,6 +34,10 @@ export { startNodeAgent, type NodeAgentOptions, type RunningAgent } from "./laye
 export type { LocalPoolOptions, RemotePoolOptions } from "./layers/agent/AgentPools.js"
 export * as AgentPools from "./layers/agent/AgentPools.js"
 
+// Settings: the service every setting is resolved into once (default: this process's environment); a program provides
+// its own values with Settings.layer instead of setting variables
+export { type GgmlPackage, Settings, type SettingsValues, type TlsMode } from "./layers/config/Settings.js"
+
 // The contracts, by namespace: the plan (ids, plan, planner, rejections) and the run's state machine (events,
 // commands, transition, actor)
 export * as Plan from "./api/plan.js"

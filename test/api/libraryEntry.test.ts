@@ -34,6 +34,13 @@ describe("library entry (swactor)", () => {
     assert.strictEqual(Swactor.RunFaulted.name, "RunFaulted")
     assert.strictEqual(Swactor.ModelLoadError.name, "ModelLoadError")
     assert.strictEqual(Swactor.Server.key, "swactor/Server")
+    assert.strictEqual(Swactor.Settings.key, "swactor/Settings")
+    assert.strictEqual(
+      Effect.runSync(
+        Effect.map(Swactor.Settings, (s) => s.tls).pipe(Effect.provide(Swactor.Settings.layer({ tls: "off" })))
+      ),
+      "off"
+    )
   })
 
   it("groups the contracts as namespaces: plan, planner, run FSM, GGUF, engine, transport, pools, HTTP", () => {
