@@ -34,167 +34,188 @@ const makeWeightsRecorder = () => {
   }
 }
 
+/** The server's counters, as requests complete (ServerMetrics without the gauges read at snapshot time). */
+const newCounts = () => ({
+  completed: 0,
+  cancelled: 0,
+  failed: 0,
+  refused: 0,
+  promptTokens: 0,
+  completionTokens: 0,
+  recoveries: 0,
+  stragglers: 0,
+  revivals: 0,
+  revivalAttempts: 0,
+  inFlight: 0,
+  stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>(),
+  firstToken: {
+    requests: 0,
+    totalSeconds: 0,
+    tokenize: 0,
+    admit: 0,
+    setup: 0,
+    prefillWait: 0,
+    prefill: 0,
+    sample: 0,
+    hops: 0
+  }
+})
+
+type Counts = ReturnType<typeof newCounts>
+
+/** The stage's counters, made at its first report. */
+const stageOf = (counts: Counts, stageIndex: number) => {
+  const m = counts.stages.get(stageIndex) ?? {
+    computeSeconds: 0,
+    transferSeconds: 0,
+    decodeTokens: 0,
+    microBatches: 0,
+    batchRows: 0,
+    maxBatchSequences: 0,
+    stragglerTokens: 0,
+    computeBytes: 0,
+    residentBytes: 0,
+    peakResidentBytes: 0,
+    kvBytes: 0,
+    prefillSeconds: 0,
+    prefillWaitSeconds: 0
+  }
+  counts.stages.set(stageIndex, m)
+  return m
+}
+
+/** A finished run's per-stage costs: engine, transfer, batches and (when measured) memory. */
+const recordStages = (counts: Counts, update: Extract<RunUpdate, { _tag: "Finished" }>) => {
+  const decodeSteps = Math.max(0, update.summary.generatedTokens - 1)
+  for (const s of update.summary.stages) {
+    const m = stageOf(counts, s.stageIndex)
+    m.computeSeconds += (s.prefillComputeMillis + s.computeMillisPerToken * decodeSteps) / 1000
+    m.transferSeconds += (update.summary.transferMillisPerToken * decodeSteps) / 1000 / update.summary.stages.length
+    m.decodeTokens += decodeSteps
+    m.microBatches += s.microBatches
+    m.batchRows += s.batchRows
+    m.maxBatchSequences = Math.max(m.maxBatchSequences, s.maxBatchSequences)
+    if (s.residentBytes > 0) {
+      m.computeBytes = s.computeBytes
+      m.residentBytes = s.residentBytes
+      m.peakResidentBytes = Math.max(m.peakResidentBytes, s.peakResidentBytes)
+      m.kvBytes = s.kvBytes
+    }
+  }
+}
+
+/** A completed request's time to first token, split into its phases (FirstTokenPhases); per stage its prefill. */
+const recordFirstToken = (counts: Counts, summary: RunSummary, at: FirstTokenTimes) => {
+  const f = counts.firstToken
+  let onStages = 0
+  let wait = 0
+  let sample = 0
+  for (const s of summary.stages) {
+    const m = stageOf(counts, s.stageIndex)
+    m.prefillSeconds += (s.prefillComputeMillis - s.prefillWaitMillis) / 1000
+    m.prefillWaitSeconds += s.prefillWaitMillis / 1000
+    onStages += s.prefillComputeMillis
+    wait += s.prefillWaitMillis
+    sample += s.firstSampleMillis
+  }
+  f.requests++
+  f.totalSeconds += (at.firstAt - at.receivedAt) / 1000
+  f.tokenize += (at.queuedAt - at.receivedAt) / 1000
+  f.admit += (at.admittedAt - at.queuedAt) / 1000
+  f.setup += (at.readyAt - at.admittedAt) / 1000
+  f.prefillWait += wait / 1000
+  f.prefill += (onStages - wait) / 1000
+  f.sample += sample / 1000
+  f.hops += Math.max(0, at.firstAt - at.readyAt - onStages - sample) / 1000
+}
+
+/** A run's update as it counts: recoveries, stragglers, and a finished run's stages and first token. */
+const record = (counts: Counts, update: RunUpdate, firstToken: () => FirstTokenTimes | undefined) => {
+  if (update._tag === "Recovered") counts.recoveries++
+  if (update._tag === "StageStraggler") stageOf(counts, update.straggler.stageIndex).stragglerTokens++
+  if (update._tag === "Finished") {
+    counts.stragglers += update.summary.stragglers.length
+    recordStages(counts, update)
+    const at = firstToken()
+    if (at !== undefined) recordFirstToken(counts, update.summary, at)
+  }
+}
+
+/** Each live agent's capacity, asked with a 1 s timeout (-1 active stages: no answer). */
+const agentsOf = (up: Pipeline) =>
+  Effect.gen(function* () {
+    return yield* Effect.forEach(
+      yield* up.alive,
+      (agent) =>
+        agent.capacity.pipe(
+          Effect.timeout("1 second"),
+          Effect.map((c) => ({
+            address: agent.node.address,
+            pid: agent.pid,
+            activeStages: c.activeStages,
+            ...(c.devices === undefined ? {} : { devices: c.devices }),
+            ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
+            ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
+          })),
+          Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
+        ),
+      { concurrency: "unbounded" }
+    )
+  })
+
+/** What the snapshot reads now: the admission's state, the live pipeline, the prompt cache and the KV budget. */
+interface SnapshotSources {
+  readonly admission: () => { readonly used: number; readonly queued: number }
+  readonly pipeline: () => Pipeline | undefined
+  readonly promptCache: () => NonNullable<ServerMetrics["promptCache"]>
+  readonly kvBudgetBytes: () => number
+}
+
+/**
+ * The metrics now: the counters, the admission's and the prompt cache's state, and (with a live pipeline) each
+ * agent's capacity, asked with a 1 s timeout (-1 active stages: no answer).
+ */
+const snapshot = (
+  counts: Counts,
+  weights: ReturnType<typeof makeWeightsRecorder>,
+  now: SnapshotSources
+): Effect.Effect<ServerMetrics> =>
+  Effect.gen(function* () {
+    const state = now.admission()
+    const up = now.pipeline()
+    const agents = up !== undefined ? yield* agentsOf(up) : []
+    return {
+      requests: {
+        completed: counts.completed,
+        cancelled: counts.cancelled,
+        failed: counts.failed,
+        refused: counts.refused
+      },
+      promptTokens: counts.promptTokens,
+      completionTokens: counts.completionTokens,
+      recoveries: counts.recoveries,
+      stragglers: counts.stragglers,
+      revivals: counts.revivals,
+      revivalAttempts: counts.revivalAttempts,
+      promptCache: now.promptCache(),
+      inFlight: counts.inFlight,
+      queued: state.queued,
+      kvReservedBytes: state.used,
+      kvBudgetBytes: up !== undefined ? now.kvBudgetBytes() : 0,
+      stages: [...counts.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
+      firstToken: { ...counts.firstToken },
+      ...weights.snapshot(),
+      agents
+    }
+  })
+
 export const make = () => {
   const weights = makeWeightsRecorder()
-  const counts = {
-    completed: 0,
-    cancelled: 0,
-    failed: 0,
-    refused: 0,
-    promptTokens: 0,
-    completionTokens: 0,
-    recoveries: 0,
-    stragglers: 0,
-    revivals: 0,
-    revivalAttempts: 0,
-    inFlight: 0,
-    stages: new Map<number, { -readonly [K in Exclude<keyof StageMetrics, "stageIndex">]: StageMetrics[K] }>(),
-    firstToken: {
-      requests: 0,
-      totalSeconds: 0,
-      tokenize: 0,
-      admit: 0,
-      setup: 0,
-      prefillWait: 0,
-      prefill: 0,
-      sample: 0,
-      hops: 0
-    }
+  const counts = newCounts()
+  return {
+    counts,
+    record: (update: RunUpdate, firstToken: () => FirstTokenTimes | undefined) => record(counts, update, firstToken),
+    snapshot: (now: SnapshotSources) => snapshot(counts, weights, now),
+    observeSetup: weights.observe
   }
-
-  const stage = (stageIndex: number) => {
-    const m = counts.stages.get(stageIndex) ?? {
-      computeSeconds: 0,
-      transferSeconds: 0,
-      decodeTokens: 0,
-      microBatches: 0,
-      batchRows: 0,
-      maxBatchSequences: 0,
-      stragglerTokens: 0,
-      computeBytes: 0,
-      residentBytes: 0,
-      peakResidentBytes: 0,
-      kvBytes: 0,
-      prefillSeconds: 0,
-      prefillWaitSeconds: 0
-    }
-    counts.stages.set(stageIndex, m)
-    return m
-  }
-
-  const recordStages = (update: Extract<RunUpdate, { _tag: "Finished" }>) => {
-    const decodeSteps = Math.max(0, update.summary.generatedTokens - 1)
-    for (const s of update.summary.stages) {
-      const m = stage(s.stageIndex)
-      m.computeSeconds += (s.prefillComputeMillis + s.computeMillisPerToken * decodeSteps) / 1000
-      m.transferSeconds += (update.summary.transferMillisPerToken * decodeSteps) / 1000 / update.summary.stages.length
-      m.decodeTokens += decodeSteps
-      m.microBatches += s.microBatches
-      m.batchRows += s.batchRows
-      m.maxBatchSequences = Math.max(m.maxBatchSequences, s.maxBatchSequences)
-      if (s.residentBytes > 0) {
-        m.computeBytes = s.computeBytes
-        m.residentBytes = s.residentBytes
-        m.peakResidentBytes = Math.max(m.peakResidentBytes, s.peakResidentBytes)
-        m.kvBytes = s.kvBytes
-      }
-    }
-  }
-
-  /** A completed request's time to first token, split into its phases (FirstTokenPhases); per stage its prefill. */
-  const recordFirstToken = (summary: RunSummary, at: FirstTokenTimes) => {
-    const f = counts.firstToken
-    let onStages = 0
-    let wait = 0
-    let sample = 0
-    for (const s of summary.stages) {
-      const m = stage(s.stageIndex)
-      m.prefillSeconds += (s.prefillComputeMillis - s.prefillWaitMillis) / 1000
-      m.prefillWaitSeconds += s.prefillWaitMillis / 1000
-      onStages += s.prefillComputeMillis
-      wait += s.prefillWaitMillis
-      sample += s.firstSampleMillis
-    }
-    f.requests++
-    f.totalSeconds += (at.firstAt - at.receivedAt) / 1000
-    f.tokenize += (at.queuedAt - at.receivedAt) / 1000
-    f.admit += (at.admittedAt - at.queuedAt) / 1000
-    f.setup += (at.readyAt - at.admittedAt) / 1000
-    f.prefillWait += wait / 1000
-    f.prefill += (onStages - wait) / 1000
-    f.sample += sample / 1000
-    f.hops += Math.max(0, at.firstAt - at.readyAt - onStages - sample) / 1000
-  }
-
-  /** A run's update as it counts: recoveries, stragglers, and a finished run's stages and first token. */
-  const record = (update: RunUpdate, firstToken: () => FirstTokenTimes | undefined) => {
-    if (update._tag === "Recovered") counts.recoveries++
-    if (update._tag === "StageStraggler") stage(update.straggler.stageIndex).stragglerTokens++
-    if (update._tag === "Finished") {
-      counts.stragglers += update.summary.stragglers.length
-      recordStages(update)
-      const at = firstToken()
-      if (at !== undefined) recordFirstToken(update.summary, at)
-    }
-  }
-
-  /**
-   * The metrics now: the counters, the admission's and the prompt cache's state, and (with a live pipeline) each
-   * agent's capacity, asked with a 1 s timeout (-1 active stages: no answer).
-   */
-  const snapshot = (now: {
-    readonly admission: () => { readonly used: number; readonly queued: number }
-    readonly pipeline: () => Pipeline | undefined
-    readonly promptCache: () => NonNullable<ServerMetrics["promptCache"]>
-    readonly kvBudgetBytes: () => number
-  }): Effect.Effect<ServerMetrics> =>
-    Effect.gen(function* () {
-      const state = now.admission()
-      const up = now.pipeline()
-      const agents =
-        up !== undefined
-          ? yield* Effect.forEach(
-              yield* up.alive,
-              (agent) =>
-                agent.capacity.pipe(
-                  Effect.timeout("1 second"),
-                  Effect.map((c) => ({
-                    address: agent.node.address,
-                    pid: agent.pid,
-                    activeStages: c.activeStages,
-                    ...(c.devices === undefined ? {} : { devices: c.devices }),
-                    ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
-                    ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
-                  })),
-                  Effect.orElseSucceed(() => ({ address: agent.node.address, pid: agent.pid, activeStages: -1 }))
-                ),
-              { concurrency: "unbounded" }
-            )
-          : []
-      return {
-        requests: {
-          completed: counts.completed,
-          cancelled: counts.cancelled,
-          failed: counts.failed,
-          refused: counts.refused
-        },
-        promptTokens: counts.promptTokens,
-        completionTokens: counts.completionTokens,
-        recoveries: counts.recoveries,
-        stragglers: counts.stragglers,
-        revivals: counts.revivals,
-        revivalAttempts: counts.revivalAttempts,
-        promptCache: now.promptCache(),
-        inFlight: counts.inFlight,
-        queued: state.queued,
-        kvReservedBytes: state.used,
-        kvBudgetBytes: up !== undefined ? now.kvBudgetBytes() : 0,
-        stages: [...counts.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
-        firstToken: { ...counts.firstToken },
-        ...weights.snapshot(),
-        agents
-      }
-    })
-
-  return { counts, record, snapshot, observeSetup: weights.observe }
 }

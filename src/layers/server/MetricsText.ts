@@ -5,14 +5,14 @@
 import type { ServerMetrics } from "../../services/Server.js"
 import type { ConnectionStats } from "./HttpListener.js"
 
+/** One metric: its HELP and TYPE lines, then a line per sample (its labels and value). */
+type Metric = (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
+
 /** One block range's measured step costs in an agent's metrics. */
 type StepCostEntry = NonNullable<ServerMetrics["agents"][number]["stepCosts"]>[number]
 
 /** The prompt cache's counters and gauges (entries in LRU order: `lru="0"` is evicted first). */
-const renderPromptCache = (
-  c: NonNullable<ServerMetrics["promptCache"]>,
-  metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
-) => {
+const renderPromptCache = (c: NonNullable<ServerMetrics["promptCache"]>, metric: Metric) => {
   metric("swactor_prompt_cache_hits_total", "counter", "Requests whose prompt started after a held prefix's KV", [
     ["", c.hits]
   ])
@@ -45,10 +45,7 @@ const renderPromptCache = (
 const labelValue = (v: string) => v.replace(/[\\"]/g, (c) => `\\${c}`).replace(/\n/g, "\\n")
 
 /** Each stage's weights on their way: bytes fetched from the hub by its node, or sent by the server. */
-const renderWeights = (
-  weights: NonNullable<ServerMetrics["weights"]>,
-  metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
-) => {
+const renderWeights = (weights: NonNullable<ServerMetrics["weights"]>, metric: Metric) => {
   const labels = (w: NonNullable<ServerMetrics["weights"]>[number]) =>
     `{stage="${w.stageIndex}",address="${w.address}",source="${w.source}"}`
   metric(
@@ -65,12 +62,8 @@ const renderWeights = (
   )
 }
 
-/** The Prometheus text of a metrics snapshot. */
 /** Each agent's ggml devices: free and total memory as the backend reports it. */
-const renderDevices = (
-  m: ServerMetrics,
-  metric: (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => void
-) => {
+const renderDevices = (m: ServerMetrics, metric: Metric) => {
   const deviceMemory = (state: "free" | "total") =>
     m.agents.flatMap((a) =>
       (a.devices ?? []).map((d): [string, number] => [
@@ -86,12 +79,8 @@ const renderDevices = (
   )
 }
 
-export const renderMetrics = (m: ServerMetrics, status: string): string => {
-  const lines: Array<string> = []
-  const metric = (name: string, type: string, help: string, samples: ReadonlyArray<[string, number]>) => {
-    lines.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`)
-    for (const [labels, value] of samples) lines.push(`${name}${labels} ${value}`)
-  }
+/** The requests' counters, by outcome, and the pipeline's recoveries and revivals. */
+const renderRequests = (m: ServerMetrics, status: string, metric: Metric) => {
   metric("swactor_up", "gauge", "1 when the pipeline is ready", [[`{status="${status}"}`, status === "ready" ? 1 : 0]])
   metric("swactor_requests_total", "counter", "Requests by outcome", [
     ['{outcome="completed"}', m.requests.completed],
@@ -112,23 +101,20 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     [["", m.revivalAttempts]]
   )
   metric("swactor_straggler_tokens_total", "counter", "Decoded tokens over 4x the recent median", [["", m.stragglers]])
-  if (m.weights !== undefined) renderWeights(m.weights, metric)
+}
+
+/** Admission's gauges: requests running and waiting, and the KV bytes reserved against the budget. */
+const renderAdmission = (m: ServerMetrics, metric: Metric) => {
   metric("swactor_requests_in_flight", "gauge", "Requests running", [["", m.inFlight]])
   metric("swactor_requests_queued", "gauge", "Requests waiting for admission", [["", m.queued]])
   metric("swactor_kv_reserved_bytes", "gauge", "KV bytes per stage reserved by running requests", [
     ["", m.kvReservedBytes]
   ])
   metric("swactor_kv_budget_bytes", "gauge", "KV bytes per stage admission may reserve", [["", m.kvBudgetBytes]])
-  if (m.promptCache !== undefined) renderPromptCache(m.promptCache, metric)
-  const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
-    m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
-  metric(
-    "swactor_stage_compute_seconds_total",
-    "counter",
-    "Engine time per stage (completed requests)",
-    perStage((s) => s.computeSeconds)
-  )
-  const f = m.firstToken
+}
+
+/** Time to first token: its sum, its count and its phases. */
+const renderFirstToken = (f: ServerMetrics["firstToken"], metric: Metric) => {
   metric("swactor_first_token_seconds_sum", "counter", "Time to first token, summed over completed requests", [
     ["", f.totalSeconds]
   ])
@@ -152,6 +138,12 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
       ] as const
     ).map(([phase, seconds]): [string, number] => [`{phase="${phase}"}`, seconds])
   )
+}
+
+/** Each stage's measured costs beyond compute: prefill, transfers, batches, memory and stragglers. */
+const renderStages = (m: ServerMetrics, metric: Metric) => {
+  const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
+    m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
   metric(
     "swactor_stage_prefill_seconds_total",
     "counter",
@@ -224,6 +216,10 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     "Decode steps on which the stage took over 4x its own recent median",
     perStage((s) => s.stragglerTokens)
   )
+}
+
+/** Each agent's stages, devices, measured step costs, its batcher's last choice and its open sessions. */
+const renderAgents = (m: ServerMetrics, metric: Metric) => {
   metric(
     "swactor_agent_active_stages",
     "gauge",
@@ -288,6 +284,30 @@ export const renderMetrics = (m: ServerMetrics, status: string): string => {
     "KV cache and DeltaNet state bytes held by each agent's open sessions now",
     sessionsOf((s) => s.cacheBytes)
   )
+}
+
+/** The Prometheus text of a metrics snapshot. */
+export const renderMetrics = (m: ServerMetrics, status: string): string => {
+  const lines: Array<string> = []
+  const metric: Metric = (name, type, help, samples) => {
+    lines.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`)
+    for (const [labels, value] of samples) lines.push(`${name}${labels} ${value}`)
+  }
+  renderRequests(m, status, metric)
+  if (m.weights !== undefined) renderWeights(m.weights, metric)
+  renderAdmission(m, metric)
+  if (m.promptCache !== undefined) renderPromptCache(m.promptCache, metric)
+  const perStage = (value: (s: ServerMetrics["stages"][number]) => number) =>
+    m.stages.map((s): [string, number] => [`{stage="${s.stageIndex}"}`, value(s)])
+  metric(
+    "swactor_stage_compute_seconds_total",
+    "counter",
+    "Engine time per stage (completed requests)",
+    perStage((s) => s.computeSeconds)
+  )
+  renderFirstToken(m.firstToken, metric)
+  renderStages(m, metric)
+  renderAgents(m, metric)
   return `${lines.join("\n")}\n`
 }
 
