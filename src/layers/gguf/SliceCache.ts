@@ -24,90 +24,109 @@ export type SliceStatus =
 
 const HASH = /^[0-9a-f]{64}$/
 
-export const makeSliceCache = (dir: string) => {
-  const complete = (hash: string) => Path.join(dir, `${hash}.gguf`)
-  const partial = (hash: string) => `${complete(hash)}.partial`
-  const checkHash = (hash: string) =>
-    HASH.test(hash)
-      ? Effect.void
-      : Effect.fail(new SliceCacheError({ hash, reason: "BadHash", message: `"${hash}" is not a SHA-256 hex digest` }))
-  const io = (hash: string) => (e: unknown) => new SliceCacheError({ hash, reason: "Io", message: String(e) })
+const completePath = (dir: string, hash: string) => Path.join(dir, `${hash}.gguf`)
+const partialPathIn = (dir: string, hash: string) => `${completePath(dir, hash)}.partial`
 
-  /** Whether the slice's tensors hash to `hash` (a file that does not parse does not). */
-  const verified = (path: string, hash: string, range: SliceRange) =>
-    readGgufFile(path).pipe(
-      Effect.flatMap((file) => sliceHash(file, range)),
-      Effect.map((actual) => actual === hash),
-      Effect.orElseSucceed(() => false)
-    )
+const checkHash = (hash: string) =>
+  HASH.test(hash)
+    ? Effect.void
+    : Effect.fail(new SliceCacheError({ hash, reason: "BadHash", message: `"${hash}" is not a SHA-256 hex digest` }))
 
-  /** What the cache holds for `hash`: a verified slice, or how many bytes of a partial one (0: none). */
-  const status = (hash: string, range: SliceRange): Effect.Effect<SliceStatus, SliceCacheError> =>
-    Effect.gen(function* () {
-      yield* checkHash(hash)
-      if (Fs.existsSync(complete(hash))) {
-        if (yield* verified(complete(hash), hash, range)) return { _tag: "Complete", path: complete(hash) } as const
-        // Corrupted since it was verified: drop it, so it is fetched again.
-        yield* Effect.try({ try: () => Fs.rmSync(complete(hash), { force: true }), catch: io(hash) })
-      }
-      const have = yield* Effect.try({
-        try: () => (Fs.existsSync(partial(hash)) ? Fs.statSync(partial(hash)).size : 0),
-        catch: io(hash)
+const io = (hash: string) => (e: unknown) => new SliceCacheError({ hash, reason: "Io", message: String(e) })
+
+/** Whether the slice's tensors hash to `hash` (a file that does not parse does not). */
+const verified = (path: string, hash: string, range: SliceRange) =>
+  readGgufFile(path).pipe(
+    Effect.flatMap((file) => sliceHash(file, range)),
+    Effect.map((actual) => actual === hash),
+    Effect.orElseSucceed(() => false)
+  )
+
+/** What the cache in `dir` holds for `hash`: a verified slice, or how many bytes of a partial one (0: none). */
+const sliceStatus = (dir: string, hash: string, range: SliceRange): Effect.Effect<SliceStatus, SliceCacheError> =>
+  Effect.gen(function* () {
+    const complete = completePath(dir, hash)
+    const partial = partialPathIn(dir, hash)
+    yield* checkHash(hash)
+    if (Fs.existsSync(complete)) {
+      if (yield* verified(complete, hash, range)) return { _tag: "Complete", path: complete } as const
+      // Corrupted since it was verified: drop it, so it is fetched again.
+      yield* Effect.try({ try: () => Fs.rmSync(complete, { force: true }), catch: io(hash) })
+    }
+    const have = yield* Effect.try({
+      try: () => (Fs.existsSync(partial) ? Fs.statSync(partial).size : 0),
+      catch: io(hash)
+    })
+    return { _tag: "Partial", have } as const
+  })
+
+/** Appends `bytes` at `offset`, which must be where the partial file ends (a resumed transfer continues there). */
+const appendChunk = (
+  dir: string,
+  hash: string,
+  offset: number,
+  bytes: Uint8Array
+): Effect.Effect<number, SliceCacheError> =>
+  Effect.gen(function* () {
+    yield* checkHash(hash)
+    const partial = partialPathIn(dir, hash)
+    return yield* Effect.try({
+      try: () => {
+        Fs.mkdirSync(dir, { recursive: true })
+        const have = Fs.existsSync(partial) ? Fs.statSync(partial).size : 0
+        if (offset !== have)
+          return new SliceCacheError({
+            hash,
+            reason: "OutOfOrder",
+            message: `chunk at ${offset}, the partial slice has ${have} bytes`
+          })
+        Fs.appendFileSync(partial, bytes)
+        return have + bytes.length
+      },
+      catch: io(hash)
+    }).pipe(Effect.flatMap((r) => (typeof r === "number" ? Effect.succeed(r) : Effect.fail(r))))
+  })
+
+/** Verifies the partial slice and makes it the slice; a mismatch deletes it and fails `Corrupt`. */
+const finishSlice = (dir: string, hash: string, range: SliceRange): Effect.Effect<string, SliceCacheError> =>
+  Effect.gen(function* () {
+    yield* checkHash(hash)
+    const partial = partialPathIn(dir, hash)
+    if (!(yield* verified(partial, hash, range))) {
+      yield* Effect.try({ try: () => Fs.rmSync(partial, { force: true }), catch: io(hash) })
+      return yield* new SliceCacheError({
+        hash,
+        reason: "Corrupt",
+        message: "the received slice does not parse or its tensors do not match the hash; it was discarded"
       })
-      return { _tag: "Partial", have } as const
-    })
+    }
+    yield* Effect.try({ try: () => Fs.renameSync(partial, completePath(dir, hash)), catch: io(hash) })
+    return completePath(dir, hash)
+  })
 
+/** Makes the partial slice the slice as it is (its bytes were verified on arrival); `Corrupt` when none is there. */
+const promoteSlice = (dir: string, hash: string): Effect.Effect<string, SliceCacheError> =>
+  Effect.gen(function* () {
+    yield* checkHash(hash)
+    const partial = partialPathIn(dir, hash)
+    if (!Fs.existsSync(partial)) {
+      return yield* new SliceCacheError({ hash, reason: "Corrupt", message: "no received slice to finish" })
+    }
+    yield* Effect.try({ try: () => Fs.renameSync(partial, completePath(dir, hash)), catch: io(hash) })
+    return completePath(dir, hash)
+  })
+
+export const makeSliceCache = (dir: string) => ({
+  /** What the cache holds for `hash`: a verified slice, or how many bytes of a partial one (0: none). */
+  status: (hash: string, range: SliceRange) => sliceStatus(dir, hash, range),
   /** Appends `bytes` at `offset`, which must be where the partial file ends (a resumed transfer continues there). */
-  const append = (hash: string, offset: number, bytes: Uint8Array): Effect.Effect<number, SliceCacheError> =>
-    Effect.gen(function* () {
-      yield* checkHash(hash)
-      return yield* Effect.try({
-        try: () => {
-          Fs.mkdirSync(dir, { recursive: true })
-          const have = Fs.existsSync(partial(hash)) ? Fs.statSync(partial(hash)).size : 0
-          if (offset !== have)
-            return new SliceCacheError({
-              hash,
-              reason: "OutOfOrder",
-              message: `chunk at ${offset}, the partial slice has ${have} bytes`
-            })
-          Fs.appendFileSync(partial(hash), bytes)
-          return have + bytes.length
-        },
-        catch: io(hash)
-      }).pipe(Effect.flatMap((r) => (typeof r === "number" ? Effect.succeed(r) : Effect.fail(r))))
-    })
-
+  append: (hash: string, offset: number, bytes: Uint8Array) => appendChunk(dir, hash, offset, bytes),
   /** Verifies the partial slice and makes it the slice; a mismatch deletes it and fails `Corrupt`. */
-  const finish = (hash: string, range: SliceRange): Effect.Effect<string, SliceCacheError> =>
-    Effect.gen(function* () {
-      yield* checkHash(hash)
-      if (!(yield* verified(partial(hash), hash, range))) {
-        yield* Effect.try({ try: () => Fs.rmSync(partial(hash), { force: true }), catch: io(hash) })
-        return yield* new SliceCacheError({
-          hash,
-          reason: "Corrupt",
-          message: "the received slice does not parse or its tensors do not match the hash; it was discarded"
-        })
-      }
-      yield* Effect.try({ try: () => Fs.renameSync(partial(hash), complete(hash)), catch: io(hash) })
-      return complete(hash)
-    })
-
+  finish: (hash: string, range: SliceRange) => finishSlice(dir, hash, range),
   /** The partial file of `hash` (a `BadHash` failure for a malformed hash). */
-  const partialPath = (hash: string): Effect.Effect<string, SliceCacheError> =>
-    checkHash(hash).pipe(Effect.as(partial(hash)))
-
+  partialPath: (hash: string): Effect.Effect<string, SliceCacheError> =>
+    checkHash(hash).pipe(Effect.as(partialPathIn(dir, hash))),
   /** Makes the partial slice the slice as it is (its bytes were verified on arrival); `Corrupt` when none is there. */
-  const promote = (hash: string): Effect.Effect<string, SliceCacheError> =>
-    Effect.gen(function* () {
-      yield* checkHash(hash)
-      if (!Fs.existsSync(partial(hash))) {
-        return yield* new SliceCacheError({ hash, reason: "Corrupt", message: "no received slice to finish" })
-      }
-      yield* Effect.try({ try: () => Fs.renameSync(partial(hash), complete(hash)), catch: io(hash) })
-      return complete(hash)
-    })
-
-  return { status, append, finish, partialPath, promote, dir }
-}
+  promote: (hash: string) => promoteSlice(dir, hash),
+  dir
+})
