@@ -126,16 +126,13 @@ const makeHubFetches = (
     })
 }
 
-export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
-  const cache = makeSliceCache(options.cacheDir)
-  const resolved = new Map<string, string>()
-  const key = (modelPath: string, layerStart: number, layerEndExclusive: number) =>
-    JSON.stringify([modelPath, layerStart, layerEndExclusive])
-  // Hashing a whole model is not free: remember it per file identity (size, mtime) and range.
-  const modelHashes = new Map<string, string>()
-  let received = 0
-  // Transfers running now (one at a time per hash; a check waits for the one running), and the sizes of partial
-  // files whose SHA-256 a byte stream verified.
+type SliceCache = ReturnType<typeof makeSliceCache>
+
+/**
+ * Transfers running now (one at a time per hash; a check waits for the one running), and the sizes of partial files
+ * whose SHA-256 a byte stream verified; the sink byte streams write through.
+ */
+const makeTransfers = (cache: SliceCache) => {
   const busy = new Map<string, Promise<void>>()
   const streamed = new Map<string, number>()
   const idle = (hash: string) => Effect.promise(() => busy.get(hash) ?? Promise.resolve())
@@ -160,17 +157,18 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       ),
     verified: (hash, size) => void streamed.set(hash, size)
   }
-  const partialSize = (hash: string) =>
-    cache.partialPath(hash).pipe(
-      Effect.map((path) => (Fs.existsSync(path) ? Fs.statSync(path).size : -1)),
-      Effect.orElseSucceed(() => -1)
-    )
-  const range = rangeOf
-  const remember = (w: StageWeights, path: string) =>
-    Effect.sync(() => void resolved.set(key(w.modelPath, w.layerStart, w.layerEndExclusive), path))
+  return { idle, streamed, sink }
+}
 
-  /** The stage-tensor hash of the agent's own file at the model path (undefined: none, unreadable, or slicesOnly). */
-  const localHash = (w: StageWeights) =>
+type Transfers = ReturnType<typeof makeTransfers>
+
+/**
+ * The stage-tensor hash of the agent's own file at the model path (undefined: none, unreadable, or slicesOnly).
+ * Hashing a whole model is not free: remembered per file identity (size, mtime) and range.
+ */
+const makeLocalHash = (options: WeightStoreOptions) => {
+  const modelHashes = new Map<string, string>()
+  return (w: StageWeights) =>
     Effect.suspend(() => {
       if (options.slicesOnly === true || isRemoteModel(w.modelPath)) return Effect.succeed(undefined)
       let stats: Array<readonly [number, number]>
@@ -187,12 +185,43 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       const known = modelHashes.get(id)
       if (known !== undefined) return Effect.succeed(known)
       return readGgufFile(w.modelPath).pipe(
-        Effect.flatMap((file) => sliceHash(file, range(w))),
+        Effect.flatMap((file) => sliceHash(file, rangeOf(w))),
         Effect.tap((hash) => Effect.sync(() => modelHashes.set(id, hash))),
         Effect.orElseSucceed(() => undefined)
       )
     })
+}
 
+/** The partial file's size (-1: none, or a malformed hash). */
+const partialSize = (cache: SliceCache, hash: string) =>
+  cache.partialPath(hash).pipe(
+    Effect.map((path) => (Fs.existsSync(path) ? Fs.statSync(path).size : -1)),
+    Effect.orElseSucceed(() => -1)
+  )
+
+/** Makes the received slice the slice once no transfer of it runs: as it is when a byte stream verified it. */
+const finishTransfer = (cache: SliceCache, transfers: Transfers, w: StageWeights) =>
+  Effect.gen(function* () {
+    yield* transfers.idle(w.hash)
+    // A byte stream checked the file's SHA-256 on arrival: no second pass over it. Else parse and hash its tensors.
+    const verifiedSize = transfers.streamed.get(w.hash)
+    transfers.streamed.delete(w.hash)
+    return verifiedSize !== undefined && verifiedSize === (yield* partialSize(cache, w.hash))
+      ? yield* cache.promote(w.hash)
+      : yield* cache.finish(w.hash, rangeOf(w))
+  })
+
+export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
+  const cache = makeSliceCache(options.cacheDir)
+  const resolved = new Map<string, string>()
+  const key = (modelPath: string, layerStart: number, layerEndExclusive: number) =>
+    JSON.stringify([modelPath, layerStart, layerEndExclusive])
+  let received = 0
+  const transfers = makeTransfers(cache)
+  const { idle, streamed } = transfers
+  const remember = (w: StageWeights, path: string) =>
+    Effect.sync(() => void resolved.set(key(w.modelPath, w.layerStart, w.layerEndExclusive), path))
+  const localHash = makeLocalHash(options)
   const hubCheck = makeHubFetches(options, remember)
 
   const check = (w: StageWeights) =>
@@ -203,7 +232,7 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
         yield* remember(w, w.modelPath)
         return { _tag: "Held", via: "ModelFile", path: w.modelPath } as const
       }
-      const status = yield* cache.status(w.hash, range(w)).pipe(Effect.mapError(deliveryError))
+      const status = yield* cache.status(w.hash, rangeOf(w)).pipe(Effect.mapError(deliveryError))
       if (status._tag === "Complete") {
         yield* remember(w, status.path)
         return { _tag: "Held", via: "Slice", path: status.path } as const
@@ -212,15 +241,7 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
     })
 
   const finish = (w: StageWeights) =>
-    Effect.gen(function* () {
-      yield* idle(w.hash)
-      // A byte stream checked the file's SHA-256 on arrival: no second pass over it. Else parse and hash its tensors.
-      const verifiedSize = streamed.get(w.hash)
-      streamed.delete(w.hash)
-      return verifiedSize !== undefined && verifiedSize === (yield* partialSize(w.hash))
-        ? yield* cache.promote(w.hash)
-        : yield* cache.finish(w.hash, range(w))
-    }).pipe(
+    finishTransfer(cache, transfers, w).pipe(
       Effect.mapError(deliveryError),
       Effect.tap((path) => remember(w, path)),
       Effect.tap((path) =>
@@ -246,6 +267,6 @@ export const makeWeightStore = (options: WeightStoreOptions): WeightStore => {
       resolved.get(key(modelPath, layerStart, layerEndExclusive)) ??
       (options.slicesOnly === true || isRemoteModel(modelPath) ? undefined : modelPath),
     received: () => received,
-    sink
+    sink: transfers.sink
   }
 }
