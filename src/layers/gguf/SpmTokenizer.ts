@@ -156,7 +156,16 @@ export interface SpmTokenizer {
   readonly detokenize: (tokens: ReadonlyArray<number>, context?: ReadonlyArray<number>) => string
 }
 
-export const makeSpmTokenizer = (vocab: SpmVocabulary): SpmTokenizer => {
+/** A vocabulary's lookups: ids by piece, the id of each byte, and what each token decodes to. */
+interface SpmTables {
+  readonly vocab: SpmVocabulary
+  readonly ids: ReadonlyMap<string, number>
+  readonly byteIds: ReadonlyArray<number>
+  /** What each token decodes to, as bytes in a binary string. */
+  readonly decoded: ReadonlyArray<string>
+}
+
+const spmTables = (vocab: SpmVocabulary): SpmTables => {
   const ids = new Map<string, number>()
   vocab.pieces.forEach((piece, id) => ids.set(piece, id)) // a repeated text maps to its last id, as in llama.cpp
   const byteIds = Array.from({ length: 256 }, (_, b) => {
@@ -171,80 +180,115 @@ export const makeSpmTokenizer = (vocab: SpmVocabulary): SpmTokenizer => {
     if (type === TokenType.Byte) return String.fromCharCode(parseInt(piece.slice(3, 5), 16))
     return ""
   })
+  return { vocab, ids, byteIds, decoded }
+}
 
-  const tokenize = (text: string): Array<number> => {
-    const output: Array<number> = []
-    if (text === "") return output
-    const escaped = binary((vocab.addSpacePrefix ? " " + text : text).replaceAll(" ", "\u2581"))
-    const symbols: Array<Symbol> = []
-    for (let offset = 0; offset < escaped.length;) {
-      const n = Math.min(utf8Length(escaped.charCodeAt(offset)), escaped.length - offset)
-      const index = symbols.length
-      symbols.push({ start: offset, n, prev: index - 1, next: offset + n === escaped.length ? -1 : index + 1 })
-      offset += n
-    }
-    const queue = makeQueue()
-    const revMerge = new Map<string, readonly [number, number]>()
-    const tryAddBigram = (left: number, right: number) => {
-      if (left === -1 || right === -1) return
-      const l = symbols[left]!
-      const piece = escaped.slice(l.start, l.start + l.n + symbols[right]!.n)
-      const id = ids.get(piece)
-      if (id === undefined) return
-      queue.push({ left, right, score: vocab.scores[id]!, size: piece.length })
-      revMerge.set(piece, [left, right])
-    }
-    for (let i = 1; i < symbols.length; i++) tryAddBigram(i - 1, i)
-    while (queue.size > 0) {
-      const bigram = queue.pop()
-      const left = symbols[bigram.left]!
-      const right = symbols[bigram.right]!
-      if (left.n === 0 || right.n === 0 || left.n + right.n !== bigram.size) continue
-      left.n += right.n
-      right.n = 0
-      left.next = right.next
-      if (right.next >= 0) symbols[right.next]!.prev = bigram.left
-      tryAddBigram(left.prev, bigram.left)
-      tryAddBigram(bigram.left, left.next)
-    }
-    const resegment = (symbol: Symbol) => {
-      const piece = escaped.slice(symbol.start, symbol.start + symbol.n)
-      const id = ids.get(piece)
-      if (id !== undefined) {
-        output.push(id)
-        return
-      }
-      const merged = revMerge.get(piece)
-      if (merged === undefined) {
-        for (let j = 0; j < piece.length; j++) output.push(byteIds[piece.charCodeAt(j)]!)
-        return
-      }
-      resegment(symbols[merged[0]]!)
-      resegment(symbols[merged[1]]!)
-    }
-    for (let i = 0; i !== -1; i = symbols[i]!.next) resegment(symbols[i]!)
-    return output
+/** The escaped text's UTF-8 characters, each a symbol linked to its neighbours. */
+const initialSymbols = (escaped: string): Array<Symbol> => {
+  const symbols: Array<Symbol> = []
+  for (let offset = 0; offset < escaped.length;) {
+    const n = Math.min(utf8Length(escaped.charCodeAt(offset)), escaped.length - offset)
+    const index = symbols.length
+    symbols.push({ start: offset, n, prev: index - 1, next: offset + n === escaped.length ? -1 : index + 1 })
+    offset += n
   }
+  return symbols
+}
 
-  // llama_detokenize(remove_special = false, unparse_special = false): the first token loses one leading space when
-  // the vocabulary adds a space prefix; bytes become text as node-llama-cpp's N-API string does (U+FFFD for bad UTF-8).
-  const raw = (tokens: ReadonlyArray<number>): string => {
-    let bytes = ""
-    tokens.forEach((token, i) => {
-      const piece = decoded[token] ?? ""
-      bytes += i === 0 && vocab.addSpacePrefix && piece.startsWith(" ") ? piece.slice(1) : piece
-    })
-    return Buffer.from(bytes, "latin1").toString("utf8")
+/**
+ * Merges neighbouring symbols whose joined text is a piece, the best-scored bigram first (llama.cpp's
+ * llm_tokenizer_spm). Returns each merged piece's two halves, for resegmenting a piece that is not a token.
+ */
+const mergeBigrams = (t: SpmTables, escaped: string, symbols: Array<Symbol>) => {
+  const queue = makeQueue()
+  const revMerge = new Map<string, readonly [number, number]>()
+  const tryAddBigram = (left: number, right: number) => {
+    if (left === -1 || right === -1) return
+    const l = symbols[left]!
+    const piece = escaped.slice(l.start, l.start + l.n + symbols[right]!.n)
+    const id = t.ids.get(piece)
+    if (id === undefined) return
+    queue.push({ left, right, score: t.vocab.scores[id]!, size: piece.length })
+    revMerge.set(piece, [left, right])
   }
-  // node-llama-cpp's detokenize with context: decode the last 3 context tokens with the new ones, keep the new part.
-  const detokenize = (tokens: ReadonlyArray<number>, context?: ReadonlyArray<number>): string => {
-    if (tokens.length === 0) return ""
-    if (context === undefined || context.length === 0) return raw(tokens)
-    const added = context.slice(-3)
-    const addedText = raw(added)
-    if (addedText === "") return raw(tokens)
-    const text = raw([...added, ...tokens])
-    return text.startsWith(addedText) ? text.slice(addedText.length) : raw(tokens)
+  for (let i = 1; i < symbols.length; i++) tryAddBigram(i - 1, i)
+  while (queue.size > 0) {
+    const bigram = queue.pop()
+    const left = symbols[bigram.left]!
+    const right = symbols[bigram.right]!
+    if (left.n === 0 || right.n === 0 || left.n + right.n !== bigram.size) continue
+    left.n += right.n
+    right.n = 0
+    left.next = right.next
+    if (right.next >= 0) symbols[right.next]!.prev = bigram.left
+    tryAddBigram(left.prev, bigram.left)
+    tryAddBigram(bigram.left, left.next)
   }
-  return { vocabSize: vocab.pieces.length, tokenize, detokenize }
+  return revMerge
+}
+
+/** The ids of the merged symbols: a piece's id, else its halves', else its bytes'. */
+const resegmentAll = (
+  t: SpmTables,
+  escaped: string,
+  symbols: ReadonlyArray<Symbol>,
+  revMerge: ReadonlyMap<string, readonly [number, number]>
+): Array<number> => {
+  const output: Array<number> = []
+  const resegment = (symbol: Symbol) => {
+    const piece = escaped.slice(symbol.start, symbol.start + symbol.n)
+    const id = t.ids.get(piece)
+    if (id !== undefined) {
+      output.push(id)
+      return
+    }
+    const merged = revMerge.get(piece)
+    if (merged === undefined) {
+      for (let j = 0; j < piece.length; j++) output.push(t.byteIds[piece.charCodeAt(j)]!)
+      return
+    }
+    resegment(symbols[merged[0]]!)
+    resegment(symbols[merged[1]]!)
+  }
+  for (let i = 0; i !== -1; i = symbols[i]!.next) resegment(symbols[i]!)
+  return output
+}
+
+const tokenizeSpm = (t: SpmTables, text: string): Array<number> => {
+  if (text === "") return []
+  const escaped = binary((t.vocab.addSpacePrefix ? " " + text : text).replaceAll(" ", "\u2581"))
+  const symbols = initialSymbols(escaped)
+  const revMerge = mergeBigrams(t, escaped, symbols)
+  return resegmentAll(t, escaped, symbols, revMerge)
+}
+
+// llama_detokenize(remove_special = false, unparse_special = false): the first token loses one leading space when
+// the vocabulary adds a space prefix; bytes become text as node-llama-cpp's N-API string does (U+FFFD for bad UTF-8).
+const rawDetokenize = (t: SpmTables, tokens: ReadonlyArray<number>): string => {
+  let bytes = ""
+  tokens.forEach((token, i) => {
+    const piece = t.decoded[token] ?? ""
+    bytes += i === 0 && t.vocab.addSpacePrefix && piece.startsWith(" ") ? piece.slice(1) : piece
+  })
+  return Buffer.from(bytes, "latin1").toString("utf8")
+}
+
+// node-llama-cpp's detokenize with context: decode the last 3 context tokens with the new ones, keep the new part.
+const detokenizeSpm = (t: SpmTables, tokens: ReadonlyArray<number>, context?: ReadonlyArray<number>): string => {
+  if (tokens.length === 0) return ""
+  if (context === undefined || context.length === 0) return rawDetokenize(t, tokens)
+  const added = context.slice(-3)
+  const addedText = rawDetokenize(t, added)
+  if (addedText === "") return rawDetokenize(t, tokens)
+  const text = rawDetokenize(t, [...added, ...tokens])
+  return text.startsWith(addedText) ? text.slice(addedText.length) : rawDetokenize(t, tokens)
+}
+
+export const makeSpmTokenizer = (vocab: SpmVocabulary): SpmTokenizer => {
+  const t = spmTables(vocab)
+  return {
+    vocabSize: vocab.pieces.length,
+    tokenize: (text) => tokenizeSpm(t, text),
+    detokenize: (tokens, context) => detokenizeSpm(t, tokens, context)
+  }
 }
