@@ -687,13 +687,16 @@ const deviceQueries = (raw: GgmlRaw, ensureCpu: () => void): Pick<Ggml, "gpuDevi
   }
 }
 
-const init = (load: GgmlLoad): Ggml => {
+/**
+ * The loaded package's ggml libraries: `swactor node --backend` / SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda",
+ * "vulkan" or "auto" (the CUDA package when an NVIDIA driver is visible, else the Vulkan one with a Vulkan loader;
+ * config/Settings.ts), from the llama.cpp release the bindings were written for.
+ */
+const locateChecked = (load: GgmlLoad) => {
   if (process.arch !== "x64" && process.arch !== "arm64") {
     throw new GgmlBindingError(`swactor's ggml bindings assume a 64-bit target, this is ${process.arch}`)
   }
-  // `swactor node --backend` / SWACTOR_GGML_PACKAGE: "cpu" (default), "cuda", "vulkan" or "auto" (the CUDA package
-  // when an NVIDIA driver is visible, else the Vulkan one with a Vulkan loader; config/Settings.ts). A stage computes
-  // on the package's GPU when its backend asks for one (StageExecutorLive), else on its CPU device.
+  // A stage computes on the package's GPU when its backend asks for one (StageExecutorLive), else on its CPU device.
   const located = locateGgmlLibraries({ backend: load.ggmlPackage, ggmlDir: load.ggmlDir })
   if ("tried" in located) {
     throw new GgmlBindingError(
@@ -708,6 +711,11 @@ const init = (load: GgmlLoad): Ggml => {
         `were written for ${expectedBuild.release} (node-llama-cpp 3.21.1); install node-llama-cpp 3.21.1`
     )
   }
+  return located
+}
+
+/** Loads ggml's two libraries, checks ggml's version and commit, and binds the table. */
+const loadAndBind = (located: GgmlLibraryDir): GgmlRaw => {
   let baseLib: LibraryHandle
   let mainLib: LibraryHandle
   try {
@@ -717,7 +725,6 @@ const init = (load: GgmlLoad): Ggml => {
     throw new GgmlBindingError(`cannot load ggml from ${located.dir}: ${String(e)}`)
   }
   const types = declareTypes()
-  let raw: GgmlRaw
   try {
     const version = baseLib.func("const char * ggml_version()")() as string
     const commit = baseLib.func("const char * ggml_commit()")() as string
@@ -727,32 +734,38 @@ const init = (load: GgmlLoad): Ggml => {
           `${expectedBuild.ggmlVersion} (commit ${expectedBuild.ggmlCommit}, node-llama-cpp 3.21.1)`
       )
     }
-    raw = bindTable(baseLib, mainLib, types)
+    return bindTable(baseLib, mainLib, types)
   } catch (e) {
     if (e instanceof GgmlBindingError) throw e
     throw new GgmlBindingError(`ggml in ${located.dir} lacks a function the bindings need: ${String(e)}`)
   }
-  checkLayout(raw)
-  installLogFilter(raw, load.ggmlDebugLog)
+}
 
-  let cpuReady = false
-  let setThreadsPtr: Ptr | null = null
-  let extraBufts: ReadonlyArray<Ptr> = []
-  let cpuDev: Ptr | null = null
+/**
+ * The CPU backend, loaded on first use (`ensure`): its device, its set_n_threads and its extra (repacked) buffer
+ * types through the CPU registry's proc addresses.
+ */
+const cpuBackendOf = (raw: GgmlRaw, dir: string) => {
+  const cpu = {
+    ready: false,
+    setThreadsPtr: null as Ptr | null,
+    extraBufts: [] as ReadonlyArray<Ptr>,
+    dev: null as Ptr | null
+  }
   const setThreadsProto = koffi.proto("void swactor_set_n_threads(void * backend, int n)")
   const extraBuftsProto = koffi.proto("void * swactor_get_extra_bufts(void * dev)")
-  const ensureCpu = () => {
-    if (cpuReady) return
+  const ensure = () => {
+    if (cpu.ready) return
     // node-llama-cpp may already have loaded the backends into this process (same libraries).
-    if (raw.ggml_backend_reg_by_name("CPU") === null) raw.ggml_backend_load_all_from_path(located.dir)
+    if (raw.ggml_backend_reg_by_name("CPU") === null) raw.ggml_backend_load_all_from_path(dir)
     const reg = raw.ggml_backend_reg_by_name("CPU")
-    if (reg === null) throw new GgmlBindingError(`no ggml CPU backend could be loaded from ${located.dir}`)
-    setThreadsPtr = raw.ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
-    cpuDev = raw.ggml_backend_dev_by_type(GgmlBackendDevType.CPU)
-    if (cpuDev === null) throw new GgmlBindingError("the ggml CPU backend has no device")
+    if (reg === null) throw new GgmlBindingError(`no ggml CPU backend could be loaded from ${dir}`)
+    cpu.setThreadsPtr = raw.ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
+    cpu.dev = raw.ggml_backend_dev_by_type(GgmlBackendDevType.CPU)
+    if (cpu.dev === null) throw new GgmlBindingError("the ggml CPU backend has no device")
     const getExtra = raw.ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts")
     if (getExtra !== null) {
-      const list = koffi.call(getExtra, extraBuftsProto, cpuDev) as Ptr | null
+      const list = koffi.call(getExtra, extraBuftsProto, cpu.dev) as Ptr | null
       const out: Array<Ptr> = []
       if (list !== null) {
         for (let i = 0; i < 16; i++) {
@@ -761,48 +774,67 @@ const init = (load: GgmlLoad): Ggml => {
           out.push(p)
         }
       }
-      extraBufts = out
+      cpu.extraBufts = out
     }
-    cpuReady = true
+    cpu.ready = true
   }
+  return { cpu, ensure, setThreadsProto }
+}
 
-  const quantizeChunk = (type: number, src: Float32Array, nrows: number, nPerRow: number): Uint8Array => {
-    // ggml_quantize_chunk's switch (ggml.c): f32, f16, bf16 and every quantized type but q8_1 / q8_K; any other type
-    // (or an id past the type table, read out of bounds by ggml_blck_size) fails its GGML_ASSERT and aborts
-    const info = ggmlTypeInfo(type)
-    if (
-      info === undefined ||
-      !(info.quantized || type === GgmlType.F32 || type === GgmlType.F16 || type === GgmlType.BF16) ||
-      type === GgmlType.Q8_1 ||
-      type === GgmlType.Q8_K
-    ) {
-      throw new RangeError(`quantizeChunk: ggml cannot quantize to type ${type}`)
-    }
-    const blck = raw.ggml_blck_size(type)
-    if (!Number.isInteger(nrows) || !Number.isInteger(nPerRow) || nrows < 0 || nPerRow <= 0) {
-      throw new RangeError(`quantizeChunk: bad shape nrows=${nrows} nPerRow=${nPerRow}`)
-    }
-    if (blck <= 0 || raw.ggml_type_size(type) === 0) throw new RangeError(`quantizeChunk: unknown ggml type ${type}`)
-    if (nPerRow % blck !== 0) {
-      throw new RangeError(`quantizeChunk: nPerRow ${nPerRow} is not a multiple of block size ${blck} of type ${type}`)
-    }
-    if (src.length < nrows * nPerRow) {
-      throw new RangeError(`quantizeChunk: src has ${src.length} floats, need ${nrows * nPerRow}`)
-    }
-    if (raw.ggml_quantize_requires_imatrix(type)) {
-      throw new RangeError(`quantizeChunk: type ${type} needs an importance matrix`)
-    }
-    const rowBytes = raw.ggml_row_size(type, nPerRow)
-    const dst = new Uint8Array(rowBytes * nrows)
-    if (nrows === 0) return dst
-    raw.ggml_quantize_init(type)
-    const written = raw.ggml_quantize_chunk(type, src, dst, 0, nrows, nPerRow, null)
-    if (written !== dst.length) {
-      throw new Error(`ggml_quantize_chunk wrote ${written} bytes, expected ${dst.length}`)
-    }
-    return dst
+/** Ggml.quantizeChunk: ggml's preconditions checked first (a failed GGML_ASSERT aborts the process). */
+const quantizeChunkWith = (raw: GgmlRaw, type: number, src: Float32Array, nrows: number, nPerRow: number) => {
+  // ggml_quantize_chunk's switch (ggml.c): f32, f16, bf16 and every quantized type but q8_1 / q8_K; any other type
+  // (or an id past the type table, read out of bounds by ggml_blck_size) fails its GGML_ASSERT and aborts
+  const info = ggmlTypeInfo(type)
+  if (
+    info === undefined ||
+    !(info.quantized || type === GgmlType.F32 || type === GgmlType.F16 || type === GgmlType.BF16) ||
+    type === GgmlType.Q8_1 ||
+    type === GgmlType.Q8_K
+  ) {
+    throw new RangeError(`quantizeChunk: ggml cannot quantize to type ${type}`)
   }
+  const blck = raw.ggml_blck_size(type)
+  if (!Number.isInteger(nrows) || !Number.isInteger(nPerRow) || nrows < 0 || nPerRow <= 0) {
+    throw new RangeError(`quantizeChunk: bad shape nrows=${nrows} nPerRow=${nPerRow}`)
+  }
+  if (blck <= 0 || raw.ggml_type_size(type) === 0) throw new RangeError(`quantizeChunk: unknown ggml type ${type}`)
+  if (nPerRow % blck !== 0) {
+    throw new RangeError(`quantizeChunk: nPerRow ${nPerRow} is not a multiple of block size ${blck} of type ${type}`)
+  }
+  if (src.length < nrows * nPerRow) {
+    throw new RangeError(`quantizeChunk: src has ${src.length} floats, need ${nrows * nPerRow}`)
+  }
+  if (raw.ggml_quantize_requires_imatrix(type)) {
+    throw new RangeError(`quantizeChunk: type ${type} needs an importance matrix`)
+  }
+  const rowBytes = raw.ggml_row_size(type, nPerRow)
+  const dst = new Uint8Array(rowBytes * nrows)
+  if (nrows === 0) return dst
+  raw.ggml_quantize_init(type)
+  const written = raw.ggml_quantize_chunk(type, src, dst, 0, nrows, nPerRow, null)
+  if (written !== dst.length) {
+    throw new Error(`ggml_quantize_chunk wrote ${written} bytes, expected ${dst.length}`)
+  }
+  return dst
+}
 
+/** Ggml.tensorShape: a tensor's type, `ne[0..3]` and `nb[0..3]` read from its struct. */
+const tensorShapeOf = (t: Ptr) => {
+  const v = ptrView(t, TensorLayout.size)
+  return {
+    type: v.getInt32(TensorLayout.type, true),
+    ne: [0, 1, 2, 3].map((i) => Number(v.getBigInt64(TensorLayout.ne + 8 * i, true))),
+    nb: [0, 1, 2, 3].map((i) => Number(v.getBigUint64(TensorLayout.nb + 8 * i, true)))
+  }
+}
+
+const init = (load: GgmlLoad): Ggml => {
+  const located = locateChecked(load)
+  const raw = loadAndBind(located)
+  checkLayout(raw)
+  installLogFilter(raw, load.ggmlDebugLog)
+  const { cpu, ensure: ensureCpu, setThreadsProto } = cpuBackendOf(raw, located.dir)
   return {
     library: located,
     version: expectedBuild.ggmlVersion,
@@ -811,26 +843,19 @@ const init = (load: GgmlLoad): Ggml => {
     ggml_type_size: raw.ggml_type_size,
     ggml_blck_size: raw.ggml_blck_size,
     ggml_row_size: raw.ggml_row_size,
-    quantizeChunk,
-    tensorShape: (t) => {
-      const v = ptrView(t, TensorLayout.size)
-      return {
-        type: v.getInt32(TensorLayout.type, true),
-        ne: [0, 1, 2, 3].map((i) => Number(v.getBigInt64(TensorLayout.ne + 8 * i, true))),
-        nb: [0, 1, 2, 3].map((i) => Number(v.getBigUint64(TensorLayout.nb + 8 * i, true)))
-      }
-    },
+    quantizeChunk: (type, src, nrows, nPerRow) => quantizeChunkWith(raw, type, src, nrows, nPerRow),
+    tensorShape: tensorShapeOf,
     setThreads: (backend, threads) => {
       ensureCpu()
-      if (setThreadsPtr !== null) koffi.call(setThreadsPtr, setThreadsProto, backend, threads)
+      if (cpu.setThreadsPtr !== null) koffi.call(cpu.setThreadsPtr, setThreadsProto, backend, threads)
     },
     cpuExtraBufferTypes: () => {
       ensureCpu()
-      return extraBufts
+      return cpu.extraBufts
     },
     cpuDevice: () => {
       ensureCpu()
-      return cpuDev
+      return cpu.dev
     },
     ...deviceQueries(raw, ensureCpu),
     setTensorBuffer: (t, buffer) => {
