@@ -7,6 +7,8 @@
  * leading dense blocks, routed blocks with exp_probs_b and shared experts; DeepSeek V3's sigmoid gate, norm, scale 2.5).
  * Metadata: head_count_kv 1, key_length = kv_lora + rope, value_length = kv_lora (the cached row), the *_mla lengths,
  * q_lora_rank / kv_lora_rank, rope.dimension_count = the RoPE part.
+ * The tensors described here are written from the engine's declaration (SyntheticTensors.ts); this module keeps the
+ * options, their checks and the metadata.
  */
 import { type GgufTypedValue, GgufValues } from "./GgufWriter.js"
 

@@ -1,6 +1,7 @@
 /**
- * The gemma3 parts of a synthetic model (Synthetic.ts): its extra per-block norms and its metadata (sliding window,
- * window pattern, the sliding-window blocks' RoPE base, optional final logit soft-capping).
+ * The gemma3 parts of a synthetic model (Synthetic.ts): its options and metadata (sliding window, window pattern, the
+ * sliding-window blocks' RoPE base, optional final logit soft-capping). Its tensors, gemma3's extra per-block norms
+ * included, are written from the engine's declaration (SyntheticTensors.ts).
  */
 import type { GgufTypedValue } from "./GgufWriter.js"
 import { GgufValues } from "./GgufWriter.js"

@@ -8,6 +8,8 @@
  * and KV head counts, as the 31B's (sliding-window blocks: 256-wide heads, 16 KV heads; global ones 512-wide, 4):
  * `attention.key_length_swa`, `value_length_swa`, `rope.dimension_count_swa` and one `head_count_kv` per block.
  * With `doubleWideSharedFfn` the shared-KV blocks' feed-forward is twice as wide (E2B; `feed_forward_length` per block).
+ * The tensors described here are written from the engine's declaration (SyntheticTensors.ts); this module keeps the
+ * options, their checks and the metadata.
  */
 import { GgufValueType } from "../../domain/gguf.js"
 import type { GgufTypedValue } from "./GgufWriter.js"

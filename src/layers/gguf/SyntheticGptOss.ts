@@ -13,6 +13,8 @@
  * Storage: `--type mxfp4` keeps the experts MXFP4 and stores the other matrices Q8_0, as gpt-oss files come; a mixed
  * recipe (q4_k_m, q3_k_m) stores the experts MXFP4 too (llama.cpp's quantizer keeps MXFP4 experts); other types
  * apply to every matrix.
+ * The tensors described here are written from the engine's declaration (SyntheticTensors.ts); this module keeps the
+ * options, their checks and the metadata.
  */
 import { GgmlType } from "../../domain/ggmlTypes.js"
 import { type GgufTypedValue, GgufValues } from "./GgufWriter.js"

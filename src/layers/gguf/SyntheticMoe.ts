@@ -11,6 +11,8 @@
  * it); stacked `ffn_{gate,up}_exps.weight` [hidden, expertFfn, experts] and `ffn_down_exps.weight` [expertFfn, hidden,
  * experts], quantized per row like any matrix, N(0, 1/sqrt(fan_in)). Metadata: `<arch>.expert_count`,
  * `expert_used_count`, `expert_feed_forward_length` (+ glm4moe's shared count, dense blocks, gating, norm, scale).
+ * The tensors described here are written from the engine's declaration (SyntheticTensors.ts); this module keeps the
+ * options, their checks and the metadata.
  */
 import { GgmlType } from "../../domain/ggmlTypes.js"
 import { type GgufTypedValue, GgufValues } from "./GgufWriter.js"

@@ -14,6 +14,8 @@
  * MTP blocks (`nextnLayers`, SyntheticNextn.ts) after the `layers` trunk blocks are full-attention blocks whatever
  * the interval says, with the block's usual feed-forward, as the converter writes Qwen3.5/3.6's `mtp.layers.*` and
  * llama.cpp's loader reads them (src/models/qwen35.cpp, qwen35moe.cpp: load_block_mtp; never recurrent).
+ * The tensors described here are written from the engine's declaration (SyntheticTensors.ts); this module keeps the
+ * options, their checks and the metadata.
  */
 import { GgmlType } from "../../domain/ggmlTypes.js"
 import { GgufValueType } from "../../domain/gguf.js"

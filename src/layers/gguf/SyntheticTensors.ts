@@ -65,7 +65,6 @@ const qkNorms = ["attn_q_norm.weight", "attn_k_norm.weight"]
 const qkvBiases = new Set(["attn_q.bias", "attn_k.bias", "attn_v.bias"])
 const gemmaNorms = [...qkNorms, "post_attention_norm.weight", "post_ffw_norm.weight"]
 
-// long: a flat table, one entry per architecture
 const fileFacts: Readonly<Record<string, FileFacts>> = {
   qwen3: { moves: [{ names: qkNorms, before: "attn_output.weight" }] },
   qwen3moe: { moves: [{ names: qkNorms, before: "attn_output.weight" }] },
