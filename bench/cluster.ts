@@ -27,6 +27,7 @@ import { Chunk, Effect, Stream } from "effect"
 import { layerRemote, run } from "../src/api/generate.js"
 import { NodeId } from "../src/domain/ids.js"
 import * as AgentControlRpc from "../src/layers/agent/AgentControlRpc.js"
+import { Settings } from "../src/layers/config/Settings.js"
 import { readGgufFile } from "../src/layers/gguf/GgufReader.js"
 import { generateToken, spawnLocalAgents } from "../src/layers/agent/AgentProcesses.js"
 import { deliverWeights } from "../src/layers/orchestrator/WeightDelivery.js"
@@ -108,11 +109,12 @@ const delivery = (model: string, dir: string) =>
     const tlsCache = Path.join(dir, "agent-cache-tls")
     const outgoingDir = Path.join(dir, "outgoing")
     const control = yield* AgentControl.pipe(Effect.provide(AgentControlRpc.layer))
+    // TLS always on both ends (the agent's environment, this process's Settings) encrypts loopback too: the byte
+    // stream as it runs between hosts.
+    const withTls = (tls: boolean) => Effect.provide(Settings.layer({ tls: tls ? "always" : "auto" }))
     /** An agent with an empty cache that cannot read the model, and the control link to it. */
     const agentAt = (cacheDir: string, tls: boolean) =>
       Effect.gen(function* () {
-        // SWACTOR_TLS=always on both ends encrypts loopback too: the byte stream as it runs between hosts.
-        process.env["SWACTOR_TLS"] = tls ? "always" : "auto"
         const [agent] = yield* spawnLocalAgents({
           count: 1,
           token,
@@ -121,10 +123,9 @@ const delivery = (model: string, dir: string) =>
           env: { SWACTOR_TLS: tls ? "always" : "auto" }
         })
         return yield* control.connect({ nodeId: NodeId.make(1), address: agent!.address }, token)
-      })
+      }).pipe(withTls(tls))
     const link = yield* agentAt(cache, false)
     const tlsLink = yield* agentAt(tlsCache, true)
-    process.env["SWACTOR_TLS"] = "auto"
     const numLayers = (yield* readGgufFile(model)).tensors.reduce((n, t) => {
       const m = /^blk\.(\d+)\./.exec(t.name)
       return m === null ? n : Math.max(n, Number(m[1]) + 1)
@@ -149,7 +150,6 @@ const delivery = (model: string, dir: string) =>
     /** Seconds to deliver the slice to the agent with an emptied cache (it holds nothing; every byte crosses). */
     const deliverOnce = (tls: boolean) =>
       Effect.gen(function* () {
-        process.env["SWACTOR_TLS"] = tls ? "always" : "auto"
         Fs.rmSync(tls ? tlsCache : cache, { recursive: true, force: true })
         const started = performance.now()
         const [sent] = yield* deliverWeights({ ...input, linkOf: () => (tls ? tlsLink : link) }, () => Effect.void)
@@ -157,7 +157,7 @@ const delivery = (model: string, dir: string) =>
         if (sent!.via !== "Sent" || sent!.sentBytes !== bytes)
           throw new Error(`delivery sent ${sent!.sentBytes} of ${bytes} bytes`)
         return seconds
-      })
+      }).pipe(withTls(tls))
     for (let i = 0; i < repeat; i++) {
       deliveries.push(yield* deliverOnce(false))
       raws.push(yield* Effect.promise(() => rawCopySeconds(slice, dir)))

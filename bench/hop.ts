@@ -21,6 +21,7 @@ import { Effect, Redacted } from "effect"
 import { ActivationFrame, type TransportAddress } from "../src/domain/frames.js"
 import type { EdgeId, RunId } from "../src/domain/ids.js"
 import type { RingSpec } from "../src/domain/plan.js"
+import { Settings } from "../src/layers/config/Settings.js"
 import * as EdgeTransport from "../src/layers/transport/EdgeTransport.js"
 
 const arg = (name: string, fallback: number) => {
@@ -85,14 +86,15 @@ const echo = (setup: Setup) =>
 const percentile = (sorted: ReadonlyArray<number>, p: number) =>
   sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]!
 
+/** Both processes: TLS on every TCP link for TlsTcp, plain otherwise (this one's Settings, the echo's environment). */
+const tlsOf = (transport: Transport) => (transport === "TlsTcp" ? "always" : "off")
+
 const measure = (transport: Transport) =>
   Effect.scoped(
     Effect.gen(function* () {
       const tokenText = "bench-token"
       const token = Redacted.make(tokenText)
-      // Both processes: TLS on every TCP link for TlsTcp, plain otherwise.
-      const tls = transport === "TlsTcp" ? "always" : "off"
-      process.env["SWACTOR_TLS"] = tls
+      const tls = tlsOf(transport)
       const listener = yield* EdgeTransport.listen({ address: listenAddress(transport, "home"), token })
       const inbound = yield* listener.register({ runId, edgeId: back, ring, spinMicros: spinFor(transport) })
       const child = fork(process.argv[1]!, ["--echo"], { stdio: "inherit", env: { ...process.env, SWACTOR_TLS: tls } })
@@ -140,7 +142,7 @@ const measure = (transport: Transport) =>
         rttP99: percentile(sorted, 0.99)
       }
     })
-  )
+  ).pipe(Effect.provide(Settings.layer({ tls: tlsOf(transport) })))
 
 if (process.argv.includes("--echo")) {
   process.once("message", (setup) => {

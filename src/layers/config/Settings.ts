@@ -271,12 +271,6 @@ const ggmlPackageConfig = lenient(
   "cpu" as GgmlPackage
 )
 
-export const gpuMemorySetting: UserSetting<Option.Option<number>> = {
-  doc: docs.gpuMemory,
-  expected: "a whole number of bytes",
-  config: described(docs.gpuMemory, Config.option(Config.integer(docs.gpuMemory.variable)))
-}
-
 /** SWACTOR_GPU_MEMORY when a whole number of bytes (a GPU stage's device budget), else undefined. */
 const gpuMemoryConfig = lenient(
   docs.gpuMemory,
