@@ -10,18 +10,22 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { inspect } from "node:util"
 import { afterAll, assert, describe, it } from "@effect/vitest"
-import { Either, Option, Redacted } from "effect"
+import { Effect, Either, Option, Redacted } from "effect"
 import { generateToken, swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
 import {
   agentHooks,
   apiKeyFromEnv,
+  childEnvironment,
   clusterTokenFrom,
   engineHooks,
   ggmlPackageSetting,
   settingDocs,
   settingFromFlagOrEnv,
+  Settings,
+  settingsOf,
   threadsSetting,
-  tlsSetting
+  tlsSetting,
+  withChoices
 } from "../../src/layers/config/Settings.js"
 import { requireModel, repoRoot } from "../support/models.js"
 import { startServe, stopServe } from "../support/serve.js"
@@ -112,6 +116,45 @@ describe("the configuration module", () => {
     assert.notInclude(inspect(key) + String(key) + JSON.stringify(key), "sk-test")
     assert.isUndefined(apiKeyFromEnv({ SWACTOR_API_KEY: "  " }))
     assert.isUndefined(apiKeyFromEnv({}))
+  })
+
+  it("the Settings service: resolved from an environment leniently, flags on top, a test's layer read back", () => {
+    const none = settingsOf({})
+    assert.strictEqual(none.tls, "auto")
+    assert.strictEqual(none.ggmlPackage, "cpu")
+    assert.isUndefined(none.gpuMemory)
+    assert.strictEqual(none.hubEndpoint, "https://huggingface.co/")
+    const env = settingsOf({
+      SWACTOR_TLS: "always",
+      SWACTOR_GGML_PACKAGE: "vulkan",
+      SWACTOR_GPU_MEMORY: "1000",
+      SWACTOR_THREADS: "3",
+      XDG_CACHE_HOME: "/tmp/cache-home",
+      HF_ENDPOINT: "http://127.0.0.1:9/hub",
+      SWACTOR_DEBUG: "1"
+    })
+    assert.deepInclude(env, { tls: "always", ggmlPackage: "vulkan", gpuMemory: 1000, threads: 3, debugAgents: true })
+    assert.strictEqual(env.cacheDir, join("/tmp/cache-home", "swactor"))
+    assert.strictEqual(env.hubEndpoint, "http://127.0.0.1:9/hub/")
+    // a value not understood is the default (the CLI refuses it first, in one line)
+    assert.strictEqual(settingsOf({ SWACTOR_TLS: "sometimes" }).tls, "auto")
+    const chosen = withChoices(env, { tls: "off", ggmlPackage: undefined, gpuMemory: 0 })
+    assert.deepInclude(chosen, { tls: "off", ggmlPackage: "vulkan", gpuMemory: 0, threads: 3 })
+    const provided = Effect.runSync(Effect.provide(Settings, Settings.layer({ tls: "off" })))
+    assert.strictEqual(provided.tls, "off")
+    const fromEnv = Effect.runSync(Effect.provide(Settings, Settings.fromEnvironment({ SWACTOR_GPU_MEMORY: "5" })))
+    assert.strictEqual(fromEnv.gpuMemory, 5)
+  })
+
+  it("a local agent's environment carries the resolved user settings a flag can choose, then its own variables", () => {
+    const settings = withChoices(settingsOf({}), { tls: "always", ggmlPackage: "cuda", gpuMemory: 0 })
+    const env = childEnvironment(settings, { SWACTOR_CLUSTER_TOKEN: "t" })
+    assert.strictEqual(env["SWACTOR_TLS"], "always")
+    assert.strictEqual(env["SWACTOR_GGML_PACKAGE"], "cuda")
+    assert.strictEqual(env["SWACTOR_GPU_MEMORY"], "0")
+    assert.strictEqual(env["SWACTOR_CLUSTER_TOKEN"], "t")
+    assert.strictEqual(childEnvironment(settings, { SWACTOR_TLS: "off" })["SWACTOR_TLS"], "off")
+    assert.notProperty(childEnvironment(settingsOf({}), {}), "SWACTOR_GPU_MEMORY")
   })
 
   it("the README's Settings table names every variable and flag", () => {
