@@ -280,6 +280,208 @@ const modelOf = (modelPath: string) =>
     return { remote, file, numLayers }
   })
 
+/** What every stage's delivery shares: the input, the model (read once), where slices go and the chunk size. */
+type DeliveryContext = Effect.Effect.Success<ReturnType<typeof modelOf>> & {
+  readonly input: DeliveryInput
+  readonly progress: (update: RunUpdate) => Effect.Effect<void>
+  readonly outgoingDir: string
+  readonly chunkBytes: number
+}
+
+/** One stage's slice on its way to its agent. */
+interface SliceSend {
+  readonly ctx: DeliveryContext
+  readonly link: AgentLink
+  readonly rpc: NonNullable<AgentLink["weights"]>
+  readonly stageIndex: number
+  readonly nodeId: number
+  readonly range: SliceRange
+  readonly hash: string
+  readonly weights: StageWeights
+  readonly slicePath: string
+  readonly sidecar: string
+  readonly totalBytes: number
+  /** Bytes the agent has, and the last figure reported. */
+  reached: number
+  reported: number
+}
+
+const wordsOf = (link: AgentLink, stageIndex: number) => (e: { readonly message: string }) =>
+  failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)
+
+/** The slice to send, written once per content hash (the writer is deterministic, so offsets stay valid). */
+const writeSliceOnce = (ctx: DeliveryContext, link: AgentLink, range: SliceRange, hash: string) =>
+  Effect.gen(function* () {
+    const { outgoingDir } = ctx
+    const slicePath = Path.join(outgoingDir, `${hash}.gguf`)
+    const sidecar = `${slicePath}.sha256`
+    if (!Fs.existsSync(slicePath)) {
+      yield* Effect.try({
+        try: () => {
+          Fs.mkdirSync(outgoingDir, { recursive: true })
+          Fs.rmSync(sidecar, { force: true })
+        },
+        catch: (e) => failed(link, String(e))
+      })
+      yield* writeGgufSlice(ctx.file, range, slicePath).pipe(
+        Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`))
+      )
+      freshlyWritten.add(slicePath)
+    }
+    const totalBytes = yield* Effect.try({
+      try: () => Fs.statSync(slicePath).size,
+      catch: (e) => failed(link, String(e))
+    })
+    return { slicePath, sidecar, totalBytes }
+  })
+
+/** A `WeightsDelivery` update with the bytes reached, unless that figure was reported already. */
+const reportReached = (send: SliceSend) =>
+  Effect.suspend(() => {
+    if (send.reached === send.reported) return Effect.void
+    send.reported = send.reached
+    return send.ctx.progress({
+      _tag: "WeightsDelivery",
+      stageIndex: send.stageIndex,
+      address: send.link.node.address,
+      sentBytes: send.reached,
+      totalBytes: send.totalBytes
+    })
+  })
+
+/** The bytes from `from` on the link's byte stream, progress read off it every 100 ms. */
+const streamFrom = (send: SliceSend, stream: NonNullable<SliceSend["rpc"]["stream"]>, from: number) =>
+  Effect.gen(function* () {
+    const sha256 = yield* certifiedSha256(send.ctx.file, send.range, send.hash, send.slicePath).pipe(
+      Effect.mapError((e) =>
+        failed(send.link, `cannot prepare the slice: ${e instanceof Error ? e.message : String(e)}`)
+      )
+    )
+    send.reached = from
+    const piped = stream({
+      hash: send.hash,
+      path: send.slicePath,
+      offset: from,
+      sha256,
+      chunkBytes: send.ctx.chunkBytes,
+      onBytes: (offset) => (send.reached = offset)
+    })
+    const report = reportReached(send)
+    yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
+    yield* report
+  })
+
+/** The bytes from `from` as control RPC chunks, one at a time. */
+const chunksFrom = (send: SliceSend, from: number) =>
+  Effect.acquireUseRelease(
+    Effect.try({ try: () => Fs.openSync(send.slicePath, "r"), catch: (e) => failed(send.link, String(e)) }),
+    (fd) =>
+      Effect.gen(function* () {
+        const { chunkBytes } = send.ctx
+        const { totalBytes } = send
+        let offset = Math.min(from, totalBytes)
+        const buffer = Buffer.allocUnsafe(chunkBytes)
+        while (offset < totalBytes) {
+          const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
+          offset = yield* send.rpc.chunk(send.hash, offset, buffer.subarray(0, n))
+          send.reached = offset
+          yield* reportReached(send)
+        }
+      }),
+    (fd) => Effect.sync(() => Fs.closeSync(fd))
+  )
+
+/**
+ * The bytes from `from`: a byte stream of their own when the link has one (progress read off it every
+ * 100 ms), else control RPC chunks one at a time.
+ */
+const transferFrom = (send: SliceSend, from: number): Effect.Effect<void, AgentUnavailable | WeightDeliveryError> => {
+  const stream = send.rpc.stream
+  return stream !== undefined ? streamFrom(send, stream, from) : chunksFrom(send, from)
+}
+
+/** Sends the slice from where the agent's partial file ends, and once more whole if the agent found it corrupt. */
+const sendSlice = (send: SliceSend, have: number) =>
+  Effect.gen(function* () {
+    const { stageIndex, nodeId, hash, totalBytes } = send
+    const words = wordsOf(send.link, stageIndex)
+    const attempt = (from: number) => transferFrom(send, from).pipe(Effect.zipRight(send.rpc.finish(send.weights)))
+    const first = yield* attempt(have).pipe(Effect.either)
+    if (first._tag === "Left") {
+      // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
+      // (Or the orchestrator's own slice changed on disk: its SHA-256 is computed again after a tensor check.)
+      if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt") return yield* words(first.left)
+      yield* Effect.sync(() => Fs.rmSync(send.sidecar, { force: true }))
+      yield* attempt(0).pipe(Effect.mapError(words))
+      return {
+        stageIndex,
+        nodeId,
+        via: "Sent",
+        hash,
+        sentBytes: totalBytes,
+        resumedFrom: 0,
+        totalBytes
+      } satisfies StageDelivery
+    }
+    return {
+      stageIndex,
+      nodeId,
+      via: "Sent",
+      hash,
+      sentBytes: totalBytes - Math.min(have, totalBytes),
+      resumedFrom: have,
+      totalBytes
+    } satisfies StageDelivery
+  })
+
+/** One stage's weights to its agent: held already, fetched by the agent from the hub, or sent. */
+const deliverStage = (
+  ctx: DeliveryContext,
+  stageIndex: number,
+  nodeId: number,
+  [layerStart, layerEndExclusive]: LayerRange
+) =>
+  Effect.gen(function* () {
+    const { remote, file, numLayers, outgoingDir, input } = ctx
+    const link = input.linkOf(nodeId)
+    const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
+    if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
+    const rpc = link.weights
+    const words = wordsOf(link, stageIndex)
+    if (remote !== undefined) {
+      // The node fetches its slice from the hub; failing that, this process fetches it and sends it.
+      const fromHub = yield* hubDelivery(remote, range, stageIndex, nodeId, link, ctx.progress)
+      if (fromHub._tag === "Delivered") return fromHub.delivery
+    }
+    const hash = yield* (
+      remote !== undefined ? fetchForward(remote, range, outgoingDir) : stageHash(file, range, outgoingDir)
+    ).pipe(
+      Effect.mapError((e) =>
+        failed(link, `cannot ${remote ? "fetch the slice from the hub" : "hash the model"}: ${e.message}`)
+      )
+    )
+    const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
+
+    const held = yield* rpc.check(weights).pipe(
+      Effect.mapError(words),
+      Effect.filterOrFail(isHeldOrMissing, (h) => words({ message: `the agent answered ${h._tag} to a delivery` }))
+    )
+    if (held._tag === "Held") {
+      return {
+        stageIndex,
+        nodeId,
+        via: held.via,
+        hash,
+        sentBytes: 0,
+        resumedFrom: 0,
+        totalBytes: 0
+      } satisfies StageDelivery
+    }
+    const slice = yield* writeSliceOnce(ctx, link, range, hash)
+    const send: SliceSend = { ctx, link, rpc, stageIndex, nodeId, range, hash, weights, ...slice, reached: held.have, reported: -1 }
+    return yield* sendSlice(send, held.have)
+  })
+
 /** Delivers every stage's weights its agent lacks; reports `WeightsDelivery` updates as bytes go. */
 export const deliverWeights = (
   input: DeliveryInput,
@@ -289,148 +491,10 @@ export const deliverWeights = (
     const { remote, file, numLayers } = yield* modelOf(input.modelPath)
     const outgoingDir = input.outgoingDir ?? defaultOutgoingDir((yield* Settings).cacheDir)
     const chunkBytes = input.chunkBytes ?? DEFAULT_CHUNK
-
-    const one = (stageIndex: number, nodeId: number, [layerStart, layerEndExclusive]: LayerRange) =>
-      Effect.gen(function* () {
-        const link = input.linkOf(nodeId)
-        const range: SliceRange = { layerStart, layerEndExclusive, numLayers }
-        if (link.weights === undefined) return yield* failed(link, "this link cannot take weight deliveries")
-        const rpc = link.weights
-        const words = (e: { readonly message: string }) =>
-          failed(link, `weight delivery of stage ${stageIndex}: ${e.message}`)
-        if (remote !== undefined) {
-          // The node fetches its slice from the hub; failing that, this process fetches it and sends it.
-          const fromHub = yield* hubDelivery(remote, range, stageIndex, nodeId, link, progress)
-          if (fromHub._tag === "Delivered") return fromHub.delivery
-        }
-        const hash = yield* (
-          remote !== undefined ? fetchForward(remote, range, outgoingDir) : stageHash(file, range, outgoingDir)
-        ).pipe(
-          Effect.mapError((e) =>
-            failed(link, `cannot ${remote ? "fetch the slice from the hub" : "hash the model"}: ${e.message}`)
-          )
-        )
-        const weights = new StageWeights({ modelPath: input.modelPath, layerStart, layerEndExclusive, numLayers, hash })
-
-        const held = yield* rpc.check(weights).pipe(
-          Effect.mapError(words),
-          Effect.filterOrFail(isHeldOrMissing, (h) => words({ message: `the agent answered ${h._tag} to a delivery` }))
-        )
-        if (held._tag === "Held") {
-          return {
-            stageIndex,
-            nodeId,
-            via: held.via,
-            hash,
-            sentBytes: 0,
-            resumedFrom: 0,
-            totalBytes: 0
-          } satisfies StageDelivery
-        }
-        // The slice to send, written once per content hash (the writer is deterministic, so offsets stay valid).
-        const slicePath = Path.join(outgoingDir, `${hash}.gguf`)
-        const sidecar = `${slicePath}.sha256`
-        if (!Fs.existsSync(slicePath)) {
-          yield* Effect.try({
-            try: () => {
-              Fs.mkdirSync(outgoingDir, { recursive: true })
-              Fs.rmSync(sidecar, { force: true })
-            },
-            catch: (e) => failed(link, String(e))
-          })
-          yield* writeGgufSlice(file, range, slicePath).pipe(
-            Effect.mapError((e) => failed(link, `cannot write the slice: ${e.message}`))
-          )
-          freshlyWritten.add(slicePath)
-        }
-        const totalBytes = yield* Effect.try({
-          try: () => Fs.statSync(slicePath).size,
-          catch: (e) => failed(link, String(e))
-        })
-        let reached = held.have
-        let reported = -1
-        const report = Effect.suspend(() => {
-          if (reached === reported) return Effect.void
-          reported = reached
-          return progress({
-            _tag: "WeightsDelivery",
-            stageIndex,
-            address: link.node.address,
-            sentBytes: reached,
-            totalBytes
-          })
-        })
-        // The bytes from `from`: a byte stream of their own when the link has one (progress read off it every
-        // 100 ms), else control RPC chunks one at a time.
-        const stream = rpc.stream
-        const transfer = (from: number): Effect.Effect<void, AgentUnavailable | WeightDeliveryError> =>
-          stream !== undefined
-            ? Effect.gen(function* () {
-                const sha256 = yield* certifiedSha256(file, range, hash, slicePath).pipe(
-                  Effect.mapError((e) =>
-                    failed(link, `cannot prepare the slice: ${e instanceof Error ? e.message : String(e)}`)
-                  )
-                )
-                reached = from
-                const piped = stream({
-                  hash,
-                  path: slicePath,
-                  offset: from,
-                  sha256,
-                  chunkBytes,
-                  onBytes: (offset) => (reached = offset)
-                })
-                yield* Effect.raceFirst(piped, report.pipe(Effect.delay("100 millis"), Effect.forever))
-                yield* report
-              })
-            : Effect.acquireUseRelease(
-                Effect.try({ try: () => Fs.openSync(slicePath, "r"), catch: (e) => failed(link, String(e)) }),
-                (fd) =>
-                  Effect.gen(function* () {
-                    let offset = Math.min(from, totalBytes)
-                    const buffer = Buffer.allocUnsafe(chunkBytes)
-                    while (offset < totalBytes) {
-                      const n = Fs.readSync(fd, buffer, 0, Math.min(chunkBytes, totalBytes - offset), offset)
-                      offset = yield* rpc.chunk(hash, offset, buffer.subarray(0, n))
-                      reached = offset
-                      yield* report
-                    }
-                  }),
-                (fd) => Effect.sync(() => Fs.closeSync(fd))
-              )
-        const attempt = (from: number) => transfer(from).pipe(Effect.zipRight(rpc.finish(weights)))
-        const first = yield* attempt(held.have).pipe(Effect.either)
-        if (first._tag === "Left") {
-          // A partial file that was not a prefix of this slice: the agent discarded it; send it whole once more.
-          // (Or the orchestrator's own slice changed on disk: its SHA-256 is computed again after a tensor check.)
-          if (first.left._tag !== "WeightDeliveryError" || first.left.reason !== "Corrupt")
-            return yield* words(first.left)
-          yield* Effect.sync(() => Fs.rmSync(sidecar, { force: true }))
-          yield* attempt(0).pipe(Effect.mapError(words))
-          return {
-            stageIndex,
-            nodeId,
-            via: "Sent",
-            hash,
-            sentBytes: totalBytes,
-            resumedFrom: 0,
-            totalBytes
-          } satisfies StageDelivery
-        }
-        return {
-          stageIndex,
-          nodeId,
-          via: "Sent",
-          hash,
-          sentBytes: totalBytes - Math.min(held.have, totalBytes),
-          resumedFrom: held.have,
-          totalBytes
-        } satisfies StageDelivery
-      })
-
+    const ctx: DeliveryContext = { remote, file, numLayers, input, progress, outgoingDir, chunkBytes }
     return yield* Effect.forEach(
       input.placement,
-      ({ nodeId, stageIndex }) => one(stageIndex, nodeId, input.layerRanges[stageIndex]!),
+      ({ nodeId, stageIndex }) => deliverStage(ctx, stageIndex, nodeId, input.layerRanges[stageIndex]!),
       { concurrency: "unbounded" }
     )
   })
