@@ -170,21 +170,9 @@ export interface WarmPipeline {
   readonly activeRuns: { count: number }
 }
 
-/** Sets the pipeline up; its agents, links, heartbeats and listener live until the scope closes. */
-export const openPipeline = (
-  options: PipelineOptions,
-  progress: (update: RunUpdate) => Effect.Effect<void>,
-  /** The caller's own checks against the model (a run's prompt and max tokens), before any agent starts. */
-  precheck: (facts: ModelFacts, vocabulary: ModelTokenizer) => Effect.Effect<void, InvalidRequest> = () => Effect.void
-) =>
+/** The options' own numbers checked (max tokens, stages, threads); the max tokens to plan with. */
+const checkPipelineOptions = (options: PipelineOptions) =>
   Effect.gen(function* () {
-    const tokenizer = yield* Tokenizer
-    const membership = yield* Membership
-    const control = yield* AgentControl
-    const dataPlane = yield* DataPlane
-    const agentPool = yield* AgentPool
-    const catalog = yield* ModelCatalog
-
     const maxTokens = options.maxTokens ?? 1
     if (!Number.isSafeInteger(maxTokens) || maxTokens < 1) {
       return yield* new InvalidRequest({ message: `max tokens must be a positive whole number, got ${maxTokens}` })
@@ -196,36 +184,32 @@ export const openPipeline = (
       const problem = threadsProblem(options.threads)
       if (problem !== undefined) return yield* new InvalidRequest({ message: problem })
     }
-    const facts = yield* catalog.facts(options.model)
-    const vocabulary = yield* tokenizer.open(options.model)
-    yield* precheck(facts, vocabulary)
+    return maxTokens
+  })
 
-    // Reject what no placement can fix (too many stages, bad max tokens, ...) before starting any agent.
-    if (options.stages !== undefined) {
-      const ids = Array.from({ length: options.stages }, (_, i) => NodeId.make(i + 1))
-      yield* planRun(
-        plannerInput(
-          facts,
-          RunId.make(1),
-          ids,
-          ids.map((nodeId, stageIndex) => ({ stageIndex, nodeId })),
-          {
-            maxTokens,
-            sampling: undefined
-          }
-        )
+/** Rejects what no placement can fix (too many stages, bad max tokens, ...) before starting any agent. */
+const precheckStages = (facts: ModelFacts, stages: number | undefined, maxTokens: number) =>
+  Effect.gen(function* () {
+    if (stages === undefined) return
+    const ids = Array.from({ length: stages }, (_, i) => NodeId.make(i + 1))
+    yield* planRun(
+      plannerInput(
+        facts,
+        RunId.make(1),
+        ids,
+        ids.map((nodeId, stageIndex) => ({ stageIndex, nodeId })),
+        {
+          maxTokens,
+          sampling: undefined
+        }
       )
-    }
-
-    const spares = options.spares ?? 0
-    const badSpares = sparesProblem(spares)
-    if (badSpares !== undefined) return yield* new InvalidRequest({ message: badSpares })
-    const agents = yield* agentPool.acquire(options.stages, spares)
-    const stageCount = requestedStageCount(
-      options.placement,
-      options.stages ?? Math.max(1, agents.nodes.length - spares)
     )
-    yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
+  })
+
+/** A control link to every agent, by node id. */
+const connectAgents = (agents: AgentSet) =>
+  Effect.gen(function* () {
+    const control = yield* AgentControl
     const links = new Map<number, AgentLink>()
     yield* Effect.forEach(
       agents.nodes,
@@ -236,50 +220,76 @@ export const openPipeline = (
         discard: true
       }
     )
-    const linkOf = (nodeId: number) => links.get(nodeId)!
-    const addressOf = (nodeId: number) =>
-      nodeId === ORCHESTRATOR_NODE
-        ? "orchestrator"
-        : (agents.nodes.find((n) => n.nodeId === nodeId)?.address ?? `node ${nodeId}`)
+    return links
+  })
 
+/**
+ * A lost node that answers again at its address (restarted there) rejoins: a new control link, heartbeats
+ * resume, and the next run may plan on it. One look at the pool.
+ */
+const rejoinLost = (pool: Pool, agents: AgentSet, links: Map<number, AgentLink>, pipelineScope: Scope.Scope) =>
+  Effect.gen(function* () {
+    const control = yield* AgentControl
+    const status = yield* pool.status
+    for (const node of agents.nodes) {
+      if (status.get(node.nodeId)?._tag !== "Lost") continue
+      const attempt = yield* Scope.fork(pipelineScope, ExecutionStrategy.sequential)
+      const link = yield* control
+        .connect(node, agents.token)
+        .pipe(Scope.extend(attempt), Effect.timeout("2 seconds"), Effect.option)
+      if (Option.isNone(link)) {
+        yield* Scope.close(attempt, Exit.void)
+        continue
+      }
+      links.set(node.nodeId, link.value)
+      yield* pool.rejoin(node.nodeId)
+    }
+  })
+
+/** The membership pool of the agents: heartbeats over their links, lost nodes rejoining, exited agents lost. */
+const watchAgents = (options: PipelineOptions, agents: AgentSet, links: Map<number, AgentLink>) =>
+  Effect.gen(function* () {
+    const membership = yield* Membership
     // A dropped control connection is noticed at once; the deadline covers a node that hangs (or a long load that blocks it).
     const heartbeat = options.heartbeat ?? { interval: "1 second", deadline: "10 seconds" }
     const pool = yield* membership.watch(
       agents.nodes,
       {
         probe: (node) =>
-          linkOf(node.nodeId).capacity.pipe(
-            Effect.mapError(
-              (e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message })
+          links
+            .get(node.nodeId)!
+            .capacity.pipe(
+              Effect.mapError(
+                (e) => new NodeUnreachable({ nodeId: node.nodeId, address: node.address, message: e.message })
+              )
             )
-          )
       },
       heartbeat
     )
     // A lost node that answers again at its address (restarted there) rejoins: a new control link, heartbeats
     // resume, and the next run may plan on it.
     const pipelineScope = yield* Effect.scope
-    yield* Effect.gen(function* () {
-      const status = yield* pool.status
-      for (const node of agents.nodes) {
-        if (status.get(node.nodeId)?._tag !== "Lost") continue
-        const attempt = yield* Scope.fork(pipelineScope, ExecutionStrategy.sequential)
-        const link = yield* control
-          .connect(node, agents.token)
-          .pipe(Scope.extend(attempt), Effect.timeout("2 seconds"), Effect.option)
-        if (Option.isNone(link)) {
-          yield* Scope.close(attempt, Exit.void)
-          continue
-        }
-        links.set(node.nodeId, link.value)
-        yield* pool.rejoin(node.nodeId)
-      }
-    }).pipe(Effect.repeat(Schedule.spaced(heartbeat.interval)), Effect.forkScoped)
+    yield* rejoinLost(pool, agents, links, pipelineScope).pipe(
+      Effect.repeat(Schedule.spaced(heartbeat.interval)),
+      Effect.forkScoped
+    )
     // An agent process seen to exit is lost at once (local agents), whatever run is going on.
     yield* agents.exited.pipe(
       Effect.flatMap(({ node, reason }) => pool.markLost(node.nodeId, reason)),
       Effect.forkScoped
     )
+    return pool
+  })
+
+/** Waits for the nodes the placement needs to report ready; what every node reported. */
+const awaitNodes = (
+  options: PipelineOptions,
+  agents: AgentSet,
+  pool: Pool,
+  stageCount: number,
+  progress: (update: RunUpdate) => Effect.Effect<void>
+) =>
+  Effect.gen(function* () {
     const neededNodes = nodesToAwait(options.placement, agents.nodes, stageCount)
     const reported = yield* pool.awaitReady(neededNodes, options.readinessTimeout ?? "120 seconds")
     const capacity = agents.nodes.flatMap((node) => {
@@ -287,6 +297,59 @@ export const openPipeline = (
       return c === undefined ? [] : [{ node, capacity: c }]
     })
     yield* progress({ _tag: "PoolReady", nodes: agents.nodes, capacity })
+    return { reported, capacity }
+  })
+
+/** Local data endpoint: the last stage of every run sends sampled tokens here. */
+const openTokenListener = (agents: AgentSet) =>
+  Effect.gen(function* () {
+    const dataPlane = yield* DataPlane
+    return yield* dataPlane
+      .listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token)
+      .pipe(
+        Effect.mapError(
+          (fault) =>
+            new InvalidRequest({ message: `cannot open the orchestrator's data listener: ${faultWords(fault)}` })
+        )
+      )
+  })
+
+/** Sets the pipeline up; its agents, links, heartbeats and listener live until the scope closes. */
+export const openPipeline = (
+  options: PipelineOptions,
+  progress: (update: RunUpdate) => Effect.Effect<void>,
+  /** The caller's own checks against the model (a run's prompt and max tokens), before any agent starts. */
+  precheck: (facts: ModelFacts, vocabulary: ModelTokenizer) => Effect.Effect<void, InvalidRequest> = () => Effect.void
+) =>
+  Effect.gen(function* () {
+    const tokenizer = yield* Tokenizer
+    const agentPool = yield* AgentPool
+    const catalog = yield* ModelCatalog
+
+    const maxTokens = yield* checkPipelineOptions(options)
+    const facts = yield* catalog.facts(options.model)
+    const vocabulary = yield* tokenizer.open(options.model)
+    yield* precheck(facts, vocabulary)
+    // Reject what no placement can fix (too many stages, bad max tokens, ...) before starting any agent.
+    yield* precheckStages(facts, options.stages, maxTokens)
+
+    const spares = options.spares ?? 0
+    const badSpares = sparesProblem(spares)
+    if (badSpares !== undefined) return yield* new InvalidRequest({ message: badSpares })
+    const agents = yield* agentPool.acquire(options.stages, spares)
+    const stageCount = requestedStageCount(
+      options.placement,
+      options.stages ?? Math.max(1, agents.nodes.length - spares)
+    )
+    yield* progress({ _tag: "AgentsStarted", nodes: agents.nodes })
+    const links = yield* connectAgents(agents)
+    const linkOf = (nodeId: number) => links.get(nodeId)!
+    const addressOf = (nodeId: number) =>
+      nodeId === ORCHESTRATOR_NODE
+        ? "orchestrator"
+        : (agents.nodes.find((n) => n.nodeId === nodeId)?.address ?? `node ${nodeId}`)
+    const pool = yield* watchAgents(options, agents, links)
+    const { reported, capacity } = yield* awaitNodes(options, agents, pool, stageCount, progress)
     // Which node hosts which blocks, by the request's intent within each node's reported memory.
     const contextTokens = Math.min(facts.maxSeqLen, options.contextTokens ?? alignUp((options.maxTokens ?? 1) + 1, 256))
     const placed = yield* placementFor({
@@ -307,16 +370,7 @@ export const openPipeline = (
         progress
       )
     }
-
-    // Local data endpoint: the last stage of every run sends sampled tokens here.
-    const listener = yield* dataPlane
-      .listen(agents.dataListen ?? { _tag: "Tcp", host: agents.listenHost, port: 0 }, agents.token)
-      .pipe(
-        Effect.mapError(
-          (fault) =>
-            new InvalidRequest({ message: `cannot open the orchestrator's data listener: ${faultWords(fault)}` })
-        )
-      )
+    const listener = yield* openTokenListener(agents)
     return {
       options,
       facts,
