@@ -122,6 +122,140 @@ const longLaneNice = 10
 
 export type Lane = "short" | "long"
 
+/** The worker client's state: its lanes' workers, whether the scope closed, the next request's id, the cheap bound. */
+interface Pool {
+  readonly modelPath: string
+  readonly onWorker: ((worker: Worker, lane: Lane) => void) | undefined
+  readonly lanes: Record<Lane, Running | undefined>
+  closed: boolean
+  nextId: number
+  longest: number | undefined
+}
+
+/** A lane's worker thread, started now: its replies answer its pending requests; its exit answers the rest Gone. */
+const start = (pool: Pool, lane: Lane): Running => {
+  const { options, script } = workerStart()
+  const data: TokenizeWorkerData = { modelPath: pool.modelPath, nice: lane === "long" ? longLaneNice : 0 }
+  const worker = new Worker(script, { ...options, workerData: { [tokenizeWorkerKey]: data } })
+  worker.unref()
+  pool.onWorker?.(worker, lane)
+  let opened: (longest: number | undefined) => void = () => {}
+  const running: Running = { worker, pending: new Map(), ready: new Promise((resolve) => (opened = resolve)) }
+  let why = "the tokenizer worker stopped"
+  worker.on("message", (reply: TokenizeWorkerReply) => {
+    if (reply._tag === "Ready") {
+      pool.longest = reply.longestPieceBytes
+      opened(pool.longest)
+    } else if (reply._tag === "OpenFailed") {
+      why = reply.message
+      opened(undefined)
+      void worker.terminate()
+    } else {
+      const answer = running.pending.get(reply.id)
+      running.pending.delete(reply.id)
+      answer?.(reply)
+    }
+  })
+  worker.on("error", (error) => (why = `the tokenizer worker failed: ${words(error)}`))
+  worker.on("exit", (code) => {
+    if (pool.lanes[lane] === running) pool.lanes[lane] = undefined
+    opened(undefined)
+    const message = pool.closed
+      ? "the server is stopping"
+      : `${why} (exit code ${code}); the next request starts a new one`
+    for (const answer of running.pending.values()) answer({ _tag: "Gone", message })
+    running.pending.clear()
+  })
+  return running
+}
+
+/** The lane's worker, started when it has none. */
+const running = (pool: Pool, lane: Lane) => pool.lanes[lane] ?? (pool.lanes[lane] = start(pool, lane))
+
+const ask = (pool: Pool, characters: number, request: (id: number) => TokenizeWorkerRequest) =>
+  Effect.async<Answer, TokenizerUnavailable>((resume) => {
+    if (pool.closed) return resume(Effect.fail(new TokenizerUnavailable({ message: "the server is stopping" })))
+    const worker = running(pool, characters <= shortTextCharacters ? "short" : "long")
+    const id = pool.nextId++
+    worker.pending.set(id, (answer) =>
+      resume(
+        answer._tag === "Gone"
+          ? Effect.fail(new TokenizerUnavailable({ message: answer.message }))
+          : Effect.succeed(answer)
+      )
+    )
+    worker.worker.postMessage(request(id))
+    // Interrupted (the client went away): its answer, when it comes, is dropped.
+    return Effect.sync(() => worker.pending.delete(id))
+  })
+
+/** Fails when a text of `characters` UTF-16 code units is sure to be more than `limit` tokens. */
+const precheck = (pool: Pool, characters: number, limit: number) =>
+  Effect.flatMap(
+    pool.longest !== undefined || pool.closed
+      ? Effect.succeed(pool.longest)
+      : Effect.promise(() => running(pool, "short").ready),
+    (longest) => {
+      const atLeast = longest === undefined ? 0 : Math.ceil(characters / longest)
+      return atLeast > limit ? Effect.fail(new PromptTooLong({ tokens: atLeast, atLeast: true, limit })) : Effect.void
+    }
+  )
+
+const answered = <A>(answer: Answer, limit: number, ok: (answer: Answer) => A | undefined) =>
+  Effect.suspend((): Effect.Effect<A, PromptTooLong | TokenizerUnavailable | ChatRenderError> => {
+    if (answer._tag === "BadChat") return Effect.fail(new ChatRenderError({ message: answer.message }))
+    if (answer._tag === "OverLimit")
+      return Effect.fail(new PromptTooLong({ tokens: answer.count, atLeast: false, limit }))
+    if (answer._tag === "Failed" || answer._tag === "Gone")
+      return Effect.fail(new TokenizerUnavailable({ message: answer.message }))
+    const value = ok(answer)
+    return value === undefined
+      ? Effect.fail(new TokenizerUnavailable({ message: `the tokenizer worker answered ${answer._tag} out of turn` }))
+      : Effect.succeed(value)
+  })
+
+const tokenize =
+  (pool: Pool): PromptTokenizerService["tokenize"] =>
+  (text, limit) =>
+    precheck(pool, text.length, limit).pipe(
+      Effect.zipRight(ask(pool, text.length, (id) => ({ id, op: "tokenize", text, limit }))),
+      Effect.flatMap((answer) =>
+        answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined))
+      ),
+      Effect.catchTag("ChatRenderError", (error) => Effect.fail(new TokenizerUnavailable({ message: error.message })))
+    )
+
+// Only the users' messages count for the cheap bound: a template may leave out a system message or an earlier
+// assistant turn (or part of it), never what the user said.
+const formatChat =
+  (pool: Pool): PromptTokenizerService["formatChat"] =>
+  (messages, limit, tools) =>
+    precheck(
+      pool,
+      messages.reduce((sum, m) => sum + (m.role === "user" ? m.content.length : 0), 0),
+      limit
+    ).pipe(
+      Effect.zipRight(
+        ask(
+          pool,
+          messages.reduce((sum, m) => sum + m.content.length, 0),
+          (id) => ({ id, op: "chat", messages, limit, ...(tools === undefined ? {} : { tools }) })
+        )
+      ),
+      Effect.flatMap((answer) =>
+        answered(answer, limit, (a) =>
+          a._tag === "Chat"
+            ? {
+                tokens: Array.from(a.tokens),
+                stop: a.stop,
+                template: a.template,
+                ...(a.tools === undefined ? {} : { tools: a.tools })
+              }
+            : undefined
+        )
+      )
+    )
+
 /**
  * Two worker threads, each opening the vocabulary: the short lane (started at once, while the pipeline loads) for texts
  * up to `shortTextCharacters` (a few milliseconds of work each), the long lane (started on the first long text, at a
@@ -130,139 +264,25 @@ export type Lane = "short" | "long"
  */
 const makeWorkerClient = (modelPath: string, onWorker?: (worker: Worker, lane: Lane) => void) =>
   Effect.gen(function* () {
-    const lanes: Record<Lane, Running | undefined> = { short: undefined, long: undefined }
-    let closed = false
-    let nextId = 0
-    let longest: number | undefined
-    const start = (lane: Lane): Running => {
-      const { options, script } = workerStart()
-      const data: TokenizeWorkerData = { modelPath, nice: lane === "long" ? longLaneNice : 0 }
-      const worker = new Worker(script, { ...options, workerData: { [tokenizeWorkerKey]: data } })
-      worker.unref()
-      onWorker?.(worker, lane)
-      let opened: (longest: number | undefined) => void = () => {}
-      const running: Running = { worker, pending: new Map(), ready: new Promise((resolve) => (opened = resolve)) }
-      let why = "the tokenizer worker stopped"
-      worker.on("message", (reply: TokenizeWorkerReply) => {
-        if (reply._tag === "Ready") {
-          longest = reply.longestPieceBytes
-          opened(longest)
-        } else if (reply._tag === "OpenFailed") {
-          why = reply.message
-          opened(undefined)
-          void worker.terminate()
-        } else {
-          const answer = running.pending.get(reply.id)
-          running.pending.delete(reply.id)
-          answer?.(reply)
-        }
-      })
-      worker.on("error", (error) => (why = `the tokenizer worker failed: ${words(error)}`))
-      worker.on("exit", (code) => {
-        if (lanes[lane] === running) lanes[lane] = undefined
-        opened(undefined)
-        const message = closed
-          ? "the server is stopping"
-          : `${why} (exit code ${code}); the next request starts a new one`
-        for (const answer of running.pending.values()) answer({ _tag: "Gone", message })
-        running.pending.clear()
-      })
-      return running
+    const pool: Pool = {
+      modelPath,
+      onWorker,
+      lanes: { short: undefined, long: undefined },
+      closed: false,
+      nextId: 0,
+      longest: undefined
     }
-    const running = (lane: Lane) => lanes[lane] ?? (lanes[lane] = start(lane))
     yield* Effect.acquireRelease(
-      Effect.sync(() => running("short")),
+      Effect.sync(() => running(pool, "short")),
       () =>
         Effect.promise(async () => {
-          closed = true
-          const all = [lanes.short, lanes.long]
-          lanes.short = lanes.long = undefined
+          pool.closed = true
+          const all = [pool.lanes.short, pool.lanes.long]
+          pool.lanes.short = pool.lanes.long = undefined
           await Promise.all(all.map((r) => r?.worker.terminate()))
         })
     )
-
-    const ask = (characters: number, request: (id: number) => TokenizeWorkerRequest) =>
-      Effect.async<Answer, TokenizerUnavailable>((resume) => {
-        if (closed) return resume(Effect.fail(new TokenizerUnavailable({ message: "the server is stopping" })))
-        const worker = running(characters <= shortTextCharacters ? "short" : "long")
-        const id = nextId++
-        worker.pending.set(id, (answer) =>
-          resume(
-            answer._tag === "Gone"
-              ? Effect.fail(new TokenizerUnavailable({ message: answer.message }))
-              : Effect.succeed(answer)
-          )
-        )
-        worker.worker.postMessage(request(id))
-        // Interrupted (the client went away): its answer, when it comes, is dropped.
-        return Effect.sync(() => worker.pending.delete(id))
-      })
-
-    /** Fails when a text of `characters` UTF-16 code units is sure to be more than `limit` tokens. */
-    const precheck = (characters: number, limit: number) =>
-      Effect.flatMap(
-        longest !== undefined || closed ? Effect.succeed(longest) : Effect.promise(() => running("short").ready),
-        (longest) => {
-          const atLeast = longest === undefined ? 0 : Math.ceil(characters / longest)
-          return atLeast > limit
-            ? Effect.fail(new PromptTooLong({ tokens: atLeast, atLeast: true, limit }))
-            : Effect.void
-        }
-      )
-
-    const answered = <A>(answer: Answer, limit: number, ok: (answer: Answer) => A | undefined) =>
-      Effect.suspend((): Effect.Effect<A, PromptTooLong | TokenizerUnavailable | ChatRenderError> => {
-        if (answer._tag === "BadChat") return Effect.fail(new ChatRenderError({ message: answer.message }))
-        if (answer._tag === "OverLimit")
-          return Effect.fail(new PromptTooLong({ tokens: answer.count, atLeast: false, limit }))
-        if (answer._tag === "Failed" || answer._tag === "Gone")
-          return Effect.fail(new TokenizerUnavailable({ message: answer.message }))
-        const value = ok(answer)
-        return value === undefined
-          ? Effect.fail(
-              new TokenizerUnavailable({ message: `the tokenizer worker answered ${answer._tag} out of turn` })
-            )
-          : Effect.succeed(value)
-      })
-
-    const service: PromptTokenizerService = {
-      tokenize: (text, limit) =>
-        precheck(text.length, limit).pipe(
-          Effect.zipRight(ask(text.length, (id) => ({ id, op: "tokenize", text, limit }))),
-          Effect.flatMap((answer) =>
-            answered(answer, limit, (a) => (a._tag === "Tokens" ? Array.from(a.tokens) : undefined))
-          ),
-          Effect.catchTag("ChatRenderError", (error) =>
-            Effect.fail(new TokenizerUnavailable({ message: error.message }))
-          )
-        ),
-      // Only the users' messages count for the cheap bound: a template may leave out a system message or an earlier
-      // assistant turn (or part of it), never what the user said.
-      formatChat: (messages, limit, tools) =>
-        precheck(
-          messages.reduce((sum, m) => sum + (m.role === "user" ? m.content.length : 0), 0),
-          limit
-        ).pipe(
-          Effect.zipRight(
-            ask(
-              messages.reduce((sum, m) => sum + m.content.length, 0),
-              (id) => ({ id, op: "chat", messages, limit, ...(tools === undefined ? {} : { tools }) })
-            )
-          ),
-          Effect.flatMap((answer) =>
-            answered(answer, limit, (a) =>
-              a._tag === "Chat"
-                ? {
-                    tokens: Array.from(a.tokens),
-                    stop: a.stop,
-                    template: a.template,
-                    ...(a.tools === undefined ? {} : { tools: a.tools })
-                  }
-                : undefined
-            )
-          )
-        )
-    }
+    const service: PromptTokenizerService = { tokenize: tokenize(pool), formatChat: formatChat(pool) }
     return service
   })
 
