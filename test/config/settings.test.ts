@@ -10,7 +10,7 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { inspect } from "node:util"
 import { afterAll, assert, describe, it } from "@effect/vitest"
-import { Effect, Either, Option, Redacted } from "effect"
+import { ConfigProvider, Effect, Either, Option, Redacted } from "effect"
 import { generateToken, swactorCommand } from "../../src/layers/agent/AgentProcesses.js"
 import {
   agentHooks,
@@ -144,6 +144,12 @@ describe("the configuration module", () => {
     assert.strictEqual(provided.tls, "off")
     const fromEnv = Effect.runSync(Effect.provide(Settings, Settings.fromEnvironment({ SWACTOR_GPU_MEMORY: "5" })))
     assert.strictEqual(fromEnv.gpuMemory, 5)
+    const live = Effect.runSync(
+      Effect.provide(Settings, Settings.live).pipe(
+        Effect.withConfigProvider(ConfigProvider.fromMap(new Map([["SWACTOR_TLS", "off"]])))
+      )
+    )
+    assert.strictEqual(live.tls, "off")
   })
 
   it("a local agent's environment carries the resolved user settings a flag can choose, then its own variables", () => {
