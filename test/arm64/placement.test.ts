@@ -8,11 +8,19 @@
  * the share follows the speed, not the architecture. (SWACTOR_BENCH_SLOWDOWN, which divides the measured speed, also
  * slows the engine by as much: at the 1000 needed to fall below the emulated node, a run misses its token deadline.)
  */
-import { type ChildProcess, execFile, spawn } from "node:child_process"
+import { type ChildProcess, execFile } from "node:child_process"
 import { join } from "node:path"
 import { promisify } from "node:util"
 import { afterAll, assert, beforeAll, describe, it } from "vitest"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
+import {
+  type Arch,
+  type Arm64Runtime,
+  arm64Runtime,
+  lastJson,
+  startSwactorNode,
+  stopChildren
+} from "../support/arm64.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { runJsonArgs, runJsonOutput } from "../support/runJson.js"
 
@@ -22,15 +30,6 @@ const N = 24
 const env = { ...process.env, SWACTOR_CLUSTER_TOKEN: generateToken() }
 /** The speed the forced x64 node declares (`swactor node --speed`), in bytes per second. */
 const DECLARED = 2e6
-
-/** What scripts/arm64-runtime.mjs --json reports. */
-interface Runtime {
-  readonly qemu: string
-  readonly sysroot: string
-  readonly node: string
-}
-
-type Arch = "arm64" | "x64"
 
 interface Node {
   readonly name: string
@@ -46,15 +45,10 @@ interface RunOut {
   readonly stages: ReadonlyArray<{ readonly address: string; readonly blocks: number }>
 }
 
-let runtime: Runtime
+let runtime: Arm64Runtime
 let model = ""
 /** The one-stage run's text and tokens (equal to node-llama-cpp's). */
 let single: RunOut
-
-const argvOf = (arch: Arch, args: ReadonlyArray<string>) =>
-  arch === "arm64"
-    ? { command: runtime.qemu, args: ["-L", runtime.sysroot, runtime.node, ...args] }
-    : { command: process.execPath, args: [...args] }
 
 /** `swactor run --json` on x64 with `extra`: text, tokens, and each stage's node and block count. */
 const swactorRun = async (extra: ReadonlyArray<string>): Promise<RunOut> => {
@@ -78,51 +72,24 @@ const children: Array<ChildProcess> = []
 
 /** `swactor node` on `arch` (speed measured at start, or `extra` flags), resolved at its line naming its speed. */
 const startNode = (name: string, arch: Arch, extra: ReadonlyArray<string> = []) =>
-  new Promise<Node>((resolve, reject) => {
-    const { command, args } = argvOf(arch, [
-      swactorMain(),
-      "node",
-      "--listen",
-      "127.0.0.1:0",
-      "--threads",
-      "1",
-      ...extra
-    ])
-    const child = spawn(command, args, { cwd: repoRoot, stdio: ["ignore", "pipe", "pipe"], env })
-    children.push(child)
-    let out = ""
-    const collect = (chunk: Buffer) => {
-      out += chunk
-      const ready = /swactor-node-ready (\{.*\})/.exec(out)
+  startSwactorNode<Node>({
+    runtime,
+    arch,
+    extra,
+    env,
+    children,
+    name,
+    ready: (out, port) => {
       const speed = / backend, .*, (\d+\.\d\d) GB\/s (?:measured|declared)/.exec(out)
-      if (ready === null || speed === null) return
-      const { port } = JSON.parse(ready[1]!) as { port: number }
-      resolve({ name, address: `127.0.0.1:${port}`, gbps: Number(speed[1]) })
+      return speed === null ? undefined : { name, address: `127.0.0.1:${port}`, gbps: Number(speed[1]) }
     }
-    child.stdout.on("data", collect)
-    child.stderr.on("data", collect)
-    child.on("exit", (code) => reject(new Error(`swactor node ${name} exited (${code}):\n${out}`)))
   })
 
-afterAll(async () => {
-  for (const child of children) {
-    if (child.exitCode !== null || child.signalCode !== null) continue
-    child.kill("SIGTERM")
-    await new Promise((r) => child.on("exit", r))
-  }
-})
+afterAll(() => stopChildren(children))
 
 beforeAll(async () => {
   model = requireModel("stories260K.gguf")
-  const script = join(repoRoot, "scripts", "arm64-runtime.mjs")
-  const fetched = await execFileP(process.execPath, [script, "--json"], { cwd: repoRoot }).catch(
-    (e: { stderr?: string; message: string }) => {
-      throw new Error(
-        `node scripts/arm64-runtime.mjs --json could not set up the arm64 runtime: ${e.stderr ?? e.message}`
-      )
-    }
-  )
-  runtime = JSON.parse(fetched.stdout.trim().split("\n").at(-1)!) as Runtime
+  runtime = await arm64Runtime()
   const reference = execFileP(
     process.execPath,
     [join(repoRoot, "test", "support", "cpuReference.mjs"), model, PROMPT, `${N}`],
@@ -130,7 +97,7 @@ beforeAll(async () => {
   )
   single = await swactorRun(["--stages", "1"])
   const { stdout } = await reference
-  const oracle = JSON.parse(stdout.trim().split("\n").at(-1)!) as { tokens: Array<number> }
+  const oracle = lastJson<{ tokens: Array<number> }>(stdout)
   assert.deepStrictEqual(single.tokens, oracle.tokens, "the one-stage run gives node-llama-cpp's tokens")
 }, 600_000)
 

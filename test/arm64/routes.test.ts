@@ -31,6 +31,7 @@ import { join } from "node:path"
 import { promisify } from "node:util"
 import { assert, beforeAll, describe, it } from "vitest"
 import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
+import { type Arm64Runtime, arm64Runtime, lastJson } from "../support/arm64.js"
 import { repoRoot, requireModel } from "../support/models.js"
 import { runSynthCli } from "../support/synthCli.js"
 import { modelFolder } from "../support/synthFiles.js"
@@ -133,13 +134,6 @@ const synthetic: ReadonlyArray<{ name: string; flags: Readonly<Record<string, st
   }
 ]
 
-/** What scripts/arm64-runtime.mjs --json reports. */
-interface Runtime {
-  readonly qemu: string
-  readonly sysroot: string
-  readonly node: string
-}
-
 interface RouteRun {
   readonly repack: boolean
   readonly smallBatchRows: number
@@ -163,11 +157,9 @@ interface CpuResult {
   readonly engine: ReadonlyArray<ReadonlyArray<RouteRun>>
 }
 
-let runtime: Runtime
+let runtime: Arm64Runtime
 let allFiles: ReadonlyArray<ModelFile> = []
 const results = new Map<string, CpuResult>()
-
-const lastJson = <A>(stdout: string): A => JSON.parse(stdout.trim().split("\n").at(-1)!) as A
 
 /** `script JOB` on the arm64 Node binary, under qemu emulating `cpu`. */
 const onArm64 = async <A>(cpu: Cpu, script: string, job: unknown): Promise<A> => {
@@ -235,14 +227,7 @@ const matricesOf = async (name: string, path: string): Promise<ModelFile> => {
 }
 
 beforeAll(async () => {
-  const fetched = await execFileP(process.execPath, [join(repoRoot, "scripts", "arm64-runtime.mjs"), "--json"], {
-    cwd: repoRoot
-  }).catch((e: { stderr?: string; message: string }) => {
-    throw new Error(
-      `node scripts/arm64-runtime.mjs --json could not set up the arm64 runtime: ${e.stderr ?? e.message}`
-    )
-  })
-  runtime = lastJson<Runtime>(fetched.stdout)
+  runtime = await arm64Runtime()
   const made: Array<ModelFile> = [await matricesOf("stories260K", requireModel("stories260K.gguf"))]
   for (const s of synthetic) {
     const path = join(dir, `${s.name}.gguf`)
