@@ -9,6 +9,7 @@
 import childProcess from "node:child_process"
 import { readFileSync } from "node:fs"
 import { syncBuiltinESMExports } from "node:module"
+import { greedy } from "./greedyReference.mjs"
 
 const qemu = process.env["SWACTOR_TEST_QEMU"]
 if (qemu !== undefined && qemu !== "") {
@@ -25,21 +26,6 @@ if (qemu !== undefined && qemu !== "") {
 const { getLlama, LlamaLogLevel } = await import("node-llama-cpp")
 
 const llama = await getLlama({ gpu: false, build: "never", logLevel: LlamaLogLevel.error })
-
-/** `count` greedy tokens after `text` (BOS first when the model has one). */
-const greedy = async (model, text, count) => {
-  const ctx = await model.createContext({ contextSize: 256, threads: 1, flashAttention: true, sequences: 1 })
-  const seq = ctx.getSequence()
-  const bos = model.tokens.bos
-  const prompt = [...(bos === null ? [] : [bos]), ...model.tokenize(text)]
-  const tokens = []
-  for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
-    tokens.push(t)
-    if (tokens.length >= count) break
-  }
-  await ctx.dispose()
-  return { prompt, tokens }
-}
 
 const args = process.argv.slice(2)
 if (args[0]?.startsWith("{")) {

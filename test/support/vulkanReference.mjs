@@ -5,21 +5,13 @@
 // thread, a 256-token context: the settings swactor's side runs with. The device is the environment's
 // (GGML_VK_VISIBLE_DEVICES, VK_ICD_FILENAMES; CUDA_VISIBLE_DEVICES), as for swactor's agents.
 import { getLlama, LlamaLogLevel } from "node-llama-cpp"
+import { greedy } from "./greedyReference.mjs"
 
 const [path, text, count, layers] = process.argv.slice(2)
 const gpu = process.env.SWACTOR_GPU_TEST_BACKEND === "cuda" ? "cuda" : "vulkan"
 const llama = await getLlama({ gpu, build: "never", logLevel: LlamaLogLevel.error })
 const model = await llama.loadModel({ modelPath: path, gpuLayers: layers === undefined ? "max" : Number(layers) })
-const ctx = await model.createContext({ contextSize: 256, threads: 1, flashAttention: true, sequences: 1 })
-const seq = ctx.getSequence()
-const bos = model.tokens.bos
-const prompt = [...(bos === null ? [] : [bos]), ...model.tokenize(text)]
-const tokens = []
-for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
-  tokens.push(t)
-  if (tokens.length >= Number(count)) break
-}
+const { prompt, tokens } = await greedy(model, text, Number(count))
 console.log(JSON.stringify({ gpu: llama.gpu, prompt, tokens }))
-await ctx.dispose()
 await model.dispose()
 await llama.dispose()
