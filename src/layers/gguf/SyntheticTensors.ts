@@ -219,10 +219,12 @@ export const plannedTensors = (
   const facts = factsOf(o.arch)
   const { arch, hp } = hparamsOf(metadata, readHints(o, blocks))
   const written = (s: TensorSpec, il: number) => s.required || (facts.optional?.(s.name, il, hp, o) ?? false)
+  // the model head as StageLayout declares it
+  const embd = { dims: [hp.nEmbd, hp.nVocab], kind: "matrix" } as const
   const out: Array<SyntheticTensor> = [
-    initOf("token_embd.weight", { dims: [o.hidden, o.vocab], kind: "matrix" }, facts),
-    initOf("output_norm.weight", { dims: [o.hidden], kind: "vector" }, facts),
-    ...(o.tiedOutput === true ? [] : [initOf("output.weight", { dims: [o.hidden, o.vocab], kind: "matrix" }, facts)])
+    initOf("token_embd.weight", embd, facts),
+    initOf("output_norm.weight", { dims: [hp.nEmbd], kind: "vector" }, facts),
+    ...(o.tiedOutput === true ? [] : [initOf("output.weight", embd, facts)])
   ]
   for (const s of [...(arch.sharedTensors?.(hp) ?? []), ...(arch.inputTensors?.(hp) ?? [])])
     if (s.required) out.push(initOf(s.name, s, facts))
