@@ -380,13 +380,10 @@ const ggmlDirConfig = lenient(docs.ggmlDir, (text) => text, undefined as string 
 )
 
 /** Windows' folder (SystemRoot; default C:\Windows), where the NVIDIA driver's DLL would be. */
-export const windowsRoot = (): string =>
-  readLenient(
-    described(
-      doc({ variable: "SystemRoot", default: "C:\\Windows", meaning: "Windows' folder" }),
-      Config.string("SystemRoot").pipe(Config.withDefault("C:\\Windows"))
-    )
-  )
+const windowsRootConfig = described(
+  doc({ variable: "SystemRoot", default: "C:\\Windows", meaning: "Windows' folder" }),
+  Config.string("SystemRoot").pipe(Config.withDefault("C:\\Windows"))
+)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Tuning and test hooks: read once where a layer is built, passed to it as options.
@@ -483,6 +480,8 @@ export interface SettingsValues {
   readonly debugAgents: boolean
   /** SWACTOR_PARENT_WATCH=stdin: this agent exits when its parent's pipe on stdin closes. */
   readonly watchesParent: boolean
+  /** Windows' folder (SystemRoot; default C:\Windows), where the Vulkan loader's and NVIDIA driver's DLLs would be. */
+  readonly windowsRoot: string
   /** The live stage engine's tuning hooks. */
   readonly engineHooks: EngineHooks
   /** A node agent's tuning hooks. */
@@ -502,6 +501,7 @@ export const settingsConfig: Config.Config<SettingsValues> = Config.all({
   ggmlDebugLog: lenient(docs.ggmlLog, (text) => text === "debug", false),
   debugAgents: lenient(docs.debug, (text) => text === "1", false),
   watchesParent: lenient(docs.parentWatch, (text) => text === "stdin", false),
+  windowsRoot: windowsRootConfig,
   engineHooks: engineHooksConfig,
   agentHooks: agentHooksConfig
 })

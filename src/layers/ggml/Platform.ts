@@ -2,7 +2,7 @@ import { existsSync, readdirSync, readFileSync } from "node:fs"
 import { createRequire } from "node:module"
 import { dirname, join } from "node:path"
 import type { Backend } from "../../domain/engine.js"
-import { liveSettings, windowsRoot } from "../config/Settings.js"
+import { liveSettings } from "../config/Settings.js"
 
 /**
  * Where node-llama-cpp's prebuilt ggml libraries live. node-llama-cpp ships them in one
@@ -61,7 +61,7 @@ export const vulkanLoaderPresent = (): boolean =>
         existsSync
       )
     : process.platform === "win32"
-      ? existsSync(join(windowsRoot(), "System32", "vulkan-1.dll"))
+      ? existsSync(join(liveSettings().windowsRoot, "System32", "vulkan-1.dll"))
       : false
 
 /** The GPU package kind a backend asks for: auto takes cuda with an NVIDIA driver, else vulkan with a Vulkan loader. */
@@ -77,7 +77,7 @@ export const cudaDriverPresent = (): boolean => {
     return existsSync("/proc/driver/nvidia/version") || existsSync("/dev/nvidiactl")
   }
   if (process.platform === "win32") {
-    return existsSync(join(windowsRoot(), "System32", "nvcuda.dll"))
+    return existsSync(join(liveSettings().windowsRoot, "System32", "nvcuda.dll"))
   }
   return false
 }
