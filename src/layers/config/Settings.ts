@@ -11,9 +11,9 @@
  * - user settings: a flag of `run`, `serve` and `node` with the environment as fallback (`--tls` / SWACTOR_TLS); a bad
  *   value is a one-line refusal naming both (`settingFromFlagOrEnv`);
  * - places and switches of the host (XDG_CACHE_HOME, SWACTOR_GGML_DIR, SWACTOR_DEBUG...), environment only;
- * - tuning and test hooks (SWACTOR_MMAP, SWACTOR_ZERO_COPY...): read once where a layer is built (`engineHooks`,
- *   `agentHooks`) and passed to it as options; tests pass the options themselves. They keep their old lenient reading:
- *   a value they do not understand is their default.
+ * - tuning and test hooks (SWACTOR_MMAP, SWACTOR_ZERO_COPY...): taken from the service where a layer is built (its
+ *   `engineHooks`, `agentHooks`) and passed to it as options; tests pass the options themselves. They keep their old
+ *   lenient reading: a value they do not understand is their default.
  */
 import * as Os from "node:os"
 import * as Path from "node:path"
@@ -386,7 +386,7 @@ const windowsRootConfig = described(
 )
 
 // ---------------------------------------------------------------------------------------------------------------
-// Tuning and test hooks: read once where a layer is built, passed to it as options.
+// Tuning and test hooks: taken from the service where a layer is built, passed to it as options.
 // ---------------------------------------------------------------------------------------------------------------
 
 /** The live stage engine's hooks (StageExecutorLive's options). */
@@ -416,8 +416,8 @@ export const engineHooksConfig: Config.Config<EngineHooks> = Config.all({
   )
 })
 
-/** The engine hooks from `env` (default: this process's environment). */
-export const engineHooks = (env?: Environment): EngineHooks => readLenient(engineHooksConfig, env)
+/** The engine hooks of `env` (this process's are its Settings' `engineHooks`). */
+export const engineHooks = (env: Environment): EngineHooks => readLenient(engineHooksConfig, env)
 
 /** A node agent's hooks (the stage host's options). */
 export interface AgentHooks {
@@ -449,8 +449,8 @@ export const agentHooksConfig: Config.Config<AgentHooks> = Config.all({
   )
 })
 
-/** The agent hooks from `env` (default: this process's environment). */
-export const agentHooks = (env?: Environment): AgentHooks => readLenient(agentHooksConfig, env)
+/** The agent hooks of `env` (this process's are its Settings' `agentHooks`). */
+export const agentHooks = (env: Environment): AgentHooks => readLenient(agentHooksConfig, env)
 
 // ---------------------------------------------------------------------------------------------------------------
 // The service: every setting resolved once.
