@@ -115,21 +115,86 @@ const tailBuffer = (limit: number) => {
 /** What a local agent's environment carries besides the settings: its cluster token and its parent watch. */
 const agentVariables = (token: string) => ({ [clusterTokenEnv]: token, [parentWatchEnv]: "stdin" })
 
+/** The `swactor node` arguments of local agent `index`. */
+const agentArgs = (index: number, options: LocalAgentsOptions) => {
+  const host = options.host ?? "127.0.0.1"
+  return [
+    "node",
+    "--listen",
+    `${host}:0`,
+    ...(options.dataDir === undefined ? [] : ["--data-listen", join(options.dataDir, `agent-${index}.sock`)]),
+    ...(options.threads === undefined ? [] : ["--threads", String(options.threads)]),
+    ...(options.engine === "test" ? ["--engine", "test"] : []),
+    ...(options.extraArgs?.(index) ?? [])
+  ]
+}
+
+/** Where a starting agent's events go: its ready line, its exit, its stderr's tail (and ours when inherited). */
+interface ChildWatch {
+  readonly ready: Deferred.Deferred<Announced, AgentSpawnError>
+  readonly exited: Deferred.Deferred<AgentExit>
+  readonly stderr: ReturnType<typeof tailBuffer>
+  readonly inherit: boolean
+}
+
+/** Reads an agent's stdout lines: the ready line completes `ready`; other lines go to our stderr when inherited. */
+const readStdout = (child: ChildProcess, index: number, { ready, inherit }: ChildWatch) => {
+  let stdoutBuffer = ""
+  child.stdout?.setEncoding("utf8")
+  child.stdout?.on("data", (chunk: string) => {
+    stdoutBuffer += chunk
+    let newline = stdoutBuffer.indexOf("\n")
+    while (newline >= 0) {
+      const line = stdoutBuffer.slice(0, newline)
+      stdoutBuffer = stdoutBuffer.slice(newline + 1)
+      if (line.startsWith(readyLinePrefix)) {
+        try {
+          const announced = decodeAnnounced(JSON.parse(line.slice(readyLinePrefix.length)))
+          Deferred.unsafeDone(ready, Effect.succeed(announced))
+        } catch {
+          Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: `bad ready line: ${line}` })))
+        }
+      } else if (inherit) {
+        process.stderr.write(`[agent ${index}] ${line}\n`)
+      }
+      newline = stdoutBuffer.indexOf("\n")
+    }
+  })
+}
+
+/** Follows a started agent: a spawn error or an early exit fails `ready`, its exit completes `exited`. */
+const watchChild = (child: ChildProcess, index: number, watch: ChildWatch) => {
+  const { ready, exited, stderr, inherit } = watch
+  child.on("error", (error) => {
+    Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: error.message })))
+  })
+  child.on("exit", (code, signal) => {
+    liveChildren.delete(child)
+    Deferred.unsafeDone(exited, Effect.succeed({ code, signal }))
+    Deferred.unsafeDone(
+      ready,
+      Effect.fail(
+        new AgentSpawnError({
+          index,
+          message: `agent exited before it was ready (code ${code}, signal ${signal})\n${stderr.get()}`
+        })
+      )
+    )
+  })
+  child.stderr?.setEncoding("utf8")
+  child.stderr?.on("data", (chunk: string) => {
+    stderr.push(chunk)
+    if (inherit) process.stderr.write(`[agent ${index}] ${chunk}`)
+  })
+  readStdout(child, index, watch)
+}
+
 const spawnOne = (
   index: number,
   options: LocalAgentsOptions
 ): Effect.Effect<LocalAgent, AgentSpawnError, Scope.Scope> =>
   Effect.gen(function* () {
-    const host = options.host ?? "127.0.0.1"
-    const args = [
-      "node",
-      "--listen",
-      `${host}:0`,
-      ...(options.dataDir === undefined ? [] : ["--data-listen", join(options.dataDir, `agent-${index}.sock`)]),
-      ...(options.threads === undefined ? [] : ["--threads", String(options.threads)]),
-      ...(options.engine === "test" ? ["--engine", "test"] : []),
-      ...(options.extraArgs?.(index) ?? [])
-    ]
+    const args = agentArgs(index, options)
     const { command, args: argv } =
       options.entry === undefined
         ? swactorCommand(args)
@@ -161,48 +226,7 @@ const spawnOne = (
       }),
       (child) => stop(child, exited)
     )
-    child.on("error", (error) => {
-      Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: error.message })))
-    })
-    child.on("exit", (code, signal) => {
-      liveChildren.delete(child)
-      Deferred.unsafeDone(exited, Effect.succeed({ code, signal }))
-      Deferred.unsafeDone(
-        ready,
-        Effect.fail(
-          new AgentSpawnError({
-            index,
-            message: `agent exited before it was ready (code ${code}, signal ${signal})\n${stderr.get()}`
-          })
-        )
-      )
-    })
-    child.stderr?.setEncoding("utf8")
-    child.stderr?.on("data", (chunk: string) => {
-      stderr.push(chunk)
-      if (inherit) process.stderr.write(`[agent ${index}] ${chunk}`)
-    })
-    let stdoutBuffer = ""
-    child.stdout?.setEncoding("utf8")
-    child.stdout?.on("data", (chunk: string) => {
-      stdoutBuffer += chunk
-      let newline = stdoutBuffer.indexOf("\n")
-      while (newline >= 0) {
-        const line = stdoutBuffer.slice(0, newline)
-        stdoutBuffer = stdoutBuffer.slice(newline + 1)
-        if (line.startsWith(readyLinePrefix)) {
-          try {
-            const announced = decodeAnnounced(JSON.parse(line.slice(readyLinePrefix.length)))
-            Deferred.unsafeDone(ready, Effect.succeed(announced))
-          } catch {
-            Deferred.unsafeDone(ready, Effect.fail(new AgentSpawnError({ index, message: `bad ready line: ${line}` })))
-          }
-        } else if (inherit) {
-          process.stderr.write(`[agent ${index}] ${line}\n`)
-        }
-        newline = stdoutBuffer.indexOf("\n")
-      }
-    })
+    watchChild(child, index, { ready, exited, stderr, inherit })
     // The agent watches this pipe: when we die (even by SIGKILL) the kernel closes it and the agent exits.
     child.stdin?.on("error", () => {})
 
