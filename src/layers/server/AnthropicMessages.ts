@@ -19,7 +19,7 @@ import type * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import { Chunk, Effect, Exit, Option, Schema, Scope, Stream } from "effect"
 import type { ServeError, ServeEvent, ServeRequest, ServerService } from "../../services/Server.js"
-import type { ChatMessage } from "../../services/Tokenizer.js"
+import type { ChatMessage, FormattedChat } from "../../services/Tokenizer.js"
 import type { ChatTool, ChatToolCall, ChatToolOptions, ToolChoice, ToolSyntax } from "../../services/Tools.js"
 import { clip, EdgeRefusal } from "./HttpGuard.js"
 import { rangeProblem } from "./SamplingRanges.js"
@@ -145,6 +145,82 @@ export interface AnthropicChat {
   readonly tools: ChatToolOptions | undefined
 }
 
+type ConversationMessage = Conversation["messages"][number]
+type ContentBlock = Exclude<ConversationMessage["content"], string>[number]
+
+/** A user's tool_result block as a tool message answering a call of an earlier assistant message. */
+const toolResultOf = (
+  block: Extract<ContentBlock, { type: "tool_result" }>,
+  at: string,
+  callIds: ReadonlySet<string>
+): ChatMessage | EdgeRefusal => {
+  if (!callIds.has(block.tool_use_id)) {
+    return refuse(
+      `${at}.tool_use_id: "${block.tool_use_id.slice(0, 64)}" matches no tool_use of an earlier assistant message`
+    )
+  }
+  let content = ""
+  if (typeof block.content === "string") content = block.content
+  else {
+    for (const [k, part] of (block.content ?? []).entries()) {
+      if (part.type !== "text")
+        return refuse(`${at}.content.${k}: ${part.type === "image" ? "images" : "documents"} are not supported`)
+      content += part.text
+    }
+  }
+  return {
+    role: "tool",
+    toolCallId: block.tool_use_id,
+    content: block.is_error === true ? `Error: ${content}` : content
+  }
+}
+
+/**
+ * Message `i`'s blocks as chat messages: its tool results first, then its text (an assistant's with its calls, whose
+ * ids join `callIds` for later messages' results).
+ */
+const blocksOf = (
+  message: ConversationMessage & { readonly content: ReadonlyArray<ContentBlock> },
+  i: number,
+  callIds: Set<string>
+): ReadonlyArray<ChatMessage> | EdgeRefusal => {
+  let text = ""
+  const calls: Array<ChatToolCall> = []
+  const results: Array<ChatMessage> = []
+  for (const [j, block] of message.content.entries()) {
+    const at = `messages.${i}.content.${j}`
+    switch (block.type) {
+      case "text":
+        text += block.text
+        break
+      case "image":
+        return refuse(`${at}: images are not supported`)
+      case "document":
+        return refuse(`${at}: documents are not supported`)
+      case "tool_use":
+        if (message.role !== "assistant") return refuse(`${at}: tool_use blocks belong in assistant messages`)
+        calls.push({ id: block.id, name: block.name, arguments: JSON.stringify(block.input) })
+        break
+      case "tool_result": {
+        if (message.role !== "user") return refuse(`${at}: tool_result blocks belong in user messages`)
+        const result = toolResultOf(block, at, callIds)
+        if (result instanceof EdgeRefusal) return result
+        results.push(result)
+        break
+      }
+      case "thinking":
+      case "redacted_thinking":
+        break
+    }
+  }
+  for (const call of calls) callIds.add(call.id)
+  const out: Array<ChatMessage> = [...results]
+  if (message.role === "assistant")
+    out.push({ role: "assistant", content: text, ...(calls.length > 0 ? { toolCalls: calls } : {}) })
+  else if (results.length === 0 || text !== "") out.push({ role: "user", content: text })
+  return out
+}
+
 /**
  * The conversation as chat messages for the model's template: `system` (a string or text blocks, joined) first, then
  * each message's text blocks joined; an assistant's `tool_use` blocks are its calls, a user's `tool_result` blocks are
@@ -172,61 +248,9 @@ export const chatOf = (body: Conversation): Effect.Effect<AnthropicChat, EdgeRef
         out.push({ role: message.role, content: message.content })
         continue
       }
-      let text = ""
-      const calls: Array<ChatToolCall> = []
-      const results: Array<ChatMessage> = []
-      for (const [j, block] of message.content.entries()) {
-        const at = `messages.${i}.content.${j}`
-        switch (block.type) {
-          case "text":
-            text += block.text
-            break
-          case "image":
-            return Effect.fail(refuse(`${at}: images are not supported`))
-          case "document":
-            return Effect.fail(refuse(`${at}: documents are not supported`))
-          case "tool_use":
-            if (message.role !== "assistant")
-              return Effect.fail(refuse(`${at}: tool_use blocks belong in assistant messages`))
-            calls.push({ id: block.id, name: block.name, arguments: JSON.stringify(block.input) })
-            break
-          case "tool_result": {
-            if (message.role !== "user") return Effect.fail(refuse(`${at}: tool_result blocks belong in user messages`))
-            if (!callIds.has(block.tool_use_id)) {
-              return Effect.fail(
-                refuse(
-                  `${at}.tool_use_id: "${block.tool_use_id.slice(0, 64)}" matches no tool_use of an earlier assistant message`
-                )
-              )
-            }
-            let content = ""
-            if (typeof block.content === "string") content = block.content
-            else {
-              for (const [k, part] of (block.content ?? []).entries()) {
-                if (part.type !== "text")
-                  return Effect.fail(
-                    refuse(`${at}.content.${k}: ${part.type === "image" ? "images" : "documents"} are not supported`)
-                  )
-                content += part.text
-              }
-            }
-            results.push({
-              role: "tool",
-              toolCallId: block.tool_use_id,
-              content: block.is_error === true ? `Error: ${content}` : content
-            })
-            break
-          }
-          case "thinking":
-          case "redacted_thinking":
-            break
-        }
-      }
-      for (const call of calls) callIds.add(call.id)
-      out.push(...results)
-      if (message.role === "assistant")
-        out.push({ role: "assistant", content: text, ...(calls.length > 0 ? { toolCalls: calls } : {}) })
-      else if (results.length === 0 || text !== "") out.push({ role: "user", content: text })
+      const messages = blocksOf({ ...message, content: message.content }, i, callIds)
+      if (messages instanceof EdgeRefusal) return Effect.fail(messages)
+      out.push(...messages)
     }
     if (body.messages[body.messages.length - 1]!.role === "assistant") {
       return Effect.fail(
@@ -455,83 +479,61 @@ export const replyStream = (tools: ReplyTools, reasoning: ReasoningFormat | unde
   }
 }
 
-/** The handlers of POST /v1/messages and POST /v1/messages/count_tokens over a Server. */
-export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
-  const { server } = options
-  const formatted = (body: Conversation) =>
-    Effect.flatMap(chatOf(body), (chat) =>
-      Effect.map(server.formatChat(chat.messages, chat.tools), (formatted) => ({ chat, formatted }))
-    )
+/** The conversation checked and converted (chatOf), then rendered through the model's template. */
+const formattedOf = (server: ServerService, body: Conversation) =>
+  Effect.flatMap(chatOf(body), (chat) =>
+    Effect.map(server.formatChat(chat.messages, chat.tools), (formatted) => ({ chat, formatted }))
+  )
 
-  const create = Effect.gen(function* () {
-    const body = yield* options.body(MessagesBody)
-    // Each number within Anthropic's documented range (SamplingRanges.ts), before anything else.
-    const outside = rangeProblem("messages", body)
-    if (outside !== undefined) return yield* Effect.fail(refuse(outside.message))
-    const { chat: conversation, formatted: chat } = yield* formatted(body)
-    const ready = yield* server.ready
-    // max_tokens is a ceiling (agents ask for tens of thousands): at most what fits the window the chat route gives a
-    // request without a limit (4,096 tokens, or the model's context when smaller), so a request's KV stays bounded.
-    const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
-    const maxTokens = Math.min(body.max_tokens, Math.max(1, window - chat.tokens.length - 1))
-    const stopSequences = (body.stop_sequences ?? []).filter((s) => s !== "")
-    const topP = orUndefined(body.top_p)
-    const topK = orUndefined(body.top_k)
-    const request: ServeRequest = {
-      prompt: chat.tokens,
-      maxTokens,
-      sampling: {
-        temperature: orUndefined(body.temperature) ?? 1,
-        ...(topK === undefined ? {} : { topK }),
-        ...(topP === undefined ? {} : { topP }),
-        // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
-        ...(chat.tools?.grammar === undefined ? {} : { grammar: { text: chat.tools.grammar } })
-      },
-      stop: [...stopSequences, ...chat.stop]
-    }
-    // With tools, the reply's calls in the template's syntax (ToolCalls.ts).
-    const tools: ReplyTools =
-      chat.tools === undefined || conversation.tools === undefined
-        ? undefined
-        : { syntax: chat.tools.syntax, tools: conversation.tools.tools }
-    // The reply's reasoning (gpt-oss's harmony, MiniMax-M2's <think>) as thinking blocks (Reasoning.ts).
-    const reasoning = reasoningFormatOf(chat.template)
-    const message = {
-      id: `msg_${randomBytes(12).toString("hex")}`,
-      type: "message",
-      role: "assistant",
-      model: options.modelName
-    }
-    const events = server.generate(request)
+/** The message's own fields, the same in a whole answer and in message_start. */
+interface MessageHead {
+  readonly id: string
+  readonly type: string
+  readonly role: string
+  readonly model: string
+}
 
-    if (body.stream !== true) {
-      let text = ""
-      let done: Extract<ServeEvent, { _tag: "Done" }> | undefined
-      for (const e of yield* Stream.runCollect(events)) {
-        if (e._tag === "Text") text += e.text
-        if (e._tag === "Done") done = e
-      }
-      // Cut by max_tokens: the calls it completed, none it cut short (ToolCalls.ts).
-      const reply = wholeReply(text, tools, reasoning, done === undefined || done.finishReason === "length")
-      return HttpServerResponse.unsafeJson({
-        ...message,
-        content: [
-          ...(reply.reasoning === undefined || reply.reasoning === "" ? [] : [thinkingOf(reply.reasoning)]),
-          ...(reply.content !== "" || reply.calls.length === 0 ? [{ type: "text", text: reply.content }] : []),
-          ...reply.calls.map(toolUseOf)
-        ],
-        ...(done === undefined
-          ? { stop_reason: "max_tokens", stop_sequence: null }
-          : stopReasonOf(done, stopSequences, reply.calls.length > 0)),
-        usage:
-          done === undefined
-            ? { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 }
-            : usageOf(done)
-      })
+/** The reply as one JSON message: its thinking, text and tool_use blocks, why it stopped and its usage. */
+const wholeAnswer = (
+  events: Stream.Stream<ServeEvent, ServeError>,
+  message: MessageHead,
+  tools: ReplyTools,
+  reasoning: ReasoningFormat | undefined,
+  stopSequences: ReadonlyArray<string>,
+  promptTokens: number
+) =>
+  Effect.gen(function* () {
+    let text = ""
+    let done: Extract<ServeEvent, { _tag: "Done" }> | undefined
+    for (const e of yield* Stream.runCollect(events)) {
+      if (e._tag === "Text") text += e.text
+      if (e._tag === "Done") done = e
     }
+    // Cut by max_tokens: the calls it completed, none it cut short (ToolCalls.ts).
+    const reply = wholeReply(text, tools, reasoning, done === undefined || done.finishReason === "length")
+    return HttpServerResponse.unsafeJson({
+      ...message,
+      content: [
+        ...(reply.reasoning === undefined || reply.reasoning === "" ? [] : [thinkingOf(reply.reasoning)]),
+        ...(reply.content !== "" || reply.calls.length === 0 ? [{ type: "text", text: reply.content }] : []),
+        ...reply.calls.map(toolUseOf)
+      ],
+      ...(done === undefined
+        ? { stop_reason: "max_tokens", stop_sequence: null }
+        : stopReasonOf(done, stopSequences, reply.calls.length > 0)),
+      usage:
+        done === undefined
+          ? { input_tokens: promptTokens, output_tokens: 0, cache_read_input_tokens: 0 }
+          : usageOf(done)
+    })
+  })
 
-    // Refusals (busy, loading, bad values) come before the first event: they are answered with a status. Once the
-    // first event came, the answer is SSE.
+/**
+ * The run's events, their first pulled now: refusals (busy, loading, bad values) come before the first event and are
+ * answered with a status. Once the first event came, the answer is SSE; `scope` holds the run until the stream ends.
+ */
+const pulledFirst = (events: Stream.Stream<ServeEvent, ServeError>) =>
+  Effect.gen(function* () {
     const scope = yield* Scope.make()
     const pull = yield* Stream.toPull(events).pipe(Scope.extend(scope))
     const first = yield* pull.pipe(
@@ -540,6 +542,21 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
       ),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : Scope.close(scope, exit)))
     )
+    return { scope, all: Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull)) }
+  })
+
+/** The reply as Anthropic's SSE: message_start, its content blocks as they come, message_delta and message_stop. */
+const streamedAnswer = <E>(
+  options: MessagesRoutesOptions<E>,
+  events: Stream.Stream<ServeEvent, ServeError>,
+  message: MessageHead,
+  tools: ReplyTools,
+  reasoning: ReasoningFormat | undefined,
+  stopSequences: ReadonlyArray<string>,
+  promptTokens: number
+) =>
+  Effect.gen(function* () {
+    const { all, scope } = yield* pulledFirst(events)
     // Without tools the text block opens at once (Anthropic's order: message_start, content_block_start, ping); with
     // tools the first block is whatever the reply starts with.
     const blocks = contentBlocks(tools === undefined && reasoning === undefined)
@@ -551,7 +568,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
           content: [],
           stop_reason: null,
           stop_sequence: null,
-          usage: { input_tokens: chat.tokens.length, output_tokens: 0, cache_read_input_tokens: 0 }
+          usage: { input_tokens: promptTokens, output_tokens: 0, cache_read_input_tokens: 0 }
         }
       }),
       ...(tools === undefined && reasoning === undefined
@@ -559,7 +576,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
         : []),
       event("ping", {})
     ]
-    const sse = Stream.concat(Stream.fromChunk(first), Stream.repeatEffectChunkOption(pull)).pipe(
+    const sse = all.pipe(
       Stream.mapConcat((e): ReadonlyArray<Uint8Array> => {
         switch (e._tag) {
           case "Queued":
@@ -571,10 +588,7 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
             return [
               ...blocks.push(reply.end(e.finishReason === "length")),
               ...blocks.end(),
-              event("message_delta", {
-                delta: stopReasonOf(e, stopSequences, blocks.calls > 0),
-                usage: usageOf(e)
-              }),
+              event("message_delta", { delta: stopReasonOf(e, stopSequences, blocks.calls > 0), usage: usageOf(e) }),
               event("message_stop", {})
             ]
         }
@@ -597,11 +611,70 @@ export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
     })
   })
 
-  const countTokens = Effect.gen(function* () {
-    const body = yield* options.body(CountTokensBody)
-    const { formatted: chat } = yield* formatted(body)
-    return HttpServerResponse.unsafeJson({ input_tokens: chat.tokens.length })
+/** The request the server runs for a Messages body: its prompt, max tokens, sampling and stop strings. */
+const serveRequestOf = (
+  body: typeof MessagesBody.Type,
+  chat: FormattedChat,
+  maxTokens: number,
+  stopSequences: ReadonlyArray<string>
+): ServeRequest => {
+  const topP = orUndefined(body.top_p)
+  const topK = orUndefined(body.top_k)
+  return {
+    prompt: chat.tokens,
+    maxTokens,
+    sampling: {
+      temperature: orUndefined(body.temperature) ?? 1,
+      ...(topK === undefined ? {} : { topK }),
+      ...(topP === undefined ? {} : { topP }),
+      // A tool choice that forces a call samples under its grammar (ToolCalls.ts toolGrammar).
+      ...(chat.tools?.grammar === undefined ? {} : { grammar: { text: chat.tools.grammar } })
+    },
+    stop: [...stopSequences, ...chat.stop]
+  }
+}
+
+/** POST /v1/messages */
+const create = <E>(options: MessagesRoutesOptions<E>) =>
+  Effect.gen(function* () {
+    const { server } = options
+    const body = yield* options.body(MessagesBody)
+    // Each number within Anthropic's documented range (SamplingRanges.ts), before anything else.
+    const outside = rangeProblem("messages", body)
+    if (outside !== undefined) return yield* Effect.fail(refuse(outside.message))
+    const { chat: conversation, formatted: chat } = yield* formattedOf(server, body)
+    const ready = yield* server.ready
+    // max_tokens is a ceiling (agents ask for tens of thousands): at most what fits the window the chat route gives a
+    // request without a limit (4,096 tokens, or the model's context when smaller), so a request's KV stays bounded.
+    const window = Math.min(ready.model.maxSeqLen, Math.max(4096, chat.tokens.length + 256))
+    const maxTokens = Math.min(body.max_tokens, Math.max(1, window - chat.tokens.length - 1))
+    const stopSequences = (body.stop_sequences ?? []).filter((s) => s !== "")
+    const request = serveRequestOf(body, chat, maxTokens, stopSequences)
+    // With tools, the reply's calls in the template's syntax (ToolCalls.ts).
+    const tools: ReplyTools =
+      chat.tools === undefined || conversation.tools === undefined
+        ? undefined
+        : { syntax: chat.tools.syntax, tools: conversation.tools.tools }
+    // The reply's reasoning (gpt-oss's harmony, MiniMax-M2's <think>) as thinking blocks (Reasoning.ts).
+    const reasoning = reasoningFormatOf(chat.template)
+    const message: MessageHead = {
+      id: `msg_${randomBytes(12).toString("hex")}`,
+      type: "message",
+      role: "assistant",
+      model: options.modelName
+    }
+    const events = server.generate(request)
+    return body.stream !== true
+      ? yield* wholeAnswer(events, message, tools, reasoning, stopSequences, chat.tokens.length)
+      : yield* streamedAnswer(options, events, message, tools, reasoning, stopSequences, chat.tokens.length)
   })
 
-  return { create, countTokens }
+/** The handlers of POST /v1/messages and POST /v1/messages/count_tokens over a Server. */
+export const messagesRoutes = <E>(options: MessagesRoutesOptions<E>) => {
+  const countTokens = Effect.gen(function* () {
+    const body = yield* options.body(CountTokensBody)
+    const { formatted: chat } = yield* formattedOf(options.server, body)
+    return HttpServerResponse.unsafeJson({ input_tokens: chat.tokens.length })
+  })
+  return { create: create(options), countTokens }
 }

@@ -125,6 +125,46 @@ const translate = (node: unknown, path: string, t: Translation): GbnfJsonSchema 
   return translated
 }
 
+/** A `$ref` to a root definition, translated once (registered first, so a recursive reference finds it). */
+const refSchema = (ref: unknown, path: string, t: Translation): GbnfJsonSchema => {
+  const match = typeof ref === "string" ? /^#\/(\$defs|definitions)\/([^/]+)$/.exec(ref) : null
+  if (match === null)
+    return refuse(
+      `${path}.$ref`,
+      `unsupported reference ${JSON.stringify(ref)} (only #/$defs/NAME or #/definitions/NAME)`
+    )
+  const name = match[2]!.replaceAll("~1", "/").replaceAll("~0", "~")
+  if (!t.defs.has(name)) {
+    const target = t.rootDefs[name]
+    if (target === undefined) return refuse(`${path}.$ref`, `${JSON.stringify(ref)} names no definition`)
+    // Registered before translating, so a recursive reference finds it.
+    t.defs.set(name, anySchema)
+    t.defs.set(name, translate(target, `${t.rootPath}.$defs.${name}`, t))
+  }
+  return { $ref: `#/$defs/${name}` } as unknown as GbnfJsonSchema
+}
+
+/** The types a node admits: its declared ones, or those its keywords imply, else any. */
+const typesOf = (node: Record<string, unknown>, path: string): ReadonlyArray<string> => {
+  const declared = node["type"]
+  let types: ReadonlyArray<string>
+  if (declared === undefined) {
+    types =
+      node["properties"] !== undefined || node["additionalProperties"] !== undefined
+        ? ["object"]
+        : node["items"] !== undefined || node["prefixItems"] !== undefined
+          ? ["array"]
+          : allTypes
+  } else {
+    types = typeof declared === "string" ? [declared] : Array.isArray(declared) ? (declared as Array<string>) : []
+    if (types.length === 0) return refuse(`${path}.type`, "must be a type name or a non-empty array of them")
+    types.forEach((type) => {
+      if (!allTypes.includes(type)) refuse(`${path}.type`, `unknown type ${JSON.stringify(type)}`)
+    })
+  }
+  return types
+}
+
 const translateNode = (node: unknown, path: string, t: Translation): GbnfJsonSchema => {
   if (node === true) return anySchema
   if (node === false) return refuse(path, "schema false admits no value")
@@ -146,24 +186,7 @@ const translateNode = (node: unknown, path: string, t: Translation): GbnfJsonSch
   const withNull = (schema: GbnfJsonSchema): GbnfJsonSchema =>
     nullable ? { oneOf: [schema, { type: "null" }] } : schema
 
-  if (node["$ref"] !== undefined) {
-    const ref = node["$ref"]
-    const match = typeof ref === "string" ? /^#\/(\$defs|definitions)\/([^/]+)$/.exec(ref) : null
-    if (match === null)
-      return refuse(
-        `${path}.$ref`,
-        `unsupported reference ${JSON.stringify(ref)} (only #/$defs/NAME or #/definitions/NAME)`
-      )
-    const name = match[2]!.replaceAll("~1", "/").replaceAll("~0", "~")
-    if (!t.defs.has(name)) {
-      const target = t.rootDefs[name]
-      if (target === undefined) return refuse(`${path}.$ref`, `${JSON.stringify(ref)} names no definition`)
-      // Registered before translating, so a recursive reference finds it.
-      t.defs.set(name, anySchema)
-      t.defs.set(name, translate(target, `${t.rootPath}.$defs.${name}`, t))
-    }
-    return withNull({ $ref: `#/$defs/${name}` } as unknown as GbnfJsonSchema)
-  }
+  if (node["$ref"] !== undefined) return withNull(refSchema(node["$ref"], path, t))
   if (node["const"] !== undefined) {
     const value = node["const"]
     if (!isPrimitive(value)) return refuse(`${path}.const`, "only a string, number, boolean or null is supported")
@@ -186,22 +209,7 @@ const translateNode = (node: unknown, path: string, t: Translation): GbnfJsonSch
     if (shared.length > 0) return refuse(path, `unsupported keyword "${shared[0]}" beside "${key}"`)
     return withNull({ oneOf: members.map((member, i) => translate(member, `${path}.${key}[${i}]`, t)) })
   }
-  const declared = node["type"]
-  let types: ReadonlyArray<string>
-  if (declared === undefined) {
-    types =
-      node["properties"] !== undefined || node["additionalProperties"] !== undefined
-        ? ["object"]
-        : node["items"] !== undefined || node["prefixItems"] !== undefined
-          ? ["array"]
-          : allTypes
-  } else {
-    types = typeof declared === "string" ? [declared] : Array.isArray(declared) ? (declared as Array<string>) : []
-    if (types.length === 0) return refuse(`${path}.type`, "must be a type name or a non-empty array of them")
-    types.forEach((type) => {
-      if (!allTypes.includes(type)) refuse(`${path}.type`, `unknown type ${JSON.stringify(type)}`)
-    })
-  }
+  let types = typesOf(node, path)
   if (nullable && !types.includes("null")) types = [...types, "null"]
   const members = types.map((type) => single(type, node, path, t))
   return members.length === 1 ? members[0]! : { oneOf: members }
@@ -224,98 +232,109 @@ const annotation = (key: string) =>
     "nullable"
   ].includes(key)
 
+/** An object schema: its properties (all generated), additional properties, and bounds on their count. */
+const objectSchema = (node: Record<string, unknown>, path: string, t: Translation): GbnfJsonSchema => {
+  const properties = node["properties"] ?? {}
+  if (!isRecord(properties)) return refuse(`${path}.properties`, "must be an object")
+  const required = node["required"] ?? []
+  if (!Array.isArray(required)) return refuse(`${path}.required`, "must be an array of property names")
+  required.forEach((key, i) => {
+    if (typeof key !== "string") refuse(`${path}.required[${i}]`, "must be a property name")
+    else if (!(key in properties)) {
+      refuse(`${path}.required[${i}]`, `required property ${JSON.stringify(key)} is not in properties`)
+    }
+  })
+  const additional = node["additionalProperties"]
+  const minProperties = count(node, "minProperties", path)
+  const maxProperties = count(node, "maxProperties", path)
+  const keys = Object.keys(properties)
+  if (maxProperties !== undefined && maxProperties < keys.length) {
+    refuse(`${path}.maxProperties`, `is below the ${keys.length} properties, which are always generated`)
+  }
+  return {
+    type: "object",
+    properties: Object.fromEntries(
+      keys.map((key) => [key, translate(properties[key], propertyPath(`${path}.properties`, key), t)])
+    ),
+    ...(additional === true || (isRecord(additional) && Object.keys(additional).length === 0)
+      ? { additionalProperties: true }
+      : isRecord(additional)
+        ? { additionalProperties: translate(additional, `${path}.additionalProperties`, t) }
+        : {}),
+    ...(minProperties !== undefined ? { minProperties } : {}),
+    ...(maxProperties !== undefined ? { maxProperties } : {})
+  } as GbnfJsonSchema
+}
+
+/** An array schema: its items, its prefix items (or an items array), and bounds on its length. */
+const arraySchema = (node: Record<string, unknown>, path: string, t: Translation): GbnfJsonSchema => {
+  let items = node["items"]
+  let prefix = node["prefixItems"]
+  if (Array.isArray(items)) {
+    if (prefix !== undefined) return refuse(`${path}.items`, "an items array beside prefixItems")
+    prefix = items
+    items = node["additionalItems"] ?? true
+  } else if (node["additionalItems"] !== undefined) {
+    return refuse(path, `unsupported keyword "additionalItems" without an items array`)
+  }
+  if (prefix !== undefined && !Array.isArray(prefix))
+    return refuse(`${path}.prefixItems`, "must be an array of schemas")
+  if (items === false && prefix === undefined) return refuse(`${path}.items`, "items false admits only the empty array")
+  const minItems = count(node, "minItems", path)
+  const maxItems = count(node, "maxItems", path)
+  if (minItems !== undefined && maxItems !== undefined && maxItems < minItems) {
+    refuse(`${path}.maxItems`, "is below minItems")
+  }
+  const prefixItems = (prefix as Array<unknown> | undefined)?.map((member, i) =>
+    translate(member, `${path}.prefixItems[${i}]`, t)
+  )
+  if (prefixItems !== undefined && maxItems !== undefined && maxItems < prefixItems.length) {
+    refuse(`${path}.maxItems`, "is below the number of prefixItems")
+  }
+  return {
+    type: "array",
+    ...(items !== undefined && items !== true && items !== false
+      ? { items: translate(items, `${path}.items`, t) }
+      : {}),
+    ...(prefixItems !== undefined ? { prefixItems } : {}),
+    ...(items === false && prefixItems !== undefined ? { maxItems: prefixItems.length } : {}),
+    ...(minItems !== undefined ? { minItems } : {}),
+    ...(maxItems !== undefined ? { maxItems } : {})
+  } as GbnfJsonSchema
+}
+
+/** A string schema: a supported format, or bounds on its length. */
+const stringSchema = (node: Record<string, unknown>, path: string): GbnfJsonSchema => {
+  const format = node["format"]
+  const minLength = count(node, "minLength", path)
+  const maxLength = count(node, "maxLength", path)
+  if (format !== undefined) {
+    if (typeof format !== "string" || !formats.has(format)) {
+      return refuse(`${path}.format`, `unsupported format ${JSON.stringify(format)} (date-time, date and time are)`)
+    }
+    if (minLength !== undefined || maxLength !== undefined) {
+      return refuse(path, "minLength/maxLength beside a format")
+    }
+    return { type: "string", format } as GbnfJsonSchema
+  }
+  if (minLength !== undefined && maxLength !== undefined && maxLength < minLength) {
+    return refuse(`${path}.maxLength`, "is below minLength")
+  }
+  return {
+    type: "string",
+    ...(minLength !== undefined ? { minLength } : {}),
+    ...(maxLength !== undefined ? { maxLength } : {})
+  }
+}
+
 const single = (type: string, node: Record<string, unknown>, path: string, t: Translation): GbnfJsonSchema => {
   switch (type) {
-    case "object": {
-      const properties = node["properties"] ?? {}
-      if (!isRecord(properties)) return refuse(`${path}.properties`, "must be an object")
-      const required = node["required"] ?? []
-      if (!Array.isArray(required)) return refuse(`${path}.required`, "must be an array of property names")
-      required.forEach((key, i) => {
-        if (typeof key !== "string") refuse(`${path}.required[${i}]`, "must be a property name")
-        else if (!(key in properties)) {
-          refuse(`${path}.required[${i}]`, `required property ${JSON.stringify(key)} is not in properties`)
-        }
-      })
-      const additional = node["additionalProperties"]
-      const minProperties = count(node, "minProperties", path)
-      const maxProperties = count(node, "maxProperties", path)
-      const keys = Object.keys(properties)
-      if (maxProperties !== undefined && maxProperties < keys.length) {
-        refuse(`${path}.maxProperties`, `is below the ${keys.length} properties, which are always generated`)
-      }
-      return {
-        type: "object",
-        properties: Object.fromEntries(
-          keys.map((key) => [key, translate(properties[key], propertyPath(`${path}.properties`, key), t)])
-        ),
-        ...(additional === true || (isRecord(additional) && Object.keys(additional).length === 0)
-          ? { additionalProperties: true }
-          : isRecord(additional)
-            ? { additionalProperties: translate(additional, `${path}.additionalProperties`, t) }
-            : {}),
-        ...(minProperties !== undefined ? { minProperties } : {}),
-        ...(maxProperties !== undefined ? { maxProperties } : {})
-      } as GbnfJsonSchema
-    }
-    case "array": {
-      let items = node["items"]
-      let prefix = node["prefixItems"]
-      if (Array.isArray(items)) {
-        if (prefix !== undefined) return refuse(`${path}.items`, "an items array beside prefixItems")
-        prefix = items
-        items = node["additionalItems"] ?? true
-      } else if (node["additionalItems"] !== undefined) {
-        return refuse(path, `unsupported keyword "additionalItems" without an items array`)
-      }
-      if (prefix !== undefined && !Array.isArray(prefix))
-        return refuse(`${path}.prefixItems`, "must be an array of schemas")
-      if (items === false && prefix === undefined)
-        return refuse(`${path}.items`, "items false admits only the empty array")
-      const minItems = count(node, "minItems", path)
-      const maxItems = count(node, "maxItems", path)
-      if (minItems !== undefined && maxItems !== undefined && maxItems < minItems) {
-        refuse(`${path}.maxItems`, "is below minItems")
-      }
-      const prefixItems = (prefix as Array<unknown> | undefined)?.map((member, i) =>
-        translate(member, `${path}.prefixItems[${i}]`, t)
-      )
-      if (prefixItems !== undefined && maxItems !== undefined && maxItems < prefixItems.length) {
-        refuse(`${path}.maxItems`, "is below the number of prefixItems")
-      }
-      return {
-        type: "array",
-        ...(items !== undefined && items !== true && items !== false
-          ? { items: translate(items, `${path}.items`, t) }
-          : {}),
-        ...(prefixItems !== undefined ? { prefixItems } : {}),
-        ...(items === false && prefixItems !== undefined ? { maxItems: prefixItems.length } : {}),
-        ...(minItems !== undefined ? { minItems } : {}),
-        ...(maxItems !== undefined ? { maxItems } : {})
-      } as GbnfJsonSchema
-    }
-    case "string": {
-      const format = node["format"]
-      const minLength = count(node, "minLength", path)
-      const maxLength = count(node, "maxLength", path)
-      if (format !== undefined) {
-        if (typeof format !== "string" || !formats.has(format)) {
-          return refuse(`${path}.format`, `unsupported format ${JSON.stringify(format)} (date-time, date and time are)`)
-        }
-        if (minLength !== undefined || maxLength !== undefined) {
-          return refuse(path, "minLength/maxLength beside a format")
-        }
-        return { type: "string", format } as GbnfJsonSchema
-      }
-      if (minLength !== undefined && maxLength !== undefined && maxLength < minLength) {
-        return refuse(`${path}.maxLength`, "is below minLength")
-      }
-      return {
-        type: "string",
-        ...(minLength !== undefined ? { minLength } : {}),
-        ...(maxLength !== undefined ? { maxLength } : {})
-      }
-    }
+    case "object":
+      return objectSchema(node, path, t)
+    case "array":
+      return arraySchema(node, path, t)
+    case "string":
+      return stringSchema(node, path)
     default:
       return { type: type as (typeof primitiveTypes)[number] }
   }
