@@ -48,7 +48,6 @@ import {
 import {
   isQwen35Family,
   qwen35Metadata,
-  qwen35TensorType,
   type SyntheticQwen35Options,
   validateQwen35Options
 } from "./SyntheticQwen35.js"
@@ -478,10 +477,11 @@ export const syntheticModelSpec = (
   const metadata = metadataFor(o)
   const tensors = plannedTensors(o, metadata).map((t): GgufTensorSpec => {
     const model = { layers: o.layers, tiedOutput: o.tiedOutput === true }
+    // a vector (norms, biases, ssm_conv1d, gpt-oss's expert biases) is F32, as the engine requires of it
     const kept =
+      (t.kind === "vector" ? GgmlType.F32 : undefined) ??
       moeTensorType(t.name) ??
-      (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined) ??
-      qwen35TensorType(t.name)
+      (o.arch === "gpt-oss" ? gptOssTensorType(o.type, t.name, t.dims, model) : undefined)
     const type =
       kept ??
       syntheticTensorType(o.type, t.dims, t.name, {

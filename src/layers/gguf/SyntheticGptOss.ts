@@ -40,7 +40,6 @@ export const gptOssTensorType = (
   dims: ReadonlyArray<number>,
   model: { readonly layers: number; readonly tiedOutput: boolean }
 ): number | undefined => {
-  if (name.endsWith(".bias") || name.endsWith(".attn_sinks.weight")) return GgmlType.F32
   const expert = /\.ffn_(gate|up|down)_exps\.weight$/.test(name)
   if (expert && (type === "mxfp4" || type === "q4_k_m" || type === "q3_k_m")) {
     return dims[0]! % 32 === 0 ? GgmlType.MXFP4 : GgmlType.F16

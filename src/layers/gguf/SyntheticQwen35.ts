@@ -17,7 +17,6 @@
  * The tensors described here are written from the engine's declaration (SyntheticTensors.ts); this module keeps the
  * options, their checks and the metadata.
  */
-import { GgmlType } from "../../domain/ggmlTypes.js"
 import { GgufValueType } from "../../domain/gguf.js"
 import type { GgufTypedValue } from "./GgufWriter.js"
 import { GgufValues } from "./GgufWriter.js"
@@ -89,10 +88,6 @@ export const validateQwen35Options = (o: Shape): string | undefined => {
   }
   return undefined
 }
-
-/** The type a qwen35 tensor keeps whatever the file's type (ssm_conv1d: F32), or undefined. */
-export const qwen35TensorType = (name: string): number | undefined =>
-  name.endsWith(".ssm_conv1d.weight") ? GgmlType.F32 : undefined
 
 /** The common metadata `md` with qwen35's: partial IMROPE, head lengths, the DeltaNet sizes and the block pattern. */
 export const qwen35Metadata = (

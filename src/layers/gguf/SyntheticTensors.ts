@@ -23,10 +23,11 @@ import type { GgufTypedValue } from "./GgufWriter.js"
 import type { SyntheticGemma4Options } from "./SyntheticGemma4.js"
 import { nextnBlockTensors } from "./SyntheticNextn.js"
 
-/** One tensor to write: full name, shape and the normal distribution its values are drawn from. */
+/** One tensor to write: full name, shape, kind (a vector is stored F32) and the distribution of its values. */
 interface SyntheticTensor {
   readonly name: string
   readonly dims: ReadonlyArray<number>
+  readonly kind: TensorSpec["kind"]
   readonly mean: number
   readonly std: number
 }
@@ -145,7 +146,7 @@ const initOf = (name: string, spec: Pick<TensorSpec, "dims" | "kind">, facts: Fi
       : short.endsWith(".bias")
         ? [0, facts.biasStd ?? 0.02]
         : [1, 0.1])
-  return { name, dims: spec.dims, mean, std }
+  return { name, dims: spec.dims, kind: spec.kind, mean, std }
 }
 
 /** The tensor table the engine's hyperparameter reader consults beside the metadata (see readHints). */
