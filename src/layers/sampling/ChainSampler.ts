@@ -124,34 +124,39 @@ const argmaxSampler = (policy: SamplingPolicy): SequenceSampler => ({
 const seedOf = (policy: SamplingPolicy): number =>
   policy.seed === undefined ? Math.floor(Math.random() * 2 ** 32) : Math.max(0, Math.floor(policy.seed)) >>> 0
 
-/**
- * The sampler of one sequence. `vocab` is required when `needsVocab(policy)`; `contextLength` resolves a penalty
- * window of -1 (the whole context). Throws GrammarRejected when the grammar does not parse.
- */
-export const makeSequenceSampler = (
+/** The grammar's sampler, built first (a grammar that does not parse frees nothing else); null without a grammar. */
+const grammarOf = (raw: LlamaRaw, policy: SamplingPolicy, vocab: LlamaVocab | undefined): unknown => {
+  if (policy.grammar === undefined) return null
+  if (vocab === undefined) throw new GrammarRejected("a grammar needs the model's vocabulary")
+  const { text, root } = policy.grammar
+  const { log, result } = capturingLog(() => raw.llama_sampler_init_grammar(vocab.vocab, text, root))
+  if (result === null) {
+    // llama.cpp prints a syntax error's position on stderr itself; other refusals come through its log
+    const why = lastLines(log).replace(/;?\s*failed to parse grammar$/, "")
+    throw new GrammarRejected(
+      `the grammar does not parse${why === "" ? " (llama.cpp's GBNF parser refused it; the agent's stderr says where)" : `: ${why}`}`
+    )
+  }
+  return result
+}
+
+/** The chain's samplers that are accepted tokens or draw random numbers (null: not in the chain). */
+interface ChainParts {
+  readonly chain: unknown
+  readonly penalties: unknown
+  readonly dry: unknown
+  readonly xtc: unknown
+  readonly dist: unknown
+}
+
+/** The chain in node-llama-cpp's order: logit bias, penalties, DRY, then greedy or the sampling samplers. */
+const buildChain = (
+  raw: LlamaRaw,
   policy: SamplingPolicy,
   options: { readonly vocabSize: number; readonly contextLength: number; readonly vocab?: LlamaVocab }
-): SequenceSampler => {
-  if (!needsChain(policy)) return argmaxSampler(policy)
-  const raw: LlamaRaw = getLlama()
+): ChainParts => {
   const nVocab = options.vocabSize
   const vocab = options.vocab
-  const owned: Array<unknown> = []
-  // The grammar is built first: a grammar that does not parse frees nothing else.
-  let grammar: unknown = null
-  if (policy.grammar !== undefined) {
-    if (vocab === undefined) throw new GrammarRejected("a grammar needs the model's vocabulary")
-    const { text, root } = policy.grammar
-    const { log, result } = capturingLog(() => raw.llama_sampler_init_grammar(vocab.vocab, text, root))
-    if (result === null) {
-      // llama.cpp prints a syntax error's position on stderr itself; other refusals come through its log
-      const why = lastLines(log).replace(/;?\s*failed to parse grammar$/, "")
-      throw new GrammarRejected(
-        `the grammar does not parse${why === "" ? " (llama.cpp's GBNF parser refused it; the agent's stderr says where)" : `: ${why}`}`
-      )
-    }
-    grammar = result
-  }
   const chain = raw.llama_sampler_chain_init(raw.llama_sampler_chain_default_params())
   const add = (smpl: unknown) => raw.llama_sampler_chain_add(chain, smpl)
   const seed = seedOf(policy)
@@ -190,132 +195,199 @@ export const makeSequenceSampler = (
     policy.xtc !== undefined && policy.xtc.probability > 0
       ? raw.llama_sampler_init_xtc(policy.xtc.probability, policy.xtc.threshold, 0, seed)
       : null
-  let dist: unknown = null
+  return { chain, penalties, dry, xtc, dist: addPicker(raw, policy, nVocab, add, xtc, seed) }
+}
+
+/** Greedy (temperature 0: XTC, greedy), or top-k, [typical], top-p, min-p, XTC, temperature and dist (returned). */
+const addPicker = (
+  raw: LlamaRaw,
+  policy: SamplingPolicy,
+  nVocab: number,
+  add: (smpl: unknown) => void,
+  xtc: unknown,
+  seed: number
+): unknown => {
   if (policy.temperatureMillis <= 0) {
     if (xtc !== null) add(xtc)
     add(raw.llama_sampler_init_greedy())
-  } else {
-    add(raw.llama_sampler_init_top_k(policy.topK <= 0 ? nVocab : Math.min(policy.topK, nVocab)))
-    if (policy.typicalP !== undefined && policy.typicalP < 1) add(raw.llama_sampler_init_typical(policy.typicalP, 1))
-    if (policy.topP !== undefined && policy.topP >= 0 && policy.topP <= 1)
-      add(raw.llama_sampler_init_top_p(policy.topP, 1))
-    if (policy.minP !== undefined && policy.minP > 0) add(raw.llama_sampler_init_min_p(policy.minP, 1))
-    if (xtc !== null) add(xtc)
-    add(raw.llama_sampler_init_temp(policy.temperatureMillis / 1000))
-    dist = raw.llama_sampler_init_dist(seed)
-    add(dist)
+    return null
   }
-  owned.push(chain)
-  if (grammar !== null) owned.push(grammar)
+  add(raw.llama_sampler_init_top_k(policy.topK <= 0 ? nVocab : Math.min(policy.topK, nVocab)))
+  if (policy.typicalP !== undefined && policy.typicalP < 1) add(raw.llama_sampler_init_typical(policy.typicalP, 1))
+  if (policy.topP !== undefined && policy.topP >= 0 && policy.topP <= 1)
+    add(raw.llama_sampler_init_top_p(policy.topP, 1))
+  if (policy.minP !== undefined && policy.minP > 0) add(raw.llama_sampler_init_min_p(policy.minP, 1))
+  if (xtc !== null) add(xtc)
+  add(raw.llama_sampler_init_temp(policy.temperatureMillis / 1000))
+  const dist = raw.llama_sampler_init_dist(seed)
+  add(dist)
+  return dist
+}
 
-  // One native candidates buffer for the sequence's life, and one array header (plus a two-token probe).
+/** One native candidates buffer for the sequence's life, and one array header (plus a two-token probe). */
+const allocBuffers = (nVocab: number) => {
   const candidates = koffi.alloc("uint8_t", nVocab * TokenDataLayout.bytes)
-  const candidatesAddr = BigInt(koffi.address(candidates))
   const candidatesBytes = koffi.view(candidates, nVocab * TokenDataLayout.bytes)
-  const ids = new Int32Array(candidatesBytes)
-  const floats = new Float32Array(candidatesBytes)
   const header = koffi.alloc("uint8_t", TokenDataArrayLayout.bytes)
-  const headerView = new DataView(koffi.view(header, TokenDataArrayLayout.bytes))
   const probe = koffi.alloc("uint8_t", 2 * TokenDataLayout.bytes)
-  const probeView = new DataView(koffi.view(probe, 2 * TokenDataLayout.bytes))
   const probeHeader = koffi.alloc("uint8_t", TokenDataArrayLayout.bytes)
-  const probeHeaderView = new DataView(koffi.view(probeHeader, TokenDataArrayLayout.bytes))
-  const probeAddr = BigInt(koffi.address(probe))
+  return {
+    candidates,
+    candidatesAddr: BigInt(koffi.address(candidates)),
+    ids: new Int32Array(candidatesBytes),
+    floats: new Float32Array(candidatesBytes),
+    header,
+    headerView: new DataView(koffi.view(header, TokenDataArrayLayout.bytes)),
+    probe,
+    probeView: new DataView(koffi.view(probe, 2 * TokenDataLayout.bytes)),
+    probeHeader,
+    probeHeaderView: new DataView(koffi.view(probeHeader, TokenDataArrayLayout.bytes)),
+    probeAddr: BigInt(koffi.address(probe))
+  }
+}
 
-  const setHeader = (view: DataView, data: bigint, size: number) => {
-    view.setBigUint64(TokenDataArrayLayout.data, data, true)
-    view.setBigUint64(TokenDataArrayLayout.size, BigInt(size), true)
-    view.setBigInt64(TokenDataArrayLayout.selected, -1n, true)
-    view.setUint8(TokenDataArrayLayout.sorted, 0)
+/** A sequence's chain as it samples: its samplers, its buffers and the draws made so far. */
+interface ChainSampler extends ChainParts {
+  readonly raw: LlamaRaw
+  readonly policy: SamplingPolicy
+  readonly vocab: LlamaVocab | undefined
+  readonly nVocab: number
+  readonly grammar: unknown
+  readonly owned: ReadonlyArray<unknown>
+  readonly buffers: ReturnType<typeof allocBuffers>
+  draws: number
+  freed: boolean
+}
+
+const setHeader = (view: DataView, data: bigint, size: number) => {
+  view.setBigUint64(TokenDataArrayLayout.data, data, true)
+  view.setBigUint64(TokenDataArrayLayout.size, BigInt(size), true)
+  view.setBigInt64(TokenDataArrayLayout.selected, -1n, true)
+  view.setUint8(TokenDataArrayLayout.sorted, 0)
+}
+
+// samplers sort and shrink the candidates in place: every step writes all of them again
+const fill = ({ buffers, nVocab }: ChainSampler, logits: Float32Array) => {
+  const { floats, ids } = buffers
+  for (let i = 0, o = 0; i < nVocab; i++, o += 3) {
+    ids[o] = i
+    floats[o + 1] = logits[i]!
+    floats[o + 2] = 0
   }
-  // samplers sort and shrink the candidates in place: every step writes all of them again
-  const fill = (logits: Float32Array) => {
-    for (let i = 0, o = 0; i < nVocab; i++, o += 3) {
-      ids[o] = i
-      floats[o + 1] = logits[i]!
-      floats[o + 2] = 0
-    }
-    setHeader(headerView, candidatesAddr, nVocab)
-  }
-  /** The token the last apply selected, or -1 (samplers such as XTC move `data` forward). */
-  const selected = (): number => {
-    const sel = Number(headerView.getBigInt64(TokenDataArrayLayout.selected, true))
-    const size = Number(headerView.getBigUint64(TokenDataArrayLayout.size, true))
-    if (!(sel >= 0 && sel < size)) return -1
-    const data = headerView.getBigUint64(TokenDataArrayLayout.data, true)
-    const at = (Number(data - candidatesAddr) + sel * TokenDataLayout.bytes) / 4
-    // a pick among tokens that are all banned (-inf) is no pick
-    return floats[at + 1] === -Infinity ? -1 : ids[at]!
-  }
-  const grammarAllows = (token: number): boolean => {
-    probeView.setInt32(TokenDataLayout.id, token, true)
-    probeView.setFloat32(TokenDataLayout.logit, 1, true)
-    probeView.setFloat32(TokenDataLayout.p, 0, true)
-    setHeader(probeHeaderView, probeAddr, 1)
-    raw.llama_sampler_apply(grammar, probeHeader)
-    return probeView.getFloat32(TokenDataLayout.logit, true) !== -Infinity
-  }
-  const accept = (token: number) => {
-    if (penalties !== null) raw.llama_sampler_accept(penalties, token)
-    if (dry !== null) raw.llama_sampler_accept(dry, token)
-    if (grammar !== null && !(vocab?.isEndOfGeneration(token) ?? false)) raw.llama_sampler_accept(grammar, token)
-  }
-  let draws = 0
-  const skipDraws = (n: number) => {
-    // dist draws once per apply whatever the candidates (one candidate: the draw is made and discarded); XTC draws
-    // once per apply of two or more candidates (assumed for every step: exact unless a step left it fewer)
-    for (const rng of [dist, xtc]) {
-      if (rng === null) continue
-      for (let i = 0; i < n; i++) {
-        for (let k = 0; k < 2; k++) {
-          probeView.setInt32(k * TokenDataLayout.bytes + TokenDataLayout.id, k, true)
-          probeView.setFloat32(k * TokenDataLayout.bytes + TokenDataLayout.logit, 0, true)
-        }
-        setHeader(probeHeaderView, probeAddr, rng === xtc ? 2 : 1)
-        raw.llama_sampler_apply(rng, probeHeader)
+  setHeader(buffers.headerView, buffers.candidatesAddr, nVocab)
+}
+
+/** The token the last apply selected, or -1 (samplers such as XTC move `data` forward). */
+const selected = ({ buffers }: ChainSampler): number => {
+  const { headerView } = buffers
+  const sel = Number(headerView.getBigInt64(TokenDataArrayLayout.selected, true))
+  const size = Number(headerView.getBigUint64(TokenDataArrayLayout.size, true))
+  if (!(sel >= 0 && sel < size)) return -1
+  const data = headerView.getBigUint64(TokenDataArrayLayout.data, true)
+  const at = (Number(data - buffers.candidatesAddr) + sel * TokenDataLayout.bytes) / 4
+  // a pick among tokens that are all banned (-inf) is no pick
+  return buffers.floats[at + 1] === -Infinity ? -1 : buffers.ids[at]!
+}
+
+const grammarAllows = ({ buffers, grammar, raw }: ChainSampler, token: number): boolean => {
+  const { probeView } = buffers
+  probeView.setInt32(TokenDataLayout.id, token, true)
+  probeView.setFloat32(TokenDataLayout.logit, 1, true)
+  probeView.setFloat32(TokenDataLayout.p, 0, true)
+  setHeader(buffers.probeHeaderView, buffers.probeAddr, 1)
+  raw.llama_sampler_apply(grammar, buffers.probeHeader)
+  return probeView.getFloat32(TokenDataLayout.logit, true) !== -Infinity
+}
+
+const accept = ({ dry, grammar, penalties, raw, vocab }: ChainSampler, token: number) => {
+  if (penalties !== null) raw.llama_sampler_accept(penalties, token)
+  if (dry !== null) raw.llama_sampler_accept(dry, token)
+  if (grammar !== null && !(vocab?.isEndOfGeneration(token) ?? false)) raw.llama_sampler_accept(grammar, token)
+}
+
+const skipDraws = ({ buffers, dist, raw, xtc }: ChainSampler, n: number) => {
+  // dist draws once per apply whatever the candidates (one candidate: the draw is made and discarded); XTC draws
+  // once per apply of two or more candidates (assumed for every step: exact unless a step left it fewer)
+  for (const rng of [dist, xtc]) {
+    if (rng === null) continue
+    for (let i = 0; i < n; i++) {
+      for (let k = 0; k < 2; k++) {
+        buffers.probeView.setInt32(k * TokenDataLayout.bytes + TokenDataLayout.id, k, true)
+        buffers.probeView.setFloat32(k * TokenDataLayout.bytes + TokenDataLayout.logit, 0, true)
       }
+      setHeader(buffers.probeHeaderView, buffers.probeAddr, rng === xtc ? 2 : 1)
+      raw.llama_sampler_apply(rng, buffers.probeHeader)
     }
+  }
+}
+
+const applyChain = (s: ChainSampler) => {
+  s.raw.llama_sampler_apply(s.chain, s.buffers.header)
+  if (s.dist !== null) s.draws++
+}
+
+/** One step: the chain picks; a token the grammar rejects is picked again from the grammar's candidates. */
+const sample = (s: ChainSampler, logits: Float32Array): SampleResult => {
+  const { grammar, policy, vocab } = s
+  fill(s, logits)
+  applyChain(s)
+  let token = selected(s)
+  if (grammar !== null && token >= 0 && !grammarAllows(s, token)) {
+    fill(s, logits)
+    s.raw.llama_sampler_apply(grammar, s.buffers.header)
+    applyChain(s)
+    token = selected(s)
+  }
+  // nothing selectable (every token banned or outside the grammar): the generation ends here
+  if (token < 0 || (grammar !== null && !(vocab?.isEndOfGeneration(token) ?? false) && !grammarAllows(s, token))) {
+    token = -1
+  } else accept(s, token)
+  return {
+    tokenId: token,
+    draws: s.draws,
+    ...(policy.logprobs === undefined || token < 0 ? {} : { logprob: stepLogprob(logits, token, policy.logprobs) })
+  }
+}
+
+const free = (s: ChainSampler) => {
+  if (s.freed) return
+  s.freed = true
+  for (const smpl of s.owned) s.raw.llama_sampler_free(smpl)
+  koffi.free(s.buffers.candidates)
+  koffi.free(s.buffers.header)
+  koffi.free(s.buffers.probe)
+  koffi.free(s.buffers.probeHeader)
+}
+
+/**
+ * The sampler of one sequence. `vocab` is required when `needsVocab(policy)`; `contextLength` resolves a penalty
+ * window of -1 (the whole context). Throws GrammarRejected when the grammar does not parse.
+ */
+export const makeSequenceSampler = (
+  policy: SamplingPolicy,
+  options: { readonly vocabSize: number; readonly contextLength: number; readonly vocab?: LlamaVocab }
+): SequenceSampler => {
+  if (!needsChain(policy)) return argmaxSampler(policy)
+  const raw: LlamaRaw = getLlama()
+  // The grammar is built first: a grammar that does not parse frees nothing else.
+  const grammar = grammarOf(raw, policy, options.vocab)
+  const parts = buildChain(raw, policy, options)
+  const s: ChainSampler = {
+    ...parts,
+    raw,
+    policy,
+    vocab: options.vocab,
+    nVocab: options.vocabSize,
+    grammar,
+    owned: grammar !== null ? [parts.chain, grammar] : [parts.chain],
+    buffers: allocBuffers(options.vocabSize),
+    draws: 0,
+    freed: false
   }
   if (policy.resume !== undefined) {
-    for (const token of policy.resume.tokens) accept(token)
-    skipDraws(policy.resume.draws)
-    draws = policy.resume.draws
+    for (const token of policy.resume.tokens) accept(s, token)
+    skipDraws(s, policy.resume.draws)
+    s.draws = policy.resume.draws
   }
-
-  const applyChain = () => {
-    raw.llama_sampler_apply(chain, header)
-    if (dist !== null) draws++
-  }
-  let freed = false
-  return {
-    sample: (logits) => {
-      fill(logits)
-      applyChain()
-      let token = selected()
-      if (grammar !== null && token >= 0 && !grammarAllows(token)) {
-        fill(logits)
-        raw.llama_sampler_apply(grammar, header)
-        applyChain()
-        token = selected()
-      }
-      // nothing selectable (every token banned or outside the grammar): the generation ends here
-      if (token < 0 || (grammar !== null && !(vocab?.isEndOfGeneration(token) ?? false) && !grammarAllows(token))) {
-        token = -1
-      } else accept(token)
-      return {
-        tokenId: token,
-        draws,
-        ...(policy.logprobs === undefined || token < 0 ? {} : { logprob: stepLogprob(logits, token, policy.logprobs) })
-      }
-    },
-    free: () => {
-      if (freed) return
-      freed = true
-      for (const smpl of owned) raw.llama_sampler_free(smpl)
-      koffi.free(candidates)
-      koffi.free(header)
-      koffi.free(probe)
-      koffi.free(probeHeader)
-    }
-  }
+  return { sample: (logits) => sample(s, logits), free: () => free(s) }
 }

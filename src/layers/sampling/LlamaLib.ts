@@ -18,6 +18,7 @@ type NativePtr = unknown
 export const TokenDataLayout = { bytes: 12, id: 0, logit: 4, p: 8 } as const
 export const TokenDataArrayLayout = { bytes: 32, data: 0, size: 8, selected: 16, sorted: 24 } as const
 
+// long: a flat declaration table, one koffi binding per libllama function (llama.h's signature and its TypeScript type)
 const declare = (lib: LibraryHandle) => {
   // llama.h of the pinned build (node-llama-cpp 3.21.1, llama.cpp release v0.4.0); enums are ints.
   const modelParams = koffi.struct("swactor_llama_model_params", {
