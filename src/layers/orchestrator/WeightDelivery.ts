@@ -478,7 +478,19 @@ const deliverStage = (
       } satisfies StageDelivery
     }
     const slice = yield* writeSliceOnce(ctx, link, range, hash)
-    const send: SliceSend = { ctx, link, rpc, stageIndex, nodeId, range, hash, weights, ...slice, reached: held.have, reported: -1 }
+    const send: SliceSend = {
+      ctx,
+      link,
+      rpc,
+      stageIndex,
+      nodeId,
+      range,
+      hash,
+      weights,
+      ...slice,
+      reached: held.have,
+      reported: -1
+    }
     return yield* sendSlice(send, held.have)
   })
 
