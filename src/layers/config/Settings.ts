@@ -104,6 +104,11 @@ const docs = {
     default: "~/.cache",
     meaning: "where swactor keeps its cache (`swactor/`: delivered slices, model facts)"
   }),
+  stateHome: doc({
+    variable: "XDG_STATE_HOME",
+    default: "~/.local/state",
+    meaning: "where swactor keeps its state (`swactor/`: the node's persistent id, announced on the LAN)"
+  }),
   hubEndpoint: doc({
     variable: "HF_ENDPOINT",
     default: "https://huggingface.co/",
@@ -350,6 +355,11 @@ const cacheDirConfig = lenient(docs.cacheHome, (text) => text, "").pipe(
   Config.map((home) => Path.join(home || Path.join(Os.homedir(), ".cache"), "swactor"))
 )
 
+/** `$XDG_STATE_HOME/swactor` (unset or empty: `~/.local/state/swactor`). */
+const stateDirConfig = lenient(docs.stateHome, (text) => text, "").pipe(
+  Config.map((home) => Path.join(home || Path.join(Os.homedir(), ".local", "state"), "swactor"))
+)
+
 const urlText = (text: string): string | undefined => {
   try {
     const url = new URL(text)
@@ -468,6 +478,8 @@ export interface SettingsValues {
   readonly threads: number | undefined
   /** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
   readonly cacheDir: string
+  /** `$XDG_STATE_HOME/swactor` (unset or empty: `~/.local/state/swactor`): the node's persistent id. */
+  readonly stateDir: string
   /** The hub's base URL, ending in "/": MODEL_ENDPOINT, else HF_ENDPOINT, else https://huggingface.co/. */
   readonly hubEndpoint: string
   /** HF_TOKEN, when set and not empty: sent to the hub only. */
@@ -495,6 +507,7 @@ export const settingsConfig: Config.Config<SettingsValues> = Config.all({
   gpuMemory: gpuMemoryConfig,
   threads: threadsConfig,
   cacheDir: cacheDirConfig,
+  stateDir: stateDirConfig,
   hubEndpoint: hubEndpointConfig,
   hubToken: hubTokenConfig,
   ggmlDir: ggmlDirConfig,
