@@ -183,8 +183,21 @@ const heldConflict = (
     : { ...state, conflicts: withoutEntry(state.conflicts, a.nodeId), nodes: withoutEntry(state.nodes, a.nodeId) }
 }
 
-/** A verified announcement or leave. */
-const verified = (state: Discovered, a: Announcement, from: string, nowMillis: number): Discovered => {
+/**
+ * The control address to use: the announced one, or, when it names no host (a node listening on 0.0.0.0), the
+ * sender's IP with the announced port (the announcer's socket is bound to the interface's address).
+ */
+export const reachableAddress = (announced: string, from: string): string => {
+  const at = announced.lastIndexOf(":")
+  const host = announced.slice(0, at).replace(/^\[|\]$/g, "")
+  if (host !== "0.0.0.0" && host !== "::" && host !== "") return announced
+  const senderHost = from.slice(0, from.lastIndexOf(":"))
+  return `${senderHost.includes(":") ? `[${senderHost}]` : senderHost}${announced.slice(at)}`
+}
+
+/** A verified announcement or leave (its address made reachable). */
+const verified = (state: Discovered, heard: Announcement, from: string, nowMillis: number): Discovered => {
+  const a = { ...heard, address: reachableAddress(heard.address, from) }
   const dead = state.dead.get(a.nodeId)
   if (dead !== undefined && !newer(a, dead)) return state
   const held = state.conflicts.get(a.nodeId)

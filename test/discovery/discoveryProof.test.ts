@@ -13,6 +13,7 @@ import {
   emptyDiscovered,
   expireDiscovered,
   hear,
+  reachableAddress,
   viewOf
 } from "../../src/domain/discovery.js"
 import { readDatagram, signedDatagram } from "../../src/layers/discovery/DiscoveryProof.js"
@@ -122,6 +123,19 @@ describe("the discovered set", () => {
     assert.deepStrictEqual(
       viewOf(state).verified.map((n) => n.address),
       ["10.0.0.1:7000"]
+    )
+  })
+})
+
+describe("the address a node is reached at", () => {
+  it("a wildcard host is the sender's IP with the announced port; a named host is kept", () => {
+    assert.strictEqual(reachableAddress("0.0.0.0:7070", "10.0.0.7:50123"), "10.0.0.7:7070")
+    assert.strictEqual(reachableAddress("[::]:7070", "10.0.0.7:50123"), "10.0.0.7:7070")
+    assert.strictEqual(reachableAddress("10.0.0.9:7070", "10.0.0.7:50123"), "10.0.0.9:7070")
+    const state = hear(emptyDiscovered, verified(announcement({ address: "0.0.0.0:7070" }), "10.0.0.7:5"), 0, 1000)
+    assert.deepStrictEqual(
+      viewOf(state).verified.map((n) => n.address),
+      ["10.0.0.7:7070"]
     )
   })
 })

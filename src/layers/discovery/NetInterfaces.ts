@@ -17,6 +17,8 @@ const VIRTUAL = /^(docker|veth|br-|virbr)/
 export interface InterfaceChoice {
   readonly only?: ReadonlyArray<string> | undefined
   readonly loopback?: boolean | undefined
+  /** Loopback interfaces only (a node bound to a loopback address is reached from this host only). */
+  readonly loopbackOnly?: boolean | undefined
 }
 
 const octets = (ip: string) => ip.split(".").map(Number)
@@ -38,7 +40,9 @@ export const discoveryInterfaces = (
     const wanted =
       choice.only !== undefined
         ? choice.only.includes(name)
-        : !VIRTUAL.test(name) && (choice.loopback === true || !(infos ?? []).some((i) => i.internal))
+        : choice.loopbackOnly === true
+          ? (infos ?? []).some((i) => i.internal)
+          : !VIRTUAL.test(name) && (choice.loopback === true || !(infos ?? []).some((i) => i.internal))
     if (!wanted) return []
     return (infos ?? [])
       .filter((info) => info.family === "IPv4")
