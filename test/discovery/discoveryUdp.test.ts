@@ -123,4 +123,33 @@ describe("discovery over UDP on loopback", () => {
       }).pipe(Effect.scoped),
     20_000
   )
+
+  it.live(
+    "a destination whose send fails is kept in failures, round after round, and the others still deliver",
+    () =>
+      Effect.gen(function* () {
+        const listener = yield* makeDiscoveryListener({ token, port: 0, interfaces: loopback })
+        const announcer = yield* makeAnnouncer({
+          token,
+          nodeId: "node-f",
+          address: "127.0.0.1:7010",
+          resources,
+          interfaces: loopback,
+          port: listener.port,
+          targets: ["127.0.0.1:0"],
+          intervalMillis: 100
+        })
+        const view = yield* until(listener.view, (v) => v.verified.length === 1)
+        assert.deepStrictEqual(
+          view.verified.map((n) => n.nodeId),
+          ["node-f"]
+        )
+        yield* Effect.sleep("400 millis")
+        assert.isAtLeast(yield* announcer.rounds, 3)
+        const failures = yield* announcer.failures
+        assert.deepStrictEqual([...failures.keys()], ["127.0.0.1:0"])
+        assert.match(failures.get("127.0.0.1:0") ?? "", /port/i)
+      }).pipe(Effect.scoped),
+    20_000
+  )
 })
