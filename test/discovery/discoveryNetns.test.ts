@@ -107,6 +107,43 @@ const runNode = (role: string, address: string, stateDir: string) =>
     })
   })
 
+/** A watching node in a namespace: its id and the ids it verified in its last `seen` line, as they come. */
+const watchNode = (role: string, address: string, stateDir: string) => {
+  const child = spawn(
+    "ip",
+    ["netns", "exec", namespaceOf(role), process.execPath, "--import", "tsx", "test/support/discoveryNode.ts"],
+    {
+      cwd: repoRoot,
+      stdio: ["ignore", "pipe", "pipe"],
+      env: {
+        ...process.env,
+        SWACTOR_TEST_TOKEN: "a-cluster-token-9f3b27c1d4e5",
+        SWACTOR_TEST_STATE_DIR: stateDir,
+        SWACTOR_TEST_ADDRESS: `${address}:7000`,
+        SWACTOR_TEST_TTL_MS: "600",
+        SWACTOR_TEST_WATCH_MS: "60000"
+      }
+    }
+  )
+  const last = { nodeId: "", verified: [] as Array<string> }
+  let buffered = ""
+  child.stdout.on("data", (chunk) => {
+    buffered += chunk
+    const lines = buffered.split("\n")
+    buffered = lines.pop() ?? ""
+    for (const line of lines) if (line.startsWith("seen ")) Object.assign(last, JSON.parse(line.slice(5)))
+  })
+  return { child, last }
+}
+
+/** Waits (up to 20 s) for `check`; whether it held. */
+const waitFor = (check: () => boolean) =>
+  Effect.gen(function* () {
+    const end = Date.now() + 20_000
+    while (!check() && Date.now() < end) yield* Effect.sleep("50 millis")
+    return check()
+  })
+
 const reason = unavailable()
 if (reason !== undefined) console.log(`discovery.netns: skipped — ${reason}`)
 
@@ -133,5 +170,34 @@ describe("discovery across network namespaces", () => {
         assert.deepStrictEqual(c!.verified, [c!.nodeId])
       }).pipe(Effect.scoped),
     60_000
+  )
+
+  it.live.skipIf(reason !== undefined)(
+    "an interface that goes down and up again: the node expires meanwhile and is announced again after",
+    () =>
+      Effect.gen(function* () {
+        const dir = mkdtempSync(join(tmpdir(), "swactor-netns-"))
+        const watchers: Array<ReturnType<typeof watchNode>> = []
+        yield* Effect.addFinalizer(() =>
+          Effect.sync(() => {
+            for (const w of watchers) w.child.kill("SIGKILL")
+            tearDown()
+            rmSync(dir, { recursive: true, force: true })
+          })
+        )
+        tearDown()
+        setUp()
+        const a = watchNode("a", nodes[0].address, join(dir, "a"))
+        const b = watchNode("b", nodes[1].address, join(dir, "b"))
+        watchers.push(a, b)
+        const link = (state: "up" | "down") =>
+          sh(["ip", "netns", "exec", namespaceOf("a"), "ip", "link", "set", `${prefix}an`, state])
+        assert.isTrue(yield* waitFor(() => a.last.nodeId !== "" && b.last.verified.includes(a.last.nodeId)), "found")
+        link("down")
+        assert.isTrue(yield* waitFor(() => !b.last.verified.includes(a.last.nodeId)), "expired while down")
+        link("up")
+        assert.isTrue(yield* waitFor(() => b.last.verified.includes(a.last.nodeId)), "announced again once up")
+      }).pipe(Effect.scoped),
+    90_000
   )
 })

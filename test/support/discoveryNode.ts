@@ -18,8 +18,19 @@ const program = Effect.gen(function* () {
     nodeId,
     address: env("SWACTOR_TEST_ADDRESS"),
     resources: () => ({ totalMemoryBytes: 1, freeMemoryBytes: 1, cores: 1, backend: "cpu" }),
-    intervalMillis: 200
+    intervalMillis: 200,
+    ttlMillis: Number(process.env["SWACTOR_TEST_TTL_MS"] ?? 5000)
   })
+  if (env("SWACTOR_TEST_WATCH_MS") !== "") {
+    // a timeline instead: the ids verified every 100 ms, one line each, for SWACTOR_TEST_WATCH_MS
+    const end = Date.now() + Number(env("SWACTOR_TEST_WATCH_MS"))
+    while (Date.now() < end) {
+      const ids = (yield* listener.view).verified.map((node) => node.nodeId)
+      console.log(`seen ${JSON.stringify({ nodeId, verified: ids })}`)
+      yield* Effect.sleep("100 millis")
+    }
+    return
+  }
   // every id verified at some point, until SWACTOR_TEST_EXPECT of them (or the deadline); then a linger, so that the
   // others (started later on a loaded machine) hear this node before it leaves
   const seen = new Set<string>()

@@ -103,6 +103,21 @@ const hostPort = (target: string): [string, number] => {
   return [target.slice(0, at), Number(target.slice(at + 1))]
 }
 
+const interfaceKey = (iface: DiscoveryInterface) => `${iface.name} ${iface.address}`
+
+/** An interface no longer listed (down, or its address gone): its socket closed, its failure forgotten. */
+const forgetGone = (state: AnnouncerState, current: ReadonlySet<string>) =>
+  Effect.forEach(
+    [...new Set([...state.sockets.keys(), ...state.failures.keys()])].filter((key) => !current.has(key)),
+    (key) => {
+      const socket = state.sockets.get(key)
+      state.sockets.delete(key)
+      state.failures.delete(key)
+      return socket === undefined ? Effect.void : closeSocket(socket)
+    },
+    { discard: true }
+  )
+
 /** One round: the announcement (or leave) to every interface and target. */
 const sendRound = (state: AnnouncerState, kind: Announcement["kind"]) =>
   Effect.suspend(() => {
@@ -120,8 +135,9 @@ const sendRound = (state: AnnouncerState, kind: Announcement["kind"]) =>
     const port = options.port ?? DISCOVERY_PORT
     const group = options.group ?? DISCOVERY_GROUP
     const lan = options.lan === false ? [] : discoveryInterfaces(options.interfaces)
+    const gone = forgetGone(state, new Set([...lan.map(interfaceKey), ...(options.targets ?? [])]))
     const onInterfaces = lan.map((iface) =>
-      sendOn(state, `${iface.name} ${iface.address}`, openSocket(iface.address, iface), (socket) =>
+      sendOn(state, interfaceKey(iface), openSocket(iface.address, iface), (socket) =>
         Effect.zipRight(sendTo(socket, message, port, group), sendTo(socket, message, port, iface.broadcast))
       )
     )
@@ -131,7 +147,10 @@ const sendRound = (state: AnnouncerState, kind: Announcement["kind"]) =>
         return sendTo(socket, message, targetPort, host)
       })
     )
-    return Effect.all([...onInterfaces, ...onTargets], { concurrency: "unbounded", discard: true })
+    return Effect.zipRight(
+      gone,
+      Effect.all([...onInterfaces, ...onTargets], { concurrency: "unbounded", discard: true })
+    )
   })
 
 /** Announces the node until the scope closes, then sends its leave. */
