@@ -12,7 +12,7 @@ import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, watchParentPipe } from "../layers/agent/ReadyLine.js"
 import { makeAnnouncer } from "../layers/discovery/Announcer.js"
-import { persistentNodeId } from "../layers/discovery/NodeIdentity.js"
+import { ephemeralNodeId, persistentNodeId } from "../layers/discovery/NodeIdentity.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { getGgml } from "../layers/ggml/Bindings.js"
 import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
@@ -174,16 +174,21 @@ const resourcesOf = (flags: CheckedNodeFlags, options: NodeAgentOptions) => (): 
 }
 
 /**
- * `--announce on`: the node announces itself (src/layers/discovery/Announcer.ts) with its persistent id, its control
+ * `--announce on`: the node announces itself (src/layers/discovery/Announcer.ts) with its id (persistent per control
+ * port; fresh on an ephemeral port: src/layers/discovery/NodeIdentity.ts), its control
  * address and its resources, until it stops (then its leave): on the LAN's interfaces, or on loopback only when it
  * listens on a loopback address (only this host reaches it). A control address that is a Unix socket is not announced.
  */
 const announceNode = (flags: CheckedNodeFlags, options: NodeAgentOptions, control: TransportAddress) =>
   Effect.gen(function* () {
     if (control._tag !== "Tcp") return
-    const nodeId = yield* persistentNodeId(flags.settings.stateDir).pipe(
-      Effect.mapError((error) => new NodeUsageError({ message: `its node id: ${error.message}` }))
-    )
+    const requested = flags.listen._tag === "Tcp" ? flags.listen.port : 0
+    const nodeId =
+      requested === 0
+        ? ephemeralNodeId()
+        : yield* persistentNodeId(flags.settings.stateDir, `node-${requested}.id`).pipe(
+            Effect.mapError((error) => new NodeUsageError({ message: `its node id: ${error.message}` }))
+          )
     const loopback = control.host === "localhost" || control.host === "::1" || control.host.startsWith("127.")
     yield* makeAnnouncer({
       token: Redacted.make(flags.token),

@@ -91,4 +91,47 @@ describe("swactor run --discover", () => {
       }).pipe(Effect.scoped),
     120_000
   )
+
+  it.live(
+    "a node on a fixed port keeps its id across restarts; a second port of the same host has its own",
+    () =>
+      Effect.gen(function* () {
+        const dir = mkdtempSync(join(tmpdir(), "swactor-nodeid-"))
+        yield* Effect.addFinalizer(() => Effect.sync(() => rmSync(dir, { recursive: true, force: true })))
+        const port = 30000 + (process.pid % 20000)
+        /** Starts a node on `listenPort`, reads its "announcing node <id>" line, stops it (SIGTERM). */
+        const idOf = (listenPort: number) =>
+          Effect.async<string, Error>((resume) => {
+            const child = spawn(
+              process.execPath,
+              [swactorMain(), "node", "--listen", `127.0.0.1:${listenPort}`, "--engine", "test"],
+              {
+                cwd: repoRoot,
+                stdio: ["ignore", "pipe", "pipe"],
+                env: {
+                  ...process.env,
+                  SWACTOR_CLUSTER_TOKEN: generateToken(),
+                  SWACTOR_DISCOVERY_PORT: discoveryPort,
+                  XDG_STATE_HOME: dir
+                }
+              }
+            )
+            let stderr = ""
+            let id: string | undefined
+            child.stderr.on("data", (chunk) => {
+              stderr += chunk
+              const found = /announcing node ([0-9a-f]{32})/.exec(stderr)
+              if (found !== null && id === undefined) {
+                id = found[1]!
+                child.kill("SIGTERM")
+              }
+            })
+            child.on("exit", () => resume(id === undefined ? Effect.fail(new Error(stderr)) : Effect.succeed(id)))
+          })
+        const first = yield* idOf(port)
+        assert.strictEqual(yield* idOf(port), first)
+        assert.notStrictEqual(yield* idOf(port + 1), first)
+      }).pipe(Effect.scoped),
+    60_000
+  )
 })
