@@ -5,11 +5,14 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Os from "node:os"
-import { Console, Data, Effect, Layer, Option } from "effect"
+import { Console, Data, Effect, Layer, Option, Redacted } from "effect"
+import type { NodeResources } from "../domain/discovery.js"
 import type { TransportAddress } from "../domain/frames.js"
 import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, watchParentPipe } from "../layers/agent/ReadyLine.js"
+import { makeAnnouncer } from "../layers/discovery/Announcer.js"
+import { ephemeralNodeId, persistentNodeId } from "../layers/discovery/NodeIdentity.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { getGgml } from "../layers/ggml/Bindings.js"
 import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
@@ -158,6 +161,49 @@ const agentOptions = (
   ...(args.engine === "live" ? { stepProbeRows: 8, devices: liveDevices(flags.settings) } : {})
 })
 
+/** What the node offers, for its announcements: memory (within --memory-limit), cores, backend, its GPU's memory. */
+const resourcesOf = (flags: CheckedNodeFlags, options: NodeAgentOptions) => (): NodeResources => {
+  const gpu = options.devices?.().find((d) => d.kind === "gpu" || d.kind === "igpu")
+  return {
+    totalMemoryBytes: Os.totalmem(),
+    freeMemoryBytes: Math.min(Os.freemem(), flags.memoryLimitBytes ?? Number.POSITIVE_INFINITY),
+    cores: Os.availableParallelism(),
+    backend: flags.backend,
+    ...(gpu === undefined ? {} : { gpuTotalBytes: gpu.totalBytes, gpuFreeBytes: gpu.limitBytes ?? gpu.freeBytes })
+  }
+}
+
+/**
+ * `--announce on`: the node announces itself (src/layers/discovery/Announcer.ts) with its id (persistent per control
+ * port; fresh on an ephemeral port: src/layers/discovery/NodeIdentity.ts), its control
+ * address and its resources, until it stops (then its leave): on the LAN's interfaces, or on loopback only when it
+ * listens on a loopback address (only this host reaches it). A control address that is a Unix socket is not announced.
+ */
+const announceNode = (flags: CheckedNodeFlags, options: NodeAgentOptions, control: TransportAddress) =>
+  Effect.gen(function* () {
+    if (control._tag !== "Tcp") return
+    const requested = flags.listen._tag === "Tcp" ? flags.listen.port : 0
+    const nodeId =
+      requested === 0
+        ? ephemeralNodeId()
+        : yield* persistentNodeId(flags.settings.stateDir, `node-${requested}.id`).pipe(
+            Effect.mapError((error) => new NodeUsageError({ message: `its node id: ${error.message}` }))
+          )
+    const loopback = control.host === "localhost" || control.host === "::1" || control.host.startsWith("127.")
+    yield* makeAnnouncer({
+      token: Redacted.make(flags.token),
+      nodeId,
+      address: formatAddress(control),
+      resources: resourcesOf(flags, options),
+      interfaces: loopback ? { loopbackOnly: true } : undefined,
+      port: flags.settings.discoveryPort
+    })
+    yield* Console.error(
+      `swactor node: announcing node ${nodeId} on UDP port ${flags.settings.discoveryPort}` +
+        (loopback ? " (loopback only: it listens on a loopback address)" : "")
+    )
+  })
+
 /**
  * The agent, from its ready line until stopped: its speed measured after the ready line when asked (`laterSpeed`),
  * one start line on stderr.
@@ -178,6 +224,7 @@ const hostStages = (args: NodeArgs, flags: CheckedNodeFlags, options: NodeAgentO
         )
       )
     }
+    if (args.announce === "on") yield* announceNode(flags, options, agent.control)
     const speed = options.speedBytesPerSecond
     yield* Console.error(
       `swactor node: control ${formatAddress(agent.control)}, data ${formatAddress(agent.data)}, ` +
@@ -260,6 +307,10 @@ const nodeFlags = {
     value: "DIR",
     text: "where weight slices delivered by orchestrators are kept"
   }).optional("$XDG_CACHE_HOME/swactor/slices"),
+  announce: Flag.choice("announce", ["on", "off"], {
+    group: network,
+    text: "announce this node (id, control address, resources, proved with the cluster token) for --discover"
+  }).withDefault("on"),
   slicesOnly: Flag.boolean("slices-only", {
     group: "Weights",
     text: "never read the orchestrator's model paths here: load only the slices it delivers"

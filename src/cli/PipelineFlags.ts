@@ -28,6 +28,7 @@ import {
   stagesProblem,
   threadsProblem
 } from "../services/RequestChecks.js"
+import { discoveredAgents } from "./DiscoverAgents.js"
 import { optionalWholeNumber, UsageError } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
 import { type Backend, backends } from "../domain/engine.js"
@@ -72,6 +73,11 @@ const agentsFlag = Flag.text("agents", {
   .withAlias("nodes")
   .optional("local agents, started by this command")
 
+const discoverFlag = Flag.boolean("discover", {
+  group: pipeline,
+  text: "run the stages on the nodes that announce themselves with the cluster token (swactor node), found on the LAN"
+})
+
 /** `--backend` of node (the agent's own), and of run and serve for the local agents they start. */
 export const backendFlag = (group: string, whose: "" | " of the local agents") =>
   Flag.choice("backend", backends, {
@@ -111,6 +117,7 @@ const tokenLoopFlag = (receiver: "orchestrator" | "server") =>
 export const pipelineFlags = (receiver: "orchestrator" | "server") => ({
   stages: stagesFlag,
   agents: agentsFlag,
+  discover: discoverFlag,
   threads: threadsFlag(pipeline),
   prefillThreads: prefillThreadsFlag,
   backend: backendFlag(pipeline, " of the local agents"),
@@ -256,6 +263,17 @@ const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageErro
     return bad === undefined ? agents : yield* fail(`--agents "${bad}" is not host:port`)
   })
 
+/** The remote agents: --agents, or with --discover the nodes heard proving the token (cli/DiscoverAgents.ts). */
+const remoteAgents = (args: PipelineArgs, token: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  Effect.gen(function* () {
+    if (!args.discover) return Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
+    if (Option.isSome(args.agents)) return yield* fail("--discover and --agents: give one of them")
+    if (token === "") return yield* fail(`--discover needs the cluster token: ${giveToken}`)
+    return yield* discoveredAgents(token, yield* chosenSettings(args)).pipe(
+      Effect.mapError((message) => new UsageError({ message }))
+    )
+  })
+
 /**
  * The pipeline's and the links' flags of run and serve, checked: the remote agents and their cluster token (needed
  * with --agents), the TLS mode, backend and GPU memory (`settings`: the Settings service the command provides), the
@@ -263,8 +281,8 @@ const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageErro
  */
 export const checkPipelineFlags = (args: PipelineArgs) =>
   Effect.gen(function* () {
-    const agents = Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     const token = yield* clusterToken(args.tokenFile)
+    const agents = yield* remoteAgents(args, token)
     yield* tlsMode(args.tls)
     const agentArgs = yield* localBackendArgs(args.backend, agents.length > 0)
     yield* checkGpuMemory(args.gpuMemory, agents.length > 0)

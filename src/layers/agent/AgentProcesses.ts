@@ -122,6 +122,9 @@ const agentArgs = (index: number, options: LocalAgentsOptions) => {
     "node",
     "--listen",
     `${host}:0`,
+    // a local agent serves the command that started it, not other orchestrators' --discover
+    "--announce",
+    "off",
     ...(options.dataDir === undefined ? [] : ["--data-listen", join(options.dataDir, `agent-${index}.sock`)]),
     ...(options.threads === undefined ? [] : ["--threads", String(options.threads)]),
     ...(options.engine === "test" ? ["--engine", "test"] : []),

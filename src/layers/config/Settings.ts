@@ -19,6 +19,7 @@ import * as Os from "node:os"
 import * as Path from "node:path"
 import { readFileSync } from "node:fs"
 import { Config, type ConfigError, ConfigProvider, Context, Effect, Either, Layer, Option, Redacted } from "effect"
+import { DISCOVERY_PORT } from "../../domain/discovery.js"
 import { type Backend, backends } from "../../domain/engine.js"
 import { clusterTokenProblem } from "../../services/RequestChecks.js"
 
@@ -103,6 +104,16 @@ const docs = {
     commands: "node",
     default: "~/.cache",
     meaning: "where swactor keeps its cache (`swactor/`: delivered slices, model facts)"
+  }),
+  stateHome: doc({
+    variable: "XDG_STATE_HOME",
+    default: "~/.local/state",
+    meaning: "where swactor keeps its state (`swactor/`: the node's persistent id, announced on the LAN)"
+  }),
+  discoveryPort: doc({
+    variable: "SWACTOR_DISCOVERY_PORT",
+    default: "41739",
+    meaning: "the UDP port nodes announce themselves on and `--discover` listens on (every node of a cluster alike)"
   }),
   hubEndpoint: doc({
     variable: "HF_ENDPOINT",
@@ -350,6 +361,11 @@ const cacheDirConfig = lenient(docs.cacheHome, (text) => text, "").pipe(
   Config.map((home) => Path.join(home || Path.join(Os.homedir(), ".cache"), "swactor"))
 )
 
+/** `$XDG_STATE_HOME/swactor` (unset or empty: `~/.local/state/swactor`). */
+const stateDirConfig = lenient(docs.stateHome, (text) => text, "").pipe(
+  Config.map((home) => Path.join(home || Path.join(Os.homedir(), ".local", "state"), "swactor"))
+)
+
 const urlText = (text: string): string | undefined => {
   try {
     const url = new URL(text)
@@ -468,6 +484,10 @@ export interface SettingsValues {
   readonly threads: number | undefined
   /** `$XDG_CACHE_HOME/swactor` (unset or empty: `~/.cache/swactor`). */
   readonly cacheDir: string
+  /** `$XDG_STATE_HOME/swactor` (unset or empty: `~/.local/state/swactor`): the node's persistent id. */
+  readonly stateDir: string
+  /** SWACTOR_DISCOVERY_PORT (unset or not a port: 41739): the UDP port of LAN discovery. */
+  readonly discoveryPort: number
   /** The hub's base URL, ending in "/": MODEL_ENDPOINT, else HF_ENDPOINT, else https://huggingface.co/. */
   readonly hubEndpoint: string
   /** HF_TOKEN, when set and not empty: sent to the hub only. */
@@ -495,6 +515,15 @@ export const settingsConfig: Config.Config<SettingsValues> = Config.all({
   gpuMemory: gpuMemoryConfig,
   threads: threadsConfig,
   cacheDir: cacheDirConfig,
+  stateDir: stateDirConfig,
+  discoveryPort: lenient(
+    docs.discoveryPort,
+    (text) => {
+      const port = positiveInteger(text)
+      return port !== undefined && port <= 65535 ? port : undefined
+    },
+    DISCOVERY_PORT
+  ),
   hubEndpoint: hubEndpointConfig,
   hubToken: hubTokenConfig,
   ggmlDir: ggmlDirConfig,

@@ -1,0 +1,56 @@
+/**
+ * `--discover` of run and serve (issue 39): the pool is the nodes that prove the cluster token on the LAN (and on this
+ * host's loopback), heard for a few seconds on the discovery port (src/layers/discovery/DiscoveryListener.ts). Each
+ * node found is a line on stderr; so is each sender not used, with the reason (another token, another protocol
+ * version, one id announced by two live nodes). The addresses then go the `--agents` way: each control connection
+ * still authenticates with the token before the node is used.
+ */
+import { Console, Effect, Redacted } from "effect"
+import type { DiscoveredNode, DiscoveryView } from "../domain/discovery.js"
+import { makeDiscoveryListener } from "../layers/discovery/DiscoveryListener.js"
+import type { SettingsValues } from "../layers/config/Settings.js"
+
+/** How long `--discover` listens: a node announces every second, so every live node is heard at least twice. */
+const discoverMillis = 3000
+
+const gib = (bytes: number) => `${(bytes / 2 ** 30).toFixed(1)} GiB`
+
+const nodeLine = (node: DiscoveredNode) =>
+  `swactor: discovered node ${node.nodeId} at ${node.address}: ${gib(node.resources.freeMemoryBytes)} of ` +
+  `${gib(node.resources.totalMemoryBytes)} free, ${node.resources.cores} cores, ${node.resources.backend}` +
+  (node.resources.gpuTotalBytes === undefined ? "" : `, GPU ${gib(node.resources.gpuTotalBytes)}`)
+
+/** The view's lines: the nodes found, then every sender not used with its reason. */
+const viewLines = (view: DiscoveryView): ReadonlyArray<string> => [
+  ...view.verified.map(nodeLine),
+  ...view.refused.map(
+    (r) => `swactor: not used: ${r.nodeId === undefined ? "" : `node ${r.nodeId} `}at ${r.from}: ${r.reason}`
+  ),
+  ...view.otherVersions.map((r) => `swactor: not used: ${r.reason}`),
+  ...view.conflicts.map((c) => `swactor: not used: ${c.reason}`)
+]
+
+/** The control addresses of the nodes proving `token`, after listening; Left: none found, in one line. */
+export const discoveredAgents = (
+  token: string,
+  settings: SettingsValues
+): Effect.Effect<ReadonlyArray<string>, string> =>
+  Effect.gen(function* () {
+    const listener = yield* makeDiscoveryListener({
+      token: Redacted.make(token),
+      port: settings.discoveryPort,
+      interfaces: { loopback: true }
+    }).pipe(
+      Effect.mapError((error) => `--discover: cannot listen on UDP port ${settings.discoveryPort}: ${error.message}`)
+    )
+    yield* Effect.sleep(discoverMillis)
+    const view = yield* listener.view
+    yield* Effect.forEach(viewLines(view), (line) => Console.error(line), { discard: true })
+    if (view.verified.length === 0)
+      return yield* Effect.fail(
+        `--discover: no node proving the cluster token was heard on UDP port ${settings.discoveryPort} in ` +
+          `${discoverMillis / 1000} s (start \`swactor node --listen 0.0.0.0:7070\` with the same token on each ` +
+          `machine, or name them with --agents)`
+      )
+    return view.verified.map((node) => node.address)
+  }).pipe(Effect.scoped)
