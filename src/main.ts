@@ -17,6 +17,7 @@ const subcommands = {
   run: () => import("./cli/RunCommand.js").then((m) => [m.runCommand, m.runDoc] as const),
   serve: () => import("./cli/ServeCommand.js").then((m) => [m.serveCommand, m.serveDoc] as const),
   node: () => import("./cli/NodeCommand.js").then((m) => [m.nodeCommand, m.nodeDoc] as const),
+  invite: () => import("./cli/InviteCommand.js").then((m) => [m.inviteCommand, m.inviteDoc] as const),
   plan: () => import("./cli/PlanCommand.js").then((m) => [m.planCommand, m.planDoc] as const),
   synth: () => import("./cli/SynthCommand.js").then((m) => [m.synthCommand, m.synthDoc] as const)
 } as const

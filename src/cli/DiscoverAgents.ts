@@ -7,7 +7,9 @@
  */
 import { Console, Effect, Redacted } from "effect"
 import type { DiscoveredNode, DiscoveryView } from "../domain/discovery.js"
+import { encodeInvite } from "../domain/invite.js"
 import { makeDiscoveryListener } from "../layers/discovery/DiscoveryListener.js"
+import { discoveryInterfaces } from "../layers/discovery/NetInterfaces.js"
 import type { SettingsValues } from "../layers/config/Settings.js"
 
 /** How long `--discover` listens: a node announces every second, so every live node is heard at least twice. */
@@ -30,10 +32,23 @@ const viewLines = (view: DiscoveryView): ReadonlyArray<string> => [
   ...view.conflicts.map((c) => `swactor: not used: ${c.reason}`)
 ]
 
-/** The control addresses of the nodes proving `token`, after listening; Left: none found, in one line. */
+/** The address an invite of this host names: its first LAN interface's IPv4 (else loopback), the discovery port. */
+export const inviteAddress = (settings: SettingsValues): string =>
+  `${discoveryInterfaces()[0]?.address ?? "127.0.0.1"}:${settings.discoveryPort}`
+
+/** The line `serve --discover` prints at start: the invite (this host's address and the token) and how to use it. */
+const inviteLine = (token: string, settings: SettingsValues) =>
+  `swactor: invite (swactor node --join <it> on a machine multicast does not reach): ` +
+  encodeInvite({ address: inviteAddress(settings), token })
+
+/**
+ * The control addresses of the nodes proving `token`, after listening; Left: none found, in one line. `invite`: the
+ * invite line is printed once the port is bound.
+ */
 export const discoveredAgents = (
   token: string,
-  settings: SettingsValues
+  settings: SettingsValues,
+  invite = false
 ): Effect.Effect<ReadonlyArray<string>, string> =>
   Effect.gen(function* () {
     const listener = yield* makeDiscoveryListener({
@@ -43,6 +58,7 @@ export const discoveredAgents = (
     }).pipe(
       Effect.mapError((error) => `--discover: cannot listen on UDP port ${settings.discoveryPort}: ${error.message}`)
     )
+    if (invite) yield* Console.error(inviteLine(token, settings))
     yield* Effect.sleep(discoverMillis)
     const view = yield* listener.view
     yield* Effect.forEach(viewLines(view), (line) => Console.error(line), { discard: true })

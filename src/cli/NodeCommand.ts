@@ -5,13 +5,15 @@
  */
 import * as Command from "@effect/cli/Command"
 import * as Os from "node:os"
-import { Console, Data, Effect, Layer, Option, Redacted } from "effect"
+import { Console, Data, Effect, Either, Layer, Option, Redacted } from "effect"
 import type { NodeResources } from "../domain/discovery.js"
+import { decodeInvite, INVITE_PREFIX, looksLikeInvite } from "../domain/invite.js"
 import type { TransportAddress } from "../domain/frames.js"
 import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
 import { formatAddress, parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { announceReady, watchParentPipe } from "../layers/agent/ReadyLine.js"
 import { makeAnnouncer } from "../layers/discovery/Announcer.js"
+import { makeDiscoveryListener } from "../layers/discovery/DiscoveryListener.js"
 import { ephemeralNodeId, persistentNodeId } from "../layers/discovery/NodeIdentity.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { getGgml } from "../layers/ggml/Bindings.js"
@@ -21,7 +23,7 @@ import { layerSlowed } from "../layers/engine/StageExecutorSlowed.js"
 import { type AgentHooks, Settings, type SettingsValues } from "../layers/config/Settings.js"
 import * as StageExecutorTest from "../layers/engine/StageExecutorTest.js"
 import type { StageExecutor } from "../services/StageExecutor.js"
-import { maxThreads } from "../services/RequestChecks.js"
+import { clusterTokenProblem, maxThreads } from "../services/RequestChecks.js"
 import * as Flag from "./FlagSpec.js"
 import { commandDoc, optionsOf } from "./FlagSpec.js"
 import { backendFlag, checkAgentFlags, gpuMemoryFlag, securityFlags, threadsFlag } from "./PipelineFlags.js"
@@ -56,10 +58,35 @@ export const runNodeCommand = (args: NodeArgs, executorFor: StageExecutorFor = s
     onStop: (stop) => (stop._tag === "Signal" ? Console.error(`swactor node: stopped by ${stop.signal}`) : Effect.void)
   })
 
+/**
+ * `--join`: host:port, or an invite (src/domain/invite.ts) whose token is then the node's. A malformed invite, or one
+ * with a weak token, is refused in one line that never quotes it.
+ */
+const checkJoin = (args: NodeArgs): Effect.Effect<{ target?: string; token?: string }, NodeUsageError> => {
+  if (Option.isNone(args.join)) return Effect.succeed({})
+  const refuse = (message: string) => Effect.fail(new NodeUsageError({ message: `--join: ${message}` }))
+  if (args.announce === "off") return refuse("a node that joins announces itself: drop --announce off")
+  const text = args.join.value.trim()
+  if (!looksLikeInvite(text)) {
+    const parsed = parseAddress(text)
+    return parsed?._tag === "Tcp" && parsed.port !== 0
+      ? Effect.succeed({ target: formatAddress(parsed) })
+      : refuse(`not host:port nor an invite (${INVITE_PREFIX}...)`)
+  }
+  return Either.match(decodeInvite(text), {
+    onLeft: (why) => refuse(`not a valid invite: ${why}`),
+    onRight: (invite) => {
+      const weak = clusterTokenProblem(invite.token, "the invite")
+      return weak === undefined ? Effect.succeed({ target: invite.address, token: invite.token }) : refuse(weak)
+    }
+  })
+}
+
 /** The flags of `node`, checked: the shared ones (cli/PipelineFlags.ts), then its addresses, memory limit and speed. */
 const checkNodeFlags = (args: NodeArgs) =>
   Effect.gen(function* () {
-    const shared = yield* checkAgentFlags(args)
+    const join = yield* checkJoin(args)
+    const shared = yield* checkAgentFlags(args, join.token)
     const listen = yield* address(args.listen, "listen")
     const dataListen = Option.isSome(args.dataListen) ? yield* address(args.dataListen.value, "data-listen") : undefined
     const dataAdvertise = Option.isSome(args.dataAdvertise)
@@ -78,7 +105,8 @@ const checkNodeFlags = (args: NodeArgs) =>
       })
     }
     const threads = shared.threads ?? Math.min(maxThreads, Math.max(1, Os.availableParallelism()))
-    return { ...shared, threads, listen, dataListen, dataAdvertise, memoryLimitBytes, speedBytesPerSecond }
+    const joinTarget = join.target
+    return { ...shared, threads, listen, dataListen, dataAdvertise, memoryLimitBytes, speedBytesPerSecond, joinTarget }
   })
 
 type CheckedNodeFlags = Effect.Effect.Success<ReturnType<typeof checkNodeFlags>>
@@ -190,19 +218,43 @@ const announceNode = (flags: CheckedNodeFlags, options: NodeAgentOptions, contro
             Effect.mapError((error) => new NodeUsageError({ message: `its node id: ${error.message}` }))
           )
     const loopback = control.host === "localhost" || control.host === "::1" || control.host.startsWith("127.")
-    yield* makeAnnouncer({
-      token: Redacted.make(flags.token),
+    const interfaces = loopback ? { loopbackOnly: true } : undefined
+    const token = Redacted.make(flags.token)
+    const announcer = yield* makeAnnouncer({
+      token,
       nodeId,
       address: formatAddress(control),
       resources: resourcesOf(flags, options),
-      interfaces: loopback ? { loopbackOnly: true } : undefined,
-      port: flags.settings.discoveryPort
+      interfaces,
+      port: flags.settings.discoveryPort,
+      targets: flags.joinTarget === undefined ? undefined : [flags.joinTarget]
     })
     yield* Console.error(
       `swactor node: announcing node ${nodeId} on UDP port ${flags.settings.discoveryPort}` +
-        (loopback ? " (loopback only: it listens on a loopback address)" : "")
+        (loopback ? " (loopback only: it listens on a loopback address)" : "") +
+        (flags.joinTarget === undefined ? "" : `, and to ${flags.joinTarget} (--join)`)
     )
+    yield* relayJoins(flags, interfaces, token, announcer.relay)
   })
+
+/**
+ * Every announcing node listens on the discovery port too, so that a node can `--join` through it: a join it hears
+ * (proved with the token) is relayed onto its LAN, where orchestrators hear it as from the joiner. A port that cannot
+ * be bound only means no relaying (one line says so).
+ */
+const relayJoins = (
+  flags: CheckedNodeFlags,
+  interfaces: { loopbackOnly: boolean } | undefined,
+  token: Redacted.Redacted<string>,
+  relay: (message: Buffer) => Effect.Effect<void>
+) =>
+  makeDiscoveryListener({ token, port: flags.settings.discoveryPort, interfaces, relay }).pipe(
+    Effect.catchAll((error) =>
+      Console.error(
+        `swactor node: not relaying joins: cannot listen on UDP port ${flags.settings.discoveryPort}: ${error.message}`
+      )
+    )
+  )
 
 /**
  * The agent, from its ready line until stopped: its speed measured after the ready line when asked (`laterSpeed`),
@@ -311,6 +363,11 @@ const nodeFlags = {
     group: network,
     text: "announce this node (id, control address, resources, proved with the cluster token) for --discover"
   }).withDefault("on"),
+  join: Flag.text("join", {
+    group: network,
+    value: "HOST:PORT|INVITE",
+    text: "also announce by unicast to an orchestrator's or a pool node's discovery port (networks that drop multicast); an invite (swactor invite) holds the token too"
+  }).optional(),
   slicesOnly: Flag.boolean("slices-only", {
     group: "Weights",
     text: "never read the orchestrator's model paths here: load only the slices it delivers"
@@ -327,6 +384,10 @@ export const nodeDoc = commandDoc(
     {
       what: "an agent other machines reach, the cluster token in a file (openssl rand -hex 32 > token)",
       command: "swactor node --listen 0.0.0.0:7070 --token-file token"
+    },
+    {
+      what: "a node joining through an invite (swactor invite, or the line swactor serve --discover prints)",
+      command: "swactor node --listen 0.0.0.0:7070 --join swactor1:..."
     }
   ]
 )

@@ -242,7 +242,7 @@ const chosenSettings = (args: {
  * that cannot be read, a token shorter than 16 characters or one with under 64 bits of estimated entropy is a
  * UsageError naming where it came from and how to make one (config/Settings.ts `clusterTokenFrom`, the library's too).
  */
-const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<string, UsageError> =>
+export const clusterToken = (tokenFile: Option.Option<string>): Effect.Effect<string, UsageError> =>
   Either.match(clusterTokenFrom(Option.getOrUndefined(tokenFile)), {
     onLeft: (message): Effect.Effect<string, UsageError> => fail(message),
     onRight: (token) => Effect.succeed(Redacted.value(token))
@@ -263,13 +263,20 @@ const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageErro
     return bad === undefined ? agents : yield* fail(`--agents "${bad}" is not host:port`)
   })
 
-/** The remote agents: --agents, or with --discover the nodes heard proving the token (cli/DiscoverAgents.ts). */
-const remoteAgents = (args: PipelineArgs, token: string): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+/**
+ * The remote agents: --agents, or with --discover the nodes heard proving the token (cli/DiscoverAgents.ts; `invite`:
+ * its invite line printed while it listens).
+ */
+const remoteAgents = (
+  args: PipelineArgs,
+  token: string,
+  invite: boolean
+): Effect.Effect<ReadonlyArray<string>, UsageError> =>
   Effect.gen(function* () {
     if (!args.discover) return Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
     if (Option.isSome(args.agents)) return yield* fail("--discover and --agents: give one of them")
     if (token === "") return yield* fail(`--discover needs the cluster token: ${giveToken}`)
-    return yield* discoveredAgents(token, yield* chosenSettings(args)).pipe(
+    return yield* discoveredAgents(token, yield* chosenSettings(args), invite).pipe(
       Effect.mapError((message) => new UsageError({ message }))
     )
   })
@@ -277,12 +284,13 @@ const remoteAgents = (args: PipelineArgs, token: string): Effect.Effect<Readonly
 /**
  * The pipeline's and the links' flags of run and serve, checked: the remote agents and their cluster token (needed
  * with --agents), the TLS mode, backend and GPU memory (`settings`: the Settings service the command provides), the
- * local agents' extra arguments, stages, threads, prefill threads, spares.
+ * local agents' extra arguments, stages, threads, prefill threads, spares. `invite` (serve): --discover prints the
+ * invite line (cli/DiscoverAgents.ts).
  */
-export const checkPipelineFlags = (args: PipelineArgs) =>
+export const checkPipelineFlags = (args: PipelineArgs, invite = false) =>
   Effect.gen(function* () {
     const token = yield* clusterToken(args.tokenFile)
-    const agents = yield* remoteAgents(args, token)
+    const agents = yield* remoteAgents(args, token, invite)
     yield* tlsMode(args.tls)
     const agentArgs = yield* localBackendArgs(args.backend, agents.length > 0)
     yield* checkGpuMemory(args.gpuMemory, agents.length > 0)
@@ -312,12 +320,13 @@ interface AgentArgs extends Flag.ArgsOf<typeof securityFlags> {
 }
 
 /**
- * The shared flags of `node`, checked: an agent needs the cluster token; its threads (none: the command decides), its
- * backend, GPU memory and TLS mode (`settings`: the Settings service the command provides).
+ * The shared flags of `node`, checked: an agent needs the cluster token (`invited`: the one an invite holds, else
+ * --token-file or the environment); its threads (none: the command decides), its backend, GPU memory and TLS mode
+ * (`settings`: the Settings service the command provides).
  */
-export const checkAgentFlags = (args: AgentArgs) =>
+export const checkAgentFlags = (args: AgentArgs, invited?: string) =>
   Effect.gen(function* () {
-    const token = yield* clusterToken(args.tokenFile)
+    const token = invited ?? (yield* clusterToken(args.tokenFile))
     if (token === "") return yield* fail(`no cluster token: ${giveToken}`)
     const threads = Option.getOrUndefined(yield* optionalThreads(args.threads))
     const backend = yield* checkBackend(args.backend)

@@ -151,7 +151,7 @@ const httpOf = (args: ServeArgs, own: CheckedServeFlags, keys: Effect.Effect.Suc
 const runServe = (args: ServeArgs) =>
   Effect.gen(function* () {
     // Every flag checked before anything starts, each refusal one line naming the flag; the model's header last.
-    const pipeline = yield* checkPipelineFlags(args)
+    const pipeline = yield* checkPipelineFlags(args, true)
     const keys = yield* apiKeysOf(args.apiKeyFile)
     const own = yield* checkServeFlags(args)
     return yield* serveChecked(args, pipeline, keys, own).pipe(Effect.provideService(Settings, pipeline.settings))

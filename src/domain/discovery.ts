@@ -48,7 +48,12 @@ export const Announcement = Schema.Struct({
   counter: Schema.Number,
   /** How long a listener keeps the node without hearing from it again. */
   ttlMillis: Schema.Number,
-  resources: NodeResources
+  resources: NodeResources,
+  /**
+   * Sent by unicast to a `--join` address (not on the LAN): a node that hears it relays it onto its own LAN, so a
+   * node joining through any pool member reaches an orchestrator its multicast does not.
+   */
+  join: Schema.optional(Schema.Boolean)
 })
 export type Announcement = typeof Announcement.Type
 
@@ -58,7 +63,12 @@ export const DiscoveryDatagram = Schema.Struct({
   protocol: Schema.Number,
   nonce: Schema.String,
   proof: Schema.String,
-  body: Schema.String
+  body: Schema.String,
+  /**
+   * A join announcement relayed by the node that heard it: the joiner's address as that node saw it (`from`), proved
+   * by the relaying node over `from` and the joiner's own proof (`relayInput`). Relayed datagrams are never relayed.
+   */
+  relay: Schema.optional(Schema.Struct({ from: Schema.String, proof: Schema.String }))
 })
 export type DiscoveryDatagram = typeof DiscoveryDatagram.Type
 
@@ -79,13 +89,24 @@ export const decodeAnnouncement = Schema.decodeUnknownEither(announcementJson)
 export const proofInput = (nonce: string, body: string): string =>
   `swactor-discovery-v${DISCOVERY_PROTOCOL}\n${nonce}\n${body}`
 
+/** The bytes a relay's proof covers: a label, the joiner's address as heard, and the joiner's own proof. */
+export const relayInput = (from: string, proof: string): string =>
+  `swactor-discovery-relay-v${DISCOVERY_PROTOCOL}\n${from}\n${proof}`
+
 // ---------------------------------------------------------------------------------------------------------------
 // The discovered set: a pure state and what changes it.
 // ---------------------------------------------------------------------------------------------------------------
 
 /** What a listener made of one datagram (its layer checks the proof). */
 export type Heard =
-  | { readonly _tag: "Verified"; readonly announcement: Announcement; readonly from: string }
+  | {
+      readonly _tag: "Verified"
+      readonly announcement: Announcement
+      /** The sender (a relayed join: the joiner as the relaying node heard it). */
+      readonly from: string
+      /** Heard from a relaying node, not from the joiner itself. */
+      readonly relayed?: boolean | undefined
+    }
   | { readonly _tag: "Refused"; readonly from: string; readonly nodeId?: string | undefined; readonly reason: string }
   | { readonly _tag: "OtherVersion"; readonly from: string; readonly protocol: number; readonly reason: string }
 

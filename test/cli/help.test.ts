@@ -8,6 +8,7 @@ import { execFile } from "node:child_process"
 import { join } from "node:path"
 import { nearest } from "../../src/cli/CommandLine.js"
 import { commandHelp, helpWidth, maxHelpWidth } from "../../src/cli/Help.js"
+import { inviteDoc } from "../../src/cli/InviteCommand.js"
 import { nodeDoc } from "../../src/cli/NodeCommand.js"
 import { planDoc } from "../../src/cli/PlanCommand.js"
 import { runDoc } from "../../src/cli/RunCommand.js"
@@ -42,7 +43,8 @@ const expectRefused = (ran: Ran, line: string) => {
   expect(ran.code).toBe(1)
 }
 
-const docs = [runDoc, serveDoc, nodeDoc, planDoc, synthDoc]
+const docs = [runDoc, serveDoc, nodeDoc, inviteDoc, planDoc, synthDoc]
+const nameWidth = Math.max(...docs.map((doc) => doc.name.length))
 
 describe("swactor --help", () => {
   it.each(["", ...docs.map((doc) => doc.name)])(
@@ -62,7 +64,7 @@ describe("swactor --help", () => {
   it("the top-level help lists each command in one line and none of @effect/cli's own options but --version", async () => {
     const ran = await swactor(["--help"])
     for (const doc of docs) {
-      expect(ran.stdout.split("\n")).toContain(`  ${doc.name.padEnd(5)}  ${doc.summary}`)
+      expect(ran.stdout.split("\n")).toContain(`  ${doc.name.padEnd(nameWidth)}  ${doc.summary}`)
     }
     expect(ran.stdout).not.toMatch(/--wizard|--completions|--log-level|A true or false value|This setting is optional/)
     expect(ran.stdout).toContain("--version")

@@ -1,7 +1,8 @@
 /**
  * A node's announcements on the LAN (issue 39): every `intervalMillis`, a proved datagram (DiscoveryProof.ts) by UDP
  * multicast and broadcast on each chosen interface (NetInterfaces.ts, listed again each time, so an interface that
- * comes up later is used), and by unicast to the `targets` given. Each interface has its own socket bound to its
+ * comes up later is used), and by unicast to the `targets` given (`--join`: marked as joins, so that a node hearing one
+ * relays it onto its own LAN, `relay`). Each interface has its own socket bound to its
  * address; a send that fails is transient: the interface's socket is dropped, the failure kept for `failures`, and
  * the next round opens it again. On a clean stop (the scope closing) a `leave` goes out the same ways.
  */
@@ -38,6 +39,8 @@ export interface Announcer {
   readonly rounds: Effect.Effect<number>
   /** The interfaces (or targets) whose last send failed, with why. */
   readonly failures: Effect.Effect<ReadonlyMap<string, string>>
+  /** Sends a datagram (a relayed join) on this announcer's interfaces, by multicast and broadcast. */
+  readonly relay: (message: Buffer) => Effect.Effect<void>
 }
 
 interface AnnouncerState {
@@ -118,7 +121,24 @@ const forgetGone = (state: AnnouncerState, current: ReadonlySet<string>) =>
     { discard: true }
   )
 
-/** One round: the announcement (or leave) to every interface and target. */
+/** `message` by multicast and broadcast on each chosen interface (none with `lan: false`). */
+const onLan = (state: AnnouncerState, lan: ReadonlyArray<DiscoveryInterface>, message: Buffer) => {
+  const port = state.options.port ?? DISCOVERY_PORT
+  const group = state.options.group ?? DISCOVERY_GROUP
+  return lan.map((iface) =>
+    sendOn(state, interfaceKey(iface), openSocket(iface.address, iface), (socket) =>
+      Effect.zipRight(sendTo(socket, message, port, group), sendTo(socket, message, port, iface.broadcast))
+    )
+  )
+}
+
+const lanInterfaces = (options: AnnouncerOptions) =>
+  options.lan === false ? [] : discoveryInterfaces(options.interfaces)
+
+/**
+ * One round: the announcement (or leave) to every interface, and to every target marked as a join (a node hearing it
+ * relays it onto its LAN).
+ */
 const sendRound = (state: AnnouncerState, kind: Announcement["kind"]) =>
   Effect.suspend(() => {
     const { options } = state
@@ -132,24 +152,18 @@ const sendRound = (state: AnnouncerState, kind: Announcement["kind"]) =>
       resources: options.resources()
     }
     const message = signedDatagram(options.token, announcement)
-    const port = options.port ?? DISCOVERY_PORT
-    const group = options.group ?? DISCOVERY_GROUP
-    const lan = options.lan === false ? [] : discoveryInterfaces(options.interfaces)
+    const joinMessage = signedDatagram(options.token, { ...announcement, join: true })
+    const lan = lanInterfaces(options)
     const gone = forgetGone(state, new Set([...lan.map(interfaceKey), ...(options.targets ?? [])]))
-    const onInterfaces = lan.map((iface) =>
-      sendOn(state, interfaceKey(iface), openSocket(iface.address, iface), (socket) =>
-        Effect.zipRight(sendTo(socket, message, port, group), sendTo(socket, message, port, iface.broadcast))
-      )
-    )
     const onTargets = (options.targets ?? []).map((target) =>
       sendOn(state, target, openSocket(undefined, undefined), (socket) => {
         const [host, targetPort] = hostPort(target)
-        return sendTo(socket, message, targetPort, host)
+        return sendTo(socket, joinMessage, targetPort, host)
       })
     )
     return Effect.zipRight(
       gone,
-      Effect.all([...onInterfaces, ...onTargets], { concurrency: "unbounded", discard: true })
+      Effect.all([...onLan(state, lan, message), ...onTargets], { concurrency: "unbounded", discard: true })
     )
   })
 
@@ -177,6 +191,10 @@ export const makeAnnouncer = (options: AnnouncerOptions): Effect.Effect<Announce
     )
     return {
       rounds: Effect.sync(() => rounds),
-      failures: Effect.sync(() => new Map(state.failures))
+      failures: Effect.sync(() => new Map(state.failures)),
+      relay: (message) =>
+        Effect.suspend(() =>
+          Effect.all(onLan(state, lanInterfaces(state.options), message), { concurrency: "unbounded", discard: true })
+        )
     }
   })

@@ -2,7 +2,8 @@
  * The listener of announcements (issue 39): a UDP socket on the discovery port (shared, `reuseAddr`), joined to the
  * multicast group on each chosen interface, that reads each datagram with the cluster token (DiscoveryProof.ts) into
  * the discovered set (src/domain/discovery.ts): the verified nodes, the refused senders and why, the senders of another
- * protocol version and why, and the ids two live nodes announce (refused, both named, logged as a warning).
+ * protocol version and why, and the ids two live nodes announce (refused, both named, logged as a warning). A join
+ * (a node's unicast announcement, `--join`) heard here is verified, then handed to `relay` when given.
  */
 import * as Dgram from "node:dgram"
 import { Effect, Queue, Redacted, type Scope } from "effect"
@@ -16,7 +17,7 @@ import {
   hear,
   viewOf
 } from "../../domain/discovery.js"
-import { readDatagram } from "./DiscoveryProof.js"
+import { readDatagram, relayedDatagram } from "./DiscoveryProof.js"
 import { discoveryInterfaces, type InterfaceChoice } from "./NetInterfaces.js"
 
 export interface ListenerOptions {
@@ -29,6 +30,11 @@ export interface ListenerOptions {
   readonly listingMillis?: number | undefined
   /** The clock (default Date.now). */
   readonly now?: (() => number) | undefined
+  /**
+   * Where a verified join (an announcement a node sent here by unicast, `--join`) goes on, relayed (a node's
+   * announcer: onto its LAN). None: joins are only heard.
+   */
+  readonly relay?: ((message: Buffer) => Effect.Effect<void>) | undefined
 }
 
 export interface DiscoveryListener {
@@ -82,9 +88,17 @@ export const makeDiscoveryListener = (options: ListenerOptions): Effect.Effect<D
     const take = Queue.take(heard).pipe(
       Effect.flatMap(({ message, from }) => {
         const before = state.conflicts
-        state = hear(expireDiscovered(state, now()), readDatagram(options.token, message, from), now(), listing)
+        const read = readDatagram(options.token, message, from)
+        state = hear(expireDiscovered(state, now()), read, now(), listing)
         const fresh = viewOf(state).conflicts.filter((c) => !before.has(c.nodeId))
-        return Effect.forEach(fresh, (conflict) => Effect.logWarning(conflict.reason), { discard: true })
+        const relayed =
+          read._tag === "Verified" && read.relayed !== true && read.announcement.join === true
+            ? relayedDatagram(options.token, message, from)
+            : undefined
+        return Effect.zipRight(
+          Effect.forEach(fresh, (conflict) => Effect.logWarning(conflict.reason), { discard: true }),
+          relayed === undefined || options.relay === undefined ? Effect.void : options.relay(relayed)
+        )
       })
     )
     yield* Effect.forkScoped(Effect.forever(take))

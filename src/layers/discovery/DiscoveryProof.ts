@@ -15,14 +15,19 @@ import {
   DISCOVERY_PROTOCOL,
   encodeAnnouncement,
   encodeDatagram,
+  type DiscoveryDatagram,
   type Heard,
-  proofInput
+  proofInput,
+  relayInput
 } from "../../domain/discovery.js"
 
 const NONCE_BYTES = 16
 
+const hmac = (token: Redacted.Redacted<string>, input: string): Buffer =>
+  createHmac("sha256", Redacted.value(token)).update(input, "utf8").digest()
+
 const proofOf = (token: Redacted.Redacted<string>, nonce: string, body: string): Buffer =>
-  createHmac("sha256", Redacted.value(token)).update(proofInput(nonce, body), "utf8").digest()
+  hmac(token, proofInput(nonce, body))
 
 /** The datagram announcing `announcement`, proved with `token` over a fresh nonce. */
 export const signedDatagram = (
@@ -39,6 +44,22 @@ export const signedDatagram = (
   )
 }
 
+/**
+ * A join announcement heard from `from`, relayed: the same signed datagram with `from` and this node's proof over
+ * `from` and the joiner's proof (so the listener uses the joiner's address, not the relaying node's). Undefined for a
+ * datagram that is not a join, or is itself relayed (never relayed twice), or cannot be read.
+ */
+export const relayedDatagram = (
+  token: Redacted.Redacted<string>,
+  message: Buffer,
+  from: string
+): Buffer | undefined => {
+  const datagram = decodeDatagram(message.toString("utf8"))
+  if (Either.isLeft(datagram) || datagram.right.relay !== undefined) return undefined
+  const relay = { from, proof: hmac(token, relayInput(from, datagram.right.proof)).toString("hex") }
+  return Buffer.from(encodeDatagram({ ...datagram.right, relay }), "utf8")
+}
+
 /** The node id a body names, when it can be read at all (for a refusal's line). */
 const idOf = (body: string): string | undefined => {
   try {
@@ -51,18 +72,26 @@ const idOf = (body: string): string | undefined => {
   }
 }
 
-/** Whether `proof` (hex) is the HMAC of `nonce` and `body` under `token`, in constant time. */
-const proofHolds = (token: Redacted.Redacted<string>, nonce: string, body: string, proof: string): boolean => {
-  const expected = proofOf(token, nonce, body)
+/** Whether `proof` (hex) is `expected`, in constant time. */
+const sameProof = (expected: Buffer, proof: string): boolean => {
   const given = Buffer.from(proof, "hex")
   return given.length === expected.length && timingSafeEqual(given, expected)
 }
 
-/** What a listener holding `token` makes of a datagram `message` from `from` (host:port). */
+/** Whether the datagram's proof holds, and its relay's when relayed. */
+const proofsHold = (token: Redacted.Redacted<string>, datagram: DiscoveryDatagram): boolean =>
+  sameProof(proofOf(token, datagram.nonce, datagram.body), datagram.proof) &&
+  (datagram.relay === undefined ||
+    sameProof(hmac(token, relayInput(datagram.relay.from, datagram.proof)), datagram.relay.proof))
+
+/**
+ * What a listener holding `token` makes of a datagram `message` from `from` (host:port); a relayed join is heard as
+ * from the joiner.
+ */
 export const readDatagram = (token: Redacted.Redacted<string>, message: Buffer, from: string): Heard => {
   const datagram = decodeDatagram(message.toString("utf8"))
   if (Either.isLeft(datagram)) return { _tag: "Refused", from, reason: "not a swactor announcement" }
-  const { protocol, nonce, proof, body } = datagram.right
+  const { protocol, body, relay } = datagram.right
   const nodeId = idOf(body)
   if (protocol !== DISCOVERY_PROTOCOL)
     return {
@@ -73,10 +102,12 @@ export const readDatagram = (token: Redacted.Redacted<string>, message: Buffer, 
         `${nodeId === undefined ? "a node" : `node ${nodeId}`} at ${from} speaks discovery protocol ${protocol}, ` +
         `this node ${DISCOVERY_PROTOCOL}: not used (run the same swactor release on every node)`
     }
-  if (!proofHolds(token, nonce, body, proof))
+  if (!proofsHold(token, datagram.right))
     return { _tag: "Refused", from, nodeId, reason: "its proof does not hold: another cluster token, or altered" }
   const announcement = decodeAnnouncement(body)
   if (Either.isLeft(announcement))
     return { _tag: "Refused", from, nodeId, reason: "its announcement cannot be read by this release" }
-  return { _tag: "Verified", from, announcement: announcement.right }
+  return relay === undefined
+    ? { _tag: "Verified", from, announcement: announcement.right }
+    : { _tag: "Verified", from: relay.from, announcement: announcement.right, relayed: true }
 }
