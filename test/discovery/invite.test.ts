@@ -7,7 +7,7 @@ import { execFile } from "node:child_process"
 import { Effect, Either, Encoding } from "effect"
 import { decodeInvite, encodeInvite } from "../../src/domain/invite.js"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
-import { repoRoot } from "../support/models.js"
+import { repoRoot, requireModel } from "../support/models.js"
 
 const swactor = (args: ReadonlyArray<string>, env: Record<string, string | undefined>) =>
   Effect.async<{ code: number; stdout: string; stderr: string }>((resume) => {
@@ -67,6 +67,29 @@ describe("invites", () => {
           SWACTOR_CLUSTER_TOKEN: token
         })
         assert.strictEqual(notAddress.stderr, "swactor node: --join: not host:port nor an invite (swactor1:...)\n")
+      }),
+    60_000
+  )
+
+  it.live(
+    "serve --discover prints its invite (this host's address, the discovery port, the token) while it listens",
+    () =>
+      Effect.gen(function* () {
+        const token = generateToken()
+        const port = String(20000 + ((process.pid + 29) % 20000))
+        const served = yield* swactor(
+          ["serve", "--model", requireModel("stories260K.gguf"), "--port", "0", "--discover"],
+          { SWACTOR_CLUSTER_TOKEN: token, SWACTOR_DISCOVERY_PORT: port }
+        )
+        // no node answers: it says so and exits 1, after the invite line
+        assert.strictEqual(served.code, 1)
+        const line = served.stderr.split("\n").find((l) => l.startsWith("swactor: invite"))
+        assert.isDefined(line, served.stderr)
+        const invite = decodeInvite(line!.slice(line!.indexOf("swactor1:")))
+        assert.isTrue(Either.isRight(invite))
+        assert.match(Either.getOrThrow(invite).address, new RegExp(`^[\\d.]+:${port}$`))
+        assert.strictEqual(Either.getOrThrow(invite).token, token)
+        assert.strictEqual(served.stderr.split(token).length, 1)
       }),
     60_000
   )
