@@ -2,8 +2,9 @@
  * The console in a real browser (issue 39's proof, "The console in a real browser in CI"): Debian's `chromium`, driven
  * by playwright-core against the system binary (no browser download; .ci/run installs the package), opens `swactor
  * serve`'s page for stories260K on two local agents with an API key. The page asks for the key, then shows both nodes
- * ready and the plan over both; a chat streams its answer in several pieces. A screenshot is kept in
- * test-artifacts/console.png (git-ignored).
+ * ready and the plan over both; a chat streams its answer in several pieces. A node killed turns lost on the page,
+ * and the pool serves on the other (the plan moves there, a chat answers). Screenshots are kept in test-artifacts/
+ * (git-ignored).
  */
 import { afterAll, beforeAll } from "vitest"
 import { assert, describe, it } from "@effect/vitest"
@@ -12,7 +13,7 @@ import { join } from "node:path"
 import { randomBytes } from "node:crypto"
 import { type Browser, chromium } from "playwright-core"
 import { repoRoot, requireModel } from "../support/models.js"
-import { type ServeProcess, startServe, stopServe } from "../support/serve.js"
+import { agentsOf, type ServeProcess, startServe, stopServe } from "../support/serve.js"
 
 const model = requireModel("stories260K.gguf")
 const key = randomBytes(24).toString("hex")
@@ -87,5 +88,39 @@ describe("the console page in Debian's chromium", () => {
     await page.screenshot({ path: join(artifacts, "console.png"), fullPage: true })
     assert.isTrue(existsSync(join(artifacts, "console.png")))
     assert.deepStrictEqual(problems, [])
+  })
+
+  it("a node killed turns lost on the page, then the pool serves on the other: the plan moves there, a chat answers", async () => {
+    const page = await browser.newPage({ viewport: { width: 1100, height: 1000 } })
+    await page.goto(`${server.url}/`)
+    await page.locator("#key-input").fill(key)
+    await page.locator("#key-send").click()
+    await page.locator("#nodes tbody tr[data-state=ready]").nth(1).waitFor({ timeout: 20_000 })
+    const agents = await agentsOf(server.url, { authorization: `Bearer ${key}` })
+    assert.strictEqual(agents.length, 2)
+    const [survivor, killed] = agents as [(typeof agents)[number], (typeof agents)[number]]
+    process.kill(killed.pid, "SIGKILL")
+    await page
+      .locator(`#nodes tbody tr[data-state=lost][data-address="${killed.address}"]`)
+      .waitFor({ timeout: 20_000 })
+    await page.locator("#chat-input").fill("Once upon a time")
+    await page.locator("#chat-send").click()
+    await page.locator("#chat-output .assistant[data-done=true]").waitFor({ state: "attached", timeout: 60_000 })
+    assert.isAbove(Number(await page.locator("#chat-output .assistant").getAttribute("data-pieces")), 1)
+    // the next run was planned on the survivor alone, and the page shows it
+    await page.waitForFunction(
+      (address) => {
+        const rows = [...document.querySelectorAll("#plan tbody tr")]
+        return rows.length > 0 && rows.every((r) => r.querySelectorAll("td")[2]?.textContent === address)
+      },
+      survivor.address,
+      { timeout: 20_000 }
+    )
+    assert.strictEqual(
+      await page.locator(`#nodes tbody tr[data-address="${survivor.address}"]`).getAttribute("data-state"),
+      "ready"
+    )
+    assert.strictEqual(await page.locator("#server-status").textContent(), "server ready")
+    await page.screenshot({ path: join(artifacts, "console-node-lost.png"), fullPage: true })
   })
 })

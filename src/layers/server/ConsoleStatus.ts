@@ -11,12 +11,14 @@ import type { ServerInfo, ServerMetrics, ServerService, ServerStatus } from "../
 /** How far back the tokens per second look. */
 const rateWindowMillis = 5000
 
+const unknownResources = { memoryUsedBytes: null, memoryTotalBytes: null, cores: null, backend: null }
+
 /** A node's memory, cores and backend: as it answered now, else as it reported when the pool was ready. */
 const resourcesOf = (metrics: ServerMetrics, address: string) => {
   const live = metrics.agents.find((a) => a.address === address)?.capacity
   const c = live ?? metrics.setup?.nodes.find((n) => n.address === address)?.capacity
   return c === undefined
-    ? { memoryUsedBytes: null, memoryTotalBytes: null, cores: null, backend: null }
+    ? unknownResources
     : {
         memoryUsedBytes: Math.max(0, c.totalMemoryBytes - c.freeMemoryBytes),
         memoryTotalBytes: c.totalMemoryBytes,
@@ -95,11 +97,11 @@ export const consoleStatusOf = (
           ? "reviving"
           : "faulted",
   detail: status._tag === "Reviving" || status._tag === "Faulted" ? status.message : "",
-  nodes: addressesOf(status, metrics).map((address) => ({
-    address,
-    ...stateOf(status, metrics, address),
-    ...resourcesOf(metrics, address)
-  })),
+  nodes: addressesOf(status, metrics).map((address) => {
+    const state = stateOf(status, metrics, address)
+    // a lost node's last figures would be stale: none shown
+    return { address, ...state, ...(state.state === "lost" ? unknownResources : resourcesOf(metrics, address)) }
+  }),
   plan: {
     contextTokens: metrics.plan?.contextTokens ?? 0,
     stages: (metrics.plan?.stages ?? []).map((s) => ({ ...s, layers: [s.layers[0], s.layers[1]] as const }))
