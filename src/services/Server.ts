@@ -4,6 +4,7 @@
  * `generate` is a Stream per request; interrupting it cancels the run (its KV freed on every stage).
  */
 import { Context, type Duration, type Effect, Schema, type Stream } from "effect"
+import type { NodeCapacity } from "../domain/controlRpc.js"
 import type { ModelFacts } from "../domain/plan.js"
 import type { PipelineOptions, SamplingOptions } from "./Orchestrator.js"
 import type { ChatMessage, FormattedChat } from "./Tokenizer.js"
@@ -268,10 +269,39 @@ export interface ServerMetrics {
     readonly bytes: number
     readonly totalBytes: number
   }>
+  /**
+   * The pipeline as its runs were last planned: each stage's node, blocks, weight bytes and the KV bytes one sequence
+   * of `contextTokens` takes on it (absent: not planned yet).
+   */
+  readonly plan?: {
+    readonly contextTokens: number
+    readonly stages: ReadonlyArray<{
+      readonly stageIndex: number
+      readonly address: string
+      readonly layers: readonly [number, number]
+      readonly weightBytes: number
+      readonly kvBytes: number
+    }>
+  }
+  /**
+   * The pipeline's set-up as it went: each node's capacity as it reported it when the pool was ready, and each stage's
+   * weights loaded so far (its agent's StageLoading reports; `done` once the stage reported ready).
+   */
+  readonly setup?: {
+    readonly nodes: ReadonlyArray<{ readonly address: string; readonly capacity: NodeCapacity }>
+    readonly loading: ReadonlyArray<{
+      readonly stageIndex: number
+      readonly loadedBytes: number
+      readonly totalBytes: number
+      readonly done: boolean
+    }>
+  }
   readonly agents: ReadonlyArray<{
     readonly address: string
     readonly pid: number
     readonly activeStages: number
+    /** Its memory, cores and backend as it answered now (absent: no answer). */
+    readonly capacity?: Pick<NodeCapacity, "freeMemoryBytes" | "totalMemoryBytes" | "threads" | "backend">
     /** The agent's ggml devices and their memory now (absent: no answer, or an engine without devices). */
     readonly devices?: ReadonlyArray<{
       readonly name: string

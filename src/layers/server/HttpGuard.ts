@@ -339,12 +339,13 @@ export const apiKeys = (keys: ReadonlyArray<Redacted.Redacted<string>>): ApiKeys
   }
 }
 
-/** Routes open without a key: a load balancer's health check. */
-const openPaths = new Set(["/health"])
+/** Routes open without a key: a load balancer's health check, and the console's page (it asks for the key). */
+const openPaths = new Set(["/health", "/"])
 
 /**
  * The caller's key, from `Authorization: Bearer KEY` (what OpenAI's clients send) or `x-api-key: KEY` (Anthropic's),
- * checked when the server has keys: 401 in OpenAI's shape without one or with a wrong one. `/health` stays open.
+ * checked when the server has keys: 401 in OpenAI's shape without one or with a wrong one. `/health` and the console's
+ * page `/` stay open (the page holds nothing of the server's; what it shows comes from `/api/*`, which need the key).
  */
 export const checkApiKey = (
   headers: Readonly<Record<string, string | undefined>>,

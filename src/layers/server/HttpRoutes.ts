@@ -9,6 +9,9 @@
  * | POST /v1/chat/completions | chat through the model's chat template (SSE `chat.completion.chunk`) |
  * | POST /v1/messages, /v1/messages/count_tokens | Anthropic's Messages API (AnthropicMessages.ts) |
  * | GET /metrics | Prometheus text (MetricsText.ts) |
+ * | GET / | the console: one self-contained page (ConsolePage.ts), open without a key (it asks for one) |
+ * | GET /api/status | the console's status as JSON (domain/consoleStatus.ts, ConsoleStatus.ts) |
+ * | GET /api/events | the same status as server-sent events, pushed when it changes |
  *
  * and the guard every request passes first (`guarded`): the caller check, CORS, API keys, and a defect answered as a
  * 500 in the route's error shape.
@@ -19,7 +22,7 @@ import * as HttpRouter from "@effect/platform/HttpRouter"
 import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import * as NodeHttpServerRequest from "@effect/platform-node/NodeHttpServerRequest"
-import { Cause, Effect, Option, Schema } from "effect"
+import { Cause, Effect, Option, Schedule, Schema, Stream } from "effect"
 import { Server, type ServeError, type ServerService, type ServerStatus } from "../../services/Server.js"
 import {
   apiKeys,
@@ -42,6 +45,8 @@ import { reasoningFormatOf } from "./Reasoning.js"
 import { renderConnections, renderMetrics } from "./MetricsText.js"
 import type { ConnectionStats } from "./HttpListener.js"
 import { type HttpServeOptions, limitsOf } from "./HttpServeOptions.js"
+import { type Console, makeConsole } from "./ConsoleStatus.js"
+import { consolePage, consolePageHeaders } from "./ConsolePage.js"
 
 /** What the routes share: the server, the model's name, the body reader and the answer's shape. */
 interface Routes {
@@ -138,6 +143,41 @@ const metrics = (server: ServerService, connections: ConnectionStats | undefined
     })
   })
 
+/** The console's event stream polls the status this often; an unchanged status sends nothing. */
+const consolePollMillis = 500
+/** A comment line after this many unchanged polls keeps an idle stream open. */
+const consoleKeepAlivePolls = 30
+
+/**
+ * GET /api/events: the console's status as server-sent events (`event: status`), the first at once, then each time it
+ * changes. A client that goes away interrupts the stream, which stops polling and counts it closed.
+ */
+const consoleEvents = (console: Console) =>
+  Effect.sync(() => {
+    let last = ""
+    let quiet = 0
+    const frames = Stream.repeatEffectWithSchedule(console.status, Schedule.spaced(consolePollMillis)).pipe(
+      Stream.filterMap((status) => {
+        const json = JSON.stringify(status)
+        if (json !== last) {
+          last = json
+          quiet = 0
+          return Option.some(`event: status\ndata: ${json}\n\n`)
+        }
+        quiet = (quiet + 1) % consoleKeepAlivePolls
+        return quiet === 0 ? Option.some(": keep-alive\n\n") : Option.none()
+      })
+    )
+    const body = Stream.acquireRelease(console.opened, () => console.closed).pipe(
+      Stream.flatMap(() => frames),
+      Stream.encodeText
+    )
+    return HttpServerResponse.stream(body, {
+      contentType: "text/event-stream",
+      headers: { "cache-control": "no-cache", "x-accel-buffering": "no" }
+    })
+  })
+
 /** POST /v1/completions */
 const completion = ({ body, keepAliveMillis, server, shape }: Routes) =>
   Effect.gen(function* () {
@@ -230,6 +270,7 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
       })
     }
     // Anthropic's Messages API (AnthropicMessages.ts): its errors in Anthropic's shape.
+    const console = yield* makeConsole(server, modelName)
     const messages = messagesRoutes({
       server,
       modelName,
@@ -250,6 +291,15 @@ export const router = (options: HttpServeOptions, modelPath: string, connections
         )
       ),
       HttpRouter.get("/metrics", metrics(server, connections)),
+      HttpRouter.get(
+        "/",
+        Effect.succeed(HttpServerResponse.html(consolePage).pipe(HttpServerResponse.setHeaders(consolePageHeaders)))
+      ),
+      HttpRouter.get(
+        "/api/status",
+        Effect.map(console.status, (status) => HttpServerResponse.unsafeJson(status))
+      ),
+      HttpRouter.get("/api/events", consoleEvents(console)),
       HttpRouter.post("/v1/completions", handle(completion(routes))),
       HttpRouter.post("/v1/chat/completions", handle(chatCompletion(routes))),
       HttpRouter.post("/v1/messages", handle(messages.create, anthropicErrorResponse)),

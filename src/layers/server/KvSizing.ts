@@ -10,6 +10,13 @@ import { type BlocksKv, kvBytesOfRange } from "../../services/KvSize.js"
 
 type Ranges = ReadonlyArray<readonly [number, number]>
 
+/** The model's per-block KV facts, and (from its catalog layout) its weight bytes per block, embeddings and head. */
+type ModelBlocks = BlocksKv & {
+  readonly blockBytes?: ReadonlyArray<number>
+  readonly inputBytes?: number
+  readonly outputBytes?: number
+}
+
 /** KV cache bytes one sequence of `contextLength` tokens takes on the heaviest of the stages over `ranges`. */
 export const kvBytesPerSequence = (kv: BlocksKv, ranges: Ranges, contextLength: number): number =>
   Math.max(0, ...ranges.map(([start, end]) => kvBytesOfRange(kv, start, end, contextLength)))
@@ -36,7 +43,7 @@ export interface KvSizing {
 export const make = (budgetBytes: number | undefined, parallel: number) => {
   // The pipeline's shape as its runs were last planned (more blocks on one stage after a recovery onto fewer stages,
   // fewer again when a node rejoins). KV bytes per request and the default budget follow it.
-  const shape: { kv: BlocksKv; maxSeqLen: number; ranges: Ranges } = {
+  const shape: { kv: ModelBlocks; maxSeqLen: number; ranges: Ranges } = {
     kv: { kvBytesPerToken: [] },
     maxSeqLen: 0,
     ranges: []
@@ -46,8 +53,25 @@ export const make = (budgetBytes: number | undefined, parallel: number) => {
     budget: () => budgetBytes ?? parallel * bytes(Math.min(shape.maxSeqLen, 4096)),
     bytes,
     /** The model's per-block facts (its catalog layout). */
-    model: (kv: BlocksKv) => {
+    model: (kv: ModelBlocks) => {
       shape.kv = kv
+    },
+    /** The context a sequence is sized for by default: min(the model's context, 4096) tokens. */
+    contextTokens: () => Math.min(shape.maxSeqLen, 4096),
+    /**
+     * A stage of blocks [start, end): its weight bytes (with the embeddings on the first stage and the output head on
+     * the last, as placement counts them) and the KV bytes one sequence of `contextTokens()` takes on it.
+     */
+    stageBytes: (start: number, end: number) => {
+      const blocks = shape.kv.blockBytes ?? []
+      const weights = blocks.slice(start, end).reduce((sum, b) => sum + b, 0)
+      return {
+        weightBytes:
+          weights +
+          (start === 0 ? (shape.kv.inputBytes ?? 0) : 0) +
+          (end === blocks.length ? (shape.kv.outputBytes ?? 0) : 0),
+        kvBytes: kvBytesOfRange(shape.kv, start, end, Math.min(shape.maxSeqLen, 4096))
+      }
     },
     /** The pipeline's shape before its first run is planned (the warm-up's plan refines it). */
     pipeline: (model: { readonly maxSeqLen: number; readonly numLayers: number }, stageCount: number) => {

@@ -34,6 +34,55 @@ const makeWeightsRecorder = () => {
   }
 }
 
+/**
+ * The pipeline's set-up and plan as its updates pass: each node's capacity when the pool was ready, each stage's
+ * weights loaded so far, and the stages of the latest plan (with their bytes from the KV sizing's layout).
+ */
+const makePlanRecorder = () => {
+  const nodes = new Map<string, NonNullable<ServerMetrics["setup"]>["nodes"][number]>()
+  const loading = new Map<number, { stageIndex: number; loadedBytes: number; totalBytes: number; done: boolean }>()
+  let planned: Extract<RunUpdate, { _tag: "Planned" }>["stages"] = []
+  return {
+    observe: (update: RunUpdate) => {
+      if (update._tag === "PoolReady")
+        for (const c of update.capacity) nodes.set(c.node.address, { address: c.node.address, capacity: c.capacity })
+      if (update._tag === "Planned" && update.stages.length > 0) planned = update.stages
+      if (update._tag === "StageLoading") {
+        const done = loading.get(update.stageIndex)?.done ?? false
+        loading.set(update.stageIndex, { ...update, done })
+      }
+      if (update._tag === "StageReady") {
+        const was = loading.get(update.stageIndex)
+        loading.set(update.stageIndex, {
+          stageIndex: update.stageIndex,
+          loadedBytes: was?.totalBytes ?? 0,
+          totalBytes: was?.totalBytes ?? 0,
+          done: true
+        })
+      }
+    },
+    snapshot: (sizing: PlanSizing | undefined): Pick<ServerMetrics, "plan" | "setup"> => ({
+      ...(nodes.size === 0 && loading.size === 0
+        ? {}
+        : { setup: { nodes: [...nodes.values()], loading: [...loading.values()] } }),
+      ...(planned.length === 0 || sizing === undefined
+        ? {}
+        : {
+            plan: {
+              contextTokens: sizing.contextTokens(),
+              stages: planned.map((s) => ({ ...s, ...sizing.stageBytes(s.layers[0], s.layers[1]) }))
+            }
+          })
+    })
+  }
+}
+
+/** The bytes of a planned stage (KvSizing.ts). */
+interface PlanSizing {
+  readonly contextTokens: () => number
+  readonly stageBytes: (start: number, end: number) => { readonly weightBytes: number; readonly kvBytes: number }
+}
+
 /** The server's counters, as requests complete (ServerMetrics without the gauges read at snapshot time). */
 const newCounts = () => ({
   completed: 0,
@@ -153,6 +202,12 @@ const agentsOf = (up: Pipeline) =>
             address: agent.node.address,
             pid: agent.pid,
             activeStages: c.activeStages,
+            capacity: {
+              freeMemoryBytes: c.freeMemoryBytes,
+              totalMemoryBytes: c.totalMemoryBytes,
+              threads: c.threads,
+              backend: c.backend
+            },
             ...(c.devices === undefined ? {} : { devices: c.devices }),
             ...(c.openSessions === undefined ? {} : { openSessions: c.openSessions }),
             ...(c.stepCosts === undefined ? {} : { stepCosts: c.stepCosts })
@@ -169,6 +224,8 @@ interface SnapshotSources {
   readonly pipeline: () => Pipeline | undefined
   readonly promptCache: () => NonNullable<ServerMetrics["promptCache"]>
   readonly kvBudgetBytes: () => number
+  /** The bytes of the planned stages (absent: the plan is not shown). */
+  readonly sizing?: PlanSizing
 }
 
 /**
@@ -178,6 +235,7 @@ interface SnapshotSources {
 const snapshot = (
   counts: Counts,
   weights: ReturnType<typeof makeWeightsRecorder>,
+  plan: ReturnType<typeof makePlanRecorder>,
   now: SnapshotSources
 ): Effect.Effect<ServerMetrics> =>
   Effect.gen(function* () {
@@ -205,17 +263,24 @@ const snapshot = (
       stages: [...counts.stages].sort(([a], [b]) => a - b).map(([stageIndex, m]) => ({ stageIndex, ...m })),
       firstToken: { ...counts.firstToken },
       ...weights.snapshot(),
+      ...plan.snapshot(now.sizing),
       agents
     }
   })
 
 export const make = () => {
   const weights = makeWeightsRecorder()
+  const plan = makePlanRecorder()
   const counts = newCounts()
   return {
     counts,
     record: (update: RunUpdate, firstToken: () => FirstTokenTimes | undefined) => record(counts, update, firstToken),
-    snapshot: (now: SnapshotSources) => snapshot(counts, weights, now),
-    observeSetup: weights.observe
+    snapshot: (now: SnapshotSources) => snapshot(counts, weights, plan, now),
+    observeSetup: (update: RunUpdate) => {
+      weights.observe(update)
+      plan.observe(update)
+    },
+    /** Every run's updates (the warm-up's too): the plan and the stages' loading. */
+    observePlan: plan.observe
   }
 }

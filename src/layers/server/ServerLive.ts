@@ -357,7 +357,14 @@ export const make = (options: ServeOptions) =>
       options.promptCache,
       (): Pipeline | undefined => lifecycle.live()?.pipeline
     )
-    const { admission, observePlan, sizing, tooLong } = admissionOf(options, parallel, queueLimit, keeper)
+    const admitted = admissionOf(options, parallel, queueLimit, keeper)
+    const { admission, sizing, tooLong } = admitted
+    // every run's plan passes here: the admission's sizes follow it, and the console's plan (MetricsRecorder.ts)
+    const observePlan = (update: RunUpdate) =>
+      Effect.zipRight(
+        Effect.sync(() => recorder.observePlan(update)),
+        admitted.observePlan(update)
+      )
     const lifecycle = yield* PipelineLifecycle.make({
       options,
       orchestrator,
@@ -398,7 +405,8 @@ export const make = (options: ServeOptions) =>
         admission: admission.state,
         pipeline: () => lifecycle.live()?.pipeline,
         promptCache: keeper.metrics,
-        kvBudgetBytes: sizing.budget
+        kvBudgetBytes: sizing.budget,
+        sizing
       })
     })
   })
