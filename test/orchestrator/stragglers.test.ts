@@ -17,7 +17,7 @@ import { StageExecutor } from "../../src/services/StageExecutor.js"
 import { makeStageStragglerDetector } from "../../src/services/StageStragglers.js"
 import { requireModel, storiesTestModel as testModel } from "../support/models.js"
 
-const SLOW_MILLIS = 120
+const SLOW_MILLIS = 400
 
 /** The test engine; the stage whose blocks start at `slowLayerStart` takes SLOW_MILLIS longer at `slowPositions`. */
 const slowStageExecutor = (slowLayerStart: number, slowPositions: ReadonlySet<number>) => {
@@ -37,8 +37,9 @@ const slowStageExecutor = (slowLayerStart: number, slowPositions: ReadonlySet<nu
 const prompt = "Once upon a time"
 const positionOf = (step: number) => 16 + step
 const slowSteps = [14, 24, 34]
-// Scheduling noise on a shared machine is not what these tests are about: only steps 40 ms over the median count.
-const rule = { minExcessMillis: 40 }
+// Scheduling noise on a shared, loaded machine (a CI runner with other test files beside) is not what these tests are
+// about: only steps 200 ms over the median count.
+const rule = { minExcessMillis: 200 }
 
 const orchestratorWorld = (slowLayerStart: number) =>
   Effect.gen(function* () {

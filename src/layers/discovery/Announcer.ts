@@ -50,6 +50,20 @@ interface AnnouncerState {
   counter: number
 }
 
+/**
+ * Sends this socket's multicast out of `iface`. Where the system refuses the option (qemu-user answers ENOPROTOOPT
+ * for IP_MULTICAST_IF), multicast follows the routing table and broadcast, bound to the interface's address, still
+ * goes out on it: the node announces and keeps running.
+ */
+const pinMulticast = (socket: Dgram.Socket, iface: DiscoveryInterface | undefined) => {
+  if (iface === undefined) return
+  try {
+    socket.setMulticastInterface(iface.address)
+  } catch {
+    // the routing table chooses the multicast interface
+  }
+}
+
 const openSocket = (bindAddress: string | undefined, iface: DiscoveryInterface | undefined) =>
   Effect.async<Dgram.Socket, Error>((resume) => {
     const socket = Dgram.createSocket("udp4")
@@ -60,8 +74,14 @@ const openSocket = (bindAddress: string | undefined, iface: DiscoveryInterface |
     socket.bind({ port: 0, ...(bindAddress === undefined ? {} : { address: bindAddress }) }, () => {
       socket.removeAllListeners("error")
       socket.on("error", () => {})
-      socket.setBroadcast(true)
-      if (iface !== undefined) socket.setMulticastInterface(iface.address)
+      try {
+        socket.setBroadcast(true)
+      } catch (cause) {
+        socket.close()
+        resume(Effect.fail(cause instanceof Error ? cause : new Error(String(cause))))
+        return
+      }
+      pinMulticast(socket, iface)
       resume(Effect.succeed(socket))
     })
   })
