@@ -6,7 +6,7 @@
  * still authenticates with the token before the node is used.
  */
 import { Console, Effect, Redacted } from "effect"
-import type { DiscoveredNode, DiscoveryView } from "../domain/discovery.js"
+import type { CachedSlice, DiscoveredNode, DiscoveryView } from "../domain/discovery.js"
 import { encodeInvite } from "../domain/invite.js"
 import { makeDiscoveryListener } from "../layers/discovery/DiscoveryListener.js"
 import { discoveryInterfaces } from "../layers/discovery/NetInterfaces.js"
@@ -20,7 +20,14 @@ const gib = (bytes: number) => `${(bytes / 2 ** 30).toFixed(1)} GiB`
 const nodeLine = (node: DiscoveredNode) =>
   `swactor: discovered node ${node.nodeId} at ${node.address}: ${gib(node.resources.freeMemoryBytes)} of ` +
   `${gib(node.resources.totalMemoryBytes)} free, ${node.resources.cores} cores, ${node.resources.backend}` +
-  (node.resources.gpuTotalBytes === undefined ? "" : `, GPU ${gib(node.resources.gpuTotalBytes)}`)
+  (node.resources.gpuTotalBytes === undefined ? "" : `, GPU ${gib(node.resources.gpuTotalBytes)}`) +
+  cachedText(node.resources.cached ?? [])
+
+/** `; holds MODEL blocks [a, b) of N, ...`: the slices a node's cache holds, as it announced them. */
+const cachedText = (cached: ReadonlyArray<CachedSlice>) =>
+  cached.length === 0
+    ? ""
+    : `; holds ${cached.map((c) => `${c.model} blocks [${c.layerStart}, ${c.layerEndExclusive}) of ${c.numLayers}`).join(", ")}`
 
 /** The view's lines: the nodes found, then every sender not used with its reason. */
 const viewLines = (view: DiscoveryView): ReadonlyArray<string> => [

@@ -6,7 +6,7 @@
 import * as Command from "@effect/cli/Command"
 import * as Os from "node:os"
 import { Console, Data, Effect, Either, Layer, Option, Redacted } from "effect"
-import type { NodeResources } from "../domain/discovery.js"
+import type { CachedSlice, NodeResources } from "../domain/discovery.js"
 import { decodeInvite, INVITE_PREFIX, looksLikeInvite } from "../domain/invite.js"
 import type { TransportAddress } from "../domain/frames.js"
 import * as AgentLinksLive from "../layers/agent/AgentLinksLive.js"
@@ -15,6 +15,8 @@ import { announceReady, watchParentPipe } from "../layers/agent/ReadyLine.js"
 import { makeAnnouncer } from "../layers/discovery/Announcer.js"
 import { makeDiscoveryListener } from "../layers/discovery/DiscoveryListener.js"
 import { ephemeralNodeId, persistentNodeId } from "../layers/discovery/NodeIdentity.js"
+import { heldSlices } from "../layers/gguf/SliceCache.js"
+import { defaultSliceCacheDir } from "../layers/gguf/SliceStore.js"
 import { measureSpeed } from "../layers/engine/SpeedProbe.js"
 import { getGgml } from "../layers/ggml/Bindings.js"
 import { type NodeAgentOptions, startNodeAgent } from "../layers/agent/NodeAgent.js"
@@ -189,17 +191,41 @@ const agentOptions = (
   ...(args.engine === "live" ? { stepProbeRows: 8, devices: liveDevices(flags.settings) } : {})
 })
 
-/** What the node offers, for its announcements: memory (within --memory-limit), cores, backend, its GPU's memory. */
-const resourcesOf = (flags: CheckedNodeFlags, options: NodeAgentOptions) => (): NodeResources => {
-  const gpu = options.devices?.().find((d) => d.kind === "gpu" || d.kind === "igpu")
-  return {
-    totalMemoryBytes: Os.totalmem(),
-    freeMemoryBytes: Math.min(Os.freemem(), flags.memoryLimitBytes ?? Number.POSITIVE_INFINITY),
-    cores: Os.availableParallelism(),
-    backend: flags.backend,
-    ...(gpu === undefined ? {} : { gpuTotalBytes: gpu.totalBytes, gpuFreeBytes: gpu.limitBytes ?? gpu.freeBytes })
+/**
+ * What the node offers, for its announcements: memory (within --memory-limit), cores, backend, its GPU's memory, and
+ * the slices its cache holds (`cached()`: the latest listing).
+ */
+const resourcesOf =
+  (flags: CheckedNodeFlags, options: NodeAgentOptions, cached: () => ReadonlyArray<CachedSlice>) =>
+  (): NodeResources => {
+    const gpu = options.devices?.().find((d) => d.kind === "gpu" || d.kind === "igpu")
+    const slices = cached()
+    return {
+      totalMemoryBytes: Os.totalmem(),
+      freeMemoryBytes: Math.min(Os.freemem(), flags.memoryLimitBytes ?? Number.POSITIVE_INFINITY),
+      cores: Os.availableParallelism(),
+      backend: flags.backend,
+      ...(gpu === undefined ? {} : { gpuTotalBytes: gpu.totalBytes, gpuFreeBytes: gpu.limitBytes ?? gpu.freeBytes }),
+      ...(slices.length === 0 ? {} : { cached: slices })
+    }
   }
-}
+
+/** How often a node lists its slice cache again for its announcements. */
+const CACHE_LISTING_MILLIS = 10_000
+
+/** The node's slice cache listed now and every CACHE_LISTING_MILLIS until the scope closes; the latest listing. */
+const watchCachedSlices = (flags: CheckedNodeFlags, options: NodeAgentOptions) =>
+  Effect.gen(function* () {
+    const dir = options.cacheDir ?? defaultSliceCacheDir(flags.settings.cacheDir)
+    let latest: ReadonlyArray<CachedSlice> = yield* heldSlices(dir)
+    yield* heldSlices(dir).pipe(
+      Effect.tap((slices) => Effect.sync(() => (latest = slices))),
+      Effect.delay(CACHE_LISTING_MILLIS),
+      Effect.forever,
+      Effect.forkScoped
+    )
+    return () => latest
+  })
 
 /**
  * `--announce on`: the node announces itself (src/layers/discovery/Announcer.ts) with its id (persistent per control
@@ -224,7 +250,7 @@ const announceNode = (flags: CheckedNodeFlags, options: NodeAgentOptions, contro
       token,
       nodeId,
       address: formatAddress(control),
-      resources: resourcesOf(flags, options),
+      resources: resourcesOf(flags, options, yield* watchCachedSlices(flags, options)),
       interfaces,
       port: flags.settings.discoveryPort,
       targets: flags.joinTarget === undefined ? undefined : [flags.joinTarget]

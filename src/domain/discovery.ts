@@ -24,14 +24,36 @@ export const DISCOVERY_MARKER = "swactor-discovery"
 export const DISCOVERY_PORT = 41739
 export const DISCOVERY_GROUP = "239.255.41.39"
 
-/** What a node offers: its memory, its cores, its backend and, when it knows them, its GPU's memory. */
+/**
+ * A GGUF slice a node holds in its slice cache (weight delivery, or fetched from the hub): the model it is of, its
+ * blocks, its size and the head of its content hash. An orchestrator can see which nodes already hold which blocks.
+ */
+export const CachedSlice = Schema.Struct({
+  /** The model's `general.name`, else its architecture. */
+  model: Schema.String,
+  /** The first 16 hex digits of the slice's tensor hash (its cache file name). */
+  hash: Schema.String,
+  layerStart: Schema.Number,
+  layerEndExclusive: Schema.Number,
+  /** The model's block count. */
+  numLayers: Schema.Number,
+  bytes: Schema.Number
+})
+export type CachedSlice = typeof CachedSlice.Type
+
+/** At most this many cached slices go in one announcement (the newest), keeping it one datagram. */
+export const MAX_ANNOUNCED_SLICES = 32
+
+/** What a node offers: its memory, its cores, its backend and, when it knows them, its GPU's memory, its cached slices. */
 export const NodeResources = Schema.Struct({
   totalMemoryBytes: Schema.Number,
   freeMemoryBytes: Schema.Number,
   cores: Schema.Number,
   backend: Schema.String,
   gpuTotalBytes: Schema.optional(Schema.Number),
-  gpuFreeBytes: Schema.optional(Schema.Number)
+  gpuFreeBytes: Schema.optional(Schema.Number),
+  /** The slices in its slice cache (absent from nodes before this field: read as none). */
+  cached: Schema.optional(Schema.Array(CachedSlice))
 })
 export type NodeResources = typeof NodeResources.Type
 

@@ -1,15 +1,18 @@
 // `swactor run --discover` (issue 39): two `swactor node`s on loopback announce themselves (on by default, loopback
 // only as they listen on 127.0.0.1), each with its own persistent id from its state folder; a third node has another
 // cluster token. `run --discover` with the token finds the two, says the third is not used and why, and runs the
-// pipeline on the two through the `--agents` path: node-llama-cpp's greedy text. A private discovery port keeps other
+// pipeline on the two through the `--agents` path: node-llama-cpp's greedy text. One node's slice cache holds a
+// slice, which its discovered line names. A private discovery port keeps other
 // tests' nodes out. Needs dist/ (npm run build) like the other command-line tests.
 import { assert, describe, it } from "@effect/vitest"
 import { type ChildProcess, spawn } from "node:child_process"
-import { mkdtempSync, rmSync } from "node:fs"
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs"
 import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { Effect } from "effect"
 import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
+import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
+import { sliceHash, writeGgufSlice } from "../../src/layers/gguf/GgufSlice.js"
 import { repoRoot, requireModel } from "../support/models.js"
 
 const discoveryPort = String(20000 + (process.pid % 20000))
@@ -43,9 +46,18 @@ describe("swactor run --discover", () => {
           })
         )
         const token = generateToken()
+        // node a's slice cache holds stories260K's blocks [0, 2): its announcements say so
+        const file = yield* readGgufFile(requireModel("stories260K.gguf"))
+        const range = { layerStart: 0, layerEndExclusive: 2, numLayers: 5 }
+        const slices = join(dir, "a-cache", "swactor", "slices")
+        mkdirSync(slices, { recursive: true })
+        yield* writeGgufSlice(file, range, join(slices, `${yield* sliceHash(file, range)}.gguf`))
         yield* Effect.all(
           [
-            startNode({ SWACTOR_CLUSTER_TOKEN: token, XDG_STATE_HOME: join(dir, "a") }, children),
+            startNode(
+              { SWACTOR_CLUSTER_TOKEN: token, XDG_STATE_HOME: join(dir, "a"), XDG_CACHE_HOME: join(dir, "a-cache") },
+              children
+            ),
             startNode({ SWACTOR_CLUSTER_TOKEN: token, XDG_STATE_HOME: join(dir, "b") }, children),
             startNode({ SWACTOR_CLUSTER_TOKEN: generateToken(), XDG_STATE_HOME: join(dir, "c") }, children)
           ],
@@ -84,6 +96,7 @@ describe("swactor run --discover", () => {
         assert.strictEqual(result.code, 0, result.stderr)
         assert.strictEqual(result.stderr.match(/swactor: discovered node [0-9a-f]{32} at 127\.0\.0\.1:\d+/g)?.length, 2)
         assert.match(result.stderr, /not used: node [0-9a-f]{32} at 127\.0\.0\.1:\d+: its proof does not hold/)
+        assert.strictEqual(result.stderr.match(/; holds llama blocks \[0, 2\) of 5\n/g)?.length, 1, result.stderr)
         assert.strictEqual(
           result.stdout.trim(),
           "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw"

@@ -10,6 +10,8 @@
 import * as Fs from "node:fs"
 import * as Path from "node:path"
 import { Data, Effect } from "effect"
+import { type CachedSlice, MAX_ANNOUNCED_SLICES } from "../../domain/discovery.js"
+import { type GgufFile } from "../../domain/gguf.js"
 import { readGgufFile } from "./GgufReader.js"
 import { sliceHash, type SliceRange } from "./GgufSlice.js"
 
@@ -130,3 +132,52 @@ export const makeSliceCache = (dir: string) => ({
   promote: (hash: string) => promoteSlice(dir, hash),
   dir
 })
+
+/** What a complete slice file holds: its model, its blocks (from its tensors' block numbers) and its size. */
+const describeSlice = (file: GgufFile, hash: string): CachedSlice | undefined => {
+  const architecture = file.metadata.get("general.architecture")
+  const name = file.metadata.get("general.name")
+  const numLayers = typeof architecture === "string" ? file.metadata.get(`${architecture}.block_count`) : undefined
+  const blocks = file.tensors.flatMap((t) => {
+    const block = /^blk\.(\d+)\./.exec(t.name)
+    return block === null ? [] : [Number(block[1])]
+  })
+  if (typeof architecture !== "string" || typeof numLayers !== "number" || blocks.length === 0) return undefined
+  return {
+    model: typeof name === "string" && name !== "" ? name : architecture,
+    hash: hash.slice(0, 16),
+    layerStart: Math.min(...blocks),
+    layerEndExclusive: Math.max(...blocks) + 1,
+    numLayers,
+    bytes: file.fileSize
+  }
+}
+
+/** The complete slice files in `dir` (`<hash>.gguf`), newest first, at most `limit`; none when it cannot be read. */
+const completeSliceFiles = (dir: string, limit: number) => {
+  const files: Array<{ path: string; hash: string; mtime: number }> = []
+  try {
+    for (const name of Fs.readdirSync(dir)) {
+      const hash = name.slice(0, -".gguf".length)
+      if (!name.endsWith(".gguf") || !HASH.test(hash)) continue
+      const path = Path.join(dir, name)
+      files.push({ path, hash, mtime: Fs.statSync(path).mtimeMs })
+    }
+  } catch {
+    // no cache folder yet, or a file gone between the listing and its stat: what was read so far
+  }
+  return files.sort((a, b) => b.mtime - a.mtime).slice(0, limit)
+}
+
+/**
+ * The complete slices in the cache folder `dir`, newest first, at most MAX_ANNOUNCED_SLICES (for a node's
+ * announcements). Reads each file's header only; a file that does not parse, a partial one and a missing folder
+ * give nothing.
+ */
+export const heldSlices = (dir: string): Effect.Effect<ReadonlyArray<CachedSlice>> =>
+  Effect.forEach(completeSliceFiles(dir, MAX_ANNOUNCED_SLICES), ({ path, hash }) =>
+    readGgufFile(path).pipe(
+      Effect.map((file) => describeSlice(file, hash)),
+      Effect.orElseSucceed(() => undefined)
+    )
+  ).pipe(Effect.map((described) => described.filter((d): d is CachedSlice => d !== undefined)))
