@@ -132,7 +132,8 @@ describe("nodes joining a running serve --discover", () => {
           await sleep(500)
           w.keep(await startNode({ ...env, XDG_STATE_HOME: join(w.dir, "c") }))
           const switchedAt = await lineSeen(server, /re-planned onto 3 nodes/)
-          await sleep(1500)
+          // until three streams that started on the new plan have ended
+          for (let i = 0; i < 600 && runs.filter((r) => r.start > switchedAt).length < 3; i++) await sleep(100)
           stop = true
           await Promise.all(workers)
           assert.match(server.stderr(), /joined: re-planning: the slowest stage .* on 2 stages, .* on 3 /)

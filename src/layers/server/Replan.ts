@@ -12,7 +12,7 @@ import { Effect, Either, Exit, Scope } from "effect"
 import type { DiscoveredNode } from "../../domain/discovery.js"
 import type { Pipeline, PlacementRequest } from "../../services/Orchestrator.js"
 import type { DiscoveredPoolService } from "../../services/DiscoveredPool.js"
-import { candidatePlan, DEFAULT_REPLAN_MARGIN, judgeReplan } from "../../services/ReplanRule.js"
+import { candidatePlan, DEFAULT_REPLAN_MARGIN, judgeReplan, type ServingPlan } from "../../services/ReplanRule.js"
 import { errorWords, type Generation } from "./Revival.js"
 
 /** What a re-plan works with: the pool, the margin, the pipeline's placement request, and the lifecycle's steps. */
@@ -63,19 +63,41 @@ const followPool = (ctx: ReplanContext, memory: ReplanMemory, pipeline: Pipeline
     }
   })
 
+/**
+ * The plan serving now: the pipeline's own while none of its agents is lost, else the plan its agents still alive
+ * would get (undefined: the model does not fit on them), as the runs after a loss plan on the survivors.
+ */
+const currentPlan = (
+  ctx: ReplanContext,
+  serving: ServingPlan,
+  pipeline: Pipeline,
+  heard: ReadonlyArray<DiscoveredNode>
+) =>
+  Effect.map(pipeline.members, (members) => {
+    if (members.every((m) => m.state !== "lost")) return serving.explanation.choice
+    const alive = new Set(members.filter((m) => m.state !== "lost").map((m) => m.agent.node.address))
+    const survivors = heard.filter((node) => alive.has(node.address))
+    return survivors.length === 0
+      ? undefined
+      : Either.getOrUndefined(candidatePlan(serving, survivors, ctx.placement, ctx.stages))
+  })
+
 /** The pool's nodes when they make a better plan than `pipeline`'s (judged once per set), else undefined. */
 const judgePool = (ctx: ReplanContext, memory: ReplanMemory, pipeline: Pipeline) =>
   Effect.gen(function* () {
     const view = yield* ctx.discovered.view
-    const serving = new Set(pipeline.agents.map((a) => a.node.address))
-    const fresh = view.verified.filter((node) => !serving.has(node.address))
+    const agents = new Set(pipeline.agents.map((a) => a.node.address))
+    const fresh = view.verified.filter((node) => !agents.has(node.address))
     const key = view.verified.map((node) => `${node.nodeId}@${node.address}/${node.startedAt}`).join(",")
     if (fresh.length === 0 || pipeline.placed === undefined || memory.judged.has(key)) return undefined
     memory.judged.add(key)
-    const placed = pipeline.placed
-    const addresses = new Map(pipeline.agents.map((a) => [a.node.nodeId as number, a.node.address]))
-    const candidate = candidatePlan({ ...placed, addresses }, view.verified, ctx.placement, ctx.stages)
-    const judgement = judgeReplan(placed.explanation.choice, candidate, ctx.margin ?? DEFAULT_REPLAN_MARGIN)
+    const serving = {
+      ...pipeline.placed,
+      addresses: new Map(pipeline.agents.map((a) => [a.node.nodeId as number, a.node.address]))
+    }
+    const candidate = candidatePlan(serving, view.verified, ctx.placement, ctx.stages)
+    const current = yield* currentPlan(ctx, serving, pipeline, view.verified)
+    const judgement = judgeReplan(current, candidate, ctx.margin ?? DEFAULT_REPLAN_MARGIN)
     const names = fresh.map((node) => node.address).join(", ")
     ctx.log(
       `swactor serve: ${names} joined: ${judgement.better ? "re-planning" : "the plan stays"}: ${judgement.words}`
