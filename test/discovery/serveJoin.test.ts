@@ -14,7 +14,7 @@ import { tmpdir } from "node:os"
 import { join } from "node:path"
 import { Effect } from "effect"
 import { DISCOVERY_GROUP } from "../../src/domain/discovery.js"
-import { generateToken, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
+import { generateToken, swactorCommand, swactorMain } from "../../src/layers/agent/AgentProcesses.js"
 import { readSse, type ServeProcess, startServe, stopServe } from "../support/serve.js"
 import { repoRoot, requireModel } from "../support/models.js"
 
@@ -30,11 +30,15 @@ interface Node {
 }
 
 /** A `swactor node` announcing on loopback; resolves with its id once its ready line is out. */
-const startNode = (env: Record<string, string>, listen = "127.0.0.1:0"): Promise<Node> =>
+const startNode = (
+  env: Record<string, string>,
+  listen = "127.0.0.1:0",
+  extra: ReadonlyArray<string> = []
+): Promise<Node> =>
   new Promise((resolve, reject) => {
     const child = spawn(
       process.execPath,
-      [swactorMain(), "node", "--listen", listen, "--threads", "1", "--speed", "1e6"],
+      [swactorMain(), "node", "--listen", listen, "--threads", "1", "--speed", "1e6", ...extra],
       {
         cwd: repoRoot,
         stdio: ["ignore", "pipe", "pipe"],
@@ -148,6 +152,49 @@ describe("nodes joining a running serve --discover", () => {
           )
           const nodes = await nodeStates(server.url)
           assert.strictEqual(nodes.filter((n) => n.state === "ready").length, 3, JSON.stringify(nodes))
+        })
+      }).pipe(Effect.scoped),
+    120_000
+  )
+
+  it.live(
+    "a model that fits on no node alone waits, loading, and serves once a second node joins",
+    () =>
+      Effect.gen(function* () {
+        const w = world()
+        yield* Effect.addFinalizer(() => w.end)
+        const env = { SWACTOR_CLUSTER_TOKEN: w.token }
+        // 34 MiB each: one stage of stories260K needs about 34.3 MiB, each of two about 33.6
+        const small = ["--memory-limit", String(34 * 2 ** 20)]
+        yield* Effect.promise(async () => {
+          w.keep(await startNode({ ...env, XDG_STATE_HOME: join(w.dir, "a") }, "127.0.0.1:0", small))
+          const { args, command } = swactorCommand([
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            requireModel("stories260K.gguf"),
+            "--discover",
+            "--threads",
+            "1"
+          ])
+          const child = spawn(command, args, {
+            cwd: repoRoot,
+            stdio: ["ignore", "ignore", "pipe"],
+            env: { ...process.env, ...env, SWACTOR_DISCOVERY_PORT: String(discoveryPort) }
+          })
+          let stderr = ""
+          child.stderr.on("data", (chunk) => (stderr += chunk))
+          const exited = new Promise<{ code: number | null; signal: string | null }>((resolve) =>
+            child.on("exit", (code, signal) => resolve({ code, signal }))
+          )
+          const server = w.serve({ child, url: "", healthSeen: [], stderr: () => stderr, exited })
+          await lineSeen(server, /does not fit on the discovered nodes .*; waiting for more nodes/, 30_000)
+          const url = /listening on (http:\/\/[^ \n]+)/.exec(stderr)![1]!
+          assert.strictEqual((await fetch(`${url}/health`)).status, 503, "loading while it waits")
+          w.keep(await startNode({ ...env, XDG_STATE_HOME: join(w.dir, "b") }, "127.0.0.1:0", small))
+          await lineSeen(server, /ready: stories260K\.gguf, 2 stages/, 60_000)
+          assert.strictEqual((await streamed(url, 32)).text, llamaText)
         })
       }).pipe(Effect.scoped),
     120_000

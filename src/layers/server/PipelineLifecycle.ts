@@ -40,7 +40,7 @@ import {
   type RevivalContext,
   revivingError
 } from "./Revival.js"
-import { betterPlan, makeReplanMemory, type ReplanContext, replanOnto } from "./Replan.js"
+import { betterPlan, makeReplanMemory, openWhenItFits, type ReplanContext, replanOnto } from "./Replan.js"
 
 /** The pipeline requests run on, and what /v1/models and ready report of it. */
 export interface LivePipeline {
@@ -187,7 +187,9 @@ const setUp = (lc: Lifecycle) =>
   Effect.gen(function* () {
     const { options } = lc.deps
     const parent = yield* Effect.scope
-    let generation = yield* openGeneration(lc)(parent)
+    const replan = replanOf(lc)
+    // With a discovered pool, a model that does not fit on its nodes waits for more (Replan.ts).
+    let generation = yield* replan === undefined ? openGeneration(lc)(parent) : openWhenItFits(replan, parent)
     const pipeline = generation.pipeline
     lc.deps.kv.model(yield* readModelLayout(options.model))
     yield* observePipeline(lc)(pipeline)
@@ -205,7 +207,6 @@ const setUp = (lc: Lifecycle) =>
     // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server revives it.
     // With a discovered pool, nodes that appear are judged and the pipeline re-planned onto them when better.
     const revival = revivalOf(lc)
-    const replan = replanOf(lc)
     const memory = makeReplanMemory()
     while (true) {
       const current = generation

@@ -88,7 +88,7 @@ const judgePool = (ctx: ReplanContext, memory: ReplanMemory, pipeline: Pipeline)
     const view = yield* ctx.discovered.view
     const agents = new Set(pipeline.agents.map((a) => a.node.address))
     const fresh = view.verified.filter((node) => !agents.has(node.address))
-    const key = view.verified.map((node) => `${node.nodeId}@${node.address}/${node.startedAt}`).join(",")
+    const key = poolKey(view.verified)
     if (fresh.length === 0 || pipeline.placed === undefined || memory.judged.has(key)) return undefined
     memory.judged.add(key)
     const serving = {
@@ -163,4 +163,33 @@ export const replanOnto = (
     )
     yield* Effect.forkIn(drain(old), parent)
     return fresh
+  })
+
+/** A placement refused for memory: more nodes may make the model fit. */
+const memoryRefusals = new Set(["StageOverMemory", "PoolMemoryTooSmall"])
+
+const poolKey = (nodes: ReadonlyArray<DiscoveredNode>) =>
+  nodes.map((node) => `${node.nodeId}@${node.address}/${node.startedAt}`).join(",")
+
+/**
+ * The first pipeline over the discovered pool: while the model does not fit on its nodes (a placement refused for
+ * memory), the server says so, stays loading, and tries again each time the pool changes (a node joins, leaves or
+ * restarts); any other failure is the setup's.
+ */
+export const openWhenItFits = (
+  ctx: ReplanContext,
+  parent: Scope.Scope
+): Effect.Effect<Generation, { readonly _tag: string }> =>
+  Effect.gen(function* () {
+    while (true) {
+      const before = poolKey((yield* ctx.discovered.view).verified)
+      const opened = yield* Effect.either(ctx.openGeneration(parent))
+      if (Either.isRight(opened)) return opened.right
+      if (!memoryRefusals.has(opened.left._tag)) return yield* Effect.fail(opened.left)
+      ctx.log(
+        `swactor serve: the model does not fit on the discovered nodes (${errorWords(opened.left)}); ` +
+          `waiting for more nodes`
+      )
+      while (poolKey((yield* ctx.discovered.view).verified) === before) yield* Effect.sleep(ctx.everyMillis ?? 250)
+    }
   })
