@@ -201,6 +201,46 @@ describe("nodes joining a running serve --discover", () => {
   )
 
   it.live(
+    "two nodes with one id that appear while it serves are refused, naming both addresses, and never used",
+    () =>
+      Effect.gen(function* () {
+        const w = world()
+        yield* Effect.addFinalizer(() => w.end)
+        const env = { SWACTOR_CLUSTER_TOKEN: w.token }
+        yield* Effect.promise(async () => {
+          w.keep(await startNode({ ...env, XDG_STATE_HOME: join(w.dir, "a") }))
+          const server = w.serve(
+            await startServe(["--model", requireModel("stories260K.gguf"), "--discover", "--threads", "1"], {
+              ...env,
+              SWACTOR_DISCOVERY_PORT: String(discoveryPort)
+            })
+          )
+          // one state folder, one port, two loopback addresses: one id (a copied configuration)
+          const port = 32000 + (process.pid % 20000)
+          const twin = { ...env, XDG_STATE_HOME: join(w.dir, "twin") }
+          const [first, second] = (
+            await Promise.all([startNode(twin, `127.0.0.1:${port}`), startNode(twin, `127.0.0.2:${port}`)])
+          ).map(w.keep)
+          assert.isDefined(first)
+          assert.isDefined(second)
+          assert.strictEqual(first!.id, second!.id)
+          await lineSeen(
+            server,
+            new RegExp(
+              `not used: node id ${first!.id} is announced by two live nodes, 127\\.0\\.0\\.1:${port} and 127\\.0\\.0\\.2:${port}`
+            ),
+            20_000
+          )
+          await sleep(1500)
+          assert.notMatch(server.stderr(), /re-plann/)
+          assert.strictEqual((await nodeStates(server.url)).length, 1)
+          assert.strictEqual((await streamed(server.url, 32)).text, llamaText)
+        })
+      }).pipe(Effect.scoped),
+    120_000
+  )
+
+  it.live(
     "a node killed with SIGKILL leaves the pool, is not brought back by its stale announcement, and comes back restarted",
     () =>
       Effect.gen(function* () {

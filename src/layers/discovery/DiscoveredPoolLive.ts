@@ -1,7 +1,8 @@
 /**
  * The discovered pool, live (issue 39): the discovery listener (DiscoveryListener.ts) kept open for as long as its
  * scope (a `serve --discover`: the whole life of the server), and a line each time a verified node joins the set or
- * leaves it (a leave message, its announcements expired, or buried: found dead by the orchestrator).
+ * leaves it (a leave message, its announcements expired, or buried: found dead by the orchestrator), and each time two
+ * live nodes announce one id (both refused, both named).
  */
 import { Effect, Layer, Schedule, type Scope } from "effect"
 import type { DiscoveredNode } from "../../domain/discovery.js"
@@ -40,10 +41,14 @@ export const make = (options: DiscoveredPoolOptions): Effect.Effect<DiscoveredPo
     const log = options.log
     if (log !== undefined) {
       let known = new Map<string, DiscoveredNode>()
+      let conflicts = new Set<string>()
       yield* listener.view.pipe(
         Effect.map((view) => {
           for (const line of changeLines(known, view.verified)) log(line)
           known = new Map(view.verified.map((node) => [`${node.nodeId}@${node.address}`, node]))
+          // two live nodes with one id: refused, both named (once, while it lasts)
+          for (const c of view.conflicts) if (!conflicts.has(c.reason)) log(`swactor: not used: ${c.reason}`)
+          conflicts = new Set(view.conflicts.map((c) => c.reason))
         }),
         Effect.repeat(Schedule.spaced(options.watchMillis ?? 250)),
         Effect.forkScoped

@@ -89,7 +89,10 @@ const judgePool = (ctx: ReplanContext, memory: ReplanMemory, pipeline: Pipeline)
     const agents = new Set(pipeline.agents.map((a) => a.node.address))
     const fresh = view.verified.filter((node) => !agents.has(node.address))
     const key = poolKey(view.verified)
-    if (fresh.length === 0 || pipeline.placed === undefined || memory.judged.has(key)) return undefined
+    // a node just started is judged from its second announcement on: a twin with its id (a copied state folder) that
+    // started beside it is heard by then, and both are refused instead
+    const settled = fresh.every((node) => node.counter >= 1)
+    if (fresh.length === 0 || !settled || pipeline.placed === undefined || memory.judged.has(key)) return undefined
     memory.judged.add(key)
     const serving = {
       ...pipeline.placed,
