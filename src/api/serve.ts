@@ -11,6 +11,7 @@ import * as PromptTokenizer from "../layers/server/PromptTokenizer.js"
 import type { LocalPoolOptions } from "../layers/agent/AgentPools.js"
 import { type FinishReason, Server, type ServeError, type ServeOptions, type ServeRequest } from "../services/Server.js"
 import { layerLocal, layerRemote } from "./generate.js"
+import { poolAddresses } from "../services/DiscoveredPool.js"
 
 export type { ServeOptions }
 export { Server }
@@ -29,7 +30,12 @@ export const serve = (options: ServeLayerOptions): Layer.Layer<Server> => {
   const { local, agents: nodes, token, ...serveOptions } = options
   const orchestrator =
     nodes !== undefined && nodes.length > 0
-      ? layerRemote({ agents: nodes, token: token ?? "" })
+      ? layerRemote({
+          agents: nodes,
+          token: token ?? "",
+          // serve --discover: each pipeline (a re-plan's too) is set up on the nodes heard then
+          ...(options.discovered === undefined ? {} : { current: Effect.map(options.discovered.view, poolAddresses) })
+        })
       : layerLocal({ ...(options.threads === undefined ? {} : { threads: options.threads }), ...local })
   // Prompts tokenized and chats rendered on a worker thread: a long prompt never holds up other requests' tokens.
   return ServerLive.layer(serveOptions).pipe(

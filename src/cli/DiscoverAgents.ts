@@ -5,10 +5,11 @@
  * version, one id announced by two live nodes). The addresses then go the `--agents` way: each control connection
  * still authenticates with the token before the node is used.
  */
-import { Console, Effect, Redacted } from "effect"
+import { Console, Effect, Redacted, Scope } from "effect"
 import type { CachedSlice, DiscoveredNode, DiscoveryView } from "../domain/discovery.js"
 import { encodeInvite } from "../domain/invite.js"
-import { makeDiscoveryListener } from "../layers/discovery/DiscoveryListener.js"
+import * as DiscoveredPoolLive from "../layers/discovery/DiscoveredPoolLive.js"
+import { type DiscoveredPoolService, poolAddresses } from "../services/DiscoveredPool.js"
 import { discoveryInterfaces } from "../layers/discovery/NetInterfaces.js"
 import type { SettingsValues } from "../layers/config/Settings.js"
 
@@ -49,31 +50,43 @@ const inviteLine = (token: string, settings: SettingsValues) =>
   encodeInvite({ address: inviteAddress(settings), token })
 
 /**
- * The control addresses of the nodes proving `token`, after listening; Left: none found, in one line. `invite`: the
- * invite line is printed once the port is bound.
+ * The nodes proving `token`, after listening: their control addresses, and the discovered pool (the listener), kept
+ * open in `keep` when given (`serve --discover`: for the server's life, each node joining or leaving said on stderr
+ * from then on), else closed. Left: none found, in one line. `invite`: the invite line is printed once the port is
+ * bound.
  */
 export const discoveredAgents = (
   token: string,
   settings: SettingsValues,
-  invite = false
-): Effect.Effect<ReadonlyArray<string>, string> =>
-  Effect.gen(function* () {
-    const listener = yield* makeDiscoveryListener({
+  invite = false,
+  keep?: Scope.Scope
+): Effect.Effect<{ readonly addresses: ReadonlyArray<string>; readonly pool: DiscoveredPoolService }, string> => {
+  let listed = false
+  const found = Effect.gen(function* () {
+    const pool = yield* DiscoveredPoolLive.make({
       token: Redacted.make(token),
       port: settings.discoveryPort,
-      interfaces: { loopback: true }
+      interfaces: { loopback: true },
+      log: (line) => {
+        if (listed) process.stderr.write(`${line}\n`)
+      }
     }).pipe(
       Effect.mapError((error) => `--discover: cannot listen on UDP port ${settings.discoveryPort}: ${error.message}`)
     )
     if (invite) yield* Console.error(inviteLine(token, settings))
     yield* Effect.sleep(discoverMillis)
-    const view = yield* listener.view
+    const view = yield* pool.view
     yield* Effect.forEach(viewLines(view), (line) => Console.error(line), { discard: true })
+    // the nodes listed: from now on (serve), a node joining or leaving is a line of its own
+    yield* Effect.sleep(300)
+    listed = true
     if (view.verified.length === 0)
       return yield* Effect.fail(
         `--discover: no node proving the cluster token was heard on UDP port ${settings.discoveryPort} in ` +
           `${discoverMillis / 1000} s (start \`swactor node --listen 0.0.0.0:7070\` with the same token on each ` +
           `machine, or name them with --agents)`
       )
-    return view.verified.map((node) => node.address)
-  }).pipe(Effect.scoped)
+    return { addresses: poolAddresses(view), pool }
+  })
+  return keep === undefined ? Effect.scoped(found) : Scope.extend(found, keep)
+}

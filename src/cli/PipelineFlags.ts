@@ -5,7 +5,7 @@
  * the links' (`securityFlags`: --tls, --token-file); `node` takes --threads, its own --backend and the links' flags.
  * A new pipeline flag is added here: its declaration, its check and what it asks of PipelineOptions.
  */
-import { Effect, Either, Option, Redacted } from "effect"
+import { Effect, Either, Option, Redacted, type Scope } from "effect"
 import { parseAddress } from "../layers/agent/AgentControlRpc.js"
 import { clusterTokenEnv } from "../layers/agent/ReadyLine.js"
 import {
@@ -29,6 +29,7 @@ import {
   threadsProblem
 } from "../services/RequestChecks.js"
 import { discoveredAgents } from "./DiscoverAgents.js"
+import type { DiscoveredPoolService } from "../services/DiscoveredPool.js"
 import { optionalWholeNumber, UsageError } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
 import { type Backend, backends } from "../domain/engine.js"
@@ -270,33 +271,40 @@ const agentList = (text: string): Effect.Effect<ReadonlyArray<string>, UsageErro
 const remoteAgents = (
   args: PipelineArgs,
   token: string,
-  invite: boolean
-): Effect.Effect<ReadonlyArray<string>, UsageError> =>
+  invite: boolean,
+  keep: Scope.Scope | undefined
+): Effect.Effect<
+  { readonly agents: ReadonlyArray<string>; readonly discovered?: DiscoveredPoolService | undefined },
+  UsageError
+> =>
   Effect.gen(function* () {
-    if (!args.discover) return Option.isSome(args.agents) ? yield* agentList(args.agents.value) : []
+    if (!args.discover) return { agents: Option.isSome(args.agents) ? yield* agentList(args.agents.value) : [] }
     if (Option.isSome(args.agents)) return yield* fail("--discover and --agents: give one of them")
     if (token === "") return yield* fail(`--discover needs the cluster token: ${giveToken}`)
-    return yield* discoveredAgents(token, yield* chosenSettings(args), invite).pipe(
+    const found = yield* discoveredAgents(token, yield* chosenSettings(args), invite, keep).pipe(
       Effect.mapError((message) => new UsageError({ message }))
     )
+    return { agents: found.addresses, discovered: keep === undefined ? undefined : found.pool }
   })
 
 /**
  * The pipeline's and the links' flags of run and serve, checked: the remote agents and their cluster token (needed
  * with --agents), the TLS mode, backend and GPU memory (`settings`: the Settings service the command provides), the
  * local agents' extra arguments, stages, threads, prefill threads, spares. `invite` (serve): --discover prints the
- * invite line (cli/DiscoverAgents.ts).
+ * invite line (cli/DiscoverAgents.ts); `keep` (serve): the discovered pool stays open in it (`discovered`), so that
+ * nodes appearing later are seen.
  */
-export const checkPipelineFlags = (args: PipelineArgs, invite = false) =>
+export const checkPipelineFlags = (args: PipelineArgs, invite = false, keep?: Scope.Scope) =>
   Effect.gen(function* () {
     const token = yield* clusterToken(args.tokenFile)
-    const agents = yield* remoteAgents(args, token, invite)
+    const { agents, discovered } = yield* remoteAgents(args, token, invite, keep)
     yield* tlsMode(args.tls)
     const agentArgs = yield* localBackendArgs(args.backend, agents.length > 0)
     yield* checkGpuMemory(args.gpuMemory, agents.length > 0)
     if (agents.length > 0 && token === "") return yield* fail(`--agents needs the cluster token: ${giveToken}`)
     return {
       agents,
+      discovered,
       token,
       agentArgs,
       settings: yield* chosenSettings(args),

@@ -29,6 +29,7 @@ import {
 import { defaultPlacement } from "./RunRequestFromFlags.js"
 import { untilOperatorStop } from "./Signals.js"
 import { apiKeyProblem } from "../services/RequestChecks.js"
+import { DEFAULT_REPLAN_MARGIN } from "../services/ReplanRule.js"
 
 /** What the flags of `swactor serve` parse into. */
 type ServeArgs = Flag.ArgsOf<typeof serveFlags>
@@ -84,6 +85,7 @@ const checkServeFlags = (args: ServeArgs) =>
     yield* wholeNumber("port", args.port, 0)
     if (args.port > 65535) return yield* new UsageError({ message: `--port must be at most 65535, got ${args.port}` })
     yield* wholeNumber("parallel", args.parallel, 1)
+    yield* atLeast("replan-margin", args.replanMargin, 0)
     yield* wholeNumber("queue", args.queue, 0)
     yield* wholeNumber("keep-alive-ms", args.keepAliveMs, 1)
     yield* wholeNumber("prompt-cache-entries", args.promptCacheEntries, 1)
@@ -115,6 +117,7 @@ const serverOf = (args: ServeArgs, pipeline: CheckedPipelineFlags, own: CheckedS
     ...(Option.isSome(own.kvBudgetMib) ? { kvBudgetBytes: own.kvBudgetMib.value * 2 ** 20 } : {}),
     ...(Option.isSome(own.maxPromptTokens) ? { maxPromptTokens: own.maxPromptTokens.value } : {}),
     ...(pipeline.agents.length > 0 ? { agents: pipeline.agents, token: pipeline.token } : {}),
+    ...(pipeline.discovered === undefined ? {} : { discovered: pipeline.discovered, replanMargin: args.replanMargin }),
     ...defaultPlacement(pipeline.agents),
     ...(pipeline.agentArgs.length > 0 ? { local: { extraArgs: () => pipeline.agentArgs } } : {}),
     promptCache: { enabled: args.promptCache !== "off", maxEntries: args.promptCacheEntries }
@@ -151,11 +154,12 @@ const httpOf = (args: ServeArgs, own: CheckedServeFlags, keys: Effect.Effect.Suc
 const runServe = (args: ServeArgs) =>
   Effect.gen(function* () {
     // Every flag checked before anything starts, each refusal one line naming the flag; the model's header last.
-    const pipeline = yield* checkPipelineFlags(args, true)
+    // --discover: the discovered pool stays open for the server's life (nodes that appear later are seen).
+    const pipeline = yield* checkPipelineFlags(args, true, yield* Effect.scope)
     const keys = yield* apiKeysOf(args.apiKeyFile)
     const own = yield* checkServeFlags(args)
     return yield* serveChecked(args, pipeline, keys, own).pipe(Effect.provideService(Settings, pipeline.settings))
-  })
+  }).pipe(Effect.scoped)
 
 /** The server once its flags are checked, with the settings they chose (the Settings service) provided. */
 const serveChecked = (
@@ -214,6 +218,12 @@ const serveFlags = {
   host: Flag.text("host", { group: network, value: "ADDRESS", text: "address to listen on" }).withDefault("127.0.0.1"),
   port: Flag.integer("port", { group: network, text: "port to listen on (0 = any free port)" }).withDefault(8080),
   parallel: Flag.integer("parallel", { group: requests, text: "sequences running at once" }).withDefault(4),
+  replanMargin: Flag.float("replan-margin", {
+    group: "Pipeline",
+    text:
+      "--discover: a node that joins while serving is used when the plan with it is faster per token by this " +
+      "fraction (the slowest stage's time), or when the model fits only with it"
+  }).withDefault(DEFAULT_REPLAN_MARGIN),
   queue: Flag.integer("queue", {
     group: requests,
     text: "requests waiting for admission at most; more get 429"

@@ -317,6 +317,18 @@ export const expireDiscovered = (state: Discovered, nowMillis: number): Discover
   }
 }
 
+/**
+ * The set after the orchestrator found the node at `address` dead (its control connection lost): it is taken out and
+ * remembered dead at its run (`startedAt`) whatever its counter, so that no announcement of that run (a late one, or
+ * one of a node that hangs yet still announces) brings it back; a restart (a newer `startedAt`) does.
+ */
+export const buryAddress = (state: Discovered, address: string): Discovered => {
+  const node = [...state.nodes.values()].find((n) => n.address === address)
+  if (node === undefined) return state
+  const mark = { startedAt: node.startedAt, counter: Number.MAX_SAFE_INTEGER }
+  return { ...state, nodes: withoutEntry(state.nodes, node.nodeId), dead: withEntry(state.dead, node.nodeId, mark) }
+}
+
 /** What a listener shows: the nodes it would use, and every node it would not with the reason. */
 export interface DiscoveryView {
   readonly verified: ReadonlyArray<DiscoveredNode>

@@ -6,11 +6,11 @@ import { Context, type Duration, type Effect, Schema, type Scope, type Stream } 
 import type { ModelLoadError } from "../domain/gguf.js"
 import type { DeviceBytes, StageDeviceSplit } from "../domain/engine.js"
 import type { DeviceShare } from "./DeviceFit.js"
-import type { LayerRange, ModelFacts, PlacementChoice, PoolNode } from "../domain/plan.js"
+import type { LayerRange, ModelFacts, ModelLayout, PlacementChoice, PoolNode } from "../domain/plan.js"
 import type { PlacementRejection, PlanRejection } from "../domain/planErrors.js"
 import { RunFaultReason } from "../domain/runEvents.js"
 import type { TransportAddress } from "../domain/frames.js"
-import { RunId } from "../domain/ids.js"
+import { type NodeId, RunId } from "../domain/ids.js"
 import type { AgentSpawnError } from "./AgentLinks.js"
 import type { AgentUnavailable } from "./AgentLinks.js"
 import type { NodeCapacity, NodeEndpoint, NodeLost, PoolNotReady } from "./Membership.js"
@@ -567,6 +567,19 @@ export interface Pipeline {
   readonly localAgents: boolean
   /** Drops prompt-cache entries (every one when `all`) on every agent that answers. */
   readonly dropCached?: (entries: ReadonlyArray<number>, all: boolean) => Effect.Effect<void>
+  /**
+   * The placement chosen when it was set up, with the model's per-block bytes and the context it budgeted (a server
+   * compares it with a plan over nodes that joined since: src/layers/server/Replan.ts).
+   */
+  readonly placed?: {
+    readonly explanation: PlacementExplanation
+    readonly layout: ModelLayout
+    readonly contextTokens: number
+  }
+  /** The runs going on now (each attempt of each request, from its plan to its end). */
+  readonly activeRuns?: () => number
+  /** Declares a node lost now (as a dropped control connection does): its runs recover on the others. */
+  readonly markLost?: (nodeId: NodeId, reason: string) => Effect.Effect<void>
 }
 
 export interface OrchestratorService {

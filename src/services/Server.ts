@@ -3,6 +3,7 @@
  * budget per stage (and at most `parallel` sequences), a bounded queue beyond it, refusal beyond the queue.
  * `generate` is a Stream per request; interrupting it cancels the run (its KV freed on every stage).
  */
+import type { DiscoveredPoolService } from "./DiscoveredPool.js"
 import { Context, type Duration, type Effect, Schema, type Stream } from "effect"
 import type { NodeCapacity } from "../domain/controlRpc.js"
 import type { ModelFacts } from "../domain/plan.js"
@@ -30,6 +31,13 @@ export interface ServeOptions extends PipelineOptions {
   readonly log?: (line: string) => void
   /** Reuse of a shared prompt prefix's KV across requests (see PromptCacheOptions; default on). */
   readonly promptCache?: PromptCacheOptions
+  /**
+   * `serve --discover`: the discovered pool, heard while the server runs. A node that appears is added by a re-plan
+   * when the plan over the pool is better (src/layers/server/Replan.ts); a node the pipeline loses is buried there.
+   */
+  readonly discovered?: DiscoveredPoolService
+  /** How much lower (a fraction) the slowest stage's time per token must be for a re-plan (default 0.2). */
+  readonly replanMargin?: number
 }
 
 /**

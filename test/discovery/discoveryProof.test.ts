@@ -9,6 +9,7 @@ import { join } from "node:path"
 import { Effect, Redacted } from "effect"
 import {
   type Announcement,
+  buryAddress,
   DISCOVERY_MARKER,
   emptyDiscovered,
   expireDiscovered,
@@ -106,6 +107,21 @@ describe("the discovered set", () => {
     assert.deepStrictEqual(viewOf(state).verified, [])
     state = hear(state, verified(announcement({ counter: 6 })), 700, 1000)
     assert.strictEqual(viewOf(state).verified.length, 1)
+  })
+
+  it("a node found dead (buried by its address) is not re-added by any announcement of its run; a restart is", () => {
+    let state = hear(emptyDiscovered, verified(announcement({ counter: 5 })), 0, 1000)
+    assert.strictEqual(buryAddress(state, "10.9.9.9:7000"), state, "another address buries nothing")
+    state = buryAddress(state, "10.0.0.1:7000")
+    assert.deepStrictEqual(viewOf(state).verified, [])
+    // the same run still announcing (a node that hangs), a late datagram: neither brings it back
+    for (const counter of [4, 6, 500]) state = hear(state, verified(announcement({ counter })), 10, 1000)
+    assert.deepStrictEqual(viewOf(state).verified, [])
+    state = hear(state, verified(announcement({ startedAt: 3000, counter: 0 })), 20, 1000)
+    assert.deepStrictEqual(
+      viewOf(state).verified.map((n) => [n.nodeId, n.startedAt]),
+      [["node-a", 3000]]
+    )
   })
 
   it("two live nodes with one id: both refused, naming both addresses; when one expires the other is used", () => {

@@ -132,6 +132,11 @@ export interface RemotePoolOptions {
   /** host:port of each agent's control plane. */
   readonly agents: ReadonlyArray<string>
   readonly token: string
+  /**
+   * The nodes now (`serve --discover`: the discovered pool's addresses), read by each pipeline set up (a re-plan's
+   * too); `agents` when it gives none.
+   */
+  readonly current?: Effect.Effect<ReadonlyArray<string>> | undefined
   /** Where the orchestrator's data listener binds (default: the local address that routes to the first node). */
   readonly listenHost?: string
   /**
@@ -149,17 +154,19 @@ export const layerRemote = (options: RemotePoolOptions): Layer.Layer<AgentPool> 
     AgentPool.of({
       acquire: () =>
         Effect.gen(function* () {
-          if (options.agents.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
+          const now = options.current === undefined ? [] : yield* options.current
+          const agents = now.length > 0 ? now : options.agents
+          if (agents.length === 0) return yield* new InvalidRequest({ message: "no nodes given" })
           // The same strength rule as the command line's (services/RequestChecks.ts), before any node is contacted.
           const weak = clusterTokenProblem(
             options.token,
             "the remote pool's token option (default: SWACTOR_CLUSTER_TOKEN)"
           )
           if (weak !== undefined) return yield* new InvalidRequest({ message: weak })
-          const first = options.agents[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
+          const first = agents[0]!.replace(/:\d+$/, "").replace(/^\[|\]$/g, "")
           const listenHost = options.listenHost ?? (yield* routeHostFor(first))
           return {
-            nodes: options.agents.map((address, index) => ({ nodeId: NodeId.make(index + 1), address })),
+            nodes: agents.map((address, index) => ({ nodeId: NodeId.make(index + 1), address })),
             token: options.token,
             listenHost,
             ...(options.dataListen === undefined ? {} : { dataListen: options.dataListen }),

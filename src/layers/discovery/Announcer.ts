@@ -204,9 +204,13 @@ export const makeAnnouncer = (options: AnnouncerOptions): Effect.Effect<Announce
         Effect.zipRight(Effect.forEach([...state.sockets.values()], closeSocket, { discard: true }))
       )
     )
-    yield* sendRound(state, "announce").pipe(
-      Effect.tap(() => Effect.sync(() => rounds++)),
-      Effect.repeat(Schedule.spaced(Duration.millis(options.intervalMillis ?? 1000))),
+    // The second round follows the first after a quarter interval: a running server uses a node from its second
+    // announcement on (src/layers/server/Replan.ts), so a node starting is used sooner; then every interval.
+    const interval = options.intervalMillis ?? 1000
+    const announce = sendRound(state, "announce").pipe(Effect.tap(() => Effect.sync(() => rounds++)))
+    yield* announce.pipe(
+      Effect.zipRight(Effect.sleep(Duration.millis(Math.round(interval / 4)))),
+      Effect.zipRight(announce.pipe(Effect.repeat(Schedule.spaced(Duration.millis(interval))))),
       Effect.forkScoped
     )
     return {

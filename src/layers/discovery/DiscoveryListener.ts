@@ -10,6 +10,7 @@ import { Effect, Queue, Redacted, type Scope } from "effect"
 import {
   DISCOVERY_GROUP,
   DISCOVERY_PORT,
+  buryAddress,
   type Discovered,
   type DiscoveryView,
   emptyDiscovered,
@@ -42,6 +43,8 @@ export interface DiscoveryListener {
   readonly port: number
   /** The discovered set now (expired to now). */
   readonly view: Effect.Effect<DiscoveryView>
+  /** The node at this control address was found dead: not listed again until it restarts (`buryAddress`). */
+  readonly bury: (address: string) => Effect.Effect<void>
 }
 
 const bindListener = (options: ListenerOptions) =>
@@ -107,6 +110,10 @@ export const makeDiscoveryListener = (options: ListenerOptions): Effect.Effect<D
       view: Effect.sync(() => {
         state = expireDiscovered(state, now())
         return viewOf(state)
-      })
+      }),
+      bury: (address) =>
+        Effect.sync(() => {
+          state = buryAddress(state, address)
+        })
     }
   })

@@ -127,7 +127,10 @@ const pipelineOf = (warm: WarmPipeline, context: Context.Context<Services>): Pip
           ),
         { concurrency: "unbounded", discard: true }
       ),
-    lost: warm.pool.firstLost
+    lost: warm.pool.firstLost,
+    placed: { explanation: warm.placementExplanation, layout: warm.layout, contextTokens: warm.contextTokens },
+    activeRuns: () => warm.activeRuns.count,
+    markLost: warm.pool.markLost
   }
 }
 

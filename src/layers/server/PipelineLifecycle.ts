@@ -40,6 +40,7 @@ import {
   type RevivalContext,
   revivingError
 } from "./Revival.js"
+import { betterPlan, makeReplanMemory, openWhenItFits, type ReplanContext, replanOnto } from "./Replan.js"
 
 /** The pipeline requests run on, and what /v1/models and ready report of it. */
 export interface LivePipeline {
@@ -142,6 +143,23 @@ const revivalOf = (lc: Lifecycle): RevivalContext => ({
   }
 })
 
+/** What a re-plan works with (src/layers/server/Replan.ts): only with a discovered pool. */
+const replanOf = (lc: Lifecycle): ReplanContext | undefined => {
+  const { options } = lc.deps
+  return options.discovered === undefined
+    ? undefined
+    : {
+        discovered: options.discovered,
+        margin: options.replanMargin,
+        placement: options.placement,
+        stages: options.stages,
+        log: lc.deps.log,
+        openGeneration: openGeneration(lc),
+        warmUp: warmUp(lc),
+        observePipeline: observePipeline(lc)
+      }
+}
+
 /** Completes once every agent of the pipeline is lost (runs recover on the others until then). */
 const everyAgentLost = (pipeline: Pipeline) =>
   pipeline.alive.pipe(
@@ -169,7 +187,9 @@ const setUp = (lc: Lifecycle) =>
   Effect.gen(function* () {
     const { options } = lc.deps
     const parent = yield* Effect.scope
-    let generation = yield* openGeneration(lc)(parent)
+    const replan = replanOf(lc)
+    // With a discovered pool, a model that does not fit on its nodes waits for more (Replan.ts).
+    let generation = yield* replan === undefined ? openGeneration(lc)(parent) : openWhenItFits(replan, parent)
     const pipeline = generation.pipeline
     lc.deps.kv.model(yield* readModelLayout(options.model))
     yield* observePipeline(lc)(pipeline)
@@ -185,10 +205,20 @@ const setUp = (lc: Lifecycle) =>
       return yield* Effect.never
     }
     // A lost agent leaves the pipeline (its runs recover on the others); with none left, the server revives it.
+    // With a discovered pool, nodes that appear are judged and the pipeline re-planned onto them when better.
     const revival = revivalOf(lc)
+    const memory = makeReplanMemory()
     while (true) {
-      yield* everyAgentLost(generation.pipeline)
-      generation = yield* reviveFrom(revival, parent, generation, "every agent of the pipeline was lost")
+      const current = generation
+      const joined = yield* Effect.raceFirst(
+        Effect.as(everyAgentLost(current.pipeline), false),
+        replan === undefined ? Effect.never : Effect.as(betterPlan(replan, memory, current), true)
+      )
+      if (joined && replan !== undefined) {
+        generation = yield* replanOnto(replan, parent, current, (pipeline) => serveOn(lc, pipeline))
+        continue
+      }
+      generation = yield* reviveFrom(revival, parent, current, "every agent of the pipeline was lost")
       yield* serveOn(lc, generation.pipeline)
     }
   }).pipe(
