@@ -324,7 +324,7 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
       ...(loopOut === undefined ? {} : { tokenLoop: true })
     })
     if (settling.later) yield* settling.settleLater
-    const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
+    const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report), request.timeline)
     progress.flushTimings = timings.flush
     // the most rows of this stage's output one frame on the outbound window carries (its rows are never wider than
     // its input rows: gemma4's per-layer inputs only shrink along the pipeline)

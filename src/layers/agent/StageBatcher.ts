@@ -108,6 +108,16 @@ export const emptyBatchCounters = (): BatchCounters => ({
   engineMillis: 0
 })
 
+/**
+ * A timeline's record of one submit (`swactor run --timeline`), filled in by the batcher: when the forward of its last
+ * micro-batch started and ended (performance.now), and the ms the engine said that forward spent on copies.
+ */
+export interface JobTrace {
+  forwardStart: number
+  forwardEnd: number
+  copyMillis: number
+}
+
 export interface StageBatcher {
   /** Runs `input` at startPos.. of `session` in the next micro-batch(es); counts into `counters`. */
   readonly submit: (
@@ -118,7 +128,9 @@ export interface StageBatcher {
     /** Stages in the submitter's pipeline (default 1: no cap on decode steps per micro-batch). */
     pipelineStages?: number,
     /** The input's last `replayTail` rows run one per micro-batch (a resumed generation's replayed tokens). */
-    replayTail?: number
+    replayTail?: number,
+    /** Filled in with the forward's times (absent: nothing measured beyond the counters). */
+    trace?: JobTrace
   ) => Effect.Effect<StageOutput, ForwardError>
   /**
    * A session was opened and its prompt will follow: prompts that wake the idle batcher wait for it (see
@@ -152,6 +164,7 @@ interface Job {
   cancelled: boolean
   /** When it was submitted (performance.now). */
   readonly submittedAt: number
+  readonly trace: JobTrace | undefined
 }
 
 const lengthOf = (input: StageInput) => (input._tag === "Tokens" ? input.tokens.length : input.nTokens)
@@ -361,13 +374,30 @@ const itemOf = (job: Job, n: number): BatchItem => ({
 const asEngineError = (error: { readonly _tag: string; readonly message: string }) =>
   new EngineError({ message: `${error._tag}: ${error.message}` })
 
+/** The traced jobs of a micro-batch: its forward's times and copies. */
+const traceForward = (chosen: ReadonlyArray<Chosen>, started: number, ended: number, copyMillis: number) => {
+  for (const { job } of chosen) {
+    if (job.trace === undefined) continue
+    job.trace.forwardStart = started
+    job.trace.forwardEnd = ended
+    job.trace.copyMillis = copyMillis
+  }
+}
+
 /** Runs one micro-batch; never fails (every outcome lands in the jobs' results). */
 const runOnce = (state: BatcherState, chosen: ReadonlyArray<Chosen>): Effect.Effect<void> => {
   const rows = chosen.reduce((s, c) => s + c.n, 0)
+  // a timeline asked for: the engine's copies measured too
+  const phases = chosen.some(({ job }) => job.trace !== undefined) ? { copyMillis: 0 } : undefined
   const started = performance.now()
-  return state.executor.forwardBatch(chosen.map(({ job, n }) => itemOf(job, n))).pipe(
+  const items = chosen.map(({ job, n }) => itemOf(job, n))
+  return state.executor.forwardBatch(items, phases).pipe(
     Effect.matchEffect({
-      onSuccess: (outputs) => advance(state, chosen, outputs, rows, performance.now() - started),
+      onSuccess: (outputs) => {
+        const ended = performance.now()
+        if (phases !== undefined) traceForward(chosen, started, ended, phases.copyMillis)
+        return advance(state, chosen, outputs, rows, ended - started)
+      },
       onFailure: (error) => {
         switch (error._tag) {
           case "BatchItemRejected": {
@@ -547,7 +577,7 @@ const noteSubmitter = (state: BatcherState, session: StageSession, decodeStep: b
 
 const submitTo =
   (state: BatcherState): StageBatcher["submit"] =>
-  (session, startPos, input, counters, pipelineStages = 1, replayTail = 0) =>
+  (session, startPos, input, counters, pipelineStages = 1, replayTail = 0, trace) =>
     Effect.gen(function* () {
       const result = yield* Deferred.make<StageOutput, ForwardError>()
       const total = lengthOf(input)
@@ -564,7 +594,8 @@ const submitTo =
         pipelineStages: Number.isSafeInteger(pipelineStages) && pipelineStages >= 1 ? pipelineStages : 1,
         result,
         cancelled: false,
-        submittedAt: performance.now()
+        submittedAt: performance.now(),
+        trace
       }
       noteSubmitter(state, session, job.total === 1)
       if (!(job.total >= 1)) {

@@ -159,6 +159,7 @@ const openLedger = (request: RunRequest, warm: WarmPipeline) =>
       firstStageReady,
       injectedAt: new Map(),
       receivedAt: new Map(),
+      timeline: request.timeline === true ? { stages: new Map(), tokenArrivedAt: new Map() } : undefined,
       sampledExtras: new Map(),
       endpointScope,
       tornDown: false,
