@@ -186,16 +186,6 @@ const concat = (parts: ReadonlyArray<Float32Array>): Float32Array => {
   return out
 }
 
-/**
- * Sleeps `millis` of wall time, whatever Clock the fiber has: the gather wait is bounded by measured compute time
- * (performance.now), so it must not stand still under a test's TestClock.
- */
-const wallSleep = (millis: number): Effect.Effect<Option.Option<never>> =>
-  Effect.async<Option.Option<never>>((resume) => {
-    const timer = setTimeout(() => resume(Effect.succeed(Option.none())), millis)
-    return Effect.sync(() => clearTimeout(timer))
-  })
-
 /** One decode or prompt job of a micro-batch, and how many of its rows it runs there. */
 interface Chosen {
   readonly job: Job
@@ -240,7 +230,32 @@ interface BatcherState {
   probeRows: number
   /** The last time a session was opened here or submitted work (the batcher's start to begin with). */
   lastActivity: number
+  /** The batcher waits in `takeWithin`: a submit wakes it. */
+  arrival: (() => void) | undefined
 }
+
+/**
+ * The next job in the inbox, waiting at most `millis` of wall time for one (none when the time is up). The wait is one
+ * suspension woken by `submit` or a timer: no fiber forked (a race of Queue.take against a sleep forks two and waits
+ * for the loser's interruption, which cost a lone stream about 0.2 ms per step and stage, measured with
+ * `swactor run --timeline`). Wall time, whatever Clock the fiber has: the gather wait is bounded by measured compute
+ * time (performance.now), so it must not stand still under a test's TestClock.
+ */
+const takeWithin = (state: BatcherState, millis: number): Effect.Effect<Option.Option<Job>> =>
+  Effect.async<void>((resume) => {
+    if (Option.getOrElse(state.inbox.unsafeSize(), () => 0) > 0) return resume(Effect.void)
+    const done = () => {
+      clearTimeout(timer)
+      state.arrival = undefined
+      resume(Effect.void)
+    }
+    const timer = setTimeout(done, millis)
+    state.arrival = done
+    return Effect.sync(() => {
+      clearTimeout(timer)
+      if (state.arrival === done) state.arrival = undefined
+    })
+  }).pipe(Effect.zipRight(Queue.poll(state.inbox)))
 
 const limitsOf = (settings: BatcherSettings): Limits => {
   const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
@@ -451,7 +466,7 @@ const takeUntil = (state: BatcherState, deadline: () => number) =>
     while (true) {
       const left = deadline() - performance.now()
       if (left < 0.5) return
-      const next = yield* Effect.race(Queue.take(state.inbox).pipe(Effect.map(Option.some)), wallSleep(left))
+      const next = yield* takeWithin(state, left)
       if (Option.isNone(next)) continue
       state.pending.push(next.value)
       yield* takeArrived(state)
@@ -541,7 +556,7 @@ const batchOnce = (state: BatcherState) =>
       const wait = probeWait(state)
       if (wait < 1 && (yield* Queue.isEmpty(inbox))) return yield* probeStep(state)
       // the probe waits for the stage to be quiet; work goes first
-      const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(1, wait)))
+      const next = yield* takeWithin(state, Math.max(1, wait))
       if (Option.isNone(next)) return
       pending.push(next.value)
     } else if (wokeIdle) pending.push(yield* Queue.take(inbox))
@@ -603,6 +618,7 @@ const submitTo =
         return yield* session.forward(startPos, input)
       }
       yield* Queue.offer(state.inbox, job)
+      state.arrival?.()
       return yield* Deferred.await(result).pipe(
         Effect.onInterrupt(() =>
           Effect.sync(() => {
@@ -658,7 +674,8 @@ export const makeStageBatcher = (
       lastChoice: undefined,
       cached: undefined,
       probeRows: limits.probeSettings === undefined || limits.probeMax === 0 ? Infinity : 0,
-      lastActivity: performance.now()
+      lastActivity: performance.now(),
+      arrival: undefined
     }
     yield* Effect.forkScoped(Effect.forever(batchOnce(state)))
     return {
