@@ -1,10 +1,10 @@
 /**
- * The clock of `swactor run --timeline` (services/Timeline.ts) and what the data plane stamps with it, at the cost of
- * a few `performance.now()` reads per frame whether or not a timeline is asked for:
+ * The clock of `swactor run --timeline` (services/Timeline.ts) and what the data plane stamps with it (a few
+ * `performance.now()` reads per frame whether or not a timeline is asked for; the arrivals are kept only once one is):
  * - `monoNow`: ms on the host's monotonic clock (libuv's hrtime, CLOCK_MONOTONIC on Linux), the same in every process
  *   of one machine, so an agent's times and the orchestrator's compare. `clockId` names that clock (the boot id).
  * - When each received data frame's bytes arrived (the socket's data event, or the drain of a shared-memory ring) and
- *   when it was decoded, by frame (`arrivalOf`).
+ *   when it was decoded, by frame (`arrivalOf`), once a timeline was asked for in this process (`keepArrivals`).
  * - The time spent encoding data frames (`encodedMillis`, a running total this process's senders add to), and when the
  *   last one's bytes were handed over (`lastWrittenAt`).
  */
@@ -43,6 +43,13 @@ export interface FrameArrival {
 
 const arrivals = new WeakMap<DataFrame, FrameArrival>()
 let burstAt = 0
+/** Off until a timeline is asked for in this process: then every frame's arrival is kept (a WeakMap entry). */
+let stamping = false
+
+/** From now on this process keeps every received frame's arrival (a run or a stage with a timeline). */
+export const keepArrivals = (): void => {
+  stamping = true
+}
 
 /** A burst of bytes arrived (a socket's data event, a shared-memory drain): the frames decoded from it arrived now. */
 export const markBurst = (): void => {
@@ -51,7 +58,7 @@ export const markBurst = (): void => {
 
 /** `frame` was decoded from the last burst (once whole: a chunked message's last chunk). */
 export const stampArrival = (frame: DataFrame): void => {
-  arrivals.set(frame, { arrivedAt: burstAt, decodedAt: monoNow() })
+  if (stamping) arrivals.set(frame, { arrivedAt: burstAt, decodedAt: monoNow() })
 }
 
 /** When `frame` arrived, if it came through a data-plane edge of this process. */
