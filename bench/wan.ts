@@ -10,7 +10,9 @@
  * Same client shape for both: N concurrent greedy streams of `--tokens` tokens, the prompts of bench:serve (swactor
  * through its Server service with the prompt cache off; llama-server's streamed `/completion`, cache_prompt off,
  * byte tokens banned as in bench:serve). Per link × stages × contender: N=1 decode tok/s (tokens after the first /
- * time from the first to the last), TTFT (N=1, ms), N=4 and N=8 aggregate tok/s; then the issue's ratios. One thread
+ * time from the first to the last), TTFT (N=1, ms), N=4 and N=8 aggregate tok/s; then the issue's ratios. After each
+ * swactor N=1 case, one more stream as `swactor run --timeline` runs it on the same agents and links: its per-token
+ * timeline (per stage: wake-up, framing, queueing, copies, compute, send, waiting; per link), the table run prints. One thread
  * per stage (each agent / rpc-server pinned to core i mod cores with taskset); llama-server -t 1.
  * Before: the relay's own check (ping-pong RTT ≈ 2 × delay, bulk throughput ≈ the cap). After (with `wifi` in the
  * links): swactor's weight delivery of stage 0's slice (2-stage split) to an agent with an empty cache over the Wi-Fi
@@ -40,7 +42,7 @@ import * as Net from "node:net"
 import * as Os from "node:os"
 import * as Path from "node:path"
 import * as Readline from "node:readline"
-import { Effect, Exit, Layer, ManagedRuntime, Scope, Stream } from "effect"
+import { Chunk, Effect, Exit, Layer, ManagedRuntime, Option, Scope, Stream } from "effect"
 import { layerRemote } from "../src/api/generate.js"
 import { tcpAddress } from "../src/domain/frames.js"
 import { NodeId } from "../src/domain/ids.js"
@@ -51,7 +53,9 @@ import { deliverWeights } from "../src/layers/orchestrator/WeightDelivery.js"
 import * as PromptTokenizer from "../src/layers/server/PromptTokenizer.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
+import { Orchestrator } from "../src/services/Orchestrator.js"
 import { Server } from "../src/services/Server.js"
+import { renderTimeline } from "../src/services/Timeline.js"
 import { type BenchShape, defaultBenchShape, ensureBenchModel } from "./benchModel.js"
 import { type Contender, findLlamaTools, llamaReference, llamaRpc, type StreamTimes } from "./wanLlama.js"
 import { freePort, installCleanup, pinProcess, track } from "./wanProcesses.js"
@@ -341,8 +345,42 @@ const swactor = async (
         )
       )
     await runtime.runPromise(one(prompts[0]!, warmUpTokens)) // weights loaded, the first run's set-up done
+    // one stream as `swactor run --timeline` runs it, on the same agents (their weights are cached), its tokens back
+    // through a listener of its own behind the same link
+    const timeline = async () => {
+      const port = await freePort()
+      const front = await relays.front(profile, port)
+      const run = layerRemote({
+        agents: nodes,
+        token,
+        listenHost: "127.0.0.1",
+        dataListen: tcpAddress(port),
+        dataAdvertise: tcpAddress(front)
+      })
+      const updates = await Effect.runPromise(
+        Effect.flatMap(Orchestrator, (o) =>
+          Stream.runCollect(
+            o.run({
+              model,
+              prompt: prompts[0]!,
+              stages,
+              threads: 1,
+              maxTokens: cfg.tokens,
+              sampling: { temperature: 0 },
+              timeline: true,
+              ...(tokenLoop ? {} : { tokenLoop: false })
+            })
+          )
+        ).pipe(Effect.provide(run))
+      )
+      const finished = Chunk.findLast(updates, (u) => u._tag === "Finished")
+      const t =
+        Option.isSome(finished) && finished.value._tag === "Finished" ? finished.value.summary.timeline : undefined
+      return t === undefined ? ["no timeline: no decode step could be timed"] : renderTimeline(t)
+    }
     return {
       round,
+      timeline,
       setup: `agents --threads 1, ${pinned.join(" / ")}`,
       close: async () => {
         await runtime.dispose()
@@ -528,6 +566,11 @@ const main = async () => {
           if (contender.greedyOk === false) greedyFailures.push(`${profile.name} ${stages} stages`)
           try {
             cells.set(key(profile.name, stages, who), await measure(contender))
+            if (contender.timeline !== undefined && cfg.clients.includes(1)) {
+              const lines = await contender.timeline()
+              console.log(`  ${profile.name} ${stages} stages ${who}, one stream (run --timeline):`)
+              for (const line of lines) console.log(`    ${line}`)
+            }
           } finally {
             await contender.close()
           }

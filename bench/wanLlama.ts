@@ -39,6 +39,8 @@ export interface Contender {
   readonly setup?: string
   /** false when the greedy check failed. */
   readonly greedyOk?: boolean
+  /** One stream's per-token timeline (swactor: `run --timeline` on the same agents), as table lines. */
+  readonly timeline?: () => Promise<ReadonlyArray<string>>
 }
 
 /** The llama.cpp tools to use, or one line saying why there are none. */

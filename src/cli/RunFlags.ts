@@ -59,6 +59,12 @@ export const runFlags = {
   dryRun: Flag.boolean("dry-run", {
     group: "Output",
     text: "ask the nodes for their capacity, print the placement, provision nothing"
+  }),
+  timeline: Flag.boolean("timeline", {
+    group: "Output",
+    text:
+      "time every decoded token on every stage and link (waiting, wake-ups, framing, queueing, copies, compute, " +
+      "send): a table after the summary, the summary's timeline with --json"
   })
 }
 

@@ -30,7 +30,8 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
   // Nodes that lack the model file receive their stages' slices (remote nodes by default; never for a dry run).
   ...pipelineOptionsOf(flags.pipeline, { localStages: flags.localStages, dryRun: args.dryRun }),
   ...(flags.placement === undefined ? defaultPlacement(flags.pipeline.agents) : { placement: flags.placement }),
-  ...(args.dryRun ? { dryRun: true } : {})
+  ...(args.dryRun ? { dryRun: true } : {}),
+  ...(args.timeline ? { timeline: true } : {})
 })
 
 /** The agent pool the request runs on: the remote agents of --agents, or local agent processes, one per stage. */

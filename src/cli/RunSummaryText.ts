@@ -1,6 +1,10 @@
-/** The summary `swactor run` prints on stderr after a completed run: tokens, timings, stages, recoveries, stragglers. */
+/**
+ * The summary `swactor run` prints on stderr after a completed run: tokens, timings, stages, recoveries, stragglers, and
+ * with --timeline the per-token timeline (services/Timeline.ts).
+ */
 import { formatAddress } from "../layers/agent/AgentControlRpc.js"
 import type { RunSummary } from "../services/Orchestrator.js"
+import { renderTimeline } from "../services/Timeline.js"
 import { mib, ms, size } from "./Units.js"
 
 /** A GPU stage's split: its blocks on the device, and device memory planned and allocated, host memory planned. */
@@ -51,5 +55,6 @@ export const renderSummary = (summary: RunSummary): string => {
         `(median ${ms(s.medianMillis)} ms, worst ${ms(s.worstMillis)} ms at #${s.worstStep})`
     )
   }
+  if (summary.timeline !== undefined) lines.push(...renderTimeline(summary.timeline))
   return lines.join("\n")
 }

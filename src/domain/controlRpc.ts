@@ -28,6 +28,31 @@ import { EdgeId, RunId } from "./ids.js"
 import { ProvisionStage, RingSpec } from "./plan.js"
 import { StageFaultReason } from "./runEvents.js"
 
+/**
+ * One decode step of one stage, as the timeline of `swactor run --timeline` takes it (ms). The `…At` times are on the
+ * host's monotonic clock (shared by the processes of one machine); the rest are durations that follow each other:
+ * the frame's bytes arrived (`arrivedAt`, the socket's or shared-memory ring's wake-up), were decoded (`decodeMillis`),
+ * the stage took the frame (`wakeMillis`: the scheduling delay), its rows waited in the batcher (`queueMillis`, both
+ * ways), were copied into and out of ggml (`copyMillis`), computed (`computeMillis`: the graph, and sampling on the
+ * last stage), encoded into frames (`encodeMillis`) and written (`sendMillis`: the socket write or ring copy, window
+ * waits included). `handOffAt`: when the frame the pipeline waits for was written (to the next stage, or the token
+ * loop's to stage 0); `doneAt`: when the stage was done with the step.
+ */
+export const StepTimeline = Schema.Struct({
+  step: Schema.Number,
+  arrivedAt: Schema.Number,
+  decodeMillis: Schema.Number,
+  wakeMillis: Schema.Number,
+  queueMillis: Schema.Number,
+  copyMillis: Schema.Number,
+  computeMillis: Schema.Number,
+  encodeMillis: Schema.Number,
+  sendMillis: Schema.Number,
+  handOffAt: Schema.Number,
+  doneAt: Schema.Number
+})
+export type StepTimeline = typeof StepTimeline.Type
+
 /** Per-stage counters, reported when the stage stops. */
 export class StageStats extends Schema.Class<StageStats>("StageStats")({
   frames: Schema.Number,
@@ -106,7 +131,14 @@ export const StageReport = Schema.Union(
     stageIndex: Schema.Number,
     steps: Schema.Array(Schema.Number),
     computeMillis: Schema.Array(Schema.Number),
-    sendMillis: Schema.Array(Schema.Number)
+    sendMillis: Schema.Array(Schema.Number),
+    /** A run provisioned with `timeline`: the same steps, each as its timeline (absent: not asked for). */
+    timeline: Schema.optional(Schema.Array(StepTimeline)),
+    /**
+     * With `timeline`: the stage's clock (the host's boot id): times of stages on the same clock as the orchestrator's
+     * are comparable, so the links between them are measured.
+     */
+    clock: Schema.optional(Schema.String)
   })
 )
 export type StageReport = typeof StageReport.Type
@@ -162,7 +194,9 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   /** Move mapped weights into huge-page memory before reporting ready (a long-lived pipeline's warm-up). */
   settleWeights: Schema.optional(Schema.Boolean),
   /** Stage 0 and the last stage of a run with a token loop (absent: tokens go back through the orchestrator). */
-  tokenLoop: Schema.optional(TokenLoop)
+  tokenLoop: Schema.optional(TokenLoop),
+  /** Report each decode step's timeline with its timings (StepTimeline; `swactor run --timeline`). */
+  timeline: Schema.optional(Schema.Boolean)
 }) {}
 
 /** What an agent says about itself when the orchestrator connects. */

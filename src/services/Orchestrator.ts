@@ -2,6 +2,7 @@
  * The orchestrator: plans a run over a pool of node agents, drives the run FSM actor, executes
  * its commands through the agent links and the data plane, and streams what the run produces.
  */
+import type { TokenTimeline } from "./Timeline.js"
 import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
 import type { DeviceBytes, StageDeviceSplit } from "../domain/engine.js"
@@ -101,6 +102,8 @@ export interface GenerateRequest {
   readonly recovery?: RecoveryOptions
   /** When a stage's step counts as a straggler (see StragglerRule). */
   readonly stragglers?: Partial<StragglerRule>
+  /** Time every decode step on every stage and link: the summary's `timeline` (see RunRequest.timeline). */
+  readonly timeline?: boolean
 }
 
 /** When a stage's decode step is a straggler: over `factor` × the median of its `window` steps before, by `minExcessMillis`. */
@@ -270,6 +273,8 @@ export interface RunSummary {
    * (0: not kept on some stage).
    */
   readonly promptCache?: { readonly cachedTokens: number; readonly keptTokens: number }
+  /** Where each decoded token's time went, per stage and per link (runs that asked for it: RunRequest.timeline). */
+  readonly timeline?: TokenTimeline
 }
 
 /** A placement and the pool it was chosen from, for `--dry-run`. */
@@ -516,6 +521,11 @@ export interface RunRequest {
    * which never waits).
    */
   readonly arriving?: number
+  /**
+   * Time every decode step on every stage (StepTimeline: waiting, wake-up, framing, queueing, copies, compute, send)
+   * and every link: the summary's `timeline` (services/Timeline.ts). Off: the stages measure only what they always do.
+   */
+  readonly timeline?: boolean
   /**
    * A long-lived pipeline's first run (the server's warm-up): every stage moves its mapped weights into huge-page memory
    * (LoadedStage.settle) before it reports ready, so the requests after it neither run from the file mapping (4 KiB

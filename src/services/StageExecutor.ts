@@ -50,6 +50,11 @@ export interface StageSession {
 }
 
 /** One sequence's part of a batched forward: `input` at positions startPos.. of `session`. */
+/** What a forward spent on copies (ms), filled in by engines that measure it (`swactor run --timeline`). */
+export interface ForwardPhases {
+  copyMillis: number
+}
+
 export interface BatchItem {
   readonly session: StageSession
   readonly startPos: number
@@ -91,7 +96,9 @@ export interface StageExecutorService {
    * fails the whole call with its index (BatchItemRejected) and no session changes.
    */
   readonly forwardBatch: (
-    items: ReadonlyArray<BatchItem>
+    items: ReadonlyArray<BatchItem>,
+    /** Where an engine that can tell adds the ms it spent copying rows into and out of its graph (the timeline). */
+    phases?: ForwardPhases
   ) => Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError>
   /**
    * Prompt cache: copies the KV of positions [0, length) of `from` into `to` (sessions of one loaded stage; `to`

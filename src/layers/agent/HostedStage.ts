@@ -26,6 +26,7 @@ import { kvBytesOfStage } from "../../services/KvSize.js"
 import type { LoadedStage, StageExecutorService, StageSession } from "../../services/StageExecutor.js"
 import { openStageSampler } from "../sampling/StageSampler.js"
 import { activationPayloadOffset } from "../transport/Framing.js"
+import { keepArrivals } from "../transport/WireClock.js"
 import type { PromptCacheHost } from "./PromptCacheHost.js"
 import type { StageBatcher } from "./StageBatcher.js"
 import type { StageHostOptions } from "./StageHostOptions.js"
@@ -324,7 +325,8 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
       ...(loopOut === undefined ? {} : { tokenLoop: true })
     })
     if (settling.later) yield* settling.settleLater
-    const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report))
+    if (request.timeline === true) keepArrivals()
+    const timings = makeTimingBuffer(runId, stageIndex, (report) => reports.unsafeOffer(report), request.timeline)
     progress.flushTimings = timings.flush
     // the most rows of this stage's output one frame on the outbound window carries (its rows are never wider than
     // its input rows: gemma4's per-layer inputs only shrink along the pipeline)

@@ -108,6 +108,16 @@ export const emptyBatchCounters = (): BatchCounters => ({
   engineMillis: 0
 })
 
+/**
+ * A timeline's record of one submit (`swactor run --timeline`), filled in by the batcher: when the forward of its last
+ * micro-batch started and ended (performance.now), and the ms the engine said that forward spent on copies.
+ */
+export interface JobTrace {
+  forwardStart: number
+  forwardEnd: number
+  copyMillis: number
+}
+
 export interface StageBatcher {
   /** Runs `input` at startPos.. of `session` in the next micro-batch(es); counts into `counters`. */
   readonly submit: (
@@ -118,7 +128,9 @@ export interface StageBatcher {
     /** Stages in the submitter's pipeline (default 1: no cap on decode steps per micro-batch). */
     pipelineStages?: number,
     /** The input's last `replayTail` rows run one per micro-batch (a resumed generation's replayed tokens). */
-    replayTail?: number
+    replayTail?: number,
+    /** Filled in with the forward's times (absent: nothing measured beyond the counters). */
+    trace?: JobTrace
   ) => Effect.Effect<StageOutput, ForwardError>
   /**
    * A session was opened and its prompt will follow: prompts that wake the idle batcher wait for it (see
@@ -152,6 +164,7 @@ interface Job {
   cancelled: boolean
   /** When it was submitted (performance.now). */
   readonly submittedAt: number
+  readonly trace: JobTrace | undefined
 }
 
 const lengthOf = (input: StageInput) => (input._tag === "Tokens" ? input.tokens.length : input.nTokens)
@@ -172,16 +185,6 @@ const concat = (parts: ReadonlyArray<Float32Array>): Float32Array => {
   }
   return out
 }
-
-/**
- * Sleeps `millis` of wall time, whatever Clock the fiber has: the gather wait is bounded by measured compute time
- * (performance.now), so it must not stand still under a test's TestClock.
- */
-const wallSleep = (millis: number): Effect.Effect<Option.Option<never>> =>
-  Effect.async<Option.Option<never>>((resume) => {
-    const timer = setTimeout(() => resume(Effect.succeed(Option.none())), millis)
-    return Effect.sync(() => clearTimeout(timer))
-  })
 
 /** One decode or prompt job of a micro-batch, and how many of its rows it runs there. */
 interface Chosen {
@@ -227,7 +230,32 @@ interface BatcherState {
   probeRows: number
   /** The last time a session was opened here or submitted work (the batcher's start to begin with). */
   lastActivity: number
+  /** The batcher waits in `takeWithin`: a submit wakes it. */
+  arrival: (() => void) | undefined
 }
+
+/**
+ * The next job in the inbox, waiting at most `millis` of wall time for one (none when the time is up). The wait is one
+ * suspension woken by `submit` or a timer: no fiber forked (a race of Queue.take against a sleep forks two and waits
+ * for the loser's interruption, which cost a lone stream about 0.2 ms per step and stage, measured with
+ * `swactor run --timeline`). Wall time, whatever Clock the fiber has: the gather wait is bounded by measured compute
+ * time (performance.now), so it must not stand still under a test's TestClock.
+ */
+const takeWithin = (state: BatcherState, millis: number): Effect.Effect<Option.Option<Job>> =>
+  Effect.async<void>((resume) => {
+    if (Option.getOrElse(state.inbox.unsafeSize(), () => 0) > 0) return resume(Effect.void)
+    const done = () => {
+      clearTimeout(timer)
+      state.arrival = undefined
+      resume(Effect.void)
+    }
+    const timer = setTimeout(done, millis)
+    state.arrival = done
+    return Effect.sync(() => {
+      clearTimeout(timer)
+      if (state.arrival === done) state.arrival = undefined
+    })
+  }).pipe(Effect.zipRight(Queue.poll(state.inbox)))
 
 const limitsOf = (settings: BatcherSettings): Limits => {
   const maxRows = Math.max(1, Math.floor(settings.maxRows ?? 256))
@@ -361,13 +389,30 @@ const itemOf = (job: Job, n: number): BatchItem => ({
 const asEngineError = (error: { readonly _tag: string; readonly message: string }) =>
   new EngineError({ message: `${error._tag}: ${error.message}` })
 
+/** The traced jobs of a micro-batch: its forward's times and copies. */
+const traceForward = (chosen: ReadonlyArray<Chosen>, started: number, ended: number, copyMillis: number) => {
+  for (const { job } of chosen) {
+    if (job.trace === undefined) continue
+    job.trace.forwardStart = started
+    job.trace.forwardEnd = ended
+    job.trace.copyMillis = copyMillis
+  }
+}
+
 /** Runs one micro-batch; never fails (every outcome lands in the jobs' results). */
 const runOnce = (state: BatcherState, chosen: ReadonlyArray<Chosen>): Effect.Effect<void> => {
   const rows = chosen.reduce((s, c) => s + c.n, 0)
+  // a timeline asked for: the engine's copies measured too
+  const phases = chosen.some(({ job }) => job.trace !== undefined) ? { copyMillis: 0 } : undefined
   const started = performance.now()
-  return state.executor.forwardBatch(chosen.map(({ job, n }) => itemOf(job, n))).pipe(
+  const items = chosen.map(({ job, n }) => itemOf(job, n))
+  return state.executor.forwardBatch(items, phases).pipe(
     Effect.matchEffect({
-      onSuccess: (outputs) => advance(state, chosen, outputs, rows, performance.now() - started),
+      onSuccess: (outputs) => {
+        const ended = performance.now()
+        if (phases !== undefined) traceForward(chosen, started, ended, phases.copyMillis)
+        return advance(state, chosen, outputs, rows, ended - started)
+      },
       onFailure: (error) => {
         switch (error._tag) {
           case "BatchItemRejected": {
@@ -421,7 +466,7 @@ const takeUntil = (state: BatcherState, deadline: () => number) =>
     while (true) {
       const left = deadline() - performance.now()
       if (left < 0.5) return
-      const next = yield* Effect.race(Queue.take(state.inbox).pipe(Effect.map(Option.some)), wallSleep(left))
+      const next = yield* takeWithin(state, left)
       if (Option.isNone(next)) continue
       state.pending.push(next.value)
       yield* takeArrived(state)
@@ -511,7 +556,7 @@ const batchOnce = (state: BatcherState) =>
       const wait = probeWait(state)
       if (wait < 1 && (yield* Queue.isEmpty(inbox))) return yield* probeStep(state)
       // the probe waits for the stage to be quiet; work goes first
-      const next = yield* Effect.race(Queue.take(inbox).pipe(Effect.map(Option.some)), wallSleep(Math.max(1, wait)))
+      const next = yield* takeWithin(state, Math.max(1, wait))
       if (Option.isNone(next)) return
       pending.push(next.value)
     } else if (wokeIdle) pending.push(yield* Queue.take(inbox))
@@ -547,7 +592,7 @@ const noteSubmitter = (state: BatcherState, session: StageSession, decodeStep: b
 
 const submitTo =
   (state: BatcherState): StageBatcher["submit"] =>
-  (session, startPos, input, counters, pipelineStages = 1, replayTail = 0) =>
+  (session, startPos, input, counters, pipelineStages = 1, replayTail = 0, trace) =>
     Effect.gen(function* () {
       const result = yield* Deferred.make<StageOutput, ForwardError>()
       const total = lengthOf(input)
@@ -564,7 +609,8 @@ const submitTo =
         pipelineStages: Number.isSafeInteger(pipelineStages) && pipelineStages >= 1 ? pipelineStages : 1,
         result,
         cancelled: false,
-        submittedAt: performance.now()
+        submittedAt: performance.now(),
+        trace
       }
       noteSubmitter(state, session, job.total === 1)
       if (!(job.total >= 1)) {
@@ -572,6 +618,7 @@ const submitTo =
         return yield* session.forward(startPos, input)
       }
       yield* Queue.offer(state.inbox, job)
+      state.arrival?.()
       return yield* Deferred.await(result).pipe(
         Effect.onInterrupt(() =>
           Effect.sync(() => {
@@ -627,7 +674,8 @@ export const makeStageBatcher = (
       lastChoice: undefined,
       cached: undefined,
       probeRows: limits.probeSettings === undefined || limits.probeMax === 0 ? Infinity : 0,
-      lastActivity: performance.now()
+      lastActivity: performance.now(),
+      arrival: undefined
     }
     yield* Effect.forkScoped(Effect.forever(batchOnce(state)))
     return {

@@ -5,7 +5,7 @@
  * stage 0 first on the token loop). Also the stage's failures, its counters and its decode-step timing reports.
  */
 import { Data, Effect } from "effect"
-import type { TokenLoop, ProvisionRequest } from "../../domain/controlRpc.js"
+import type { ProvisionRequest, StepTimeline, TokenLoop } from "../../domain/controlRpc.js"
 import type { DeviceBytes, StageInput, StageOutput } from "../../domain/engine.js"
 import { type DataFrame, describeFault, type EdgeFault } from "../../domain/frames.js"
 import type { RunId } from "../../domain/ids.js"
@@ -14,7 +14,8 @@ import { dataFrame, type EdgeSender, type StageReport } from "../../services/Age
 import { promptPieces } from "../../services/PromptPieces.js"
 import type { StageSession } from "../../services/StageExecutor.js"
 import type { SequenceSampler } from "../sampling/ChainSampler.js"
-import { emptyBatchCounters, type StageBatcher } from "./StageBatcher.js"
+import { arrivalOf, clockId, encodedMillis, lastWrittenAt, monoOf } from "../transport/WireClock.js"
+import { emptyBatchCounters, type JobTrace, type StageBatcher } from "./StageBatcher.js"
 
 export class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
 export const loadFailed = (message: string) =>
@@ -61,21 +62,41 @@ const TIMINGS_EVERY_MILLIS = 250
 
 const roundMicros = (millis: number) => Math.round(millis * 1000) / 1000
 
-/** A stage's decode-step timings, sent as one StageTimings report per TIMINGS_BATCH steps or TIMINGS_EVERY_MILLIS. */
-export const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report: StageReport) => void) => {
+/**
+ * A stage's decode-step timings, sent as one StageTimings report per TIMINGS_BATCH steps or TIMINGS_EVERY_MILLIS; with
+ * `timeline`, each step's timeline (`addTimeline`, before its `add`) goes in the same report.
+ */
+export const makeTimingBuffer = (
+  runId: RunId,
+  stageIndex: number,
+  send: (report: StageReport) => void,
+  timeline = false
+) => {
   let steps: Array<number> = []
   let computeMillis: Array<number> = []
   let sendMillis: Array<number> = []
+  let traced: Array<StepTimeline> = []
   let lastSent = performance.now()
   const flush = () => {
     lastSent = performance.now()
     if (steps.length === 0) return
-    send({ _tag: "StageTimings", runId, stageIndex, steps, computeMillis, sendMillis })
+    send({
+      _tag: "StageTimings",
+      runId,
+      stageIndex,
+      steps,
+      computeMillis,
+      sendMillis,
+      ...(timeline ? { timeline: traced, clock: clockId() } : {})
+    })
     steps = []
     computeMillis = []
     sendMillis = []
+    traced = []
   }
   return {
+    timeline,
+    addTimeline: (entry: StepTimeline) => void traced.push(entry),
     add: (step: number, compute: number, handOff: number) => {
       steps.push(step)
       computeMillis.push(roundMicros(compute))
@@ -83,6 +104,42 @@ export const makeTimingBuffer = (runId: RunId, stageIndex: number, send: (report
       if (steps.length >= TIMINGS_BATCH || performance.now() - lastSent >= TIMINGS_EVERY_MILLIS) flush()
     },
     flush
+  }
+}
+
+/** What a decode step's timeline is made of (performance.now, except the frame's arrival: monoNow). */
+interface StepMarks {
+  /** The stage took the frame. */
+  readonly taken: number
+  readonly trace: JobTrace
+  /** The batcher's result was back with the stage. */
+  readonly resumed: number
+  /** The send began (after sampling, on the last stage). */
+  readonly sendStart: number
+  /** The frame the pipeline waits for was written; the stage was done with the step. */
+  readonly handOff: number
+  readonly done: number
+  readonly encodeMillis: number
+}
+
+/** A decode step's timeline from its marks (StepTimeline: the parts follow each other from arrival to done). */
+const timelineOf = (frame: DataFrame, m: StepMarks): StepTimeline => {
+  const takenAt = monoOf(m.taken)
+  const arrival = arrivalOf(frame) ?? { arrivedAt: takenAt, decodedAt: takenAt }
+  const forward = m.trace.forwardEnd - m.trace.forwardStart
+  return {
+    step: frame.step,
+    arrivedAt: arrival.arrivedAt,
+    decodeMillis: arrival.decodedAt - arrival.arrivedAt,
+    wakeMillis: takenAt - arrival.decodedAt,
+    queueMillis: m.trace.forwardStart - m.taken + (m.resumed - m.trace.forwardEnd),
+    copyMillis: m.trace.copyMillis,
+    // the graph, and whatever ran between the forward and the send (sampling on the last stage)
+    computeMillis: forward - m.trace.copyMillis + (m.sendStart - m.resumed),
+    encodeMillis: m.encodeMillis,
+    sendMillis: m.done - m.sendStart - m.encodeMillis,
+    handOffAt: monoOf(m.handOff),
+    doneAt: monoOf(m.done)
   }
 }
 
@@ -105,6 +162,12 @@ export interface StepContext {
 }
 
 const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
+
+/** When the frame just sent was handed over (WireClock.lastWrittenAt), if a data-plane edge sent it since `since`. */
+const writtenSince = (since: number): number => {
+  const at = lastWrittenAt()
+  return at >= since ? at : performance.now()
+}
 const isFirstOf = (ctx: StepContext) => ctx.request.provision.stageIndex === 0
 const isLastOf = (ctx: StepContext) => {
   const p = ctx.request.provision
@@ -171,7 +234,8 @@ const sendHidden = (
 /**
  * The last stage: a token sampled from the logits and sent to the orchestrator, and first to stage 0 on the token
  * loop (it is what the pipeline waits for), unless the run ends with it (end of sequence, or max tokens). Returns when
- * the hand-off began.
+ * the hand-off began, and when the frame the pipeline waits for was handed over (the token loop's, else the
+ * orchestrator's).
  */
 const sendSampled = (ctx: StepContext, frame: DataFrame, logits: Float32Array, sample: SequenceSampler) =>
   Effect.gen(function* () {
@@ -184,6 +248,7 @@ const sendSampled = (ctx: StepContext, frame: DataFrame, logits: Float32Array, s
     const tokenId = sampled.tokenId < 0 ? Math.max(0, eosTokenId) : sampled.tokenId
     const eos = sampled.tokenId < 0 || tokenId === eosTokenId
     const handOffStart = performance.now()
+    let loopSent: number | undefined
     const loopOut = ctx.loopOut
     if (loopOut !== undefined && !eos && frame.step + 1 < loopOut.loop.maxTokens) {
       yield* loopOut.sender
@@ -199,6 +264,7 @@ const sendSampled = (ctx: StepContext, frame: DataFrame, logits: Float32Array, s
           })
         )
         .pipe(Effect.mapError(transport))
+      loopSent = writtenSince(handOffStart)
     }
     yield* ctx.outbound
       .send(
@@ -219,11 +285,18 @@ const sendSampled = (ctx: StepContext, frame: DataFrame, logits: Float32Array, s
         })
       )
       .pipe(Effect.mapError(transport))
-    return handOffStart
+    return { handOffStart, handOff: loopSent ?? writtenSince(handOffStart) }
   })
 
 /** One piece's rows through the batcher, counted (prefill or decode); its output. */
-const runPiece = (ctx: StepContext, frame: DataFrame, pieceStart: number, input: StageInput, rows: number) =>
+const runPiece = (
+  ctx: StepContext,
+  frame: DataFrame,
+  pieceStart: number,
+  input: StageInput,
+  rows: number,
+  trace: JobTrace | undefined
+) =>
   Effect.gen(function* () {
     const { stats } = ctx
     const p = ctx.request.provision
@@ -231,7 +304,7 @@ const runPiece = (ctx: StepContext, frame: DataFrame, pieceStart: number, input:
     const engineBefore = stats.engineMillis
     const t0 = performance.now()
     const output: StageOutput = yield* ctx.batcher
-      .submit(ctx.session, pieceStart, input, stats, p.stageCount, replayTail)
+      .submit(ctx.session, pieceStart, input, stats, p.stageCount, replayTail, trace)
       .pipe(
         Effect.mapError(
           (error) =>
@@ -266,6 +339,7 @@ export const stepOf =
   (ctx: StepContext) =>
   (frame: DataFrame): Effect.Effect<void, StageFailure> =>
     Effect.gen(function* () {
+      const taken = performance.now()
       const p = ctx.request.provision
       const { input, startPos } = yield* inputOf(ctx, frame)
       const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
@@ -286,22 +360,36 @@ export const stepOf =
             ? { _tag: "Tokens", tokens: input.tokens.subarray(offset, offset + rows) }
             : input
         offset += rows
-        const { output, t0, t1 } = yield* runPiece(ctx, frame, pieceStart, pieceInput, rows)
+        const trace =
+          ctx.timings.timeline && frame.step !== 0 ? { forwardStart: 0, forwardEnd: 0, copyMillis: 0 } : undefined
+        const { output, t0, t1 } = yield* runPiece(ctx, frame, pieceStart, pieceInput, rows, trace)
         let handOffStart = t1
+        let handOff: number | undefined
+        const encodedBefore = encodedMillis()
         if (output._tag === "Hidden") {
           if (isLastOf(ctx)) return yield* protocolViolated("the last stage produced hidden states")
+          handOffStart = performance.now()
           yield* sendHidden(ctx, frame, output, {
             pieceStart,
             chunkIndex: pieces.length > 1 ? piece : (received?.index ?? 0),
             chunkCount: pieces.length > 1 ? pieces.length : (received?.count ?? 1)
           })
+          handOff = writtenSince(handOffStart)
         } else {
           if (ctx.sample === undefined) return yield* protocolViolated("a middle stage produced logits")
           // a piece before a prompt's last: nothing to sample yet
           if (!sampleHere) continue
-          handOffStart = yield* sendSampled(ctx, frame, output.logits, ctx.sample)
+          const sent = yield* sendSampled(ctx, frame, output.logits, ctx.sample)
+          handOffStart = sent.handOffStart
+          handOff = sent.handOff
+        }
+        const done = performance.now()
+        if (trace !== undefined) {
+          const encodeMillis = encodedMillis() - encodedBefore
+          const marks = { taken, trace, resumed: t1, sendStart: handOffStart, handOff: handOff ?? done, done }
+          ctx.timings.addTimeline(timelineOf(frame, { ...marks, encodeMillis }))
         }
         // Sampling counts as the last stage's compute; the hand-off is the send (window credit included).
-        if (frame.step !== 0) ctx.timings.add(frame.step, handOffStart - t0, performance.now() - handOffStart)
+        if (frame.step !== 0) ctx.timings.add(frame.step, handOffStart - t0, done - handOffStart)
       }
     })

@@ -5,6 +5,7 @@
  */
 import koffi from "koffi"
 import type { StageInput } from "../../domain/engine.js"
+import type { ForwardPhases } from "../../services/StageExecutor.js"
 import { type Ptr, TensorLayout } from "../ggml/Bindings.js"
 import { attendedCells } from "../../services/KvSize.js"
 import { libcFunction } from "./FileMap.js"
@@ -91,11 +92,15 @@ export const forwardOne = async (
  * `weights`, that no session appears twice, and that all inputs are of one kind. A single item runs on its
  * session's own graph slot (its decode graph survives other sessions' calls); several on the stage's batch slot.
  */
-export const runBatch = (weights: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> =>
+export const runBatch = (
+  weights: NativeWeights,
+  items: ReadonlyArray<NativeItem>,
+  phases?: ForwardPhases
+): Promise<Array<NativeOutput>> =>
   weights.lock.run(() =>
     items.some((it) => inputLength(it.input) > it.session.maxCallRows)
       ? runInPieces(weights, items)
-      : runBatchLocked(weights, items)
+      : runBatchLocked(weights, items, phases)
   )
 
 /**
@@ -385,7 +390,15 @@ const readOutputs = (
   })
 }
 
-const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>): Promise<Array<NativeOutput>> => {
+/**
+ * One graph of `items` (the lock held). `phases`: the ms spent setting its inputs (positions, masks, rows) and reading
+ * its outputs back are added to its copyMillis.
+ */
+const runBatchLocked = async (
+  w: NativeWeights,
+  items: ReadonlyArray<NativeItem>,
+  phases?: ForwardPhases
+): Promise<Array<NativeOutput>> => {
   if (w.freed) throw new Error("the stage's weights were freed before this session")
   if (items.length === 0) return []
   for (const it of items) {
@@ -405,12 +418,17 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   if (w.renewStaleBackend()) c = await graphOf(w, slot, key, items, shapes, kind)
 
   // inputs: positions, KV cells, row indices, one causal mask per sequence, the rows
+  const copyIn = performance.now()
   setRowPositions(w, c, items, shapes, nTotal)
   setSequenceMasks(w, c, items, shapes)
   const borrowed = setInputRows(w, c, items)
+  const copiedIn = performance.now() - copyIn
 
   markRewriting(items, shapes)
   await computeGraph(w, slot, c, items, nTotal, borrowed)
   items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
-  return readOutputs(w, c, items, nTotal)
+  const copyOut = performance.now()
+  const outputs = readOutputs(w, c, items, nTotal)
+  if (phases !== undefined) phases.copyMillis += copiedIn + performance.now() - copyOut
+  return outputs
 }

@@ -21,6 +21,7 @@ import {
 import { ModelLoadError } from "../../domain/gguf.js"
 import {
   type BatchItem,
+  type ForwardPhases,
   type LoadedStage,
   type SessionOptions,
   StageExecutor,
@@ -237,7 +238,10 @@ class LiveStageSession implements StageSession {
 }
 
 /** Checks a whole batch in TypeScript (nothing native runs before every item passed), then runs it as one graph. */
-const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> =>
+const forwardBatch = (
+  items: ReadonlyArray<BatchItem>,
+  phases?: ForwardPhases
+): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> =>
   Effect.suspend((): Effect.Effect<ReadonlyArray<StageOutput>, ForwardBatchError> => {
     if (items.length === 0) return Effect.fail(new InvalidBatch({ message: "a batch needs at least one item" }))
     const natives: Array<NativeItem> = []
@@ -274,7 +278,7 @@ const forwardBatch = (items: ReadonlyArray<BatchItem>): Effect.Effect<ReadonlyAr
       natives.push({ session: session.native, startPos, input })
     }
     return Effect.tryPromise({
-      try: () => runBatch(weights!, natives),
+      try: () => runBatch(weights!, natives, phases),
       catch: (e) => new EngineError({ message: e instanceof Error ? e.message : String(e) })
     })
   }).pipe(Effect.withSpan("StageExecutor.forwardBatch", { attributes: { items: items.length } }))

@@ -18,10 +18,10 @@ export const layerSlowed = (factor: number): Layer.Layer<StageExecutor, never, S
         load: (spec, onProgress) => executor.load(spec, onProgress),
         session: (stage, options) => executor.session(stage, options),
         ...(executor.copyPrefix === undefined ? {} : { copyPrefix: executor.copyPrefix }),
-        forwardBatch: (items) =>
+        forwardBatch: (items, phases) =>
           Effect.gen(function* () {
             const started = performance.now()
-            const outputs = yield* executor.forwardBatch(items)
+            const outputs = yield* executor.forwardBatch(items, phases)
             yield* Effect.sleep((factor - 1) * (performance.now() - started))
             return outputs
           })

@@ -197,7 +197,8 @@ export const make = Effect.gen(function* () {
             ...(request.tokenTimeout === undefined ? {} : { tokenTimeout: request.tokenTimeout }),
             ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
             ...(request.recovery === undefined ? {} : { recovery: request.recovery }),
-            ...(request.stragglers === undefined ? {} : { stragglers: request.stragglers })
+            ...(request.stragglers === undefined ? {} : { stragglers: request.stragglers }),
+            ...(request.timeline === true ? { timeline: true } : {})
           },
           updates,
           stop,

@@ -5,7 +5,7 @@
  */
 import { type Deferred, Effect, type Scope } from "effect"
 import type { EdgeFault } from "../../domain/frames.js"
-import type { PromptCacheUse } from "../../domain/controlRpc.js"
+import type { PromptCacheUse, StepTimeline } from "../../domain/controlRpc.js"
 import type { RunId } from "../../domain/ids.js"
 import type { RunPlan } from "../../domain/plan.js"
 import type { RunEvent } from "../../domain/runEvents.js"
@@ -37,6 +37,13 @@ export interface RunLedger {
   readonly firstStageReady: Deferred.Deferred<void>
   readonly injectedAt: Map<number, number>
   readonly receivedAt: Map<number, number>
+  /** A run with a timeline (RunRequest.timeline): each stage's reported steps and clock, each token's arrival. */
+  readonly timeline:
+    | {
+        readonly stages: Map<number, { clock: string | undefined; readonly steps: Array<StepTimeline> }>
+        readonly tokenArrivedAt: Map<number, number>
+      }
+    | undefined
   /** What the last stage sent beside each token: its log-probs (when asked) and its sampler's draws so far. */
   readonly sampledExtras: Map<number, { readonly logprob?: TokenLogprob; readonly draws?: number }>
   /** The token endpoints live in this scope; closed once, by the teardown command. */

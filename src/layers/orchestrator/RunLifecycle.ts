@@ -6,6 +6,8 @@
 import { Effect, Queue } from "effect"
 import type { LifecycleEvent } from "../../domain/runEvents.js"
 import { RunFaulted } from "../../services/Orchestrator.js"
+import { buildTimeline } from "../../services/Timeline.js"
+import { clockId, monoOf } from "../transport/WireClock.js"
 import { type RunContext, stageNode } from "./RunContext.js"
 import { describeRunFault, summarize, tokenUpdate, tornDownUpdate } from "./RunReport.js"
 
@@ -20,6 +22,26 @@ interface LifecycleOutcome {
 
 /** When the prompt went in (the request's start if it never did). */
 const promptInjectedAt = (context: RunContext, requestStart: number) => context.ledger.injectedAt.get(0) ?? requestStart
+
+/** A run with a timeline: its decode steps' timeline from what the stages reported (services/Timeline.ts). */
+const timelineOf = (context: RunContext) => {
+  const { ledger, plan } = context
+  const recorded = ledger.timeline
+  if (recorded === undefined) return undefined
+  return buildTimeline({
+    stages: plan.stages.map((s) => ({
+      stageIndex: s.stageIndex,
+      clock: recorded.stages.get(s.stageIndex)?.clock,
+      steps: recorded.stages.get(s.stageIndex)?.steps ?? []
+    })),
+    orchestrator: {
+      clock: clockId(),
+      tokenArrivedAt: recorded.tokenArrivedAt,
+      injectedAt: new Map([...ledger.injectedAt].map(([step, at]) => [step, monoOf(at)]))
+    },
+    tokenLoop: ledger.tokenLoop
+  })
+}
 
 /** Offers the updates of the lifecycle as it goes, until the run is torn down. */
 export const followLifecycle = (
@@ -127,13 +149,15 @@ export const finishRun = (context: RunContext, outcome: LifecycleOutcome, reques
       stageSteps: ledger.stragglerDetector.stages(),
       stageStragglers: ledger.stragglerDetector.stragglers()
     })
+    const timeline = timelineOf(context)
     yield* context.updates.offer({
       _tag: "Finished",
       summary:
         cacheUse === undefined
-          ? summary
+          ? { ...summary, ...(timeline === undefined ? {} : { timeline }) }
           : {
               ...summary,
+              ...(timeline === undefined ? {} : { timeline }),
               promptCache: {
                 cachedTokens: ledger.cachedTokens,
                 keptTokens:

@@ -20,6 +20,7 @@ import { alignUp } from "../../domain/plan.js"
 import { planRun } from "../../services/Planner.js"
 import { RunActor } from "../../services/RunFsm.js"
 import { makeStageStragglerDetector } from "../../services/StageStragglers.js"
+import { keepArrivals } from "../transport/WireClock.js"
 import { plannerInput, type SamplerResume, type WarmPipeline } from "./PipelineSetup.js"
 import type { RunContext, RunLedger, UpdateSink } from "./RunContext.js"
 import { executeCommands, forwardOperatorStop, watchRunNodes } from "./RunEventSources.js"
@@ -147,6 +148,8 @@ const startRunActor = (
 const openLedger = (request: RunRequest, warm: WarmPipeline) =>
   Effect.gen(function* () {
     const stragglerDetector = makeStageStragglerDetector(request.stragglers ?? warm.options.stragglers)
+    // a timeline: the token-out edge keeps each token's arrival
+    if (request.timeline === true) keepArrivals()
     const firstStageReady = yield* Deferred.make<void>()
     const endpointScope = yield* Scope.fork(yield* Effect.scope, ExecutionStrategy.sequential)
     const ledger: RunLedger = {
@@ -159,6 +162,7 @@ const openLedger = (request: RunRequest, warm: WarmPipeline) =>
       firstStageReady,
       injectedAt: new Map(),
       receivedAt: new Map(),
+      timeline: request.timeline === true ? { stages: new Map(), tokenArrivedAt: new Map() } : undefined,
       sampledExtras: new Map(),
       endpointScope,
       tornDown: false,

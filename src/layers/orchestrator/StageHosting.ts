@@ -92,7 +92,8 @@ const provisionRequestOf = (context: RunContext, provision: ProvisionStage) => {
     ...(cacheUse === undefined ? {} : { promptCache: cacheUse }),
     ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
     ...(request.settleWeights === true ? { settleWeights: true } : {}),
-    ...(tokenLoop === undefined ? {} : { tokenLoop })
+    ...(tokenLoop === undefined ? {} : { tokenLoop }),
+    ...(request.timeline === true ? { timeline: true } : {})
   })
 }
 
@@ -154,12 +155,27 @@ const onStageReport = (
       ledger.stageStats.set(stageIndex, report.stats)
       return stopReport
     case "StageTimings":
+      if (report.timeline !== undefined) noteTimeline(context, stageIndex, report)
       return Effect.forEach(
         ledger.stragglerDetector.add(stageIndex, warm.addressOf(provision.nodeId), stepsOf(report)),
         (straggler) => updates.offer({ _tag: "StageStraggler", straggler }),
         { discard: true }
       )
   }
+}
+
+/** A run with a timeline: the stage's reported steps into the ledger. */
+const noteTimeline = (
+  context: RunContext,
+  stageIndex: number,
+  report: Extract<StageReport, { _tag: "StageTimings" }>
+) => {
+  const stages = context.ledger.timeline?.stages
+  if (stages === undefined) return
+  const entry = stages.get(stageIndex) ?? { clock: report.clock, steps: [] }
+  entry.clock = report.clock
+  entry.steps.push(...(report.timeline ?? []))
+  stages.set(stageIndex, entry)
 }
 
 /** Provisions a stage and follows its reports until its stream ends; the stage is stopped then, either way. */

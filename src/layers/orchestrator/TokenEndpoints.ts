@@ -3,6 +3,7 @@
  * and carries the prompt and each decode step's token; token-out accepts the last stage's sampled tokens and feeds
  * them back to the run as events. Both live in the run's endpoint scope, closed once by the teardown.
  */
+import { arrivalOf, monoNow } from "../transport/WireClock.js"
 import { Deferred, Effect, Exit, Scope } from "effect"
 import type { Edge } from "../../domain/plan.js"
 import { type RunCommand, RunEvents } from "../../domain/runEvents.js"
@@ -58,6 +59,7 @@ export const openTokenOut = (context: RunContext, edge: Edge) => {
           return yield* offer(RunEvents.EndpointFault({ runId, endpoint: "TokenOut" }))
         }
         ledger.receivedAt.set(frame.step, performance.now())
+        ledger.timeline?.tokenArrivedAt.set(frame.step, arrivalOf(frame)?.arrivedAt ?? monoNow())
         const { draws, logprob } = frame.payload
         if (draws !== undefined || logprob !== undefined) {
           ledger.sampledExtras.set(frame.step, {

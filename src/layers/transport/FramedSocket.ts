@@ -17,6 +17,7 @@ import {
 import type { EdgeId, RunId } from "../../domain/ids.js"
 import type { RingSpec } from "../../domain/plan.js"
 import * as Framing from "./Framing.js"
+import { markBurst } from "./WireClock.js"
 
 /** Frame handlers of a connection: the edge core that owns it once it is attached. */
 export interface ConnHandlers {
@@ -91,6 +92,7 @@ export class FrameConn {
 
   private onData = (chunk: Buffer): void => {
     if (this.closed) return
+    markBurst()
     this.decoder.push(chunk)
     for (;;) {
       const step = this.decoder.next(this.limits)

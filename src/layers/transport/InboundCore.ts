@@ -23,6 +23,7 @@ import type { ReceiverStats, RegisterOptions } from "./Edge.js"
 import type { ConnHandlers, FrameConn } from "./FramedSocket.js"
 import type { ReceiveCarrier } from "./ReceiveCarrier.js"
 import { Sequencer } from "./Sequencer.js"
+import { stampArrival } from "./WireClock.js"
 
 export class InboundCore implements ConnHandlers {
   conn: FrameConn | undefined
@@ -95,6 +96,7 @@ export class InboundCore implements ConnHandlers {
         this.creditNow += length
         return
       case "Complete":
+        stampArrival(step.frame)
         this.counters.messages++
         this.ready.push(step.frame)
         this.readyBytes.push(length)

@@ -14,6 +14,7 @@ import type { RingSpec } from "../../domain/plan.js"
 import type { FrameConn } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
 import type { ShmRing } from "./ShmRing.js"
+import { markBurst } from "./WireClock.js"
 
 /** What a carrier hands frames to: the core's checks, window and sequencing. */
 export interface ReceiveSink {
@@ -81,6 +82,7 @@ export const sharedMemoryReceiveCarrier = (
     const views = shm.drainViews(stayAwake)
     if (views === "corrupt") return conn.fail(new Malformed({ detail: "shared-memory ring cursors are corrupt" }))
     if (views === undefined) return
+    markBurst()
     for (const bytes of views) {
       decoder.push(bytes)
       for (;;) {

@@ -11,6 +11,7 @@ import type { RingSpec } from "../../domain/plan.js"
 import type { FrameConn } from "./FramedSocket.js"
 import * as Framing from "./Framing.js"
 import type { ShmRing } from "./ShmRing.js"
+import { noteEncoded } from "./WireClock.js"
 
 export interface SendCarrier {
   /** Put one chunk (`length` bytes encoded); a fault when the carrier has no room for it. */
@@ -26,7 +27,11 @@ export interface SendCarrier {
 
 export const socketSendCarrier = (conn: FrameConn, alignment: number): SendCarrier => ({
   put: (frame) => {
-    conn.write(Framing.unsafeEncode(frame, alignment))
+    const started = performance.now()
+    const bytes = Framing.unsafeEncode(frame, alignment)
+    const encoded = performance.now()
+    noteEncoded(encoded - started, encoded)
+    conn.write(bytes)
     return undefined
   },
   takeCredits: () => 0,
@@ -46,9 +51,12 @@ export const sharedMemorySendCarrier = (
   return {
     put: (frame, length) => {
       // Encoded straight into the ring: the payload is copied once on this side.
-      if (!shm.writeWith(length, (slot) => Framing.encodeInto(frame, alignment, slot))) {
-        return new WindowExceeded({ outstanding: shm.used + length, capacity: shm.capacity })
-      }
+      const started = performance.now()
+      const written = shm.writeWith(length, (slot) => Framing.encodeInto(frame, alignment, slot))
+      // published in the ring: a consumer that polls may take it from now on (others after the doorbell)
+      const published = performance.now()
+      noteEncoded(published - started, published)
+      if (!written) return new WindowExceeded({ outstanding: shm.used + length, capacity: shm.capacity })
       if (shm.raisePending() || wakeCoalescing === "EveryFrame") conn.write(doorbell)
       return undefined
     },
