@@ -52,6 +52,7 @@ export type ConvertedFamily =
   | "deepseek32-wide"
   | "glm-dsa"
   | "glm-dsa-shared"
+  | "deepseek4"
   | "gpt-oss"
   | "qwen35"
   | "qwen35moe"

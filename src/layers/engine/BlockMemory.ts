@@ -23,6 +23,11 @@ export type BlockMemory =
       readonly kRow: number
       readonly vRow: number
       readonly window: number | undefined
+      /**
+       * The V cache is F32, vRow / 2 values a cell (vRow counts F16 places, so bytes stay 2 x vRow): deepseek4's
+       * compressor rows, kept at full precision as llama.cpp's compressor state; absent: F16.
+       */
+      readonly vF32?: true
     }
   /** No cache of its own: it attends over block `source`'s (HParams.kvShare, gemma4's shared KV layers). */
   | { readonly kind: "sharedKv"; readonly source: number }
@@ -34,12 +39,32 @@ export const blockMemory = (hp: HParams, il: number): BlockMemory => {
   if (hp.recurrent?.layers[il] === true) return { kind: "state", ...recurrentStateElems(hp.recurrent) }
   const source = hp.kvShare?.sources[il]
   if (source !== undefined && source !== il) return { kind: "sharedKv", source }
+  if (hp.dsv4 !== undefined) return dsv4Memory(hp, il)
   const h = headsOf(hp, il)
   return {
     kind: "kv",
     kRow: h.headDimK * h.nHeadKv,
     vRow: hp.mla === undefined ? h.headDimV * h.nHeadKv : hp.dsa?.full[il] === true ? hp.dsa.headSize : 0,
     window: hp.swa?.layers[il] === true ? hp.swa.window : undefined
+  }
+}
+
+/**
+ * A deepseek4 block: its K row is the window's K=V row (key_length), then on a compressed block the compressed row of
+ * the block of 4 positions ending there (key_length) and its indexer key (the indexer's key_length); its V row (F32) the
+ * compressor's rows of each position: K and score, 2 x key_length each, the indexer's, 2 x its key_length each. One
+ * cell per position (the window's cache uncapped, HParams.SwaParams.uncapped).
+ */
+const dsv4Memory = (hp: HParams, il: number): BlockMemory => {
+  const d = hp.dsv4!
+  const compressed = d.ratios[il] === 4
+  const ih = d.indexer.headSize
+  return {
+    kind: "kv",
+    kRow: hp.headDimK + (compressed ? hp.headDimK + ih : 0),
+    vRow: compressed ? 2 * (4 * hp.headDimK + 4 * ih) : 0,
+    window: undefined,
+    ...(compressed ? { vF32: true as const } : {})
   }
 }
 
@@ -62,7 +87,7 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
   const stateBytes = blocks.map(stateBytesOfMemory)
   return {
     kvBytesPerToken: blocks.map(kvBytesPerTokenOfMemory),
-    ...(hp.swa === undefined
+    ...(hp.swa === undefined || hp.swa.uncapped === true
       ? {}
       : {
           slidingWindow: {

@@ -229,7 +229,7 @@ const setRowPositions = (
   }
   const hadamard = c.inputs.hadamard
   if (hadamard !== undefined && hadamard !== null) {
-    const rotation = hadamardRotation(hp.dsa!.headSize)
+    const rotation = hadamardRotation(hp.dsa?.headSize ?? hp.dsv4!.indexer.headSize)
     raw.ggml_backend_tensor_set(hadamard, rotation, 0, rotation.byteLength)
   }
   raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
@@ -286,6 +286,52 @@ const setSequenceMasks = (
       items.length * 4
     )
   }
+}
+
+/**
+ * deepseek4's compressor inputs (Toolkit.Dsv4Inputs), cells being positions (its window's cache is uncapped): a row
+ * at position p is in block b = p / 4; its candidate compressed row reads the cells of blocks b - 1 and b (block -1:
+ * cell 0 under a -inf score) and is written to compressed row b when p ends its block, else to the cache's last cell
+ * (never attended: a sequence attends fewer than a quarter of its cells). Compressed row b is seen from position 4b + 3.
+ */
+const setDsv4Inputs = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<NativeItem>) => {
+  const d = c.inputs.dsv4
+  if (d === undefined) return
+  const raw = w.ggml.raw
+  const segments = c.inputs.segments
+  const all = new Int32Array(segments.reduce((s, seg) => s + seg.n, 0))
+  items.forEach((it, s) => {
+    const n = segments[s]!.n
+    const ds = d.segments[s]!
+    const read = new Int32Array(8 * n)
+    const prevBias = new Float32Array(4 * n)
+    const write = new BigInt64Array(n)
+    const compPos = new Int32Array(n)
+    const spare = BigInt(it.session.kvSize - 1)
+    for (let i = 0; i < n; i++) {
+      const p = it.startPos + i
+      const b = Math.floor(p / 4)
+      all[segments[s]!.offset + i] = p % 4
+      for (let j = 0; j < 4; j++) {
+        read[4 * i + j] = b === 0 ? 0 : 4 * (b - 1) + j
+        read[4 * n + 4 * i + j] = 4 * b + j
+        prevBias[4 * i + j] = b === 0 ? -Infinity : 0
+      }
+      write[i] = p % 4 === 3 ? BigInt(b) : spare
+      compPos[i] = 4 * b
+    }
+    raw.ggml_backend_tensor_set(ds.read, read, 0, read.byteLength)
+    raw.ggml_backend_tensor_set(ds.prevBias, prevBias, 0, prevBias.byteLength)
+    raw.ggml_backend_tensor_set(ds.write, write, 0, write.byteLength)
+    raw.ggml_backend_tensor_set(ds.compPos, compPos, 0, compPos.byteLength)
+    if (ds.mask !== null) {
+      const mask = new Uint16Array(ds.nComp * n).fill(F16_NEG_INF)
+      for (let i = 0; i < n; i++)
+        mask.fill(0, i * ds.nComp, i * ds.nComp + Math.min(ds.nComp, Math.floor((it.startPos + i + 1) / 4)))
+      raw.ggml_backend_tensor_set(ds.mask, mask, 0, mask.byteLength)
+    }
+  })
+  raw.ggml_backend_tensor_set(d.statePos, all, 0, all.byteLength)
 }
 
 /**
@@ -394,8 +440,11 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   const kind = items[0]!.input._tag
   const shapes = shapesOf(items)
   const nTotal = shapes.reduce((s, x) => s + x.n, 0)
+  // deepseek4: whether a sequence sees compressed rows yet (4 positions) changes its graph
+  const seen = (i: number) => (w.layout.hp.dsv4 !== undefined && shapes[i]!.used >= 4 ? ":c" : "")
   const key =
-    kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
+    kind +
+    items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}${seen(i)}`).join("")
   const slot = slotFor(w, items, shapes, key)
 
   // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)
@@ -407,6 +456,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   // inputs: positions, KV cells, row indices, one causal mask per sequence, the rows
   setRowPositions(w, c, items, shapes, nTotal)
   setSequenceMasks(w, c, items, shapes)
+  setDsv4Inputs(w, c, items)
   const borrowed = setInputRows(w, c, items)
 
   markRewriting(items, shapes)

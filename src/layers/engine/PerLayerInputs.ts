@@ -17,9 +17,12 @@ import type { GgmlRaw } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
 import { kvShareRangeProblem, stageRangeProblem, topKSourcesOf } from "../../services/KvShare.js"
 
-/** Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows, nEmbd). */
+/**
+ * Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows): the residual
+ * stream, `hcMult` streams of nEmbd for deepseek4's hyper-connections (HParams.dsv4), then gemma4's per-layer inputs.
+ */
 export const activationWidth = (hp: HParams, layer: number): number =>
-  hp.nEmbd + (hp.perLayer === undefined ? 0 : hp.perLayer.width * (hp.nLayer - layer))
+  hp.nEmbd * (hp.dsv4?.hcMult ?? 1) + (hp.perLayer === undefined ? 0 : hp.perLayer.width * (hp.nLayer - layer))
 
 /** Why blocks [start, end) cannot be one stage (a block reads the cache of a block before `start`), or undefined. */
 export const kvShareCut = (hp: HParams, start: number, end: number): string | undefined => {
@@ -50,7 +53,7 @@ export const splitStageInput = (
   n: number
 ): { readonly x: Ptr; readonly perLayer: PerLayerRows | undefined } => {
   const width = activationWidth(hp, layerStart)
-  if (width === hp.nEmbd) return { x: input, perLayer: undefined }
+  if (hp.perLayer === undefined) return { x: input, perLayer: undefined }
   const x = g.ggml_cont(ctx, g.ggml_view_2d(ctx, input, hp.nEmbd, n, width * 4, 0))
   return { x, perLayer: { rows: input, stride: width, offset: hp.nEmbd, first: layerStart } }
 }

@@ -18,6 +18,8 @@ export interface TensorSpec {
   readonly required: boolean
   /** A matrix the graph multiplies only through ggml_mul_mat_id (stacked experts, 3-D); default ggml_mul_mat. */
   readonly product?: "mul_mat_id"
+  /** A table the graph only gathers rows of, of exactly this ggml type (deepseek4's I32 ffn_gate_tid2eid). */
+  readonly exactType?: number
 }
 
 /** The loaded weights of one block, by short name. */
@@ -78,6 +80,10 @@ export interface GraphInputs {
   readonly segments: ReadonlyArray<AttentionSegment>
   /** F32 [n, n] the orthonormal Walsh-Hadamard rotation of DSA's indexer q and k (HParams.dsa; absent or null: none) */
   readonly hadamard?: Ptr | null
+  /** I32 [nTokens] the token ids (first stage only; deepseek4's hash-routed blocks read them) */
+  readonly tokens?: Ptr | null
+  /** deepseek4's compressor inputs (GraphBuild.ts dsv4Inputs; absent: none) */
+  readonly dsv4?: Dsv4Inputs
   /** F32 [1, 1, nTokens] attention temperature of each token (HParams.attnTemp; absent or null: none) */
   readonly attnScale?: Ptr | null
   /**
@@ -85,6 +91,31 @@ export interface GraphInputs {
    * `width` values of a token at float `offset + (il - first) * width` of its row.
    */
   readonly perLayer?: { readonly rows: Ptr; readonly stride: number; readonly offset: number; readonly first: number }
+}
+
+/**
+ * deepseek4's inputs of the compressed blocks (archs/deepseek4.ts): every row's position within its block of 4, and
+ * per sequence (by segment) the cells the compressor reads and writes and the compressed rows' visibility.
+ */
+export interface Dsv4Inputs {
+  /** I32 [nTokens]: position mod 4 (the compressor's ape row). */
+  readonly statePos: Ptr
+  readonly segments: ReadonlyArray<Dsv4Segment>
+}
+
+export interface Dsv4Segment {
+  /** Compressed rows attended (0: this call sees none yet, attention reads the window only). */
+  readonly nComp: number
+  /** I32 [8 x n]: per row, the cells of the 4 positions of its block's previous block, then of its own block. */
+  readonly read: Ptr
+  /** F32 [1, 4, n]: 0, or -inf where the previous block does not exist (block 0). */
+  readonly prevBias: Ptr
+  /** I64 [n]: the compressed row each row's candidate goes to (its block at a block's last position, else a spare). */
+  readonly write: Ptr
+  /** I32 [n]: the first position of each row's block (the compressed row's RoPE position). */
+  readonly compPos: Ptr
+  /** F16 [nComp, n]: 0 where a compressed row is complete at the row's position, else -inf (null when nComp is 0). */
+  readonly mask: Ptr | null
 }
 
 /**

@@ -1,0 +1,128 @@
+/**
+ * DeepSeek-V4 (issue 40): deepseek4 as llama.cpp's converter writes it (test/support/convertedModels.py, gguf-py):
+ * hyper-connections 4 streams wide, the window and the compressed blocks (ratio 4) with their lightning indexer's
+ * top-k (3) below the compressed rows the prompt makes, hash routing on block 0, sqrtsoftplus routing and the clamped
+ * SwiGLU elsewhere. The oracle is node-llama-cpp's greedy tokens at 1, 2 and 3 stages; what crosses a stage boundary
+ * is the whole residual stream, n_embd x 4 floats a token.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Effect } from "effect"
+import { join } from "node:path"
+import { blockMemory } from "../../src/layers/engine/BlockMemory.js"
+import { activationWidth } from "../../src/layers/engine/PerLayerInputs.js"
+import { readModelHParams } from "../../src/layers/engine/StageLayout.js"
+import { layerWith } from "../../src/layers/engine/StageExecutorLive.js"
+import { getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
+import { readModelFacts, readModelLayout } from "../../src/layers/gguf/ModelCatalogLive.js"
+import { activationFrameBytes } from "../../src/services/Planner.js"
+import { makeRng } from "../../src/services/Sampler.js"
+import * as Batch from "../support/batch.js"
+import type { SeqPlan } from "../support/batch.js"
+import { writeConverted } from "../support/convertedModels.js"
+import { nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
+import { killedStageResumes } from "../support/resume.js"
+import { modelFolder, REFERENCE_OPTIONS, STORY_PROMPT } from "../support/synthFiles.js"
+
+const dir = modelFolder("swactor-engine-deepseek4-")
+const N_TOKENS = 16
+
+describe("deepseek4 (gguf-py file): node-llama-cpp's greedy tokens at 1, 2 and 3 stages", () => {
+  it.effect(
+    "hyper-connections, window and compressed blocks, top-k 3 of the compressed rows, hash routing on block 0",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("deepseek4", join(dir, "deepseek4.gguf"), 7)
+        const file = yield* readGgufFile(path)
+        assert.strictEqual(yield* getU32(file, "deepseek4.hyper_connection.count"), 4)
+        assert.strictEqual(yield* getU32(file, "deepseek4.attention.indexer.top_k"), 3)
+        const ref = yield* nodeLlamaReference(path, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
+        assert.isAbove(Math.floor(ref.prompt.length / 4), 3, "the prompt makes more compressed rows than the top-k")
+        assert.isAbove(new Set(ref.tokens).size, 2, "the reference is not one repeated token")
+        yield* splitsMatchReference(
+          path,
+          ref,
+          [
+            [0, 4],
+            [0, 1, 4],
+            [0, 2, 4],
+            [0, 1, 3, 4],
+            [0, 2, 3, 4]
+          ],
+          REFERENCE_OPTIONS
+        )
+      }),
+    240_000
+  )
+
+  it.effect("what crosses a stage boundary is n_embd x hc_mult floats a token: frames, planner and layout", () =>
+    Effect.gen(function* () {
+      const path = writeConverted("deepseek4", join(dir, "deepseek4-layout.gguf"), 7)
+      const { hp } = yield* readModelHParams(yield* readGgufFile(path))
+      for (const layer of [1, 2, 3, 4]) assert.strictEqual(activationWidth(hp, layer), 64 * 4)
+      const facts = yield* readModelFacts(path)
+      assert.strictEqual(facts.hiddenDim, 64 * 4)
+      assert.strictEqual(activationFrameBytes(facts, 64), 64 * 4 * 4)
+      assert.strictEqual((yield* readModelLayout(path)).hiddenDim, 64 * 4)
+      // a window block's cache is its K=V row; a compressed block's K row adds the compressed row and its indexer key,
+      // its V row (F32) the compressor's rows
+      assert.deepStrictEqual(blockMemory(hp, 0), { kind: "kv", kRow: 32, vRow: 0, window: undefined })
+      assert.deepStrictEqual(blockMemory(hp, 1), {
+        kind: "kv",
+        kRow: 32 + 32 + 64,
+        vRow: 2 * (4 * 32 + 4 * 64),
+        window: undefined,
+        vF32: true
+      })
+    })
+  )
+})
+
+describe("deepseek4: sequences batched equal their lone runs", () => {
+  const schedule = (): ReadonlyArray<SeqPlan> => {
+    const r = makeRng(43)
+    const prompt = (n: number) => Array.from({ length: n }, () => 3 + Math.floor(r() * 397))
+    return [
+      { prompt: prompt(5), start: 0, steps: 20 },
+      { prompt: prompt(20), start: 0, steps: 20 },
+      { prompt: prompt(1), start: 2, steps: 16 },
+      { prompt: prompt(30), start: 1, steps: 20, chunk: 12 }
+    ]
+  }
+  for (const rows of [0, 8]) {
+    it.live(
+      `route ${rows}, 1 and 2 stages: every sequence's tokens equal its lone run's`,
+      () =>
+        Effect.gen(function* () {
+          const path = writeConverted("deepseek4", join(dir, "deepseek4-batch.gguf"), 9)
+          const maxDiff = yield* Batch.batchedEqualsAlone(
+            path,
+            [
+              [0, 4],
+              [0, 2, 4]
+            ],
+            schedule(),
+            256
+          )
+          console.log(`deepseek4 route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
+        }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))),
+      300_000
+    )
+  }
+})
+
+describe("deepseek4: a stage killed mid-generation resumes", () => {
+  it.live(
+    "3 local agents: node-llama-cpp's tokens; the middle agent killed at token 12 resumes to the same tokens",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("deepseek4", join(dir, "deepseek4-resume.gguf"), 7)
+        const { reference } = yield* killedStageResumes(
+          { model: path, prompt: "Once upon a time", maxTokens: 40, threads: 1, stages: 3 },
+          { atToken: 12 }
+        )
+        const ref = yield* nodeLlamaReference(path, "Once upon a time", 40, REFERENCE_OPTIONS)
+        assert.deepStrictEqual(reference.tokens, ref.tokens)
+      }),
+    240_000
+  )
+})
