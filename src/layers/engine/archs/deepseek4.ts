@@ -412,7 +412,8 @@ const compressedRows = (
   )
   const nComp = ds.nComp
   const keys = g.ggml_view_3d(ctx, cache.k, ih, 1, nComp, kRow, kRow, 2 * hd * 2)
-  const scores = g.ggml_lightning_indexer(ctx, iq, keys, iw, ds.mask!)
+  const w2 = g.ggml_view_2d(ctx, iw, d.indexer.nHead, n, g.ggml_row_size(GgmlType.F32, d.indexer.nHead), 0)
+  const scores = g.ggml_lightning_indexer(ctx, iq, keys, w2, ds.mask!)
   return {
     k: g.ggml_view_3d(ctx, cache.k, hd, 1, nComp, kRow, kRow, hd * 2),
     mask: topKMask(t, scores, ds.mask!, nComp, n)
