@@ -6,20 +6,23 @@
  * is the whole residual stream, n_embd x 4 floats a token.
  */
 import { assert, describe, it } from "@effect/vitest"
-import { Effect } from "effect"
+import { Effect, Either } from "effect"
 import { join } from "node:path"
+import type { ModelLoadError } from "../../src/domain/gguf.js"
+import { NodeId } from "../../src/domain/ids.js"
 import { blockMemory } from "../../src/layers/engine/BlockMemory.js"
 import { activationWidth } from "../../src/layers/engine/PerLayerInputs.js"
 import { readModelHParams } from "../../src/layers/engine/StageLayout.js"
 import { layerWith } from "../../src/layers/engine/StageExecutorLive.js"
 import { getU32, readGgufFile } from "../../src/layers/gguf/GgufReader.js"
 import { readModelFacts, readModelLayout } from "../../src/layers/gguf/ModelCatalogLive.js"
+import { choosePlacement } from "../../src/services/Placement.js"
 import { activationFrameBytes } from "../../src/services/Planner.js"
 import { makeRng } from "../../src/services/Sampler.js"
 import * as Batch from "../support/batch.js"
 import type { SeqPlan } from "../support/batch.js"
 import { writeConverted } from "../support/convertedModels.js"
-import { nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
+import { greedyRun, nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
 import { killedStageResumes } from "../support/resume.js"
 import { modelFolder, REFERENCE_OPTIONS, STORY_PROMPT } from "../support/synthFiles.js"
 
@@ -74,6 +77,62 @@ describe("deepseek4 (gguf-py file): node-llama-cpp's greedy tokens at 1, 2 and 3
         vF32: true
       })
     })
+  )
+})
+
+describe("deepseek4 with V4's 3 hash-routed blocks: the first stage holds them", () => {
+  const node = (id: number) => ({ nodeId: NodeId.make(id), freeMemoryBytes: 2 ** 40, speedBytesPerSecond: 1e9 })
+  const pool = [node(1), node(2), node(3)]
+  it.effect(
+    "node-llama-cpp's tokens at [0, 4] and [0, 3, 4]; a stage starting at block 1 or 2 is refused; placement never cuts there",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("deepseek4-hash3", join(dir, "deepseek4-hash3.gguf"), 7)
+        const layout = yield* readModelLayout(path)
+        assert.deepStrictEqual(layout.tokenSources, [0, 0, 0, 3])
+        const ref = yield* nodeLlamaReference(path, STORY_PROMPT, N_TOKENS, REFERENCE_OPTIONS)
+        assert.isAbove(new Set(ref.tokens).size, 2, "the reference is not one repeated token")
+        yield* splitsMatchReference(
+          path,
+          ref,
+          [
+            [0, 4],
+            [0, 3, 4]
+          ],
+          REFERENCE_OPTIONS
+        )
+        for (const split of [
+          [0, 1, 4],
+          [0, 2, 4]
+        ]) {
+          const error = (yield* Effect.flip(greedyRun(path, split, ref.prompt, 2, REFERENCE_OPTIONS))) as ModelLoadError
+          assert.strictEqual(error._tag, "ModelLoadError")
+          assert.match(error.message, /routes by token id .*deepseek4\.hash_layer_count/)
+        }
+        for (let stageCount = 1; stageCount <= 2; stageCount++) {
+          const choice = choosePlacement({ _tag: "Balanced", stageCount }, layout, pool, { contextTokens: 256 })
+          assert.isTrue(Either.isRight(choice), `${stageCount} stages`)
+          const starts = Either.getOrThrow(choice).stages.map((s) => s.layerStart)
+          assert.strictEqual(starts.length, stageCount)
+          assert.notInclude(starts, 1)
+          assert.notInclude(starts, 2)
+        }
+        const fixed = choosePlacement(
+          {
+            _tag: "Fixed",
+            ranges: [
+              [0, 2],
+              [2, 4]
+            ]
+          },
+          layout,
+          pool,
+          { contextTokens: 256 }
+        )
+        assert.isTrue(Either.isLeft(fixed))
+        assert.match(JSON.stringify(fixed), /routes by token id/)
+      }),
+    240_000
   )
 })
 

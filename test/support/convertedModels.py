@@ -617,7 +617,7 @@ def glm_dsa_shared(writer, n_vocab):
                                         indexer_types=["full", "full", "shared", "full"]), yarn=False)
 
 
-def deepseek4(writer, n_vocab):
+def deepseek4(writer, n_vocab, hash_layers=1):
     """DeepSeek-V4 / V4-Flash (conversion/deepseek.py DeepseekV4Model), scaled down: hyper-connections (hc_mult 4,
     20 Sinkhorn iterations, hc_eps 1e-6: the residual stream is 4 streams of hidden_size), one shared K=V head of
     head_dim with its last qk_rope_head_dim dims rotated (and rotated back on the output), a q LoRA, per-head attention
@@ -628,7 +628,7 @@ def deepseek4(writer, n_vocab):
     indexer picking index_topk of them, fewer than the test prompt has); V4's ratio 128 blocks are not written."""
     c = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=4, head_dim=32,
              qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
-             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, num_hash_layers=1,
+             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, num_hash_layers=hash_layers,
              routed_scaling_factor=1.5, norm_topk_prob=True, swiglu_limit=0.3, sliding_window=8, hc_mult=4,
              hc_sinkhorn_iters=20, hc_eps=1e-6, rope_theta=10_000.0, compress_rope_theta=160_000.0,
              rms_norm_eps=1e-6, max_position_embeddings=4096, index_n_heads=4, index_head_dim=64, index_topk=3,
@@ -728,6 +728,11 @@ def deepseek4(writer, n_vocab):
         writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
         writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd, scale=w))
         writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
+
+
+def deepseek4_hash3(writer, n_vocab):
+    """deepseek4 above with V4's num_hash_layers 3: blocks 0-2 routed by token id (the first stage must hold them)."""
+    deepseek4(writer, n_vocab, hash_layers=3)
 
 
 def gpt_oss(writer, n_vocab):
@@ -979,6 +984,7 @@ FAMILIES = {
     "glm-dsa": ("glm-dsa", glm_dsa),
     "glm-dsa-shared": ("glm-dsa", glm_dsa_shared),
     "deepseek4": ("deepseek4", deepseek4),
+    "deepseek4-hash3": ("deepseek4", deepseek4_hash3),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "gemma4": ("gemma4", gemma4),

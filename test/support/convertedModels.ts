@@ -53,6 +53,7 @@ export type ConvertedFamily =
   | "glm-dsa"
   | "glm-dsa-shared"
   | "deepseek4"
+  | "deepseek4-hash3"
   | "gpt-oss"
   | "qwen35"
   | "qwen35moe"

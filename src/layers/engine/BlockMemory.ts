@@ -6,7 +6,7 @@
  * blockHeads); nothing else derives them.
  */
 import type { ModelLayout } from "../../domain/plan.js"
-import { topKSourcesOf } from "../../services/KvShare.js"
+import { tokenSourcesOf, topKSourcesOf } from "../../services/KvShare.js"
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { type HParams, headsOf } from "./HParams.js"
 import { recurrentStateElems } from "./RecurrentParams.js"
@@ -78,7 +78,7 @@ export const stateBytesOfMemory = (m: BlockMemory): number => (m.kind === "state
 /** The catalog layout's memory fields of the model's first `numLayers` blocks (ModelLayout). */
 export type KvLayout = Pick<
   ModelLayout,
-  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources"
+  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources" | "tokenSources"
 >
 
 /** The model's per-block memory as the catalog's layout holds it. */
@@ -99,7 +99,10 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
     ...(hp.kvShare === undefined ? {} : { kvSources: hp.kvShare.sources.slice(0, numLayers) }),
     ...(hp.dsa === undefined || hp.dsa.full.every((f) => f)
       ? {}
-      : { topKSources: topKSourcesOf(hp.dsa.full).slice(0, numLayers) })
+      : { topKSources: topKSourcesOf(hp.dsa.full).slice(0, numLayers) }),
+    ...((hp.dsv4?.hashLayers ?? 0) > 1
+      ? { tokenSources: tokenSourcesOf(hp.nLayer, hp.dsv4!.hashLayers).slice(0, numLayers) }
+      : {})
   }
 }
 

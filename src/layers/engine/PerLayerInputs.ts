@@ -15,7 +15,7 @@
 import type { Ptr } from "../ggml/Bindings.js"
 import type { GgmlRaw } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
-import { kvShareRangeProblem, stageRangeProblem, topKSourcesOf } from "../../services/KvShare.js"
+import { kvShareRangeProblem, stageRangeProblem, tokenSourcesOf, topKSourcesOf } from "../../services/KvShare.js"
 
 /**
  * Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows): the residual
@@ -29,6 +29,11 @@ export const kvShareCut = (hp: HParams, start: number, end: number): string | un
   const problem = kvShareRangeProblem(hp.kvShare?.sources, start, end)
   if (problem !== undefined) {
     return `block range [${start}, ${end}): ${problem} (${hp.arch}.attention.shared_kv_layers)`
+  }
+  const hash = hp.dsv4?.hashLayers ?? 0
+  if (hash > 1) {
+    const tokens = stageRangeProblem({ tokenSources: tokenSourcesOf(hp.nLayer, hash) }, start, end)
+    if (tokens !== undefined) return `block range [${start}, ${end}): ${tokens} (${hp.arch}.hash_layer_count)`
   }
   const topK =
     hp.dsa === undefined ? undefined : stageRangeProblem({ topKSources: topKSourcesOf(hp.dsa.full) }, start, end)
