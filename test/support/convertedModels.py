@@ -94,6 +94,13 @@ def glm4moe(writer, n_vocab):
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
     writer.add_rope_freq_base(c["rope_theta"])
+    # V4's rope_scaling (YaRN), which only its compressed blocks' RoPE reads
+    y = c["rope_scaling"]
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(y["factor"])
+    writer.add_rope_scaling_orig_ctx_len(y["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(y["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(y["beta_slow"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_expert_count(c["n_routed_experts"])
     writer.add_expert_used_count(c["num_experts_per_tok"])
@@ -632,7 +639,9 @@ def deepseek4(writer, n_vocab, hash_layers=1):
              routed_scaling_factor=1.5, norm_topk_prob=True, swiglu_limit=0.3, sliding_window=8, hc_mult=4,
              hc_sinkhorn_iters=20, hc_eps=1e-6, rope_theta=10_000.0, compress_rope_theta=160_000.0,
              rms_norm_eps=1e-6, max_position_embeddings=4096, index_n_heads=4, index_head_dim=64, index_topk=3,
-             compress_ratios=[0, 4, 0, 4])
+             compress_ratios=[0, 4, 0, 4],
+             rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                               beta_slow=1.0))
     n_embd, n_head, hd, rope = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["qk_rope_head_dim"]
     n_layer, q_lora, groups, o_lora = c["num_hidden_layers"], c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
     hc = c["hc_mult"]
