@@ -1,7 +1,8 @@
 /**
  * DeepSeek-V4 (issue 40): deepseek4 as llama.cpp's converter writes it (test/support/convertedModels.py, gguf-py):
- * hyper-connections 4 streams wide, the window and the compressed blocks (ratio 4) with their lightning indexer's
- * top-k (3) below the compressed rows the prompt makes, hash routing on block 0, sqrtsoftplus routing and the clamped
+ * hyper-connections 4 streams wide, the window, the compressed blocks (ratio 4) with their lightning indexer's top-k
+ * (3) below the compressed rows the prompt makes, a heavily compressed block (ratio 128) read past 128 positions, hash
+ * routing on block 0, sqrtsoftplus routing and the clamped
  * SwiGLU elsewhere. The oracle is node-llama-cpp's greedy tokens at 1, 2 and 3 stages; what crosses a stage boundary
  * is the whole residual stream, n_embd x 4 floats a token.
  */
@@ -57,6 +58,29 @@ describe("deepseek4 (gguf-py file): node-llama-cpp's greedy tokens at 1, 2 and 3
     240_000
   )
 
+  it.effect(
+    "a prompt past 128 positions: the heavily compressed block (ratio 128) reads its compressed row",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("deepseek4", join(dir, "deepseek4-long.gguf"), 7)
+        const prompt = Array.from({ length: 150 }, (_, i) => 3 + ((i * 37) % 397))
+        const ref = yield* nodeLlamaReference(path, prompt, N_TOKENS, REFERENCE_OPTIONS)
+        assert.isAbove(ref.prompt.length, 128)
+        assert.isAbove(new Set(ref.tokens).size, 2, "the reference is not one repeated token")
+        yield* splitsMatchReference(
+          path,
+          ref,
+          [
+            [0, 4],
+            [0, 2, 4],
+            [0, 1, 3, 4]
+          ],
+          REFERENCE_OPTIONS
+        )
+      }),
+    240_000
+  )
+
   it.effect("what crosses a stage boundary is n_embd x hc_mult floats a token: frames, planner and layout", () =>
     Effect.gen(function* () {
       const path = writeConverted("deepseek4", join(dir, "deepseek4-layout.gguf"), 7)
@@ -73,6 +97,14 @@ describe("deepseek4 (gguf-py file): node-llama-cpp's greedy tokens at 1, 2 and 3
         kind: "kv",
         kRow: 32 + 32 + 64,
         vRow: 2 * (4 * 32 + 4 * 64),
+        window: undefined,
+        vF32: true
+      })
+      // a heavily compressed block: the window's row and its compressed row; the compressor's K and score, F32
+      assert.deepStrictEqual(blockMemory(hp, 2), {
+        kind: "kv",
+        kRow: 32 + 32,
+        vRow: 2 * (2 * 32),
         window: undefined,
         vF32: true
       })

@@ -94,13 +94,6 @@ def glm4moe(writer, n_vocab):
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
     writer.add_rope_freq_base(c["rope_theta"])
-    # V4's rope_scaling (YaRN), which only its compressed blocks' RoPE reads
-    y = c["rope_scaling"]
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(y["factor"])
-    writer.add_rope_scaling_orig_ctx_len(y["original_max_position_embeddings"])
-    writer.add_rope_scaling_yarn_beta_fast(y["beta_fast"])
-    writer.add_rope_scaling_yarn_beta_slow(y["beta_slow"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_expert_count(c["n_routed_experts"])
     writer.add_expert_used_count(c["num_experts_per_tok"])
@@ -631,15 +624,16 @@ def deepseek4(writer, n_vocab, hash_layers=1):
     sinks, a sliding window (shorter than the test prompt, so the window changes what is read), the grouped output LoRA
     (o_groups, o_lora_rank), sqrtsoftplus routing with the correction bias, shared experts and the clamped SwiGLU
     (swiglu_limit small enough to bite), the first num_hash_layers blocks routed by the token id (tid2eid, I32).
-    compress_ratios alternate 0 (the window only) and 4 (plus every 4 positions compressed into one row, a lightning
-    indexer picking index_topk of them, fewer than the test prompt has); V4's ratio 128 blocks are not written."""
+    compress_ratios as V4's: 0 (the window only), 4 (plus every 4 positions compressed into one row, a lightning indexer
+    picking index_topk of them, fewer than the test prompt has) and 128 (plus every 128 positions compressed into one
+    row, all of them read)."""
     c = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=4, head_dim=32,
              qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
              num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, num_hash_layers=hash_layers,
              routed_scaling_factor=1.5, norm_topk_prob=True, swiglu_limit=0.3, sliding_window=8, hc_mult=4,
              hc_sinkhorn_iters=20, hc_eps=1e-6, rope_theta=10_000.0, compress_rope_theta=160_000.0,
              rms_norm_eps=1e-6, max_position_embeddings=4096, index_n_heads=4, index_head_dim=64, index_topk=3,
-             compress_ratios=[0, 4, 0, 4],
+             compress_ratios=[0, 4, 128, 4],
              rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
                                beta_slow=1.0))
     n_embd, n_head, hd, rope = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["qk_rope_head_dim"]
@@ -652,6 +646,13 @@ def deepseek4(writer, n_vocab, hash_layers=1):
     writer.add_head_count(n_head)
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
+    # V4's rope_scaling (YaRN), which only its compressed blocks' RoPE reads
+    y = c["rope_scaling"]
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(y["factor"])
+    writer.add_rope_scaling_orig_ctx_len(y["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(y["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(y["beta_slow"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     writer.add_expert_count(c["n_routed_experts"])
     writer.add_expert_used_count(c["num_experts_per_tok"])
@@ -710,6 +711,11 @@ def deepseek4(writer, n_vocab, hash_layers=1):
         # wo_a as the checkpoint has it: [o_groups x o_lora_rank, n_head x head_dim / o_groups]
         writer.add_tensor(b + "attn_output_a.weight", matrix(groups * o_lora, n_head * hd // groups, scale=w))
         writer.add_tensor(b + "attn_output_b.weight", matrix(n_embd, groups * o_lora, scale=w))
+        if c["compress_ratios"][il] == 128:
+            writer.add_tensor(b + "attn_compressor_kv.weight", matrix(hd, n_embd, scale=w))
+            writer.add_tensor(b + "attn_compressor_gate.weight", matrix(hd, n_embd, scale=w))
+            writer.add_tensor(b + "attn_compressor_ape.weight", f32(128, hd, scale=0.5))
+            writer.add_tensor(b + "attn_compressor_norm.weight", vector(hd))
         if c["compress_ratios"][il] == 4:
             ih, inh = c["index_head_dim"], c["index_n_heads"]
             writer.add_tensor(b + "attn_compressor_kv.weight", matrix(2 * hd, n_embd, scale=w))

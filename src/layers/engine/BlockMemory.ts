@@ -59,6 +59,9 @@ const dsv4Memory = (hp: HParams, il: number): BlockMemory => {
   const d = hp.dsv4!
   const compressed = d.ratios[il] === 4
   const ih = d.indexer.headSize
+  // a heavily compressed block: the compressed row beside the window's; the compressor's K and score rows, F32
+  if (d.ratios[il] === 128)
+    return { kind: "kv", kRow: 2 * hp.headDimK, vRow: 2 * 2 * hp.headDimK, window: undefined, vF32: true }
   return {
     kind: "kv",
     kRow: hp.headDimK + (compressed ? hp.headDimK + ih : 0),

@@ -13,6 +13,8 @@ import { type CachedGraph, type GraphSlot, graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
 import { attnTempScales } from "./PositionScaling.js"
+import { HCA_RATIO, hcaBlocksEnded } from "./HParams.js"
+import type { Dsv4Inputs } from "./Toolkit.js"
 import { hadamardRotation } from "./archs/dsa.js"
 import { chooseSmallBatchRows } from "./SmallBatch.js"
 import { fewRowRouteAllowed } from "./WeightPlacement.js"
@@ -332,6 +334,56 @@ const setDsv4Inputs = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<Na
     }
   })
   raw.ggml_backend_tensor_set(d.statePos, all, 0, all.byteLength)
+  if (d.hca !== undefined) setHcaInputs(w, c, d.hca, items)
+}
+
+/**
+ * deepseek4's graph changes with whether a sequence sees compressed rows yet (4 positions; 128 for the heavily compressed
+ * blocks) and with how many blocks of 128 its call completes.
+ */
+const dsv4Key = (w: NativeWeights, start: number, used: number): string => {
+  const d = w.layout.hp.dsv4
+  if (d === undefined) return ""
+  const heavy = d.ratios.includes(HCA_RATIO) ? `:h${hcaBlocksEnded(start, used)}${used >= HCA_RATIO ? "v" : ""}` : ""
+  return (used >= 4 ? ":c" : "") + heavy
+}
+
+/**
+ * The heavily compressed blocks' inputs: each block of 128 a sequence's call completes reads the cells of its positions
+ * and goes to compressed row b, rotated at its first position; row b is seen from position 128b + 127.
+ */
+const setHcaInputs = (
+  w: NativeWeights,
+  c: CachedGraph,
+  h: NonNullable<Dsv4Inputs["hca"]>,
+  items: ReadonlyArray<NativeItem>
+) => {
+  const raw = w.ggml.raw
+  const segments = c.inputs.segments
+  const all = new Int32Array(segments.reduce((s, seg) => s + seg.n, 0))
+  items.forEach((it, s) => {
+    const seg = segments[s]!
+    const hs = h.segments[s]!
+    for (let i = 0; i < seg.n; i++) all[seg.offset + i] = (it.startPos + i) % HCA_RATIO
+    if (hs.m > 0) {
+      const first = Math.floor(it.startPos / HCA_RATIO)
+      const read = Int32Array.from({ length: HCA_RATIO * hs.m }, (_, j) => HCA_RATIO * first + j)
+      const write = BigInt64Array.from({ length: hs.m }, (_, j) => BigInt(first + j))
+      const pos = Int32Array.from({ length: hs.m }, (_, j) => HCA_RATIO * (first + j))
+      raw.ggml_backend_tensor_set(hs.read!, read, 0, read.byteLength)
+      raw.ggml_backend_tensor_set(hs.write!, write, 0, write.byteLength)
+      raw.ggml_backend_tensor_set(hs.pos!, pos, 0, pos.byteLength)
+    }
+    if (hs.mask !== null) {
+      const mask = new Uint16Array(hs.nComp * seg.n).fill(F16_NEG_INF)
+      for (let i = 0; i < seg.n; i++) {
+        const seen = Math.min(hs.nComp, Math.floor((it.startPos + i + 1) / HCA_RATIO))
+        mask.fill(0, i * hs.nComp, i * hs.nComp + seen)
+      }
+      raw.ggml_backend_tensor_set(hs.mask, mask, 0, mask.byteLength)
+    }
+  })
+  raw.ggml_backend_tensor_set(h.statePos, all, 0, all.byteLength)
 }
 
 /**
@@ -441,7 +493,7 @@ const runBatchLocked = async (w: NativeWeights, items: ReadonlyArray<NativeItem>
   const shapes = shapesOf(items)
   const nTotal = shapes.reduce((s, x) => s + x.n, 0)
   // deepseek4: whether a sequence sees compressed rows yet (4 positions) changes its graph
-  const seen = (i: number) => (w.layout.hp.dsv4 !== undefined && shapes[i]!.used >= 4 ? ":c" : "")
+  const seen = (i: number) => dsv4Key(w, items[i]!.startPos, shapes[i]!.used)
   const key =
     kind +
     items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}${seen(i)}`).join("")

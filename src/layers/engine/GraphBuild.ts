@@ -7,6 +7,7 @@ import type { StageInput } from "../../domain/engine.js"
 import { type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
 import type { CachedGraph, GraphSlot } from "./GraphCache.js"
+import { HCA_RATIO, hcaBlocksEnded } from "./HParams.js"
 import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
 import {
@@ -15,6 +16,7 @@ import {
   type Dsv4Inputs,
   type Dsv4Segment,
   type GraphInputs,
+  type HcaSegment,
   Toolkit
 } from "./Toolkit.js"
 import { checkedOps } from "./OpChecks.js"
@@ -161,7 +163,11 @@ const dsv4Inputs = (
   const d = hp.dsv4
   if (d === undefined) return undefined
   let compressed = false
-  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) compressed ||= d.ratios[il] === 4
+  let heavy = false
+  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+    compressed ||= d.ratios[il] !== 0
+    heavy ||= d.ratios[il] === 128
+  }
   if (!compressed) return undefined
   const leaf = (t: Ptr, name: string) => {
     raw.ggml_set_name(t, name)
@@ -180,6 +186,37 @@ const dsv4Inputs = (
       write: leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I64, len), `dsv4_write_${s}`),
       compPos: leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, len), `dsv4_comp_pos_${s}`),
       mask: nComp === 0 ? null : leaf(raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nComp, len), `dsv4_kq_mask_${s}`)
+    }
+  })
+  return { statePos, segments, ...(heavy ? { hca: hcaInputs(items, nKvs, n, leaf, raw, ctx) } : {}) }
+}
+
+/** The heavily compressed blocks' inputs (Toolkit.HcaSegment): each sequence's completed blocks of 128 in this call. */
+const hcaInputs = (
+  items: ReadonlyArray<NativeItem>,
+  nKvs: ReadonlyArray<number>,
+  n: number,
+  leaf: (t: Ptr, name: string) => Ptr,
+  raw: GgmlRaw,
+  ctx: Ptr
+) => {
+  const statePos = leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, n), "dsv4_hca_state_pos")
+  const segments: Array<HcaSegment> = items.map((it, s) => {
+    const used = it.startPos + inputLength(it.input)
+    const m = hcaBlocksEnded(it.startPos, used)
+    const nComp = used >= HCA_RATIO ? Math.ceil(nKvs[s]! / HCA_RATIO) : 0
+    const one = (type: number, len: number, name: string) =>
+      m === 0 ? null : leaf(raw.ggml_new_tensor_1d(ctx, type, len), `${name}_${s}`)
+    return {
+      m,
+      read: one(GgmlType.I32, HCA_RATIO * m, "dsv4_hca_read"),
+      write: one(GgmlType.I64, m, "dsv4_hca_write"),
+      pos: one(GgmlType.I32, m, "dsv4_hca_pos"),
+      nComp,
+      mask:
+        nComp === 0
+          ? null
+          : leaf(raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nComp, inputLength(it.input)), `dsv4_hca_kq_mask_${s}`)
     }
   })
   return { statePos, segments }

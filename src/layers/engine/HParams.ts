@@ -153,7 +153,10 @@ export interface Dsv4Params {
   /** The attention output's groups and the rank of each group's LoRA (`attention.output_group_count`, `_lora_rank`). */
   readonly oGroups: number
   readonly oLoraRank: number
-  /** Per block: 0 (sliding window only) or 4 (plus the compressed sparse attention of every 4 positions). */
+  /**
+   * Per block: 0 (sliding window only), 4 (plus the compressed sparse attention of every 4 positions) or 128 (plus every
+   * complete block of 128 positions compressed into one row).
+   */
   readonly ratios: ReadonlyArray<number>
   readonly compressRopeBase: number
   /** Blocks 0..hashLayers-1 route each token to the experts its id names (`ffn_gate_tid2eid`). */
@@ -164,6 +167,13 @@ export interface Dsv4Params {
   /** The lightning indexer of the compressed blocks. */
   readonly indexer: { readonly nHead: number; readonly headSize: number; readonly topK: number }
 }
+
+/** deepseek4's heavily compressed blocks compress this many positions into one row. */
+export const HCA_RATIO = 128
+
+/** Blocks of HCA_RATIO positions a call over positions [start, used) completes. */
+export const hcaBlocksEnded = (start: number, used: number): number =>
+  Math.floor(used / HCA_RATIO) - Math.floor(start / HCA_RATIO)
 
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */
 export interface SwaParams {

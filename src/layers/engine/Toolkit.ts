@@ -101,6 +101,26 @@ export interface Dsv4Inputs {
   /** I32 [nTokens]: position mod 4 (the compressor's ape row). */
   readonly statePos: Ptr
   readonly segments: ReadonlyArray<Dsv4Segment>
+  /** The heavily compressed blocks' (ratio 128) inputs, when the stage holds one. */
+  readonly hca?: { readonly statePos: Ptr; readonly segments: ReadonlyArray<HcaSegment> }
+}
+
+/**
+ * One sequence's inputs of the heavily compressed blocks (ratio 128): only its rows that end a block of 128 positions
+ * (`m` of them) compress it.
+ */
+export interface HcaSegment {
+  readonly m: number
+  /** I32 [128 x m]: the cells of each completed block's positions (null when m is 0). */
+  readonly read: Ptr | null
+  /** I64 [m]: each completed block's compressed row. */
+  readonly write: Ptr | null
+  /** I32 [m]: each completed block's first position. */
+  readonly pos: Ptr | null
+  /** Compressed rows attended (0: none complete yet). */
+  readonly nComp: number
+  /** F16 [nComp, n]: 0 where a compressed row is complete at the row's position, else -inf (null when nComp is 0). */
+  readonly mask: Ptr | null
 }
 
 export interface Dsv4Segment {

@@ -15,19 +15,21 @@
  *   the 8 rows of the block and the one before, per value, of attn_compressor_kv under attn_compressor_gate + ape, its
  *   norm, RoPE at the block's first position with `compress_rope_freq_base`); a lightning indexer (its own compressor,
  *   Hadamard-rotated keys; indexer.attn_q_b of the q latent, indexer.proj weights) scores the complete compressed rows
- *   and attention reads the window plus the indexer's top-k (`attention.indexer.top_k`) of them.
+ *   and attention reads the window plus the indexer's top-k (`attention.indexer.top_k`) of them. Heavily compressed
+ *   blocks (ratio 128) compress each complete block of 128 positions (a softmax over them per value, no overlap, no
+ *   indexer) and attention reads the window plus every complete compressed row.
  * - Feed-forward: routed experts under sqrt(softplus) gating with the correction bias, weights normalised and scaled,
  *   the first `hash_layer_count` blocks routed by token id (ffn_gate_tid2eid) instead, plus the shared experts; both
  *   with the clamped SwiGLU (`swiglu_clamp_exp`, `swiglu_clamp_shexp`).
- * Refused naming the key: a compress ratio other than 0 or 4 (llama.cpp's 128, the heavily compressed attention, is
- * not built), hc other than 4 (llama.cpp asserts it), gating other than sqrtsoftplus.
+ * Refused naming the key: a compress ratio other than 0, 4 and 128, hc other than 4 (llama.cpp asserts it), gating
+ * other than sqrtsoftplus, an indexer key_length equal to key_length (llama.cpp then rotates the compressed caches).
  */
 import { Effect } from "effect"
 import type { GgufFile, ModelLoadError } from "../../../domain/gguf.js"
 import { getGgml, GgmlType, type Ptr } from "../../ggml/Bindings.js"
 import { getBool, getF32, getNumberArray, getOptional, getU32 } from "../../gguf/GgufReader.js"
 import type { ArchModule, OutputWeights } from "../Arch.js"
-import { type Dsv4Params, type HParams, RopeMode } from "../HParams.js"
+import { type Dsv4Params, HCA_RATIO, type HParams, RopeMode } from "../HParams.js"
 import { invalidMetadata } from "../MetadataErrors.js"
 import { moeBlockSpecs, moeFfn, moeOf, readMoeParams } from "../Moe.js"
 import type { AttentionSegment, BlockWeights, Dsv4Segment, TensorSpec, Toolkit } from "../Toolkit.js"
@@ -61,14 +63,10 @@ const readRatios = (file: GgufFile, hp: HParams) =>
     if (ratios.length < hp.nLayer) {
       return yield* Effect.fail(invalidMetadata(file, key, `is shorter than block_count (${hp.nLayer})`))
     }
-    const bad = ratios.slice(0, hp.nLayer).findIndex((r) => r !== 0 && r !== 4)
+    const bad = ratios.slice(0, hp.nLayer).findIndex((r) => r !== 0 && r !== 4 && r !== HCA_RATIO)
     if (bad >= 0) {
       return yield* Effect.fail(
-        invalidMetadata(
-          file,
-          key,
-          `block ${bad} has ratio ${ratios[bad]}: swactor builds ratios 0 and 4 (not llama.cpp's 128, the heavily compressed attention)`
-        )
+        invalidMetadata(file, key, `block ${bad} has ratio ${ratios[bad]}: llama.cpp's graph takes 0, 4 and 128`)
       )
     }
     return ratios.slice(0, hp.nLayer)
@@ -199,6 +197,14 @@ const blockSpecs = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => {
         }
       : vec("exp_probs_b.bias", [moe.nExpert])
   ]
+  if (d.ratios[il] === HCA_RATIO) {
+    specs.push(
+      m("attn_compressor_kv.weight", [hp.nEmbd, hd]),
+      m("attn_compressor_gate.weight", [hp.nEmbd, hd]),
+      vec("attn_compressor_ape.weight", [hd, HCA_RATIO]),
+      vec("attn_compressor_norm.weight", [hd])
+    )
+  }
   if (d.ratios[il] === 4) {
     const ih = d.indexer.headSize
     specs.push(
@@ -426,7 +432,9 @@ const attendSegment = (t: Toolkit, w: BlockWeights, seg: AttentionSegment, rows:
   const ctx = t.ctx
   const hp = t.hp
   const hd = hp.headDimK
-  const compressed = rows.length > 2
+  const ratio = dsv4Of(hp).ratios[t.layer]!
+  if (ratio === HCA_RATIO) return attendHeavy(t, w, seg, rows)
+  const compressed = ratio === 4
   const ds = compressed ? t.inputs.dsv4!.segments[t.inputs.segments.indexOf(seg)]! : undefined
   const [q, kv] = rows as [Ptr, Ptr]
   const cache = seg.kv(t.layer)
@@ -445,11 +453,77 @@ const attendSegment = (t: Toolkit, w: BlockWeights, seg: AttentionSegment, rows:
       mask = g.ggml_concat(ctx, mask, comp.mask, 0)
     }
   }
+  return flashWithSinks(t, w, seg, q, k, mask)
+}
+
+/**
+ * One sequence's attention on a heavily compressed block (ratio 128): the window's row and the compressor's rows
+ * written; each block of 128 this call completes compressed (a softmax over its positions per value, the norm, RoPE
+ * at its first position: llama.cpp's build_hca_compressed_kv_from_state) into its row beside the window's; attention
+ * over the window and every complete compressed row.
+ */
+const attendHeavy = (t: Toolkit, w: BlockWeights, seg: AttentionSegment, rows: ReadonlyArray<Ptr>): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const hp = t.hp
+  const hd = hp.headDimK
+  const hs = t.inputs.dsv4!.hca!.segments[t.inputs.segments.indexOf(seg)]!
+  const [q, kv, ck, cs] = rows as [Ptr, Ptr, Ptr, Ptr]
+  const cache = seg.kv(t.layer)
+  const kRow = g.ggml_row_size(GgmlType.F16, 2 * hd)
+  const vRow = g.ggml_row_size(GgmlType.F32, 2 * hd)
+  const cells = kvCells(t, cache.k)
+  const put = (dst: Ptr, src: Ptr, idx: Ptr) =>
+    g.ggml_build_forward_expand(t.graph, g.ggml_set_rows(ctx, dst, src, idx))
+  const view2 = (x: Ptr) => g.ggml_view_2d(ctx, x, hd, seg.n, hd * 4, 0)
+  put(g.ggml_view_2d(ctx, cache.k, hd, cells, kRow, 0), view2(kv), seg.kvIdx)
+  put(g.ggml_view_2d(ctx, cache.v, hd, cells, vRow, 0), view2(ck), seg.kvIdx)
+  put(g.ggml_view_2d(ctx, cache.v, hd, cells, vRow, hd * 4), view2(cs), seg.kvIdx)
+  if (hs.m > 0) {
+    const gather = (off: number) =>
+      g.ggml_cont(
+        ctx,
+        g.ggml_permute(
+          ctx,
+          g.ggml_reshape_3d(
+            ctx,
+            g.ggml_get_rows(ctx, g.ggml_view_2d(ctx, cache.v, hd, cells, vRow, off * 4), hs.read!),
+            hd,
+            HCA_RATIO,
+            hs.m
+          ),
+          1,
+          0,
+          2,
+          3
+        )
+      )
+    const values = gather(0)
+    const weights = g.ggml_soft_max(ctx, gather(hd))
+    let comp = g.ggml_sum_rows(ctx, g.ggml_mul(ctx, values, weights))
+    comp = t.rmsNorm(g.ggml_cont(ctx, g.ggml_permute(ctx, comp, 1, 0, 2, 3)), w.get("attn_compressor_norm.weight"))
+    comp = tailRope(t, comp, hs.pos!, hd, true)
+    put(g.ggml_view_2d(ctx, cache.k, hd, cells, kRow, hd * 2), g.ggml_reshape_2d(ctx, comp, hd, hs.m), hs.write!)
+  }
+  if (seg.swaMask === null) throw new Error(`block ${t.layer}: the graph has no window mask`)
+  let k: Ptr = g.ggml_view_3d(ctx, cache.k, hd, 1, seg.nKv, kRow, kRow, 0)
+  let mask: Ptr = seg.swaMask
+  if (hs.nComp > 0) {
+    k = g.ggml_concat(ctx, k, g.ggml_view_3d(ctx, cache.k, hd, 1, hs.nComp, kRow, kRow, hd * 2), 2)
+    mask = g.ggml_concat(ctx, mask, hs.mask!, 0)
+  }
+  return flashWithSinks(t, w, seg, q, k, mask)
+}
+
+/** Flash attention of q over k (= v) under `mask`, with the block's sinks: [hd x heads, n]. */
+const flashWithSinks = (t: Toolkit, w: BlockWeights, seg: AttentionSegment, q: Ptr, k: Ptr, mask: Ptr): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
   const kp = g.ggml_permute(ctx, k, 0, 2, 1, 3)
-  const fa = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q, 0, 2, 1, 3), kp, kp, mask, hp.kqScale, 0, 0)
+  const fa = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q, 0, 2, 1, 3), kp, kp, mask, t.hp.kqScale, 0, 0)
   g.ggml_flash_attn_ext_add_sinks(fa, w.get("attn_sinks.weight"))
   g.ggml_flash_attn_ext_set_prec(fa, GGML_PREC_F32)
-  return g.ggml_reshape_2d(ctx, fa, hd * hp.nHead, seg.n)
+  return g.ggml_reshape_2d(ctx, fa, t.hp.headDimK * t.hp.nHead, seg.n)
 }
 
 /** The attention sublayer over h [nEmbd, n] (attn_norm applied): [nEmbd, n]. */
@@ -461,7 +535,8 @@ const attention = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
   const hd = hp.headDimK
   const n = t.nTokens
   const pos = t.inputs.pos
-  const compressed = d.ratios[t.layer] === 4
+  const ratio = d.ratios[t.layer]
+  const compressed = ratio !== 0
   const qr = t.rmsNorm(t.linear(w.get("attn_q_a.weight"), h), w.get("attn_q_a_norm.weight"))
   let q = g.ggml_reshape_3d(ctx, t.linear(w.get("attn_q_b.weight"), qr), hd, hp.nHead, n)
   q = tailRope(t, g.ggml_rms_norm(ctx, q, hp.rmsEps), pos, hd, compressed)
@@ -471,7 +546,16 @@ const attention = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
     { x: q, ne0: hd, ne1: hp.nHead },
     { x: kv, ne0: hd, ne1: 1 }
   ]
-  if (compressed) {
+  if (ratio === HCA_RATIO) {
+    const hca = t.inputs.dsv4!.hca!
+    const rows = g.ggml_add(
+      ctx,
+      t.linear(w.get("attn_compressor_gate.weight"), h),
+      g.ggml_get_rows(ctx, w.get("attn_compressor_ape.weight"), hca.statePos)
+    )
+    parts.push({ x: t.linear(w.get("attn_compressor_kv.weight"), h), ne0: hd, ne1: 1 }, { x: rows, ne0: hd, ne1: 1 })
+  }
+  if (ratio === 4) {
     const ih = d.indexer.headSize
     const c = compressorRows(t, w, h)
     let iq = g.ggml_reshape_3d(ctx, t.linear(w.get("indexer.attn_q_b.weight"), qr), ih, d.indexer.nHead, n)
