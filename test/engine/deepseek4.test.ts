@@ -176,7 +176,9 @@ describe("deepseek4: sequences batched equal their lone runs", () => {
       { prompt: prompt(5), start: 0, steps: 20 },
       { prompt: prompt(20), start: 0, steps: 20 },
       { prompt: prompt(1), start: 2, steps: 16 },
-      { prompt: prompt(30), start: 1, steps: 20, chunk: 12 }
+      { prompt: prompt(30), start: 1, steps: 20, chunk: 12 },
+      // past 128 positions in a chunked prompt and in decode: the heavily compressed block's rows
+      { prompt: prompt(120), start: 0, steps: 20, chunk: 50 }
     ]
   }
   for (const rows of [0, 8]) {
@@ -202,18 +204,24 @@ describe("deepseek4: sequences batched equal their lone runs", () => {
 })
 
 describe("deepseek4: a stage killed mid-generation resumes", () => {
-  it.live(
-    "3 local agents: node-llama-cpp's tokens; the middle agent killed at token 12 resumes to the same tokens",
-    () =>
-      Effect.gen(function* () {
-        const path = writeConverted("deepseek4", join(dir, "deepseek4-resume.gguf"), 7)
-        const { reference } = yield* killedStageResumes(
-          { model: path, prompt: "Once upon a time", maxTokens: 40, threads: 1, stages: 3 },
-          { atToken: 12 }
-        )
-        const ref = yield* nodeLlamaReference(path, "Once upon a time", 40, REFERENCE_OPTIONS)
-        assert.deepStrictEqual(reference.tokens, ref.tokens)
-      }),
-    240_000
-  )
+  // the second case runs past 128 positions, the stage killed after the heavily compressed block's first row
+  for (const { maxTokens, atToken } of [
+    { maxTokens: 40, atToken: 12 },
+    { maxTokens: 150, atToken: 135 }
+  ]) {
+    it.live(
+      `3 local agents, ${maxTokens} tokens: node-llama-cpp's tokens; the middle agent killed at token ${atToken} resumes to the same tokens`,
+      () =>
+        Effect.gen(function* () {
+          const path = writeConverted("deepseek4", join(dir, `deepseek4-resume-${maxTokens}.gguf`), 7)
+          const { reference } = yield* killedStageResumes(
+            { model: path, prompt: "Once upon a time", maxTokens, threads: 1, stages: 3 },
+            { atToken }
+          )
+          const ref = yield* nodeLlamaReference(path, "Once upon a time", maxTokens, REFERENCE_OPTIONS)
+          assert.deepStrictEqual(reference.tokens, ref.tokens)
+        }),
+      240_000
+    )
+  }
 })
