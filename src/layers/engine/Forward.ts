@@ -13,8 +13,8 @@ import { type CachedGraph, type GraphSlot, graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
 import { attnTempScales } from "./PositionScaling.js"
-import { HCA_RATIO, hcaBlocksEnded } from "./HParams.js"
-import type { Dsv4Inputs } from "./Toolkit.js"
+import { blocksEnded, HCA_RATIO } from "./HParams.js"
+import type { Dsv4Inputs, Dsv4Segment } from "./Toolkit.js"
 import { hadamardRotation } from "./archs/dsa.js"
 import { chooseSmallBatchRows } from "./SmallBatch.js"
 import { fewRowRouteAllowed } from "./WeightPlacement.js"
@@ -291,10 +291,9 @@ const setSequenceMasks = (
 }
 
 /**
- * deepseek4's compressor inputs (Toolkit.Dsv4Inputs), cells being positions (its window's cache is uncapped): a row
- * at position p is in block b = p / 4; its candidate compressed row reads the cells of blocks b - 1 and b (block -1:
- * cell 0 under a -inf score) and is written to compressed row b when p ends its block, else to the cache's last cell
- * (never attended: a sequence attends fewer than a quarter of its cells). Compressed row b is seen from position 4b + 3.
+ * deepseek4's compressor inputs (Toolkit.Dsv4Inputs), cells being positions (its window's cache is uncapped): each
+ * block b of 4 positions a sequence's call completes reads the cells of blocks b - 1 and b (block -1: cell 0 under a
+ * -inf score) and goes to compressed row b, rotated at its first position; row b is seen from position 4b + 3.
  */
 const setDsv4Inputs = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<NativeItem>) => {
   const d = c.inputs.dsv4
@@ -305,36 +304,40 @@ const setDsv4Inputs = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<Na
   items.forEach((it, s) => {
     const n = segments[s]!.n
     const ds = d.segments[s]!
-    const read = new Int32Array(8 * n)
-    const prevBias = new Float32Array(4 * n)
-    const write = new BigInt64Array(n)
-    const compPos = new Int32Array(n)
-    const spare = BigInt(it.session.kvSize - 1)
-    for (let i = 0; i < n; i++) {
-      const p = it.startPos + i
-      const b = Math.floor(p / 4)
-      all[segments[s]!.offset + i] = p % 4
-      for (let j = 0; j < 4; j++) {
-        read[4 * i + j] = b === 0 ? 0 : 4 * (b - 1) + j
-        read[4 * n + 4 * i + j] = 4 * b + j
-        prevBias[4 * i + j] = b === 0 ? -Infinity : 0
-      }
-      write[i] = p % 4 === 3 ? BigInt(b) : spare
-      compPos[i] = 4 * b
-    }
-    raw.ggml_backend_tensor_set(ds.read, read, 0, read.byteLength)
-    raw.ggml_backend_tensor_set(ds.prevBias, prevBias, 0, prevBias.byteLength)
-    raw.ggml_backend_tensor_set(ds.write, write, 0, write.byteLength)
-    raw.ggml_backend_tensor_set(ds.compPos, compPos, 0, compPos.byteLength)
+    for (let i = 0; i < n; i++) all[segments[s]!.offset + i] = (it.startPos + i) % 4
+    if (ds.m > 0) setCompressedBlocks(w, ds, Math.floor(it.startPos / 4))
     if (ds.mask !== null) {
       const mask = new Uint16Array(ds.nComp * n).fill(F16_NEG_INF)
-      for (let i = 0; i < n; i++)
+      for (let i = 0; i < n; i++) {
         mask.fill(0, i * ds.nComp, i * ds.nComp + Math.min(ds.nComp, Math.floor((it.startPos + i + 1) / 4)))
+      }
       raw.ggml_backend_tensor_set(ds.mask, mask, 0, mask.byteLength)
     }
   })
   raw.ggml_backend_tensor_set(d.statePos, all, 0, all.byteLength)
   if (d.hca !== undefined) setHcaInputs(w, c, d.hca, items)
+}
+
+/** The cells, rows and positions of the `ds.m` blocks of 4 a call completes, the first of them block `first`. */
+const setCompressedBlocks = (w: NativeWeights, ds: Dsv4Segment, first: number) => {
+  const raw = w.ggml.raw
+  const m = ds.m
+  const read = new Int32Array(8 * m)
+  const prevBias = new Float32Array(4 * m)
+  for (let k = 0; k < m; k++) {
+    const b = first + k
+    for (let j = 0; j < 4; j++) {
+      read[4 * k + j] = b === 0 ? 0 : 4 * (b - 1) + j
+      read[4 * m + 4 * k + j] = 4 * b + j
+      prevBias[4 * k + j] = b === 0 ? -Infinity : 0
+    }
+  }
+  const write = BigInt64Array.from({ length: m }, (_, k) => BigInt(first + k))
+  const compPos = Int32Array.from({ length: m }, (_, k) => 4 * (first + k))
+  raw.ggml_backend_tensor_set(ds.read!, read, 0, read.byteLength)
+  raw.ggml_backend_tensor_set(ds.prevBias!, prevBias, 0, prevBias.byteLength)
+  raw.ggml_backend_tensor_set(ds.write!, write, 0, write.byteLength)
+  raw.ggml_backend_tensor_set(ds.compPos!, compPos, 0, compPos.byteLength)
 }
 
 /**
@@ -344,8 +347,10 @@ const setDsv4Inputs = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<Na
 const dsv4Key = (w: NativeWeights, start: number, used: number): string => {
   const d = w.layout.hp.dsv4
   if (d === undefined) return ""
-  const heavy = d.ratios.includes(HCA_RATIO) ? `:h${hcaBlocksEnded(start, used)}${used >= HCA_RATIO ? "v" : ""}` : ""
-  return (used >= 4 ? ":c" : "") + heavy
+  const heavy = d.ratios.includes(HCA_RATIO)
+    ? `:h${blocksEnded(start, used, HCA_RATIO)}${used >= HCA_RATIO ? "v" : ""}`
+    : ""
+  return `${used >= 4 ? ":c" : ""}${blocksEnded(start, used, 4)}${heavy}`
 }
 
 /**

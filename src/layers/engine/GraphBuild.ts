@@ -7,7 +7,7 @@ import type { StageInput } from "../../domain/engine.js"
 import { type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
 import type { CachedGraph, GraphSlot } from "./GraphCache.js"
-import { HCA_RATIO, hcaBlocksEnded } from "./HParams.js"
+import { blocksEnded, HCA_RATIO } from "./HParams.js"
 import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
 import {
@@ -179,12 +179,15 @@ const dsv4Inputs = (
   const segments: Array<Dsv4Segment> = items.map((it, s) => {
     const len = inputLength(it.input)
     const nComp = it.startPos + len >= 4 ? Math.ceil(nKvs[s]! / 4) : 0
+    const m = blocksEnded(it.startPos, it.startPos + len, 4)
+    const one = (t: () => Ptr, name: string) => (m === 0 ? null : leaf(t(), `${name}_${s}`))
     return {
       nComp,
-      read: leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 8 * len), `dsv4_read_${s}`),
-      prevBias: leaf(raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 4, len), `dsv4_prev_bias_${s}`),
-      write: leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I64, len), `dsv4_write_${s}`),
-      compPos: leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, len), `dsv4_comp_pos_${s}`),
+      m,
+      read: one(() => raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 8 * m), "dsv4_read"),
+      prevBias: one(() => raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 4, m), "dsv4_prev_bias"),
+      write: one(() => raw.ggml_new_tensor_1d(ctx, GgmlType.I64, m), "dsv4_write"),
+      compPos: one(() => raw.ggml_new_tensor_1d(ctx, GgmlType.I32, m), "dsv4_comp_pos"),
       mask: nComp === 0 ? null : leaf(raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nComp, len), `dsv4_kq_mask_${s}`)
     }
   })
@@ -203,7 +206,7 @@ const hcaInputs = (
   const statePos = leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, n), "dsv4_hca_state_pos")
   const segments: Array<HcaSegment> = items.map((it, s) => {
     const used = it.startPos + inputLength(it.input)
-    const m = hcaBlocksEnded(it.startPos, used)
+    const m = blocksEnded(it.startPos, used, HCA_RATIO)
     const nComp = used >= HCA_RATIO ? Math.ceil(nKvs[s]! / HCA_RATIO) : 0
     const one = (type: number, len: number, name: string) =>
       m === 0 ? null : leaf(raw.ggml_new_tensor_1d(ctx, type, len), `${name}_${s}`)

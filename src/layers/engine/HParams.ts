@@ -171,9 +171,9 @@ export interface Dsv4Params {
 /** deepseek4's heavily compressed blocks compress this many positions into one row. */
 export const HCA_RATIO = 128
 
-/** Blocks of HCA_RATIO positions a call over positions [start, used) completes. */
-export const hcaBlocksEnded = (start: number, used: number): number =>
-  Math.floor(used / HCA_RATIO) - Math.floor(start / HCA_RATIO)
+/** Blocks of `ratio` positions (deepseek4's compressed blocks) a call over positions [start, used) completes. */
+export const blocksEnded = (start: number, used: number, ratio: number): number =>
+  Math.floor(used / ratio) - Math.floor(start / ratio)
 
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */
 export interface SwaParams {

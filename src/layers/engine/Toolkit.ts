@@ -126,14 +126,16 @@ export interface HcaSegment {
 export interface Dsv4Segment {
   /** Compressed rows attended (0: this call sees none yet, attention reads the window only). */
   readonly nComp: number
-  /** I32 [8 x n]: per row, the cells of the 4 positions of its block's previous block, then of its own block. */
-  readonly read: Ptr
-  /** F32 [1, 4, n]: 0, or -inf where the previous block does not exist (block 0). */
-  readonly prevBias: Ptr
-  /** I64 [n]: the compressed row each row's candidate goes to (its block at a block's last position, else a spare). */
-  readonly write: Ptr
-  /** I32 [n]: the first position of each row's block (the compressed row's RoPE position). */
-  readonly compPos: Ptr
+  /** Blocks of 4 positions this call completes (each compressed into its row); the four below are null when 0. */
+  readonly m: number
+  /** I32 [8 x m]: the cells of each completed block's previous block's 4 positions (all blocks), then of its own. */
+  readonly read: Ptr | null
+  /** F32 [1, 4, m]: 0, or -inf where the previous block does not exist (block 0). */
+  readonly prevBias: Ptr | null
+  /** I64 [m]: each completed block's compressed row. */
+  readonly write: Ptr | null
+  /** I32 [m]: each completed block's first position (its compressed row's RoPE position). */
+  readonly compPos: Ptr | null
   /** F16 [nComp, n]: 0 where a compressed row is complete at the row's position, else -inf (null when nComp is 0). */
   readonly mask: Ptr | null
 }

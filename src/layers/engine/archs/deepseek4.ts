@@ -303,8 +303,8 @@ const compressorRows = (t: Toolkit, w: BlockWeights, h: Ptr) => {
 }
 
 /**
- * One sequence's candidate compressed rows [width, n] from the compressor's rows in the V cache at `vOffset` (floats):
- * per value, a softmax over the previous block's first halves and this block's second halves, their weighted sum,
+ * One sequence's compressed rows [width, 1, n] of the n blocks its call completes, from the compressor's rows in the
+ * V cache at `vOffset` (floats): per value, a softmax over the previous block's first halves and the block's second halves, their weighted sum,
  * the norm, RoPE at the block's first position (llama.cpp's build_overlap_compressed_kv_from_state).
  */
 const compress = (t: Toolkit, v: Ptr, vOffset: number, width: number, ds: Dsv4Segment, norm: Ptr, n: number): Ptr => {
@@ -313,7 +313,7 @@ const compress = (t: Toolkit, v: Ptr, vOffset: number, width: number, ds: Dsv4Se
   const vRow = t.g.ggml_row_size(GgmlType.F32, 1) * (t.hp.headDimK * 4 + dsv4Of(t.hp).indexer.headSize * 4)
   const cells = (off: number) => g.ggml_view_2d(ctx, v, 2 * width, kvCells(t, v), vRow, off * 4)
   const halves = (off: number) => {
-    const rows = g.ggml_get_rows(ctx, cells(off), ds.read) // [2 width, 8n]
+    const rows = g.ggml_get_rows(ctx, cells(off), ds.read!) // [2 width, 8n]
     const nb1 = 2 * width * 4
     const prev = g.ggml_reshape_3d(ctx, g.ggml_cont(ctx, g.ggml_view_2d(ctx, rows, width, 4 * n, nb1, 0)), width, 4, n)
     const cur = g.ggml_reshape_3d(
@@ -328,12 +328,12 @@ const compress = (t: Toolkit, v: Ptr, vOffset: number, width: number, ds: Dsv4Se
   const kv = halves(vOffset)
   const score = halves(vOffset + 2 * width)
   const values = g.ggml_cont(ctx, g.ggml_permute(ctx, g.ggml_concat(ctx, kv.prev, kv.cur, 1), 1, 0, 2, 3))
-  const prevScore = g.ggml_add(ctx, score.prev, ds.prevBias)
+  const prevScore = g.ggml_add(ctx, score.prev, ds.prevBias!)
   const scores = g.ggml_cont(ctx, g.ggml_permute(ctx, g.ggml_concat(ctx, prevScore, score.cur, 1), 1, 0, 2, 3))
   let comp = g.ggml_sum_rows(ctx, g.ggml_mul(ctx, values, g.ggml_soft_max(ctx, scores)))
   comp = g.ggml_cont(ctx, g.ggml_permute(ctx, comp, 1, 0, 2, 3)) // [width, 1, n]
   comp = t.rmsNorm(comp, norm)
-  return tailRope(t, comp, ds.compPos, width, true)
+  return tailRope(t, comp, ds.compPos!, width, true)
 }
 
 /** Cells of a cache tensor (its second dimension). */
@@ -379,13 +379,37 @@ const putCompressorRows = (t: Toolkit, seg: AttentionSegment, parts: ReadonlyArr
 }
 
 /**
- * One sequence's compressed rows: the candidates of its rows written to their compressed rows (K row offsets hd:
- * attention's, 2 hd: the indexer's, Hadamard-rotated), then the indexer's scores of the complete ones and the mask of
- * its top-k. Returns the compressed K [hd, 1, nComp] and that mask.
+ * The blocks of 4 positions one sequence's call completes, compressed into their rows: attention's beside the window's
+ * row (K row offset hd), the indexer's Hadamard-rotated (offset 2 hd).
+ */
+const compressBlocks = (t: Toolkit, w: BlockWeights, seg: AttentionSegment, ds: Dsv4Segment) => {
+  const g = t.g
+  const ctx = t.ctx
+  const hd = t.hp.headDimK
+  const ih = dsv4Of(t.hp).indexer.headSize
+  const m = ds.m
+  const cache = seg.kv(t.layer)
+  const kRow = g.ggml_row_size(GgmlType.F16, 2 * hd + ih)
+  const kPart = (off: number, width: number) => g.ggml_view_2d(ctx, cache.k, width, kvCells(t, cache.k), kRow, off * 2)
+  const attnComp = compress(t, cache.v, 0, hd, ds, w.get("attn_compressor_norm.weight"), m)
+  g.ggml_build_forward_expand(
+    t.graph,
+    g.ggml_set_rows(ctx, kPart(hd, hd), g.ggml_reshape_2d(ctx, attnComp, hd, m), ds.write!)
+  )
+  const lidComp = compress(t, cache.v, 4 * hd, ih, ds, w.get("indexer_compressor_norm.weight"), m)
+  const rotated = g.ggml_mul_mat(ctx, t.inputs.hadamard!, lidComp)
+  g.ggml_build_forward_expand(
+    t.graph,
+    g.ggml_set_rows(ctx, kPart(2 * hd, ih), g.ggml_reshape_2d(ctx, rotated, ih, m), ds.write!)
+  )
+}
+
+/**
+ * One sequence's complete compressed rows as attention reads them: the indexer's scores of them and the mask of each
+ * row's top-k. Returns the compressed K [hd, 1, nComp] and that mask.
  */
 const compressedRows = (
   t: Toolkit,
-  w: BlockWeights,
   seg: AttentionSegment,
   ds: Dsv4Segment,
   iq: Ptr,
@@ -399,23 +423,6 @@ const compressedRows = (
   const n = seg.n
   const cache = seg.kv(t.layer)
   const kRow = g.ggml_row_size(GgmlType.F16, 2 * hd + ih)
-  const cells = kvCells(t, cache.k)
-  const kPart = (off: number, width: number) => g.ggml_view_2d(ctx, cache.k, width, cells, kRow, off * 2)
-  const attnComp = compress(t, cache.v, 0, hd, ds, w.get("attn_compressor_norm.weight"), n)
-  g.ggml_build_forward_expand(
-    t.graph,
-    g.ggml_set_rows(ctx, kPart(hd, hd), g.ggml_reshape_2d(ctx, attnComp, hd, n), ds.write)
-  )
-  const rot = t.inputs.hadamard!
-  const lidComp = g.ggml_mul_mat(
-    ctx,
-    rot,
-    compress(t, cache.v, 4 * hd, ih, ds, w.get("indexer_compressor_norm.weight"), n)
-  )
-  g.ggml_build_forward_expand(
-    t.graph,
-    g.ggml_set_rows(ctx, kPart(2 * hd, ih), g.ggml_reshape_2d(ctx, lidComp, ih, n), ds.write)
-  )
   const nComp = ds.nComp
   const keys = g.ggml_view_3d(ctx, cache.k, ih, 1, nComp, kRow, kRow, 2 * hd * 2)
   const w2 = g.ggml_view_2d(ctx, iw, d.indexer.nHead, n, g.ggml_row_size(GgmlType.F32, d.indexer.nHead), 0)
@@ -447,8 +454,9 @@ const attendSegment = (t: Toolkit, w: BlockWeights, seg: AttentionSegment, rows:
   let mask: Ptr = seg.swaMask
   if (compressed) {
     putCompressorRows(t, seg, rows.slice(2, 6))
+    if (ds!.m > 0) compressBlocks(t, w, seg, ds!)
     if (ds!.nComp > 0) {
-      const comp = compressedRows(t, w, seg, ds!, rows[6]!, rows[7]!)
+      const comp = compressedRows(t, seg, ds!, rows[6]!, rows[7]!)
       k = g.ggml_concat(ctx, k, comp.k, 2)
       mask = g.ggml_concat(ctx, mask, comp.mask, 0)
     }
