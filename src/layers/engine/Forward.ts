@@ -44,6 +44,7 @@ const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint 
   if (input._tag !== "Hidden" || w.device !== "cpu" || !w.zeroCopy) return null
   // rows that carry per-layer inputs too are read through views, whose data pointers were fixed when the graph was
   // allocated: those are copied in
+  // (deepseek4's hc_mult streams too: its blocks read them through a reshape, a view)
   if (inWidth(w) !== w.layout.hp.nEmbd) return null
   const bytes = w.layout.hp.nEmbd * input.nTokens * 4
   if (input.hidden.byteLength !== bytes || bytes < 256) return null
