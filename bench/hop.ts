@@ -10,7 +10,9 @@
  * between hosts pays), a Unix socket, and shared memory (a /dev/shm ring with PendingBit doorbells
  * over the Unix socket; ShmRing.ts).
  *
- * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048 --spin 0 --only Tcp,TlsTcp]
+ * Usage: npm run bench:hop [-- --iterations 5000 --hidden 2048 --model FILE.gguf --spin 0 --only Tcp,TlsTcp]
+ * (`--model`: the frame is that model's activation, a token's width as the planner counts it: readModelFacts'
+ * hiddenDim, n_embd x hyper_connection.count for deepseek4.)
  * (`--spin N`: shared-memory receivers busy-poll N µs before sleeping — only useful with idle cores.)
  */
 import { fork } from "node:child_process"
@@ -22,6 +24,7 @@ import { ActivationFrame, type TransportAddress } from "../src/domain/frames.js"
 import type { EdgeId, RunId } from "../src/domain/ids.js"
 import type { RingSpec } from "../src/domain/plan.js"
 import { Settings } from "../src/layers/config/Settings.js"
+import { readModelFacts } from "../src/layers/gguf/ModelCatalogLive.js"
 import * as EdgeTransport from "../src/layers/transport/EdgeTransport.js"
 
 const arg = (name: string, fallback: number) => {
@@ -30,7 +33,9 @@ const arg = (name: string, fallback: number) => {
 }
 const iterations = arg("iterations", 5000)
 const warmup = arg("warmup", 500)
-const hidden = arg("hidden", 2048)
+const modelAt = process.argv.indexOf("--model")
+const hidden =
+  modelAt >= 0 ? (await Effect.runPromise(readModelFacts(process.argv[modelAt + 1]!))).hiddenDim : arg("hidden", 2048)
 const runId = 1 as RunId
 const forward = 1 as EdgeId
 const back = 2 as EdgeId

@@ -244,6 +244,11 @@ export const ModelLayout = Schema.Struct({
    * itself, or an earlier block it must share a stage with. Absent: every block picks its own.
    */
   topKSources: Schema.optional(Schema.Array(Schema.Number)),
+  /**
+   * Per block, 0 when it reads the token ids (deepseek4's hash-routed blocks, which only the first stage has), else
+   * itself. Absent: no block reads them.
+   */
+  tokenSources: Schema.optional(Schema.Array(Schema.Number)),
   inputBytes: Schema.Number,
   outputBytes: Schema.Number,
   hiddenDim: Schema.Number

@@ -43,6 +43,7 @@ export const kvShareRangeProblem = (
 export interface StageLinks {
   readonly kvSources?: ReadonlyArray<number> | undefined
   readonly topKSources?: ReadonlyArray<number> | undefined
+  readonly tokenSources?: ReadonlyArray<number> | undefined
 }
 
 /**
@@ -50,16 +51,23 @@ export interface StageLinks {
  * whose indexer top-k it reuses (topKSources: glm-dsa's shared indexers), or itself; undefined when no block has one.
  */
 export const stageSources = (links: StageLinks): ReadonlyArray<number> | undefined => {
-  const { kvSources, topKSources } = links
-  if (kvSources === undefined) return topKSources
-  if (topKSources === undefined) return kvSources
-  return kvSources.map((s, il) => Math.min(s, topKSources[il] ?? il))
+  const all = [links.kvSources, links.topKSources, links.tokenSources].filter((s) => s !== undefined)
+  if (all.length <= 1) return all[0]
+  return all[0]!.map((s, il) => Math.min(s, ...all.slice(1).map((o) => o[il] ?? il)))
 }
+
+/** Per block, 0 for the first `n` (deepseek4's hash-routed blocks read the token ids, which only the first stage has). */
+export const tokenSourcesOf = (nLayer: number, n: number): ReadonlyArray<number> =>
+  Array.from({ length: nLayer }, (_, il) => (il < n ? 0 : il))
 
 /** Why blocks [start, end) cannot be one stage under a layout's links, or undefined. */
 export const stageRangeProblem = (links: StageLinks, start: number, end: number): string | undefined => {
   const kv = kvShareRangeProblem(links.kvSources, start, end)
   if (kv !== undefined) return kv
+  const tokens = links.tokenSources
+  if (tokens !== undefined && start > 0 && start < tokens.length && tokens[start] === 0) {
+    return `block ${start} routes by token id (hash routing), so blocks 0..${start} must be on the first stage`
+  }
   const topK = links.topKSources
   if (topK === undefined) return undefined
   for (let il = start; il < end; il++) {

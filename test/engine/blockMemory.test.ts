@@ -96,6 +96,7 @@ const converted: ReadonlyArray<ConvertedFamily> = [
   "olmo3",
   "mistral3",
   "deepseek2",
+  "deepseek4",
   "gpt-oss",
   "qwen35",
   "qwen35moe"

@@ -12,7 +12,7 @@ const op = checkedOps(g)
 const raw = g.raw
 
 const withCtx = (f: (ctx: Ptr) => void) => {
-  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 64, mem_buffer: null, no_alloc: true })
+  const ctx = raw.ggml_init({ mem_size: raw.ggml_tensor_overhead() * 128, mem_buffer: null, no_alloc: true })
   try {
     f(ctx)
   } finally {
@@ -88,5 +88,13 @@ describe("graph ops: ggml's preconditions are checked before the call", () => {
       // swiglu: one shape
       refuses("ggml_swiglu_split", () => op.ggml_swiglu_split(ctx, f32(64, 4), f32(64, 3)))
       assert.isNotNull(op.ggml_swiglu_split(ctx, f32(64, 4), f32(64, 4)))
+      // DeepSeek-V4's hyper-connections: 4 streams, 24 mixes, the shapes of each operand
+      refuses("ggml_dsv4_hc_pre", () => op.ggml_dsv4_hc_pre(ctx, f32(16, 4, 3), f32(4, 2)))
+      assert.isNotNull(op.ggml_dsv4_hc_pre(ctx, f32(16, 4, 3), f32(4, 3)))
+      refuses("ggml_dsv4_hc_comb", () => op.ggml_dsv4_hc_comb(ctx, f32(15, 3), f32(3), f32(15), 1e-6, 20))
+      refuses("ggml_dsv4_hc_comb", () => op.ggml_dsv4_hc_comb(ctx, f32(24, 3), f32(3), f32(24), 1e-6, 0))
+      assert.isNotNull(op.ggml_dsv4_hc_comb(ctx, f32(24, 3), f32(3), f32(24), 1e-6, 20))
+      refuses("ggml_dsv4_hc_post", () => op.ggml_dsv4_hc_post(ctx, f32(16, 3), f32(16, 4, 3), f32(4, 3), f32(4, 4, 2)))
+      assert.isNotNull(op.ggml_dsv4_hc_post(ctx, f32(16, 3), f32(16, 4, 3), f32(4, 3), f32(4, 4, 3)))
     }))
 })

@@ -617,6 +617,139 @@ def glm_dsa_shared(writer, n_vocab):
                                         indexer_types=["full", "full", "shared", "full"]), yarn=False)
 
 
+def deepseek4(writer, n_vocab, hash_layers=1):
+    """DeepSeek-V4 / V4-Flash (conversion/deepseek.py DeepseekV4Model), scaled down: hyper-connections (hc_mult 4,
+    20 Sinkhorn iterations, hc_eps 1e-6: the residual stream is 4 streams of hidden_size), one shared K=V head of
+    head_dim with its last qk_rope_head_dim dims rotated (and rotated back on the output), a q LoRA, per-head attention
+    sinks, a sliding window (shorter than the test prompt, so the window changes what is read), the grouped output LoRA
+    (o_groups, o_lora_rank), sqrtsoftplus routing with the correction bias, shared experts and the clamped SwiGLU
+    (swiglu_limit small enough to bite), the first num_hash_layers blocks routed by the token id (tid2eid, I32).
+    compress_ratios as V4's: 0 (the window only), 4 (plus every 4 positions compressed into one row, a lightning indexer
+    picking index_topk of them, fewer than the test prompt has) and 128 (plus every 128 positions compressed into one
+    row, all of them read)."""
+    c = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=4, head_dim=32,
+             qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, num_hash_layers=hash_layers,
+             routed_scaling_factor=1.5, norm_topk_prob=True, swiglu_limit=0.3, sliding_window=8, hc_mult=4,
+             hc_sinkhorn_iters=20, hc_eps=1e-6, rope_theta=10_000.0, compress_rope_theta=160_000.0,
+             rms_norm_eps=1e-6, max_position_embeddings=4096, index_n_heads=4, index_head_dim=64, index_topk=3,
+             compress_ratios=[0, 4, 128, 4],
+             rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                               beta_slow=1.0))
+    n_embd, n_head, hd, rope = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["qk_rope_head_dim"]
+    n_layer, q_lora, groups, o_lora = c["num_hidden_layers"], c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    hc = c["hc_mult"]
+    # TextModel.set_gguf_parameters, then DeepseekV4Model's keys
+    writer.add_block_count(n_layer)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    # V4's rope_scaling (YaRN), which only its compressed blocks' RoPE reads
+    y = c["rope_scaling"]
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(y["factor"])
+    writer.add_rope_scaling_orig_ctx_len(y["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(y["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(y["beta_slow"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["n_routed_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SQRTSOFTPLUS)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(n_vocab)
+    writer.add_rope_dimension_count(rope)
+    writer.add_q_lora_rank(q_lora)
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_count(c["n_shared_experts"])
+    writer.add_expert_weights_scale(c["routed_scaling_factor"])
+    writer.add_expert_weights_norm(c["norm_topk_prob"])
+    writer.add_swiglu_clamp_exp([c["swiglu_limit"]] * n_layer)
+    writer.add_swiglu_clamp_shexp([c["swiglu_limit"]] * n_layer)
+    writer.add_indexer_head_count(c["index_n_heads"])
+    writer.add_indexer_key_length(c["index_head_dim"])
+    writer.add_indexer_top_k(c["index_topk"])
+    writer.add_attention_output_group_count(groups)
+    writer.add_attention_output_lora_rank(o_lora)
+    writer.add_attention_compress_ratios(c["compress_ratios"])
+    writer.add_attention_compress_rope_freq_base(c["compress_rope_theta"])
+    writer.add_hyper_connection_count(hc)
+    writer.add_hyper_connection_sinkhorn_iterations(c["hc_sinkhorn_iters"])
+    writer.add_hyper_connection_epsilon(c["hc_eps"])
+    writer.add_hash_layer_count(c["num_hash_layers"])
+    writer.add_embedding_length_out(n_embd * hc)
+
+    def f32(*shape, scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    hc_dim, mix = hc * n_embd, (2 + hc) * hc
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    # the checkpoint keeps the hyper-connection tensors in F32 (tensor_force_quant keeps F32 sources F32)
+    writer.add_tensor("output_hc_fn.weight", f32(hc, hc_dim, scale=0.3))
+    writer.add_tensor("output_hc_base.weight", f32(hc, scale=0.3))
+    writer.add_tensor("output_hc_scale.weight", vector(1, 0.5, 0.1))
+    n_exp, n_ff_exp, w = c["n_routed_experts"], c["moe_intermediate_size"], 0.3
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        for kind in ("attn", "ffn"):
+            writer.add_tensor(b + f"hc_{kind}_fn.weight", f32(mix, hc_dim, scale=0.3))
+            writer.add_tensor(b + f"hc_{kind}_base.weight", f32(mix, scale=0.5))
+            writer.add_tensor(b + f"hc_{kind}_scale.weight", vector(3, 0.5, 0.1))
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_sinks.weight", vector(n_head, 0.0, 1.0))
+        writer.add_tensor(b + "attn_q_a.weight", matrix(q_lora, n_embd, scale=w))
+        writer.add_tensor(b + "attn_q_a_norm.weight", vector(q_lora))
+        writer.add_tensor(b + "attn_q_b.weight", matrix(n_head * hd, q_lora, scale=w))
+        writer.add_tensor(b + "attn_kv.weight", matrix(hd, n_embd, scale=w))
+        writer.add_tensor(b + "attn_kv_a_norm.weight", vector(hd))
+        # wo_a as the checkpoint has it: [o_groups x o_lora_rank, n_head x head_dim / o_groups]
+        writer.add_tensor(b + "attn_output_a.weight", matrix(groups * o_lora, n_head * hd // groups, scale=w))
+        writer.add_tensor(b + "attn_output_b.weight", matrix(n_embd, groups * o_lora, scale=w))
+        if c["compress_ratios"][il] == 128:
+            writer.add_tensor(b + "attn_compressor_kv.weight", matrix(hd, n_embd, scale=w))
+            writer.add_tensor(b + "attn_compressor_gate.weight", matrix(hd, n_embd, scale=w))
+            writer.add_tensor(b + "attn_compressor_ape.weight", f32(128, hd, scale=0.5))
+            writer.add_tensor(b + "attn_compressor_norm.weight", vector(hd))
+        if c["compress_ratios"][il] == 4:
+            ih, inh = c["index_head_dim"], c["index_n_heads"]
+            writer.add_tensor(b + "attn_compressor_kv.weight", matrix(2 * hd, n_embd, scale=w))
+            writer.add_tensor(b + "attn_compressor_gate.weight", matrix(2 * hd, n_embd, scale=w))
+            writer.add_tensor(b + "attn_compressor_ape.weight", f32(4, 2 * hd, scale=0.5))
+            writer.add_tensor(b + "attn_compressor_norm.weight", vector(hd))
+            writer.add_tensor(b + "indexer.proj.weight", matrix(inh, n_embd, scale=w))
+            writer.add_tensor(b + "indexer.attn_q_b.weight", matrix(inh * ih, q_lora, scale=w))
+            writer.add_tensor(b + "indexer_compressor_kv.weight", matrix(2 * ih, n_embd, scale=w))
+            writer.add_tensor(b + "indexer_compressor_gate.weight", matrix(2 * ih, n_embd, scale=w))
+            writer.add_tensor(b + "indexer_compressor_ape.weight", f32(4, 2 * ih, scale=0.5))
+            writer.add_tensor(b + "indexer_compressor_norm.weight", vector(ih))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "ffn_gate_inp.weight", f32(n_exp, n_embd, scale=0.5))
+        if il < c["num_hash_layers"]:
+            # each token's experts (distinct), as the checkpoint's tid2eid holds them
+            table = np.stack([rng.permutation(n_exp)[: c["num_experts_per_tok"]] for _ in range(n_vocab)])
+            writer.add_tensor(b + "ffn_gate_tid2eid.weight", table.astype(np.int32))
+        else:
+            writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, 0.0, 0.1))
+        writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, n_embd, n_ff_exp, scale=w))
+        sh = n_ff_exp * c["n_shared_experts"]
+        writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
+
+
+def deepseek4_hash3(writer, n_vocab):
+    """deepseek4 above with V4's num_hash_layers 3: blocks 0-2 routed by token id (the first stage must hold them)."""
+    deepseek4(writer, n_vocab, hash_layers=3)
+
+
 def gpt_oss(writer, n_vocab):
     """gpt-oss 20b/120b (conversion/gpt_oss.py GptOssModel): experts in MXFP4 as the checkpoint ships them (repacked,
     not requantised, so F16 everywhere else), biases on q/k/v/o, the router and every expert, attention sinks,
@@ -865,6 +998,8 @@ FAMILIES = {
     "deepseek32-wide": ("deepseek32", deepseek32_wide),
     "glm-dsa": ("glm-dsa", glm_dsa),
     "glm-dsa-shared": ("glm-dsa", glm_dsa_shared),
+    "deepseek4": ("deepseek4", deepseek4),
+    "deepseek4-hash3": ("deepseek4", deepseek4_hash3),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "gemma4": ("gemma4", gemma4),

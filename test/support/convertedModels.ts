@@ -52,6 +52,8 @@ export type ConvertedFamily =
   | "deepseek32-wide"
   | "glm-dsa"
   | "glm-dsa-shared"
+  | "deepseek4"
+  | "deepseek4-hash3"
   | "gpt-oss"
   | "qwen35"
   | "qwen35moe"

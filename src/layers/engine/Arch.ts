@@ -15,6 +15,8 @@ export interface ArchModule {
   readonly kvHeadsPerBlock?: boolean
   /** Optional: `feed_forward_length` may vary per block (readHParams' ffPerBlock, HParams.blockFf; gemma4 E2B). */
   readonly ffPerBlock?: boolean
+  /** Optional: `feed_forward_length` may be absent (readHParams' ffOptional: every block routed, deepseek4). */
+  readonly ffOptional?: boolean
   /** Optional: the architecture's own hyperparameters read (and checked) on top of the common ones. */
   readonly hparams?: (file: GgufFile, hp: HParams) => Effect.Effect<HParams, ModelLoadError>
   /** Optional: a factor the token embeddings are scaled by before the first block (gemma: sqrt(n_embd)). */

@@ -6,7 +6,7 @@
  * blockHeads); nothing else derives them.
  */
 import type { ModelLayout } from "../../domain/plan.js"
-import { topKSourcesOf } from "../../services/KvShare.js"
+import { tokenSourcesOf, topKSourcesOf } from "../../services/KvShare.js"
 import { kvBytesPerTokenOfBlock } from "../../services/KvSize.js"
 import { type HParams, headsOf } from "./HParams.js"
 import { recurrentStateElems } from "./RecurrentParams.js"
@@ -23,6 +23,11 @@ export type BlockMemory =
       readonly kRow: number
       readonly vRow: number
       readonly window: number | undefined
+      /**
+       * The V cache is F32, vRow / 2 values a cell (vRow counts F16 places, so bytes stay 2 x vRow): deepseek4's
+       * compressor rows, kept at full precision as llama.cpp's compressor state; absent: F16.
+       */
+      readonly vF32?: true
     }
   /** No cache of its own: it attends over block `source`'s (HParams.kvShare, gemma4's shared KV layers). */
   | { readonly kind: "sharedKv"; readonly source: number }
@@ -34,12 +39,35 @@ export const blockMemory = (hp: HParams, il: number): BlockMemory => {
   if (hp.recurrent?.layers[il] === true) return { kind: "state", ...recurrentStateElems(hp.recurrent) }
   const source = hp.kvShare?.sources[il]
   if (source !== undefined && source !== il) return { kind: "sharedKv", source }
+  if (hp.dsv4 !== undefined) return dsv4Memory(hp, il)
   const h = headsOf(hp, il)
   return {
     kind: "kv",
     kRow: h.headDimK * h.nHeadKv,
     vRow: hp.mla === undefined ? h.headDimV * h.nHeadKv : hp.dsa?.full[il] === true ? hp.dsa.headSize : 0,
     window: hp.swa?.layers[il] === true ? hp.swa.window : undefined
+  }
+}
+
+/**
+ * A deepseek4 block: its K row is the window's K=V row (key_length), then on a compressed block the compressed row of
+ * the block of 4 positions ending there (key_length) and its indexer key (the indexer's key_length); its V row (F32) the
+ * compressor's rows of each position: K and score, 2 x key_length each, the indexer's, 2 x its key_length each. One
+ * cell per position (the window's cache uncapped, HParams.SwaParams.uncapped).
+ */
+const dsv4Memory = (hp: HParams, il: number): BlockMemory => {
+  const d = hp.dsv4!
+  const compressed = d.ratios[il] === 4
+  const ih = d.indexer.headSize
+  // a heavily compressed block: the compressed row beside the window's; the compressor's K and score rows, F32
+  if (d.ratios[il] === 128)
+    return { kind: "kv", kRow: 2 * hp.headDimK, vRow: 2 * 2 * hp.headDimK, window: undefined, vF32: true }
+  return {
+    kind: "kv",
+    kRow: hp.headDimK + (compressed ? hp.headDimK + ih : 0),
+    vRow: compressed ? 2 * (4 * hp.headDimK + 4 * ih) : 0,
+    window: undefined,
+    ...(compressed ? { vF32: true as const } : {})
   }
 }
 
@@ -53,7 +81,7 @@ export const stateBytesOfMemory = (m: BlockMemory): number => (m.kind === "state
 /** The catalog layout's memory fields of the model's first `numLayers` blocks (ModelLayout). */
 export type KvLayout = Pick<
   ModelLayout,
-  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources"
+  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources" | "tokenSources"
 >
 
 /** The model's per-block memory as the catalog's layout holds it. */
@@ -62,7 +90,7 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
   const stateBytes = blocks.map(stateBytesOfMemory)
   return {
     kvBytesPerToken: blocks.map(kvBytesPerTokenOfMemory),
-    ...(hp.swa === undefined
+    ...(hp.swa === undefined || hp.swa.uncapped === true
       ? {}
       : {
           slidingWindow: {
@@ -74,7 +102,10 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
     ...(hp.kvShare === undefined ? {} : { kvSources: hp.kvShare.sources.slice(0, numLayers) }),
     ...(hp.dsa === undefined || hp.dsa.full.every((f) => f)
       ? {}
-      : { topKSources: topKSourcesOf(hp.dsa.full).slice(0, numLayers) })
+      : { topKSources: topKSourcesOf(hp.dsa.full).slice(0, numLayers) }),
+    ...((hp.dsv4?.hashLayers ?? 0) > 1
+      ? { tokenSources: tokenSourcesOf(hp.nLayer, hp.dsv4!.hashLayers).slice(0, numLayers) }
+      : {})
   }
 }
 

@@ -14,6 +14,8 @@ import { type CachedGraph, type GraphSlot, graphBuilds } from "./GraphCache.js"
 import { buildGraph } from "./GraphBuild.js"
 import { inputLength, type NativeItem, type NativeOutput, type NativeSession } from "./KvCache.js"
 import { attnTempScales } from "./PositionScaling.js"
+import { blocksEnded, HCA_RATIO } from "./HParams.js"
+import type { Dsv4Inputs, Dsv4Segment } from "./Toolkit.js"
 import { hadamardRotation } from "./archs/dsa.js"
 import { chooseSmallBatchRows } from "./SmallBatch.js"
 import { fewRowRouteAllowed } from "./WeightPlacement.js"
@@ -43,6 +45,7 @@ const borrowHidden = (w: NativeWeights, tensor: Ptr, input: StageInput): bigint 
   if (input._tag !== "Hidden" || w.device !== "cpu" || !w.zeroCopy) return null
   // rows that carry per-layer inputs too are read through views, whose data pointers were fixed when the graph was
   // allocated: those are copied in
+  // (deepseek4's hc_mult streams too: its blocks read them through a reshape, a view)
   if (inWidth(w) !== w.layout.hp.nEmbd) return null
   const bytes = w.layout.hp.nEmbd * input.nTokens * 4
   if (input.hidden.byteLength !== bytes || bytes < 256) return null
@@ -234,7 +237,7 @@ const setRowPositions = (
   }
   const hadamard = c.inputs.hadamard
   if (hadamard !== undefined && hadamard !== null) {
-    const rotation = hadamardRotation(hp.dsa!.headSize)
+    const rotation = hadamardRotation(hp.dsa?.headSize ?? hp.dsv4!.indexer.headSize)
     raw.ggml_backend_tensor_set(hadamard, rotation, 0, rotation.byteLength)
   }
   raw.ggml_backend_tensor_set(c.kvIdx, idxArr, 0, nTotal * 8)
@@ -291,6 +294,107 @@ const setSequenceMasks = (
       items.length * 4
     )
   }
+}
+
+/**
+ * deepseek4's compressor inputs (Toolkit.Dsv4Inputs), cells being positions (its window's cache is uncapped): each
+ * block b of 4 positions a sequence's call completes reads the cells of blocks b - 1 and b (block -1: cell 0 under a
+ * -inf score) and goes to compressed row b, rotated at its first position; row b is seen from position 4b + 3.
+ */
+const setDsv4Inputs = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<NativeItem>) => {
+  const d = c.inputs.dsv4
+  if (d === undefined) return
+  const raw = w.ggml.raw
+  const segments = c.inputs.segments
+  const all = new Int32Array(segments.reduce((s, seg) => s + seg.n, 0))
+  items.forEach((it, s) => {
+    const n = segments[s]!.n
+    const ds = d.segments[s]!
+    for (let i = 0; i < n; i++) all[segments[s]!.offset + i] = (it.startPos + i) % 4
+    if (ds.m > 0) setCompressedBlocks(w, ds, Math.floor(it.startPos / 4))
+    if (ds.mask !== null) {
+      const mask = new Uint16Array(ds.nComp * n).fill(F16_NEG_INF)
+      for (let i = 0; i < n; i++) {
+        mask.fill(0, i * ds.nComp, i * ds.nComp + Math.min(ds.nComp, Math.floor((it.startPos + i + 1) / 4)))
+      }
+      raw.ggml_backend_tensor_set(ds.mask, mask, 0, mask.byteLength)
+    }
+  })
+  raw.ggml_backend_tensor_set(d.statePos, all, 0, all.byteLength)
+  if (d.hca !== undefined) setHcaInputs(w, c, d.hca, items)
+}
+
+/** The cells, rows and positions of the `ds.m` blocks of 4 a call completes, the first of them block `first`. */
+const setCompressedBlocks = (w: NativeWeights, ds: Dsv4Segment, first: number) => {
+  const raw = w.ggml.raw
+  const m = ds.m
+  const read = new Int32Array(8 * m)
+  const prevBias = new Float32Array(4 * m)
+  for (let k = 0; k < m; k++) {
+    const b = first + k
+    for (let j = 0; j < 4; j++) {
+      read[4 * k + j] = b === 0 ? 0 : 4 * (b - 1) + j
+      read[4 * m + 4 * k + j] = 4 * b + j
+      prevBias[4 * k + j] = b === 0 ? -Infinity : 0
+    }
+  }
+  const write = BigInt64Array.from({ length: m }, (_, k) => BigInt(first + k))
+  const compPos = Int32Array.from({ length: m }, (_, k) => 4 * (first + k))
+  raw.ggml_backend_tensor_set(ds.read!, read, 0, read.byteLength)
+  raw.ggml_backend_tensor_set(ds.prevBias!, prevBias, 0, prevBias.byteLength)
+  raw.ggml_backend_tensor_set(ds.write!, write, 0, write.byteLength)
+  raw.ggml_backend_tensor_set(ds.compPos!, compPos, 0, compPos.byteLength)
+}
+
+/**
+ * deepseek4's graph changes with whether a sequence sees compressed rows yet (4 positions; 128 for the heavily compressed
+ * blocks) and with how many blocks of 128 its call completes.
+ */
+const dsv4Key = (w: NativeWeights, start: number, used: number): string => {
+  const d = w.layout.hp.dsv4
+  if (d === undefined) return ""
+  const heavy = d.ratios.includes(HCA_RATIO)
+    ? `:h${blocksEnded(start, used, HCA_RATIO)}${used >= HCA_RATIO ? "v" : ""}`
+    : ""
+  return `${used >= 4 ? ":c" : ""}${blocksEnded(start, used, 4)}${heavy}`
+}
+
+/**
+ * The heavily compressed blocks' inputs: each block of 128 a sequence's call completes reads the cells of its positions
+ * and goes to compressed row b, rotated at its first position; row b is seen from position 128b + 127.
+ */
+const setHcaInputs = (
+  w: NativeWeights,
+  c: CachedGraph,
+  h: NonNullable<Dsv4Inputs["hca"]>,
+  items: ReadonlyArray<NativeItem>
+) => {
+  const raw = w.ggml.raw
+  const segments = c.inputs.segments
+  const all = new Int32Array(segments.reduce((s, seg) => s + seg.n, 0))
+  items.forEach((it, s) => {
+    const seg = segments[s]!
+    const hs = h.segments[s]!
+    for (let i = 0; i < seg.n; i++) all[seg.offset + i] = (it.startPos + i) % HCA_RATIO
+    if (hs.m > 0) {
+      const first = Math.floor(it.startPos / HCA_RATIO)
+      const read = Int32Array.from({ length: HCA_RATIO * hs.m }, (_, j) => HCA_RATIO * first + j)
+      const write = BigInt64Array.from({ length: hs.m }, (_, j) => BigInt(first + j))
+      const pos = Int32Array.from({ length: hs.m }, (_, j) => HCA_RATIO * (first + j))
+      raw.ggml_backend_tensor_set(hs.read!, read, 0, read.byteLength)
+      raw.ggml_backend_tensor_set(hs.write!, write, 0, write.byteLength)
+      raw.ggml_backend_tensor_set(hs.pos!, pos, 0, pos.byteLength)
+    }
+    if (hs.mask !== null) {
+      const mask = new Uint16Array(hs.nComp * seg.n).fill(F16_NEG_INF)
+      for (let i = 0; i < seg.n; i++) {
+        const seen = Math.min(hs.nComp, Math.floor((it.startPos + i + 1) / HCA_RATIO))
+        mask.fill(0, i * hs.nComp, i * hs.nComp + seen)
+      }
+      raw.ggml_backend_tensor_set(hs.mask, mask, 0, mask.byteLength)
+    }
+  })
+  raw.ggml_backend_tensor_set(h.statePos, all, 0, all.byteLength)
 }
 
 /**
@@ -407,8 +511,11 @@ const runBatchLocked = async (
   const kind = items[0]!.input._tag
   const shapes = shapesOf(items)
   const nTotal = shapes.reduce((s, x) => s + x.n, 0)
+  // deepseek4: whether a sequence sees compressed rows yet (4 positions) changes its graph
+  const seen = (i: number) => dsv4Key(w, items[i]!.startPos, shapes[i]!.used)
   const key =
-    kind + items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}`).join("")
+    kind +
+    items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}${seen(i)}`).join("")
   const slot = slotFor(w, items, shapes, key)
 
   // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)
@@ -421,6 +528,7 @@ const runBatchLocked = async (
   const copyIn = performance.now()
   setRowPositions(w, c, items, shapes, nTotal)
   setSequenceMasks(w, c, items, shapes)
+  setDsv4Inputs(w, c, items)
   const borrowed = setInputRows(w, c, items)
   const copiedIn = performance.now() - copyIn
 

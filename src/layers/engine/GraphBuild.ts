@@ -7,9 +7,18 @@ import type { StageInput } from "../../domain/engine.js"
 import { type GgmlRaw, GgmlType, type Ptr } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
 import type { CachedGraph, GraphSlot } from "./GraphCache.js"
+import { blocksEnded, HCA_RATIO } from "./HParams.js"
 import { inputLength, type NativeItem } from "./KvCache.js"
 import { exactRowsDefault } from "./SmallBatch.js"
-import { type AttentionSegment, type BlockWeights, type GraphInputs, Toolkit } from "./Toolkit.js"
+import {
+  type AttentionSegment,
+  type BlockWeights,
+  type Dsv4Inputs,
+  type Dsv4Segment,
+  type GraphInputs,
+  type HcaSegment,
+  Toolkit
+} from "./Toolkit.js"
 import { checkedOps } from "./OpChecks.js"
 import { activationWidth, joinStageOutput, splitStageInput } from "./PerLayerInputs.js"
 import { checkGraph, checkScheduledGraph, fewRowRouteAllowed } from "./WeightPlacement.js"
@@ -29,10 +38,10 @@ const constantShapedInputs = (raw: GgmlRaw, ctx: Ptr, graph: Ptr, hp: HParams, n
   return {
     attnScale:
       hp.attnTemp === undefined ? null : input(raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, n), "attn_scale"),
-    hadamard:
-      hp.dsa === undefined
-        ? null
-        : input(raw.ggml_new_tensor_2d(ctx, GgmlType.F32, hp.dsa.headSize, hp.dsa.headSize), "attn_inp_k_rot")
+    hadamard: ((size: number | undefined) =>
+      size === undefined ? null : input(raw.ggml_new_tensor_2d(ctx, GgmlType.F32, size, size), "attn_inp_k_rot"))(
+      hp.dsa?.headSize ?? hp.dsv4?.indexer.headSize
+    )
   }
 }
 
@@ -138,6 +147,85 @@ const attentionSegments = (
 type MutableInputs = { -readonly [K in keyof GraphInputs]: GraphInputs[K] }
 
 /**
+ * deepseek4's compressor inputs (Toolkit.Dsv4Inputs), when the stage holds a compressed block: each sequence sees
+ * compressed rows once it has 4 positions (`nComp`: a quarter of its attended cells, rounded up).
+ */
+const dsv4Inputs = (
+  raw: GgmlRaw,
+  ctx: Ptr,
+  graph: Ptr,
+  w: NativeWeights,
+  items: ReadonlyArray<NativeItem>,
+  nKvs: ReadonlyArray<number>,
+  n: number
+): Dsv4Inputs | undefined => {
+  const { hp, spec } = w.layout
+  const d = hp.dsv4
+  if (d === undefined) return undefined
+  let compressed = false
+  let heavy = false
+  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) {
+    compressed ||= d.ratios[il] !== 0
+    heavy ||= d.ratios[il] === 128
+  }
+  if (!compressed) return undefined
+  const leaf = (t: Ptr, name: string) => {
+    raw.ggml_set_name(t, name)
+    raw.ggml_set_input(t)
+    raw.ggml_build_forward_expand(graph, t)
+    return t
+  }
+  const statePos = leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, n), "dsv4_state_pos")
+  const segments: Array<Dsv4Segment> = items.map((it, s) => {
+    const len = inputLength(it.input)
+    const nComp = it.startPos + len >= 4 ? Math.ceil(nKvs[s]! / 4) : 0
+    const m = blocksEnded(it.startPos, it.startPos + len, 4)
+    const one = (t: () => Ptr, name: string) => (m === 0 ? null : leaf(t(), `${name}_${s}`))
+    return {
+      nComp,
+      m,
+      read: one(() => raw.ggml_new_tensor_1d(ctx, GgmlType.I32, 8 * m), "dsv4_read"),
+      prevBias: one(() => raw.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 4, m), "dsv4_prev_bias"),
+      write: one(() => raw.ggml_new_tensor_1d(ctx, GgmlType.I64, m), "dsv4_write"),
+      compPos: one(() => raw.ggml_new_tensor_1d(ctx, GgmlType.I32, m), "dsv4_comp_pos"),
+      mask: nComp === 0 ? null : leaf(raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nComp, len), `dsv4_kq_mask_${s}`)
+    }
+  })
+  return { statePos, segments, ...(heavy ? { hca: hcaInputs(items, nKvs, n, leaf, raw, ctx) } : {}) }
+}
+
+/** The heavily compressed blocks' inputs (Toolkit.HcaSegment): each sequence's completed blocks of 128 in this call. */
+const hcaInputs = (
+  items: ReadonlyArray<NativeItem>,
+  nKvs: ReadonlyArray<number>,
+  n: number,
+  leaf: (t: Ptr, name: string) => Ptr,
+  raw: GgmlRaw,
+  ctx: Ptr
+) => {
+  const statePos = leaf(raw.ggml_new_tensor_1d(ctx, GgmlType.I32, n), "dsv4_hca_state_pos")
+  const segments: Array<HcaSegment> = items.map((it, s) => {
+    const used = it.startPos + inputLength(it.input)
+    const m = blocksEnded(it.startPos, used, HCA_RATIO)
+    const nComp = used >= HCA_RATIO ? Math.ceil(nKvs[s]! / HCA_RATIO) : 0
+    const one = (type: number, len: number, name: string) =>
+      m === 0 ? null : leaf(raw.ggml_new_tensor_1d(ctx, type, len), `${name}_${s}`)
+    return {
+      m,
+      read: one(GgmlType.I32, HCA_RATIO * m, "dsv4_hca_read"),
+      write: one(GgmlType.I64, m, "dsv4_hca_write"),
+      pos: one(GgmlType.I32, m, "dsv4_hca_pos"),
+      nComp,
+      mask:
+        nComp === 0
+          ? null
+          : leaf(raw.ggml_new_tensor_2d(ctx, GgmlType.F16, nComp, inputLength(it.input)), `dsv4_hca_kq_mask_${s}`)
+    }
+  })
+  return { statePos, segments }
+}
+
+/**
  * The stage's first rows: the token embeddings (and, on gemma4, the per-layer inputs derived from the tokens), or the
  * hidden input tensor, split into the residual stream and the per-layer inputs it carries.
  */
@@ -153,6 +241,7 @@ const stageInput = (
   const { arch, hp, spec } = w.layout
   if (kind === "Tokens") {
     const tokens = input1d(raw, ctx, GgmlType.I32, n, "inp_tokens")
+    inputs.tokens = tokens
     let x = raw.ggml_get_rows(ctx, w.get("token_embd.weight"), tokens)
     if (arch.embedScale !== undefined) x = raw.ggml_scale(ctx, x, arch.embedScale(hp))
     if (hp.perLayer !== undefined && arch.perLayerInputs !== undefined) {
@@ -227,7 +316,15 @@ export const buildGraph = (
     const outIds = spec.isLast ? input1d(raw, ctx, GgmlType.I32, nSeq, "inp_out_ids") : null
     const { attnScale, hadamard } = constantShapedInputs(raw, ctx, graph, hp, n)
     // perLayer is set below, once the per-layer inputs are known (PerLayerInputs.ts)
-    const inputs: MutableInputs = { pos: rows.pos, outIds, segments, attnScale, hadamard }
+    const dsv4 = dsv4Inputs(raw, ctx, graph, w, items, nKvs, n)
+    const inputs: MutableInputs = {
+      pos: rows.pos,
+      outIds,
+      segments,
+      attnScale,
+      hadamard,
+      ...(dsv4 === undefined ? {} : { dsv4 })
+    }
     const t = new Toolkit(raw, ctx, graph, hp, n, inputs, smallBatchRoute(w, nSeq))
     const { x, tokens, hidden } = stageInput(raw, ctx, w, t, inputs, kind, n)
     const out = stageBlocks(raw, ctx, w, t, inputs, x, n)

@@ -67,6 +67,11 @@ export interface HParams {
    * BlockMemory.ts); absent: dense attention.
    */
   readonly dsa?: DsaParams
+  /**
+   * DeepSeek-V4's hyper-connections, attention and routing (archs/deepseek4.ts): the residual stream is `hcMult`
+   * streams of nEmbd (what crosses a stage boundary, PerLayerInputs.activationWidth); absent: none.
+   */
+  readonly dsv4?: Dsv4Params
   /** Gated DeltaNet blocks (qwen35, RecurrentParams.ts): a state per sequence in place of their KV cache; absent: none. */
   readonly recurrent?: RecurrentParams
   /**
@@ -138,6 +143,38 @@ export interface DsaParams {
   readonly full: ReadonlyArray<boolean>
 }
 
+/** DeepSeek-V4's own sizes (`hyper_connection.*`, `attention.output_*`, `attention.compress_*`, `hash_layer_count`). */
+export interface Dsv4Params {
+  /** Streams of the residual stream (`hyper_connection.count`, 4). */
+  readonly hcMult: number
+  readonly sinkhornIters: number
+  readonly hcEps: number
+  readonly qLoraRank: number
+  /** The attention output's groups and the rank of each group's LoRA (`attention.output_group_count`, `_lora_rank`). */
+  readonly oGroups: number
+  readonly oLoraRank: number
+  /**
+   * Per block: 0 (sliding window only), 4 (plus the compressed sparse attention of every 4 positions) or 128 (plus every
+   * complete block of 128 positions compressed into one row).
+   */
+  readonly ratios: ReadonlyArray<number>
+  readonly compressRopeBase: number
+  /** Blocks 0..hashLayers-1 route each token to the experts its id names (`ffn_gate_tid2eid`). */
+  readonly hashLayers: number
+  /** Per block: the routed / shared experts' SwiGLU clamp (0: none). */
+  readonly clampExp: ReadonlyArray<number>
+  readonly clampShexp: ReadonlyArray<number>
+  /** The lightning indexer of the compressed blocks. */
+  readonly indexer: { readonly nHead: number; readonly headSize: number; readonly topK: number }
+}
+
+/** deepseek4's heavily compressed blocks compress this many positions into one row. */
+export const HCA_RATIO = 128
+
+/** Blocks of `ratio` positions (deepseek4's compressed blocks) a call over positions [start, used) completes. */
+export const blocksEnded = (start: number, used: number, ratio: number): number =>
+  Math.floor(used / ratio) - Math.floor(start / ratio)
+
 /** Blocks that attend over a sliding window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) and their own RoPE settings. */
 export interface SwaParams {
   /** A position p attends to cells c with p - window < c <= p. */
@@ -146,6 +183,11 @@ export interface SwaParams {
   readonly layers: ReadonlyArray<boolean>
   readonly ropeFreqBase: number
   readonly ropeFreqScale: number
+  /**
+   * The window's cache is not capped: one cell per position as a full block's (deepseek4, whose blocks keep the
+   * compressed rows of every position beside the window's); absent: a ring near the window.
+   */
+  readonly uncapped?: boolean
   /** The sliding blocks rotate without the model's YaRN (ext factor 0, attention factor 1: olmo2.cpp); absent: with it. */
   readonly plainRope?: boolean
 }
@@ -183,6 +225,7 @@ type ReadOptions = {
   readonly ownHeadShape?: boolean
   readonly kvHeadsPerBlock?: boolean
   readonly ffPerBlock?: boolean
+  readonly ffOptional?: boolean
 }
 
 /** An architecture's keys in `file`: `k("x")` is `<arch>.x`; `refuse` fails naming such a key. */
@@ -203,9 +246,11 @@ const readWidths = ({ file, k, refuse }: ArchKeys, options: ReadOptions) =>
     const nLayer = yield* positive(file, k("block_count"), yield* getU32(file, k("block_count")))
     const nEmbd = yield* positive(file, k("embedding_length"), yield* getU32(file, k("embedding_length")))
     const ffs =
-      options.ffPerBlock === true && Array.isArray(file.metadata.get(k("feed_forward_length")))
-        ? yield* perBlockInt(file, k("feed_forward_length"), nLayer)
-        : [yield* uniformInt(file, k("feed_forward_length"))]
+      options.ffOptional === true && !file.metadata.has(k("feed_forward_length"))
+        ? [0]
+        : options.ffPerBlock === true && Array.isArray(file.metadata.get(k("feed_forward_length")))
+          ? yield* perBlockInt(file, k("feed_forward_length"), nLayer)
+          : [yield* uniformInt(file, k("feed_forward_length"))]
     const nHead = yield* uniformInt(file, k("attention.head_count"))
     const kvHeads = !file.metadata.has(k("attention.head_count_kv"))
       ? [nHead]
@@ -320,6 +365,7 @@ export const readHParams = (
    * kvHeadsPerBlock: `attention.head_count_kv` may vary per block (each entry checked here, nHeadKv the first; the
    * architecture sets HParams.blockHeads, gemma4).
    * ffPerBlock: `feed_forward_length` may vary per block (each entry checked here, HParams.blockFf; nFf the first).
+   * ffOptional: `feed_forward_length` may be absent (nFf 0: a model without dense feed-forwards, deepseek4).
    */
   options: ReadOptions = {}
 ): Effect.Effect<HParams, ModelLoadError> =>

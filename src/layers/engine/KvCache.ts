@@ -38,6 +38,31 @@ export const heldSessionBytes = (): {
 })
 
 /** One sequence's KV cache over loaded weights. */
+/**
+ * Cells of the stage's sliding-window caches: a ring near the window (`swaCacheSize`), or, uncapped (deepseek4), one
+ * cell per position; null when the stage holds no sliding-window block.
+ */
+const windowCells = (
+  hp: NativeWeights["layout"]["hp"],
+  spec: NativeWeights["layout"]["spec"],
+  contextLength: number
+): number | null => {
+  let hasSwa = false
+  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) hasSwa ||= hp.swa?.layers[il] === true
+  if (!hasSwa) return null
+  return hp.swa!.uncapped === true ? kvCacheSize(contextLength) : swaCacheSize(contextLength, hp.swa!.window)
+}
+
+/** Whether the stage holds DeltaNet blocks (HParams.recurrent). */
+const holdsRecurrent = (hp: NativeWeights["layout"]["hp"], spec: NativeWeights["layout"]["spec"]): boolean => {
+  let recurrent = false
+  for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) recurrent ||= hp.recurrent?.layers[il] === true
+  return recurrent
+}
+
+/** Values a V cell holds: vRow F16 places, or half as many F32 values (BlockMemory's vF32). */
+const vValues = (vRow: number, f32: true | undefined) => (f32 === true ? vRow / 2 : vRow)
+
 export class NativeSession {
   readonly id = nextSessionId++
   private readonly kvCtx: Ptr
@@ -79,12 +104,8 @@ export class NativeSession {
     const { hp, spec } = weights.layout
     const kvSize = kvCacheSize(contextLength)
     const nLayers = spec.layerEndExclusive - spec.layerStart
-    let hasSwa = false
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) hasSwa ||= hp.swa?.layers[il] === true
-    this.swaSize = hasSwa ? swaCacheSize(contextLength, hp.swa!.window) : null
-    let recurrent = false
-    for (let il = spec.layerStart; il < spec.layerEndExclusive; il++) recurrent ||= hp.recurrent?.layers[il] === true
-    this.recurrent = recurrent
+    this.swaSize = windowCells(hp, spec, contextLength)
+    this.recurrent = holdsRecurrent(hp, spec)
     this.kvCtx = raw.ggml_init({
       mem_size: raw.ggml_tensor_overhead() * (2 * nLayers + 1),
       mem_buffer: null,
@@ -120,7 +141,12 @@ export class NativeSession {
         this.kv.set(il, { k, v: k })
         continue
       }
-      const v = raw.ggml_new_tensor_2d(ctx, GgmlType.F16, m.vRow, cells)
+      const v = raw.ggml_new_tensor_2d(
+        ctx,
+        m.vF32 === true ? GgmlType.F32 : GgmlType.F16,
+        vValues(m.vRow, m.vF32),
+        cells
+      )
       raw.ggml_set_name(v, `cache_v_l${il}`)
       this.kv.set(il, { k, v })
     }

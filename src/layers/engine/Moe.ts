@@ -312,6 +312,9 @@ const groupLimited = (t: Toolkit, scores: Ptr, moe: MoeParams, n: number): Ptr =
 /** F16's smallest normal number: llama.cpp clamps the weights' sum to it before dividing. */
 const MIN_WEIGHT_SUM = 6.103515625e-5
 
+/** llama.cpp's threshold under which a SwiGLU clamp is none (build_moe_ffn, build_ffn). */
+const CLAMP_EPS = 1e-6
+
 /** gpt-oss's swiglu_oai constants (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE). */
 const SWIGLU_OAI_ALPHA = 1.702
 const SWIGLU_OAI_LIMIT = 7
@@ -336,6 +339,13 @@ export interface MoeFfnHooks {
    * none. Not with fused gate/up experts.
    */
   readonly biases?: boolean
+  /** The experts each row goes to, I32 [k, n], chosen by the architecture (deepseek4's hash-routed blocks); default top-k. */
+  readonly chosen?: Ptr
+  /**
+   * DeepSeek-V4's clamped SwiGLU (ggml_swiglu_clamp) of the routed and the shared experts with these limits (0: the plain
+   * SwiGLU); default none.
+   */
+  readonly swigluClamp?: { readonly experts: number; readonly shared: number }
 }
 
 /** A graph-time shape check: GraphOpError naming the op and its operands. */
@@ -373,7 +383,9 @@ const route = (
       ? g.ggml_soft_max(ctx, logits)
       : moe.gating === "sigmoid"
         ? g.ggml_sigmoid(ctx, logits)
-        : logits // softmaxWeight: the softmax comes after the choice
+        : moe.gating === "sqrtSoftplus"
+          ? g.ggml_sqrt(ctx, g.ggml_softplus(ctx, logits))
+          : logits // softmaxWeight: the softmax comes after the choice
   let selection = probs
   if (probsBias !== null) {
     // ggml_add's own check (OpChecks) refuses a bias that does not repeat to [n_expert, n]
@@ -381,7 +393,7 @@ const route = (
   }
   if (moe.nExpertGroups > 1) selection = groupLimited(t, selection, moe, n)
   check(shape(selection).ne[0]! >= k, "ggml_argsort_top_k", `fewer than ${k} values per row`, selection)
-  const chosen = g.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
+  const chosen = hooks.chosen ?? g.ggml_argsort_top_k(ctx, selection, k) // I32 [k, n]
 
   let weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, nExpert, n), chosen) // [1, k, n]
   if (moe.gating === "softmaxWeight") {
@@ -451,12 +463,15 @@ const chosenExperts = (t: Toolkit, w: BlockWeights, cur: Ptr, chosen: Ptr, moe: 
     up = mulMatId("ffn_up_exps", cur) // [n_ff_exp, k, n]
     gate = mulMatId("ffn_gate_exps", cur)
   }
+  const clamp = hooks.swigluClamp?.experts ?? 0
   const act =
-    hooks.activation === "gelu"
-      ? g.ggml_geglu_split(ctx, gate, up)
-      : hooks.activation === "swigluOai"
-        ? g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
-        : g.ggml_swiglu_split(ctx, gate, up)
+    clamp > CLAMP_EPS
+      ? g.ggml_swiglu_clamp(ctx, gate, up, clamp)
+      : hooks.activation === "gelu"
+        ? g.ggml_geglu_split(ctx, gate, up)
+        : hooks.activation === "swigluOai"
+          ? g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+          : g.ggml_swiglu_split(ctx, gate, up)
   let experts = mulMatId("ffn_down_exps", act) // [n_embd, k, n]
   const downScale = hooks.downScale ?? null
   if (downScale !== null) {
@@ -500,7 +515,10 @@ export const moeFfn = (
   if (moe.nFfShared > 0) {
     const shUp = t.linear(w.get("ffn_up_shexp.weight"), x)
     const shGate = t.linear(w.get("ffn_gate_shexp.weight"), x)
-    let shared = t.linear(w.get("ffn_down_shexp.weight"), g.ggml_swiglu_split(ctx, shGate, shUp))
+    const clamp = hooks.swigluClamp?.shared ?? 0
+    const act =
+      clamp > CLAMP_EPS ? g.ggml_swiglu_clamp(ctx, shGate, shUp, clamp) : g.ggml_swiglu_split(ctx, shGate, shUp)
+    let shared = t.linear(w.get("ffn_down_shexp.weight"), act)
     // [1, n]: one gate per token, broadcast over the row
     if (moe.sharedGate)
       shared = g.ggml_mul(ctx, shared, g.ggml_sigmoid(ctx, t.linear(w.get("ffn_gate_inp_shexp.weight"), x)))

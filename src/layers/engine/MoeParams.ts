@@ -3,9 +3,9 @@
 /**
  * llama.cpp's llama_expert_gating_func_type: the experts chosen by top-k over softmax(logits) or sigmoid(logits) and
  * weighted by those values, or (softmaxWeight, gpt-oss's SOFTMAX_WEIGHT) chosen over the raw logits and weighted by a
- * softmax over the k chosen logits.
+ * softmax over the k chosen logits; or (sqrtSoftplus, DeepSeek-V4's SQRT_SOFTPLUS) over sqrt(softplus(logits)).
  */
-export type ExpertGating = "softmax" | "sigmoid" | "softmaxWeight"
+export type ExpertGating = "softmax" | "sigmoid" | "softmaxWeight" | "sqrtSoftplus"
 
 export interface MoeParams {
   /** `<arch>.expert_count`: experts per routed block (the third dim of ffn_*_exps). */

@@ -74,6 +74,7 @@ const makeChecked = (g: Ggml): GgmlRaw => {
     ...viewChecks(c),
     ...attentionChecks(c),
     ...sparseAttentionChecks(raw, shape, fail),
+    ...hyperConnectionChecks(c),
     ...activationChecks(c)
   }
 }
@@ -261,6 +262,67 @@ const activationChecks = ({
 })
 
 /** DSA's ops (archs/dsa.ts): the lightning indexer's operands, top-k within its rows. */
+/** ggml's asserts of DeepSeek-V4's fused hyper-connection ops (all F32; llama.cpp's graph takes hc = 4). */
+const hyperConnectionChecks = ({
+  raw,
+  shape,
+  fail
+}: Checking): Pick<GgmlRaw, "ggml_dsv4_hc_pre" | "ggml_dsv4_hc_comb" | "ggml_dsv4_hc_post"> => {
+  const f32 = (...ts: ReadonlyArray<Ptr>) => ts.every((t) => shape(t).type === GgmlType.F32)
+  const is = (t: Ptr, ne: ReadonlyArray<number>) => ne.every((n, i) => shape(t).ne[i] === n)
+  return {
+    ggml_dsv4_hc_pre: (ctx, x, weights) => {
+      const [, hc, n, one] = shape(x).ne as [number, number, number, number]
+      if (!f32(x, weights) || hc < 1 || one !== 1 || !is(weights, [hc, n, 1, 1]))
+        fail("ggml_dsv4_hc_pre", "x must be F32 [n_embd, hc, n], the weights F32 [hc, n]", x, weights)
+      return raw.ggml_dsv4_hc_pre(ctx, x, weights)
+    },
+    ggml_dsv4_hc_comb: (ctx, mixes, scale, base, eps, nIter) => {
+      const sm = shape(mixes)
+      const ok =
+        f32(mixes, scale, base) &&
+        Number.isSafeInteger(nIter) &&
+        nIter > 0 &&
+        sm.ne[0] === 24 &&
+        sm.ne[2] === 1 &&
+        sm.ne[3] === 1 &&
+        shape(scale).ne[0]! >= 3 &&
+        is(scale, [shape(scale).ne[0]!, 1, 1, 1]) &&
+        is(base, [24, 1, 1, 1])
+      if (!ok)
+        fail(
+          "ggml_dsv4_hc_comb",
+          `mixes must be F32 [24, n] (hc 4), scale [>= 3], base [24], ${nIter} > 0 iterations`,
+          mixes,
+          scale,
+          base
+        )
+      return raw.ggml_dsv4_hc_comb(ctx, mixes, scale, base, eps, nIter)
+    },
+    ggml_dsv4_hc_post: (ctx, x, residual, post, comb) => {
+      const [nEmbd, n] = shape(x).ne as [number, number]
+      const hc = shape(residual).ne[1]!
+      const ok =
+        f32(x, residual, post, comb) &&
+        hc > 0 &&
+        is(x, [nEmbd, n, 1, 1]) &&
+        is(residual, [nEmbd, hc, n, 1]) &&
+        is(post, [hc, n, 1, 1]) &&
+        is(comb, [hc, hc, n, 1])
+      if (!ok)
+        fail(
+          "ggml_dsv4_hc_post",
+          "x [n_embd, n], residual [n_embd, hc, n], post [hc, n] and comb [hc, hc, n] must be F32 and match",
+          x,
+          residual,
+          post,
+          comb
+        )
+      return raw.ggml_dsv4_hc_post(ctx, x, residual, post, comb)
+    }
+  }
+}
+
 const sparseAttentionChecks = (
   raw: GgmlRaw,
   shape: (t: Ptr) => Shape,

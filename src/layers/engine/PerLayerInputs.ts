@@ -15,17 +15,25 @@
 import type { Ptr } from "../ggml/Bindings.js"
 import type { GgmlRaw } from "../ggml/Bindings.js"
 import type { HParams } from "./HParams.js"
-import { kvShareRangeProblem, stageRangeProblem, topKSourcesOf } from "../../services/KvShare.js"
+import { kvShareRangeProblem, stageRangeProblem, tokenSourcesOf, topKSourcesOf } from "../../services/KvShare.js"
 
-/** Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows, nEmbd). */
+/**
+ * Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows): the residual
+ * stream, `hcMult` streams of nEmbd for deepseek4's hyper-connections (HParams.dsv4), then gemma4's per-layer inputs.
+ */
 export const activationWidth = (hp: HParams, layer: number): number =>
-  hp.nEmbd + (hp.perLayer === undefined ? 0 : hp.perLayer.width * (hp.nLayer - layer))
+  hp.nEmbd * (hp.dsv4?.hcMult ?? 1) + (hp.perLayer === undefined ? 0 : hp.perLayer.width * (hp.nLayer - layer))
 
 /** Why blocks [start, end) cannot be one stage (a block reads the cache of a block before `start`), or undefined. */
 export const kvShareCut = (hp: HParams, start: number, end: number): string | undefined => {
   const problem = kvShareRangeProblem(hp.kvShare?.sources, start, end)
   if (problem !== undefined) {
     return `block range [${start}, ${end}): ${problem} (${hp.arch}.attention.shared_kv_layers)`
+  }
+  const hash = hp.dsv4?.hashLayers ?? 0
+  if (hash > 1) {
+    const tokens = stageRangeProblem({ tokenSources: tokenSourcesOf(hp.nLayer, hash) }, start, end)
+    if (tokens !== undefined) return `block range [${start}, ${end}): ${tokens} (${hp.arch}.hash_layer_count)`
   }
   const topK =
     hp.dsa === undefined ? undefined : stageRangeProblem({ topKSources: topKSourcesOf(hp.dsa.full) }, start, end)
@@ -50,7 +58,7 @@ export const splitStageInput = (
   n: number
 ): { readonly x: Ptr; readonly perLayer: PerLayerRows | undefined } => {
   const width = activationWidth(hp, layerStart)
-  if (width === hp.nEmbd) return { x: input, perLayer: undefined }
+  if (hp.perLayer === undefined) return { x: input, perLayer: undefined }
   const x = g.ggml_cont(ctx, g.ggml_view_2d(ctx, input, hp.nEmbd, n, width * 4, 0))
   return { x, perLayer: { rows: input, stride: width, offset: hp.nEmbd, first: layerStart } }
 }

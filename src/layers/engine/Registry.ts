@@ -1,6 +1,7 @@
 /** The supported architectures: adding one is a module under archs/ and one entry here. */
 import type { ArchModule } from "./Arch.js"
 import { deepseek2 } from "./archs/deepseek2.js"
+import { deepseek4 } from "./archs/deepseek4.js"
 import { deepseek32, glmDsa } from "./archs/dsa.js"
 import { gemma3 } from "./archs/gemma3.js"
 import { gemma4 } from "./archs/gemma4.js"
@@ -27,6 +28,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["deepseek2", deepseek2],
   ["deepseek32", deepseek32],
   ["glm-dsa", glmDsa],
+  ["deepseek4", deepseek4],
   ["gemma3", gemma3],
   ["gemma4", gemma4],
   ["mistral3", mistral3],

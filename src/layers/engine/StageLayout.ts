@@ -99,6 +99,15 @@ const checkTensor = (
   if (t === undefined) {
     return fail(file, "UnsupportedTensorType", `tensor "${fullName}" has unknown ggml type ${info.type}`)
   }
+  if (spec.exactType !== undefined) {
+    return info.type === spec.exactType
+      ? Effect.succeed(info)
+      : fail(
+          file,
+          "TensorTypeMismatch",
+          `tensor "${fullName}" is ${t.name}, expected ${ggmlTypeInfo(spec.exactType)?.name ?? spec.exactType}`
+        )
+  }
   if (spec.kind === "vector" && info.type !== GgmlType.F32) {
     return fail(file, "TensorTypeMismatch", `tensor "${fullName}" is ${t.name}, expected f32`)
   }
@@ -148,7 +157,8 @@ export const readModelHParams = (
     const common = yield* readHParams(file, arch.ropeMode, {
       ownHeadShape: arch.ownHeadShape === true,
       kvHeadsPerBlock: arch.kvHeadsPerBlock === true,
-      ffPerBlock: arch.ffPerBlock === true
+      ffPerBlock: arch.ffPerBlock === true,
+      ffOptional: arch.ffOptional === true
     })
     return { arch, hp: arch.hparams === undefined ? common : yield* arch.hparams(file, common) }
   })

@@ -18,6 +18,8 @@ export interface TensorSpec {
   readonly required: boolean
   /** A matrix the graph multiplies only through ggml_mul_mat_id (stacked experts, 3-D); default ggml_mul_mat. */
   readonly product?: "mul_mat_id"
+  /** A table the graph only gathers rows of, of exactly this ggml type (deepseek4's I32 ffn_gate_tid2eid). */
+  readonly exactType?: number
 }
 
 /** The loaded weights of one block, by short name. */
@@ -78,6 +80,10 @@ export interface GraphInputs {
   readonly segments: ReadonlyArray<AttentionSegment>
   /** F32 [n, n] the orthonormal Walsh-Hadamard rotation of DSA's indexer q and k (HParams.dsa; absent or null: none) */
   readonly hadamard?: Ptr | null
+  /** I32 [nTokens] the token ids (first stage only; deepseek4's hash-routed blocks read them) */
+  readonly tokens?: Ptr | null
+  /** deepseek4's compressor inputs (GraphBuild.ts dsv4Inputs; absent: none) */
+  readonly dsv4?: Dsv4Inputs
   /** F32 [1, 1, nTokens] attention temperature of each token (HParams.attnTemp; absent or null: none) */
   readonly attnScale?: Ptr | null
   /**
@@ -85,6 +91,53 @@ export interface GraphInputs {
    * `width` values of a token at float `offset + (il - first) * width` of its row.
    */
   readonly perLayer?: { readonly rows: Ptr; readonly stride: number; readonly offset: number; readonly first: number }
+}
+
+/**
+ * deepseek4's inputs of the compressed blocks (archs/deepseek4.ts): every row's position within its block of 4, and
+ * per sequence (by segment) the cells the compressor reads and writes and the compressed rows' visibility.
+ */
+export interface Dsv4Inputs {
+  /** I32 [nTokens]: position mod 4 (the compressor's ape row). */
+  readonly statePos: Ptr
+  readonly segments: ReadonlyArray<Dsv4Segment>
+  /** The heavily compressed blocks' (ratio 128) inputs, when the stage holds one. */
+  readonly hca?: { readonly statePos: Ptr; readonly segments: ReadonlyArray<HcaSegment> }
+}
+
+/**
+ * One sequence's inputs of the heavily compressed blocks (ratio 128): only its rows that end a block of 128 positions
+ * (`m` of them) compress it.
+ */
+export interface HcaSegment {
+  readonly m: number
+  /** I32 [128 x m]: the cells of each completed block's positions (null when m is 0). */
+  readonly read: Ptr | null
+  /** I64 [m]: each completed block's compressed row. */
+  readonly write: Ptr | null
+  /** I32 [m]: each completed block's first position. */
+  readonly pos: Ptr | null
+  /** Compressed rows attended (0: none complete yet). */
+  readonly nComp: number
+  /** F16 [nComp, n]: 0 where a compressed row is complete at the row's position, else -inf (null when nComp is 0). */
+  readonly mask: Ptr | null
+}
+
+export interface Dsv4Segment {
+  /** Compressed rows attended (0: this call sees none yet, attention reads the window only). */
+  readonly nComp: number
+  /** Blocks of 4 positions this call completes (each compressed into its row); the four below are null when 0. */
+  readonly m: number
+  /** I32 [8 x m]: the cells of each completed block's previous block's 4 positions (all blocks), then of its own. */
+  readonly read: Ptr | null
+  /** F32 [1, 4, m]: 0, or -inf where the previous block does not exist (block 0). */
+  readonly prevBias: Ptr | null
+  /** I64 [m]: each completed block's compressed row. */
+  readonly write: Ptr | null
+  /** I32 [m]: each completed block's first position (its compressed row's RoPE position). */
+  readonly compPos: Ptr | null
+  /** F16 [nComp, n]: 0 where a compressed row is complete at the row's position, else -inf (null when nComp is 0). */
+  readonly mask: Ptr | null
 }
 
 /**

@@ -195,6 +195,21 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
     /** GELU (tanh approximation, ggml's table on CPU) */
     ggml_gelu: b("void * ggml_gelu(void * ctx, void * a)") as Op1,
     ggml_softplus: b("void * ggml_softplus(void * ctx, void * a)") as Op1,
+    ggml_sqrt: b("void * ggml_sqrt(void * ctx, void * a)") as Op1,
+    /** x * s + bias, elementwise */
+    ggml_scale_bias: b("void * ggml_scale_bias(void * ctx, void * a, float s, float b)") as (
+      ctx: Ptr,
+      a: Ptr,
+      s: number,
+      bias: number
+    ) => Ptr,
+    /** DeepSeek-V4's clamped SwiGLU: min(silu(a), limit) x clamp(b, -limit, limit) */
+    ggml_swiglu_clamp: b("void * ggml_swiglu_clamp(void * ctx, void * a, void * b, float limit)") as (
+      ctx: Ptr,
+      a: Ptr,
+      b: Ptr,
+      limit: number
+    ) => Ptr,
     ggml_clamp: b("void * ggml_clamp(void * ctx, void * a, float min, float max)") as (
       ctx: Ptr,
       a: Ptr,
@@ -354,6 +369,39 @@ const bindTable = (base: LibraryHandle, main: LibraryHandle, types: ReturnType<t
     ggml_lightning_indexer: b(
       "void * ggml_lightning_indexer(void * ctx, void * q, void * k, void * weights, void * mask)"
     ) as (ctx: Ptr, q: Ptr, k: Ptr, weights: Ptr, mask: Ptr) => Ptr,
+    /** A ggml_rope_ext / ggml_rope_ext_back node rotates the n_dims values from `n_offs` on (DeepSeek-V4's tail RoPE) */
+    ggml_rope_set_offset: b("void * ggml_rope_set_offset(void * a, int n_offs)") as (a: Ptr, nOffs: number) => Ptr,
+    /** The inverse rotation of ggml_rope_ext (DeepSeek-V4 rotates its attention output back) */
+    ggml_rope_ext_back: b(
+      "void * ggml_rope_ext_back(void * ctx, void * a, void * b, void * c, int n_dims, int mode, int n_ctx_orig, " +
+        "float freq_base, float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow)"
+    ) as (
+      ctx: Ptr,
+      a: Ptr,
+      pos: Ptr,
+      freqFactors: Ptr | null,
+      nDims: number,
+      mode: number,
+      nCtxOrig: number,
+      freqBase: number,
+      freqScale: number,
+      extFactor: number,
+      attnFactor: number,
+      betaFast: number,
+      betaSlow: number
+    ) => Ptr,
+    /**
+     * DeepSeek-V4's hyper-connections: hc_pre x [n_embd, hc, n], weights [hc, n] -> [n_embd, n] (the streams'
+     * weighted sum); hc_comb mixes [mix, n], scale [3], base [mix] -> the Sinkhorn-normalised [hc, hc, n]; hc_post x
+     * [n_embd, n], residual [n_embd, hc, n], post [hc, n], comb [hc, hc, n] -> [n_embd, hc, n]
+     */
+    ggml_dsv4_hc_pre: b("void * ggml_dsv4_hc_pre(void * ctx, void * x, void * weights)") as Op2,
+    ggml_dsv4_hc_comb: b(
+      "void * ggml_dsv4_hc_comb(void * ctx, void * mixes, void * scale, void * base, float eps, int32_t n_iter)"
+    ) as (ctx: Ptr, mixes: Ptr, scale: Ptr, base: Ptr, eps: number, nIter: number) => Ptr,
+    ggml_dsv4_hc_post: b(
+      "void * ggml_dsv4_hc_post(void * ctx, void * x, void * residual, void * post, void * comb)"
+    ) as (ctx: Ptr, x: Ptr, residual: Ptr, post: Ptr, comb: Ptr) => Ptr,
     /** Attention sinks (F32 [n_head]) of a ggml_flash_attn_ext node */
     ggml_flash_attn_ext_add_sinks: b("void ggml_flash_attn_ext_add_sinks(void * a, void * sinks)") as (
       a: Ptr,

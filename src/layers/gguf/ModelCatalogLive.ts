@@ -69,7 +69,9 @@ export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoa
     const arch = yield* Gguf.getArchitecture(file)
     // MTP blocks (`nextn_predict_layers`) trail the trunk and are never placed: TrunkBlocks.ts
     const numLayers = yield* trunkBlockCount(file, arch)
-    const hiddenDim = yield* Gguf.getU32(file, `${arch}.embedding_length`)
+    // deepseek4's hyper-connections: the residual stream between stages is `hyper_connection.count` streams wide
+    const streams = (yield* Gguf.getOptional(file, `${arch}.hyper_connection.count`, Gguf.getU32)) ?? 1
+    const hiddenDim = (yield* Gguf.getU32(file, `${arch}.embedding_length`)) * streams
     const maxSeqLen = yield* Gguf.getU32(file, `${arch}.context_length`)
     const eos = yield* Gguf.getOptional(file, "tokenizer.ggml.eos_token_id", Gguf.getU32)
     return {
