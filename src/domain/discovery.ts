@@ -140,6 +140,8 @@ export interface DiscoveredNode {
   readonly startedAt: number
   readonly counter: number
   readonly resources: NodeResources
+  /** When its latest announcement was heard (the listener's clock). */
+  readonly heardAtMillis: number
   readonly expiresAtMillis: number
 }
 
@@ -260,6 +262,7 @@ const verified = (state: Discovered, heard: Announcement, from: string, nowMilli
     startedAt: a.startedAt,
     counter: a.counter,
     resources: a.resources,
+    heardAtMillis: nowMillis,
     expiresAtMillis: nowMillis + a.ttlMillis
   }
   return { ...state, nodes: withEntry(state.nodes, a.nodeId, node), dead: withoutEntry(state.dead, a.nodeId) }

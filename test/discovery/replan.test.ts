@@ -4,7 +4,7 @@
 // not answer lost at once; a set of nodes judged once; the better pool's nodes handed back), and the live pool's
 // lines when a node joins and when it is buried.
 import { assert, describe, it } from "@effect/vitest"
-import { Context, Effect, Either, Exit, Layer, Redacted, Scope } from "effect"
+import { Context, Effect, Either, Exit, Fiber, Layer, Redacted, Scope } from "effect"
 import type { DiscoveredNode } from "../../src/domain/discovery.js"
 import { NodeId } from "../../src/domain/ids.js"
 import type { ModelLayout, PlacementChoice } from "../../src/domain/plan.js"
@@ -36,6 +36,8 @@ const node = (address: string, freeGiB = 8, startedAt = 1, counter = 1): Discove
   startedAt,
   counter,
   resources: { totalMemoryBytes: 16 * 2 ** 30, freeMemoryBytes: freeGiB * 2 ** 30, cores: 4, backend: "cpu" },
+  // heard for ever: never quiet, never expired
+  heardAtMillis: Number.MAX_SAFE_INTEGER,
   expiresAtMillis: Number.MAX_SAFE_INTEGER
 })
 
@@ -162,6 +164,35 @@ describe("the watch over the discovered pool", () => {
       )
       assert.strictEqual(lines.length, 1)
       assert.match(lines[0]!, /10\.0\.0\.3:7000 joined: re-planning: /)
+    })
+  )
+})
+
+describe("a node gone quiet", () => {
+  // Announcements come every second and expire after 5 s: a node unheard for over 2.5 s is probed before they expire,
+  // so a node killed leaves the pool in about 2.5 s plus the probe, not 5 s; one that still answers is kept.
+  it.live("unheard for 3 s, not yet expired: lost when it does not answer its probe, kept when it does", () =>
+    Effect.gen(function* () {
+      const a = "10.0.0.1:7000"
+      const b = "10.0.0.2:7000"
+      const quiet = (address: string) => ({ ...node(address), heardAtMillis: Date.now() - 3000 })
+      const test = yield* DiscoveredPoolTest.makeTest([quiet(a), quiet(b)])
+      const world = pipelineOn(servingOn([a, b]), [a, b])
+      world.answers.delete(b)
+      const ctx = {
+        discovered: test.service,
+        margin: 0.2,
+        placement: { _tag: "Speed" },
+        stages: undefined,
+        log: () => {},
+        everyMillis: 10
+      } as unknown as ReplanContext
+      const generation = { pipeline: world.pipeline, scope: yield* Scope.make() }
+      const watch = yield* Effect.fork(betterPlan(ctx, makeReplanMemory(), generation))
+      yield* Effect.sleep(100)
+      assert.deepStrictEqual(world.lost, [b])
+      assert.strictEqual(world.states.get(a), "up")
+      yield* Fiber.interrupt(watch)
     })
   )
 })

@@ -8,7 +8,7 @@
  * requests running finish on the pipeline they started on (nothing moved, so nothing is lost or altered), and that
  * pipeline is closed once it has no run left. A set of nodes is judged once.
  */
-import { Effect, Either, Exit, Scope } from "effect"
+import { Clock, Effect, Either, Exit, Scope } from "effect"
 import type { DiscoveredNode } from "../../domain/discovery.js"
 import type { Pipeline, PlacementRequest } from "../../services/Orchestrator.js"
 import type { DiscoveredPoolService } from "../../services/DiscoveredPool.js"
@@ -38,13 +38,24 @@ export interface ReplanMemory {
 export const makeReplanMemory = (): ReplanMemory => ({ judged: new Set(), buried: new Set() })
 
 /**
- * An agent whose announcements stopped (it left, or they expired) and that does not answer a probe either is lost
- * now, without waiting for its heartbeat deadline (a node killed: gone within its announcements' expiry). Each agent
+ * A node unheard for this long has missed two announcements (one a second): it is probed, before its announcements
+ * expire (5 s), so a node killed leaves the pool in about this plus the probe's second.
+ */
+const QUIET_MILLIS = 2500
+
+/**
+ * An agent whose announcements stopped (it left, they expired, or none for QUIET_MILLIS) and that does not answer a
+ * probe either is lost now, without waiting for its heartbeat deadline or their expiry (a node killed). Each agent
  * newly lost is buried in the pool; one that answers again is forgotten (a later loss buries it again).
  */
 const followPool = (ctx: ReplanContext, memory: ReplanMemory, pipeline: Pipeline) =>
   Effect.gen(function* () {
-    const heard = new Set((yield* ctx.discovered.view).verified.map((node) => node.address))
+    const now = yield* Clock.currentTimeMillis
+    const heard = new Set(
+      (yield* ctx.discovered.view).verified
+        .filter((node) => now - node.heardAtMillis <= QUIET_MILLIS)
+        .map((node) => node.address)
+    )
     for (const member of yield* pipeline.members) {
       const address = member.agent.node.address
       if (member.state !== "lost" && !heard.has(address) && pipeline.markLost !== undefined) {
