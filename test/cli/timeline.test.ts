@@ -56,7 +56,11 @@ describe("swactor run --timeline", () => {
       expect(s.components.wake.p50, `stage ${s.stageIndex} wake-up`).toBeGreaterThan(0)
       const sum = timelineComponents.reduce((a, c) => a + s.components[c].mean, 0)
       expect(sum).toBeCloseTo(s.totalMillis.mean, 6)
-      expect(within(sum, wall), `stage ${s.stageIndex}: parts ${sum} ms against a token's ${wall} ms`).toBe(true)
+      // per token, its parts are the time between its steps, a token's wall time: medians, as a stall at the run's first
+      // or last token (the off-path link to the orchestrator has a long tail on a loaded machine) moves a mean over the
+      // run by the stall over the tokens
+      const [parts, token] = [s.totalMillis.p50, t.wallMillis.p50]
+      expect(within(parts, token), `stage ${s.stageIndex}: parts ${parts} ms against a token's ${token} ms`).toBe(true)
     }
     for (const l of t.links) {
       expect(l.millis.mean, `link ${l.from} → ${l.to}`).toBeGreaterThanOrEqual(0)
@@ -64,7 +68,8 @@ describe("swactor run --timeline", () => {
     }
     // along the path: stage 0, its link, stage 1, the token loop back to stage 0
     expect(t.pathMillis, "every link on the path measured (one machine)").toBeDefined()
-    expect(within(t.pathMillis!.mean, wall), `path ${t.pathMillis!.mean} ms against ${wall} ms`).toBe(true)
+    const [path, token] = [t.pathMillis!.p50, t.wallMillis.p50]
+    expect(within(path, token), `path ${path} ms against ${token} ms`).toBe(true)
     // the table under the summary on stderr, without --json
     const text = await swactor(
       runJsonArgs(model, "Once upon a time", 8, ["--stages", "2", "--timeline"]).filter((a) => a !== "--json")
