@@ -94,14 +94,19 @@ export interface StageInfo {
   readonly stateBytes?: number
 }
 
+/**
+ * `verify`: a speculative step's rows (a token and the tokens drafted after it), each computed with the bits it would
+ * have alone (the few-row route, Toolkit.mulMatSmall, on every stage), and on the last stage the logits of every row,
+ * not only the last one's. Such calls have a graph slot of their own in the session (its decode graph survives them).
+ */
 export type StageInput =
-  | { readonly _tag: "Tokens"; readonly tokens: Int32Array }
-  | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
+  | { readonly _tag: "Tokens"; readonly tokens: Int32Array; readonly verify?: boolean }
+  | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number; readonly verify?: boolean }
 
 export type StageOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
-  /** Logits of the last input position (length = vocabSize). */
-  | { readonly _tag: "Logits"; readonly logits: Float32Array }
+  /** Logits of the last input position (length = vocabSize), or of each of `rows` rows, row after row (a `verify` input). */
+  | { readonly _tag: "Logits"; readonly logits: Float32Array; readonly rows?: number }
 
 export class ContextOverflow extends Schema.TaggedError<ContextOverflow>()("ContextOverflow", {
   position: Schema.Number,

@@ -170,10 +170,15 @@ interface Job {
 const lengthOf = (input: StageInput) => (input._tag === "Tokens" ? input.tokens.length : input.nTokens)
 
 /** The tokens [from, from + n) of an input. */
-const slice = (input: StageInput, from: number, n: number, dim: number): StageInput =>
-  input._tag === "Tokens"
+const slice = (input: StageInput, from: number, n: number, dim: number): StageInput => {
+  if (from === 0 && n === lengthOf(input)) return input
+  return input._tag === "Tokens"
     ? { _tag: "Tokens", tokens: input.tokens.subarray(from, from + n) }
     : { _tag: "Hidden", hidden: input.hidden.subarray(from * dim, (from + n) * dim), nTokens: n }
+}
+
+/** A decode step, or a speculative step's rows (StageInput.verify: a step of a few rows, run whole): not a prompt. */
+const isStep = (job: Job) => job.total === 1 || job.input.verify === true
 
 const concat = (parts: ReadonlyArray<Float32Array>): Float32Array => {
   if (parts.length === 1) return parts[0]!
@@ -326,8 +331,13 @@ const pick = (state: BatcherState): Array<Chosen> => {
   let decodeLeft = decodeCap(state)
   for (const pass of ["decode", "prefill"] as const) {
     for (const job of state.pending) {
-      if ((job.total === 1) !== (pass === "decode")) continue
-      const n = job.done >= job.oneByOneFrom ? 1 : Math.min(chunk, job.oneByOneFrom - job.done)
+      if (isStep(job) !== (pass === "decode")) continue
+      const n =
+        job.input.verify === true
+          ? job.total
+          : job.done >= job.oneByOneFrom
+            ? 1
+            : Math.min(chunk, job.oneByOneFrom - job.done)
       if (rows + n > maxRows) continue
       if (pass === "decode" && decodeLeft-- <= 0) break
       if (pass === "prefill" && promptRows > 0 && rows > promptRows && promptRows + n > promptBesideDecode) continue
@@ -356,11 +366,11 @@ const advance = (
       job.counters.engineMillis += millis
       job.counters.batchRows += rows
       job.counters.maxBatchSequences = Math.max(job.counters.maxBatchSequences, chosen.length)
-      if (job.total > 1) job.counters.prefillChunks++
+      if (!isStep(job)) job.counters.prefillChunks++
       if (out._tag === "Hidden") job.hidden.push(out.hidden)
       if (job.done < job.total) return Effect.void
       drop(state, job)
-      if (job.total > 1) {
+      if (!isStep(job)) {
         // a prompt done: its session decodes next, so it counts in the pipeline's groups from its first step on
         // (otherwise the first decode step of requests that prefilled together runs alone, as a one-row
         // micro-batch, although their first tokens reach stage 0 within a few ms of each other). Until its
@@ -612,7 +622,7 @@ const submitTo =
         submittedAt: performance.now(),
         trace
       }
-      noteSubmitter(state, session, job.total === 1)
+      noteSubmitter(state, session, isStep(job))
       if (!(job.total >= 1)) {
         // let the engine word the rejection (an empty input never reaches a micro-batch)
         return yield* session.forward(startPos, input)

@@ -197,7 +197,7 @@ const shapesOf = (items: ReadonlyArray<NativeItem>): Array<CallShape> =>
     return { n, used: it.startPos + n, nKv: attendedCells(it.session.kvSize, it.startPos + n), nKvSwa }
   })
 
-/** A lone item's own slot; a batch of decode rows the decode slot of its key; any other batch the batch slot. */
+/** A lone item's own slot (a speculative step's rows their own, to keep its decode graph); a batch of decode rows the decode slot of its key; any other batch the batch slot. */
 const slotFor = (
   w: NativeWeights,
   items: ReadonlyArray<NativeItem>,
@@ -205,7 +205,9 @@ const slotFor = (
   key: string
 ): GraphSlot =>
   items.length === 1
-    ? items[0]!.session.slot
+    ? items[0]!.input.verify === true
+      ? items[0]!.session.verifySlot()
+      : items[0]!.session.slot
     : shapes.every((x) => x.n === 1)
       ? w.graphs.decodeSlot(key)
       : w.graphs.batchSlot()
@@ -287,12 +289,13 @@ const setSequenceMasks = (
     }
   }
   if (outIds !== null) {
-    raw.ggml_backend_tensor_set(
-      outIds,
-      Int32Array.from(segments, (seg) => seg.offset + seg.n - 1),
-      0,
-      items.length * 4
-    )
+    const kept: Array<number> = []
+    segments.forEach((seg, s) => {
+      const from = items[s]!.input.verify === true ? seg.offset : seg.offset + seg.n - 1
+      for (let r = from; r < seg.offset + seg.n; r++) kept.push(r)
+    })
+    const ids = Int32Array.from(kept)
+    raw.ggml_backend_tensor_set(outIds, ids, 0, ids.byteLength)
   }
 }
 
@@ -473,10 +476,16 @@ const readOutputs = (
   const raw = w.ggml.raw
   const { hp, spec } = w.layout
   if (spec.isLast) {
-    const all = new Float32Array(hp.nVocab * items.length)
+    const counts = items.map((it) => (it.input.verify === true ? inputLength(it.input) : 1))
+    const all = new Float32Array(hp.nVocab * counts.reduce((a, b) => a + b, 0))
     raw.ggml_backend_tensor_get(c.out, all, 0, all.byteLength)
     // Views of the one read-back (fresh per call): no second copy per sequence.
-    return items.map((_, s) => ({ _tag: "Logits", logits: all.subarray(s * hp.nVocab, (s + 1) * hp.nVocab) }))
+    let row = 0
+    return items.map((it, s) => {
+      const logits = all.subarray(row * hp.nVocab, (row + counts[s]!) * hp.nVocab)
+      row += counts[s]!
+      return it.input.verify === true ? { _tag: "Logits", logits, rows: counts[s]! } : { _tag: "Logits", logits }
+    })
   }
   // rows of the residual stream and the per-layer inputs later stages read (PerLayerInputs.ts)
   const width = activationWidth(hp, spec.layerEndExclusive)
@@ -515,7 +524,12 @@ const runBatchLocked = async (
   const seen = (i: number) => dsv4Key(w, items[i]!.startPos, shapes[i]!.used)
   const key =
     kind +
-    items.map((it, i) => `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}${seen(i)}`).join("")
+    items
+      .map((it, i) => {
+        const all = it.input.verify === true ? ":all" : ""
+        return `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}${seen(i)}${all}`
+      })
+      .join("")
   const slot = slotFor(w, items, shapes, key)
 
   // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)

@@ -53,6 +53,10 @@ const input1d = (raw: GgmlRaw, ctx: Ptr, type: number, len: number, name: string
   return t
 }
 
+/** The rows a last stage's call keeps: each item's last, or all of an item's rows that asks for every logit. */
+export const outputRowCount = (items: ReadonlyArray<NativeItem>) =>
+  items.reduce((s, it) => s + (it.input.verify === true ? inputLength(it.input) : 1), 0)
+
 /** The graph's context, sized for the nodes of the stage's blocks over `nSeq` sequences. */
 const graphContext = (raw: GgmlRaw, w: NativeWeights, nSeq: number): { ctx: Ptr; maxNodes: number } => {
   const { hp, spec } = w.layout
@@ -284,9 +288,12 @@ const stageBlocks = (raw: GgmlRaw, ctx: Ptr, w: NativeWeights, t: Toolkit, input
   return joinStageOutput(raw, ctx, hp, x, inputs.perLayer, spec.layerEndExclusive, n)
 }
 
-/** Several sequences only (a lone call keeps exactly the products, and bits, it always had): the few-row route. */
-const smallBatchRoute = (w: NativeWeights, nSeq: number) =>
-  w.device === "cpu" && nSeq > 1
+/**
+ * Several sequences, or rows whose every logit is read (a speculative step's verification: each row must have its lone
+ * bits); a lone call otherwise keeps exactly the products, and bits, it always had: the few-row route.
+ */
+const smallBatchRoute = (w: NativeWeights, nSeq: number, verify: boolean) =>
+  w.device === "cpu" && (nSeq > 1 || verify)
     ? {
         maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
         allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
@@ -313,7 +320,7 @@ export const buildGraph = (
     const graph = raw.ggml_new_graph_custom(ctx, maxNodes, false)
     const rows = rowInputs(raw, ctx, graph, w, nSeq, n)
     const segments = attentionSegments(raw, ctx, graph, rows, items, nKvs, swaNKvs)
-    const outIds = spec.isLast ? input1d(raw, ctx, GgmlType.I32, nSeq, "inp_out_ids") : null
+    const outIds = spec.isLast ? input1d(raw, ctx, GgmlType.I32, outputRowCount(items), "inp_out_ids") : null
     const { attnScale, hadamard } = constantShapedInputs(raw, ctx, graph, hp, n)
     // perLayer is set below, once the per-layer inputs are known (PerLayerInputs.ts)
     const dsv4 = dsv4Inputs(raw, ctx, graph, w, items, nKvs, n)
@@ -325,7 +332,7 @@ export const buildGraph = (
       hadamard,
       ...(dsv4 === undefined ? {} : { dsv4 })
     }
-    const t = new Toolkit(raw, ctx, graph, hp, n, inputs, smallBatchRoute(w, nSeq))
+    const t = new Toolkit(raw, ctx, graph, hp, n, inputs, smallBatchRoute(w, nSeq, items.some((it) => it.input.verify === true)))
     const { x, tokens, hidden } = stageInput(raw, ctx, w, t, inputs, kind, n)
     const out = stageBlocks(raw, ctx, w, t, inputs, x, n)
     raw.ggml_set_output(out)

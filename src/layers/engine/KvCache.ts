@@ -14,7 +14,7 @@ import { blockMemory, stateBytesOfMemory } from "./BlockMemory.js"
 
 export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
-  | { readonly _tag: "Logits"; readonly logits: Float32Array }
+  | { readonly _tag: "Logits"; readonly logits: Float32Array; readonly rows?: number }
 
 /** One sequence's part of a native call (validated by the caller, see `runBatch`). */
 export interface NativeItem {
@@ -75,6 +75,8 @@ export class NativeSession {
   readonly kv: Map<number, KvLayer> = new Map()
   /** Graphs of calls on this session alone (a lone session keeps its decode graph between steps). */
   readonly slot: GraphSlot
+  /** The slot of this session's speculative steps alone (StageInput.verify), made at the first. */
+  private verify: GraphSlot | null = null
   freed = false
   /** Cells 0..filled-1 hold this sequence's K/V (of sliding-window blocks: positions swaLow..filled-1, ring-wise). */
   filled = 0
@@ -302,6 +304,9 @@ export class NativeSession {
     this.swaLow = low
   }
 
+  verifySlot(): GraphSlot {
+    return (this.verify ??= this.weights.graphs.sessionSlot())
+  }
   free(): void {
     if (this.freed) return
     this.freed = true
@@ -314,6 +319,7 @@ export class NativeSession {
     this.weights.deviceKvBytes -= this.deviceKvBytes
     this.weights.graphs.forgetSession(this.id)
     this.slot.free()
+    this.verify?.free()
     for (const b of this.kvBuffers) raw.ggml_backend_buffer_free(b)
     if (this.deviceKvBytes > 0) this.weights.graphs.deviceCachesFreed()
     raw.ggml_free(this.kvCtx)

@@ -199,12 +199,21 @@ const runTestBlocks = (
     }
   }
   if (!info.isLast) return { _tag: "Hidden", hidden: h, nTokens: n }
-  const i = n - 1
+  if (input.verify !== true) return { _tag: "Logits", logits: testLogits(info, h, n - 1) }
+  // a speculative step's rows: every row's logits, row after row
+  const logits = new Float32Array(info.vocabSize * n)
+  for (let i = 0; i < n; i++) logits.set(testLogits(info, h, i), i * info.vocabSize)
+  return { _tag: "Logits", logits, rows: n }
+}
+
+/** The test model's logits of row `i` of the last block's rows `h`. */
+const testLogits = (info: StageInfo, h: Float32Array, i: number): Float32Array => {
+  const d = info.hiddenDim
   const [token, position, history, blocksRun] = [h[i * d]!, h[i * d + 1]!, h[i * d + 2]!, h[i * d + 3]!]
   const next = (31 * token + 17 * position + 13 * history + blocksRun + 7) % info.vocabSize
   const logits = new Float32Array(info.vocabSize)
   for (let v = 0; v < info.vocabSize; v++) logits[v] = v === next ? 10 : -((v * 7 + position) % 11) / 11
-  return { _tag: "Logits", logits }
+  return logits
 }
 
 /** A session over a stage of this executor: a cache per block, closed with its scope. */
