@@ -107,7 +107,12 @@ export const ActivationFrameSchema = Schema.TaggedStruct("ActivationFrame", {
   nTokens: U32.pipe(Schema.positive()),
   hiddenDim: U32.pipe(Schema.positive()),
   dtype: Schema.optionalWith(ActivationDType, { default: () => "f32" as const }),
-  payload: Float32ArraySchema
+  payload: Float32ArraySchema,
+  /**
+   * A speculative step: the tokens drafted after the step's first row, one per later row (nTokens = 1 + drafts; such a
+   * message is never chunked). The last stage keeps the drafts its logits agree with. Absent: none.
+   */
+  drafts: Schema.optional(Schema.Array(TokenId).pipe(Schema.maxItems(255)))
 })
 export type ActivationFrame = typeof ActivationFrameSchema.Type
 /** Build an `ActivationFrame` (plain data, no validation: encoding validates). */
@@ -124,7 +129,8 @@ export const ActivationFrame = (
   nTokens: props.nTokens,
   hiddenDim: props.hiddenDim,
   dtype: props.dtype ?? "f32",
-  payload: props.payload
+  payload: props.payload,
+  ...(props.drafts === undefined ? {} : { drafts: props.drafts })
 })
 
 /** A frame the user of an edge sends and receives. */

@@ -85,11 +85,16 @@ const activationArb = fc
       .chain((count) => fc.record({ count: fc.constant(count), index: fc.integer({ min: 0, max: count - 1 }) })),
     startPos: u32,
     nTokens: fc.integer({ min: 1, max: 4 }),
-    hiddenDim: fc.integer({ min: 1, max: 24 })
+    hiddenDim: fc.integer({ min: 1, max: 24 }),
+    draftSeed: fc.integer({ min: 0, max: 4 })
   })
   .chain((f) =>
     fc.float32Array({ minLength: f.nTokens * f.hiddenDim, maxLength: f.nTokens * f.hiddenDim }).map((payload) =>
       ActivationFrame({
+        // a speculative step's frame: up to nTokens - 1 drafted tokens (0: a plain frame, no drafts field)
+        ...(f.draftSeed % f.nTokens === 0
+          ? {}
+          : { drafts: Array.from({ length: f.draftSeed % f.nTokens }, (_, i) => (f.startPos + 977 * i) >>> 0) }),
         runId: f.runId,
         edgeId: f.edgeId,
         step: f.step,
@@ -348,6 +353,37 @@ describe("Framing", () => {
       }
     }
     assert.isTrue(Either.isLeft(Framing.encode(tooMany as TokenFrame, 8)))
+  })
+
+  it("decodes a speculative step's drafted tokens strictly", () => {
+    const frame = ActivationFrame({ ...activation(5, 3, 4, 20), drafts: [7, 0xffff_fffe] })
+    const bytes = Either.getOrThrow(Framing.encode(frame, 64))
+    const back = Either.getOrThrow(Framing.decodeUnguarded(bytes, limits(64)))
+    sameFrame(frame, back)
+    assert.deepStrictEqual(back._tag === "ActivationFrame" ? back.drafts : undefined, [7, 0xffff_fffe])
+    const mutated = (edit: (view: DataView) => void) => {
+      const copy = bytes.slice()
+      edit(new DataView(copy.buffer))
+      const result = Framing.decodeUnguarded(copy, limits(64))
+      return Either.isLeft(result) ? result.left._tag : "decoded"
+    }
+    const o = Framing.HEADER_BYTES
+    // one draft more or fewer than the body holds; as many drafts as rows (no row left for the step's token)
+    assert.strictEqual(
+      mutated((v) => v.setUint8(o + 1, 3)),
+      "Malformed"
+    )
+    assert.strictEqual(
+      mutated((v) => v.setUint8(o + 1, 1)),
+      "Malformed"
+    )
+    const full = Either.getOrThrow(Framing.encode(ActivationFrame({ ...activation(5, 2, 4), drafts: [1] }), 64))
+    new DataView(full.buffer).setUint8(o + 1, 2)
+    assert.isTrue(Either.isLeft(Framing.decodeUnguarded(full, limits(64))))
+    // never chunked, never more than 255
+    assert.isTrue(Either.isLeft(Framing.chunk(frame, 64, 64)))
+    const many = ActivationFrame({ ...activation(5, 300, 1), drafts: Array.from({ length: 256 }, (_, i) => i) })
+    assert.isTrue(Either.isLeft(Framing.encode(many, 64)))
   })
 
   it("refuses to encode fields that do not fit the wire format", () => {

@@ -110,12 +110,18 @@ const textDecoder = new TextDecoder("utf-8", { fatal: false })
 export const activationPayloadOffset = (alignment: number): number =>
   alignUp(HEADER_BYTES + ACTIVATION_BODY_HEADER_BYTES, effectiveAlignment(alignment))
 
+/** The most tokens a speculative step's activation frame drafts (u8 on the wire). */
+export const MAX_DRAFTS = 255
+
+/** Bytes of an activation frame's drafted tokens (u32 each, after its payload). */
+const draftBytes = (frame: ActivationFrame): number => 4 * (frame.drafts?.length ?? 0)
+
 /** Encoded size of a frame (without encoding it). */
 export const encodedLength = (frame: WireFrame, alignment: number): number => {
   const a = effectiveAlignment(alignment)
   switch (frame._tag) {
     case "ActivationFrame":
-      return alignUp(activationPayloadOffset(alignment) + frame.payload.length * 4, a)
+      return alignUp(activationPayloadOffset(alignment) + frame.payload.length * 4 + draftBytes(frame), a)
     case "TokenFrame":
       return alignUp(
         HEADER_BYTES + TOKEN_BODY_HEADER_BYTES + 4 * tokenCount(frame.payload) + sampledExtraBytes(frame.payload),
@@ -189,6 +195,10 @@ const checkEncodable = (frame: WireFrame, alignment: number): string | undefined
       if (frame._tag === "ActivationFrame") {
         if (!isU32(frame.startPos) || !isU32(frame.nTokens) || !isU32(frame.hiddenDim)) return "bad activation shape"
         if (frame.nTokens < 1 || frame.hiddenDim < 1) return "empty activation"
+        const drafts = frame.drafts
+        if (drafts !== undefined && (drafts.length > MAX_DRAFTS || !drafts.every(isU32))) {
+          return `at most ${MAX_DRAFTS} drafted tokens, each a u32`
+        }
         if (frame.payload.length !== frame.nTokens * frame.hiddenDim) {
           return `payload has ${frame.payload.length} floats, expected nTokens*hiddenDim = ${
             frame.nTokens * frame.hiddenDim
@@ -288,14 +298,17 @@ const encodeActivationBody = (frame: ActivationFrame, view: DataView, buf: Uint8
   const o = HEADER_BYTES
   const payloadOffset = activationPayloadOffset(alignment)
   const payloadLength = frame.payload.length * 4
+  const drafts = frame.drafts ?? []
   view.setUint8(o, 0)
+  view.setUint8(o + 1, drafts.length)
   view.setUint32(o + 4, frame.startPos, true)
   view.setUint32(o + 8, frame.nTokens, true)
   view.setUint32(o + 12, frame.hiddenDim, true)
   view.setUint32(o + 16, payloadOffset, true)
   view.setUint32(o + 20, payloadLength, true)
   buf.set(new Uint8Array(frame.payload.buffer, frame.payload.byteOffset, payloadLength), payloadOffset)
-  return payloadOffset - HEADER_BYTES + payloadLength
+  drafts.forEach((t, i) => view.setUint32(payloadOffset + payloadLength + 4 * i, t, true))
+  return payloadOffset - HEADER_BYTES + payloadLength + 4 * drafts.length
 }
 
 const encodeAttachBody = (frame: AttachFrame, view: DataView, buf: Uint8Array): number => {
@@ -548,7 +561,8 @@ const decodeActivationBody = (
   if (h.bodyLength < ACTIVATION_BODY_HEADER_BYTES) return "activation body too short"
   const dtype = view.getUint8(o)
   if (dtype !== 0) return `unsupported dtype ${dtype}`
-  if (view.getUint8(o + 1) !== 0 || view.getUint16(o + 2, true) !== 0) return "activation reserved field not zero"
+  const nDrafts = view.getUint8(o + 1)
+  if (view.getUint16(o + 2, true) !== 0) return "activation reserved field not zero"
   const startPos = view.getUint32(o + 4, true)
   const nTokens = view.getUint32(o + 8, true)
   const hiddenDim = view.getUint32(o + 12, true)
@@ -557,7 +571,10 @@ const decodeActivationBody = (
   if (nTokens < 1 || hiddenDim < 1) return "empty activation"
   if (payloadOffset !== activationPayloadOffset(alignment)) return `payload offset ${payloadOffset} is not aligned`
   if (payloadLength !== nTokens * hiddenDim * 4) return "payload length does not match nTokens*hiddenDim*4"
-  if (h.bodyLength !== payloadOffset - HEADER_BYTES + payloadLength) return "payload does not end the body"
+  if (nDrafts >= nTokens) return `${nDrafts} drafted tokens need more than ${nTokens} rows`
+  if (h.bodyLength !== payloadOffset - HEADER_BYTES + payloadLength + 4 * nDrafts) {
+    return "payload and drafted tokens do not end the body"
+  }
   for (let i = o + ACTIVATION_BODY_HEADER_BYTES; i < payloadOffset; i++) {
     if (view.getUint8(i) !== 0) return "non-zero payload padding"
   }
@@ -579,9 +596,13 @@ const decodeActivationBody = (
     nTokens,
     hiddenDim,
     dtype: "f32",
-    payload
+    payload,
+    ...(nDrafts === 0 ? {} : { drafts: readDrafts(view, payloadOffset + payloadLength, nDrafts) })
   })
 }
+
+const readDrafts = (view: DataView, at: number, n: number): Array<number> =>
+  Array.from({ length: n }, (_, i) => view.getUint32(at + 4 * i, true))
 
 const decodeCreditBody = (view: DataView, h: Header): WireFrame | string => {
   if (h.bodyLength !== 8) return "bad credit body length"
@@ -750,6 +771,8 @@ export const chunk = (
   if (frame.chunkCount !== 1) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
   const usable = Math.floor(maxFrameBytes / effectiveAlignment(alignment)) * effectiveAlignment(alignment)
   if (frame._tag === "ActivationFrame") {
+    // a speculative step's rows travel whole (its drafts name its rows): the sender keeps them within a window
+    if (frame.drafts !== undefined) return Either.left(new Oversized({ size, limit: maxFrameBytes }))
     const rowBytes = frame.hiddenDim * 4
     const perChunk = Math.floor((usable - activationPayloadOffset(alignment)) / rowBytes)
     if (perChunk < 1) return Either.left(new Oversized({ size, limit: maxFrameBytes }))

@@ -98,7 +98,8 @@ const join = (parts: ReadonlyArray<DataFrame>): DataFrame => {
       nTokens,
       hiddenDim: first.hiddenDim,
       dtype: first.dtype,
-      payload
+      payload,
+      ...(first.drafts === undefined ? {} : { drafts: first.drafts })
     })
   }
   const tokens: Array<number> = []
