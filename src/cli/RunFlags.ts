@@ -50,6 +50,16 @@ export const runFlags = {
     value: "RANGES",
     text: "fixed block ranges per stage, inclusive, e.g. 0-9,10-15"
   }).optional(),
+  speculative: Flag.choice("speculative", ["off", "auto", "ngram"], {
+    group: "Pipeline",
+    text:
+      "draft tokens by prompt lookup and verify them through the pipeline as one step (the same text): auto where " +
+      "the model's stages can roll back, ngram or refuse"
+  }).withDefault("off"),
+  draftMax: Flag.integer("draft-max", {
+    group: "Pipeline",
+    text: "the most tokens drafted per step with --speculative (fewer while they are not kept)"
+  }).withDefault(6),
   ...securityFlags,
   quiet: Flag.boolean("quiet", { group: "Output", text: "only the text: no progress, no summary" }),
   json: Flag.boolean("json", {

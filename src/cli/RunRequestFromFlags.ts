@@ -31,7 +31,8 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
   ...pipelineOptionsOf(flags.pipeline, { localStages: flags.localStages, dryRun: args.dryRun }),
   ...(flags.placement === undefined ? defaultPlacement(flags.pipeline.agents) : { placement: flags.placement }),
   ...(args.dryRun ? { dryRun: true } : {}),
-  ...(args.timeline ? { timeline: true } : {})
+  ...(args.timeline ? { timeline: true } : {}),
+  ...(args.speculative === "off" ? {} : { speculative: { mode: args.speculative, maxDraft: args.draftMax } })
 })
 
 /** The agent pool the request runs on: the remote agents of --agents, or local agent processes, one per stage. */

@@ -23,6 +23,13 @@ export const renderSummary = (summary: RunSummary): string => {
     `decode ${summary.decodeTokensPerSecond.toFixed(1)} tok/s (${ms(summary.decodeMillisPerToken)} ms per token: ` +
       `compute ${ms(summary.decodeMillisPerToken - summary.transferMillisPerToken)} ms, transfer ${ms(summary.transferMillisPerToken)} ms)`
   ]
+  const spec = summary.speculative
+  if (spec !== undefined) {
+    const rate = spec.drafted === 0 ? "-" : `${((100 * spec.accepted) / spec.drafted).toFixed(0)}%`
+    lines.push(
+      `speculative: ${spec.steps} steps drafted ${spec.drafted} tokens, ${spec.accepted} kept (acceptance ${rate})`
+    )
+  }
   for (const s of summary.stages) {
     lines.push(
       `  stage ${s.stageIndex} blocks [${s.layers[0]}, ${s.layers[1]}) on ${s.address} (data ${formatAddress(s.dataAddress)}` +

@@ -88,7 +88,14 @@ export class StageStats extends Schema.Class<StageStats>("StageStats")({
   residentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   peakResidentBytes: Schema.optionalWith(Schema.Number, { default: () => 0 }),
   /** Prompt cache: KV positions this stage kept as its provision's `promptCache.keep` entry (0: none kept). */
-  keptPositions: Schema.optionalWith(Schema.Number, { default: () => 0 })
+  keptPositions: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  /**
+   * Speculative decoding, on the last stage: its steps that carried drafts, the tokens they drafted, and the drafts its
+   * sampler kept (ProvisionRequest.speculative; 0 without).
+   */
+  verifySteps: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  draftedTokens: Schema.optionalWith(Schema.Number, { default: () => 0 }),
+  acceptedTokens: Schema.optionalWith(Schema.Number, { default: () => 0 })
 }) {}
 
 export const StageReport = Schema.Union(
@@ -173,6 +180,20 @@ export const TokenLoop = Schema.Struct({
 })
 export type TokenLoop = typeof TokenLoop.Type
 
+/**
+ * Speculative decoding (services/Speculation.ts), on every stage of a run that drafts: stage 0 drafts up to
+ * `maxDraft` tokens after each token (prompt lookup, or `predicted` while the output follows it) and sends them with
+ * it as one step; every stage runs such a step's rows on the few-row route and rolls back the rows that were not kept
+ * by starting its next step after the kept ones; the last stage keeps the drafts its sampler agrees with.
+ * `maxTokens`: the run's, so no step drafts past it.
+ */
+export const SpeculativeProvision = Schema.Struct({
+  maxDraft: Schema.Number.pipe(Schema.int(), Schema.between(1, 255)),
+  maxTokens: Schema.Number,
+  predicted: Schema.optional(Schema.Array(Schema.Number))
+})
+export type SpeculativeProvision = typeof SpeculativeProvision.Type
+
 /** Everything an agent needs to host one stage: the plan's message plus where its output goes. */
 export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionRequest")({
   provision: ProvisionStage,
@@ -196,7 +217,8 @@ export class ProvisionRequest extends Schema.Class<ProvisionRequest>("ProvisionR
   /** Stage 0 and the last stage of a run with a token loop (absent: tokens go back through the orchestrator). */
   tokenLoop: Schema.optional(TokenLoop),
   /** Report each decode step's timeline with its timings (StepTimeline; `swactor run --timeline`). */
-  timeline: Schema.optional(Schema.Boolean)
+  timeline: Schema.optional(Schema.Boolean),
+  speculative: Schema.optional(SpeculativeProvision)
 }) {}
 
 /** What an agent says about itself when the orchestrator connects. */

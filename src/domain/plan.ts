@@ -235,6 +235,11 @@ export const ModelLayout = Schema.Struct({
    */
   stateBytes: Schema.optional(Schema.Array(Schema.Number)),
   /**
+   * false: the model's stages cannot roll a sequence back by starting its next step earlier (recurrent state, deepseek4's
+   * compressed rows, DSA's indexer are not checked for it), so speculative decoding is off for it. Absent: they can.
+   */
+  rewind: Schema.optional(Schema.Literal(false)),
+  /**
    * Per block, the block whose KV cache it reads (gemma4's shared KV layers, services/KvShare.ts): itself, or an
    * earlier block it must share a stage with (its kvBytesPerToken is 0). Absent: every block reads its own.
    */

@@ -3,6 +3,7 @@
  * its commands through the agent links and the data plane, and streams what the run produces.
  */
 import type { TokenTimeline } from "./Timeline.js"
+import type { SpeculativeOptions } from "./Speculation.js"
 import { Context, type Duration, type Effect, Schema, type Scope, type Stream } from "effect"
 import type { ModelLoadError } from "../domain/gguf.js"
 import type { DeviceBytes, StageDeviceSplit } from "../domain/engine.js"
@@ -104,6 +105,8 @@ export interface GenerateRequest {
   readonly stragglers?: Partial<StragglerRule>
   /** Time every decode step on every stage and link: the summary's `timeline` (see RunRequest.timeline). */
   readonly timeline?: boolean
+  /** Speculative decoding (see RunRequest.speculative). */
+  readonly speculative?: SpeculativeOptions
 }
 
 /** When a stage's decode step is a straggler: over `factor` × the median of its `window` steps before, by `minExcessMillis`. */
@@ -275,6 +278,11 @@ export interface RunSummary {
   readonly promptCache?: { readonly cachedTokens: number; readonly keptTokens: number }
   /** Where each decoded token's time went, per stage and per link (runs that asked for it: RunRequest.timeline). */
   readonly timeline?: TokenTimeline
+  /**
+   * Speculative decoding (runs that drafted, the last run's): steps that carried drafts, the tokens drafted and the
+   * drafts kept (acceptance = accepted / drafted).
+   */
+  readonly speculative?: { readonly steps: number; readonly drafted: number; readonly accepted: number }
 }
 
 /** A placement and the pool it was chosen from, for `--dry-run`. */
@@ -526,6 +534,13 @@ export interface RunRequest {
    * and every link: the summary's `timeline` (services/Timeline.ts). Off: the stages measure only what they always do.
    */
   readonly timeline?: boolean
+  /**
+   * Speculative decoding (services/Speculation.ts): stage 0 drafts tokens by prompt lookup (or from `predicted`) and
+   * the pipeline verifies them as one step of a few rows; the text is the text without drafts, for every sampler.
+   * `auto` drafts where the model's stages can roll back (ModelLayout.rewind) and the run has no timeline; `ngram`
+   * refuses a model that cannot. Absent or `off`: no drafts.
+   */
+  readonly speculative?: SpeculativeOptions
   /**
    * A long-lived pipeline's first run (the server's warm-up): every stage moves its mapped weights into huge-page memory
    * (LoadedStage.settle) before it reports ready, so the requests after it neither run from the file mapping (4 KiB

@@ -26,6 +26,7 @@ import { kvBytesOfStage } from "../../services/KvSize.js"
 import type { LoadedStage, StageExecutorService, StageSession } from "../../services/StageExecutor.js"
 import { openStageSampler } from "../sampling/StageSampler.js"
 import { activationPayloadOffset } from "../transport/Framing.js"
+import { speculationState } from "./SpeculativeStep.js"
 import { keepArrivals } from "../transport/WireClock.js"
 import type { PromptCacheHost } from "./PromptCacheHost.js"
 import type { StageBatcher } from "./StageBatcher.js"
@@ -348,7 +349,8 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
       loopOut,
       sample,
       timings,
-      measureStage: () => progress.measureStage()
+      measureStage: () => progress.measureStage(),
+      speculation: request.speculative === undefined ? undefined : speculationState(request.speculative)
     })
     const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
     return yield* Effect.forever(Effect.flatMap(receive.pipe(Effect.mapError(transport)), step))

@@ -462,7 +462,7 @@ const takeArrived = (state: BatcherState) =>
 
 /** Fewer decode steps than a micro-batch takes, nothing else to run, and other decoders on their way. */
 const worthWaiting = (state: BatcherState) => {
-  if (state.pending.some((job) => job.total !== 1)) return false
+  if (state.pending.some((job) => !isStep(job))) return false
   const cap = decodeCap(state)
   return state.pending.length < cap && state.decoders.size > state.pending.length
 }
@@ -497,11 +497,11 @@ const takeUntil = (state: BatcherState, deadline: () => number) =>
 const gather = (state: BatcherState, wokeIdle: boolean) => {
   const { pending } = state
   const { promptGather, gatherMax } = state.limits
-  const prompts = wokeIdle && promptGather > 0 && pending.length > 0 && pending.every((job) => job.total > 1)
+  const prompts = wokeIdle && promptGather > 0 && pending.length > 0 && pending.every((job) => !isStep(job))
   if (prompts) {
     const start = performance.now()
     return takeUntil(state, () => {
-      if (pending.some((job) => job.total === 1)) return 0 // a decode step arrived: it does not wait for prompts
+      if (pending.some(isStep)) return 0 // a decode step arrived: it does not wait for prompts
       return state.expected.size > 0 || announcedDue(state) ? start + promptGather : 0
     }).pipe(
       Effect.ensuring(

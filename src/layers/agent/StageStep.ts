@@ -16,6 +16,8 @@ import type { StageSession } from "../../services/StageExecutor.js"
 import type { SequenceSampler } from "../sampling/ChainSampler.js"
 import { arrivalOf, clockId, encodedMillis, lastWrittenAt, monoOf } from "../transport/WireClock.js"
 import { emptyBatchCounters, type JobTrace, type StageBatcher } from "./StageBatcher.js"
+import { acceptedDrafts } from "../../services/Speculation.js"
+import { firstStageStep, type SpeculationState, verifiedTokens } from "./SpeculativeStep.js"
 
 export class StageFailure extends Data.TaggedError("StageFailure")<{ readonly reason: StageFaultReason }> {}
 export const loadFailed = (message: string) =>
@@ -42,7 +44,10 @@ export const freshStats = () => ({
   kvBytes: 0,
   residentBytes: 0,
   peakResidentBytes: 0,
-  keptPositions: 0
+  keptPositions: 0,
+  verifySteps: 0,
+  draftedTokens: 0,
+  acceptedTokens: 0
 })
 export type StageCounters = ReturnType<typeof freshStats>
 
@@ -159,6 +164,8 @@ export interface StepContext {
   readonly sample: SequenceSampler | undefined
   readonly timings: ReturnType<typeof makeTimingBuffer>
   readonly measureStage: () => void
+  /** A speculative run's state (ProvisionRequest.speculative; SpeculativeStep.ts). */
+  readonly speculation?: SpeculationState | undefined
 }
 
 const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
@@ -184,8 +191,9 @@ const inputOf = (
   if (!isFirstOf(ctx)) {
     if (frame._tag !== "ActivationFrame")
       return protocolViolated(`stage ${ctx.request.provision.stageIndex} expects activations, got ${frame._tag}`)
+    const verify = frame.drafts !== undefined && frame.drafts.length > 0
     return Effect.succeed({
-      input: { _tag: "Hidden", hidden: frame.payload, nTokens: frame.nTokens },
+      input: { _tag: "Hidden", hidden: frame.payload, nTokens: frame.nTokens, ...(verify ? { verify } : {}) },
       startPos: frame.startPos
     })
   }
@@ -209,7 +217,14 @@ const sendHidden = (
   ctx: StepContext,
   frame: DataFrame,
   output: Extract<StageOutput, { _tag: "Hidden" }>,
-  at: { readonly pieceStart: number; readonly chunkIndex: number; readonly chunkCount: number }
+  at: {
+    readonly pieceStart: number
+    readonly chunkIndex: number
+    readonly chunkCount: number
+    /** A speculative step: its message number (stage 0's own count) and its drafts. */
+    readonly step?: number
+    readonly drafts?: ReadonlyArray<number>
+  }
 ) => {
   const p = ctx.request.provision
   return ctx.outbound
@@ -218,7 +233,8 @@ const sendHidden = (
         _tag: "ActivationFrame",
         runId: p.runId,
         edgeId: p.outbound.edgeId,
-        step: frame.step,
+        step: at.step ?? frame.step,
+        ...(at.drafts === undefined || at.drafts.length === 0 ? {} : { drafts: at.drafts }),
         chunkIndex: at.chunkIndex,
         chunkCount: at.chunkCount,
         startPos: at.pieceStart,
@@ -288,6 +304,97 @@ const sendSampled = (ctx: StepContext, frame: DataFrame, logits: Float32Array, s
     return { handOffStart, handOff: loopSent ?? writtenSince(handOffStart) }
   })
 
+/** A frame's rows to run: its input and start, a speculative step's drafts, and stage 0's message number for it. */
+interface PlannedStep {
+  readonly input: StageInput
+  readonly startPos: number
+  readonly drafts: ReadonlyArray<number>
+  readonly outStep: number | undefined
+}
+
+/** What a frame asks this stage to run; undefined: nothing (stage 0 given a draft its last step already ran, kept). */
+const plannedStep = (ctx: StepContext, frame: DataFrame): Effect.Effect<PlannedStep | undefined, StageFailure> => {
+  const spec = ctx.speculation
+  if (spec !== undefined && isFirstOf(ctx) && frame._tag === "TokenFrame") {
+    const payload = frame.payload
+    if (payload._tag === "Decode") {
+      const room = Math.min(ctx.windowRows, (ctx.request.contextLength ?? Infinity) - ctx.state.position)
+      const next = firstStageStep(spec, payload.tokenId, frame.step, ctx.state.position, room)
+      if (next._tag === "Kept") return Effect.succeed(undefined)
+      return Effect.succeed({ ...next, outStep: spec.nextMessage++ })
+    }
+    if (payload._tag === "Prompt") {
+      spec.history.push(...payload.tokens)
+      spec.promptTokens = spec.history.length
+      spec.nextMessage = 1
+    }
+  }
+  return Effect.map(inputOf(ctx, frame), (planned) => ({
+    ...planned,
+    drafts: frame._tag === "ActivationFrame" ? (frame.drafts ?? []) : [],
+    outStep: undefined
+  }))
+}
+
+/**
+ * The last stage of a speculative run: the step's tokens (SpeculativeStep.verifiedTokens), each sent to stage 0 on the
+ * token loop (all of them first: the pipeline waits for the last) and to the orchestrator, under its own step number.
+ */
+const sendVerified = (
+  ctx: StepContext,
+  output: Extract<StageOutput, { _tag: "Logits" }>,
+  drafts: ReadonlyArray<number>,
+  sample: SequenceSampler,
+  spec: SpeculationState
+) =>
+  Effect.gen(function* () {
+    const p = ctx.request.provision
+    const tokens = verifiedTokens(spec, output.logits, output.rows ?? 1, drafts, sample, p.model.eosTokenId)
+    if (drafts.length > 0) {
+      ctx.stats.verifySteps++
+      ctx.stats.draftedTokens += drafts.length
+      ctx.stats.acceptedTokens += acceptedDrafts(
+        drafts,
+        tokens.map((t) => t.tokenId)
+      )
+    }
+    const handOffStart = performance.now()
+    const first = spec.nextToken
+    spec.nextToken += tokens.length
+    let loopSent: number | undefined
+    const loopOut = ctx.loopOut
+    for (let j = 0; loopOut !== undefined && j < tokens.length; j++) {
+      if (tokens[j]!.eos || first + j + 1 >= spec.options.maxTokens) break
+      const decode = { _tag: "Decode" as const, tokenId: tokens[j]!.tokenId }
+      yield* loopOut.sender
+        .send(
+          dataFrame({
+            _tag: "TokenFrame",
+            runId: p.runId,
+            edgeId: loopOut.loop.edgeId,
+            step: first + j + 1,
+            payload: decode
+          })
+        )
+        .pipe(Effect.mapError(transport))
+      loopSent = writtenSince(handOffStart)
+    }
+    for (let j = 0; j < tokens.length; j++) {
+      const { draws, eos, logprob, tokenId } = tokens[j]!
+      const payload = {
+        _tag: "Sampled" as const,
+        tokenId,
+        eos,
+        ...(draws === 0 ? {} : { draws }),
+        ...(logprob === undefined ? {} : { logprob })
+      }
+      yield* ctx.outbound
+        .send(dataFrame({ _tag: "TokenFrame", runId: p.runId, edgeId: p.outbound.edgeId, step: first + j, payload }))
+        .pipe(Effect.mapError(transport))
+    }
+    return { handOffStart, handOff: loopSent ?? writtenSince(handOffStart) }
+  })
+
 /** One piece's rows through the batcher, counted (prefill or decode); its output. */
 const runPiece = (
   ctx: StepContext,
@@ -341,7 +448,9 @@ export const stepOf =
     Effect.gen(function* () {
       const taken = performance.now()
       const p = ctx.request.provision
-      const { input, startPos } = yield* inputOf(ctx, frame)
+      const planned = yield* plannedStep(ctx, frame)
+      if (planned === undefined) return
+      const { drafts, input, outStep, startPos } = planned
       const nTokens = input._tag === "Tokens" ? input.tokens.length : input.nTokens
       const received =
         frame._tag === "ActivationFrame" ? { index: frame.chunkIndex, count: frame.chunkCount } : undefined
@@ -372,14 +481,19 @@ export const stepOf =
           yield* sendHidden(ctx, frame, output, {
             pieceStart,
             chunkIndex: pieces.length > 1 ? piece : (received?.index ?? 0),
-            chunkCount: pieces.length > 1 ? pieces.length : (received?.count ?? 1)
+            chunkCount: pieces.length > 1 ? pieces.length : (received?.count ?? 1),
+            ...(outStep === undefined ? {} : { step: outStep }),
+            drafts
           })
           handOff = writtenSince(handOffStart)
         } else {
           if (ctx.sample === undefined) return yield* protocolViolated("a middle stage produced logits")
           // a piece before a prompt's last: nothing to sample yet
           if (!sampleHere) continue
-          const sent = yield* sendSampled(ctx, frame, output.logits, ctx.sample)
+          const sent =
+            ctx.speculation !== undefined
+              ? yield* sendVerified(ctx, output, drafts, ctx.sample, ctx.speculation)
+              : yield* sendSampled(ctx, frame, output.logits, ctx.sample)
           handOffStart = sent.handOffStart
           handOff = sent.handOff
         }

@@ -81,7 +81,7 @@ export const stateBytesOfMemory = (m: BlockMemory): number => (m.kind === "state
 /** The catalog layout's memory fields of the model's first `numLayers` blocks (ModelLayout). */
 export type KvLayout = Pick<
   ModelLayout,
-  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources" | "tokenSources"
+  "kvBytesPerToken" | "slidingWindow" | "stateBytes" | "kvSources" | "topKSources" | "tokenSources" | "rewind"
 >
 
 /** The model's per-block memory as the catalog's layout holds it. */
@@ -99,6 +99,9 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
           }
         }),
     ...(stateBytes.some((b) => b > 0) ? { stateBytes } : {}),
+    ...(stateBytes.some((b) => b > 0) || hp.dsv4 !== undefined || hp.dsa !== undefined
+      ? { rewind: false as const }
+      : {}),
     ...(hp.kvShare === undefined ? {} : { kvSources: hp.kvShare.sources.slice(0, numLayers) }),
     ...(hp.dsa === undefined || hp.dsa.full.every((f) => f)
       ? {}

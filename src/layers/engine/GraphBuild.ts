@@ -332,7 +332,19 @@ export const buildGraph = (
       hadamard,
       ...(dsv4 === undefined ? {} : { dsv4 })
     }
-    const t = new Toolkit(raw, ctx, graph, hp, n, inputs, smallBatchRoute(w, nSeq, items.some((it) => it.input.verify === true)))
+    const t = new Toolkit(
+      raw,
+      ctx,
+      graph,
+      hp,
+      n,
+      inputs,
+      smallBatchRoute(
+        w,
+        nSeq,
+        items.some((it) => it.input.verify === true)
+      )
+    )
     const { x, tokens, hidden } = stageInput(raw, ctx, w, t, inputs, kind, n)
     const out = stageBlocks(raw, ctx, w, t, inputs, x, n)
     raw.ggml_set_output(out)

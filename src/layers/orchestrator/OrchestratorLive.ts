@@ -198,7 +198,8 @@ export const make = Effect.gen(function* () {
             ...(request.dryRun === undefined ? {} : { dryRun: request.dryRun }),
             ...(request.recovery === undefined ? {} : { recovery: request.recovery }),
             ...(request.stragglers === undefined ? {} : { stragglers: request.stragglers }),
-            ...(request.timeline === true ? { timeline: true } : {})
+            ...(request.timeline === true ? { timeline: true } : {}),
+            ...(request.speculative === undefined ? {} : { speculative: request.speculative })
           },
           updates,
           stop,

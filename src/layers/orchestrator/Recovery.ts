@@ -40,6 +40,7 @@ import { driveRun } from "./RunWorld.js"
 import { generationProblem, samplingPolicyProblem, threadsProblem } from "../../services/RequestChecks.js"
 import type { NodeStatus } from "../../services/Membership.js"
 import type { IncrementalDecoder } from "../../services/Tokenizer.js"
+import { speculativeProblem } from "../../services/Speculation.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
 
@@ -237,6 +238,8 @@ const checkGeneration = (warm: WarmPipeline, request: RunRequest) =>
       const bad = threadsProblem(request.threads)
       if (bad !== undefined) return yield* new InvalidRequest({ message: bad })
     }
+    const speculation = speculativeProblem(request.speculative, warm.layout.rewind, warm.vocabulary.vocabSize)
+    if (speculation !== undefined) return yield* new InvalidRequest({ message: speculation })
     const limits: GenerationLimits = { maxAttempts, budgetMillis, maxTokens, prompt }
     return limits
   })

@@ -150,14 +150,23 @@ export const finishRun = (context: RunContext, outcome: LifecycleOutcome, reques
       stageStragglers: ledger.stragglerDetector.stragglers()
     })
     const timeline = timelineOf(context)
+    const lastStats = ledger.stageStats.get(plan.stages.length - 1)
+    const speculative =
+      context.request.speculative === undefined || lastStats === undefined
+        ? undefined
+        : { steps: lastStats.verifySteps, drafted: lastStats.draftedTokens, accepted: lastStats.acceptedTokens }
+    const extras = {
+      ...(timeline === undefined ? {} : { timeline }),
+      ...(speculative === undefined ? {} : { speculative })
+    }
     yield* context.updates.offer({
       _tag: "Finished",
       summary:
         cacheUse === undefined
-          ? { ...summary, ...(timeline === undefined ? {} : { timeline }) }
+          ? { ...summary, ...extras }
           : {
               ...summary,
-              ...(timeline === undefined ? {} : { timeline }),
+              ...extras,
               promptCache: {
                 cachedTokens: ledger.cachedTokens,
                 keptTokens:

@@ -5,13 +5,14 @@
  */
 import { availableParallelism } from "node:os"
 import { Deferred, Effect, Stream } from "effect"
-import type { TokenLoop } from "../../domain/controlRpc.js"
+import type { SpeculativeProvision, TokenLoop } from "../../domain/controlRpc.js"
 import type { TransportAddress } from "../../domain/frames.js"
 import { EdgeId } from "../../domain/ids.js"
 import type { ProvisionStage } from "../../domain/plan.js"
 import { RunEvents, stageFaultMessage, StageFaultReasons } from "../../domain/runEvents.js"
 import { ProvisionRequest, type StageReport } from "../../services/AgentLinks.js"
 import { MIN_PIECE_ROWS } from "../../services/PromptPieces.js"
+import { DEFAULT_MAX_DRAFT } from "../../services/Speculation.js"
 import { stepsOf } from "../../services/StageStragglers.js"
 import { noteDetail, offerConsequence, type RunContext, stageNode } from "./RunContext.js"
 
@@ -68,11 +69,28 @@ export const prefillThreadsOf = (run: {
   return wanted === undefined || wanted === run.threads ? undefined : wanted
 }
 
+/**
+ * A run's speculative decoding (RunRequest.speculative) as its stages take it: off without a request, with a timeline
+ * (its steps are a token's), and for a model whose stages cannot roll back (ModelLayout.rewind; `ngram` refused it
+ * before the run, checkGeneration).
+ */
+const speculativeOf = (context: RunContext): SpeculativeProvision | undefined => {
+  const asked = context.request.speculative
+  if (asked === undefined || asked.mode === "off" || context.request.timeline === true) return undefined
+  if (context.warm.layout.rewind === false) return undefined
+  return {
+    maxDraft: asked.maxDraft ?? DEFAULT_MAX_DRAFT,
+    maxTokens: context.plan.maxTokens,
+    ...(asked.predicted === undefined ? {} : { predicted: asked.predicted })
+  }
+}
+
 /** The provision request of a stage: where it sends, its threads, its prompt cache use and its part of the token loop. */
 const provisionRequestOf = (context: RunContext, provision: ProvisionStage) => {
   const { contextLength, cacheUse, request, warm } = context
   const threads = request.threads ?? warm.options.threads
   const tokenLoop = tokenLoopOf(context, provision)
+  const speculative = speculativeOf(context)
   const prefillThreads = prefillThreadsOf({
     alone: context.alone,
     promptTokens: context.prompt.length,
@@ -93,7 +111,8 @@ const provisionRequestOf = (context: RunContext, provision: ProvisionStage) => {
     ...(request.arriving === undefined || request.arriving <= 0 ? {} : { arriving: request.arriving }),
     ...(request.settleWeights === true ? { settleWeights: true } : {}),
     ...(tokenLoop === undefined ? {} : { tokenLoop }),
-    ...(request.timeline === true ? { timeline: true } : {})
+    ...(request.timeline === true ? { timeline: true } : {}),
+    ...(speculative === undefined ? {} : { speculative })
   })
 }
 
