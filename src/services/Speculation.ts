@@ -17,7 +17,7 @@ export interface SpeculativeOptions {
   readonly mode: "off" | "ngram" | "auto"
   /** The most tokens drafted per step (default 6: with the step's token, 7 rows, the few-row route's reach). */
   readonly maxDraft?: number
-  /** Expected output tokens (OpenAI's predicted outputs): drafted from while the output follows them. */
+  /** Expected output tokens (OpenAI's predicted outputs), drafted by position instead of by prompt lookup. */
   readonly predicted?: ReadonlyArray<number>
 }
 
@@ -70,18 +70,11 @@ export const lookupDraft = (history: ReadonlyArray<number>, max: number): Array<
 }
 
 /**
- * Drafts from a prediction while the generated tokens so far are its prefix: its next `max` tokens. Empty once the
- * output left it.
+ * Drafts from a prediction of the output, by position: the `max` predicted tokens after the `generated` ones (a
+ * prediction that lost its place drafts tokens that are not kept, and the chooser drafts fewer).
  */
-export const predictedDraft = (
-  predicted: ReadonlyArray<number>,
-  generated: ReadonlyArray<number>,
-  max: number
-): Array<number> => {
-  if (generated.length > predicted.length) return []
-  for (let i = 0; i < generated.length; i++) if (predicted[i] !== generated[i]) return []
-  return predicted.slice(generated.length, generated.length + Math.max(0, max))
-}
+export const predictedDraft = (predicted: ReadonlyArray<number>, generated: number, max: number): Array<number> =>
+  predicted.slice(generated, generated + Math.max(0, max))
 
 /**
  * The drafts a step keeps: the leading drafts each equal to the token sampled from the row before it. `sampled[i]`
@@ -98,8 +91,8 @@ export const acceptedDrafts = (drafts: ReadonlyArray<number>, sampled: ReadonlyA
  * How many tokens to draft: the count whose expected tokens per step, over the measured cost of a step of that many
  * rows, is best. Acceptance is each draft's chance of being kept once the ones before it were (a running mean over
  * recent steps); a step's cost is the time from sending it to its tokens coming back (the whole pipeline's round trip),
- * by row count. Until a count is measured it is assumed to cost what the nearest measured smaller count costs, so the
- * chooser tries longer steps while they are kept.
+ * by row count. Until a count is measured it is assumed to cost what the nearest measured count costs, so the chooser
+ * tries longer steps while they are kept.
  */
 export class DraftLength {
   private acceptance = 0.5
@@ -124,9 +117,10 @@ export class DraftLength {
     return this.acceptance
   }
 
+  /** A step of `rows` rows: its measured cost, else the nearest measured count's (the smaller first), else 1. */
   private costOf(rows: number): number {
-    for (let r = rows; r >= 1; r--) {
-      const c = this.costs.get(r)
+    for (let d = 0; d <= this.maxDraft + 1; d++) {
+      const c = this.costs.get(rows - d) ?? this.costs.get(rows + d)
       if (c !== undefined) return c
     }
     return 1

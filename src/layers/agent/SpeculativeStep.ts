@@ -92,7 +92,7 @@ export const firstStageStep = (
   const predicted = spec.options.predicted
   const candidates =
     predicted !== undefined
-      ? predictedDraft(predicted, spec.history.slice(spec.promptTokens), spec.options.maxDraft)
+      ? predictedDraft(predicted, spec.history.length - spec.promptTokens, spec.options.maxDraft)
       : lookupDraft(spec.history, spec.options.maxDraft)
   const drafts = candidates.slice(0, k)
   spec.shadow = drafts.length === 0 && left > 0 ? candidates[0] : undefined

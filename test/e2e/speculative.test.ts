@@ -1,0 +1,132 @@
+/**
+ * Speculative decoding through the pipeline (RunRequest.speculative): the text with drafts is the text without them.
+ * stories260K on real agent processes (Unix sockets, shared-memory rings), threads 1, the token loop on (2+ stages):
+ * - greedy, prompt lookup, 1 to 4 stages: node-llama-cpp's tokens, with drafts both kept and not kept;
+ * - a seeded sampled run: the same text with and without drafts (the sampler sees the same rows, makes the same draws);
+ * - every draft kept (the prediction is the output) and none kept (every predicted token off by one): the same text,
+ *   and the summary says so. Each is red with the rollback removed (stage 0 starting its next step after the rows
+ *   not kept: `startPos: position - rolledBack` in SpeculativeStep.ts).
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Chunk, Effect, Stream } from "effect"
+import { layerRemote, run } from "../../src/api/generate.js"
+import { generateToken, spawnLocalAgents } from "../../src/layers/agent/AgentProcesses.js"
+import type { GenerateRequest, RunSummary } from "../../src/services/Orchestrator.js"
+import { referenceRun } from "../support/engine.js"
+import { requireModel } from "../support/models.js"
+
+// a prompt that repeats itself: prompt lookup finds drafts, some of which the model does not follow
+const prompt = "Once upon a time, there was a little girl. Once upon a time, there was a little"
+const maxTokens = 80
+
+interface Generated {
+  readonly tokens: ReadonlyArray<number>
+  readonly text: string
+  readonly summary: RunSummary
+}
+
+const generate = (agents: ReadonlyArray<string>, token: string, request: Omit<GenerateRequest, "model">) =>
+  Effect.gen(function* () {
+    const model = requireModel("stories260K.gguf")
+    const updates = Chunk.toReadonlyArray(
+      yield* Stream.runCollect(run({ model, threads: 1, maxTokens, ...request })).pipe(
+        Effect.provide(layerRemote({ agents, token, listenHost: "127.0.0.1" }))
+      )
+    )
+    const finished = updates.find((u) => u._tag === "Finished")
+    if (finished?._tag !== "Finished") return assert.fail("the run did not finish")
+    return {
+      tokens: updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : [])),
+      text: finished.summary.text,
+      summary: finished.summary
+    } satisfies Generated
+  })
+
+const withAgents = <A, E>(count: number, f: (agents: ReadonlyArray<string>, token: string) => Effect.Effect<A, E>) =>
+  Effect.gen(function* () {
+    const token = generateToken()
+    const agents = yield* spawnLocalAgents({ count, token, threads: 1 })
+    return yield* f(
+      agents.map((a) => a.address),
+      token
+    )
+  }).pipe(Effect.scoped)
+
+const reference = Effect.promise(() =>
+  referenceRun(requireModel("stories260K.gguf"), prompt, maxTokens, { threads: 1, contextLength: 256 })
+)
+
+describe("speculative decoding through the pipeline: the same text as without drafts", () => {
+  it.live(
+    "greedy, prompt lookup, 1-4 stages: node-llama-cpp's tokens, drafts kept and not kept",
+    () =>
+      withAgents(4, (agents, token) =>
+        Effect.gen(function* () {
+          const expected = [...(yield* reference).tokens]
+          for (const stages of [1, 2, 3, 4]) {
+            const off = yield* generate(agents, token, { prompt, stages })
+            const on = yield* generate(agents, token, { prompt, stages, speculative: { mode: "ngram" } })
+            assert.deepStrictEqual(off.tokens, expected, `${stages} stages without drafts`)
+            assert.deepStrictEqual(on.tokens, expected, `${stages} stages with drafts`)
+            const spec = on.summary.speculative
+            assert.isDefined(spec)
+            // the path under test was taken both ways: steps with drafts, some kept, some not
+            assert.isAbove(spec!.steps, 0, `${stages} stages: steps that drafted`)
+            assert.isAbove(spec!.accepted, 0, `${stages} stages: drafts kept`)
+            assert.isAbove(spec!.drafted, spec!.accepted, `${stages} stages: drafts not kept`)
+            assert.isUndefined(off.summary.speculative)
+          }
+        })
+      ),
+    240_000
+  )
+
+  it.live(
+    "a seeded sampled run: the same text with and without drafts, at 2 stages",
+    () =>
+      withAgents(2, (agents, token) =>
+        Effect.gen(function* () {
+          const sampling = { temperature: 0.8, topK: 40, seed: 1234 }
+          const off = yield* generate(agents, token, { prompt, stages: 2, sampling })
+          const on = yield* generate(agents, token, { prompt, stages: 2, sampling, speculative: { mode: "ngram" } })
+          assert.deepStrictEqual(on.tokens, off.tokens)
+          assert.isAbove(on.summary.speculative!.drafted, 0)
+          // and reproducible: the same seed again gives it again
+          const again = yield* generate(agents, token, { prompt, stages: 2, sampling, speculative: { mode: "ngram" } })
+          assert.deepStrictEqual(again.tokens, off.tokens)
+        })
+      ),
+    120_000
+  )
+
+  it.live(
+    "every draft kept, and none kept: the same text, at 3 stages",
+    () =>
+      withAgents(3, (agents, token) =>
+        Effect.gen(function* () {
+          const expected = [...(yield* reference).tokens]
+          const all = yield* generate(agents, token, {
+            prompt,
+            stages: 3,
+            speculative: { mode: "ngram", predicted: expected }
+          })
+          assert.deepStrictEqual(all.tokens, expected)
+          const kept = all.summary.speculative!
+          assert.isAbove(kept.drafted, maxTokens / 2)
+          assert.strictEqual(kept.accepted, kept.drafted)
+          // about maxTokens / 7 steps of 6 drafts each, not one step per token
+          assert.isBelow(kept.steps, maxTokens / 4)
+          const wrong = expected.map((t) => (t + 1) % 512)
+          const none = yield* generate(agents, token, {
+            prompt,
+            stages: 3,
+            speculative: { mode: "ngram", predicted: wrong }
+          })
+          assert.deepStrictEqual(none.tokens, expected)
+          assert.isAbove(none.summary.speculative!.drafted, 0)
+          assert.strictEqual(none.summary.speculative!.accepted, 0)
+        })
+      ),
+    120_000
+  )
+})
