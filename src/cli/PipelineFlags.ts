@@ -20,6 +20,7 @@ import {
   withChoices
 } from "../layers/config/Settings.js"
 import type { PipelineOptions } from "../services/Orchestrator.js"
+import { DEFAULT_MAX_DRAFT, type SpeculativeOptions } from "../services/Speculation.js"
 import {
   makeTokenHint,
   maxSpares,
@@ -381,3 +382,24 @@ export const pipelineOptionsOf = (
     ...(deliver && options.dryRun !== true ? { deliverWeights: true } : {})
   } satisfies Partial<PipelineOptions>
 }
+
+/** Speculative decoding's flags (run and serve; RunRequest.speculative). */
+export const speculativeFlags = {
+  speculative: Flag.choice("speculative", ["off", "auto", "ngram"], {
+    group: "Pipeline",
+    text:
+      "draft tokens by prompt lookup and verify them through the pipeline as one step (the same text), while a " +
+      "request is alone on it: auto where the model's stages can roll back, ngram or refuse"
+  }).withDefault("off"),
+  draftMax: Flag.integer("draft-max", {
+    group: "Pipeline",
+    text: "the most tokens drafted per step with --speculative (fewer while they are not kept)"
+  }).withDefault(DEFAULT_MAX_DRAFT)
+}
+
+/** What the speculative flags ask for (undefined: off). */
+export const speculativeOf = (args: {
+  readonly speculative: "off" | "auto" | "ngram"
+  readonly draftMax: number
+}): { readonly speculative?: SpeculativeOptions } =>
+  args.speculative === "off" ? {} : { speculative: { mode: args.speculative, maxDraft: args.draftMax } }

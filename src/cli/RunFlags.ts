@@ -10,7 +10,14 @@ import { parseLayerSpec } from "../services/Placement.js"
 import { emptyPromptMessage, isEmptyPrompt } from "../services/RequestChecks.js"
 import { atLeast, optionalWholeNumber, UsageError, wholeNumber } from "./Flags.js"
 import * as Flag from "./FlagSpec.js"
-import { checkPipelineFlags, defaultLocalStages, modelFlag, pipelineFlags, securityFlags } from "./PipelineFlags.js"
+import {
+  checkPipelineFlags,
+  defaultLocalStages,
+  modelFlag,
+  pipelineFlags,
+  securityFlags,
+  speculativeFlags
+} from "./PipelineFlags.js"
 import { samplingFlags, samplingFromFlags } from "./SamplingFlags.js"
 
 const defaultPrompt = "Once upon a time"
@@ -50,16 +57,7 @@ export const runFlags = {
     value: "RANGES",
     text: "fixed block ranges per stage, inclusive, e.g. 0-9,10-15"
   }).optional(),
-  speculative: Flag.choice("speculative", ["off", "auto", "ngram"], {
-    group: "Pipeline",
-    text:
-      "draft tokens by prompt lookup and verify them through the pipeline as one step (the same text): auto where " +
-      "the model's stages can roll back, ngram or refuse"
-  }).withDefault("off"),
-  draftMax: Flag.integer("draft-max", {
-    group: "Pipeline",
-    text: "the most tokens drafted per step with --speculative (fewer while they are not kept)"
-  }).withDefault(6),
+  ...speculativeFlags,
   ...securityFlags,
   quiet: Flag.boolean("quiet", { group: "Output", text: "only the text: no progress, no summary" }),
   json: Flag.boolean("json", {

@@ -5,7 +5,7 @@
 import { Option } from "effect"
 import { layerLocal, layerRemote } from "../api/generate.js"
 import type { GenerateRequest, PlacementRequest } from "../services/Orchestrator.js"
-import { defaultLocalStages, pipelineOptionsOf } from "./PipelineFlags.js"
+import { defaultLocalStages, pipelineOptionsOf, speculativeOf } from "./PipelineFlags.js"
 import type { CheckedRunFlags, RunArgs } from "./RunFlags.js"
 
 /**
@@ -32,7 +32,7 @@ export const requestFromFlags = (args: RunArgs, flags: CheckedRunFlags, model: s
   ...(flags.placement === undefined ? defaultPlacement(flags.pipeline.agents) : { placement: flags.placement }),
   ...(args.dryRun ? { dryRun: true } : {}),
   ...(args.timeline ? { timeline: true } : {}),
-  ...(args.speculative === "off" ? {} : { speculative: { mode: args.speculative, maxDraft: args.draftMax } })
+  ...speculativeOf(args)
 })
 
 /** The agent pool the request runs on: the remote agents of --agents, or local agent processes, one per stage. */

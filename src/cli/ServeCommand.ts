@@ -22,6 +22,8 @@ import {
   type CheckedPipelineFlags,
   modelFlag,
   pipelineFlags,
+  speculativeFlags,
+  speculativeOf,
   pipelineOptionsOf,
   plannedStages,
   securityFlags
@@ -119,6 +121,7 @@ const serverOf = (args: ServeArgs, pipeline: CheckedPipelineFlags, own: CheckedS
     ...(pipeline.agents.length > 0 ? { agents: pipeline.agents, token: pipeline.token } : {}),
     ...(pipeline.discovered === undefined ? {} : { discovered: pipeline.discovered, replanMargin: args.replanMargin }),
     ...defaultPlacement(pipeline.agents),
+    ...speculativeOf(args),
     ...(pipeline.agentArgs.length > 0 ? { local: { extraArgs: () => pipeline.agentArgs } } : {}),
     promptCache: { enabled: args.promptCache !== "off", maxEntries: args.promptCacheEntries }
   })
@@ -209,6 +212,7 @@ const network = "Network and security"
 const serveFlags = {
   model: modelFlag("Model"),
   ...pipelineFlags("server"),
+  ...speculativeFlags,
   ...securityFlags,
   apiKeyFile: Flag.text("api-key-file", {
     group: network,

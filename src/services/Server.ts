@@ -4,6 +4,7 @@
  * `generate` is a Stream per request; interrupting it cancels the run (its KV freed on every stage).
  */
 import type { DiscoveredPoolService } from "./DiscoveredPool.js"
+import type { SpeculativeOptions } from "./Speculation.js"
 import { Context, type Duration, type Effect, Schema, type Stream } from "effect"
 import type { NodeCapacity } from "../domain/controlRpc.js"
 import type { ModelFacts } from "../domain/plan.js"
@@ -38,6 +39,8 @@ export interface ServeOptions extends PipelineOptions {
   readonly discovered?: DiscoveredPoolService
   /** How much lower (a fraction) the slowest stage's time per token must be for a re-plan (default 0.2). */
   readonly replanMargin?: number
+  /** Speculative decoding for each request while it is alone on the pipeline (RunRequest.speculative; default off). */
+  readonly speculative?: SpeculativeOptions
 }
 
 /**
@@ -245,6 +248,11 @@ export interface ServerMetrics {
   readonly stages: ReadonlyArray<StageMetrics>
   readonly firstToken: FirstTokenPhases
   /** Generations resumed after a fault of their run (a lost agent, a broken transport). */
+  /**
+   * Speculative decoding (ServeOptions.speculative): steps that carried drafts, tokens drafted, drafts kept (the steps
+   * saved: one per kept draft).
+   */
+  readonly speculative: { readonly steps: number; readonly drafted: number; readonly accepted: number }
   readonly recoveries: number
   /** Decoded tokens of completed requests that took over 4× the recent median. */
   readonly stragglers: number

@@ -146,6 +146,29 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
     )
   }
 
+  // Speculative decoding (RunRequest.speculative) with a prediction equal to the output: every step is a verification
+  // of 6 drafts through the 3 stages, so the kill lands in one; the replay resumes after the tokens delivered and the
+  // text is the uninterrupted run's.
+  it.live(
+    "kill -9 of a stage agent mid-verification (speculative decoding): the greedy output equals the uninterrupted run's",
+    () =>
+      Effect.gen(function* () {
+        const reference = yield* generate(request({ stages: 3 }))
+        assert.isTrue(Either.isRight(reference.result))
+        const speculative = { mode: "ngram" as const, predicted: reference.tokens }
+        const outcome = yield* generate(request({ stages: 3, spares: 1, speculative }), killAt(40, 1))
+        assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
+        assert.deepStrictEqual(outcome.tokens, reference.tokens)
+        assertOneStream(outcome)
+        const summary = outcome.summary!
+        assert.strictEqual(summary.recoveries.length, 1)
+        // the resumed run drafted too (its prediction is off by the tokens replayed: it keeps fewer)
+        assert.isAbove(summary.speculative!.drafted, 0)
+        yield* assertNothingLeft(outcome)
+      }),
+    180_000
+  )
+
   // No spare: the two survivors absorb the lost stage's layers in a 2-stage pipeline; same greedy output.
   it.live(
     "kill -9 of a stage agent without a spare: the survivors absorb its layers, same output",

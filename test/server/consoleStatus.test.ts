@@ -40,6 +40,7 @@ const metrics = (extra: Partial<ServerMetrics>): ServerMetrics => ({
     hops: 0
   },
   recoveries: 0,
+  speculative: { steps: 0, drafted: 0, accepted: 0 },
   stragglers: 0,
   revivals: 0,
   revivalAttempts: 0,

@@ -71,12 +71,14 @@ export const prefillThreadsOf = (run: {
 
 /**
  * A run's speculative decoding (RunRequest.speculative) as its stages take it: off without a request, with a timeline
- * (its steps are a token's), and for a model whose stages cannot roll back (ModelLayout.rewind; `ngram` refused it
+ * (its steps are a token's), for a run that starts beside others (a server's batch), and for a model whose stages cannot roll back (ModelLayout.rewind; `ngram` refused it
  * before the run, checkGeneration).
  */
 const speculativeOf = (context: RunContext): SpeculativeProvision | undefined => {
   const asked = context.request.speculative
   if (asked === undefined || asked.mode === "off" || context.request.timeline === true) return undefined
+  // a run beside others (a server's batch): its rows are better spent on the other sequences' steps
+  if (!context.alone) return undefined
   if (context.warm.layout.rewind === false) return undefined
   return {
     maxDraft: asked.maxDraft ?? DEFAULT_MAX_DRAFT,

@@ -92,6 +92,7 @@ const newCounts = () => ({
   promptTokens: 0,
   completionTokens: 0,
   recoveries: 0,
+  speculative: { steps: 0, drafted: 0, accepted: 0 },
   stragglers: 0,
   revivals: 0,
   revivalAttempts: 0,
@@ -184,6 +185,12 @@ const record = (counts: Counts, update: RunUpdate, firstToken: () => FirstTokenT
   if (update._tag === "StageStraggler") stageOf(counts, update.straggler.stageIndex).stragglerTokens++
   if (update._tag === "Finished") {
     counts.stragglers += update.summary.stragglers.length
+    const spec = update.summary.speculative
+    if (spec !== undefined) {
+      counts.speculative.steps += spec.steps
+      counts.speculative.drafted += spec.drafted
+      counts.speculative.accepted += spec.accepted
+    }
     recordStages(counts, update)
     const at = firstToken()
     if (at !== undefined) recordFirstToken(counts, update.summary, at)
@@ -252,6 +259,7 @@ const snapshot = (
       promptTokens: counts.promptTokens,
       completionTokens: counts.completionTokens,
       recoveries: counts.recoveries,
+      speculative: { ...counts.speculative },
       stragglers: counts.stragglers,
       revivals: counts.revivals,
       revivalAttempts: counts.revivalAttempts,

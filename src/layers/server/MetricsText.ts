@@ -91,6 +91,15 @@ const renderRequests = (m: ServerMetrics, status: string, metric: Metric) => {
   metric("swactor_prompt_tokens_total", "counter", "Prompt tokens of admitted requests", [["", m.promptTokens]])
   metric("swactor_completion_tokens_total", "counter", "Generated tokens", [["", m.completionTokens]])
   metric("swactor_recoveries_total", "counter", "Generations resumed after their run faulted", [["", m.recoveries]])
+  metric("swactor_speculative_steps_total", "counter", "Decode steps that verified drafted tokens", [
+    ["", m.speculative.steps]
+  ])
+  metric("swactor_speculative_drafted_total", "counter", "Tokens drafted (speculative decoding)", [
+    ["", m.speculative.drafted]
+  ])
+  metric("swactor_speculative_accepted_total", "counter", "Drafted tokens kept: decode steps saved", [
+    ["", m.speculative.accepted]
+  ])
   metric("swactor_pipeline_revivals_total", "counter", "Times the server served again after every agent was lost", [
     ["", m.revivals]
   ])

@@ -29,6 +29,7 @@ import * as MetricsRecorder from "./MetricsRecorder.js"
 import * as PipelineLifecycle from "./PipelineLifecycle.js"
 import * as PromptCacheKeeper from "./PromptCacheKeeper.js"
 import { errorWords } from "./Revival.js"
+import type { SpeculativeOptions } from "../../services/Speculation.js"
 
 /** The refusal of a prompt that could not be tokenized, rendered or is over the limit. */
 const promptRefused = (
@@ -84,6 +85,7 @@ interface Served {
    * stages how many are right behind it (RunRequest.arriving), so requests sent together prefill together.
    */
   readonly arriving: { count: number }
+  readonly speculative: SpeculativeOptions | undefined
 }
 
 /** A request's arrival: when it came, when it queued, and its leaving the arriving count. */
@@ -204,8 +206,14 @@ const onUpdate = (
 }
 
 /** What the pipeline is asked to run: the prompt, sampling, the prompt cache's ids and who is right behind. */
-const runRequestOf = (run: AdmittedRequest, cache: PromptCacheKeeper.RunCache, behind: number) => ({
+const runRequestOf = (
+  run: AdmittedRequest,
+  cache: PromptCacheKeeper.RunCache,
+  behind: number,
+  speculative: SpeculativeOptions | undefined
+) => ({
   prompt: run.prompt,
+  ...(speculative === undefined ? {} : { speculative }),
   maxTokens: run.maxTokens,
   ...(run.request.sampling === undefined ? {} : { sampling: run.request.sampling }),
   ...(cache.keepId === undefined
@@ -273,7 +281,7 @@ const runAdmitted = (served: Served, run: AdmittedRequest): Stream.Stream<ServeE
       }
       return Stream.concat(
         Stream.make(admitted),
-        pipeline.run(runRequestOf(run, cache, behind)).pipe(
+        pipeline.run(runRequestOf(run, cache, behind, served.speculative)).pipe(
           Stream.mapError((error): ServeError =>
             error._tag === "InvalidRequest"
               ? new BadServeRequest({ message: error.message })
@@ -393,7 +401,8 @@ export const make = (options: ServeOptions) =>
       observePlan,
       promptTokenizer: (pipeline) => Option.getOrElse(offThread, () => inThread(pipeline.vocabulary)),
       maxPromptTokens: (pipeline) => options.maxPromptTokens ?? Math.min(pipeline.model.maxSeqLen, 32768),
-      arriving: { count: 0 }
+      arriving: { count: 0 },
+      speculative: options.speculative
     }
     return Server.of({
       status: lifecycle.status,
