@@ -297,7 +297,8 @@ const smallBatchRoute = (w: NativeWeights, nSeq: number, verify: boolean) =>
     ? {
         maxRowsFor: w.smallRowsFor ?? (() => exactRowsDefault),
         allowed: (p: Ptr) => fewRowRouteAllowed(w.homeOf(p)),
-        shapeOf: (p: Ptr) => w.ggml.tensorShape(p)
+        shapeOf: (p: Ptr) => w.ggml.tensorShape(p),
+        verify
       }
     : null
 

@@ -157,6 +157,12 @@ export interface SmallBatchMatMul {
     readonly ne: ReadonlyArray<number>
     readonly nb: ReadonlyArray<number>
   }
+  /**
+   * A speculative step's rows (StageInput.verify): every row must get its lone bits, so where the route cannot take
+   * the rows (a repacked weight, more rows than the route's reach) they go in groups it can, one row at a time over a
+   * repacked weight, joined again.
+   */
+  readonly verify?: boolean
 }
 
 export class Toolkit {
@@ -209,12 +215,35 @@ export class Toolkit {
     const { nb, ne, type } = small.shapeOf(x)
     const rows = ne[1]!
     const contiguous = type === GgmlType.F32 && nb[0] === 4 && nb[1] === ne[0]! * 4 && ne[2] === 1 && ne[3] === 1
-    if (rows < 2 || !contiguous || !small.allowed(w)) return g.ggml_mul_mat(this.ctx, w, x)
+    if (rows < 2 || !contiguous) return g.ggml_mul_mat(this.ctx, w, x)
+    if (!small.allowed(w)) return small.verify === true ? this.inGroups(w, x, 1, small) : g.ggml_mul_mat(this.ctx, w, x)
     const weight = small.shapeOf(w)
-    if (rows > small.maxRowsFor(weight.type)) return g.ggml_mul_mat(this.ctx, w, x)
+    const reach = small.maxRowsFor(weight.type)
+    if (rows > reach) {
+      // a reach under 2: both kernels give the same bits for this type (SmallBatch.ts), the multi-row one is exact
+      return small.verify === true && reach >= 2 ? this.inGroups(w, x, reach, small) : g.ggml_mul_mat(this.ctx, w, x)
+    }
     fewRowProducts.count++
     const y = g.ggml_mul_mat(this.ctx, w, g.ggml_reshape_3d(this.ctx, x, ne[0]!, 1, rows))
     return g.ggml_reshape_2d(this.ctx, y, weight.ne[1]!, rows)
+  }
+
+  /**
+   * A verify step's product in groups of at most `group` rows (1: each row alone, [K, 1], the one-row kernel of
+   * whatever buffer holds the weight), each group as `mulMatSmall` would take it, joined along the rows.
+   */
+  private inGroups(w: Ptr, x: Ptr, group: number, small: SmallBatchMatMul): Ptr {
+    const g = this.g
+    const { nb, ne } = small.shapeOf(x)
+    const rows = ne[1]!
+    let out: Ptr | null = null
+    for (let r = 0; r < rows; r += group) {
+      const n = Math.min(group, rows - r)
+      const part = g.ggml_view_2d(this.ctx, x, ne[0]!, n, nb[1]!, r * nb[1]!)
+      const y = n === 1 ? g.ggml_mul_mat(this.ctx, w, part) : this.mulMatSmall(w, part, { ...small, verify: false })
+      out = out === null ? y : g.ggml_concat(this.ctx, out, y, 1)
+    }
+    return out!
   }
 
   /** Separate Q/K/V projections (+ optional biases), reshaped to [headDim, heads, nTokens]. */

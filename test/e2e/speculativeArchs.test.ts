@@ -1,0 +1,81 @@
+/**
+ * Speculative decoding on more than stories260K: synthetic llama Q8_0 and Q4_K, qwen3moe (experts, Q8_0) and gemma3
+ * (sliding-window blocks whose capped ring cache is rolled back within its slack, generated past the window), at 1 to
+ * 4 stages on real agent processes: the greedy tokens with drafts equal the tokens without. Random weights repeat
+ * little, so the drafts come from a prediction: the output itself with every third token changed, so steps keep some
+ * drafts and refuse the rest (the summary says both happened).
+ */
+import { assert, describe, it } from "@effect/vitest"
+import { Chunk, Effect, Stream } from "effect"
+import { join } from "node:path"
+import { layerRemote, run } from "../../src/api/generate.js"
+import { generateToken, spawnLocalAgents } from "../../src/layers/agent/AgentProcesses.js"
+import { type SyntheticModelOptions, writeSyntheticModel } from "../../src/layers/gguf/Synthetic.js"
+import type { GenerateRequest, RunSummary } from "../../src/services/Orchestrator.js"
+import { modelFolder } from "../support/synthFiles.js"
+
+const dir = modelFolder("swactor-speculative-archs-")
+const maxTokens = 48
+
+const shape = (name: string, extra: Partial<SyntheticModelOptions>): SyntheticModelOptions => ({
+  path: join(dir, `${name}.gguf`),
+  arch: "llama",
+  layers: 4,
+  hidden: 256,
+  ffn: 512,
+  heads: 4,
+  kvHeads: 2,
+  vocab: 400,
+  contextLength: 256,
+  type: "q8_0",
+  seed: 31,
+  ...extra
+})
+
+const models: ReadonlyArray<SyntheticModelOptions> = [
+  shape("llama-q8_0", {}),
+  shape("llama-q4_k", { type: "q4_k" }),
+  shape("qwen3moe-q8_0", { arch: "qwen3moe", experts: 8, expertsUsed: 2, expertFfn: 128 }),
+  shape("gemma3-f32", { arch: "gemma3", hidden: 128, ffn: 256, type: "f32", slidingWindow: 16, swaPattern: 3 })
+]
+
+const generate = (agents: ReadonlyArray<string>, token: string, request: GenerateRequest) =>
+  Effect.gen(function* () {
+    const updates = Chunk.toReadonlyArray(
+      yield* Stream.runCollect(run(request)).pipe(
+        Effect.provide(layerRemote({ agents, token, listenHost: "127.0.0.1" }))
+      )
+    )
+    const finished = updates.find((u) => u._tag === "Finished")
+    if (finished?._tag !== "Finished") return assert.fail("the run did not finish")
+    return {
+      tokens: updates.flatMap((u) => (u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : [])),
+      summary: finished.summary as RunSummary
+    }
+  })
+
+describe("speculative decoding: the same greedy tokens on synthetic families, 1-4 stages", () => {
+  for (const o of models) {
+    it.live(
+      `${o.arch} ${o.type}: tokens with drafts equal the tokens without, drafts kept and refused`,
+      () =>
+        Effect.gen(function* () {
+          yield* writeSyntheticModel(o)
+          const token = generateToken()
+          const agents = (yield* spawnLocalAgents({ count: 4, token, threads: 1 })).map((a) => a.address)
+          for (const stages of [1, 2, 3, 4]) {
+            const base = { model: o.path, prompt: "Once upon a time", maxTokens, threads: 1, stages }
+            const off = yield* generate(agents, token, base)
+            assert.strictEqual(off.tokens.length, maxTokens)
+            const predicted = off.tokens.map((t, i) => (i % 3 === 2 ? (t + 1) % o.vocab : t))
+            const on = yield* generate(agents, token, { ...base, speculative: { mode: "ngram", predicted } })
+            assert.deepStrictEqual(on.tokens, off.tokens, `${stages} stages`)
+            const spec = on.summary.speculative!
+            assert.isAbove(spec.accepted, 0, `${stages} stages: drafts kept`)
+            assert.isAbove(spec.drafted, spec.accepted, `${stages} stages: drafts refused`)
+          }
+        }).pipe(Effect.scoped),
+      240_000
+    )
+  }
+})
