@@ -25,10 +25,12 @@
  *
  * Usage: npm run bench:wan [-- --quick --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
  *        --model PATH --shape 16x2048 --skip-llama --skip-swactor --skip-delivery --greedy-check 32 --llama-tools DIR
- *        --no-pin --relay-check-only --loop-ab]
+ *        --no-pin --relay-check-only --loop-ab --speculative]
  * --quick: links loopback,wifi (gbe left out) — the issue's comparison at stages 2,4 × N 1,4,8 in about ten minutes on
  * 2 cores; any explicit flag still wins. --greedy-check N: tokens of the greedy check (0: none). --loop-ab: swactor
  * also with its token loop off ("swactor no loop": every token back through the orchestrator to stage 0).
+ * --speculative: after each swactor case, one stream without drafts, with prompt lookup and with every draft refused
+ * (a prediction that is always wrong): decode tok/s, acceptance, and whether the text is the text without drafts.
  * Default model: a synthetic Q8_0 llama of 8 blocks × 1024 (FFN 4096, heads 16/4, vocab 32000; 190 MiB);
  * `--shape 16x2048` is the issue's reference model (the 16×2048 of bench:serve); `--shape LxH` any size of that
  * family (FFN 4×H, heads H/64, KV heads H/256). Written once under .cache/bench. llama.cpp's tools: --llama-tools DIR
@@ -53,7 +55,7 @@ import { deliverWeights } from "../src/layers/orchestrator/WeightDelivery.js"
 import * as PromptTokenizer from "../src/layers/server/PromptTokenizer.js"
 import * as ServerLive from "../src/layers/server/ServerLive.js"
 import { AgentControl } from "../src/services/AgentLinks.js"
-import { Orchestrator } from "../src/services/Orchestrator.js"
+import { type GenerateRequest, Orchestrator, type RunSummary } from "../src/services/Orchestrator.js"
 import { Server } from "../src/services/Server.js"
 import { renderTimeline } from "../src/services/Timeline.js"
 import { type BenchShape, defaultBenchShape, ensureBenchModel } from "./benchModel.js"
@@ -104,6 +106,8 @@ const cfg = {
   /** Also run swactor with its token loop off (every token back through the orchestrator), as "swactor no loop". */
   loopAb: process.argv.includes("--loop-ab"),
   relayCheckOnly: process.argv.includes("--relay-check-only"),
+  /** After each swactor case: one stream without drafts, with prompt lookup, and with every draft refused. */
+  speculative: process.argv.includes("--speculative"),
   pin: !process.argv.includes("--no-pin"),
   dir: Path.resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
@@ -117,6 +121,8 @@ const prompts = [
   "The old man",
   "At the park"
 ]
+/** --speculative's prompt: a sentence and its beginning again, so the text goes on quoting it (prompt lookup's case). */
+const repetitivePrompt = "Once upon a time, there was a little girl. Once upon a time, there was a little"
 const cores = Os.availableParallelism()
 /** Tokens of the one request each contender serves before it is measured. */
 const warmUpTokens = 8
@@ -347,7 +353,7 @@ const swactor = async (
     await runtime.runPromise(one(prompts[0]!, warmUpTokens)) // weights loaded, the first run's set-up done
     // one stream as `swactor run --timeline` runs it, on the same agents (their weights are cached), its tokens back
     // through a listener of its own behind the same link
-    const timeline = async () => {
+    const oneStream = async (extra: Partial<GenerateRequest>): Promise<RunSummary | undefined> => {
       const port = await freePort()
       const front = await relays.front(profile, port)
       const run = layerRemote({
@@ -367,20 +373,23 @@ const swactor = async (
               threads: 1,
               maxTokens: cfg.tokens,
               sampling: { temperature: 0 },
-              timeline: true,
-              ...(tokenLoop ? {} : { tokenLoop: false })
+              ...(tokenLoop ? {} : { tokenLoop: false }),
+              ...extra
             })
           )
         ).pipe(Effect.provide(run))
       )
       const finished = Chunk.findLast(updates, (u) => u._tag === "Finished")
-      const t =
-        Option.isSome(finished) && finished.value._tag === "Finished" ? finished.value.summary.timeline : undefined
+      return Option.isSome(finished) && finished.value._tag === "Finished" ? finished.value.summary : undefined
+    }
+    const timeline = async () => {
+      const t = (await oneStream({ timeline: true }))?.timeline
       return t === undefined ? ["no timeline: no decode step could be timed"] : renderTimeline(t)
     }
     return {
       round,
       timeline,
+      speculation: () => speculationLines(oneStream),
       setup: `agents --threads 1, ${pinned.join(" / ")}`,
       close: async () => {
         await runtime.dispose()
@@ -391,6 +400,44 @@ const swactor = async (
     await Effect.runPromise(Scope.close(scope, Exit.void))
     throw error
   }
+}
+
+/**
+ * --speculative: one stream of `repetitivePrompt` without drafts, with prompt lookup (the text quotes the prompt again,
+ * as when a document is re-quoted or code edited), and with a prediction that is always wrong (every draft refused: the cost of drafting in vain), each
+ * its decode tok/s, acceptance, and whether its text is the text without drafts. Best of `rounds`.
+ */
+const speculationLines = async (
+  oneStream: (extra: Partial<GenerateRequest>) => Promise<RunSummary | undefined>
+): Promise<ReadonlyArray<string>> => {
+  const best = async (extra: Partial<GenerateRequest>) => {
+    let top: RunSummary | undefined
+    for (let r = 0; r < cfg.rounds; r++) {
+      const s = await oneStream(extra)
+      if (s !== undefined && (top === undefined || s.decodeTokensPerSecond > top.decodeTokensPerSecond)) top = s
+    }
+    if (top === undefined) throw new Error("a speculation stream did not finish")
+    return top
+  }
+  const prompt = repetitivePrompt
+  const off = await best({ prompt })
+  const lookup = await best({ prompt, speculative: { mode: "ngram" } })
+  const predicted = Array.from({ length: cfg.tokens }, () => 3)
+  const refused = await best({ prompt, speculative: { mode: "ngram", predicted } })
+  const line = (name: string, s: RunSummary) => {
+    const spec = s.speculative
+    const rate = spec === undefined || spec.drafted === 0 ? "-" : `${((100 * spec.accepted) / spec.drafted).toFixed(0)}%`
+    return (
+      `${name}: ${fmt(s.decodeTokensPerSecond)} tok/s (${(s.decodeTokensPerSecond / off.decodeTokensPerSecond).toFixed(2)}x ` +
+      `off), ${spec?.steps ?? 0} steps drafted ${spec?.drafted ?? 0} tokens, ${spec?.accepted ?? 0} kept (acceptance ${rate}), ` +
+      `text ${s.text === off.text ? "same as off" : "DIFFERS from off"}`
+    )
+  }
+  return [
+    `off: ${fmt(off.decodeTokensPerSecond)} tok/s`,
+    line("prompt lookup", lookup),
+    line("every draft refused", refused)
+  ]
 }
 
 // --------------------------------------------------------------------------------------------
@@ -566,6 +613,10 @@ const main = async () => {
           if (contender.greedyOk === false) greedyFailures.push(`${profile.name} ${stages} stages`)
           try {
             cells.set(key(profile.name, stages, who), await measure(contender))
+            if (contender.speculation !== undefined && cfg.speculative) {
+              console.log(`  ${profile.name} ${stages} stages ${who}, one stream, speculative decoding:`)
+              for (const line of await contender.speculation()) console.log(`    ${line}`)
+            }
             if (contender.timeline !== undefined && cfg.clients.includes(1)) {
               const lines = await contender.timeline()
               console.log(`  ${profile.name} ${stages} stages ${who}, one stream (run --timeline):`)

@@ -41,6 +41,8 @@ export interface Contender {
   readonly greedyOk?: boolean
   /** One stream's per-token timeline (swactor: `run --timeline` on the same agents), as table lines. */
   readonly timeline?: () => Promise<ReadonlyArray<string>>
+  /** swactor: one stream with speculative decoding off, by prompt lookup, and with every draft refused (--speculative). */
+  readonly speculation?: () => Promise<ReadonlyArray<string>>
 }
 
 /** The llama.cpp tools to use, or one line saying why there are none. */

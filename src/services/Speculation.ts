@@ -87,12 +87,15 @@ export const acceptedDrafts = (drafts: ReadonlyArray<number>, sampled: ReadonlyA
   return m
 }
 
+/** What one more row is taken to add to a step's cost until that row count is measured (a guess on the dear side). */
+const UNMEASURED_ROW_COST = 0.15
+
 /**
  * How many tokens to draft: the count whose expected tokens per step, over the measured cost of a step of that many
  * rows, is best. Acceptance is each draft's chance of being kept once the ones before it were (a running mean over
  * recent steps); a step's cost is the time from sending it to its tokens coming back (the whole pipeline's round trip),
- * by row count. Until a count is measured it is assumed to cost what the nearest measured count costs, so the chooser
- * tries longer steps while they are kept.
+ * by row count. Until a count is measured it is assumed to cost the nearest measured count's plus 15% a row between
+ * them, so drafting must be kept often enough to pay before it is tried, and stops soon when it is not.
  */
 export class DraftLength {
   private acceptance = 0.5
@@ -117,13 +120,20 @@ export class DraftLength {
     return this.acceptance
   }
 
-  /** A step of `rows` rows: its measured cost, else the nearest measured count's (the smaller first), else 1. */
+  /**
+   * A step of `rows` rows: its measured cost, else the nearest measured count's scaled by UNMEASURED_ROW_COST a row
+   * between them (so a plain step never measured is not taken for as dear as a long one), else that scale from 1.
+   */
   private costOf(rows: number): number {
-    for (let d = 0; d <= this.maxDraft + 1; d++) {
-      const c = this.costs.get(rows - d) ?? this.costs.get(rows + d)
-      if (c !== undefined) return c
+    const seen = this.costs.get(rows)
+    if (seen !== undefined) return seen
+    for (let d = 1; d <= this.maxDraft + 1; d++) {
+      const below = this.costs.get(rows - d)
+      if (below !== undefined) return below * (1 + UNMEASURED_ROW_COST * d)
+      const above = this.costs.get(rows + d)
+      if (above !== undefined) return above / (1 + UNMEASURED_ROW_COST * d)
     }
-    return 1
+    return 1 + UNMEASURED_ROW_COST * (rows - 1)
   }
 
   /** The draft count to ask for next (0: decode without drafts). */

@@ -41,14 +41,24 @@ describe("Speculation", () => {
     const kept = new DraftLength(6)
     for (let i = 0; i < 20; i++) kept.observe(6, 6, 7)
     kept.observe(0, 0, 5)
-    // every draft kept, a 7-row step 1.4x a 1-row step: the longest
-    assert.strictEqual(kept.choose(), 6)
+    // every draft kept, a 7-row step 1.4x a 1-row step: a long step (5 or 6: a 6-row step never measured is taken to
+    // cost the 7-row one's less 15%)
+    assert.isAtLeast(kept.choose(), 5)
     assert.isAbove(kept.rate, 0.9)
     const refused = new DraftLength(6)
     refused.observe(0, 0, 5)
     for (let i = 0; i < 20; i++) refused.observe(3, 0, 8)
     assert.strictEqual(refused.choose(), 0)
     assert.isBelow(refused.rate, 0.05)
+    // nothing measured yet, drafts refused at every step: drafting stops within a few steps (before, an unmeasured
+    // plain step was taken to cost what a long one did, and a chooser kept drafting in vain)
+    const fresh = new DraftLength(6)
+    let steps = 0
+    while (fresh.choose() > 0 && steps < 50) {
+      fresh.observe(fresh.choose(), 0, 10)
+      steps++
+    }
+    assert.isAtMost(steps, 6)
     // half kept, but a 2-row step costs 3 times a 1-row one: not worth it
     const dear = new DraftLength(1)
     dear.observe(0, 0, 1)

@@ -342,6 +342,7 @@ const plannedStep = (ctx: StepContext, frame: DataFrame): Effect.Effect<PlannedS
  */
 const sendVerified = (
   ctx: StepContext,
+  frame: DataFrame,
   output: Extract<StageOutput, { _tag: "Logits" }>,
   drafts: ReadonlyArray<number>,
   sample: SequenceSampler,
@@ -349,7 +350,9 @@ const sendVerified = (
 ) =>
   Effect.gen(function* () {
     const p = ctx.request.provision
+    const sampleStart = performance.now()
     const tokens = verifiedTokens(spec, output.logits, output.rows ?? 1, drafts, sample, p.model.eosTokenId)
+    if (frame.step === 0) ctx.stats.firstSampleMillis = performance.now() - sampleStart
     if (drafts.length > 0) {
       ctx.stats.verifySteps++
       ctx.stats.draftedTokens += drafts.length
@@ -492,7 +495,7 @@ export const stepOf =
           if (!sampleHere) continue
           const sent =
             ctx.speculation !== undefined
-              ? yield* sendVerified(ctx, output, drafts, ctx.sample, ctx.speculation)
+              ? yield* sendVerified(ctx, frame, output, drafts, ctx.sample, ctx.speculation)
               : yield* sendSampled(ctx, frame, output.logits, ctx.sample)
           handOffStart = sent.handOffStart
           handOff = sent.handOff
