@@ -418,6 +418,8 @@ const buildBlock = (t: Toolkit, w: BlockWeights, x: Ptr): Ptr => {
       : g.ggml_concat(ctx, stack, g.ggml_reshape_3d(ctx, stream, e, 1, n), 1)
   const h = t.rmsNorm(mixed, w.get("attn_norm.weight"))
   expandBlockInputs(t, h)
+  // K3's MLA reads no positions (no RoPE), but Forward sets them on every call: a stage of MLA blocks expands them too
+  g.ggml_build_forward_expand(t.graph, t.inputs.pos)
   const att = t.hp.recurrent!.layers[t.layer] === true ? kda(t, w, h) : mla(t, w, h)
   const prefix = banks ? att : g.ggml_add(ctx, stream, att)
   const ffnIn = size > 0 ? resMix(t, prefix, bank, w.get("ffn_res_score.weight")) : prefix
