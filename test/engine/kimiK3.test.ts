@@ -7,6 +7,12 @@
 import { assert, describe, it } from "@effect/vitest"
 import { Effect } from "effect"
 import { join } from "node:path"
+import { blockMemory } from "../../src/layers/engine/BlockMemory.js"
+import { NativeSession } from "../../src/layers/engine/KvCache.js"
+import { layerWith, LiveLoadedStage } from "../../src/layers/engine/StageExecutorLive.js"
+import { kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../../src/services/KvSize.js"
+import { stageMemoryBytes } from "../../src/services/Placement.js"
+import * as Batch from "../support/batch.js"
 import { activationWidth } from "../../src/layers/engine/PerLayerInputs.js"
 import { readModelHParams } from "../../src/layers/engine/StageLayout.js"
 import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
@@ -65,5 +71,54 @@ describe("kimi-k3 (gguf-py file): node-llama-cpp's greedy tokens at 1, 2 and 3 s
         assert.strictEqual(activationFrameBytes(facts, 64), 64 * 4 * 4)
         assert.strictEqual((yield* readModelLayout(path)).hiddenDim, 64 * 4)
       })
+  )
+})
+
+describe("kimi-k3's memory: KDA state as qwen35's DeltaNet state, MLA's latent rows", () => {
+  it.live(
+    "KDA blocks keep qwen35's constant state, MLA blocks their latent row: allocated, StageInfo, layout and placement agree",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("kimi-k3", join(dir, "kimi-k3-state.gguf"), 7)
+        const { hp } = yield* readModelHParams(yield* readGgufFile(path))
+        // conv: 3 (q, k, v) x (kernel 4 - 1) x 64 inner; ssm: head_dim 16 squared x 4 heads
+        const state = 4 * (3 * 3 * 64 + 16 * 16 * 4)
+        // the latent (32) then the shared part of K (8), F16, no V row
+        const row = kvBytesPerTokenOfBlock(40, 0)
+        assert.deepStrictEqual(blockMemory(hp, 0), { kind: "state", conv: 3 * 3 * 64, ssm: 16 * 16 * 4 })
+        assert.deepStrictEqual(blockMemory(hp, 3), { kind: "kv", kRow: 40, vRow: 0, window: undefined })
+        const layout = yield* readModelLayout(path)
+        const mlaBlocks = [3, 7]
+        const isMla = (il: number) => mlaBlocks.includes(il)
+        assert.deepStrictEqual(
+          layout.stateBytes,
+          Array.from({ length: 8 }, (_, il) => (isMla(il) ? 0 : state))
+        )
+        assert.deepStrictEqual(
+          layout.kvBytesPerToken,
+          Array.from({ length: 8 }, (_, il) => (isMla(il) ? row : 0))
+        )
+        const stages = yield* Batch.loadSplit(path, [0, 3, 8])
+        for (const context of [64, 512]) {
+          // [0, 3): three KDA blocks; [3, 8): MLA, KDA x 3, MLA
+          const expected = [3 * state, 3 * state + 2 * kvCacheSize(context) * row]
+          stages.forEach((stage, i) => {
+            assert.instanceOf(stage, LiveLoadedStage)
+            const s = new NativeSession((stage as LiveLoadedStage).weights, context, 1)
+            try {
+              assert.strictEqual(s.kvBytes, expected[i], `stage ${i}, context ${context}: allocated`)
+              assert.strictEqual(kvBytesOfStage(stage.info, context), expected[i], `stage ${i}: StageInfo`)
+            } finally {
+              s.free()
+            }
+          })
+          // what placement and --dry-run count for each stage
+          const opts = { contextTokens: context, computeBytes: 0 }
+          const weights = (a: number, b: number) => layout.blockBytes.slice(a, b).reduce((x, y) => x + y, 0)
+          assert.strictEqual(stageMemoryBytes(layout, 0, 3, opts), layout.inputBytes + weights(0, 3) + expected[0]!)
+          assert.strictEqual(stageMemoryBytes(layout, 3, 8, opts), weights(3, 8) + layout.outputBytes + expected[1]!)
+        }
+      }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))),
+    120_000
   )
 })
