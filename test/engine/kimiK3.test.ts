@@ -12,7 +12,9 @@ import { NativeSession } from "../../src/layers/engine/KvCache.js"
 import { layerWith, LiveLoadedStage } from "../../src/layers/engine/StageExecutorLive.js"
 import { kvBytesOfStage, kvBytesPerTokenOfBlock, kvCacheSize } from "../../src/services/KvSize.js"
 import { stageMemoryBytes } from "../../src/services/Placement.js"
+import { makeRng } from "../../src/services/Sampler.js"
 import * as Batch from "../support/batch.js"
+import type { SeqPlan } from "../support/batch.js"
 import { activationWidth } from "../../src/layers/engine/PerLayerInputs.js"
 import { readModelHParams } from "../../src/layers/engine/StageLayout.js"
 import { readGgufFile } from "../../src/layers/gguf/GgufReader.js"
@@ -20,6 +22,7 @@ import { readModelFacts, readModelLayout } from "../../src/layers/gguf/ModelCata
 import { activationFrameBytes } from "../../src/services/Planner.js"
 import { writeConverted } from "../support/convertedModels.js"
 import { nodeLlamaReference, splitsMatchReference } from "../support/engine.js"
+import { killedStageResumes } from "../support/resume.js"
 import { modelFolder, REFERENCE_OPTIONS, STORY_PROMPT } from "../support/synthFiles.js"
 
 const dir = modelFolder("swactor-engine-kimi-k3-")
@@ -120,5 +123,54 @@ describe("kimi-k3's memory: KDA state as qwen35's DeltaNet state, MLA's latent r
         }
       }).pipe(Effect.scoped, Effect.provide(layerWith({ smallBatchRows: 0 }))),
     120_000
+  )
+})
+
+describe("kimi-k3: sequences batched equal their lone runs; a killed stage resumes", () => {
+  const schedule = (): ReadonlyArray<SeqPlan> => {
+    const r = makeRng(47)
+    const prompt = (n: number) => Array.from({ length: n }, () => 3 + Math.floor(r() * 397))
+    return [
+      { prompt: prompt(5), start: 0, steps: 16 },
+      { prompt: prompt(20), start: 0, steps: 16 },
+      { prompt: prompt(1), start: 2, steps: 12 },
+      { prompt: prompt(30), start: 1, steps: 16, chunk: 12 }
+    ]
+  }
+  for (const rows of [0, 8]) {
+    it.live(
+      `route ${rows}, 1, 2 and 3 stages: every sequence's tokens (KDA states, checkpoints) equal its lone run's`,
+      () =>
+        Effect.gen(function* () {
+          const path = writeConverted("kimi-k3", join(dir, "kimi-k3-batch.gguf"), 9)
+          const maxDiff = yield* Batch.batchedEqualsAlone(
+            path,
+            [
+              [0, 8],
+              [0, 4, 8],
+              [0, 1, 7, 8]
+            ],
+            schedule(),
+            256
+          )
+          console.log(`kimi-k3 route ${rows}: batched vs alone max logit difference ${maxDiff.toExponential(2)}`)
+        }).pipe(Effect.provide(layerWith({ smallBatchRows: rows }))),
+      300_000
+    )
+  }
+
+  it.live(
+    "3 local agents, 40 tokens: node-llama-cpp's tokens; the middle agent killed at token 12 resumes to the same tokens",
+    () =>
+      Effect.gen(function* () {
+        const path = writeConverted("kimi-k3", join(dir, "kimi-k3-resume.gguf"), 9)
+        const { reference } = yield* killedStageResumes(
+          { model: path, prompt: "Once upon a time", maxTokens: 40, threads: 1, stages: 3 },
+          { atToken: 12 }
+        )
+        const ref = yield* nodeLlamaReference(path, "Once upon a time", 40, REFERENCE_OPTIONS)
+        assert.deepStrictEqual(reference.tokens, ref.tokens)
+      }),
+    240_000
   )
 })
