@@ -809,7 +809,7 @@ def kimi_k3(writer, n_vocab):
     def f32(*shape, scale):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w = 0.3
+    w = 0.2
     writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
     writer.add_tensor("output_norm.weight", vector(n_embd))
     writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
