@@ -175,3 +175,33 @@ describe("kimi-k3: sequences batched equal their lone runs; a killed stage resum
     240_000
   )
 })
+
+describe("kimi-k3: bad metadata is a typed error naming the key, never an abort", () => {
+  const kv = [0, 0, 0, 1, 0, 0, 0, 1]
+  const cases: ReadonlyArray<readonly [string, string, number | ReadonlyArray<number> | null]> = [
+    ["no attn_res.block_size", "kimi-k3.attn_res.block_size", null],
+    ["situ beta 0", "kimi-k3.activation.situ_beta", 0],
+    ["no situ linear beta", "kimi-k3.activation.situ_linear_beta", null],
+    ["a 1-tap convolution", "kimi-k3.ssm.conv_kernel", 1],
+    ["KDA head size 0", "kimi-k3.kda.head_dim", 0],
+    ["the KV head pattern one block short", "kimi-k3.attention.head_count_kv", kv.slice(1)],
+    ["two attention blocks with different KV heads", "kimi-k3.attention.head_count_kv", [2, ...kv.slice(1)]]
+  ]
+  for (const [what, key, value] of cases) {
+    it.effect(`${what}: a ModelLoadError naming "${key}"`, () =>
+      Effect.gen(function* () {
+        const file = yield* readGgufFile(writeConverted("kimi-k3", join(dir, "kimi-k3-metadata.gguf"), 7))
+        assert.isTrue(file.metadata.has(key))
+        const metadata = new Map(file.metadata)
+        const metadataTypes = new Map(file.metadataTypes)
+        if (value === null) {
+          metadata.delete(key)
+          metadataTypes.delete(key)
+        } else metadata.set(key, value)
+        const error = yield* Effect.flip(readModelHParams({ ...file, metadata, metadataTypes }))
+        assert.strictEqual(error._tag, "ModelLoadError")
+        assert.include(error.message, key)
+      })
+    )
+  }
+})
