@@ -18,8 +18,9 @@ describe("served families: 4 concurrent streams each give their lone text", () =
   let server: ServeProcess | undefined
   afterAll(() => stopServe(server))
 
-  // deepseek32, glm-dsa and deepseek4: each sequence's own top-k (the indexer reads its own cache) in a shared batch
-  for (const family of ["minimax-m2", "deepseek32", "glm-dsa", "deepseek4"] as const) {
+  // deepseek32, glm-dsa and deepseek4: each sequence's own top-k (the indexer reads its own cache) in a shared batch;
+  // kimi-k3: each sequence's own KDA state and checkpoints
+  for (const family of ["minimax-m2", "deepseek32", "glm-dsa", "deepseek4", "kimi-k3"] as const) {
     it(`${family} on 2 stages, --parallel 4`, async () => {
       const path = writeConverted(family, join(dir, `${family}.gguf`), 7)
       server = await startServe(["--model", path, "--stages", "2", "--threads", "1", "--parallel", "4"])

@@ -97,6 +97,7 @@ const converted: ReadonlyArray<ConvertedFamily> = [
   "mistral3",
   "deepseek2",
   "deepseek4",
+  "kimi-k3",
   "gpt-oss",
   "qwen35",
   "qwen35moe"

@@ -97,4 +97,40 @@ describe("graph ops: ggml's preconditions are checked before the call", () => {
       refuses("ggml_dsv4_hc_post", () => op.ggml_dsv4_hc_post(ctx, f32(16, 3), f32(16, 4, 3), f32(4, 3), f32(4, 4, 2)))
       assert.isNotNull(op.ggml_dsv4_hc_post(ctx, f32(16, 3), f32(16, 4, 3), f32(4, 3), f32(4, 4, 3)))
     }))
+
+  it("the recurrent blocks' ops (DeltaNet, KDA) and the layout ops: refused with bad shapes, built with good ones", () =>
+    withCtx((ctx) => {
+      const f32 = (...ne: Array<number>) =>
+        raw.ggml_new_tensor_4d(ctx, GgmlType.F32, ne[0]!, ne[1] ?? 1, ne[2] ?? 1, ne[3] ?? 1)
+      // ssm_conv: kernel - 1 + n columns over the weights' channels
+      refuses("ggml_ssm_conv", () => op.ggml_ssm_conv(ctx, f32(5, 32, 1), f32(4, 16)))
+      refuses("ggml_ssm_conv", () => op.ggml_ssm_conv(ctx, f32(2, 32, 1), f32(4, 32)))
+      assert.isNotNull(op.ggml_ssm_conv(ctx, f32(5, 32, 1), f32(4, 32)))
+      // gated delta net: KDA's vector gate [S, H, n, 1] or DeltaNet's scalar one [1, H, n, 1]; the state [S, S, H, 1]
+      const [q, k, v, beta, state] = [f32(16, 4, 3), f32(16, 4, 3), f32(16, 4, 3), f32(1, 4, 3), f32(16, 16, 4)]
+      refuses("ggml_gated_delta_net", () => op.ggml_gated_delta_net(ctx, q, k, v, f32(8, 4, 3), beta, state, 1))
+      refuses("ggml_gated_delta_net", () =>
+        op.ggml_gated_delta_net(ctx, q, k, v, f32(16, 4, 3), beta, f32(16, 16, 3), 1)
+      )
+      refuses("ggml_gated_delta_net", () =>
+        op.ggml_gated_delta_net(ctx, f32(16, 3, 3), k, v, f32(1, 4, 3), beta, state, 1)
+      )
+      assert.isNotNull(op.ggml_gated_delta_net(ctx, q, k, v, f32(16, 4, 3), beta, state, 1))
+      assert.isNotNull(op.ggml_gated_delta_net(ctx, q, k, v, f32(1, 4, 3), beta, state, 1))
+      // concat: one type, equal but along the axis
+      refuses("ggml_concat", () => op.ggml_concat(ctx, f32(64, 1, 3), f32(64, 2, 4), 1))
+      refuses("ggml_concat", () =>
+        op.ggml_concat(ctx, f32(64, 1, 3), raw.ggml_new_tensor_3d(ctx, GgmlType.F16, 64, 1, 3), 1)
+      )
+      assert.isNotNull(op.ggml_concat(ctx, f32(64, 1, 3), f32(64, 2, 3), 1))
+      // 4-D reshapes and views, copies, 2-D conts
+      refuses("ggml_reshape_4d", () => op.ggml_reshape_4d(ctx, f32(64, 4), 16, 4, 2, 3))
+      assert.isNotNull(op.ggml_reshape_4d(ctx, f32(64, 4), 16, 4, 2, 2))
+      refuses("ggml_view_4d", () => op.ggml_view_4d(ctx, f32(16, 4, 3), 16, 4, 4, 1, 64, 256, 768, 0))
+      assert.isNotNull(op.ggml_view_4d(ctx, f32(16, 4, 3), 16, 4, 3, 1, 64, 256, 768, 0))
+      refuses("ggml_cpy", () => op.ggml_cpy(ctx, f32(64, 3), f32(64, 4)))
+      assert.isNotNull(op.ggml_cpy(ctx, f32(64, 3), f32(32, 6)))
+      refuses("ggml_cont_2d", () => op.ggml_cont_2d(ctx, f32(16, 4, 3), 64, 4))
+      assert.isNotNull(op.ggml_cont_2d(ctx, f32(16, 4, 3), 64, 3))
+    }))
 })

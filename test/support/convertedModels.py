@@ -750,6 +750,123 @@ def deepseek4_hash3(writer, n_vocab):
     deepseek4(writer, n_vocab, hash_layers=3)
 
 
+def kimi_k3(writer, n_vocab):
+    """Kimi K3 (conversion/kimi_k3.py KimiK3Model), scaled down: KDA (linear, recurrent: n_head_kv 0) blocks with an MLA
+    block every 4th as linear_attn_config.full_attn_layers lists them (1-indexed), a dense leading block
+    (first_k_dense_replace), the latent MoE (routed experts at routed_expert_hidden_size between ffn_routed_down,
+    ffn_routed_norm and ffn_routed_up; sigmoid routing with the correction bias, renormalised and scaled; one shared
+    expert at full width), the situ activation everywhere (betas small enough to bite), the MLA's sigmoid output gate
+    (attn_gate, g_proj on a full-attention block), nope-only MLA (no RoPE; qk_rope_head_dim still sizes K's shared part),
+    KDA's full-rank gate (ssm_g), its gate lower bound, the folded -exp(A_log), and the attention residuals: every
+    attn_res_block_size-th block (3 here, so blocks 0, 3 and 6 bank checkpoints) banks its input, every block mixes the
+    bank, each score vector fused from <x>_res_norm x <x>_res_proj as the converter writes it."""
+    c = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=8, intermediate_size=96,
+             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+             first_k_dense_replace=1, routed_scaling_factor=2.5, moe_renormalize=True,
+             routed_expert_hidden_size=32, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=4096,
+             activation_situ_beta=1.5, activation_situ_linear_beta=2.0, attn_res_block_size=3,
+             linear_attn_config=dict(full_attn_layers=[4, 8], short_conv_kernel_size=4, head_dim=16,
+                                     gate_lower_bound=-5.0))
+    n_embd, n_head, n_layer = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
+    lin = c["linear_attn_config"]
+    hd, d_conv = lin["head_dim"], lin["short_conv_kernel_size"]
+    d_inner = hd * n_head
+    kv_lora, nope, rope, v_dim = c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    full = [(il + 1) in lin["full_attn_layers"] for il in range(n_layer)]
+    # TextModel.set_gguf_parameters, then KimiK3Model's keys
+    writer.add_block_count(n_layer)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["num_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(n_vocab)
+    writer.add_head_count_kv([1 if f else 0 for f in full])
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_kda_head_dim(hd)
+    writer.add_kda_gate_lower_bound(lin["gate_lower_bound"])
+    writer.add_kv_lora_rank(kv_lora)
+    writer.add_rope_dimension_count(rope)
+    writer.add_key_length(kv_lora + rope)
+    writer.add_value_length(kv_lora)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(v_dim)
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_count(c["num_shared_experts"])
+    writer.add_leading_dense_block_count(c["first_k_dense_replace"])
+    writer.add_expert_weights_scale(c["routed_scaling_factor"])
+    writer.add_expert_weights_norm(c["moe_renormalize"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_latent_length(c["routed_expert_hidden_size"])
+    writer.add_activation_situ_beta(c["activation_situ_beta"])
+    writer.add_activation_situ_linear_beta(c["activation_situ_linear_beta"])
+    writer.add_attn_res_block_size(c["attn_res_block_size"])
+
+    def f32(*shape, scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = 0.2
+    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd, scale=0.5))
+    writer.add_tensor("output_norm.weight", vector(n_embd))
+    writer.add_tensor("output.weight", matrix(n_vocab, n_embd, scale=0.3))
+    # norm x proj, fused by the converter into one F32 vector
+    writer.add_tensor("output_res_score.weight", f32(n_embd, scale=0.5))
+    n_exp, n_ff_exp, latent = c["num_experts"], c["moe_intermediate_size"], c["routed_expert_hidden_size"]
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        writer.add_tensor(b + "attn_norm.weight", vector(n_embd))
+        writer.add_tensor(b + "attn_res_score.weight", f32(n_embd, scale=0.5))
+        writer.add_tensor(b + "ffn_res_score.weight", f32(n_embd, scale=0.5))
+        if full[il]:
+            writer.add_tensor(b + "attn_q.weight", matrix(n_head * (nope + rope), n_embd, scale=w))
+            writer.add_tensor(b + "attn_kv_a_mqa.weight", matrix(kv_lora + rope, n_embd, scale=w))
+            writer.add_tensor(b + "attn_kv_a_norm.weight", vector(kv_lora))
+            # kv_b split as the converter does: k_b transposed [n_head, kv_lora, nope], v_b [n_head, v, kv_lora]
+            writer.add_tensor(b + "attn_k_b.weight", matrix(n_head, kv_lora, nope, scale=w))
+            writer.add_tensor(b + "attn_v_b.weight", matrix(n_head, v_dim, kv_lora, scale=w))
+            writer.add_tensor(b + "attn_gate.weight", matrix(n_head * v_dim, n_embd, scale=w))
+            writer.add_tensor(b + "attn_output.weight", matrix(n_embd, n_head * v_dim, scale=w))
+        else:
+            for x in ("q", "k", "v"):
+                # HF [d_inner, 1, d_conv] reshaped to ggml's [d_conv, 1, d_inner, 1], F32
+                writer.add_tensor(b + f"ssm_conv1d_{x}.weight", f32(1, d_inner, 1, d_conv, scale=0.5))
+            writer.add_tensor(b + "attn_q.weight", matrix(d_inner, n_embd, scale=w))
+            writer.add_tensor(b + "attn_k.weight", matrix(d_inner, n_embd, scale=w))
+            writer.add_tensor(b + "attn_v.weight", matrix(d_inner, n_embd, scale=w))
+            writer.add_tensor(b + "ssm_f_a.weight", matrix(hd, n_embd, scale=w))
+            writer.add_tensor(b + "ssm_f_b.weight", matrix(d_inner, hd, scale=w))
+            writer.add_tensor(b + "ssm_beta.weight", matrix(n_head, n_embd, scale=w))
+            # -exp(A_log), folded by the converter
+            writer.add_tensor(b + "ssm_a", (-np.exp(rng.uniform(0.0, 2.0, n_head))).astype(np.float32))
+            writer.add_tensor(b + "ssm_dt.bias", f32(d_inner, scale=0.5))
+            writer.add_tensor(b + "ssm_g.weight", matrix(d_inner, n_embd, scale=w))
+            writer.add_tensor(b + "ssm_norm.weight", vector(hd))
+            writer.add_tensor(b + "attn_output.weight", matrix(n_embd, d_inner, scale=w))
+        writer.add_tensor(b + "ffn_norm.weight", vector(n_embd))
+        if il < c["first_k_dense_replace"]:
+            n_ff = c["intermediate_size"]
+            writer.add_tensor(b + "ffn_gate.weight", matrix(n_ff, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_up.weight", matrix(n_ff, n_embd, scale=w))
+            writer.add_tensor(b + "ffn_down.weight", matrix(n_embd, n_ff, scale=w))
+            continue
+        writer.add_tensor(b + "ffn_gate_inp.weight", f32(n_exp, n_embd, scale=0.5))
+        writer.add_tensor(b + "exp_probs_b.bias", vector(n_exp, 0.0, 0.1))
+        writer.add_tensor(b + "ffn_gate_exps.weight", matrix(n_exp, n_ff_exp, latent, scale=w))
+        writer.add_tensor(b + "ffn_up_exps.weight", matrix(n_exp, n_ff_exp, latent, scale=w))
+        writer.add_tensor(b + "ffn_down_exps.weight", matrix(n_exp, latent, n_ff_exp, scale=w))
+        writer.add_tensor(b + "ffn_routed_down.weight", matrix(latent, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_routed_norm.weight", vector(latent))
+        writer.add_tensor(b + "ffn_routed_up.weight", matrix(n_embd, latent, scale=w))
+        sh = n_ff_exp * c["num_shared_experts"]
+        writer.add_tensor(b + "ffn_gate_shexp.weight", matrix(sh, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_up_shexp.weight", matrix(sh, n_embd, scale=w))
+        writer.add_tensor(b + "ffn_down_shexp.weight", matrix(n_embd, sh, scale=w))
+
+
 def gpt_oss(writer, n_vocab):
     """gpt-oss 20b/120b (conversion/gpt_oss.py GptOssModel): experts in MXFP4 as the checkpoint ships them (repacked,
     not requantised, so F16 everywhere else), biases on q/k/v/o, the router and every expert, attention sinks,
@@ -1000,6 +1117,7 @@ FAMILIES = {
     "glm-dsa-shared": ("glm-dsa", glm_dsa_shared),
     "deepseek4": ("deepseek4", deepseek4),
     "deepseek4-hash3": ("deepseek4", deepseek4_hash3),
+    "kimi-k3": ("kimi-k3", kimi_k3),
     "mistral3": ("mistral3", mistral3),
     "gemma3": ("gemma3", gemma3),
     "gemma4": ("gemma4", gemma4),

@@ -54,6 +54,7 @@ export type ConvertedFamily =
   | "glm-dsa-shared"
   | "deepseek4"
   | "deepseek4-hash3"
+  | "kimi-k3"
   | "gpt-oss"
   | "qwen35"
   | "qwen35moe"

@@ -13,6 +13,8 @@ export interface ArchModule {
   readonly ownHeadShape?: boolean
   /** Optional: `attention.head_count_kv` may vary per block (readHParams' kvHeadsPerBlock; gemma4 sets blockHeads). */
   readonly kvHeadsPerBlock?: boolean
+  /** Optional: `attention.head_count_kv` per block with 0 marking a recurrent block (readHParams' recurrentKvZero; kimi-k3). */
+  readonly recurrentKvZero?: boolean
   /** Optional: `feed_forward_length` may vary per block (readHParams' ffPerBlock, HParams.blockFf; gemma4 E2B). */
   readonly ffPerBlock?: boolean
   /** Optional: `feed_forward_length` may be absent (readHParams' ffOptional: every block routed, deepseek4). */

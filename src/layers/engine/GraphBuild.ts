@@ -64,7 +64,10 @@ const graphContext = (raw: GgmlRaw, w: NativeWeights, nSeq: number): { ctx: Ptr;
   // a routed block (Moe.ts) adds ~30 tensors, a view and an add per expert used, and ~12 for group-limited routing
   const moe = hp.moe
   const moeNodes = moe === undefined ? 0 : 40 + 3 * moe.nExpertUsed + (moe.nExpertGroups > 1 ? 16 : 0)
-  const maxNodes = Math.max(2048, (96 + moeNodes + 24 * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
+  // kimi-k3: the attention residuals' mixes (~40) and a KDA block's three convolutions and gate per sequence (~70)
+  const kimi = hp.kimi === undefined ? 0 : 96
+  const perSeq = hp.kimi === undefined ? 24 : 96
+  const maxNodes = Math.max(2048, (96 + moeNodes + kimi + perSeq * (nSeq - 1)) * nLayers + 256 + 8 * nSeq)
   const ctx = raw.ggml_init({
     mem_size: raw.ggml_tensor_overhead() * maxNodes + raw.ggml_graph_overhead_custom(maxNodes, false),
     mem_buffer: null,

@@ -75,6 +75,12 @@ export interface HParams {
   /** Gated DeltaNet blocks (qwen35, RecurrentParams.ts): a state per sequence in place of their KV cache; absent: none. */
   readonly recurrent?: RecurrentParams
   /**
+   * Kimi K3's attention residuals, situ activation, KDA gate and latent experts (archs/kimiK3.ts): every
+   * `resBlockSize`-th block banks its input, and what crosses a stage boundary is the residual stream plus every
+   * checkpoint banked before it (PerLayerInputs.activationWidth); absent: none.
+   */
+  readonly kimi?: KimiParams
+  /**
    * Per block of the model: its own head sizes, KV heads and RoPE width (gemma4 31B: sliding-window blocks 256-wide
    * heads, global ones 512-wide with fewer KV heads); absent: every block has the model-wide ones (`headsOf`).
    */
@@ -168,6 +174,25 @@ export interface Dsv4Params {
   readonly indexer: { readonly nHead: number; readonly headSize: number; readonly topK: number }
 }
 
+/** Kimi K3's own sizes (`attn_res.block_size`, `activation.situ_*`, `kda.*`, `expert_latent_length`). */
+export interface KimiParams {
+  /** Blocks il with il % resBlockSize === 0 bank their input (`attn_res.block_size`); 0: no attention residuals. */
+  readonly resBlockSize: number
+  readonly situBeta: number
+  /** 0 or less: the up branch is not squashed. */
+  readonly situLinearBeta: number
+  /** `kda.gate_lower_bound`: the decay gate is lowerBound x sigmoid(...) when finite, else -exp(A_log) x softplus(...). */
+  readonly gateLowerBound: number
+  /** The routed experts' width (`expert_latent_length`, between ffn_routed_down and ffn_routed_up); nEmbd when absent. */
+  readonly latent: number
+}
+
+/** Checkpoints Kimi K3's blocks before `layer` banked (blocks il < layer with il % resBlockSize === 0). */
+export const checkpointsBefore = (hp: HParams, layer: number): number => {
+  const size = hp.kimi?.resBlockSize ?? 0
+  return size > 0 ? Math.ceil(Math.min(layer, hp.nLayer) / size) : 0
+}
+
 /** deepseek4's heavily compressed blocks compress this many positions into one row. */
 export const HCA_RATIO = 128
 
@@ -221,11 +246,31 @@ const perBlockInt = (file: GgufFile, key: string, nLayer: number) =>
     return arr
   })
 
+/** Per block KV heads where 0 marks a recurrent block (kimi-k3): the attention blocks' (one value), [1] when none. */
+const attentionKvHeads = (file: GgufFile, key: string, nLayer: number) =>
+  Effect.gen(function* () {
+    const arr = yield* getNumberArray(file, key)
+    if (arr.length !== nLayer) {
+      return yield* Effect.fail(invalidMetadata(file, key, `has ${arr.length} entries for ${nLayer} blocks`))
+    }
+    if (arr.some((n) => !(Number.isSafeInteger(n) && n >= 0))) {
+      return yield* Effect.fail(invalidMetadata(file, key, "must be integers >= 0 (0: a recurrent block)"))
+    }
+    const attention = arr.filter((n) => n > 0)
+    if (attention.some((n) => n !== attention[0])) {
+      return yield* Effect.fail(
+        invalidMetadata(file, key, "varies between attention blocks, which swactor does not support")
+      )
+    }
+    return [attention[0] ?? 1]
+  })
+
 type ReadOptions = {
   readonly ownHeadShape?: boolean
   readonly kvHeadsPerBlock?: boolean
   readonly ffPerBlock?: boolean
   readonly ffOptional?: boolean
+  readonly recurrentKvZero?: boolean
 }
 
 /** An architecture's keys in `file`: `k("x")` is `<arch>.x`; `refuse` fails naming such a key. */
@@ -254,9 +299,11 @@ const readWidths = ({ file, k, refuse }: ArchKeys, options: ReadOptions) =>
     const nHead = yield* uniformInt(file, k("attention.head_count"))
     const kvHeads = !file.metadata.has(k("attention.head_count_kv"))
       ? [nHead]
-      : options.kvHeadsPerBlock === true && Array.isArray(file.metadata.get(k("attention.head_count_kv")))
-        ? yield* perBlockInt(file, k("attention.head_count_kv"), nLayer)
-        : [yield* uniformInt(file, k("attention.head_count_kv"))]
+      : options.recurrentKvZero === true && Array.isArray(file.metadata.get(k("attention.head_count_kv")))
+        ? yield* attentionKvHeads(file, k("attention.head_count_kv"), nLayer)
+        : options.kvHeadsPerBlock === true && Array.isArray(file.metadata.get(k("attention.head_count_kv")))
+          ? yield* perBlockInt(file, k("attention.head_count_kv"), nLayer)
+          : [yield* uniformInt(file, k("attention.head_count_kv"))]
     for (const n of kvHeads) {
       if (nHead % n !== 0) {
         return yield* refuse("attention.head_count", `= ${nHead} is not a multiple of head_count_kv = ${n}`)
@@ -366,6 +413,8 @@ export const readHParams = (
    * architecture sets HParams.blockHeads, gemma4).
    * ffPerBlock: `feed_forward_length` may vary per block (each entry checked here, HParams.blockFf; nFf the first).
    * ffOptional: `feed_forward_length` may be absent (nFf 0: a model without dense feed-forwards, deepseek4).
+   * recurrentKvZero: `attention.head_count_kv` per block with 0 on a recurrent block (kimi-k3, which reads the pattern
+   * itself); nHeadKv is the attention blocks' value.
    */
   options: ReadOptions = {}
 ): Effect.Effect<HParams, ModelLoadError> =>

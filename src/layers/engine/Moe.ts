@@ -331,6 +331,8 @@ export interface MoeFfnHooks {
    * gpt-oss's clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE, ggml_swiglu_oai with alpha 1.702 and limit 7).
    */
   readonly activation?: "silu" | "gelu" | "swigluOai"
+  /** Kimi K3's situ activation of the experts (LLM_FFN_SITU, `situ`); wins over `activation`. */
+  readonly situ?: SituBetas
   /** Per-expert scale F32 [n_expert] on each chosen expert's down output (llama.cpp's down_exps_s); default none. */
   readonly downScale?: Ptr | null
   /**
@@ -465,13 +467,15 @@ const chosenExperts = (t: Toolkit, w: BlockWeights, cur: Ptr, chosen: Ptr, moe: 
   }
   const clamp = hooks.swigluClamp?.experts ?? 0
   const act =
-    clamp > CLAMP_EPS
-      ? g.ggml_swiglu_clamp(ctx, gate, up, clamp)
-      : hooks.activation === "gelu"
-        ? g.ggml_geglu_split(ctx, gate, up)
-        : hooks.activation === "swigluOai"
-          ? g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
-          : g.ggml_swiglu_split(ctx, gate, up)
+    hooks.situ !== undefined
+      ? situ(t, gate, up, hooks.situ)
+      : clamp > CLAMP_EPS
+        ? g.ggml_swiglu_clamp(ctx, gate, up, clamp)
+        : hooks.activation === "gelu"
+          ? g.ggml_geglu_split(ctx, gate, up)
+          : hooks.activation === "swigluOai"
+            ? g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+            : g.ggml_swiglu_split(ctx, gate, up)
   let experts = mulMatId("ffn_down_exps", act) // [n_embd, k, n]
   const downScale = hooks.downScale ?? null
   if (downScale !== null) {
@@ -501,16 +505,9 @@ export const moeFfn = (
   const ctx = t.ctx
   const { nEmbd } = t.hp
   const sx = getGgml().tensorShape(x)
-  const n = sx.ne[1]!
   check(sx.ne[0] === nEmbd && sx.ne[2] === 1 && sx.ne[3] === 1, "moeFfn", `input must be [${nEmbd}, n]`, x)
 
-  const { chosen, weights } = route(t, w, x, moe, probsBias, hooks)
-  const cur = g.ggml_reshape_3d(ctx, x, nEmbd, 1, n)
-  let experts = chosenExperts(t, w, cur, chosen, moe, hooks)
-  experts = g.ggml_mul(ctx, experts, weights)
-  g.ggml_build_forward_expand(t.graph, experts)
-
-  let out = sumExperts(t, experts, nEmbd, n, moe.nExpertUsed)
+  let out = routedExperts(t, w, x, moe, probsBias, hooks)
 
   if (moe.nFfShared > 0) {
     const shUp = t.linear(w.get("ffn_up_shexp.weight"), x)
@@ -525,6 +522,46 @@ export const moeFfn = (
     out = g.ggml_add(ctx, out, shared)
   }
   return out
+}
+
+/**
+ * The routed experts alone over x [width, n] (nEmbd, or Kimi K3's latent width with the router's logits in `hooks`):
+ * the routing, the chosen experts weighted and summed; [width, n].
+ */
+export const routedExperts = (
+  t: Toolkit,
+  w: BlockWeights,
+  x: Ptr,
+  moe: MoeParams,
+  probsBias: Ptr | null,
+  hooks: MoeFfnHooks
+): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  const [width, n] = getGgml().tensorShape(x).ne as [number, number]
+  const { chosen, weights } = route(t, w, x, moe, probsBias, hooks)
+  const cur = g.ggml_reshape_3d(ctx, x, width, 1, n)
+  let experts = chosenExperts(t, w, cur, chosen, moe, hooks)
+  experts = g.ggml_mul(ctx, experts, weights)
+  g.ggml_build_forward_expand(t.graph, experts)
+  return sumExperts(t, experts, width, n, moe.nExpertUsed)
+}
+
+/** Kimi K3's situ betas (`activation.situ_beta`, `activation.situ_linear_beta`; the latter 0 or less: off). */
+export interface SituBetas {
+  readonly beta: number
+  readonly linearBeta: number
+}
+
+/** situ(gate, up) = beta tanh(gate / beta) sigmoid(gate) x linearBeta tanh(up / linearBeta) (llama.cpp's LLM_FFN_SITU). */
+export const situ = (t: Toolkit, gate: Ptr, up: Ptr, b: SituBetas): Ptr => {
+  const g = t.g
+  const ctx = t.ctx
+  // 1.0f / beta in F32, as llama.cpp divides
+  const squash = (x: Ptr, beta: number) =>
+    g.ggml_scale(ctx, g.ggml_tanh(ctx, g.ggml_scale(ctx, x, Math.fround(1 / Math.fround(beta)))), beta)
+  const a = g.ggml_mul(ctx, squash(gate, b.beta), g.ggml_sigmoid(ctx, gate))
+  return g.ggml_mul(ctx, a, b.linearBeta > 0 ? squash(up, b.linearBeta) : up)
 }
 
 /**

@@ -75,7 +75,9 @@ const makeChecked = (g: Ggml): GgmlRaw => {
     ...attentionChecks(c),
     ...sparseAttentionChecks(raw, shape, fail),
     ...hyperConnectionChecks(c),
-    ...activationChecks(c)
+    ...activationChecks(c),
+    ...recurrentChecks(c),
+    ...layoutChecks(c)
   }
 }
 
@@ -260,6 +262,89 @@ const activationChecks = ({
     return raw.ggml_tanh(ctx, a)
   }
 })
+
+/** The recurrent blocks' ops (qwen35's DeltaNet, kimi-k3's KDA): the causal convolution and the gated delta net. */
+const recurrentChecks = ({
+  raw,
+  is,
+  shape,
+  fail
+}: Checking): Pick<GgmlRaw, "ggml_ssm_conv" | "ggml_gated_delta_net"> => ({
+  ggml_ssm_conv: (ctx, sx, c) => {
+    const [ss, sc] = [shape(sx), shape(c)]
+    if (ss.ne[3] !== 1 || sc.ne[2] !== 1 || sc.ne[3] !== 1 || ss.ne[1] !== sc.ne[1] || ss.ne[0]! < sc.ne[0]! - 1) {
+      fail("ggml_ssm_conv", "x must be [kernel - 1 + n, channels, seqs], the weights [kernel, channels]", sx, c)
+    }
+    return raw.ggml_ssm_conv(ctx, sx, c)
+  },
+  ggml_gated_delta_net: (ctx, q, k, v, g, beta, state, K) => {
+    const all = [q, k, v, g, beta, state]
+    if (!all.every((t) => shape(t).type === GgmlType.F32)) fail("ggml_gated_delta_net", "operands must be F32", ...all)
+    if (![q, k, v].every(is.isContiguousRows) || ![g, beta, state].every(is.isContiguous)) {
+      fail("ggml_gated_delta_net", "q, k, v need contiguous rows; the gate, beta and the state contiguous", ...all)
+    }
+    const [S, H, n, seqs] = shape(v).ne as [number, number, number, number]
+    const same = (t: Ptr, ne: ReadonlyArray<number>) => ne.every((x, i) => shape(t).ne[i] === x)
+    const [gate0, hk] = [shape(g).ne[0]!, shape(q).ne[1]!]
+    const ok =
+      (gate0 === 1 || gate0 === S) &&
+      same(g, [gate0, H, n, seqs]) &&
+      same(beta, [1, H, n, seqs]) &&
+      same(state, [S, S, H, seqs]) &&
+      same(q, [S, hk, n, seqs]) &&
+      same(k, [S, hk, n, seqs]) &&
+      hk > 0 &&
+      H % hk === 0 &&
+      Number.isSafeInteger(K) &&
+      K >= 1
+    if (!ok) {
+      fail(
+        "ggml_gated_delta_net",
+        "v [S, H, n, seqs], q and k [S, H_k | H, n, seqs], the gate [1 or S, H, n, seqs], beta [1, H, n, seqs], the state [S, S, H, seqs]",
+        ...all
+      )
+    }
+    return raw.ggml_gated_delta_net(ctx, q, k, v, g, beta, state, K)
+  }
+})
+
+/** Concatenation, 4-D reshapes and views, copies and 2-D conts (element counts, bounds). */
+const layoutChecks = (
+  c: Checking
+): Pick<GgmlRaw, "ggml_concat" | "ggml_reshape_4d" | "ggml_view_4d" | "ggml_cpy" | "ggml_cont_2d"> => {
+  const { raw, shape, fail } = c
+  const count = (t: Ptr) => shape(t).ne.reduce((x, y) => x * y, 1)
+  return {
+    ggml_concat: (ctx, a, b, dim) => {
+      const [sa, sb] = [shape(a), shape(b)]
+      const ok =
+        Number.isSafeInteger(dim) &&
+        dim >= 0 &&
+        dim < 4 &&
+        sa.type === sb.type &&
+        sa.ne.every((n, d) => d === dim || n === sb.ne[d])
+      if (!ok) fail("ggml_concat", `operands must be of one type and match but along dim ${dim}`, a, b)
+      return raw.ggml_concat(ctx, a, b, dim)
+    },
+    ggml_reshape_4d: (ctx, a, ne0, ne1, ne2, ne3) => {
+      checkReshape(c, "ggml_reshape_4d", a, [ne0, ne1, ne2, ne3])
+      return raw.ggml_reshape_4d(ctx, a, ne0, ne1, ne2, ne3)
+    },
+    ggml_view_4d: (ctx, a, ne0, ne1, ne2, ne3, nb1, nb2, nb3, offset) => {
+      const s = shape(a)
+      checkView(c, "ggml_view_4d", a, s.type, [ne0, ne1, ne2, ne3], [s.nb[0]!, nb1, nb2, nb3], offset)
+      return raw.ggml_view_4d(ctx, a, ne0, ne1, ne2, ne3, nb1, nb2, nb3, offset)
+    },
+    ggml_cpy: (ctx, a, b) => {
+      if (count(a) !== count(b)) fail("ggml_cpy", "source and destination hold different element counts", a, b)
+      return raw.ggml_cpy(ctx, a, b)
+    },
+    ggml_cont_2d: (ctx, a, ne0, ne1) => {
+      if (count(a) !== ne0 * ne1) fail("ggml_cont_2d", `${count(a)} elements cannot be laid out as [${ne0}, ${ne1}]`, a)
+      return raw.ggml_cont_2d(ctx, a, ne0, ne1)
+    }
+  }
+}
 
 /** DSA's ops (archs/dsa.ts): the lightning indexer's operands, top-k within its rows. */
 /** ggml's asserts of DeepSeek-V4's fused hyper-connection ops (all F32; llama.cpp's graph takes hc = 4). */

@@ -14,15 +14,17 @@
  */
 import type { Ptr } from "../ggml/Bindings.js"
 import type { GgmlRaw } from "../ggml/Bindings.js"
-import type { HParams } from "./HParams.js"
+import { checkpointsBefore, type HParams } from "./HParams.js"
 import { kvShareRangeProblem, stageRangeProblem, tokenSourcesOf, topKSourcesOf } from "../../services/KvShare.js"
 
 /**
  * Floats per token of the activation entering block `layer` (nLayer: the last stage's output rows): the residual
- * stream, `hcMult` streams of nEmbd for deepseek4's hyper-connections (HParams.dsv4), then gemma4's per-layer inputs.
+ * stream, `hcMult` streams of nEmbd for deepseek4's hyper-connections (HParams.dsv4), then Kimi K3's checkpoints banked
+ * before `layer` (nEmbd each, HParams.kimi), then gemma4's per-layer inputs.
  */
 export const activationWidth = (hp: HParams, layer: number): number =>
-  hp.nEmbd * (hp.dsv4?.hcMult ?? 1) + (hp.perLayer === undefined ? 0 : hp.perLayer.width * (hp.nLayer - layer))
+  hp.nEmbd * ((hp.dsv4?.hcMult ?? 1) + checkpointsBefore(hp, layer)) +
+  (hp.perLayer === undefined ? 0 : hp.perLayer.width * (hp.nLayer - layer))
 
 /** Why blocks [start, end) cannot be one stage (a block reads the cache of a block before `start`), or undefined. */
 export const kvShareCut = (hp: HParams, start: number, end: number): string | undefined => {

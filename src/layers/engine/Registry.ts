@@ -7,6 +7,7 @@ import { gemma3 } from "./archs/gemma3.js"
 import { gemma4 } from "./archs/gemma4.js"
 import { glm4moe } from "./archs/glm4moe.js"
 import { gptOss } from "./archs/gptOss.js"
+import { kimiK3 } from "./archs/kimiK3.js"
 import { llama } from "./archs/llama.js"
 import { minimaxM2 } from "./archs/minimaxM2.js"
 import { mistral3 } from "./archs/mistral3.js"
@@ -29,6 +30,7 @@ export const architectures: ReadonlyMap<string, ArchModule> = new Map([
   ["deepseek32", deepseek32],
   ["glm-dsa", glmDsa],
   ["deepseek4", deepseek4],
+  ["kimi-k3", kimiK3],
   ["gemma3", gemma3],
   ["gemma4", gemma4],
   ["mistral3", mistral3],

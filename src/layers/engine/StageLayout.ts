@@ -157,6 +157,7 @@ export const readModelHParams = (
     const common = yield* readHParams(file, arch.ropeMode, {
       ownHeadShape: arch.ownHeadShape === true,
       kvHeadsPerBlock: arch.kvHeadsPerBlock === true,
+      recurrentKvZero: arch.recurrentKvZero === true,
       ffPerBlock: arch.ffPerBlock === true,
       ffOptional: arch.ffOptional === true
     })

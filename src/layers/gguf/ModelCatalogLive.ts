@@ -69,9 +69,13 @@ export const readModelFacts = (path: string): Effect.Effect<ModelFacts, ModelLoa
     const arch = yield* Gguf.getArchitecture(file)
     // MTP blocks (`nextn_predict_layers`) trail the trunk and are never placed: TrunkBlocks.ts
     const numLayers = yield* trunkBlockCount(file, arch)
-    // deepseek4's hyper-connections: the residual stream between stages is `hyper_connection.count` streams wide
+    // deepseek4's hyper-connections: the residual stream between stages is `hyper_connection.count` streams wide;
+    // Kimi K3's attention residuals: the stream plus the checkpoints banked before the boundary, the most before the
+    // last block (PerLayerInputs.activationWidth), so that every boundary's frame fits
     const streams = (yield* Gguf.getOptional(file, `${arch}.hyper_connection.count`, Gguf.getU32)) ?? 1
-    const hiddenDim = (yield* Gguf.getU32(file, `${arch}.embedding_length`)) * streams
+    const resBlockSize = (yield* Gguf.getOptional(file, `${arch}.attn_res.block_size`, Gguf.getU32)) ?? 0
+    const checkpoints = resBlockSize > 0 ? Math.ceil((numLayers - 1) / resBlockSize) : 0
+    const hiddenDim = (yield* Gguf.getU32(file, `${arch}.embedding_length`)) * (streams + checkpoints)
     const maxSeqLen = yield* Gguf.getU32(file, `${arch}.context_length`)
     const eos = yield* Gguf.getOptional(file, "tokenizer.ggml.eos_token_id", Gguf.getU32)
     return {

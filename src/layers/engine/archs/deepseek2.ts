@@ -271,24 +271,29 @@ const attendLatent = (
 }
 
 /** Latent attention over every sequence of the batch, then attn_output. q: [width, nHead, n], k: [width, 1, n]. */
-const latentAttention = (t: Toolkit, q: Ptr, k: Ptr, v: Ptr, w: BlockWeights, sparse: SparseMask | null): Ptr => {
+const latentAttention = (t: Toolkit, q: Ptr, k: Ptr, v: Ptr, w: BlockWeights, sparse: SparseMask | null): Ptr =>
+  t.linear(w.get("attn_output.weight"), latentHeads(t, q, k, v, w, sparse))
+
+/**
+ * Latent attention over every sequence of the batch, each head's latent decompressed (attn_v_b), before attn_output
+ * (kimi-k3 gates it first): [headDimV_mla x nHead, n]. q: [width, nHead, n], k: [width, 1, n].
+ */
+export const latentHeads = (t: Toolkit, q: Ptr, k: Ptr, v: Ptr, w: BlockWeights, sparse: SparseMask | null): Ptr => {
   const g = t.g
   const hp = t.hp
   const mla = mlaOf(hp)
   const width = hp.headDimK
   const wvB = w.get("attn_v_b.weight")
-  const wo = w.get("attn_output.weight")
   // same expansion order as llama.cpp's build_attn: q, v, k, then the cache writes
   g.ggml_build_forward_expand(t.graph, q)
   g.ggml_build_forward_expand(t.graph, v)
   g.ggml_build_forward_expand(t.graph, k)
-  const cur = t.perSequence(
+  return t.perSequence(
     mla.headDimV * hp.nHead,
     [{ x: q, ne0: width, ne1: hp.nHead }, { x: k, ne0: width, ne1: 1 }, ...(sparse?.parts ?? [])],
     (seg, [qs, ks, ...rest]) =>
       attendLatent(t, seg, qs!, ks!, wvB, hp.kqScale, sparse === null ? null : (s) => sparse.maskOf(s, rest))
   )
-  return t.linear(wo, cur)
 }
 
 /**

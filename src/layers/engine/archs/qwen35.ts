@@ -248,7 +248,7 @@ export const qwen35Block =
   (ffn: (t: Toolkit, w: BlockWeights, normed: Ptr) => Ptr) =>
   (t: Toolkit, w: BlockWeights, x: Ptr): Ptr => {
     const h = t.rmsNorm(x, w.get("attn_norm.weight"))
-    g0(t, h)
+    expandBlockInputs(t, h)
     const mixed = t.hp.recurrent!.layers[t.layer] === true ? deltaNet(t, w, h) : gatedAttention(t, w, h)
     const ffnIn = t.add(mixed, x)
     const out = t.add(ffn(t, w, t.rmsNorm(ffnIn, w.get("post_attention_norm.weight"))), ffnIn)
@@ -270,7 +270,7 @@ export const qwen35: ArchModule = {
  * also expands the attention inputs (positions, cells, masks, rows) that it does not read: on a stage of DeltaNet
  * blocks only they would otherwise get no memory, and Forward.ts sets them on every call.
  */
-const g0 = (t: Toolkit, h: Ptr) => {
+export const expandBlockInputs = (t: Toolkit, h: Ptr) => {
   const g = t.g
   g.ggml_build_forward_expand(t.graph, h)
   if (t.hp.recurrent!.layers[t.layer] !== true) return
