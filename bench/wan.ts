@@ -426,7 +426,8 @@ const speculationLines = async (
   const refused = await best({ prompt, speculative: { mode: "ngram", predicted } })
   const line = (name: string, s: RunSummary) => {
     const spec = s.speculative
-    const rate = spec === undefined || spec.drafted === 0 ? "-" : `${((100 * spec.accepted) / spec.drafted).toFixed(0)}%`
+    const rate =
+      spec === undefined || spec.drafted === 0 ? "-" : `${((100 * spec.accepted) / spec.drafted).toFixed(0)}%`
     return (
       `${name}: ${fmt(s.decodeTokensPerSecond)} tok/s (${(s.decodeTokensPerSecond / off.decodeTokensPerSecond).toFixed(2)}x ` +
       `off), ${spec?.steps ?? 0} steps drafted ${spec?.drafted ?? 0} tokens, ${spec?.accepted ?? 0} kept (acceptance ${rate}), ` +
