@@ -353,7 +353,7 @@ const swactor = async (
     await runtime.runPromise(one(prompts[0]!, warmUpTokens)) // weights loaded, the first run's set-up done
     // one stream as `swactor run --timeline` runs it, on the same agents (their weights are cached), its tokens back
     // through a listener of its own behind the same link
-    const oneStream = async (extra: Partial<GenerateRequest>): Promise<RunSummary | undefined> => {
+    const oneStream = async (extra: Partial<GenerateRequest>): Promise<OneStream | undefined> => {
       const port = await freePort()
       const front = await relays.front(profile, port)
       const run = layerRemote({
@@ -380,7 +380,11 @@ const swactor = async (
         ).pipe(Effect.provide(run))
       )
       const finished = Chunk.findLast(updates, (u) => u._tag === "Finished")
-      return Option.isSome(finished) && finished.value._tag === "Finished" ? finished.value.summary : undefined
+      if (Option.isNone(finished) || finished.value._tag !== "Finished") return undefined
+      const tokens = Chunk.toReadonlyArray(updates).flatMap((u) =>
+        u._tag === "Token" && u.token.tokenId >= 0 ? [u.token.tokenId] : []
+      )
+      return { ...finished.value.summary, tokens }
     }
     const timeline = async () => {
       const t = (await oneStream({ timeline: true }))?.timeline
@@ -402,16 +406,19 @@ const swactor = async (
   }
 }
 
+/** One stream's summary and its token ids. */
+type OneStream = RunSummary & { readonly tokens: ReadonlyArray<number> }
+
 /**
  * --speculative: one stream of `repetitivePrompt` without drafts, with prompt lookup (the text quotes the prompt again,
  * as when a document is re-quoted or code edited), and with a prediction that is always wrong (every draft refused: the cost of drafting in vain), each
  * its decode tok/s, acceptance, and whether its text is the text without drafts. Best of `rounds`.
  */
 const speculationLines = async (
-  oneStream: (extra: Partial<GenerateRequest>) => Promise<RunSummary | undefined>
+  oneStream: (extra: Partial<GenerateRequest>) => Promise<OneStream | undefined>
 ): Promise<ReadonlyArray<string>> => {
   const best = async (extra: Partial<GenerateRequest>) => {
-    let top: RunSummary | undefined
+    let top: OneStream | undefined
     for (let r = 0; r < cfg.rounds; r++) {
       const s = await oneStream(extra)
       if (s !== undefined && (top === undefined || s.decodeTokensPerSecond > top.decodeTokensPerSecond)) top = s
@@ -424,6 +431,9 @@ const speculationLines = async (
   const lookup = await best({ prompt, speculative: { mode: "ngram" } })
   const predicted = Array.from({ length: cfg.tokens }, () => 3)
   const refused = await best({ prompt, speculative: { mode: "ngram", predicted } })
+  // an edit that changes little (OpenAI's predicted outputs): the output itself with one token in 16 changed
+  const edited = off.tokens.map((t, i) => (i % 16 === 15 ? (t + 1) % 256 : t))
+  const edit = await best({ prompt, speculative: { mode: "ngram", predicted: edited } })
   const line = (name: string, s: RunSummary) => {
     const spec = s.speculative
     const rate =
@@ -437,7 +447,8 @@ const speculationLines = async (
   return [
     `off: ${fmt(off.decodeTokensPerSecond)} tok/s`,
     line("prompt lookup", lookup),
-    line("every draft refused", refused)
+    line("every draft refused", refused),
+    line("a prediction 15/16 right", edit)
   ]
 }
 

@@ -89,6 +89,8 @@ export const acceptedDrafts = (drafts: ReadonlyArray<number>, sampled: ReadonlyA
 
 /** What one more row is taken to add to a step's cost until that row count is measured (a guess on the dear side). */
 const UNMEASURED_ROW_COST = 0.15
+/** Acceptance under which nothing is drafted (the shadow lookups still measure it: ample drafts come back). */
+const MIN_ACCEPTANCE = 0.1
 
 /**
  * How many tokens to draft: the count whose expected tokens per step, over the measured cost of a step of that many
@@ -139,6 +141,8 @@ export class DraftLength {
   /** The draft count to ask for next (0: decode without drafts). */
   choose(): number {
     const a = Math.min(this.acceptance, 0.999)
+    // under MIN_ACCEPTANCE a draft brings under that fraction of a token: within the noise of the measured costs
+    if (a < MIN_ACCEPTANCE) return 0
     let best = 0
     let bestRate = 1 / this.costOf(1)
     for (let k = 1; k <= this.maxDraft; k++) {
