@@ -190,7 +190,9 @@ export type TokenLoop = typeof TokenLoop.Type
 export const SpeculativeProvision = Schema.Struct({
   maxDraft: Schema.Number.pipe(Schema.int(), Schema.between(1, 255)),
   maxTokens: Schema.Number,
-  predicted: Schema.optional(Schema.Array(Schema.Number))
+  predicted: Schema.optional(Schema.Array(Schema.Number)),
+  /** Draft `maxDraft` wherever drafts are found (SpeculativeOptions.fixed); absent: the adaptive count. */
+  fixed: Schema.optional(Schema.Boolean)
 })
 export type SpeculativeProvision = typeof SpeculativeProvision.Type
 

@@ -19,6 +19,11 @@ export interface SpeculativeOptions {
   readonly maxDraft?: number
   /** Expected output tokens (OpenAI's predicted outputs), drafted by position instead of by prompt lookup. */
   readonly predicted?: ReadonlyArray<number>
+  /**
+   * Always draft `maxDraft` where drafts are found, never fewer by measured acceptance and step costs (tests force the
+   * path this way: the adaptive count follows timings). Default false.
+   */
+  readonly fixed?: boolean
 }
 
 export const DEFAULT_MAX_DRAFT = 6

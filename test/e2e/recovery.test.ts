@@ -155,7 +155,7 @@ describe("end to end recovery: a generation survives a killed stage agent", () =
       Effect.gen(function* () {
         const reference = yield* generate(request({ stages: 3 }))
         assert.isTrue(Either.isRight(reference.result))
-        const speculative = { mode: "ngram" as const, predicted: reference.tokens }
+        const speculative = { mode: "ngram" as const, fixed: true, predicted: reference.tokens }
         const outcome = yield* generate(request({ stages: 3, spares: 1, speculative }), killAt(40, 1))
         assert.isTrue(Either.isRight(outcome.result), JSON.stringify(outcome.result))
         assert.deepStrictEqual(outcome.tokens, reference.tokens)

@@ -65,7 +65,7 @@ describe("speculative decoding through the pipeline: the same text as without dr
           const expected = [...(yield* reference).tokens]
           for (const stages of [1, 2, 3, 4]) {
             const off = yield* generate(agents, token, { prompt, stages })
-            const on = yield* generate(agents, token, { prompt, stages, speculative: { mode: "ngram" } })
+            const on = yield* generate(agents, token, { prompt, stages, speculative: { mode: "ngram", fixed: true } })
             assert.deepStrictEqual(off.tokens, expected, `${stages} stages without drafts`)
             assert.deepStrictEqual(on.tokens, expected, `${stages} stages with drafts`)
             const spec = on.summary.speculative
@@ -88,11 +88,21 @@ describe("speculative decoding through the pipeline: the same text as without dr
         Effect.gen(function* () {
           const sampling = { temperature: 0.8, topK: 40, seed: 1234 }
           const off = yield* generate(agents, token, { prompt, stages: 2, sampling })
-          const on = yield* generate(agents, token, { prompt, stages: 2, sampling, speculative: { mode: "ngram" } })
+          const on = yield* generate(agents, token, {
+            prompt,
+            stages: 2,
+            sampling,
+            speculative: { mode: "ngram", fixed: true }
+          })
           assert.deepStrictEqual(on.tokens, off.tokens)
           assert.isAbove(on.summary.speculative!.drafted, 0)
           // and reproducible: the same seed again gives it again
-          const again = yield* generate(agents, token, { prompt, stages: 2, sampling, speculative: { mode: "ngram" } })
+          const again = yield* generate(agents, token, {
+            prompt,
+            stages: 2,
+            sampling,
+            speculative: { mode: "ngram", fixed: true }
+          })
           assert.deepStrictEqual(again.tokens, off.tokens)
         })
       ),
@@ -108,7 +118,7 @@ describe("speculative decoding through the pipeline: the same text as without dr
           const all = yield* generate(agents, token, {
             prompt,
             stages: 3,
-            speculative: { mode: "ngram", predicted: expected }
+            speculative: { mode: "ngram", fixed: true, predicted: expected }
           })
           assert.deepStrictEqual(all.tokens, expected)
           const kept = all.summary.speculative!
@@ -120,7 +130,7 @@ describe("speculative decoding through the pipeline: the same text as without dr
           const none = yield* generate(agents, token, {
             prompt,
             stages: 3,
-            speculative: { mode: "ngram", predicted: wrong }
+            speculative: { mode: "ngram", fixed: true, predicted: wrong }
           })
           assert.deepStrictEqual(none.tokens, expected)
           assert.isAbove(none.summary.speculative!.drafted, 0)

@@ -68,7 +68,10 @@ describe("speculative decoding: the same greedy tokens on synthetic families, 1-
             const off = yield* generate(agents, token, base)
             assert.strictEqual(off.tokens.length, maxTokens)
             const predicted = off.tokens.map((t, i) => (i % 3 === 2 ? (t + 1) % o.vocab : t))
-            const on = yield* generate(agents, token, { ...base, speculative: { mode: "ngram", predicted } })
+            const on = yield* generate(agents, token, {
+              ...base,
+              speculative: { mode: "ngram", fixed: true, predicted }
+            })
             assert.deepStrictEqual(on.tokens, off.tokens, `${stages} stages`)
             const spec = on.summary.speculative!
             assert.isAbove(spec.accepted, 0, `${stages} stages: drafts kept`)

@@ -35,9 +35,11 @@ describe("serve --speculative ngram", () => {
     const metrics = await fetch(`${drafting!.url}/metrics`).then((r) => r.text())
     const drafted = counter(metrics, "swactor_speculative_drafted_total")
     const accepted = counter(metrics, "swactor_speculative_accepted_total")
+    // the adaptive draft count follows measured timings: that it drafted is certain (a = 0.5 until a step drafts, the
+    // prompt repeats itself), how many were kept is not (test/e2e/speculative forces the count: kept and refused)
     expect(counter(metrics, "swactor_speculative_steps_total")).toBeGreaterThan(0)
-    expect(drafted).toBeGreaterThan(accepted)
-    expect(accepted).toBeGreaterThan(0)
+    expect(drafted).toBeGreaterThan(0)
+    expect(accepted).toBeLessThanOrEqual(drafted)
     // the server without --speculative drafted nothing
     const none = await fetch(`${plain!.url}/metrics`).then((r) => r.text())
     expect(counter(none, "swactor_speculative_drafted_total")).toBe(0)

@@ -88,7 +88,8 @@ export const firstStageStep = (
   if (spec.shadow !== undefined) spec.length.observe(1, spec.shadow === tokenId ? 1 : 0, 0)
   spec.history.push(tokenId)
   const left = spec.options.maxTokens - step - 1
-  const k = Math.max(0, Math.min(spec.length.choose(), spec.options.maxDraft, roomRows - 1, left))
+  const wanted = spec.options.fixed === true ? spec.options.maxDraft : spec.length.choose()
+  const k = Math.max(0, Math.min(wanted, spec.options.maxDraft, roomRows - 1, left))
   const predicted = spec.options.predicted
   const candidates =
     predicted !== undefined

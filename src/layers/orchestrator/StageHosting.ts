@@ -83,7 +83,8 @@ const speculativeOf = (context: RunContext): SpeculativeProvision | undefined =>
   return {
     maxDraft: asked.maxDraft ?? DEFAULT_MAX_DRAFT,
     maxTokens: context.plan.maxTokens,
-    ...(asked.predicted === undefined ? {} : { predicted: asked.predicted })
+    ...(asked.predicted === undefined ? {} : { predicted: asked.predicted }),
+    ...(asked.fixed === true ? { fixed: true } : {})
   }
 }
 
