@@ -49,21 +49,39 @@ const withAgents = <A, E>(count: number, f: (agents: ReadonlyArray<string>, toke
     return yield* f(
       agents.map((a) => a.address),
       token
+    ).pipe(
+      // a run that fails: what each agent wrote last (a crash's words are there)
+      Effect.tapErrorCause(() =>
+        Effect.sync(() => {
+          for (const a of agents) console.error(`agent ${a.address} pid ${a.pid}:\n${a.stderrTail()}`)
+        })
+      )
     )
   }).pipe(Effect.scoped)
+
+/** A recovery in a run whose agents nobody killed: say which (its reason names the agent), without failing the text. */
+const reportGone = (...runs: ReadonlyArray<Generated>) =>
+  Effect.sync(() => {
+    for (const r of runs)
+      for (const rec of r.summary.recoveries) console.error(`a run recovered (attempt ${rec.attempt}): ${rec.reason}`)
+  })
 
 const reference = Effect.promise(() =>
   referenceRun(requireModel("stories260K.gguf"), prompt, maxTokens, { threads: 1, contextLength: 256 })
 )
 
 describe("speculative decoding through the pipeline: the same text as without drafts", () => {
-  it.live(
-    "greedy, prompt lookup, 1-4 stages: node-llama-cpp's tokens, drafts kept and not kept",
-    () =>
-      withAgents(4, (agents, token) =>
-        Effect.gen(function* () {
-          const expected = [...(yield* reference).tokens]
-          for (const stages of [1, 2, 3, 4]) {
+  // Each stage count on agents of its own, one more than its stages: in one clean-clone CI run an agent of a single
+  // set of 4, used for all 8 runs, was found gone at a run's start ('cannot connect ... ECONNREFUSED'; why is not known:
+  // the runs before it passed, so a recovery onto a spare may have hidden its death; a recovery is now printed). Not reproduced in 5 runs beside 2 busy loops; an agent that fails now
+  // prints what it wrote last (withAgents).
+  for (const stages of [1, 2, 3, 4]) {
+    it.live(
+      `greedy, prompt lookup, ${stages} stage(s): node-llama-cpp's tokens, drafts kept and not kept`,
+      () =>
+        withAgents(stages + 1, (agents, token) =>
+          Effect.gen(function* () {
+            const expected = [...(yield* reference).tokens]
             const off = yield* generate(agents, token, { prompt, stages })
             const on = yield* generate(agents, token, { prompt, stages, speculative: { mode: "ngram", fixed: true } })
             assert.deepStrictEqual(off.tokens, expected, `${stages} stages without drafts`)
@@ -75,11 +93,12 @@ describe("speculative decoding through the pipeline: the same text as without dr
             assert.isAbove(spec!.accepted, 0, `${stages} stages: drafts kept`)
             assert.isAbove(spec!.drafted, spec!.accepted, `${stages} stages: drafts not kept`)
             assert.isUndefined(off.summary.speculative)
-          }
-        })
-      ),
-    240_000
-  )
+            yield* reportGone(off, on)
+          })
+        ),
+      120_000
+    )
+  }
 
   it.live(
     "a seeded sampled run: the same text with and without drafts, at 2 stages",
