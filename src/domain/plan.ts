@@ -235,8 +235,9 @@ export const ModelLayout = Schema.Struct({
    */
   stateBytes: Schema.optional(Schema.Array(Schema.Number)),
   /**
-   * false: the model's stages cannot roll a sequence back by starting its next step earlier (recurrent state, deepseek4's
-   * compressed rows, DSA's indexer are not checked for it), so speculative decoding is off for it. Absent: they can.
+   * false: the model's stages cannot roll a sequence back by starting its next step earlier (deepseek4's compressed
+   * rows, DSA's indexer are not checked for it), so speculative decoding is off for it. Absent: they can (recurrent
+   * states roll back through a verify step's per-row snapshots).
    */
   rewind: Schema.optional(Schema.Literal(false)),
   /**

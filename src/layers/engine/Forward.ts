@@ -428,12 +428,11 @@ const setInputRows = (w: NativeWeights, c: CachedGraph, items: ReadonlyArray<Nat
  */
 const markRewriting = (items: ReadonlyArray<NativeItem>, shapes: ReadonlyArray<CallShape>) =>
   items.forEach((it, s) => {
+    // DeltaNet states (KvCache.ts `recurrent`): cleared for a call from 0, a verify step's row's for a call inside its
+    // rows (a rollback); invalid until this call succeeds
+    it.session.prepareStates(it.startPos)
     it.session.filled = Math.min(it.session.filled, it.startPos)
-    // DeltaNet states (KvCache.ts `recurrent`): cleared for a call from 0; invalid until this call succeeds
-    if (it.session.recurrent) {
-      if (it.startPos === 0) it.session.clearRecurrent()
-      it.session.filled = 0
-    }
+    if (it.session.recurrent) it.session.filled = 0
     if (it.session.swaSize !== null)
       it.session.swaLow = Math.max(it.session.swaLow, shapes[s]!.used - it.session.swaSize)
   })
@@ -530,6 +529,8 @@ const runBatchLocked = async (
         return `|${it.session.id}:${shapes[i]!.n}:${shapes[i]!.nKv}:${shapes[i]!.nKvSwa}${seen(i)}${all}`
       })
       .join("")
+  // a verify step on recurrent blocks writes each row's states (RecurrentSnapshots.ts): room for them before its graph
+  items.forEach((it, s) => (it.input.verify === true ? it.session.snapshotsFor(shapes[s]!.n) : null))
   const slot = slotFor(w, items, shapes, key)
 
   // lavapipe: a backend that may have bound a buffer since destroyed is replaced first (NativeWeights.renewStaleBackend)
@@ -548,7 +549,10 @@ const runBatchLocked = async (
 
   markRewriting(items, shapes)
   await computeGraph(w, slot, c, items, nTotal, borrowed)
-  items.forEach((it, s) => (it.session.filled = shapes[s]!.used))
+  items.forEach((it, s) => {
+    it.session.filled = shapes[s]!.used
+    if (it.input.verify === true) it.session.snapshotsWritten(it.startPos, shapes[s]!.n)
+  })
   const copyOut = performance.now()
   const outputs = readOutputs(w, c, items, nTotal)
   if (phases !== undefined) phases.copyMillis += copiedIn + performance.now() - copyOut

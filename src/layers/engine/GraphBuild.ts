@@ -139,6 +139,7 @@ const attentionSegments = (
       n: len,
       nKv,
       kv: (il) => session.kv.get(il)!,
+      ...(it.input.verify === true && session.recurrent ? { snapshots: (il: number) => session.snapshotsOf(il) } : {}),
       kvIdx: nSeq > 1 ? raw.ggml_view_1d(ctx, kvIdx, len, offset * 8) : kvIdx,
       mask,
       swaMask,

@@ -11,6 +11,7 @@ import type { GraphSlot } from "./GraphCache.js"
 import type { KvLayer } from "./Toolkit.js"
 import type { NativeWeights } from "./Weights.js"
 import { blockMemory, stateBytesOfMemory } from "./BlockMemory.js"
+import { SnapshotStore } from "./SnapshotStore.js"
 
 export type NativeOutput =
   | { readonly _tag: "Hidden"; readonly hidden: Float32Array; readonly nTokens: number }
@@ -86,9 +87,15 @@ export class NativeSession {
   swaLow = 0
   /**
    * The stage holds DeltaNet blocks (HParams.recurrent): their state is that of position `filled` and cannot be
-   * rewound, so a call must start at `filled` or at 0 (which clears the state), and a prefix copy must be whole.
+   * rewound, so a call must start at `filled` or at 0 (which clears the state), or inside the last verify step's
+   * rows (its per-row snapshots, RecurrentSnapshots.ts), and a prefix copy must be whole.
    */
   readonly recurrent: boolean
+  /** The recurrent blocks' per-row states of verify steps (made at the first). */
+  private snapshots: SnapshotStore | null = null
+  /** The last call was a verify step of `snapshotRows` rows from `snapshotFrom` (0: the snapshots are stale). */
+  private snapshotFrom = 0
+  private snapshotRows = 0
   /** Bytes of this session's DeltaNet states (0 without DeltaNet blocks). */
   readonly stateBytes: number
 
@@ -203,9 +210,67 @@ export class NativeSession {
    * served: StageExecutorLive refuses it (InvalidStageInput), and the caller computes those positions again.
    */
   canStartAt(startPos: number): boolean {
-    if (this.recurrent && startPos !== 0 && startPos !== this.filled) return false
+    if (this.recurrent && startPos !== 0 && startPos !== this.filled && !this.inSnapshots(startPos)) return false
     const window = this.cappedWindow
     return window === null || startPos === 0 || Math.max(0, startPos - window + 1) >= this.swaLow
+  }
+
+  /** Whether the last call was a verify step with a row after which a call from `startPos` starts. */
+  private inSnapshots(startPos: number): boolean {
+    const from = this.snapshotFrom
+    return (
+      this.snapshotRows > 0 && this.filled === from + this.snapshotRows && startPos > from && startPos < this.filled
+    )
+  }
+
+  /**
+   * Before a call from `startPos` (its rows not yet written): a recurrent stage's states are those of the position
+   * before it (zeroed for 0; a verify step's row's snapshot for a call inside its rows), and stale snapshots until the
+   * call succeeds (`snapshotsWritten`).
+   */
+  prepareStates(startPos: number): void {
+    if (!this.recurrent) return
+    if (startPos === 0) this.clearRecurrent()
+    else if (this.inSnapshots(startPos)) {
+      this.snapshots!.restore(this.kv, startPos - this.snapshotFrom - 1, this.snapshotRows)
+    }
+    this.snapshotRows = 0
+  }
+
+  /**
+   * Snapshots with room for a verify step of `rows` rows, for its graph to write (null: the stage holds no recurrent
+   * block). Growing them drops this session's verify graphs, which name the old ones.
+   */
+  snapshotsFor(rows: number): SnapshotStore | null {
+    if (!this.recurrent) return null
+    if (this.snapshots !== null && this.snapshots.rows >= rows) return this.snapshots
+    this.dropSnapshots()
+    this.verify?.free()
+    this.verify = null
+    const store = SnapshotStore.allocate(this.weights, this.kv.keys(), rows)
+    if (store === null) throw new Error(`could not allocate the recurrent states of a ${rows}-row speculative step`)
+    this.snapshots = store
+    if (!this.scratch) held.stateBytes += store.bytes
+    return store
+  }
+
+  /** The snapshot tensors of block `il` (verify steps' graphs), when made. */
+  snapshotsOf(il: number) {
+    return this.snapshots?.blocks.get(il)
+  }
+
+  /** A verify step of `rows` rows from `startPos` succeeded: its rows' snapshots are the states a rollback takes. */
+  snapshotsWritten(startPos: number, rows: number): void {
+    this.snapshotFrom = startPos
+    this.snapshotRows = rows
+  }
+
+  private dropSnapshots(): void {
+    if (this.snapshots === null) return
+    if (!this.scratch) held.stateBytes -= this.snapshots.bytes
+    this.snapshots.free()
+    this.snapshots = null
+    this.snapshotRows = 0
   }
 
   /** Zeroes the DeltaNet blocks' states (a call from position 0). */
@@ -224,6 +289,7 @@ export class NativeSession {
   reset(): void {
     this.filled = 0
     this.swaLow = 0
+    this.snapshotRows = 0
     if (!this.freed) for (const b of this.kvBuffers) this.weights.ggml.raw.ggml_backend_buffer_clear(b, 0)
   }
 
@@ -302,6 +368,7 @@ export class NativeSession {
     }
     this.filled = length
     this.swaLow = low
+    this.snapshotRows = 0
   }
 
   verifySlot(): GraphSlot {
@@ -320,6 +387,7 @@ export class NativeSession {
     this.weights.graphs.forgetSession(this.id)
     this.slot.free()
     this.verify?.free()
+    this.dropSnapshots()
     for (const b of this.kvBuffers) raw.ggml_backend_buffer_free(b)
     if (this.deviceKvBytes > 0) this.weights.graphs.deviceCachesFreed()
     raw.ggml_free(this.kvCtx)

@@ -30,6 +30,18 @@ export interface BlockWeights {
   readonly global: (name: string) => Ptr | null
 }
 
+/**
+ * A verify step's snapshot tensors of one recurrent block (RecurrentSnapshots.ts): `rows` conv states, then `rows` SSM
+ * states (F32, contiguous).
+ */
+export interface StateSnapshots {
+  readonly conv: Ptr
+  readonly ssm: Ptr
+  /** F32 elements of one conv / SSM state. */
+  readonly convElems: number
+  readonly ssmElems: number
+}
+
 export interface KvLayer {
   /** [headDimK * nHeadKv, kvSize] F16 */
   readonly k: Ptr
@@ -47,6 +59,8 @@ export interface AttentionSegment {
   readonly nKv: number
   /** The KV cache of a block (index in the whole model) of this sequence. */
   readonly kv: (il: number) => KvLayer
+  /** A verify step on recurrent blocks: where block il keeps each row's states (RecurrentSnapshots.ts). */
+  readonly snapshots?: (il: number) => StateSnapshots | undefined
   /** I64 [n] KV cell of each of its tokens */
   readonly kvIdx: Ptr
   /** F16 [nKv, n] 0 / -inf, contiguous (flash attention needs it so) */

@@ -28,9 +28,10 @@ import { type HParams, type KimiParams, RopeMode, checkpointsBefore } from "../H
 import { invalidMetadata } from "../MetadataErrors.js"
 import { moeOf, routedExperts, situ, type SituBetas } from "../Moe.js"
 import type { RecurrentParams } from "../RecurrentParams.js"
-import { type BlockWeights, type TensorSpec, type Toolkit } from "../Toolkit.js"
+import { type BlockWeights, type TensorSpec, type Toolkit, type StateSnapshots } from "../Toolkit.js"
 import { latentHeads, readMlaModel } from "./deepseek2.js"
 import { expandBlockInputs } from "./qwen35.js"
+import { snapshotConv, snapshotStates } from "../RecurrentSnapshots.js"
 
 const kimiOf = (hp: HParams): KimiParams => {
   if (hp.kimi === undefined) throw new Error("kimi-k3 hyperparameters were not read")
@@ -190,7 +191,15 @@ const blockTensors = (hp: HParams, il: number): ReadonlyArray<TensorSpec> => [
 const f32 = (n: number) => 4 * n
 
 /** One KDA projection of x (0 q, 1 k, 2 v) convolved over its third of the conv state, through SiLU: [hd, H, n, 1]. */
-const kdaConv = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: Ptr, which: number): Ptr => {
+const kdaConv = (
+  t: Toolkit,
+  w: BlockWeights,
+  h: Ptr,
+  n: number,
+  conv: Ptr,
+  which: number,
+  snaps: StateSnapshots | undefined
+): Ptr => {
   const g = t.g
   const ctx = t.ctx
   const r = t.hp.recurrent!
@@ -212,6 +221,7 @@ const kdaConv = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: Ptr, whic
   const width = K - 1 + n
   const last = g.ggml_view_3d(ctx, convIn, K - 1, inner, 1, f32(width), f32(width * inner), f32(n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, last, state))
+  if (snaps !== undefined) snapshotConv(t, snaps, convIn, n, K - 1, inner, which * (K - 1) * inner)
   const weight = g.ggml_reshape_2d(ctx, w.get(`ssm_conv1d_${name}.weight`), K, inner)
   const out = g.ggml_silu(ctx, g.ggml_reshape_2d(ctx, g.ggml_ssm_conv(ctx, convIn, weight), inner, n))
   return g.ggml_reshape_4d(ctx, out, r.stateSize, t.hp.nHead, n, 1)
@@ -241,14 +251,21 @@ const kdaGate = (t: Toolkit, w: BlockWeights, h: Ptr, n: number): Ptr => {
 }
 
 /** One sequence's KDA over its rows h [nEmbd, n] and its state (conv, ssm): [nEmbd, n]. */
-const kdaSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: Ptr, ssm: Ptr): Ptr => {
+const kdaSegment = (
+  t: Toolkit,
+  w: BlockWeights,
+  h: Ptr,
+  n: number,
+  st: { readonly conv: Ptr; readonly ssm: Ptr; readonly snaps: StateSnapshots | undefined }
+): Ptr => {
   const g = t.g
   const ctx = t.ctx
+  const { conv, ssm, snaps } = st
   const hd = t.hp.recurrent!.stateSize
   const H = t.hp.nHead
-  const q = kdaConv(t, w, h, n, conv, 0)
-  const k = kdaConv(t, w, h, n, conv, 1)
-  const v = kdaConv(t, w, h, n, conv, 2)
+  const q = kdaConv(t, w, h, n, conv, 0, snaps)
+  const k = kdaConv(t, w, h, n, conv, 1, snaps)
+  const v = kdaConv(t, w, h, n, conv, 2, snaps)
   const gate = kdaGate(t, w, h, n)
   const beta = g.ggml_sigmoid(ctx, g.ggml_reshape_4d(ctx, t.linear(w.get("ssm_beta.weight"), h), 1, H, n, 1))
   const state = g.ggml_reshape_4d(ctx, ssm, hd, hd, H, 1)
@@ -261,8 +278,10 @@ const kdaSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: Ptr, s
     gate,
     beta,
     state,
-    1
+    // a verify step keeps the state after each row (n snapshot slots, the last row's first)
+    snaps === undefined ? 1 : n
   )
+  if (snaps !== undefined) snapshotStates(t, snaps, result, hd * H * n, n)
   const out = g.ggml_cont(ctx, g.ggml_view_4d(ctx, result, hd, H, n, 1, f32(hd), f32(hd * H), f32(hd * H * n), 0))
   const newState = g.ggml_view_1d(ctx, result, hd * hd * H, f32(hd * H * n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, newState, ssm))
@@ -281,7 +300,7 @@ const kda = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
   for (const seg of segments) {
     const rows = segments.length === 1 ? h : g.ggml_view_2d(t.ctx, h, t.hp.nEmbd, seg.n, nb1, seg.offset * nb1)
     const state = seg.kv(t.layer)
-    const y = kdaSegment(t, w, rows, seg.n, state.k, state.v)
+    const y = kdaSegment(t, w, rows, seg.n, { conv: state.k, ssm: state.v, snaps: seg.snapshots?.(t.layer) })
     out = out === null ? y : g.ggml_concat(t.ctx, out, y, 1)
   }
   return out!

@@ -25,8 +25,9 @@ import { trunkBlockCount } from "../../gguf/TrunkBlocks.js"
 import type { ArchModule } from "../Arch.js"
 import { type HParams, RopeMode } from "../HParams.js"
 import type { RecurrentParams } from "../RecurrentParams.js"
-import { type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit } from "../Toolkit.js"
+import { type BlockWeights, llamaOutputHead, type TensorSpec, type Toolkit, type StateSnapshots } from "../Toolkit.js"
 import { invalidMetadata } from "../MetadataErrors.js"
+import { snapshotConv, snapshotStates } from "../RecurrentSnapshots.js"
 
 /** ggml's IMROPE sector assignment: does every rotated pair take the t, h or w position (never the 4th, e)? */
 const sectionsCoverText = (sections: ReadonlyArray<number>, nRot: number): boolean => {
@@ -178,8 +179,18 @@ const gatedAttention = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
   return t.attention(t.rope(q), t.rope(k), v, w.get("attn_output.weight"), null, t.hp.kqScale, null, gate)
 }
 
-/** One sequence's DeltaNet over its rows h [nEmbd, n] and its state (conv, ssm): [nEmbd, n]. */
-const deltaNetSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: Ptr, ssm: Ptr): Ptr => {
+/**
+ * One sequence's DeltaNet over its rows h [nEmbd, n] and its state (conv, ssm): [nEmbd, n]. `snaps`: a verify step's,
+ * where each row's states go (RecurrentSnapshots.ts).
+ */
+const deltaNetSegment = (
+  t: Toolkit,
+  w: BlockWeights,
+  h: Ptr,
+  n: number,
+  state: { readonly conv: Ptr; readonly ssm: Ptr; readonly snaps: StateSnapshots | undefined }
+): Ptr => {
+  const { conv, ssm, snaps } = state
   const g = t.g
   const ctx = t.ctx
   const r = t.hp.recurrent!
@@ -200,13 +211,16 @@ const deltaNetSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: P
   const width = K - 1 + n
   const last = g.ggml_view_3d(ctx, convIn, K - 1, r.convDim, 1, f32(width), f32(width * r.convDim), f32(n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, last, convState))
+  if (snaps !== undefined) snapshotConv(t, snaps, convIn, n, K - 1, r.convDim, 0)
   const convOut = g.ggml_silu(ctx, g.ggml_ssm_conv(ctx, convIn, w.get("ssm_conv1d.weight")))
   const row = f32(r.convDim)
   const q = g.ggml_view_4d(ctx, convOut, S, Hk, n, 1, f32(S), row, row * n, 0)
   const k = g.ggml_view_4d(ctx, convOut, S, Hk, n, 1, f32(S), row, row * n, f32(S * Hk))
   const v = g.ggml_view_4d(ctx, convOut, S, Hv, n, 1, f32(S), row, row * n, f32(2 * S * Hk))
   const eps = t.hp.rmsEps
-  const state = g.ggml_reshape_4d(ctx, ssm, S, S, Hv, 1)
+  const s0 = g.ggml_reshape_4d(ctx, ssm, S, S, Hv, 1)
+  // a verify step keeps the state after each row (n snapshot slots, the last row's first)
+  const slots = snaps === undefined ? 1 : n
   const result = g.ggml_gated_delta_net(
     ctx,
     g.ggml_l2_norm(ctx, q, eps),
@@ -214,9 +228,10 @@ const deltaNetSegment = (t: Toolkit, w: BlockWeights, h: Ptr, n: number, conv: P
     v,
     gate,
     beta,
-    state,
-    1
+    s0,
+    slots
   )
+  if (snaps !== undefined) snapshotStates(t, snaps, result, S * Hv * n, n)
   const out = g.ggml_view_4d(ctx, result, S, Hv, n, 1, f32(S), f32(S * Hv), f32(S * Hv * n), 0)
   const newState = g.ggml_view_1d(ctx, result, S * S * Hv, f32(S * Hv * n))
   g.ggml_build_forward_expand(t.graph, g.ggml_cpy(ctx, newState, ssm))
@@ -234,7 +249,7 @@ const deltaNet = (t: Toolkit, w: BlockWeights, h: Ptr): Ptr => {
   for (const seg of segments) {
     const rows = segments.length === 1 ? h : g.ggml_view_2d(t.ctx, h, t.hp.nEmbd, seg.n, nb1, seg.offset * nb1)
     const state = seg.kv(t.layer)
-    const y = deltaNetSegment(t, w, rows, seg.n, state.k, state.v)
+    const y = deltaNetSegment(t, w, rows, seg.n, { conv: state.k, ssm: state.v, snaps: seg.snapshots?.(t.layer) })
     out = out === null ? y : g.ggml_concat(t.ctx, out, y, 1)
   }
   return out!
