@@ -236,8 +236,8 @@ export const ModelLayout = Schema.Struct({
   stateBytes: Schema.optional(Schema.Array(Schema.Number)),
   /**
    * false: the model's stages cannot roll a sequence back by starting its next step earlier (deepseek4's compressed
-   * rows, DSA's indexer are not checked for it), so speculative decoding is off for it. Absent: they can (recurrent
-   * states roll back through a verify step's per-row snapshots).
+   * rows are not checked for it), so speculative decoding is off for it. Absent: they can (recurrent states roll back
+   * through a verify step's per-row snapshots, DSA's indexer keys are written over by position like KV cells).
    */
   rewind: Schema.optional(Schema.Literal(false)),
   /**

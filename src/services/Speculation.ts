@@ -44,7 +44,7 @@ export const speculativeProblem = (
   }
   if (options.mode === "ngram" && rewind === false) {
     return (
-      "speculative ngram: this model's stages cannot roll a sequence back (deepseek4's compressed caches, DSA's indexer); " +
+      "speculative ngram: this model's stages cannot roll a sequence back (deepseek4's compressed caches); " +
       "use auto (drafts where a model can) or off"
     )
   }

@@ -59,11 +59,11 @@ const generate = (agents: ReadonlyArray<string>, token: string, request: Generat
   })
 
 /** At 1 to 4 stages: the tokens with drafts (some kept, some refused) equal the tokens without. */
-const sameTokensWithDrafts = (path: string, vocab: number) =>
+const sameTokensWithDrafts = (path: string, vocab: number, stageCounts = [1, 2, 3, 4]) =>
   Effect.gen(function* () {
     const token = generateToken()
     const agents = (yield* spawnLocalAgents({ count: 4, token, threads: 1 })).map((a) => a.address)
-    for (const stages of [1, 2, 3, 4]) {
+    for (const stages of stageCounts) {
       const base = { model: path, prompt: "Once upon a time", maxTokens, threads: 1, stages }
       const off = yield* generate(agents, token, base)
       assert.strictEqual(off.tokens.length, maxTokens)
@@ -87,10 +87,24 @@ describe("speculative decoding: the same greedy tokens on synthetic families, 1-
       240_000
     )
   }
-  // KDA blocks (recurrent, rolled back through the snapshots) among MLA blocks, as llama.cpp's converter writes them
-  it.live(
-    "kimi-k3 (gguf-py file): tokens with drafts equal the tokens without, drafts kept and refused",
-    () => sameTokensWithDrafts(writeConverted("kimi-k3", join(dir, "kimi-k3.gguf"), 7), 512),
-    240_000
-  )
+  // KDA blocks (recurrent, rolled back through the snapshots) among MLA blocks; DSA's indexer keys by position (its
+  // top-k smaller than the prompt and the output), glm-dsa's blocks reusing an earlier block's top-k: as llama.cpp's
+  // converter writes them
+  // (glm-dsa-shared's 4 blocks have 2 boundaries that keep a shared block with its source: 3 stages at most)
+  for (const [family, most] of [
+    ["kimi-k3", 4],
+    ["deepseek32", 4],
+    ["glm-dsa-shared", 3]
+  ] as const) {
+    it.live(
+      `${family} (gguf-py file): tokens with drafts equal the tokens without, drafts kept and refused`,
+      () =>
+        sameTokensWithDrafts(
+          writeConverted(family, join(dir, `${family}.gguf`), 7),
+          512,
+          Array.from({ length: most }, (_, i) => i + 1)
+        ),
+      240_000
+    )
+  }
 })

@@ -100,8 +100,8 @@ export const kvLayoutOf = (hp: HParams, numLayers: number = hp.nLayer): KvLayout
         }),
     ...(stateBytes.some((b) => b > 0) ? { stateBytes } : {}),
     // recurrent states roll back through a verify step's per-row snapshots (RecurrentSnapshots.ts); deepseek4's
-    // compressed caches and DSA's indexer caches do not
-    ...(hp.dsv4 !== undefined || hp.dsa !== undefined ? { rewind: false as const } : {}),
+    // compressed caches do not
+    ...(hp.dsv4 !== undefined ? { rewind: false as const } : {}),
     ...(hp.kvShare === undefined ? {} : { kvSources: hp.kvShare.sources.slice(0, numLayers) }),
     ...(hp.dsa === undefined || hp.dsa.full.every((f) => f)
       ? {}
