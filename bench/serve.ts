@@ -19,7 +19,9 @@
  * first token, on --cache-model (default ../shared/models/stories260K.gguf, context 2,048); --prompt-cache-only runs
  * just that, --skip-cache leaves it out; --no-token-loop: every token back through the orchestrator (B4e); --prefill-threads N (1: a stage's prompt on its own
  * thread only); --cache-rounds 3. BENCH_PROMPT_REPEAT=k: every prompt repeated k times (the
- * time to first token of a long prompt).
+ * time to first token of a long prompt). --speculative auto|ngram: a second swactor pipeline serving with that
+ * speculative mode joins the rounds ("swactor auto"), and its aggregate tok/s per N is set against the first's (issue
+ * 43's target: >= 0.97x of off at N = 4 and 8), with the drafts it made and kept.
  */
 import { execFileSync, spawn } from "node:child_process"
 import { readdirSync, readFileSync, writeFileSync } from "node:fs"
@@ -36,6 +38,17 @@ import { fmt, median, percentile, prompts, type StreamTimes, summarize, swactorR
 import { existsSync } from "node:fs"
 import { readModelFacts } from "../src/api/modelFacts.js"
 import { promptCacheFigure } from "./promptCache.js"
+
+/** The agents measure their step costs by rows while idle (StageBatcher's probe): waits for them before measuring. */
+const probesDone = async (runtime: ManagedRuntime.ManagedRuntime<Server, never>) => {
+  const probeStart = performance.now()
+  while (performance.now() - probeStart < 60_000) {
+    const m = await runtime.runPromise(Effect.flatMap(Server, (s) => s.metrics))
+    if (m.agents.every((a) => (a.stepCosts ?? []).every((c) => c.probe !== "pending"))) break
+    await new Promise((resolve) => setTimeout(resolve, 200))
+  }
+  console.log(`  step-cost probes done in ${((performance.now() - probeStart) / 1000).toFixed(1)} s`)
+}
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..")
 const flag = (name: string): string | undefined => {
@@ -54,6 +67,7 @@ const cfg = {
   dump: flag("dump") ?? process.env["BENCH_DUMP"],
   skipRef: process.argv.includes("--skip-ref"),
   llamaServer: flag("llama-server") ?? process.env["BENCH_LLAMA_SERVER"],
+  speculative: flag("speculative") as "auto" | "ngram" | undefined,
   dir: resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
 
@@ -307,6 +321,20 @@ const main = async () => {
     ...(prefillThreadsFlag === undefined ? {} : { prefillThreads: prefillThreadsFlag })
   })
   const runtime = ManagedRuntime.make(layer as Layer.Layer<Server>)
+  // --speculative: the same pipeline again, serving with drafts (its own agents)
+  const drafting =
+    cfg.speculative === undefined
+      ? undefined
+      : ManagedRuntime.make(
+          serve({
+            model: modelPath,
+            stages: cfg.stages,
+            threads: cfg.threads,
+            parallel: maxClients,
+            speculative: { mode: cfg.speculative }
+          }) as Layer.Layer<Server>
+        )
+  const draftingName = `swactor ${cfg.speculative}`
   const contenders: Array<Contender> = []
   const results = new Map<string, Map<number, Array<ReadonlyArray<StreamTimes>>>>()
   const lone = new Map<string, string>()
@@ -314,18 +342,12 @@ const main = async () => {
   const phases = new Map<string, Map<number, Array<Record<string, number>>>>()
   /** CPU ms per generated token (prefill included), per contender, N and round. */
   const cpu = new Map<string, Map<number, Array<number>>>()
+  let draftCounts = { steps: 0, drafted: 0, accepted: 0 }
   try {
     const loadStart = performance.now()
     await runtime.runPromise(Effect.flatMap(Server, (s) => s.ready))
     console.log(`  pipeline ready in ${((performance.now() - loadStart) / 1000).toFixed(1)} s`)
-    // the agents measure their step costs by rows while idle (StageBatcher's probe): let them finish before measuring
-    const probeStart = performance.now()
-    while (performance.now() - probeStart < 60_000) {
-      const m = await runtime.runPromise(Effect.flatMap(Server, (s) => s.metrics))
-      if (m.agents.every((a) => (a.stepCosts ?? []).every((c) => c.probe !== "pending"))) break
-      await new Promise((resolve) => setTimeout(resolve, 200))
-    }
-    console.log(`  step-cost probes done in ${((performance.now() - probeStart) / 1000).toFixed(1)} s`)
+    await probesDone(runtime)
     for (const prompt of prompts.slice(0, maxClients)) {
       const [result] = await runtime.runPromise(
         Effect.flatMap(Server, (server) =>
@@ -352,6 +374,16 @@ const main = async () => {
       close: () => Promise.resolve(),
       cpu: { self: true, pids: agents }
     })
+    if (drafting !== undefined) {
+      await drafting.runPromise(Effect.flatMap(Server, (s) => s.ready))
+      await probesDone(drafting)
+      contenders.push({
+        name: draftingName,
+        round: (n) => swactorRound(drafting, n, cfg.tokens),
+        close: () => Promise.resolve(),
+        cpu: { self: true, pids: descendants(process.pid).filter((pid) => !agents.includes(pid)) }
+      })
+    }
     if (!cfg.skipRef) contenders.push(await nodeLlamaCpp(modelPath))
     if (cfg.llamaServer !== undefined) contenders.push(await llamaServer(cfg.llamaServer, modelPath))
     // Interleaved: every contender's round r at N runs back to back, so a slow spell of the machine hits them alike.
@@ -366,9 +398,14 @@ const main = async () => {
         }
       }
     }
+    if (drafting !== undefined) {
+      const m = await drafting.runPromise(Effect.flatMap(Server, (s) => s.metrics))
+      draftCounts = m.speculative
+    }
   } finally {
     for (const c of contenders) await c.close().catch(() => undefined)
     await runtime.dispose()
+    await drafting?.dispose()
   }
 
   console.log(
@@ -421,6 +458,24 @@ const main = async () => {
       const f = at("llama-server", n)!
       console.log(
         `| ${n} | ${fmt(f.aggregate)} | ${f.spread} | ${fmt(f.ttft[0])} / ${fmt(f.ttft[1])} | ${fmt(f.itl[0], 2)} / ${fmt(f.itl[1], 2)} |`
+      )
+    }
+  }
+  if (drafting !== undefined) {
+    console.log(
+      `\n${draftingName} against swactor (speculative off), same rounds: aggregate tok/s, the median round; ` +
+        `every round: drafts ${draftCounts.drafted} in ${draftCounts.steps} steps, ${draftCounts.accepted} kept`
+    )
+    console.log("| N | off agg tok/s | drafting agg tok/s | ratio (target >= 0.97) | = alone |\n|---|---|---|---|---|")
+    for (const n of cfg.clients) {
+      const o = at("swactor", n)!
+      const d = at(draftingName, n)!
+      const same = results
+        .get(draftingName)!
+        .get(n)!
+        .every((round) => round.every((s, i) => s.text === lone.get(prompts[i % prompts.length]!)))
+      console.log(
+        `| ${n} | ${fmt(o.aggregate)} | ${fmt(d.aggregate)} | ${fmt(d.aggregate / o.aggregate, 3)} | ${same ? "yes" : "NO"} |`
       )
     }
   }

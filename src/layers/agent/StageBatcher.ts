@@ -146,6 +146,12 @@ export interface StageBatcher {
   readonly prefillChunk: number
   /** Measured step costs and the decode micro-batch size chosen from them. */
   readonly stepCosts: () => StepCostReport
+  /**
+   * Whether another sequence has work here now: a session other than `session` decoding (a step within the active
+   * window), a job of another session pending, or sessions announced and not yet opened. A speculative run drafts only
+   * while this is false (its rows would be better spent on the others' steps).
+   */
+  readonly busyBeside: (session: StageSession) => boolean
 }
 
 interface Job {
@@ -293,6 +299,12 @@ const pruneDecoders = (state: BatcherState) => {
   // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
   for (const [session, d] of state.decoders)
     if (now - d.last > Math.min(state.limits.activeWindow, 3 * d.interval)) state.decoders.delete(session)
+}
+
+const busyBeside = (state: BatcherState, session: StageSession): boolean => {
+  pruneDecoders(state)
+  for (const other of state.decoders.keys()) if (other !== session) return true
+  return state.pending.some((job) => job.session !== session) || announcedDue(state)
 }
 
 /**
@@ -692,6 +704,7 @@ export const makeStageBatcher = (
       submit: submitTo(state),
       expect: expectAt(state),
       prefillChunk: limits.chunk,
-      stepCosts: () => stepCostReport(state)
+      stepCosts: () => stepCostReport(state),
+      busyBeside: (session: StageSession) => busyBeside(state, session)
     }
   })

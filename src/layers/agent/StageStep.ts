@@ -318,7 +318,10 @@ const plannedStep = (ctx: StepContext, frame: DataFrame): Effect.Effect<PlannedS
   if (spec !== undefined && isFirstOf(ctx) && frame._tag === "TokenFrame") {
     const payload = frame.payload
     if (payload._tag === "Decode") {
-      const room = Math.min(ctx.windowRows, (ctx.request.contextLength ?? Infinity) - ctx.state.position)
+      // drafts only while no other sequence has work on this stage (a server's batch): one row then
+      const room = ctx.batcher.busyBeside(ctx.session)
+        ? 1
+        : Math.min(ctx.windowRows, (ctx.request.contextLength ?? Infinity) - ctx.state.position)
       const next = firstStageStep(spec, payload.tokenId, frame.step, ctx.state.position, room)
       if (next._tag === "Kept") return Effect.succeed(undefined)
       return Effect.succeed({ ...next, outStep: spec.nextMessage++ })
