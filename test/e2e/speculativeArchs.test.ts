@@ -72,9 +72,13 @@ const sameTokensWithDrafts = (path: string, vocab: number, stageCounts = [1, 2, 
         ...base,
         speculative: { mode: "ngram", fixed: true, predicted }
       })
+      // a recovery replays tokens, after which the prediction (by position) is off: say so if a run went through one
+      for (const r of [off, on]) {
+        for (const rec of r.summary.recoveries) console.error(`${stages} stages: a run recovered: ${rec.reason}`)
+      }
       assert.deepStrictEqual(on.tokens, off.tokens, `${stages} stages`)
       const spec = on.summary.speculative!
-      assert.isAbove(spec.accepted, 0, `${stages} stages: drafts kept`)
+      assert.isAbove(spec.accepted, 0, `${stages} stages: drafts kept (${JSON.stringify(spec)})`)
       assert.isAbove(spec.drafted, spec.accepted, `${stages} stages: drafts refused`)
     }
   }).pipe(Effect.scoped)
