@@ -132,6 +132,29 @@ describe("a speculative step's rows roll back on recurrent blocks: the states of
       }).pipe(Effect.scoped, Effect.provide(StageExecutorLive.layerWith({ smallBatchRows: smallRows })))
     )
   }
+  // the prompt cache copies a prefix into another session: one ending inside the last verify step's rows takes that
+  // row's states from its snapshots (any other partial copy of a recurrent stage is refused)
+  it.live("qwen35: a prefix copy ending inside a verify step's rows continues as the one-by-one decode", () =>
+    Effect.gen(function* () {
+      const o = qwen35("f32")
+      yield* writeSyntheticModel(o)
+      const stages = yield* stagesOf(o.path, 2)
+      const executor = yield* StageExecutor
+      const open = () => Effect.forEach(stages, (s) => executor.session(s, { threads: 1, contextLength: 128 }))
+      const [verifying, stepping, copies] = [yield* open(), yield* open(), yield* open()]
+      yield* step(verifying, 0, prompt, false)
+      yield* step(stepping, 0, prompt, false)
+      yield* step(verifying, prompt.length, first, true)
+      yield* oneByOne(stepping, prompt.length, first.subarray(0, 3))
+      const at = prompt.length + 3
+      for (let i = 0; i < stages.length; i++) yield* executor.copyPrefix!(verifying[i]!, copies[i]!, at)
+      const copied = yield* step(copies, at, Int32Array.of(7), false)
+      assert.deepStrictEqual(copied, yield* step(stepping, at, Int32Array.of(7), false))
+      // a copy ending before the verify step's rows cannot be exact: refused
+      const refused = yield* Effect.exit(executor.copyPrefix!(verifying[0]!, copies[0]!, prompt.length - 1))
+      assert.isTrue(refused._tag === "Failure" && String(refused).includes("cannot be rewound"), String(refused))
+    }).pipe(Effect.scoped, Effect.provide(StageExecutorLive.layerWith({ smallBatchRows: 7 })))
+  )
   it.live("kimi-k3 (KDA and MLA, gguf-py file), 1 and 2 stages", () =>
     Effect.gen(function* () {
       const path = writeConverted("kimi-k3", join(dir, "kimi-k3.gguf"), 7)

@@ -92,7 +92,7 @@ export class NativeSession {
    */
   readonly recurrent: boolean
   /** The recurrent blocks' per-row states of verify steps (made at the first). */
-  private snapshots: SnapshotStore | null = null
+  snapshots: SnapshotStore | null = null
   /** The last call was a verify step of `snapshotRows` rows from `snapshotFrom` (0: the snapshots are stale). */
   private snapshotFrom = 0
   private snapshotRows = 0
@@ -320,7 +320,10 @@ export class NativeSession {
         )
       }
     }
-    if (this.recurrent && length !== 0 && length !== from.filled) {
+    // a recurrent state of a position before the source's last: only a row of its last verify step (its snapshot)
+    const snapshotRow =
+      this.recurrent && length !== 0 && length !== from.filled ? from.snapshotRowOf(length) : undefined
+    if (this.recurrent && length !== 0 && length !== from.filled && snapshotRow === undefined) {
       throw new Error(`cannot copy ${length} of ${from.filled} positions: a DeltaNet state cannot be rewound`)
     }
     const memory = new Map([...from.kv.keys()].map((il) => [il, blockMemory(hp, il)]))
@@ -330,7 +333,9 @@ export class NativeSession {
     for (const [il, src] of from.kv) {
       const dst = this.kv.get(il)!
       const m = memory.get(il)!
-      // a DeltaNet block: the whole state (of position `length` = the source's), or zeros for no position
+      // a DeltaNet block: the whole state (of position `length` = the source's), or zeros for no position; the
+      // snapshots' below (after the loop)
+      if (m.kind === "state" && snapshotRow !== undefined) continue
       if (m.kind === "state") {
         for (const [part, n] of [
           ["k", m.conv],
@@ -366,9 +371,18 @@ export class NativeSession {
         raw.ggml_backend_tensor_set(dst[part], scratch, 0, size)
       }
     }
+    if (snapshotRow !== undefined) from.snapshots!.restore(this.kv, snapshotRow.row, snapshotRow.rows)
     this.filled = length
     this.swaLow = low
     this.snapshotRows = 0
+  }
+
+  /**
+   * The snapshot (row of the last verify step, and its rows) that holds the recurrent states of position `length`:
+   * undefined unless a call from `length` could start here (`inSnapshots`).
+   */
+  snapshotRowOf(length: number): { readonly row: number; readonly rows: number } | undefined {
+    return this.inSnapshots(length) ? { row: length - this.snapshotFrom - 1, rows: this.snapshotRows } : undefined
   }
 
   verifySlot(): GraphSlot {

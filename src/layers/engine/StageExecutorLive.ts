@@ -333,12 +333,17 @@ const copyPrefix = (from: StageSession, to: StageSession, length: number): Effec
         })
       )
     }
-    if (from.native.recurrent && length !== 0 && length !== from.native.filled) {
+    if (
+      from.native.recurrent &&
+      length !== 0 &&
+      length !== from.native.filled &&
+      from.native.snapshotRowOf(length) === undefined
+    ) {
       return Effect.fail(
         new InvalidStageInput({
           message:
             `cannot copy ${length} positions: the source's DeltaNet state is that of position ${from.native.filled} ` +
-            `and cannot be rewound (only a whole copy is exact)`
+            `and cannot be rewound (only a whole copy, or one ending in its last speculative step's rows, is exact)`
         })
       )
     }
