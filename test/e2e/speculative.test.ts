@@ -10,10 +10,13 @@
  *   draft kept; a draft model of another vocabulary, or none at the path, refused before the run in one line.
  */
 import { assert, describe, it } from "@effect/vitest"
-import { Chunk, Effect, Stream } from "effect"
+import { Chunk, Effect, Schedule, Stream } from "effect"
 import { join } from "node:path"
 import { layerRemote, run } from "../../src/api/generate.js"
+import * as AgentControlRpc from "../../src/layers/agent/AgentControlRpc.js"
 import { generateToken, spawnLocalAgents } from "../../src/layers/agent/AgentProcesses.js"
+import { NodeId } from "../../src/domain/ids.js"
+import { AgentControl } from "../../src/services/AgentLinks.js"
 import { writeSyntheticModel } from "../../src/layers/gguf/Synthetic.js"
 import type { GenerateRequest, RunSummary } from "../../src/services/Orchestrator.js"
 import { referenceRun } from "../support/engine.js"
@@ -166,6 +169,17 @@ describe("speculative decoding through the pipeline: the same text as without dr
   )
 })
 
+/** The engine sessions each agent holds now (a run's stages and a draft model's), asked over its control link. */
+const openSessions = (agents: ReadonlyArray<string>, token: string) =>
+  Effect.gen(function* () {
+    const control = yield* AgentControl
+    return yield* Effect.forEach(agents, (address, i) =>
+      Effect.scoped(
+        Effect.flatMap(control.connect({ nodeId: NodeId.make(i + 1), address }, token), (link) => link.capacity)
+      ).pipe(Effect.map((capacity) => capacity.openSessions?.sessions ?? -1))
+    )
+  }).pipe(Effect.provide(AgentControlRpc.layer))
+
 describe("draft-model speculation (mode draft): a small model of the same vocabulary drafts on stage 0's node", () => {
   // stories260K drafts for itself: its greedy drafts are the target's greedy tokens, so nearly all are kept, and only
   // while the draft's cache follows the accepted tokens (fed the ones it has not seen, rewound after a refusal)
@@ -188,6 +202,18 @@ describe("draft-model speculation (mode draft): a small model of the same vocabu
             assert.isAbove(spec!.drafted, maxTokens / 2, `${stages} stages: tokens drafted`)
             assert.isAtLeast(spec!.accepted / spec!.drafted, 0.9, `${stages} stages: drafts kept`)
             assert.isBelow(spec!.steps, maxTokens / 4, `${stages} stages: steps`)
+            // nothing left allocated: the stages' and the draft's sessions are freed with the run (the weights stay
+            // in the model cache for the next run, as a stage's do)
+            const open = yield* openSessions(agents, token).pipe(
+              Effect.filterOrFail((counts) => counts.every((n) => n === 0)),
+              Effect.retry({ times: 20, schedule: Schedule.spaced("100 millis") }),
+              Effect.orElse(() => openSessions(agents, token))
+            )
+            assert.deepStrictEqual(
+              open,
+              agents.map(() => 0),
+              `${stages} stages: sessions left open`
+            )
             yield* reportGone(off, on)
           })
         ),
