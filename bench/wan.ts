@@ -25,12 +25,13 @@
  *
  * Usage: npm run bench:wan [-- --quick --links loopback,gbe,wifi --stages 2,4 --clients 1,4,8 --tokens 64 --rounds 1
  *        --model PATH --shape 16x2048 --skip-llama --skip-swactor --skip-delivery --greedy-check 32 --llama-tools DIR
- *        --no-pin --relay-check-only --loop-ab --speculative]
+ *        --no-pin --relay-check-only --loop-ab --speculative --draft-model PATH]
  * --quick: links loopback,wifi (gbe left out) — the issue's comparison at stages 2,4 × N 1,4,8 in about ten minutes on
  * 2 cores; any explicit flag still wins. --greedy-check N: tokens of the greedy check (0: none). --loop-ab: swactor
  * also with its token loop off ("swactor no loop": every token back through the orchestrator to stage 0).
  * --speculative: after each swactor case, one stream without drafts, with prompt lookup and with every draft refused
- * (a prediction that is always wrong): decode tok/s, acceptance, and whether the text is the text without drafts.
+ * (a prediction that is always wrong), a prediction 15/16 right, and a draft model (--draft-model PATH, default the
+ * model drafting for itself): decode tok/s, acceptance, and whether the text is the text without drafts.
  * Default model: a synthetic Q8_0 llama of 8 blocks × 1024 (FFN 4096, heads 16/4, vocab 32000; 190 MiB);
  * `--shape 16x2048` is the issue's reference model (the 16×2048 of bench:serve); `--shape LxH` any size of that
  * family (FFN 4×H, heads H/64, KV heads H/256). Written once under .cache/bench. llama.cpp's tools: --llama-tools DIR
@@ -108,6 +109,8 @@ const cfg = {
   relayCheckOnly: process.argv.includes("--relay-check-only"),
   /** After each swactor case: one stream without drafts, with prompt lookup, and with every draft refused. */
   speculative: process.argv.includes("--speculative"),
+  /** --speculative's draft-model row: this draft model (default: the bench model drafting for itself). */
+  draftModel: flag("draft-model"),
   pin: !process.argv.includes("--no-pin"),
   dir: Path.resolve(root, process.env["BENCH_DIR"] ?? ".cache/bench")
 }
@@ -393,7 +396,7 @@ const swactor = async (
     return {
       round,
       timeline,
-      speculation: () => speculationLines(oneStream),
+      speculation: () => speculationLines(oneStream, cfg.draftModel ?? model),
       setup: `agents --threads 1, ${pinned.join(" / ")}`,
       close: async () => {
         await runtime.dispose()
@@ -415,7 +418,8 @@ type OneStream = RunSummary & { readonly tokens: ReadonlyArray<number> }
  * its decode tok/s, acceptance, and whether its text is the text without drafts. Best of `rounds`.
  */
 const speculationLines = async (
-  oneStream: (extra: Partial<GenerateRequest>) => Promise<OneStream | undefined>
+  oneStream: (extra: Partial<GenerateRequest>) => Promise<OneStream | undefined>,
+  draftModel: string
 ): Promise<ReadonlyArray<string>> => {
   const best = async (extra: Partial<GenerateRequest>) => {
     let top: OneStream | undefined
@@ -434,6 +438,9 @@ const speculationLines = async (
   // an edit that changes little (OpenAI's predicted outputs): the output itself with one token in 16 changed
   const edited = off.tokens.map((t, i) => (i % 16 === 15 ? (t + 1) % 256 : t))
   const edit = await best({ prompt, speculative: { mode: "ngram", predicted: edited } })
+  // a draft model on stage 0's node (--draft-model; default the model drafting for itself: every draft kept, at the
+  // cost of a whole model's forward per draft on stage 0's node)
+  const drafted = await best({ prompt, speculative: { mode: "draft", draftModel } })
   const line = (name: string, s: RunSummary) => {
     const spec = s.speculative
     const rate =
@@ -448,7 +455,8 @@ const speculationLines = async (
     `off: ${fmt(off.decodeTokensPerSecond)} tok/s`,
     line("prompt lookup", lookup),
     line("every draft refused", refused),
-    line("a prediction 15/16 right", edit)
+    line("a prediction 15/16 right", edit),
+    line(`draft model ${Path.basename(draftModel)}`, drafted)
   ]
 }
 

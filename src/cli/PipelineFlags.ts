@@ -385,21 +385,49 @@ export const pipelineOptionsOf = (
 
 /** Speculative decoding's flags (run and serve; RunRequest.speculative). */
 export const speculativeFlags = {
-  speculative: Flag.choice("speculative", ["off", "auto", "ngram"], {
+  speculative: Flag.choice("speculative", ["off", "auto", "ngram", "draft"], {
     group: "Pipeline",
     text:
-      "draft tokens by prompt lookup and verify them through the pipeline as one step (the same text), while a " +
-      "request is alone on it: auto where the model's stages can roll back, ngram or refuse"
+      "draft tokens and verify them through the pipeline as one step (the same text), while a request is alone on " +
+      "it: by prompt lookup (auto where the model's stages can roll back, ngram or refuse), or by a small model of " +
+      "the same vocabulary on stage 0's node (draft, with --draft-model)"
   }).withDefault("off"),
   draftMax: Flag.integer("draft-max", {
     group: "Pipeline",
     text: "the most tokens drafted per step with --speculative (fewer while they are not kept)"
-  }).withDefault(DEFAULT_MAX_DRAFT)
+  }).withDefault(DEFAULT_MAX_DRAFT),
+  draftModel: Flag.modelPath("draft-model", {
+    group: "Pipeline",
+    text: "--speculative draft's draft model: a small GGUF of the model's vocabulary, run whole on stage 0's node"
+  }).optional()
+}
+
+/** The speculative flags as given. */
+interface SpeculativeArgs {
+  readonly speculative: "off" | "auto" | "ngram" | "draft"
+  readonly draftMax: number
+  readonly draftModel: Option.Option<string>
+}
+
+/** `--speculative draft` and `--draft-model` go together: either without the other is a usage error (one line). */
+export const checkSpeculativeFlags = (args: SpeculativeArgs): Effect.Effect<void, UsageError> => {
+  if (args.speculative === "draft" && Option.isNone(args.draftModel)) {
+    return fail("--speculative draft needs --draft-model FILE")
+  }
+  if (args.speculative !== "draft" && Option.isSome(args.draftModel)) {
+    return fail("--draft-model is only used with --speculative draft")
+  }
+  return Effect.void
 }
 
 /** What the speculative flags ask for (undefined: off). */
-export const speculativeOf = (args: {
-  readonly speculative: "off" | "auto" | "ngram"
-  readonly draftMax: number
-}): { readonly speculative?: SpeculativeOptions } =>
-  args.speculative === "off" ? {} : { speculative: { mode: args.speculative, maxDraft: args.draftMax } }
+export const speculativeOf = (args: SpeculativeArgs): { readonly speculative?: SpeculativeOptions } =>
+  args.speculative === "off"
+    ? {}
+    : {
+        speculative: {
+          mode: args.speculative,
+          maxDraft: args.draftMax,
+          ...(Option.isSome(args.draftModel) ? { draftModel: args.draftModel.value } : {})
+        }
+      }

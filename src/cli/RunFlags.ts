@@ -16,7 +16,8 @@ import {
   modelFlag,
   pipelineFlags,
   securityFlags,
-  speculativeFlags
+  speculativeFlags,
+  checkSpeculativeFlags
 } from "./PipelineFlags.js"
 import { samplingFlags, samplingFromFlags } from "./SamplingFlags.js"
 
@@ -131,6 +132,7 @@ const promptText = (args: RunArgs): Effect.Effect<string, UsageError> =>
 export const validateRunFlags = (args: RunArgs) =>
   Effect.gen(function* () {
     const pipeline = yield* checkPipelineFlags(args)
+    yield* checkSpeculativeFlags(args)
     const maxTokens = yield* wholeNumber("max-tokens", args.maxTokens, 1)
     const temperature = yield* atLeast("temperature", args.temperature, 0)
     const topK = yield* wholeNumber("top-k", args.topK, 0)

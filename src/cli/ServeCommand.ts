@@ -22,6 +22,7 @@ import {
   type CheckedPipelineFlags,
   modelFlag,
   pipelineFlags,
+  checkSpeculativeFlags,
   speculativeFlags,
   speculativeOf,
   pipelineOptionsOf,
@@ -160,6 +161,7 @@ const runServe = (args: ServeArgs) =>
     // --discover: the discovered pool stays open for the server's life (nodes that appear later are seen).
     const pipeline = yield* checkPipelineFlags(args, true, yield* Effect.scope)
     const keys = yield* apiKeysOf(args.apiKeyFile)
+    yield* checkSpeculativeFlags(args)
     const own = yield* checkServeFlags(args)
     return yield* serveChecked(args, pipeline, keys, own).pipe(Effect.provideService(Settings, pipeline.settings))
   }).pipe(Effect.scoped)

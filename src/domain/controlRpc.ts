@@ -192,7 +192,14 @@ export const SpeculativeProvision = Schema.Struct({
   maxTokens: Schema.Number,
   predicted: Schema.optional(Schema.Array(Schema.Number)),
   /** Draft `maxDraft` wherever drafts are found (SpeculativeOptions.fixed); absent: the adaptive count. */
-  fixed: Schema.optional(Schema.Boolean)
+  fixed: Schema.optional(Schema.Boolean),
+  /**
+   * Stage 0 of a `draft` run: the draft model (SpeculativeOptions.draftModel) to run whole beside the stage, its file
+   * and block count; it decodes the drafts greedily.
+   */
+  draft: Schema.optional(
+    Schema.Struct({ path: Schema.String, blocks: Schema.Number.pipe(Schema.int(), Schema.positive()) })
+  )
 })
 export type SpeculativeProvision = typeof SpeculativeProvision.Type
 

@@ -13,8 +13,11 @@
 
 /** How a run drafts (RunRequest.speculative). */
 export interface SpeculativeOptions {
-  /** `ngram`: prompt lookup over the prompt and the text so far; `auto`: the same where the model allows it. */
-  readonly mode: "off" | "ngram" | "auto"
+  /**
+   * `ngram`: prompt lookup over the prompt and the text so far; `auto`: the same where the model allows it; `draft`: a
+   * small model of the same vocabulary (`draftModel`), run whole on stage 0's node, decodes the drafts greedily.
+   */
+  readonly mode: "off" | "ngram" | "auto" | "draft"
   /** The most tokens drafted per step (default 6: with the step's token, 7 rows, the few-row route's reach). */
   readonly maxDraft?: number
   /** Expected output tokens (OpenAI's predicted outputs), drafted by position instead of by prompt lookup. */
@@ -24,6 +27,13 @@ export interface SpeculativeOptions {
    * path this way: the adaptive count follows timings). Default false.
    */
   readonly fixed?: boolean
+  /** `draft`: the draft model's GGUF file (a path stage 0's node reads, or a hub name); only with `draft`. */
+  readonly draftModel?: string
+  /**
+   * `draft`: the draft model's block count, set by the orchestrator when it checked the draft (DraftModelCheck.ts);
+   * a caller's value is replaced.
+   */
+  readonly draftBlocks?: number
 }
 
 export const DEFAULT_MAX_DRAFT = 6
@@ -42,14 +52,44 @@ export const speculativeProblem = (
   if (options.predicted?.some((t) => !Number.isSafeInteger(t) || t < 0 || t >= vocabSize)) {
     return `speculative: a predicted token id is outside the vocabulary [0, ${vocabSize})`
   }
-  if (options.mode === "ngram" && rewind === false) {
+  if (options.mode === "draft" && options.draftModel === undefined) {
+    return "speculative draft: needs a draft model (a small GGUF file of the same vocabulary)"
+  }
+  if (options.mode !== "draft" && options.draftModel !== undefined) {
+    return `speculative ${options.mode}: a draft model is only used by draft`
+  }
+  if ((options.mode === "ngram" || options.mode === "draft") && rewind === false) {
     return (
-      "speculative ngram: this model's stages cannot roll a sequence back (deepseek4's compressed caches); " +
-      "use auto (drafts where a model can) or off"
+      `speculative ${options.mode}: this model's stages cannot roll a sequence back (deepseek4's compressed ` +
+      "caches); use auto (drafts where a model can) or off"
     )
   }
   return undefined
 }
+/**
+ * Why a draft model cannot draft for the target, in one line (undefined: it can): their vocabularies must be the same
+ * token strings in the same order (`tokenizer.ggml.tokens`), else a draft's ids would name other tokens.
+ */
+export const draftVocabularyProblem = (
+  target: ReadonlyArray<string> | undefined,
+  draft: ReadonlyArray<string> | undefined
+): string | undefined => {
+  if (target === undefined || draft === undefined) {
+    return `speculative draft: the ${target === undefined ? "model" : "draft model"} names no tokens (tokenizer.ggml.tokens) to compare`
+  }
+  if (target.length !== draft.length) {
+    return `speculative draft: the draft model's vocabulary differs from the model's (${draft.length} tokens, not ${target.length})`
+  }
+  const i = target.findIndex((token, index) => draft[index] !== token)
+  if (i >= 0) {
+    return (
+      `speculative draft: the draft model's vocabulary differs from the model's (token ${i} is ` +
+      `${JSON.stringify(draft[i])}, not ${JSON.stringify(target[i])})`
+    )
+  }
+  return undefined
+}
+
 /** The longest and shortest suffix prompt lookup matches. */
 export const NGRAM_MAX = 4
 export const NGRAM_MIN = 2

@@ -113,6 +113,21 @@ describe("swactor run / node: every flag checked before anything starts", () => 
     expectRefused(await swactor(["run", "--model", model(), "--stages", "0"]), "run", /--stages/)
   })
 
+  it("--speculative draft and --draft-model go together (run and serve)", async () => {
+    for (const command of ["run", "serve"]) {
+      expectRefused(
+        await swactor([command, "--model", model(), "--speculative", "draft"]),
+        command,
+        /--speculative draft needs --draft-model FILE/
+      )
+      expectRefused(
+        await swactor([command, "--model", model(), "--draft-model", model()]),
+        command,
+        /--draft-model is only used with --speculative draft/
+      )
+    }
+  })
+
   it('--nodes "," names no node: refused instead of silently running locally', async () => {
     expectRefused(await swactor(["run", "--model", model(), "--nodes", ","]), "run", /--agents "," names no agent/)
     expectRefused(

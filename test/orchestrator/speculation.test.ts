@@ -6,6 +6,7 @@ import { assert, describe, it } from "@effect/vitest"
 import {
   acceptedDrafts,
   DraftLength,
+  draftVocabularyProblem,
   lookupDraft,
   predictedDraft,
   speculativeProblem
@@ -72,5 +73,27 @@ describe("Speculation", () => {
     assert.match(speculativeProblem({ mode: "ngram" }, false, 10)!, /cannot roll a sequence back/)
     assert.match(speculativeProblem({ mode: "ngram", maxDraft: 0 }, undefined, 10)!, /\[1, 255\]/)
     assert.match(speculativeProblem({ mode: "ngram", predicted: [3, 10] }, undefined, 10)!, /outside the vocabulary/)
+    // draft: needs its model, refused where the stages cannot roll back; a draft model only with draft
+    assert.isUndefined(speculativeProblem({ mode: "draft", draftModel: "d.gguf" }, undefined, 10))
+    assert.match(speculativeProblem({ mode: "draft" }, undefined, 10)!, /^speculative draft: needs a draft model/)
+    assert.match(
+      speculativeProblem({ mode: "draft", draftModel: "d.gguf" }, false, 10)!,
+      /^speculative draft: this model's stages cannot roll a sequence back/
+    )
+    assert.match(speculativeProblem({ mode: "ngram", draftModel: "d.gguf" }, undefined, 10)!, /only used by draft/)
+  })
+
+  it("a draft model's vocabulary must be the model's, token for token", () => {
+    assert.isUndefined(draftVocabularyProblem(["a", "b", "c"], ["a", "b", "c"]))
+    assert.strictEqual(
+      draftVocabularyProblem(["a", "b", "c"], ["a", "b"]),
+      "speculative draft: the draft model's vocabulary differs from the model's (2 tokens, not 3)"
+    )
+    assert.strictEqual(
+      draftVocabularyProblem(["a", "b", "c"], ["a", "x", "c"]),
+      'speculative draft: the draft model\'s vocabulary differs from the model\'s (token 1 is "x", not "b")'
+    )
+    assert.match(draftVocabularyProblem(["a"], undefined)!, /the draft model names no tokens/)
+    assert.match(draftVocabularyProblem(undefined, ["a"])!, /the model names no tokens/)
   })
 })

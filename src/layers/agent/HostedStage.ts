@@ -27,6 +27,7 @@ import type { LoadedStage, StageExecutorService, StageSession } from "../../serv
 import { openStageSampler } from "../sampling/StageSampler.js"
 import { activationPayloadOffset } from "../transport/Framing.js"
 import { speculationState } from "./SpeculativeStep.js"
+import { draftModelOf } from "./DraftModel.js"
 import { keepArrivals } from "../transport/WireClock.js"
 import type { PromptCacheHost } from "./PromptCacheHost.js"
 import type { StageBatcher } from "./StageBatcher.js"
@@ -46,6 +47,16 @@ export interface CachedModel {
   readonly loaded: LoadedStage
   readonly batcher: StageBatcher
 }
+
+/** The model cache key of a block range of a file (its role and the backend: another load each). */
+export const modelCacheKey = (
+  path: string,
+  layerStart: number,
+  layerEndExclusive: number,
+  isFirst: boolean,
+  isLast: boolean,
+  backend: string
+) => JSON.stringify([path, layerStart, layerEndExclusive, isFirst, isLast, backend])
 
 /** What a hosted stage uses of its host. */
 export interface HostParts {
@@ -182,6 +193,32 @@ const acquireSession = (host: HostParts, run: StageRun, progress: Progress) =>
   })
 
 /**
+ * Stage 0 of a `draft` run: the draft model, whole (all its blocks, first and last: the output head), from the model
+ * cache (weights shared by every run that drafts with it, released when unused for the cache's idle time), and a
+ * session over it with the stage's threads; both held until the stage body ends (never kept with a prompt-cache entry).
+ * The file is the path as given, or what weight delivery holds for it.
+ */
+const acquireDraft = (host: HostParts, run: StageRun) =>
+  Effect.gen(function* () {
+    const { request } = run
+    const draft = request.speculative?.draft
+    if (draft === undefined || request.provision.stageIndex !== 0) return undefined
+    const weights = host.options.weights
+    const path = weights === undefined ? draft.path : weights.resolve(draft.path, 0, draft.blocks)
+    const failed = (message: string) => loadFailed(`draft model ${draft.path}: ${message}`)
+    if (path === undefined) return yield* failed("not on this node (--slices-only)")
+    const key = modelCacheKey(path, 0, draft.blocks, true, true, host.options.backend)
+    const { batcher, loaded } = yield* RcMap.get(host.models, key).pipe(
+      Effect.mapError((error) => failed(`${error.reason}: ${error.message}`))
+    )
+    const contextLength = contextOf(request, loaded)
+    const session = yield* host.executor
+      .session(loaded, { contextLength, threads: request.threads ?? host.options.threads })
+      .pipe(Effect.mapError((error) => failed(`${error.reason}: ${error.message}`)))
+    return draftModelOf(session, batcher, contextLength, request.provision.model.eosTokenId)
+  })
+
+/**
  * Prompt cache: the first positions of a held entry's KV (none when this agent lacks it: the orchestrator then starts
  * the prompt at the fewest positions any stage took, 0 at worst). A multiple of the batcher's prompt chunk: the rest of
  * the prompt then runs in the chunks a full prefill runs there, and the entry's positions came from those same chunks
@@ -285,6 +322,7 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
     const { stats } = progress
     const started = performance.now()
     const { batcher, loaded, session } = yield* acquireSession(host, run, progress)
+    const draft = yield* acquireDraft(host, run)
     const cachedPositions = yield* adoptCached(host, run, batcher, session)
     if (cachedPositions !== undefined) progress.state.position = cachedPositions
     // the last stage's sampler (llama.cpp's chain): a policy or grammar it cannot honour refuses the run here
@@ -350,7 +388,7 @@ const stageBody = (host: HostParts, run: StageRun, progress: Progress) =>
       sample,
       timings,
       measureStage: () => progress.measureStage(),
-      speculation: request.speculative === undefined ? undefined : speculationState(request.speculative)
+      speculation: request.speculative === undefined ? undefined : speculationState(request.speculative, draft)
     })
     const transport = (fault: EdgeFault) => transportFailed(describeFault(fault))
     return yield* Effect.forever(Effect.flatMap(receive.pipe(Effect.mapError(transport)), step))

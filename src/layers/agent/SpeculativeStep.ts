@@ -13,11 +13,13 @@
  *   given any other token, the drafts still pending were not kept, and its next step starts where the first of them
  *   was: every stage then writes over the positions of the rows that were not kept (a rollback without a copy).
  */
+import { Effect } from "effect"
 import type { SpeculativeProvision } from "../../domain/controlRpc.js"
-import type { StageInput } from "../../domain/engine.js"
+import type { ForwardError, StageInput } from "../../domain/engine.js"
 import type { SampledLogprob } from "../../domain/frames.js"
 import { DraftLength, lookupDraft, predictedDraft } from "../../services/Speculation.js"
 import type { SequenceSampler } from "../sampling/ChainSampler.js"
+import { type DraftModel, draftTokens } from "./DraftModel.js"
 
 /** What a stage of a speculative run keeps between its steps. */
 export interface SpeculationState {
@@ -37,10 +39,13 @@ export interface SpeculationState {
   nextMessage: number
   /** The last stage: the step number of the next token it samples. */
   nextToken: number
+  /** Stage 0 of a `draft` run: the draft model that decodes its drafts (DraftModel.ts); absent: prompt lookup. */
+  readonly draft: DraftModel | undefined
 }
 
-export const speculationState = (options: SpeculativeProvision): SpeculationState => ({
+export const speculationState = (options: SpeculativeProvision, draft?: DraftModel): SpeculationState => ({
   options,
+  draft,
   length: new DraftLength(options.maxDraft),
   history: [],
   promptTokens: 0,
@@ -62,9 +67,27 @@ export type FirstStageStep =
     }
 
 /**
+ * The drafts on offer after the history: up to `k` the draft model decodes (one when the chooser asked for none and
+ * tokens are left, to go on measuring its acceptance), else the prediction's or prompt lookup's, up to maxDraft.
+ */
+const candidatesOf = (
+  spec: SpeculationState,
+  k: number,
+  left: number
+): Effect.Effect<ReadonlyArray<number>, ForwardError> => {
+  if (spec.draft !== undefined) return draftTokens(spec.draft, spec.history, k > 0 ? k : Math.min(1, left))
+  const predicted = spec.options.predicted
+  return Effect.succeed(
+    predicted !== undefined
+      ? predictedDraft(predicted, spec.history.length - spec.promptTokens, spec.options.maxDraft)
+      : lookupDraft(spec.history, spec.options.maxDraft)
+  )
+}
+
+/**
  * Stage 0, a decode token at token step `step` (the token sampled at step - 1). `position`: the positions its cache
  * holds (after the step in flight's rows); `roomRows`: the most rows its next step may have (its outbound window, the
- * context left).
+ * context left). An effect: a draft model runs to draft (its time counts in the step's measured cost).
  */
 export const firstStageStep = (
   spec: SpeculationState,
@@ -72,13 +95,13 @@ export const firstStageStep = (
   step: number,
   position: number,
   roomRows: number
-): FirstStageStep => {
+): Effect.Effect<FirstStageStep, ForwardError> => {
   const now = performance.now()
   if (spec.pending.length > 0 && spec.pending[0] === tokenId) {
     spec.pending.shift()
     spec.history.push(tokenId)
     if (spec.inFlight !== undefined) spec.inFlight.accepted++
-    return { _tag: "Kept" }
+    return Effect.succeed({ _tag: "Kept" })
   }
   const rolledBack = spec.pending.length
   spec.pending = []
@@ -90,22 +113,19 @@ export const firstStageStep = (
   const left = spec.options.maxTokens - step - 1
   const wanted = spec.options.fixed === true ? spec.options.maxDraft : spec.length.choose()
   const k = Math.max(0, Math.min(wanted, spec.options.maxDraft, roomRows - 1, left))
-  const predicted = spec.options.predicted
-  const candidates =
-    predicted !== undefined
-      ? predictedDraft(predicted, spec.history.length - spec.promptTokens, spec.options.maxDraft)
-      : lookupDraft(spec.history, spec.options.maxDraft)
-  const drafts = candidates.slice(0, k)
-  spec.shadow = drafts.length === 0 && left > 0 ? candidates[0] : undefined
-  spec.pending = [...drafts]
-  spec.inFlight = { sentAt: now, drafted: drafts.length, accepted: 0 }
-  const tokens = Int32Array.from([tokenId, ...drafts])
-  return {
-    _tag: "Run",
-    input: drafts.length > 0 ? { _tag: "Tokens", tokens, verify: true } : { _tag: "Tokens", tokens },
-    startPos: position - rolledBack,
-    drafts
-  }
+  return Effect.map(candidatesOf(spec, k, left), (candidates): FirstStageStep => {
+    const drafts = candidates.slice(0, k)
+    spec.shadow = drafts.length === 0 && left > 0 ? candidates[0] : undefined
+    spec.pending = [...drafts]
+    spec.inFlight = { sentAt: now, drafted: drafts.length, accepted: 0 }
+    const tokens = Int32Array.from([tokenId, ...drafts])
+    return {
+      _tag: "Run",
+      input: drafts.length > 0 ? { _tag: "Tokens", tokens, verify: true } : { _tag: "Tokens", tokens },
+      startPos: position - rolledBack,
+      drafts
+    }
+  })
 }
 
 /** One token of a step as the last stage sampled it. */

@@ -34,7 +34,7 @@ import { makeStageBatcher, type StageBatcher } from "./StageBatcher.js"
 import { makePromptCacheHost } from "./PromptCacheHost.js"
 import { heldSessionBytes } from "../engine/KvCache.js"
 import { freshStats, StageFailure, transportFailed } from "./StageStep.js"
-import { type CachedModel, type HostParts, runStage } from "./HostedStage.js"
+import { type CachedModel, type HostParts, modelCacheKey, runStage } from "./HostedStage.js"
 
 import type { StageHostOptions } from "./StageHostOptions.js"
 import type { Backend } from "../../domain/engine.js"
@@ -45,14 +45,14 @@ export type { StageHost }
 
 const cacheKey = (request: ProvisionRequest, backend: string, path: string) => {
   const p = request.provision
-  return JSON.stringify([
+  return modelCacheKey(
     path,
     p.layerStart,
     p.layerEndExclusive,
     p.stageIndex === 0,
     p.stageIndex === p.stageCount - 1,
     backend
-  ])
+  )
 }
 
 /**

@@ -322,9 +322,15 @@ const plannedStep = (ctx: StepContext, frame: DataFrame): Effect.Effect<PlannedS
       const room = ctx.batcher.busyBeside(ctx.session)
         ? 1
         : Math.min(ctx.windowRows, (ctx.request.contextLength ?? Infinity) - ctx.state.position)
-      const next = firstStageStep(spec, payload.tokenId, frame.step, ctx.state.position, room)
-      if (next._tag === "Kept") return Effect.succeed(undefined)
-      return Effect.succeed({ ...next, outStep: spec.nextMessage++ })
+      return firstStageStep(spec, payload.tokenId, frame.step, ctx.state.position, room).pipe(
+        Effect.mapError(
+          (error) =>
+            new StageFailure({
+              reason: StageFaultReasons.ExecutionFailed({ message: `draft model: ${error._tag}: ${errorWords(error)}` })
+            })
+        ),
+        Effect.map((next) => (next._tag === "Kept" ? undefined : { ...next, outStep: spec.nextMessage++ }))
+      )
     }
     if (payload._tag === "Prompt") {
       spec.history.push(...payload.tokens)

@@ -29,6 +29,7 @@ import {
 import { alignUp } from "../../domain/plan.js"
 import { Tokenizer } from "../../services/Tokenizer.js"
 import { ModelCatalog } from "../../services/ModelCatalog.js"
+import { checkedDraft } from "./DraftModelCheck.js"
 import { openPipeline, type WarmPipeline } from "./PipelineSetup.js"
 import { generateRecovering } from "./Recovery.js"
 import { emptyPromptMessage, generationProblem, isEmptyPrompt, maxTokensProblem } from "../../services/RequestChecks.js"
@@ -155,6 +156,8 @@ export const make = Effect.gen(function* () {
         if (isEmptyPrompt(request.prompt)) return yield* new InvalidRequest({ message: emptyPromptMessage })
         const badMaxTokens = maxTokensProblem(maxTokens, "maxTokens")
         if (badMaxTokens !== undefined) return yield* new InvalidRequest({ message: badMaxTokens })
+        // a draft model that cannot draft for this model is refused before any agent starts
+        yield* checkedDraft(request.model, request.speculative)
         // An operator stop while the pipeline is set up (agents starting, weights on their way, nodes awaited)
         // interrupts the setup at once; what it started stops with this scope.
         const warm = yield* openPipeline(

@@ -41,6 +41,7 @@ import { generationProblem, samplingPolicyProblem, threadsProblem } from "../../
 import type { NodeStatus } from "../../services/Membership.js"
 import type { IncrementalDecoder } from "../../services/Tokenizer.js"
 import { speculativeProblem } from "../../services/Speculation.js"
+import { checkedDraft } from "./DraftModelCheck.js"
 
 type Placement = ReadonlyArray<{ readonly stageIndex: number; readonly nodeId: NodeId }>
 
@@ -551,13 +552,16 @@ const recoverFrom = (gen: Generation, attempt: number, cause: Cause.Cause<Genera
  */
 export const generateRecovering = (
   warm: WarmPipeline,
-  request: RunRequest,
+  asked: RunRequest,
   updates: UpdateSink,
   stopRequested: Deferred.Deferred<void>,
   requestStart: number = performance.now()
 ) =>
   Effect.gen(function* () {
-    const limits = yield* checkGeneration(warm, request)
+    const limits = yield* checkGeneration(warm, asked)
+    // a draft model read and compared with the model before any stage hears of it (its block count for stage 0)
+    const speculative = yield* checkedDraft(warm.options.model, asked.speculative)
+    const request = speculative === undefined ? asked : { ...asked, speculative }
     if (limits.maxAttempts === 0) return yield* driveRun(warm, request, updates, stopRequested, requestStart)
     const { promptCache: _firstRunOnly, ...replayRequest } = request
     const gen: Generation = {

@@ -71,10 +71,10 @@ export const prefillThreadsOf = (run: {
 
 /**
  * A run's speculative decoding (RunRequest.speculative) as its stages take it: off without a request, with a timeline
- * (its steps are a token's), for a run that starts beside others (a server's batch), and for a model whose stages cannot roll back (ModelLayout.rewind; `ngram` refused it
- * before the run, checkGeneration).
+ * (its steps are a token's), for a run that starts beside others (a server's batch), and for a model whose stages cannot roll back (ModelLayout.rewind; `ngram`
+ * and `draft` refused it before the run, checkGeneration). A `draft` run's draft model goes to stage 0 only.
  */
-const speculativeOf = (context: RunContext): SpeculativeProvision | undefined => {
+const speculativeOf = (context: RunContext, stageIndex: number): SpeculativeProvision | undefined => {
   const asked = context.request.speculative
   if (asked === undefined || asked.mode === "off" || context.request.timeline === true) return undefined
   // a run beside others (a server's batch): its rows are better spent on the other sequences' steps
@@ -84,7 +84,10 @@ const speculativeOf = (context: RunContext): SpeculativeProvision | undefined =>
     maxDraft: asked.maxDraft ?? DEFAULT_MAX_DRAFT,
     maxTokens: context.plan.maxTokens,
     ...(asked.predicted === undefined ? {} : { predicted: asked.predicted }),
-    ...(asked.fixed === true ? { fixed: true } : {})
+    ...(asked.fixed === true ? { fixed: true } : {}),
+    ...(asked.mode === "draft" && stageIndex === 0 && asked.draftModel !== undefined && asked.draftBlocks !== undefined
+      ? { draft: { path: asked.draftModel, blocks: asked.draftBlocks } }
+      : {})
   }
 }
 
@@ -93,7 +96,7 @@ const provisionRequestOf = (context: RunContext, provision: ProvisionStage) => {
   const { contextLength, cacheUse, request, warm } = context
   const threads = request.threads ?? warm.options.threads
   const tokenLoop = tokenLoopOf(context, provision)
-  const speculative = speculativeOf(context)
+  const speculative = speculativeOf(context, provision.stageIndex)
   const prefillThreads = prefillThreadsOf({
     alone: context.alone,
     promptTokens: context.prompt.length,
