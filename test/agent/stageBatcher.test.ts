@@ -106,6 +106,7 @@ describe("stage batcher", () => {
         yield* batcher.submit(b, 2, tokens(6), counters)
         assert.isTrue(batcher.busyBeside(a), "b decodes beside a")
         assert.isTrue(batcher.busyBeside(b), "a decodes beside b")
+        assert.isFalse(batcher.busyBeside(a, b), "b is a's own (its draft model's session)")
         // announced requests not yet opened count too (a server's batch arriving)
         const other = yield* makeStageBatcher({ maxRows: 64, prefillChunk: 16 })
         yield* other.submit(c, 0, tokens(7), counters)

@@ -147,11 +147,12 @@ export interface StageBatcher {
   /** Measured step costs and the decode micro-batch size chosen from them. */
   readonly stepCosts: () => StepCostReport
   /**
-   * Whether another sequence has work here now: a session other than `session` decoding (a step within the active
-   * window), a job of another session pending, or sessions announced and not yet opened. A speculative run drafts only
-   * while this is false (its rows would be better spent on the others' steps).
+   * Whether another sequence has work here now: a session other than `session` (and `alsoMine`, the run's draft
+   * model session when its weights are these) decoding (a step within the active window), a job of another session
+   * pending, or sessions announced and not yet opened. A speculative run drafts only while this is false (its rows
+   * would be better spent on the others' steps).
    */
-  readonly busyBeside: (session: StageSession) => boolean
+  readonly busyBeside: (session: StageSession, alsoMine?: StageSession) => boolean
 }
 
 interface Job {
@@ -301,10 +302,11 @@ const pruneDecoders = (state: BatcherState) => {
     if (now - d.last > Math.min(state.limits.activeWindow, 3 * d.interval)) state.decoders.delete(session)
 }
 
-const busyBeside = (state: BatcherState, session: StageSession): boolean => {
+const busyBeside = (state: BatcherState, session: StageSession, alsoMine?: StageSession): boolean => {
   pruneDecoders(state)
-  for (const other of state.decoders.keys()) if (other !== session) return true
-  return state.pending.some((job) => job.session !== session) || announcedDue(state)
+  const other = (s: StageSession) => s !== session && s !== alsoMine
+  for (const s of state.decoders.keys()) if (other(s)) return true
+  return state.pending.some((job) => other(job.session)) || announcedDue(state)
 }
 
 /**
@@ -705,6 +707,6 @@ export const makeStageBatcher = (
       expect: expectAt(state),
       prefillChunk: limits.chunk,
       stepCosts: () => stepCostReport(state),
-      busyBeside: (session: StageSession) => busyBeside(state, session)
+      busyBeside: (session: StageSession, alsoMine?: StageSession) => busyBeside(state, session, alsoMine)
     }
   })
