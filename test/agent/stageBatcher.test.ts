@@ -87,36 +87,6 @@ const setup = (n: number, isLast: boolean, isFirst = true) =>
   })
 
 describe("stage batcher", () => {
-  // A speculative run drafts only while no other sequence has work on its stage 0 (StageStep's plannedStep)
-  it.scoped("busyBeside: false for a lone decoder, true once another session decodes or is announced", () =>
-    Effect.gen(function* () {
-      const gate = yield* Deferred.make<void>()
-      yield* Deferred.succeed(gate, undefined)
-      const { layer } = recordingExecutor(gate)
-      yield* Effect.gen(function* () {
-        const batcher = yield* makeStageBatcher({ maxRows: 64, prefillChunk: 16, activeWindowMillis: 60_000 })
-        const { sessions } = yield* setup(3, true)
-        const [a, b, c] = sessions as [StageSession, StageSession, StageSession]
-        const counters = emptyBatchCounters()
-        assert.isFalse(batcher.busyBeside(a), "nothing ran yet")
-        yield* batcher.submit(a, 0, tokens(1, 2), counters)
-        yield* batcher.submit(a, 2, tokens(3), counters)
-        assert.isFalse(batcher.busyBeside(a), "a alone decodes")
-        yield* batcher.submit(b, 0, tokens(4, 5), counters)
-        yield* batcher.submit(b, 2, tokens(6), counters)
-        assert.isTrue(batcher.busyBeside(a), "b decodes beside a")
-        assert.isTrue(batcher.busyBeside(b), "a decodes beside b")
-        assert.isFalse(batcher.busyBeside(a, b), "b is a's own (its draft model's session)")
-        // announced requests not yet opened count too (a server's batch arriving)
-        const other = yield* makeStageBatcher({ maxRows: 64, prefillChunk: 16 })
-        yield* other.submit(c, 0, tokens(7), counters)
-        assert.isFalse(other.busyBeside(c))
-        yield* other.expect(a, 2)
-        assert.isTrue(other.busyBeside(c), "sessions announced")
-      }).pipe(Effect.provide(layer))
-    })
-  )
-
   // Work submitted while a micro-batch runs goes into the next one together; each caller gets its lone output.
   it.scoped("pending work of several sequences runs as one forwardBatch; outputs equal lone forwards", () =>
     Effect.gen(function* () {

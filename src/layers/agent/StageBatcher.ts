@@ -146,13 +146,6 @@ export interface StageBatcher {
   readonly prefillChunk: number
   /** Measured step costs and the decode micro-batch size chosen from them. */
   readonly stepCosts: () => StepCostReport
-  /**
-   * Whether another sequence has work here now: a session other than `session` (and `alsoMine`, the run's draft
-   * model session when its weights are these) decoding (a step within the active window), a job of another session
-   * pending, or sessions announced and not yet opened. A speculative run drafts only while this is false (its rows
-   * would be better spent on the others' steps).
-   */
-  readonly busyBeside: (session: StageSession, alsoMine?: StageSession) => boolean
 }
 
 interface Job {
@@ -300,13 +293,6 @@ const pruneDecoders = (state: BatcherState) => {
   // gone: silent for the window, or for 3 of its own steps (a run that ended stops counting at once)
   for (const [session, d] of state.decoders)
     if (now - d.last > Math.min(state.limits.activeWindow, 3 * d.interval)) state.decoders.delete(session)
-}
-
-const busyBeside = (state: BatcherState, session: StageSession, alsoMine?: StageSession): boolean => {
-  pruneDecoders(state)
-  const other = (s: StageSession) => s !== session && s !== alsoMine
-  for (const s of state.decoders.keys()) if (other(s)) return true
-  return state.pending.some((job) => other(job.session)) || announcedDue(state)
 }
 
 /**
@@ -706,7 +692,6 @@ export const makeStageBatcher = (
       submit: submitTo(state),
       expect: expectAt(state),
       prefillChunk: limits.chunk,
-      stepCosts: () => stepCostReport(state),
-      busyBeside: (session: StageSession, alsoMine?: StageSession) => busyBeside(state, session, alsoMine)
+      stepCosts: () => stepCostReport(state)
     }
   })

@@ -318,11 +318,7 @@ const plannedStep = (ctx: StepContext, frame: DataFrame): Effect.Effect<PlannedS
   if (spec !== undefined && isFirstOf(ctx) && frame._tag === "TokenFrame") {
     const payload = frame.payload
     if (payload._tag === "Decode") {
-      // drafts only while no other sequence has work on this stage (a server's batch): one row then (the run's own
-      // draft model shares this batcher when it is this stage's model: stories260K drafting for itself at 1 stage)
-      const room = ctx.batcher.busyBeside(ctx.session, spec.draft?.session)
-        ? 1
-        : Math.min(ctx.windowRows, (ctx.request.contextLength ?? Infinity) - ctx.state.position)
+      const room = Math.min(ctx.windowRows, (ctx.request.contextLength ?? Infinity) - ctx.state.position)
       return firstStageStep(spec, payload.tokenId, frame.step, ctx.state.position, room).pipe(
         Effect.mapError(
           (error) =>
